@@ -1,0 +1,308 @@
+"""Typed configuration: dataclass defaults, YAML override files, dotted ``--set`` overrides.
+
+The defaults in this module *are* the embedded default configuration; ``configs/default.yaml``
+spells them out for reading and a test keeps the two identical. Other YAML files only list the
+keys they change. Every value is checked here, before JAX is imported or anything compiles, and
+a bad one raises :class:`ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message names the key."""
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 1024  # global, over all processes and devices
+    seed: int = 0
+    learning_rate: float = 0.1
+    optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
+    warmup_steps: int = 0
+    decay_steps: int = 0  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
+    decay_power: float = 2.0
+    compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    log_every: int = 50
+    eval_every: int = 200  # 0 = only at the end
+    eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
+    checkpoint_every: int = 200  # 0 = only at the end
+    keep_checkpoints: int = 3
+    progress_bar: bool = True
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = field(default="synthetic", metadata=_choices("synthetic", "criteo", "binary"))
+    path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
+    num_dense: int = 13
+    cardinalities: tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
+    max_rows: int = 20000  # cap on rows per table (ids hashed into it); 0 = no cap
+    bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
+    pooling: str = field(default="sum", metadata=_choices("sum", "mean"))
+    zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
+    positive_rate: float = 0.26  # synthetic: target click-through rate
+    shuffle: bool = True  # binary: shuffle the training split every epoch
+    skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
+    val_fraction: float = 0.1  # criteo: the last fraction of lines held out for evaluation
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim
+    top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
+    interaction: str = field(default="dot", metadata=_choices("dot", "cat"))
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    sharding: str = field(
+        default="auto", metadata=_choices("auto", "replicated", "table", "row", "column")
+    )
+    optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    learning_rate: float = 0.0  # 0 = use train.learning_rate
+    adagrad_eps: float = 1e-8
+    adagrad_initial_accumulator: float = 0.0
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    devices: int = 0  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
+
+
+@dataclass(frozen=True)
+class Config:
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    @property
+    def num_features(self) -> int:
+        return len(self.data.cardinalities)
+
+    @property
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows of each feature's table after the ``data.max_rows`` cap."""
+        cap = self.data.max_rows
+        return tuple(min(c, cap) if cap else c for c in self.data.cardinalities)
+
+    @property
+    def bag_sizes(self) -> tuple[int, ...]:
+        """Maximum ids per sample for each feature (1 = one-hot)."""
+        b = self.data.bag_sizes
+        return tuple(b) * self.num_features if len(b) == 1 else tuple(b)
+
+    @property
+    def embedding_learning_rate(self) -> float:
+        return self.embedding.learning_rate or self.train.learning_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- coercion of raw values
+
+
+def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        (item_type, _) = typing.get_args(annotation)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list of {item_type.__name__}, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, item_type, None) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"unsupported annotation for {key}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        value = "" if value is None else value
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        if choices and value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+        return value
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        allowed = ", ".join(f"{where}{k}" for k in fields)
+        raise ConfigError(f"unknown config key {where}{unknown[0]}; allowed keys: {allowed}")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if dataclasses.is_dataclass(hints[name]):
+            sub = raw.get(name, {})
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{key}: expected a mapping of keys, got {sub!r}")
+            kwargs[name] = _build(hints[name], sub, key)
+        elif name in raw:
+            kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``'a.b=3'`` -> ``{'a': {'b': 3}}``; the value is read as YAML (``[1,2]``, ``true``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.steps=100")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from None
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = parsed
+    return out
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A path as given, or a bare name such as ``criteo_kaggle`` from the shipped ``configs/``."""
+    p = Path(path)
+    if p.exists():
+        return p
+    for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(f"config file {path} does not exist")
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    p = resolve_config_path(path)
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {p}: cannot be read as YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {p}: expected a mapping at the top level")
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any), then each ``KEY=VALUE`` override."""
+    raw: dict[str, Any] = load_raw(path) if path else {}
+    for text in overrides:
+        raw = _merge(raw, parse_override(text))
+    return validate(_build(Config, raw, ""))
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    return validate(_build(Config, raw, ""))
+
+
+def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-key checks that a single field's type cannot express."""
+    t, d, m = cfg.train, cfg.data, cfg.model
+    _positive("train.steps", t.steps)
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.learning_rate", t.learning_rate)
+    for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "warmup_steps", "decay_steps"):
+        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    _positive("train.keep_checkpoints", t.keep_checkpoints)
+    if t.warmup_steps + t.decay_steps > t.steps:
+        raise ConfigError(
+            f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "
+            f"exceeds train.steps ({t.steps})"
+        )
+    _positive("data.num_dense", d.num_dense)
+    _positive("data.max_rows", d.max_rows, allow_zero=True)
+    if not d.cardinalities:
+        raise ConfigError("data.cardinalities: at least one categorical feature is needed")
+    for i, c in enumerate(d.cardinalities):
+        _positive(f"data.cardinalities[{i}]", c)
+    if len(d.bag_sizes) not in (1, len(d.cardinalities)):
+        raise ConfigError(
+            f"data.bag_sizes: give one value or one per feature ({len(d.cardinalities)}), "
+            f"got {len(d.bag_sizes)}"
+        )
+    for i, b in enumerate(d.bag_sizes):
+        _positive(f"data.bag_sizes[{i}]", b)
+    if not 0.0 < d.positive_rate < 1.0:
+        raise ConfigError(f"data.positive_rate: must be in (0, 1), got {d.positive_rate}")
+    _positive("data.zipf_exponent", d.zipf_exponent, allow_zero=True)
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if d.source in ("criteo", "binary") and not d.path:
+        raise ConfigError(f"data.path: required when data.source={d.source}")
+    _positive("model.embedding_dim", m.embedding_dim)
+    if not m.bottom_mlp or m.bottom_mlp[-1] != m.embedding_dim:
+        raise ConfigError(
+            f"model.bottom_mlp: the last width must equal model.embedding_dim "
+            f"({m.embedding_dim}), got {list(m.bottom_mlp)}"
+        )
+    if not m.top_mlp or m.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
+    for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
+        for i, w in enumerate(widths):
+            _positive(f"{key}[{i}]", w)
+    _positive("embedding.learning_rate", cfg.embedding.learning_rate, allow_zero=True)
+    _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

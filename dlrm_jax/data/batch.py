@@ -1,0 +1,66 @@
+"""The host-side batch every data source yields, and the protocol sources follow."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+PAD_ID = -1  # an empty slot of a multi-hot bag; never a valid row
+
+
+class Batch(NamedTuple):
+    """This process's slice of one global batch (host numpy arrays).
+
+    dense:  float32 [B, num_dense]  already normalised (log1p of clipped counts for Criteo)
+    ids:    int32   [B, S]  table-local row ids; S = sum of per-feature bag sizes, features laid
+                            out one after another; PAD_ID marks an empty bag slot
+    labels: float32 [B]     0 or 1
+    """
+
+    dense: np.ndarray
+    ids: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+class DataSource(Protocol):
+    """Deterministic batches: the same (step, process) always gives the same data."""
+
+    def train_batch(self, step: int) -> Batch:
+        """This process's slice of global training batch ``step``."""
+        ...
+
+    def eval_batches(self) -> Iterator[Batch]:
+        """This process's slices of the held-out batches, the same every call."""
+        ...
+
+
+def process_slice(global_batch: int, process_index: int, process_count: int) -> slice:
+    """The rows of a global batch that one process feeds to its devices."""
+    if global_batch % process_count:
+        raise ValueError(
+            f"train.batch_size={global_batch} must be divisible by the {process_count} processes"
+        )
+    per = global_batch // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+def check_ids(ids: np.ndarray, table_rows: tuple[int, ...], bag_sizes: tuple[int, ...], where: str) -> None:
+    """Raise naming the feature when an id is out of its table's range."""
+    start = 0
+    for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes, strict=True)):
+        block = ids[:, start : start + bag]
+        bad = (block < PAD_ID) | (block >= rows)
+        if bad.any():
+            row = int(np.argwhere(bad)[0][0])
+            value = int(block[bad][0])
+            raise ValueError(
+                f"{where}: feature {f} (table cat_{f}, {rows} rows) has id {value} "
+                f"out of range in batch row {row}"
+            )
+        start += bag
