@@ -1,0 +1,35 @@
+"""Choosing the data source named by ``data.source``, and fitting the config to the data."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dlrm_jax.data.batch import DataSource
+
+
+def resolve_data_config(cfg):
+    """For ``binary`` data, take the tables' cardinalities from the dataset's meta.json."""
+    if cfg.data.source != "binary":
+        return cfg
+    from dlrm_jax.data.binary import read_meta
+
+    meta = read_meta(cfg.data.path)
+    cards = tuple(int(c) for c in meta["cardinalities"])
+    if cards == cfg.data.cardinalities:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cardinalities=cards))
+
+
+def make_source(cfg, process_index: int = 0, process_count: int = 1) -> DataSource:
+    """The data source for ``cfg.data.source``; each process reads its slice of every batch."""
+    if cfg.data.source == "synthetic":
+        from dlrm_jax.data.synthetic import SyntheticSource
+
+        return SyntheticSource(cfg, process_index, process_count)
+    if cfg.data.source == "binary":
+        from dlrm_jax.data.binary import BinarySource
+
+        return BinarySource(cfg, process_index, process_count)
+    from dlrm_jax.data.criteo import CriteoTSVSource
+
+    return CriteoTSVSource(cfg, process_index, process_count)

@@ -1,0 +1,90 @@
+"""Sparse optimizers: pure functions that update only the rows a batch looked up.
+
+Each takes the fused table [R, D], its state, the looked-up rows [n] (``R`` or more = padding,
+dropped) and their gradients [n, D], and returns the new table and state. No full-table gradient
+is ever formed. Duplicate rows are merged first where the update is not linear in the gradient
+(Adagrad), so every optimizer equals its dense counterpart applied to the summed gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SparseOptimizer(NamedTuple):
+    """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``.
+
+    The state is a dict of arrays whose leading axis is the table's row axis, so it can be
+    sharded exactly like the table.
+    """
+
+    init: Callable[[jax.Array], dict[str, jax.Array]]
+    update: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int):
+    """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]."""
+    n = rows_n.shape[0]
+    uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
+    summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv.reshape(-1), num_segments=n)
+    return uniq, summed
+
+
+def sgd() -> SparseOptimizer:
+    """table[r] -= lr * g, duplicates summed by the scatter-add itself."""
+
+    def init(table):
+        return {}
+
+    def update(table, state, rows_n, grads_nd, lr):
+        delta = (-lr * grads_nd.astype(jnp.float32)).astype(table.dtype)
+        return table.at[rows_n].add(delta, mode="drop"), state
+
+    return SparseOptimizer(init, update)
+
+
+def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimizer:
+    """Per-element Adagrad: acc[r] += g^2; table[r] -= lr * g / (sqrt(acc[r]) + eps)."""
+
+    def init(table):
+        return {"accumulator": jnp.full(table.shape, initial_accumulator, jnp.float32)}
+
+    def update(table, state, rows_n, grads_nd, lr):
+        pad = table.shape[0]
+        uniq, g = merge_duplicates(rows_n, grads_nd, pad)
+        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + g * g
+        step = (-lr * g / (jnp.sqrt(acc) + eps)).astype(table.dtype)
+        return (table.at[uniq].add(step, mode="drop"),
+                {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
+
+    return SparseOptimizer(init, update)
+
+
+def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimizer:
+    """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2)."""
+
+    def init(table):
+        return {"accumulator": jnp.full(table.shape[:1], initial_accumulator, jnp.float32)}
+
+    def update(table, state, rows_n, grads_nd, lr):
+        pad = table.shape[0]
+        uniq, g = merge_duplicates(rows_n, grads_nd, pad)
+        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + jnp.mean(g * g, -1)
+        step = (-lr * g / (jnp.sqrt(acc)[:, None] + eps)).astype(table.dtype)
+        return (table.at[uniq].add(step, mode="drop"),
+                {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
+
+    return SparseOptimizer(init, update)
+
+
+def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
+    e = cfg.embedding
+    if e.optimizer == "sgd":
+        return sgd()
+    if e.optimizer == "adagrad":
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator)
+    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator)

@@ -1,0 +1,52 @@
+"""The dense part of DLRM as a Flax NNX module; embedding lookups happen outside it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dlrm_jax.model.interaction import INTERACTIONS, interaction_width
+from dlrm_jax.model.mlp import MLP
+
+
+class DLRMDense(nnx.Module):
+    """Bottom MLP over dense features, interaction with the embeddings, top MLP to a logit.
+
+    The embedding tables are not part of this module: they are sharded and updated sparsely by
+    :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
+
+    Call: dense_bd float32 [B, num_dense], emb_bfd [B, F, D] -> logits float32 [B].
+    """
+
+    def __init__(self, *, num_dense: int, num_features: int, embedding_dim: int,
+                 bottom_mlp: Sequence[int], top_mlp: Sequence[int], interaction: str,
+                 compute_dtype: str = "float32", rngs: nnx.Rngs):
+        dtype = jnp.dtype(compute_dtype)
+        self.bottom = MLP(num_dense, bottom_mlp, final_relu=True, dtype=dtype, rngs=rngs)
+        width = interaction_width(interaction, num_features, embedding_dim)
+        self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
+        self.interaction = interaction
+        self.dtype = dtype
+
+    def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
+        x = self.bottom(dense_bd.astype(self.dtype))
+        z = INTERACTIONS[self.interaction](x, emb_bfd.astype(self.dtype))
+        return self.top(z)[:, 0].astype(jnp.float32)
+
+
+def bce_loss(logits_b: jax.Array, labels_b: jax.Array) -> jax.Array:
+    """Per-sample sigmoid binary cross-entropy, float32 [B]."""
+    return optax.sigmoid_binary_cross_entropy(logits_b, labels_b)
+
+
+def dlrm_from_config(cfg, rngs: nnx.Rngs) -> DLRMDense:
+    m = cfg.model
+    return DLRMDense(
+        num_dense=cfg.data.num_dense, num_features=cfg.num_features,
+        embedding_dim=m.embedding_dim, bottom_mlp=m.bottom_mlp, top_mlp=m.top_mlp,
+        interaction=m.interaction, compute_dtype=cfg.train.compute_dtype, rngs=rngs,
+    )

@@ -1,0 +1,47 @@
+"""Multi-layer perceptrons with float32 master weights and optional bfloat16 compute."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def _dlrm_kernel_init(key, shape, dtype=jnp.float32):
+    """DLRM's initialiser: N(0, sqrt(2 / (fan_in + fan_out)))."""
+    fan_in, fan_out = shape
+    return jax.random.normal(key, shape, dtype) * np.sqrt(2.0 / (fan_in + fan_out))
+
+
+def _dlrm_bias_init(key, shape, dtype=jnp.float32):
+    """DLRM's bias initialiser: N(0, sqrt(1 / fan_out))."""
+    return jax.random.normal(key, shape, dtype) * np.sqrt(1.0 / shape[0])
+
+
+class MLP(nnx.Module):
+    """Linear layers with ReLU between them (and after the last when ``final_relu``).
+
+    x: [B, in_features] -> [B, widths[-1]]. Parameters are float32; ``dtype`` is the compute
+    precision (bfloat16 halves the bytes of activations and runs on matrix units).
+    """
+
+    def __init__(self, in_features: int, widths: Sequence[int], *, final_relu: bool,
+                 dtype: jnp.dtype, rngs: nnx.Rngs):
+        sizes = [in_features, *widths]
+        self.layers = nnx.List([
+            nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
+                       kernel_init=_dlrm_kernel_init, bias_init=_dlrm_bias_init)
+            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+        ])
+        self.final_relu = final_relu
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < last or self.final_relu:
+                x = jax.nn.relu(x)
+        return x

@@ -1,0 +1,36 @@
+"""Checkpoints of the whole train state with orbax, restorable onto any mesh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+    """Asynchronous sharded saves under ``directory``; restores onto the current mesh's shardings.
+
+    An interrupted save never becomes the newest checkpoint: orbax writes to a temporary folder
+    and renames it only once complete.
+    """
+
+    def __init__(self, directory: Path, keep: int):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state) -> None:
+        self._manager.save(step, args=ocp.args.StandardSave(state))
+
+    def restore(self, abstract_state, step: int | None = None):
+        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError("no checkpoint to restore")
+        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

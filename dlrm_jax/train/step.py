@@ -1,0 +1,130 @@
+"""The jitted train and eval steps, and the train state they carry.
+
+One train step: embedding lookup -> dense DLRM forward and loss -> gradients w.r.t. the dense
+parameters and the looked-up vectors -> optax update of the dense part and sparse update of the
+tables. The state is donated, the batch is sharded over the mesh's ``devices`` axis.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.data.batch import Batch
+from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
+from dlrm_jax.parallel.mesh import AXIS
+
+
+class TrainState(NamedTuple):
+    """Everything a checkpoint holds; a pytree of arrays.
+
+    step: int32 []; params: the dense model's parameters (nested dict, replicated);
+    opt_state: optax state of the dense part; emb: tables and sparse optimizer state.
+    """
+
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+    emb: EmbeddingState
+
+
+def learning_rate_schedule(cfg) -> optax.Schedule:
+    """Linear warmup, constant, then polynomial decay to 0 over the last ``decay_steps``."""
+    t = cfg.train
+    lr = t.learning_rate
+    pieces, boundaries = [], []
+    if t.warmup_steps:
+        pieces.append(optax.linear_schedule(lr / t.warmup_steps, lr, t.warmup_steps))
+        boundaries.append(t.warmup_steps)
+    constant_steps = t.steps - t.warmup_steps - t.decay_steps
+    pieces.append(optax.constant_schedule(lr))
+    if t.decay_steps:
+        boundaries.append(t.warmup_steps + constant_steps)
+        pieces.append(optax.polynomial_schedule(lr, 0.0, t.decay_power, t.decay_steps))
+    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+
+def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
+    name = cfg.train.optimizer
+    if name == "sgd":
+        return optax.sgd(schedule)
+    if name == "adagrad":
+        return optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-8)
+    return optax.adam(schedule)
+
+
+class StepFunctions:
+    """Builds the model, the initial state and the compiled steps for one config and mesh."""
+
+    def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection):
+        self.cfg, self.mesh, self.collection = cfg, mesh, collection
+        self.graphdef, _ = nnx.split(dlrm_from_config(cfg, nnx.Rngs(0)), nnx.Param)
+        self.schedule = learning_rate_schedule(cfg)
+        self.tx = dense_optimizer(cfg, self.schedule)
+        self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharding = NamedSharding(mesh, P(AXIS))
+        self.state_sharding = self._state_sharding()
+        self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                                  out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
+        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                                 out_shardings=self.batch_sharding)
+
+    # ------------------------------------------------------------ state
+    def _dense_init(self):
+        model = dlrm_from_config(self.cfg, nnx.Rngs(self.cfg.train.seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return params, self.tx.init(params)
+
+    def _state_sharding(self) -> TrainState:
+        params, opt = jax.eval_shape(self._dense_init)
+        rep = lambda tree: jax.tree.map(lambda _: self.replicated, tree)  # noqa: E731
+        return TrainState(self.replicated, rep(params), rep(opt), self.collection.state_sharding())
+
+    def init_state(self) -> TrainState:
+        """The initial state, created on the mesh with its final shardings."""
+        seed = self.cfg.train.seed
+        params, opt = jax.jit(self._dense_init,
+                              out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
+        emb = self.collection.init(jax.random.fold_in(jax.random.key(seed), 1))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        return TrainState(step, params, opt, emb)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this mesh."""
+        shapes = jax.eval_shape(self.init_state)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_sharding)
+
+    def device_batch(self, batch: Batch) -> Batch:
+        """This process's numpy slice -> one global array per field, sharded over the mesh."""
+        return Batch(*(jax.make_array_from_process_local_data(self.batch_sharding, x) for x in batch))
+
+    # ------------------------------------------------------------ steps
+    def _forward(self, params, pooled_bfd, batch: Batch):
+        model = nnx.merge(self.graphdef, params)
+        return model(batch.dense, pooled_bfd)
+
+    def _train_step(self, state: TrainState, batch: Batch):
+        pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
+
+        def loss_fn(params, pooled_bfd):
+            return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch), batch.labels))
+
+        loss, (grad_params, grad_bfd) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, pooled_bfd)
+        updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        emb_lr = self.schedule(state.step) * self.emb_lr_scale
+        emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
+        return TrainState(state.step + 1, params, opt_state, emb), {"loss": loss}
+
+    def _eval_step(self, state: TrainState, batch: Batch) -> jax.Array:
+        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
+        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch))
