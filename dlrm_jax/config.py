@@ -36,19 +36,19 @@ def _choices(*values: str) -> dict:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 1000
     batch_size: int = 1024  # global, over all processes and devices
     seed: int = 0
-    learning_rate: float = 0.1
-    optimizer: str = field(default="adagrad", metadata=_choices("sgd", "adagrad", "adam"))
+    learning_rate: float = 0.001  # dense part; the embeddings take embedding.learning_rate
+    optimizer: str = field(default="adam", metadata=_choices("sgd", "adagrad", "adam"))
     warmup_steps: int = 0
     decay_steps: int = 0  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
     decay_power: float = 2.0
     compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     log_every: int = 50
-    eval_every: int = 200  # 0 = only at the end
+    eval_every: int = 250  # 0 = only at the end
     eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
-    checkpoint_every: int = 200  # 0 = only at the end
+    checkpoint_every: int = 250  # 0 = only at the end
     keep_checkpoints: int = 3
     progress_bar: bool = True
 
@@ -83,7 +83,7 @@ class EmbeddingConfig:
         default="auto", metadata=_choices("auto", "replicated", "table", "row", "column")
     )
     optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
-    learning_rate: float = 0.0  # 0 = use train.learning_rate
+    learning_rate: float = 0.05  # 0 = use train.learning_rate
     adagrad_eps: float = 1e-8
     adagrad_initial_accumulator: float = 0.0
 
@@ -156,6 +156,11 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -1,0 +1,75 @@
+"""Benchmarks that compare variants side by side in one run and write JSON.
+
+``bench_train``: train-step throughput of several configs on the current devices. Host batches
+are prepared before timing (the step, not the data generator, is measured), compilation and
+warm-up steps are excluded, and the median of per-step times is reported with the mean.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.trainer import build
+
+
+def machine_description() -> dict:
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "host": platform.node(), "processor": platform.processor(),
+            "python": platform.python_version(), "jax": jax.__version__}
+
+
+def _time_config(cfg, steps: int, warmup: int) -> dict:
+    cfg = resolve_data_config(cfg)
+    mesh = make_mesh(cfg.mesh.devices)
+    plan, fns = build(cfg, mesh)
+    source = make_source(cfg, jax.process_index(), jax.process_count())
+    batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
+    state = fns.init_state()
+    t0 = time.perf_counter()
+    compiled = fns.train_step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    for i in range(warmup):
+        state, out = compiled(state, batches[i % len(batches)])
+    jax.block_until_ready(state)
+    step_s = []
+    for i in range(steps):
+        t = time.perf_counter()
+        state, out = compiled(state, batches[i % len(batches)])
+        jax.block_until_ready((state, out))
+        step_s.append(time.perf_counter() - t)
+    median = statistics.median(step_s)
+    return {"devices": mesh.size, "global_batch": cfg.train.batch_size,
+            "tables": len(plan.tables), "table_rows": sum(t.spec.rows for t in plan.tables),
+            "embedding_dim": cfg.model.embedding_dim, "sharding": cfg.embedding.sharding,
+            "compile_s": compile_s, "step_ms_median": 1e3 * median,
+            "step_ms_mean": 1e3 * float(np.mean(step_s)), "step_ms_min": 1e3 * min(step_s),
+            "samples_per_s": cfg.train.batch_size / median, "loss_last": float(out["loss"])}
+
+
+def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:
+    """Time each named config's train step; print a table with ratios to the first; JSON out."""
+    results = {name: _time_config(cfg, steps, warmup) for name, cfg in configs.items()}
+    first = next(iter(results.values()))["samples_per_s"]
+    for r in results.values():
+        r["ratio_to_first"] = r["samples_per_s"] / first
+    report = {"benchmark": "train_step", "timed_steps": steps, "warmup_steps": warmup,
+              "machine": machine_description(), "results": results}
+    log(f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}")
+    for name, r in results.items():
+        log(f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
+            f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}")
+    text = json.dumps(report, indent=1)
+    log(text)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    return report

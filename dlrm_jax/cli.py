@@ -1,0 +1,176 @@
+"""``dlrm-jax``: argument parsing and dispatch, nothing else.
+
+The config is loaded and validated before JAX is imported, so a bad key fails in milliseconds
+and ``mesh.devices`` can still shape the simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from dlrm_jax.config import Config, ConfigError, load_config
+from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
+
+
+def _add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
+    p.add_argument("--config", required=config_required,
+                   help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=100 (repeatable)")
+
+
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-process (one process per host)")
+    g.add_argument("--coordinator", help="host:port of process 0 for jax.distributed")
+    g.add_argument("--num-processes", type=int)
+    g.add_argument("--process-id", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dlrm-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (resumes from --run-dir's newest checkpoint)")
+    _add_config_args(train)
+    train.add_argument("--run-dir", help="where config, plan, metrics and checkpoints go (default: runs/<time>)")
+    _add_distributed_args(train)
+
+    ev = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
+    ev.add_argument("--run-dir", required=True)
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_distributed_args(ev)
+
+    plan = sub.add_parser("plan", help="print the embedding sharding plan without training")
+    _add_config_args(plan)
+
+    pre = sub.add_parser("preprocess", help="convert raw data to memory-mappable binary arrays")
+    pre_sub = pre.add_subparsers(dest="dataset", required=True)
+    criteo = pre_sub.add_parser("criteo", help="Criteo Kaggle / Terabyte TSV")
+    criteo.add_argument("--input", nargs="+", required=True, help="raw TSV file(s), in time order")
+    criteo.add_argument("--output", required=True, help="output directory")
+    criteo.add_argument("--max-ind-range", type=int, default=0,
+                        help="hash ids into this many rows per feature (0: build vocabularies)")
+    criteo.add_argument("--min-count", type=int, default=1,
+                        help="vocabulary mode: values seen fewer times share id 0 with missing values")
+    criteo.add_argument("--val-fraction", type=float, default=0.1,
+                        help="the last fraction of lines becomes the validation split")
+    criteo.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip malformed lines and count them instead of failing")
+    criteo.add_argument("--chunk-lines", type=int, default=200_000)
+    criteo.add_argument("--no-progress", action="store_true")
+
+    bench = sub.add_parser("bench", help="benchmarks; results as JSON")
+    bench_sub = bench.add_subparsers(dest="suite", required=True)
+    bt = bench_sub.add_parser("train", help="train-step samples/s of several configs, side by side")
+    bt.add_argument("--configs", default="default,criteo_kaggle",
+                    help="comma-separated config names or files")
+    bt.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="applied to every config")
+    bt.add_argument("--steps", type=int, default=30, help="timed steps per config")
+    bt.add_argument("--warmup", type=int, default=5, help="untimed steps after compilation")
+    bt.add_argument("--max-rows", type=int, default=200_000, help="table row cap (data.max_rows)")
+    bt.add_argument("--output", help="write the JSON here too")
+    return parser
+
+
+def _devices_for(cfg: Config) -> int:
+    return cfg.mesh.devices or SIMULATED_DEVICES_DEFAULT
+
+
+def _start_jax(devices: int, args) -> None:
+    """Shape the CPU backend and join the distributed runtime; imports JAX."""
+    request_cpu_devices(devices)
+    from dlrm_jax.parallel.mesh import initialize_distributed
+
+    initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                           getattr(args, "process_id", None))
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    _log(f"run dir: {run_dir}")
+    summary = train_and_evaluate(cfg, run_dir, log=_log)
+    print(summary.final_line(), flush=True)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    cfg_path = Path(args.run_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
+    cfg = load_config(cfg_path, args.overrides)
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.train.trainer import evaluate_run
+
+    summary = evaluate_run(args.run_dir, args.overrides, log=_log)
+    print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f}", flush=True)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from dlrm_jax.embedding.plan import plan_embeddings
+    from dlrm_jax.embedding.specs import specs_from_config
+
+    # Planning needs only the config: no devices, no arrays.
+    plan = plan_embeddings(specs_from_config(cfg), cfg.embedding.sharding, _devices_for(cfg),
+                           cfg.embedding.optimizer, cfg.train.batch_size)
+    print(plan.to_text())
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    from dlrm_jax.data.criteo import preprocess_criteo
+
+    report = preprocess_criteo(
+        args.input, args.output, max_ind_range=args.max_ind_range, min_count=args.min_count,
+        val_fraction=args.val_fraction, skip_bad_lines=args.skip_bad_lines,
+        chunk_lines=args.chunk_lines, progress=not args.no_progress,
+    )
+    print(report.summary(), flush=True)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    names = [n for n in args.configs.split(",") if n]
+    configs = [load_config(n, [f"data.max_rows={args.max_rows}", *args.overrides]) for n in names]
+    _start_jax(max(_devices_for(c) for c in configs), args)
+    from dlrm_jax.bench import bench_train
+
+    bench_train(dict(zip(names, configs, strict=True)), steps=args.steps, warmup=args.warmup,
+                output=args.output, log=_log)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plan": cmd_plan, "preprocess": cmd_preprocess,
+            "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"dlrm-jax: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
+        if os.environ.get("DLRM_JAX_DEBUG"):
+            raise
+        print(f"dlrm-jax: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Eight simulated CPU devices for every test; must run before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from dlrm_jax.config import load_config  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def tiny_config(*overrides: str):
+    """A small config that compiles and runs in about a second."""
+    return load_config(None, [
+        "train.batch_size=64", "train.steps=6", "train.log_every=2", "train.eval_every=0",
+        "train.eval_batches=2", "train.checkpoint_every=0", "train.progress_bar=false",
+        "data.cardinalities=[300, 40, 1000, 7]", "data.max_rows=0",
+        "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]",
+        *overrides,
+    ])
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

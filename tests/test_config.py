@@ -1,0 +1,85 @@
+"""Configuration: shipped files load, the default file matches the code, errors name keys."""
+
+from pathlib import Path
+
+import pytest
+
+from dlrm_jax.config import (
+    CONFIG_DIR,
+    CRITEO_KAGGLE_CARDINALITIES,
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+)
+
+CONFIGS = sorted(Path(CONFIG_DIR).glob("*.yaml"))
+
+
+def test_configs_dir_is_shipped():
+    assert {p.stem for p in CONFIGS} >= {"default", "criteo_kaggle", "mlperf_dlrm_v1", "smoke"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_loads(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_default_file_equals_embedded_default():
+    assert load_config(CONFIG_DIR / "default.yaml") == Config() == load_config(None)
+
+
+def test_named_configs():
+    kaggle = load_config("criteo_kaggle")
+    assert kaggle.data.cardinalities == CRITEO_KAGGLE_CARDINALITIES
+    assert kaggle.table_rows == CRITEO_KAGGLE_CARDINALITIES  # uncapped
+    assert kaggle.model.bottom_mlp == (512, 256, 64, 16) and kaggle.model.top_mlp == (512, 256, 1)
+    mlperf = load_config("mlperf_dlrm_v1")
+    assert mlperf.model.embedding_dim == 128 and max(mlperf.table_rows) <= 40_000_000
+    assert mlperf.model.top_mlp == (1024, 1024, 512, 256, 1)
+
+
+def test_overrides():
+    cfg = load_config(None, ["train.steps=7", "model.bottom_mlp=[32, 16]", "data.bag_sizes=3",
+                             "train.progress_bar=false", "data.path=/x/y", "train.learning_rate=1e-3"])
+    assert cfg.train.steps == 7 and cfg.model.bottom_mlp == (32, 16)
+    assert cfg.bag_sizes == (3,) * 26 and cfg.train.progress_bar is False
+    assert cfg.train.learning_rate == 1e-3
+    assert parse_override("a.b.c=[1,2]") == {"a": {"b": {"c": [1, 2]}}}
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.stepz=3", ["train.stepz", "train.steps"]),
+    ("nope.steps=3", ["nope", "train"]),
+    ("embedding.sharding=diagonal", ["embedding.sharding", "diagonal", "replicated", "row", "column"]),
+    ("embedding.optimizer=lamb", ["embedding.optimizer", "rowwise_adagrad"]),
+    ("model.interaction=mul", ["model.interaction", "dot", "cat"]),
+    ("data.source=parquet", ["data.source", "synthetic", "criteo", "binary"]),
+    ("train.steps=abc", ["train.steps", "integer", "abc"]),
+    ("train.steps=-1", ["train.steps", "> 0"]),
+    ("train.learning_rate=fast", ["train.learning_rate", "number"]),
+    ("model.bottom_mlp=[32, 8]", ["model.bottom_mlp", "embedding_dim"]),
+    ("model.top_mlp=[32, 2]", ["model.top_mlp", "1"]),
+    ("data.bag_sizes=[1, 2]", ["data.bag_sizes", "26"]),
+    ("data.source=binary", ["data.path", "binary"]),
+    ("train.progress_bar=maybe", ["train.progress_bar", "true or false"]),
+    ("train.steps", ["KEY=VALUE"]),
+])
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_bad_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match="train"):
+        load_config(scalar)
