@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import dense_reference
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.synthetic import SyntheticSource
@@ -18,7 +19,6 @@ from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy, plan_embeddings
 from dlrm_jax.embedding.specs import SlotLayout, specs_from_config
 from dlrm_jax.parallel.mesh import make_mesh
-from reference import dense_reference
 
 
 def reference_pool(table, ids, specs, layout):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import dense_reference
 
 from dlrm_jax.embedding.optimizers import adagrad, rowwise_adagrad, sgd
-from reference import dense_reference
 
 R, D = 23, 4
 

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.trainer import build, evaluate_run, train_and_evaluate
-from dlrm_jax.parallel.mesh import make_mesh
 
 
 def losses(run_dir):

@@ -44,6 +44,18 @@ class MetricsWriter:
     def __init__(self, path: Path | None):
         self.path = path
 
+    def truncate_after(self, step: int) -> None:
+        """Drop events past ``step``: a run killed after its last checkpoint logged steps that
+        the resumed run will log again."""
+        if self.path is None or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if len(kept) != len(lines):
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+
     def write(self, event: dict) -> None:
         if self.path is None:
             return

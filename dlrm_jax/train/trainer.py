@@ -102,6 +102,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None)
     state = _restore_or_init(steps, ckpts, log)
     start = int(state.step)
+    metrics.truncate_after(start)
 
     t0 = time.perf_counter()
     compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()

@@ -1,0 +1,94 @@
+"""The ``dlrm-jax`` command end to end, as a user runs it (subprocesses, real files)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+FINAL = re.compile(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=(\S+)$")
+SMOKE = ["--config", "smoke", "--set", "train.progress_bar=false"]
+
+
+def cli(*args, timeout=300, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it itself
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def final_line(proc):
+    last = proc.stdout.strip().splitlines()[-1]
+    m = FINAL.match(last)
+    assert m, last
+    return m
+
+
+def test_train_writes_the_contract_files_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    proc = cli("train", *SMOKE, "--set", "mesh.devices=4", "--run-dir", str(run))
+    m = final_line(proc)
+    assert int(m.group(1)) == 40 and 0.5 < float(m.group(3)) <= 1.0
+    assert (run / "config.yaml").exists() and "cat_0" in (run / "plan.txt").read_text()
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all({"step", "loss", "samples_per_s"} <= set(e) for e in events)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [20, 40] and all({"auc", "logloss"} <= set(e) for e in evals)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
+    # The same command again resumes: nothing left to train, the same evaluation.
+    again = cli("train", *SMOKE, "--set", "mesh.devices=4", "--run-dir", str(run))
+    assert "resuming from checkpoint at step 40" in again.stdout
+    m2 = final_line(again)
+    assert (m2.group(1), m2.group(3), m2.group(4)) == (m.group(1), m.group(3), m.group(4))
+    ev = cli("eval", "--run-dir", str(run))
+    assert f"auc={float(m.group(3)):.6f}" in ev.stdout.strip().splitlines()[-1]
+
+
+def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
+    args = [*SMOKE, "--set", "train.steps=1500", "--set", "train.checkpoint_every=100",
+            "--set", "train.log_every=25", "--set", "train.eval_every=500"]
+    whole = final_line(cli("train", *args, "--run-dir", str(tmp_path / "whole")))
+    cut = tmp_path / "cut"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "train", *args, "--run-dir", str(cut)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    while not (cut / "checkpoints" / "200").exists():
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = cli("train", *args, "--run-dir", str(cut))
+    assert "resuming from checkpoint" in resumed.stdout
+    m = final_line(resumed)
+    assert m.groups()[:4] == whole.groups()[:4]
+    as_steps = lambda run: {(e["step"], e["event"]): e["loss"] for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}  # noqa: E731
+    assert as_steps(cut) == as_steps(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.stepz=1", "train.stepz"),
+    ("embedding.sharding=diagonal", "embedding.sharding"),
+    ("model.interaction=mul", "dot, cat"),
+])
+def test_config_errors_are_one_line_not_tracebacks(override, needle):
+    proc = cli("train", "--set", override, check=False, timeout=60)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_command_for_mlperf_without_allocating():
+    proc = cli("plan", "--config", "mlperf_dlrm_v1", "--set", "mesh.devices=64", timeout=60)
+    assert "cat_0" in proc.stdout and "64 devices" in proc.stdout and "Per device" in proc.stdout
+
+
+def test_missing_binary_data_is_a_clear_error(tmp_path):
+    proc = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'nope'}",
+               "--run-dir", str(tmp_path / "r"), check=False, timeout=120)
+    assert proc.returncode == 1 and "nope" in proc.stderr and "Traceback" not in proc.stderr
