@@ -1,0 +1,64 @@
+"""dlrm_jax: DLRM training in JAX/Flax with embedding tables sharded over a device mesh.
+
+Notebook use::
+
+    import dlrm_jax
+    dlrm_jax.request_cpu_devices(8)          # only on a CPU-only machine, before JAX starts
+    cfg = dlrm_jax.load_config("smoke", ["train.steps=100"])
+    summary = dlrm_jax.train_and_evaluate(cfg, "runs/notebook")
+    print(summary.auc)
+
+Attributes are imported on first use, so ``import dlrm_jax`` does not start JAX.
+
+Configuration: :func:`load_config`, :class:`Config`, :class:`ConfigError`.
+Training: :func:`train_and_evaluate`, :func:`evaluate_run`, :class:`RunSummary`, :func:`build`.
+Devices: :func:`request_cpu_devices`, :func:`make_mesh`.
+Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
+:class:`EmbeddingPlan`, :class:`EmbeddingCollection`.
+Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
+:func:`preprocess_criteo`. Metrics: :func:`roc_auc`, :func:`log_loss`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Config": "dlrm_jax.config",
+    "ConfigError": "dlrm_jax.config",
+    "load_config": "dlrm_jax.config",
+    "request_cpu_devices": "dlrm_jax.parallel.mesh",
+    "make_mesh": "dlrm_jax.parallel.mesh",
+    "train_and_evaluate": "dlrm_jax.train.trainer",
+    "evaluate_run": "dlrm_jax.train.trainer",
+    "RunSummary": "dlrm_jax.train.trainer",
+    "build": "dlrm_jax.train.trainer",
+    "TableSpec": "dlrm_jax.embedding.specs",
+    "specs_from_config": "dlrm_jax.embedding.specs",
+    "plan_embeddings": "dlrm_jax.embedding.plan",
+    "EmbeddingPlan": "dlrm_jax.embedding.plan",
+    "EmbeddingCollection": "dlrm_jax.embedding.collection",
+    "Batch": "dlrm_jax.data.batch",
+    "SyntheticSource": "dlrm_jax.data.synthetic",
+    "BinarySource": "dlrm_jax.data.binary",
+    "CriteoTSVSource": "dlrm_jax.data.criteo",
+    "preprocess_criteo": "dlrm_jax.data.criteo",
+    "roc_auc": "dlrm_jax.train.metrics",
+    "log_loss": "dlrm_jax.train.metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dlrm_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

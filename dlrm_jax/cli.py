@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="applied to every config")
     bt.add_argument("--steps", type=int, default=30, help="timed steps per config")
     bt.add_argument("--warmup", type=int, default=5, help="untimed steps after compilation")
-    bt.add_argument("--max-rows", type=int, default=200_000, help="table row cap (data.max_rows)")
+    bt.add_argument("--max-rows", type=int, default=200_000,
+                    help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bt.add_argument("--output", help="write the JSON here too")
     return parser
 
@@ -143,9 +144,17 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
+def _tighten_cap(cfg: Config, max_rows: int) -> Config:
+    import dataclasses
+
+    own = cfg.data.max_rows
+    cap = own if not max_rows else (min(own, max_rows) if own else max_rows)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_rows=cap))
+
+
 def cmd_bench(args) -> int:
     names = [n for n in args.configs.split(",") if n]
-    configs = [load_config(n, [f"data.max_rows={args.max_rows}", *args.overrides]) for n in names]
+    configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]
     _start_jax(max(_devices_for(c) for c in configs), args)
     from dlrm_jax.bench import bench_train
 

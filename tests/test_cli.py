@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,28 @@ def test_missing_binary_data_is_a_clear_error(tmp_path):
     proc = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'nope'}",
                "--run-dir", str(tmp_path / "r"), check=False, timeout=120)
     assert proc.returncode == 1 and "nope" in proc.stderr and "Traceback" not in proc.stderr
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def test_preprocess_then_train_on_binary(tmp_path):
+    tsv = tmp_path / "day.tsv"
+    subprocess.run([sys.executable, str(SCRIPTS / "make_criteo_sample.py"), "--lines", "3000",
+                    "--output", str(tsv), "--max-rows", "500", "--bad-lines", "5"], check=True,
+                   capture_output=True, timeout=120)
+    # A malformed line stops preprocessing with its file and line number, and leaves no output.
+    failed = cli("preprocess", "criteo", "--input", str(tsv), "--output", str(tmp_path / "d"),
+                 "--no-progress", check=False)
+    assert failed.returncode == 1 and f"{tsv}:3001:" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "d").exists()
+    report = cli("preprocess", "criteo", "--input", str(tsv), "--output", str(tmp_path / "d"),
+                 "--skip-bad-lines", "--no-progress").stdout
+    assert "5 skipped" in report and "3001" in report
+    run = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'd'}",
+              "--set", "data.max_rows=0", "--set", "train.steps=10", "--set", "train.eval_every=0",
+              "--set", "train.checkpoint_every=0", "--set", "train.eval_batches=0",
+              "--run-dir", str(tmp_path / "run"))
+    assert int(final_line(run).group(1)) == 10
+    plan = (tmp_path / "run" / "plan.txt").read_text()
+    assert len([line for line in plan.splitlines() if line.startswith("cat_")]) == 26
