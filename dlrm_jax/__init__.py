@@ -14,7 +14,8 @@ Configuration: :func:`load_config`, :class:`Config`, :class:`ConfigError`.
 Training: :func:`train_and_evaluate`, :func:`evaluate_run`, :class:`RunSummary`, :func:`build`.
 Devices: :func:`request_cpu_devices`, :func:`make_mesh`.
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
-:class:`EmbeddingPlan`, :class:`EmbeddingCollection`.
+:func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
+:class:`EmbeddingCollection`.
 Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
 :func:`preprocess_criteo`. Metrics: :func:`roc_auc`, :func:`log_loss`.
 """
@@ -37,7 +38,10 @@ _EXPORTS = {
     "build": "dlrm_jax.train.trainer",
     "TableSpec": "dlrm_jax.embedding.specs",
     "specs_from_config": "dlrm_jax.embedding.specs",
-    "plan_embeddings": "dlrm_jax.embedding.plan",
+    "plan_embeddings": "dlrm_jax.embedding.planner",
+    "plan_from_config": "dlrm_jax.embedding.planner",
+    "plan_report": "dlrm_jax.embedding.stats",
+    "PlanError": "dlrm_jax.embedding.planner",
     "EmbeddingPlan": "dlrm_jax.embedding.plan",
     "EmbeddingCollection": "dlrm_jax.embedding.collection",
     "Batch": "dlrm_jax.data.batch",

@@ -122,13 +122,11 @@ def cmd_eval(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.plan import plan_embeddings
-    from dlrm_jax.embedding.specs import specs_from_config
+    from dlrm_jax.embedding.planner import plan_from_config
+    from dlrm_jax.embedding.stats import plan_report
 
-    # Planning needs only the config: no devices, no arrays.
-    plan = plan_embeddings(specs_from_config(cfg), cfg.embedding.sharding, _devices_for(cfg),
-                           cfg.embedding.optimizer, cfg.train.batch_size)
-    print(plan.to_text())
+    # Planning needs only the config: no devices, no arrays, no JAX.
+    print(plan_report(plan_from_config(cfg, _devices_for(cfg))))
     return 0
 
 

@@ -86,6 +86,12 @@ class EmbeddingConfig:
     learning_rate: float = 0.05  # 0 = use train.learning_rate
     adagrad_eps: float = 1e-8
     adagrad_initial_accumulator: float = 0.0
+    table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
+    row_layout: str = field(default="block", metadata=_choices("block", "cyclic"))
+    capacity_factor: float = 1.25  # all-to-all bucket size over the busiest owner's expected load
+    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
+    exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
 
 
 @dataclass(frozen=True)
@@ -304,7 +310,16 @@ def validate(cfg: Config) -> Config:
     for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
         for i, w in enumerate(widths):
             _positive(f"{key}[{i}]", w)
-    _positive("embedding.learning_rate", cfg.embedding.learning_rate, allow_zero=True)
+    e = cfg.embedding
+    _positive("embedding.learning_rate", e.learning_rate, allow_zero=True)
+    _positive("embedding.capacity_factor", e.capacity_factor)
+    _positive("embedding.memory_budget_gb", e.memory_budget_gb, allow_zero=True)
+    strategies = ("replicated", "table", "row", "column")
+    for i, item in enumerate(e.table_sharding):
+        name, sep, value = item.partition("=")
+        if not sep or value not in strategies:
+            raise ConfigError(f"embedding.table_sharding[{i}]: {item!r} must be TABLE=STRATEGY with "
+                              f"STRATEGY one of {', '.join(strategies)}, e.g. cat_2=row")
     _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
     return cfg
 

@@ -8,7 +8,9 @@ import pytest
 
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
-from dlrm_jax.train.trainer import build, evaluate_run, train_and_evaluate
+from dlrm_jax.train.trainer import build, evaluate_run, restore_state, train_and_evaluate
+
+QUIET = dict(log=lambda *_: None)
 
 
 def losses(run_dir):
@@ -17,10 +19,16 @@ def losses(run_dir):
 
 def final_state(cfg, run_dir):
     _, steps = build(cfg, make_mesh(cfg.mesh.devices))
-    return Checkpoints(run_dir / "checkpoints", 3).restore(steps.abstract_state())
+    return restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
 
 
-QUIET = dict(log=lambda *_: None)
+def logical_state(cfg, run_dir):
+    """Dense params, optimizer state and every table's values and slots, whatever the plan."""
+    _, steps = build(cfg, make_mesh(cfg.mesh.devices))
+    state = restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
+    return state.params, state.opt_state, steps.collection.logical_tables(state.emb)
+
+
 
 
 @pytest.mark.parametrize("optimizer,dense_opt", [("rowwise_adagrad", "adam"), ("adagrad", "adagrad"),
@@ -31,7 +39,7 @@ def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, 
         cfg = tiny(f"mesh.devices={n}", "train.steps=12", "train.log_every=1", f"train.optimizer={dense_opt}",
                    f"embedding.optimizer={optimizer}", "train.learning_rate=0.01")
         train_and_evaluate(cfg, tmp_path / str(n), **QUIET)
-        runs[n] = (losses(tmp_path / str(n)), final_state(cfg, tmp_path / str(n)))
+        runs[n] = (losses(tmp_path / str(n)), logical_state(cfg, tmp_path / str(n)))
     ref_loss, ref_state = runs[1]
     for n in (2, 4, 8):
         np.testing.assert_allclose(runs[n][0], ref_loss, rtol=1e-4)
@@ -52,20 +60,22 @@ def test_resume_is_bitwise_identical(tiny, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_restore_onto_fewer_devices(tiny, tmp_path):
-    cfg8 = tiny("mesh.devices=8", "train.steps=4")
+@pytest.mark.parametrize("before,after", [("row", "row"), ("table", "column"), ("auto", "replicated")])
+def test_restore_onto_fewer_devices(tiny, tmp_path, before, after):
+    cfg8 = tiny("mesh.devices=8", "train.steps=4", f"embedding.sharding={before}", "embedding.optimizer=adagrad")
     trained = train_and_evaluate(cfg8, tmp_path, **QUIET)
-    state8 = final_state(cfg8, tmp_path)
-    cfg4 = tiny("mesh.devices=4", "train.steps=4")
-    state4 = final_state(cfg4, tmp_path)
+    state8 = logical_state(cfg8, tmp_path)
+    cfg4 = tiny("mesh.devices=4", "train.steps=4", f"embedding.sharding={after}", "embedding.optimizer=adagrad")
+    state4 = logical_state(cfg4, tmp_path)
     for x, y in zip(jax.tree.leaves(state8), jax.tree.leaves(state4), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        assert len(y.sharding.device_set) == 4
-    on4 = evaluate_run(tmp_path, ["mesh.devices=4"], **QUIET)
+    assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(final_state(cfg4, tmp_path)))
+    on4 = evaluate_run(tmp_path, ["mesh.devices=4", f"embedding.sharding={after}"], **QUIET)
     assert on4.step == 4
     np.testing.assert_allclose(on4.auc, trained.auc, rtol=1e-6)
     # Training goes on from the restored state on the smaller mesh.
-    more = train_and_evaluate(tiny("mesh.devices=4", "train.steps=6"), tmp_path, **QUIET)
+    more = train_and_evaluate(tiny("mesh.devices=4", "train.steps=6", f"embedding.sharding={after}",
+                                   "embedding.optimizer=adagrad"), tmp_path, **QUIET)
     assert more.step == 6
 
 

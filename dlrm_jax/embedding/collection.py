@@ -2,12 +2,12 @@
 
 Used inside the jitted train step as two calls around the dense model's autodiff:
 
-    pooled_bfd, res = collection.lookup(state, ids_bs)       # forward
-    ... grads of the loss w.r.t. pooled_bfd ...
-    state = collection.apply_gradients(state, res, grad_bfd, lr)   # sparse update
+    pooled_bfd, res = collection.lookup(state, ids_bs)             # forward
+    ... gradient of the loss w.r.t. pooled_bfd ...
+    state = collection.apply_gradients(state, res, grad_bfd, lr)   # sparse update on owners
 
-The tables are never differentiated as arrays: gradients flow to the looked-up vectors only, and
-the sparse optimizer turns them into row updates.
+The tables are never differentiated as arrays: gradients flow to the looked-up vectors only,
+travel back through the exchange, and the sparse optimizer turns them into row updates.
 """
 
 from __future__ import annotations
@@ -16,23 +16,25 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding import exchange
+from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups
 from dlrm_jax.embedding.optimizers import SparseOptimizer
-from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.specs import Pooling, SlotLayout
+from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.embedding.routing import route
+from dlrm_jax.embedding.specs import Pooling
 from dlrm_jax.parallel.mesh import AXIS
-
-GROUP = "replicated"
 
 
 class EmbeddingState(NamedTuple):
-    """Fused tables and their optimizer state, keyed by group name.
+    """Fused arrays and their optimizer state, keyed by group name.
 
-    tables[g]: float32 [R_g, D]; slots[g]: the sparse optimizer's dict of per-row arrays.
+    tables[g]: [rows, width] (sharded groups: rows split over ``devices``, replicated: whole on
+    every device); slots[g]: the sparse optimizer's dict of arrays with the same row axis.
     """
 
     tables: dict[str, jax.Array]
@@ -42,99 +44,180 @@ class EmbeddingState(NamedTuple):
 class LookupResiduals(NamedTuple):
     """What the backward pass needs from the forward lookup.
 
-    rows_bs: int32 [B, S] fused row of each slot (R = padding); weights_bs: float32 [B, S]
-    pooling weight of each slot (0 for padding, 1/bag length for mean pooling).
+    ids_bs: int32 [B, S] the batch's ids; weights_bs: float32 [B, S] pooling weight of each slot
+    (0 for padding, 1/bag length for mean pooling); overflow: int32 [] groups whose exchange
+    needed the worst-case capacity this step.
     """
 
-    rows_bs: jax.Array
+    ids_bs: jax.Array
     weights_bs: jax.Array
+    overflow: jax.Array
 
 
 class EmbeddingCollection:
-    """Every table of a plan, fused into one array per group, on a mesh."""
+    """Every table of a plan, fused into groups, on a mesh."""
 
     def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer):
         specs = tuple(t.spec for t in plan.tables)
-        if any(t.strategy != Strategy.REPLICATED for t in plan.tables):
-            raise NotImplementedError("only replicated tables are built in this version")
         if len({s.dim for s in specs}) != 1:
             raise ValueError(f"all tables must share one width, got {sorted({s.dim for s in specs})}")
-        self.plan, self.mesh, self.optimizer = plan, mesh, optimizer
-        self.specs = specs
-        self.layout = SlotLayout.build(specs)
+        if mesh.size != plan.num_devices:
+            raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {mesh.size}")
+        self.plan, self.mesh, self.optimizer, self.specs = plan, mesh, optimizer, specs
         self.dim = specs[0].dim
-        self.mean_pooling = jnp.array([s.pooling == Pooling.MEAN for s in specs])
+        self.groups = build_groups(plan)
+        self.local_batch = plan.global_batch // plan.num_devices
+        self.slot_feature = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
+        self.one_hot = all(s.bag_size == 1 for s in specs)
+        self.mean_pooling = np.array([s.pooling == Pooling.MEAN for s in specs])
+        # Flattened [F * D] column each element of the concatenated group outputs fills -> inverse.
+        filled = np.concatenate([g.vfeature_cols.reshape(-1) for g in self.groups])
+        assert sorted(filled.tolist()) == list(range(len(specs) * self.dim)), "plan leaves columns uncovered"
+        self.assembly = np.argsort(filled).astype(np.int32)
+        self.storage_dtype = jnp.dtype(plan.dtype)
+        wire = jnp.dtype(plan.exchange_dtype)
+        self._forward, self._update = {}, {}
+        for g in self.groups:
+            if g.replicated:
+                self._forward[g.name] = exchange.replicated_forward(g)
+                self._update[g.name] = exchange.replicated_update(g, mesh, optimizer)
+            else:
+                cap = g.capacity(self.local_batch, plan.capacity_factor)
+                self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, self.local_batch, wire)
+                self._update[g.name] = exchange.sharded_update(g, mesh, cap, self.local_batch, wire, optimizer)
 
     # ------------------------------------------------------------ state
     def state_sharding(self) -> EmbeddingState:
-        rep = NamedSharding(self.mesh, P())
         abstract = jax.eval_shape(self._init, jax.random.key(0))
-        return jax.tree.map(lambda _: rep, abstract)
+        spec = {g.name: NamedSharding(self.mesh, P() if g.replicated else P(AXIS)) for g in self.groups}
+        return EmbeddingState({k: spec[k] for k in abstract.tables},
+                              {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()})
 
     def _init(self, key: jax.Array) -> EmbeddingState:
-        # DLRM's initialiser: U(-1/sqrt(rows), 1/sqrt(rows)), each table from its own key so a
-        # table's values do not depend on which other tables share its fused array.
-        table = jnp.concatenate([
-            jax.random.uniform(jax.random.fold_in(key, t), (s.rows, self.dim), jnp.float32,
-                               -1.0 / s.rows**0.5, 1.0 / s.rows**0.5)
-            for t, s in enumerate(self.specs)
-        ])
-        return EmbeddingState({GROUP: table}, {GROUP: self.optimizer.init(table)})
+        # DLRM's initialiser, U(-1/sqrt(rows), 1/sqrt(rows)); each table from its own key, so a
+        # table's values are the same whatever the plan.
+        logical = [jax.random.uniform(jax.random.fold_in(key, t), (s.rows, self.dim), jnp.float32,
+                                      -1.0 / s.rows**0.5, 1.0 / s.rows**0.5) for t, s in enumerate(self.specs)]
+        tables = to_physical(self.groups, logical, self.storage_dtype)
+        return EmbeddingState(tables, {name: self.optimizer.init(arr) for name, arr in tables.items()})
 
     def init(self, key: jax.Array) -> EmbeddingState:
         """Tables created directly on the mesh with their final sharding."""
         return jax.jit(self._init, out_shardings=self.state_sharding())(key)
 
+    def logical_tables(self, state: EmbeddingState) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
+        """Per table, its [rows, D] values and optimizer state, whatever the plan."""
+        return to_logical(self.plan, self.groups, state)
+
+    def abstract_state_for(self, plan: EmbeddingPlan) -> EmbeddingState:
+        """Shapes of the state another plan lays out, sharded over this mesh where they divide."""
+        groups = build_groups(plan)
+        abstract = EmbeddingState(
+            {g.name: jax.ShapeDtypeStruct((g.array_rows, g.width), jnp.dtype(plan.dtype)) for g in groups}, {})
+        slots = {g.name: jax.eval_shape(self.optimizer.init, abstract.tables[g.name]) for g in groups}
+
+        def place(x):
+            split = x.shape[0] % self.mesh.size == 0
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, P(AXIS) if split else P()))
+
+        return jax.tree.map(place, abstract._replace(slots=slots))
+
+    def relayout(self, state: EmbeddingState, plan: EmbeddingPlan) -> EmbeddingState:
+        """State laid out by ``plan`` (another device count or strategy) -> this collection's layout.
+
+        Goes through the logical tables, so it holds each table whole once: a one-off at restore.
+        """
+
+        def convert(state):
+            tables, slots = to_logical(plan, build_groups(plan), state)
+            new_tables = to_physical(self.groups, tables, self.storage_dtype)
+            keys = slots[0].keys()
+            per_key = {k: to_physical(self.groups, [s[k] for s in slots], jnp.float32) for k in keys}
+            return EmbeddingState(new_tables, {g.name: {k: per_key[k][g.name] for k in keys} for g in self.groups})
+
+        return jax.jit(convert, out_shardings=self.state_sharding())(state)
+
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
         """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)."""
-        rows_bs = self.layout.fused_rows(ids_bs)
         weights_bs = self._pool_weights(ids_bs)
-        vectors_bsd = state.tables[GROUP].at[rows_bs].get(mode="fill", fill_value=0.0)
-        pooled_bfd = self._pool(vectors_bsd.astype(jnp.float32) * weights_bs[..., None])
-        return pooled_bfd, LookupResiduals(rows_bs, weights_bs)
+        outputs, overflow = [], jnp.zeros((), jnp.int32)
+        for g in self.groups:
+            if g.replicated:
+                vectors = self._forward[g.name](state.tables[g.name], ids_bs)
+            else:
+                vectors, over = self._forward[g.name](state.tables[g.name], ids_bs)
+                overflow = overflow + over.astype(jnp.int32)
+            weighted = vectors * weights_bs[:, g.vslot_slot, None]  # [B, V, W]
+            pooled = weighted if self.one_hot and _identity(g.vslot_vfeature) else _segment_sum_axis1(
+                weighted, g.vslot_vfeature, len(g.vtables))
+            outputs.append(pooled.reshape(pooled.shape[0], -1))
+        flat = jnp.concatenate(outputs, axis=1)[:, self.assembly]
+        return flat.reshape(-1, len(self.specs), self.dim), LookupResiduals(ids_bs, weights_bs, overflow)
 
     def _pool_weights(self, ids_bs: jax.Array) -> jax.Array:
         valid_bs = (ids_bs != PAD_ID).astype(jnp.float32)
-        if self.layout.one_hot:
+        if self.one_hot or not self.mean_pooling.any():
             return valid_bs
-        feature = jnp.asarray(self.layout.slot_feature)
-        count_bf = jax.ops.segment_sum(valid_bs.T, feature, len(self.specs)).T
-        denom_bs = jnp.where(self.mean_pooling[feature], jnp.maximum(count_bf[:, feature], 1.0), 1.0)
+        count_bf = _segment_sum_axis1(valid_bs, self.slot_feature, len(self.specs))
+        denom_bs = jnp.where(self.mean_pooling[self.slot_feature],
+                             jnp.maximum(count_bf[:, self.slot_feature], 1.0), 1.0)
         return valid_bs / denom_bs
-
-    def _pool(self, weighted_bsd: jax.Array) -> jax.Array:
-        if self.layout.one_hot:
-            return weighted_bsd
-        feature = jnp.asarray(self.layout.slot_feature)
-        summed_sbd = jax.ops.segment_sum(jnp.swapaxes(weighted_bsd, 0, 1), feature, len(self.specs))
-        return jnp.swapaxes(summed_sbd, 0, 1)
 
     # ------------------------------------------------------------ backward + update
     def apply_gradients(self, state: EmbeddingState, res: LookupResiduals, grad_bfd: jax.Array,
                         lr: jax.Array) -> EmbeddingState:
         """Sparse update of the looked-up rows from the gradient w.r.t. the pooled vectors."""
-        feature = jnp.asarray(self.layout.slot_feature)
-        grad_bsd = grad_bfd[:, feature, :] * res.weights_bs[..., None]
-        rows_n = res.rows_bs.reshape(-1)
-        grads_nd = grad_bsd.reshape(-1, self.dim)
-        table, slots = self._replicated_update(state.tables[GROUP], state.slots[GROUP],
-                                               rows_n, grads_nd, lr)
-        return EmbeddingState({GROUP: table}, {GROUP: slots})
+        flat = grad_bfd.reshape(grad_bfd.shape[0], -1)
+        tables, slots = {}, {}
+        for g in self.groups:
+            grads = flat[:, g.vslot_cols] * res.weights_bs[:, g.vslot_slot, None]  # [B, V, W]
+            tables[g.name], slots[g.name] = self._update[g.name](
+                state.tables[g.name], state.slots[g.name], res.ids_bs, grads, lr)
+        return EmbeddingState(tables, slots)
 
-    def _replicated_update(self, table, slots, rows_n, grads_nd, lr):
-        """Every device gathers the whole batch's rows and gradients and applies the same update.
 
-        Moves B*S*(D+1) values per device instead of an all-reduce of the R x D table.
-        """
+def physical_rows(g: Group, vt: VirtualTable, ids: jax.Array) -> jax.Array:
+    """Rows of a group's fused array that hold a virtual table's ``ids``."""
+    owner, row, _ = route(ids, vt.kind, vt.device, vt.offset, vt.block, g.num_devices)
+    return row if g.replicated else owner * g.local_rows + row
 
-        def update(table, slots, rows_n, grads_nd, lr):
-            rows_n = lax.all_gather(rows_n, AXIS, tiled=True)
-            grads_nd = lax.all_gather(grads_nd, AXIS, tiled=True)
-            return self.optimizer.update(table, slots, rows_n, grads_nd, lr)
 
-        return jax.shard_map(
-            update, mesh=self.mesh,
-            in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P()),
-            check_vma=False,  # every device applies the same gathered update: replicated by construction
-        )(table, slots, rows_n, grads_nd, lr)
+def to_physical(groups: list[Group], per_table: list[jax.Array], dtype) -> dict[str, jax.Array]:
+    """Per-table arrays ([rows, D] values or state, or [rows] per-row state) -> fused arrays."""
+    out = {}
+    for g in groups:
+        per_row = per_table[g.vtables[0].table].ndim == 1
+        arr = jnp.zeros((g.array_rows,) if per_row else (g.array_rows, g.width), dtype)
+        for vt in g.vtables:
+            values = per_table[vt.table]
+            values = values if per_row else values[:, vt.col_start : vt.col_start + g.width]
+            arr = arr.at[physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32))].set(values.astype(dtype))
+        out[g.name] = arr
+    return out
+
+
+def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
+    """Fused arrays -> per table: values float32 [rows, D] and the optimizer state dict."""
+    values = [[None] * t.column_slices for t in plan.tables]
+    slots = [[None] * t.column_slices for t in plan.tables]
+    for g in groups:
+        for vt in g.vtables:
+            rows = physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32))
+            j = vt.col_start // g.width
+            values[vt.table][j] = state.tables[g.name][rows].astype(jnp.float32)
+            slots[vt.table][j] = {k: v[rows] for k, v in state.slots[g.name].items()}
+    tables = [jnp.concatenate(parts, axis=1) for parts in values]
+    opt = [{k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k]
+            for k in parts[0]} for parts in slots]
+    return tables, opt
+
+
+def _identity(index: np.ndarray) -> bool:
+    return bool(np.array_equal(index, np.arange(index.shape[0])))
+
+
+def _segment_sum_axis1(x: jax.Array, segments: np.ndarray, num: int) -> jax.Array:
+    """Sum x [B, V, ...] over axis 1 into ``num`` segments given by the static ``segments`` [V]."""
+    return jnp.swapaxes(jax.ops.segment_sum(jnp.swapaxes(x, 0, 1), jnp.asarray(segments), num), 0, 1)
+

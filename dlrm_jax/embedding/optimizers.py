@@ -34,6 +34,14 @@ def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int):
     return uniq, summed
 
 
+def _add_rows(table, unique_rows, delta_f32):
+    """table[r] += delta for distinct rows, computed in float32 and rounded once to storage."""
+    if table.dtype == jnp.float32:
+        return table.at[unique_rows].add(delta_f32, mode="drop")
+    new = table.at[unique_rows].get(mode="fill", fill_value=0).astype(jnp.float32) + delta_f32
+    return table.at[unique_rows].set(new.astype(table.dtype), mode="drop")
+
+
 def sgd() -> SparseOptimizer:
     """table[r] -= lr * g, duplicates summed by the scatter-add itself."""
 
@@ -41,7 +49,11 @@ def sgd() -> SparseOptimizer:
         return {}
 
     def update(table, state, rows_n, grads_nd, lr):
-        delta = (-lr * grads_nd.astype(jnp.float32)).astype(table.dtype)
+        if table.dtype != jnp.float32:  # merge first: one rounding per row, not one per duplicate
+            rows_n, grads_nd = merge_duplicates(rows_n, grads_nd, table.shape[0])
+            new = table.at[rows_n].get(mode="fill", fill_value=0).astype(jnp.float32) - lr * grads_nd
+            return table.at[rows_n].set(new.astype(table.dtype), mode="drop"), state
+        delta = -lr * grads_nd.astype(jnp.float32)
         return table.at[rows_n].add(delta, mode="drop"), state
 
     return SparseOptimizer(init, update)
@@ -57,8 +69,8 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimi
         pad = table.shape[0]
         uniq, g = merge_duplicates(rows_n, grads_nd, pad)
         acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + g * g
-        step = (-lr * g / (jnp.sqrt(acc) + eps)).astype(table.dtype)
-        return (table.at[uniq].add(step, mode="drop"),
+        step = -lr * g / (jnp.sqrt(acc) + eps)
+        return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
     return SparseOptimizer(init, update)
@@ -74,8 +86,8 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> Spar
         pad = table.shape[0]
         uniq, g = merge_duplicates(rows_n, grads_nd, pad)
         acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + jnp.mean(g * g, -1)
-        step = (-lr * g / (jnp.sqrt(acc)[:, None] + eps)).astype(table.dtype)
-        return (table.at[uniq].add(step, mode="drop"),
+        step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
+        return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
     return SparseOptimizer(init, update)

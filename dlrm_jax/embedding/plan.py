@@ -1,67 +1,92 @@
-"""Sharding plans: the decision of where every table lives, as printable, JSON-able data.
+"""Sharding plans: where every table lives, as JSON-able data.
 
-The exchange code reads a plan, never the config. This module holds the plan types and the
-planner; strategies other than ``replicated`` are added by the model-parallel engine.
+The exchange code reads a plan, never the config. A plan holds, per table, its strategy and the
+devices holding a part of it. :mod:`~dlrm_jax.embedding.layout` derives the fused arrays from
+it, :mod:`~dlrm_jax.embedding.stats` the bytes and the printed report, and
+:mod:`~dlrm_jax.embedding.planner` makes plans.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from dlrm_jax.embedding.specs import Pooling, TableSpec
 
 
 class Strategy(enum.StrEnum):
-    REPLICATED = "replicated"
-    TABLE = "table"
-    ROW = "row"
-    COLUMN = "column"
+    REPLICATED = "replicated"  # every device holds the table; gradients gathered to all
+    TABLE = "table"  # the whole table on one device
+    ROW = "row"  # rows split over all devices (contiguous blocks or id mod N)
+    COLUMN = "column"  # columns split into slices, each slice on one device
 
 
-IMPLEMENTED = (Strategy.REPLICATED,)
+class RowLayout(enum.StrEnum):
+    BLOCK = "block"  # device d owns rows [d*blk, (d+1)*blk)
+    CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
 
-# Bytes of optimizer state per row, as a multiple of the row's float32 bytes (adagrad) or fixed.
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
 def optimizer_bytes_per_row(optimizer: str, dim: int) -> int:
+    """Optimizer state per table row (float32): none, one per element, or one per row."""
     return {"sgd": 0, "adagrad": 4 * dim, "rowwise_adagrad": 4}[optimizer]
 
 
 @dataclass(frozen=True)
 class TablePlan:
-    """Where one table lives: its spec, its strategy, and the devices that hold a part of it."""
+    """One table's placement.
+
+    devices: REPLICATED and ROW, every device; TABLE, the one owner; COLUMN, the owner of each
+    column slice in slice order (so ``len(devices)`` slices of ``dim / len(devices)`` columns).
+    """
 
     spec: TableSpec
     strategy: Strategy
     devices: tuple[int, ...]
+    row_layout: RowLayout = RowLayout.BLOCK
 
-    def param_bytes_per_device(self) -> int:
-        return self.spec.bytes_f32  # replicated: a full copy on every device
+    @property
+    def column_slices(self) -> int:
+        return len(self.devices) if self.strategy == Strategy.COLUMN else 1
+
+    @property
+    def slice_dim(self) -> int:
+        return self.spec.dim // self.column_slices
+
+    def rows_per_device(self, num_devices: int) -> int:
+        """Rows a device holding a part of this table keeps (row-wise: the padded block)."""
+        if self.strategy == Strategy.ROW:
+            return math.ceil(self.spec.rows / num_devices)
+        return self.spec.rows
+
+    def bytes_on_device(self, num_devices: int, optimizer: str, dtype: str) -> np.ndarray:
+        """Parameter and optimizer-state bytes this table puts on each device: int64 [N, 2]."""
+        out = np.zeros((num_devices, 2), np.int64)
+        rows = self.rows_per_device(num_devices)
+        per_slice = rows * self.slice_dim
+        for d in self.devices:
+            out[d, 0] += per_slice * DTYPE_BYTES[dtype]
+            out[d, 1] += rows * optimizer_bytes_per_row(optimizer, self.slice_dim)
+        return out
 
 
 @dataclass(frozen=True)
 class EmbeddingPlan:
-    """The sharding plan of every table, plus what the step's exchange will move."""
+    """Every table's placement, and the exchange settings the step is compiled with."""
 
     tables: tuple[TablePlan, ...]
     num_devices: int
     optimizer: str
     global_batch: int
-
-    # ------------------------------------------------------------ accounting
-    def per_device_bytes(self) -> dict[str, int]:
-        params = sum(t.param_bytes_per_device() for t in self.tables)
-        opt = sum(t.spec.rows * optimizer_bytes_per_row(self.optimizer, t.spec.dim) for t in self.tables)
-        # Replicated update: every device gathers the whole batch's rows (int32) and gradients.
-        slots = sum(t.spec.bag_size for t in self.tables)
-        dim = max(t.spec.dim for t in self.tables)
-        exchange = self.global_batch * slots * (4 + 4 * dim)
-        return {"parameters": params, "optimizer_state": opt, "exchange_buffers": exchange}
-
-    def exchange_bytes_per_step(self) -> int:
-        """Bytes each device receives from the others per step (the replicated all-gather)."""
-        n = self.num_devices
-        return self.per_device_bytes()["exchange_buffers"] * (n - 1) // n
+    capacity_factor: float = 1.25
+    dtype: str = "float32"  # table storage
+    exchange_dtype: str = "float32"  # vectors and gradients on the wire
 
     # ------------------------------------------------------------ data round trip
     def to_json(self) -> str:
@@ -72,45 +97,7 @@ class EmbeddingPlan:
         raw = json.loads(text)
         tables = tuple(
             TablePlan(TableSpec(**{**t["spec"], "pooling": Pooling(t["spec"]["pooling"])}),
-                      Strategy(t["strategy"]), tuple(t["devices"]))
-            for t in raw["tables"]
+                      Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]))
+            for t in raw.pop("tables")
         )
-        return cls(tables, raw["num_devices"], raw["optimizer"], raw["global_batch"])
-
-    def to_text(self) -> str:
-        """The plan as a table, then per-device totals and the predicted exchange volume."""
-        head = f"{'table':<14}{'rows':>12}{'dim':>6}{'bag':>5}  {'strategy':<11}{'devices':<12}{'bytes/device':>14}"
-        lines = [f"Embedding plan: {len(self.tables)} tables on {self.num_devices} devices, "
-                 f"optimizer {self.optimizer}, global batch {self.global_batch}", head, "-" * len(head)]
-        for t in self.tables:
-            devs = "all" if len(t.devices) == self.num_devices else ",".join(map(str, t.devices))
-            lines.append(f"{t.spec.name:<14}{t.spec.rows:>12,}{t.spec.dim:>6}{t.spec.bag_size:>5}  "
-                         f"{t.strategy.value:<11}{devs:<12}{_fmt_bytes(t.param_bytes_per_device()):>14}")
-        totals = self.per_device_bytes()
-        lines.append("")
-        lines.append("Per device: " + ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(v)}" for k, v in totals.items())
-                     + f"; total {_fmt_bytes(sum(totals.values()))}")
-        lines.append(f"Predicted exchange per step per device: {_fmt_bytes(self.exchange_bytes_per_step())}")
-        return "\n".join(lines)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def plan_embeddings(specs: tuple[TableSpec, ...], sharding: str, num_devices: int,
-                    optimizer: str, global_batch: int) -> EmbeddingPlan:
-    """Choose a strategy per table. ``auto`` picks replicated while that is the only one built."""
-    strategy = Strategy.REPLICATED if sharding == "auto" else Strategy(sharding)
-    if strategy not in IMPLEMENTED:
-        raise NotImplementedError(
-            f"embedding.sharding={sharding}: only {', '.join(s.value for s in IMPLEMENTED)} "
-            "(and auto) are available in this version"
-        )
-    everyone = tuple(range(num_devices))
-    return EmbeddingPlan(tuple(TablePlan(s, strategy, everyone) for s in specs), num_devices,
-                         optimizer, global_batch)
+        return cls(tables, **raw)

@@ -21,15 +21,27 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state) -> None:
-        self._manager.save(step, args=ocp.args.StandardSave(state))
+    def save(self, step: int, state, plan_json: str) -> None:
+        """Saves the state with the embedding plan that laid its tables out."""
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), plan=ocp.args.JsonSave({"plan": plan_json})))
 
-    def restore(self, abstract_state, step: int | None = None):
-        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
+    def _step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError("no checkpoint to restore")
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        return step
+
+    def saved_plan(self, step: int | None = None) -> str:
+        """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
+        out = self._manager.restore(self._step(step), args=ocp.args.Composite(plan=ocp.args.JsonRestore()))
+        return out.plan["plan"]
+
+    def restore(self, abstract_state, step: int | None = None):
+        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
+        out = self._manager.restore(self._step(step),
+                                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        return out.state
 
     def close(self) -> None:
         self._manager.wait_until_finished()

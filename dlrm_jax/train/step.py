@@ -123,7 +123,8 @@ class StepFunctions:
         params = optax.apply_updates(state.params, updates)
         emb_lr = self.schedule(state.step) * self.emb_lr_scale
         emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
-        return TrainState(state.step + 1, params, opt_state, emb), {"loss": loss}
+        metrics = {"loss": loss, "exchange_overflows": res.overflow}
+        return TrainState(state.step + 1, params, opt_state, emb), metrics
 
     def _eval_step(self, state: TrainState, batch: Batch) -> jax.Array:
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)

@@ -18,8 +18,9 @@ from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
-from dlrm_jax.embedding.plan import EmbeddingPlan, plan_embeddings
-from dlrm_jax.embedding.specs import specs_from_config
+from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.stats import plan_report
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
@@ -46,10 +47,17 @@ def build(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[EmbeddingPlan, StepFunc
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
-    plan = plan_embeddings(specs_from_config(cfg), cfg.embedding.sharding, mesh.size,
-                           cfg.embedding.optimizer, cfg.train.batch_size)
+    plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
     collection = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
     return plan, StepFunctions(cfg, mesh, collection)
+
+
+def _device_budget(cfg: Config) -> int:
+    """embedding.memory_budget_gb, or on an accelerator 90% of what its memory stats report."""
+    if cfg.embedding.memory_budget_gb:
+        return int(cfg.embedding.memory_budget_gb * 2**30)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else 0
 
 
 def evaluate(steps: StepFunctions, state: TrainState, source: DataSource) -> tuple[float, float]:
@@ -77,14 +85,27 @@ def _prepare_run_dir(run_dir: Path | None, cfg: Config, plan: EmbeddingPlan) -> 
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    (run_dir / "plan.txt").write_text(plan.to_text() + "\n")
+    (run_dir / "plan.txt").write_text(plan_report(plan) + "\n")
     (run_dir / "plan.json").write_text(plan.to_json() + "\n")
+
+
+def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print) -> TrainState:
+    """The newest checkpoint on this mesh and plan; tables saved under another plan (device
+    count, strategy) are restored as saved, then re-laid out."""
+    saved = EmbeddingPlan.from_json(ckpts.saved_plan())
+    current = steps.collection.plan
+    if saved == current:
+        return ckpts.restore(steps.abstract_state())
+    log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
+    abstract = steps.abstract_state()._replace(emb=steps.collection.abstract_state_for(saved))
+    state = ckpts.restore(abstract)
+    return state._replace(emb=steps.collection.relayout(state.emb, saved))
 
 
 def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log) -> TrainState:
     if ckpts is not None and ckpts.latest_step() is not None:
         log(f"resuming from checkpoint at step {ckpts.latest_step()}")
-        return ckpts.restore(steps.abstract_state())
+        return restore_state(steps, ckpts, log)
     return steps.init_state()
 
 
@@ -95,12 +116,13 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     mesh = make_mesh(cfg.mesh.devices)
     plan, steps = build(cfg, mesh)
     _prepare_run_dir(run_dir, cfg, plan)
-    log(plan.to_text())
+    log(plan_report(plan))
     t = cfg.train
     source = make_source(cfg, jax.process_index(), jax.process_count())
     ckpts = Checkpoints(run_dir / "checkpoints", t.keep_checkpoints) if run_dir else None
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None)
     state = _restore_or_init(steps, ckpts, log)
+    plan_json = plan.to_json()
     start = int(state.step)
     metrics.truncate_after(start)
 
@@ -111,7 +133,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
-    window_loss, window_steps, window_start = 0.0, 0, None
+    window_loss, window_steps, window_start, window_overflows = 0.0, 0, None, 0
     train_time, trained_steps, last_loss = 0.0, 0, float("nan")
     batches = prefetch(lambda s: steps.device_batch(source.train_batch(s)), range(start, t.steps))
     for step, batch in zip(range(start + 1, t.steps + 1), batches, strict=True):
@@ -119,6 +141,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             window_start = time.perf_counter()
         state, out = compiled(state, batch)
         window_loss, window_steps = window_loss + out["loss"], window_steps + 1
+        window_overflows = window_overflows + out["exchange_overflows"]
         bar.update(1)
         boundary = step == t.steps or (t.log_every and step % t.log_every == 0) or (
             t.eval_every and step % t.eval_every == 0) or (t.checkpoint_every and step % t.checkpoint_every == 0)
@@ -131,7 +154,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         if not math.isfinite(last_loss):
             raise FloatingPointError(f"training loss became {last_loss} at step {step}; stopping")
         event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
-                 "learning_rate": float(steps.schedule(step - 1))}
+                 "learning_rate": float(steps.schedule(step - 1)),
+                 "exchange_overflows": int(window_overflows)}
         bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             auc, ll = evaluate(steps, state, source)
@@ -139,8 +163,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
         metrics.write(event)
         if ckpts and ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps):
-            ckpts.save(step, state)
-        window_loss, window_steps, window_start = 0.0, 0, None
+            ckpts.save(step, state, plan_json)
+        window_loss, window_steps, window_start, window_overflows = 0.0, 0, None, 0
     bar.close()
 
     if trained_steps == 0:  # already finished: evaluate what the checkpoint holds
@@ -171,7 +195,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     if ckpts.latest_step() is None:
         raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-    state = ckpts.restore(steps.abstract_state())
+    state = restore_state(steps, ckpts, log)
     auc, ll = evaluate(steps, state, make_source(cfg, jax.process_index(), jax.process_count()))
     ckpts.close()
     return RunSummary(int(state.step), ll, auc, ll, float("nan"))

@@ -1,0 +1,126 @@
+"""The sparse exchange between the data-parallel batch layout and the table owners.
+
+Per sharded group, inside one ``jax.shard_map`` over the mesh's ``devices`` axis, each device:
+
+forward   route its ids to owners -> deduplicate per owner -> all_to_all of row ids (fixed
+          capacity C per owner) -> owners gather rows from their local shard -> all_to_all of
+          vectors back -> each slot picks its vector.
+backward  the same buckets -> gradients of duplicate slots summed into their bucket place ->
+          all_to_all of row ids and gradients to owners -> the owner applies the sparse
+          optimizer to its shard (merging what several devices sent for one row).
+
+Overflow: when any device has more distinct requests for one owner than C, every device
+(the decision is a pmax, so all agree) runs the same exchange with the worst-case capacity
+instead. Nothing is dropped, and the step reports that it happened.
+
+Replicated groups need no all-to-all: lookups are local, and the update gathers the whole
+batch's rows and gradients to every device, which then applies the same update.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.layout import Group
+from dlrm_jax.embedding.optimizers import SparseOptimizer
+from dlrm_jax.embedding.routing import bucket, route, send_buffer, slot_index
+from dlrm_jax.parallel.mesh import AXIS
+
+
+def _route_and_bucket(g: Group, ids_local_bs: jax.Array):
+    vids = ids_local_bs[:, g.vslot_slot]  # [B_l, V]
+    owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
+                              jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
+    b = bucket(owner, row, valid, g.num_devices, g.local_rows)
+    overflow = lax.pmax(jnp.max(b.counts), AXIS)
+    return vids.shape, b, overflow
+
+
+def _all_to_all(x):
+    return lax.all_to_all(x, AXIS, 0, 0)
+
+
+def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
+    """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
+    worst = g.max_capacity(local_batch)
+
+    def exchange(table_local, b, cap, shape):
+        recv_rows = _all_to_all(send_buffer(b, cap, g.num_devices, g.local_rows))
+        vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0).astype(wire_dtype)
+        replies = _all_to_all(vectors)  # [N, C, W]: from each owner, in my request order
+        owner, rank, usable = slot_index(b, cap)
+        out = replies[owner, rank].astype(jnp.float32) * usable[:, None]
+        return out.reshape(*shape, g.width)
+
+    def local(table_local, ids_local):
+        shape, b, most = _route_and_bucket(g, ids_local)
+        over = most > capacity
+        out = lax.cond(over, partial(exchange, cap=worst, shape=shape),
+                       partial(exchange, cap=capacity, shape=shape), table_local, b)
+        return out, over[None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+
+    def forward(table, ids_bs):
+        out, over = fn(table, ids_bs)
+        return out, over[0]
+
+    return forward
+
+
+def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
+                   optimizer: SparseOptimizer):
+    """``f(table, slots, ids [B, S], grads [B, V, W], lr) -> (table, slots)``, sparse, on owners."""
+    worst = g.max_capacity(local_batch)
+
+    def exchange(table_local, slots_local, b, grads, lr, cap):
+        recv_rows = _all_to_all(send_buffer(b, cap, g.num_devices, g.local_rows))
+        owner, rank, usable = slot_index(b, cap)
+        dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
+        sums = jnp.zeros((g.num_devices, cap, g.width), jnp.float32)
+        sums = sums.at[dest, rank].add(grads.reshape(-1, g.width).astype(jnp.float32), mode="drop")
+        recv_grads = _all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
+        return optimizer.update(table_local, slots_local, recv_rows.reshape(-1),
+                                recv_grads.reshape(-1, g.width), lr)
+
+    def local(table_local, slots_local, ids_local, grads_local, lr):
+        _, b, most = _route_and_bucket(g, ids_local)
+        return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
+                        table_local, slots_local, b, grads_local, lr)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+                         out_specs=(P(AXIS), P(AXIS)))
+
+
+def replicated_forward(g: Group):
+    """``f(table [R, W], ids [B, S]) -> vectors [B, V, W]``: a local gather on every device."""
+
+    def forward(table, ids_bs):
+        vids = ids_bs[:, g.vslot_slot]
+        rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset))
+        return table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+
+    return forward
+
+
+def replicated_update(g: Group, mesh, optimizer: SparseOptimizer):
+    """Every device gathers the batch's rows and gradients and applies the same update.
+
+    Moves B*V*(W+1) values per device rather than an all-reduce of the R x W table.
+    """
+
+    def local(table, slots, ids_local, grads_local, lr):
+        vids = ids_local[:, g.vslot_slot]
+        rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset)).reshape(-1)
+        rows = lax.all_gather(rows, AXIS, tiled=True)
+        grads = lax.all_gather(grads_local.reshape(-1, g.width), AXIS, tiled=True)
+        return optimizer.update(table, slots, rows, grads, lr)
+
+    # check_vma off: every device applies the same gathered update, so outputs are replicated.
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
+                         out_specs=(P(), P()), check_vma=False)

@@ -1,0 +1,136 @@
+"""Fused arrays derived from a plan: which virtual tables share an array, and at which rows.
+
+A *group* is one fused array: all replicated tables of one width, or all sharded pieces of
+one slice width (whole tables, row blocks and column slices alike). A sharded group's array is
+[N * local_rows, width], split over the mesh by rows, so device d holds rows
+[d * local_rows, (d + 1) * local_rows): its local shard. Every piece of a table inside a group
+is a *virtual table* with routing parameters (see :mod:`~dlrm_jax.embedding.routing`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dlrm_jax.embedding.plan import EmbeddingPlan, RowLayout, Strategy
+from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+
+
+@dataclass(frozen=True)
+class VirtualTable:
+    """A table, or one column slice of it, as placed in a group."""
+
+    table: int  # index into plan.tables (= feature index)
+    col_start: int  # first column of the table this piece holds
+    kind: int  # KIND_FIXED, KIND_BLOCK or KIND_CYCLIC
+    device: int  # KIND_FIXED on a sharded group: the owner
+    offset: int  # first local row
+    block: int  # KIND_BLOCK: rows per device
+    rows: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """One fused array and the static routing of every virtual slot that reads it.
+
+    Per virtual slot v (V of them): ``vslot_slot`` [V] batch slot, ``vslot_kind/device/offset/
+    block`` [V] routing, ``vslot_cols`` [V, width] columns of the flattened pooled output
+    [B, F * D] it fills, ``vslot_vfeature`` [V] its virtual feature; ``vfeature_cols`` [F', width].
+    """
+
+    name: str
+    width: int
+    replicated: bool
+    local_rows: int  # rows of one device's shard (replicated: of the whole array)
+    num_devices: int
+    vtables: tuple[VirtualTable, ...]
+    vslot_slot: np.ndarray
+    vslot_kind: np.ndarray
+    vslot_device: np.ndarray
+    vslot_offset: np.ndarray
+    vslot_block: np.ndarray
+    vslot_cols: np.ndarray
+    vslot_vfeature: np.ndarray
+    vfeature_cols: np.ndarray
+
+    @property
+    def num_vslots(self) -> int:
+        return int(self.vslot_slot.shape[0])
+
+    @property
+    def array_rows(self) -> int:
+        return self.local_rows if self.replicated else self.num_devices * self.local_rows
+
+    def max_capacity(self, local_batch: int) -> int:
+        """Requests one device can send one owner, at most: every slot distinct."""
+        return local_batch * self.num_vslots
+
+    def capacity(self, local_batch: int, factor: float) -> int:
+        """Compiled bucket size per owner: ``factor`` x the busiest owner's expected requests
+        (each fixed-owner slot sends all its B_local ids to one device, a row-wise slot spreads
+        them over N), never above the most that can occur."""
+        load = np.zeros(self.num_devices)
+        for kind, dev in zip(self.vslot_kind, self.vslot_device, strict=True):
+            if kind == KIND_FIXED:
+                load[dev] += local_batch
+            else:
+                load += local_batch / self.num_devices
+        return max(1, min(self.max_capacity(local_batch), math.ceil(factor * load.max())))
+
+
+def build_groups(plan: EmbeddingPlan) -> list[Group]:
+    """The fused groups of a plan, in a fixed order (replicated first, then by width)."""
+    n = plan.num_devices
+    dim = plan.tables[0].spec.dim
+    slots_of = _slots_of_tables(plan)
+    groups = []
+    rep = [t for t, tp in enumerate(plan.tables) if tp.strategy == Strategy.REPLICATED]
+    if rep:
+        vts, offset = [], 0
+        for t in rep:
+            vts.append(VirtualTable(t, 0, KIND_FIXED, 0, offset, 1, plan.tables[t].spec.rows))
+            offset += plan.tables[t].spec.rows
+        groups.append(_group("replicated", dim, True, offset, n, vts, slots_of, dim))
+    widths = sorted({tp.slice_dim for tp in plan.tables if tp.strategy != Strategy.REPLICATED}, reverse=True)
+    for width in widths:
+        vts, used = [], np.zeros(n, np.int64)
+        # Row-wise pieces first: they sit at the same local offset on every device.
+        for t, tp in enumerate(plan.tables):
+            if tp.strategy == Strategy.ROW and tp.slice_dim == width:
+                blk = tp.rows_per_device(n)
+                kind = KIND_CYCLIC if tp.row_layout == RowLayout.CYCLIC else KIND_BLOCK
+                vts.append(VirtualTable(t, 0, kind, 0, int(used.max()), blk, tp.spec.rows))
+                used[:] = used.max() + blk
+        for t, tp in enumerate(plan.tables):
+            if tp.strategy in (Strategy.TABLE, Strategy.COLUMN) and tp.slice_dim == width:
+                for j, dev in enumerate(tp.devices):
+                    vts.append(VirtualTable(t, j * width, KIND_FIXED, dev, int(used[dev]), 1, tp.spec.rows))
+                    used[dev] += tp.spec.rows
+        groups.append(_group(f"sharded_w{width}", width, False, int(used.max()), n, vts, slots_of, dim))
+    return groups
+
+
+def _slots_of_tables(plan: EmbeddingPlan) -> list[list[int]]:
+    out, start = [], 0
+    for tp in plan.tables:
+        out.append(list(range(start, start + tp.spec.bag_size)))
+        start += tp.spec.bag_size
+    return out
+
+
+def _group(name, width, replicated, local_rows, n, vts, slots_of, dim) -> Group:
+    rows = {k: [] for k in ("slot", "kind", "device", "offset", "block", "cols", "vfeature")}
+    vfeature_cols = []
+    for v, vt in enumerate(vts):
+        cols = vt.table * dim + vt.col_start + np.arange(width)
+        vfeature_cols.append(cols)
+        for s in slots_of[vt.table]:
+            for key, val in (("slot", s), ("kind", vt.kind), ("device", vt.device), ("offset", vt.offset),
+                             ("block", vt.block), ("cols", cols), ("vfeature", v)):
+                rows[key].append(val)
+    arr = {k: np.asarray(v, np.int32) for k, v in rows.items()}
+    return Group(name, width, replicated, max(local_rows, 1), n, tuple(vts), arr["slot"], arr["kind"],
+                 arr["device"], arr["offset"], arr["block"], arr["cols"].reshape(-1, width),
+                 arr["vfeature"], np.asarray(vfeature_cols, np.int32).reshape(-1, width))

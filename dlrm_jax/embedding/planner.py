@@ -1,0 +1,178 @@
+"""The planner: chooses a strategy and devices for every table, within a memory budget.
+
+Explicit strategies (``replicated``, ``table``, ``row``, ``column``) apply to every table not
+named in the per-table overrides. ``auto`` decides per table with a cost model: the bytes the
+busiest device moves per step, counting that each device sends an owner every distinct id only
+once (so a small table costs little wherever it is), under the per-device memory budget.
+Tables are placed largest first, each where it raises the busiest device's traffic least;
+ties go to the simpler strategy (replicated, table, row, column).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from dlrm_jax.embedding.plan import (
+    DTYPE_BYTES,
+    EmbeddingPlan,
+    RowLayout,
+    Strategy,
+    TablePlan,
+)
+from dlrm_jax.embedding.specs import TableSpec, specs_from_config
+from dlrm_jax.embedding.stats import per_device_bytes
+
+MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient (seed 002)
+ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made: the message names the table and the limit."""
+
+
+def column_slices(spec: TableSpec, num_devices: int) -> int:
+    """Most slices, each at least MIN_COLUMN_WIDTH wide and dividing dim, one per device."""
+    best = 1
+    for c in range(1, num_devices + 1):
+        if spec.dim % c == 0 and spec.dim // c >= MIN_COLUMN_WIDTH:
+            best = c
+    return best
+
+
+def parse_overrides(items: Sequence[str], specs: Sequence[TableSpec]) -> dict[str, Strategy]:
+    """``["cat_2=row", ...]`` -> {name: Strategy}; unknown tables or strategies are errors."""
+    names = {s.name for s in specs}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise PlanError(f"embedding.table_sharding: no table named {name!r} "
+                            f"(tables: {', '.join(sorted(names))})")
+        try:
+            out[name] = Strategy(value)
+        except ValueError:
+            raise PlanError(f"embedding.table_sharding: {item!r}: strategy must be one of "
+                            f"{', '.join(s.value for s in Strategy)}") from None
+    return out
+
+
+class _Placer:
+    """Running per-device memory and traffic while tables are placed."""
+
+    def __init__(self, n, optimizer, dtype, wire, local_batch, budget):
+        self.n, self.optimizer, self.dtype, self.wire = n, optimizer, dtype, wire
+        self.local_batch, self.budget = local_batch, budget
+        self.memory = np.zeros(n, np.int64)
+        self.traffic = np.zeros(n, np.float64)
+
+    def candidate(self, spec: TableSpec, strategy: Strategy, row_layout: RowLayout):
+        """(TablePlan, memory after, traffic after) for this table placed this way."""
+        n, lb, lookups = self.n, self.local_batch, self.local_batch * spec.bag_size
+        per_id = lambda width: 8 + 2 * self.wire * width  # ids both ways, vectors + gradients  # noqa: E731
+        traffic = np.zeros(n)
+        if strategy == Strategy.REPLICATED:
+            devices = tuple(range(n))
+            traffic += (n - 1) * lb * spec.bag_size * (4 + 4 * spec.dim)
+        elif strategy == Strategy.ROW:
+            devices = tuple(range(n))
+            traffic += (n - 1) * min(lookups / n, math.ceil(spec.rows / n)) * per_id(spec.dim)
+        else:
+            slices = 1 if strategy == Strategy.TABLE else column_slices(spec, n)
+            width = spec.dim // slices
+            order = np.lexsort((self.memory, self.traffic))  # least busy first
+            devices = tuple(int(d) for d in order[:slices])
+            traffic[list(devices)] += (n - 1) * min(lookups, spec.rows) * per_id(width)
+        plan = TablePlan(spec, strategy, devices, row_layout)
+        memory = self.memory + plan.bytes_on_device(n, self.optimizer, self.dtype).sum(1)
+        return plan, memory, self.traffic + traffic
+
+    def place(self, plan_memory_traffic) -> TablePlan:
+        plan, self.memory, self.traffic = plan_memory_traffic
+        return plan
+
+    def fits(self, memory: np.ndarray) -> bool:
+        return not self.budget or bool((memory <= self.budget).all())
+
+
+def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int, optimizer: str,
+                    global_batch: int, *, overrides: Mapping[str, Strategy] | None = None,
+                    row_layout: str = "block", capacity_factor: float = 1.25, dtype: str = "float32",
+                    exchange_dtype: str = "float32", budget_bytes: int = 0) -> EmbeddingPlan:
+    """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
+    one cannot be placed within ``budget_bytes`` per device (0 = no limit)."""
+    overrides = dict(overrides or {})
+    layout = RowLayout(row_layout)
+    placer = _Placer(num_devices, optimizer, dtype, DTYPE_BYTES[exchange_dtype],
+                     global_batch // num_devices, budget_bytes)
+    placed: dict[int, TablePlan] = {}
+    order = sorted(range(len(specs)), key=lambda t: (-specs[t].rows * specs[t].dim, t))
+    for t in order:
+        spec = specs[t]
+        wanted = overrides.get(spec.name, sharding)
+        options = ORDER if wanted == "auto" else (Strategy(wanted),)
+        for s in options:
+            _check_allowed(spec, s, num_devices, optimizer, explicit=wanted != "auto")
+        options = [s for s in options if _allowed(spec, s, num_devices, optimizer)]
+        candidates = [placer.candidate(spec, s, layout) for s in options]
+        feasible = [c for c in candidates if placer.fits(c[1])]
+        if not feasible:
+            need = min(int(c[1].max()) for c in candidates)
+            raise PlanError(f"table {spec.name} ({spec.rows:,} rows x {spec.dim}) does not fit: "
+                            f"{need / 2**30:.2f} GiB needed on a device, budget "
+                            f"{budget_bytes / 2**30:.2f} GiB (embedding.memory_budget_gb); "
+                            f"try more devices or another embedding.sharding")
+        best = min(feasible, key=lambda c: (c[2].max(), ORDER.index(c[0].strategy)))
+        placed[t] = placer.place(best)
+    plan = EmbeddingPlan(tuple(placed[t] for t in range(len(specs))), num_devices, optimizer,
+                         global_batch, capacity_factor, dtype, exchange_dtype)
+    _check_budget_with_buffers(plan, budget_bytes)
+    return plan
+
+
+def _allowed(spec: TableSpec, s: Strategy, n: int, optimizer: str) -> bool:
+    if s == Strategy.COLUMN:
+        return (n == 1 or column_slices(spec, n) > 1) and optimizer != "rowwise_adagrad"
+    return True
+
+
+def _check_allowed(spec: TableSpec, s: Strategy, n: int, optimizer: str, explicit: bool) -> None:
+    if not explicit or s != Strategy.COLUMN:
+        return
+    if n > 1 and column_slices(spec, n) < 2:
+        raise PlanError(f"table {spec.name}: dim {spec.dim} cannot be split on {n} devices into "
+                        f"column slices at least {MIN_COLUMN_WIDTH} wide; use table or row sharding")
+    if optimizer == "rowwise_adagrad":
+        raise PlanError(f"table {spec.name}: column sharding with rowwise_adagrad would give each "
+                        "slice its own row accumulator and change the math; use embedding.optimizer="
+                        "adagrad or sgd, or table/row sharding for this table")
+
+
+def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
+    if not budget:
+        return
+    total = sum(per_device_bytes(plan).values())
+    worst = int(np.argmax(total))
+    if total[worst] > budget:
+        biggest = max((t for t in plan.tables if worst in t.devices),
+                      key=lambda t: t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[worst].sum())
+        raise PlanError(f"device {worst} needs {total[worst] / 2**30:.2f} GiB with exchange buffers, "
+                        f"over the {budget / 2**30:.2f} GiB budget; its largest table is "
+                        f"{biggest.spec.name} ({biggest.spec.rows:,} rows)")
+
+
+
+def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> EmbeddingPlan:
+    """The plan for a config's tables on ``num_devices`` devices (the budget defaults to
+    ``embedding.memory_budget_gb``)."""
+    e = cfg.embedding
+    specs = specs_from_config(cfg)
+    budget = int(e.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
+    return plan_embeddings(
+        specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size,
+        overrides=parse_overrides(e.table_sharding, specs), row_layout=e.row_layout,
+        capacity_factor=e.capacity_factor, dtype=e.dtype, exchange_dtype=e.exchange_dtype,
+        budget_bytes=budget,
+    )

@@ -1,0 +1,94 @@
+"""Routing of looked-up ids to the devices that own their rows, and bucketing for the exchange.
+
+This is the one home of "which device owns which id, and where it sits there". Everything is a
+pure jnp function of fixed-shape arrays, usable inside ``shard_map`` on one device's slice of the
+batch, and property-tested on its own.
+
+A *virtual slot* is one (batch slot, virtual table) pair: a whole table, a column slice of one,
+or one table of a row-wise group. Its routing parameters are static per virtual slot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dlrm_jax.data.batch import PAD_ID
+
+KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
+KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = id // block
+KIND_CYCLIC = 2  # row-wise, cyclic: owner = id % N
+
+
+def route(ids, kind, device, offset, block, num_devices: int):
+    """Owner device and row inside the owner's local shard of every id.
+
+    ids: int32 [..., V] table-local ids (PAD_ID allowed); kind, device, offset, block: int32 [V]
+    static per virtual slot. Returns owner [..., V], local row [..., V], valid bool [..., V].
+    """
+    valid = ids != PAD_ID
+    safe = jnp.where(valid, ids, 0)
+    owner = jnp.where(kind == KIND_BLOCK, safe // block,
+                      jnp.where(kind == KIND_CYCLIC, safe % num_devices, device))
+    within = jnp.where(kind == KIND_BLOCK, safe % block,
+                       jnp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
+    return owner.astype(jnp.int32), (offset + within).astype(jnp.int32), valid
+
+
+class Buckets(NamedTuple):
+    """Unique (owner, row) requests of one device, grouped by owner.
+
+    Over the n = B_local * V requests, flattened:
+      unique_owner, unique_row, unique_rank, unique_valid: [n]  each distinct request once,
+          rank = its position among the requests to the same owner (padding: valid False)
+      slot_owner, slot_rank: [n]  where each original request's answer will be
+      slot_valid: [n]  False for padding ids
+      counts: [N]  distinct requests per owner
+    """
+
+    unique_owner: jax.Array
+    unique_row: jax.Array
+    unique_rank: jax.Array
+    unique_valid: jax.Array
+    slot_owner: jax.Array
+    slot_rank: jax.Array
+    slot_valid: jax.Array
+    counts: jax.Array
+
+
+def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
+    """Deduplicate requests and give each distinct one a rank within its owner's bucket.
+
+    Sorting the key ``owner * local_rows + row`` groups requests by owner, so a request's rank
+    is its index minus the index of the owner's first request.
+    """
+    sentinel = num_devices * local_rows
+    key = jnp.where(valid, owner * local_rows + row, sentinel).reshape(-1)
+    n = key.shape[0]
+    uniq, inv = jnp.unique(key, size=n, fill_value=sentinel, return_inverse=True)
+    inv = inv.reshape(-1)
+    starts = jnp.searchsorted(uniq, jnp.arange(num_devices + 1, dtype=key.dtype) * local_rows)
+    u_valid = uniq < sentinel
+    u_owner = jnp.where(u_valid, uniq // local_rows, 0).astype(jnp.int32)
+    u_rank = (jnp.arange(n) - starts[u_owner]).astype(jnp.int32)
+    return Buckets(u_owner, (uniq % local_rows).astype(jnp.int32), u_rank, u_valid,
+                   u_owner[inv], u_rank[inv], valid.reshape(-1), jnp.diff(starts).astype(jnp.int32))
+
+
+def send_buffer(b: Buckets, capacity: int, num_devices: int, pad_row: int) -> jax.Array:
+    """int32 [N, C]: row ids to request from each owner; unused places hold ``pad_row``.
+
+    Requests ranked past the capacity are left out; the caller checks ``counts`` first.
+    """
+    fits = b.unique_valid & (b.unique_rank < capacity)
+    dest = jnp.where(fits, b.unique_owner, num_devices)  # out of bounds -> dropped
+    buf = jnp.full((num_devices, capacity), pad_row, jnp.int32)
+    return buf.at[dest, b.unique_rank].set(b.unique_row, mode="drop")
+
+
+def slot_index(b: Buckets, capacity: int):
+    """Where each request's answer sits in an [N, C] reply: (owner, rank, usable)."""
+    usable = b.slot_valid & (b.slot_rank < capacity)
+    return b.slot_owner, jnp.where(usable, b.slot_rank, 0), usable

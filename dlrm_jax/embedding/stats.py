@@ -1,0 +1,92 @@
+"""What a plan costs: bytes per device, bytes exchanged per step, and the printed report."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dlrm_jax.embedding.layout import build_groups
+from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
+
+
+def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
+    """Per device: the step's all-to-all buffers (ids, vectors, gradients at the compiled
+    capacity) plus the gathered rows and gradients of replicated tables."""
+    n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
+    wire = DTYPE_BYTES[plan.exchange_dtype]
+    total = 0
+    for g in build_groups(plan):
+        if g.replicated:
+            total += plan.global_batch * g.num_vslots * (4 + 4 * g.width)
+        else:
+            cap = g.capacity(local_batch, plan.capacity_factor)
+            total += 2 * n * cap * (4 + 2 * wire * g.width)
+    return total
+
+
+def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
+    """int64 [N] for each of: parameters, optimizer state, exchange buffers."""
+    n = plan.num_devices
+    tot = sum(t.bytes_on_device(n, plan.optimizer, plan.dtype) for t in plan.tables)
+    return {"parameters": tot[:, 0], "optimizer_state": tot[:, 1],
+            "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64)}
+
+
+def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
+    """Bytes one device sends to the others per step at the compiled capacity: row ids out and
+    vectors back (forward), row ids and gradients out (backward); replicated tables: the
+    device's rows and gradients to every other device."""
+    n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
+    wire = DTYPE_BYTES[plan.exchange_dtype]
+    total = 0
+    for g in build_groups(plan):
+        if g.replicated:
+            total += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
+        else:
+            cap = g.capacity(local_batch, plan.capacity_factor)
+            total += (n - 1) * cap * 2 * (4 + wire * g.width)
+    return total
+
+
+def plan_report(plan: EmbeddingPlan) -> str:
+    """The plan as a table, then per-device totals and the predicted exchange volume."""
+    n = plan.num_devices
+    head = f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
+    lines = [f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
+             f"storage {plan.dtype}, exchange {plan.exchange_dtype}, global batch {plan.global_batch}",
+             head, "-" * len(head)]
+    for t in plan.tables:
+        strategy = t.strategy.value
+        if t.strategy == Strategy.ROW:
+            strategy += f" ({t.row_layout.value})"
+        elif t.strategy == Strategy.COLUMN:
+            strategy += f" x{t.column_slices}"
+        whole = t.strategy in (Strategy.REPLICATED, Strategy.ROW)
+        devs = "all" if whole else _device_list(t.devices)
+        per = int(t.bytes_on_device(n, plan.optimizer, plan.dtype).sum(1).max())
+        lines.append(f"{t.spec.name:<12}{t.spec.rows:>13,}{t.spec.dim:>5}{t.spec.bag_size:>5}  "
+                     f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}")
+    per_dev = per_device_bytes(plan)
+    total = sum(per_dev.values())
+    lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'total':>14}"]
+    shown = range(n) if n <= 16 else (int(np.argmax(total)),)
+    for d in shown:
+        lines.append(f"{d:<8}" + "".join(f"{fmt_bytes(int(v[d])):>14}" for v in per_dev.values())
+                     + f"{fmt_bytes(int(total[d])):>14}")
+    if n > 16:
+        lines.append(f"(the busiest of {n} devices)")
+    lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
+    return "\n".join(lines)
+
+
+def _device_list(devices: tuple[int, ...]) -> str:
+    text = ",".join(map(str, devices))
+    return text if len(text) <= 16 else f"{devices[0]}..{devices[-1]} ({len(devices)})"
+
+
+def fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError
