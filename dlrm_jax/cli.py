@@ -84,7 +84,8 @@ def _devices_for(cfg: Config) -> int:
 
 def _start_jax(devices: int, args) -> None:
     """Shape the CPU backend and join the distributed runtime; imports JAX."""
-    request_cpu_devices(devices)
+    processes = getattr(args, "num_processes", None) or 1
+    request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
     from dlrm_jax.parallel.mesh import initialize_distributed
 
     initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),

@@ -42,6 +42,11 @@ class RunSummary:
                 f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
 
 
+def host_scalar(x) -> float:
+    """A replicated scalar's value; works when the array spans other processes' devices too."""
+    return float(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
+
+
 def build(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (nothing allocated yet)."""
     if cfg.train.batch_size % mesh.size:
@@ -123,13 +128,13 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None)
     state = _restore_or_init(steps, ckpts, log)
     plan_json = plan.to_json()
-    start = int(state.step)
+    start = int(host_scalar(state.step))
     metrics.truncate_after(start)
 
     t0 = time.perf_counter()
     compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
-        f"{jax.default_backend()} devices; {_memory_report(compiled)}")
+        f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
@@ -147,7 +152,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             t.eval_every and step % t.eval_every == 0) or (t.checkpoint_every and step % t.checkpoint_every == 0)
         if not boundary:
             continue
-        last_loss = float(window_loss) / window_steps  # waits for the device
+        last_loss = host_scalar(window_loss) / window_steps  # waits for the device
         elapsed = time.perf_counter() - window_start
         train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
         rate = window_steps * t.batch_size / elapsed
@@ -155,7 +160,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             raise FloatingPointError(f"training loss became {last_loss} at step {step}; stopping")
         event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
                  "learning_rate": float(steps.schedule(step - 1)),
-                 "exchange_overflows": int(window_overflows)}
+                 "exchange_overflows": int(host_scalar(window_overflows))}
         bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
         if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
             auc, ll = evaluate(steps, state, source)
@@ -172,7 +177,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     if ckpts:
         ckpts.close()
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
-    return RunSummary(int(state.step), last_loss, auc, ll, rate)
+    return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
 
 
 def _memory_report(compiled) -> str:
@@ -198,4 +203,4 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     state = restore_state(steps, ckpts, log)
     auc, ll = evaluate(steps, state, make_source(cfg, jax.process_index(), jax.process_count()))
     ckpts.close()
-    return RunSummary(int(state.step), ll, auc, ll, float("nan"))
+    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))

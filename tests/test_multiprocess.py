@@ -1,0 +1,50 @@
+"""Two local processes with 4 simulated devices each train exactly like one process with 8."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
+        "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
+        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(run_dir):
+    return [(e["step"], e["loss"], e.get("auc")) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_equal_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    single = subprocess.run([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "one")],
+                            capture_output=True, text=True, timeout=240, env=env)
+    assert single.returncode == 0, single.stderr
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "two"),
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("final step=6")
+        assert "on 8 cpu devices in 2 process(es)" in out
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _, _ in one] == [s for s, _, _ in two]
+    for (_, a, auc_a), (_, b, auc_b) in zip(one, two, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+        assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)

@@ -1,0 +1,94 @@
+"""Property-based tests of routing and bucketing, the heart of the exchange.
+
+For any ids (random, all equal, all distinct, empty bags, table edges) and any layout:
+every id is owned by exactly one device at a row inside that device's shard; each distinct
+(owner, row) is requested once; every request finds its own answer in the reply; and the
+counts say exactly when a capacity is too small.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.routing import (
+    KIND_BLOCK,
+    KIND_CYCLIC,
+    KIND_FIXED,
+    bucket,
+    route,
+    send_buffer,
+    slot_index,
+)
+
+
+@st.composite
+def layouts(draw):
+    n = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    rows = draw(st.integers(1, 40))
+    kind = draw(st.sampled_from([KIND_FIXED, KIND_BLOCK, KIND_CYCLIC]))
+    block = -(-rows // n)
+    device = draw(st.integers(0, n - 1)) if kind == KIND_FIXED else 0
+    offset = draw(st.integers(0, 5))
+    local_rows = offset + (rows if kind == KIND_FIXED else block) + draw(st.integers(0, 3))
+    return n, rows, kind, block, device, offset, local_rows
+
+
+@st.composite
+def id_batches(draw, rows):
+    shape = (draw(st.integers(1, 6)), draw(st.integers(1, 4)))
+    style = draw(st.sampled_from(["random", "equal", "distinct", "edges", "empty"]))
+    if style == "equal":
+        ids = np.full(shape, draw(st.integers(0, rows - 1)))
+    elif style == "distinct":
+        ids = np.arange(np.prod(shape)).reshape(shape) % rows
+    elif style == "edges":
+        ids = np.array(draw(st.lists(st.sampled_from([0, rows - 1, PAD_ID]), min_size=shape[0] * shape[1],
+                                     max_size=shape[0] * shape[1]))).reshape(shape)
+    elif style == "empty":
+        ids = np.full(shape, PAD_ID)
+    else:
+        ids = np.array(draw(st.lists(st.integers(PAD_ID, rows - 1), min_size=shape[0] * shape[1],
+                                     max_size=shape[0] * shape[1]))).reshape(shape)
+    return ids.astype(np.int32)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_routing_and_bucketing(data):
+    n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
+    ids = data.draw(id_batches(rows))
+    v = ids.shape[1]
+    params = [jnp.full((v,), x, jnp.int32) for x in (kind, device, offset, block)]
+    owner, row, valid = (np.asarray(a) for a in route(jnp.asarray(ids), *params, n))
+
+    # Ownership: a bijection from the table's ids onto (owner, row) places inside the shards.
+    all_ids = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    o_all, r_all, _ = (np.asarray(a).ravel() for a in route(all_ids, *[p[:1] for p in params], n))
+    assert ((0 <= o_all) & (o_all < n)).all() and ((offset <= r_all) & (r_all < local_rows)).all()
+    assert len(set(zip(o_all.tolist(), r_all.tolist(), strict=True))) == rows
+    np.testing.assert_array_equal(valid, ids != PAD_ID)
+
+    b = bucket(jnp.asarray(owner), jnp.asarray(row), jnp.asarray(valid), n, local_rows)
+    wanted = {(o, r) for o, r, ok in zip(owner.ravel(), row.ravel(), valid.ravel(), strict=True) if ok}
+    counts = np.asarray(b.counts)
+    assert counts.sum() == len(wanted)
+    for d in range(n):
+        assert counts[d] == sum(1 for o, _ in wanted if o == d)
+
+    for capacity in (1, max(1, int(counts.max(initial=0))), ids.size):
+        buf = np.asarray(send_buffer(b, capacity, n, local_rows))
+        fits = counts.max(initial=0) <= capacity
+        sent = {(d, int(r)) for d in range(n) for r in buf[d] if r != local_rows}
+        if fits:
+            assert sent == {(int(o), int(r)) for o, r in wanted}  # each distinct request once
+            assert all(len(set(buf[d][buf[d] != local_rows])) == (buf[d] != local_rows).sum() for d in range(n))
+        else:
+            assert sent < {(int(o), int(r)) for o, r in wanted}
+        # Every usable request finds its own row at (owner, rank) of the reply.
+        o, k, usable = (np.asarray(a) for a in slot_index(b, capacity))
+        for i in np.flatnonzero(usable):
+            assert (o[i], buf[o[i], k[i]]) == (owner.ravel()[i], row.ravel()[i])
+        if fits:
+            np.testing.assert_array_equal(usable, valid.ravel())
