@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--max-rows", type=int, default=200_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bt.add_argument("--output", help="write the JSON here too")
+    be = bench_sub.add_parser("embedding", help="embedding step of every strategy vs XLA baselines")
+    _add_config_args(be)
+    be.add_argument("--strategies", default="replicated,table,row,column,auto")
+    be.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    be.add_argument("--max-rows", type=int, default=100_000,
+                    help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
+    be.add_argument("--output", help="write the JSON here too")
     return parser
 
 
@@ -152,6 +159,14 @@ def _tighten_cap(cfg: Config, max_rows: int) -> Config:
 
 
 def cmd_bench(args) -> int:
+    if args.suite == "embedding":
+        cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench_embedding import bench_embedding
+
+        bench_embedding(cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s],
+                        output=args.output, log=_log)
+        return 0
     names = [n for n in args.configs.split(",") if n]
     configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]
     _start_jax(max(_devices_for(c) for c in configs), args)

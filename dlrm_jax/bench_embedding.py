@@ -1,0 +1,159 @@
+"""``dlrm-jax bench embedding``: the embedding step of every strategy, side by side.
+
+Each variant runs the same math — look up and pool a batch, take a fixed upstream gradient,
+apply SGD to the looked-up rows — on the same tables and ids:
+
+- the collection under each plan (replicated, table, row, column, auto);
+- ``xla_take``: the table row-sharded over the mesh, ``jnp.take`` + autodiff left to XLA's
+  partitioner (a full-table gradient, sharded);
+- ``dense_gradient``: a replicated table updated with its dense, all-reduced gradient.
+
+Bytes per step and device are predicted from the plan's shapes and counted from the compiled
+HLO's collectives (the overflow branch, compiled but not taken, is left out of the count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.bench import machine_description
+from dlrm_jax.data.sources import make_source
+from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.layout import build_groups
+from dlrm_jax.embedding.optimizers import sgd
+from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.stats import exchange_bytes_per_step
+from dlrm_jax.parallel.mesh import AXIS, make_mesh
+
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
+                "f64": 8, "s64": 8, "u64": 8}
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
+                         r"collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+LR = 0.01
+
+
+def hlo_collective_bytes(hlo_text: str, n: int, skip_dims: set[int] = frozenset()) -> dict[str, float]:
+    """Bytes one device sends to others per collective kind, from the compiled HLO.
+
+    all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
+    reduce-scatter: (N-1) times the result. All-to-alls whose second dimension is in
+    ``skip_dims`` (the worst-case capacity branch) are left out.
+    """
+    out: dict[str, float] = {}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _SHAPE.findall(m.group(1))]
+        if m.group(2) == "all-to-all" and any(len(s) > 1 and s[1] in skip_dims for _, s in shapes):
+            continue
+        size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
+        factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
+                  "reduce-scatter": n - 1, "collective-permute": 1}[m.group(2)]
+        out[m.group(2)] = out.get(m.group(2), 0.0) + factor * size
+    return out
+
+
+def _time(fn, args, steps: int) -> tuple[float, object]:
+    """Median seconds of ``state, _ = fn(state, *rest)`` after 3 warm-up calls."""
+    state = args[0]
+    for _ in range(3):
+        state, _ = fn(state, *args[1:])
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, out = jax.block_until_ready(fn(state, *args[1:]))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), state
+
+
+def _collection_variant(cfg, strategy, mesh, ids, grad, steps):
+    cfg = dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, sharding=strategy, optimizer="sgd"))
+    plan = plan_from_config(cfg, mesh.size)
+    coll = EmbeddingCollection(plan, mesh, sgd())
+
+    def step(state, ids, grad):
+        pooled, res = coll.lookup(state, ids)  # the output keeps the forward exchange alive
+        return coll.apply_gradients(state, res, grad, jnp.float32(LR)), jnp.sum(pooled)
+
+    sharding = coll.state_sharding()
+    fn = jax.jit(step, in_shardings=(sharding, None, None), out_shardings=(sharding, None), donate_argnums=0)
+    state = coll.init(jax.random.key(0))
+    compiled = fn.lower(state, ids, grad).compile()
+    lb = plan.global_batch // mesh.size
+    worst = {g.max_capacity(lb) for g in build_groups(plan) if not g.replicated}
+    caps = {g.capacity(lb, plan.capacity_factor) for g in build_groups(plan) if not g.replicated}
+    hlo = hlo_collective_bytes(compiled.as_text(), mesh.size, worst - caps)
+    seconds, state = _time(compiled, (state, ids, grad), steps)
+    strategies = sorted({t.strategy.value for t in plan.tables})
+    return {"step_ms": 1e3 * seconds, "predicted_bytes": exchange_bytes_per_step(plan),
+            "hlo_bytes": sum(hlo.values()), "hlo_by_kind": hlo, "strategies": strategies}
+
+
+def _baseline_variant(kind, cfg, mesh, ids, grad, steps):
+    """xla_take (row-sharded table, autodiff) or dense_gradient (replicated table, autodiff)."""
+    specs_rows = np.array(cfg.table_rows)
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(specs_rows)[:-1]]).astype(np.int32))
+    rows_total, dim = int(specs_rows.sum()), cfg.model.embedding_dim
+    if kind == "xla_take":
+        rows_total = -(-rows_total // mesh.size) * mesh.size  # divisible by the mesh
+    spec = P(AXIS, None) if kind == "xla_take" else P()
+    table_sharding = NamedSharding(mesh, spec)
+    table = jax.jit(lambda k: jax.random.uniform(k, (rows_total, dim), jnp.float32, -0.01, 0.01),
+                    out_shardings=table_sharding)(jax.random.key(0))
+
+    def step(table, ids, grad):
+        vec, pullback = jax.vjp(lambda t: jnp.take(t, ids + offsets, axis=0), table)  # one-hot: pooled = vec
+        return table - LR * pullback(grad)[0], jnp.sum(vec)
+
+    fn = jax.jit(step, in_shardings=(table_sharding, None, None), out_shardings=(table_sharding, None),
+                 donate_argnums=0)
+    compiled = fn.lower(table, ids, grad).compile()
+    hlo = hlo_collective_bytes(compiled.as_text(), mesh.size)
+    seconds, _ = _time(compiled, (table, ids, grad), steps)
+    return {"step_ms": 1e3 * seconds, "predicted_bytes": None, "hlo_bytes": sum(hlo.values()),
+            "hlo_by_kind": hlo, "strategies": [kind]}
+
+
+def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | None, log=print) -> dict:
+    """Time every strategy and both baselines on the same batch; print a table; JSON out."""
+    if any(b != 1 for b in cfg.bag_sizes):
+        raise ValueError("bench embedding runs one-hot features (data.bag_sizes=1)")
+    mesh = make_mesh(cfg.mesh.devices)
+    batch = make_source(cfg).train_batch(0)
+    data = NamedSharding(mesh, P(AXIS))
+    ids = jax.device_put(batch.ids, data)
+    grad = jax.device_put(np.random.default_rng(0).normal(
+        size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32) / batch.ids.shape[0], data)
+    results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in strategies}
+    for kind in ("xla_take", "dense_gradient"):
+        results[kind] = _baseline_variant(kind, cfg, mesh, ids, grad, steps)
+    best = min(r["step_ms"] for r in results.values())
+    for r in results.values():
+        r["ratio_to_fastest"] = r["step_ms"] / best
+    report = {"benchmark": "embedding_step", "devices": mesh.size, "global_batch": cfg.train.batch_size,
+              "tables": len(cfg.table_rows), "table_rows": int(sum(cfg.table_rows)),
+              "embedding_dim": cfg.model.embedding_dim, "timed_steps": steps,
+              "machine": machine_description(), "results": results}
+    log(f"{'variant':<16}{'step ms':>10}{'x fastest':>10}{'predicted B':>14}{'HLO B':>14}  strategies")
+    for name, r in results.items():
+        pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes']:,}"
+        log(f"{name:<16}{r['step_ms']:>10.2f}{r['ratio_to_fastest']:>10.2f}{pred:>14}"
+            f"{int(r['hlo_bytes']):>14,}  {','.join(r['strategies'])}")
+    text = json.dumps(report, indent=1)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    return report
