@@ -30,8 +30,8 @@ def machine_description() -> dict:
 def _time_config(cfg, steps: int, warmup: int) -> dict:
     cfg = resolve_data_config(cfg)
     mesh = make_mesh(cfg.mesh.devices)
-    plan, fns = build(cfg, mesh)
     source = make_source(cfg, jax.process_index(), jax.process_count())
+    plan, fns = build(cfg, mesh, source)
     batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
     state = fns.init_state()
     t0 = time.perf_counter()

@@ -3,7 +3,9 @@
 Each variant runs the same math — look up and pool a batch, take a fixed upstream gradient,
 apply SGD to the looked-up rows — on the same tables and ids:
 
-- the collection under each plan (replicated, table, row, column, auto);
+- the collection under each plan (replicated, table, row, column, auto), buckets sized from
+  the batch alone, and ``auto_measured``: buckets sized from the distinct requests measured
+  on other batches, as training does;
 - ``xla_take``: the table row-sharded over the mesh, ``jnp.take`` + autodiff left to XLA's
   partitioner (a full-table gradient, sharded);
 - ``dense_gradient``: a replicated table updated with its dense, all-reduced gradient.
@@ -29,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.bench import machine_description
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.collection import EmbeddingCollection
-from dlrm_jax.embedding.layout import build_groups
+from dlrm_jax.embedding.layout import build_groups, group_capacity
 from dlrm_jax.embedding.optimizers import sgd
 from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.stats import exchange_bytes_per_step
@@ -79,10 +81,15 @@ def _time(fn, args, steps: int) -> tuple[float, object]:
     return statistics.median(times), state
 
 
-def _collection_variant(cfg, strategy, mesh, ids, grad, steps):
+def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None):
+    """The collection under ``strategy``; with ``calibration`` id batches, buckets sized from
+    their measured distinct requests (what training compiles) instead of the batch bound."""
     cfg = dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, sharding=strategy, optimizer="sgd"))
     plan = plan_from_config(cfg, mesh.size)
     coll = EmbeddingCollection(plan, mesh, sgd())
+    if calibration is not None:
+        plan = dataclasses.replace(plan, capacities=coll.measure_capacities(calibration, cfg.embedding.capacity_factor))
+        coll = EmbeddingCollection(plan, mesh, sgd())
 
     def step(state, ids, grad):
         pooled, res = coll.lookup(state, ids)  # the output keeps the forward exchange alive
@@ -94,12 +101,15 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps):
     compiled = fn.lower(state, ids, grad).compile()
     lb = plan.global_batch // mesh.size
     worst = {g.max_capacity(lb) for g in build_groups(plan) if not g.replicated}
-    caps = {g.capacity(lb, plan.capacity_factor) for g in build_groups(plan) if not g.replicated}
+    caps = {group_capacity(plan, g) for g in build_groups(plan) if not g.replicated}
     hlo = hlo_collective_bytes(compiled.as_text(), mesh.size, worst - caps)
     seconds, state = _time(compiled, (state, ids, grad), steps)
+    _, res = jax.jit(coll.lookup)(state, ids)
     strategies = sorted({t.strategy.value for t in plan.tables})
     return {"step_ms": 1e3 * seconds, "predicted_bytes": exchange_bytes_per_step(plan),
-            "hlo_bytes": sum(hlo.values()), "hlo_by_kind": hlo, "strategies": strategies}
+            "hlo_bytes": sum(hlo.values()), "hlo_by_kind": hlo, "strategies": strategies,
+            "capacities": {g.name: group_capacity(plan, g) for g in build_groups(plan) if not g.replicated},
+            "overflowed": bool(int(np.asarray(res.overflow.addressable_data(0))))}
 
 
 def _baseline_variant(kind, cfg, mesh, ids, grad, steps):
@@ -132,12 +142,16 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
     if any(b != 1 for b in cfg.bag_sizes):
         raise ValueError("bench embedding runs one-hot features (data.bag_sizes=1)")
     mesh = make_mesh(cfg.mesh.devices)
-    batch = make_source(cfg).train_batch(0)
+    source = make_source(cfg)
+    batch = source.train_batch(0)
     data = NamedSharding(mesh, P(AXIS))
     ids = jax.device_put(batch.ids, data)
+    # Measured on batches other than the timed one, as training measures its first batches.
+    calibration = [jax.device_put(source.train_batch(i).ids, data) for i in range(1, 5)]
     grad = jax.device_put(np.random.default_rng(0).normal(
         size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32) / batch.ids.shape[0], data)
     results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in strategies}
+    results["auto_measured"] = _collection_variant(cfg, "auto", mesh, ids, grad, steps, calibration)
     for kind in ("xla_take", "dense_gradient"):
         results[kind] = _baseline_variant(kind, cfg, mesh, ids, grad, steps)
     best = min(r["step_ms"] for r in results.values())

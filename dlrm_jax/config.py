@@ -88,7 +88,8 @@ class EmbeddingConfig:
     adagrad_initial_accumulator: float = 0.0
     table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
     row_layout: str = field(default="block", metadata=_choices("block", "cyclic"))
-    capacity_factor: float = 1.25  # all-to-all bucket size over the busiest owner's expected load
+    capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
+    capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
     exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check

@@ -6,6 +6,8 @@ on the forward vectors and on every table's values and optimizer state after 5 s
 the plan: strategies x devices x optimizers x one-hot/multi-hot bags.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,8 +37,8 @@ def reference_pool(table, offsets, ids, specs):
     return out
 
 
-def build(cfg, devices):
-    plan = plan_from_config(cfg, devices)
+def build(cfg, devices, plan=None):
+    plan = plan or plan_from_config(cfg, devices)
     return EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer_from_config(cfg))
 
 
@@ -55,8 +57,8 @@ def close(got, want, rtol, atol, norm_tol):
         assert rel < norm_tol, rel
 
 
-def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_tol=None):
-    coll = build(cfg, devices)
+def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None):
+    coll = build(cfg, devices, plan)
     source = SyntheticSource(cfg)
     state = coll.init(jax.random.key(0))
     table, acc = logical(coll, state)
@@ -151,3 +153,22 @@ def test_plan_json_round_trip(tiny):
     plan = plan_from_config(cfg, 8)
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     assert plan.tables[4].strategy == Strategy.COLUMN and plan.tables[4].column_slices == 2
+
+
+def test_measured_capacity_is_tight_and_still_exact(tiny):
+    """Buckets sized from one batch's statistics (no headroom): later batches may overflow,
+    take the fallback path, and still match the reference exactly."""
+    cfg = tiny("embedding.sharding=row", "train.batch_size=64", CARDS, "embedding.optimizer=adagrad",
+               "data.zipf_exponent=1.3")
+    coll = build(cfg, 4)
+    ids = jax.device_put(SyntheticSource(cfg).train_batch(0).ids,
+                         jax.sharding.NamedSharding(coll.mesh, jax.P("devices")))
+    measured = coll.measure_capacities([ids], headroom=1.0)
+    bound = {g.name: g.max_capacity(16) for g in coll.groups}
+    assert measured and all(0 < c < bound[name] for name, c in measured)
+    plan = dataclasses.replace(coll.plan, capacities=measured)
+    assert EmbeddingPlan.from_json(plan.to_json()) == plan
+    coll, state = check_against_reference(cfg, 4, plan=plan)
+    overflows = [int(jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(s).ids))[1].overflow)
+                 for s in range(1, 5)]
+    assert max(overflows) >= 1  # the tight capacity did overflow on some batch, and lost nothing

@@ -12,6 +12,7 @@ travel back through the exchange, and the sparse optimizer turns them into row u
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding import exchange
-from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups
+from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups, group_capacity
 from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import route
@@ -82,7 +83,7 @@ class EmbeddingCollection:
                 self._forward[g.name] = exchange.replicated_forward(g)
                 self._update[g.name] = exchange.replicated_update(g, mesh, optimizer)
             else:
-                cap = g.capacity(self.local_batch, plan.capacity_factor)
+                cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, self.local_batch, wire)
                 self._update[g.name] = exchange.sharded_update(g, mesh, cap, self.local_batch, wire, optimizer)
 
@@ -154,6 +155,17 @@ class EmbeddingCollection:
             outputs.append(pooled.reshape(pooled.shape[0], -1))
         flat = jnp.concatenate(outputs, axis=1)[:, self.assembly]
         return flat.reshape(-1, len(self.specs), self.dim), LookupResiduals(ids_bs, weights_bs, overflow)
+
+    def measure_capacities(self, id_batches: list[jax.Array], headroom: float) -> tuple[tuple[str, int], ...]:
+        """Per sharded group, ``headroom`` x the most distinct rows any device asked of one owner
+        in these (batch-sharded) id batches: the statistic the bucket size is compiled for."""
+        out = []
+        for g in self.groups:
+            if not g.replicated:
+                count = jax.jit(exchange.busiest_owner_requests(g, self.mesh))
+                most = max(int(np.asarray(count(ids).addressable_data(0))) for ids in id_batches)
+                out.append((g.name, max(1, math.ceil(headroom * most))))
+        return tuple(out)
 
     def _pool_weights(self, ids_bs: jax.Array) -> jax.Array:
         valid_bs = (ids_bs != PAD_ID).astype(jnp.float32)

@@ -45,6 +45,16 @@ def _all_to_all(x):
     return lax.all_to_all(x, AXIS, 0, 0)
 
 
+def busiest_owner_requests(g: Group, mesh):
+    """``f(ids [B, S]) -> int32 []``: the most distinct rows one device asks of one owner."""
+
+    def local(ids_local):
+        return _route_and_bucket(g, ids_local)[2][None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    return lambda ids_bs: fn(ids_bs)[0]
+
+
 def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
     """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
     worst = g.max_capacity(local_batch)

@@ -80,6 +80,16 @@ class Group:
         return max(1, min(self.max_capacity(local_batch), math.ceil(factor * load.max())))
 
 
+def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
+    """The compiled bucket size of a sharded group: measured when the plan says, else from
+    the batch size; never above the worst case."""
+    local_batch = plan.global_batch // plan.num_devices
+    measured = dict(plan.capacities).get(g.name)
+    if measured is None:
+        return g.capacity(local_batch, plan.capacity_factor)
+    return max(1, min(g.max_capacity(local_batch), measured))
+
+
 def build_groups(plan: EmbeddingPlan) -> list[Group]:
     """The fused groups of a plan, in a fixed order (replicated first, then by width)."""
     n = plan.num_devices

@@ -87,6 +87,9 @@ class EmbeddingPlan:
     capacity_factor: float = 1.25
     dtype: str = "float32"  # table storage
     exchange_dtype: str = "float32"  # vectors and gradients on the wire
+    # Measured bucket capacities per sharded group, (group name, capacity); groups not listed
+    # get capacity_factor x the expected busiest load from the batch size alone.
+    capacities: tuple[tuple[str, int], ...] = ()
 
     # ------------------------------------------------------------ data round trip
     def to_json(self) -> str:
@@ -100,4 +103,5 @@ class EmbeddingPlan:
                       Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]))
             for t in raw.pop("tables")
         )
+        raw["capacities"] = tuple((str(k), int(v)) for k, v in raw.get("capacities", ()))
         return cls(tables, **raw)

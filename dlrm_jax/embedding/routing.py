@@ -83,12 +83,32 @@ def send_buffer(b: Buckets, capacity: int, num_devices: int, pad_row: int) -> ja
     Requests ranked past the capacity are left out; the caller checks ``counts`` first.
     """
     fits = b.unique_valid & (b.unique_rank < capacity)
-    dest = jnp.where(fits, b.unique_owner, num_devices)  # out of bounds -> dropped
-    buf = jnp.full((num_devices, capacity), pad_row, jnp.int32)
-    return buf.at[dest, b.unique_rank].set(b.unique_row, mode="drop")
+    return scatter_to_buckets(b.unique_owner, b.unique_rank, fits, b.unique_row, capacity, num_devices,
+                              jnp.int32(pad_row))
 
 
 def slot_index(b: Buckets, capacity: int):
     """Where each request's answer sits in an [N, C] reply: (owner, rank, usable)."""
     usable = b.slot_valid & (b.slot_rank < capacity)
     return b.slot_owner, jnp.where(usable, b.slot_rank, 0), usable
+
+
+def rank_by_owner(owner, valid, num_devices: int):
+    """Every request ranked among the requests to the same owner, in input order (no dedupe).
+
+    owner, valid: [n]. Returns rank int32 [n] and counts int32 [N] of valid requests per owner.
+    """
+    key = jnp.where(valid, owner, num_devices)
+    n = key.shape[0]
+    order = jnp.argsort(key, stable=True)
+    starts = jnp.searchsorted(key[order], jnp.arange(num_devices + 1, dtype=key.dtype))
+    rank_sorted = jnp.arange(n) - starts[jnp.minimum(key[order], num_devices)]
+    rank = jnp.zeros(n, jnp.int32).at[order].set(rank_sorted.astype(jnp.int32))
+    return rank, jnp.diff(starts).astype(jnp.int32)
+
+
+def scatter_to_buckets(owner, rank, usable, values, capacity: int, num_devices: int, fill):
+    """[N, C] buffer with ``values[i]`` at (owner[i], rank[i]) for usable requests, else ``fill``."""
+    dest = jnp.where(usable, owner, num_devices)  # out of bounds -> dropped
+    buf = jnp.full((num_devices, capacity), fill, values.dtype)
+    return buf.at[dest, rank].set(values, mode="drop")

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlrm_jax.embedding.layout import build_groups
+from dlrm_jax.embedding.layout import build_groups, group_capacity
 from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     """Per device: the step's all-to-all buffers (ids, vectors, gradients at the compiled
     capacity) plus the gathered rows and gradients of replicated tables."""
-    n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
+    n = plan.num_devices
     wire = DTYPE_BYTES[plan.exchange_dtype]
     total = 0
     for g in build_groups(plan):
         if g.replicated:
             total += plan.global_batch * g.num_vslots * (4 + 4 * g.width)
         else:
-            cap = g.capacity(local_batch, plan.capacity_factor)
+            cap = group_capacity(plan, g)
             total += 2 * n * cap * (4 + 2 * wire * g.width)
     return total
 
@@ -42,7 +42,7 @@ def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
         if g.replicated:
             total += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
         else:
-            cap = g.capacity(local_batch, plan.capacity_factor)
+            cap = group_capacity(plan, g)
             total += (n - 1) * cap * 2 * (4 + wire * g.width)
     return total
 
@@ -74,6 +74,13 @@ def plan_report(plan: EmbeddingPlan) -> str:
                      + f"{fmt_bytes(int(total[d])):>14}")
     if n > 16:
         lines.append(f"(the busiest of {n} devices)")
+    groups = [g for g in build_groups(plan) if not g.replicated]
+    if groups:
+        measured = dict(plan.capacities)
+        lb = plan.global_batch // n
+        lines.append("All-to-all capacity per owner: " + ", ".join(
+            f"{g.name} {group_capacity(plan, g):,} of {g.max_capacity(lb):,} "
+            f"({'measured' if g.name in measured else 'from batch'})" for g in groups))
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -47,13 +48,29 @@ def host_scalar(x) -> float:
     return float(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[EmbeddingPlan, StepFunctions]:
-    """Plan the tables for this mesh and build the jitted steps (nothing allocated yet)."""
+CALIBRATION_BATCHES = 4
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
+          ) -> tuple[EmbeddingPlan, StepFunctions]:
+    """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
+
+    With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
+    sized from the distinct requests of the first training batches (always the same batches,
+    so a resumed run compiles the same step).
+    """
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
     plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
-    collection = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
+    optimizer = sparse_optimizer_from_config(cfg)
+    collection = EmbeddingCollection(plan, mesh, optimizer)
+    if source is not None and cfg.embedding.capacity_from == "measured" and mesh.size > 1:
+        steps = StepFunctions(cfg, mesh, collection)
+        ids = [steps.device_batch(source.train_batch(i)).ids for i in range(CALIBRATION_BATCHES)]
+        capacities = collection.measure_capacities(ids, cfg.embedding.capacity_factor)
+        plan = dataclasses.replace(plan, capacities=capacities)
+        collection = EmbeddingCollection(plan, mesh, optimizer)
     return plan, StepFunctions(cfg, mesh, collection)
 
 
@@ -119,11 +136,11 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     run_dir = Path(run_dir) if run_dir else None
     cfg = resolve_data_config(cfg)
     mesh = make_mesh(cfg.mesh.devices)
-    plan, steps = build(cfg, mesh)
+    source = make_source(cfg, jax.process_index(), jax.process_count())
+    plan, steps = build(cfg, mesh, source)
     _prepare_run_dir(run_dir, cfg, plan)
     log(plan_report(plan))
     t = cfg.train
-    source = make_source(cfg, jax.process_index(), jax.process_count())
     ckpts = Checkpoints(run_dir / "checkpoints", t.keep_checkpoints) if run_dir else None
     metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None)
     state = _restore_or_init(steps, ckpts, log)
@@ -196,11 +213,12 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     run_dir = Path(run_dir)
     cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
     mesh = make_mesh(cfg.mesh.devices)
-    _, steps = build(cfg, mesh)
+    source = make_source(cfg, jax.process_index(), jax.process_count())
+    _, steps = build(cfg, mesh, source)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     if ckpts.latest_step() is None:
         raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
     state = restore_state(steps, ckpts, log)
-    auc, ll = evaluate(steps, state, make_source(cfg, jax.process_index(), jax.process_count()))
+    auc, ll = evaluate(steps, state, source)
     ckpts.close()
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))
