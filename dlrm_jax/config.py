@@ -89,6 +89,7 @@ class EmbeddingConfig:
     table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
     row_layout: str = field(default="block", metadata=_choices("block", "cyclic"))
     capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
+    bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
     capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
     exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))

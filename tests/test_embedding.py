@@ -114,6 +114,32 @@ def test_strategy_matches_reference(tiny, strategy, devices, optimizer, multi_ho
         assert {t.strategy.value for t in coll.plan.tables} == {want}
 
 
+POOLED = [("row", 1, "sgd"), ("row", 2, "rowwise_adagrad"), ("table", 4, "adagrad"), ("column", 8, "adagrad"),
+          ("mixed", 8, "sgd"), ("row_cyclic", 4, "rowwise_adagrad")]
+
+
+@pytest.mark.parametrize("strategy,devices,optimizer", POOLED)
+def test_owner_pooled_bags_match_reference(tiny, strategy, devices, optimizer):
+    """Bags pooled partially at the owners (a reduce-scatter through the all-to-all)."""
+    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, "embedding.bag_exchange=pooled",
+               "data.bag_sizes=[5, 1, 6, 3, 4]", "data.pooling=mean", *strategy_overrides(strategy))
+    coll, _ = check_against_reference(cfg, devices)
+    assert coll.pooled == {g.name for g in coll.groups if not g.replicated}
+
+
+def test_auto_bag_exchange_picks_fewer_bytes(tiny):
+    """Large bags on few devices: owners pooling moves fewer bytes; one-hot never pools."""
+    from dlrm_jax.embedding.stats import exchange_bytes_per_step
+
+    bags = ["data.bag_sizes=[8, 8, 8, 8, 8]", "embedding.sharding=row", CARDS, "train.batch_size=64"]
+    plans = {mode: plan_from_config(tiny(*bags, f"embedding.bag_exchange={mode}"), 2) for mode in ("ids", "pooled", "auto")}
+    assert exchange_bytes_per_step(plans["auto"]) == min(exchange_bytes_per_step(plans["ids"]),
+                                                         exchange_bytes_per_step(plans["pooled"]))
+    assert exchange_bytes_per_step(plans["pooled"]) < exchange_bytes_per_step(plans["ids"])
+    one_hot = build(tiny("embedding.sharding=row", CARDS, "embedding.bag_exchange=auto"), 2)
+    assert not one_hot.pooled
+
+
 @pytest.mark.parametrize("strategy", ["table", "row", "column"])
 def test_sharded_tables_are_split_not_replicated(tiny, strategy):
     cfg = tiny(f"embedding.sharding={strategy}", "embedding.optimizer=adagrad", CARDS)
@@ -165,7 +191,7 @@ def test_measured_capacity_is_tight_and_still_exact(tiny):
                          jax.sharding.NamedSharding(coll.mesh, jax.P("devices")))
     measured = coll.measure_capacities([ids], headroom=1.0)
     bound = {g.name: g.max_capacity(16) for g in coll.groups}
-    assert measured and all(0 < c < bound[name] for name, c in measured)
+    assert measured and all(0 < distinct <= every < bound[name] for name, distinct, every in measured)
     plan = dataclasses.replace(coll.plan, capacities=measured)
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     coll, state = check_against_reference(cfg, 4, plan=plan)

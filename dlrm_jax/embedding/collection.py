@@ -23,7 +23,13 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding import exchange
-from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups, group_capacity
+from dlrm_jax.embedding.layout import (
+    Group,
+    VirtualTable,
+    build_groups,
+    group_capacity,
+    uses_pooled_exchange,
+)
 from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import route
@@ -78,10 +84,15 @@ class EmbeddingCollection:
         self.storage_dtype = jnp.dtype(plan.dtype)
         wire = jnp.dtype(plan.exchange_dtype)
         self._forward, self._update = {}, {}
+        self.pooled = {g.name for g in self.groups if uses_pooled_exchange(plan, g)}
         for g in self.groups:
             if g.replicated:
                 self._forward[g.name] = exchange.replicated_forward(g)
                 self._update[g.name] = exchange.replicated_update(g, mesh, optimizer)
+            elif g.name in self.pooled:
+                cap = group_capacity(plan, g)
+                self._forward[g.name] = exchange.pooled_forward(g, mesh, cap, self.local_batch, wire)
+                self._update[g.name] = exchange.pooled_update(g, mesh, cap, self.local_batch, wire, optimizer)
             else:
                 cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, self.local_batch, wire)
@@ -144,6 +155,11 @@ class EmbeddingCollection:
         weights_bs = self._pool_weights(ids_bs)
         outputs, overflow = [], jnp.zeros((), jnp.int32)
         for g in self.groups:
+            if g.name in self.pooled:  # owners already pooled: [B, F', W]
+                pooled, over = self._forward[g.name](state.tables[g.name], ids_bs, weights_bs)
+                overflow = overflow + over.astype(jnp.int32)
+                outputs.append(pooled.reshape(pooled.shape[0], -1))
+                continue
             if g.replicated:
                 vectors = self._forward[g.name](state.tables[g.name], ids_bs)
             else:
@@ -156,15 +172,20 @@ class EmbeddingCollection:
         flat = jnp.concatenate(outputs, axis=1)[:, self.assembly]
         return flat.reshape(-1, len(self.specs), self.dim), LookupResiduals(ids_bs, weights_bs, overflow)
 
-    def measure_capacities(self, id_batches: list[jax.Array], headroom: float) -> tuple[tuple[str, int], ...]:
-        """Per sharded group, ``headroom`` x the most distinct rows any device asked of one owner
-        in these (batch-sharded) id batches: the statistic the bucket size is compiled for."""
+    def measure_capacities(self, id_batches: list[jax.Array], headroom: float
+                           ) -> tuple[tuple[str, int, int], ...]:
+        """Per sharded group, ``headroom`` x the most distinct rows, and the most requests, any
+        device sent one owner in these (batch-sharded) id batches: the statistics the two
+        exchanges' buckets are compiled for."""
         out = []
         for g in self.groups:
             if not g.replicated:
-                count = jax.jit(exchange.busiest_owner_requests(g, self.mesh))
-                most = max(int(np.asarray(count(ids).addressable_data(0))) for ids in id_batches)
-                out.append((g.name, max(1, math.ceil(headroom * most))))
+                sized = []
+                for stat in (exchange.busiest_owner_requests, exchange.busiest_owner_all_requests):
+                    count = jax.jit(stat(g, self.mesh))
+                    most = max(int(np.asarray(count(ids).addressable_data(0))) for ids in id_batches)
+                    sized.append(max(1, math.ceil(headroom * most)))
+                out.append((g.name, *sized))
         return tuple(out)
 
     def _pool_weights(self, ids_bs: jax.Array) -> jax.Array:
@@ -183,6 +204,11 @@ class EmbeddingCollection:
         flat = grad_bfd.reshape(grad_bfd.shape[0], -1)
         tables, slots = {}, {}
         for g in self.groups:
+            if g.name in self.pooled:  # owners weight the pooled gradient per row themselves
+                tables[g.name], slots[g.name] = self._update[g.name](
+                    state.tables[g.name], state.slots[g.name], res.ids_bs, res.weights_bs,
+                    flat[:, g.vfeature_cols], lr)
+                continue
             grads = flat[:, g.vslot_cols] * res.weights_bs[:, g.vslot_slot, None]  # [B, V, W]
             tables[g.name], slots[g.name] = self._update[g.name](
                 state.tables[g.name], state.slots[g.name], res.ids_bs, grads, lr)

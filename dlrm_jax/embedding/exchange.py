@@ -28,7 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.layout import Group
 from dlrm_jax.embedding.optimizers import SparseOptimizer
-from dlrm_jax.embedding.routing import bucket, route, send_buffer, slot_index
+from dlrm_jax.embedding.routing import (
+    bucket,
+    rank_by_owner,
+    route,
+    scatter_to_buckets,
+    send_buffer,
+    slot_index,
+)
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -134,3 +141,93 @@ def replicated_update(g: Group, mesh, optimizer: SparseOptimizer):
     # check_vma off: every device applies the same gathered update, so outputs are replicated.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
                          out_specs=(P(), P()), check_vma=False)
+
+
+# ---------------------------------------------------------------- partial pooling at owners
+
+
+def _route_all(g: Group, ids_local_bs: jax.Array, weights_local_bs: jax.Array):
+    """Every valid request (no dedupe) ranked per owner, with the segment (sample, virtual
+    feature) it pools into and its pooling weight; plus the busiest owner's count (pmax)."""
+    b_local = ids_local_bs.shape[0]
+    vids = ids_local_bs[:, g.vslot_slot]
+    owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
+                              jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
+    owner, row, valid = owner.reshape(-1), row.reshape(-1), valid.reshape(-1)
+    rank, counts = rank_by_owner(owner, valid, g.num_devices)
+    seg = (jnp.arange(b_local)[:, None] * len(g.vtables) + jnp.asarray(g.vslot_vfeature)[None, :]).reshape(-1)
+    weight = weights_local_bs[:, g.vslot_slot].reshape(-1)
+    return (owner, row, rank, valid, seg.astype(jnp.int32), weight), lax.pmax(jnp.max(counts), AXIS)
+
+
+def _send_requests(g: Group, req, cap: int):
+    """All-to-all of (row, segment, weight) per request: what each owner must pool, for whom."""
+    owner, row, rank, valid, seg, weight = req
+    usable = valid & (rank < cap)
+    put = partial(scatter_to_buckets, owner, rank, usable, capacity=cap, num_devices=g.num_devices)
+    return (_all_to_all(put(row, fill=jnp.int32(g.local_rows))), _all_to_all(put(seg, fill=jnp.int32(0))),
+            _all_to_all(put(weight, fill=jnp.float32(0))))
+
+
+def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
+    """``f(table, ids [B, S], weights [B, S]) -> (pooled [B, F', W], overflowed [])``.
+
+    Owners pool what they hold of every (sample, virtual feature) and send partial sums back;
+    the requester adds the N partial sums: a reduce-scatter through an all-to-all. Moves
+    B_local x F' vectors per owner instead of one per requested row: fewer bytes for large bags.
+    """
+    worst = g.max_capacity(local_batch)
+    n_seg = local_batch * len(g.vtables)
+
+    def exchange(table_local, req, cap):
+        rows, segs, weights = _send_requests(g, req, cap)  # [N, C] from each source
+        vectors = table_local.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * weights[..., None]
+        target = (jnp.arange(g.num_devices)[:, None] * n_seg + segs).reshape(-1)
+        partial_sums = jax.ops.segment_sum(vectors.reshape(-1, g.width), target, g.num_devices * n_seg)
+        back = _all_to_all(partial_sums.reshape(g.num_devices, n_seg, g.width).astype(wire_dtype))
+        return back.astype(jnp.float32).sum(0).reshape(local_batch, len(g.vtables), g.width)
+
+    def local(table_local, ids_local, weights_local):
+        req, most = _route_all(g, ids_local, weights_local)
+        over = most > capacity
+        out = lax.cond(over, partial(exchange, cap=worst), partial(exchange, cap=capacity), table_local, req)
+        return out, over[None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+
+    def forward(table, ids_bs, weights_bs):
+        out, over = fn(table, ids_bs, weights_bs)
+        return out, over[0]
+
+    return forward
+
+
+def pooled_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype, optimizer: SparseOptimizer):
+    """``f(table, slots, ids, weights, grads [B, F', W], lr) -> (table, slots)``: every owner
+    gets each device's pooled gradients (all-gather) and scatters them to the rows it pooled."""
+    worst = g.max_capacity(local_batch)
+
+    def exchange(table_local, slots_local, req, grads_local, lr, cap):
+        rows, segs, weights = _send_requests(g, req, cap)
+        every = lax.all_gather(grads_local.reshape(-1, g.width).astype(wire_dtype), AXIS)  # [N, B_l F', W]
+        grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
+        return optimizer.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+
+    def local(table_local, slots_local, ids_local, weights_local, grads_local, lr):
+        req, most = _route_all(g, ids_local, weights_local)
+        return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
+                        table_local, slots_local, req, grads_local, lr)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+                         out_specs=(P(AXIS), P(AXIS)))
+
+
+def busiest_owner_all_requests(g: Group, mesh):
+    """``f(ids [B, S]) -> int32 []``: the most requests (duplicates included) one device sends
+    one owner: the statistic the pooled exchange's buckets are sized for."""
+
+    def local(ids_local):
+        return _route_all(g, ids_local, jnp.ones(ids_local.shape, jnp.float32))[1][None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    return lambda ids_bs: fn(ids_bs)[0]

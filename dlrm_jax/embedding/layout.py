@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.embedding.plan import EmbeddingPlan, RowLayout, Strategy
+from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, RowLayout, Strategy
 from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 
 
@@ -80,14 +80,35 @@ class Group:
         return max(1, min(self.max_capacity(local_batch), math.ceil(factor * load.max())))
 
 
-def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
-    """The compiled bucket size of a sharded group: measured when the plan says, else from
-    the batch size; never above the worst case."""
+def _capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
+    """(distinct-request, all-request) bucket sizes: measured when the plan has them, else
+    the batch-size bound for both; never above the worst case."""
     local_batch = plan.global_batch // plan.num_devices
-    measured = dict(plan.capacities).get(g.name)
+    worst = g.max_capacity(local_batch)
+    measured = {name: (a, b) for name, a, b in plan.capacities}.get(g.name)
     if measured is None:
-        return g.capacity(local_batch, plan.capacity_factor)
-    return max(1, min(g.max_capacity(local_batch), measured))
+        bound = g.capacity(local_batch, plan.capacity_factor)
+        return bound, bound
+    return max(1, min(worst, measured[0])), max(1, min(worst, measured[1]))
+
+
+def uses_pooled_exchange(plan: EmbeddingPlan, g: Group) -> bool:
+    """Whether owners pool this sharded group's bags (see EmbeddingPlan.bag_exchange)."""
+    bags = any(plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables)
+    if g.replicated or not bags or plan.bag_exchange == "ids":
+        return False
+    if plan.bag_exchange == "pooled":
+        return True
+    wire = DTYPE_BYTES[plan.exchange_dtype] * g.width
+    distinct, every = _capacities(plan, g)
+    segments = plan.global_batch // plan.num_devices * len(g.vtables)
+    return every * 12 + segments * wire < distinct * (4 + wire)
+
+
+def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
+    """The compiled bucket size of a sharded group, for the exchange it uses."""
+    distinct, every = _capacities(plan, g)
+    return every if uses_pooled_exchange(plan, g) else distinct
 
 
 def build_groups(plan: EmbeddingPlan) -> list[Group]:

@@ -87,9 +87,13 @@ class EmbeddingPlan:
     capacity_factor: float = 1.25
     dtype: str = "float32"  # table storage
     exchange_dtype: str = "float32"  # vectors and gradients on the wire
-    # Measured bucket capacities per sharded group, (group name, capacity); groups not listed
-    # get capacity_factor x the expected busiest load from the batch size alone.
-    capacities: tuple[tuple[str, int], ...] = ()
+    # Bags on sharded tables: "ids" sends each distinct row to the requester, which pools;
+    # "pooled" has owners pool partially and send one vector per (sample, feature); "auto"
+    # picks, per group, whichever moves fewer bytes.
+    bag_exchange: str = "auto"
+    # Measured bucket capacities per sharded group: (group name, distinct-request capacity,
+    # all-request capacity). Groups not listed get capacity_factor x the batch-size bound.
+    capacities: tuple[tuple[str, int, int], ...] = ()
 
     # ------------------------------------------------------------ data round trip
     def to_json(self) -> str:
@@ -103,5 +107,5 @@ class EmbeddingPlan:
                       Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]))
             for t in raw.pop("tables")
         )
-        raw["capacities"] = tuple((str(k), int(v)) for k, v in raw.get("capacities", ()))
+        raw["capacities"] = tuple((str(k), int(a), int(b)) for k, a, b in raw.get("capacities", ()))
         return cls(tables, **raw)

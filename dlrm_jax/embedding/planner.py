@@ -100,7 +100,8 @@ class _Placer:
 def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int, optimizer: str,
                     global_batch: int, *, overrides: Mapping[str, Strategy] | None = None,
                     row_layout: str = "block", capacity_factor: float = 1.25, dtype: str = "float32",
-                    exchange_dtype: str = "float32", budget_bytes: int = 0) -> EmbeddingPlan:
+                    exchange_dtype: str = "float32", budget_bytes: int = 0,
+                    bag_exchange: str = "auto") -> EmbeddingPlan:
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
     one cannot be placed within ``budget_bytes`` per device (0 = no limit)."""
     overrides = dict(overrides or {})
@@ -127,7 +128,7 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
         best = min(feasible, key=lambda c: (c[2].max(), ORDER.index(c[0].strategy)))
         placed[t] = placer.place(best)
     plan = EmbeddingPlan(tuple(placed[t] for t in range(len(specs))), num_devices, optimizer,
-                         global_batch, capacity_factor, dtype, exchange_dtype)
+                         global_batch, capacity_factor, dtype, exchange_dtype, bag_exchange)
     _check_budget_with_buffers(plan, budget_bytes)
     return plan
 
@@ -174,5 +175,5 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> 
         specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size,
         overrides=parse_overrides(e.table_sharding, specs), row_layout=e.row_layout,
         capacity_factor=e.capacity_factor, dtype=e.dtype, exchange_dtype=e.exchange_dtype,
-        budget_bytes=budget,
+        budget_bytes=budget, bag_exchange=e.bag_exchange,
     )

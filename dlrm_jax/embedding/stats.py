@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlrm_jax.embedding.layout import build_groups, group_capacity
+from dlrm_jax.embedding.layout import build_groups, group_capacity, uses_pooled_exchange
 from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
 
 
@@ -17,6 +17,9 @@ def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     for g in build_groups(plan):
         if g.replicated:
             total += plan.global_batch * g.num_vslots * (4 + 4 * g.width)
+        elif uses_pooled_exchange(plan, g):  # (row, segment, weight) both ways; partial sums; grads
+            segments = plan.global_batch // n * len(g.vtables)
+            total += 2 * n * group_capacity(plan, g) * 12 + n * segments * g.width * (4 + 2 * wire)
         else:
             cap = group_capacity(plan, g)
             total += 2 * n * cap * (4 + 2 * wire * g.width)
@@ -41,6 +44,10 @@ def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
     for g in build_groups(plan):
         if g.replicated:
             total += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
+        elif uses_pooled_exchange(plan, g):
+            # requests out twice (forward, backward), partial sums back, pooled gradients gathered
+            segments = local_batch * len(g.vtables)
+            total += (n - 1) * (group_capacity(plan, g) * 12 * 2 + segments * wire * g.width * 2)
         else:
             cap = group_capacity(plan, g)
             total += (n - 1) * cap * 2 * (4 + wire * g.width)
@@ -76,11 +83,12 @@ def plan_report(plan: EmbeddingPlan) -> str:
         lines.append(f"(the busiest of {n} devices)")
     groups = [g for g in build_groups(plan) if not g.replicated]
     if groups:
-        measured = dict(plan.capacities)
+        measured = {c[0] for c in plan.capacities}
         lb = plan.global_batch // n
         lines.append("All-to-all capacity per owner: " + ", ".join(
             f"{g.name} {group_capacity(plan, g):,} of {g.max_capacity(lb):,} "
-            f"({'measured' if g.name in measured else 'from batch'})" for g in groups))
+            f"({'measured' if g.name in measured else 'from batch'}"
+            f"{', owners pool bags' if uses_pooled_exchange(plan, g) else ''})" for g in groups))
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
 
