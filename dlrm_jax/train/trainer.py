@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from dlrm_jax.config import Config, dump_config
@@ -22,7 +24,7 @@ from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.stats import plan_report
-from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -66,8 +68,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     optimizer = sparse_optimizer_from_config(cfg)
     collection = EmbeddingCollection(plan, mesh, optimizer)
     if source is not None and cfg.embedding.capacity_from == "measured" and mesh.size > 1:
-        steps = StepFunctions(cfg, mesh, collection)
-        ids = [steps.device_batch(source.train_batch(i)).ids for i in range(CALIBRATION_BATCHES)]
+        batch_sharding = NamedSharding(mesh, P(AXIS))
+        ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
+               for i in range(CALIBRATION_BATCHES)]
         capacities = collection.measure_capacities(ids, cfg.embedding.capacity_factor)
         plan = dataclasses.replace(plan, capacities=capacities)
         collection = EmbeddingCollection(plan, mesh, optimizer)
