@@ -53,12 +53,14 @@ class LookupResiduals(NamedTuple):
 
     ids_bs: int32 [B, S] the batch's ids; weights_bs: float32 [B, S] pooling weight of each slot
     (0 for padding, 1/bag length for mean pooling); overflow: int32 [] groups whose exchange
-    needed the worst-case capacity this step.
+    needed the worst-case capacity this step; routes: per sharded group, the forward's routing
+    and buckets (fixed shapes, batch-sharded), reused by the backward.
     """
 
     ids_bs: jax.Array
     weights_bs: jax.Array
     overflow: jax.Array
+    routes: dict
 
 
 class EmbeddingCollection:
@@ -153,24 +155,25 @@ class EmbeddingCollection:
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
         """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)."""
         weights_bs = self._pool_weights(ids_bs)
-        outputs, overflow = [], jnp.zeros((), jnp.int32)
+        outputs, overflow, routes = [], jnp.zeros((), jnp.int32), {}
         for g in self.groups:
             if g.name in self.pooled:  # owners already pooled: [B, F', W]
-                pooled, over = self._forward[g.name](state.tables[g.name], ids_bs, weights_bs)
+                pooled, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs, weights_bs)
                 overflow = overflow + over.astype(jnp.int32)
                 outputs.append(pooled.reshape(pooled.shape[0], -1))
                 continue
             if g.replicated:
                 vectors = self._forward[g.name](state.tables[g.name], ids_bs)
             else:
-                vectors, over = self._forward[g.name](state.tables[g.name], ids_bs)
+                vectors, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs)
                 overflow = overflow + over.astype(jnp.int32)
             weighted = vectors * weights_bs[:, g.vslot_slot, None]  # [B, V, W]
             pooled = weighted if self.one_hot and _identity(g.vslot_vfeature) else _segment_sum_axis1(
                 weighted, g.vslot_vfeature, len(g.vtables))
             outputs.append(pooled.reshape(pooled.shape[0], -1))
         flat = jnp.concatenate(outputs, axis=1)[:, self.assembly]
-        return flat.reshape(-1, len(self.specs), self.dim), LookupResiduals(ids_bs, weights_bs, overflow)
+        residuals = LookupResiduals(ids_bs, weights_bs, overflow, routes)
+        return flat.reshape(-1, len(self.specs), self.dim), residuals
 
     def measure_capacities(self, id_batches: list[jax.Array], headroom: float
                            ) -> tuple[tuple[str, int, int], ...]:
@@ -206,12 +209,12 @@ class EmbeddingCollection:
         for g in self.groups:
             if g.name in self.pooled:  # owners weight the pooled gradient per row themselves
                 tables[g.name], slots[g.name] = self._update[g.name](
-                    state.tables[g.name], state.slots[g.name], res.ids_bs, res.weights_bs,
-                    flat[:, g.vfeature_cols], lr)
+                    state.tables[g.name], state.slots[g.name], res.routes[g.name], flat[:, g.vfeature_cols], lr)
                 continue
             grads = flat[:, g.vslot_cols] * res.weights_bs[:, g.vslot_slot, None]  # [B, V, W]
+            where = res.ids_bs if g.replicated else res.routes[g.name]
             tables[g.name], slots[g.name] = self._update[g.name](
-                state.tables[g.name], state.slots[g.name], res.ids_bs, grads, lr)
+                state.tables[g.name], state.slots[g.name], where, grads, lr)
         return EmbeddingState(tables, slots)
 
 

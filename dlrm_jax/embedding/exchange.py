@@ -79,20 +79,23 @@ def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype)
         over = most > capacity
         out = lax.cond(over, partial(exchange, cap=worst, shape=shape),
                        partial(exchange, cap=capacity, shape=shape), table_local, b)
-        return out, over[None]
+        return out, over[None], (b, most[None])
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS), P(AXIS)))
 
     def forward(table, ids_bs):
-        out, over = fn(table, ids_bs)
-        return out, over[0]
+        """-> (vectors, overflowed, route): the route (buckets, busiest count) is the backward's
+        residual, so the ids are not routed and sorted a second time."""
+        out, over, route_ = fn(table, ids_bs)
+        return out, over[0], route_
 
     return forward
 
 
 def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
                    optimizer: SparseOptimizer):
-    """``f(table, slots, ids [B, S], grads [B, V, W], lr) -> (table, slots)``, sparse, on owners."""
+    """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
+    ``route`` is what the forward returned."""
     worst = g.max_capacity(local_batch)
 
     def exchange(table_local, slots_local, b, grads, lr, cap):
@@ -105,9 +108,9 @@ def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
         return optimizer.update(table_local, slots_local, recv_rows.reshape(-1),
                                 recv_grads.reshape(-1, g.width), lr)
 
-    def local(table_local, slots_local, ids_local, grads_local, lr):
-        _, b, most = _route_and_bucket(g, ids_local)
-        return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
+    def local(table_local, slots_local, route_local, grads_local, lr):
+        b, most = route_local
+        return lax.cond(most[0] > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
                         table_local, slots_local, b, grads_local, lr)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
@@ -191,20 +194,22 @@ def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
         req, most = _route_all(g, ids_local, weights_local)
         over = most > capacity
         out = lax.cond(over, partial(exchange, cap=worst), partial(exchange, cap=capacity), table_local, req)
-        return out, over[None]
+        return out, over[None], (req, most[None])
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+                       out_specs=(P(AXIS), P(AXIS), P(AXIS)))
 
     def forward(table, ids_bs, weights_bs):
-        out, over = fn(table, ids_bs, weights_bs)
-        return out, over[0]
+        """-> (pooled, overflowed, route): the route is the backward's residual."""
+        out, over, route_ = fn(table, ids_bs, weights_bs)
+        return out, over[0], route_
 
     return forward
 
 
 def pooled_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype, optimizer: SparseOptimizer):
-    """``f(table, slots, ids, weights, grads [B, F', W], lr) -> (table, slots)``: every owner
-    gets each device's pooled gradients (all-gather) and scatters them to the rows it pooled."""
+    """``f(table, slots, route, grads [B, F', W], lr) -> (table, slots)``: every owner gets each
+    device's pooled gradients (all-gather) and scatters them to the rows it pooled."""
     worst = g.max_capacity(local_batch)
 
     def exchange(table_local, slots_local, req, grads_local, lr, cap):
@@ -213,12 +218,12 @@ def pooled_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype, o
         grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
         return optimizer.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
 
-    def local(table_local, slots_local, ids_local, weights_local, grads_local, lr):
-        req, most = _route_all(g, ids_local, weights_local)
-        return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
+    def local(table_local, slots_local, route_local, grads_local, lr):
+        req, most = route_local
+        return lax.cond(most[0] > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
                         table_local, slots_local, req, grads_local, lr)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
                          out_specs=(P(AXIS), P(AXIS)))
 
 
