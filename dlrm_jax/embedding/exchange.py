@@ -52,6 +52,24 @@ def _all_to_all(x):
     return lax.all_to_all(x, AXIS, 0, 0)
 
 
+def _at_capacity(exchange, most, capacity: int, worst: int, *operands):
+    """``exchange(*operands, cap=capacity)``, or at the worst-case capacity when some device has
+    more requests for one owner; ``most`` is a pmax, so every device takes the same branch."""
+    return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity), *operands)
+
+
+def _update_on_owners(mesh, exchange, capacity: int, worst: int):
+    """``f(table, slots, route, grads, lr) -> (table, slots)`` running an update exchange per
+    device; ``route`` is (requests, busiest count) as the forward returned it."""
+
+    def local(table_local, slots_local, route_local, grads_local, lr):
+        requests, most = route_local
+        return _at_capacity(exchange, most[0], capacity, worst, table_local, slots_local, requests, grads_local, lr)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+                         out_specs=(P(AXIS), P(AXIS)))
+
+
 def busiest_owner_requests(g: Group, mesh):
     """``f(ids [B, S]) -> int32 []``: the most distinct rows one device asks of one owner."""
 
@@ -77,8 +95,7 @@ def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype)
     def local(table_local, ids_local):
         shape, b, most = _route_and_bucket(g, ids_local)
         over = most > capacity
-        out = lax.cond(over, partial(exchange, cap=worst, shape=shape),
-                       partial(exchange, cap=capacity, shape=shape), table_local, b)
+        out = _at_capacity(partial(exchange, shape=shape), most, capacity, worst, table_local, b)
         return out, over[None], (b, most[None])
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS), P(AXIS)))
@@ -108,13 +125,7 @@ def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
         return optimizer.update(table_local, slots_local, recv_rows.reshape(-1),
                                 recv_grads.reshape(-1, g.width), lr)
 
-    def local(table_local, slots_local, route_local, grads_local, lr):
-        b, most = route_local
-        return lax.cond(most[0] > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
-                        table_local, slots_local, b, grads_local, lr)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
-                         out_specs=(P(AXIS), P(AXIS)))
+    return _update_on_owners(mesh, exchange, capacity, worst)
 
 
 def replicated_forward(g: Group):
@@ -193,7 +204,7 @@ def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
     def local(table_local, ids_local, weights_local):
         req, most = _route_all(g, ids_local, weights_local)
         over = most > capacity
-        out = lax.cond(over, partial(exchange, cap=worst), partial(exchange, cap=capacity), table_local, req)
+        out = _at_capacity(exchange, most, capacity, worst, table_local, req)
         return out, over[None], (req, most[None])
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
@@ -218,13 +229,7 @@ def pooled_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype, o
         grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
         return optimizer.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
 
-    def local(table_local, slots_local, route_local, grads_local, lr):
-        req, most = route_local
-        return lax.cond(most[0] > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity),
-                        table_local, slots_local, req, grads_local, lr)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
-                         out_specs=(P(AXIS), P(AXIS)))
+    return _update_on_owners(mesh, exchange, capacity, worst)
 
 
 def busiest_owner_all_requests(g: Group, mesh):
