@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding import exchange
+from dlrm_jax.embedding.initializer import init_group
 from dlrm_jax.embedding.layout import (
     Group,
     VirtualTable,
@@ -108,11 +109,10 @@ class EmbeddingCollection:
                               {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()})
 
     def _init(self, key: jax.Array) -> EmbeddingState:
-        # DLRM's initialiser, U(-1/sqrt(rows), 1/sqrt(rows)); each table from its own key, so a
-        # table's values are the same whatever the plan.
-        logical = [jax.random.uniform(jax.random.fold_in(key, t), (s.rows, self.dim), jnp.float32,
-                                      -1.0 / s.rows**0.5, 1.0 / s.rows**0.5) for t, s in enumerate(self.specs)]
-        tables = to_physical(self.groups, logical, self.storage_dtype)
+        # Every element is a function of (key, table, row, column), computed where it lives:
+        # no device ever holds a whole logical table, and a table's values do not depend on the plan.
+        rows = tuple(s.rows for s in self.specs)
+        tables = {g.name: init_group(g, rows, key, self.storage_dtype) for g in self.groups}
         return EmbeddingState(tables, {name: self.optimizer.init(arr) for name, arr in tables.items()})
 
     def init(self, key: jax.Array) -> EmbeddingState:

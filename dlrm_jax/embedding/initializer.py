@@ -1,0 +1,76 @@
+"""Table initialisation computed in place, shard by shard, from the physical row index.
+
+DLRM initialises a table of R rows with U(-1/sqrt(R), 1/sqrt(R)). Drawing each logical table
+whole and scattering it into the fused arrays would put every full table on every device (the
+random draw is not sharded). Here every element of a fused array is a pure function of
+(seed, table, logical row, column): a counter-based hash of those numbers. Each device
+evaluates it only for the rows it holds (the computation is elementwise over an iota, which
+XLA partitions like the output), and a table's values are the same under every plan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dlrm_jax.embedding.layout import Group
+from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A bijective 32-bit finaliser (Wellons' lowbias32): every input bit affects every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seed_2: jax.Array, table: jax.Array, row: jax.Array, col: jax.Array) -> jax.Array:
+    """float32 in [0, 1), one per element of the broadcast (table, row, col) uint32 arrays."""
+    h = _mix32(col.astype(jnp.uint32) ^ _mix32(row.astype(jnp.uint32) ^ _mix32(table.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))))
+    h = _mix32(h ^ seed_2[0]) ^ seed_2[1]
+    return (_mix32(h) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def logical_rows(g: Group, vt_index: int, physical_row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For physical rows of group ``g``'s array (int32 [n]): the logical row of virtual table
+    ``vt_index`` each holds, and whether it holds one of that table's rows at all."""
+    vt = g.vtables[vt_index]
+    if g.replicated:
+        device, local = jnp.zeros_like(physical_row), physical_row
+    else:
+        device, local = physical_row // g.local_rows, physical_row % g.local_rows
+    i = local - vt.offset
+    if vt.kind == KIND_BLOCK:
+        logical = device * vt.block + i
+        held = (i >= 0) & (i < vt.block)
+    elif vt.kind == KIND_CYCLIC:
+        logical = i * g.num_devices + device
+        held = (i >= 0) & (i < vt.block)
+    else:  # one device holds the whole table (or column slice); replicated: every device
+        logical = i
+        held = (i >= 0) & (i < vt.rows) & ((device == vt.device) | g.replicated)
+    return logical, held & (logical < vt.rows)
+
+
+def init_group(g: Group, table_rows: tuple[int, ...], key: jax.Array, dtype) -> jax.Array:
+    """The fused array of group ``g`` [array_rows, width], each table's rows drawn from
+    U(-1/sqrt(rows), 1/sqrt(rows)) as a function of (key, table, row, column); rows that hold
+    no table row (padding) are zero."""
+    rows = lax.iota(jnp.int32, g.array_rows)
+    table = jnp.zeros(g.array_rows, jnp.int32)
+    logical = jnp.zeros(g.array_rows, jnp.int32)
+    col0 = jnp.zeros(g.array_rows, jnp.int32)
+    scale = jnp.zeros(g.array_rows, jnp.float32)
+    for v, vt in enumerate(g.vtables):
+        lr, held = logical_rows(g, v, rows)
+        table = jnp.where(held, vt.table, table)
+        logical = jnp.where(held, lr, logical)
+        col0 = jnp.where(held, vt.col_start, col0)
+        scale = jnp.where(held, 1.0 / table_rows[vt.table] ** 0.5, scale)
+    cols = col0[:, None] + lax.iota(jnp.int32, g.width)[None, :]
+    u = hash_uniform(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
+                     table[:, None], logical[:, None], cols)
+    return ((2.0 * u - 1.0) * scale[:, None]).astype(dtype)
