@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from dlrm_jax.config import Config, ConfigError, load_config
@@ -105,12 +104,18 @@ def _log(msg: str) -> None:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     _start_jax(_devices_for(cfg), args)
-    from dlrm_jax.train.trainer import train_and_evaluate
+    from dlrm_jax.train.rundir import agree_on_run_dir
+    from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
+    run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     _log(f"run dir: {run_dir}")
-    summary = train_and_evaluate(cfg, run_dir, log=_log)
+    try:
+        summary = train_and_evaluate(cfg, run_dir, log=_log)
+    except Interrupted as e:
+        saved = f"checkpoint saved in {run_dir}; re-run the same command to resume" if e.saved else "nothing saved"
+        print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     print(summary.final_line(), flush=True)
     return 0
 
@@ -188,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dlrm-jax: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dlrm-jax: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
         if os.environ.get("DLRM_JAX_DEBUG"):
             raise

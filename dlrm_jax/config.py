@@ -50,6 +50,7 @@ class TrainConfig:
     eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
     checkpoint_every: int = 250  # 0 = only at the end
     keep_checkpoints: int = 3
+    max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
     progress_bar: bool = True
 
 
@@ -276,6 +277,7 @@ def validate(cfg: Config) -> Config:
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "warmup_steps", "decay_steps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.keep_checkpoints", t.keep_checkpoints)
+    _positive("train.max_loss_ratio", t.max_loss_ratio, allow_zero=True)
     if t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "

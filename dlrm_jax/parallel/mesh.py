@@ -10,6 +10,9 @@ import os
 
 AXIS = "devices"
 SIMULATED_DEVICES_DEFAULT = 8
+# Simulated CPU devices each run their share of every program on the same few cores, and
+# compile time grows with their number (1024 took over 5 minutes to compile the default step).
+MAX_SIMULATED_DEVICES = 64
 
 
 def request_cpu_devices(count: int) -> None:
@@ -50,6 +53,10 @@ def make_mesh(devices: int = 0):
 
     available = jax.devices()
     n = devices or len(available)
+    if jax.default_backend() == "cpu" and n > MAX_SIMULATED_DEVICES:
+        raise ValueError(f"mesh.devices={n}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices (each "
+                         f"one adds compile time and threads on this host's cores); use fewer, or a "
+                         f"GPU host")
     if n > len(available):
         hint = ""
         if jax.default_backend() == "cpu":

@@ -1,30 +1,86 @@
-"""Checkpoints of the whole train state with orbax, restorable onto any mesh."""
+"""Checkpoints of the whole train state with orbax, restorable onto any mesh.
+
+Threads: orbax writes asynchronously from its own background thread. That thread must never
+launch a program with collectives (see :mod:`dlrm_jax.train.trainer`): by default orbax's
+multi-process barriers are ``sync_global_devices``, an all-reduce over every device, run from
+that thread while the main thread dispatches train steps, so processes launch collectives in
+different orders and hang. :func:`_use_coordination_service_barriers` switches orbax to the
+``jax.distributed`` key-value barriers, which touch no device.
+"""
 
 from __future__ import annotations
 
+import errno
+import shutil
+import time
 from pathlib import Path
 
 import orbax.checkpoint as ocp
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions); older ones are intact."""
+
+
+def _use_coordination_service_barriers() -> None:
+    import jax
+    from absl import flags
+
+    if jax.process_count() == 1:
+        return
+    if not flags.FLAGS.is_parsed():  # a CLI without absl: take every flag's default
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 class Checkpoints:
     """Asynchronous sharded saves under ``directory``; restores onto the current mesh's shardings.
 
     An interrupted save never becomes the newest checkpoint: orbax writes to a temporary folder
-    and renames it only once complete.
+    and renames it only once complete (leftover temporary folders are removed on open). A
+    checkpoint that cannot be read is moved to ``damaged/`` beside the checkpoints, and the
+    next older one is used.
     """
 
     def __init__(self, directory: Path, keep: int):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self._manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        _use_coordination_service_barriers()
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state, plan_json: str) -> None:
         """Saves the state with the embedding plan that laid its tables out."""
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), plan=ocp.args.JsonSave({"plan": plan_json})))
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), plan=ocp.args.JsonSave({"plan": plan_json})))
+        except OSError as e:
+            raise self._write_error(step, e) from None
+
+    def wait(self) -> None:
+        """Blocks until every started save is on disk; raises CheckpointWriteError if one failed."""
+        try:
+            self._manager.wait_until_finished()
+        except OSError as e:
+            raise self._write_error(None, e) from None
+        except Exception as e:  # orbax re-raises background failures wrapped
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, OSError):
+                raise self._write_error(None, cause) from None
+            raise
+
+    def _write_error(self, step: int | None, e: OSError) -> CheckpointWriteError:
+        what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        at = f" at step {step}" if step is not None else ""
+        intact = self.all_steps()
+        kept = f"older checkpoints intact (steps {intact})" if intact else "no earlier checkpoint"
+        return CheckpointWriteError(e.errno or errno.EIO,
+                                    f"could not write the checkpoint{at} in {self.directory}: {what}; {kept}")
 
     def _step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
@@ -43,6 +99,29 @@ class Checkpoints:
                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return out.state
 
+    def restore_newest_intact(self, restore_step, log=print):
+        """``restore_step(step)`` for the newest step that restores; each damaged newer one is
+        moved to ``damaged/`` with a one-line warning. Returns (step, result)."""
+        for step in reversed(self.all_steps()):
+            try:
+                return step, restore_step(step)
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                moved = self._set_aside(step)
+                log(f"warning: checkpoint {self.directory / str(step)} is damaged ({reason}); "
+                    f"moved to {moved}, trying the next older one")
+        raise FileNotFoundError(f"{self.directory}: no intact checkpoint")
+
+    def _set_aside(self, step: int) -> Path:
+        import jax
+
+        target = self.directory.parent / "damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(str(self.directory / str(step)), target)
+        self._manager.reload()
+        return target
+
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()

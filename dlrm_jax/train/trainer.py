@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from dlrm_jax.config import Config, dump_config
+from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
@@ -27,6 +30,7 @@ from dlrm_jax.embedding.stats import plan_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
+from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -105,49 +109,145 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource) -> tup
     return roc_auc(y, p), log_loss(y, p)
 
 
-def _prepare_run_dir(run_dir: Path | None, cfg: Config, plan: EmbeddingPlan) -> None:
-    if run_dir is None or jax.process_index() != 0:
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    (run_dir / "plan.txt").write_text(plan_report(plan) + "\n")
-    (run_dir / "plan.json").write_text(plan.to_json() + "\n")
-
-
-def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print) -> TrainState:
-    """The newest checkpoint on this mesh and plan; tables saved under another plan (device
-    count, strategy) are restored as saved, then re-laid out."""
-    saved = EmbeddingPlan.from_json(ckpts.saved_plan())
+def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None) -> TrainState:
+    """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
+    another plan (device count, strategy) are restored as saved, then re-laid out."""
+    saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
     current = steps.collection.plan
     if saved == current:
-        return ckpts.restore(steps.abstract_state())
+        return ckpts.restore(steps.abstract_state(), step)
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     abstract = steps.abstract_state()._replace(emb=steps.collection.abstract_state_for(saved))
-    state = ckpts.restore(abstract)
+    state = ckpts.restore(abstract, step)
     return state._replace(emb=steps.collection.relayout(state.emb, saved))
 
 
 def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log) -> TrainState:
-    if ckpts is not None and ckpts.latest_step() is not None:
-        log(f"resuming from checkpoint at step {ckpts.latest_step()}")
-        return restore_state(steps, ckpts, log)
+    if ckpts is not None and ckpts.all_steps():
+        step, state = ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+        log(f"resuming from checkpoint at step {step}")
+        return state
     return steps.init_state()
 
 
+# How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
+# each device's part of a program from a shared pool of max(cores, devices) threads, and a
+# launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
+# the slots are full. A host that dispatches far ahead fills the slots; blocked launches then
+# hold the pool threads that the running program's last devices need, so its all-reduce never
+# gets all participants (rendezvous.cc "only 7 of them arrived", exit 134). Waiting for step
+# N - DISPATCH_AHEAD before dispatching step N keeps a few programs in flight, far below the
+# limit, and still overlaps host work with the device. Every program with collectives is
+# dispatched from this (the main) thread, in the same order on every process; other threads
+# (batch preparation, orbax's writer) never launch one.
+DISPATCH_AHEAD = 2
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became non-finite or grew past train.max_loss_ratio x its starting value."""
+
+
+class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        self.signum, self.step, self.saved = signum, step, saved
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+
+
+class _LossWatch:
+    """Per-step losses read on the host: window sums, and the divergence check."""
+
+    def __init__(self, max_ratio: float):
+        self.max_ratio, self.reference = max_ratio, None
+        self.total, self.steps, self.overflows = 0.0, 0, 0
+
+    def add(self, step: int, out) -> None:
+        loss = host_scalar(out["loss"])  # waits for that step only
+        if self.reference is None:
+            self.reference = loss
+        if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
+            raise TrainingDiverged(
+                f"training diverged at step {step}: loss {loss:.6g} (starting loss {self.reference:.6g}, "
+                f"limit train.max_loss_ratio={self.max_ratio:g}x); nothing after the last checkpoint "
+                f"was saved; lower train.learning_rate")
+        self.total, self.steps = self.total + loss, self.steps + 1
+        self.overflows += int(host_scalar(out["exchange_overflows"]))
+
+    def take_window(self) -> tuple[float, int, int]:
+        out = (self.total / self.steps, self.steps, self.overflows)
+        self.total, self.steps, self.overflows = 0.0, 0, 0
+        return out
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM set a flag the loop reads after each step; a second one exits at once."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # asked twice: do not wait for the step
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def requested(self, step: int, every: int) -> int | None:
+        """The signal to stop on, agreed by every process (checked every ``every`` steps when
+        there are several, since agreeing is a collective)."""
+        if jax.process_count() == 1:
+            return self.signum
+        if step % every:
+            return None
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        return int(np.max(flags)) or None
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
 def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=print) -> RunSummary:
-    """Train ``cfg`` on the current devices, resuming from ``run_dir``'s newest checkpoint."""
-    run_dir = Path(run_dir) if run_dir else None
+    """Train ``cfg`` on the current devices, resuming from ``run_dir``'s newest intact checkpoint.
+
+    Raises :class:`Interrupted` after saving when SIGINT/SIGTERM arrive, :class:`TrainingDiverged`
+    (nothing saved past the last good checkpoint) when the loss blows up, and
+    :class:`~dlrm_jax.train.rundir.RunDirError` (nothing written) for a run dir in use or one
+    started with another model.
+    """
     cfg = resolve_data_config(cfg)
+    with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
+        ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints) if rd.path else None
+        try:
+            return _train(cfg, rd, ckpts, log)
+        finally:
+            if ckpts:
+                ckpts.close()
+
+
+def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log) -> RunSummary:
+    t = cfg.train
+    if ckpts and ckpts.latest_step() is not None and ckpts.latest_step() >= t.steps:
+        recorded = rd.recorded_final(ckpts.latest_step())
+        if recorded is not None:
+            log(f"run already finished at step {ckpts.latest_step()}; its recorded final metrics:")
+            return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
+                              recorded.get("run_samples_per_s", recorded["samples_per_s"]))
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, steps = build(cfg, mesh, source)
-    _prepare_run_dir(run_dir, cfg, plan)
-    log(plan_report(plan))
-    t = cfg.train
-    ckpts = Checkpoints(run_dir / "checkpoints", t.keep_checkpoints) if run_dir else None
-    metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir and jax.process_index() == 0 else None)
-    state = _restore_or_init(steps, ckpts, log)
     plan_json = plan.to_json()
+    rd.write_plan(plan_report(plan), plan_json)
+    log(plan_report(plan))
+    metrics = MetricsWriter(rd.metrics_path)
+    state = _restore_or_init(steps, ckpts, log)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
 
@@ -158,44 +258,51 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
-    window_loss, window_steps, window_start, window_overflows = 0.0, 0, None, 0
-    train_time, trained_steps, last_loss = 0.0, 0, float("nan")
-    batches = prefetch(lambda s: steps.device_batch(source.train_batch(s)), range(start, t.steps))
-    for step, batch in zip(range(start + 1, t.steps + 1), batches, strict=True):
-        if window_start is None:
-            window_start = time.perf_counter()
-        state, out = compiled(state, batch)
-        window_loss, window_steps = window_loss + out["loss"], window_steps + 1
-        window_overflows = window_overflows + out["exchange_overflows"]
-        bar.update(1)
-        boundary = step == t.steps or (t.log_every and step % t.log_every == 0) or (
-            t.eval_every and step % t.eval_every == 0) or (t.checkpoint_every and step % t.checkpoint_every == 0)
-        if not boundary:
-            continue
-        last_loss = host_scalar(window_loss) / window_steps  # waits for the device
-        elapsed = time.perf_counter() - window_start
-        train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
-        rate = window_steps * t.batch_size / elapsed
-        if not math.isfinite(last_loss):
-            raise FloatingPointError(f"training loss became {last_loss} at step {step}; stopping")
-        event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
-                 "learning_rate": float(steps.schedule(step - 1)),
-                 "exchange_overflows": int(host_scalar(window_overflows))}
-        bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
-        if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-            auc, ll = evaluate(steps, state, source)
-            event.update(event="eval", auc=auc, logloss=ll)
-            bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
-        metrics.write(event)
-        if ckpts and ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps):
-            ckpts.save(step, state, plan_json)
-        window_loss, window_steps, window_start, window_overflows = 0.0, 0, None, 0
+    watch, pending = _LossWatch(t.max_loss_ratio), collections.deque()
+    train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
+    auc = ll = float("nan")
+    with _StopSignals() as stop:
+        for step, host_batch in zip(range(start + 1, t.steps + 1), prefetch(source.train_batch, range(start, t.steps)),
+                                    strict=True):
+            window_start = window_start or time.perf_counter()
+            state, out = compiled(state, steps.device_batch(host_batch))
+            pending.append((step, out))
+            while len(pending) > DISPATCH_AHEAD:
+                watch.add(*pending.popleft())
+            bar.update(1)
+            signum = stop.requested(step, every=10)
+            is_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+            is_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum
+            if not (is_eval or is_ckpt or (t.log_every and step % t.log_every == 0)):
+                continue
+            while pending:  # every step up to here is checked before anything is saved
+                watch.add(*pending.popleft())
+            elapsed = time.perf_counter() - window_start
+            last_loss, window_steps, overflows = watch.take_window()
+            train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
+            rate = window_steps * t.batch_size / elapsed
+            event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
+                     "learning_rate": float(steps.schedule(step - 1)), "exchange_overflows": overflows}
+            bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
+            if is_eval and not signum:
+                auc, ll = evaluate(steps, state, source)
+                event.update(event="eval", auc=auc, logloss=ll)
+                bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
+            if step == t.steps:
+                event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
+            metrics.write(event)
+            if is_ckpt and ckpts:
+                ckpts.save(step, state, plan_json)
+            if signum:
+                if ckpts:
+                    ckpts.wait()
+                bar.close()
+                raise Interrupted(signum, step, saved=ckpts is not None)
+            window_start = None
     bar.close()
 
-    if trained_steps == 0:  # already finished: evaluate what the checkpoint holds
+    if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
         auc, ll = evaluate(steps, state, source)
-    if ckpts:
-        ckpts.close()
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
 
@@ -219,9 +326,11 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     source = make_source(cfg, jax.process_index(), jax.process_count())
     _, steps = build(cfg, mesh, source)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-    if ckpts.latest_step() is None:
-        raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-    state = restore_state(steps, ckpts, log)
-    auc, ll = evaluate(steps, state, source)
-    ckpts.close()
+    try:
+        if not ckpts.all_steps():
+            raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
+        _, state = ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+        auc, ll = evaluate(steps, state, source)
+    finally:
+        ckpts.close()
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))

@@ -1,0 +1,172 @@
+"""The run directory: one writer at a time, a config checked before anything changes in it.
+
+Layout: ``config.yaml`` (resolved config), ``plan.txt`` / ``plan.json`` (the embedding plan),
+``metrics.jsonl``, ``checkpoints/``, ``.lock``. Only process 0 writes here; in a multi-process
+run every process must be given the same directory (see :func:`agree_on_run_dir`).
+
+Resuming needs the same state layout and math: the keys in :data:`STATE_KEYS` must match what
+the directory was started with. Everything else (steps, logging, learning rate, sharding,
+device count) may change on a resume; changes are reported.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import yaml
+
+from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
+
+# Keys that decide the shapes of the saved state or the model it computes: a run dir started
+# with other values cannot resume. (Table rows come from data.cardinalities after the
+# data.max_rows cap, and the resolved config stores binary datasets' cardinalities.)
+STATE_KEYS = (
+    "model.embedding_dim", "model.bottom_mlp", "model.top_mlp", "model.interaction",
+    "train.optimizer", "embedding.optimizer", "embedding.dtype",
+    "data.num_dense", "data.cardinalities", "data.max_rows", "data.bag_sizes", "data.pooling",
+)  # fmt: skip
+
+
+class RunDirError(ValueError):
+    """A run directory that this run may not use; the message says why and what to do."""
+
+
+def _get(cfg_dict: dict, key: str):
+    section, name = key.split(".")
+    value = cfg_dict.get(section, {}).get(name)
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def config_differences(old: Config, new: Config, keys=None) -> list[tuple[str, object, object]]:
+    """(key, old value, new value) for every differing key (all keys when ``keys`` is None)."""
+    a, b = old.to_dict(), new.to_dict()
+    keys = keys or [f"{s}.{k}" for s in a for k in a[s]]
+    return [(k, _get(a, k), _get(b, k)) for k in keys if _get(a, k) != _get(b, k)]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a crash leaves the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """An open run directory (``path`` None: a run that writes nothing).
+
+    ``open`` takes the lock, then checks ``config.yaml`` against the new config, and only then
+    writes anything. Use as a context manager; the lock is released on exit, and by the
+    kernel if the process dies.
+    """
+
+    def __init__(self, path: Path | None, writer: bool):
+        self.path, self.writer, self._lock_fd = path, writer, None
+
+    @classmethod
+    def open(cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print) -> RunDir:
+        rd = cls(Path(path) if path else None, writer and path is not None)
+        if rd.writer:
+            rd.path.mkdir(parents=True, exist_ok=True)
+            rd._lock()
+            try:
+                rd._check_and_write_config(cfg, log)
+            except BaseException:
+                rd.close()
+                raise
+        return rd
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ lock
+    def _lock(self) -> None:
+        lock = self.path / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"run dir {self.path} is in use by {holder}; wait for that run to end "
+                              f"or pass another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    # ------------------------------------------------------------ config and plan
+    def _check_and_write_config(self, cfg: Config, log) -> None:
+        saved = self.path / "config.yaml"
+        if saved.exists() and (self.path / "checkpoints").exists():
+            try:
+                old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
+            except (ConfigError, yaml.YAMLError) as e:
+                raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
+            blocking = config_differences(old, cfg, STATE_KEYS)
+            if blocking:
+                what = "; ".join(f"{k} {a} -> {b}" for k, a, b in blocking)
+                raise RunDirError(f"run dir {self.path} was started with another model: {what}. These "
+                                  f"change the saved state, so it cannot resume; pass a new --run-dir "
+                                  f"to start fresh (or remove {self.path})")
+            changed = config_differences(old, cfg)
+            if changed:
+                log("resuming with changed settings: "
+                    + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed))
+        _atomic_write(saved, dump_config(cfg))
+
+    def write_plan(self, report: str, plan_json: str) -> None:
+        if self.writer:
+            _atomic_write(self.path / "plan.txt", report + "\n")
+            _atomic_write(self.path / "plan.json", plan_json + "\n")
+
+    @property
+    def metrics_path(self) -> Path | None:
+        return self.path / "metrics.jsonl" if self.writer else None
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        return self.path / "checkpoints" if self.path else None
+
+    def recorded_final(self, step: int) -> dict | None:
+        """The last train and eval events at ``step`` from metrics.jsonl, merged; None if the
+        file does not record an evaluation at that step."""
+        file = self.path / "metrics.jsonl" if self.path else None
+        if file is None or not file.exists():
+            return None
+        events = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        at_step = [e for e in events if e.get("step") == step]
+        if not any(e.get("event") == "eval" for e in at_step):
+            return None
+        merged = {}
+        for e in at_step:
+            merged.update(e)
+        return merged
+
+
+def agree_on_run_dir(run_dir: str | None) -> str:
+    """The run dir every process of a multi-process run uses: the one given, or process 0's
+    ``runs/<time>`` (broadcast over the mesh from the main thread, before training starts)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if run_dir or jax.process_count() == 1:
+        return run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    chosen = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")).encode()
+    buf = np.zeros(256, np.uint8)
+    buf[: len(chosen)] = np.frombuffer(chosen, np.uint8)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return bytes(agreed[agreed != 0].astype(np.uint8)).decode()
