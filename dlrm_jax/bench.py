@@ -7,6 +7,7 @@ warm-up steps are excluded, and the median of per-step times is reported with th
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -15,7 +16,9 @@ import time
 import jax
 import numpy as np
 
+from dlrm_jax import hostmem
 from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding.stats import per_device_bytes
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.trainer import build
 
@@ -27,7 +30,15 @@ def machine_description() -> dict:
             "python": platform.python_version(), "jax": jax.__version__}
 
 
+def _state_bytes(state) -> int:
+    """Bytes of every device buffer of a state (all devices together)."""
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
+
+
 def _time_config(cfg, steps: int, warmup: int) -> dict:
+    gc.collect()
+    hostmem.reset_peak_rss()
+    rss_before = hostmem.rss_bytes()
     cfg = resolve_data_config(cfg)
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
@@ -47,12 +58,16 @@ def _time_config(cfg, steps: int, warmup: int) -> dict:
         jax.block_until_ready((state, out))
         step_s.append(time.perf_counter() - t)
     median = statistics.median(step_s)
+    plan_bytes = int(sum(per_device_bytes(plan).values()).sum())
+    peak = hostmem.peak_rss_bytes()
     return {"devices": mesh.size, "global_batch": cfg.train.batch_size,
             "tables": len(plan.tables), "table_rows": sum(t.spec.rows for t in plan.tables),
             "embedding_dim": cfg.model.embedding_dim, "sharding": cfg.embedding.sharding,
             "compile_s": compile_s, "step_ms_median": 1e3 * median,
             "step_ms_mean": 1e3 * float(np.mean(step_s)), "step_ms_min": 1e3 * min(step_s),
-            "samples_per_s": cfg.train.batch_size / median, "loss_last": float(out["loss"])}
+            "samples_per_s": cfg.train.batch_size / median, "loss_last": float(out["loss"]),
+            "plan_bytes": plan_bytes, "state_bytes": _state_bytes(state), "rss_before_bytes": rss_before,
+            "peak_rss_bytes": peak, "peak_rss_over_plan": peak / plan_bytes}
 
 
 def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:
@@ -63,10 +78,12 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
         r["ratio_to_first"] = r["samples_per_s"] / first
     report = {"benchmark": "train_step", "timed_steps": steps, "warmup_steps": warmup,
               "machine": machine_description(), "results": results}
-    log(f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}")
+    log(f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}"
+        f"{'plan MiB':>10}{'peak RSS MiB':>14}")
     for name, r in results.items():
         log(f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
-            f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}")
+            f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}"
+            f"{r['plan_bytes'] / 2**20:>10,.0f}{r['peak_rss_bytes'] / 2**20:>14,.0f}")
     text = json.dumps(report, indent=1)
     log(text)
     if output:

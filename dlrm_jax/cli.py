@@ -98,6 +98,22 @@ def _start_jax(devices: int, args) -> None:
                            getattr(args, "process_id", None))
 
 
+def _library_logs_to(run_dir: Path) -> None:
+    """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``: their
+    multi-line reports of a failure we already report in one line stay out of the terminal."""
+    import logging
+
+    import jax
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    index = jax.process_index()
+    handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    absl = logging.getLogger("absl")
+    absl.addHandler(handler)
+    absl.propagate = False
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -110,6 +126,7 @@ def cmd_train(args) -> int:
 
     run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     _log(f"run dir: {run_dir}")
+    _library_logs_to(run_dir)
     try:
         summary = train_and_evaluate(cfg, run_dir, log=_log)
     except Interrupted as e:

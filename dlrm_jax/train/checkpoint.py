@@ -22,6 +22,13 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); older ones are intact."""
 
 
+def _bytes_to_write(state) -> int:
+    """Bytes this process writes for ``state``: each array once, split over the processes."""
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count() + (1 << 20)
+
+
 def _use_coordination_service_barriers() -> None:
     import jax
     from absl import flags
@@ -55,7 +62,17 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state, plan_json: str) -> None:
-        """Saves the state with the embedding plan that laid its tables out."""
+        """Saves the state with the embedding plan that laid its tables out.
+
+        Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
+        bytes: orbax would otherwise fail midway in its writer threads.
+        """
+        self.wait()  # the previous save's bytes are on disk: free space is what it says
+        need = _bytes_to_write(state)
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise self._write_error(step, OSError(errno.ENOSPC, "no space left on device"),
+                                    f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)")
         try:
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), plan=ocp.args.JsonSave({"plan": plan_json})))
@@ -68,19 +85,18 @@ class Checkpoints:
             self._manager.wait_until_finished()
         except OSError as e:
             raise self._write_error(None, e) from None
-        except Exception as e:  # orbax re-raises background failures wrapped
-            cause = e.__cause__ or e.__context__
-            if isinstance(cause, OSError):
-                raise self._write_error(None, cause) from None
+        except Exception as e:  # orbax re-raises its writer threads' failures in other types
+            text = f"{e} {e.__cause__ or ''} {e.__context__ or ''}"
+            if "No space left on device" in text or "os_error_code='28'" in text:
+                raise self._write_error(None, OSError(errno.ENOSPC, "no space left on device")) from None
             raise
 
-    def _write_error(self, step: int | None, e: OSError) -> CheckpointWriteError:
-        what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    def _write_error(self, step: int | None, e: OSError, detail: str = "") -> CheckpointWriteError:
+        what = ("no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))) + detail
         at = f" at step {step}" if step is not None else ""
         intact = self.all_steps()
         kept = f"older checkpoints intact (steps {intact})" if intact else "no earlier checkpoint"
-        return CheckpointWriteError(e.errno or errno.EIO,
-                                    f"could not write the checkpoint{at} in {self.directory}: {what}; {kept}")
+        return CheckpointWriteError(f"could not write the checkpoint{at} in {self.directory}: {what}; {kept}")
 
     def _step(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step

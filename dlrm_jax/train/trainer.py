@@ -90,23 +90,28 @@ def _device_budget(cfg: Config) -> int:
 
 
 def evaluate(steps: StepFunctions, state: TrainState, source: DataSource) -> tuple[float, float]:
-    """Exact AUC and logloss over the held-out batches (every process gets the same numbers)."""
+    """Exact AUC and logloss over the held-out batches (every process gets the same numbers).
+
+    Processes may hold different numbers of rows of the last, partial batch: each gathers its
+    padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
+    """
     per_process = steps.cfg.train.batch_size // jax.process_count()
-    probs, labels = [], []
+    probs, labels, valid = [], [], []
     for batch in source.eval_batches():
         n = batch.size
         padded = Batch(*(np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)])
                          if n < per_process else x for x in batch))
         out = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
-        probs.append(np.concatenate([np.asarray(s.data) for s in shards])[:n])
-        labels.append(batch.labels)
-    p, y = np.concatenate(probs), np.concatenate(labels)
+        probs.append(np.concatenate([np.asarray(s.data) for s in shards]))
+        labels.append(padded.labels)
+        valid.append(np.arange(per_process) < n)
+    p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        p, y = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y))
-    return roc_auc(y, p), log_loss(y, p)
+        p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
+    return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
 
 
 def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None) -> TrainState:

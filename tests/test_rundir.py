@@ -1,0 +1,132 @@
+"""Run directories under mistakes and faults: one writer, config checked before any write,
+damaged checkpoints skipped, signals save, a full disk and a diverging loss stop cleanly."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.rundir import RunDir, RunDirError
+from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
+
+QUIET = dict(log=lambda *_: None)
+
+
+def snapshot(run):
+    return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+
+
+def test_second_writer_is_refused_naming_the_holder(tiny, tmp_path):
+    with RunDir.open(tmp_path / "run", tiny()):
+        with pytest.raises(RunDirError, match=f"in use by pid {os.getpid()}"):
+            RunDir.open(tmp_path / "run", tiny())
+    RunDir.open(tmp_path / "run", tiny()).close()  # free again once the first has closed
+
+
+def test_incompatible_config_changes_nothing(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=2"), run, **QUIET)
+    before = snapshot(run)
+    for change in (["model.embedding_dim=16", "model.bottom_mlp=[16, 16]"], ["train.optimizer=sgd"]):
+        with pytest.raises(RunDirError) as e:
+            train_and_evaluate(tiny("train.steps=4", *change), run, **QUIET)
+        assert change[0].split("=")[0] in str(e.value) and "new --run-dir" in str(e.value)
+        assert snapshot(run) == before
+    # Settings that do not change the state may change on a resume.
+    logs = []
+    train_and_evaluate(tiny("train.steps=4", "train.learning_rate=0.002"), run, log=logs.append)
+    assert any("train.learning_rate 0.001 -> 0.002" in line for line in logs)
+
+
+def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
+    cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4")
+    whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4"),
+                       run, **QUIET)
+    for f in (run / "checkpoints" / "4").rglob("*"):  # corrupt every file of the newest one
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    logs = []
+    resumed = train_and_evaluate(cfg, run, log=logs.append)
+    warnings = [line for line in logs if line.startswith("warning:")]
+    assert len(warnings) == 1 and "checkpoints/4" in warnings[0] and len(warnings[0].splitlines()) == 1
+    assert "resuming from checkpoint at step 2" in logs
+    assert (resumed.step, resumed.auc, resumed.logloss) == (whole.step, whole.auc, whole.logloss)
+    assert [p.name.split("-")[0] for p in (run / "damaged").iterdir()] == ["4"]
+
+
+def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
+    first = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
+    again = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
+    assert again == first
+
+
+def test_divergence_stops_before_saving_the_bad_state(tiny, tmp_path):
+    sane = ["train.checkpoint_every=5", "train.log_every=5", "train.optimizer=sgd", "embedding.optimizer=sgd"]
+    train_and_evaluate(tiny("train.steps=5", *sane), tmp_path / "run", **QUIET)
+    wild = tiny("train.steps=60", *sane, "train.learning_rate=1e6", "embedding.learning_rate=1e6")
+    with pytest.raises(TrainingDiverged, match=r"diverged at step (\d+)") as e:
+        train_and_evaluate(wild, tmp_path / "run", **QUIET)
+    bad_step = int(e.value.args[0].split("step ")[1].split(":")[0])
+    assert bad_step > 5
+    assert Checkpoints(tmp_path / "run" / "checkpoints", 3).all_steps() == [5]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(e["step"] for e in logged) == 5
+
+
+# ---------------------------------------------------------------- the CLI as a user meets it
+
+CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=2"]
+
+
+def popen(*args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, "-m", "dlrm_jax", *CLI_ARGS, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code):
+    run = tmp_path / "run"
+    proc = popen("--set", "train.steps=100000", "--set", "train.checkpoint_every=50", "--run-dir", str(run))
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "50").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    step = int(err.split("after step ")[1].split(";")[0])
+    assert step >= 50 and (run / "checkpoints" / str(step)).exists()
+    assert "re-run the same command to resume" in err
+
+
+def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        run = disk / "run"
+        first = popen("--set", "train.steps=20", "--run-dir", str(run))
+        assert first.wait(timeout=120) == 0, first.communicate()
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # room for logs, not a checkpoint
+        second = popen("--set", "train.steps=40", "--run-dir", str(run))
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 1 and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and "no space left on device" in err and "[20]" in err
+        (disk / "filler").unlink()
+        third = popen("--set", "train.steps=40", "--run-dir", str(run))  # resumes from the intact 20
+        out, err = third.communicate(timeout=120)
+        assert third.returncode == 0 and "resuming from checkpoint at step 20" in out, err
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
