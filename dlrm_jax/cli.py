@@ -218,6 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dlrm-jax: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if type(e).__name__ != "JaxRuntimeError" or os.environ.get("DLRM_JAX_DEBUG"):
+            raise
+        # A collective failed under us: in a multi-process run, a peer died or disconnected.
+        first = str(e).strip().splitlines()[0][:300]
+        print(f"dlrm-jax: error: {first}; if another process died, the newest checkpoint is intact: "
+              f"restart every process with the same command to resume", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ data-parallel over it, and model-parallel embedding tables are split over the sa
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 AXIS = "devices"
 SIMULATED_DEVICES_DEFAULT = 8
@@ -26,20 +29,64 @@ def request_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
+
+
 def initialize_distributed(coordinator: str | None, num_processes: int | None,
-                           process_id: int | None) -> None:
+                           process_id: int | None, peer_timeout_s: int = PEER_TIMEOUT_S) -> None:
     """Start JAX's multi-controller runtime when more than one process takes part.
 
     With no coordinator given, JAX's own cluster auto-detection (SLURM, Open MPI, ...) decides;
     on a single host without a cluster environment nothing happens.
+
+    A lost peer: the coordination service marks a process dead after ``peer_timeout_s``
+    without heartbeats. By default JAX then aborts every other process from a native thread
+    with a stack dump; here the service runs in recoverable mode and :class:`PeerWatchdog`
+    turns the loss into a one-line error and exit status 1, within about ``peer_timeout_s`` + 2
+    seconds (the main thread may be blocked inside a collective with the dead peer, so the
+    watchdog ends the process itself).
     """
     import jax
 
+    kwargs = dict(heartbeat_timeout_seconds=peer_timeout_s)
     if coordinator:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
-    elif any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
-        jax.distributed.initialize()
+        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
+        return
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(**kwargs)
+    PeerWatchdog(jax.process_count(), jax.process_index()).start()
+
+
+class PeerWatchdog(threading.Thread):
+    """Polls the coordination service for live processes; ends this one when a peer is gone.
+
+    It only talks to the coordination service: it never touches a device or launches a program.
+    """
+
+    def __init__(self, count: int, me: int, every_s: float = 2.0):
+        super().__init__(name="peer-watchdog", daemon=True)
+        self.count, self.me, self.every_s = count, me, every_s
+
+    def run(self) -> None:
+        from jax._src import distributed
+
+        everyone = list(range(self.count))
+        while True:
+            time.sleep(self.every_s)
+            try:
+                live = set(distributed.global_state.client.get_live_nodes(everyone))
+            except Exception as e:  # noqa: BLE001 - the coordinator itself is unreachable
+                self._exit(f"lost the coordinator (process 0): {str(e).splitlines()[0][:160]}")
+            missing = sorted(set(everyone) - live)
+            if missing:
+                self._exit(f"lost process(es) {', '.join(map(str, missing))} of {self.count}")
+
+    def _exit(self, why: str) -> None:
+        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
+                         f"restart every process with the same command to resume\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def make_mesh(devices: int = 0):
