@@ -1,6 +1,9 @@
 """Criteo TSV parsing, `preprocess_criteo` and `CriteoTSVSource`, on synthetic TSV files."""
 
+import gzip
 import json
+import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data import criteo
+from dlrm_jax.data.binary import BinarySource
 from dlrm_jax.data.criteo import (
     CriteoFormatError,
     CriteoTSVSource,
@@ -166,6 +170,36 @@ def test_skip_mode_counts_bad_lines_by_reason(tmp_path, raw, tsv):
     assert "12 skipped" in report.summary() and "label: 2" in report.summary()
     source = CriteoTSVSource(criteo_config(dirty, "data.skip_bad_lines=true"))
     assert source.skipped.by_reason == want and source.num_train + source.num_val == N
+    # Every source reports what was skipped, in one line.
+    assert source.skip_report().startswith("skipped 12 malformed line(s) (categorical field: 2")
+    assert f"{dirty}:2:" in source.skip_report()
+    binary = BinarySource(criteo_config(tmp_path / "out", "data.source=binary"))
+    assert "skipped 12 malformed line(s)" in binary.skip_report() and "label: 2" in binary.skip_report()
+    assert BinarySource(criteo_config(tmp_path / "clean", "data.source=binary")).skip_report() == ""
+
+
+def test_gzipped_input_is_streamed_and_reported_by_line(tmp_path, tsv):
+    path, _ = tsv
+    gz = tmp_path / "day_0.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes() + b"1\t2\n"))
+    with pytest.raises(CriteoFormatError, match=f"{gz}:{N + 1}: expected 40"):
+        preprocess([gz], tmp_path / "bad", max_ind_range=M)
+    preprocess([gz], tmp_path / "from_gz", max_ind_range=M, skip_bad_lines=True)
+    preprocess([path], tmp_path / "from_tsv", max_ind_range=M)
+    for k, v in load_all(tmp_path / "from_tsv").items():
+        np.testing.assert_array_equal(load_all(tmp_path / "from_gz")[k], v)
+    with pytest.raises(CriteoFormatError, match="gzipped.*preprocess"):
+        CriteoTSVSource(criteo_config(gz))
+
+
+def test_killed_preprocess_leftovers_are_removed(tmp_path, tsv):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    for kind in ("tmp", "old"):
+        (tmp_path / f".out.{kind}-{dead.pid}" / "train").mkdir(parents=True)
+    (tmp_path / f".out.tmp-{os.getppid()}").mkdir()  # a live writer's folder stays
+    preprocess([tsv[0]], tmp_path / "out", max_ind_range=M)
+    assert leftovers(tmp_path) == [f".out.tmp-{os.getppid()}"]
 
 
 def test_hashing_mode_ids(tmp_path, raw, tsv):

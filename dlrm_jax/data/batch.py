@@ -39,6 +39,10 @@ class DataSource(Protocol):
         """This process's slices of the held-out batches, the same every call."""
         ...
 
+    def skip_report(self) -> str:
+        """One line on malformed input skipped under data.skip_bad_lines ('' if none)."""
+        ...
+
 
 def process_slice(global_batch: int, process_index: int, process_count: int) -> slice:
     """The rows of a global batch that one process feeds to its devices."""

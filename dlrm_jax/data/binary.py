@@ -66,6 +66,29 @@ def check_output_target(output: str | Path) -> None:
         raise FileExistsError(f"{out}: exists and is not a preprocessed dataset; not replacing it")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(output: str | Path) -> list[Path]:
+    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders beside ``output`` left by a writer
+    that was killed (its PID is no longer running); returns what was removed."""
+    out = Path(output)
+    removed = []
+    for p in out.parent.glob(f".{out.name}.*-*") if out.parent.exists() else ():
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 class DatasetWriter:
     """Writes the layout above into a temporary directory beside ``output``.
 
@@ -80,6 +103,7 @@ class DatasetWriter:
     ):
         self.output = Path(output)
         check_output_target(self.output)
+        remove_stale_temporaries(self.output)
         self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.root, ignore_errors=True)
         self.train_rows, self.pos = train_rows, 0
@@ -221,6 +245,14 @@ class BinarySource:
             f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r
         ]
         self._perms: dict[int, np.ndarray] = {}  # at most two epochs: a batch spans <= 2
+
+    def skip_report(self) -> str:
+        """What preprocessing skipped to make this dataset, in one line ('' if nothing)."""
+        skipped = int(self.meta.get("skipped", 0))
+        if not skipped:
+            return ""
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.meta.get("skipped_by_reason", {}).items()))
+        return f"{self.root}: preprocessing skipped {skipped} malformed line(s) ({reasons})"
 
     # ---------------------------------------------------------------- training
     def _permutation(self, epoch: int) -> np.ndarray:

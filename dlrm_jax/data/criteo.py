@@ -9,6 +9,7 @@ the check take the slow path that says what is wrong with them.
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import re
 import sys
@@ -139,6 +140,14 @@ class SkipLog:
     by_reason: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
 
+    def summary(self) -> str:
+        """One line: how many lines were skipped and why (empty when none were)."""
+        total = self.by_reason.total()
+        if not total:
+            return ""
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
+        return f"skipped {total} malformed line(s) ({reasons}); first: {self.examples[0]}"
+
     def record(self, path: str, lineno: int, bad: BadLine) -> None:
         where = f"{path}:{lineno}: {bad.message}"
         if not self.skip:
@@ -148,26 +157,33 @@ class SkipLog:
             self.examples.append(where)
 
 
+def is_gzip(path: str | Path) -> bool:
+    """Whether a file starts with the gzip magic bytes (the Criteo Terabyte days ship gzipped)."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def iter_chunks(
     paths: Sequence[str], chunk_lines: int, log: SkipLog, desc: str = "", progress: bool = False
 ) -> Iterator[tuple[int, int, list[bytes], ParsedLines]]:
     """(file index, byte offset, raw lines, parsed) per chunk of ``chunk_lines`` lines of each
-    file; bad lines go to ``log``. ``progress``: a tqdm bar over bytes, labelled ``desc``."""
+    file; bad lines go to ``log``. Gzipped files are decompressed as a stream (offsets are then
+    into the decompressed text). ``progress``: a tqdm bar over the bytes read from disk."""
     total = sum(Path(p).stat().st_size for p in paths)
     bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
                disable=not progress)  # fmt: skip
     with bar:
         for fi, path in enumerate(paths):
-            with open(path, "rb") as f:
-                lineno, offset = 1, 0
+            with open(path, "rb") as raw, (gzip.open(raw) if is_gzip(path) else raw) as f:
+                lineno, offset, read = 1, 0, 0
                 while lines := list(itertools.islice(f, chunk_lines)):
                     parsed = parse_lines(lines)
                     for bad in parsed.bad:
                         log.record(path, lineno + bad.index, bad)
                     yield fi, offset, lines, parsed
-                    size = sum(map(len, lines))
-                    bar.update(size)
-                    lineno, offset = lineno + len(lines), offset + size
+                    bar.update(raw.tell() - read)
+                    read = raw.tell()
+                    lineno, offset = lineno + len(lines), offset + sum(map(len, lines))
 
 
 # ---------------------------------------------------------------- synthetic TSV for tests/demos
@@ -216,6 +232,11 @@ class CriteoTSVSource:
         if (cfg.data.num_dense, cfg.num_features, max(cfg.bag_sizes)) != (13, 26, 1):
             raise ValueError("data.source=criteo needs data.num_dense=13, 26 features, one-hot")
         self.paths = [p.strip() for p in cfg.data.path.split(",") if p.strip()]
+        for p in self.paths:
+            if is_gzip(p):
+                raise CriteoFormatError(f"{p}: gzipped; data.source=criteo seeks into uncompressed TSV. "
+                                        f"Run `dlrm-jax preprocess criteo --input {p} ...` (it reads .gz) "
+                                        f"and train with data.source=binary")
         self._batch, self._table_rows = cfg.train.batch_size, cfg.table_rows
         self._rows = process_slice(self._batch, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches
@@ -229,6 +250,10 @@ class CriteoTSVSource:
         self.num_train, self.num_val = binary.split_sizes(len(self._offset), cfg.data.val_fraction)
         if self.num_train == 0:
             raise ValueError(f"{cfg.data.path}: no training lines ({self.num_val} valid lines)")
+
+    def skip_report(self) -> str:
+        """What ``data.skip_bad_lines`` skipped while indexing, in one line ('' if nothing)."""
+        return self.skipped.summary()
 
     def train_batch(self, step: int) -> Batch:
         return self._read(binary.train_positions(step, self._batch, self._rows) % self.num_train)

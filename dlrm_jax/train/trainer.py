@@ -247,6 +247,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log) -> RunSummar
                               recorded.get("run_samples_per_s", recorded["samples_per_s"]))
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
+    if source.skip_report():
+        log(source.skip_report())
     plan, steps = build(cfg, mesh, source)
     plan_json = plan.to_json()
     rd.write_plan(plan_report(plan), plan_json)
