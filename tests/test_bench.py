@@ -34,3 +34,31 @@ def test_train_bench_writes_json(tiny, tmp_path):
     bench_train({"tiny": tiny("mesh.devices=2")}, steps=2, warmup=1, output=str(out), **QUIET)
     r = json.loads(out.read_text())["results"]["tiny"]
     assert r["samples_per_s"] > 0 and r["ratio_to_first"] == 1.0
+
+
+def bench_json(tmp_path, name, rows, devices):
+    """`dlrm-jax bench train` in its own process (so its peak RSS is its own) -> the result dict."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / f"{name}.json"
+    cards = "[" + ",".join([str(rows)] * 8) + "]"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, "-m", "dlrm_jax", "bench", "train", "--configs", "default", "--max-rows", "0",
+                    "--steps", "2", "--warmup", "1", "--output", str(out), "--set", f"data.cardinalities={cards}",
+                    "--set", "data.max_rows=0", "--set", "model.embedding_dim=64", "--set",
+                    "model.bottom_mlp=[64, 64]", "--set", "model.top_mlp=[64, 1]", "--set", "embedding.optimizer=sgd",
+                    "--set", "train.batch_size=512", "--set", f"mesh.devices={devices}"],
+                   check=True, capture_output=True, timeout=300, env=env)
+    return json.loads(out.read_text())["results"]["default"]
+
+
+def test_peak_host_memory_follows_the_plan(tmp_path):
+    """Peak RSS grows by at most 1.5x the plan's bytes over a run with tiny tables (the fixed
+    runtime overhead), on 8 simulated devices: no table is built whole on every device."""
+    tiny = bench_json(tmp_path, "tiny", 100, 8)
+    big = bench_json(tmp_path, "big", 250_000, 8)  # 8 x 250k x 64 float32: 488 MiB of tables
+    assert big["plan_bytes"] > 400 * 2**20
+    growth = big["peak_rss_bytes"] - tiny["peak_rss_bytes"]
+    assert growth <= 1.5 * big["plan_bytes"], (growth / 2**20, big["plan_bytes"] / 2**20)
