@@ -16,7 +16,7 @@ from reference import dense_reference
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.synthetic import SyntheticSource
-from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.collection import EmbeddingCollection, physical_rows
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.planner import plan_from_config
@@ -103,8 +103,6 @@ CASES = [(s, d, OPTIMIZERS[(i + j) % 3], (i + j) % 2 == 1)
 @pytest.mark.parametrize("strategy,devices,optimizer,multi_hot", CASES,
                          ids=[f"{s}-{d}dev-{o}-{'bags' if m else 'onehot'}" for s, d, o, m in CASES])
 def test_strategy_matches_reference(tiny, strategy, devices, optimizer, multi_hot):
-    if optimizer == "rowwise_adagrad" and strategy in ("column", "mixed"):
-        optimizer = "adagrad"  # column slices cannot keep one accumulator per whole row
     bags = ["data.bag_sizes=[3, 1, 4, 2, 2]", "data.pooling=mean"] if multi_hot else []
     cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *bags,
                *strategy_overrides(strategy))
@@ -198,3 +196,21 @@ def test_measured_capacity_is_tight_and_still_exact(tiny):
     overflows = [int(jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(s).ids))[1].overflow)
                  for s in range(1, 5)]
     assert max(overflows) >= 1  # the tight capacity did overflow on some batch, and lost nothing
+
+
+@pytest.mark.parametrize("devices,bags", [(8, False), (4, True)])
+def test_column_slices_with_rowwise_adagrad_share_one_accumulator(tiny, devices, bags):
+    """Each slice owner gets the whole row's mean squared gradient (partials summed across the
+    slice owners), so every slice's accumulator equals the single-device one."""
+    extra = ["data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.bag_exchange=pooled"] if bags else []
+    cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=column", "train.batch_size=32", CARDS,
+               *extra)
+    coll, state = check_against_reference(cfg, devices)
+    assert any(t.column_slices > 1 for t in coll.plan.tables) and not coll.pooled
+    for g in coll.groups:
+        for t in {vt.table for vt in g.vtables}:
+            accs = [np.asarray(state.slots[g.name]["accumulator"])[
+                np.asarray(physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32)))]
+                for vt in g.vtables if vt.table == t]
+            for acc in accs[1:]:
+                np.testing.assert_array_equal(acc, accs[0])

@@ -99,7 +99,8 @@ class EmbeddingCollection:
             else:
                 cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.sharded_update(g, mesh, cap, self.local_batch, wire, optimizer)
+                self._update[g.name] = exchange.sharded_update(g, mesh, cap, self.local_batch, wire, optimizer,
+                                                               self.dim)
 
     # ------------------------------------------------------------ state
     def state_sharding(self) -> EmbeddingState:

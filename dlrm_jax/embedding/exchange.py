@@ -22,12 +22,13 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.layout import Group
-from dlrm_jax.embedding.optimizers import SparseOptimizer
+from dlrm_jax.embedding.optimizers import SparseOptimizer, merge_duplicates
 from dlrm_jax.embedding.routing import (
     bucket,
     rank_by_owner,
@@ -110,10 +111,12 @@ def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype)
 
 
 def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
-                   optimizer: SparseOptimizer):
+                   optimizer: SparseOptimizer, dim: int):
     """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
-    ``route`` is what the forward returned."""
+    ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
+    over whole rows of column slices)."""
     worst = g.max_capacity(local_batch)
+    whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
     def exchange(table_local, slots_local, b, grads, lr, cap):
         recv_rows = _all_to_all(send_buffer(b, cap, g.num_devices, g.local_rows))
@@ -122,10 +125,34 @@ def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
         sums = jnp.zeros((g.num_devices, cap, g.width), jnp.float32)
         sums = sums.at[dest, rank].add(grads.reshape(-1, g.width).astype(jnp.float32), mode="drop")
         recv_grads = _all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
+        extra = {}
+        if whole_rows:
+            extra["row_mean_sq"] = _whole_row_mean_sq(g, recv_rows, recv_grads, owner, rank, usable, dest,
+                                                      grads.shape[0]) / dim
         return optimizer.update(table_local, slots_local, recv_rows.reshape(-1),
-                                recv_grads.reshape(-1, g.width), lr)
+                                recv_grads.reshape(-1, g.width), lr, **extra)
 
     return _update_on_owners(mesh, exchange, capacity, worst)
+
+
+def _whole_row_mean_sq(g: Group, recv_rows, recv_grads, owner, rank, usable, dest, local_batch: int):
+    """Per received request [N * C]: the sum over all columns of its row's squared gradient,
+    summed over every device, although each owner holds only a column slice.
+
+    Owners square-sum their slice of each row's merged gradient and reply along the forward's
+    buckets; each requester adds the replies of a row's slices (the virtual slots of one batch
+    slot and table) and sends the total back to every slice owner: two all-to-alls of scalars.
+    """
+    rows = recv_rows.reshape(-1)
+    _, merged, inv = merge_duplicates(rows, recv_grads.reshape(-1, g.width), g.local_rows, return_inverse=True)
+    partial = jnp.sum(merged * merged, -1)[inv].reshape(g.num_devices, -1)  # [N, C] for each source
+    reply = _all_to_all(partial)  # [N, C]: for my requests, at each owner's rank
+    per_vslot = jnp.where(usable, reply[owner, rank], 0.0).reshape(local_batch, g.num_vslots)
+    # virtual slots reading the same (batch slot, table): the slices of one row
+    row_of_vslot = np.unique(np.stack([g.vslot_slot, g.vslot_table]), axis=1, return_inverse=True)[1].reshape(-1)
+    total = jax.ops.segment_sum(per_vslot.T, jnp.asarray(row_of_vslot), int(row_of_vslot.max()) + 1).T
+    back = jnp.zeros(partial.shape, jnp.float32).at[dest, rank].set(total[:, row_of_vslot].reshape(-1), mode="drop")
+    return _all_to_all(back).reshape(-1)
 
 
 def replicated_forward(g: Group):

@@ -60,6 +60,17 @@ class Group:
         return int(self.vslot_slot.shape[0])
 
     @property
+    def vslot_table(self) -> np.ndarray:
+        """int [V]: the table each virtual slot reads."""
+        return np.array([self.vtables[v].table for v in self.vslot_vfeature], np.int32)
+
+    @property
+    def has_column_slices(self) -> bool:
+        """Whether some table here is split into column slices (several virtual tables)."""
+        tables = [vt.table for vt in self.vtables]
+        return len(set(tables)) < len(tables)
+
+    @property
     def array_rows(self) -> int:
         return self.local_rows if self.replicated else self.num_devices * self.local_rows
 
@@ -95,7 +106,9 @@ def _capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
 def uses_pooled_exchange(plan: EmbeddingPlan, g: Group) -> bool:
     """Whether owners pool this sharded group's bags (see EmbeddingPlan.bag_exchange)."""
     bags = any(plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables)
-    if g.replicated or not bags or plan.bag_exchange == "ids":
+    # Row-wise Adagrad on column slices exchanges whole-row statistics along the ids buckets.
+    whole_rows = plan.optimizer == "rowwise_adagrad" and g.has_column_slices
+    if g.replicated or not bags or plan.bag_exchange == "ids" or whole_rows:
         return False
     if plan.bag_exchange == "pooled":
         return True

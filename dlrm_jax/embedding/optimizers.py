@@ -19,19 +19,24 @@ class SparseOptimizer(NamedTuple):
     """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``.
 
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
-    sharded exactly like the table.
+    sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
+    gradient over all its columns (row-wise Adagrad), so a column slice must be given that
+    statistic as ``update(..., row_mean_sq=[n])``.
     """
 
     init: Callable[[jax.Array], dict[str, jax.Array]]
     update: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    needs_whole_rows: bool = False
 
 
-def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int):
-    """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]."""
+def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False):
+    """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
+    (and, if asked, each input's index into the unique rows [n])."""
     n = rows_n.shape[0]
     uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
-    summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv.reshape(-1), num_segments=n)
-    return uniq, summed
+    inv = inv.reshape(-1)
+    summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv, num_segments=n)
+    return (uniq, summed, inv) if return_inverse else (uniq, summed)
 
 
 def _add_rows(table, unique_rows, delta_f32):
@@ -77,20 +82,29 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimi
 
 
 def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimizer:
-    """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2)."""
+    """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2).
+
+    The mean is over the row's whole width. A column slice passes ``row_mean_sq`` [n]: for each
+    input row, the mean over all columns of its summed gradient squared (every slice of a row
+    gets the same value, so the slices' accumulators stay equal).
+    """
 
     def init(table):
         return {"accumulator": jnp.full(table.shape[:1], initial_accumulator, jnp.float32)}
 
-    def update(table, state, rows_n, grads_nd, lr):
+    def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
         pad = table.shape[0]
-        uniq, g = merge_duplicates(rows_n, grads_nd, pad)
-        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + jnp.mean(g * g, -1)
+        uniq, g, inv = merge_duplicates(rows_n, grads_nd, pad, return_inverse=True)
+        if row_mean_sq is None:
+            mean_sq = jnp.mean(g * g, -1)
+        else:  # duplicates carry the same value; empty (padding) segments give 0
+            mean_sq = jnp.maximum(jax.ops.segment_max(row_mean_sq, inv, num_segments=rows_n.shape[0]), 0.0)
+        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + mean_sq
         step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
         return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
-    return SparseOptimizer(init, update)
+    return SparseOptimizer(init, update, needs_whole_rows=True)
 
 
 def sparse_optimizer_from_config(cfg) -> SparseOptimizer:

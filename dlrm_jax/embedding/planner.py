@@ -115,8 +115,8 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
         wanted = overrides.get(spec.name, sharding)
         options = ORDER if wanted == "auto" else (Strategy(wanted),)
         for s in options:
-            _check_allowed(spec, s, num_devices, optimizer, explicit=wanted != "auto")
-        options = [s for s in options if _allowed(spec, s, num_devices, optimizer)]
+            _check_allowed(spec, s, num_devices, explicit=wanted != "auto")
+        options = [s for s in options if _allowed(spec, s, num_devices)]
         candidates = [placer.candidate(spec, s, layout) for s in options]
         feasible = [c for c in candidates if placer.fits(c[1])]
         if not feasible:
@@ -133,22 +133,18 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
     return plan
 
 
-def _allowed(spec: TableSpec, s: Strategy, n: int, optimizer: str) -> bool:
+def _allowed(spec: TableSpec, s: Strategy, n: int) -> bool:
     if s == Strategy.COLUMN:
-        return (n == 1 or column_slices(spec, n) > 1) and optimizer != "rowwise_adagrad"
+        return n == 1 or column_slices(spec, n) > 1
     return True
 
 
-def _check_allowed(spec: TableSpec, s: Strategy, n: int, optimizer: str, explicit: bool) -> None:
+def _check_allowed(spec: TableSpec, s: Strategy, n: int, explicit: bool) -> None:
     if not explicit or s != Strategy.COLUMN:
         return
     if n > 1 and column_slices(spec, n) < 2:
         raise PlanError(f"table {spec.name}: dim {spec.dim} cannot be split on {n} devices into "
                         f"column slices at least {MIN_COLUMN_WIDTH} wide; use table or row sharding")
-    if optimizer == "rowwise_adagrad":
-        raise PlanError(f"table {spec.name}: column sharding with rowwise_adagrad would give each "
-                        "slice its own row accumulator and change the math; use embedding.optimizer="
-                        "adagrad or sgd, or table/row sharding for this table")
 
 
 def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
