@@ -22,8 +22,8 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
