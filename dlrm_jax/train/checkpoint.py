@@ -22,6 +22,22 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); older ones are intact."""
 
 
+def saved_steps(directory: Path) -> list[int]:
+    """Steps of the complete checkpoints in ``directory`` (orbax renames a step's folder to
+    its number only once it is whole), read from the folder names without opening anything."""
+    d = Path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
+def largest_shard_bytes(abstract_state) -> int:
+    """Bytes of the largest single-device piece of any array of a (sharded) abstract state."""
+    import jax
+    import numpy as np
+
+    return max(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+               for x in jax.tree.leaves(abstract_state))
+
+
 def _bytes_to_write(state) -> int:
     """Bytes this process writes for ``state``: each array once, split over the processes."""
     import jax
@@ -49,11 +65,17 @@ class Checkpoints:
     next older one is used.
     """
 
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, largest_shard_bytes: int = 0):
+        """``largest_shard_bytes``: the largest single-device piece of the state; orbax's writer
+        holds a host copy of at most max(that, 256 MiB) at a time. (Its default, 96 GB, copies
+        the whole state at once: on simulated CPU devices, a second copy of every table.)"""
         _use_coordination_service_barriers()
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
+            "plan": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()

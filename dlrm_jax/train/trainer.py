@@ -28,7 +28,7 @@ from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.stats import plan_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
-from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_steps
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -229,27 +229,32 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     """
     cfg = resolve_data_config(cfg)
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
-        ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints) if rd.path else None
+        saved = saved_steps(rd.checkpoint_dir) if rd.path else []
+        recorded = rd.recorded_final(saved[-1]) if saved and saved[-1] >= cfg.train.steps else None
+        if recorded is not None:
+            log(f"run already finished at step {saved[-1]}; its recorded final metrics:")
+            return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
+                              recorded.get("run_samples_per_s", recorded["samples_per_s"]))
+        mesh = make_mesh(cfg.mesh.devices)
+        source = make_source(cfg, jax.process_index(), jax.process_count())
+        if source.skip_report():
+            log(source.skip_report())
+        plan, steps = build(cfg, mesh, source)
+        ckpts = None
+        if rd.path:
+            ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints,
+                                largest_shard_bytes(steps.abstract_state()))
         try:
-            return _train(cfg, rd, ckpts, log)
+            return _train(cfg, rd, ckpts, log, source, plan, steps)
         finally:
             if ckpts:
                 ckpts.close()
 
 
-def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log) -> RunSummary:
+def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: DataSource,
+           plan: EmbeddingPlan, steps: StepFunctions) -> RunSummary:
     t = cfg.train
-    if ckpts and ckpts.latest_step() is not None and ckpts.latest_step() >= t.steps:
-        recorded = rd.recorded_final(ckpts.latest_step())
-        if recorded is not None:
-            log(f"run already finished at step {ckpts.latest_step()}; its recorded final metrics:")
-            return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
-                              recorded.get("run_samples_per_s", recorded["samples_per_s"]))
-    mesh = make_mesh(cfg.mesh.devices)
-    source = make_source(cfg, jax.process_index(), jax.process_count())
-    if source.skip_report():
-        log(source.skip_report())
-    plan, steps = build(cfg, mesh, source)
+    mesh = steps.mesh
     plan_json = plan.to_json()
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
