@@ -42,11 +42,10 @@ def test_train_writes_the_contract_files_and_resumes(tmp_path):
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [20, 40] and all({"auc", "logloss"} <= set(e) for e in evals)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
-    # The same command again resumes: nothing left to train, the same evaluation.
+    # The same command again: nothing left to train, the recorded final line, nothing recomputed.
     again = cli("train", *SMOKE, "--set", "mesh.devices=4", "--run-dir", str(run))
-    assert "resuming from checkpoint at step 40" in again.stdout
-    m2 = final_line(again)
-    assert (m2.group(1), m2.group(3), m2.group(4)) == (m.group(1), m.group(3), m.group(4))
+    assert "run already finished at step 40" in again.stdout
+    assert final_line(again).group(0) == m.group(0)
     ev = cli("eval", "--run-dir", str(run))
     assert f"auc={float(m.group(3)):.6f}" in ev.stdout.strip().splitlines()[-1]
 

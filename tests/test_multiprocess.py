@@ -30,10 +30,12 @@ def test_two_processes_equal_one(tmp_path):
                             capture_output=True, text=True, timeout=240, env=env)
     assert single.returncode == 0, single.stderr
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "two"),
+    # No --run-dir: process 0 picks runs/<time> and every process uses it.
+    (tmp_path / "cwd").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *ARGS,
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                                "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for i in range(2)]
+                              text=True, env=env, cwd=tmp_path / "cwd") for i in range(2)]
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -43,7 +45,10 @@ def test_two_processes_equal_one(tmp_path):
         assert p.returncode == 0, err[-3000:]
         assert out.strip().splitlines()[-1].startswith("final step=6")
         assert "on 8 cpu devices in 2 process(es)" in out
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    run_dirs = list((tmp_path / "cwd" / "runs").iterdir())
+    assert len(run_dirs) == 1 and all(f"run dir: runs/{run_dirs[0].name}" in out for out, _ in outs)
+    assert sorted(p.name for p in (run_dirs[0] / "checkpoints").iterdir()) == ["3", "6"]
+    one, two = losses(tmp_path / "one"), losses(run_dirs[0])
     assert [s for s, _, _ in one] == [s for s, _, _ in two]
     for (_, a, auc_a), (_, b, auc_b) in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)

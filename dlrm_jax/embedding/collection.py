@@ -124,34 +124,6 @@ class EmbeddingCollection:
         """Per table, its [rows, D] values and optimizer state, whatever the plan."""
         return to_logical(self.plan, self.groups, state)
 
-    def abstract_state_for(self, plan: EmbeddingPlan) -> EmbeddingState:
-        """Shapes of the state another plan lays out, sharded over this mesh where they divide."""
-        groups = build_groups(plan)
-        abstract = EmbeddingState(
-            {g.name: jax.ShapeDtypeStruct((g.array_rows, g.width), jnp.dtype(plan.dtype)) for g in groups}, {})
-        slots = {g.name: jax.eval_shape(self.optimizer.init, abstract.tables[g.name]) for g in groups}
-
-        def place(x):
-            split = x.shape[0] % self.mesh.size == 0
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, P(AXIS) if split else P()))
-
-        return jax.tree.map(place, abstract._replace(slots=slots))
-
-    def relayout(self, state: EmbeddingState, plan: EmbeddingPlan) -> EmbeddingState:
-        """State laid out by ``plan`` (another device count or strategy) -> this collection's layout.
-
-        Goes through the logical tables, so it holds each table whole once: a one-off at restore.
-        """
-
-        def convert(state):
-            tables, slots = to_logical(plan, build_groups(plan), state)
-            new_tables = to_physical(self.groups, tables, self.storage_dtype)
-            keys = slots[0].keys()
-            per_key = {k: to_physical(self.groups, [s[k] for s in slots], jnp.float32) for k in keys}
-            return EmbeddingState(new_tables, {g.name: {k: per_key[k][g.name] for k in keys} for g in self.groups})
-
-        return jax.jit(convert, out_shardings=self.state_sharding())(state)
-
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
         """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)."""
@@ -223,20 +195,6 @@ def physical_rows(g: Group, vt: VirtualTable, ids: jax.Array) -> jax.Array:
     """Rows of a group's fused array that hold a virtual table's ``ids``."""
     owner, row, _ = route(ids, vt.kind, vt.device, vt.offset, vt.block, g.num_devices)
     return row if g.replicated else owner * g.local_rows + row
-
-
-def to_physical(groups: list[Group], per_table: list[jax.Array], dtype) -> dict[str, jax.Array]:
-    """Per-table arrays ([rows, D] values or state, or [rows] per-row state) -> fused arrays."""
-    out = {}
-    for g in groups:
-        per_row = per_table[g.vtables[0].table].ndim == 1
-        arr = jnp.zeros((g.array_rows,) if per_row else (g.array_rows, g.width), dtype)
-        for vt in g.vtables:
-            values = per_table[vt.table]
-            values = values if per_row else values[:, vt.col_start : vt.col_start + g.width]
-            arr = arr.at[physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32))].set(values.astype(dtype))
-        out[g.name] = arr
-    return out
 
 
 def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):

@@ -35,11 +35,12 @@ def hash_uniform(seed_2: jax.Array, table: jax.Array, row: jax.Array, col: jax.A
 
 
 def logical_rows(g: Group, vt_index: int, physical_row: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """For physical rows of group ``g``'s array (int32 [n]): the logical row of virtual table
-    ``vt_index`` each holds, and whether it holds one of that table's rows at all."""
+    """For physical rows of group ``g``'s array (int32 [n], jnp or numpy: plain arithmetic, so
+    the result has the input's kind): the logical row of virtual table ``vt_index`` each
+    holds, and whether it holds one of that table's rows at all."""
     vt = g.vtables[vt_index]
     if g.replicated:
-        device, local = jnp.zeros_like(physical_row), physical_row
+        device, local = physical_row * 0, physical_row
     else:
         device, local = physical_row // g.local_rows, physical_row % g.local_rows
     i = local - vt.offset

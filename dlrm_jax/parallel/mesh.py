@@ -6,6 +6,7 @@ data-parallel over it, and model-parallel embedding tables are split over the sa
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -55,7 +56,31 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
         return
     jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(**kwargs)
-    PeerWatchdog(jax.process_count(), jax.process_index()).start()
+    watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
+    watchdog.start()
+    atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
+
+
+def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
+    """Leave the coordination service in order: in recoverable mode nothing else makes process 0
+    (which hosts the service) outlive the others' shutdown calls, and a shutdown that finds the
+    service gone aborts its process."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    watchdog.stopping = True
+    try:
+        client.wait_at_barrier("dlrm_jax_exit", timeout_s * 1000)
+        if jax.process_index() == 0:  # the others leave first
+            deadline = time.time() + timeout_s
+            while len(client.get_live_nodes(list(range(jax.process_count())))) > 1 and time.time() < deadline:
+                time.sleep(0.1)
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to coordinate
+        os._exit(1)
 
 
 class PeerWatchdog(threading.Thread):
@@ -66,14 +91,16 @@ class PeerWatchdog(threading.Thread):
 
     def __init__(self, count: int, me: int, every_s: float = 2.0):
         super().__init__(name="peer-watchdog", daemon=True)
-        self.count, self.me, self.every_s = count, me, every_s
+        self.count, self.me, self.every_s, self.stopping = count, me, every_s, False
 
     def run(self) -> None:
         from jax._src import distributed
 
         everyone = list(range(self.count))
-        while True:
+        while not self.stopping:
             time.sleep(self.every_s)
+            if self.stopping:
+                return
             try:
                 live = set(distributed.global_state.client.get_live_nodes(everyone))
             except Exception as e:  # noqa: BLE001 - the coordinator itself is unreachable

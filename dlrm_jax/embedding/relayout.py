@@ -1,0 +1,102 @@
+"""Tables saved under one plan, laid out for another, one device shard at a time.
+
+A checkpoint's embedding arrays follow the plan they were saved with (device count,
+strategies, column slices). Restoring onto another plan reads them into host memory as numpy
+(once, the saved bytes), then builds each new device shard on the host from the rows it must
+hold and places it on its device (``jax.make_array_from_callback``): no device ever holds more
+than its own shard, and no whole logical table is assembled. In a multi-process run each
+process reads the saved arrays and builds only its own devices' shards.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.initializer import logical_rows
+from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups
+from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC
+
+
+def host_placeholders(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
+    """numpy placeholders of a plan's embedding state, for orbax to restore into host memory
+    (unwritten pages of ``np.empty`` cost nothing until orbax fills them)."""
+    tables, slots = {}, {}
+    for g in build_groups(plan):
+        shape = jax.ShapeDtypeStruct((g.array_rows, g.width), jnp.dtype(plan.dtype))
+        tables[g.name] = np.empty(shape.shape, shape.dtype)
+        slots[g.name] = {k: np.empty(v.shape, v.dtype) for k, v in jax.eval_shape(optimizer.init, shape).items()}
+    return EmbeddingState(tables, slots)
+
+
+def physical_rows_np(g: Group, vt: VirtualTable, logical: np.ndarray) -> np.ndarray:
+    """Rows of group ``g``'s array holding ``logical`` rows of virtual table ``vt`` (numpy)."""
+    if vt.kind == KIND_BLOCK:
+        device, local = logical // vt.block, vt.offset + logical % vt.block
+    elif vt.kind == KIND_CYCLIC:
+        device, local = logical % g.num_devices, vt.offset + logical // g.num_devices
+    else:
+        device, local = (0 if g.replicated else vt.device), vt.offset + logical
+    return local if g.replicated else device * g.local_rows + local
+
+
+class _SavedTables:
+    """Reads rows and columns of the saved plan's tables from its host arrays."""
+
+    def __init__(self, plan: EmbeddingPlan, tables: dict, slots: dict):
+        self.pieces: dict[int, list] = {}  # table -> [(group, vt, values, slots)]
+        for g in build_groups(plan):
+            for vt in g.vtables:
+                self.pieces.setdefault(vt.table, []).append((g, vt, tables[g.name], slots[g.name]))
+
+    def read(self, table: int, logical: np.ndarray, col0: int, width: int, key: str | None):
+        """Values (``key`` None) or the slot ``key`` of ``logical`` rows, columns
+        [col0, col0 + width); per-row slots ([R]) ignore the columns."""
+        out = None
+        for g, vt, values, slots in self.pieces[table]:
+            src = values if key is None else slots[key]
+            rows = physical_rows_np(g, vt, logical)
+            if src.ndim == 1:  # one value per row: every slice holds the same
+                return src[rows]
+            lo, hi = max(col0, vt.col_start), min(col0 + width, vt.col_start + g.width)
+            if lo >= hi:
+                continue
+            if out is None:
+                out = np.zeros((len(logical), width), src.dtype)
+            out[:, lo - col0 : hi - col0] = src[rows][:, lo - vt.col_start : hi - vt.col_start]
+        return out
+
+
+def relayout_from_host(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection
+                       ) -> EmbeddingState:
+    """The collection's state, on its mesh with its shardings, from the saved plan's state in
+    host memory (as :func:`host_placeholders` restored it)."""
+    saved = _SavedTables(saved_plan, host.tables, host.slots)
+    groups, shardings = collection.groups, collection.state_sharding()
+    tables, slots = host.tables, host.slots
+
+    def build(g: Group, key: str | None, like: np.ndarray, sharding):
+        shape = (g.array_rows, *like.shape[1:])
+
+        def shard(index):
+            rows = np.arange(g.array_rows)[index[0]]
+            out = np.zeros((len(rows), *shape[1:]), like.dtype)
+            for v, vt in enumerate(g.vtables):
+                logical, held = logical_rows(g, v, rows)
+                logical, held = np.asarray(logical), np.asarray(held)
+                if held.any():
+                    out[held] = saved.read(vt.table, logical[held], vt.col_start, g.width, key)
+            return out
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    any_table = next(iter(tables.values()))
+    new_tables = {g.name: build(g, None, np.empty((0, g.width), any_table.dtype), shardings.tables[g.name])
+                  for g in groups}
+    any_slots = next(iter(slots.values()))
+    new_slots = {g.name: {k: build(g, k, np.empty((0, g.width)[: v.ndim], v.dtype), shardings.slots[g.name][k])
+                          for k, v in any_slots.items()} for g in groups}
+    return EmbeddingState(new_tables, new_slots)
