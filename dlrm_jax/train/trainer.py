@@ -128,9 +128,14 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     return state._replace(emb=relayout_from_host(saved, state.emb, steps.collection))
 
 
+def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print) -> tuple[int, TrainState]:
+    """(step, state) of the newest checkpoint that restores; damaged newer ones are set aside."""
+    return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+
+
 def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log) -> TrainState:
     if ckpts is not None and ckpts.all_steps():
-        step, state = ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+        step, state = restore_newest(steps, ckpts, log)
         log(f"resuming from checkpoint at step {step}")
         return state
     return steps.init_state()
@@ -342,7 +347,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     try:
         if not ckpts.all_steps():
             raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-        _, state = ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+        _, state = restore_newest(steps, ckpts, log)
         auc, ll = evaluate(steps, state, source)
     finally:
         ckpts.close()
