@@ -11,7 +11,7 @@ apply SGD to the looked-up rows — on the same tables and ids:
 - ``dense_gradient``: a replicated table updated with its dense, all-reduced gradient.
 
 Bytes per step and device are predicted from the plan's shapes and counted from the compiled
-HLO's collectives (the overflow branch, compiled but not taken, is left out of the count).
+HLO's collectives (the overflow rounds, compiled but not taken, are left out of the count).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.bench import machine_description
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
 from dlrm_jax.embedding.layout import build_groups, group_capacity
 from dlrm_jax.embedding.optimizers import sgd
 from dlrm_jax.embedding.planner import plan_from_config
@@ -45,12 +46,12 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 LR = 0.01
 
 
-def hlo_collective_bytes(hlo_text: str, n: int, skip_dims: set[int] = frozenset()) -> dict[str, float]:
+def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
     """Bytes one device sends to others per collective kind, from the compiled HLO.
 
     all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
-    reduce-scatter: (N-1) times the result. All-to-alls whose second dimension is in
-    ``skip_dims`` (the worst-case capacity branch) are left out.
+    reduce-scatter: (N-1) times the result. Collectives traced under the named scope
+    ``skip_scope`` (the overflow rounds) are left out.
     """
     out: dict[str, float] = {}
     for line in hlo_text.splitlines():
@@ -58,7 +59,7 @@ def hlo_collective_bytes(hlo_text: str, n: int, skip_dims: set[int] = frozenset(
         if not m:
             continue
         shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _SHAPE.findall(m.group(1))]
-        if m.group(2) == "all-to-all" and any(len(s) > 1 and s[1] in skip_dims for _, s in shapes):
+        if skip_scope and f"/{skip_scope}/" in line:
             continue
         size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
         factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
@@ -99,10 +100,7 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     fn = jax.jit(step, in_shardings=(sharding, None, None), out_shardings=(sharding, None), donate_argnums=0)
     state = coll.init(jax.random.key(0))
     compiled = fn.lower(state, ids, grad).compile()
-    lb = plan.global_batch // mesh.size
-    worst = {g.max_capacity(lb) for g in build_groups(plan) if not g.replicated}
-    caps = {group_capacity(plan, g) for g in build_groups(plan) if not g.replicated}
-    hlo = hlo_collective_bytes(compiled.as_text(), mesh.size, worst - caps)
+    hlo = hlo_collective_bytes(compiled.as_text(), mesh.size, ROUNDS_SCOPE)
     seconds, state = _time(compiled, (state, ids, grad), steps)
     _, res = jax.jit(coll.lookup)(state, ids)
     strategies = sorted({t.strategy.value for t in plan.tables})

@@ -23,9 +23,9 @@ def test_embedding_bench_bytes_match_hlo(tiny, tmp_path):
 
 def test_hlo_parser():
     text = ("%a = f32[8,10,4]{2,1,0} all-to-all(f32[8,10,4]{2,1,0} %x), dimensions={0}\n"
-            "%b = s32[8,99]{1,0} all-to-all(s32[8,99]{1,0} %y), dimensions={0}\n"
+            '%b = s32[8,99]{1,0} all-to-all(s32[8,99]{1,0} %y), metadata={op_name="jit(f)/exchange_rounds/x"}\n'
             "%c = (f32[16]{0}, s32[4]{0}) all-reduce-start(f32[16]{0} %p, s32[4]{0} %q)\n")
-    got = hlo_collective_bytes(text, 8, skip_dims={99})
+    got = hlo_collective_bytes(text, 8, skip_scope="exchange_rounds")
     assert got == {"all-to-all": 8 * 10 * 4 * 4 * 7 / 8, "all-reduce": 2 * 7 / 8 * (64 + 16)}
 
 

@@ -17,6 +17,7 @@ from reference import dense_reference
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.collection import EmbeddingCollection, physical_rows
+from dlrm_jax.embedding.layout import group_capacity
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.planner import plan_from_config
@@ -149,15 +150,23 @@ def test_sharded_tables_are_split_not_replicated(tiny, strategy):
         assert shard_rows == {arr.shape[0] // 8}, (name, shard_rows)
 
 
-def test_forced_overflow_loses_nothing(tiny):
-    """A capacity far too small takes the worst-case path: same numbers, overflow reported."""
-    cfg = tiny("embedding.sharding=row", "embedding.capacity_factor=0.01", "train.batch_size=32", CARDS,
-               "embedding.optimizer=rowwise_adagrad")
+@pytest.mark.parametrize("variant", [
+    ["embedding.sharding=row", "embedding.optimizer=rowwise_adagrad"],
+    ["embedding.sharding=row", "embedding.optimizer=adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]",
+     "embedding.bag_exchange=pooled"],
+    ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad"],
+], ids=["rows", "pooled-bags", "column-slices-rowwise"])
+def test_forced_overflow_loses_nothing(tiny, variant):
+    """A capacity far too small runs the exchange in rounds at that capacity: same numbers as
+    the reference (each row updated once per step, as Adagrad needs), overflow reported."""
+    cfg = tiny("embedding.capacity_factor=0.01", "train.batch_size=32", CARDS, *variant)
     coll, state = check_against_reference(cfg, 4, steps=3)
+    assert all(group_capacity(coll.plan, g) == 1 for g in coll.groups if not g.replicated)
+    assert bool(coll.pooled) == ("embedding.bag_exchange=pooled" in variant)
     ids = SyntheticSource(cfg).train_batch(0).ids
     _, res = jax.jit(coll.lookup)(state, jnp.asarray(ids))
     assert int(res.overflow) >= 1
-    roomy = build(tiny("embedding.sharding=row", "train.batch_size=32", CARDS), 4)
+    roomy = build(tiny("train.batch_size=32", CARDS, *variant), 4)
     _, res = jax.jit(roomy.lookup)(roomy.init(jax.random.key(0)), jnp.asarray(ids))
     assert int(res.overflow) == 0
 

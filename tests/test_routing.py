@@ -3,7 +3,8 @@
 For any ids (random, all equal, all distinct, empty bags, table edges) and any layout:
 every id is owned by exactly one device at a row inside that device's shard; each distinct
 (owner, row) is requested once; every request finds its own answer in the reply; and the
-counts say exactly when a capacity is too small.
+counts say exactly when a capacity is too small; and the rounds that replace an overflowing
+exchange send every request exactly once, within capacity, each row in one round everywhere.
 """
 
 import jax.numpy as jnp
@@ -16,7 +17,11 @@ from dlrm_jax.embedding.routing import (
     KIND_BLOCK,
     KIND_CYCLIC,
     KIND_FIXED,
+    Window,
     bucket,
+    first_window,
+    next_round_limit,
+    requests_below,
     route,
     send_buffer,
     slot_index,
@@ -78,7 +83,7 @@ def test_routing_and_bucketing(data):
         assert counts[d] == sum(1 for o, _ in wanted if o == d)
 
     for capacity in (1, max(1, int(counts.max(initial=0))), ids.size):
-        buf = np.asarray(send_buffer(b, capacity, n, local_rows))
+        buf = np.asarray(send_buffer(b, first_window(capacity, n), capacity, n, local_rows))
         fits = counts.max(initial=0) <= capacity
         sent = {(d, int(r)) for d in range(n) for r in buf[d] if r != local_rows}
         if fits:
@@ -87,8 +92,48 @@ def test_routing_and_bucketing(data):
         else:
             assert sent < {(int(o), int(r)) for o, r in wanted}
         # Every usable request finds its own row at (owner, rank) of the reply.
-        o, k, usable = (np.asarray(a) for a in slot_index(b, capacity))
+        o, k, usable = (np.asarray(a) for a in slot_index(b, first_window(capacity, n)))
         for i in np.flatnonzero(usable):
             assert (o[i], buf[o[i], k[i]]) == (owner.ravel()[i], row.ravel()[i])
         if fits:
             np.testing.assert_array_equal(usable, valid.ravel())
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
+    """Several devices' buckets for the same owners, a capacity too small: the agreed rounds
+    (pmin of the proposals, as the exchange computes it) terminate, never exceed the capacity,
+    send every request exactly once, and put each owner row in the same round on every device."""
+    n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
+    params = [jnp.full((1,), x, jnp.int32) for x in (kind, device, offset, block)]
+    buckets, wanted = [], []
+    for _ in range(data.draw(st.integers(1, 4))):  # requesting devices
+        ids = data.draw(id_batches(rows)).reshape(-1, 1)
+        owner, row, valid = route(jnp.asarray(ids), *params, n)
+        buckets.append(bucket(owner, row, valid, n, local_rows))
+        wanted.append({(int(o), int(r)) for o, r, ok in zip(np.ravel(owner), np.ravel(row), np.ravel(valid),
+                                                            strict=True) if ok})
+    capacity = data.draw(st.integers(1, 3))
+    done = [np.zeros(n, np.int32) for _ in buckets]
+    sent = [set() for _ in buckets]
+    round_of_row = {}
+    for round_no in range(sum(len(w) for w in wanted) + 1):
+        limit = np.min([np.asarray(next_round_limit(b, jnp.asarray(d), capacity, local_rows))
+                        for b, d in zip(buckets, done, strict=True)], axis=0)
+        for i, b in enumerate(buckets):
+            end = np.asarray(requests_below(b, jnp.asarray(limit), local_rows))
+            assert (end - done[i] <= capacity).all() and (end >= done[i]).all()
+            window = (jnp.asarray(done[i]), jnp.asarray(end))
+            buf = np.asarray(send_buffer(b, Window(*window), capacity, n, local_rows))
+            for o in range(n):
+                for r in buf[o][buf[o] != local_rows].tolist():
+                    assert (o, r) not in sent[i]  # never sent twice
+                    sent[i].add((o, r))
+                    assert round_of_row.setdefault((o, r), round_no) == round_no  # one round everywhere
+            done[i] = end
+        if (limit == local_rows).all():
+            break
+    else:
+        raise AssertionError("rounds did not terminate")
+    assert sent == wanted

@@ -95,11 +95,11 @@ class EmbeddingCollection:
             elif g.name in self.pooled:
                 cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.pooled_forward(g, mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.pooled_update(g, mesh, cap, self.local_batch, wire, optimizer)
+                self._update[g.name] = exchange.pooled_update(g, mesh, cap, wire, optimizer)
             else:
                 cap = group_capacity(plan, g)
-                self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.sharded_update(g, mesh, cap, self.local_batch, wire, optimizer,
+                self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, wire)
+                self._update[g.name] = exchange.sharded_update(g, mesh, cap, wire, optimizer,
                                                                self.dim)
 
     # ------------------------------------------------------------ state

@@ -9,9 +9,11 @@ backward  the same buckets -> gradients of duplicate slots summed into their buc
           all_to_all of row ids and gradients to owners -> the owner applies the sparse
           optimizer to its shard (merging what several devices sent for one row).
 
-Overflow: when any device has more distinct requests for one owner than C, every device
-(the decision is a pmax, so all agree) runs the same exchange with the worst-case capacity
-instead. Nothing is dropped, and the step reports that it happened.
+Overflow: when any device has more distinct requests for one owner than C (the decision is a
+pmax, so all agree), the exchange runs in rounds at the same capacity instead, each round a
+window of every owner's rows that all devices agree on (see ``routing``). Nothing is dropped,
+no buffer is larger than C, a row is updated once per step, and the step reports that it
+happened.
 
 Replicated groups need no all-to-all: lookups are local, and the update gathers the whole
 batch's rows and gradients to every device, which then applies the same update.
@@ -30,8 +32,12 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.layout import Group
 from dlrm_jax.embedding.optimizers import SparseOptimizer, merge_duplicates
 from dlrm_jax.embedding.routing import (
+    Buckets,
+    Window,
     bucket,
+    next_round_limit,
     rank_by_owner,
+    requests_below,
     route,
     scatter_to_buckets,
     send_buffer,
@@ -53,19 +59,60 @@ def _all_to_all(x):
     return lax.all_to_all(x, AXIS, 0, 0)
 
 
-def _at_capacity(exchange, most, capacity: int, worst: int, *operands):
-    """``exchange(*operands, cap=capacity)``, or at the worst-case capacity when some device has
-    more requests for one owner; ``most`` is a pmax, so every device takes the same branch."""
-    return lax.cond(most > capacity, partial(exchange, cap=worst), partial(exchange, cap=capacity), *operands)
+ROUNDS_SCOPE = "exchange_rounds"  # names the overflow-only ops in the compiled program
 
 
-def _update_on_owners(mesh, exchange, capacity: int, worst: int):
-    """``f(table, slots, route, grads, lr) -> (table, slots)`` running an update exchange per
-    device; ``route`` is (requests, busiest count) as the forward returned it."""
+def _if_overflow(over, on_overflow, otherwise, *operands):
+    """``lax.cond`` on ``over`` (a pmax-derived flag, so every device takes the same branch);
+    the overflow branch's ops are named ``ROUNDS_SCOPE``."""
+
+    def named(*args):
+        with jax.named_scope(ROUNDS_SCOPE):
+            return on_overflow(*args)
+
+    return lax.cond(over, named, otherwise, *operands)
+
+
+def _in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry):
+    """``one_round(carry, window) -> carry`` until every request is sent: one trip with all of
+    each owner's requests when nothing overflowed, else over the agreed rounds (see routing).
+
+    Always a while loop, even for one trip: a ``lax.cond`` whose branch holds a loop that
+    updates the table makes XLA copy the whole table shard; a loop whose body holds conds
+    updates it in place. The limits are pmins, so every device runs the same rounds."""
+
+    def agreed_limit(done, finished):
+        def proposals():
+            return lax.pmin(next_round_limit(b, done, capacity, g.local_rows), AXIS)
+
+        everything = jnp.full(g.num_devices, g.local_rows, jnp.int32)
+        return _if_overflow(over & ~finished, proposals, lambda: everything)
+
+    def body(state):
+        done, limit, carry, _ = state
+        end = requests_below(b, limit, g.local_rows)
+        carry = one_round(carry, Window(done, end))
+        finished = jnp.all(limit == g.local_rows)
+        return end, agreed_limit(end, finished), carry, finished
+
+    done = _varying(jnp.zeros(g.num_devices, jnp.int32))
+    start = (done, agreed_limit(done, jnp.bool_(False)), jax.tree.map(_varying, carry), jnp.bool_(False))
+    return lax.while_loop(lambda s: ~s[3], body, start)[2]
+
+
+def _varying(x):
+    """``x`` typed as differing per device (a loop carry that the body makes device-specific)."""
+    return x if AXIS in jax.typeof(x).manual_axis_type.varying else lax.pcast(x, (AXIS,), to="varying")
+
+
+def _update_on_owners(mesh, update):
+    """``f(table, slots, route, grads, lr) -> (table, slots)`` running ``update(table_local,
+    slots_local, requests, grads_local, lr, over)`` per device; ``route`` is (requests, busiest
+    count) as the forward returned it."""
 
     def local(table_local, slots_local, route_local, grads_local, lr):
         requests, most = route_local
-        return _at_capacity(exchange, most[0], capacity, worst, table_local, slots_local, requests, grads_local, lr)
+        return update(table_local, slots_local, requests, grads_local, lr, most[0])
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
                          out_specs=(P(AXIS), P(AXIS)))
@@ -81,23 +128,42 @@ def busiest_owner_requests(g: Group, mesh):
     return lambda ids_bs: fn(ids_bs)[0]
 
 
-def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
-    """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
-    worst = g.max_capacity(local_batch)
+def _lookup_exchange(g: Group, capacity: int, wire_dtype):
+    """``f(table_local, b, window) -> (vectors [n, W] float32, usable [n])``: one exchange of
+    the window's requests; a request outside the window gets usable False."""
 
-    def exchange(table_local, b, cap, shape):
-        recv_rows = _all_to_all(send_buffer(b, cap, g.num_devices, g.local_rows))
+    def exchange(table_local, b, window):
+        recv_rows = _all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
         vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0).astype(wire_dtype)
         replies = _all_to_all(vectors)  # [N, C, W]: from each owner, in my request order
-        owner, rank, usable = slot_index(b, cap)
-        out = replies[owner, rank].astype(jnp.float32) * usable[:, None]
-        return out.reshape(*shape, g.width)
+        owner, place, usable = slot_index(b, window)
+        return replies[owner, place].astype(jnp.float32), usable
+
+    return exchange
+
+
+def _lookup(g: Group, capacity: int, wire_dtype):
+    """``f(table_local, b, over) -> vectors [n, W]`` of every request, in one exchange or rounds."""
+    exchange = _lookup_exchange(g, capacity, wire_dtype)
+
+    def lookup(table_local, b, over):
+        def one_round(acc, window):
+            out, usable = exchange(table_local, b, window)
+            return jnp.where(usable[:, None], out, acc)
+
+        return _in_rounds(g, b, capacity, over, one_round, jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32))
+
+    return lookup
+
+
+def sharded_forward(g: Group, mesh, capacity: int, wire_dtype):
+    """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
+    lookup = _lookup(g, capacity, wire_dtype)
 
     def local(table_local, ids_local):
         shape, b, most = _route_and_bucket(g, ids_local)
-        over = most > capacity
-        out = _at_capacity(partial(exchange, shape=shape), most, capacity, worst, table_local, b)
-        return out, over[None], (b, most[None])
+        out = lookup(table_local, b, most > capacity).reshape(*shape, g.width)
+        return out, (most > capacity)[None], (b, most[None])
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS), P(AXIS)))
 
@@ -110,49 +176,101 @@ def sharded_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype)
     return forward
 
 
-def sharded_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype,
-                   optimizer: SparseOptimizer, dim: int):
+def _gradients_to_owners(g: Group, capacity: int, wire_dtype):
+    """``f(b, grads [n, W], window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
+    receives the window's rows and, per row, the sum of this device's gradients for it;
+    ``where`` = (dest, place, usable) of each request in the [N, C] buffers."""
+
+    def send(b, grads, window):
+        recv_rows = _all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+        owner, place, usable = slot_index(b, window)
+        dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
+        sums = jnp.zeros((g.num_devices, capacity, g.width), jnp.float32)
+        sums = sums.at[dest, place].add(grads.astype(jnp.float32), mode="drop")
+        recv_grads = _all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
+        return recv_rows.reshape(-1), recv_grads.reshape(-1, g.width), (dest, place, usable)
+
+    return send
+
+
+def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int):
+    """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
+    apply the optimizer to the rows requested, in one exchange or rounds.
+
+    ``dim``: the tables' full width (for statistics over whole rows of column slices). Those
+    need every slice's squared sum of a row before its update: in one exchange they travel
+    with it; in rounds a first pass of rounds gathers them all."""
+    send = _gradients_to_owners(g, capacity, wire_dtype)
+    whole_rows = optimizer.needs_whole_rows and g.has_column_slices
+
+    def apply(state, rows, recv_grads, lr, **extra):
+        return optimizer.update(*state, rows, recv_grads, lr, **extra)
+
+    def update(table_local, slots_local, b, grads, lr, over):
+        if not whole_rows:
+            def one_round(state, window):
+                rows, recv_grads, _ = send(b, grads, window)
+                return apply(state, rows, recv_grads, lr)
+
+            return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+
+        def sq_round(acc, window):
+            rows, recv_grads, (_, place, usable) = send(b, grads, window)
+            partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads))
+            return jnp.where(usable, partial[b.slot_owner, place], acc)
+
+        zeros = jnp.zeros(grads.shape[:1], jnp.float32)
+        totals = _if_overflow(over, lambda: _row_totals(g, _in_rounds(g, b, capacity, over, sq_round, zeros)),
+                              lambda: _varying(zeros))
+
+        def one_round(state, window):
+            rows, recv_grads, where = send(b, grads, window)
+
+            def from_this_exchange():
+                partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads))
+                return _row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
+
+            row_totals = _if_overflow(over, lambda: totals, from_this_exchange)
+            return apply(state, rows, recv_grads, lr, row_mean_sq=_to_owners(g, capacity, row_totals, where) / dim)
+
+        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+
+    return update
+
+
+def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int):
     """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
     over whole rows of column slices)."""
-    worst = g.max_capacity(local_batch)
-    whole_rows = optimizer.needs_whole_rows and g.has_column_slices
+    update = _sparse_update(g, capacity, wire_dtype, optimizer, dim)
 
-    def exchange(table_local, slots_local, b, grads, lr, cap):
-        recv_rows = _all_to_all(send_buffer(b, cap, g.num_devices, g.local_rows))
-        owner, rank, usable = slot_index(b, cap)
-        dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
-        sums = jnp.zeros((g.num_devices, cap, g.width), jnp.float32)
-        sums = sums.at[dest, rank].add(grads.reshape(-1, g.width).astype(jnp.float32), mode="drop")
-        recv_grads = _all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
-        extra = {}
-        if whole_rows:
-            extra["row_mean_sq"] = _whole_row_mean_sq(g, recv_rows, recv_grads, owner, rank, usable, dest,
-                                                      grads.shape[0]) / dim
-        return optimizer.update(table_local, slots_local, recv_rows.reshape(-1),
-                                recv_grads.reshape(-1, g.width), lr, **extra)
+    def on_owners(table_local, slots_local, b, grads, lr, most):
+        return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, most > capacity)
 
-    return _update_on_owners(mesh, exchange, capacity, worst)
+    return _update_on_owners(mesh, on_owners)
 
 
-def _whole_row_mean_sq(g: Group, recv_rows, recv_grads, owner, rank, usable, dest, local_batch: int):
-    """Per received request [N * C]: the sum over all columns of its row's squared gradient,
-    summed over every device, although each owner holds only a column slice.
+def _slice_sq_sums(g: Group, rows, recv_grads):
+    """Owner side, per received request [N, C]: the squared sum over this owner's columns of the
+    request's row's gradient, merged over every device that sent it."""
+    _, merged, inv = merge_duplicates(rows, recv_grads, g.local_rows, return_inverse=True)
+    return jnp.sum(merged * merged, -1)[inv].reshape(g.num_devices, -1)
 
-    Owners square-sum their slice of each row's merged gradient and reply along the forward's
-    buckets; each requester adds the replies of a row's slices (the virtual slots of one batch
-    slot and table) and sends the total back to every slice owner: two all-to-alls of scalars.
-    """
-    rows = recv_rows.reshape(-1)
-    _, merged, inv = merge_duplicates(rows, recv_grads.reshape(-1, g.width), g.local_rows, return_inverse=True)
-    partial = jnp.sum(merged * merged, -1)[inv].reshape(g.num_devices, -1)  # [N, C] for each source
-    reply = _all_to_all(partial)  # [N, C]: for my requests, at each owner's rank
-    per_vslot = jnp.where(usable, reply[owner, rank], 0.0).reshape(local_batch, g.num_vslots)
-    # virtual slots reading the same (batch slot, table): the slices of one row
+
+def _row_totals(g: Group, per_slot):
+    """Requester side: per request [n], the sum of the replies for all column slices of its row
+    (the virtual slots reading the same batch slot and table), i.e. over the row's whole width."""
     row_of_vslot = np.unique(np.stack([g.vslot_slot, g.vslot_table]), axis=1, return_inverse=True)[1].reshape(-1)
+    per_vslot = per_slot.reshape(-1, g.num_vslots)
     total = jax.ops.segment_sum(per_vslot.T, jnp.asarray(row_of_vslot), int(row_of_vslot.max()) + 1).T
-    back = jnp.zeros(partial.shape, jnp.float32).at[dest, rank].set(total[:, row_of_vslot].reshape(-1), mode="drop")
-    return _all_to_all(back).reshape(-1)
+    return total[:, row_of_vslot].reshape(-1)
+
+
+def _to_owners(g: Group, capacity: int, values, where):
+    """Per request [n] -> what each owner received at the same places [N*C] (all-to-all)."""
+    dest, place, _ = where
+    buf = jnp.zeros((g.num_devices, capacity), jnp.float32).at[dest, place].set(values, mode="drop")
+    return _all_to_all(buf).reshape(-1)
 
 
 def replicated_forward(g: Group):
@@ -210,28 +328,58 @@ def _send_requests(g: Group, req, cap: int):
             _all_to_all(put(weight, fill=jnp.float32(0))))
 
 
+def _buckets_if_overflow(g: Group, req, over) -> Buckets:
+    """The pooled route's requests as distinct (owner, row) buckets when the rounds need them
+    (a sort, skipped otherwise: zeros of the same shapes)."""
+    owner, row, _, valid, _, _ = req
+    n = owner.shape[0]
+
+    def distinct():
+        return bucket(owner, row, valid, g.num_devices, g.local_rows)
+
+    def unused():
+        ints, flags = jnp.zeros(n, jnp.int32), jnp.zeros(n, bool)
+        return jax.tree.map(_varying, Buckets(ints, ints, ints, flags, ints, ints, flags,
+                                              jnp.zeros(g.num_devices, jnp.int32)))
+
+    return _if_overflow(over, distinct, unused)
+
+
 def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
     """``f(table, ids [B, S], weights [B, S]) -> (pooled [B, F', W], overflowed [])``.
 
     Owners pool what they hold of every (sample, virtual feature) and send partial sums back;
     the requester adds the N partial sums: a reduce-scatter through an all-to-all. Moves
     B_local x F' vectors per owner instead of one per requested row: fewer bytes for large bags.
+    On overflow, the rows come back in rounds (as for unpooled groups) and the requester pools.
     """
-    worst = g.max_capacity(local_batch)
     n_seg = local_batch * len(g.vtables)
+    out_shape = (local_batch, len(g.vtables), g.width)
+    exchange = _lookup_exchange(g, capacity, wire_dtype)
 
-    def exchange(table_local, req, cap):
-        rows, segs, weights = _send_requests(g, req, cap)  # [N, C] from each source
+    def pooled_at_owners(table_local, req):
+        rows, segs, weights = _send_requests(g, req, capacity)  # [N, C] from each source
         vectors = table_local.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * weights[..., None]
         target = (jnp.arange(g.num_devices)[:, None] * n_seg + segs).reshape(-1)
         partial_sums = jax.ops.segment_sum(vectors.reshape(-1, g.width), target, g.num_devices * n_seg)
         back = _all_to_all(partial_sums.reshape(g.num_devices, n_seg, g.width).astype(wire_dtype))
-        return back.astype(jnp.float32).sum(0).reshape(local_batch, len(g.vtables), g.width)
+        return back.astype(jnp.float32).sum(0).reshape(out_shape)
 
     def local(table_local, ids_local, weights_local):
         req, most = _route_all(g, ids_local, weights_local)
         over = most > capacity
-        out = _at_capacity(exchange, most, capacity, worst, table_local, req)
+        b = _buckets_if_overflow(g, req, over)
+        _, _, _, _, seg, weight = req
+
+        def one_round(acc, window):
+            def rows_then_pool():
+                out, usable = exchange(table_local, b, window)
+                pooled = jax.ops.segment_sum(out * (weight * usable)[:, None], seg, n_seg)
+                return acc + pooled.reshape(out_shape)
+
+            return _if_overflow(over, rows_then_pool, lambda: pooled_at_owners(table_local, req))
+
+        out = _in_rounds(g, b, capacity, over, one_round, jnp.zeros(out_shape, jnp.float32))
         return out, over[None], (req, most[None])
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
@@ -245,18 +393,34 @@ def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
     return forward
 
 
-def pooled_update(g: Group, mesh, capacity: int, local_batch: int, wire_dtype, optimizer: SparseOptimizer):
+def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer):
     """``f(table, slots, route, grads [B, F', W], lr) -> (table, slots)``: every owner gets each
-    device's pooled gradients (all-gather) and scatters them to the rows it pooled."""
-    worst = g.max_capacity(local_batch)
+    device's pooled gradients (all-gather) and scatters them to the rows it pooled. On overflow,
+    each request's gradient (its weight x its bag's) goes to the owners in rounds instead."""
+    send = _gradients_to_owners(g, capacity, wire_dtype)
 
-    def exchange(table_local, slots_local, req, grads_local, lr, cap):
-        rows, segs, weights = _send_requests(g, req, cap)
+    def at_owners(state, req, grads_local, lr):
+        rows, segs, weights = _send_requests(g, req, capacity)
         every = lax.all_gather(grads_local.reshape(-1, g.width).astype(wire_dtype), AXIS)  # [N, B_l F', W]
         grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
-        return optimizer.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+        return optimizer.update(*state, rows.reshape(-1), grads.reshape(-1, g.width), lr)
 
-    return _update_on_owners(mesh, exchange, capacity, worst)
+    def update(table_local, slots_local, req, grads_local, lr, most):
+        over = most > capacity
+        b = _buckets_if_overflow(g, req, over)
+        _, _, _, _, seg, weight = req
+
+        def one_round(state, window):
+            def by_rows(state):
+                per_request = grads_local.reshape(-1, g.width)[seg].astype(jnp.float32) * weight[:, None]
+                rows, recv_grads, _ = send(b, per_request, window)
+                return optimizer.update(*state, rows, recv_grads, lr)
+
+            return _if_overflow(over, by_rows, lambda s: at_owners(s, req, grads_local, lr), state)
+
+        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+
+    return _update_on_owners(mesh, update)
 
 
 def busiest_owner_all_requests(g: Group, mesh):

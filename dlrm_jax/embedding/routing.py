@@ -77,20 +77,70 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
                    u_owner[inv], u_rank[inv], valid.reshape(-1), jnp.diff(starts).astype(jnp.int32))
 
 
-def send_buffer(b: Buckets, capacity: int, num_devices: int, pad_row: int) -> jax.Array:
+class Window(NamedTuple):
+    """Which of one device's requests to each owner go into one exchange: the ranks
+    ``first[o] <= rank < end[o]``, placed at ``rank - first[o]`` (``end - first`` <= capacity)."""
+
+    first: jax.Array  # int32 [N]
+    end: jax.Array  # int32 [N]
+
+
+def first_window(capacity: int, num_devices: int) -> Window:
+    """The single exchange: each owner's first ``capacity`` requests."""
+    return Window(jnp.zeros(num_devices, jnp.int32), jnp.full(num_devices, capacity, jnp.int32))
+
+
+def _in_window(owner, rank, valid, window: Window):
+    first = window.first[owner]
+    return valid & (rank >= first) & (rank < window.end[owner]), rank - first
+
+
+def send_buffer(b: Buckets, window: Window, capacity: int, num_devices: int, pad_row: int) -> jax.Array:
     """int32 [N, C]: row ids to request from each owner; unused places hold ``pad_row``.
 
-    Requests ranked past the capacity are left out; the caller checks ``counts`` first.
+    Requests outside the window are left out; the caller checks ``counts`` first.
     """
-    fits = b.unique_valid & (b.unique_rank < capacity)
-    return scatter_to_buckets(b.unique_owner, b.unique_rank, fits, b.unique_row, capacity, num_devices,
+    fits, place = _in_window(b.unique_owner, b.unique_rank, b.unique_valid, window)
+    return scatter_to_buckets(b.unique_owner, place, fits, b.unique_row, capacity, num_devices,
                               jnp.int32(pad_row))
 
 
-def slot_index(b: Buckets, capacity: int):
-    """Where each request's answer sits in an [N, C] reply: (owner, rank, usable)."""
-    usable = b.slot_valid & (b.slot_rank < capacity)
-    return b.slot_owner, jnp.where(usable, b.slot_rank, 0), usable
+def slot_index(b: Buckets, window: Window):
+    """Where each request's answer sits in an [N, C] reply: (owner, place, usable)."""
+    usable, place = _in_window(b.slot_owner, b.slot_rank, b.slot_valid, window)
+    return b.slot_owner, jnp.where(usable, place, 0), usable
+
+
+# Rounds. When some device has more distinct requests for an owner than the capacity, the
+# exchange runs in rounds, each a window of the owner's rows [previous limit, limit) that every
+# device agrees on (the limit is a pmin of each device's proposal). Each device proposes the row
+# of its (capacity+1)-th request still to go, so no device has more than ``capacity`` requests in
+# a round, the proposing device sends exactly ``capacity`` (progress), and every row falls in
+# exactly one round on every device: the owner sees all of a row's gradients at once, as a
+# stateful optimizer such as Adagrad needs.
+
+
+def _owner_starts(b: Buckets):
+    return jnp.cumsum(b.counts) - b.counts
+
+
+def next_round_limit(b: Buckets, done, capacity: int, local_rows: int):
+    """int32 [N]: this device's proposal for the next round's end row at each owner, given
+    ``done`` [N] requests already sent: the row of its request number ``done + capacity``, or
+    ``local_rows`` (everything) when fewer remain."""
+    idx = _owner_starts(b) + done + capacity
+    more = done + capacity < b.counts
+    row = b.unique_row[jnp.clip(idx, 0, b.unique_row.shape[0] - 1)]
+    return jnp.where(more, row, local_rows).astype(jnp.int32)
+
+
+def requests_below(b: Buckets, limit, local_rows: int):
+    """int32 [N]: how many of this device's requests to each owner are for rows below
+    ``limit[owner]``: the end of the round that ``limit`` closes."""
+    n_owners = b.counts.shape[0]
+    key = jnp.where(b.unique_valid, b.unique_owner * local_rows + b.unique_row, n_owners * local_rows)
+    below = jnp.searchsorted(key, jnp.arange(n_owners, dtype=key.dtype) * local_rows + limit)
+    return (below - _owner_starts(b)).astype(jnp.int32)
 
 
 def rank_by_owner(owner, valid, num_devices: int):

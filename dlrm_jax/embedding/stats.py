@@ -8,34 +8,32 @@ from dlrm_jax.embedding.layout import build_groups, group_capacity, uses_pooled_
 from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
 
 
-def exchange_buffer_bytes(plan: EmbeddingPlan, fallback: bool = False) -> int:
+def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     """Per device: the step's all-to-all buffers (ids, vectors, gradients at the compiled
-    capacity) plus the gathered rows and gradients of replicated tables. ``fallback``: the same
-    buffers at the worst-case capacity that the overflow path is compiled for instead."""
+    capacity) plus the gathered rows and gradients of replicated tables. An overflowing step
+    runs in rounds at the same capacity, so this bounds it too (pooled groups' rounds use the
+    unpooled exchange's buffers, counted as well)."""
     n = plan.num_devices
     wire = DTYPE_BYTES[plan.exchange_dtype]
     local_batch = plan.global_batch // n
     total = 0
     for g in build_groups(plan):
         if g.replicated:
-            total += 0 if fallback else plan.global_batch * g.num_vslots * (4 + 4 * g.width)
+            total += plan.global_batch * g.num_vslots * (4 + 4 * g.width)
             continue
-        cap = g.max_capacity(local_batch) if fallback else group_capacity(plan, g)
+        cap = group_capacity(plan, g)
+        total += 2 * n * cap * (4 + 2 * wire * g.width)  # row ids out, vectors back, gradients out
         if uses_pooled_exchange(plan, g):  # (row, segment, weight) both ways; partial sums; grads
             total += 2 * n * cap * 12 + n * local_batch * len(g.vtables) * g.width * (4 + 2 * wire)
-        else:
-            total += 2 * n * cap * (4 + 2 * wire * g.width)
     return total
 
 
 def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
-    """int64 [N] for each of: parameters, optimizer state, exchange buffers (the compiled
-    capacity's, and the worst-case overflow path's: both are allocated by the step)."""
+    """int64 [N] for each of: parameters, optimizer state, exchange buffers."""
     n = plan.num_devices
     tot = sum(t.bytes_on_device(n, plan.optimizer, plan.dtype) for t in plan.tables)
     return {"parameters": tot[:, 0], "optimizer_state": tot[:, 1],
-            "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64),
-            "overflow_buffers": np.full(n, exchange_buffer_bytes(plan, fallback=True), np.int64)}
+            "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64)}
 
 
 def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
@@ -78,7 +76,7 @@ def plan_report(plan: EmbeddingPlan) -> str:
                      f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}")
     per_dev = per_device_bytes(plan)
     total = sum(per_dev.values())
-    lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'overflow':>14}{'total':>14}"]
+    lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'total':>14}"]
     shown = range(n) if n <= 16 else (int(np.argmax(total)),)
     for d in shown:
         lines.append(f"{d:<8}" + "".join(f"{fmt_bytes(int(v[d])):>14}" for v in per_dev.values())
