@@ -1,10 +1,12 @@
 """Two local processes with 4 simulated devices each train exactly like one process with 8."""
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,24 +25,31 @@ def losses(run_dir):
     return [(e["step"], e["loss"], e.get("auc")) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
-@pytest.mark.timeout(300)
+def launch_two(args, env, cwd):
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *args, "--coordinator", f"127.0.0.1:{port}",
+                              "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) for i in range(2)]
+
+
+def communicate(procs, timeout):
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.timeout(400)
 def test_two_processes_equal_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     single = subprocess.run([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "one")],
                             capture_output=True, text=True, timeout=240, env=env)
     assert single.returncode == 0, single.stderr
-    port = free_port()
     # No --run-dir: process 0 picks runs/<time> and every process uses it.
     (tmp_path / "cwd").mkdir()
-    procs = [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *ARGS,
-                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                               "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=tmp_path / "cwd") for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    procs = launch_two(ARGS, env, tmp_path / "cwd")
+    outs = communicate(procs, 240)
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
         assert out.strip().splitlines()[-1].startswith("final step=6")
@@ -53,3 +62,14 @@ def test_two_processes_equal_one(tmp_path):
     for (_, a, auc_a), (_, b, auc_b) in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)
         assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)
+
+    # The run dir in use (its lock held here): both processes refuse at once, in one line each.
+    with open(run_dirs[0] / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        started = time.time()
+        procs = launch_two([*ARGS, "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
+        outs = communicate(procs, 120)
+    assert time.time() - started < 90
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode != 0 and "is in use by" in err, err[-2000:]
+        assert len([line for line in err.splitlines() if "error" in line.lower()]) == 1, err[-2000:]

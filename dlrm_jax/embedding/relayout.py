@@ -1,11 +1,12 @@
 """Tables saved under one plan, laid out for another, one device shard at a time.
 
 A checkpoint's embedding arrays follow the plan they were saved with (device count,
-strategies, column slices). Restoring onto another plan reads them into host memory as numpy
-(once, the saved bytes), then builds each new device shard on the host from the rows it must
-hold and places it on its device (``jax.make_array_from_callback``): no device ever holds more
-than its own shard, and no whole logical table is assembled. In a multi-process run each
-process reads the saved arrays and builds only its own devices' shards.
+strategies, column slices). Restoring onto another plan builds each new device shard on the
+host from the rows it must hold, read from the saved arrays on demand (any object indexable
+by an array of rows: the checkpoint's tensorstore readers, or numpy), and places it on its
+device (one shard at a time): no device ever holds more than its own shard, no
+whole logical table is assembled, and host memory holds one new shard plus the saved chunks
+being read. In a multi-process run each process builds only its own devices' shards.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC
 
 
-def host_placeholders(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
-    """numpy placeholders of a plan's embedding state, for orbax to restore into host memory
-    (unwritten pages of ``np.empty`` cost nothing until orbax fills them)."""
+def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
+    """``jax.ShapeDtypeStruct`` of every array of a plan's embedding state."""
     tables, slots = {}, {}
     for g in build_groups(plan):
         shape = jax.ShapeDtypeStruct((g.array_rows, g.width), jnp.dtype(plan.dtype))
-        tables[g.name] = np.empty(shape.shape, shape.dtype)
-        slots[g.name] = {k: np.empty(v.shape, v.dtype) for k, v in jax.eval_shape(optimizer.init, shape).items()}
+        tables[g.name] = shape
+        slots[g.name] = jax.eval_shape(optimizer.init, shape)
     return EmbeddingState(tables, slots)
 
 
@@ -70,10 +70,9 @@ class _SavedTables:
         return out
 
 
-def relayout_from_host(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection
-                       ) -> EmbeddingState:
-    """The collection's state, on its mesh with its shardings, from the saved plan's state in
-    host memory (as :func:`host_placeholders` restored it)."""
+def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection) -> EmbeddingState:
+    """The collection's state, on its mesh with its shardings, from the saved plan's arrays
+    (readers or numpy, shaped as :func:`saved_shapes` says)."""
     saved = _SavedTables(saved_plan, host.tables, host.slots)
     groups, shardings = collection.groups, collection.state_sharding()
     tables, slots = host.tables, host.slots
@@ -91,7 +90,15 @@ def relayout_from_host(saved_plan: EmbeddingPlan, host: EmbeddingState, collecti
                     out[held] = saved.read(vt.table, logical[held], vt.col_start, g.width, key)
             return out
 
-        return jax.make_array_from_callback(shape, sharding, shard)
+        # One shard built and placed at a time (make_array_from_callback builds them all first).
+        pieces, last = [], (None, None)
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            key_ = tuple((s.start, s.stop) for s in index)
+            if key_ != last[0]:  # replicas of one shard are built once
+                last = (key_, shard(index))
+            pieces.append(jax.device_put(last[1], device))
+        del last
+        return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
     any_table = next(iter(tables.values()))
     new_tables = {g.name: build(g, None, np.empty((0, g.width), any_table.dtype), shardings.tables[g.name])

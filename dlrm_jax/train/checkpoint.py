@@ -15,7 +15,14 @@ import shutil
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
+
+# Arrays are stored in chunks of at most this many bytes (orbax's default is one chunk per
+# device shard): a restore onto another plan reads scattered rows, and decodes whole chunks.
+CHUNK_BYTES = 32 * 2**20
 
 
 class CheckpointWriteError(OSError):
@@ -96,8 +103,9 @@ class Checkpoints:
             raise self._write_error(step, OSError(errno.ENOSPC, "no space left on device"),
                                     f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)")
         try:
+            chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), plan=ocp.args.JsonSave({"plan": plan_json})))
+                state=ocp.args.StandardSave(state, save_args=chunked), plan=ocp.args.JsonSave({"plan": plan_json})))
         except OSError as e:
             raise self._write_error(step, e) from None
 
@@ -137,6 +145,30 @@ class Checkpoints:
                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return out.state
 
+    def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
+        """The state at ``step`` (default newest) laid out like ``abstract_state``, except
+        ``field``, which was saved in another layout (its arrays shaped like ``saved_like``):
+        those come back unread, as :class:`SavedArray` readers of the checkpoint's arrays."""
+        step = self._step(step)
+        skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
+        parent = self.directory / str(step) / "state"
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            state = checkpointer.restore(parent, args=ocp.args.PyTreeRestore(
+                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
+
+        def spec(name: str) -> dict:
+            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False)
+            return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+
+        names = jax.tree_util.tree_map_with_path(
+            lambda path, _: ".".join([field, *(str(getattr(k, "name", getattr(k, "key", k))) for k in path)]),
+            saved_like)
+        # A few decoded chunks cached, shared by all arrays: consecutive reads mostly revisit them.
+        probe = ts.Context(_OCDBT_CACHE)
+        chunk = max(SavedArray.open(spec(n), probe).chunk_bytes for n in jax.tree.leaves(names))
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
+        return state._replace(**{field: jax.tree.map(lambda n: SavedArray.open(spec(n), context), names)})
+
     def restore_newest_intact(self, restore_step, log=print):
         """``restore_step(step)`` for the newest step that restores; each damaged newer one is
         moved to ``damaged/`` with a one-line warning. Returns (step, result)."""
@@ -163,3 +195,35 @@ class Checkpoints:
     def close(self) -> None:
         self.wait()
         self._manager.close()
+
+
+_OCDBT_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 2**26}}  # the index's nodes, as orbax sets
+
+
+class SavedArray:
+    """One array of a checkpoint, read on demand: ``a[rows]`` -> numpy array of those rows.
+
+    Reads go one saved chunk (one device shard, as saved) at a time: a read spanning every
+    chunk would otherwise decode them all at once, the whole array."""
+
+    def __init__(self, store: ts.TensorStore):
+        self._store = store
+        self.shape = tuple(store.shape)
+        self.ndim = len(self.shape)
+        self.dtype = np.dtype(store.dtype.numpy_dtype)
+        self._chunk_rows = max(1, int(store.chunk_layout.read_chunk.shape[0]))
+        self.chunk_bytes = int(np.prod(store.chunk_layout.read_chunk.shape)) * self.dtype.itemsize
+
+    @classmethod
+    def open(cls, spec: dict, context: ts.Context) -> SavedArray:
+        return cls(ts.open(spec, read=True, context=context).result())
+
+    def __getitem__(self, rows) -> np.ndarray:
+        rows = np.asarray(rows)
+        out = np.empty((len(rows), *self.shape[1:]), self.dtype)
+        chunk = rows // self._chunk_rows
+        order = np.argsort(chunk, kind="stable")
+        for part in np.split(order, np.flatnonzero(np.diff(chunk[order])) + 1):
+            if len(part):
+                out[part] = self._store[rows[part]].read().result()
+        return out

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
+from dlrm_jax.parallel.mesh import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
@@ -69,15 +70,25 @@ class RunDir:
 
     @classmethod
     def open(cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print) -> RunDir:
+        """In a multi-process run process 0 (the writer) opens the directory and every other
+        process learns the outcome: all go on, or all raise the same RunDirError at once."""
         rd = cls(Path(path) if path else None, writer and path is not None)
+        refusal = ""
         if rd.writer:
             rd.path.mkdir(parents=True, exist_ok=True)
-            rd._lock()
             try:
+                rd._lock()
                 rd._check_and_write_config(cfg, log)
+            except RunDirError as e:
+                refusal = str(e)
             except BaseException:
                 rd.close()
                 raise
+        if rd.path is not None:
+            refusal = outcome_of_process_0(refusal)
+        if refusal:
+            rd.close()
+            raise RunDirError(refusal)
         return rd
 
     def __enter__(self) -> RunDir:

@@ -26,7 +26,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import plan_from_config
-from dlrm_jax.embedding.relayout import host_placeholders, relayout_from_host
+from dlrm_jax.embedding.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.stats import plan_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_steps
@@ -123,9 +123,9 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     if saved == current:
         return ckpts.restore(steps.abstract_state(), step)
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
-    abstract = steps.abstract_state()._replace(emb=host_placeholders(saved, steps.collection.optimizer))
-    state = ckpts.restore(abstract, step)
-    return state._replace(emb=relayout_from_host(saved, state.emb, steps.collection))
+    shapes = saved_shapes(saved, steps.collection.optimizer)
+    state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
+    return state._replace(emb=relayout(saved, state.emb, steps.collection))
 
 
 def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print) -> tuple[int, TrainState]:
