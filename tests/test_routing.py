@@ -59,7 +59,7 @@ def id_batches(draw, rows):
     return ids.astype(np.int32)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_routing_and_bucketing(data):
     n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
