@@ -19,13 +19,17 @@ from dlrm_jax.embedding.routing import (
     KIND_FIXED,
     Window,
     bucket,
-    first_window,
     next_round_limit,
     requests_below,
     route,
     send_buffer,
     slot_index,
 )
+
+
+def first_window(capacity: int, n: int) -> Window:
+    """One exchange of each owner's first ``capacity`` requests."""
+    return Window(jnp.zeros(n, jnp.int32), jnp.full(n, capacity, jnp.int32))
 
 
 @st.composite

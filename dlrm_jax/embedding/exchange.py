@@ -193,6 +193,17 @@ def _gradients_to_owners(g: Group, capacity: int, wire_dtype):
     return send
 
 
+def _owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr):
+    """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
+    owners, which apply the optimizer."""
+
+    def one_round(state, window):
+        rows, recv_grads, _ = send(b, grads, window)
+        return optimizer.update(*state, rows, recv_grads, lr)
+
+    return one_round
+
+
 def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int):
     """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
     apply the optimizer to the rows requested, in one exchange or rounds.
@@ -203,15 +214,9 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
     send = _gradients_to_owners(g, capacity, wire_dtype)
     whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
-    def apply(state, rows, recv_grads, lr, **extra):
-        return optimizer.update(*state, rows, recv_grads, lr, **extra)
-
     def update(table_local, slots_local, b, grads, lr, over):
         if not whole_rows:
-            def one_round(state, window):
-                rows, recv_grads, _ = send(b, grads, window)
-                return apply(state, rows, recv_grads, lr)
-
+            one_round = _owner_update_round(send, optimizer, b, grads, lr)
             return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
 
         def sq_round(acc, window):
@@ -231,7 +236,8 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
                 return _row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
             row_totals = _if_overflow(over, lambda: totals, from_this_exchange)
-            return apply(state, rows, recv_grads, lr, row_mean_sq=_to_owners(g, capacity, row_totals, where) / dim)
+            row_mean_sq = _to_owners(g, capacity, row_totals, where) / dim
+            return optimizer.update(*state, rows, recv_grads, lr, row_mean_sq=row_mean_sq)
 
         return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
 
@@ -413,8 +419,7 @@ def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOp
         def one_round(state, window):
             def by_rows(state):
                 per_request = grads_local.reshape(-1, g.width)[seg].astype(jnp.float32) * weight[:, None]
-                rows, recv_grads, _ = send(b, per_request, window)
-                return optimizer.update(*state, rows, recv_grads, lr)
+                return _owner_update_round(send, optimizer, b, per_request, lr)(state, window)
 
             return _if_overflow(over, by_rows, lambda s: at_owners(s, req, grads_local, lr), state)
 

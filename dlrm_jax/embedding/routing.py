@@ -85,11 +85,6 @@ class Window(NamedTuple):
     end: jax.Array  # int32 [N]
 
 
-def first_window(capacity: int, num_devices: int) -> Window:
-    """The single exchange: each owner's first ``capacity`` requests."""
-    return Window(jnp.zeros(num_devices, jnp.int32), jnp.full(num_devices, capacity, jnp.int32))
-
-
 def _in_window(owner, rank, valid, window: Window):
     first = window.first[owner]
     return valid & (rank >= first) & (rank < window.end[owner]), rank - first

@@ -7,6 +7,7 @@ data-parallel over it, and model-parallel embedding tables are split over the sa
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import sys
 import threading
@@ -116,7 +117,7 @@ class PeerWatchdog(threading.Thread):
         os._exit(1)
 
 
-_shared_keys = iter(range(1 << 62))
+_shared_keys = itertools.count()
 
 
 def outcome_of_process_0(outcome: str, timeout_s: int = 300) -> str:
