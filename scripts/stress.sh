@@ -3,13 +3,17 @@
 # fails the script. This is the check for the dispatch and checkpoint-thread rules in
 # dlrm_jax/train/trainer.py (one thread dispatches collectives, a bounded number in flight).
 #
-#   scripts/stress.sh [SINGLE_RUNS=20] [TWO_PROCESS_RUNS=10]
+#   scripts/stress.sh [SINGLE_RUNS=20] [TWO_PROCESS_RUNS=10] [PEER_LOSS_RUNS=4]
+#
+# Peer loss: a two-process training whose process 1 (odd runs) or 0 (even runs) is SIGKILLed
+# mid-run; the survivor must exit non-zero within PEER_BOUND_S seconds (the README's bound).
 #
 # Uses the dlrm-jax on PATH (or .venv/bin). Writes into a temporary folder; prints one line per
 # run and a summary; exit status 1 if any run failed.
 set -u
 single=${1:-20}
 pairs=${2:-10}
+losses=${3:-4}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cli=$(command -v dlrm-jax || echo "$here/.venv/bin/dlrm-jax")
 py=$(dirname "$cli")/python
@@ -51,5 +55,34 @@ for i in $(seq 1 "$pairs"); do
   if [ "$rcs" != " 0 0" ]; then failed=$((failed + 1)); tail -n 3 "$work/two${i}_0.log" "$work/two${i}_1.log"; fi
 done
 
-echo "stress: $((single + pairs)) runs, $failed failed"
+PEER_BOUND_S=40
+for i in $(seq 1 "$losses"); do
+  port=$(( 20000 + RANDOM % 20000 ))
+  victim=$(( i % 2 ))
+  run="$work/lost$i"
+  pids=()
+  for p in 0 1; do
+    "$cli" "${args[@]}" --set train.steps=100000 --set train.checkpoint_every=0 \
+      --set train.eval_every=0 --set train.log_every=1 --run-dir "$run" \
+      --coordinator "127.0.0.1:$port" --num-processes 2 --process-id $p >"$run.$p.log" 2>&1 &
+    pids+=($!)  # the processes themselves (no timeout wrapper): the kill must reach them
+  done
+  for _ in $(seq 1 600); do [ -s "$run/metrics.jsonl" ] && break; sleep 0.5; done
+  sleep 2
+  kill -KILL "${pids[$victim]}"
+  killed=$(date +%s)
+  survivor=${pids[$((1 - victim))]}
+  while kill -0 "$survivor" 2>/dev/null && [ $(( $(date +%s) - killed )) -le $PEER_BOUND_S ]; do sleep 0.2; done
+  if kill -0 "$survivor" 2>/dev/null; then
+    kill -KILL "$survivor"; rc="still running"
+  else
+    { wait "$survivor"; } 2>/dev/null; rc=$?
+  fi
+  { wait "${pids[$victim]}"; } 2>/dev/null
+  log="$run.$((1 - victim)).log"
+  echo "peer loss, run $i: process $victim killed, the other: exit $rc after $(( $(date +%s) - killed ))s: $(grep -v '^W' "$log" | tail -n 1 | cut -c1-110)"
+  case "$rc" in 0|"still running") failed=$((failed + 1)); tail -n 3 "$log";; esac
+done
+
+echo "stress: $((single + pairs + losses)) runs, $failed failed"
 [ $failed -eq 0 ]

@@ -51,8 +51,8 @@ def test_train_writes_the_contract_files_and_resumes(tmp_path):
 
 
 def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
-    args = [*SMOKE, "--set", "train.steps=1500", "--set", "train.checkpoint_every=100",
-            "--set", "train.log_every=25", "--set", "train.eval_every=500"]
+    args = [*SMOKE, "--set", "train.steps=600", "--set", "train.checkpoint_every=100",
+            "--set", "train.log_every=25", "--set", "train.eval_every=300"]
     whole = final_line(cli("train", *args, "--run-dir", str(tmp_path / "whole")))
     cut = tmp_path / "cut"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -73,3 +73,16 @@ def test_two_processes_equal_one(tmp_path):
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode != 0 and "is in use by" in err, err[-2000:]
         assert len([line for line in err.splitlines() if "error" in line.lower()]) == 1, err[-2000:]
+
+    # Only process 1's shards of the newest checkpoint damaged: the processes agree to skip it
+    # (each reading alone, process 0 would wait forever in orbax's restore barrier).
+    before = losses(run_dirs[0])
+    for f in (run_dirs[0] / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d").iterdir():
+        f.write_bytes(b"\0garbage")
+    procs = launch_two([*ARGS, "--set", "train.steps=9", "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
+    for p, (out, err) in zip(procs, communicate(procs, 240), strict=True):
+        assert p.returncode == 0, err[-3000:]
+        warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and "checkpoints/6 is damaged" in warnings[0], out[-2000:]
+        assert "on process 1" in warnings[0] and "resuming from checkpoint at step 3" in out
+    assert losses(run_dirs[0])[: len(before)] == before  # steps 4 to 6 trained again, bitwise

@@ -72,9 +72,10 @@ def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
     client = distributed.global_state.client
     if client is None:
         return
-    watchdog.stopping = True
+    watchdog.leaving = True
     try:
         client.wait_at_barrier("dlrm_jax_exit", timeout_s * 1000)
+        watchdog.stopping = True  # every process passed the barrier: from here on peers leave
         if jax.process_index() == 0:  # the others leave first
             deadline = time.time() + timeout_s
             while len(client.get_live_nodes(list(range(jax.process_count())))) > 1 and time.time() < deadline:
@@ -92,7 +93,10 @@ class PeerWatchdog(threading.Thread):
 
     def __init__(self, count: int, me: int, every_s: float = 2.0):
         super().__init__(name="peer-watchdog", daemon=True)
-        self.count, self.me, self.every_s, self.stopping = count, me, every_s, False
+        self.count, self.me, self.every_s = count, me, every_s
+        # leaving: the main thread waits in the exit barrier (a peer that died before reaching it
+        # would keep it there); stopping: everyone passed it, so peers may now disconnect.
+        self.leaving = self.stopping = False
 
     def run(self) -> None:
         from jax._src import distributed
@@ -104,11 +108,14 @@ class PeerWatchdog(threading.Thread):
                 return
             try:
                 live = set(distributed.global_state.client.get_live_nodes(everyone))
+                why = ""
             except Exception as e:  # noqa: BLE001 - the coordinator itself is unreachable
-                self._exit(f"lost the coordinator (process 0): {str(e).splitlines()[0][:160]}")
+                live, why = set(), f"lost the coordinator (process 0): {str(e).splitlines()[0][:160]}"
             missing = sorted(set(everyone) - live)
-            if missing:
-                self._exit(f"lost process(es) {', '.join(map(str, missing))} of {self.count}")
+            if missing and self.leaving:  # the peer may have passed the exit barrier just now
+                time.sleep(self.every_s)
+            if missing and not self.stopping:
+                self._exit(why or f"lost process(es) {', '.join(map(str, missing))} of {self.count}")
 
     def _exit(self, why: str) -> None:
         sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
@@ -120,6 +127,12 @@ class PeerWatchdog(threading.Thread):
 _shared_keys = itertools.count()
 
 
+def _client_and_key():
+    from jax._src import distributed
+
+    return distributed.global_state.client, f"dlrm_jax/outcome/{next(_shared_keys)}"  # same order everywhere
+
+
 def outcome_of_process_0(outcome: str, timeout_s: int = 300) -> str:
     """Process 0's ``outcome`` (what the others pass is ignored), given to every process through
     the coordination service's key-value store: no device is touched, so it is safe before a
@@ -128,14 +141,24 @@ def outcome_of_process_0(outcome: str, timeout_s: int = 300) -> str:
 
     if jax.process_count() == 1:
         return outcome
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    key = f"dlrm_jax/outcome/{next(_shared_keys)}"  # every process calls in the same order
+    client, key = _client_and_key()
     if jax.process_index() == 0:
         client.key_value_set(key, outcome)
         return outcome
     return client.blocking_key_value_get(key, timeout_s * 1000)
+
+
+def outcomes_of_every_process(outcome: str, timeout_s: int = 300) -> list[str]:
+    """Every process's ``outcome``, indexed by process, through the key-value store (as
+    :func:`outcome_of_process_0`): lets processes that each tried something locally (read their
+    shards of a checkpoint) decide together. One process: ``[outcome]``."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [outcome]
+    client, key = _client_and_key()
+    client.key_value_set(f"{key}/{jax.process_index()}", outcome)
+    return [client.blocking_key_value_get(f"{key}/{p}", timeout_s * 1000) for p in range(jax.process_count())]
 
 
 def make_mesh(devices: int = 0):

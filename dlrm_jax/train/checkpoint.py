@@ -20,6 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from dlrm_jax.parallel.mesh import outcome_of_process_0, outcomes_of_every_process
+
 # Arrays are stored in chunks of at most this many bytes (orbax's default is one chunk per
 # device shard): a restore onto another plan reads scattered rows, and decodes whole chunks.
 CHUNK_BYTES = 32 * 2**20
@@ -38,22 +40,16 @@ def saved_steps(directory: Path) -> list[int]:
 
 def largest_shard_bytes(abstract_state) -> int:
     """Bytes of the largest single-device piece of any array of a (sharded) abstract state."""
-    import jax
-    import numpy as np
-
     return max(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
                for x in jax.tree.leaves(abstract_state))
 
 
 def _bytes_to_write(state) -> int:
     """Bytes this process writes for ``state``: each array once, split over the processes."""
-    import jax
-
     return sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count() + (1 << 20)
 
 
 def _use_coordination_service_barriers() -> None:
-    import jax
     from absl import flags
 
     if jax.process_count() == 1:
@@ -134,16 +130,20 @@ class Checkpoints:
             raise FileNotFoundError("no checkpoint to restore")
         return step
 
+    # Restores call the item handlers directly, not the manager: orbax ends every restore with
+    # a barrier across processes, so a process whose shards of a damaged checkpoint fail to
+    # read would leave the others waiting there. Each process reads its part, then
+    # restore_newest_intact decides with the others whether the step was whole.
+
     def saved_plan(self, step: int | None = None) -> str:
         """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
-        out = self._manager.restore(self._step(step), args=ocp.args.Composite(plan=ocp.args.JsonRestore()))
-        return out.plan["plan"]
+        path = self.directory / str(self._step(step)) / "plan"
+        return ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())["plan"]
 
     def restore(self, abstract_state, step: int | None = None):
         """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
-        out = self._manager.restore(self._step(step),
-                                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return out.state
+        path = self.directory / str(self._step(step)) / "state"
+        return ocp.StandardCheckpointHandler().restore(path, args=ocp.args.StandardRestore(abstract_state))
 
     def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
         """The state at ``step`` (default newest) laid out like ``abstract_state``, except
@@ -152,9 +152,8 @@ class Checkpoints:
         step = self._step(step)
         skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
         parent = self.directory / str(step) / "state"
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-            state = checkpointer.restore(parent, args=ocp.args.PyTreeRestore(
-                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
+        state = ocp.PyTreeCheckpointHandler().restore(parent, args=ocp.args.PyTreeRestore(
+            skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
 
         def spec(name: str) -> dict:
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False)
@@ -170,31 +169,46 @@ class Checkpoints:
         return state._replace(**{field: jax.tree.map(lambda n: SavedArray.open(spec(n), context), names)})
 
     def restore_newest_intact(self, restore_step, log=print):
-        """``restore_step(step)`` for the newest step that restores; each damaged newer one is
-        moved to ``damaged/`` with a one-line warning. Returns (step, result)."""
+        """``restore_step(step)`` for the newest step that restores on every process; each
+        damaged newer one is moved to ``damaged/`` with a one-line warning. Returns (step, result).
+
+        Every process reads its own shards, so one may fail where the others succeed: they
+        exchange outcomes and skip a step together (no device is touched while deciding)."""
         for step in reversed(self.all_steps()):
             try:
-                return step, restore_step(step)
+                result, failure = restore_step(step), ""
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-                moved = self._set_aside(step)
-                log(f"warning: checkpoint {self.directory / str(step)} is damaged ({reason}); "
-                    f"moved to {moved}, trying the next older one")
+                result, failure = None, _first_line(e)
+            failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]
+            if not failures:
+                return step, result
+            del result  # a partly restored state: its arrays are dropped before the next try
+            process, reason = failures[0]
+            where = f" on process {process}" if jax.process_count() > 1 else ""
+            moved = self._set_aside(step)
+            log(f"warning: checkpoint {self.directory / str(step)} is damaged ({reason}{where}); "
+                f"moved to {moved}, trying the next older one")
         raise FileNotFoundError(f"{self.directory}: no intact checkpoint")
 
     def _set_aside(self, step: int) -> Path:
-        import jax
-
         target = self.directory.parent / "damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)
             shutil.move(str(self.directory / str(step)), target)
+        # Process 0 names the target (clocks differ) and has moved it before anyone re-lists.
+        target = Path(outcome_of_process_0(str(target)))
         self._manager.reload()
         return target
 
     def close(self) -> None:
         self.wait()
         self._manager.close()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line.split(" See full TensorStore details")[0][:200]  # the rest is a method's repr
 
 
 _OCDBT_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 2**26}}  # the index's nodes, as orbax sets
