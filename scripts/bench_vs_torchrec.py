@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""dlrm_jax against TorchRec on CPU, side by side: configs c1 and c2 (configs/bench/), one
+process, uniform one-hot ids, SGD. Runs are interleaved (ours, TorchRec, ours on 8 simulated
+devices, ours in bfloat16, then the next config, then the next repeat) so drift on the
+machine hits every variant alike. Prints medians with min-max and the ratios; writes JSON.
+
+    scripts/bench_vs_torchrec.sh [REPEATS] [OUTPUT]    # builds the venvs, then runs this
+
+samples/s is batch / median step time for both sides (TorchRec: forward, loss, backward and
+optimizer of DistributedModelParallel with fused TBE kernels; ours: the compiled train step),
+data generation and compilation excluded. The comparison with TorchRec is float32; bf16 MLP
+compute is reported on its own line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+# The TorchRec harness's flags for each config (the same shapes as configs/bench/*.yaml).
+TORCHREC_ARGS = {
+    "c1": ["--emb-dim", "16", "--num-tables", "26", "--rows", "100000", "--bot", "13-512-256-64-16"],
+    "c2": ["--emb-dim", "64", "--num-tables", "8", "--rows", "1000000", "--bot", "13-512-256-64"],
+}
+OURS = {  # variant -> overrides for `dlrm-jax bench train`
+    "dlrm_jax 1 device": ["mesh.devices=1"],
+    "dlrm_jax 8 devices": ["mesh.devices=8"],
+    "dlrm_jax 1 device bf16": ["mesh.devices=1", "train.compute_dtype=bfloat16"],
+}
+
+
+def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: int) -> float:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [cli, "bench", "train", "--configs", str(REPO / "configs" / "bench" / f"{config}.yaml"),
+               "--max-rows", "0", "--steps", str(steps), "--warmup", str(warmup), "--output", out.name]
+        for o in overrides:
+            cmd += ["--set", o]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        result = next(iter(json.load(open(out.name))["results"].values()))
+    return result["samples_per_s"]
+
+
+def run_torchrec(python: str, config: str, steps: int, warmup: int) -> float:
+    cmd = [python, str(HERE / "peers" / "torchrec_dlrm_bench.py"), "--emb-mode", "dmp",
+           "--batch-size", "2048", "--top", "512-256-1", "--lr", "0.1", "--steps", str(steps + warmup),
+           "--warmup", str(warmup), *TORCHREC_ARGS[config]]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(re.search(r"median_step_samples_per_s=([\d.]+)", out).group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per run (both sides)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--configs", default="c1,c2")
+    ap.add_argument("--variants", default=",".join(OURS), help="which of our variants to run")
+    ap.add_argument("--torchrec-python", default="/tmp/venv-torchrec/bin/python")
+    ap.add_argument("--cli", default=str(Path(sys.executable).parent / "dlrm-jax"))
+    ap.add_argument("--output", default="bench_vs_torchrec.json")
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    variants = [v for v in args.variants.split(",") if v]
+    samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
+    for r in range(args.repeats):
+        for c in configs:
+            for name in ["torchrec", *variants]:
+                t = time.time()
+                sps = (run_torchrec(args.torchrec_python, c, args.steps, args.warmup) if name == "torchrec"
+                       else run_ours(args.cli, c, OURS[name], args.steps, args.warmup))
+                samples[c].setdefault(name, []).append(sps)
+                print(f"repeat {r + 1} {c} {name}: {sps:,.0f} samples/s ({time.time() - t:.0f} s)", flush=True)
+
+    summary = {}
+    print(f"\n{'config':<7}{'variant':<26}{'median samples/s':>18}{'min-max':>22}{'vs TorchRec':>13}")
+    for c in configs:
+        med = {n: statistics.median(v) for n, v in samples[c].items()}
+        summary[c] = {n: {"median": med[n], "min": min(v), "max": max(v), "runs": v,
+                          "ratio_to_torchrec": med[n] / med["torchrec"]} for n, v in samples[c].items()}
+        if "dlrm_jax 8 devices" in med and "dlrm_jax 1 device" in med:
+            summary[c]["dlrm_jax 8 devices"]["ratio_to_1_device"] = med["dlrm_jax 8 devices"] / med["dlrm_jax 1 device"]
+        for n, v in samples[c].items():
+            print(f"{c:<7}{n:<26}{med[n]:>18,.0f}{f'{min(v):,.0f}-{max(v):,.0f}':>22}"
+                  f"{med[n] / med['torchrec']:>12.2f}x")
+    report = {"benchmark": "dlrm_jax vs torchrec, CPU train step", "repeats": args.repeats,
+              "timed_steps": args.steps, "warmup_steps": args.warmup,
+              "machine": {"host": platform.node(), "processor": platform.processor(),
+                          "cpus": os.cpu_count(), "python": platform.python_version()},
+              "results": summary}
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
