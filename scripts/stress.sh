@@ -69,6 +69,7 @@ for i in $(seq 1 "$losses"); do
   done
   for _ in $(seq 1 600); do [ -s "$run/metrics.jsonl" ] && break; sleep 0.5; done
   sleep 2
+  disown "${pids[$victim]}"  # its "Killed" is expected: no job report for it
   kill -KILL "${pids[$victim]}"
   killed=$(date +%s)
   survivor=${pids[$((1 - victim))]}
@@ -78,7 +79,6 @@ for i in $(seq 1 "$losses"); do
   else
     { wait "$survivor"; } 2>/dev/null; rc=$?
   fi
-  { wait "${pids[$victim]}"; } 2>/dev/null
   log="$run.$((1 - victim)).log"
   echo "peer loss, run $i: process $victim killed, the other: exit $rc after $(( $(date +%s) - killed ))s: $(grep -v '^W' "$log" | tail -n 1 | cut -c1-110)"
   case "$rc" in 0|"still running") failed=$((failed + 1)); tail -n 3 "$log";; esac
