@@ -29,6 +29,7 @@ from dlrm_jax.embedding.layout import (
     VirtualTable,
     build_groups,
     group_capacity,
+    take_columns,
     uses_pooled_exchange,
 )
 from dlrm_jax.embedding.optimizers import SparseOptimizer
@@ -140,11 +141,11 @@ class EmbeddingCollection:
             else:
                 vectors, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs)
                 overflow = overflow + over.astype(jnp.int32)
-            weighted = vectors * weights_bs[:, g.vslot_slot, None]  # [B, V, W]
+            weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
             pooled = weighted if self.one_hot and _identity(g.vslot_vfeature) else _segment_sum_axis1(
                 weighted, g.vslot_vfeature, len(g.vtables))
             outputs.append(pooled.reshape(pooled.shape[0], -1))
-        flat = jnp.concatenate(outputs, axis=1)[:, self.assembly]
+        flat = take_columns(jnp.concatenate(outputs, axis=1), self.assembly)
         residuals = LookupResiduals(ids_bs, weights_bs, overflow, routes)
         return flat.reshape(-1, len(self.specs), self.dim), residuals
 
@@ -182,9 +183,9 @@ class EmbeddingCollection:
         for g in self.groups:
             if g.name in self.pooled:  # owners weight the pooled gradient per row themselves
                 tables[g.name], slots[g.name] = self._update[g.name](
-                    state.tables[g.name], state.slots[g.name], res.routes[g.name], flat[:, g.vfeature_cols], lr)
+                    state.tables[g.name], state.slots[g.name], res.routes[g.name], take_columns(flat, g.vfeature_cols), lr)
                 continue
-            grads = flat[:, g.vslot_cols] * res.weights_bs[:, g.vslot_slot, None]  # [B, V, W]
+            grads = take_columns(flat, g.vslot_cols) * take_columns(res.weights_bs, g.vslot_slot)[:, :, None]
             where = res.ids_bs if g.replicated else res.routes[g.name]
             tables[g.name], slots[g.name] = self._update[g.name](
                 state.tables[g.name], state.slots[g.name], where, grads, lr)

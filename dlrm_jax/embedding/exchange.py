@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.layout import Group
+from dlrm_jax.embedding.layout import Group, take_columns
 from dlrm_jax.embedding.optimizers import SparseOptimizer, merge_duplicates
 from dlrm_jax.embedding.routing import (
     Buckets,
@@ -47,7 +47,7 @@ from dlrm_jax.parallel.mesh import AXIS
 
 
 def _route_and_bucket(g: Group, ids_local_bs: jax.Array):
-    vids = ids_local_bs[:, g.vslot_slot]  # [B_l, V]
+    vids = take_columns(ids_local_bs, g.vslot_slot)  # [B_l, V]
     owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
                               jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
     b = bucket(owner, row, valid, g.num_devices, g.local_rows)
@@ -283,7 +283,7 @@ def replicated_forward(g: Group):
     """``f(table [R, W], ids [B, S]) -> vectors [B, V, W]``: a local gather on every device."""
 
     def forward(table, ids_bs):
-        vids = ids_bs[:, g.vslot_slot]
+        vids = take_columns(ids_bs, g.vslot_slot)
         rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset))
         return table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
 
@@ -297,7 +297,7 @@ def replicated_update(g: Group, mesh, optimizer: SparseOptimizer):
     """
 
     def local(table, slots, ids_local, grads_local, lr):
-        vids = ids_local[:, g.vslot_slot]
+        vids = take_columns(ids_local, g.vslot_slot)
         rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset)).reshape(-1)
         rows = lax.all_gather(rows, AXIS, tiled=True)
         grads = lax.all_gather(grads_local.reshape(-1, g.width), AXIS, tiled=True)
@@ -315,13 +315,13 @@ def _route_all(g: Group, ids_local_bs: jax.Array, weights_local_bs: jax.Array):
     """Every valid request (no dedupe) ranked per owner, with the segment (sample, virtual
     feature) it pools into and its pooling weight; plus the busiest owner's count (pmax)."""
     b_local = ids_local_bs.shape[0]
-    vids = ids_local_bs[:, g.vslot_slot]
+    vids = take_columns(ids_local_bs, g.vslot_slot)
     owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
                               jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
     owner, row, valid = owner.reshape(-1), row.reshape(-1), valid.reshape(-1)
     rank, counts = rank_by_owner(owner, valid, g.num_devices)
     seg = (jnp.arange(b_local)[:, None] * len(g.vtables) + jnp.asarray(g.vslot_vfeature)[None, :]).reshape(-1)
-    weight = weights_local_bs[:, g.vslot_slot].reshape(-1)
+    weight = take_columns(weights_local_bs, g.vslot_slot).reshape(-1)
     return (owner, row, rank, valid, seg.astype(jnp.int32), weight), lax.pmax(jnp.max(counts), AXIS)
 
 

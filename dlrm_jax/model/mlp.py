@@ -41,7 +41,24 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x)
+            x = _linear(layer, x)
             if i < last or self.final_relu:
                 x = jax.nn.relu(x)
         return x
+
+
+# Matmuls contract over a multiple of this many inputs: the inputs' extra columns and the
+# kernel's extra rows are zeros, so the result is the same and the parameters keep their
+# shape. XLA:CPU's matmul kernels (YNNPACK) are much slower on ragged widths: DLRM's top MLP
+# takes D + F(F+1)/2 inputs (367 for 26 features of 16), see BENCHMARKS.md.
+CONTRACTION_MULTIPLE = 8
+
+
+def _linear(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    pad = -kernel.shape[0] % CONTRACTION_MULTIPLE
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)))
+        kernel = jnp.pad(kernel, ((0, pad), (0, 0)))
+    x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+    return x @ kernel + bias
