@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import shutil
 import time
+from contextlib import closing
 from pathlib import Path
 
 import jax
@@ -138,12 +139,14 @@ class Checkpoints:
     def saved_plan(self, step: int | None = None) -> str:
         """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
         path = self.directory / str(self._step(step)) / "plan"
-        return ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore())["plan"]
+        with closing(ocp.JsonCheckpointHandler()) as handler:
+            return handler.restore(path, args=ocp.args.JsonRestore())["plan"]
 
     def restore(self, abstract_state, step: int | None = None):
         """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
         path = self.directory / str(self._step(step)) / "state"
-        return ocp.StandardCheckpointHandler().restore(path, args=ocp.args.StandardRestore(abstract_state))
+        with closing(ocp.StandardCheckpointHandler()) as handler:
+            return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
 
     def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
         """The state at ``step`` (default newest) laid out like ``abstract_state``, except
@@ -152,8 +155,9 @@ class Checkpoints:
         step = self._step(step)
         skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
         parent = self.directory / str(step) / "state"
-        state = ocp.PyTreeCheckpointHandler().restore(parent, args=ocp.args.PyTreeRestore(
-            skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
+        with closing(ocp.PyTreeCheckpointHandler()) as handler:
+            state = handler.restore(parent, args=ocp.args.PyTreeRestore(
+                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
 
         def spec(name: str) -> dict:
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False)
