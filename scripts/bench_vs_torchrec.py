@@ -48,7 +48,7 @@ def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: in
         for o in overrides:
             cmd += ["--set", o]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
-        result = next(iter(json.load(open(out.name))["results"].values()))
+        result = next(iter(json.loads(Path(out.name).read_text())["results"].values()))
     return result["samples_per_s"]
 
 

@@ -29,6 +29,7 @@ from dlrm_jax.embedding.layout import (
     VirtualTable,
     build_groups,
     group_capacity,
+    is_identity,
     take_columns,
     uses_pooled_exchange,
 )
@@ -142,7 +143,7 @@ class EmbeddingCollection:
                 vectors, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs)
                 overflow = overflow + over.astype(jnp.int32)
             weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
-            pooled = weighted if self.one_hot and _identity(g.vslot_vfeature) else _segment_sum_axis1(
+            pooled = weighted if self.one_hot and is_identity(g.vslot_vfeature) else _segment_sum_axis1(
                 weighted, g.vslot_vfeature, len(g.vtables))
             outputs.append(pooled.reshape(pooled.shape[0], -1))
         flat = take_columns(jnp.concatenate(outputs, axis=1), self.assembly)
@@ -212,10 +213,6 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
     opt = [{k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k]
             for k in parts[0]} for parts in slots]
     return tables, opt
-
-
-def _identity(index: np.ndarray) -> bool:
-    return bool(np.array_equal(index, np.arange(index.shape[0])))
 
 
 def _segment_sum_axis1(x: jax.Array, segments: np.ndarray, num: int) -> jax.Array:

@@ -180,11 +180,16 @@ def _group(name, width, replicated, local_rows, n, vts, slots_of, dim) -> Group:
                  arr["vfeature"], np.asarray(vfeature_cols, np.int32).reshape(-1, width))
 
 
+def is_identity(index: np.ndarray) -> bool:
+    """Whether a static index lists 0, 1, 2, ... in order (flattened)."""
+    return bool(np.array_equal(index.reshape(-1), np.arange(index.size)))
+
+
 def take_columns(x, index: np.ndarray):
     """``x[:, index]`` for a static ``index`` ([V] or [V, W]): the columns a group reads or
     fills. When ``index`` is every column in order (one group holding every table), a reshape:
     XLA keeps even an identity gather and fuses it into each consumer, where it costs an index
     computation per element (13% of the one-device c1 step)."""
-    if index.size == x.shape[1] and np.array_equal(index.reshape(-1), np.arange(index.size)):
+    if index.size == x.shape[1] and is_identity(index):
         return x.reshape(x.shape[0], *index.shape, *x.shape[2:])
     return x[:, index]
