@@ -94,6 +94,9 @@ class EmbeddingConfig:
     capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
     exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    # Duplicate rows' gradients summed exactly (embedding/sums.py): bit-identical runs on GPUs,
+    # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
+    deterministic: bool = False
     memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
 
 

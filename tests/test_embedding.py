@@ -113,6 +113,19 @@ def test_strategy_matches_reference(tiny, strategy, devices, optimizer, multi_ho
         assert {t.strategy.value for t in coll.plan.tables} == {want}
 
 
+DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"),
+                 ("column", 2, "adagrad")]
+
+
+@pytest.mark.parametrize("strategy,devices,optimizer", DETERMINISTIC)
+def test_deterministic_sums_match_reference(tiny, strategy, devices, optimizer):
+    """embedding.deterministic: the exact sums on every path that merges gradients."""
+    cfg = tiny(f"embedding.optimizer={optimizer}", "embedding.deterministic=true", "train.batch_size=32",
+               CARDS, "data.bag_sizes=[3, 1, 4, 2, 2]", *strategy_overrides(strategy))
+    coll, _ = check_against_reference(cfg, devices)
+    assert coll.optimizer.exact_sums
+
+
 POOLED = [("row", 1, "sgd"), ("row", 2, "rowwise_adagrad"), ("table", 4, "adagrad"), ("column", 8, "adagrad"),
           ("mixed", 8, "sgd"), ("row_cyclic", 4, "rowwise_adagrad")]
 

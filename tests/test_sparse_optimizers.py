@@ -18,12 +18,14 @@ R, D = 23, 4
 
 
 OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad()}
+EXACT = {"sgd": sgd(exact_sums=True), "adagrad": adagrad(exact_sums=True),
+         "rowwise_adagrad": rowwise_adagrad(exact_sums=True)}
 
 
-def run_both(name, rows_steps, seed):
+def run_both(name, rows_steps, seed, exact=False):
     rng = np.random.default_rng(seed)
     table = rng.normal(size=(R, D)).astype(np.float32)
-    opt = OPTIMIZERS[name]
+    opt = (EXACT if exact else OPTIMIZERS)[name]
     state = opt.init(jnp.asarray(table))
     ref_table = table.astype(np.float64)
     ref_acc = {"sgd": None, "adagrad": np.zeros((R, D)), "rowwise_adagrad": np.zeros(R)}[name]
@@ -42,12 +44,31 @@ def run_both(name, rows_steps, seed):
 row_ids = st.integers(0, R)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact_sums"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @settings(max_examples=25, deadline=None)
 @given(steps=st.lists(st.lists(row_ids, min_size=1, max_size=40), min_size=1, max_size=4),
        seed=st.integers(0, 2**16))
-def test_sparse_equals_dense(name, steps, seed):
-    run_both(name, steps, seed)
+def test_sparse_equals_dense(name, exact, steps, seed):
+    run_both(name, steps, seed, exact)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_exact_sums_give_the_same_bits_in_any_order(name):
+    """What GPU atomics do to duplicates, done here by permuting the lookups."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(0, 4, 400).astype(np.int32)  # many duplicates of few rows
+    grads = (rng.normal(size=(400, D)) * np.exp2(rng.uniform(-12, 12, (400, 1)))).astype(np.float32)
+    opt = EXACT[name]
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32))
+    outs = []
+    for p in (np.arange(400), rng.permutation(400), rng.permutation(400)):
+        out, state = opt.update(table, opt.init(table), jnp.asarray(rows[p]), jnp.asarray(grads[p]), 0.05)
+        outs.append((np.asarray(out), [np.asarray(v) for v in state.values()]))
+    for out, state in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0][0])
+        for a, b in zip(state, outs[0][1], strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

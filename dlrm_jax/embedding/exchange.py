@@ -176,7 +176,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire_dtype):
     return forward
 
 
-def _gradients_to_owners(g: Group, capacity: int, wire_dtype):
+def _gradients_to_owners(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer):
     """``f(b, grads [n, W], window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
     receives the window's rows and, per row, the sum of this device's gradients for it;
     ``where`` = (dest, place, usable) of each request in the [N, C] buffers."""
@@ -185,8 +185,9 @@ def _gradients_to_owners(g: Group, capacity: int, wire_dtype):
         recv_rows = _all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
         owner, place, usable = slot_index(b, window)
         dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
-        sums = jnp.zeros((g.num_devices, capacity, g.width), jnp.float32)
-        sums = sums.at[dest, place].add(grads.astype(jnp.float32), mode="drop")
+        slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
+        sums = optimizer.segment_sum(grads, slot, g.num_devices * capacity)
+        sums = sums.reshape(g.num_devices, capacity, g.width)
         recv_grads = _all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
         return recv_rows.reshape(-1), recv_grads.reshape(-1, g.width), (dest, place, usable)
 
@@ -211,7 +212,7 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
     ``dim``: the tables' full width (for statistics over whole rows of column slices). Those
     need every slice's squared sum of a row before its update: in one exchange they travel
     with it; in rounds a first pass of rounds gathers them all."""
-    send = _gradients_to_owners(g, capacity, wire_dtype)
+    send = _gradients_to_owners(g, capacity, wire_dtype, optimizer)
     whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
     def update(table_local, slots_local, b, grads, lr, over):
@@ -403,7 +404,7 @@ def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOp
     """``f(table, slots, route, grads [B, F', W], lr) -> (table, slots)``: every owner gets each
     device's pooled gradients (all-gather) and scatters them to the rows it pooled. On overflow,
     each request's gradient (its weight x its bag's) goes to the owners in rounds instead."""
-    send = _gradients_to_owners(g, capacity, wire_dtype)
+    send = _gradients_to_owners(g, capacity, wire_dtype, optimizer)
 
     def at_owners(state, req, grads_local, lr):
         rows, segs, weights = _send_requests(g, req, capacity)

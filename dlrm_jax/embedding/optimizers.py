@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dlrm_jax.embedding.sums import exact_segment_sum
+
 
 class SparseOptimizer(NamedTuple):
     """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``.
@@ -21,21 +23,35 @@ class SparseOptimizer(NamedTuple):
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
     gradient over all its columns (row-wise Adagrad), so a column slice must be given that
-    statistic as ``update(..., row_mean_sq=[n])``.
+    statistic as ``update(..., row_mean_sq=[n])``. ``exact_sums``: duplicates' gradients are
+    summed by :func:`exact_segment_sum`, so the update is the same bits in any order (GPU
+    atomics); the exchange's own gradient sums follow the same choice.
     """
 
     init: Callable[[jax.Array], dict[str, jax.Array]]
     update: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     needs_whole_rows: bool = False
+    exact_sums: bool = False
+
+    def segment_sum(self, data: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+        """The gradient sum by row that this optimizer's updates use."""
+        if self.exact_sums:
+            return exact_segment_sum(data, segment_ids, num_segments)
+        return jax.ops.segment_sum(data.astype(jnp.float32), segment_ids, num_segments)
 
 
-def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False):
+def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False,
+                     exact: bool = False):
     """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
-    (and, if asked, each input's index into the unique rows [n])."""
+    (and, if asked, each input's index into the unique rows [n]); ``exact``: see
+    :func:`exact_segment_sum`."""
     n = rows_n.shape[0]
     uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
     inv = inv.reshape(-1)
-    summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv, num_segments=n)
+    if exact:
+        summed = exact_segment_sum(grads_nd, inv, n)
+    else:
+        summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv, num_segments=n)
     return (uniq, summed, inv) if return_inverse else (uniq, summed)
 
 
@@ -47,24 +63,26 @@ def _add_rows(table, unique_rows, delta_f32):
     return table.at[unique_rows].set(new.astype(table.dtype), mode="drop")
 
 
-def sgd() -> SparseOptimizer:
-    """table[r] -= lr * g, duplicates summed by the scatter-add itself."""
+def sgd(exact_sums: bool = False) -> SparseOptimizer:
+    """table[r] -= lr * g, duplicates summed by the scatter-add itself (unless exact sums)."""
 
     def init(table):
         return {}
 
     def update(table, state, rows_n, grads_nd, lr):
-        if table.dtype != jnp.float32:  # merge first: one rounding per row, not one per duplicate
-            rows_n, grads_nd = merge_duplicates(rows_n, grads_nd, table.shape[0])
+        # Merge first for narrow tables (one rounding per row, not one per duplicate) and for
+        # exact sums (atomics adding duplicates straight into the table round in any order).
+        if table.dtype != jnp.float32 or exact_sums:
+            rows_n, grads_nd = merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums)
             new = table.at[rows_n].get(mode="fill", fill_value=0).astype(jnp.float32) - lr * grads_nd
             return table.at[rows_n].set(new.astype(table.dtype), mode="drop"), state
         delta = -lr * grads_nd.astype(jnp.float32)
         return table.at[rows_n].add(delta, mode="drop"), state
 
-    return SparseOptimizer(init, update)
+    return SparseOptimizer(init, update, exact_sums=exact_sums)
 
 
-def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimizer:
+def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
     """Per-element Adagrad: acc[r] += g^2; table[r] -= lr * g / (sqrt(acc[r]) + eps)."""
 
     def init(table):
@@ -72,16 +90,17 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimi
 
     def update(table, state, rows_n, grads_nd, lr):
         pad = table.shape[0]
-        uniq, g = merge_duplicates(rows_n, grads_nd, pad)
+        uniq, g = merge_duplicates(rows_n, grads_nd, pad, exact=exact_sums)
         acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + g * g
         step = -lr * g / (jnp.sqrt(acc) + eps)
         return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
-    return SparseOptimizer(init, update)
+    return SparseOptimizer(init, update, exact_sums=exact_sums)
 
 
-def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> SparseOptimizer:
+def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False
+                    ) -> SparseOptimizer:
     """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2).
 
     The mean is over the row's whole width. A column slice passes ``row_mean_sq`` [n]: for each
@@ -94,7 +113,7 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> Spar
 
     def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
         pad = table.shape[0]
-        uniq, g, inv = merge_duplicates(rows_n, grads_nd, pad, return_inverse=True)
+        uniq, g, inv = merge_duplicates(rows_n, grads_nd, pad, return_inverse=True, exact=exact_sums)
         if row_mean_sq is None:
             mean_sq = jnp.mean(g * g, -1)
         else:  # duplicates carry the same value; empty (padding) segments give 0
@@ -104,13 +123,13 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0) -> Spar
         return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
-    return SparseOptimizer(init, update, needs_whole_rows=True)
+    return SparseOptimizer(init, update, needs_whole_rows=True, exact_sums=exact_sums)
 
 
 def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
     e = cfg.embedding
     if e.optimizer == "sgd":
-        return sgd()
+        return sgd(e.deterministic)
     if e.optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator)
-    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator)
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
