@@ -1,0 +1,427 @@
+#!/usr/bin/env python3
+"""GPU figures for one device: throughput, bytes per sample, roofline, profile, determinism.
+
+    python scripts/gpu_bench.py --out DIR                 # everything, on the default device
+    python scripts/gpu_bench.py --out DIR --only ceilings # just the measured HBM and GEMM rates
+
+For each config (``criteo_kaggle`` and an MLPerf-v1-shaped one with tables capped to fit) it:
+1. times the compiled train step back to back (pipelined, as training runs) and one at a time;
+2. counts the bytes the step must move per sample (every input read once, every output written
+   once: the distinct embedding rows of each batch read, then read and written by the sparse
+   update; the dense inputs; the MLP weights) and the MLP/interaction FLOPs per sample;
+3. turns those into a roofline from the *measured* copy bandwidth and bf16 GEMM rate, and
+   reports the fraction reached;
+4. traces a few steps with ``jax.profiler`` and prints what dominates the device time;
+5. trains the same steps twice from the same seed and compares every parameter bit for bit,
+   and repeats under ``--xla_gpu_deterministic_ops=true`` (a child process: XLA flags are read
+   once at start-up) to give the cost of the deterministic mode.
+
+Everything lands in DIR/gpu_bench.json; the tables are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+CONFIGS = {
+    "criteo_kaggle": ("configs/criteo_kaggle.yaml", []),
+    # MLPerf v1 shapes, batch 64k; tables capped at 10M rows (54M rows x 128 x 4 B = 28 GB) so
+    # that they fit one 80 GB GPU with room for the step's temporaries.
+    "mlperf_v1_capped": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000"]),
+    # The same with uniform ids: no repeated rows to help the gather and the update.
+    "mlperf_v1_capped_uniform": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000",
+                                                                 "data.zipf_exponent=0.0"]),
+}
+AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune.textproto")
+# Each variant's XLA flags and config overrides; a variant runs in a process of its own (XLA
+# reads its flags at start-up).
+VARIANTS = {
+    "default": ("", []),
+    # Ours: exact (order-independent) sums of duplicate rows' gradients.
+    "embedding_deterministic": (f"--xla_gpu_dump_autotune_results_to={AUTOTUNE_FILE}",
+                                ["embedding.deterministic=true"]),
+    # The same in a second process that loads the first one's autotuning choices: XLA times GEMM
+    # and fusion configurations afresh in every process, and a different choice sums in a
+    # different order.
+    "embedding_deterministic_again": (f"--xla_gpu_load_autotune_results_from={AUTOTUNE_FILE}",
+                                      ["embedding.deterministic=true"]),
+    # XLA's: every scatter sorted and scanned, autotuning kept.
+    "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),
+    # XLA's, and no autotuning either.
+    "deterministic_ops": ("--xla_gpu_deterministic_ops=true", []),
+}
+COMMON = ["train.batch_size=65536", "train.compute_dtype=bfloat16", "train.optimizer=sgd",
+          "train.learning_rate=0.1", "train.warmup_steps=0", "train.decay_steps=0",
+          "embedding.optimizer=sgd", "embedding.learning_rate=0.1", "data.source=synthetic"]
+
+
+def _median_time(fn, *args, repeats: int = 20) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 GEMM rate, on random data."""
+    import jax
+    import jax.numpy as jnp
+    n = 1 << 30  # 1 Gi float32 = 4 GiB read + 4 GiB written
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    scale = jax.jit(lambda v: v * 1.0009765625)
+    copy_s = _median_time(scale, x)
+    del x
+    m = 8192
+    a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
+    mm = jax.jit(jnp.dot)
+    gemm_s = _median_time(mm, a, b)
+    return {"copy_bytes_per_s": 2 * 4 * n / copy_s, "bf16_gemm_flops_per_s": 2 * m**3 / gemm_s,
+            "copy_s": copy_s, "gemm_s": gemm_s}
+
+
+def step_cost(cfg, plan, batches) -> dict:
+    """FLOPs and the fewest bytes per sample the train step must move."""
+    import numpy as np
+    d = cfg.model.embedding_dim
+    table_item = np.dtype(cfg.embedding.dtype).itemsize
+    # MLPs: forward 2*in*out per layer, backward twice that (input and weight gradients).
+    flops = 0
+    width = cfg.data.num_dense
+    for out in cfg.model.bottom_mlp:
+        flops += 6 * width * out
+        width = out
+    f = len(cfg.data.cardinalities) + 1
+    if cfg.model.interaction == "dot":
+        flops += 3 * 2 * f * f * d  # Gram matrix of the F feature vectors, forward + backward
+        width = d + f * (f - 1) // 2
+    else:
+        width = d * f
+    for out in cfg.model.top_mlp:
+        flops += 6 * width * out
+        width = out
+    unique_rows = []
+    lookups = []
+    bags = cfg.bag_sizes
+    for b in batches:
+        start, u, n = 0, 0, 0
+        for bag in bags:
+            ids = b.ids[:, start:start + bag]
+            ids = ids[ids >= 0]
+            u += np.unique(ids).size
+            n += ids.size
+            start += bag
+        unique_rows.append(u)
+        lookups.append(n)
+    batch = cfg.train.batch_size
+    u = float(np.mean(unique_rows))
+    params = sum(t.size for t in _dense_param_shapes(cfg))
+    sparse_min = 3 * u * d * table_item  # read once for the lookup, read + write for the update
+    sparse_per_lookup = (float(np.mean(lookups)) + 2 * u) * d * table_item
+    inputs = 4 * (cfg.data.num_dense + sum(bags) + 1)
+    weights = 3 * 4 * params  # read, read-modify-write by SGD; amortized over the batch
+    return {"flops_per_sample": flops, "unique_rows_per_batch": u,
+            "lookups_per_batch": float(np.mean(lookups)),
+            "bytes_per_sample_min": sparse_min / batch + inputs + weights / batch,
+            "bytes_per_sample_every_lookup": sparse_per_lookup / batch + inputs + weights / batch,
+            "dense_params": params}
+
+
+def _dense_param_shapes(cfg):
+    import jax
+    from flax import nnx
+
+    from dlrm_jax.model.dlrm import dlrm_from_config
+    model = nnx.eval_shape(lambda: dlrm_from_config(cfg, nnx.Rngs(0)))
+    return jax.tree.leaves(nnx.state(model, nnx.Param))
+
+
+def _digest(state) -> str:
+    """A fingerprint of every bit of the state, computed on the device (tables are tens of GB).
+
+    Integer sums wrap and commute exactly, so the fingerprint itself is deterministic.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def fingerprint(leaf):
+        bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32).reshape(-1)
+        weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(state):
+        h.update(int(fingerprint(leaf)).to_bytes(4, "little"))
+    return h.hexdigest()[:16]
+
+
+def profile_ops(compiled, state, batches, steps: int, keep: str | None) -> tuple:
+    """Device time per XLA operation over ``steps`` traced steps (ms/step), largest first."""
+    import jax
+    from jax._src.lib import _profile_data
+    trace_dir = tempfile.mkdtemp(prefix="dlrm-gpu-profile-")
+    with jax.profiler.trace(trace_dir):
+        for i in range(steps):
+            state, out = compiled(state, batches[i % len(batches)])
+        jax.block_until_ready((state, out))
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if keep:
+        with open(path, "rb") as src, open(keep, "wb") as dst:
+            dst.write(src.read())
+    data = _profile_data.ProfileData.from_file(path)
+    per_op, lines = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            lines[line.name] += sum(ev.duration_ns for ev in line.events)
+            if not line.name.startswith("Stream"):  # kernels, named after their fusion or library
+                continue
+            for ev in line.events:
+                per_op[ev.name] += ev.duration_ns
+    ms = {k: v / 1e6 / steps for k, v in per_op.most_common()}
+    return state, ms, {k: v / 1e6 / steps for k, v in lines.items()}
+
+
+def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
+    import jax
+
+    from dlrm_jax.config import load_config
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.trainer import build
+
+    path, extra = CONFIGS[name]
+    cfg = resolve_data_config(load_config(os.path.join(REPO, path),
+                                          COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1"]))
+    mesh = make_mesh(1)
+    source = make_source(cfg, 0, 1)
+    plan, fns = build(cfg, mesh, source)
+    host_batches = [source.train_batch(i) for i in range(4)]
+    batches = [fns.device_batch(b) for b in host_batches]
+    cost = step_cost(cfg, plan, host_batches)
+    state = fns.init_state()
+    t0 = time.perf_counter()
+    compiled = fns.train_step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    for i in range(5):
+        state, out = compiled(state, batches[i % 4])
+    jax.block_until_ready(state)
+    one_at_a_time = []
+    for i in range(steps):
+        t = time.perf_counter()
+        state, out = compiled(state, batches[i % 4])
+        jax.block_until_ready((state, out))
+        one_at_a_time.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for i in range(steps):
+        state, out = compiled(state, batches[i % 4])
+    jax.block_until_ready((state, out))
+    pipelined = (time.perf_counter() - t) / steps
+    keep = os.path.join(profile_dir, f"{name}.xplane.pb") if profile_dir else None
+    if profile_dir:
+        with open(os.path.join(profile_dir, f"{name}.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
+    state, ops, lines = profile_ops(compiled, state, batches, 5, keep)
+    del state
+    # Determinism: the same seed and batches twice, every parameter and table compared.
+    digests = []
+    for _ in range(2):
+        s = fns.init_state()
+        for i in range(DETERMINISM_STEPS):
+            s, out = compiled(s, batches[i % 4])
+        digests.append(_digest(s))
+        del s
+    batch = cfg.train.batch_size
+    return {"config": path, "overrides": COMMON + extra + EXTRA_OVERRIDES, "batch": batch,
+            "table_rows": sum(t.spec.rows for t in plan.tables), "compile_s": compile_s,
+            "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+            "step_ms_pipelined": 1e3 * pipelined,
+            "step_ms_one_at_a_time_median": 1e3 * statistics.median(one_at_a_time),
+            "samples_per_s": batch / pipelined, "loss_last": float(out["loss"]), **cost,
+            "device_ms_per_step_by_line": lines, "top_ops_ms_per_step": dict(list(ops.items())[:25]),
+            "device_ops_ms_per_step": sum(ops.values()),
+            "determinism_digests": digests, "deterministic": digests[0] == digests[1]}
+
+
+def parity_child(out_npz: str, steps: int) -> None:
+    """Train a small fp32 config for ``steps`` and save every state leaf (compared across backends)."""
+    import jax
+    import numpy as np
+
+    from dlrm_jax.config import load_config
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.trainer import build
+    cfg = resolve_data_config(load_config(os.path.join(REPO, "configs/smoke.yaml"), PARITY_OVERRIDES))
+    mesh = make_mesh(1)
+    source = make_source(cfg, 0, 1)
+    _, fns = build(cfg, mesh, source)
+    state = fns.init_state()
+    losses = []
+    for i in range(steps):
+        state, out = fns.train_step(state, fns.device_batch(source.train_batch(i)))
+        losses.append(float(out["loss"]))
+    leaves = jax.tree.leaves(state)
+    np.savez(out_npz, losses=np.array(losses), **{f"leaf{i}": np.asarray(jax.device_get(v), np.float64)
+                                                  for i, v in enumerate(leaves)})
+
+
+PARITY_OVERRIDES = ["mesh.devices=1", "train.compute_dtype=float32", "train.batch_size=1024"]
+
+
+def check_parity(out: str, steps: int) -> dict:
+    """The same fp32 training on this device and on the CPU: relative L2 error of every leaf."""
+    import numpy as np
+    files = {}
+    for label, env in (("device", {}), ("device_highest", {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
+                       ("cpu", {"JAX_PLATFORMS": "cpu"})):
+        files[label] = os.path.join(out, f"parity_{label}.npz")
+        subprocess.run([sys.executable, __file__, "--out", out, "--only", "parity_child", "--steps", str(steps),
+                        "--parity-file", files[label]], env=dict(os.environ, **env), check=True)
+    ref = np.load(files["cpu"])
+    result = {}
+    for label in ("device", "device_highest"):
+        got = np.load(files[label])
+        errs = [float(np.linalg.norm(got[k] - ref[k]) / max(np.linalg.norm(ref[k]), 1e-30))
+                for k in ref.files if k.startswith("leaf")]
+        result[label] = {"max_leaf_rel_l2": max(errs), "loss_last": float(got["losses"][-1]),
+                         "loss_last_cpu": float(ref["losses"][-1])}
+    return result
+
+
+DETERMINISM_STEPS = 20
+EXTRA_OVERRIDES: list[str] = []
+
+
+def print_tables(report: dict, log=print) -> None:
+    c = report.get("ceilings")
+    if c:
+        log(f"\nceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+            f"bf16 GEMM {c['bf16_gemm_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    for mode, results in report.get("runs", {}).items():
+        for name, r in results.items():
+            log(f"\n== {name} [{mode}] batch {r['batch']}, {r['table_rows']:,} rows, compile {r['compile_s']:.1f} s")
+            log(f"step {r['step_ms_pipelined']:.2f} ms pipelined ({r['samples_per_s']:,.0f} samples/s), "
+                f"{r['step_ms_one_at_a_time_median']:.2f} ms one at a time; device ops "
+                f"{r['device_ops_ms_per_step']:.2f} ms/step; loss {r['loss_last']:.4f}")
+            if c:
+                byte_roof = c["copy_bytes_per_s"] / r["bytes_per_sample_min"]
+                flop_roof = c["bf16_gemm_flops_per_s"] / r["flops_per_sample"]
+                roof = min(byte_roof, flop_roof)
+                r["roofline_samples_per_s"] = roof
+                r["fraction_of_roofline"] = r["samples_per_s"] / roof
+                log(f"bytes/sample {r['bytes_per_sample_min']:,.0f} min ({r['unique_rows_per_batch']:,.0f} distinct "
+                    f"rows of {r['lookups_per_batch']:,.0f} lookups), {r['bytes_per_sample_every_lookup']:,.0f} if "
+                    f"every lookup is read; FLOPs/sample {r['flops_per_sample'] / 1e6:.1f} M")
+                log(f"roofline: bytes {byte_roof / 1e6:.1f} M/s, FLOPs {flop_roof / 1e6:.1f} M/s -> "
+                    f"{r['fraction_of_roofline']:.1%} of {roof / 1e6:.1f} M samples/s")
+            log(f"deterministic: {r['deterministic']} {r['determinism_digests']}")
+            log("top device ops (ms/step): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(r["top_ops_ms_per_step"].items())[:12]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=["ceilings", "configs", "child", "parity", "parity_child"], default=None)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra config overrides for every config (e.g. a smaller batch for a CPU try-out)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="variants to compare: " + ", ".join(VARIANTS))
+    ap.add_argument("--variant-configs", default="criteo_kaggle,mlperf_v1_capped",
+                    help="the configs the variants other than default run")
+    ap.add_argument("--parity-file", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--ceilings", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    EXTRA_OVERRIDES.extend(args.overrides)
+    os.makedirs(args.out, exist_ok=True)
+    if args.only == "parity_child":
+        parity_child(args.parity_file, args.steps)
+        return 0
+    names = [n for n in args.configs.split(",") if n]
+    if args.only == "child":  # one process per measurement: each GPU process takes most of the memory
+        import jax
+        result = {"machine": {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+                              "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}}
+        if args.ceilings:
+            result["ceilings"] = measure_ceilings()
+        result["runs"] = {n: bench_config(n, args.steps, args.profile_dir) for n in names}
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+        return 0
+
+    work = tempfile.mkdtemp(prefix="dlrm-gpu-bench-")
+
+    def child(label: str, configs: str, ceilings: bool) -> dict:
+        result_file = os.path.join(work, f"result_{label}.json")
+        cmd = [sys.executable, __file__, "--out", args.out, "--only", "child", "--configs", configs,
+               "--steps", str(args.steps), "--result-file", result_file]
+        flags, overrides = VARIANTS[label]
+        cmd += [a for o in args.overrides + overrides for a in ("--set", o)]
+        cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out] * (label == "default")
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        if subprocess.run(cmd, env=env).returncode:
+            print(f"variant {label} failed; going on without it")
+            return {"runs": {}}
+        with open(result_file) as f:
+            result = json.load(f)
+        print_tables({"runs": {label: result["runs"]}})  # as it comes, in case a later variant fails
+        return result
+
+    report = {}
+    if args.only in (None, "parity"):
+        report["parity"] = check_parity(work, 20)
+        print(json.dumps(report["parity"]), flush=True)
+    if args.only in (None, "configs", "ceilings"):
+        first = child("default", "" if args.only == "ceilings" else args.configs, ceilings=True)
+        report.update(machine=first["machine"], ceilings=first["ceilings"], runs={"default": first["runs"]})
+        if args.only != "ceilings":
+            for label in args.variants.split(","):
+                if label and label != "default":
+                    report["runs"][label] = child(label, args.variant_configs, ceilings=False)["runs"]
+                    report["runs"] = {k: v for k, v in report["runs"].items() if v}
+    runs = report.get("runs", {})
+    for label, p in report.get("parity", {}).items():
+        print(f"parity with CPU ({label}): max relative L2 error of any state leaf {p['max_leaf_rel_l2']:.2e} "
+              f"after 20 fp32 steps; loss {p['loss_last']:.6f} vs {p['loss_last_cpu']:.6f}")
+    print_tables(report)
+    for label, results in runs.items():
+        for n, r in results.items():
+            if label != "default" and n in runs["default"]:
+                ratio = r["samples_per_s"] / runs["default"][n]["samples_per_s"]
+                print(f"{n} [{label}]: {ratio:.2f}x the default's samples/s, deterministic: {r['deterministic']}")
+    again = runs.get("embedding_deterministic_again", {})
+    for n, r in again.items():
+        first = runs.get("embedding_deterministic", {}).get(n, {}).get("determinism_digests", [None])[0]
+        print(f"{n}: embedding.deterministic gives the same bits in two processes: "
+              f"{r['determinism_digests'][0] == first}")
+    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
