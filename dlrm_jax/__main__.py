@@ -1,5 +1,5 @@
 import sys
 
-from dlrm_jax.cli import main
+from dlrm_jax.cli import run
 
-sys.exit(main())
+sys.exit(run())

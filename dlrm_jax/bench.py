@@ -67,7 +67,8 @@ def _time_config(cfg, steps: int, warmup: int) -> dict:
             "step_ms_mean": 1e3 * float(np.mean(step_s)), "step_ms_min": 1e3 * min(step_s),
             "samples_per_s": cfg.train.batch_size / median, "loss_last": float(out["loss"]),
             "plan_bytes": plan_bytes, "state_bytes": _state_bytes(state), "rss_before_bytes": rss_before,
-            "peak_rss_bytes": peak, "peak_rss_over_plan": peak / plan_bytes}
+            "peak_rss_bytes": peak, "peak_rss_over_plan": peak / plan_bytes,
+            "huge_page_bytes": hostmem.huge_page_bytes()}
 
 
 def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from dlrm_jax import hostmem
 from dlrm_jax.config import Config, ConfigError, load_config
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
 
@@ -201,6 +202,17 @@ def cmd_bench(args) -> int:
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plan": cmd_plan, "preprocess": cmd_preprocess,
             "bench": cmd_bench}
+
+
+def run() -> int:
+    """The ``dlrm-jax`` program: restarts itself once so that host memory (tables, and every
+    buffer of simulated devices) gets transparent huge pages (:mod:`dlrm_jax.hostmem`), then
+    runs :func:`main`. ``DLRM_JAX_HUGE_PAGES=0`` skips the restart."""
+    env = hostmem.huge_pages_environment(dict(os.environ))
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "dlrm_jax", *sys.argv[1:]], env)
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

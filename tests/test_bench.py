@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dlrm_jax.bench import bench_train
 from dlrm_jax.bench_embedding import bench_embedding, hlo_collective_bytes
 
@@ -36,7 +38,7 @@ def test_train_bench_writes_json(tiny, tmp_path):
     assert r["samples_per_s"] > 0 and r["ratio_to_first"] == 1.0
 
 
-def bench_json(tmp_path, name, rows, devices):
+def bench_json(tmp_path, name, rows, devices, env_extra=None):
     """`dlrm-jax bench train` in its own process (so its peak RSS is its own) -> the result dict."""
     import os
     import subprocess
@@ -44,7 +46,7 @@ def bench_json(tmp_path, name, rows, devices):
 
     out = tmp_path / f"{name}.json"
     cards = "[" + ",".join([str(rows)] * 8) + "]"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")} | (env_extra or {})
     subprocess.run([sys.executable, "-m", "dlrm_jax", "bench", "train", "--configs", "default", "--max-rows", "0",
                     "--steps", "2", "--warmup", "1", "--output", str(out), "--set", f"data.cardinalities={cards}",
                     "--set", "data.max_rows=0", "--set", "model.embedding_dim=64", "--set",
@@ -62,3 +64,26 @@ def test_peak_host_memory_follows_the_plan(tmp_path):
     assert big["plan_bytes"] > 400 * 2**20
     growth = big["peak_rss_bytes"] - tiny["peak_rss_bytes"]
     assert growth <= 1.5 * big["plan_bytes"], (growth / 2**20, big["plan_bytes"] / 2**20)
+
+
+def test_cli_puts_host_memory_on_huge_pages(tmp_path):
+    """The CLI restarts itself with glibc's huge-page tunable; DLRM_JAX_HUGE_PAGES=0 opts out."""
+    from pathlib import Path
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[madvise]" not in thp.read_text():
+        pytest.skip("transparent huge pages are not in madvise mode here")
+    on = bench_json(tmp_path, "on", 250_000, 1)
+    off = bench_json(tmp_path, "off", 250_000, 1, {"DLRM_JAX_HUGE_PAGES": "0"})
+    assert on["huge_page_bytes"] - off["huge_page_bytes"] >= 0.5 * on["plan_bytes"], (on, off)
+
+
+def test_huge_pages_environment():
+    from dlrm_jax import hostmem
+
+    env = hostmem.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    if env is None:
+        pytest.skip("transparent huge pages are not in madvise mode here")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert hostmem.huge_pages_environment(env) is None  # already set: no second restart
+    assert hostmem.huge_pages_environment({"DLRM_JAX_HUGE_PAGES": "0"}) is None
