@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """dlrm_jax against TorchRec on CPU, side by side: configs c1 and c2 (configs/bench/), one
-process, uniform one-hot ids, SGD. Runs are interleaved (ours, TorchRec, ours on 8 simulated
-devices, ours in bfloat16, then the next config, then the next repeat) so drift on the
-machine hits every variant alike. Prints medians with min-max and the ratios; writes JSON.
+process, uniform one-hot ids, SGD. Runs are interleaved (TorchRec with 4 KiB and with huge
+pages, ours on 1 and 8 simulated devices, in bfloat16, with 4 KiB pages, then the next config,
+then the next repeat) so drift on the machine hits every variant alike. Prints medians with min-max and the ratios; writes JSON.
 
     scripts/bench_vs_torchrec.sh [REPEATS] [OUTPUT]    # builds the venvs, then runs this
 
@@ -38,25 +38,38 @@ OURS = {  # variant -> overrides for `dlrm-jax bench train`
     "dlrm_jax 1 device": ["mesh.devices=1"],
     "dlrm_jax 8 devices": ["mesh.devices=8"],
     "dlrm_jax 1 device bf16": ["mesh.devices=1", "train.compute_dtype=bfloat16"],
+    "dlrm_jax 1 device 4K pages": ["mesh.devices=1"],
 }
+# Host memory pages. The dlrm-jax CLI puts its memory on transparent huge pages by default
+# (dlrm_jax/hostmem.py); "4K pages" turns that off. TorchRec runs as its harness sets it up
+# (4 KiB pages) and, as "torchrec huge pages", with the same glibc tunable plus PyTorch's own
+# switch, so that the comparison does not rest on a setting the other side could also use.
+NO_HUGE_PAGES = {"DLRM_JAX_HUGE_PAGES": "0"}
+TORCHREC_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "THP_MEM_ALLOC_ENABLE": "1"}
+TORCHREC = {"torchrec": {}, "torchrec huge pages": TORCHREC_HUGE_PAGES}
 
 
-def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: int) -> float:
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
+    return env | extra
+
+
+def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: int, env: dict) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [cli, "bench", "train", "--configs", str(REPO / "configs" / "bench" / f"{config}.yaml"),
                "--max-rows", "0", "--steps", str(steps), "--warmup", str(warmup), "--output", out.name]
         for o in overrides:
             cmd += ["--set", o]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(env))
         result = next(iter(json.loads(Path(out.name).read_text())["results"].values()))
     return result["samples_per_s"]
 
 
-def run_torchrec(python: str, config: str, steps: int, warmup: int) -> float:
+def run_torchrec(python: str, config: str, steps: int, warmup: int, env: dict) -> float:
     cmd = [python, str(HERE / "peers" / "torchrec_dlrm_bench.py"), "--emb-mode", "dmp",
            "--batch-size", "2048", "--top", "512-256-1", "--lr", "0.1", "--steps", str(steps + warmup),
            "--warmup", str(warmup), *TORCHREC_ARGS[config]]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(env)).stdout
     return float(re.search(r"median_step_samples_per_s=([\d.]+)", out).group(1))
 
 
@@ -76,24 +89,30 @@ def main() -> int:
     samples: dict[str, dict[str, list[float]]] = {c: {} for c in configs}
     for r in range(args.repeats):
         for c in configs:
-            for name in ["torchrec", *variants]:
+            for name in [*TORCHREC, *variants]:
                 t = time.time()
-                sps = (run_torchrec(args.torchrec_python, c, args.steps, args.warmup) if name == "torchrec"
-                       else run_ours(args.cli, c, OURS[name], args.steps, args.warmup))
+                if name in TORCHREC:
+                    sps = run_torchrec(args.torchrec_python, c, args.steps, args.warmup, TORCHREC[name])
+                else:
+                    env = NO_HUGE_PAGES if name.endswith("4K pages") else {}
+                    sps = run_ours(args.cli, c, OURS[name], args.steps, args.warmup, env)
                 samples[c].setdefault(name, []).append(sps)
                 print(f"repeat {r + 1} {c} {name}: {sps:,.0f} samples/s ({time.time() - t:.0f} s)", flush=True)
 
     summary = {}
-    print(f"\n{'config':<7}{'variant':<26}{'median samples/s':>18}{'min-max':>22}{'vs TorchRec':>13}")
+    print(f"\n{'config':<7}{'variant':<28}{'median samples/s':>18}{'min-max':>22}{'vs TorchRec':>13}"
+          f"{'vs TorchRec huge pages':>24}")
     for c in configs:
         med = {n: statistics.median(v) for n, v in samples[c].items()}
         summary[c] = {n: {"median": med[n], "min": min(v), "max": max(v), "runs": v,
-                          "ratio_to_torchrec": med[n] / med["torchrec"]} for n, v in samples[c].items()}
+                          "ratio_to_torchrec": med[n] / med["torchrec"],
+                          "ratio_to_torchrec_huge_pages": med[n] / med["torchrec huge pages"]}
+                      for n, v in samples[c].items()}
         if "dlrm_jax 8 devices" in med and "dlrm_jax 1 device" in med:
             summary[c]["dlrm_jax 8 devices"]["ratio_to_1_device"] = med["dlrm_jax 8 devices"] / med["dlrm_jax 1 device"]
         for n, v in samples[c].items():
-            print(f"{c:<7}{n:<26}{med[n]:>18,.0f}{f'{min(v):,.0f}-{max(v):,.0f}':>22}"
-                  f"{med[n] / med['torchrec']:>12.2f}x")
+            print(f"{c:<7}{n:<28}{med[n]:>18,.0f}{f'{min(v):,.0f}-{max(v):,.0f}':>22}"
+                  f"{med[n] / med['torchrec']:>12.2f}x{med[n] / med['torchrec huge pages']:>23.2f}x")
     report = {"benchmark": "dlrm_jax vs torchrec, CPU train step", "repeats": args.repeats,
               "timed_steps": args.steps, "warmup_steps": args.warmup,
               "machine": {"host": platform.node(), "processor": platform.processor(),

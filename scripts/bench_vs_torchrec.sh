@@ -4,7 +4,7 @@
 #
 #   scripts/bench_vs_torchrec.sh [REPEATS=3] [OUTPUT=bench_vs_torchrec.json] [more flags...]
 #
-# About 3 minutes per repeat on a 2-core machine. Keep the machine otherwise idle.
+# About 5 minutes per repeat on a 2-core machine. Keep the machine otherwise idle.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 repeats=${1:-3}
