@@ -236,3 +236,13 @@ def test_column_slices_with_rowwise_adagrad_share_one_accumulator(tiny, devices,
                 for vt in g.vtables if vt.table == t]
             for acc in accs[1:]:
                 np.testing.assert_array_equal(acc, accs[0])
+
+
+def test_bag_pooling_is_scatter_free(tiny):
+    """Pooling a bag is a fixed-order reduction, not a scatter-add: on a GPU the latter adds a
+    bag's vectors with atomics in any order, so the forward would differ between runs."""
+    cfg = tiny("train.batch_size=16", CARDS, "data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.sharding=replicated")
+    coll = build(cfg, 1)
+    state = coll.init(jax.random.key(0))
+    ids = SyntheticSource(cfg).train_batch(0).ids
+    assert "scatter" not in str(jax.make_jaxpr(coll.lookup)(state, ids))

@@ -216,6 +216,13 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
 
 
 def _segment_sum_axis1(x: jax.Array, segments: np.ndarray, num: int) -> jax.Array:
-    """Sum x [B, V, ...] over axis 1 into ``num`` segments given by the static ``segments`` [V]."""
-    return jnp.swapaxes(jax.ops.segment_sum(jnp.swapaxes(x, 0, 1), jnp.asarray(segments), num), 0, 1)
+    """Sum x [B, V, ...] over axis 1 into ``num`` segments given by the static ``segments`` [V].
+
+    The slots are put in segment order (statically) and each segment's slice is reduced: a
+    fixed summation order. ``jax.ops.segment_sum`` would be a scatter-add, whose atomics on a
+    GPU add a bag's ids in any order (the pooled vectors would differ between runs)."""
+    order = np.argsort(segments, kind="stable")
+    x = take_columns(x, order)
+    bounds = np.searchsorted(segments[order], np.arange(num + 1))
+    return jnp.stack([jnp.sum(x[:, a:b], axis=1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], axis=1)
 
