@@ -1,0 +1,82 @@
+"""Hot-row statistics: sparse per-table counts, decay, the most frequent rows (hypothesis)."""
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.hot import RowCounts
+
+BAGS = [2, 1, 3]
+
+
+def random_batches(seed, n_batches, batch, rows=30, pad_rate=0.3):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_batches):
+        ids = rng.integers(0, rows, (batch, sum(BAGS))).astype(np.int32)
+        ids[rng.random(ids.shape) < pad_rate] = PAD_ID
+        out.append(ids)
+    return out
+
+
+def counted_by_hand(batches):
+    per_table = [collections.Counter() for _ in BAGS]
+    starts = np.cumsum([0, *BAGS])
+    for ids in batches:
+        for t in range(len(BAGS)):
+            for v in ids[:, starts[t]:starts[t + 1]].reshape(-1):
+                if v != PAD_ID:
+                    per_table[t][int(v)] += 1
+    return per_table
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n_batches=st.integers(0, 4), batch=st.integers(1, 20))
+def test_counts_match_a_hand_count(seed, n_batches, batch):
+    batches = random_batches(seed, n_batches, batch)
+    counts = RowCounts.from_batches(batches, BAGS)
+    for t, want in enumerate(counted_by_hand(batches)):
+        assert dict(zip(counts.ids[t].tolist(), counts.counts[t].tolist(), strict=True)) == want
+        assert np.all(np.diff(counts.ids[t]) > 0)  # sorted, distinct
+    assert counts.lookups() == sum(sum(c.values()) for c in counted_by_hand(batches))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), factor=st.floats(0, 1))
+def test_decay_is_factor_times_old_plus_new(seed, factor):
+    old_b, new_b = random_batches(seed, 2, 8), random_batches(seed + 1, 2, 8)
+    old, new = RowCounts.from_batches(old_b, BAGS), RowCounts.from_batches(new_b, BAGS)
+    merged = old.decayed(factor, new)
+    for t, (o, n) in enumerate(zip(counted_by_hand(old_b), counted_by_hand(new_b), strict=True)):
+        want = {k: factor * o.get(k, 0) + n.get(k, 0) for k in set(o) | set(n)}
+        want = {k: v for k, v in want.items() if v > 0}
+        got = dict(zip(merged.ids[t].tolist(), merged.counts[t].tolist(), strict=True))
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), k=st.integers(0, 40))
+def test_most_frequent_rows_and_their_hit_rate(seed, k):
+    batches = random_batches(seed, 3, 10)
+    counts = RowCounts.from_batches(batches, BAGS)
+    hand = counted_by_hand(batches)
+    hot = [counts.most_frequent(t, k) for t in range(len(BAGS))]
+    for t, rows in enumerate(hot):
+        ranked = sorted(hand[t].items(), key=lambda kv: (-kv[1], kv[0]))
+        assert rows.tolist() == [r for r, _ in ranked[:k]]
+    total = sum(sum(c.values()) for c in hand)
+    hits = sum(hand[t][int(r)] for t, rows in enumerate(hot) for r in rows)
+    assert counts.hit_rate(hot) == pytest.approx(hits / total if total else 0.0)
+
+
+def test_bad_decay_and_mismatched_tables_are_refused():
+    a = RowCounts.empty(3)
+    with pytest.raises(ValueError, match="decay factor"):
+        a.decayed(1.5, a)
+    with pytest.raises(ValueError, match="tables"):
+        a.decayed(0.5, RowCounts.empty(2))
