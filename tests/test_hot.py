@@ -80,3 +80,78 @@ def test_bad_decay_and_mismatched_tables_are_refused():
         a.decayed(1.5, a)
     with pytest.raises(ValueError, match="tables"):
         a.decayed(0.5, RowCounts.empty(2))
+
+
+# ---------------------------------------------------------------- the performance model
+def _engine(cfg, devices):
+    import jax
+
+    from dlrm_jax.embedding.collection import EmbeddingCollection
+    from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
+    from dlrm_jax.embedding.planner import plan_from_config
+    from dlrm_jax.parallel.mesh import make_mesh
+
+    plan = plan_from_config(cfg, devices)
+    coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer_from_config(cfg))
+    sharding = jax.sharding.NamedSharding(coll.mesh, jax.P("devices"))
+
+    def measure(batches):
+        return coll.measure_capacities([jax.device_put(b, sharding) for b in batches], plan.capacity_factor)
+
+    return plan, measure
+
+
+def _skewed_batches(rows, n_batches, batch, features, exponent, seed=0):
+    """A frequency-ordered vocabulary: row 0 the most frequent, Zipf(exponent)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, rows + 1) ** exponent
+    p /= p.sum()
+    return [rng.choice(rows, size=(batch, features), p=p).astype(np.int32) for _ in range(n_batches)]
+
+
+def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
+    """Row-wise block layout, hot ids at the bottom of every table: all on device 0. The model
+    must replicate some, which lowers the busiest owner's bucket and the predicted time."""
+    from dlrm_jax.embedding.hot_planner import choose_hot_rows
+
+    cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256",
+               "embedding.optimizer=sgd")
+    plan, measure = _engine(cfg, 4)
+    batches = _skewed_batches(4000, 4, 256, 2, 1.2)
+    counts = RowCounts.from_batches(batches, [1, 1])
+    best, priced = choose_hot_rows(plan, measure, counts, batches, memory_bytes=1 << 20)
+    none = priced[0]
+    assert none.rows == 0 and none.allreduce_bytes == 0 and none.hit_rate == 0.0
+    assert best.rows > 0 and best.predicted_s < none.predicted_s
+    assert max(c for _, c, _ in best.capacities) < max(c for _, c, _ in none.capacities)
+    assert 0.0 < best.hit_rate <= 1.0 and best.memory_bytes <= 1 << 20
+
+
+def test_model_never_predicts_worse_than_no_replication(tiny):
+    """Uniform ids: replication saves little capacity and costs an all-reduce; whatever it
+    picks is predicted no slower than nothing, and within the memory budget."""
+    from dlrm_jax.embedding.hot_planner import choose_hot_rows
+
+    cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256")
+    plan, measure = _engine(cfg, 4)
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 4000, (256, 2)).astype(np.int32) for _ in range(3)]
+    counts = RowCounts.from_batches(batches, [1, 1])
+    best, priced = choose_hot_rows(plan, measure, counts, batches, memory_bytes=64 * 1024)
+    assert best.predicted_s <= priced[0].predicted_s
+    assert best.memory_bytes <= 64 * 1024
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), max_rows=st.integers(0, 500))
+def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
+    from dlrm_jax.embedding.hot_planner import candidate_sizes
+
+    counts = RowCounts.from_batches(random_batches(seed, 3, 10, rows=200), BAGS)
+    seen = [c.size for c in counts.ids]
+    sizes = candidate_sizes(counts, max_rows)
+    assert sizes[0] == (0,) * len(BAGS)
+    totals = [sum(s) for s in sizes]
+    assert totals == sorted(set(totals)) and totals[-1] == min(max_rows, sum(seen))
+    for s in sizes:
+        assert all(k <= n for k, n in zip(s, seen, strict=True))
