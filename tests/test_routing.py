@@ -141,3 +141,27 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     else:
         raise AssertionError("rounds did not terminate")
     assert sent == wanted
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5), rows=st.integers(1, 50))
+def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
+    """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's index."""
+    from dlrm_jax.embedding.routing import HOT_PAD, split_hot
+
+    rng = np.random.default_rng(seed)
+    v = 5
+    table = rng.integers(0, 3, v).astype(np.int32)
+    pairs = sorted({(int(rng.integers(0, 3)), int(rng.integers(0, rows))) for _ in range(k)})
+    hot_tables = np.array([p[0] for p in pairs] + [HOT_PAD] * pad, np.int32)
+    hot_ids = np.array([p[1] for p in pairs] + [HOT_PAD] * pad, np.int32)
+    ids = rng.integers(0, rows, (7, v)).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.2] = PAD_ID
+    ids[0, :] = rows - 1  # the table's last row
+    ids[1, :] = 0  # its first
+    hot_row, cold = split_hot(jnp.asarray(ids), jnp.asarray(table), jnp.asarray(hot_tables), jnp.asarray(hot_ids))
+    index = {p: i for i, p in enumerate(pairs)}
+    want_row = np.array([[index.get((int(table[j]), int(x)), -1) if x != PAD_ID else -1 for j, x in enumerate(r)]
+                         for r in ids])
+    np.testing.assert_array_equal(np.asarray(hot_row), want_row)
+    np.testing.assert_array_equal(np.asarray(cold), np.where(want_row >= 0, PAD_ID, ids))

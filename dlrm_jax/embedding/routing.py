@@ -157,3 +157,39 @@ def scatter_to_buckets(owner, rank, usable, values, capacity: int, num_devices: 
     dest = jnp.where(usable, owner, num_devices)  # out of bounds -> dropped
     buf = jnp.full((num_devices, capacity), fill, values.dtype)
     return buf.at[dest, rank].set(values, mode="drop")
+
+
+# ---------------------------------------------------------------- hot rows
+# Which ids are hot is decided here too: a hot id is answered by the replica every device
+# holds and never enters a bucket. The hot rows of a group are kept as (table, id) pairs sorted
+# lexicographically, padded at the end with (HOT_PAD, HOT_PAD); a row's place in that order is
+# its row in the replicated hot table. The search runs in the step on replicated arrays of fixed
+# size, so a refresh only changes their contents (no recompilation), and it compares pairs,
+# not table offset + id, so tables of billions of rows do not overflow int32.
+HOT_PAD = 2**31 - 1
+
+
+def split_hot(ids, table, hot_tables, hot_ids):
+    """Split looked-up ids into hot rows and cold ids.
+
+    ids: int32 [..., V] table-local ids (PAD_ID allowed); table: int32 [V], the table of each
+    virtual slot; hot_tables, hot_ids: int32 [K] the hot (table, id) pairs, sorted, padded with
+    HOT_PAD. Returns hot_row int32 [..., V] (the pair's index in the hot arrays, -1 when cold or
+    padding) and cold_ids int32 [..., V] (ids with the hot ones replaced by PAD_ID).
+    """
+    k = hot_ids.shape[0]
+    t = jnp.broadcast_to(table, ids.shape)
+    if k == 0:
+        return jnp.full(ids.shape, -1, jnp.int32), ids
+    # Lower bound of (t, id) by binary search with a fixed number of halvings.
+    lo = jnp.zeros(ids.shape, jnp.int32)
+    hi = jnp.full(ids.shape, k, jnp.int32)
+    for _ in range(max(1, k.bit_length())):
+        mid = (lo + hi) // 2
+        mt, mi = hot_tables[jnp.minimum(mid, k - 1)], hot_ids[jnp.minimum(mid, k - 1)]
+        below = (mid < hi) & ((mt < t) | ((mt == t) & (mi < ids)))
+        lo = jnp.where(below, mid + 1, lo)
+        hi = jnp.where(below, hi, mid)
+    at = jnp.minimum(lo, k - 1)
+    hot = (ids != PAD_ID) & (lo < k) & (hot_tables[at] == t) & (hot_ids[at] == ids)
+    return jnp.where(hot, lo, -1).astype(jnp.int32), jnp.where(hot, PAD_ID, ids).astype(jnp.int32)
