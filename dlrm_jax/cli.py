@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-rows", type=int, default=100_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     be.add_argument("--output", help="write the JSON here too")
+    bc = bench_sub.add_parser("collectives", help="all-to-all vs all-reduce bandwidth on the current devices")
+    bc.add_argument("--devices", type=int, default=0, help="devices in the mesh (0: all; 8 simulated on CPU)")
+    bc.add_argument("--sizes-kib", default="64,1024,16384", help="buffer sizes per device, KiB, comma-separated")
+    bc.add_argument("--repeats", type=int, default=10)
+    bc.add_argument("--output", help="write the JSON here too")
     return parser
 
 
@@ -182,6 +187,13 @@ def _tighten_cap(cfg: Config, max_rows: int) -> Config:
 
 
 def cmd_bench(args) -> int:
+    if args.suite == "collectives":
+        _start_jax(args.devices or SIMULATED_DEVICES_DEFAULT, args)
+        from dlrm_jax.bench_collectives import bench_collectives
+
+        bench_collectives(args.devices, [int(s) for s in args.sizes_kib.split(",") if s], args.repeats,
+                          args.output, log=_log)
+        return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)

@@ -87,3 +87,16 @@ def test_huge_pages_environment():
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     assert hostmem.huge_pages_environment(env) is None  # already set: no second restart
     assert hostmem.huge_pages_environment({"DLRM_JAX_HUGE_PAGES": "0"}) is None
+
+
+def test_collectives_bench_reports_both_bandwidths(tmp_path):
+    from dlrm_jax.bench_collectives import bench_collectives
+
+    out = tmp_path / "collectives.json"
+    report = bench_collectives(4, [16, 64], repeats=2, output=str(out), **QUIET)
+    assert json.loads(out.read_text()) == report
+    assert report["devices"] == 4 and len(report["results"]) == 2
+    for r in report["results"]:
+        assert r["buffer_bytes_per_device"] % (4 * 4) == 0
+        assert r["all_to_all_bytes_per_s"] > 0 and r["all_reduce_bytes_per_s"] > 0
+        assert r["all_to_all_over_all_reduce"] == r["all_to_all_bytes_per_s"] / r["all_reduce_bytes_per_s"]

@@ -140,3 +140,10 @@ def test_preprocess_then_train_on_binary(tmp_path):
     assert int(final_line(run).group(1)) == 10
     plan = (tmp_path / "run" / "plan.txt").read_text()
     assert len([line for line in plan.splitlines() if line.startswith("cat_")]) == 26
+
+
+def test_bench_collectives_prints_both_rates(tmp_path):
+    out = tmp_path / "c.json"
+    proc = cli("bench", "collectives", "--devices", "2", "--sizes-kib", "16", "--repeats", "1", "--output", str(out))
+    assert "a2a / all-reduce" in proc.stdout
+    assert json.loads(out.read_text())["devices"] == 2
