@@ -12,9 +12,12 @@ For each config (``criteo_kaggle`` and an MLPerf-v1-shaped one with tables cappe
 3. turns those into a roofline from the *measured* copy bandwidth and bf16 GEMM rate, and
    reports the fraction reached;
 4. traces a few steps with ``jax.profiler`` and prints what dominates the device time;
-5. trains the same steps twice from the same seed and compares every parameter bit for bit,
-   and repeats under ``--xla_gpu_deterministic_ops=true`` (a child process: XLA flags are read
-   once at start-up) to give the cost of the deterministic mode.
+5. trains the same steps twice from the same seed and compares every parameter bit for bit.
+
+Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
+process loading the first one's autotuning results; XLA's two deterministic flags) runs in a
+process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
+small fp32 run on the device with the CPU.
 
 Everything lands in DIR/gpu_bench.json; the tables are printed last.
 """
