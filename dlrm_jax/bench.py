@@ -30,6 +30,15 @@ def machine_description() -> dict:
             "python": platform.python_version(), "jax": jax.__version__}
 
 
+def write_report(report: dict, output: str | None) -> str:
+    """The report as indented JSON, written to ``output`` too when given; returns the text."""
+    text = json.dumps(report, indent=1)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
 def _state_bytes(state) -> int:
     """Bytes of every device buffer of a state (all devices together)."""
     return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)

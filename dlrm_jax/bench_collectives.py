@@ -10,7 +10,6 @@ bytes).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.bench import machine_description
+from dlrm_jax.bench import machine_description, write_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 REPEATS_IN_PROGRAM = 8
@@ -75,8 +74,5 @@ def bench_collectives(devices: int, sizes_kib: list[int], repeats: int, output: 
     for r in rows:
         log(f"{r['buffer_bytes_per_device'] / 1024:>11,.0f} KiB{r['all_to_all_bytes_per_s'] / 1e6:>17,.1f}"
             f"{r['all_reduce_bytes_per_s'] / 1e6:>17,.1f}{r['all_to_all_over_all_reduce']:>18.2f}")
-    text = json.dumps(report, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write(text + "\n")
+    write_report(report, output)
     return report

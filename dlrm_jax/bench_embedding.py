@@ -17,7 +17,6 @@ HLO's collectives (the overflow rounds, compiled but not taken, are left out of 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import statistics
 import time
@@ -28,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.bench import machine_description
+from dlrm_jax.bench import machine_description, write_report
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
@@ -164,8 +163,5 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
         pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes']:,}"
         log(f"{name:<16}{r['step_ms']:>10.2f}{r['ratio_to_fastest']:>10.2f}{pred:>14}"
             f"{int(r['hlo_bytes']):>14,}  {','.join(r['strategies'])}")
-    text = json.dumps(report, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write(text + "\n")
+    write_report(report, output)
     return report
