@@ -12,9 +12,10 @@ from pathlib import Path
 _STATUS = Path("/proc/self/status")
 
 
-def _status_kib(field: str) -> int | None:
+def _status_kib(field: str, path: Path = _STATUS) -> int | None:
+    """A ``Field:  N kB`` line of a /proc file, in KiB (None where unreadable or absent)."""
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
@@ -72,10 +73,4 @@ def huge_pages_environment(environ: dict[str, str]) -> dict[str, str] | None:
 
 def huge_page_bytes() -> int:
     """Bytes of this process's memory on transparent huge pages (0 where unknown)."""
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return (_status_kib("AnonHugePages", Path("/proc/self/smaps_rollup")) or 0) * 1024

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dlrm_jax.embedding.sums import exact_segment_sum
+from dlrm_jax.embedding import sums
 
 
 class SparseOptimizer(NamedTuple):
@@ -24,7 +24,7 @@ class SparseOptimizer(NamedTuple):
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
     gradient over all its columns (row-wise Adagrad), so a column slice must be given that
     statistic as ``update(..., row_mean_sq=[n])``. ``exact_sums``: duplicates' gradients are
-    summed by :func:`exact_segment_sum`, so the update is the same bits in any order (GPU
+    summed by :func:`~dlrm_jax.embedding.sums.exact_segment_sum`, so the update is the same bits in any order (GPU
     atomics); the exchange's own gradient sums follow the same choice.
     """
 
@@ -35,23 +35,18 @@ class SparseOptimizer(NamedTuple):
 
     def segment_sum(self, data: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
         """The gradient sum by row that this optimizer's updates use."""
-        if self.exact_sums:
-            return exact_segment_sum(data, segment_ids, num_segments)
-        return jax.ops.segment_sum(data.astype(jnp.float32), segment_ids, num_segments)
+        return sums.segment_sum(data, segment_ids, num_segments, self.exact_sums)
 
 
 def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False,
                      exact: bool = False):
     """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
     (and, if asked, each input's index into the unique rows [n]); ``exact``: see
-    :func:`exact_segment_sum`."""
+    :func:`~dlrm_jax.embedding.sums.exact_segment_sum`."""
     n = rows_n.shape[0]
     uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
     inv = inv.reshape(-1)
-    if exact:
-        summed = exact_segment_sum(grads_nd, inv, n)
-    else:
-        summed = jax.ops.segment_sum(grads_nd.astype(jnp.float32), inv, num_segments=n)
+    summed = sums.segment_sum(grads_nd, inv, n, exact)
     return (uniq, summed, inv) if return_inverse else (uniq, summed)
 
 

@@ -7,11 +7,12 @@ or ``--xla_gpu_deterministic_ops``) sorts and scans every scatter; measured on o
 the MLPerf-shaped step 50x slower (BENCHMARKS.md).
 
 :func:`exact_segment_sum` keeps the fast atomic scatter and makes its result independent of the
-order instead. Each segment gets a power-of-two scale from its largest magnitude and its count, chosen so that every scaled addend splits into two integers (a high
-part and the rounded remainder) whose sums stay below 2**24 in magnitude: float32 adds such
-integers exactly, and exact addition is associative. Both parts travel in one scatter. What is
-lost is the remainder's rounding: about 2**-(46 - 2 log2(count)) of the largest addend, far less
-than a float32 summation loses, and nothing for a segment with one addend.
+order instead. Each segment gets a power-of-two scale from its largest magnitude and its
+count, chosen so that every scaled addend splits into two integers (a high part and the
+rounded remainder) whose sums stay below 2**24 in magnitude: float32 adds such integers
+exactly, and exact addition is associative. Both parts travel in one scatter. What is lost is
+the remainder's rounding: about 2**-(46 - 2 log2(count)) of the largest addend, far less than a
+float32 summation loses, and nothing for a segment with one addend.
 """
 
 from __future__ import annotations
@@ -58,3 +59,10 @@ def exact_segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int
     per_segment = (num_segments,) + (1,) * (data.ndim - 1)
     return (jnp.ldexp(sums[:, 0], -shift.reshape(per_segment))
             + jnp.ldexp(sums[:, 1], -(shift + remainder_bits).reshape(per_segment)))
+
+
+def segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int, exact: bool) -> jax.Array:
+    """Gradient sums by segment in float32: :func:`exact_segment_sum` or the plain scatter-add."""
+    if exact:
+        return exact_segment_sum(data, segment_ids, num_segments)
+    return jax.ops.segment_sum(data.astype(jnp.float32), segment_ids, num_segments)
