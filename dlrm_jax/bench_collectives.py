@@ -52,7 +52,7 @@ def bench_collectives(devices: int, sizes_kib: list[int], repeats: int, output: 
     rows = []
     for kib in sizes_kib:
         per_device = max(n, (kib * 1024 // 4) // n * n)  # float32 elements, a multiple of N
-        x = jax.device_put(jnp.ones((n * per_device,), jnp.float32).reshape(n * n, per_device // n), sharding)
+        x = jax.device_put(jnp.ones((n * n, per_device // n), jnp.float32), sharding)
         row = {"buffer_bytes_per_device": 4 * per_device}
         for kind in ("all_to_all", "all_reduce"):
             fn = _program(kind, mesh, n)
