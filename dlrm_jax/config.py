@@ -34,6 +34,11 @@ def _choices(*values: str) -> dict:
     return {"choices": values}
 
 
+def _int_or(*words: str) -> dict:
+    """An integer key that also takes these words (e.g. ``auto``)."""
+    return {"words": words}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
@@ -64,6 +69,9 @@ class DataConfig:
     bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
     pooling: str = field(default="sum", metadata=_choices("sum", "mean"))
     zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
+    # synthetic: "permuted" scatters popular ids over each table; "frequency_ordered" numbers
+    # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
+    id_layout: str = field(default="permuted", metadata=_choices("permuted", "frequency_ordered"))
     positive_rate: float = 0.26  # synthetic: target click-through rate
     shuffle: bool = True  # binary: shuffle the training split every epoch
     skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
@@ -76,6 +84,19 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim
     top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
     interaction: str = field(default="dot", metadata=_choices("dot", "cat"))
+
+
+@dataclass(frozen=True)
+class HotConfig:
+    """Hot-row replication: the most looked-up rows live on every device (embedding/hot_*.py)."""
+
+    rows: int | str = field(default=0, metadata=_int_or("auto"))  # 0 = off; auto = the cost model
+    memory_mb: float = 64.0  # per device: hot rows plus their optimizer state
+    stats_batches: int = 8  # batches counted to choose the rows (and before each refresh)
+    refresh_every: int = 0  # steps between re-choosing the rows; 0 = never
+    decay: float = 0.5  # counts kept from before a refresh, as a fraction
+    # All-to-all over all-reduce bandwidth (`dlrm-jax bench collectives`); 0 = per backend.
+    a2a_over_allreduce: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,7 @@ class EmbeddingConfig:
     # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
     deterministic: bool = False
     memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
+    hot: HotConfig = HotConfig()
 
 
 @dataclass(frozen=True)
@@ -148,7 +170,14 @@ def _to_plain(obj: Any) -> Any:
 # ---------------------------------------------------------------- coercion of raw values
 
 
-def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None) -> Any:
+def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None,
+            words: tuple[str, ...] = ()) -> Any:
+    if words:  # int | str: an integer or one of the words
+        if isinstance(value, str) and value in words:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer or {' or '.join(words)}, got {value!r}")
+        return value
     origin = typing.get_origin(annotation)
     if origin is tuple:
         (item_type, _) = typing.get_args(annotation)
@@ -203,7 +232,8 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
                 raise ConfigError(f"{key}: expected a mapping of keys, got {sub!r}")
             kwargs[name] = _build(hints[name], sub, key)
         elif name in raw:
-            kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"))
+            kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"),
+                                   f.metadata.get("words", ()))
     return cls(**kwargs)
 
 
@@ -327,6 +357,15 @@ def validate(cfg: Config) -> Config:
         if not sep or value not in strategies:
             raise ConfigError(f"embedding.table_sharding[{i}]: {item!r} must be TABLE=STRATEGY with "
                               f"STRATEGY one of {', '.join(strategies)}, e.g. cat_2=row")
+    h = e.hot
+    if h.rows != "auto":
+        _positive("embedding.hot.rows", h.rows, allow_zero=True)
+    _positive("embedding.hot.memory_mb", h.memory_mb)
+    _positive("embedding.hot.stats_batches", h.stats_batches)
+    _positive("embedding.hot.refresh_every", h.refresh_every, allow_zero=True)
+    if not 0.0 <= h.decay <= 1.0:
+        raise ConfigError(f"embedding.hot.decay: must be in [0, 1], got {h.decay}")
+    _positive("embedding.hot.a2a_over_allreduce", h.a2a_over_allreduce, allow_zero=True)
     _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
     return cfg
 

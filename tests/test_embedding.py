@@ -58,16 +58,25 @@ def close(got, want, rtol, atol, norm_tol):
         assert rel < norm_tol, rel
 
 
-def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None):
+def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None,
+                            hot_keys=None, refresh=None):
+    """``hot_keys``: the hot set to start with (the plan must have hot rows); ``refresh``: {step:
+    keys} hot sets to switch to before those steps."""
     coll = build(cfg, devices, plan)
     source = SyntheticSource(cfg)
     state = coll.init(jax.random.key(0))
+    if hot_keys is not None:
+        state = coll.refresh(state, hot_keys)
     table, acc = logical(coll, state)
     offsets = np.concatenate([[0], np.cumsum([s.rows for s in coll.specs])[:-1]])
     slot_feature = coll.slot_feature
     lookup, update = jax.jit(coll.lookup), jax.jit(coll.apply_gradients)
     batch_sharding = jax.sharding.NamedSharding(coll.mesh, jax.P("devices"))
     for step in range(steps):
+        if refresh and step in refresh:
+            state = coll.refresh(state, refresh[step])
+            got_table, got_acc = logical(coll, state)
+            close(got_table, table, rtol, atol, norm_tol)
         ids = source.train_batch(step).ids
         pooled, res = lookup(state, jax.device_put(ids, batch_sharding))
         close(np.asarray(pooled), reference_pool(table, offsets, ids, coll.specs), rtol, atol, norm_tol)

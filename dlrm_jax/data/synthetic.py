@@ -63,11 +63,13 @@ def _hash_normal(seed: int, feature: int, ids: np.ndarray, k: int) -> np.ndarray
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def zipf_ids(rng: np.random.Generator, rows: int, exponent: float, size, feature: int) -> np.ndarray:
+def zipf_ids(rng: np.random.Generator, rows: int, exponent: float, size, feature: int,
+             permuted: bool = True) -> np.ndarray:
     """Ids in [0, rows) whose popularity falls off as rank**-exponent (bounded power law).
 
-    Popular ranks are scattered over the table by a multiplicative permutation, so hot ids are
-    not simply the first rows.
+    ``permuted``: popular ranks are scattered over the table by a multiplicative permutation,
+    so hot ids are not simply the first rows; otherwise the id is the rank (a frequency-ordered
+    vocabulary, as ``preprocess`` makes: the hot ids are the table's first rows).
     """
     u = rng.random(size)
     if exponent == 0.0:
@@ -78,6 +80,8 @@ def zipf_ids(rng: np.random.Generator, rows: int, exponent: float, size, feature
         a = 1.0 - exponent
         rank = np.floor(np.power((np.power(rows + 1.0, a) - 1.0) * u + 1.0, 1.0 / a)) - 1.0
     rank = np.clip(rank, 0, rows - 1).astype(np.int64)
+    if not permuted:
+        return rank.astype(np.int32)
     return ((rank * _HASH_PRIME + feature * 104729) % rows).astype(np.int32)
 
 
@@ -85,12 +89,14 @@ class SyntheticGenerator:
     """Draws raw Criteo-shaped samples and their labels; see the module docstring."""
 
     def __init__(self, *, seed: int, num_dense: int, table_rows: tuple[int, ...],
-                 bag_sizes: tuple[int, ...], zipf_exponent: float, positive_rate: float):
+                 bag_sizes: tuple[int, ...], zipf_exponent: float, positive_rate: float,
+                 id_layout: str = "permuted"):
         self.seed = seed
         self.num_dense = num_dense
         self.table_rows = tuple(table_rows)
         self.bag_sizes = tuple(bag_sizes)
         self.zipf_exponent = zipf_exponent
+        self.permuted = id_layout == "permuted"
         params = np.random.default_rng([seed, 7_777])
         self._count_mu = params.uniform(0.0, 4.0, num_dense)
         self._dense_w = params.normal(0.0, 0.35, num_dense)
@@ -111,7 +117,7 @@ class SyntheticGenerator:
         missing = rng.random((n, self.num_dense)) < 0.1
         cols = []
         for f, (rows, bag) in enumerate(zip(self.table_rows, self.bag_sizes, strict=True)):
-            ids = zipf_ids(rng, rows, self.zipf_exponent, (n, bag), f)
+            ids = zipf_ids(rng, rows, self.zipf_exponent, (n, bag), f, self.permuted)
             if bag > 1:  # bag lengths uniform in [0, bag]; slots past the length are padding
                 length = rng.integers(0, bag + 1, n)
                 ids[np.arange(bag)[None, :] >= length[:, None]] = PAD_ID
@@ -176,7 +182,7 @@ class SyntheticSource:
         self.generator = SyntheticGenerator(
             seed=cfg.train.seed, num_dense=cfg.data.num_dense, table_rows=cfg.table_rows,
             bag_sizes=cfg.bag_sizes, zipf_exponent=cfg.data.zipf_exponent,
-            positive_rate=cfg.data.positive_rate,
+            positive_rate=cfg.data.positive_rate, id_layout=cfg.data.id_layout,
         )
         self._rows = process_slice(cfg.train.batch_size, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches or 16

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding import exchange
+from dlrm_jax.embedding.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.initializer import init_group
 from dlrm_jax.embedding.layout import (
     Group,
@@ -30,6 +31,7 @@ from dlrm_jax.embedding.layout import (
     build_groups,
     group_capacity,
     is_identity,
+    segment_sum_axis1,
     take_columns,
     uses_pooled_exchange,
 )
@@ -41,29 +43,36 @@ from dlrm_jax.parallel.mesh import AXIS
 
 
 class EmbeddingState(NamedTuple):
-    """Fused arrays and their optimizer state, keyed by group name.
+    """Fused arrays and their optimizer state, keyed by group name, and the hot rows.
 
     tables[g]: [rows, width] (sharded groups: rows split over ``devices``, replicated: whole on
-    every device); slots[g]: the sparse optimizer's dict of arrays with the same row axis.
+    every device); slots[g]: the sparse optimizer's dict of arrays with the same row axis;
+    hot: the replicated hot group (:class:`~dlrm_jax.embedding.hot_rows.HotState`), or None
+    when the plan replicates no hot rows.
     """
 
     tables: dict[str, jax.Array]
     slots: dict[str, dict[str, jax.Array]]
+    hot: HotState | None = None
 
 
 class LookupResiduals(NamedTuple):
     """What the backward pass needs from the forward lookup.
 
-    ids_bs: int32 [B, S] the batch's ids; weights_bs: float32 [B, S] pooling weight of each slot
-    (0 for padding, 1/bag length for mean pooling); overflow: int32 [] groups whose exchange
-    needed the worst-case capacity this step; routes: per sharded group, the forward's routing
-    and buckets (fixed shapes, batch-sharded), reused by the backward.
+    ids_bs: int32 [B, S] the batch's cold ids (hot ones are PAD_ID); weights_bs: float32 [B, S]
+    pooling weight of each slot (0 for padding, 1/bag length for mean pooling); overflow: int32
+    [] groups whose exchange ran in rounds this step; routes: per sharded group, the forward's
+    routing and buckets (fixed shapes, batch-sharded), reused by the backward; hot_bs: int32
+    [B, S] each slot's hot row (-1 when cold), hot_counts: int32 [2] hot lookups and all
+    lookups of the batch (both None without hot rows).
     """
 
     ids_bs: jax.Array
     weights_bs: jax.Array
     overflow: jax.Array
     routes: dict
+    hot_bs: jax.Array | None = None
+    hot_counts: jax.Array | None = None
 
 
 class EmbeddingCollection:
@@ -103,24 +112,48 @@ class EmbeddingCollection:
                 self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, wire)
                 self._update[g.name] = exchange.sharded_update(g, mesh, cap, wire, optimizer,
                                                                self.dim)
+        slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
+        self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
+                           self.one_hot) if plan.hot_rows else None
+        self._refresh = None
 
     # ------------------------------------------------------------ state
     def state_sharding(self) -> EmbeddingState:
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         spec = {g.name: NamedSharding(self.mesh, P() if g.replicated else P(AXIS)) for g in self.groups}
+        replicated = NamedSharding(self.mesh, P())
         return EmbeddingState({k: spec[k] for k in abstract.tables},
-                              {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()})
+                              {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()},
+                              jax.tree.map(lambda _: replicated, abstract.hot))
 
     def _init(self, key: jax.Array) -> EmbeddingState:
         # Every element is a function of (key, table, row, column), computed where it lives:
         # no device ever holds a whole logical table, and a table's values do not depend on the plan.
         rows = tuple(s.rows for s in self.specs)
         tables = {g.name: init_group(g, rows, key, self.storage_dtype) for g in self.groups}
-        return EmbeddingState(tables, {name: self.optimizer.init(arr) for name, arr in tables.items()})
+        hot = self.hot.init(self.storage_dtype) if self.hot else None
+        return EmbeddingState(tables, {name: self.optimizer.init(arr) for name, arr in tables.items()}, hot)
 
     def init(self, key: jax.Array) -> EmbeddingState:
-        """Tables created directly on the mesh with their final sharding."""
+        """Tables created directly on the mesh with their final sharding (the hot set empty:
+        :meth:`refresh` chooses its rows)."""
         return jax.jit(self._init, out_shardings=self.state_sharding())(key)
+
+    def refresh(self, state: EmbeddingState, keys: np.ndarray) -> EmbeddingState:
+        """The state with the hot set ``keys`` (int32 [2, H], ``routing.hot_keys``): the rows
+        hot until now written back to their owners, the new ones gathered, exactly. Donates
+        ``state``; one compiled program for every refresh."""
+        if self.hot is None:
+            raise ValueError("this plan replicates no hot rows (embedding.hot.rows=0)")
+        if self._refresh is None:
+            sharding = self.state_sharding()
+
+            def refresh(state, keys):
+                return EmbeddingState(*self.hot.refresh(state.tables, state.slots, state.hot, keys))
+
+            self._refresh = jax.jit(refresh, in_shardings=(sharding, NamedSharding(self.mesh, P())),
+                                    out_shardings=sharding, donate_argnums=0)
+        return self._refresh(state, np.asarray(keys, np.int32))
 
     def logical_tables(self, state: EmbeddingState) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
         """Per table, its [rows, D] values and optimizer state, whatever the plan."""
@@ -129,7 +162,10 @@ class EmbeddingCollection:
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
         """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)."""
-        weights_bs = self._pool_weights(ids_bs)
+        weights_bs = self._pool_weights(ids_bs)  # hot ids count in a bag's mean too
+        hot_bs = hot_pooled = hot_counts = None
+        if self.hot:
+            hot_bs, ids_bs, hot_pooled, hot_counts = self.hot.lookup(state.hot, ids_bs, weights_bs)
         outputs, overflow, routes = [], jnp.zeros((), jnp.int32), {}
         for g in self.groups:
             if g.name in self.pooled:  # owners already pooled: [B, F', W]
@@ -143,12 +179,14 @@ class EmbeddingCollection:
                 vectors, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs)
                 overflow = overflow + over.astype(jnp.int32)
             weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
-            pooled = weighted if self.one_hot and is_identity(g.vslot_vfeature) else _segment_sum_axis1(
+            pooled = weighted if self.one_hot and is_identity(g.vslot_vfeature) else segment_sum_axis1(
                 weighted, g.vslot_vfeature, len(g.vtables))
             outputs.append(pooled.reshape(pooled.shape[0], -1))
         flat = take_columns(jnp.concatenate(outputs, axis=1), self.assembly)
-        residuals = LookupResiduals(ids_bs, weights_bs, overflow, routes)
-        return flat.reshape(-1, len(self.specs), self.dim), residuals
+        pooled = flat.reshape(-1, len(self.specs), self.dim)
+        if self.hot:
+            pooled = pooled + hot_pooled
+        return pooled, LookupResiduals(ids_bs, weights_bs, overflow, routes, hot_bs, hot_counts)
 
     def measure_capacities(self, id_batches: list[jax.Array], headroom: float
                            ) -> tuple[tuple[str, int, int], ...]:
@@ -170,7 +208,7 @@ class EmbeddingCollection:
         valid_bs = (ids_bs != PAD_ID).astype(jnp.float32)
         if self.one_hot or not self.mean_pooling.any():
             return valid_bs
-        count_bf = _segment_sum_axis1(valid_bs, self.slot_feature, len(self.specs))
+        count_bf = segment_sum_axis1(valid_bs, self.slot_feature, len(self.specs))
         denom_bs = jnp.where(self.mean_pooling[self.slot_feature],
                              jnp.maximum(count_bf[:, self.slot_feature], 1.0), 1.0)
         return valid_bs / denom_bs
@@ -190,7 +228,8 @@ class EmbeddingCollection:
             where = res.ids_bs if g.replicated else res.routes[g.name]
             tables[g.name], slots[g.name] = self._update[g.name](
                 state.tables[g.name], state.slots[g.name], where, grads, lr)
-        return EmbeddingState(tables, slots)
+        hot = self.hot.update(state.hot, res.hot_bs, res.weights_bs, grad_bfd, lr) if self.hot else None
+        return EmbeddingState(tables, slots, hot)
 
 
 def physical_rows(g: Group, vt: VirtualTable, ids: jax.Array) -> jax.Array:
@@ -200,7 +239,8 @@ def physical_rows(g: Group, vt: VirtualTable, ids: jax.Array) -> jax.Array:
 
 
 def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
-    """Fused arrays -> per table: values float32 [rows, D] and the optimizer state dict."""
+    """Fused arrays -> per table: values float32 [rows, D] and the optimizer state dict (hot
+    rows read from the hot copies, which their owners' stale rows do not reflect)."""
     values = [[None] * t.column_slices for t in plan.tables]
     slots = [[None] * t.column_slices for t in plan.tables]
     for g in groups:
@@ -212,17 +252,4 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
     tables = [jnp.concatenate(parts, axis=1) for parts in values]
     opt = [{k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k]
             for k in parts[0]} for parts in slots]
-    return tables, opt
-
-
-def _segment_sum_axis1(x: jax.Array, segments: np.ndarray, num: int) -> jax.Array:
-    """Sum x [B, V, ...] over axis 1 into ``num`` segments given by the static ``segments`` [V].
-
-    The slots are put in segment order (statically) and each segment's slice is reduced: a
-    fixed summation order. ``jax.ops.segment_sum`` would be a scatter-add, whose atomics on a
-    GPU add a bag's ids in any order (the pooled vectors would differ between runs)."""
-    order = np.argsort(segments, kind="stable")
-    x = take_columns(x, order)
-    bounds = np.searchsorted(segments[order], np.arange(num + 1))
-    return jnp.stack([jnp.sum(x[:, a:b], axis=1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], axis=1)
-
+    return overlay(tables, opt, state.hot) if state.hot is not None else (tables, opt)

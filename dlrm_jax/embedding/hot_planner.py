@@ -21,8 +21,8 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.hot import RowCounts
-from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, optimizer_bytes_per_row
-from dlrm_jax.embedding.stats import exchange_bytes_per_step
+from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, HotPlan, optimizer_bytes_per_row
+from dlrm_jax.embedding.stats import collective_bytes
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class HotCandidate:
     a2a_bytes: int
     allreduce_bytes: int
     memory_bytes: int  # per device: the hot rows and their optimizer state
-    predicted_s: float
+    predicted_s: float  # in seconds of all-reduce at 1 byte/s: only ratios matter
 
     @property
     def rows(self) -> int:
@@ -45,10 +45,7 @@ class HotCandidate:
 def candidate_sizes(counts: RowCounts, max_rows: int) -> list[tuple[int, ...]]:
     """Hot sets to price: the globally most frequent rows, 0, 64, 128, ... rows in all (doubling,
     up to ``max_rows`` and to the rows seen), split per table as the global ranking falls."""
-    table = np.concatenate([np.full(c.size, t) for t, c in enumerate(counts.counts)] or [np.zeros(0, int)])
-    weight = np.concatenate(counts.counts or (np.zeros(0),))
-    ids = np.concatenate(counts.ids or (np.zeros(0, np.int64),))
-    ranked = table[np.lexsort((ids, table, -weight))]
+    ranked, _ = counts.ranked()
     limit = min(max_rows, ranked.size)
     sizes, h = [0], 64
     while h < limit:
@@ -70,38 +67,52 @@ def mask_hot(ids: np.ndarray, hot: Sequence[np.ndarray], bag_sizes: Sequence[int
     return out
 
 
+def hot_plan(plan: EmbeddingPlan, hot: Sequence[np.ndarray], capacities, no_hot_capacities, hit_rate: float,
+             capacity: int | None = None) -> EmbeddingPlan:
+    """``plan`` with these hot rows (capacity: their number unless given) and the bucket
+    capacities measured without them."""
+    per_table = tuple(int(h.size) for h in hot)
+    rows = sum(per_table) if capacity is None else capacity
+    if rows == 0:
+        return dataclasses.replace(plan, capacities=capacities, hot=None)
+    return dataclasses.replace(plan, capacities=capacities,
+                               hot=HotPlan(rows, per_table, hit_rate, tuple(no_hot_capacities)))
+
+
 def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-          rows_per_table: Sequence[int], a2a_bytes_per_s: float, allreduce_bytes_per_s: float) -> HotCandidate:
-    """Price one hot set (``rows_per_table`` most frequent rows of each table).
+          rows_per_table: Sequence[int], a2a_over_allreduce: float) -> HotCandidate:
+    """Price one hot set (``rows_per_table`` most frequent rows of each table); ``plan`` has
+    the capacities measured without hot rows.
 
     ``measure_capacities(host id batches) -> capacities``: the engine's measurement (see
     ``EmbeddingCollection.measure_capacities``), so the model and the compiled step agree on
-    what a bucket holds.
+    what a bucket holds. Time is in units of all-reduce bytes: an all-to-all byte costs
+    ``1 / a2a_over_allreduce``, an all-gather byte as much as an all-to-all byte.
     """
     hot = [counts.most_frequent(t, k) for t, k in enumerate(rows_per_table)]
     bags = [t.spec.bag_size for t in plan.tables]
-    capacities = measure_capacities([mask_hot(ids, hot, bags) for ids in id_batches])
-    a2a = exchange_bytes_per_step(dataclasses.replace(plan, capacities=capacities))
-    n = plan.num_devices
-    hot_bytes = sum(h.size * t.spec.dim * 4 for h, t in zip(hot, plan.tables, strict=True))  # f32 gradients
-    allreduce = 2 * (n - 1) * hot_bytes // n if n > 1 else 0  # ring all-reduce, bytes one device sends
-    memory = sum(h.size * (t.spec.dim * DTYPE_BYTES[plan.dtype] + optimizer_bytes_per_row(plan.optimizer, t.spec.dim))
-                 for h, t in zip(hot, plan.tables, strict=True))
-    seconds = a2a / a2a_bytes_per_s + allreduce / allreduce_bytes_per_s
-    return HotCandidate(tuple(int(h.size) for h in hot), counts.hit_rate(hot), capacities, a2a, allreduce,
-                        memory, seconds)
+    capacities = measure_capacities([mask_hot(ids, hot, bags) for ids in id_batches]) if any(rows_per_table) \
+        else plan.capacities
+    candidate = hot_plan(plan, hot, capacities, plan.capacities, counts.hit_rate(hot))
+    sent = collective_bytes(candidate)
+    a2a = sent["all-to-all"] + sent["all-gather"]
+    params, state = candidate.hot_bytes_per_device()
+    return HotCandidate(tuple(int(h.size) for h in hot), counts.hit_rate(hot), capacities, a2a,
+                        sent["all-reduce"], params + state, a2a / a2a_over_allreduce + sent["all-reduce"])
 
 
 def choose_hot_rows(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-                    memory_bytes: int, a2a_bytes_per_s: float = 1.0, allreduce_bytes_per_s: float = 1.0,
+                    memory_bytes: int, a2a_over_allreduce: float = 1.0,
                     max_rows: int | None = None) -> tuple[HotCandidate, list[HotCandidate]]:
     """The candidate with the least predicted communication time within ``memory_bytes`` per
     device (ties: fewer rows), and every candidate priced. The empty set is always a candidate,
-    so the choice is never predicted worse than no replication."""
-    widest = max(t.spec.dim * DTYPE_BYTES[plan.dtype] + optimizer_bytes_per_row(plan.optimizer, t.spec.dim)
-                 for t in plan.tables)
-    limit = memory_bytes // widest if max_rows is None else min(max_rows, memory_bytes // widest)
-    priced = [price(plan, measure_capacities, counts, id_batches, k, a2a_bytes_per_s, allreduce_bytes_per_s)
+    so the choice is never predicted worse than no replication. Every candidate's buckets are
+    measured on ``id_batches`` (host, global batches), the empty set's too."""
+    per_row = plan.tables[0].spec.dim * DTYPE_BYTES[plan.dtype] + optimizer_bytes_per_row(
+        plan.optimizer, plan.tables[0].spec.dim)
+    limit = memory_bytes // per_row if max_rows is None else min(max_rows, memory_bytes // per_row)
+    plan = dataclasses.replace(plan, capacities=measure_capacities(list(id_batches)), hot=None)
+    priced = [price(plan, measure_capacities, counts, id_batches, k, a2a_over_allreduce)
               for k in candidate_sizes(counts, int(limit))]
     fits = [c for c in priced if c.memory_bytes <= memory_bytes]
     best = min(fits, key=lambda c: (c.predicted_s, c.rows))

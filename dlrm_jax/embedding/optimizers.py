@@ -18,7 +18,8 @@ from dlrm_jax.embedding import sums
 
 
 class SparseOptimizer(NamedTuple):
-    """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``.
+    """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``;
+    ``apply``: the same for rows known to be distinct, each with its summed gradient (no merge).
 
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
@@ -30,6 +31,7 @@ class SparseOptimizer(NamedTuple):
 
     init: Callable[[jax.Array], dict[str, jax.Array]]
     update: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    apply: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     needs_whole_rows: bool = False
     exact_sums: bool = False
 
@@ -64,17 +66,17 @@ def sgd(exact_sums: bool = False) -> SparseOptimizer:
     def init(table):
         return {}
 
+    def apply(table, state, rows_n, grads_nd, lr):
+        return _add_rows(table, rows_n, -lr * grads_nd.astype(jnp.float32)), state
+
     def update(table, state, rows_n, grads_nd, lr):
         # Merge first for narrow tables (one rounding per row, not one per duplicate) and for
         # exact sums (atomics adding duplicates straight into the table round in any order).
         if table.dtype != jnp.float32 or exact_sums:
             rows_n, grads_nd = merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums)
-            new = table.at[rows_n].get(mode="fill", fill_value=0).astype(jnp.float32) - lr * grads_nd
-            return table.at[rows_n].set(new.astype(table.dtype), mode="drop"), state
-        delta = -lr * grads_nd.astype(jnp.float32)
-        return table.at[rows_n].add(delta, mode="drop"), state
+        return apply(table, state, rows_n, grads_nd, lr)
 
-    return SparseOptimizer(init, update, exact_sums=exact_sums)
+    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
 
 
 def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
@@ -83,15 +85,16 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: boo
     def init(table):
         return {"accumulator": jnp.full(table.shape, initial_accumulator, jnp.float32)}
 
-    def update(table, state, rows_n, grads_nd, lr):
-        pad = table.shape[0]
-        uniq, g = merge_duplicates(rows_n, grads_nd, pad, exact=exact_sums)
+    def apply(table, state, uniq, g, lr):
         acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + g * g
         step = -lr * g / (jnp.sqrt(acc) + eps)
         return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
-    return SparseOptimizer(init, update, exact_sums=exact_sums)
+    def update(table, state, rows_n, grads_nd, lr):
+        return apply(table, state, *merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums), lr)
+
+    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
 
 
 def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False
@@ -106,19 +109,22 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_s
     def init(table):
         return {"accumulator": jnp.full(table.shape[:1], initial_accumulator, jnp.float32)}
 
-    def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
-        pad = table.shape[0]
-        uniq, g, inv = merge_duplicates(rows_n, grads_nd, pad, return_inverse=True, exact=exact_sums)
-        if row_mean_sq is None:
-            mean_sq = jnp.mean(g * g, -1)
-        else:  # duplicates carry the same value; empty (padding) segments give 0
-            mean_sq = jnp.maximum(jax.ops.segment_max(row_mean_sq, inv, num_segments=rows_n.shape[0]), 0.0)
+    def apply(table, state, uniq, g, lr, row_mean_sq=None):
+        """``row_mean_sq`` [n]: per distinct row, the whole row's mean squared gradient (column
+        slices); by default the mean over ``g``'s own columns."""
+        mean_sq = jnp.mean(g * g, -1) if row_mean_sq is None else row_mean_sq
         acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + mean_sq
         step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
         return (_add_rows(table, uniq, step),
                 {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
 
-    return SparseOptimizer(init, update, needs_whole_rows=True, exact_sums=exact_sums)
+    def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
+        uniq, g, inv = merge_duplicates(rows_n, grads_nd, table.shape[0], return_inverse=True, exact=exact_sums)
+        if row_mean_sq is not None:  # duplicates carry the same value; empty (padding) segments give 0
+            row_mean_sq = jnp.maximum(jax.ops.segment_max(row_mean_sq, inv, num_segments=rows_n.shape[0]), 0.0)
+        return apply(table, state, uniq, g, lr, row_mean_sq)
+
+    return SparseOptimizer(init, update, apply, needs_whole_rows=True, exact_sums=exact_sums)
 
 
 def sparse_optimizer_from_config(cfg) -> SparseOptimizer:

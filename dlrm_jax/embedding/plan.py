@@ -77,6 +77,23 @@ class TablePlan:
 
 
 @dataclass(frozen=True)
+class HotPlan:
+    """Hot-row replication: ``rows`` (the capacity, fixed at compile time) rows of any tables
+    live on every device with their optimizer state; which rows is training state (a refresh
+    changes it, never the capacity).
+
+    per_table: how many of the first chosen rows each table got; hit_rate: the share of
+    lookups they took in the statistics batches; no_hot_capacities: the bucket capacities
+    measured without replication, to report what it saves.
+    """
+
+    rows: int
+    per_table: tuple[int, ...] = ()
+    hit_rate: float = 0.0
+    no_hot_capacities: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class EmbeddingPlan:
     """Every table's placement, and the exchange settings the step is compiled with."""
 
@@ -94,6 +111,18 @@ class EmbeddingPlan:
     # Measured bucket capacities per sharded group: (group name, distinct-request capacity,
     # all-request capacity). Groups not listed get capacity_factor x the batch-size bound.
     capacities: tuple[tuple[str, int, int], ...] = ()
+    hot: HotPlan | None = None
+
+    @property
+    def hot_rows(self) -> int:
+        """Capacity of the replicated hot group (0: no hot-row replication)."""
+        return self.hot.rows if self.hot else 0
+
+    def hot_bytes_per_device(self) -> tuple[int, int]:
+        """(parameter, optimizer-state) bytes the hot group puts on every device."""
+        dim = self.tables[0].spec.dim
+        return (self.hot_rows * dim * DTYPE_BYTES[self.dtype],
+                self.hot_rows * optimizer_bytes_per_row(self.optimizer, dim))
 
     # ------------------------------------------------------------ data round trip
     def to_json(self) -> str:
@@ -107,5 +136,13 @@ class EmbeddingPlan:
                       Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]))
             for t in raw.pop("tables")
         )
-        raw["capacities"] = tuple((str(k), int(a), int(b)) for k, a, b in raw.get("capacities", ()))
+        raw["capacities"] = _capacities(raw.get("capacities", ()))
+        if raw.get("hot") is not None:
+            hot = raw["hot"]
+            raw["hot"] = HotPlan(int(hot["rows"]), tuple(hot["per_table"]), float(hot["hit_rate"]),
+                                 _capacities(hot["no_hot_capacities"]))
         return cls(tables, **raw)
+
+
+def _capacities(raw) -> tuple[tuple[str, int, int], ...]:
+    return tuple((str(k), int(a), int(b)) for k, a, b in raw)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.hot_rows import HotState
 from dlrm_jax.embedding.initializer import logical_rows
 from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups
 from dlrm_jax.embedding.plan import EmbeddingPlan
@@ -29,7 +30,12 @@ def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
         shape = jax.ShapeDtypeStruct((g.array_rows, g.width), jnp.dtype(plan.dtype))
         tables[g.name] = shape
         slots[g.name] = jax.eval_shape(optimizer.init, shape)
-    return EmbeddingState(tables, slots)
+    hot = None
+    if plan.hot_rows:
+        values = jax.ShapeDtypeStruct((plan.hot_rows, plan.tables[0].spec.dim), jnp.dtype(plan.dtype))
+        hot = HotState(values, jax.eval_shape(optimizer.init, values),
+                       jax.ShapeDtypeStruct((2, plan.hot_rows), jnp.int32))
+    return EmbeddingState(tables, slots, hot)
 
 
 def physical_rows_np(g: Group, vt: VirtualTable, logical: np.ndarray) -> np.ndarray:
@@ -44,17 +50,34 @@ def physical_rows_np(g: Group, vt: VirtualTable, logical: np.ndarray) -> np.ndar
 
 
 class _SavedTables:
-    """Reads rows and columns of the saved plan's tables from its host arrays."""
+    """Reads rows and columns of the saved plan's tables from its host arrays; rows that were
+    hot are read from the saved hot copies (their owners' rows are stale)."""
 
-    def __init__(self, plan: EmbeddingPlan, tables: dict, slots: dict):
+    def __init__(self, plan: EmbeddingPlan, saved: EmbeddingState):
         self.pieces: dict[int, list] = {}  # table -> [(group, vt, values, slots)]
         for g in build_groups(plan):
             for vt in g.vtables:
-                self.pieces.setdefault(vt.table, []).append((g, vt, tables[g.name], slots[g.name]))
+                self.pieces.setdefault(vt.table, []).append((g, vt, saved.tables[g.name], saved.slots[g.name]))
+        self.hot = None
+        if saved.hot is not None:  # H rows: small enough to hold whole
+            self.hot = (_rows_of(saved.hot.keys, 2), _rows_of(saved.hot.values, plan.hot_rows),
+                        {k: _rows_of(v, plan.hot_rows) for k, v in saved.hot.slots.items()})
 
     def read(self, table: int, logical: np.ndarray, col0: int, width: int, key: str | None):
         """Values (``key`` None) or the slot ``key`` of ``logical`` rows, columns
         [col0, col0 + width); per-row slots ([R]) ignore the columns."""
+        out = self._read_owners(table, logical, col0, width, key)
+        if self.hot is not None:
+            keys, values, slots = self.hot
+            mine = np.flatnonzero(keys[0] == table)
+            at = np.searchsorted(keys[1, mine], logical)  # the table's hot ids are sorted
+            found = at < mine.size
+            found[found] = keys[1, mine[at[found]]] == logical[found]
+            src = (values if key is None else slots[key])[mine[at[found]]]
+            out[found] = src if src.ndim == 1 else src[:, col0:col0 + width]
+        return out
+
+    def _read_owners(self, table: int, logical: np.ndarray, col0: int, width: int, key: str | None):
         out = None
         for g, vt, values, slots in self.pieces[table]:
             src = values if key is None else slots[key]
@@ -73,7 +96,7 @@ class _SavedTables:
 def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection) -> EmbeddingState:
     """The collection's state, on its mesh with its shardings, from the saved plan's arrays
     (readers or numpy, shaped as :func:`saved_shapes` says)."""
-    saved = _SavedTables(saved_plan, host.tables, host.slots)
+    saved = _SavedTables(saved_plan, host)
     groups, shardings = collection.groups, collection.state_sharding()
     tables, slots = host.tables, host.slots
 
@@ -106,4 +129,12 @@ def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: Embedd
     any_slots = next(iter(slots.values()))
     new_slots = {g.name: {k: build(g, k, np.empty((0, g.width)[: v.ndim], v.dtype), shardings.slots[g.name][k])
                           for k, v in any_slots.items()} for g in groups}
-    return EmbeddingState(new_tables, new_slots)
+    hot = None
+    if collection.hot is not None:  # empty: the caller refreshes it with the rows it wants hot
+        hot = jax.jit(lambda: collection.hot.init(collection.storage_dtype), out_shardings=shardings.hot)()
+    return EmbeddingState(new_tables, new_slots, hot)
+
+
+def _rows_of(array, rows: int) -> np.ndarray:
+    """The first ``rows`` rows of a saved array (reader or numpy) as numpy."""
+    return np.asarray(array[np.arange(rows)])

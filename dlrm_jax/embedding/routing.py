@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
 
@@ -167,6 +168,25 @@ def scatter_to_buckets(owner, rank, usable, values, capacity: int, num_devices: 
 # size, so a refresh only changes their contents (no recompilation), and it compares pairs,
 # not table offset + id, so tables of billions of rows do not overflow int32.
 HOT_PAD = 2**31 - 1
+
+
+def hot_keys(rows_per_table, capacity: int) -> np.ndarray:
+    """The hot set as the step reads it: int32 [2, capacity], (table, id) pairs sorted, then
+    (HOT_PAD, HOT_PAD). ``rows_per_table``: one array of distinct row ids per table."""
+    tables = np.concatenate([np.full(len(r), t, np.int64) for t, r in enumerate(rows_per_table)] or [[]])
+    ids = np.concatenate([np.asarray(r, np.int64) for r in rows_per_table] or [[]])
+    if tables.size > capacity:
+        raise ValueError(f"{tables.size} hot rows do not fit the hot capacity {capacity}")
+    order = np.lexsort((ids, tables))
+    out = np.full((2, capacity), HOT_PAD, np.int32)
+    out[0, :tables.size], out[1, :tables.size] = tables[order], ids[order]
+    return out
+
+
+def hot_rows_per_table(keys: np.ndarray, num_tables: int) -> list[np.ndarray]:
+    """The inverse of :func:`hot_keys`: per table, its hot row ids (ascending)."""
+    keys = np.asarray(keys)
+    return [keys[1, keys[0] == t].astype(np.int64) for t in range(num_tables)]
 
 
 def split_hot(ids, table, hot_tables, hot_ids):

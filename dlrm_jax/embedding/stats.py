@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dlrm_jax.embedding.layout import build_groups, group_capacity, uses_pooled_exchange
@@ -29,41 +31,55 @@ def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
 
 
 def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
-    """int64 [N] for each of: parameters, optimizer state, exchange buffers."""
+    """int64 [N] for each of: parameters, optimizer state (both with the hot rows every device
+    holds), exchange buffers."""
     n = plan.num_devices
     tot = sum(t.bytes_on_device(n, plan.optimizer, plan.dtype) for t in plan.tables)
-    return {"parameters": tot[:, 0], "optimizer_state": tot[:, 1],
+    hot_params, hot_state = plan.hot_bytes_per_device()
+    return {"parameters": tot[:, 0] + hot_params, "optimizer_state": tot[:, 1] + hot_state,
             "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64)}
 
 
-def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
-    """Bytes one device sends to the others per step at the compiled capacity: row ids out and
-    vectors back (forward), row ids and gradients out (backward); replicated tables: the
-    device's rows and gradients to every other device."""
+def collective_bytes(plan: EmbeddingPlan) -> dict[str, int]:
+    """Bytes one device sends to the others per step at the compiled capacity, by collective
+    (named as in HLO). all-to-all: per sharded group, row ids out and vectors back (forward),
+    row ids and gradients out (backward); pooled groups send (row, segment, weight) requests
+    both ways and partial sums back, and all-gather the pooled gradients. all-gather:
+    replicated tables send the device's rows and gradients to every other device. all-reduce:
+    the hot rows' float32 gradients, summed over devices (ring: 2 (N-1)/N of the buffer)."""
     n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
     wire = DTYPE_BYTES[plan.exchange_dtype]
-    total = 0
+    out = {"all-to-all": 0, "all-gather": 0, "all-reduce": 0}
     for g in build_groups(plan):
         if g.replicated:
-            total += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
+            out["all-gather"] += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
         elif uses_pooled_exchange(plan, g):
-            # requests out twice (forward, backward), partial sums back, pooled gradients gathered
             segments = local_batch * len(g.vtables)
-            total += (n - 1) * (group_capacity(plan, g) * 12 * 2 + segments * wire * g.width * 2)
+            out["all-to-all"] += (n - 1) * group_capacity(plan, g) * 12 * 2
+            out["all-gather"] += (n - 1) * segments * wire * g.width
+            out["all-to-all"] += (n - 1) * segments * wire * g.width  # partial sums back
         else:
-            cap = group_capacity(plan, g)
-            total += (n - 1) * cap * 2 * (4 + wire * g.width)
-    return total
+            out["all-to-all"] += (n - 1) * group_capacity(plan, g) * 2 * (4 + wire * g.width)
+    if plan.hot_rows and n > 1:
+        out["all-reduce"] += 2 * (n - 1) * plan.hot_rows * plan.tables[0].spec.dim * 4 // n
+    return out
+
+
+def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
+    """Bytes one device sends to the others per step, every collective together."""
+    return sum(collective_bytes(plan).values())
 
 
 def plan_report(plan: EmbeddingPlan) -> str:
     """The plan as a table, then per-device totals and the predicted exchange volume."""
     n = plan.num_devices
-    head = f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
+    hot = plan.hot
+    head = (f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
+            + (f"{'hot rows':>10}" if hot else ""))
     lines = [f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
              f"storage {plan.dtype}, exchange {plan.exchange_dtype}, global batch {plan.global_batch}",
              head, "-" * len(head)]
-    for t in plan.tables:
+    for i, t in enumerate(plan.tables):
         strategy = t.strategy.value
         if t.strategy == Strategy.ROW:
             strategy += f" ({t.row_layout.value})"
@@ -73,7 +89,8 @@ def plan_report(plan: EmbeddingPlan) -> str:
         devs = "all" if whole else _device_list(t.devices)
         per = int(t.bytes_on_device(n, plan.optimizer, plan.dtype).sum(1).max())
         lines.append(f"{t.spec.name:<12}{t.spec.rows:>13,}{t.spec.dim:>5}{t.spec.bag_size:>5}  "
-                     f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}")
+                     f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}"
+                     + (f"{hot.per_table[i] if hot.per_table else 0:>10,}" if hot else ""))
     per_dev = per_device_bytes(plan)
     total = sum(per_dev.values())
     lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'total':>14}"]
@@ -91,8 +108,24 @@ def plan_report(plan: EmbeddingPlan) -> str:
             f"{g.name} {group_capacity(plan, g):,} of {g.max_capacity(lb):,} "
             f"({'measured' if g.name in measured else 'from batch'}"
             f"{', owners pool bags' if uses_pooled_exchange(plan, g) else ''})" for g in groups))
+    if hot:
+        lines += hot_report(plan)
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
+
+
+def hot_report(plan: EmbeddingPlan) -> list[str]:
+    """The hot-row decision: rows, their share of lookups, and the bytes with and without."""
+    hot = plan.hot
+    params, state = plan.hot_bytes_per_device()
+    with_hot = collective_bytes(plan)
+    without = collective_bytes(dataclasses.replace(plan, hot=None, capacities=hot.no_hot_capacities))
+    chosen = sum(hot.per_table)
+    return [f"Hot rows: capacity {hot.rows:,} on every device ({fmt_bytes(params + state)} with optimizer "
+            f"state), {chosen:,} chosen, {100 * hot.hit_rate:.1f}% of lookups in the statistics batches",
+            f"  per step per device: all-to-all {fmt_bytes(with_hot['all-to-all'])} (without hot rows "
+            f"{fmt_bytes(without['all-to-all'])}), all-reduce {fmt_bytes(with_hot['all-reduce'])}; total "
+            f"{fmt_bytes(sum(with_hot.values()))} (without {fmt_bytes(sum(without.values()))})"]
 
 
 def _device_list(devices: tuple[int, ...]) -> str:

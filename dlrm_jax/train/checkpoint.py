@@ -87,8 +87,9 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, plan_json: str) -> None:
-        """Saves the state with the embedding plan that laid its tables out.
+    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None) -> None:
+        """Saves the state with the embedding plan that laid its tables out, and the hot-row
+        statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would.
 
         Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
         bytes: orbax would otherwise fail midway in its writer threads.
@@ -102,7 +103,8 @@ class Checkpoints:
         try:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state, save_args=chunked), plan=ocp.args.JsonSave({"plan": plan_json})))
+                state=ocp.args.StandardSave(state, save_args=chunked),
+                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts})))
         except OSError as e:
             raise self._write_error(step, e) from None
 
@@ -138,9 +140,16 @@ class Checkpoints:
 
     def saved_plan(self, step: int | None = None) -> str:
         """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
+        return self._saved_json(step)["plan"]
+
+    def saved_hot_counts(self, step: int | None = None) -> dict | None:
+        """The hot-row statistics saved with the checkpoint at ``step`` (None: none saved)."""
+        return self._saved_json(step).get("hot_counts")
+
+    def _saved_json(self, step: int | None) -> dict:
         path = self.directory / str(self._step(step)) / "plan"
         with closing(ocp.JsonCheckpointHandler()) as handler:
-            return handler.restore(path, args=ocp.args.JsonRestore())["plan"]
+            return handler.restore(path, args=ocp.args.JsonRestore())
 
     def restore(self, abstract_state, step: int | None = None):
         """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""

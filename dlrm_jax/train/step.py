@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.hot import HotSchedule
+from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -63,8 +65,11 @@ def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
 class StepFunctions:
     """Builds the model, the initial state and the compiled steps for one config and mesh."""
 
-    def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection):
-        self.cfg, self.mesh, self.collection = cfg, mesh, collection
+    def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection,
+                 hot: HotSchedule | None = None):
+        """``hot``: when the plan replicates hot rows, the schedule that knows which (the
+        initial state starts with its current rows)."""
+        self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
         self.graphdef, _ = nnx.split(dlrm_from_config(cfg, nnx.Rngs(0)), nnx.Param)
         self.schedule = learning_rate_schedule(cfg)
         self.tx = dense_optimizer(cfg, self.schedule)
@@ -94,6 +99,8 @@ class StepFunctions:
         params, opt = jax.jit(self._dense_init,
                               out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
         emb = self.collection.init(jax.random.fold_in(jax.random.key(seed), 1))
+        if self.hot is not None:
+            emb = self.collection.refresh(emb, hot_keys(self.hot.current_rows(), self.hot.capacity))
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step, params, opt, emb)
 
@@ -124,6 +131,8 @@ class StepFunctions:
         emb_lr = self.schedule(state.step) * self.emb_lr_scale
         emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
+        if res.hot_counts is not None:
+            metrics["hot_counts"] = res.hot_counts
         return TrainState(state.step + 1, params, opt_state, emb), metrics
 
     def _eval_step(self, state: TrainState, batch: Batch) -> jax.Array:

@@ -23,12 +23,15 @@ from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.relayout import relayout, saved_shapes
-from dlrm_jax.embedding.stats import plan_report
+from dlrm_jax.embedding.routing import hot_keys
+from dlrm_jax.embedding.stats import collective_bytes, plan_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
+from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_steps
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.rundir import RunDir
@@ -58,13 +61,14 @@ def host_scalar(x) -> float:
 CALIBRATION_BATCHES = 4
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
+def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
           ) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
 
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,
-    so a resumed run compiles the same step).
+    so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
+    are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
     """
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
@@ -79,7 +83,13 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         capacities = collection.measure_capacities(ids, cfg.embedding.capacity_factor)
         plan = dataclasses.replace(plan, capacities=capacities)
         collection = EmbeddingCollection(plan, mesh, optimizer)
-    return plan, StepFunctions(cfg, mesh, collection)
+    schedule = None
+    if cfg.embedding.hot.rows != 0:
+        if source is None:
+            raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
+        plan, schedule = hot_setup.choose(cfg, plan, collection, source, CALIBRATION_BATCHES, log)
+        collection = EmbeddingCollection(plan, mesh, optimizer)
+    return plan, StepFunctions(cfg, mesh, collection, schedule)
 
 
 def _device_budget(cfg: Config) -> int:
@@ -120,12 +130,18 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     another plan (device count, strategy) are restored as saved, then re-laid out."""
     saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
     current = steps.collection.plan
+    counts = ckpts.saved_hot_counts(step)
+    if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
+        steps.hot.load_json(counts)
     if saved == current:
         return ckpts.restore(steps.abstract_state(), step)
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
-    return state._replace(emb=relayout(saved, state.emb, steps.collection))
+    emb = relayout(saved, state.emb, steps.collection)
+    if steps.hot is not None:  # hot rows chosen afresh from the statistics
+        emb = steps.collection.refresh(emb, hot_keys(steps.hot.current_rows(), steps.hot.capacity))
+    return state._replace(emb=emb)
 
 
 def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print) -> tuple[int, TrainState]:
@@ -172,6 +188,7 @@ class _LossWatch:
     def __init__(self, max_ratio: float):
         self.max_ratio, self.reference = max_ratio, None
         self.total, self.steps, self.overflows = 0.0, 0, 0
+        self.hot_hits, self.lookups = 0, 0
 
     def add(self, step: int, out) -> None:
         loss = host_scalar(out["loss"])  # waits for that step only
@@ -184,10 +201,14 @@ class _LossWatch:
                 f"was saved; lower train.learning_rate")
         self.total, self.steps = self.total + loss, self.steps + 1
         self.overflows += int(host_scalar(out["exchange_overflows"]))
+        if "hot_counts" in out:
+            hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
+            self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
 
-    def take_window(self) -> tuple[float, int, int]:
-        out = (self.total / self.steps, self.steps, self.overflows)
-        self.total, self.steps, self.overflows = 0.0, 0, 0
+    def take_window(self) -> tuple[float, int, int, float]:
+        """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""
+        out = (self.total / self.steps, self.steps, self.overflows, self.hot_hits / max(self.lookups, 1))
+        self.total, self.steps, self.overflows, self.hot_hits, self.lookups = 0.0, 0, 0, 0, 0
         return out
 
 
@@ -245,7 +266,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         source = make_source(cfg, jax.process_index(), jax.process_count())
         if source.skip_report():
             log(source.skip_report())
-        plan, steps = build(cfg, mesh, source)
+        plan, steps = build(cfg, mesh, source, log)
         ckpts = None
         if rd.path:
             ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints,
@@ -260,8 +281,9 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
 def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: DataSource,
            plan: EmbeddingPlan, steps: StepFunctions) -> RunSummary:
     t = cfg.train
-    mesh = steps.mesh
+    mesh, hot = steps.mesh, steps.hot
     plan_json = plan.to_json()
+    sent = collective_bytes(plan)  # per device and step, at the compiled capacities
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
     metrics = MetricsWriter(rd.metrics_path)
@@ -285,6 +307,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
             window_start = window_start or time.perf_counter()
             state, out = compiled(state, steps.device_batch(host_batch))
             pending.append((step, out))
+            if hot is not None:
+                state = _count_and_refresh(hot, steps, state, step, host_batch)
             while len(pending) > DISPATCH_AHEAD:
                 watch.add(*pending.popleft())
             bar.update(1)
@@ -296,11 +320,13 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
             while pending:  # every step up to here is checked before anything is saved
                 watch.add(*pending.popleft())
             elapsed = time.perf_counter() - window_start
-            last_loss, window_steps, overflows = watch.take_window()
+            last_loss, window_steps, overflows, hit_rate = watch.take_window()
             train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
             rate = window_steps * t.batch_size / elapsed
             event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
-                     "learning_rate": float(steps.schedule(step - 1)), "exchange_overflows": overflows}
+                     "learning_rate": float(steps.schedule(step - 1)), "exchange_overflows": overflows,
+                     "hot_hit_rate": hit_rate, "a2a_bytes": sent["all-to-all"],
+                     "allreduce_bytes": sent["all-reduce"], "allgather_bytes": sent["all-gather"]}
             bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if is_eval and not signum:
                 auc, ll = evaluate(steps, state, source)
@@ -310,7 +336,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
                 event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
             metrics.write(event)
             if is_ckpt and ckpts:
-                ckpts.save(step, state, plan_json)
+                ckpts.save(step, state, plan_json, hot.to_json() if hot else None)
             if signum:
                 if ckpts:
                     ckpts.wait()
@@ -323,6 +349,18 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
         auc, ll = evaluate(steps, state, source)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
+
+
+def _count_and_refresh(hot: HotSchedule, steps: StepFunctions, state: TrainState, step: int,
+                       host_batch: Batch) -> TrainState:
+    """After train step ``step``: count its batch if it falls in a statistics window, and
+    refresh the hot set when one is due (before any checkpoint of this step, so a resumed run
+    starts from the refreshed rows and the statistics that chose them)."""
+    if hot.counts_batch(step - 1):
+        hot.add(hot_setup.global_ids(host_batch.ids))
+    if not hot.refresh_due(step):
+        return state
+    return state._replace(emb=steps.collection.refresh(state.emb, hot_keys(hot.refresh(), hot.capacity)))
 
 
 def _memory_report(compiled) -> str:
@@ -342,7 +380,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
-    _, steps = build(cfg, mesh, source)
+    _, steps = build(cfg, mesh, source, log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     try:
         if not ckpts.all_steps():

@@ -1,0 +1,187 @@
+"""Hot rows inside the step: one more fused array, on every device, for the most looked-up rows.
+
+The plan's hot group (``plan.hot``) holds H rows of any tables as ``[H, D]`` on every device,
+the sparse optimizer's state beside them, and their keys (``routing.hot_keys``: sorted
+(table, id) pairs). H is fixed when the step compiles; which rows are hot is state.
+
+lookup    ``routing.split_hot`` splits the batch's ids into hot rows and cold ids. Cold ids take
+          their tables' exchange (a hot id never enters a bucket); hot rows are a local gather.
+update    each device sums its hot rows' gradients, a psum adds them over the devices (XLA's
+          all-reduce combiner may merge it with the dense gradients' all-reduce), and every
+          replica applies the same sparse-optimizer update: the replicas never drift apart.
+refresh   a program of its own, run at a step boundary: the hot copies are written back to
+          their owners (values and optimizer state), then the new hot rows are gathered from
+          theirs. Only the keys' contents change, so the step never recompiles.
+
+While a row is hot its owner's copy is stale: a logical table is its owners' rows overridden by
+the hot copies (:func:`overlay`). Every program here is dispatched by the caller's thread, the
+one that dispatches the train step (see ``train/trainer.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.layout import (
+    Group,
+    VirtualTable,
+    is_identity,
+    segment_sum_axis1,
+    take_columns,
+)
+from dlrm_jax.embedding.optimizers import SparseOptimizer
+from dlrm_jax.embedding.routing import HOT_PAD, route, split_hot
+from dlrm_jax.parallel.mesh import AXIS
+
+
+class HotState(NamedTuple):
+    """values [H, D] (table storage dtype), slots: the sparse optimizer's state with the same
+    row axis, keys int32 [2, H] (``routing.hot_keys``); all replicated on every device."""
+
+    values: jax.Array
+    slots: dict[str, jax.Array]
+    keys: jax.Array
+
+
+class HotRows:
+    """The hot group of a plan: its state, its part of the step, and the refresh program."""
+
+    def __init__(self, capacity: int, dim: int, groups: list[Group], mesh, optimizer: SparseOptimizer,
+                 slot_table: np.ndarray, slot_feature: np.ndarray, one_hot: bool):
+        self.capacity, self.dim, self.groups, self.mesh = capacity, dim, groups, mesh
+        self.optimizer, self.one_hot = optimizer, one_hot
+        self.slot_table, self.slot_feature = slot_table, slot_feature
+        self.num_features = int(slot_feature.max()) + 1
+
+    # ------------------------------------------------------------ state
+    def init(self, dtype) -> HotState:
+        """An empty hot set: every key HOT_PAD, values zero (``refresh`` fills it)."""
+        values = jnp.zeros((self.capacity, self.dim), dtype)
+        return HotState(values, self.optimizer.init(values), jnp.full((2, self.capacity), HOT_PAD, jnp.int32))
+
+    # ------------------------------------------------------------ step
+    def lookup(self, hot: HotState, ids_bs: jax.Array, weights_bs: jax.Array):
+        """-> (hot_bs int32 [B, S]: each slot's hot row, -1 when cold; cold ids [B, S]: hot ones
+        replaced by PAD_ID; pooled float32 [B, F, D]: the hot vectors, weighted and pooled per
+        feature; counts int32 [2]: hot lookups and all lookups of the global batch)."""
+
+        def local(values, keys, ids, weights):
+            hot_bs, cold_bs = split_hot(ids, jnp.asarray(self.slot_table), keys[0], keys[1])
+            vectors = values.at[self._safe(hot_bs)].get(mode="fill", fill_value=0).astype(jnp.float32)
+            weighted = vectors * weights[..., None]
+            pooled = weighted if self.one_hot and is_identity(self.slot_feature) else segment_sum_axis1(
+                weighted, self.slot_feature, self.num_features)
+            counts = jnp.stack([jnp.sum(hot_bs >= 0), jnp.sum(weights > 0)]).astype(jnp.int32)
+            return hot_bs, cold_bs, pooled, lax.psum(counts, AXIS)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                             out_specs=(P(AXIS), P(AXIS), P(AXIS), P()))(hot.values, hot.keys, ids_bs, weights_bs)
+
+    def update(self, hot: HotState, hot_bs: jax.Array, weights_bs: jax.Array, grad_bfd: jax.Array,
+               lr: jax.Array) -> HotState:
+        """Every replica applies the optimizer to the hot rows' gradients summed over the
+        global batch (rows not looked up get a zero gradient: an unchanged row)."""
+
+        def local(values, slots, hot_bs, weights, grad_bfd, lr):
+            grads = take_columns(grad_bfd, self.slot_feature) * weights[..., None]  # [b, S, D]
+            sums = self.optimizer.segment_sum(grads.reshape(-1, self.dim), self._safe(hot_bs).reshape(-1),
+                                              self.capacity)
+            sums = lax.psum(sums, AXIS)
+            return self.optimizer.apply(values, slots, jnp.arange(self.capacity), sums, lr)
+
+        values, slots = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), P()),
+                                      out_specs=(P(), P()))(hot.values, hot.slots, hot_bs, weights_bs, grad_bfd, lr)
+        return HotState(values, slots, hot.keys)
+
+    def _safe(self, hot_bs):
+        """-1 (cold) -> H, out of range: dropped by scatters, filled by gathers."""
+        return jnp.where(hot_bs < 0, self.capacity, hot_bs)
+
+    # ------------------------------------------------------------ refresh
+    def refresh(self, tables: dict, slots: dict, hot: HotState, new_keys: jax.Array):
+        """-> (tables, slots, hot): the old hot rows written back to their owners, exactly,
+        then the rows of ``new_keys`` gathered from theirs. A row in both sets keeps its
+        values and state bit for bit."""
+        names = [g.name for g in self.groups]
+        specs = tuple(P() if g.replicated else P(AXIS) for g in self.groups)
+
+        def local(tables, slots, hot, new_keys):
+            me = lax.axis_index(AXIS)
+            tables, slots = dict(zip(names, tables, strict=True)), dict(zip(names, slots, strict=True))
+            for g in self.groups:
+                tables[g.name], slots[g.name] = _write_back(g, tables[g.name], slots[g.name], hot, me)
+            values = jnp.zeros((self.capacity, self.dim), jnp.float32)
+            state = {k: jnp.zeros(v.shape, v.dtype) for k, v in hot.slots.items()}
+            for g in self.groups:
+                values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state)
+            values, state = lax.psum((values, state), AXIS)  # one device holds each piece
+            new_hot = HotState(values.astype(hot.values.dtype), state, new_keys)
+            return tuple(tables[n] for n in names), tuple(slots[n] for n in names), new_hot
+
+        hot_spec = HotState(P(), P(), P())
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, specs, hot_spec, P()),
+                           out_specs=(specs, specs, hot_spec))
+        t, s, new_hot = fn(tuple(tables[n] for n in names), tuple(slots[n] for n in names), hot, new_keys)
+        return dict(zip(names, t, strict=True)), dict(zip(names, s, strict=True)), new_hot
+
+
+def _held_here(g: Group, vt: VirtualTable, keys, me, gather: bool):
+    """Rows of this device's shard of ``g`` holding the keys' rows of ``vt`` [H] (out of range
+    where it holds none), and the mask. A replicated group: every device holds them; for a
+    gather only device 0 answers, so the psum counts each row once."""
+    is_vt = keys[0] == vt.table
+    ids = jnp.where(is_vt, keys[1], 0)
+    if g.replicated:
+        mine = is_vt & (me == 0) if gather else is_vt
+        return jnp.where(mine, vt.offset + ids, g.local_rows), mine
+    owner, row, _ = route(ids, vt.kind, vt.device, vt.offset, vt.block, g.num_devices)
+    mine = is_vt & (owner == me)
+    return jnp.where(mine, row, g.local_rows), mine
+
+
+def _columns(vt: VirtualTable, g: Group) -> slice:
+    return slice(vt.col_start, vt.col_start + g.width)
+
+
+def _write_back(g: Group, table, slots, hot: HotState, me):
+    for vt in g.vtables:
+        rows, _ = _held_here(g, vt, hot.keys, me, gather=False)
+        cols = _columns(vt, g)
+        table = table.at[rows].set(hot.values[:, cols].astype(table.dtype), mode="drop")
+        # Per-element state takes the slice's columns; per-row state is the same in every slice.
+        slots = {k: v.at[rows].set(hot.slots[k][:, cols] if v.ndim == 2 else hot.slots[k], mode="drop")
+                 for k, v in slots.items()}
+    return table, slots
+
+
+def _gather(g: Group, table, slots, keys, me, values, state):
+    for vt in g.vtables:
+        rows, mine = _held_here(g, vt, keys, me, gather=True)
+        cols = _columns(vt, g)
+        got = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
+        values = values.at[:, cols].add(jnp.where(mine[:, None], got, 0.0))
+        for k, v in slots.items():
+            got = v.at[rows].get(mode="fill", fill_value=0)
+            if v.ndim == 2:
+                state[k] = state[k].at[:, cols].add(jnp.where(mine[:, None], got, 0))
+            elif vt.col_start == 0:  # per-row state: taken from the first slice only
+                state[k] = state[k] + jnp.where(mine, got, 0)
+    return values, state
+
+
+def overlay(tables: list, opt: list, hot: HotState) -> tuple[list, list]:
+    """Logical tables (per table [R, D] values and optimizer state) with the hot copies put
+    over their owners' stale rows."""
+    values = hot.values.astype(jnp.float32)
+    out_t, out_o = [], []
+    for t, (table, state) in enumerate(zip(tables, opt, strict=True)):
+        rows = jnp.where(hot.keys[0] == t, hot.keys[1], table.shape[0])
+        out_t.append(table.at[rows].set(values, mode="drop"))
+        out_o.append({k: v.at[rows].set(hot.slots[k], mode="drop") for k, v in state.items()})
+    return out_t, out_o

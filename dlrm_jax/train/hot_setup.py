@@ -1,0 +1,86 @@
+"""Choosing the hot rows when a run starts: statistics from the data, the model's decision.
+
+Every process must choose the same rows, so statistics are taken over global batches: in a
+multi-process run each process's slice of a batch is all-gathered (a collective, dispatched by
+the main thread like every other). Counts come from the ``embedding.hot.stats_batches`` first
+training batches, or, for a preprocessed dataset that has them, from the per-feature id
+histograms ``preprocess`` wrote (no warm-up pass over the data).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.data.batch import DataSource, process_slice
+from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.hot import HotSchedule, RowCounts
+from dlrm_jax.embedding.hot_planner import choose_hot_rows, hot_plan, mask_hot
+from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.parallel.mesh import AXIS
+
+# All-to-all over all-reduce bandwidth when embedding.hot.a2a_over_allreduce is 0. Simulated CPU
+# devices: `dlrm-jax bench collectives` measured 0.41-0.61 (BENCHMARKS.md). GPUs of one host
+# (NVLink/NVSwitch) run both near the link bandwidth; across hosts an all-to-all is slower.
+A2A_OVER_ALLREDUCE = {"cpu": 0.5, "gpu": 1.0}
+
+
+def global_ids(local_ids: np.ndarray) -> np.ndarray:
+    """One global batch's ids on every process (this process's slice all-gathered)."""
+    if jax.process_count() == 1:
+        return np.asarray(local_ids)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local_ids), tiled=True))
+
+
+def initial_counts(cfg, source: DataSource) -> RowCounts:
+    """Lookup counts to choose the first hot set from: the dataset's id histograms when the
+    source has them, else the first ``embedding.hot.stats_batches`` training batches."""
+    histograms = getattr(source, "id_histograms", None)
+    counts = histograms() if histograms else None
+    if counts is not None:
+        return counts
+    batches = (global_ids(source.train_batch(i).ids) for i in range(cfg.embedding.hot.stats_batches))
+    return RowCounts.from_batches(batches, cfg.bag_sizes)
+
+
+def choose(cfg, plan: EmbeddingPlan, collection: EmbeddingCollection, source: DataSource,
+           calibration_steps: int, log=print) -> tuple[EmbeddingPlan, HotSchedule | None]:
+    """``plan`` with its hot rows (``embedding.hot.rows``: a number, or ``auto`` for the cost
+    model), the bucket capacities measured with them masked out, and the schedule that starts
+    from the chosen rows (None when no rows are replicated)."""
+    h = cfg.embedding.hot
+    mesh = collection.mesh
+    if h.rows == "auto" and mesh.size == 1:
+        log("hot rows: none (one device: no exchange for replication to save)")
+        return plan, None
+    counts = initial_counts(cfg, source)
+    batches = [global_ids(source.train_batch(i).ids) for i in range(calibration_steps)]
+    sharding = NamedSharding(mesh, P(AXIS))
+    mine = process_slice(cfg.train.batch_size, jax.process_index(), jax.process_count())
+
+    def measure(host_batches):
+        on_mesh = [jax.make_array_from_process_local_data(sharding, b[mine]) for b in host_batches]
+        return collection.measure_capacities(on_mesh, cfg.embedding.capacity_factor)
+
+    bags = cfg.bag_sizes
+    if h.rows == "auto":
+        ratio = h.a2a_over_allreduce or A2A_OVER_ALLREDUCE.get(jax.default_backend(), 1.0)
+        best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), ratio)
+        rows, capacity = [counts.most_frequent(t, k) for t, k in enumerate(best.rows_per_table)], best.rows
+        log(f"hot rows: the cost model chose {best.rows:,} of {len(priced)} candidates (up to "
+            f"{priced[-1].rows:,} rows, all-to-all/all-reduce bandwidth {ratio:g})")
+    else:
+        capacity = h.rows
+        rows = counts.top_rows(capacity)
+    no_hot = measure(batches) if plan.capacities else ()
+    capacities = measure([mask_hot(b, rows, bags) for b in batches]) if plan.capacities else ()
+    plan = hot_plan(plan, rows, capacities, no_hot, counts.hit_rate(rows), capacity)
+    if plan.hot is None:
+        return plan, None
+    schedule = HotSchedule(plan.hot_rows, bags, counts.truncated(max(16 * plan.hot_rows, 4096)),
+                           window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay)
+    return plan, schedule

@@ -1,0 +1,121 @@
+"""Hot rows replicated on every device, against the plain single-device reference.
+
+The reference knows nothing of hot rows: one table per feature, the textbook optimizer on the
+full-table gradient. With some rows hot (and the hot set switched mid-run), the collection must
+give the same forward vectors, tables and optimizer state: every strategy, one-hot and bags,
+each optimizer, 1 to 8 devices. A refresh must not change the logical state by a single bit.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_embedding import CARDS, build, check_against_reference, logical, strategy_overrides
+
+from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.embedding.hot import RowCounts
+from dlrm_jax.embedding.plan import HotPlan
+from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.routing import hot_keys
+
+ROWS = [50, 9, 120, 7, 33]
+BAGS = "data.bag_sizes=[3, 1, 4, 2, 2]"
+
+
+def with_hot(cfg, devices, capacity):
+    return dataclasses.replace(plan_from_config(cfg, devices), hot=HotPlan(capacity))
+
+
+def frequent_keys(cfg, capacity, skip=0):
+    """The rows most looked up in the first batches (so the hot path is taken), plus each
+    table's last row (a table edge), ``skip`` of the most frequent left out."""
+    counts = RowCounts.from_batches([SyntheticSource(cfg).train_batch(i).ids for i in range(3)], cfg.bag_sizes)
+    per = capacity // len(ROWS) - 1
+    rows = [np.union1d(counts.most_frequent(t, per + skip)[skip:], [ROWS[t] - 1]) for t in range(len(ROWS))]
+    return hot_keys(rows, capacity)
+
+
+# Pairwise cover: every strategy, every device count, each optimizer with one-hot and bags, both
+# bag exchanges; the hot set changes before step 2 and again before step 4.
+CASES = [("replicated", 2, "sgd", "bags"), ("table", 4, "adagrad", "onehot"), ("table", 1, "rowwise_adagrad", "bags"),
+         ("row", 8, "rowwise_adagrad", "onehot"), ("row", 2, "adagrad", "bags"), ("row_cyclic", 4, "sgd", "bags"),
+         ("column", 8, "adagrad", "bags"), ("column", 2, "rowwise_adagrad", "onehot"), ("mixed", 8, "sgd", "onehot"),
+         ("auto", 4, "rowwise_adagrad", "pooled"), ("mixed", 8, "adagrad", "pooled")]
+
+
+@pytest.mark.parametrize("strategy,devices,optimizer,bags", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_hot_rows_match_reference_across_refreshes(tiny, strategy, devices, optimizer, bags):
+    extra = {"onehot": [], "bags": [BAGS, "data.pooling=mean", "embedding.bag_exchange=ids"],
+             "pooled": [BAGS, "data.pooling=mean", "embedding.bag_exchange=pooled"]}[bags]
+    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *extra, *strategy_overrides(strategy))
+    first, second = frequent_keys(cfg, 20), frequent_keys(cfg, 20, skip=2)
+    coll, state = check_against_reference(cfg, devices, plan=with_hot(cfg, devices, 20), hot_keys=first,
+                                          refresh={2: second, 4: first})
+    _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
+    hits, lookups = np.asarray(res.hot_counts).tolist()
+    assert 0.2 * lookups < hits < lookups  # both paths carry lookups
+    assert bool(coll.pooled) == (bags == "pooled")
+
+
+@pytest.mark.parametrize("which", ["empty", "every_row"])
+def test_hot_set_empty_or_whole_tables(tiny, which):
+    """No row hot (every key padding), or every row of every table hot (the exchange idle)."""
+    cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=row", "train.batch_size=32", CARDS, BAGS)
+    capacity = sum(ROWS)
+    rows = [np.arange(r) for r in ROWS] if which == "every_row" else [np.zeros(0, int)] * len(ROWS)
+    coll, state = check_against_reference(cfg, 4, steps=3, plan=with_hot(cfg, 4, capacity),
+                                          hot_keys=hot_keys(rows, capacity))
+    _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
+    hits, lookups = np.asarray(res.hot_counts).tolist()
+    assert hits == (lookups if which == "every_row" else 0)
+
+
+@pytest.fixture(scope="module")
+def trained_collection():
+    """Row-wise (block) tables with column-sliced and replicated ones beside them, row-wise
+    Adagrad, on 4 devices, after a few steps: every kind of owner a hot row can come from."""
+    from conftest import tiny_config
+
+    cfg = tiny_config("embedding.optimizer=rowwise_adagrad", "embedding.sharding=row", "train.batch_size=32",
+                      CARDS, BAGS, "embedding.table_sharding=[cat_1=replicated, cat_2=column]")
+    coll = build(cfg, 4, with_hot(cfg, 4, 12))
+    state = coll.init(jax.random.key(0))
+    lookup, update = jax.jit(coll.lookup), jax.jit(coll.apply_gradients)
+    source = SyntheticSource(cfg)
+    for step in range(3):
+        state = coll.refresh(state, frequent_keys(cfg, 12, skip=step))
+        pooled, res = lookup(state, jnp.asarray(source.train_batch(step).ids))
+        state = update(state, res, jnp.ones_like(pooled) * 0.1, jnp.float32(0.05))
+    return coll, state
+
+
+edge_ids = st.lists(st.tuples(st.integers(0, len(ROWS) - 1), st.sampled_from(["first", "last", "any"]),
+                              st.integers(0, 10**6)), max_size=12)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(picks=edge_ids)
+def test_refresh_leaves_every_table_bit_for_bit(trained_collection, picks):
+    """Any hot set (table edges, duplicates across picks, fewer rows than the capacity): the
+    logical tables and optimizer state after a refresh are bitwise those before, and the hot
+    copies hold exactly their rows."""
+    coll, state = trained_collection
+    rows = [set() for _ in ROWS]
+    for t, where, r in picks:
+        rows[t].add({"first": 0, "last": ROWS[t] - 1, "any": r % ROWS[t]}[where])
+    keys = hot_keys([np.array(sorted(r), np.int64) for r in rows], 12)
+    before_t, before_a = logical(coll, state)
+    state = coll.refresh(jax.tree.map(jnp.copy, state), keys)
+    after_t, after_a = logical(coll, state)
+    np.testing.assert_array_equal(after_t, before_t)
+    np.testing.assert_array_equal(after_a, before_a)
+    offsets = np.concatenate([[0], np.cumsum(ROWS)[:-1]])
+    n = sum(len(r) for r in rows)
+    flat = offsets[keys[0, :n]] + keys[1, :n]
+    np.testing.assert_array_equal(np.asarray(state.hot.values)[:n], before_t[flat])
+    np.testing.assert_array_equal(np.asarray(state.hot.slots["accumulator"])[:n], before_a[flat])
+    assert not np.asarray(state.hot.values)[n:].any()
