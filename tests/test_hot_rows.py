@@ -7,6 +7,7 @@ each optimizer, 1 to 8 devices. A refresh must not change the logical state by a
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +120,82 @@ def test_refresh_leaves_every_table_bit_for_bit(trained_collection, picks):
     np.testing.assert_array_equal(np.asarray(state.hot.values)[:n], before_t[flat])
     np.testing.assert_array_equal(np.asarray(state.hot.slots["accumulator"])[:n], before_a[flat])
     assert not np.asarray(state.hot.values)[n:].any()
+
+
+# ---------------------------------------------------------------- through the trainer
+QUIET = dict(log=lambda *_: None)
+
+
+def restored(cfg, run_dir):
+    """(steps, state) of a run dir's newest checkpoint, built as training builds it."""
+    from dlrm_jax.data.sources import make_source
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.checkpoint import Checkpoints
+    from dlrm_jax.train.trainer import build, restore_state
+
+    _, steps = build(cfg, make_mesh(cfg.mesh.devices), make_source(cfg), **QUIET)
+    return steps, restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
+
+
+def hot_run(tiny, *extra):
+    return tiny("train.log_every=1", "embedding.sharding=row", "data.id_layout=frequency_ordered", CARDS,
+                "embedding.hot.rows=24", "embedding.hot.stats_batches=2", "embedding.hot.refresh_every=3", *extra)
+
+
+def test_resume_across_refreshes_is_bitwise_identical(tiny, tmp_path):
+    """Refreshes after steps 3, 6, 9, each from the counts of the two batches before it; the
+    run is cut after step 5, inside the window of the refresh at 6 (batch 4 counted before
+    the cut, batch 5 after). Every loss, the final tables, hot set and counts: bit for bit."""
+    from test_train import losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    cfg = hot_run(tiny, "mesh.devices=8", "train.steps=10", "train.checkpoint_every=5")
+    whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
+    train_and_evaluate(hot_run(tiny, "mesh.devices=8", "train.steps=5"), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    (steps_a, a), (steps_b, b) = restored(cfg, tmp_path / "whole"), restored(cfg, tmp_path / "cut")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert steps_a.hot.to_json() == steps_b.hot.to_json()
+    from dlrm_jax.data.sources import make_source
+    from dlrm_jax.train.hot_setup import initial_counts
+
+    first = hot_keys(initial_counts(cfg, make_source(cfg)).top_rows(24), 24)
+    assert not np.array_equal(np.asarray(a.emb.hot.keys), first)  # the refreshes did move the set
+    events = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < e["hot_hit_rate"] < 1 and e["allreduce_bytes"] > 0 and e["a2a_bytes"] > 0 for e in events)
+
+
+def test_hot_rows_do_not_change_the_loss_trajectory(tiny, tmp_path):
+    """Against a run that replicates nothing, on 4 devices, with refreshes: float32 rounding."""
+    from test_train import losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    common = ("mesh.devices=4", "train.steps=10", "train.learning_rate=0.01")
+    train_and_evaluate(hot_run(tiny, *common), tmp_path / "hot", **QUIET)
+    train_and_evaluate(hot_run(tiny, *common, "embedding.hot.rows=0"), tmp_path / "cold", **QUIET)
+    np.testing.assert_allclose(losses(tmp_path / "hot"), losses(tmp_path / "cold"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("devices,rows", [(4, 8), (2, 0)])
+def test_restore_onto_another_mesh_and_hot_set(tiny, tmp_path, devices, rows):
+    """Saved on 8 devices with 24 hot rows; restored on fewer devices with 8 hot rows, or none:
+    the logical tables and optimizer state are bitwise the saved ones."""
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    saved_cfg = hot_run(tiny, "mesh.devices=8", "train.steps=7", "embedding.optimizer=adagrad")
+    train_and_evaluate(saved_cfg, tmp_path, **QUIET)
+    steps8, state8 = restored(saved_cfg, tmp_path)
+    cfg = hot_run(tiny, f"mesh.devices={devices}", "train.steps=7", "embedding.optimizer=adagrad",
+                  f"embedding.hot.rows={rows}")
+    steps, state = restored(cfg, tmp_path)
+    assert steps.collection.plan.hot_rows == rows
+    want, got = steps8.collection.logical_tables(state8.emb), steps.collection.logical_tables(state.emb)
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    more = train_and_evaluate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=9)), tmp_path, **QUIET)
+    assert more.step == 9
