@@ -82,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-rows", type=int, default=100_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     be.add_argument("--output", help="write the JSON here too")
+    bh = bench_sub.add_parser("hot", help="hot-row replication vs none on skewed ids, both id and row layouts")
+    _add_config_args(bh)
+    bh.add_argument("--zipf", default="1.05,1.1,1.2", help="Zipf exponents, comma-separated")
+    bh.add_argument("--layouts", default="permuted,frequency_ordered")
+    bh.add_argument("--row-layouts", default="block,cyclic")
+    bh.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
+    bh.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bh.add_argument("--max-rows", type=int, default=0,
+                    help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
+    bh.add_argument("--output", help="write the JSON here too")
     bc = bench_sub.add_parser("collectives", help="all-to-all vs all-reduce bandwidth on the current devices")
     bc.add_argument("--devices", type=int, default=0, help="devices in the mesh (0: all; 8 simulated on CPU)")
     bc.add_argument("--sizes-kib", default="64,1024,16384", help="buffer sizes per device, KiB, comma-separated")
@@ -158,11 +168,23 @@ def cmd_eval(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.planner import plan_from_config
     from dlrm_jax.embedding.stats import plan_report
 
-    # Planning needs only the config: no devices, no arrays, no JAX.
-    print(plan_report(plan_from_config(cfg, _devices_for(cfg))))
+    if cfg.embedding.hot.rows == 0:
+        from dlrm_jax.embedding.planner import plan_from_config
+
+        # Planning needs only the config: no devices, no arrays, no JAX.
+        print(plan_report(plan_from_config(cfg, _devices_for(cfg))))
+        return 0
+    # Hot rows are chosen from the data, priced with the engine's own bucket measurement.
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.trainer import build
+
+    cfg = resolve_data_config(cfg)
+    plan, _ = build(cfg, make_mesh(cfg.mesh.devices), make_source(cfg), log=_log)
+    print(plan_report(plan))
     return 0
 
 
@@ -189,15 +211,24 @@ def _tighten_cap(cfg: Config, max_rows: int) -> Config:
 def cmd_bench(args) -> int:
     if args.suite == "collectives":
         _start_jax(args.devices or SIMULATED_DEVICES_DEFAULT, args)
-        from dlrm_jax.bench_collectives import bench_collectives
+        from dlrm_jax.bench.collectives import bench_collectives
 
         bench_collectives(args.devices, [int(s) for s in args.sizes_kib.split(",") if s], args.repeats,
                           args.output, log=_log)
         return 0
+    if args.suite == "hot":
+        cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.hot import bench_hot
+
+        bench_hot(cfg, steps=args.steps, repeats=args.repeats, zipf=[float(z) for z in args.zipf.split(",") if z],
+                  layouts=[s for s in args.layouts.split(",") if s],
+                  row_layouts=[s for s in args.row_layouts.split(",") if s], output=args.output, log=_log)
+        return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)
-        from dlrm_jax.bench_embedding import bench_embedding
+        from dlrm_jax.bench.embedding import bench_embedding
 
         bench_embedding(cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s],
                         output=args.output, log=_log)
@@ -205,7 +236,7 @@ def cmd_bench(args) -> int:
     names = [n for n in args.configs.split(",") if n]
     configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]
     _start_jax(max(_devices_for(c) for c in configs), args)
-    from dlrm_jax.bench import bench_train
+    from dlrm_jax.bench.train import bench_train
 
     bench_train(dict(zip(names, configs, strict=True)), steps=args.steps, warmup=args.warmup,
                 output=args.output, log=_log)

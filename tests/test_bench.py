@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from dlrm_jax.bench import bench_train
-from dlrm_jax.bench_embedding import bench_embedding, hlo_collective_bytes
+from dlrm_jax.bench.common import hlo_collective_bytes
+from dlrm_jax.bench.embedding import bench_embedding
+from dlrm_jax.bench.train import bench_train
 
 QUIET = dict(log=lambda *_: None)
 
@@ -90,7 +91,7 @@ def test_huge_pages_environment():
 
 
 def test_collectives_bench_reports_both_bandwidths(tmp_path):
-    from dlrm_jax.bench_collectives import bench_collectives
+    from dlrm_jax.bench.collectives import bench_collectives
 
     out = tmp_path / "collectives.json"
     report = bench_collectives(4, [16, 64], repeats=2, output=str(out), **QUIET)

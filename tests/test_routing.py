@@ -144,24 +144,52 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5), rows=st.integers(1, 50))
+@given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5),
+       rows=st.sampled_from([1, 7, 50, 2**31 - 2]))
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
-    """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's index."""
-    from dlrm_jax.embedding.routing import HOT_PAD, split_hot
+    """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's row
+    in the sorted keys; table edges (first, last row, ids near 2**31) included."""
+    from dlrm_jax.embedding.routing import hot_index, hot_keys, split_hot
 
     rng = np.random.default_rng(seed)
     v = 5
     table = rng.integers(0, 3, v).astype(np.int32)
-    pairs = sorted({(int(rng.integers(0, 3)), int(rng.integers(0, rows))) for _ in range(k)})
-    hot_tables = np.array([p[0] for p in pairs] + [HOT_PAD] * pad, np.int32)
-    hot_ids = np.array([p[1] for p in pairs] + [HOT_PAD] * pad, np.int32)
+    picks = {(int(rng.integers(0, 3)), int(rng.choice([0, rows - 1, rng.integers(0, rows)]))) for _ in range(k)}
+    keys = hot_keys([np.array(sorted(i for t, i in picks if t == tt), np.int64) for tt in range(3)], len(picks) + pad)
+    pairs = sorted(picks)
     ids = rng.integers(0, rows, (7, v)).astype(np.int32)
     ids[rng.random(ids.shape) < 0.2] = PAD_ID
     ids[0, :] = rows - 1  # the table's last row
     ids[1, :] = 0  # its first
-    hot_row, cold = split_hot(jnp.asarray(ids), jnp.asarray(table), jnp.asarray(hot_tables), jnp.asarray(hot_ids))
-    index = {p: i for i, p in enumerate(pairs)}
-    want_row = np.array([[index.get((int(table[j]), int(x)), -1) if x != PAD_ID else -1 for j, x in enumerate(r)]
+    index, seeds = hot_index(keys)
+    hot_row, cold = split_hot(jnp.asarray(ids), jnp.asarray(table), jnp.asarray(index), jnp.asarray(seeds))
+    row_of = {p: i for i, p in enumerate(pairs)}
+    want_row = np.array([[row_of.get((int(table[j]), int(x)), -1) if x != PAD_ID else -1 for j, x in enumerate(r)]
                          for r in ids])
     np.testing.assert_array_equal(np.asarray(hot_row), want_row)
     np.testing.assert_array_equal(np.asarray(cold), np.where(want_row >= 0, PAD_ID, ids))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), buckets=st.sampled_from([1, 2, 8, 32]), load=st.floats(0.0, 0.9))
+def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, load):
+    """Up to 90% full (the index stays under 50%): every key gets its own entry in one of
+    its two buckets, moving others as needed; a failure only where no placement exists (some
+    set of buckets is all that more keys than it holds may use) or, with many buckets, when
+    nearly full."""
+    import itertools
+
+    from dlrm_jax.embedding.routing import HOT_BUCKET, _place
+
+    n = int(load * buckets * HOT_BUCKET)
+    choices = np.random.default_rng(seed).integers(0, buckets, (n, 2))
+    where = _place(choices, buckets)
+    if where is None:
+        if buckets > 8:
+            assert load > 0.8
+            return
+        subsets = (set(c) for r in range(1, buckets + 1) for c in itertools.combinations(range(buckets), r))
+        assert any(sum(set(ch) <= sub for ch in choices.tolist()) > HOT_BUCKET * len(sub) for sub in subsets)
+        return
+    assert len(set(where.tolist())) == n
+    assert all(where[k] // HOT_BUCKET in choices[k] for k in range(n))

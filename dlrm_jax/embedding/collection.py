@@ -37,7 +37,7 @@ from dlrm_jax.embedding.layout import (
 )
 from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.routing import route
+from dlrm_jax.embedding.routing import hot_index, route
 from dlrm_jax.embedding.specs import Pooling
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -148,12 +148,14 @@ class EmbeddingCollection:
         if self._refresh is None:
             sharding = self.state_sharding()
 
-            def refresh(state, keys):
-                return EmbeddingState(*self.hot.refresh(state.tables, state.slots, state.hot, keys))
+            def refresh(state, keys, index, seeds):
+                return EmbeddingState(*self.hot.refresh(state.tables, state.slots, state.hot, keys, index, seeds))
 
-            self._refresh = jax.jit(refresh, in_shardings=(sharding, NamedSharding(self.mesh, P())),
+            replicated = NamedSharding(self.mesh, P())
+            self._refresh = jax.jit(refresh, in_shardings=(sharding, replicated, replicated, replicated),
                                     out_shardings=sharding, donate_argnums=0)
-        return self._refresh(state, np.asarray(keys, np.int32))
+        keys = np.asarray(keys, np.int32)
+        return self._refresh(state, keys, *hot_index(keys))
 
     def logical_tables(self, state: EmbeddingState) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
         """Per table, its [rows, D] values and optimizer state, whatever the plan."""

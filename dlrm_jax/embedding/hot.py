@@ -113,6 +113,11 @@ class RowCounts:
         order = np.lexsort((ids, -counts))[:max(k, 0)]
         return ids[order]
 
+    def table_hit_rates(self, hot: Sequence[np.ndarray]) -> tuple[float, ...]:
+        """Per table, the share of its counted lookups that fall on its hot rows."""
+        return tuple(float(c[np.isin(i, h)].sum() / c.sum()) if c.sum() else 0.0
+                     for i, c, h in zip(self.ids, self.counts, hot, strict=True))
+
     def hit_rate(self, hot: Sequence[np.ndarray]) -> float:
         """The share of counted lookups that fall on the given hot rows (one array per table)."""
         total = self.lookups()

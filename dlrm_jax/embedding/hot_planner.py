@@ -67,16 +67,16 @@ def mask_hot(ids: np.ndarray, hot: Sequence[np.ndarray], bag_sizes: Sequence[int
     return out
 
 
-def hot_plan(plan: EmbeddingPlan, hot: Sequence[np.ndarray], capacities, no_hot_capacities, hit_rate: float,
+def hot_plan(plan: EmbeddingPlan, hot: Sequence[np.ndarray], capacities, no_hot_capacities, counts: RowCounts,
              capacity: int | None = None) -> EmbeddingPlan:
-    """``plan`` with these hot rows (capacity: their number unless given) and the bucket
-    capacities measured without them."""
+    """``plan`` with these hot rows (capacity: their number unless given), the bucket
+    capacities measured with them masked and without them, and their hit rates in ``counts``."""
     per_table = tuple(int(h.size) for h in hot)
     rows = sum(per_table) if capacity is None else capacity
     if rows == 0:
         return dataclasses.replace(plan, capacities=capacities, hot=None)
-    return dataclasses.replace(plan, capacities=capacities,
-                               hot=HotPlan(rows, per_table, hit_rate, tuple(no_hot_capacities)))
+    return dataclasses.replace(plan, capacities=capacities, hot=HotPlan(
+        rows, per_table, counts.hit_rate(hot), tuple(no_hot_capacities), counts.table_hit_rates(hot)))
 
 
 def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
@@ -93,7 +93,7 @@ def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches
     bags = [t.spec.bag_size for t in plan.tables]
     capacities = measure_capacities([mask_hot(ids, hot, bags) for ids in id_batches]) if any(rows_per_table) \
         else plan.capacities
-    candidate = hot_plan(plan, hot, capacities, plan.capacities, counts.hit_rate(hot))
+    candidate = hot_plan(plan, hot, capacities, plan.capacities, counts)
     sent = collective_bytes(candidate)
     a2a = sent["all-to-all"] + sent["all-gather"]
     params, state = candidate.hot_bytes_per_device()

@@ -36,17 +36,21 @@ from dlrm_jax.embedding.layout import (
     take_columns,
 )
 from dlrm_jax.embedding.optimizers import SparseOptimizer
-from dlrm_jax.embedding.routing import HOT_PAD, route, split_hot
+from dlrm_jax.embedding.routing import HOT_BUCKET, HOT_PAD, hot_index_buckets, route, split_hot
 from dlrm_jax.parallel.mesh import AXIS
 
 
 class HotState(NamedTuple):
     """values [H, D] (table storage dtype), slots: the sparse optimizer's state with the same
-    row axis, keys int32 [2, H] (``routing.hot_keys``); all replicated on every device."""
+    row axis, keys int32 [2, H] (``routing.hot_keys``), and the step's hash index of them:
+    index int32 [buckets, HOT_BUCKET, 3], seeds int32 [2] (``routing.hot_index``); all
+    replicated on every device."""
 
     values: jax.Array
     slots: dict[str, jax.Array]
     keys: jax.Array
+    index: jax.Array
+    seeds: jax.Array
 
 
 class HotRows:
@@ -63,55 +67,70 @@ class HotRows:
     def init(self, dtype) -> HotState:
         """An empty hot set: every key HOT_PAD, values zero (``refresh`` fills it)."""
         values = jnp.zeros((self.capacity, self.dim), dtype)
-        return HotState(values, self.optimizer.init(values), jnp.full((2, self.capacity), HOT_PAD, jnp.int32))
+        index = jnp.full((hot_index_buckets(self.capacity), HOT_BUCKET, 3), HOT_PAD, jnp.int32).at[..., 2].set(-1)
+        return HotState(values, self.optimizer.init(values), jnp.full((2, self.capacity), HOT_PAD, jnp.int32),
+                        index, jnp.zeros(2, jnp.int32))
 
     # ------------------------------------------------------------ step
     def lookup(self, hot: HotState, ids_bs: jax.Array, weights_bs: jax.Array):
         """-> (hot_bs int32 [B, S]: each slot's hot row, -1 when cold; cold ids [B, S]: hot ones
         replaced by PAD_ID; pooled float32 [B, F, D]: the hot vectors, weighted and pooled per
-        feature; counts int32 [2]: hot lookups and all lookups of the global batch)."""
+        feature; counts float32 [2]: hot lookups and all lookups of the global batch, exact
+        below 2**24)."""
 
-        def local(values, keys, ids, weights):
-            hot_bs, cold_bs = split_hot(ids, jnp.asarray(self.slot_table), keys[0], keys[1])
+        def local(values, index, seeds, ids, weights):
+            hot_bs, cold_bs = split_hot(ids, jnp.asarray(self.slot_table), index, seeds)
             vectors = values.at[self._safe(hot_bs)].get(mode="fill", fill_value=0).astype(jnp.float32)
             weighted = vectors * weights[..., None]
             pooled = weighted if self.one_hot and is_identity(self.slot_feature) else segment_sum_axis1(
                 weighted, self.slot_feature, self.num_features)
-            counts = jnp.stack([jnp.sum(hot_bs >= 0), jnp.sum(weights > 0)]).astype(jnp.int32)
-            return hot_bs, cold_bs, pooled, lax.psum(counts, AXIS)
+            counts = jnp.stack([jnp.sum(hot_bs >= 0), jnp.sum(weights > 0)]).astype(jnp.float32)
+            return hot_bs, cold_bs, pooled, counts[None]
 
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                             out_specs=(P(AXIS), P(AXIS), P(AXIS), P()))(hot.values, hot.keys, ids_bs, weights_bs)
+        hot_bs, cold_bs, pooled, counts = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)), out_specs=(P(AXIS),) * 4,
+        )(hot.values, hot.index, hot.seeds, ids_bs, weights_bs)
+        return hot_bs, cold_bs, pooled, self._sum_over_devices(counts)
 
     def update(self, hot: HotState, hot_bs: jax.Array, weights_bs: jax.Array, grad_bfd: jax.Array,
                lr: jax.Array) -> HotState:
         """Every replica applies the optimizer to the hot rows' gradients summed over the
         global batch (rows not looked up get a zero gradient: an unchanged row)."""
 
-        def local(values, slots, hot_bs, weights, grad_bfd, lr):
+        def local(hot_bs, weights, grad_bfd):
             grads = take_columns(grad_bfd, self.slot_feature) * weights[..., None]  # [b, S, D]
             sums = self.optimizer.segment_sum(grads.reshape(-1, self.dim), self._safe(hot_bs).reshape(-1),
                                               self.capacity)
-            sums = lax.psum(sums, AXIS)
-            return self.optimizer.apply(values, slots, jnp.arange(self.capacity), sums, lr)
+            return sums[None]
 
-        values, slots = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), P()),
-                                      out_specs=(P(), P()))(hot.values, hot.slots, hot_bs, weights_bs, grad_bfd, lr)
-        return HotState(values, slots, hot.keys)
+        partial_sums = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS),) * 3,
+                                     out_specs=P(AXIS))(hot_bs, weights_bs, grad_bfd)
+        sums = self._sum_over_devices(partial_sums)
+        values, slots = self.optimizer.apply(hot.values, hot.slots, None, sums, lr)
+        return hot._replace(values=values, slots=slots)
+
+    def _sum_over_devices(self, per_device: jax.Array) -> jax.Array:
+        """[N, ...] one slice per device -> their sum, replicated. Written as a plain reduction
+        rather than a psum inside shard_map: the partitioner's all-reduce is one that XLA's
+        combiner merges with the dense gradients' (one rendezvous a step instead of three; on
+        simulated CPU devices each costs milliseconds of waiting, BENCHMARKS.md)."""
+        total = jnp.sum(per_device, axis=0)
+        return lax.with_sharding_constraint(total, jax.sharding.NamedSharding(self.mesh, P()))
 
     def _safe(self, hot_bs):
         """-1 (cold) -> H, out of range: dropped by scatters, filled by gathers."""
         return jnp.where(hot_bs < 0, self.capacity, hot_bs)
 
     # ------------------------------------------------------------ refresh
-    def refresh(self, tables: dict, slots: dict, hot: HotState, new_keys: jax.Array):
+    def refresh(self, tables: dict, slots: dict, hot: HotState, new_keys: jax.Array, index: jax.Array,
+                seeds: jax.Array):
         """-> (tables, slots, hot): the old hot rows written back to their owners, exactly,
-        then the rows of ``new_keys`` gathered from theirs. A row in both sets keeps its
-        values and state bit for bit."""
+        then the rows of ``new_keys`` gathered from theirs (``index``, ``seeds``: their
+        ``routing.hot_index``). A row in both sets keeps its values and state bit for bit."""
         names = [g.name for g in self.groups]
         specs = tuple(P() if g.replicated else P(AXIS) for g in self.groups)
 
-        def local(tables, slots, hot, new_keys):
+        def local(tables, slots, hot, new_keys, index, seeds):
             me = lax.axis_index(AXIS)
             tables, slots = dict(zip(names, tables, strict=True)), dict(zip(names, slots, strict=True))
             for g in self.groups:
@@ -121,13 +140,14 @@ class HotRows:
             for g in self.groups:
                 values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state)
             values, state = lax.psum((values, state), AXIS)  # one device holds each piece
-            new_hot = HotState(values.astype(hot.values.dtype), state, new_keys)
+            new_hot = HotState(values.astype(hot.values.dtype), state, new_keys, index, seeds)
             return tuple(tables[n] for n in names), tuple(slots[n] for n in names), new_hot
 
-        hot_spec = HotState(P(), P(), P())
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, specs, hot_spec, P()),
+        hot_spec = HotState(P(), P(), P(), P(), P())
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, specs, hot_spec, P(), P(), P()),
                            out_specs=(specs, specs, hot_spec))
-        t, s, new_hot = fn(tuple(tables[n] for n in names), tuple(slots[n] for n in names), hot, new_keys)
+        t, s, new_hot = fn(tuple(tables[n] for n in names), tuple(slots[n] for n in names), hot, new_keys, index,
+                           seeds)
         return dict(zip(names, t, strict=True)), dict(zip(names, s, strict=True)), new_hot
 
 

@@ -19,7 +19,8 @@ from dlrm_jax.embedding import sums
 
 class SparseOptimizer(NamedTuple):
     """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``;
-    ``apply``: the same for rows known to be distinct, each with its summed gradient (no merge).
+    ``apply``: the same for rows known to be distinct (or None: every row in order), each with
+    its summed gradient (no merge).
 
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
@@ -52,12 +53,23 @@ def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, retur
     return (uniq, summed, inv) if return_inverse else (uniq, summed)
 
 
+# ``apply`` takes distinct rows, or None for every row in order (the hot group: one dense
+# elementwise update instead of a gather and a scatter of all its rows).
+
+
+def _get(array, rows):
+    return array if rows is None else array.at[rows].get(mode="fill", fill_value=0)
+
+
+def _set(array, rows, values):
+    return values.astype(array.dtype) if rows is None else array.at[rows].set(values, mode="drop")
+
+
 def _add_rows(table, unique_rows, delta_f32):
     """table[r] += delta for distinct rows, computed in float32 and rounded once to storage."""
-    if table.dtype == jnp.float32:
+    if table.dtype == jnp.float32 and unique_rows is not None:
         return table.at[unique_rows].add(delta_f32, mode="drop")
-    new = table.at[unique_rows].get(mode="fill", fill_value=0).astype(jnp.float32) + delta_f32
-    return table.at[unique_rows].set(new.astype(table.dtype), mode="drop")
+    return _set(table, unique_rows, _get(table, unique_rows).astype(jnp.float32) + delta_f32)
 
 
 def sgd(exact_sums: bool = False) -> SparseOptimizer:
@@ -86,10 +98,9 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: boo
         return {"accumulator": jnp.full(table.shape, initial_accumulator, jnp.float32)}
 
     def apply(table, state, uniq, g, lr):
-        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + g * g
+        acc = _get(state["accumulator"], uniq) + g * g
         step = -lr * g / (jnp.sqrt(acc) + eps)
-        return (_add_rows(table, uniq, step),
-                {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
+        return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
 
     def update(table, state, rows_n, grads_nd, lr):
         return apply(table, state, *merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums), lr)
@@ -113,10 +124,9 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_s
         """``row_mean_sq`` [n]: per distinct row, the whole row's mean squared gradient (column
         slices); by default the mean over ``g``'s own columns."""
         mean_sq = jnp.mean(g * g, -1) if row_mean_sq is None else row_mean_sq
-        acc = state["accumulator"].at[uniq].get(mode="fill", fill_value=0.0) + mean_sq
+        acc = _get(state["accumulator"], uniq) + mean_sq
         step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
-        return (_add_rows(table, uniq, step),
-                {"accumulator": state["accumulator"].at[uniq].set(acc, mode="drop")})
+        return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
 
     def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
         uniq, g, inv = merge_duplicates(rows_n, grads_nd, table.shape[0], return_inverse=True, exact=exact_sums)

@@ -83,14 +83,16 @@ class HotPlan:
     changes it, never the capacity).
 
     per_table: how many of the first chosen rows each table got; hit_rate: the share of
-    lookups they took in the statistics batches; no_hot_capacities: the bucket capacities
-    measured without replication, to report what it saves.
+    lookups they took in the statistics batches, over all tables and per table
+    (``table_hit_rates``); no_hot_capacities: the bucket capacities measured without
+    replication, to report what it saves.
     """
 
     rows: int
     per_table: tuple[int, ...] = ()
     hit_rate: float = 0.0
     no_hot_capacities: tuple[tuple[str, int, int], ...] = ()
+    table_hit_rates: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ class EmbeddingPlan:
         if raw.get("hot") is not None:
             hot = raw["hot"]
             raw["hot"] = HotPlan(int(hot["rows"]), tuple(hot["per_table"]), float(hot["hit_rate"]),
-                                 _capacities(hot["no_hot_capacities"]))
+                                 _capacities(hot["no_hot_capacities"]), tuple(hot["table_hit_rates"]))
         return cls(tables, **raw)
 
 

@@ -20,7 +20,7 @@ from dlrm_jax.embedding.hot_rows import HotState
 from dlrm_jax.embedding.initializer import logical_rows
 from dlrm_jax.embedding.layout import Group, VirtualTable, build_groups
 from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.embedding.routing import HOT_BUCKET, KIND_BLOCK, KIND_CYCLIC, hot_index_buckets
 
 
 def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
@@ -34,7 +34,9 @@ def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
     if plan.hot_rows:
         values = jax.ShapeDtypeStruct((plan.hot_rows, plan.tables[0].spec.dim), jnp.dtype(plan.dtype))
         hot = HotState(values, jax.eval_shape(optimizer.init, values),
-                       jax.ShapeDtypeStruct((2, plan.hot_rows), jnp.int32))
+                       jax.ShapeDtypeStruct((2, plan.hot_rows), jnp.int32),
+                       jax.ShapeDtypeStruct((hot_index_buckets(plan.hot_rows), HOT_BUCKET, 3), jnp.int32),
+                       jax.ShapeDtypeStruct((2,), jnp.int32))
     return EmbeddingState(tables, slots, hot)
 
 

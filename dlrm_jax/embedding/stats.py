@@ -12,7 +12,8 @@ from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     """Per device: the step's all-to-all buffers (ids, vectors, gradients at the compiled
-    capacity) plus the gathered rows and gradients of replicated tables. An overflowing step
+    capacity) plus the gathered rows and gradients of replicated tables and the hot rows'
+    gradient sums. An overflowing step
     runs in rounds at the same capacity, so this bounds it too (pooled groups' rounds use the
     unpooled exchange's buffers, counted as well)."""
     n = plan.num_devices
@@ -27,6 +28,8 @@ def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
         total += 2 * n * cap * (4 + 2 * wire * g.width)  # row ids out, vectors back, gradients out
         if uses_pooled_exchange(plan, g):  # (row, segment, weight) both ways; partial sums; grads
             total += 2 * n * cap * 12 + n * local_batch * len(g.vtables) * g.width * (4 + 2 * wire)
+    if plan.hot_rows:  # the hot rows' summed gradients, and each slot's hot row
+        total += plan.hot_rows * plan.tables[0].spec.dim * 4 + local_batch * sum(t.spec.bag_size for t in plan.tables) * 4
     return total
 
 
@@ -75,7 +78,7 @@ def plan_report(plan: EmbeddingPlan) -> str:
     n = plan.num_devices
     hot = plan.hot
     head = (f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
-            + (f"{'hot rows':>10}" if hot else ""))
+            + (f"{'hot rows':>10}{'hit rate':>9}" if hot else ""))
     lines = [f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
              f"storage {plan.dtype}, exchange {plan.exchange_dtype}, global batch {plan.global_batch}",
              head, "-" * len(head)]
@@ -90,7 +93,7 @@ def plan_report(plan: EmbeddingPlan) -> str:
         per = int(t.bytes_on_device(n, plan.optimizer, plan.dtype).sum(1).max())
         lines.append(f"{t.spec.name:<12}{t.spec.rows:>13,}{t.spec.dim:>5}{t.spec.bag_size:>5}  "
                      f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}"
-                     + (f"{hot.per_table[i] if hot.per_table else 0:>10,}" if hot else ""))
+                     + (_hot_columns(hot, i) if hot else ""))
     per_dev = per_device_bytes(plan)
     total = sum(per_dev.values())
     lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'total':>14}"]
@@ -112,6 +115,12 @@ def plan_report(plan: EmbeddingPlan) -> str:
         lines += hot_report(plan)
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
+
+
+def _hot_columns(hot, table: int) -> str:
+    rows = hot.per_table[table] if hot.per_table else 0
+    rate = f"{100 * hot.table_hit_rates[table]:.1f}%" if hot.table_hit_rates else "-"
+    return f"{rows:>10,}{rate:>9}"
 
 
 def hot_report(plan: EmbeddingPlan) -> list[str]:

@@ -71,14 +71,16 @@ def choose(cfg, plan: EmbeddingPlan, collection: EmbeddingCollection, source: Da
         ratio = h.a2a_over_allreduce or A2A_OVER_ALLREDUCE.get(jax.default_backend(), 1.0)
         best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), ratio)
         rows, capacity = [counts.most_frequent(t, k) for t, k in enumerate(best.rows_per_table)], best.rows
-        log(f"hot rows: the cost model chose {best.rows:,} of {len(priced)} candidates (up to "
-            f"{priced[-1].rows:,} rows, all-to-all/all-reduce bandwidth {ratio:g})")
+        log(f"hot rows: the cost model priced {len(priced)} sets (all-to-all/all-reduce bandwidth {ratio:g}):\n"
+            + "\n".join(f"  {c.rows:>9,} rows  hit rate {100 * c.hit_rate:5.1f}%  all-to-all {c.a2a_bytes:>11,} B"
+                        f"  all-reduce {c.allreduce_bytes:>11,} B  cost {c.predicted_s:>13,.0f}"
+                        f"{'  <- chosen' if c is best else ''}" for c in priced))
     else:
         capacity = h.rows
         rows = counts.top_rows(capacity)
     no_hot = measure(batches) if plan.capacities else ()
     capacities = measure([mask_hot(b, rows, bags) for b in batches]) if plan.capacities else ()
-    plan = hot_plan(plan, rows, capacities, no_hot, counts.hit_rate(rows), capacity)
+    plan = hot_plan(plan, rows, capacities, no_hot, counts, capacity)
     if plan.hot is None:
         return plan, None
     schedule = HotSchedule(plan.hot_rows, bags, counts.truncated(max(16 * plan.hot_rows, 4096)),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.bench import machine_description, write_report
+from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 REPEATS_IN_PROGRAM = 8

@@ -1,6 +1,4 @@
-"""Benchmarks that compare variants side by side in one run and write JSON.
-
-``bench_train``: train-step throughput of several configs on the current devices. Host batches
+"""``dlrm-jax bench train``: train-step throughput of several configs on the current devices. Host batches
 are prepared before timing (the step, not the data generator, is measured), compilation and
 warm-up steps are excluded, and the median of per-step times is reported with the mean.
 """
@@ -8,8 +6,6 @@ warm-up steps are excluded, and the median of per-step times is reported with th
 from __future__ import annotations
 
 import gc
-import json
-import platform
 import statistics
 import time
 
@@ -17,26 +13,11 @@ import jax
 import numpy as np
 
 from dlrm_jax import hostmem
+from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.stats import per_device_bytes
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.trainer import build
-
-
-def machine_description() -> dict:
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
-            "device_count": len(devices), "host": platform.node(), "processor": platform.processor(),
-            "python": platform.python_version(), "jax": jax.__version__}
-
-
-def write_report(report: dict, output: str | None) -> str:
-    """The report as indented JSON, written to ``output`` too when given; returns the text."""
-    text = json.dumps(report, indent=1)
-    if output:
-        with open(output, "w") as f:
-            f.write(text + "\n")
-    return text
 
 
 def _state_bytes(state) -> int:
@@ -44,14 +25,16 @@ def _state_bytes(state) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
 
 
-def _time_config(cfg, steps: int, warmup: int) -> dict:
+def time_train_step(cfg, steps: int, warmup: int) -> dict:
+    """Build ``cfg`` as training does, then time its compiled train step (median of ``steps``
+    after ``warmup``), with its plan's bytes and the process's peak host memory."""
     gc.collect()
     hostmem.reset_peak_rss()
     rss_before = hostmem.rss_bytes()
     cfg = resolve_data_config(cfg)
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
-    plan, fns = build(cfg, mesh, source)
+    plan, fns = build(cfg, mesh, source, log=lambda *_: None)
     batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
     state = fns.init_state()
     t0 = time.perf_counter()
@@ -82,7 +65,7 @@ def _time_config(cfg, steps: int, warmup: int) -> dict:
 
 def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:
     """Time each named config's train step; print a table with ratios to the first; JSON out."""
-    results = {name: _time_config(cfg, steps, warmup) for name, cfg in configs.items()}
+    results = {name: time_train_step(cfg, steps, warmup) for name, cfg in configs.items()}
     first = next(iter(results.values()))["samples_per_s"]
     for r in results.values():
         r["ratio_to_first"] = r["samples_per_s"] / first
@@ -94,9 +77,5 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
         log(f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
             f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}"
             f"{r['plan_bytes'] / 2**20:>10,.0f}{r['peak_rss_bytes'] / 2**20:>14,.0f}")
-    text = json.dumps(report, indent=1)
-    log(text)
-    if output:
-        with open(output, "w") as f:
-            f.write(text + "\n")
+    log(write_report(report, output))
     return report

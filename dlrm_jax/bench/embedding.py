@@ -17,9 +17,7 @@ HLO's collectives (the overflow rounds, compiled but not taken, are left out of 
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +25,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.bench import machine_description, write_report
+from dlrm_jax.bench.common import (
+    hlo_collective_bytes,
+    machine_description,
+    time_steps,
+    write_report,
+)
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
@@ -37,49 +40,7 @@ from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
-                "f64": 8, "s64": 8, "u64": 8}
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
-                         r"collective-permute)(?:-start)?\(")
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 LR = 0.01
-
-
-def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
-    """Bytes one device sends to others per collective kind, from the compiled HLO.
-
-    all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
-    reduce-scatter: (N-1) times the result. Collectives traced under the named scope
-    ``skip_scope`` (the overflow rounds) are left out.
-    """
-    out: dict[str, float] = {}
-    for line in hlo_text.splitlines():
-        m = _COLLECTIVE.search(line)
-        if not m:
-            continue
-        shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _SHAPE.findall(m.group(1))]
-        if skip_scope and f"/{skip_scope}/" in line:
-            continue
-        size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
-        factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
-                  "reduce-scatter": n - 1, "collective-permute": 1}[m.group(2)]
-        out[m.group(2)] = out.get(m.group(2), 0.0) + factor * size
-    return out
-
-
-def _time(fn, args, steps: int) -> tuple[float, object]:
-    """Median seconds of ``state, _ = fn(state, *rest)`` after 3 warm-up calls."""
-    state = args[0]
-    for _ in range(3):
-        state, _ = fn(state, *args[1:])
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, out = jax.block_until_ready(fn(state, *args[1:]))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), state
-
 
 def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None):
     """The collection under ``strategy``; with ``calibration`` id batches, buckets sized from
@@ -100,7 +61,8 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     state = coll.init(jax.random.key(0))
     compiled = fn.lower(state, ids, grad).compile()
     hlo = hlo_collective_bytes(compiled.as_text(), mesh.size, ROUNDS_SCOPE)
-    seconds, state = _time(compiled, (state, ids, grad), steps)
+    times, state, _ = time_steps(compiled, state, [(ids, grad)], steps)
+    seconds = statistics.median(times)
     _, res = jax.jit(coll.lookup)(state, ids)
     strategies = sorted({t.strategy.value for t in plan.tables})
     return {"step_ms": 1e3 * seconds, "predicted_bytes": exchange_bytes_per_step(plan),
@@ -129,7 +91,8 @@ def _baseline_variant(kind, cfg, mesh, ids, grad, steps):
                  donate_argnums=0)
     compiled = fn.lower(table, ids, grad).compile()
     hlo = hlo_collective_bytes(compiled.as_text(), mesh.size)
-    seconds, _ = _time(compiled, (table, ids, grad), steps)
+    times, _, _ = time_steps(compiled, table, [(ids, grad)], steps)
+    seconds = statistics.median(times)
     return {"step_ms": 1e3 * seconds, "predicted_bytes": None, "hlo_bytes": sum(hlo.values()),
             "hlo_by_kind": hlo, "strategies": [kind]}
 

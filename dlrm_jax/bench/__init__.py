@@ -1,0 +1,8 @@
+"""Benchmarks behind ``dlrm-jax bench``: each compares variants side by side in one run, prints
+a table and writes JSON (``common`` holds what they share).
+
+train        train-step samples/s of several configs
+embedding    the embedding step of every sharding strategy against XLA baselines
+collectives  all-to-all against all-reduce bandwidth on the current mesh
+hot          hot-row replication against none, on skewed and frequency-ordered ids
+"""

@@ -1,0 +1,88 @@
+"""What every benchmark shares: the machine's description, JSON reports, step timing, and
+the bytes a compiled program's collectives move."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import statistics
+import time
+
+import jax
+import numpy as np
+
+
+def machine_description() -> dict:
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "host": platform.node(), "processor": platform.processor(),
+            "python": platform.python_version(), "jax": jax.__version__}
+
+
+def write_report(report: dict, output: str | None) -> str:
+    """The report as indented JSON, written to ``output`` too when given; returns the text."""
+    text = json.dumps(report, indent=1)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
+                "f64": 8, "s64": 8, "u64": 8}
+_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
+                         r"collective-permute)(?:-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
+    """Bytes one device sends to others per collective kind, from the compiled HLO.
+
+    all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
+    reduce-scatter: (N-1) times the result. Collectives traced under the named scope
+    ``skip_scope`` (the overflow rounds) are left out.
+    """
+    out: dict[str, float] = {}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _SHAPE.findall(m.group(1))]
+        if skip_scope and f"/{skip_scope}/" in line:
+            continue
+        size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
+        factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
+                  "reduce-scatter": n - 1, "collective-permute": 1}[m.group(2)]
+        out[m.group(2)] = out.get(m.group(2), 0.0) + factor * size
+    return out
+
+
+def time_steps(fn, state, inputs: list[tuple], steps: int, warmup: int = 3) -> tuple[list[float], object, list]:
+    """Seconds of each ``state, out = fn(state, *inputs[i % len(inputs)])`` after ``warmup``
+    untimed calls, each call timed to completion; returns (seconds, final state, the outs)."""
+    for i in range(warmup):
+        state, _ = fn(state, *inputs[i % len(inputs)])
+    jax.block_until_ready(state)
+    times, outs = [], []
+    for i in range(steps):
+        t = time.perf_counter()
+        state, out = jax.block_until_ready(fn(state, *inputs[i % len(inputs)]))
+        times.append(time.perf_counter() - t)
+        outs.append(out)
+    return times, state, outs
+
+
+def round_robin(variants: list[dict], steps: int, repeats: int) -> None:
+    """Times each variant (``fn``, ``state``, ``inputs``) in ``repeats`` chunks of ``steps``,
+    the variants taking turns, so that a machine whose speed drifts slows them alike. Adds
+    ``times`` (seconds of every timed step) and ``outs`` to each; ``step_ms``: the median."""
+    for v in variants:
+        v["times"], v["outs"] = [], []
+    for _ in range(repeats):
+        for v in variants:
+            times, v["state"], outs = time_steps(v["fn"], v["state"], v["inputs"], steps, warmup=1)
+            v["times"] += times
+            v["outs"] += outs
+    for v in variants:
+        v["step_ms"] = 1e3 * statistics.median(v["times"])
