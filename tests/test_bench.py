@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import pytest
 
 from dlrm_jax.bench.common import hlo_collective_bytes
@@ -101,3 +103,37 @@ def test_collectives_bench_reports_both_bandwidths(tmp_path):
         assert r["buffer_bytes_per_device"] % (4 * 4) == 0
         assert r["all_to_all_bytes_per_s"] > 0 and r["all_reduce_bytes_per_s"] > 0
         assert r["all_to_all_over_all_reduce"] == r["all_to_all_bytes_per_s"] / r["all_reduce_bytes_per_s"]
+
+
+def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(tiny, tmp_path):
+    """Frequency-ordered ids on row-wise blocks: the hot ids all live on device 0, the model
+    replicates some, the busiest bucket shrinks, and the HLO's collectives move exactly the
+    bytes the plan predicts (give or take the one-word flags and hit counts), with and without."""
+    from dlrm_jax.bench.hot import bench_hot
+
+    cfg = tiny("mesh.devices=4", "train.batch_size=256", "data.cardinalities=[2000, 2000, 500]", "model.embedding_dim=8",
+               "embedding.hot.stats_batches=4")
+    out = tmp_path / "hot.json"
+    report = bench_hot(cfg, steps=1, repeats=1, zipf=[1.2], layouts=["frequency_ordered"], row_layouts=["block"],
+                       output=str(out), **QUIET)
+    assert json.loads(out.read_text()) == report
+    (case,) = report["cases"]
+    assert case["hot_rows"] > 0 and 0 < case["hot_hit_rate"] < 1 and case["allreduce_bytes"] > 0
+    assert case["capacity"] < case["no_hot_capacity"]
+    assert abs(case["total_bytes"] - case["predicted_total_bytes"]) <= 64, case
+    assert abs(case["no_hot_total_bytes"] - case["no_hot_predicted_total_bytes"]) <= 64, case
+    for key in ("zipf", "layout", "row_layout", "a2a_bytes", "step_ms", "no_hot_step_ms"):
+        assert key in case
+
+
+def test_no_dedup_bytes_count_every_remote_lookup(tiny):
+    """Two devices, one 10-row table in blocks of 5: device 0 (batch rows 0-1) looks up
+    0, 7, 7, 7, 0, 0 (three remote), device 1 (rows 2-3) 8, 2, 9, 9, 9 (one remote); each remote
+    lookup sends an id, a vector and a gradient: 4 + 2 * 4 * D bytes, averaged over devices."""
+    from dlrm_jax.bench.hot import no_dedup_bytes
+    from dlrm_jax.embedding.planner import plan_from_config
+
+    cfg = tiny("data.cardinalities=[10]", "embedding.sharding=row", "train.batch_size=4", "data.bag_sizes=[3]")
+    plan = plan_from_config(cfg, 2)
+    ids = np.array([[0, 7, 7], [7, 0, 0], [8, 2, -1], [9, 9, 9]], np.int32)  # rows 0-1: device 0, 2-3: device 1
+    assert no_dedup_bytes(plan, [ids]) == (3 + 1) * (4 + 2 * 4 * 8) / 2
