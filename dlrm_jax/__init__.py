@@ -16,6 +16,9 @@ Devices: :func:`request_cpu_devices`, :func:`make_mesh`.
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
 :func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection`.
+Hot rows: :class:`HotPlan` (in a plan), :class:`RowCounts` (lookup statistics),
+:func:`choose_hot_rows` (the cost model), :class:`HotSchedule` (counting and refreshes);
+``EmbeddingCollection.refresh`` changes the hot set of a state.
 Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
 :func:`preprocess_criteo`. Metrics: :func:`roc_auc`, :func:`log_loss`.
 """
@@ -44,6 +47,10 @@ _EXPORTS = {
     "PlanError": "dlrm_jax.embedding.planner",
     "EmbeddingPlan": "dlrm_jax.embedding.plan",
     "EmbeddingCollection": "dlrm_jax.embedding.collection",
+    "HotPlan": "dlrm_jax.embedding.plan",
+    "RowCounts": "dlrm_jax.embedding.hot",
+    "HotSchedule": "dlrm_jax.embedding.hot",
+    "choose_hot_rows": "dlrm_jax.embedding.hot_planner",
     "Batch": "dlrm_jax.data.batch",
     "SyntheticSource": "dlrm_jax.data.synthetic",
     "BinarySource": "dlrm_jax.data.binary",

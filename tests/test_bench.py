@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-
 import pytest
 
 from dlrm_jax.bench.common import hlo_collective_bytes

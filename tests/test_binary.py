@@ -165,3 +165,28 @@ def test_tsv_source_matches_unshuffled_binary_source(data, processes):
             assert_batches_equal(text.train_batch(step), binary.train_batch(step))
         for a, b in zip(text.eval_batches(), binary.eval_batches(), strict=True):
             assert_batches_equal(a, b)
+
+
+@pytest.mark.parametrize("max_rows", [0, 13])
+def test_id_histograms_count_the_train_split(data, max_rows):
+    """preprocess counts every feature's ids over the train split; with data.max_rows the
+    counts follow the ids into their hashed rows, as batches do; hot rows start from them."""
+    from dlrm_jax.train.hot_setup import initial_counts
+
+    cfg = make_cfg(data[1], f"data.max_rows={max_rows}", "embedding.hot.stats_batches=1")
+    source = BinarySource(cfg)
+    train_ids = data[2]["train"]["ids"]
+    for f, (ids, counts) in enumerate(source.id_histograms()):
+        column = train_ids[:, f] % max_rows if max_rows else train_ids[:, f]
+        want_ids, want_counts = np.unique(column, return_counts=True)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(counts, want_counts)
+    assert initial_counts(cfg, source).lookups() == N_TRAIN * 26  # the whole split, not one batch
+
+
+def test_damaged_id_histograms_name_the_file(data, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(data[1], copy)
+    (copy / "train" / "id_counts.npz").write_bytes(b"not a zip")
+    with pytest.raises(BinaryFormatError, match="id_counts.npz"):
+        BinarySource(make_cfg(copy)).id_histograms()

@@ -1,4 +1,5 @@
-"""Two local processes with 4 simulated devices each train exactly like one process with 8."""
+"""Two local processes with 4 simulated devices each train exactly like one process with 8,
+hot rows included: statistics from the global batches, a refresh every two steps."""
 
 import fcntl
 import json
@@ -12,7 +13,8 @@ import pytest
 
 ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
         "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
-        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3"]
+        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3", "--set", "embedding.hot.rows=16",
+        "--set", "embedding.hot.refresh_every=2", "--set", "embedding.hot.stats_batches=1"]
 
 
 def free_port() -> int:
@@ -22,7 +24,8 @@ def free_port() -> int:
 
 
 def losses(run_dir):
-    return [(e["step"], e["loss"], e.get("auc")) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [(e["step"], e["loss"], e.get("auc"), e["hot_hit_rate"])
+            for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 def launch_two(args, env, cwd):
@@ -58,10 +61,11 @@ def test_two_processes_equal_one(tmp_path):
     assert len(run_dirs) == 1 and all(f"run dir: runs/{run_dirs[0].name}" in out for out, _ in outs)
     assert sorted(p.name for p in (run_dirs[0] / "checkpoints").iterdir()) == ["3", "6"]
     one, two = losses(tmp_path / "one"), losses(run_dirs[0])
-    assert [s for s, _, _ in one] == [s for s, _, _ in two]
-    for (_, a, auc_a), (_, b, auc_b) in zip(one, two, strict=True):
+    assert [s for s, _, _, _ in one] == [s for s, _, _, _ in two]
+    for (_, a, auc_a, hits_a), (_, b, auc_b, hits_b) in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)
         assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)
+        assert hits_a == hits_b and 0 < hits_a < 1  # the same hot rows, chosen from the global batches
 
     # The run dir in use (its lock held here): both processes refuse at once, in one line each.
     with open(run_dirs[0] / ".lock", "a+") as held:

@@ -8,6 +8,9 @@ On-disk layout (written by :func:`dlrm_jax.data.criteo.preprocess_criteo`)::
     PATH/{train,val}/labels.npy    float32 [n]             0 or 1
     PATH/vocab/feature_{f}.npy     uint64  [K_f, 2]        (hex value, count) of id 1..K_f
                                                            (vocabulary mode only)
+    PATH/train/id_counts.npz       ids_{f} int64, counts_{f} int64: how often each id of
+                                   feature f occurs in the train split (its HISTOGRAM_IDS
+                                   most frequent ids), for choosing hot rows without a pass
 
 Every batch is a pure function of (seed, step, process): a resumed run reads exactly the data
 an uninterrupted one read, and each process reads only its own rows of the global batch.
@@ -27,6 +30,7 @@ from dlrm_jax.data.batch import Batch, check_ids, process_slice
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
+ID_COUNTS_FILE = "id_counts.npz"
 SPLITS = ("train", "val")
 ARRAY_DTYPES = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
 _META_KEYS = ("num_dense", "cardinalities", "train_rows", "val_rows")
@@ -89,11 +93,53 @@ def remove_stale_temporaries(output: str | Path) -> list[Path]:
     return removed
 
 
+HISTOGRAM_IDS = 1 << 20  # ids kept per feature in id_counts.npz: far more than any hot set
+
+
+class ValueCounter:
+    """Per-feature (value, count) tables. Chunk tables are merged only once they outgrow the
+    merged table, so features with millions of values cost amortised O(N log N). With
+    ``keep``, a merge keeps only the ``keep`` most counted values of a feature (memory stays
+    bounded; a value dropped early loses what it had counted)."""
+
+    def __init__(self, features: int, dtype, keep: int = 0):
+        self._merged = [(np.zeros(0, dtype), np.zeros(0, np.int64))] * features
+        self._pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(features)]
+        self._keep = keep
+
+    def add(self, values: np.ndarray, empty: np.ndarray) -> None:
+        """values [n, F], empty bool [n, F] (not counted)."""
+        for f, pending in enumerate(self._pending):
+            pending.append(np.unique(values[~empty[:, f], f], return_counts=True))
+            if sum(len(v) for v, _ in pending) > max(len(self._merged[f][0]), 1 << 20):
+                self._merge(f)
+
+    def _merge(self, f: int) -> None:
+        parts = [self._merged[f], *self._pending[f]]
+        vals, inverse = np.unique(np.concatenate([v for v, _ in parts]), return_inverse=True)
+        counts = np.zeros(len(vals), np.int64)
+        np.add.at(counts, inverse, np.concatenate([c for _, c in parts]))
+        if self._keep and len(vals) > self._keep:
+            top = np.sort(np.lexsort((vals, -counts))[: self._keep])
+            vals, counts = vals[top], counts[top]
+        self._merged[f], self._pending[f] = (vals, counts), []
+
+    @property
+    def features(self) -> int:
+        return len(self._merged)
+
+    def table(self, f: int) -> tuple[np.ndarray, np.ndarray]:
+        """[V] distinct values (ascending) and int64 [V] their counts."""
+        self._merge(f)
+        return self._merged[f]
+
+
 class DatasetWriter:
     """Writes the layout above into a temporary directory beside ``output``.
 
     Rows are appended in order, the first ``train_rows`` to train/ and the rest to val/, into
-    ``.npy`` memmaps created at their final size. :meth:`commit` writes meta.json last and
+    ``.npy`` memmaps created at their final size; the train rows' ids are counted per feature
+    (train/id_counts.npz). :meth:`commit` writes meta.json last and
     renames the directory into place, so a crash never leaves a half-written dataset at
     ``output``; as a context manager an exception removes the temporary directory instead.
     """
@@ -107,6 +153,7 @@ class DatasetWriter:
         self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.root, ignore_errors=True)
         self.train_rows, self.pos = train_rows, 0
+        self.id_counts = ValueCounter(num_features, np.int64, keep=HISTOGRAM_IDS)
         widths = {"dense": (num_dense,), "ids": (num_features,), "labels": ()}
         self.splits = []
         for split, rows in zip(SPLITS, (train_rows, val_rows), strict=True):
@@ -130,6 +177,7 @@ class DatasetWriter:
         if self.pos + n > total:
             raise RuntimeError(f"{self.output}: more than the {total} rows announced")
         cut = min(max(self.train_rows - self.pos, 0), n)  # rows [:cut] belong to train
+        self.id_counts.add(ids[:cut].astype(np.int64), ids[:cut] < 0)
         for name, x in (("dense", dense), ("ids", ids), ("labels", labels)):
             self.splits[0][name][self.pos : self.pos + cut] = x[:cut]
             if cut < n:
@@ -145,6 +193,9 @@ class DatasetWriter:
         for a in (a for split in self.splits for a in split.values()):
             a.flush()
         self.splits = []  # drop the memmaps before renaming
+        tables = [self.id_counts.table(f) for f in range(self.id_counts.features)]
+        np.savez(self.root / "train" / ID_COUNTS_FILE, **{f"ids_{f}": v for f, (v, _) in enumerate(tables)},
+                 **{f"counts_{f}": c for f, (_, c) in enumerate(tables)})
         meta = {"format_version": FORMAT_VERSION, **meta}
         (self.root / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         if self.output.exists():  # an earlier dataset: replaced only now that this one is whole
@@ -253,6 +304,26 @@ class BinarySource:
             return ""
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.meta.get("skipped_by_reason", {}).items()))
         return f"{self.root}: preprocessing skipped {skipped} malformed line(s) ({reasons})"
+
+    def id_histograms(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per feature, the train split's ids (int64, distinct) and how often each occurs,
+        mapped into the tables as batches are (``data.max_rows`` hashing); None for a dataset
+        preprocessed before histograms were written."""
+        path = self.root / "train" / ID_COUNTS_FILE
+        if not path.exists():
+            return None
+        try:
+            with np.load(path) as saved:
+                raw = [(saved[f"ids_{f}"], saved[f"counts_{f}"]) for f in range(len(self._table_rows))]
+        except (OSError, ValueError, KeyError) as e:
+            raise BinaryFormatError(f"{path}: cannot be read ({e}); preprocess the data again") from None
+        out = []
+        for f, (ids, counts) in enumerate(raw):
+            if f in self._hashed:  # the same id % rows the batches go through
+                ids, inverse = np.unique(ids % self._table_rows[f], return_inverse=True)
+                counts = np.bincount(inverse, weights=counts).astype(np.int64)
+            out.append((ids.astype(np.int64), counts))
+        return out
 
     # ---------------------------------------------------------------- training
     def _permutation(self, epoch: int) -> np.ndarray:

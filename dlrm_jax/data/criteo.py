@@ -283,34 +283,6 @@ class CriteoTSVSource:
 # ---------------------------------------------------------------- preprocessing to binary
 
 
-class _VocabCounter:
-    """Per-feature (value, count) tables. Chunk tables are merged only once they outgrow the
-    merged table, so features with millions of values cost amortised O(N log N)."""
-
-    def __init__(self, features: int):
-        self._merged = [(np.zeros(0, np.uint64), np.zeros(0, np.int64))] * features
-        self._pending: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(features)]
-
-    def add(self, values: np.ndarray, empty: np.ndarray) -> None:
-        """values uint64 [n, F], empty bool [n, F] (not counted)."""
-        for f, pending in enumerate(self._pending):
-            pending.append(np.unique(values[~empty[:, f], f], return_counts=True))
-            if sum(len(v) for v, _ in pending) > max(len(self._merged[f][0]), 1 << 20):
-                self._merge(f)
-
-    def _merge(self, f: int) -> None:
-        parts = [self._merged[f], *self._pending[f]]
-        vals, inverse = np.unique(np.concatenate([v for v, _ in parts]), return_inverse=True)
-        counts = np.zeros(len(vals), np.int64)
-        np.add.at(counts, inverse, np.concatenate([c for _, c in parts]))
-        self._merged[f], self._pending[f] = (vals, counts), []
-
-    def table(self, f: int) -> tuple[np.ndarray, np.ndarray]:
-        """uint64 [V] distinct values (ascending) and int64 [V] their counts."""
-        self._merge(f)
-        return self._merged[f]
-
-
 class _Vocabulary:
     """One feature's values counted >= min_count get ids 1.. by decreasing count (ties: smaller
     value first); everything else (rare or missing) is id 0."""
@@ -374,7 +346,7 @@ def preprocess_criteo(
     _check_arguments(inputs, max_ind_range, min_count, val_fraction, chunk_lines)
     binary.check_output_target(output)  # fail before a long scan, not after it
     paths, log = [str(p) for p in inputs], SkipLog(skip_bad_lines)
-    counter = None if max_ind_range else _VocabCounter(NUM_CATEGORICAL)
+    counter = None if max_ind_range else binary.ValueCounter(NUM_CATEGORICAL, np.uint64)
     lines_read, valid = 0, 0
     for _, _, lines, parsed in iter_chunks(paths, chunk_lines, log, "scan", progress):
         lines_read, valid = lines_read + len(lines), valid + len(parsed.rows)
@@ -410,7 +382,7 @@ def _check_arguments(inputs, max_ind_range, min_count, val_fraction, chunk_lines
             raise ValueError(f"preprocess_criteo: needs {need}")
 
 
-def _save_vocabularies(root: Path, counter: _VocabCounter, min_count: int) -> list[_Vocabulary]:
+def _save_vocabularies(root: Path, counter: binary.ValueCounter, min_count: int) -> list[_Vocabulary]:
     """root/vocab/feature_{f}.npy: uint64 [K_f, 2], row i = (hex value, count) of id i + 1."""
     (folder := root / "vocab").mkdir()
     vocabs = [_Vocabulary(*counter.table(f), min_count) for f in range(NUM_CATEGORICAL)]

@@ -4,11 +4,13 @@ The plan's hot group (``plan.hot``) holds H rows of any tables as ``[H, D]`` on 
 the sparse optimizer's state beside them, and their keys (``routing.hot_keys``: sorted
 (table, id) pairs). H is fixed when the step compiles; which rows are hot is state.
 
-lookup    ``routing.split_hot`` splits the batch's ids into hot rows and cold ids. Cold ids take
-          their tables' exchange (a hot id never enters a bucket); hot rows are a local gather.
-update    each device sums its hot rows' gradients, a psum adds them over the devices (XLA's
-          all-reduce combiner may merge it with the dense gradients' all-reduce), and every
-          replica applies the same sparse-optimizer update: the replicas never drift apart.
+lookup    ``routing.split_hot`` splits the batch's ids into hot rows and cold ids (a hash index
+          of the keys, two gathers). Cold ids take their tables' exchange (a hot id never
+          enters a bucket); hot rows are a local gather.
+update    each device sums its hot rows' gradients; their sum over devices is a reduction in
+          the partitioned program, whose all-reduce XLA merges with the dense gradients' (the
+          step's collectives are the same with and without hot rows); every replica applies
+          the same dense optimizer update to its copy: the replicas never drift apart.
 refresh   a program of its own, run at a step boundary: the hot copies are written back to
           their owners (values and optimizer state), then the new hot rows are gathered from
           theirs. Only the keys' contents change, so the step never recompiles.

@@ -40,9 +40,9 @@ def initial_counts(cfg, source: DataSource) -> RowCounts:
     """Lookup counts to choose the first hot set from: the dataset's id histograms when the
     source has them, else the first ``embedding.hot.stats_batches`` training batches."""
     histograms = getattr(source, "id_histograms", None)
-    counts = histograms() if histograms else None
-    if counts is not None:
-        return counts
+    per_feature = histograms() if histograms else None
+    if per_feature is not None:
+        return RowCounts(tuple(ids for ids, _ in per_feature), tuple(c.astype(np.float64) for _, c in per_feature))
     batches = (global_ids(source.train_batch(i).ids) for i in range(cfg.embedding.hot.stats_batches))
     return RowCounts.from_batches(batches, cfg.bag_sizes)
 
