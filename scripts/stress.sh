@@ -4,7 +4,9 @@
 # dlrm_jax/train/trainer.py (one thread dispatches collectives, a bounded number in flight).
 #
 #   scripts/stress.sh [SINGLE_RUNS=20] [TWO_PROCESS_RUNS=10] [PEER_LOSS_RUNS=4]
+#   STRESS_SET="embedding.hot.rows=auto embedding.hot.refresh_every=25" scripts/stress.sh 6 4 0
 #
+# STRESS_SET: extra config overrides (KEY=VALUE, space-separated) for every run.
 # Peer loss: a two-process training whose process 1 (odd runs) or 0 (even runs) is SIGKILLed
 # mid-run; the survivor must exit non-zero within PEER_BOUND_S seconds (the README's bound).
 #
@@ -28,6 +30,7 @@ args=(train --config criteo_kaggle --set data.source=binary --set "data.path=$wo
       --set train.batch_size=128 --set train.optimizer=sgd --set embedding.optimizer=sgd
       --set train.eval_every=63 --set train.eval_batches=0 --set mesh.devices=8
       --set train.progress_bar=false)
+for kv in ${STRESS_SET:-}; do args+=(--set "$kv"); done
 failed=0
 
 for i in $(seq 1 "$single"); do

@@ -26,8 +26,12 @@ def reference_and_bound(data, ids, num):
     return ref, bound
 
 
+MAX_N, MAX_WIDTH = 300, 5
+SUM = jax.jit(exact_segment_sum, static_argnums=2)
+
+
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 300), num=st.integers(1, 20), width=st.integers(1, 5),
+@given(n=st.integers(1, MAX_N), num=st.integers(1, 20), width=st.integers(1, MAX_WIDTH),
        spread=st.floats(0, 60), seed=st.integers(0, 2**16))
 def test_any_order_same_bits_and_within_bound(n, num, width, spread, seed):
     rng = np.random.default_rng(seed)
@@ -36,11 +40,18 @@ def test_any_order_same_bits_and_within_bound(n, num, width, spread, seed):
     data[rng.random(n) < 0.1] = 0.0
     data = data.astype(np.float32)
     ids = rng.integers(-1, num + 1, n).astype(np.int32)
-    got = np.asarray(exact_segment_sum(jnp.asarray(data), jnp.asarray(ids), num))
+    # One compiled shape per num: padded to MAX_N addends with id -1 (dropped) and to MAX_WIDTH
+    # columns of zeros (which leave every addend's largest magnitude, hence its scale, alone).
+    padded = np.zeros((MAX_N, MAX_WIDTH), np.float32)
+    padded[:n, :width] = data
+    padded[n:] = rng.standard_normal((MAX_N - n, MAX_WIDTH))
+    padded_ids = np.concatenate([ids, np.full(MAX_N - n, -1, np.int32)])
+    got = np.asarray(SUM(jnp.asarray(padded), jnp.asarray(padded_ids), num))
     for _ in range(3):
-        p = rng.permutation(n)
-        again = np.asarray(exact_segment_sum(jnp.asarray(data[p]), jnp.asarray(ids[p]), num))
+        p = rng.permutation(MAX_N)
+        again = np.asarray(SUM(jnp.asarray(padded[p]), jnp.asarray(padded_ids[p]), num))
         np.testing.assert_array_equal(again, got)
+    got = got[:, :width]
     ref, bound = reference_and_bound(data, ids, num)
     assert np.all(np.abs(got - ref) <= bound + 1e-37), np.max(np.abs(got - ref) - bound)
 

@@ -116,6 +116,7 @@ class EmbeddingCollection:
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
                            self.one_hot) if plan.hot_rows else None
         self._refresh = None
+        self._counters = {}
 
     # ------------------------------------------------------------ state
     def state_sharding(self) -> EmbeddingState:
@@ -200,8 +201,10 @@ class EmbeddingCollection:
             if not g.replicated:
                 sized = []
                 for stat in (exchange.busiest_owner_requests, exchange.busiest_owner_all_requests):
-                    count = jax.jit(stat(g, self.mesh))
-                    most = max(int(np.asarray(count(ids).addressable_data(0))) for ids in id_batches)
+                    key = (g.name, stat.__name__)
+                    if key not in self._counters:  # compiled once: the hot-row model calls this often
+                        self._counters[key] = jax.jit(stat(g, self.mesh))
+                    most = max(int(np.asarray(self._counters[key](ids).addressable_data(0))) for ids in id_batches)
                     sized.append(max(1, math.ceil(headroom * most)))
                 out.append((g.name, *sized))
         return tuple(out)

@@ -47,13 +47,14 @@ def initial_counts(cfg, source: DataSource) -> RowCounts:
     return RowCounts.from_batches(batches, cfg.bag_sizes)
 
 
-def choose(cfg, plan: EmbeddingPlan, collection: EmbeddingCollection, source: DataSource,
+def choose(cfg, plan: EmbeddingPlan, measuring: EmbeddingCollection, source: DataSource,
            calibration_steps: int, log=print) -> tuple[EmbeddingPlan, HotSchedule | None]:
     """``plan`` with its hot rows (``embedding.hot.rows``: a number, or ``auto`` for the cost
     model), the bucket capacities measured with them masked out, and the schedule that starts
-    from the chosen rows (None when no rows are replicated)."""
+    from the chosen rows (None when no rows are replicated). ``measuring``: a collection of
+    the plan's groups, whose ``measure_capacities`` prices the candidates."""
     h = cfg.embedding.hot
-    mesh = collection.mesh
+    mesh = measuring.mesh
     if h.rows == "auto" and mesh.size == 1:
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
@@ -64,7 +65,7 @@ def choose(cfg, plan: EmbeddingPlan, collection: EmbeddingCollection, source: Da
 
     def measure(host_batches):
         on_mesh = [jax.make_array_from_process_local_data(sharding, b[mine]) for b in host_batches]
-        return collection.measure_capacities(on_mesh, cfg.embedding.capacity_factor)
+        return measuring.measure_capacities(on_mesh, cfg.embedding.capacity_factor)
 
     bags = cfg.bag_sizes
     if h.rows == "auto":

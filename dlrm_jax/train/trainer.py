@@ -75,20 +75,19 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
                          f"{mesh.size} devices of the mesh (mesh.devices)")
     plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
     optimizer = sparse_optimizer_from_config(cfg)
-    collection = EmbeddingCollection(plan, mesh, optimizer)
+    # Measures buckets (its counting programs depend on the groups only, not on capacities).
+    measuring = EmbeddingCollection(plan, mesh, optimizer)
     if source is not None and cfg.embedding.capacity_from == "measured" and mesh.size > 1:
         batch_sharding = NamedSharding(mesh, P(AXIS))
         ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
                for i in range(CALIBRATION_BATCHES)]
-        capacities = collection.measure_capacities(ids, cfg.embedding.capacity_factor)
-        plan = dataclasses.replace(plan, capacities=capacities)
-        collection = EmbeddingCollection(plan, mesh, optimizer)
+        plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
     schedule = None
     if cfg.embedding.hot.rows != 0:
         if source is None:
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
-        plan, schedule = hot_setup.choose(cfg, plan, collection, source, CALIBRATION_BATCHES, log)
-        collection = EmbeddingCollection(plan, mesh, optimizer)
+        plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
+    collection = EmbeddingCollection(plan, mesh, optimizer)
     return plan, StepFunctions(cfg, mesh, collection, schedule)
 
 
