@@ -140,9 +140,10 @@ class HotSchedule:
 
     def __init__(self, capacity: int, bag_sizes: Sequence[int], counts: RowCounts, *, window: int,
                  refresh_every: int, decay: float):
-        self.capacity, self.bag_sizes, self.counts = capacity, tuple(bag_sizes), counts
+        self.capacity, self.bag_sizes = capacity, tuple(bag_sizes)
         self.window, self.refresh_every, self.decay = window, refresh_every, decay
         self.keep = max(16 * capacity, 4096)
+        self.counts = counts.truncated(self.keep)
 
     def counts_batch(self, step: int) -> bool:
         """Whether batch ``step`` (0-based: the one trained in step ``step + 1``) is counted."""

@@ -84,6 +84,6 @@ def choose(cfg, plan: EmbeddingPlan, measuring: EmbeddingCollection, source: Dat
     plan = hot_plan(plan, rows, capacities, no_hot, counts, capacity)
     if plan.hot is None:
         return plan, None
-    schedule = HotSchedule(plan.hot_rows, bags, counts.truncated(max(16 * plan.hot_rows, 4096)),
+    schedule = HotSchedule(plan.hot_rows, bags, counts,
                            window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay)
     return plan, schedule
