@@ -100,6 +100,23 @@ class HotConfig:
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """Tiered storage: tables in a tensorstore array on local disk, DRAM and device caches in
+    front (embedding/tier_*.py, embedding/device_cache.py)."""
+
+    path: str = ""  # the disk tier's folder; '' = RUN_DIR/tier
+    # Device cache per owner of each tiered table: rows, or 0 = device_cache_fraction of them.
+    device_cache_rows: int = 0
+    device_cache_fraction: float = 0.1
+    host_cache_rows: int = 0  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
+    host_cache_fraction: float = 0.25
+    policy: str = field(default="lru", metadata=_choices("lru", "lfu"))  # the DRAM cache's
+    lookahead: int = 2  # batches planned ahead; their rows are never evicted early
+    fill_rows: int = 0  # rows one step may fill per device and group; 0 = measured
+    chunk_mb: float = 4.0  # size of the disk tier's chunk files
+
+
+@dataclass(frozen=True)
 class EmbeddingConfig:
     sharding: str = field(
         default="auto", metadata=_choices("auto", "replicated", "table", "row", "column")
@@ -120,6 +137,11 @@ class EmbeddingConfig:
     deterministic: bool = False
     memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
     hot: HotConfig = HotConfig()
+    # Where tables live: on their devices, or in the host tier behind caches (sharded tables
+    # only: a replicated table is small by choice). table_storage overrides it per table.
+    storage: str = field(default="device", metadata=_choices("device", "tiered"))
+    table_storage: tuple[str, ...] = ()  # e.g. ["cat_2=tiered", "cat_9=device"]
+    tier: TierConfig = TierConfig()
 
 
 @dataclass(frozen=True)
@@ -357,6 +379,18 @@ def validate(cfg: Config) -> Config:
         if not sep or value not in strategies:
             raise ConfigError(f"embedding.table_sharding[{i}]: {item!r} must be TABLE=STRATEGY with "
                               f"STRATEGY one of {', '.join(strategies)}, e.g. cat_2=row")
+    for i, item in enumerate(e.table_storage):
+        name, sep, value = item.partition("=")
+        if not sep or value not in ("device", "tiered"):
+            raise ConfigError(f"embedding.table_storage[{i}]: {item!r} must be TABLE=STORAGE with "
+                              f"STORAGE one of device, tiered, e.g. cat_2=tiered")
+    tier = e.tier
+    for key in ("device_cache_rows", "host_cache_rows", "lookahead", "fill_rows"):
+        _positive(f"embedding.tier.{key}", getattr(tier, key), allow_zero=True)
+    for key in ("device_cache_fraction", "host_cache_fraction"):
+        if not 0.0 < getattr(tier, key) <= 1.0:
+            raise ConfigError(f"embedding.tier.{key}: must be in (0, 1], got {getattr(tier, key)}")
+    _positive("embedding.tier.chunk_mb", tier.chunk_mb)
     h = e.hot
     if h.rows != "auto":
         _positive("embedding.hot.rows", h.rows, allow_zero=True)

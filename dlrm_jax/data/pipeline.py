@@ -4,39 +4,41 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
+_DONE = object()
 
 
-def prefetch(make: Callable[[int], T], steps: range, depth: int = 2) -> Iterator[T]:
-    """Yields ``make(step)`` for each step, computed ``depth`` steps ahead in a thread.
+def background(items: Iterable[T], depth: int = 2) -> Iterator[T]:
+    """Yields the items of ``items``, produced up to ``depth`` ahead in a thread.
 
-    An exception in ``make`` is raised here, at the step that caused it.
+    An exception while producing an item is raised here, where that item would have come.
+    The thread runs plain Python and numpy only: it never dispatches a device program.
     """
-    q: queue.Queue = queue.Queue(maxsize=depth)
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
 
     def work():
-        for step in steps:
-            if stop.is_set():
-                return
-            try:
-                item = (make(step), None)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                item = (None, e)
-            q.put(item)
-            if item[1] is not None:
-                return
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put((item, None))
+            q.put((_DONE, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((None, e))
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
     try:
-        for _ in steps:
+        while True:
             value, error = q.get()
             if error is not None:
                 raise error
+            if value is _DONE:
+                return
             yield value
     finally:
         stop.set()
@@ -45,3 +47,8 @@ def prefetch(make: Callable[[int], T], steps: range, depth: int = 2) -> Iterator
                 q.get_nowait()
             except queue.Empty:
                 thread.join(0.01)
+
+
+def prefetch(make: Callable[[int], T], steps: range, depth: int = 2) -> Iterator[T]:
+    """Yields ``make(step)`` for each step, computed ``depth`` steps ahead in a thread."""
+    return background(map(make, steps), depth)

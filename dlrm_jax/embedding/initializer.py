@@ -75,3 +75,15 @@ def init_group(g: Group, table_rows: tuple[int, ...], key: jax.Array, dtype) -> 
     u = hash_uniform(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
                      table[:, None], logical[:, None], cols)
     return ((2.0 * u - 1.0) * scale[:, None]).astype(dtype)
+
+
+def init_table_rows(key: jax.Array, table: int, table_rows: int, start: int, stop: int, dim: int,
+                    dtype) -> jax.Array:
+    """Rows [start, stop) of logical table ``table`` [stop - start, dim], the same values
+    :func:`init_group` gives them under any plan (a tiered table's bulk load)."""
+    rows = start + lax.iota(jnp.int32, stop - start)
+    cols = lax.iota(jnp.int32, dim)
+    u = hash_uniform(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
+                     jnp.full((stop - start, 1), table, jnp.int32), rows[:, None], cols[None, :])
+    scale = jnp.full((stop - start, 1), 1.0 / table_rows ** 0.5, jnp.float32)
+    return ((2.0 * u - 1.0) * scale).astype(dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -50,6 +50,14 @@ class TablePlan:
     strategy: Strategy
     devices: tuple[int, ...]
     row_layout: RowLayout = RowLayout.BLOCK
+    # Tiered storage: the table lives in the host tier and each owner's devices hold this many
+    # cache slots of its part (rows of its block; of the whole table for table/column-wise);
+    # 0 = the whole table lives on its devices.
+    cache_rows: int = 0
+
+    @property
+    def tiered(self) -> bool:
+        return self.cache_rows > 0
 
     @property
     def column_slices(self) -> int:
@@ -61,9 +69,17 @@ class TablePlan:
 
     def rows_per_device(self, num_devices: int) -> int:
         """Rows a device holding a part of this table keeps (row-wise: the padded block)."""
+        if self.tiered:
+            return self.cache_rows
         if self.strategy == Strategy.ROW:
             return math.ceil(self.spec.rows / num_devices)
         return self.spec.rows
+
+    def spaces(self, num_devices: int) -> int:
+        """Independent sets of cache slots of a tiered table: one per owner of a row-wise
+        table (each caches rows of its own block), one otherwise (column slices cache the
+        same rows, each its own columns)."""
+        return num_devices if self.strategy == Strategy.ROW else 1
 
     def bytes_on_device(self, num_devices: int, optimizer: str, dtype: str) -> np.ndarray:
         """Parameter and optimizer-state bytes this table puts on each device: int64 [N, 2]."""
@@ -96,6 +112,29 @@ class HotPlan:
 
 
 @dataclass(frozen=True)
+class TierPlan:
+    """Tiered storage settings the host side runs with (the device caches' sizes are each
+    table's ``TablePlan.cache_rows``).
+
+    host_rows: per table, rows of its host DRAM cache (0 for device-resident tables);
+    policy: the DRAM cache's eviction policy (``lru`` | ``lfu``); lookahead: batches the
+    planner works ahead; fill_rows: per sharded group, the rows one step may fill on one
+    device (more run in extra fill rounds); device_hit_rates / host_hit_rates: per table,
+    the predicted share of lookups each cache serves (from the id statistics).
+    """
+
+    host_rows: tuple[int, ...]
+    policy: str = "lru"
+    lookahead: int = 2
+    fill_rows: tuple[tuple[str, int], ...] = ()
+    device_hit_rates: tuple[float, ...] = ()
+    host_hit_rates: tuple[float, ...] = ()
+
+    def fill_capacity(self, group: str) -> int:
+        return dict(self.fill_rows).get(group, 0)
+
+
+@dataclass(frozen=True)
 class EmbeddingPlan:
     """Every table's placement, and the exchange settings the step is compiled with."""
 
@@ -114,6 +153,24 @@ class EmbeddingPlan:
     # all-request capacity). Groups not listed get capacity_factor x the batch-size bound.
     capacities: tuple[tuple[str, int, int], ...] = ()
     hot: HotPlan | None = None
+    tier: TierPlan | None = None
+
+    @property
+    def tiered_tables(self) -> tuple[int, ...]:
+        """Indices of the tables kept in the host tier."""
+        return tuple(t for t, tp in enumerate(self.tables) if tp.tiered)
+
+    def device_view(self) -> EmbeddingPlan:
+        """The plan the devices run: each tiered table replaced by its device caches, a
+        table of cache slots routed like the original (row-wise: ``cache_rows`` per owner,
+        same layout), so cache ids reach the owner of the logical row they stand for."""
+        tables = []
+        for tp in self.tables:
+            if tp.tiered:
+                rows = tp.cache_rows * (self.num_devices if tp.strategy == Strategy.ROW else 1)
+                tp = replace(tp, spec=replace(tp.spec, rows=rows), cache_rows=0)
+            tables.append(tp)
+        return replace(self, tables=tuple(tables))
 
     @property
     def hot_rows(self) -> int:
@@ -135,7 +192,8 @@ class EmbeddingPlan:
         raw = json.loads(text)
         tables = tuple(
             TablePlan(TableSpec(**{**t["spec"], "pooling": Pooling(t["spec"]["pooling"])}),
-                      Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]))
+                      Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]),
+                      int(t.get("cache_rows", 0)))
             for t in raw.pop("tables")
         )
         raw["capacities"] = _capacities(raw.get("capacities", ()))
@@ -143,6 +201,11 @@ class EmbeddingPlan:
             hot = raw["hot"]
             raw["hot"] = HotPlan(int(hot["rows"]), tuple(hot["per_table"]), float(hot["hit_rate"]),
                                  _capacities(hot["no_hot_capacities"]), tuple(hot["table_hit_rates"]))
+        if raw.get("tier") is not None:
+            tier = raw["tier"]
+            raw["tier"] = TierPlan(tuple(tier["host_rows"]), tier["policy"], int(tier["lookahead"]),
+                                   tuple((str(g), int(r)) for g, r in tier["fill_rows"]),
+                                   tuple(tier["device_hit_rates"]), tuple(tier["host_hit_rates"]))
         return cls(tables, **raw)
 
 

@@ -10,6 +10,8 @@ ties go to the simpler strategy (replicated, table, row, column).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections.abc import Mapping, Sequence
 
@@ -42,21 +44,31 @@ def column_slices(spec: TableSpec, num_devices: int) -> int:
     return best
 
 
-def parse_overrides(items: Sequence[str], specs: Sequence[TableSpec]) -> dict[str, Strategy]:
-    """``["cat_2=row", ...]`` -> {name: Strategy}; unknown tables or strategies are errors."""
+def parse_overrides(items: Sequence[str], specs: Sequence[TableSpec], key: str = "embedding.table_sharding",
+                    values: type = Strategy) -> dict:
+    """``["cat_2=row", ...]`` -> {name: value}; unknown tables or values are errors."""
     names = {s.name for s in specs}
     out = {}
     for item in items:
         name, _, value = item.partition("=")
         if name not in names:
-            raise PlanError(f"embedding.table_sharding: no table named {name!r} "
-                            f"(tables: {', '.join(sorted(names))})")
+            raise PlanError(f"{key}: no table named {name!r} (tables: {', '.join(sorted(names))})")
         try:
-            out[name] = Strategy(value)
+            out[name] = values(value)
         except ValueError:
-            raise PlanError(f"embedding.table_sharding: {item!r}: strategy must be one of "
-                            f"{', '.join(s.value for s in Strategy)}") from None
+            raise PlanError(f"{key}: {item!r}: must be one of {', '.join(v.value for v in values)}") from None
     return out
+
+
+class Storage(enum.StrEnum):
+    DEVICE = "device"
+    TIERED = "tiered"
+
+
+def cache_slots(rows_per_owner: int, rows: int, fraction: float) -> int:
+    """Device-cache slots of a tiered table per owner: ``rows``, or else ``fraction`` of the
+    rows it owns; never more than it owns."""
+    return max(1, min(rows_per_owner, rows or math.ceil(fraction * rows_per_owner)))
 
 
 class _Placer:
@@ -68,8 +80,9 @@ class _Placer:
         self.memory = np.zeros(n, np.int64)
         self.traffic = np.zeros(n, np.float64)
 
-    def candidate(self, spec: TableSpec, strategy: Strategy, row_layout: RowLayout):
-        """(TablePlan, memory after, traffic after) for this table placed this way."""
+    def candidate(self, spec: TableSpec, strategy: Strategy, row_layout: RowLayout, cache: tuple[int, float] | None):
+        """(TablePlan, memory after, traffic after) for this table placed this way (``cache``:
+        a tiered table's device cache per owner, as rows or 0 and a fraction)."""
         n, lb, lookups = self.n, self.local_batch, self.local_batch * spec.bag_size
         per_id = lambda width: 8 + 2 * self.wire * width  # ids both ways, vectors + gradients  # noqa: E731
         traffic = np.zeros(n)
@@ -86,6 +99,8 @@ class _Placer:
             devices = tuple(int(d) for d in order[:slices])
             traffic[list(devices)] += (n - 1) * min(lookups, spec.rows) * per_id(width)
         plan = TablePlan(spec, strategy, devices, row_layout)
+        if cache is not None and strategy != Strategy.REPLICATED:
+            plan = dataclasses.replace(plan, cache_rows=cache_slots(plan.rows_per_device(n), *cache))
         memory = self.memory + plan.bytes_on_device(n, self.optimizer, self.dtype).sum(1)
         return plan, memory, self.traffic + traffic
 
@@ -101,10 +116,17 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
                     global_batch: int, *, overrides: Mapping[str, Strategy] | None = None,
                     row_layout: str = "block", capacity_factor: float = 1.25, dtype: str = "float32",
                     exchange_dtype: str = "float32", budget_bytes: int = 0,
-                    bag_exchange: str = "auto") -> EmbeddingPlan:
+                    bag_exchange: str = "auto", storage: str = "device",
+                    storage_overrides: Mapping[str, Storage] | None = None,
+                    device_cache: tuple[int, float] = (0, 0.1)) -> EmbeddingPlan:
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
-    one cannot be placed within ``budget_bytes`` per device (0 = no limit)."""
+    one cannot be placed within ``budget_bytes`` per device (0 = no limit).
+
+    Tiered tables (``storage``, ``storage_overrides``) count only their device caches
+    (``device_cache``: rows per owner, or 0 and a fraction of the rows it owns); they are
+    never replicated: ``auto`` chooses among the sharded strategies for them."""
     overrides = dict(overrides or {})
+    storage_overrides = dict(storage_overrides or {})
     layout = RowLayout(row_layout)
     placer = _Placer(num_devices, optimizer, dtype, DTYPE_BYTES[exchange_dtype],
                      global_batch // num_devices, budget_bytes)
@@ -113,11 +135,17 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
     for t in order:
         spec = specs[t]
         wanted = overrides.get(spec.name, sharding)
+        tiered = storage_overrides.get(spec.name, Storage(storage)) == Storage.TIERED
         options = ORDER if wanted == "auto" else (Strategy(wanted),)
+        if tiered and wanted == "auto":
+            options = ORDER[1:]
+        elif tiered and options == (Strategy.REPLICATED,) and spec.name in storage_overrides:
+            raise PlanError(f"table {spec.name}: a replicated table lives on every device and cannot be "
+                            f"tiered (embedding.table_storage); shard it or keep it on the devices")
         for s in options:
             _check_allowed(spec, s, num_devices, explicit=wanted != "auto")
         options = [s for s in options if _allowed(spec, s, num_devices)]
-        candidates = [placer.candidate(spec, s, layout) for s in options]
+        candidates = [placer.candidate(spec, s, layout, device_cache if tiered else None) for s in options]
         feasible = [c for c in candidates if placer.fits(c[1])]
         if not feasible:
             need = min(int(c[1].max()) for c in candidates)
@@ -171,5 +199,7 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> 
         specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size,
         overrides=parse_overrides(e.table_sharding, specs), row_layout=e.row_layout,
         capacity_factor=e.capacity_factor, dtype=e.dtype, exchange_dtype=e.exchange_dtype,
-        budget_bytes=budget, bag_exchange=e.bag_exchange,
+        budget_bytes=budget, bag_exchange=e.bag_exchange, storage=e.storage,
+        storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
+        device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
     )

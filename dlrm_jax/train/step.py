@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import Batch
+from dlrm_jax.embedding.cache_fill import fill_caches
 from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.routing import hot_keys
@@ -66,10 +67,13 @@ class StepFunctions:
     """Builds the model, the initial state and the compiled steps for one config and mesh."""
 
     def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection,
-                 hot: HotSchedule | None = None):
+                 hot: HotSchedule | None = None, cache_groups: tuple[str, ...] = ()):
         """``hot``: when the plan replicates hot rows, the schedule that knows which (the
-        initial state starts with its current rows)."""
+        initial state starts with its current rows). ``cache_groups``: the groups holding
+        device caches of tiered tables; the train step then takes each program's fills and
+        the previous program's evictions and returns its own (embedding/cache_fill.py)."""
         self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
+        self.cache_groups = cache_groups
         self.graphdef, _ = nnx.split(dlrm_from_config(cfg, nnx.Rngs(0)), nnx.Param)
         self.schedule = learning_rate_schedule(cfg)
         self.tx = dense_optimizer(cfg, self.schedule)
@@ -77,10 +81,18 @@ class StepFunctions:
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P(AXIS))
         self.state_sharding = self._state_sharding()
-        self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                                  out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
-        self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                                 out_shardings=self.batch_sharding)
+        if cache_groups:
+            b = self.batch_sharding
+            self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, b, b, b),
+                                      out_shardings=(self.state_sharding, self.replicated, b), donate_argnums=0)
+            self.fill_step = jax.jit(self._fill_step, in_shardings=(self.state_sharding.emb, b, b),
+                                     out_shardings=(self.state_sharding.emb, b), donate_argnums=0)
+            self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, b, b), out_shardings=b)
+        else:
+            self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                                      out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
+            self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                                     out_shardings=self.batch_sharding)
 
     # ------------------------------------------------------------ state
     def _dense_init(self):
@@ -95,14 +107,17 @@ class StepFunctions:
 
     def init_state(self) -> TrainState:
         """The initial state, created on the mesh with its final shardings."""
-        seed = self.cfg.train.seed
         params, opt = jax.jit(self._dense_init,
                               out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
-        emb = self.collection.init(jax.random.fold_in(jax.random.key(seed), 1))
+        emb = self.collection.init(self.embedding_key())
         if self.hot is not None:
             emb = self.collection.refresh(emb, hot_keys(self.hot.current_rows(), self.hot.capacity))
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step, params, opt, emb)
+
+    def embedding_key(self) -> jax.Array:
+        """The key every table's initial values derive from (tiered tables' too)."""
+        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 1)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this mesh."""
@@ -119,7 +134,16 @@ class StepFunctions:
         model = nnx.merge(self.graphdef, params)
         return model(batch.dense, pooled_bfd)
 
-    def _train_step(self, state: TrainState, batch: Batch):
+    def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
+        groups = {g.name: g for g in self.collection.groups}
+        tables, slots, evicted = fill_caches(groups, self.mesh, emb.tables, emb.slots, fills, prev)
+        return emb._replace(tables=tables, slots=slots), evicted
+
+    def _train_step(self, state: TrainState, batch: Batch, fills: dict | None = None, prev: dict | None = None):
+        evicted = None
+        if self.cache_groups:  # the device caches take this batch's rows first
+            emb, evicted = self._fill_step(state.emb, fills, prev)
+            state = state._replace(emb=emb)
         pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
 
         def loss_fn(params, pooled_bfd):
@@ -133,8 +157,13 @@ class StepFunctions:
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
-        return TrainState(state.step + 1, params, opt_state, emb), metrics
+        new_state = TrainState(state.step + 1, params, opt_state, emb)
+        return (new_state, metrics) if evicted is None else (new_state, metrics, evicted)
 
-    def _eval_step(self, state: TrainState, batch: Batch) -> jax.Array:
+    def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
+        """``host_pooled``: with tiered tables, their features' pooled vectors read on the
+        host (the batch's ids of those tables are padding here)."""
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
+        if host_pooled is not None:
+            pooled_bfd = pooled_bfd + host_pooled
         return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch))

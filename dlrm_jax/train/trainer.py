@@ -36,6 +36,7 @@ from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_st
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.train.tier_setup import tier_plan
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,18 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if cfg.embedding.hot.rows != 0:
         if source is None:
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
+        if plan.tiered_tables:
+            raise ValueError("embedding.hot.rows with tiered tables (embedding.storage) is not supported yet")
         plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
-    collection = EmbeddingCollection(plan, mesh, optimizer)
-    return plan, StepFunctions(cfg, mesh, collection, schedule)
+    if not plan.tiered_tables:
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
+    if source is None:
+        raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
+    if jax.process_count() > 1:
+        raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
+    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)])
+    collection = EmbeddingCollection(plan.device_view(), mesh, optimizer)
+    return plan, StepFunctions(cfg, mesh, collection, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
 
 
 def _device_budget(cfg: Config) -> int:

@@ -1,0 +1,139 @@
+"""The host DRAM cache of one tiered table, in front of its disk tier.
+
+Rows (values and optimizer state, every field of the tier) live in preallocated numpy arrays
+of ``capacity`` slots. Reads that miss go to the tier in one batched call and are kept; rows
+written back from the devices are kept dirty and reach the tier when evicted or flushed (a
+checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
+the number of uses (last use breaking ties) for ``lfu``; one ``argpartition`` per batch of
+misses, so a step costs O(capacity) numpy work at most, never per-row Python beyond a dict
+lookup.
+
+Single-threaded: only the thread that dispatches the steps calls it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from dlrm_jax.embedding.tier_store import TierStore
+
+
+class HostCache:
+    """DRAM cache of ``table``'s rows; ``policy`` is ``lru`` or ``lfu``."""
+
+    def __init__(self, store: TierStore, table: str, capacity: int, policy: str = "lru"):
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"embedding.tier.policy: {policy!r} must be lru or lfu")
+        self.store, self.table, self.capacity, self.policy = store, table, max(1, capacity), policy
+        fields = store.fields(table)
+        self.data = {k: np.zeros((self.capacity, *shape), _np_dtype(dtype)) for k, (shape, dtype) in fields.items()}
+        self.row_of = np.full(self.capacity, -1, np.int64)
+        self.dirty = np.zeros(self.capacity, bool)
+        self.last_use = np.full(self.capacity, -1, np.int64)
+        self.uses = np.zeros(self.capacity, np.int64)
+        self.slot_of: dict[int, int] = {}
+        self.tick = 0
+        self.hits = self.misses = self.tier_rows_read = self.tier_rows_written = 0
+
+    def _lookup(self, rows: np.ndarray) -> np.ndarray:
+        return np.fromiter(map(self.slot_of.get, rows.tolist(), itertools.repeat(-1)), np.int64, len(rows))
+
+    def _touch(self, slots: np.ndarray) -> None:
+        self.tick += 1
+        self.last_use[slots] = self.tick
+        self.uses[slots] += 1
+
+    def get(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Every field of distinct ``rows`` (int64 [n]): copies, from DRAM or the tier."""
+        slots = self._lookup(rows)
+        hit = slots >= 0
+        out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in self.data.items()}
+        for k, v in self.data.items():
+            out[k][hit] = v[slots[hit]]
+        self._touch(slots[hit])
+        self.hits += int(hit.sum())
+        if not hit.all():
+            missed = rows[~hit]
+            read = self.store.read(self.table, missed)
+            self.misses += len(missed)
+            self.tier_rows_read += len(missed)
+            for k in out:
+                out[k][~hit] = read[k]
+            self._insert(missed, read, dirty=False, keep=slots[hit])
+        return out
+
+    def put(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Newer contents of distinct ``rows`` (from a device cache): kept dirty."""
+        slots = self._lookup(rows)
+        hit = slots >= 0
+        for k, v in self.data.items():
+            v[slots[hit]] = values[k][hit]
+        self.dirty[slots[hit]] = True
+        self._touch(slots[hit])
+        if not hit.all():
+            self._insert(rows[~hit], {k: v[~hit] for k, v in values.items()}, dirty=True, keep=slots[hit])
+
+    def _insert(self, rows: np.ndarray, values: dict[str, np.ndarray], dirty: bool, keep: np.ndarray) -> None:
+        """Keep rows not cached yet; a batch larger than the cache keeps its last rows and
+        writes the rest straight through (when dirty)."""
+        if len(rows) > self.capacity:
+            if dirty:
+                self._write(rows[:-self.capacity], {k: v[:-self.capacity] for k, v in values.items()})
+            rows, values = rows[-self.capacity:], {k: v[-self.capacity:] for k, v in values.items()}
+            keep = keep[:0]
+        slots = self._victims(len(rows), keep)
+        old = self.row_of[slots]
+        flush = (old >= 0) & self.dirty[slots]
+        if flush.any():
+            self._write(old[flush], {k: v[slots[flush]] for k, v in self.data.items()})
+        for r in old[old >= 0].tolist():
+            del self.slot_of[r]
+        for k, v in self.data.items():
+            v[slots] = values[k]
+        self.row_of[slots] = rows
+        self.dirty[slots] = dirty
+        self.uses[slots] = 0
+        self._touch(slots)
+        self.slot_of.update(zip(rows.tolist(), slots.tolist(), strict=True))
+
+    def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
+        """``n`` slots to reuse: free ones first, then the lowest scores (not ``keep``)."""
+        if self.policy == "lru":
+            score = self.last_use.astype(np.float64)
+        else:  # uses first, recency breaks ties
+            score = self.uses * float(self.tick + 1) + self.last_use
+        score = np.where(self.row_of < 0, -1.0, score)
+        score[keep] = np.inf
+        if n >= self.capacity:
+            return np.argsort(score, kind="stable")[:n]
+        return np.argpartition(score, n - 1)[:n]
+
+    def _write(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        order = np.argsort(rows, kind="stable")  # chunk-ordered writes
+        self.store.write(self.table, rows[order], {k: v[order] for k, v in values.items()})
+        self.tier_rows_written += len(rows)
+
+    def flush(self) -> None:
+        """Write every dirty row to the tier; they stay cached, clean."""
+        slots = np.flatnonzero(self.dirty)
+        if slots.size:
+            self._write(self.row_of[slots], {k: v[slots] for k, v in self.data.items()})
+            self.dirty[slots] = False
+
+    def drop(self) -> None:
+        """Forget everything (after the tier was restored to a snapshot): dirty rows are lost."""
+        self.row_of[:] = -1
+        self.dirty[:] = False
+        self.last_use[:] = -1
+        self.uses[:] = 0
+        self.slot_of.clear()
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

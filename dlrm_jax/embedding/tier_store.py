@@ -1,0 +1,491 @@
+"""The disk tier of tiered embedding storage: tables too large for device memory, on local disk.
+
+Every field of every table (values, optimizer state) is an uncompressed zarr3 array under
+``root/work/<table>/<field>/``. Each chunk file of such an array is the raw C-order bytes of
+``chunk_rows`` rows (edge chunks too are full size), so per-step scattered row reads and writes go
+through ``np.memmap`` views of the chunk files: through tensorstore they are 5-60x slower.
+tensorstore creates, bulk-loads and exports the arrays; the host DRAM cache and the device caches
+in front of this tier call :meth:`TierStore.read` and :meth:`TierStore.write`.
+
+Crash safety is copy-on-write against hard-linked snapshots. :meth:`TierStore.snapshot` fsyncs
+the chunk files written since the last one and hard-links every working file into
+``root/snapshots/<step>/`` (built as ``<step>.tmp``, then renamed). A working chunk file with more
+than one link is shared with a snapshot: the first write to it copies it with ordinary file I/O
+(so a full disk is an error, never SIGBUS on a mapped page), fsyncs the copy and renames it over
+the working name. After a crash the working files are untrusted; :meth:`TierStore.restore`
+rebuilds ``work/`` from a snapshot's links (built as ``work.tmp``, then swapped in).
+
+Threads: one thread owns a TierStore; it takes no locks.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+FieldSpec = tuple[tuple[int, ...], str]  # (per-row shape, numpy dtype name), e.g. ((16,), "float32")
+TierTables = dict[str, tuple[int, dict[str, FieldSpec]]]  # table -> (rows, {field: FieldSpec})
+RowInit = Callable[[str, int, int], dict[str, np.ndarray]]  # (table, start, stop) -> rows [stop-start]
+
+CHUNK_BYTES = 4 * 2**20
+COPY_BUFFER_BYTES = 2**20
+# Chunk keys "c.<i>.0": one directory per array, so a snapshot creates and fsyncs a directory
+# per array, not one per chunk as the default "/" separator would.
+CHUNK_KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+
+
+class TierError(OSError):
+    """A tier file is missing, truncated, foreign, or could not be written; says which file."""
+
+    def __init__(self, path: Path, what: str, code: int | None = None):
+        super().__init__(f"{path}: {what}")
+        self.errno = code
+
+
+def _os_error(path: Path, e: OSError, doing: str = "") -> TierError:
+    what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return TierError(path, what + doing, e.errno)
+
+
+def default_chunk_rows(row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The largest power of two of rows of ``row_bytes`` that fits in ``chunk_bytes`` (at least 1)."""
+    return 1 << max(0, (chunk_bytes // max(1, row_bytes)).bit_length() - 1)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+@dataclass(frozen=True)
+class _Array:
+    """The geometry of one field's zarr3 array: [rows, *shape] in chunks of [chunk_rows, *shape]."""
+
+    rows: int
+    chunk_rows: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @property
+    def chunks(self) -> int:
+        return math.ceil(self.rows / self.chunk_rows)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_rows * math.prod(self.shape) * self.np_dtype.itemsize
+
+    def chunk_name(self, chunk: int) -> str:
+        return ".".join(["c", str(chunk)] + ["0"] * len(self.shape))
+
+    def metadata(self, codecs: list[dict] | None = None) -> dict:
+        return {"shape": [self.rows, *self.shape], "data_type": self.dtype,
+                "chunk_grid": {"name": "regular",
+                               "configuration": {"chunk_shape": [self.chunk_rows, *self.shape]}},
+                "chunk_key_encoding": CHUNK_KEY_ENCODING,
+                "codecs": codecs or [{"name": "bytes", "configuration": {"endian": "little"}}]}
+
+
+def _tensorstore(path: Path, array: _Array, create: bool = False, codecs: list[dict] | None = None,
+                 context: ts.Context | None = None) -> ts.TensorStore:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": array.metadata(codecs)}
+    if create:  # every chunk file must exist, fill-valued ones included: the memmaps need them
+        spec |= {"create": True, "store_data_equal_to_fill_value": True}
+    else:
+        spec["open"] = True
+    try:
+        return ts.open(spec, context=context).result()
+    except ValueError as e:
+        raise TierError(path, str(e).split(" [tensorstore_spec=")[0]) from None
+
+
+def _check_array(path: Path, array: _Array) -> None:
+    """Raises TierError unless ``path`` holds ``array``'s zarr.json and every full-size chunk file."""
+    meta = _read_zarr_json(path)
+    expected = array.metadata()
+    for key in ("shape", "data_type", "chunk_grid"):
+        if meta.get(key) != expected[key]:
+            raise TierError(path / "zarr.json", f"{key} is {json.dumps(meta.get(key))}, "
+                            f"expected {json.dumps(expected[key])} (a foreign array)")
+    codecs = meta.get("codecs", [])
+    raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
+           and codecs[0].get("configuration", {}).get("endian", "little") == "little")
+    if not raw or meta.get("chunk_key_encoding") != CHUNK_KEY_ENCODING:
+        raise TierError(path / "zarr.json", "not raw little-endian chunks with '.' chunk keys")
+    for chunk in range(array.chunks):
+        file = path / array.chunk_name(chunk)
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise TierError(file, "missing") from None
+        if size != array.chunk_bytes:
+            what = "truncated" if size < array.chunk_bytes else "too large"
+            raise TierError(file, f"{what} ({size} of {array.chunk_bytes} bytes)")
+
+
+def _read_zarr_json(path: Path) -> dict:
+    file = path / "zarr.json"
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise TierError(file, "missing") from None
+    except (ValueError, UnicodeDecodeError):
+        raise TierError(file, "not JSON") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise TierError(file, "not a zarr3 array")
+    return meta
+
+
+def _checked_values(table: str, field: str, array: _Array, values: dict, n: int) -> np.ndarray:
+    if field not in values:
+        raise ValueError(f"no values for field {field!r} of table {table!r}")
+    v = np.asarray(values[field], array.np_dtype)
+    if v.shape != (n, *array.shape):
+        raise ValueError(f"{table}/{field}: values of shape {v.shape}, expected {(n, *array.shape)}")
+    return v
+
+
+def _bulk_load(path: Path, table: str, fields: dict[str, _Array], init: RowInit) -> None:
+    """Creates the table's arrays under ``path`` and writes ``init``'s rows one chunk at a time."""
+    no_sync = ts.Context({"file_io_sync": False})  # the caller fsyncs each file once instead
+    stores = {f: _tensorstore(path / f, a, create=True, context=no_sync) for f, a in fields.items()}
+    geometry = next(iter(fields.values()))
+    for start in range(0, geometry.rows, geometry.chunk_rows):
+        stop = min(start + geometry.chunk_rows, geometry.rows)
+        values = init(table, start, stop)
+        pending = [stores[f][start:stop].write(_checked_values(table, f, a, values, stop - start))
+                   for f, a in fields.items()]
+        for p in pending:
+            p.result()
+
+
+def _saved_chunk_rows(meta: dict) -> int:
+    """The rows per chunk a zarr.json declares (0 if it declares none)."""
+    try:
+        return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """Copies with read/write, not mmap or reflink, and fsyncs: a full disk raises OSError here."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, COPY_BUFFER_BYTES)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+
+
+def _recover(root: Path) -> None:
+    """Finishes or undoes what a crash interrupted: a snapshot, a restore's swap, a create."""
+    for tmp in (root / "snapshots").glob("*.tmp"):
+        shutil.rmtree(tmp)
+    work, tmp, old = root / "work", root / "work.tmp", root / "work.old"
+    if old.is_dir():
+        if not work.exists():  # work.tmp was whole before work was renamed away
+            os.replace(tmp if tmp.is_dir() else old, work)
+        _remove(old)
+    _remove(tmp)  # an interrupted build
+
+
+class TierStore:
+    """All tiered tables of a run under one directory, crash-safe by copy-on-write snapshots.
+
+    Memory: a least-recently-used set of at most ``max_open_chunks`` chunk memmaps (each holds a
+    file descriptor and address space, not RAM); nothing proportional to a table's rows.
+    """
+
+    max_open_chunks = 512
+
+    def __init__(self, root: Path, arrays: dict[str, dict[str, _Array]]):
+        self.root = Path(root).absolute()
+        self._arrays = arrays
+        self._maps: OrderedDict[tuple[str, str, int], np.memmap] = OrderedDict()
+        self._private: set[tuple[str, str, int]] = set()  # chunks known to have one link: writable
+        self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
+
+    @classmethod
+    def create(cls, root: Path, tables: TierTables, init: RowInit, chunk_rows: int | None = None) -> TierStore:
+        """Creates the arrays and fills them with ``init(table, start, stop)``, one chunk at a time.
+
+        ``chunk_rows`` defaults to about CHUNK_BYTES of the widest field; a table shorter than a
+        chunk is one exact-size chunk. Refuses a root that already holds a store or snapshots."""
+        root = Path(root).absolute()
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
+        if (root / "work").exists():
+            raise TierError(root / "work", "already holds a tier store")
+        if any((root / "snapshots").glob("*")):
+            raise TierError(root / "snapshots", "holds snapshots of an earlier store")
+        arrays = {}
+        for table, (rows, fields) in tables.items():
+            if rows < 1 or not fields:
+                raise ValueError(f"table {table!r}: needs at least one row and one field")
+            widest = max(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in fields.values())
+            table_chunk_rows = min(chunk_rows or default_chunk_rows(widest), rows)
+            arrays[table] = {f: _Array(rows, table_chunk_rows, tuple(shape), dtype)
+                             for f, (shape, dtype) in fields.items()}
+        build = root / "work.tmp"
+        for table, fields in arrays.items():
+            _bulk_load(build / table, table, fields, init)
+        for path in sorted(build.rglob("*"), reverse=True):  # files before their directories
+            _fsync(path)
+        _fsync(build)
+        os.replace(build, root / "work")
+        _fsync(root)
+        return cls.open(root, tables)
+
+    @staticmethod
+    def exists(root: Path) -> bool:
+        """Whether ``root`` holds a store, once what a crash interrupted there is finished or undone
+        (a crash between a restore's two renames leaves no ``work/`` until then)."""
+        root = Path(root).absolute()
+        if root.is_dir():
+            _recover(root)
+        return (root / "work").is_dir()
+
+    @classmethod
+    def open(cls, root: Path, tables: TierTables) -> TierStore:
+        """Opens the store at ``root`` after checking every array's metadata and chunk files."""
+        root = Path(root).absolute()
+        if root.is_dir():
+            _recover(root)
+        work = root / "work"
+        if not work.is_dir():
+            raise TierError(work, "missing: no tier store here")
+        arrays = {}
+        for table, (rows, fields) in tables.items():
+            chunk_rows = _saved_chunk_rows(_read_zarr_json(work / table / next(iter(fields))))
+            arrays[table] = {f: _Array(rows, chunk_rows or rows, tuple(shape), dtype)
+                             for f, (shape, dtype) in fields.items()}
+            for field, array in arrays[table].items():
+                _check_array(work / table / field, array)
+        return cls(root, arrays)
+
+    def rows(self, table: str) -> int:
+        return next(iter(self._arrays[table].values())).rows
+
+    def fields(self, table: str) -> dict[str, FieldSpec]:
+        return {f: (a.shape, a.dtype) for f, a in self._arrays[table].items()}
+
+    def chunk_rows(self, table: str) -> int:
+        return next(iter(self._arrays[table].values())).chunk_rows
+
+    def read(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows int64 [n], any order, repeats allowed -> {field: copies [n, *shape]}."""
+        rows = self._checked_rows(table, rows)
+        groups = self._groups(table, rows)
+        out = {}
+        for field, array in self._arrays[table].items():
+            out[field] = np.empty((len(rows), *array.shape), array.np_dtype)
+            for chunk, where, offsets in groups:
+                out[field][where] = self._map(table, field, chunk)[offsets]
+        return out
+
+    def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Writes distinct rows [n] of some or all fields (``values[field]``: [n, *shape]).
+
+        Chunks shared with a snapshot are all copied before any row is written: if a copy fails
+        (TierError, e.g. ENOSPC) the store's contents are unchanged."""
+        rows = self._checked_rows(table, rows)
+        arrays = self._arrays[table]
+        values = {f: _checked_values(table, f, arrays[f], values, len(rows)) for f in values}
+        if len(np.unique(rows)) != len(rows):
+            raise ValueError(f"{table}: write() needs distinct rows")
+        groups = self._groups(table, rows)
+        for field in values:
+            for chunk, _, _ in groups:
+                self._make_private((table, field, chunk))
+        for field, v in values.items():
+            for chunk, where, offsets in groups:
+                self._map(table, field, chunk)[offsets] = v[where]
+                self._dirty.add((table, field, chunk))
+
+    def snapshot(self, step: int) -> None:
+        """Makes the current contents durable as ``snapshots/<step>/`` (replacing one of that step)."""
+        self._sync_dirty()
+        snapshots = self.root / "snapshots"
+        snapshots.mkdir(exist_ok=True)
+        build, final = snapshots / f"{step}.tmp", snapshots / str(step)
+        _remove(build)
+        self._link_tree(self.root / "work", build)
+        _remove(final)
+        os.replace(build, final)
+        _fsync(snapshots)
+        self._forget_chunks()  # every working chunk is now shared with the snapshot
+
+    def restore(self, step: int) -> None:
+        """Makes ``work/`` equal snapshot ``step``, discarding writes made since; re-runnable."""
+        source = self.root / "snapshots" / str(step)
+        if not source.is_dir():
+            raise TierError(source, "missing: no such snapshot")
+        for table, fields in self._arrays.items():
+            for field, array in fields.items():
+                _check_array(source / table / field, array)
+        self._forget_chunks()
+        self._dirty.clear()
+        work, build, old = self.root / "work", self.root / "work.tmp", self.root / "work.old"
+        _remove(build)
+        _remove(old)
+        self._link_tree(source, build)
+        if work.exists():
+            os.replace(work, old)
+        os.replace(build, work)  # a crash between the two renames: _recover finishes the swap
+        _fsync(self.root)
+        _remove(old)
+
+    def snapshots(self) -> list[int]:
+        d = self.root / "snapshots"
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+    def keep_snapshots(self, steps: Iterable[int]) -> None:
+        """Deletes every snapshot not in ``steps`` (working chunks they shared may become private)."""
+        keep = set(steps)
+        for step in self.snapshots():
+            if step not in keep:
+                shutil.rmtree(self.root / "snapshots" / str(step))
+
+    def export(self, dest: Path, table: str | None = None, snapshot: int | None = None) -> None:
+        """Writes the tables (or one), from ``work/`` or a snapshot, as zstd-compressed zarr3 arrays
+        ``dest/<table>/<field>`` with the same chunking, one chunk at a time. Refuses existing ones."""
+        source = self.root / "work" if snapshot is None else self.root / "snapshots" / str(snapshot)
+        if not source.is_dir():
+            raise TierError(source, "missing: no such snapshot")
+        zstd = [{"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "zstd", "configuration": {"level": 3}}]
+        for name in [table] if table is not None else self._arrays:
+            for field, array in self._arrays[name].items():
+                _check_array(source / name / field, array)
+                # Reads see rows written through the memmaps: they share the page cache.
+                src = _tensorstore(source / name / field, array)
+                dst = _tensorstore(Path(dest).absolute() / name / field, array, create=True, codecs=zstd)
+                for start in range(0, array.rows, array.chunk_rows):
+                    stop = min(start + array.chunk_rows, array.rows)
+                    dst[start:stop].write(src[start:stop]).result()
+
+    def close(self) -> None:
+        """Unmaps every chunk; only :meth:`snapshot` makes writes durable."""
+        self._forget_chunks()
+
+    def __enter__(self) -> TierStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- chunk files ---------------------------------------------------------------------------
+
+    def _path(self, key: tuple[str, str, int]) -> Path:
+        table, field, chunk = key
+        return self.root / "work" / table / field / self._arrays[table][field].chunk_name(chunk)
+
+    def _checked_rows(self, table: str, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        if rows.ndim != 1:
+            raise ValueError(f"{table}: rows must be 1-D, got shape {rows.shape}")
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.rows(table)):
+            raise IndexError(f"{table}: rows outside [0, {self.rows(table)})")
+        return rows
+
+    def _groups(self, table: str, rows: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(chunk, positions in ``rows``, row offsets in the chunk) per touched chunk, rows sorted
+        within each so the memmap is walked forward."""
+        if not len(rows):
+            return []
+        chunk_rows = self.chunk_rows(table)
+        where = np.argsort(rows, kind="stable")
+        chunks, starts = np.unique(rows[where] // chunk_rows, return_index=True)
+        bounds = [*starts[1:], len(rows)]
+        return [(int(c), where[a:b], rows[where[a:b]] - int(c) * chunk_rows)
+                for c, a, b in zip(chunks, starts, bounds, strict=True)]
+
+    def _map(self, table: str, field: str, chunk: int) -> np.memmap:
+        """The chunk's memmap, writable only once the chunk is private (copied if it was shared)."""
+        key = (table, field, chunk)
+        if key in self._maps:
+            self._maps.move_to_end(key)
+            return self._maps[key]
+        array = self._arrays[table][field]
+        mode = "r+" if key in self._private else "r"
+        path = self._path(key)
+        try:
+            m = np.memmap(path, array.np_dtype, mode, shape=(array.chunk_rows, *array.shape))
+        except OSError as e:
+            raise _os_error(path, e) from None
+        self._maps[key] = m
+        while len(self._maps) > self.max_open_chunks:
+            self._maps.popitem(last=False)  # unmapping keeps the dirty pages in the page cache
+        return m
+
+    def _make_private(self, key: tuple[str, str, int]) -> None:
+        """Copies the chunk file if a snapshot shares it (more than one hard link)."""
+        if key in self._private:
+            return
+        path = self._path(key)
+        self._maps.pop(key, None)  # reopened writable, on the copy if one is made
+        if path.stat().st_nlink > 1:
+            tmp = path.with_name(path.name + ".cow")
+            try:
+                _copy_file(path, tmp)
+                os.replace(tmp, path)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise _os_error(path, e, " (copying a chunk shared with a snapshot)") from None
+        self._private.add(key)
+
+    def _sync_dirty(self) -> None:
+        for m in self._maps.values():
+            if m.mode == "r+":
+                m.flush()
+        for key in sorted(self._dirty):
+            path = self._path(key)
+            try:
+                _fsync(path)
+            except OSError as e:
+                raise _os_error(path, e) from None
+        self._dirty.clear()
+
+    def _forget_chunks(self) -> None:
+        self._maps.clear()
+        self._private.clear()
+
+    def _link_tree(self, source: Path, build: Path) -> None:
+        """Hard-links every file of every array from ``source`` to ``build``, fsyncing directories."""
+        for table, fields in self._arrays.items():
+            for field, array in fields.items():
+                src, dst = source / table / field, build / table / field
+                dst.mkdir(parents=True)
+                for name in ["zarr.json", *(array.chunk_name(c) for c in range(array.chunks))]:
+                    try:
+                        os.link(src / name, dst / name)
+                    except OSError as e:
+                        raise _os_error(dst / name, e) from None
+                _fsync(dst)
+            _fsync(build / table)
+        _fsync(build)

@@ -1,0 +1,306 @@
+"""The host side of tiered tables: the disk tier, DRAM caches, and the fills of the device caches.
+
+The devices run the plan's device view (:meth:`EmbeddingPlan.device_view`): a tiered table is
+a table of cache slots there. The planner (:mod:`~dlrm_jax.embedding.device_cache`) decides,
+batch by batch, which rows enter which slots; this module turns those decisions into the fixed
+shape fill arrays of each program (:mod:`~dlrm_jax.embedding.cache_fill`), reads the incoming
+rows from the DRAM cache or the tier, and writes the rows each program evicts back.
+
+Pipelining: the rows a program evicts reach the host only after it ran. The next program is
+dispatched before that (the host waits for program t-1 only after dispatching t), so a row
+evicted by t-1 and needed again by t is *forwarded*: t takes it from t-1's eviction output on
+the device. Every other row's newest copy is on the host by then. A batch that needs more fills
+on one device than ``fill_rows`` runs extra fill-only programs first, synchronously (rare).
+
+Checkpoints (:meth:`TieredTables.checkpoint`): the device caches' rows are copied to the DRAM
+caches, the DRAM caches flushed, and the tier snapshotted under the step (copy-on-write, see
+:mod:`~dlrm_jax.embedding.tier_store`): the snapshot holds the whole logical tables at that
+step, so the device caches can start empty on resume. The numbers do not depend on which slot
+holds a row (the exchange orders requests by position, not by id value), so a resumed run with
+cold caches follows the same trajectory bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.cache_fill import CacheRows, GroupFill
+from dlrm_jax.embedding.device_cache import Fills, TableCache
+from dlrm_jax.embedding.host_cache import HostCache, _np_dtype
+from dlrm_jax.embedding.initializer import init_table_rows
+from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
+from dlrm_jax.embedding.tier_store import TierStore, default_chunk_rows
+
+
+@dataclass
+class _Piece:
+    """One column slice of a tiered table in a device-view group."""
+
+    group: str
+    local_offset: int
+    col_start: int
+    device: int  # the owner of a table/column-wise piece; -1: the space's device (row-wise)
+
+
+@dataclass
+class _Program:
+    """The fill arrays of one program (numpy) and where its evictions go."""
+
+    fills: dict[str, GroupFill]
+    # Per (table, piece): (evicted rows [k], device [k], entry [k]) in the program's arrays.
+    evictions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+class TieredTables:
+    """Disk tier + DRAM caches + device-cache bookkeeping for the tiered tables of ``plan``.
+
+    ``groups``: the device view's groups (``EmbeddingCollection.groups``); ``slot_fields``:
+    the sparse optimizer's state per row, {name: (per-row shape of a width-W slice as a
+    function of W, dtype)} as :func:`optimizer_fields` gives it.
+    """
+
+    def __init__(self, plan: EmbeddingPlan, groups, optimizer, root: Path, key: jax.Array,
+                 chunk_bytes: int = 4 << 20, log=print):
+        self.plan, self.n, self.dim = plan, plan.num_devices, plan.tables[0].spec.dim
+        self.tables = plan.tiered_tables
+        self.names = {t: plan.tables[t].spec.name for t in self.tables}
+        self.per_row_slots = optimizer_fields(optimizer, self.dim)
+        fields = {"values": ((self.dim,), plan.dtype)} | {k: (shape, "float32") for k, (shape, _) in self.per_row_slots.items()}
+        specs = {self.names[t]: (plan.tables[t].spec.rows, fields) for t in self.tables}
+        root = Path(root)
+        if TierStore.exists(root):
+            self.store = TierStore.open(root, specs)
+        else:
+            row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
+            log(f"creating the disk tier of {len(self.tables)} tables in {root}")
+            self.store = TierStore.create(root, specs, self._initial_rows(key, optimizer),
+                                          default_chunk_rows(row_bytes, chunk_bytes))
+        tier = plan.tier
+        self.host = {t: HostCache(self.store, self.names[t], tier.host_rows[t], tier.policy) for t in self.tables}
+        self.groups = {g.name: g for g in groups}
+        self.pieces: dict[int, list[_Piece]] = defaultdict(list)
+        for g in groups:
+            for vt in g.vtables:
+                if vt.table in self.tables:
+                    row_wise = plan.tables[vt.table].strategy == Strategy.ROW
+                    self.pieces[vt.table].append(_Piece(g.name, vt.offset, vt.col_start, -1 if row_wise else vt.device))
+        self.fill_rows = {name: tier.fill_capacity(name) for name in self.tiered_groups()}
+        self.held = {t: np.full((plan.tables[t].spaces(self.n), plan.tables[t].cache_rows), -1, np.int64)
+                     for t in self.tables}
+        self.pending: tuple[dict, _Program] | None = None  # the last program's evictions (device)
+        self.stats = defaultdict(int)
+
+    def _initial_rows(self, key, optimizer):
+        plan = self.plan
+        index = {self.names[t]: t for t in self.tables}
+
+        def init(name, start, stop):
+            t = index[name]
+            values = init_table_rows(key, t, plan.tables[t].spec.rows, start, stop, self.dim, plan.dtype)
+            slots = optimizer.init(values)
+            return {"values": np.asarray(values)} | {k: np.asarray(v) for k, v in slots.items()}
+
+        return init
+
+    def tiered_groups(self) -> list[str]:
+        return sorted({p.group for t in self.tables for p in self.pieces[t]})
+
+    def new_caches(self) -> dict[int, TableCache]:
+        """Empty device-cache planners, one per tiered table (for the planner thread)."""
+        return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
+
+    # ------------------------------------------------------------ fills
+    def _entries_per_device(self, fills: dict[int, Fills]) -> int:
+        most = 0
+        for name in self.tiered_groups():
+            count = np.zeros(self.n, np.int64)
+            for t, f in fills.items():
+                for p in self.pieces[t]:
+                    if p.group == name:
+                        count += np.bincount(f.space, minlength=self.n) if p.device < 0 else np.eye(self.n, dtype=np.int64)[p.device] * len(f)
+            most = max(most, math.ceil(count.max() / self.fill_rows[name]) if count.any() else 0)
+        return most
+
+    def programs(self, fills: dict[int, Fills]) -> list[_Program]:
+        """The fill programs for one batch: extra fill-only ones (overflow), then the step's.
+        Reads incoming rows on the host; rows the pending program evicts are forwarded."""
+        rounds = max(1, self._entries_per_device(fills))
+        if rounds > 1:
+            self.drain()  # rare: no forwarding across several programs
+            self.stats["fill_rounds"] += rounds - 1
+        forward = self._pending_positions()
+        per_group = {name: defaultdict(list) for name in self.tiered_groups()}
+        for t, f in fills.items():
+            if not len(f):
+                continue
+            self.held[t][f.space, f.slot] = f.row
+            fresh = np.array([(t, r) not in forward for r in f.row.tolist()]) if forward else np.ones(len(f), bool)
+            full = {k: np.zeros((len(f), *v.shape[1:]), v.dtype) for k, v in self.host[t].data.items()}
+            if fresh.any():
+                got = self.host[t].get(f.row[fresh])
+                for k in full:
+                    full[k][fresh] = got[k]
+            self.stats["rows_filled"] += len(f)
+            self.stats["rows_evicted"] += int((f.evicted >= 0).sum())
+            for j, p in enumerate(self.pieces[t]):
+                w = self.groups[p.group].width
+                dev = f.space if p.device < 0 else np.full(len(f), p.device)
+                fwd = np.array([forward.get((t, r, j), -1) for r in f.row.tolist()]) if forward else np.full(len(f), -1)
+                cols = slice(p.col_start, p.col_start + w)
+                slots = {k: v[:, cols] if v.ndim == 2 else v for k, v in full.items() if k != "values"}
+                per_group[p.group]["entries"].append((t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd,
+                                                      f.evicted))
+        out = [_Program({}) for _ in range(rounds)]
+        for name, acc in per_group.items():
+            self._group_arrays(name, acc.get("entries", []), out)
+        return out
+
+    def _group_arrays(self, name: str, entries, out: list[_Program]) -> None:
+        g, cap = self.groups[name], self.fill_rows[name]
+        rounds = len(out)
+        rows = np.full((rounds, self.n, cap), g.local_rows, np.int32)
+        fwd = np.full((rounds, self.n, cap), -1, np.int32)
+        values = np.zeros((rounds, self.n, cap, g.width), _np_dtype(self.plan.dtype))
+        slot_arrays = {k: np.zeros((rounds, self.n, cap, *(s if not s else (g.width,))), np.float32)
+                       for k, (s, _) in self.per_row_slots.items()}
+        used = np.zeros(self.n, np.int64)
+        for t, j, dev, lrow, vals, slots, forward, evicted in entries:
+            pos = np.empty(len(dev), np.int64)
+            for d in np.unique(dev):  # entries go to each device's next free positions
+                mine = dev == d
+                pos[mine] = used[d] + np.arange(int(mine.sum()))
+                used[d] += int(mine.sum())
+            r, e = pos // cap, pos % cap
+            rows[r, dev, e], fwd[r, dev, e], values[r, dev, e] = lrow, forward, vals
+            for k in slot_arrays:
+                slot_arrays[k][r, dev, e] = slots[k]
+            for i in range(rounds):
+                mine = (r == i) & (evicted >= 0)
+                if mine.any():
+                    out[i].evictions[(t, j)] = (evicted[mine], dev[mine], e[mine])
+        for i in range(rounds):
+            out[i].fills[name] = GroupFill(rows[i], fwd[i], CacheRows(values[i], {k: v[i] for k, v in slot_arrays.items()}))
+
+    def _pending_positions(self) -> dict:
+        """(table, row) and (table, row, piece) -> entry, for the rows the pending program evicts."""
+        if self.pending is None:
+            return {}
+        out = {}
+        for (t, j), (rows, _, entry) in self.pending[1].evictions.items():
+            for r, e in zip(rows.tolist(), entry.tolist(), strict=True):
+                out[(t, r)] = True
+                out[(t, r, j)] = e
+        return out
+
+    def empty_evictions(self) -> dict[str, CacheRows]:
+        """Zero 'previous evictions' for a program with nothing to forward (numpy)."""
+        out = {}
+        for name in self.tiered_groups():
+            g, cap = self.groups[name], self.fill_rows[name]
+            out[name] = CacheRows(np.zeros((self.n, cap, g.width), _np_dtype(self.plan.dtype)),
+                                  {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
+                                   for k, (s, _) in self.per_row_slots.items()})
+        return out
+
+    def dispatched(self, program: _Program, evicted: dict) -> None:
+        """``program`` was dispatched and will evict into ``evicted`` (device arrays): write
+        back what the program before it evicted (waits for that one), keep this one pending."""
+        self.drain()
+        self.pending = (evicted, program)
+
+    def drain(self) -> None:
+        """Write the pending program's evictions back to the DRAM caches (waits for it)."""
+        if self.pending is None:
+            return
+        evicted, program = self.pending
+        self.pending = None
+        if not program.evictions:
+            return
+        host = {name: (np.asarray(c.values), {k: np.asarray(v) for k, v in c.slots.items()}) for name, c in evicted.items()}
+        self._put_pieces(program.evictions, host)
+
+    def _put_pieces(self, where: dict, host: dict) -> None:
+        """Whole rows from per-piece (rows, device, entry) positions of ``host`` arrays
+        {group: (values, slots)}, into the DRAM caches."""
+        for t in self.tables:
+            parts = [(j, where[(t, j)]) for j in range(len(self.pieces[t])) if (t, j) in where]
+            if not parts:
+                continue
+            rows = parts[0][1][0]
+            values, slots = [], defaultdict(list)
+            for j, (_, dev, entry) in parts:
+                vals, sl = host[self.pieces[t][j].group]
+                values.append(vals[dev, entry])
+                for k, v in sl.items():
+                    slots[k].append(v[dev, entry])
+            full = {"values": np.concatenate(values, axis=1)}
+            for k, (shape, _) in self.per_row_slots.items():
+                full[k] = np.concatenate(slots[k], axis=1) if shape else slots[k][0]
+            self.host[t].put(rows, full)
+
+    # ------------------------------------------------------------ checkpoints and evaluation
+    def sync_to_host(self, emb_tables: dict, emb_slots: dict) -> None:
+        """Copy every row the device caches hold into the DRAM caches (the caches keep them)."""
+        self.drain()
+        host = {}
+        for name in self.tiered_groups():
+            g = self.groups[name]
+            host[name] = (np.asarray(emb_tables[name]).reshape(self.n, g.local_rows, -1),
+                          {k: np.asarray(v).reshape(self.n, g.local_rows, *v.shape[1:]) for k, v in emb_slots[name].items()})
+        where = {}
+        for t in self.tables:
+            space, slot = np.nonzero(self.held[t] >= 0)
+            rows = self.held[t][space, slot]
+            for j, p in enumerate(self.pieces[t]):
+                dev = space if p.device < 0 else np.full(len(space), p.device)
+                where[(t, j)] = (rows, dev, p.local_offset + slot)
+        self._put_pieces(where, host)
+
+    def checkpoint(self, step: int, emb_tables: dict, emb_slots: dict, keep: list[int]) -> None:
+        """Make the tier hold the tables as of ``step`` durably (a snapshot named ``step``)."""
+        self.sync_to_host(emb_tables, emb_slots)
+        for h in self.host.values():
+            h.flush()
+        self.store.snapshot(step)
+        self.store.keep_snapshots(sorted(set(keep) | {step}))
+
+    def restore(self, step: int) -> None:
+        """Resume from the snapshot of ``step``: the tier as it was, every cache empty."""
+        self.pending = None
+        self.store.restore(step)
+        for h in self.host.values():
+            h.drop()
+        for held in self.held.values():
+            held[:] = -1
+
+    def host_pooled(self, ids: np.ndarray, slot_table: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """float32 [B, F, D]: the pooled vectors of the tiered features of a batch, read on
+        the host (after :meth:`sync_to_host`); zeros for the other features."""
+        out = np.zeros((ids.shape[0], len(self.plan.tables), self.dim), np.float32)
+        for t in self.tables:
+            cols = np.flatnonzero(slot_table == t)
+            sub = ids[:, cols]
+            valid = sub != PAD_ID
+            rows, inverse = np.unique(sub[valid], return_inverse=True)
+            vals = self.host[t].get(rows.astype(np.int64))["values"].astype(np.float32)
+            vec = np.zeros((*sub.shape, self.dim), np.float32)
+            vec[valid] = vals[inverse]
+            out[:, t] = (vec * weights[:, cols, None]).sum(axis=1)
+        return out
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def optimizer_fields(optimizer, dim: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The sparse optimizer's state per table row: {name: (per-row shape, dtype)}."""
+    shapes = jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((2, dim), jnp.float32))
+    return {k: (tuple(v.shape[1:]), str(v.dtype)) for k, v in shapes.items()}

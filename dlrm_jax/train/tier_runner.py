@@ -1,0 +1,97 @@
+"""Train steps over tiered tables: batches planned ahead in a thread, fills in, evictions back.
+
+The planner thread (plain numpy, no device work) reads batches ``lookahead`` ahead of the one
+it plans, so the rows they need stay cached, and hands over each batch with its tiered ids
+replaced by cache ids and the rows to fill. The dispatching thread reads the incoming rows
+(DRAM cache or disk tier), puts the fill arrays on the devices (asynchronously: the previous
+step is still running), dispatches the step, and only then writes back what the previous
+step evicted. Every program is dispatched from that one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.batch import PAD_ID, Batch
+from dlrm_jax.data.pipeline import background
+from dlrm_jax.embedding.device_cache import plan_stream
+from dlrm_jax.embedding.tiered import TieredTables
+
+
+class TierRunner:
+    """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``."""
+
+    def __init__(self, steps, tiered: TieredTables, lookahead: int):
+        self.steps, self.tiered, self.lookahead = steps, tiered, lookahead
+        self.slot_table = steps.collection.slot_feature
+        self.stall_s = 0.0
+        self._empty = None
+
+    def planned(self, make_batch: Callable[[int], Batch], steps: range) -> Iterator[tuple[Batch, dict]]:
+        """(batch with cache ids, {table: Fills}) for each step; planned in a thread reading
+        ``lookahead`` batches ahead (inline when 0)."""
+        caches = self.tiered.new_caches()
+        batches = background(map(make_batch, steps)) if self.lookahead else map(make_batch, steps)
+
+        def plans():
+            pending = {}
+            ids = (pending.setdefault(i, b).ids for i, b in enumerate(batches))
+            for i, (_, remapped, fills) in enumerate(plan_stream(caches, self.slot_table, ids, self.lookahead)):
+                yield pending.pop(i)._replace(ids=remapped), fills
+
+        source = background(plans(), depth=self.lookahead) if self.lookahead else plans()
+        while True:
+            t0 = time.perf_counter()
+            item = next(source, None)
+            self.stall_s += time.perf_counter() - t0
+            if item is None:
+                return
+            yield item
+
+    def _device(self, tree):
+        return jax.device_put(tree, self.steps.batch_sharding)
+
+    def _previous(self):
+        if self.tiered.pending is not None:
+            return self.tiered.pending[0]
+        if self._empty is None:
+            self._empty = self._device(self.tiered.empty_evictions())
+        return self._empty
+
+    def train(self, state, batch: Batch, fills: dict):
+        """One train step (after any extra fill rounds the batch needs): (state, metrics)."""
+        t0 = time.perf_counter()
+        programs = self.tiered.programs(fills)
+        for program in programs[:-1]:  # overflow of the fill capacity: fill-only rounds first
+            emb, evicted = self.steps.fill_step(state.emb, self._device(program.fills), self._previous())
+            state = state._replace(emb=emb)
+            self.tiered.dispatched(program, evicted)
+            self.tiered.drain()
+        step_fills = self._device(programs[-1].fills)
+        self.stall_s += time.perf_counter() - t0
+        state, out, evicted = self.steps.train_step(state, self.steps.device_batch(batch), step_fills, self._previous())
+        self.tiered.dispatched(programs[-1], evicted)
+        return state, out
+
+    def eval_inputs(self, state, batch: Batch) -> tuple[Batch, np.ndarray]:
+        """An eval batch with its tiered ids padded out, and their features' pooled vectors
+        read on the host (call :meth:`TieredTables.sync_to_host` once before evaluating)."""
+        ids = batch.ids
+        tiered = np.isin(self.slot_table, self.tiered.tables)
+        weights = self.pool_weights(ids)
+        pooled = self.tiered.host_pooled(ids, self.slot_table, weights)
+        return batch._replace(ids=np.where(tiered[None, :], PAD_ID, ids).astype(ids.dtype)), pooled
+
+    def pool_weights(self, ids: np.ndarray) -> np.ndarray:
+        """Each slot's pooling weight (0 padding; 1 / bag length under mean pooling)."""
+        coll = self.steps.collection
+        valid = (ids != PAD_ID).astype(np.float32)
+        count = np.zeros((ids.shape[0], len(coll.specs)), np.float32)
+        np.add.at(count, (slice(None), coll.slot_feature), valid)
+        mean = coll.mean_pooling[coll.slot_feature]
+        denom = np.where(mean, np.maximum(count[:, coll.slot_feature], 1.0), 1.0)
+        return valid / denom
