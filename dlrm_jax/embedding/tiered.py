@@ -149,6 +149,7 @@ class TieredTables:
                 for k in full:
                     full[k][fresh] = got[k]
             self.stats["rows_filled"] += len(f)
+            self.stats["rows_forwarded"] += int((~fresh).sum())
             self.stats["rows_evicted"] += int((f.evicted >= 0).sum())
             for j, p in enumerate(self.pieces[t]):
                 w = self.groups[p.group].width
