@@ -43,11 +43,12 @@ class Fills:
     slot: np.ndarray
     row: np.ndarray
     evicted: np.ndarray
+    requested: int = 0  # distinct rows the batch looked up (cached or not)
 
     @staticmethod
-    def empty() -> Fills:
+    def empty(requested: int = 0) -> Fills:
         z = np.zeros(0, np.int64)
-        return Fills(z, z, z, z)
+        return Fills(z, z, z, z, requested)
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
@@ -139,9 +140,11 @@ class TableCache:
                 slot[mine] = np.fromiter(map(lru.__getitem__, rows[mine].tolist()), np.int64, int(mine.sum()))
         remapped[valid] = self.cache_ids(space, slot)
         done = [f for f in fills if len(f)]
+        requested = sum(len(r) for r in per_space)
         if not done:
-            return remapped, Fills.empty()
-        return remapped, Fills(*(np.concatenate([getattr(f, k) for f in done]) for k in ("space", "slot", "row", "evicted")))
+            return remapped, Fills.empty(requested)
+        return remapped, Fills(*(np.concatenate([getattr(f, k) for f in done]) for k in ("space", "slot", "row", "evicted")),
+                               requested)
 
     def _plan_space(self, s: int, rows: list[int]) -> Fills:
         lru, free, needed = self._lru[s], self._free[s], self._needed[s]

@@ -23,6 +23,7 @@ cold caches follows the same trajectory bit for bit.
 from __future__ import annotations
 
 import math
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,13 +77,15 @@ class TieredTables:
         fields = {"values": ((self.dim,), plan.dtype)} | {k: (shape, "float32") for k, (shape, _) in self.per_row_slots.items()}
         specs = {self.names[t]: (plan.tables[t].spec.rows, fields) for t in self.tables}
         root = Path(root)
+        self._create = lambda: TierStore.create(root, specs, self._initial_rows(key, optimizer),  # noqa: E731
+                                                default_chunk_rows(row_bytes, chunk_bytes))
+        row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
         if TierStore.exists(root):
             self.store = TierStore.open(root, specs)
         else:
-            row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
             log(f"creating the disk tier of {len(self.tables)} tables in {root}")
-            self.store = TierStore.create(root, specs, self._initial_rows(key, optimizer),
-                                          default_chunk_rows(row_bytes, chunk_bytes))
+            self.store = self._create()
+            self.store.snapshot(0)  # the initial tables: where a run without checkpoints starts
         tier = plan.tier
         self.host = {t: HostCache(self.store, self.names[t], tier.host_rows[t], tier.policy) for t in self.tables}
         self.groups = {g.name: g for g in groups}
@@ -139,6 +142,7 @@ class TieredTables:
         forward = self._pending_positions()
         per_group = {name: defaultdict(list) for name in self.tiered_groups()}
         for t, f in fills.items():
+            self.stats["rows_requested"] += f.requested
             if not len(f):
                 continue
             self.held[t][f.space, f.slot] = f.row
@@ -274,7 +278,19 @@ class TieredTables:
         self.store.keep_snapshots(sorted(set(keep) | {step}))
 
     def restore(self, step: int) -> None:
-        """Resume from the snapshot of ``step``: the tier as it was, every cache empty."""
+        """Resume from the snapshot of ``step`` (0: the initial tables): the tier as it was,
+        every cache empty. A snapshot that is missing is an error naming the folder."""
+        if step == 0 and 0 not in self.store.snapshots():  # a run restarted from scratch: tables anew
+            root = self.store.root
+            self.store.close()
+            for name in ("work", "snapshots"):
+                shutil.rmtree(root / name, ignore_errors=True)
+            self.store = self._create()
+            self.store.snapshot(0)
+        if step not in self.store.snapshots():
+            raise FileNotFoundError(f"{self.store.root / 'snapshots' / str(step)}: the disk tier has no snapshot of "
+                                    f"step {step} (snapshots: {self.store.snapshots()}); the tier does not belong "
+                                    f"to this checkpoint")
         self.pending = None
         self.store.restore(step)
         for h in self.host.values():

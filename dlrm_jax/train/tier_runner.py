@@ -29,7 +29,9 @@ class TierRunner:
         self.steps, self.tiered, self.lookahead = steps, tiered, lookahead
         self.slot_table = steps.collection.slot_feature
         self.stall_s = 0.0
+        self.h2d_bytes = 0
         self._empty = None
+        self._last = {}
 
     def planned(self, make_batch: Callable[[int], Batch], steps: range) -> Iterator[tuple[Batch, dict]]:
         """(batch with cache ids, {table: Fills}) for each step; planned in a thread reading
@@ -53,7 +55,24 @@ class TierRunner:
             yield item
 
     def _device(self, tree):
+        self.h2d_bytes += sum(x.nbytes for x in jax.tree.leaves(tree))
         return jax.device_put(tree, self.steps.batch_sharding)
+
+    def take_metrics(self, steps: int) -> dict:
+        """The tier's figures since the last call, for a metrics event of ``steps`` steps:
+        device and DRAM hit rates, rows filled and evicted, host->device bytes and planning
+        plus fill-assembly stall per step."""
+        host = self.tiered.host.values()
+        now = dict(self.tiered.stats) | {"host_hits": sum(h.hits for h in host), "host_misses": sum(h.misses for h in host),
+                                         "h2d": self.h2d_bytes, "stall": self.stall_s}
+        d = {k: v - self._last.get(k, 0) for k, v in now.items()}
+        self._last = now
+        steps = max(steps, 1)
+        return {"device_hit_rate": 1 - d.get("rows_filled", 0) / max(d.get("rows_requested", 0), 1),
+                "host_hit_rate": d["host_hits"] / max(d["host_hits"] + d["host_misses"], 1),
+                "rows_filled": d.get("rows_filled", 0), "rows_evicted": d.get("rows_evicted", 0),
+                "fill_rounds": d.get("fill_rounds", 0), "h2d_bytes_per_step": d["h2d"] / steps,
+                "stall_ms_per_step": 1e3 * d["stall"] / steps}
 
     def _previous(self):
         if self.tiered.pending is not None:

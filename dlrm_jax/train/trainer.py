@@ -30,13 +30,15 @@ from dlrm_jax.embedding.planner import plan_from_config
 from dlrm_jax.embedding.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.embedding.stats import collective_bytes, plan_report
+from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_steps
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
-from dlrm_jax.train.tier_setup import tier_plan
+from dlrm_jax.train.tier_runner import TierRunner
+from dlrm_jax.train.tier_setup import tier_plan, tier_root
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def _device_budget(cfg: Config) -> int:
     return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else 0
 
 
-def evaluate(steps: StepFunctions, state: TrainState, source: DataSource) -> tuple[float, float]:
+def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
+             runner: TierRunner | None = None) -> tuple[float, float]:
     """Exact AUC and logloss over the held-out batches (every process gets the same numbers).
 
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
@@ -117,11 +120,18 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource) -> tup
     """
     per_process = steps.cfg.train.batch_size // jax.process_count()
     probs, labels, valid = [], [], []
+    if runner is not None:  # tiered features are pooled on the host from the newest rows
+        runner.tiered.sync_to_host(state.emb.tables, state.emb.slots)
     for batch in source.eval_batches():
         n = batch.size
         padded = Batch(*(np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)])
                          if n < per_process else x for x in batch))
-        out = steps.eval_step(state, steps.device_batch(padded))
+        if runner is not None:
+            ids_padded, pooled = runner.eval_inputs(state, padded)
+            out = steps.eval_step(state, steps.device_batch(ids_padded),
+                                  jax.device_put(pooled, steps.batch_sharding))
+        else:
+            out = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
         probs.append(np.concatenate([np.asarray(s.data) for s in shards]))
         labels.append(padded.labels)
@@ -138,12 +148,16 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
     another plan (device count, strategy) are restored as saved, then re-laid out."""
     saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
+    saved = saved.device_view() if saved.tiered_tables else saved  # what the devices held
     current = steps.collection.plan
     counts = ckpts.saved_hot_counts(step)
     if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
         steps.hot.load_json(counts)
     if saved == current:
         return ckpts.restore(steps.abstract_state(), step)
+    if saved.tiered_tables or steps.cache_groups:
+        raise ValueError("restoring tiered tables onto another plan (device count, strategy, cache sizes) "
+                         "is not supported yet; resume with the saved config")
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
@@ -276,19 +290,26 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         if source.skip_report():
             log(source.skip_report())
         plan, steps = build(cfg, mesh, source, log)
+        runner = None
+        if plan.tiered_tables:
+            tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, rd.path),
+                                  steps.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log)
+            runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)
         ckpts = None
         if rd.path:
             ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints,
                                 largest_shard_bytes(steps.abstract_state()))
         try:
-            return _train(cfg, rd, ckpts, log, source, plan, steps)
+            return _train(cfg, rd, ckpts, log, source, plan, steps, runner)
         finally:
             if ckpts:
                 ckpts.close()
+            if runner:
+                runner.tiered.close()
 
 
 def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: DataSource,
-           plan: EmbeddingPlan, steps: StepFunctions) -> RunSummary:
+           plan: EmbeddingPlan, steps: StepFunctions, runner: TierRunner | None = None) -> RunSummary:
     t = cfg.train
     mesh, hot = steps.mesh, steps.hot
     plan_json = plan.to_json()
@@ -299,11 +320,17 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     state = _restore_or_init(steps, ckpts, log)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
+    if runner is not None:  # the tier as of the restored step, every cache empty
+        runner.tiered.restore(start)
 
     t0 = time.perf_counter()
-    compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
-    log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
-        f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
+    if runner is None:
+        compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
+        log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
+            f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
+        batches = prefetch(source.train_batch, range(start, t.steps))
+    else:
+        batches = runner.planned(source.train_batch, range(start, t.steps))
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
@@ -311,10 +338,14 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     with _StopSignals() as stop:
-        for step, host_batch in zip(range(start + 1, t.steps + 1), prefetch(source.train_batch, range(start, t.steps)),
-                                    strict=True):
+        for step, item in zip(range(start + 1, t.steps + 1), batches, strict=True):
             window_start = window_start or time.perf_counter()
-            state, out = compiled(state, steps.device_batch(host_batch))
+            if runner is None:
+                host_batch = item
+                state, out = compiled(state, steps.device_batch(host_batch))
+            else:
+                host_batch, fills = item
+                state, out = runner.train(state, host_batch, fills)
             pending.append((step, out))
             if hot is not None:
                 state = _count_and_refresh(hot, steps, state, step, host_batch)
@@ -337,14 +368,19 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
                      "hot_hit_rate": hit_rate, "a2a_bytes": sent["all-to-all"],
                      "allreduce_bytes": sent["all-reduce"], "allgather_bytes": sent["all-gather"]}
             bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
+            if runner is not None:
+                event.update(runner.take_metrics(window_steps))
             if is_eval and not signum:
-                auc, ll = evaluate(steps, state, source)
+                auc, ll = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll)
                 bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
             if step == t.steps:
                 event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
             metrics.write(event)
             if is_ckpt and ckpts:
+                if runner is not None:  # the tier's snapshot first: a saved step always has one
+                    runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots,
+                                             ckpts.all_steps()[-(t.keep_checkpoints - 1):] if t.keep_checkpoints > 1 else [])
                 ckpts.save(step, state, plan_json, hot.to_json() if hot else None)
             if signum:
                 if ckpts:
@@ -355,7 +391,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     bar.close()
 
     if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
-        auc, ll = evaluate(steps, state, source)
+        auc, ll = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
 
