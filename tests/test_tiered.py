@@ -81,3 +81,22 @@ def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimize
     if fill_rows:
         assert stats.get("fill_rounds", 0) > STEPS  # overflowing fills ran in extra rounds
     assert_same_training(reference, tiered)
+
+
+def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
+    """Through train_and_evaluate: a tiered run cut after its step-4 checkpoint and resumed
+    (the tier restored to its snapshot, caches cold) equals the uninterrupted run, and both
+    equal the all-in-device run, loss by loss and in the final AUC."""
+    from test_train import QUIET, losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    common = [*BASE, "mesh.devices=8", "embedding.sharding=row", "train.log_every=1", "train.eval_every=4"]
+    tiered = [*common, *TIERED, "train.checkpoint_every=4"]
+    device = train_and_evaluate(tiny(*common, "train.steps=8"), tmp_path / "device", **QUIET)
+    whole = train_and_evaluate(tiny(*tiered, "train.steps=8"), tmp_path / "whole", **QUIET)
+    train_and_evaluate(tiny(*tiered, "train.steps=4"), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(tiny(*tiered, "train.steps=8"), tmp_path / "cut", **QUIET)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole") == losses(tmp_path / "device")
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss) == (device.auc, device.logloss)
+    assert sorted(p.name for p in (tmp_path / "cut" / "tier" / "snapshots").iterdir()) == ["4", "8"]
