@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_distributed_args(ev)
 
+    ex = sub.add_parser("export", help="write a run's tables (values and optimizer state) as tensorstore arrays")
+    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--output", required=True, help="folder for OUTPUT/<table>/<field> zarr3 arrays")
+    ex.add_argument("--step", type=int, help="the checkpoint to export (default: the newest intact)")
+    ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
     plan = sub.add_parser("plan", help="print the embedding sharding plan without training")
     _add_config_args(plan)
 
@@ -82,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-rows", type=int, default=100_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     be.add_argument("--output", help="write the JSON here too")
+    bt2 = bench_sub.add_parser("tiers", help="tiered tables at several device-cache sizes vs all on the devices")
+    _add_config_args(bt2)
+    bt2.add_argument("--fractions", default="1.0,0.5,0.2,0.1,0.05", help="device cache, fractions of each owner's rows")
+    bt2.add_argument("--lookaheads", default="0,4", help="batches planned ahead, comma-separated")
+    bt2.add_argument("--zipf", type=float, default=1.1)
+    bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])
+    bt2.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
+    bt2.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bt2.add_argument("--output", help="write the JSON here too")
     bh = bench_sub.add_parser("hot", help="hot-row replication vs none on skewed ids, both id and row layouts")
     _add_config_args(bh)
     bh.add_argument("--zipf", default="1.05,1.1,1.2", help="Zipf exponents, comma-separated")
@@ -166,17 +181,30 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    cfg_path = Path(args.run_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
+    _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
+    from dlrm_jax.train.export import export_run
+
+    step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
+    print(f"exported step={step} to {args.output}", flush=True)
+    return 0
+
+
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    from dlrm_jax.embedding.planner import plan_from_config
     from dlrm_jax.embedding.stats import plan_report
 
-    if cfg.embedding.hot.rows == 0:
-        from dlrm_jax.embedding.planner import plan_from_config
-
+    plan = plan_from_config(cfg, _devices_for(cfg))
+    if cfg.embedding.hot.rows == 0 and not plan.tiered_tables:
         # Planning needs only the config: no devices, no arrays, no JAX.
-        print(plan_report(plan_from_config(cfg, _devices_for(cfg))))
+        print(plan_report(plan))
         return 0
-    # Hot rows are chosen from the data, priced with the engine's own bucket measurement.
+    # Hot rows are chosen from the data, priced with the engine's own bucket measurement;
+    # tiered tables' fill sizes and hit rates are predicted from the first batches.
     _start_jax(_devices_for(cfg), args)
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
@@ -225,6 +253,15 @@ def cmd_bench(args) -> int:
                   layouts=[s for s in args.layouts.split(",") if s],
                   row_layouts=[s for s in args.row_layouts.split(",") if s], output=args.output, log=_log)
         return 0
+    if args.suite == "tiers":
+        _start_jax(_devices_for(load_config(args.config, args.overrides)), args)
+        from dlrm_jax.bench.tiers import bench_tiers
+
+        bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
+                    fractions=[float(f) for f in args.fractions.split(",") if f],
+                    lookaheads=[int(k) for k in args.lookaheads.split(",") if k], zipf=args.zipf,
+                    layout=args.layout, output=args.output, log=_log)
+        return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)
@@ -243,7 +280,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plan": cmd_plan, "preprocess": cmd_preprocess,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plan": cmd_plan, "preprocess": cmd_preprocess,
             "bench": cmd_bench}
 
 

@@ -2,6 +2,8 @@
 state after 20 steps, with device caches far smaller than the working set (evictions every
 step), the DRAM caches smaller still, every optimizer, one-hot and bags, 1 to 8 devices."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,103 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole") == losses(tmp_path / "device")
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss) == (device.auc, device.logloss)
     assert sorted(p.name for p in (tmp_path / "cut" / "tier" / "snapshots").iterdir()) == ["4", "8"]
+    report = (tmp_path / "whole" / "plan.txt").read_text()
+    assert "Tiered tables" in report and "cat_0" in report.split("Tiered tables")[1]
+    event = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()][-1]
+    assert 0 < event["device_hit_rate"] < 1 and event["rows_evicted"] > 0 and event["h2d_bytes_per_step"] > 0
+    from dlrm_jax.train.trainer import evaluate_run
+
+    assert evaluate_run(tmp_path / "whole", **QUIET).auc == whole.auc  # from the tier's snapshot, read-only
+    # Exported, the tiered run's tables are the device run's, field by field.
+    import tensorstore as ts
+
+    from dlrm_jax.train.export import export_run
+
+    for name in ("device", "whole"):
+        assert export_run(tmp_path / name, tmp_path / f"export_{name}", **QUIET) == 8
+    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
+                              ).result().read().result()
+    for table in ("cat_0", "cat_1", "cat_2", "cat_3"):
+        for field in ("values", "accumulator"):
+            np.testing.assert_array_equal(read("export_whole", table, field), read("export_device", table, field))
+
+
+def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
+    """8 devices row-wise, checkpoint, then 4 devices table-wise: the device-resident tables
+    are re-laid out, the tiered ones come from the tier's snapshot with new, cold caches; the
+    losses equal the same cut and restore with every table on the devices. Moving a table
+    between the devices and the tier on restore is refused, naming the tables."""
+    from test_train import QUIET, losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    common = [*BASE, "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4"]
+    for name, extra in (("device", []), ("tiered", TIERED)):
+        train_and_evaluate(tiny(*common, *extra, "mesh.devices=8", "embedding.sharding=row", "train.steps=4"),
+                           tmp_path / name, **QUIET)
+        train_and_evaluate(tiny(*common, *extra, "mesh.devices=4", "embedding.sharding=table", "train.steps=8"),
+                           tmp_path / name, **QUIET)
+    assert len(losses(tmp_path / "tiered")) == 8
+    assert losses(tmp_path / "tiered") == losses(tmp_path / "device")
+    with pytest.raises(ValueError, match="keeps tables cat_0, cat_2 in the disk tier, this config none"):
+        train_and_evaluate(tiny(*common, "mesh.devices=4", "train.steps=12"), tmp_path / "tiered", **QUIET)
+
+
+KILL_MID_FLUSH = """
+import os, signal, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+from dlrm_jax.embedding.host_cache import HostCache
+from dlrm_jax.train.trainer import train_and_evaluate
+
+calls = {{"n": 0}}
+original = HostCache.flush
+
+def flush_then_die(self):
+    # The step-8 checkpoint: the first table flushed, half the second's dirty rows, SIGKILL.
+    if max(self.store.snapshots()) == 4:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            import pathlib, time
+            done = pathlib.Path({run_dir!r}) / "checkpoints" / "4"
+            for _ in range(600):  # orbax commits step 4 in the background: die after it did
+                if done.is_dir():
+                    break
+                time.sleep(0.1)
+            slots = np.flatnonzero(self.dirty)[: max(1, int(self.dirty.sum()) // 2)]
+            self._write(self.row_of[slots], {{k: v[slots] for k, v in self.data.items()}})
+            os.kill(os.getpid(), signal.SIGKILL)
+    original(self)
+
+HostCache.flush = flush_then_die
+train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None)
+"""
+
+
+def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
+    """SIGKILL while the step-8 checkpoint flushes rows into the tier (the working files half
+    written, no snapshot 8): re-running resumes from step 4 and ends bitwise as a run never
+    killed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_train import QUIET, losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    overrides = [*BASE, *TIERED, "mesh.devices=8", "embedding.sharding=row", "train.log_every=1", "train.eval_every=0",
+                 "train.checkpoint_every=4", "train.steps=12"]
+    whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_MID_FLUSH.format(tests=str(Path(__file__).parent), overrides=overrides,
+                                            run_dir=str(tmp_path / "killed")))
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    resumed = train_and_evaluate(tiny(*overrides), tmp_path / "killed", **QUIET)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)

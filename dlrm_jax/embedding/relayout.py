@@ -95,9 +95,11 @@ class _SavedTables:
         return out
 
 
-def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection) -> EmbeddingState:
+def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection,
+             skip: frozenset[int] = frozenset()) -> EmbeddingState:
     """The collection's state, on its mesh with its shardings, from the saved plan's arrays
-    (readers or numpy, shaped as :func:`saved_shapes` says)."""
+    (readers or numpy, shaped as :func:`saved_shapes` says). Tables in ``skip`` (tiered ones:
+    their arrays are device caches, their rows live in the disk tier) are left zero."""
     saved = _SavedTables(saved_plan, host)
     groups, shardings = collection.groups, collection.state_sharding()
     tables, slots = host.tables, host.slots
@@ -109,6 +111,8 @@ def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: Embedd
             rows = np.arange(g.array_rows)[index[0]]
             out = np.zeros((len(rows), *shape[1:]), like.dtype)
             for v, vt in enumerate(g.vtables):
+                if vt.table in skip:
+                    continue
                 logical, held = logical_rows(g, v, rows)
                 logical, held = np.asarray(logical), np.asarray(held)
                 if held.any():

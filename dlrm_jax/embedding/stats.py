@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from dlrm_jax.embedding.layout import build_groups, group_capacity, uses_pooled_exchange
-from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy
+from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy, optimizer_bytes_per_row
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
@@ -113,8 +113,26 @@ def plan_report(plan: EmbeddingPlan) -> str:
             f"{', owners pool bags' if uses_pooled_exchange(plan, g) else ''})" for g in groups))
     if hot:
         lines += hot_report(plan)
+    if plan.tier:
+        lines += tier_report(plan)
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
+
+
+def tier_report(plan: EmbeddingPlan) -> list[str]:
+    """Per tiered table: its bytes in the disk tier, DRAM cache and each owner's device cache,
+    and the device-cache hit rate predicted from the first batches."""
+    tier, dim = plan.tier, plan.tables[0].spec.dim
+    row = DTYPE_BYTES[plan.dtype] * dim + optimizer_bytes_per_row(plan.optimizer, dim)
+    lines = [f"Tiered tables (DRAM cache {tier.policy}, lookahead {tier.lookahead} batches, fill rows "
+             + ", ".join(f"{g} {r}" for g, r in tier.fill_rows) + "):",
+             f"{'table':<12}{'disk tier':>12}{'DRAM cache':>12}{'device cache':>14}{'per owner':>11}{'device hits':>13}"]
+    for t in plan.tiered_tables:
+        tp = plan.tables[t]
+        hit = tier.device_hit_rates[t] if tier.device_hit_rates else 0.0
+        lines.append(f"{tp.spec.name:<12}{fmt_bytes(tp.spec.rows * row):>12}{fmt_bytes(tier.host_rows[t] * row):>12}"
+                     f"{fmt_bytes(tp.cache_rows * row):>14}{tp.cache_rows:>11,}{100 * hit:>12.1f}%")
+    return lines
 
 
 def _hot_columns(hot, table: int) -> str:

@@ -58,6 +58,20 @@ def _os_error(path: Path, e: OSError, doing: str = "") -> TierError:
     return TierError(path, what + doing, e.errno)
 
 
+# Exported tables are ordinary compressed zarr3 arrays (the tier's own are raw, for memmaps).
+EXPORT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 3}}]
+
+
+def export_array(path: Path, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Write ``values`` [rows, ...] as a compressed zarr3 array at ``path``, as
+    :meth:`TierStore.export` writes tiered tables (for tables that live on the devices)."""
+    row_bytes = max(1, values[:1].nbytes)
+    dtype = "bfloat16" if values.dtype == numpy_dtype("bfloat16") else values.dtype.name
+    array = _Array(values.shape[0], min(values.shape[0], default_chunk_rows(row_bytes, chunk_bytes)),
+                   tuple(values.shape[1:]), dtype)
+    _tensorstore(Path(path).absolute(), array, create=True, codecs=EXPORT_CODECS)[...].write(values).result()
+
+
 def default_chunk_rows(row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """The largest power of two of rows of ``row_bytes`` that fits in ``chunk_bytes`` (at least 1)."""
     return 1 << max(0, (chunk_bytes // max(1, row_bytes)).bit_length() - 1)
@@ -229,6 +243,18 @@ class TierStore:
         self._maps: OrderedDict[tuple[str, str, int], np.memmap] = OrderedDict()
         self._private: set[tuple[str, str, int]] = set()  # chunks known to have one link: writable
         self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
+        self._base = "work"  # or snapshots/<step> for a read-only view
+
+    @classmethod
+    def open_snapshot(cls, root: Path, tables: TierTables, step: int) -> TierStore:
+        """A read-only view of snapshot ``step`` (evaluating or exporting a run that may be
+        training: its working files are left alone)."""
+        store = cls.open(root, tables)
+        base = Path("snapshots") / str(step)
+        if not (store.root / base).is_dir():
+            raise TierError(store.root / base, "missing: no such snapshot")
+        store._base = str(base)
+        return store
 
     @classmethod
     def create(cls, root: Path, tables: TierTables, init: RowInit, chunk_rows: int | None = None) -> TierStore:
@@ -313,6 +339,8 @@ class TierStore:
 
         Chunks shared with a snapshot are all copied before any row is written: if a copy fails
         (TierError, e.g. ENOSPC) the store's contents are unchanged."""
+        if self._base != "work":
+            raise TierError(self.root / self._base, "a snapshot view is read-only")
         rows = self._checked_rows(table, rows)
         arrays = self._arrays[table]
         values = {f: _checked_values(table, f, arrays[f], values, len(rows)) for f in values}
@@ -377,14 +405,12 @@ class TierStore:
         source = self.root / "work" if snapshot is None else self.root / "snapshots" / str(snapshot)
         if not source.is_dir():
             raise TierError(source, "missing: no such snapshot")
-        zstd = [{"name": "bytes", "configuration": {"endian": "little"}},
-                {"name": "zstd", "configuration": {"level": 3}}]
         for name in [table] if table is not None else self._arrays:
             for field, array in self._arrays[name].items():
                 _check_array(source / name / field, array)
                 # Reads see rows written through the memmaps: they share the page cache.
                 src = _tensorstore(source / name / field, array)
-                dst = _tensorstore(Path(dest).absolute() / name / field, array, create=True, codecs=zstd)
+                dst = _tensorstore(Path(dest).absolute() / name / field, array, create=True, codecs=EXPORT_CODECS)
                 for start in range(0, array.rows, array.chunk_rows):
                     stop = min(start + array.chunk_rows, array.rows)
                     dst[start:stop].write(src[start:stop]).result()
@@ -403,7 +429,7 @@ class TierStore:
 
     def _path(self, key: tuple[str, str, int]) -> Path:
         table, field, chunk = key
-        return self.root / "work" / table / field / self._arrays[table][field].chunk_name(chunk)
+        return self.root / self._base / table / field / self._arrays[table][field].chunk_name(chunk)
 
     def _checked_rows(self, table: str, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, np.int64)

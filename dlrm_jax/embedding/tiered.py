@@ -69,7 +69,9 @@ class TieredTables:
     """
 
     def __init__(self, plan: EmbeddingPlan, groups, optimizer, root: Path, key: jax.Array,
-                 chunk_bytes: int = 4 << 20, log=print):
+                 chunk_bytes: int = 4 << 20, log=print, snapshot: int | None = None):
+        """``snapshot``: open that snapshot read-only (evaluating a run's checkpoint) instead
+        of the working store."""
         self.plan, self.n, self.dim = plan, plan.num_devices, plan.tables[0].spec.dim
         self.tables = plan.tiered_tables
         self.names = {t: plan.tables[t].spec.name for t in self.tables}
@@ -80,7 +82,9 @@ class TieredTables:
         self._create = lambda: TierStore.create(root, specs, self._initial_rows(key, optimizer),  # noqa: E731
                                                 default_chunk_rows(row_bytes, chunk_bytes))
         row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
-        if TierStore.exists(root):
+        if snapshot is not None:
+            self.store = TierStore.open_snapshot(root, specs, snapshot)
+        elif TierStore.exists(root):
             self.store = TierStore.open(root, specs)
         else:
             log(f"creating the disk tier of {len(self.tables)} tables in {root}")
@@ -99,6 +103,7 @@ class TieredTables:
         self.held = {t: np.full((plan.tables[t].spaces(self.n), plan.tables[t].cache_rows), -1, np.int64)
                      for t in self.tables}
         self.pending: tuple[dict, _Program] | None = None  # the last program's evictions (device)
+        self._snapshotted: list[int] = []  # this run's checkpoint snapshots, oldest first
         self.stats = defaultdict(int)
 
     def _initial_rows(self, key, optimizer):
@@ -269,13 +274,16 @@ class TieredTables:
                 where[(t, j)] = (rows, dev, p.local_offset + slot)
         self._put_pieces(where, host)
 
-    def checkpoint(self, step: int, emb_tables: dict, emb_slots: dict, keep: list[int]) -> None:
-        """Make the tier hold the tables as of ``step`` durably (a snapshot named ``step``)."""
+    def checkpoint(self, step: int, emb_tables: dict, emb_slots: dict, saved: list[int], keep: int) -> None:
+        """Make the tier hold the tables as of ``step`` durably (a snapshot named ``step``).
+        Snapshots of the checkpoints in ``saved`` and of this run's last ``keep`` checkpoints
+        (the newest may still be committing in the background) stay; older ones go."""
         self.sync_to_host(emb_tables, emb_slots)
         for h in self.host.values():
             h.flush()
         self.store.snapshot(step)
-        self.store.keep_snapshots(sorted(set(keep) | {step}))
+        self._snapshotted = [*self._snapshotted[-(keep - 1):], step] if keep > 1 else [step]
+        self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
 
     def restore(self, step: int) -> None:
         """Resume from the snapshot of ``step`` (0: the initial tables): the tier as it was,

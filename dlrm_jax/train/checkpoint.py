@@ -28,6 +28,10 @@ from dlrm_jax.parallel.mesh import outcome_of_process_0, outcomes_of_every_proce
 CHUNK_BYTES = 32 * 2**20
 
 
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint this config cannot restore (not damage: it is left where it is)."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); older ones are intact."""
 
@@ -190,6 +194,8 @@ class Checkpoints:
         for step in reversed(self.all_steps()):
             try:
                 result, failure = restore_step(step), ""
+            except IncompatibleCheckpoint:
+                raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
                 result, failure = None, _first_line(e)
             failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]

@@ -22,10 +22,38 @@ from dlrm_jax.embedding.planner import cache_slots
 MIN_FILL_ROWS = 16
 
 
-def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray]) -> EmbeddingPlan:
-    """``plan`` with its TierPlan: DRAM cache rows, fill capacities and predicted device hit
-    rates from planning ``id_batches`` (global ids [B, S]) with empty caches."""
+def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
+    """Device caches that can work: each must hold the distinct rows one batch needs on its
+    busiest owner (else that batch could not run); a cache grown to its whole part of the
+    table gains nothing from the tier, so such a table stays on its devices. Both are logged."""
+    slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
+    tables = list(plan.tables)
+    for t in plan.tiered_tables:
+        tp, cache = plan.tables[t], TableCache(plan.tables[t], plan.num_devices)
+        need = 0
+        for ids in id_batches:
+            rows = np.unique(ids[:, slot_table == t])
+            rows = rows[rows >= 0]
+            need = max(need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0)
+        owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
+        if need >= owned:
+            log(f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept on the devices")
+            tables[t] = dataclasses.replace(tp, cache_rows=0)
+        elif need > tp.cache_rows:
+            log(f"table {tp.spec.name}: device cache raised from {tp.cache_rows:,} to {need:,} rows per owner "
+                f"(one batch needs that many)")
+            tables[t] = dataclasses.replace(tp, cache_rows=need)
+    return dataclasses.replace(plan, tables=tuple(tables))
+
+
+def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
+    """``plan`` with its TierPlan: device caches fitted to the batches, DRAM cache rows, fill
+    capacities and predicted device hit rates from planning ``id_batches`` (global ids [B, S])
+    with empty caches."""
     tier, n = cfg.embedding.tier, plan.num_devices
+    plan = fit_caches(plan, id_batches, log)
+    if not plan.tiered_tables:
+        return plan
     host_rows = tuple(cache_slots(tp.spec.rows, tier.host_cache_rows, tier.host_cache_fraction) if tp.tiered else 0
                       for tp in plan.tables)
     caches = {t: TableCache(plan.tables[t], n) for t in plan.tiered_tables}

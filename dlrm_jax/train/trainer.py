@@ -33,7 +33,12 @@ from dlrm_jax.embedding.stats import collective_bytes, plan_report
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train import hot_setup
-from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes, saved_steps
+from dlrm_jax.train.checkpoint import (
+    Checkpoints,
+    IncompatibleCheckpoint,
+    largest_shard_bytes,
+    saved_steps,
+)
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -98,9 +103,12 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
-    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)])
+    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)], log)
+    if not plan.tiered_tables:
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer))
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer)
-    return plan, StepFunctions(cfg, mesh, collection, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
+    return plan, StepFunctions(cfg, mesh, collection, cache_groups=tuple(name for name, _ in plan.tier.fill_rows),
+                               tiered_tables=plan.tiered_tables)
 
 
 def _device_budget(cfg: Config) -> int:
@@ -144,39 +152,56 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
 
 
-def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None) -> TrainState:
+def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None,
+                  tiered: TieredTables | None = None) -> TrainState:
     """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
-    another plan (device count, strategy) are restored as saved, then re-laid out."""
+    another plan (device count, strategy) are restored as saved, then re-laid out. ``tiered``:
+    the disk tier, restored to its snapshot of that step (a step without one does not restore)."""
+    state = _restore_state(steps, ckpts, log, step)
+    if tiered is not None:
+        tiered.restore(int(host_scalar(state.step)))
+    return state
+
+
+def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> TrainState:
     saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
-    saved = saved.device_view() if saved.tiered_tables else saved  # what the devices held
+    tiered = saved.tiered_tables
+    saved = saved.device_view() if tiered else saved  # what the devices held
     current = steps.collection.plan
     counts = ckpts.saved_hot_counts(step)
     if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
         steps.hot.load_json(counts)
     if saved == current:
         return ckpts.restore(steps.abstract_state(), step)
-    if saved.tiered_tables or steps.cache_groups:
-        raise ValueError("restoring tiered tables onto another plan (device count, strategy, cache sizes) "
-                         "is not supported yet; resume with the saved config")
+    if tiered != steps.tiered_tables:
+        names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"  # noqa: E731
+        raise IncompatibleCheckpoint(f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
+                         f"{names(steps.tiered_tables)} (embedding.storage / embedding.table_storage); moving "
+                         f"tables between the devices and the tier on restore is not supported")
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
-    emb = relayout(saved, state.emb, steps.collection)
+    # Tiered tables' rows come from the tier's snapshot of this step; their caches start empty.
+    emb = relayout(saved, state.emb, steps.collection, skip=frozenset(tiered))
     if steps.hot is not None:  # hot rows chosen afresh from the statistics
         emb = steps.collection.refresh(emb, hot_keys(steps.hot.current_rows(), steps.hot.capacity))
     return state._replace(emb=emb)
 
 
-def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print) -> tuple[int, TrainState]:
+def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print, tiered: TieredTables | None = None
+                   ) -> tuple[int, TrainState]:
     """(step, state) of the newest checkpoint that restores; damaged newer ones are set aside."""
-    return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s), log)
+    return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s, tiered), log)
 
 
-def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log) -> TrainState:
+def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log, tiered: TieredTables | None = None
+                     ) -> TrainState:
     if ckpts is not None and ckpts.all_steps():
-        step, state = restore_newest(steps, ckpts, log)
+        step, state = restore_newest(steps, ckpts, log, tiered)
         log(f"resuming from checkpoint at step {step}")
         return state
+    if tiered is not None:  # the initial tables
+        tiered.restore(0)
     return steps.init_state()
 
 
@@ -317,11 +342,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
     metrics = MetricsWriter(rd.metrics_path)
-    state = _restore_or_init(steps, ckpts, log)
+    state = _restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
-    if runner is not None:  # the tier as of the restored step, every cache empty
-        runner.tiered.restore(start)
 
     t0 = time.perf_counter()
     if runner is None:
@@ -379,8 +402,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
             metrics.write(event)
             if is_ckpt and ckpts:
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
-                    runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots,
-                                             ckpts.all_steps()[-(t.keep_checkpoints - 1):] if t.keep_checkpoints > 1 else [])
+                    runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
+                                             t.keep_checkpoints)
                 ckpts.save(step, state, plan_json, hot.to_json() if hot else None)
             if signum:
                 if ckpts:
@@ -425,13 +448,20 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
     mesh = make_mesh(cfg.mesh.devices)
     source = make_source(cfg, jax.process_index(), jax.process_count())
-    _, steps = build(cfg, mesh, source, log)
+    plan, steps = build(cfg, mesh, source, log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    runner = None
     try:
         if not ckpts.all_steps():
             raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-        _, state = restore_newest(steps, ckpts, log)
-        auc, ll = evaluate(steps, state, source)
+        step, state = restore_newest(steps, ckpts, log)
+        if plan.tiered_tables:  # read-only: the run may still be training in its working files
+            tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
+                                  steps.embedding_key(), log=log, snapshot=step)
+            runner = TierRunner(steps, tiered, 0)
+        auc, ll = evaluate(steps, state, source, runner)
     finally:
         ckpts.close()
+        if runner is not None:
+            runner.tiered.close()
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))

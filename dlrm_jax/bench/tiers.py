@@ -1,0 +1,133 @@
+"""``dlrm-jax bench tiers``: tiered tables against the same tables on the devices, side by side.
+
+Every case trains the same config on the same stream of distinct batches (Zipf exponent and id
+layout as given; by default 1.1 and a frequency-ordered vocabulary) with every sharded table
+tiered, for device caches of several fractions of each owner's rows, lookahead 0 and > 0, and
+once with every table on the devices: the reference each case is a ratio of. Throughput is
+end to end, pipelined as training runs it (planner thread, fills, write-backs, host reads),
+timed over ``steps`` steps per turn after a warm-up, the variants taking turns ``repeats``
+times so that drift of the machine's speed hits them alike. Reported per case: samples/s and
+its ratio to all-in-device, device and DRAM hit rates, host->device bytes and stall per step,
+and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.config import load_config
+from dlrm_jax.data.pipeline import prefetch
+from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.tier_runner import TierRunner
+from dlrm_jax.train.trainer import build
+
+FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05)
+
+
+class _Variant:
+    """One config, its state and its batch stream, advanced ``n`` steps at a time."""
+
+    def __init__(self, cfg, root: Path | None, total_steps: int):
+        self.cfg, self.source = cfg, SyntheticSource(cfg)
+        self.plan, self.steps = build(cfg, make_mesh(cfg.mesh.devices), self.source, log=lambda *a: None)
+        self.state = self.steps.init_state()
+        self.runner = None
+        if self.plan.tiered_tables:
+            tiered = TieredTables(self.plan, self.steps.collection.groups, self.steps.collection.optimizer, root,
+                                  self.steps.embedding_key(), log=lambda *a: None)
+            self.runner = TierRunner(self.steps, tiered, cfg.embedding.tier.lookahead)
+            self.batches = self.runner.planned(self.source.train_batch, range(total_steps))
+        else:
+            self.batches = prefetch(self.source.train_batch, range(total_steps))
+        self.times, self.samples = [], 0
+
+    def run(self, n: int, timed: bool) -> None:
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n):
+            item = next(self.batches)
+            if self.runner is None:
+                self.state, out = self.steps.train_step(self.state, self.steps.device_batch(item))
+            else:
+                self.state, out = self.runner.train(self.state, *item)
+        jax.block_until_ready(out["loss"])
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+            self.samples += n * self.cfg.train.batch_size
+        elif self.runner is not None:
+            self.runner.take_metrics(1)  # warm-up figures are not reported
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.tiered.close()
+
+
+def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repeats: int, fractions=FRACTIONS, lookaheads=(0, 4),
+                zipf: float = 1.1, layout: str = "frequency_ordered", warmup: int = 10, output: str | None = None,
+                log=print) -> dict:
+    """Run every case side by side; returns (and writes) the JSON report."""
+    common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]
+    total = warmup + steps * repeats + 8
+    root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-"))
+    variants = {("device", 0.0, 0): _Variant(load_config(config, common), None, total)}
+    for fraction in fractions:
+        for lookahead in lookaheads:
+            cfg = load_config(config, [*common, "embedding.storage=tiered", f"embedding.tier.device_cache_fraction={fraction}",
+                                     f"embedding.tier.lookahead={lookahead}"])
+            variants[("tiered", fraction, lookahead)] = _Variant(cfg, root / f"{fraction}_{lookahead}", total)
+    try:
+        for v in variants.values():
+            v.run(warmup, timed=False)
+        for _ in range(repeats):
+            for v in variants.values():
+                v.run(steps, timed=True)
+        device = variants[("device", 0.0, 0)]
+        device_rate = device.samples / sum(device.times)
+        cases = []
+        for (kind, fraction, lookahead), v in variants.items():
+            rate = v.samples / sum(v.times)
+            m = v.runner.take_metrics(steps * repeats) if v.runner else {}
+            cases.append({"zipf": zipf, "layout": layout, "storage": kind,
+                          "device_cache_fraction": fraction if kind == "tiered" else 1.0, "lookahead": lookahead,
+                          "samples_per_s": rate, "ratio_to_device": rate / device_rate,
+                          "step_ms_median": 1e3 * statistics.median(v.times) / steps,
+                          "device_hit_rate": m.get("device_hit_rate", 1.0), "host_hit_rate": m.get("host_hit_rate", 0.0),
+                          "h2d_bytes_per_step": m.get("h2d_bytes_per_step", 0.0),
+                          "stall_ms_per_step": m.get("stall_ms_per_step", 0.0),
+                          "fill_rounds": m.get("fill_rounds", 0)})
+    finally:
+        for v in variants.values():
+            v.close()
+        shutil.rmtree(root, ignore_errors=True)
+    report = {"benchmark": "tiers", "machine": machine_description(), "overrides": base_overrides,
+              "steps": steps, "repeats": repeats, "peak_rss_mib": _peak_rss_mib(), "cases": cases}
+    log(_table(cases))
+    write_report(report, output)
+    return report
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _table(cases: list[dict]) -> str:
+    lines = [f"{'storage':<8}{'cache':>7}{'ahead':>6}{'samples/s':>12}{'ratio':>7}{'dev hit':>9}{'host hit':>9}"
+             f"{'h2d/step':>11}{'stall ms':>9}"]
+    for c in cases:
+        lines.append(f"{c['storage']:<8}{100 * c['device_cache_fraction']:>6.0f}%{c['lookahead']:>6}"
+                     f"{c['samples_per_s']:>12,.0f}{c['ratio_to_device']:>7.2f}{100 * c['device_hit_rate']:>8.1f}%"
+                     f"{100 * c['host_hit_rate']:>8.1f}%{c['h2d_bytes_per_step'] / 1024:>9.1f}Ki"
+                     f"{c['stall_ms_per_step']:>9.2f}")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,59 @@
+"""``dlrm-jax export``: a run's tables as tensorstore arrays, whatever their plan.
+
+Every table of the checkpoint (newest intact, or ``step``) is written as compressed zarr3 arrays
+``DEST/<table>/values`` and ``DEST/<table>/<optimizer state>`` ([rows, dim] or [rows]), readable
+with tensorstore alone. Tiered tables are copied chunk by chunk from the tier's snapshot of that
+step; device-resident tables are gathered from the checkpoint one table at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dlrm_jax.config import load_config
+from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding.tier_store import export_array
+from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.tier_setup import tier_root
+from dlrm_jax.train.trainer import build, restore_newest, restore_state
+
+
+def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
+               log=print) -> int:
+    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact)
+    under ``dest``; returns the step exported."""
+    run_dir, dest = Path(run_dir), Path(dest)
+    cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
+    mesh = make_mesh(cfg.mesh.devices)
+    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
+    ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    try:
+        if not ckpts.all_steps():
+            raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to export")
+        if step is None:
+            step, state = restore_newest(steps, ckpts, log)
+        else:
+            state = restore_state(steps, ckpts, log, step)
+    finally:
+        ckpts.close()
+    values, slots = steps.collection.logical_tables(state.emb)
+    for t, tp in enumerate(plan.tables):
+        if tp.tiered:
+            continue
+        export_array(dest / tp.spec.name / "values", np.asarray(values[t]))
+        for k, v in slots[t].items():
+            export_array(dest / tp.spec.name / k, np.asarray(v))
+    if plan.tiered_tables:
+        tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
+                              steps.embedding_key(), log=log, snapshot=step)
+        try:
+            tiered.store.export(dest, snapshot=step)
+        finally:
+            tiered.close()
+    log(f"exported {len(plan.tables)} tables of step {step} to {dest}")
+    return step
