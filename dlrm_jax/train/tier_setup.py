@@ -20,12 +20,16 @@ from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy, TierPlan
 from dlrm_jax.embedding.planner import cache_slots
 
 MIN_FILL_ROWS = 16
+# A device cache holds at least this many times the most distinct rows one of the first
+# batches needed on one owner: a later batch needing more than the cache cannot run.
+CACHE_HEADROOM = 2
 
 
 def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
     """Device caches that can work: each must hold the distinct rows one batch needs on its
-    busiest owner (else that batch could not run); a cache grown to its whole part of the
-    table gains nothing from the tier, so such a table stays on its devices. Both are logged."""
+    busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
+    needed); a cache grown to its whole part of the table gains nothing from the tier, so such
+    a table stays on its devices. Both are logged."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
@@ -36,12 +40,13 @@ def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> 
             rows = rows[rows >= 0]
             need = max(need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0)
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
+        need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
         if need >= owned:
             log(f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept on the devices")
             tables[t] = dataclasses.replace(tp, cache_rows=0)
         elif need > tp.cache_rows:
             log(f"table {tp.spec.name}: device cache raised from {tp.cache_rows:,} to {need:,} rows per owner "
-                f"(one batch needs that many)")
+                f"(one batch needs {need // CACHE_HEADROOM:,}; twice that for later ones)")
             tables[t] = dataclasses.replace(tp, cache_rows=need)
     return dataclasses.replace(plan, tables=tuple(tables))
 
