@@ -9,12 +9,12 @@ table each cache rows of their own block (one *space* of slots per owner); the c
 of a table cache the same rows, so such a table has one space.
 
 Planning a batch (:meth:`TableCache.plan`): each distinct row already cached keeps its slot;
-the others take free slots, then the least recently used. Rows are marked used when their batch
-enters the lookahead window, and a row that a batch of the window needs is not evicted while
-any other candidate is left, so with a cache that holds the window a planned-ahead batch finds
-its rows in place. A batch whose distinct rows of one space exceed the cache is refused.
+the others take free slots, then the least recently used. A row that a batch of the lookahead
+window needs is not evicted while any other candidate is left, so with a cache that holds the
+window a planned-ahead batch finds its rows in place; the batch's own rows are never evicted.
+A batch whose distinct rows of one space exceed the cache is refused.
 
-All of this is plain Python and numpy, run by the planner thread; no JAX here.
+All of this is numpy, run by the planner thread; no JAX here.
 """
 
 from __future__ import annotations
@@ -53,9 +53,19 @@ class Fills:
     def __len__(self) -> int:
         return int(self.row.shape[0])
 
+    def part(self, k: int, parts: int) -> Fills:
+        """The k-th of ``parts`` consecutive slices (``requested`` counted in none)."""
+        a, b = k * len(self) // parts, (k + 1) * len(self) // parts
+        return Fills(self.space[a:b], self.slot[a:b], self.row[a:b], self.evicted[a:b])
+
 
 class TableCache:
-    """The slot maps of one tiered table's device caches (every space), with LRU order."""
+    """The slot maps of one tiered table's device caches (every space), with LRU order.
+
+    Indexes are direct-mapped numpy arrays: ``slot_of`` [rows] (int32, 4 bytes per table row
+    on the host, against the row's own hundreds of bytes in the tier) and per slot its row
+    and last use, so a batch is planned with a few vectorised passes, no per-row Python.
+    """
 
     def __init__(self, table: TablePlan, num_devices: int):
         if not table.tiered:
@@ -65,12 +75,13 @@ class TableCache:
         self.num_spaces = table.spaces(num_devices)
         self.row_wise = table.strategy == Strategy.ROW
         self.cyclic = table.row_layout == RowLayout.CYCLIC
-        self.block = table.rows_per_device(num_devices) if not self.row_wise else -(-self.rows // num_devices)
-        # Per space: row -> slot in least- to most-recently-used order, and the free slots.
-        self._lru = [collections.OrderedDict() for _ in range(self.num_spaces)]
-        self._free = [list(range(self.capacity - 1, -1, -1)) for _ in range(self.num_spaces)]
-        # Per space: how many batches of the lookahead window need each row.
-        self._needed = [collections.Counter() for _ in range(self.num_spaces)]
+        self.block = -(-self.rows // num_devices)
+        total = self.num_spaces * self.capacity  # global slot g = space * capacity + slot
+        self.slot_of = np.full(self.rows, -1, np.int32)
+        self.row_at = np.full(total, -1, np.int64)
+        self.last_use = np.full(total, -1, np.int64)  # -1: free, taken first
+        self.tick = 0
+        self._window: collections.deque = collections.deque()  # distinct rows of windowed batches
 
     # ------------------------------------------------------------ ids
     def space_of(self, rows: np.ndarray) -> np.ndarray:
@@ -86,109 +97,87 @@ class TableCache:
             return slot
         return slot * self.num_devices + space if self.cyclic else space * self.capacity + slot
 
-    def _split(self, ids: np.ndarray) -> list[list[int]]:
-        """Distinct valid rows of ``ids`` per space, as Python lists."""
+    def _rows(self, ids: np.ndarray) -> np.ndarray:
+        """Distinct valid rows of ``ids`` (int64, sorted); out-of-range ids are an error."""
         rows = np.unique(ids[ids != PAD_ID]).astype(np.int64)
         if rows.size and (rows[0] < 0 or rows[-1] >= self.rows):
             bad = rows[0] if rows[0] < 0 else rows[-1]
             raise ValueError(f"table {self.name}: id {bad} outside [0, {self.rows})")
-        space = self.space_of(rows)
-        return [rows[space == s].tolist() for s in range(self.num_spaces)]
+        return rows
 
     # ------------------------------------------------------------ the lookahead window
     def enter_window(self, ids: np.ndarray) -> None:
-        """A batch entered the lookahead window: its cached rows become the most recently
-        used, and all its rows are protected until it leaves."""
-        for s, rows in enumerate(self._split(ids)):
-            lru, needed = self._lru[s], self._needed[s]
-            needed.update(rows)
-            for r in rows:
-                if r in lru:
-                    lru.move_to_end(r)
+        """A batch entered the lookahead window: its rows are protected until it leaves."""
+        self._window.append(self._rows(ids))
 
     def leave_window(self, ids: np.ndarray) -> None:
-        for s, rows in enumerate(self._split(ids)):
-            needed = self._needed[s]
-            needed.subtract(rows)
-            for r in rows:
-                if needed[r] <= 0:
-                    del needed[r]
+        """The oldest batch of the window (``ids``) leaves it."""
+        self._window.popleft()
 
     # ------------------------------------------------------------ planning
     def plan(self, ids: np.ndarray) -> tuple[np.ndarray, Fills]:
         """Cache ids for a batch's ids of this table (PAD_ID stays PAD_ID; any shape), and the
         rows to fill before the step. Call after ``leave_window`` of this batch (if it was in
         the window) so that only later batches protect rows."""
-        per_space = self._split(ids)
-        fills = []
-        for s, rows in enumerate(per_space):
-            if len(rows) > self.capacity:
-                raise CacheTooSmall(
-                    f"table {self.name}: a batch needs {len(rows)} distinct rows on "
-                    f"{'device ' + str(s) if self.row_wise else 'its devices'}, the device cache holds "
-                    f"{self.capacity} (embedding.tier.device_cache_rows / device_cache_fraction)")
-            fills.append(self._plan_space(s, rows))
+        rows = self._rows(ids)
+        space = self.space_of(rows)
+        per_space = np.bincount(space, minlength=self.num_spaces)
+        if per_space.max(initial=0) > self.capacity:
+            s = int(np.argmax(per_space))
+            raise CacheTooSmall(
+                f"table {self.name}: a batch needs {per_space[s]} distinct rows on "
+                f"{'device ' + str(s) if self.row_wise else 'its devices'}, the device cache holds "
+                f"{self.capacity} (embedding.tier.device_cache_rows / device_cache_fraction)")
+        self.tick += 1
+        slots = self.slot_of[rows].astype(np.int64)
+        hit = slots >= 0
+        self.last_use[slots[hit]] = self.tick
+        fills = self._fill(rows[~hit], space[~hit], slots[hit], per_space.sum())
         remapped = np.full(ids.shape, PAD_ID, np.int32)
         valid = ids != PAD_ID
-        rows = ids[valid].astype(np.int64)
-        space = self.space_of(rows)
-        slot = np.empty_like(rows)
-        for s in range(self.num_spaces):
-            mine = space == s
-            if mine.any():
-                lru = self._lru[s]
-                slot[mine] = np.fromiter(map(lru.__getitem__, rows[mine].tolist()), np.int64, int(mine.sum()))
-        remapped[valid] = self.cache_ids(space, slot)
-        done = [f for f in fills if len(f)]
-        requested = sum(len(r) for r in per_space)
-        if not done:
-            return remapped, Fills.empty(requested)
-        return remapped, Fills(*(np.concatenate([getattr(f, k) for f in done]) for k in ("space", "slot", "row", "evicted")),
-                               requested)
+        g = self.slot_of[ids[valid]].astype(np.int64)
+        remapped[valid] = self.cache_ids(g // self.capacity, g % self.capacity)
+        return remapped, fills
 
-    def _plan_space(self, s: int, rows: list[int]) -> Fills:
-        lru, free, needed = self._lru[s], self._free[s], self._needed[s]
-        missing = []
-        for r in rows:
-            if r in lru:
-                lru.move_to_end(r)  # used now
-            else:
-                missing.append(r)
-        if not missing:
-            return Fills.empty()
-        current = set(rows)
-        slots, evicted = [], []
-        for r in missing:
-            if free:
-                slots.append(free.pop())
-                evicted.append(-1)
-                lru[r] = slots[-1]
-                continue
-            # Least recently used first; rows a windowed batch needs are passed over while
-            # others remain (then taken in the same order: the window is bigger than the cache).
-            victim = None
-            for old in lru:
-                if old in current:
-                    break  # this batch's rows are the most recent: nothing unneeded is left
-                if old not in needed:
-                    victim = old
-                    break
-            if victim is None:
-                victim = next(old for old in lru if old not in current)
-            slots.append(lru.pop(victim))
-            evicted.append(victim)
-            lru[r] = slots[-1]
-        n = len(missing)
-        return Fills(np.full(n, s, np.int64), np.asarray(slots, np.int64), np.asarray(missing, np.int64),
-                     np.asarray(evicted, np.int64))
+    def _fill(self, missing: np.ndarray, space: np.ndarray, current: np.ndarray, requested: int) -> Fills:
+        if not missing.size:
+            return Fills.empty(int(requested))
+        c = self.capacity
+        # Score of every slot: free (-1) and least recently used first; rows the window needs
+        # only when nothing else is left; this batch's own rows never.
+        score = self.last_use.copy()
+        if self._window:
+            needed = self.slot_of[np.concatenate(list(self._window))]
+            score[needed[needed >= 0]] += 1 << 40
+        score[current] = 1 << 62
+        order = np.argsort(space, kind="stable")
+        missing, space = missing[order], space[order]
+        chosen = np.empty(missing.size, np.int64)
+        counts = np.bincount(space, minlength=self.num_spaces)
+        at = 0
+        for s in np.flatnonzero(counts):
+            m = int(counts[s])
+            mine = score[s * c:(s + 1) * c]
+            pick = np.argpartition(mine, m - 1)[:m] if m < c else np.arange(c)
+            chosen[at:at + m] = s * c + pick[np.argsort(mine[pick], kind="stable")]
+            at += m
+        evicted = self.row_at[chosen]
+        self.slot_of[evicted[evicted >= 0]] = -1
+        self.row_at[chosen] = missing
+        self.slot_of[missing] = chosen
+        self.last_use[chosen] = self.tick
+        return Fills(space.astype(np.int64), chosen % c, missing, evicted, int(requested))
 
     # ------------------------------------------------------------ inspection
     def occupancy(self) -> int:
-        return sum(len(lru) for lru in self._lru)
+        return int((self.row_at >= 0).sum())
 
     def cached(self) -> list[dict[int, int]]:
         """Per space: {row: slot} of the rows cached now."""
-        return [dict(lru) for lru in self._lru]
+        out = [{} for _ in range(self.num_spaces)]
+        for g in np.flatnonzero(self.row_at >= 0).tolist():
+            out[g // self.capacity][int(self.row_at[g])] = g % self.capacity
+        return out
 
 
 def plan_stream(caches: dict[int, TableCache], slot_table: np.ndarray, batches, lookahead: int):

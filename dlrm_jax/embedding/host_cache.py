@@ -1,19 +1,17 @@
 """The host DRAM cache of one tiered table, in front of its disk tier.
 
 Rows (values and optimizer state, every field of the tier) live in preallocated numpy arrays
-of ``capacity`` slots. Reads that miss go to the tier in one batched call and are kept; rows
+of ``capacity`` slots; a direct-mapped index (int32 per table row, 4 bytes against the row's
+hundreds in the tier) finds them without per-row Python. Reads that miss go to the tier in one batched call and are kept; rows
 written back from the devices are kept dirty and reach the tier when evicted or flushed (a
 checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
 the number of uses (last use breaking ties) for ``lfu``; one ``argpartition`` per batch of
-misses, so a step costs O(capacity) numpy work at most, never per-row Python beyond a dict
-lookup.
+misses, so a step costs O(capacity) numpy work at most.
 
 Single-threaded: only the thread that dispatches the steps calls it.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 
@@ -33,12 +31,12 @@ class HostCache:
         self.dirty = np.zeros(self.capacity, bool)
         self.last_use = np.full(self.capacity, -1, np.int64)
         self.uses = np.zeros(self.capacity, np.int64)
-        self.slot_of: dict[int, int] = {}
+        self.slot_of = np.full(store.rows(table), -1, np.int32)
         self.tick = 0
         self.hits = self.misses = self.tier_rows_read = self.tier_rows_written = 0
 
     def _lookup(self, rows: np.ndarray) -> np.ndarray:
-        return np.fromiter(map(self.slot_of.get, rows.tolist(), itertools.repeat(-1)), np.int64, len(rows))
+        return self.slot_of[rows].astype(np.int64)
 
     def _touch(self, slots: np.ndarray) -> None:
         self.tick += 1
@@ -88,15 +86,14 @@ class HostCache:
         flush = (old >= 0) & self.dirty[slots]
         if flush.any():
             self._write(old[flush], {k: v[slots[flush]] for k, v in self.data.items()})
-        for r in old[old >= 0].tolist():
-            del self.slot_of[r]
+        self.slot_of[old[old >= 0]] = -1
         for k, v in self.data.items():
             v[slots] = values[k]
         self.row_of[slots] = rows
         self.dirty[slots] = dirty
         self.uses[slots] = 0
         self._touch(slots)
-        self.slot_of.update(zip(rows.tolist(), slots.tolist(), strict=True))
+        self.slot_of[rows] = slots
 
     def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
         """``n`` slots to reuse: free ones first, then the lowest scores (not ``keep``)."""
@@ -128,7 +125,7 @@ class HostCache:
         self.dirty[:] = False
         self.last_use[:] = -1
         self.uses[:] = 0
-        self.slot_of.clear()
+        self.slot_of[:] = -1
 
 
 def _np_dtype(name: str):

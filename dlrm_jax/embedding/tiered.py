@@ -126,32 +126,33 @@ class TieredTables:
         return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
 
     # ------------------------------------------------------------ fills
-    def _entries_per_device(self, fills: dict[int, Fills]) -> int:
-        most = 0
-        for name in self.tiered_groups():
-            count = np.zeros(self.n, np.int64)
-            for t, f in fills.items():
-                for p in self.pieces[t]:
-                    if p.group == name:
-                        count += np.bincount(f.space, minlength=self.n) if p.device < 0 else np.eye(self.n, dtype=np.int64)[p.device] * len(f)
-            most = max(most, math.ceil(count.max() / self.fill_rows[name]) if count.any() else 0)
-        return most
-
     def programs(self, fills: dict[int, Fills]) -> list[_Program]:
-        """The fill programs for one batch: extra fill-only ones (overflow), then the step's.
-        Reads incoming rows on the host; rows the pending program evicts are forwarded."""
-        rounds = max(1, self._entries_per_device(fills))
-        if rounds > 1:
-            self.drain()  # rare: no forwarding across several programs
-            self.stats["fill_rounds"] += rounds - 1
-        forward = self._pending_positions()
-        per_group = {name: defaultdict(list) for name in self.tiered_groups()}
-        for t, f in fills.items():
+        """The fill programs for one batch: extra fill-only ones when the fills overflow the
+        capacity on some device (the rows split into chunks, every piece of a row in the same
+        chunk), then the step's. Reads incoming rows on the host; rows the pending program
+        evicts are forwarded."""
+        for f in fills.values():
             self.stats["rows_requested"] += f.requested
+        rounds = self._rounds(fills)
+        if rounds <= 1:
+            return [self._program(fills)]
+        self.drain()  # rare: several programs, nothing forwarded between them
+        while True:
+            chunks = [{t: f.part(k, rounds) for t, f in fills.items()} for k in range(rounds)]
+            if all(self._rounds(c) <= 1 for c in chunks):
+                break
+            rounds += 1
+        self.stats["fill_rounds"] += rounds - 1
+        return [self._program(c) for c in chunks]
+
+    def _program(self, fills: dict[int, Fills]) -> _Program:
+        per_group = {name: [] for name in self.tiered_groups()}
+        for t, f in fills.items():
             if not len(f):
                 continue
             self.held[t][f.space, f.slot] = f.row
-            fresh = np.array([(t, r) not in forward for r in f.row.tolist()]) if forward else np.ones(len(f), bool)
+            at = self._pending_index(t, f.row)  # where the pending program evicts each row, or -1
+            fresh = at < 0
             full = {k: np.zeros((len(f), *v.shape[1:]), v.dtype) for k, v in self.host[t].data.items()}
             if fresh.any():
                 got = self.host[t].get(f.row[fresh])
@@ -163,51 +164,70 @@ class TieredTables:
             for j, p in enumerate(self.pieces[t]):
                 w = self.groups[p.group].width
                 dev = f.space if p.device < 0 else np.full(len(f), p.device)
-                fwd = np.array([forward.get((t, r, j), -1) for r in f.row.tolist()]) if forward else np.full(len(f), -1)
+                fwd = np.full(len(f), -1, np.int64)
+                if not fresh.all():
+                    fwd[~fresh] = self.pending[1].evictions[(t, j)][2][at[~fresh]]
                 cols = slice(p.col_start, p.col_start + w)
                 slots = {k: v[:, cols] if v.ndim == 2 else v for k, v in full.items() if k != "values"}
-                per_group[p.group]["entries"].append((t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd,
-                                                      f.evicted))
-        out = [_Program({}) for _ in range(rounds)]
-        for name, acc in per_group.items():
-            self._group_arrays(name, acc.get("entries", []), out)
-        return out
+                per_group[p.group].append((t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd,
+                                           f.evicted))
+        program = _Program({})
+        for name, entries in per_group.items():
+            self._group_arrays(name, entries, program)
+        return program
 
-    def _group_arrays(self, name: str, entries, out: list[_Program]) -> None:
+    def _group_arrays(self, name: str, entries, program: _Program) -> None:
+        """One group's fill arrays [N, F, ...]: each device's entries in order."""
         g, cap = self.groups[name], self.fill_rows[name]
-        rounds = len(out)
-        rows = np.full((rounds, self.n, cap), g.local_rows, np.int32)
-        fwd = np.full((rounds, self.n, cap), -1, np.int32)
-        values = np.zeros((rounds, self.n, cap, g.width), _np_dtype(self.plan.dtype))
-        slot_arrays = {k: np.zeros((rounds, self.n, cap, *(s if not s else (g.width,))), np.float32)
+        rows = np.full((self.n, cap), g.local_rows, np.int32)
+        fwd = np.full((self.n, cap), -1, np.int32)
+        values = np.zeros((self.n, cap, g.width), _np_dtype(self.plan.dtype))
+        slot_arrays = {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
                        for k, (s, _) in self.per_row_slots.items()}
         used = np.zeros(self.n, np.int64)
         for t, j, dev, lrow, vals, slots, forward, evicted in entries:
-            pos = np.empty(len(dev), np.int64)
+            e = np.empty(len(dev), np.int64)
             for d in np.unique(dev):  # entries go to each device's next free positions
                 mine = dev == d
-                pos[mine] = used[d] + np.arange(int(mine.sum()))
+                e[mine] = used[d] + np.arange(int(mine.sum()))
                 used[d] += int(mine.sum())
-            r, e = pos // cap, pos % cap
-            rows[r, dev, e], fwd[r, dev, e], values[r, dev, e] = lrow, forward, vals
+            rows[dev, e], fwd[dev, e], values[dev, e] = lrow, forward, vals
             for k in slot_arrays:
-                slot_arrays[k][r, dev, e] = slots[k]
-            for i in range(rounds):
-                mine = (r == i) & (evicted >= 0)
-                if mine.any():
-                    out[i].evictions[(t, j)] = (evicted[mine], dev[mine], e[mine])
-        for i in range(rounds):
-            out[i].fills[name] = GroupFill(rows[i], fwd[i], CacheRows(values[i], {k: v[i] for k, v in slot_arrays.items()}))
+                slot_arrays[k][dev, e] = slots[k]
+            was = evicted >= 0
+            program.evictions[(t, j)] = (evicted[was], dev[was], e[was])
+        program.fills[name] = GroupFill(rows, fwd, CacheRows(values, slot_arrays))
 
-    def _pending_positions(self) -> dict:
-        """(table, row) and (table, row, piece) -> entry, for the rows the pending program evicts."""
-        if self.pending is None:
-            return {}
-        out = {}
-        for (t, j), (rows, _, entry) in self.pending[1].evictions.items():
-            for r, e in zip(rows.tolist(), entry.tolist(), strict=True):
-                out[(t, r)] = True
-                out[(t, r, j)] = e
+    def _rounds(self, fills: dict[int, Fills]) -> int:
+        """Programs these fills need: the most entries a device gets in a group over the
+        group's capacity (rounded up)."""
+        most = 0
+        for name in self.tiered_groups():
+            count = np.zeros(self.n, np.int64)
+            for t, f in fills.items():
+                for p in self.pieces[t]:
+                    if p.group == name:
+                        if p.device < 0:
+                            count += np.bincount(f.space, minlength=self.n)
+                        else:
+                            count[p.device] += len(f)
+            most = max(most, math.ceil(count.max() / self.fill_rows[name]))
+        return most
+
+    def _pending_index(self, t: int, rows: np.ndarray) -> np.ndarray:
+        """For each row, its index among table ``t``'s rows the pending program evicts (the
+        same order for every piece), or -1."""
+        out = np.full(len(rows), -1, np.int64)
+        if self.pending is None or (t, 0) not in self.pending[1].evictions:
+            return out
+        evicted = self.pending[1].evictions[(t, 0)][0]
+        if not evicted.size:
+            return out
+        order = np.argsort(evicted)
+        pos = np.searchsorted(evicted, rows, sorter=order)
+        pos = np.minimum(pos, len(evicted) - 1)
+        found = evicted[order[pos]] == rows
+        out[found] = order[pos[found]]
         return out
 
     def empty_evictions(self) -> dict[str, CacheRows]:
