@@ -19,6 +19,10 @@ Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embedding
 Hot rows: :class:`HotPlan` (in a plan), :class:`RowCounts` (lookup statistics),
 :func:`choose_hot_rows` (the cost model), :class:`HotSchedule` (counting and refreshes);
 ``EmbeddingCollection.refresh`` changes the hot set of a state.
+Tiered tables: :class:`TierPlan` (in a plan), :class:`TierStore` (the disk tier),
+:class:`TieredTables` (disk tier, DRAM caches and device-cache fills of a run),
+:class:`TierRunner` (train steps over them), :func:`export_run` (a checkpoint's tables as
+tensorstore arrays).
 Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
 :func:`preprocess_criteo`. Metrics: :func:`roc_auc`, :func:`log_loss`.
 """
@@ -51,6 +55,11 @@ _EXPORTS = {
     "RowCounts": "dlrm_jax.embedding.hot",
     "HotSchedule": "dlrm_jax.embedding.hot",
     "choose_hot_rows": "dlrm_jax.embedding.hot_planner",
+    "TierPlan": "dlrm_jax.embedding.plan",
+    "TierStore": "dlrm_jax.embedding.tier_store",
+    "TieredTables": "dlrm_jax.embedding.tiered",
+    "TierRunner": "dlrm_jax.train.tier_runner",
+    "export_run": "dlrm_jax.train.export",
     "Batch": "dlrm_jax.data.batch",
     "SyntheticSource": "dlrm_jax.data.synthetic",
     "BinarySource": "dlrm_jax.data.binary",
