@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--lookaheads", default="0,4", help="batches planned ahead, comma-separated")
     bt2.add_argument("--zipf", type=float, default=1.1)
     bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])
+    bt2.add_argument("--warmup", type=int, default=30, help="untimed steps per variant first (the caches fill)")
     bt2.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
     bt2.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
     bt2.add_argument("--output", help="write the JSON here too")
@@ -260,7 +261,7 @@ def cmd_bench(args) -> int:
         bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
                     fractions=[float(f) for f in args.fractions.split(",") if f],
                     lookaheads=[int(k) for k in args.lookaheads.split(",") if k], zipf=args.zipf,
-                    layout=args.layout, output=args.output, log=_log)
+                    layout=args.layout, warmup=args.warmup, output=args.output, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)

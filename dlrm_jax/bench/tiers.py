@@ -79,7 +79,7 @@ class _Variant:
 
 
 def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repeats: int, fractions=FRACTIONS, lookaheads=(0, 4),
-                zipf: float = 1.1, layout: str = "frequency_ordered", warmup: int = 10, output: str | None = None,
+                zipf: float = 1.1, layout: str = "frequency_ordered", warmup: int = 30, output: str | None = None,
                 log=print) -> dict:
     """Run every case side by side; returns (and writes) the JSON report."""
     common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]

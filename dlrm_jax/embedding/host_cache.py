@@ -6,7 +6,8 @@ hundreds in the tier) finds them without per-row Python. Reads that miss go to t
 written back from the devices are kept dirty and reach the tier when evicted or flushed (a
 checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
 the number of uses (last use breaking ties) for ``lfu``; one ``argpartition`` per batch of
-misses, so a step costs O(capacity) numpy work at most.
+misses; a full cache evicts an eighth of its rows at once, so that selection is paid once
+per many steps.
 
 Single-threaded: only the thread that dispatches the steps calls it.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from dlrm_jax.embedding.tier_store import TierStore
+
+EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
 
 
 class HostCache:
@@ -32,6 +35,7 @@ class HostCache:
         self.last_use = np.full(self.capacity, -1, np.int64)
         self.uses = np.zeros(self.capacity, np.int64)
         self.slot_of = np.full(store.rows(table), -1, np.int32)
+        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # taken from the end
         self.tick = 0
         self.hits = self.misses = self.tier_rows_read = self.tier_rows_written = 0
 
@@ -81,12 +85,7 @@ class HostCache:
                 self._write(rows[:-self.capacity], {k: v[:-self.capacity] for k, v in values.items()})
             rows, values = rows[-self.capacity:], {k: v[-self.capacity:] for k, v in values.items()}
             keep = keep[:0]
-        slots = self._victims(len(rows), keep)
-        old = self.row_of[slots]
-        flush = (old >= 0) & self.dirty[slots]
-        if flush.any():
-            self._write(old[flush], {k: v[slots[flush]] for k, v in self.data.items()})
-        self.slot_of[old[old >= 0]] = -1
+        slots = self._take_free(len(rows), keep)
         for k, v in self.data.items():
             v[slots] = values[k]
         self.row_of[slots] = rows
@@ -95,17 +94,37 @@ class HostCache:
         self._touch(slots)
         self.slot_of[rows] = slots
 
-    def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
-        """``n`` slots to reuse: free ones first, then the lowest scores (not ``keep``)."""
+    def _take_free(self, n: int, keep: np.ndarray) -> np.ndarray:
+        """``n`` free slots. When too few are free, the lowest-scored eighth of the cache (or
+        what ``n`` needs) is evicted at once: one O(capacity) selection serves many calls."""
+        if len(self.free) < n:
+            self._evict(max(n - len(self.free), self.capacity // EVICT_FRACTION), keep)
+        if len(self.free) < n:  # this call's own hits fill the rest: they were copied already
+            self._evict(n - len(self.free), keep[:0])
+        slots, self.free = self.free[-n:], self.free[:-n]
+        return slots
+
+    def _evict(self, n: int, keep: np.ndarray) -> None:
+        """Evict the ``n`` cached rows with the lowest scores (not ``keep``): dirty ones are
+        written to the tier."""
         if self.policy == "lru":
             score = self.last_use.astype(np.float64)
         else:  # uses first, recency breaks ties
             score = self.uses * float(self.tick + 1) + self.last_use
-        score = np.where(self.row_of < 0, -1.0, score)
+        score[self.row_of < 0] = np.inf  # free already
         score[keep] = np.inf
-        if n >= self.capacity:
-            return np.argsort(score, kind="stable")[:n]
-        return np.argpartition(score, n - 1)[:n]
+        n = min(n, int(np.isfinite(score).sum()))
+        if n <= 0:
+            return
+        slots = np.argpartition(score, n - 1)[:n] if n < self.capacity else np.argsort(score, kind="stable")[:n]
+        old = self.row_of[slots]
+        flush = self.dirty[slots]
+        if flush.any():
+            self._write(old[flush], {k: v[slots[flush]] for k, v in self.data.items()})
+        self.slot_of[old] = -1
+        self.row_of[slots] = -1
+        self.dirty[slots] = False
+        self.free = np.concatenate([self.free, slots])
 
     def _write(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
         order = np.argsort(rows, kind="stable")  # chunk-ordered writes
@@ -126,6 +145,7 @@ class HostCache:
         self.last_use[:] = -1
         self.uses[:] = 0
         self.slot_of[:] = -1
+        self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
 
 
 def _np_dtype(name: str):

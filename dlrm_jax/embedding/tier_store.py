@@ -331,7 +331,7 @@ class TierStore:
         for field, array in self._arrays[table].items():
             out[field] = np.empty((len(rows), *array.shape), array.np_dtype)
             for chunk, where, offsets in groups:
-                out[field][where] = self._map(table, field, chunk)[offsets]
+                out[field][where] = self._map(table, field, chunk).view(np.ndarray)[offsets]  # (no memmap subclass overhead)
         return out
 
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
@@ -352,7 +352,7 @@ class TierStore:
                 self._make_private((table, field, chunk))
         for field, v in values.items():
             for chunk, where, offsets in groups:
-                self._map(table, field, chunk)[offsets] = v[where]
+                self._map(table, field, chunk).view(np.ndarray)[offsets] = v[where]
                 self._dirty.add((table, field, chunk))
 
     def snapshot(self, step: int) -> None:

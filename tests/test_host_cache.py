@@ -1,0 +1,49 @@
+"""The DRAM cache against a plain dict model: reads always return the newest rows (cached,
+written back, or in the tier), dirty rows reach the tier when evicted or flushed."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlrm_jax.embedding.host_cache import HostCache
+from dlrm_jax.embedding.tier_store import TierStore
+
+ROWS = 40
+
+
+def store(tmp_path):
+    fields = {"values": ((3,), "float32"), "accumulator": ((), "float32")}
+    init = lambda name, a, b: {"values": np.arange(a, b, dtype=np.float32)[:, None].repeat(3, 1),  # noqa: E731
+                               "accumulator": np.zeros(b - a, np.float32)}
+    return TierStore.create(tmp_path, {"t": (ROWS, fields)}, init, chunk_rows=8)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["get", "put", "flush"]),
+                         st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True)), max_size=25)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=ops, capacity=st.integers(1, 16), policy=st.sampled_from(["lru", "lfu"]))
+def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
+    tier = store(tmp_path_factory.mktemp("tier"))
+    cache = HostCache(tier, "t", capacity, policy)
+    model = {r: float(r) for r in range(ROWS)}
+    for i, (op, rows) in enumerate(ops):
+        rows = np.array(rows, np.int64)
+        if op == "get":
+            got = cache.get(rows)
+            np.testing.assert_array_equal(got["values"][:, 0], [model[r] for r in rows])
+        elif op == "put":
+            vals = 1000.0 * (i + 1) + rows
+            cache.put(rows, {"values": np.repeat(vals[:, None], 3, 1).astype(np.float32),
+                             "accumulator": vals.astype(np.float32)})
+            model.update(zip(rows.tolist(), vals.tolist(), strict=True))
+        else:
+            cache.flush()
+        assert (cache.row_of >= 0).sum() <= capacity
+    cache.flush()
+    on_disk = tier.read("t", np.arange(ROWS))
+    np.testing.assert_array_equal(on_disk["values"][:, 0], [model[r] for r in range(ROWS)])
+    np.testing.assert_array_equal(on_disk["accumulator"][[r for r in range(ROWS) if model[r] >= 1000]],
+                                  [model[r] for r in range(ROWS) if model[r] >= 1000])
+    tier.close()
