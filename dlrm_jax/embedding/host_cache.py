@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dlrm_jax.embedding.tier_format import numpy_dtype
 from dlrm_jax.embedding.tier_store import TierStore
 
 EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
@@ -29,7 +30,7 @@ class HostCache:
             raise ValueError(f"embedding.tier.policy: {policy!r} must be lru or lfu")
         self.store, self.table, self.capacity, self.policy = store, table, max(1, capacity), policy
         fields = store.fields(table)
-        self.data = {k: np.zeros((self.capacity, *shape), _np_dtype(dtype)) for k, (shape, dtype) in fields.items()}
+        self.data = {k: np.zeros((self.capacity, *shape), numpy_dtype(dtype)) for k, (shape, dtype) in fields.items()}
         self.row_of = np.full(self.capacity, -1, np.int64)
         self.dirty = np.zeros(self.capacity, bool)
         self.last_use = np.full(self.capacity, -1, np.int64)
@@ -146,11 +147,3 @@ class HostCache:
         self.uses[:] = 0
         self.slot_of[:] = -1
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
-
-
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)

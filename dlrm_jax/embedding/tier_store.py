@@ -20,179 +20,33 @@ Threads: one thread owns a TierStore; it takes no locks.
 
 from __future__ import annotations
 
-import errno
-import json
 import math
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
-import tensorstore as ts
 
-FieldSpec = tuple[tuple[int, ...], str]  # (per-row shape, numpy dtype name), e.g. ((16,), "float32")
-TierTables = dict[str, tuple[int, dict[str, FieldSpec]]]  # table -> (rows, {field: FieldSpec})
-RowInit = Callable[[str, int, int], dict[str, np.ndarray]]  # (table, start, stop) -> rows [stop-start]
-
-CHUNK_BYTES = 4 * 2**20
-COPY_BUFFER_BYTES = 2**20
-# Chunk keys "c.<i>.0": one directory per array, so a snapshot creates and fsyncs a directory
-# per array, not one per chunk as the default "/" separator would.
-CHUNK_KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
-
-
-class TierError(OSError):
-    """A tier file is missing, truncated, foreign, or could not be written; says which file."""
-
-    def __init__(self, path: Path, what: str, code: int | None = None):
-        super().__init__(f"{path}: {what}")
-        self.errno = code
-
-
-def _os_error(path: Path, e: OSError, doing: str = "") -> TierError:
-    what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    return TierError(path, what + doing, e.errno)
-
-
-# Exported tables are ordinary compressed zarr3 arrays (the tier's own are raw, for memmaps).
-EXPORT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 3}}]
-
-
-def export_array(path: Path, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Write ``values`` [rows, ...] as a compressed zarr3 array at ``path``, as
-    :meth:`TierStore.export` writes tiered tables (for tables that live on the devices)."""
-    row_bytes = max(1, values[:1].nbytes)
-    dtype = "bfloat16" if values.dtype == numpy_dtype("bfloat16") else values.dtype.name
-    array = _Array(values.shape[0], min(values.shape[0], default_chunk_rows(row_bytes, chunk_bytes)),
-                   tuple(values.shape[1:]), dtype)
-    _tensorstore(Path(path).absolute(), array, create=True, codecs=EXPORT_CODECS)[...].write(values).result()
-
-
-def default_chunk_rows(row_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """The largest power of two of rows of ``row_bytes`` that fits in ``chunk_bytes`` (at least 1)."""
-    return 1 << max(0, (chunk_bytes // max(1, row_bytes)).bit_length() - 1)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-@dataclass(frozen=True)
-class _Array:
-    """The geometry of one field's zarr3 array: [rows, *shape] in chunks of [chunk_rows, *shape]."""
-
-    rows: int
-    chunk_rows: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def np_dtype(self) -> np.dtype:
-        return numpy_dtype(self.dtype)
-
-    @property
-    def chunks(self) -> int:
-        return math.ceil(self.rows / self.chunk_rows)
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.chunk_rows * math.prod(self.shape) * self.np_dtype.itemsize
-
-    def chunk_name(self, chunk: int) -> str:
-        return ".".join(["c", str(chunk)] + ["0"] * len(self.shape))
-
-    def metadata(self, codecs: list[dict] | None = None) -> dict:
-        return {"shape": [self.rows, *self.shape], "data_type": self.dtype,
-                "chunk_grid": {"name": "regular",
-                               "configuration": {"chunk_shape": [self.chunk_rows, *self.shape]}},
-                "chunk_key_encoding": CHUNK_KEY_ENCODING,
-                "codecs": codecs or [{"name": "bytes", "configuration": {"endian": "little"}}]}
-
-
-def _tensorstore(path: Path, array: _Array, create: bool = False, codecs: list[dict] | None = None,
-                 context: ts.Context | None = None) -> ts.TensorStore:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
-            "metadata": array.metadata(codecs)}
-    if create:  # every chunk file must exist, fill-valued ones included: the memmaps need them
-        spec |= {"create": True, "store_data_equal_to_fill_value": True}
-    else:
-        spec["open"] = True
-    try:
-        return ts.open(spec, context=context).result()
-    except ValueError as e:
-        raise TierError(path, str(e).split(" [tensorstore_spec=")[0]) from None
-
-
-def _check_array(path: Path, array: _Array) -> None:
-    """Raises TierError unless ``path`` holds ``array``'s zarr.json and every full-size chunk file."""
-    meta = _read_zarr_json(path)
-    expected = array.metadata()
-    for key in ("shape", "data_type", "chunk_grid"):
-        if meta.get(key) != expected[key]:
-            raise TierError(path / "zarr.json", f"{key} is {json.dumps(meta.get(key))}, "
-                            f"expected {json.dumps(expected[key])} (a foreign array)")
-    codecs = meta.get("codecs", [])
-    raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
-           and codecs[0].get("configuration", {}).get("endian", "little") == "little")
-    if not raw or meta.get("chunk_key_encoding") != CHUNK_KEY_ENCODING:
-        raise TierError(path / "zarr.json", "not raw little-endian chunks with '.' chunk keys")
-    for chunk in range(array.chunks):
-        file = path / array.chunk_name(chunk)
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            raise TierError(file, "missing") from None
-        if size != array.chunk_bytes:
-            what = "truncated" if size < array.chunk_bytes else "too large"
-            raise TierError(file, f"{what} ({size} of {array.chunk_bytes} bytes)")
-
-
-def _read_zarr_json(path: Path) -> dict:
-    file = path / "zarr.json"
-    try:
-        meta = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise TierError(file, "missing") from None
-    except (ValueError, UnicodeDecodeError):
-        raise TierError(file, "not JSON") from None
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise TierError(file, "not a zarr3 array")
-    return meta
-
-
-def _checked_values(table: str, field: str, array: _Array, values: dict, n: int) -> np.ndarray:
-    if field not in values:
-        raise ValueError(f"no values for field {field!r} of table {table!r}")
-    v = np.asarray(values[field], array.np_dtype)
-    if v.shape != (n, *array.shape):
-        raise ValueError(f"{table}/{field}: values of shape {v.shape}, expected {(n, *array.shape)}")
-    return v
-
-
-def _bulk_load(path: Path, table: str, fields: dict[str, _Array], init: RowInit) -> None:
-    """Creates the table's arrays under ``path`` and writes ``init``'s rows one chunk at a time."""
-    no_sync = ts.Context({"file_io_sync": False})  # the caller fsyncs each file once instead
-    stores = {f: _tensorstore(path / f, a, create=True, context=no_sync) for f, a in fields.items()}
-    geometry = next(iter(fields.values()))
-    for start in range(0, geometry.rows, geometry.chunk_rows):
-        stop = min(start + geometry.chunk_rows, geometry.rows)
-        values = init(table, start, stop)
-        pending = [stores[f][start:stop].write(_checked_values(table, f, a, values, stop - start))
-                   for f, a in fields.items()]
-        for p in pending:
-            p.result()
-
-
-def _saved_chunk_rows(meta: dict) -> int:
-    """The rows per chunk a zarr.json declares (0 if it declares none)."""
-    try:
-        return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
-    except (KeyError, IndexError, TypeError, ValueError):
-        return 0
+from dlrm_jax.embedding.tier_format import (
+    COPY_BUFFER_BYTES,
+    EXPORT_CODECS,
+    ArrayLayout,
+    FieldSpec,
+    RowInit,
+    TierError,
+    TierTables,
+    bulk_load,
+    check_array,
+    checked_values,
+    default_chunk_rows,
+    numpy_dtype,
+    open_array,
+    os_error,
+    read_zarr_json,
+    saved_chunk_rows,
+)
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -237,7 +91,7 @@ class TierStore:
 
     max_open_chunks = 512
 
-    def __init__(self, root: Path, arrays: dict[str, dict[str, _Array]]):
+    def __init__(self, root: Path, arrays: dict[str, dict[str, ArrayLayout]]):
         self.root = Path(root).absolute()
         self._arrays = arrays
         self._maps: OrderedDict[tuple[str, str, int], np.memmap] = OrderedDict()
@@ -275,11 +129,11 @@ class TierStore:
                 raise ValueError(f"table {table!r}: needs at least one row and one field")
             widest = max(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in fields.values())
             table_chunk_rows = min(chunk_rows or default_chunk_rows(widest), rows)
-            arrays[table] = {f: _Array(rows, table_chunk_rows, tuple(shape), dtype)
+            arrays[table] = {f: ArrayLayout(rows, table_chunk_rows, tuple(shape), dtype)
                              for f, (shape, dtype) in fields.items()}
         build = root / "work.tmp"
         for table, fields in arrays.items():
-            _bulk_load(build / table, table, fields, init)
+            bulk_load(build / table, table, fields, init)
         for path in sorted(build.rglob("*"), reverse=True):  # files before their directories
             _fsync(path)
         _fsync(build)
@@ -307,11 +161,11 @@ class TierStore:
             raise TierError(work, "missing: no tier store here")
         arrays = {}
         for table, (rows, fields) in tables.items():
-            chunk_rows = _saved_chunk_rows(_read_zarr_json(work / table / next(iter(fields))))
-            arrays[table] = {f: _Array(rows, chunk_rows or rows, tuple(shape), dtype)
+            chunk_rows = saved_chunk_rows(read_zarr_json(work / table / next(iter(fields))))
+            arrays[table] = {f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype)
                              for f, (shape, dtype) in fields.items()}
             for field, array in arrays[table].items():
-                _check_array(work / table / field, array)
+                check_array(work / table / field, array)
         return cls(root, arrays)
 
     def rows(self, table: str) -> int:
@@ -343,7 +197,7 @@ class TierStore:
             raise TierError(self.root / self._base, "a snapshot view is read-only")
         rows = self._checked_rows(table, rows)
         arrays = self._arrays[table]
-        values = {f: _checked_values(table, f, arrays[f], values, len(rows)) for f in values}
+        values = {f: checked_values(table, f, arrays[f], values, len(rows)) for f in values}
         if len(np.unique(rows)) != len(rows):
             raise ValueError(f"{table}: write() needs distinct rows")
         groups = self._groups(table, rows)
@@ -375,7 +229,7 @@ class TierStore:
             raise TierError(source, "missing: no such snapshot")
         for table, fields in self._arrays.items():
             for field, array in fields.items():
-                _check_array(source / table / field, array)
+                check_array(source / table / field, array)
         self._forget_chunks()
         self._dirty.clear()
         work, build, old = self.root / "work", self.root / "work.tmp", self.root / "work.old"
@@ -407,10 +261,10 @@ class TierStore:
             raise TierError(source, "missing: no such snapshot")
         for name in [table] if table is not None else self._arrays:
             for field, array in self._arrays[name].items():
-                _check_array(source / name / field, array)
+                check_array(source / name / field, array)
                 # Reads see rows written through the memmaps: they share the page cache.
-                src = _tensorstore(source / name / field, array)
-                dst = _tensorstore(Path(dest).absolute() / name / field, array, create=True, codecs=EXPORT_CODECS)
+                src = open_array(source / name / field, array)
+                dst = open_array(Path(dest).absolute() / name / field, array, create=True, codecs=EXPORT_CODECS)
                 for start in range(0, array.rows, array.chunk_rows):
                     stop = min(start + array.chunk_rows, array.rows)
                     dst[start:stop].write(src[start:stop]).result()
@@ -463,7 +317,7 @@ class TierStore:
         try:
             m = np.memmap(path, array.np_dtype, mode, shape=(array.chunk_rows, *array.shape))
         except OSError as e:
-            raise _os_error(path, e) from None
+            raise os_error(path, e) from None
         self._maps[key] = m
         while len(self._maps) > self.max_open_chunks:
             self._maps.popitem(last=False)  # unmapping keeps the dirty pages in the page cache
@@ -482,7 +336,7 @@ class TierStore:
                 os.replace(tmp, path)
             except OSError as e:
                 tmp.unlink(missing_ok=True)
-                raise _os_error(path, e, " (copying a chunk shared with a snapshot)") from None
+                raise os_error(path, e, " (copying a chunk shared with a snapshot)") from None
         self._private.add(key)
 
     def _sync_dirty(self) -> None:
@@ -494,7 +348,7 @@ class TierStore:
             try:
                 _fsync(path)
             except OSError as e:
-                raise _os_error(path, e) from None
+                raise os_error(path, e) from None
         self._dirty.clear()
 
     def _forget_chunks(self) -> None:
@@ -511,7 +365,7 @@ class TierStore:
                     try:
                         os.link(src / name, dst / name)
                     except OSError as e:
-                        raise _os_error(dst / name, e) from None
+                        raise os_error(dst / name, e) from None
                 _fsync(dst)
             _fsync(build / table)
         _fsync(build)

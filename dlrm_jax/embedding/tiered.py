@@ -35,10 +35,11 @@ import numpy as np
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.cache_fill import CacheRows, GroupFill
 from dlrm_jax.embedding.device_cache import Fills, TableCache
-from dlrm_jax.embedding.host_cache import HostCache, _np_dtype
+from dlrm_jax.embedding.host_cache import HostCache
 from dlrm_jax.embedding.initializer import init_table_rows
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.tier_store import TierStore, default_chunk_rows
+from dlrm_jax.embedding.tier_format import default_chunk_rows, numpy_dtype
+from dlrm_jax.embedding.tier_store import TierStore
 
 
 @dataclass
@@ -181,7 +182,7 @@ class TieredTables:
         g, cap = self.groups[name], self.fill_rows[name]
         rows = np.full((self.n, cap), g.local_rows, np.int32)
         fwd = np.full((self.n, cap), -1, np.int32)
-        values = np.zeros((self.n, cap, g.width), _np_dtype(self.plan.dtype))
+        values = np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype))
         slot_arrays = {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
                        for k, (s, _) in self.per_row_slots.items()}
         used = np.zeros(self.n, np.int64)
@@ -235,7 +236,7 @@ class TieredTables:
         out = {}
         for name in self.tiered_groups():
             g, cap = self.groups[name], self.fill_rows[name]
-            out[name] = CacheRows(np.zeros((self.n, cap, g.width), _np_dtype(self.plan.dtype)),
+            out[name] = CacheRows(np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype)),
                                   {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
                                    for k, (s, _) in self.per_row_slots.items()})
         return out

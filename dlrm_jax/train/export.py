@@ -15,7 +15,7 @@ import numpy as np
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.tier_store import export_array
+from dlrm_jax.embedding.tier_format import export_array
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
