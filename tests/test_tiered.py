@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.tiered import TieredTables
@@ -35,7 +36,7 @@ def train(cfg, devices, root=None, steps=STEPS):
     tiered = TieredTables(plan, fns.collection.groups, fns.collection.optimizer, root, fns.embedding_key(),
                           log=lambda *a: None)
     runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
-    for batch, fills in runner.planned(source.train_batch, range(steps)):
+    for batch, fills, _ in runner.planned(source.train_batch, range(steps)):
         state, out = runner.train(state, batch, fills)
         losses.append(np.asarray(out["loss"]))
     tiered.sync_to_host(state.emb.tables, state.emb.slots)
@@ -103,15 +104,13 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss) == (device.auc, device.logloss)
     assert sorted(p.name for p in (tmp_path / "cut" / "tier" / "snapshots").iterdir()) == ["4", "8"]
     report = (tmp_path / "whole" / "plan.txt").read_text()
-    assert "Tiered tables" in report and "cat_0" in report.split("Tiered tables")[1]
+    assert "Tiered tables" in report and "cat_0" in report.split("Tiered tables")[1] and "DRAM hits" in report
     event = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()][-1]
     assert 0 < event["device_hit_rate"] < 1 and event["rows_evicted"] > 0 and event["h2d_bytes_per_step"] > 0
     from dlrm_jax.train.trainer import evaluate_run
 
     assert evaluate_run(tmp_path / "whole", **QUIET).auc == whole.auc  # from the tier's snapshot, read-only
     # Exported, the tiered run's tables are the device run's, field by field.
-    import tensorstore as ts
-
     from dlrm_jax.train.export import export_run
 
     for name in ("device", "whole"):
@@ -121,6 +120,41 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     for table in ("cat_0", "cat_1", "cat_2", "cat_3"):
         for field in ("values", "accumulator"):
             np.testing.assert_array_equal(read("export_whole", table, field), read("export_device", table, field))
+
+
+def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
+    """Hot rows compose with tiered tables: hot rows of tiered tables stay in the replicated
+    hot arrays (never in a cache slot), refreshes move them between the hot copies and the
+    caches/tier exactly. Losses, AUC and exported tables equal the all-in-device run with the
+    same hot rows; a run cut at its step-5 checkpoint and resumed (across refreshes at steps
+    3, 6, 9, with lookahead) equals both."""
+    from test_train import QUIET, losses
+
+    from dlrm_jax.train.export import export_run
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    common = [*BASE, "mesh.devices=8", "embedding.sharding=row", "embedding.hot.rows=48",
+              "embedding.hot.refresh_every=3", "embedding.hot.stats_batches=2", "embedding.tier.lookahead=2",
+              "train.log_every=1", "train.eval_every=5", "train.checkpoint_every=5"]
+    tiered = [*common, *TIERED]
+    device = train_and_evaluate(tiny(*common, "train.steps=10"), tmp_path / "device", **QUIET)
+    train_and_evaluate(tiny(*tiered, "train.steps=5"), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(tiny(*tiered, "train.steps=10"), tmp_path / "cut", **QUIET)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "device")
+    assert (resumed.auc, resumed.logloss) == (device.auc, device.logloss)
+    report = (tmp_path / "cut" / "plan.txt").read_text()
+    plan_lines = report.split("Tiered tables")[0].splitlines()  # table, ..., hot rows, hit rate
+    hot_of = {line.split()[0]: int(line.split()[-2]) for line in plan_lines if line.startswith("cat_")}
+    assert hot_of["cat_0"] > 0 and hot_of["cat_2"] > 0  # tiered tables have hot rows
+    events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").open()]
+    assert all(e["hot_hit_rate"] > 0.2 for e in events)
+    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
+                              ).result().read().result()
+    for name in ("device", "cut"):
+        assert export_run(tmp_path / name, tmp_path / f"export_{name}", **QUIET) == 10
+    for table in ("cat_0", "cat_1", "cat_2", "cat_3"):
+        for field in ("values", "accumulator"):
+            np.testing.assert_array_equal(read("export_cut", table, field), read("export_device", table, field))
 
 
 def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):

@@ -72,3 +72,15 @@ def fill_caches(groups: dict, mesh: jax.sharding.Mesh, tables: dict, slots: dict
     for name, fill in fills.items():
         tables[name], slots[name], evicted[name] = fill_group(groups[name], mesh)(tables[name], slots[name], fill, prev[name])
     return tables, slots, evicted
+
+
+def read_rows(mesh: jax.sharding.Mesh, table: jax.Array, slots: dict, rows: jax.Array) -> CacheRows:
+    """Local rows int32 [N, K] of each device's shard (out of range: zeros) -> CacheRows
+    [N, K, ...]: cache rows read back without a collective (rows becoming hot)."""
+
+    def local(table, slots, rows):
+        take = lambda a: a.at[rows[0]].get(mode="fill", fill_value=0)[None]  # noqa: E731
+        return CacheRows(take(table), {k: take(v) for k, v in slots.items()})
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS),
+                                 check_vma=False))(table, slots, rows)

@@ -78,7 +78,11 @@ class LookupResiduals(NamedTuple):
 class EmbeddingCollection:
     """Every table of a plan, fused into groups, on a mesh."""
 
-    def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer):
+    def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer,
+                 tiered_tables: tuple[int, ...] = ()):
+        """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
+        whose ``tiered_tables`` name the tables held as caches)."""
+        self.tiered_tables = tuple(tiered_tables)
         specs = tuple(t.spec for t in plan.tables)
         if len({s.dim for s in specs}) != 1:
             raise ValueError(f"all tables must share one width, got {sorted({s.dim for s in specs})}")
@@ -114,7 +118,7 @@ class EmbeddingCollection:
                                                                self.dim)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
-                           self.one_hot) if plan.hot_rows else None
+                           self.one_hot, self.tiered_tables) if plan.hot_rows else None
         self._refresh = None
         self._counters = {}
 
@@ -140,10 +144,13 @@ class EmbeddingCollection:
         :meth:`refresh` chooses its rows)."""
         return jax.jit(self._init, out_shardings=self.state_sharding())(key)
 
-    def refresh(self, state: EmbeddingState, keys: np.ndarray) -> EmbeddingState:
+    def refresh(self, state: EmbeddingState, keys: np.ndarray, index_keys: np.ndarray | None = None
+                ) -> EmbeddingState:
         """The state with the hot set ``keys`` (int32 [2, H], ``routing.hot_keys``): the rows
         hot until now written back to their owners, the new ones gathered, exactly. Donates
-        ``state``; one compiled program for every refresh."""
+        ``state``; one compiled program for every refresh. Tiered tables' hot rows are left
+        zero (``embedding/tier_hot.py`` moves them); ``index_keys``: the pairs the step looks
+        up (``routing.hot_step_keys``), when they differ from ``keys``."""
         if self.hot is None:
             raise ValueError("this plan replicates no hot rows (embedding.hot.rows=0)")
         if self._refresh is None:
@@ -156,7 +163,7 @@ class EmbeddingCollection:
             self._refresh = jax.jit(refresh, in_shardings=(sharding, replicated, replicated, replicated),
                                     out_shardings=sharding, donate_argnums=0)
         keys = np.asarray(keys, np.int32)
-        return self._refresh(state, keys, *hot_index(keys))
+        return self._refresh(state, keys, *hot_index(keys if index_keys is None else index_keys))
 
     def logical_tables(self, state: EmbeddingState) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
         """Per table, its [rows, D] values and optimizer state, whatever the plan."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.plan import RowLayout, Strategy, TablePlan
+from dlrm_jax.embedding.routing import split_hot_host
 
 
 class CacheTooSmall(ValueError):
@@ -168,6 +169,16 @@ class TableCache:
         self.last_use[chosen] = self.tick
         return Fills(space.astype(np.int64), chosen % c, missing, evicted, int(requested))
 
+    def drop(self, rows: np.ndarray) -> None:
+        """Forget ``rows`` (cached or not): their slots become free, nothing is written back
+        (the caller took their contents: rows becoming hot)."""
+        rows = np.asarray(rows, np.int64)
+        g = self.slot_of[rows].astype(np.int64)
+        g = g[g >= 0]
+        self.slot_of[self.row_at[g]] = -1
+        self.row_at[g] = -1
+        self.last_use[g] = -1
+
     # ------------------------------------------------------------ inspection
     def occupancy(self) -> int:
         return int((self.row_at >= 0).sum())
@@ -180,11 +191,13 @@ class TableCache:
         return out
 
 
-def plan_stream(caches: dict[int, TableCache], slot_table: np.ndarray, batches, lookahead: int):
+def plan_stream(caches: dict[int, TableCache], slot_table: np.ndarray, batches, lookahead: int, hot=None):
     """For each ids array [B, S] of ``batches`` in order: (ids, cache ids [B, S] with every
     tiered table's ids replaced, {table: Fills}). ``caches``: tiered table index -> its
     cache; ``slot_table``: the table of each batch slot. Batch t is planned with batches
-    t+1 .. t+lookahead in the window (read ahead from ``batches``)."""
+    t+1 .. t+lookahead in the window (read ahead from ``batches``). ``hot``: called with t
+    when batch t is planned, its tiered tables' hot rows (``routing.tiered_hot_maps``):
+    those never enter a cache and become their step ids."""
     cols = {t: np.flatnonzero(slot_table == t) for t in caches}
     window, it = collections.deque(), iter(batches)
 
@@ -197,14 +210,20 @@ def plan_stream(caches: dict[int, TableCache], slot_table: np.ndarray, batches, 
         enter(ids)
         if len(window) > lookahead:
             break
+    t_batch = 0
     while window:
         ids = window.popleft()
         for t, cache in caches.items():
             cache.leave_window(ids[:, cols[t]])
+        maps = hot(t_batch) if hot is not None else {}
         remapped, fills = ids.copy(), {}
         for t, cache in caches.items():
-            remapped[:, cols[t]], fills[t] = cache.plan(ids[:, cols[t]])
+            sub = ids[:, cols[t]]
+            is_hot, step_ids = split_hot_host(sub, maps.get(t))
+            cache_ids, fills[t] = cache.plan(np.where(is_hot, PAD_ID, sub))
+            remapped[:, cols[t]] = np.where(is_hot, step_ids, cache_ids)
         yield ids, remapped, fills
+        t_batch += 1
         nxt = next(it, None)
         if nxt is not None:
             enter(nxt)

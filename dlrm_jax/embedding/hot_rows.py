@@ -59,8 +59,11 @@ class HotRows:
     """The hot group of a plan: its state, its part of the step, and the refresh program."""
 
     def __init__(self, capacity: int, dim: int, groups: list[Group], mesh, optimizer: SparseOptimizer,
-                 slot_table: np.ndarray, slot_feature: np.ndarray, one_hot: bool):
+                 slot_table: np.ndarray, slot_feature: np.ndarray, one_hot: bool, host_tables=frozenset()):
+        """``host_tables``: tables whose rows the groups do not hold (tiered tables: their
+        groups hold caches); the refresh program leaves their hot rows to the caller."""
         self.capacity, self.dim, self.groups, self.mesh = capacity, dim, groups, mesh
+        self.host_tables = frozenset(host_tables)
         self.optimizer, self.one_hot = optimizer, one_hot
         self.slot_table, self.slot_feature = slot_table, slot_feature
         self.num_features = int(slot_feature.max()) + 1
@@ -136,11 +139,12 @@ class HotRows:
             me = lax.axis_index(AXIS)
             tables, slots = dict(zip(names, tables, strict=True)), dict(zip(names, slots, strict=True))
             for g in self.groups:
-                tables[g.name], slots[g.name] = _write_back(g, tables[g.name], slots[g.name], hot, me)
+                tables[g.name], slots[g.name] = _write_back(g, tables[g.name], slots[g.name], hot, me, self.host_tables)
             values = jnp.zeros((self.capacity, self.dim), jnp.float32)
             state = {k: jnp.zeros(v.shape, v.dtype) for k, v in hot.slots.items()}
             for g in self.groups:
-                values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state)
+                values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state,
+                                        self.host_tables)
             values, state = lax.psum((values, state), AXIS)  # one device holds each piece
             new_hot = HotState(values.astype(hot.values.dtype), state, new_keys, index, seeds)
             return tuple(tables[n] for n in names), tuple(slots[n] for n in names), new_hot
@@ -171,8 +175,8 @@ def _columns(vt: VirtualTable, g: Group) -> slice:
     return slice(vt.col_start, vt.col_start + g.width)
 
 
-def _write_back(g: Group, table, slots, hot: HotState, me):
-    for vt in g.vtables:
+def _write_back(g: Group, table, slots, hot: HotState, me, skip):
+    for vt in (v for v in g.vtables if v.table not in skip):
         rows, _ = _held_here(g, vt, hot.keys, me, gather=False)
         cols = _columns(vt, g)
         table = table.at[rows].set(hot.values[:, cols].astype(table.dtype), mode="drop")
@@ -182,8 +186,8 @@ def _write_back(g: Group, table, slots, hot: HotState, me):
     return table, slots
 
 
-def _gather(g: Group, table, slots, keys, me, values, state):
-    for vt in g.vtables:
+def _gather(g: Group, table, slots, keys, me, values, state, skip):
+    for vt in (v for v in g.vtables if v.table not in skip):
         rows, mine = _held_here(g, vt, keys, me, gather=True)
         cols = _columns(vt, g)
         got = table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)

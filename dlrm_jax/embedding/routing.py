@@ -294,3 +294,36 @@ def split_hot(ids, table, index, seeds):
         found = jnp.maximum(found, jnp.max(jnp.where(match, entries[..., 2], -1), axis=-1))
     hot = (ids != PAD_ID) & (found >= 0)
     return jnp.where(hot, found, -1).astype(jnp.int32), jnp.where(hot, PAD_ID, ids).astype(jnp.int32)
+
+
+# Hot rows of tiered tables. The step never sees such a table's logical ids, only cache ids in
+# [0, V) (V: the device view's rows), which change as rows move in and out of the caches. So a
+# hot row of a tiered table is split on the host, by the planner that remaps the batch: it
+# becomes the step id V + p, p its row in the hot arrays, and the step's hash index holds that
+# pair instead of the logical one (:func:`hot_step_keys`); ``split_hot`` then needs no change.
+def hot_step_keys(keys: np.ndarray, view_rows: dict[int, int]) -> np.ndarray:
+    """The pairs the step's hot index is built from: ``keys`` with each tiered table's id
+    (``view_rows``: tiered table -> V) replaced by V + its row in the hot arrays."""
+    out = np.array(keys, np.int32, copy=True)
+    for t, v in view_rows.items():
+        at = np.flatnonzero(out[0] == t)
+        out[1, at] = v + at
+    return out
+
+
+def tiered_hot_maps(keys: np.ndarray, view_rows: dict[int, int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per tiered table with hot rows: (its hot ids, ascending; their step ids)."""
+    keys, step = np.asarray(keys), hot_step_keys(keys, view_rows)
+    return {t: (keys[1, at].astype(np.int64), step[1, at]) for t in view_rows
+            if (at := np.flatnonzero(keys[0] == t)).size}
+
+
+def split_hot_host(ids: np.ndarray, hot: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    """One tiered table's ids (any shape, PAD_ID allowed) -> (hot mask, step ids of the hot
+    ones; other entries undefined). ``hot``: the table's :func:`tiered_hot_maps` entry."""
+    if hot is None or not hot[0].size:
+        return np.zeros(ids.shape, bool), np.zeros(ids.shape, np.int32)
+    rows, step = hot
+    pos = np.minimum(np.searchsorted(rows, ids), rows.size - 1)
+    is_hot = (rows[pos] == ids) & (ids != PAD_ID)
+    return is_hot, step[pos]

@@ -141,6 +141,11 @@ class TierStore:
         _fsync(root)
         return cls.open(root, tables)
 
+    @property
+    def read_only(self) -> bool:
+        """A snapshot view (:meth:`open_snapshot`)."""
+        return self._base != "work"
+
     @staticmethod
     def exists(root: Path) -> bool:
         """Whether ``root`` holds a store, once what a crash interrupted there is finished or undone
@@ -193,7 +198,7 @@ class TierStore:
 
         Chunks shared with a snapshot are all copied before any row is written: if a copy fails
         (TierError, e.g. ENOSPC) the store's contents are unchanged."""
-        if self._base != "work":
+        if self.read_only:
             raise TierError(self.root / self._base, "a snapshot view is read-only")
         rows = self._checked_rows(table, rows)
         arrays = self._arrays[table]

@@ -31,15 +31,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.cache_fill import CacheRows, GroupFill
+from dlrm_jax.embedding.cache_fill import CacheRows, GroupFill, read_rows
 from dlrm_jax.embedding.device_cache import Fills, TableCache
 from dlrm_jax.embedding.host_cache import HostCache
 from dlrm_jax.embedding.initializer import init_table_rows
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.tier_format import default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tier_store import TierStore
+from dlrm_jax.parallel.mesh import AXIS
 
 
 @dataclass
@@ -278,8 +281,9 @@ class TieredTables:
             self.host[t].put(rows, full)
 
     # ------------------------------------------------------------ checkpoints and evaluation
-    def sync_to_host(self, emb_tables: dict, emb_slots: dict) -> None:
-        """Copy every row the device caches hold into the DRAM caches (the caches keep them)."""
+    def sync_to_host(self, emb_tables: dict, emb_slots: dict, hot=None) -> None:
+        """Copy every row the device caches hold, and the tiered tables' hot rows (``hot``:
+        the state's ``HotState``), into the DRAM caches (the caches keep them)."""
         self.drain()
         host = {}
         for name in self.tiered_groups():
@@ -289,17 +293,69 @@ class TieredTables:
         where = {}
         for t in self.tables:
             space, slot = np.nonzero(self.held[t] >= 0)
-            rows = self.held[t][space, slot]
-            for j, p in enumerate(self.pieces[t]):
-                dev = space if p.device < 0 else np.full(len(space), p.device)
-                where[(t, j)] = (rows, dev, p.local_offset + slot)
+            where.update(self._held_pieces(t, space, slot))
         self._put_pieces(where, host)
+        if hot is not None and not self.store.read_only:  # a snapshot view already has them
+            self.put_hot_rows(hot)
 
-    def checkpoint(self, step: int, emb_tables: dict, emb_slots: dict, saved: list[int], keep: int) -> None:
-        """Make the tier hold the tables as of ``step`` durably (a snapshot named ``step``).
+    def _held_pieces(self, t: int, space: np.ndarray, slot: np.ndarray) -> dict:
+        """(rows, device, local row) per piece of table ``t`` for cache positions (space, slot)."""
+        rows = self.held[t][space, slot]
+        return {(t, j): (rows, space if p.device < 0 else np.full(len(space), p.device), p.local_offset + slot)
+                for j, p in enumerate(self.pieces[t])}
+
+    def put_hot_rows(self, hot) -> None:
+        """The tiered tables' rows in the hot copies ``hot`` (a ``HotState``) -> DRAM caches."""
+        keys = np.asarray(hot.keys)
+        if not np.isin(keys[0], self.tables).any():
+            return
+        values = np.asarray(hot.values)
+        slots = {k: np.asarray(v) for k, v in hot.slots.items()}
+        for t in self.tables:
+            at = np.flatnonzero(keys[0] == t)
+            if at.size:
+                self.host[t].put(keys[1, at].astype(np.int64), {"values": values[at]} | {k: v[at] for k, v in slots.items()})
+
+    def take_from_devices(self, mesh, emb_tables: dict, emb_slots: dict, rows: dict[int, np.ndarray]) -> None:
+        """Rows of tiered tables (``rows``: table -> ids) leave the device caches for the
+        DRAM caches: the cached ones are read back, their slots freed (the planner's caches
+        must drop them too). Call with nothing pending on the devices."""
+        self.drain()
+        where = {}
+        for t, ids in rows.items():
+            space, slot = np.nonzero(np.isin(self.held[t], ids))
+            if space.size:
+                where.update(self._held_pieces(t, space, slot))
+                self.held[t][space, slot] = -1
+        if not where:
+            return
+        # Per group, each device's local rows to read, padded to a power of two (few compiles).
+        wanted = {name: [[] for _ in range(self.n)] for name in self.tiered_groups()}
+        entry = {}
+        for (t, j), (_, dev, local) in where.items():
+            per_dev = wanted[self.pieces[t][j].group]
+            e = np.empty(len(dev), np.int64)
+            for i, (d, r) in enumerate(zip(dev.tolist(), local.tolist(), strict=True)):
+                e[i] = len(per_dev[d])
+                per_dev[d].append(r)
+            entry[(t, j)] = e
+        host = {}
+        for name, per_dev in wanted.items():
+            k = 1 << max(0, max(len(r) for r in per_dev) - 1).bit_length()
+            idx = np.full((self.n, k), self.groups[name].local_rows, np.int32)
+            for d, r in enumerate(per_dev):
+                idx[d, :len(r)] = r
+            got = read_rows(mesh, emb_tables[name], emb_slots[name],
+                            jax.device_put(idx, NamedSharding(mesh, P(AXIS))))
+            host[name] = (np.asarray(got.values), {key: np.asarray(v) for key, v in got.slots.items()})
+        self._put_pieces({key: (rows_, dev, entry[key]) for key, (rows_, dev, _) in where.items()}, host)
+
+    def checkpoint(self, step: int, emb_tables: dict, emb_slots: dict, saved: list[int], keep: int, hot=None) -> None:
+        """Make the tier hold the tables as of ``step`` durably (a snapshot named ``step``;
+        hot rows included, so the snapshot is the whole logical tables).
         Snapshots of the checkpoints in ``saved`` and of this run's last ``keep`` checkpoints
         (the newest may still be committing in the background) stay; older ones go."""
-        self.sync_to_host(emb_tables, emb_slots)
+        self.sync_to_host(emb_tables, emb_slots, hot)
         for h in self.host.values():
             h.flush()
         self.store.snapshot(step)

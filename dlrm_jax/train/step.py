@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -107,15 +108,20 @@ class StepFunctions:
         rep = lambda tree: jax.tree.map(lambda _: self.replicated, tree)  # noqa: E731
         return TrainState(self.replicated, rep(params), rep(opt), self.collection.state_sharding())
 
-    def init_state(self) -> TrainState:
-        """The initial state, created on the mesh with its final shardings."""
+    def init_state(self, hot: bool = True) -> TrainState:
+        """The initial state, created on the mesh with its final shardings; ``hot=False``:
+        the hot set left empty (tiered runs fill it through their ``TierRunner``)."""
         params, opt = jax.jit(self._dense_init,
                               out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
         emb = self.collection.init(self.embedding_key())
-        if self.hot is not None:
-            emb = self.collection.refresh(emb, hot_keys(self.hot.current_rows(), self.hot.capacity))
+        if self.hot is not None and hot:
+            emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         return TrainState(step, params, opt, emb)
+
+    def hot_keys(self) -> np.ndarray:
+        """The hot set the schedule's statistics now rank hottest (``routing.hot_keys``)."""
+        return hot_keys(self.hot.current_rows(), self.hot.capacity)
 
     def embedding_key(self) -> jax.Array:
         """The key every table's initial values derive from (tiered tables' too)."""

@@ -10,20 +10,35 @@ step evicted. Every program is dispatched from that one thread.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch
 from dlrm_jax.data.pipeline import background
+from dlrm_jax.embedding import tier_hot
 from dlrm_jax.embedding.device_cache import plan_stream
 from dlrm_jax.embedding.tiered import TieredTables
 
 
+class Planned(NamedTuple):
+    """One planned step: the batch with cache ids, its fills, and the batch's own ids."""
+
+    batch: Batch
+    fills: dict
+    ids: np.ndarray
+
+
 class TierRunner:
-    """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``."""
+    """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``.
+
+    With hot rows, the planner splits tiered tables' hot ids off (they never take a cache
+    slot) and stops before the first batch after each refresh of the schedule until
+    :meth:`refresh_hot` has moved the rows and handed it the new set."""
 
     def __init__(self, steps, tiered: TieredTables, lookahead: int):
         self.steps, self.tiered, self.lookahead = steps, tiered, lookahead
@@ -32,18 +47,45 @@ class TierRunner:
         self.h2d_bytes = 0
         self._empty = None
         self._last = {}
+        self._caches = None
+        self._hot_maps: dict = {}
+        self._gate = threading.Condition()
+        self._arrived = self._released = -1  # the refresh boundary the planner waits at / may pass
+        self._planner_done = True
 
-    def planned(self, make_batch: Callable[[int], Batch], steps: range) -> Iterator[tuple[Batch, dict]]:
-        """(batch with cache ids, {table: Fills}) for each step; planned in a thread reading
-        ``lookahead`` batches ahead (inline when 0)."""
-        caches = self.tiered.new_caches()
+    def use_hot(self, hot_keys: np.ndarray) -> None:
+        """The hot set the state starts with (before :meth:`planned`)."""
+        self._hot_maps = tier_hot.hot_maps(self.steps.collection, hot_keys)
+
+    def planned(self, make_batch: Callable[[int], Batch], steps: range) -> Iterator[Planned]:
+        """Each step's :class:`Planned`; planned in a thread reading ``lookahead`` batches
+        ahead (inline when 0)."""
+        self._caches = caches = self.tiered.new_caches()
         batches = background(map(make_batch, steps)) if self.lookahead else map(make_batch, steps)
+        schedule = self.steps.hot
+        threaded = bool(self.lookahead)
+        self._planner_done = not threaded
+
+        def hot_for(k: int) -> dict:
+            i = steps.start + k
+            if threaded and schedule is not None and k and schedule.refresh_due(i):
+                with self._gate:  # caches and hot set change here: wait for refresh_hot(i)
+                    self._arrived = i
+                    self._gate.notify_all()
+                    self._gate.wait_for(lambda: self._released >= i)
+            return self._hot_maps
 
         def plans():
-            pending = {}
-            ids = (pending.setdefault(i, b).ids for i, b in enumerate(batches))
-            for i, (_, remapped, fills) in enumerate(plan_stream(caches, self.slot_table, ids, self.lookahead)):
-                yield pending.pop(i)._replace(ids=remapped), fills
+            try:
+                pending = {}
+                ids = (pending.setdefault(i, b).ids for i, b in enumerate(batches))
+                stream = plan_stream(caches, self.slot_table, ids, self.lookahead, hot_for if schedule is not None else None)
+                for i, (orig, remapped, fills) in enumerate(stream):
+                    yield Planned(pending.pop(i)._replace(ids=remapped), fills, orig)
+            finally:
+                with self._gate:
+                    self._planner_done = True
+                    self._gate.notify_all()
 
         source = background(plans(), depth=self.lookahead) if self.lookahead else plans()
         while True:
@@ -53,6 +95,19 @@ class TierRunner:
             if item is None:
                 return
             yield item
+
+    def refresh_hot(self, state, keys: np.ndarray, step: int):
+        """The state with hot set ``keys`` after train step ``step`` (a refresh of the
+        schedule), tiered rows moved between the hot copies and the caches; the planner,
+        stopped before batch ``step``, then goes on with the new set."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._arrived >= step or self._planner_done)
+        emb = tier_hot.refresh(self.steps.collection, self.tiered, state.emb, keys, self._caches)
+        self._hot_maps = tier_hot.hot_maps(self.steps.collection, keys)
+        with self._gate:
+            self._released = step
+            self._gate.notify_all()
+        return state._replace(emb=emb)
 
     def _device(self, tree):
         self.h2d_bytes += sum(x.nbytes for x in jax.tree.leaves(tree))

@@ -22,6 +22,7 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding import tier_hot
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
@@ -94,8 +95,6 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if cfg.embedding.hot.rows != 0:
         if source is None:
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
-        if plan.tiered_tables:
-            raise ValueError("embedding.hot.rows with tiered tables (embedding.storage) is not supported yet")
         plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
     if not plan.tiered_tables:
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
@@ -105,9 +104,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
     plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)], log)
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer))
-    collection = EmbeddingCollection(plan.device_view(), mesh, optimizer)
-    return plan, StepFunctions(cfg, mesh, collection, cache_groups=tuple(name for name, _ in plan.tier.fill_rows),
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
+    collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
+    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows),
                                tiered_tables=plan.tiered_tables)
 
 
@@ -129,7 +128,7 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     per_process = steps.cfg.train.batch_size // jax.process_count()
     probs, labels, valid = [], [], []
     if runner is not None:  # tiered features are pooled on the host from the newest rows
-        runner.tiered.sync_to_host(state.emb.tables, state.emb.slots)
+        runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     for batch in source.eval_batches():
         n = batch.size
         padded = Batch(*(np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)])
@@ -157,13 +156,16 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
     another plan (device count, strategy) are restored as saved, then re-laid out. ``tiered``:
     the disk tier, restored to its snapshot of that step (a step without one does not restore)."""
-    state = _restore_state(steps, ckpts, log, step)
+    state, relaid_out = _restore_state(steps, ckpts, log, step)
     if tiered is not None:
         tiered.restore(int(host_scalar(state.step)))
+        if relaid_out and steps.hot is not None:  # the snapshot holds the hot rows: choose afresh
+            state = state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
     return state
 
 
-def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> TrainState:
+def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> tuple[TrainState, bool]:
+    """(state, whether it was re-laid out from another plan)."""
     saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
     tiered = saved.tiered_tables
     saved = saved.device_view() if tiered else saved  # what the devices held
@@ -172,7 +174,7 @@ def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | No
     if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
         steps.hot.load_json(counts)
     if saved == current:
-        return ckpts.restore(steps.abstract_state(), step)
+        return ckpts.restore(steps.abstract_state(), step), False
     if tiered != steps.tiered_tables:
         names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"  # noqa: E731
         raise IncompatibleCheckpoint(f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
@@ -183,9 +185,9 @@ def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | No
     state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
     # Tiered tables' rows come from the tier's snapshot of this step; their caches start empty.
     emb = relayout(saved, state.emb, steps.collection, skip=frozenset(tiered))
-    if steps.hot is not None:  # hot rows chosen afresh from the statistics
-        emb = steps.collection.refresh(emb, hot_keys(steps.hot.current_rows(), steps.hot.capacity))
-    return state._replace(emb=emb)
+    if steps.hot is not None and not tiered:  # hot rows chosen afresh from the statistics
+        emb = steps.collection.refresh(emb, steps.hot_keys())
+    return state._replace(emb=emb), True
 
 
 def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print, tiered: TieredTables | None = None
@@ -200,9 +202,13 @@ def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log, tiere
         step, state = restore_newest(steps, ckpts, log, tiered)
         log(f"resuming from checkpoint at step {step}")
         return state
-    if tiered is not None:  # the initial tables
-        tiered.restore(0)
-    return steps.init_state()
+    if tiered is None:
+        return steps.init_state()
+    tiered.restore(0)  # the initial tables
+    state = steps.init_state(hot=False)
+    if steps.hot is not None:
+        state = state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
+    return state
 
 
 # How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
@@ -353,6 +359,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
             f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
         batches = prefetch(source.train_batch, range(start, t.steps))
     else:
+        if hot is not None:
+            runner.use_hot(np.asarray(state.emb.hot.keys))
         batches = runner.planned(source.train_batch, range(start, t.steps))
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
@@ -363,15 +371,14 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     with _StopSignals() as stop:
         for step, item in zip(range(start + 1, t.steps + 1), batches, strict=True):
             window_start = window_start or time.perf_counter()
+            ids = item.ids  # as read: tiered runs train on a copy with cache ids
             if runner is None:
-                host_batch = item
-                state, out = compiled(state, steps.device_batch(host_batch))
+                state, out = compiled(state, steps.device_batch(item))
             else:
-                host_batch, fills = item
-                state, out = runner.train(state, host_batch, fills)
+                state, out = runner.train(state, item.batch, item.fills)
             pending.append((step, out))
             if hot is not None:
-                state = _count_and_refresh(hot, steps, state, step, host_batch)
+                state = _count_and_refresh(hot, steps, state, step, ids, runner)
             while len(pending) > DISPATCH_AHEAD:
                 watch.add(*pending.popleft())
             bar.update(1)
@@ -403,7 +410,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
             if is_ckpt and ckpts:
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
-                                             t.keep_checkpoints)
+                                             t.keep_checkpoints, state.emb.hot)
                 ckpts.save(step, state, plan_json, hot.to_json() if hot else None)
             if signum:
                 if ckpts:
@@ -420,15 +427,18 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
 
 
 def _count_and_refresh(hot: HotSchedule, steps: StepFunctions, state: TrainState, step: int,
-                       host_batch: Batch) -> TrainState:
+                       ids: np.ndarray, runner: TierRunner | None) -> TrainState:
     """After train step ``step``: count its batch if it falls in a statistics window, and
     refresh the hot set when one is due (before any checkpoint of this step, so a resumed run
     starts from the refreshed rows and the statistics that chose them)."""
     if hot.counts_batch(step - 1):
-        hot.add(hot_setup.global_ids(host_batch.ids))
+        hot.add(hot_setup.global_ids(ids))
     if not hot.refresh_due(step):
         return state
-    return state._replace(emb=steps.collection.refresh(state.emb, hot_keys(hot.refresh(), hot.capacity)))
+    keys = hot_keys(hot.refresh(), hot.capacity)
+    if runner is not None:
+        return runner.refresh_hot(state, keys, step)
+    return state._replace(emb=steps.collection.refresh(state.emb, keys))
 
 
 def _memory_report(compiled) -> str:
