@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--warmup", type=int, default=30, help="untimed steps per variant first (the caches fill)")
     bt2.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
     bt2.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bt2.add_argument("--large-gb", type=float, default=0.0,
+                     help="one more case with the tables scaled to about this many GB on disk (0: none)")
+    bt2.add_argument("--large-fraction", type=float, default=0.01, help="the large case's device cache fraction")
+    bt2.add_argument("--large-host-fraction", type=float, default=0.05, help="the large case's DRAM cache fraction")
+    bt2.add_argument("--tier-dir", help="create the disk tiers here (default: a temporary folder)")
     bt2.add_argument("--output", help="write the JSON here too")
     bh = bench_sub.add_parser("hot", help="hot-row replication vs none on skewed ids, both id and row layouts")
     _add_config_args(bh)
@@ -261,7 +266,9 @@ def cmd_bench(args) -> int:
         bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
                     fractions=[float(f) for f in args.fractions.split(",") if f],
                     lookaheads=[int(k) for k in args.lookaheads.split(",") if k], zipf=args.zipf,
-                    layout=args.layout, warmup=args.warmup, output=args.output, log=_log)
+                    layout=args.layout, warmup=args.warmup, output=args.output, large_gb=args.large_gb,
+                    large_fraction=args.large_fraction, large_host_fraction=args.large_host_fraction,
+                    tier_dir=args.tier_dir, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)

@@ -136,3 +136,28 @@ def test_no_dedup_bytes_count_every_remote_lookup(tiny):
     plan = plan_from_config(cfg, 2)
     ids = np.array([[0, 7, 7], [7, 0, 0], [8, 2, -1], [9, 9, 9]], np.int32)  # rows 0-1: device 0, 2-3: device 1
     assert no_dedup_bytes(plan, [ids]) == (3 + 1) * (4 + 2 * 4 * 8) / 2
+
+
+def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
+    """``bench tiers``: each cache size and lookahead, plus the large case (tables scaled up
+    in the disk tier), as ratios to the all-in-device run, with measured and predicted hit
+    rates, in the issue's JSON fields."""
+    from dlrm_jax.bench.tiers import bench_tiers
+
+    overrides = ["mesh.devices=4", "train.batch_size=64", "data.cardinalities=[3000, 40, 5000, 7]",
+                 "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "embedding.sharding=row"]
+    out = tmp_path / "tiers.json"
+    report = bench_tiers(None, overrides, steps=2, repeats=1, fractions=[0.2], lookaheads=[0, 2], warmup=2,
+                         output=str(out), large_gb=0.004, tier_dir=str(tmp_path), **QUIET)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    cases = {(c["storage"], c["device_cache_fraction"], c["lookahead"]): c for c in report["cases"]}
+    assert set(cases) == {("device", 1.0, 0), ("tiered", 0.2, 0), ("tiered", 0.2, 2), ("large", 0.01, 2)}
+    for key in ("zipf", "layout", "device_cache_fraction", "lookahead", "samples_per_s", "ratio_to_device",
+                "device_hit_rate", "host_hit_rate", "h2d_bytes_per_step", "stall_ms_per_step"):
+        assert all(key in c for c in report["cases"]), key
+    assert cases[("device", 1.0, 0)]["ratio_to_device"] == 1.0
+    tiered = cases[("tiered", 0.2, 2)]
+    assert 0 < tiered["device_hit_rate"] < 1 and tiered["h2d_bytes_per_step"] > 0
+    assert 0 <= tiered["predicted_host_hit_rate"] <= 1
+    assert cases[("large", 0.01, 2)]["tier_gib"] > 3 * tiered["tier_gib"]
+    assert not list(tmp_path.glob("dlrm-bench-tiers-*"))  # the tiers are removed

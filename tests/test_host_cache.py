@@ -47,3 +47,30 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
     np.testing.assert_array_equal(on_disk["accumulator"][[r for r in range(ROWS) if model[r] >= 1000]],
                                   [model[r] for r in range(ROWS) if model[r] >= 1000])
     tier.close()
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(50, 2000), exponent=st.sampled_from([0.0, 0.8, 1.1, 1.4]), fraction=st.floats(0.01, 0.6))
+def test_predicted_lru_hit_rate_matches_a_simulated_lru(rows, exponent, fraction):
+    """The plan's cache model (Che's approximation) against an LRU replayed over independent
+    draws from the same row probabilities: within a few points of the hit rate."""
+    import collections
+
+    from dlrm_jax.train.tier_setup import che_hit_rate
+
+    p = 1.0 / np.arange(1, rows + 1) ** exponent
+    p /= p.sum()
+    capacity = max(1, int(fraction * rows))
+    draws = np.random.default_rng(rows).choice(rows, size=40_000, p=p)
+    lru, hits = collections.OrderedDict(), 0
+    for i, r in enumerate(draws.tolist()):
+        if r in lru:
+            hits += i >= 10_000  # after a warm-up
+            lru.move_to_end(r)
+        else:
+            lru[r] = None
+            if len(lru) > capacity:
+                lru.popitem(last=False)
+    predicted = che_hit_rate((p, np.ones(rows)), capacity)
+    assert abs(predicted - hits / 30_000) < 0.03
+    assert che_hit_rate((p, np.ones(rows)), rows) == 1.0 and che_hit_rate((p, np.ones(rows)), 0) == 0.0

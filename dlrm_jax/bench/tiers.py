@@ -14,6 +14,7 @@ smaller than one batch needs is raised, so on small tables low fractions coincid
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import statistics
@@ -27,6 +28,7 @@ from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.config import load_config
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.embedding.plan import DTYPE_BYTES, optimizer_bytes_per_row
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.tier_runner import TierRunner
@@ -54,6 +56,8 @@ class _Variant:
         tiered = [self.plan.tables[t] for t in self.plan.tiered_tables]
         n = self.plan.num_devices
         self.tiered_rows = sum(tp.spec.rows for tp in tiered)
+        self.tier_bytes = self.tiered_rows * (DTYPE_BYTES[self.plan.dtype] * self.plan.tables[0].spec.dim
+                                              + optimizer_bytes_per_row(self.plan.optimizer, self.plan.tables[0].spec.dim))
         # The caches as planned: a cache below one batch's need is raised (tier_setup.fit_caches).
         self.cache_fraction = sum(tp.cache_rows * tp.spaces(n) for tp in tiered) / max(self.tiered_rows, 1)
 
@@ -65,7 +69,7 @@ class _Variant:
             if self.runner is None:
                 self.state, out = self.steps.train_step(self.state, self.steps.device_batch(item))
             else:
-                self.state, out = self.runner.train(self.state, *item)
+                self.state, out = self.runner.train(self.state, item.batch, item.fills)
         jax.block_until_ready(out["loss"])
         if timed:
             self.times.append(time.perf_counter() - t0)
@@ -80,17 +84,33 @@ class _Variant:
 
 def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repeats: int, fractions=FRACTIONS, lookaheads=(0, 4),
                 zipf: float = 1.1, layout: str = "frequency_ordered", warmup: int = 30, output: str | None = None,
-                log=print) -> dict:
-    """Run every case side by side; returns (and writes) the JSON report."""
+                large_gb: float = 0.0, large_fraction: float = 0.01, large_host_fraction: float = 0.05,
+                tier_dir: str | None = None, log=print) -> dict:
+    """Run every case side by side; returns (and writes) the JSON report. ``large_gb``: one
+    more case whose tables are scaled up to about that many GB in the disk tier (more than
+    the machine's RAM, to show what holding them costs), device caches ``large_fraction`` of
+    the rows, DRAM caches ``large_host_fraction``, the largest lookahead; its ratio is to the all-in-device run of the base size
+    (the only one that fits). ``tier_dir``: where the tiers are created (default: a
+    temporary folder)."""
     common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]
     total = warmup + steps * repeats + 8
-    root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-"))
-    variants = {("device", 0.0, 0): _Variant(load_config(config, common), None, total)}
+    root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=tier_dir))
+    base = load_config(config, common)
+    variants = {("device", 0.0, 0): _Variant(base, None, total)}
     for fraction in fractions:
         for lookahead in lookaheads:
             cfg = load_config(config, [*common, "embedding.storage=tiered", f"embedding.tier.device_cache_fraction={fraction}",
                                      f"embedding.tier.lookahead={lookahead}"])
             variants[("tiered", fraction, lookahead)] = _Variant(cfg, root / f"{fraction}_{lookahead}", total)
+    if large_gb:
+        cfg = load_config(config, [*common, *_scaled_tables(base, large_gb), "embedding.storage=tiered",
+                                   f"embedding.tier.device_cache_fraction={large_fraction}",
+                                   f"embedding.tier.host_cache_fraction={large_host_fraction}",
+                                   f"embedding.tier.lookahead={max(lookaheads)}"])
+        t0 = time.perf_counter()
+        variants[("large", large_fraction, max(lookaheads))] = large = _Variant(cfg, root / "large", total)
+        log(f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
+            f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB")
     try:
         for v in variants.values():
             v.run(warmup, timed=False)
@@ -103,9 +123,9 @@ def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repea
         for (kind, fraction, lookahead), v in variants.items():
             rate = v.samples / sum(v.times)
             m = v.runner.take_metrics(steps * repeats) if v.runner else {}
-            cases.append({"zipf": zipf, "layout": layout, "storage": kind,
-                          "device_cache_fraction": fraction if kind == "tiered" else 1.0,
-                          "effective_cache_fraction": v.cache_fraction if kind == "tiered" else 1.0,
+            cases.append({"zipf": zipf, "layout": layout, "storage": kind, "tier_gib": v.tier_bytes / 2**30,
+                          "device_cache_fraction": fraction if kind != "device" else 1.0,
+                          "effective_cache_fraction": v.cache_fraction if kind != "device" else 1.0,
                           "tiered_tables": len(v.plan.tiered_tables), "tiered_rows": v.tiered_rows,
                           "lookahead": lookahead,
                           "samples_per_s": rate, "ratio_to_device": rate / device_rate,
@@ -113,7 +133,7 @@ def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repea
                           "device_hit_rate": m.get("device_hit_rate", 1.0), "host_hit_rate": m.get("host_hit_rate", 0.0),
                           "h2d_bytes_per_step": m.get("h2d_bytes_per_step", 0.0),
                           "stall_ms_per_step": m.get("stall_ms_per_step", 0.0),
-                          "fill_rounds": m.get("fill_rounds", 0)})
+                          "fill_rounds": m.get("fill_rounds", 0), **_predicted(v.plan)})
     finally:
         for v in variants.values():
             v.close()
@@ -123,6 +143,28 @@ def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repea
     log(_table(cases))
     write_report(report, output)
     return report
+
+
+def _predicted(plan) -> dict:
+    """The plan's predicted hit rates, averaged over the tiered tables."""
+    tier, tiered = plan.tier, plan.tiered_tables
+    if tier is None or not tiered:
+        return {}
+    mean = lambda rates: sum(rates[t] for t in tiered) / len(tiered) if rates else 0.0  # noqa: E731
+    return {"predicted_device_hit_rate": mean(tier.device_hit_rates), "predicted_host_hit_rate": mean(tier.host_hit_rates)}
+
+
+def _scaled_tables(cfg, gb: float) -> list[str]:
+    """Overrides scaling every table (uncapped) so that values and optimizer state total about
+    ``gb`` GB."""
+    rows = cfg.table_rows
+    row_bytes = 4 * cfg.model.embedding_dim + optimizer_bytes_per_row(cfg.embedding.optimizer, cfg.model.embedding_dim)
+    scale = gb * 1e9 / (sum(rows) * row_bytes)
+    return ["data.max_rows=0", f"data.cardinalities=[{', '.join(str(max(r, round(r * scale))) for r in rows)}]"]
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _peak_rss_mib() -> float:

@@ -10,6 +10,8 @@ XLA partitions like the output), and a table's values are the same under every p
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -80,10 +82,15 @@ def init_group(g: Group, table_rows: tuple[int, ...], key: jax.Array, dtype) -> 
 def init_table_rows(key: jax.Array, table: int, table_rows: int, start: int, stop: int, dim: int,
                     dtype) -> jax.Array:
     """Rows [start, stop) of logical table ``table`` [stop - start, dim], the same values
-    :func:`init_group` gives them under any plan (a tiered table's bulk load)."""
-    rows = start + lax.iota(jnp.int32, stop - start)
+    :func:`init_group` gives them under any plan (a tiered table's bulk load: one compiled
+    program per chunk size, the position an argument)."""
+    return _table_rows(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2], jnp.int32(table),
+                       jnp.float32(1.0 / table_rows ** 0.5), jnp.int32(start), stop - start, dim, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _table_rows(seed_2, table, scale, start, count: int, dim: int, dtype):
+    rows = start + lax.iota(jnp.int32, count)
     cols = lax.iota(jnp.int32, dim)
-    u = hash_uniform(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
-                     jnp.full((stop - start, 1), table, jnp.int32), rows[:, None], cols[None, :])
-    scale = jnp.full((stop - start, 1), 1.0 / table_rows ** 0.5, jnp.float32)
+    u = hash_uniform(seed_2, jnp.full((count, 1), table, jnp.int32), rows[:, None], cols[None, :])
     return ((2.0 * u - 1.0) * scale).astype(dtype)

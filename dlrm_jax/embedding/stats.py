@@ -121,17 +121,20 @@ def plan_report(plan: EmbeddingPlan) -> str:
 
 def tier_report(plan: EmbeddingPlan) -> list[str]:
     """Per tiered table: its bytes in the disk tier, DRAM cache and each owner's device cache,
-    and the device-cache hit rate predicted from the first batches."""
+    the device-cache hit rate predicted from the first batches, and the share of device misses
+    the DRAM cache is predicted to serve (``train/tier_setup.py``)."""
     tier, dim = plan.tier, plan.tables[0].spec.dim
     row = DTYPE_BYTES[plan.dtype] * dim + optimizer_bytes_per_row(plan.optimizer, dim)
     lines = [f"Tiered tables (DRAM cache {tier.policy}, lookahead {tier.lookahead} batches, fill rows "
              + ", ".join(f"{g} {r}" for g, r in tier.fill_rows) + "):",
-             f"{'table':<12}{'disk tier':>12}{'DRAM cache':>12}{'device cache':>14}{'per owner':>11}{'device hits':>13}"]
+             f"{'table':<12}{'disk tier':>12}{'DRAM cache':>12}{'device cache':>14}{'per owner':>11}{'device hits':>13}"
+             f"{'DRAM hits':>11}"]
     for t in plan.tiered_tables:
         tp = plan.tables[t]
         hit = tier.device_hit_rates[t] if tier.device_hit_rates else 0.0
+        host = tier.host_hit_rates[t] if tier.host_hit_rates else 0.0
         lines.append(f"{tp.spec.name:<12}{fmt_bytes(tp.spec.rows * row):>12}{fmt_bytes(tier.host_rows[t] * row):>12}"
-                     f"{fmt_bytes(tp.cache_rows * row):>14}{tp.cache_rows:>11,}{100 * hit:>12.1f}%")
+                     f"{fmt_bytes(tp.cache_rows * row):>14}{tp.cache_rows:>11,}{100 * hit:>12.1f}%{100 * host:>10.1f}%")
     return lines
 
 

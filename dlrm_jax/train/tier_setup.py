@@ -87,7 +87,57 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
                       for name in sorted(tiered_groups))
     hit = tuple(float(1 - filled[t] / wanted[t]) if plan.tables[t].tiered and wanted[t] else 0.0
                 for t in range(len(plan.tables)))
-    return dataclasses.replace(plan, tier=TierPlan(host_rows, tier.policy, tier.lookahead, fill_rows, hit, ()))
+    host_hit = tuple(_host_hit_rate(plan, t, host_rows[t], ids_of(id_batches, slot_table, t)) if plan.tables[t].tiered
+                     else 0.0 for t in range(len(plan.tables)))
+    return dataclasses.replace(plan, tier=TierPlan(host_rows, tier.policy, tier.lookahead, fill_rows, hit, host_hit))
+
+
+def ids_of(id_batches: list[np.ndarray], slot_table: np.ndarray, t: int) -> np.ndarray:
+    ids = np.concatenate([b[:, slot_table == t].ravel() for b in id_batches])
+    return ids[ids >= 0]
+
+
+def _host_hit_rate(plan: EmbeddingPlan, t: int, host_rows: int, ids: np.ndarray) -> float:
+    """The predicted share of device-cache misses the DRAM cache serves. Both caches are taken
+    as LRU over independent lookups (Che's approximation) with row frequencies from ``ids``;
+    the DRAM cache holds what the devices recently evicted or read, so together they act as
+    one cache of both sizes: host hits = (H(device + DRAM) - H(device)) / (1 - H(device))."""
+    tp = plan.tables[t]
+    p = _row_probabilities(ids, tp.spec.rows)
+    device = che_hit_rate(p, tp.cache_rows * tp.spaces(plan.num_devices))
+    both = che_hit_rate(p, tp.cache_rows * tp.spaces(plan.num_devices) + host_rows)
+    return float((both - device) / (1 - device)) if device < 1 else 0.0
+
+
+def _row_probabilities(ids: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities, how many rows have each): seen rows by their counts; the rows never
+    seen share the Good-Turing estimate of unseen mass (the share of rows seen once)."""
+    if not ids.size:
+        return np.array([1.0 / rows]), np.array([rows], np.float64)
+    _, counts = np.unique(ids, return_counts=True)
+    n = counts.sum()
+    unseen_rows = rows - counts.size
+    unseen = (counts == 1).sum() / n if unseen_rows else 0.0
+    probs = np.append(counts / n * (1 - unseen), unseen / max(unseen_rows, 1))
+    return probs, np.append(np.ones(counts.size), unseen_rows).astype(np.float64)
+
+
+def che_hit_rate(dist: tuple[np.ndarray, np.ndarray], capacity: int) -> float:
+    """LRU hit rate of a cache of ``capacity`` rows under independent lookups with row
+    probabilities ``dist`` = (p, multiplicity): Che's approximation, hit = sum p (1 - e^(-pT))
+    with T such that sum (1 - e^(-pT)) = capacity."""
+    p, mult = dist
+    if capacity >= mult[p > 0].sum():
+        return 1.0
+    if capacity <= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while (mult * -np.expm1(-p * hi)).sum() < capacity:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (mult * -np.expm1(-p * mid)).sum() < capacity else (lo, mid)
+    return float((mult * p * -np.expm1(-p * hi)).sum())
 
 
 def tier_root(cfg, run_dir: Path | None) -> Path:
