@@ -193,3 +193,39 @@ def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, lo
         return
     assert len(set(where.tolist())) == n
     assert all(where[k] // HOT_BUCKET in choices[k] for k in range(n))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
+    """A tiered table's hot ids, split on the host into step ids (cache rows + hot row), are
+    found by the step's ``split_hot`` at the hot row the logical pair has; every other id is
+    left to the cache, and device tables keep their logical pairs."""
+    from dlrm_jax.embedding.routing import (
+        hot_index,
+        hot_keys,
+        hot_step_keys,
+        split_hot,
+        split_hot_host,
+        tiered_hot_maps,
+    )
+
+    rows = [data.draw(st.integers(1, 60)) for _ in range(3)]
+    hot = [np.array(sorted(data.draw(st.sets(st.integers(0, r - 1), max_size=min(r, 8)))), np.int64) for r in rows]
+    keys = hot_keys(hot, data.draw(st.integers(sum(map(len, hot)), 30)))
+    view = {1: data.draw(st.integers(1, 40))}  # table 1 is tiered: its devices hold `view` cache rows
+    maps = tiered_hot_maps(keys, view)
+    ids = np.array(data.draw(st.lists(st.integers(-1, rows[1] - 1), min_size=1, max_size=20)), np.int32)
+    is_hot, step = split_hot_host(ids, maps.get(1))
+    np.testing.assert_array_equal(is_hot, np.isin(ids, hot[1]) & (ids != PAD_ID))
+    index, seeds = hot_index(hot_step_keys(keys, view))
+    logical_index, logical_seeds = hot_index(keys)
+    want, _ = split_hot(jnp.asarray(ids), jnp.full(ids.shape, 1, jnp.int32), logical_index, logical_seeds)
+    cache_ids = np.where(ids == PAD_ID, PAD_ID, np.abs(ids) % view[1])  # what the cold ones become
+    got, _ = split_hot(jnp.asarray(np.where(is_hot, step, cache_ids)), jnp.full(ids.shape, 1, jnp.int32), index, seeds)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # cache ids are never hot
+    for t in (0, 2):  # device tables: found by their logical ids in the same index
+        t_ids = jnp.asarray(hot[t].astype(np.int32)) if hot[t].size else jnp.zeros(1, jnp.int32) + PAD_ID
+        a, _ = split_hot(t_ids, jnp.full(t_ids.shape, t, jnp.int32), index, seeds)
+        b, _ = split_hot(t_ids, jnp.full(t_ids.shape, t, jnp.int32), logical_index, logical_seeds)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
