@@ -68,15 +68,14 @@ class StepFunctions:
     """Builds the model, the initial state and the compiled steps for one config and mesh."""
 
     def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection,
-                 hot: HotSchedule | None = None, cache_groups: tuple[str, ...] = (),
-                 tiered_tables: tuple[int, ...] = ()):
+                 hot: HotSchedule | None = None, cache_groups: tuple[str, ...] = ()):
         """``hot``: when the plan replicates hot rows, the schedule that knows which (the
         initial state starts with its current rows). ``cache_groups``: the groups holding
-        device caches of tiered tables (``tiered_tables``: their indices); the train step then
+        device caches of tiered tables (``collection.tiered_tables``); the train step then
         takes each program's fills and the previous program's evictions and returns its own
         (embedding/cache_fill.py)."""
         self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
-        self.cache_groups, self.tiered_tables = cache_groups, tiered_tables
+        self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
         self.graphdef, _ = nnx.split(dlrm_from_config(cfg, nnx.Rngs(0)), nnx.Param)
         self.schedule = learning_rate_schedule(cfg)
         self.tx = dense_optimizer(cfg, self.schedule)

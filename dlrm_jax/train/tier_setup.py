@@ -87,12 +87,12 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
                       for name in sorted(tiered_groups))
     hit = tuple(float(1 - filled[t] / wanted[t]) if plan.tables[t].tiered and wanted[t] else 0.0
                 for t in range(len(plan.tables)))
-    host_hit = tuple(_host_hit_rate(plan, t, host_rows[t], ids_of(id_batches, slot_table, t)) if plan.tables[t].tiered
+    host_hit = tuple(_host_hit_rate(plan, t, host_rows[t], _ids_of(id_batches, slot_table, t)) if plan.tables[t].tiered
                      else 0.0 for t in range(len(plan.tables)))
     return dataclasses.replace(plan, tier=TierPlan(host_rows, tier.policy, tier.lookahead, fill_rows, hit, host_hit))
 
 
-def ids_of(id_batches: list[np.ndarray], slot_table: np.ndarray, t: int) -> np.ndarray:
+def _ids_of(id_batches: list[np.ndarray], slot_table: np.ndarray, t: int) -> np.ndarray:
     ids = np.concatenate([b[:, slot_table == t].ravel() for b in id_batches])
     return ids[ids >= 0]
 

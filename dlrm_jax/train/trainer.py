@@ -106,8 +106,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if not plan.tiered_tables:
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
-    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows),
-                               tiered_tables=plan.tiered_tables)
+    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
 
 
 def _device_budget(cfg: Config) -> int:
@@ -160,8 +159,13 @@ def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int
     if tiered is not None:
         tiered.restore(int(host_scalar(state.step)))
         if relaid_out and steps.hot is not None:  # the snapshot holds the hot rows: choose afresh
-            state = state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
+            state = _hot_rows_from_tier(steps, tiered, state)
     return state
+
+
+def _hot_rows_from_tier(steps: StepFunctions, tiered: TieredTables, state: TrainState) -> TrainState:
+    """The schedule's current hot set, tiered tables' rows read from the tier (its caches cold)."""
+    return state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
 
 
 def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> tuple[TrainState, bool]:
@@ -207,7 +211,7 @@ def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log, tiere
     tiered.restore(0)  # the initial tables
     state = steps.init_state(hot=False)
     if steps.hot is not None:
-        state = state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
+        state = _hot_rows_from_tier(steps, tiered, state)
     return state
 
 
