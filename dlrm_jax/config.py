@@ -57,6 +57,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
     progress_bar: bool = True
+    tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard
 
 
 @dataclass(frozen=True)

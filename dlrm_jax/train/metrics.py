@@ -38,15 +38,33 @@ def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
 
 
-class MetricsWriter:
-    """Appends one JSON object per event to ``metrics.jsonl`` (appending keeps resumed runs whole)."""
+# TensorBoard sections of metrics.jsonl's fields; anything unlisted goes under "train/".
+_SECTIONS = {"auc": "eval", "logloss": "eval", "exchange_overflows": "exchange", "a2a_bytes": "exchange",
+             "allreduce_bytes": "exchange", "allgather_bytes": "exchange", "hot_hit_rate": "hot_rows"}
+_NOT_SCALARS = ("step", "event")
 
-    def __init__(self, path: Path | None):
-        self.path = path
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.jsonl field: ``eval/auc``, ``cache/device_hit_rate``..."""
+    if key.startswith(("device_", "host_", "rows_", "fill_", "h2d_", "tier_", "stall")):
+        return f"cache/{key}"
+    return f"{_SECTIONS.get(key, 'train')}/{key}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per event to ``metrics.jsonl`` (appending keeps resumed runs whole),
+    and with ``tensorboard`` the same numbers as TensorBoard scalars in ``tensorboard/`` beside it.
+
+    Only the run dir's writer (process 0) has a path; the others write nothing.
+    """
+
+    def __init__(self, path: Path | None, tensorboard: bool = False):
+        self.path, self.tensorboard, self._tb, self._resumed_at = path, tensorboard, None, None
 
     def truncate_after(self, step: int) -> None:
         """Drop events past ``step``: a run killed after its last checkpoint logged steps that
-        the resumed run will log again."""
+        the resumed run will log again (TensorBoard is told to hide them too)."""
+        self._resumed_at = step + 1
         if self.path is None or not self.path.exists():
             return
         lines = self.path.read_text().splitlines()
@@ -62,3 +80,23 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
+        if self.tensorboard:
+            self._write_scalars(clean)
+
+    def _write_scalars(self, event: dict) -> None:
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            # purge_step: a resumed run hides the events a killed run logged past its checkpoint.
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=self._resumed_at,
+                                     flush_secs=30)
+        step = int(event["step"])
+        for key, value in event.items():
+            if key not in _NOT_SCALARS and isinstance(value, int | float) and not isinstance(value, bool):
+                self._tb.add_scalar(tensorboard_tag(key), value, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

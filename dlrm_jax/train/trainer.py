@@ -334,16 +334,18 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         if rd.path:
             ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints,
                                 largest_shard_bytes(steps.abstract_state()))
+        metrics = MetricsWriter(rd.metrics_path, cfg.train.tensorboard)
         try:
-            return _train(cfg, rd, ckpts, log, source, plan, steps, runner)
+            return _train(cfg, rd, ckpts, metrics, log, source, plan, steps, runner)
         finally:
+            metrics.close()
             if ckpts:
                 ckpts.close()
             if runner:
                 runner.tiered.close()
 
 
-def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: DataSource,
+def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsWriter, log, source: DataSource,
            plan: EmbeddingPlan, steps: StepFunctions, runner: TierRunner | None = None) -> RunSummary:
     t = cfg.train
     mesh, hot = steps.mesh, steps.hot
@@ -351,7 +353,6 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, log, source: Data
     sent = collective_bytes(plan)  # per device and step, at the compiled capacities
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
-    metrics = MetricsWriter(rd.metrics_path)
     state = _restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
