@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     criteo.add_argument("--chunk-lines", type=int, default=200_000)
     criteo.add_argument("--no-progress", action="store_true")
 
+    rep = sub.add_parser("report", help="PNG plots of runs' metrics.jsonl (and profile.json), on shared axes")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument("--output", help="folder for the PNG files (default: FIRST_RUN_DIR/report)")
+
     bench = sub.add_parser("bench", help="benchmarks; results as JSON")
     bench_sub = bench.add_subparsers(dest="suite", required=True)
     bt = bench_sub.add_parser("train", help="train-step samples/s of several configs, side by side")
@@ -234,6 +238,16 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from dlrm_jax.train.report import write_report
+
+    run_dirs = [Path(p) for p in args.run_dirs]
+    output = Path(args.output) if args.output else run_dirs[0] / "report"
+    for path in write_report(run_dirs, output):
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
 def _tighten_cap(cfg: Config, max_rows: int) -> Config:
     import dataclasses
 
@@ -289,7 +303,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plan": cmd_plan, "preprocess": cmd_preprocess,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "report": cmd_report}
 
 
 def run() -> int:

@@ -36,7 +36,7 @@ def test_tensorboard_scalars_match_metrics_jsonl_across_a_resume(tiny, tmp_path)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scalars = read_scalars(tmp_path / "tensorboard")
     expected = {(tensorboard_tag(k), e["step"]): v for e in events for k, v in e.items()
-                if k not in ("step", "event") and isinstance(v, int | float)}
+                if k not in ("step", "event", "wall_s") and isinstance(v, int | float)}
     assert {"train/loss", "train/samples_per_s", "eval/auc", "eval/logloss", "exchange/a2a_bytes",
             "exchange/exchange_overflows"} <= {tag for tag, _ in expected}
     assert set(scalars) == set(expected)
@@ -48,3 +48,56 @@ def test_tensorboard_scalars_match_metrics_jsonl_across_a_resume(tiny, tmp_path)
 def test_no_tensorboard_folder_unless_asked(tiny, tmp_path):
     train_and_evaluate(tiny("train.steps=2"), tmp_path, **QUIET)
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def fake_run(path, losses, rate, profile=None):
+    path.mkdir()
+    events = []
+    for i, loss in enumerate(losses, 1):
+        events.append({"event": "train", "step": 10 * i, "loss": loss, "samples_per_s": rate, "wall_s": 1.5 * i})
+        if i % 2 == 0:
+            events.append({**events[-1], "event": "eval", "auc": 0.6 + 0.01 * i, "logloss": loss - 0.05})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    if profile:
+        (path / "profile.json").write_text(json.dumps({"phases": [{"name": n, "ms": ms} for n, ms in profile]}))
+    return events
+
+
+def test_report_draws_every_runs_metrics_on_shared_axes(tmp_path):
+    from PIL import Image
+
+    from dlrm_jax.cli import main
+    from dlrm_jax.train.report import figures
+
+    a = fake_run(tmp_path / "a", [0.7, 0.6, 0.55, 0.52], 1000.0, [("input pipeline", 1.0), ("dense", 4.0)])
+    b = fake_run(tmp_path / "b", [0.69, 0.58, 0.5], 2000.0, [("dense", 2.5), ("gradient all-reduce", 0.5)])
+    figs = figures([tmp_path / "a", tmp_path / "b"])
+    assert set(figs) == {"loss", "eval", "throughput", "phases"}  # no divergence data: no figure
+    for events, index in ((a, 0), (b, 1)):
+        train = [e for e in events if e["event"] == "train"]
+        evals = [e for e in events if e["event"] == "eval"]
+        by_step, by_wall = (ax.lines[index].get_xydata().tolist() for ax in figs["loss"].axes)
+        assert by_step == [[e["step"], e["loss"]] for e in train]
+        assert by_wall == [[e["wall_s"], e["loss"]] for e in train]
+        auc_step = figs["eval"].axes[0].lines[index].get_xydata().tolist()
+        assert auc_step == [[e["step"], e["auc"]] for e in evals]
+        assert [line.get_label() for line in figs["loss"].axes[0].lines] == ["a", "b"]
+    bars = figs["phases"].axes[0].containers
+    assert [[r.get_width() for r in c] for c in bars] == [[1.0, 4.0, 0.0], [0.0, 2.5, 0.5]]
+
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "png")]) == 0
+    for name in ("loss", "eval", "throughput", "phases"):
+        with Image.open(tmp_path / "png" / f"{name}.png") as im:
+            assert im.format == "PNG" and im.size[0] > 500
+
+
+def test_report_names_a_bad_metrics_line(tmp_path, capsys):
+    from dlrm_jax.cli import main
+
+    fake_run(tmp_path / "a", [0.7], 1.0)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:
+        f.write("{not json\n")
+    assert main(["report", str(tmp_path / "a")]) == 1
+    assert f"{tmp_path / 'a' / 'metrics.jsonl'}:2: not a JSON object" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 1
+    assert "is " + str(tmp_path / "missing") + " a run directory" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
 # TensorBoard sections of metrics.jsonl's fields; anything unlisted goes under "train/".
 _SECTIONS = {"auc": "eval", "logloss": "eval", "exchange_overflows": "exchange", "a2a_bytes": "exchange",
              "allreduce_bytes": "exchange", "allgather_bytes": "exchange", "hot_hit_rate": "hot_rows"}
-_NOT_SCALARS = ("step", "event")
+_NOT_SCALARS = ("step", "event", "wall_s")
 
 
 def tensorboard_tag(key: str) -> str:
@@ -55,11 +56,15 @@ class MetricsWriter:
     """Appends one JSON object per event to ``metrics.jsonl`` (appending keeps resumed runs whole),
     and with ``tensorboard`` the same numbers as TensorBoard scalars in ``tensorboard/`` beside it.
 
-    Only the run dir's writer (process 0) has a path; the others write nothing.
+    Every event gets ``wall_s``: seconds since the run started, counting only the time its
+    processes ran (a resumed run continues from the last kept event's value), so runs can be
+    compared against wall time. Only the run dir's writer (process 0) has a path; the others
+    write nothing.
     """
 
     def __init__(self, path: Path | None, tensorboard: bool = False):
         self.path, self.tensorboard, self._tb, self._resumed_at = path, tensorboard, None, None
+        self._started, self._wall_before = time.perf_counter(), 0.0
 
     def truncate_after(self, step: int) -> None:
         """Drop events past ``step``: a run killed after its last checkpoint logged steps that
@@ -69,6 +74,8 @@ class MetricsWriter:
             return
         lines = self.path.read_text().splitlines()
         kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        if kept:
+            self._wall_before = json.loads(kept[-1]).get("wall_s") or 0.0
         if len(kept) != len(lines):
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
@@ -77,6 +84,7 @@ class MetricsWriter:
     def write(self, event: dict) -> None:
         if self.path is None:
             return
+        event = {**event, "wall_s": round(self._wall_before + time.perf_counter() - self._started, 3)}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
