@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     criteo.add_argument("--chunk-lines", type=int, default=200_000)
     criteo.add_argument("--no-progress", action="store_true")
 
+    prof = sub.add_parser("profile", help="time per phase of a few train steps, peak memory, and a trace")
+    _add_config_args(prof)
+    prof.add_argument("--steps", type=int, default=10, help="traced steps")
+    prof.add_argument("--warmup", type=int, default=3, help="untraced steps after compilation")
+    prof.add_argument("--run-dir", help="where profile.json and trace/ go (default: runs/profile-<time>); "
+                      "a training run's dir adds its phase bars to `dlrm-jax report`")
+    _add_distributed_args(prof)
+
     rep = sub.add_parser("report", help="PNG plots of runs' metrics.jsonl (and profile.json), on shared axes")
     rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     rep.add_argument("--output", help="folder for the PNG files (default: FIRST_RUN_DIR/report)")
@@ -238,6 +246,23 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    # XLA:CPU records one trace event per executed operation only when asked, before it starts.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.train.profile import profile
+    from dlrm_jax.train.rundir import agree_on_run_dir
+
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:  # runs/profile-<time>, the same on every process
+        agreed = Path(agree_on_run_dir(None))
+        run_dir = agreed.with_name(f"profile-{agreed.name}")
+    profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=_log)
+    return 0
+
+
 def cmd_report(args) -> int:
     from dlrm_jax.train.report import write_report
 
@@ -303,7 +328,8 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plan": cmd_plan, "preprocess": cmd_preprocess,
-            "bench": cmd_bench, "report": cmd_report}
+            "bench": cmd_bench, "report": cmd_report,
+            "profile": cmd_profile}
 
 
 def run() -> int:

@@ -101,3 +101,56 @@ def test_report_names_a_bad_metrics_line(tmp_path, capsys):
     assert f"{tmp_path / 'a' / 'metrics.jsonl'}:2: not a JSON object" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing")]) == 1
     assert "is " + str(tmp_path / "missing") + " a run directory" in capsys.readouterr().err
+
+
+def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    run = tmp_path / "prof"
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "profile", "--config", "smoke", "--set", "mesh.devices=2",
+                           "--set", "embedding.sharding=row", "--steps", "3", "--warmup", "1", "--run-dir", str(run)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = json.loads((run / "profile.json").read_text())
+    ms = {p["name"]: p["ms"] for p in profile["phases"]}
+    for phase in ("input pipeline", "host->device", "exchange forward", "dense forward+backward",
+                  "gradient all-reduce", "exchange backward", "sparse update", "dense optimizer"):
+        assert ms[phase] > 0, phase
+        assert any(line.startswith(phase) for line in proc.stdout.splitlines()), proc.stdout
+    # The device phases are per-device means of events inside the blocking step: together no
+    # more than its wall time (containers such as while loops are not counted twice).
+    device = sum(p["ms"] for p in profile["phases"] if p["how"] == "trace")
+    assert 0 < device < 1.2 * profile["step_wall_ms"]
+    assert profile["memory_per_device"]["peak"] > 0 and "per-device memory" in proc.stdout
+    assert list(run.glob("trace/process_0/**/*.xplane.pb")) and list(run.glob("trace/process_0/**/*.trace.json.gz"))
+
+    from dlrm_jax.train.report import figures
+
+    fake_run(tmp_path / "prof_metrics", [0.7], 1.0)
+    (tmp_path / "prof_metrics" / "profile.json").write_text((run / "profile.json").read_text())
+    bars = figures([tmp_path / "prof_metrics"])["phases"].axes[0].containers[0]
+    assert [r.get_width() for r in bars] == [p["ms"] for p in profile["phases"]]
+
+
+def test_every_instruction_of_the_step_gets_its_phase(tiny):
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.profile import instruction_phases
+    from dlrm_jax.train.trainer import build
+
+    cfg = resolve_data_config(tiny("mesh.devices=4", "embedding.sharding=row"))
+    source = make_source(cfg)
+    _, fns = build(cfg, make_mesh(4), source, log=lambda *_: None)
+    hlo = fns.train_step.lower(fns.init_state(), fns.device_batch(source.train_batch(0))).compile().as_text()
+    phases = instruction_phases(hlo)
+    by_phase = {}
+    for name, phase in phases.items():
+        by_phase.setdefault(phase, []).append(name)
+    assert {"exchange forward", "dense forward+backward", "gradient all-reduce", "exchange backward",
+            "sparse update", "dense optimizer"} <= set(by_phase)
+    assert all(n.startswith("all-reduce") for n in by_phase["gradient all-reduce"])
+    assert any(n.startswith("all-to-all") for n in by_phase["exchange backward"])
+    assert any(n.startswith("all-to-all") for n in by_phase["exchange forward"])

@@ -25,6 +25,11 @@ from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
 from dlrm_jax.parallel.mesh import AXIS
 
+# Scope names of the train step's phases, found again in the compiled program's op metadata.
+PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
+                "dense_optimizer": "phase_dense_optimizer", "sparse_update": "phase_sparse_update",
+                "cache_fill": "phase_cache_fill"}
+
 
 class TrainState(NamedTuple):
     """Everything a checkpoint holds; a pytree of arrays.
@@ -149,18 +154,24 @@ class StepFunctions:
     def _train_step(self, state: TrainState, batch: Batch, fills: dict | None = None, prev: dict | None = None):
         evicted = None
         if self.cache_groups:  # the device caches take this batch's rows first
-            emb, evicted = self._fill_step(state.emb, fills, prev)
+            with jax.named_scope(PHASE_SCOPES["cache_fill"]):
+                emb, evicted = self._fill_step(state.emb, fills, prev)
             state = state._replace(emb=emb)
-        pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
+        # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
+        with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
+            pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
 
         def loss_fn(params, pooled_bfd):
             return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch), batch.labels))
 
-        loss, (grad_params, grad_bfd) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, pooled_bfd)
-        updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        emb_lr = self.schedule(state.step) * self.emb_lr_scale
-        emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
+        with jax.named_scope(PHASE_SCOPES["dense"]):
+            loss, (grad_params, grad_bfd) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, pooled_bfd)
+        with jax.named_scope(PHASE_SCOPES["dense_optimizer"]):
+            updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        with jax.named_scope(PHASE_SCOPES["sparse_update"]):
+            emb_lr = self.schedule(state.step) * self.emb_lr_scale
+            emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts

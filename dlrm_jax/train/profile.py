@@ -1,0 +1,179 @@
+"""``dlrm-jax profile``: where a train step's time goes, phase by phase, and a trace to browse.
+
+How each phase is timed (the output says so too):
+
+- host phases (input pipeline, host->device) are timed alone on the host: reading this
+  process's slice of a batch, then placing it on the devices and blocking until it is there;
+- device phases come from the compiled train step itself, traced with ``jax.profiler``: XLA
+  records one event per executed operation (a thunk on CPU, a kernel on GPU), named after its
+  instruction in the optimized program. Each instruction's metadata carries the named scope
+  the step wrapped it in (``step.PHASE_SCOPES``); collectives are split off by opcode: the
+  dense gradients' all-reduce from the dense scope, the gradient all-to-all from the sparse
+  update. Times are summed over this process's devices and divided by devices and steps, so
+  a phase's figure is the mean time one device spends in it per step. Operations fused across
+  scopes are counted under the scope of the fusion's root.
+
+Peak memory per device is the compiled step's own memory analysis.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dlrm_jax.config import Config
+from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.step import PHASE_SCOPES
+from dlrm_jax.train.trainer import build
+
+HOST_PHASES = ("input pipeline", "host->device")
+DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
+                 "exchange backward", "sparse update", "dense optimizer", "other")
+_COLLECTIVES = ("all-reduce", "all-reduce-start", "all-reduce-done", "all-to-all", "all-gather",
+                "all-gather-start", "all-gather-done", "reduce-scatter", "collective-permute")
+# Control flow's own events span the operations inside it, which have events of their own.
+_CONTAINERS = ("while", "conditional", "call")
+# "%name = TYPE opcode(operands), ..., metadata={op_name="..."}"; a tuple TYPE may hold "=".
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([a-z][a-z\-]*)\((?:.*op_name="([^"]*)")?')
+
+
+def instruction_phases(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> phase, for every instruction of the optimized program (names are
+    unique in an HLO module; fused computations' insides never run as events of their own)."""
+    scope_phase = {scope: name.replace("_", " ") for name, scope in PHASE_SCOPES.items()}
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, opcode, op_name = m.group(1), m.group(2), m.group(3) or ""
+        if opcode in _CONTAINERS:
+            out[name] = ""  # skipped: its body's events count
+            continue
+        scope = next((s for s in scope_phase if s in op_name), None)
+        phase = scope_phase.get(scope, "other")
+        if phase == "dense" and opcode in _COLLECTIVES:
+            phase = "gradient all-reduce"
+        elif phase == "dense":
+            phase = "dense forward+backward"
+        elif phase == "sparse update" and opcode in _COLLECTIVES:
+            phase = "exchange backward"
+        out[name] = phase
+    return out
+
+
+def device_phase_ns(trace_dir: str, phases: dict[str, str]) -> collections.Counter:
+    """Nanoseconds per phase summed over the traced operations of this process's devices."""
+    from jax._src.lib import _profile_data
+
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    data = _profile_data.ProfileData.from_file(path)
+    total = collections.Counter()
+    for plane in data.planes:
+        on_gpu = plane.name.startswith("/device:GPU")
+        if not (on_gpu or plane.name.startswith("/host:CPU")):
+            continue
+        for line in plane.lines:
+            if on_gpu and line.name != "XLA Ops":
+                continue
+            for ev in line.events:
+                phase = phases.get(ev.name)
+                if phase:
+                    total[phase] += ev.duration_ns
+    return total
+
+
+def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
+    """Run ``warmup`` then ``steps`` train steps of ``cfg``; print and return the per-phase table,
+    write ``out_dir/profile.json`` and the trace under ``out_dir/trace``."""
+    out_dir = Path(out_dir)
+    cfg = resolve_data_config(cfg)
+    mesh = make_mesh(cfg.mesh.devices)
+    source = make_source(cfg, jax.process_index(), jax.process_count())
+    plan, fns = build(cfg, mesh, source, log=lambda *_: None)
+    if plan.tiered_tables:
+        raise ValueError("dlrm-jax profile: embedding.storage=tiered is not profiled yet (its host-side "
+                         "cache work shows in metrics.jsonl as stall_ms_per_step); profile with storage=device")
+    state = fns.init_state()
+    compiled = fns.train_step.lower(state, fns.device_batch(source.train_batch(0))).compile()
+    phases = instruction_phases(compiled.as_text())
+
+    input_s, h2d_s, batches = [], [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        host = source.train_batch(i)
+        t1 = time.perf_counter()
+        batches.append(jax.block_until_ready(fns.device_batch(host)))
+        input_s.append(t1 - t0)
+        h2d_s.append(time.perf_counter() - t1)
+    for i in range(warmup):
+        state, out = compiled(state, batches[i])
+    jax.block_until_ready(state)
+
+    trace_dir = out_dir / "trace" / f"process_{jax.process_index()}"
+    shutil.rmtree(trace_dir, ignore_errors=True)  # a profile run before this one's trace
+    walls = []
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for i in range(warmup, warmup + steps):
+            t0 = time.perf_counter()
+            state, out = compiled(state, batches[i])
+            jax.block_until_ready((state, out))
+            walls.append(time.perf_counter() - t0)
+    local = len(mesh.local_devices)
+    per_phase = device_phase_ns(str(trace_dir), phases)
+    rows = [{"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": "host, timed alone"},
+            {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": "host, timed alone"}]
+    rows += [{"name": name, "ms": per_phase[name] / 1e6 / steps / local, "how": "trace"}
+             for name in DEVICE_PHASES if name in per_phase]
+    result = {"devices": mesh.size, "processes": jax.process_count(), "backend": jax.default_backend(),
+              "steps": steps, "batch_size": cfg.train.batch_size, "step_wall_ms": 1e3 * float(np.median(walls)),
+              "phases": rows, "memory_per_device": _memory(compiled), "trace_dir": str(out_dir / "trace")}
+    for line in format_profile(result):
+        log(line)
+    if jax.process_index() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _memory(compiled) -> dict:
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        return {}
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "peak": total}
+
+
+def format_profile(result: dict) -> list[str]:
+    """The table ``profile`` prints."""
+    device_ms = sum(r["ms"] for r in result["phases"] if r["how"] == "trace")
+    lines = [f"{result['steps']} train steps of batch {result['batch_size']} on {result['devices']} "
+             f"{result['backend']} devices in {result['processes']} process(es); step wall time "
+             f"{result['step_wall_ms']:.2f} ms (median, blocking)",
+             f"{'phase':<24}{'ms/step':>10}{'share':>8}  timed",
+             ]
+    total = device_ms + sum(r["ms"] for r in result["phases"] if r["how"] != "trace")
+    for r in result["phases"]:
+        lines.append(f"{r['name']:<24}{r['ms']:>10.3f}{r['ms'] / total:>8.1%}  {r['how']}")
+    lines.append("device phases: mean per device of the traced operations' time (jax.profiler trace of "
+                 "the compiled step, phases from its named scopes); host phases: timed alone")
+    mem = result["memory_per_device"]
+    if mem:
+        mib = {k: v / 2**20 for k, v in mem.items()}
+        lines.append(f"per-device memory of the compiled step: {mib['peak']:.1f} MiB (arguments "
+                     f"{mib['arguments']:.1f}, temp {mib['temp']:.1f}, outputs {mib['outputs']:.1f}, "
+                     f"aliased {mib['aliased']:.1f})")
+    lines.append(f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab; "
+                 f"or open the .trace.json.gz in ui.perfetto.dev)")
+    return lines
