@@ -90,3 +90,62 @@ def test_two_processes_equal_one(tmp_path):
         assert len(warnings) == 1 and "checkpoints/6 is damaged" in warnings[0], out[-2000:]
         assert "on process 1" in warnings[0] and "resuming from checkpoint at step 3" in out
     assert losses(run_dirs[0])[: len(before)] == before  # steps 4 to 6 trained again, bitwise
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_BOUND_S = 45  # the README's bound (heartbeat timeout 30 s + the watchdog's poll) plus slack
+
+
+def readme_launch_line() -> list[str]:
+    """The README's laptop launch command, as a user copies it."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        (line,) = [x.strip() for x in f if x.startswith("scripts/launch_local.sh ")]
+    return line.split("#")[0].split()
+
+
+def launch_local(args, cwd, env):
+    return subprocess.Popen([os.path.join(REPO, args[0]), *args[1:]], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+
+
+def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
+    """The README's launch_local line trains; SIGKILL of process 1 makes process 0 exit
+    non-zero within the bound, naming it; the same command again resumes and ends bitwise
+    where the uninterrupted run ended."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
+    line = readme_launch_line()
+    whole = launch_local(line, tmp_path, env)
+    out, _ = whole.communicate(timeout=300)
+    assert whole.returncode == 0, out[-3000:]
+    final = [x for x in out.splitlines() if x.startswith("[p0] final step=")]
+    assert final and "[p1] final step=" in out
+    (reference,) = [p for p in (tmp_path / "runs").iterdir()]
+
+    cut_args = [*line, "--set", "train.checkpoint_every=10", "--run-dir", str(tmp_path / "cut")]
+    cut = launch_local(cut_args, tmp_path, env)
+    pids, lines = {}, []
+    for text in cut.stdout:  # "[launch] process i: pid P" come first
+        lines.append(text)
+        if text.startswith("[launch] process"):
+            pids[int(text.split()[2].rstrip(":"))] = int(text.split()[-1])
+        if len(pids) == 2:
+            break
+    deadline = time.time() + 240
+    while not (tmp_path / "cut" / "checkpoints" / "10").is_dir() and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(pids[1], 9)
+    killed = time.time()
+    rest, _ = cut.communicate(timeout=PEER_BOUND_S + 30)
+    took = time.time() - killed
+    out = "".join(lines) + rest
+    assert cut.returncode != 0 and took < PEER_BOUND_S, (took, out[-3000:])
+    assert "[p0] dlrm-jax: error: process 0: lost process(es) 1 of 2" in out, out[-3000:]
+
+    again = launch_local(cut_args, tmp_path, env)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out[-3000:]
+    resumed = [x for x in out.splitlines() if x.startswith("[p0] resuming from checkpoint at step ")]
+    assert resumed and int(resumed[0].split()[-1]) < 40, out[-3000:]  # the kill did cut the run
+    assert [x for x in out.splitlines() if x.startswith("[p0] final step=")][0].split()[:4] == final[0].split()[:4]
+    assert losses(tmp_path / "cut") == losses(reference)
