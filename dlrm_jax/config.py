@@ -143,11 +143,20 @@ class EmbeddingConfig:
     storage: str = field(default="device", metadata=_choices("device", "tiered"))
     table_storage: tuple[str, ...] = ()  # e.g. ["cat_2=tiered", "cat_9=device"]
     tier: TierConfig = TierConfig()
+    # global: one set of tables sharded over every device. per_host: each host keeps its own
+    # set, sharded over its local devices and trained on its own data only (no cross-host
+    # embedding traffic; the MLP gradients are still all-reduced over every device), averaged
+    # over hosts every sync_every steps (0 = never: independent embeddings).
+    sync: str = field(default="global", metadata=_choices("global", "per_host"))
+    sync_every: int = 0
 
 
 @dataclass(frozen=True)
 class MeshConfig:
     devices: int = 0  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
+    # Hosts of the (hosts, devices) mesh that embedding.sync=per_host uses: 0 = one per process;
+    # more than the processes splits each process's devices into simulated hosts.
+    hosts: int = 0
 
 
 @dataclass(frozen=True)
@@ -402,6 +411,17 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"embedding.hot.decay: must be in [0, 1], got {h.decay}")
     _positive("embedding.hot.a2a_over_allreduce", h.a2a_over_allreduce, allow_zero=True)
     _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
+    _positive("mesh.hosts", cfg.mesh.hosts, allow_zero=True)
+    _positive("embedding.sync_every", e.sync_every, allow_zero=True)
+    if e.sync == "per_host":
+        if h.rows != 0:
+            raise ConfigError("embedding.sync=per_host: hot rows (embedding.hot.rows) are not supported with "
+                              "per-host tables yet; set embedding.hot.rows=0")
+        if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
+            raise ConfigError("embedding.sync=per_host: tiered tables (embedding.storage) are not supported "
+                              "with per-host tables yet; use embedding.storage=device")
+        if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
+            raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     return cfg
 
 

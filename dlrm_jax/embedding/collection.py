@@ -39,7 +39,7 @@ from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import hot_index, route
 from dlrm_jax.embedding.specs import Pooling
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, host_local_mesh, hosts_of, over_hosts
 
 
 class EmbeddingState(NamedTuple):
@@ -79,16 +79,20 @@ class EmbeddingCollection:
     """Every table of a plan, fused into groups, on a mesh."""
 
     def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer,
-                 tiered_tables: tuple[int, ...] = ()):
+                 tiered_tables: tuple[int, ...] = (), per_host: bool = False):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
-        whose ``tiered_tables`` name the tables held as caches)."""
+        whose ``tiered_tables`` name the tables held as caches). ``per_host``: ``mesh`` is
+        (hosts, devices) and the plan is one host's; lookups and updates run inside
+        ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis."""
         self.tiered_tables = tuple(tiered_tables)
         specs = tuple(t.spec for t in plan.tables)
         if len({s.dim for s in specs}) != 1:
             raise ValueError(f"all tables must share one width, got {sorted({s.dim for s in specs})}")
-        if mesh.size != plan.num_devices:
-            raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {mesh.size}")
+        if mesh.shape[AXIS] != plan.num_devices:  # (a per-host mesh has a "hosts" axis beside it)
+            raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {mesh.shape[AXIS]}")
         self.plan, self.mesh, self.optimizer, self.specs = plan, mesh, optimizer, specs
+        self.per_host = per_host
+        exchange_mesh = host_local_mesh(mesh) if per_host else mesh
         self.dim = specs[0].dim
         self.groups = build_groups(plan)
         self.local_batch = plan.global_batch // plan.num_devices
@@ -106,21 +110,21 @@ class EmbeddingCollection:
         for g in self.groups:
             if g.replicated:
                 self._forward[g.name] = exchange.replicated_forward(g)
-                self._update[g.name] = exchange.replicated_update(g, mesh, optimizer)
+                self._update[g.name] = exchange.replicated_update(g, exchange_mesh, optimizer)
             elif g.name in self.pooled:
                 cap = group_capacity(plan, g)
-                self._forward[g.name] = exchange.pooled_forward(g, mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.pooled_update(g, mesh, cap, wire, optimizer)
+                self._forward[g.name] = exchange.pooled_forward(g, exchange_mesh, cap, self.local_batch, wire)
+                self._update[g.name] = exchange.pooled_update(g, exchange_mesh, cap, wire, optimizer)
             else:
                 cap = group_capacity(plan, g)
-                self._forward[g.name] = exchange.sharded_forward(g, mesh, cap, wire)
-                self._update[g.name] = exchange.sharded_update(g, mesh, cap, wire, optimizer,
+                self._forward[g.name] = exchange.sharded_forward(g, exchange_mesh, cap, wire)
+                self._update[g.name] = exchange.sharded_update(g, exchange_mesh, cap, wire, optimizer,
                                                                self.dim)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
                            self.one_hot, self.tiered_tables) if plan.hot_rows else None
         self._refresh = None
-        self._counters = {}
+        self._counters, self._exchange_mesh = {}, exchange_mesh
 
     # ------------------------------------------------------------ state
     def state_sharding(self) -> EmbeddingState:
@@ -202,7 +206,8 @@ class EmbeddingCollection:
                            ) -> tuple[tuple[str, int, int], ...]:
         """Per sharded group, ``headroom`` x the most distinct rows, and the most requests, any
         device sent one owner in these (batch-sharded) id batches: the statistics the two
-        exchanges' buckets are compiled for."""
+        exchanges' buckets are compiled for. Per host: each host's share of the batches, the
+        most over hosts (every process gets the same numbers, so compiles the same step)."""
         out = []
         for g in self.groups:
             if not g.replicated:
@@ -210,11 +215,18 @@ class EmbeddingCollection:
                 for stat in (exchange.busiest_owner_requests, exchange.busiest_owner_all_requests):
                     key = (g.name, stat.__name__)
                     if key not in self._counters:  # compiled once: the hot-row model calls this often
-                        self._counters[key] = jax.jit(stat(g, self.mesh))
+                        self._counters[key] = jax.jit(self._busiest(stat(g, self._exchange_mesh)))
                     most = max(int(np.asarray(self._counters[key](ids).addressable_data(0))) for ids in id_batches)
                     sized.append(max(1, math.ceil(headroom * most)))
                 out.append((g.name, *sized))
         return tuple(out)
+
+    def _busiest(self, count):
+        if not self.per_host:
+            return count
+        hosts = hosts_of(self.mesh)
+        per_host = over_hosts(lambda ids: count(ids)[None], self.mesh)
+        return lambda ids_bs: jnp.max(per_host(ids_bs.reshape(hosts, -1, *ids_bs.shape[1:])))
 
     def _pool_weights(self, ids_bs: jax.Array) -> jax.Array:
         valid_bs = (ids_bs != PAD_ID).astype(jnp.float32)

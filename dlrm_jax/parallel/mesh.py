@@ -14,6 +14,7 @@ import threading
 import time
 
 AXIS = "devices"
+HOST_AXIS = "hosts"  # embedding.sync=per_host: the mesh is (hosts, devices), devices within a host
 SIMULATED_DEVICES_DEFAULT = 8
 # Simulated CPU devices each run their share of every program on the same few cores, and
 # compile time grows with their number (1024 took over 5 minutes to compile the default step).
@@ -161,11 +162,13 @@ def outcomes_of_every_process(outcome: str, timeout_s: int = 300) -> list[str]:
     return [client.blocking_key_value_get(f"{key}/{p}", timeout_s * 1000) for p in range(jax.process_count())]
 
 
-def make_mesh(devices: int = 0):
+def make_mesh(devices: int = 0, hosts: int = 0):
     """A 1-D mesh named ``devices`` over ``devices`` devices of the default backend (0 = all).
 
     Every process takes the same number of its local devices, so each feeds an equal slice of
-    the global batch.
+    the global batch. ``hosts``: a 2-D mesh (``hosts``, ``devices``) over the same devices in
+    the same order instead, each host's devices inside one process (``hosts`` a multiple of the
+    process count; more hosts than processes simulate several hosts per process).
     """
     import jax
     from jax.sharding import AxisType
@@ -188,4 +191,43 @@ def make_mesh(devices: int = 0):
     per_process = n // jax.process_count()
     chosen = [d for p in range(jax.process_count())
               for d in [x for x in available if x.process_index == p][:per_process]]
-    return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=chosen)
+    if not hosts:
+        return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=chosen)
+    if hosts % jax.process_count() or n % hosts:
+        raise ValueError(f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
+                         f"and divide the {n} devices")
+    return jax.make_mesh((hosts, n // hosts), (HOST_AXIS, AXIS), axis_types=(AxisType.Auto,) * 2, devices=chosen)
+
+
+def hosts_of(mesh) -> int:
+    """The hosts of a per-host mesh; 1 for the 1-D mesh."""
+    return mesh.shape.get(HOST_AXIS, 1)
+
+
+def over_hosts(fn, mesh):
+    """``fn`` (written for one host's arrays, with shard_maps over ``devices``) applied to
+    arrays with a leading ``hosts`` axis, each host on its own devices: a shard_map over
+    ``hosts`` only, inside which ``fn``'s own shard_maps use the mesh of
+    :func:`host_local_mesh`. Every argument and output has the leading axis.
+
+    check_vma off: the embedding code types values varying over ``devices``; across hosts
+    every value differs anyway (each host its own tables and data), and no collective inside
+    names ``hosts``.
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def local(*args):
+        out = fn(*jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: x[None], out)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=P(HOST_AXIS), out_specs=P(HOST_AXIS),
+                         axis_names={HOST_AXIS}, check_vma=False)
+
+
+def host_local_mesh(mesh):
+    """The mesh an embedding collection's shard_maps use inside :func:`over_hosts`: the same
+    devices, with ``hosts`` already manual."""
+    from jax.sharding import AxisType
+
+    return mesh.abstract_mesh.update_axis_types({HOST_AXIS: AxisType.Manual})

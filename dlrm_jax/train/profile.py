@@ -31,9 +31,8 @@ import numpy as np
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.step import PHASE_SCOPES
-from dlrm_jax.train.trainer import build
+from dlrm_jax.train.trainer import build, mesh_from_config
 
 HOST_PHASES = ("input pipeline", "host->device")
 DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
@@ -97,7 +96,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     write ``out_dir/profile.json`` and the trace under ``out_dir/trace``."""
     out_dir = Path(out_dir)
     cfg = resolve_data_config(cfg)
-    mesh = make_mesh(cfg.mesh.devices)
+    mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
     if plan.tiered_tables:

@@ -28,7 +28,7 @@ from dlrm_jax.parallel.mesh import outcome_of_process_0
 # data.max_rows cap, and the resolved config stores binary datasets' cardinalities.)
 STATE_KEYS = (
     "model.embedding_dim", "model.bottom_mlp", "model.top_mlp", "model.interaction",
-    "train.optimizer", "embedding.optimizer", "embedding.dtype",
+    "train.optimizer", "embedding.optimizer", "embedding.dtype", "embedding.sync",
     "data.num_dense", "data.cardinalities", "data.max_rows", "data.bag_sizes", "data.pooling",
 )  # fmt: skip
 

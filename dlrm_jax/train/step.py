@@ -23,7 +23,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, hosts_of, over_hosts
 
 # Scope names of the train step's phases, found again in the compiled program's op metadata.
 PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
@@ -86,8 +86,18 @@ class StepFunctions:
         self.tx = dense_optimizer(cfg, self.schedule)
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
         self.replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P(AXIS))
+        # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
+        # batch rows of host h are its devices' rows, so host h's tables see only its data.
+        self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
+        self.batch_sharding = NamedSharding(mesh, P((HOST_AXIS, AXIS) if self.per_host else AXIS))
         self.state_sharding = self._state_sharding()
+        if self.per_host:
+            self.sync_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),
+                                       out_shardings=self.state_sharding.emb, donate_argnums=0)
+            self.averaged_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),
+                                           out_shardings=self.state_sharding.emb)
+            self.table_divergence = jax.jit(table_divergence, in_shardings=(self.state_sharding.emb,),
+                                            out_shardings=self.replicated)
         if cache_groups:
             b = self.batch_sharding
             self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, b, b, b),
@@ -110,7 +120,10 @@ class StepFunctions:
     def _state_sharding(self) -> TrainState:
         params, opt = jax.eval_shape(self._dense_init)
         rep = lambda tree: jax.tree.map(lambda _: self.replicated, tree)  # noqa: E731
-        return TrainState(self.replicated, rep(params), rep(opt), self.collection.state_sharding())
+        emb = self.collection.state_sharding()
+        if self.per_host:
+            emb = jax.tree.map(lambda s: NamedSharding(self.mesh, P(HOST_AXIS, *s.spec)), emb)
+        return TrainState(self.replicated, rep(params), rep(opt), emb)
 
     def init_state(self, hot: bool = True) -> TrainState:
         """The initial state, created on the mesh with its final shardings; ``hot=False``:
@@ -118,6 +131,9 @@ class StepFunctions:
         params, opt = jax.jit(self._dense_init,
                               out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
         emb = self.collection.init(self.embedding_key())
+        if self.per_host:  # every host starts from the same tables
+            emb = jax.jit(lambda e: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.hosts, *x.shape)), e),
+                          out_shardings=self.state_sharding.emb, donate_argnums=0)(emb)
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
@@ -142,6 +158,23 @@ class StepFunctions:
         return Batch(*(jax.make_array_from_process_local_data(self.batch_sharding, x) for x in batch))
 
     # ------------------------------------------------------------ steps
+    def _lookup(self, emb: EmbeddingState, ids_bs: jax.Array):
+        if not self.per_host:
+            return self.collection.lookup(emb, ids_bs)
+        pooled, res = over_hosts(self.collection.lookup, self.mesh)(emb, self._by_host(ids_bs))
+        return pooled.reshape(-1, *pooled.shape[2:]), res._replace(overflow=jnp.sum(res.overflow))
+
+    def _apply_gradients(self, emb: EmbeddingState, res, grad_bfd: jax.Array, lr: jax.Array) -> EmbeddingState:
+        if not self.per_host:
+            return self.collection.apply_gradients(emb, res, grad_bfd, lr)
+        res = res._replace(overflow=jnp.zeros(self.hosts, jnp.int32))  # (not used by the update)
+        lr_h = jnp.broadcast_to(lr, (self.hosts,))
+        return over_hosts(self.collection.apply_gradients, self.mesh)(emb, res, self._by_host(grad_bfd), lr_h)
+
+    def _by_host(self, x: jax.Array) -> jax.Array:
+        """[B, ...] -> [hosts, B / hosts, ...]: host h's rows are its own devices' rows."""
+        return x.reshape(self.hosts, -1, *x.shape[1:])
+
     def _forward(self, params, pooled_bfd, batch: Batch):
         model = nnx.merge(self.graphdef, params)
         return model(batch.dense, pooled_bfd)
@@ -159,7 +192,7 @@ class StepFunctions:
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
-            pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
+            pooled_bfd, res = self._lookup(state.emb, batch.ids)
 
         def loss_fn(params, pooled_bfd):
             return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch), batch.labels))
@@ -171,7 +204,7 @@ class StepFunctions:
             params = optax.apply_updates(state.params, updates)
         with jax.named_scope(PHASE_SCOPES["sparse_update"]):
             emb_lr = self.schedule(state.step) * self.emb_lr_scale
-            emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
+            emb = self._apply_gradients(state.emb, res, grad_bfd, emb_lr)
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
@@ -180,8 +213,27 @@ class StepFunctions:
 
     def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
         """``host_pooled``: with tiered tables, their features' pooled vectors read on the
-        host (the batch's ids of those tables are padding here)."""
-        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
+        host (the batch's ids of those tables are padding here). Per host: each host looks up
+        its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average)."""
+        pooled_bfd, _ = self._lookup(state.emb, batch.ids)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
         return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch))
+
+
+def average_over_hosts(emb: EmbeddingState) -> EmbeddingState:
+    """Every host's tables and optimizer state replaced by their mean over hosts (one
+    all-reduce over the hosts axis per array)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape).astype(x.dtype), emb)
+
+
+def table_divergence(emb: EmbeddingState) -> jax.Array:
+    """How far the hosts' tables have drifted apart: sqrt(mean over hosts of ||T_h - T||^2)
+    / ||T||, T the hosts' mean, over every table's values (seed 003's Figure 4 measure)."""
+    diff = mean_sq = jnp.float32(0)
+    for table in emb.tables.values():
+        x = table.astype(jnp.float32)
+        mean = jnp.mean(x, axis=0)
+        diff += jnp.mean(jnp.sum(jnp.square(x - mean).reshape(x.shape[0], -1), axis=1))
+        mean_sq += jnp.sum(jnp.square(mean))
+    return jnp.sqrt(diff / jnp.maximum(mean_sq, 1e-30))

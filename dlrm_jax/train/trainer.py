@@ -32,7 +32,7 @@ from dlrm_jax.embedding.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.embedding.stats import collective_bytes, plan_report
 from dlrm_jax.embedding.tiered import TieredTables
-from dlrm_jax.parallel.mesh import AXIS, make_mesh
+from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
@@ -82,12 +82,18 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
-    plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
+    per_host = cfg.embedding.sync == "per_host"
+    if per_host:  # one host's plan: its local devices, its share of the batch
+        hosts = hosts_of(mesh)
+        local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
+        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=_device_budget(cfg))
+    else:
+        plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
     optimizer = sparse_optimizer_from_config(cfg)
     # Measures buckets (its counting programs depend on the groups only, not on capacities).
-    measuring = EmbeddingCollection(plan, mesh, optimizer)
-    if source is not None and cfg.embedding.capacity_from == "measured" and mesh.size > 1:
-        batch_sharding = NamedSharding(mesh, P(AXIS))
+    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host)
+    if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
+        batch_sharding = NamedSharding(mesh, P((HOST_AXIS, AXIS) if per_host else AXIS))
         ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
                for i in range(CALIBRATION_BATCHES)]
         plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
@@ -97,7 +103,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
         plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host), schedule)
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
@@ -107,6 +113,13 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
     return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
+
+
+def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
+    """The 1-D mesh of ``mesh.devices``; with embedding.sync=per_host, (hosts, devices) with
+    ``mesh.hosts`` hosts (0: one per process)."""
+    hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.sync == "per_host" else 0
+    return make_mesh(cfg.mesh.devices, hosts)
 
 
 def _device_budget(cfg: Config) -> int:
@@ -126,6 +139,8 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     """
     per_process = steps.cfg.train.batch_size // jax.process_count()
     probs, labels, valid = [], [], []
+    if steps.per_host:  # the model evaluated is the hosts' average (what a sync makes every host hold)
+        state = state._replace(emb=steps.averaged_tables(state.emb))
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     for batch in source.eval_batches():
@@ -320,7 +335,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             log(f"run already finished at step {saved[-1]}; its recorded final metrics:")
             return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
                               recorded.get("run_samples_per_s", recorded["samples_per_s"]))
-        mesh = make_mesh(cfg.mesh.devices)
+        mesh = mesh_from_config(cfg)
         source = make_source(cfg, jax.process_index(), jax.process_count())
         if source.skip_report():
             log(source.skip_report())
@@ -384,6 +399,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             pending.append((step, out))
             if hot is not None:
                 state = _count_and_refresh(hot, steps, state, step, ids, runner)
+            if steps.per_host and cfg.embedding.sync_every and step % cfg.embedding.sync_every == 0:
+                state = state._replace(emb=steps.sync_tables(state.emb))
             while len(pending) > DISPATCH_AHEAD:
                 watch.add(*pending.popleft())
             bar.update(1)
@@ -405,6 +422,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if runner is not None:
                 event.update(runner.take_metrics(window_steps))
+            if steps.per_host:
+                event["table_divergence"] = host_scalar(steps.table_divergence(state.emb))
             if is_eval and not signum:
                 auc, ll = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll)
@@ -461,7 +480,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
 
     run_dir = Path(run_dir)
     cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
-    mesh = make_mesh(cfg.mesh.devices)
+    mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, steps = build(cfg, mesh, source, log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
