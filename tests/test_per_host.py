@@ -70,3 +70,37 @@ def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_eve
         assert divergence == 0.0
     else:
         assert divergence > 0.0
+
+
+def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(tiny, tmp_path):
+    import json
+
+    import tensorstore as ts
+
+    from dlrm_jax.train.export import export_run
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    quiet = dict(log=lambda *_: None)
+    overrides = ["mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host", "embedding.sync_every=4",
+                 "embedding.sharding=row", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3"]
+    whole = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "whole", **quiet)
+    train_and_evaluate(tiny(*overrides, "train.steps=3"), tmp_path / "cut", **quiet)
+    cut = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "cut", **quiet)
+    events = {name: [{k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", "run_samples_per_s")}
+                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")}
+    assert events["whole"] == events["cut"] and (whole.auc, whole.loss) == (cut.auc, cut.loss)
+    divergence = {e["step"]: e["table_divergence"] for e in events["whole"]}
+    assert divergence[4] == 0.0 and all(divergence[s] > 0 for s in (1, 2, 3, 5, 6))  # synced at step 4
+
+    assert export_run(tmp_path / "whole", tmp_path / "export", **quiet) == 6
+    cfg = resolve_data_config(tiny(*overrides, "train.steps=6"))
+    _, steps = build(cfg, mesh_from_config(cfg), make_source(cfg), **quiet)
+    from dlrm_jax.train.checkpoint import Checkpoints
+    from dlrm_jax.train.trainer import restore_state
+
+    state = restore_state(steps, Checkpoints(tmp_path / "whole" / "checkpoints", 3), **quiet)
+    per_host = [steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0] for h in range(2)]
+    for t, name in enumerate(["cat_0", "cat_1", "cat_2", "cat_3"]):
+        exported = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "export" / name / "values")}}
+                           ).result().read().result()
+        np.testing.assert_allclose(exported, (np.asarray(per_host[0][t]) + np.asarray(per_host[1][t])) / 2, rtol=1e-6)

@@ -17,19 +17,19 @@ from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.tier_format import export_array
 from dlrm_jax.embedding.tiered import TieredTables
-from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.tier_setup import tier_root
-from dlrm_jax.train.trainer import build, restore_newest, restore_state
+from dlrm_jax.train.trainer import build, mesh_from_config, restore_newest, restore_state
 
 
 def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
                log=print) -> int:
     """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact)
-    under ``dest``; returns the step exported."""
+    under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
+    exported as their average over hosts, the model that evaluation scores."""
     run_dir, dest = Path(run_dir), Path(dest)
     cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
-    mesh = make_mesh(cfg.mesh.devices)
+    mesh = mesh_from_config(cfg)
     plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     try:
@@ -41,7 +41,10 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
             state = restore_state(steps, ckpts, log, step)
     finally:
         ckpts.close()
-    values, slots = steps.collection.logical_tables(state.emb)
+    emb = state.emb
+    if steps.per_host:
+        emb = jax.tree.map(lambda x: x[0], steps.averaged_tables(emb))
+    values, slots = steps.collection.logical_tables(emb)
     for t, tp in enumerate(plan.tables):
         if tp.tiered:
             continue
