@@ -149,3 +149,27 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     assert resumed and int(resumed[0].split()[-1]) < 40, out[-3000:]  # the kill did cut the run
     assert [x for x in out.splitlines() if x.startswith("[p0] final step=")][0].split()[:4] == final[0].split()[:4]
     assert losses(tmp_path / "cut") == losses(reference)
+
+
+@pytest.mark.timeout(400)
+def test_per_host_two_processes_equal_two_simulated_hosts_in_one(tmp_path):
+    """embedding.sync=per_host over 2 processes x 4 devices (a host each) trains exactly like
+    one process whose 8 devices form 2 simulated hosts: each process's tables see its own rows."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    args = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
+            "--set", "embedding.sync=per_host", "--set", "embedding.sync_every=4", "--set", "train.steps=6",
+            "--set", "train.log_every=1", "--set", "train.eval_every=3", "--set", "embedding.sharding=row"]
+    one = subprocess.run([sys.executable, "-m", "dlrm_jax", *args, "--set", "mesh.hosts=2", "--run-dir",
+                          str(tmp_path / "one")], capture_output=True, text=True, timeout=240, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
+    for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
+        assert p.returncode == 0, err[-3000:]
+    read = lambda d: [(e["step"], e["loss"], e.get("auc"), e["table_divergence"])  # noqa: E731
+                      for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+    assert [s for s, *_ in a] == [s for s, *_ in b]
+    for (_, la, auc_a, da), (_, lb, auc_b, db) in zip(a, b, strict=True):
+        assert abs(la - lb) <= 1e-5 * abs(la) and abs(da - db) <= 1e-5 * max(da, 1e-6)
+        assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)
+    assert a[3][3] == 0.0 and a[2][3] > 0  # averaged at step 4
