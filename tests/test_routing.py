@@ -63,7 +63,7 @@ def id_batches(draw, rows):
     return ids.astype(np.int32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_routing_and_bucketing(data):
     n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
@@ -103,7 +103,7 @@ def test_routing_and_bucketing(data):
             np.testing.assert_array_equal(usable, valid.ravel())
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     """Several devices' buckets for the same owners, a capacity too small: the agreed rounds
@@ -143,7 +143,7 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     assert sent == wanted
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5),
        rows=st.sampled_from([1, 7, 50, 2**31 - 2]))
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
@@ -170,7 +170,7 @@ def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     np.testing.assert_array_equal(np.asarray(cold), np.where(want_row >= 0, PAD_ID, ids))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), buckets=st.sampled_from([1, 2, 8, 32]), load=st.floats(0.0, 0.9))
 def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, load):
     """Up to 90% full (the index stays under 50%): every key gets its own entry in one of
