@@ -80,7 +80,7 @@ def figures(run_dirs: list[Path]) -> dict:
           "evaluation")
     lines("throughput", [("samples_per_s", "step", None)], "training throughput")
     lines("divergence", [("table_divergence", "step", None)],
-          "relative norm of the tables' difference across hosts (embedding.sync=per_host)")
+          "per-host tables: relative norm of their difference")
     profiled = [(r["profile"], label) for r, label in zip(runs, labels, strict=True) if r["profile"]]
     if profiled:
         out["phases"] = _phase_bars(plt, profiled)
