@@ -97,9 +97,9 @@ PEER_BOUND_S = 45  # the README's bound (heartbeat timeout 30 s + the watchdog's
 
 
 def readme_launch_line() -> list[str]:
-    """The README's laptop launch command, as a user copies it."""
+    """The README's first laptop launch command, as a user copies it."""
     with open(os.path.join(REPO, "README.md")) as f:
-        (line,) = [x.strip() for x in f if x.startswith("scripts/launch_local.sh ")]
+        line = next(x.strip() for x in f if x.startswith("scripts/launch_local.sh "))
     return line.split("#")[0].split()
 
 
