@@ -204,6 +204,13 @@ def hosts_of(mesh) -> int:
     return mesh.shape.get(HOST_AXIS, 1)
 
 
+def batch_spec(mesh):
+    """The batch axis's PartitionSpec: over every device, in host order on a per-host mesh."""
+    from jax.sharding import PartitionSpec as P
+
+    return P((HOST_AXIS, AXIS) if HOST_AXIS in mesh.shape else AXIS)
+
+
 def over_hosts(fn, mesh):
     """``fn`` (written for one host's arrays, with shard_maps over ``devices``) applied to
     arrays with a leading ``hosts`` axis, each host on its own devices: a shard_map over

@@ -23,7 +23,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
-from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, hosts_of, over_hosts
+from dlrm_jax.parallel.mesh import HOST_AXIS, batch_spec, hosts_of, over_hosts
 
 # Scope names of the train step's phases, found again in the compiled program's op metadata.
 PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
@@ -89,7 +89,7 @@ class StepFunctions:
         # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
         # batch rows of host h are its devices' rows, so host h's tables see only its data.
         self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
-        self.batch_sharding = NamedSharding(mesh, P((HOST_AXIS, AXIS) if self.per_host else AXIS))
+        self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         self.state_sharding = self._state_sharding()
         if self.per_host:
             self.sync_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),

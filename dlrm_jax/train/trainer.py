@@ -15,7 +15,6 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from dlrm_jax.config import Config
@@ -32,7 +31,7 @@ from dlrm_jax.embedding.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.embedding.stats import collective_bytes, plan_report
 from dlrm_jax.embedding.tiered import TieredTables
-from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, hosts_of, make_mesh
+from dlrm_jax.parallel.mesh import batch_spec, hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
@@ -93,7 +92,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     # Measures buckets (its counting programs depend on the groups only, not on capacities).
     measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host)
     if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
-        batch_sharding = NamedSharding(mesh, P((HOST_AXIS, AXIS) if per_host else AXIS))
+        batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
                for i in range(CALIBRATION_BATCHES)]
         plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
