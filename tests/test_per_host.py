@@ -92,11 +92,20 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     divergence = {e["step"]: e["table_divergence"] for e in events["whole"]}
     assert divergence[4] == 0.0 and all(divergence[s] > 0 for s in (1, 2, 3, 5, 6))  # synced at step 4
 
-    assert export_run(tmp_path / "whole", tmp_path / "export", **quiet) == 6
+    # Other host counts or per-host layouts are refused in one line; eval/export of a run saved
+    # by several processes (mesh.hosts=0) simulate its hosts in this one.
+    from dlrm_jax.train.checkpoint import IncompatibleCheckpoint
+
+    for other, needs in (("mesh.hosts=4", "holds the per-host tables of 2 hosts, this run has 4"),
+                         ("mesh.devices=4", "laid out on 4 devices per host, this run has 2")):
+        with pytest.raises(IncompatibleCheckpoint, match=needs) as refused:
+            train_and_evaluate(tiny(*overrides, other, "train.steps=9"), tmp_path / "cut", **quiet)
+        assert "\n" not in str(refused.value)
+    assert export_run(tmp_path / "whole", tmp_path / "export", ["mesh.hosts=0"], **quiet) == 6
     cfg = resolve_data_config(tiny(*overrides, "train.steps=6"))
     _, steps = build(cfg, mesh_from_config(cfg), make_source(cfg), **quiet)
     from dlrm_jax.train.checkpoint import Checkpoints
-    from dlrm_jax.train.trainer import restore_state
+    from dlrm_jax.train.restore import restore_state
 
     state = restore_state(steps, Checkpoints(tmp_path / "whole" / "checkpoints", 3), **quiet)
     per_host = [steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0] for h in range(2)]

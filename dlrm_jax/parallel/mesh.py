@@ -2,6 +2,8 @@
 
 One mesh axis, ``devices``, spans every device of every process: the batch (and so the MLPs) is
 data-parallel over it, and model-parallel embedding tables are split over the same devices.
+With embedding.sync=per_host the mesh is (``hosts``, ``devices``): each host's tables are split
+over its own devices only.
 """
 
 from __future__ import annotations
@@ -197,6 +199,14 @@ def make_mesh(devices: int = 0, hosts: int = 0):
         raise ValueError(f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
                          f"and divide the {n} devices")
     return jax.make_mesh((hosts, n // hosts), (HOST_AXIS, AXIS), axis_types=(AxisType.Auto,) * 2, devices=chosen)
+
+
+def host_scalar(x) -> float:
+    """A replicated scalar's value; works when the array spans other processes' devices too."""
+    import jax
+    import numpy as np
+
+    return float(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
 
 
 def hosts_of(mesh) -> int:

@@ -43,6 +43,13 @@ def saved_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
+def saved_json(directory: Path, step: int) -> dict:
+    """What a checkpoint saved beside its arrays (plan, hot-row statistics, hosts), read
+    without a checkpoint manager (which would clean up a running save's temporary folders)."""
+    with closing(ocp.JsonCheckpointHandler()) as handler:
+        return handler.restore(Path(directory) / str(step) / "plan", args=ocp.args.JsonRestore())
+
+
 def largest_shard_bytes(abstract_state) -> int:
     """Bytes of the largest single-device piece of any array of a (sharded) abstract state."""
     return max(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
@@ -91,9 +98,10 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None) -> None:
-        """Saves the state with the embedding plan that laid its tables out, and the hot-row
-        statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would.
+    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0) -> None:
+        """Saves the state with the embedding plan that laid its tables out, the hot-row
+        statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would,
+        and ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise).
 
         Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
         bytes: orbax would otherwise fail midway in its writer threads.
@@ -108,7 +116,7 @@ class Checkpoints:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state, save_args=chunked),
-                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts})))
+                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts})))
         except OSError as e:
             raise self._write_error(step, e) from None
 
@@ -150,10 +158,12 @@ class Checkpoints:
         """The hot-row statistics saved with the checkpoint at ``step`` (None: none saved)."""
         return self._saved_json(step).get("hot_counts")
 
+    def saved_hosts(self, step: int | None = None) -> int:
+        """How many hosts' tables the checkpoint at ``step`` holds (0: one set, not per host)."""
+        return int(self._saved_json(step).get("hosts") or 0)
+
     def _saved_json(self, step: int | None) -> dict:
-        path = self.directory / str(self._step(step)) / "plan"
-        with closing(ocp.JsonCheckpointHandler()) as handler:
-            return handler.restore(path, args=ocp.args.JsonRestore())
+        return saved_json(self.directory, self._step(step))
 
     def restore(self, abstract_state, step: int | None = None):
         """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""

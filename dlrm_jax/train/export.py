@@ -13,13 +13,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dlrm_jax.config import load_config
-from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.tier_format import export_array
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.restore import restore_newest, restore_state, saved_run_config
 from dlrm_jax.train.tier_setup import tier_root
-from dlrm_jax.train.trainer import build, mesh_from_config, restore_newest, restore_state
+from dlrm_jax.train.trainer import build, mesh_from_config
 
 
 def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
@@ -28,7 +28,7 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
     exported as their average over hosts, the model that evaluation scores."""
     run_dir, dest = Path(run_dir), Path(dest)
-    cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
+    cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)

@@ -21,25 +21,29 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding import tier_hot
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import plan_from_config
-from dlrm_jax.embedding.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.embedding.stats import collective_bytes, plan_report
 from dlrm_jax.embedding.tiered import TieredTables
-from dlrm_jax.parallel.mesh import batch_spec, hosts_of, make_mesh
+from dlrm_jax.parallel.mesh import (
+    batch_spec,
+    host_scalar,
+    hosts_of,
+    make_mesh,
+    outcomes_of_every_process,
+)
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
-    IncompatibleCheckpoint,
     largest_shard_bytes,
     saved_steps,
 )
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
+from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_config
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
@@ -59,11 +63,6 @@ class RunSummary:
     def final_line(self) -> str:
         return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
                 f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
-
-
-def host_scalar(x) -> float:
-    """A replicated scalar's value; works when the array spans other processes' devices too."""
-    return float(np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x)
 
 
 CALIBRATION_BATCHES = 4
@@ -164,71 +163,6 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
 
 
-def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None,
-                  tiered: TieredTables | None = None) -> TrainState:
-    """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
-    another plan (device count, strategy) are restored as saved, then re-laid out. ``tiered``:
-    the disk tier, restored to its snapshot of that step (a step without one does not restore)."""
-    state, relaid_out = _restore_state(steps, ckpts, log, step)
-    if tiered is not None:
-        tiered.restore(int(host_scalar(state.step)))
-        if relaid_out and steps.hot is not None:  # the snapshot holds the hot rows: choose afresh
-            state = _hot_rows_from_tier(steps, tiered, state)
-    return state
-
-
-def _hot_rows_from_tier(steps: StepFunctions, tiered: TieredTables, state: TrainState) -> TrainState:
-    """The schedule's current hot set, tiered tables' rows read from the tier (its caches cold)."""
-    return state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
-
-
-def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> tuple[TrainState, bool]:
-    """(state, whether it was re-laid out from another plan)."""
-    saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
-    tiered = saved.tiered_tables
-    saved = saved.device_view() if tiered else saved  # what the devices held
-    current = steps.collection.plan
-    counts = ckpts.saved_hot_counts(step)
-    if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
-        steps.hot.load_json(counts)
-    if saved == current:
-        return ckpts.restore(steps.abstract_state(), step), False
-    if tiered != steps.tiered_tables:
-        names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"  # noqa: E731
-        raise IncompatibleCheckpoint(f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
-                         f"{names(steps.tiered_tables)} (embedding.storage / embedding.table_storage); moving "
-                         f"tables between the devices and the tier on restore is not supported")
-    log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
-    shapes = saved_shapes(saved, steps.collection.optimizer)
-    state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
-    # Tiered tables' rows come from the tier's snapshot of this step; their caches start empty.
-    emb = relayout(saved, state.emb, steps.collection, skip=frozenset(tiered))
-    if steps.hot is not None and not tiered:  # hot rows chosen afresh from the statistics
-        emb = steps.collection.refresh(emb, steps.hot_keys())
-    return state._replace(emb=emb), True
-
-
-def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print, tiered: TieredTables | None = None
-                   ) -> tuple[int, TrainState]:
-    """(step, state) of the newest checkpoint that restores; damaged newer ones are set aside."""
-    return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s, tiered), log)
-
-
-def _restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log, tiered: TieredTables | None = None
-                     ) -> TrainState:
-    if ckpts is not None and ckpts.all_steps():
-        step, state = restore_newest(steps, ckpts, log, tiered)
-        log(f"resuming from checkpoint at step {step}")
-        return state
-    if tiered is None:
-        return steps.init_state()
-    tiered.restore(0)  # the initial tables
-    state = steps.init_state(hot=False)
-    if steps.hot is not None:
-        state = _hot_rows_from_tier(steps, tiered, state)
-    return state
-
-
 # How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
 # each device's part of a program from a shared pool of max(cores, devices) threads, and a
 # launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
@@ -303,15 +237,15 @@ class _StopSignals:
 
     def requested(self, step: int, every: int) -> int | None:
         """The signal to stop on, agreed by every process (checked every ``every`` steps when
-        there are several, since agreeing is a collective)."""
+        there are several, since agreeing is a round trip to the coordinator). Agreed through
+        the coordination service's key-value store, not a device program: it needs no device
+        time, and a program with collectives that does not depend on the train state would
+        still run on devices whose step failed when a peer died."""
         if jax.process_count() == 1:
             return self.signum
         if step % every:
             return None
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
-        return int(np.max(flags)) or None
+        return max(map(int, outcomes_of_every_process(str(self.signum or 0)))) or None
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -367,7 +301,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     sent = collective_bytes(plan)  # per device and step, at the compiled capacities
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
-    state = _restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
+    state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
 
@@ -434,7 +368,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
                                              t.keep_checkpoints, state.emb.hot)
-                ckpts.save(step, state, plan_json, hot.to_json() if hot else None)
+                ckpts.save(step, state, plan_json, hot.to_json() if hot else None, steps.hosts if steps.per_host else 0)
             if signum:
                 if ckpts:
                     ckpts.wait()
@@ -475,10 +409,9 @@ def _memory_report(compiled) -> str:
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -> RunSummary:
     """Evaluate the newest checkpoint of ``run_dir`` with its saved config."""
-    from dlrm_jax.config import load_config
 
     run_dir = Path(run_dir)
-    cfg = resolve_data_config(load_config(run_dir / "config.yaml", overrides))
+    cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, steps = build(cfg, mesh, source, log)
