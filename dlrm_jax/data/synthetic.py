@@ -161,9 +161,18 @@ class SyntheticGenerator:
 
     def raw(self, stream: int, step: int, lo: int, hi: int) -> RawSamples:
         """Rows ``lo:hi`` of global batch ``step`` of ``stream``, unnormalised."""
-        parts = [self._draw_chunk(stream, step, c)[0] for c in range(lo // CHUNK, -(-hi // CHUNK))]
+        return self._rows(stream, step, lo, hi)[0]
+
+    def logits(self, stream: int, step: int, lo: int, hi: int) -> np.ndarray:
+        """The hidden model's logits of those rows: the labels' true log-odds, so their AUC
+        is the best any model can reach on these samples."""
+        return self._rows(stream, step, lo, hi)[1]
+
+    def _rows(self, stream: int, step: int, lo: int, hi: int) -> tuple[RawSamples, np.ndarray]:
+        parts = [self._draw_chunk(stream, step, c) for c in range(lo // CHUNK, -(-hi // CHUNK))]
         off = lo - (lo // CHUNK) * CHUNK
-        return RawSamples(*(np.concatenate(p)[off : off + hi - lo] for p in zip(*parts, strict=True)))
+        cut = lambda arrays: np.concatenate(arrays)[off : off + hi - lo]  # noqa: E731
+        return RawSamples(*map(cut, zip(*(p[0] for p in parts), strict=True))), cut([p[1] for p in parts])
 
     def batch(self, stream: int, step: int, lo: int, hi: int) -> Batch:
         raw = self.raw(stream, step, lo, hi)
@@ -196,3 +205,8 @@ class SyntheticSource:
     def eval_batches(self) -> Iterator[Batch]:
         for i in range(self._eval_batches):
             yield self.generator.batch(EVAL_STREAM, i, self._rows.start, self._rows.stop)
+
+    def eval_logits(self) -> np.ndarray:
+        """The hidden model's logits for :meth:`eval_batches`' samples, in their order."""
+        return np.concatenate([self.generator.logits(EVAL_STREAM, i, self._rows.start, self._rows.stop)
+                               for i in range(self._eval_batches)])

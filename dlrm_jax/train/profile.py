@@ -13,6 +13,9 @@ How each phase is timed (the output says so too):
   a phase's figure is the mean time one device spends in it per step. Operations fused across
   scopes are counted under the scope of the fusion's root.
 
+With embedding.sync=per_host, the hosts' periodic table average (a program of its own) is
+timed alone, blocking, and divided by ``embedding.sync_every``.
+
 Peak memory per device is the compiled step's own memory analysis.
 """
 
@@ -127,12 +130,21 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             state, out = compiled(state, batches[i])
             jax.block_until_ready((state, out))
             walls.append(time.perf_counter() - t0)
+    sync_every = cfg.embedding.sync_every if fns.per_host else 0
+    sync_s = []
+    for _ in range(steps if sync_every else 0):  # per_host's periodic average, its own program
+        t0 = time.perf_counter()
+        state = state._replace(emb=jax.block_until_ready(fns.sync_tables(state.emb)))
+        sync_s.append(time.perf_counter() - t0)
     local = len(mesh.local_devices)
     per_phase = device_phase_ns(str(trace_dir), phases)
     rows = [{"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": "host, timed alone"},
             {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": "host, timed alone"}]
     rows += [{"name": name, "ms": per_phase[name] / 1e6 / steps / local, "how": "trace"}
              for name in DEVICE_PHASES if name in per_phase]
+    if sync_s:
+        rows.append({"name": "table sync over hosts", "ms": 1e3 * float(np.median(sync_s[1:] or sync_s)) / sync_every,
+                     "how": f"timed alone, / sync_every={sync_every}"})
     result = {"devices": mesh.size, "processes": jax.process_count(), "backend": jax.default_backend(),
               "steps": steps, "batch_size": cfg.train.batch_size, "step_wall_ms": 1e3 * float(np.median(walls)),
               "phases": rows, "memory_per_device": _memory(compiled), "trace_dir": str(out_dir / "trace")}
