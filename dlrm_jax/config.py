@@ -58,6 +58,9 @@ class TrainConfig:
     max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
     progress_bar: bool = True
     tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard
+    # Several processes: one that makes no progress (a step, evaluation or checkpoint) for this
+    # long exits naming where every process is, and the others follow; 0 = off.
+    hang_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True)
@@ -343,6 +346,7 @@ def validate(cfg: Config) -> Config:
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.keep_checkpoints", t.keep_checkpoints)
     _positive("train.max_loss_ratio", t.max_loss_ratio, allow_zero=True)
+    _positive("train.hang_timeout_s", t.hang_timeout_s, allow_zero=True)
     if t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "

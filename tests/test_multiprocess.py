@@ -179,14 +179,14 @@ def test_per_host_two_processes_equal_two_simulated_hosts_in_one(tmp_path):
     assert a[3][3] == 0.0 and a[2][3] > 0  # averaged at step 4
 
 
-# Process 1's input read for step 3 never returns (a hung file system, say); its heartbeat
+# Process 1's input read for step 11 (batch 10) never returns (a hung file system, say); its heartbeat
 # thread lives on, so only the hang watch can end it.
 STALL_INPUT = """
 import sys, threading
 from dlrm_jax.data import synthetic
 read = synthetic.SyntheticSource.train_batch
 def train_batch(self, step):
-    if step == 3 and sys.argv[sys.argv.index("--process-id") + 1] == "1":
+    if step == 10 and sys.argv[sys.argv.index("--process-id") + 1] == "1":
         threading.Event().wait()
     return read(self, step)
 synthetic.SyntheticSource.train_batch = train_batch
@@ -211,5 +211,5 @@ def test_a_hung_process_ends_every_process_naming_where_each_is(tmp_path):
     outs = communicate(procs, 200)
     assert all(p.returncode != 0 for p in procs), [err[-2000:] for _, err in outs]
     errors = "".join(err for _, err in outs)
-    assert "no progress for" in errors and "process 1: reading input at step 3" in errors, errors[-3000:]
+    assert "no progress for" in errors and "process 1: reading input at step 11" in errors, errors[-3000:]
     assert "train.hang_timeout_s=10" in errors

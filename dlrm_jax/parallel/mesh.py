@@ -60,7 +60,8 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
         return
     jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(**kwargs)
-    watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
+    global _watchdog
+    watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
     watchdog.start()
     atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
 
@@ -88,8 +89,29 @@ def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
         os._exit(1)
 
 
+_watchdog: PeerWatchdog | None = None
+_PROGRESS_KEY = "dlrm_jax/progress/"
+
+
+def watch_for_hangs(timeout_s: float) -> None:
+    """From now on, a process whose main thread reports no progress (:func:`report_progress`)
+    for ``timeout_s`` exits, naming where every process is (0: not watched). A process stuck
+    while its heartbeat thread lives (an input read that never returns, a collective a peer
+    never joins) would otherwise keep the others waiting: they follow once it is gone."""
+    if _watchdog is not None:
+        _watchdog.hang_timeout_s = timeout_s
+        _watchdog.progress(*_watchdog.last[1:])
+
+
+def report_progress(step: int, doing: str) -> None:
+    """The main thread starts ``doing`` (a train step, evaluation, a checkpoint) at ``step``."""
+    if _watchdog is not None:
+        _watchdog.progress(step, doing)
+
+
 class PeerWatchdog(threading.Thread):
-    """Polls the coordination service for live processes; ends this one when a peer is gone.
+    """Polls the coordination service for live processes; ends this one when a peer is gone,
+    or when its own main thread has made no progress for ``hang_timeout_s`` (0: not checked).
 
     It only talks to the coordination service: it never touches a device or launches a program.
     """
@@ -100,6 +122,12 @@ class PeerWatchdog(threading.Thread):
         # leaving: the main thread waits in the exit barrier (a peer that died before reaching it
         # would keep it there); stopping: everyone passed it, so peers may now disconnect.
         self.leaving = self.stopping = False
+        self.hang_timeout_s = 0.0
+        self.last = (time.monotonic(), 0, "starting")  # (since, step, doing), set by the main thread
+        self._published = None
+
+    def progress(self, step: int, doing: str) -> None:
+        self.last = (time.monotonic(), step, doing)  # one tuple: read whole by the watchdog thread
 
     def run(self) -> None:
         from jax._src import distributed
@@ -119,6 +147,23 @@ class PeerWatchdog(threading.Thread):
                 time.sleep(self.every_s)
             if missing and not self.stopping:
                 self._exit(why or f"lost process(es) {', '.join(map(str, missing))} of {self.count}")
+            if not self.leaving:
+                try:
+                    self._check_progress(distributed.global_state.client)
+                except Exception:  # noqa: BLE001 - the coordinator going away is the check above's
+                    pass
+
+    def _check_progress(self, client) -> None:
+        since, step, doing = self.last
+        if (step, doing) != self._published:  # where this process is, for the others' messages
+            client.key_value_set(f"{_PROGRESS_KEY}{self.me}", f"{doing} at step {step}", allow_overwrite=True)
+            self._published = (step, doing)
+        stalled = time.monotonic() - since
+        if self.hang_timeout_s and stalled > self.hang_timeout_s:
+            where = "; ".join(f"process {k.rsplit('/', 1)[-1]}: {v}"
+                              for k, v in sorted(client.key_value_dir_get(_PROGRESS_KEY)))
+            self._exit(f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
+                       f"{self.hang_timeout_s:g}); where each process is: {where}")
 
     def _exit(self, why: str) -> None:
         sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "

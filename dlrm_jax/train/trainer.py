@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import signal
 import sys
@@ -35,6 +36,8 @@ from dlrm_jax.parallel.mesh import (
     hosts_of,
     make_mesh,
     outcomes_of_every_process,
+    report_progress,
+    watch_for_hangs,
 )
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checkpoint import (
@@ -268,6 +271,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             log(f"run already finished at step {saved[-1]}; its recorded final metrics:")
             return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
                               recorded.get("run_samples_per_s", recorded["samples_per_s"]))
+        watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
+        report_progress(0, "planning")
         mesh = mesh_from_config(cfg)
         source = make_source(cfg, jax.process_index(), jax.process_count())
         if source.skip_report():
@@ -301,11 +306,13 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     sent = collective_bytes(plan)  # per device and step, at the compiled capacities
     rd.write_plan(plan_report(plan), plan_json)
     log(plan_report(plan))
+    report_progress(0, "restoring or initialising the state")
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
 
     t0 = time.perf_counter()
+    report_progress(start, "compiling the train step")
     if runner is None:
         compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
@@ -322,7 +329,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     with _StopSignals() as stop:
-        for step, item in zip(range(start + 1, t.steps + 1), batches, strict=True):
+        for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1), strict=True):
             window_start = window_start or time.perf_counter()
             ids = item.ids  # as read: tiered runs train on a copy with cache ids
             if runner is None:
@@ -358,6 +365,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             if steps.per_host:
                 event["table_divergence"] = host_scalar(steps.table_divergence(state.emb))
             if is_eval and not signum:
+                report_progress(step, "evaluation")
                 auc, ll = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll)
                 bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
@@ -365,6 +373,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
             metrics.write(event)
             if is_ckpt and ckpts:
+                report_progress(step, "checkpoint")
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
                                              t.keep_checkpoints, state.emb.hot)
@@ -376,11 +385,25 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 raise Interrupted(signum, step, saved=ckpts is not None)
             window_start = None
     bar.close()
+    report_progress(t.steps, "finishing")
 
     if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
         auc, ll = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
+
+
+def _reporting(batches, first_step: int):
+    """``batches``, telling the hang watch (train.hang_timeout_s) when the loop waits for one."""
+    it = iter(batches)
+    for step in itertools.count(first_step):
+        report_progress(step, "reading input")
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        report_progress(step, "train step")
+        yield item
 
 
 def _count_and_refresh(hot: HotSchedule, steps: StepFunctions, state: TrainState, step: int,
