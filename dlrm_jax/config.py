@@ -87,7 +87,9 @@ class ModelConfig:
     embedding_dim: int = 16
     bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim
     top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
-    interaction: str = field(default="dot", metadata=_choices("dot", "cat"))
+    interaction: str = field(default="dot", metadata=_choices("dot", "cat", "dcn"))
+    dcn_layers: int = 3  # interaction=dcn: cross layers (DCNv2)
+    dcn_rank: int = 0  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
 
 
 @dataclass(frozen=True)
@@ -373,6 +375,8 @@ def validate(cfg: Config) -> Config:
     if d.source in ("criteo", "binary") and not d.path:
         raise ConfigError(f"data.path: required when data.source={d.source}")
     _positive("model.embedding_dim", m.embedding_dim)
+    _positive("model.dcn_layers", m.dcn_layers)
+    _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)
     if not m.bottom_mlp or m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"model.bottom_mlp: the last width must equal model.embedding_dim "

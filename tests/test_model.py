@@ -58,7 +58,49 @@ def test_cat_interaction():
     assert got.shape[1] == interaction_width("cat", 2, 4)
 
 
-@pytest.mark.parametrize("interaction", ["dot", "cat"])
+def numpy_cross_network(x0, weights, biases):
+    """DCNv2 as the paper writes it, one sample at a time: x_{l+1} = x0 * (x_l W_l + b_l) + x_l,
+    W_l given whole or as its low-rank factors (U_l, V_l) multiplied out."""
+    out = []
+    for s in range(x0.shape[0]):
+        x = x0[s].astype(np.float64)
+        for w, b in zip(weights, biases, strict=True):
+            w = w[0].astype(np.float64) @ w[1] if isinstance(w, tuple) else w.astype(np.float64)
+            x = x0[s] * (x @ w + b) + x
+        out.append(x)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("layers,rank", [(1, 0), (3, 0), (3, 4), (2, 40)])
+def test_cross_network_matches_numpy(layers, rank):
+    from dlrm_jax.model.cross import CrossNetwork
+
+    width = 24
+    net = CrossNetwork(width, layers, rank, dtype=jnp.float32, rngs=nnx.Rngs(layers + rank))
+    rng = np.random.default_rng(rank)
+    for i in range(layers):  # non-zero biases, so the test sees them
+        net.bias[i][...] = jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32)
+    weights = [(np.asarray(net.u[i][...]), np.asarray(net.v[i][...])) if rank else np.asarray(net.w[i][...])
+               for i in range(layers)]
+    biases = [np.asarray(net.bias[i][...]) for i in range(layers)]
+    x0 = rng.normal(size=(7, width)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(net(jnp.asarray(x0))), numpy_cross_network(x0, weights, biases),
+                               rtol=2e-5, atol=2e-5)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(net, nnx.Param)))
+    assert n_params == layers * ((2 * width * rank if rank else width * width) + width)
+
+
+def test_dcn_model_is_cat_through_the_cross_network():
+    kw = dict(num_dense=13, num_features=5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
+    model = DLRMDense(**kw, interaction="dcn", dcn_layers=2, dcn_rank=4, rngs=nnx.Rngs(0))
+    dense = jax.random.uniform(jax.random.key(1), (9, 13))
+    emb = jax.random.normal(jax.random.key(2), (9, 5, 8))
+    want = model.top(model.cross(cat_interaction(model.bottom(dense), emb)))[:, 0]
+    np.testing.assert_allclose(np.asarray(model(dense, emb)), np.asarray(want), rtol=1e-6)
+    assert model.cross.u[0].shape == (interaction_width("dcn", 5, 8), 4)
+
+
+@pytest.mark.parametrize("interaction", ["dot", "cat", "dcn"])
 def test_dlrm_shapes_and_bf16(interaction):
     kw = dict(num_dense=13, num_features=5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1),
               interaction=interaction)

@@ -33,13 +33,16 @@ def logical_state(cfg, run_dir):
 
 
 # Per-element Adagrad's device-count invariance is pinned at the embedding level (test_embedding);
-# here the stateful pair (row-wise Adagrad + Adam) and the stateless one, end to end.
-@pytest.mark.parametrize("optimizer,dense_opt", [("rowwise_adagrad", "adam"), ("sgd", "sgd")])
-def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, dense_opt):
+# here the stateful pair (row-wise Adagrad + Adam) and the stateless one, end to end, and
+# DLRM-DCNv2's model (a low-rank cross network) with Adagrad MLPs and row-wise Adagrad tables.
+@pytest.mark.parametrize("optimizer,dense_opt,model", [
+    ("rowwise_adagrad", "adam", "model.interaction=dot"), ("sgd", "sgd", "model.interaction=dot"),
+    ("rowwise_adagrad", "adagrad", "model.interaction=dcn")])
+def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, dense_opt, model):
     runs = {}
     for n in (1, 2, 4, 8):
         cfg = tiny(f"mesh.devices={n}", "train.steps=12", "train.log_every=1", f"train.optimizer={dense_opt}",
-                   f"embedding.optimizer={optimizer}", "train.learning_rate=0.01")
+                   f"embedding.optimizer={optimizer}", "train.learning_rate=0.01", model, "model.dcn_rank=4")
         train_and_evaluate(cfg, tmp_path / str(n), **QUIET)
         runs[n] = (losses(tmp_path / str(n)), logical_state(cfg, tmp_path / str(n)))
     ref_loss, ref_state = runs[1]

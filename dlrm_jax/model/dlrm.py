@@ -9,12 +9,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dlrm_jax.model.cross import CrossNetwork
 from dlrm_jax.model.interaction import INTERACTIONS, interaction_width
 from dlrm_jax.model.mlp import MLP
 
 
 class DLRMDense(nnx.Module):
     """Bottom MLP over dense features, interaction with the embeddings, top MLP to a logit.
+
+    ``interaction``: ``dot`` (DLRM), ``cat``, or ``dcn``: the concatenation through a DCNv2
+    cross network of ``dcn_layers`` layers (low rank ``dcn_rank``; 0 = full), DLRM-DCNv2.
 
     The embedding tables are not part of this module: they are sharded and updated sparsely by
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
@@ -24,10 +28,11 @@ class DLRMDense(nnx.Module):
 
     def __init__(self, *, num_dense: int, num_features: int, embedding_dim: int,
                  bottom_mlp: Sequence[int], top_mlp: Sequence[int], interaction: str,
-                 compute_dtype: str = "float32", rngs: nnx.Rngs):
+                 compute_dtype: str = "float32", dcn_layers: int = 3, dcn_rank: int = 0, rngs: nnx.Rngs):
         dtype = jnp.dtype(compute_dtype)
         self.bottom = MLP(num_dense, bottom_mlp, final_relu=True, dtype=dtype, rngs=rngs)
         width = interaction_width(interaction, num_features, embedding_dim)
+        self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
         self.interaction = interaction
         self.dtype = dtype
@@ -35,6 +40,8 @@ class DLRMDense(nnx.Module):
     def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
         x = self.bottom(dense_bd.astype(self.dtype))
         z = INTERACTIONS[self.interaction](x, emb_bfd.astype(self.dtype))
+        if self.cross is not None:
+            z = self.cross(z)
         return self.top(z)[:, 0].astype(jnp.float32)
 
 
@@ -48,5 +55,6 @@ def dlrm_from_config(cfg, rngs: nnx.Rngs) -> DLRMDense:
     return DLRMDense(
         num_dense=cfg.data.num_dense, num_features=cfg.num_features,
         embedding_dim=m.embedding_dim, bottom_mlp=m.bottom_mlp, top_mlp=m.top_mlp,
-        interaction=m.interaction, compute_dtype=cfg.train.compute_dtype, rngs=rngs,
+        interaction=m.interaction, compute_dtype=cfg.train.compute_dtype, dcn_layers=m.dcn_layers,
+        dcn_rank=m.dcn_rank, rngs=rngs,
     )

@@ -1,4 +1,5 @@
-"""Feature interactions of DLRM: pairwise dot products (``dot``) or concatenation (``cat``)."""
+"""Feature interactions of DLRM: pairwise dot products (``dot``) or concatenation (``cat``);
+``dcn`` is the concatenation through DCNv2's cross network (:mod:`dlrm_jax.model.cross`)."""
 
 from __future__ import annotations
 
@@ -63,13 +64,13 @@ def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
     return jnp.concatenate([bottom_bd, emb_bfd.astype(bottom_bd.dtype).reshape(b, -1)], axis=1)
 
 
-INTERACTIONS = {"dot": dot_interaction, "cat": cat_interaction}
+INTERACTIONS = {"dot": dot_interaction, "cat": cat_interaction, "dcn": cat_interaction}
 
 
 def interaction_width(kind: str, num_features: int, dim: int) -> int:
     """Width of the interaction output for F embedding features of width D."""
     if kind == "dot":
         return dim + (num_features + 1) * num_features // 2
-    if kind == "cat":
+    if kind in ("cat", "dcn"):  # the cross network keeps its input's width
         return dim * (num_features + 1)
     raise ValueError(f"unknown interaction {kind!r}; allowed: {', '.join(INTERACTIONS)}")

@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 
-def _dlrm_kernel_init(key, shape, dtype=jnp.float32):
-    """DLRM's initialiser: N(0, sqrt(2 / (fan_in + fan_out)))."""
+def xavier_normal(key, shape, dtype=jnp.float32):
+    """DLRM's (and DCNv2's) weight initialiser: N(0, sqrt(2 / (fan_in + fan_out)))."""
     fan_in, fan_out = shape
     return jax.random.normal(key, shape, dtype) * np.sqrt(2.0 / (fan_in + fan_out))
 
@@ -33,7 +33,7 @@ class MLP(nnx.Module):
         sizes = [in_features, *widths]
         self.layers = nnx.List([
             nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-                       kernel_init=_dlrm_kernel_init, bias_init=_dlrm_bias_init)
+                       kernel_init=xavier_normal, bias_init=_dlrm_bias_init)
             for a, b in zip(sizes[:-1], sizes[1:], strict=True)
         ])
         self.final_relu = final_relu
