@@ -1,18 +1,13 @@
 """Eight simulated CPU devices for every test; must run before JAX is imported."""
 
 import os
-import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Many tests (and the CLI processes they start, which inherit this) compile the same programs:
-# XLA's persistent cache turns the repeats into reads. Compilation is deterministic, so a
-# cached program computes bit for bit what a fresh compile would.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dlrm_jax_tests_xla_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# No XLA persistent compilation cache: with jaxlib 0.10.2, loading some cached CPU executables
+# kills the process ("Fatal Python error" in test_hot_rows with a warm cache, none with an empty one).
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
