@@ -103,10 +103,14 @@ def watch_for_hangs(timeout_s: float) -> None:
         _watchdog.progress(*_watchdog.last[1:])
 
 
-def report_progress(step: int, doing: str) -> None:
-    """The main thread starts ``doing`` (a train step, evaluation, a checkpoint) at ``step``."""
+def report_progress(step: int, doing: str, timed: bool = True) -> None:
+    """The main thread starts ``doing`` (a train step, evaluation, a checkpoint) at ``step``.
+
+    ``timed=False`` (compiling) takes it out of the hang watch, and every process with it: a
+    compile's length grows with the model and the machine's load, not with a peer or the input,
+    and its peers wait for it in their first step's collectives."""
     if _watchdog is not None:
-        _watchdog.progress(step, doing)
+        _watchdog.progress(step, doing, timed)
 
 
 class PeerWatchdog(threading.Thread):
@@ -123,11 +127,12 @@ class PeerWatchdog(threading.Thread):
         # would keep it there); stopping: everyone passed it, so peers may now disconnect.
         self.leaving = self.stopping = False
         self.hang_timeout_s = 0.0
-        self.last = (time.monotonic(), 0, "starting")  # (since, step, doing), set by the main thread
+        self.last = (time.monotonic(), 0, "starting", True)  # (since, step, doing, timed): main thread's
         self._published = None
+        self._excused = 0.0  # when a peer was last seen in an untimed phase (compiling)
 
-    def progress(self, step: int, doing: str) -> None:
-        self.last = (time.monotonic(), step, doing)  # one tuple: read whole by the watchdog thread
+    def progress(self, step: int, doing: str, timed: bool = True) -> None:
+        self.last = (time.monotonic(), step, doing, timed)  # one tuple: read whole by the watchdog thread
 
     def run(self) -> None:
         from jax._src import distributed
@@ -154,16 +159,22 @@ class PeerWatchdog(threading.Thread):
                     pass
 
     def _check_progress(self, client) -> None:
-        since, step, doing = self.last
+        since, step, doing, timed = self.last
         if (step, doing) != self._published:  # where this process is, for the others' messages
-            client.key_value_set(f"{_PROGRESS_KEY}{self.me}", f"{doing} at step {step}", allow_overwrite=True)
+            client.key_value_set(f"{_PROGRESS_KEY}{self.me}", f"{int(timed)} {doing} at step {step}",
+                                 allow_overwrite=True)
             self._published = (step, doing)
-        stalled = time.monotonic() - since
-        if self.hang_timeout_s and stalled > self.hang_timeout_s:
-            where = "; ".join(f"process {k.rsplit('/', 1)[-1]}: {v}"
-                              for k, v in sorted(client.key_value_dir_get(_PROGRESS_KEY)))
-            self._exit(f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
-                       f"{self.hang_timeout_s:g}); where each process is: {where}")
+        now = time.monotonic()
+        stalled = now - max(since, self._excused)
+        if not (self.hang_timeout_s and timed and stalled > self.hang_timeout_s):
+            return
+        where = {int(k.rsplit("/", 1)[-1]): v.split(" ", 1) for k, v in client.key_value_dir_get(_PROGRESS_KEY)}
+        if any(flag == "0" for flag, _ in where.values()):  # a peer compiles: we wait for it, untimed
+            self._excused = now
+            return
+        self._exit(f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
+                   f"{self.hang_timeout_s:g}); where each process is: "
+                   + "; ".join(f"process {i}: {what}" for i, (_, what) in sorted(where.items())))
 
     def _exit(self, why: str) -> None:
         sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "

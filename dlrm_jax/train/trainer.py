@@ -312,7 +312,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     metrics.truncate_after(start)
 
     t0 = time.perf_counter()
-    report_progress(start, "compiling the train step")
+    report_progress(start, "compiling the train step", timed=False)
     if runner is None:
         compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
@@ -328,8 +328,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     watch, pending = _LossWatch(t.max_loss_ratio), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
+    evaluated = False
     with _StopSignals() as stop:
-        for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1), strict=True):
+        for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1, runner is not None), strict=True):
             window_start = window_start or time.perf_counter()
             ids = item.ids  # as read: tiered runs train on a copy with cache ids
             if runner is None:
@@ -365,7 +366,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             if steps.per_host:
                 event["table_divergence"] = host_scalar(steps.table_divergence(state.emb))
             if is_eval and not signum:
-                report_progress(step, "evaluation")
+                report_progress(step, "evaluation", timed=evaluated)  # the first one compiles
+                evaluated = True
                 auc, ll = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll)
                 bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
@@ -393,8 +395,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
 
 
-def _reporting(batches, first_step: int):
-    """``batches``, telling the hang watch (train.hang_timeout_s) when the loop waits for one."""
+def _reporting(batches, first_step: int, first_compiles: bool):
+    """``batches``, telling the hang watch (train.hang_timeout_s) when the loop waits for one
+    and when a step runs (untimed when ``first_compiles``: the tiered step compiles on first use)."""
     it = iter(batches)
     for step in itertools.count(first_step):
         report_progress(step, "reading input")
@@ -402,7 +405,8 @@ def _reporting(batches, first_step: int):
             item = next(it)
         except StopIteration:
             return
-        report_progress(step, "train step")
+        first = first_compiles and step == first_step
+        report_progress(step, "compiling and running the first train step" if first else "train step", not first)
         yield item
 
 

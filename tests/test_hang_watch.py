@@ -1,0 +1,78 @@
+"""The hang watch's decisions (PeerWatchdog._check_progress) against a fake coordination
+service: no processes, so the timing is the test's own."""
+import pytest
+
+from dlrm_jax.parallel import mesh
+
+
+class FakeClient:
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+class Exited(Exception):
+    pass
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(mesh.time, "monotonic", lambda: now[0])
+    return now
+
+
+def watchdog(me, timeout_s=10.0):
+    w = mesh.PeerWatchdog(2, me)
+    w.hang_timeout_s = timeout_s
+
+    def exit_(why):
+        raise Exited(why)
+    w._exit = exit_
+    return w
+
+
+def test_a_stall_past_the_timeout_exits_naming_every_process(clock):
+    client, w0, w1 = FakeClient(), watchdog(0), watchdog(1)
+    w0.progress(12, "train step")
+    w1.progress(11, "reading input")
+    w0._check_progress(client)
+    w1._check_progress(client)
+    clock[0] += 9
+    w1._check_progress(client)  # within the timeout
+    clock[0] += 2
+    with pytest.raises(Exited, match=r"no progress for 11 s \(reading input at step 11; .*process 0: "
+                                     r"train step at step 12; process 1: reading input at step 11"):
+        w1._check_progress(client)
+
+
+def test_compiling_is_not_timed_for_the_compiler_nor_for_peers_waiting_on_it(clock):
+    client, w0, w1 = FakeClient(), watchdog(0), watchdog(1)
+    w0.progress(0, "compiling the train step", timed=False)
+    w1.progress(1, "train step")  # compiled quickly: waits for process 0 in the step's collectives
+    w0._check_progress(client)
+    for _ in range(30):  # 60 s of compiling, checked every 2 s as the thread does
+        clock[0] += 2
+        w0._check_progress(client)
+        w1._check_progress(client)
+    w0.progress(1, "train step")  # done compiling; its watchdog publishes at its next poll
+    clock[0] += 2
+    w1._check_progress(client)  # the peer's last compiling report excuses up to now
+    w0._check_progress(client)
+    clock[0] += 7  # then nobody moves for longer than the timeout: that is a hang
+    w1._check_progress(client)
+    clock[0] += 2
+    with pytest.raises(Exited, match=r"no progress for 1\d s \(train step at step 1"):
+        w1._check_progress(client)
+
+
+def test_no_timeout_means_no_check(clock):
+    client, w = FakeClient(), watchdog(0, timeout_s=0)
+    w.progress(3, "reading input")
+    clock[0] += 10_000
+    w._check_progress(client)
