@@ -213,13 +213,12 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.planner import plan_from_config
-    from dlrm_jax.embedding.stats import plan_report
+    from dlrm_jax.embedding.planner import config_plan_report, plan_from_config
 
     plan = plan_from_config(cfg, _devices_for(cfg))
     if cfg.embedding.hot.rows == 0 and not plan.tiered_tables:
         # Planning needs only the config: no devices, no arrays, no JAX.
-        print(plan_report(plan))
+        print(config_plan_report(cfg, plan))
         return 0
     # Hot rows are chosen from the data, priced with the engine's own bucket measurement;
     # tiered tables' fill sizes and hit rates are predicted from the first batches.
@@ -230,7 +229,7 @@ def cmd_plan(args) -> int:
 
     cfg = resolve_data_config(cfg)
     plan, _ = build(cfg, make_mesh(cfg.mesh.devices), make_source(cfg), log=_log)
-    print(plan_report(plan))
+    print(config_plan_report(cfg, plan))
     return 0
 
 

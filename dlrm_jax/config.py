@@ -84,12 +84,21 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    # dlrm: bottom MLP, interaction, top MLP. wide_deep: Wide&Deep, the deep part takes the dense
+    # features as they are (bottom_mlp empty) and a wide linear model over the ids is added.
+    kind: str = field(default="dlrm", metadata=_choices("dlrm", "wide_deep"))
     embedding_dim: int = 16
-    bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim
+    bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim for dot
     top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
     interaction: str = field(default="dot", metadata=_choices("dot", "cat", "dcn"))
     dcn_layers: int = 3  # interaction=dcn: cross layers (DCNv2)
     dcn_rank: int = 0  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
+    # wide_deep: the wide part's own optimizer (FTRL-Proximal as in the Wide&Deep paper) and its
+    # constant learning rate; l1 / l2: FTRL's regularisation strengths.
+    wide_optimizer: str = field(default="ftrl", metadata=_choices("sgd", "adagrad", "ftrl"))
+    wide_learning_rate: float = 0.05
+    wide_l1: float = 0.0
+    wide_l2: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -377,10 +386,22 @@ def validate(cfg: Config) -> Config:
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("model.dcn_layers", m.dcn_layers)
     _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)
-    if not m.bottom_mlp or m.bottom_mlp[-1] != m.embedding_dim:
+    if m.kind == "wide_deep":
+        if m.bottom_mlp:
+            raise ConfigError(f"model.bottom_mlp: must be empty ([]) for model.kind=wide_deep, whose deep part "
+                              f"takes the dense features as they are; got {list(m.bottom_mlp)}")
+        if m.interaction == "dot":
+            raise ConfigError("model.interaction: model.kind=wide_deep has no dot interaction; use cat (Wide&Deep) "
+                              "or dcn (a cross network on the deep part)")
+        _positive("model.wide_learning_rate", m.wide_learning_rate)
+        _positive("model.wide_l1", m.wide_l1, allow_zero=True)
+        _positive("model.wide_l2", m.wide_l2, allow_zero=True)
+    elif not m.bottom_mlp:
+        raise ConfigError("model.bottom_mlp: DLRM needs at least one layer (empty only for model.kind=wide_deep)")
+    elif m.interaction == "dot" and m.bottom_mlp[-1] != m.embedding_dim:
         raise ConfigError(
             f"model.bottom_mlp: the last width must equal model.embedding_dim "
-            f"({m.embedding_dim}), got {list(m.bottom_mlp)}"
+            f"({m.embedding_dim}) for the dot interaction, got {list(m.bottom_mlp)}"
         )
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
@@ -430,6 +451,13 @@ def validate(cfg: Config) -> Config:
                               "with per-host tables yet; use embedding.storage=device")
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
+    if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
+        if e.sync == "per_host":
+            raise ConfigError("model.kind=wide_deep: per-host tables (embedding.sync=per_host) are not supported "
+                              "yet; use embedding.sync=global")
+        if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
+            raise ConfigError("model.kind=wide_deep: tiered tables (embedding.storage) are not supported yet; "
+                              "use embedding.storage=device")
     return cfg
 
 

@@ -2,8 +2,10 @@
 
 import os
 
+from child_env import COMPILE_FLAGS  # noqa: E402 - (tests/ is on sys.path)
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No XLA persistent compilation cache: with jaxlib 0.10.2, loading some cached CPU executables

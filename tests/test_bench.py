@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from child_env import child_env
 
 from dlrm_jax.bench.common import hlo_collective_bytes
 from dlrm_jax.bench.embedding import bench_embedding
@@ -42,13 +43,12 @@ def test_train_bench_writes_json(tiny, tmp_path):
 
 def bench_json(tmp_path, name, rows, devices, env_extra=None):
     """`dlrm-jax bench train` in its own process (so its peak RSS is its own) -> the result dict."""
-    import os
     import subprocess
     import sys
 
     out = tmp_path / f"{name}.json"
     cards = "[" + ",".join([str(rows)] * 8) + "]"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES")} | (env_extra or {})
+    env = child_env(drop=("GLIBC_TUNABLES",)) | (env_extra or {})
     subprocess.run([sys.executable, "-m", "dlrm_jax", "bench", "train", "--configs", "default", "--max-rows", "0",
                     "--steps", "2", "--warmup", "1", "--output", str(out), "--set", f"data.cardinalities={cards}",
                     "--set", "data.max_rows=0", "--set", "model.embedding_dim=64", "--set",

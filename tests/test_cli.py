@@ -1,7 +1,6 @@
 """The ``dlrm-jax`` command end to end, as a user runs it (subprocesses, real files)."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -9,14 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from child_env import child_env
 
 FINAL = re.compile(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=(\S+)$")
 SMOKE = ["--config", "smoke", "--set", "train.progress_bar=false"]
 
 
 def cli(*args, timeout=300, check=True):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets it itself
+    env = child_env(drop=())  # the CLI sets it itself
     proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if check and proc.returncode != 0:
@@ -55,7 +56,7 @@ def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
             "--set", "train.log_every=10", "--set", "train.eval_every=100"]
     whole = final_line(cli("train", *args, "--run-dir", str(tmp_path / "whole")))
     cut = tmp_path / "cut"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(drop=())
     proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "train", *args, "--run-dir", str(cut)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 240
@@ -124,6 +125,27 @@ def test_mlperf_dcnv2_trains_end_to_end_with_capped_rows(tmp_path):
     step, loss, auc, *_ = final_line(proc).groups()
     assert int(step) == 6 and float(auc) > 0.5 and float(loss) < 1.0
     assert " 100 " in (run / "plan.txt").read_text()  # the 100-id bag of cat_20
+
+
+def test_wide_deep_config_trains_end_to_end_and_exports_its_wide_part(tmp_path):
+    """configs/wide_deep.yaml as shipped (no bottom MLP, FTRL wide part, Adam deep part), its
+    tables capped to fit here; its export holds every wide table and the wide linear weights."""
+    run = tmp_path / "wd"
+    proc = cli("train", "--config", "wide_deep", "--set", "data.max_rows=2000", "--set", "train.batch_size=256",
+               "--set", "train.steps=6", "--set", "train.eval_every=6", "--set", "train.eval_batches=2",
+               "--set", "train.checkpoint_every=6", "--set", "mesh.devices=2", "--run-dir", str(run))
+    step, loss, auc, *_ = final_line(proc).groups()
+    assert int(step) == 6 and float(auc) > 0.5 and float(loss) < 1.0
+    assert "Wide part: 26 tables" in (run / "plan.txt").read_text()
+    cli("export", "--run-dir", str(run), "--output", str(tmp_path / "out"))
+    import tensorstore as ts
+
+    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
+                              ).result().read().result()
+    linear = read("out", "wide_linear", "values")
+    assert linear.shape == (14, 1) and np.count_nonzero(linear) == 14  # 13 dense weights and the bias
+    assert read("out", "wide_20", "values").shape == (2000, 1) and read("out", "wide_20", "z").shape == (2000, 1)
+    assert read("out", "cat_20", "values").shape == (2000, 16)
 
 
 def test_missing_binary_data_is_a_clear_error(tmp_path):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from child_env import child_env
 
 ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
         "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
@@ -45,7 +46,7 @@ def communicate(procs, timeout):
 
 @pytest.mark.timeout(400)
 def test_two_processes_equal_one(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     single = subprocess.run([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "one")],
                             capture_output=True, text=True, timeout=240, env=env)
     assert single.returncode == 0, single.stderr
@@ -112,7 +113,7 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     """The README's launch_local line trains; SIGKILL of process 1 makes process 0 exit
     non-zero within the bound, naming it; the same command again resumes and ends bitwise
     where the uninterrupted run ended."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]
     line = readme_launch_line()
     whole = launch_local(line, tmp_path, env)
@@ -159,7 +160,7 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
 def test_per_host_two_processes_equal_two_simulated_hosts_in_one(tmp_path):
     """embedding.sync=per_host over 2 processes x 4 devices (a host each) trains exactly like
     one process whose 8 devices form 2 simulated hosts: each process's tables see its own rows."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     args = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
             "--set", "embedding.sync=per_host", "--set", "embedding.sync_every=4", "--set", "train.steps=6",
             "--set", "train.log_every=1", "--set", "train.eval_every=3", "--set", "embedding.sharding=row"]
@@ -199,7 +200,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_hung_process_ends_every_process_naming_where_each_is(tmp_path):
     """A process stuck with its heartbeat alive exits after train.hang_timeout_s naming where
     every process is; the other (stuck in a collective with it) does too, or follows it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     script = tmp_path / "stall.py"
     script.write_text(STALL_INPUT)
     port = free_port()

@@ -4,6 +4,7 @@ import json
 import struct
 
 import pytest
+from child_env import child_env
 
 from dlrm_jax.train.metrics import tensorboard_tag
 from dlrm_jax.train.trainer import train_and_evaluate
@@ -104,11 +105,10 @@ def test_report_names_a_bad_metrics_line(tmp_path, capsys):
 
 
 def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env()
     run = tmp_path / "prof"
     proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "profile", "--config", "smoke", "--set", "mesh.devices=2",
                            "--set", "embedding.sharding=row", "--steps", "3", "--warmup", "1", "--run-dir", str(run)],

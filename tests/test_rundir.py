@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from child_env import child_env
 
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.rundir import RunDir, RunDirError
@@ -87,7 +88,7 @@ CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "
 
 
 def popen(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(drop=())
     return subprocess.Popen([sys.executable, "-m", "dlrm_jax", *CLI_ARGS, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 

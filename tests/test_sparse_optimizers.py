@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import dense_reference
 
-from dlrm_jax.embedding.optimizers import adagrad, rowwise_adagrad, sgd
+from dlrm_jax.embedding.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
 
 R, D = 23, 4
 
 
-OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad()}
+OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad(), "ftrl": ftrl()}
 EXACT = {"sgd": sgd(exact_sums=True), "adagrad": adagrad(exact_sums=True),
-         "rowwise_adagrad": rowwise_adagrad(exact_sums=True)}
+         "rowwise_adagrad": rowwise_adagrad(exact_sums=True), "ftrl": ftrl(exact_sums=True)}
 LOOKUPS = 40  # every step padded to this many lookups with the padding row R: one compiled shape
 UPDATES = {(name, exact): jax.jit((EXACT if exact else OPTIMIZERS)[name].update)
            for name in OPTIMIZERS for exact in (False, True)}
@@ -32,7 +32,8 @@ def run_both(name, rows_steps, seed, exact=False):
     opt = (EXACT if exact else OPTIMIZERS)[name]
     state = opt.init(jnp.asarray(table))
     ref_table = table.astype(np.float64)
-    ref_acc = {"sgd": None, "adagrad": np.zeros((R, D)), "rowwise_adagrad": np.zeros(R)}[name]
+    ref_acc = {"sgd": None, "adagrad": np.zeros((R, D)), "rowwise_adagrad": np.zeros(R),
+               "ftrl": (np.zeros((R, D)), np.full((R, D), 0.1))}[name]
     jt = jnp.asarray(table)
     for rows in rows_steps:
         rows = np.asarray(rows, np.int32)
@@ -43,7 +44,10 @@ def run_both(name, rows_steps, seed, exact=False):
         jt, state = UPDATES[name, exact](jt, state, jnp.asarray(padded_rows), jnp.asarray(padded_grads), 0.05)
         ref_table, ref_acc = dense_reference(name, ref_table, ref_acc, rows, grads, 0.05)
     np.testing.assert_allclose(np.asarray(jt), ref_table, rtol=2e-5, atol=2e-5)
-    if ref_acc is not None:
+    if name == "ftrl":
+        for got, want in zip((state["z"], state["n"]), ref_acc, strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    elif ref_acc is not None:
         np.testing.assert_allclose(np.asarray(state["accumulator"]), ref_acc, rtol=2e-5, atol=1e-6)
 
 
@@ -93,3 +97,20 @@ def test_padding_never_touches_row_zero():
     out, state = opt.update(table, state, jnp.full((8,), R, jnp.int32), jnp.ones((8, D)), 1.0)
     np.testing.assert_array_equal(np.asarray(out), np.ones((R, D)))
     assert float(state["accumulator"].sum()) == 0.0
+
+
+def test_ftrl_l1_keeps_rarely_pushed_weights_at_zero_and_l2_shrinks_the_rest():
+    """Wide&Deep's reason for FTRL: a sparse linear model. |z| <= l1 gives exactly 0."""
+    rows = jnp.asarray([1, 2, 2, 2, 2], jnp.int32)
+    grads = jnp.asarray([[0.1], [1.0], [1.0], [1.0], [1.0]], jnp.float32)
+    table = jnp.zeros((4, 1))
+    plain = ftrl()
+    sparse, l2 = ftrl(l1=0.5), ftrl(l2=10.0)
+    out = {}
+    for name, opt in (("plain", plain), ("l1", sparse), ("l2", l2)):
+        out[name], _ = opt.update(table, opt.init(table), rows, grads, 0.1)
+    assert float(out["plain"][1, 0]) < 0 and float(out["l1"][1, 0]) == 0.0  # |z| = 0.1 <= l1
+    assert float(out["l1"][2, 0]) < 0  # |z| = 4 > l1: kept, shrunk toward 0
+    assert abs(float(out["plain"][2, 0])) > abs(float(out["l1"][2, 0])) > 0
+    assert abs(float(out["plain"][2, 0])) > abs(float(out["l2"][2, 0])) > 0
+    np.testing.assert_allclose(float(out["plain"][2, 0]), -4.0 / (np.sqrt(0.1 + 16.0) / 0.1), rtol=1e-6)

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import tensorstore as ts
+from child_env import COMPILE_FLAGS
 
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.tiered import TieredTables
@@ -229,7 +230,7 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     script = tmp_path / "kill.py"
     script.write_text(KILL_MID_FLUSH.format(tests=str(Path(__file__).parent), overrides=overrides,
                                             run_dir=str(tmp_path / "killed")))
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]

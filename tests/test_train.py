@@ -27,7 +27,8 @@ def logical_state(cfg, run_dir):
     """Dense params, optimizer state and every table's values and slots, whatever the plan."""
     _, steps = build(cfg, make_mesh(cfg.mesh.devices))
     state = restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
-    return state.params, state.opt_state, steps.collection.logical_tables(state.emb)
+    wide = steps.wide.collection.logical_tables(state.wide.tables) + state.wide[1:] if steps.wide else ()
+    return state.params, state.opt_state, steps.collection.logical_tables(state.emb), wide
 
 
 
@@ -35,14 +36,17 @@ def logical_state(cfg, run_dir):
 # Per-element Adagrad's device-count invariance is pinned at the embedding level (test_embedding);
 # here the stateful pair (row-wise Adagrad + Adam) and the stateless one, end to end, and
 # DLRM-DCNv2's model (a low-rank cross network) with Adagrad MLPs and row-wise Adagrad tables.
+# Wide&Deep adds its FTRL-trained wide part (replicated, all-gathered updates) to an Adam deep part.
 @pytest.mark.parametrize("optimizer,dense_opt,model", [
-    ("rowwise_adagrad", "adam", "model.interaction=dot"), ("sgd", "sgd", "model.interaction=dot"),
-    ("rowwise_adagrad", "adagrad", "model.interaction=dcn")])
+    ("rowwise_adagrad", "adam", ()), ("sgd", "sgd", ()),
+    ("rowwise_adagrad", "adagrad", ("model.interaction=dcn", "model.dcn_rank=4")),
+    ("adagrad", "adam", ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat"))],
+    ids=["rowwise_adam", "sgd", "dcn", "wide_deep"])
 def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, dense_opt, model):
     runs = {}
     for n in (1, 2, 4, 8):
         cfg = tiny(f"mesh.devices={n}", "train.steps=12", "train.log_every=1", f"train.optimizer={dense_opt}",
-                   f"embedding.optimizer={optimizer}", "train.learning_rate=0.01", model, "model.dcn_rank=4")
+                   f"embedding.optimizer={optimizer}", "train.learning_rate=0.01", *model)
         train_and_evaluate(cfg, tmp_path / str(n), **QUIET)
         runs[n] = (losses(tmp_path / str(n)), logical_state(cfg, tmp_path / str(n)))
     ref_loss, ref_state = runs[1]

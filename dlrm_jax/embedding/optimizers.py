@@ -137,6 +137,36 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_s
     return SparseOptimizer(init, update, apply, needs_whole_rows=True, exact_sums=exact_sums)
 
 
+def ftrl(l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulator: float = 0.1,
+         exact_sums: bool = False) -> SparseOptimizer:
+    """FTRL-Proximal (McMahan et al. 2013) per element, the wide part's optimizer in Wide&Deep:
+    n' = n + g^2; z' = z + g - (sqrt(n') - sqrt(n)) / lr * w;
+    w' = -(z' - sign(z') l1) / ((beta + sqrt(n')) / lr + l2) where |z'| > l1, else 0.
+
+    The weights follow from (z, n) alone, so a table starts at zero; ``initial_accumulator``
+    (TensorFlow's default 0.1) keeps the first step's denominator away from zero.
+    """
+
+    def init(table):
+        return {"z": jnp.zeros(table.shape, jnp.float32),
+                "n": jnp.full(table.shape, initial_accumulator, jnp.float32)}
+
+    def apply(table, state, uniq, g, lr):
+        w = _get(table, uniq).astype(jnp.float32)
+        n, z = _get(state["n"], uniq), _get(state["z"], uniq)
+        n_new = n + g * g
+        z_new = z + g - (jnp.sqrt(n_new) - jnp.sqrt(n)) / lr * w
+        shrunk = z_new - jnp.sign(z_new) * l1
+        # (padding rows read n = 0 and are dropped; the guard keeps their division finite)
+        w_new = jnp.where(jnp.abs(z_new) > l1, -shrunk / jnp.maximum((beta + jnp.sqrt(n_new)) / lr + l2, 1e-30), 0.0)
+        return _set(table, uniq, w_new), {"z": _set(state["z"], uniq, z_new), "n": _set(state["n"], uniq, n_new)}
+
+    def update(table, state, rows_n, grads_nd, lr):
+        return apply(table, state, *merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums), lr)
+
+    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
+
+
 def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
     e = cfg.embedding
     if e.optimizer == "sgd":
@@ -144,3 +174,13 @@ def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
     if e.optimizer == "adagrad":
         return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
     return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+
+
+def wide_optimizer_from_config(cfg) -> SparseOptimizer:
+    """The wide part's optimizer (model.kind=wide_deep): model.wide_optimizer."""
+    m, e = cfg.model, cfg.embedding
+    if m.wide_optimizer == "sgd":
+        return sgd(e.deterministic)
+    if m.wide_optimizer == "adagrad":
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+    return ftrl(m.wide_l1, m.wide_l2, exact_sums=e.deterministic)

@@ -35,7 +35,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def optimizer_bytes_per_row(optimizer: str, dim: int) -> int:
     """Optimizer state per table row (float32): none, one per element, or one per row."""
-    return {"sgd": 0, "adagrad": 4 * dim, "rowwise_adagrad": 4}[optimizer]
+    return {"sgd": 0, "adagrad": 4 * dim, "rowwise_adagrad": 4, "ftrl": 8 * dim}[optimizer]
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from dlrm_jax.embedding.plan import (
     Strategy,
     TablePlan,
 )
-from dlrm_jax.embedding.specs import TableSpec, specs_from_config
-from dlrm_jax.embedding.stats import per_device_bytes
+from dlrm_jax.embedding.specs import Pooling, TableSpec, specs_from_config
+from dlrm_jax.embedding.stats import per_device_bytes, plan_report
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient (seed 002)
 ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN)
@@ -195,6 +195,8 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> 
     e = cfg.embedding
     specs = specs_from_config(cfg)
     budget = int(e.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
+    if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
+        budget = max(budget - wide_bytes_per_device(wide_plan(cfg, num_devices)), 1)
     return plan_embeddings(
         specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size,
         overrides=parse_overrides(e.table_sharding, specs), row_layout=e.row_layout,
@@ -203,3 +205,27 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> 
         storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
         device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
     )
+
+
+def wide_plan(cfg, num_devices: int) -> EmbeddingPlan:
+    """Wide&Deep's wide part (model.kind=wide_deep): one weight per id of every feature (dim 1,
+    sum pooling), every table replicated on each of ``num_devices`` devices."""
+    specs = tuple(TableSpec(f"wide_{f}", rows, 1, bag, Pooling.SUM)
+                  for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True)))
+    return plan_embeddings(specs, "replicated", num_devices, cfg.model.wide_optimizer, cfg.train.batch_size)
+
+
+def wide_bytes_per_device(plan: EmbeddingPlan) -> int:
+    """The wide tables' weights and optimizer state, which every device holds whole."""
+    return int(sum(t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[0].sum() for t in plan.tables))
+
+
+def config_plan_report(cfg, plan: EmbeddingPlan) -> str:
+    """:func:`~dlrm_jax.embedding.stats.plan_report`, and for Wide&Deep a line on its wide part."""
+    if cfg.model.kind != "wide_deep":
+        return plan_report(plan)
+    wide = wide_plan(cfg, plan.num_devices)
+    rows = sum(t.spec.rows for t in wide.tables)
+    return (f"{plan_report(plan)}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
+            f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
+            f"{cfg.model.wide_optimizer} state (counted in embedding.memory_budget_gb)")

@@ -19,6 +19,8 @@ class DLRMDense(nnx.Module):
 
     ``interaction``: ``dot`` (DLRM), ``cat``, or ``dcn``: the concatenation through a DCNv2
     cross network of ``dcn_layers`` layers (low rank ``dcn_rank``; 0 = full), DLRM-DCNv2.
+    An empty ``bottom_mlp`` passes the dense features unchanged (the deep part of Wide&Deep,
+    whose wide part is :mod:`dlrm_jax.model.wide`).
 
     The embedding tables are not part of this module: they are sharded and updated sparsely by
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
@@ -31,7 +33,9 @@ class DLRMDense(nnx.Module):
                  compute_dtype: str = "float32", dcn_layers: int = 3, dcn_rank: int = 0, rngs: nnx.Rngs):
         dtype = jnp.dtype(compute_dtype)
         self.bottom = MLP(num_dense, bottom_mlp, final_relu=True, dtype=dtype, rngs=rngs)
-        width = interaction_width(interaction, num_features, embedding_dim)
+        # An empty bottom MLP (Wide&Deep's deep part) passes the dense features as they are.
+        width = interaction_width(interaction, num_features, embedding_dim,
+                                  bottom_mlp[-1] if bottom_mlp else num_dense)
         self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
         self.interaction = interaction

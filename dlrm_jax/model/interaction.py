@@ -59,7 +59,7 @@ lower_triangle_gram.defvjp(_gram_forward, _gram_backward)
 
 
 def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
-    """Concatenation of the bottom output and every embedding vector: [B, D * (F+1)]."""
+    """Concatenation of the bottom output [B, W] and every embedding vector: [B, W + F * D]."""
     b = bottom_bd.shape[0]
     return jnp.concatenate([bottom_bd, emb_bfd.astype(bottom_bd.dtype).reshape(b, -1)], axis=1)
 
@@ -67,10 +67,12 @@ def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
 INTERACTIONS = {"dot": dot_interaction, "cat": cat_interaction, "dcn": cat_interaction}
 
 
-def interaction_width(kind: str, num_features: int, dim: int) -> int:
-    """Width of the interaction output for F embedding features of width D."""
+def interaction_width(kind: str, num_features: int, dim: int, bottom_width: int | None = None) -> int:
+    """Width of the interaction output for F embedding features of width D after a bottom
+    output of ``bottom_width`` (default D; dot needs D)."""
+    bottom_width = dim if bottom_width is None else bottom_width
     if kind == "dot":
-        return dim + (num_features + 1) * num_features // 2
+        return bottom_width + (num_features + 1) * num_features // 2
     if kind in ("cat", "dcn"):  # the cross network keeps its input's width
-        return dim * (num_features + 1)
+        return bottom_width + dim * num_features
     raise ValueError(f"unknown interaction {kind!r}; allowed: {', '.join(INTERACTIONS)}")

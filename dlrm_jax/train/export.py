@@ -2,7 +2,8 @@
 
 Every table of the checkpoint (newest intact, or ``step``) is written as compressed zarr3 arrays
 ``DEST/<table>/values`` and ``DEST/<table>/<optimizer state>`` ([rows, dim] or [rows]), readable
-with tensorstore alone. Tiered tables are copied chunk by chunk from the tier's snapshot of that
+with tensorstore alone (Wide&Deep's wide part too: ``wide_<feature>``, and ``wide_linear``, the
+dense features' weights then the bias). Tiered tables are copied chunk by chunk from the tier's snapshot of that
 step; device-resident tables are gathered from the checkpoint one table at a time.
 """
 
@@ -44,13 +45,12 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     emb = state.emb
     if steps.per_host:
         emb = jax.tree.map(lambda x: x[0], steps.averaged_tables(emb))
-    values, slots = steps.collection.logical_tables(emb)
-    for t, tp in enumerate(plan.tables):
-        if tp.tiered:
-            continue
-        export_array(dest / tp.spec.name / "values", np.asarray(values[t]))
-        for k, v in slots[t].items():
-            export_array(dest / tp.spec.name / k, np.asarray(v))
+    _export_tables(dest, steps.collection, emb)
+    if steps.wide:  # Wide&Deep: the wide part's tables, and its dense weights then bias
+        _export_tables(dest, steps.wide.collection, state.wide.tables)
+        export_array(dest / "wide_linear" / "values", np.asarray(state.wide.linear))
+        for k, v in state.wide.linear_slots.items():
+            export_array(dest / "wide_linear" / k, np.asarray(v))
     if plan.tiered_tables:
         tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
                               steps.embedding_key(), log=log, snapshot=step)
@@ -60,3 +60,14 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
             tiered.close()
     log(f"exported {len(plan.tables)} tables of step {step} to {dest}")
     return step
+
+
+def _export_tables(dest: Path, collection, emb) -> None:
+    """Every device-resident table of ``collection`` (tiered ones are the tier's to export)."""
+    values, slots = collection.logical_tables(emb)
+    for t, tp in enumerate(collection.plan.tables):
+        if t in collection.tiered_tables:
+            continue
+        export_array(dest / tp.spec.name / "values", np.asarray(values[t]))
+        for k, v in slots[t].items():
+            export_array(dest / tp.spec.name / k, np.asarray(v))

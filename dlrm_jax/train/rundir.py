@@ -27,7 +27,7 @@ from dlrm_jax.parallel.mesh import outcome_of_process_0
 # with other values cannot resume. (Table rows come from data.cardinalities after the
 # data.max_rows cap, and the resolved config stores binary datasets' cardinalities.)
 STATE_KEYS = (
-    "model.embedding_dim", "model.bottom_mlp", "model.top_mlp", "model.interaction", "model.dcn_layers", "model.dcn_rank",
+    "model.kind", "model.wide_optimizer", "model.embedding_dim", "model.bottom_mlp", "model.top_mlp", "model.interaction", "model.dcn_layers", "model.dcn_rank",
     "train.optimizer", "embedding.optimizer", "embedding.dtype", "embedding.sync",
     "data.num_dense", "data.cardinalities", "data.max_rows", "data.bag_sizes", "data.pooling",
 )  # fmt: skip

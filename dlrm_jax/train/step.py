@@ -23,6 +23,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
+from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
 from dlrm_jax.parallel.mesh import HOST_AXIS, batch_spec, hosts_of, over_hosts
 
 # Scope names of the train step's phases, found again in the compiled program's op metadata.
@@ -35,13 +36,15 @@ class TrainState(NamedTuple):
     """Everything a checkpoint holds; a pytree of arrays.
 
     step: int32 []; params: the dense model's parameters (nested dict, replicated);
-    opt_state: optax state of the dense part; emb: tables and sparse optimizer state.
+    opt_state: optax state of the dense part; emb: tables and sparse optimizer state;
+    wide: the wide part of Wide&Deep (:class:`~dlrm_jax.model.wide.WideState`), else empty.
     """
 
     step: jax.Array
     params: dict
     opt_state: optax.OptState
     emb: EmbeddingState
+    wide: WideState | dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
@@ -86,6 +89,7 @@ class StepFunctions:
         self.tx = dense_optimizer(cfg, self.schedule)
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
         self.replicated = NamedSharding(mesh, P())
+        self.wide = WidePart(cfg, mesh) if cfg.model.kind == "wide_deep" else None
         # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
         # batch rows of host h are its devices' rows, so host h's tables see only its data.
         self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
@@ -123,7 +127,8 @@ class StepFunctions:
         emb = self.collection.state_sharding()
         if self.per_host:
             emb = jax.tree.map(lambda s: NamedSharding(self.mesh, P(HOST_AXIS, *s.spec)), emb)
-        return TrainState(self.replicated, rep(params), rep(opt), emb)
+        wide = self.wide.state_sharding() if self.wide else {}
+        return TrainState(self.replicated, rep(params), rep(opt), emb, wide)
 
     def init_state(self, hot: bool = True) -> TrainState:
         """The initial state, created on the mesh with its final shardings; ``hot=False``:
@@ -137,7 +142,7 @@ class StepFunctions:
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return TrainState(step, params, opt, emb)
+        return TrainState(step, params, opt, emb, self.wide.init() if self.wide else {})
 
     def hot_keys(self) -> np.ndarray:
         """The hot set the schedule's statistics now rank hottest (``routing.hot_keys``)."""
@@ -175,9 +180,10 @@ class StepFunctions:
         """[B, ...] -> [hosts, B / hosts, ...]: host h's rows are its own devices' rows."""
         return x.reshape(self.hosts, -1, *x.shape[1:])
 
-    def _forward(self, params, pooled_bfd, batch: Batch):
+    def _forward(self, params, pooled_bfd, batch: Batch, wide: WideInputs | None = None):
         model = nnx.merge(self.graphdef, params)
-        return model(batch.dense, pooled_bfd)
+        logits = model(batch.dense, pooled_bfd)
+        return logits if wide is None else logits + wide_logits(wide, batch.dense)
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}
@@ -193,22 +199,25 @@ class StepFunctions:
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
             pooled_bfd, res = self._lookup(state.emb, batch.ids)
+            wide, wide_res = self.wide.lookup(state.wide, batch.ids) if self.wide else (None, None)
 
-        def loss_fn(params, pooled_bfd):
-            return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch), batch.labels))
+        def loss_fn(params, pooled_bfd, wide):
+            return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch, wide), batch.labels))
 
         with jax.named_scope(PHASE_SCOPES["dense"]):
-            loss, (grad_params, grad_bfd) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.params, pooled_bfd)
+            loss, (grad_params, grad_bfd, grad_wide) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+                state.params, pooled_bfd, wide)
         with jax.named_scope(PHASE_SCOPES["dense_optimizer"]):
             updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         with jax.named_scope(PHASE_SCOPES["sparse_update"]):
             emb_lr = self.schedule(state.step) * self.emb_lr_scale
             emb = self._apply_gradients(state.emb, res, grad_bfd, emb_lr)
+            new_wide = self.wide.apply_gradients(state.wide, wide_res, grad_wide) if self.wide else state.wide
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
-        new_state = TrainState(state.step + 1, params, opt_state, emb)
+        new_state = TrainState(state.step + 1, params, opt_state, emb, new_wide)
         return (new_state, metrics) if evicted is None else (new_state, metrics, evicted)
 
     def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
@@ -218,7 +227,8 @@ class StepFunctions:
         pooled_bfd, _ = self._lookup(state.emb, batch.ids)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
-        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch))
+        wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
+        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, wide))
 
 
 def average_over_hosts(emb: EmbeddingState) -> EmbeddingState:

@@ -26,9 +26,9 @@ from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.planner import config_plan_report, plan_from_config
 from dlrm_jax.embedding.routing import hot_keys
-from dlrm_jax.embedding.stats import collective_bytes, plan_report
+from dlrm_jax.embedding.stats import collective_bytes
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import (
     batch_spec,
@@ -84,12 +84,13 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
     per_host = cfg.embedding.sync == "per_host"
+    budget = _device_budget(cfg)
     if per_host:  # one host's plan: its local devices, its share of the batch
         hosts = hosts_of(mesh)
         local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
-        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=_device_budget(cfg))
+        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=budget)
     else:
-        plan = plan_from_config(cfg, mesh.size, budget_bytes=_device_budget(cfg))
+        plan = plan_from_config(cfg, mesh.size, budget_bytes=budget)
     optimizer = sparse_optimizer_from_config(cfg)
     # Measures buckets (its counting programs depend on the groups only, not on capacities).
     measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host)
@@ -304,8 +305,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     mesh, hot = steps.mesh, steps.hot
     plan_json = plan.to_json()
     sent = collective_bytes(plan)  # per device and step, at the compiled capacities
-    rd.write_plan(plan_report(plan), plan_json)
-    log(plan_report(plan))
+    report = config_plan_report(cfg, plan)
+    rd.write_plan(report, plan_json)
+    log(report)
     report_progress(0, "restoring or initialising the state")
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     start = int(host_scalar(state.step))

@@ -1,0 +1,15 @@
+"""Flags every test process compiles with, and the environment of the tests' child processes."""
+
+import os
+
+# Tests compile far more than they run: LLVM's optimisation passes are most of a CPU compile and
+# level 0 makes the suite about a third faster. Results are unchanged (no fast-math either way).
+COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def child_env(drop=("JAX_PLATFORMS",)) -> dict:
+    """os.environ for a child that sets its own device count (the CLI, launch_local.sh), with
+    the test compile flags; ``drop``: other variables it must not inherit."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in drop}
+    env["XLA_FLAGS"] = COMPILE_FLAGS
+    return env
