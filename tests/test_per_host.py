@@ -96,11 +96,14 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     # by several processes (mesh.hosts=0) simulate its hosts in this one.
     from dlrm_jax.train.checkpoint import IncompatibleCheckpoint
 
+    before = {p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"}
     for other, needs in (("mesh.hosts=4", "holds the per-host tables of 2 hosts, this run has 4"),
                          ("mesh.devices=4", "laid out on 4 devices per host, this run has 2")):
         with pytest.raises(IncompatibleCheckpoint, match=needs) as refused:
             train_and_evaluate(tiny(*overrides, other, "train.steps=9"), tmp_path / "cut", **quiet)
         assert "\n" not in str(refused.value)
+        # Refused: config.yaml, plan.txt/json and metrics are as the last real run left them.
+        assert {p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"} == before
     assert export_run(tmp_path / "whole", tmp_path / "export", ["mesh.hosts=0"], **quiet) == 6
     cfg = resolve_data_config(tiny(*overrides, "train.steps=6"))
     _, steps = build(cfg, mesh_from_config(cfg), make_source(cfg), **quiet)

@@ -60,13 +60,15 @@ def _atomic_write(path: Path, text: str) -> None:
 class RunDir:
     """An open run directory (``path`` None: a run that writes nothing).
 
-    ``open`` takes the lock, then checks ``config.yaml`` against the new config, and only then
-    writes anything. Use as a context manager; the lock is released on exit, and by the
+    ``open`` takes the lock and checks ``config.yaml`` against the new config; :meth:`record`
+    writes the config and plan once the run's state is restored (a run refused before that,
+    here or by its checkpoint, leaves them as they were). Use as a context manager; the lock is released on exit, and by the
     kernel if the process dies.
     """
 
     def __init__(self, path: Path | None, writer: bool):
         self.path, self.writer, self._lock_fd = path, writer, None
+        self._config_text = ""
 
     @classmethod
     def open(cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print) -> RunDir:
@@ -78,7 +80,7 @@ class RunDir:
             rd.path.mkdir(parents=True, exist_ok=True)
             try:
                 rd._lock()
-                rd._check_and_write_config(cfg, log)
+                rd._check_config(cfg, log)
             except RunDirError as e:
                 refusal = str(e)
             except BaseException:
@@ -119,7 +121,7 @@ class RunDir:
             self._lock_fd = None
 
     # ------------------------------------------------------------ config and plan
-    def _check_and_write_config(self, cfg: Config, log) -> None:
+    def _check_config(self, cfg: Config, log) -> None:
         saved = self.path / "config.yaml"
         if saved.exists() and (self.path / "checkpoints").exists():
             try:
@@ -136,10 +138,12 @@ class RunDir:
             if changed:
                 log("resuming with changed settings: "
                     + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed))
-        _atomic_write(saved, dump_config(cfg))
+        self._config_text = dump_config(cfg)
 
-    def write_plan(self, report: str, plan_json: str) -> None:
+    def record(self, report: str, plan_json: str) -> None:
+        """Write ``config.yaml`` (the config ``open`` checked) and the plan: the run goes on."""
         if self.writer:
+            _atomic_write(self.path / "config.yaml", self._config_text)
             _atomic_write(self.path / "plan.txt", report + "\n")
             _atomic_write(self.path / "plan.json", plan_json + "\n")
 

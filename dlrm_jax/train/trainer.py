@@ -306,10 +306,10 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     plan_json = plan.to_json()
     sent = collective_bytes(plan)  # per device and step, at the compiled capacities
     report = config_plan_report(cfg, plan)
-    rd.write_plan(report, plan_json)
     log(report)
     report_progress(0, "restoring or initialising the state")
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
+    rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
     start = int(host_scalar(state.step))
     metrics.truncate_after(start)
 
