@@ -99,6 +99,10 @@ class ModelConfig:
     wide_learning_rate: float = 0.05
     wide_l1: float = 0.0
     wide_l2: float = 0.0
+    # The dense layers over mesh.model devices (model/mlp_parallel.py): data (each device all
+    # of them), tensor (Megatron column/row pairs), pipeline (GPipe stages, microbatches).
+    mlp_parallel: str = field(default="data", metadata=_choices("data", "tensor", "pipeline"))
+    microbatches: int = 4  # mlp_parallel=pipeline: microbatches a model group's rows are split into
 
 
 @dataclass(frozen=True)
@@ -168,9 +172,12 @@ class EmbeddingConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     devices: int = 0  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
-    # Hosts of the (hosts, devices) mesh that embedding.sync=per_host uses: 0 = one per process;
+    # Hosts of the (hosts, data, model) mesh that embedding.sync=per_host uses: 0 = one per process;
     # more than the processes splits each process's devices into simulated hosts.
     hosts: int = 0
+    # Neighbouring devices that share the dense MLPs' layers (model.mlp_parallel tensor or
+    # pipeline); the mesh is (data, model), the batch and the embedding tables over both.
+    model: int = 1
 
 
 @dataclass(frozen=True)
@@ -451,6 +458,13 @@ def validate(cfg: Config) -> Config:
                               "with per-host tables yet; use embedding.storage=device")
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
+    _positive("mesh.model", cfg.mesh.model)
+    _positive("model.microbatches", m.microbatches)
+    if cfg.mesh.devices and cfg.mesh.devices % cfg.mesh.model:
+        raise ConfigError(f"mesh.model={cfg.mesh.model} must divide mesh.devices={cfg.mesh.devices}")
+    if cfg.mesh.model > 1 and e.sync == "per_host":
+        raise ConfigError("mesh.model > 1: model groups are not supported with per-host tables "
+                          "(embedding.sync=per_host) yet; use mesh.model=1")
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         if e.sync == "per_host":
             raise ConfigError("model.kind=wide_deep: per-host tables (embedding.sync=per_host) are not supported "

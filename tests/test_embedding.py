@@ -21,7 +21,7 @@ from dlrm_jax.embedding.layout import group_capacity
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.planner import plan_from_config
-from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
 
@@ -71,7 +71,7 @@ def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_to
     offsets = np.concatenate([[0], np.cumsum([s.rows for s in coll.specs])[:-1]])
     slot_feature = coll.slot_feature
     lookup, update = jax.jit(coll.lookup), jax.jit(coll.apply_gradients)
-    batch_sharding = jax.sharding.NamedSharding(coll.mesh, jax.P("devices"))
+    batch_sharding = jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS))
     for step in range(steps):
         if refresh and step in refresh:
             state = coll.refresh(state, refresh[step])
@@ -217,7 +217,7 @@ def test_measured_capacity_is_tight_and_still_exact(tiny):
                "data.zipf_exponent=1.3")
     coll = build(cfg, 4)
     ids = jax.device_put(SyntheticSource(cfg).train_batch(0).ids,
-                         jax.sharding.NamedSharding(coll.mesh, jax.P("devices")))
+                         jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS)))
     measured = coll.measure_capacities([ids], headroom=1.0)
     bound = {g.name: g.max_capacity(16) for g in coll.groups}
     assert measured and all(0 < distinct <= every < bound[name] for name, distinct, every in measured)

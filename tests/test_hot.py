@@ -89,11 +89,11 @@ def _engine(cfg, devices):
     from dlrm_jax.embedding.collection import EmbeddingCollection
     from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
     from dlrm_jax.embedding.planner import plan_from_config
-    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
     plan = plan_from_config(cfg, devices)
     coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer_from_config(cfg))
-    sharding = jax.sharding.NamedSharding(coll.mesh, jax.P("devices"))
+    sharding = jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS))
 
     def measure(batches):
         return coll.measure_capacities([jax.device_put(b, sharding) for b in batches], plan.capacity_factor)

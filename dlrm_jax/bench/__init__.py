@@ -5,4 +5,5 @@ train        train-step samples/s of several configs
 embedding    the embedding step of every sharding strategy against XLA baselines
 collectives  all-to-all against all-reduce bandwidth on the current mesh
 hot          hot-row replication against none, on skewed and frequency-ordered ids
+mlp_parallel the dense layers data- vs tensor- vs pipeline-parallel over model groups
 """

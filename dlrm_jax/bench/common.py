@@ -34,14 +34,24 @@ _DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8"
 _COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(?:-start)?\(")
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(?:\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
+
+
+def _group_size(line: str, n: int) -> int:
+    """Devices in each of the collective's replica groups (a model group's, or all ``n``)."""
+    m = _GROUPS.search(line)
+    if not m:
+        return n
+    return len(m.group(1).split(",")) if m.group(1) is not None else int(m.group(2))
 
 
 def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
     """Bytes one device sends to others per collective kind, from the compiled HLO.
 
     all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
-    reduce-scatter: (N-1) times the result. Collectives traced under the named scope
-    ``skip_scope`` (the overflow rounds) are left out.
+    reduce-scatter: (N-1) times the result; N the collective's replica group size (``n`` when
+    it spans every device). Collectives traced under the named scope ``skip_scope`` (the
+    overflow rounds) are left out.
     """
     out: dict[str, float] = {}
     for line in hlo_text.splitlines():
@@ -52,8 +62,9 @@ def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -
         if skip_scope and f"/{skip_scope}/" in line:
             continue
         size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
-        factor = {"all-to-all": (n - 1) / n, "all-gather": (n - 1) / n, "all-reduce": 2 * (n - 1) / n,
-                  "reduce-scatter": n - 1, "collective-permute": 1}[m.group(2)]
+        g = _group_size(line, n)
+        factor = {"all-to-all": (g - 1) / g, "all-gather": (g - 1) / g, "all-reduce": 2 * (g - 1) / g,
+                  "reduce-scatter": g - 1, "collective-permute": 1}[m.group(2)]
         out[m.group(2)] = out.get(m.group(2), 0.0) + factor * size
     return out
 

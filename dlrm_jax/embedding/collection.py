@@ -39,7 +39,7 @@ from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import hot_index, route
 from dlrm_jax.embedding.specs import Pooling
-from dlrm_jax.parallel.mesh import AXIS, host_local_mesh, hosts_of, over_hosts
+from dlrm_jax.parallel.mesh import AXIS, devices_per_host, host_local_mesh, hosts_of, over_hosts
 
 
 class EmbeddingState(NamedTuple):
@@ -82,14 +82,14 @@ class EmbeddingCollection:
                  tiered_tables: tuple[int, ...] = (), per_host: bool = False):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
         whose ``tiered_tables`` name the tables held as caches). ``per_host``: ``mesh`` is
-        (hosts, devices) and the plan is one host's; lookups and updates run inside
+        (hosts, data, model) and the plan is one host's; lookups and updates run inside
         ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis."""
         self.tiered_tables = tuple(tiered_tables)
         specs = tuple(t.spec for t in plan.tables)
         if len({s.dim for s in specs}) != 1:
             raise ValueError(f"all tables must share one width, got {sorted({s.dim for s in specs})}")
-        if mesh.shape[AXIS] != plan.num_devices:  # (a per-host mesh has a "hosts" axis beside it)
-            raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {mesh.shape[AXIS]}")
+        if devices_per_host(mesh) != plan.num_devices:  # (a per-host mesh has a "hosts" axis beside it)
+            raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {devices_per_host(mesh)}")
         self.plan, self.mesh, self.optimizer, self.specs = plan, mesh, optimizer, specs
         self.per_host = per_host
         exchange_mesh = host_local_mesh(mesh) if per_host else mesh

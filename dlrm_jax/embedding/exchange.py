@@ -102,7 +102,7 @@ def _in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry):
 
 def _varying(x):
     """``x`` typed as differing per device (a loop carry that the body makes device-specific)."""
-    return x if AXIS in jax.typeof(x).manual_axis_type.varying else lax.pcast(x, (AXIS,), to="varying")
+    return x if set(AXIS) <= jax.typeof(x).manual_axis_type.varying else lax.pcast(x, AXIS, to="varying")
 
 
 def _update_on_owners(mesh, update):

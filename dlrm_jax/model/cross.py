@@ -22,6 +22,10 @@ class CrossNetwork(nnx.Module):
     Parameters: per layer ``u`` [width, rank] and ``v`` [rank, width] (or ``w`` [width, width]),
     Xavier-normal, and ``bias`` [width], zero. Parameters are float32; ``dtype`` is the compute
     precision. Call: x0 [B, width] -> [B, width].
+
+    ``tensor`` (model.mlp_parallel=tensor): a low-rank layer's U is column-parallel and V
+    row-parallel over the model group, a Megatron pair with one reduction; full-rank layers
+    stay whole.
     """
 
     def __init__(self, width: int, layers: int, rank: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -36,11 +40,14 @@ class CrossNetwork(nnx.Module):
         self.bias = nnx.List([nnx.Param(jnp.zeros((width,), jnp.float32)) for _ in range(layers)])
         self.layers, self.rank, self.dtype = layers, rank, dtype
 
-    def __call__(self, x0: jax.Array) -> jax.Array:
+    def __call__(self, x0: jax.Array, tensor=None) -> jax.Array:
         x0 = x0.astype(self.dtype)
         x = x0
         for i in range(self.layers):
-            if self.rank:  # (x U) V: the d x d product is never formed
+            if self.rank and tensor is not None:
+                h = tensor.split(tensor.gathered(x) @ self.u[i][...].astype(self.dtype))
+                h = tensor.rows(h @ self.v[i][...].astype(self.dtype))
+            elif self.rank:  # (x U) V: the d x d product is never formed
                 h = (x @ self.u[i][...].astype(self.dtype)) @ self.v[i][...].astype(self.dtype)
             else:
                 h = x @ self.w[i][...].astype(self.dtype)

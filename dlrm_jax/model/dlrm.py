@@ -25,7 +25,9 @@ class DLRMDense(nnx.Module):
     The embedding tables are not part of this module: they are sharded and updated sparsely by
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
 
-    Call: dense_bd float32 [B, num_dense], emb_bfd [B, F, D] -> logits float32 [B].
+    Call: dense_bd float32 [B, num_dense], emb_bfd [B, F, D] -> logits float32 [B]; ``tensor``
+    (model.mlp_parallel=tensor) splits the MLPs' and cross network's layers over model groups
+    (:mod:`dlrm_jax.model.mlp_parallel`).
     """
 
     def __init__(self, *, num_dense: int, num_features: int, embedding_dim: int,
@@ -41,12 +43,18 @@ class DLRMDense(nnx.Module):
         self.interaction = interaction
         self.dtype = dtype
 
-    def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
-        x = self.bottom(dense_bd.astype(self.dtype))
-        z = INTERACTIONS[self.interaction](x, emb_bfd.astype(self.dtype))
-        if self.cross is not None:
-            z = self.cross(z)
-        return self.top(z)[:, 0].astype(jnp.float32)
+    def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array, tensor=None) -> jax.Array:
+        z = top_inputs(self.bottom, self.cross, self.interaction, self.dtype, dense_bd, emb_bfd, tensor)
+        return self.top(z, tensor)[:, 0].astype(jnp.float32)
+
+
+def top_inputs(bottom: MLP, cross: CrossNetwork | None, interaction: str, dtype, dense_bd: jax.Array,
+               emb_bfd: jax.Array, tensor=None) -> jax.Array:
+    """Bottom MLP, interaction and cross network: the top MLP's input [B, width] (also the
+    first pipeline stage's work, model/mlp_parallel.py)."""
+    x = bottom(dense_bd.astype(dtype), tensor)
+    z = INTERACTIONS[interaction](x, emb_bfd.astype(dtype))
+    return z if cross is None else cross(z, tensor)
 
 
 def bce_loss(logits_b: jax.Array, labels_b: jax.Array) -> jax.Array:

@@ -26,6 +26,9 @@ class MLP(nnx.Module):
 
     x: [B, in_features] -> [B, widths[-1]]. Parameters are float32; ``dtype`` is the compute
     precision (bfloat16 halves the bytes of activations and runs on matrix units).
+
+    ``tensor`` (model.mlp_parallel=tensor, :class:`~dlrm_jax.model.mlp_parallel.TensorLayout`):
+    layers pair up as :func:`pair_roles` says, a column-parallel layer then a row-parallel one.
     """
 
     def __init__(self, in_features: int, widths: Sequence[int], *, final_relu: bool,
@@ -38,13 +41,28 @@ class MLP(nnx.Module):
         ])
         self.final_relu = final_relu
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, tensor=None) -> jax.Array:
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = _linear(layer, x)
+        roles = pair_roles(len(self.layers)) if tensor is not None else ("whole",) * len(self.layers)
+        for i, (layer, role) in enumerate(zip(self.layers, roles, strict=True)):
+            if role == "column":
+                x = tensor.gathered(x)
+            # A row-parallel kernel is split by its rows: padding them would move it.
+            x = linear(x, layer.kernel[...], layer.bias[...], layer.dtype, pad=role != "row")
+            if role == "column":
+                x = tensor.split(x)
+            elif role == "row":
+                x = tensor.rows(x)
             if i < last or self.final_relu:
                 x = jax.nn.relu(x)
         return x
+
+
+def pair_roles(layers: int) -> tuple[str, ...]:
+    """Megatron pairs over a model group: layers 0, 2, ... are ``column``-parallel (the kernel
+    split by output columns), each followed by a ``row``-parallel one (split by input rows,
+    whose partial sums are the pair's one reduction); an odd last layer stays ``whole``."""
+    return tuple("whole" if i == layers - 1 and i % 2 == 0 else ("column", "row")[i % 2] for i in range(layers))
 
 
 # Matmuls contract over a multiple of this many inputs: the inputs' extra columns and the
@@ -54,11 +72,13 @@ class MLP(nnx.Module):
 CONTRACTION_MULTIPLE = 8
 
 
-def _linear(layer: nnx.Linear, x: jax.Array) -> jax.Array:
-    kernel, bias = layer.kernel[...], layer.bias[...]
-    pad = -kernel.shape[0] % CONTRACTION_MULTIPLE
-    if pad:
-        x = jnp.pad(x, ((0, 0), (0, pad)))
-        kernel = jnp.pad(kernel, ((0, pad), (0, 0)))
-    x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array, dtype, pad: bool = True) -> jax.Array:
+    """``x @ kernel + bias`` computed in ``dtype``; ``pad``: contract over a multiple of
+    CONTRACTION_MULTIPLE inputs (zeros added to both sides)."""
+    extra = -kernel.shape[0] % CONTRACTION_MULTIPLE if pad else 0
+    if extra:
+        x = jnp.pad(x, ((0, 0), (0, extra)))
+        kernel = jnp.pad(kernel, ((0, extra), (0, 0)))
+    if dtype is not None:
+        x, kernel, bias = x.astype(dtype), kernel.astype(dtype), bias.astype(dtype)
     return x @ kernel + bias

@@ -1,9 +1,11 @@
 """Device mesh construction and multi-process start-up.
 
-One mesh axis, ``devices``, spans every device of every process: the batch (and so the MLPs) is
-data-parallel over it, and model-parallel embedding tables are split over the same devices.
-With embedding.sync=per_host the mesh is (``hosts``, ``devices``): each host's tables are split
-over its own devices only.
+The mesh is (``data``, ``model``): ``model`` (mesh.model, default 1) groups neighbouring
+devices that share the dense MLPs' layers when model.mlp_parallel is tensor or pipeline
+(model/mlp_parallel.py); the batch is split over every device. ``AXIS``, the pair, names every
+device: model-parallel embedding tables are split over all of them, and their shard_maps and
+collectives run over it. With embedding.sync=per_host the mesh is (``hosts``, ``data``,
+``model``): each host's tables are split over its own devices only.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import sys
 import threading
 import time
 
-AXIS = "devices"
-HOST_AXIS = "hosts"  # embedding.sync=per_host: the mesh is (hosts, devices), devices within a host
+DATA_AXIS, MODEL_AXIS = "data", "model"
+AXIS = (DATA_AXIS, MODEL_AXIS)  # every device (of a host): embedding shards, the batch
+HOST_AXIS = "hosts"  # embedding.sync=per_host: the mesh is (hosts, data, model), devices within a host
 SIMULATED_DEVICES_DEFAULT = 8
 # Simulated CPU devices each run their share of every program on the same few cores, and
 # compile time grows with their number (1024 took over 5 minutes to compile the default step).
@@ -220,11 +223,12 @@ def outcomes_of_every_process(outcome: str, timeout_s: int = 300) -> list[str]:
     return [client.blocking_key_value_get(f"{key}/{p}", timeout_s * 1000) for p in range(jax.process_count())]
 
 
-def make_mesh(devices: int = 0, hosts: int = 0):
-    """A 1-D mesh named ``devices`` over ``devices`` devices of the default backend (0 = all).
+def make_mesh(devices: int = 0, hosts: int = 0, model: int = 1):
+    """A (``data``, ``model``) mesh over ``devices`` devices of the default backend (0 = all),
+    ``model`` neighbouring devices (of one process when it divides their count) to a group.
 
     Every process takes the same number of its local devices, so each feeds an equal slice of
-    the global batch. ``hosts``: a 2-D mesh (``hosts``, ``devices``) over the same devices in
+    the global batch. ``hosts``: a (``hosts``, ``data``, ``model``) mesh over the same devices in
     the same order instead, each host's devices inside one process (``hosts`` a multiple of the
     process count; more hosts than processes simulate several hosts per process).
     """
@@ -249,12 +253,15 @@ def make_mesh(devices: int = 0, hosts: int = 0):
     per_process = n // jax.process_count()
     chosen = [d for p in range(jax.process_count())
               for d in [x for x in available if x.process_index == p][:per_process]]
+    if model < 1 or n % model:
+        raise ValueError(f"mesh.model={model} must divide the {n} devices")
     if not hosts:
-        return jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Auto,), devices=chosen)
-    if hosts % jax.process_count() or n % hosts:
+        return jax.make_mesh((n // model, model), AXIS, axis_types=(AxisType.Auto,) * 2, devices=chosen)
+    if hosts % jax.process_count() or n % (hosts * model):
         raise ValueError(f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
-                         f"and divide the {n} devices")
-    return jax.make_mesh((hosts, n // hosts), (HOST_AXIS, AXIS), axis_types=(AxisType.Auto,) * 2, devices=chosen)
+                         f"and divide the {n} devices (in groups of mesh.model={model})")
+    return jax.make_mesh((hosts, n // hosts // model, model), (HOST_AXIS, *AXIS),
+                         axis_types=(AxisType.Auto,) * 3, devices=chosen)
 
 
 def host_scalar(x) -> float:
@@ -266,7 +273,7 @@ def host_scalar(x) -> float:
 
 
 def hosts_of(mesh) -> int:
-    """The hosts of a per-host mesh; 1 for the 1-D mesh."""
+    """The hosts of a per-host mesh; 1 otherwise."""
     return mesh.shape.get(HOST_AXIS, 1)
 
 
@@ -274,16 +281,21 @@ def batch_spec(mesh):
     """The batch axis's PartitionSpec: over every device, in host order on a per-host mesh."""
     from jax.sharding import PartitionSpec as P
 
-    return P((HOST_AXIS, AXIS) if HOST_AXIS in mesh.shape else AXIS)
+    return P((HOST_AXIS, *AXIS) if HOST_AXIS in mesh.shape else AXIS)
+
+
+def devices_per_host(mesh) -> int:
+    """The devices one host's tables are split over (all of them without per-host tables)."""
+    return mesh.shape[DATA_AXIS] * mesh.shape[MODEL_AXIS]
 
 
 def over_hosts(fn, mesh):
-    """``fn`` (written for one host's arrays, with shard_maps over ``devices``) applied to
+    """``fn`` (written for one host's arrays, with shard_maps over ``AXIS``) applied to
     arrays with a leading ``hosts`` axis, each host on its own devices: a shard_map over
     ``hosts`` only, inside which ``fn``'s own shard_maps use the mesh of
     :func:`host_local_mesh`. Every argument and output has the leading axis.
 
-    check_vma off: the embedding code types values varying over ``devices``; across hosts
+    check_vma off: the embedding code types values varying over ``AXIS``; across hosts
     every value differs anyway (each host its own tables and data), and no collective inside
     names ``hosts``.
     """

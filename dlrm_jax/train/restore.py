@@ -63,7 +63,7 @@ def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | No
     if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
         steps.hot.load_json(counts)
     if saved == current:
-        return ckpts.restore(steps.abstract_state(), step), False
+        return steps.from_checkpoint_form(ckpts.restore(steps.abstract_state(), step)), False
     if tiered != steps.tiered_tables:
         names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"  # noqa: E731
         raise IncompatibleCheckpoint(f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
@@ -71,7 +71,7 @@ def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | No
                          f"tables between the devices and the tier on restore is not supported")
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
-    state = ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step)
+    state = steps.from_checkpoint_form(ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step))
     # Tiered tables' rows come from the tier's snapshot of this step; their caches start empty.
     emb = relayout(saved, state.emb, steps.collection, skip=frozenset(tiered))
     if steps.hot is not None and not tiered:  # hot rows chosen afresh from the statistics

@@ -17,14 +17,21 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.config import ConfigError
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.embedding.cache_fill import fill_caches
 from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.hot import HotSchedule
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
+from dlrm_jax.model.mlp_parallel import (
+    PipelinePlan,
+    TensorLayout,
+    check_tensor_widths,
+    tensor_param_specs,
+)
 from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
-from dlrm_jax.parallel.mesh import HOST_AXIS, batch_spec, hosts_of, over_hosts
+from dlrm_jax.parallel.mesh import HOST_AXIS, MODEL_AXIS, batch_spec, hosts_of, over_hosts
 
 # Scope names of the train step's phases, found again in the compiled program's op metadata.
 PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
@@ -84,7 +91,9 @@ class StepFunctions:
         (embedding/cache_fill.py)."""
         self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
-        self.graphdef, _ = nnx.split(dlrm_from_config(cfg, nnx.Rngs(0)), nnx.Param)
+        model = dlrm_from_config(cfg, nnx.Rngs(0))
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self._dense_layout(cfg, mesh, model, nnx.to_pure_dict(params))
         self.schedule = learning_rate_schedule(cfg)
         self.tx = dense_optimizer(cfg, self.schedule)
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
@@ -95,6 +104,7 @@ class StepFunctions:
         self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         self.state_sharding = self._state_sharding()
+        self.saved_sharding = self._state_sharding(saved_form=True)
         if self.per_host:
             self.sync_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),
                                        out_shardings=self.state_sharding.emb, donate_argnums=0)
@@ -115,20 +125,82 @@ class StepFunctions:
             self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
                                      out_shardings=self.batch_sharding)
 
+    def _dense_layout(self, cfg, mesh, model, params: dict) -> None:
+        """model.mlp_parallel: the tensor layout or the pipeline plan (model/mlp_parallel.py)."""
+        self.tensor = self.pipeline = None
+        groups = mesh.shape[MODEL_AXIS]
+        if cfg.model.mlp_parallel == "tensor":
+            check_tensor_widths(params, groups)
+            self.tensor = TensorLayout(mesh)
+        elif cfg.model.mlp_parallel == "pipeline":
+            rows = cfg.train.batch_size // (mesh.size // groups)
+            if rows % cfg.model.microbatches:
+                raise ConfigError(f"model.microbatches={cfg.model.microbatches} must divide the {rows} rows of a "
+                                  f"model group (train.batch_size / (devices / mesh.model))")
+            self.pipeline = PipelinePlan(model, params, groups, cfg.model.microbatches)
+
     # ------------------------------------------------------------ state
     def _dense_init(self):
         model = dlrm_from_config(self.cfg, nnx.Rngs(self.cfg.train.seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        if self.pipeline is not None:
+            params = self.pipeline.pack(params)
         return params, self.tx.init(params)
 
-    def _state_sharding(self) -> TrainState:
+    def _state_sharding(self, saved_form: bool = False) -> TrainState:
+        """The state's shardings; ``saved_form``: of the form checkpoints hold
+        (:meth:`checkpoint_form`), the pipeline's parameters unpacked."""
         params, opt = jax.eval_shape(self._dense_init)
-        rep = lambda tree: jax.tree.map(lambda _: self.replicated, tree)  # noqa: E731
+        if self.pipeline is not None:
+            split = NamedSharding(self.mesh, P(MODEL_AXIS))
+            params_sharding = jax.tree.map(lambda _: split, params)
+            if saved_form:
+                params = jax.eval_shape(self.pipeline.unpack, params)
+                opt = jax.eval_shape(lambda o: self._map_params(self.pipeline.unpack, o), opt)
+                params_sharding = jax.tree.map(lambda _: self.replicated, params)
+        elif self.tensor is not None:
+            params_sharding = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                                           tensor_param_specs(params), is_leaf=lambda x: isinstance(x, P))
+        else:
+            params_sharding = jax.tree.map(lambda _: self.replicated, params)
+        params_def = jax.tree.structure(params)
+        # Optimizer state: the subtrees shaped like the parameters are laid out like them.
+        opt_sharding = jax.tree.map(
+            lambda sub: params_sharding if jax.tree.structure(sub) == params_def else self.replicated,
+            opt, is_leaf=lambda sub: jax.tree.structure(sub) == params_def)
         emb = self.collection.state_sharding()
         if self.per_host:
             emb = jax.tree.map(lambda s: NamedSharding(self.mesh, P(HOST_AXIS, *s.spec)), emb)
         wide = self.wide.state_sharding() if self.wide else {}
-        return TrainState(self.replicated, rep(params), rep(opt), emb, wide)
+        return TrainState(self.replicated, params_sharding, opt_sharding, emb, wide)
+
+    def _map_params(self, fn, tree):
+        """``fn`` applied to every subtree of ``tree`` shaped like the (packed) parameters."""
+        packed = jax.tree.structure(jax.eval_shape(self._dense_init)[0])
+        return jax.tree.map(lambda sub: fn(sub) if jax.tree.structure(sub) == packed else sub,
+                            tree, is_leaf=lambda sub: jax.tree.structure(sub) == packed)
+
+    def checkpoint_form(self, state: TrainState) -> TrainState:
+        """The state as checkpoints hold it: every mode's dense parameters in one layout (the
+        pipeline's packed stages unpacked), so a checkpoint restores under any model.mlp_parallel."""
+        if self.pipeline is None:
+            return state
+        if not hasattr(self, "_unpack"):
+            self._unpack = jax.jit(lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
+                                   out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state))
+        params, opt = self._unpack(state.params, state.opt_state)
+        return state._replace(params=params, opt_state=opt)
+
+    def from_checkpoint_form(self, state: TrainState) -> TrainState:
+        """Inverse of :meth:`checkpoint_form`."""
+        if self.pipeline is None:
+            return state
+        saved = jax.tree.structure(self.saved_sharding.params)
+        pack = lambda sub: self.pipeline.pack(sub) if jax.tree.structure(sub) == saved else sub  # noqa: E731
+        params, opt = jax.jit(lambda p, o: (self.pipeline.pack(p), jax.tree.map(
+            pack, o, is_leaf=lambda sub: jax.tree.structure(sub) == saved)),
+            out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))(state.params, state.opt_state)
+        return state._replace(params=params, opt_state=opt)
 
     def init_state(self, hot: bool = True) -> TrainState:
         """The initial state, created on the mesh with its final shardings; ``hot=False``:
@@ -153,10 +225,11 @@ class StepFunctions:
         return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 1)
 
     def abstract_state(self) -> TrainState:
-        """Shapes, dtypes and shardings of the state, for restoring a checkpoint onto this mesh."""
-        shapes = jax.eval_shape(self.init_state)
+        """Shapes, dtypes and shardings of the state as checkpoints hold it
+        (:meth:`checkpoint_form`), for restoring a checkpoint onto this mesh."""
+        shapes = jax.eval_shape(lambda: self.checkpoint_form(self.init_state()))
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_sharding)
+                            shapes, self.saved_sharding)
 
     def device_batch(self, batch: Batch) -> Batch:
         """This process's numpy slice -> one global array per field, sharded over the mesh."""
@@ -181,8 +254,10 @@ class StepFunctions:
         return x.reshape(self.hosts, -1, *x.shape[1:])
 
     def _forward(self, params, pooled_bfd, batch: Batch, wide: WideInputs | None = None):
-        model = nnx.merge(self.graphdef, params)
-        logits = model(batch.dense, pooled_bfd)
+        if self.pipeline is not None:
+            logits = self.pipeline.logits(self.mesh, params, batch.dense, pooled_bfd)
+        else:
+            logits = nnx.merge(self.graphdef, params)(batch.dense, pooled_bfd, self.tensor)
         return logits if wide is None else logits + wide_logits(wide, batch.dense)
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):

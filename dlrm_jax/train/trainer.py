@@ -118,10 +118,10 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
 
 
 def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
-    """The 1-D mesh of ``mesh.devices``; with embedding.sync=per_host, (hosts, devices) with
-    ``mesh.hosts`` hosts (0: one per process)."""
+    """The (data, model) mesh of ``mesh.devices`` in groups of ``mesh.model``; with
+    embedding.sync=per_host, (hosts, data, model) with ``mesh.hosts`` hosts (0: one per process)."""
     hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.sync == "per_host" else 0
-    return make_mesh(cfg.mesh.devices, hosts)
+    return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
 
 
 def _device_budget(cfg: Config) -> int:
@@ -381,7 +381,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
                                              t.keep_checkpoints, state.emb.hot)
-                ckpts.save(step, state, plan_json, hot.to_json() if hot else None, steps.hosts if steps.per_host else 0)
+                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None, steps.hosts if steps.per_host else 0)
             if signum:
                 if ckpts:
                     ckpts.wait()
