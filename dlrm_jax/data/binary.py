@@ -1,19 +1,25 @@
 """The ``data.source=binary`` loader: memory-mapped ``.npy`` arrays written by ``preprocess``.
 
-On-disk layout (written by :func:`dlrm_jax.data.criteo.preprocess_criteo`)::
+On-disk layout (written by :func:`dlrm_jax.data.preprocess.write_dataset` for
+``preprocess criteo`` and ``preprocess tabular``)::
 
     PATH/meta.json                 format_version, num_dense, cardinalities, train_rows, ...
     PATH/{train,val}/dense.npy     float32 [n, num_dense]  normalised dense features
     PATH/{train,val}/ids.npy       int32   [n, F]          table-local ids, one per feature
     PATH/{train,val}/labels.npy    float32 [n]             0 or 1
-    PATH/vocab/feature_{f}.npy     uint64  [K_f, 2]        (hex value, count) of id 1..K_f
-                                                           (vocabulary mode only)
+    PATH/vocab/feature_{f}.npy     uint64  [K_f, 2]        (value, count) of id 1..K_f: Criteo's
+                                                           hex number, or a tabular text's
+                                                           hash (vocabulary mode only)
     PATH/train/id_counts.npz       ids_{f} int64, counts_{f} int64: how often each id of
                                    feature f occurs in the train split (its HISTOGRAM_IDS
                                    most frequent ids), for choosing hot rows without a pass
 
 Every batch is a pure function of (seed, step, process): a resumed run reads exactly the data
 an uninterrupted one read, and each process reads only its own rows of the global batch.
+
+A dataset without dense features (num_dense 0, e.g. a tabular schema of categoricals only) is
+read as one all-zero dense column (:func:`model_num_dense`): the model's bottom MLP and its
+checkpoints need a non-empty dense input, and a zero input leaves the math unchanged.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ def read_meta(path: str | Path) -> dict:
     if missing:
         raise BinaryFormatError(f"{file}: missing key(s) {', '.join(missing)}")
     return meta
+
+
+def model_num_dense(stored: int) -> int:
+    """The dense width the model is built for, given a dataset's ``num_dense``."""
+    return max(stored, 1)
 
 
 def check_output_target(output: str | Path) -> None:
@@ -271,13 +282,15 @@ class BinarySource:
         self.meta = read_meta(self.root)
         meta_file = self.root / META_FILE
         cards = tuple(int(c) for c in self.meta["cardinalities"])
-        if self.meta["num_dense"] != cfg.data.num_dense or len(cards) != cfg.num_features:
+        stored_dense = int(self.meta["num_dense"])
+        if model_num_dense(stored_dense) != cfg.data.num_dense or len(cards) != cfg.num_features:
             raise BinaryFormatError(
                 f"{meta_file}: the data has {self.meta['num_dense']} dense and {len(cards)} "
                 f"categorical features, the config data.num_dense={cfg.data.num_dense} and "
                 f"{cfg.num_features} data.cardinalities"
             )
-        widths = {"dense": cfg.data.num_dense, "ids": sum(cfg.bag_sizes)}
+        widths = {"dense": stored_dense, "ids": sum(cfg.bag_sizes)}
+        self._zero_dense = stored_dense == 0  # fed as one all-zero column
         self.train = _load_split(self.root, "train", int(self.meta["train_rows"]), widths)
         self.val = _load_split(self.root, "val", int(self.meta["val_rows"]), widths)
         self.num_train = len(self.train["labels"])
@@ -362,6 +375,8 @@ class BinarySource:
     ) -> Batch:
         """Gather ``rows`` of one split, map ids into the tables and check every value."""
         dense, ids, labels = _gather(arrays, rows)
+        if self._zero_dense:
+            dense = np.zeros((len(rows), 1), np.float32)
         bad = ~np.isfinite(dense)
         if bad.any():
             r, c = np.argwhere(bad)[0]

@@ -12,19 +12,27 @@ from __future__ import annotations
 import gzip
 import itertools
 import re
-import sys
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
 from dlrm_jax.data import binary
 from dlrm_jax.data.batch import Batch, process_slice
+from dlrm_jax.data.preprocess import (
+    BadLine,
+    Chunk,
+    DataFormatError,
+    PreprocessReport,
+    SkipLog,
+    byte_progress,
+    check_arguments,
+    hash_ids,
+    is_gzip,
+    write_dataset,
+)
 from dlrm_jax.data.synthetic import RawSamples, normalise_dense
 
 NUM_DENSE, NUM_CATEGORICAL = 13, 26
@@ -37,14 +45,8 @@ for _d in "0123456789abcdef":
     _NIBBLE[ord(_d)] = _NIBBLE[ord(_d.upper())] = int(_d, 16)
 
 
-class CriteoFormatError(ValueError):
+class CriteoFormatError(DataFormatError):
     """A malformed line; the message starts with ``path:lineno:`` (1-based)."""
-
-
-class BadLine(NamedTuple):
-    index: int  # position in the list given to parse_lines
-    kind: str  # the reason counted in reports: "field count", "label", ...
-    message: str
 
 
 class ParsedLines(NamedTuple):
@@ -127,52 +129,13 @@ def parse_lines(lines: Sequence[bytes | str]) -> ParsedLines:
     return ParsedLines(counts, missing, _hex_to_uint64(cats), empty, labels, rows, bad)
 
 
-def hash_ids(values: np.ndarray, rows: Sequence[int] | int) -> np.ndarray:
-    """uint64 [n, F] hex values -> int32 [n, F] ids ``value % rows[f]`` (empty is 0 -> 0)."""
-    return (values % np.asarray(rows, dtype=np.uint64)).astype(np.int32)
-
-
-@dataclass
-class SkipLog:
-    """Malformed lines: raised at once, or (skip mode) counted by kind with a few examples."""
-
-    skip: bool
-    by_reason: Counter = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        """One line: how many lines were skipped and why (empty when none were)."""
-        total = self.by_reason.total()
-        if not total:
-            return ""
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
-        return f"skipped {total} malformed line(s) ({reasons}); first: {self.examples[0]}"
-
-    def record(self, path: str, lineno: int, bad: BadLine) -> None:
-        where = f"{path}:{lineno}: {bad.message}"
-        if not self.skip:
-            raise CriteoFormatError(where)
-        self.by_reason[bad.kind] += 1
-        if len(self.examples) < 10:
-            self.examples.append(where)
-
-
-def is_gzip(path: str | Path) -> bool:
-    """Whether a file starts with the gzip magic bytes (the Criteo Terabyte days ship gzipped)."""
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
 def iter_chunks(
     paths: Sequence[str], chunk_lines: int, log: SkipLog, desc: str = "", progress: bool = False
 ) -> Iterator[tuple[int, int, list[bytes], ParsedLines]]:
     """(file index, byte offset, raw lines, parsed) per chunk of ``chunk_lines`` lines of each
     file; bad lines go to ``log``. Gzipped files are decompressed as a stream (offsets are then
     into the decompressed text). ``progress``: a tqdm bar over the bytes read from disk."""
-    total = sum(Path(p).stat().st_size for p in paths)
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-               disable=not progress)  # fmt: skip
-    with bar:
+    with byte_progress(paths, desc, progress) as bar:
         for fi, path in enumerate(paths):
             with open(path, "rb") as raw, (gzip.open(raw) if is_gzip(path) else raw) as f:
                 lineno, offset, read = 1, 0, 0
@@ -240,7 +203,7 @@ class CriteoTSVSource:
         self._batch, self._table_rows = cfg.train.batch_size, cfg.table_rows
         self._rows = process_slice(self._batch, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches
-        self.skipped = SkipLog(skip=cfg.data.skip_bad_lines)
+        self.skipped = SkipLog(cfg.data.skip_bad_lines, CriteoFormatError)
         files, offsets = [np.zeros(0, np.int32)], [np.zeros(0, np.int64)]
         for fi, offset, lines, parsed in iter_chunks(self.paths, 65536, self.skipped):
             starts = offset + np.cumsum([0] + [len(s) for s in lines[:-1]], dtype=np.int64)
@@ -283,47 +246,6 @@ class CriteoTSVSource:
 # ---------------------------------------------------------------- preprocessing to binary
 
 
-class _Vocabulary:
-    """One feature's values counted >= min_count get ids 1.. by decreasing count (ties: smaller
-    value first); everything else (rare or missing) is id 0."""
-
-    def __init__(self, values: np.ndarray, counts: np.ndarray, min_count: int):
-        self.values = values  # uint64 [V] ascending, so searchsorted finds a value's slot
-        kept = np.flatnonzero(counts >= min_count)
-        order = kept[np.lexsort((values[kept], -counts[kept]))]
-        self.id_of = np.zeros(len(values) + 1, np.int32)  # + 1: a slot for "not found"
-        self.id_of[order] = np.arange(1, len(order) + 1, dtype=np.int32)
-        self.kept = np.stack([values[order], counts[order].astype(np.uint64)], axis=1)  # [K, 2]
-        self.size = 1 + len(order)  # rows of the table, id 0 included
-
-    def lookup(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
-        """uint64 [n] values, bool [n] empty -> int32 [n] ids."""
-        slot = np.searchsorted(self.values, values)
-        found = (slot < len(self.values)) & ~empty
-        found[found] = self.values[slot[found]] == values[found]
-        return self.id_of[np.where(found, slot, len(self.values))]
-
-
-@dataclass(frozen=True)
-class PreprocessReport:
-    lines_read: int
-    train_rows: int
-    val_rows: int
-    skipped: int
-    skipped_by_reason: dict[str, int]
-    skipped_examples: tuple[str, ...]  # the first few "file:line: reason"
-    cardinalities: tuple[int, ...]
-    output: str
-
-    def summary(self) -> str:
-        text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
-                f"{self.lines_read} lines, {self.skipped} skipped")  # fmt: skip
-        if self.skipped:
-            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
-            text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
-        return text + f"\n  cardinalities: {list(self.cardinalities)}"
-
-
 def preprocess_criteo(
     inputs: list[str],
     output: str,
@@ -338,59 +260,19 @@ def preprocess_criteo(
     """Criteo TSV files -> the binary layout of :mod:`dlrm_jax.data.binary` at ``output``.
 
     Ids are ``int(hex, 16) % max_ind_range`` when ``max_ind_range > 0``, else vocabulary ids
-    (see :class:`_Vocabulary`). The last ``val_fraction`` of valid lines form the val split.
-    Two streaming passes: count lines (and values, for vocabularies), then convert and write
-    through a :class:`~dlrm_jax.data.binary.DatasetWriter`, which only ever leaves a complete
+    (frequency-ordered, values seen fewer than ``min_count`` times share id 0 with missing ones).
+    The last ``val_fraction`` of valid lines form the val split. Two streaming passes (see
+    :func:`~dlrm_jax.data.preprocess.write_dataset`); a failure never leaves a half-written
     dataset at ``output``.
     """
-    _check_arguments(inputs, max_ind_range, min_count, val_fraction, chunk_lines)
-    binary.check_output_target(output)  # fail before a long scan, not after it
-    paths, log = [str(p) for p in inputs], SkipLog(skip_bad_lines)
-    counter = None if max_ind_range else binary.ValueCounter(NUM_CATEGORICAL, np.uint64)
-    lines_read, valid = 0, 0
-    for _, _, lines, parsed in iter_chunks(paths, chunk_lines, log, "scan", progress):
-        lines_read, valid = lines_read + len(lines), valid + len(parsed.rows)
-        if counter is not None:
-            counter.add(parsed.values, parsed.empty)
-    n_train, n_val = binary.split_sizes(valid, val_fraction)
-    if n_train == 0:
-        raise ValueError(f"{', '.join(paths)}: no training rows ({valid} valid lines)")
-    skipped = log.by_reason.total()
-    with binary.DatasetWriter(output, n_train, n_val, NUM_DENSE, NUM_CATEGORICAL) as writer:
-        vocabs = None if counter is None else _save_vocabularies(writer.root, counter, min_count)
-        # Bad lines were reported by the scan; the writer's row count catches a changed input.
-        for _, _, _, p in iter_chunks(paths, chunk_lines, SkipLog(True), "write", progress):
-            ids = hash_ids(p.values, max_ind_range) if vocabs is None else _lookup(vocabs, p)
-            writer.append(normalise_dense(p.counts, p.missing), ids, p.labels.astype(np.float32))
-        cards = [max_ind_range] * NUM_CATEGORICAL if vocabs is None else [v.size for v in vocabs]
-        writer.commit({
-            "num_dense": NUM_DENSE, "cardinalities": cards, "train_rows": n_train,
-            "val_rows": n_val, "max_ind_range": max_ind_range, "min_count": min_count,
-            "val_fraction": val_fraction, "inputs": [str(Path(p).resolve()) for p in paths],
-            "lines_read": lines_read, "skipped": skipped, "skipped_by_reason": dict(log.by_reason),
-        })  # fmt: skip
-    return PreprocessReport(lines_read, n_train, n_val, skipped, dict(log.by_reason),
-                            tuple(log.examples), tuple(cards), str(output))  # fmt: skip
+    check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, chunk_lines)
+    paths = [str(p) for p in inputs]
 
+    def read(log: SkipLog, phase: str) -> Iterator[Chunk]:
+        for _, _, lines, p in iter_chunks(paths, chunk_lines, log, phase, progress):
+            dense = normalise_dense(p.counts, p.missing) if phase == "write" else None
+            yield Chunk(len(lines), p.values, p.empty, p.labels, dense)
 
-def _check_arguments(inputs, max_ind_range, min_count, val_fraction, chunk_lines) -> None:
-    needs = {"input files": len(inputs) > 0, "max_ind_range >= 0": max_ind_range >= 0,
-             "min_count >= 1": min_count >= 1, "0 <= val_fraction < 1": 0 <= val_fraction < 1,
-             "chunk_lines >= 1": chunk_lines >= 1}  # fmt: skip
-    for need, ok in needs.items():
-        if not ok:
-            raise ValueError(f"preprocess_criteo: needs {need}")
-
-
-def _save_vocabularies(root: Path, counter: binary.ValueCounter, min_count: int) -> list[_Vocabulary]:
-    """root/vocab/feature_{f}.npy: uint64 [K_f, 2], row i = (hex value, count) of id i + 1."""
-    (folder := root / "vocab").mkdir()
-    vocabs = [_Vocabulary(*counter.table(f), min_count) for f in range(NUM_CATEGORICAL)]
-    for f, v in enumerate(vocabs):
-        np.save(folder / f"feature_{f}.npy", v.kept)
-    return vocabs
-
-
-def _lookup(vocabs: list[_Vocabulary], p: ParsedLines) -> np.ndarray:
-    """int32 [n, 26] vocabulary ids of a parsed chunk."""
-    return np.stack([v.lookup(p.values[:, f], p.empty[:, f]) for f, v in enumerate(vocabs)], 1)
+    return write_dataset(read, output, paths, num_dense=NUM_DENSE, num_features=NUM_CATEGORICAL,
+                         log=SkipLog(skip_bad_lines, CriteoFormatError), max_ind_range=max_ind_range,
+                         min_count=min_count, val_fraction=val_fraction)

@@ -8,16 +8,19 @@ from dlrm_jax.data.batch import DataSource
 
 
 def resolve_data_config(cfg):
-    """For ``binary`` data, take the tables' cardinalities from the dataset's meta.json."""
+    """For ``binary`` data, take the number of dense features and the tables' cardinalities
+    from the dataset's meta.json (Criteo's 13 + 26, or what a tabular schema made; a dataset
+    without dense features is read as one all-zero column)."""
     if cfg.data.source != "binary":
         return cfg
-    from dlrm_jax.data.binary import read_meta
+    from dlrm_jax.data.binary import model_num_dense, read_meta
 
     meta = read_meta(cfg.data.path)
     cards = tuple(int(c) for c in meta["cardinalities"])
-    if cards == cfg.data.cardinalities:
+    num_dense = model_num_dense(int(meta["num_dense"]))
+    if (num_dense, cards) == (cfg.data.num_dense, cfg.data.cardinalities):
         return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cardinalities=cards))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards))
 
 
 def make_source(cfg, process_index: int = 0, process_count: int = 1) -> DataSource:

@@ -41,7 +41,7 @@ class RawSamples(NamedTuple):
     labels: np.ndarray
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser: a well-mixed 64-bit hash of each element."""
     x = x.astype(np.uint64, copy=True)
     with np.errstate(over="ignore"):
@@ -58,8 +58,8 @@ def _hash_normal(seed: int, feature: int, ids: np.ndarray, k: int) -> np.ndarray
     base = (ids.astype(np.uint64) * np.uint64(_LATENT * 2 + 2) + np.uint64(2 * k)) ^ np.uint64(
         (seed * 1_000_003 + feature * 7919 + 1) & 0xFFFFFFFF
     ) << np.uint64(32)
-    u1 = (_mix64(base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    u2 = (_mix64(base + np.uint64(1)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    u1 = (mix64(base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    u2 = (mix64(base + np.uint64(1)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
 
 

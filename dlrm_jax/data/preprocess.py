@@ -1,0 +1,213 @@
+"""What every ``dlrm-jax preprocess`` shares: the bad-line policy, ids (vocabularies or hashing)
+and the two-pass driver that writes the binary layout of :mod:`dlrm_jax.data.binary`.
+
+A format module (:mod:`~dlrm_jax.data.criteo`, :mod:`~dlrm_jax.data.tabular`) parses its input
+into :class:`Chunk` s of categorical *values* (uint64: Criteo's hex numbers, hashes of text
+fields) and hands :func:`write_dataset` a reader that streams them; the driver counts values,
+builds vocabularies, splits train/val and writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+from dlrm_jax.data import binary
+
+
+class DataFormatError(ValueError):
+    """A malformed input line; the message starts with ``path:lineno:`` (1-based)."""
+
+
+class BadLine(NamedTuple):
+    index: int  # position of the line in its chunk
+    kind: str  # the reason counted in reports: "field count", "label", ...
+    message: str
+
+
+@dataclass
+class SkipLog:
+    """Malformed lines: raised at once (as ``error``), or (skip mode) counted by kind with a
+    few examples."""
+
+    skip: bool
+    error: type[ValueError] = DataFormatError
+    by_reason: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: how many lines were skipped and why (empty when none were)."""
+        total = self.by_reason.total()
+        if not total:
+            return ""
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
+        return f"skipped {total} malformed line(s) ({reasons}); first: {self.examples[0]}"
+
+    def record(self, path: str, lineno: int, bad: BadLine) -> None:
+        where = f"{path}:{lineno}: {bad.message}"
+        if not self.skip:
+            raise self.error(where)
+        self.by_reason[bad.kind] += 1
+        if len(self.examples) < 10:
+            self.examples.append(where)
+
+
+def is_gzip(path: str | Path) -> bool:
+    """Whether a file starts with the gzip magic bytes (Criteo Terabyte days, Avazu ship gzipped)."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def byte_progress(paths: Sequence[str], desc: str, progress: bool) -> tqdm:
+    """A tqdm bar over the bytes of ``paths`` on disk (compressed size for gzipped files)."""
+    total = sum(Path(p).stat().st_size for p in paths)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+                disable=not progress)  # fmt: skip
+
+
+def hash_ids(values: np.ndarray, rows: Sequence[int] | int) -> np.ndarray:
+    """uint64 [n, F] values -> int32 [n, F] ids ``value % rows[f]`` (empty is 0 -> 0)."""
+    return (values % np.asarray(rows, dtype=np.uint64)).astype(np.int32)
+
+
+class Vocabulary:
+    """One feature's values counted >= min_count get ids 1.. by decreasing count (ties: smaller
+    value first); everything else (rare or missing) is id 0."""
+
+    def __init__(self, values: np.ndarray, counts: np.ndarray, min_count: int):
+        self.values = values  # uint64 [V] ascending, so searchsorted finds a value's slot
+        kept = np.flatnonzero(counts >= min_count)
+        order = kept[np.lexsort((values[kept], -counts[kept]))]
+        self.id_of = np.zeros(len(values) + 1, np.int32)  # + 1: a slot for "not found"
+        self.id_of[order] = np.arange(1, len(order) + 1, dtype=np.int32)
+        self.kept = np.stack([values[order], counts[order].astype(np.uint64)], axis=1)  # [K, 2]
+        self.size = 1 + len(order)  # rows of the table, id 0 included
+
+    def lookup(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
+        """uint64 [n] values, bool [n] empty -> int32 [n] ids."""
+        slot = np.searchsorted(self.values, values)
+        found = (slot < len(self.values)) & ~empty
+        found[found] = self.values[slot[found]] == values[found]
+        return self.id_of[np.where(found, slot, len(self.values))]
+
+
+@dataclass(frozen=True)
+class PreprocessReport:
+    lines_read: int
+    train_rows: int
+    val_rows: int
+    skipped: int
+    skipped_by_reason: dict[str, int]
+    skipped_examples: tuple[str, ...]  # the first few "file:line: reason"
+    cardinalities: tuple[int, ...]
+    output: str
+
+    def summary(self) -> str:
+        text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
+                f"{self.lines_read} lines, {self.skipped} skipped")  # fmt: skip
+        if self.skipped:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
+            text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
+        return text + f"\n  cardinalities: {list(self.cardinalities)}"
+
+
+def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines) -> None:
+    needs = {"input files": len(inputs) > 0, "max_ind_range >= 0": max_ind_range >= 0,
+             "min_count >= 1": min_count >= 1, "0 <= val_fraction < 1": 0 <= val_fraction < 1,
+             "chunk_lines >= 1": chunk_lines >= 1}  # fmt: skip
+    for need, ok in needs.items():
+        if not ok:
+            raise ValueError(f"{caller}: needs {need}")
+
+
+class Chunk(NamedTuple):
+    """The valid rows of one chunk of input, before ids are assigned (F categorical features).
+
+    lines:  int                       input lines the chunk covered, valid or not
+    values: uint64  [n, F]            categorical values, 0 where empty
+    empty:  bool    [n, F]            missing values (id 0)
+    labels: float32 [n]               0 or 1
+    dense:  float32 [n, num_dense]    normalised; None in the scan pass (not needed there)
+    """
+
+    lines: int
+    values: np.ndarray
+    empty: np.ndarray
+    labels: np.ndarray
+    dense: np.ndarray | None
+
+
+# A reader streams the input as Chunks; it gets the bad-line log and the pass ("scan" or
+# "write", also its progress bar's label). Both passes must yield the same valid rows.
+Reader = Callable[[SkipLog, str], Iterator[Chunk]]
+
+
+def write_dataset(
+    read: Reader,
+    output: str | Path,
+    inputs: Sequence[str],
+    *,
+    num_dense: int,
+    num_features: int,
+    log: SkipLog,
+    max_ind_range: int,
+    min_count: int,
+    val_fraction: float,
+    meta: Callable[[], dict] = dict,
+) -> PreprocessReport:
+    """Two passes over ``read``: count lines (and values, for vocabularies), then convert and
+    write through a :class:`~dlrm_jax.data.binary.DatasetWriter`, which only ever leaves a
+    complete dataset at ``output``.
+
+    Ids are ``value % max_ind_range`` when ``max_ind_range > 0``, else vocabulary ids (see
+    :class:`Vocabulary`). The last ``val_fraction`` of valid rows form the val split.
+    ``meta()`` is called after the scan; its keys are added to meta.json.
+    """
+    binary.check_output_target(output)  # fail before a long scan, not after it
+    counter = None if max_ind_range else binary.ValueCounter(num_features, np.uint64)
+    lines_read, valid = 0, 0
+    for chunk in read(log, "scan"):
+        lines_read, valid = lines_read + chunk.lines, valid + len(chunk.labels)
+        if counter is not None:
+            counter.add(chunk.values, chunk.empty)
+    n_train, n_val = binary.split_sizes(valid, val_fraction)
+    if n_train == 0:
+        raise ValueError(f"{', '.join(inputs)}: no training rows ({valid} valid lines)")
+    skipped = log.by_reason.total()
+    with binary.DatasetWriter(output, n_train, n_val, num_dense, num_features) as writer:
+        vocabs = None if counter is None else save_vocabularies(writer.root, counter, min_count)
+        # Bad lines were reported by the scan; the writer's row count catches a changed input.
+        for c in read(SkipLog(True), "write"):
+            ids = hash_ids(c.values, max_ind_range) if vocabs is None else lookup_ids(vocabs, c)
+            writer.append(c.dense, ids, c.labels.astype(np.float32))
+        cards = [max_ind_range] * num_features if vocabs is None else [v.size for v in vocabs]
+        writer.commit({
+            "num_dense": num_dense, "cardinalities": cards, "train_rows": n_train,
+            "val_rows": n_val, "max_ind_range": max_ind_range, "min_count": min_count,
+            "val_fraction": val_fraction, "inputs": [str(Path(p).resolve()) for p in inputs],
+            "lines_read": lines_read, "skipped": skipped, "skipped_by_reason": dict(log.by_reason),
+            **meta(),
+        })  # fmt: skip
+    return PreprocessReport(lines_read, n_train, n_val, skipped, dict(log.by_reason),
+                            tuple(log.examples), tuple(cards), str(output))  # fmt: skip
+
+
+def save_vocabularies(root: Path, counter: binary.ValueCounter, min_count: int) -> list[Vocabulary]:
+    """root/vocab/feature_{f}.npy: uint64 [K_f, 2], row i = (value, count) of id i + 1."""
+    (folder := root / "vocab").mkdir()
+    vocabs = [Vocabulary(*counter.table(f), min_count) for f in range(counter.features)]
+    for f, v in enumerate(vocabs):
+        np.save(folder / f"feature_{f}.npy", v.kept)
+    return vocabs
+
+
+def lookup_ids(vocabs: list[Vocabulary], chunk: Chunk) -> np.ndarray:
+    """int32 [n, F] vocabulary ids of a chunk."""
+    return np.stack([v.lookup(chunk.values[:, f], chunk.empty[:, f]) for f, v in enumerate(vocabs)], 1)

@@ -1,0 +1,159 @@
+"""Records of one tabular file, a chunk at a time: lines decoded (gzipped files decompressed as
+a stream), split as CSV (quotes, records over several lines), by a multi-character delimiter
+or as JSON objects, and the schema's columns picked out, each record with its first line
+number. Records that cannot be split are returned as (line, kind, message), not raised; a
+header line without the schema's columns raises DataFormatError.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import itertools
+import json
+import operator
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from dlrm_jax.data.preprocess import DataFormatError, is_gzip
+from dlrm_jax.data.tabular_schema import Layout
+
+
+class _Bad(Exception):
+    """A record that cannot be used: (kind counted in reports, message)."""
+
+
+class Records(NamedTuple):
+    """One chunk of a file: the wanted columns' texts of the usable records (None: missing)."""
+
+    linenos: list[int]  # first line of each record in ``rows``
+    rows: list[tuple]
+    bad: list[tuple[int, str, str]]  # (line, kind, message) of records that could not be split
+    count: int  # records read, usable or not (a header line is not counted)
+
+    def columns(self, wanted: list[str | int]) -> dict[str | int, tuple]:
+        """Column -> texts of every usable record."""
+        cols = zip(*self.rows, strict=True) if self.rows else [()] * len(wanted)
+        return dict(zip(wanted, cols, strict=True))
+
+
+def _decoded(f, encoding: str, undecodable: set[int]) -> Iterator[str]:
+    """The lines of binary file ``f`` as text; the numbers of lines that cannot be decoded go
+    into ``undecodable`` (their text has replacement characters)."""
+    lineno = 0
+    while lines := list(itertools.islice(f, 4096)):
+        try:
+            yield from [line.decode(encoding) for line in lines]
+        except UnicodeDecodeError:
+            for i, line in enumerate(lines, lineno + 1):
+                try:
+                    yield line.decode(encoding)
+                except UnicodeDecodeError:
+                    undecodable.add(i)
+                    yield line.decode(encoding, "replace")
+        lineno += len(lines)
+
+
+def _split(lines: Iterator[str], layout: Layout) -> Iterator[tuple[int, int, object]]:
+    """(first line, last line, fields list | JSON object | _Bad) per record."""
+    if layout.format == "json_lines":
+        for lineno, line in enumerate(lines, 1):
+            try:
+                text = line.rstrip("\r\n")  # so that an error's column is on this line
+                value = json.loads(text) if text.strip() else _Bad("empty line", "empty line")
+            except ValueError as e:
+                value = _Bad("json", f"not valid JSON: {getattr(e, 'msg', e)} (column {getattr(e, 'colno', '?')})")
+            yield lineno, lineno, value if isinstance(value, dict | _Bad) else _Bad("json", "not a JSON object")
+    elif len(layout.delimiter) > 1:
+        for lineno, line in enumerate(lines, 1):
+            text = line.rstrip("\r\n")
+            yield lineno, lineno, text.split(layout.delimiter) if text else []
+    else:
+        reader = csv.reader(lines, delimiter=layout.delimiter,
+                            quoting=csv.QUOTE_MINIMAL if layout.quoting else csv.QUOTE_NONE)  # fmt: skip
+        while True:
+            first = reader.line_num + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                row = _Bad("csv", f"not valid CSV: {e}")
+            yield first, reader.line_num, row
+
+
+def _json_text(name: str, value) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    raise _Bad("nested value", f"{name!r} holds a JSON {type(value).__name__}, expected a string or number")
+
+
+class _Columns:
+    """Picks the wanted columns out of one file's records."""
+
+    def __init__(self, path: str, layout: Layout, wanted: list[str | int], header: list[str] | None):
+        self.wanted, self.sep = wanted, repr(layout.delimiter)
+        names = [h.strip().lstrip("\ufeff") for h in header] if header is not None else list(layout.columns)
+        self.width = len(names) if layout.format == "csv" and names else None
+        if layout.format == "json_lines":
+            return
+        for w in wanted:
+            if isinstance(w, str) and names.count(w) != 1:
+                found = "appears twice in" if w in names else "is not in"
+                raise DataFormatError(f"{path}:1: column {w!r} (named in the schema) {found} the "
+                                      f"header: {', '.join(names)}")  # fmt: skip
+        positions = [w if isinstance(w, int) else names.index(w) for w in wanted]
+        self.needed = max(positions) + 1
+        if self.width is not None and self.needed > self.width:
+            raise DataFormatError(f"{path}:1: the schema wants column {self.needed - 1} (0-based), "
+                                  f"the header names {self.width}")  # fmt: skip
+        self.get = operator.itemgetter(*positions) if len(positions) > 1 else lambda r: (r[positions[0]],)
+
+    def pick(self, record) -> tuple:
+        """The wanted texts of a record, or raise :class:`_Bad`."""
+        if isinstance(record, _Bad):
+            raise record
+        if isinstance(record, dict):
+            for name in self.wanted:
+                if name not in record:
+                    raise _Bad("missing column", f"no {name!r} in the JSON object")
+            return tuple(_json_text(name, record[name]) for name in self.wanted)
+        n = len(record)
+        if n != self.width and (self.width is not None or n < self.needed):
+            if not n:
+                raise _Bad("empty line", "empty line")
+            want = self.width or f"at least {self.needed}"
+            raise _Bad("field count", f"expected {want} fields separated by {self.sep}, found {n}")
+        return self.get(record)
+
+
+def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None) -> Iterator[Records]:
+    """The records of one file, ``chunk_lines`` at a time; ``bar`` (tqdm) advances by bytes read."""
+    with open(path, "rb") as raw, (gzip.open(raw) if is_gzip(path) else raw) as f:
+        undecodable: set[int] = set()
+        items = _split(_decoded(f, layout.encoding, undecodable), layout)
+        header = None
+        if layout.format == "csv" and layout.header:
+            first = next(items, None)
+            if first is None or not isinstance(first[2], list) or not first[2] or 1 in undecodable:
+                raise DataFormatError(f"{path}:1: expected a header line naming the columns (the schema says header: true)")
+            header = first[2]
+        columns, read = _Columns(path, layout, wanted, header), 0
+        while batch := list(itertools.islice(items, chunk_lines)):
+            out = Records([], [], [], len(batch))
+            for first, last, record in batch:
+                try:
+                    if undecodable and not undecodable.isdisjoint(range(first, last + 1)):
+                        raise _Bad("encoding", f"not valid {layout.encoding} text")
+                    out.rows.append(columns.pick(record))
+                    out.linenos.append(first)
+                except _Bad as e:
+                    out.bad.append((first, *e.args))
+            if bar is not None:
+                bar.update(raw.tell() - read)
+                read = raw.tell()
+            yield out

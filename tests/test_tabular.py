@@ -1,0 +1,492 @@
+"""`preprocess tabular` on small synthetic files in the public layouts of the shipped schemas
+(MovieLens 1M, Avazu, Taobao ad clicks, Yelp reviews): exact outputs, joins, bad lines, schema
+errors, and training on the result."""
+
+import csv
+import gzip
+import io
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from child_env import child_env
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import dlrm_jax
+from dlrm_jax.config import load_config
+from dlrm_jax.data.preprocess import DataFormatError
+from dlrm_jax.data.sources import resolve_data_config
+from dlrm_jax.data.tabular import category_values, preprocess_tabular
+from dlrm_jax.data.tabular_schema import SchemaError, load_schema
+
+N = 300
+M = 61  # max_ind_range of the hashing runs
+
+
+# ---------------------------------------------------------------- a reference, in plain Python
+
+
+def splitmix64(h: int) -> int:
+    mask = 2**64 - 1
+    h ^= h >> 30
+    h = (h * 0xBF58476D1CE4E5B9) & mask
+    h ^= h >> 27
+    h = (h * 0x94D049BB133111EB) & mask
+    return h ^ (h >> 31)
+
+
+def ref_hash(text: str) -> int:
+    """category_values' definition: the UTF-8 bytes' length, then each little-endian 8-byte
+    word (zero-padded), mixed in by splitmix64."""
+    data = text.encode("utf-8", "surrogatepass")
+    h = splitmix64(len(data) ^ 0x9E3779B97F4A7C15)
+    for k in range(0, len(data), 8):
+        h = splitmix64(h ^ int.from_bytes(data[k : k + 8].ljust(8, b"\0"), "little"))
+    return h
+
+
+def vocab_ids(texts, min_count=1):
+    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking."""
+    counts = Counter(t for t in texts if t)
+    ranked = sorted((t for t in counts if counts[t] >= min_count), key=lambda t: (-counts[t], ref_hash(t)))
+    id_of = {t: i + 1 for i, t in enumerate(ranked)}
+    return [id_of.get(t, 0) if t else 0 for t in texts], ranked
+
+
+def expected_ids(cats, max_ind_range=0, min_count=1):
+    """int [n, F] ids of the expected categorical texts (rows of lists)."""
+    cols = list(zip(*cats, strict=True))
+    if max_ind_range:
+        out = [[ref_hash(t) % max_ind_range if t else 0 for t in col] for col in cols]
+    else:
+        out = [vocab_ids(col, min_count)[0] for col in cols]
+    return np.array(out, dtype=np.int32).T
+
+
+def load_all(out):
+    """Train then val rows concatenated: the valid rows in input order."""
+    arrays = {s: {k: np.load(Path(out) / s / f"{k}.npy") for k in ("dense", "ids", "labels")}
+              for s in ("train", "val")}  # fmt: skip
+    return {k: np.concatenate([arrays["train"][k], arrays["val"][k]]) for k in arrays["train"]}
+
+
+def check_output(out, want, **ids_kw):
+    got = load_all(out)
+    np.testing.assert_array_equal(got["labels"], np.array(want["labels"], np.float32))
+    np.testing.assert_array_equal(got["dense"], np.array(want["dense"], np.float32).reshape(len(want["labels"]), -1))
+    np.testing.assert_array_equal(got["ids"], expected_ids(want["cats"], **ids_kw))
+    return got
+
+
+def log1p32(x):
+    return np.float32(np.log1p(max(float(x), 0.0)))
+
+
+# ---------------------------------------------------------------- files in the public layouts
+
+
+def make_movielens(folder: Path, n=N, seed=0):
+    """ratings.dat, users.dat, movies.dat ('::', latin-1, no header) and the expected rows.
+    Users 41-45 rate but have no users.dat line (a left join: their user features are missing)."""
+    rng = np.random.default_rng(seed)
+    users = {u: [str(rng.choice(["F", "M"])), str(rng.choice([1, 18, 25, 35, 56])), str(rng.integers(0, 21)),
+                 f"{rng.integers(10000, 99999)}"] for u in range(1, 41)}  # fmt: skip
+    genres = ["Action", "Comedy", "Drama", "Children's", "Film-Noir"]
+    movies = {m: [f"Movie {m}: Part {m % 3} ({1960 + m})" if m != 7 else "Café Society (1999)",
+                  "|".join(rng.choice(genres, rng.integers(1, 3), replace=False))] for m in range(1, 31)}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "users.dat").write_bytes("".join(f"{u}::{'::'.join(v)}\n" for u, v in users.items()).encode("latin-1"))
+    (folder / "movies.dat").write_bytes("".join(f"{m}::{'::'.join(v)}\n" for m, v in movies.items()).encode("latin-1"))
+    want = {"labels": [], "dense": [], "cats": []}
+    lines = []
+    for i in range(n):
+        u, m, r = int(rng.integers(1, 46)), int(rng.integers(1, 31)), int(rng.integers(1, 6))
+        lines.append(f"{u}::{m}::{r}::{978300000 + 7 * i}\n")
+        want["labels"].append(int(r >= 4))
+        want["dense"].append([])
+        want["cats"].append([str(u), str(m), *users.get(u, [None] * 4), movies[m][1]])
+    (folder / "ratings.dat").write_bytes("".join(lines).encode("latin-1"))
+    return want
+
+
+AVAZU_HEADER = ("id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
+                "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21")  # fmt: skip
+
+
+def make_avazu(path: Path, n=N, seed=1):
+    """train.csv with its header; hour YYMMDDHH in time order; every column categorical."""
+    rng = np.random.default_rng(seed)
+    pool = lambda k: [f"{v:08x}" for v in rng.integers(0, 2**32, k)]  # noqa: E731
+    sites, apps, models = pool(12), pool(8), pool(20)
+    lines, want = [AVAZU_HEADER + "\n"], {"labels": [], "dense": [], "cats": []}
+    for i in range(n):
+        hour = f"1410{21 + i * 10 // n:02d}{i % 24:02d}"
+        click = int(rng.random() < 0.2)
+        fields = [f"{rng.integers(10**17, 10**18)}7", str(click), hour, str(rng.choice([1005, 1002, 1010])),
+                  str(rng.choice([0, 1, 7])), rng.choice(sites), rng.choice(sites), rng.choice(sites),
+                  rng.choice(apps), rng.choice(apps), rng.choice(apps), rng.choice(["a99f214a", *pool(3)]),
+                  pool(1)[0], rng.choice(models), str(rng.integers(0, 5)), str(rng.integers(0, 4)),
+                  *[str(rng.integers(0, 30)) for _ in range(8)]]  # fmt: skip
+        lines.append(",".join(fields) + "\n")
+        want["labels"].append(click)
+        want["dense"].append([])
+        want["cats"].append([hour[6:8], *fields[3:]])
+    path.write_text("".join(lines))
+    return want
+
+
+def make_taobao(folder: Path, n=N, seed=2):
+    """raw_sample.csv, ad_feature.csv, user_profile.csv with their headers. Users 41-50 have no
+    profile; adgroup 99 has no ad_feature line; brand is "NULL" or pvalue_level empty at times."""
+    rng = np.random.default_rng(seed)
+    ads = {a: [str(rng.integers(1, 9)), str(rng.integers(100, 120)), str(rng.integers(1000, 1010)),
+               "NULL" if a % 5 == 0 else str(rng.integers(5000, 5010)), f"{rng.choice([0.01, 9.9, 118.0, 2e5])}"]
+           for a in range(1, 31)}  # fmt: skip
+    users = {u: [str(rng.integers(0, 97)), str(rng.integers(0, 13)), str(rng.integers(1, 3)), str(rng.integers(0, 7)),
+                 "" if u % 4 == 0 else str(rng.integers(1, 4)), str(rng.integers(1, 4)), str(rng.integers(0, 2)),
+                 str(rng.integers(1, 5))] for u in range(1, 41)}  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ad_feature.csv").write_text("adgroup_id,cate_id,campaign_id,customer,brand,price\n"
+                                           + "".join(f"{a},{','.join(v)}\n" for a, v in ads.items()))  # fmt: skip
+    (folder / "user_profile.csv").write_text(
+        "userid,cms_segid,cms_group_id,final_gender_code,age_level,pvalue_level,shopping_level,occupation,"
+        "new_user_class_level \n" + "".join(f"{u},{','.join(v)}\n" for u, v in users.items()))  # fmt: skip
+    lines, want = ["user,time_stamp,adgroup_id,pid,nonclk,clk\n"], {"labels": [], "dense": [], "cats": []}
+    for i in range(n):
+        u, a, clk = int(rng.integers(1, 51)), int(rng.choice([*range(1, 31), 99])), int(rng.random() < 0.1)
+        pid = str(rng.choice(["430548_1007", "430539_1007"]))
+        lines.append(f"{u},{1494000000 + i},{a},{pid},{1 - clk},{clk}\n")
+        ad = ads.get(a, [None] * 5)
+        want["labels"].append(clk)
+        want["dense"].append([log1p32(ad[4]) if ad[4] else 0.0])
+        brand = None if ad[3] == "NULL" else ad[3]
+        want["cats"].append([str(u), str(a), pid, *ad[:3], brand, *users.get(u, [None] * 8)])
+    (folder / "raw_sample.csv").write_text("".join(lines))
+    return want
+
+
+def make_yelp(path: Path, n=N, seed=3):
+    """yelp_academic_dataset_review.json: one JSON object a line; stars int or float."""
+    rng = np.random.default_rng(seed)
+    uids, bids = [f"u{v:021x}"[:22] for v in rng.integers(0, 2**60, 25)], [f"b-{v:x}" for v in rng.integers(0, 2**40, 15)]
+    lines, want = [], {"labels": [], "dense": [], "cats": []}
+    for i in range(n):
+        stars = [1, 2, 3, 4, 5, 4.0, 5.0, 4.5][int(rng.integers(0, 8))]
+        votes = [int(v) for v in rng.integers(0, 50, 3) * (rng.random(3) < 0.5)]
+        date = f"20{10 + i * 12 // n:02d}-{1 + i % 12:02d}-{1 + i % 28:02d} 12:34:56"
+        review = {"review_id": f"r{i:021d}", "user_id": str(rng.choice(uids)), "business_id": str(rng.choice(bids)),
+                  "stars": stars, "useful": votes[0], "funny": votes[1], "cool": votes[2],
+                  "text": 'Great, "really"\nnice, café ☕', "date": date}  # fmt: skip
+        lines.append(json.dumps(review, ensure_ascii=i % 2 == 0) + "\n")
+        want["labels"].append(int(stars > 4))
+        want["dense"].append([log1p32(v) for v in votes])
+        want["cats"].append([review["user_id"], review["business_id"], date[:4], date[5:7]])
+    path.write_text("".join(lines), encoding="utf-8")
+    return want
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tabular")
+    return {
+        "movielens": (root / "ml", make_movielens(root / "ml")),
+        "avazu": (root / "avazu.csv", make_avazu(root / "avazu.csv")),
+        "taobao": (root / "tb", make_taobao(root / "tb")),
+        "yelp": (root / "yelp.json", make_yelp(root / "yelp.json")),
+    }
+
+
+def run(dataset, files, out, where=None, **kw):
+    """preprocess_tabular on one of the generated datasets (or a copy ``where``), as its
+    schema's comment shows."""
+    where = where or files[dataset][0]
+    args = {
+        "movielens": ("movielens_1m", [where / "ratings.dat"],
+                      {"users": where / "users.dat", "movies": where / "movies.dat"}),
+        "avazu": ("avazu", [where], {}),
+        "taobao": ("taobao_ad", [where / "raw_sample.csv"],
+                   {"ad": where / "ad_feature.csv", "user": where / "user_profile.csv"}),
+        "yelp": ("yelp_reviews", [where], {}),
+    }[dataset]  # fmt: skip
+    schema, inputs, joins = kw.pop("schema", args[0]), kw.pop("inputs", args[1]), kw.pop("joins", args[2])
+    return preprocess_tabular(schema, [str(p) for p in inputs], str(out), joins={k: str(v) for k, v in joins.items()},
+                              progress=False, **kw)  # fmt: skip
+
+
+# ---------------------------------------------------------------- exact outputs
+
+
+def test_movielens_joins_vocabularies_and_split(files, tmp_path):
+    folder, want = files["movielens"]
+    report = run("movielens", files, tmp_path / "out", val_fraction=0.2)
+    assert (report.train_rows, report.val_rows, report.skipped) == (240, 60, 0)
+    got = check_output(tmp_path / "out", want)
+    assert got["dense"].shape == (N, 0)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["num_dense"] == 0 and meta["categorical_features"][2:] == [
+        "users.gender", "users.age", "users.occupation", "users.zip", "movies.genres"]
+    assert meta["join_misses"] == {"users": sum(c[2] is None for c in want["cats"]), "movies": 0}
+    assert meta["join_misses"]["users"] > 0
+    # One row by hand: its user's and movie's attributes arrive through the joins.
+    row = next(i for i, c in enumerate(want["cats"]) if c[1] == "7" and c[2] is not None)
+    user, movie = want["cats"][row][0], "7"
+    users = {ln.split("::")[0]: ln.split("::") for ln in (folder / "users.dat").read_text("latin-1").splitlines()}
+    genres = (folder / "movies.dat").read_text("latin-1").splitlines()[6].split("::")[2]
+    for f, text in ((2, users[user][1]), (5, users[user][4]), (6, genres)):
+        vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
+        assert vocab[got["ids"][row, f] - 1, 0] == ref_hash(text)
+    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"]})
+    assert vocab_ids([c[1] for c in want["cats"]])[0][row] == got["ids"][row, 1] and movie == "7"
+    # Chunking changes nothing, byte for byte.
+    run("movielens", files, tmp_path / "chunked", val_fraction=0.2, chunk_lines=7)
+    for f in sorted((tmp_path / "out").rglob("*.npy")):
+        assert (tmp_path / "chunked" / f.relative_to(tmp_path / "out")).read_bytes() == f.read_bytes(), f
+
+
+def test_taobao_dense_price_null_brand_and_missing_profiles(files, tmp_path):
+    _, want = files["taobao"]
+    report = run("taobao", files, tmp_path / "out", min_count=2)
+    assert (report.train_rows, report.val_rows) == (270, 30)
+    got = check_output(tmp_path / "out", want, min_count=2)
+    assert got["dense"].shape == (N, 1)
+    no_ad = [i for i, c in enumerate(want["cats"]) if c[1] == "99"]
+    assert no_ad and (got["ids"][no_ad, 3:7] == 0).all() and (got["dense"][no_ad] == 0).all()
+    null_brand = [i for i, c in enumerate(want["cats"]) if c[1] != "99" and int(c[1]) % 5 == 0]
+    assert null_brand and (got["ids"][null_brand, 6] == 0).all()
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["join_misses"] == {"ad": len(no_ad), "user": sum(c[7] is None for c in want["cats"])}
+    assert meta["categorical_features"][-1] == "user.new_user_class_level"  # header name had a trailing space
+
+
+def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
+    _, want = files["yelp"]
+    run("yelp", files, tmp_path / "out", max_ind_range=M, val_fraction=0.25)
+    got = check_output(tmp_path / "out", want, max_ind_range=M)
+    assert got["dense"].shape == (N, 3) and 0 < got["labels"].mean() < 1
+    assert len(np.load(tmp_path / "out" / "val" / "labels.npy")) == 75
+    assert not (tmp_path / "out" / "vocab").exists()
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["cardinalities"] == [M] * 4
+
+
+def test_avazu_gzipped_through_the_cli(files, tmp_path):
+    path, want = files["avazu"]
+    gz = tmp_path / "train.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "preprocess", "tabular", "--schema", "avazu",
+                           "--input", str(gz), "--output", str(tmp_path / "out"), "--max-ind-range", str(M),
+                           "--no-progress"], capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"{tmp_path / 'out'}: 270 train + 30 val rows from 300 lines, 0 skipped" in proc.stdout
+    got = check_output(tmp_path / "out", want, max_ind_range=M)
+    assert got["ids"].shape == (N, 22) and (got["ids"] < M).all()
+    hours = [c[0] for c in want["cats"]]
+    assert got["ids"][:, 0].tolist() == [ref_hash(h) % M for h in hours] and len(set(hours)) == 24
+    # A malformed line: one line naming file and line, exit 1, nothing written.
+    bad, lines = tmp_path / "bad.csv", path.read_text().splitlines(keepends=True)
+    bad.write_text("".join(lines[:5] + ["1,2,3\n"] + lines[5:]))
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "preprocess", "tabular", "--schema", "avazu",
+                           "--input", str(bad), "--output", str(tmp_path / "bad_out"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"dlrm-jax: error: {bad}:6: expected 24 fields separated by ',', found 3"
+    assert not (tmp_path / "bad_out").exists()
+
+
+# ---------------------------------------------------------------- bad lines
+
+
+BAD = {  # name -> (dataset, file, line, text, kind, message)
+    "ml fields": ("movielens", "ratings.dat", 7, "1::2::3", "field count", "expected 4 fields separated by '::', found 3"),
+    "ml label": ("movielens", "ratings.dat", 9, "1::2::x::978300760", "label",
+                 "label column rating is 'x', expected a number (label = value >= 4)"),
+    "ml empty": ("movielens", "ratings.dat", 2, "", "empty line", "empty line"),
+    "avazu click": ("avazu", "", 4, "1," + "2," + ",".join(["9"] * 22), "label", "label column click is '2', expected 0 or 1"),
+    "avazu quote": ("avazu", "", 3, '1,0,14102100,"1005,7"' + ",x" * 19, "field count",  # quoted: one field
+                    "expected 24 fields separated by ',', found 23"),
+    "taobao price": ("taobao", "ad_feature.csv", 5, "77,1,100,1000,5000,abc", "dense field",
+                     "dense column ad.price is 'abc', expected a finite number"),
+    "taobao duplicate": ("taobao", "user_profile.csv", 10, "3,1,1,1,1,1,1,1,1", "join key",
+                         "join key '3' repeats line 4"),
+    "yelp json": ("yelp", "", 5, '{"review_id": "x",', "json", "not valid JSON: Expecting property name enclosed in double quotes (column 19)"),
+    "yelp key": ("yelp", "", 6, '{"user_id": "u", "business_id": "b", "useful": 1, "funny": 0, "cool": 0, "date": "2012"}',
+                 "missing column", "no 'stars' in the JSON object"),
+    "yelp nan": ("yelp", "", 3, '{"user_id": "u", "business_id": "b", "stars": 5, "useful": NaN, "funny": 0, "cool": 0, "date": "2012"}',
+                 "dense field", "dense column useful is 'nan', expected a finite number"),
+    "yelp bytes": ("yelp", "", 8, '{"user_id": "\xff"}', "encoding", "not valid utf-8 text"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_line_names_file_and_line_or_is_skipped(files, tmp_path, case):
+    dataset, name, line, text, kind, message = BAD[case]
+    src = files[dataset][0]
+    copy = tmp_path / "data"
+    if src.is_dir():
+        copy.mkdir()
+        for f in src.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        target = copy / name
+    else:
+        copy.write_bytes(src.read_bytes())
+        target = copy
+    lines = target.read_bytes().splitlines(keepends=True)
+    lines.insert(line - 1, text.encode("latin-1" if "bytes" in case else "utf-8") + b"\n")
+    target.write_bytes(b"".join(lines))
+    with pytest.raises(DataFormatError) as e:
+        run(dataset, files, tmp_path / "out", where=copy)
+    assert str(e.value) == f"{target}:{line}: {message}"
+    assert not (tmp_path / "out").exists()
+    report = run(dataset, files, tmp_path / "out", where=copy, skip_bad_lines=True)
+    assert report.skipped_by_reason == {kind: 1} and report.skipped_examples == (f"{target}:{line}: {message}",)
+    assert report.train_rows + report.val_rows == N
+    run(dataset, files, tmp_path / "clean")
+    for k, v in load_all(tmp_path / "clean").items():  # the skipped line changed nothing else
+        np.testing.assert_array_equal(load_all(tmp_path / "out")[k], v)
+
+
+def test_columns_by_position_without_header_tab_separated(tmp_path):
+    """Label, dense and categorical columns given by 0-based position; transform none; op <."""
+    (tmp_path / "s.yaml").write_text('format: csv\ndelimiter: "\\t"\nheader: false\nquoting: false\n'
+                                     'label: {column: 3, op: "<", threshold: 0.5}\n'
+                                     'dense: [{column: 1, transform: none}, 0]\ncategorical: [2, {column: 2, substr: [0, 1]}]\n')  # fmt: skip
+    rows = [("7", "-2.5", '"ab', "0.25"), ("", "1e39", "x", "1"), ("-3", "", "", "0.75"), ("12", "3", "ab", "0.5")]
+    (tmp_path / "t.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
+    report = preprocess_tabular(tmp_path / "s.yaml", [str(tmp_path / "t.tsv")], str(tmp_path / "out"),
+                                max_ind_range=M, val_fraction=0.0, skip_bad_lines=True, progress=False)  # fmt: skip
+    assert report.skipped_examples == (f"{tmp_path / 't.tsv'}:2: dense column 1 is '1e39', expected a finite number",)
+    got = load_all(tmp_path / "out")
+    assert got["labels"].tolist() == [1.0, 0.0, 0.0]
+    np.testing.assert_array_equal(got["dense"], np.array([[-2.5, log1p32(7)], [0, 0], [3, log1p32(12)]], np.float32))
+    texts = [['"ab', '"'], [None, None], ["ab", "a"]]  # quoting: false keeps the quote character
+    assert got["ids"].tolist() == [[ref_hash(t) % M if t else 0 for t in r] for r in texts]
+
+
+# ---------------------------------------------------------------- schema errors
+
+
+SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the message must name)
+    "unknown side column": (("users.zip", "users.zipcode"), "categorical[5]: unknown column 'zipcode' of join 'users'"),
+    "unknown main column": (("  - movie_id\n", "  - film\n"), "categorical[1]: unknown column 'film' of the input file"),
+    "label op": (('op: ">="', 'op: "=>"'), "label.op: '=>' is not one of"),
+    "threshold": ((", threshold: 4", ""), "label: give both op and threshold"),
+    "bare on": (("{column: user_id,", "{on: user_id,"), "joins.users.True: unknown key (YAML reads a bare on/off"),
+    "typo key": (("header: false", "headers: false"), "headers: unknown key; known: format"),
+    "multi-char quoting": (("header: false", "header: false\nquoting: true"), "quoting: quoting needs a one-character"),
+    "encoding": (("latin-1", "latin-9000"), "encoding: unknown text encoding 'latin-9000'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_ERRORS))
+def test_schema_errors_name_the_file_and_key(tmp_path, case):
+    (old, new), words = SCHEMA_ERRORS[case]
+    text = load_schema("movielens_1m").path
+    text = Path(text).read_text()
+    assert old in text
+    path = tmp_path / "s.yaml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(SchemaError) as e:
+        load_schema(path)
+    assert str(e.value).startswith(f"{path}: ") and words in str(e.value), str(e.value)
+
+
+SMALL_SCHEMAS = {  # a whole schema -> key and words the message must name
+    "label: y\ncategorical: []\n": "categorical: at least one categorical column is needed",
+    "label: y\ncategorical: [a, {column: b, name: a}]\n": "dense/categorical: feature name 'a' is used twice",
+    "format: json_lines\nlabel: 0\ncategorical: [a]\n": "label: the input file is JSON lines: name its columns",
+    "header: false\nlabel: y\ncategorical: [a]\n": "label: column 'y': the input file has no header",
+    "label: {column: y, op: '>', threshold: high}\ncategorical: [a]\n": "label.threshold: expected a number",
+    "label: y\ncategorical: [{column: a, substr: [2]}]\n": "categorical[0].substr: expected [start, stop]",
+    "label: y\ndense: [{column: a, transform: log}]\ncategorical: [b]\n": "dense[0].transform: 'log' is not one of",
+    "label: y\ncategorical: [u.a]\njoins: {u: {column: k, header: false}}\n": "joins.u.key: column 'k': join 'u' has no header",
+    "label: y\n": "categorical: required",
+    "": "expected a mapping, got None",
+    "label: y\ncategorical: [a]\nna_values: [NULL]\n": "na_values: expected a list of strings, got [None]; quote them",
+}
+
+
+@pytest.mark.parametrize("text", sorted(SMALL_SCHEMAS))
+def test_small_schema_errors(tmp_path, text):
+    (tmp_path / "s.yaml").write_text(text)
+    with pytest.raises(SchemaError) as e:
+        load_schema(tmp_path / "s.yaml")
+    assert str(e.value).startswith(f"{tmp_path / 's.yaml'}: {SMALL_SCHEMAS[text]}"), str(e.value)
+
+
+def test_header_without_a_schema_column_and_missing_joins(files, tmp_path):
+    schema = tmp_path / "a.yaml"
+    schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
+    header = rf"^{re.escape(str(files['avazu'][0]))}:1: column 'C22' \(named in the schema\) is not in the header: id, click,"
+    with pytest.raises(DataFormatError, match=header):
+        run("avazu", files, tmp_path / "out", schema=schema)
+    with pytest.raises(SchemaError, match=r"joins: the schema joins \['ad', 'user'\]; .* got \['ad'\]"):
+        run("taobao", files, tmp_path / "out", joins={"ad": files["taobao"][0] / "ad_feature.csv"})
+    with pytest.raises(SchemaError, match="no such file .*shipped schemas: avazu, movielens_1m, taobao_ad, yelp_reviews"):
+        load_schema("criteo_tabular")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- properties
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.text(max_size=30), max_size=30))
+@example(["a\x00b", "", "\x00", "ünï😀", "12345678", "123456789"])  # NULs take the slow path
+def test_category_values_match_the_plain_python_hash(texts):
+    assert category_values(texts).tolist() == [ref_hash(t) for t in texts]
+
+
+CELLS = st.sampled_from(["", "a", "b", "a,b", 'say "hi"', "x\ny", "ü", "NULL", " a", "1", "01"])
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from(["0", "1"]), CELLS, CELLS), min_size=1, max_size=40),
+       min_count=st.integers(1, 3), chunk=st.integers(1, 50))  # fmt: skip
+def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_count, chunk):
+    schema = "label: y\ncategorical: [p, q]\nna_values: ['NULL']\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path, text = Path(tmp) / "t.csv", io.StringIO()
+        csv.writer(text).writerows([("y", "p", "q"), *rows])
+        path.write_text(text.getvalue())
+        (Path(tmp) / "s.yaml").write_text(schema)
+        kw = {"val_fraction": 0.0, "chunk_lines": chunk}
+        preprocess_tabular(Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "h"), max_ind_range=M, progress=False, **kw)
+        report = preprocess_tabular(Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "v"), min_count=min_count,
+                                    progress=False, **kw)  # fmt: skip
+        hashed, vocab = load_all(Path(tmp) / "h")["ids"], load_all(Path(tmp) / "v")["ids"]
+    texts = [[None if t in ("", "NULL") else t for t in r[1:]] for r in rows]
+    assert hashed.tolist() == [[ref_hash(t) % M if t else 0 for t in r] for r in texts]
+    assert ((0 <= hashed) & (hashed < M)).all()
+    for f in range(2):
+        col = [r[f] for r in texts]
+        ids, ranked = vocab_ids(col, min_count)
+        assert vocab[:, f].tolist() == ids and report.cardinalities[f] == 1 + len(ranked)
+        kept = {t: i for t, i in zip(col, ids, strict=True) if i}
+        assert len(set(kept.values())) == len(kept)  # distinct kept texts, distinct ids
+
+
+# ---------------------------------------------------------------- training on the output
+
+
+@pytest.mark.parametrize("dataset", ["movielens", "yelp"])  # 0 dense + 7 tables; 3 dense + 4 tables
+def test_training_on_a_tabular_dataset(files, tmp_path, dataset, tiny):
+    run(dataset, files, tmp_path / "data", val_fraction=0.2)
+    cfg = tiny("data.source=binary", f"data.path={tmp_path / 'data'}", "train.steps=3", "train.eval_batches=0",
+               "mesh.devices=2", "train.batch_size=32")  # fmt: skip
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    resolved = resolve_data_config(cfg)  # the model takes its widths from the data
+    assert list(resolved.data.cardinalities) == meta["cardinalities"]
+    assert meta["num_dense"] == {"movielens": 0, "yelp": 3}[dataset]
+    assert resolved.data.num_dense == max(meta["num_dense"], 1)  # none at all: one zero column
+    # MovieLens also saves a checkpoint (its dense part sees only that zero column).
+    run_dir = tmp_path / "run" if dataset == "movielens" else None
+    summary = dlrm_jax.train_and_evaluate(cfg, run_dir, log=lambda *_: None)
+    assert summary.step == 3 and np.isfinite(summary.loss) and 0.0 <= summary.auc <= 1.0
+    if run_dir:
+        assert load_config(run_dir / "config.yaml").data.num_dense == 1
