@@ -24,7 +24,15 @@ Tiered tables: :class:`TierPlan` (in a plan), :class:`TierStore` (the disk tier)
 :class:`TierRunner` (train steps over them), :func:`export_run` (a checkpoint's tables as
 tensorstore arrays).
 Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
-:func:`preprocess_criteo`. Metrics: :func:`roc_auc`, :func:`log_loss`.
+:func:`preprocess_criteo`; other datasets (MovieLens, Avazu, Taobao, Yelp, or any CSV /
+JSON-lines file) through a schema: :func:`load_schema`, :func:`preprocess_tabular`::
+
+    report = dlrm_jax.preprocess_tabular(
+        "movielens_1m", ["ml-1m/ratings.dat"], "data/ml1m",
+        joins={"users": "ml-1m/users.dat", "movies": "ml-1m/movies.dat"})
+    cfg = dlrm_jax.load_config("smoke", ["data.source=binary", "data.path=data/ml1m"])
+
+Metrics: :func:`roc_auc`, :func:`log_loss`.
 """
 
 from __future__ import annotations
@@ -65,6 +73,8 @@ _EXPORTS = {
     "BinarySource": "dlrm_jax.data.binary",
     "CriteoTSVSource": "dlrm_jax.data.criteo",
     "preprocess_criteo": "dlrm_jax.data.criteo",
+    "preprocess_tabular": "dlrm_jax.data.tabular",
+    "load_schema": "dlrm_jax.data.tabular_schema",
     "roc_auc": "dlrm_jax.train.metrics",
     "log_loss": "dlrm_jax.train.metrics",
 }

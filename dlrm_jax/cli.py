@@ -68,6 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip malformed lines and count them instead of failing")
     criteo.add_argument("--chunk-lines", type=int, default=200_000)
     criteo.add_argument("--no-progress", action="store_true")
+    tab = pre_sub.add_parser("tabular", help="CSV / JSON-lines files described by a schema (MovieLens, Avazu, ...)")
+    tab.add_argument("--schema", required=True,
+                     help="schema YAML, or a shipped one: movielens_1m, avazu, taobao_ad, yelp_reviews")
+    tab.add_argument("--input", nargs="+", required=True, help="the main file(s), in time order (.gz is read too)")
+    tab.add_argument("--join", action="append", default=[], metavar="NAME=PATH",
+                     help="the side file of the schema's join NAME (repeatable)")
+    tab.add_argument("--output", required=True, help="output directory")
+    tab.add_argument("--max-ind-range", type=int, default=0,
+                     help="hash ids into this many rows per feature (0: build vocabularies)")
+    tab.add_argument("--min-count", type=int, default=1,
+                     help="vocabulary mode: values seen fewer times share id 0 with missing values")
+    tab.add_argument("--val-fraction", type=float, default=0.1,
+                     help="the last fraction of rows becomes the validation split")
+    tab.add_argument("--skip-bad-lines", action="store_true",
+                     help="skip malformed lines and count them instead of failing")
+    tab.add_argument("--chunk-lines", type=int, default=100_000)
+    tab.add_argument("--no-progress", action="store_true")
 
     prof = sub.add_parser("profile", help="time per phase of a few train steps, peak memory, and a trace")
     _add_config_args(prof)
@@ -125,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--max-rows", type=int, default=0,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bh.add_argument("--output", help="write the JSON here too")
+    bm = bench_sub.add_parser("mlp-parallel", help="dense layers data vs tensor vs pipeline parallel, side by side")
+    bm.add_argument("--configs", default="criteo_kaggle,mlperf_dlrm_v1", help="configs whose dense parts are compared")
+    bm.add_argument("--modes", default="data,tensor,pipeline")
+    bm.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="applied to every config (default: mesh.model=2, train.batch_size=2048, "
+                         "data.max_rows=1000)")
+    bm.add_argument("--steps", type=int, default=5, help="timed steps per variant and repeat")
+    bm.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bm.add_argument("--output", help="write the JSON here too")
     bc = bench_sub.add_parser("collectives", help="all-to-all vs all-reduce bandwidth on the current devices")
     bc.add_argument("--devices", type=int, default=0, help="devices in the mesh (0: all; 8 simulated on CPU)")
     bc.add_argument("--sizes-kib", default="64,1024,16384", help="buffer sizes per device, KiB, comma-separated")
@@ -234,13 +260,19 @@ def cmd_plan(args) -> int:
 
 
 def cmd_preprocess(args) -> int:
-    from dlrm_jax.data.criteo import preprocess_criteo
+    common = dict(max_ind_range=args.max_ind_range, min_count=args.min_count, val_fraction=args.val_fraction,
+                  skip_bad_lines=args.skip_bad_lines, chunk_lines=args.chunk_lines, progress=not args.no_progress)
+    if args.dataset == "tabular":
+        from dlrm_jax.data.tabular import preprocess_tabular
 
-    report = preprocess_criteo(
-        args.input, args.output, max_ind_range=args.max_ind_range, min_count=args.min_count,
-        val_fraction=args.val_fraction, skip_bad_lines=args.skip_bad_lines,
-        chunk_lines=args.chunk_lines, progress=not args.no_progress,
-    )
+        joins = dict(j.partition("=")[::2] for j in args.join)
+        if any(not name or not path for name, path in joins.items()) or len(joins) < len(args.join):
+            raise ConfigError(f"--join: expected distinct NAME=PATH values, got {args.join}")
+        report = preprocess_tabular(args.schema, args.input, args.output, joins=joins, **common)
+    else:
+        from dlrm_jax.data.criteo import preprocess_criteo
+
+        report = preprocess_criteo(args.input, args.output, **common)
     print(report.summary(), flush=True)
     return 0
 
@@ -287,6 +319,15 @@ def cmd_bench(args) -> int:
 
         bench_collectives(args.devices, [int(s) for s in args.sizes_kib.split(",") if s], args.repeats,
                           args.output, log=_log)
+        return 0
+    if args.suite == "mlp-parallel":
+        overrides = ["mesh.model=2", "train.batch_size=2048", "data.max_rows=1000", *args.overrides]
+        configs = [c for c in args.configs.split(",") if c]
+        _start_jax(max(_devices_for(load_config(c, overrides)) for c in configs), args)
+        from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
+
+        bench_mlp_parallel(configs, overrides, modes=[m for m in args.modes.split(",") if m], steps=args.steps,
+                           repeats=args.repeats, output=args.output, log=_log)
         return 0
     if args.suite == "hot":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
