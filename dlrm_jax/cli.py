@@ -7,7 +7,9 @@ and ``mesh.devices`` can still shape the simulated CPU devices.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -57,34 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     pre_sub = pre.add_subparsers(dest="dataset", required=True)
     criteo = pre_sub.add_parser("criteo", help="Criteo Kaggle / Terabyte TSV")
     criteo.add_argument("--input", nargs="+", required=True, help="raw TSV file(s), in time order")
-    criteo.add_argument("--output", required=True, help="output directory")
-    criteo.add_argument("--max-ind-range", type=int, default=0,
-                        help="hash ids into this many rows per feature (0: build vocabularies)")
-    criteo.add_argument("--min-count", type=int, default=1,
-                        help="vocabulary mode: values seen fewer times share id 0 with missing values")
-    criteo.add_argument("--val-fraction", type=float, default=0.1,
-                        help="the last fraction of lines becomes the validation split")
-    criteo.add_argument("--skip-bad-lines", action="store_true",
-                        help="skip malformed lines and count them instead of failing")
-    criteo.add_argument("--chunk-lines", type=int, default=200_000)
-    criteo.add_argument("--no-progress", action="store_true")
+    _add_preprocess_args(criteo, chunk_lines=200_000)
     tab = pre_sub.add_parser("tabular", help="CSV / JSON-lines files described by a schema (MovieLens, Avazu, ...)")
     tab.add_argument("--schema", required=True,
                      help="schema YAML, or a shipped one: movielens_1m, avazu, taobao_ad, yelp_reviews")
     tab.add_argument("--input", nargs="+", required=True, help="the main file(s), in time order (.gz is read too)")
     tab.add_argument("--join", action="append", default=[], metavar="NAME=PATH",
                      help="the side file of the schema's join NAME (repeatable)")
-    tab.add_argument("--output", required=True, help="output directory")
-    tab.add_argument("--max-ind-range", type=int, default=0,
-                     help="hash ids into this many rows per feature (0: build vocabularies)")
-    tab.add_argument("--min-count", type=int, default=1,
-                     help="vocabulary mode: values seen fewer times share id 0 with missing values")
-    tab.add_argument("--val-fraction", type=float, default=0.1,
-                     help="the last fraction of rows becomes the validation split")
-    tab.add_argument("--skip-bad-lines", action="store_true",
-                     help="skip malformed lines and count them instead of failing")
-    tab.add_argument("--chunk-lines", type=int, default=100_000)
-    tab.add_argument("--no-progress", action="store_true")
+    _add_preprocess_args(tab, chunk_lines=100_000)
 
     prof = sub.add_parser("profile", help="time per phase of a few train steps, peak memory, and a trace")
     _add_config_args(prof)
@@ -157,6 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--repeats", type=int, default=10)
     bc.add_argument("--output", help="write the JSON here too")
     return parser
+
+
+def _add_preprocess_args(p, chunk_lines: int) -> None:
+    """What every `preprocess` dataset shares: output, ids, validation split, bad lines."""
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--max-ind-range", type=int, default=0,
+                   help="hash ids into this many rows per feature (0: build vocabularies)")
+    p.add_argument("--min-count", type=int, default=1,
+                   help="vocabulary mode: values seen fewer times share id 0 with missing values")
+    p.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the last fraction of rows becomes the validation split")
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and count them instead of failing")
+    p.add_argument("--chunk-lines", type=int, default=chunk_lines)
+    p.add_argument("--no-progress", action="store_true")
 
 
 def _devices_for(cfg: Config) -> int:
@@ -250,11 +246,10 @@ def cmd_plan(args) -> int:
     # tiered tables' fill sizes and hit rates are predicted from the first batches.
     _start_jax(_devices_for(cfg), args)
     from dlrm_jax.data.sources import make_source, resolve_data_config
-    from dlrm_jax.parallel.mesh import make_mesh
-    from dlrm_jax.train.trainer import build
+    from dlrm_jax.train.trainer import build, mesh_from_config
 
     cfg = resolve_data_config(cfg)
-    plan, _ = build(cfg, make_mesh(cfg.mesh.devices), make_source(cfg), log=_log)
+    plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)
     print(config_plan_report(cfg, plan))
     return 0
 
@@ -385,6 +380,8 @@ def run() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:

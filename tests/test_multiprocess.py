@@ -4,6 +4,7 @@ hot rows included: statistics from the global batches, a refresh every two steps
 import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from child_env import child_env
 ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
         "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
         "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3", "--set", "embedding.hot.rows=16",
-        "--set", "embedding.hot.refresh_every=2", "--set", "embedding.hot.stats_batches=1"]
+        "--set", "embedding.hot.refresh_every=2", "--set", "embedding.hot.stats_batches=1",
+        "--set", "train.hang_timeout_s=120"]  # a stuck process exits naming where each one is
 
 
 def free_port() -> int:
@@ -37,8 +39,22 @@ def launch_two(args, env, cwd):
 
 
 def communicate(procs, timeout):
+    """Every process's (stdout, stderr); past ``timeout``, a failure with each live process's
+    thread stacks (the CLI dumps them on SIGUSR1) and the tail of its output."""
+    deadline = time.time() + timeout
     try:
-        return [p.communicate(timeout=timeout) for p in procs]
+        try:
+            return [p.communicate(timeout=max(1.0, deadline - time.time())) for p in procs]
+        except subprocess.TimeoutExpired:
+            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+            for i in stuck:
+                procs[i].send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            for p in procs:
+                p.kill()
+            outs = [p.communicate() for p in procs]  # (retrying communicate loses no output)
+            pytest.fail("\n".join(f"process {i} {'stuck' if i in stuck else f'exit {p.returncode}'}:\n{out[-1500:]}"
+                                   f"\n{err[-6000:]}" for i, (p, (out, err)) in enumerate(zip(procs, outs, strict=True))))
     finally:
         for p in procs:
             p.kill()

@@ -16,8 +16,7 @@ from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.stats import per_device_bytes
-from dlrm_jax.parallel.mesh import make_mesh
-from dlrm_jax.train.trainer import build
+from dlrm_jax.train.trainer import build, mesh_from_config
 
 
 def _state_bytes(state) -> int:
@@ -32,7 +31,7 @@ def time_train_step(cfg, steps: int, warmup: int) -> dict:
     hostmem.reset_peak_rss()
     rss_before = hostmem.rss_bytes()
     cfg = resolve_data_config(cfg)
-    mesh = make_mesh(cfg.mesh.devices)
+    mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
     batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
