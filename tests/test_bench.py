@@ -32,6 +32,26 @@ def test_hlo_parser():
             "%c = (f32[16]{0}, s32[4]{0}) all-reduce-start(f32[16]{0} %p, s32[4]{0} %q)\n")
     got = hlo_collective_bytes(text, 8, skip_scope="exchange_rounds")
     assert got == {"all-to-all": 8 * 10 * 4 * 4 * 7 / 8, "all-reduce": 2 * 7 / 8 * (64 + 16)}
+    # A collective within model groups counts its group's size, in either replica-group form.
+    groups = ("%d = f32[16,8]{1,0} all-gather(f32[8,8]{1,0} %x), replica_groups={{0,1},{2,3}}, dimensions={0}\n"
+              "%e = f32[4]{0} reduce-scatter(f32[8]{0} %y), replica_groups=[4,2]<=[8], dimensions={0}\n")
+    assert hlo_collective_bytes(groups, 8) == {"all-gather": 16 * 8 * 4 / 2, "reduce-scatter": 4 * 4 * 1}
+
+
+def test_mlp_parallel_bench_compares_the_modes(tmp_path):
+    """Tensor parallelism holds half the dense state per device on groups of two, and its
+    collectives are within groups; the JSON has every mode's figures."""
+    from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
+
+    out = tmp_path / "mlp.json"
+    bench_mlp_parallel(["smoke"], ["mesh.devices=4", "mesh.model=2", "train.batch_size=64",
+                                   "model.top_mlp=[32, 16, 1]"], steps=1, repeats=1, output=str(out), **QUIET)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows.keys() == {"data", "tensor", "pipeline"}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["peak_bytes_per_device"] > 0 and np.isfinite(r["loss_last"])
+    assert rows["tensor"]["dense_state_bytes_per_device"] < 0.75 * rows["data"]["dense_state_bytes_per_device"]
+    assert "collective-permute" in rows["pipeline"]["dense_bytes_sent_per_device"]  # stage to stage
 
 
 def test_train_bench_writes_json(tiny, tmp_path):
