@@ -381,7 +381,10 @@ def run() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError):  # no stderr file (main() called in an embedding process)
+        pass
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
