@@ -133,6 +133,6 @@ def test_stage_cuts_are_contiguous_and_the_best_balance(head, costs, stages):
     def heaviest(bounds):
         return max(head * (s == 0) + sum(costs[bounds[s]:bounds[s + 1]]) for s in range(stages))
 
-    every = [[0, *inner, len(costs)] for inner in itertools.combinations(range(len(costs) + 1), stages - 1)
-             if all(a < b for a, b in zip(inner, [*inner[1:], len(costs)], strict=True))]
+    candidates = ([0, *inner, len(costs)] for inner in itertools.combinations(range(len(costs) + 1), stages - 1))
+    every = [b for b in candidates if all(b[s] < b[s + 1] for s in range(1, stages))]
     assert heaviest(bounds) == min(heaviest(b) for b in every)
