@@ -176,9 +176,7 @@ class StepFunctions:
 
     def _map_params(self, fn, tree):
         """``fn`` applied to every subtree of ``tree`` shaped like the (packed) parameters."""
-        packed = jax.tree.structure(jax.eval_shape(self._dense_init)[0])
-        return jax.tree.map(lambda sub: fn(sub) if jax.tree.structure(sub) == packed else sub,
-                            tree, is_leaf=lambda sub: jax.tree.structure(sub) == packed)
+        return map_like(fn, tree, jax.tree.structure(self.state_sharding.params))
 
     def checkpoint_form(self, state: TrainState) -> TrainState:
         """The state as checkpoints hold it: every mode's dense parameters in one layout (the
@@ -196,10 +194,8 @@ class StepFunctions:
         if self.pipeline is None:
             return state
         saved = jax.tree.structure(self.saved_sharding.params)
-        pack = lambda sub: self.pipeline.pack(sub) if jax.tree.structure(sub) == saved else sub  # noqa: E731
-        params, opt = jax.jit(lambda p, o: (self.pipeline.pack(p), jax.tree.map(
-            pack, o, is_leaf=lambda sub: jax.tree.structure(sub) == saved)),
-            out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))(state.params, state.opt_state)
+        params, opt = jax.jit(lambda p, o: (self.pipeline.pack(p), map_like(self.pipeline.pack, o, saved)),
+                              out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))(state.params, state.opt_state)
         return state._replace(params=params, opt_state=opt)
 
     def init_state(self, hot: bool = True) -> TrainState:
@@ -304,6 +300,13 @@ class StepFunctions:
             pooled_bfd = pooled_bfd + host_pooled
         wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
         return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, wide))
+
+
+def map_like(fn, tree, treedef):
+    """``fn`` applied to every subtree of ``tree`` with structure ``treedef`` (an optimizer
+    state's copies of the parameters), other leaves kept."""
+    like = lambda sub: jax.tree.structure(sub) == treedef  # noqa: E731
+    return jax.tree.map(lambda sub: fn(sub) if like(sub) else sub, tree, is_leaf=like)
 
 
 def average_over_hosts(emb: EmbeddingState) -> EmbeddingState:
