@@ -164,9 +164,17 @@ class EmbeddingConfig:
     # global: one set of tables sharded over every device. per_host: each host keeps its own
     # set, sharded over its local devices and trained on its own data only (no cross-host
     # embedding traffic; the MLP gradients are still all-reduced over every device), averaged
-    # over hosts every sync_every steps (0 = never: independent embeddings).
-    sync: str = field(default="global", metadata=_choices("global", "per_host"))
+    # over hosts every sync_every steps (0 = never: independent embeddings). host_replicas:
+    # each host keeps a replica, sharded over its local devices, so the lookups' all-to-all
+    # stays inside the host; every replica applies the gradients of every host (gathered over
+    # hosts), so training equals global's, at the hosts' count times the table memory.
+    sync: str = field(default="global", metadata=_choices("global", "per_host", "host_replicas"))
     sync_every: int = 0
+
+    @property
+    def tables_per_host(self) -> bool:
+        """Each host holds its own copy of the tables (per_host or host_replicas)."""
+        return self.sync != "global"
 
 
 @dataclass(frozen=True)
@@ -449,25 +457,28 @@ def validate(cfg: Config) -> Config:
     _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
     _positive("mesh.hosts", cfg.mesh.hosts, allow_zero=True)
     _positive("embedding.sync_every", e.sync_every, allow_zero=True)
-    if e.sync == "per_host":
+    if e.tables_per_host:
         if h.rows != 0:
-            raise ConfigError("embedding.sync=per_host: hot rows (embedding.hot.rows) are not supported with "
+            raise ConfigError(f"embedding.sync={e.sync}: hot rows (embedding.hot.rows) are not supported with "
                               "per-host tables yet; set embedding.hot.rows=0")
         if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
-            raise ConfigError("embedding.sync=per_host: tiered tables (embedding.storage) are not supported "
+            raise ConfigError(f"embedding.sync={e.sync}: tiered tables (embedding.storage) are not supported "
                               "with per-host tables yet; use embedding.storage=device")
+        if e.sync == "host_replicas" and e.sync_every:
+            raise ConfigError(f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
+                              "stay equal by construction and are never averaged; set embedding.sync_every=0")
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     _positive("mesh.model", cfg.mesh.model)
     _positive("model.microbatches", m.microbatches)
     if cfg.mesh.devices and cfg.mesh.devices % cfg.mesh.model:
         raise ConfigError(f"mesh.model={cfg.mesh.model} must divide mesh.devices={cfg.mesh.devices}")
-    if cfg.mesh.model > 1 and e.sync == "per_host":
+    if cfg.mesh.model > 1 and e.tables_per_host:
         raise ConfigError("mesh.model > 1: model groups are not supported with per-host tables "
-                          "(embedding.sync=per_host) yet; use mesh.model=1")
+                          f"(embedding.sync={e.sync}) yet; use mesh.model=1")
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
-        if e.sync == "per_host":
-            raise ConfigError("model.kind=wide_deep: per-host tables (embedding.sync=per_host) are not supported "
+        if e.tables_per_host:
+            raise ConfigError(f"model.kind=wide_deep: per-host tables (embedding.sync={e.sync}) are not supported "
                               "yet; use embedding.sync=global")
         if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
             raise ConfigError("model.kind=wide_deep: tiered tables (embedding.storage) are not supported yet; "

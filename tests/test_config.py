@@ -69,10 +69,12 @@ def test_overrides():
     ("data.source=binary", ["data.path", "binary"]),
     ("train.progress_bar=maybe", ["train.progress_bar", "true or false"]),
     ("train.steps", ["KEY=VALUE"]),
+    ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),
+    ("embedding.sync=host_replicas|embedding.hot.rows=64", ["embedding.sync=host_replicas", "embedding.hot.rows=0"]),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, override.split("|"))
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 

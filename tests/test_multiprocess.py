@@ -173,27 +173,37 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_per_host_two_processes_equal_two_simulated_hosts_in_one(tmp_path):
-    """embedding.sync=per_host over 2 processes x 4 devices (a host each) trains exactly like
-    one process whose 8 devices form 2 simulated hosts: each process's tables see its own rows."""
+@pytest.mark.parametrize("sync", ["per_host", "host_replicas"])
+def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
+    """Per-host tables over 2 processes x 4 devices (a host each). per_host trains exactly like
+    one process whose 8 devices form 2 simulated hosts (each process's tables see its own
+    rows); host_replicas exactly like one global set of tables on 8 devices in one process, its
+    replicas never drifting apart."""
     env = child_env()
-    args = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-            "--set", "embedding.sync=per_host", "--set", "embedding.sync_every=4", "--set", "train.steps=6",
-            "--set", "train.log_every=1", "--set", "train.eval_every=3", "--set", "embedding.sharding=row"]
-    one = subprocess.run([sys.executable, "-m", "dlrm_jax", *args, "--set", "mesh.hosts=2", "--run-dir",
-                          str(tmp_path / "one")], capture_output=True, text=True, timeout=240, env=env)
+    common = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
+              "--set", "train.steps=6", "--set", "train.log_every=1", "--set", "train.eval_every=3",
+              "--set", "embedding.sharding=row"]
+    args = [*common, "--set", f"embedding.sync={sync}"]
+    if sync == "per_host":
+        args += ["--set", "embedding.sync_every=4"]
+    single = [*args, "--set", "mesh.hosts=2"] if sync == "per_host" else common
+    one = subprocess.run([sys.executable, "-m", "dlrm_jax", *single, "--run-dir", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=240, env=env)
     assert one.returncode == 0, one.stderr[-3000:]
     procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
     for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
         assert p.returncode == 0, err[-3000:]
-    read = lambda d: [(e["step"], e["loss"], e.get("auc"), e["table_divergence"])  # noqa: E731
+    read = lambda d: [(e["step"], e["loss"], e.get("auc"), e.get("table_divergence", 0.0))  # noqa: E731
                       for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
     a, b = read(tmp_path / "one"), read(tmp_path / "two")
     assert [s for s, *_ in a] == [s for s, *_ in b]
     for (_, la, auc_a, da), (_, lb, auc_b, db) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la) and abs(da - db) <= 1e-5 * max(da, 1e-6)
         assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)
-    assert a[3][3] == 0.0 and a[2][3] > 0  # averaged at step 4
+    if sync == "per_host":
+        assert a[3][3] == 0.0 and a[2][3] > 0  # averaged at step 4
+    else:
+        assert all(d == 0.0 for *_, d in b)
 
 
 # Process 1's input read for step 11 (batch 10) never returns (a hung file system, say); its heartbeat

@@ -45,6 +45,27 @@ def _group_size(line: str, n: int) -> int:
     return len(m.group(1).split(",")) if m.group(1) is not None else int(m.group(2))
 
 
+def hlo_replica_groups(hlo_text: str, kind: str) -> list[list[list[int]] | None]:
+    """Per ``kind`` collective (e.g. "all-to-all") of the compiled HLO, its replica groups
+    (device positions in the mesh, listed or as consecutive runs), or None in a form this
+    does not read (XLA's mesh-axis notation)."""
+    out = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m or m.group(2) != kind:
+            continue
+        listed = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+        runs = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](?!T)", line)
+        if listed:
+            out.append([[int(d) for d in grp.split(",") if d] for grp in re.findall(r"\{([\d,]*)\}", listed.group(1))])
+        elif runs:
+            count, size = int(runs.group(1)), int(runs.group(2))
+            out.append([list(range(i * size, (i + 1) * size)) for i in range(count)])
+        else:
+            out.append(None)
+    return out
+
+
 def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
     """Bytes one device sends to others per collective kind, from the compiled HLO.
 

@@ -39,7 +39,14 @@ from dlrm_jax.embedding.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import hot_index, route
 from dlrm_jax.embedding.specs import Pooling
-from dlrm_jax.parallel.mesh import AXIS, devices_per_host, host_local_mesh, hosts_of, over_hosts
+from dlrm_jax.parallel.mesh import (
+    AXIS,
+    HOST_AXIS,
+    devices_per_host,
+    host_local_mesh,
+    hosts_of,
+    over_hosts,
+)
 
 
 class EmbeddingState(NamedTuple):
@@ -79,11 +86,13 @@ class EmbeddingCollection:
     """Every table of a plan, fused into groups, on a mesh."""
 
     def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer,
-                 tiered_tables: tuple[int, ...] = (), per_host: bool = False):
+                 tiered_tables: tuple[int, ...] = (), per_host: bool = False, replicas: bool = False):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
         whose ``tiered_tables`` name the tables held as caches). ``per_host``: ``mesh`` is
         (hosts, data, model) and the plan is one host's; lookups and updates run inside
-        ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis."""
+        ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis. ``replicas`` (with
+        ``per_host``): the hosts' tables are replicas kept equal, every update applying every
+        host's gradients (embedding.sync=host_replicas); otherwise each host's own only."""
         self.tiered_tables = tuple(tiered_tables)
         specs = tuple(t.spec for t in plan.tables)
         if len({s.dim for s in specs}) != 1:
@@ -91,7 +100,8 @@ class EmbeddingCollection:
         if devices_per_host(mesh) != plan.num_devices:  # (a per-host mesh has a "hosts" axis beside it)
             raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {devices_per_host(mesh)}")
         self.plan, self.mesh, self.optimizer, self.specs = plan, mesh, optimizer, specs
-        self.per_host = per_host
+        self.per_host, self.replicas = per_host, per_host and replicas
+        over = HOST_AXIS if self.replicas else None
         exchange_mesh = host_local_mesh(mesh) if per_host else mesh
         self.dim = specs[0].dim
         self.groups = build_groups(plan)
@@ -110,16 +120,16 @@ class EmbeddingCollection:
         for g in self.groups:
             if g.replicated:
                 self._forward[g.name] = exchange.replicated_forward(g)
-                self._update[g.name] = exchange.replicated_update(g, exchange_mesh, optimizer)
+                self._update[g.name] = exchange.replicated_update(g, exchange_mesh, optimizer, over)
             elif g.name in self.pooled:
                 cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.pooled_forward(g, exchange_mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.pooled_update(g, exchange_mesh, cap, wire, optimizer)
+                self._update[g.name] = exchange.pooled_update(g, exchange_mesh, cap, wire, optimizer, over)
             else:
                 cap = group_capacity(plan, g)
                 self._forward[g.name] = exchange.sharded_forward(g, exchange_mesh, cap, wire)
                 self._update[g.name] = exchange.sharded_update(g, exchange_mesh, cap, wire, optimizer,
-                                                               self.dim)
+                                                               self.dim, over)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
                            self.one_hot, self.tiered_tables) if plan.hot_rows else None

@@ -17,6 +17,13 @@ happened.
 
 Replicated groups need no all-to-all: lookups are local, and the update gathers the whole
 batch's rows and gradients to every device, which then applies the same update.
+
+Replicas over hosts (embedding.sync=host_replicas, ``replicas`` the hosts axis): every host
+holds the tables, split over its own devices, and runs this exchange among them only. The
+updates keep the replicas equal: each owner gathers what its counterparts on the other hosts
+received (an all-gather over ``replicas``, the only cross-host embedding traffic) and applies
+the whole batch's gradients, and the decisions to run in rounds, and their windows, are agreed
+over every host.
 """
 
 from __future__ import annotations
@@ -73,17 +80,28 @@ def _if_overflow(over, on_overflow, otherwise, *operands):
     return lax.cond(over, named, otherwise, *operands)
 
 
-def _in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry):
+def _agreed(replicas: str | None):
+    """The axes every decision of an update is agreed over: the devices, and the hosts when
+    the tables have replicas there."""
+    return AXIS if replicas is None else (replicas, *AXIS)
+
+
+def _gather_replicas(x, replicas: str | None):
+    """What every replica's owner received, in host order (unchanged without replicas)."""
+    return x if replicas is None else lax.all_gather(x, replicas, tiled=True)
+
+
+def _in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS):
     """``one_round(carry, window) -> carry`` until every request is sent: one trip with all of
     each owner's requests when nothing overflowed, else over the agreed rounds (see routing).
 
     Always a while loop, even for one trip: a ``lax.cond`` whose branch holds a loop that
     updates the table makes XLA copy the whole table shard; a loop whose body holds conds
-    updates it in place. The limits are pmins, so every device runs the same rounds."""
+    updates it in place. The limits are pmins over ``agree``, so every device runs the same rounds."""
 
     def agreed_limit(done, finished):
         def proposals():
-            return lax.pmin(next_round_limit(b, done, capacity, g.local_rows), AXIS)
+            return lax.pmin(next_round_limit(b, done, capacity, g.local_rows), agree)
 
         everything = jnp.full(g.num_devices, g.local_rows, jnp.int32)
         return _if_overflow(over & ~finished, proposals, lambda: everything)
@@ -96,13 +114,16 @@ def _in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry):
         return end, agreed_limit(end, finished), carry, finished
 
     done = _varying(jnp.zeros(g.num_devices, jnp.int32))
-    start = (done, agreed_limit(done, jnp.bool_(False)), jax.tree.map(_varying, carry), jnp.bool_(False))
+    start = (done, agreed_limit(done, jnp.bool_(False)), jax.tree.map(lambda x: _varying(x, agree), carry),
+             jnp.bool_(False))
     return lax.while_loop(lambda s: ~s[3], body, start)[2]
 
 
-def _varying(x):
-    """``x`` typed as differing per device (a loop carry that the body makes device-specific)."""
-    return x if set(AXIS) <= jax.typeof(x).manual_axis_type.varying else lax.pcast(x, AXIS, to="varying")
+def _varying(x, axes=AXIS):
+    """``x`` typed as differing per device (a loop carry that the body makes device-specific)
+    of ``axes`` (the devices; with replicas, the hosts too: what every replica gathered)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _update_on_owners(mesh, update):
@@ -194,18 +215,18 @@ def _gradients_to_owners(g: Group, capacity: int, wire_dtype, optimizer: SparseO
     return send
 
 
-def _owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr):
+def _owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, replicas=None):
     """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
-    owners, which apply the optimizer."""
+    owners (and every replica's), which apply the optimizer."""
 
     def one_round(state, window):
         rows, recv_grads, _ = send(b, grads, window)
-        return optimizer.update(*state, rows, recv_grads, lr)
+        return optimizer.update(*state, _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas), lr)
 
     return one_round
 
 
-def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int):
+def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int, replicas=None):
     """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
     apply the optimizer to the rows requested, in one exchange or rounds.
 
@@ -215,53 +236,69 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
     send = _gradients_to_owners(g, capacity, wire_dtype, optimizer)
     whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
+    agree = _agreed(replicas)
+
     def update(table_local, slots_local, b, grads, lr, over):
         if not whole_rows:
-            one_round = _owner_update_round(send, optimizer, b, grads, lr)
-            return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+            one_round = _owner_update_round(send, optimizer, b, grads, lr, replicas)
+            return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
         def sq_round(acc, window):
             rows, recv_grads, (_, place, usable) = send(b, grads, window)
-            partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads))
+            partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads, replicas))
             return jnp.where(usable, partial[b.slot_owner, place], acc)
 
         zeros = jnp.zeros(grads.shape[:1], jnp.float32)
-        totals = _if_overflow(over, lambda: _row_totals(g, _in_rounds(g, b, capacity, over, sq_round, zeros)),
-                              lambda: _varying(zeros))
+        totals = _if_overflow(over, lambda: _row_totals(g, _in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
+                              lambda: _varying(zeros, agree))
 
         def one_round(state, window):
             rows, recv_grads, where = send(b, grads, window)
 
             def from_this_exchange():
-                partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads))
+                partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads, replicas))
                 return _row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
             row_totals = _if_overflow(over, lambda: totals, from_this_exchange)
-            row_mean_sq = _to_owners(g, capacity, row_totals, where) / dim
-            return optimizer.update(*state, rows, recv_grads, lr, row_mean_sq=row_mean_sq)
+            row_mean_sq = _gather_replicas(_to_owners(g, capacity, row_totals, where), replicas) / dim
+            return optimizer.update(*state, _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas),
+                                    lr, row_mean_sq=row_mean_sq)
 
-        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
     return update
 
 
-def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int):
+def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int,
+                   replicas: str | None = None):
     """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
-    over whole rows of column slices)."""
-    update = _sparse_update(g, capacity, wire_dtype, optimizer, dim)
+    over whole rows of column slices). ``replicas``: the axis the tables are replicated over
+    (hosts), whose gradients every replica applies."""
+    update = _sparse_update(g, capacity, wire_dtype, optimizer, dim, replicas)
 
     def on_owners(table_local, slots_local, b, grads, lr, most):
-        return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, most > capacity)
+        over = _busiest_of_replicas(most, replicas) > capacity
+        return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, over)
 
     return _update_on_owners(mesh, on_owners)
 
 
-def _slice_sq_sums(g: Group, rows, recv_grads):
+def _busiest_of_replicas(most, replicas: str | None):
+    """The forward's busiest-owner count (agreed over the devices) agreed over the replicas
+    too, so every host's update takes the same branch."""
+    return most if replicas is None else lax.pmax(most, replicas)
+
+
+def _slice_sq_sums(g: Group, rows, recv_grads, replicas: str | None = None):
     """Owner side, per received request [N, C]: the squared sum over this owner's columns of the
-    request's row's gradient, merged over every device that sent it."""
-    _, merged, inv = merge_duplicates(rows, recv_grads, g.local_rows, return_inverse=True)
-    return jnp.sum(merged * merged, -1)[inv].reshape(g.num_devices, -1)
+    request's row's gradient, merged over every device (of every replica) that sent it."""
+    every_rows, every_grads = _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas)
+    _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True)
+    sq = jnp.sum(merged * merged, -1)[inv]
+    if replicas is not None:  # this replica's own requests
+        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * rows.shape[0], rows.shape[0])
+    return sq.reshape(g.num_devices, -1)
 
 
 def _row_totals(g: Group, per_slot):
@@ -291,17 +328,19 @@ def replicated_forward(g: Group):
     return forward
 
 
-def replicated_update(g: Group, mesh, optimizer: SparseOptimizer):
-    """Every device gathers the batch's rows and gradients and applies the same update.
+def replicated_update(g: Group, mesh, optimizer: SparseOptimizer, replicas: str | None = None):
+    """Every device gathers the batch's rows and gradients (of every replica's batch) and
+    applies the same update.
 
     Moves B*V*(W+1) values per device rather than an all-reduce of the R x W table.
     """
+    every = _agreed(replicas)
 
     def local(table, slots, ids_local, grads_local, lr):
         vids = take_columns(ids_local, g.vslot_slot)
         rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset)).reshape(-1)
-        rows = lax.all_gather(rows, AXIS, tiled=True)
-        grads = lax.all_gather(grads_local.reshape(-1, g.width), AXIS, tiled=True)
+        rows = lax.all_gather(rows, every, tiled=True)
+        grads = lax.all_gather(grads_local.reshape(-1, g.width), every, tiled=True)
         return optimizer.update(table, slots, rows, grads, lr)
 
     # check_vma off: every device applies the same gathered update, so outputs are replicated.
@@ -400,31 +439,35 @@ def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
     return forward
 
 
-def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer):
+def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer,
+                  replicas: str | None = None):
     """``f(table, slots, route, grads [B, F', W], lr) -> (table, slots)``: every owner gets each
     device's pooled gradients (all-gather) and scatters them to the rows it pooled. On overflow,
-    each request's gradient (its weight x its bag's) goes to the owners in rounds instead."""
+    each request's gradient (its weight x its bag's) goes to the owners in rounds instead.
+    ``replicas``: as :func:`sharded_update`."""
     send = _gradients_to_owners(g, capacity, wire_dtype, optimizer)
+    agree = _agreed(replicas)
 
     def at_owners(state, req, grads_local, lr):
         rows, segs, weights = _send_requests(g, req, capacity)
         every = lax.all_gather(grads_local.reshape(-1, g.width).astype(wire_dtype), AXIS)  # [N, B_l F', W]
         grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
-        return optimizer.update(*state, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+        return optimizer.update(*state, _gather_replicas(rows.reshape(-1), replicas),
+                                _gather_replicas(grads.reshape(-1, g.width), replicas), lr)
 
     def update(table_local, slots_local, req, grads_local, lr, most):
-        over = most > capacity
+        over = _busiest_of_replicas(most, replicas) > capacity
         b = _buckets_if_overflow(g, req, over)
         _, _, _, _, seg, weight = req
 
         def one_round(state, window):
             def by_rows(state):
                 per_request = grads_local.reshape(-1, g.width)[seg].astype(jnp.float32) * weight[:, None]
-                return _owner_update_round(send, optimizer, b, per_request, lr)(state, window)
+                return _owner_update_round(send, optimizer, b, per_request, lr, replicas)(state, window)
 
             return _if_overflow(over, by_rows, lambda s: at_owners(s, req, grads_local, lr), state)
 
-        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local))
+        return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
     return _update_on_owners(mesh, update)
 

@@ -43,19 +43,25 @@ def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
             "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64)}
 
 
-def collective_bytes(plan: EmbeddingPlan) -> dict[str, int]:
+def collective_bytes(plan: EmbeddingPlan, replicas: int = 1) -> dict[str, int]:
     """Bytes one device sends to the others per step at the compiled capacity, by collective
     (named as in HLO). all-to-all: per sharded group, row ids out and vectors back (forward),
     row ids and gradients out (backward); pooled groups send (row, segment, weight) requests
     both ways and partial sums back, and all-gather the pooled gradients. all-gather:
     replicated tables send the device's rows and gradients to every other device. all-reduce:
-    the hot rows' float32 gradients, summed over devices (ring: 2 (N-1)/N of the buffer)."""
+    the hot rows' float32 gradients, summed over devices (ring: 2 (N-1)/N of the buffer).
+
+    ``replicas``: hosts holding equal replicas of ``plan`` (embedding.sync=host_replicas);
+    every owner also all-gathers, from its counterparts on the other hosts, the rows and
+    float32 gradients they received, and replicated tables gather every host's batch."""
     n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
     wire = DTYPE_BYTES[plan.exchange_dtype]
     out = {"all-to-all": 0, "all-gather": 0, "all-reduce": 0}
     for g in build_groups(plan):
+        if not g.replicated:  # (the owner's received [N, C] buffers)
+            out["all-gather"] += (replicas - 1) * n * group_capacity(plan, g) * (4 + 4 * g.width)
         if g.replicated:
-            out["all-gather"] += (n - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
+            out["all-gather"] += (n * replicas - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
         elif uses_pooled_exchange(plan, g):
             segments = local_batch * len(g.vtables)
             out["all-to-all"] += (n - 1) * group_capacity(plan, g) * 12 * 2

@@ -27,7 +27,7 @@ def saved_run_config(run_dir: Path, overrides=()) -> Config:
     it is one (``dlrm-jax eval`` or ``export`` of a run trained on several processes)."""
     cfg = resolve_data_config(load_config(Path(run_dir) / "config.yaml", overrides))
     steps = saved_steps(Path(run_dir) / "checkpoints")
-    if cfg.embedding.sync == "per_host" and not cfg.mesh.hosts and steps:
+    if cfg.embedding.tables_per_host and not cfg.mesh.hosts and steps:
         hosts = int(saved_json(Path(run_dir) / "checkpoints", steps[-1]).get("hosts") or 0)
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, hosts=hosts))
     return cfg

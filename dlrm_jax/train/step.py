@@ -321,7 +321,10 @@ def table_divergence(emb: EmbeddingState) -> jax.Array:
     diff = mean_sq = jnp.float32(0)
     for table in emb.tables.values():
         x = table.astype(jnp.float32)
-        mean = jnp.mean(x, axis=0)
-        diff += jnp.mean(jnp.sum(jnp.square(x - mean).reshape(x.shape[0], -1), axis=1))
-        mean_sq += jnp.sum(jnp.square(mean))
+        # Deviations measured from host 0's copy first: equal tables give exactly 0 (a float
+        # mean of H equal values need not equal them), and small drifts lose no digits.
+        dev = x - x[:1]
+        dev = dev - jnp.mean(dev, axis=0)
+        diff += jnp.mean(jnp.sum(jnp.square(dev).reshape(x.shape[0], -1), axis=1))
+        mean_sq += jnp.sum(jnp.square(jnp.mean(x, axis=0)))
     return jnp.sqrt(diff / jnp.maximum(mean_sq, 1e-30))

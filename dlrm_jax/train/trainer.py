@@ -83,7 +83,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
-    per_host = cfg.embedding.sync == "per_host"
+    per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
     budget = _device_budget(cfg)
     if per_host:  # one host's plan: its local devices, its share of the batch
         hosts = hosts_of(mesh)
@@ -93,7 +93,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         plan = plan_from_config(cfg, mesh.size, budget_bytes=budget)
     optimizer = sparse_optimizer_from_config(cfg)
     # Measures buckets (its counting programs depend on the groups only, not on capacities).
-    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host)
+    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas)
     if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
         batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
@@ -105,7 +105,8 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
         plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host), schedule)
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host,
+                                                                      replicas=replicas), schedule)
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
@@ -119,8 +120,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
 
 def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
     """The (data, model) mesh of ``mesh.devices`` in groups of ``mesh.model``; with
-    embedding.sync=per_host, (hosts, data, model) with ``mesh.hosts`` hosts (0: one per process)."""
-    hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.sync == "per_host" else 0
+    per-host tables (embedding.sync per_host or host_replicas), (hosts, data, model) with
+    ``mesh.hosts`` hosts (0: one per process)."""
+    hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.tables_per_host else 0
     return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
 
 
@@ -304,7 +306,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     t = cfg.train
     mesh, hot = steps.mesh, steps.hot
     plan_json = plan.to_json()
-    sent = collective_bytes(plan)  # per device and step, at the compiled capacities
+    replicas = steps.hosts if steps.collection.replicas else 1
+    sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
     report = config_plan_report(cfg, plan)
     log(report)
     report_progress(0, "restoring or initialising the state")
