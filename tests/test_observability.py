@@ -154,3 +154,23 @@ def test_every_instruction_of_the_step_gets_its_phase(tiny):
     assert all(n.startswith("all-reduce") for n in by_phase["gradient all-reduce"])
     assert any(n.startswith("all-to-all") for n in by_phase["exchange backward"])
     assert any(n.startswith("all-to-all") for n in by_phase["exchange forward"])
+
+
+def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
+    """Tiered tables (with hot rows refreshed inside the profiled steps, which must release the
+    planner thread): the device caches' fill is a traced phase and the dispatching thread's
+    tier work has rows of its own."""
+    from dlrm_jax.train.profile import profile
+
+    lines = []
+    cfg = tiny("mesh.devices=2", "embedding.sharding=row", "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
+               "embedding.tier.device_cache_fraction=0.05", "embedding.tier.host_cache_fraction=0.05",
+               "embedding.tier.lookahead=2", "embedding.hot.rows=16", "embedding.hot.refresh_every=2",
+               "embedding.hot.stats_batches=2")
+    result = profile(cfg, tmp_path / "prof", steps=4, warmup=1, log=lines.append)
+    ms = {p["name"]: p["ms"] for p in result["phases"]}
+    assert result["tiered"] and ms["cache fill"] > 0 and ms["exchange forward"] > 0
+    assert {"tier planner wait", "tier fill assembly + h2d", "tier write-back"} <= set(ms)
+    assert ms["tier fill assembly + h2d"] > 0
+    assert any(line.startswith("tier write-back") for line in lines) and "tier rows" in "\n".join(lines)
+    assert (tmp_path / "prof" / "tier").is_dir() and (tmp_path / "prof" / "profile.json").is_file()

@@ -16,6 +16,13 @@ How each phase is timed (the output says so too):
 With embedding.sync=per_host, the hosts' periodic table average (a program of its own) is
 timed alone, blocking, and divided by ``embedding.sync_every``.
 
+With tiered tables the steps run as training runs them (``TierRunner``: a planner thread,
+fills read from the DRAM caches or the disk tier, evictions written back), each step blocked
+on before the next; the dispatching thread's host work is timed in the run, by kind (waiting
+for the planner, assembling and placing the fills, writing evictions back), and the device
+caches' fill is a device phase of its own. The tier is created under ``OUT/tier`` (or
+``embedding.tier.path``).
+
 Peak memory per device is the compiled step's own memory analysis.
 """
 
@@ -34,8 +41,12 @@ import numpy as np
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.train.restore import restore_or_init
 from dlrm_jax.train.step import PHASE_SCOPES
-from dlrm_jax.train.trainer import build, mesh_from_config
+from dlrm_jax.train.tier_runner import TierRunner
+from dlrm_jax.train.tier_setup import tier_root
+from dlrm_jax.train.trainer import _count_and_refresh, build, mesh_from_config
 
 HOST_PHASES = ("input pipeline", "host->device")
 DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
@@ -102,24 +113,64 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
+    runner = None
     if plan.tiered_tables:
-        raise ValueError("dlrm-jax profile: embedding.storage=tiered is not profiled yet (its host-side "
-                         "cache work shows in metrics.jsonl as stall_ms_per_step); profile with storage=device")
-    state = fns.init_state()
-    compiled = fns.train_step.lower(state, fns.device_batch(source.train_batch(0))).compile()
-    phases = instruction_phases(compiled.as_text())
+        tiered = TieredTables(plan, fns.collection.groups, fns.collection.optimizer, tier_root(cfg, out_dir),
+                              fns.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log=lambda *_: None)
+        runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
+    try:
+        return _profile(cfg, out_dir, mesh, source, fns, runner, steps, max(warmup, 1), log)
+    finally:
+        if runner is not None:
+            runner.tiered.close()
 
+
+def _host_batches(fns, source, count: int):
+    """The batches placed on the devices, and the input pipeline's and host->device's times."""
     input_s, h2d_s, batches = [], [], []
-    for i in range(warmup + steps):
+    for i in range(count):
         t0 = time.perf_counter()
         host = source.train_batch(i)
         t1 = time.perf_counter()
         batches.append(jax.block_until_ready(fns.device_batch(host)))
         input_s.append(t1 - t0)
         h2d_s.append(time.perf_counter() - t1)
+    return batches, input_s, h2d_s
+
+
+def _step_runner(fns, source, runner: TierRunner | None, batches, count: int, log):
+    """(initial state, ``one(state, i) -> (state, out)`` running train step ``i``, a function
+    giving the step's compiled program once a step ran)."""
+    if runner is None:
+        state = fns.init_state()
+        compiled = fns.train_step.lower(state, batches[0]).compile()
+        return state, (lambda state, i: compiled(state, batches[i])), lambda state: compiled
+    state = restore_or_init(fns, None, log, runner.tiered)
+    if fns.hot is not None:
+        runner.use_hot(np.asarray(state.emb.hot.keys))
+    items = runner.planned(source.train_batch, range(count))
+
+    def one(state, i):
+        item = next(items)
+        state, out = runner.train(state, item.batch, item.fills)
+        if fns.hot is not None:  # as training does: a due refresh releases the planner
+            state = _count_and_refresh(fns.hot, fns, state, i + 1, item.ids, runner)
+        return state, out
+
+    return state, one, lambda state: fns.train_step.lower(state, *runner.step_inputs).compile()
+
+
+def _profile(cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner | None, steps: int, warmup: int,
+             log) -> dict:
+    batches, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
+    state, one, compiled_step = _step_runner(fns, source, runner, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
-        state, out = compiled(state, batches[i])
+        state, out = one(state, i)
     jax.block_until_ready(state)
+    compiled = compiled_step(state)
+    phases = instruction_phases(compiled.as_text())
+    if runner is not None:
+        runner.host_s.clear()
 
     trace_dir = out_dir / "trace" / f"process_{jax.process_index()}"
     shutil.rmtree(trace_dir, ignore_errors=True)  # a profile run before this one's trace
@@ -127,7 +178,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for i in range(warmup, warmup + steps):
             t0 = time.perf_counter()
-            state, out = compiled(state, batches[i])
+            state, out = one(state, i)
             jax.block_until_ready((state, out))
             walls.append(time.perf_counter() - t0)
     sync_every = cfg.embedding.sync_every if fns.per_host else 0
@@ -140,12 +191,15 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     per_phase = device_phase_ns(str(trace_dir), phases)
     rows = [{"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": "host, timed alone"},
             {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": "host, timed alone"}]
+    if runner is not None:
+        rows += [{"name": f"tier {kind}", "ms": 1e3 * runner.host_s[kind] / steps, "how": "host, in the run"}
+                 for kind in ("planner wait", "fill assembly + h2d", "write-back")]
     rows += [{"name": name, "ms": per_phase[name] / 1e6 / steps / local, "how": "trace"}
              for name in DEVICE_PHASES if name in per_phase]
     if sync_s:
         rows.append({"name": "table sync over hosts", "ms": 1e3 * float(np.median(sync_s[1:] or sync_s)) / sync_every,
                      "how": f"timed alone, / sync_every={sync_every}"})
-    result = {"devices": mesh.size, "processes": jax.process_count(), "backend": jax.default_backend(),
+    result = {"devices": mesh.size, "tiered": runner is not None, "processes": jax.process_count(), "backend": jax.default_backend(),
               "steps": steps, "batch_size": cfg.train.batch_size, "step_wall_ms": 1e3 * float(np.median(walls)),
               "phases": rows, "memory_per_device": _memory(compiled), "trace_dir": str(out_dir / "trace")}
     for line in format_profile(result):
@@ -178,7 +232,8 @@ def format_profile(result: dict) -> list[str]:
     for r in result["phases"]:
         lines.append(f"{r['name']:<24}{r['ms']:>10.3f}{r['ms'] / total:>8.1%}  {r['how']}")
     lines.append("device phases: mean per device of the traced operations' time (jax.profiler trace of "
-                 "the compiled step, phases from its named scopes); host phases: timed alone")
+                 "the compiled step, phases from its named scopes); host phases: timed alone"
+                 + ("; tier rows: the dispatching thread's host work, timed in the run" if result.get("tiered") else ""))
     mem = result["memory_per_device"]
     if mem:
         mib = {k: v / 2**20 for k, v in mem.items()}

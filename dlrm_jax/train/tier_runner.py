@@ -10,6 +10,7 @@ step evicted. Every program is dispatched from that one thread.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,9 @@ class TierRunner:
         self.steps, self.tiered, self.lookahead = steps, tiered, lookahead
         self.slot_table = steps.collection.slot_feature
         self.stall_s = 0.0
+        # Host time on the dispatching thread, by kind (dlrm-jax profile prints it).
+        self.host_s: collections.Counter = collections.Counter()
+        self.step_inputs = None  # shapes of the last train step's (batch, fills, evictions)
         self.h2d_bytes = 0
         self._empty = None
         self._last = {}
@@ -91,7 +95,9 @@ class TierRunner:
         while True:
             t0 = time.perf_counter()
             item = next(source, None)
-            self.stall_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.stall_s += waited
+            self.host_s["planner wait"] += waited
             if item is None:
                 return
             yield item
@@ -146,9 +152,15 @@ class TierRunner:
             self.tiered.dispatched(program, evicted)
             self.tiered.drain()
         step_fills = self._device(programs[-1].fills)
-        self.stall_s += time.perf_counter() - t0
-        state, out, evicted = self.steps.train_step(state, self.steps.device_batch(batch), step_fills, self._previous())
-        self.tiered.dispatched(programs[-1], evicted)
+        assembly = time.perf_counter() - t0
+        self.stall_s += assembly
+        self.host_s["fill assembly + h2d"] += assembly
+        inputs = (self.steps.device_batch(batch), step_fills, self._previous())
+        self.step_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), inputs)
+        state, out, evicted = self.steps.train_step(state, *inputs)
+        t1 = time.perf_counter()
+        self.tiered.dispatched(programs[-1], evicted)  # (waits for the previous step's evictions)
+        self.host_s["write-back"] += time.perf_counter() - t1
         return state, out
 
     def eval_inputs(self, state, batch: Batch) -> tuple[Batch, np.ndarray]:
