@@ -1,4 +1,5 @@
-"""embedding.sync=global vs per_host (sync_every 0, 10, 100), each over N local processes.
+"""embedding.sync=global vs per_host (sync_every 0, 10, 100) vs host_replicas, each over N
+local processes.
 
 Every variant, side by side in one run, through ``scripts/launch_local.sh`` (N processes on
 127.0.0.1, simulated CPU devices or the host's GPUs):
@@ -13,6 +14,7 @@ Every variant, side by side in one run, through ``scripts/launch_local.sh`` (N p
 
     python scripts/bench_per_host.py --out runs/bench-per-host            # 2 processes x 4 devices
     python scripts/bench_per_host.py --processes 2 --devices 8 --steps 1500 --set train.batch_size=2048
+    python scripts/bench_per_host.py --variants global host_replicas          # a subset, side by side
 
 Writes OUT/per_host.json and prints a markdown table (for BENCHMARKS.md).
 """
@@ -32,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"global": [], "per_host sync 0": ["embedding.sync=per_host", "embedding.sync_every=0"],
             "per_host sync 10": ["embedding.sync=per_host", "embedding.sync_every=10"],
-            "per_host sync 100": ["embedding.sync=per_host", "embedding.sync_every=100"]}
+            "per_host sync 100": ["embedding.sync=per_host", "embedding.sync_every=100"],
+            "host_replicas": ["embedding.sync=host_replicas"]}
 
 
 def launch(processes: int, args: list[str], log: Path) -> None:
@@ -96,7 +99,9 @@ def main() -> None:
         evals, logged = [e for e in events if "auc" in e], [e for e in events if e["event"] == "train"]
         rows[name].update(auc_curve=[(e["step"], e["auc"]) for e in evals], auc=evals[-1]["auc"],
                           logloss=evals[-1]["logloss"],
-                          mean_table_divergence=sum(e.get("table_divergence", 0.0) for e in logged) / len(logged))
+                          mean_table_divergence=sum(e.get("table_divergence", 0.0) for e in logged) / len(logged),
+                          # per device and step, at the compiled capacities (metrics.jsonl)
+                          a2a_bytes=logged[-1]["a2a_bytes"], allgather_bytes=logged[-1]["allgather_bytes"])
         print(f"{name}: AUC {rows[name]['auc']:.4f}", flush=True)
     # Speed: short runs without evaluation, interleaved so drift of the machine hits every variant.
     for r in range(a.repeats):
@@ -125,12 +130,14 @@ def main() -> None:
     print(f"\n{a.processes} processes x {a.devices // a.processes} devices, config {a.config}; AUC after {a.steps} "
           f"steps (hidden model's AUC on the eval samples {best:.4f}); samples/s: median of {a.repeats} interleaved "
           f"runs of {a.speed_steps} steps\n")
-    print("| variant | samples/s (runs) | vs global | AUC | gap to hidden model | log loss | mean table divergence |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | samples/s (runs) | vs global | AUC | gap to hidden model | log loss | mean table divergence "
+          "| all-to-all B/step | all-gather B/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         runs = ", ".join(f"{x:,.0f}" for x in r["samples_per_s_runs"])
         print(f"| {r['variant']} | {r['samples_per_s']:,.0f} ({runs}) | {r['samples_per_s'] / base['samples_per_s']:.2f}x | "
-              f"{r['auc']:.4f} | {best - r['auc']:.4f} | {r['logloss']:.4f} | {r['mean_table_divergence']:.4f} |")
+              f"{r['auc']:.4f} | {best - r['auc']:.4f} | {r['logloss']:.4f} | {r['mean_table_divergence']:.4f} | "
+              f"{r['a2a_bytes']:,} | {r['allgather_bytes']:,} |")
     names = list(dict.fromkeys(p["name"] for r in rows for p in r["phases"]))
     print("\nms per step (profile: device phases from the trace, mean per device; host phases timed alone)\n")
     print("| phase | " + " | ".join(r["variant"] for r in rows) + " |")

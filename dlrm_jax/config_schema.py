@@ -1,0 +1,222 @@
+"""The configuration's schema: one frozen dataclass per section, whose defaults *are* the
+embedded default configuration (``configs/default.yaml`` spells them out; a test keeps the
+two identical). Field metadata lists the words a key takes; :mod:`dlrm_jax.config` loads,
+coerces and checks values against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
+CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message names the key."""
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+def _int_or(*words: str) -> dict:
+    """An integer key that also takes these words (e.g. ``auto``)."""
+    return {"words": words}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 1024  # global, over all processes and devices
+    seed: int = 0
+    learning_rate: float = 0.001  # dense part; the embeddings take embedding.learning_rate
+    optimizer: str = field(default="adam", metadata=_choices("sgd", "adagrad", "adam"))
+    warmup_steps: int = 0
+    decay_steps: int = 0  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
+    decay_power: float = 2.0
+    compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    log_every: int = 50
+    eval_every: int = 250  # 0 = only at the end
+    eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
+    checkpoint_every: int = 250  # 0 = only at the end
+    keep_checkpoints: int = 3
+    max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
+    progress_bar: bool = True
+    tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard
+    # Several processes: one that makes no progress (a step, evaluation or checkpoint) for this
+    # long exits naming where every process is, and the others follow; 0 = off.
+    hang_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = field(default="synthetic", metadata=_choices("synthetic", "criteo", "binary"))
+    path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
+    num_dense: int = 13
+    cardinalities: tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
+    max_rows: int = 20000  # cap on rows per table (ids hashed into it); 0 = no cap
+    bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
+    pooling: str = field(default="sum", metadata=_choices("sum", "mean"))
+    zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
+    # synthetic: "permuted" scatters popular ids over each table; "frequency_ordered" numbers
+    # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
+    id_layout: str = field(default="permuted", metadata=_choices("permuted", "frequency_ordered"))
+    positive_rate: float = 0.26  # synthetic: target click-through rate
+    shuffle: bool = True  # binary: shuffle the training split every epoch
+    skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
+    val_fraction: float = 0.1  # criteo: the last fraction of lines held out for evaluation
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # dlrm: bottom MLP, interaction, top MLP. wide_deep: Wide&Deep, the deep part takes the dense
+    # features as they are (bottom_mlp empty) and a wide linear model over the ids is added.
+    kind: str = field(default="dlrm", metadata=_choices("dlrm", "wide_deep"))
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim for dot
+    top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
+    interaction: str = field(default="dot", metadata=_choices("dot", "cat", "dcn"))
+    dcn_layers: int = 3  # interaction=dcn: cross layers (DCNv2)
+    dcn_rank: int = 0  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
+    # wide_deep: the wide part's own optimizer (FTRL-Proximal as in the Wide&Deep paper) and its
+    # constant learning rate; l1 / l2: FTRL's regularisation strengths.
+    wide_optimizer: str = field(default="ftrl", metadata=_choices("sgd", "adagrad", "ftrl"))
+    wide_learning_rate: float = 0.05
+    wide_l1: float = 0.0
+    wide_l2: float = 0.0
+    # The dense layers over mesh.model devices (model/mlp_parallel.py): data (each device all
+    # of them), tensor (Megatron column/row pairs), pipeline (GPipe stages, microbatches).
+    mlp_parallel: str = field(default="data", metadata=_choices("data", "tensor", "pipeline"))
+    microbatches: int = 4  # mlp_parallel=pipeline: microbatches a model group's rows are split into
+
+
+@dataclass(frozen=True)
+class HotConfig:
+    """Hot-row replication: the most looked-up rows live on every device (embedding/hot_*.py)."""
+
+    rows: int | str = field(default=0, metadata=_int_or("auto"))  # 0 = off; auto = the cost model
+    memory_mb: float = 64.0  # per device: hot rows plus their optimizer state
+    stats_batches: int = 8  # batches counted to choose the rows (and before each refresh)
+    refresh_every: int = 0  # steps between re-choosing the rows; 0 = never
+    decay: float = 0.5  # counts kept from before a refresh, as a fraction
+    # All-to-all over all-reduce bandwidth (`dlrm-jax bench collectives`); 0 = per backend.
+    a2a_over_allreduce: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Tiered storage: tables in a tensorstore array on local disk, DRAM and device caches in
+    front (embedding/tier_*.py, embedding/device_cache.py)."""
+
+    path: str = ""  # the disk tier's folder; '' = RUN_DIR/tier
+    # Device cache per owner of each tiered table: rows, or 0 = device_cache_fraction of them.
+    device_cache_rows: int = 0
+    device_cache_fraction: float = 0.1
+    host_cache_rows: int = 0  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
+    host_cache_fraction: float = 0.25
+    policy: str = field(default="lru", metadata=_choices("lru", "lfu"))  # the DRAM cache's
+    lookahead: int = 2  # batches planned ahead; their rows are never evicted early
+    fill_rows: int = 0  # rows one step may fill per device and group; 0 = measured
+    chunk_mb: float = 4.0  # size of the disk tier's chunk files
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    sharding: str = field(
+        default="auto", metadata=_choices("auto", "replicated", "table", "row", "column")
+    )
+    optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    learning_rate: float = 0.05  # 0 = use train.learning_rate
+    adagrad_eps: float = 1e-8
+    adagrad_initial_accumulator: float = 0.0
+    table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
+    row_layout: str = field(default="block", metadata=_choices("block", "cyclic"))
+    capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
+    bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
+    capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
+    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
+    exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    # Duplicate rows' gradients summed exactly (embedding/sums.py): bit-identical runs on GPUs,
+    # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
+    deterministic: bool = False
+    memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
+    hot: HotConfig = HotConfig()
+    # Where tables live: on their devices, or in the host tier behind caches (sharded tables
+    # only: a replicated table is small by choice). table_storage overrides it per table.
+    storage: str = field(default="device", metadata=_choices("device", "tiered"))
+    table_storage: tuple[str, ...] = ()  # e.g. ["cat_2=tiered", "cat_9=device"]
+    tier: TierConfig = TierConfig()
+    # global: one set of tables sharded over every device. per_host: each host keeps its own
+    # set, sharded over its local devices and trained on its own data only (no cross-host
+    # embedding traffic; the MLP gradients are still all-reduced over every device), averaged
+    # over hosts every sync_every steps (0 = never: independent embeddings). host_replicas:
+    # each host keeps a replica, sharded over its local devices, so the lookups' all-to-all
+    # stays inside the host; every replica applies the gradients of every host (gathered over
+    # hosts), so training equals global's, at the hosts' count times the table memory.
+    sync: str = field(default="global", metadata=_choices("global", "per_host", "host_replicas"))
+    sync_every: int = 0
+
+    @property
+    def tables_per_host(self) -> bool:
+        """Each host holds its own copy of the tables (per_host or host_replicas)."""
+        return self.sync != "global"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    devices: int = 0  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
+    # Hosts of the (hosts, data, model) mesh that embedding.sync=per_host uses: 0 = one per process;
+    # more than the processes splits each process's devices into simulated hosts.
+    hosts: int = 0
+    # Neighbouring devices that share the dense MLPs' layers (model.mlp_parallel tensor or
+    # pipeline); the mesh is (data, model), the batch and the embedding tables over both.
+    model: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    @property
+    def num_features(self) -> int:
+        return len(self.data.cardinalities)
+
+    @property
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows of each feature's table after the ``data.max_rows`` cap."""
+        cap = self.data.max_rows
+        return tuple(min(c, cap) if cap else c for c in self.data.cardinalities)
+
+    @property
+    def bag_sizes(self) -> tuple[int, ...]:
+        """Maximum ids per sample for each feature (1 = one-hot)."""
+        b = self.data.bag_sizes
+        return tuple(b) * self.num_features if len(b) == 1 else tuple(b)
+
+    @property
+    def embedding_learning_rate(self) -> float:
+        return self.embedding.learning_rate or self.train.learning_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    return obj
