@@ -12,7 +12,7 @@ Attributes are imported on first use, so ``import dlrm_jax`` does not start JAX.
 
 Configuration: :func:`load_config`, :class:`Config`, :class:`ConfigError`.
 Training: :func:`train_and_evaluate`, :func:`evaluate_run`, :class:`RunSummary`, :func:`build`.
-Devices: :func:`request_cpu_devices`, :func:`make_mesh`.
+Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config` (the mesh a config asks for).
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
 :func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection`.
@@ -50,7 +50,8 @@ _EXPORTS = {
     "train_and_evaluate": "dlrm_jax.train.trainer",
     "evaluate_run": "dlrm_jax.train.trainer",
     "RunSummary": "dlrm_jax.train.trainer",
-    "build": "dlrm_jax.train.trainer",
+    "build": "dlrm_jax.train.build",
+    "mesh_from_config": "dlrm_jax.train.build",
     "TableSpec": "dlrm_jax.embedding.specs",
     "specs_from_config": "dlrm_jax.embedding.specs",
     "plan_embeddings": "dlrm_jax.embedding.planner",

@@ -246,7 +246,7 @@ def cmd_plan(args) -> int:
     # tiered tables' fill sizes and hit rates are predicted from the first batches.
     _start_jax(_devices_for(cfg), args)
     from dlrm_jax.data.sources import make_source, resolve_data_config
-    from dlrm_jax.train.trainer import build, mesh_from_config
+    from dlrm_jax.train.build import build, mesh_from_config
 
     cfg = resolve_data_config(cfg)
     plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)

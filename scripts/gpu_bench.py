@@ -210,7 +210,7 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     from dlrm_jax.config import load_config
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
-    from dlrm_jax.train.trainer import build
+    from dlrm_jax.train.build import build
 
     path, extra = CONFIGS[name]
     cfg = resolve_data_config(load_config(os.path.join(REPO, path),
@@ -274,7 +274,7 @@ def parity_child(out_npz: str, steps: int) -> None:
     from dlrm_jax.config import load_config
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
-    from dlrm_jax.train.trainer import build
+    from dlrm_jax.train.build import build
     cfg = resolve_data_config(load_config(os.path.join(REPO, "configs/smoke.yaml"), PARITY_OVERRIDES))
     mesh = make_mesh(1)
     source = make_source(cfg, 0, 1)

@@ -45,7 +45,7 @@ def main() -> int:
 
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
-    from dlrm_jax.train.trainer import build
+    from dlrm_jax.train.build import build
 
     cfg = resolve_data_config(cfg)
     mesh = make_mesh(cfg.mesh.devices)

@@ -10,7 +10,7 @@ from reference import dense_reference
 
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
-from dlrm_jax.train.trainer import build, mesh_from_config
+from dlrm_jax.train.build import build, mesh_from_config
 
 STEPS = 4
 BAGS = ["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"]

@@ -138,9 +138,9 @@ def restored(cfg, run_dir):
     """(steps, state) of a run dir's newest checkpoint, built as training builds it."""
     from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.build import build
     from dlrm_jax.train.checkpoint import Checkpoints
     from dlrm_jax.train.restore import restore_state
-    from dlrm_jax.train.trainer import build
 
     _, steps = build(cfg, make_mesh(cfg.mesh.devices), make_source(cfg), **QUIET)
     return steps, restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)

@@ -15,9 +15,10 @@ from dlrm_jax.config import ConfigError
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.model.mlp_parallel import _balanced_cuts
 from dlrm_jax.parallel.mesh import MODEL_AXIS, make_mesh
+from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
-from dlrm_jax.train.trainer import build, mesh_from_config, train_and_evaluate
+from dlrm_jax.train.trainer import train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
 # Widths that split over 8 devices; a low-rank cross network (its U, V pair up too); a top MLP

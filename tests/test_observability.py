@@ -138,8 +138,8 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
 def test_every_instruction_of_the_step_gets_its_phase(tiny):
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.build import build
     from dlrm_jax.train.profile import instruction_phases
-    from dlrm_jax.train.trainer import build
 
     cfg = resolve_data_config(tiny("mesh.devices=4", "embedding.sharding=row"))
     source = make_source(cfg)

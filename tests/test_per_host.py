@@ -9,7 +9,7 @@ import pytest
 
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
-from dlrm_jax.train.trainer import build, mesh_from_config
+from dlrm_jax.train.build import build, mesh_from_config
 
 STEPS = 4
 

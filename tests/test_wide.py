@@ -9,7 +9,7 @@ from reference import dense_reference
 from dlrm_jax.config import ConfigError
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import make_mesh
-from dlrm_jax.train.trainer import build
+from dlrm_jax.train.build import build
 
 WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "model.wide_learning_rate=0.1")
 

@@ -43,7 +43,7 @@ from dlrm_jax.embedding.relayout import physical_rows_np
 from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.embedding.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
-from dlrm_jax.train.trainer import build
+from dlrm_jax.train.build import build
 
 ZIPF = (1.05, 1.1, 1.2)
 LAYOUTS = ("permuted", "frequency_ordered")

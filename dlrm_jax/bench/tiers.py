@@ -31,8 +31,8 @@ from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.plan import DTYPE_BYTES, optimizer_bytes_per_row
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.build import build
 from dlrm_jax.train.tier_runner import TierRunner
-from dlrm_jax.train.trainer import build
 
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05)
 

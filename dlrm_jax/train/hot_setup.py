@@ -19,6 +19,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import HotSchedule, RowCounts
 from dlrm_jax.embedding.hot_planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.embedding.routing import hot_keys
 from dlrm_jax.parallel.mesh import AXIS
 
 # All-to-all over all-reduce bandwidth when embedding.hot.a2a_over_allreduce is 0. Simulated CPU
@@ -87,3 +88,18 @@ def choose(cfg, plan: EmbeddingPlan, measuring: EmbeddingCollection, source: Dat
     schedule = HotSchedule(plan.hot_rows, bags, counts,
                            window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay)
     return plan, schedule
+
+
+def count_and_refresh(hot: HotSchedule, steps, state, step: int, ids: np.ndarray, runner=None):
+    """After train step ``step``: count its batch if it falls in a statistics window, and
+    refresh the hot set when one is due (``runner``: a tiered run's ``TierRunner``, which
+    moves the tiered rows) (before any checkpoint of this step, so a resumed run
+    starts from the refreshed rows and the statistics that chose them)."""
+    if hot.counts_batch(step - 1):
+        hot.add(global_ids(ids))
+    if not hot.refresh_due(step):
+        return state
+    keys = hot_keys(hot.refresh(), hot.capacity)
+    if runner is not None:
+        return runner.refresh_hot(state, keys, step)
+    return state._replace(emb=steps.collection.refresh(state.emb, keys))

@@ -42,11 +42,12 @@ import numpy as np
 from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.hot_setup import count_and_refresh
 from dlrm_jax.train.restore import restore_or_init
 from dlrm_jax.train.step import PHASE_SCOPES
 from dlrm_jax.train.tier_runner import TierRunner
 from dlrm_jax.train.tier_setup import tier_root
-from dlrm_jax.train.trainer import _count_and_refresh, build, mesh_from_config
 
 HOST_PHASES = ("input pipeline", "host->device")
 DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
@@ -154,7 +155,7 @@ def _step_runner(fns, source, runner: TierRunner | None, batches, count: int, lo
         item = next(items)
         state, out = runner.train(state, item.batch, item.fills)
         if fns.hot is not None:  # as training does: a due refresh releases the planner
-            state = _count_and_refresh(fns.hot, fns, state, i + 1, item.ids, runner)
+            state = count_and_refresh(fns.hot, fns, state, i + 1, item.ids, runner)
         return state, out
 
     return state, one, lambda state: fns.train_step.lower(state, *runner.step_inputs).compile()

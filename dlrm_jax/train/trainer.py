@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
 import signal
@@ -15,31 +14,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.collection import EmbeddingCollection
-from dlrm_jax.embedding.hot import HotSchedule
-from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.planner import config_plan_report, plan_from_config
-from dlrm_jax.embedding.routing import hot_keys
+from dlrm_jax.embedding.planner import config_plan_report
 from dlrm_jax.embedding.stats import collective_bytes
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import (
-    batch_spec,
     host_scalar,
-    hosts_of,
-    make_mesh,
     outcomes_of_every_process,
     report_progress,
     watch_for_hangs,
 )
 from dlrm_jax.train import hot_setup
+from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
     largest_shard_bytes,
@@ -50,7 +42,7 @@ from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_co
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
-from dlrm_jax.train.tier_setup import tier_plan, tier_root
+from dlrm_jax.train.tier_setup import tier_root
 
 
 @dataclass(frozen=True)
@@ -66,72 +58,6 @@ class RunSummary:
     def final_line(self) -> str:
         return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
                 f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
-
-
-CALIBRATION_BATCHES = 4
-
-
-def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
-          ) -> tuple[EmbeddingPlan, StepFunctions]:
-    """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
-
-    With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
-    sized from the distinct requests of the first training batches (always the same batches,
-    so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
-    are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
-    """
-    if cfg.train.batch_size % mesh.size:
-        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
-                         f"{mesh.size} devices of the mesh (mesh.devices)")
-    per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
-    budget = _device_budget(cfg)
-    if per_host:  # one host's plan: its local devices, its share of the batch
-        hosts = hosts_of(mesh)
-        local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
-        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=budget)
-    else:
-        plan = plan_from_config(cfg, mesh.size, budget_bytes=budget)
-    optimizer = sparse_optimizer_from_config(cfg)
-    # Measures buckets (its counting programs depend on the groups only, not on capacities).
-    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas)
-    if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
-        batch_sharding = NamedSharding(mesh, batch_spec(mesh))
-        ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
-               for i in range(CALIBRATION_BATCHES)]
-        plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
-    schedule = None
-    if cfg.embedding.hot.rows != 0:
-        if source is None:
-            raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
-        plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
-    if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host,
-                                                                      replicas=replicas), schedule)
-    if source is None:
-        raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
-    if jax.process_count() > 1:
-        raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
-    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)], log)
-    if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
-    collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
-    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
-
-
-def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
-    """The (data, model) mesh of ``mesh.devices`` in groups of ``mesh.model``; with
-    per-host tables (embedding.sync per_host or host_replicas), (hosts, data, model) with
-    ``mesh.hosts`` hosts (0: one per process)."""
-    hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.tables_per_host else 0
-    return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
-
-
-def _device_budget(cfg: Config) -> int:
-    """embedding.memory_budget_gb, or on an accelerator 90% of what its memory stats report."""
-    if cfg.embedding.memory_budget_gb:
-        return int(cfg.embedding.memory_budget_gb * 2**30)
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else 0
 
 
 def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
@@ -344,7 +270,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 state, out = runner.train(state, item.batch, item.fills)
             pending.append((step, out))
             if hot is not None:
-                state = _count_and_refresh(hot, steps, state, step, ids, runner)
+                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
             if steps.per_host and cfg.embedding.sync_every and step % cfg.embedding.sync_every == 0:
                 state = state._replace(emb=steps.sync_tables(state.emb))
             while len(pending) > DISPATCH_AHEAD:
@@ -413,21 +339,6 @@ def _reporting(batches, first_step: int, first_compiles: bool):
         first = first_compiles and step == first_step
         report_progress(step, "compiling and running the first train step" if first else "train step", not first)
         yield item
-
-
-def _count_and_refresh(hot: HotSchedule, steps: StepFunctions, state: TrainState, step: int,
-                       ids: np.ndarray, runner: TierRunner | None) -> TrainState:
-    """After train step ``step``: count its batch if it falls in a statistics window, and
-    refresh the hot set when one is due (before any checkpoint of this step, so a resumed run
-    starts from the refreshed rows and the statistics that chose them)."""
-    if hot.counts_batch(step - 1):
-        hot.add(hot_setup.global_ids(ids))
-    if not hot.refresh_due(step):
-        return state
-    keys = hot_keys(hot.refresh(), hot.capacity)
-    if runner is not None:
-        return runner.refresh_hot(state, keys, step)
-    return state._replace(emb=steps.collection.refresh(state.emb, keys))
 
 
 def _memory_report(compiled) -> str:

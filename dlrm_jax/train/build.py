@@ -1,0 +1,85 @@
+"""From a config and a mesh to the jitted steps: the sharding plan, the exchange's bucket
+sizes measured on the first batches, the hot rows and the tier's caches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import NamedSharding
+
+from dlrm_jax.config import Config
+from dlrm_jax.data.batch import DataSource
+from dlrm_jax.embedding.collection import EmbeddingCollection
+from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
+from dlrm_jax.embedding.plan import EmbeddingPlan
+from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.parallel.mesh import batch_spec, hosts_of, make_mesh
+from dlrm_jax.train import hot_setup
+from dlrm_jax.train.step import StepFunctions
+from dlrm_jax.train.tier_setup import tier_plan
+
+CALIBRATION_BATCHES = 4
+
+
+def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
+          ) -> tuple[EmbeddingPlan, StepFunctions]:
+    """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
+
+    With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
+    sized from the distinct requests of the first training batches (always the same batches,
+    so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
+    are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
+    """
+    if cfg.train.batch_size % mesh.size:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
+                         f"{mesh.size} devices of the mesh (mesh.devices)")
+    per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
+    budget = _device_budget(cfg)
+    if per_host:  # one host's plan: its local devices, its share of the batch
+        hosts = hosts_of(mesh)
+        local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
+        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=budget)
+    else:
+        plan = plan_from_config(cfg, mesh.size, budget_bytes=budget)
+    optimizer = sparse_optimizer_from_config(cfg)
+    # Measures buckets (its counting programs depend on the groups only, not on capacities).
+    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas)
+    if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
+        batch_sharding = NamedSharding(mesh, batch_spec(mesh))
+        ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
+               for i in range(CALIBRATION_BATCHES)]
+        plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
+    schedule = None
+    if cfg.embedding.hot.rows != 0:
+        if source is None:
+            raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
+        plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
+    if not plan.tiered_tables:
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host,
+                                                                      replicas=replicas), schedule)
+    if source is None:
+        raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
+    if jax.process_count() > 1:
+        raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
+    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)], log)
+    if not plan.tiered_tables:
+        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
+    collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
+    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
+
+
+def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
+    """The (data, model) mesh of ``mesh.devices`` in groups of ``mesh.model``; with
+    per-host tables (embedding.sync per_host or host_replicas), (hosts, data, model) with
+    ``mesh.hosts`` hosts (0: one per process)."""
+    hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.tables_per_host else 0
+    return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
+
+
+def _device_budget(cfg: Config) -> int:
+    """embedding.memory_budget_gb, or on an accelerator 90% of what its memory stats report."""
+    if cfg.embedding.memory_budget_gb:
+        return int(cfg.embedding.memory_budget_gb * 2**30)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else 0
