@@ -124,3 +124,32 @@ def test_host_replicas_keep_the_all_to_all_inside_each_host(tiny):
     gathers = [groups for groups in hlo_replica_groups(hlo, "all-gather") if groups]
     assert any(all(grp == [i, i + 4] for i, grp in enumerate(groups)) for groups in gathers), gathers
     assert all(groups and [len(grp) for grp in groups] == [8] for groups in hlo_replica_groups(compiled("global", 0)[1], "all-to-all"))
+
+
+def test_host_replicas_run_equals_a_global_run_through_the_api(tiny, tmp_path):
+    """train_and_evaluate with 2 simulated hosts of replicas: the metrics and the exported
+    tables are a global run's on the same 8 devices."""
+    import json
+
+    import tensorstore as ts
+
+    from dlrm_jax.train.export import export_run
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    quiet = dict(log=lambda *_: None)
+    common = ["mesh.devices=8", "embedding.sharding=row", "train.log_every=2", "train.eval_every=3",
+              "train.checkpoint_every=3"]
+    runs = {"global": common, "replicas": [*common, "mesh.hosts=2", "embedding.sync=host_replicas"]}
+    summaries = {name: train_and_evaluate(tiny(*sets), tmp_path / name, **quiet) for name, sets in runs.items()}
+    events = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+              for name in runs}
+    assert [e["step"] for e in events["global"]] == [e["step"] for e in events["replicas"]]
+    for a, b in zip(events["global"], events["replicas"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and b["table_divergence"] == 0.0
+    assert abs(summaries["global"].auc - summaries["replicas"].auc) < 1e-5
+    for name in runs:
+        assert export_run(tmp_path / name, tmp_path / f"{name}_export", **quiet) == 6
+    for table in ("cat_0", "cat_2"):
+        read = lambda name, t=table: ts.open({"driver": "zarr3", "kvstore": {  # noqa: E731
+            "driver": "file", "path": str(tmp_path / f"{name}_export" / t / "values")}}).result().read().result()
+        np.testing.assert_allclose(read("replicas"), read("global"), rtol=1e-5, atol=1e-7)

@@ -27,7 +27,8 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
                log=print) -> int:
     """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact)
     under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
-    exported as their average over hosts, the model that evaluation scores."""
+    exported as their average over hosts, the model that evaluation scores; host replicas
+    (embedding.sync=host_replicas) as host 0's copy, which every host's equals."""
     run_dir, dest = Path(run_dir), Path(dest)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
@@ -43,8 +44,8 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     finally:
         ckpts.close()
     emb = state.emb
-    if steps.per_host:
-        emb = jax.tree.map(lambda x: x[0], steps.averaged_tables(emb))
+    if steps.per_host:  # host replicas are equal: host 0's copy is every host's
+        emb = jax.tree.map(lambda x: x[0], emb if steps.collection.replicas else steps.averaged_tables(emb))
     _export_tables(dest, steps.collection, emb)
     if steps.wide:  # Wide&Deep: the wide part's tables, and its dense weights then bias
         _export_tables(dest, steps.wide.collection, state.wide.tables)

@@ -69,7 +69,7 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     """
     per_process = steps.cfg.train.batch_size // jax.process_count()
     probs, labels, valid = [], [], []
-    if steps.per_host:  # the model evaluated is the hosts' average (what a sync makes every host hold)
+    if steps.per_host and not steps.collection.replicas:  # the model evaluated is the hosts' average
         state = state._replace(emb=steps.averaged_tables(state.emb))
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
