@@ -235,9 +235,13 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.planner import config_plan_report, plan_from_config
+    from dlrm_jax.embedding.planner import config_plan_report, host_plan_from_config
 
-    plan = plan_from_config(cfg, _devices_for(cfg))
+    hosts = cfg.mesh.hosts or 1
+    plan = host_plan_from_config(cfg, _devices_for(cfg), hosts)
+    if cfg.embedding.tables_per_host:
+        print(f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
+              f"host's {plan.num_devices} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)")
     if cfg.embedding.hot.rows == 0 and not plan.tiered_tables:
         # Planning needs only the config: no devices, no arrays, no JAX.
         print(config_plan_report(cfg, plan))

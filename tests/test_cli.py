@@ -113,6 +113,17 @@ def test_plan_command_for_mlperf_without_allocating(devices, config):
     assert budget.returncode == 1 and "cat_" in budget.stderr and "budget" in budget.stderr
 
 
+def test_plan_of_per_host_tables_is_one_hosts(tmp_path):
+    """Per-host tables: every device holds its host's share of a whole set, so `plan` prints
+    one host's plan (twice the bytes per device of the global plan on 2 hosts)."""
+    sets = ["--config", "smoke", "--set", "mesh.devices=8", "--set", "embedding.sharding=row"]
+    one = cli("plan", *sets, timeout=60).stdout
+    two = cli("plan", *sets, "--set", "mesh.hosts=2", "--set", "embedding.sync=host_replicas", timeout=60).stdout
+    assert "the plan of one host's 4 devices (mesh.hosts=2" in two and "on 4 devices" in two and "on 8 devices" in one
+    total = lambda out: float(next(x for x in out.splitlines() if x.startswith("0 ")).split()[-2])  # noqa: E731
+    assert total(two) > 1.5 * total(one)
+
+
 def test_mlperf_dcnv2_trains_end_to_end_with_capped_rows(tmp_path):
     """The DLRM-DCNv2 config as shipped (multi-hot bags up to 100, rank-512 cross layers over
     27 x 128, Adagrad), its tables capped to fit here; a short warmup, since Adagrad's first

@@ -207,6 +207,16 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None) -> 
     )
 
 
+def host_plan_from_config(cfg, num_devices: int, hosts: int, budget_bytes: int | None = None) -> EmbeddingPlan:
+    """With per-host tables (embedding.sync per_host or host_replicas), each of ``hosts`` hosts
+    holds a whole set over its own devices: the plan of one host's ``num_devices / hosts``
+    devices and its share of the batch. Otherwise the plan over all ``num_devices``."""
+    if not cfg.embedding.tables_per_host:
+        return plan_from_config(cfg, num_devices, budget_bytes)
+    local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
+    return plan_from_config(local, num_devices // hosts, budget_bytes)
+
+
 def wide_plan(cfg, num_devices: int) -> EmbeddingPlan:
     """Wide&Deep's wide part (model.kind=wide_deep): one weight per id of every feature (dim 1,
     sum pooling), every table replicated on each of ``num_devices`` devices."""

@@ -13,7 +13,7 @@ from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.planner import host_plan_from_config
 from dlrm_jax.parallel.mesh import batch_spec, hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.step import StepFunctions
@@ -35,13 +35,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
-    budget = _device_budget(cfg)
-    if per_host:  # one host's plan: its local devices, its share of the batch
-        hosts = hosts_of(mesh)
-        local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
-        plan = plan_from_config(local, mesh.size // hosts, budget_bytes=budget)
-    else:
-        plan = plan_from_config(cfg, mesh.size, budget_bytes=budget)
+    plan = host_plan_from_config(cfg, mesh.size, hosts_of(mesh), _device_budget(cfg))
     optimizer = sparse_optimizer_from_config(cfg)
     # Measures buckets (its counting programs depend on the groups only, not on capacities).
     measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas)
