@@ -161,7 +161,8 @@ class EmbeddingConfig:
     # over hosts every sync_every steps (0 = never: independent embeddings). host_replicas:
     # each host keeps a replica, sharded over its local devices, so the lookups' all-to-all
     # stays inside the host; every replica applies the gradients of every host (gathered over
-    # hosts), so training equals global's, at the hosts' count times the table memory.
+    # hosts), so training is global's (up to the order of float sums), at the hosts' count
+    # times the table memory.
     sync: str = field(default="global", metadata=_choices("global", "per_host", "host_replicas"))
     sync_every: int = 0
 
