@@ -128,7 +128,8 @@ def test_host_replicas_keep_the_all_to_all_inside_each_host(tiny):
 
 def test_host_replicas_run_equals_a_global_run_through_the_api(tiny, tmp_path):
     """train_and_evaluate with 2 simulated hosts of replicas: the metrics and the exported
-    tables are a global run's on the same 8 devices."""
+    tables are a global run's on the same 8 devices, and a run cut at its step-3 checkpoint
+    resumes bitwise."""
     import json
 
     import tensorstore as ts
@@ -147,6 +148,12 @@ def test_host_replicas_run_equals_a_global_run_through_the_api(tiny, tmp_path):
     for a, b in zip(events["global"], events["replicas"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) and b["table_divergence"] == 0.0
     assert abs(summaries["global"].auc - summaries["replicas"].auc) < 1e-5
+    train_and_evaluate(tiny(*runs["replicas"], "train.steps=3"), tmp_path / "cut", **quiet)
+    resumed, whole = train_and_evaluate(tiny(*runs["replicas"]), tmp_path / "cut", **quiet), summaries["replicas"]
+    assert (resumed.step, resumed.loss, resumed.auc, resumed.logloss) == (whole.step, whole.loss, whole.auc, whole.logloss)
+    timeless = lambda e: {k: v for k, v in e.items() if k not in ("samples_per_s", "wall_s", "run_samples_per_s")}  # noqa: E731
+    cut = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert list(map(timeless, cut)) == list(map(timeless, events["replicas"]))
     for name in runs:
         assert export_run(tmp_path / name, tmp_path / f"{name}_export", **quiet) == 6
     for table in ("cat_0", "cat_2"):
