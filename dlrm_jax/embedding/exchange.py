@@ -245,7 +245,8 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
 
         def sq_round(acc, window):
             rows, recv_grads, (_, place, usable) = send(b, grads, window)
-            partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads, replicas))
+            every = _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas)
+            partial = _all_to_all(_slice_sq_sums(g, *every, rows.shape[0], replicas))
             return jnp.where(usable, partial[b.slot_owner, place], acc)
 
         zeros = jnp.zeros(grads.shape[:1], jnp.float32)
@@ -254,15 +255,15 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
 
         def one_round(state, window):
             rows, recv_grads, where = send(b, grads, window)
+            every = _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas)  # once, for both uses
 
             def from_this_exchange():
-                partial = _all_to_all(_slice_sq_sums(g, rows, recv_grads, replicas))
+                partial = _all_to_all(_slice_sq_sums(g, *every, rows.shape[0], replicas))
                 return _row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
             row_totals = _if_overflow(over, lambda: totals, from_this_exchange)
             row_mean_sq = _gather_replicas(_to_owners(g, capacity, row_totals, where), replicas) / dim
-            return optimizer.update(*state, _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas),
-                                    lr, row_mean_sq=row_mean_sq)
+            return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
 
         return _in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
@@ -290,14 +291,15 @@ def _busiest_of_replicas(most, replicas: str | None):
     return most if replicas is None else lax.pmax(most, replicas)
 
 
-def _slice_sq_sums(g: Group, rows, recv_grads, replicas: str | None = None):
+def _slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | None = None):
     """Owner side, per received request [N, C]: the squared sum over this owner's columns of the
-    request's row's gradient, merged over every device (of every replica) that sent it."""
-    every_rows, every_grads = _gather_replicas(rows, replicas), _gather_replicas(recv_grads, replicas)
+    request's row's gradient, merged over every device (of every replica) that sent it.
+    ``every_*``: what this owner and its replicas received (:func:`_gather_replicas`), of which
+    this owner's ``own`` requests are its replica's block."""
     _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True)
     sq = jnp.sum(merged * merged, -1)[inv]
     if replicas is not None:  # this replica's own requests
-        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * rows.shape[0], rows.shape[0])
+        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
     return sq.reshape(g.num_devices, -1)
 
 

@@ -158,7 +158,7 @@ def _step_runner(fns, source, runner: TierRunner | None, batches, count: int, lo
             state = count_and_refresh(fns.hot, fns, state, i + 1, item.ids, runner)
         return state, out
 
-    return state, one, lambda state: fns.train_step.lower(state, *runner.step_inputs).compile()
+    return state, one, lambda state: fns.train_step.lower(state, *runner.step_input_shapes()).compile()
 
 
 def _profile(cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner | None, steps: int, warmup: int,

@@ -47,7 +47,7 @@ class TierRunner:
         self.stall_s = 0.0
         # Host time on the dispatching thread, by kind (dlrm-jax profile prints it).
         self.host_s: collections.Counter = collections.Counter()
-        self.step_inputs = None  # shapes of the last train step's (batch, fills, evictions)
+        self._step_inputs = ()  # the last train step's (batch, fills, evictions), for step_input_shapes
         self.h2d_bytes = 0
         self._empty = None
         self._last = {}
@@ -155,13 +155,17 @@ class TierRunner:
         assembly = time.perf_counter() - t0
         self.stall_s += assembly
         self.host_s["fill assembly + h2d"] += assembly
-        inputs = (self.steps.device_batch(batch), step_fills, self._previous())
-        self.step_inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), inputs)
+        self._step_inputs = inputs = (self.steps.device_batch(batch), step_fills, self._previous())
         state, out, evicted = self.steps.train_step(state, *inputs)
         t1 = time.perf_counter()
         self.tiered.dispatched(programs[-1], evicted)  # (waits for the previous step's evictions)
         self.host_s["write-back"] += time.perf_counter() - t1
         return state, out
+
+    def step_input_shapes(self) -> tuple:
+        """Shapes, dtypes and shardings of the last train step's inputs after the state (to
+        lower the step again, e.g. for its HLO)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self._step_inputs)
 
     def eval_inputs(self, state, batch: Batch) -> tuple[Batch, np.ndarray]:
         """An eval batch with its tiered ids padded out, and their features' pooled vectors
