@@ -73,7 +73,7 @@ _EXPORTS = {
     "SyntheticSource": "dlrm_jax.data.synthetic",
     "BinarySource": "dlrm_jax.data.binary",
     "CriteoTSVSource": "dlrm_jax.data.criteo",
-    "preprocess_criteo": "dlrm_jax.data.criteo",
+    "preprocess_criteo": "dlrm_jax.data.criteo_preprocess",
     "preprocess_tabular": "dlrm_jax.data.tabular",
     "load_schema": "dlrm_jax.data.tabular_schema",
     "roc_auc": "dlrm_jax.train.metrics",

@@ -71,7 +71,8 @@ class DataConfig:
     # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
     id_layout: str = field(default="permuted", metadata=_choices("permuted", "frequency_ordered"))
     positive_rate: float = 0.26  # synthetic: target click-through rate
-    shuffle: bool = True  # binary: shuffle the training split every epoch
+    shuffle: bool = True  # binary: visit each process's blocks of rows in a new order every epoch
+    shuffle_block: int = 4096  # binary: rows read contiguously (the unit the epochs shuffle)
     skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
     val_fraction: float = 0.1  # criteo: the last fraction of lines held out for evaluation
 

@@ -1,5 +1,6 @@
-"""`BinarySource` on a small preprocessed synthetic dataset: determinism, process slices,
-epochs, evaluation, the max_rows cap, error messages, and agreement with `CriteoTSVSource`."""
+"""`BinarySource` on a small sharded synthetic dataset: determinism, process streams, the
+block shuffle's epochs, evaluation, the max_rows cap, error messages, and agreement with
+`CriteoTSVSource`."""
 
 import json
 import shutil
@@ -9,11 +10,14 @@ import pytest
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data.binary import BinaryFormatError, BinarySource, read_meta
-from dlrm_jax.data.criteo import CriteoTSVSource, preprocess_criteo, write_criteo_tsv
+from dlrm_jax.data.criteo import CriteoTSVSource, write_criteo_tsv
+from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.synthetic import SyntheticGenerator
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch
 N_TRAIN, N_VAL = 800, 200  # val_fraction 0.2; 800 = 12.5 batches, so batches straddle epochs
+BLOCK = 16  # data.shuffle_block: 800 = 50 blocks
 
 
 @pytest.fixture(scope="module")
@@ -23,17 +27,17 @@ def data(tmp_path_factory):
     gen = SyntheticGenerator(seed=5, num_dense=13, table_rows=(50, 500) * 13,
                              bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
     write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, N), missing_cat_rate=0.05)
-    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), max_ind_range=M,
-                      val_fraction=0.2, progress=False)  # fmt: skip
-    arrays = {s: {k: np.load(tmp / "ds" / s / f"{k}.npy") for k in ("dense", "ids", "labels")}
-              for s in ("train", "val")}  # fmt: skip
+    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), max_ind_range=M, val_fraction=0.2,
+                      shuffle_seed=None, shard_mb=0.02, workers=1, progress=False)  # 131-row shards
+    arrays = {s: load_split(tmp / "ds", s) for s in ("train", "val")}
     return tmp / "day.tsv", tmp / "ds", arrays
 
 
 def make_cfg(path, *extra, source="binary"):
     return load_config(None, [f"data.source={source}", f"data.path={path}", "data.max_rows=0",
                               f"data.cardinalities={[M] * 26}", f"train.batch_size={B}",
-                              "train.eval_batches=0", "data.val_fraction=0.2", *extra])  # fmt: skip
+                              "train.eval_batches=0", "data.val_fraction=0.2",
+                              f"data.shuffle_block={BLOCK}", *extra])  # fmt: skip
 
 
 def assert_batches_equal(a, b):
@@ -49,7 +53,8 @@ def concat(batches):
 def test_read_meta(data):
     meta = read_meta(data[1])
     assert meta["train_rows"] == N_TRAIN and meta["val_rows"] == N_VAL
-    assert meta["cardinalities"] == [M] * 26 and meta["num_dense"] == 13
+    assert all(0 < c <= M for c in meta["cardinalities"]) and meta["num_dense"] == 13
+    assert meta["bag_sizes"] == [1] * 26 and sum(meta["shards"]["train"]) == N_TRAIN
 
 
 def test_batches_are_deterministic_per_step(data):
@@ -60,25 +65,31 @@ def test_batches_are_deterministic_per_step(data):
     assert not np.array_equal(other.train_batch(7).labels, first.train_batch(7).labels)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes", [1, 2, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_process_slices_concatenate_to_the_global_batch(data, processes, shuffle):
-    cfg = make_cfg(data[1], f"data.shuffle={str(shuffle).lower()}")
-    whole = BinarySource(cfg)
-    parts = [BinarySource(cfg, p, processes) for p in range(processes)]
-    for step in (0, 12, 25):  # 12 straddles epochs 0 and 1
-        sliced = concat(p.train_batch(step) for p in parts)
-        assert_batches_equal(sliced, whole.train_batch(step))
+def test_process_streams_are_disjoint_and_complete(data, processes, shuffle):
+    """Each process cycles over its own contiguous rows; one epoch of every stream reads every
+    train row exactly once, and a second epoch visits the blocks in another order."""
+    cfg = make_cfg(data[1], f"data.shuffle={str(shuffle).lower()}", f"train.batch_size={8 * processes}")
+    sources = [BinarySource(cfg, p, processes) for p in range(processes)]
+    epochs = []
+    for p, source in enumerate(sources):
+        lo, hi = N_TRAIN * p // processes, N_TRAIN * (p + 1) // processes
+        steps = -(-2 * (hi - lo) // 8)
+        rows = np.concatenate([source.train_rows(step) for step in range(steps)])[: 2 * (hi - lo)]
+        first, second = rows[: hi - lo], rows[hi - lo :]
+        np.testing.assert_array_equal(np.sort(first), np.arange(lo, hi))
+        np.testing.assert_array_equal(np.sort(second), np.arange(lo, hi))
+        assert np.array_equal(first, second) != shuffle
+        if shuffle:  # contiguous blocks of BLOCK rows, not single rows
+            assert (np.diff(first.reshape(-1)[: (hi - lo) // BLOCK * BLOCK].reshape(-1, BLOCK), axis=1) == 1).all()
+        epochs.append(first)
+    np.testing.assert_array_equal(np.sort(np.concatenate(epochs)), np.arange(N_TRAIN))
 
 
-def test_each_epoch_visits_every_train_row_once(data):
+def test_batches_are_the_rows_they_name(data):
     source, train = BinarySource(make_cfg(data[1])), data[2]["train"]
     rows = np.concatenate([source.train_rows(step) for step in range(25)])  # 1600 = 2 epochs
-    epochs = rows.reshape(2, N_TRAIN)
-    for epoch in epochs:
-        np.testing.assert_array_equal(np.sort(epoch), np.arange(N_TRAIN))
-    assert not np.array_equal(epochs[0], epochs[1])
-    assert not np.array_equal(epochs[0], np.arange(N_TRAIN))
     got = concat(source.train_batch(step) for step in range(25))
     for x, name in zip(got, ("dense", "ids", "labels"), strict=True):
         np.testing.assert_array_equal(x, train[name][rows])
@@ -122,28 +133,28 @@ def copy(data, tmp_path):
 
 
 def test_out_of_range_id_names_the_file(copy):
-    ids = np.load(copy / "train" / "ids.npy", mmap_mode="r+")
+    ids = np.load(copy / "train" / "00000" / "ids.npy", mmap_mode="r+")
     ids[3, 5] = M
     ids.flush()
-    with pytest.raises(ValueError, match=f"{copy / 'train' / 'ids.npy'}.*feature 5 .*id 97"):
+    with pytest.raises(ValueError, match=f"{copy / 'train' / '00000' / 'ids.npy'}: row 3 .*feature 5 .*id 97"):
         BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
 
 
 def test_nan_dense_value_names_the_file_and_row(copy):
-    dense = np.load(copy / "val" / "dense.npy", mmap_mode="r+")
-    dense[70, 2] = np.nan
+    dense = np.load(copy / "val" / "00001" / "dense.npy", mmap_mode="r+")
+    dense[50, 2] = np.nan  # row 131 + 50 of the split
     dense.flush()
     source = BinarySource(make_cfg(copy))
-    with pytest.raises(BinaryFormatError, match=f"{copy / 'val' / 'dense.npy'}: row 70 "):
+    with pytest.raises(BinaryFormatError, match=f"{copy / 'val' / '00001' / 'dense.npy'}: row 181 "):
         list(source.eval_batches())
 
 
 def test_meta_and_shape_errors_name_the_file(copy):
-    with pytest.raises(BinaryFormatError, match="data.num_dense=13 and 25 data.cardinalities"):
+    with pytest.raises(BinaryFormatError, match="data.num_dense=13, 25 data.cardinalities"):
         BinarySource(load_config(None, ["data.source=binary", f"data.path={copy}",
                                         f"data.cardinalities={[M] * 25}"]))  # fmt: skip
-    np.save(copy / "val" / "labels.npy", np.zeros(N_VAL + 1, np.float32))
-    with pytest.raises(BinaryFormatError, match=f"{copy / 'val' / 'labels.npy'}: expected"):
+    np.save(copy / "val" / "00000" / "labels.npy", np.zeros(7, np.float32))
+    with pytest.raises(BinaryFormatError, match=f"{copy / 'val' / '00000' / 'labels.npy'}: expected"):
         BinarySource(make_cfg(copy))
     meta = json.loads((copy / "meta.json").read_text())
     (copy / "meta.json").write_text(json.dumps({**meta, "format_version": 99}))
@@ -154,34 +165,39 @@ def test_meta_and_shape_errors_name_the_file(copy):
         BinarySource(make_cfg(copy))
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_tsv_source_matches_unshuffled_binary_source(data, processes):
+def test_tsv_source_matches_unshuffled_binary_source(data):
+    """The same rows; the binary ids are the compacted form of the TSV source's value % M."""
     tsv, ds, _ = data
-    for p in range(processes):
-        binary = BinarySource(make_cfg(ds, "data.shuffle=false"), p, processes)
-        text = CriteoTSVSource(make_cfg(tsv, source="criteo"), p, processes)
-        assert (text.num_train, text.num_val) == (N_TRAIN, N_VAL)
-        for step in (0, 5, 12, 13, 40):
-            assert_batches_equal(text.train_batch(step), binary.train_batch(step))
-        for a, b in zip(text.eval_batches(), binary.eval_batches(), strict=True):
-            assert_batches_equal(a, b)
+    binary = BinarySource(make_cfg(ds, "data.shuffle=false"))
+    text = CriteoTSVSource(make_cfg(tsv, source="criteo"))
+    value_of = [np.load(ds / "vocab" / f"feature_{f}.npy")[:, 0].astype(np.int32) for f in range(26)]
+
+    def as_values(batch):
+        return batch._replace(ids=np.stack([value_of[f][batch.ids[:, f]] for f in range(26)], 1))
+
+    assert (text.num_train, text.num_val) == (N_TRAIN, N_VAL)
+    for step in (0, 5, 12, 13, 40):
+        assert_batches_equal(text.train_batch(step), as_values(binary.train_batch(step)))
+    for a, b in zip(text.eval_batches(), binary.eval_batches(), strict=True):
+        assert_batches_equal(a, as_values(b))
 
 
 @pytest.mark.parametrize("max_rows", [0, 13])
-def test_id_histograms_count_the_train_split(data, max_rows):
-    """preprocess counts every feature's ids over the train split; with data.max_rows the
-    counts follow the ids into their hashed rows, as batches do; hot rows start from them."""
+def test_id_histograms_count_every_row(data, max_rows):
+    """preprocess counts every feature's ids over all rows (a placement hint for hot rows,
+    never math); with data.max_rows the counts follow the ids into their hashed rows, as
+    batches do; hot rows start from them."""
     from dlrm_jax.train.hot_setup import initial_counts
 
     cfg = make_cfg(data[1], f"data.max_rows={max_rows}", "embedding.hot.stats_batches=1")
     source = BinarySource(cfg)
-    train_ids = data[2]["train"]["ids"]
+    train_ids = np.concatenate([data[2]["train"]["ids"], data[2]["val"]["ids"]])
     for f, (ids, counts) in enumerate(source.id_histograms()):
         column = train_ids[:, f] % max_rows if max_rows else train_ids[:, f]
         want_ids, want_counts = np.unique(column, return_counts=True)
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(counts, want_counts)
-    assert initial_counts(cfg, source).lookups() == N_TRAIN * 26  # the whole split, not one batch
+    assert initial_counts(cfg, source).lookups() == N * 26  # the whole dataset, not one batch
 
 
 def test_damaged_id_histograms_name_the_file(data, tmp_path):

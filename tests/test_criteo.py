@@ -13,16 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.config import load_config
-from dlrm_jax.data import criteo
+from dlrm_jax.data import criteo_preprocess
 from dlrm_jax.data.binary import BinarySource
 from dlrm_jax.data.criteo import (
     CriteoFormatError,
     CriteoTSVSource,
     parse_lines,
-    preprocess_criteo,
     scramble_id,
     write_criteo_tsv,
 )
+from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.shards import load_split as load_dataset_split
 from dlrm_jax.data.synthetic import SyntheticGenerator, normalise_dense
 
 ROWS = (2, 5, 17, 60, 300, 1000) * 4 + (3, 40)  # 26 small tables: repeated values, min_count
@@ -49,7 +50,7 @@ def tsv(raw, tmp_path_factory):
 
 
 def load_split(out, split):
-    return {k: np.load(Path(out) / split / f"{k}.npy") for k in ("dense", "ids", "labels")}
+    return load_dataset_split(out, split)
 
 
 def load_all(out):
@@ -59,6 +60,8 @@ def load_all(out):
 
 
 def preprocess(inputs, out, **kw):
+    """In input order (no shuffle) and in this process unless a test asks otherwise."""
+    kw = {"shuffle_seed": None, "workers": 1, **kw}
     return preprocess_criteo([str(p) for p in inputs], str(out), progress=False, **kw)
 
 
@@ -67,7 +70,14 @@ def leftovers(folder):
 
 
 def hashed(raw, empty, rows=M):
+    """The TSV source's ids: value % rows (empty: 0)."""
     return np.where(empty, 0, scramble_id(raw.ids).astype(np.uint64) % np.uint64(rows))
+
+
+def compacted(raw, empty, rows=M):
+    """preprocess's ids: each feature's hashed values numbered in ascending order."""
+    h = hashed(raw, empty, rows)
+    return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(26)], 1)
 
 
 def test_parse_lines_recovers_raw_samples(raw, tsv):
@@ -202,12 +212,21 @@ def test_killed_preprocess_leftovers_are_removed(tmp_path, tsv):
     assert leftovers(tmp_path) == [f".out.tmp-{os.getppid()}"]
 
 
-def test_hashing_mode_ids(tmp_path, raw, tsv):
+def test_hashing_mode_compacts_ids_to_the_distinct_values(tmp_path, raw, tsv):
+    """--max-ind-range N: value % N, then numbered by hashed value, so a table has as many
+    rows as the data has distinct hashed values; vocab/ maps each id back to its value."""
     path, empty = tsv
     report = preprocess([path], tmp_path / "out", max_ind_range=M)
-    assert report.cardinalities == (M,) * 26
-    np.testing.assert_array_equal(load_all(tmp_path / "out")["ids"], hashed(raw, empty))
-    assert not (tmp_path / "out" / "vocab").exists()
+    h = hashed(raw, empty)
+    distinct = [len(np.unique(h[:, f])) for f in range(26)]
+    assert report.cardinalities == tuple(distinct) and min(distinct) < M and max(distinct) <= M
+    ids = load_all(tmp_path / "out")["ids"]
+    np.testing.assert_array_equal(ids, compacted(raw, empty))
+    for f in range(26):
+        vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
+        np.testing.assert_array_equal(vocab[ids[:, f], 0], h[:, f])  # stable: id -> its value
+    with pytest.raises(ValueError, match="max_ind_range"):
+        preprocess([path], tmp_path / "neg", max_ind_range=-1)
 
 
 @pytest.mark.parametrize("min_count", [1, 4])
@@ -255,8 +274,8 @@ def test_chunking_and_line_endings_give_identical_bytes(tmp_path, tsv):
     crlf = tmp_path / "crlf.tsv"
     crlf.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
     preprocess([path], tmp_path / "one", max_ind_range=0, min_count=2)
-    preprocess([path], tmp_path / "seven", max_ind_range=0, min_count=2, chunk_lines=7)
-    preprocess([crlf], tmp_path / "crlf", max_ind_range=0, min_count=2, chunk_lines=7)
+    preprocess([path], tmp_path / "seven", max_ind_range=0, min_count=2, block_mb=0.002)
+    preprocess([crlf], tmp_path / "crlf", max_ind_range=0, min_count=2, block_mb=0.002)
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*.npy"))
     assert len(files) == 6 + 26
     for f in files:
@@ -275,7 +294,7 @@ def test_any_chunking_split_and_file_boundary(tsv, chunk, val_fraction, split_at
         b.write_text("".join(lines[split_at:]))
         (Path(tmp) / "all.tsv").write_text("".join(lines))
         kw = {"max_ind_range": M if hashing else 0, "val_fraction": val_fraction}
-        report = preprocess([a, b], Path(tmp) / "out", chunk_lines=chunk, **kw)
+        report = preprocess([a, b], Path(tmp) / "out", block_mb=chunk * 250 / 2**20, **kw)
         preprocess([Path(tmp) / "all.tsv"], Path(tmp) / "ref", **kw)
         n_val = int(120 * val_fraction + 0.5)
         assert (report.train_rows, report.val_rows) == (120 - n_val, n_val)
@@ -293,7 +312,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, tsv, monkeypatch):
     def broken(*a):
         raise OSError("disk full")
 
-    monkeypatch.setattr(criteo, "normalise_dense", broken)
+    monkeypatch.setattr(criteo_preprocess, "parse_block", broken)
     with pytest.raises(OSError, match="disk full"):
         preprocess([path], tmp_path / "new", max_ind_range=M)
     with pytest.raises(OSError, match="disk full"):  # an earlier dataset survives intact
@@ -325,3 +344,86 @@ def test_tsv_source_cycles_over_train_lines(tmp_path, raw, tsv):
     evals = list(source.eval_batches())
     assert [b.size for b in evals] == [16] * 18 + [12]
     np.testing.assert_array_equal(np.concatenate([b.ids for b in evals]), ids[900:])
+
+
+# ---------------------------------------------------------------- the parallel, sharded layout
+
+
+@pytest.mark.parametrize("hashing", [True, False])
+def test_one_and_two_workers_write_the_same_bytes(tmp_path, tsv, hashing):
+    """Output independent of the number of workers (and of how the input is cut in blocks),
+    shuffled and sharded."""
+    path, _ = tsv
+    kw = {"max_ind_range": M if hashing else 0, "shuffle_seed": 3, "shard_mb": 0.03}
+    preprocess([path], tmp_path / "one", workers=1, **kw)
+    preprocess([path], tmp_path / "two", workers=2, block_mb=0.02, **kw)
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert len([f for f in files if f.name == "shard.json"]) > 2  # several shards per split
+    assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
+    for f in files:
+        assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
+
+
+def test_global_shuffle_permutes_train_rows_and_keeps_val_in_order(tmp_path, tsv):
+    path, _ = tsv
+    preprocess([path], tmp_path / "plain", max_ind_range=M)
+    preprocess([path], tmp_path / "shuffled", max_ind_range=M, shuffle_seed=0, shard_mb=0.03)
+    plain, shuffled = load_split(tmp_path / "plain", "train"), load_split(tmp_path / "shuffled", "train")
+    key = lambda a: np.lexsort(np.column_stack([a["ids"], a["dense"], a["labels"]]).T)  # noqa: E731
+    for k in plain:  # the same rows, once each, in another order
+        np.testing.assert_array_equal(plain[k][key(plain)], shuffled[k][key(shuffled)])
+    assert not np.array_equal(plain["ids"], shuffled["ids"])
+    for k, v in load_split(tmp_path / "plain", "val").items():
+        np.testing.assert_array_equal(load_split(tmp_path / "shuffled", "val")[k], v)
+    meta = json.loads((tmp_path / "shuffled" / "meta.json").read_text())
+    assert meta["shuffled"] and sum(meta["shards"]["train"]) == meta["train_rows"] == 1080
+
+
+def test_val_input_files_and_gz_days(tmp_path, tsv):
+    """--val-input: whole files (plain or .gz) make the val split, MLPerf's day_23."""
+    path, _ = tsv
+    lines = path.read_bytes().splitlines(keepends=True)
+    (tmp_path / "day_0").write_bytes(b"".join(lines[:500]))
+    (tmp_path / "day_1.gz").write_bytes(gzip.compress(b"".join(lines[500:1000])))
+    (tmp_path / "day_23.gz").write_bytes(gzip.compress(b"".join(lines[1000:])))
+    report = preprocess([tmp_path / "day_0", tmp_path / "day_1.gz"], tmp_path / "out", max_ind_range=M,
+                        val_inputs=[str(tmp_path / "day_23.gz")], val_fraction=0.0, workers=2)
+    assert (report.train_rows, report.val_rows) == (1000, N - 1000)
+    preprocess([path], tmp_path / "ref", max_ind_range=M, val_fraction=(N - 1000) / N)
+    for split in ("train", "val"):
+        for k, v in load_split(tmp_path / "ref", split).items():
+            np.testing.assert_array_equal(load_split(tmp_path / "out", split)[k], v)
+    (tmp_path / "cut.gz").write_bytes(gzip.compress(b"".join(lines))[:-100])
+    with pytest.raises(CriteoFormatError, match=f"{tmp_path / 'cut.gz'}: truncated or damaged gzip"):
+        preprocess([tmp_path / "cut.gz"], tmp_path / "cut", max_ind_range=M)
+
+
+def test_each_shard_checks_alone(tmp_path, tsv):
+    from dlrm_jax.data.shards import BinaryFormatError, verify_shard
+
+    preprocess([tsv[0]], tmp_path / "out", max_ind_range=M, shard_mb=0.03)
+    shards = sorted((tmp_path / "out").glob("*/0*"))
+    assert sum(verify_shard(s) for s in shards) == N
+    ids = np.load(shards[1] / "ids.npy", mmap_mode="r+")
+    ids[0, 0] += 1
+    ids.flush()
+    with pytest.raises(BinaryFormatError, match=f"{shards[1] / 'ids'}.npy: does not match"):
+        verify_shard(shards[1])
+    (shards[2] / "shard.json").unlink()
+    with pytest.raises(BinaryFormatError, match="incomplete"):
+        verify_shard(shards[2])
+
+
+def test_skip_counts_and_first_error_hold_with_several_workers(tmp_path, tsv):
+    path, _ = tsv
+    lines = path.read_text().splitlines(keepends=True)
+    for i, kind in enumerate(sorted(BAD_LINES) * 2):
+        lines.insert(1 + i * 100, BAD_LINES[kind][0] + "\n")
+    dirty = tmp_path / "dirty.tsv"
+    dirty.write_text("".join(lines))
+    one = preprocess([dirty], tmp_path / "one", skip_bad_lines=True, max_ind_range=M)
+    two = preprocess([dirty], tmp_path / "two", skip_bad_lines=True, max_ind_range=M, workers=2, block_mb=0.01)
+    assert (one.skipped_by_reason, one.skipped_examples) == (two.skipped_by_reason, two.skipped_examples)
+    assert one.skipped == 12 and two.skipped_examples[1].startswith(f"{dirty}:102: ")
+    with pytest.raises(CriteoFormatError, match=f"{dirty}:2: "):
+        preprocess([dirty], tmp_path / "strict", max_ind_range=M, workers=2, block_mb=0.01)

@@ -1,5 +1,7 @@
-"""Criteo Kaggle/Terabyte TSV: strict parsing, ``preprocess_criteo`` into the binary layout of
-:mod:`dlrm_jax.data.binary`, and :class:`CriteoTSVSource`, which trains straight from small TSVs.
+"""Criteo Kaggle/Terabyte TSV: the strict line parser (what ``preprocess criteo`` falls back to,
+to name what is wrong with a line), synthetic TSV for tests, and :class:`CriteoTSVSource`,
+which trains straight from small TSVs (:mod:`~dlrm_jax.data.criteo_preprocess` makes binary
+datasets).
 
 A line is ``label \\t I1..I13 \\t C1..C26``: label 0/1, integer features (empty = missing, may be
 negative), categorical features as hex strings (empty = missing). Lines are checked with one
@@ -19,19 +21,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dlrm_jax.data import binary
+from dlrm_jax.data import binary, shards
 from dlrm_jax.data.batch import Batch, process_slice
 from dlrm_jax.data.preprocess import (
     BadLine,
-    Chunk,
     DataFormatError,
-    PreprocessReport,
     SkipLog,
     byte_progress,
-    check_arguments,
     hash_ids,
     is_gzip,
-    write_dataset,
 )
 from dlrm_jax.data.synthetic import RawSamples, normalise_dense
 
@@ -210,7 +208,7 @@ class CriteoTSVSource:
             offsets.append(starts[parsed.rows])
             files.append(np.full(len(parsed.rows), fi, dtype=np.int32))
         self._file, self._offset = np.concatenate(files), np.concatenate(offsets)
-        self.num_train, self.num_val = binary.split_sizes(len(self._offset), cfg.data.val_fraction)
+        self.num_train, self.num_val = shards.split_sizes(len(self._offset), cfg.data.val_fraction)
         if self.num_train == 0:
             raise ValueError(f"{cfg.data.path}: no training lines ({self.num_val} valid lines)")
 
@@ -241,38 +239,3 @@ class CriteoTSVSource:
             raise CriteoFormatError(f"{self.paths}: changed since indexed ({p.bad[0].message})")
         dense = normalise_dense(p.counts, p.missing)
         return Batch(dense, hash_ids(p.values, self._table_rows), p.labels.astype(np.float32))
-
-
-# ---------------------------------------------------------------- preprocessing to binary
-
-
-def preprocess_criteo(
-    inputs: list[str],
-    output: str,
-    *,
-    max_ind_range: int = 0,
-    min_count: int = 1,
-    val_fraction: float = 0.1,
-    skip_bad_lines: bool = False,
-    chunk_lines: int = 200_000,
-    progress: bool = True,
-) -> PreprocessReport:
-    """Criteo TSV files -> the binary layout of :mod:`dlrm_jax.data.binary` at ``output``.
-
-    Ids are ``int(hex, 16) % max_ind_range`` when ``max_ind_range > 0``, else vocabulary ids
-    (frequency-ordered, values seen fewer than ``min_count`` times share id 0 with missing ones).
-    The last ``val_fraction`` of valid lines form the val split. Two streaming passes (see
-    :func:`~dlrm_jax.data.preprocess.write_dataset`); a failure never leaves a half-written
-    dataset at ``output``.
-    """
-    check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, chunk_lines)
-    paths = [str(p) for p in inputs]
-
-    def read(log: SkipLog, phase: str) -> Iterator[Chunk]:
-        for _, _, lines, p in iter_chunks(paths, chunk_lines, log, phase, progress):
-            dense = normalise_dense(p.counts, p.missing) if phase == "write" else None
-            yield Chunk(len(lines), p.values, p.empty, p.labels, dense)
-
-    return write_dataset(read, output, paths, num_dense=NUM_DENSE, num_features=NUM_CATEGORICAL,
-                         log=SkipLog(skip_bad_lines, CriteoFormatError), max_ind_range=max_ind_range,
-                         min_count=min_count, val_fraction=val_fraction)

@@ -1,25 +1,23 @@
-"""What every ``dlrm-jax preprocess`` shares: the bad-line policy, ids (vocabularies or hashing)
-and the two-pass driver that writes the binary layout of :mod:`dlrm_jax.data.binary`.
+"""What every ``dlrm-jax preprocess`` shares: the bad-line policy, vocabularies, the parsed
+:class:`Chunk` and the report.
 
-A format module (:mod:`~dlrm_jax.data.criteo`, :mod:`~dlrm_jax.data.tabular`) parses its input
-into :class:`Chunk` s of categorical *values* (uint64: Criteo's hex numbers, hashes of text
-fields) and hands :func:`write_dataset` a reader that streams them; the driver counts values,
-builds vocabularies, splits train/val and writes.
+A format module (:mod:`~dlrm_jax.data.criteo_preprocess`, :mod:`~dlrm_jax.data.tabular`)
+parses its input into :class:`Chunk` s of categorical *values* (uint64: Criteo's hex numbers,
+hashes of text fields); :mod:`~dlrm_jax.data.prep_driver` counts them, assigns ids, splits,
+shuffles and writes shards.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
-
-from dlrm_jax.data import binary
 
 
 class DataFormatError(ValueError):
@@ -108,6 +106,7 @@ class PreprocessReport:
     skipped_examples: tuple[str, ...]  # the first few "file:line: reason"
     cardinalities: tuple[int, ...]
     output: str
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase, and "total"
 
     def summary(self) -> str:
         text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
@@ -115,7 +114,10 @@ class PreprocessReport:
         if self.skipped:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
             text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
-        return text + f"\n  cardinalities: {list(self.cardinalities)}"
+        text += f"\n  cardinalities: {list(self.cardinalities)}"
+        if self.seconds:
+            text += "\n  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
+        return text
 
 
 def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines) -> None:
@@ -125,6 +127,15 @@ def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction,
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"{caller}: needs {need}")
+
+
+class Task(NamedTuple):
+    """A unit of parsing work: the lines of ``path`` that start in ``[start, end)``, or the
+    whole file when ``end`` is -1 (gzipped files, files whose records may span lines)."""
+
+    path: str
+    start: int
+    end: int
 
 
 class Chunk(NamedTuple):
@@ -142,72 +153,3 @@ class Chunk(NamedTuple):
     empty: np.ndarray
     labels: np.ndarray
     dense: np.ndarray | None
-
-
-# A reader streams the input as Chunks; it gets the bad-line log and the pass ("scan" or
-# "write", also its progress bar's label). Both passes must yield the same valid rows.
-Reader = Callable[[SkipLog, str], Iterator[Chunk]]
-
-
-def write_dataset(
-    read: Reader,
-    output: str | Path,
-    inputs: Sequence[str],
-    *,
-    num_dense: int,
-    num_features: int,
-    log: SkipLog,
-    max_ind_range: int,
-    min_count: int,
-    val_fraction: float,
-    meta: Callable[[], dict] = dict,
-) -> PreprocessReport:
-    """Two passes over ``read``: count lines (and values, for vocabularies), then convert and
-    write through a :class:`~dlrm_jax.data.binary.DatasetWriter`, which only ever leaves a
-    complete dataset at ``output``.
-
-    Ids are ``value % max_ind_range`` when ``max_ind_range > 0``, else vocabulary ids (see
-    :class:`Vocabulary`). The last ``val_fraction`` of valid rows form the val split.
-    ``meta()`` is called after the scan; its keys are added to meta.json.
-    """
-    binary.check_output_target(output)  # fail before a long scan, not after it
-    counter = None if max_ind_range else binary.ValueCounter(num_features, np.uint64)
-    lines_read, valid = 0, 0
-    for chunk in read(log, "scan"):
-        lines_read, valid = lines_read + chunk.lines, valid + len(chunk.labels)
-        if counter is not None:
-            counter.add(chunk.values, chunk.empty)
-    n_train, n_val = binary.split_sizes(valid, val_fraction)
-    if n_train == 0:
-        raise ValueError(f"{', '.join(inputs)}: no training rows ({valid} valid lines)")
-    skipped = log.by_reason.total()
-    with binary.DatasetWriter(output, n_train, n_val, num_dense, num_features) as writer:
-        vocabs = None if counter is None else save_vocabularies(writer.root, counter, min_count)
-        # Bad lines were reported by the scan; the writer's row count catches a changed input.
-        for c in read(SkipLog(True), "write"):
-            ids = hash_ids(c.values, max_ind_range) if vocabs is None else lookup_ids(vocabs, c)
-            writer.append(c.dense, ids, c.labels.astype(np.float32))
-        cards = [max_ind_range] * num_features if vocabs is None else [v.size for v in vocabs]
-        writer.commit({
-            "num_dense": num_dense, "cardinalities": cards, "train_rows": n_train,
-            "val_rows": n_val, "max_ind_range": max_ind_range, "min_count": min_count,
-            "val_fraction": val_fraction, "inputs": [str(Path(p).resolve()) for p in inputs],
-            "lines_read": lines_read, "skipped": skipped, "skipped_by_reason": dict(log.by_reason),
-            **meta(),
-        })  # fmt: skip
-    return PreprocessReport(lines_read, n_train, n_val, skipped, dict(log.by_reason),
-                            tuple(log.examples), tuple(cards), str(output))  # fmt: skip
-
-
-def save_vocabularies(root: Path, counter: binary.ValueCounter, min_count: int) -> list[Vocabulary]:
-    """root/vocab/feature_{f}.npy: uint64 [K_f, 2], row i = (value, count) of id i + 1."""
-    (folder := root / "vocab").mkdir()
-    vocabs = [Vocabulary(*counter.table(f), min_count) for f in range(counter.features)]
-    for f, v in enumerate(vocabs):
-        np.save(folder / f"feature_{f}.npy", v.kept)
-    return vocabs
-
-
-def lookup_ids(vocabs: list[Vocabulary], chunk: Chunk) -> np.ndarray:
-    """int32 [n, F] vocabulary ids of a chunk."""
-    return np.stack([v.lookup(chunk.values[:, f], chunk.empty[:, f]) for f, v in enumerate(vocabs)], 1)

@@ -8,9 +8,10 @@ from dlrm_jax.data.batch import DataSource
 
 
 def resolve_data_config(cfg):
-    """For ``binary`` data, take the number of dense features and the tables' cardinalities
-    from the dataset's meta.json (Criteo's 13 + 26, or what a tabular schema made; a dataset
-    without dense features is read as one all-zero column)."""
+    """For ``binary`` data, take the number of dense features, the tables' cardinalities and
+    the bag sizes from the dataset's meta.json (Criteo's 13 + 26, MLPerf's multi-hot bags, or
+    what a tabular schema made; a dataset without dense features is read as one all-zero
+    column)."""
     if cfg.data.source != "binary":
         return cfg
     from dlrm_jax.data.binary import model_num_dense, read_meta
@@ -18,9 +19,12 @@ def resolve_data_config(cfg):
     meta = read_meta(cfg.data.path)
     cards = tuple(int(c) for c in meta["cardinalities"])
     num_dense = model_num_dense(int(meta["num_dense"]))
-    if (num_dense, cards) == (cfg.data.num_dense, cfg.data.cardinalities):
+    bags = tuple(int(b) for b in meta["bag_sizes"])
+    bags = bags[:1] if len(set(bags)) == 1 else bags  # the config's short form for equal bags
+    if (num_dense, cards, bags) == (cfg.data.num_dense, cfg.data.cardinalities, cfg.data.bag_sizes):
         return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards))
+    data = dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards, bag_sizes=bags)
+    return dataclasses.replace(cfg, data=data)
 
 
 def make_source(cfg, process_index: int = 0, process_count: int = 1) -> DataSource:

@@ -11,21 +11,24 @@ column or a comparison with a threshold. Records that cannot be used are reporte
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from dlrm_jax.data import binary
+from dlrm_jax.data import shards
+from dlrm_jax.data.prep_driver import Options, default_workers, write_dataset
 from dlrm_jax.data.preprocess import (
     BadLine,
     Chunk,
+    DataFormatError,
     PreprocessReport,
     SkipLog,
-    byte_progress,
+    Task,
     check_arguments,
-    write_dataset,
 )
 from dlrm_jax.data.synthetic import mix64, normalise_dense
 from dlrm_jax.data.tabular_records import Records, read_records
@@ -199,31 +202,59 @@ def _load_side(schema: TabularSchema, join: Join, path: str, log: SkipLog, chunk
 # ---------------------------------------------------------------- preprocessing
 
 
+class TabularParser:
+    """Picklable: turns one input file (a task: CSV quoting may hide line ends, so files are
+    not cut) into :class:`~dlrm_jax.data.preprocess.Chunk` s, joined with the side files."""
+
+    error = DataFormatError
+
+    def __init__(self, schema: TabularSchema, sides: dict, chunk_lines: int):
+        self.schema, self.sides, self.chunk_lines = schema, sides, chunk_lines
+        self.num_dense, self.num_features = len(schema.dense), len(schema.categorical)
+        self._misses = dict.fromkeys(sides, 0)
+
+    def tasks(self, paths: list[str]) -> list[Task]:
+        return [Task(p, 0, -1) for p in paths]
+
+    def parse(self, task: Task, log: SkipLog) -> Iterator[Chunk]:
+        for rec in read_records(task.path, self.schema.layout, self.schema.wanted(), self.chunk_lines):
+            yield _chunk(self.schema, self.sides, task.path, rec, log, self._misses)
+
+    def take_extra(self) -> dict:
+        """The rows no side-file row matched since the last call, per join."""
+        misses, self._misses = self._misses, dict.fromkeys(self.sides, 0)
+        return {"join_misses": misses}
+
+
 def preprocess_tabular(
     schema: str | Path | TabularSchema,
     inputs: list[str],
     output: str,
     *,
     joins: dict[str, str] | None = None,
+    val_inputs: list[str] = (),
     max_ind_range: int = 0,
     min_count: int = 1,
     val_fraction: float = 0.1,
+    shuffle_seed: int | None = 0,
+    shard_mb: float = 1024.0,
+    workers: int = 0,
     skip_bad_lines: bool = False,
     chunk_lines: int = 100_000,
     progress: bool = True,
 ) -> PreprocessReport:
     """Tabular files described by ``schema`` (a YAML file, a shipped schema's name such as
     ``"movielens_1m"``, or a :class:`~dlrm_jax.data.tabular_schema.TabularSchema`) -> the
-    binary layout of :mod:`dlrm_jax.data.binary` at ``output``.
+    sharded layout of :mod:`dlrm_jax.data.shards` at ``output``.
 
     ``joins`` maps each of the schema's join names to its side file (read whole, left-joined).
-    Rows keep input order; the last ``val_fraction`` of valid rows form the val split. Ids as
-    for Criteo: frequency-ordered vocabularies (values seen fewer than ``min_count`` times share
-    id 0 with missing ones), or ``category_values(text) % max_ind_range``. Bad records raise
-    ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are counted. meta.json
-    also names the features and counts the rows no side-file row matched (``join_misses``).
-    Train on the output with ``data.source=binary``: feature counts and table sizes are read
-    from its meta.json.
+    Ids, splits, shuffling and shards as for Criteo (:func:`~dlrm_jax.data.criteo_preprocess.
+    preprocess_criteo`): frequency-ordered vocabularies or ``category_values(text) %
+    max_ind_range`` numbered by hashed value; the val split is ``val_inputs`` or the last
+    ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
+    Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
+    counted. meta.json also names the features and counts the rows no side-file row matched
+    (``join_misses``). Train on the output with ``data.source=binary``.
     """
     check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines)
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
@@ -231,25 +262,29 @@ def preprocess_tabular(
     if sorted(joins) != sorted(names):
         raise SchemaError(f"{schema.path}: joins: the schema joins {names or 'no side file'}; give "
                           f"exactly those files (--join NAME=PATH), got {sorted(joins) or 'none'}")  # fmt: skip
-    binary.check_output_target(output)  # before reading side files
-    paths, log = [str(p) for p in inputs], SkipLog(skip_bad_lines)
+    shards.check_output_target(output)  # before reading side files
+    log = SkipLog(skip_bad_lines)
     sides = {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
-    misses, wanted = dict.fromkeys(names, 0), schema.wanted()
+    opts = Options(max_ind_range=max_ind_range, min_count=min_count, val_fraction=val_fraction,
+                   shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
+                   skip_bad_lines=skip_bad_lines, progress=progress)  # fmt: skip
 
-    def read(log: SkipLog, phase: str) -> Iterator[Chunk]:
-        with byte_progress(paths, phase, progress) as bar:
-            for path in paths:
-                for rec in read_records(path, schema.layout, wanted, chunk_lines, bar):
-                    yield _chunk(schema, sides, path, rec, log, misses if phase == "scan" else None)
-
-    def meta() -> dict:  # called after the scan has counted the misses
+    def meta(extra: dict) -> dict:
         return {"schema": str(Path(schema.path).resolve()), "dense_features": [f.name for f in schema.dense],
                 "categorical_features": [f.name for f in schema.categorical],
-                "joins": {k: str(Path(v).resolve()) for k, v in joins.items()}, "join_misses": misses}  # fmt: skip
+                "joins": {k: str(Path(v).resolve()) for k, v in joins.items()},
+                "join_misses": {k: extra.get("join_misses", {}).get(k, 0) for k in names}}  # fmt: skip
 
-    return write_dataset(read, output, paths, num_dense=len(schema.dense), num_features=len(schema.categorical),
-                         log=log, max_ind_range=max_ind_range, min_count=min_count,
-                         val_fraction=val_fraction, meta=meta)  # fmt: skip
+    report = write_dataset(TabularParser(schema, sides, chunk_lines), inputs, output, opts, val_inputs, meta)
+    if log.by_reason:  # side files' skipped lines are counted with the main files'
+        report = _with_side_skips(report, log)
+    return report
+
+
+def _with_side_skips(report: PreprocessReport, log: SkipLog) -> PreprocessReport:
+    by_reason = Counter(report.skipped_by_reason) + log.by_reason
+    return dataclasses.replace(report, skipped=by_reason.total(), skipped_by_reason=dict(by_reason),
+                               skipped_examples=tuple(log.examples + list(report.skipped_examples))[:10])
 
 
 def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Records, log: SkipLog,

@@ -1,0 +1,192 @@
+"""The on-disk layout of a preprocessed dataset (format 2): splits cut into shards of bounded
+size, each a folder that can be written, copied to the host that reads it, and checked alone.
+
+::
+
+    PATH/meta.json                       format_version 2, num_dense, cardinalities, bag_sizes,
+                                         train_rows, val_rows, shard_rows, shards {train, val}:
+                                         rows per shard, shuffled, shuffle_seed, inputs, ...
+    PATH/{train,val}/NNNNN/dense.npy     float32 [rows, num_dense]  normalised dense features
+    PATH/{train,val}/NNNNN/ids.npy       int32   [rows, S]          ids; S = sum(bag_sizes)
+    PATH/{train,val}/NNNNN/labels.npy    float32 [rows]             0 or 1
+    PATH/{train,val}/NNNNN/shard.json    rows and the CRC-32 of each file
+    PATH/vocab/feature_{f}.npy           uint64 [K_f, 2]: (value, count) per id (vocabularies:
+                                         of ids 1..K_f; hashing: of ids 0..K_f-1, the value
+                                         being the hashed one)
+    PATH/train/id_counts.npz             ids_{f}, counts_{f}: the most frequent ids of feature f
+                                         and their counts over all rows (one-hot data only)
+
+Train rows are in shuffled order when ``shuffled`` (a global shuffle at preprocessing); val
+rows keep input order. Written by :mod:`dlrm_jax.data.prep_driver`, read by
+:mod:`dlrm_jax.data.binary`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 2
+META_FILE = "meta.json"
+SHARD_FILE = "shard.json"
+ID_COUNTS_FILE = "id_counts.npz"
+SPLITS = ("train", "val")
+ARRAY_DTYPES = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
+HISTOGRAM_IDS = 1 << 20  # ids kept per feature in id_counts.npz: far more than any hot set
+_META_KEYS = ("num_dense", "cardinalities", "bag_sizes", "train_rows", "val_rows", "shards")
+
+
+class BinaryFormatError(ValueError):
+    """A preprocessed dataset that cannot be used; the message names the offending file."""
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) sizes of n rows when the last ``val_fraction`` of them are held out."""
+    n_val = min(n, int(n * val_fraction + 0.5))
+    return n - n_val, n_val
+
+
+def read_meta(path: str | Path) -> dict:
+    """The parsed ``PATH/meta.json`` of a preprocessed dataset, checked for version and keys."""
+    file = Path(path) / META_FILE
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise BinaryFormatError(f"{file}: not found; is {path} the output of `dlrm-jax preprocess`?") from None
+    except (OSError, ValueError) as e:
+        raise BinaryFormatError(f"{file}: cannot be read as JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        found = meta.get("format_version") if isinstance(meta, dict) else None
+        raise BinaryFormatError(f"{file}: format_version {found!r} is not supported (expected "
+                                f"{FORMAT_VERSION}); preprocess the data again")  # fmt: skip
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise BinaryFormatError(f"{file}: missing key(s) {', '.join(missing)}")
+    return meta
+
+
+def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write one shard's arrays, then its shard.json (rows, CRC-32 per file) last."""
+    folder.mkdir(parents=True)
+    crcs = {}
+    for name in ARRAY_DTYPES:
+        a = np.ascontiguousarray(arrays[name])
+        np.save(folder / f"{name}.npy", a)
+        crcs[name] = zlib.crc32(a.data)
+    rows = len(arrays["labels"])
+    (folder / SHARD_FILE).write_text(json.dumps({"rows": rows, "crc32": crcs}) + "\n")
+
+
+def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, np.ndarray]:
+    """Memory-map one shard's arrays, checked for shape and dtype (``widths``: dense, ids)."""
+    arrays = {}
+    for name, dtype in ARRAY_DTYPES.items():
+        file = folder / f"{name}.npy"
+        try:
+            a = np.load(file, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise BinaryFormatError(f"{file}: cannot be memory-mapped ({e})") from None
+        want = (rows, widths[name]) if name in widths else (rows,)
+        if a.shape != want or a.dtype != dtype:
+            raise BinaryFormatError(f"{file}: expected {np.dtype(dtype).name} {list(want)} (from "
+                                    f"meta.json and the config), found {a.dtype.name} {list(a.shape)}")  # fmt: skip
+        arrays[name] = a
+    return arrays
+
+
+def verify_shard(folder: str | Path) -> int:
+    """Check a shard alone against its shard.json (every file's CRC-32); returns its rows."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / SHARD_FILE).read_text())
+        rows, crcs = int(info["rows"]), info["crc32"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BinaryFormatError(f"{folder / SHARD_FILE}: missing or unreadable ({e}); the shard is incomplete") from None
+    for name in ARRAY_DTYPES:
+        a = np.load(folder / f"{name}.npy", mmap_mode="r")
+        if len(a) != rows or zlib.crc32(np.ascontiguousarray(a).data) != crcs[name]:
+            raise BinaryFormatError(f"{folder / name}.npy: does not match {SHARD_FILE} (damaged or changed)")
+    return rows
+
+
+def check_output_target(output: str | Path) -> None:
+    """Refuse to replace anything at ``output`` but an earlier preprocessed dataset."""
+    out = Path(output)
+    if out.exists() and not (out / META_FILE).exists() and (out.is_file() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: exists and is not a preprocessed dataset; not replacing it")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(output: str | Path) -> list[Path]:
+    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders beside ``output`` left by a writer
+    that was killed (its PID is no longer running); returns what was removed."""
+    out = Path(output)
+    removed = []
+    for p in out.parent.glob(f".{out.name}.*-*") if out.parent.exists() else ():
+        kind, _, pid = p.name[len(out.name) + 2 :].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+class DatasetDir:
+    """A dataset being written in ``.NAME.tmp-PID`` beside ``output``: :meth:`commit` writes
+    meta.json last and renames it into place (replacing an earlier dataset only then); an
+    exception inside the ``with`` removes it, so ``output`` is never half written."""
+
+    def __init__(self, output: str | Path):
+        self.output = Path(output)
+        check_output_target(self.output)
+        remove_stale_temporaries(self.output)
+        self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True)
+
+    def __enter__(self) -> DatasetDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def commit(self, meta: dict) -> None:
+        shutil.rmtree(self.root / ".work", ignore_errors=True)
+        meta = {"format_version": FORMAT_VERSION, **meta}
+        (self.root / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        if self.output.exists():  # an earlier dataset: replaced only now that this one is whole
+            old = self.output.with_name(f".{self.output.name}.old-{os.getpid()}")
+            self.output.rename(old)
+            self.root.rename(self.output)
+            shutil.rmtree(old)
+        else:
+            self.root.rename(self.output)
+
+
+def load_split(path: str | Path, split: str) -> dict[str, np.ndarray]:
+    """A whole split's arrays, its shards concatenated in order (small datasets, inspection)."""
+    meta, root = read_meta(path), Path(path)
+    parts = [{k: np.load(root / split / shard_name(i) / f"{k}.npy") for k in ARRAY_DTYPES}
+             for i, n in enumerate(meta["shards"][split]) if n]  # fmt: skip
+    if not parts:
+        width = {"dense": (int(meta["num_dense"]),), "ids": (sum(meta["bag_sizes"]),), "labels": ()}
+        return {k: np.zeros((0, *width[k]), d) for k, d in ARRAY_DTYPES.items()}
+    return {k: np.concatenate([p[k] for p in parts]) for k in ARRAY_DTYPES}
