@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--max-rows", type=int, default=200_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bt.add_argument("--output", help="write the JSON here too")
+    bi = bench_sub.add_parser("input", help="input pipeline samples/s (binary, synthetic) beside the train step's")
+    _add_config_args(bi)
+    bi.add_argument("--steps", type=int, default=30, help="batches timed through the pipeline per case")
+    bi.add_argument("--step-steps", type=int, default=5, help="timed train steps for the step-only figure")
+    bi.add_argument("--output", help="write the JSON here too")
     be = bench_sub.add_parser("embedding", help="embedding step of every strategy vs XLA baselines")
     _add_config_args(be)
     be.add_argument("--strategies", default="replicated,table,row,column,auto")
@@ -381,6 +386,13 @@ def cmd_bench(args) -> int:
                     layout=args.layout, warmup=args.warmup, output=args.output, large_gb=args.large_gb,
                     large_fraction=args.large_fraction, large_host_fraction=args.large_host_fraction,
                     tier_dir=args.tier_dir, log=_log)
+        return 0
+    if args.suite == "input":
+        cfg = load_config(args.config, args.overrides)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.input import bench_input
+
+        bench_input(cfg, steps=args.steps, step_steps=args.step_steps, output=args.output, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)

@@ -197,6 +197,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.positive_rate: must be in (0, 1), got {d.positive_rate}")
     _positive("data.zipf_exponent", d.zipf_exponent, allow_zero=True)
     _positive("data.shuffle_block", d.shuffle_block)
+    _positive("data.readers", d.readers)
+    _positive("data.prefetch", d.prefetch)
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.source in ("criteo", "binary") and not d.path:

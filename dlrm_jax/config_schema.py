@@ -73,6 +73,8 @@ class DataConfig:
     positive_rate: float = 0.26  # synthetic: target click-through rate
     shuffle: bool = True  # binary: visit each process's blocks of rows in a new order every epoch
     shuffle_block: int = 4096  # binary: rows read contiguously (the unit the epochs shuffle)
+    readers: int = 2  # threads that read batches and copy them to the devices, ahead of the step
+    prefetch: int = 4  # steps of input prepared ahead (host and device memory: this many batches)
     skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
     val_fraction: float = 0.1  # criteo: the last fraction of lines held out for evaluation
 

@@ -21,6 +21,9 @@ A dataset without dense features (num_dense 0) is read as one all-zero dense col
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from dlrm_jax.data.shards import (
 from dlrm_jax.data.shuffle import KeyedPermutation
 
 __all__ = ["BinaryFormatError", "BinarySource", "read_meta", "model_num_dense"]
+_OPEN_FILES = 192  # per split: 64 shards of 3 arrays
 
 
 def model_num_dense(stored: int) -> int:
@@ -61,7 +65,8 @@ def eval_positions(num_val: int, batch: int, rows: slice, max_batches: int) -> I
 
 
 class _Split:
-    """One split's shards as one row space; the shards overlapping ``[lo, hi)`` are opened."""
+    """One split's shards as one row space. The shards overlapping ``[lo, hi)`` are checked
+    at start; reads go through at most ``_OPEN_FILES`` open files (least recently used)."""
 
     def __init__(self, root: Path, split: str, sizes: list[int], widths: dict, lo: int, hi: int):
         self.root, self.name = root, split
@@ -70,26 +75,54 @@ class _Split:
             k: open_shard(root / split / shard_name(k), n, widths)
             for k, n in enumerate(sizes) if n and self.starts[k] < hi and self.starts[k + 1] > lo
         }  # fmt: skip
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._lock = threading.Lock()  # reader threads share the open files
 
-    def read(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """The arrays at split rows ``rows`` (int64 [n]), copied run by contiguous run."""
-        n = len(rows)
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.pop(path, None)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                while len(self._fds) >= _OPEN_FILES:
+                    os.close(self._fds.popitem(last=False)[1])
+            self._fds[path] = fd
+            return fd
+
+    def read(self, runs: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+        """The arrays at the split rows of ``runs`` ((first row, length) each), in order,
+        read a contiguous piece at a time."""
+        n = sum(length for _, length in runs)
         first = next(iter(self.shards.values()))
         out = {k: np.empty((n, *a.shape[1:]), a.dtype) for k, a in first.items()}
-        if not n:
-            return out
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        shard_of = np.searchsorted(self.starts, rows, side="right") - 1
-        breaks = np.union1d(breaks, np.flatnonzero(np.diff(shard_of)) + 1)
-        for i, j in zip(np.concatenate([[0], breaks]).tolist(), np.concatenate([breaks, [n]]).tolist(), strict=True):
-            k = int(shard_of[i])
-            lo = int(rows[i] - self.starts[k])
-            arrays = self.shards.get(k)
-            if arrays is None:
-                raise BinaryFormatError(f"{self.root / self.name / shard_name(k)}: read but not opened")
-            for name, a in arrays.items():
-                out[name][i:j] = a[lo : lo + j - i]
+        at = 0
+        for start, length in runs:
+            while length:  # a run may cross into the next shard
+                k = int(np.searchsorted(self.starts, start, side="right")) - 1
+                files = self.shards.get(k)
+                if files is None:
+                    raise BinaryFormatError(f"{self.root / self.name / shard_name(k)}: read but not opened")
+                lo = start - int(self.starts[k])
+                take = min(length, int(self.starts[k + 1]) - start)
+                for name, f in files.items():
+                    f.read_into(self._fd(f.path), out[name][at : at + take], lo)
+                at, start, length = at + take, start + take, length - take
         return out
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
+    """int64 [n] rows -> (first row, length) of each contiguous ascending run."""
+    if not len(rows):
+        return []
+    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    lengths = np.diff(np.concatenate([starts, [len(rows)]]))
+    return list(zip(rows[starts].tolist(), lengths.tolist(), strict=True))
 
 
 class BinarySource:
@@ -124,7 +157,10 @@ class BinarySource:
         self._eval_batches = cfg.train.eval_batches
         self._table_rows, self._bag_sizes = cfg.table_rows, tuple(cfg.bag_sizes)
         self._upper = np.repeat(np.asarray(cfg.table_rows, np.int64), self._bag_sizes)  # per id column
-        self._lower = np.where(np.repeat(self._bag_sizes, self._bag_sizes) > 1, PAD_ID, 0)
+        self._lower = np.where(np.repeat(self._bag_sizes, self._bag_sizes) > 1, PAD_ID, 0).astype(np.int32)
+        self._span = (self._upper - self._lower).astype(np.uint32)
+        self._multi_hot = max(self._bag_sizes) > 1
+        self._perm: tuple[int, KeyedPermutation] | None = None  # the newest epoch's block order
         # Features whose stored ids exceed the table (data.max_rows cap) are hashed into it.
         self._hashed = [f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r]
 
@@ -157,23 +193,40 @@ class BinarySource:
         return out
 
     # ---------------------------------------------------------------- training
+    def train_runs(self, step: int) -> list[tuple[int, int]]:
+        """(first train-split row, length) of the contiguous pieces of this process's slice
+        of batch ``step``, in batch order: about B / (processes * block) + 2 of them."""
+        per, m, k = self._rows.stop - self._rows.start, self._hi - self._lo, self._block
+        if not self._shuffle:
+            k = m  # one block: the stream in order
+        full = m // k  # blocks past ``full`` (the partial tail) keep their place
+        pieces, pos, end = [], step * per, (step + 1) * per  # (epoch, block, offset, length)
+        while pos < end:
+            epoch, within = divmod(pos, m)
+            block, offset = divmod(within, k)
+            take = min(end - pos, (k - offset) if block < full else m - within)
+            pieces.append((epoch, block, offset, take))
+            pos += take
+        moved = {}  # epoch -> its blocks' places, one vectorised permutation per epoch
+        if self._shuffle:
+            for e in {p[0] for p in pieces}:
+                blocks = [b for pe, b, _, _ in pieces if pe == e and b < full]
+                perm = self._epoch_permutation(e, full)
+                moved[e] = dict(zip(blocks, perm(np.asarray(blocks, np.int64)).tolist(), strict=True))
+        return [(self._lo + moved.get(e, {}).get(b, b) * k + o, n) for e, b, o, n in pieces]
+
+    def _epoch_permutation(self, epoch: int, blocks: int) -> KeyedPermutation:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, KeyedPermutation(max(blocks, 1), [self._seed, epoch, self._process]))
+        return self._perm[1]
+
     def train_rows(self, step: int) -> np.ndarray:
         """int64 [B/processes]: the train-split rows of this process's slice of batch ``step``."""
-        per, m, k = self._rows.stop - self._rows.start, self._hi - self._lo, self._block
-        epoch, within = np.divmod(step * per + np.arange(per, dtype=np.int64), m)
-        if not self._shuffle:
-            return self._lo + within
-        block, offset = np.divmod(within, k)
-        full = m // k  # blocks past ``full`` (the partial tail) keep their place
-        moved = block < full
-        for e in np.unique(epoch[moved]).tolist():
-            sel = moved & (epoch == e)
-            blocks, inverse = np.unique(block[sel], return_inverse=True)
-            block[sel] = KeyedPermutation(full, [self._seed, e, self._process])(blocks)[inverse]
-        return self._lo + block * k + offset
+        return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in self.train_runs(step)])
 
     def train_batch(self, step: int) -> Batch:
-        return self._batch_of(self.train, self.train_rows(step), f"training step {step}")
+        runs = self.train_runs(step)
+        return self._batch_of(self.train, runs, f"training step {step}")
 
     # ---------------------------------------------------------------- evaluation
     def eval_batches(self) -> Iterator[Batch]:
@@ -181,22 +234,25 @@ class BinarySource:
         process's slice of each, ``train.eval_batches`` of them (0 = the whole split)."""
         ranges = eval_positions(self.num_val, self._batch, self._rows, self._eval_batches)
         for i, rows in enumerate(ranges):
-            yield self._batch_of(self.val, rows, f"evaluation batch {i}")
+            yield self._batch_of(self.val, runs_of(rows), f"evaluation batch {i}")
 
     # ---------------------------------------------------------------- reading
-    def _batch_of(self, split: _Split, rows: np.ndarray, what: str) -> Batch:
-        """Read ``rows`` of a split, map ids into the tables and check every value."""
-        a = split.read(rows)
+    def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch:
+        """Read ``runs`` of a split, map ids into the tables and check every value."""
+        a = split.read(runs)
         dense, ids, labels = a["dense"], a["ids"], a["labels"]
         if self._zero_dense:
-            dense = np.zeros((len(rows), 1), np.float32)
+            dense = np.zeros((len(labels), 1), np.float32)
         elif not np.isfinite(dense).all():
+            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
             r, c = np.argwhere(~np.isfinite(dense))[0]
             raise BinaryFormatError(f"{self._file_of(split, rows[r], 'dense')}: row {int(rows[r])} of the "
                                     f"{split.name} split has a non-finite value {dense[r, c]} in column "
                                     f"{int(c)} (read for {what})")  # fmt: skip
         self._cap_ids(ids)
-        if len(ids) and ((ids.min(0) < self._lower).any() or (ids.max(0) >= self._upper).any()):
+        shifted = ids - self._lower if self._multi_hot else ids  # valid: 0 <= shifted < span
+        if (shifted.view(np.uint32) >= self._span).any():  # negatives read as huge
+            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
             bad = (ids < self._lower) | (ids >= self._upper)
             r, c = np.argwhere(bad)[0]
             f = int(np.searchsorted(np.cumsum(self._bag_sizes), c, side="right"))

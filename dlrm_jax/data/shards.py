@@ -28,6 +28,7 @@ import os
 import shutil
 import zlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -86,20 +87,48 @@ def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:
     (folder / SHARD_FILE).write_text(json.dumps({"rows": rows, "crc32": crcs}) + "\n")
 
 
-def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, np.ndarray]:
-    """Memory-map one shard's arrays, checked for shape and dtype (``widths``: dense, ids)."""
+class ArrayFile(NamedTuple):
+    """Where a shard's ``.npy`` array lies in its file: read rows with :meth:`read_into`."""
+
+    path: Path
+    offset: int  # bytes of the .npy header
+    row_bytes: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_into(self, fd: int, out: np.ndarray, first_row: int) -> None:
+        """``len(out)`` rows from ``first_row`` into ``out`` (C-contiguous), one ``pread``
+        (the page cache copies straight into the batch; nothing is mapped into the process)."""
+        view, want = memoryview(out.reshape(-1).view(np.uint8)), out.nbytes
+        got = os.preadv(fd, [view], self.offset + first_row * self.row_bytes)
+        while got < want:  # short reads: continue where the last one stopped
+            step = os.preadv(fd, [view[got:]], self.offset + first_row * self.row_bytes + got)
+            if step == 0:
+                raise BinaryFormatError(f"{self.path}: ends before row {first_row + len(out)} (truncated)")
+            got += step
+
+
+def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, ArrayFile]:
+    """One shard's arrays as :class:`ArrayFile` s, checked for shape and dtype (``widths``:
+    dense, ids) from their headers."""
     arrays = {}
     for name, dtype in ARRAY_DTYPES.items():
         file = folder / f"{name}.npy"
         try:
-            a = np.load(file, mmap_mode="r")
+            with open(file, "rb") as f:
+                major, _ = np.lib.format.read_magic(f)
+                header = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0}
+                if major not in header:
+                    raise ValueError(f".npy format version {major} is not read here")
+                shape, fortran, found = header[major](f)
+                offset = f.tell()
         except (OSError, ValueError) as e:
-            raise BinaryFormatError(f"{file}: cannot be memory-mapped ({e})") from None
+            raise BinaryFormatError(f"{file}: cannot be read as a .npy array ({e})") from None
         want = (rows, widths[name]) if name in widths else (rows,)
-        if a.shape != want or a.dtype != dtype:
+        if shape != want or found != dtype or fortran:
             raise BinaryFormatError(f"{file}: expected {np.dtype(dtype).name} {list(want)} (from "
-                                    f"meta.json and the config), found {a.dtype.name} {list(a.shape)}")  # fmt: skip
-        arrays[name] = a
+                                    f"meta.json and the config), found {found.name} {list(shape)}")  # fmt: skip
+        arrays[name] = ArrayFile(file, offset, int(np.prod(shape[1:], dtype=np.int64)) * found.itemsize, shape, found)
     return arrays
 
 

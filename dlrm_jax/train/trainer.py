@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import signal
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
-from dlrm_jax.data.pipeline import prefetch
+from dlrm_jax.data.pipeline import InputPipeline
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import config_plan_report
@@ -248,8 +249,11 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
             f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
-        batches = prefetch(source.train_batch, range(start, t.steps))
+        pipeline = InputPipeline(source.train_batch, range(start, t.steps), to_device=steps.device_batch,
+                                 readers=cfg.data.readers, depth=cfg.data.prefetch)
+        batches = pipeline
     else:
+        pipeline = None
         if hot is not None:
             runner.use_hot(np.asarray(state.emb.hot.keys))
         batches = runner.planned(source.train_batch, range(start, t.steps))
@@ -260,13 +264,14 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     evaluated = False
-    with _StopSignals() as stop:
+    with _StopSignals() as stop, contextlib.closing(pipeline) if pipeline else contextlib.nullcontext():
         for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1, runner is not None), strict=True):
             window_start = window_start or time.perf_counter()
-            ids = item.ids  # as read: tiered runs train on a copy with cache ids
             if runner is None:
-                state, out = compiled(state, steps.device_batch(item))
+                ids = item.host.ids
+                state, out = compiled(state, item.device)
             else:
+                ids = item.ids  # as read: tiered runs train on a copy with cache ids
                 state, out = runner.train(state, item.batch, item.fills)
             pending.append((step, out))
             if hot is not None:
@@ -294,6 +299,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
             if runner is not None:
                 event.update(runner.take_metrics(window_steps))
+            if pipeline is not None:
+                event.update(pipeline.times.take())
             if steps.per_host:
                 event["table_divergence"] = host_scalar(steps.table_divergence(state.emb))
             if is_eval and not signum:

@@ -1,0 +1,87 @@
+"""``dlrm-jax bench input``: the input pipeline as training uses it, beside the train step.
+
+For each case (the config's binary dataset with ``data.shuffle`` on and off, and synthetic
+data) the pipeline of :mod:`dlrm_jax.data.pipeline` reads this process's batches and copies
+them to the current devices, ``data.readers`` threads ``data.prefetch`` steps ahead; nothing
+consumes them but a wait for each to be on the devices, so its samples/s is what the input can
+feed. Beside it: the same config's step-only samples/s (cached batches, ``bench train``'s
+measure) and their ratio (above 1: the input outruns the step). Also the reading thread alone
+(``read_samples_per_s``: ``BinarySource.train_batch`` on one thread) and the process's peak
+memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from dlrm_jax import hostmem
+from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.train import time_train_step
+from dlrm_jax.data.pipeline import InputPipeline
+from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.train.build import build, mesh_from_config
+
+
+def _with_data(cfg, **data):
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+
+
+def time_pipeline(cfg, steps: int) -> dict:
+    """Samples/s of ``steps`` batches through the pipeline to the devices, after 2 warm-up
+    steps; and of the source's ``train_batch`` alone on this thread."""
+    mesh = mesh_from_config(cfg)
+    source = make_source(cfg, jax.process_index(), jax.process_count())
+    _, fns = build(cfg, mesh, source, log=lambda *_: None)
+    device_batches = getattr(source, "device_batches", None)
+    hostmem.reset_peak_rss()
+    if device_batches is not None:  # generated on the devices: dispatched ahead, no host copy
+        make = device_batches(fns.batch_sharding)
+        jax.block_until_ready([make(step) for step in range(2)])
+        t0 = time.perf_counter()
+        jax.block_until_ready([make(step) for step in range(2, 2 + steps)])
+        pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
+    else:
+        with InputPipeline(source.train_batch, range(steps + 2), to_device=fns.device_batch,
+                           readers=cfg.data.readers, depth=cfg.data.prefetch) as pipeline:  # fmt: skip
+            for i, item in enumerate(pipeline):
+                jax.block_until_ready(item.device)
+                if i == 1:
+                    t0, _ = time.perf_counter(), pipeline.times.take()
+            pipeline_s, times = time.perf_counter() - t0, pipeline.times.take()
+        t1 = time.perf_counter()
+        for step in range(steps):
+            source.train_batch(step)
+        read_s = time.perf_counter() - t1
+    batch = cfg.train.batch_size
+    return {"samples_per_s": steps * batch / pipeline_s, "read_samples_per_s": steps * batch / read_s,
+            "peak_rss_bytes": hostmem.peak_rss_bytes(), **times}  # fmt: skip
+
+
+def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=print) -> dict:
+    """Every case's pipeline samples/s beside the step's; a table, and JSON ``{"cases": [...]}``."""
+    cases = []
+    if cfg.data.source == "binary":
+        cases += [_with_data(cfg, shuffle=True), _with_data(cfg, shuffle=False)]
+    else:
+        log("binary cases: give a dataset with --set data.source=binary --set data.path=DATASET")
+    synthetic = _with_data(cfg, source="synthetic", path="")
+    cases.append(synthetic)
+    results = []
+    for case in cases:
+        case = resolve_data_config(case)
+        step = time_train_step(case, step_steps, warmup=2)["samples_per_s"]
+        r = {"source": case.data.source, "shuffle": case.data.shuffle if case.data.source == "binary" else None,
+             "batch": case.train.batch_size, **time_pipeline(case, steps), "step_samples_per_s": step}  # fmt: skip
+        r["ratio"] = r["samples_per_s"] / step
+        results.append(r)
+    report = {"benchmark": "input", "timed_steps": steps, "readers": cfg.data.readers,
+              "prefetch": cfg.data.prefetch, "machine": machine_description(), "cases": results}  # fmt: skip
+    log(f"{'source':<10}{'shuffle':>8}{'batch':>8}{'input/s':>14}{'read/s (1 thread)':>19}{'step/s':>12}{'ratio':>8}")
+    for r in results:
+        log(f"{r['source']:<10}{str(r['shuffle']):>8}{r['batch']:>8}{r['samples_per_s']:>14,.0f}"
+            f"{r['read_samples_per_s']:>19,.0f}{r['step_samples_per_s']:>12,.0f}{r['ratio']:>8.2f}")
+    log(write_report(report, output))
+    return report
