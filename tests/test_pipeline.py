@@ -1,0 +1,85 @@
+"""The input pipeline: steps in order from several threads, errors where their step comes,
+bounded look-ahead; training on a binary dataset through it resumes bitwise; `bench input`."""
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dlrm_jax.bench.input import bench_input
+from dlrm_jax.data.criteo import write_criteo_tsv
+from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.pipeline import InputPipeline
+from dlrm_jax.data.synthetic import SyntheticGenerator
+from dlrm_jax.train.trainer import train_and_evaluate
+
+QUIET = dict(log=lambda *_: None)
+
+
+def test_steps_come_in_order_whatever_thread_finishes_first():
+    def read(step):
+        time.sleep(0.001 * (step % 3))  # later steps often finish first
+        return step * 10
+
+    with InputPipeline(read, range(3, 40), to_device=lambda x: -x, readers=4, depth=6) as p:
+        got = [(i.step, i.host, i.device) for i in p]
+    assert got == [(s, 10 * s, -10 * s) for s in range(3, 40)]
+    assert p.times.steps == 37 and set(p.times.take()) == {"input_read_ms", "input_h2d_ms", "input_wait_ms"}
+
+
+def test_a_readers_error_is_raised_at_its_step_and_lookahead_is_bounded():
+    started, lock = [], threading.Lock()
+
+    def read(step):
+        with lock:
+            started.append(step)
+        if step == 5:
+            raise ValueError("bad row in step 5")
+        return step
+
+    p = InputPipeline(read, range(100), readers=2, depth=3)
+    assert [next(p).step for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="step 5"):
+        next(p)
+    p.close()
+    assert max(started) <= 5 + 3  # never more than depth steps past the one taken
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(40, 300, 7, 1000) * 6 + (5, 60),
+                             bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
+    write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, 3000))
+    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=0.1,
+                      workers=1, progress=False)  # fmt: skip
+    return tmp / "ds"
+
+
+def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, dataset):
+    def cfg(steps):
+        return tiny("data.source=binary", f"data.path={dataset}", "mesh.devices=4", f"train.steps={steps}",
+                    "train.log_every=1", "train.checkpoint_every=4", "data.shuffle_block=16",
+                    "data.readers=3", "data.prefetch=5")  # fmt: skip
+
+    whole = train_and_evaluate(cfg(60), tmp_path / "whole", **QUIET)  # 60 x 64 rows: past an epoch
+    train_and_evaluate(cfg(28), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(cfg(60), tmp_path / "cut", **QUIET)
+    lines = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "whole", tmp_path / "cut")]
+    assert [e["loss"] for e in lines[0]] == [e["loss"] for e in lines[1]]
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    assert all(e["input_wait_ms"] >= 0 and e["input_read_ms"] > 0 for e in lines[0])
+
+
+def test_bench_input_reports_every_case_beside_the_step(tiny, tmp_path, dataset):
+    cfg = tiny("data.source=binary", f"data.path={dataset}", "mesh.devices=2", "train.batch_size=128")
+    report = bench_input(cfg, steps=4, step_steps=2, output=str(tmp_path / "in.json"), **QUIET)
+    cases = json.loads((tmp_path / "in.json").read_text())["cases"]
+    assert [(c["source"], c["shuffle"]) for c in cases] == [("binary", True), ("binary", False), ("synthetic", None)]
+    for c in cases:
+        assert c["batch"] == 128 and c["samples_per_s"] > 0 and c["step_samples_per_s"] > 0
+        assert np.isclose(c["ratio"], c["samples_per_s"] / c["step_samples_per_s"])
+    assert report["machine"]["device_count"] == len(jax.devices())
