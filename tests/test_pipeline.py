@@ -83,3 +83,30 @@ def test_bench_input_reports_every_case_beside_the_step(tiny, tmp_path, dataset)
         assert c["batch"] == 128 and c["samples_per_s"] > 0 and c["step_samples_per_s"] > 0
         assert np.isclose(c["ratio"], c["samples_per_s"] / c["step_samples_per_s"])
     assert report["machine"]["device_count"] == len(jax.devices())
+
+
+def test_reading_memory_does_not_grow_with_the_dataset(tiny, tmp_path_factory, dataset):
+    """Ten times the rows (in as many shards, ten times larger): the same allocations to open
+    the dataset and read 30 shuffled batches (nothing per epoch or per row is held; reads are
+    pread's into the batch)."""
+    import tracemalloc
+
+    from dlrm_jax.data.binary import BinarySource
+    from dlrm_jax.data.sources import resolve_data_config
+
+    tmp = tmp_path_factory.mktemp("tenfold")
+    day = (dataset.parent / "day.tsv").read_bytes()
+    (tmp / "days.tsv").write_bytes(day * 10)
+    preprocess_criteo([str(tmp / "days.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=1.0,
+                      workers=1, progress=False)  # fmt: skip
+    peaks = []
+    for path in (dataset, tmp / "ds"):
+        cfg = resolve_data_config(tiny("data.source=binary", f"data.path={path}", "train.batch_size=256",
+                                       "data.shuffle_block=16"))  # fmt: skip
+        tracemalloc.start()
+        source = BinarySource(cfg)
+        for step in range(30):
+            source.train_batch(step)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.5 * peaks[0], peaks

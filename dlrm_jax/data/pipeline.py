@@ -114,6 +114,21 @@ class InputPipeline(Generic[T, D]):
         self.close()
 
 
+def dispatched_ahead(make: Callable[[int], D], steps: range, depth: int = 4) -> Iterator[Prepared]:
+    """:class:`Prepared` steps whose input ``make(step)`` builds on the devices (a jitted
+    generator: the synthetic source), called ``depth`` steps ahead on this thread: dispatch is
+    asynchronous, so the devices generate while earlier steps train. Programs are dispatched
+    from the caller's thread only, in step order."""
+    pending: deque[Prepared] = deque()
+    it = iter(steps)
+    while True:
+        while len(pending) < max(1, depth) and (step := next(it, None)) is not None:
+            pending.append(Prepared(step, None, make(step)))
+        if not pending:
+            return
+        yield pending.popleft()
+
+
 _DONE = object()
 
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
-from dlrm_jax.data.pipeline import InputPipeline
+from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import config_plan_report
@@ -249,9 +249,14 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
             f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
-        pipeline = InputPipeline(source.train_batch, range(start, t.steps), to_device=steps.device_batch,
-                                 readers=cfg.data.readers, depth=cfg.data.prefetch)
-        batches = pipeline
+        device_batches = getattr(source, "device_batches", None)  # generated on the devices
+        if device_batches is not None:
+            pipeline = None
+            batches = dispatched_ahead(device_batches(steps.batch_sharding), range(start, t.steps), cfg.data.prefetch)
+        else:
+            pipeline = InputPipeline(source.train_batch, range(start, t.steps), to_device=steps.device_batch,
+                                     readers=cfg.data.readers, depth=cfg.data.prefetch)
+            batches = pipeline
     else:
         pipeline = None
         if hot is not None:
@@ -268,7 +273,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1, runner is not None), strict=True):
             window_start = window_start or time.perf_counter()
             if runner is None:
-                ids = item.host.ids
+                ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
                 state, out = compiled(state, item.device)
             else:
                 ids = item.ids  # as read: tiered runs train on a copy with cache ids
@@ -331,6 +336,19 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         auc, ll = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
+
+
+class _LocalRows:
+    """This process's rows of a device array, copied to the host only if read (hot-row
+    counting reads a batch's ids on the steps it counts)."""
+
+    def __init__(self, x: jax.Array):
+        self._x = x
+
+    def __array__(self, dtype=None, copy=None):
+        by_start = {s.index[0].start or 0: s for s in self._x.addressable_shards}  # replicas once
+        local = np.concatenate([np.asarray(by_start[k].data) for k in sorted(by_start)])
+        return local if dtype is None else local.astype(dtype)
 
 
 def _reporting(batches, first_step: int, first_compiles: bool):
