@@ -190,6 +190,31 @@ def test_preprocess_then_train_on_binary(tmp_path):
     assert len([line for line in plan.splitlines() if line.startswith("cat_")]) == 26
 
 
+def test_mlperf_multi_hot_days_then_dcnv2_training(tmp_path):
+    """The Terabyte layout through the CLI: gz days, day_23 as the val split, ids hashed and
+    compacted, MLPerf's multi-hot bags; configs/mlperf_dlrm_dcnv2.yaml trains on the output."""
+    import gzip
+
+    tsv = tmp_path / "all.tsv"
+    subprocess.run([sys.executable, str(SCRIPTS / "make_criteo_sample.py"), "--lines", "1200",
+                    "--output", str(tsv), "--max-rows", "300"], check=True, capture_output=True, timeout=120)
+    lines = tsv.read_bytes().splitlines(keepends=True)
+    for name, part in (("day_0.gz", lines[:500]), ("day_1.gz", lines[500:1000]), ("day_23.gz", lines[1000:])):
+        (tmp_path / name).write_bytes(gzip.compress(b"".join(part)))
+    out = cli("preprocess", "criteo", "--input", str(tmp_path / "day_0.gz"), str(tmp_path / "day_1.gz"),
+              "--val-input", str(tmp_path / "day_23.gz"), "--output", str(tmp_path / "mh"), "--max-ind-range", "200",
+              "--multi-hot", "mlperf", "--workers", "2", "--no-progress").stdout
+    assert "1000 train + 200 val rows" in out
+    meta = json.loads((tmp_path / "mh" / "meta.json").read_text())
+    assert sum(meta["bag_sizes"]) == 214 and max(meta["cardinalities"]) <= 200
+    run = cli("train", "--config", "mlperf_dlrm_dcnv2", "--set", "data.source=binary", "--set",
+              f"data.path={tmp_path / 'mh'}", "--set", "train.batch_size=128", "--set", "train.steps=4",
+              "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", "--set", "mesh.devices=2",
+              "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16, 8]", "--set", "model.top_mlp=[16, 1]",
+              "--set", "model.dcn_rank=4", "--set", "train.progress_bar=false", "--run-dir", str(tmp_path / "run"))
+    assert int(final_line(run).group(1)) == 4
+
+
 def test_bench_collectives_prints_both_rates(tmp_path):
     out = tmp_path / "c.json"
     proc = cli("bench", "collectives", "--devices", "2", "--sizes-kib", "16", "--repeats", "1", "--output", str(out))

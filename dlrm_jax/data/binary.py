@@ -108,6 +108,15 @@ class _Split:
                 at, start, length = at + take, start + take, length - take
         return out
 
+    def __getstate__(self) -> dict:  # picklable (worker processes open their own files)
+        state = dict(self.__dict__, _fds=OrderedDict())
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
