@@ -202,25 +202,24 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
         pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(g[train])
     else:
         pos[train] = g[train]
-    split = (~train).astype(np.int64)
-    key = split * (1 << 40) + pos // where.shard_rows
-    order = np.argsort(key, kind="stable")
+    per_split = max(len(where.shards(0)), len(where.shards(1)), 1)
+    shard, within = np.divmod(pos, where.shard_rows)
+    key = (~train) * per_split + shard  # (split, shard), row-major
+    small = np.uint16 if 2 * per_split <= 1 << 16 else np.int64  # 16 bits: a radix sort
+    order = np.argsort(key.astype(small), kind="stable")
     arrays = {"dense": np.load(_part_file(work, part, "dense")), "ids": ids,
-              "labels": np.load(_part_file(work, part, "labels")), "pos": pos}  # fmt: skip
+              "labels": np.load(_part_file(work, part, "labels")), "pos": within.astype(np.int32)}  # fmt: skip
     for name, a in arrays.items():
         np.save(_part_file(work, part, f"out_{name}"), a[order])
     for name in ("dense", "labels", "codes"):
         _part_file(work, part, name).unlink()
-    counts = np.zeros((2, max(len(where.shards(0)), len(where.shards(1)), 1)), np.int64)
-    np.add.at(counts, (split, pos // where.shard_rows), 1)
-    return counts
+    return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
 
 
 def _assemble(split: int, shard: int, rows: int, parts: Sequence[str], starts: np.ndarray,
               counts: np.ndarray, work: Path, root: Path, where: _Placement) -> None:  # fmt: skip
     """Phase 4: shard ``shard`` of ``split`` from every part's rows for it, in place order."""
     out = None
-    base = shard * where.shard_rows
     for p, part in enumerate(parts):
         lo, n = starts[p, split, shard], counts[p, split, shard]
         if not n:
@@ -229,7 +228,7 @@ def _assemble(split: int, shard: int, rows: int, parts: Sequence[str], starts: n
                for k in ("dense", "ids", "labels", "pos")}  # fmt: skip
         if out is None:
             out = {k: np.empty((rows, *v.shape[1:]), v.dtype) for k, v in got.items() if k != "pos"}
-        at = got["pos"] - base
+        at = got["pos"]  # the row's place in its shard
         for k in out:
             out[k][at] = got[k]
     shards.write_shard(root / shards.SPLITS[split] / shards.shard_name(shard), out)
