@@ -1,29 +1,56 @@
 """Criteo-shaped synthetic data with power-law id popularity and a learnable hidden model.
 
-Every sample is a pure function of (seed, stream, step, position in the global batch): samples
-are drawn in fixed chunks of ``CHUNK`` rows, each from its own counter-based generator, so a
-process that feeds rows ``lo:hi`` of a global batch draws exactly the rows it would have seen as
-part of any other split of the batch, and a resumed run sees the data an uninterrupted one saw.
+One counter-based definition, evaluated twice. Every random number is a 32-bit word ``mix32``
+of (seed, stream, step, global row index, field), so a row depends on its index in the global
+batch only (never on how the batch is split between processes or devices), and a resumed run
+sees the data an uninterrupted one saw. Words become values by integer arithmetic, exactly
+rounded float32 multiplies and tables built once on the host. The code is written once against
+an array namespace ``xp``: numpy evaluates it on the host, ``jax.numpy`` inside ``jax.jit`` on
+the devices (uint32 wraps in both; no x64), and the two give the same batches bit for bit.
 
-Labels come from a hidden logistic model over the features: a per-id score for every table
-(pseudo-random, derived by hashing the id, so even a 10M-row table costs no memory), a linear
-term over the dense features and pairwise products of hidden id vectors for a few feature pairs.
-Frequent ids are learnable, rare ones are mostly noise: a DLRM reaches an AUC well above 0.5.
+* Dense counts: floor(exp(N(mu_k, 1.4))) by inverse transform, 10% missing, 5% of column 1
+  negative (-1..-3); the dense features are log1p(count) from a float32 table. Ids: the bounded
+  power law P(rank) ~ rank**-zipf_exponent, ``permuted`` over the table by a multiplicative
+  bijection or ``frequency_ordered`` (id = rank). Multi-hot bags: lengths uniform in [0, bag],
+  PAD_ID past the length.
+* Quantile tables: K = 1024 equal-probability bins, the last split again into K (tails resolved
+  to probability 2**-20), values uniform over a bin's integers: the distributions above,
+  quantised to that resolution.
+* Labels: Bernoulli(sigmoid(logit)), the hidden logit an integer in units of 2**-16: a per-id
+  score for every table (the centred sum of the bytes of a hash of the id, near-normal, so a
+  10M-row table costs no memory), a linear term over the dense features, pairwise products of
+  4-wide hidden id vectors for a few feature pairs, a bias calibrated to ``positive_rate``.
+  Frequent ids are learnable, rare ones mostly noise.
+
+Threads: the host path (``raw``, ``batch``, :class:`SyntheticSource`'s ``train_batch``) is
+numpy on whichever thread calls it, ``CHUNK`` rows at a time. The device path
+(:meth:`SyntheticGenerator.device_batches`) dispatches three jitted programs without
+collectives: call it from the thread that dispatches the train step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+from statistics import NormalDist
 from typing import NamedTuple
 
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch, process_slice
 
-CHUNK = 256
+CHUNK = 8192  # rows the host evaluates at once (bounds temporaries; no part of the data)
 TRAIN_STREAM, EVAL_STREAM, CALIBRATION_STREAM = 0, 1, 2
-_HASH_PRIME = 2654435761  # multiplier of the rank -> id permutation; prime, so coprime to rows
-_LATENT = 4  # width of the hidden id vectors used by the pairwise term
+_BIN_BITS = 10
+_BINS = 1 << _BIN_BITS  # K bins per quantile table (and K more inside the last one)
+_FIX = 16  # the hidden logit is an integer in units of 2**-_FIX
+# XLA:CPU runs [n, m] loops with m < 16 (the AVX-512 int32 lanes) about 5x slower per element,
+# so the dense columns are evaluated padded to _LANES (zero weight, dropped from the outputs).
+_LANES = 16
+_LATENT = 4  # width of the hidden id vectors (the four bytes of a word)
+_BYTES_MEAN, _BYTES_STD = 510, 147.8  # sum of four uniform bytes; also std of 2 * byte - 255
+_ID, _COUNT, _MISSING, _BAG, _NEG, _LABEL, _SCORE, _VECTOR = range(1, 9)  # kinds of fields
 
 
 class RawSamples(NamedTuple):
@@ -53,36 +80,164 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _hash_normal(seed: int, feature: int, ids: np.ndarray, k: int) -> np.ndarray:
-    """Standard-normal values, one per (id, k), that depend only on (seed, feature, id, k)."""
-    base = (ids.astype(np.uint64) * np.uint64(_LATENT * 2 + 2) + np.uint64(2 * k)) ^ np.uint64(
-        (seed * 1_000_003 + feature * 7919 + 1) & 0xFFFFFFFF
-    ) << np.uint64(32)
-    u1 = (mix64(base) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    u2 = (mix64(base + np.uint64(1)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+def mix32(x, xp=np):
+    """lowbias32: a well-mixed bijection of uint32, exact in numpy and in XLA."""
+    x = x ^ (x >> 16)
+    x = x * xp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * xp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _fold(*values: int) -> np.uint32:
+    """A 32-bit hash of ints (the keys of seeds, streams, tables)."""
+    h = np.array([0x6A09E667], np.uint32)
+    for v in values:
+        h = mix32(mix32(h ^ np.uint32(v & 0xFFFFFFFF)) + np.uint32(v >> 32 & 0xFFFFFFFF))
+    return h[0]
+
+
+def _fields(kind: int, n: int) -> np.ndarray:
+    """uint32 [n]: the constants naming ``n`` fields of one kind in a row's words."""
+    return mix32(np.arange(n, dtype=np.uint32) + np.uint32(kind << 24))
+
+
+def _words(xp, key_n, consts: np.ndarray):
+    """uint32 [n, m]: the random words of fields ``consts`` (uint32 [m]) of rows ``key_n``."""
+    return mix32(key_n[:, None] ^ consts, xp)
+
+
+def _byte_sum(xp, w):
+    """int32: the centred sum of a word's four bytes (near-normal, std ``_BYTES_STD``)."""
+    w = (w & xp.uint32(0x00FF00FF)) + ((w >> 8) & xp.uint32(0x00FF00FF))
+    return ((w & xp.uint32(0xFFFF)) + (w >> 16)).astype(xp.int32) - _BYTES_MEAN
+
+
+# ---------------------------------------------------------------- quantile tables
+
+
+@lru_cache(maxsize=1)
+def _edges() -> np.ndarray:
+    """float64 [2K]: cumulative probabilities of the bin edges (K bins, K more in the last)."""
+    tail = (_BINS - 1) / _BINS + np.arange(1, _BINS + 1) / _BINS**2
+    return np.concatenate([np.arange(_BINS) / _BINS, tail])
+
+
+def _quantile_bins(values: np.ndarray, top: int) -> np.ndarray:
+    """int32 [2, 2K - 1]: each bin's lowest value and width (its values are the integers in
+    [lo, lo + width)), from ``values`` (float64 [2K - 1], the quantile function at the edges
+    but the last) and ``top``, the exclusive bound of the last bin. Two rows, not pairs: a
+    gather of pairs is 10x slower on XLA:CPU."""
+    low = np.clip(np.floor(values), -(2**31), top - 1)
+    edges = np.maximum.accumulate(np.append(low, top)).astype(np.int64)
+    return np.stack([edges[:-1], np.maximum(np.diff(edges), 1)]).astype(np.int32)
+
+
+def _draw(xp, bins, base, w):
+    """int32: one value per word ``w`` by inverse transform through the quantile tables at
+    offsets ``base`` of ``bins``: the top bits pick the bin (the next ones a sub-bin of the
+    last), the bits below the value within the bin."""
+    top = (w >> (32 - _BIN_BITS)).astype(xp.int32)
+    sub = ((w >> (32 - 2 * _BIN_BITS)) & xp.uint32(_BINS - 1)).astype(xp.int32)
+    tail = top == _BINS - 1
+    i = base + xp.where(tail, _BINS - 1 + sub, top)
+    lo, width = xp.take(bins[0], i), xp.take(bins[1], i)  # jnp: mode "fill", 2x faster than [i]
+    rest = xp.where(tail, w << (2 * _BIN_BITS), w << _BIN_BITS)  # the unused bits, on top
+    frac = (rest >> 8).astype(xp.float32) * xp.float32(2.0**-24)  # exact
+    offset = xp.floor(frac * width.astype(xp.float32)).astype(xp.int32)  # one rounding: exact
+    return lo + xp.minimum(offset, width - 1)
+
+
+def _draw_fields(xp, bins, base, key_n, kind: int, m: int):
+    """int32 [n, m]: ``_draw`` for ``m`` fields of one kind of the rows ``key_n``."""
+    return _draw(xp, bins, base, _words(xp, key_n, _fields(kind, m)))
+
+
+def _zipf_bins(rows: int, exponent: float) -> np.ndarray:
+    """The bounded power law: rank = floor(x) - 1, x of density ~ x**-exponent on [1, rows + 1)."""
+    u = _edges()[:-1]
+    if exponent == 0.0:
+        return _quantile_bins(u * rows, rows)
+    if abs(exponent - 1.0) < 1e-9:
+        return _quantile_bins(np.power(rows + 1.0, u) - 1.0, rows)
+    a = 1.0 - exponent
+    return _quantile_bins(np.power((np.power(rows + 1.0, a) - 1.0) * u + 1.0, 1.0 / a) - 1.0, rows)
+
+
+@lru_cache(maxsize=1)
+def _normal_edges() -> np.ndarray:
+    """float64 [2K]: standard-normal quantiles of the edges, the open ends cut at 2**-26."""
+    return np.array([NormalDist().inv_cdf(float(p)) for p in np.clip(_edges(), 2**-26, 1 - 2**-26)])
+
+
+def _count_bins(mu: float) -> np.ndarray:
+    """floor(exp(N(mu, 1.4)))."""
+    counts = np.exp(mu + 1.4 * _normal_edges())
+    return _quantile_bins(counts[:-1], int(counts[-1]) + 1)
+
+
+def _noise_bins() -> np.ndarray:
+    """Standard logistic noise in units of 2**-_FIX: P(noise > -l) = sigmoid(l)."""
+    p = np.clip(_edges(), 2**-26, 1 - 2**-26)
+    fixed = np.log(p / (1 - p)) * 2.0**_FIX
+    return _quantile_bins(fixed[:-1], int(fixed[-1]) + 1)
+
+
+def _permutation(rows: int, feature: int) -> tuple[int, int]:
+    """(mult, shift) of the bijection id = (rank * mult + shift) % rows that scatters popular
+    ranks over a table; rank * mult + shift < 2**32, and < 2**24 for tables under 800 rows."""
+    mult = max(1, min((2**32 - rows) // max(rows - 1, 1), int(rows * 0.6180339887)))
+    while math.gcd(mult, rows) != 1:
+        mult -= 1
+    return mult, feature * 104729 % rows
+
+
+def _permute(xp, rank, mult, shift, rows, inv_rows):
+    """int32: (rank * mult + shift) % rows without an integer division (scalar on CPUs): the
+    float32 quotient is off by at most one (x / rows errs by < 800 / rows, and below 800 rows
+    x < 2**24 is exact) and the integer remainder corrects it: exact below 2**30 rows."""
+    x = rank.astype(xp.uint32) * mult + shift
+    q = xp.floor(x.astype(xp.float32) * inv_rows).astype(xp.uint32)
+    r, n = (x - q * rows).astype(xp.int32), rows.astype(xp.int32)
+    r = xp.where(r < 0, r + n, r)
+    return xp.where(r >= n, r - n, r)
 
 
 def zipf_ids(rng: np.random.Generator, rows: int, exponent: float, size, feature: int,
              permuted: bool = True) -> np.ndarray:
-    """Ids in [0, rows) whose popularity falls off as rank**-exponent (bounded power law).
-
-    ``permuted``: popular ranks are scattered over the table by a multiplicative permutation,
-    so hot ids are not simply the first rows; otherwise the id is the rank (a frequency-ordered
-    vocabulary, as ``preprocess`` makes: the hot ids are the table's first rows).
-    """
-    u = rng.random(size)
-    if exponent == 0.0:
-        rank = np.floor(u * rows)
-    elif abs(exponent - 1.0) < 1e-9:
-        rank = np.floor(np.power(rows + 1.0, u)) - 1.0
-    else:
-        a = 1.0 - exponent
-        rank = np.floor(np.power((np.power(rows + 1.0, a) - 1.0) * u + 1.0, 1.0 / a)) - 1.0
-    rank = np.clip(rank, 0, rows - 1).astype(np.int64)
+    """Ids in [0, rows) whose popularity falls off as rank**-exponent, drawn as the generator
+    draws them from ``rng``'s words: the hot ids scattered over the table (``permuted``) or the
+    first rows (a frequency-ordered vocabulary, as ``preprocess`` makes)."""
+    words = rng.integers(0, 2**32, size, dtype=np.uint32)
+    rank = _draw(np, _zipf_bins(rows, exponent), 0, words)
     if not permuted:
-        return rank.astype(np.int32)
-    return ((rank * _HASH_PRIME + feature * 104729) % rows).astype(np.int32)
+        return rank
+    mult, shift = np.uint32(_permutation(rows, feature))
+    return _permute(np, rank, mult, shift, np.uint32(rows), np.float32(1 / rows))
+
+
+# ---------------------------------------------------------------- the generator
+
+
+class _Tables(NamedTuple):
+    """What the definition reads besides static shapes: numpy on the host, replicated
+    jax.Arrays on the devices. S slots (bag positions), F features, D dense columns, L = D
+    padded to ``_LANES``, K bins."""
+
+    id_bins: np.ndarray  # int32 [2, F * (2K - 1)]  rank quantile tables
+    id_base: np.ndarray  # int32 [S]  offset of each slot's table
+    id_mult: np.ndarray  # uint32 [S]  id = (rank * mult + shift) % rows
+    id_shift: np.ndarray  # uint32 [S]
+    id_rows: np.ndarray  # uint32 [S]
+    id_inv: np.ndarray  # float32 [S]  1 / rows
+    id_key: np.ndarray  # uint32 [S]  hash key of the hidden model's per-id words
+    count_bins: np.ndarray  # int32 [2, D * (2K - 1)]
+    count_base: np.ndarray  # int32 [L]
+    log1p: np.ndarray  # float32 [C]  log1p(c), rounded from float64, for every count c drawn
+    noise_bins: np.ndarray  # int32 [2, 2K - 1]  the labels' logistic noise
+    dense_w: np.ndarray  # int32 [L]  logit per dense feature, in 2**-16 per 2**-8
+    feature_w: np.ndarray  # int32 [F]  logit per unit of a per-id score
+    bias: np.ndarray  # int32 []
 
 
 class SyntheticGenerator:
@@ -90,93 +245,222 @@ class SyntheticGenerator:
 
     def __init__(self, *, seed: int, num_dense: int, table_rows: tuple[int, ...],
                  bag_sizes: tuple[int, ...], zipf_exponent: float, positive_rate: float,
-                 id_layout: str = "permuted"):
-        self.seed = seed
-        self.num_dense = num_dense
-        self.table_rows = tuple(table_rows)
-        self.bag_sizes = tuple(bag_sizes)
-        self.zipf_exponent = zipf_exponent
-        self.permuted = id_layout == "permuted"
+                 id_layout: str = "permuted"):  # fmt: skip
+        self.seed, self.num_dense = seed, num_dense
+        self.lanes = max(num_dense, _LANES) if num_dense else 0  # dense columns evaluated
+        self.table_rows, self.bag_sizes = tuple(table_rows), tuple(bag_sizes)
+        self.zipf_exponent, self.permuted = zipf_exponent, id_layout == "permuted"
+        self.slot_feature = np.repeat(np.arange(len(table_rows)), self.bag_sizes)  # [S]
+        starts = np.cumsum((0, *bag_sizes))
+        self.spans = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
         params = np.random.default_rng([seed, 7_777])
         self._count_mu = params.uniform(0.0, 4.0, num_dense)
-        self._dense_w = params.normal(0.0, 0.35, num_dense)
-        self._feature_w = params.uniform(0.3, 1.0, len(table_rows))
+        dense_w = params.normal(0.0, 0.35, num_dense)
+        feature_w = params.uniform(0.3, 1.0, len(table_rows))
         nf = len(table_rows)
-        self._pairs = [tuple(params.choice(nf, 2, replace=False)) for _ in range(min(8, nf // 2))]
-        self._bias = 0.0
-        self._bias = self._calibrate(positive_rate)
+        self._pairs = [tuple(int(f) for f in params.choice(nf, 2, replace=False))
+                       for _ in range(min(8, nf // 2))]  # fmt: skip
+        self.host = self._tables(dense_w, feature_w)
+        bias = round(self._calibrate(positive_rate) * 2**_FIX)
+        self.host = self.host._replace(bias=np.int32(bias))
 
-    # ---------------------------------------------------------------- drawing
-    def _draw_chunk(self, stream: int, step: int, chunk: int) -> tuple[RawSamples, np.ndarray]:
-        rng = np.random.default_rng([self.seed, stream, step, chunk])
-        n = CHUNK
-        counts = np.floor(np.exp(rng.normal(self._count_mu, 1.4, (n, self.num_dense)))).astype(np.int64)
+    def _tables(self, dense_w: np.ndarray, feature_w: np.ndarray) -> _Tables:
+        rows, pad = self.table_rows, (0, self.lanes - self.num_dense)
+        perm = [_permutation(r, f) if self.permuted else (1, 0) for f, r in enumerate(rows)]
+        slot = lambda v, dtype=np.uint32: np.asarray(v, dtype)[self.slot_feature]  # noqa: E731
+        count_bins = [_count_bins(mu) for mu in self._count_mu] or [np.ones((2, 1), np.int32)]
+        return _Tables(
+            id_bins=np.concatenate([_zipf_bins(r, self.zipf_exponent) for r in rows], axis=1),
+            id_base=slot(np.arange(len(rows)) * (2 * _BINS - 1), np.int32),
+            id_mult=slot([m for m, _ in perm]), id_shift=slot([s for _, s in perm]),
+            id_rows=slot(rows), id_inv=slot(1 / np.asarray(rows, np.float32), np.float32),
+            id_key=slot([_fold(self.seed, _SCORE, f) for f in range(len(rows))]),
+            count_bins=np.concatenate(count_bins, axis=1),
+            count_base=np.pad(np.arange(self.num_dense, dtype=np.int32) * (2 * _BINS - 1), pad),
+            noise_bins=_noise_bins(),
+            log1p=normalise_dense(np.arange(max(lo[-1] + w[-1] for lo, w in count_bins)), False),
+            dense_w=np.pad(np.round(dense_w * 2 ** (_FIX - 8)).astype(np.int32), pad),
+            feature_w=np.round(feature_w * 2**_FIX / _BYTES_STD).astype(np.int32),
+            bias=np.int32(0))  # fmt: skip
+
+    # ---------------------------------------------------------------- the definition
+    def _row_keys(self, xp, stream: int, step, rows_n):
+        """uint32 [n]: the key of each global row ``rows_n`` of batch ``step`` of ``stream``."""
+        s = xp.asarray(step).astype(xp.uint32)
+        k1 = mix32(s ^ _fold(self.seed, stream, 1), xp)
+        k2 = mix32(s * xp.uint32(0x9E3779B9) ^ _fold(self.seed, stream, 2), xp)
+        return mix32(mix32(rows_n * xp.uint32(0x85EBCA6B) + k1, xp) ^ k2, xp)
+
+    def _features(self, xp, t: _Tables, key_n):
+        """(counts_nl int32, missing_nl bool, ids_ns int32) of the rows with keys ``key_n``;
+        dense columns past ``num_dense`` are padding for the callers to drop."""
+        counts_nl = _draw_fields(xp, t.count_bins, t.count_base, key_n, _COUNT, self.lanes)
+        missing_nl = _words(xp, key_n, _fields(_MISSING, self.lanes)) >> 16 < round(0.1 * 2**16)
         if self.num_dense > 1:  # Criteo's second integer feature can be negative
-            neg = rng.random(n) < 0.05
-            counts[neg, 1] = -rng.integers(1, 4, int(neg.sum()))
-        missing = rng.random((n, self.num_dense)) < 0.1
-        cols = []
-        for f, (rows, bag) in enumerate(zip(self.table_rows, self.bag_sizes, strict=True)):
-            ids = zipf_ids(rng, rows, self.zipf_exponent, (n, bag), f, self.permuted)
-            if bag > 1:  # bag lengths uniform in [0, bag]; slots past the length are padding
-                length = rng.integers(0, bag + 1, n)
-                ids[np.arange(bag)[None, :] >= length[:, None]] = PAD_ID
-            cols.append(ids)
-        ids = np.concatenate(cols, axis=1)
-        logits = self._logits(counts, missing, ids)
-        labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int8)
-        return RawSamples(counts, missing, ids, labels), logits
+            w_n = _words(xp, key_n, _fields(_NEG, 1))[:, 0]
+            value_n = -1 - (((w_n & xp.uint32(0xFFFF)) * 3) >> 16).astype(xp.int32)
+            negative_n = (w_n >> 16) < round(0.05 * 2**16)
+            counts_nl = xp.where(negative_n[:, None] & (np.arange(self.lanes) == 1),
+                                 value_n[:, None], counts_nl)  # fmt: skip
+        return counts_nl, missing_nl, self._ids(xp, t, key_n)
 
-    def _logits(self, counts: np.ndarray, missing: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        dense = normalise_dense(counts, missing)
-        logit = (dense - 1.5) @ self._dense_w + self._bias
-        latents = []
-        start = 0
-        for f, bag in enumerate(self.bag_sizes):
-            block = ids[:, start : start + bag]
-            valid = block != PAD_ID
-            safe = np.where(valid, block, 0)
-            denom = np.maximum(valid.sum(1), 1)
-            score = (_hash_normal(self.seed, f, safe, 0) * valid).sum(1) / denom
-            logit = logit + self._feature_w[f] * score
-            z = np.stack([(_hash_normal(self.seed, f, safe, 1 + k) * valid).sum(1) / denom
-                          for k in range(_LATENT)], axis=1)
-            latents.append(z)
-            start += bag
-        for f, g in self._pairs:
-            logit = logit + 0.5 * (latents[f] * latents[g]).sum(1)
-        return logit
+    def _ids(self, xp, t: _Tables, key_n):
+        rank_ns = _draw_fields(xp, t.id_bins, t.id_base, key_n, _ID, len(self.slot_feature))
+        if self.permuted:
+            rank_ns = _permute(xp, rank_ns, t.id_mult, t.id_shift, t.id_rows, t.id_inv)
+        bags = np.asarray(self.bag_sizes)
+        if bags.max() == 1:
+            return rank_ns
+        multi = np.flatnonzero(bags > 1)
+        length_nm = ((_words(xp, key_n, _fields(_BAG, len(multi))) >> 16) * (bags[multi] + 1)) >> 16
+        column = np.maximum(np.cumsum(bags > 1) - 1, 0)[self.slot_feature]  # [S]
+        length_ns = xp.where(bags[self.slot_feature] > 1, length_nm.astype(xp.int32)[:, column], 1)
+        valid_ns = length_ns > np.concatenate([np.arange(b) for b in bags])
+        return xp.where(valid_ns, rank_ns, PAD_ID)
+
+    @staticmethod
+    def _present(xp, counts_nl, missing_nl):
+        """int32 [n, L]: the counts the dense features see: missing ones and negatives are 0."""
+        return xp.where(missing_nl, 0, xp.maximum(counts_nl, 0))
+
+    @staticmethod
+    def _dense(xp, t: _Tables, present_nl):
+        """float32 [n, L]: the DLRM dense features, log1p of the present counts, by table:
+        equal to :func:`normalise_dense` bit for bit, in numpy and in XLA."""
+        return xp.take(t.log1p, present_nl)
+
+    def _labels(self, xp, t: _Tables, key_n, dense_nl, ids_ns):
+        """(labels_n bool, logit_n int32): Bernoulli(sigmoid(logit)) by logistic noise."""
+        logit_n = self._logit(xp, t, dense_nl, ids_ns)
+        noise_n = _draw_fields(xp, t.noise_bins, 0, key_n, _LABEL, 1)[:, 0]
+        return logit_n + noise_n > 0, logit_n
+
+    def _logit(self, xp, t: _Tables, dense_nl, ids_ns):
+        """int32 [n]: the hidden model's logit in units of 2**-16."""
+        fixed_nl = xp.floor(dense_nl * xp.float32(256.0)).astype(xp.int32)  # exact
+        logit_n = (fixed_nl * t.dense_w).sum(1, dtype=xp.int32) + t.bias
+        valid_ns = None if max(self.bag_sizes) == 1 else ids_ns != PAD_ID
+        word_ns = mix32(ids_ns.astype(xp.uint32) ^ t.id_key, xp)
+        score_ns = _byte_sum(xp, word_ns)
+        if valid_ns is not None:
+            score_ns = xp.stack([_bag_mean(xp, score_ns[:, a:b], valid_ns[:, a:b])
+                                 for a, b in self.spans], axis=1)  # fmt: skip
+        logit_n = logit_n + (score_ns * t.feature_w).sum(1, dtype=xp.int32)
+        vectors = {f: self._vector(xp, word_ns, valid_ns, f) for pair in self._pairs for f in pair}
+        dot_n = sum(vectors[f][k] * vectors[g][k] for f, g in self._pairs for k in range(_LATENT))
+        return logit_n + ((dot_n * 3) >> 1)  # 0.5 / _BYTES_STD**2 * 2**16 = 1.5 a unit
+
+    def _vector(self, xp, word_ns, valid_ns, f: int) -> list:
+        """Feature ``f``'s hidden vector, ``_LATENT`` int32 [n]: centred bytes of a hash of the
+        id (uniform, std ``_BYTES_STD``), averaged over the bag."""
+        a, b = self.spans[f]
+        w_nb = mix32(word_ns[:, a:b] ^ _fields(_VECTOR, 1)[0], xp)
+        parts = [((w_nb >> 8 * k) & xp.uint32(0xFF)).astype(xp.int32) * 2 - 255
+                 for k in range(_LATENT)]  # fmt: skip
+        if b - a == 1:
+            return [p[:, 0] for p in parts]
+        return [_bag_mean(xp, p, valid_ns[:, a:b]) for p in parts]
 
     def _calibrate(self, positive_rate: float) -> float:
         """The bias that gives the requested click-through rate, by bisection on a sample."""
-        logits = np.concatenate([self._draw_chunk(CALIBRATION_STREAM, 0, c)[1] for c in range(16)])
+        logits = self._host_rows(CALIBRATION_STREAM, 0, 0, 16 * 1024)[4] / 2.0**_FIX
         lo, hi = -20.0, 20.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
-            if np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) > positive_rate:
-                hi = mid
-            else:
-                lo = mid
+            too_many = np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) > positive_rate
+            lo, hi = (lo, mid) if too_many else (mid, hi)
         return 0.5 * (lo + hi)
 
+    # ---------------------------------------------------------------- host and device paths
+    def _host_rows(self, stream: int, step: int, lo: int, hi: int) -> tuple:
+        """(counts, missing, ids, labels, logit) of rows ``lo:hi`` by numpy, CHUNK at a time."""
+        parts = []
+        with np.errstate(over="ignore"):
+            for start in range(lo, hi, CHUNK):
+                rows_n = np.arange(start, min(start + CHUNK, hi), dtype=np.uint32)
+                key_n = self._row_keys(np, stream, step, rows_n)
+                counts, missing, ids = self._features(np, self.host, key_n)
+                dense = self._dense(np, self.host, self._present(np, counts, missing))
+                labels, logit = self._labels(np, self.host, key_n, dense, ids)
+                d = self.num_dense
+                parts.append((counts[:, :d], missing[:, :d], ids, labels, logit))
+        return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
+
     def raw(self, stream: int, step: int, lo: int, hi: int) -> RawSamples:
-        """Rows ``lo:hi`` of global batch ``step`` of ``stream``, unnormalised."""
-        return self._rows(stream, step, lo, hi)[0]
+        """Rows ``lo:hi`` of global batch ``step`` of ``stream``, unnormalised (host numpy)."""
+        counts, missing, ids, labels, _ = self._host_rows(stream, step, lo, hi)
+        return RawSamples(counts.astype(np.int64), missing, ids, labels.astype(np.int8))
 
     def logits(self, stream: int, step: int, lo: int, hi: int) -> np.ndarray:
         """The hidden model's logits of those rows: the labels' true log-odds, so their AUC
         is the best any model can reach on these samples."""
-        return self._rows(stream, step, lo, hi)[1]
-
-    def _rows(self, stream: int, step: int, lo: int, hi: int) -> tuple[RawSamples, np.ndarray]:
-        parts = [self._draw_chunk(stream, step, c) for c in range(lo // CHUNK, -(-hi // CHUNK))]
-        off = lo - (lo // CHUNK) * CHUNK
-        cut = lambda arrays: np.concatenate(arrays)[off : off + hi - lo]  # noqa: E731
-        return RawSamples(*map(cut, zip(*(p[0] for p in parts), strict=True))), cut([p[1] for p in parts])
+        return self._host_rows(stream, step, lo, hi)[4] / 2.0**_FIX
 
     def batch(self, stream: int, step: int, lo: int, hi: int) -> Batch:
-        raw = self.raw(stream, step, lo, hi)
-        return Batch(normalise_dense(raw.counts, raw.missing), raw.ids, raw.labels.astype(np.float32))
+        counts, missing, ids, labels = self.raw(stream, step, lo, hi)
+        return Batch(normalise_dense(counts, missing), ids, labels.astype(np.float32))
+
+    def device_batches(self, stream: int, global_batch: int, sharding) -> Callable[[int], Batch]:
+        """``make(step)``: global batch ``step`` of ``stream`` generated on the devices, a Batch
+        of jax.Arrays with the batch ``sharding`` (a NamedSharding splitting dim 0, e.g.
+        ``StepFunctions.batch_sharding``): dense f32 [B, num_dense], ids i32 [B, S], labels f32
+        [B]. Each device computes its own rows; with several processes, each process's devices
+        hold its rows, as ``StepFunctions.device_batch(batch(...))`` places them. Bitwise equal
+        to :meth:`batch`. ``step`` is traced: one compilation serves every step."""
+        return _DeviceBatches(self, stream, global_batch, sharding)
+
+
+class _DeviceBatches:
+    """The device path: three jitted programs, the rows' keys, the features, then the labels
+    and dense features; in one program XLA:CPU recomputes keys, hashes and gathers in every
+    loop that reads them."""
+
+    def __init__(self, gen: SyntheticGenerator, stream: int, global_batch: int, sharding):
+        import jax  # here, not at the top: the host path and its users need no jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.jax, self.xp = jax, jax.numpy
+        self.gen, self.stream, mesh = gen, stream, sharding.mesh
+        axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
+        self.axes, self.per = axes, global_batch // math.prod(mesh.shape[a] for a in axes)
+        if self.per * math.prod(mesh.shape[a] for a in axes) != global_batch:
+            raise ValueError(f"batch {global_batch} does not split evenly over {axes} of {mesh}")
+        everywhere = NamedSharding(mesh, P())  # make_array_*: also with several processes
+        self.tables = jax.tree.map(lambda x: jax.make_array_from_callback(
+            np.shape(x), everywhere, lambda i: np.asarray(x)[i]), gen.host)
+        on_devices = lambda fn, *specs: jax.jit(jax.shard_map(  # noqa: E731
+            fn, mesh=mesh, in_specs=(P(), *specs), out_specs=P(axes)))
+        self.keys = on_devices(self._keys, P())
+        self.features = on_devices(self._features, P(axes))
+        self.finish = on_devices(self._finish, *[P(axes)] * 3)
+
+    def __call__(self, step) -> Batch:
+        key_n = self.keys(self.tables, step)
+        present_nl, ids_ns = self.features(self.tables, key_n)
+        dense_nd, labels_n = self.finish(self.tables, key_n, present_nl, ids_ns)
+        return Batch(dense_nd, ids_ns, labels_n)
+
+    def _keys(self, t: _Tables, step):  # of this device's rows
+        xp, first = self.xp, self.jax.lax.axis_index(self.axes).astype(self.xp.uint32) * self.per
+        rows_n = first + xp.arange(self.per, dtype=xp.uint32)
+        return self.gen._row_keys(xp, self.stream, step, rows_n)
+
+    def _features(self, t: _Tables, key_n):  # -> (present_nl, ids_ns)
+        counts_nl, missing_nl, ids_ns = self.gen._features(self.xp, t, key_n)
+        return self.gen._present(self.xp, counts_nl, missing_nl), ids_ns
+
+    def _finish(self, t: _Tables, key_n, present_nl, ids_ns):  # -> (dense_nd, labels_n)
+        xp, gen, d = self.xp, self.gen, self.gen.num_dense
+        labels_n, _ = gen._labels(xp, t, key_n, gen._dense(xp, t, present_nl), ids_ns)
+        # the output's own gather: XLA:CPU would materialise one shared with the labels
+        return gen._dense(xp, t, present_nl[:, :d]), labels_n.astype(xp.float32)
+
+
+def _bag_mean(xp, v_nb, valid_nb):
+    """int32 [n]: the floor mean of ``v_nb`` over each row's valid slots (0 for an empty bag)."""
+    count_n = xp.maximum(valid_nb.sum(1, dtype=xp.int32), 1)
+    return xp.where(valid_nb, v_nb, 0).sum(1, dtype=xp.int32) // count_n
 
 
 def normalise_dense(counts: np.ndarray, missing: np.ndarray) -> np.ndarray:
@@ -185,7 +469,11 @@ def normalise_dense(counts: np.ndarray, missing: np.ndarray) -> np.ndarray:
 
 
 class SyntheticSource:
-    """The :class:`~dlrm_jax.data.batch.DataSource` for ``data.source=synthetic``."""
+    """The :class:`~dlrm_jax.data.batch.DataSource` for ``data.source=synthetic``.
+
+    ``train_batch`` evaluates on the host (numpy, ~1M samples/s on 2 cores);
+    :meth:`device_batches` makes the same batches on the devices, far faster.
+    """
 
     def __init__(self, cfg, process_index: int = 0, process_count: int = 1):
         self.generator = SyntheticGenerator(
@@ -193,6 +481,7 @@ class SyntheticSource:
             bag_sizes=cfg.bag_sizes, zipf_exponent=cfg.data.zipf_exponent,
             positive_rate=cfg.data.positive_rate, id_layout=cfg.data.id_layout,
         )
+        self.global_batch = cfg.train.batch_size
         self._rows = process_slice(cfg.train.batch_size, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches or 16
 
@@ -202,11 +491,18 @@ class SyntheticSource:
     def train_batch(self, step: int) -> Batch:
         return self.generator.batch(TRAIN_STREAM, step, self._rows.start, self._rows.stop)
 
+    def device_batches(self, sharding) -> Callable[[int], Batch]:
+        """``make(step)``: global training batch ``step`` made on the devices of the batch
+        ``sharding``, equal to ``StepFunctions.device_batch(train_batch(step))`` (see
+        :meth:`SyntheticGenerator.device_batches`). Build it once, call it every step."""
+        return self.generator.device_batches(TRAIN_STREAM, self.global_batch, sharding)
+
     def eval_batches(self) -> Iterator[Batch]:
         for i in range(self._eval_batches):
             yield self.generator.batch(EVAL_STREAM, i, self._rows.start, self._rows.stop)
 
     def eval_logits(self) -> np.ndarray:
         """The hidden model's logits for :meth:`eval_batches`' samples, in their order."""
-        return np.concatenate([self.generator.logits(EVAL_STREAM, i, self._rows.start, self._rows.stop)
-                               for i in range(self._eval_batches)])
+        rows = self._rows
+        return np.concatenate([self.generator.logits(EVAL_STREAM, i, rows.start, rows.stop)
+                               for i in range(self._eval_batches)])  # fmt: skip
