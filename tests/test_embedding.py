@@ -194,11 +194,14 @@ def test_forced_overflow_loses_nothing(tiny, variant):
 
 
 @pytest.mark.parametrize("devices", [2, 8])
-def test_bfloat16_storage_and_exchange_within_tolerance(tiny, devices):
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
+def test_bfloat16_storage_and_exchange_within_tolerance(tiny, devices, optimizer):
     """bf16 tables and bf16 wire, float32 accumulation at the owner: forward vectors, tables and
-    accumulators within 1e-2 of the float32 reference in relative norm (the documented bound)."""
+    accumulators within 1e-2 of the float32 reference in relative norm (the documented bound).
+    Not per-element Adagrad: its first step moves an element by lr * sign(g) whatever |g|, so a
+    gradient whose bf16 partial sums cancel to near zero can step the other way (2 lr apart)."""
     cfg = tiny("embedding.sharding=row", "embedding.dtype=bfloat16", "embedding.exchange_dtype=bfloat16",
-               "train.batch_size=32", CARDS, "embedding.optimizer=adagrad")
+               "train.batch_size=32", CARDS, f"embedding.optimizer={optimizer}")
     check_against_reference(cfg, devices, steps=3, norm_tol=1e-2)
 
 

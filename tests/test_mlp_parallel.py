@@ -53,8 +53,10 @@ def trajectory(cfg):
 
 
 def assert_same(a, b):
+    """Adam, compared across reduction orders: a near-zero gradient's sign can differ, and Adam's
+    first steps are about lr * sign(g), so an element may be ~1e-4 off (ARCHITECTURE.md 3)."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
 
 
 def test_tensor_and_pipeline_train_like_data_parallel(tiny):

@@ -206,17 +206,21 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
         assert all(d == 0.0 for *_, d in b)
 
 
-# Process 1's input read for step 11 (batch 10) never returns (a hung file system, say); its heartbeat
-# thread lives on, so only the hang watch can end it.
+# Process 1's input for step 11 (batch 10) never comes (a hung file system, say); its heartbeat
+# thread lives on, so only the hang watch can end it. (data.prefetch=1: batch 10 is asked for
+# when step 11 needs it.)
 STALL_INPUT = """
 import sys, threading
 from dlrm_jax.data import synthetic
-read = synthetic.SyntheticSource.train_batch
-def train_batch(self, step):
-    if step == 10 and sys.argv[sys.argv.index("--process-id") + 1] == "1":
-        threading.Event().wait()
-    return read(self, step)
-synthetic.SyntheticSource.train_batch = train_batch
+device_batches = synthetic.SyntheticSource.device_batches
+def stalling(self, sharding):
+    make = device_batches(self, sharding)
+    def batch(step):
+        if step == 10 and sys.argv[sys.argv.index("--process-id") + 1] == "1":
+            threading.Event().wait()
+        return make(step)
+    return batch
+synthetic.SyntheticSource.device_batches = stalling
 from dlrm_jax.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -231,7 +235,7 @@ def test_a_hung_process_ends_every_process_naming_where_each_is(tmp_path):
     script.write_text(STALL_INPUT)
     port = free_port()
     args = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-            "--set", "train.hang_timeout_s=10", "--run-dir", str(tmp_path / "run")]
+            "--set", "train.hang_timeout_s=10", "--set", "data.prefetch=1", "--run-dir", str(tmp_path / "run")]
     procs = [subprocess.Popen([sys.executable, str(script), *args, "--coordinator", f"127.0.0.1:{port}",
                                "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]

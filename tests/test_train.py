@@ -41,7 +41,7 @@ def logical_state(cfg, run_dir):
 @pytest.mark.parametrize("optimizer,dense_opt,model", [
     ("rowwise_adagrad", "adam", ()), ("sgd", "sgd", ()),
     ("rowwise_adagrad", "adagrad", ("model.interaction=dcn", "model.dcn_rank=4")),
-    ("adagrad", "adam", ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat"))],
+    ("rowwise_adagrad", "adam", ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat"))],
     ids=["rowwise_adam", "sgd", "dcn", "wide_deep"])
 def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, dense_opt, model):
     runs = {}
