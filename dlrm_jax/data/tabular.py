@@ -30,7 +30,8 @@ from dlrm_jax.data.preprocess import (
     Task,
     check_arguments,
 )
-from dlrm_jax.data.synthetic import mix64, normalise_dense
+from dlrm_jax.data.synthetic import normalise_dense
+from dlrm_jax.data.synthetic_draws import mix64
 from dlrm_jax.data.tabular_records import Records, read_records
 from dlrm_jax.data.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
 
