@@ -117,12 +117,6 @@ class _Split:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
 
 def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
     """int64 [n] rows -> (first row, length) of each contiguous ascending run."""

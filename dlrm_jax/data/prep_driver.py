@@ -135,8 +135,9 @@ def _encode(values: np.ndarray, empty: np.ndarray | None) -> tuple[np.ndarray, d
 
 
 def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Options, rows: int) -> int:
-    """Phase 2 for feature f: its ids (work/ids_f: sorted values, id of each), the vocabulary
-    file and id histogram (in ``out``); returns the table's rows."""
+    """Phase 2 for feature f: its ids (work/sorted_f: distinct values ascending, work/idof_f:
+    the id of each), the vocabulary file (in ``out``) and its id histogram (work/hist_f);
+    returns the table's rows. ``rows``: valid rows in all (id 0's count in vocabulary mode)."""
     dicts = [np.load(work / f"{p}.dict.npz") for p in parts]
     values = [d[f"v{f}"] for d in dicts]
     total = sum(len(v) for v in values)
@@ -217,7 +218,7 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
 
 
 def _assemble(split: int, shard: int, rows: int, parts: Sequence[str], starts: np.ndarray,
-              counts: np.ndarray, work: Path, root: Path, where: _Placement) -> None:  # fmt: skip
+              counts: np.ndarray, work: Path, root: Path) -> None:  # fmt: skip
     """Phase 4: shard ``shard`` of ``split`` from every part's rows for it, in place order."""
     out = None
     for p, part in enumerate(parts):
@@ -279,7 +280,7 @@ def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Optio
         jobs = [(s, k, rows) for s in (0, 1) for k, rows in enumerate(where.shards(s))]
         for split in (0, 1):
             (out.root / shards.SPLITS[split]).mkdir()
-        same = [[x] * len(jobs) for x in (names, starts, counts, work, out.root, where)]
+        same = [[x] * len(jobs) for x in (names, starts, counts, work, out.root)]
         list(pmap(_assemble, *zip(*jobs, strict=True), *same))
         seconds["write"] = time.perf_counter() - t0 - seconds["scan"] - seconds["vocabulary"]
         hists = [np.load(work / f"hist_{f}.npz") for f in range(parser.num_features)]
