@@ -1,6 +1,7 @@
 """Hot-row statistics: sparse per-table counts, decay, the most frequent rows (hypothesis)."""
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -155,3 +156,58 @@ def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
     assert totals == sorted(set(totals)) and totals[-1] == min(max_rows, sum(seen))
     for s in sizes:
         assert all(k <= n for k, n in zip(s, seen, strict=True))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), k=st.integers(0, 60), big=st.booleans())
+def test_top_rows_and_truncation_follow_the_full_ranking(seed, k, big):
+    """The threshold selection gives what ranking every row would, ties included (few
+    distinct counts), on both counting paths (small ids: bincount; large ids: a sort)."""
+    rng = np.random.default_rng(seed)
+    scale = 10**9 if big else 1
+    batches = [(rng.integers(0, 12, (20, sum(BAGS))) * scale).astype(np.int64) for _ in range(2)]
+    counts = RowCounts.from_batches(batches, BAGS)
+    hand = counted_by_hand(batches)
+    ranked = sorted(((-n, t, r) for t, c in enumerate(hand) for r, n in c.items()))[:k]
+    want = [sorted(r for _, tt, r in ranked if tt == t) for t in range(len(BAGS))]
+    assert [rows.tolist() for rows in counts.top_rows(k)] == want
+    kept = counts.truncated(k)
+    for t in range(len(BAGS)):
+        assert kept.ids[t].tolist() == want[t]
+        assert kept.counts[t].tolist() == [hand[t][r] for r in want[t]]
+    table, ids = counts.ranked()
+    assert list(zip(table.tolist(), ids.tolist(), strict=True))[:k] == [(t, r) for _, t, r in ranked]
+
+
+def test_counting_threads_and_a_resume_mid_window_change_no_bit():
+    """The schedule counts on threads and sums the window at a refresh; saving its statistics
+    in the middle of a window and loading them into a new schedule gives the same next hot
+    set and counts as never stopping (whole-number window counts: order cannot matter)."""
+    from dlrm_jax.embedding.hot import HotSchedule
+
+    batches = random_batches(7, 12, 64, rows=500)
+    first = RowCounts.from_batches(batches[:2], BAGS)
+
+    def schedule():
+        return HotSchedule(10, BAGS, first, window=4, refresh_every=6, decay=0.5, threads=3)
+
+    whole = schedule()
+    for b in batches[2:8]:
+        whole.add(b)
+    rows = whole.refresh()
+    want = first.decayed(1.0, RowCounts.from_batches(batches[2:8], BAGS))
+    assert [r.tolist() for r in rows] == [r.tolist() for r in want.top_rows(10)]
+
+    stopped = schedule()
+    for b in batches[2:5]:
+        stopped.add(b)
+    saved = json.loads(json.dumps(stopped.to_json()))
+    stopped.close()
+    resumed = schedule()
+    resumed.load_json(saved)
+    for b in batches[5:8]:
+        resumed.add(b)
+    assert [r.tolist() for r in resumed.refresh()] == [r.tolist() for r in rows]
+    assert resumed.to_json() == whole.to_json()
+    whole.close()
+    resumed.close()

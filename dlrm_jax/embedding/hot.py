@@ -4,11 +4,18 @@ The statistics behind hot-row replication (a small set of very frequent rows kep
 device). Counts are sparse, only for rows actually seen, so their memory follows the distinct
 ids of the sampled batches rather than the tables' sizes. Everything here is host-side numpy:
 choosing hot rows is planning, not part of the traced step.
+
+Cost, because training counts batches while it runs (``dlrm-jax profile`` reports it): a batch
+is counted per table with ``bincount`` when its ids are small numbers and a sort otherwise (not
+a hash: numpy's sort of 65,536 ids beat pyarrow's ``value_counts`` 2x, BENCHMARKS.md); counts
+are summed with a stable sort of concatenated sorted runs (timsort merges them in linear time)
+and the top rows chosen by a count threshold, not by ranking every row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +23,34 @@ import numpy as np
 from dlrm_jax.data.batch import PAD_ID
 
 
+def sum_counts(ids: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct ids sorted, as int64; the summed ``weights`` of each, float64, or how often it
+    occurs when ``weights`` is None) of a 1-D id array: a ``bincount`` when the ids are small
+    numbers, else a stable sort (linear on the concatenated sorted runs that merging gives)."""
+    if ids.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.float64)
+    top = int(ids.max())
+    if int(ids.min()) >= 0 and top < 4 * ids.size + 4096:  # dense enough: one pass, no sort
+        summed = np.bincount(ids, weights, minlength=top + 1)
+        seen = np.flatnonzero(summed)
+        return seen.astype(np.int64), summed[seen].astype(np.float64)
+    if weights is None:
+        ids = np.sort(ids)
+    else:
+        order = np.argsort(ids, kind="stable")
+        ids, weights = ids[order], weights[order]
+    starts = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))
+    summed = np.diff(np.append(starts, ids.size)) if weights is None else np.add.reduceat(weights, starts)
+    return ids[starts].astype(np.int64), summed.astype(np.float64)
+
+
 @dataclass(frozen=True)
 class RowCounts:
     """Per table: the distinct row ids seen (sorted, int64) and how often each was looked up.
 
-    Counts are float64 so that decayed counts (``decayed``) keep their fractions.
+    Counts are float64 so that decayed counts (``decayed``) keep their fractions; counts of
+    whole batches are integers, exact in float64, so summing them in any order gives the same
+    bits.
     """
 
     ids: tuple[np.ndarray, ...]
@@ -35,19 +65,16 @@ class RowCounts:
     def from_batches(cls, id_batches: Iterable[np.ndarray], bag_sizes: Sequence[int]) -> RowCounts:
         """Counts over ``id_batches`` (each int [B, sum(bag_sizes)], features one after another,
         PAD_ID for empty bag slots, as in :class:`~dlrm_jax.data.batch.Batch`)."""
-        per_table: list[list[np.ndarray]] = [[] for _ in bag_sizes]
         starts = np.concatenate([[0], np.cumsum(bag_sizes)])
+        parts = [cls.empty(len(bag_sizes))]  # sums to no rows when there are no batches
         for ids in id_batches:
+            ids = np.asarray(ids)
+            per_table = []
             for t in range(len(bag_sizes)):
-                block = np.asarray(ids[:, starts[t]:starts[t + 1]]).reshape(-1)
-                per_table[t].append(block[block != PAD_ID].astype(np.int64))
-        ids_out, counts_out = [], []
-        for parts in per_table:
-            seen = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-            uniq, counts = np.unique(seen, return_counts=True)
-            ids_out.append(uniq)
-            counts_out.append(counts.astype(np.float64))
-        return cls(tuple(ids_out), tuple(counts_out))
+                block = ids[:, starts[t]:starts[t + 1]].reshape(-1)
+                per_table.append(sum_counts(block[block != PAD_ID]))
+            parts.append(cls(tuple(i for i, _ in per_table), tuple(c for _, c in per_table)))
+        return cls.total(parts)
 
     @property
     def num_tables(self) -> int:
@@ -57,45 +84,84 @@ class RowCounts:
         """Total lookups counted (decayed counts included)."""
         return float(sum(c.sum() for c in self.counts))
 
+    @classmethod
+    def total(cls, parts: Sequence[RowCounts]) -> RowCounts:
+        """The row by row sum of ``parts`` (all with the same tables)."""
+        if not parts:
+            raise ValueError("no counts to sum")
+        for p in parts:
+            if p.num_tables != parts[0].num_tables:
+                raise ValueError(f"counts of {p.num_tables} tables cannot be merged into {parts[0].num_tables}")
+        nonempty = [p for p in parts if any(i.size for i in p.ids)]
+        if len(nonempty) <= 1:
+            return nonempty[0] if nonempty else parts[0]
+        parts = nonempty
+        summed = [sum_counts(np.concatenate([p.ids[t] for p in parts]), np.concatenate([p.counts[t] for p in parts]))
+                  for t in range(parts[0].num_tables)]
+        return RowCounts(tuple(i for i, _ in summed), tuple(c for _, c in summed))
+
+    def plus(self, new: RowCounts) -> RowCounts:
+        """``self + new``, row by row."""
+        return RowCounts.total([self, new])
+
     def decayed(self, factor: float, new: RowCounts) -> RowCounts:
         """``factor * self + new``, row by row: the running statistics a refresh keeps."""
         if not 0.0 <= factor <= 1.0:
             raise ValueError(f"decay factor must be in [0, 1], got {factor}")
-        if new.num_tables != self.num_tables:
-            raise ValueError(f"counts of {new.num_tables} tables cannot be merged into {self.num_tables}")
-        ids_out, counts_out = [], []
-        for old_ids, old_c, new_ids, new_c in zip(self.ids, self.counts, new.ids, new.counts, strict=True):
-            ids = np.concatenate([old_ids, new_ids])
-            weights = np.concatenate([old_c * factor, new_c])
-            uniq, inverse = np.unique(ids, return_inverse=True)
-            summed = np.zeros(uniq.size, np.float64)
-            np.add.at(summed, inverse, weights)
-            keep = summed > 0  # a factor of 0 forgets the old rows entirely
-            ids_out.append(uniq[keep])
-            counts_out.append(summed[keep])
-        return RowCounts(tuple(ids_out), tuple(counts_out))
+        old = RowCounts(self.ids, tuple(c * factor for c in self.counts))
+        out = old.plus(new)
+        keep = [c > 0 for c in out.counts]  # a factor of 0 forgets the old rows entirely
+        return RowCounts(tuple(i[k] for i, k in zip(out.ids, keep, strict=True)),
+                         tuple(c[k] for c, k in zip(out.counts, keep, strict=True)))
+
+    def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(table, id, count) of every counted row, in (table, id) order."""
+        table = np.concatenate([np.full(c.size, t, np.int64) for t, c in enumerate(self.counts)] or [np.zeros(0, np.int64)])
+        return table, np.concatenate(self.ids or (np.zeros(0, np.int64),)), np.concatenate(self.counts or (np.zeros(0),))
+
+    @staticmethod
+    def _chosen(weight: np.ndarray, k: int) -> np.ndarray:
+        """Indices, ascending, of the ``k`` largest of ``weight``; of equal ones at the cut, the
+        first (entries are in (table, id) order, so ties go to the smaller table, then id)."""
+        k = max(0, min(k, weight.size))
+        if k in (0, weight.size):
+            return np.arange(k)
+        threshold = np.sort(weight)[weight.size - k]  # np.partition crawls on many equal counts
+        above = weight > threshold
+        tied = np.flatnonzero(weight == threshold)[:k - int(above.sum())]
+        above[tied] = True
+        return np.flatnonzero(above)
+
+    def _top(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(table, id, count) of the ``k`` most looked-up rows over all tables, most frequent
+        first; ties go to the smaller table, then the smaller id."""
+        table, ids, weight = self._flat()
+        chosen = self._chosen(weight, k)
+        table, ids, weight = table[chosen], ids[chosen], weight[chosen]
+        order = np.lexsort((ids, table, -weight))
+        return table[order], ids[order], weight[order]
 
     def ranked(self) -> tuple[np.ndarray, np.ndarray]:
         """Every counted row, most frequent first (ties: smaller table, then smaller id), as
         (table int64 [n], id int64 [n])."""
-        table = np.concatenate([np.full(c.size, t, np.int64) for t, c in enumerate(self.counts)] or [[]])
-        weight = np.concatenate(self.counts or (np.zeros(0),))
-        ids = np.concatenate(self.ids or (np.zeros(0, np.int64),))
-        order = np.lexsort((ids, table, -weight))
-        return table[order].astype(np.int64), ids[order].astype(np.int64)
+        table, ids, _ = self._top(sum(c.size for c in self.counts))
+        return table, ids
 
     def top_rows(self, k: int) -> list[np.ndarray]:
         """The ``k`` most looked-up rows over all tables, as one array of ids per table (the
         first rows of :meth:`ranked`; a table's share is its :meth:`most_frequent` rows)."""
-        table, ids = self.ranked()
-        return [np.sort(ids[:k][table[:k] == t]) for t in range(self.num_tables)]
+        table, ids, _ = self._top(k)
+        return [np.sort(ids[table == t]) for t in range(self.num_tables)]
 
     def truncated(self, k: int) -> RowCounts:
         """Only the ``k`` most looked-up rows' counts: bounds the memory of running statistics."""
-        keep = self.top_rows(k)
-        masks = [np.isin(i, h) for i, h in zip(self.ids, keep, strict=True)]
-        return RowCounts(tuple(i[m] for i, m in zip(self.ids, masks, strict=True)),
-                         tuple(c[m] for c, m in zip(self.counts, masks, strict=True)))
+        if sum(c.size for c in self.counts) <= k:
+            return self
+        table, ids, weight = self._flat()
+        chosen = self._chosen(weight, k)  # ascending: each table's rows stay sorted
+        table, ids, weight = table[chosen], ids[chosen], weight[chosen]
+        return RowCounts(tuple(ids[table == t] for t in range(self.num_tables)),
+                         tuple(weight[table == t] for t in range(self.num_tables)))
 
     def to_json(self) -> dict:
         """Lists of ids and counts per table (floats round-trip exactly through JSON)."""
@@ -136,39 +202,76 @@ class HotSchedule:
     statistics are truncated to the ``keep`` most counted rows at each refresh, so they stay
     small enough to travel with every checkpoint (:meth:`to_json`), which a resumed run needs
     to choose the same rows. Host-side only: the caller runs the refresh program.
+
+    Counting runs on ``threads`` threads of its own (:meth:`add` only queues the batch), so the
+    thread that dispatches steps pays for a refresh's sum and choice alone. The window's counts
+    are whole numbers, so the order they are summed in cannot change a bit. ``gather`` turns this
+    process's window into the global one (an all-gather in a multi-process run, where each
+    process counts only its own rows); it is called from the caller's thread, at a refresh and
+    in :meth:`to_json`, in the same order on every process.
     """
 
     def __init__(self, capacity: int, bag_sizes: Sequence[int], counts: RowCounts, *, window: int,
-                 refresh_every: int, decay: float):
+                 refresh_every: int, decay: float, gather: Callable[[RowCounts], RowCounts] = lambda c: c,
+                 threads: int = 1):
         self.capacity, self.bag_sizes = capacity, tuple(bag_sizes)
         self.window, self.refresh_every, self.decay = window, refresh_every, decay
         self.keep = max(16 * capacity, 4096)
         self.counts = counts.truncated(self.keep)
+        self._gather = gather
+        self._carried = RowCounts.empty(counts.num_tables)  # a resumed window's global counts
+        self._local = RowCounts.empty(counts.num_tables)  # this process's counts since then
+        self.threads = max(1, threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []  # each batch's counts, being counted
 
     def counts_batch(self, step: int) -> bool:
         """Whether batch ``step`` (0-based: the one trained in step ``step + 1``) is counted."""
         r = self.refresh_every
         return bool(r) and step % r >= r - min(self.window, r)
 
-    def add(self, ids: np.ndarray) -> None:
-        """Count one global batch's ids (int [B, S], as in Batch)."""
-        self.counts = self.counts.decayed(1.0, RowCounts.from_batches([ids], self.bag_sizes))
+    def add(self, ids) -> None:
+        """Count one batch's ids (int [B, S] as in Batch, or anything ``np.asarray`` reads, such
+        as a device array's local rows) on the counting thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hot-count")
+        self._pending.append(self._pool.submit(lambda: RowCounts.from_batches([np.asarray(ids)], self.bag_sizes)))
+
+    def _window_counts(self) -> RowCounts:
+        """The global counts of the window so far (waits for the counting thread)."""
+        counted = [f.result() for f in self._pending]  # a counting error is raised here
+        self._pending.clear()
+        self._local = RowCounts.total([self._local, *counted])
+        return self._carried.plus(self._gather(self._local))
 
     def refresh_due(self, steps_done: int) -> bool:
         return bool(self.refresh_every) and steps_done % self.refresh_every == 0
 
     def current_rows(self) -> list[np.ndarray]:
-        """Per table, the rows the statistics now rank hottest (at most ``capacity`` in all)."""
-        return self.counts.top_rows(self.capacity)
+        """Per table, the rows the statistics rank hottest (at most ``capacity`` in all): the
+        counts as of the last refresh (a run's first rows), without this window's counts, so
+        it is host arithmetic alone (no all-gather; callable while tracing)."""
+        return self.counts.decayed(1.0, self._carried).top_rows(self.capacity)
 
     def refresh(self) -> list[np.ndarray]:
         """The next hot set (:meth:`current_rows`), then the counts decayed and truncated."""
-        rows = self.current_rows()
-        self.counts = self.counts.decayed(self.decay, RowCounts.empty(self.counts.num_tables)).truncated(self.keep)
+        counts = self.counts.decayed(1.0, self._window_counts())
+        rows = counts.top_rows(self.capacity)
+        self.counts = counts.decayed(self.decay, RowCounts.empty(counts.num_tables)).truncated(self.keep)
+        self._carried = self._local = RowCounts.empty(counts.num_tables)
         return rows
 
     def to_json(self) -> dict:
-        return self.counts.to_json()
+        return {**self.counts.to_json(), "window": self._window_counts().to_json()}
 
     def load_json(self, raw: dict) -> None:
         self.counts = RowCounts.from_json(raw)
+        empty = RowCounts.empty(self.counts.num_tables)
+        self._carried = RowCounts.from_json(raw["window"]) if "window" in raw else empty
+        self._local = empty
+
+    def close(self) -> None:
+        """Stops the counting thread (pending counts are finished first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,8 +1,9 @@
 """Choosing the hot rows when a run starts: statistics from the data, the model's decision.
 
 Every process must choose the same rows, so statistics are taken over global batches: in a
-multi-process run each process's slice of a batch is all-gathered (a collective, dispatched by
-the main thread like every other). Counts come from the ``embedding.hot.stats_batches`` first
+multi-process run each process's slice of a batch is all-gathered to choose the first rows, and
+while training each process counts its own slice and the counts are all-gathered at a refresh
+(collectives, dispatched by the main thread like every other). Counts come from the ``embedding.hot.stats_batches`` first
 training batches, or, for a preprocessed dataset that has them, from the per-feature id
 histograms ``preprocess`` wrote (no warm-up pass over the data).
 """
@@ -35,6 +36,27 @@ def global_ids(local_ids: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(np.asarray(local_ids), tiled=True))
+
+
+def gather_counts(local: RowCounts) -> RowCounts:
+    """The sum over processes of each process's ``local`` counts, on every process (the same
+    bits everywhere: whole-number counts, summed in process order)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    flat = np.concatenate([np.stack([np.full(i.size, t), i, c], 1).astype(np.int32)
+                           for t, (i, c) in enumerate(zip(local.ids, local.counts, strict=True))] or [np.zeros((0, 3), np.int32)])
+    longest = int(np.max(multihost_utils.process_allgather(np.array([flat.shape[0]], np.int64))))
+    padded = np.full((longest, 3), -1, np.int32)  # ids and window counts fit: x64 is off
+    padded[:flat.shape[0]] = flat
+    every = np.asarray(multihost_utils.process_allgather(padded))  # [processes, longest, 3]
+    out = RowCounts.empty(local.num_tables)
+    for rows in every:
+        rows = rows[rows[:, 0] >= 0]
+        out = out.plus(RowCounts(tuple(rows[rows[:, 0] == t, 1] for t in range(local.num_tables)),
+                                 tuple(rows[rows[:, 0] == t, 2].astype(np.float64) for t in range(local.num_tables))))
+    return out
 
 
 def initial_counts(cfg, source: DataSource) -> RowCounts:
@@ -86,17 +108,18 @@ def choose(cfg, plan: EmbeddingPlan, measuring: EmbeddingCollection, source: Dat
     if plan.hot is None:
         return plan, None
     schedule = HotSchedule(plan.hot_rows, bags, counts,
-                           window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay)
+                           window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay,
+                           gather=gather_counts, threads=cfg.data.readers)
     return plan, schedule
 
 
 def count_and_refresh(hot: HotSchedule, steps, state, step: int, ids: np.ndarray, runner=None):
-    """After train step ``step``: count its batch if it falls in a statistics window, and
-    refresh the hot set when one is due (``runner``: a tiered run's ``TierRunner``, which
+    """After train step ``step``: count its batch (``ids``: this process's rows) if it falls in a
+    statistics window, on the counting thread, and refresh the hot set when one is due (``runner``: a tiered run's ``TierRunner``, which
     moves the tiered rows) (before any checkpoint of this step, so a resumed run
     starts from the refreshed rows and the statistics that chose them)."""
     if hot.counts_batch(step - 1):
-        hot.add(global_ids(ids))
+        hot.add(ids)
     if not hot.refresh_due(step):
         return state
     keys = hot_keys(hot.refresh(), hot.capacity)

@@ -226,6 +226,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
                 ckpts.close()
             if runner:
                 runner.tiered.close()
+            if steps.hot:
+                steps.hot.close()
 
 
 def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsWriter, log, source: DataSource,
