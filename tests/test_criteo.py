@@ -427,3 +427,27 @@ def test_skip_counts_and_first_error_hold_with_several_workers(tmp_path, tsv):
     assert one.skipped == 12 and two.skipped_examples[1].startswith(f"{dirty}:102: ")
     with pytest.raises(CriteoFormatError, match=f"{dirty}:2: "):
         preprocess([dirty], tmp_path / "strict", max_ind_range=M, workers=2, block_mb=0.01)
+
+
+@pytest.mark.parametrize("error", ["errno", "short write"])
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch, error):
+    """A full disk while preprocessing: one line naming the output and the space it takes,
+    whether the OSError carries ENOSPC or is numpy's short write (no errno), and no output."""
+    import errno
+    import shutil
+
+    from dlrm_jax.data import prep_driver
+
+    src = tmp_path / "day.tsv"
+    src.write_text("1\t" + "\t".join(["1"] * 12 + [""] + ["0a"] * 26) + "\n")
+
+    def full(*_):
+        if error == "errno":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError("200000 requested and 20448 written")
+
+    monkeypatch.setattr(prep_driver, "_write_dataset", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10, 10, 0))
+    with pytest.raises(OSError, match=r"^" + str(tmp_path / "out") + ": no space left on device .*another --output"):
+        preprocess_criteo([str(src)], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -37,3 +37,54 @@ def test_log_loss():
     p = np.array([0.8, 0.3])
     assert abs(log_loss(y, p) - (-(np.log(0.8) + np.log(0.7)) / 2)) < 1e-12
     assert np.isfinite(log_loss(y, np.array([0.0, 1.0])))  # clipped, not inf
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+def test_a_full_disk_leaves_no_torn_line_and_names_file_and_step(tmp_path, monkeypatch):
+    import errno
+    import json
+    import os
+
+    import pytest
+
+    from dlrm_jax.train.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(path)
+    writer.write({"event": "train", "step": 1, "loss": 0.5})
+    real_write = os.write
+
+    def half_then_full(fd, data):  # the disk fills in the middle of the line
+        if len(data) > 8:
+            real_write(fd, bytes(data[:8]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError, match=f"step 2's metrics to {path}: no space left on device"):
+        writer.write({"event": "train", "step": 2, "loss": 0.4})
+    monkeypatch.undo()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+    writer.write({"event": "train", "step": 2, "loss": 0.4})  # space freed: the run goes on
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning_and_a_damaged_one_named(tmp_path):
+    import json
+
+    import pytest
+
+    from dlrm_jax.train.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"event": "train", "step": s, "wall_s": float(s)}) for s in (1, 2, 3)]
+    path.write_text("\n".join(good) + '\n{"event": "train", "step": 4, "lo')
+    said = []
+    MetricsWriter(path).truncate_after(2, said.append)
+    assert path.read_text().splitlines() == good[:2]
+    assert said and "metrics.jsonl:4: dropped a torn last line" in said[0]
+
+    path.write_text(good[0] + "\n{broken\n" + good[2] + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON event"):
+        MetricsWriter(path).truncate_after(3, said.append)
+    assert path.read_text() == good[0] + "\n{broken\n" + good[2] + "\n"  # nothing lost

@@ -26,8 +26,10 @@ Everything is written under a temporary folder renamed into place at the end
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -242,7 +244,22 @@ def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Optio
                   val_inputs: Sequence[str] = (), meta: Callable[[dict], dict] = lambda extra: {},
                   ) -> PreprocessReport:  # fmt: skip
     """Preprocess ``inputs`` (and ``val_inputs``, whole files for the val split) with
-    ``parser`` into the sharded layout of :mod:`dlrm_jax.data.shards` at ``output``."""
+    ``parser`` into the sharded layout of :mod:`dlrm_jax.data.shards` at ``output``. A full
+    disk is one line naming the output and the space it takes (nothing is left behind)."""
+    try:
+        return _write_dataset(parser, inputs, output, opts, val_inputs, meta)
+    except OSError as e:
+        free = shutil.disk_usage(Path(output).resolve().parent).free
+        need = 2 * sum(os.path.getsize(p) for p in [*inputs, *val_inputs] if os.path.isfile(p))
+        if e.errno != errno.ENOSPC and not (" requested and " in str(e) and free < need):
+            raise  # numpy's short writes carry no errno: a full disk is told by the free space
+        raise OSError(f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
+                      f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
+                      f"free space or choose another --output; nothing was written") from None
+
+
+def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Options, val_inputs: Sequence[str],
+                   meta: Callable[[dict], dict]) -> PreprocessReport:
     t0, seconds = time.perf_counter(), {}
     paths, val_paths = [str(p) for p in inputs], [str(p) for p in val_inputs]
     tasks = [(t, 0) for t in parser.tasks(paths)] + [(t, 1) for t in parser.tasks(val_paths)]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -66,14 +68,27 @@ class MetricsWriter:
         self.path, self.tensorboard, self._tb, self._resumed_at = path, tensorboard, None, None
         self._started, self._wall_before = time.perf_counter(), 0.0
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int, log=print) -> None:
         """Drop events past ``step``: a run killed after its last checkpoint logged steps that
-        the resumed run will log again (TensorBoard is told to hide them too)."""
+        the resumed run will log again (TensorBoard is told to hide them too). A last line cut
+        short (a write that a kill interrupted) is dropped with a warning; a damaged line
+        before the last is an error naming it: the file is not ours to guess at."""
         self._resumed_at = step + 1
         if self.path is None or not self.path.exists():
             return
-        lines = self.path.read_text().splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = self.path.read_text(errors="replace").splitlines()
+        events = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                events.append((line, json.loads(line)))
+            except json.JSONDecodeError as e:
+                if number != len(lines):
+                    raise ValueError(f"{self.path}:{number}: not a JSON event ({e.msg}); fix or remove "
+                                     f"that line to resume") from None
+                log(f"warning: {self.path}:{number}: dropped a torn last line (an interrupted write)")
+        kept = [line for line, event in events if event.get("step", 0) <= step]
         if kept:
             self._wall_before = json.loads(kept[-1]).get("wall_s") or 0.0
         if len(kept) != len(lines):
@@ -82,12 +97,29 @@ class MetricsWriter:
             tmp.replace(self.path)
 
     def write(self, event: dict) -> None:
+        """Appends the event as one line. A failed write (a full disk) takes back whatever part
+        of the line reached the file, so no torn line is left, and says which file and step."""
         if self.path is None:
             return
         event = {**event, "wall_s": round(self._wall_before + time.perf_counter() - self._started, 3)}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in event.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+        data = (json.dumps(clean) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as e:
+                os.ftruncate(fd, size)
+                what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+                error = OSError(f"cannot append step {event.get('step')}'s metrics to {self.path}: {what}; "
+                                f"free space and run the same command to resume from the last checkpoint")
+                error.errno = e.errno
+                raise error from None
+        finally:
+            os.close(fd)
         if self.tensorboard:
             self._write_scalars(clean)
 

@@ -243,7 +243,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
     start = int(host_scalar(state.step))
-    metrics.truncate_after(start)
+    metrics.truncate_after(start, log)
 
     t0 = time.perf_counter()
     report_progress(start, "compiling the train step", timed=False)
