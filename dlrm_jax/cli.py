@@ -30,6 +30,8 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator", help="host:port of process 0 for jax.distributed")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
+    g.add_argument("--join-timeout", type=int, default=300, metavar="S",
+                   help="seconds to wait for every process to join before exiting with one line (default 300)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,7 +183,7 @@ def _start_jax(devices: int, args) -> None:
     from dlrm_jax.parallel.mesh import initialize_distributed
 
     initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                           getattr(args, "process_id", None))
+                           getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300))
 
 
 def _library_logs_to(run_dir: Path) -> None:

@@ -38,10 +38,12 @@ def request_cpu_devices(count: int) -> None:
 
 
 PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
+JOIN_TIMEOUT_S = 300  # how long processes wait for all of them to join (jax.distributed's default)
 
 
 def initialize_distributed(coordinator: str | None, num_processes: int | None,
-                           process_id: int | None, peer_timeout_s: int = PEER_TIMEOUT_S) -> None:
+                           process_id: int | None, peer_timeout_s: int = PEER_TIMEOUT_S,
+                           join_timeout_s: int = JOIN_TIMEOUT_S) -> None:
     """Start JAX's multi-controller runtime when more than one process takes part.
 
     With no coordinator given, JAX's own cluster auto-detection (SLURM, Open MPI, ...) decides;
@@ -62,7 +64,23 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
     elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
         return
     jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(**kwargs)
+    joined = threading.Event()
+    count, me = num_processes or 0, process_id or 0
+    others = [p for p in range(count) if p != me]
+    who = (f"process {others[0]}" if len(others) == 1 else f"one of processes {', '.join(map(str, others))}"
+           if others else "a peer")
+
+    def bound_the_wait() -> None:
+        if not joined.wait(join_timeout_s):
+            sys.stderr.write(f"dlrm-jax: error: process {me}: {who} did not join {coordinator or 'the coordinator'} "
+                             f"within {join_timeout_s} s (--join-timeout): start every process with the same "
+                             f"command, or see the missing one's own output for why it stopped\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=bound_the_wait, name="join-timeout", daemon=True).start()
+    jax.distributed.initialize(**kwargs, initialization_timeout=join_timeout_s + 60)  # ours fires first
+    joined.set()
     global _watchdog
     watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
     watchdog.start()
@@ -221,6 +239,26 @@ def outcomes_of_every_process(outcome: str, timeout_s: int = 300) -> list[str]:
     client, key = _client_and_key()
     client.key_value_set(f"{key}/{jax.process_index()}", outcome)
     return [client.blocking_key_value_get(f"{key}/{p}", timeout_s * 1000) for p in range(jax.process_count())]
+
+
+def check_same_everywhere(settings: dict[str, str], what: str = "config") -> None:
+    """Refuses, on every process, to go on when ``settings`` (name -> value, as text) differ
+    between processes, naming each differing key with its values: processes that trained with
+    different settings would fail later inside a collective (a shape mismatch that aborts) or,
+    worse, silently train different models. One process: nothing to compare."""
+    import json
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    every = [json.loads(s) for s in outcomes_of_every_process(json.dumps(settings, sort_keys=True))]
+    differ = sorted({k for theirs in every for k in set(theirs) | set(settings) if theirs.get(k) != settings.get(k)})
+    if differ:
+        shown = "; ".join(f"{k}: " + ", ".join(f"process {p} {v.get(k, '(unset)')}" for p, v in enumerate(every))
+                          for k in differ[:6])
+        more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
+        raise ValueError(f"the processes' {what} differ, every process must run the same command: {shown}{more}")
 
 
 def make_mesh(devices: int = 0, hosts: int = 0, model: int = 1):

@@ -4,6 +4,9 @@ sizes measured on the first batches, the hot rows and the tier's caches."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+from pathlib import Path
 
 import jax
 from jax.sharding import NamedSharding
@@ -14,7 +17,7 @@ from dlrm_jax.embedding.collection import EmbeddingCollection
 from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.planner import host_plan_from_config
-from dlrm_jax.parallel.mesh import batch_spec, hosts_of, make_mesh
+from dlrm_jax.parallel.mesh import batch_spec, check_same_everywhere, hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.tier_setup import tier_plan
@@ -66,9 +69,32 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
 def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
     """The (data, model) mesh of ``mesh.devices`` in groups of ``mesh.model``; with
     per-host tables (embedding.sync per_host or host_replicas), (hosts, data, model) with
-    ``mesh.hosts`` hosts (0: one per process)."""
+    ``mesh.hosts`` hosts (0: one per process). First, with several processes, every process's
+    resolved config and dataset are compared (a one-line refusal naming what differs)."""
+    check_same_everywhere(_comparable(cfg), "configs")
     hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.tables_per_host else 0
     return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
+
+
+def _comparable(cfg: Config) -> dict[str, str]:
+    """The config as key -> JSON text, without the keys that are paths on each host, plus the
+    dataset's own fingerprint (its meta.json: rows, shuffle, cardinalities) for binary data."""
+    flat: dict[str, str] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = json.dumps(v)
+
+    walk(cfg.to_dict(), "")
+    for per_host in ("data.path", "embedding.tier.path"):
+        flat.pop(per_host, None)
+    meta = Path(cfg.data.path) / "meta.json"
+    if cfg.data.source == "binary" and meta.is_file():
+        flat["the dataset (data.path's meta.json)"] = hashlib.sha256(meta.read_bytes()).hexdigest()[:12]
+    return flat
 
 
 def _device_budget(cfg: Config) -> int:

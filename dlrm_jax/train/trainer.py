@@ -194,6 +194,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     started with another model.
     """
     cfg = resolve_data_config(cfg)
+    mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
         saved = saved_steps(rd.checkpoint_dir) if rd.path else []
         recorded = rd.recorded_final(saved[-1]) if saved and saved[-1] >= cfg.train.steps else None
@@ -203,7 +204,6 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
                               recorded.get("run_samples_per_s", recorded["samples_per_s"]))
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
-        mesh = mesh_from_config(cfg)
         source = make_source(cfg, jax.process_index(), jax.process_count())
         if source.skip_report():
             log(source.skip_report())

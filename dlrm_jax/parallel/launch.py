@@ -1,0 +1,160 @@
+"""A supervisor for multi-process runs: starts the processes, watches them, and turns the way a
+run ends into one line.
+
+    python -m dlrm_jax.parallel.launch N [train|eval|profile] [dlrm-jax arguments...]
+    python -m dlrm_jax.parallel.launch --process-id I [dlrm-jax command and arguments...]
+
+The first form runs N processes on 127.0.0.1 (``scripts/launch_local.sh`` calls it); the second
+wraps the one process of this host in a cluster launch (the command's own ``--coordinator``,
+``--num-processes`` and ``--process-id`` given by the scheduler).
+
+Why a supervisor: when a process dies, jaxlib 0.10.2's coordination client aborts some of the
+survivors from a native thread (the coordinator's host lost, or a collective that a peer left
+half done) with a C++ stack, which no Python code in that process can intercept (a Python
+``missed_heartbeat_callback`` cannot receive the status: std::bad_cast). The supervisor sees
+every child's end: on the first abnormal one it stops the others (what they hold is lost either
+way; checkpoints are committed atomically) and prints one line naming the lost process and the
+command that resumes. Native log lines (absl's ``F1124 12:00:00.0 ...`` format and the stack
+frames after them) go to a log file per process, named in that line, not to the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_NATIVE = re.compile(r"^([FEWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):)")
+_SUBCOMMANDS = ("train", "eval", "profile")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli() -> list[str]:
+    found = shutil.which("dlrm-jax")
+    return [found] if found else [sys.executable, "-m", "dlrm_jax"]
+
+
+def _how_it_ended(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was ended by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was ended by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+class _Child:
+    """One process: its output relayed with a ``[pI]`` prefix, native log lines to ``log``."""
+
+    def __init__(self, index: int, argv: list[str], log: Path):
+        self.index, self.log = index, log
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     errors="replace", start_new_session=True)  # our signals only
+        self.native = 0
+        self.last_error = ""
+        self._log = open(log, "w")  # noqa: SIM115 - closed in join()
+        self._relays = [threading.Thread(target=self._relay, args=(stream, out), daemon=True)
+                        for stream, out in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))]
+        for r in self._relays:
+            r.start()
+
+    def _relay(self, stream, out) -> None:
+        for line in stream:
+            self._log.write(line)
+            if _NATIVE.match(line):
+                self.native += 1
+                continue
+            if line.startswith("dlrm-jax: "):
+                self.last_error = line.strip()
+            out.write(f"[p{self.index}] {line}")
+            out.flush()
+
+    def join(self) -> None:
+        for r in self._relays:
+            r.join(timeout=5)
+        self._log.close()
+
+
+def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
+    """Runs one child per argv until all end; returns the first abnormal status (0 if none)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children = [_Child(i, argv, log_dir / f"p{i}.log") for i, argv in enumerate(argvs)]
+    for c in children:
+        print(f"[launch] process {c.index}: pid {c.proc.pid}", flush=True)
+
+    def forward(signum, _frame):  # Ctrl-C, SIGTERM: every process checkpoints and stops
+        for c in children:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    first = None
+    try:
+        while [c.proc.poll() for c in children].count(None):  # polls each (any() would stop early)
+            ended = [c for c in children if c.proc.returncode not in (None, 0)]
+            if ended and first is None:
+                # a process killed from outside first, before the ones the runtime aborted for it
+                first = min(ended, key=lambda c: (c.proc.returncode == -signal.SIGABRT, c.index))
+                time.sleep(0.5)  # the others' own lines, when they already know
+                for c in children:
+                    if c.proc.poll() is None:
+                        c.proc.kill()
+            time.sleep(0.1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for c in children:
+        c.join()
+    if first is None:
+        first = next((c for c in children if c.proc.returncode != 0), None)
+    if first is None:
+        return 0
+    rc = first.proc.returncode
+    because = f": {first.last_error.removeprefix('dlrm-jax: ')}" if first.last_error else ""
+    others = [c for c in children if c is not first]
+    aborted = [c.index for c in others if c.proc.returncode == -signal.SIGABRT]
+    stopped = (f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else "")
+    sys.stderr.write(f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}; the others were "
+                     f"stopped; the newest checkpoint is intact: run `{resume}` to resume (each process's "
+                     f"full output: {log_dir})\n")
+    sys.stderr.flush()
+    return 128 - rc if rc < 0 else rc
+
+
+def main(argv: list[str]) -> int:
+    here = "python -m dlrm_jax.parallel.launch"
+    if argv[:1] == ["--process-id"]:  # one process of a cluster launch: the command is given whole
+        index, command = int(argv[1]), argv[2:]
+        return supervise([command], shlex.join(command), Path(tempfile.mkdtemp(prefix=f"dlrm-jax-p{index}-")))
+    if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
+        sys.stderr.write(f"usage: {here} N [train|eval|profile] [dlrm-jax arguments...]\n")
+        return 2
+    n, rest = int(argv[0]), argv[1:]
+    sub = rest.pop(0) if rest[:1] and rest[0] in _SUBCOMMANDS else "train"
+    port = _free_port()
+    # Progress bars redraw with carriage returns, one endless line through the prefixer; the
+    # caller's own --set train.progress_bar=true still wins (it comes later).
+    argvs = [[*_cli(), sub, "--set", "train.progress_bar=false", *rest, "--coordinator", f"127.0.0.1:{port}",
+              "--num-processes", str(n), "--process-id", str(i)] for i in range(n)]
+    resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
+    run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"), None)
+    log_dir = Path(run_dir) / "launch" if run_dir else Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
+    return supervise(argvs, resume, log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
