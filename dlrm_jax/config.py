@@ -9,6 +9,7 @@ a bad one raises :class:`ConfigError` naming the key, the value and what is allo
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -67,6 +68,8 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         value = "" if value is None else value
@@ -100,11 +103,58 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``over``'s keys into ``base``; a mapping is never merged into (and so never silently
+    replaces) a value that is not one."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k in out and not isinstance(out[k], dict):
+            raise ConfigError(f"{key}: is {out[k]!r}, not a mapping of keys, so --set {key}.{next(iter(v), '')} "
+                              f"cannot go into it")
+        out[k] = _merge(out[k], v, f"{key}.") if isinstance(v, dict) and k in out else v
     return out
+
+
+class YAMLKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping: ``line`` (1-based) of the second, ``first`` of the first."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"key {key!r} is given twice (lines {first} and {line}); YAML would keep only the last")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # '<<' merges keys on purpose; complex keys: the base loader decides
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in seen:
+                    raise YAMLKeyError(key, line, seen[key])
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML ``text`` as Python values, like ``yaml.safe_load``, but a key given twice in one
+    mapping is a :class:`YAMLKeyError` instead of the last one silently winning."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def yaml_problem(e: yaml.YAMLError) -> tuple[int | None, str]:
+    """(1-based line or None, one-line description) of a YAML error, whose own text spans lines."""
+    if isinstance(e, YAMLKeyError):
+        return e.line, str(e)
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        text = "; ".join(t for t in (e.context, e.problem) if t)
+        return (mark.line + 1 if mark else None), text or type(e).__name__
+    return None, " ".join(str(e).split())
 
 
 def parse_override(text: str) -> dict[str, Any]:
@@ -113,9 +163,9 @@ def parse_override(text: str) -> dict[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.steps=100")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({yaml_problem(e)[1]})") from None
     out: dict[str, Any] = {}
     node = out
     parts = key.strip().split(".")
@@ -137,14 +187,37 @@ def resolve_config_path(path: str | Path) -> Path:
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
+    """The YAML file at ``path`` as nested dicts, its sections checked to be mappings; any
+    problem is a one-line ConfigError naming the file (and the line, where YAML knows it)."""
     p = resolve_config_path(path)
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {p}: cannot be read as YAML ({e})") from None
+        raw = load_yaml(p.read_bytes().decode("utf-8")) or {}
+    except OSError as e:
+        raise ConfigError(f"config file {p}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"a config is a YAML text file") from None
+    except yaml.YAMLError as e:
+        line, problem = yaml_problem(e)
+        raise ConfigError(f"config file {p}{f':{line}' if line else ''}: cannot be read as YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p}: expected a mapping at the top level")
+    _check_sections(Config, raw, "", p)
     return raw
+
+
+def _check_sections(cls: type, raw: dict[str, Any], prefix: str, path: Path) -> None:
+    """Every section of ``raw`` (a dataclass field of ``cls``) must be a mapping of keys: a list
+    or a scalar there would be silently replaced by a ``--set`` into the section."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in raw and dataclasses.is_dataclass(hints[f.name]):
+            key, sub = f"{prefix}{f.name}", raw[f.name]
+            if not isinstance(sub, dict):
+                what = "nothing" if sub is None else repr(sub)
+                raise ConfigError(f"config file {path}: {key} must be a mapping of keys (e.g. {key}: {{KEY: VALUE}}), "
+                                  f"got {what}")
+            _check_sections(hints[f.name], sub, f"{key}.", path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -164,12 +237,41 @@ def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+def _check_table_overrides(key: str, items: tuple[str, ...], what: str, values: tuple[str, ...], example: str) -> None:
+    """``TABLE=VALUE`` items: each well formed, each table named once (else the last would win)."""
+    first: dict[str, str] = {}
+    for i, item in enumerate(items):
+        name, sep, value = item.partition("=")
+        if not sep or not name or value not in values:
+            raise ConfigError(f"{key}[{i}]: {item!r} must be TABLE={what} with {what} one of "
+                              f"{', '.join(values)}, e.g. {example}")
+        if name in first:
+            raise ConfigError(f"{key}: table {name} is named twice ({first[name]!r} and {item!r}); "
+                              f"give each table once")
+        first[name] = item
+
+
+def check_features(cfg: Config) -> Config:
+    """Checks of keys that depend on the data's features (data.num_dense, data.cardinalities)."""
+    m, d = cfg.model, cfg.data
+    if m.interaction == "dcn" and m.dcn_rank:
+        # The cross network's input: the bottom output (or the raw dense features) and every embedding.
+        bottom = m.bottom_mlp[-1] if m.bottom_mlp else d.num_dense
+        width = bottom + m.embedding_dim * len(d.cardinalities)
+        if m.dcn_rank > width:
+            raise ConfigError(f"model.dcn_rank={m.dcn_rank} exceeds the cross network's input width {width} "
+                              f"({bottom} + model.embedding_dim {m.embedding_dim} x {len(d.cardinalities)} features): "
+                              f"use at most {width}, or 0 for full-rank layers")
+    return cfg
+
+
 def validate(cfg: Config) -> Config:
     """Cross-key checks that a single field's type cannot express."""
     t, d, m = cfg.train, cfg.data, cfg.model
     _positive("train.steps", t.steps)
     _positive("train.batch_size", t.batch_size)
     _positive("train.learning_rate", t.learning_rate)
+    _positive("train.decay_power", t.decay_power)  # below 0 the "decay" would raise the rate
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "warmup_steps", "decay_steps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.keep_checkpoints", t.keep_checkpoints)
@@ -206,6 +308,8 @@ def validate(cfg: Config) -> Config:
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("model.dcn_layers", m.dcn_layers)
     _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)
+    if d.source != "binary":  # binary data: once its meta.json gives the features (data/sources.py)
+        check_features(cfg)
     if m.kind == "wide_deep":
         if m.bottom_mlp:
             raise ConfigError(f"model.bottom_mlp: must be empty ([]) for model.kind=wide_deep, whose deep part "
@@ -230,19 +334,13 @@ def validate(cfg: Config) -> Config:
             _positive(f"{key}[{i}]", w)
     e = cfg.embedding
     _positive("embedding.learning_rate", e.learning_rate, allow_zero=True)
+    _positive("embedding.adagrad_eps", e.adagrad_eps, allow_zero=True)
+    _positive("embedding.adagrad_initial_accumulator", e.adagrad_initial_accumulator, allow_zero=True)
     _positive("embedding.capacity_factor", e.capacity_factor)
     _positive("embedding.memory_budget_gb", e.memory_budget_gb, allow_zero=True)
-    strategies = ("replicated", "table", "row", "column")
-    for i, item in enumerate(e.table_sharding):
-        name, sep, value = item.partition("=")
-        if not sep or value not in strategies:
-            raise ConfigError(f"embedding.table_sharding[{i}]: {item!r} must be TABLE=STRATEGY with "
-                              f"STRATEGY one of {', '.join(strategies)}, e.g. cat_2=row")
-    for i, item in enumerate(e.table_storage):
-        name, sep, value = item.partition("=")
-        if not sep or value not in ("device", "tiered"):
-            raise ConfigError(f"embedding.table_storage[{i}]: {item!r} must be TABLE=STORAGE with "
-                              f"STORAGE one of device, tiered, e.g. cat_2=tiered")
+    _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY",
+                           ("replicated", "table", "row", "column"), "cat_2=row")
+    _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", ("device", "tiered"), "cat_2=tiered")
     tier = e.tier
     for key in ("device_cache_rows", "host_cache_rows", "lookahead", "fill_rows"):
         _positive(f"embedding.tier.{key}", getattr(tier, key), allow_zero=True)

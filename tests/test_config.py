@@ -71,6 +71,20 @@ def test_overrides():
     ("train.steps", ["KEY=VALUE"]),
     ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),
     ("embedding.sync=host_replicas|embedding.hot.rows=64", ["embedding.sync=host_replicas", "embedding.hot.rows=0"]),
+    # Issue 25: values that were accepted silently.
+    ("train.decay_power=-1", ["train.decay_power", "> 0"]),
+    ("train.learning_rate=.nan", ["train.learning_rate", "finite", "nan"]),
+    ("train.learning_rate=nan", ["train.learning_rate", "finite"]),
+    ("train.max_loss_ratio=.inf", ["train.max_loss_ratio", "finite", "inf"]),
+    ("embedding.hot.memory_mb=-inf", ["embedding.hot.memory_mb", "finite"]),
+    ("embedding.adagrad_eps=-1e-8", ["embedding.adagrad_eps", ">= 0"]),
+    ("embedding.table_sharding=[cat_1=row, cat_2=table, cat_1=column]",
+     ["embedding.table_sharding", "cat_1 is named twice", "'cat_1=row'", "'cat_1=column'"]),
+    ("embedding.table_storage=[cat_3=tiered, cat_3=device]", ["embedding.table_storage", "cat_3 is named twice"]),
+    ("embedding.table_sharding=[=row]", ["embedding.table_sharding[0]", "TABLE=STRATEGY"]),
+    ("model.interaction=dcn|model.dcn_rank=433", ["model.dcn_rank=433", "width 432", "16 + model.embedding_dim 16 x 26"]),
+    ("model.bottom_mlp={a: 1, a: 2}", ["--set", "'a' is given twice"]),
+    ("train.steps=5|train.steps.x=1", ["train.steps: is 5, not a mapping"]),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
@@ -90,3 +104,56 @@ def test_bad_file(tmp_path):
     scalar.write_text("train: 3\n")
     with pytest.raises(ConfigError, match="train"):
         load_config(scalar)
+
+
+def test_dcn_rank_up_to_the_cross_width_is_fine():
+    assert load_config(None, ["model.interaction=dcn", "model.dcn_rank=432"]).model.dcn_rank == 432
+
+
+@pytest.mark.parametrize("text,where", [
+    ("train:\n  steps: 5\n  batch_size: 64\n  steps: 7\n", r"dup.yaml:4: .*'steps' is given twice \(lines 2 and 4\)"),
+    ("train:\n  steps: 5\nmodel:\n  embedding_dim: 8\ntrain:\n  seed: 1\n", r"dup.yaml:5: .*'train' is given twice"),
+])
+def test_duplicate_keys_in_a_file_name_the_file_line_and_key(tmp_path, text, where):
+    """PyYAML keeps the last of two equal keys; a config file that says both is refused."""
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=where):
+        load_config(path)
+
+
+def test_yaml_anchors_and_merge_keys_still_load(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("model:\n  top_mlp: &top [32, 1]\ntrain:\n  steps: 9\n")
+    assert load_config(path).model.top_mlp == (32, 1)
+
+
+def test_binary_config_file_names_the_file(tmp_path):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"train:\n  steps: \xff\xfe\x00\x01\n")
+    with pytest.raises(ConfigError, match=r"config file .*bin.yaml: not UTF-8 text \(byte 0xff at offset 16\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text,key,got", [
+    ("train: [1, 2]\n", "train", "got [1, 2]"),
+    ("embedding:\n  hot: 3\n", "embedding.hot", "got 3"),
+    ("train:\n", "train", "nothing"),
+])
+def test_a_section_that_is_not_a_mapping_is_refused_not_replaced_by_set(tmp_path, text, key, got):
+    """Before: ``--set train.steps=3`` over a file's ``train: [1, 2]`` replaced the list silently."""
+    path = tmp_path / "list.yaml"
+    path.write_text(text)
+    for overrides in ([], [f"{key}.steps=3"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(path, overrides)
+        assert f"list.yaml: {key} must be a mapping of keys" in str(e.value), str(e.value)
+        assert got in str(e.value)
+
+
+def test_yaml_syntax_error_is_one_line_with_the_line_number(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1, 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert "\n" not in str(e.value) and "bad.yaml:" in str(e.value)
