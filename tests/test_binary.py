@@ -8,11 +8,12 @@ import shutil
 import numpy as np
 import pytest
 
-from dlrm_jax.config import load_config
+from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.data.binary import BinaryFormatError, BinarySource, read_meta
 from dlrm_jax.data.criteo import CriteoTSVSource, write_criteo_tsv
 from dlrm_jax.data.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.shards import load_split
+from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.data.synthetic import SyntheticGenerator
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch
@@ -206,3 +207,40 @@ def test_damaged_id_histograms_name_the_file(data, tmp_path):
     (copy / "train" / "id_counts.npz").write_bytes(b"not a zip")
     with pytest.raises(BinaryFormatError, match="id_counts.npz"):
         BinarySource(make_cfg(copy)).id_histograms()
+
+
+@pytest.mark.parametrize("source", ["binary", "criteo"])
+def test_a_train_split_shorter_than_one_batch_is_refused_for_training_only(data, source):
+    """Issue 25: a batch larger than the dataset (wide_deep's 16,384 on 8,000 rows) trained on
+    rows repeated within each batch without a word. Evaluation reads the val split only, and a
+    val split shorter than a batch is evaluated exactly as one partial batch."""
+    path = data[0] if source == "criteo" else data[1]
+    cfg = make_cfg(path, f"train.batch_size={N_TRAIN + 8}", source=source)
+    with pytest.raises(ConfigError, match=rf"^data.path={path}: the train split has {N_TRAIN} rows, fewer than one "
+                                          rf"batch \(train.batch_size={N_TRAIN + 8}\)"):
+        make_source(cfg)
+    val = make_source(cfg, trains=False, evaluates=True)
+    assert sum(b.size for b in val.eval_batches()) == N_VAL
+    assert make_source(make_cfg(path, f"train.batch_size={N_TRAIN}", source=source)).num_train == N_TRAIN
+
+
+def test_an_empty_val_split_is_refused_before_a_run_that_evaluates(data, tmp_path):
+    """It used to train every step and then fail in the final evaluation, before the final checkpoint."""
+    preprocess_criteo([str(data[0])], str(tmp_path / "noval"), max_ind_range=M, val_fraction=0.0,
+                      shuffle_seed=None, workers=1, progress=False)
+    cfg = make_cfg(tmp_path / "noval")
+    with pytest.raises(ConfigError, match="the val split is empty, and a run evaluates.*--val-fraction"):
+        make_source(cfg, evaluates=True)
+    assert make_source(cfg).num_val == 0  # profile and benchmarks do not evaluate
+
+
+def test_dcn_rank_is_checked_against_the_datas_features(data):
+    """The config's own 4 features would make the cross input 8 + 8 x 4 = 40 wide; the data's 26
+    make it 216: the rank is checked once meta.json gives the features."""
+    over = ["data.cardinalities=[5, 5, 5, 5]", "model.embedding_dim=8", "model.bottom_mlp=[16, 8]",
+            "model.interaction=dcn"]
+    assert resolve_data_config(make_cfg(data[1], *over, "model.dcn_rank=216")).model.dcn_rank == 216
+    with pytest.raises(ConfigError, match=f"dcn_rank=217 exceeds .* width 216 .*data.path={data[1]}"):
+        resolve_data_config(make_cfg(data[1], *over, "model.dcn_rank=217"))
+    with pytest.raises(ConfigError, match="width 40"):
+        make_cfg(data[0], *over, "model.dcn_rank=41", source="criteo")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dlrm_jax.config import ConfigError, check_features
 from dlrm_jax.data.batch import DataSource
 
 
@@ -11,7 +12,7 @@ def resolve_data_config(cfg):
     """For ``binary`` data, take the number of dense features, the tables' cardinalities and
     the bag sizes from the dataset's meta.json (Criteo's 13 + 26, MLPerf's multi-hot bags, or
     what a tabular schema made; a dataset without dense features is read as one all-zero
-    column)."""
+    column). Keys that depend on the features (model.dcn_rank) are checked against the data's."""
     if cfg.data.source != "binary":
         return cfg
     from dlrm_jax.data.binary import model_num_dense, read_meta
@@ -21,14 +22,24 @@ def resolve_data_config(cfg):
     num_dense = model_num_dense(int(meta["num_dense"]))
     bags = tuple(int(b) for b in meta["bag_sizes"])
     bags = bags[:1] if len(set(bags)) == 1 else bags  # the config's short form for equal bags
-    if (num_dense, cards, bags) == (cfg.data.num_dense, cfg.data.cardinalities, cfg.data.bag_sizes):
-        return cfg
-    data = dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards, bag_sizes=bags)
-    return dataclasses.replace(cfg, data=data)
+    if (num_dense, cards, bags) != (cfg.data.num_dense, cfg.data.cardinalities, cfg.data.bag_sizes):
+        data = dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards, bag_sizes=bags)
+        cfg = dataclasses.replace(cfg, data=data)
+    try:
+        return check_features(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (with the {num_dense} dense and {len(cards)} categorical features of "
+                          f"data.path={cfg.data.path})") from None
 
 
-def make_source(cfg, process_index: int = 0, process_count: int = 1) -> DataSource:
-    """The data source for ``cfg.data.source``; each process reads its slice of every batch."""
+def make_source(cfg, process_index: int = 0, process_count: int = 1, *, trains: bool = True,
+                evaluates: bool = False) -> DataSource:
+    """The data source for ``cfg.data.source``; each process reads its slice of every batch.
+
+    ``trains``: a train split shorter than one batch is refused (each batch would hold rows more
+    than once). ``evaluates``: an empty val split is refused (training evaluates at the end and
+    would fail only then). A val split shorter than one batch is fine: it is evaluated as one
+    partial batch, exactly."""
     if cfg.data.source == "synthetic":
         from dlrm_jax.data.synthetic import SyntheticSource
 
@@ -36,7 +47,24 @@ def make_source(cfg, process_index: int = 0, process_count: int = 1) -> DataSour
     if cfg.data.source == "binary":
         from dlrm_jax.data.binary import BinarySource
 
-        return BinarySource(cfg, process_index, process_count)
-    from dlrm_jax.data.criteo import CriteoTSVSource
+        source = BinarySource(cfg, process_index, process_count)
+    else:
+        from dlrm_jax.data.criteo import CriteoTSVSource
 
-    return CriteoTSVSource(cfg, process_index, process_count)
+        source = CriteoTSVSource(cfg, process_index, process_count)
+    check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)
+    return source
+
+
+def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: bool) -> None:
+    """The ConfigError of a dataset too small for the run (see :func:`make_source`)."""
+    where, batch = f"data.path={cfg.data.path}", cfg.train.batch_size
+    if trains and num_train < batch:
+        raise ConfigError(f"{where}: the train split has {num_train:,} rows, fewer than one batch "
+                          f"(train.batch_size={batch:,}), so every batch would hold rows more than once; "
+                          f"use train.batch_size <= {num_train:,} or more data")
+    if evaluates and num_val == 0:
+        how = ("a data.val_fraction that holds out some lines" if cfg.data.source == "criteo"
+               else "data preprocessed with --val-fraction or --val-input")
+        raise ConfigError(f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at "
+                          f"the end); use {how}")

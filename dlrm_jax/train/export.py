@@ -32,7 +32,7 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     run_dir, dest = Path(run_dir), Path(dest)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
+    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     try:
         if not ckpts.all_steps():

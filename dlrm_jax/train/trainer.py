@@ -204,7 +204,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
                               recorded.get("run_samples_per_s", recorded["samples_per_s"]))
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
-        source = make_source(cfg, jax.process_index(), jax.process_count())
+        source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
         if source.skip_report():
             log(source.skip_report())
         plan, steps = build(cfg, mesh, source, log)
@@ -383,7 +383,7 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    source = make_source(cfg, jax.process_index(), jax.process_count())
+    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
     plan, steps = build(cfg, mesh, source, log)
     ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
     runner = None
