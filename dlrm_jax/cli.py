@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dlrm_jax import hostmem
 from dlrm_jax.config import Config, ConfigError, load_config
+from dlrm_jax.files import make_dir
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
 
 
@@ -193,7 +194,7 @@ def _library_logs_to(run_dir: Path) -> None:
 
     import jax
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(run_dir, "run dir")
     index = jax.process_index()
     handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -3,7 +3,6 @@ the bytes a compiled program's collectives move."""
 
 from __future__ import annotations
 
-import json
 import platform
 import re
 import statistics
@@ -11,6 +10,8 @@ import time
 
 import jax
 import numpy as np
+
+from dlrm_jax.files import json_text
 
 
 def machine_description() -> dict:
@@ -22,7 +23,7 @@ def machine_description() -> dict:
 
 def write_report(report: dict, output: str | None) -> str:
     """The report as indented JSON, written to ``output`` too when given; returns the text."""
-    text = json.dumps(report, indent=1)
+    text = json_text(report, indent=1)
     if output:
         with open(output, "w") as f:
             f.write(text + "\n")

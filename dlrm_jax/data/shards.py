@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dlrm_jax.files import check_dir, json_text
+
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
 SHARD_FILE = "shard.json"
@@ -84,7 +86,7 @@ def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:
         np.save(folder / f"{name}.npy", a)
         crcs[name] = zlib.crc32(a.data)
     rows = len(arrays["labels"])
-    (folder / SHARD_FILE).write_text(json.dumps({"rows": rows, "crc32": crcs}) + "\n")
+    (folder / SHARD_FILE).write_text(json_text({"rows": rows, "crc32": crcs}) + "\n")
 
 
 class ArrayFile(NamedTuple):
@@ -149,7 +151,7 @@ def verify_shard(folder: str | Path) -> int:
 
 def check_output_target(output: str | Path) -> None:
     """Refuse to replace anything at ``output`` but an earlier preprocessed dataset."""
-    out = Path(output)
+    out = check_dir(output, "output")  # a file at it or at a parent: named, not "[Errno 20]"
     if out.exists() and not (out / META_FILE).exists() and (out.is_file() or any(out.iterdir())):
         raise FileExistsError(f"{out}: exists and is not a preprocessed dataset; not replacing it")
 
@@ -200,7 +202,7 @@ class DatasetDir:
     def commit(self, meta: dict) -> None:
         shutil.rmtree(self.root / ".work", ignore_errors=True)
         meta = {"format_version": FORMAT_VERSION, **meta}
-        (self.root / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        (self.root / META_FILE).write_text(json_text(meta, indent=1) + "\n")
         if self.output.exists():  # an earlier dataset: replaced only now that this one is whole
             old = self.output.with_name(f".{self.output.name}.old-{os.getpid()}")
             self.output.rename(old)

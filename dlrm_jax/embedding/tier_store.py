@@ -47,6 +47,7 @@ from dlrm_jax.embedding.tier_format import (
     read_zarr_json,
     saved_chunk_rows,
 )
+from dlrm_jax.files import make_dir
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -116,8 +117,7 @@ class TierStore:
 
         ``chunk_rows`` defaults to about CHUNK_BYTES of the widest field; a table shorter than a
         chunk is one exact-size chunk. Refuses a root that already holds a store or snapshots."""
-        root = Path(root).absolute()
-        root.mkdir(parents=True, exist_ok=True)
+        root = make_dir(Path(root).absolute(), "tier path")
         _recover(root)
         if (root / "work").exists():
             raise TierError(root / "work", "already holds a tier store")

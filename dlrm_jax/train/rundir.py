@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
+from dlrm_jax.files import make_dir
 from dlrm_jax.parallel.mesh import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
@@ -77,7 +78,7 @@ class RunDir:
         rd = cls(Path(path) if path else None, writer and path is not None)
         refusal = ""
         if rd.writer:
-            rd.path.mkdir(parents=True, exist_ok=True)
+            make_dir(rd.path, "run dir")
             try:
                 rd._lock()
                 rd._check_config(cfg, log)

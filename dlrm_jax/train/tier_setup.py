@@ -18,6 +18,7 @@ from dlrm_jax.embedding.device_cache import TableCache, plan_stream
 from dlrm_jax.embedding.layout import build_groups
 from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy, TierPlan
 from dlrm_jax.embedding.planner import cache_slots
+from dlrm_jax.files import check_dir
 
 MIN_FILL_ROWS = 16
 # A device cache holds at least this many times the most distinct rows one of the first
@@ -143,7 +144,7 @@ def che_hit_rate(dist: tuple[np.ndarray, np.ndarray], capacity: int) -> float:
 def tier_root(cfg, run_dir: Path | None) -> Path:
     """The disk tier's folder: embedding.tier.path, or RUN_DIR/tier."""
     if cfg.embedding.tier.path:
-        return Path(cfg.embedding.tier.path)
+        return check_dir(cfg.embedding.tier.path, "embedding.tier.path")
     if run_dir is None:
         raise ValueError("embedding.storage=tiered needs a run dir (--run-dir) or embedding.tier.path")
-    return Path(run_dir) / "tier"
+    return check_dir(Path(run_dir) / "tier", "tier path")

@@ -1,0 +1,75 @@
+"""Bad input gives one clear line naming the file, flag or key (issue 25): paths that are files,
+truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per-host plans."""
+
+import subprocess
+import sys
+
+import pytest
+from child_env import child_env
+
+from dlrm_jax.files import check_dir, make_dir
+
+
+def cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=child_env(drop=()))
+
+
+def one_line(err: str) -> str:
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+# ---------------------------------------------------------------- folders that are files
+
+
+def test_check_dir_names_the_file_in_the_way(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match=f"^run dir {tmp_path / 'f'} is a file, not a directory$"):
+        make_dir(tmp_path / "f", "run dir")
+    with pytest.raises(NotADirectoryError, match=f"^tier path {tmp_path / 'f' / 'a' / 'b'} cannot be created: "
+                                                 f"{tmp_path / 'f'} is a file, not a directory$"):
+        check_dir(tmp_path / "f" / "a" / "b", "tier path")
+    assert make_dir(tmp_path / "new" / "deeper", "run dir").is_dir()
+    assert check_dir(tmp_path / "later", "x") == tmp_path / "later" and not (tmp_path / "later").exists()
+
+
+def test_run_dir_that_is_a_file_is_one_line(tmp_path):
+    """Issue 25: "[Errno 17] File exists: PATH"."""
+    (tmp_path / "f").write_text("keep me")
+    proc = cli("train", "--config", "smoke", "--run-dir", str(tmp_path / "f"))
+    assert proc.returncode == 1
+    assert one_line(proc.stderr) == f"dlrm-jax: error: run dir {tmp_path / 'f'} is a file, not a directory"
+    assert (tmp_path / "f").read_text() == "keep me"
+
+
+def test_run_dir_opened_directly_and_tier_paths_name_the_file(tiny, tmp_path):
+    from dlrm_jax.embedding.tier_store import TierStore
+    from dlrm_jax.train.rundir import RunDir
+    from dlrm_jax.train.tier_setup import tier_root
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="run dir .* is a file, not a directory"):
+        RunDir.open(tmp_path / "f", tiny())
+    cfg = tiny(f"embedding.tier.path={tmp_path / 'f'}", "embedding.storage=tiered")
+    with pytest.raises(NotADirectoryError, match=f"^embedding.tier.path {tmp_path / 'f'} is a file, not a directory"):
+        tier_root(cfg, None)
+    with pytest.raises(NotADirectoryError, match=f"tier path {tmp_path / 'f' / 'tier'} cannot be created: "):
+        tier_root(tiny("embedding.storage=tiered"), tmp_path / "f")
+    with pytest.raises(NotADirectoryError, match="^tier path .* is a file, not a directory"):
+        TierStore.create(tmp_path / "f", {"t": (4, {"values": ((2,), "float32")})}, lambda *a: None)
+
+
+def test_preprocess_output_under_a_file(tmp_path):
+    from dlrm_jax.data.criteo import write_criteo_tsv
+    from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.synthetic import SyntheticGenerator
+
+    (tmp_path / "f").write_text("x")
+    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
+                             zipf_exponent=1.1, positive_rate=0.3)
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 50))
+    with pytest.raises(NotADirectoryError, match=f"output {tmp_path / 'f' / 'out'} cannot be created: "
+                                                 f"{tmp_path / 'f'} is a file"):
+        preprocess_criteo([str(tmp_path / "day.tsv")], str(tmp_path / "f" / "out"), max_ind_range=10,
+                          workers=1, progress=False)
