@@ -174,3 +174,47 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     assert ms["tier fill assembly + h2d"] > 0
     assert any(line.startswith("tier write-back") for line in lines) and "tier rows" in "\n".join(lines)
     assert (tmp_path / "prof" / "tier").is_dir() and (tmp_path / "prof" / "profile.json").is_file()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "metrics.jsonl is empty: the run logged no events yet"),
+    ("\n  \n", "metrics.jsonl is empty"),
+    ('{"step": 1, "loss": 0.5}\n3\n', "metrics.jsonl:2: not a JSON object (got 3)"),
+])
+def test_report_refuses_a_metrics_file_with_nothing_to_plot(tmp_path, capsys, text, message):
+    """Issue 25: an empty metrics.jsonl gave rc 0, no PNG and no word."""
+    from dlrm_jax.cli import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text(text)
+    assert main(["report", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and str(tmp_path / "a") in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "a" / "report").exists()
+
+
+def test_report_of_events_without_plottable_keys_says_so(tmp_path, capsys):
+    from dlrm_jax.cli import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"event": "note"}\n')
+    assert main(["report", str(tmp_path / "a")]) == 1
+    assert "nothing to plot" in capsys.readouterr().err
+
+
+def test_report_folder_that_is_a_file_is_named(tmp_path, capsys):
+    from dlrm_jax.cli import main
+
+    fake_run(tmp_path / "a", [0.7], 1.0)
+    (tmp_path / "f").write_text("x")
+    assert main(["report", str(tmp_path / "a"), "--output", str(tmp_path / "f")]) == 1
+    assert f"report folder {tmp_path / 'f'} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_report_of_a_profile_only_run_draws_its_phases(tmp_path):
+    from dlrm_jax.train.report import write_report
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("")
+    (tmp_path / "a" / "profile.json").write_text(json.dumps({"phases": [{"name": "dense", "ms": 1.0}]}))
+    assert [p.name for p in write_report([tmp_path / "a"], tmp_path / "out")] == ["phases.png"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dlrm_jax.files import make_dir
+
 FIGURES = ("loss", "eval", "throughput", "phases", "divergence")
 
 
 def load_run(run_dir: Path) -> dict:
-    """``{"events": [...], "profile": {...} | None}`` of a run dir; a clear error without metrics."""
+    """``{"events": [...], "profile": {...} | None}`` of a run dir; a clear error without metrics
+    (no file, an empty one without a profile.json, or a line that is not a JSON object)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
@@ -22,10 +25,16 @@ def load_run(run_dir: Path) -> dict:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                events.append(json.loads(line))
+                event = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+            if not isinstance(event, dict):
+                raise ValueError(f"{path}:{number}: not a JSON object (got {line.strip()[:40]})")
+            events.append(event)
     profile = run_dir / "profile.json"
+    if not events and not profile.exists():
+        raise ValueError(f"{path} is empty: the run logged no events yet (the first comes after train.log_every "
+                         f"steps); nothing to plot")
     return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None}
 
 
@@ -109,12 +118,17 @@ def _phase_bars(plt, profiled: list[tuple[dict, str]]):
 
 
 def write_report(run_dirs: list[Path], output: Path) -> list[Path]:
-    """Draw :func:`figures` into ``output/<name>.png``; returns the files written."""
+    """Draw :func:`figures` into ``output/<name>.png``; returns the files written (a ValueError
+    when no run has anything to plot)."""
     import matplotlib.pyplot as plt
 
-    output.mkdir(parents=True, exist_ok=True)
+    drawn = figures(run_dirs)
+    if not drawn:
+        raise ValueError(f"nothing to plot: no loss, eval, throughput or profile figures in "
+                         f"{', '.join(str(p) for p in run_dirs)}")
+    make_dir(output, "report folder")
     written = []
-    for name, fig in figures(run_dirs).items():
+    for name, fig in drawn.items():
         path = output / f"{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
