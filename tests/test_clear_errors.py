@@ -1,6 +1,7 @@
 """Bad input gives one clear line naming the file, flag or key (issue 25): paths that are files,
 truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per-host plans."""
 
+import gzip
 import subprocess
 import sys
 
@@ -73,3 +74,48 @@ def test_preprocess_output_under_a_file(tmp_path):
                                                  f"{tmp_path / 'f'} is a file"):
         preprocess_criteo([str(tmp_path / "day.tsv")], str(tmp_path / "f" / "out"), max_ind_range=10,
                           workers=1, progress=False)
+
+
+# ---------------------------------------------------------------- truncated .gz inputs
+
+
+def truncated_gz(path, text: bytes):
+    data = gzip.compress(text)
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def test_truncated_gz_tabular_input_is_one_line(tmp_path):
+    """Issue 25: a 40-line traceback ending in EOFError (criteo's preprocess already said it)."""
+    rows = "".join(f"{i % 7},{i % 3},{i % 2}\n" for i in range(20000))
+    gz = truncated_gz(tmp_path / "t.csv.gz", ("a,b,y\n" + rows).encode())
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\n")
+    proc = cli("preprocess", "tabular", "--schema", str(tmp_path / "s.yaml"), "--input", str(gz),
+               "--output", str(tmp_path / "out"), "--no-progress")
+    assert proc.returncode == 1
+    assert one_line(proc.stderr) == (f"dlrm-jax: error: {gz}: truncated or damaged gzip file (Compressed file "
+                                     f"ended before the end-of-stream marker was reached)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad crc"])
+def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
+    from dlrm_jax.data.criteo import CriteoFormatError, iter_chunks, write_criteo_tsv
+    from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.preprocess import SkipLog
+    from dlrm_jax.data.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
+                             zipf_exponent=1.1, positive_rate=0.3)
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 2000))
+    gz = tmp_path / "day.gz"
+    if damage == "truncated":
+        truncated_gz(gz, (tmp_path / "day.tsv").read_bytes())
+    else:
+        data = bytearray(gzip.compress((tmp_path / "day.tsv").read_bytes()))
+        data[-8] ^= 0xFF  # the CRC32 of the trailer
+        gz.write_bytes(bytes(data))
+    with pytest.raises(CriteoFormatError, match=f"^{gz}: truncated or damaged gzip file"):
+        list(iter_chunks([str(gz)], 100, SkipLog(False, CriteoFormatError)))
+    with pytest.raises(CriteoFormatError, match=f"^{gz}: truncated or damaged gzip file"):
+        preprocess_criteo([str(gz)], str(tmp_path / "out"), max_ind_range=10, workers=1, progress=False)

@@ -11,7 +11,6 @@ the check take the slow path that says what is wrong with them.
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import re
 from collections.abc import Iterator, Sequence
@@ -30,6 +29,7 @@ from dlrm_jax.data.preprocess import (
     byte_progress,
     hash_ids,
     is_gzip,
+    open_input,
 )
 from dlrm_jax.data.synthetic import RawSamples, normalise_dense
 
@@ -135,7 +135,7 @@ def iter_chunks(
     into the decompressed text). ``progress``: a tqdm bar over the bytes read from disk."""
     with byte_progress(paths, desc, progress) as bar:
         for fi, path in enumerate(paths):
-            with open(path, "rb") as raw, (gzip.open(raw) if is_gzip(path) else raw) as f:
+            with open_input(path, CriteoFormatError) as (raw, f):
                 lineno, offset, read = 1, 0, 0
                 while lines := list(itertools.islice(f, chunk_lines)):
                     parsed = parse_lines(lines)

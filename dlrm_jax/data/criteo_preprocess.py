@@ -12,8 +12,6 @@ rows kept and the errors are those of the strict parser, whatever the number of 
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -29,6 +27,7 @@ from dlrm_jax.data.preprocess import (
     Task,
     check_arguments,
     is_gzip,
+    open_input,
 )
 from dlrm_jax.data.synthetic import normalise_dense
 
@@ -73,21 +72,18 @@ def _blocks(task: Task, block_bytes: int) -> Iterator[bytes]:
     if task.end >= 0:
         yield _owned_text(task)
         return
-    try:
-        with gzip.open(task.path, "rb") as f:
-            rest = b""
-            while data := f.read(block_bytes):
-                data = rest + data
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:
-                    rest = data
-                    continue
-                rest = data[cut:]
-                yield data[:cut]
-            if rest:
-                yield rest
-    except (EOFError, OSError, zlib.error) as e:
-        raise CriteoFormatError(f"{task.path}: truncated or damaged gzip file ({e})") from None
+    with open_input(task.path, CriteoFormatError) as (_, f):  # a damaged stream: one line naming the file
+        rest = b""
+        while data := f.read(block_bytes):
+            data = rest + data
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            rest = data[cut:]
+            yield data[:cut]
+        if rest:
+            yield rest
 
 
 class CriteoParser:

@@ -9,9 +9,12 @@ shuffles and writes shards.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import sys
+import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -61,6 +64,22 @@ def is_gzip(path: str | Path) -> bool:
     """Whether a file starts with the gzip magic bytes (Criteo Terabyte days, Avazu ship gzipped)."""
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
+
+
+@contextlib.contextmanager
+def open_input(path: str | Path, error: type[Exception] = DataFormatError) -> Iterator[tuple]:
+    """``(raw, f)``: the input file on disk and its bytes, decompressed as a stream when it is
+    gzipped (``raw.tell()`` counts the bytes read from disk). A truncated or damaged gzip
+    stream, found while reading inside the ``with``, is one ``error`` naming the file."""
+    with open(path, "rb") as raw:
+        if not is_gzip(path):
+            yield raw, raw
+            return
+        try:
+            with gzip.open(raw) as f:
+                yield raw, f
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise error(f"{path}: truncated or damaged gzip file ({e})") from None
 
 
 def byte_progress(paths: Sequence[str], desc: str, progress: bool) -> tqdm:

@@ -8,14 +8,13 @@ header line without the schema's columns raises DataFormatError.
 from __future__ import annotations
 
 import csv
-import gzip
 import itertools
 import json
 import operator
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from dlrm_jax.data.preprocess import DataFormatError, is_gzip
+from dlrm_jax.data.preprocess import DataFormatError, open_input
 from dlrm_jax.data.tabular_schema import Layout
 
 
@@ -133,7 +132,7 @@ class _Columns:
 
 def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None) -> Iterator[Records]:
     """The records of one file, ``chunk_lines`` at a time; ``bar`` (tqdm) advances by bytes read."""
-    with open(path, "rb") as raw, (gzip.open(raw) if is_gzip(path) else raw) as f:
+    with open_input(path) as (raw, f):
         undecodable: set[int] = set()
         items = _split(_decoded(f, layout.encoding, undecodable), layout)
         header = None
