@@ -19,6 +19,41 @@ from dlrm_jax.files import make_dir
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
 
 
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low`` (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _list_of(kind: type, low: float | None = None):
+    """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given)."""
+    what = {int: "integers", float: "numbers"}[kind]
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        if low is not None and min(values) < low:
+            raise argparse.ArgumentTypeError(f"expected values >= {low}, got {text!r}")
+        return values
+
+    return parse
+
+
+POSITIVE, COUNT = _int_at_least(1), _int_at_least(0)  # steps and repeats; warmups and caps
+
+
 def _add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
     p.add_argument("--config", required=config_required,
                    help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default")
@@ -76,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="time per phase of a few train steps, peak memory, and a trace")
     _add_config_args(prof)
-    prof.add_argument("--steps", type=int, default=10, help="traced steps")
-    prof.add_argument("--warmup", type=int, default=3, help="untraced steps after compilation")
+    prof.add_argument("--steps", type=POSITIVE, default=10, help="traced steps")
+    prof.add_argument("--warmup", type=COUNT, default=3, help="untraced steps after compilation")
     prof.add_argument("--run-dir", help="where profile.json and trace/ go (default: runs/profile-<time>); "
                       "a training run's dir adds its phase bars to `dlrm-jax report`")
     _add_distributed_args(prof)
@@ -93,32 +128,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated config names or files")
     bt.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="applied to every config")
-    bt.add_argument("--steps", type=int, default=30, help="timed steps per config")
-    bt.add_argument("--warmup", type=int, default=5, help="untimed steps after compilation")
-    bt.add_argument("--max-rows", type=int, default=200_000,
+    bt.add_argument("--steps", type=POSITIVE, default=30, help="timed steps per config")
+    bt.add_argument("--warmup", type=COUNT, default=5, help="untimed steps after compilation")
+    bt.add_argument("--max-rows", type=COUNT, default=200_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bt.add_argument("--output", help="write the JSON here too")
     bi = bench_sub.add_parser("input", help="input pipeline samples/s (binary, synthetic) beside the train step's")
     _add_config_args(bi)
-    bi.add_argument("--steps", type=int, default=30, help="batches timed through the pipeline per case")
-    bi.add_argument("--step-steps", type=int, default=5, help="timed train steps for the step-only figure")
+    bi.add_argument("--steps", type=POSITIVE, default=30, help="batches timed through the pipeline per case")
+    bi.add_argument("--step-steps", type=POSITIVE, default=5, help="timed train steps for the step-only figure")
     bi.add_argument("--output", help="write the JSON here too")
     be = bench_sub.add_parser("embedding", help="embedding step of every strategy vs XLA baselines")
     _add_config_args(be)
     be.add_argument("--strategies", default="replicated,table,row,column,auto")
-    be.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    be.add_argument("--max-rows", type=int, default=100_000,
+    be.add_argument("--steps", type=POSITIVE, default=20, help="timed steps per variant")
+    be.add_argument("--max-rows", type=COUNT, default=100_000,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     be.add_argument("--output", help="write the JSON here too")
     bt2 = bench_sub.add_parser("tiers", help="tiered tables at several device-cache sizes vs all on the devices")
     _add_config_args(bt2)
-    bt2.add_argument("--fractions", default="1.0,0.5,0.2,0.1,0.05", help="device cache, fractions of each owner's rows")
-    bt2.add_argument("--lookaheads", default="0,4", help="batches planned ahead, comma-separated")
+    bt2.add_argument("--fractions", type=_list_of(float), default=[1.0, 0.5, 0.2, 0.1, 0.05],
+                     help="device cache, fractions of each owner's rows (default 1.0,0.5,0.2,0.1,0.05)")
+    bt2.add_argument("--lookaheads", type=_list_of(int, 0), default=[0, 4],
+                     help="batches planned ahead, comma-separated (default 0,4)")
     bt2.add_argument("--zipf", type=float, default=1.1)
     bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])
-    bt2.add_argument("--warmup", type=int, default=30, help="untimed steps per variant first (the caches fill)")
-    bt2.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
-    bt2.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bt2.add_argument("--warmup", type=COUNT, default=30, help="untimed steps per variant first (the caches fill)")
+    bt2.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
+    bt2.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
     bt2.add_argument("--large-gb", type=float, default=0.0,
                      help="one more case with the tables scaled to about this many GB on disk (0: none)")
     bt2.add_argument("--large-fraction", type=float, default=0.01, help="the large case's device cache fraction")
@@ -127,12 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--output", help="write the JSON here too")
     bh = bench_sub.add_parser("hot", help="hot-row replication vs none on skewed ids, both id and row layouts")
     _add_config_args(bh)
-    bh.add_argument("--zipf", default="1.05,1.1,1.2", help="Zipf exponents, comma-separated")
+    bh.add_argument("--zipf", type=_list_of(float), default=[1.05, 1.1, 1.2],
+                    help="Zipf exponents, comma-separated (default 1.05,1.1,1.2)")
     bh.add_argument("--layouts", default="permuted,frequency_ordered")
     bh.add_argument("--row-layouts", default="block,cyclic")
-    bh.add_argument("--steps", type=int, default=10, help="timed steps per variant and repeat")
-    bh.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
-    bh.add_argument("--max-rows", type=int, default=0,
+    bh.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
+    bh.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
+    bh.add_argument("--max-rows", type=COUNT, default=0,
                     help="cap tables at this many rows; a config's own tighter cap stays (0: no change)")
     bh.add_argument("--output", help="write the JSON here too")
     bm = bench_sub.add_parser("mlp-parallel", help="dense layers data vs tensor vs pipeline parallel, side by side")
@@ -141,13 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="applied to every config (default: mesh.model=2, train.batch_size=2048, "
                          "data.max_rows=1000)")
-    bm.add_argument("--steps", type=int, default=5, help="timed steps per variant and repeat")
-    bm.add_argument("--repeats", type=int, default=3, help="alternating timed chunks per variant")
+    bm.add_argument("--steps", type=POSITIVE, default=5, help="timed steps per variant and repeat")
+    bm.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
     bm.add_argument("--output", help="write the JSON here too")
     bc = bench_sub.add_parser("collectives", help="all-to-all vs all-reduce bandwidth on the current devices")
-    bc.add_argument("--devices", type=int, default=0, help="devices in the mesh (0: all; 8 simulated on CPU)")
-    bc.add_argument("--sizes-kib", default="64,1024,16384", help="buffer sizes per device, KiB, comma-separated")
-    bc.add_argument("--repeats", type=int, default=10)
+    bc.add_argument("--devices", type=COUNT, default=0, help="devices in the mesh (0: all; 8 simulated on CPU)")
+    bc.add_argument("--sizes-kib", type=_list_of(int, 1), default=[64, 1024, 16384],
+                    help="buffer sizes per device, KiB, comma-separated (default 64,1024,16384)")
+    bc.add_argument("--repeats", type=POSITIVE, default=10)
     bc.add_argument("--output", help="write the JSON here too")
     return parser
 
@@ -358,8 +397,7 @@ def cmd_bench(args) -> int:
         _start_jax(args.devices or SIMULATED_DEVICES_DEFAULT, args)
         from dlrm_jax.bench.collectives import bench_collectives
 
-        bench_collectives(args.devices, [int(s) for s in args.sizes_kib.split(",") if s], args.repeats,
-                          args.output, log=_log)
+        bench_collectives(args.devices, args.sizes_kib, args.repeats, args.output, log=_log)
         return 0
     if args.suite == "mlp-parallel":
         overrides = ["mesh.model=2", "train.batch_size=2048", "data.max_rows=1000", *args.overrides]
@@ -375,7 +413,7 @@ def cmd_bench(args) -> int:
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.hot import bench_hot
 
-        bench_hot(cfg, steps=args.steps, repeats=args.repeats, zipf=[float(z) for z in args.zipf.split(",") if z],
+        bench_hot(cfg, steps=args.steps, repeats=args.repeats, zipf=args.zipf,
                   layouts=[s for s in args.layouts.split(",") if s],
                   row_layouts=[s for s in args.row_layouts.split(",") if s], output=args.output, log=_log)
         return 0
@@ -384,8 +422,7 @@ def cmd_bench(args) -> int:
         from dlrm_jax.bench.tiers import bench_tiers
 
         bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
-                    fractions=[float(f) for f in args.fractions.split(",") if f],
-                    lookaheads=[int(k) for k in args.lookaheads.split(",") if k], zipf=args.zipf,
+                    fractions=args.fractions, lookaheads=args.lookaheads, zipf=args.zipf,
                     layout=args.layout, warmup=args.warmup, output=args.output, large_gb=args.large_gb,
                     large_fraction=args.large_fraction, large_host_fraction=args.large_host_fraction,
                     tier_dir=args.tier_dir, log=_log)

@@ -2,13 +2,16 @@
 truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per-host plans."""
 
 import gzip
+import json
+import math
 import subprocess
 import sys
 
 import pytest
 from child_env import child_env
 
-from dlrm_jax.files import check_dir, make_dir
+from dlrm_jax.cli import build_parser
+from dlrm_jax.files import check_dir, json_text, make_dir
 
 
 def cli(*args, timeout=120):
@@ -119,3 +122,40 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
         list(iter_chunks([str(gz)], 100, SkipLog(False, CriteoFormatError)))
     with pytest.raises(CriteoFormatError, match=f"^{gz}: truncated or damaged gzip file"):
         preprocess_criteo([str(gz)], str(tmp_path / "out"), max_ind_range=10, workers=1, progress=False)
+
+
+# ---------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("argv,flag,says", [
+    (["bench", "collectives", "--sizes-kib", "abc"], "--sizes-kib", "expected comma-separated integers, got 'abc'"),
+    (["bench", "collectives", "--sizes-kib", "16,0"], "--sizes-kib", "expected values >= 1"),
+    (["bench", "tiers", "--fractions", "0.5,x"], "--fractions", "expected comma-separated numbers"),
+    (["bench", "hot", "--zipf", ","], "--zipf", "expected comma-separated numbers"),
+    (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
+    (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
+    (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),
+])
+def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_list_flags_parse_to_lists():
+    args = build_parser().parse_args(["bench", "collectives", "--sizes-kib", "16, 64,"])
+    assert args.sizes_kib == [16, 64]
+    assert build_parser().parse_args(["bench", "tiers"]).fractions == [1.0, 0.5, 0.2, 0.1, 0.05]
+
+
+def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
+    from dlrm_jax.bench.common import write_report
+    from dlrm_jax.train.profile import profile
+
+    with pytest.raises(ValueError, match="steps >= 1"):
+        profile(tiny(), tmp_path, steps=0)
+    text = json_text({"a": math.nan, "b": [1.0, -math.inf], "c": {"d": math.inf}, "e": 2}, indent=1)
+    assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2}
+    write_report({"ms": math.nan}, str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == {"ms": None}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import json
 import re
 import shutil
 import time
@@ -43,6 +42,7 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot import HotSchedule, RowCounts
 from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.files import check_dir, json_text, make_dir
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.hot_setup import count_and_refresh
 from dlrm_jax.train.restore import restore_or_init
@@ -110,7 +110,9 @@ def device_phase_ns(trace_dir: str, phases: dict[str, str]) -> collections.Count
 def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
     """Run ``warmup`` then ``steps`` train steps of ``cfg``; print and return the per-phase table,
     write ``out_dir/profile.json`` and the trace under ``out_dir/trace``."""
-    out_dir = Path(out_dir)
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"profile: needs steps >= 1 and warmup >= 0, got steps={steps} warmup={warmup}")
+    out_dir = check_dir(out_dir, "run dir")  # before the steps run, not after
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
@@ -209,8 +211,8 @@ def _profile(cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner |
     for line in format_profile(result):
         log(line)
     if jax.process_index() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+        make_dir(out_dir, "run dir")
+        (out_dir / "profile.json").write_text(json_text(result, indent=1) + "\n")
     return result
 
 
