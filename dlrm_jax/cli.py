@@ -11,6 +11,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from dlrm_jax import hostmem
@@ -468,6 +469,27 @@ def run() -> int:
     return main()
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop (whose own handlers finish the step and save)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM as SIGINT from the start (loading, compiling, restoring): one line and exit
+    status 128 + signal, where SIGTERM's default action would end the process without a word.
+    Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
@@ -475,14 +497,16 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError):  # no stderr file (main() called in an embedding process)
         pass
+    handlers = _stop_on_signals()
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         print(f"dlrm-jax: config error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("dlrm-jax: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"dlrm-jax: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
         if os.environ.get("DLRM_JAX_DEBUG"):
             raise
@@ -496,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlrm-jax: error: {first}; if another process died, the newest checkpoint is intact: "
               f"restart every process with the same command to resume", file=sys.stderr)
         return 1
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
 
 
 if __name__ == "__main__":

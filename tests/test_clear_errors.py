@@ -4,8 +4,10 @@ truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per
 import gzip
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from child_env import child_env
@@ -159,3 +161,23 @@ def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
     assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2}
     write_report({"ms": math.nan}, str(tmp_path / "r.json"))
     assert json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == {"ms": None}
+
+
+# ---------------------------------------------------------------- signals before the loop
+
+
+def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
+    """Issue 25: SIGTERM before the training loop (here: compiling) ended the process by the
+    default action without a word, while SIGINT printed one."""
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke", "--set",
+                             "train.progress_bar=false", "--set", "mesh.devices=8", "--run-dir", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(drop=()))
+    deadline = time.time() + 120
+    for line in proc.stdout:  # the plan is printed just before the state is restored and the step compiles
+        assert time.time() < deadline
+        if line.startswith("Embedding plan"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert one_line(err) == "dlrm-jax: stopped by SIGTERM"  # not "stopped by SIGTERM after step N"
