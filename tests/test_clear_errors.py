@@ -181,3 +181,16 @@ def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert one_line(err) == "dlrm-jax: stopped by SIGTERM"  # not "stopped by SIGTERM after step N"
+
+
+# ---------------------------------------------------------------- per-host plans
+
+
+def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
+    from dlrm_jax.embedding.planner import config_plan_report, host_plan_from_config
+
+    cfg = tiny("train.batch_size=128", "mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host")
+    header = config_plan_report(cfg, host_plan_from_config(cfg, 8, 2)).splitlines()[0]
+    assert header.endswith("global batch 128 (64 per host: the share of one host's 4 devices)"), header
+    glob = tiny("train.batch_size=128", "mesh.devices=8")
+    assert config_plan_report(glob, host_plan_from_config(glob, 8, 1)).splitlines()[0].endswith("global batch 128")

@@ -231,11 +231,14 @@ def wide_bytes_per_device(plan: EmbeddingPlan) -> int:
 
 
 def config_plan_report(cfg, plan: EmbeddingPlan) -> str:
-    """:func:`~dlrm_jax.embedding.stats.plan_report`, and for Wide&Deep a line on its wide part."""
+    """:func:`~dlrm_jax.embedding.stats.plan_report` (with per-host tables, one host's plan:
+    its header names the global batch and the host's share), and for Wide&Deep a line on its
+    wide part."""
+    report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)
     if cfg.model.kind != "wide_deep":
-        return plan_report(plan)
+        return report
     wide = wide_plan(cfg, plan.num_devices)
     rows = sum(t.spec.rows for t in wide.tables)
-    return (f"{plan_report(plan)}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
+    return (f"{report}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
             f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
             f"{cfg.model.wide_optimizer} state (counted in embedding.memory_budget_gb)")

@@ -79,14 +79,21 @@ def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
     return sum(collective_bytes(plan).values())
 
 
-def plan_report(plan: EmbeddingPlan) -> str:
-    """The plan as a table, then per-device totals and the predicted exchange volume."""
+def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
+    """The plan as a table, then per-device totals and the predicted exchange volume.
+
+    ``global_batch``: the run's, when the plan is one host's of per-host tables and its own
+    ``global_batch`` is that host's share."""
     n = plan.num_devices
     hot = plan.hot
     head = (f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
             + (f"{'hot rows':>10}{'hit rate':>9}" if hot else ""))
+    batch = f"global batch {plan.global_batch}"
+    if global_batch is not None and global_batch != plan.global_batch:
+        batch = (f"global batch {global_batch} ({plan.global_batch} per host: the share of one host's "
+                 f"{n} devices)")
     lines = [f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
-             f"storage {plan.dtype}, exchange {plan.exchange_dtype}, global batch {plan.global_batch}",
+             f"storage {plan.dtype}, exchange {plan.exchange_dtype}, {batch}",
              head, "-" * len(head)]
     for i, t in enumerate(plan.tables):
         strategy = t.strategy.value
