@@ -415,6 +415,8 @@ SMALL_SCHEMAS = {  # a whole schema -> key and words the message must name
     "label: y\ndense: [{column: a, transform: log}]\ncategorical: [b]\n": "dense[0].transform: 'log' is not one of",
     "label: y\ncategorical: [u.a]\njoins: {u: {column: k, header: false}}\n": "joins.u.key: column 'k': join 'u' has no header",
     "label: y\n": "categorical: required",
+    "header: auto\nlabel: y\ncategorical: [a]\n": "header: auto needs columns:",
+    "header: maybe\ncolumns: [y, a]\nlabel: y\ncategorical: [a]\n": "header: expected true, false or auto, got 'maybe'",
     "": "expected a mapping, got None",
     "label: y\ncategorical: [a]\nna_values: [NULL]\n": "na_values: expected a list of strings, got [None]; quote them",
 }
@@ -429,16 +431,64 @@ def test_small_schema_errors(tmp_path, text):
 
 
 def test_header_without_a_schema_column_and_missing_joins(files, tmp_path):
-    schema = tmp_path / "a.yaml"
-    schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
-    header = rf"^{re.escape(str(files['avazu'][0]))}:1: column 'C22' \(named in the schema\) is not in the header: id, click,"
+    schema = tmp_path / "t.yaml"
+    schema.write_text(Path(load_schema("taobao_ad").path).read_text().replace("  - pid\n", "  - pidx\n"))
+    sample = files["taobao"][0] / "raw_sample.csv"
+    header = rf"^{re.escape(str(sample))}:1: column 'pidx' \(named in the schema\) is not in the header: user, time_stamp,"
     with pytest.raises(DataFormatError, match=header):
-        run("avazu", files, tmp_path / "out", schema=schema)
+        run("taobao", files, tmp_path / "out", schema=schema)
+    schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
+    with pytest.raises(SchemaError, match=r"categorical\[21\]: unknown column 'C22' of the input file; its columns: id,"):
+        load_schema(schema)  # avazu lists its columns: caught before any file is read
     with pytest.raises(SchemaError, match=r"joins: the schema joins \['ad', 'user'\]; .* got \['ad'\]"):
         run("taobao", files, tmp_path / "out", joins={"ad": files["taobao"][0] / "ad_feature.csv"})
     with pytest.raises(SchemaError, match="no such file .*shipped schemas: avazu, movielens_1m, taobao_ad, yelp_reviews"):
         load_schema("criteo_tabular")
     assert not (tmp_path / "out").exists()
+
+
+def dataset_bytes(out):
+    """Every file of a dataset, and meta.json without the input paths it records."""
+    got = {str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()}
+    meta = json.loads(got.pop("meta.json"))
+    return got, {k: v for k, v in meta.items() if k not in ("inputs", "val_inputs")}
+
+
+def test_header_auto_reads_files_with_and_without_a_header(files, tmp_path):
+    """Avazu's schema lists its columns with header: auto: a header-less piece and a headered
+    one give the same bytes as two headered pieces (or the whole file)."""
+    lines = files["avazu"][0].read_text().splitlines(keepends=True)
+    head, rows = lines[0], lines[1:]
+    pieces = {"a.csv": head + "".join(rows[:140]), "b.csv": head + "".join(rows[140:]),
+              "b_bare.csv": "".join(rows[140:]), "a_bare.csv": "".join(rows[:140])}  # fmt: skip
+    for name, text in pieces.items():
+        (tmp_path / name).write_text(text)
+    kw = {"max_ind_range": M, "shuffle_seed": 5}
+    run("avazu", files, tmp_path / "both", inputs=[tmp_path / "a.csv", tmp_path / "b.csv"], **kw)
+    want = dataset_bytes(tmp_path / "both")
+    for inputs in (["a.csv", "b_bare.csv"], ["a_bare.csv", "b.csv"], ["a_bare.csv", "b_bare.csv"]):
+        out = tmp_path / "_".join(inputs)
+        report = run("avazu", files, out, inputs=[tmp_path / i for i in inputs], **kw)
+        assert report.lines_read == N and dataset_bytes(out) == want, inputs
+    run("avazu", files, tmp_path / "whole", **kw)
+    assert dataset_bytes(tmp_path / "whole") == want
+
+
+def test_a_header_that_differs_from_the_schema_columns_names_the_file(files, tmp_path):
+    lines = files["avazu"][0].read_text().splitlines(keepends=True)
+    columns = AVAZU_HEADER.split(",")
+    cases = {  # header line -> what the error says is wrong
+        ",".join(c for c in columns if c != "click"): "missing click",  # Avazu's test.gz
+        ",".join([columns[0], columns[2], columns[1], *columns[3:]]): "column 1 is hour, expected click",
+        AVAZU_HEADER.replace("C21", "C22"): "missing C21; unexpected C22",
+    }
+    for k, (header, what) in enumerate(cases.items()):
+        path = tmp_path / f"h{k}.csv"
+        path.write_text(header + "\n" + "".join(lines[1:]))
+        with pytest.raises(DataFormatError) as e:
+            run("avazu", files, tmp_path / "out", inputs=[files["avazu"][0], path])
+        assert str(e.value) == f"{path}:1: the header does not match the schema's columns ({what}); expected: {', '.join(columns)}"
+        assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- properties

@@ -5,8 +5,10 @@ A schema is a YAML file (shipped ones: ``configs/schemas/``)::
 
     format: csv                 # csv | json_lines
     delimiter: "::"             # csv: one character (quotes handled) or several (no quoting)
-    header: false               # csv: the first line names the columns
-    columns: [user, item, rating, ts]   # names by position (header: false; json_lines: optional)
+    header: false               # csv: true (the first line names the columns) | false | auto
+    columns: [user, item, rating, ts]   # names by position (json_lines: optional); with a
+                                # header, it must equal them; header: auto reads files with
+                                # and without one (a first line that looks like one is one)
     quoting: true               # csv, one-character delimiter: "a,b" is one field
     encoding: utf-8
     na_values: ["NULL"]         # texts that mean "missing", besides the empty field
@@ -36,6 +38,7 @@ FORMATS = ("csv", "json_lines")
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
        "!=": operator.ne}  # label = OPS[op](value, threshold)  # fmt: skip
 DENSE_TRANSFORMS = ("log1p", "none")
+AUTO = "auto"  # header: auto
 _LAYOUT_KEYS = ("format", "delimiter", "header", "columns", "quoting", "encoding")
 _TOP_KEYS = (*_LAYOUT_KEYS, "na_values", "label", "dense", "categorical", "joins")
 
@@ -50,8 +53,8 @@ class Layout:
 
     format: str = "csv"
     delimiter: str = ","
-    header: bool = True
-    columns: tuple[str, ...] = ()  # names by position when the file has no header
+    header: bool | str = True  # True, False, or AUTO: a first line that looks like a header is one
+    columns: tuple[str, ...] = ()  # names by position; a header line must equal them
     quoting: bool = True
     encoding: str = "utf-8"
 
@@ -132,7 +135,8 @@ def load_schema(path: str | Path) -> TabularSchema:
     ``taobao_ad``, ``yelp_reviews`` from ``configs/schemas/``).
 
     Keys: ``format`` (csv | json_lines), ``delimiter`` (one character, quotes handled, or
-    several such as "::"), ``header``, ``columns`` (names by position without a header),
+    several such as "::"), ``header`` (true | false | auto: each file may or may not start
+    with one), ``columns`` (names by position; a file's header line must equal them),
     ``quoting``, ``encoding``, ``na_values``; ``label`` (a 0/1 column, or ``{column, op,
     threshold}``: label = value op threshold); ``dense`` (columns, or ``{column, name,
     transform: log1p | none}``); ``categorical`` (columns, or ``{column, name, substr: [start,
@@ -177,7 +181,8 @@ class _Parser:
             if not isinstance(name, str) or not name.isidentifier():
                 raise self.error(f"joins.{name}", "a join's name must be a word (letters, digits, _)")
             spec = self.mapping(f"joins.{name}", spec, (*_LAYOUT_KEYS, "column", "key"), ("column",))
-            self.layouts[name] = self.layout(f"joins.{name}", spec, replace(main, columns=()))
+            inherited = replace(main, columns=(), header=True if main.header == AUTO else main.header)
+            self.layouts[name] = self.layout(f"joins.{name}", spec, inherited)
         parsed_joins = tuple(self.join(name, spec) for name, spec in joins.items())
         na = raw.get("na_values", [])
         if not isinstance(na, list) or not all(isinstance(v, str) for v in na):
@@ -208,15 +213,16 @@ class _Parser:
         columns, encoding = raw.get("columns", base.columns), raw.get("encoding", base.encoding)
         if not isinstance(delimiter, str) or not delimiter or delimiter in "\r\n\"":
             raise self.error(f"{where}delimiter", f"expected a non-empty string, not a quote or newline, got {delimiter!r}")
-        for k, v in (("header", header), ("quoting", quoting)):
-            if not isinstance(v, bool):
-                raise self.error(f"{where}{k}", f"expected true or false, got {v!r}")
+        if not isinstance(header, bool) and header != AUTO:
+            raise self.error(f"{where}header", f"expected true, false or {AUTO}, got {header!r}")
+        if not isinstance(quoting, bool):
+            raise self.error(f"{where}quoting", f"expected true or false, got {quoting!r}")
         if quoting and len(delimiter) > 1:
             raise self.error(f"{where}quoting", f"quoting needs a one-character delimiter, not {delimiter!r}")
         if not isinstance(columns, list | tuple) or not all(isinstance(c, str) and c for c in columns):
             raise self.error(f"{where}columns", f"expected a list of names, got {columns!r}")
-        if fmt == "csv" and header and columns:
-            raise self.error(f"{where}columns", "give columns only for a file without a header line (header: false)")
+        if fmt == "csv" and header == AUTO and not columns:
+            raise self.error(f"{where}header", f"{AUTO} needs columns: (a first line equal to them is the header)")
         if len(set(columns)) < len(columns):
             raise self.error(f"{where}columns", f"a name appears twice in {list(columns)}")
         try:
