@@ -180,7 +180,8 @@ def make_yelp(path: Path, n=N, seed=3):
     for i in range(n):
         stars = [1, 2, 3, 4, 5, 4.0, 5.0, 4.5][int(rng.integers(0, 8))]
         votes = [int(v) for v in rng.integers(0, 50, 3) * (rng.random(3) < 0.5)]
-        date = f"20{10 + i * 12 // n:02d}-{1 + i % 12:02d}-{1 + i % 28:02d} 12:34:56"
+        date = str(np.datetime64("2010-01-01T12:34:56") + np.timedelta64(13 * i, "D") + np.timedelta64(i, "s"))
+        date = date.replace("T", " ")  # in time order, as split_by: date then keeps the tail
         review = {"review_id": f"r{i:021d}", "user_id": str(rng.choice(uids)), "business_id": str(rng.choice(bids)),
                   "stars": stars, "useful": votes[0], "funny": votes[1], "cool": votes[2],
                   "text": 'Great, "really"\nnice, café ☕', "date": date}  # fmt: skip
@@ -257,6 +258,61 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
         assert (tmp_path / "chunked" / f.relative_to(tmp_path / "out")).read_bytes() == f.read_bytes(), f
 
 
+def make_ratings_by_user(folder: Path, users=60, seed=4):
+    """MovieLens files whose ratings.dat is sorted by user, as the real one is, with times
+    drawn at random (many equal); returns (user, time, rating) per line."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "users.dat").write_text("".join(f"{u}::F::25::7::{10000 + u}\n" for u in range(1, users + 1)))
+    (folder / "movies.dat").write_text("".join(f"{m}::Movie {m} (2000)::Drama\n" for m in range(1, 21)))
+    rows = [(u, 978300000 + int(rng.integers(0, 60)), int(rng.integers(1, 6)))
+            for u in range(1, users + 1) for _ in range(int(rng.integers(2, 9)))]  # fmt: skip
+    (folder / "ratings.dat").write_text("".join(f"{u}::{1 + i % 20}::{r}::{t}\n" for i, (u, t, r) in enumerate(rows)))
+    return rows
+
+
+def test_movielens_holds_out_the_latest_ratings_by_time(tmp_path):
+    """ratings.dat is sorted by user: split_by: timestamp holds out the latest ratings in time
+    (ties: the later lines), so validation users were seen in training; the file's tail
+    would hold out the last few users, never seen."""
+    folder = tmp_path / "ml"
+    rows = make_ratings_by_user(folder)
+    n, n_val = len(rows), int(len(rows) * 0.2 + 0.5)
+    latest = sorted(range(n), key=lambda i: (rows[i][1], i))[n - n_val :]  # (time, line)
+    want_val = sorted(latest)
+    want_train = sorted(set(range(n)) - set(latest))
+    report = run("movielens", {}, tmp_path / "out", where=folder, val_fraction=0.2)
+    assert (report.train_rows, report.val_rows) == (n - n_val, n_val)
+    threshold = rows[latest[0]][1]
+    assert f"by timestamp (from timestamp {threshold}; ties: later lines)" in report.summary()
+    assert max(rows[i][1] for i in want_train) <= threshold <= min(rows[i][1] for i in want_val)
+    assert any(rows[i][1] == threshold for i in want_train)  # the tie rule is exercised
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "timestamp", threshold)
+    vocab = np.load(tmp_path / "out" / "vocab" / "feature_0.npy")[:, 0].tolist()
+    for split, want in (("train", want_train), ("val", want_val)):
+        got = load_split(tmp_path / "out", split)  # in input order (shuffle_seed None)
+        assert got["labels"].tolist() == [float(rows[i][2] >= 4) for i in want]
+        users = [vocab[k - 1] if k else None for k in got["ids"][:, 0].tolist()]
+        assert users == [ref_hash(str(rows[i][0])) for i in want] or split == "val"
+    train_users, val_users = {rows[i][0] for i in want_train}, [rows[i][0] for i in want_val]
+    assert np.mean([u in train_users for u in val_users]) > 0.9
+    # Cut in two files and small chunks, on two workers: the same bytes.
+    lines = (folder / "ratings.dat").read_text().splitlines(keepends=True)
+    (folder / "a.dat").write_text("".join(lines[:100]))
+    (folder / "b.dat").write_text("".join(lines[100:]))
+    run("movielens", {}, tmp_path / "cut", where=folder, inputs=[folder / "a.dat", folder / "b.dat"],
+        val_fraction=0.2, chunk_lines=9, workers=2)  # fmt: skip
+    assert dataset_bytes(tmp_path / "cut") == dataset_bytes(tmp_path / "out")
+    # Without split_by the tail is held out: mostly users the training split never saw.
+    schema = tmp_path / "tail.yaml"
+    schema.write_text(Path(load_schema("movielens_1m").path).read_text().replace("\nsplit_by:", "\n# split_by:"))
+    run("movielens", {}, tmp_path / "tail", where=folder, schema=schema, val_fraction=0.2)
+    tail_train_users = {u for u, _, _ in rows[: n - n_val]}
+    assert np.mean([u in tail_train_users for u, _, _ in rows[n - n_val :]]) < 0.2
+    assert json.loads((tmp_path / "tail" / "meta.json").read_text())["split"] == "tail"
+
+
 def test_taobao_dense_price_null_brand_and_missing_profiles(files, tmp_path):
     _, want = files["taobao"]
     report = run("taobao", files, tmp_path / "out", min_count=2)
@@ -278,8 +334,11 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["dense"].shape == (N, 3) and 0 < got["labels"].mean() < 1
     assert len(load_split(tmp_path / "out", "val")["labels"]) == 75
-    cards = json.loads((tmp_path / "out" / "meta.json").read_text())["cardinalities"]
-    assert cards == [len({ref_hash(c[f]) % M if c[f] else 0 for c in want["cats"]}) for f in range(4)]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["cardinalities"] == [len({ref_hash(c[f]) % M if c[f] else 0 for c in want["cats"]}) for f in range(4)]
+    first_val = json.loads(files["yelp"][0].read_text().splitlines()[N - 75])["date"]  # "YYYY-MM-DD HH:MM:SS"
+    since_1970 = (np.datetime64(first_val.replace(" ", "T")) - np.datetime64("1970-01-01T00:00:00")) // np.timedelta64(1, "s")
+    assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
 
 
 def test_avazu_gzipped_through_the_cli(files, tmp_path):
@@ -315,6 +374,8 @@ BAD = {  # name -> (dataset, file, line, text, kind, message)
     "ml label": ("movielens", "ratings.dat", 9, "1::2::x::978300760", "label",
                  "label column rating is 'x', expected a number (label = value >= 4)"),
     "ml empty": ("movielens", "ratings.dat", 2, "", "empty line", "empty line"),
+    "ml time": ("movielens", "ratings.dat", 5, "1::2::3::yesterday", "split_by",
+                "split_by column timestamp is 'yesterday', expected a number or a date (YYYY-MM-DD[ HH:MM:SS])"),
     "avazu click": ("avazu", "", 4, "1," + "2," + ",".join(["9"] * 22), "label", "label column click is '2', expected 0 or 1"),
     "avazu quote": ("avazu", "", 3, '1,0,14102100,"1005,7"' + ",x" * 19, "field count",  # quoted: one field
                     "expected 24 fields separated by ',', found 23"),
@@ -389,6 +450,7 @@ SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the messa
     "typo key": (("header: false", "headers: false"), "headers: unknown key; known: format"),
     "multi-char quoting": (("header: false", "header: false\nquoting: true"), "quoting: quoting needs a one-character"),
     "encoding": (("latin-1", "latin-9000"), "encoding: unknown text encoding 'latin-9000'"),
+    "split_by": (("\nsplit_by: timestamp", "\nsplit_by: stamp"), "split_by: unknown column 'stamp' of the input file"),
 }  # fmt: skip
 
 

@@ -8,15 +8,19 @@ phases follow, each a pool of worker processes (``workers=1`` runs them in this 
 
 1. **scan** (per task): parse; per chunk ("part") and feature, dictionary-encode the values
    (after ``% max_ind_range`` when hashing) and save the part's codes, dense and labels, and
-   its sorted distinct values with their counts, under the work folder.
+   its sorted distinct values with their counts, under the work folder; and, when the format
+   splits by time, the rows' times as sortable keys (and their sorted copy).
+   The val split is then decided (:mod:`dlrm_jax.data.prep_split`): the tail, whole files,
+   or the latest rows by time.
 2. **vocabulary** (per feature): merge the parts' distinct values in value-range buckets
    (memory bounded by the bucket, not the input), then number them: by decreasing count
    (vocabularies; rare and missing values are id 0) or, when hashing, by hashed value, so a
    table has as many rows as the data has distinct hashed values (``min(N, distinct)``).
 3. **place** (per part): codes to ids (a gather through the part's own dictionary), MLPerf
-   multi-hot bags if asked, and each row's place: train row ``g`` goes to position
-   ``perm(g)`` of the train split (a :class:`~dlrm_jax.data.shuffle.KeyedPermutation` of the
-   shuffle seed), val rows keep their order; rows are grouped by destination shard.
+   multi-hot bags if asked, and each row's place: the train row of rank ``g`` (in input
+   order) goes to position ``perm(g)`` of the train split (a
+   :class:`~dlrm_jax.data.shuffle.KeyedPermutation` of the shuffle seed), val rows keep
+   their order; rows are grouped by destination shard.
 4. **shards** (per shard): gather the shard's rows from every part, in place order, and write
    the shard (:func:`~dlrm_jax.data.shards.write_shard`); memory is one shard per worker.
 
@@ -44,6 +48,7 @@ import pyarrow as pa
 
 from dlrm_jax.data import shards
 from dlrm_jax.data.multihot import MultiHotRule
+from dlrm_jax.data.prep_split import PartSplit, keys_file, plan_split, time_keys
 from dlrm_jax.data.preprocess import PreprocessReport, SkipLog, Vocabulary, byte_progress
 from dlrm_jax.data.shuffle import KeyedPermutation
 
@@ -113,6 +118,10 @@ def _scan(parser, task, task_id: int, work: Path, max_ind_range: int, strict: bo
         codes, dicts = _encode(values, None if max_ind_range else chunk.empty)
         for name, a in (("dense", chunk.dense), ("labels", chunk.labels), ("codes", codes)):
             np.save(_part_file(work, part, name), a)
+        if chunk.order is not None:  # a split by time: sortable keys, and sorted for the search
+            keys = time_keys(chunk.order)
+            np.save(keys_file(work, part), keys)
+            np.save(keys_file(work, part, sorted_=True), np.sort(keys))
         np.savez(work / f"{part}.dict.npz", **dicts)
         parts.append((part, len(chunk.labels)))
     return {"parts": parts, "lines": lines, "by_reason": dict(log.by_reason), "bad": log.lines,
@@ -185,9 +194,10 @@ class _Placement:
         return [min(self.shard_rows, n - s) for s in range(0, n, self.shard_rows)]
 
 
-def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, features: int) -> np.ndarray:
-    """Phase 3 for one part whose first row is valid row ``first`` of the input: ids, then the
-    rows sorted by (split, shard) with their positions; returns int64 [2, shards] counts."""
+def _place(part: str, split: PartSplit, work: Path, opts: Options, where: _Placement, features: int) -> np.ndarray:
+    """Phase 3 for one part (``split``: which of its rows are val, and the rows before it):
+    ids, then the rows sorted by (split, shard) with their positions; returns int64
+    [2, shards] counts."""
     codes = np.load(_part_file(work, part, "codes"))
     dicts = np.load(work / f"{part}.dict.npz")
     ids = np.empty(codes.shape, np.int32)
@@ -198,13 +208,10 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
         ids[:, f] = local[codes[:, f]]
     if opts.multi_hot:  # the rule's tables were drawn once, and are shared through the page cache
         ids = MultiHotRule.load(work / "multihot").expand(ids)
-    g = first + np.arange(len(codes), dtype=np.int64)
-    train = g < where.n_train
-    pos = g - where.n_train
+    val = split.val_mask(work, part)
+    pos, train = split.places(val), ~val  # each row's rank in its split, in input order
     if where.shuffle_seed is not None and train.any():
-        pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(g[train])
-    else:
-        pos[train] = g[train]
+        pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(pos[train])
     per_split = max(len(where.shards(0)), len(where.shards(1)), 1)
     shard, within = np.divmod(pos, where.shard_rows)
     key = (~train) * per_split + shard  # (split, shard), row-major
@@ -214,8 +221,8 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
               "labels": np.load(_part_file(work, part, "labels")), "pos": within.astype(np.int32)}  # fmt: skip
     for name, a in arrays.items():
         np.save(_part_file(work, part, f"out_{name}"), a[order])
-    for name in ("dense", "labels", "codes"):
-        _part_file(work, part, name).unlink()
+    for name in ("dense", "labels", "codes", "tkeys", "tkeys_sorted"):
+        _part_file(work, part, name).unlink(missing_ok=True)
     return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
 
 
@@ -270,11 +277,8 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         seconds["scan"] = time.perf_counter() - t0
         parts = [(name, rows, split) for r, (_, split) in zip(results, tasks, strict=True) for name, rows in r["parts"]]
         valid = sum(rows for _, rows, _ in parts)
-        if val_paths:
-            n_train = sum(rows for _, rows, split in parts if split == 0)
-            n_val = valid - n_train
-        else:
-            n_train, n_val = shards.split_sizes(valid, opts.val_fraction)
+        plan = plan_split(parts, work, opts.val_fraction, bool(val_paths), getattr(parser, "split_by", None))
+        n_train, n_val = plan.n_train, plan.n_val
         if n_train == 0:
             raise ValueError(f"{', '.join(paths)}: no training rows ({valid} valid lines)")
         names = [name for name, _, _ in parts]
@@ -289,8 +293,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         row_bytes = 4 * (parser.num_dense + sum(bags) + 1)
         where = _Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes),
                            opts.shuffle_seed)  # fmt: skip
-        firsts = np.cumsum([0] + [rows for _, rows, _ in parts[:-1]]).tolist()
-        counts = np.stack(list(pmap(_place, names, firsts, [work] * len(names), [opts] * len(names),
+        counts = np.stack(list(pmap(_place, names, plan.parts, [work] * len(names), [opts] * len(names),
                                     [where] * len(names), [parser.num_features] * len(names))))  # fmt: skip
         flat = counts.reshape(len(names), -1)  # a part's rows are sorted by (split, shard)
         starts = (np.cumsum(flat, axis=1) - flat).reshape(counts.shape)
@@ -313,7 +316,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
             "shards": {"train": where.shards(0), "val": where.shards(1)},
             "shuffled": opts.shuffle_seed is not None, "shuffle_seed": opts.shuffle_seed,
             "max_ind_range": opts.max_ind_range, "min_count": opts.min_count,
-            "val_fraction": 0.0 if val_paths else opts.val_fraction,
+            "val_fraction": 0.0 if val_paths else opts.val_fraction, **plan.meta(),
             "inputs": [str(Path(p).resolve()) for p in paths],
             "val_inputs": [str(Path(p).resolve()) for p in val_paths],
             "lines_read": sum(r["lines"] for r in results), "skipped": by_reason.total(),
@@ -322,7 +325,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
     seconds["total"] = time.perf_counter() - t0
     return PreprocessReport(sum(r["lines"] for r in results), n_train, n_val, by_reason.total(),
                             dict(by_reason), tuple(_examples(results, tasks)), tuple(cards), str(output),
-                            seconds)  # fmt: skip
+                            seconds, plan.describe())  # fmt: skip
 
 
 def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) -> list[dict]:

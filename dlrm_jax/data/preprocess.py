@@ -107,6 +107,7 @@ class PreprocessReport:
     cardinalities: tuple[int, ...]
     output: str
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, and "total"
+    split: str = ""  # how the val split was chosen, one line
 
     def summary(self) -> str:
         text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
@@ -114,6 +115,8 @@ class PreprocessReport:
         if self.skipped:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
             text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
+        if self.split:
+            text += f"\n  {self.split}"
         text += f"\n  cardinalities: {list(self.cardinalities)}"
         if self.seconds:
             text += "\n  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
@@ -146,6 +149,7 @@ class Chunk(NamedTuple):
     empty:  bool    [n, F]            missing values (id 0)
     labels: float32 [n]               0 or 1
     dense:  float32 [n, num_dense]    normalised; None in the scan pass (not needed there)
+    order:  float64 [n]               the rows' times when the format splits by time, else None
     """
 
     lines: int
@@ -153,3 +157,4 @@ class Chunk(NamedTuple):
     empty: np.ndarray
     labels: np.ndarray
     dense: np.ndarray | None
+    order: np.ndarray | None = None

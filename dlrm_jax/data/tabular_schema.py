@@ -17,6 +17,8 @@ A schema is a YAML file (shipped ones: ``configs/schemas/``)::
     categorical: [user, {column: hour, substr: [6, 8], name: hour_of_day}]
     joins:          # side files, read whole; left join of the main file's column on their key
       users: {column: user, key: user_id, columns: [user_id, gender]}  # + any layout key above
+    split_by: ts    # hold out the latest rows by this column's time (a number, or an ISO date
+                    # such as 2012-01-03 or "2012-01-03 12:34:56"), not the file's last lines
 
 A column is a name, a 0-based position, or ``JOIN.NAME`` for a column of a side file. Errors
 raise :class:`SchemaError` naming the schema file and the key.
@@ -40,7 +42,7 @@ OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le,
 DENSE_TRANSFORMS = ("log1p", "none")
 AUTO = "auto"  # header: auto
 _LAYOUT_KEYS = ("format", "delimiter", "header", "columns", "quoting", "encoding")
-_TOP_KEYS = (*_LAYOUT_KEYS, "na_values", "label", "dense", "categorical", "joins")
+_TOP_KEYS = (*_LAYOUT_KEYS, "na_values", "label", "dense", "categorical", "joins", "split_by")
 
 
 class SchemaError(ConfigError):
@@ -103,16 +105,17 @@ class TabularSchema:
     categorical: tuple[Feature, ...]
     joins: tuple[Join, ...] = ()
     na_values: frozenset[str] = frozenset({""})
+    split_by: Column | None = None  # the val split: the latest rows by this main-file column
 
     def wanted(self, join: str = "") -> list[str | int]:
         """The columns read from the main file (``join`` empty) or from a side file, in a
-        fixed order without repeats: label, features, then join keys."""
+        fixed order without repeats: label, features, join keys, then the split_by column."""
         if join:
             (j,) = [j for j in self.joins if j.name == join]
             cols = [j.key] + [f.column.key for f in self.features if f.column.join == join]
         else:
             cols = [self.label.column.key] + [f.column.key for f in self.features if not f.column.join]
-            cols += [j.column.key for j in self.joins]
+            cols += [j.column.key for j in self.joins] + ([self.split_by.key] if self.split_by else [])
         return list(dict.fromkeys(cols))
 
     @property
@@ -141,7 +144,9 @@ def load_schema(path: str | Path) -> TabularSchema:
     threshold}``: label = value op threshold); ``dense`` (columns, or ``{column, name,
     transform: log1p | none}``); ``categorical`` (columns, or ``{column, name, substr: [start,
     stop]}``); ``joins`` (``NAME: {column, key, ...layout keys}``: side files, referred to as
-    ``NAME.COLUMN``). Raises :class:`SchemaError` naming the file and the key.
+    ``NAME.COLUMN``); ``split_by`` (a column of the main file holding times: the val split is
+    the latest ``val_fraction`` of rows by it). Raises :class:`SchemaError` naming the file
+    and the key.
     """
     p = resolve_schema_path(path)
     try:
@@ -196,8 +201,9 @@ class _Parser:
         names = [f.name for f in dense + categorical]
         for twice in sorted({n for n in names if names.count(n) > 1}):
             raise self.error("dense/categorical", f"feature name {twice!r} is used twice; give one a name:")
+        split_by = self.column("split_by", raw["split_by"], joins=False) if raw.get("split_by") is not None else None
         return TabularSchema(self.path, main, label, dense, categorical,
-                             parsed_joins, frozenset({"", *na}))  # fmt: skip
+                             parsed_joins, frozenset({"", *na}), split_by)  # fmt: skip
 
     def layout(self, key: str, raw: dict, base: Layout) -> Layout:
         where = f"{key}." if key else ""
