@@ -53,21 +53,23 @@ def ref_hash(text: str) -> int:
     return h
 
 
-def vocab_ids(texts, min_count=1):
-    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking."""
-    counts = Counter(t for t in texts if t)
+def vocab_ids(texts, min_count=1, n_train=None):
+    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking,
+    counted on the first ``n_train`` (the train split; None: all)."""
+    counts = Counter(t for t in texts[:n_train] if t)
     ranked = sorted((t for t in counts if counts[t] >= min_count), key=lambda t: (-counts[t], ref_hash(t)))
     id_of = {t: i + 1 for i, t in enumerate(ranked)}
     return [id_of.get(t, 0) if t else 0 for t in texts], ranked
 
 
-def expected_ids(cats, max_ind_range=0, min_count=1):
-    """int [n, F] ids of the expected categorical texts (rows of lists)."""
+def expected_ids(cats, max_ind_range=0, min_count=1, n_train=None):
+    """int [n, F] ids of the expected categorical texts (rows of lists), counted on the first
+    ``n_train`` rows (None: all)."""
     cols = list(zip(*cats, strict=True))
     if max_ind_range:
-        return np.array(compacted([[ref_hash(t) % max_ind_range if t else 0 for t in r] for r in cats]), np.int32)
-    else:
-        out = [vocab_ids(col, min_count)[0] for col in cols]
+        hashed = [[ref_hash(t) % max_ind_range if t else 0 for t in r] for r in cats]
+        return np.array(compacted(hashed, n_train), np.int32)
+    out = [vocab_ids(col, min_count, n_train)[0] for col in cols]
     return np.array(out, dtype=np.int32).T
 
 
@@ -77,11 +79,14 @@ def load_all(out):
     return {k: np.concatenate([arrays["train"][k], arrays["val"][k]]) for k in arrays["train"]}
 
 
-def check_output(out, want, **ids_kw):
+def check_output(out, want, vocab_from="train", **ids_kw):
+    """The dataset at ``out`` holds the expected rows (train then val in input order), ids
+    counted on its train rows (the default) or on all."""
     got = load_all(out)
+    n_train = len(load_split(out, "train")["labels"]) if vocab_from == "train" else None
     np.testing.assert_array_equal(got["labels"], np.array(want["labels"], np.float32))
     np.testing.assert_array_equal(got["dense"], np.array(want["dense"], np.float32).reshape(len(want["labels"]), -1))
-    np.testing.assert_array_equal(got["ids"], expected_ids(want["cats"], **ids_kw))
+    np.testing.assert_array_equal(got["ids"], expected_ids(want["cats"], n_train=n_train, **ids_kw))
     return got
 
 
@@ -222,10 +227,18 @@ def run(dataset, files, out, where=None, **kw):
                               progress=False, **kw)  # fmt: skip
 
 
-def compacted(hashed_rows):
-    """preprocess's hashing-mode ids: each column's hashed values numbered in ascending order."""
-    h = np.asarray(hashed_rows, dtype=np.int64)
-    return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(h.shape[1])], 1).tolist()
+def compacted(hashed_rows, n_train=None):
+    """preprocess's hashing-mode ids: each column's hashed values numbered in ascending order;
+    with ``n_train``, those of the first n_train rows (the train split), values seen only
+    after them sharing id 0 with hashed value 0."""
+    h = np.asarray(hashed_rows, dtype=np.uint64).reshape(len(hashed_rows), -1)
+    out = np.zeros(h.shape, np.int64)
+    for f in range(h.shape[1]):
+        col = h[:, f].tolist()
+        seen = set(col[:n_train])
+        kept = sorted(seen | ({0} if any(v not in seen for v in col) else set()))
+        out[:, f] = [kept.index(v) if v in seen else 0 for v in col]
+    return out.tolist()
 
 
 # ---------------------------------------------------------------- exact outputs
@@ -250,8 +263,8 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     for f, text in ((2, users[user][1]), (5, users[user][4]), (6, genres)):
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
         assert vocab[got["ids"][row, f] - 1, 0] == ref_hash(text)
-    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"]})
-    assert vocab_ids([c[1] for c in want["cats"]])[0][row] == got["ids"][row, 1] and movie == "7"
+    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"][:240]})  # counted on train rows
+    assert vocab_ids([c[1] for c in want["cats"]], n_train=240)[0][row] == got["ids"][row, 1] and movie == "7"
     # Chunking changes nothing, byte for byte.
     run("movielens", files, tmp_path / "chunked", val_fraction=0.2, chunk_lines=7)
     for f in sorted((tmp_path / "out").rglob("*.npy")):
@@ -335,7 +348,8 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
     assert got["dense"].shape == (N, 3) and 0 < got["labels"].mean() < 1
     assert len(load_split(tmp_path / "out", "val")["labels"]) == 75
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["cardinalities"] == [len({ref_hash(c[f]) % M if c[f] else 0 for c in want["cats"]}) for f in range(4)]
+    hashed = [[ref_hash(t) % M if t else 0 for t in c] for c in want["cats"]]
+    assert meta["cardinalities"] == [1 + max(col) for col in zip(*compacted(hashed, N - 75), strict=True)]
     first_val = json.loads(files["yelp"][0].read_text().splitlines()[N - 75])["date"]  # "YYYY-MM-DD HH:MM:SS"
     since_1970 = (np.datetime64(first_val.replace(" ", "T")) - np.datetime64("1970-01-01T00:00:00")) // np.timedelta64(1, "s")
     assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
@@ -350,10 +364,12 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
                            "--no-progress", "--no-shuffle"], capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert f"{tmp_path / 'out'}: 270 train + 30 val rows from 300 lines, 0 skipped" in proc.stdout
+    assert "ids counted on train rows (values seen only in val rows: id 0)" in proc.stdout  # the default
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["vocab_from"] == "train"
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["ids"].shape == (N, 22) and (got["ids"] < M).all()
     hours = [c[0] for c in want["cats"]]
-    assert got["ids"][:, 0].tolist() == [r[0] for r in compacted([[ref_hash(h) % M] for h in hours])]
+    assert got["ids"][:, 0].tolist() == [r[0] for r in compacted([[ref_hash(h) % M] for h in hours], 270)]
     assert len(set(hours)) == 24
     # A malformed line: one line naming file and line, exit 1, nothing written.
     bad, lines = tmp_path / "bad.csv", path.read_text().splitlines(keepends=True)
@@ -551,6 +567,51 @@ def test_a_header_that_differs_from_the_schema_columns_names_the_file(files, tmp
             run("avazu", files, tmp_path / "out", inputs=[files["avazu"][0], path])
         assert str(e.value) == f"{path}:1: the header does not match the schema's columns ({what}); expected: {', '.join(columns)}"
         assert not (tmp_path / "out").exists()
+
+
+def test_ids_counted_on_train_rows_val_only_values_get_id_0(tmp_path):
+    """--vocab-from train (the default): a value seen only in val rows maps to id 0 (with the
+    missing and rare values; hashing: hashed value 0's row); meta.json and the summary say
+    which rows were counted; the bytes do not depend on workers or chunks."""
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\nsplit_by: t\n")
+    times = [(i * 37) % 60 for i in range(60)]  # the latest 12 (t >= 48) are spread over both files
+    rows = [(i % 2, "new" if t >= 48 else f"a{i % 5}", f"b{i % 3}") for i, t in enumerate(times)]
+    for name, part in (("one.csv", slice(0, 30)), ("two.csv", slice(30, 60))):
+        text = "y,a,b,t\n" + "".join(f"{y},{a},{b},{t}\n" for (y, a, b), t in zip(rows[part], times[part], strict=True))
+        (tmp_path / name).write_text(text)
+    inputs = [str(tmp_path / "one.csv"), str(tmp_path / "two.csv")]
+
+    def prep(out, **kw):
+        kw = {"val_fraction": 0.2, "shuffle_seed": 1, "progress": False, "workers": 1, **kw}
+        return preprocess_tabular(tmp_path / "s.yaml", inputs, str(tmp_path / out), **kw)
+
+    for hashing in (0, M):
+        report = prep(f"train{hashing}", max_ind_range=hashing)
+        assert "ids counted on train rows (values seen only in val rows: id 0)" in report.summary()
+        meta = json.loads((tmp_path / f"train{hashing}" / "meta.json").read_text())
+        assert meta["vocab_from"] == "train" and meta["split"] == "time"
+        val, train = (load_split(tmp_path / f"train{hashing}", s)["ids"] for s in ("val", "train"))
+        assert len(val) == 12 and (val[:, 0] == 0).all() and (train[:, 0] > 0).all()
+        vocab = np.load(tmp_path / f"train{hashing}" / "vocab" / "feature_0.npy")[:, 0].tolist()
+        assert ref_hash("new") not in vocab and ref_hash("new") % M not in vocab
+        a_rows = len({ref_hash(f"a{k}") % M for k in range(5)}) if hashing else 5
+        assert meta["cardinalities"][0] == 1 + a_rows  # id 0: missing, rare and unseen values
+        hist = np.load(tmp_path / f"train{hashing}" / "train" / "id_counts.npz")  # hot rows' hint: train rows
+        counted = hist["counts_0"] > 0
+        assert [hist["ids_0"][counted].tolist(), hist["counts_0"][counted].tolist()] == [
+            a.tolist() for a in np.unique(train[:, 0], return_counts=True)]
+        assert vocab[0] == 0 or not hashing  # hashing: id 0 is hashed value 0's row, added for "new"
+        # all rows counted: "new" has a row of its own
+        prep(f"all{hashing}", max_ind_range=hashing, vocab_from="all")
+        meta = json.loads((tmp_path / f"all{hashing}" / "meta.json").read_text())
+        assert meta["vocab_from"] == "all" and meta["cardinalities"][0] == a_rows + 1 + (not hashing)
+        val, train = (load_split(tmp_path / f"all{hashing}", s)["ids"][:, 0].tolist() for s in ("val", "train"))
+        assert len(set(val)) == 1 and val[0] not in train and (val[0] > 0 or hashing)
+        # two workers, small chunks: the same bytes
+        prep(f"two{hashing}", max_ind_range=hashing, workers=2, chunk_lines=4)
+        assert dataset_bytes(tmp_path / f"two{hashing}") == dataset_bytes(tmp_path / f"train{hashing}")
+    with pytest.raises(ValueError, match="vocab_from 'train' or 'all'"):
+        prep("bad", vocab_from="val")
 
 
 # ---------------------------------------------------------------- properties

@@ -11,11 +11,15 @@ phases follow, each a pool of worker processes (``workers=1`` runs them in this 
    its sorted distinct values with their counts, under the work folder; and, when the format
    splits by time, the rows' times as sortable keys (and their sorted copy).
    The val split is then decided (:mod:`dlrm_jax.data.prep_split`): the tail, whole files,
-   or the latest rows by time.
-2. **vocabulary** (per feature): merge the parts' distinct values in value-range buckets
-   (memory bounded by the bucket, not the input), then number them: by decreasing count
-   (vocabularies; rare and missing values are id 0) or, when hashing, by hashed value, so a
-   table has as many rows as the data has distinct hashed values (``min(N, distinct)``).
+   or the latest rows by time; with ``vocab_from="train"`` each part holding val rows counts
+   its train rows' values again (a bincount of its codes).
+2. **vocabulary** (per feature): merge the parts' distinct values and their counts (over the
+   train rows, or all rows with ``vocab_from="all"``) in value-range buckets (memory bounded
+   by the bucket, not the input), then number them: by decreasing count (vocabularies; rare,
+   missing and never-counted values are id 0) or, when hashing, by hashed value, so a table
+   has as many rows as the counted rows have distinct hashed values (``min(N, distinct)``);
+   values seen only in val rows then share id 0 with hashed value 0 (missing values), a row
+   added for them when no counted row has that value.
 3. **place** (per part): codes to ids (a gather through the part's own dictionary), MLPerf
    multi-hot bags if asked, and each row's place: the train row of rank ``g`` (in input
    order) goes to position ``perm(g)`` of the train split (a
@@ -62,6 +66,7 @@ class Options:
 
     max_ind_range: int = 0
     min_count: int = 1
+    vocab_from: str = "train"  # VOCAB_FROM: the rows whose values are counted (val-only ones: id 0)
     val_fraction: float = 0.1
     shuffle_seed: int | None = 0  # None: train rows keep input order
     shard_mb: float = 1024.0
@@ -145,11 +150,26 @@ def _encode(values: np.ndarray, empty: np.ndarray | None) -> tuple[np.ndarray, d
     return codes, dicts
 
 
-def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Options, rows: int) -> int:
+def _train_counts(part: str, split: PartSplit, work: Path, features: int) -> str:
+    """Before phase 2, for a part holding val rows (``vocab_from="train"``): the counts of its
+    distinct values over its train rows only, saved beside its dictionary; returns the file."""
+    codes, dicts = np.load(_part_file(work, part, "codes")), np.load(work / f"{part}.dict.npz")
+    train, counts = ~split.val_mask(work, part), {}
+    for f in range(features):
+        c = codes[train, f]
+        counts[f"c{f}"] = np.bincount(c[c >= 0], minlength=len(dicts[f"v{f}"])).astype(np.int64)
+    np.savez(work / f"{part}.train.npz", **counts)
+    return f"{part}.train.npz"
+
+
+def _merge_feature(f: int, parts: Sequence[str], count_files: Sequence[str], work: Path, out: Path,
+                   opts: Options, rows: int) -> int:  # fmt: skip
     """Phase 2 for feature f: its ids (work/sorted_f: distinct values ascending, work/idof_f:
     the id of each), the vocabulary file (in ``out``) and its id histogram (work/hist_f);
-    returns the table's rows. ``rows``: valid rows in all (id 0's count in vocabulary mode)."""
+    returns the table's rows. ``count_files``: per part, the file of its values' counts (c{f})
+    over the counted rows, ``rows`` of them (id 0's count in vocabulary mode)."""
     dicts = [np.load(work / f"{p}.dict.npz") for p in parts]
+    counted = [d if c == f"{p}.dict.npz" else np.load(work / c) for p, d, c in zip(parts, dicts, count_files, strict=True)]
     values = [d[f"v{f}"] for d in dicts]
     total = sum(len(v) for v in values)
     samples = np.sort(np.concatenate([v[:: max(1, len(v) // 64)] for v in values] or [[]]).astype(np.uint64))
@@ -159,14 +179,14 @@ def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Op
     distinct, counts = [], []
     for b in range(len(cuts) + 1):
         vals = np.concatenate([v[e[b] : e[b + 1]] for v, e in zip(values, edges, strict=True)] or [[]])
-        cnts = np.concatenate([d[f"c{f}"][e[b] : e[b + 1]] for d, e in zip(dicts, edges, strict=True)] or [[]])
+        cnts = np.concatenate([d[f"c{f}"][e[b] : e[b + 1]] for d, e in zip(counted, edges, strict=True)] or [[]])
         u, inverse = np.unique(vals.astype(np.uint64), return_inverse=True)
         distinct.append(u)
         counts.append(np.bincount(inverse, weights=cnts, minlength=len(u)).astype(np.int64))
     values_v, counts_v = np.concatenate(distinct), np.concatenate(counts)
     if opts.max_ind_range:  # compaction: id = rank of the hashed value
-        id_of, kept, size = np.arange(len(values_v), dtype=np.int32), np.stack([values_v, counts_v.astype(np.uint64)], 1), len(values_v)
-        hist_ids, hist_counts = id_of.astype(np.int64), counts_v
+        id_of, kept = _compact(values_v, counts_v, opts.vocab_from == "train")
+        size, hist_ids, hist_counts = len(kept), np.arange(len(kept), dtype=np.int64), kept[:, 1].astype(np.int64)
     else:
         vocab = Vocabulary(values_v, counts_v, opts.min_count)
         id_of, kept, size = vocab.id_of[:-1], vocab.kept, vocab.size
@@ -178,6 +198,20 @@ def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Op
     top = np.sort(np.argsort(-hist_counts, kind="stable")[: shards.HISTOGRAM_IDS])
     np.savez(work / f"hist_{f}.npz", ids=hist_ids[top], counts=hist_counts[top])
     return int(max(size, 1))
+
+
+def _compact(values_v: np.ndarray, counts_v: np.ndarray, counted_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Hashing mode: int32 [V] the id of each distinct hashed value (ascending), and uint64
+    [K, 2] (value, count) of each id. ``counted_only``: values of count 0 (seen only in val
+    rows) take the id of hashed value 0 (missing values), the smallest, added if need be."""
+    seen = counts_v > 0 if counted_only else np.ones(len(values_v), bool)
+    extra = 0
+    if not seen.all():
+        seen |= values_v == 0
+        extra = int(not (len(values_v) and values_v[0] == 0))  # no value 0 anywhere: add its row
+    id_of = np.where(seen, np.cumsum(seen) - 1 + extra, 0).astype(np.int32)
+    kept = np.stack([values_v[seen], counts_v[seen].astype(np.uint64)], 1)
+    return id_of, np.concatenate([np.zeros((extra, 2), np.uint64), kept])
 
 
 @dataclass(frozen=True)
@@ -223,6 +257,7 @@ def _place(part: str, split: PartSplit, work: Path, opts: Options, where: _Place
         np.save(_part_file(work, part, f"out_{name}"), a[order])
     for name in ("dense", "labels", "codes", "tkeys", "tkeys_sorted"):
         _part_file(work, part, name).unlink(missing_ok=True)
+    (work / f"{part}.train.npz").unlink(missing_ok=True)
     return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
 
 
@@ -281,11 +316,17 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         n_train, n_val = plan.n_train, plan.n_val
         if n_train == 0:
             raise ValueError(f"{', '.join(paths)}: no training rows ({valid} valid lines)")
-        names = [name for name, _, _ in parts]
+        names, F = [name for name, _, _ in parts], parser.num_features
+        count_files, counted_rows = [f"{name}.dict.npz" for name in names], valid
+        if opts.vocab_from == "train" and n_val:  # parts holding val rows count their train rows
+            mixed = [k for k, s in enumerate(plan.parts) if s.train < s.rows]
+            for k, file in zip(mixed, pmap(_train_counts, [names[k] for k in mixed], [plan.parts[k] for k in mixed],
+                                           [work] * len(mixed), [F] * len(mixed)), strict=True):  # fmt: skip
+                count_files[k] = file
+            counted_rows = n_train
         (out.root / "vocab").mkdir()
-        cards = list(pmap(_merge_feature, range(parser.num_features), [names] * parser.num_features,
-                          [work] * parser.num_features, [out.root] * parser.num_features,
-                          [opts] * parser.num_features, [valid] * parser.num_features))  # fmt: skip
+        cards = list(pmap(_merge_feature, range(F), [names] * F, [count_files] * F, [work] * F, [out.root] * F,
+                          [opts] * F, [counted_rows] * F))  # fmt: skip
         if opts.multi_hot:
             MultiHotRule(cards, opts.multi_hot).save(work / "multihot")
         seconds["vocabulary"] = time.perf_counter() - t0 - seconds["scan"]
@@ -315,7 +356,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
             "train_rows": n_train, "val_rows": n_val, "shard_rows": where.shard_rows,
             "shards": {"train": where.shards(0), "val": where.shards(1)},
             "shuffled": opts.shuffle_seed is not None, "shuffle_seed": opts.shuffle_seed,
-            "max_ind_range": opts.max_ind_range, "min_count": opts.min_count,
+            "max_ind_range": opts.max_ind_range, "min_count": opts.min_count, "vocab_from": opts.vocab_from,
             "val_fraction": 0.0 if val_paths else opts.val_fraction, **plan.meta(),
             "inputs": [str(Path(p).resolve()) for p in paths],
             "val_inputs": [str(Path(p).resolve()) for p in val_paths],
@@ -325,7 +366,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
     seconds["total"] = time.perf_counter() - t0
     return PreprocessReport(sum(r["lines"] for r in results), n_train, n_val, by_reason.total(),
                             dict(by_reason), tuple(_examples(results, tasks)), tuple(cards), str(output),
-                            seconds, plan.describe())  # fmt: skip
+                            seconds, plan.describe(), opts.vocab_from)  # fmt: skip
 
 
 def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) -> list[dict]:

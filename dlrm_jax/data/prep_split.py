@@ -60,14 +60,14 @@ class PartSplit:
     rows: int
     train_before: int
     val_before: int
-    head: int  # no threshold: rows [0, head) are train, the rest val
+    train: int  # the part's train rows: without a threshold, the first ``train`` rows
     threshold: int | None = None  # the key of time T: keys < T train, > T val
     ties_train: int = 0  # of the part's rows at T, the first ties_train (input order) are train
 
     def val_mask(self, work: Path, part: str) -> np.ndarray:
         """bool [rows]: the part's val rows."""
         if self.threshold is None:
-            return np.arange(self.rows) >= self.head
+            return np.arange(self.rows) >= self.train
         keys = np.load(keys_file(work, part))
         at = keys == self.threshold
         return (keys > self.threshold) | (at & (np.cumsum(at) > self.ties_train))
@@ -109,14 +109,14 @@ def plan_split(parts: Sequence[tuple[str, int, int]], work: Path, val_fraction: 
     rows = [n for _, n, _ in parts]
     if by_files:
         n_train = sum(n for _, n, s in parts if s == 0)
-        heads = [n if s == 0 else 0 for _, n, s in parts]
-        return _plan(SplitKind.FILES, rows, heads, n_train, sum(rows) - n_train)
+        train = [n if s == 0 else 0 for _, n, s in parts]
+        return _plan(SplitKind.FILES, rows, train, n_train, sum(rows) - n_train)
     n_train, n_val = split_sizes(sum(rows), val_fraction)
     if column is None or not n_val:
         firsts = np.cumsum([0, *rows[:-1]])
-        heads = np.clip(n_train - firsts, 0, rows).tolist()
+        train = np.clip(n_train - firsts, 0, rows).tolist()
         kind = SplitKind.TAIL if column is None else SplitKind.TIME
-        return _plan(kind, rows, heads, n_train, n_val, column=column, val_fraction=val_fraction)
+        return _plan(kind, rows, train, n_train, n_val, column=column, val_fraction=val_fraction)
     names = [name for name, _, _ in parts]
     t = _kth_key([keys_file(work, p, sorted_=True) for p in names], n_train + 1)  # the first val row's
     below, at = _counts_at(t, [keys_file(work, p, sorted_=True) for p in names])
@@ -124,14 +124,14 @@ def plan_split(parts: Sequence[tuple[str, int, int]], work: Path, val_fraction: 
     for k in at:
         ties.append(min(k, ties_left))
         ties_left -= ties[-1]
-    heads = [b + k for b, k in zip(below, ties, strict=True)]  # train rows of each part
-    return _plan(SplitKind.TIME, rows, heads, n_train, n_val, column, t, ties, val_fraction)
+    train = [b + k for b, k in zip(below, ties, strict=True)]
+    return _plan(SplitKind.TIME, rows, train, n_train, n_val, column, t, ties, val_fraction)
 
 
 def _plan(kind: SplitKind, rows: list[int], train: list[int], n_train: int, n_val: int, column=None,
           threshold: int | None = None, ties=None, val_fraction: float = 0.0) -> SplitPlan:  # fmt: skip
-    """A plan from each part's number of train rows (``train``: the head when ``threshold``
-    is None)."""
+    """A plan from each part's number of train rows (the first ones when ``threshold`` is
+    None)."""
     out, tb, vb = [], 0, 0
     for p, (n, k) in enumerate(zip(rows, train, strict=True)):
         out.append(PartSplit(n, tb, vb, k, threshold, ties[p] if ties else 0))

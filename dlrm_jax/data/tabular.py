@@ -269,6 +269,7 @@ def preprocess_tabular(
     val_inputs: list[str] = (),
     max_ind_range: int = 0,
     min_count: int = 1,
+    vocab_from: str = "train",
     val_fraction: float = 0.1,
     shuffle_seed: int | None = 0,
     shard_mb: float = 1024.0,
@@ -284,13 +285,14 @@ def preprocess_tabular(
     ``joins`` maps each of the schema's join names to its side file (read whole, left-joined).
     Ids, splits, shuffling and shards as for Criteo (:func:`~dlrm_jax.data.criteo_preprocess.
     preprocess_criteo`): frequency-ordered vocabularies or ``category_values(text) %
-    max_ind_range`` numbered by hashed value; the val split is ``val_inputs`` or the last
-    ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
+    max_ind_range`` numbered by hashed value, counted on the train rows (``vocab_from``) or
+    all; the val split is ``val_inputs``, the latest ``val_fraction`` of rows by the schema's
+    ``split_by`` column, or the last ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
     Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
     counted. meta.json also names the features and counts the rows no side-file row matched
     (``join_misses``). Train on the output with ``data.source=binary``.
     """
-    check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines)
+    check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
     joins, names = dict(joins or {}), [j.name for j in schema.joins]
     if sorted(joins) != sorted(names):
@@ -299,7 +301,7 @@ def preprocess_tabular(
     shards.check_output_target(output)  # before reading side files
     log = SkipLog(skip_bad_lines)
     sides = {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
-    opts = Options(max_ind_range=max_ind_range, min_count=min_count, val_fraction=val_fraction,
+    opts = Options(max_ind_range=max_ind_range, min_count=min_count, vocab_from=vocab_from, val_fraction=val_fraction,
                    shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
                    skip_bad_lines=skip_bad_lines, progress=progress)  # fmt: skip
 
