@@ -199,6 +199,9 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
                    help="hash ids into this many rows per feature (0: build vocabularies)")
     p.add_argument("--min-count", type=int, default=1,
                    help="vocabulary mode: values seen fewer times share id 0 with missing values")
+    p.add_argument("--vocab-from", choices=("train", "all"), default="train",
+                   help="rows whose values are counted into ids: train (values seen only in validation "
+                        "share id 0 with missing ones) or all (MLPerf's Terabyte numbering)")
     p.add_argument("--val-fraction", type=float,
                    help="the last fraction of rows becomes the validation split (default 0.1, or 0 with --val-input)")
     p.add_argument("--val-input", nargs="+", default=[], metavar="FILE",
@@ -320,8 +323,9 @@ def cmd_preprocess(args) -> int:
     val_fraction = args.val_fraction if args.val_fraction is not None else 0.0 if args.val_input else 0.1
     if args.val_input and val_fraction:
         raise ConfigError("--val-input and --val-fraction: give one (the val split is whole files or a fraction)")
-    common = dict(max_ind_range=args.max_ind_range, min_count=args.min_count, val_fraction=val_fraction,
-                  val_inputs=args.val_input, skip_bad_lines=args.skip_bad_lines, workers=args.workers,
+    common = dict(max_ind_range=args.max_ind_range, min_count=args.min_count, vocab_from=args.vocab_from,
+                  val_fraction=val_fraction, val_inputs=args.val_input, skip_bad_lines=args.skip_bad_lines,
+                  workers=args.workers,
                   shuffle_seed=None if args.no_shuffle else args.seed, shard_mb=args.shard_mb,
                   progress=not args.no_progress)
     if args.dataset == "tabular":

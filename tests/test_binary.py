@@ -29,7 +29,8 @@ def data(tmp_path_factory):
                              bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
     write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, N), missing_cat_rate=0.05)
     preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), max_ind_range=M, val_fraction=0.2,
-                      shuffle_seed=None, shard_mb=0.02, workers=1, progress=False)  # 131-row shards
+                      vocab_from="all", shuffle_seed=None, shard_mb=0.02, workers=1,
+                      progress=False)  # 131-row shards; every value has its own id, as the TSV source's
     arrays = {s: load_split(tmp / "ds", s) for s in ("train", "val")}
     return tmp / "day.tsv", tmp / "ds", arrays
 
@@ -185,8 +186,8 @@ def test_tsv_source_matches_unshuffled_binary_source(data):
 
 @pytest.mark.parametrize("max_rows", [0, 13])
 def test_id_histograms_count_every_row(data, max_rows):
-    """preprocess counts every feature's ids over all rows (a placement hint for hot rows,
-    never math); with data.max_rows the counts follow the ids into their hashed rows, as
+    """preprocess counts every feature's ids over the rows it counted values on (all rows
+    here, --vocab-from all; a placement hint for hot rows, never math); with data.max_rows the counts follow the ids into their hashed rows, as
     batches do; hot rows start from them."""
     from dlrm_jax.train.hot_setup import initial_counts
 

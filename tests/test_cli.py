@@ -203,10 +203,11 @@ def test_mlperf_multi_hot_days_then_dcnv2_training(tmp_path):
         (tmp_path / name).write_bytes(gzip.compress(b"".join(part)))
     out = cli("preprocess", "criteo", "--input", str(tmp_path / "day_0.gz"), str(tmp_path / "day_1.gz"),
               "--val-input", str(tmp_path / "day_23.gz"), "--output", str(tmp_path / "mh"), "--max-ind-range", "200",
-              "--multi-hot", "mlperf", "--workers", "2", "--no-progress").stdout
-    assert "1000 train + 200 val rows" in out
+              "--vocab-from", "all", "--multi-hot", "mlperf", "--workers", "2", "--no-progress").stdout
+    assert "1000 train + 200 val rows" in out and "ids counted on all rows, train and val" in out
     meta = json.loads((tmp_path / "mh" / "meta.json").read_text())
     assert sum(meta["bag_sizes"]) == 214 and max(meta["cardinalities"]) <= 200
+    assert (meta["vocab_from"], meta["split"]) == ("all", "files")
     run = cli("train", "--config", "mlperf_dlrm_dcnv2", "--set", "data.source=binary", "--set",
               f"data.path={tmp_path / 'mh'}", "--set", "train.batch_size=128", "--set", "train.steps=4",
               "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", "--set", "mesh.devices=2",

@@ -74,10 +74,19 @@ def hashed(raw, empty, rows=M):
     return np.where(empty, 0, scramble_id(raw.ids).astype(np.uint64) % np.uint64(rows))
 
 
-def compacted(raw, empty, rows=M):
-    """preprocess's ids: each feature's hashed values numbered in ascending order."""
+def compacted(raw, empty, rows=M, n_train=None):
+    """preprocess's ids: each feature's hashed values numbered in ascending order; with
+    ``n_train``, those of the first n_train rows (the train split), values seen only after
+    them sharing id 0 with hashed value 0."""
     h = hashed(raw, empty, rows)
-    return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(26)], 1)
+    if n_train is None:
+        return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(26)], 1)
+    out = np.zeros(h.shape, np.int64)
+    for f in range(26):
+        seen = np.unique(h[:n_train, f])
+        kept = np.union1d(seen, [0]) if np.isin(h[:, f], seen, invert=True).any() else seen
+        out[:, f] = np.where(np.isin(h[:, f], seen), np.searchsorted(kept, h[:, f]), 0)
+    return out
 
 
 def test_parse_lines_recovers_raw_samples(raw, tsv):
@@ -212,31 +221,40 @@ def test_killed_preprocess_leftovers_are_removed(tmp_path, tsv):
     assert leftovers(tmp_path) == [f".out.tmp-{os.getppid()}"]
 
 
-def test_hashing_mode_compacts_ids_to_the_distinct_values(tmp_path, raw, tsv):
+@pytest.mark.parametrize("vocab_from", ["train", "all"])
+def test_hashing_mode_compacts_ids_to_the_distinct_values(tmp_path, raw, tsv, vocab_from):
     """--max-ind-range N: value % N, then numbered by hashed value, so a table has as many
-    rows as the data has distinct hashed values; vocab/ maps each id back to its value."""
+    rows as the counted rows have distinct hashed values; vocab/ maps each id back to its
+    value. Counted on train rows, a value seen only in val rows takes hashed value 0's id."""
     path, empty = tsv
-    report = preprocess([path], tmp_path / "out", max_ind_range=M)
+    report = preprocess([path], tmp_path / "out", max_ind_range=M, vocab_from=vocab_from)
+    n_train = 1080 if vocab_from == "train" else N
     h = hashed(raw, empty)
-    distinct = [len(np.unique(h[:, f])) for f in range(26)]
+    unseen = np.array([np.isin(h[:, f], h[:n_train, f], invert=True) for f in range(26)]).T  # [N, 26]
+    distinct = [len(np.unique(h[:n_train, f])) + int(unseen[:, f].any() and 0 not in h[:n_train, f])
+                for f in range(26)]  # fmt: skip
     assert report.cardinalities == tuple(distinct) and min(distinct) < M and max(distinct) <= M
+    assert unseen.any() == (vocab_from == "train")
     ids = load_all(tmp_path / "out")["ids"]
-    np.testing.assert_array_equal(ids, compacted(raw, empty))
+    np.testing.assert_array_equal(ids, compacted(raw, empty, n_train=n_train if vocab_from == "train" else None))
     for f in range(26):
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
-        np.testing.assert_array_equal(vocab[ids[:, f], 0], h[:, f])  # stable: id -> its value
+        np.testing.assert_array_equal(vocab[ids[:, f], 0], np.where(unseen[:, f], 0, h[:, f]))  # id -> its value
     with pytest.raises(ValueError, match="max_ind_range"):
         preprocess([path], tmp_path / "neg", max_ind_range=-1)
 
 
-@pytest.mark.parametrize("min_count", [1, 4])
-def test_vocabulary_mode_ids(tmp_path, raw, tsv, min_count):
+@pytest.mark.parametrize("min_count,vocab_from", [(1, "train"), (4, "train"), (1, "all")])
+def test_vocabulary_mode_ids(tmp_path, raw, tsv, min_count, vocab_from):
+    """Frequency-ordered vocabularies counted on the train rows (the first 1080; values seen
+    only in the val rows get id 0) or on all rows."""
     path, empty = tsv
-    report = preprocess([path], tmp_path / "out", min_count=min_count)
+    report = preprocess([path], tmp_path / "out", min_count=min_count, vocab_from=vocab_from)
     ids = load_all(tmp_path / "out")["ids"]
     values = scramble_id(raw.ids)
+    counted = 1080 if vocab_from == "train" else N
     for f in range(26):
-        seen = values[~empty[:, f], f].tolist()
+        seen = values[:counted][~empty[:counted, f], f].tolist()
         counts = {v: seen.count(v) for v in set(seen)}
         ranked = sorted(
             (v for v in counts if counts[v] >= min_count), key=lambda v: (-counts[v], v)

@@ -53,21 +53,23 @@ def ref_hash(text: str) -> int:
     return h
 
 
-def vocab_ids(texts, min_count=1):
-    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking."""
-    counts = Counter(t for t in texts if t)
+def vocab_ids(texts, min_count=1, n_train=None):
+    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking,
+    counted on the first ``n_train`` (the train split; None: all)."""
+    counts = Counter(t for t in texts[:n_train] if t)
     ranked = sorted((t for t in counts if counts[t] >= min_count), key=lambda t: (-counts[t], ref_hash(t)))
     id_of = {t: i + 1 for i, t in enumerate(ranked)}
     return [id_of.get(t, 0) if t else 0 for t in texts], ranked
 
 
-def expected_ids(cats, max_ind_range=0, min_count=1):
-    """int [n, F] ids of the expected categorical texts (rows of lists)."""
+def expected_ids(cats, max_ind_range=0, min_count=1, n_train=None):
+    """int [n, F] ids of the expected categorical texts (rows of lists), counted on the first
+    ``n_train`` rows (None: all)."""
     cols = list(zip(*cats, strict=True))
     if max_ind_range:
-        return np.array(compacted([[ref_hash(t) % max_ind_range if t else 0 for t in r] for r in cats]), np.int32)
-    else:
-        out = [vocab_ids(col, min_count)[0] for col in cols]
+        hashed = [[ref_hash(t) % max_ind_range if t else 0 for t in r] for r in cats]
+        return np.array(compacted(hashed, n_train), np.int32)
+    out = [vocab_ids(col, min_count, n_train)[0] for col in cols]
     return np.array(out, dtype=np.int32).T
 
 
@@ -77,11 +79,14 @@ def load_all(out):
     return {k: np.concatenate([arrays["train"][k], arrays["val"][k]]) for k in arrays["train"]}
 
 
-def check_output(out, want, **ids_kw):
+def check_output(out, want, vocab_from="train", **ids_kw):
+    """The dataset at ``out`` holds the expected rows (train then val in input order), ids
+    counted on its train rows (the default) or on all."""
     got = load_all(out)
+    n_train = len(load_split(out, "train")["labels"]) if vocab_from == "train" else None
     np.testing.assert_array_equal(got["labels"], np.array(want["labels"], np.float32))
     np.testing.assert_array_equal(got["dense"], np.array(want["dense"], np.float32).reshape(len(want["labels"]), -1))
-    np.testing.assert_array_equal(got["ids"], expected_ids(want["cats"], **ids_kw))
+    np.testing.assert_array_equal(got["ids"], expected_ids(want["cats"], n_train=n_train, **ids_kw))
     return got
 
 
@@ -180,7 +185,8 @@ def make_yelp(path: Path, n=N, seed=3):
     for i in range(n):
         stars = [1, 2, 3, 4, 5, 4.0, 5.0, 4.5][int(rng.integers(0, 8))]
         votes = [int(v) for v in rng.integers(0, 50, 3) * (rng.random(3) < 0.5)]
-        date = f"20{10 + i * 12 // n:02d}-{1 + i % 12:02d}-{1 + i % 28:02d} 12:34:56"
+        date = str(np.datetime64("2010-01-01T12:34:56") + np.timedelta64(13 * i, "D") + np.timedelta64(i, "s"))
+        date = date.replace("T", " ")  # in time order, as split_by: date then keeps the tail
         review = {"review_id": f"r{i:021d}", "user_id": str(rng.choice(uids)), "business_id": str(rng.choice(bids)),
                   "stars": stars, "useful": votes[0], "funny": votes[1], "cool": votes[2],
                   "text": 'Great, "really"\nnice, café ☕', "date": date}  # fmt: skip
@@ -221,10 +227,18 @@ def run(dataset, files, out, where=None, **kw):
                               progress=False, **kw)  # fmt: skip
 
 
-def compacted(hashed_rows):
-    """preprocess's hashing-mode ids: each column's hashed values numbered in ascending order."""
-    h = np.asarray(hashed_rows, dtype=np.int64)
-    return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(h.shape[1])], 1).tolist()
+def compacted(hashed_rows, n_train=None):
+    """preprocess's hashing-mode ids: each column's hashed values numbered in ascending order;
+    with ``n_train``, those of the first n_train rows (the train split), values seen only
+    after them sharing id 0 with hashed value 0."""
+    h = np.asarray(hashed_rows, dtype=np.uint64).reshape(len(hashed_rows), -1)
+    out = np.zeros(h.shape, np.int64)
+    for f in range(h.shape[1]):
+        col = h[:, f].tolist()
+        seen = set(col[:n_train])
+        kept = sorted(seen | ({0} if any(v not in seen for v in col) else set()))
+        out[:, f] = [kept.index(v) if v in seen else 0 for v in col]
+    return out.tolist()
 
 
 # ---------------------------------------------------------------- exact outputs
@@ -249,12 +263,67 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     for f, text in ((2, users[user][1]), (5, users[user][4]), (6, genres)):
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
         assert vocab[got["ids"][row, f] - 1, 0] == ref_hash(text)
-    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"]})
-    assert vocab_ids([c[1] for c in want["cats"]])[0][row] == got["ids"][row, 1] and movie == "7"
+    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"][:240]})  # counted on train rows
+    assert vocab_ids([c[1] for c in want["cats"]], n_train=240)[0][row] == got["ids"][row, 1] and movie == "7"
     # Chunking changes nothing, byte for byte.
     run("movielens", files, tmp_path / "chunked", val_fraction=0.2, chunk_lines=7)
     for f in sorted((tmp_path / "out").rglob("*.npy")):
         assert (tmp_path / "chunked" / f.relative_to(tmp_path / "out")).read_bytes() == f.read_bytes(), f
+
+
+def make_ratings_by_user(folder: Path, users=60, seed=4):
+    """MovieLens files whose ratings.dat is sorted by user, as the real one is, with times
+    drawn at random (many equal); returns (user, time, rating) per line."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "users.dat").write_text("".join(f"{u}::F::25::7::{10000 + u}\n" for u in range(1, users + 1)))
+    (folder / "movies.dat").write_text("".join(f"{m}::Movie {m} (2000)::Drama\n" for m in range(1, 21)))
+    rows = [(u, 978300000 + int(rng.integers(0, 60)), int(rng.integers(1, 6)))
+            for u in range(1, users + 1) for _ in range(int(rng.integers(2, 9)))]  # fmt: skip
+    (folder / "ratings.dat").write_text("".join(f"{u}::{1 + i % 20}::{r}::{t}\n" for i, (u, t, r) in enumerate(rows)))
+    return rows
+
+
+def test_movielens_holds_out_the_latest_ratings_by_time(tmp_path):
+    """ratings.dat is sorted by user: split_by: timestamp holds out the latest ratings in time
+    (ties: the later lines), so validation users were seen in training; the file's tail
+    would hold out the last few users, never seen."""
+    folder = tmp_path / "ml"
+    rows = make_ratings_by_user(folder)
+    n, n_val = len(rows), int(len(rows) * 0.2 + 0.5)
+    latest = sorted(range(n), key=lambda i: (rows[i][1], i))[n - n_val :]  # (time, line)
+    want_val = sorted(latest)
+    want_train = sorted(set(range(n)) - set(latest))
+    report = run("movielens", {}, tmp_path / "out", where=folder, val_fraction=0.2)
+    assert (report.train_rows, report.val_rows) == (n - n_val, n_val)
+    threshold = rows[latest[0]][1]
+    assert f"by timestamp (from timestamp {threshold}; ties: later lines)" in report.summary()
+    assert max(rows[i][1] for i in want_train) <= threshold <= min(rows[i][1] for i in want_val)
+    assert any(rows[i][1] == threshold for i in want_train)  # the tie rule is exercised
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "timestamp", threshold)
+    vocab = np.load(tmp_path / "out" / "vocab" / "feature_0.npy")[:, 0].tolist()
+    for split, want in (("train", want_train), ("val", want_val)):
+        got = load_split(tmp_path / "out", split)  # in input order (shuffle_seed None)
+        assert got["labels"].tolist() == [float(rows[i][2] >= 4) for i in want]
+        users = [vocab[k - 1] if k else None for k in got["ids"][:, 0].tolist()]
+        assert users == [ref_hash(str(rows[i][0])) for i in want] or split == "val"
+    train_users, val_users = {rows[i][0] for i in want_train}, [rows[i][0] for i in want_val]
+    assert np.mean([u in train_users for u in val_users]) > 0.9
+    # Cut in two files and small chunks, on two workers: the same bytes.
+    lines = (folder / "ratings.dat").read_text().splitlines(keepends=True)
+    (folder / "a.dat").write_text("".join(lines[:100]))
+    (folder / "b.dat").write_text("".join(lines[100:]))
+    run("movielens", {}, tmp_path / "cut", where=folder, inputs=[folder / "a.dat", folder / "b.dat"],
+        val_fraction=0.2, chunk_lines=9, workers=2)  # fmt: skip
+    assert dataset_bytes(tmp_path / "cut") == dataset_bytes(tmp_path / "out")
+    # Without split_by the tail is held out: mostly users the training split never saw.
+    schema = tmp_path / "tail.yaml"
+    schema.write_text(Path(load_schema("movielens_1m").path).read_text().replace("\nsplit_by:", "\n# split_by:"))
+    run("movielens", {}, tmp_path / "tail", where=folder, schema=schema, val_fraction=0.2)
+    tail_train_users = {u for u, _, _ in rows[: n - n_val]}
+    assert np.mean([u in tail_train_users for u, _, _ in rows[n - n_val :]]) < 0.2
+    assert json.loads((tmp_path / "tail" / "meta.json").read_text())["split"] == "tail"
 
 
 def test_taobao_dense_price_null_brand_and_missing_profiles(files, tmp_path):
@@ -278,8 +347,12 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["dense"].shape == (N, 3) and 0 < got["labels"].mean() < 1
     assert len(load_split(tmp_path / "out", "val")["labels"]) == 75
-    cards = json.loads((tmp_path / "out" / "meta.json").read_text())["cardinalities"]
-    assert cards == [len({ref_hash(c[f]) % M if c[f] else 0 for c in want["cats"]}) for f in range(4)]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    hashed = [[ref_hash(t) % M if t else 0 for t in c] for c in want["cats"]]
+    assert meta["cardinalities"] == [1 + max(col) for col in zip(*compacted(hashed, N - 75), strict=True)]
+    first_val = json.loads(files["yelp"][0].read_text().splitlines()[N - 75])["date"]  # "YYYY-MM-DD HH:MM:SS"
+    since_1970 = (np.datetime64(first_val.replace(" ", "T")) - np.datetime64("1970-01-01T00:00:00")) // np.timedelta64(1, "s")
+    assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
 
 
 def test_avazu_gzipped_through_the_cli(files, tmp_path):
@@ -291,10 +364,12 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
                            "--no-progress", "--no-shuffle"], capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert f"{tmp_path / 'out'}: 270 train + 30 val rows from 300 lines, 0 skipped" in proc.stdout
+    assert "ids counted on train rows (values seen only in val rows: id 0)" in proc.stdout  # the default
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["vocab_from"] == "train"
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["ids"].shape == (N, 22) and (got["ids"] < M).all()
     hours = [c[0] for c in want["cats"]]
-    assert got["ids"][:, 0].tolist() == [r[0] for r in compacted([[ref_hash(h) % M] for h in hours])]
+    assert got["ids"][:, 0].tolist() == [r[0] for r in compacted([[ref_hash(h) % M] for h in hours], 270)]
     assert len(set(hours)) == 24
     # A malformed line: one line naming file and line, exit 1, nothing written.
     bad, lines = tmp_path / "bad.csv", path.read_text().splitlines(keepends=True)
@@ -315,6 +390,8 @@ BAD = {  # name -> (dataset, file, line, text, kind, message)
     "ml label": ("movielens", "ratings.dat", 9, "1::2::x::978300760", "label",
                  "label column rating is 'x', expected a number (label = value >= 4)"),
     "ml empty": ("movielens", "ratings.dat", 2, "", "empty line", "empty line"),
+    "ml time": ("movielens", "ratings.dat", 5, "1::2::3::yesterday", "split_by",
+                "split_by column timestamp is 'yesterday', expected a number or a date (YYYY-MM-DD[ HH:MM:SS])"),
     "avazu click": ("avazu", "", 4, "1," + "2," + ",".join(["9"] * 22), "label", "label column click is '2', expected 0 or 1"),
     "avazu quote": ("avazu", "", 3, '1,0,14102100,"1005,7"' + ",x" * 19, "field count",  # quoted: one field
                     "expected 24 fields separated by ',', found 23"),
@@ -389,6 +466,7 @@ SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the messa
     "typo key": (("header: false", "headers: false"), "headers: unknown key; known: format"),
     "multi-char quoting": (("header: false", "header: false\nquoting: true"), "quoting: quoting needs a one-character"),
     "encoding": (("latin-1", "latin-9000"), "encoding: unknown text encoding 'latin-9000'"),
+    "split_by": (("\nsplit_by: timestamp", "\nsplit_by: stamp"), "split_by: unknown column 'stamp' of the input file"),
 }  # fmt: skip
 
 
@@ -415,6 +493,8 @@ SMALL_SCHEMAS = {  # a whole schema -> key and words the message must name
     "label: y\ndense: [{column: a, transform: log}]\ncategorical: [b]\n": "dense[0].transform: 'log' is not one of",
     "label: y\ncategorical: [u.a]\njoins: {u: {column: k, header: false}}\n": "joins.u.key: column 'k': join 'u' has no header",
     "label: y\n": "categorical: required",
+    "header: auto\nlabel: y\ncategorical: [a]\n": "header: auto needs columns:",
+    "header: maybe\ncolumns: [y, a]\nlabel: y\ncategorical: [a]\n": "header: expected true, false or auto, got 'maybe'",
     "": "expected a mapping, got None",
     "label: y\ncategorical: [a]\nna_values: [NULL]\n": "na_values: expected a list of strings, got [None]; quote them",
 }
@@ -429,16 +509,109 @@ def test_small_schema_errors(tmp_path, text):
 
 
 def test_header_without_a_schema_column_and_missing_joins(files, tmp_path):
-    schema = tmp_path / "a.yaml"
-    schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
-    header = rf"^{re.escape(str(files['avazu'][0]))}:1: column 'C22' \(named in the schema\) is not in the header: id, click,"
+    schema = tmp_path / "t.yaml"
+    schema.write_text(Path(load_schema("taobao_ad").path).read_text().replace("  - pid\n", "  - pidx\n"))
+    sample = files["taobao"][0] / "raw_sample.csv"
+    header = rf"^{re.escape(str(sample))}:1: column 'pidx' \(named in the schema\) is not in the header: user, time_stamp,"
     with pytest.raises(DataFormatError, match=header):
-        run("avazu", files, tmp_path / "out", schema=schema)
+        run("taobao", files, tmp_path / "out", schema=schema)
+    schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
+    with pytest.raises(SchemaError, match=r"categorical\[21\]: unknown column 'C22' of the input file; its columns: id,"):
+        load_schema(schema)  # avazu lists its columns: caught before any file is read
     with pytest.raises(SchemaError, match=r"joins: the schema joins \['ad', 'user'\]; .* got \['ad'\]"):
         run("taobao", files, tmp_path / "out", joins={"ad": files["taobao"][0] / "ad_feature.csv"})
     with pytest.raises(SchemaError, match="no such file .*shipped schemas: avazu, movielens_1m, taobao_ad, yelp_reviews"):
         load_schema("criteo_tabular")
     assert not (tmp_path / "out").exists()
+
+
+def dataset_bytes(out):
+    """Every file of a dataset, and meta.json without the input paths it records."""
+    got = {str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()}
+    meta = json.loads(got.pop("meta.json"))
+    return got, {k: v for k, v in meta.items() if k not in ("inputs", "val_inputs")}
+
+
+def test_header_auto_reads_files_with_and_without_a_header(files, tmp_path):
+    """Avazu's schema lists its columns with header: auto: a header-less piece and a headered
+    one give the same bytes as two headered pieces (or the whole file)."""
+    lines = files["avazu"][0].read_text().splitlines(keepends=True)
+    head, rows = lines[0], lines[1:]
+    pieces = {"a.csv": head + "".join(rows[:140]), "b.csv": head + "".join(rows[140:]),
+              "b_bare.csv": "".join(rows[140:]), "a_bare.csv": "".join(rows[:140])}  # fmt: skip
+    for name, text in pieces.items():
+        (tmp_path / name).write_text(text)
+    kw = {"max_ind_range": M, "shuffle_seed": 5}
+    run("avazu", files, tmp_path / "both", inputs=[tmp_path / "a.csv", tmp_path / "b.csv"], **kw)
+    want = dataset_bytes(tmp_path / "both")
+    for inputs in (["a.csv", "b_bare.csv"], ["a_bare.csv", "b.csv"], ["a_bare.csv", "b_bare.csv"]):
+        out = tmp_path / "_".join(inputs)
+        report = run("avazu", files, out, inputs=[tmp_path / i for i in inputs], **kw)
+        assert report.lines_read == N and dataset_bytes(out) == want, inputs
+    run("avazu", files, tmp_path / "whole", **kw)
+    assert dataset_bytes(tmp_path / "whole") == want
+
+
+def test_a_header_that_differs_from_the_schema_columns_names_the_file(files, tmp_path):
+    lines = files["avazu"][0].read_text().splitlines(keepends=True)
+    columns = AVAZU_HEADER.split(",")
+    cases = {  # header line -> what the error says is wrong
+        ",".join(c for c in columns if c != "click"): "missing click",  # Avazu's test.gz
+        ",".join([columns[0], columns[2], columns[1], *columns[3:]]): "column 1 is hour, expected click",
+        AVAZU_HEADER.replace("C21", "C22"): "missing C21; unexpected C22",
+    }
+    for k, (header, what) in enumerate(cases.items()):
+        path = tmp_path / f"h{k}.csv"
+        path.write_text(header + "\n" + "".join(lines[1:]))
+        with pytest.raises(DataFormatError) as e:
+            run("avazu", files, tmp_path / "out", inputs=[files["avazu"][0], path])
+        assert str(e.value) == f"{path}:1: the header does not match the schema's columns ({what}); expected: {', '.join(columns)}"
+        assert not (tmp_path / "out").exists()
+
+
+def test_ids_counted_on_train_rows_val_only_values_get_id_0(tmp_path):
+    """--vocab-from train (the default): a value seen only in val rows maps to id 0 (with the
+    missing and rare values; hashing: hashed value 0's row); meta.json and the summary say
+    which rows were counted; the bytes do not depend on workers or chunks."""
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\nsplit_by: t\n")
+    times = [(i * 37) % 60 for i in range(60)]  # the latest 12 (t >= 48) are spread over both files
+    rows = [(i % 2, "new" if t >= 48 else f"a{i % 5}", f"b{i % 3}") for i, t in enumerate(times)]
+    for name, part in (("one.csv", slice(0, 30)), ("two.csv", slice(30, 60))):
+        text = "y,a,b,t\n" + "".join(f"{y},{a},{b},{t}\n" for (y, a, b), t in zip(rows[part], times[part], strict=True))
+        (tmp_path / name).write_text(text)
+    inputs = [str(tmp_path / "one.csv"), str(tmp_path / "two.csv")]
+
+    def prep(out, **kw):
+        kw = {"val_fraction": 0.2, "shuffle_seed": 1, "progress": False, "workers": 1, **kw}
+        return preprocess_tabular(tmp_path / "s.yaml", inputs, str(tmp_path / out), **kw)
+
+    for hashing in (0, M):
+        report = prep(f"train{hashing}", max_ind_range=hashing)
+        assert "ids counted on train rows (values seen only in val rows: id 0)" in report.summary()
+        meta = json.loads((tmp_path / f"train{hashing}" / "meta.json").read_text())
+        assert meta["vocab_from"] == "train" and meta["split"] == "time"
+        val, train = (load_split(tmp_path / f"train{hashing}", s)["ids"] for s in ("val", "train"))
+        assert len(val) == 12 and (val[:, 0] == 0).all() and (train[:, 0] > 0).all()
+        vocab = np.load(tmp_path / f"train{hashing}" / "vocab" / "feature_0.npy")[:, 0].tolist()
+        assert ref_hash("new") not in vocab and ref_hash("new") % M not in vocab
+        a_rows = len({ref_hash(f"a{k}") % M for k in range(5)}) if hashing else 5
+        assert meta["cardinalities"][0] == 1 + a_rows  # id 0: missing, rare and unseen values
+        hist = np.load(tmp_path / f"train{hashing}" / "train" / "id_counts.npz")  # hot rows' hint: train rows
+        counted = hist["counts_0"] > 0
+        assert [hist["ids_0"][counted].tolist(), hist["counts_0"][counted].tolist()] == [
+            a.tolist() for a in np.unique(train[:, 0], return_counts=True)]
+        assert vocab[0] == 0 or not hashing  # hashing: id 0 is hashed value 0's row, added for "new"
+        # all rows counted: "new" has a row of its own
+        prep(f"all{hashing}", max_ind_range=hashing, vocab_from="all")
+        meta = json.loads((tmp_path / f"all{hashing}" / "meta.json").read_text())
+        assert meta["vocab_from"] == "all" and meta["cardinalities"][0] == a_rows + 1 + (not hashing)
+        val, train = (load_split(tmp_path / f"all{hashing}", s)["ids"][:, 0].tolist() for s in ("val", "train"))
+        assert len(set(val)) == 1 and val[0] not in train and (val[0] > 0 or hashing)
+        # two workers, small chunks: the same bytes
+        prep(f"two{hashing}", max_ind_range=hashing, workers=2, chunk_lines=4)
+        assert dataset_bytes(tmp_path / f"two{hashing}") == dataset_bytes(tmp_path / f"train{hashing}")
+    with pytest.raises(ValueError, match="vocab_from 'train' or 'all'"):
+        prep("bad", vocab_from="val")
 
 
 # ---------------------------------------------------------------- properties

@@ -215,6 +215,7 @@ def preprocess_criteo(
     val_inputs: list[str] = (),
     max_ind_range: int = 0,
     min_count: int = 1,
+    vocab_from: str = "train",
     val_fraction: float = 0.1,
     shuffle_seed: int | None = 0,
     shard_mb: float = 1024.0,
@@ -229,16 +230,18 @@ def preprocess_criteo(
     Ids: with ``max_ind_range`` N > 0, ``int(hex, 16) % N`` numbered by hashed value, so
     feature f gets ``min(N, distinct hashed values)`` rows (MLPerf's contiguous ids); else a
     frequency-ordered vocabulary (values seen fewer than ``min_count`` times share id 0 with
-    missing ones). Val split: the files ``val_inputs`` (MLPerf: ``day_23``) or else the last
-    ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
+    missing ones). Values are counted on the train rows (``vocab_from="train"``: a value seen
+    only in val rows gets id 0, the row of missing values) or on all rows (``"all"``, as
+    MLPerf's reference numbers day_23's values too). Val split: the files ``val_inputs``
+    (MLPerf: ``day_23``) or else the last ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
     (None keeps input order). ``multi_hot``: bag sizes for MLPerf DLRM-DCNv2's multi-hot rule
     (:mod:`dlrm_jax.data.multihot`). ``workers`` processes (0: one per core) parse blocks of
     ``block_mb`` MB; the output is the same for any number of workers.
     """
-    check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1)
+    check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
     if multi_hot and len(multi_hot) != NUM_CATEGORICAL:
         raise ValueError(f"preprocess_criteo: multi_hot needs {NUM_CATEGORICAL} bag sizes, got {len(multi_hot)}")
-    opts = Options(max_ind_range=max_ind_range, min_count=min_count, val_fraction=val_fraction,
+    opts = Options(max_ind_range=max_ind_range, min_count=min_count, vocab_from=vocab_from, val_fraction=val_fraction,
                    shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
                    multi_hot=tuple(multi_hot) if multi_hot else None, skip_bad_lines=skip_bad_lines,
                    progress=progress)  # fmt: skip

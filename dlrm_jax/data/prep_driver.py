@@ -8,15 +8,23 @@ phases follow, each a pool of worker processes (``workers=1`` runs them in this 
 
 1. **scan** (per task): parse; per chunk ("part") and feature, dictionary-encode the values
    (after ``% max_ind_range`` when hashing) and save the part's codes, dense and labels, and
-   its sorted distinct values with their counts, under the work folder.
-2. **vocabulary** (per feature): merge the parts' distinct values in value-range buckets
-   (memory bounded by the bucket, not the input), then number them: by decreasing count
-   (vocabularies; rare and missing values are id 0) or, when hashing, by hashed value, so a
-   table has as many rows as the data has distinct hashed values (``min(N, distinct)``).
+   its sorted distinct values with their counts, under the work folder; and, when the format
+   splits by time, the rows' times as sortable keys (and their sorted copy).
+   The val split is then decided (:mod:`dlrm_jax.data.prep_split`): the tail, whole files,
+   or the latest rows by time; with ``vocab_from="train"`` each part holding val rows counts
+   its train rows' values again (a bincount of its codes).
+2. **vocabulary** (per feature): merge the parts' distinct values and their counts (over the
+   train rows, or all rows with ``vocab_from="all"``) in value-range buckets (memory bounded
+   by the bucket, not the input), then number them: by decreasing count (vocabularies; rare,
+   missing and never-counted values are id 0) or, when hashing, by hashed value, so a table
+   has as many rows as the counted rows have distinct hashed values (``min(N, distinct)``);
+   values seen only in val rows then share id 0 with hashed value 0 (missing values), a row
+   added for them when no counted row has that value.
 3. **place** (per part): codes to ids (a gather through the part's own dictionary), MLPerf
-   multi-hot bags if asked, and each row's place: train row ``g`` goes to position
-   ``perm(g)`` of the train split (a :class:`~dlrm_jax.data.shuffle.KeyedPermutation` of the
-   shuffle seed), val rows keep their order; rows are grouped by destination shard.
+   multi-hot bags if asked, and each row's place: the train row of rank ``g`` (in input
+   order) goes to position ``perm(g)`` of the train split (a
+   :class:`~dlrm_jax.data.shuffle.KeyedPermutation` of the shuffle seed), val rows keep
+   their order; rows are grouped by destination shard.
 4. **shards** (per shard): gather the shard's rows from every part, in place order, and write
    the shard (:func:`~dlrm_jax.data.shards.write_shard`); memory is one shard per worker.
 
@@ -44,6 +52,7 @@ import pyarrow as pa
 
 from dlrm_jax.data import shards
 from dlrm_jax.data.multihot import MultiHotRule
+from dlrm_jax.data.prep_split import PartSplit, keys_file, plan_split, time_keys
 from dlrm_jax.data.preprocess import PreprocessReport, SkipLog, Vocabulary, byte_progress
 from dlrm_jax.data.shuffle import KeyedPermutation
 
@@ -57,6 +66,7 @@ class Options:
 
     max_ind_range: int = 0
     min_count: int = 1
+    vocab_from: str = "train"  # VOCAB_FROM: the rows whose values are counted (val-only ones: id 0)
     val_fraction: float = 0.1
     shuffle_seed: int | None = 0  # None: train rows keep input order
     shard_mb: float = 1024.0
@@ -113,6 +123,10 @@ def _scan(parser, task, task_id: int, work: Path, max_ind_range: int, strict: bo
         codes, dicts = _encode(values, None if max_ind_range else chunk.empty)
         for name, a in (("dense", chunk.dense), ("labels", chunk.labels), ("codes", codes)):
             np.save(_part_file(work, part, name), a)
+        if chunk.order is not None:  # a split by time: sortable keys, and sorted for the search
+            keys = time_keys(chunk.order)
+            np.save(keys_file(work, part), keys)
+            np.save(keys_file(work, part, sorted_=True), np.sort(keys))
         np.savez(work / f"{part}.dict.npz", **dicts)
         parts.append((part, len(chunk.labels)))
     return {"parts": parts, "lines": lines, "by_reason": dict(log.by_reason), "bad": log.lines,
@@ -136,11 +150,26 @@ def _encode(values: np.ndarray, empty: np.ndarray | None) -> tuple[np.ndarray, d
     return codes, dicts
 
 
-def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Options, rows: int) -> int:
+def _train_counts(part: str, split: PartSplit, work: Path, features: int) -> str:
+    """Before phase 2, for a part holding val rows (``vocab_from="train"``): the counts of its
+    distinct values over its train rows only, saved beside its dictionary; returns the file."""
+    codes, dicts = np.load(_part_file(work, part, "codes")), np.load(work / f"{part}.dict.npz")
+    train, counts = ~split.val_mask(work, part), {}
+    for f in range(features):
+        c = codes[train, f]
+        counts[f"c{f}"] = np.bincount(c[c >= 0], minlength=len(dicts[f"v{f}"])).astype(np.int64)
+    np.savez(work / f"{part}.train.npz", **counts)
+    return f"{part}.train.npz"
+
+
+def _merge_feature(f: int, parts: Sequence[str], count_files: Sequence[str], work: Path, out: Path,
+                   opts: Options, rows: int) -> int:  # fmt: skip
     """Phase 2 for feature f: its ids (work/sorted_f: distinct values ascending, work/idof_f:
     the id of each), the vocabulary file (in ``out``) and its id histogram (work/hist_f);
-    returns the table's rows. ``rows``: valid rows in all (id 0's count in vocabulary mode)."""
+    returns the table's rows. ``count_files``: per part, the file of its values' counts (c{f})
+    over the counted rows, ``rows`` of them (id 0's count in vocabulary mode)."""
     dicts = [np.load(work / f"{p}.dict.npz") for p in parts]
+    counted = [d if c == f"{p}.dict.npz" else np.load(work / c) for p, d, c in zip(parts, dicts, count_files, strict=True)]
     values = [d[f"v{f}"] for d in dicts]
     total = sum(len(v) for v in values)
     samples = np.sort(np.concatenate([v[:: max(1, len(v) // 64)] for v in values] or [[]]).astype(np.uint64))
@@ -150,14 +179,14 @@ def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Op
     distinct, counts = [], []
     for b in range(len(cuts) + 1):
         vals = np.concatenate([v[e[b] : e[b + 1]] for v, e in zip(values, edges, strict=True)] or [[]])
-        cnts = np.concatenate([d[f"c{f}"][e[b] : e[b + 1]] for d, e in zip(dicts, edges, strict=True)] or [[]])
+        cnts = np.concatenate([d[f"c{f}"][e[b] : e[b + 1]] for d, e in zip(counted, edges, strict=True)] or [[]])
         u, inverse = np.unique(vals.astype(np.uint64), return_inverse=True)
         distinct.append(u)
         counts.append(np.bincount(inverse, weights=cnts, minlength=len(u)).astype(np.int64))
     values_v, counts_v = np.concatenate(distinct), np.concatenate(counts)
     if opts.max_ind_range:  # compaction: id = rank of the hashed value
-        id_of, kept, size = np.arange(len(values_v), dtype=np.int32), np.stack([values_v, counts_v.astype(np.uint64)], 1), len(values_v)
-        hist_ids, hist_counts = id_of.astype(np.int64), counts_v
+        id_of, kept = _compact(values_v, counts_v, opts.vocab_from == "train")
+        size, hist_ids, hist_counts = len(kept), np.arange(len(kept), dtype=np.int64), kept[:, 1].astype(np.int64)
     else:
         vocab = Vocabulary(values_v, counts_v, opts.min_count)
         id_of, kept, size = vocab.id_of[:-1], vocab.kept, vocab.size
@@ -169,6 +198,20 @@ def _merge_feature(f: int, parts: Sequence[str], work: Path, out: Path, opts: Op
     top = np.sort(np.argsort(-hist_counts, kind="stable")[: shards.HISTOGRAM_IDS])
     np.savez(work / f"hist_{f}.npz", ids=hist_ids[top], counts=hist_counts[top])
     return int(max(size, 1))
+
+
+def _compact(values_v: np.ndarray, counts_v: np.ndarray, counted_only: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Hashing mode: int32 [V] the id of each distinct hashed value (ascending), and uint64
+    [K, 2] (value, count) of each id. ``counted_only``: values of count 0 (seen only in val
+    rows) take the id of hashed value 0 (missing values), the smallest, added if need be."""
+    seen = counts_v > 0 if counted_only else np.ones(len(values_v), bool)
+    extra = 0
+    if not seen.all():
+        seen |= values_v == 0
+        extra = int(not (len(values_v) and values_v[0] == 0))  # no value 0 anywhere: add its row
+    id_of = np.where(seen, np.cumsum(seen) - 1 + extra, 0).astype(np.int32)
+    kept = np.stack([values_v[seen], counts_v[seen].astype(np.uint64)], 1)
+    return id_of, np.concatenate([np.zeros((extra, 2), np.uint64), kept])
 
 
 @dataclass(frozen=True)
@@ -185,9 +228,10 @@ class _Placement:
         return [min(self.shard_rows, n - s) for s in range(0, n, self.shard_rows)]
 
 
-def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, features: int) -> np.ndarray:
-    """Phase 3 for one part whose first row is valid row ``first`` of the input: ids, then the
-    rows sorted by (split, shard) with their positions; returns int64 [2, shards] counts."""
+def _place(part: str, split: PartSplit, work: Path, opts: Options, where: _Placement, features: int) -> np.ndarray:
+    """Phase 3 for one part (``split``: which of its rows are val, and the rows before it):
+    ids, then the rows sorted by (split, shard) with their positions; returns int64
+    [2, shards] counts."""
     codes = np.load(_part_file(work, part, "codes"))
     dicts = np.load(work / f"{part}.dict.npz")
     ids = np.empty(codes.shape, np.int32)
@@ -198,13 +242,10 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
         ids[:, f] = local[codes[:, f]]
     if opts.multi_hot:  # the rule's tables were drawn once, and are shared through the page cache
         ids = MultiHotRule.load(work / "multihot").expand(ids)
-    g = first + np.arange(len(codes), dtype=np.int64)
-    train = g < where.n_train
-    pos = g - where.n_train
+    val = split.val_mask(work, part)
+    pos, train = split.places(val), ~val  # each row's rank in its split, in input order
     if where.shuffle_seed is not None and train.any():
-        pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(g[train])
-    else:
-        pos[train] = g[train]
+        pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(pos[train])
     per_split = max(len(where.shards(0)), len(where.shards(1)), 1)
     shard, within = np.divmod(pos, where.shard_rows)
     key = (~train) * per_split + shard  # (split, shard), row-major
@@ -214,8 +255,9 @@ def _place(part: str, first: int, work: Path, opts: Options, where: _Placement, 
               "labels": np.load(_part_file(work, part, "labels")), "pos": within.astype(np.int32)}  # fmt: skip
     for name, a in arrays.items():
         np.save(_part_file(work, part, f"out_{name}"), a[order])
-    for name in ("dense", "labels", "codes"):
-        _part_file(work, part, name).unlink()
+    for name in ("dense", "labels", "codes", "tkeys", "tkeys_sorted"):
+        _part_file(work, part, name).unlink(missing_ok=True)
+    (work / f"{part}.train.npz").unlink(missing_ok=True)
     return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
 
 
@@ -270,18 +312,21 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         seconds["scan"] = time.perf_counter() - t0
         parts = [(name, rows, split) for r, (_, split) in zip(results, tasks, strict=True) for name, rows in r["parts"]]
         valid = sum(rows for _, rows, _ in parts)
-        if val_paths:
-            n_train = sum(rows for _, rows, split in parts if split == 0)
-            n_val = valid - n_train
-        else:
-            n_train, n_val = shards.split_sizes(valid, opts.val_fraction)
+        plan = plan_split(parts, work, opts.val_fraction, bool(val_paths), getattr(parser, "split_by", None))
+        n_train, n_val = plan.n_train, plan.n_val
         if n_train == 0:
             raise ValueError(f"{', '.join(paths)}: no training rows ({valid} valid lines)")
-        names = [name for name, _, _ in parts]
+        names, F = [name for name, _, _ in parts], parser.num_features
+        count_files, counted_rows = [f"{name}.dict.npz" for name in names], valid
+        if opts.vocab_from == "train" and n_val:  # parts holding val rows count their train rows
+            mixed = [k for k, s in enumerate(plan.parts) if s.train < s.rows]
+            for k, file in zip(mixed, pmap(_train_counts, [names[k] for k in mixed], [plan.parts[k] for k in mixed],
+                                           [work] * len(mixed), [F] * len(mixed)), strict=True):  # fmt: skip
+                count_files[k] = file
+            counted_rows = n_train
         (out.root / "vocab").mkdir()
-        cards = list(pmap(_merge_feature, range(parser.num_features), [names] * parser.num_features,
-                          [work] * parser.num_features, [out.root] * parser.num_features,
-                          [opts] * parser.num_features, [valid] * parser.num_features))  # fmt: skip
+        cards = list(pmap(_merge_feature, range(F), [names] * F, [count_files] * F, [work] * F, [out.root] * F,
+                          [opts] * F, [counted_rows] * F))  # fmt: skip
         if opts.multi_hot:
             MultiHotRule(cards, opts.multi_hot).save(work / "multihot")
         seconds["vocabulary"] = time.perf_counter() - t0 - seconds["scan"]
@@ -289,8 +334,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         row_bytes = 4 * (parser.num_dense + sum(bags) + 1)
         where = _Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes),
                            opts.shuffle_seed)  # fmt: skip
-        firsts = np.cumsum([0] + [rows for _, rows, _ in parts[:-1]]).tolist()
-        counts = np.stack(list(pmap(_place, names, firsts, [work] * len(names), [opts] * len(names),
+        counts = np.stack(list(pmap(_place, names, plan.parts, [work] * len(names), [opts] * len(names),
                                     [where] * len(names), [parser.num_features] * len(names))))  # fmt: skip
         flat = counts.reshape(len(names), -1)  # a part's rows are sorted by (split, shard)
         starts = (np.cumsum(flat, axis=1) - flat).reshape(counts.shape)
@@ -312,8 +356,8 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
             "train_rows": n_train, "val_rows": n_val, "shard_rows": where.shard_rows,
             "shards": {"train": where.shards(0), "val": where.shards(1)},
             "shuffled": opts.shuffle_seed is not None, "shuffle_seed": opts.shuffle_seed,
-            "max_ind_range": opts.max_ind_range, "min_count": opts.min_count,
-            "val_fraction": 0.0 if val_paths else opts.val_fraction,
+            "max_ind_range": opts.max_ind_range, "min_count": opts.min_count, "vocab_from": opts.vocab_from,
+            "val_fraction": 0.0 if val_paths else opts.val_fraction, **plan.meta(),
             "inputs": [str(Path(p).resolve()) for p in paths],
             "val_inputs": [str(Path(p).resolve()) for p in val_paths],
             "lines_read": sum(r["lines"] for r in results), "skipped": by_reason.total(),
@@ -322,7 +366,7 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
     seconds["total"] = time.perf_counter() - t0
     return PreprocessReport(sum(r["lines"] for r in results), n_train, n_val, by_reason.total(),
                             dict(by_reason), tuple(_examples(results, tasks)), tuple(cards), str(output),
-                            seconds)  # fmt: skip
+                            seconds, plan.describe(), opts.vocab_from)  # fmt: skip
 
 
 def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) -> list[dict]:

@@ -22,6 +22,8 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+VOCAB_FROM = ("train", "all")  # the rows whose values are counted into ids: train rows, or all
+
 
 class DataFormatError(ValueError):
     """A malformed input line; the message starts with ``path:lineno:`` (1-based)."""
@@ -126,6 +128,8 @@ class PreprocessReport:
     cardinalities: tuple[int, ...]
     output: str
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, and "total"
+    split: str = ""  # how the val split was chosen, one line
+    vocab_from: str = ""  # the rows whose values were counted into ids: train | all
 
     def summary(self) -> str:
         text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
@@ -133,16 +137,22 @@ class PreprocessReport:
         if self.skipped:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
             text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
+        if self.split:
+            text += f"\n  {self.split}"
+        if self.vocab_from:
+            text += "\n  ids counted on " + ("train rows (values seen only in val rows: id 0)"
+                                            if self.vocab_from == "train" else "all rows, train and val")  # fmt: skip
         text += f"\n  cardinalities: {list(self.cardinalities)}"
         if self.seconds:
             text += "\n  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
         return text
 
 
-def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines) -> None:
+def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines,
+                    vocab_from: str = "train") -> None:  # fmt: skip
     needs = {"input files": len(inputs) > 0, "max_ind_range >= 0": max_ind_range >= 0,
              "min_count >= 1": min_count >= 1, "0 <= val_fraction < 1": 0 <= val_fraction < 1,
-             "chunk_lines >= 1": chunk_lines >= 1}  # fmt: skip
+             "chunk_lines >= 1": chunk_lines >= 1, "vocab_from 'train' or 'all'": vocab_from in VOCAB_FROM}  # fmt: skip
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"{caller}: needs {need}")
@@ -165,6 +175,7 @@ class Chunk(NamedTuple):
     empty:  bool    [n, F]            missing values (id 0)
     labels: float32 [n]               0 or 1
     dense:  float32 [n, num_dense]    normalised; None in the scan pass (not needed there)
+    order:  float64 [n]               the rows' times when the format splits by time, else None
     """
 
     lines: int
@@ -172,3 +183,4 @@ class Chunk(NamedTuple):
     empty: np.ndarray
     labels: np.ndarray
     dense: np.ndarray | None
+    order: np.ndarray | None = None

@@ -14,7 +14,8 @@ size, each a folder that can be written, copied to the host that reads it, and c
                                          of ids 1..K_f; hashing: of ids 0..K_f-1, the value
                                          being the hashed one)
     PATH/train/id_counts.npz             ids_{f}, counts_{f}: the most frequent ids of feature f
-                                         and their counts over all rows (one-hot data only)
+                                         and their counts over the rows values were counted on
+                                         (meta's vocab_from: train or all rows; one-hot only)
 
 Train rows are in shuffled order when ``shuffled`` (a global shuffle at preprocessing); val
 rows keep input order. Written by :mod:`dlrm_jax.data.prep_driver`, read by

@@ -12,6 +12,7 @@ column or a comparison with a threshold. Records that cannot be used are reporte
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -129,6 +130,37 @@ def _labels(schema: TabularSchema, texts: Sequence[str | None], problems: Proble
     return y.astype(np.float32)
 
 
+def _times(schema: TabularSchema, texts: Sequence[str | None], problems: Problems) -> np.ndarray:
+    """float64 [n] times of the split_by column: numbers, or ISO dates / date-times (seconds
+    since 1970); unusable rows go into ``problems``."""
+    x, missing, bad = _numbers(texts, schema.na_values)
+    bad = bad[~missing[bad]]
+    if len(bad):  # not numbers: dates?
+        x[bad] = _iso_seconds([texts[i] for i in bad.tolist()])
+    for i in np.flatnonzero(missing | ~np.isfinite(x)).tolist():
+        problems.setdefault(i, ("split_by", f"split_by column {schema.split_by} is {_show(texts[i] or '')}, "
+                                            f"expected a number or a date (YYYY-MM-DD[ HH:MM:SS])"))  # fmt: skip
+    return x
+
+
+def _iso_seconds(texts: list[str]) -> np.ndarray:
+    """float64 [n] seconds since 1970 of ISO dates / date-times (NaN: not one)."""
+    with warnings.catch_warnings():  # numpy warns about time zone suffixes (and reads them as UTC)
+        warnings.simplefilter("ignore")
+        try:
+            t = np.array([v.strip() for v in texts], dtype="datetime64[s]")
+        except ValueError:  # some text is not a date: one at a time
+            t = np.array([_iso_one(v) for v in texts], dtype="datetime64[s]")
+    return np.where(np.isnat(t), np.nan, t.astype(np.int64).astype(np.float64))
+
+
+def _iso_one(text: str) -> np.datetime64:
+    try:
+        return np.datetime64(text.strip(), "s")
+    except ValueError:
+        return np.datetime64("NaT", "s")
+
+
 class _Part(NamedTuple):
     """The features one file holds, converted, in schema order (Dj dense, Cj categorical)."""
 
@@ -212,6 +244,7 @@ class TabularParser:
     def __init__(self, schema: TabularSchema, sides: dict, chunk_lines: int):
         self.schema, self.sides, self.chunk_lines = schema, sides, chunk_lines
         self.num_dense, self.num_features = len(schema.dense), len(schema.categorical)
+        self.split_by = str(schema.split_by) if schema.split_by else None  # the driver splits by its times
         self._misses = dict.fromkeys(sides, 0)
 
     def tasks(self, paths: list[str]) -> list[Task]:
@@ -236,6 +269,7 @@ def preprocess_tabular(
     val_inputs: list[str] = (),
     max_ind_range: int = 0,
     min_count: int = 1,
+    vocab_from: str = "train",
     val_fraction: float = 0.1,
     shuffle_seed: int | None = 0,
     shard_mb: float = 1024.0,
@@ -251,13 +285,14 @@ def preprocess_tabular(
     ``joins`` maps each of the schema's join names to its side file (read whole, left-joined).
     Ids, splits, shuffling and shards as for Criteo (:func:`~dlrm_jax.data.criteo_preprocess.
     preprocess_criteo`): frequency-ordered vocabularies or ``category_values(text) %
-    max_ind_range`` numbered by hashed value; the val split is ``val_inputs`` or the last
-    ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
+    max_ind_range`` numbered by hashed value, counted on the train rows (``vocab_from``) or
+    all; the val split is ``val_inputs``, the latest ``val_fraction`` of rows by the schema's
+    ``split_by`` column, or the last ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
     Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
     counted. meta.json also names the features and counts the rows no side-file row matched
     (``join_misses``). Train on the output with ``data.source=binary``.
     """
-    check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines)
+    check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
     joins, names = dict(joins or {}), [j.name for j in schema.joins]
     if sorted(joins) != sorted(names):
@@ -266,7 +301,7 @@ def preprocess_tabular(
     shards.check_output_target(output)  # before reading side files
     log = SkipLog(skip_bad_lines)
     sides = {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
-    opts = Options(max_ind_range=max_ind_range, min_count=min_count, val_fraction=val_fraction,
+    opts = Options(max_ind_range=max_ind_range, min_count=min_count, vocab_from=vocab_from, val_fraction=val_fraction,
                    shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
                    skip_bad_lines=skip_bad_lines, progress=progress)  # fmt: skip
 
@@ -293,6 +328,7 @@ def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Recor
     """One chunk of the main file: columns converted, bad records reported, side files joined."""
     cols, problems = rec.columns(schema.wanted()), {}
     labels = _labels(schema, cols[schema.label.column.key], problems)
+    times = _times(schema, cols[schema.split_by.key], problems) if schema.split_by else None
     main = _convert(schema, "", cols, problems)
     keep = _report(path, rec, problems, log)
     parts = {"": main.take(keep)}
@@ -306,7 +342,7 @@ def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Recor
     dense = _assemble(parts, schema.dense, "dense", len(keep), np.float32)
     values = _assemble(parts, schema.categorical, "values", len(keep), np.uint64)
     empty = _assemble(parts, schema.categorical, "empty", len(keep), bool)
-    return Chunk(rec.count, values, empty, labels[keep], dense)
+    return Chunk(rec.count, values, empty, labels[keep], dense, None if times is None else times[keep])
 
 
 def _assemble(parts: dict[str, _Part], features, field: str, n: int, dtype) -> np.ndarray:

@@ -2,7 +2,10 @@
 a stream), split as CSV (quotes, records over several lines), by a multi-character delimiter
 or as JSON objects, and the schema's columns picked out, each record with its first line
 number. Records that cannot be split are returned as (line, kind, message), not raised; a
-header line without the schema's columns raises DataFormatError.
+header line without the schema's columns (or, when the schema lists ``columns``, one that
+differs from them) raises DataFormatError naming the file. With ``header: auto`` a file's
+first line is its header when most of its fields are names of the schema's columns, and data
+otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from dlrm_jax.data.preprocess import DataFormatError, open_input
-from dlrm_jax.data.tabular_schema import Layout
+from dlrm_jax.data.tabular_schema import AUTO, Layout
 
 
 class _Bad(Exception):
@@ -96,7 +99,7 @@ class _Columns:
 
     def __init__(self, path: str, layout: Layout, wanted: list[str | int], header: list[str] | None):
         self.wanted, self.sep = wanted, repr(layout.delimiter)
-        names = [h.strip().lstrip("\ufeff") for h in header] if header is not None else list(layout.columns)
+        names = _names(header) if header is not None else list(layout.columns)
         self.width = len(names) if layout.format == "csv" and names else None
         if layout.format == "json_lines":
             return
@@ -130,6 +133,35 @@ class _Columns:
         return self.get(record)
 
 
+def _names(header: list[str]) -> list[str]:
+    """A header line's names, without surrounding spaces or a byte-order mark."""
+    return [h.strip().lstrip("\ufeff") for h in header]
+
+
+def _looks_like_header(first, columns: tuple[str, ...]) -> bool:
+    """``header: auto``: whether a file's first record is a header (most of its fields are
+    names of the schema's columns)."""
+    if first is None or not isinstance(first[2], list) or not first[2]:
+        return False
+    names = _names(first[2])
+    return 2 * sum(n in columns for n in names) > len(names)
+
+
+def _check_header(path: str, names: list[str], columns: tuple[str, ...]) -> None:
+    """A header line must equal the schema's ``columns`` when it lists them."""
+    if not columns or tuple(names) == columns:
+        return
+    missing, extra = [c for c in columns if c not in names], [n for n in names if n not in columns]
+    what = [f"missing {', '.join(missing)}"] if missing else []
+    what += [f"unexpected {', '.join(extra)}"] if extra else []
+    if not what:  # the same names, in another order or repeated
+        k = next((i for i, (a, b) in enumerate(zip(names, columns, strict=False)) if a != b), None)
+        what = [f"column {k} is {names[k]}, expected {columns[k]}" if k is not None else
+                f"{len(names)} names, expected {len(columns)}"]  # fmt: skip
+    raise DataFormatError(f"{path}:1: the header does not match the schema's columns ({'; '.join(what)}); "
+                          f"expected: {', '.join(columns)}")  # fmt: skip
+
+
 def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None) -> Iterator[Records]:
     """The records of one file, ``chunk_lines`` at a time; ``bar`` (tqdm) advances by bytes read."""
     with open_input(path) as (raw, f):
@@ -138,9 +170,13 @@ def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines
         header = None
         if layout.format == "csv" and layout.header:
             first = next(items, None)
-            if first is None or not isinstance(first[2], list) or not first[2] or 1 in undecodable:
+            if layout.header == AUTO and not _looks_like_header(first, layout.columns):
+                items = itertools.chain([first] if first else [], items)  # line 1 is data
+            elif first is None or not isinstance(first[2], list) or not first[2] or 1 in undecodable:
                 raise DataFormatError(f"{path}:1: expected a header line naming the columns (the schema says header: true)")
-            header = first[2]
+            else:
+                header = first[2]
+                _check_header(path, _names(header), layout.columns)
         columns, read = _Columns(path, layout, wanted, header), 0
         while batch := list(itertools.islice(items, chunk_lines)):
             out = Records([], [], [], len(batch))

@@ -5,8 +5,10 @@ A schema is a YAML file (shipped ones: ``configs/schemas/``)::
 
     format: csv                 # csv | json_lines
     delimiter: "::"             # csv: one character (quotes handled) or several (no quoting)
-    header: false               # csv: the first line names the columns
-    columns: [user, item, rating, ts]   # names by position (header: false; json_lines: optional)
+    header: false               # csv: true (the first line names the columns) | false | auto
+    columns: [user, item, rating, ts]   # names by position (json_lines: optional); with a
+                                # header, it must equal them; header: auto reads files with
+                                # and without one (a first line that looks like one is one)
     quoting: true               # csv, one-character delimiter: "a,b" is one field
     encoding: utf-8
     na_values: ["NULL"]         # texts that mean "missing", besides the empty field
@@ -15,6 +17,8 @@ A schema is a YAML file (shipped ones: ``configs/schemas/``)::
     categorical: [user, {column: hour, substr: [6, 8], name: hour_of_day}]
     joins:          # side files, read whole; left join of the main file's column on their key
       users: {column: user, key: user_id, columns: [user_id, gender]}  # + any layout key above
+    split_by: ts    # hold out the latest rows by this column's time (a number, or an ISO date
+                    # such as 2012-01-03 or "2012-01-03 12:34:56"), not the file's last lines
 
 A column is a name, a 0-based position, or ``JOIN.NAME`` for a column of a side file. Errors
 raise :class:`SchemaError` naming the schema file and the key.
@@ -36,8 +40,9 @@ FORMATS = ("csv", "json_lines")
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
        "!=": operator.ne}  # label = OPS[op](value, threshold)  # fmt: skip
 DENSE_TRANSFORMS = ("log1p", "none")
+AUTO = "auto"  # header: auto
 _LAYOUT_KEYS = ("format", "delimiter", "header", "columns", "quoting", "encoding")
-_TOP_KEYS = (*_LAYOUT_KEYS, "na_values", "label", "dense", "categorical", "joins")
+_TOP_KEYS = (*_LAYOUT_KEYS, "na_values", "label", "dense", "categorical", "joins", "split_by")
 
 
 class SchemaError(ConfigError):
@@ -50,8 +55,8 @@ class Layout:
 
     format: str = "csv"
     delimiter: str = ","
-    header: bool = True
-    columns: tuple[str, ...] = ()  # names by position when the file has no header
+    header: bool | str = True  # True, False, or AUTO: a first line that looks like a header is one
+    columns: tuple[str, ...] = ()  # names by position; a header line must equal them
     quoting: bool = True
     encoding: str = "utf-8"
 
@@ -100,16 +105,17 @@ class TabularSchema:
     categorical: tuple[Feature, ...]
     joins: tuple[Join, ...] = ()
     na_values: frozenset[str] = frozenset({""})
+    split_by: Column | None = None  # the val split: the latest rows by this main-file column
 
     def wanted(self, join: str = "") -> list[str | int]:
         """The columns read from the main file (``join`` empty) or from a side file, in a
-        fixed order without repeats: label, features, then join keys."""
+        fixed order without repeats: label, features, join keys, then the split_by column."""
         if join:
             (j,) = [j for j in self.joins if j.name == join]
             cols = [j.key] + [f.column.key for f in self.features if f.column.join == join]
         else:
             cols = [self.label.column.key] + [f.column.key for f in self.features if not f.column.join]
-            cols += [j.column.key for j in self.joins]
+            cols += [j.column.key for j in self.joins] + ([self.split_by.key] if self.split_by else [])
         return list(dict.fromkeys(cols))
 
     @property
@@ -132,12 +138,15 @@ def load_schema(path: str | Path) -> TabularSchema:
     ``taobao_ad``, ``yelp_reviews`` from ``configs/schemas/``).
 
     Keys: ``format`` (csv | json_lines), ``delimiter`` (one character, quotes handled, or
-    several such as "::"), ``header``, ``columns`` (names by position without a header),
+    several such as "::"), ``header`` (true | false | auto: each file may or may not start
+    with one), ``columns`` (names by position; a file's header line must equal them),
     ``quoting``, ``encoding``, ``na_values``; ``label`` (a 0/1 column, or ``{column, op,
     threshold}``: label = value op threshold); ``dense`` (columns, or ``{column, name,
     transform: log1p | none}``); ``categorical`` (columns, or ``{column, name, substr: [start,
     stop]}``); ``joins`` (``NAME: {column, key, ...layout keys}``: side files, referred to as
-    ``NAME.COLUMN``). Raises :class:`SchemaError` naming the file and the key.
+    ``NAME.COLUMN``); ``split_by`` (a column of the main file holding times: the val split is
+    the latest ``val_fraction`` of rows by it). Raises :class:`SchemaError` naming the file
+    and the key.
     """
     p = resolve_schema_path(path)
     try:
@@ -177,7 +186,8 @@ class _Parser:
             if not isinstance(name, str) or not name.isidentifier():
                 raise self.error(f"joins.{name}", "a join's name must be a word (letters, digits, _)")
             spec = self.mapping(f"joins.{name}", spec, (*_LAYOUT_KEYS, "column", "key"), ("column",))
-            self.layouts[name] = self.layout(f"joins.{name}", spec, replace(main, columns=()))
+            inherited = replace(main, columns=(), header=True if main.header == AUTO else main.header)
+            self.layouts[name] = self.layout(f"joins.{name}", spec, inherited)
         parsed_joins = tuple(self.join(name, spec) for name, spec in joins.items())
         na = raw.get("na_values", [])
         if not isinstance(na, list) or not all(isinstance(v, str) for v in na):
@@ -191,8 +201,9 @@ class _Parser:
         names = [f.name for f in dense + categorical]
         for twice in sorted({n for n in names if names.count(n) > 1}):
             raise self.error("dense/categorical", f"feature name {twice!r} is used twice; give one a name:")
+        split_by = self.column("split_by", raw["split_by"], joins=False) if raw.get("split_by") is not None else None
         return TabularSchema(self.path, main, label, dense, categorical,
-                             parsed_joins, frozenset({"", *na}))  # fmt: skip
+                             parsed_joins, frozenset({"", *na}), split_by)  # fmt: skip
 
     def layout(self, key: str, raw: dict, base: Layout) -> Layout:
         where = f"{key}." if key else ""
@@ -208,15 +219,16 @@ class _Parser:
         columns, encoding = raw.get("columns", base.columns), raw.get("encoding", base.encoding)
         if not isinstance(delimiter, str) or not delimiter or delimiter in "\r\n\"":
             raise self.error(f"{where}delimiter", f"expected a non-empty string, not a quote or newline, got {delimiter!r}")
-        for k, v in (("header", header), ("quoting", quoting)):
-            if not isinstance(v, bool):
-                raise self.error(f"{where}{k}", f"expected true or false, got {v!r}")
+        if not isinstance(header, bool) and header != AUTO:
+            raise self.error(f"{where}header", f"expected true, false or {AUTO}, got {header!r}")
+        if not isinstance(quoting, bool):
+            raise self.error(f"{where}quoting", f"expected true or false, got {quoting!r}")
         if quoting and len(delimiter) > 1:
             raise self.error(f"{where}quoting", f"quoting needs a one-character delimiter, not {delimiter!r}")
         if not isinstance(columns, list | tuple) or not all(isinstance(c, str) and c for c in columns):
             raise self.error(f"{where}columns", f"expected a list of names, got {columns!r}")
-        if fmt == "csv" and header and columns:
-            raise self.error(f"{where}columns", "give columns only for a file without a header line (header: false)")
+        if fmt == "csv" and header == AUTO and not columns:
+            raise self.error(f"{where}header", f"{AUTO} needs columns: (a first line equal to them is the header)")
         if len(set(columns)) < len(columns):
             raise self.error(f"{where}columns", f"a name appears twice in {list(columns)}")
         try:
