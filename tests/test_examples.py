@@ -149,3 +149,17 @@ def test_recall_rises_from_chance():
     assert history[-1]["loss"] < history[0]["loss"] - 1.0, history
     assert lines[0].startswith("Embedding plan: 5 tables on 8 devices")
     assert lines[-1].startswith("final step=60 ")
+
+
+def test_pieces_name_what_is_wrong():
+    """Mistakes a user of the pieces makes are refused with the table or name in the message."""
+    with pytest.raises(ValueError, match="table hist: pooling 'avg'"):
+        dlrm_jax.TableSpec("hist", 10, 8, bag_size=3, pooling="avg")
+    with pytest.raises(ValueError, match="table t: rows=0"):
+        dlrm_jax.TableSpec("t", 0, 8)
+    specs = tt.table_specs(SMALL)
+    with pytest.raises(dlrm_jax.PlanError, match="no table named 'user_regoin'"):
+        dlrm_jax.plan_embeddings(specs, "row", 8, "adagrad", 64, overrides={"user_regoin": "table"})
+    with pytest.raises(ValueError, match="no sparse optimizer 'adam'"):
+        dlrm_jax.sparse_optimizer("adam")
+    assert dlrm_jax.TableSpec("h", 10, 8, 3, "mean").pooling == "mean"
