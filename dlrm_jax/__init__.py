@@ -15,7 +15,18 @@ Training: :func:`train_and_evaluate`, :func:`evaluate_run`, :class:`RunSummary`,
 Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config` (the mesh a config asks for).
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
 :func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
-:class:`EmbeddingCollection`.
+:class:`EmbeddingCollection` (lookups and sparse updates inside a jitted step of your own; its
+state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`),
+``PAD_ID`` (an empty slot of a multi-hot bag)::
+
+    specs = [dlrm_jax.TableSpec("user_id", 100_000, 32), dlrm_jax.TableSpec("item_id", 50_000, 32)]
+    plan = dlrm_jax.plan_embeddings(specs, "row", 8, "adagrad", global_batch=1024)
+    tables = dlrm_jax.EmbeddingCollection(plan, dlrm_jax.make_mesh(8))
+    emb = tables.init(jax.random.key(0))
+    pooled_bfd, res = tables.lookup(emb, ids_bs)             # inside your jax.jit step
+    emb = tables.apply_gradients(emb, res, grad_bfd, lr)     # grad_bfd: d loss / d pooled_bfd
+
+``examples/two_tower.py`` trains a two-tower retrieval model this way.
 Hot rows: :class:`HotPlan` (in a plan), :class:`RowCounts` (lookup statistics),
 :func:`choose_hot_rows` (the cost model), :class:`HotSchedule` (counting and refreshes);
 ``EmbeddingCollection.refresh`` changes the hot set of a state.
@@ -60,6 +71,10 @@ _EXPORTS = {
     "PlanError": "dlrm_jax.embedding.planner",
     "EmbeddingPlan": "dlrm_jax.embedding.plan",
     "EmbeddingCollection": "dlrm_jax.embedding.collection",
+    "EmbeddingState": "dlrm_jax.embedding.collection",
+    "sparse_optimizer": "dlrm_jax.embedding.optimizers",
+    "SparseOptimizer": "dlrm_jax.embedding.optimizers",
+    "PAD_ID": "dlrm_jax.data.batch",
     "HotPlan": "dlrm_jax.embedding.plan",
     "RowCounts": "dlrm_jax.embedding.hot",
     "HotSchedule": "dlrm_jax.embedding.hot",

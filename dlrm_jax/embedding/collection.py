@@ -6,6 +6,8 @@ Used inside the jitted train step as two calls around the dense model's autodiff
     ... gradient of the loss w.r.t. pooled_bfd ...
     state = collection.apply_gradients(state, res, grad_bfd, lr)   # sparse update on owners
 
+``examples/two_tower.py`` shows the whole pattern in a model of the user's own.
+
 The tables are never differentiated as arrays: gradients flow to the looked-up vectors only,
 travel back through the exchange, and the sparse optimizer turns them into row updates.
 """
@@ -35,13 +37,14 @@ from dlrm_jax.embedding.layout import (
     take_columns,
     uses_pooled_exchange,
 )
-from dlrm_jax.embedding.optimizers import SparseOptimizer
+from dlrm_jax.embedding.optimizers import SparseOptimizer, sparse_optimizer
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.routing import hot_index, route
 from dlrm_jax.embedding.specs import Pooling
 from dlrm_jax.parallel.mesh import (
     AXIS,
     HOST_AXIS,
+    batch_spec,
     devices_per_host,
     host_local_mesh,
     hosts_of,
@@ -83,17 +86,36 @@ class LookupResiduals(NamedTuple):
 
 
 class EmbeddingCollection:
-    """Every table of a plan, fused into groups, on a mesh."""
+    """Every table of a plan, fused into groups, on a mesh: sharded lookups and sparse updates.
 
-    def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer,
+    A model of your own uses it inside its own ``jax.jit`` step::
+
+        plan = dlrm_jax.plan_embeddings(specs, "row", 8, "adagrad", global_batch)
+        tables = dlrm_jax.EmbeddingCollection(plan, dlrm_jax.make_mesh(8))
+        emb = tables.init(jax.random.key(0))        # EmbeddingState, sharded as the plan says
+
+        def step(params, emb, ids_bs):              # ids_bs: int32 [B, S], tables.batch_sharding
+            pooled_bfd, res = tables.lookup(emb, ids_bs)
+            loss, (g_params, g_bfd) = jax.value_and_grad(loss_fn, (0, 1))(params, pooled_bfd)
+            emb = tables.apply_gradients(emb, res, g_bfd, lr)
+            ...
+
+    The tables are never differentiated as arrays: the loss's gradient w.r.t. the looked-up
+    vectors goes back to the rows' owners, where the sparse optimizer updates those rows only.
+    """
+
+    def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer | None = None,
                  tiered_tables: tuple[int, ...] = (), per_host: bool = False, replicas: bool = False):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
-        whose ``tiered_tables`` name the tables held as caches). ``per_host``: ``mesh`` is
+        whose ``tiered_tables`` name the tables held as caches). ``optimizer``: the sparse
+        optimizer (:func:`~dlrm_jax.embedding.optimizers.sparse_optimizer`); by default the one
+        the plan names (``plan.optimizer``) with its default settings. ``per_host``: ``mesh`` is
         (hosts, data, model) and the plan is one host's; lookups and updates run inside
         ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis. ``replicas`` (with
         ``per_host``): the hosts' tables are replicas kept equal, every update applying every
         host's gradients (embedding.sync=host_replicas); otherwise each host's own only."""
         self.tiered_tables = tuple(tiered_tables)
+        optimizer = sparse_optimizer(plan.optimizer) if optimizer is None else optimizer
         specs = tuple(t.spec for t in plan.tables)
         if len({s.dim for s in specs}) != 1:
             raise ValueError(f"all tables must share one width, got {sorted({s.dim for s in specs})}")
@@ -137,7 +159,16 @@ class EmbeddingCollection:
         self._counters, self._exchange_mesh = {}, exchange_mesh
 
     # ------------------------------------------------------------ state
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Where the batch's arrays live: their leading (batch) axis split over every device of
+        the mesh. ``lookup``'s ids and its pooled output, and the gradient passed to
+        ``apply_gradients``, are laid out so (``jax.device_put(ids, tables.batch_sharding)``)."""
+        return NamedSharding(self.mesh, batch_spec(self.mesh))
+
     def state_sharding(self) -> EmbeddingState:
+        """The :class:`EmbeddingState` of :meth:`init`, as shardings (a pytree of
+        ``NamedSharding``): for ``jax.jit``'s ``in_shardings``/``out_shardings``."""
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         spec = {g.name: NamedSharding(self.mesh, P() if g.replicated else P(AXIS)) for g in self.groups}
         replicated = NamedSharding(self.mesh, P())
@@ -185,7 +216,13 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
-        """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)."""
+        """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)
+        and the residuals :meth:`apply_gradients` needs.
+
+        F: the plan's tables in order, one feature each; S: their bag sizes summed, each table's
+        slots after the previous table's, holding row numbers of that table (0 .. rows - 1;
+        ``PAD_ID`` = -1 marks an empty slot of a bag). B: the plan's ``global_batch``, which the
+        exchange's buffers are sized for."""
         weights_bs = self._pool_weights(ids_bs)  # hot ids count in a bag's mean too
         hot_bs = hot_pooled = hot_counts = None
         if self.hot:
@@ -250,7 +287,11 @@ class EmbeddingCollection:
     # ------------------------------------------------------------ backward + update
     def apply_gradients(self, state: EmbeddingState, res: LookupResiduals, grad_bfd: jax.Array,
                         lr: jax.Array) -> EmbeddingState:
-        """Sparse update of the looked-up rows from the gradient w.r.t. the pooled vectors."""
+        """Sparse update of the looked-up rows from the gradient w.r.t. the pooled vectors.
+
+        ``res``: :meth:`lookup`'s residuals of the same step; ``grad_bfd`` float32 [B, F, D]
+        (batch-sharded): the loss's gradient w.r.t. ``lookup``'s output; ``lr``: the sparse
+        optimizer's learning rate (a scalar, may be traced). Only the looked-up rows change."""
         flat = grad_bfd.reshape(grad_bfd.shape[0], -1)
         tables, slots = {}, {}
         for g in self.groups:

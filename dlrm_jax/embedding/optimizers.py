@@ -167,6 +167,21 @@ def ftrl(l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulato
     return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
 
 
+SPARSE_OPTIMIZERS = {"sgd": sgd, "adagrad": adagrad, "rowwise_adagrad": rowwise_adagrad, "ftrl": ftrl}
+
+
+def sparse_optimizer(name: str, **settings) -> SparseOptimizer:
+    """The sparse optimizer ``name`` (``sgd``, ``adagrad``, ``rowwise_adagrad``, ``ftrl``), e.g.
+    ``sparse_optimizer("adagrad", eps=1e-8, initial_accumulator=0.1)``; ``settings`` are its
+    constructor's keywords (``exact_sums=True``: order-independent gradient sums).
+
+    Give it the name the plan was made for (``plan_embeddings(..., optimizer=name)`` counts its
+    state's bytes); ``EmbeddingCollection(plan, mesh)`` alone uses that name's defaults."""
+    if name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"no sparse optimizer {name!r}: one of {', '.join(SPARSE_OPTIMIZERS)}")
+    return SPARSE_OPTIMIZERS[name](**settings)
+
+
 def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
     e = cfg.embedding
     if e.optimizer == "sgd":

@@ -113,7 +113,7 @@ class _Placer:
 
 
 def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int, optimizer: str,
-                    global_batch: int, *, overrides: Mapping[str, Strategy] | None = None,
+                    global_batch: int, *, overrides: Mapping[str, Strategy | str] | None = None,
                     row_layout: str = "block", capacity_factor: float = 1.25, dtype: str = "float32",
                     exchange_dtype: str = "float32", budget_bytes: int = 0,
                     bag_exchange: str = "auto", storage: str = "device",
@@ -122,11 +122,22 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
     one cannot be placed within ``budget_bytes`` per device (0 = no limit).
 
+    ``sharding``: ``auto``, ``replicated``, ``table``, ``row`` or ``column`` for every table
+    not in ``overrides`` ({table name: strategy}, e.g. ``{"user_region": "table"}``);
+    ``optimizer``: the sparse optimizer's name (its state counts in the bytes);
+    ``global_batch``: the samples of one step over all devices (the exchange is sized for it).
+
     Tiered tables (``storage``, ``storage_overrides``) count only their device caches
     (``device_cache``: rows per owner, or 0 and a fraction of the rows it owns); they are
     never replicated: ``auto`` chooses among the sharded strategies for them."""
     overrides = dict(overrides or {})
     storage_overrides = dict(storage_overrides or {})
+    names = {s.name for s in specs}
+    for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise PlanError(f"{what}: no table named {', '.join(map(repr, unknown))} "
+                            f"(tables: {', '.join(sorted(names))})")
     layout = RowLayout(row_layout)
     placer = _Placer(num_devices, optimizer, dtype, DTYPE_BYTES[exchange_dtype],
                      global_batch // num_devices, budget_bytes)
