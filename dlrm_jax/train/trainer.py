@@ -39,7 +39,11 @@ from dlrm_jax.train.checkpoint import (
     saved_steps,
 )
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
-from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_config
+from dlrm_jax.train.restore import (
+    read_checkpoint,
+    restore_or_init,
+    saved_run_config,
+)
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
@@ -378,26 +382,23 @@ def _memory_report(compiled) -> str:
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -> RunSummary:
-    """Evaluate the newest checkpoint of ``run_dir`` with its saved config."""
+    """Evaluate the newest checkpoint of ``run_dir`` with its saved config. Read-only: the run
+    may still be training there (nothing in ``run_dir`` is written, moved or deleted)."""
 
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, steps = build(cfg, mesh, source, log)
-    ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    step, state = read_checkpoint(run_dir, cfg, steps, log=log)
     runner = None
     try:
-        if not ckpts.all_steps():
-            raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-        step, state = restore_newest(steps, ckpts, log)
-        if plan.tiered_tables:  # read-only: the run may still be training in its working files
+        if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
                                   steps.embedding_key(), log=log, snapshot=step)
             runner = TierRunner(steps, tiered, 0)
         auc, ll = evaluate(steps, state, source, runner)
     finally:
-        ckpts.close()
         if runner is not None:
             runner.tiered.close()
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))
