@@ -124,6 +124,26 @@ def test_resume_without_config_yaml_refuses_another_model(tiny, tmp_path):
     assert "resuming from checkpoint at step 4" in logs
 
 
+def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh_start(tiny, tmp_path):
+    run, cfg = tmp_path / "run", tiny("train.steps=6", "train.checkpoint_every=2")
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    for step in ("2", "4"):
+        corrupt(run / "checkpoints" / step)
+    before = tree(run)
+    with pytest.raises(FileNotFoundError, match="none of the 2 checkpoints restores.*nothing was moved.*new --run-dir"):
+        train_and_evaluate(cfg, run, **QUIET)
+    assert tree(run) == before
+    # Every checkpoint set aside (as earlier versions did): refused, not a silent start at step 0.
+    (run / "damaged").mkdir()
+    for step in ("2", "4"):
+        (run / "checkpoints" / step).rename(run / "damaged" / f"{step}-20250101-000000")
+    before = tree(run)
+    with pytest.raises(RunDirError, match="move one back.*or pass a new --run-dir") as e:
+        train_and_evaluate(cfg, run, **QUIET)
+    assert f"mv {run / 'damaged' / '4-20250101-000000'} {run / 'checkpoints' / '4'}" in str(e.value)
+    assert tree(run) == before
+
+
 def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
     first = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
     again = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
