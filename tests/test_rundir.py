@@ -144,6 +144,18 @@ def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh
     assert tree(run) == before
 
 
+def test_resume_with_its_disk_tier_gone_is_refused(tiny, tmp_path):
+    from test_tiered import BASE, TIERED
+
+    run, tiered = tmp_path / "run", [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2"]
+    train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
+    shutil.rmtree(run / "tier")
+    before = tree(run)
+    with pytest.raises(RunDirError, match=f"{run / 'tier'}: no disk tier there.*steps 2.*new --run-dir"):
+        train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
+    assert tree(run) == before and not (run / "tier").exists()
+
+
 def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
     first = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
     again = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)

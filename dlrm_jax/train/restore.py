@@ -15,6 +15,7 @@ from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.embedding import tier_hot
 from dlrm_jax.embedding.plan import EmbeddingPlan
 from dlrm_jax.embedding.relayout import relayout, saved_shapes
+from dlrm_jax.embedding.tier_store import TierStore
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.checkpoint import (
@@ -23,7 +24,7 @@ from dlrm_jax.train.checkpoint import (
     saved_json,
     saved_steps,
 )
-from dlrm_jax.train.rundir import STATE_KEYS, config_differences
+from dlrm_jax.train.rundir import STATE_KEYS, RunDirError, config_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -149,6 +150,22 @@ def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int 
             raise
         what = "; ".join(f"{k} {a} -> {b}" for k, a, b in changed)
         raise IncompatibleCheckpoint(f"{e}; changed from {saved_cfg}: {what} (by --set or the data)") from None
+
+
+def check_tier_kept(root: Path, ckpt_dir: Path) -> None:
+    """Refuses (RunDirError) to resume checkpoints whose tables are in a disk tier at ``root``
+    that is gone: creating a new one there would make every checkpoint fail to restore."""
+    steps = saved_steps(ckpt_dir)
+    if not steps or TierStore.exists(root):
+        return
+    try:
+        tiered = EmbeddingPlan.from_json(saved_json(ckpt_dir, steps[-1])["plan"]).tiered_tables
+    except Exception:  # noqa: BLE001 - a damaged newest checkpoint: its restore reports it
+        return
+    if tiered:
+        raise RunDirError(f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "
+                          f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
+                          f"or pass a new --run-dir to start fresh")
 
 
 def restore_or_init(steps: StepFunctions, ckpts: CheckpointReader | None, log, tiered: TieredTables | None = None

@@ -40,6 +40,7 @@ from dlrm_jax.train.checkpoint import (
 )
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.restore import (
+    check_tier_kept,
     read_checkpoint,
     restore_or_init,
     saved_run_config,
@@ -214,6 +215,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         plan, steps = build(cfg, mesh, source, log)
         runner = None
         if plan.tiered_tables:
+            if rd.path:
+                check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir)
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, rd.path),
                                   steps.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log)
             runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)
