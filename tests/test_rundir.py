@@ -216,6 +216,7 @@ def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(ti
         assert proc.returncode == 0 and "re-laying out" in proc.stdout, proc.stderr
         assert (in_flight / "manifest.ocdbt").read_bytes() == b"partly written"
         assert not proc.stderr.strip(), proc.stderr  # no traceback, no absl warnings
+        assert (run / "dlrm-jax.log").exists()  # where they go, as in train
 
 
 def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
