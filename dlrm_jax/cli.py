@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dlrm_jax import hostmem
 from dlrm_jax.config import Config, ConfigError, load_config
-from dlrm_jax.files import make_dir
+from dlrm_jax.files import check_dir
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
 
 
@@ -232,14 +232,21 @@ def _start_jax(devices: int, args) -> None:
 
 def _library_logs_to(run_dir: Path) -> None:
     """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``: their
-    multi-line reports of a failure we already report in one line stay out of the terminal."""
+    multi-line reports of a failure we already report in one line stay out of the terminal.
+    Every command with a run dir calls this (the others use no library that logs through
+    absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
+    libraries' messages are dropped rather than printed."""
     import logging
 
     import jax
 
-    make_dir(run_dir, "run dir")
+    check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
     index = jax.process_index()
-    handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+    except OSError:
+        handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     absl = logging.getLogger("absl")
     absl.addHandler(handler)
@@ -275,6 +282,7 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
     cfg = load_config(cfg_path, args.overrides)
     _start_jax(_devices_for(cfg), args)
+    _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.trainer import evaluate_run
 
     summary = evaluate_run(args.run_dir, args.overrides, log=_log)
@@ -287,6 +295,7 @@ def cmd_export(args) -> int:
     if not cfg_path.exists():
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
     _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
+    _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.export import export_run
 
     step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
@@ -375,6 +384,7 @@ def cmd_profile(args) -> int:
     else:  # runs/profile-<time>, the same on every process
         agreed = Path(agree_on_run_dir(None))
         run_dir = agreed.with_name(f"profile-{agreed.name}")
+    _library_logs_to(run_dir)
     profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=_log)
     return 0
 

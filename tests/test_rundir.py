@@ -1,5 +1,6 @@
 """Run directories under mistakes and faults: one writer, config checked before any write,
-damaged checkpoints skipped, signals save, a full disk and a diverging loss stop cleanly."""
+damaged checkpoints skipped, read-only commands that change nothing, signals save, a full disk
+and a diverging loss stop cleanly."""
 
 import json
 import os
@@ -12,15 +13,28 @@ import time
 import pytest
 from child_env import child_env
 
-from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
+from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError
-from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
+from dlrm_jax.train.trainer import TrainingDiverged, evaluate_run, train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
 
 
 def snapshot(run):
     return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
+
+
+def tree(run):
+    """Every file under a run dir (its lock and library log aside) with its bytes."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name not in (".lock", "dlrm-jax.log")}
+
+
+def corrupt(checkpoint):
+    for f in checkpoint.rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
 
 
 def test_second_writer_is_refused_naming_the_holder(tiny, tmp_path):
@@ -61,6 +75,85 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     assert "resuming from checkpoint at step 2" in logs
     assert (resumed.step, resumed.auc, resumed.logloss) == (whole.step, whole.auc, whole.logloss)
     assert [p.name.split("-")[0] for p in (run / "damaged").iterdir()] == ["4"]
+
+
+# (--set overrides, what the refusal names): another model or other data than the run's.
+OTHER_MODELS = [
+    (["model.embedding_dim=16", "model.bottom_mlp=[16, 16]"], "table cat_0 is 300 rows x 8 there, 300 x 16 here"),
+    (["model.top_mlp=[32, 1]"], "params.top.layers.0.bias has shape (16,) there, (32,) here"),
+    (["data.cardinalities=[300, 40, 2000, 7]"], "table cat_2 is 1,000 rows x 8 there, 2,000 x 8 here"),
+]
+
+
+def test_eval_and_export_of_another_model_refuse_in_one_line_and_change_nothing(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    before = tree(run)
+    export = lambda r, o, **kw: export_run(r, tmp_path / "out", o, **kw)  # noqa: E731
+    for (overrides, names), read in zip(OTHER_MODELS, (evaluate_run, export, evaluate_run), strict=True):
+        with pytest.raises(IncompatibleCheckpoint) as e:
+            read(run, overrides, **QUIET)
+        said = str(e.value)
+        assert names in said and f"config.yaml: {overrides[0].split('=')[0]}" in said and "\n" not in said
+        assert tree(run) == before  # no checkpoint set aside as damaged
+    assert evaluate_run(run, **QUIET).step == 4
+
+
+def test_eval_skips_a_damaged_checkpoint_and_leaves_it_in_place(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    corrupt(run / "checkpoints" / "4")
+    before, logs = tree(run), []
+    assert evaluate_run(run, log=logs.append).step == 2
+    warnings = [line for line in logs if line.startswith("warning:")]
+    assert len(warnings) == 1 and "checkpoints/4 is damaged" in warnings[0] and "left in place" in warnings[0]
+    assert tree(run) == before and not (run / "damaged").exists()
+
+
+def test_resume_without_config_yaml_refuses_another_model(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    (run / "config.yaml").unlink()
+    before = tree(run)
+    other = tiny("train.steps=6", *OTHER_MODELS[0][0])
+    with pytest.raises(IncompatibleCheckpoint, match=OTHER_MODELS[0][1]):
+        train_and_evaluate(other, run, **QUIET)
+    assert tree(run) == before
+    logs = []
+    train_and_evaluate(tiny("train.steps=6"), run, log=logs.append)
+    assert "resuming from checkpoint at step 4" in logs
+
+
+def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh_start(tiny, tmp_path):
+    run, cfg = tmp_path / "run", tiny("train.steps=6", "train.checkpoint_every=2")
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    for step in ("2", "4"):
+        corrupt(run / "checkpoints" / step)
+    before = tree(run)
+    with pytest.raises(FileNotFoundError, match="none of the 2 checkpoints restores.*nothing was moved.*new --run-dir"):
+        train_and_evaluate(cfg, run, **QUIET)
+    assert tree(run) == before
+    # Every checkpoint set aside (as earlier versions did): refused, not a silent start at step 0.
+    (run / "damaged").mkdir()
+    for step in ("2", "4"):
+        (run / "checkpoints" / step).rename(run / "damaged" / f"{step}-20250101-000000")
+    before = tree(run)
+    with pytest.raises(RunDirError, match="move one back.*or pass a new --run-dir") as e:
+        train_and_evaluate(cfg, run, **QUIET)
+    assert f"mv {run / 'damaged' / '4-20250101-000000'} {run / 'checkpoints' / '4'}" in str(e.value)
+    assert tree(run) == before
+
+
+def test_resume_with_its_disk_tier_gone_is_refused(tiny, tmp_path):
+    from test_tiered import BASE, TIERED
+
+    run, tiered = tmp_path / "run", [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2"]
+    train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
+    shutil.rmtree(run / "tier")
+    before = tree(run)
+    with pytest.raises(RunDirError, match=f"{run / 'tier'}: no disk tier there.*steps 2.*new --run-dir"):
+        train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
+    assert tree(run) == before and not (run / "tier").exists()
 
 
 def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
@@ -108,6 +201,22 @@ def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code):
     step = int(err.split("after step ")[1].split(";")[0])
     assert step >= 50 and (run / "checkpoints" / str(step)).exists()
     assert "re-run the same command to resume" in err
+
+
+def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(tiny, tmp_path):
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "mesh.devices=2"), run, **QUIET)
+    in_flight = run / "checkpoints" / "6.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"  # a save under way
+    in_flight.mkdir(parents=True)
+    (in_flight / "manifest.ocdbt").write_bytes(b"partly written")
+    for command in (["eval"], ["export", "--output", str(tmp_path / "out")]):
+        # On 4 devices the tables are re-laid out: the restore whose reads orbax logs about.
+        proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *command, "--run-dir", str(run), "--set", "mesh.devices=4"],
+                              capture_output=True, text=True, timeout=300, env=child_env(drop=()))
+        assert proc.returncode == 0 and "re-laying out" in proc.stdout, proc.stderr
+        assert (in_flight / "manifest.ocdbt").read_bytes() == b"partly written"
+        assert not proc.stderr.strip(), proc.stderr  # no traceback, no absl warnings
+        assert (run / "dlrm-jax.log").exists()  # where they go, as in train
 
 
 def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):

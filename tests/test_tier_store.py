@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -235,6 +236,17 @@ def test_other_table_specs_and_missing_stores_are_refused(store, tmp_path):
         TierStore.create(tmp_path / "tier", TABLES, reference, CHUNK_ROWS)
     with pytest.raises(TierError, match="no such snapshot"):
         store.restore(7)
+
+
+def test_snapshots_without_their_store_are_refused_saying_what_to_do(store, tmp_path):
+    store.snapshot(3)
+    store.close()
+    shutil.rmtree(tmp_path / "tier" / "work")
+    with pytest.raises(TierError) as e:
+        TierStore.create(tmp_path / "tier", TABLES, reference, CHUNK_ROWS)
+    said = str(e.value)
+    assert f"remove {tmp_path / 'tier' / 'snapshots'}" in said and "--run-dir" in said and "\n" not in said
+    assert (tmp_path / "tier" / "snapshots" / "3").is_dir()  # refused: nothing removed
 
 
 def test_a_full_disk_names_the_file_and_changes_nothing(store, tmp_path, monkeypatch):

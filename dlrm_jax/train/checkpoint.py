@@ -71,21 +71,158 @@ def _use_coordination_service_barriers() -> None:
     flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
-class Checkpoints:
+class CheckpointReader:
+    """Reads the checkpoints under ``directory`` and never writes, moves or deletes anything
+    there (``eval``, ``export``): a training run may be saving into the same folder.
+
+    Lists only complete steps, by folder name: an in-flight save's temporary folder
+    (``N.orbax-checkpoint-tmp-*``) is not one. It opens no orbax CheckpointManager, whose
+    start-up removes temporary folders, a running training's save among them. A step that
+    cannot be read is skipped with a one-line warning and left where it is.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory).absolute()
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        return saved_steps(self.directory)
+
+    def _step(self, step: int | None) -> int:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError("no checkpoint to restore")
+        return step
+
+    # Restores call the item handlers directly, not orbax's manager: orbax ends every restore
+    # with a barrier across processes, so a process whose shards of a damaged checkpoint fail
+    # to read would leave the others waiting there. Each process reads its part, then
+    # restore_newest_intact decides with the others whether the step was whole.
+
+    def saved_plan(self, step: int | None = None) -> str:
+        """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
+        return self._saved_json(step)["plan"]
+
+    def saved_hot_counts(self, step: int | None = None) -> dict | None:
+        """The hot-row statistics saved with the checkpoint at ``step`` (None: none saved)."""
+        return self._saved_json(step).get("hot_counts")
+
+    def saved_hosts(self, step: int | None = None) -> int:
+        """How many hosts' tables the checkpoint at ``step`` holds (0: one set, not per host)."""
+        return int(self._saved_json(step).get("hosts") or 0)
+
+    def _saved_json(self, step: int | None) -> dict:
+        return saved_json(self.directory, self._step(step))
+
+    def check_fits(self, expected, step: int | None = None) -> None:
+        """Raises IncompatibleCheckpoint naming the first array whose shape in the checkpoint
+        at ``step`` differs from ``expected``'s (a pytree of arrays or ShapeDtypeStructs), or
+        that only one of them has: the config asks for another model, nothing is damaged.
+        Metadata that cannot be read is damage, raised as orbax raises it."""
+        path = self.directory / str(self._step(step))
+        with closing(ocp.StandardCheckpointHandler()) as handler:
+            saved = _shapes(handler.metadata(path / "state").tree)
+        want = _shapes(expected)
+        names = sorted(saved.keys() | want.keys(), key=lambda k: (k.startswith("opt_state"), k))  # params first
+        differ = [(k, saved.get(k), want.get(k)) for k in names if saved.get(k) != want.get(k)]
+        if not differ:
+            return
+        name, there, here = differ[0]
+        what = (f"{name} is not in the checkpoint" if there is None else f"{name} is not in this config's state"
+                if here is None else f"{name} has shape {there} there, {here} here")
+        more = f" (and {len(differ) - 1} more arrays)" if len(differ) > 1 else ""
+        raise IncompatibleCheckpoint(f"checkpoint {path} does not fit this config: {what}{more}")
+
+    def restore(self, abstract_state, step: int | None = None):
+        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
+        self.check_fits(abstract_state, step)
+        path = self.directory / str(self._step(step)) / "state"
+        with closing(ocp.StandardCheckpointHandler()) as handler:
+            return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
+
+    def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
+        """The state at ``step`` (default newest) laid out like ``abstract_state``, except
+        ``field``, which was saved in another layout (its arrays shaped like ``saved_like``):
+        those come back unread, as :class:`SavedArray` readers of the checkpoint's arrays."""
+        step = self._step(step)
+        self.check_fits(abstract_state._replace(**{field: saved_like}), step)
+        skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
+        parent = self.directory / str(step) / "state"
+        with closing(ocp.PyTreeCheckpointHandler()) as handler:
+            state = handler.restore(parent, args=ocp.args.PyTreeRestore(
+                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
+
+        def spec(name: str, context: ts.Context) -> dict:
+            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False, ts_context=context)
+            return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+
+        names = jax.tree_util.tree_map_with_path(
+            lambda path, _: ".".join([field, *(str(getattr(k, "name", getattr(k, "key", k))) for k in path)]),
+            saved_like)
+        # A few decoded chunks cached, shared by all arrays: consecutive reads mostly revisit them.
+        probe = ts.Context(_OCDBT_CACHE)
+        chunk = max(SavedArray.open(spec(n, probe), probe).chunk_bytes for n in jax.tree.leaves(names))
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
+        return state._replace(**{field: jax.tree.map(lambda n: SavedArray.open(spec(n, context), context), names)})
+
+    def restore_newest_intact(self, restore_step, log=print):
+        """``restore_step(step)`` for the newest step that restores on every process; each
+        damaged newer one gets a one-line warning and is set aside (:meth:`_set_aside`) once an
+        older one restored. Returns (step, result). None restoring is an error that moves
+        nothing; IncompatibleCheckpoint (the config, not the checkpoint) is raised at once.
+
+        Every process reads its own shards, so one may fail where the others succeed: they
+        exchange outcomes and skip a step together (no device is touched while deciding)."""
+        damaged = []
+        for step in reversed(self.all_steps()):
+            try:
+                result, failure = restore_step(step), ""
+            except IncompatibleCheckpoint:
+                raise
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+                result, failure = None, _first_line(e)
+            failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]
+            if not failures:
+                for bad, reason in damaged:
+                    log(f"warning: checkpoint {self.directory / str(bad)} is damaged ({reason}); {self._set_aside(bad)}")
+                return step, result
+            del result  # a partly restored state: its arrays are dropped before the next try
+            process, reason = failures[0]
+            damaged.append((step, reason + (f" on process {process}" if jax.process_count() > 1 else "")))
+        if not damaged:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
+        newest, reason = damaged[0]
+        raise FileNotFoundError(
+            f"{self.directory}: none of the {len(damaged)} checkpoints restores (newest, step {newest}: {reason}); "
+            f"nothing was moved{self._no_intact_advice()}")
+
+    def _set_aside(self, step: int) -> str:
+        """What became of a damaged step older ones replaced: a reader leaves it in place."""
+        return "skipped it (left in place: only a training run sets damaged checkpoints aside)"
+
+    def _no_intact_advice(self) -> str:
+        return ""
+
+
+class Checkpoints(CheckpointReader):
     """Asynchronous sharded saves under ``directory``; restores onto the current mesh's shardings.
+    Only a run dir's writer (``train``, holding its lock) opens one.
 
     An interrupted save never becomes the newest checkpoint: orbax writes to a temporary folder
     and renames it only once complete (leftover temporary folders are removed on open). A
-    checkpoint that cannot be read is moved to ``damaged/`` beside the checkpoints, and the
-    next older one is used.
+    checkpoint that cannot be read, when an older one can, is moved to ``damaged/`` beside the
+    checkpoints and the older one is used.
     """
 
     def __init__(self, directory: Path, keep: int, largest_shard_bytes: int = 0):
         """``largest_shard_bytes``: the largest single-device piece of the state; orbax's writer
         holds a host copy of at most max(that, 256 MiB) at a time. (Its default, 96 GB, copies
         the whole state at once: on simulated CPU devices, a second copy of every table.)"""
+        super().__init__(directory)
         _use_coordination_service_barriers()
-        self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
@@ -139,87 +276,7 @@ class Checkpoints:
         kept = f"older checkpoints intact (steps {intact})" if intact else "no earlier checkpoint"
         return CheckpointWriteError(f"could not write the checkpoint{at} in {self.directory}: {what}; {kept}")
 
-    def _step(self, step: int | None) -> int:
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError("no checkpoint to restore")
-        return step
-
-    # Restores call the item handlers directly, not the manager: orbax ends every restore with
-    # a barrier across processes, so a process whose shards of a damaged checkpoint fail to
-    # read would leave the others waiting there. Each process reads its part, then
-    # restore_newest_intact decides with the others whether the step was whole.
-
-    def saved_plan(self, step: int | None = None) -> str:
-        """The JSON of the plan the checkpoint at ``step`` (default newest) was saved with."""
-        return self._saved_json(step)["plan"]
-
-    def saved_hot_counts(self, step: int | None = None) -> dict | None:
-        """The hot-row statistics saved with the checkpoint at ``step`` (None: none saved)."""
-        return self._saved_json(step).get("hot_counts")
-
-    def saved_hosts(self, step: int | None = None) -> int:
-        """How many hosts' tables the checkpoint at ``step`` holds (0: one set, not per host)."""
-        return int(self._saved_json(step).get("hosts") or 0)
-
-    def _saved_json(self, step: int | None) -> dict:
-        return saved_json(self.directory, self._step(step))
-
-    def restore(self, abstract_state, step: int | None = None):
-        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
-        path = self.directory / str(self._step(step)) / "state"
-        with closing(ocp.StandardCheckpointHandler()) as handler:
-            return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
-
-    def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
-        """The state at ``step`` (default newest) laid out like ``abstract_state``, except
-        ``field``, which was saved in another layout (its arrays shaped like ``saved_like``):
-        those come back unread, as :class:`SavedArray` readers of the checkpoint's arrays."""
-        step = self._step(step)
-        skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
-        parent = self.directory / str(step) / "state"
-        with closing(ocp.PyTreeCheckpointHandler()) as handler:
-            state = handler.restore(parent, args=ocp.args.PyTreeRestore(
-                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
-
-        def spec(name: str) -> dict:
-            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False)
-            return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
-
-        names = jax.tree_util.tree_map_with_path(
-            lambda path, _: ".".join([field, *(str(getattr(k, "name", getattr(k, "key", k))) for k in path)]),
-            saved_like)
-        # A few decoded chunks cached, shared by all arrays: consecutive reads mostly revisit them.
-        probe = ts.Context(_OCDBT_CACHE)
-        chunk = max(SavedArray.open(spec(n), probe).chunk_bytes for n in jax.tree.leaves(names))
-        context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
-        return state._replace(**{field: jax.tree.map(lambda n: SavedArray.open(spec(n), context), names)})
-
-    def restore_newest_intact(self, restore_step, log=print):
-        """``restore_step(step)`` for the newest step that restores on every process; each
-        damaged newer one is moved to ``damaged/`` with a one-line warning. Returns (step, result).
-
-        Every process reads its own shards, so one may fail where the others succeed: they
-        exchange outcomes and skip a step together (no device is touched while deciding)."""
-        for step in reversed(self.all_steps()):
-            try:
-                result, failure = restore_step(step), ""
-            except IncompatibleCheckpoint:
-                raise
-            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-                result, failure = None, _first_line(e)
-            failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]
-            if not failures:
-                return step, result
-            del result  # a partly restored state: its arrays are dropped before the next try
-            process, reason = failures[0]
-            where = f" on process {process}" if jax.process_count() > 1 else ""
-            moved = self._set_aside(step)
-            log(f"warning: checkpoint {self.directory / str(step)} is damaged ({reason}{where}); "
-                f"moved to {moved}, trying the next older one")
-        raise FileNotFoundError(f"{self.directory}: no intact checkpoint")
-
-    def _set_aside(self, step: int) -> Path:
+    def _set_aside(self, step: int) -> str:
         target = self.directory.parent / "damaged" / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)
@@ -227,11 +284,24 @@ class Checkpoints:
         # Process 0 names the target (clocks differ) and has moved it before anyone re-lists.
         target = Path(outcome_of_process_0(str(target)))
         self._manager.reload()
-        return target
+        return f"moved to {target}"
+
+    def _no_intact_advice(self) -> str:
+        return ": fix or remove them, or pass a new --run-dir to start fresh"
 
     def close(self) -> None:
         self.wait()
         self._manager.close()
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """{"params.bottom.layers.0.kernel": shape} of every array of a pytree (named tuples, dicts
+    and lists alike: orbax's metadata holds a saved named tuple as a dict)."""
+    def key(k) -> str:
+        return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+
+    return {".".join(key(k) for k in path): tuple(getattr(leaf, "shape", None) or ())
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _first_line(e: Exception) -> str:

@@ -19,8 +19,7 @@ from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.checkpoint import Checkpoints
-from dlrm_jax.train.restore import restore_newest, restore_state, saved_run_config
+from dlrm_jax.train.restore import read_checkpoint, saved_run_config
 
 
 def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
@@ -32,17 +31,8 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     run_dir, dest = Path(run_dir), Path(dest)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
-    ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
-    try:
-        if not ckpts.all_steps():
-            raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to export")
-        if step is None:
-            step, state = restore_newest(steps, ckpts, log)
-        else:
-            state = restore_state(steps, ckpts, log, step)
-    finally:
-        ckpts.close()
+    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
+    step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
     emb = state.emb
     if steps.per_host:  # host replicas are equal: host 0's copy is every host's
         emb = jax.tree.map(lambda x: x[0], emb if steps.collection.replicas else steps.averaged_tables(emb))

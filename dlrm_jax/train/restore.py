@@ -15,9 +15,16 @@ from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers import hot as tier_hot
+from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
-from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint, saved_json, saved_steps
+from dlrm_jax.train.checkpoint import (
+    CheckpointReader,
+    IncompatibleCheckpoint,
+    saved_json,
+    saved_steps,
+)
+from dlrm_jax.train.rundir import STATE_KEYS, RunDirError, config_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -33,7 +40,7 @@ def saved_run_config(run_dir: Path, overrides=()) -> Config:
     return cfg
 
 
-def restore_state(steps: StepFunctions, ckpts: Checkpoints, log=print, step: int | None = None,
+def restore_state(steps: StepFunctions, ckpts: CheckpointReader, log=print, step: int | None = None,
                   tiered: TieredTables | None = None) -> TrainState:
     """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
     another plan (device count, strategy) are restored as saved, then re-laid out. ``tiered``:
@@ -51,10 +58,12 @@ def _hot_rows_from_tier(steps: StepFunctions, tiered: TieredTables, state: Train
     return state._replace(emb=tier_hot.refresh(steps.collection, tiered, state.emb, steps.hot_keys()))
 
 
-def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | None) -> tuple[TrainState, bool]:
+def _restore_state(steps: StepFunctions, ckpts: CheckpointReader, log, step: int | None) -> tuple[TrainState, bool]:
     """(state, whether it was re-laid out from another plan)."""
+    step = ckpts.latest_step() if step is None else step
     saved = EmbeddingPlan.from_json(ckpts.saved_plan(step))
     tiered = saved.tiered_tables
+    _check_tables(saved, steps, ckpts.directory / str(step))
     saved = saved.device_view() if tiered else saved  # what the devices held
     current = steps.collection.plan
     if steps.per_host:
@@ -79,7 +88,24 @@ def _restore_state(steps: StepFunctions, ckpts: Checkpoints, log, step: int | No
     return state._replace(emb=emb), True
 
 
-def _check_per_host(steps: StepFunctions, ckpts: Checkpoints, saved: EmbeddingPlan, step: int | None) -> None:
+def _check_tables(saved: EmbeddingPlan, steps: StepFunctions, where: Path) -> None:
+    """The checkpoint at ``where`` holds the tables this config has, with as many rows and as
+    wide (else no layout change can restore it: the config asks for another model or data). A
+    tiered table's rows on the devices are its cache's; the tier checks its own."""
+    current = steps.collection.plan
+    ours, theirs = [tp.spec for tp in current.tables], [tp.spec for tp in saved.tables]
+    if [s.name for s in ours] != [s.name for s in theirs]:
+        raise IncompatibleCheckpoint(f"checkpoint {where} does not fit this config: it holds {len(theirs)} tables "
+                                     f"({theirs[0].name}..{theirs[-1].name}), this config {len(ours)}")
+    tiered = set(saved.tiered_tables) | set(steps.tiered_tables)
+    for t, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+        if a.dim != b.dim or (a.rows != b.rows and t not in tiered):
+            raise IncompatibleCheckpoint(
+                f"checkpoint {where} does not fit this config: table {a.name} is {a.rows:,} rows x {a.dim} there, "
+                f"{b.rows:,} x {b.dim} here (data.cardinalities, data.max_rows, model.embedding_dim)")
+
+
+def _check_per_host(steps: StepFunctions, ckpts: CheckpointReader, saved: EmbeddingPlan, step: int | None) -> None:
     """Per-host tables restore only onto as many hosts, each with the plan they were saved with:
     there is no one right way to spread 2 hosts' diverged tables over 4 (or to re-lay out a
     leading hosts axis), so the user is told what the checkpoint needs."""
@@ -96,13 +122,53 @@ def _check_per_host(steps: StepFunctions, ckpts: Checkpoints, saved: EmbeddingPl
             f"mesh.devices = {saved.num_devices * hosts} and the same embedding.sharding")
 
 
-def restore_newest(steps: StepFunctions, ckpts: Checkpoints, log=print, tiered: TieredTables | None = None
+def restore_newest(steps: StepFunctions, ckpts: CheckpointReader, log=print, tiered: TieredTables | None = None
                    ) -> tuple[int, TrainState]:
     """(step, state) of the newest checkpoint that restores; damaged newer ones are set aside."""
     return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s, tiered), log)
 
 
-def restore_or_init(steps: StepFunctions, ckpts: Checkpoints | None, log, tiered: TieredTables | None = None
+def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int | None = None, log=print
+                    ) -> tuple[int, TrainState]:
+    """(step, state) of ``run_dir``'s checkpoint at ``step`` (default: the newest that restores),
+    read-only (``eval``, ``export``: the run may still be training; a damaged checkpoint is
+    skipped, not moved). ``cfg``: the run's saved config with the command's --set overrides; a
+    refusal names the state keys in which it differs from the run's ``config.yaml``."""
+    ckpts = CheckpointReader(Path(run_dir) / "checkpoints")
+    saved = ckpts.all_steps()
+    if not saved or (step is not None and step not in saved):
+        damaged = Path(run_dir) / "damaged"
+        have = (f"(steps {', '.join(map(str, saved))})" if saved else f"(none; {damaged} holds some set aside as damaged)"
+                if damaged.is_dir() and any(damaged.iterdir()) else "(none saved)")
+        raise FileNotFoundError(f"{ckpts.directory}: no checkpoint{f' at step {step}' if step is not None else ''} {have}")
+    try:
+        return (step, restore_state(steps, ckpts, log, step)) if step is not None else restore_newest(steps, ckpts, log)
+    except IncompatibleCheckpoint as e:
+        saved_cfg = Path(run_dir) / "config.yaml"
+        changed = config_differences(load_config(saved_cfg), cfg, STATE_KEYS)
+        if not changed:
+            raise
+        what = "; ".join(f"{k} {a} -> {b}" for k, a, b in changed)
+        raise IncompatibleCheckpoint(f"{e}; changed from {saved_cfg}: {what} (by --set or the data)") from None
+
+
+def check_tier_kept(root: Path, ckpt_dir: Path) -> None:
+    """Refuses (RunDirError) to resume checkpoints whose tables are in a disk tier at ``root``
+    that is gone: creating a new one there would make every checkpoint fail to restore."""
+    steps = saved_steps(ckpt_dir)
+    if not steps or TierStore.exists(root):
+        return
+    try:
+        tiered = EmbeddingPlan.from_json(saved_json(ckpt_dir, steps[-1])["plan"]).tiered_tables
+    except Exception:  # noqa: BLE001 - a damaged newest checkpoint: its restore reports it
+        return
+    if tiered:
+        raise RunDirError(f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "
+                          f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
+                          f"or pass a new --run-dir to start fresh")
+
+
+def restore_or_init(steps: StepFunctions, ckpts: CheckpointReader | None, log, tiered: TieredTables | None = None
                     ) -> TrainState:
     """The newest intact checkpoint's state, or (none saved yet) the initial one."""
     if ckpts is not None and ckpts.all_steps():

@@ -51,6 +51,12 @@ def config_differences(old: Config, new: Config, keys=None) -> list[tuple[str, o
     return [(k, _get(a, k), _get(b, k)) for k in keys if _get(a, k) != _get(b, k)]
 
 
+def _step_first(name: str) -> tuple[int, str]:
+    """Sort key of ``damaged/`` entries, ``<step>-<time>``: by step, then time."""
+    step = name.split("-")[0]
+    return (int(step) if step.isdigit() else -1, name)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     """Write via a temporary file and a rename: a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -81,6 +87,7 @@ class RunDir:
             make_dir(rd.path, "run dir")
             try:
                 rd._lock()
+                rd._check_set_aside()
                 rd._check_config(cfg, log)
             except RunDirError as e:
                 refusal = str(e)
@@ -121,7 +128,18 @@ class RunDir:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
-    # ------------------------------------------------------------ config and plan
+    # ------------------------------------------------------------ checkpoints and config
+    def _check_set_aside(self) -> None:
+        """Refuses to start over where every checkpoint was set aside as damaged: a resume
+        that silently began at step 0 would overwrite the run's metrics and, later, its steps."""
+        damaged = self.path / "damaged"
+        kept = sorted((p.name for p in damaged.iterdir()), key=_step_first) if damaged.is_dir() else []
+        if kept and not any(p.name.isdigit() for p in (self.path / "checkpoints").glob("*")):
+            raise RunDirError(
+                f"run dir {self.path} has no checkpoint to resume, but {damaged} holds {len(kept)} checkpoints set "
+                f"aside as damaged ({', '.join(kept)}): move one back to resume from it (mv {damaged / kept[-1]} "
+                f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new --run-dir to start fresh")
+
     def _check_config(self, cfg: Config, log) -> None:
         saved = self.path / "config.yaml"
         if saved.exists() and (self.path / "checkpoints").exists():

@@ -41,7 +41,12 @@ from dlrm_jax.train.checkpoint import (
     largest_shard_bytes,
     saved_steps,
 )
-from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_config
+from dlrm_jax.train.restore import (
+    check_tier_kept,
+    read_checkpoint,
+    restore_or_init,
+    saved_run_config,
+)
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
 
@@ -210,6 +215,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         plan, steps = build(cfg, mesh, source, log)
         runner = None
         if plan.tiered_tables:
+            if rd.path:
+                check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir)
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, rd.path),
                                   steps.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log)
             runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)
@@ -378,26 +385,23 @@ def _memory_report(compiled) -> str:
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -> RunSummary:
-    """Evaluate the newest checkpoint of ``run_dir`` with its saved config."""
+    """Evaluate the newest checkpoint of ``run_dir`` with its saved config. Read-only: the run
+    may still be training there (nothing in ``run_dir`` is written, moved or deleted)."""
 
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
     plan, steps = build(cfg, mesh, source, log)
-    ckpts = Checkpoints(run_dir / "checkpoints", cfg.train.keep_checkpoints)
+    step, state = read_checkpoint(run_dir, cfg, steps, log=log)
     runner = None
     try:
-        if not ckpts.all_steps():
-            raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to evaluate")
-        step, state = restore_newest(steps, ckpts, log)
-        if plan.tiered_tables:  # read-only: the run may still be training in its working files
+        if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
                                   steps.embedding_key(), log=log, snapshot=step)
             runner = TierRunner(steps, tiered, 0)
         auc, ll = evaluate(steps, state, source, runner)
     finally:
-        ckpts.close()
         if runner is not None:
             runner.tiered.close()
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))

@@ -122,7 +122,9 @@ class TierStore:
         if (root / "work").exists():
             raise TierError(root / "work", "already holds a tier store")
         if any((root / "snapshots").glob("*")):
-            raise TierError(root / "snapshots", "holds snapshots of an earlier store")
+            raise TierError(root / "snapshots", f"holds snapshots of an earlier store whose working files ({root / 'work'}) "
+                            f"are gone; remove {root / 'snapshots'} to start a new store here (checkpoints that need "
+                            f"those snapshots cannot resume then), or use another --run-dir or embedding.tier.path")
         arrays = {}
         for table, (rows, fields) in tables.items():
             if rows < 1 or not fields:
