@@ -123,8 +123,8 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
                 partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
                 return row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
-            row_totals = if_overflow(over, lambda: totals, from_this_exchange)
-            row_mean_sq = gather_replicas(to_owners(g, capacity, row_totals, where), replicas) / dim
+            these_totals = if_overflow(over, lambda: totals, from_this_exchange)
+            row_mean_sq = gather_replicas(to_owners(g, capacity, these_totals, where), replicas) / dim
             return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
 
         return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
