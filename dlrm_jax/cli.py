@@ -296,7 +296,7 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.planner import config_plan_report, host_plan_from_config
+    from dlrm_jax.embedding.plan.planner import config_plan_report, host_plan_from_config
 
     hosts = cfg.mesh.hosts or 1
     plan = host_plan_from_config(cfg, _devices_for(cfg), hosts)
@@ -367,7 +367,7 @@ def cmd_profile(args) -> int:
     # XLA:CPU records one trace event per executed operation only when asked, before it starts.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
     _start_jax(_devices_for(cfg), args)
-    from dlrm_jax.train.profile import profile
+    from dlrm_jax.bench.profile import profile
     from dlrm_jax.train.rundir import agree_on_run_dir
 
     if args.run_dir:
@@ -380,7 +380,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from dlrm_jax.train.report import write_report
+    from dlrm_jax.observe.report import write_report
 
     run_dirs = [Path(p) for p in args.run_dirs]
     output = Path(args.output) if args.output else run_dirs[0] / "report"

@@ -104,7 +104,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class HotConfig:
-    """Hot-row replication: the most looked-up rows live on every device (embedding/hot_*.py)."""
+    """Hot-row replication: the most looked-up rows live on every device (embedding/hot/)."""
 
     rows: int | str = field(default=0, metadata=_int_or("auto"))  # 0 = off; auto = the cost model
     memory_mb: float = 64.0  # per device: hot rows plus their optimizer state
@@ -118,7 +118,7 @@ class HotConfig:
 @dataclass(frozen=True)
 class TierConfig:
     """Tiered storage: tables in a tensorstore array on local disk, DRAM and device caches in
-    front (embedding/tier_*.py, embedding/device_cache.py)."""
+    front (embedding/tiers/)."""
 
     path: str = ""  # the disk tier's folder; '' = RUN_DIR/tier
     # Device cache per owner of each tiered table: rows, or 0 = device_cache_fraction of them.
@@ -148,7 +148,7 @@ class EmbeddingConfig:
     capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
     exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
-    # Duplicate rows' gradients summed exactly (embedding/sums.py): bit-identical runs on GPUs,
+    # Duplicate rows' gradients summed exactly (embedding/exchange/sums.py): bit-identical runs on GPUs,
     # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
     deterministic: bool = False
     memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check

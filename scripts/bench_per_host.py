@@ -53,7 +53,7 @@ def oracle_auc(config: str, overrides: list[str]) -> float:
     from dlrm_jax.config import load_config
     from dlrm_jax.data.sources import resolve_data_config
     from dlrm_jax.data.synthetic import SyntheticSource
-    from dlrm_jax.train.metrics import roc_auc
+    from dlrm_jax.observe.metrics import roc_auc
 
     cfg = resolve_data_config(load_config(config, overrides))
     source = SyntheticSource(cfg)

@@ -50,9 +50,9 @@ def test_run_dir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_run_dir_opened_directly_and_tier_paths_name_the_file(tiny, tmp_path):
-    from dlrm_jax.embedding.tier_store import TierStore
+    from dlrm_jax.embedding.tiers.setup import tier_root
+    from dlrm_jax.embedding.tiers.store import TierStore
     from dlrm_jax.train.rundir import RunDir
-    from dlrm_jax.train.tier_setup import tier_root
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match="run dir .* is a file, not a directory"):
@@ -153,7 +153,7 @@ def test_list_flags_parse_to_lists():
 
 def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
     from dlrm_jax.bench.common import write_report
-    from dlrm_jax.train.profile import profile
+    from dlrm_jax.bench.profile import profile
 
     with pytest.raises(ValueError, match="steps >= 1"):
         profile(tiny(), tmp_path, steps=0)
@@ -187,7 +187,7 @@ def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
 
 
 def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
-    from dlrm_jax.embedding.planner import config_plan_report, host_plan_from_config
+    from dlrm_jax.embedding.plan.planner import config_plan_report, host_plan_from_config
 
     cfg = tiny("train.batch_size=128", "mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host")
     header = config_plan_report(cfg, host_plan_from_config(cfg, 8, 2)).splitlines()[0]

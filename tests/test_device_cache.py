@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.device_cache import CacheTooSmall, TableCache, plan_stream
-from dlrm_jax.embedding.plan import RowLayout, Strategy, TablePlan
-from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
-from dlrm_jax.embedding.specs import TableSpec
+from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePlan
+from dlrm_jax.embedding.plan.specs import TableSpec
+from dlrm_jax.embedding.tiers.cache_planner import CacheTooSmall, TableCache, plan_stream
 
 
 def tiered(rows, strategy, layout="block", cache=4, devices=4):

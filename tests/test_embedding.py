@@ -16,11 +16,11 @@ from reference import dense_reference
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.synthetic import SyntheticSource
-from dlrm_jax.embedding.collection import EmbeddingCollection, physical_rows
-from dlrm_jax.embedding.layout import group_capacity
-from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
-from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.planner import plan_from_config
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
+from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
+from dlrm_jax.embedding.plan.layout import group_capacity
+from dlrm_jax.embedding.plan.planner import plan_from_config
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
@@ -150,7 +150,7 @@ def test_owner_pooled_bags_match_reference(tiny, strategy, devices, optimizer):
 
 def test_auto_bag_exchange_picks_fewer_bytes(tiny):
     """Large bags on few devices: owners pooling moves fewer bytes; one-hot never pools."""
-    from dlrm_jax.embedding.stats import exchange_bytes_per_step
+    from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
 
     bags = ["data.bag_sizes=[8, 8, 8, 8, 8]", "embedding.sharding=row", CARDS, "train.batch_size=64"]
     plans = {mode: plan_from_config(tiny(*bags, f"embedding.bag_exchange={mode}"), 2) for mode in ("ids", "pooled", "auto")}

@@ -5,8 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.embedding.host_cache import HostCache
-from dlrm_jax.embedding.tier_store import TierStore
+from dlrm_jax.embedding.tiers.dram_cache import HostCache
+from dlrm_jax.embedding.tiers.store import TierStore
 
 ROWS = 40
 
@@ -56,7 +56,7 @@ def test_predicted_lru_hit_rate_matches_a_simulated_lru(rows, exponent, fraction
     draws from the same row probabilities: within a few points of the hit rate."""
     import collections
 
-    from dlrm_jax.train.tier_setup import che_hit_rate
+    from dlrm_jax.embedding.tiers.setup import che_hit_rate
 
     p = 1.0 / np.arange(1, rows + 1) ** exponent
     p /= p.sum()

@@ -105,8 +105,8 @@ def test_host_replicas_keep_the_all_to_all_inside_each_host(tiny):
     the update's all-gathers between counterpart owners (and the dense all-reduce). The global
     step's all-to-all spans every device."""
     from dlrm_jax.bench.common import hlo_collective_bytes, hlo_replica_groups
-    from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
-    from dlrm_jax.embedding.stats import collective_bytes
+    from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
+    from dlrm_jax.embedding.plan.stats import collective_bytes
 
     def compiled(sync, hosts):
         cfg = resolve_data_config(tiny("mesh.devices=8", f"mesh.hosts={hosts}", f"embedding.sync={sync}",

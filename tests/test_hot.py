@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.hot import RowCounts
+from dlrm_jax.embedding.hot.counts import RowCounts
 
 BAGS = [2, 1, 3]
 
@@ -87,9 +87,9 @@ def test_bad_decay_and_mismatched_tables_are_refused():
 def _engine(cfg, devices):
     import jax
 
-    from dlrm_jax.embedding.collection import EmbeddingCollection
-    from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
-    from dlrm_jax.embedding.planner import plan_from_config
+    from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+    from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
+    from dlrm_jax.embedding.plan.planner import plan_from_config
     from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
     plan = plan_from_config(cfg, devices)
@@ -113,7 +113,7 @@ def _skewed_batches(rows, n_batches, batch, features, exponent, seed=0):
 def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
     """Row-wise block layout, hot ids at the bottom of every table: all on device 0. The model
     must replicate some, which lowers the busiest owner's bucket and the predicted time."""
-    from dlrm_jax.embedding.hot_planner import choose_hot_rows
+    from dlrm_jax.embedding.hot.planner import choose_hot_rows
 
     cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256",
                "embedding.optimizer=sgd")
@@ -131,7 +131,7 @@ def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
 def test_model_never_predicts_worse_than_no_replication(tiny):
     """Uniform ids: replication saves little capacity and costs an all-reduce; whatever it
     picks is predicted no slower than nothing, and within the memory budget."""
-    from dlrm_jax.embedding.hot_planner import choose_hot_rows
+    from dlrm_jax.embedding.hot.planner import choose_hot_rows
 
     cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256")
     plan, measure = _engine(cfg, 4)
@@ -146,7 +146,7 @@ def test_model_never_predicts_worse_than_no_replication(tiny):
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), max_rows=st.integers(0, 500))
 def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
-    from dlrm_jax.embedding.hot_planner import candidate_sizes
+    from dlrm_jax.embedding.hot.planner import candidate_sizes
 
     counts = RowCounts.from_batches(random_batches(seed, 3, 10, rows=200), BAGS)
     seen = [c.size for c in counts.ids]
@@ -183,7 +183,7 @@ def test_counting_threads_and_a_resume_mid_window_change_no_bit():
     """The schedule counts on threads and sums the window at a refresh; saving its statistics
     in the middle of a window and loading them into a new schedule gives the same next hot
     set and counts as never stopping (whole-number window counts: order cannot matter)."""
-    from dlrm_jax.embedding.hot import HotSchedule
+    from dlrm_jax.embedding.hot.schedule import HotSchedule
 
     batches = random_batches(7, 12, 64, rows=500)
     first = RowCounts.from_batches(batches[:2], BAGS)

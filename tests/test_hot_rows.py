@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from test_embedding import CARDS, build, check_against_reference, logical, strategy_overrides
 
 from dlrm_jax.data.synthetic import SyntheticSource
-from dlrm_jax.embedding.hot import RowCounts
-from dlrm_jax.embedding.plan import HotPlan
-from dlrm_jax.embedding.planner import plan_from_config
-from dlrm_jax.embedding.routing import hot_keys
+from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.plan.embedding_plan import HotPlan
+from dlrm_jax.embedding.plan.planner import plan_from_config
 
 ROWS = [50, 9, 120, 7, 33]
 BAGS = "data.bag_sizes=[3, 1, 4, 2, 2]"
@@ -174,7 +174,7 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert steps_a.hot.to_json() == steps_b.hot.to_json()
     from dlrm_jax.data.sources import make_source
-    from dlrm_jax.train.hot_setup import initial_counts
+    from dlrm_jax.embedding.hot.refresh import initial_counts
 
     first = hot_keys(initial_counts(cfg, make_source(cfg)).top_rows(24), 24)
     assert not np.array_equal(np.asarray(a.emb.hot.keys), first)  # the refreshes did move the set

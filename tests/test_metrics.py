@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.train.metrics import log_loss, roc_auc
+from dlrm_jax.observe.metrics import log_loss, roc_auc
 
 
 def brute_auc(labels, scores):
@@ -47,7 +47,7 @@ def test_a_full_disk_leaves_no_torn_line_and_names_file_and_step(tmp_path, monke
 
     import pytest
 
-    from dlrm_jax.train.metrics import MetricsWriter
+    from dlrm_jax.observe.metrics import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
     writer = MetricsWriter(path)
@@ -74,7 +74,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_a_damaged_one_named(tmp_
 
     import pytest
 
-    from dlrm_jax.train.metrics import MetricsWriter
+    from dlrm_jax.observe.metrics import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
     good = [json.dumps({"event": "train", "step": s, "wall_s": float(s)}) for s in (1, 2, 3)]

@@ -6,7 +6,7 @@ import struct
 import pytest
 from child_env import child_env
 
-from dlrm_jax.train.metrics import tensorboard_tag
+from dlrm_jax.observe.metrics import tensorboard_tag
 from dlrm_jax.train.trainer import train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
@@ -68,7 +68,7 @@ def test_report_draws_every_runs_metrics_on_shared_axes(tmp_path):
     from PIL import Image
 
     from dlrm_jax.cli import main
-    from dlrm_jax.train.report import figures
+    from dlrm_jax.observe.report import figures
 
     a = fake_run(tmp_path / "a", [0.7, 0.6, 0.55, 0.52], 1000.0, [("input pipeline", 1.0), ("dense", 4.0)])
     b = fake_run(tmp_path / "b", [0.69, 0.58, 0.5], 2000.0, [("dense", 2.5), ("gradient all-reduce", 0.5)])
@@ -127,7 +127,7 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     assert profile["memory_per_device"]["peak"] > 0 and "per-device memory" in proc.stdout
     assert list(run.glob("trace/process_0/**/*.xplane.pb")) and list(run.glob("trace/process_0/**/*.trace.json.gz"))
 
-    from dlrm_jax.train.report import figures
+    from dlrm_jax.observe.report import figures
 
     fake_run(tmp_path / "prof_metrics", [0.7], 1.0)
     (tmp_path / "prof_metrics" / "profile.json").write_text((run / "profile.json").read_text())
@@ -137,9 +137,9 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
 
 def test_every_instruction_of_the_step_gets_its_phase(tiny):
     from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.observe.trace import instruction_phases
     from dlrm_jax.parallel.mesh import make_mesh
     from dlrm_jax.train.build import build
-    from dlrm_jax.train.profile import instruction_phases
 
     cfg = resolve_data_config(tiny("mesh.devices=4", "embedding.sharding=row"))
     source = make_source(cfg)
@@ -160,7 +160,7 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     """Tiered tables (with hot rows refreshed inside the profiled steps, which must release the
     planner thread): the device caches' fill is a traced phase and the dispatching thread's
     tier work has rows of its own."""
-    from dlrm_jax.train.profile import profile
+    from dlrm_jax.bench.profile import profile
 
     lines = []
     cfg = tiny("mesh.devices=2", "embedding.sharding=row", "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
@@ -212,7 +212,7 @@ def test_report_folder_that_is_a_file_is_named(tmp_path, capsys):
 
 
 def test_report_of_a_profile_only_run_draws_its_phases(tmp_path):
-    from dlrm_jax.train.report import write_report
+    from dlrm_jax.observe.report import write_report
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.jsonl").write_text("")

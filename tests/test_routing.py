@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.routing import (
+from dlrm_jax.embedding.exchange.routing import (
     KIND_BLOCK,
     KIND_CYCLIC,
     KIND_FIXED,
@@ -149,7 +149,7 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's row
     in the sorted keys; table edges (first, last row, ids near 2**31) included."""
-    from dlrm_jax.embedding.routing import hot_index, hot_keys, split_hot
+    from dlrm_jax.embedding.exchange.routing import hot_index, hot_keys, split_hot
 
     rng = np.random.default_rng(seed)
     v = 5
@@ -179,7 +179,7 @@ def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, lo
     nearly full."""
     import itertools
 
-    from dlrm_jax.embedding.routing import HOT_BUCKET, _place
+    from dlrm_jax.embedding.exchange.routing import HOT_BUCKET, _place
 
     n = int(load * buckets * HOT_BUCKET)
     choices = np.random.default_rng(seed).integers(0, buckets, (n, 2))
@@ -201,7 +201,7 @@ def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
     """A tiered table's hot ids, split on the host into step ids (cache rows + hot row), are
     found by the step's ``split_hot`` at the hot row the logical pair has; every other id is
     left to the cache, and device tables keep their logical pairs."""
-    from dlrm_jax.embedding.routing import (
+    from dlrm_jax.embedding.exchange.routing import (
         hot_index,
         hot_keys,
         hot_step_keys,

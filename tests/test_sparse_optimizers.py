@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import dense_reference
 
-from dlrm_jax.embedding.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
+from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
 
 R, D = 23, 4
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.embedding.sums import exact_segment_sum
+from dlrm_jax.embedding.exchange.sums import exact_segment_sum
 
 
 def reference_and_bound(data, ids, num):

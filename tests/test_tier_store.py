@@ -12,9 +12,9 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.embedding import tier_store
-from dlrm_jax.embedding.tier_format import TierError, default_chunk_rows, numpy_dtype
-from dlrm_jax.embedding.tier_store import TierStore
+from dlrm_jax.embedding.tiers import store as tier_store
+from dlrm_jax.embedding.tiers.format import TierError, default_chunk_rows, numpy_dtype
+from dlrm_jax.embedding.tiers.store import TierStore
 
 TABLES = {"cat_0": (37, {"values": ((16,), "float32"), "accumulator": ((), "float32")}),
           "cat_1": (20, {"values": ((4,), "bfloat16")})}

@@ -10,10 +10,10 @@ import tensorstore as ts
 from child_env import COMPILE_FLAGS
 
 from dlrm_jax.data.synthetic import SyntheticSource
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.tiers.runner import TierRunner
+from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
-from dlrm_jax.train.tier_runner import TierRunner
 
 STEPS = 20
 BASE = ["data.cardinalities=[3000, 400, 10000, 70]", "train.batch_size=32"]
@@ -184,7 +184,7 @@ import os, signal, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from dlrm_jax.embedding.host_cache import HostCache
+from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.train.trainer import train_and_evaluate
 
 calls = {{"n": 0}}

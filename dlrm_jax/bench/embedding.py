@@ -32,12 +32,12 @@ from dlrm_jax.bench.common import (
     write_report,
 )
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.collection import EmbeddingCollection
-from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
-from dlrm_jax.embedding.layout import build_groups, group_capacity
-from dlrm_jax.embedding.optimizers import sgd
-from dlrm_jax.embedding.planner import plan_from_config
-from dlrm_jax.embedding.stats import exchange_bytes_per_step
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
+from dlrm_jax.embedding.exchange.optimizers import sgd
+from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
+from dlrm_jax.embedding.plan.planner import plan_from_config
+from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 LR = 0.01

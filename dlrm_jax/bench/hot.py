@@ -36,12 +36,12 @@ from dlrm_jax.bench.common import (
 )
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.exchange import ROUNDS_SCOPE
-from dlrm_jax.embedding.layout import build_groups, group_capacity
-from dlrm_jax.embedding.plan import DTYPE_BYTES
-from dlrm_jax.embedding.relayout import physical_rows_np
-from dlrm_jax.embedding.routing import hot_keys
-from dlrm_jax.embedding.stats import exchange_bytes_per_step
+from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
+from dlrm_jax.embedding.exchange.relayout import physical_rows_np
+from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES
+from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
+from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.build import build
 

@@ -20,8 +20,8 @@ from dlrm_jax.bench.common import (
 )
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.step import PHASE_SCOPES
 
 MODES = ("data", "tensor", "pipeline")
 DENSE_SCOPES = (PHASE_SCOPES["dense"], PHASE_SCOPES["dense_optimizer"])

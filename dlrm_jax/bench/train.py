@@ -15,7 +15,7 @@ import numpy as np
 from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.stats import per_device_bytes
+from dlrm_jax.embedding.plan.stats import per_device_bytes
 from dlrm_jax.train.build import build, mesh_from_config
 
 

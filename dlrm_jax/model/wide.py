@@ -19,9 +19,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState, LookupResiduals
-from dlrm_jax.embedding.optimizers import wide_optimizer_from_config
-from dlrm_jax.embedding.planner import wide_plan
+from dlrm_jax.embedding.exchange.collection import (
+    EmbeddingCollection,
+    EmbeddingState,
+    LookupResiduals,
+)
+from dlrm_jax.embedding.exchange.optimizers import wide_optimizer_from_config
+from dlrm_jax.embedding.plan.planner import wide_plan
 
 
 class WideState(NamedTuple):

@@ -13,14 +13,14 @@ from jax.sharding import NamedSharding
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
-from dlrm_jax.embedding.collection import EmbeddingCollection
-from dlrm_jax.embedding.optimizers import sparse_optimizer_from_config
-from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.planner import host_plan_from_config
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
+from dlrm_jax.embedding.hot import refresh as hot_setup
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.planner import host_plan_from_config
+from dlrm_jax.embedding.tiers.setup import tier_plan
 from dlrm_jax.parallel.mesh import batch_spec, check_same_everywhere, hosts_of, make_mesh
-from dlrm_jax.train import hot_setup
 from dlrm_jax.train.step import StepFunctions
-from dlrm_jax.train.tier_setup import tier_plan
 
 CALIBRATION_BATCHES = 4
 
@@ -32,7 +32,7 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,
     so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
-    are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
+    are chosen from the data too (:mod:`~dlrm_jax.embedding.hot.refresh`); they need a source.
     """
     if cfg.train.batch_size % mesh.size:
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "

@@ -15,12 +15,12 @@ import jax
 import numpy as np
 
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.tier_format import export_array
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.tiers.format import export_array
+from dlrm_jax.embedding.tiers.setup import tier_root
+from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_newest, restore_state, saved_run_config
-from dlrm_jax.train.tier_setup import tier_root
 
 
 def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from dlrm_jax.config import Config, load_config
 from dlrm_jax.data.sources import resolve_data_config
-from dlrm_jax.embedding import tier_hot
-from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.relayout import relayout, saved_shapes
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.tiers import hot as tier_hot
+from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint, saved_json, saved_steps
 from dlrm_jax.train.step import StepFunctions, TrainState

@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.config import ConfigError
 from dlrm_jax.data.batch import Batch
-from dlrm_jax.embedding.cache_fill import fill_caches
-from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.hot import HotSchedule
-from dlrm_jax.embedding.routing import hot_keys
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.schedule import HotSchedule
+from dlrm_jax.embedding.tiers.device_fill import fill_caches
 from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
 from dlrm_jax.model.mlp_parallel import (
     PipelinePlan,
@@ -31,12 +31,8 @@ from dlrm_jax.model.mlp_parallel import (
     tensor_param_specs,
 )
 from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
+from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import HOST_AXIS, MODEL_AXIS, batch_spec, hosts_of, over_hosts
-
-# Scope names of the train step's phases, found again in the compiled program's op metadata.
-PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
-                "dense_optimizer": "phase_dense_optimizer", "sparse_update": "phase_sparse_update",
-                "cache_fill": "phase_cache_fill"}
 
 
 class TrainState(NamedTuple):
@@ -88,7 +84,7 @@ class StepFunctions:
         initial state starts with its current rows). ``cache_groups``: the groups holding
         device caches of tiered tables (``collection.tiered_tables``); the train step then
         takes each program's fills and the previous program's evictions and returns its own
-        (embedding/cache_fill.py)."""
+        (embedding/tiers/device_fill.py)."""
         self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
         model = dlrm_from_config(cfg, nnx.Rngs(0))

@@ -21,29 +21,29 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.planner import config_plan_report
-from dlrm_jax.embedding.stats import collective_bytes
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.hot import refresh as hot_setup
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.planner import config_plan_report
+from dlrm_jax.embedding.plan.stats import collective_bytes
+from dlrm_jax.embedding.tiers.runner import TierRunner
+from dlrm_jax.embedding.tiers.setup import tier_root
+from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.observe.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.parallel.mesh import (
     host_scalar,
     outcomes_of_every_process,
     report_progress,
     watch_for_hangs,
 )
-from dlrm_jax.train import hot_setup
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
     largest_shard_bytes,
     saved_steps,
 )
-from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
 from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_config
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
-from dlrm_jax.train.tier_runner import TierRunner
-from dlrm_jax.train.tier_setup import tier_root
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.hot import RowCounts
-from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, HotPlan, optimizer_bytes_per_row
-from dlrm_jax.embedding.stats import collective_bytes
+from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.plan.embedding_plan import (
+    DTYPE_BYTES,
+    EmbeddingPlan,
+    HotPlan,
+    optimizer_bytes_per_row,
+)
+from dlrm_jax.embedding.plan.stats import collective_bytes
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch
 from dlrm_jax.data.pipeline import background
-from dlrm_jax.embedding import tier_hot
-from dlrm_jax.embedding.device_cache import plan_stream
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.tiers import hot as tier_hot
+from dlrm_jax.embedding.tiers.cache_planner import plan_stream
+from dlrm_jax.embedding.tiers.tables import TieredTables
 
 
 class Planned(NamedTuple):

@@ -4,7 +4,7 @@ A *group* is one fused array: all replicated tables of one width, or all sharded
 one slice width (whole tables, row blocks and column slices alike). A sharded group's array is
 [N * local_rows, width], split over the mesh by rows, so device d holds rows
 [d * local_rows, (d + 1) * local_rows): its local shard. Every piece of a table inside a group
-is a *virtual table* with routing parameters (see :mod:`~dlrm_jax.embedding.routing`).
+is a *virtual table* with routing parameters (see :mod:`~dlrm_jax.embedding.exchange.routing`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, RowLayout, Strategy
-from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, EmbeddingPlan, RowLayout, Strategy
 
 
 @dataclass(frozen=True)

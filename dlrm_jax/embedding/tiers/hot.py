@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.device_cache import TableCache
-from dlrm_jax.embedding.routing import hot_step_keys, tiered_hot_maps
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.routing import hot_step_keys, tiered_hot_maps
+from dlrm_jax.embedding.tiers.cache_planner import TableCache
+from dlrm_jax.embedding.tiers.tables import TieredTables
 
 
 def view_rows(collection: EmbeddingCollection) -> dict[int, int]:

@@ -17,15 +17,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dlrm_jax.embedding.plan import (
+from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
     RowLayout,
     Strategy,
     TablePlan,
 )
-from dlrm_jax.embedding.specs import Pooling, TableSpec, specs_from_config
-from dlrm_jax.embedding.stats import per_device_bytes, plan_report
+from dlrm_jax.embedding.plan.specs import Pooling, TableSpec, specs_from_config
+from dlrm_jax.embedding.plan.stats import per_device_bytes, plan_report
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient (seed 002)
 ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN)
@@ -242,7 +242,7 @@ def wide_bytes_per_device(plan: EmbeddingPlan) -> int:
 
 
 def config_plan_report(cfg, plan: EmbeddingPlan) -> str:
-    """:func:`~dlrm_jax.embedding.stats.plan_report` (with per-host tables, one host's plan:
+    """:func:`~dlrm_jax.embedding.plan.stats.plan_report` (with per-host tables, one host's plan:
     its header names the global batch and the host's share), and for Wide&Deep a line on its
     wide part."""
     report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dlrm_jax.embedding.layout import Group
-from dlrm_jax.embedding.routing import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.embedding.plan.layout import Group
 
 
 def _mix32(x: jax.Array) -> jax.Array:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.plan import RowLayout, Strategy, TablePlan
-from dlrm_jax.embedding.routing import split_hot_host
+from dlrm_jax.embedding.exchange.routing import split_hot_host
+from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePlan
 
 
 class CacheTooSmall(ValueError):

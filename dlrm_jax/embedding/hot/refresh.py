@@ -16,11 +16,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import DataSource, process_slice
-from dlrm_jax.embedding.collection import EmbeddingCollection
-from dlrm_jax.embedding.hot import HotSchedule, RowCounts
-from dlrm_jax.embedding.hot_planner import choose_hot_rows, hot_plan, mask_hot
-from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.routing import hot_keys
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
+from dlrm_jax.embedding.hot.schedule import HotSchedule
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.parallel.mesh import AXIS
 
 # All-to-all over all-reduce bandwidth when embedding.hot.a2a_over_allreduce is 0. Simulated CPU

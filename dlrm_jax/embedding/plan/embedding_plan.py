@@ -1,9 +1,9 @@
 """Sharding plans: where every table lives, as JSON-able data.
 
 The exchange code reads a plan, never the config. A plan holds, per table, its strategy and the
-devices holding a part of it. :mod:`~dlrm_jax.embedding.layout` derives the fused arrays from
-it, :mod:`~dlrm_jax.embedding.stats` the bytes and the printed report, and
-:mod:`~dlrm_jax.embedding.planner` makes plans.
+devices holding a part of it. :mod:`~dlrm_jax.embedding.plan.layout` derives the fused arrays from
+it, :mod:`~dlrm_jax.embedding.plan.stats` the bytes and the printed report, and
+:mod:`~dlrm_jax.embedding.plan.planner` makes plans.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from dlrm_jax.embedding.specs import Pooling, TableSpec
+from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
 
 
 class Strategy(enum.StrEnum):

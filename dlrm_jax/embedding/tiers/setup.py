@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.embedding.device_cache import TableCache, plan_stream
-from dlrm_jax.embedding.layout import build_groups
-from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy, TierPlan
-from dlrm_jax.embedding.planner import cache_slots
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy, TierPlan
+from dlrm_jax.embedding.plan.layout import build_groups
+from dlrm_jax.embedding.plan.planner import cache_slots
+from dlrm_jax.embedding.tiers.cache_planner import TableCache, plan_stream
 from dlrm_jax.files import check_dir
 
 MIN_FILL_ROWS = 16

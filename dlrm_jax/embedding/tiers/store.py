@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.embedding.tier_format import (
+from dlrm_jax.embedding.tiers.format import (
     COPY_BUFFER_BYTES,
     EXPORT_CODECS,
     ArrayLayout,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dlrm_jax.embedding import sums
+from dlrm_jax.embedding.exchange import sums
 
 
 class SparseOptimizer(NamedTuple):
@@ -26,7 +26,7 @@ class SparseOptimizer(NamedTuple):
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
     gradient over all its columns (row-wise Adagrad), so a column slice must be given that
     statistic as ``update(..., row_mean_sq=[n])``. ``exact_sums``: duplicates' gradients are
-    summed by :func:`~dlrm_jax.embedding.sums.exact_segment_sum`, so the update is the same bits in any order (GPU
+    summed by :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum`, so the update is the same bits in any order (GPU
     atomics); the exchange's own gradient sums follow the same choice.
     """
 
@@ -45,7 +45,7 @@ def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, retur
                      exact: bool = False):
     """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
     (and, if asked, each input's index into the unique rows [n]); ``exact``: see
-    :func:`~dlrm_jax.embedding.sums.exact_segment_sum`."""
+    :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum`."""
     n = rows_n.shape[0]
     uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
     inv = inv.reshape(-1)

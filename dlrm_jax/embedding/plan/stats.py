@@ -6,8 +6,13 @@ import dataclasses
 
 import numpy as np
 
-from dlrm_jax.embedding.layout import build_groups, group_capacity, uses_pooled_exchange
-from dlrm_jax.embedding.plan import DTYPE_BYTES, EmbeddingPlan, Strategy, optimizer_bytes_per_row
+from dlrm_jax.embedding.plan.embedding_plan import (
+    DTYPE_BYTES,
+    EmbeddingPlan,
+    Strategy,
+    optimizer_bytes_per_row,
+)
+from dlrm_jax.embedding.plan.layout import build_groups, group_capacity, uses_pooled_exchange
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
@@ -135,7 +140,7 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
 def tier_report(plan: EmbeddingPlan) -> list[str]:
     """Per tiered table: its bytes in the disk tier, DRAM cache and each owner's device cache,
     the device-cache hit rate predicted from the first batches, and the share of device misses
-    the DRAM cache is predicted to serve (``train/tier_setup.py``)."""
+    the DRAM cache is predicted to serve (``embedding/tiers/setup.py``)."""
     tier, dim = plan.tier, plan.tables[0].spec.dim
     row = DTYPE_BYTES[plan.dtype] * dim + optimizer_bytes_per_row(plan.optimizer, dim)
     lines = [f"Tiered tables (DRAM cache {tier.policy}, lookahead {tier.lookahead} batches, fill rows "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.layout import Group
+from dlrm_jax.embedding.plan.layout import Group
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -7,7 +7,7 @@ How each phase is timed (the output says so too):
 - device phases come from the compiled train step itself, traced with ``jax.profiler``: XLA
   records one event per executed operation (a thunk on CPU, a kernel on GPU), named after its
   instruction in the optimized program. Each instruction's metadata carries the named scope
-  the step wrapped it in (``step.PHASE_SCOPES``); collectives are split off by opcode: the
+  the step wrapped it in (``observe.trace.PHASE_SCOPES``); collectives are split off by opcode: the
   dense gradients' all-reduce from the dense scope, the gradient all-to-all from the sparse
   update. Times are summed over this process's devices and divided by devices and steps, so
   a phase's figure is the mean time one device spends in it per step. Operations fused across
@@ -28,9 +28,6 @@ Peak memory per device is the compiled step's own memory analysis.
 
 from __future__ import annotations
 
-import collections
-import glob
-import re
 import shutil
 import time
 from pathlib import Path
@@ -40,71 +37,21 @@ import numpy as np
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.hot import HotSchedule, RowCounts
-from dlrm_jax.embedding.tiered import TieredTables
+from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.hot.refresh import count_and_refresh
+from dlrm_jax.embedding.hot.schedule import HotSchedule
+from dlrm_jax.embedding.tiers.runner import TierRunner
+from dlrm_jax.embedding.tiers.setup import tier_root
+from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_dir, json_text, make_dir
+from dlrm_jax.observe.trace import (
+    DEVICE_PHASES,
+    device_phase_ns,
+    format_profile,
+    instruction_phases,
+)
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.hot_setup import count_and_refresh
 from dlrm_jax.train.restore import restore_or_init
-from dlrm_jax.train.step import PHASE_SCOPES
-from dlrm_jax.train.tier_runner import TierRunner
-from dlrm_jax.train.tier_setup import tier_root
-
-HOST_PHASES = ("input pipeline", "host->device")
-DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
-                 "exchange backward", "sparse update", "dense optimizer", "other")
-_COLLECTIVES = ("all-reduce", "all-reduce-start", "all-reduce-done", "all-to-all", "all-gather",
-                "all-gather-start", "all-gather-done", "reduce-scatter", "collective-permute")
-# Control flow's own events span the operations inside it, which have events of their own.
-_CONTAINERS = ("while", "conditional", "call")
-# "%name = TYPE opcode(operands), ..., metadata={op_name="..."}"; a tuple TYPE may hold "=".
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\s([a-z][a-z\-]*)\((?:.*op_name="([^"]*)")?')
-
-
-def instruction_phases(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> phase, for every instruction of the optimized program (names are
-    unique in an HLO module; fused computations' insides never run as events of their own)."""
-    scope_phase = {scope: name.replace("_", " ") for name, scope in PHASE_SCOPES.items()}
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, opcode, op_name = m.group(1), m.group(2), m.group(3) or ""
-        if opcode in _CONTAINERS:
-            out[name] = ""  # skipped: its body's events count
-            continue
-        scope = next((s for s in scope_phase if s in op_name), None)
-        phase = scope_phase.get(scope, "other")
-        if phase == "dense" and opcode in _COLLECTIVES:
-            phase = "gradient all-reduce"
-        elif phase == "dense":
-            phase = "dense forward+backward"
-        elif phase == "sparse update" and opcode in _COLLECTIVES:
-            phase = "exchange backward"
-        out[name] = phase
-    return out
-
-
-def device_phase_ns(trace_dir: str, phases: dict[str, str]) -> collections.Counter:
-    """Nanoseconds per phase summed over the traced operations of this process's devices."""
-    from jax._src.lib import _profile_data
-
-    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    data = _profile_data.ProfileData.from_file(path)
-    total = collections.Counter()
-    for plane in data.planes:
-        on_gpu = plane.name.startswith("/device:GPU")
-        if not (on_gpu or plane.name.startswith("/host:CPU")):
-            continue
-        for line in plane.lines:
-            if on_gpu and line.name != "XLA Ops":
-                continue
-            for ev in line.events:
-                phase = phases.get(ev.name)
-                if phase:
-                    total[phase] += ev.duration_ns
-    return total
 
 
 def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
@@ -258,26 +205,3 @@ def _memory(compiled) -> dict:
             "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "peak": total}
 
 
-def format_profile(result: dict) -> list[str]:
-    """The table ``profile`` prints."""
-    device_ms = sum(r["ms"] for r in result["phases"] if r["how"] == "trace")
-    lines = [f"{result['steps']} train steps of batch {result['batch_size']} on {result['devices']} "
-             f"{result['backend']} devices in {result['processes']} process(es); step wall time "
-             f"{result['step_wall_ms']:.2f} ms (median, blocking)",
-             f"{'phase':<24}{'ms/step':>10}{'share':>8}  timed",
-             ]
-    total = device_ms + sum(r["ms"] for r in result["phases"] if r["how"] != "trace")
-    for r in result["phases"]:
-        lines.append(f"{r['name']:<24}{r['ms']:>10.3f}{r['ms'] / total:>8.1%}  {r['how']}")
-    lines.append("device phases: mean per device of the traced operations' time (jax.profiler trace of "
-                 "the compiled step, phases from its named scopes); host phases: timed alone"
-                 + ("; tier rows: the dispatching thread's host work, timed in the run" if result.get("tiered") else ""))
-    mem = result["memory_per_device"]
-    if mem:
-        mib = {k: v / 2**20 for k, v in mem.items()}
-        lines.append(f"per-device memory of the compiled step: {mib['peak']:.1f} MiB (arguments "
-                     f"{mib['arguments']:.1f}, temp {mib['temp']:.1f}, outputs {mib['outputs']:.1f}, "
-                     f"aliased {mib['aliased']:.1f})")
-    lines.append(f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab; "
-                 f"or open the .trace.json.gz in ui.perfetto.dev)")
-    return lines

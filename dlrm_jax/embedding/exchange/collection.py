@@ -24,10 +24,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding import exchange
-from dlrm_jax.embedding.hot_rows import HotRows, HotState, overlay
-from dlrm_jax.embedding.initializer import init_group
-from dlrm_jax.embedding.layout import (
+from dlrm_jax.embedding.exchange import common, pooled, replicated, sharded
+from dlrm_jax.embedding.exchange.initializer import init_group
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
+from dlrm_jax.embedding.exchange.routing import hot_index, route
+from dlrm_jax.embedding.hot.rows import HotRows, HotState, overlay
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.layout import (
     Group,
     VirtualTable,
     build_groups,
@@ -37,10 +40,7 @@ from dlrm_jax.embedding.layout import (
     take_columns,
     uses_pooled_exchange,
 )
-from dlrm_jax.embedding.optimizers import SparseOptimizer, sparse_optimizer
-from dlrm_jax.embedding.plan import EmbeddingPlan
-from dlrm_jax.embedding.routing import hot_index, route
-from dlrm_jax.embedding.specs import Pooling
+from dlrm_jax.embedding.plan.specs import Pooling
 from dlrm_jax.parallel.mesh import (
     AXIS,
     HOST_AXIS,
@@ -57,7 +57,7 @@ class EmbeddingState(NamedTuple):
 
     tables[g]: [rows, width] (sharded groups: rows split over ``devices``, replicated: whole on
     every device); slots[g]: the sparse optimizer's dict of arrays with the same row axis;
-    hot: the replicated hot group (:class:`~dlrm_jax.embedding.hot_rows.HotState`), or None
+    hot: the replicated hot group (:class:`~dlrm_jax.embedding.hot.rows.HotState`), or None
     when the plan replicates no hot rows.
     """
 
@@ -108,7 +108,7 @@ class EmbeddingCollection:
                  tiered_tables: tuple[int, ...] = (), per_host: bool = False, replicas: bool = False):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
         whose ``tiered_tables`` name the tables held as caches). ``optimizer``: the sparse
-        optimizer (:func:`~dlrm_jax.embedding.optimizers.sparse_optimizer`); by default the one
+        optimizer (:func:`~dlrm_jax.embedding.exchange.optimizers.sparse_optimizer`); by default the one
         the plan names (``plan.optimizer``) with its default settings. ``per_host``: ``mesh`` is
         (hosts, data, model) and the plan is one host's; lookups and updates run inside
         ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis. ``replicas`` (with
@@ -141,16 +141,16 @@ class EmbeddingCollection:
         self.pooled = {g.name for g in self.groups if uses_pooled_exchange(plan, g)}
         for g in self.groups:
             if g.replicated:
-                self._forward[g.name] = exchange.replicated_forward(g)
-                self._update[g.name] = exchange.replicated_update(g, exchange_mesh, optimizer, over)
+                self._forward[g.name] = replicated.replicated_forward(g)
+                self._update[g.name] = replicated.replicated_update(g, exchange_mesh, optimizer, over)
             elif g.name in self.pooled:
                 cap = group_capacity(plan, g)
-                self._forward[g.name] = exchange.pooled_forward(g, exchange_mesh, cap, self.local_batch, wire)
-                self._update[g.name] = exchange.pooled_update(g, exchange_mesh, cap, wire, optimizer, over)
+                self._forward[g.name] = pooled.pooled_forward(g, exchange_mesh, cap, self.local_batch, wire)
+                self._update[g.name] = pooled.pooled_update(g, exchange_mesh, cap, wire, optimizer, over)
             else:
                 cap = group_capacity(plan, g)
-                self._forward[g.name] = exchange.sharded_forward(g, exchange_mesh, cap, wire)
-                self._update[g.name] = exchange.sharded_update(g, exchange_mesh, cap, wire, optimizer,
+                self._forward[g.name] = sharded.sharded_forward(g, exchange_mesh, cap, wire)
+                self._update[g.name] = sharded.sharded_update(g, exchange_mesh, cap, wire, optimizer,
                                                                self.dim, over)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
@@ -194,7 +194,7 @@ class EmbeddingCollection:
         """The state with the hot set ``keys`` (int32 [2, H], ``routing.hot_keys``): the rows
         hot until now written back to their owners, the new ones gathered, exactly. Donates
         ``state``; one compiled program for every refresh. Tiered tables' hot rows are left
-        zero (``embedding/tier_hot.py`` moves them); ``index_keys``: the pairs the step looks
+        zero (``embedding/tiers/hot.py`` moves them); ``index_keys``: the pairs the step looks
         up (``routing.hot_step_keys``), when they differ from ``keys``."""
         if self.hot is None:
             raise ValueError("this plan replicates no hot rows (embedding.hot.rows=0)")
@@ -259,7 +259,7 @@ class EmbeddingCollection:
         for g in self.groups:
             if not g.replicated:
                 sized = []
-                for stat in (exchange.busiest_owner_requests, exchange.busiest_owner_all_requests):
+                for stat in (common.busiest_owner_requests, pooled.busiest_owner_all_requests):
                     key = (g.name, stat.__name__)
                     if key not in self._counters:  # compiled once: the hot-row model calls this often
                         self._counters[key] = jax.jit(self._busiest(stat(g, self._exchange_mesh)))

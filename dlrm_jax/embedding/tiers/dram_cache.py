@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlrm_jax.embedding.tier_format import numpy_dtype
-from dlrm_jax.embedding.tier_store import TierStore
+from dlrm_jax.embedding.tiers.format import numpy_dtype
+from dlrm_jax.embedding.tiers.store import TierStore
 
 EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
 

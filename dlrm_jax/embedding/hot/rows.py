@@ -30,15 +30,21 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.layout import (
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.exchange.routing import (
+    HOT_BUCKET,
+    HOT_PAD,
+    hot_index_buckets,
+    route,
+    split_hot,
+)
+from dlrm_jax.embedding.plan.layout import (
     Group,
     VirtualTable,
     is_identity,
     segment_sum_axis1,
     take_columns,
 )
-from dlrm_jax.embedding.optimizers import SparseOptimizer
-from dlrm_jax.embedding.routing import HOT_BUCKET, HOT_PAD, hot_index_buckets, route, split_hot
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -1,9 +1,9 @@
 """The host side of tiered tables: the disk tier, DRAM caches, and the fills of the device caches.
 
 The devices run the plan's device view (:meth:`EmbeddingPlan.device_view`): a tiered table is
-a table of cache slots there. The planner (:mod:`~dlrm_jax.embedding.device_cache`) decides,
+a table of cache slots there. The planner (:mod:`~dlrm_jax.embedding.tiers.cache_planner`) decides,
 batch by batch, which rows enter which slots; this module turns those decisions into the fixed
-shape fill arrays of each program (:mod:`~dlrm_jax.embedding.cache_fill`), reads the incoming
+shape fill arrays of each program (:mod:`~dlrm_jax.embedding.tiers.device_fill`), reads the incoming
 rows from the DRAM cache or the tier, and writes the rows each program evicts back.
 
 Pipelining: the rows a program evicts reach the host only after it ran. The next program is
@@ -14,7 +14,7 @@ on one device than ``fill_rows`` runs extra fill-only programs first, synchronou
 
 Checkpoints (:meth:`TieredTables.checkpoint`): the device caches' rows are copied to the DRAM
 caches, the DRAM caches flushed, and the tier snapshotted under the step (copy-on-write, see
-:mod:`~dlrm_jax.embedding.tier_store`): the snapshot holds the whole logical tables at that
+:mod:`~dlrm_jax.embedding.tiers.store`): the snapshot holds the whole logical tables at that
 step, so the device caches can start empty on resume. The numbers do not depend on which slot
 holds a row (the exchange orders requests by position, not by id value), so a resumed run with
 cold caches follows the same trajectory bit for bit.
@@ -35,13 +35,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.cache_fill import CacheRows, GroupFill, read_rows
-from dlrm_jax.embedding.device_cache import Fills, TableCache
-from dlrm_jax.embedding.host_cache import HostCache
-from dlrm_jax.embedding.initializer import init_table_rows
-from dlrm_jax.embedding.plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.tier_format import default_chunk_rows, numpy_dtype
-from dlrm_jax.embedding.tier_store import TierStore
+from dlrm_jax.embedding.exchange.initializer import init_table_rows
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
+from dlrm_jax.embedding.tiers.cache_planner import Fills, TableCache
+from dlrm_jax.embedding.tiers.device_fill import CacheRows, GroupFill, read_rows
+from dlrm_jax.embedding.tiers.dram_cache import HostCache
+from dlrm_jax.embedding.tiers.format import default_chunk_rows, numpy_dtype
+from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -3,7 +3,7 @@
 Each field of a tiered table is a zarr3 array [rows, *shape] in chunks of [chunk_rows, *shape]
 with only the ``bytes`` codec, so a chunk file is the C-order bytes of its rows (edge chunks
 full size) and can be memory-mapped. tensorstore creates, validates, bulk-loads and exports
-them; exported tables are ordinary zstd-compressed zarr3 arrays. :mod:`~dlrm_jax.embedding.tier_store` builds the
+them; exported tables are ordinary zstd-compressed zarr3 arrays. :mod:`~dlrm_jax.embedding.tiers.store` builds the
 crash-safe store on top.
 """
 

@@ -1,0 +1,198 @@
+"""What the exchange's forms share: routing and bucketing a device's ids, the all-to-all, running in
+rounds when a bucket overflows (agreed by every device), replicas over hosts, and where the
+owners apply their update. The forms themselves: ``sharded``, ``pooled``, ``replicated``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
+from dlrm_jax.embedding.exchange.routing import (
+    Buckets,
+    Window,
+    bucket,
+    next_round_limit,
+    requests_below,
+    route,
+    send_buffer,
+    slot_index,
+)
+from dlrm_jax.embedding.plan.layout import Group, take_columns
+from dlrm_jax.parallel.mesh import AXIS
+
+
+def route_and_bucket(g: Group, ids_local_bs: jax.Array):
+    vids = take_columns(ids_local_bs, g.vslot_slot)  # [B_l, V]
+    owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
+                              jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
+    b = bucket(owner, row, valid, g.num_devices, g.local_rows)
+    overflow = lax.pmax(jnp.max(b.counts), AXIS)
+    return vids.shape, b, overflow
+
+
+def all_to_all(x):
+    return lax.all_to_all(x, AXIS, 0, 0)
+
+
+ROUNDS_SCOPE = "exchange_rounds"  # names the overflow-only ops in the compiled program
+
+
+def if_overflow(over, on_overflow, otherwise, *operands):
+    """``lax.cond`` on ``over`` (a pmax-derived flag, so every device takes the same branch);
+    the overflow branch's ops are named ``ROUNDS_SCOPE``."""
+
+    def named(*args):
+        with jax.named_scope(ROUNDS_SCOPE):
+            return on_overflow(*args)
+
+    return lax.cond(over, named, otherwise, *operands)
+
+
+def agreed(replicas: str | None):
+    """The axes every decision of an update is agreed over: the devices, and the hosts when
+    the tables have replicas there."""
+    return AXIS if replicas is None else (replicas, *AXIS)
+
+
+def gather_replicas(x, replicas: str | None):
+    """What every replica's owner received, in host order (unchanged without replicas)."""
+    return x if replicas is None else lax.all_gather(x, replicas, tiled=True)
+
+
+def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS):
+    """``one_round(carry, window) -> carry`` until every request is sent: one trip with all of
+    each owner's requests when nothing overflowed, else over the agreed rounds (see routing).
+
+    Always a while loop, even for one trip: a ``lax.cond`` whose branch holds a loop that
+    updates the table makes XLA copy the whole table shard; a loop whose body holds conds
+    updates it in place. The limits are pmins over ``agree``, so every device runs the same rounds."""
+
+    def agreed_limit(done, finished):
+        def proposals():
+            return lax.pmin(next_round_limit(b, done, capacity, g.local_rows), agree)
+
+        everything = jnp.full(g.num_devices, g.local_rows, jnp.int32)
+        return if_overflow(over & ~finished, proposals, lambda: everything)
+
+    def body(state):
+        done, limit, carry, _ = state
+        end = requests_below(b, limit, g.local_rows)
+        carry = one_round(carry, Window(done, end))
+        finished = jnp.all(limit == g.local_rows)
+        return end, agreed_limit(end, finished), carry, finished
+
+    done = varying(jnp.zeros(g.num_devices, jnp.int32))
+    start = (done, agreed_limit(done, jnp.bool_(False)), jax.tree.map(lambda x: varying(x, agree), carry),
+             jnp.bool_(False))
+    return lax.while_loop(lambda s: ~s[3], body, start)[2]
+
+
+def varying(x, axes=AXIS):
+    """``x`` typed as differing per device (a loop carry that the body makes device-specific)
+    of ``axes`` (the devices; with replicas, the hosts too: what every replica gathered)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def update_on_owners(mesh, update):
+    """``f(table, slots, route, grads, lr) -> (table, slots)`` running ``update(table_local,
+    slots_local, requests, grads_local, lr, over)`` per device; ``route`` is (requests, busiest
+    count) as the forward returned it."""
+
+    def local(table_local, slots_local, route_local, grads_local, lr):
+        requests, most = route_local
+        return update(table_local, slots_local, requests, grads_local, lr, most[0])
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+                         out_specs=(P(AXIS), P(AXIS)))
+
+
+def busiest_owner_requests(g: Group, mesh):
+    """``f(ids [B, S]) -> int32 []``: the most distinct rows one device asks of one owner."""
+
+    def local(ids_local):
+        return route_and_bucket(g, ids_local)[2][None]
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    return lambda ids_bs: fn(ids_bs)[0]
+
+
+def busiest_of_replicas(most, replicas: str | None):
+    """The forward's busiest-owner count (agreed over the devices) agreed over the replicas
+    too, so every host's update takes the same branch."""
+    return most if replicas is None else lax.pmax(most, replicas)
+
+
+def slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | None = None):
+    """Owner side, per received request [N, C]: the squared sum over this owner's columns of the
+    request's row's gradient, merged over every device (of every replica) that sent it.
+    ``every_*``: what this owner and its replicas received (:func:`gather_replicas`), of which
+    this owner's ``own`` requests are its replica's block."""
+    _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True)
+    sq = jnp.sum(merged * merged, -1)[inv]
+    if replicas is not None:  # this replica's own requests
+        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
+    return sq.reshape(g.num_devices, -1)
+
+
+def row_totals(g: Group, per_slot):
+    """Requester side: per request [n], the sum of the replies for all column slices of its row
+    (the virtual slots reading the same batch slot and table), i.e. over the row's whole width."""
+    row_of_vslot = np.unique(np.stack([g.vslot_slot, g.vslot_table]), axis=1, return_inverse=True)[1].reshape(-1)
+    per_vslot = per_slot.reshape(-1, g.num_vslots)
+    total = jax.ops.segment_sum(per_vslot.T, jnp.asarray(row_of_vslot), int(row_of_vslot.max()) + 1).T
+    return total[:, row_of_vslot].reshape(-1)
+
+
+def to_owners(g: Group, capacity: int, values, where):
+    """Per request [n] -> what each owner received at the same places [N*C] (all-to-all)."""
+    dest, place, _ = where
+    buf = jnp.zeros((g.num_devices, capacity), jnp.float32).at[dest, place].set(values, mode="drop")
+    return all_to_all(buf).reshape(-1)
+
+
+def lookup_exchange(g: Group, capacity: int, wire_dtype):
+    """``f(table_local, b, window) -> (vectors [n, W] float32, usable [n])``: one exchange of
+    the window's requests; a request outside the window gets usable False."""
+
+    def exchange(table_local, b, window):
+        recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+        vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0).astype(wire_dtype)
+        replies = all_to_all(vectors)  # [N, C, W]: from each owner, in my request order
+        owner, place, usable = slot_index(b, window)
+        return replies[owner, place].astype(jnp.float32), usable
+
+    return exchange
+
+
+def gradients_to_owners(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer):
+    """``f(b, grads [n, W], window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
+    receives the window's rows and, per row, the sum of this device's gradients for it;
+    ``where`` = (dest, place, usable) of each request in the [N, C] buffers."""
+
+    def send(b, grads, window):
+        recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+        owner, place, usable = slot_index(b, window)
+        dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
+        slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
+        sums = optimizer.segment_sum(grads, slot, g.num_devices * capacity)
+        sums = sums.reshape(g.num_devices, capacity, g.width)
+        recv_grads = all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
+        return recv_rows.reshape(-1), recv_grads.reshape(-1, g.width), (dest, place, usable)
+
+    return send
+
+
+def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, replicas=None):
+    """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
+    owners (and every replica's), which apply the optimizer."""
+
+    def one_round(state, window):
+        rows, recv_grads, _ = send(b, grads, window)
+        return optimizer.update(*state, gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas), lr)
+
+    return one_round

@@ -1,0 +1,147 @@
+"""The sharded form of the sparse exchange between the data-parallel batch layout and the table owners.
+
+Per sharded group, inside one ``jax.shard_map`` over the mesh's ``devices`` axis, each device:
+
+forward   route its ids to owners -> deduplicate per owner -> all_to_all of row ids (fixed
+          capacity C per owner) -> owners gather rows from their local shard -> all_to_all of
+          vectors back -> each slot picks its vector.
+backward  the same buckets -> gradients of duplicate slots summed into their bucket place ->
+          all_to_all of row ids and gradients to owners -> the owner applies the sparse
+          optimizer to its shard (merging what several devices sent for one row).
+
+Overflow: when any device has more distinct requests for one owner than C (the decision is a
+pmax, so all agree), the exchange runs in rounds at the same capacity instead, each round a
+window of every owner's rows that all devices agree on (see ``routing``). Nothing is dropped,
+no buffer is larger than C, a row is updated once per step, and the step reports that it
+happened.
+
+Replicated groups need no all-to-all: lookups are local, and the update gathers the whole
+batch's rows and gradients to every device, which then applies the same update.
+
+Replicas over hosts (embedding.sync=host_replicas, ``replicas`` the hosts axis): every host
+holds the tables, split over its own devices, and runs this exchange among them only. The
+updates keep the replicas equal: each owner gathers what its counterparts on the other hosts
+received (an all-gather over ``replicas``, the only cross-host embedding traffic) and applies
+the whole batch's gradients, and the decisions to run in rounds, and their windows, are agreed
+over every host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.exchange.common import (
+    agreed,
+    all_to_all,
+    busiest_of_replicas,
+    gather_replicas,
+    gradients_to_owners,
+    if_overflow,
+    in_rounds,
+    lookup_exchange,
+    owner_update_round,
+    route_and_bucket,
+    row_totals,
+    slice_sq_sums,
+    to_owners,
+    update_on_owners,
+    varying,
+)
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.plan.layout import Group
+from dlrm_jax.parallel.mesh import AXIS
+
+
+def _lookup(g: Group, capacity: int, wire_dtype):
+    """``f(table_local, b, over) -> vectors [n, W]`` of every request, in one exchange or rounds."""
+    exchange = lookup_exchange(g, capacity, wire_dtype)
+
+    def lookup(table_local, b, over):
+        def one_round(acc, window):
+            out, usable = exchange(table_local, b, window)
+            return jnp.where(usable[:, None], out, acc)
+
+        return in_rounds(g, b, capacity, over, one_round, jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32))
+
+    return lookup
+
+
+def sharded_forward(g: Group, mesh, capacity: int, wire_dtype):
+    """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
+    lookup = _lookup(g, capacity, wire_dtype)
+
+    def local(table_local, ids_local):
+        shape, b, most = route_and_bucket(g, ids_local)
+        out = lookup(table_local, b, most > capacity).reshape(*shape, g.width)
+        return out, (most > capacity)[None], (b, most[None])
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS), P(AXIS)))
+
+    def forward(table, ids_bs):
+        """-> (vectors, overflowed, route): the route (buckets, busiest count) is the backward's
+        residual, so the ids are not routed and sorted a second time."""
+        out, over, route_ = fn(table, ids_bs)
+        return out, over[0], route_
+
+    return forward
+
+
+def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int, replicas=None):
+    """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
+    apply the optimizer to the rows requested, in one exchange or rounds.
+
+    ``dim``: the tables' full width (for statistics over whole rows of column slices). Those
+    need every slice's squared sum of a row before its update: in one exchange they travel
+    with it; in rounds a first pass of rounds gathers them all."""
+    send = gradients_to_owners(g, capacity, wire_dtype, optimizer)
+    whole_rows = optimizer.needs_whole_rows and g.has_column_slices
+
+    agree = agreed(replicas)
+
+    def update(table_local, slots_local, b, grads, lr, over):
+        if not whole_rows:
+            one_round = owner_update_round(send, optimizer, b, grads, lr, replicas)
+            return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
+
+        def sq_round(acc, window):
+            rows, recv_grads, (_, place, usable) = send(b, grads, window)
+            every = gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas)
+            partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
+            return jnp.where(usable, partial[b.slot_owner, place], acc)
+
+        zeros = jnp.zeros(grads.shape[:1], jnp.float32)
+        totals = if_overflow(over, lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
+                              lambda: varying(zeros, agree))
+
+        def one_round(state, window):
+            rows, recv_grads, where = send(b, grads, window)
+            every = gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas)  # once, for both uses
+
+            def from_this_exchange():
+                partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
+                return row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
+
+            row_totals = if_overflow(over, lambda: totals, from_this_exchange)
+            row_mean_sq = gather_replicas(to_owners(g, capacity, row_totals, where), replicas) / dim
+            return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
+
+        return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
+
+    return update
+
+
+def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int,
+                   replicas: str | None = None):
+    """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
+    ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
+    over whole rows of column slices). ``replicas``: the axis the tables are replicated over
+    (hosts), whose gradients every replica applies."""
+    update = _sparse_update(g, capacity, wire_dtype, optimizer, dim, replicas)
+
+    def on_owners(table_local, slots_local, b, grads, lr, most):
+        over = busiest_of_replicas(most, replicas) > capacity
+        return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, over)
+
+    return update_on_owners(mesh, on_owners)
