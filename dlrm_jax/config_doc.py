@@ -64,7 +64,7 @@ def format_value(value: object) -> str:
 def _values(f: dataclasses.Field) -> str:
     choices = f.metadata.get("choices")
     if choices:
-        return ", ".join(f"`{c}`" for c in choices)
+        return ", ".join(f"`{format_value(c)}`" for c in choices)
     words = f.metadata.get("words")
     if words:
         return "integer or " + ", ".join(f"`{w}`" for w in words)
