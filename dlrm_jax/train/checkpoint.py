@@ -98,10 +98,12 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0) -> None:
+    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0,
+             run: dict | None = None) -> None:
         """Saves the state with the embedding plan that laid its tables out, the hot-row
         statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would,
-        and ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise).
+        ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise), and
+        ``run``: the run's own record (``progress.Progress.to_json``).
 
         Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
         bytes: orbax would otherwise fail midway in its writer threads.
@@ -116,7 +118,7 @@ class Checkpoints:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state, save_args=chunked),
-                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts})))
+                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run})))
         except OSError as e:
             raise self._write_error(step, e) from None
 

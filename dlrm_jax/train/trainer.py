@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import math
 import signal
@@ -39,6 +40,7 @@ from dlrm_jax.train.checkpoint import (
     saved_steps,
 )
 from dlrm_jax.train.metrics import MetricsWriter, log_loss, roc_auc
+from dlrm_jax.train.progress import Progress, saved_progress
 from dlrm_jax.train.restore import restore_newest, restore_or_init, saved_run_config
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -122,10 +124,14 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
 
 
 class _LossWatch:
-    """Per-step losses read on the host: window sums, and the divergence check."""
+    """Per-step losses read on the host: window sums, and the divergence check.
 
-    def __init__(self, max_ratio: float):
-        self.max_ratio, self.reference = max_ratio, None
+    ``reference``: the loss the limit is a multiple of, the first step's of the run that
+    started the lineage (kept with every checkpoint: a resumed run does not start afresh from
+    its own first loss, which may already be a bad state's); None: this run's first loss."""
+
+    def __init__(self, max_ratio: float, reference: float | None = None):
+        self.max_ratio, self.reference = max_ratio, reference
         self.total, self.steps, self.overflows = 0.0, 0, 0
         self.hot_hits, self.lookups = 0, 0
 
@@ -133,16 +139,27 @@ class _LossWatch:
         loss = host_scalar(out["loss"])  # waits for that step only
         if self.reference is None:
             self.reference = loss
-        if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
-            raise TrainingDiverged(
-                f"training diverged at step {step}: loss {loss:.6g} (starting loss {self.reference:.6g}, "
-                f"limit train.max_loss_ratio={self.max_ratio:g}x); nothing after the last checkpoint "
-                f"was saved; lower train.learning_rate")
+        self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
         self.total, self.steps = self.total + loss, self.steps + 1
         self.overflows += int(host_scalar(out["exchange_overflows"]))
         if "hot_counts" in out:
             hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
             self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
+
+    def check_state(self, step: int, check: tuple[jax.Array, jax.Array]) -> None:
+        """Raises unless the state after ``step``, about to be saved, is sound: every value
+        finite and its loss on the step's batch within the limit (``StepFunctions.state_check``).
+        A step's update shows only in the next step's loss: the losses checked so far miss it."""
+        loss, finite = host_scalar(check[0]), host_scalar(check[1])
+        what = "non-finite values" if not finite else f"loss {loss:.6g} on that step's batch"
+        self._check(loss if finite else math.nan, f"training diverged at step {step}: the state after it has {what}; "
+                                                  "it was not saved")
+
+    def _check(self, loss: float, what: str) -> None:
+        if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
+            raise TrainingDiverged(
+                f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
+                f"nothing after the last checkpoint was saved; lower train.learning_rate")
 
     def take_window(self) -> tuple[float, int, int, float]:
         """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""
@@ -243,6 +260,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
     start = int(host_scalar(state.step))
+    progress = saved_progress(ckpts.directory, start) if start else Progress()
     metrics.truncate_after(start)
 
     t0 = time.perf_counter()
@@ -267,7 +285,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
-    watch, pending = _LossWatch(t.max_loss_ratio), collections.deque()
+    watch, pending = _LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     evaluated = False
@@ -281,20 +299,26 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 ids = item.ids  # as read: tiered runs train on a copy with cache ids
                 state, out = runner.train(state, item.batch, item.fills)
             pending.append((step, out))
-            if hot is not None:
-                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
             if steps.per_host and cfg.embedding.sync_every and step % cfg.embedding.sync_every == 0:
                 state = state._replace(emb=steps.sync_tables(state.emb))
-            while len(pending) > DISPATCH_AHEAD:
-                watch.add(*pending.popleft())
-            bar.update(1)
             signum = stop.requested(step, every=10)
             is_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
             is_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum
+            # A state to be saved is scored first (before a hot-row refresh moves rows about).
+            state_check = None
+            if ckpts is not None and is_ckpt:
+                state_check = steps.state_check(state, item.device if runner is None else runner.last_batch)
+            if hot is not None:
+                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
+            while len(pending) > DISPATCH_AHEAD:
+                watch.add(*pending.popleft())
+            bar.update(1)
             if not (is_eval or is_ckpt or (t.log_every and step % t.log_every == 0)):
                 continue
             while pending:  # every step up to here is checked before anything is saved
                 watch.add(*pending.popleft())
+            if state_check is not None:
+                watch.check_state(step, state_check)
             elapsed = time.perf_counter() - window_start
             last_loss, window_steps, overflows, hit_rate = watch.take_window()
             train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
@@ -324,7 +348,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
                                              t.keep_checkpoints, state.emb.hot)
-                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None, steps.hosts if steps.per_host else 0)
+                progress = dataclasses.replace(progress, loss_reference=watch.reference)
+                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None,
+                           steps.hosts if steps.per_host else 0, progress.to_json())
             if signum:
                 if ckpts:
                     ckpts.wait()
