@@ -71,6 +71,11 @@ def test_overrides():
     ("train.steps", ["KEY=VALUE"]),
     ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),
     ("embedding.sync=host_replicas|embedding.hot.rows=64", ["embedding.sync=host_replicas", "embedding.hot.rows=0"]),
+    ("train.keep_best=accuracy", ["train.keep_best", "auc", "logloss"]),
+    ("train.target_auc=1.5", ["train.target_auc", "[0, 1]"]),
+    ("train.early_stop_evals=-1", ["train.early_stop_evals", ">= 0"]),
+    ("train.early_stop_evals=3|train.eval_every=0", ["train.early_stop_evals", "train.eval_every > 0"]),
+    ("train.target_auc=0.8|train.eval_every=0", ["train.target_auc", "train.eval_every > 0"]),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:

@@ -86,7 +86,9 @@ class Checkpoints:
         the whole state at once: on simulated CPU devices, a second copy of every table.)"""
         _use_coordination_service_barriers()
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        self._kept: set[int] = set()  # kept beyond the newest `keep` (see keep_also)
+        options = ocp.CheckpointManagerOptions(preservation_policy=_NewestAnd(keep, self._kept), create=True,
+                                               cleanup_tmp_directories=True)
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
@@ -121,6 +123,12 @@ class Checkpoints:
                 plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run})))
         except OSError as e:
             raise self._write_error(step, e) from None
+
+    def keep_also(self, steps) -> None:
+        """Keep the checkpoints of ``steps`` (and no other older ones) beyond the newest
+        ``keep``: the rotation that follows each save leaves them (train.keep_best's step)."""
+        self._kept.clear()
+        self._kept.update(steps)
 
     def wait(self) -> None:
         """Blocks until every started save is on disk; raises CheckpointWriteError if one failed."""
@@ -234,6 +242,18 @@ class Checkpoints:
     def close(self) -> None:
         self.wait()
         self._manager.close()
+
+
+class _NewestAnd:
+    """orbax's rotation (a preservation policy, asked after each save): the newest ``keep``
+    checkpoints, and those whose steps are in ``kept``."""
+
+    def __init__(self, keep: int, kept: set[int]):
+        self.keep, self.kept = keep, kept
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        n = len(checkpoints)  # in step order
+        return [i >= n - self.keep or c.step in self.kept for i, c in enumerate(checkpoints)]
 
 
 def _first_line(e: Exception) -> str:

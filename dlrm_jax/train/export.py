@@ -19,14 +19,15 @@ from dlrm_jax.embedding.tier_format import export_array
 from dlrm_jax.embedding.tiered import TieredTables
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import restore_newest, restore_state, saved_run_config
 from dlrm_jax.train.tier_setup import tier_root
 
 
-def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
+def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
                log=print) -> int:
-    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact)
-    under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
+    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact;
+    ``best``: the best evaluation's, train.keep_best) under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
     exported as their average over hosts, the model that evaluation scores; host replicas
     (embedding.sync=host_replicas) as host 0's copy, which every host's equals."""
     run_dir, dest = Path(run_dir), Path(dest)
@@ -37,6 +38,7 @@ def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (),
     try:
         if not ckpts.all_steps():
             raise FileNotFoundError(f"{run_dir / 'checkpoints'}: no checkpoint to export")
+        step = checkpoint_step(ckpts.directory, step)
         if step is None:
             step, state = restore_newest(steps, ckpts, log)
         else:
