@@ -123,6 +123,10 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
 
 
+# Fields only the run's final metrics.jsonl event has (a run cut at step N and resumed logs the
+# same events as an uninterrupted one, except these at N).
+RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", "stop_reason")
+
 # How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
 # each device's part of a program from a shared pool of max(cores, devices) threads, and a
 # launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
