@@ -80,15 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where config, plan, metrics and checkpoints go (default: runs/<time>)")
     _add_distributed_args(train)
 
-    ev = sub.add_parser("eval", help="evaluate the newest checkpoint of a run")
+    ev = sub.add_parser("eval", help="evaluate a checkpoint of a run (default: the newest)")
     ev.add_argument("--run-dir", required=True)
+    ev.add_argument("--step", type=_step_arg, help="the checkpoint to evaluate: a step, or 'best' (train.keep_best's); "
+                    "default: the newest intact")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_distributed_args(ev)
 
     ex = sub.add_parser("export", help="write a run's tables (values and optimizer state) as tensorstore arrays")
     ex.add_argument("--run-dir", required=True)
     ex.add_argument("--output", required=True, help="folder for OUTPUT/<table>/<field> zarr3 arrays")
-    ex.add_argument("--step", type=int, help="the checkpoint to export (default: the newest intact)")
+    ex.add_argument("--step", type=_step_arg,
+                    help="the checkpoint to export: a step, or 'best' (train.keep_best's); default: the newest intact")
     ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     plan = sub.add_parser("plan", help="print the embedding sharding plan without training")
@@ -192,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _step_arg(text: str) -> int | str:
+    """--step: a checkpoint's step, or 'best'."""
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number or 'best', got {text!r}") from None
+
+
 def _add_preprocess_args(p, chunk_lines: int) -> None:
     """What every `preprocess` dataset shares: output, ids, validation split, bad lines."""
     p.add_argument("--output", required=True, help="output directory")
@@ -272,6 +285,8 @@ def cmd_train(args) -> int:
         saved = f"checkpoint saved in {run_dir}; re-run the same command to resume" if e.saved else "nothing saved"
         print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
         return 128 + e.signum
+    if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
+        print(summary.best_line(), flush=True)
     print(summary.final_line(), flush=True)
     return 0
 
@@ -285,7 +300,7 @@ def cmd_eval(args) -> int:
     _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.trainer import evaluate_run
 
-    summary = evaluate_run(args.run_dir, args.overrides, log=_log)
+    summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
     print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f}", flush=True)
     return 0
 
@@ -305,7 +320,10 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.plan.planner import config_plan_report, host_plan_from_config
+    from dlrm_jax.embedding.plan.planner import (
+        config_plan_report,
+        host_plan_from_config,
+    )
 
     hosts = cfg.mesh.hosts or 1
     plan = host_plan_from_config(cfg, _devices_for(cfg), hosts)

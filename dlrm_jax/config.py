@@ -76,7 +76,7 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         if choices and value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(c or repr(c) for c in choices)}")
         return value
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
@@ -277,6 +277,13 @@ def validate(cfg: Config) -> Config:
     _positive("train.keep_checkpoints", t.keep_checkpoints)
     _positive("train.max_loss_ratio", t.max_loss_ratio, allow_zero=True)
     _positive("train.hang_timeout_s", t.hang_timeout_s, allow_zero=True)
+    if not 0.0 <= t.target_auc <= 1.0:
+        raise ConfigError(f"train.target_auc: must be in [0, 1] (0 = off), got {t.target_auc}")
+    _positive("train.early_stop_evals", t.early_stop_evals, allow_zero=True)
+    for key in ("target_auc", "early_stop_evals"):
+        if getattr(t, key) and not t.eval_every:
+            raise ConfigError(f"train.{key}: early stopping needs evaluations during the run; set "
+                              f"train.eval_every > 0 (it is 0: only at the end)")
     if t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "

@@ -49,6 +49,13 @@ class TrainConfig:
     eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
     checkpoint_every: int = 250  # 0 = only at the end
     keep_checkpoints: int = 3
+    # auc or logloss: the checkpoint of the best evaluation by that metric is kept beyond the
+    # newest keep_checkpoints (an evaluation that improves on it is saved); '' = off.
+    keep_best: str = field(default="", metadata=_choices("", "auc", "logloss"))
+    target_auc: float = 0.0  # stop once an evaluation's AUC reaches this; 0 = off
+    # Stop after this many evaluations in a row without a better keep_best metric (auc when
+    # keep_best is ''); 0 = off.
+    early_stop_evals: int = 0
     max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
     progress_bar: bool = True
     tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard

@@ -187,7 +187,10 @@ def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
 
 
 def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
-    from dlrm_jax.embedding.plan.planner import config_plan_report, host_plan_from_config
+    from dlrm_jax.embedding.plan.planner import (
+        config_plan_report,
+        host_plan_from_config,
+    )
 
     cfg = tiny("train.batch_size=128", "mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host")
     header = config_plan_report(cfg, host_plan_from_config(cfg, 8, 2)).splitlines()[0]

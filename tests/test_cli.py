@@ -51,6 +51,32 @@ def test_train_writes_the_contract_files_and_resumes(tmp_path):
     assert f"auc={float(m.group(3)):.6f}" in ev.stdout.strip().splitlines()[-1]
 
 
+def test_early_stop_keep_best_and_step_best_from_the_command_line(tmp_path):
+    """train.target_auc ends the run with rc 0, one line saying why, a checkpoint at that step,
+    and the best evaluation printed beside the last (above the contract's final line); eval and
+    export take --step best."""
+    run = tmp_path / "run"
+    args = ["train", *SMOKE, "--set", "mesh.devices=2", "--set", "train.eval_every=5", "--set", "train.keep_best=auc",
+            "--set", "train.keep_checkpoints=1", "--set", "train.target_auc=0.6", "--run-dir", str(run)]
+    lines = cli(*args).stdout.strip().splitlines()
+    last = FINAL.match(lines[-1])
+    step = int(last.group(1))
+    assert step < 40
+    assert [line for line in lines if line.startswith("early stop")] == [
+        f"early stop at step {step}: auc {last.group(3)} at step {step} reached train.target_auc=0.6"]
+    best = re.match(r"^best step=(\d+) auc=(\S+) logloss=(\S+)$", lines[-2])
+    assert best and int(best.group(1)) <= step
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == sorted({best.group(1), str(step)})
+    again = cli(*args).stdout.strip().splitlines()  # stays stopped, says so, and prints the same lines
+    assert any(f"run stopped early at step {step}" in line for line in again) and again[-2:] == lines[-2:]
+    ev = cli("eval", "--run-dir", str(run), "--step", "best").stdout.strip().splitlines()[-1]
+    assert ev == f"eval step={best.group(1)} auc={best.group(2)} logloss={best.group(3)}"
+    out = cli("export", "--run-dir", str(run), "--step", "best", "--output", str(tmp_path / "tables"))
+    assert out.stdout.strip().splitlines()[-1] == f"exported step={best.group(1)} to {tmp_path / 'tables'}"
+    bad = cli("eval", "--run-dir", str(run), "--step", "latest", check=False)
+    assert bad.returncode == 2 and "'best'" in bad.stderr
+
+
 def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
     args = [*SMOKE, "--set", "train.steps=200", "--set", "train.checkpoint_every=40",
             "--set", "train.log_every=10", "--set", "train.eval_every=100"]

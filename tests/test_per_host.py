@@ -10,6 +10,7 @@ import pytest
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.trainer import RUN_END_FIELDS as RUN_END
 
 STEPS = 4
 
@@ -86,7 +87,7 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     whole = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "whole", **quiet)
     train_and_evaluate(tiny(*overrides, "train.steps=3"), tmp_path / "cut", **quiet)
     cut = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "cut", **quiet)
-    events = {name: [{k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", "run_samples_per_s")}
+    events = {name: [{k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", *RUN_END)}
                      for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")}
     assert events["whole"] == events["cut"] and (whole.auc, whole.loss) == (cut.auc, cut.loss)
     divergence = {e["step"]: e["table_divergence"] for e in events["whole"]}

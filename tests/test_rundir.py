@@ -175,6 +175,37 @@ def test_divergence_stops_before_saving_the_bad_state(tiny, tmp_path):
     assert max(e["step"] for e in logged) == 5
 
 
+WILD = ["train.learning_rate=1e6", "embedding.learning_rate=1e6"]
+
+
+def test_a_checkpoint_never_holds_the_update_that_diverged(tiny, tmp_path):
+    """A step's update shows only in the next step's loss: with a checkpoint after every step,
+    the state saved after step 1 was the blown-up one, and a sane re-run resumed from it."""
+    run = tmp_path / "run"
+    every_step = ["train.checkpoint_every=1", "train.log_every=1", "train.steps=6"]
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 1: the state after it has loss"):
+        train_and_evaluate(tiny(*every_step, *WILD), run, **QUIET)
+    assert Checkpoints(run / "checkpoints", 3).all_steps() == []
+    sane = train_and_evaluate(tiny(*every_step), run, **QUIET)
+    assert sane.step == 6 and 0.3 < sane.loss < 1.0 and sane.auc > 0.5, sane
+    # Diverging after good checkpoints: the last good one stays the newest.
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 7"):
+        train_and_evaluate(tiny(*every_step[:2], "train.steps=12", *WILD), run, **QUIET)
+    assert Checkpoints(run / "checkpoints", 3).all_steps()[-1] == 6
+
+
+def test_the_divergence_limit_keeps_its_reference_across_resumes(tiny, tmp_path):
+    """A resumed run measures its losses against the first loss of the run that started the
+    run dir, not against its own first loss (which may already be a bad state's)."""
+    run = tmp_path / "run"
+    # With the limit off, a blown-up (finite) state is saved, as it was before states were checked.
+    train_and_evaluate(tiny("train.steps=1", "train.log_every=1", "train.max_loss_ratio=0", *WILD), run, **QUIET)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 2: loss \S+ \(starting loss (\S+),") as e:
+        train_and_evaluate(tiny("train.steps=6", "train.log_every=1"), run, **QUIET)
+    assert f"starting loss {first:.6g}," in str(e.value)
+
+
 # ---------------------------------------------------------------- the CLI as a user meets it
 
 CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=2"]

@@ -223,7 +223,9 @@ class Checkpoints(CheckpointReader):
         the whole state at once: on simulated CPU devices, a second copy of every table.)"""
         super().__init__(directory)
         _use_coordination_service_barriers()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        self._kept: set[int] = set()  # kept beyond the newest `keep` (see keep_also)
+        options = ocp.CheckpointManagerOptions(preservation_policy=_NewestAnd(keep, self._kept), create=True,
+                                               cleanup_tmp_directories=True)
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
@@ -235,10 +237,12 @@ class Checkpoints(CheckpointReader):
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0) -> None:
+    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0,
+             run: dict | None = None) -> None:
         """Saves the state with the embedding plan that laid its tables out, the hot-row
         statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would,
-        and ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise).
+        ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise), and
+        ``run``: the run's own record (``progress.Progress.to_json``).
 
         Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
         bytes: orbax would otherwise fail midway in its writer threads.
@@ -253,9 +257,15 @@ class Checkpoints(CheckpointReader):
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state, save_args=chunked),
-                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts})))
+                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run})))
         except OSError as e:
             raise self._write_error(step, e) from None
+
+    def keep_also(self, steps) -> None:
+        """Keep the checkpoints of ``steps`` (and no other older ones) beyond the newest
+        ``keep``: the rotation that follows each save leaves them (train.keep_best's step)."""
+        self._kept.clear()
+        self._kept.update(steps)
 
     def wait(self) -> None:
         """Blocks until every started save is on disk; raises CheckpointWriteError if one failed."""
@@ -302,6 +312,18 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
 
     return {".".join(key(k) for k in path): tuple(getattr(leaf, "shape", None) or ())
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class _NewestAnd:
+    """orbax's rotation (a preservation policy, asked after each save): the newest ``keep``
+    checkpoints, and those whose steps are in ``kept``."""
+
+    def __init__(self, keep: int, kept: set[int]):
+        self.keep, self.kept = keep, kept
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        n = len(checkpoints)  # in step order
+        return [i >= n - self.keep or c.step in self.kept for i, c in enumerate(checkpoints)]
 
 
 def _first_line(e: Exception) -> str:

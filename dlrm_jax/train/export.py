@@ -19,19 +19,21 @@ from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
 
 
-def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | None = None,
+def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
                log=print) -> int:
-    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact)
-    under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
+    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact;
+    ``best``: the best evaluation's, train.keep_best) under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
     exported as their average over hosts, the model that evaluation scores; host replicas
     (embedding.sync=host_replicas) as host 0's copy, which every host's equals."""
     run_dir, dest = Path(run_dir), Path(dest)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count()), log)
+    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
+    step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
     emb = state.emb
     if steps.per_host:  # host replicas are equal: host 0's copy is every host's

@@ -120,6 +120,10 @@ class StepFunctions:
                                       out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
             self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
                                      out_shardings=self.batch_sharding)
+        # Compiled on first use (a state about to be checkpointed); tiered runs pass the batch
+        # with the cache ids its train step used, whose rows the caches still hold.
+        self.state_check = jax.jit(self._state_check, in_shardings=(self.state_sharding, self.batch_sharding),
+                                   out_shardings=self.replicated)
 
     def _dense_layout(self, cfg, mesh, model, params: dict) -> None:
         """model.mlp_parallel: the tensor layout or the pipeline plan (model/mlp_parallel.py)."""
@@ -286,6 +290,16 @@ class StepFunctions:
             metrics["hot_counts"] = res.hot_counts
         new_state = TrainState(state.step + 1, params, opt_state, emb, new_wide)
         return (new_state, metrics) if evicted is None else (new_state, metrics, evicted)
+
+    def _state_check(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        """(mean loss of ``state`` on ``batch``, whether every float of ``state`` is finite),
+        replicated scalars; nothing trained. A train step reports the loss of the state it
+        starts from, so its own update shows only here (or in the next step's loss)."""
+        pooled_bfd, _ = self._lookup(state.emb, batch.ids)
+        wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
+        loss = jnp.mean(bce_loss(self._forward(state.params, pooled_bfd, batch, wide), batch.labels))
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return loss, jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
 
     def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
         """``host_pooled``: with tiered tables, their features' pooled vectors read on the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
-import math
 import signal
 import sys
 import threading
@@ -39,7 +39,13 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import (
     Checkpoints,
     largest_shard_bytes,
-    saved_steps,
+)
+from dlrm_jax.train.progress import (
+    Evaluation,
+    Progress,
+    checkpoint_step,
+    newest_progress,
+    resumed_progress,
 )
 from dlrm_jax.train.restore import (
     check_tier_kept,
@@ -49,21 +55,42 @@ from dlrm_jax.train.restore import (
 )
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.train.watch import LossWatch, TrainingDiverged  # noqa: F401 - TrainingDiverged: the trainer's error
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What a run ended with; ``final_line()`` is the CLI's contract line."""
+    """What a run ended with; ``final_line()`` is the CLI's contract line. ``best``: the best
+    evaluation of the run (by train.keep_best's metric, or auc), beside the last one in
+    ``auc`` / ``logloss``; ``stop_reason``: why it stopped early ('' if it did not)."""
 
     step: int
     loss: float
     auc: float
     logloss: float
     samples_per_s: float
+    best: Evaluation | None = None
+    stop_reason: str = ""
 
     def final_line(self) -> str:
         return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
                 f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
+
+    def best_line(self) -> str:
+        b = self.best
+        return f"best step={b.step} auc={b.auc:.6f} logloss={b.logloss:.6f}" if b else ""
+
+    @classmethod
+    def from_event(cls, e: dict) -> RunSummary:
+        """The summary a run's final metrics.jsonl events (merged) record."""
+        best = Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"])) if "best_step" in e else \
+            Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
+        return cls(e["step"], _nan(e["loss"]), _nan(e["auc"]), _nan(e["logloss"]),
+                   _nan(e.get("run_samples_per_s", e["samples_per_s"])), best, e.get("stop_reason", ""))
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
 
 
 def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
@@ -101,6 +128,10 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
 
 
+# Fields only the run's final metrics.jsonl event has (a run cut at step N and resumed logs the
+# same events as an uninterrupted one, except these at N).
+RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", "stop_reason")
+
 # How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
 # each device's part of a program from a shared pool of max(cores, devices) threads, and a
 # launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
@@ -114,9 +145,6 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
 DISPATCH_AHEAD = 2
 
 
-class TrainingDiverged(FloatingPointError):
-    """The loss became non-finite or grew past train.max_loss_ratio x its starting value."""
-
 
 class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
     """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
@@ -124,36 +152,6 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
     def __init__(self, signum: int, step: int, saved: bool):
         self.signum, self.step, self.saved = signum, step, saved
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
-
-
-class _LossWatch:
-    """Per-step losses read on the host: window sums, and the divergence check."""
-
-    def __init__(self, max_ratio: float):
-        self.max_ratio, self.reference = max_ratio, None
-        self.total, self.steps, self.overflows = 0.0, 0, 0
-        self.hot_hits, self.lookups = 0, 0
-
-    def add(self, step: int, out) -> None:
-        loss = host_scalar(out["loss"])  # waits for that step only
-        if self.reference is None:
-            self.reference = loss
-        if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
-            raise TrainingDiverged(
-                f"training diverged at step {step}: loss {loss:.6g} (starting loss {self.reference:.6g}, "
-                f"limit train.max_loss_ratio={self.max_ratio:g}x); nothing after the last checkpoint "
-                f"was saved; lower train.learning_rate")
-        self.total, self.steps = self.total + loss, self.steps + 1
-        self.overflows += int(host_scalar(out["exchange_overflows"]))
-        if "hot_counts" in out:
-            hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
-            self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
-
-    def take_window(self) -> tuple[float, int, int, float]:
-        """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""
-        out = (self.total / self.steps, self.steps, self.overflows, self.hot_hits / max(self.lookups, 1))
-        self.total, self.steps, self.overflows, self.hot_hits, self.lookups = 0.0, 0, 0, 0, 0
-        return out
 
 
 class _StopSignals:
@@ -201,12 +199,14 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
-        saved = saved_steps(rd.checkpoint_dir) if rd.path else []
-        recorded = rd.recorded_final(saved[-1]) if saved and saved[-1] >= cfg.train.steps else None
+        newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
+        stopped = progress.stop_reason(cfg.train)
+        recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
         if recorded is not None:
-            log(f"run already finished at step {saved[-1]}; its recorded final metrics:")
-            return RunSummary(recorded["step"], recorded["loss"], recorded["auc"], recorded["logloss"],
-                              recorded.get("run_samples_per_s", recorded["samples_per_s"]))
+            log(f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
+                f"train.target_auc or train.early_stop_evals to go on); its recorded final metrics:" if stopped
+                else f"run already finished at step {newest}; its recorded final metrics:")
+            return RunSummary.from_event(recorded)
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
         source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
@@ -250,6 +250,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
     start = int(host_scalar(state.step))
+    progress, stop_reason = resumed_progress(t, ckpts, start, log)
+    end = start if stop_reason else t.steps  # the last step this run trains
     metrics.truncate_after(start, log)
 
     t0 = time.perf_counter()
@@ -261,25 +263,25 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         device_batches = getattr(source, "device_batches", None)  # generated on the devices
         if device_batches is not None:
             pipeline = None
-            batches = dispatched_ahead(device_batches(steps.batch_sharding), range(start, t.steps), cfg.data.prefetch)
+            batches = dispatched_ahead(device_batches(steps.batch_sharding), range(start, end), cfg.data.prefetch)
         else:
-            pipeline = InputPipeline(source.train_batch, range(start, t.steps), to_device=steps.device_batch,
+            pipeline = InputPipeline(source.train_batch, range(start, end), to_device=steps.device_batch,
                                      readers=cfg.data.readers, depth=cfg.data.prefetch)
             batches = pipeline
     else:
         pipeline = None
         if hot is not None:
             runner.use_hot(np.asarray(state.emb.hot.keys))
-        batches = runner.planned(source.train_batch, range(start, t.steps))
+        batches = runner.planned(source.train_batch, range(start, end))
 
     bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
                disable=not t.progress_bar or jax.process_index() != 0)
-    watch, pending = _LossWatch(t.max_loss_ratio), collections.deque()
+    watch, pending = LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     evaluated = False
     with _StopSignals() as stop, contextlib.closing(pipeline) if pipeline else contextlib.nullcontext():
-        for step, item in zip(range(start + 1, t.steps + 1), _reporting(batches, start + 1, runner is not None), strict=True):
+        for step, item in zip(range(start + 1, end + 1), _reporting(batches, start + 1, runner is not None), strict=True):
             window_start = window_start or time.perf_counter()
             if runner is None:
                 ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
@@ -288,20 +290,27 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 ids = item.ids  # as read: tiered runs train on a copy with cache ids
                 state, out = runner.train(state, item.batch, item.fills)
             pending.append((step, out))
-            if hot is not None:
-                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
             if steps.per_host and cfg.embedding.sync_every and step % cfg.embedding.sync_every == 0:
                 state = state._replace(emb=steps.sync_tables(state.emb))
-            while len(pending) > DISPATCH_AHEAD:
-                watch.add(*pending.popleft())
-            bar.update(1)
             signum = stop.requested(step, every=10)
             is_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
             is_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum
+            # A state that may be saved is scored first (before a hot-row refresh moves rows about);
+            # an evaluation may ask for a save (a new best, an early stop).
+            state_check = None
+            if ckpts is not None and (is_ckpt or (is_eval and (t.keep_best or t.target_auc or t.early_stop_evals))):
+                state_check = steps.state_check(state, item.device if runner is None else runner.last_batch)
+            if hot is not None:
+                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
+            while len(pending) > DISPATCH_AHEAD:
+                watch.add(*pending.popleft())
+            bar.update(1)
             if not (is_eval or is_ckpt or (t.log_every and step % t.log_every == 0)):
                 continue
             while pending:  # every step up to here is checked before anything is saved
                 watch.add(*pending.popleft())
+            if state_check is not None:
+                watch.check_state(step, state_check)
             elapsed = time.perf_counter() - window_start
             last_loss, window_steps, overflows, hit_rate = watch.take_window()
             train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
@@ -323,28 +332,42 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 auc, ll = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll)
                 bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
-            if step == t.steps:
+                progress = progress.evaluated(Evaluation(step, auc, ll))
+                stop_reason = progress.stop_reason(t)
+                progress = dataclasses.replace(progress, stopped=stop_reason)
+                if t.keep_best and progress.best.step == step and ckpts:  # a new best: saved and kept
+                    is_ckpt = True
+                    ckpts.keep_also([step])
+                is_ckpt = is_ckpt or bool(stop_reason)
+            if step == t.steps or stop_reason:
                 event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
+                event.update(progress.final_fields(step, auc, ll))
             metrics.write(event)
             if is_ckpt and ckpts:
                 report_progress(step, "checkpoint")
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
                     runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
                                              t.keep_checkpoints, state.emb.hot)
-                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None, steps.hosts if steps.per_host else 0)
+                progress = dataclasses.replace(progress, loss_reference=watch.reference)
+                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None,
+                           steps.hosts if steps.per_host else 0, progress.to_json())
             if signum:
                 if ckpts:
                     ckpts.wait()
                 bar.close()
                 raise Interrupted(signum, step, saved=ckpts is not None)
+            if stop_reason:
+                log(f"early stop at step {step}: {stop_reason}")
+                break
             window_start = None
     bar.close()
-    report_progress(t.steps, "finishing")
+    report_progress(end, "finishing")
 
     if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
         auc, ll = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
-    return RunSummary(int(host_scalar(state.step)), last_loss, auc, ll, rate)
+    step = int(host_scalar(state.step))
+    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason)
 
 
 class _LocalRows:
@@ -384,16 +407,19 @@ def _memory_report(compiled) -> str:
         return "memory analysis unavailable"
 
 
-def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, log=print) -> RunSummary:
-    """Evaluate the newest checkpoint of ``run_dir`` with its saved config. Read-only: the run
-    may still be training there (nothing in ``run_dir`` is written, moved or deleted)."""
+def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None,
+                 log=print) -> RunSummary:
+    """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
+    best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
+    training there (nothing in ``run_dir`` is written, moved or deleted)."""
 
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
     plan, steps = build(cfg, mesh, source, log)
-    step, state = read_checkpoint(run_dir, cfg, steps, log=log)
+    step = checkpoint_step(run_dir / "checkpoints", step)
+    step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
     runner = None
     try:
         if plan.tiered_tables:  # the tier's snapshot of that step, not its working files

@@ -162,6 +162,12 @@ class TierRunner:
         self.host_s["write-back"] += time.perf_counter() - t1
         return state, out
 
+    @property
+    def last_batch(self) -> Batch:
+        """The last train step's device batch, tiered ids as cache ids (rows its caches hold
+        until the next step's fills)."""
+        return self._step_inputs[0]
+
     def step_input_shapes(self) -> tuple:
         """Shapes, dtypes and shardings of the last train step's inputs after the state (to
         lower the step again, e.g. for its HLO)."""

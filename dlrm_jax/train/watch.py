@@ -1,0 +1,59 @@
+"""The divergence check: per-step losses read on the host, and states scored before a save."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from dlrm_jax.parallel.mesh import host_scalar
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss became non-finite or grew past train.max_loss_ratio x its starting value."""
+
+
+class LossWatch:
+    """Per-step losses read on the host: window sums, and the divergence check.
+
+    ``reference``: the loss the limit is a multiple of, the first step's of the run that
+    started the lineage (kept with every checkpoint: a resumed run does not start afresh from
+    its own first loss, which may already be a bad state's); None: this run's first loss."""
+
+    def __init__(self, max_ratio: float, reference: float | None = None):
+        self.max_ratio, self.reference = max_ratio, reference
+        self.total, self.steps, self.overflows = 0.0, 0, 0
+        self.hot_hits, self.lookups = 0, 0
+
+    def add(self, step: int, out) -> None:
+        loss = host_scalar(out["loss"])  # waits for that step only
+        if self.reference is None:
+            self.reference = loss
+        self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
+        self.total, self.steps = self.total + loss, self.steps + 1
+        self.overflows += int(host_scalar(out["exchange_overflows"]))
+        if "hot_counts" in out:
+            hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
+            self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
+
+    def check_state(self, step: int, check: tuple[jax.Array, jax.Array]) -> None:
+        """Raises unless the state after ``step``, about to be saved, is sound: every value
+        finite and its loss on the step's batch within the limit (``StepFunctions.state_check``).
+        A step's update shows only in the next step's loss: the losses checked so far miss it."""
+        loss, finite = host_scalar(check[0]), host_scalar(check[1])
+        what = "non-finite values" if not finite else f"loss {loss:.6g} on that step's batch"
+        self._check(loss if finite else math.nan, f"training diverged at step {step}: the state after it has {what}; "
+                                                  "it was not saved")
+
+    def _check(self, loss: float, what: str) -> None:
+        if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
+            raise TrainingDiverged(
+                f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
+                f"nothing after the last checkpoint was saved; lower train.learning_rate")
+
+    def take_window(self) -> tuple[float, int, int, float]:
+        """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""
+        out = (self.total / self.steps, self.steps, self.overflows, self.hot_hits / max(self.lookups, 1))
+        self.total, self.steps, self.overflows, self.hot_hits, self.lookups = 0.0, 0, 0, 0, 0
+        return out
