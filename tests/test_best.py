@@ -9,9 +9,10 @@ import pytest
 from conftest import tiny_config
 
 from dlrm_jax.train.checkpoint import saved_steps
+from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.progress import Evaluation, Progress
-from dlrm_jax.train.trainer import evaluate_run, train_and_evaluate
+from dlrm_jax.train.trainer import train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
 # Two held-out batches a tiny evaluation: its AUC peaks early and wanders (step 4 here).

@@ -14,9 +14,10 @@ import pytest
 from child_env import child_env
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
+from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError
-from dlrm_jax.train.trainer import TrainingDiverged, evaluate_run, train_and_evaluate
+from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
 

@@ -9,8 +9,9 @@ import pytest
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.restore import restore_state
-from dlrm_jax.train.trainer import evaluate_run, train_and_evaluate
+from dlrm_jax.train.trainer import train_and_evaluate
 
 QUIET = dict(log=lambda *_: None)
 

@@ -1,0 +1,85 @@
+"""``dlrm-jax``: argument parsing (``parser``) and dispatch (``commands``), nothing else; here,
+the program itself: the huge-pages restart, signals, and one line per kind of failure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+
+from dlrm_jax import hostmem
+from dlrm_jax.cli.commands import COMMANDS
+from dlrm_jax.cli.parser import build_parser
+from dlrm_jax.config import ConfigError
+
+__all__ = ["build_parser", "main", "run"]
+
+
+def run() -> int:
+    """The ``dlrm-jax`` program: restarts itself once so that host memory (tables, and every
+    buffer of simulated devices) gets transparent huge pages (:mod:`dlrm_jax.hostmem`), then
+    runs :func:`main`. ``DLRM_JAX_HUGE_PAGES=0`` skips the restart."""
+    env = hostmem.huge_pages_environment(dict(os.environ))
+    if env is not None:
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "dlrm_jax", *sys.argv[1:]], env)
+    return main()
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM outside the training loop (whose own handlers finish the step and save)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
+def _stop_on_signals() -> dict:
+    """SIGTERM as SIGINT from the start (loading, compiling, restoring): one line and exit
+    status 128 + signal, where SIGTERM's default action would end the process without a word.
+    Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError):  # no stderr file (main() called in an embedding process)
+        pass
+    handlers = _stop_on_signals()
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        print(f"dlrm-jax: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"dlrm-jax: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
+        if os.environ.get("DLRM_JAX_DEBUG"):
+            raise
+        print(f"dlrm-jax: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if type(e).__name__ != "JaxRuntimeError" or os.environ.get("DLRM_JAX_DEBUG"):
+            raise
+        # A collective failed under us: in a multi-process run, a peer died or disconnected.
+        first = str(e).strip().splitlines()[0][:300]
+        print(f"dlrm-jax: error: {first}; if another process died, the newest checkpoint is intact: "
+              f"restart every process with the same command to resume", file=sys.stderr)
+        return 1
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)

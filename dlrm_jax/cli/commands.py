@@ -1,0 +1,274 @@
+"""What each ``dlrm-jax`` subcommand does: load and check the config (before JAX is imported,
+so a bad key fails in milliseconds and ``mesh.devices`` can still shape the simulated CPU
+devices), then call the library."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from dlrm_jax.config import Config, ConfigError, load_config
+from dlrm_jax.files import check_dir
+from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
+
+
+def _devices_for(cfg: Config) -> int:
+    return cfg.mesh.devices or SIMULATED_DEVICES_DEFAULT
+
+
+def _start_jax(devices: int, args) -> None:
+    """Shape the CPU backend and join the distributed runtime; imports JAX."""
+    processes = getattr(args, "num_processes", None) or 1
+    request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
+    from dlrm_jax.parallel.mesh import initialize_distributed
+
+    initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                           getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300))
+
+
+def _library_logs_to(run_dir: Path) -> None:
+    """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``: their
+    multi-line reports of a failure we already report in one line stay out of the terminal.
+    Every command with a run dir calls this (the others use no library that logs through
+    absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
+    libraries' messages are dropped rather than printed."""
+    import logging
+
+    import jax
+
+    check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
+    index = jax.process_index()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+    except OSError:
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    absl = logging.getLogger("absl")
+    absl.addHandler(handler)
+    absl.propagate = False
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.train.rundir import agree_on_run_dir
+    from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
+
+    run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
+    _log(f"run dir: {run_dir}")
+    _library_logs_to(run_dir)
+    try:
+        summary = train_and_evaluate(cfg, run_dir, log=_log)
+    except Interrupted as e:
+        saved = f"checkpoint saved in {run_dir}; re-run the same command to resume" if e.saved else "nothing saved"
+        print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
+        print(summary.best_line(), flush=True)
+    print(summary.final_line(), flush=True)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    cfg_path = Path(args.run_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
+    cfg = load_config(cfg_path, args.overrides)
+    _start_jax(_devices_for(cfg), args)
+    _library_logs_to(Path(args.run_dir))
+    from dlrm_jax.train.evaluate import evaluate_run
+
+    summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
+    print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f}", flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    cfg_path = Path(args.run_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
+    _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
+    _library_logs_to(Path(args.run_dir))
+    from dlrm_jax.train.export import export_run
+
+    step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
+    print(f"exported step={step} to {args.output}", flush=True)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from dlrm_jax.embedding.plan.planner import (
+        config_plan_report,
+        host_plan_from_config,
+    )
+
+    hosts = cfg.mesh.hosts or 1
+    plan = host_plan_from_config(cfg, _devices_for(cfg), hosts)
+    if cfg.embedding.tables_per_host:
+        print(f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
+              f"host's {plan.num_devices} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)")
+    if cfg.embedding.hot.rows == 0 and not plan.tiered_tables:
+        # Planning needs only the config: no devices, no arrays, no JAX.
+        print(config_plan_report(cfg, plan))
+        return 0
+    # Hot rows are chosen from the data, priced with the engine's own bucket measurement;
+    # tiered tables' fill sizes and hit rates are predicted from the first batches.
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.train.build import build, mesh_from_config
+
+    cfg = resolve_data_config(cfg)
+    plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)
+    print(config_plan_report(cfg, plan))
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    val_fraction = args.val_fraction if args.val_fraction is not None else 0.0 if args.val_input else 0.1
+    if args.val_input and val_fraction:
+        raise ConfigError("--val-input and --val-fraction: give one (the val split is whole files or a fraction)")
+    common = dict(max_ind_range=args.max_ind_range, min_count=args.min_count, vocab_from=args.vocab_from,
+                  val_fraction=val_fraction, val_inputs=args.val_input, skip_bad_lines=args.skip_bad_lines,
+                  workers=args.workers,
+                  shuffle_seed=None if args.no_shuffle else args.seed, shard_mb=args.shard_mb,
+                  progress=not args.no_progress)
+    if args.dataset == "tabular":
+        from dlrm_jax.data.tabular import preprocess_tabular
+
+        joins = dict(j.partition("=")[::2] for j in args.join)
+        if any(not name or not path for name, path in joins.items()) or len(joins) < len(args.join):
+            raise ConfigError(f"--join: expected distinct NAME=PATH values, got {args.join}")
+        report = preprocess_tabular(args.schema, args.input, args.output, joins=joins,
+                                    chunk_lines=args.chunk_lines, **common)
+    else:
+        from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+
+        report = preprocess_criteo(args.input, args.output, multi_hot=_bag_sizes(args.multi_hot),
+                                   block_mb=args.block_mb, **common)
+    print(report.summary(), flush=True)
+    return 0
+
+
+def _bag_sizes(text: str | None) -> tuple[int, ...] | None:
+    """--multi-hot: 'mlperf' or comma-separated bag sizes."""
+    if not text:
+        return None
+    if text == "mlperf":
+        from dlrm_jax.data.multihot import MLPERF_DCNV2_BAG_SIZES
+
+        return MLPERF_DCNV2_BAG_SIZES
+    try:
+        sizes = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--multi-hot: expected 'mlperf' or comma-separated integers, got {text!r}") from None
+    if len(sizes) != 26 or min(sizes) < 1:
+        raise ConfigError(f"--multi-hot: expected 26 bag sizes >= 1, got {len(sizes)}: {text!r}")
+    return sizes
+
+
+def cmd_profile(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    # XLA:CPU records one trace event per executed operation only when asked, before it starts.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
+    _start_jax(_devices_for(cfg), args)
+    from dlrm_jax.bench.profile import profile
+    from dlrm_jax.train.rundir import agree_on_run_dir
+
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:  # runs/profile-<time>, the same on every process
+        agreed = Path(agree_on_run_dir(None))
+        run_dir = agreed.with_name(f"profile-{agreed.name}")
+    _library_logs_to(run_dir)
+    profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=_log)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from dlrm_jax.observe.report import write_report
+
+    run_dirs = [Path(p) for p in args.run_dirs]
+    output = Path(args.output) if args.output else run_dirs[0] / "report"
+    for path in write_report(run_dirs, output):
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+def _tighten_cap(cfg: Config, max_rows: int) -> Config:
+    import dataclasses
+
+    own = cfg.data.max_rows
+    cap = own if not max_rows else (min(own, max_rows) if own else max_rows)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_rows=cap))
+
+
+def cmd_bench(args) -> int:
+    if args.suite == "collectives":
+        _start_jax(args.devices or SIMULATED_DEVICES_DEFAULT, args)
+        from dlrm_jax.bench.collectives import bench_collectives
+
+        bench_collectives(args.devices, args.sizes_kib, args.repeats, args.output, log=_log)
+        return 0
+    if args.suite == "mlp-parallel":
+        overrides = ["mesh.model=2", "train.batch_size=2048", "data.max_rows=1000", *args.overrides]
+        configs = [c for c in args.configs.split(",") if c]
+        _start_jax(max(_devices_for(load_config(c, overrides)) for c in configs), args)
+        from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
+
+        bench_mlp_parallel(configs, overrides, modes=[m for m in args.modes.split(",") if m], steps=args.steps,
+                           repeats=args.repeats, output=args.output, log=_log)
+        return 0
+    if args.suite == "hot":
+        cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.hot import bench_hot
+
+        bench_hot(cfg, steps=args.steps, repeats=args.repeats, zipf=args.zipf,
+                  layouts=[s for s in args.layouts.split(",") if s],
+                  row_layouts=[s for s in args.row_layouts.split(",") if s], output=args.output, log=_log)
+        return 0
+    if args.suite == "tiers":
+        _start_jax(_devices_for(load_config(args.config, args.overrides)), args)
+        from dlrm_jax.bench.tiers import bench_tiers
+
+        bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
+                    fractions=args.fractions, lookaheads=args.lookaheads, zipf=args.zipf,
+                    layout=args.layout, warmup=args.warmup, output=args.output, large_gb=args.large_gb,
+                    large_fraction=args.large_fraction, large_host_fraction=args.large_host_fraction,
+                    tier_dir=args.tier_dir, log=_log)
+        return 0
+    if args.suite == "input":
+        cfg = load_config(args.config, args.overrides)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.input import bench_input
+
+        bench_input(cfg, steps=args.steps, step_steps=args.step_steps, output=args.output, log=_log)
+        return 0
+    if args.suite == "embedding":
+        cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.embedding import bench_embedding
+
+        bench_embedding(cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s],
+                        output=args.output, log=_log)
+        return 0
+    names = [n for n in args.configs.split(",") if n]
+    configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]
+    _start_jax(max(_devices_for(c) for c in configs), args)
+    from dlrm_jax.bench.train import bench_train
+
+    bench_train(dict(zip(names, configs, strict=True)), steps=args.steps, warmup=args.warmup,
+                output=args.output, log=_log)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plan": cmd_plan, "preprocess": cmd_preprocess,
+            "bench": cmd_bench, "report": cmd_report,
+            "profile": cmd_profile}

@@ -1,0 +1,128 @@
+"""Evaluating a model: exact AUC and logloss over the held-out batches (:func:`evaluate`, which
+training calls too), a saved run's checkpoint (:func:`evaluate_run`, read-only), and what a run
+ended with (:class:`RunSummary`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.batch import Batch, DataSource
+from dlrm_jax.data.sources import make_source
+from dlrm_jax.embedding.tiers.runner import TierRunner
+from dlrm_jax.embedding.tiers.setup import tier_root
+from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.observe.metrics import log_loss, roc_auc
+from dlrm_jax.parallel.mesh import (
+    host_scalar,
+)
+from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.progress import (
+    Evaluation,
+    checkpoint_step,
+)
+from dlrm_jax.train.restore import (
+    read_checkpoint,
+    saved_run_config,
+)
+from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.train.watch import LossWatch, TrainingDiverged  # noqa: F401 - TrainingDiverged: the trainer's error
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run ended with; ``final_line()`` is the CLI's contract line. ``best``: the best
+    evaluation of the run (by train.keep_best's metric, or auc), beside the last one in
+    ``auc`` / ``logloss``; ``stop_reason``: why it stopped early ('' if it did not)."""
+
+    step: int
+    loss: float
+    auc: float
+    logloss: float
+    samples_per_s: float
+    best: Evaluation | None = None
+    stop_reason: str = ""
+
+    def final_line(self) -> str:
+        return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
+                f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
+
+    def best_line(self) -> str:
+        b = self.best
+        return f"best step={b.step} auc={b.auc:.6f} logloss={b.logloss:.6f}" if b else ""
+
+    @classmethod
+    def from_event(cls, e: dict) -> RunSummary:
+        """The summary a run's final metrics.jsonl events (merged) record."""
+        best = Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"])) if "best_step" in e else \
+            Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
+        return cls(e["step"], _nan(e["loss"]), _nan(e["auc"]), _nan(e["logloss"]),
+                   _nan(e.get("run_samples_per_s", e["samples_per_s"])), best, e.get("stop_reason", ""))
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
+def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
+             runner: TierRunner | None = None) -> tuple[float, float]:
+    """Exact AUC and logloss over the held-out batches (every process gets the same numbers).
+
+    Processes may hold different numbers of rows of the last, partial batch: each gathers its
+    padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
+    """
+    per_process = steps.cfg.train.batch_size // jax.process_count()
+    probs, labels, valid = [], [], []
+    if steps.per_host and not steps.collection.replicas:  # the model evaluated is the hosts' average
+        state = state._replace(emb=steps.averaged_tables(state.emb))
+    if runner is not None:  # tiered features are pooled on the host from the newest rows
+        runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
+    for batch in source.eval_batches():
+        n = batch.size
+        padded = Batch(*(np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)])
+                         if n < per_process else x for x in batch))
+        if runner is not None:
+            ids_padded, pooled = runner.eval_inputs(state, padded)
+            out = steps.eval_step(state, steps.device_batch(ids_padded),
+                                  jax.device_put(pooled, steps.batch_sharding))
+        else:
+            out = steps.eval_step(state, steps.device_batch(padded))
+        shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+        probs.append(np.concatenate([np.asarray(s.data) for s in shards]))
+        labels.append(padded.labels)
+        valid.append(np.arange(per_process) < n)
+    p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
+    return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
+
+
+def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None,
+                 log=print) -> RunSummary:
+    """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
+    best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
+    training there (nothing in ``run_dir`` is written, moved or deleted)."""
+
+    run_dir = Path(run_dir)
+    cfg = saved_run_config(run_dir, overrides)
+    mesh = mesh_from_config(cfg)
+    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
+    plan, steps = build(cfg, mesh, source, log)
+    step = checkpoint_step(run_dir / "checkpoints", step)
+    step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
+    runner = None
+    try:
+        if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
+            tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
+                                  steps.embedding_key(), log=log, snapshot=step)
+            runner = TierRunner(steps, tiered, 0)
+        auc, ll = evaluate(steps, state, source, runner)
+    finally:
+        if runner is not None:
+            runner.tiered.close()
+    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))
