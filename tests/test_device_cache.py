@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePlan
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.tiers.cache_planner import CacheTooSmall, TableCache, plan_stream
 

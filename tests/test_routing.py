@@ -14,9 +14,6 @@ from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange.routing import (
-    KIND_BLOCK,
-    KIND_CYCLIC,
-    KIND_FIXED,
     Window,
     bucket,
     next_round_limit,
@@ -25,6 +22,7 @@ from dlrm_jax.embedding.exchange.routing import (
     send_buffer,
     slot_index,
 )
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 
 
 def first_window(capacity: int, n: int) -> Window:

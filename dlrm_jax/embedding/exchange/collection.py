@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange import common, pooled, replicated, sharded
+from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
 from dlrm_jax.embedding.exchange.routing import hot_index, route
-from dlrm_jax.embedding.hot.rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.layout import (
     Group,
@@ -57,7 +57,7 @@ class EmbeddingState(NamedTuple):
 
     tables[g]: [rows, width] (sharded groups: rows split over ``devices``, replicated: whole on
     every device); slots[g]: the sparse optimizer's dict of arrays with the same row axis;
-    hot: the replicated hot group (:class:`~dlrm_jax.embedding.hot.rows.HotState`), or None
+    hot: the replicated hot group (:class:`~dlrm_jax.embedding.exchange.hot_rows.HotState`), or None
     when the plan replicates no hot rows.
     """
 

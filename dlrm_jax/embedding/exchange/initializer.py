@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC
-from dlrm_jax.embedding.plan.layout import Group
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, Group
 
 
 def _mix32(x: jax.Array) -> jax.Array:

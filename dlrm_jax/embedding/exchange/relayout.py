@@ -16,16 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.hot_rows import HotState
 from dlrm_jax.embedding.exchange.initializer import logical_rows
-from dlrm_jax.embedding.exchange.routing import (
-    HOT_BUCKET,
+from dlrm_jax.embedding.exchange.routing import HOT_BUCKET, hot_index_buckets
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.layout import (
     KIND_BLOCK,
     KIND_CYCLIC,
-    hot_index_buckets,
+    Group,
+    VirtualTable,
+    build_groups,
 )
-from dlrm_jax.embedding.hot.rows import HotState
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.layout import Group, VirtualTable, build_groups
 
 
 def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:

@@ -17,10 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
-
-KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
-KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = id // block
-KIND_CYCLIC = 2  # row-wise, cyclic: owner = id % N
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 
 
 def route(ids, kind, device, offset, block, num_devices: int):

@@ -16,8 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.embedding.exchange.routing import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, EmbeddingPlan, RowLayout, Strategy
+
+# How a virtual table's ids map to owners (the exchange's routing reads these).
+KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
+KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = id // block
+KIND_CYCLIC = 2  # row-wise, cyclic: owner = id % N
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""The package's layers: every import points down (docs/architecture.md, "Code layout")."""
+
+import ast
+from pathlib import Path
+
+import dlrm_jax
+
+# Bottom first. A module may import its own unit and the units before it, never one after.
+LAYERS = [
+    ("config_schema", "config", "files", "hostmem", "config_doc"),
+    ("parallel",),
+    ("observe",),
+    ("data",),
+    ("embedding.plan",),
+    ("embedding.exchange",),
+    ("embedding.hot",),
+    ("embedding.tiers",),
+    ("model",),
+    ("train",),
+    ("bench",),
+    ("cli",),
+    ("__main__",),
+]
+RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+ROOT = Path(dlrm_jax.__file__).parent
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")[1:]
+    if parts[:1] == ["embedding"] and len(parts) > 1:
+        return "embedding." + parts[1]
+    return parts[0]
+
+
+def imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dlrm_jax."):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            # `from dlrm_jax.embedding.hot import refresh`: the module imported is the name
+            yield from (n if unit_of(n) != unit_of(node.module) or node.module.count(".") < 2 else node.module
+                        for n in names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("dlrm_jax."))
+
+
+def test_every_import_points_down():
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if module in ("dlrm_jax", "dlrm_jax.embedding"):
+            continue  # the public API re-exports from every layer (lazily); a docstring
+        unit = unit_of(module)
+        assert unit in RANK, f"{module}: unit {unit} has no layer in LAYERS"
+        for target in imports(path):
+            if target.split(".")[1] == "embedding" and target.count(".") == 1:
+                continue
+            to = unit_of(target)
+            if to != unit and RANK.get(to, -1) > RANK[unit]:
+                wrong.append(f"{module} imports {target} ({to} is above {unit})")
+    assert not wrong, "\n".join(wrong)
