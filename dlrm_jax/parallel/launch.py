@@ -105,11 +105,14 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
     first = None
     try:
         while [c.proc.poll() for c in children].count(None):  # polls each (any() would stop early)
-            ended = [c for c in children if c.proc.returncode not in (None, 0)]
-            if ended and first is None:
-                # a process killed from outside first, before the ones the runtime aborted for it
+            if first is None and any(c.proc.returncode not in (None, 0) for c in children):
+                # The others' own lines, when they already know; and a survivor that the runtime
+                # aborted (gloo, on the broken connection) can end before the killed process is
+                # reaped: look again before naming who was lost.
+                time.sleep(1.0)
+                ended = [c for c in children if c.proc.poll() not in (None, 0)]
+                # a process ended from outside first, before the ones the runtime aborted for it
                 first = min(ended, key=lambda c: (c.proc.returncode == -signal.SIGABRT, c.index))
-                time.sleep(0.5)  # the others' own lines, when they already know
                 for c in children:
                     if c.proc.poll() is None:
                         c.proc.kill()
