@@ -8,9 +8,8 @@ import faulthandler
 import os
 import signal
 import sys
-import threading
 
-from dlrm_jax import hostmem
+from dlrm_jax import hostmem, stopping
 from dlrm_jax.cli.commands import COMMANDS
 from dlrm_jax.cli.parser import build_parser
 from dlrm_jax.config import ConfigError
@@ -29,27 +28,6 @@ def run() -> int:
     return main()
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM outside the training loop (whose own handlers finish the step and save)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum, frame):
-    raise _Stopped(signum)
-
-
-def _stop_on_signals() -> dict:
-    """SIGTERM as SIGINT from the start (loading, compiling, restoring): one line and exit
-    status 128 + signal, where SIGTERM's default action would end the process without a word.
-    Returns the handlers to put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
@@ -57,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     except (AttributeError, ValueError):  # no stderr file (main() called in an embedding process)
         pass
-    handlers = _stop_on_signals()
+    restore_signals = stopping.stop_on_signals()
     try:
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        stopping.raise_if_stopped()  # a signal whose exception Python swallowed (see stopping)
+        return status
     except ConfigError as e:
         print(f"dlrm-jax: config error: {e}", file=sys.stderr)
         return 2
@@ -81,5 +61,4 @@ def main(argv: list[str] | None = None) -> int:
               f"restart every process with the same command to resume", file=sys.stderr)
         return 1
     finally:
-        for sig, old in handlers.items():
-            signal.signal(sig, old)
+        restore_signals()

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from dlrm_jax import stopping
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
@@ -87,6 +88,7 @@ class _StopSignals:
         self.signum, self._old = None, {}
 
     def __enter__(self):
+        stopping.raise_if_stopped()  # a signal before the loop whose exception was swallowed
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
