@@ -160,7 +160,10 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     # The supervisor stops process 0 and says, in one line, who was lost and how to resume;
     # jaxlib's native abort reports (if any came) stay out of the terminal.
     ends = [x for x in out.splitlines() if x.startswith("[launch] process 1 was ended by SIGKILL")]
-    assert len(ends) == 1 and "the newest checkpoint is intact: run `" in ends[0] and "to resume" in ends[0], out[-3000:]
+    logs = "".join(f"\n--- {p.name}, its end:\n" + p.read_text()[-1500:]
+                   for p in sorted((tmp_path / "cut" / "launch").glob("p*.log")))  # fmt: skip
+    assert len(ends) == 1 and "the newest checkpoint is intact: run `" in ends[0] and "to resume" in ends[0], (
+        f"killed {killed - deadline + 240:.2f} s after the wait began\n" + out[-3000:] + logs)
     assert not [x for x in out.splitlines() if "Check failure stack trace" in x or x.lstrip("[p01] ").startswith("@ 0x")]
 
     again = launch_local(cut_args, tmp_path, env)

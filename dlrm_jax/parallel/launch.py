@@ -89,6 +89,20 @@ class _Child:
         self._log.close()
 
 
+def signal_pending(pid: int, signum: int = signal.SIGKILL) -> bool:
+    """Whether ``signum`` (a SIGKILL) already sent to ``pid`` waits on one of its threads
+    (Linux: the SigPnd/ShdPnd masks in /proc); False where that cannot be read."""
+    bit = 1 << (signum - 1)
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                if any(line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & bit for line in f):
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
     """Runs one child per argv until all end; returns the first abnormal status (0 if none)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -102,30 +116,30 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
                 c.proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    first = None
+    stopped_here, stopping = set(), False
     try:
         while [c.proc.poll() for c in children].count(None):  # polls each (any() would stop early)
-            if first is None and any(c.proc.returncode not in (None, 0) for c in children):
-                # The others' own lines, when they already know; and a survivor that the runtime
-                # aborted (gloo, on the broken connection) can end before the killed process is
-                # reaped: look again before naming who was lost.
-                time.sleep(1.0)
-                ended = [c for c in children if c.proc.poll() not in (None, 0)]
-                # a process ended from outside first, before the ones the runtime aborted for it
-                first = min(ended, key=lambda c: (c.proc.returncode == -signal.SIGABRT, c.index))
+            if not stopping and any(c.proc.returncode not in (None, 0) for c in children):
+                time.sleep(1.0)  # the others' own lines, when they already know
                 for c in children:
-                    if c.proc.poll() is None:
+                    # A process killed from outside while one of its threads sleeps in the
+                    # kernel (an fsync) ends only when that call returns, maybe after the
+                    # survivor that gloo aborted for it: dying already, not ours to stop.
+                    if c.proc.poll() is None and not signal_pending(c.proc.pid):
                         c.proc.kill()
+                        stopped_here.add(c.index)
+                stopping = True
             time.sleep(0.1)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     for c in children:
         c.join()
-    if first is None:
-        first = next((c for c in children if c.proc.returncode != 0), None)
-    if first is None:
+    ended = [c for c in children if c.proc.returncode != 0]
+    if not ended:
         return 0
+    # the one ended from outside, before the ones the runtime aborted for it and the ones stopped here
+    first = min(ended, key=lambda c: (c.index in stopped_here, c.proc.returncode == -signal.SIGABRT, c.index))
     rc = first.proc.returncode
     because = f": {first.last_error.removeprefix('dlrm-jax: ')}" if first.last_error else ""
     others = [c for c in children if c is not first]
