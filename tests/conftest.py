@@ -19,6 +19,47 @@ from dlrm_jax.config import load_config  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def _compile_identical_programs_once():
+    """Tests build the same programs many times (every run, resume and restore makes new
+    closures, so jit's own caches miss) and compiling is most of the suite's time. XLA's
+    persistent cache would dedupe them but crashes on load in jaxlib 0.10.2 (above), so this
+    process keeps each loaded executable by what the persistent cache keys on: the program's
+    bytecode (debug info stripped), its compile options and its devices. Programs with host
+    callbacks are always compiled."""
+    import io
+    from collections import OrderedDict
+
+    from jax._src import compiler
+    from jax._src.lib.mlir import passmanager
+
+    compile_and_load = compiler.backend_compile_and_load
+    executables: OrderedDict = OrderedDict()
+
+    def program_key(module, devices, options) -> tuple:
+        with module.context:
+            bare = module.operation.clone()
+            passmanager.PassManager.parse("builtin.module(strip-debuginfo)").run(bare)
+        code = io.BytesIO()
+        bare.write_bytecode(file=code)
+        return code.getvalue(), options.SerializeAsString(), tuple(d.id for d in devices)
+
+    def compile_once(backend, module, executable_devices, options, host_callbacks):
+        if host_callbacks:
+            return compile_and_load(backend, module, executable_devices, options, host_callbacks)
+        key = (id(backend), *program_key(module, executable_devices, options))
+        if key not in executables:
+            executables[key] = compile_and_load(backend, module, executable_devices, options, host_callbacks)
+            if len(executables) > 512:
+                executables.popitem(last=False)
+        executables.move_to_end(key)
+        return executables[key]
+
+    compiler.backend_compile_and_load = compile_once
+
+
+_compile_identical_programs_once()
+
+
 def tiny_config(*overrides: str):
     """A small config that compiles and runs in about a second."""
     return load_config(None, [
