@@ -100,13 +100,19 @@ def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
 
 
 def test_loss_trajectories_agree_across_strategies(tmp_path):
-    """ARCHITECTURE.md section 3: the plan never changes the math (relative 1e-4, 30 steps)."""
+    """ARCHITECTURE.md section 3: the plan never changes the math (relative 1e-4, 30 steps).
+    In this process, through the function ``train`` calls (the command itself is tested above):
+    the programs the strategies share are compiled once."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.train.trainer import train_and_evaluate
+
     curves = {}
     for s in ("replicated", "table", "row", "column", "auto"):
         run = tmp_path / s
-        cli("train", *SMOKE, "--set", f"embedding.sharding={s}", "--set", "mesh.devices=8",
-            "--set", "embedding.optimizer=adagrad", "--set", "train.steps=30", "--set", "train.log_every=3",
-            "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", "--run-dir", str(run))
+        cfg = load_config(Path(__file__).parents[1] / "configs" / "smoke.yaml", [
+            "train.progress_bar=false", f"embedding.sharding={s}", "mesh.devices=8", "embedding.optimizer=adagrad",
+            "train.steps=30", "train.log_every=3", "train.eval_every=0", "train.checkpoint_every=0"])
+        train_and_evaluate(cfg, run, log=lambda *_: None)
         curves[s] = [e["loss"] for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
         assert s == "auto" or f" {s}" in (run / "plan.txt").read_text()
     for s, curve in curves.items():
