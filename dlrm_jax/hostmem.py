@@ -1,4 +1,5 @@
-"""Host memory of this process: current and peak resident set size (Linux ``/proc``).
+"""Host memory of this process: current and peak resident set size (Linux ``/proc``), and how
+the C library's allocator is asked to treat it (huge pages; freed buffers kept for reuse).
 
 On simulated CPU devices every device buffer is host memory, so the process's peak RSS is the
 memory of the whole mesh: what the plan's bytes are compared with.
@@ -6,6 +7,7 @@ memory of the whole mesh: what the plan's bytes are compared with.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 from pathlib import Path
 
@@ -74,3 +76,32 @@ def huge_pages_environment(environ: dict[str, str]) -> dict[str, str] | None:
 def huge_page_bytes() -> int:
     """Bytes of this process's memory on transparent huge pages (0 where unknown)."""
     return (_status_kib("AnonHugePages", Path("/proc/self/smaps_rollup")) or 0) * 1024
+
+
+# ---------------------------------------------------------------- freed buffers kept for reuse
+# glibc hands a freed block of 128 KiB or more back to the kernel (munmap, or a trim of the
+# heap's top), so the next step's buffers of the same size are fresh pages: each 4 KiB page
+# faults and is zeroed again. A batch of 65,536 rows is a few buffers of megabytes each, and a
+# step frees and allocates dozens (every output and temporary of the CPU programs, the readers'
+# batches): here 3,000-4,000 faults and 7-11 ms of kernel time per synthetic batch, more than
+# making it took. Raising both thresholds keeps freed blocks in the process for the next
+# allocation, as TCMalloc and jemalloc do. Blocks over 32 MiB (glibc's ceiling for the mmap
+# threshold on 64-bit) are still mapped afresh each time.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 1 << 30  # freed memory a heap keeps before it is returned to the kernel
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed buffers up to 32 MiB for reuse instead of returning them
+    to the kernel (see above); for the whole process, from now on. False where the C library
+    is not glibc (nothing changed). :func:`dlrm_jax.train_and_evaluate` and the ``dlrm-jax``
+    program call it."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mmap threshold first: setting it also ends glibc's dynamic adjustment of both
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

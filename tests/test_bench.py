@@ -111,6 +111,39 @@ def test_huge_pages_environment():
     assert hostmem.huge_pages_environment({"DLRM_JAX_HUGE_PAGES": "0"}) is None
 
 
+_STEPS_OF_BUFFERS = """
+import resource, sys, numpy as np
+from dlrm_jax import hostmem
+if sys.argv[1] == "keep":
+    assert hostmem.keep_freed_memory()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step():  # a step's buffers: a few of megabytes, all freed together
+    buffers = [np.ones(1 << 21, np.int32) for _ in range(4)]
+for _ in range(3):
+    step()
+before = faults()
+for _ in range(20):
+    step()
+print(faults() - before)
+"""
+
+
+def test_freed_buffers_are_reused_not_faulted_in_again():
+    """glibc's default returns a step's freed buffers to the kernel and faults them in again
+    the next step; with ``keep_freed_memory`` the next step reuses them: no page faults."""
+    import subprocess
+    import sys
+
+    def faults(mode):
+        env = child_env(drop=("GLIBC_TUNABLES",))  # no huge pages: faults count 4 KiB pages
+        run = subprocess.run([sys.executable, "-c", _STEPS_OF_BUFFERS, mode], env=env, check=True,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        return int(run.stdout)
+
+    kept, default = faults("keep"), faults("default")
+    assert kept <= 10 < 40 <= default, (kept, default)  # here: 0 and ~40,000
+
+
 def test_collectives_bench_reports_both_bandwidths(tmp_path):
     from dlrm_jax.bench.collectives import bench_collectives
 

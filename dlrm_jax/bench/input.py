@@ -20,7 +20,7 @@ import jax
 from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.train import time_train_step
-from dlrm_jax.data.pipeline import InputPipeline
+from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.build import build, mesh_from_config
 
@@ -39,9 +39,11 @@ def time_pipeline(cfg, steps: int) -> dict:
     hostmem.reset_peak_rss()
     if device_batches is not None:  # generated on the devices: dispatched ahead, no host copy
         make = device_batches(fns.batch_sharding)
-        jax.block_until_ready([make(step) for step in range(2)])
-        t0 = time.perf_counter()
-        jax.block_until_ready([make(step) for step in range(2, 2 + steps)])
+        # as training takes them: data.prefetch batches in flight, each awaited in turn
+        for i, item in enumerate(dispatched_ahead(make, range(steps + 2), cfg.data.prefetch)):
+            jax.block_until_ready(item.device)
+            if i == 1:
+                t0 = time.perf_counter()
         pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
     else:
         with InputPipeline(source.train_batch, range(steps + 2), to_device=fns.device_batch,

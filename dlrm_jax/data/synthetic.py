@@ -24,7 +24,7 @@ the devices (uint32 wraps in both; no x64), and the two give the same batches bi
 
 Threads: the host path (``raw``, ``batch``, :class:`SyntheticSource`'s ``train_batch``) is
 numpy on whichever thread calls it, ``CHUNK`` rows at a time. The device path
-(:meth:`SyntheticGenerator.device_batches`) dispatches three jitted programs without
+(:meth:`SyntheticGenerator.device_batches`) dispatches five jitted programs without
 collectives: call it from the thread that dispatches the train step.
 """
 
@@ -58,9 +58,6 @@ from dlrm_jax.data.synthetic_draws import (  # noqa: F401 - mix64, mix32, zipf_i
 
 CHUNK = 8192  # rows the host evaluates at once (bounds temporaries; no part of the data)
 TRAIN_STREAM, EVAL_STREAM, CALIBRATION_STREAM = 0, 1, 2
-# XLA:CPU runs [n, m] loops with m < 16 (the AVX-512 int32 lanes) about 5x slower per element,
-# so the dense columns are evaluated padded to _LANES (zero weight, dropped from the outputs).
-_LANES = 16
 _LATENT = 4  # width of the hidden id vectors (the four bytes of a word)
 _ID, _COUNT, _MISSING, _BAG, _NEG, _LABEL, _SCORE, _VECTOR = range(1, 9)  # kinds of fields
 
@@ -85,8 +82,7 @@ class RawSamples(NamedTuple):
 
 class _Tables(NamedTuple):
     """What the definition reads besides static shapes: numpy on the host, replicated
-    jax.Arrays on the devices. S slots (bag positions), F features, D dense columns, L = D
-    padded to ``_LANES``, K bins."""
+    jax.Arrays on the devices. S slots (bag positions), F features, D dense columns, K bins."""
 
     id_bins: np.ndarray  # int32 [2, F * (2K - 1)]  rank quantile tables
     id_base: np.ndarray  # int32 [S]  offset of each slot's table
@@ -96,10 +92,10 @@ class _Tables(NamedTuple):
     id_inv: np.ndarray  # float32 [S]  1 / rows
     id_key: np.ndarray  # uint32 [S]  hash key of the hidden model's per-id words
     count_bins: np.ndarray  # int32 [2, D * (2K - 1)]
-    count_base: np.ndarray  # int32 [L]
+    count_base: np.ndarray  # int32 [D]
     log1p: np.ndarray  # float32 [C]  log1p(c), rounded from float64, for every count c drawn
     noise_bins: np.ndarray  # int32 [2, 2K - 1]  the labels' logistic noise
-    dense_w: np.ndarray  # int32 [L]  logit per dense feature, in 2**-16 per 2**-8
+    dense_w: np.ndarray  # int32 [D]  logit per dense feature, in 2**-16 per 2**-8
     feature_w: np.ndarray  # int32 [F]  logit per unit of a per-id score
     bias: np.ndarray  # int32 []
 
@@ -111,7 +107,6 @@ class SyntheticGenerator:
                  bag_sizes: tuple[int, ...], zipf_exponent: float, positive_rate: float,
                  id_layout: str = "permuted"):  # fmt: skip
         self.seed, self.num_dense = seed, num_dense
-        self.lanes = max(num_dense, _LANES) if num_dense else 0  # dense columns evaluated
         self.table_rows, self.bag_sizes = tuple(table_rows), tuple(bag_sizes)
         self.zipf_exponent, self.permuted = zipf_exponent, id_layout == "permuted"
         self.slot_feature = np.repeat(np.arange(len(table_rows)), self.bag_sizes)  # [S]
@@ -129,7 +124,7 @@ class SyntheticGenerator:
         self.host = self.host._replace(bias=np.int32(bias))
 
     def _tables(self, dense_w: np.ndarray, feature_w: np.ndarray) -> _Tables:
-        rows, pad = self.table_rows, (0, self.lanes - self.num_dense)
+        rows = self.table_rows
         perm = [_permutation(r, f) if self.permuted else (1, 0) for f, r in enumerate(rows)]
         slot = lambda v, dtype=np.uint32: np.asarray(v, dtype)[self.slot_feature]  # noqa: E731
         count_bins = [_count_bins(mu) for mu in self._count_mu] or [np.ones((2, 1), np.int32)]
@@ -140,14 +135,16 @@ class SyntheticGenerator:
             id_rows=slot(rows), id_inv=slot(1 / np.asarray(rows, np.float32), np.float32),
             id_key=slot([_fold(self.seed, _SCORE, f) for f in range(len(rows))]),
             count_bins=np.concatenate(count_bins, axis=1),
-            count_base=np.pad(np.arange(self.num_dense, dtype=np.int32) * (2 * _BINS - 1), pad),
+            count_base=np.arange(self.num_dense, dtype=np.int32) * (2 * _BINS - 1),
             noise_bins=_noise_bins(),
             log1p=normalise_dense(np.arange(max(lo[-1] + w[-1] for lo, w in count_bins)), False),
-            dense_w=np.pad(np.round(dense_w * 2 ** (_FIX - 8)).astype(np.int32), pad),
+            dense_w=np.round(dense_w * 2 ** (_FIX - 8)).astype(np.int32),
             feature_w=np.round(feature_w * 2**_FIX / _BYTES_STD).astype(np.int32),
             bias=np.int32(0))  # fmt: skip
 
     # ---------------------------------------------------------------- the definition
+    # Arrays are field-major, [fields, n] (``_dn``: D dense columns, ``_sn``: S slots): XLA:CPU
+    # vectorises a loop over the rows, and a few fields in the inner loop run 1.5-5x slower.
     def _row_keys(self, xp, stream: int, step, rows_n):
         """uint32 [n]: the key of each global row ``rows_n`` of batch ``step`` of ``stream``."""
         s = xp.asarray(step).astype(xp.uint32)
@@ -156,74 +153,77 @@ class SyntheticGenerator:
         return mix32(mix32(rows_n * xp.uint32(0x85EBCA6B) + k1, xp) ^ k2, xp)
 
     def _features(self, xp, t: _Tables, key_n):
-        """(counts_nl int32, missing_nl bool, ids_ns int32) of the rows with keys ``key_n``;
-        dense columns past ``num_dense`` are padding for the callers to drop."""
-        counts_nl = _draw_fields(xp, t.count_bins, t.count_base, key_n, _COUNT, self.lanes)
-        missing_nl = _words(xp, key_n, _fields(_MISSING, self.lanes)) >> 16 < round(0.1 * 2**16)
-        if self.num_dense > 1:  # Criteo's second integer feature can be negative
-            w_n = _words(xp, key_n, _fields(_NEG, 1))[:, 0]
+        """(counts_dn int32, missing_dn bool, ids_sn int32) of the rows with keys ``key_n``."""
+        d = self.num_dense
+        counts_dn = _draw_fields(xp, t.count_bins, t.count_base, key_n, _COUNT, d)
+        missing_dn = _words(xp, key_n, _fields(_MISSING, d)) >> 16 < round(0.1 * 2**16)
+        if d > 1:  # Criteo's second integer feature can be negative
+            w_n = _words(xp, key_n, _fields(_NEG, 1))[0]
             value_n = -1 - (((w_n & xp.uint32(0xFFFF)) * 3) >> 16).astype(xp.int32)
             negative_n = (w_n >> 16) < round(0.05 * 2**16)
-            counts_nl = xp.where(negative_n[:, None] & (np.arange(self.lanes) == 1),
-                                 value_n[:, None], counts_nl)  # fmt: skip
-        return counts_nl, missing_nl, self._ids(xp, t, key_n)
+            counts_dn = xp.where(negative_n & (np.arange(d) == 1)[:, None], value_n, counts_dn)
+        return counts_dn, missing_dn, self._ids(xp, t, key_n)
 
     def _ids(self, xp, t: _Tables, key_n):
-        rank_ns = _draw_fields(xp, t.id_bins, t.id_base, key_n, _ID, len(self.slot_feature))
+        column = lambda v: v[:, None]  # noqa: E731 - a per-slot constant against the rows
+        rank_sn = _draw_fields(xp, t.id_bins, t.id_base, key_n, _ID, len(self.slot_feature))
         if self.permuted:
-            rank_ns = _permute(xp, rank_ns, t.id_mult, t.id_shift, t.id_rows, t.id_inv)
+            rank_sn = _permute(xp, rank_sn, *map(column, (t.id_mult, t.id_shift, t.id_rows, t.id_inv)))
         bags = np.asarray(self.bag_sizes)
         if bags.max() == 1:
-            return rank_ns
+            return rank_sn
         multi = np.flatnonzero(bags > 1)
-        length_nm = ((_words(xp, key_n, _fields(_BAG, len(multi))) >> 16) * (bags[multi] + 1)) >> 16
-        column = np.maximum(np.cumsum(bags > 1) - 1, 0)[self.slot_feature]  # [S]
-        length_ns = xp.where(bags[self.slot_feature] > 1, length_nm.astype(xp.int32)[:, column], 1)
-        valid_ns = length_ns > np.concatenate([np.arange(b) for b in bags])
-        return xp.where(valid_ns, rank_ns, PAD_ID)
+        length_mn = ((_words(xp, key_n, _fields(_BAG, len(multi))) >> 16) * column(bags[multi] + 1)) >> 16
+        row = np.maximum(np.cumsum(bags > 1) - 1, 0)[self.slot_feature]  # [S]
+        length_sn = xp.where(column(bags[self.slot_feature] > 1), length_mn.astype(xp.int32)[row], 1)
+        valid_sn = length_sn > column(np.concatenate([np.arange(b) for b in bags]))
+        return xp.where(valid_sn, rank_sn, PAD_ID)
 
     @staticmethod
-    def _present(xp, counts_nl, missing_nl):
-        """int32 [n, L]: the counts the dense features see: missing ones and negatives are 0."""
-        return xp.where(missing_nl, 0, xp.maximum(counts_nl, 0))
+    def _present(xp, counts_dn, missing_dn):
+        """int32 [D, n]: the counts the dense features see: missing ones and negatives are 0."""
+        return xp.where(missing_dn, 0, xp.maximum(counts_dn, 0))
 
     @staticmethod
-    def _dense(xp, t: _Tables, present_nl):
-        """float32 [n, L]: the DLRM dense features, log1p of the present counts, by table:
+    def _dense(xp, t: _Tables, present_dn):
+        """float32 [D, n]: the DLRM dense features, log1p of the present counts, by table:
         equal to :func:`normalise_dense` bit for bit, in numpy and in XLA."""
-        return xp.take(t.log1p, present_nl)
+        return xp.take(t.log1p, present_dn)
 
-    def _labels(self, xp, t: _Tables, key_n, dense_nl, ids_ns):
+    @staticmethod
+    def _noise(xp, t: _Tables, key_n):
+        """int32 [n]: the labels' logistic noise."""
+        return _draw_fields(xp, t.noise_bins, np.zeros(1, np.int32), key_n, _LABEL, 1)[0]
+
+    def _labels(self, xp, t: _Tables, noise_n, dense_dn, ids_sn):
         """(labels_n bool, logit_n int32): Bernoulli(sigmoid(logit)) by logistic noise."""
-        logit_n = self._logit(xp, t, dense_nl, ids_ns)
-        noise_n = _draw_fields(xp, t.noise_bins, 0, key_n, _LABEL, 1)[:, 0]
+        logit_n = self._logit(xp, t, dense_dn, ids_sn)
         return logit_n + noise_n > 0, logit_n
 
-    def _logit(self, xp, t: _Tables, dense_nl, ids_ns):
-        """int32 [n]: the hidden model's logit in units of 2**-16."""
-        fixed_nl = xp.floor(dense_nl * xp.float32(256.0)).astype(xp.int32)  # exact
-        logit_n = (fixed_nl * t.dense_w).sum(1, dtype=xp.int32) + t.bias
-        valid_ns = None if max(self.bag_sizes) == 1 else ids_ns != PAD_ID
-        word_ns = mix32(ids_ns.astype(xp.uint32) ^ t.id_key, xp)
-        score_ns = _byte_sum(xp, word_ns)
-        if valid_ns is not None:
-            score_ns = xp.stack([_bag_mean(xp, score_ns[:, a:b], valid_ns[:, a:b])
-                                 for a, b in self.spans], axis=1)  # fmt: skip
-        logit_n = logit_n + (score_ns * t.feature_w).sum(1, dtype=xp.int32)
-        vectors = {f: self._vector(xp, word_ns, valid_ns, f) for pair in self._pairs for f in pair}
+    def _logit(self, xp, t: _Tables, dense_dn, ids_sn):
+        """int32 [n]: the hidden model's logit in units of 2**-16 (int32 sums: exact in any order)."""
+        fixed_dn = xp.floor(dense_dn * xp.float32(256.0)).astype(xp.int32)  # exact
+        logit_n = _sum_rows(fixed_dn * t.dense_w[:, None]) + t.bias
+        valid_sn = None if max(self.bag_sizes) == 1 else ids_sn != PAD_ID
+        word_sn = mix32(ids_sn.astype(xp.uint32) ^ t.id_key[:, None], xp)
+        score_fn = _byte_sum(xp, word_sn)
+        if valid_sn is not None:
+            score_fn = xp.stack([_bag_mean(xp, score_fn[a:b], valid_sn[a:b]) for a, b in self.spans])
+        logit_n = logit_n + _sum_rows(score_fn * t.feature_w[:, None])
+        vectors = {f: self._vector(xp, word_sn, valid_sn, f) for pair in self._pairs for f in pair}
         dot_n = sum(vectors[f][k] * vectors[g][k] for f, g in self._pairs for k in range(_LATENT))
         return logit_n + ((dot_n * 3) >> 1)  # 0.5 / _BYTES_STD**2 * 2**16 = 1.5 a unit
 
-    def _vector(self, xp, word_ns, valid_ns, f: int) -> list:
+    def _vector(self, xp, word_sn, valid_sn, f: int) -> list:
         """Feature ``f``'s hidden vector, ``_LATENT`` int32 [n]: centred bytes of a hash of the
         id (uniform, std ``_BYTES_STD``), averaged over the bag."""
         a, b = self.spans[f]
-        w_nb = mix32(word_ns[:, a:b] ^ _fields(_VECTOR, 1)[0], xp)
-        parts = [((w_nb >> 8 * k) & xp.uint32(0xFF)).astype(xp.int32) * 2 - 255
+        w_bn = mix32(word_sn[a:b] ^ _fields(_VECTOR, 1)[0], xp)
+        parts = [((w_bn >> 8 * k) & xp.uint32(0xFF)).astype(xp.int32) * 2 - 255
                  for k in range(_LATENT)]  # fmt: skip
         if b - a == 1:
-            return [p[:, 0] for p in parts]
-        return [_bag_mean(xp, p, valid_ns[:, a:b]) for p in parts]
+            return [p[0] for p in parts]
+        return [_bag_mean(xp, p, valid_sn[a:b]) for p in parts]
 
     def _calibrate(self, positive_rate: float) -> float:
         """The bias that gives the requested click-through rate, by bisection on a sample."""
@@ -245,9 +245,8 @@ class SyntheticGenerator:
                 key_n = self._row_keys(np, stream, step, rows_n)
                 counts, missing, ids = self._features(np, self.host, key_n)
                 dense = self._dense(np, self.host, self._present(np, counts, missing))
-                labels, logit = self._labels(np, self.host, key_n, dense, ids)
-                d = self.num_dense
-                parts.append((counts[:, :d], missing[:, :d], ids, labels, logit))
+                labels, logit = self._labels(np, self.host, self._noise(np, self.host, key_n), dense, ids)
+                parts.append((counts.T, missing.T, ids.T, labels, logit))
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
 
     def raw(self, stream: int, step: int, lo: int, hi: int) -> RawSamples:
@@ -275,9 +274,12 @@ class SyntheticGenerator:
 
 
 class _DeviceBatches:
-    """The device path: three jitted programs, the rows' keys, the features, then the labels
-    and dense features; in one program XLA:CPU recomputes keys, hashes and gathers in every
-    loop that reads them."""
+    """The device path: five jitted programs, the rows' keys, the features (and the labels'
+    noise), the labels and dense features, then each field-major output in the batch's
+    row-major layout. In one program XLA:CPU would recompute keys, hashes and gathers in every
+    loop that reads them, and a transpose fused with the arithmetic that feeds it, or with a
+    second transpose, runs 3x slower than on its own (5.8 against 8.7 ms a batch of 65,536 for
+    three programs row-major, 1 CPU device)."""
 
     def __init__(self, gen: SyntheticGenerator, stream: int, global_batch: int, sharding):
         import jax  # here, not at the top: the host path and its users need no jax
@@ -293,38 +295,54 @@ class _DeviceBatches:
         everywhere = NamedSharding(mesh, P())  # make_array_*: also with several processes
         self.tables = jax.tree.map(lambda x: jax.make_array_from_callback(
             np.shape(x), everywhere, lambda i: np.asarray(x)[i]), gen.host)
-        on_devices = lambda fn, *specs: jax.jit(jax.shard_map(  # noqa: E731
-            fn, mesh=mesh, in_specs=(P(), *specs), out_specs=P(axes)))
-        self.keys = on_devices(self._keys, P())
-        self.features = on_devices(self._features, P(axes))
-        self.finish = on_devices(self._finish, *[P(axes)] * 3)
+        rows, fields = P(axes), P(None, axes)  # [n] and field-major [m, n], split by rows
+        on_devices = lambda fn, ins, outs: jax.jit(jax.shard_map(  # noqa: E731
+            fn, mesh=mesh, in_specs=(P(), *ins), out_specs=outs))
+        self.keys = on_devices(self._keys, [P()], rows)
+        self.features = on_devices(self._features, [rows], (fields, fields, rows))
+        self.finish = on_devices(self._finish, [rows, fields, fields], (fields, rows))
+        # one transpose a program: XLA:CPU runs a lone transpose 3-4x faster than two together
+        self.row_major = on_devices(lambda t, x: x.T, [fields], rows)
 
     def __call__(self, step) -> Batch:
         key_n = self.keys(self.tables, step)
-        present_nl, ids_ns = self.features(self.tables, key_n)
-        dense_nd, labels_n = self.finish(self.tables, key_n, present_nl, ids_ns)
-        return Batch(dense_nd, ids_ns, labels_n)
+        present_dn, ids_sn, noise_n = self.features(self.tables, key_n)
+        dense_dn, labels_n = self.finish(self.tables, noise_n, present_dn, ids_sn)
+        t = self.tables
+        return Batch(self.row_major(t, dense_dn), self.row_major(t, ids_sn), labels_n)
 
     def _keys(self, t: _Tables, step):  # of this device's rows
         xp, first = self.xp, self.jax.lax.axis_index(self.axes).astype(self.xp.uint32) * self.per
         rows_n = first + xp.arange(self.per, dtype=xp.uint32)
         return self.gen._row_keys(xp, self.stream, step, rows_n)
 
-    def _features(self, t: _Tables, key_n):  # -> (present_nl, ids_ns)
-        counts_nl, missing_nl, ids_ns = self.gen._features(self.xp, t, key_n)
-        return self.gen._present(self.xp, counts_nl, missing_nl), ids_ns
+    def _features(self, t: _Tables, key_n):  # -> (present_dn, ids_sn, noise_n)
+        xp, gen = self.xp, self.gen
+        counts_dn, missing_dn, ids_sn = gen._features(xp, t, key_n)
+        # the noise here: fused with the logit's loop, its gathers slow that loop 5x
+        return gen._present(xp, counts_dn, missing_dn), ids_sn, gen._noise(xp, t, key_n)
 
-    def _finish(self, t: _Tables, key_n, present_nl, ids_ns):  # -> (dense_nd, labels_n)
-        xp, gen, d = self.xp, self.gen, self.gen.num_dense
-        labels_n, _ = gen._labels(xp, t, key_n, gen._dense(xp, t, present_nl), ids_ns)
-        # the output's own gather: XLA:CPU would materialise one shared with the labels
-        return gen._dense(xp, t, present_nl[:, :d]), labels_n.astype(xp.float32)
+    def _finish(self, t: _Tables, noise_n, present_dn, ids_sn):  # -> (dense_dn, labels_n)
+        xp, gen = self.xp, self.gen
+        dense_dn = gen._dense(xp, t, present_dn)
+        labels_n, _ = gen._labels(xp, t, noise_n, dense_dn, ids_sn)
+        return dense_dn, labels_n.astype(xp.float32)
 
 
-def _bag_mean(xp, v_nb, valid_nb):
-    """int32 [n]: the floor mean of ``v_nb`` over each row's valid slots (0 for an empty bag)."""
-    count_n = xp.maximum(valid_nb.sum(1, dtype=xp.int32), 1)
-    return xp.where(valid_nb, v_nb, 0).sum(1, dtype=xp.int32) // count_n
+def _sum_rows(x_mn):
+    """int32 [n]: the sum of the m rows, written out: XLA:CPU runs a fused reduce over the
+    leading axis one element at a time, the adds of whole rows vectorised (int32 wraps: the
+    same sum in any order)."""
+    total = x_mn[0]
+    for row in x_mn[1:]:
+        total = total + row
+    return total
+
+
+def _bag_mean(xp, v_bn, valid_bn):
+    """int32 [n]: the floor mean of ``v_bn`` over each row's valid slots (0 for an empty bag)."""
+    count_n = xp.maximum(_sum_rows(valid_bn.astype(xp.int32)), 1)
+    return _sum_rows(xp.where(valid_bn, v_bn, 0)) // count_n
 
 
 def normalise_dense(counts: np.ndarray, missing: np.ndarray) -> np.ndarray:

@@ -54,8 +54,9 @@ def _fields(kind: int, n: int) -> np.ndarray:
 
 
 def _words(xp, key_n, consts: np.ndarray):
-    """uint32 [n, m]: the random words of fields ``consts`` (uint32 [m]) of rows ``key_n``."""
-    return mix32(key_n[:, None] ^ consts, xp)
+    """uint32 [m, n]: the random words of fields ``consts`` (uint32 [m]) of rows ``key_n``.
+    Field-major: XLA:CPU vectorises loops over the rows, not over a few fields."""
+    return mix32(consts[:, None] ^ key_n[None, :], xp)
 
 
 def _byte_sum(xp, w):
@@ -100,8 +101,9 @@ def _draw(xp, bins, base, w):
 
 
 def _draw_fields(xp, bins, base, key_n, kind: int, m: int):
-    """int32 [n, m]: ``_draw`` for ``m`` fields of one kind of the rows ``key_n``."""
-    return _draw(xp, bins, base, _words(xp, key_n, _fields(kind, m)))
+    """int32 [m, n]: ``_draw`` for ``m`` fields of one kind of the rows ``key_n``, field ``j``
+    from the table at offset ``base[j]`` (int32 [m]) of ``bins``."""
+    return _draw(xp, bins, base[:, None], _words(xp, key_n, _fields(kind, m)))
 
 
 def _zipf_bins(rows: int, exponent: float) -> np.ndarray:

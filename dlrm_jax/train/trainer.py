@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from dlrm_jax import stopping
+from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
@@ -122,8 +122,10 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     Raises :class:`Interrupted` after saving when SIGINT/SIGTERM arrive, :class:`TrainingDiverged`
     (nothing saved past the last good checkpoint) when the loss blows up, and
     :class:`~dlrm_jax.train.rundir.RunDirError` (nothing written) for a run dir in use or one
-    started with another model.
+    started with another model. Makes the process keep freed host buffers for reuse
+    (:func:`dlrm_jax.hostmem.keep_freed_memory`).
     """
+    hostmem.keep_freed_memory()
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
