@@ -305,10 +305,10 @@ class _DeviceBatches:
         self.row_major = on_devices(lambda t, x: x.T, [fields], rows)
 
     def __call__(self, step) -> Batch:
-        key_n = self.keys(self.tables, step)
-        present_dn, ids_sn, noise_n = self.features(self.tables, key_n)
-        dense_dn, labels_n = self.finish(self.tables, noise_n, present_dn, ids_sn)
         t = self.tables
+        key_n = self.keys(t, step)
+        present_dn, ids_sn, noise_n = self.features(t, key_n)
+        dense_dn, labels_n = self.finish(t, noise_n, present_dn, ids_sn)
         return Batch(self.row_major(t, dense_dn), self.row_major(t, ids_sn), labels_n)
 
     def _keys(self, t: _Tables, step):  # of this device's rows
