@@ -58,7 +58,7 @@ def close(got, want, rtol, atol, norm_tol):
         assert rel < norm_tol, rel
 
 
-def check_against_reference(cfg, devices, steps=5, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None,
+def check_against_reference(cfg, devices, steps=40, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None,
                             hot_keys=None, refresh=None):
     """``hot_keys``: the hot set to start with (the plan must have hot rows); ``refresh``: {step:
     keys} hot sets to switch to before those steps."""
