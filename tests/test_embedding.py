@@ -16,6 +16,7 @@ from reference import dense_reference
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
 from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
@@ -135,30 +136,45 @@ def test_deterministic_sums_match_reference(tiny, strategy, devices, optimizer):
     assert coll.optimizer.exact_sums
 
 
-POOLED = [("row", 1, "sgd"), ("row", 2, "rowwise_adagrad"), ("table", 4, "adagrad"), ("column", 8, "adagrad"),
-          ("mixed", 8, "sgd"), ("row_cyclic", 4, "rowwise_adagrad")]
+POOLED = [("table", 2, "rowwise_adagrad"), ("table", 4, "adagrad"), ("column", 8, "adagrad"), ("mixed", 8, "sgd"),
+          ("column", 4, "rowwise_adagrad"), ("column", 2, "sgd")]
 
 
 @pytest.mark.parametrize("strategy,devices,optimizer", POOLED)
 def test_owner_pooled_bags_match_reference(tiny, strategy, devices, optimizer):
-    """Bags pooled partially at the owners (a reduce-scatter through the all-to-all)."""
+    """Bags pooled by their owners (table-wise tables and column slices; row-wise ones in
+    the mixed plan take the ids form beside them), mean pooling, against the reference."""
     cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, "embedding.bag_exchange=pooled",
                "data.bag_sizes=[5, 1, 6, 3, 4]", "data.pooling=mean", *strategy_overrides(strategy))
     coll, _ = check_against_reference(cfg, devices)
-    assert coll.pooled == {g.name for g in coll.groups if not g.replicated}
+    fixed = {(vt.table, vt.col_start) for g in coll.groups if not g.replicated for vt in g.vtables
+             if coll.plan.tables[vt.table].strategy in (Strategy.TABLE, Strategy.COLUMN)}
+    pooled = {(vt.table, vt.col_start) for f in coll.forms if type(f).__name__ == "PooledForm" for vt in f.group.vtables}
+    assert fixed and pooled == fixed
 
 
-def test_auto_bag_exchange_picks_fewer_bytes(tiny):
-    """Large bags on few devices: owners pooling moves fewer bytes; one-hot never pools."""
-    from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
+def test_bag_exchange_setting_picks_each_tables_form(tiny):
+    """auto: fixed-owner tables pool bags, one-hot ones send distinct ids; ids: never pooled;
+    pooled: every fixed-owner table; row-wise tables always send ids."""
+    mixed = ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_2=column]", CARDS,
+             "data.bag_sizes=[8, 1, 8, 1, 8]"]
+    exchange = {mode: [t.exchange.value for t in plan_from_config(tiny(*mixed, f"embedding.bag_exchange={mode}"), 4).tables]
+                for mode in ("auto", "ids", "pooled")}
+    assert exchange["auto"] == ["ids", "ids", "pooled", "ids", "pooled"]
+    assert exchange["ids"] == ["ids"] * 5
+    assert exchange["pooled"] == ["ids", "pooled", "pooled", "pooled", "pooled"]
 
-    bags = ["data.bag_sizes=[8, 8, 8, 8, 8]", "embedding.sharding=row", CARDS, "train.batch_size=64"]
-    plans = {mode: plan_from_config(tiny(*bags, f"embedding.bag_exchange={mode}"), 2) for mode in ("ids", "pooled", "auto")}
-    assert exchange_bytes_per_step(plans["auto"]) == min(exchange_bytes_per_step(plans["ids"]),
-                                                         exchange_bytes_per_step(plans["pooled"]))
-    assert exchange_bytes_per_step(plans["pooled"]) < exchange_bytes_per_step(plans["ids"])
-    one_hot = build(tiny("embedding.sharding=row", CARDS, "embedding.bag_exchange=auto"), 2)
-    assert not one_hot.pooled
+
+@pytest.mark.parametrize("cards,kind", [("data.cardinalities=[5, 3, 9, 4, 2]", "allreduce"),
+                                        ("data.cardinalities=[5000, 3000, 9000, 400, 2000]", "gather")])
+@pytest.mark.parametrize("devices", [2, 8])
+def test_replicated_tables_allreduce_or_gather(tiny, cards, kind, devices):
+    """Replicated tables of few rows all-reduce their [rows, W] gradient; of many rows they
+    gather the batch's (row, gradient) pairs: whichever moves fewer bytes, both exact."""
+    cfg = tiny("embedding.sharding=replicated", "embedding.optimizer=rowwise_adagrad", "train.batch_size=32",
+               "data.bag_sizes=[3, 1, 4, 2, 2]", cards)
+    coll, _ = check_against_reference(cfg, devices)
+    assert [f.kind.value for f in coll.forms] == [kind]
 
 
 @pytest.mark.parametrize("strategy", ["table", "row", "column"])
@@ -174,17 +190,15 @@ def test_sharded_tables_are_split_not_replicated(tiny, strategy):
 
 @pytest.mark.parametrize("variant", [
     ["embedding.sharding=row", "embedding.optimizer=rowwise_adagrad"],
-    ["embedding.sharding=row", "embedding.optimizer=adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]",
-     "embedding.bag_exchange=pooled"],
-    ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad"],
-], ids=["rows", "pooled-bags", "column-slices-rowwise"])
+    ["embedding.sharding=row", "embedding.optimizer=adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]"],
+    ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=ids"],
+], ids=["rows", "bags", "column-slices-rowwise"])
 def test_forced_overflow_loses_nothing(tiny, variant):
     """A capacity far too small runs the exchange in rounds at that capacity: same numbers as
     the reference (each row updated once per step, as Adagrad needs), overflow reported."""
     cfg = tiny("embedding.capacity_factor=0.01", "train.batch_size=32", CARDS, *variant)
     coll, state = check_against_reference(cfg, 4, steps=3)
     assert all(group_capacity(coll.plan, g) == 1 for g in coll.groups if not g.replicated)
-    assert bool(coll.pooled) == ("embedding.bag_exchange=pooled" in variant)
     ids = SyntheticSource(cfg).train_batch(0).ids
     _, res = jax.jit(coll.lookup)(state, jnp.asarray(ids))
     assert int(res.overflow) >= 1
@@ -219,11 +233,9 @@ def test_measured_capacity_is_tight_and_still_exact(tiny):
     cfg = tiny("embedding.sharding=row", "train.batch_size=64", CARDS, "embedding.optimizer=adagrad",
                "data.zipf_exponent=1.3")
     coll = build(cfg, 4)
-    ids = jax.device_put(SyntheticSource(cfg).train_batch(0).ids,
-                         jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS)))
-    measured = coll.measure_capacities([ids], headroom=1.0)
+    measured = measure_capacities(coll.plan, [SyntheticSource(cfg).train_batch(0).ids], headroom=1.0)
     bound = {g.name: g.max_capacity(16) for g in coll.groups}
-    assert measured and all(0 < distinct <= every < bound[name] for name, distinct, every in measured)
+    assert measured and all(0 < distinct < bound[name] for name, distinct in measured)
     plan = dataclasses.replace(coll.plan, capacities=measured)
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     coll, state = check_against_reference(cfg, 4, plan=plan)
@@ -240,7 +252,8 @@ def test_column_slices_with_rowwise_adagrad_share_one_accumulator(tiny, devices,
     cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=column", "train.batch_size=32", CARDS,
                *extra)
     coll, state = check_against_reference(cfg, devices)
-    assert any(t.column_slices > 1 for t in coll.plan.tables) and not coll.pooled
+    assert any(t.column_slices > 1 for t in coll.plan.tables)
+    assert {type(f).__name__ for f in coll.forms} == {"PooledForm" if bags else "IdsForm"}
     for g in coll.groups:
         for t in {vt.table for vt in g.vtables}:
             accs = [np.asarray(state.slots[g.name]["accumulator"])[

@@ -32,10 +32,11 @@ from dlrm_jax.bench.common import (
     write_report,
 )
 from dlrm_jax.data.sources import make_source
+from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.exchange.optimizers import sgd
-from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
+from dlrm_jax.embedding.plan.layout import exchange_parts, group_capacity
 from dlrm_jax.embedding.plan.planner import plan_from_config
 from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
@@ -49,7 +50,7 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     plan = plan_from_config(cfg, mesh.size)
     coll = EmbeddingCollection(plan, mesh, sgd())
     if calibration is not None:
-        plan = dataclasses.replace(plan, capacities=coll.measure_capacities(calibration, cfg.embedding.capacity_factor))
+        plan = dataclasses.replace(plan, capacities=measure_capacities(plan, calibration, cfg.embedding.capacity_factor))
         coll = EmbeddingCollection(plan, mesh, sgd())
 
     def step(state, ids, grad):
@@ -67,7 +68,7 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     strategies = sorted({t.strategy.value for t in plan.tables})
     return {"step_ms": 1e3 * seconds, "predicted_bytes": exchange_bytes_per_step(plan),
             "hlo_bytes": sum(hlo.values()), "hlo_by_kind": hlo, "strategies": strategies,
-            "capacities": {g.name: group_capacity(plan, g) for g in build_groups(plan) if not g.replicated},
+            "capacities": {p.group.name: group_capacity(plan, p.group) for p in exchange_parts(plan) if p.kind == "ids"},
             "overflowed": bool(int(np.asarray(res.overflow.addressable_data(0))))}
 
 
@@ -107,7 +108,7 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
     data = NamedSharding(mesh, P(AXIS))
     ids = jax.device_put(batch.ids, data)
     # Measured on batches other than the timed one, as training measures its first batches.
-    calibration = [jax.device_put(source.train_batch(i).ids, data) for i in range(1, 5)]
+    calibration = [source.train_batch(i).ids for i in range(1, 5)]
     grad = jax.device_put(np.random.default_rng(0).normal(
         size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32) / batch.ids.shape[0], data)
     results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in strategies}

@@ -9,17 +9,22 @@ import json
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
+from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.planner import host_plan_from_config
 from dlrm_jax.embedding.tiers.setup import tier_plan
-from dlrm_jax.parallel.mesh import batch_spec, check_same_everywhere, hosts_of, make_mesh
+from dlrm_jax.parallel.mesh import (
+    check_same_everywhere,
+    hosts_of,
+    make_mesh,
+    outcomes_of_every_process,
+)
 from dlrm_jax.train.step import StepFunctions
 
 CALIBRATION_BATCHES = 4
@@ -40,18 +45,13 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
     plan = host_plan_from_config(cfg, mesh.size, hosts_of(mesh), _device_budget(cfg))
     optimizer = sparse_optimizer_from_config(cfg)
-    # Measures buckets (its counting programs depend on the groups only, not on capacities).
-    measuring = EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas)
     if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
-        batch_sharding = NamedSharding(mesh, batch_spec(mesh))
-        ids = [jax.make_array_from_process_local_data(batch_sharding, source.train_batch(i).ids)
-               for i in range(CALIBRATION_BATCHES)]
-        plan = dataclasses.replace(plan, capacities=measuring.measure_capacities(ids, cfg.embedding.capacity_factor))
+        plan = dataclasses.replace(plan, capacities=measured_capacities(plan, source, cfg.embedding.capacity_factor))
     schedule = None
     if cfg.embedding.hot.rows != 0:
         if source is None:
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
-        plan, schedule = hot_setup.choose(cfg, plan, measuring, source, CALIBRATION_BATCHES, log)
+        plan, schedule = hot_setup.choose(cfg, plan, mesh, source, CALIBRATION_BATCHES, log)
     if not plan.tiered_tables:
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host,
                                                                       replicas=replicas), schedule)
@@ -64,6 +64,19 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
     return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
+
+
+def measured_capacities(plan: EmbeddingPlan, source: DataSource, headroom: float,
+                        batches: int = CALIBRATION_BATCHES) -> tuple[tuple[str, int], ...]:
+    """The ids exchange's bucket sizes from this process's rows of the first ``batches``
+    training batches (always the same ones, so a resumed run compiles the same step), the
+    largest over every process."""
+    ids = (source.train_batch(i).ids for i in range(batches))
+    mine = measure_capacities(plan, ids, headroom)
+    if jax.process_count() == 1:
+        return mine
+    every = outcomes_of_every_process(json.dumps(mine))
+    return tuple((name, max(dict(json.loads(o))[name] for o in every)) for name, _ in mine)
 
 
 def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:

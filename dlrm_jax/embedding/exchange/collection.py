@@ -14,7 +14,6 @@ travel back through the exchange, and the sparse optimizer turns them into row u
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -24,21 +23,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.embedding.exchange import common, pooled, replicated, sharded
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
+from dlrm_jax.embedding.exchange.pooled import PooledForm
+from dlrm_jax.embedding.exchange.replicated import ReplicatedForm
 from dlrm_jax.embedding.exchange.routing import hot_index, route
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.exchange.sharded import IdsForm
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
 from dlrm_jax.embedding.plan.layout import (
     Group,
     VirtualTable,
     build_groups,
+    exchange_parts,
     group_capacity,
-    is_identity,
     segment_sum_axis1,
     take_columns,
-    uses_pooled_exchange,
 )
 from dlrm_jax.embedding.plan.specs import Pooling
 from dlrm_jax.parallel.mesh import (
@@ -47,8 +47,6 @@ from dlrm_jax.parallel.mesh import (
     batch_spec,
     devices_per_host,
     host_local_mesh,
-    hosts_of,
-    over_hosts,
 )
 
 
@@ -71,8 +69,9 @@ class LookupResiduals(NamedTuple):
 
     ids_bs: int32 [B, S] the batch's cold ids (hot ones are PAD_ID); weights_bs: float32 [B, S]
     pooling weight of each slot (0 for padding, 1/bag length for mean pooling); overflow: int32
-    [] groups whose exchange ran in rounds this step; routes: per sharded group, the forward's
-    routing and buckets (fixed shapes, batch-sharded), reused by the backward; hot_bs: int32
+    [] parts whose exchange ran in rounds this step; routes: per exchange form (the
+    collection's ``forms``), what its update needs from its forward (routing and buckets,
+    requests received; fixed shapes), so nothing is routed twice; hot_bs: int32
     [B, S] each slot's hot row (-1 when cold), hot_counts: int32 [2] hot lookups and all
     lookups of the batch (both None without hot rows).
     """
@@ -80,7 +79,7 @@ class LookupResiduals(NamedTuple):
     ids_bs: jax.Array
     weights_bs: jax.Array
     overflow: jax.Array
-    routes: dict
+    routes: tuple
     hot_bs: jax.Array | None = None
     hot_counts: jax.Array | None = None
 
@@ -131,32 +130,17 @@ class EmbeddingCollection:
         self.slot_feature = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.one_hot = all(s.bag_size == 1 for s in specs)
         self.mean_pooling = np.array([s.pooling == Pooling.MEAN for s in specs])
-        # Flattened [F * D] column each element of the concatenated group outputs fills -> inverse.
-        filled = np.concatenate([g.vfeature_cols.reshape(-1) for g in self.groups])
+        self.storage_dtype = jnp.dtype(plan.dtype)
+        self.forms = [_form(plan, part, exchange_mesh, optimizer, self.dim, over)
+                      for part in exchange_parts(plan, self.groups)]
+        # Flattened [F * D] column each form's output column fills -> inverse.
+        filled = np.concatenate([f.cols for f in self.forms])
         assert sorted(filled.tolist()) == list(range(len(specs) * self.dim)), "plan leaves columns uncovered"
         self.assembly = np.argsort(filled).astype(np.int32)
-        self.storage_dtype = jnp.dtype(plan.dtype)
-        wire = jnp.dtype(plan.exchange_dtype)
-        self._forward, self._update = {}, {}
-        self.pooled = {g.name for g in self.groups if uses_pooled_exchange(plan, g)}
-        for g in self.groups:
-            if g.replicated:
-                self._forward[g.name] = replicated.replicated_forward(g)
-                self._update[g.name] = replicated.replicated_update(g, exchange_mesh, optimizer, over)
-            elif g.name in self.pooled:
-                cap = group_capacity(plan, g)
-                self._forward[g.name] = pooled.pooled_forward(g, exchange_mesh, cap, self.local_batch, wire)
-                self._update[g.name] = pooled.pooled_update(g, exchange_mesh, cap, wire, optimizer, over)
-            else:
-                cap = group_capacity(plan, g)
-                self._forward[g.name] = sharded.sharded_forward(g, exchange_mesh, cap, wire)
-                self._update[g.name] = sharded.sharded_update(g, exchange_mesh, cap, wire, optimizer,
-                                                               self.dim, over)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
                            self.one_hot, self.tiered_tables) if plan.hot_rows else None
         self._refresh = None
-        self._counters, self._exchange_mesh = {}, exchange_mesh
 
     # ------------------------------------------------------------ state
     @property
@@ -227,53 +211,17 @@ class EmbeddingCollection:
         hot_bs = hot_pooled = hot_counts = None
         if self.hot:
             hot_bs, ids_bs, hot_pooled, hot_counts = self.hot.lookup(state.hot, ids_bs, weights_bs)
-        outputs, overflow, routes = [], jnp.zeros((), jnp.int32), {}
-        for g in self.groups:
-            if g.name in self.pooled:  # owners already pooled: [B, F', W]
-                pooled, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs, weights_bs)
-                overflow = overflow + over.astype(jnp.int32)
-                outputs.append(pooled.reshape(pooled.shape[0], -1))
-                continue
-            if g.replicated:
-                vectors = self._forward[g.name](state.tables[g.name], ids_bs)
-            else:
-                vectors, over, routes[g.name] = self._forward[g.name](state.tables[g.name], ids_bs)
-                overflow = overflow + over.astype(jnp.int32)
-            weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
-            pooled = weighted if self.one_hot and is_identity(g.vslot_vfeature) else segment_sum_axis1(
-                weighted, g.vslot_vfeature, len(g.vtables))
-            outputs.append(pooled.reshape(pooled.shape[0], -1))
+        outputs, overflow, residuals = [], jnp.zeros((), jnp.int32), []
+        for form in self.forms:
+            out, residual, over = form.forward(state.tables[form.group.name], ids_bs, weights_bs)
+            outputs.append(out)
+            residuals.append(residual)
+            overflow = overflow + over
         flat = take_columns(jnp.concatenate(outputs, axis=1), self.assembly)
         pooled = flat.reshape(-1, len(self.specs), self.dim)
         if self.hot:
             pooled = pooled + hot_pooled
-        return pooled, LookupResiduals(ids_bs, weights_bs, overflow, routes, hot_bs, hot_counts)
-
-    def measure_capacities(self, id_batches: list[jax.Array], headroom: float
-                           ) -> tuple[tuple[str, int, int], ...]:
-        """Per sharded group, ``headroom`` x the most distinct rows, and the most requests, any
-        device sent one owner in these (batch-sharded) id batches: the statistics the two
-        exchanges' buckets are compiled for. Per host: each host's share of the batches, the
-        most over hosts (every process gets the same numbers, so compiles the same step)."""
-        out = []
-        for g in self.groups:
-            if not g.replicated:
-                sized = []
-                for stat in (common.busiest_owner_requests, pooled.busiest_owner_all_requests):
-                    key = (g.name, stat.__name__)
-                    if key not in self._counters:  # compiled once: the hot-row model calls this often
-                        self._counters[key] = jax.jit(self._busiest(stat(g, self._exchange_mesh)))
-                    most = max(int(np.asarray(self._counters[key](ids).addressable_data(0))) for ids in id_batches)
-                    sized.append(max(1, math.ceil(headroom * most)))
-                out.append((g.name, *sized))
-        return tuple(out)
-
-    def _busiest(self, count):
-        if not self.per_host:
-            return count
-        hosts = hosts_of(self.mesh)
-        per_host = over_hosts(lambda ids: count(ids)[None], self.mesh)
-        return lambda ids_bs: jnp.max(per_host(ids_bs.reshape(hosts, -1, *ids_bs.shape[1:])))
+        return pooled, LookupResiduals(ids_bs, weights_bs, overflow, tuple(residuals), hot_bs, hot_counts)
 
     def _pool_weights(self, ids_bs: jax.Array) -> jax.Array:
         valid_bs = (ids_bs != PAD_ID).astype(jnp.float32)
@@ -293,16 +241,11 @@ class EmbeddingCollection:
         (batch-sharded): the loss's gradient w.r.t. ``lookup``'s output; ``lr``: the sparse
         optimizer's learning rate (a scalar, may be traced). Only the looked-up rows change."""
         flat = grad_bfd.reshape(grad_bfd.shape[0], -1)
-        tables, slots = {}, {}
-        for g in self.groups:
-            if g.name in self.pooled:  # owners weight the pooled gradient per row themselves
-                tables[g.name], slots[g.name] = self._update[g.name](
-                    state.tables[g.name], state.slots[g.name], res.routes[g.name], take_columns(flat, g.vfeature_cols), lr)
-                continue
-            grads = take_columns(flat, g.vslot_cols) * take_columns(res.weights_bs, g.vslot_slot)[:, :, None]
-            where = res.ids_bs if g.replicated else res.routes[g.name]
-            tables[g.name], slots[g.name] = self._update[g.name](
-                state.tables[g.name], state.slots[g.name], where, grads, lr)
+        tables, slots = dict(state.tables), dict(state.slots)
+        for form, residual in zip(self.forms, res.routes, strict=True):
+            name = form.group.name  # (two parts of one array update it in turn)
+            tables[name], slots[name] = form.update(tables[name], slots[name], residual,
+                                                    take_columns(flat, form.cols), lr)
         hot = self.hot.update(state.hot, res.hot_bs, res.weights_bs, grad_bfd, lr) if self.hot else None
         return EmbeddingState(tables, slots, hot)
 
@@ -328,3 +271,15 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
     opt = [{k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k]
             for k in parts[0]} for parts in slots]
     return overlay(tables, opt, state.hot) if state.hot is not None else (tables, opt)
+
+
+def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int, replicas: str | None):
+    """The exchange form serving ``part`` (plan.layout.exchange_parts): one interface for all
+    (``forward(table, ids, weights) -> (pooled [B, V'*W], residual, overflowed)``,
+    ``update(table, slots, residual, grad [B, V'*W], lr) -> (table, slots)``, ``cols``)."""
+    wire = jnp.dtype(plan.exchange_dtype)
+    if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
+        return ReplicatedForm(part, mesh, optimizer, replicas)
+    if part.kind == ExchangeKind.POOLED:
+        return PooledForm(plan, part, mesh, wire, optimizer, dim, replicas)
+    return IdsForm(part, mesh, group_capacity(plan, part.group), wire, optimizer, dim, replicas)

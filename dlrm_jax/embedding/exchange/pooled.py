@@ -1,168 +1,136 @@
-"""The pooled form for bags: each device sends an owner every (row, weight) of its samples, and
-the owner returns each sample's partial pooled sum, so vectors travel once per sample and
-owner rather than once per distinct row."""
+"""The pooled form: every bag of a table-wise table or column slice goes whole to its owner,
+which pools it, so one vector per (sample, piece) comes back and one gradient goes out: what
+the exchange's lower bound counts, with no capacity to overflow.
+
+Per part (the fixed-owner pieces of one fused array), inside one ``jax.shard_map``:
+
+forward   each device sends owner o the ids of its samples' bags of o's pieces ([B_l, K] per
+          owner, K the buffer's positions, PAD_ID where a bag is shorter or o has fewer
+          ids), and their pooling weights when a table pools by mean (sum pooling needs only
+          the ids) -> o gathers the rows and sums each piece's positions: [B_l, J, W] per
+          requester -> all_to_all back -> each (sample, piece) picks its vector.
+backward  each (sample, piece) gradient goes to its owner ([B_l, J, W] per owner) -> the owner
+          gives every position its piece's gradient times the position's weight and applies
+          the sparse optimizer to those rows (merging a row's duplicates, as every form does).
+          Row-wise Adagrad on column slices needs each row's squared gradient over its whole
+          width: each slice owner returns its part per position, the requester adds the
+          slices and sends the totals back (two all_to_alls of one float per position).
+
+The positions' layout is static (``plan.layout.pooled_layout``): piece j of every owner sits
+at the same positions, so pooling is a static slice on every device.
+"""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import (
-    agreed,
-    all_to_all,
-    busiest_of_replicas,
-    gather_replicas,
-    gradients_to_owners,
-    if_overflow,
-    in_rounds,
-    lookup_exchange,
-    owner_update_round,
-    update_on_owners,
-    varying,
-)
-from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.exchange.routing import (
-    Buckets,
-    bucket,
-    rank_by_owner,
-    route,
-    scatter_to_buckets,
-)
-from dlrm_jax.embedding.plan.layout import Group, take_columns
+from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.exchange.common import all_to_all, gather_replicas
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
+from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout
 from dlrm_jax.parallel.mesh import AXIS
 
 
-def _route_all(g: Group, ids_local_bs: jax.Array, weights_local_bs: jax.Array):
-    """Every valid request (no dedupe) ranked per owner, with the segment (sample, virtual
-    feature) it pools into and its pooling weight; plus the busiest owner's count (pmax)."""
-    b_local = ids_local_bs.shape[0]
-    vids = take_columns(ids_local_bs, g.vslot_slot)
-    owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
-                              jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
-    owner, row, valid = owner.reshape(-1), row.reshape(-1), valid.reshape(-1)
-    rank, counts = rank_by_owner(owner, valid, g.num_devices)
-    seg = (jnp.arange(b_local)[:, None] * len(g.vtables) + jnp.asarray(g.vslot_vfeature)[None, :]).reshape(-1)
-    weight = take_columns(weights_local_bs, g.vslot_slot).reshape(-1)
-    return (owner, row, rank, valid, seg.astype(jnp.int32), weight), lax.pmax(jnp.max(counts), AXIS)
+class PooledForm:
+    """One pooled part's lookup and update (see the module docstring). ``cols``: the columns
+    of the [B, F * D] pooled output it fills, in the order of its output's columns."""
 
+    def __init__(self, plan, part: ExchangePart, mesh, wire_dtype, optimizer: SparseOptimizer, dim: int,
+                 replicas: str | None = None):
+        g = self.group = part.group
+        self.layout: PooledLayout = pooled_layout(plan, g)
+        self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire_dtype, optimizer, dim, replicas
+        self.cols = g.vfeature_cols.reshape(-1)
+        self.mean = any(plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
+                        for vt in g.vtables)
+        self.whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
-def _send_requests(g: Group, req, cap: int):
-    """All-to-all of (row, segment, weight) per request: what each owner must pool, for whom."""
-    owner, row, rank, valid, seg, weight = req
-    usable = valid & (rank < cap)
-    put = partial(scatter_to_buckets, owner, rank, usable, capacity=cap, num_devices=g.num_devices)
-    return (all_to_all(put(row, fill=jnp.int32(g.local_rows))), all_to_all(put(seg, fill=jnp.int32(0))),
-            all_to_all(put(weight, fill=jnp.float32(0))))
+    # ------------------------------------------------------------ shared pieces
+    def _requests(self, x_local, fill):
+        """[B_l, S] per-slot values -> [N, B_l, K]: what this device sends each owner (a
+        position that carries no slot reads the appended ``fill`` column)."""
+        s = x_local.shape[1]
+        padded = jnp.concatenate([x_local, jnp.full((x_local.shape[0], 1), fill, x_local.dtype)], axis=1)
+        index = np.where(self.layout.send_slot < 0, s, self.layout.send_slot).reshape(-1)
+        return padded[:, index].reshape(x_local.shape[0], self.group.num_devices, -1).transpose(1, 0, 2)
 
+    def _local_rows(self, recv_ids):
+        """Rows of this owner's shard for the received ids (PAD -> past the end: dropped)."""
+        offset = jnp.asarray(self.layout.row_offset)[lax.axis_index(AXIS)]
+        return jnp.where(recv_ids == PAD_ID, self.group.local_rows, recv_ids + offset).astype(jnp.int32)
 
-def _buckets_if_overflow(g: Group, req, over) -> Buckets:
-    """The pooled route's requests as distinct (owner, row) buckets when the rounds need them
-    (a sort, skipped otherwise: zeros of the same shapes)."""
-    owner, row, _, valid, _, _ = req
-    n = owner.shape[0]
+    def _weights(self, recv_ids, recv_weights):
+        return recv_weights if self.mean else (recv_ids != PAD_ID).astype(jnp.float32)
 
-    def distinct():
-        return bucket(owner, row, valid, g.num_devices, g.local_rows)
+    # ------------------------------------------------------------ forward
+    def forward(self, table, ids_bs, weights_bs):
+        """``(table [N*R, W], ids [B, S], weights [B, S]) -> (pooled [B, V'*W] float32,
+        residual, overflowed int32 [] (never))``."""
+        lay, g = self.layout, self.group
 
-    def unused():
-        ints, flags = jnp.zeros(n, jnp.int32), jnp.zeros(n, bool)
-        return jax.tree.map(varying, Buckets(ints, ints, ints, flags, ints, ints, flags,
-                                              jnp.zeros(g.num_devices, jnp.int32)))
+        def local(table_local, ids_local, weights_local):
+            recv_ids = all_to_all(self._requests(ids_local, PAD_ID))  # [N, B_l, K] from each requester
+            recv_w = all_to_all(self._requests(weights_local, 0.0)) if self.mean else recv_ids
+            weights = self._weights(recv_ids, recv_w)
+            vectors = table_local.at[self._local_rows(recv_ids)].get(mode="fill", fill_value=0)
+            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [N, B_l, K, W]
+            pooled = jnp.stack([jnp.sum(weighted[:, :, a:b], axis=2)
+                                for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)], axis=2)
+            back = all_to_all(pooled.astype(self.wire)).astype(jnp.float32)  # [N owners, B_l, J, W]
+            flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)  # [B_l, N*J, W]
+            out = flat[:, lay.reply_index].reshape(flat.shape[0], -1)
+            return out, (recv_ids, weights)
 
-    return if_overflow(over, distinct, unused)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+                           out_specs=(P(AXIS), P(AXIS)))
+        out, residual = fn(table, ids_bs, weights_bs)
+        return out, residual, jnp.zeros((), jnp.int32)
 
+    # ------------------------------------------------------------ backward + update
+    def update(self, table, slots, residual, grad_bc, lr):
+        """``grad_bc`` [B, V'*W]: the loss's gradient w.r.t. :meth:`forward`'s output."""
+        lay, g, opt, replicas = self.layout, self.group, self.optimizer, self.replicas
 
-def pooled_forward(g: Group, mesh, capacity: int, local_batch: int, wire_dtype):
-    """``f(table, ids [B, S], weights [B, S]) -> (pooled [B, F', W], overflowed [])``.
+        def local(table_local, slots_local, residual_local, grad_local, lr):
+            recv_ids, weights = residual_local
+            b_l = grad_local.shape[0]
+            per_vt = grad_local.reshape(b_l, -1, g.width)
+            padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, g.width), per_vt.dtype)], axis=1)
+            send = padded[:, lay.send_index].reshape(b_l, g.num_devices, lay.pieces, g.width).transpose(1, 0, 2, 3)
+            recv = all_to_all(send.astype(self.wire)).astype(jnp.float32)  # [N requesters, B_l, J, W]
+            grads = recv[:, :, lay.k_piece] * weights[..., None]  # [N, B_l, K, W]
+            rows = self._local_rows(recv_ids).reshape(-1)
+            grads = grads.reshape(-1, g.width)
+            row_mean_sq = self._row_mean_sq(rows, grads, recv_ids.shape) if self.whole_rows else None
+            every = gather_replicas(rows, replicas), gather_replicas(grads, replicas)
+            if row_mean_sq is None:
+                return opt.update(table_local, slots_local, *every, lr)
+            return opt.update(table_local, slots_local, *every, lr, row_mean_sq=gather_replicas(row_mean_sq, replicas))
 
-    Owners pool what they hold of every (sample, virtual feature) and send partial sums back;
-    the requester adds the N partial sums: a reduce-scatter through an all-to-all. Moves
-    B_local x F' vectors per owner instead of one per requested row: fewer bytes for large bags.
-    On overflow, the rows come back in rounds (as for unpooled groups) and the requester pools.
-    """
-    n_seg = local_batch * len(g.vtables)
-    out_shape = (local_batch, len(g.vtables), g.width)
-    exchange = lookup_exchange(g, capacity, wire_dtype)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+                           out_specs=(P(AXIS), P(AXIS)))
+        return fn(table, slots, residual, grad_bc, lr)
 
-    def pooled_at_owners(table_local, req):
-        rows, segs, weights = _send_requests(g, req, capacity)  # [N, C] from each source
-        vectors = table_local.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * weights[..., None]
-        target = (jnp.arange(g.num_devices)[:, None] * n_seg + segs).reshape(-1)
-        partial_sums = jax.ops.segment_sum(vectors.reshape(-1, g.width), target, g.num_devices * n_seg)
-        back = all_to_all(partial_sums.reshape(g.num_devices, n_seg, g.width).astype(wire_dtype))
-        return back.astype(jnp.float32).sum(0).reshape(out_shape)
+    def _row_mean_sq(self, rows, grads, shape):
+        """Per received position [N*B_l*K]: its row's summed gradient squared, over the row's
+        whole width (every column slice's owner adds its part), divided by the width."""
+        lay, g, replicas = self.layout, self.group, self.replicas
+        every_rows, every_grads = gather_replicas(rows, replicas), gather_replicas(grads, replicas)
+        _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True,
+                                          exact=self.optimizer.exact_sums)
+        sq = jnp.sum(merged * merged, -1)[inv]
+        if replicas is not None:  # this replica's own positions
+            sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * rows.shape[0], rows.shape[0])
+        partial = all_to_all(sq.reshape(shape))  # [N owners, B_l, K]: back to the requesters
+        # Requester: a slot's total is the sum over the owners it went to (one per slice).
+        b_l, slots = shape[1], int(lay.send_slot.max()) + 1
+        flat = partial.transpose(1, 0, 2).reshape(b_l, -1)  # [B_l, N*K]
+        slot_of = np.where(lay.send_slot < 0, slots, lay.send_slot).reshape(-1)
+        total = jax.ops.segment_sum(flat.T, jnp.asarray(slot_of), slots + 1).T  # [B_l, S + 1]
+        back = total[:, slot_of].reshape(b_l, g.num_devices, -1).transpose(1, 0, 2)
+        return all_to_all(back).reshape(-1) / self.dim
 
-    def local(table_local, ids_local, weights_local):
-        req, most = _route_all(g, ids_local, weights_local)
-        over = most > capacity
-        b = _buckets_if_overflow(g, req, over)
-        _, _, _, _, seg, weight = req
-
-        def one_round(acc, window):
-            def rows_then_pool():
-                out, usable = exchange(table_local, b, window)
-                pooled = jax.ops.segment_sum(out * (weight * usable)[:, None], seg, n_seg)
-                return acc + pooled.reshape(out_shape)
-
-            return if_overflow(over, rows_then_pool, lambda: pooled_at_owners(table_local, req))
-
-        out = in_rounds(g, b, capacity, over, one_round, jnp.zeros(out_shape, jnp.float32))
-        return out, over[None], (req, most[None])
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-                       out_specs=(P(AXIS), P(AXIS), P(AXIS)))
-
-    def forward(table, ids_bs, weights_bs):
-        """-> (pooled, overflowed, route): the route is the backward's residual."""
-        out, over, route_ = fn(table, ids_bs, weights_bs)
-        return out, over[0], route_
-
-    return forward
-
-
-def pooled_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer,
-                  replicas: str | None = None):
-    """``f(table, slots, route, grads [B, F', W], lr) -> (table, slots)``: every owner gets each
-    device's pooled gradients (all-gather) and scatters them to the rows it pooled. On overflow,
-    each request's gradient (its weight x its bag's) goes to the owners in rounds instead.
-    ``replicas``: as :func:`sharded_update`."""
-    send = gradients_to_owners(g, capacity, wire_dtype, optimizer)
-    agree = agreed(replicas)
-
-    def at_owners(state, req, grads_local, lr):
-        rows, segs, weights = _send_requests(g, req, capacity)
-        every = lax.all_gather(grads_local.reshape(-1, g.width).astype(wire_dtype), AXIS)  # [N, B_l F', W]
-        grads = every[jnp.arange(g.num_devices)[:, None], segs].astype(jnp.float32) * weights[..., None]
-        return optimizer.update(*state, gather_replicas(rows.reshape(-1), replicas),
-                                gather_replicas(grads.reshape(-1, g.width), replicas), lr)
-
-    def update(table_local, slots_local, req, grads_local, lr, most):
-        over = busiest_of_replicas(most, replicas) > capacity
-        b = _buckets_if_overflow(g, req, over)
-        _, _, _, _, seg, weight = req
-
-        def one_round(state, window):
-            def by_rows(state):
-                per_request = grads_local.reshape(-1, g.width)[seg].astype(jnp.float32) * weight[:, None]
-                return owner_update_round(send, optimizer, b, per_request, lr, replicas)(state, window)
-
-            return if_overflow(over, by_rows, lambda s: at_owners(s, req, grads_local, lr), state)
-
-        return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
-
-    return update_on_owners(mesh, update)
-
-
-def busiest_owner_all_requests(g: Group, mesh):
-    """``f(ids [B, S]) -> int32 []``: the most requests (duplicates included) one device sends
-    one owner: the statistic the pooled exchange's buckets are sized for."""
-
-    def local(ids_local):
-        return _route_all(g, ids_local, jnp.ones(ids_local.shape, jnp.float32))[1][None]
-
-    fn = jax.shard_map(local, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    return lambda ids_bs: fn(ids_bs)[0]

@@ -1,5 +1,8 @@
-"""The replicated form: every device holds the tables; lookups are local, and the update gathers
-the whole batch's rows and gradients to every device, which then applies the same update."""
+"""The replicated forms: every device holds the tables and looks up locally. The update either
+all-reduces each table's [rows, W] gradient (cheap for tables of few rows: what TorchRec calls
+data-parallel tables) or gathers every device's (row, gradient) pairs to all (cheap for a
+batch with fewer lookups than the tables have rows); ``plan.layout.replicated_kind`` picks by
+bytes. Every device then applies the same update, so the copies never drift apart."""
 
 from __future__ import annotations
 
@@ -8,40 +11,58 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import (
-    agreed,
-)
+from dlrm_jax.embedding.exchange.common import agreed
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.plan.layout import Group, take_columns
+from dlrm_jax.embedding.plan.layout import (
+    ExchangeKind,
+    ExchangePart,
+    Group,
+    segment_sum_axis1,
+    take_columns,
+)
 from dlrm_jax.parallel.mesh import AXIS
 
 
-def replicated_forward(g: Group):
-    """``f(table [R, W], ids [B, S]) -> vectors [B, V, W]``: a local gather on every device."""
-
-    def forward(table, ids_bs):
-        vids = take_columns(ids_bs, g.vslot_slot)
-        rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset))
-        return table.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32)
-
-    return forward
+def _rows(g: Group, ids_bs):
+    """Rows of the fused array for every virtual slot's id (PAD_ID -> past the end)."""
+    vids = take_columns(ids_bs, g.vslot_slot)
+    return jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset))
 
 
-def replicated_update(g: Group, mesh, optimizer: SparseOptimizer, replicas: str | None = None):
-    """Every device gathers the batch's rows and gradients (of every replica's batch) and
-    applies the same update.
+class ReplicatedForm:
+    """The replicated group's lookup and update with the forms' shared interface (see
+    ``sharded.IdsForm``)."""
 
-    Moves B*V*(W+1) values per device rather than an all-reduce of the R x W table.
-    """
-    every = agreed(replicas)
+    def __init__(self, part: ExchangePart, mesh, optimizer: SparseOptimizer, replicas: str | None = None):
+        g = self.group = part.group
+        self.cols, self.kind = g.vfeature_cols.reshape(-1), part.kind
+        self.mesh, self.optimizer, self.every = mesh, optimizer, agreed(replicas)
 
-    def local(table, slots, ids_local, grads_local, lr):
-        vids = take_columns(ids_local, g.vslot_slot)
-        rows = jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset)).reshape(-1)
-        rows = lax.all_gather(rows, every, tiled=True)
-        grads = lax.all_gather(grads_local.reshape(-1, g.width), every, tiled=True)
-        return optimizer.update(table, slots, rows, grads, lr)
+    def forward(self, table, ids_bs, weights_bs):
+        g = self.group
+        vectors = table.at[_rows(g, ids_bs)].get(mode="fill", fill_value=0).astype(jnp.float32)
+        weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]
+        pooled = weighted if len(g.vtables) == g.num_vslots else segment_sum_axis1(
+            weighted, g.vslot_vfeature, len(g.vtables))
+        return pooled.reshape(pooled.shape[0], -1), (ids_bs, weights_bs), jnp.zeros((), jnp.int32)
 
-    # check_vma off: every device applies the same gathered update, so outputs are replicated.
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
-                         out_specs=(P(), P()), check_vma=False)
+    def update(self, table, slots, residual, grad_bc, lr):
+        g, opt, every = self.group, self.optimizer, self.every
+        ids_bs, weights_bs = residual
+        per_vt = grad_bc.reshape(grad_bc.shape[0], -1, g.width)
+        grads = take_columns(per_vt, g.vslot_vfeature) * take_columns(weights_bs, g.vslot_slot)[:, :, None]
+
+        def allreduce(table, slots, ids_local, grads_local, lr):
+            rows = _rows(g, ids_local).reshape(-1)
+            summed = opt.segment_sum(grads_local.reshape(-1, g.width), rows, g.local_rows)  # this device's
+            return opt.apply(table, slots, None, lax.psum(summed, every), lr)
+
+        def gather(table, slots, ids_local, grads_local, lr):
+            rows = lax.all_gather(_rows(g, ids_local).reshape(-1), every, tiled=True)
+            grads = lax.all_gather(grads_local.reshape(-1, g.width), every, tiled=True)
+            return opt.update(table, slots, rows, grads, lr)
+
+        local = allreduce if self.kind == ExchangeKind.ALLREDUCE else gather
+        # check_vma off: every device applies the same summed or gathered update, so outputs are replicated.
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
+                             out_specs=(P(), P()), check_vma=False)(table, slots, ids_bs, grads, lr)

@@ -20,19 +20,20 @@ from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 
 
-def route(ids, kind, device, offset, block, num_devices: int):
+def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):
     """Owner device and row inside the owner's local shard of every id.
 
     ids: int32 [..., V] table-local ids (PAD_ID allowed); kind, device, offset, block: int32 [V]
     static per virtual slot. Returns owner [..., V], local row [..., V], valid bool [..., V].
+    ``xp``: jax.numpy inside programs, numpy on the host (the same routing, bit for bit).
     """
     valid = ids != PAD_ID
-    safe = jnp.where(valid, ids, 0)
-    owner = jnp.where(kind == KIND_BLOCK, safe // block,
-                      jnp.where(kind == KIND_CYCLIC, safe % num_devices, device))
-    within = jnp.where(kind == KIND_BLOCK, safe % block,
-                       jnp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
-    return owner.astype(jnp.int32), (offset + within).astype(jnp.int32), valid
+    safe = xp.where(valid, ids, 0)
+    owner = xp.where(kind == KIND_BLOCK, safe // block,
+                     xp.where(kind == KIND_CYCLIC, safe % num_devices, device))
+    within = xp.where(kind == KIND_BLOCK, safe % block,
+                      xp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
+    return owner.astype(xp.int32), (offset + within).astype(xp.int32), valid
 
 
 class Buckets(NamedTuple):

@@ -1,6 +1,7 @@
-"""The sharded form of the sparse exchange between the data-parallel batch layout and the table owners.
+"""The ids form of the sparse exchange: distinct rows travel to the requester, which pools.
 
-Per sharded group, inside one ``jax.shard_map`` over the mesh's ``devices`` axis, each device:
+It serves row-wise tables (and table-wise ones whose plan says ``ids``). Per part, inside one
+``jax.shard_map`` over the mesh's ``devices`` axis, each device:
 
 forward   route its ids to owners -> deduplicate per owner -> all_to_all of row ids (fixed
           capacity C per owner) -> owners gather rows from their local shard -> all_to_all of
@@ -14,9 +15,6 @@ pmax, so all agree), the exchange runs in rounds at the same capacity instead, e
 window of every owner's rows that all devices agree on (see ``routing``). Nothing is dropped,
 no buffer is larger than C, a row is updated once per step, and the step reports that it
 happened.
-
-Replicated groups need no all-to-all: lookups are local, and the update gathers the whole
-batch's rows and gradients to every device, which then applies the same update.
 
 Replicas over hosts (embedding.sync=host_replicas, ``replicas`` the hosts axis): every host
 holds the tables, split over its own devices, and runs this exchange among them only. The
@@ -50,7 +48,7 @@ from dlrm_jax.embedding.exchange.common import (
     varying,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.plan.layout import Group
+from dlrm_jax.embedding.plan.layout import ExchangePart, Group, segment_sum_axis1, take_columns
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -145,3 +143,32 @@ def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseO
         return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, over)
 
     return update_on_owners(mesh, on_owners)
+
+
+class IdsForm:
+    """One ids part's lookup and update with the forms' shared interface: ``forward(table,
+    ids, weights) -> (pooled [B, V'*W], residual, overflowed)``, ``update(table, slots,
+    residual, grad [B, V'*W], lr) -> (table, slots)``; ``cols``: the output's columns."""
+
+    def __init__(self, part: ExchangePart, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int,
+                 replicas: str | None = None, one_hot: bool = False):
+        g = self.group = part.group
+        self.cols = g.vfeature_cols.reshape(-1)
+        self.one_hot = one_hot
+        self._forward = sharded_forward(g, mesh, capacity, wire_dtype)
+        self._update = sharded_update(g, mesh, capacity, wire_dtype, optimizer, dim, replicas)
+
+    def forward(self, table, ids_bs, weights_bs):
+        g = self.group
+        vectors, over, route_ = self._forward(table, ids_bs)
+        weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
+        pooled = weighted if self.one_hot and len(g.vtables) == g.num_vslots else segment_sum_axis1(
+            weighted, g.vslot_vfeature, len(g.vtables))
+        return pooled.reshape(pooled.shape[0], -1), (route_, weights_bs), over.astype(jnp.int32)
+
+    def update(self, table, slots, residual, grad_bc, lr):
+        g = self.group
+        route_, weights_bs = residual
+        per_vt = grad_bc.reshape(grad_bc.shape[0], -1, g.width)
+        grads = take_columns(per_vt, g.vslot_vfeature) * take_columns(weights_bs, g.vslot_slot)[:, :, None]
+        return self._update(table, slots, route_, grads, lr)

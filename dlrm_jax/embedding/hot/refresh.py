@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.data.batch import DataSource, process_slice
-from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.data.batch import DataSource
+from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.parallel.mesh import AXIS
 
 # All-to-all over all-reduce bandwidth when embedding.hot.a2a_over_allreduce is 0. Simulated CPU
 # devices: `dlrm-jax bench collectives` measured 0.41-0.61 (BENCHMARKS.md). GPUs of one host
@@ -71,25 +68,20 @@ def initial_counts(cfg, source: DataSource) -> RowCounts:
     return RowCounts.from_batches(batches, cfg.bag_sizes)
 
 
-def choose(cfg, plan: EmbeddingPlan, measuring: EmbeddingCollection, source: DataSource,
+def choose(cfg, plan: EmbeddingPlan, mesh, source: DataSource,
            calibration_steps: int, log=print) -> tuple[EmbeddingPlan, HotSchedule | None]:
     """``plan`` with its hot rows (``embedding.hot.rows``: a number, or ``auto`` for the cost
     model), the bucket capacities measured with them masked out, and the schedule that starts
-    from the chosen rows (None when no rows are replicated). ``measuring``: a collection of
-    the plan's groups, whose ``measure_capacities`` prices the candidates."""
+    from the chosen rows (None when no rows are replicated)."""
     h = cfg.embedding.hot
-    mesh = measuring.mesh
     if h.rows == "auto" and mesh.size == 1:
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
     counts = initial_counts(cfg, source)
     batches = [global_ids(source.train_batch(i).ids) for i in range(calibration_steps)]
-    sharding = NamedSharding(mesh, P(AXIS))
-    mine = process_slice(cfg.train.batch_size, jax.process_index(), jax.process_count())
 
-    def measure(host_batches):
-        on_mesh = [jax.make_array_from_process_local_data(sharding, b[mine]) for b in host_batches]
-        return measuring.measure_capacities(on_mesh, cfg.embedding.capacity_factor)
+    def measure(host_batches):  # global batches: every process measures the same
+        return measure_capacities(plan, host_batches, cfg.embedding.capacity_factor)
 
     bags = cfg.bag_sizes
     if h.rows == "auto":

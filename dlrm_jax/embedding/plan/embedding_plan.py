@@ -30,6 +30,15 @@ class RowLayout(enum.StrEnum):
     CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
 
 
+class ExchangeKind(enum.StrEnum):
+    """How the looked-up vectors of a part of the tables travel (``exchange/`` has each form)."""
+
+    ALLREDUCE = "allreduce"  # replicated: local lookups, the gradient all-reduced as [rows, W]
+    GATHER = "gather"  # replicated: local lookups, every device's rows and gradients all-gathered
+    IDS = "ids"  # sharded: distinct rows go to the requester, which pools (buckets of capacity C)
+    POOLED = "pooled"  # sharded on fixed owners: every bag goes to its owner, which pools it
+
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -54,6 +63,9 @@ class TablePlan:
     # cache slots of its part (rows of its block; of the whole table for table/column-wise);
     # 0 = the whole table lives on its devices.
     cache_rows: int = 0
+    # TABLE and COLUMN: POOLED (the owner pools each bag) or IDS (distinct rows travel, the
+    # requester pools); ROW is always IDS; REPLICATED looks up locally (the field is unused).
+    exchange: ExchangeKind = ExchangeKind.IDS
 
     @property
     def tiered(self) -> bool:
@@ -107,7 +119,7 @@ class HotPlan:
     rows: int
     per_table: tuple[int, ...] = ()
     hit_rate: float = 0.0
-    no_hot_capacities: tuple[tuple[str, int, int], ...] = ()
+    no_hot_capacities: tuple[tuple[str, int], ...] = ()
     table_hit_rates: tuple[float, ...] = ()
 
 
@@ -145,13 +157,10 @@ class EmbeddingPlan:
     capacity_factor: float = 1.25
     dtype: str = "float32"  # table storage
     exchange_dtype: str = "float32"  # vectors and gradients on the wire
-    # Bags on sharded tables: "ids" sends each distinct row to the requester, which pools;
-    # "pooled" has owners pool partially and send one vector per (sample, feature); "auto"
-    # picks, per group, whichever moves fewer bytes.
-    bag_exchange: str = "auto"
-    # Measured bucket capacities per sharded group: (group name, distinct-request capacity,
-    # all-request capacity). Groups not listed get capacity_factor x the batch-size bound.
-    capacities: tuple[tuple[str, int, int], ...] = ()
+    # Measured bucket capacities of the ids exchange per sharded group: (group name, distinct
+    # requests one device may send one owner). Groups not listed get capacity_factor x the
+    # batch-size bound.
+    capacities: tuple[tuple[str, int], ...] = ()
     hot: HotPlan | None = None
     tier: TierPlan | None = None
 
@@ -193,9 +202,10 @@ class EmbeddingPlan:
         tables = tuple(
             TablePlan(TableSpec(**{**t["spec"], "pooling": Pooling(t["spec"]["pooling"])}),
                       Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]),
-                      int(t.get("cache_rows", 0)))
+                      int(t.get("cache_rows", 0)), ExchangeKind(t.get("exchange", "ids")))
             for t in raw.pop("tables")
         )
+        raw.pop("bag_exchange", None)  # plans saved before it became each table's exchange
         raw["capacities"] = _capacities(raw.get("capacities", ()))
         if raw.get("hot") is not None:
             hot = raw["hot"]
@@ -209,5 +219,7 @@ class EmbeddingPlan:
         return cls(tables, **raw)
 
 
-def _capacities(raw) -> tuple[tuple[str, int, int], ...]:
-    return tuple((str(k), int(a), int(b)) for k, a, b in raw)
+def _capacities(raw) -> tuple[tuple[str, int], ...]:
+    """(group, capacity) pairs; plans saved before the pooled form lost its own capacity
+    listed (group, capacity, all-request capacity)."""
+    return tuple((str(k), int(a)) for k, a, *_ in raw)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, EmbeddingPlan, RowLayout, Strategy
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout, Strategy
 
 # How a virtual table's ids map to owners (the exchange's routing reads these).
 KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
@@ -97,37 +97,112 @@ class Group:
         return max(1, min(self.max_capacity(local_batch), math.ceil(factor * load.max())))
 
 
-def _capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
-    """(distinct-request, all-request) bucket sizes: measured when the plan has them, else
-    the batch-size bound for both; never above the worst case."""
+@dataclass(frozen=True)
+class ExchangePart:
+    """The virtual tables of one fused array that one exchange form serves, as a group of
+    their own (same name, width and rows as the storage group; only these vtables' slots)."""
+
+    kind: ExchangeKind
+    group: Group
+
+
+def _capacity(plan: EmbeddingPlan, g: Group) -> int:
+    """Distinct-request bucket size per owner of an ids part: measured when the plan has it,
+    else ``capacity_factor`` x the batch-size bound; never above the worst case."""
     local_batch = plan.global_batch // plan.num_devices
-    worst = g.max_capacity(local_batch)
-    measured = {name: (a, b) for name, a, b in plan.capacities}.get(g.name)
+    measured = dict(plan.capacities).get(g.name)
     if measured is None:
-        bound = g.capacity(local_batch, plan.capacity_factor)
-        return bound, bound
-    return max(1, min(worst, measured[0])), max(1, min(worst, measured[1]))
-
-
-def uses_pooled_exchange(plan: EmbeddingPlan, g: Group) -> bool:
-    """Whether owners pool this sharded group's bags (see EmbeddingPlan.bag_exchange)."""
-    bags = any(plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables)
-    # Row-wise Adagrad on column slices exchanges whole-row statistics along the ids buckets.
-    whole_rows = plan.optimizer == "rowwise_adagrad" and g.has_column_slices
-    if g.replicated or not bags or plan.bag_exchange == "ids" or whole_rows:
-        return False
-    if plan.bag_exchange == "pooled":
-        return True
-    wire = DTYPE_BYTES[plan.exchange_dtype] * g.width
-    distinct, every = _capacities(plan, g)
-    segments = plan.global_batch // plan.num_devices * len(g.vtables)
-    return every * 12 + segments * wire < distinct * (4 + wire)
+        return g.capacity(local_batch, plan.capacity_factor)
+    return max(1, min(g.max_capacity(local_batch), measured))
 
 
 def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
-    """The compiled bucket size of a sharded group, for the exchange it uses."""
-    distinct, every = _capacities(plan, g)
-    return every if uses_pooled_exchange(plan, g) else distinct
+    """The compiled bucket size of an ids part (``g``: the part's group)."""
+    return _capacity(plan, g)
+
+
+def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> ExchangeKind:
+    """ALLREDUCE when all-reducing the [rows, W] float32 gradient moves fewer bytes than
+    all-gathering every device's (row, gradient) pairs; GATHER otherwise."""
+    n = plan.num_devices * replicas
+    if plan.optimizer == "ftrl":  # its update rewrites every row it is given from (z, n)
+        return ExchangeKind.GATHER
+    if n == 1:
+        return ExchangeKind.ALLREDUCE
+    allreduce = 2 * (n - 1) / n * g.local_rows * g.width * 4
+    gather = (n - 1) * plan.global_batch // plan.num_devices * g.num_vslots * (4 + 4 * g.width)
+    return ExchangeKind.ALLREDUCE if allreduce <= gather else ExchangeKind.GATHER
+
+
+def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> list[ExchangePart]:
+    """Every group split into the parts its exchange forms serve: the replicated group whole;
+    a sharded group's fixed-owner pieces (table-wise tables, column slices) whose tables
+    exchange pooled bags, and the rest (row-wise tables, ids exchange) in an ids part."""
+    parts = []
+    for g in build_groups(plan) if groups is None else groups:
+        if g.replicated:
+            parts.append(ExchangePart(replicated_kind(plan, g), g))
+            continue
+        pooled = [vt for vt in g.vtables
+                  if vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED]
+        ids = [vt for vt in g.vtables if vt not in pooled]
+        for kind, vts in ((ExchangeKind.POOLED, pooled), (ExchangeKind.IDS, ids)):
+            if vts:
+                parts.append(ExchangePart(kind, g if len(vts) == len(g.vtables) else subgroup(plan, g, vts)))
+    return parts
+
+
+@dataclass(frozen=True)
+class PooledLayout:
+    """Where a pooled part's bags travel (all static; ``exchange/pooled.py`` reads it).
+
+    Every owner holds up to J pieces (its table-wise tables and column slices of the part),
+    sorted by bag size, largest first. A request buffer row holds K = sum(piece_bags) ids:
+    piece j of every owner at positions ``starts[j]:starts[j + 1]``, so pooling is a static
+    slice whatever the owner. ``send_slot`` [N, K]: the batch slot each position of the buffer
+    to owner o carries (-1: none); ``row_offset`` [N, K]: its piece's first local row at o;
+    ``k_piece`` [K]: the piece of each position; ``reply_index`` [V']: per virtual table of
+    the part, its (owner, piece) as owner * J + piece; ``send_index`` [N * J]: the inverse
+    (V' where no piece is)."""
+
+    pieces: int
+    piece_bags: tuple[int, ...]
+    starts: tuple[int, ...]
+    send_slot: np.ndarray
+    row_offset: np.ndarray
+    k_piece: np.ndarray
+    reply_index: np.ndarray
+    send_index: np.ndarray
+
+    @property
+    def ids_per_sample(self) -> int:
+        """K: ids one device sends each owner per sample."""
+        return self.starts[-1]
+
+
+def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
+    """The static layout of a pooled part ``g`` (its vtables all of fixed owners)."""
+    n, slots_of = g.num_devices, _slots_of_tables(plan)
+    bag = lambda v: plan.tables[g.vtables[v].table].spec.bag_size  # noqa: E731
+    at = [sorted((v for v, vt in enumerate(g.vtables) if vt.device == o), key=lambda v: (-bag(v), v))
+          for o in range(n)]
+    pieces = max(len(a) for a in at)
+    piece_bags = tuple(max((bag(a[j]) for a in at if j < len(a)), default=0) for j in range(pieces))
+    starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(piece_bags)]))
+    k = starts[-1]
+    send_slot = np.full((n, k), -1, np.int32)
+    row_offset = np.zeros((n, k), np.int32)
+    reply = np.zeros(len(g.vtables), np.int32)
+    send_index = np.full(n * pieces, len(g.vtables), np.int32)
+    for o, vs in enumerate(at):
+        for j, v in enumerate(vs):
+            slots = slots_of[g.vtables[v].table]
+            send_slot[o, starts[j]:starts[j] + len(slots)] = slots
+            row_offset[o, starts[j]:starts[j + 1]] = g.vtables[v].offset
+            reply[v] = o * pieces + j
+            send_index[o * pieces + j] = v
+    k_piece = np.repeat(np.arange(pieces), piece_bags).astype(np.int32)
+    return PooledLayout(pieces, piece_bags, starts, send_slot, row_offset, k_piece, reply, send_index)
 
 
 def build_groups(plan: EmbeddingPlan) -> list[Group]:
@@ -184,6 +259,12 @@ def _group(name, width, replicated, local_rows, n, vts, slots_of, dim) -> Group:
     return Group(name, width, replicated, max(local_rows, 1), n, tuple(vts), arr["slot"], arr["kind"],
                  arr["device"], arr["offset"], arr["block"], arr["cols"].reshape(-1, width),
                  arr["vfeature"], np.asarray(vfeature_cols, np.int32).reshape(-1, width))
+
+
+def subgroup(plan: EmbeddingPlan, g: Group, vts) -> Group:
+    """``g`` restricted to the virtual tables ``vts`` (same array: name, width, rows)."""
+    return _group(g.name, g.width, g.replicated, g.local_rows, g.num_devices, list(vts), _slots_of_tables(plan),
+                  plan.tables[0].spec.dim)
 
 
 def is_identity(index: np.ndarray) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
+    ExchangeKind,
     RowLayout,
     Strategy,
     TablePlan,
@@ -166,10 +167,16 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
                             f"try more devices or another embedding.sharding")
         best = min(feasible, key=lambda c: (c[2].max(), ORDER.index(c[0].strategy)))
         placed[t] = placer.place(best)
-    plan = EmbeddingPlan(tuple(placed[t] for t in range(len(specs))), num_devices, optimizer,
-                         global_batch, capacity_factor, dtype, exchange_dtype, bag_exchange)
+    tables = tuple(dataclasses.replace(placed[t], exchange=_exchange(placed[t], bag_exchange)) for t in range(len(specs)))
+    plan = EmbeddingPlan(tables, num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype)
     _check_budget_with_buffers(plan, budget_bytes)
     return plan
+
+
+def _exchange(tp: TablePlan, bag_exchange: str) -> ExchangeKind:
+    if tp.strategy not in (Strategy.TABLE, Strategy.COLUMN) or bag_exchange == "ids":
+        return ExchangeKind.IDS
+    return ExchangeKind.POOLED if bag_exchange == "pooled" or tp.spec.bag_size > 1 else ExchangeKind.IDS
 
 
 def _allowed(spec: TableSpec, s: Strategy, n: int) -> bool:

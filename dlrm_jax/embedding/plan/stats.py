@@ -9,31 +9,83 @@ import numpy as np
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
+    ExchangeKind,
     Strategy,
     optimizer_bytes_per_row,
 )
-from dlrm_jax.embedding.plan.layout import build_groups, group_capacity, uses_pooled_exchange
+from dlrm_jax.embedding.plan.layout import (
+    ExchangePart,
+    exchange_parts,
+    group_capacity,
+    pooled_layout,
+)
+
+
+def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
+    g = part.group
+    out = {"n": plan.num_devices, "local_batch": plan.global_batch // plan.num_devices,
+           "wire": DTYPE_BYTES[plan.exchange_dtype], "width": g.width}
+    if part.kind == ExchangeKind.POOLED:
+        lay = pooled_layout(plan, g)
+        out.update(k=lay.ids_per_sample, j=lay.pieces,
+                   mean=any(plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
+                            for vt in g.vtables))
+    elif part.kind == ExchangeKind.IDS:
+        out["capacity"] = group_capacity(plan, g)
+    out["whole_rows"] = plan.optimizer == "rowwise_adagrad" and g.has_column_slices
+    return out
+
+
+def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> dict[str, float]:
+    """Bytes one device sends per step in one exchange part's collectives, by kind (named as
+    in HLO and counted as ``bench.common.hlo_collective_bytes`` counts a compiled program).
+
+    allreduce: the part's [rows, W] float32 gradient, all-reduced (ring: 2 (n-1)/n of it);
+    gather: the device's (row, gradient) pairs to every other device; ids: per owner C row ids
+    out, C vectors back, C row ids and C gradients out (+ C floats both ways of whole-row
+    statistics for row-wise Adagrad on column slices); pooled: per owner B_l x K ids (and
+    weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
+    floats both ways of whole-row statistics). ``replicas``: hosts holding equal replicas
+    (embedding.sync=host_replicas), whose owners all-gather what their counterparts received."""
+    g, s = part.group, _part_shapes(plan, part)
+    n, lb, wire, w = s["n"], s["local_batch"], s["wire"], s["width"]
+    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0}
+    if part.kind == ExchangeKind.ALLREDUCE:
+        m = n * replicas
+        out["all-reduce"] = 2 * (m - 1) / m * g.local_rows * w * 4
+    elif part.kind == ExchangeKind.GATHER:
+        out["all-gather"] = (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w)
+    elif part.kind == ExchangeKind.IDS:
+        c = s["capacity"]
+        out["all-to-all"] = (n - 1) * c * 2 * (4 + wire * w) + (n - 1) * c * 8 * s["whole_rows"]
+        out["all-gather"] = (replicas - 1) * n * c * (4 + 4 * w)
+    else:
+        k, j = s["k"], s["j"]
+        out["all-to-all"] = (n - 1) * lb * (k * 4 * (1 + s["mean"]) + 2 * j * w * wire + k * 8 * s["whole_rows"])
+        out["all-gather"] = (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"])
+    return out
+
+
+def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
+    """Per device: the part's exchange buffers at the compiled sizes (ids, vectors, gradients
+    sent and received; gathered rows; a replicated part's dense gradient)."""
+    g, s = part.group, _part_shapes(plan, part)
+    n, lb, wire, w = s["n"], s["local_batch"], s["wire"], s["width"]
+    if part.kind == ExchangeKind.ALLREDUCE:
+        return 2 * g.local_rows * w * 4
+    if part.kind == ExchangeKind.GATHER:
+        return n * lb * g.num_vslots * (4 + 4 * w)
+    if part.kind == ExchangeKind.IDS:
+        return 2 * n * s["capacity"] * (4 + 2 * wire * w)
+    return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * w * wire)
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
-    """Per device: the step's all-to-all buffers (ids, vectors, gradients at the compiled
-    capacity) plus the gathered rows and gradients of replicated tables and the hot rows'
-    gradient sums. An overflowing step
-    runs in rounds at the same capacity, so this bounds it too (pooled groups' rounds use the
-    unpooled exchange's buffers, counted as well)."""
-    n = plan.num_devices
-    wire = DTYPE_BYTES[plan.exchange_dtype]
-    local_batch = plan.global_batch // n
-    total = 0
-    for g in build_groups(plan):
-        if g.replicated:
-            total += plan.global_batch * g.num_vslots * (4 + 4 * g.width)
-            continue
-        cap = group_capacity(plan, g)
-        total += 2 * n * cap * (4 + 2 * wire * g.width)  # row ids out, vectors back, gradients out
-        if uses_pooled_exchange(plan, g):  # (row, segment, weight) both ways; partial sums; grads
-            total += 2 * n * cap * 12 + n * local_batch * len(g.vtables) * g.width * (4 + 2 * wire)
+    """Per device: every part's exchange buffers plus the hot rows' gradient sums. An
+    overflowing ids part runs in rounds at the same capacity, so this bounds it too."""
+    total = sum(part_buffer_bytes(plan, p) for p in exchange_parts(plan))
     if plan.hot_rows:  # the hot rows' summed gradients, and each slot's hot row
+        local_batch = plan.global_batch // plan.num_devices
         total += plan.hot_rows * plan.tables[0].spec.dim * 4 + local_batch * sum(t.spec.bag_size for t in plan.tables) * 4
     return total
 
@@ -49,39 +101,34 @@ def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
 
 
 def collective_bytes(plan: EmbeddingPlan, replicas: int = 1) -> dict[str, int]:
-    """Bytes one device sends to the others per step at the compiled capacity, by collective
-    (named as in HLO). all-to-all: per sharded group, row ids out and vectors back (forward),
-    row ids and gradients out (backward); pooled groups send (row, segment, weight) requests
-    both ways and partial sums back, and all-gather the pooled gradients. all-gather:
-    replicated tables send the device's rows and gradients to every other device. all-reduce:
-    the hot rows' float32 gradients, summed over devices (ring: 2 (N-1)/N of the buffer).
-
-    ``replicas``: hosts holding equal replicas of ``plan`` (embedding.sync=host_replicas);
-    every owner also all-gathers, from its counterparts on the other hosts, the rows and
-    float32 gradients they received, and replicated tables gather every host's batch."""
-    n, local_batch = plan.num_devices, plan.global_batch // plan.num_devices
-    wire = DTYPE_BYTES[plan.exchange_dtype]
-    out = {"all-to-all": 0, "all-gather": 0, "all-reduce": 0}
-    for g in build_groups(plan):
-        if not g.replicated:  # (the owner's received [N, C] buffers)
-            out["all-gather"] += (replicas - 1) * n * group_capacity(plan, g) * (4 + 4 * g.width)
-        if g.replicated:
-            out["all-gather"] += (n * replicas - 1) * local_batch * g.num_vslots * (4 + 4 * g.width)
-        elif uses_pooled_exchange(plan, g):
-            segments = local_batch * len(g.vtables)
-            out["all-to-all"] += (n - 1) * group_capacity(plan, g) * 12 * 2
-            out["all-gather"] += (n - 1) * segments * wire * g.width
-            out["all-to-all"] += (n - 1) * segments * wire * g.width  # partial sums back
-        else:
-            out["all-to-all"] += (n - 1) * group_capacity(plan, g) * 2 * (4 + wire * g.width)
+    """Bytes one device sends to the others per step at the compiled sizes, by collective
+    (named as in HLO): every exchange part's (:func:`part_collective_bytes`) and the hot
+    rows' float32 gradients, all-reduced (ring: 2 (N-1)/N of the buffer)."""
+    n = plan.num_devices
+    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0}
+    for part in exchange_parts(plan):
+        for kind, b in part_collective_bytes(plan, part, replicas).items():
+            out[kind] += b
     if plan.hot_rows and n > 1:
-        out["all-reduce"] += 2 * (n - 1) * plan.hot_rows * plan.tables[0].spec.dim * 4 // n
-    return out
+        out["all-reduce"] += 2 * (n - 1) * plan.hot_rows * plan.tables[0].spec.dim * 4 / n
+    return {k: int(round(v)) for k, v in out.items()}
 
 
 def exchange_bytes_per_step(plan: EmbeddingPlan) -> int:
     """Bytes one device sends to the others per step, every collective together."""
     return sum(collective_bytes(plan).values())
+
+
+def lower_bound_bytes(plan: EmbeddingPlan) -> int:
+    """The exchange's lower bound per device and step: each device receives one pooled vector
+    per feature for each of its B/N samples and sends one gradient back, and sends its ids to
+    the owners once: ``(2 B/N sum(dims) wire + B/N sum(bags) 4) (N-1)/N`` (``wire``: the plan's
+    exchange width). Replicated tables and hot rows can go below it; deduplicated one-hot ids
+    on skewed data too."""
+    n, lb = plan.num_devices, plan.global_batch / plan.num_devices
+    dims = sum(t.spec.dim for t in plan.tables)
+    bags = sum(t.spec.bag_size for t in plan.tables)
+    return int(round((2 * lb * dims * DTYPE_BYTES[plan.exchange_dtype] + lb * bags * 4) * (n - 1) / n))
 
 
 def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
@@ -121,20 +168,40 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
                      + f"{fmt_bytes(int(total[d])):>14}")
     if n > 16:
         lines.append(f"(the busiest of {n} devices)")
-    groups = [g for g in build_groups(plan) if not g.replicated]
-    if groups:
-        measured = {c[0] for c in plan.capacities}
-        lb = plan.global_batch // n
-        lines.append("All-to-all capacity per owner: " + ", ".join(
-            f"{g.name} {group_capacity(plan, g):,} of {g.max_capacity(lb):,} "
-            f"({'measured' if g.name in measured else 'from batch'}"
-            f"{', owners pool bags' if uses_pooled_exchange(plan, g) else ''})" for g in groups))
+    lines += exchange_report(plan)
     if hot:
         lines += hot_report(plan)
     if plan.tier:
         lines += tier_report(plan)
     lines.append(f"Predicted exchange per step per device: {fmt_bytes(exchange_bytes_per_step(plan))}")
     return "\n".join(lines)
+
+
+def exchange_report(plan: EmbeddingPlan) -> list[str]:
+    """One line per exchange part: its form, the tables it serves and its buffers' sizes."""
+    lines = []
+    lb = plan.global_batch // plan.num_devices
+    measured = {name for name, _ in plan.capacities}
+    for part in exchange_parts(plan):
+        g = part.group
+        names = _table_list(plan, sorted({vt.table for vt in g.vtables}))
+        if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
+            how = ("gradients all-reduced" if part.kind == ExchangeKind.ALLREDUCE
+                   else "rows and gradients all-gathered")
+        elif part.kind == ExchangeKind.POOLED:
+            lay = pooled_layout(plan, g)
+            how = f"owners pool bags: {lay.ids_per_sample} ids and {lay.pieces} vectors per sample and owner"
+        else:
+            c = group_capacity(plan, g)
+            how = (f"distinct rows: {c:,} per owner of at most {g.max_capacity(lb):,} "
+                   f"({'measured on the data' if g.name in measured else 'from the batch size'})")
+        lines.append(f"Exchange {part.kind.value:<9} {g.name:<12} {how}; tables {names}")
+    return lines
+
+
+def _table_list(plan: EmbeddingPlan, tables: list[int]) -> str:
+    names = [plan.tables[t].spec.name for t in tables]
+    return ", ".join(names) if len(names) <= 6 else f"{', '.join(names[:5])} and {len(names) - 5} more"
 
 
 def tier_report(plan: EmbeddingPlan) -> list[str]:

@@ -1,0 +1,46 @@
+"""Bucket capacities of the ids exchange, measured on the host from batches of ids.
+
+The ids form sends each owner at most C distinct rows per step (``C``: the part's compiled
+capacity). Training and ``dlrm-jax plan`` both size C here, from the same first batches, so the
+plan predicts what the step compiles: per ids part, ``headroom`` x the most distinct (owner,
+row) requests that one device's share of a batch sends one owner. Numpy on the calling thread;
+the routing is ``routing.route``, the step's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from dlrm_jax.embedding.exchange.routing import route
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
+from dlrm_jax.embedding.plan.layout import Group, exchange_parts
+
+
+def busiest_owner(g: Group, ids_local: np.ndarray) -> int:
+    """The most distinct rows one owner is asked for by one device holding ``ids_local``
+    (int32 [B_l, S], the device's share of a batch)."""
+    vids = ids_local[:, g.vslot_slot]
+    owner, row, valid = route(vids, g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block,
+                              g.num_devices, xp=np)
+    key = owner.astype(np.int64)[valid] * g.local_rows + row[valid]
+    return int(np.bincount(np.unique(key) // g.local_rows, minlength=g.num_devices).max(initial=0))
+
+
+def measure_capacities(plan: EmbeddingPlan, id_batches: Iterable[np.ndarray], headroom: float
+                       ) -> tuple[tuple[str, int], ...]:
+    """Per ids part of ``plan``: (group name, ``headroom`` x the busiest owner's distinct
+    requests over every device's share of ``id_batches``). Each batch holds consecutive
+    devices' rows (``plan.global_batch / plan.num_devices`` each): a process's rows, or a
+    global batch. Several processes take the maximum of their results."""
+    parts = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
+    local = plan.global_batch // plan.num_devices
+    most = dict.fromkeys((g.name for g in parts), 0)
+    for ids in id_batches:
+        ids = np.asarray(ids)
+        for start in range(0, ids.shape[0], local):
+            for g in parts:
+                most[g.name] = max(most[g.name], busiest_owner(g, ids[start:start + local]))
+    return tuple((name, max(1, math.ceil(headroom * m))) for name, m in most.items())
