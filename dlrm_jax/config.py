@@ -20,6 +20,7 @@ import yaml
 from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's one public home
     CONFIG_DIR,
     CRITEO_KAGGLE_CARDINALITIES,
+    ClusterConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -380,6 +381,9 @@ def validate(cfg: Config) -> Config:
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     _positive("mesh.model", cfg.mesh.model)
+    for key, value in dataclasses.asdict(cfg.cluster).items():
+        if key != "profile":
+            _positive(f"cluster.{key}", value, allow_zero=True)
     _positive("model.microbatches", m.microbatches)
     if cfg.mesh.devices and cfg.mesh.devices % cfg.mesh.model:
         raise ConfigError(f"mesh.model={cfg.mesh.model} must divide mesh.devices={cfg.mesh.devices}")

@@ -194,12 +194,29 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The machines embedding.sharding=auto prices a plan for (embedding/plan/cost.py has the
+    model and the sources of the profiles' numbers); 0 = the profile's value."""
+
+    # auto: cpu when training on simulated CPU devices, else h100 (8 GPUs a host, NVLink within,
+    # one 400 Gb/s InfiniBand NIC per GPU between hosts)
+    profile: str = field(default="auto", metadata=_choices("auto", "h100", "cpu"))
+    devices_per_host: int = 0
+    intra_host_gbps: float = 0.0  # GB/s each way per device between devices of one host
+    inter_host_gbps: float = 0.0  # GB/s each way per device between hosts
+    hbm_gbps: float = 0.0  # device memory bandwidth
+    tflops: float = 0.0  # dense matmul peak at bfloat16 (float32: half)
+    device_memory_gb: float = 0.0  # the planner's budget when embedding.memory_budget_gb is 0 (90% of it)
+
+
+@dataclass(frozen=True)
 class Config:
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     embedding: EmbeddingConfig = EmbeddingConfig()
     mesh: MeshConfig = MeshConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @property
     def num_features(self) -> int:

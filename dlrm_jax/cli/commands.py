@@ -10,7 +10,11 @@ from pathlib import Path
 
 from dlrm_jax.config import Config, ConfigError, load_config
 from dlrm_jax.files import check_dir
-from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
+from dlrm_jax.parallel.mesh import (
+    MAX_SIMULATED_DEVICES,
+    SIMULATED_DEVICES_DEFAULT,
+    request_cpu_devices,
+)
 
 
 def _devices_for(cfg: Config) -> int:
@@ -104,30 +108,43 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.embedding.plan.planner import (
-        config_plan_report,
-        host_plan_from_config,
-    )
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.train.planning import plan_for_run, run_plan_report
 
     hosts = cfg.mesh.hosts or 1
-    plan = host_plan_from_config(cfg, _devices_for(cfg), hosts)
+    devices = _devices_for(cfg)
+    simulated = devices <= MAX_SIMULATED_DEVICES and not _gpu_plugin_installed()
     if cfg.embedding.tables_per_host:
         print(f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
-              f"host's {plan.num_devices} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)")
-    if cfg.embedding.hot.rows == 0 and not plan.tiered_tables:
-        # Planning needs only the config: no devices, no arrays, no JAX.
-        print(config_plan_report(cfg, plan))
+              f"host's {devices // hosts} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)")
+    if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
+        # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
+        cfg = resolve_data_config(cfg)
+        source = make_source(cfg, trains=True) if cfg.embedding.capacity_from == "measured" else None
+        plan = plan_for_run(cfg, devices, hosts, source, simulated)
+        print(run_plan_report(cfg, plan, simulated))
         return 0
     # Hot rows are chosen from the data, priced with the engine's own bucket measurement;
     # tiered tables' fill sizes and hit rates are predicted from the first batches.
-    _start_jax(_devices_for(cfg), args)
-    from dlrm_jax.data.sources import make_source, resolve_data_config
+    _start_jax(devices, args)
     from dlrm_jax.train.build import build, mesh_from_config
 
     cfg = resolve_data_config(cfg)
     plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)
-    print(config_plan_report(cfg, plan))
+    print(run_plan_report(cfg, plan, simulated))
     return 0
+
+
+def _tiered(cfg) -> bool:
+    return cfg.embedding.storage == "tiered" or any(item.endswith("=tiered") for item in cfg.embedding.table_storage)
+
+
+def _gpu_plugin_installed() -> bool:
+    """Whether JAX would find a GPU plugin (cluster.profile=auto prices simulated CPU devices
+    otherwise), without importing JAX."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin"))
 
 
 def cmd_preprocess(args) -> int:
@@ -250,6 +267,13 @@ def cmd_bench(args) -> int:
         from dlrm_jax.bench.input import bench_input
 
         bench_input(cfg, steps=args.steps, step_steps=args.step_steps, output=args.output, log=_log)
+        return 0
+    if args.suite == "exchange":
+        cfg = load_config(args.config, args.overrides)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.exchange import bench_exchange
+
+        bench_exchange(cfg, [s for s in args.strategies.split(",") if s], output=args.output, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)

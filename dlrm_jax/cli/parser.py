@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--steps", type=POSITIVE, default=30, help="batches timed through the pipeline per case")
     bi.add_argument("--step-steps", type=POSITIVE, default=5, help="timed train steps for the step-only figure")
     bi.add_argument("--output", help="write the JSON here too")
+    bx = bench_sub.add_parser("exchange", help="bytes the compiled train step moves vs the plan's prediction and "
+                              "the lower bound, per strategy (compile only: full-size tables need no memory)")
+    _add_config_args(bx)
+    bx.add_argument("--strategies", default="auto,replicated,table,row,column",
+                    help="comma-separated; auto: the config's own embedding.sharding")
+    bx.add_argument("--output", help="write the JSON here too")
     be = bench_sub.add_parser("embedding", help="embedding step of every strategy vs XLA baselines")
     _add_config_args(be)
     be.add_argument("--strategies", default="replicated,table,row,column,auto")

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlrm_jax.model.work import KINDS, interaction_width  # noqa: F401 - interaction_width re-exported
+
 
 def dot_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
     """DLRM's dot interaction.
@@ -65,14 +67,4 @@ def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
 
 
 INTERACTIONS = {"dot": dot_interaction, "cat": cat_interaction, "dcn": cat_interaction}
-
-
-def interaction_width(kind: str, num_features: int, dim: int, bottom_width: int | None = None) -> int:
-    """Width of the interaction output for F embedding features of width D after a bottom
-    output of ``bottom_width`` (default D; dot needs D)."""
-    bottom_width = dim if bottom_width is None else bottom_width
-    if kind == "dot":
-        return bottom_width + (num_features + 1) * num_features // 2
-    if kind in ("cat", "dcn"):  # the cross network keeps its input's width
-        return bottom_width + dim * num_features
-    raise ValueError(f"unknown interaction {kind!r}; allowed: {', '.join(INTERACTIONS)}")
+assert set(INTERACTIONS) == set(KINDS)

@@ -3,7 +3,6 @@ sizes measured on the first batches, the hot rows and the tier's caches."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -12,12 +11,11 @@ import jax
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
-from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.planner import host_plan_from_config
+from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
 from dlrm_jax.parallel.mesh import (
     check_same_everywhere,
@@ -25,9 +23,8 @@ from dlrm_jax.parallel.mesh import (
     make_mesh,
     outcomes_of_every_process,
 )
+from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
-
-CALIBRATION_BATCHES = 4
 
 
 def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
@@ -43,10 +40,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
         raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
                          f"{mesh.size} devices of the mesh (mesh.devices)")
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
-    plan = host_plan_from_config(cfg, mesh.size, hosts_of(mesh), _device_budget(cfg))
+    plan = plan_for_run(cfg, mesh.size, hosts_of(mesh), source, jax.default_backend() == "cpu", _device_budget(cfg),
+                        agree=_every_process)
     optimizer = sparse_optimizer_from_config(cfg)
-    if source is not None and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
-        plan = dataclasses.replace(plan, capacities=measured_capacities(plan, source, cfg.embedding.capacity_factor))
     schedule = None
     if cfg.embedding.hot.rows != 0:
         if source is None:
@@ -66,17 +62,14 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
 
 
-def measured_capacities(plan: EmbeddingPlan, source: DataSource, headroom: float,
-                        batches: int = CALIBRATION_BATCHES) -> tuple[tuple[str, int], ...]:
-    """The ids exchange's bucket sizes from this process's rows of the first ``batches``
-    training batches (always the same ones, so a resumed run compiles the same step), the
-    largest over every process."""
-    ids = (source.train_batch(i).ids for i in range(batches))
-    mine = measure_capacities(plan, ids, headroom)
+def _every_process(kind: str, value):
+    """What every process uses of what each measured on its own rows (``planning.agree_by_max``)."""
     if jax.process_count() == 1:
-        return mine
-    every = outcomes_of_every_process(json.dumps(mine))
-    return tuple((name, max(dict(json.loads(o))[name] for o in every)) for name, _ in mine)
+        return value
+    every = [json.loads(o) for o in outcomes_of_every_process(json.dumps(value, default=vars))]
+    if kind == "stats":
+        every = [[TableStats(**s) for s in v] for v in every]
+    return agree_by_max(every)
 
 
 def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:

@@ -23,7 +23,6 @@ from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.planner import config_plan_report
 from dlrm_jax.embedding.plan.stats import collective_bytes
 from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.setup import tier_root
@@ -41,6 +40,7 @@ from dlrm_jax.train.checkpoint import (
     largest_shard_bytes,
 )
 from dlrm_jax.train.evaluate import RunSummary, evaluate
+from dlrm_jax.train.planning import run_plan_report
 from dlrm_jax.train.progress import (
     Evaluation,
     Progress,
@@ -174,7 +174,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     plan_json = plan.to_json()
     replicas = steps.hosts if steps.collection.replicas else 1
     sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
-    report = config_plan_report(cfg, plan)
+    report = run_plan_report(cfg, plan, jax.default_backend() == "cpu")
     log(report)
     report_progress(0, "restoring or initialising the state")
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)

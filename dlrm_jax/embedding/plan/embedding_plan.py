@@ -18,6 +18,10 @@ import numpy as np
 from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
 
 
+class PlanError(ValueError):
+    """A plan that cannot be made: the message names the table and the limit."""
+
+
 class Strategy(enum.StrEnum):
     REPLICATED = "replicated"  # every device holds the table; gradients gathered to all
     TABLE = "table"  # the whole table on one device

@@ -123,12 +123,13 @@ def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
 
 def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> ExchangeKind:
     """ALLREDUCE when all-reducing the [rows, W] float32 gradient moves fewer bytes than
-    all-gathering every device's (row, gradient) pairs; GATHER otherwise."""
+    all-gathering every device's (row, gradient) pairs; GATHER otherwise (and on one device,
+    where the gathered form is the plain sparse update)."""
     n = plan.num_devices * replicas
     if plan.optimizer == "ftrl":  # its update rewrites every row it is given from (z, n)
         return ExchangeKind.GATHER
-    if n == 1:
-        return ExchangeKind.ALLREDUCE
+    if n == 1:  # nothing to exchange: the plain sparse update, not a dense one of every row
+        return ExchangeKind.GATHER
     allreduce = 2 * (n - 1) / n * g.local_rows * g.width * 4
     gather = (n - 1) * plan.global_batch // plan.num_devices * g.num_vslots * (4 + 4 * g.width)
     return ExchangeKind.ALLREDUCE if allreduce <= gather else ExchangeKind.GATHER
@@ -143,9 +144,10 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
         if g.replicated:
             parts.append(ExchangePart(replicated_kind(plan, g), g))
             continue
-        pooled = [vt for vt in g.vtables
-                  if vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED]
-        ids = [vt for vt in g.vtables if vt not in pooled]
+        is_pooled = [vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED
+                     for vt in g.vtables]
+        pooled = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if p]
+        ids = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if not p]
         for kind, vts in ((ExchangeKind.POOLED, pooled), (ExchangeKind.IDS, ids)):
             if vts:
                 parts.append(ExchangePart(kind, g if len(vts) == len(g.vtables) else subgroup(plan, g, vts)))
@@ -182,27 +184,35 @@ class PooledLayout:
 
 def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     """The static layout of a pooled part ``g`` (its vtables all of fixed owners)."""
-    n, slots_of = g.num_devices, _slots_of_tables(plan)
-    bag = lambda v: plan.tables[g.vtables[v].table].spec.bag_size  # noqa: E731
-    at = [sorted((v for v, vt in enumerate(g.vtables) if vt.device == o), key=lambda v: (-bag(v), v))
-          for o in range(n)]
-    pieces = max(len(a) for a in at)
-    piece_bags = tuple(max((bag(a[j]) for a in at if j < len(a)), default=0) for j in range(pieces))
-    starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(piece_bags)]))
-    k = starts[-1]
+    n, v_count = g.num_devices, len(g.vtables)
+    device = np.array([vt.device for vt in g.vtables], np.int64)
+    table = np.array([vt.table for vt in g.vtables], np.int64)
+    bag = np.array([plan.tables[t].spec.bag_size for t in table], np.int64)
+    order = np.lexsort((np.arange(v_count), -bag, device))  # by owner, largest bag first
+    first = np.searchsorted(device[order], device[order], side="left")
+    piece = np.empty(v_count, np.int64)
+    piece[order] = np.arange(v_count) - first  # each vtable's place among its owner's
+    pieces = int(piece.max()) + 1 if v_count else 0
+    piece_bags = np.zeros(pieces, np.int64)
+    np.maximum.at(piece_bags, piece, bag)
+    starts = np.concatenate([[0], np.cumsum(piece_bags)])
+    k = int(starts[-1])
     send_slot = np.full((n, k), -1, np.int32)
     row_offset = np.zeros((n, k), np.int32)
-    reply = np.zeros(len(g.vtables), np.int32)
-    send_index = np.full(n * pieces, len(g.vtables), np.int32)
-    for o, vs in enumerate(at):
-        for j, v in enumerate(vs):
-            slots = slots_of[g.vtables[v].table]
-            send_slot[o, starts[j]:starts[j] + len(slots)] = slots
-            row_offset[o, starts[j]:starts[j + 1]] = g.vtables[v].offset
-            reply[v] = o * pieces + j
-            send_index[o * pieces + j] = v
+    slot_start = np.concatenate([[0], np.cumsum([tp.spec.bag_size for tp in plan.tables])])
+    within = np.concatenate([np.arange(b) for b in bag]) if v_count else np.zeros(0, np.int64)
+    vt_of = np.repeat(np.arange(v_count), bag)
+    send_slot[device[vt_of], starts[piece[vt_of]] + within] = slot_start[table[vt_of]] + within
+    span = np.repeat(np.arange(v_count), piece_bags[piece])  # every position of each vtable's piece
+    span_k = starts[piece[span]] + np.concatenate([np.arange(piece_bags[piece[v]]) for v in range(v_count)]
+                                                  or [np.zeros(0, np.int64)])
+    row_offset[device[span], span_k] = np.array([vt.offset for vt in g.vtables], np.int64)[span]
+    reply = (device * pieces + piece).astype(np.int32)
+    send_index = np.full(n * pieces, v_count, np.int32)
+    send_index[reply] = np.arange(v_count)
     k_piece = np.repeat(np.arange(pieces), piece_bags).astype(np.int32)
-    return PooledLayout(pieces, piece_bags, starts, send_slot, row_offset, k_piece, reply, send_index)
+    return PooledLayout(pieces, tuple(int(b) for b in piece_bags), tuple(int(x) for x in starts), send_slot,
+                        row_offset, k_piece, reply, send_index)
 
 
 def build_groups(plan: EmbeddingPlan) -> list[Group]:
@@ -246,19 +256,17 @@ def _slots_of_tables(plan: EmbeddingPlan) -> list[list[int]]:
 
 
 def _group(name, width, replicated, local_rows, n, vts, slots_of, dim) -> Group:
-    rows = {k: [] for k in ("slot", "kind", "device", "offset", "block", "cols", "vfeature")}
-    vfeature_cols = []
-    for v, vt in enumerate(vts):
-        cols = vt.table * dim + vt.col_start + np.arange(width)
-        vfeature_cols.append(cols)
-        for s in slots_of[vt.table]:
-            for key, val in (("slot", s), ("kind", vt.kind), ("device", vt.device), ("offset", vt.offset),
-                             ("block", vt.block), ("cols", cols), ("vfeature", v)):
-                rows[key].append(val)
-    arr = {k: np.asarray(v, np.int32) for k, v in rows.items()}
-    return Group(name, width, replicated, max(local_rows, 1), n, tuple(vts), arr["slot"], arr["kind"],
-                 arr["device"], arr["offset"], arr["block"], arr["cols"].reshape(-1, width),
-                 arr["vfeature"], np.asarray(vfeature_cols, np.int32).reshape(-1, width))
+    """Per virtual slot (each vtable's slots in order) its slot, routing, columns and vtable."""
+    field = lambda attr: np.array([getattr(vt, attr) for vt in vts], np.int64)  # noqa: E731
+    counts = np.array([len(slots_of[vt.table]) for vt in vts], np.int64)
+    vfeature = np.repeat(np.arange(len(vts)), counts)
+    vfeature_cols = (field("table") * dim + field("col_start"))[:, None] + np.arange(width)  # [V', W]
+    slot = np.concatenate([slots_of[vt.table] for vt in vts]) if vts else np.zeros(0, np.int64)
+    arr = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    return Group(name, width, replicated, max(local_rows, 1), n, tuple(vts), arr(slot),
+                 arr(field("kind")[vfeature]), arr(field("device")[vfeature]), arr(field("offset")[vfeature]),
+                 arr(field("block")[vfeature]), arr(vfeature_cols[vfeature].reshape(-1, width)), arr(vfeature),
+                 arr(vfeature_cols.reshape(-1, width)))
 
 
 def subgroup(plan: EmbeddingPlan, g: Group, vts) -> Group:

@@ -1,0 +1,118 @@
+"""``dlrm-jax bench exchange``: the bytes the compiled train step moves, against the plan's
+prediction and the exchange's lower bound.
+
+For the config's own plan (``embedding.sharding`` as given: the plan training builds, buckets
+measured on the data) and for each explicit strategy, the train step is compiled, not run, at
+the config's full size on the current devices: the state is abstract (shapes and shardings,
+no memory), so a 100 GB table set compiles on a laptop. The compiled program's collectives are
+counted (``common.hlo_collective_bytes``; the overflow rounds, compiled but not taken, left out)
+and the dense part's gradient all-reduce (the same under every plan) taken away: what remains
+is the embedding exchange, beside ``plan.stats``' prediction of it, the lower bound and the
+predicted step time on the config's cluster. XLA may fuse the replicated tables' gradient
+all-reduce with the dense one into one instruction; its operands are told apart by shape (a
+replicated group's [rows, W] or the hot rows' [H, D] belong to the exchange).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+
+from dlrm_jax.bench.common import (
+    _COLLECTIVE,
+    _DTYPE_BYTES,
+    _SHAPE,
+    hlo_collective_bytes,
+    machine_description,
+    write_report,
+)
+from dlrm_jax.data.batch import Batch
+from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
+from dlrm_jax.embedding.plan.cost import predict_step
+from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
+from dlrm_jax.embedding.plan.layout import exchange_parts
+from dlrm_jax.embedding.plan.planner import cluster_from_config
+from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
+from dlrm_jax.model.work import dense_work
+from dlrm_jax.observe.trace import PHASE_SCOPES
+from dlrm_jax.train.build import build, mesh_from_config
+
+STRATEGIES = ("auto", "replicated", "table", "row", "column")
+
+
+def compiled_train_step(steps, batch: Batch):
+    """The train step compiled for an abstract state (no memory) and ``batch``'s shapes."""
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         jax.eval_shape(steps.init_state), steps.state_sharding)
+    abstract = Batch(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.batch_sharding) for x in batch))
+    return steps.train_step.lower(state, abstract).compile()
+
+
+def exchange_case(cfg, mesh, source, label: str, log) -> dict:
+    """One plan's compiled, predicted and lower-bound bytes per device and step."""
+    t0 = time.perf_counter()
+    plan, steps = build(cfg, mesh, source, log=lambda *_: None)
+    hlo = compiled_train_step(steps, source.train_batch(0)).as_text()
+    n = mesh.size
+    dense = dense_work(cfg)
+    counted = hlo_collective_bytes(hlo, n, ROUNDS_SCOPE)
+    dense_allreduce = _dense_allreduce_bytes(hlo, n, _exchange_shapes(plan))
+    measured = sum(counted.values()) - dense_allreduce
+    predicted = sum(collective_bytes(plan).values())
+    step = predict_step(plan, cluster_from_config(cfg, jax.default_backend() == "cpu"), dense)
+    case = {"strategy": label, "devices": n, "predicted_bytes": predicted, "measured_bytes": measured,
+            "lower_bound_bytes": lower_bound_bytes(plan), "predicted_step_ms": 1e3 * step.total_s,
+            "predicted_phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
+            "strategies": sorted({t.strategy.value for t in plan.tables}),
+            "hlo_bytes_by_kind": counted, "dense_allreduce_bytes": dense_allreduce,
+            "compile_s": time.perf_counter() - t0}
+    log(f"{label:<12}{n:>8}{predicted / 2**20:>14.1f}{measured / 2**20:>14.1f}{case['lower_bound_bytes'] / 2**20:>12.1f}"
+        f"{measured / max(case['lower_bound_bytes'], 1):>10.2f}{measured / max(predicted, 1):>12.3f}"
+        f"{case['predicted_step_ms']:>12.3f}  {','.join(case['strategies'])}")
+    return case
+
+
+def _exchange_shapes(plan) -> set[tuple[int, ...]]:
+    """Shapes of the exchange's all-reduced gradients: replicated groups' and the hot rows'."""
+    shapes = {(p.group.local_rows, p.group.width) for p in exchange_parts(plan) if p.kind == ExchangeKind.ALLREDUCE}
+    if plan.hot_rows:
+        shapes.add((plan.hot_rows, plan.tables[0].spec.dim))
+    return shapes
+
+
+def _dense_allreduce_bytes(hlo: str, n: int, exchange_shapes: set) -> float:
+    """Bytes of the all-reduce operands that are the dense part's gradients: those of the dense
+    phase (a fused instruction names every phase it joins), less any operand shaped like an
+    exchange gradient."""
+    total = 0.0
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m or m.group(2) != "all-reduce" or PHASE_SCOPES["dense"] not in line:
+            continue
+        for dtype, dims in _SHAPE.findall(m.group(1)):
+            shape = tuple(int(d) for d in dims.split(",") if d)
+            if shape not in exchange_shapes:
+                total += 2 * (n - 1) / n * _DTYPE_BYTES.get(dtype, 4) * math.prod(shape)
+    return total
+
+
+def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=print) -> dict:
+    """Every strategy's case (``auto``: the config's own sharding); a table; JSON out."""
+    cfg = resolve_data_config(cfg)
+    mesh = mesh_from_config(cfg)
+    source = make_source(cfg)
+    log(f"{'strategy':<12}{'devices':>8}{'predicted MiB':>14}{'compiled MiB':>14}{'bound MiB':>12}"
+        f"{'x bound':>10}{'compiled/pred':>12}{'step ms':>12}  strategies")
+    cases = []
+    for s in strategies:
+        chosen = cfg if s == "auto" else dataclasses.replace(
+            cfg, embedding=dataclasses.replace(cfg.embedding, sharding=s, table_sharding=()))
+        cases.append(exchange_case(chosen, mesh, source, cfg.embedding.sharding if s == "auto" else s, log))
+    report = {"benchmark": "exchange", "devices": mesh.size, "global_batch": cfg.train.batch_size,
+              "machine": machine_description(), "cases": cases}
+    write_report(report, output)
+    return report

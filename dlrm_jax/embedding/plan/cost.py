@@ -1,0 +1,165 @@
+"""The step-time model a plan is chosen by: one training step of one device, by phase.
+
+Every exchange part's collectives move the bytes ``stats.part_collective_bytes`` counts (what
+the compiled step moves, checked against HLO by the tests); each crosses the links its devices
+span: within a host of ``devices_per_host`` devices at ``intra_host_gbps``, between hosts at
+``inter_host_gbps``. An all-to-all or all-gather sends (G-1)/(N-1) of its bytes within the
+host and the rest between hosts, both at once; an all-reduce runs hierarchically (reduce-
+scatter within the host, all-reduce of 1/G of it between hosts, all-gather within the host).
+Lookups and updates read and write rows at ``hbm_gbps``; the dense MLPs (data-parallel, the
+same under every plan) run at ``tflops`` and all-reduce their gradients. Every collective
+also pays ``latency_us``. Phases are added, not overlapped: the prediction is what a step
+costs when nothing hides anything, and the planner compares plans by it.
+
+Constants (peaks, then the share of them a step reaches, ``*_efficiency``):
+
+- H100 SXM: NVLink 4 about 450 GB/s each way per GPU within an 8-GPU host; one 400 Gb/s
+  InfiniBand NIC per GPU between hosts, about 50 GB/s; HBM3 about 3.35 TB/s; dense bf16
+  about 990 TFLOP/s (495 at float32 through TF32). NVIDIA's H100 datasheet and DGX H100
+  reference architecture.
+- Simulated CPU devices of this 2-core VM: one host; `dlrm-jax bench collectives` measured
+  an all-to-all at 0.41-0.61 of an all-reduce's bandwidth, a single-threaded 64 MB copy runs
+  6.7 GB/s (BENCHMARKS.md); about 0.05 TFLOP/s of float32 matmul on both cores.
+- Efficiencies: 0.7 of link and memory bandwidth, 0.5 of peak FLOP/s (our assumption, to
+  be replaced by measurements on a lent GPU; they scale phases, not the choice between plans).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from dlrm_jax.embedding.plan.embedding_plan import (
+    DTYPE_BYTES,
+    EmbeddingPlan,
+    ExchangeKind,
+    optimizer_bytes_per_row,
+)
+from dlrm_jax.embedding.plan.layout import exchange_parts, group_capacity, pooled_layout
+from dlrm_jax.embedding.plan.stats import lower_bound_bytes, part_collective_bytes
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a plan is priced for (``cluster.*`` config keys; see the module docstring
+    for the sources). Bandwidths in GB/s per device and direction."""
+
+    name: str
+    devices_per_host: int
+    intra_host_gbps: float
+    inter_host_gbps: float
+    hbm_gbps: float
+    tflops: float  # dense matmul peak at bfloat16; float32 runs at half
+    device_memory_gb: float  # 0: unknown (no budget from it)
+    latency_us: float = 10.0
+    link_efficiency: float = 0.7
+    hbm_efficiency: float = 0.7
+    flops_efficiency: float = 0.5
+
+
+PROFILES = {
+    "h100": Cluster("h100", 8, 450.0, 50.0, 3350.0, 990.0, 80.0),
+    "cpu": Cluster("cpu", 64, 2.0, 2.0, 6.7, 0.1, 0.0, latency_us=200.0),
+}
+
+
+@dataclass(frozen=True)
+class DenseWork:
+    """What the data-parallel dense part costs per device: matmul FLOPs of forward and
+    backward per sample, its parameters (all-reduced as float32 gradients every step) and the
+    compute dtype."""
+
+    flops_per_sample: float = 0.0
+    params: int = 0
+    bfloat16: bool = False
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step of the busiest device, by phase, and the lower bound's
+    exchange time (its bytes over the same links)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    bound_exchange_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def embedding_s(self) -> float:
+        """What the plan decides: everything but the dense part."""
+        return sum(v for k, v in self.phases.items() if not k.startswith("dense"))
+
+
+def link_seconds(kind: str, sent_bytes: float, n: int, cluster: Cluster) -> float:
+    """Seconds for a collective of ``kind`` that sends ``sent_bytes`` per device over ``n``
+    devices (the bytes as ``part_collective_bytes`` counts them), latency included."""
+    if n <= 1 or sent_bytes <= 0:
+        return 0.0
+    g = min(n, cluster.devices_per_host)
+    hosts = math.ceil(n / g)
+    intra = cluster.intra_host_gbps * 1e9 * cluster.link_efficiency
+    inter = cluster.inter_host_gbps * 1e9 * cluster.link_efficiency
+    latency = cluster.latency_us * 1e-6
+    if kind == "all-reduce":
+        buffer = sent_bytes * n / (2 * (n - 1))
+        within = 2 * (g - 1) / g * buffer / intra
+        across = 2 * (hosts - 1) / hosts * buffer / g / inter
+        return within + across + latency
+    within, across = sent_bytes * (g - 1) / (n - 1), sent_bytes * (n - g) / (n - 1)
+    return max(within / intra, across / inter) + latency
+
+
+def _part_memory_traffic(plan: EmbeddingPlan, part) -> tuple[float, float]:
+    """(lookup, update) bytes one device reads and writes in device memory for a part, at
+    the compiled sizes (padding included: the step processes it)."""
+    g, n = part.group, plan.num_devices
+    lb, w = plan.global_batch // n, g.width
+    store = DTYPE_BYTES[plan.dtype]
+    state = optimizer_bytes_per_row(plan.optimizer, w) / w
+    per_update = 8 + 2 * store + 2 * state + 16 / w  # gradient out and in, row and state read and written; sort
+    if part.kind == ExchangeKind.ALLREDUCE:
+        return lb * g.num_vslots * w * store, g.local_rows * w * per_update
+    if part.kind == ExchangeKind.GATHER:
+        return lb * g.num_vslots * w * store, n * lb * g.num_vslots * w * per_update
+    if part.kind == ExchangeKind.IDS:  # owners gather N x C rows; requesters pick every slot's vector and pool
+        rows, slots = n * group_capacity(plan, g), lb * g.num_vslots
+        return rows * w * (store + 4) + slots * w * 8, rows * w * per_update + slots * w * 8
+    rows = n * lb * pooled_layout(plan, g).ids_per_sample
+    return rows * w * (store + 4), rows * w * per_update
+
+
+def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, replicas: int = 1
+                 ) -> StepTime:
+    """The busiest device's step, by phase: ``lookup`` and ``update`` (device memory),
+    ``exchange`` (all-to-alls and all-gathers of the embedding exchange), ``all-reduce``
+    (replicated tables' and hot rows' gradients), ``dense`` (MLP FLOPs) and ``dense all-reduce``
+    (their gradients)."""
+    n = plan.num_devices
+    hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
+    phases = dict.fromkeys(("lookup", "exchange", "all-reduce", "update"), 0.0)
+    for part in exchange_parts(plan):
+        for kind, sent in part_collective_bytes(plan, part, replicas).items():
+            phases["all-reduce" if kind == "all-reduce" else "exchange"] += link_seconds(kind, sent, n * (
+                replicas if kind != "all-to-all" else 1), cluster)
+        lookup, update = _part_memory_traffic(plan, part)
+        phases["lookup"] += lookup / hbm
+        phases["update"] += update / hbm
+    if plan.hot_rows:
+        dim = plan.tables[0].spec.dim
+        phases["all-reduce"] += link_seconds("all-reduce", 2 * (n - 1) / n * plan.hot_rows * dim * 4, n, cluster)
+        phases["update"] += plan.hot_rows * dim * (4 + 2 * DTYPE_BYTES[plan.dtype]) / hbm
+    if dense is not None and dense.flops_per_sample:
+        peak = cluster.tflops * 1e12 * cluster.flops_efficiency * (1.0 if dense.bfloat16 else 0.5)
+        phases["dense"] = plan.global_batch / n * dense.flops_per_sample / peak
+        phases["dense all-reduce"] = link_seconds("all-reduce", 2 * (n - 1) / n * dense.params * 4, n, cluster)
+    bound = link_seconds("all-to-all", lower_bound_bytes(plan), n, cluster)
+    return StepTime(phases, bound)
+
+
+def cluster_for(profile: str, overrides: dict, simulated: bool) -> Cluster:
+    """The profile named (``auto``: ``cpu`` for simulated CPU devices, else ``h100``) with the
+    config's non-zero ``cluster.*`` values over it."""
+    name = ("cpu" if simulated else "h100") if profile == "auto" else profile
+    return replace(PROFILES[name], **{k: v for k, v in overrides.items() if v})

@@ -1,0 +1,88 @@
+"""The plan a run trains with, from its config and its data, without JAX: what ``build`` uses
+and what ``dlrm-jax plan`` prints, so the two agree.
+
+The tables' id statistics in the first batches steer ``embedding.sharding=auto`` (the ids
+buckets a row-wise split would need), and once the plan is made its ids buckets are measured
+on the same batches (``embedding.capacity_from=measured``). Every process computes both from
+its own rows; ``agree`` (several processes: through the coordination service) combines them
+so that every process compiles the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from dlrm_jax.config import Config
+from dlrm_jax.data.batch import DataSource
+from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
+from dlrm_jax.embedding.plan.cost import predict_step
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.planner import (
+    cluster_from_config,
+    config_plan_report,
+    host_plan_from_config,
+)
+from dlrm_jax.embedding.plan.search import TableStats
+from dlrm_jax.embedding.plan.specs import specs_from_config
+from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step, fmt_bytes, lower_bound_bytes
+from dlrm_jax.model.work import dense_work
+
+CALIBRATION_BATCHES = 4
+STATS_DEVICES = 256  # devices' shares of a batch the statistics read at most (an estimate)
+
+
+def _alone(kind: str, value):
+    return value
+
+
+def plan_for_run(cfg: Config, num_devices: int, hosts: int, source: DataSource | None, simulated: bool,
+                 budget_bytes: int | None = None, agree: Callable = _alone) -> EmbeddingPlan:
+    """The plan for ``num_devices`` devices (``hosts``: of per-host tables) with the ids
+    buckets measured on ``source``'s first batches (none without a source, or with
+    ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
+    value every process uses (``kind``: "stats" or "capacities")."""
+    local = cfg.train.batch_size // num_devices
+    plan_devices = num_devices // hosts if cfg.embedding.tables_per_host else num_devices
+    batches = [source.train_batch(i).ids for i in range(CALIBRATION_BATCHES)] if source is not None else []
+    stats = None
+    if batches and cfg.embedding.sharding == "auto":
+        rows = min(len(batches[0]), STATS_DEVICES * local)
+        stats = agree("stats", table_stats(list(specs_from_config(cfg)), [b[:rows] for b in batches],
+                                           plan_devices, local, cfg.embedding.row_layout))
+    plan = host_plan_from_config(cfg, num_devices, hosts, budget_bytes, cluster=cluster_from_config(cfg, simulated),
+                                 stats=stats)
+    if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
+        measured = agree("capacities", measure_capacities(plan, batches, cfg.embedding.capacity_factor))
+        plan = dataclasses.replace(plan, capacities=measured)
+    return plan
+
+
+def agree_by_max(values) -> list:
+    """How processes combine what each measured: statistics by their mean distinct rows and
+    largest buckets, capacities by the largest (``values``: every process's, in order)."""
+    first = values[0]
+    if first and isinstance(first[0], TableStats):
+        return [TableStats(sum(v[t].distinct for v in values) / len(values), max(v[t].row_owner for v in values))
+                for t in range(len(first))]
+    return tuple((name, max(dict(v)[name] for v in values)) for name, _ in first)
+
+
+def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
+    """The printed plan (``planner.config_plan_report``), then the predicted step of one
+    device by phase on the cluster it was priced for, beside the exchange's lower bound."""
+    cluster = cluster_from_config(cfg, simulated)
+    step = predict_step(plan, cluster, dense_work(cfg))
+    phases = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in step.phases.items())
+    bound = lower_bound_bytes(plan)
+    sent = exchange_bytes_per_step(plan)
+    return "\n".join([
+        config_plan_report(cfg, plan),
+        f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
+        f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
+        f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"])
+
+
+def _cluster_words(c) -> str:
+    return (f"{c.devices_per_host} devices a host, {c.intra_host_gbps:g} GB/s within and {c.inter_host_gbps:g} GB/s "
+            f"between hosts, {c.hbm_gbps:g} GB/s memory, {c.tflops:g} TFLOP/s")
