@@ -364,7 +364,6 @@ def validate(cfg: Config) -> Config:
     _positive("embedding.hot.refresh_every", h.refresh_every, allow_zero=True)
     if not 0.0 <= h.decay <= 1.0:
         raise ConfigError(f"embedding.hot.decay: must be in [0, 1], got {h.decay}")
-    _positive("embedding.hot.a2a_over_allreduce", h.a2a_over_allreduce, allow_zero=True)
     _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
     _positive("mesh.hosts", cfg.mesh.hosts, allow_zero=True)
     _positive("embedding.sync_every", e.sync_every, allow_zero=True)

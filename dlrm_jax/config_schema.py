@@ -119,7 +119,6 @@ class HotConfig:
     refresh_every: int = 0  # steps between re-choosing the rows; 0 = never
     decay: float = 0.5  # counts kept from before a refresh, as a fraction
     # All-to-all over all-reduce bandwidth (`dlrm-jax bench collectives`); 0 = per backend.
-    a2a_over_allreduce: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
@@ -60,20 +61,25 @@ class Buckets(NamedTuple):
 def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     """Deduplicate requests and give each distinct one a rank within its owner's bucket.
 
-    Sorting the key ``owner * local_rows + row`` groups requests by owner, so a request's rank
-    is its index minus the index of the owner's first request.
-    """
-    sentinel = num_devices * local_rows
-    key = jnp.where(valid, owner * local_rows + row, sentinel).reshape(-1)
-    n = key.shape[0]
-    uniq, inv = jnp.unique(key, size=n, fill_value=sentinel, return_inverse=True)
-    inv = inv.reshape(-1)
-    starts = jnp.searchsorted(uniq, jnp.arange(num_devices + 1, dtype=key.dtype) * local_rows)
-    u_valid = uniq < sentinel
-    u_owner = jnp.where(u_valid, uniq // local_rows, 0).astype(jnp.int32)
+    Sorting by (owner, row) groups requests by owner, so a request's rank is its index minus
+    the index of the owner's first request. The two keys are sorted together rather than
+    combined into ``owner * local_rows + row``, which would overflow int32 on large meshes
+    (64 owners of 40M-row shards)."""
+    o = jnp.where(valid, owner, num_devices).reshape(-1).astype(jnp.int32)  # padding sorts last
+    r = jnp.where(valid, row, 0).reshape(-1).astype(jnp.int32)
+    n = o.shape[0]
+    so, sr, perm = lax.sort((o, r, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    first = jnp.concatenate([jnp.ones(1, bool), (so[1:] != so[:-1]) | (sr[1:] != sr[:-1])])
+    distinct = jnp.cumsum(first.astype(jnp.int32)) - 1  # each sorted request's distinct index
+    u_owner = jnp.full(n, num_devices, jnp.int32).at[distinct].set(so)
+    u_row = jnp.full(n, local_rows, jnp.int32).at[distinct].set(sr)
+    u_valid = u_owner < num_devices
+    starts = jnp.searchsorted(u_owner, jnp.arange(num_devices + 1, dtype=jnp.int32)).astype(jnp.int32)
+    u_owner = jnp.where(u_valid, u_owner, 0)
     u_rank = (jnp.arange(n) - starts[u_owner]).astype(jnp.int32)
-    return Buckets(u_owner, (uniq % local_rows).astype(jnp.int32), u_rank, u_valid,
-                   u_owner[inv], u_rank[inv], valid.reshape(-1), jnp.diff(starts).astype(jnp.int32))
+    inv = jnp.zeros(n, jnp.int32).at[perm].set(distinct)
+    return Buckets(u_owner, jnp.where(u_valid, u_row, 0), u_rank, u_valid,
+                   u_owner[inv], u_rank[inv], valid.reshape(-1), jnp.diff(starts))
 
 
 class Window(NamedTuple):
@@ -131,10 +137,8 @@ def next_round_limit(b: Buckets, done, capacity: int, local_rows: int):
 def requests_below(b: Buckets, limit, local_rows: int):
     """int32 [N]: how many of this device's requests to each owner are for rows below
     ``limit[owner]``: the end of the round that ``limit`` closes."""
-    n_owners = b.counts.shape[0]
-    key = jnp.where(b.unique_valid, b.unique_owner * local_rows + b.unique_row, n_owners * local_rows)
-    below = jnp.searchsorted(key, jnp.arange(n_owners, dtype=key.dtype) * local_rows + limit)
-    return (below - _owner_starts(b)).astype(jnp.int32)
+    below = b.unique_valid & (b.unique_row < limit[b.unique_owner])
+    return jax.ops.segment_sum(below.astype(jnp.int32), b.unique_owner, b.counts.shape[0])
 
 
 def rank_by_owner(owner, valid, num_devices: int):

@@ -7,8 +7,9 @@ busiest owner is the one holding the hot rows (a frequency-ordered vocabulary pu
 bottom of every table, so ``row_layout=block`` sends most requests to device 0). Replicated rows
 leave the buckets; their gradients are summed over devices instead (an all-reduce of
 ``[H, D]``). The model prices each candidate set on sample batches with the engine's own
-capacity measurement (the hot ids masked out, as they would never enter a bucket) and picks
-the cheapest predicted communication time, no replication included as a candidate.
+capacity measurement (the hot ids masked out, as they would never enter a bucket) by the
+planner's step-time model (``plan.cost``: both collectives over the cluster's links, the hot
+rows' update) and picks the shortest predicted step, no replication included as a candidate.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.plan.cost import PROFILES, Cluster, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
@@ -40,7 +42,7 @@ class HotCandidate:
     a2a_bytes: int
     allreduce_bytes: int
     memory_bytes: int  # per device: the hot rows and their optimizer state
-    predicted_s: float  # in seconds of all-reduce at 1 byte/s: only ratios matter
+    predicted_s: float  # the embedding part of the predicted step (plan.cost.predict_step)
 
     @property
     def rows(self) -> int:
@@ -85,14 +87,13 @@ def hot_plan(plan: EmbeddingPlan, hot: Sequence[np.ndarray], capacities, no_hot_
 
 
 def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-          rows_per_table: Sequence[int], a2a_over_allreduce: float) -> HotCandidate:
+          rows_per_table: Sequence[int], cluster: Cluster) -> HotCandidate:
     """Price one hot set (``rows_per_table`` most frequent rows of each table); ``plan`` has
     the capacities measured without hot rows.
 
     ``measure_capacities(host id batches) -> capacities``: the engine's measurement (see
     ``EmbeddingCollection.measure_capacities``), so the model and the compiled step agree on
-    what a bucket holds. Time is in units of all-reduce bytes: an all-to-all byte costs
-    ``1 / a2a_over_allreduce``, an all-gather byte as much as an all-to-all byte.
+    what a bucket holds. Time: the embedding part of ``plan.cost.predict_step`` on ``cluster``.
     """
     hot = [counts.most_frequent(t, k) for t, k in enumerate(rows_per_table)]
     bags = [t.spec.bag_size for t in plan.tables]
@@ -103,11 +104,11 @@ def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches
     a2a = sent["all-to-all"] + sent["all-gather"]
     params, state = candidate.hot_bytes_per_device()
     return HotCandidate(tuple(int(h.size) for h in hot), counts.hit_rate(hot), capacities, a2a,
-                        sent["all-reduce"], params + state, a2a / a2a_over_allreduce + sent["all-reduce"])
+                        sent["all-reduce"], params + state, predict_step(candidate, cluster).embedding_s)
 
 
 def choose_hot_rows(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-                    memory_bytes: int, a2a_over_allreduce: float = 1.0,
+                    memory_bytes: int, cluster: Cluster = PROFILES["cpu"],
                     max_rows: int | None = None) -> tuple[HotCandidate, list[HotCandidate]]:
     """The candidate with the least predicted communication time within ``memory_bytes`` per
     device (ties: fewer rows), and every candidate priced. The empty set is always a candidate,
@@ -117,7 +118,7 @@ def choose_hot_rows(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, 
         plan.optimizer, plan.tables[0].spec.dim)
     limit = memory_bytes // per_row if max_rows is None else min(max_rows, memory_bytes // per_row)
     plan = dataclasses.replace(plan, capacities=measure_capacities(list(id_batches)), hot=None)
-    priced = [price(plan, measure_capacities, counts, id_batches, k, a2a_over_allreduce)
+    priced = [price(plan, measure_capacities, counts, id_batches, k, cluster)
               for k in candidate_sizes(counts, int(limit))]
     fits = [c for c in priced if c.memory_bytes <= memory_bytes]
     best = min(fits, key=lambda c: (c.predicted_s, c.rows))

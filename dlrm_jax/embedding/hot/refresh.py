@@ -20,11 +20,7 @@ from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-
-# All-to-all over all-reduce bandwidth when embedding.hot.a2a_over_allreduce is 0. Simulated CPU
-# devices: `dlrm-jax bench collectives` measured 0.41-0.61 (BENCHMARKS.md). GPUs of one host
-# (NVLink/NVSwitch) run both near the link bandwidth; across hosts an all-to-all is slower.
-A2A_OVER_ALLREDUCE = {"cpu": 0.5, "gpu": 1.0}
+from dlrm_jax.embedding.plan.planner import cluster_from_config
 
 
 def global_ids(local_ids: np.ndarray) -> np.ndarray:
@@ -85,12 +81,12 @@ def choose(cfg, plan: EmbeddingPlan, mesh, source: DataSource,
 
     bags = cfg.bag_sizes
     if h.rows == "auto":
-        ratio = h.a2a_over_allreduce or A2A_OVER_ALLREDUCE.get(jax.default_backend(), 1.0)
-        best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), ratio)
+        cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
+        best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), cluster)
         rows, capacity = [counts.most_frequent(t, k) for t, k in enumerate(best.rows_per_table)], best.rows
-        log(f"hot rows: the cost model priced {len(priced)} sets (all-to-all/all-reduce bandwidth {ratio:g}):\n"
+        log(f"hot rows: the cost model priced {len(priced)} sets on the {cluster.name} cluster profile:\n"
             + "\n".join(f"  {c.rows:>9,} rows  hit rate {100 * c.hit_rate:5.1f}%  all-to-all {c.a2a_bytes:>11,} B"
-                        f"  all-reduce {c.allreduce_bytes:>11,} B  cost {c.predicted_s:>13,.0f}"
+                        f"  all-reduce {c.allreduce_bytes:>11,} B  predicted {1e3 * c.predicted_s:>9.3f} ms"
                         f"{'  <- chosen' if c is best else ''}" for c in priced))
     else:
         capacity = h.rows

@@ -92,16 +92,17 @@ class StepTime:
         return sum(v for k, v in self.phases.items() if not k.startswith("dense"))
 
 
-def link_seconds(kind: str, sent_bytes: float, n: int, cluster: Cluster) -> float:
+def link_seconds(kind: str, sent_bytes: float, n: int, cluster: Cluster, latency: bool = True) -> float:
     """Seconds for a collective of ``kind`` that sends ``sent_bytes`` per device over ``n``
-    devices (the bytes as ``part_collective_bytes`` counts them), latency included."""
+    devices (the bytes as ``part_collective_bytes`` counts them), its latency included unless
+    it rides in another collective (``latency=False``)."""
     if n <= 1 or sent_bytes <= 0:
         return 0.0
     g = min(n, cluster.devices_per_host)
     hosts = math.ceil(n / g)
     intra = cluster.intra_host_gbps * 1e9 * cluster.link_efficiency
     inter = cluster.inter_host_gbps * 1e9 * cluster.link_efficiency
-    latency = cluster.latency_us * 1e-6
+    latency = cluster.latency_us * 1e-6 if latency else 0.0
     if kind == "all-reduce":
         buffer = sent_bytes * n / (2 * (n - 1))
         within = 2 * (g - 1) / g * buffer / intra
@@ -148,7 +149,9 @@ def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None 
         phases["update"] += update / hbm
     if plan.hot_rows:
         dim = plan.tables[0].spec.dim
-        phases["all-reduce"] += link_seconds("all-reduce", 2 * (n - 1) / n * plan.hot_rows * dim * 4, n, cluster)
+        # (XLA fuses it with the dense gradients' all-reduce: no latency of its own)
+        phases["all-reduce"] += link_seconds("all-reduce", 2 * (n - 1) / n * plan.hot_rows * dim * 4, n, cluster,
+                                             latency=False)
         phases["update"] += plan.hot_rows * dim * (4 + 2 * DTYPE_BYTES[plan.dtype]) / hbm
     if dense is not None and dense.flops_per_sample:
         peak = cluster.tflops * 1e12 * cluster.flops_efficiency * (1.0 if dense.bfloat16 else 0.5)
