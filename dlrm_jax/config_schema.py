@@ -153,7 +153,7 @@ class EmbeddingConfig:
     bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
     capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
-    exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16", "float8"))
     # Duplicate rows' gradients summed exactly (embedding/exchange/sums.py): bit-identical runs on GPUs,
     # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
     deterministic: bool = False

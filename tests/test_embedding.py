@@ -219,6 +219,16 @@ def test_bfloat16_storage_and_exchange_within_tolerance(tiny, devices, optimizer
     check_against_reference(cfg, devices, steps=3, norm_tol=1e-2)
 
 
+@pytest.mark.parametrize("strategy,devices", [("row", 4), ("table", 8), ("column", 2)])
+def test_float8_exchange_within_tolerance(tiny, strategy, devices):
+    """float8 (e4m3, a float32 scale per vector) on the wire, float32 everywhere else: forward
+    vectors and tables within 0.07 of the float32 reference in relative norm (each value is
+    within 2**-4 of its vector's largest: the documented bound), over 10 steps."""
+    cfg = tiny(f"embedding.sharding={strategy}", "embedding.exchange_dtype=float8", "train.batch_size=32", CARDS,
+               "embedding.optimizer=rowwise_adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]")
+    check_against_reference(cfg, devices, steps=10, norm_tol=0.07)
+
+
 def test_plan_json_round_trip(tiny):
     cfg = tiny("embedding.sharding=auto", CARDS, "embedding.table_sharding=[cat_4=column]",
                "embedding.optimizer=adagrad")

@@ -24,7 +24,7 @@ CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
 
 # Each form of the exchange, and what changes its bytes: mean pooling's weights, row-wise
 # Adagrad's whole-row statistics of column slices, all-reduced or gathered replicated tables,
-# hot rows (their all-reduce). (bfloat16 on the wire is not here: XLA:CPU carries it as float32.)
+# bfloat16 and float8 on the wire (bit-cast to integers, so XLA:CPU does not widen them).
 FORMS = {
     "ids-rows": ["embedding.sharding=row"],
     "ids-table": ["embedding.sharding=table", "embedding.bag_exchange=ids"],
@@ -33,8 +33,10 @@ FORMS = {
                           "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=pooled"],
     "replicated-allreduce": ["embedding.sharding=replicated", "data.cardinalities=[5, 3, 9, 4, 2]"],
     "replicated-gather": ["embedding.sharding=replicated", "data.cardinalities=[5000, 3000, 9000, 400, 2000]"],
-    "mixed": ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column]",
-                   "data.bag_sizes=[3, 1, 4, 2, 2]"],
+    "mixed-bf16": ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column]",
+                   "data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.exchange_dtype=bfloat16"],
+    "mixed-float8": ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_2=column]",
+                     "data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.exchange_dtype=float8"],
     "auto": ["embedding.sharding=auto", "data.bag_sizes=[3, 1, 4, 2, 2]"],
 }
 

@@ -30,7 +30,8 @@ def write_report(report: dict, output: str | None) -> str:
     return text
 
 
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
+_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1,
+                "f8e4m3fn": 1, "f8e5m2": 1,
                 "f64": 8, "s64": 8, "u64": 8}
 _COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(?:-start)?\(")

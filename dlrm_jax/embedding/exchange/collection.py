@@ -30,6 +30,7 @@ from dlrm_jax.embedding.exchange.pooled import PooledForm
 from dlrm_jax.embedding.exchange.replicated import ReplicatedForm
 from dlrm_jax.embedding.exchange.routing import hot_index, route
 from dlrm_jax.embedding.exchange.sharded import IdsForm
+from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
 from dlrm_jax.embedding.plan.layout import (
     Group,
@@ -277,7 +278,7 @@ def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int,
     """The exchange form serving ``part`` (plan.layout.exchange_parts): one interface for all
     (``forward(table, ids, weights) -> (pooled [B, V'*W], residual, overflowed)``,
     ``update(table, slots, residual, grad [B, V'*W], lr) -> (table, slots)``, ``cols``)."""
-    wire = jnp.dtype(plan.exchange_dtype)
+    wire = Wire(plan.exchange_dtype)
     if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
         return ReplicatedForm(part, mesh, optimizer, replicas)
     if part.kind == ExchangeKind.POOLED:

@@ -21,6 +21,7 @@ from dlrm_jax.embedding.exchange.routing import (
     send_buffer,
     slot_index,
 )
+from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import Group, take_columns
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -155,21 +156,21 @@ def to_owners(g: Group, capacity: int, values, where):
     return all_to_all(buf).reshape(-1)
 
 
-def lookup_exchange(g: Group, capacity: int, wire_dtype):
+def lookup_exchange(g: Group, capacity: int, wire: Wire):
     """``f(table_local, b, window) -> (vectors [n, W] float32, usable [n])``: one exchange of
     the window's requests; a request outside the window gets usable False."""
 
     def exchange(table_local, b, window):
         recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
-        vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0).astype(wire_dtype)
-        replies = all_to_all(vectors)  # [N, C, W]: from each owner, in my request order
+        vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0)
+        replies = wire.send(vectors, all_to_all)  # [N, C, W]: from each owner, in my request order
         owner, place, usable = slot_index(b, window)
-        return replies[owner, place].astype(jnp.float32), usable
+        return replies[owner, place], usable
 
     return exchange
 
 
-def gradients_to_owners(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer):
+def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOptimizer):
     """``f(b, grads [n, W], window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
     receives the window's rows and, per row, the sum of this device's gradients for it;
     ``where`` = (dest, place, usable) of each request in the [N, C] buffers."""
@@ -181,7 +182,7 @@ def gradients_to_owners(g: Group, capacity: int, wire_dtype, optimizer: SparseOp
         slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
         sums = optimizer.segment_sum(grads, slot, g.num_devices * capacity)
         sums = sums.reshape(g.num_devices, capacity, g.width)
-        recv_grads = all_to_all(sums.astype(wire_dtype)).astype(jnp.float32)
+        recv_grads = wire.send(sums, all_to_all)
         return recv_rows.reshape(-1), recv_grads.reshape(-1, g.width), (dest, place, usable)
 
     return send

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange.common import all_to_all, gather_replicas
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
+from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -39,11 +40,11 @@ class PooledForm:
     """One pooled part's lookup and update (see the module docstring). ``cols``: the columns
     of the [B, F * D] pooled output it fills, in the order of its output's columns."""
 
-    def __init__(self, plan, part: ExchangePart, mesh, wire_dtype, optimizer: SparseOptimizer, dim: int,
+    def __init__(self, plan, part: ExchangePart, mesh, wire: Wire, optimizer: SparseOptimizer, dim: int,
                  replicas: str | None = None):
         g = self.group = part.group
         self.layout: PooledLayout = pooled_layout(plan, g)
-        self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire_dtype, optimizer, dim, replicas
+        self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire, optimizer, dim, replicas
         self.cols = g.vfeature_cols.reshape(-1)
         self.mean = any(plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
                         for vt in g.vtables)
@@ -80,7 +81,7 @@ class PooledForm:
             weighted = vectors.astype(jnp.float32) * weights[..., None]  # [N, B_l, K, W]
             pooled = jnp.stack([jnp.sum(weighted[:, :, a:b], axis=2)
                                 for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)], axis=2)
-            back = all_to_all(pooled.astype(self.wire)).astype(jnp.float32)  # [N owners, B_l, J, W]
+            back = self.wire.send(pooled, all_to_all)  # [N owners, B_l, J, W]
             flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)  # [B_l, N*J, W]
             out = flat[:, lay.reply_index].reshape(flat.shape[0], -1)
             return out, (recv_ids, weights)
@@ -101,7 +102,7 @@ class PooledForm:
             per_vt = grad_local.reshape(b_l, -1, g.width)
             padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, g.width), per_vt.dtype)], axis=1)
             send = padded[:, lay.send_index].reshape(b_l, g.num_devices, lay.pieces, g.width).transpose(1, 0, 2, 3)
-            recv = all_to_all(send.astype(self.wire)).astype(jnp.float32)  # [N requesters, B_l, J, W]
+            recv = self.wire.send(send, all_to_all)  # [N requesters, B_l, J, W]
             grads = recv[:, :, lay.k_piece] * weights[..., None]  # [N, B_l, K, W]
             rows = self._local_rows(recv_ids).reshape(-1)
             grads = grads.reshape(-1, g.width)

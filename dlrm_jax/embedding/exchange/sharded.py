@@ -52,9 +52,9 @@ from dlrm_jax.embedding.plan.layout import ExchangePart, Group, segment_sum_axis
 from dlrm_jax.parallel.mesh import AXIS
 
 
-def _lookup(g: Group, capacity: int, wire_dtype):
+def _lookup(g: Group, capacity: int, wire):
     """``f(table_local, b, over) -> vectors [n, W]`` of every request, in one exchange or rounds."""
-    exchange = lookup_exchange(g, capacity, wire_dtype)
+    exchange = lookup_exchange(g, capacity, wire)
 
     def lookup(table_local, b, over):
         def one_round(acc, window):
@@ -66,9 +66,9 @@ def _lookup(g: Group, capacity: int, wire_dtype):
     return lookup
 
 
-def sharded_forward(g: Group, mesh, capacity: int, wire_dtype):
+def sharded_forward(g: Group, mesh, capacity: int, wire):
     """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
-    lookup = _lookup(g, capacity, wire_dtype)
+    lookup = _lookup(g, capacity, wire)
 
     def local(table_local, ids_local):
         shape, b, most = route_and_bucket(g, ids_local)
@@ -86,14 +86,14 @@ def sharded_forward(g: Group, mesh, capacity: int, wire_dtype):
     return forward
 
 
-def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int, replicas=None):
+def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas=None):
     """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
     apply the optimizer to the rows requested, in one exchange or rounds.
 
     ``dim``: the tables' full width (for statistics over whole rows of column slices). Those
     need every slice's squared sum of a row before its update: in one exchange they travel
     with it; in rounds a first pass of rounds gathers them all."""
-    send = gradients_to_owners(g, capacity, wire_dtype, optimizer)
+    send = gradients_to_owners(g, capacity, wire, optimizer)
     whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
     agree = agreed(replicas)
@@ -130,13 +130,13 @@ def _sparse_update(g: Group, capacity: int, wire_dtype, optimizer: SparseOptimiz
     return update
 
 
-def sharded_update(g: Group, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int,
+def sharded_update(g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int,
                    replicas: str | None = None):
     """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
     over whole rows of column slices). ``replicas``: the axis the tables are replicated over
     (hosts), whose gradients every replica applies."""
-    update = _sparse_update(g, capacity, wire_dtype, optimizer, dim, replicas)
+    update = _sparse_update(g, capacity, wire, optimizer, dim, replicas)
 
     def on_owners(table_local, slots_local, b, grads, lr, most):
         over = busiest_of_replicas(most, replicas) > capacity
@@ -150,13 +150,13 @@ class IdsForm:
     ids, weights) -> (pooled [B, V'*W], residual, overflowed)``, ``update(table, slots,
     residual, grad [B, V'*W], lr) -> (table, slots)``; ``cols``: the output's columns."""
 
-    def __init__(self, part: ExchangePart, mesh, capacity: int, wire_dtype, optimizer: SparseOptimizer, dim: int,
+    def __init__(self, part: ExchangePart, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int,
                  replicas: str | None = None, one_hot: bool = False):
         g = self.group = part.group
         self.cols = g.vfeature_cols.reshape(-1)
         self.one_hot = one_hot
-        self._forward = sharded_forward(g, mesh, capacity, wire_dtype)
-        self._update = sharded_update(g, mesh, capacity, wire_dtype, optimizer, dim, replicas)
+        self._forward = sharded_forward(g, mesh, capacity, wire)
+        self._update = sharded_update(g, mesh, capacity, wire, optimizer, dim, replicas)
 
     def forward(self, table, ids_bs, weights_bs):
         g = self.group

@@ -43,7 +43,12 @@ class ExchangeKind(enum.StrEnum):
     POOLED = "pooled"  # sharded on fixed owners: every bag goes to its owner, which pools it
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}  # float8: the exchange only
+
+
+def vector_bytes(exchange_dtype: str, width: int) -> int:
+    """Bytes of one W-wide vector or gradient on the wire (float8 adds its float32 scale)."""
+    return width * DTYPE_BYTES[exchange_dtype] + (4 if exchange_dtype == "float8" else 0)
 
 
 def optimizer_bytes_per_row(optimizer: str, dim: int) -> int:

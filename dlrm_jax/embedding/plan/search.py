@@ -35,6 +35,7 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     RowLayout,
     Strategy,
     TablePlan,
+    vector_bytes,
 )
 from dlrm_jax.embedding.plan.layout import KIND_FIXED, exchange_parts, pooled_layout
 from dlrm_jax.embedding.plan.specs import TableSpec
@@ -118,11 +119,12 @@ class Search:
         """Whether all-reducing the table's gradient (and updating every row) is predicted
         faster than its share of a balanced exchange (a vector each way and its ids, per
         sample)."""
-        n, lb, wire = self.n, self.template.global_batch // self.n, DTYPE_BYTES[self.template.exchange_dtype]
+        n, lb = self.n, self.template.global_batch // self.n
+        vec = vector_bytes(self.template.exchange_dtype, spec.dim)
         hbm = self.cluster.hbm_gbps * 1e9 * self.cluster.hbm_efficiency
         allreduce = link_seconds("all-reduce", 2 * (n - 1) / n * spec.rows * spec.dim * 4, n, self.cluster) + (
             spec.rows * spec.dim * (8 + 2 * DTYPE_BYTES[self.template.dtype]) / hbm)  # every row updated
-        shared = link_seconds("all-to-all", (n - 1) / n * lb * (4 * spec.bag_size + 2 * spec.dim * wire), n, self.cluster)
+        shared = link_seconds("all-to-all", (n - 1) / n * lb * (4 * spec.bag_size + 2 * vec), n, self.cluster)
         return n == 1 or allreduce - self.cluster.latency_us * 1e-6 <= shared - self.cluster.latency_us * 1e-6
 
     def set_floors(self, sharded: Sequence[TableSpec]) -> None:
@@ -132,8 +134,7 @@ class Search:
 
     def order(self) -> list[int]:
         """Largest exchange first (bag ids and a vector each way per sample), then largest table."""
-        wire = DTYPE_BYTES[self.template.exchange_dtype]
-        weight = lambda s: 4 * s.bag_size + 2 * s.dim * wire  # noqa: E731
+        weight = lambda s: 4 * s.bag_size + 2 * vector_bytes(self.template.exchange_dtype, s.dim)  # noqa: E731
         return sorted(range(len(self.specs)), key=lambda t: (-weight(self.specs[t]), -self.specs[t].rows * self.specs[t].dim, t))
 
     def plan_with(self, extra: dict[int, TablePlan]) -> EmbeddingPlan:

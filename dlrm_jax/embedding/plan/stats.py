@@ -12,6 +12,7 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     ExchangeKind,
     Strategy,
     optimizer_bytes_per_row,
+    vector_bytes,
 )
 from dlrm_jax.embedding.plan.layout import (
     ExchangePart,
@@ -24,7 +25,7 @@ from dlrm_jax.embedding.plan.layout import (
 def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
     g = part.group
     out = {"n": plan.num_devices, "local_batch": plan.global_batch // plan.num_devices,
-           "wire": DTYPE_BYTES[plan.exchange_dtype], "width": g.width}
+           "vector": vector_bytes(plan.exchange_dtype, g.width), "width": g.width}
     if part.kind == ExchangeKind.POOLED:
         lay = pooled_layout(plan, g)
         out.update(k=lay.ids_per_sample, j=lay.pieces,
@@ -48,7 +49,7 @@ def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int
     floats both ways of whole-row statistics). ``replicas``: hosts holding equal replicas
     (embedding.sync=host_replicas), whose owners all-gather what their counterparts received."""
     g, s = part.group, _part_shapes(plan, part)
-    n, lb, wire, w = s["n"], s["local_batch"], s["wire"], s["width"]
+    n, lb, vec, w = s["n"], s["local_batch"], s["vector"], s["width"]
     out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0}
     if part.kind == ExchangeKind.ALLREDUCE:
         m = n * replicas
@@ -57,11 +58,11 @@ def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int
         out["all-gather"] = (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w)
     elif part.kind == ExchangeKind.IDS:
         c = s["capacity"]
-        out["all-to-all"] = (n - 1) * c * 2 * (4 + wire * w) + (n - 1) * c * 8 * s["whole_rows"]
+        out["all-to-all"] = (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * s["whole_rows"]
         out["all-gather"] = (replicas - 1) * n * c * (4 + 4 * w)
     else:
         k, j = s["k"], s["j"]
-        out["all-to-all"] = (n - 1) * lb * (k * 4 * (1 + s["mean"]) + 2 * j * w * wire + k * 8 * s["whole_rows"])
+        out["all-to-all"] = (n - 1) * lb * (k * 4 * (1 + s["mean"]) + 2 * j * vec + k * 8 * s["whole_rows"])
         out["all-gather"] = (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"])
     return out
 
@@ -70,14 +71,14 @@ def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
     """Per device: the part's exchange buffers at the compiled sizes (ids, vectors, gradients
     sent and received; gathered rows; a replicated part's dense gradient)."""
     g, s = part.group, _part_shapes(plan, part)
-    n, lb, wire, w = s["n"], s["local_batch"], s["wire"], s["width"]
+    n, lb, vec, w = s["n"], s["local_batch"], s["vector"], s["width"]
     if part.kind == ExchangeKind.ALLREDUCE:
         return 2 * g.local_rows * w * 4
     if part.kind == ExchangeKind.GATHER:
         return n * lb * g.num_vslots * (4 + 4 * w)
     if part.kind == ExchangeKind.IDS:
-        return 2 * n * s["capacity"] * (4 + 2 * wire * w)
-    return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * w * wire)
+        return 2 * n * s["capacity"] * (4 + 2 * vec)
+    return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * vec)
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
@@ -126,9 +127,9 @@ def lower_bound_bytes(plan: EmbeddingPlan) -> int:
     exchange width). Replicated tables and hot rows can go below it; deduplicated one-hot ids
     on skewed data too."""
     n, lb = plan.num_devices, plan.global_batch / plan.num_devices
-    dims = sum(t.spec.dim for t in plan.tables)
+    vectors = sum(vector_bytes(plan.exchange_dtype, t.spec.dim) for t in plan.tables)
     bags = sum(t.spec.bag_size for t in plan.tables)
-    return int(round((2 * lb * dims * DTYPE_BYTES[plan.exchange_dtype] + lb * bags * 4) * (n - 1) / n))
+    return int(round((2 * lb * vectors + lb * bags * 4) * (n - 1) / n))
 
 
 def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
