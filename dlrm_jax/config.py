@@ -313,6 +313,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.source in ("criteo", "binary") and not d.path:
         raise ConfigError(f"data.path: required when data.source={d.source}")
+    if d.source == "synthetic" and d.path:
+        raise ConfigError(f"data.path={d.path}: data.source=synthetic generates its data and reads no path; "
+                          f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
+                          f"data.source=criteo for a Criteo text file")
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("model.dcn_layers", m.dcn_layers)
     _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)

@@ -228,3 +228,21 @@ def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
     assert header.endswith("global batch 128 (64 per host: the share of one host's 4 devices)"), header
     glob = tiny("train.batch_size=128", "mesh.devices=8")
     assert config_plan_report(glob, host_plan_from_config(glob, 8, 1)).splitlines()[0].endswith("global batch 128")
+
+
+# ---------------------------------------------------------------- the data a run reads
+@pytest.mark.parametrize("settings,says", [
+    (["data.path=DIR"], "data.source=synthetic generates its data and reads no path"),
+    (["data.source=binary", "data.path=DIR/none"], "no such folder; data.source=binary reads a folder made by"),
+    (["data.source=binary", "data.path=DIR/file.tsv"], "a file, and data.source=binary reads a folder"),
+    (["data.source=binary", "data.path=DIR"], "no meta.json in this folder"),
+    (["data.source=criteo", "data.path=DIR"], "a folder, and data.source=criteo reads Criteo text files"),
+])
+def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(tmp_path, settings, says):
+    """A synthetic run never ignores a data.path; a path of the wrong kind is named with what
+    the source expects, before any run dir is made."""
+    (tmp_path / "file.tsv").write_text("1\t2\n")
+    args = [a for s in settings for a in ("--set", s.replace("DIR", str(tmp_path)))]
+    proc = cli("train", *args, "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 2 and says in one_line(proc.stderr)
+    assert not (tmp_path / "run").exists()

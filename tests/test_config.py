@@ -46,7 +46,8 @@ def test_named_configs():
 
 def test_overrides():
     cfg = load_config(None, ["train.steps=7", "model.bottom_mlp=[32, 16]", "data.bag_sizes=3",
-                             "train.progress_bar=false", "data.path=/x/y", "train.learning_rate=1e-3"])
+                             "train.progress_bar=false", "data.source=binary", "data.path=/x/y",
+                             "train.learning_rate=1e-3"])
     assert cfg.train.steps == 7 and cfg.model.bottom_mlp == (32, 16)
     assert cfg.bag_sizes == (3,) * 26 and cfg.train.progress_bar is False
     assert cfg.train.learning_rate == 1e-3

@@ -212,27 +212,33 @@ def test_the_divergence_limit_keeps_its_reference_across_resumes(tiny, tmp_path)
 CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=2"]
 
 
-def popen(*args):
+def popen(*args, cwd=None):
     env = child_env(drop=())
     return subprocess.Popen([sys.executable, "-m", "dlrm_jax", *CLI_ARGS, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code):
-    run = tmp_path / "run"
-    proc = popen("--set", "train.steps=100000", "--set", "train.checkpoint_every=50", "--run-dir", str(run))
+@pytest.mark.parametrize("sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
+    """Without --run-dir the run goes to runs/<time>, and the line names the --run-dir that
+    resumes it (the same command would start another)."""
+    args = ["--set", "train.steps=100000", "--set", "train.checkpoint_every=50"]
+    proc = popen(*args, "--run-dir", str(tmp_path / "run")) if named else popen(*args, cwd=tmp_path)
     deadline = time.time() + 120
-    while not (run / "checkpoints" / "50").exists():
+    while not list(tmp_path.glob("**/checkpoints/50")):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
+    run = list(tmp_path.glob("**/checkpoints/50"))[0].parent.parent
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     step = int(err.split("after step ")[1].split(";")[0])
     assert step >= 50 and (run / "checkpoints" / str(step)).exists()
-    assert "re-run the same command to resume" in err
+    if named:
+        assert "re-run the same command to resume" in err
+    else:
+        assert f"re-run the command with --run-dir {run.relative_to(tmp_path)} to resume" in err
 
 
 def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(tiny, tmp_path):

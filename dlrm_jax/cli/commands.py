@@ -60,6 +60,9 @@ def _log(msg: str) -> None:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    from dlrm_jax.data.sources import check_data_path
+
+    check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
     _start_jax(_devices_for(cfg), args)
     from dlrm_jax.train.rundir import agree_on_run_dir
     from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
@@ -70,7 +73,8 @@ def cmd_train(args) -> int:
     try:
         summary = train_and_evaluate(cfg, run_dir, log=_log)
     except Interrupted as e:
-        saved = f"checkpoint saved in {run_dir}; re-run the same command to resume" if e.saved else "nothing saved"
+        again = "re-run the same command" if args.run_dir else f"re-run the command with --run-dir {run_dir}"
+        saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
         print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
         return 128 + e.signum
     if summary.best is not None:  # the best evaluation, then the last (the contract's final line)

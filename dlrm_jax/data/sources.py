@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from dlrm_jax.config import ConfigError, check_features
 from dlrm_jax.data.batch import DataSource
+
+
+def check_data_path(cfg) -> None:
+    """One line (a ConfigError) when ``data.path`` is not what ``data.source`` reads: binary
+    data is a folder made by ``dlrm-jax preprocess`` (with its meta.json), Criteo text is one
+    or more files (comma-separated). Called before a run dir is made."""
+    d = cfg.data
+    if d.source == "binary":
+        path = Path(d.path)
+        if not path.exists():
+            raise ConfigError(f"data.path={d.path}: no such folder; data.source=binary reads a folder made by "
+                              f"`dlrm-jax preprocess`")
+        if not path.is_dir():
+            raise ConfigError(f"data.path={d.path}: a file, and data.source=binary reads a folder made by "
+                              f"`dlrm-jax preprocess`; for a Criteo text file use data.source=criteo, or "
+                              f"preprocess it first")
+        if not (path / "meta.json").is_file():
+            raise ConfigError(f"data.path={d.path}: no meta.json in this folder; data.source=binary reads a "
+                              f"folder made by `dlrm-jax preprocess`")
+    elif d.source == "criteo":
+        for p in (p.strip() for p in d.path.split(",") if p.strip()):
+            if Path(p).is_dir():
+                raise ConfigError(f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
+                                  f"for a folder made by `dlrm-jax preprocess` use data.source=binary")
+            if not Path(p).is_file():
+                raise ConfigError(f"data.path={p}: no such file (data.source=criteo reads Criteo text files)")
 
 
 def resolve_data_config(cfg):
@@ -13,6 +40,7 @@ def resolve_data_config(cfg):
     the bag sizes from the dataset's meta.json (Criteo's 13 + 26, MLPerf's multi-hot bags, or
     what a tabular schema made; a dataset without dense features is read as one all-zero
     column). Keys that depend on the features (model.dcn_rank) are checked against the data's."""
+    check_data_path(cfg)
     if cfg.data.source != "binary":
         return cfg
     from dlrm_jax.data.binary import model_num_dense, read_meta
