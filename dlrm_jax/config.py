@@ -291,7 +291,8 @@ def validate(cfg: Config) -> Config:
             f"exceeds train.steps ({t.steps})"
         )
     _positive("data.num_dense", d.num_dense)
-    _positive("data.max_rows", d.max_rows, allow_zero=True)
+    if d.max_rows != "auto":
+        _positive("data.max_rows", d.max_rows, allow_zero=True)
     if not d.cardinalities:
         raise ConfigError("data.cardinalities: at least one categorical feature is needed")
     for i, c in enumerate(d.cardinalities):

@@ -17,6 +17,8 @@ CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
     14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )  # fmt: skip
 
+AUTO_ROW_CAP = 20000  # data.max_rows=auto for synthetic data and Criteo text
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -70,7 +72,9 @@ class DataConfig:
     path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
     num_dense: int = 13
     cardinalities: tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
-    max_rows: int = 20000  # cap on rows per table (ids hashed into it); 0 = no cap
+    # Cap on rows per table, larger ones hashed into it; 0 = no cap; auto = 20000 for synthetic
+    # data and Criteo text (sized by data.cardinalities), none for binary data (its own sizes).
+    max_rows: int | str = field(default="auto", metadata=_int_or("auto"))
     bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
     pooling: str = field(default="sum", metadata=_choices("sum", "mean"))
     zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
@@ -224,8 +228,17 @@ class Config:
     @property
     def table_rows(self) -> tuple[int, ...]:
         """Rows of each feature's table after the ``data.max_rows`` cap."""
-        cap = self.data.max_rows
+        cap = self.row_cap
         return tuple(min(c, cap) if cap else c for c in self.data.cardinalities)
+
+    @property
+    def row_cap(self) -> int:
+        """``data.max_rows`` as a number (0: no cap): ``auto`` caps synthetic data and Criteo
+        text at 20,000 rows a table and leaves a preprocessed dataset its own sizes."""
+        cap = self.data.max_rows
+        if cap == "auto":
+            return 0 if self.data.source == "binary" else AUTO_ROW_CAP
+        return cap
 
     @property
     def bag_sizes(self) -> tuple[int, ...]:

@@ -245,3 +245,18 @@ def test_dcn_rank_is_checked_against_the_datas_features(data):
         resolve_data_config(make_cfg(data[1], *over, "model.dcn_rank=217"))
     with pytest.raises(ConfigError, match="width 40"):
         make_cfg(data[0], *over, "model.dcn_rank=41", source="criteo")
+
+
+def test_a_datasets_own_sizes_unless_capped_and_a_cap_says_so(data):
+    """data.max_rows=auto (the default) leaves binary data its own sizes; a number caps them
+    and the run says so in one line naming the key."""
+    from dlrm_jax.data.sources import cap_note, resolve_data_config
+
+    own = resolve_data_config(load_config(None, ["data.source=binary", f"data.path={data[1]}"]))
+    assert own.table_rows == own.data.cardinalities and cap_note(own) == ""
+    capped = resolve_data_config(load_config(None, ["data.source=binary", f"data.path={data[1]}", "data.max_rows=5"]))
+    assert max(capped.table_rows) == 5
+    note = cap_note(capped)
+    assert note.startswith("data.max_rows=5 hashes ") and "data.max_rows=0 keeps every table" in note
+    synthetic = load_config(None, [])
+    assert max(synthetic.table_rows) == 20000 and cap_note(synthetic) == ""

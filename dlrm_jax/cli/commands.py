@@ -112,7 +112,7 @@ def cmd_export(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
     from dlrm_jax.train.planning import plan_for_run, run_plan_report
 
     hosts = cfg.mesh.hosts or 1
@@ -124,6 +124,8 @@ def cmd_plan(args) -> int:
     if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
         # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
         cfg = resolve_data_config(cfg)
+        if cap_note(cfg):
+            print(cap_note(cfg))
         source = make_source(cfg, trains=True) if cfg.embedding.capacity_from == "measured" else None
         plan = plan_for_run(cfg, devices, hosts, source, simulated)
         print(run_plan_report(cfg, plan, simulated))
@@ -225,7 +227,7 @@ def cmd_report(args) -> int:
 def _tighten_cap(cfg: Config, max_rows: int) -> Config:
     import dataclasses
 
-    own = cfg.data.max_rows
+    own = cfg.row_cap
     cap = own if not max_rows else (min(own, max_rows) if own else max_rows)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_rows=cap))
 

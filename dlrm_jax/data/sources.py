@@ -60,6 +60,20 @@ def resolve_data_config(cfg):
                           f"data.path={cfg.data.path})") from None
 
 
+def cap_note(cfg) -> str:
+    """One line when ``data.max_rows`` hashes a preprocessed dataset's tables into fewer rows
+    than it has values ("" otherwise, and for data sized by the config)."""
+    if cfg.data.source != "binary" or not cfg.row_cap:
+        return ""
+    capped = [(c, f) for f, c in enumerate(cfg.data.cardinalities) if c > cfg.row_cap]
+    if not capped:
+        return ""
+    largest, f = max(capped)
+    return (f"data.max_rows={cfg.row_cap:,} hashes {len(capped)} of the dataset's {cfg.num_features} tables into "
+            f"{cfg.row_cap:,} rows (the largest, cat_{f}, has {largest:,} values); data.max_rows=0 keeps every "
+            f"table at its own size")
+
+
 def make_source(cfg, process_index: int = 0, process_count: int = 1, *, trains: bool = True,
                 evaluates: bool = False) -> DataSource:
     """The data source for ``cfg.data.source``; each process reads its slice of every batch.

@@ -47,6 +47,7 @@ def _get(cfg_dict: dict, key: str):
 def config_differences(old: Config, new: Config, keys=None) -> list[tuple[str, object, object]]:
     """(key, old value, new value) for every differing key (all keys when ``keys`` is None)."""
     a, b = old.to_dict(), new.to_dict()
+    a["data"]["max_rows"], b["data"]["max_rows"] = old.row_cap, new.row_cap  # auto compared as the cap it is
     keys = keys or [f"{s}.{k}" for s in a for k in a[s]]
     return [(k, _get(a, k), _get(b, k)) for k in keys if _get(a, k) != _get(b, k)]
 

@@ -20,7 +20,7 @@ from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
-from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.stats import collective_bytes
@@ -140,8 +140,9 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
         source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
-        if source.skip_report():
-            log(source.skip_report())
+        for note in (cap_note(cfg), source.skip_report()):
+            if note:
+                log(note)
         plan, steps = build(cfg, mesh, source, log)
         runner = None
         if plan.tiered_tables:
