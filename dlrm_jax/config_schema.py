@@ -48,7 +48,7 @@ class TrainConfig:
     compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     log_every: int = 50
     eval_every: int = 250  # 0 = only at the end
-    eval_batches: int = 16  # global batches per evaluation; 0 = the whole split (binary data)
+    eval_batches: int = 0  # global batches per evaluation; 0 = the whole val split (synthetic data: 16)
     checkpoint_every: int = 250  # 0 = only at the end
     keep_checkpoints: int = 3
     # auc or logloss: the checkpoint of the best evaluation by that metric is kept beyond the

@@ -83,10 +83,37 @@ def test_process_streams_are_disjoint_and_complete(data, processes, shuffle):
         np.testing.assert_array_equal(np.sort(first), np.arange(lo, hi))
         np.testing.assert_array_equal(np.sort(second), np.arange(lo, hi))
         assert np.array_equal(first, second) != shuffle
-        if shuffle:  # contiguous blocks of BLOCK rows, not single rows
-            assert (np.diff(first.reshape(-1)[: (hi - lo) // BLOCK * BLOCK].reshape(-1, BLOCK), axis=1) == 1).all()
+        if shuffle:  # contiguous blocks (at most BLOCK rows, cut where the epoch's turn puts them), not single rows
+            k = source._block
+            assert 1 < k <= BLOCK
+            blocks = (first[: (hi - lo) // k * k] - lo).reshape(-1, k)
+            assert (np.diff(blocks, axis=1) % (hi - lo) == 1).all()
         epochs.append(first)
     np.testing.assert_array_equal(np.sort(np.concatenate(epochs)), np.arange(N_TRAIN))
+
+
+@pytest.mark.parametrize("rows,block", [(8000, 4096), (40, 4096)])
+def test_small_data_is_shuffled_anew_every_epoch_and_by_seed(rows, block):
+    """Issue 32: 8,000 rows in blocks of 4,096 were one block and a tail, the same order every
+    epoch and whatever the seed. Now every epoch reads every row once, in another order, and
+    the order follows train.seed."""
+
+    class Rows(BinarySource):  # the stream logic alone, over `rows` rows
+        def __init__(self, seed):
+            self._lo, self._hi, self._process, self._perm = 0, rows, 0, None
+            self._rows, self._seed, self._shuffle = slice(0, 32), seed, True
+            self._block = max(1, min(block, rows // 64))
+
+    def epochs(seed, count=3):
+        source = Rows(seed)
+        stream = np.concatenate([source.train_rows(step) for step in range(-(-count * rows // 32))])
+        return stream[: count * rows].reshape(count, rows)
+
+    first = epochs(0)
+    for epoch in first:
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(rows))
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
+    assert not np.array_equal(first[0], epochs(1)[0])
 
 
 def test_batches_are_the_rows_they_name(data):
@@ -260,3 +287,22 @@ def test_a_datasets_own_sizes_unless_capped_and_a_cap_says_so(data):
     assert note.startswith("data.max_rows=5 hashes ") and "data.max_rows=0 keeps every table" in note
     synthetic = load_config(None, [])
     assert max(synthetic.table_rows) == 20000 and cap_note(synthetic) == ""
+
+
+def test_evaluation_scores_the_whole_split_by_default_and_says_how_much(data, tmp_path):
+    """train.eval_batches defaults to 0: every evaluation of real data scores the whole val
+    split (not 16 batches); the eval line, the metrics event and ``evaluate_run`` say how many."""
+    from dlrm_jax.train.evaluate import evaluate_run
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    cfg = load_config(None, ["data.source=binary", f"data.path={data[1]}", f"train.batch_size={B}",
+                             "train.steps=2", "train.eval_every=2", "train.progress_bar=false", "mesh.devices=1",
+                             "model.embedding_dim=8", "model.bottom_mlp=[8]", "model.top_mlp=[8, 1]"])
+    assert cfg.train.eval_batches == 0
+    lines = []
+    summary = train_and_evaluate(cfg, tmp_path / "run", log=lines.append)
+    assert summary.eval_samples == N_VAL
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["eval_samples"] for e in events if e["event"] == "eval"] == [N_VAL]
+    again = evaluate_run(tmp_path / "run", log=lambda *_: None)
+    assert again.eval_samples == N_VAL and again.samples_per_s > 0 and again.auc == summary.auc

@@ -70,7 +70,7 @@ def test_early_stop_keep_best_and_step_best_from_the_command_line(tmp_path):
     again = cli(*args).stdout.strip().splitlines()  # stays stopped, says so, and prints the same lines
     assert any(f"run stopped early at step {step}" in line for line in again) and again[-2:] == lines[-2:]
     ev = cli("eval", "--run-dir", str(run), "--step", "best").stdout.strip().splitlines()[-1]
-    assert ev == f"eval step={best.group(1)} auc={best.group(2)} logloss={best.group(3)}"
+    assert ev == f"eval step={best.group(1)} auc={best.group(2)} logloss={best.group(3)} samples={4 * 128}"
     out = cli("export", "--run-dir", str(run), "--step", "best", "--output", str(tmp_path / "tables"))
     assert out.stdout.strip().splitlines()[-1] == f"exported step={best.group(1)} to {tmp_path / 'tables'}"
     bad = cli("eval", "--run-dir", str(run), "--step", "latest", check=False)

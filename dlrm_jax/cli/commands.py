@@ -93,7 +93,8 @@ def cmd_eval(args) -> int:
     from dlrm_jax.train.evaluate import evaluate_run
 
     summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
-    print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f}", flush=True)
+    print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} "
+          f"samples={summary.eval_samples}", flush=True)
     return 0
 
 

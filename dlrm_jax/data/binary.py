@@ -9,11 +9,13 @@ and together cover the split, and with one process the global batch is the strea
 rows.
 
 **Shuffling (``data.shuffle``).** The dataset was shuffled globally when it was preprocessed;
-at training time a process's stream is cut into blocks of ``data.shuffle_block`` rows, and
-epoch e visits the blocks in the order of a keyed bijection of (seed, e, p)
-(:class:`~dlrm_jax.data.shuffle.KeyedPermutation`), the last partial block last. Every row is
-read exactly once per epoch, memory does not grow with the dataset, and a batch is a few large
-contiguous reads (B / block_rows + 2 of them). Without shuffling, the stream is read in order.
+at training time each epoch e turns a process's stream by a keyed offset, cuts it into blocks
+of ``data.shuffle_block`` rows (at most 1/64 of the stream, so small data still has 64 blocks
+to shuffle), and visits the blocks in the order of a keyed bijection of (seed, e, p)
+(:class:`~dlrm_jax.data.shuffle.KeyedPermutation`), the last partial block last: the blocks
+hold other rows every epoch, and come in another order. Every row is read exactly once per
+epoch, memory does not grow with the dataset, and a batch is a few large contiguous reads
+(B / block_rows + 3 of them). Without shuffling, the stream is read in order.
 
 A dataset without dense features (num_dense 0) is read as one all-zero dense column
 (:func:`model_num_dense`): the bottom MLP needs a non-empty input, and zeros change nothing.
@@ -40,6 +42,9 @@ from dlrm_jax.data.shards import (
     shard_name,
 )
 from dlrm_jax.data.shuffle import KeyedPermutation
+from dlrm_jax.data.synthetic_draws import mix64
+
+MIN_BLOCKS = 64  # a stream is cut into at least this many blocks to shuffle (or single rows)
 
 __all__ = ["BinaryFormatError", "BinarySource", "read_meta", "model_num_dense"]
 _OPEN_FILES = 192  # per split: 64 shards of 3 arrays
@@ -156,7 +161,8 @@ class BinarySource:
         self.val = _Split(self.root, "val", self.meta["shards"]["val"], widths, 0, self.num_val)
         self._batch, self._process = cfg.train.batch_size, process_index
         self._rows = process_slice(self._batch, process_index, process_count)
-        self._seed, self._shuffle, self._block = cfg.train.seed, cfg.data.shuffle, cfg.data.shuffle_block
+        self._seed, self._shuffle = cfg.train.seed, cfg.data.shuffle
+        self._block = max(1, min(cfg.data.shuffle_block, (self._hi - self._lo) // MIN_BLOCKS))
         self._eval_batches = cfg.train.eval_batches
         self._table_rows, self._bag_sizes = cfg.table_rows, tuple(cfg.bag_sizes)
         self._upper = np.repeat(np.asarray(cfg.table_rows, np.int64), self._bag_sizes)  # per id column
@@ -210,13 +216,21 @@ class BinarySource:
             take = min(end - pos, (k - offset) if block < full else m - within)
             pieces.append((epoch, block, offset, take))
             pos += take
-        moved = {}  # epoch -> its blocks' places, one vectorised permutation per epoch
+        moved, turn = {}, {}  # epoch -> its blocks' places (one vectorised permutation) and its turn
         if self._shuffle:
             for e in {p[0] for p in pieces}:
                 blocks = [b for pe, b, _, _ in pieces if pe == e and b < full]
                 perm = self._epoch_permutation(e, full)
                 moved[e] = dict(zip(blocks, perm(np.asarray(blocks, np.int64)).tolist(), strict=True))
-        return [(self._lo + moved.get(e, {}).get(b, b) * k + o, n) for e, b, o, n in pieces]
+                turn[e] = int(mix64(np.array([self._seed, e, self._process, 0x5EED], np.uint64)).sum() % np.uint64(m))
+        runs = []
+        for e, b, o, n in pieces:  # a run that passes the stream's end goes on from its start
+            start = (moved.get(e, {}).get(b, b) * k + o + turn.get(e, 0)) % m
+            first = min(n, m - start)
+            runs.append((self._lo + start, first))
+            if first < n:
+                runs.append((self._lo, n - first))
+        return runs
 
     def _epoch_permutation(self, epoch: int, blocks: int) -> KeyedPermutation:
         if self._perm is None or self._perm[0] != epoch:

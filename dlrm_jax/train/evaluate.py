@@ -4,6 +4,7 @@ ended with (:class:`RunSummary`)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class RunSummary:
     samples_per_s: float
     best: Evaluation | None = None
     stop_reason: str = ""
+    eval_samples: int = 0  # samples the last evaluation scored (evaluate_run: samples_per_s is its speed)
 
     def final_line(self) -> str:
         return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
@@ -68,8 +70,9 @@ def _nan(x: float | None) -> float:
 
 
 def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
-             runner: TierRunner | None = None) -> tuple[float, float]:
-    """Exact AUC and logloss over the held-out batches (every process gets the same numbers).
+             runner: TierRunner | None = None) -> tuple[float, float, int]:
+    """Exact AUC and logloss over the held-out batches, and how many samples they scored
+    (every process gets the same numbers; ``train.eval_batches``, 0 = the whole split).
 
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
     padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
@@ -99,7 +102,7 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
         from jax.experimental import multihost_utils
 
         p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
-    return roc_auc(y[m], p[m]), log_loss(y[m], p[m])
+    return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None,
@@ -121,8 +124,10 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | 
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
                                   steps.embedding_key(), log=log, snapshot=step)
             runner = TierRunner(steps, tiered, 0)
-        auc, ll = evaluate(steps, state, source, runner)
+        start = time.perf_counter()
+        auc, ll, samples = evaluate(steps, state, source, runner)
+        seconds = time.perf_counter() - start
     finally:
         if runner is not None:
             runner.tiered.close()
-    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, float("nan"))
+    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)

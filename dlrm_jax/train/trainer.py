@@ -210,6 +210,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     watch, pending = LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
+    scored = 0
     evaluated = False
     with _StopSignals() as stop, contextlib.closing(pipeline) if pipeline else contextlib.nullcontext():
         for step, item in zip(range(start + 1, end + 1), _reporting(batches, start + 1, runner is not None), strict=True):
@@ -260,9 +261,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             if is_eval and not signum:
                 report_progress(step, "evaluation", timed=evaluated)  # the first one compiles
                 evaluated = True
-                auc, ll = evaluate(steps, state, source, runner)
-                event.update(event="eval", auc=auc, logloss=ll)
-                bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f}")
+                auc, ll, scored = evaluate(steps, state, source, runner)
+                event.update(event="eval", auc=auc, logloss=ll, eval_samples=scored)
+                bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f} on {scored:,} samples")
                 progress = progress.evaluated(Evaluation(step, auc, ll))
                 stop_reason = progress.stop_reason(t)
                 progress = dataclasses.replace(progress, stopped=stop_reason)
@@ -295,10 +296,11 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     report_progress(end, "finishing")
 
     if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
-        auc, ll = evaluate(steps, state, source, runner)
+        auc, ll, scored = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     step = int(host_scalar(state.step))
-    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason)
+    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason,
+                      scored)
 
 
 class _LocalRows:
