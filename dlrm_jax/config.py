@@ -385,6 +385,9 @@ def validate(cfg: Config) -> Config:
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     _positive("mesh.model", cfg.mesh.model)
+    _positive("train.epochs", cfg.train.epochs, allow_zero=True)
+    if cfg.train.epochs and cfg.data.source == "synthetic":
+        raise ConfigError("train.epochs: synthetic data has no train split to count epochs of; use train.steps")
     for key, value in dataclasses.asdict(cfg.cluster).items():
         if key != "profile":
             _positive(f"cluster.{key}", value, allow_zero=True)

@@ -38,6 +38,7 @@ def _int_or(*words: str) -> dict:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
+    epochs: float = 0.0  # > 0: train this many passes over the train split (real data); train.steps gives way
     batch_size: int = 1024  # global, over all processes and devices
     seed: int = 0
     learning_rate: float = 0.001  # dense part; the embeddings take embedding.learning_rate

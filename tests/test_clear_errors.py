@@ -175,7 +175,7 @@ def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
     deadline = time.time() + 120
     for line in proc.stdout:  # the plan is printed just before the state is restored and the step compiles
         assert time.time() < deadline
-        if line.startswith("Embedding plan"):
+        if line.startswith("plan: "):
             break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)

@@ -45,7 +45,9 @@ def _library_logs_to(run_dir: Path) -> None:
     index = jax.process_index()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+        # delay: the file is made by the first message, so a run that logs none leaves none
+        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"),
+                                      delay=True)
     except OSError:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -11,7 +11,9 @@ so that every process compiles the same step.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
@@ -25,7 +27,12 @@ from dlrm_jax.embedding.plan.planner import (
 )
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import specs_from_config
-from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step, fmt_bytes, lower_bound_bytes
+from dlrm_jax.embedding.plan.stats import (
+    exchange_bytes_per_step,
+    fmt_bytes,
+    lower_bound_bytes,
+    per_device_bytes,
+)
 from dlrm_jax.model.work import dense_work
 
 CALIBRATION_BATCHES = 4
@@ -81,6 +88,22 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
         f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
         f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
         f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"])
+
+
+def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None) -> str:
+    """The plan in three lines: where the tables went, memory and exchange per device, and the
+    predicted step (the whole report: ``run_plan_report``, in the run dir's plan.txt)."""
+    counts = Counter(t.strategy.value + (f" x{t.column_slices}" if t.column_slices > 1 else "") for t in plan.tables)
+    placed = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    memory = max(sum(per_device_bytes(plan).values()))
+    sent, bound = exchange_bytes_per_step(plan), lower_bound_bytes(plan)
+    step = predict_step(plan, cluster_from_config(cfg, simulated), dense_work(cfg))
+    where = f"; the whole plan: {Path(run_dir) / 'plan.txt'}" if run_dir else ""
+    return "\n".join([
+        f"plan: {len(plan.tables)} tables on {plan.num_devices} devices: {placed}",
+        f"  {fmt_bytes(memory)} of tables, optimizer state and buffers on the busiest device; exchange "
+        f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the lower bound)",
+        f"  predicted step {1e3 * step.total_s:.3f} ms on the {cluster_from_config(cfg, simulated).name} profile{where}"])
 
 
 def _cluster_words(c) -> str:

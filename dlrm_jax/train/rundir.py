@@ -11,6 +11,7 @@ device count) may change on a resume; changes are reported.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -110,15 +111,24 @@ class RunDir:
 
     # ------------------------------------------------------------ lock
     def _lock(self) -> None:
+        """flock ``.lock``; the holder removes it when it closes, so a ``.lock`` on disk means a
+        live run. Whoever locked a file the holder removed meanwhile tries again on the new one."""
         lock = self.path / ".lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise RunDirError(f"run dir {self.path} is in use by {holder}; wait for that run to end "
-                              f"or pass another --run-dir") from None
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise RunDirError(f"run dir {self.path} is in use by {holder}; wait for that run to end "
+                                  f"or pass another --run-dir") from None
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the file we locked was removed by its last holder: lock the new one
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -126,6 +136,8 @@ class RunDir:
 
     def close(self) -> None:
         if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path / ".lock")  # while still held: no stale lock is left behind
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 

@@ -6,18 +6,17 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import math
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from dlrm_jax import hostmem, stopping
-from dlrm_jax.config import Config
+from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
@@ -39,8 +38,9 @@ from dlrm_jax.train.checkpoint import (
     Checkpoints,
     largest_shard_bytes,
 )
+from dlrm_jax.train.display import StepDisplay
 from dlrm_jax.train.evaluate import RunSummary, evaluate
-from dlrm_jax.train.planning import run_plan_report
+from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import (
     Evaluation,
     Progress,
@@ -129,6 +129,10 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
+        source = None
+        if cfg.train.epochs:  # the steps follow from the train split's rows
+            source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+            cfg = with_epoch_steps(cfg, source)
         newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
         stopped = progress.stop_reason(cfg.train)
         recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
@@ -139,8 +143,8 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
             return RunSummary.from_event(recorded)
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
-        source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
-        for note in (cap_note(cfg), source.skip_report()):
+        source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+        for note in (cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
             if note:
                 log(note)
         plan, steps = build(cfg, mesh, source, log)
@@ -168,15 +172,39 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
                 steps.hot.close()
 
 
+def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
+    """``cfg`` whose train.steps are train.epochs passes over ``source``'s train split (the
+    saved config keeps both as given: a resumed run derives the same steps)."""
+    rows = getattr(source, "num_train", None)
+    if rows is None:
+        raise ConfigError("train.epochs: synthetic data has no train split to count epochs of; use train.steps")
+    steps = max(1, math.ceil(cfg.train.epochs * rows / cfg.train.batch_size))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+
+
+def epoch_note(cfg: Config, source: DataSource) -> str:
+    """One line: the train split's rows, steps of the batch an epoch, and the run's length in
+    epochs ('' for data without a split)."""
+    rows = getattr(source, "num_train", None)
+    if not rows:
+        return ""
+    t = cfg.train
+    how = (f"train.epochs={t.epochs:g} sets train.steps={t.steps:,}" if t.epochs
+           else f"train.steps={t.steps:,} is {t.steps * t.batch_size / rows:.2f} epochs (or set train.epochs)")
+    return f"train split: {rows:,} rows, {rows / t.batch_size:,.1f} steps of {t.batch_size:,} an epoch; {how}"
+
+
 def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsWriter, log, source: DataSource,
            plan: EmbeddingPlan, steps: StepFunctions, runner: TierRunner | None = None) -> RunSummary:
     t = cfg.train
+    epoch_rows = getattr(source, "num_train", None)
     mesh, hot = steps.mesh, steps.hot
     plan_json = plan.to_json()
     replicas = steps.hosts if steps.collection.replicas else 1
     sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
     report = run_plan_report(cfg, plan, jax.default_backend() == "cpu")
-    log(report)
+    if jax.process_index() == 0:  # the whole plan goes to RUN/plan.txt; the terminal gets its gist
+        log(plan_summary(cfg, plan, jax.default_backend() == "cpu", rd.path))
     report_progress(0, "restoring or initialising the state")
     state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
     rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
@@ -205,8 +233,8 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             runner.use_hot(np.asarray(state.emb.hot.keys))
         batches = runner.planned(source.train_batch, range(start, end))
 
-    bar = tqdm(total=t.steps, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True,
-               disable=not t.progress_bar or jax.process_index() != 0)
+    bar = StepDisplay(t.steps, start, bar=t.progress_bar, shown=jax.process_index() == 0, batch=t.batch_size,
+                      epoch_rows=epoch_rows, log=log)
     watch, pending = LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
@@ -251,7 +279,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                      "learning_rate": float(steps.schedule(step - 1)), "exchange_overflows": overflows,
                      "hot_hit_rate": hit_rate, "a2a_bytes": sent["all-to-all"],
                      "allreduce_bytes": sent["all-reduce"], "allgather_bytes": sent["all-gather"]}
-            bar.set_postfix(loss=f"{last_loss:.4f}", samples_per_s=f"{rate:,.0f}")
+            bar.window(step, last_loss, rate, train_time / max(trained_steps, 1))
             if runner is not None:
                 event.update(runner.take_metrics(window_steps))
             if pipeline is not None:
