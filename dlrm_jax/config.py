@@ -386,8 +386,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     _positive("mesh.model", cfg.mesh.model)
     _positive("train.epochs", cfg.train.epochs, allow_zero=True)
-    if cfg.train.epochs and cfg.data.source == "synthetic":
-        raise ConfigError("train.epochs: synthetic data has no train split to count epochs of; use train.steps")
+    _positive("train.evals_per_epoch", cfg.train.evals_per_epoch, allow_zero=True)
+    for key in ("epochs", "evals_per_epoch"):
+        if getattr(cfg.train, key) and cfg.data.source == "synthetic":
+            raise ConfigError(f"train.{key}: synthetic data has no train split to count epochs of; use "
+                              f"train.{'steps' if key == 'epochs' else 'eval_every'}")
     for key, value in dataclasses.asdict(cfg.cluster).items():
         if key != "profile":
             _positive(f"cluster.{key}", value, allow_zero=True)

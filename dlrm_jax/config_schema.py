@@ -49,6 +49,7 @@ class TrainConfig:
     compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     log_every: int = 50
     eval_every: int = 250  # 0 = only at the end
+    evals_per_epoch: int = 0  # > 0 (real data): evaluate this many times an epoch; train.eval_every gives way
     eval_batches: int = 0  # global batches per evaluation; 0 = the whole val split (synthetic data: 16)
     checkpoint_every: int = 250  # 0 = only at the end
     keep_checkpoints: int = 3

@@ -178,6 +178,14 @@ def test_nan_dense_value_names_the_file_and_row(copy):
         list(source.eval_batches())
 
 
+def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy):
+    labels = np.load(copy / "train" / "00000" / "labels.npy", mmap_mode="r+")
+    labels[7] = 5.0
+    labels.flush()
+    with pytest.raises(BinaryFormatError, match=f"{copy / 'train' / '00000' / 'labels.npy'}: row 7 .*label 5.0, not 0 or 1"):
+        BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
+
+
 def test_meta_and_shape_errors_name_the_file(copy):
     with pytest.raises(BinaryFormatError, match="data.num_dense=13, 25 data.cardinalities"):
         BinarySource(load_config(None, ["data.source=binary", f"data.path={copy}",

@@ -81,6 +81,21 @@ def test_preprocess_output_under_a_file(tmp_path):
                           workers=1, progress=False)
 
 
+def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
+    from dlrm_jax.data.criteo import write_criteo_tsv
+    from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
+                             zipf_exponent=1.1, positive_rate=0.3)
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 50))
+    (tmp_path / "alias.tsv").symlink_to(tmp_path / "day.tsv")  # the same file under another name
+    with pytest.raises(ValueError, match=f"--val-input {tmp_path / 'alias.tsv'}: also an --input"):
+        preprocess_criteo([str(tmp_path / "day.tsv")], str(tmp_path / "out"), val_inputs=[str(tmp_path / "alias.tsv")],
+                          max_ind_range=10, workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- truncated .gz inputs
 
 
@@ -130,6 +145,8 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
 
 
 @pytest.mark.parametrize("argv,flag,says", [
+    (["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "0"], "--shard-mb", "expected a number > 0.001"),
+    (["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "-1"], "--shard-mb", "expected a number > 0.001"),
     (["bench", "collectives", "--sizes-kib", "abc"], "--sizes-kib", "expected comma-separated integers, got 'abc'"),
     (["bench", "collectives", "--sizes-kib", "16,0"], "--sizes-kib", "expected values >= 1"),
     (["bench", "tiers", "--fractions", "0.5,x"], "--fractions", "expected comma-separated numbers"),

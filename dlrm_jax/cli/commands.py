@@ -29,6 +29,22 @@ def _start_jax(devices: int, args) -> None:
 
     initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
                            getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300))
+    _check_backend()
+
+
+def _check_backend() -> None:
+    """One line when JAX cannot start the platform asked for (JAX_PLATFORMS=cuda with a CPU-only
+    jaxlib fails deep inside JAX with a bare AssertionError)."""
+    import jax
+
+    try:
+        jax.devices()
+    except (AssertionError, RuntimeError) as e:
+        asked = os.environ.get("JAX_PLATFORMS", "")
+        gpu = any(p in asked for p in ("cuda", "gpu"))
+        how = ("this JAX has no CUDA backend: install the GPU build with `pip install -e \".[cuda12]\"` "
+               "(or unset JAX_PLATFORMS to train on the CPU)" if gpu else f"{type(e).__name__} {e}".strip())
+        raise ConfigError(f"JAX_PLATFORMS={asked or '(unset)'}: JAX could not start it; {how}") from None
 
 
 def _library_logs_to(run_dir: Path) -> None:

@@ -43,6 +43,20 @@ def _list_of(kind: type, low: float | None = None):
 POSITIVE, COUNT = _int_at_least(1), _int_at_least(0)  # steps and repeats; warmups and caps
 
 
+def _number_above(low: float):
+    """An argparse type: a number > ``low``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > low:
+            raise argparse.ArgumentTypeError(f"expected a number > {low:g}, got {text}")
+        return value
+
+    return parse
+
+
 def _add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
     p.add_argument("--config", required=config_required,
                    help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default")
@@ -202,9 +216,9 @@ def _step_arg(text: str) -> int | str:
 def _add_preprocess_args(p, chunk_lines: int) -> None:
     """What every `preprocess` dataset shares: output, ids, validation split, bad lines."""
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--max-ind-range", type=int, default=0,
+    p.add_argument("--max-ind-range", type=COUNT, default=0,
                    help="hash ids into this many rows per feature (0: build vocabularies)")
-    p.add_argument("--min-count", type=int, default=1,
+    p.add_argument("--min-count", type=POSITIVE, default=1,
                    help="vocabulary mode: values seen fewer times share id 0 with missing values")
     p.add_argument("--vocab-from", choices=("train", "all"), default="train",
                    help="rows whose values are counted into ids: train (values seen only in validation "
@@ -216,8 +230,9 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and count them instead of failing")
     p.add_argument("--no-shuffle", action="store_true", help="keep the train rows in input order")
     p.add_argument("--seed", type=int, default=0, help="seed of the global shuffle of the train rows")
-    p.add_argument("--shard-mb", type=float, default=1024.0, help="size of an output shard (a host reads its own)")
-    p.add_argument("--workers", type=int, default=0, help="worker processes (default: one per core)")
+    p.add_argument("--shard-mb", type=_number_above(0.001), default=1024.0,
+                   help="size of an output shard in MB (a host reads its own)")
+    p.add_argument("--workers", type=COUNT, default=0, help="worker processes (default: one per core)")
     if chunk_lines:
         p.add_argument("--chunk-lines", type=int, default=chunk_lines)
     p.add_argument("--no-progress", action="store_true")

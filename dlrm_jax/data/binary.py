@@ -266,6 +266,11 @@ class BinarySource:
             raise BinaryFormatError(f"{self._file_of(split, rows[r], 'dense')}: row {int(rows[r])} of the "
                                     f"{split.name} split has a non-finite value {dense[r, c]} in column "
                                     f"{int(c)} (read for {what})")  # fmt: skip
+        if not ((labels == 0) | (labels == 1)).all():  # a click label is 0 or 1; 5.0 would train on
+            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
+            r = int(np.flatnonzero((labels != 0) & (labels != 1))[0])
+            raise BinaryFormatError(f"{self._file_of(split, rows[r], 'labels')}: row {int(rows[r])} of the "
+                                    f"{split.name} split has label {labels[r]}, not 0 or 1 (read for {what})")
         self._cap_ids(ids)
         shifted = ids - self._lower if self._multi_hot else ids  # valid: 0 <= shifted < span
         if (shifted.view(np.uint32) >= self._span).any():  # negatives read as huge

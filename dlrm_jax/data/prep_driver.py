@@ -287,7 +287,9 @@ def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Optio
                   ) -> PreprocessReport:  # fmt: skip
     """Preprocess ``inputs`` (and ``val_inputs``, whole files for the val split) with
     ``parser`` into the sharded layout of :mod:`dlrm_jax.data.shards` at ``output``. A full
-    disk is one line naming the output and the space it takes (nothing is left behind)."""
+    disk is one line naming the output and the space it takes (nothing is left behind); a
+    validation file that is also an input (every later AUC would score training rows) is refused."""
+    _check_disjoint(inputs, val_inputs)
     try:
         return _write_dataset(parser, inputs, output, opts, val_inputs, meta)
     except OSError as e:
@@ -298,6 +300,21 @@ def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Optio
         raise OSError(f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
                       f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
                       f"free space or choose another --output; nothing was written") from None
+
+
+def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
+    def key(p):
+        try:
+            st = os.stat(p)
+            return st.st_dev, st.st_ino
+        except OSError:
+            return str(Path(p).resolve())
+
+    train = {key(p): p for p in inputs}
+    for p in val_inputs:
+        if key(p) in train:
+            raise ValueError(f"--val-input {p}: also an --input ({train[key(p)]}): its rows would be trained on and "
+                             f"then scored as held out; give the validation file(s) only once, to --val-input")
 
 
 def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Options, val_inputs: Sequence[str],

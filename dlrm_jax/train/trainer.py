@@ -130,7 +130,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
         source = None
-        if cfg.train.epochs:  # the steps follow from the train split's rows
+        if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
             source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
             cfg = with_epoch_steps(cfg, source)
         newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
@@ -173,13 +173,15 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
 
 
 def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
-    """``cfg`` whose train.steps are train.epochs passes over ``source``'s train split (the
-    saved config keeps both as given: a resumed run derives the same steps)."""
-    rows = getattr(source, "num_train", None)
+    """``cfg`` whose train.steps are train.epochs passes over ``source``'s train split and
+    whose train.eval_every is an epoch over train.evals_per_epoch (the saved config keeps them
+    as given: a resumed run derives the same steps)."""
+    rows, t = getattr(source, "num_train", None), cfg.train
     if rows is None:
         raise ConfigError("train.epochs: synthetic data has no train split to count epochs of; use train.steps")
-    steps = max(1, math.ceil(cfg.train.epochs * rows / cfg.train.batch_size))
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps))
+    steps = max(1, math.ceil(t.epochs * rows / t.batch_size)) if t.epochs else t.steps
+    every = max(1, round(rows / t.batch_size / t.evals_per_epoch)) if t.evals_per_epoch else t.eval_every
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))
 
 
 def epoch_note(cfg: Config, source: DataSource) -> str:
@@ -191,6 +193,8 @@ def epoch_note(cfg: Config, source: DataSource) -> str:
     t = cfg.train
     how = (f"train.epochs={t.epochs:g} sets train.steps={t.steps:,}" if t.epochs
            else f"train.steps={t.steps:,} is {t.steps * t.batch_size / rows:.2f} epochs (or set train.epochs)")
+    if t.evals_per_epoch:
+        how += f"; train.evals_per_epoch={t.evals_per_epoch} sets train.eval_every={t.eval_every:,}"
     return f"train split: {rows:,} rows, {rows / t.batch_size:,.1f} steps of {t.batch_size:,} an epoch; {how}"
 
 
