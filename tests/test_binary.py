@@ -186,6 +186,21 @@ def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy):
         BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
 
 
+def test_an_inflated_row_count_or_a_truncated_shard_is_named_at_start(copy):
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["train_rows"] += 100
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(BinaryFormatError, match=f"{copy / 'meta.json'}: says {N_TRAIN + 100:,} train rows, and its "
+                                                 f"train shards hold {N_TRAIN}"):
+        BinarySource(make_cfg(copy))
+    meta["train_rows"] -= 100
+    (copy / "meta.json").write_text(json.dumps(meta))
+    dense = copy / "train" / "00002" / "dense.npy"
+    dense.write_bytes(dense.read_bytes()[:-100])
+    with pytest.raises(BinaryFormatError, match=f"{dense}: truncated: "):
+        BinarySource(make_cfg(copy))
+
+
 def test_meta_and_shape_errors_name_the_file(copy):
     with pytest.raises(BinaryFormatError, match="data.num_dense=13, 25 data.cardinalities"):
         BinarySource(load_config(None, ["data.source=binary", f"data.path={copy}",

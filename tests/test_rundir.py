@@ -291,3 +291,20 @@ def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
         assert third.returncode == 0 and "resuming from checkpoint at step 20" in out, err
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
+    """Issue 32: a full disk at the start said '[Errno 28] No space left on device' and no path."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        free = shutil.disk_usage(disk).free
+        (disk / "filler").write_bytes(b"\0" * free)
+        proc = popen("--set", "train.steps=4", "--run-dir", str(disk / "run"))
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"{disk / 'run'}/" in err and "no space left on device" in err and "MiB free" in err, err
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

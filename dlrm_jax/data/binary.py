@@ -151,6 +151,11 @@ class BinarySource:
         widths = {"dense": stored_dense, "ids": sum(bags)}
         self._zero_dense = stored_dense == 0  # fed as one all-zero column
         self.num_train, self.num_val = int(self.meta["train_rows"]), int(self.meta["val_rows"])
+        for split, rows in (("train", self.num_train), ("val", self.num_val)):
+            held = sum(int(n) for n in self.meta["shards"][split])
+            if held != rows:
+                raise BinaryFormatError(f"{self.root / 'meta.json'}: says {rows:,} {split} rows, and its {split} shards "
+                                        f"hold {held:,}; the dataset is damaged or edited: preprocess it again")
         if self.num_train == 0:
             raise BinaryFormatError(f"{self.root / 'train'}: the train split is empty")
         self._lo = self.num_train * process_index // process_count

@@ -131,7 +131,12 @@ def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, Arr
         if shape != want or found != dtype or fortran:
             raise BinaryFormatError(f"{file}: expected {np.dtype(dtype).name} {list(want)} (from "
                                     f"meta.json and the config), found {found.name} {list(shape)}")  # fmt: skip
-        arrays[name] = ArrayFile(file, offset, int(np.prod(shape[1:], dtype=np.int64)) * found.itemsize, shape, found)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * found.itemsize
+        size = file.stat().st_size
+        if size < offset + rows * row_bytes:  # a truncated file: its header still says every row
+            raise BinaryFormatError(f"{file}: truncated: {size:,} bytes, its {rows:,} rows need "
+                                    f"{offset + rows * row_bytes:,}; preprocess the data again")
+        arrays[name] = ArrayFile(file, offset, row_bytes, shape, found)
     return arrays
 
 

@@ -12,9 +12,11 @@ device count) may change on a resume; changes are reported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -60,10 +62,28 @@ def _step_first(name: str) -> tuple[int, str]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a crash leaves the old file or the new one."""
+    """Write via a temporary file and a rename: a crash leaves the old file or the new one; a
+    full disk is one line naming the file (and the old file stays)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with _disk_full_names(path):
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _disk_full_names(path: Path):
+    """ENOSPC (which names no file) as one line naming ``path`` and the free space."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise OSError(f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass "
+                      f"another --run-dir") from None
 
 
 class RunDir:
@@ -129,10 +149,11 @@ class RunDir:
             except FileNotFoundError:
                 pass
             os.close(fd)  # the file we locked was removed by its last holder: lock the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        with _disk_full_names(lock):
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
 
     def close(self) -> None:
         if self._lock_fd is not None:
