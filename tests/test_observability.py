@@ -80,9 +80,13 @@ def test_report_draws_every_runs_metrics_on_shared_axes(tmp_path):
         by_step, by_wall = (ax.lines[index].get_xydata().tolist() for ax in figs["loss"].axes)
         assert by_step == [[e["step"], e["loss"]] for e in train]
         assert by_wall == [[e["wall_s"], e["loss"]] for e in train]
-        auc_step = figs["eval"].axes[0].lines[index].get_xydata().tolist()
-        assert auc_step == [[e["step"], e["auc"]] for e in evals]
+        auc_lines = figs["eval"].axes[0].lines  # per run: its curve, then a star on its best evaluation
+        assert auc_lines[2 * index].get_xydata().tolist() == [[e["step"], e["auc"]] for e in evals]
+        best = max(evals, key=lambda e: e["auc"])
+        assert auc_lines[2 * index + 1].get_xydata().tolist() == [[best["step"], best["auc"]]]
         assert [line.get_label() for line in figs["loss"].axes[0].lines] == ["a", "b"]
+    assert all(ax.get_legend() is not None for ax in figs["eval"].axes if ax.get_visible())
+    assert figs["throughput"].axes[0].get_ylim()[0] == 0 and figs["throughput"].axes[0].get_ylabel() == "samples/s"
     bars = figs["phases"].axes[0].containers
     assert [[r.get_width() for r in c] for c in bars] == [[1.0, 4.0, 0.0], [0.0, 2.5, 0.5]]
 
@@ -214,7 +218,23 @@ def test_report_folder_that_is_a_file_is_named(tmp_path, capsys):
 def test_report_of_a_profile_only_run_draws_its_phases(tmp_path):
     from dlrm_jax.observe.report import write_report
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "metrics.jsonl").write_text("")
+    (tmp_path / "a").mkdir()  # what `dlrm-jax profile --run-dir` writes: no metrics.jsonl
     (tmp_path / "a" / "profile.json").write_text(json.dumps({"phases": [{"name": "dense", "ms": 1.0}]}))
     assert [p.name for p in write_report([tmp_path / "a"], tmp_path / "out")] == ["phases.png"]
+
+
+def test_runs_of_other_batch_sizes_compare_by_samples_and_each_gets_a_summary(tmp_path, capsys):
+    from dlrm_jax.cli import main
+    from dlrm_jax.observe.report import figures
+
+    for name, batch in (("a", 128), ("b", 512)):
+        fake_run(tmp_path / name, [0.7, 0.6, 0.55], 1000.0)
+        (tmp_path / name / "config.yaml").write_text(f"train:\n  batch_size: {batch}\n")
+    figs = figures([tmp_path / "a", tmp_path / "b"])
+    steps = [e["step"] for e in map(json.loads, (tmp_path / "a" / "metrics.jsonl").read_text().splitlines())
+             if e["event"] == "train"]
+    assert figs["loss"].axes[0].get_xlabel() == "samples seen"
+    assert [x for x, _ in figs["loss"].axes[0].lines[1].get_xydata()] == [512 * s for s in steps]
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out
+    assert "a: best AUC 0.6" in out and "b: best AUC 0.6" in out and "samples/s over" in out

@@ -234,12 +234,14 @@ def cmd_profile(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from dlrm_jax.observe.report import write_report
+    from dlrm_jax.observe.report import load_run, run_labels, summary, write_report
 
     run_dirs = [Path(p) for p in args.run_dirs]
     output = Path(args.output) if args.output else run_dirs[0] / "report"
     for path in write_report(run_dirs, output):
         print(f"wrote {path}", flush=True)
+    for run_dir, label in zip(run_dirs, run_labels(run_dirs), strict=True):
+        print(summary(load_run(run_dir), label), flush=True)
     return 0
 
 

@@ -16,13 +16,15 @@ FIGURES = ("loss", "eval", "throughput", "phases", "divergence")
 
 
 def load_run(run_dir: Path) -> dict:
-    """``{"events": [...], "profile": {...} | None}`` of a run dir; a clear error without metrics
-    (no file, an empty one without a profile.json, or a line that is not a JSON object)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    """``{"events": [...], "profile": {...} | None, "batch": int | None}`` of a run dir (a
+    training run's, or a ``dlrm-jax profile`` dir with only profile.json); a clear error
+    without anything to read (neither file, an empty metrics.jsonl without a profile.json, or a
+    line that is not a JSON object). ``batch``: train.batch_size from its config.yaml."""
+    path, profile = run_dir / "metrics.jsonl", run_dir / "profile.json"
+    if not path.exists() and not profile.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (or a profile's)?")
     events = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
         if line.strip():
             try:
                 event = json.loads(line)
@@ -31,11 +33,36 @@ def load_run(run_dir: Path) -> dict:
             if not isinstance(event, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object (got {line.strip()[:40]})")
             events.append(event)
-    profile = run_dir / "profile.json"
     if not events and not profile.exists():
         raise ValueError(f"{path} is empty: the run logged no events yet (the first comes after train.log_every "
                          f"steps); nothing to plot")
-    return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None}
+    batch = None
+    config = run_dir / "config.yaml"
+    if config.exists():
+        import yaml
+
+        try:
+            batch = int(yaml.safe_load(config.read_text())["train"]["batch_size"])
+        except (yaml.YAMLError, KeyError, TypeError, ValueError):
+            batch = None
+    for e in events:  # samples seen: runs of different batch sizes compare on one axis
+        if batch and "step" in e:
+            e.setdefault("samples", e["step"] * batch)
+    return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None,
+            "batch": batch}
+
+
+def summary(run: dict, label: str) -> str:
+    """One line per run: its best evaluation (AUC, its step) and its median samples/s."""
+    evals = [e for e in run["events"] if e.get("event") == "eval" and e.get("auc") is not None]
+    rates = sorted(e["samples_per_s"] for e in run["events"] if e.get("samples_per_s"))
+    best = max(evals, key=lambda e: e["auc"]) if evals else None
+    parts = [f"{label}:"]
+    parts.append(f"best AUC {best['auc']:.4f} at step {best['step']:,} (logloss {best['logloss']:.4f})" if best
+                 else "no evaluation")
+    if rates:
+        parts.append(f"median {rates[len(rates) // 2]:,.0f} samples/s over {len(rates)} windows")
+    return " ".join(parts)
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -55,8 +82,15 @@ def series(events: list[dict], y: str, x: str = "step", kind: str | None = None)
     return xs, [points[v] for v in xs]
 
 
+AXIS_LABELS = {"step": "step", "samples": "samples seen", "wall_s": "wall time (s)", "loss": "loss",
+               "auc": "AUC", "logloss": "logloss", "samples_per_s": "samples/s",
+               "table_divergence": "relative norm of the hosts' difference"}
+
+
 def figures(run_dirs: list[Path]) -> dict:
-    """name -> matplotlib Figure, for the figures that any of the runs has data for."""
+    """name -> matplotlib Figure, for the figures that any of the runs has data for. Curves
+    run along samples seen when every run's config gives its batch size (else steps); the best
+    evaluation of each run is marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,32 +98,44 @@ def figures(run_dirs: list[Path]) -> dict:
 
     runs = [load_run(Path(p)) for p in run_dirs]
     labels = run_labels([Path(p) for p in run_dirs])
+    along = "samples" if all(r["batch"] for r in runs) else "step"
     out = {}
 
-    def lines(name: str, panels: list[tuple[str, str, str | None]], title: str):
-        """One figure of side-by-side panels, each (y, x, event kind)."""
+    def lines(name: str, panels: list[tuple[str, str, str | None]], title: str, columns: int = 2,
+              from_zero: bool = False):
+        """One figure of panels in a grid, each (y, x, event kind); a legend in every panel."""
         if not any(series(r["events"], y, x, k)[0] for r in runs for y, x, k in panels):
             return
-        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-        for ax, (y, x, kind) in zip(axes[0], panels, strict=True):
+        rows = -(-len(panels) // columns)
+        cols = min(columns, len(panels))
+        fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 4.4 * rows), squeeze=False)
+        for ax, (y, x, kind) in zip(axes.flat, panels, strict=False):
             for run, label in zip(runs, labels, strict=True):
                 xs, ys = series(run["events"], y, x, kind)
-                if xs:
-                    ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-            ax.set_xlabel({"step": "step", "wall_s": "wall time (s)"}[x])
-            ax.set_ylabel(y)
+                if not xs:
+                    continue
+                (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+                if y in ("auc", "logloss"):  # the best evaluation (by AUC), where keep-best would keep it
+                    _, aucs = series(run["events"], "auc", x, kind)
+                    i = max(range(len(aucs)), key=aucs.__getitem__)
+                    ax.plot([xs[i]], [ys[i]], marker="*", markersize=13, color=line.get_color(),
+                            label=f"{label} best ({x} {xs[i]:,})")
+            ax.set_xlabel(AXIS_LABELS.get(x, x))
+            ax.set_ylabel(AXIS_LABELS.get(y, y))
+            if from_zero:
+                ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=8)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
         fig.suptitle(title)
         fig.tight_layout()
         out[name] = fig
 
-    lines("loss", [("loss", "step", None), ("loss", "wall_s", None)], "training loss (mean over each log window)")
-    lines("eval", [("auc", "step", "eval"), ("auc", "wall_s", "eval"), ("logloss", "step", "eval")],
-          "evaluation")
-    lines("throughput", [("samples_per_s", "step", None)], "training throughput")
-    lines("divergence", [("table_divergence", "step", None)],
-          "per-host tables: relative norm of their difference")
+    lines("loss", [("loss", along, None), ("loss", "wall_s", None)], "training loss (mean over each log window)")
+    lines("eval", [("auc", along, "eval"), ("logloss", along, "eval"), ("auc", "wall_s", "eval")], "evaluation")
+    lines("throughput", [("samples_per_s", along, None)], "training throughput", from_zero=True)
+    lines("divergence", [("table_divergence", along, None)], "per-host tables: relative norm of their difference")
     profiled = [(r["profile"], label) for r, label in zip(runs, labels, strict=True) if r["profile"]]
     if profiled:
         out["phases"] = _phase_bars(plt, profiled)
