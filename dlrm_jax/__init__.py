@@ -10,8 +10,11 @@ Notebook use::
 
 Attributes are imported on first use, so ``import dlrm_jax`` does not start JAX.
 
-Configuration: :func:`load_config`, :class:`Config`, :class:`ConfigError`.
-Training: :func:`train_and_evaluate`, :func:`evaluate_run`, :class:`RunSummary`, :func:`build`.
+Configuration: :func:`load_config` (overrides as ``["train.steps=100"]`` or ``{"train.steps": 100}``),
+:func:`with_overrides` (a changed copy of a config), :class:`Config`, :class:`ConfigError`.
+Training: :func:`train_and_evaluate` (``source=``: data of your own, e.g. :class:`ArraySource`
+over numpy arrays), :func:`evaluate_run`, :class:`RunSummary`, :func:`build`; it raises
+:class:`Interrupted` (SIGINT/SIGTERM, after saving) and :class:`TrainingDiverged`.
 Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config` (the mesh a config asks for).
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
 :func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
@@ -35,6 +38,7 @@ Tiered tables: :class:`TierPlan` (in a plan), :class:`TierStore` (the disk tier)
 :class:`TierRunner` (train steps over them), :func:`export_run` (a checkpoint's tables as
 tensorstore arrays).
 Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
+:class:`ArraySource`,
 :func:`preprocess_criteo`; other datasets (MovieLens, Avazu, Taobao, Yelp, or any CSV /
 JSON-lines file) through a schema: :func:`load_schema`, :func:`preprocess_tabular`::
 
@@ -56,9 +60,12 @@ _EXPORTS = {
     "Config": "dlrm_jax.config",
     "ConfigError": "dlrm_jax.config",
     "load_config": "dlrm_jax.config",
+    "with_overrides": "dlrm_jax.config",
     "request_cpu_devices": "dlrm_jax.parallel.mesh",
     "make_mesh": "dlrm_jax.parallel.mesh",
     "train_and_evaluate": "dlrm_jax.train.trainer",
+    "Interrupted": "dlrm_jax.train.trainer",
+    "TrainingDiverged": "dlrm_jax.train.watch",
     "evaluate_run": "dlrm_jax.train.evaluate",
     "RunSummary": "dlrm_jax.train.evaluate",
     "build": "dlrm_jax.train.build",
@@ -87,6 +94,7 @@ _EXPORTS = {
     "Batch": "dlrm_jax.data.batch",
     "SyntheticSource": "dlrm_jax.data.synthetic",
     "BinarySource": "dlrm_jax.data.binary",
+    "ArraySource": "dlrm_jax.data.arrays",
     "CriteoTSVSource": "dlrm_jax.data.criteo",
     "preprocess_criteo": "dlrm_jax.data.criteo_preprocess",
     "preprocess_tabular": "dlrm_jax.data.tabular",

@@ -221,12 +221,46 @@ def _check_sections(cls: type, raw: dict[str, Any], prefix: str, path: Path) -> 
             _check_sections(hints[f.name], sub, f"{key}.", path)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path`` (if any), then each ``KEY=VALUE`` override."""
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | str = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any: a file, or a shipped config's name such
+    as ``"smoke"``), then the overrides: ``KEY=VALUE`` strings as ``--set`` takes them (a list,
+    or one string), or a dict of dotted keys to values (``{"train.steps": 100}``)::
+
+        cfg = dlrm_jax.load_config("criteo_kaggle", {"train.steps": 500, "mesh.devices": 8})
+    """
     raw: dict[str, Any] = load_raw(path) if path else {}
-    for text in overrides:
-        raw = _merge(raw, parse_override(text))
+    for override in _override_dicts(overrides):
+        raw = _merge(raw, override)
     return validate(_build(Config, raw, ""))
+
+
+def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> Config:
+    """A copy of ``cfg`` with ``overrides`` (as :func:`load_config` takes them) applied and
+    checked again: the way to derive a changed config (``Config`` is frozen)::
+
+        longer = dlrm_jax.with_overrides(cfg, {"train.steps": 5000})
+    """
+    raw = cfg.to_dict()
+    for override in _override_dicts(overrides):
+        raw = _merge(raw, override)
+    return validate(_build(Config, raw, ""))
+
+
+def _override_dicts(overrides) -> list[dict[str, Any]]:
+    if isinstance(overrides, str):  # one KEY=VALUE, not a sequence of characters
+        overrides = [overrides]
+    if isinstance(overrides, dict):
+        out = []
+        for key, value in overrides.items():
+            node: dict[str, Any] = {}
+            top = node
+            parts = str(key).split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = list(value) if isinstance(value, tuple) else value
+            out.append(top)
+        return out
+    return [parse_override(text) for text in overrides]
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -387,10 +421,6 @@ def validate(cfg: Config) -> Config:
     _positive("mesh.model", cfg.mesh.model)
     _positive("train.epochs", cfg.train.epochs, allow_zero=True)
     _positive("train.evals_per_epoch", cfg.train.evals_per_epoch, allow_zero=True)
-    for key in ("epochs", "evals_per_epoch"):
-        if getattr(cfg.train, key) and cfg.data.source == "synthetic":
-            raise ConfigError(f"train.{key}: synthetic data has no train split to count epochs of; use "
-                              f"train.{'steps' if key == 'epochs' else 'eval_every'}")
     for key, value in dataclasses.asdict(cfg.cluster).items():
         if key != "profile":
             _positive(f"cluster.{key}", value, allow_zero=True)

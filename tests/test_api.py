@@ -31,3 +31,45 @@ def test_notebook_flow(tmp_path):
                          env=env_free)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "4 True"
+
+
+def test_overrides_as_a_list_a_string_or_a_dict_and_a_changed_copy():
+    a = dlrm_jax.load_config("smoke", ["train.steps=7", "model.bottom_mlp=[16, 8]"])
+    b = dlrm_jax.load_config("smoke", {"train.steps": 7, "model.bottom_mlp": [16, 8]})
+    assert a == b and a.train.steps == 7
+    assert dlrm_jax.load_config("smoke", "train.steps=7").train.steps == 7  # one string: not 14 characters
+    longer = dlrm_jax.with_overrides(a, {"train.steps": 70})
+    assert longer.train.steps == 70 and a.train.steps == 7 and longer.model == a.model
+    import pytest
+
+    with pytest.raises(dlrm_jax.ConfigError, match="train.stepz"):
+        dlrm_jax.with_overrides(a, {"train.stepz": 1})
+
+
+def test_asking_for_devices_after_they_started_is_refused():
+    code = ("import jax, dlrm_jax; jax.devices()\n"
+            "try:\n    dlrm_jax.request_cpu_devices(4)\nexcept RuntimeError as e:\n    print(e)\n")
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "already started its devices with 1 CPU device(s)" in out.stdout and "restart the kernel" in out.stdout
+
+
+def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
+    """A notebook's numpy arrays through ArraySource: each epoch reads every row once in a new
+    order, epochs count its rows, evaluation scores its whole val split, and the run learns."""
+    import numpy as np
+
+    cfg = tiny("train.steps=1", "train.epochs=3", "train.eval_every=0", "mesh.devices=2", "train.batch_size=32")
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        ids = np.stack([rng.integers(0, r, n) for r in cfg.table_rows], axis=1).astype(np.int32)
+        dense = rng.normal(size=(n, 13)).astype(np.float32)
+        dense[:, 0] = np.arange(n)  # tells the rows apart
+        return dense, ids, (ids[:, 1] % 2).astype(np.float32)  # labels learnable from one feature
+
+    source = dlrm_jax.ArraySource(split(192), split(100), 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
+    order = [np.concatenate([source.train_batch(e * 6 + s).dense[:, 0] for s in range(6)]) for e in range(2)]
+    assert sorted(order[0]) == sorted(order[1]) == list(range(192)) and not np.array_equal(order[0], order[1])
+    summary = dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source, log=lambda *_: None)
+    assert summary.step == 3 * 192 // 32 and summary.eval_samples == 100 and summary.auc > 0.6

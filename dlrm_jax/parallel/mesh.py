@@ -27,14 +27,25 @@ MAX_SIMULATED_DEVICES = 64
 
 
 def request_cpu_devices(count: int) -> None:
-    """Ask XLA's CPU backend for ``count`` devices; must run before JAX is imported.
+    """Ask XLA's CPU backend for ``count`` devices; must run before JAX starts its devices
+    (importing JAX is fine; ``jax.devices()`` or any computation starts them).
 
     Harmless on a GPU host: the flag only shapes the CPU backend, and the GPUs stay the default.
-    A flag the user already set wins.
-    """
+    A flag the user already set wins. Once the devices have started, asking for more CPU
+    devices than there are raises a RuntimeError saying to restart the kernel (XLA reads its
+    flags once)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    started = sys.modules.get("jax._src.xla_bridge")
+    if started is not None and started.backends_are_initialized():
+        import jax
+
+        have = len(jax.devices("cpu"))
+        if have < count:
+            raise RuntimeError(f"request_cpu_devices({count}): JAX has already started its devices with {have} "
+                               f"CPU device(s), and XLA reads its flags once; restart the kernel (or process) "
+                               f"and call dlrm_jax.request_cpu_devices({count}) before anything runs on JAX")
 
 
 PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)

@@ -116,8 +116,13 @@ class _StopSignals:
             signal.signal(sig, old)
 
 
-def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=print) -> RunSummary:
+def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=print,
+                       source: DataSource | None = None) -> RunSummary:
     """Train ``cfg`` on the current devices, resuming from ``run_dir``'s newest intact checkpoint.
+
+    ``source``: the data, when not the config's ``data.source`` (a notebook's own loader, or
+    in-memory arrays: :class:`~dlrm_jax.data.arrays.ArraySource`); any object with
+    ``train_batch(step)``, ``eval_batches()`` and ``skip_report()`` (``num_train`` for epochs).
 
     Raises :class:`Interrupted` after saving when SIGINT/SIGTERM arrive, :class:`TrainingDiverged`
     (nothing saved past the last good checkpoint) when the loss blows up, and
@@ -129,9 +134,9 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
-        source = None
+        given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
-            source = make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
             cfg = with_epoch_steps(cfg, source)
         newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
         stopped = progress.stop_reason(cfg.train)
@@ -144,7 +149,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
         source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
-        for note in (cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
+        for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
             if note:
                 log(note)
         plan, steps = build(cfg, mesh, source, log)
@@ -178,7 +183,8 @@ def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
     as given: a resumed run derives the same steps)."""
     rows, t = getattr(source, "num_train", None), cfg.train
     if rows is None:
-        raise ConfigError("train.epochs: synthetic data has no train split to count epochs of; use train.steps")
+        raise ConfigError("train.epochs, train.evals_per_epoch: synthetic data has no train split to count epochs "
+                          "of; use train.steps and train.eval_every")
     steps = max(1, math.ceil(t.epochs * rows / t.batch_size)) if t.epochs else t.steps
     every = max(1, round(rows / t.batch_size / t.evals_per_epoch)) if t.evals_per_epoch else t.eval_every
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))

@@ -1,0 +1,78 @@
+"""A data source over numpy arrays in memory: a notebook's own data, without preprocessing.
+
+``ArraySource(train, val, batch_size)`` takes ``(dense, ids, labels)`` arrays for each split
+(shapes as :class:`~dlrm_jax.data.batch.Batch` documents) and serves them as every source does:
+batch ``step`` is a pure function of (seed, step, process), each epoch visits the train rows in
+a new order (a keyed bijection of seed and epoch, per row: no permutation is held), every row
+once an epoch, and evaluation reads the val split once, in order, the last batch partial.
+Values are checked once, up front: labels 0 or 1, ids within ``table_rows``, finite dense values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from dlrm_jax.data.batch import Batch, check_ids, process_slice
+from dlrm_jax.data.shuffle import KeyedPermutation
+
+
+class ArraySource:
+    """The :class:`~dlrm_jax.data.batch.DataSource` of in-memory arrays (see the module
+    docstring). ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's
+    ``cfg.table_rows``, ``cfg.bag_sizes``); ``eval_batches`` 0 evaluates the whole val split."""
+
+    def __init__(self, train: Sequence[np.ndarray], val: Sequence[np.ndarray], batch_size: int, *,
+                 table_rows: Sequence[int], bag_sizes: Sequence[int], seed: int = 0, shuffle: bool = True,
+                 eval_batches: int = 0, process_index: int = 0, process_count: int = 1):
+        self.train = Batch(*(np.asarray(x) for x in _checked(train, "train", table_rows, bag_sizes)))
+        self.val = Batch(*(np.asarray(x) for x in _checked(val, "val", table_rows, bag_sizes)))
+        self.num_train, self.num_val = self.train.size, self.val.size
+        if self.num_train < batch_size:
+            raise ValueError(f"ArraySource: {self.num_train} train rows, fewer than one batch of {batch_size}")
+        self._batch, self._seed, self._shuffle, self._eval_batches = batch_size, seed, shuffle, eval_batches
+        self._rows = process_slice(batch_size, process_index, process_count)
+        self._perm: tuple[int, KeyedPermutation] | None = None
+
+    def skip_report(self) -> str:
+        return ""
+
+    def train_batch(self, step: int) -> Batch:
+        positions = step * self._batch + np.arange(self._rows.start, self._rows.stop, dtype=np.int64)
+        epoch, within = np.divmod(positions, self.num_train)
+        rows = within.copy()
+        if self._shuffle:
+            for e in np.unique(epoch):
+                at = epoch == e
+                rows[at] = self._permutation(int(e))(within[at])
+        return Batch(*(x[rows] for x in self.train))
+
+    def _permutation(self, epoch: int) -> KeyedPermutation:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, KeyedPermutation(self.num_train, [self._seed, epoch, 0xA77A]))
+        return self._perm[1]
+
+    def eval_batches(self) -> Iterator[Batch]:
+        count = -(-self.num_val // self._batch)
+        for b in range(min(count, self._eval_batches) if self._eval_batches else count):
+            lo = b * self._batch
+            rows = np.arange(lo + self._rows.start, min(lo + self._rows.stop, self.num_val))
+            yield Batch(*(x[rows] for x in self.val))
+
+
+def _checked(split, name: str, table_rows, bag_sizes) -> tuple:
+    dense, ids, labels = (np.asarray(x) for x in split)
+    n = labels.shape[0]
+    if dense.ndim != 2 or ids.ndim != 2 or labels.ndim != 1 or dense.shape[0] != n or ids.shape[0] != n:
+        raise ValueError(f"ArraySource {name}: expected dense [n, D], ids [n, S], labels [n]; got "
+                         f"{list(dense.shape)}, {list(ids.shape)}, {list(labels.shape)}")
+    if ids.shape[1] != sum(bag_sizes):
+        raise ValueError(f"ArraySource {name}: ids have {ids.shape[1]} columns, the tables' bags {sum(bag_sizes)}")
+    if not np.isfinite(dense).all():
+        raise ValueError(f"ArraySource {name}: dense row {int(np.argwhere(~np.isfinite(dense))[0][0])} is not finite")
+    if not ((labels == 0) | (labels == 1)).all():
+        raise ValueError(f"ArraySource {name}: label of row {int(np.flatnonzero((labels != 0) & (labels != 1))[0])} "
+                         f"is not 0 or 1")
+    check_ids(ids, tuple(table_rows), tuple(bag_sizes), f"ArraySource {name}")
+    return dense.astype(np.float32), ids.astype(np.int32), labels.astype(np.float32)
