@@ -1,5 +1,8 @@
-"""SIGINT and SIGTERM outside the training loop (loading, compiling, restoring): one line and
-exit status 128 + signal, where SIGTERM's default action would end the process without a word.
+"""SIGINT, SIGTERM and SIGHUP outside the training loop (loading, compiling, restoring): one line
+and exit status 128 + signal, where SIGTERM's (and a closed terminal's SIGHUP's) default action
+would end the process without a word. Inside the loop the trainer's own handlers finish the step,
+save and exit on the same three. :func:`die_with_parent` ends a process with the one that
+started it (a launch supervisor, preprocessing's parent), even when that one is SIGKILLed.
 
 The handler raises :class:`Stopped` where the main thread happens to be. Python swallows an
 exception raised inside a garbage-collection or ``__del__`` callback (JAX runs one at every
@@ -9,18 +12,22 @@ the training loop's start, and the command's end.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import sys
 import threading
 
-__all__ = ["Stopped", "stop_on_signals", "raise_if_stopped"]
+__all__ = ["Stopped", "stop_on_signals", "raise_if_stopped", "die_with_parent", "STOP_SIGNALS"]
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_SIGNALS = STOP_SIGNALS
 _pending: int | None = None
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM outside the training loop (whose own handlers finish the step and save)."""
+    """SIGINT, SIGTERM or SIGHUP outside the training loop (whose own handlers finish the step
+    and save)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -63,3 +70,28 @@ def stop_on_signals():
         _pending = None
 
     return restore
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """Have the kernel send this process ``signum`` when its parent ends, however it ends
+    (Linux; a no-op elsewhere). ``parent``: the pid expected as parent; if it is already gone
+    (it died before this call), the signal is sent now."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signum)
+
+
+def die_with_launcher() -> None:
+    """In a process a launch supervisor started (``DLRM_JAX_PARENT`` holds its pid): SIGTERM,
+    the save-and-stop signal, when the supervisor ends, even by SIGKILL."""
+    parent = os.environ.get("DLRM_JAX_PARENT", "")
+    if parent.isdigit():
+        die_with_parent(signal.SIGTERM, int(parent))

@@ -263,3 +263,45 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
     proc = cli("train", *args, "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 2 and says in one_line(proc.stderr)
     assert not (tmp_path / "run").exists()
+
+
+def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
+    """Issue 32: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
+    import os
+
+    from dlrm_jax.data.criteo import write_criteo_tsv
+    from dlrm_jax.data.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(1000,) * 26, bag_sizes=(1,) * 26,
+                             zipf_exponent=1.1, positive_rate=0.3)
+    for k in range(4):
+        write_criteo_tsv(tmp_path / f"day{k}.tsv", gen.raw(0, k, 0, 40_000))
+    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "preprocess", "criteo", "--input",
+                             *[str(tmp_path / f"day{k}.tsv") for k in range(4)], "--output", str(tmp_path / "out"),
+                             "--workers", "2", "--block-mb", "1", "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(drop=()))
+
+    def children(pid):
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == pid:
+                    found.append(int(entry))
+        return found
+
+    deadline = time.time() + 60
+    while len(workers := children(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "no workers started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.time() + 10
+    while any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+              for w in workers):
+        assert time.time() < deadline, "a worker outlived preprocess"
+        time.sleep(0.05)

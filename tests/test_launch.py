@@ -69,3 +69,89 @@ def test_signal_pending_reads_the_kernels_masks():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_errors_that_are_not_faults_get_no_resume_advice(tmp_path, capsys):
+    """A config error (every process exits 2) is relayed as it is: no 'run ... to resume'."""
+    config_error = [sys.executable, "-c", "import sys; print('dlrm-jax: config error: train.stepz', "
+                    "file=sys.stderr); sys.exit(2)"]
+    assert supervise([config_error, config_error], "RESUME", tmp_path / "logs", tmp_path / "run") == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
+    assert "config error: train.stepz" in line and "RESUME" not in line and "resume" not in line
+    assert not (tmp_path / "run").exists()  # no run dir (and no run/launch) made for it
+
+
+def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
+    noisy = [sys.executable, "-c", "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); "
+             "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr)"]
+    assert supervise([noisy], "RESUME", tmp_path / "logs") == 0
+    out = capsys.readouterr()
+    assert "Gloo" not in out.out and "Socket closed" not in out.err
+
+
+def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path):
+    """A child of the launch (DLRM_JAX_PARENT set) gets SIGTERM, the save-and-stop signal, when
+    the supervisor dies, however it dies: before, both children trained on for 10-30 s holding
+    the run-dir lock and then died without a checkpoint."""
+    import os
+    import signal
+    import subprocess
+
+    child = ("import os, signal, sys, time\n"
+             "from dlrm_jax import stopping\n"
+             "signal.signal(signal.SIGTERM, lambda *_: (print('stopped by SIGTERM', flush=True), sys.exit(0)))\n"
+             "stopping.die_with_launcher()\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(60)\n")
+    parent = ("import os, subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=open({str(tmp_path / 'out')!r}, 'w'), "
+              "env={**os.environ, 'DLRM_JAX_PARENT': str(os.getpid())})\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    sup = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    pid = int(sup.stdout.readline())
+    deadline = time.time() + 30
+    while "ready" not in (tmp_path / "out").read_text() if (tmp_path / "out").exists() else True:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    sup.send_signal(signal.SIGKILL)
+    sup.wait(timeout=10)
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the child outlived its supervisor")
+    assert "stopped by SIGTERM" in (tmp_path / "out").read_text()
+
+
+BIND = """
+import socket
+from dlrm_jax.parallel.mesh import initialize_distributed
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+initialize_distributed(f"127.0.0.1:{port}", 1, 0, join_timeout_s=30)
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:  # a listener on the coordinator's port
+            print(local.split(":")[0])
+"""
+
+
+def test_the_coordination_service_listens_only_where_it_was_told():
+    """Issue 32: process 0's coordinator listened on every interface (*:PORT) although every
+    process was told 127.0.0.1:PORT; anyone reaching the host could talk to it."""
+    import subprocess
+
+    from child_env import child_env
+
+    out = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, timeout=120,
+                         env={**child_env(drop=()), "JAX_PLATFORMS": "cpu"})
+    listeners = out.stdout.split()
+    assert listeners, out.stderr
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, and as IPv4-mapped IPv6
+    assert set(listeners) <= loopback, listeners

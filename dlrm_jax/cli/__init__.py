@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, ValueError):  # no stderr file (main() called in an embedding process)
         pass
     restore_signals = stopping.stop_on_signals()
+    stopping.die_with_launcher()  # a launch supervisor that ends, even by SIGKILL, stops us (a SIGTERM)
     hostmem.keep_freed_memory()
     try:
         status = COMMANDS[args.command](args)

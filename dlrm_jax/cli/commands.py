@@ -28,7 +28,8 @@ def _start_jax(devices: int, args) -> None:
     from dlrm_jax.parallel.mesh import initialize_distributed
 
     initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                           getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300))
+                           getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300),
+                           bind=getattr(args, "coordinator_bind", None))
     _check_backend()
 
 

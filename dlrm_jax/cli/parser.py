@@ -67,6 +67,9 @@ def _add_config_args(p: argparse.ArgumentParser, config_required: bool = False) 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-process (one process per host)")
     g.add_argument("--coordinator", help="host:port of process 0 for jax.distributed")
+    g.add_argument("--coordinator-bind", metavar="ADDRESS:PORT",
+                   help="where process 0's coordination service listens (default: --coordinator's own address, "
+                        "not every interface; 0.0.0.0:PORT to listen on all)")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
     g.add_argument("--join-timeout", type=int, default=300, metavar="S",

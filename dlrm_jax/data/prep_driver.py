@@ -38,6 +38,7 @@ import errno
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -55,6 +56,7 @@ from dlrm_jax.data.multihot import MultiHotRule
 from dlrm_jax.data.prep_split import PartSplit, keys_file, plan_split, time_keys
 from dlrm_jax.data.preprocess import PreprocessReport, SkipLog, Vocabulary, byte_progress
 from dlrm_jax.data.shuffle import KeyedPermutation
+from dlrm_jax.stopping import die_with_parent
 
 _BUCKET_ENTRIES = 1 << 25  # distinct-value entries merged at once per feature (memory bound)
 _EXAMPLES = 10
@@ -99,7 +101,8 @@ def _pool(workers: int) -> Iterator[Callable]:
         yield map
         return
     method = "forkserver" if "jax" in sys.modules else "fork"  # never fork a started runtime
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as ex:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
+                             initializer=die_with_parent, initargs=(signal.SIGKILL,)) as ex:  # none outlives us
         try:
             yield lambda fn, *its: ex.map(fn, *its, chunksize=1)
         except BaseException:

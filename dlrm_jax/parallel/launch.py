@@ -33,7 +33,10 @@ import threading
 import time
 from pathlib import Path
 
-_NATIVE = re.compile(r"^([FEWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):)")
+# absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
+# stack frames, and a C++ abort's words: to the per-process log, not the terminal.
+_NATIVE = re.compile(r"^([FEWI]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):"
+                     r"|\[Gloo\] )")
 _SUBCOMMANDS = ("train", "eval", "profile")
 
 
@@ -62,8 +65,10 @@ class _Child:
 
     def __init__(self, index: int, argv: list[str], log: Path):
         self.index, self.log = index, log
+        # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even by SIGKILL
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     errors="replace", start_new_session=True)  # our signals only
+                                     errors="replace", start_new_session=True,
+                                     env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid())})
         self.native = 0
         self.last_error = ""
         self._log = open(log, "w")  # noqa: SIM115 - closed in join()
@@ -103,19 +108,33 @@ def signal_pending(pid: int, signum: int = signal.SIGKILL) -> bool:
     return False
 
 
-def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
-    """Runs one child per argv until all end; returns the first abnormal status (0 if none)."""
+def keep_logs(log_dir: Path, run_dir: Path | None) -> Path:
+    """The processes' logs moved into ``RUN_DIR/launch`` when the run got as far as its run
+    dir; where they are now."""
+    if run_dir is None or not (run_dir / "config.yaml").exists():
+        return log_dir
+    target = run_dir / "launch"
+    target.mkdir(exist_ok=True)
+    for f in log_dir.iterdir():
+        shutil.move(str(f), target / f.name)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return target
+
+
+def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path | None = None) -> int:
+    """Runs one child per argv until all end; returns the first abnormal status (0 if none).
+    Logs go to ``log_dir``, and into ``run_dir``/launch once a run there has started."""
     log_dir.mkdir(parents=True, exist_ok=True)
     children = [_Child(i, argv, log_dir / f"p{i}.log") for i, argv in enumerate(argvs)]
     for c in children:
         print(f"[launch] process {c.index}: pid {c.proc.pid}", flush=True)
 
-    def forward(signum, _frame):  # Ctrl-C, SIGTERM: every process checkpoints and stops
+    def forward(signum, _frame):  # Ctrl-C, SIGTERM, a closed terminal: every process checkpoints and stops
         for c in children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     stopped_here, stopping = set(), False
     try:
         while [c.proc.poll() for c in children].count(None):  # polls each (any() would stop early)
@@ -137,6 +156,7 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
         c.join()
     ended = [c for c in children if c.proc.returncode != 0]
     if not ended:
+        keep_logs(log_dir, run_dir)
         return 0
     # the one ended from outside, before the ones the runtime aborted for it and the ones stopped here
     first = min(ended, key=lambda c: (c.index in stopped_here, c.proc.returncode == -signal.SIGABRT, c.index))
@@ -145,9 +165,14 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
     others = [c for c in children if c is not first]
     aborted = [c.index for c in others if c.proc.returncode == -signal.SIGABRT]
     stopped = (f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else "")
+    lost = rc < 0 or bool(aborted) or "another process died" in first.last_error
+    if lost:  # a fault: what the run saved is intact, and the same command goes on from it
+        log_dir = keep_logs(log_dir, run_dir)
+        advice = f"; the newest checkpoint is intact: run `{resume}` to resume"
+    else:  # the command itself failed (a config error, a run dir in use): nothing to resume
+        advice = ""
     sys.stderr.write(f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}; the others were "
-                     f"stopped; the newest checkpoint is intact: run `{resume}` to resume (each process's "
-                     f"full output: {log_dir})\n")
+                     f"stopped{advice} (each process's full output: {log_dir})\n")
     sys.stderr.flush()
     return 128 - rc if rc < 0 else rc
 
@@ -155,6 +180,9 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path) -> int:
 def main(argv: list[str]) -> int:
     here = "python -m dlrm_jax.parallel.launch"
     if argv[:1] == ["--process-id"]:  # one process of a cluster launch: the command is given whole
+        if len(argv) < 3 or not argv[1].isdigit():
+            sys.stderr.write(f"usage: {here} --process-id I dlrm-jax [command and arguments...]\n")
+            return 2
         index, command = int(argv[1]), argv[2:]
         return supervise([command], shlex.join(command), Path(tempfile.mkdtemp(prefix=f"dlrm-jax-p{index}-")))
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
@@ -169,8 +197,8 @@ def main(argv: list[str]) -> int:
               "--num-processes", str(n), "--process-id", str(i)] for i in range(n)]
     resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
     run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"), None)
-    log_dir = Path(run_dir) / "launch" if run_dir else Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
-    return supervise(argvs, resume, log_dir)
+    log_dir = Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
+    return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None)
 
 
 if __name__ == "__main__":

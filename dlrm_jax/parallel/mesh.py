@@ -54,11 +54,15 @@ JOIN_TIMEOUT_S = 300  # how long processes wait for all of them to join (jax.dis
 
 def initialize_distributed(coordinator: str | None, num_processes: int | None,
                            process_id: int | None, peer_timeout_s: int = PEER_TIMEOUT_S,
-                           join_timeout_s: int = JOIN_TIMEOUT_S) -> None:
+                           join_timeout_s: int = JOIN_TIMEOUT_S, bind: str | None = None) -> None:
     """Start JAX's multi-controller runtime when more than one process takes part.
 
     With no coordinator given, JAX's own cluster auto-detection (SLURM, Open MPI, ...) decides;
     on a single host without a cluster environment nothing happens.
+
+    Process 0's coordination service listens on ``bind``, by default the coordinator's own
+    address (jaxlib listens on every interface otherwise: anyone who reaches the host could
+    talk to an unauthenticated coordinator).
 
     A lost peer: the coordination service marks a process dead after ``peer_timeout_s``
     without heartbeats. By default JAX then aborts every other process from a native thread
@@ -71,7 +75,8 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
 
     kwargs = dict(heartbeat_timeout_seconds=peer_timeout_s)
     if coordinator:
-        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                      coordinator_bind_address=bind or coordinator)
     elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
         return
     jax.config.update("jax_enable_recoverability", True)

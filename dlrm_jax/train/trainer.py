@@ -90,7 +90,7 @@ class _StopSignals:
     def __enter__(self):
         stopping.raise_if_stopped()  # a signal before the loop whose exception was swallowed
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in stopping.STOP_SIGNALS:  # SIGHUP: the terminal closed
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
