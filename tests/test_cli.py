@@ -194,7 +194,8 @@ def test_wide_deep_config_trains_end_to_end_and_exports_its_wide_part(tmp_path):
 def test_missing_binary_data_is_a_clear_error(tmp_path):
     proc = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'nope'}",
                "--run-dir", str(tmp_path / "r"), check=False, timeout=120)
-    assert proc.returncode == 1 and "nope" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "nope: no such folder" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
 
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"

@@ -121,6 +121,11 @@ def test_eval_skips_a_damaged_checkpoint_and_leaves_it_in_place(tiny, tmp_path):
     warnings = [line for line in logs if line.startswith("warning:")]
     assert len(warnings) == 1 and "checkpoints/4 is damaged" in warnings[0] and "left in place" in warnings[0]
     assert tree(run) == before and not (run / "damaged").exists()
+    # Asked for by step: one line naming the step, its folder and the steps to use instead.
+    with pytest.raises(ValueError, match=rf"^{run / 'checkpoints' / '4'}: the checkpoint at step 4 is damaged "
+                                         r"\(.*\); use another step \(--step with one of \[2\]\)"):
+        evaluate_run(run, step=4, **QUIET)
+    assert tree(run) == before
 
 
 def test_resume_without_config_yaml_refuses_another_model(tiny, tmp_path):

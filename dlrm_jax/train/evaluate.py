@@ -62,7 +62,8 @@ class RunSummary:
         best = Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"])) if "best_step" in e else \
             Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
         return cls(e["step"], _nan(e["loss"]), _nan(e["auc"]), _nan(e["logloss"]),
-                   _nan(e.get("run_samples_per_s", e["samples_per_s"])), best, e.get("stop_reason", ""))
+                   _nan(e.get("run_samples_per_s", e["samples_per_s"])), best, e.get("stop_reason", ""),
+                   int(e.get("eval_samples", 0)))
 
 
 def _nan(x: float | None) -> float:

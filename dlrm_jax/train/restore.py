@@ -142,7 +142,19 @@ def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int 
                 if damaged.is_dir() and any(damaged.iterdir()) else "(none saved)")
         raise FileNotFoundError(f"{ckpts.directory}: no checkpoint{f' at step {step}' if step is not None else ''} {have}")
     try:
-        return (step, restore_state(steps, ckpts, log, step)) if step is not None else restore_newest(steps, ckpts, log)
+        if step is None:
+            return restore_newest(steps, ckpts, log)
+        try:
+            return step, restore_state(steps, ckpts, log, step)
+        except IncompatibleCheckpoint:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files
+            others = [s for s in saved if s != step]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
+                             f"use another step (--step with one of {others}) or none (the newest intact)"
+                             if others else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
+                             f"({first}) and it is the only one") from None
     except IncompatibleCheckpoint as e:
         saved_cfg = Path(run_dir) / "config.yaml"
         changed = config_differences(load_config(saved_cfg), cfg, STATE_KEYS)
