@@ -313,3 +313,19 @@ def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
         assert f"{disk / 'run'}/" in err and "no space left on device" in err and "MiB free" in err, err
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_tracebacks(tmp_path):
+    """Issue 32: recovering from a damaged newest checkpoint printed 28 asyncio tracebacks
+    ('Event loop is closed', 168 lines): tensorstore reads in flight when the restore failed."""
+    run = tmp_path / "run"
+    first = popen("--set", "train.steps=4", "--set", "train.checkpoint_every=2", "--run-dir", str(run))
+    assert first.wait(timeout=120) == 0, first.communicate()
+    for f in (run / "checkpoints" / "4" / "state" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    again = popen("--set", "train.steps=6", "--run-dir", str(run))
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert "Traceback" not in err and "Event loop" not in err and not err.strip(), err
+    assert sum(line.startswith("warning: checkpoint") and "is damaged" in line for line in out.splitlines()) == 1
+    assert "resuming from checkpoint at step 2" in out

@@ -68,9 +68,10 @@ def _library_logs_to(run_dir: Path) -> None:
     except OSError:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    absl = logging.getLogger("absl")
-    absl.addHandler(handler)
-    absl.propagate = False
+    for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed restore
+        library = logging.getLogger(name)
+        library.addHandler(handler)
+        library.propagate = False
 
 
 def _log(msg: str) -> None:

@@ -10,8 +10,11 @@ different orders and hang. :func:`_use_coordination_service_barriers` switches o
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import shutil
+import sys
 import time
 from contextlib import closing
 from pathlib import Path
@@ -179,7 +182,8 @@ class CheckpointReader:
         damaged = []
         for step in reversed(self.all_steps()):
             try:
-                result, failure = restore_step(step), ""
+                with _native_noise_to(self.directory.parent / "dlrm-jax.log"):
+                    result, failure = restore_step(step), ""
             except IncompatibleCheckpoint:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
@@ -205,6 +209,32 @@ class CheckpointReader:
 
     def _no_intact_advice(self) -> str:
         return ""
+
+
+@contextlib.contextmanager
+def _native_noise_to(log: Path, settle_s: float = 1.0):
+    """Whatever is written to stderr (fd 2) while a restore is tried goes to ``log``. When one
+    fails, tensorstore's reads still in flight finish into orbax's closed event loop, and each
+    prints a traceback from a native thread ("Event loop is closed": 28 of them, 168 lines, for
+    one damaged checkpoint); the damage itself is reported in one line. On a failure the
+    redirection stays ``settle_s`` longer, for the late ones."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        target = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        target = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(target, 2)
+    os.close(target)
+    try:
+        yield
+    except BaseException:
+        time.sleep(settle_s)
+        raise
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class Checkpoints(CheckpointReader):
