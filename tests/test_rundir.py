@@ -329,3 +329,28 @@ def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_traceback
     assert "Traceback" not in err and "Event loop" not in err and not err.strip(), err
     assert sum(line.startswith("warning: checkpoint") and "is damaged" in line for line in out.splitlines()) == 1
     assert "resuming from checkpoint at step 2" in out
+
+
+def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tiny, tmp_path):
+    """Issue 32: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
+    the snapshots were there. The working files are made again from the newest snapshot, and
+    the run resumes bitwise as if nothing had happened."""
+    from test_tiered import BASE, TIERED
+
+    tiered = [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2", "train.log_every=1"]
+    whole = tmp_path / "whole"
+    train_and_evaluate(tiny("train.steps=4", *tiered), whole, **QUIET)
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
+    shutil.rmtree(run / "tier" / "work")
+    logs = []
+    train_and_evaluate(tiny("train.steps=4", *tiered), run, log=logs.append)
+    assert any("tier/work was gone: made again from the disk tier's newest snapshot (step 2)" in line for line in logs)
+    assert files(run / "metrics.jsonl") == files(whole / "metrics.jsonl")
+
+
+def files(path):
+    """Step -> loss (an eval event carries its step's loss too): a resumed run's, bit for bit."""
+    import json
+
+    return {e["step"]: e["loss"] for e in map(json.loads, path.read_text().splitlines())}

@@ -164,11 +164,17 @@ def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int 
         raise IncompatibleCheckpoint(f"{e}; changed from {saved_cfg}: {what} (by --set or the data)") from None
 
 
-def check_tier_kept(root: Path, ckpt_dir: Path) -> None:
+def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
     """Refuses (RunDirError) to resume checkpoints whose tables are in a disk tier at ``root``
-    that is gone: creating a new one there would make every checkpoint fail to restore."""
+    that is gone: creating a new one there would make every checkpoint fail to restore. When
+    only its working files are gone, they are made again from its newest snapshot (the resume
+    then restores the snapshot of its checkpoint's step)."""
     steps = saved_steps(ckpt_dir)
     if not steps or TierStore.exists(root):
+        return
+    rebuilt = TierStore.rebuild_work(root)
+    if rebuilt is not None:
+        log(f"warning: {root / 'work'} was gone: made again from the disk tier's newest snapshot (step {rebuilt})")
         return
     try:
         tiered = EmbeddingPlan.from_json(saved_json(ckpt_dir, steps[-1])["plan"]).tiered_tables

@@ -156,7 +156,7 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         runner = None
         if plan.tiered_tables:
             if rd.path:
-                check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir)
+                check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
             tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, rd.path),
                                   steps.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log)
             runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)

@@ -157,6 +157,33 @@ class TierStore:
             _recover(root)
         return (root / "work").is_dir()
 
+    @staticmethod
+    def rebuild_work(root: Path) -> int | None:
+        """When ``root/work`` is gone but snapshots are there: ``work/`` made again from the
+        newest snapshot (hard links, as a restore makes it: the copy-on-write keeps the snapshot
+        whole); returns its step, or None when there is nothing to rebuild from."""
+        root = Path(root).absolute()
+        d = root / "snapshots"
+        steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+        if (root / "work").is_dir() or not steps:
+            return None
+        source, build = d / str(steps[-1]), root / "work.tmp"
+        _remove(build)
+        for src in sorted(source.rglob("*")):
+            dst = build / src.relative_to(source)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError as e:
+                raise os_error(dst, e) from None
+        build.mkdir(exist_ok=True)
+        os.replace(build, root / "work")
+        _fsync(root)
+        return steps[-1]
+
     @classmethod
     def open(cls, root: Path, tables: TierTables) -> TierStore:
         """Opens the store at ``root`` after checking every array's metadata and chunk files."""
