@@ -75,7 +75,8 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
     if annotation is str:
         value = "" if value is None else value
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            allowed = f"one of {', '.join(c or repr(c) for c in choices)}" if choices else "a string"
+            raise ConfigError(f"{key}: expected {allowed}, got {value!r}")
         if choices and value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(c or repr(c) for c in choices)}")
         return value
@@ -184,7 +185,8 @@ def resolve_config_path(path: str | Path) -> Path:
     for candidate in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
         if candidate.exists():
             return candidate
-    raise ConfigError(f"config file {path} does not exist")
+    shipped = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file {path} does not exist; shipped configs: {', '.join(shipped)} (or a YAML file's path)")
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:

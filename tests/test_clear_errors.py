@@ -305,3 +305,24 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
               for w in workers):
         assert time.time() < deadline, "a worker outlived preprocess"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["train", "--config", "criteo"], "shipped configs: criteo_kaggle, default, mlperf_dlrm_dcnv2"),
+    (["train", "--set", "train.keep_best=true"], "train.keep_best: expected one of '', auc, logloss, got True"),
+])
+def test_config_mistakes_list_what_is_allowed(argv, says):
+    proc = cli(*argv)
+    assert proc.returncode == 2 and says in one_line(proc.stderr)
+
+
+def test_version_and_plain_help(capsys):
+    from dlrm_jax import __version__
+    from dlrm_jax.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"dlrm-jax {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out  # no raw reStructuredText

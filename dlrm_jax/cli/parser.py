@@ -1,4 +1,4 @@
-"""``dlrm-jax``: train, evaluate and plan DLRM-family models with sharded embedding tables.
+"""dlrm-jax: train, evaluate and plan DLRM-family models with sharded embedding tables.
 
 Every subcommand and flag, with argparse types so that a malformed value names its flag.
 """
@@ -77,7 +77,10 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dlrm_jax import __version__
+
     parser = argparse.ArgumentParser(prog="dlrm-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dlrm-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model (resumes from --run-dir's newest checkpoint)")

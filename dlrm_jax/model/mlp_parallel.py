@@ -6,7 +6,7 @@ each device brings B / devices rows, and a group B / data.
 
 - ``data``: every device holds every layer and runs its own rows; the dense gradients are
   all-reduced over every device.
-- ``tensor`` (Megatron; seed 000's "horizontal" slicing): consecutive MLP layers pair up
+- ``tensor`` (Megatron; the "horizontal" slicing of Krishna and Bahukhandi's *Multi-GPU Parallelism and Large Sparse Data Movement in DL Models*): consecutive MLP layers pair up
   (``model.mlp.pair_roles``): the first of a pair is column-parallel, its kernel [in, out] split
   by output columns over the group (``P(None, "model")``), the second row-parallel
   (``P("model", None)``). Before a pair the group's rows are all-gathered; each device computes

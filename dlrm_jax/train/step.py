@@ -327,7 +327,7 @@ def average_over_hosts(emb: EmbeddingState) -> EmbeddingState:
 
 def table_divergence(emb: EmbeddingState) -> jax.Array:
     """How far the hosts' tables have drifted apart: sqrt(mean over hosts of ||T_h - T||^2)
-    / ||T||, T the hosts' mean, over every table's values (seed 003's Figure 4 measure)."""
+    / ||T||, T the hosts' mean, over every table's values (the measure of Figure 4 of *Distributed Training of DLRM*)."""
     diff = mean_sq = jnp.float32(0)
     for table in emb.tables.values():
         x = table.astype(jnp.float32)

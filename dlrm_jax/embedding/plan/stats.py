@@ -187,16 +187,20 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
         g = part.group
         names = _table_list(plan, sorted({vt.table for vt in g.vtables}))
         if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
-            how = ("gradients all-reduced" if part.kind == ExchangeKind.ALLREDUCE
-                   else "rows and gradients all-gathered")
+            where = "on every device"
+            how = ("their gradients summed over the devices (all-reduce)" if part.kind == ExchangeKind.ALLREDUCE
+                   else "the batch's rows and gradients gathered to every device")
         elif part.kind == ExchangeKind.POOLED:
             lay = pooled_layout(plan, g)
-            how = f"owners pool bags: {lay.ids_per_sample} ids and {lay.pieces} vectors per sample and owner"
+            where = f"in {g.width}-wide pieces"
+            how = (f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
+                   f"vector(s) out per sample and device")
         else:
             c = group_capacity(plan, g)
-            how = (f"distinct rows: {c:,} per owner of at most {g.max_capacity(lb):,} "
-                   f"({'measured on the data' if g.name in measured else 'from the batch size'})")
-        lines.append(f"Exchange {part.kind.value:<9} {g.name:<12} {how}; tables {names}")
+            where = f"in {g.width}-wide pieces"
+            how = (f"each distinct row sent to the device that asked: up to {c:,} rows from each device a step, "
+                   f"of at most {g.max_capacity(lb):,} ({'measured on the data' if g.name in measured else 'from the batch size'})")
+        lines.append(f"Exchange {part.kind.value} ({where}): {names}; {how}")
     return lines
 
 
