@@ -77,15 +77,14 @@ def hashed(raw, empty, rows=M):
 def compacted(raw, empty, rows=M, n_train=None):
     """preprocess's ids: each feature's hashed values numbered in ascending order; with
     ``n_train``, those of the first n_train rows (the train split), values seen only after
-    them sharing id 0 with hashed value 0."""
+    them sharing one more row, the last (not hashed value 0's, the missing values')."""
     h = hashed(raw, empty, rows)
     if n_train is None:
         return np.stack([np.unique(h[:, f], return_inverse=True)[1].reshape(-1) for f in range(26)], 1)
     out = np.zeros(h.shape, np.int64)
     for f in range(26):
         seen = np.unique(h[:n_train, f])
-        kept = np.union1d(seen, [0]) if np.isin(h[:, f], seen, invert=True).any() else seen
-        out[:, f] = np.where(np.isin(h[:, f], seen), np.searchsorted(kept, h[:, f]), 0)
+        out[:, f] = np.where(np.isin(h[:, f], seen), np.searchsorted(seen, h[:, f]), len(seen))
     return out
 
 
@@ -225,14 +224,14 @@ def test_killed_preprocess_leftovers_are_removed(tmp_path, tsv):
 def test_hashing_mode_compacts_ids_to_the_distinct_values(tmp_path, raw, tsv, vocab_from):
     """--max-ind-range N: value % N, then numbered by hashed value, so a table has as many
     rows as the counted rows have distinct hashed values; vocab/ maps each id back to its
-    value. Counted on train rows, a value seen only in val rows takes hashed value 0's id."""
+    value. Counted on train rows, the values seen only in val rows share a last row of their
+    own: out of the vocabulary, not missing."""
     path, empty = tsv
     report = preprocess([path], tmp_path / "out", max_ind_range=M, vocab_from=vocab_from)
     n_train = 1080 if vocab_from == "train" else N
     h = hashed(raw, empty)
     unseen = np.array([np.isin(h[:, f], h[:n_train, f], invert=True) for f in range(26)]).T  # [N, 26]
-    distinct = [len(np.unique(h[:n_train, f])) + int(unseen[:, f].any() and 0 not in h[:n_train, f])
-                for f in range(26)]  # fmt: skip
+    distinct = [len(np.unique(h[:n_train, f])) + int(unseen[:, f].any()) for f in range(26)]
     assert report.cardinalities == tuple(distinct) and min(distinct) < M and max(distinct) <= M
     assert unseen.any() == (vocab_from == "train")
     ids = load_all(tmp_path / "out")["ids"]
@@ -246,8 +245,9 @@ def test_hashing_mode_compacts_ids_to_the_distinct_values(tmp_path, raw, tsv, vo
 
 @pytest.mark.parametrize("min_count,vocab_from", [(1, "train"), (4, "train"), (1, "all")])
 def test_vocabulary_mode_ids(tmp_path, raw, tsv, min_count, vocab_from):
-    """Frequency-ordered vocabularies counted on the train rows (the first 1080; values seen
-    only in the val rows get id 0) or on all rows."""
+    """Frequency-ordered vocabularies counted on the train rows (the first 1080) or on all rows:
+    id 0 for missing values, id 1 for values out of the vocabulary (rare, or seen only in the
+    val rows), then by decreasing count."""
     path, empty = tsv
     report = preprocess([path], tmp_path / "out", min_count=min_count, vocab_from=vocab_from)
     ids = load_all(tmp_path / "out")["ids"]
@@ -259,20 +259,20 @@ def test_vocabulary_mode_ids(tmp_path, raw, tsv, min_count, vocab_from):
         ranked = sorted(
             (v for v in counts if counts[v] >= min_count), key=lambda v: (-counts[v], v)
         )
-        id_of = {v: i + 1 for i, v in enumerate(ranked)}
+        id_of = {v: i + 2 for i, v in enumerate(ranked)}
         want = [
-            0 if e else id_of.get(v, 0)
+            0 if e else id_of.get(v, 1)
             for v, e in zip(values[:, f].tolist(), empty[:, f], strict=True)
         ]
         assert ids[:, f].tolist() == want, f"feature {f}"
-        assert report.cardinalities[f] == 1 + len(ranked)
+        assert report.cardinalities[f] == 2 + len(ranked)
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
         assert vocab[:, 0].tolist() == ranked and vocab[:, 1].tolist() == [
             counts[v] for v in ranked
         ]
     assert (ids[empty] == 0).all()
     if min_count > 1:
-        assert report.cardinalities[-3] < 1 + len(set(values[:, -3].tolist()))  # some were rare
+        assert report.cardinalities[-3] < 2 + len(set(values[:, -3].tolist()))  # some were rare
 
 
 def test_dense_labels_and_split_sizes(tmp_path, raw, tsv):

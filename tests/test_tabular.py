@@ -54,12 +54,13 @@ def ref_hash(text: str) -> int:
 
 
 def vocab_ids(texts, min_count=1, n_train=None):
-    """Expected vocabulary ids of one feature's texts (None or '' = missing) and its ranking,
-    counted on the first ``n_train`` (the train split; None: all)."""
+    """Expected vocabulary ids of one feature's texts (None or '' = missing: id 0; rare or never
+    counted: id 1, out of the vocabulary) and its ranking, counted on the first ``n_train``
+    (the train split; None: all)."""
     counts = Counter(t for t in texts[:n_train] if t)
     ranked = sorted((t for t in counts if counts[t] >= min_count), key=lambda t: (-counts[t], ref_hash(t)))
-    id_of = {t: i + 1 for i, t in enumerate(ranked)}
-    return [id_of.get(t, 0) if t else 0 for t in texts], ranked
+    id_of = {t: i + 2 for i, t in enumerate(ranked)}
+    return [id_of.get(t, 1) if t else 0 for t in texts], ranked
 
 
 def expected_ids(cats, max_ind_range=0, min_count=1, n_train=None):
@@ -230,14 +231,13 @@ def run(dataset, files, out, where=None, **kw):
 def compacted(hashed_rows, n_train=None):
     """preprocess's hashing-mode ids: each column's hashed values numbered in ascending order;
     with ``n_train``, those of the first n_train rows (the train split), values seen only
-    after them sharing id 0 with hashed value 0."""
+    after them sharing one more row, the last."""
     h = np.asarray(hashed_rows, dtype=np.uint64).reshape(len(hashed_rows), -1)
     out = np.zeros(h.shape, np.int64)
     for f in range(h.shape[1]):
         col = h[:, f].tolist()
-        seen = set(col[:n_train])
-        kept = sorted(seen | ({0} if any(v not in seen for v in col) else set()))
-        out[:, f] = [kept.index(v) if v in seen else 0 for v in col]
+        kept = sorted(set(col[:n_train]))
+        out[:, f] = [kept.index(v) if v in kept else len(kept) for v in col]
     return out.tolist()
 
 
@@ -262,8 +262,8 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     genres = (folder / "movies.dat").read_text("latin-1").splitlines()[6].split("::")[2]
     for f, text in ((2, users[user][1]), (5, users[user][4]), (6, genres)):
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
-        assert vocab[got["ids"][row, f] - 1, 0] == ref_hash(text)
-    assert report.cardinalities[6] == 1 + len({c[6] for c in want["cats"][:240]})  # counted on train rows
+        assert vocab[got["ids"][row, f] - 2, 0] == ref_hash(text)  # ids 0 and 1: missing, out of the vocabulary
+    assert report.cardinalities[6] == 2 + len({c[6] for c in want["cats"][:240]})  # train rows, plus missing and OOV
     assert vocab_ids([c[1] for c in want["cats"]], n_train=240)[0][row] == got["ids"][row, 1] and movie == "7"
     # Chunking changes nothing, byte for byte.
     run("movielens", files, tmp_path / "chunked", val_fraction=0.2, chunk_lines=7)
@@ -306,7 +306,7 @@ def test_movielens_holds_out_the_latest_ratings_by_time(tmp_path):
     for split, want in (("train", want_train), ("val", want_val)):
         got = load_split(tmp_path / "out", split)  # in input order (shuffle_seed None)
         assert got["labels"].tolist() == [float(rows[i][2] >= 4) for i in want]
-        users = [vocab[k - 1] if k else None for k in got["ids"][:, 0].tolist()]
+        users = [vocab[k - 2] if k > 1 else None for k in got["ids"][:, 0].tolist()]
         assert users == [ref_hash(str(rows[i][0])) for i in want] or split == "val"
     train_users, val_users = {rows[i][0] for i in want_train}, [rows[i][0] for i in want_val]
     assert np.mean([u in train_users for u in val_users]) > 0.9
@@ -364,7 +364,7 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
                            "--no-progress", "--no-shuffle"], capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert f"{tmp_path / 'out'}: 270 train + 30 val rows from 300 lines, 0 skipped" in proc.stdout
-    assert "ids counted on train rows (values seen only in val rows: id 0)" in proc.stdout  # the default
+    assert "ids counted on train rows (values seen only in val rows: out of the vocabulary)" in proc.stdout  # the default
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["vocab_from"] == "train"
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["ids"].shape == (N, 22) and (got["ids"] < M).all()
@@ -569,10 +569,11 @@ def test_a_header_that_differs_from_the_schema_columns_names_the_file(files, tmp
         assert not (tmp_path / "out").exists()
 
 
-def test_ids_counted_on_train_rows_val_only_values_get_id_0(tmp_path):
-    """--vocab-from train (the default): a value seen only in val rows maps to id 0 (with the
-    missing and rare values; hashing: hashed value 0's row); meta.json and the summary say
-    which rows were counted; the bytes do not depend on workers or chunks."""
+def test_ids_counted_on_train_rows_val_only_values_are_out_of_the_vocabulary(tmp_path):
+    """--vocab-from train (the default): a value seen only in val rows is out of the
+    vocabulary: id 1 (with the rare values; id 0 is the missing values'), hashing: a last row of
+    its own; meta.json and the summary say which rows were counted; the bytes do not depend on
+    workers or chunks."""
     (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\nsplit_by: t\n")
     times = [(i * 37) % 60 for i in range(60)]  # the latest 12 (t >= 48) are spread over both files
     rows = [(i % 2, "new" if t >= 48 else f"a{i % 5}", f"b{i % 3}") for i, t in enumerate(times)]
@@ -587,24 +588,25 @@ def test_ids_counted_on_train_rows_val_only_values_get_id_0(tmp_path):
 
     for hashing in (0, M):
         report = prep(f"train{hashing}", max_ind_range=hashing)
-        assert "ids counted on train rows (values seen only in val rows: id 0)" in report.summary()
+        assert "ids counted on train rows (values seen only in val rows: out of the vocabulary)" in report.summary()
         meta = json.loads((tmp_path / f"train{hashing}" / "meta.json").read_text())
         assert meta["vocab_from"] == "train" and meta["split"] == "time"
         val, train = (load_split(tmp_path / f"train{hashing}", s)["ids"] for s in ("val", "train"))
-        assert len(val) == 12 and (val[:, 0] == 0).all() and (train[:, 0] > 0).all()
+        a_rows = len({ref_hash(f"a{k}") % M for k in range(5)}) if hashing else 5
+        oov = a_rows if hashing else 1  # hashing: the row after the counted ones; vocabularies: id 1
+        assert len(val) == 12 and (val[:, 0] == oov).all() and (train[:, 0] != oov).all()
         vocab = np.load(tmp_path / f"train{hashing}" / "vocab" / "feature_0.npy")[:, 0].tolist()
         assert ref_hash("new") not in vocab and ref_hash("new") % M not in vocab
-        a_rows = len({ref_hash(f"a{k}") % M for k in range(5)}) if hashing else 5
-        assert meta["cardinalities"][0] == 1 + a_rows  # id 0: missing, rare and unseen values
+        assert meta["cardinalities"][0] == a_rows + (1 if hashing else 2)  # + the unseen values' row (and missing)
         hist = np.load(tmp_path / f"train{hashing}" / "train" / "id_counts.npz")  # hot rows' hint: train rows
         counted = hist["counts_0"] > 0
         assert [hist["ids_0"][counted].tolist(), hist["counts_0"][counted].tolist()] == [
             a.tolist() for a in np.unique(train[:, 0], return_counts=True)]
-        assert vocab[0] == 0 or not hashing  # hashing: id 0 is hashed value 0's row, added for "new"
+        assert vocab[-1] == 0 or not hashing  # hashing: the last row, added for "new", maps to no value
         # all rows counted: "new" has a row of its own
         prep(f"all{hashing}", max_ind_range=hashing, vocab_from="all")
         meta = json.loads((tmp_path / f"all{hashing}" / "meta.json").read_text())
-        assert meta["vocab_from"] == "all" and meta["cardinalities"][0] == a_rows + 1 + (not hashing)
+        assert meta["vocab_from"] == "all" and meta["cardinalities"][0] == a_rows + 1 + 2 * (not hashing)
         val, train = (load_split(tmp_path / f"all{hashing}", s)["ids"][:, 0].tolist() for s in ("val", "train"))
         assert len(set(val)) == 1 and val[0] not in train and (val[0] > 0 or hashing)
         # two workers, small chunks: the same bytes
@@ -648,8 +650,8 @@ def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_coun
     for f in range(2):
         col = [r[f] for r in texts]
         ids, ranked = vocab_ids(col, min_count)
-        assert vocab[:, f].tolist() == ids and report.cardinalities[f] == 1 + len(ranked)
-        kept = {t: i for t, i in zip(col, ids, strict=True) if i}
+        assert vocab[:, f].tolist() == ids and report.cardinalities[f] == 2 + len(ranked)
+        kept = {t: i for t, i in zip(col, ids, strict=True) if i > 1}  # 0 missing, 1 out of the vocabulary
         assert len(set(kept.values())) == len(kept)  # distinct kept texts, distinct ids
 
 

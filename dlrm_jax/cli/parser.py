@@ -225,10 +225,10 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     p.add_argument("--max-ind-range", type=COUNT, default=0,
                    help="hash ids into this many rows per feature (0: build vocabularies)")
     p.add_argument("--min-count", type=POSITIVE, default=1,
-                   help="vocabulary mode: values seen fewer times share id 0 with missing values")
+                   help="vocabulary mode: values seen fewer times share id 1, out of the vocabulary (id 0: missing)")
     p.add_argument("--vocab-from", choices=("train", "all"), default="train",
                    help="rows whose values are counted into ids: train (values seen only in validation "
-                        "share id 0 with missing ones) or all (MLPerf's Terabyte numbering)")
+                        "share the out-of-vocabulary id, not the missing values') or all (MLPerf's Terabyte numbering)")
     p.add_argument("--val-fraction", type=float,
                    help="the last fraction of rows becomes the validation split (default 0.1, or 0 with --val-input)")
     p.add_argument("--val-input", nargs="+", default=[], metavar="FILE",

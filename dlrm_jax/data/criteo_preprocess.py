@@ -229,9 +229,10 @@ def preprocess_criteo(
 
     Ids: with ``max_ind_range`` N > 0, ``int(hex, 16) % N`` numbered by hashed value, so
     feature f gets ``min(N, distinct hashed values)`` rows (MLPerf's contiguous ids); else a
-    frequency-ordered vocabulary (values seen fewer than ``min_count`` times share id 0 with
-    missing ones). Values are counted on the train rows (``vocab_from="train"``: a value seen
-    only in val rows gets id 0, the row of missing values) or on all rows (``"all"``, as
+    frequency-ordered vocabulary (id 0: missing values; id 1: values seen fewer than
+    ``min_count`` times, out of the vocabulary). Values are counted on the train rows
+    (``vocab_from="train"``: a value seen only in val rows is out of the vocabulary, id 1 or,
+    when hashing, a last row of its own; never a missing one) or on all rows (``"all"``, as
     MLPerf's reference numbers day_23's values too). Val split: the files ``val_inputs``
     (MLPerf: ``day_23``) or else the last ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
     (None keeps input order). ``multi_hot``: bag sizes for MLPerf DLRM-DCNv2's multi-hot rule

@@ -16,10 +16,9 @@ phases follow, each a pool of worker processes (``workers=1`` runs them in this 
 2. **vocabulary** (per feature): merge the parts' distinct values and their counts (over the
    train rows, or all rows with ``vocab_from="all"``) in value-range buckets (memory bounded
    by the bucket, not the input), then number them: by decreasing count (vocabularies; rare,
-   missing and never-counted values are id 0) or, when hashing, by hashed value, so a table
-   has as many rows as the counted rows have distinct hashed values (``min(N, distinct)``);
-   values seen only in val rows then share id 0 with hashed value 0 (missing values), a row
-   added for them when no counted row has that value.
+   missing values are id 0, rare and never-counted ones share id 1) or, when hashing, by
+   hashed value, so a table has as many rows as the counted rows have distinct hashed values
+   (``min(N, distinct)``); values seen only in val rows then share one more row, the last.
 3. **place** (per part): codes to ids (a gather through the part's own dictionary), MLPerf
    multi-hot bags if asked, and each row's place: the train row of rank ``g`` (in input
    order) goes to position ``perm(g)`` of the train split (a
@@ -194,7 +193,8 @@ def _merge_feature(f: int, parts: Sequence[str], count_files: Sequence[str], wor
         vocab = Vocabulary(values_v, counts_v, opts.min_count)
         id_of, kept, size = vocab.id_of[:-1], vocab.kept, vocab.size
         hist_ids = np.arange(size, dtype=np.int64)
-        hist_counts = np.concatenate([[rows - int(vocab.kept[:, 1].sum())], vocab.kept[:, 1].astype(np.int64)])
+        missing = rows - int(vocab.kept[:, 1].sum()) - vocab.oov_count
+        hist_counts = np.concatenate([[missing, vocab.oov_count], vocab.kept[:, 1].astype(np.int64)])
     np.save(work / f"sorted_{f}.npy", values_v)
     np.save(work / f"idof_{f}.npy", id_of)
     np.save(out / "vocab" / f"feature_{f}.npy", kept)
@@ -206,15 +206,15 @@ def _merge_feature(f: int, parts: Sequence[str], count_files: Sequence[str], wor
 def _compact(values_v: np.ndarray, counts_v: np.ndarray, counted_only: bool) -> tuple[np.ndarray, np.ndarray]:
     """Hashing mode: int32 [V] the id of each distinct hashed value (ascending), and uint64
     [K, 2] (value, count) of each id. ``counted_only``: values of count 0 (seen only in val
-    rows) take the id of hashed value 0 (missing values), the smallest, added if need be."""
+    rows) share one row of their own, the last (not hashed value 0's, which missing values
+    take: a value the training never saw is not a missing one)."""
     seen = counts_v > 0 if counted_only else np.ones(len(values_v), bool)
-    extra = 0
-    if not seen.all():
-        seen |= values_v == 0
-        extra = int(not (len(values_v) and values_v[0] == 0))  # no value 0 anywhere: add its row
-    id_of = np.where(seen, np.cumsum(seen) - 1 + extra, 0).astype(np.int32)
     kept = np.stack([values_v[seen], counts_v[seen].astype(np.uint64)], 1)
-    return id_of, np.concatenate([np.zeros((extra, 2), np.uint64), kept])
+    unseen_row = len(kept)  # the out-of-vocabulary row, when any value needs it
+    id_of = np.where(seen, np.cumsum(seen) - 1, unseen_row).astype(np.int32)
+    if seen.all():
+        return id_of, kept
+    return id_of, np.concatenate([kept, np.zeros((1, 2), np.uint64)])
 
 
 @dataclass(frozen=True)

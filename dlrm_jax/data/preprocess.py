@@ -96,25 +96,31 @@ def hash_ids(values: np.ndarray, rows: Sequence[int] | int) -> np.ndarray:
     return (values % np.asarray(rows, dtype=np.uint64)).astype(np.int32)
 
 
+MISSING_ID, OOV_ID = 0, 1  # vocabulary mode: a missing value; a value out of the vocabulary
+
+
 class Vocabulary:
-    """One feature's values counted >= min_count get ids 1.. by decreasing count (ties: smaller
-    value first); everything else (rare or missing) is id 0."""
+    """One feature's values counted >= min_count get ids 2.. by decreasing count (ties: smaller
+    value first); a missing value is id 0 (``MISSING_ID``), and every other value, rare or
+    never counted (seen only in validation rows), id 1 (``OOV_ID``): a value the training never
+    saw is not taken for a missing one."""
 
     def __init__(self, values: np.ndarray, counts: np.ndarray, min_count: int):
         self.values = values  # uint64 [V] ascending, so searchsorted finds a value's slot
         kept = np.flatnonzero(counts >= min_count)
         order = kept[np.lexsort((values[kept], -counts[kept]))]
-        self.id_of = np.zeros(len(values) + 1, np.int32)  # + 1: a slot for "not found"
-        self.id_of[order] = np.arange(1, len(order) + 1, dtype=np.int32)
+        self.id_of = np.full(len(values) + 1, OOV_ID, np.int32)  # + 1: a slot for "not found"
+        self.id_of[order] = np.arange(2, len(order) + 2, dtype=np.int32)
         self.kept = np.stack([values[order], counts[order].astype(np.uint64)], axis=1)  # [K, 2]
-        self.size = 1 + len(order)  # rows of the table, id 0 included
+        self.oov_count = int(counts.sum() - self.kept[:, 1].sum())  # counted rows of rare values
+        self.size = 2 + len(order)  # rows of the table, ids 0 and 1 included
 
     def lookup(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
         """uint64 [n] values, bool [n] empty -> int32 [n] ids."""
         slot = np.searchsorted(self.values, values)
         found = (slot < len(self.values)) & ~empty
         found[found] = self.values[slot[found]] == values[found]
-        return self.id_of[np.where(found, slot, len(self.values))]
+        return np.where(empty, MISSING_ID, self.id_of[np.where(found, slot, len(self.values))]).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class PreprocessReport:
         if self.split:
             text += f"\n  {self.split}"
         if self.vocab_from:
-            text += "\n  ids counted on " + ("train rows (values seen only in val rows: id 0)"
+            text += "\n  ids counted on " + ("train rows (values seen only in val rows: out of the vocabulary)"
                                             if self.vocab_from == "train" else "all rows, train and val")  # fmt: skip
         text += f"\n  cardinalities: {list(self.cardinalities)}"
         if self.seconds:
