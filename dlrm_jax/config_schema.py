@@ -19,7 +19,7 @@ CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
 
 AUTO_ROW_CAP = 20000  # data.max_rows=auto for synthetic data and Criteo text
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data; the checkout's configs/ links here
 
 
 class ConfigError(ValueError):

@@ -217,9 +217,10 @@ def _native_noise_to(log: Path, settle_s: float = 1.0):
     fails, tensorstore's reads still in flight finish into orbax's closed event loop, and each
     prints a traceback from a native thread ("Event loop is closed": 28 of them, 168 lines, for
     one damaged checkpoint); the damage itself is reported in one line. On a failure the
-    redirection stays ``settle_s`` longer, for the late ones."""
+    redirection stays ``settle_s`` longer, for the late ones. A log that stays empty is not
+    left behind: like the libraries' logger, only the first message makes it."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, made = os.dup(2), not log.exists()
     try:
         target = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
@@ -235,6 +236,9 @@ def _native_noise_to(log: Path, settle_s: float = 1.0):
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+        with contextlib.suppress(OSError):
+            if made and log.stat().st_size == 0:
+                log.unlink()
 
 
 class Checkpoints(CheckpointReader):
