@@ -10,6 +10,8 @@ def test_every_export_resolves_with_a_docstring():
     for name in dlrm_jax.__all__:
         obj = getattr(dlrm_jax, name)
         assert obj.__doc__, name
+    # What a notebook catches or passes in (a stopped or diverged run, data of one's own).
+    assert {"Interrupted", "TrainingDiverged", "ArraySource", "with_overrides", "load_config"} <= set(dlrm_jax.__all__)
 
 
 def test_import_does_not_start_jax():

@@ -326,3 +326,21 @@ def test_version_and_plain_help(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "``" not in capsys.readouterr().out  # no raw reStructuredText
+
+
+def test_a_gpu_asked_of_a_jax_without_cuda_is_one_line_saying_how_to_install():
+    import jax
+
+    if jax.default_backend() != "cpu" or "cuda" in {p.platform for p in jax.devices()}:
+        pytest.skip("this JAX has a CUDA backend")
+    env = child_env(drop=()) | {"JAX_PLATFORMS": "cuda"}
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke"], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 2 and 'pip install -e ".[cuda12]"' in one_line(proc.stderr)
+
+
+@pytest.mark.parametrize("argv", [["--process-id"], ["--process-id", "x", "dlrm-jax"], ["--process-id", "0"]])
+def test_a_cluster_launch_without_its_process_id_or_command_is_a_usage_line(argv):
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax.parallel.launch", *argv], capture_output=True, text=True,
+                          timeout=60, env=child_env(drop=()))  # fmt: skip
+    assert proc.returncode == 2 and one_line(proc.stderr).startswith("usage: python -m dlrm_jax.parallel.launch --process-id I")

@@ -215,10 +215,14 @@ def test_preprocess_then_train_on_binary(tmp_path):
                  "--skip-bad-lines", "--no-progress").stdout
     assert "5 skipped" in report and "3001" in report
     run = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'd'}",
-              "--set", "data.max_rows=0", "--set", "train.steps=10", "--set", "train.eval_every=0",
-              "--set", "train.checkpoint_every=0", "--set", "train.eval_batches=0",
+              "--set", "data.max_rows=0", "--set", "train.epochs=0.5", "--set", "train.eval_every=0",
+              "--set", "train.checkpoint_every=0", "--set", "train.eval_batches=0", "--set", "train.log_every=5",
               "--run-dir", str(tmp_path / "run"))
-    assert int(final_line(run).group(1)) == 10
+    # Epochs of the train split: the steps they set, said in one line, and the epoch in each progress line.
+    rows, steps = re.search(r"^train split: ([\d,]+) rows, [\d.]+ steps of 128 an epoch; "
+                            r"train.epochs=0.5 sets train.steps=(\d+)$", run.stdout, re.M).groups()
+    assert int(steps) == -(-int(rows.replace(",", "")) // 256) == int(final_line(run).group(1))
+    assert re.search(rf"^step 5/{steps} epoch 0\.\d\d loss \S+ samples/s \S+ left", run.stdout, re.M), run.stdout
     plan = (tmp_path / "run" / "plan.txt").read_text()
     assert len([line for line in plan.splitlines() if line.startswith("cat_")]) == 26
 
@@ -254,3 +258,20 @@ def test_bench_collectives_prints_both_rates(tmp_path):
     proc = cli("bench", "collectives", "--devices", "2", "--sizes-kib", "16", "--repeats", "1", "--output", str(out))
     assert "a2a / all-reduce" in proc.stdout
     assert json.loads(out.read_text())["devices"] == 2
+
+
+def test_without_a_terminal_train_prints_progress_lines_and_the_plan_plan_predicted(tmp_path):
+    """stdout to a file (a cluster job): plain progress lines; the plan in three plain lines on
+    the terminal, and what ``dlrm-jax plan`` says for the same config."""
+    run = cli("train", "--config", "smoke", "--set", "train.log_every=10", "--run-dir", str(tmp_path / "run")).stdout
+    assert len(re.findall(r"^step \d+/40 loss \S+ samples/s \S+ left \dm\d\ds$", run, re.M)) == 4, run
+    lines = run.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("plan: "))
+    summary = lines[first:first + 3]
+    assert lines[first + 3].startswith("compiled the train step"), run
+    assert not re.search(r"sharded_w|owner|bucket|capacit", "\n".join(summary), re.I), summary
+    planned = cli("plan", "--config", "smoke").stdout  # the same plan: the same bytes and step
+    sent, ratio = re.search(r"exchange (\S+ \S+) a step per device \((\S+)x the lower bound\)", summary[1]).groups()
+    step = re.search(r"predicted step (\S+) ms", summary[2]).group(1)
+    assert f"Predicted exchange per step per device: {sent}\n" in planned and f"(predicted / bound: {ratio})" in planned
+    assert f": {step} ms = lookup" in planned, (summary, planned)

@@ -1,7 +1,9 @@
 """TensorBoard events and `dlrm-jax report` plots carry exactly what metrics.jsonl holds."""
 
 import json
+import re
 import struct
+from pathlib import Path
 
 import pytest
 from child_env import child_env
@@ -130,6 +132,12 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     assert 0 < device < 1.2 * profile["step_wall_ms"]
     assert profile["memory_per_device"]["peak"] > 0 and "per-device memory" in proc.stdout
     assert list(run.glob("trace/process_0/**/*.xplane.pb")) and list(run.glob("trace/process_0/**/*.trace.json.gz"))
+    # The trace line says how to get what reads it: the project's tensorboard extra, which has both.
+    assert "pip install 'dlrm-jax[tensorboard]'" in proc.stdout
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {re.split("[<>=~ ]", r)[0] for r in extras["tensorboard"]} == {"tensorboard", "tensorboard-plugin-profile"}
 
     from dlrm_jax.observe.report import figures
 

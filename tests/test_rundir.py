@@ -235,7 +235,8 @@ def popen(*args, cwd=None):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
-@pytest.mark.parametrize("sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)])
+@pytest.mark.parametrize("sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True),
+                                            (signal.SIGHUP, 129, True)])  # SIGHUP: the terminal closed
 def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
     """Without --run-dir the run goes to runs/<time>, and the line names the --run-dir that
     resumes it (the same command would start another)."""

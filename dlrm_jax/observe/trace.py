@@ -105,7 +105,7 @@ def format_profile(result: dict) -> list[str]:
         lines.append(f"per-device memory of the compiled step: {mib['peak']:.1f} MiB (arguments "
                      f"{mib['arguments']:.1f}, temp {mib['temp']:.1f}, outputs {mib['outputs']:.1f}, "
                      f"aliased {mib['aliased']:.1f})")
-    lines.append(f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab; "
-                 f"or open the .trace.json.gz in ui.perfetto.dev)")
+    lines.append(f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab, after "
+                 f"pip install 'dlrm-jax[tensorboard]'; or open the .trace.json.gz in ui.perfetto.dev)")
     return lines
 
