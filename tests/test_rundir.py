@@ -2,6 +2,7 @@
 damaged checkpoints skipped, read-only commands that change nothing, signals save, a full disk
 and a diverging loss stop cleanly."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -276,12 +277,20 @@ def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(ti
         assert not log.exists() or log.stat().st_size > 0
 
 
-def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True).returncode:
+@contextlib.contextmanager
+def small_disk(folder, size: str):
+    """``folder`` as a tmpfs of ``size`` (the test skips where none can be mounted)."""
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
+    with small_disk(tmp_path / "disk", "8m") as disk:
         run = disk / "run"
         first = popen("--set", "train.steps=20", "--run-dir", str(run))
         assert first.wait(timeout=120) == 0, first.communicate()
@@ -295,25 +304,17 @@ def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
         third = popen("--set", "train.steps=40", "--run-dir", str(run))  # resumes from the intact 20
         out, err = third.communicate(timeout=120)
         assert third.returncode == 0 and "resuming from checkpoint at step 20" in out, err
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
     """Issue 32: a full disk at the start said '[Errno 28] No space left on device' and no path."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with small_disk(tmp_path / "disk", "1m") as disk:
         free = shutil.disk_usage(disk).free
         (disk / "filler").write_bytes(b"\0" * free)
         proc = popen("--set", "train.steps=4", "--run-dir", str(disk / "run"))
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert f"{disk / 'run'}/" in err and "no space left on device" in err and "MiB free" in err, err
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_tracebacks(tmp_path):

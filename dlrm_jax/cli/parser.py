@@ -8,15 +8,18 @@ from __future__ import annotations
 import argparse
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low`` (argparse names the flag in its error)."""
-    def parse(text: str) -> int:
+def _bounded(kind: type, low: float, *, strict: bool = False):
+    """An argparse type: an integer or number >= ``low`` (> with ``strict``); argparse names the
+    flag in its error."""
+    what, op = {int: "an integer", float: "a number"}[kind], ">" if strict else ">="
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected {what} {op} {low:g}, got {text}")
         return value
 
     return parse
@@ -40,21 +43,7 @@ def _list_of(kind: type, low: float | None = None):
     return parse
 
 
-POSITIVE, COUNT = _int_at_least(1), _int_at_least(0)  # steps and repeats; warmups and caps
-
-
-def _number_above(low: float):
-    """An argparse type: a number > ``low``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > low:
-            raise argparse.ArgumentTypeError(f"expected a number > {low:g}, got {text}")
-        return value
-
-    return parse
+POSITIVE, COUNT = _bounded(int, 1), _bounded(int, 0)  # steps and repeats; warmups and caps
 
 
 def _add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
@@ -236,7 +225,7 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     p.add_argument("--skip-bad-lines", action="store_true", help="skip malformed lines and count them instead of failing")
     p.add_argument("--no-shuffle", action="store_true", help="keep the train rows in input order")
     p.add_argument("--seed", type=int, default=0, help="seed of the global shuffle of the train rows")
-    p.add_argument("--shard-mb", type=_number_above(0.001), default=1024.0,
+    p.add_argument("--shard-mb", type=_bounded(float, 0.001, strict=True), default=1024.0,
                    help="size of an output shard in MB (a host reads its own)")
     p.add_argument("--workers", type=COUNT, default=0, help="worker processes (default: one per core)")
     if chunk_lines:
