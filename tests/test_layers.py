@@ -15,6 +15,7 @@ LAYERS = [
     ("embedding.exchange",),
     ("embedding.hot",),
     ("embedding.tiers",),
+    ("serving",),
     ("model",),
     ("train",),
     ("bench",),

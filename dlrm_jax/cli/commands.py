@@ -124,10 +124,28 @@ def cmd_export(args) -> int:
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
     _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
     _library_logs_to(Path(args.run_dir))
-    from dlrm_jax.train.export import export_run
+    if not args.serving and (args.since is not None or args.tables != "float32"):
+        raise ConfigError("--tables and --since go with --serving (the plain export writes float32 tables whole)")
+    if args.serving:
+        from dlrm_jax.train.serving_export import export_serving
 
-    step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
+        step = export_serving(args.run_dir, args.output, args.overrides, args.step, args.tables, args.since, log=_log)
+    else:
+        from dlrm_jax.train.export import export_run
+
+        step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
     print(f"exported step={step} to {args.output}", flush=True)
+    return 0
+
+
+def cmd_predict(args) -> int:
+    from dlrm_jax.serving import load
+    from dlrm_jax.serving.files import predict_files
+
+    with load(args.model, args.delta) as model:
+        report = predict_files(model, args.input, args.output, batch_size=args.batch_size,
+                               skip_bad_lines=args.skip_bad_lines, progress=args.progress)
+    print(report.summary(args.output), flush=True)
     return 0
 
 
@@ -322,6 +340,6 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plan": cmd_plan, "preprocess": cmd_preprocess,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "predict": cmd_predict, "plan": cmd_plan, "preprocess": cmd_preprocess,
             "bench": cmd_bench, "report": cmd_report,
             "profile": cmd_profile}

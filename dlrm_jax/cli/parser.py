@@ -84,12 +84,33 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_distributed_args(ev)
 
-    ex = sub.add_parser("export", help="write a run's tables (values and optimizer state) as tensorstore arrays")
+    ex = sub.add_parser("export", help="write a run's tables (values and optimizer state) as tensorstore arrays, "
+                        "or (--serving) a self-contained serving artifact")
     ex.add_argument("--run-dir", required=True)
-    ex.add_argument("--output", required=True, help="folder for OUTPUT/<table>/<field> zarr3 arrays")
+    ex.add_argument("--output", required=True, help="folder for OUTPUT/<table>/<field> zarr3 arrays, or the "
+                    "serving artifact (a new folder)")
     ex.add_argument("--step", type=_step_arg,
                     help="the checkpoint to export: a step, or 'best' (train.keep_best's); default: the newest intact")
+    ex.add_argument("--serving", action="store_true", help="write the serving artifact: the dense part as a "
+                    "jax.export function, the tables, the preprocessing rules and a manifest (docs/serving.md)")
+    ex.add_argument("--tables", choices=["float32", "bfloat16", "int8"], default="float32",
+                    help="--serving: how the tables are stored (int8: a scale and offset per row)")
+    ex.add_argument("--since", type=int, metavar="STEP", help="--serving: a delta, only the rows changed since "
+                    "the checkpoint of STEP (load it after that step's export)")
     ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    pr = sub.add_parser("predict", help="score raw input lines with a serving artifact (export --serving)")
+    pr.add_argument("--model", required=True, help="the serving artifact's folder")
+    pr.add_argument("--delta", action="append", default=[], metavar="DIR",
+                    help="a delta export to apply, in order (repeatable)")
+    pr.add_argument("--input", nargs="+", required=True, help="raw files (plain or .gz), the training files' layout; "
+                    "the label column may be present or absent")
+    pr.add_argument("--output", required=True, help="file for the probabilities, one a line, in input order")
+    pr.add_argument("--format", choices=["criteo"], default="criteo", help="the input's layout")
+    pr.add_argument("--batch-size", type=POSITIVE, default=4096)
+    pr.add_argument("--skip-bad-lines", action="store_true",
+                    help="score a malformed line as nan and go on (default: stop at the first, naming file and line)")
+    pr.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
     plan = sub.add_parser("plan", help="print the embedding sharding plan without training")
     _add_config_args(plan)

@@ -5,6 +5,7 @@ ended with (:class:`RunSummary`)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,24 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
     padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
     """
-    per_process = steps.cfg.train.batch_size // jax.process_count()
     probs, labels, valid = [], [], []
+    for p, y, m in eval_scores(steps, state, source, runner):
+        probs.append(p)
+        labels.append(y)
+        valid.append(m)
+    p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
+    return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
+
+
+def eval_scores(steps: StepFunctions, state: TrainState, source: DataSource,
+                runner: TierRunner | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
+    the batch padded to full size, ``valid`` marking its real rows."""
+    per_process = steps.cfg.train.batch_size // jax.process_count()
     if steps.per_host and not steps.collection.replicas:  # the model evaluated is the hosts' average
         state = state._replace(emb=steps.averaged_tables(state.emb))
     if runner is not None:  # tiered features are pooled on the host from the newest rows
@@ -95,15 +112,7 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
         else:
             out = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
-        probs.append(np.concatenate([np.asarray(s.data) for s in shards]))
-        labels.append(padded.labels)
-        valid.append(np.arange(per_process) < n)
-    p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
-    return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
+        yield np.concatenate([np.asarray(s.data) for s in shards]), padded.labels, np.arange(per_process) < n
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None,

@@ -10,6 +10,7 @@ step; device-resident tables are gathered from the checkpoint one table at a tim
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -23,35 +24,62 @@ from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
 
 
-def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
-               log=print) -> int:
-    """Write every table of ``run_dir``'s checkpoint at ``step`` (default: the newest intact;
-    ``best``: the best evaluation's, train.keep_best) under ``dest``; returns the step exported. Per-host tables (embedding.sync=per_host) are
-    exported as their average over hosts, the model that evaluation scores; host replicas
-    (embedding.sync=host_replicas) as host 0's copy, which every host's equals."""
-    run_dir, dest = Path(run_dir), Path(dest)
+class RestoredRun(NamedTuple):
+    """A saved run's checkpoint, read-only: its config, plan, step functions, step and state
+    (tables of per-host runs averaged over hosts, host replicas as host 0's copy)."""
+
+    cfg: object
+    plan: object
+    steps: object
+    step: int
+    state: object
+
+
+def restore_run(run_dir: str | Path, overrides: list[str] = (), step: int | str | None = None,
+                log=print) -> RestoredRun:
+    """``run_dir``'s checkpoint at ``step`` (default: the newest intact; ``best``: the best
+    evaluation's, train.keep_best), with the tables as evaluation scores them. Per-host tables
+    (embedding.sync=per_host) are their average over hosts; host replicas
+    (embedding.sync=host_replicas) host 0's copy, which every host's equals."""
+    run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
     step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
-    emb = state.emb
     if steps.per_host:  # host replicas are equal: host 0's copy is every host's
-        emb = jax.tree.map(lambda x: x[0], emb if steps.collection.replicas else steps.averaged_tables(emb))
-    _export_tables(dest, steps.collection, emb)
+        emb = state.emb if steps.collection.replicas else steps.averaged_tables(state.emb)
+        state = state._replace(emb=jax.tree.map(lambda x: x[0], emb))
+    return RestoredRun(cfg, plan, steps, step, state)
+
+
+def tier_snapshot(run: RestoredRun, run_dir: str | Path, step: int, log=print) -> TieredTables:
+    """The tiered tables of ``run`` as the tier's snapshot of ``step`` holds them (read-only)."""
+    steps = run.steps
+    return TieredTables(run.plan, steps.collection.groups, steps.collection.optimizer, tier_root(run.cfg, Path(run_dir)),
+                        steps.embedding_key(), log=log, snapshot=step)
+
+
+def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
+               log=print) -> int:
+    """Write every table of ``run_dir``'s checkpoint at ``step`` (:func:`restore_run`) under
+    ``dest``; returns the step exported."""
+    dest = Path(dest)
+    run = restore_run(run_dir, overrides, step, log)
+    steps, state, step = run.steps, run.state, run.step
+    _export_tables(dest, steps.collection, state.emb)
     if steps.wide:  # Wide&Deep: the wide part's tables, and its dense weights then bias
         _export_tables(dest, steps.wide.collection, state.wide.tables)
         export_array(dest / "wide_linear" / "values", np.asarray(state.wide.linear))
         for k, v in state.wide.linear_slots.items():
             export_array(dest / "wide_linear" / k, np.asarray(v))
-    if plan.tiered_tables:
-        tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
-                              steps.embedding_key(), log=log, snapshot=step)
+    if run.plan.tiered_tables:
+        tiered = tier_snapshot(run, run_dir, step, log)
         try:
             tiered.store.export(dest, snapshot=step)
         finally:
             tiered.close()
-    log(f"exported {len(plan.tables)} tables of step {step} to {dest}")
+    log(f"exported {len(run.plan.tables)} tables of step {step} to {dest}")
     return step
 
 

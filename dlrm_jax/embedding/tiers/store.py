@@ -83,6 +83,18 @@ def _recover(root: Path) -> None:
     _remove(tmp)  # an interrupted build
 
 
+def _checked_arrays(base: Path, tables: TierTables) -> dict[str, dict[str, ArrayLayout]]:
+    """The arrays of ``tables`` under ``base``, each checked against its zarr.json and chunk files."""
+    arrays = {}
+    for table, (rows, fields) in tables.items():
+        chunk_rows = saved_chunk_rows(read_zarr_json(base / table / next(iter(fields))))
+        arrays[table] = {f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype)
+                         for f, (shape, dtype) in fields.items()}
+        for field, array in arrays[table].items():
+            check_array(base / table / field, array)
+    return arrays
+
+
 class TierStore:
     """All tiered tables of a run under one directory, crash-safe by copy-on-write snapshots.
 
@@ -145,7 +157,7 @@ class TierStore:
 
     @property
     def read_only(self) -> bool:
-        """A snapshot view (:meth:`open_snapshot`)."""
+        """A snapshot or directory view (:meth:`open_snapshot`, :meth:`open_directory`)."""
         return self._base != "work"
 
     @staticmethod
@@ -193,14 +205,16 @@ class TierStore:
         work = root / "work"
         if not work.is_dir():
             raise TierError(work, "missing: no tier store here")
-        arrays = {}
-        for table, (rows, fields) in tables.items():
-            chunk_rows = saved_chunk_rows(read_zarr_json(work / table / next(iter(fields))))
-            arrays[table] = {f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype)
-                             for f, (shape, dtype) in fields.items()}
-            for field, array in arrays[table].items():
-                check_array(work / table / field, array)
-        return cls(root, arrays)
+        return cls(root, _checked_arrays(work, tables))
+
+    @classmethod
+    def open_directory(cls, directory: Path, tables: TierTables) -> TierStore:
+        """A read-only view of raw arrays ``directory/<table>/<field>`` outside any store (a
+        serving artifact's tables): no snapshots, nothing written."""
+        directory = Path(directory).absolute()
+        store = cls(directory, _checked_arrays(directory, tables))
+        store._base = "."
+        return store
 
     def rows(self, table: str) -> int:
         return next(iter(self._arrays[table].values())).rows

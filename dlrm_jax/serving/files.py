@@ -1,0 +1,63 @@
+"""``dlrm-jax predict``: raw input files -> one probability a line, in input order."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dlrm_jax.data.criteo import CriteoFormatError
+from dlrm_jax.data.preprocess import SkipLog, byte_progress, open_input
+from dlrm_jax.serving.model import ServingModel
+from dlrm_jax.serving.rules import parse_criteo
+
+CHUNK_LINES = 1 << 16
+
+
+@dataclass(frozen=True)
+class PredictReport:
+    lines: int
+    scored: int
+    skipped: str  # SkipLog's summary line ('' when nothing was skipped)
+    seconds: float
+
+    def summary(self, output: str) -> str:
+        rate = self.lines / max(self.seconds, 1e-9)
+        line = f"predicted {self.scored} of {self.lines} lines to {output} in {self.seconds:.2f} s ({rate:,.0f} lines/s)"
+        return line + (f"\n{self.skipped} (scored nan)" if self.skipped else "")
+
+
+def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path, *, batch_size: int = 4096,
+                  skip_bad_lines: bool = False, progress: bool = True) -> PredictReport:
+    """Score every line of ``inputs`` (plain or gzipped Criteo TSV, label first or absent) into
+    ``output``, one probability a line; a malformed line stops the run naming its file and line,
+    or (``skip_bad_lines``) is scored nan. ``output`` appears whole or not at all."""
+    start, log = time.perf_counter(), SkipLog(skip_bad_lines, CriteoFormatError)
+    output = Path(output)
+    partial = output.with_name(output.name + ".partial")
+    lines = scored = 0
+    try:
+        with open(partial, "w") as out, byte_progress(inputs, "predict", progress) as bar:
+            for path in inputs:
+                with open_input(path, CriteoFormatError) as (raw, f):
+                    lineno, read = 1, 0
+                    while chunk := list(itertools.islice(f, CHUNK_LINES)):
+                        parsed = parse_criteo(chunk)
+                        for bad in parsed.bad:
+                            log.record(str(path), lineno + bad.index, bad)
+                        probs = np.full(len(chunk), np.nan, np.float32)
+                        if len(parsed.rows):
+                            probs[parsed.rows] = model.predict(*model.raw_inputs(parsed), batch_size)
+                        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                        lines, scored, lineno = lines + len(chunk), scored + len(parsed.rows), lineno + len(chunk)
+                        bar.update(raw.tell() - read)
+                        read = raw.tell()
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)

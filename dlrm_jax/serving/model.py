@@ -1,0 +1,199 @@
+"""A serving artifact loaded for predictions: :func:`load` and :class:`ServingModel`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.data.criteo import CriteoFormatError, ParsedLines
+from dlrm_jax.serving.artifact import (
+    FUNCTION_FILE,
+    INT8_FIELD,
+    PARAMS_FILE,
+    ROWS_FIELD,
+    ArtifactError,
+    check_files,
+    read_manifest,
+)
+from dlrm_jax.serving.rules import parse_criteo, raw_rules
+from dlrm_jax.serving.tables import ServingTables, open_store
+
+DEFAULT_BATCH = 1024
+# Calls are padded to a power of two of at least this many rows: one program per size, and on
+# XLA:CPU a row's score then does not depend on the batch it came in (smaller or odd-sized
+# matrix products take other kernels, whose sums differ in the last bit).
+MIN_CALL_ROWS = 128
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable), or 4 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ServingModel:
+    """A trained model for predictions, from :func:`load`.
+
+    ``predict(dense, ids)``: dense float32 [n, num_dense] (transformed as in training, e.g.
+    log1p of Criteo's counts) and ids int32 [n, S], each feature's bag of table rows one after
+    another (``PAD_ID`` = -1 for an empty slot; [n, F] when every bag holds one id) ->
+    probabilities float32 [n]. ``predict_raw(lines)``: raw Criteo lines (with or without the
+    label) -> probabilities, through the preprocessing the model trained with.
+    ``manifest``: what the artifact says of itself (step, evaluation, features, rules).
+    """
+
+    def __init__(self, root: Path, manifest: dict, memory_bytes: int, cache_rows: int):
+        self.root, self.manifest = Path(root), manifest
+        self.features, self.wide_features = manifest["features"], manifest.get("wide") or []
+        self.tables = ServingTables(self.root, self.features + self.wide_features, memory_bytes, cache_rows)
+        self.bag_sizes = [int(f["bag_size"]) for f in self.features]
+        self._rules = None
+        self._load_function(self.root)
+
+    def _load_function(self, root: Path) -> None:
+        self._exported = jax.export.deserialize(bytearray((root / FUNCTION_FILE).read_bytes()))
+        with np.load(root / PARAMS_FILE) as npz:
+            self._params = [jax.device_put(npz[f"arr_{k}"]) for k in range(len(npz.files))]
+        self._call = jax.jit(self._exported.call)
+
+    @property
+    def step(self) -> int:
+        """The training step the artifact (with its deltas) holds."""
+        return int(self.manifest["step"])
+
+    def pooled(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """ids int32 [n, S] -> pooled vectors float32 [n, F, D] (and the wide part's [n, F, 1])."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
+            raise ValueError(f"ids must have shape [n, {sum(self.bag_sizes)}] (bag sizes {self.bag_sizes}), "
+                             f"got {list(ids.shape)}")
+        starts = np.cumsum([0, *self.bag_sizes])
+        out = []
+        for entries in (self.features, self.wide_features):
+            if not entries:
+                out.append(None)
+                continue
+            pooled = np.empty((len(ids), len(entries), int(entries[0]["dim"])), np.float32)
+            for f, e in enumerate(entries):
+                bag = ids[:, starts[f] : starts[f + 1]]
+                if ((bag < PAD_ID) | (bag >= e["rows"])).any():
+                    raise ValueError(f"feature {f} (table {e['table']}, {e['rows']} rows): an id out of range")
+                rows = self.tables.lookup(e["table"], bag.reshape(-1)).reshape(*bag.shape, -1)
+                if bag.shape[1] == 1:
+                    pooled[:, f] = rows[:, 0]
+                    continue
+                w = (bag != PAD_ID).astype(np.float32)
+                if e["pooling"] == "mean":
+                    w /= np.maximum(w.sum(axis=1, keepdims=True), 1.0)
+                pooled[:, f] = np.einsum("bl,bld->bd", w, rows)
+            out.append(pooled)
+        return out[0], out[1]
+
+    def predict(self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
+        """Probabilities float32 [n] of ``dense`` [n, num_dense] and ``ids`` [n, S], ``batch_size`` at a time."""
+        dense = np.asarray(dense, np.float32)
+        if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"]:
+            raise ValueError(f"dense must have shape [n, {self.manifest['num_dense']}], got {list(dense.shape)}")
+        if len(dense) != len(ids):
+            raise ValueError(f"{len(dense)} dense rows and {len(ids)} id rows")
+        out = np.empty(len(dense), np.float32)
+        for s in range(0, len(dense), batch_size):
+            pooled, wide = self.pooled(ids[s : s + batch_size])
+            args = [dense[s : s + batch_size], pooled] + ([wide] if wide is not None else [])
+            n = len(args[0])
+            rows = max(MIN_CALL_ROWS, 1 << (n - 1).bit_length())
+            args = [np.concatenate([a, np.zeros((rows - n, *a.shape[1:]), a.dtype)]) if rows > n else a for a in args]
+            out[s : s + n] = np.asarray(self._call(self._params, *args))[:n]
+        return out
+
+    def predict_raw(self, lines: Sequence[bytes | str], skip_bad_lines: bool = False,
+                    batch_size: int = DEFAULT_BATCH) -> np.ndarray:
+        """Probabilities float32 [len(lines)] of raw Criteo lines (label first or absent);
+        a malformed line is an error naming its index, or (``skip_bad_lines``) scores NaN."""
+        parsed = parse_criteo(lines)
+        if parsed.bad and not skip_bad_lines:
+            bad = parsed.bad[0]
+            raise CriteoFormatError(f"line {bad.index}: {bad.message}")
+        out = np.full(len(lines), np.nan, np.float32)
+        out[parsed.rows] = self.predict(*self.raw_inputs(parsed), batch_size)
+        return out
+
+    def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
+        """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules."""
+        if self._rules is None:
+            self._rules = raw_rules(self.root, self.manifest)
+        return self._rules.inputs(parsed)
+
+    def close(self) -> None:
+        self.tables.close()
+
+    def __enter__(self) -> ServingModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(dest: str | Path, deltas: Sequence[str | Path] = (), *, memory_bytes: int | None = None,
+         cache_rows: int = 1 << 20, verify_tables: bool = False) -> ServingModel:
+    """Load the serving artifact ``dest`` (``dlrm-jax export --serving``), then each delta of
+    ``deltas`` in order (``export --serving --since``; each must start at the step the one
+    before it ends at). Needs only numpy, jax and tensorstore.
+
+    Tables up to ``memory_bytes`` in all (default: half the memory available) are read whole;
+    larger ones through a row cache of ``cache_rows`` rows each over memory-mapped chunk files.
+    The dense function and the rules are checked against the manifest's sha256; tables too when
+    ``verify_tables`` (reads them all)."""
+    root = Path(dest)
+    manifest = read_manifest(root)
+    if manifest.get("kind") != "full":
+        raise ArtifactError(f"{root}: a delta (since step {manifest.get('base_step')}); load its base and pass "
+                            f"it in deltas=[...]")
+    _check(root, manifest, verify_tables)
+    if memory_bytes is None:
+        memory_bytes = available_memory() // 2
+    model = ServingModel(root, manifest, memory_bytes, cache_rows)
+    for d in deltas:
+        _apply_delta(model, Path(d), verify_tables)
+    return model
+
+
+def _check(root: Path, manifest: dict, verify_tables: bool) -> None:
+    names = [n for n in manifest.get("files", {}) if verify_tables or not n.startswith("tables/")]
+    check_files(root, manifest, names)
+
+
+def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
+    delta = read_manifest(root)
+    if delta.get("kind") != "delta":
+        raise ArtifactError(f"{root}: not a delta export (export --serving --since STEP writes one)")
+    if delta["base_step"] != model.step:
+        raise ArtifactError(f"{root}: a delta from step {delta['base_step']} to {delta['step']}, applied to a model "
+                            f"at step {model.step}: apply the deltas in order, from the base's step")
+    if delta.get("tables_dtype") != model.manifest.get("tables_dtype"):
+        raise ArtifactError(f"{root}: tables {delta.get('tables_dtype')}, the base's {model.manifest.get('tables_dtype')}")
+    _check(root, delta, verify_tables)
+    entries = [{**e, "rows": e["rows_changed"]} for e in delta["features"] + (delta.get("wide") or [])]
+    store = open_store(root / "tables", entries, with_rows=True)
+    try:
+        for e in entries:
+            fields = store.read(e["name"], np.arange(e["rows"]))
+            rows = fields.pop(ROWS_FIELD)
+            model.tables.apply_delta(e["name"], rows, {k: v for k, v in fields.items() if k in ("values", INT8_FIELD)})
+    finally:
+        store.close()
+    model._load_function(root)
+    model.manifest = {**model.manifest, "step": delta["step"], "evaluation": delta.get("evaluation")}
+
+
+__all__ = ["ServingModel", "available_memory", "load"]

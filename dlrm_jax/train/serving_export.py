@@ -1,0 +1,231 @@
+"""``dlrm-jax export --serving``: a trained run as one self-contained serving artifact.
+
+The dense part is exported with ``jax.export`` for CPU and CUDA, with a symbolic batch size,
+taking the dense parameters, the dense features and the *pooled* vectors of every feature (and
+of the wide part's): lookups stay outside it, so tables larger than a device (or a host's
+memory) are served from the host behind a row cache, and the function is the same small
+program whatever the plan trained the tables with. The function is the eval step's own
+forward: the same graph, with the parameters as arguments, so scores match ``eval``'s.
+
+``--since STEP`` writes a delta: the rows whose stored values differ from the checkpoint of
+STEP (compared here, at export time: training tracks nothing), and the dense part whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlrm_jax.data.binary import read_meta
+from dlrm_jax.model.wide import WideInputs, wide_logits
+from dlrm_jax.serving.artifact import (
+    FORMAT_VERSION,
+    FUNCTION_FILE,
+    PARAMS_FILE,
+    TABLE_DTYPES,
+    ArtifactError,
+    TableWriter,
+    encode_rows,
+    write_manifest,
+)
+from dlrm_jax.train.export import RestoredRun, restore_run, tier_snapshot
+from dlrm_jax.train.restore import read_checkpoint
+
+EXPORT_PLATFORMS = ("cpu", "cuda")
+ROWS_PER_WRITE = 1 << 16
+
+
+def export_serving(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
+                   tables: str = "float32", since: int | None = None, log=print) -> int:
+    """Write the serving artifact of ``run_dir``'s checkpoint at ``step`` (default: the newest
+    intact; ``best``: train.keep_best's) to ``dest``, a new folder; ``tables``: float32,
+    bfloat16 or int8 (per-row scale and offset); ``since``: a delta against that step's
+    checkpoint. Returns the step exported."""
+    if tables not in TABLE_DTYPES:
+        raise ValueError(f"--tables {tables}: one of {', '.join(TABLE_DTYPES)}")
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest}: exists and is not empty; export into a new folder")
+    run = restore_run(run_dir, overrides, step, log)
+    if since is not None and since >= run.step:
+        raise ValueError(f"--since {since}: must be an earlier step than the one exported ({run.step})")
+    base = None if since is None else read_checkpoint(Path(run_dir), run.cfg, run.steps, since, log)[1]
+    work = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        _write_artifact(work, run, run_dir, tables, base, since)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for an artifact
+        raise
+    if dest.exists():
+        dest.rmdir()
+    work.rename(dest)
+    what = f"delta since step {since}" if since is not None else f"{len(run.plan.tables)} tables ({tables})"
+    log(f"exported the serving model of step {run.step} to {dest}: {what}")
+    return run.step
+
+
+def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, since: int | None) -> None:
+    features, wide = _write_tables(work, run, run_dir, tables, base, since)
+    _write_function(work, run)
+    manifest = {
+        "format_version": FORMAT_VERSION, "kind": "delta" if since is not None else "full",
+        "base_step": since, "step": run.step, "model": _model_section(run.cfg),
+        "num_dense": run.cfg.data.num_dense, "features": features, "wide": wide, "tables_dtype": tables,
+        "preprocessing": _rules(work, run.cfg), "evaluation": _evaluation(Path(run_dir), run.step),
+        "function": {"file": FUNCTION_FILE, "params": PARAMS_FILE, "platforms": list(EXPORT_PLATFORMS),
+                     "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
+                     + (["wide float32 [b, F, 1]"] if wide else []), "output": "probabilities float32 [b]"},
+    }
+    write_manifest(work, manifest)
+
+
+def _model_section(cfg) -> dict:
+    m = cfg.model
+    return {"kind": m.kind, "interaction": m.interaction, "embedding_dim": m.embedding_dim,
+            "bottom_mlp": list(m.bottom_mlp), "top_mlp": list(m.top_mlp), "compute_dtype": cfg.train.compute_dtype}
+
+
+def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iterator[tuple[int, Iterator]]:
+    """Per table of ``collection``: (index, chunks of (start, float32 values)) of ``emb`` (or,
+    tiered, of the tier's snapshot of ``step``)."""
+    values, _ = collection.logical_tables(emb)
+    tiered = tier_snapshot(run, run_dir, step) if collection.tiered_tables else None
+    try:
+        for t, tp in enumerate(collection.plan.tables):
+            if t in collection.tiered_tables:
+                rows = tp.spec.rows
+                yield t, ((s, tiered.store.read(tp.spec.name, np.arange(s, min(s + ROWS_PER_WRITE, rows)))["values"]
+                           .astype(np.float32)) for s in range(0, rows, ROWS_PER_WRITE))
+            else:
+                v = np.asarray(values[t])
+                yield t, ((s, v[s : s + ROWS_PER_WRITE]) for s in range(0, len(v), ROWS_PER_WRITE))
+    finally:
+        if tiered is not None:
+            tiered.close()
+
+
+def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since) -> tuple[list, list]:
+    """Every table (and the wide part's, always float32), whole or (``base``) the rows that
+    differ from it; the manifest's feature and wide-feature entries."""
+    parts = [("", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
+    if run.steps.wide:
+        parts.append(("wide_", run.steps.wide.collection, run.state.wide.tables, "float32",
+                      None if base is None else base.wide.tables))
+    entries = {"": [], "wide_": []}
+    for prefix, collection, emb, dt, base_emb in parts:
+        olds = dict(_table_chunks(run, run_dir, collection, base_emb, since)) if base_emb is not None else {}
+        for t, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
+            spec = collection.plan.tables[t].spec
+            name = prefix + spec.name
+            entries[prefix].append({"name": name, "table": name, "rows": spec.rows, "dim": spec.dim,
+                                    "bag_size": spec.bag_size, "pooling": str(spec.pooling), "dtype": dt})
+            if t not in olds:
+                writer = TableWriter(work / "tables" / name, spec.rows, spec.dim, dt)
+                for start, v in chunks:
+                    writer.write(start, v)
+                continue
+            changed_rows, changed = [], []
+            for (start, v), (_, old) in zip(chunks, olds[t], strict=True):
+                new_f, old_f = encode_rows(v, dt), encode_rows(old, dt)
+                diff = np.zeros(len(v), bool)
+                for k in new_f:  # compared as stored: a change that rounds away is no change
+                    diff |= np.any((new_f[k] != old_f[k]).reshape(len(v), -1), axis=1)
+                changed_rows.append(start + np.flatnonzero(diff))
+                changed.append(v[diff])
+            rows = np.concatenate(changed_rows)
+            entries[prefix][-1]["rows_changed"] = int(len(rows))
+            writer = TableWriter(work / "tables" / name, len(rows), spec.dim, dt, with_rows=True)
+            if len(rows):
+                writer.write(0, np.concatenate(changed), rows)
+    return entries[""], entries["wide_"]
+
+
+def _write_function(work: Path, run: RestoredRun) -> None:
+    """The eval step's forward as a jax.export for CPU and CUDA, and its parameters."""
+    steps, state, cfg = run.steps, run.state, run.cfg
+    params = jax.device_get(steps.checkpoint_form(state).params)
+    leaves, treedef = jax.tree.flatten(params)
+    wide = steps.wide is not None
+    if wide:  # the wide part's dense weights then bias, after the dense parameters
+        leaves = [*leaves, np.asarray(jax.device_get(state.wide.linear))]
+    n_dense = len(leaves) - wide
+
+    def serve(leaves, dense, pooled, *wide_pooled):
+        logits = nnx.merge(steps.graphdef, jax.tree.unflatten(treedef, leaves[:n_dense]))(dense, pooled)
+        if wide_pooled:
+            logits = logits + wide_logits(WideInputs(wide_pooled[0], leaves[-1]), dense)
+        return jax.nn.sigmoid(logits)
+
+    (b,) = jax.export.symbolic_shape("b")
+    F, D = cfg.num_features, cfg.model.embedding_dim
+    args = [[jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves],
+            jax.ShapeDtypeStruct((b, cfg.data.num_dense), jnp.float32), jax.ShapeDtypeStruct((b, F, D), jnp.float32)]
+    if wide:
+        args.append(jax.ShapeDtypeStruct((b, F, 1), jnp.float32))
+    exported = jax.export.export(jax.jit(serve), platforms=EXPORT_PLATFORMS)(*args)
+    (work / FUNCTION_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (work / FUNCTION_FILE).write_bytes(exported.serialize())
+    with open(work / PARAMS_FILE, "wb") as f:
+        np.savez(f, *[np.asarray(x) for x in leaves])
+
+
+def _rules(work: Path, cfg) -> dict:
+    """How raw values become ids, with the vocabularies copied in (see dlrm_jax.serving.rules)."""
+    source = cfg.data.source
+    if source == "criteo":
+        return {"kind": "criteo_hash"}
+    if source != "binary":
+        return {"kind": "none", "why": f"trained on data.source={source}: no raw values"}
+    root = Path(cfg.data.path)
+    meta = read_meta(root)
+    if "schema" in meta:
+        return {"kind": "tabular", "why": "raw tabular rows are not yet scored by the artifact (their schema's "
+                                          "joins and transforms); preprocess them and pass ids"}
+    if max(meta["bag_sizes"]) > 1:
+        return {"kind": "multi_hot", "why": "its bags were drawn by preprocess --multi-hot, whose rule is not kept"}
+    files = []
+    (work / "rules").mkdir()
+    for f in range(len(meta["cardinalities"])):
+        name = f"rules/feature_{f}.npy"
+        shutil.copyfile(root / "vocab" / f"feature_{f}.npy", work / name)
+        files.append(name)
+    modulus = int(meta.get("max_ind_range") or 0)
+    spec = {"kind": "criteo_compact" if modulus else "criteo_vocabulary", "max_ind_range": modulus,
+            "cardinalities": [int(c) for c in meta["cardinalities"]], "files": files}
+    if modulus:  # the compacted tables' row for hashed values training never counted, if any
+        spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
+    return spec
+
+
+def _oov_row(kept: np.ndarray) -> int | None:
+    """A compacted vocabulary's last row is the unseen values' when its count is 0."""
+    return len(kept) - 1 if len(kept) and int(kept[-1, 1]) == 0 else None
+
+
+def _evaluation(run_dir: Path, step: int) -> dict | None:
+    """The run's evaluation of ``step`` (metrics.jsonl), if it made one."""
+    found = None
+    try:
+        with open(run_dir / "metrics.jsonl") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("step") == step and e.get("auc") is not None:
+                    found = {k: e[k] for k in ("auc", "logloss", "eval_samples") if k in e}
+    except FileNotFoundError:
+        return None
+    return found
+
+
+__all__ = ["ArtifactError", "export_serving"]
