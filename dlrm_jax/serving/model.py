@@ -120,6 +120,8 @@ class ServingModel:
                     batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Probabilities float32 [len(lines)] of raw Criteo lines (label first or absent);
         a malformed line is an error naming its index, or (``skip_bad_lines``) scores NaN."""
+        if self._rules is None:  # a model without rules refuses before any line is read
+            self._rules = raw_rules(self.root, self.manifest)
         parsed = parse_criteo(lines)
         if parsed.bad and not skip_bad_lines:
             bad = parsed.bad[0]

@@ -102,15 +102,22 @@ def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iter
     try:
         for t, tp in enumerate(collection.plan.tables):
             if t in collection.tiered_tables:
-                rows = tp.spec.rows
-                yield t, ((s, tiered.store.read(tp.spec.name, np.arange(s, min(s + ROWS_PER_WRITE, rows)))["values"]
-                           .astype(np.float32)) for s in range(0, rows, ROWS_PER_WRITE))
+                yield t, _tier_chunks(tiered.store, tp.spec.name, tp.spec.rows)
             else:
-                v = np.asarray(values[t])
-                yield t, ((s, v[s : s + ROWS_PER_WRITE]) for s in range(0, len(v), ROWS_PER_WRITE))
+                yield t, _array_chunks(np.asarray(values[t]))
     finally:
         if tiered is not None:
             tiered.close()
+
+
+def _array_chunks(v: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    for s in range(0, len(v), ROWS_PER_WRITE):
+        yield s, v[s : s + ROWS_PER_WRITE]
+
+
+def _tier_chunks(store, table: str, rows: int) -> Iterator[tuple[int, np.ndarray]]:
+    for s in range(0, rows, ROWS_PER_WRITE):
+        yield s, store.read(table, np.arange(s, min(s + ROWS_PER_WRITE, rows)))["values"].astype(np.float32)
 
 
 def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since) -> tuple[list, list]:
@@ -122,19 +129,20 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
                       None if base is None else base.wide.tables))
     entries = {"": [], "wide_": []}
     for prefix, collection, emb, dt, base_emb in parts:
-        olds = dict(_table_chunks(run, run_dir, collection, base_emb, since)) if base_emb is not None else {}
+        olds = _table_chunks(run, run_dir, collection, base_emb, since) if base_emb is not None else None
         for t, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
+            old_chunks = next(olds)[1] if olds is not None else None  # the same table, in lockstep
             spec = collection.plan.tables[t].spec
             name = prefix + spec.name
             entries[prefix].append({"name": name, "table": name, "rows": spec.rows, "dim": spec.dim,
                                     "bag_size": spec.bag_size, "pooling": str(spec.pooling), "dtype": dt})
-            if t not in olds:
+            if old_chunks is None:
                 writer = TableWriter(work / "tables" / name, spec.rows, spec.dim, dt)
                 for start, v in chunks:
                     writer.write(start, v)
                 continue
             changed_rows, changed = [], []
-            for (start, v), (_, old) in zip(chunks, olds[t], strict=True):
+            for (start, v), (_, old) in zip(chunks, old_chunks, strict=True):
                 new_f, old_f = encode_rows(v, dt), encode_rows(old, dt)
                 diff = np.zeros(len(v), bool)
                 for k in new_f:  # compared as stored: a change that rounds away is no change

@@ -1,0 +1,184 @@
+"""The serving artifact (export --serving, dlrm_jax.serving, dlrm-jax predict) against eval's own
+scores: equal bitwise in float32, by ids, by raw lines and through the CLI; int8 and bfloat16
+tables near them; a base plus its deltas equal to the full export of the last step."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from child_env import child_env
+from conftest import tiny_config
+
+from dlrm_jax import serving
+from dlrm_jax.config import load_config
+from dlrm_jax.data.criteo import write_criteo_tsv
+from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.sources import make_source
+from dlrm_jax.data.synthetic import SyntheticGenerator
+from dlrm_jax.observe.metrics import roc_auc
+from dlrm_jax.serving.artifact import ArtifactError
+from dlrm_jax.train.evaluate import eval_scores
+from dlrm_jax.train.export import restore_run
+from dlrm_jax.train.serving_export import export_serving
+from dlrm_jax.train.trainer import train_and_evaluate
+
+QUIET = dict(log=lambda *_: None)
+LINES, VAL = 1500, 300
+
+
+def scores_of(run_dir):
+    """eval's probabilities of the held-out rows, and those rows' dense features and ids."""
+    run = restore_run(run_dir, **QUIET)
+    source = make_source(run.cfg, 0, 1, trains=False, evaluates=True)
+    probs, dense, ids = [], [], []
+    for (p, _, m), b in zip(eval_scores(run.steps, run.state, source), source.eval_batches(), strict=True):
+        probs.append(p[m])
+        dense.append(b.dense)
+        ids.append(b.ids)
+    return np.concatenate(probs), np.concatenate(dense), np.concatenate(ids)
+
+
+@pytest.fixture(scope="module")
+def criteo(tmp_path_factory):
+    """A run on preprocessed Criteo lines (4 devices, checkpoints at steps 8 and 16), its
+    artifacts (float32 at 8 and 16, int8 and bfloat16 at 16, a delta 8 -> 16) and eval's scores."""
+    tmp = tmp_path_factory.mktemp("serving")
+    gen = SyntheticGenerator(seed=3, num_dense=13, table_rows=(40, 400) * 13, bag_sizes=(1,) * 26,
+                             zipf_exponent=1.1, positive_rate=0.3)
+    write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
+    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=VAL / LINES, shuffle_seed=None,
+                      workers=1, progress=False)
+    cfg = load_config(None, ["data.source=binary", f"data.path={tmp / 'ds'}", "train.batch_size=128",
+                             "train.steps=16", "train.checkpoint_every=8", "train.eval_every=8", "train.eval_batches=0",
+                             "train.progress_bar=false", "mesh.devices=4", "model.embedding_dim=8",
+                             "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.keep_checkpoints=3"])
+    train_and_evaluate(cfg, tmp / "run", **QUIET)
+    art = {}
+    for name, step, kw in (("f8", 8, {}), ("f16", 16, {}), ("i8", 16, {"tables": "int8"}),
+                           ("b16", 16, {"tables": "bfloat16"}), ("d", 16, {"since": 8})):
+        export_serving(tmp / "run", tmp / name, step=step, **kw, **QUIET)
+        art[name] = tmp / name
+    return tmp, art, scores_of(tmp / "run")
+
+
+def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(criteo):
+    tmp, art, (probs, dense, ids) = criteo
+    with serving.load(art["f16"]) as model:
+        assert model.step == 16 and model.manifest["evaluation"]["auc"] > 0.5
+        for batch in (1, 100, 4096):  # a row's score does not depend on the batch it came in
+            np.testing.assert_array_equal(model.predict(dense, ids, batch_size=batch), probs)
+        val_lines = (tmp / "day.tsv").read_bytes().splitlines(keepends=True)[-VAL:]
+        np.testing.assert_array_equal(model.predict_raw(val_lines), probs)
+    unlabeled = tmp / "unlabeled.tsv.gz"
+    with gzip.open(unlabeled, "wb") as f:
+        f.writelines(line.split(b"\t", 1)[1] for line in val_lines)
+    bad = tmp / "bad.tsv"
+    bad.write_bytes(b"".join(val_lines[:5]) + b"1\tnot a line\n" + b"".join(val_lines[5:10]))
+    out = tmp / "pred.txt"
+    cli = [sys.executable, "-m", "dlrm_jax", "predict", "--model", str(art["f16"]), "--output", str(out), "--no-progress"]
+    r = subprocess.run([*cli, "--input", str(tmp / "day.tsv"), str(unlabeled)], capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"predicted {LINES + VAL} of {LINES + VAL} lines" in r.stdout
+    scored = np.loadtxt(out, dtype=np.float32)
+    np.testing.assert_array_equal(scored[LINES - VAL : LINES], probs)
+    np.testing.assert_array_equal(scored[LINES:], probs)  # without the label column, from .gz
+    r = subprocess.run([*cli, "--input", str(bad)], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode != 0 and f"{bad}:6: " in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.with_name("pred.txt.partial").exists()
+    r = subprocess.run([*cli, "--input", str(bad), "--skip-bad-lines"], capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    assert r.returncode == 0 and "skipped 1 malformed line" in r.stdout
+    scored = np.loadtxt(out, dtype=np.float32)
+    assert np.isnan(scored[5]) and np.array_equal(scored[:5], probs[:5]) and np.array_equal(scored[6:], probs[5:10])
+
+
+def test_loading_and_predicting_need_no_flax_optax_or_orbax(criteo):
+    tmp, art, (probs, dense, ids) = criteo
+    np.savez(tmp / "inputs.npz", dense=dense[:50], ids=ids[:50])
+    code = ("import sys\n"
+            "for m in ('flax', 'optax', 'orbax', 'orbax.checkpoint'): sys.modules[m] = None\n"
+            "import numpy as np\nfrom dlrm_jax.serving import load\n"
+            f"x = np.load({str(tmp / 'inputs.npz')!r})\n"
+            f"np.save({str(tmp / 'p.npy')!r}, load({str(art['f16'])!r}).predict(x['dense'], x['ids']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.load(tmp / "p.npy"), probs[:50])
+
+
+def test_int8_and_bfloat16_tables_score_near_float32_in_a_fraction_of_the_bytes(criteo):
+    tmp, art, (probs, dense, ids) = criteo
+    labels = np.concatenate([y[m] for _, y, m in eval_scores(*_run_parts(tmp))])
+    sizes = {k: sum(p.stat().st_size for p in (art[k] / "tables").rglob("c.*")) for k in ("f16", "i8", "b16")}
+    dim = 8  # int8: a byte a value and two float32 a row
+    assert sizes["i8"] == sizes["f16"] * (dim + 8) // (4 * dim) and sizes["b16"] == sizes["f16"] // 2
+    for name in ("i8", "b16"):
+        with serving.load(art[name]) as model:
+            p = model.predict(dense, ids)
+        assert np.abs(p - probs).max() < 5e-3, name
+        assert abs(roc_auc(labels, p) - roc_auc(labels, probs)) < 2e-3, name
+
+
+def _run_parts(tmp):
+    run = restore_run(tmp / "run", **QUIET)
+    return run.steps, run.state, make_source(run.cfg, 0, 1, trains=False, evaluates=True)
+
+
+@pytest.mark.parametrize("memory_bytes", [None, 0])  # 0: every table behind the row cache
+def test_a_base_and_its_delta_load_to_the_full_export_of_the_last_step(criteo, memory_bytes):
+    tmp, art, (probs, dense, ids) = criteo
+    delta = json.loads((art["d"] / "manifest.json").read_text())
+    changed = sum(f["rows_changed"] for f in delta["features"])
+    assert 0 < changed < sum(f["rows"] for f in delta["features"])  # 16 batches of 128 touch some rows, not all
+    with serving.load(art["f8"], [art["d"]], memory_bytes=memory_bytes, cache_rows=64) as merged, \
+            serving.load(art["f16"], memory_bytes=memory_bytes) as full:
+        assert merged.step == full.step == 16
+        for f in full.features:
+            a, b = merged.tables.table_fields(f["table"]), full.tables.table_fields(f["table"])
+            for k in b:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f["table"])
+        np.testing.assert_array_equal(merged.predict(dense, ids), probs)
+    with pytest.raises(ArtifactError, match="apply the deltas in order"):
+        serving.load(art["f16"], [art["d"]])
+    with pytest.raises(ArtifactError, match="a delta"):
+        serving.load(art["d"])
+
+
+def test_a_damaged_or_unfinished_artifact_is_one_error_naming_the_file(criteo, tmp_path):
+    import shutil
+
+    _, art, _ = criteo
+    copy = tmp_path / "a"
+    shutil.copytree(art["f16"], copy)
+    params = copy / "dense" / "params.npz"
+    params.write_bytes(params.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(ArtifactError, match=f"{params}: its sha256 differs"):
+        serving.load(copy)
+    shutil.copytree(art["f16"], tmp_path / "b")
+    values = next((tmp_path / "b" / "tables" / "cat_3" / "values").glob("c.*"))
+    values.write_bytes(values.read_bytes()[::-1])
+    serving.load(tmp_path / "b").close()  # tables are not read through unless asked
+    with pytest.raises(ArtifactError, match="cat_3/values/c"):
+        serving.load(tmp_path / "b", verify_tables=True)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match="manifest.json: missing"):
+        serving.load(copy)
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_serving(criteo[0] / "run", art["f16"], **QUIET)
+
+
+def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_rules(tmp_path):
+    cfg = tiny_config("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat",
+                      "data.bag_sizes=[1, 3, 1, 4]", "data.pooling=mean", "train.checkpoint_every=6",
+                      "mesh.devices=2")
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
+    probs, dense, ids = scores_of(tmp_path / "run")
+    with serving.load(tmp_path / "art") as model:
+        assert [f["bag_size"] for f in model.features] == [1, 3, 1, 4] and len(model.wide_features) == 4
+        np.testing.assert_array_equal(model.predict(dense, ids), probs)
+        with pytest.raises(ArtifactError, match="data.source=synthetic"):
+            model.predict_raw(["1\t2"])
