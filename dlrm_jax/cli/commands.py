@@ -289,6 +289,13 @@ def cmd_bench(args) -> int:
         bench_mlp_parallel(configs, overrides, modes=[m for m in args.modes.split(",") if m], steps=args.steps,
                            repeats=args.repeats, output=args.output, log=_log)
         return 0
+    if args.suite == "serving":
+        cfg = load_config(args.config, args.overrides)
+        _start_jax(_devices_for(cfg), args)
+        from dlrm_jax.bench.serving import bench_serving
+
+        bench_serving(args.lines, args.config, args.overrides, args.steps, args.workdir, args.output, log=_log)
+        return 0
     if args.suite == "hot":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)

@@ -190,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--large-host-fraction", type=float, default=0.05, help="the large case's DRAM cache fraction")
     bt2.add_argument("--tier-dir", help="create the disk tiers here (default: a temporary folder)")
     bt2.add_argument("--output", help="write the JSON here too")
+    bs = bench_sub.add_parser("serving", help="predict from a serving artifact vs preprocess + eval; latency; "
+                              "int8/bfloat16 tables; delta sizes")
+    bs.add_argument("--config", default="criteo_kaggle", help="the model trained on the sample (default criteo_kaggle)")
+    bs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    bs.add_argument("--lines", type=POSITIVE, default=200_000, help="sample lines (a tenth held out and scored)")
+    bs.add_argument("--steps", type=POSITIVE, default=100, help="training steps (a checkpoint at half of them)")
+    bs.add_argument("--workdir", help="keep the sample, run and artifacts here (default: a temporary folder)")
+    bs.add_argument("--output", help="write the JSON here too")
     bh = bench_sub.add_parser("hot", help="hot-row replication vs none on skewed ids, both id and row layouts")
     _add_config_args(bh)
     bh.add_argument("--zipf", type=_list_of(float), default=[1.05, 1.1, 1.2],

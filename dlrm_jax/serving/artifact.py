@@ -87,7 +87,8 @@ class TableWriter:
             fields[ROWS_FIELD] = ((), "int64")
         row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * numpy_dtype(d).itemsize
                         for shape, d in fields.values())
-        chunk = max(1, min(rows, default_chunk_rows(row_bytes)))
+        most = default_chunk_rows(row_bytes)
+        chunk = max(1, -(-rows // -(-rows // most)) if rows else 1)  # even chunks: the last one pads little
         self.dtype, self.rows = dtype, rows
         self.arrays = {f: open_array(Path(directory).absolute() / f, ArrayLayout(rows, chunk, shape, d), create=True)
                        for f, (shape, d) in fields.items()}

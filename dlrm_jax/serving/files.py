@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.criteo import CriteoFormatError
+from dlrm_jax.data.criteo import NUM_FIELDS, CriteoFormatError
+from dlrm_jax.data.criteo_preprocess import parse_block
 from dlrm_jax.data.preprocess import SkipLog, byte_progress, open_input
 from dlrm_jax.serving.model import ServingModel
 from dlrm_jax.serving.rules import parse_criteo
@@ -47,17 +48,31 @@ def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path
                 with open_input(path, CriteoFormatError) as (raw, f):
                     lineno, read = 1, 0
                     while chunk := list(itertools.islice(f, CHUNK_LINES)):
-                        parsed = parse_criteo(chunk)
-                        for bad in parsed.bad:
-                            log.record(str(path), lineno + bad.index, bad)
-                        probs = np.full(len(chunk), np.nan, np.float32)
-                        if len(parsed.rows):
-                            probs[parsed.rows] = model.predict(*model.raw_inputs(parsed), batch_size)
+                        probs = _score(model, chunk, batch_size, log, str(path), lineno)
                         out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                        lines, scored, lineno = lines + len(chunk), scored + len(parsed.rows), lineno + len(chunk)
+                        lines, scored, lineno = lines + len(chunk), scored + int((~np.isnan(probs)).sum()), lineno + len(chunk)
                         bar.update(raw.tell() - read)
                         read = raw.tell()
         os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
+
+
+def _score(model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLog, path: str, lineno: int) -> np.ndarray:
+    """Probabilities of a chunk of lines (nan for a bad one, which ``log`` records): pyarrow's
+    reader when every line is valid (as preprocess reads), else the strict parser, which says
+    what is wrong with each bad line."""
+    rules = model.rules
+    if chunk and chunk[0].count(b"\t") == NUM_FIELDS - 2:  # without the label: give one, it is not used
+        chunk = [b"0\t" + line for line in chunk]
+    fast = parse_block(b"".join(chunk))
+    if fast is not None and fast.lines == len(chunk):
+        return model.predict(fast.dense, rules.ids(fast.values, fast.empty), batch_size)
+    parsed = parse_criteo(chunk)
+    for bad in parsed.bad:
+        log.record(path, lineno + bad.index, bad)
+    probs = np.full(len(chunk), np.nan, np.float32)
+    if len(parsed.rows):
+        probs[parsed.rows] = model.predict(*rules.inputs(parsed), batch_size)
+    return probs

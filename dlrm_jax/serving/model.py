@@ -120,21 +120,26 @@ class ServingModel:
                     batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Probabilities float32 [len(lines)] of raw Criteo lines (label first or absent);
         a malformed line is an error naming its index, or (``skip_bad_lines``) scores NaN."""
-        if self._rules is None:  # a model without rules refuses before any line is read
-            self._rules = raw_rules(self.root, self.manifest)
+        rules = self.rules  # a model without rules refuses before any line is read
         parsed = parse_criteo(lines)
         if parsed.bad and not skip_bad_lines:
             bad = parsed.bad[0]
             raise CriteoFormatError(f"line {bad.index}: {bad.message}")
         out = np.full(len(lines), np.nan, np.float32)
-        out[parsed.rows] = self.predict(*self.raw_inputs(parsed), batch_size)
+        out[parsed.rows] = self.predict(*rules.inputs(parsed), batch_size)
         return out
 
     def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
         """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules."""
+        return self.rules.inputs(parsed)
+
+    @property
+    def rules(self):
+        """The artifact's raw-value rules (:mod:`dlrm_jax.serving.rules`); an ArtifactError
+        saying why when it has none."""
         if self._rules is None:
             self._rules = raw_rules(self.root, self.manifest)
-        return self._rules.inputs(parsed)
+        return self._rules
 
     def close(self) -> None:
         self.tables.close()

@@ -80,7 +80,8 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "format_version": FORMAT_VERSION, "kind": "delta" if since is not None else "full",
         "base_step": since, "step": run.step, "model": _model_section(run.cfg),
         "num_dense": run.cfg.data.num_dense, "features": features, "wide": wide, "tables_dtype": tables,
-        "preprocessing": _rules(work, run.cfg), "evaluation": _evaluation(Path(run_dir), run.step),
+        "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
+        "evaluation": _evaluation(Path(run_dir), run.step),
         "function": {"file": FUNCTION_FILE, "params": PARAMS_FILE, "platforms": list(EXPORT_PLATFORMS),
                      "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
                      + (["wide float32 [b, F, 1]"] if wide else []), "output": "probabilities float32 [b]"},
