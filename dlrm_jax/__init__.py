@@ -47,6 +47,11 @@ JSON-lines file) through a schema: :func:`load_schema`, :func:`preprocess_tabula
         joins={"users": "ml-1m/users.dat", "movies": "ml-1m/movies.dat"})
     cfg = dlrm_jax.load_config("smoke", ["data.source=binary", "data.path=data/ml1m"])
 
+Serving: :func:`export_serving` (a checkpoint as a self-contained artifact: the dense part as a
+``jax.export`` function, the tables, the raw-value rules), :func:`load_serving` (the same as
+``dlrm_jax.serving.load``, which needs only numpy, jax and tensorstore) -> :class:`ServingModel`
+with ``predict(dense, ids)`` and ``predict_raw(lines)``; delta exports (``since=STEP``) load on
+top of their base.
 Metrics: :func:`roc_auc`, :func:`log_loss`.
 """
 
@@ -91,6 +96,9 @@ _EXPORTS = {
     "TieredTables": "dlrm_jax.embedding.tiers.tables",
     "TierRunner": "dlrm_jax.embedding.tiers.runner",
     "export_run": "dlrm_jax.train.export",
+    "export_serving": "dlrm_jax.train.serving_export",
+    "ServingModel": "dlrm_jax.serving.model",
+    "load_serving": "dlrm_jax.serving.model",
     "Batch": "dlrm_jax.data.batch",
     "SyntheticSource": "dlrm_jax.data.synthetic",
     "BinarySource": "dlrm_jax.data.binary",

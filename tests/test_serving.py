@@ -86,6 +86,9 @@ def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(crit
     scored = np.loadtxt(out, dtype=np.float32)
     np.testing.assert_array_equal(scored[LINES - VAL : LINES], probs)
     np.testing.assert_array_equal(scored[LINES:], probs)  # without the label column, from .gz
+    r = subprocess.run([sys.executable, "-m", "dlrm_jax", "export", "--run-dir", str(tmp / "run"), "--output",
+                        str(tmp / "x"), "--tables", "int8"], capture_output=True, text=True, env=child_env(), timeout=60)
+    assert r.returncode != 0 and "go with --serving" in r.stderr and not (tmp / "x").exists()
     r = subprocess.run([*cli, "--input", str(bad)], capture_output=True, text=True, env=child_env(), timeout=120)
     assert r.returncode != 0 and f"{bad}:6: " in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.with_name("pred.txt.partial").exists()

@@ -122,10 +122,10 @@ def cmd_export(args) -> int:
     cfg_path = Path(args.run_dir) / "config.yaml"
     if not cfg_path.exists():
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
-    _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
-    _library_logs_to(Path(args.run_dir))
     if not args.serving and (args.since is not None or args.tables != "float32"):
         raise ConfigError("--tables and --since go with --serving (the plain export writes float32 tables whole)")
+    _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
+    _library_logs_to(Path(args.run_dir))
     if args.serving:
         from dlrm_jax.train.serving_export import export_serving
 

@@ -203,4 +203,6 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
     model.manifest = {**model.manifest, "step": delta["step"], "evaluation": delta.get("evaluation")}
 
 
-__all__ = ["ServingModel", "available_memory", "load"]
+load_serving = load  # the name dlrm_jax re-exports
+
+__all__ = ["ServingModel", "available_memory", "load", "load_serving"]
