@@ -185,3 +185,34 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
         np.testing.assert_array_equal(model.predict(dense, ids), probs)
         with pytest.raises(ArtifactError, match="data.source=synthetic"):
             model.predict_raw(["1\t2"])
+
+
+def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
+    from test_tabular import make_movielens
+
+    from dlrm_jax.data.tabular import preprocess_tabular
+
+    ml = tmp_path / "ml"
+    make_movielens(ml, n=600)
+    preprocess_tabular("movielens_1m", [str(ml / "ratings.dat")], str(tmp_path / "ds"), val_fraction=0.2,
+                       joins={"users": str(ml / "users.dat"), "movies": str(ml / "movies.dat")}, shuffle_seed=None,
+                       workers=1, progress=False)
+    cfg = load_config("smoke", ["data.source=binary", f"data.path={tmp_path / 'ds'}", "train.steps=10",
+                                "train.checkpoint_every=10", "train.eval_every=0", "train.eval_batches=0",
+                                "train.progress_bar=false", "mesh.devices=2"])
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
+    probs, _, _ = scores_of(tmp_path / "run")
+    val = (ml / "ratings.dat").read_bytes().splitlines(keepends=True)[-len(probs):]  # the latest ratings
+    unlabeled = tmp_path / "unlabeled.dat"
+    unlabeled.write_bytes(b"".join(b"::".join(line.split(b"::")[:2] + line.split(b"::")[3:]) for line in val))
+    with serving.load(tmp_path / "art") as model:
+        assert model.manifest["preprocessing"]["format"] == "tabular"
+        np.testing.assert_array_equal(model.predict_raw(val), probs)
+        np.testing.assert_array_equal(model.predict_raw(unlabeled.read_bytes().splitlines()), probs)
+    out = tmp_path / "p.txt"
+    r = subprocess.run([sys.executable, "-m", "dlrm_jax", "predict", "--model", str(tmp_path / "art"), "--input",
+                        str(unlabeled), "--output", str(out), "--format", "tabular", "--no-progress"],
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(np.loadtxt(out, dtype=np.float32), probs)

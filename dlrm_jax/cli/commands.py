@@ -143,6 +143,9 @@ def cmd_predict(args) -> int:
     from dlrm_jax.serving.files import predict_files
 
     with load(args.model, args.delta) as model:
+        if args.format and args.format != model.rules.format:
+            raise ConfigError(f"--format {args.format}: {args.model} was trained on {model.rules.format} files, "
+                              f"and reads those")
         report = predict_files(model, args.input, args.output, batch_size=args.batch_size,
                                skip_bad_lines=args.skip_bad_lines, progress=args.progress)
     print(report.summary(args.output), flush=True)

@@ -103,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", required=True, help="the serving artifact's folder")
     pr.add_argument("--delta", action="append", default=[], metavar="DIR",
                     help="a delta export to apply, in order (repeatable)")
-    pr.add_argument("--input", nargs="+", required=True, help="raw files (plain or .gz), the training files' layout; "
-                    "the label column may be present or absent")
+    pr.add_argument("--input", nargs="+", required=True, help="raw files (plain or .gz), the training files' layout "
+                    "(Criteo TSV or the model's tabular schema); the label column may be present or absent")
     pr.add_argument("--output", required=True, help="file for the probabilities, one a line, in input order")
-    pr.add_argument("--format", choices=["criteo"], default="criteo", help="the input's layout")
+    pr.add_argument("--format", choices=["criteo", "tabular"], help="the input's layout (default and only choice: "
+                    "the model's training files', Criteo TSV or its tabular schema's)")
     pr.add_argument("--batch-size", type=POSITIVE, default=4096)
     pr.add_argument("--skip-bad-lines", action="store_true",
                     help="score a malformed line as nan and go on (default: stop at the first, naming file and line)")

@@ -33,7 +33,7 @@ from dlrm_jax.data.preprocess import (
 )
 from dlrm_jax.data.synthetic import normalise_dense
 from dlrm_jax.data.synthetic_draws import mix64
-from dlrm_jax.data.tabular_records import Records, read_records
+from dlrm_jax.data.tabular_records import Records, read_records, records_from
 from dlrm_jax.data.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
@@ -331,6 +331,13 @@ def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Recor
     times = _times(schema, cols[schema.split_by.key], problems) if schema.split_by else None
     main = _convert(schema, "", cols, problems)
     keep = _report(path, rec, problems, log)
+    dense, values, empty = _joined(schema, sides, cols, main, keep, misses)
+    return Chunk(rec.count, values, empty, labels[keep], dense, None if times is None else times[keep])
+
+
+def _joined(schema: TabularSchema, sides: dict[str, _Side], cols: dict, main: _Part, keep: np.ndarray,
+            misses: dict[str, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dense, values, empty) of the kept records: the main file's features and the side files' rows."""
     parts = {"": main.take(keep)}
     for j in schema.joins:
         side, miss = sides[j.name], len(sides[j.name].index)
@@ -342,7 +349,51 @@ def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Recor
     dense = _assemble(parts, schema.dense, "dense", len(keep), np.float32)
     values = _assemble(parts, schema.categorical, "values", len(keep), np.uint64)
     empty = _assemble(parts, schema.categorical, "empty", len(keep), bool)
-    return Chunk(rec.count, values, empty, labels[keep], dense, None if times is None else times[keep])
+    return dense, values, empty
+
+
+# ---------------------------------------------------------------- scoring (dlrm_jax.serving)
+
+
+def load_sides(schema: TabularSchema, joins: dict[str, str], log: SkipLog, chunk_lines: int = 65536) -> dict:
+    """Every side file of the schema's joins, read whole (``joins``: name -> path)."""
+    return {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
+
+
+def scoring_chunks(schema: TabularSchema, sides: dict, f, raw, path: str, first_line: bytes, log: SkipLog,
+                   chunk_lines: int, bar=None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Records of an open file to score, the label neither read nor checked: per chunk, (the
+    line of every record in file order, the positions of the usable ones among them, and their
+    dense, values, empty). A file whose header (or field count) shows no label column is read
+    without it; ``first_line``: the file's first line, which tells."""
+    layout, wanted = _without_label(schema, first_line)
+    for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
+        cols, problems = rec.columns(wanted), {}
+        main = _convert(schema, "", cols, problems)
+        keep = _report(path, rec, problems, log)
+        dense, values, empty = _joined(schema, sides, cols, main, keep, None)
+        lines = np.array(rec.linenos + [line for line, _, _ in rec.bad], np.int64)
+        order = np.argsort(lines, kind="stable")
+        at = np.empty(len(lines), np.int64)
+        at[order] = np.arange(len(lines))
+        yield lines[order], at[keep], dense, values, empty
+
+
+def _without_label(schema: TabularSchema, first_line: bytes) -> tuple:
+    """(layout, wanted columns) to read a file to score: the label is not wanted, and a file
+    without the label column (a header without its name, or one field fewer) is read as such."""
+    label = schema.label.column.key
+    wanted = [w for w in schema.wanted() if w != label or any(f.column.key == label for f in schema.features)]
+    layout = schema.layout
+    if layout.format != "csv" or not isinstance(label, str) or label not in layout.columns:
+        return layout, wanted
+    fields = [x.strip().strip('"') for x in first_line.decode(layout.encoding, "replace").rstrip("\r\n")
+              .split(layout.delimiter)]
+    header = layout.header is True or (bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields))
+    absent = label not in fields if header else len(fields) == len(layout.columns) - 1
+    if absent:
+        layout = dataclasses.replace(layout, columns=tuple(c for c in layout.columns if c != label))
+    return layout, wanted
 
 
 def _assemble(parts: dict[str, _Part], features, field: str, n: int, dtype) -> np.ndarray:

@@ -165,30 +165,37 @@ def _check_header(path: str, names: list[str], columns: tuple[str, ...]) -> None
 def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None) -> Iterator[Records]:
     """The records of one file, ``chunk_lines`` at a time; ``bar`` (tqdm) advances by bytes read."""
     with open_input(path) as (raw, f):
-        undecodable: set[int] = set()
-        items = _split(_decoded(f, layout.encoding, undecodable), layout)
-        header = None
-        if layout.format == "csv" and layout.header:
-            first = next(items, None)
-            if layout.header == AUTO and not _looks_like_header(first, layout.columns):
-                items = itertools.chain([first] if first else [], items)  # line 1 is data
-            elif first is None or not isinstance(first[2], list) or not first[2] or 1 in undecodable:
-                raise DataFormatError(f"{path}:1: expected a header line naming the columns (the schema says header: true)")
-            else:
-                header = first[2]
-                _check_header(path, _names(header), layout.columns)
-        columns, read = _Columns(path, layout, wanted, header), 0
-        while batch := list(itertools.islice(items, chunk_lines)):
-            out = Records([], [], [], len(batch))
-            for first, last, record in batch:
-                try:
-                    if undecodable and not undecodable.isdisjoint(range(first, last + 1)):
-                        raise _Bad("encoding", f"not valid {layout.encoding} text")
-                    out.rows.append(columns.pick(record))
-                    out.linenos.append(first)
-                except _Bad as e:
-                    out.bad.append((first, *e.args))
-            if bar is not None:
-                bar.update(raw.tell() - read)
-                read = raw.tell()
-            yield out
+        yield from records_from(f, raw, path, layout, wanted, chunk_lines, bar)
+
+
+def records_from(f, raw, path: str, layout: Layout, wanted: list[str | int], chunk_lines: int,
+                 bar=None) -> Iterator[Records]:
+    """:func:`read_records` of an open binary stream ``f`` (``raw``: the file under it, for
+    ``bar``); ``path`` names it in errors."""
+    undecodable: set[int] = set()
+    items = _split(_decoded(f, layout.encoding, undecodable), layout)
+    header = None
+    if layout.format == "csv" and layout.header:
+        first = next(items, None)
+        if layout.header == AUTO and not _looks_like_header(first, layout.columns):
+            items = itertools.chain([first] if first else [], items)  # line 1 is data
+        elif first is None or not isinstance(first[2], list) or not first[2] or 1 in undecodable:
+            raise DataFormatError(f"{path}:1: expected a header line naming the columns (the schema says header: true)")
+        else:
+            header = first[2]
+            _check_header(path, _names(header), layout.columns)
+    columns, read = _Columns(path, layout, wanted, header), 0
+    while batch := list(itertools.islice(items, chunk_lines)):
+        out = Records([], [], [], len(batch))
+        for first, last, record in batch:
+            try:
+                if undecodable and not undecodable.isdisjoint(range(first, last + 1)):
+                    raise _Bad("encoding", f"not valid {layout.encoding} text")
+                out.rows.append(columns.pick(record))
+                out.linenos.append(first)
+            except _Bad as e:
+                out.bad.append((first, *e.args))
+        if bar is not None:
+            bar.update(raw.tell() - read)
+            read = raw.tell()
+        yield out

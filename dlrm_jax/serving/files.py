@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from dlrm_jax.data.criteo import NUM_FIELDS, CriteoFormatError
 from dlrm_jax.data.criteo_preprocess import parse_block
-from dlrm_jax.data.preprocess import SkipLog, byte_progress, open_input
+from dlrm_jax.data.preprocess import DataFormatError, SkipLog, byte_progress, open_input
 from dlrm_jax.serving.model import ServingModel
 from dlrm_jax.serving.rules import parse_criteo
 
@@ -35,16 +35,22 @@ class PredictReport:
 
 def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path, *, batch_size: int = 4096,
                   skip_bad_lines: bool = False, progress: bool = True) -> PredictReport:
-    """Score every line of ``inputs`` (plain or gzipped Criteo TSV, label first or absent) into
-    ``output``, one probability a line; a malformed line stops the run naming its file and line,
+    """Score every line of ``inputs`` (plain or gzipped, the training files' layout: Criteo TSV
+    with the label first or absent, or a tabular schema's, one record a line) into ``output``,
+    one probability a line (a record); a malformed line stops the run naming its file and line,
     or (``skip_bad_lines``) is scored nan. ``output`` appears whole or not at all."""
-    start, log = time.perf_counter(), SkipLog(skip_bad_lines, CriteoFormatError)
+    start, log = time.perf_counter(), SkipLog(skip_bad_lines, DataFormatError)
     output = Path(output)
     partial = output.with_name(output.name + ".partial")
     lines = scored = 0
     try:
         with open(partial, "w") as out, byte_progress(inputs, "predict", progress) as bar:
             for path in inputs:
+                if model.rules.format == "tabular":
+                    for probs in _tabular(model, str(path), batch_size, log, bar):
+                        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                        lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
+                    continue
                 with open_input(path, CriteoFormatError) as (raw, f):
                     lineno, read = 1, 0
                     while chunk := list(itertools.islice(f, CHUNK_LINES)):
@@ -76,3 +82,15 @@ def _score(model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLo
     if len(parsed.rows):
         probs[parsed.rows] = model.predict(*rules.inputs(parsed), batch_size)
     return probs
+
+
+def _tabular(model: ServingModel, path: str, batch_size: int, log: SkipLog, bar) -> Iterator[np.ndarray]:
+    """Per chunk of a tabular file's records, their probabilities in file order (nan: skipped)."""
+    with open_input(path, DataFormatError) as (_, f):
+        first = f.readline()
+    with open_input(path, DataFormatError) as (raw, f):
+        for records, keep, dense, ids in model.rules.chunks(f, raw, path, first, log, CHUNK_LINES, bar):
+            probs = np.full(len(records), np.nan, np.float32)
+            if len(keep):
+                probs[keep] = model.predict(dense, ids, batch_size)
+            yield probs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.criteo import CriteoFormatError, ParsedLines
+from dlrm_jax.data.preprocess import DataFormatError, SkipLog
 from dlrm_jax.serving.artifact import (
     FUNCTION_FILE,
     INT8_FIELD,
@@ -102,6 +104,8 @@ class ServingModel:
     def predict(self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Probabilities float32 [n] of ``dense`` [n, num_dense] and ``ids`` [n, S], ``batch_size`` at a time."""
         dense = np.asarray(dense, np.float32)
+        if dense.ndim == 2 and dense.shape[1] == 0 and self.manifest["num_dense"] == 1:
+            dense = np.zeros((len(dense), 1), np.float32)  # data without dense features: one zero column, as trained
         if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"]:
             raise ValueError(f"dense must have shape [n, {self.manifest['num_dense']}], got {list(dense.shape)}")
         if len(dense) != len(ids):
@@ -118,9 +122,12 @@ class ServingModel:
 
     def predict_raw(self, lines: Sequence[bytes | str], skip_bad_lines: bool = False,
                     batch_size: int = DEFAULT_BATCH) -> np.ndarray:
-        """Probabilities float32 [len(lines)] of raw Criteo lines (label first or absent);
-        a malformed line is an error naming its index, or (``skip_bad_lines``) scores NaN."""
+        """Probabilities float32 [len(lines)] of raw lines in the training files' layout (Criteo:
+        label first or absent; a tabular schema's: one record a line, the label column present or
+        absent); a malformed line is an error naming it, or (``skip_bad_lines``) scores NaN."""
         rules = self.rules  # a model without rules refuses before any line is read
+        if rules.format == "tabular":
+            return self._predict_tabular(lines, skip_bad_lines, batch_size)
         parsed = parse_criteo(lines)
         if parsed.bad and not skip_bad_lines:
             bad = parsed.bad[0]
@@ -128,6 +135,19 @@ class ServingModel:
         out = np.full(len(lines), np.nan, np.float32)
         out[parsed.rows] = self.predict(*rules.inputs(parsed), batch_size)
         return out
+
+    def _predict_tabular(self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int) -> np.ndarray:
+        """A tabular model's records (one a line here), in order; nan for a skipped one."""
+        data = [s.encode() if isinstance(s, str) else s for s in lines]
+        data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
+        log = SkipLog(skip_bad_lines, DataFormatError)
+        out = [np.zeros(0, np.float32)]
+        for records, keep, dense, ids in self.rules.chunks(io.BytesIO(b"".join(data)), None, "rows",
+                                                           data[0] if data else b"", log, max(len(data), 1)):
+            probs = np.full(len(records), np.nan, np.float32)
+            probs[keep] = self.predict(dense, ids, batch_size)
+            out.append(probs)
+        return np.concatenate(out)
 
     def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
         """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules."""

@@ -1,36 +1,37 @@
 """Raw values -> model inputs, by the rules preprocessing (or the text source) trained with.
 
-``manifest["preprocessing"]`` names one kind:
+``manifest["preprocessing"]`` has a ``format`` (``criteo``: Criteo TSV; ``tabular``: files a
+schema describes, copied into the artifact with its join files) and a ``kind``:
 
-- ``criteo_vocabulary``: a feature's values counted in training get ids 2.. (``rules/feature_<f>.npy``
+- ``vocabulary``: a feature's values counted in training get ids 2.. (``rules/feature_<f>.npy``
   lists (value, count) by id); a missing value is id 0, any other value id 1.
-- ``criteo_compact`` (``--max-ind-range M``): value % M, then the rank of that among the hashed
-  values training kept; a hashed value training never counted takes the table's last row when
-  it has one for them (``oov_rows``), else the row of hashed value 0 (a missing value's).
-- ``criteo_hash`` (``data.source=criteo``): value % the table's rows.
-- ``none`` (synthetic data): there are no raw values; use ``predict(dense, ids)``.
+- ``compact`` (``--max-ind-range M``): value % M, then the rank of that among the hashed values
+  training kept; a hashed value training never counted takes the table's last row when it has
+  one for them (``oov_rows``), else the row of hashed value 0 (a missing value's).
+- ``hash`` (``data.source=criteo``): value % the table's rows.
+- ``none``: no raw values (synthetic data, ``--multi-hot`` bags); use ``predict(dense, ids)``.
 
 Ids then wrap into a table trained with fewer rows than the data's (``data.max_rows``), as
-training did. Dense counts become log1p(max(x, 0)), missing 0, as in training.
+training did. Dense values are transformed as in training (Criteo: log1p(max(x, 0)), missing 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from dlrm_jax.data.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
-from dlrm_jax.data.preprocess import MISSING_ID, OOV_ID
+from dlrm_jax.data.preprocess import MISSING_ID, OOV_ID, SkipLog
 from dlrm_jax.data.synthetic import normalise_dense
 from dlrm_jax.serving.artifact import ArtifactError
 
-CRITEO_KINDS = ("criteo_vocabulary", "criteo_compact", "criteo_hash")
+ID_KINDS = ("vocabulary", "compact", "hash")
 
 
-class CriteoRules:
-    """The id of every raw Criteo value, feature by feature, and the dense transform."""
+class IdRules:
+    """The id of every raw value (uint64, as preprocessing counts it), feature by feature."""
 
     def __init__(self, root: Path, spec: dict, table_rows: Sequence[int]):
         self.kind, self.table_rows = spec["kind"], [int(r) for r in table_rows]
@@ -39,8 +40,8 @@ class CriteoRules:
         self._sorted, self._ids, self._unseen = [], [], []
         for f, name in enumerate(spec.get("files", [])):
             kept = np.load(Path(root) / name)
-            if self.kind == "criteo_compact":
-                has_oov = f < len(spec["oov_rows"]) and spec["oov_rows"][f] is not None
+            if self.kind == "compact":
+                has_oov = spec["oov_rows"][f] is not None
                 values = kept[: len(kept) - has_oov, 0]  # ascending: a value's id is its rank
                 self._sorted.append(values)
                 self._ids.append(np.arange(len(values), dtype=np.int32))
@@ -54,20 +55,20 @@ class CriteoRules:
                 self._unseen.append(OOV_ID)
 
     def ids(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
-        """uint64 [n, 26] values and bool [n, 26] missing -> int32 [n, 26] table rows."""
+        """uint64 [n, F] values and bool [n, F] missing -> int32 [n, F] table rows."""
         out = np.empty(values.shape, np.int32)
         for f in range(values.shape[1]):
             v = values[:, f]
-            if self.kind == "criteo_hash":
+            if self.kind == "hash":
                 out[:, f] = (v % np.uint64(self.table_rows[f])).astype(np.int32)
                 continue
-            if self.kind == "criteo_compact":
+            if self.kind == "compact":
                 v = v % np.uint64(self.modulus)
             table = self._sorted[f]
             slot = np.minimum(np.searchsorted(table, v), max(len(table) - 1, 0))
             found = (table[slot] == v) if len(table) else np.zeros(len(v), bool)
             ids = np.where(found, self._ids[f][slot] if len(table) else 0, self._unseen[f])
-            if self.kind == "criteo_vocabulary":
+            if self.kind == "vocabulary":
                 ids = np.where(empty[:, f], MISSING_ID, ids)
             out[:, f] = ids
         for f, (card, rows) in enumerate(zip(self.cards, self.table_rows, strict=True)):
@@ -75,9 +76,38 @@ class CriteoRules:
                 out[:, f] %= rows
         return out
 
+
+class CriteoRules(IdRules):
+    format = "criteo"
+
     def inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
         """Parsed lines -> (dense float32 [n, 13], ids int32 [n, 26])."""
         return normalise_dense(parsed.counts, parsed.missing), self.ids(parsed.values, parsed.empty)
+
+
+class TabularRules(IdRules):
+    """A schema's files: read as preprocessing reads them, joined with the artifact's copies of
+    the side files, the label neither needed nor checked."""
+
+    format = "tabular"
+
+    def __init__(self, root: Path, spec: dict, table_rows: Sequence[int]):
+        from dlrm_jax.data.tabular import load_sides
+        from dlrm_jax.data.tabular_schema import load_schema
+
+        super().__init__(root, spec, table_rows)
+        self.schema = load_schema(Path(root) / spec["schema"])
+        self.sides = load_sides(self.schema, {k: Path(root) / v for k, v in spec.get("joins", {}).items()},
+                                SkipLog(True))
+
+    def chunks(self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int,
+               bar=None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per chunk of records: (their lines, the usable ones' positions, dense, ids)."""
+        from dlrm_jax.data.tabular import scoring_chunks
+
+        for lines, keep, dense, values, empty in scoring_chunks(self.schema, self.sides, f, raw, path, first_line,
+                                                                log, chunk_lines, bar):
+            yield lines, keep, dense, self.ids(values, empty)
 
 
 def parse_criteo(lines: Sequence[bytes | str]) -> ParsedLines:
@@ -88,14 +118,15 @@ def parse_criteo(lines: Sequence[bytes | str]) -> ParsedLines:
     return parse_lines([b"0\t" + s if s.count(b"\t") == unlabeled else s for s in lines])
 
 
-def raw_rules(root: Path, manifest: dict):
+def raw_rules(root: Path, manifest: dict) -> CriteoRules | TabularRules:
     """The rules of an artifact, or an ArtifactError saying why raw rows cannot be scored."""
     spec = manifest.get("preprocessing") or {"kind": "none"}
-    kind = spec.get("kind")
-    if kind in CRITEO_KINDS:
-        if len(manifest["features"]) != NUM_CATEGORICAL:
-            raise ArtifactError(f"{root}: preprocessing {kind} needs {NUM_CATEGORICAL} features")
-        return CriteoRules(root, spec, [f["rows"] for f in manifest["features"]])
+    kind, rows = spec.get("kind"), [f["rows"] for f in manifest["features"]]
+    if kind in ID_KINDS and spec.get("format") == "tabular":
+        return TabularRules(root, spec, rows)
+    if kind in ID_KINDS:
+        if len(rows) != NUM_CATEGORICAL:
+            raise ArtifactError(f"{root}: Criteo rules need {NUM_CATEGORICAL} features, the model has {len(rows)}")
+        return CriteoRules(root, spec, rows)
     why = spec.get("why") or f"its preprocessing is {kind!r}"
-    raise ArtifactError(f"{root}: raw rows cannot be scored with this model ({why}); "
-                        f"pass ids: predict(dense, ids)")
+    raise ArtifactError(f"{root}: raw rows cannot be scored with this model ({why}); pass ids: predict(dense, ids)")

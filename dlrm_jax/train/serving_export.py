@@ -188,30 +188,36 @@ def _write_function(work: Path, run: RestoredRun) -> None:
 
 
 def _rules(work: Path, cfg) -> dict:
-    """How raw values become ids, with the vocabularies copied in (see dlrm_jax.serving.rules)."""
+    """How raw values become ids, with the vocabularies (and a schema with its join files)
+    copied in (see dlrm_jax.serving.rules)."""
     source = cfg.data.source
     if source == "criteo":
-        return {"kind": "criteo_hash"}
+        return {"format": "criteo", "kind": "hash"}
     if source != "binary":
         return {"kind": "none", "why": f"trained on data.source={source}: no raw values"}
     root = Path(cfg.data.path)
     meta = read_meta(root)
-    if "schema" in meta:
-        return {"kind": "tabular", "why": "raw tabular rows are not yet scored by the artifact (their schema's "
-                                          "joins and transforms); preprocess them and pass ids"}
     if max(meta["bag_sizes"]) > 1:
-        return {"kind": "multi_hot", "why": "its bags were drawn by preprocess --multi-hot, whose rule is not kept"}
-    files = []
+        return {"kind": "none", "why": "its bags were drawn by preprocess --multi-hot, whose rule is not kept"}
     (work / "rules").mkdir()
+    files = []
     for f in range(len(meta["cardinalities"])):
         name = f"rules/feature_{f}.npy"
         shutil.copyfile(root / "vocab" / f"feature_{f}.npy", work / name)
         files.append(name)
     modulus = int(meta.get("max_ind_range") or 0)
-    spec = {"kind": "criteo_compact" if modulus else "criteo_vocabulary", "max_ind_range": modulus,
-            "cardinalities": [int(c) for c in meta["cardinalities"]], "files": files}
+    spec = {"format": "tabular" if "schema" in meta else "criteo", "kind": "compact" if modulus else "vocabulary",
+            "max_ind_range": modulus, "cardinalities": [int(c) for c in meta["cardinalities"]], "files": files}
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
+    if "schema" in meta:  # the schema and its join files, as preprocessing read them
+        spec["schema"] = "rules/schema.yaml"
+        shutil.copyfile(meta["schema"], work / spec["schema"])
+        spec["joins"] = {}
+        for name, path in meta.get("joins", {}).items():
+            spec["joins"][name] = f"rules/joins/{name}/{Path(path).name}"
+            (work / spec["joins"][name]).parent.mkdir(parents=True)
+            shutil.copyfile(path, work / spec["joins"][name])
     return spec
 
 
