@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dlrm_jax.data.binary import read_meta
+from dlrm_jax.data.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.model.wide import WideInputs, wide_logits
 from dlrm_jax.serving.artifact import (
     FORMAT_VERSION,
@@ -81,6 +82,7 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "base_step": since, "step": run.step, "model": _model_section(run.cfg),
         "num_dense": run.cfg.data.num_dense, "features": features, "wide": wide, "tables_dtype": tables,
         "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
+        "dense_transform": _dense_transform(run.cfg),
         "evaluation": _evaluation(Path(run_dir), run.step),
         "function": {"file": FUNCTION_FILE, "params": PARAMS_FILE, "platforms": list(EXPORT_PLATFORMS),
                      "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
@@ -210,6 +212,8 @@ def _rules(work: Path, cfg) -> dict:
             "max_ind_range": modulus, "cardinalities": [int(c) for c in meta["cardinalities"]], "files": files}
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
+    else:
+        spec |= {"missing_id": MISSING_ID, "oov_id": OOV_ID}
     if "schema" in meta:  # the schema and its join files, as preprocessing read them
         spec["schema"] = "rules/schema.yaml"
         shutil.copyfile(meta["schema"], work / spec["schema"])
@@ -219,6 +223,22 @@ def _rules(work: Path, cfg) -> dict:
             (work / spec["joins"][name]).parent.mkdir(parents=True)
             shutil.copyfile(path, work / spec["joins"][name])
     return spec
+
+
+def _dense_transform(cfg) -> dict:
+    """What turns a raw dense value into the model's input, per dense feature."""
+    if cfg.data.source == "binary":
+        meta = read_meta(Path(cfg.data.path))
+        if "schema" in meta:
+            from dlrm_jax.data.tabular_schema import load_schema
+
+            return {"features": {f.name: f.transform
+                                 for f in load_schema(meta["schema"]).dense},
+                    "log1p": "log1p(max(x, 0)), missing 0", "none": "x as it is, missing 0",
+                    **({"zero_column": True} if not meta["num_dense"] else {})}
+    if cfg.data.source == "synthetic":
+        return {"all": "none: synthetic features are model inputs as drawn"}
+    return {"all": "log1p(max(x, 0)), missing 0 (Criteo's integer counts)"}
 
 
 def _oov_row(kept: np.ndarray) -> int | None:
