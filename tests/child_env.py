@@ -1,6 +1,8 @@
 """Flags every test process compiles with, and the environment of the tests' child processes."""
 
 import os
+import subprocess
+import sys
 
 # Tests compile far more than they run: LLVM's optimisation passes are most of a CPU compile and
 # level 0 makes the suite about a third faster. Results are unchanged (no fast-math either way).
@@ -13,3 +15,13 @@ def child_env(drop=("JAX_PLATFORMS",)) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in drop}
     env["XLA_FLAGS"] = COMPILE_FLAGS
     return env
+
+
+def cli(*args, timeout=300, check=False, drop=()) -> subprocess.CompletedProcess:
+    """``python -m dlrm_jax ARGS`` in a child with the tests' compile flags; ``check``: an
+    AssertionError showing both streams unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=child_env(drop=drop))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc

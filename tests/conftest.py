@@ -11,8 +11,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No XLA persistent compilation cache: with jaxlib 0.10.2, loading some cached CPU executables
 # kills the process ("Fatal Python error" in test_hot_rows with a warm cache, none with an empty one).
 
+import json  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from dlrm_jax.config import load_config  # noqa: E402
 
@@ -57,7 +60,11 @@ def _compile_identical_programs_once():
     compiler.backend_compile_and_load = compile_once
 
 
-_compile_identical_programs_once()
+# The memo patches a private JAX function: only on the JAX it was written against, and never with
+# DLRM_TEST_COMPILE_MEMO=0 (compare a run without it when a test behaves oddly).
+_MEMO_JAX = ("0.10.",)
+if os.environ.get("DLRM_TEST_COMPILE_MEMO", "1") != "0" and jax.__version__.startswith(_MEMO_JAX):
+    _compile_identical_programs_once()
 
 
 def tiny_config(*overrides: str):
@@ -74,3 +81,40 @@ def tiny_config(*overrides: str):
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+# ---------------------------------------------------------------- shared by the tests
+
+QUIET = dict(log=lambda *_: None)  # train_and_evaluate & co. without their progress lines
+
+
+def losses(run_dir) -> list[float]:
+    """Every metrics.jsonl event's loss, in order."""
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Hypothesis: HYPOTHESIS_PROFILE=fast (a quarter of the examples: the inner loop), default, or
+# thorough (5x: a longer search before a release). Tests give their example counts through
+# examples(), which the profile scales; no deadline (first calls compile).
+_EXAMPLE_SCALE = {"fast": 0.25, "default": 1.0, "thorough": 5.0}
+settings.register_profile("default", deadline=None)
+settings.register_profile("fast", deadline=None)
+settings.register_profile("thorough", deadline=None)
+_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "default")
+if _PROFILE not in _EXAMPLE_SCALE:
+    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={_PROFILE}: one of {', '.join(_EXAMPLE_SCALE)}")
+settings.load_profile(_PROFILE)
+
+
+def examples(n: int) -> int:
+    """``n`` hypothesis examples, scaled by the profile (at least 2)."""
+    return max(2, round(n * _EXAMPLE_SCALE[_PROFILE]))
+
+
+def pytest_collection_modifyitems(items):
+    """The 4- and 8-device columns of a battery parametrized over ``devices`` are slow: the fast
+    lane (``pytest -m "not slow"``) keeps its 1 and 2 devices, sharded all the same."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("devices", 0) >= 4:
+            item.add_marker(pytest.mark.slow)

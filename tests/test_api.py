@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import dlrm_jax
 
 
@@ -14,12 +16,14 @@ def test_every_export_resolves_with_a_docstring():
     assert {"Interrupted", "TrainingDiverged", "ArraySource", "with_overrides", "load_config"} <= set(dlrm_jax.__all__)
 
 
+@pytest.mark.slow
 def test_import_does_not_start_jax():
     code = "import sys, dlrm_jax; dlrm_jax.request_cpu_devices(3); print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_notebook_flow(tmp_path):
     code = (
         "import dlrm_jax\n"
@@ -48,6 +52,7 @@ def test_overrides_as_a_list_a_string_or_a_dict_and_a_changed_copy():
         dlrm_jax.with_overrides(a, {"train.stepz": 1})
 
 
+@pytest.mark.slow
 def test_asking_for_devices_after_they_started_is_refused():
     code = ("import jax, dlrm_jax; jax.devices()\n"
             "try:\n    dlrm_jax.request_cpu_devices(4)\nexcept RuntimeError as e:\n    print(e)\n")

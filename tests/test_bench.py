@@ -5,14 +5,14 @@ import json
 import numpy as np
 import pytest
 from child_env import child_env
+from conftest import QUIET
 
 from dlrm_jax.bench.common import hlo_collective_bytes
 from dlrm_jax.bench.embedding import bench_embedding
 from dlrm_jax.bench.train import bench_train
 
-QUIET = dict(log=lambda *_: None)
 
-
+@pytest.mark.slow
 def test_embedding_bench_bytes_match_hlo(tiny, tmp_path):
     cfg = tiny("mesh.devices=8", "train.batch_size=64", "data.cardinalities=[300, 40, 1000, 7, 64]")
     out = tmp_path / "emb.json"
@@ -38,6 +38,7 @@ def test_hlo_parser():
     assert hlo_collective_bytes(groups, 8) == {"all-gather": 16 * 8 * 4 / 2, "reduce-scatter": 4 * 4 * 1}
 
 
+@pytest.mark.slow
 def test_mlp_parallel_bench_compares_the_modes(tmp_path):
     """Tensor parallelism holds half the dense state per device on groups of two, and its
     collectives are within groups; the JSON has every mode's figures."""
@@ -78,6 +79,7 @@ def bench_json(tmp_path, name, rows, devices, env_extra=None):
     return json.loads(out.read_text())["results"]["default"]
 
 
+@pytest.mark.slow
 def test_peak_host_memory_follows_the_plan(tmp_path):
     """Peak RSS grows by at most 1.5x the plan's bytes over a run with tiny tables (the fixed
     runtime overhead), on 8 simulated devices: no table is built whole on every device."""
@@ -88,6 +90,7 @@ def test_peak_host_memory_follows_the_plan(tmp_path):
     assert growth <= 1.5 * big["plan_bytes"], (growth / 2**20, big["plan_bytes"] / 2**20)
 
 
+@pytest.mark.slow
 def test_cli_puts_host_memory_on_huge_pages(tmp_path):
     """The CLI restarts itself with glibc's huge-page tunable; DLRM_JAX_HUGE_PAGES=0 opts out."""
     from pathlib import Path
@@ -128,6 +131,7 @@ print(faults() - before)
 """
 
 
+@pytest.mark.slow
 def test_freed_buffers_are_reused_not_faulted_in_again():
     """glibc's default returns a step's freed buffers to the kernel and faults them in again
     the next step; with ``keep_freed_memory`` the next step reuses them: no page faults."""
@@ -157,6 +161,7 @@ def test_collectives_bench_reports_both_bandwidths(tmp_path):
         assert r["all_to_all_over_all_reduce"] == r["all_to_all_bytes_per_s"] / r["all_reduce_bytes_per_s"]
 
 
+@pytest.mark.slow
 def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(tiny, tmp_path):
     """Frequency-ordered ids on row-wise blocks: the hot ids all live on device 0, the model
     replicates some, the busiest bucket shrinks, and the HLO's collectives move exactly the
@@ -191,6 +196,7 @@ def test_no_dedup_bytes_count_every_remote_lookup(tiny):
     assert no_dedup_bytes(plan, [ids]) == (3 + 1) * (4 + 2 * 4 * 8) / 2
 
 
+@pytest.mark.slow
 def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
     """``bench tiers``: each cache size and lookahead, plus the large case (tables scaled up
     in the disk tier), as ratios to the all-in-device run, with measured and predicted hit

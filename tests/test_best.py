@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import tiny_config
+from conftest import QUIET, tiny_config
 
 from dlrm_jax.train.checkpoint import saved_steps
 from dlrm_jax.train.evaluate import evaluate_run
@@ -14,7 +14,6 @@ from dlrm_jax.train.export import export_run
 from dlrm_jax.train.progress import Evaluation, Progress
 from dlrm_jax.train.trainer import train_and_evaluate
 
-QUIET = dict(log=lambda *_: None)
 # Two held-out batches a tiny evaluation: its AUC peaks early and wanders (step 4 here).
 BASE = ("train.steps=24", "train.eval_every=2", "train.checkpoint_every=4", "mesh.devices=2")
 
@@ -54,6 +53,7 @@ def test_the_summary_and_final_event_show_the_best_beside_the_last(full_run):
         evaluate_run(run, step="best", **QUIET)
 
 
+@pytest.mark.slow
 def test_keep_best_outlives_rotation_and_eval_and_export_pick_it(tiny, tmp_path, full_run):
     _, _, evals = full_run
     best = first_best(evals)
@@ -134,6 +134,7 @@ def test_progress_record_round_trips_and_never_prefers_nan():
     assert p.tracking("auc", log=lambda _: None).best is None  # another metric: tracked afresh
 
 
+@pytest.mark.slow
 def test_keep_best_keeps_the_tier_snapshot_of_tiered_tables(tiny, tmp_path):
     """Tiered tables live in the disk tier's snapshots: the best step's stays with its checkpoint."""
     from test_tiered import BASE as TIER_BASE

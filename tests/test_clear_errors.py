@@ -10,15 +10,10 @@ import sys
 import time
 
 import pytest
-from child_env import child_env
+from child_env import child_env, cli
 
 from dlrm_jax.cli import build_parser
 from dlrm_jax.files import check_dir, json_text, make_dir
-
-
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
-                          timeout=timeout, env=child_env(drop=()))
 
 
 def one_line(err: str) -> str:
@@ -40,6 +35,7 @@ def test_check_dir_names_the_file_in_the_way(tmp_path):
     assert check_dir(tmp_path / "later", "x") == tmp_path / "later" and not (tmp_path / "later").exists()
 
 
+@pytest.mark.slow
 def test_run_dir_that_is_a_file_is_one_line(tmp_path):
     """Issue 25: "[Errno 17] File exists: PATH"."""
     (tmp_path / "f").write_text("keep me")
@@ -105,6 +101,7 @@ def truncated_gz(path, text: bytes):
     return path
 
 
+@pytest.mark.slow
 def test_truncated_gz_tabular_input_is_one_line(tmp_path):
     """Issue 25: a 40-line traceback ending in EOFError (criteo's preprocess already said it)."""
     rows = "".join(f"{i % 7},{i % 3},{i % 2}\n" for i in range(20000))
@@ -183,6 +180,7 @@ def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
 # ---------------------------------------------------------------- signals before the loop
 
 
+@pytest.mark.slow
 def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
     """Issue 25: SIGTERM before the training loop (here: compiling) ended the process by the
     default action without a word, while SIGINT printed one."""
@@ -222,6 +220,7 @@ except stopping.Stopped as e:
 """
 
 
+@pytest.mark.slow
 def test_a_stop_swallowed_in_a_collection_callback_stops_the_loop_without_a_traceback():
     """CI saw SIGTERM during compiling land in JAX's gc callback: Python printed "Exception
     ignored in ... _xla_gc_callback", dropped the stop, and the run trained on to exit 0."""
@@ -248,6 +247,7 @@ def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
 
 
 # ---------------------------------------------------------------- the data a run reads
+@pytest.mark.slow
 @pytest.mark.parametrize("settings,says", [
     (["data.path=DIR"], "data.source=synthetic generates its data and reads no path"),
     (["data.source=binary", "data.path=DIR/none"], "no such folder; data.source=binary reads a folder made by"),
@@ -265,6 +265,7 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
     """Issue 32: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
     import os
@@ -307,6 +308,7 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,says", [
     (["train", "--config", "criteo"], "shipped configs: criteo_kaggle, default, mlperf_dlrm_dcnv2"),
     (["train", "--set", "train.keep_best=true"], "train.keep_best: expected one of '', auc, logloss, got True"),
@@ -328,6 +330,7 @@ def test_version_and_plain_help(capsys):
     assert "``" not in capsys.readouterr().out  # no raw reStructuredText
 
 
+@pytest.mark.slow
 def test_a_gpu_asked_of_a_jax_without_cuda_is_one_line_saying_how_to_install():
     import jax
 
@@ -339,6 +342,7 @@ def test_a_gpu_asked_of_a_jax_without_cuda_is_one_line_saying_how_to_install():
     assert proc.returncode == 2 and 'pip install -e ".[cuda12]"' in one_line(proc.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--process-id"], ["--process-id", "x", "dlrm-jax"], ["--process-id", "0"]])
 def test_a_cluster_launch_without_its_process_id_or_command_is_a_usage_line(argv):
     proc = subprocess.run([sys.executable, "-m", "dlrm_jax.parallel.launch", *argv], capture_output=True, text=True,

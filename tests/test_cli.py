@@ -11,18 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from child_env import child_env
+from child_env import cli as run_cli
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 FINAL = re.compile(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=(\S+)$")
 SMOKE = ["--config", "smoke", "--set", "train.progress_bar=false"]
 
 
 def cli(*args, timeout=300, check=True):
-    env = child_env(drop=())  # the CLI sets it itself
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
+    return run_cli(*args, timeout=timeout, check=check)
 
 
 def final_line(proc):

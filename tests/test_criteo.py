@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,6 +211,7 @@ def test_gzipped_input_is_streamed_and_reported_by_line(tmp_path, tsv):
         CriteoTSVSource(criteo_config(gz))
 
 
+@pytest.mark.slow
 def test_killed_preprocess_leftovers_are_removed(tmp_path, tsv):
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
@@ -287,6 +289,7 @@ def test_dense_labels_and_split_sizes(tmp_path, raw, tsv):
     np.testing.assert_array_equal(val["labels"], raw.labels[900:].astype(np.float32))
 
 
+@pytest.mark.slow
 def test_chunking_and_line_endings_give_identical_bytes(tmp_path, tsv):
     path, _ = tsv
     crlf = tmp_path / "crlf.tsv"
@@ -301,7 +304,8 @@ def test_chunking_and_line_endings_give_identical_bytes(tmp_path, tsv):
         assert (tmp_path / "crlf" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
 
 
-@settings(max_examples=15, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=examples(15))
 @given(chunk=st.integers(1, 60), val_fraction=st.floats(0.0, 0.9), split_at=st.integers(1, 119),
        hashing=st.booleans())  # fmt: skip
 def test_any_chunking_split_and_file_boundary(tsv, chunk, val_fraction, split_at, hashing):

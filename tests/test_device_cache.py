@@ -8,6 +8,7 @@ lookahead window needs is never evicted when the cache can hold the window.
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ def owner_of_cache_id(plan: TablePlan, n: int, cid: np.ndarray):
 batches_st = st.lists(st.lists(st.integers(-1, 59), min_size=1, max_size=10), min_size=1, max_size=12)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120))
 @given(batches=batches_st, strategy=st.sampled_from(["row", "table", "column"]),
        layout=st.sampled_from(["block", "cyclic"]), cache=st.integers(3, 16), lookahead=st.integers(0, 3),
        devices=st.sampled_from([1, 2, 4]))

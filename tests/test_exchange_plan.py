@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +54,7 @@ def test_predicted_bytes_are_the_compiled_programs(tiny, form):
     assert 0 <= case["measured_bytes"] - case["predicted_bytes"] <= 8 * parts + 8
 
 
+@pytest.mark.slow
 def test_bench_exchange_writes_every_strategy(tmp_path):
     import subprocess
     import sys
@@ -116,6 +118,7 @@ def test_auto_is_never_predicted_slower_than_an_explicit_strategy():
         assert times["auto"] <= min(times.values()) * 1.0001, (n, times)
 
 
+@pytest.mark.slow
 def test_plan_of_a_thousand_devices_is_quick():
     import time
 
@@ -137,7 +140,7 @@ def test_cost_model_prices_links_by_where_they_go():
 
 
 # ---------------------------------------------------------------- the pooled layout
-@settings(deadline=None)
+@settings(max_examples=examples(100))
 @given(st.data())
 def test_pooled_layout_carries_every_slot_once_to_its_owner(data):
     n = data.draw(st.integers(1, 6))

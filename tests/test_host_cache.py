@@ -2,6 +2,7 @@
 written back, or in the tier), dirty rows reach the tier when evicted or flushed."""
 
 import numpy as np
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ ops = st.lists(st.tuples(st.sampled_from(["get", "put", "flush"]),
                          st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True)), max_size=25)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(ops=ops, capacity=st.integers(1, 16), policy=st.sampled_from(["lru", "lfu"]))
 def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
     tier = store(tmp_path_factory.mktemp("tier"))
@@ -49,7 +50,7 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
     tier.close()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12))
 @given(rows=st.integers(50, 2000), exponent=st.sampled_from([0.0, 0.8, 1.1, 1.4]), fraction=st.floats(0.01, 0.6))
 def test_predicted_lru_hit_rate_matches_a_simulated_lru(rows, exponent, fraction):
     """The plan's cache model (Che's approximation) against an LRU replayed over independent

@@ -101,6 +101,7 @@ def test_host_replicas_match_the_reference(tiny, devices, hosts, sharding, optim
     assert float(steps.table_divergence(state.emb)) == 0.0
 
 
+@pytest.mark.slow
 def test_host_replicas_keep_the_all_to_all_inside_each_host(tiny):
     """The compiled step's all-to-alls each run among one host's devices; what crosses hosts is
     the update's all-gathers between counterpart owners (and the dense all-reduce). The global
@@ -127,6 +128,7 @@ def test_host_replicas_keep_the_all_to_all_inside_each_host(tiny):
     assert all(groups and [len(grp) for grp in groups] == [8] for groups in hlo_replica_groups(compiled("global", 0)[1], "all-to-all"))
 
 
+@pytest.mark.slow
 def test_host_replicas_run_equals_a_global_run_through_the_api(tiny, tmp_path):
     """train_and_evaluate with 2 simulated hosts of replicas: the metrics and the exported
     tables are a global run's on the same 8 devices, and a run cut at its step-3 checkpoint

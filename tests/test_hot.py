@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ def counted_by_hand(batches):
     return per_table
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(seed=st.integers(0, 2**16), n_batches=st.integers(0, 4), batch=st.integers(1, 20))
 def test_counts_match_a_hand_count(seed, n_batches, batch):
     batches = random_batches(seed, n_batches, batch)
@@ -46,7 +47,7 @@ def test_counts_match_a_hand_count(seed, n_batches, batch):
     assert counts.lookups() == sum(sum(c.values()) for c in counted_by_hand(batches))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(seed=st.integers(0, 2**16), factor=st.floats(0, 1))
 def test_decay_is_factor_times_old_plus_new(seed, factor):
     old_b, new_b = random_batches(seed, 2, 8), random_batches(seed + 1, 2, 8)
@@ -60,7 +61,7 @@ def test_decay_is_factor_times_old_plus_new(seed, factor):
         np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(seed=st.integers(0, 2**16), k=st.integers(0, 40))
 def test_most_frequent_rows_and_their_hit_rate(seed, k):
     batches = random_batches(seed, 3, 10)
@@ -137,7 +138,7 @@ def test_model_never_predicts_worse_than_no_replication(tiny):
     assert best.memory_bytes <= 64 * 1024
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(seed=st.integers(0, 2**16), max_rows=st.integers(0, 500))
 def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
     from dlrm_jax.embedding.hot.planner import candidate_sizes
@@ -152,7 +153,7 @@ def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
         assert all(k <= n for k, n in zip(s, seen, strict=True))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(seed=st.integers(0, 2**16), k=st.integers(0, 60), big=st.booleans())
 def test_top_rows_and_truncation_follow_the_full_ranking(seed, k, big):
     """The threshold selection gives what ranking every row would, ties included (few

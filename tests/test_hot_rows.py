@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import QUIET, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_embedding import CARDS, build, check_against_reference, logical, strategy_overrides
@@ -106,7 +107,7 @@ edge_ids = st.lists(st.tuples(st.integers(0, len(ROWS) - 1), st.sampled_from(["f
                               st.integers(0, 10**6)), max_size=12)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(picks=edge_ids)
 def test_refresh_leaves_every_table_bit_for_bit(trained_collection, picks):
     """Any hot set (table edges, duplicates across picks, fewer rows than the capacity): the
@@ -131,7 +132,6 @@ def test_refresh_leaves_every_table_bit_for_bit(trained_collection, picks):
 
 
 # ---------------------------------------------------------------- through the trainer
-QUIET = dict(log=lambda *_: None)
 
 
 def restored(cfg, run_dir):
@@ -151,6 +151,7 @@ def hot_run(tiny, *extra):
                 "embedding.hot.rows=24", "embedding.hot.stats_batches=2", "embedding.hot.refresh_every=3", *extra)
 
 
+@pytest.mark.slow
 def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
     """Refreshes after steps 3, 6, 9, each from the counts of the two batches before it; the
     run is cut after step 5, inside the window of the refresh at 6 (batch 4 counted before

@@ -38,6 +38,7 @@ def test_wheel_holds_every_module_config_and_schema(unpacked_wheel):
         assert not missing, f"not in the wheel: {missing}"
 
 
+@pytest.mark.slow
 def test_the_installed_copy_trains_the_smoke_config_by_name(unpacked_wheel, tmp_path):
     env = child_env(drop=())
     env["PYTHONPATH"] = str(unpacked_wheel)  # ahead of the checkout's editable install

@@ -3,6 +3,8 @@
 import sys
 import time
 
+import pytest
+
 from dlrm_jax.parallel.launch import supervise
 
 
@@ -45,6 +47,7 @@ def test_a_killed_process_that_ends_late_is_still_the_one_named(tmp_path, capsys
     assert rc == 128 + 9
 
 
+@pytest.mark.slow
 def test_signal_pending_reads_the_kernels_masks():
     import signal
     import subprocess
@@ -89,6 +92,7 @@ def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
     assert "Gloo" not in out.out and "Socket closed" not in out.err
 
 
+@pytest.mark.slow
 def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path):
     """A child of the launch (DLRM_JAX_PARENT set) gets SIGTERM, the save-and-stop signal, when
     the supervisor dies, however it dies: before, both children trained on for 10-30 s holding
@@ -142,6 +146,7 @@ for table in ("/proc/net/tcp", "/proc/net/tcp6"):
 """
 
 
+@pytest.mark.slow
 def test_the_coordination_service_listens_only_where_it_was_told():
     """Issue 32: process 0's coordinator listened on every interface (*:PORT) although every
     process was told 127.0.0.1:PORT; anyone reaching the host could talk to it."""

@@ -1,6 +1,7 @@
 """Exact AUC against a brute-force pair count, ties included; logloss."""
 
 import numpy as np
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,7 @@ def brute_auc(labels, scores):
     return wins / (len(pos) * len(neg))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 6)), min_size=2, max_size=60))
 def test_auc_equals_pair_count_with_ties(pairs):
     labels = np.array([p[0] for p in pairs])

@@ -3,11 +3,11 @@ parallelism on 1, 2, 4 and 8 devices, hold only their share of the weights, and 
 restore across the modes."""
 
 import itertools
-import json
 
 import jax
 import numpy as np
 import pytest
+from conftest import QUIET, examples, losses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,16 +20,11 @@ from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.trainer import train_and_evaluate
 
-QUIET = dict(log=lambda *_: None)
 # Widths that split over 8 devices; a low-rank cross network (its U, V pair up too); a top MLP
 # deep enough for 4 pipeline stages.
 MODEL = ("model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 16, 8, 1]", "model.interaction=dcn",
          "model.dcn_rank=8", "model.dcn_layers=1", "train.optimizer=adam", "train.learning_rate=0.01",
          "train.steps=4", "train.log_every=1")
-
-
-def losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def saved_dense(cfg, run_dir):
@@ -59,6 +54,7 @@ def assert_same(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_tensor_and_pipeline_train_like_data_parallel(tiny):
     """On 1, 2, 4 and 8 devices. Tensor parallel: one model group over every device (the hardest
     split); pipelined: two stages (four: test_checkpoints_restore_across_modes). The reference
@@ -72,6 +68,7 @@ def test_tensor_and_pipeline_train_like_data_parallel(tiny):
             assert_same(got_state, ref_state)
 
 
+@pytest.mark.slow
 def test_each_device_holds_its_share_of_the_dense_layers(tiny):
     cfg = tiny("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=tensor", *MODEL)
     _, steps = build(cfg, make_mesh(8, model=4))
@@ -95,6 +92,7 @@ def test_each_device_holds_its_share_of_the_dense_layers(tiny):
     assert_same(plan.unpack(plan.pack(params)), params)
 
 
+@pytest.mark.slow
 def test_checkpoints_restore_across_modes(tiny, tmp_path):
     """Two steps pipelined over four stages, two more tensor-parallel from its checkpoint, end
     where four data-parallel steps end."""
@@ -123,7 +121,7 @@ def test_impossible_splits_are_refused_naming_the_key(tiny, overrides, message):
         build(cfg, mesh_from_config(cfg))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(head=st.integers(0, 50), costs=st.lists(st.integers(1, 50), min_size=1, max_size=7), stages=st.integers(1, 5))
 def test_stage_cuts_are_contiguous_and_the_best_balance(head, costs, stages):
     if len(costs) < stages - 1:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,7 +138,7 @@ def test_mlperf_constants_match_config():
     assert table_bytes(data["cardinalities"], MLPERF_DCNV2_BAG_SIZES) == 23_098_260_712
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40))
 @given(n=st.integers(0, 300), cut=st.integers(0, 300), seed=st.integers(0, 2**32 - 1),
        distribution=st.sampled_from(["uniform", "pareto"]))
 def test_property_split_invariant_and_in_range(n, cut, seed, distribution):

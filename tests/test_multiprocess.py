@@ -13,6 +13,8 @@ import time
 import pytest
 from child_env import child_env
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
         "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
         "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3", "--set", "embedding.hot.rows=16",

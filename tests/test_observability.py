@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 from child_env import child_env
+from conftest import QUIET
 
 from dlrm_jax.observe.metrics import tensorboard_tag
 from dlrm_jax.train.trainer import train_and_evaluate
-
-QUIET = dict(log=lambda *_: None)
 
 
 def read_scalars(folder) -> dict[tuple[str, int], float]:
@@ -31,6 +30,7 @@ def read_scalars(folder) -> dict[tuple[str, int], float]:
     return scalars
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_match_metrics_jsonl_across_a_resume(tiny, tmp_path):
     overrides = ["mesh.devices=2", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
                  "train.tensorboard=true", "embedding.sharding=row"]
@@ -110,6 +110,7 @@ def test_report_names_a_bad_metrics_line(tmp_path, capsys):
     assert "is " + str(tmp_path / "missing") + " a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     import subprocess
     import sys
@@ -168,6 +169,7 @@ def test_every_instruction_of_the_step_gets_its_phase(tiny):
     assert any(n.startswith("all-to-all") for n in by_phase["exchange forward"])
 
 
+@pytest.mark.slow
 def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     """Tiered tables (with hot rows refreshed inside the profiled steps, which must release the
     planner thread): the device caches' fill is a traced phase and the dispatching thread's

@@ -73,6 +73,7 @@ def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_eve
         assert divergence > 0.0
 
 
+@pytest.mark.slow
 def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(tiny, tmp_path):
     import json
 

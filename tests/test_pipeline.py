@@ -8,6 +8,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import QUIET
 
 from dlrm_jax.bench.input import bench_input
 from dlrm_jax.data.criteo import write_criteo_tsv
@@ -15,8 +16,6 @@ from dlrm_jax.data.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.pipeline import InputPipeline
 from dlrm_jax.data.synthetic import SyntheticGenerator
 from dlrm_jax.train.trainer import train_and_evaluate
-
-QUIET = dict(log=lambda *_: None)
 
 
 def test_steps_come_in_order_whatever_thread_finishes_first():
@@ -59,6 +58,7 @@ def dataset(tmp_path_factory):
     return tmp / "ds"
 
 
+@pytest.mark.slow
 def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, dataset):
     def cfg(steps):
         return tiny("data.source=binary", f"data.path={dataset}", "mesh.devices=4", f"train.steps={steps}",
@@ -74,6 +74,7 @@ def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, da
     assert all(e["input_wait_ms"] >= 0 and e["input_read_ms"] > 0 for e in lines[0])
 
 
+@pytest.mark.slow
 def test_bench_input_reports_every_case_beside_the_step(tiny, tmp_path, dataset):
     cfg = tiny("data.source=binary", f"data.path={dataset}", "mesh.devices=2", "train.batch_size=128")
     report = bench_input(cfg, steps=4, step_steps=2, output=str(tmp_path / "in.json"), **QUIET)

@@ -4,6 +4,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from conftest import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from dlrm_jax.data.shards import split_sizes
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50))
 @given(st.lists(FLOATS, max_size=40))
 @example([0.0, -0.0, 5e-324, -5e-324, 1.7e308, -1.7e308, 978300760.0])
 def test_time_keys_keep_the_order_of_the_times(times):
@@ -23,7 +24,7 @@ def test_time_keys_keep_the_order_of_the_times(times):
     assert [key_time(k) for k in keys.tolist()] == [t + 0.0 for t in times]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(times=st.lists(st.one_of(st.integers(-3, 3).map(float), FLOATS), min_size=1, max_size=80),
        cuts=st.lists(st.integers(0, 80), max_size=5), val_fraction=st.floats(0.0, 0.99))  # fmt: skip
 def test_time_split_holds_out_the_latest_rows_ties_by_input_order(times, cuts, val_fraction):

@@ -10,6 +10,8 @@ exchange send every request exactly once, within capacity, each row in one round
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,7 +73,7 @@ def id_batches(draw, rows):
     return ids.astype(np.int32)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(data=st.data())
 def test_routing_and_bucketing(data):
     n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
@@ -111,7 +113,8 @@ def test_routing_and_bucketing(data):
             np.testing.assert_array_equal(usable, valid.ravel())
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=examples(25))
 @given(data=st.data())
 def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     """Several devices' buckets for the same owners, a capacity too small: the agreed rounds
@@ -151,7 +154,7 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     assert sent == wanted
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5),
        rows=st.sampled_from([1, 7, 50, 2**31 - 2]))
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
@@ -178,7 +181,7 @@ def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     np.testing.assert_array_equal(np.asarray(cold), np.where(want_row >= 0, PAD_ID, ids))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(seed=st.integers(0, 2**16), buckets=st.sampled_from([1, 2, 8, 32]), load=st.floats(0.0, 0.9))
 def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, load):
     """Up to 90% full (the index stays under 50%): every key gets its own entry in one of
@@ -203,7 +206,8 @@ def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, lo
     assert all(where[k] // HOT_BUCKET in choices[k] for k in range(n))
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=examples(30))
 @given(data=st.data())
 def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
     """A tiered table's hot ids, split on the host into step ids (cache rows + hot row), are

@@ -13,14 +13,13 @@ import time
 
 import pytest
 from child_env import child_env
+from conftest import QUIET
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
 from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
-
-QUIET = dict(log=lambda *_: None)
 
 
 def snapshot(run):
@@ -47,6 +46,7 @@ def test_second_writer_is_refused_naming_the_holder(tiny, tmp_path):
     assert not (tmp_path / "run" / ".lock").exists()  # and no stale lock is left to read as live
 
 
+@pytest.mark.slow
 def test_a_finished_run_leaves_no_lock_and_no_empty_log(tiny, tmp_path):
     import subprocess
     import sys
@@ -58,6 +58,7 @@ def test_a_finished_run_leaves_no_lock_and_no_empty_log(tiny, tmp_path):
     assert ".lock" not in names and "dlrm-jax.log" not in names, names
 
 
+@pytest.mark.slow
 def test_incompatible_config_changes_nothing(tiny, tmp_path):
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=2"), run, **QUIET)
@@ -73,6 +74,7 @@ def test_incompatible_config_changes_nothing(tiny, tmp_path):
     assert any("train.learning_rate 0.001 -> 0.002" in line for line in logs)
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4")
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
@@ -99,6 +101,7 @@ OTHER_MODELS = [
 ]
 
 
+@pytest.mark.slow
 def test_eval_and_export_of_another_model_refuse_in_one_line_and_change_nothing(tiny, tmp_path):
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
@@ -197,6 +200,7 @@ def test_divergence_stops_before_saving_the_bad_state(tiny, tmp_path):
 WILD = ["train.learning_rate=1e6", "embedding.learning_rate=1e6"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_never_holds_the_update_that_diverged(tiny, tmp_path):
     """A step's update shows only in the next step's loss: with a checkpoint after every step,
     the state saved after step 1 was the blown-up one, and a sane re-run resumed from it."""
@@ -236,6 +240,7 @@ def popen(*args, cwd=None):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True),
                                             (signal.SIGHUP, 129, True)])  # SIGHUP: the terminal closed
 def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
@@ -260,6 +265,7 @@ def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
         assert f"re-run the command with --run-dir {run.relative_to(tmp_path)} to resume" in err
 
 
+@pytest.mark.slow
 def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(tiny, tmp_path):
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "mesh.devices=2"), run, **QUIET)
@@ -289,6 +295,7 @@ def small_disk(folder, size: str):
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
     with small_disk(tmp_path / "disk", "8m") as disk:
         run = disk / "run"
@@ -306,6 +313,7 @@ def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
         assert third.returncode == 0 and "resuming from checkpoint at step 20" in out, err
 
 
+@pytest.mark.slow
 def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
     """Issue 32: a full disk at the start said '[Errno 28] No space left on device' and no path."""
     with small_disk(tmp_path / "disk", "1m") as disk:
@@ -317,6 +325,7 @@ def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
         assert f"{disk / 'run'}/" in err and "no space left on device" in err and "MiB free" in err, err
 
 
+@pytest.mark.slow
 def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_tracebacks(tmp_path):
     """Issue 32: recovering from a damaged newest checkpoint printed 28 asyncio tracebacks
     ('Event loop is closed', 168 lines): tensorstore reads in flight when the restore failed."""

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from child_env import child_env
-from conftest import tiny_config
+from conftest import QUIET, tiny_config
 
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
@@ -25,7 +25,6 @@ from dlrm_jax.train.export import restore_run
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 
-QUIET = dict(log=lambda *_: None)
 LINES, VAL = 1500, 300
 
 
@@ -64,6 +63,7 @@ def criteo(tmp_path_factory):
     return tmp, art, scores_of(tmp / "run")
 
 
+@pytest.mark.slow
 def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(criteo):
     tmp, art, (probs, dense, ids) = criteo
     with serving.load(art["f16"]) as model:
@@ -99,6 +99,7 @@ def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(crit
     assert np.isnan(scored[5]) and np.array_equal(scored[:5], probs[:5]) and np.array_equal(scored[6:], probs[5:10])
 
 
+@pytest.mark.slow
 def test_loading_and_predicting_need_no_flax_optax_or_orbax(criteo):
     tmp, art, (probs, dense, ids) = criteo
     np.savez(tmp / "inputs.npz", dense=dense[:50], ids=ids[:50])
@@ -112,6 +113,7 @@ def test_loading_and_predicting_need_no_flax_optax_or_orbax(criteo):
     np.testing.assert_array_equal(np.load(tmp / "p.npy"), probs[:50])
 
 
+@pytest.mark.slow
 def test_int8_and_bfloat16_tables_score_near_float32_in_a_fraction_of_the_bytes(criteo):
     tmp, art, (probs, dense, ids) = criteo
     labels = np.concatenate([y[m] for _, y, m in eval_scores(*_run_parts(tmp))])
@@ -130,6 +132,7 @@ def _run_parts(tmp):
     return run.steps, run.state, make_source(run.cfg, 0, 1, trains=False, evaluates=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory_bytes", [None, 0])  # 0: every table behind the row cache
 def test_a_base_and_its_delta_load_to_the_full_export_of_the_last_step(criteo, memory_bytes):
     tmp, art, (probs, dense, ids) = criteo
@@ -150,6 +153,7 @@ def test_a_base_and_its_delta_load_to_the_full_export_of_the_last_step(criteo, m
         serving.load(art["d"])
 
 
+@pytest.mark.slow
 def test_a_damaged_or_unfinished_artifact_is_one_error_naming_the_file(criteo, tmp_path):
     import shutil
 
@@ -173,6 +177,7 @@ def test_a_damaged_or_unfinished_artifact_is_one_error_naming_the_file(criteo, t
         export_serving(criteo[0] / "run", art["f16"], **QUIET)
 
 
+@pytest.mark.slow
 def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_rules(tmp_path):
     cfg = tiny_config("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat",
                       "data.bag_sizes=[1, 3, 1, 4]", "data.pooling=mean", "train.checkpoint_every=6",
@@ -187,6 +192,7 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
             model.predict_raw(["1\t2"])
 
 
+@pytest.mark.slow
 def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
     from test_tabular import make_movielens
 

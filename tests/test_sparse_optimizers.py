@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import dense_reference
@@ -57,7 +58,7 @@ row_ids = st.integers(0, R)
 
 @pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact_sums"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25))
 @given(steps=st.lists(st.lists(row_ids, min_size=1, max_size=40), min_size=1, max_size=4),
        seed=st.integers(0, 2**16))
 def test_sparse_equals_dense(name, exact, steps, seed):

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,7 @@ MAX_N, MAX_WIDTH = 300, 5
 SUM = jax.jit(exact_segment_sum, static_argnums=2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60))
 @given(n=st.integers(1, MAX_N), num=st.integers(1, 20), width=st.integers(1, MAX_WIDTH),
        spread=st.floats(0, 60), seed=st.integers(0, 2**16))
 def test_any_order_same_bits_and_within_bound(n, num, width, spread, seed):

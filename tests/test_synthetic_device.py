@@ -79,6 +79,7 @@ def test_source_device_batches_equal_train_batch():
         assert_batches_equal(make(step), source.train_batch(step))
 
 
+@pytest.mark.slow
 def test_rows_do_not_depend_on_the_split(multi_hot, monkeypatch):
     whole = multi_hot.raw(TRAIN_STREAM, 2, 0, B)
     for lo, hi in [(0, 100), (100, 333), (333, B), (511, B)]:

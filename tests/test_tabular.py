@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from child_env import child_env
+from conftest import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -355,6 +356,7 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
     assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
 
 
+@pytest.mark.slow
 def test_avazu_gzipped_through_the_cli(files, tmp_path):
     path, want = files["avazu"]
     gz = tmp_path / "train.gz"
@@ -619,7 +621,7 @@ def test_ids_counted_on_train_rows_val_only_values_are_out_of_the_vocabulary(tmp
 # ---------------------------------------------------------------- properties
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30))
 @given(st.lists(st.text(max_size=30), max_size=30))
 @example(["a\x00b", "", "\x00", "ünï😀", "12345678", "123456789"])  # NULs take the slow path
 def test_category_values_match_the_plain_python_hash(texts):
@@ -629,7 +631,7 @@ def test_category_values_match_the_plain_python_hash(texts):
 CELLS = st.sampled_from(["", "a", "b", "a,b", 'say "hi"', "x\ny", "ü", "NULL", " a", "1", "01"])
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20))
 @given(rows=st.lists(st.tuples(st.sampled_from(["0", "1"]), CELLS, CELLS), min_size=1, max_size=40),
        min_count=st.integers(1, 3), chunk=st.integers(1, 50))  # fmt: skip
 def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_count, chunk):

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorstore as ts
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +97,7 @@ def test_chunk_rows_default_to_about_4_mib_and_shrink_to_small_tables(tmp_path):
         assert_equal(contents(store), {t: full(t) for t in TABLES})
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25))
 @given(st.lists(st.one_of(
     st.tuples(st.just("write"), st.sampled_from(list(TABLES)), st.sets(st.integers(0, 99), max_size=12),
               st.integers(0, 2**31)),

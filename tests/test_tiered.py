@@ -87,6 +87,7 @@ def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimize
     assert_same_training(reference, tiered)
 
 
+@pytest.mark.slow
 def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     """Through train_and_evaluate: a tiered run cut after its step-4 checkpoint and resumed
     (the tier restored to its snapshot, caches cold) equals the uninterrupted run, and both
@@ -123,6 +124,7 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
             np.testing.assert_array_equal(read("export_whole", table, field), read("export_device", table, field))
 
 
+@pytest.mark.slow
 def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
     """Hot rows compose with tiered tables: hot rows of tiered tables stay in the replicated
     hot arrays (never in a cache slot), refreshes move them between the hot copies and the
@@ -158,6 +160,7 @@ def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
             np.testing.assert_array_equal(read("export_cut", table, field), read("export_device", table, field))
 
 
+@pytest.mark.slow
 def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
     """8 devices row-wise, checkpoint, then 4 devices table-wise: the device-resident tables
     are re-laid out, the tiered ones come from the tier's snapshot with new, cold caches; the
@@ -211,6 +214,7 @@ train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     """SIGKILL while the step-8 checkpoint flushes rows into the tier (the working files half
     written, no snapshot 8): re-running resumes from step 4 and ends bitwise as a run never

@@ -1,10 +1,10 @@
 """The training driver: device-count invariance, bitwise resume, restore onto another mesh."""
 
-import json
 
 import jax
 import numpy as np
 import pytest
+from conftest import QUIET, losses
 
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
@@ -12,12 +12,6 @@ from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.trainer import train_and_evaluate
-
-QUIET = dict(log=lambda *_: None)
-
-
-def losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def final_state(cfg, run_dir):
@@ -39,6 +33,7 @@ def logical_state(cfg, run_dir):
 # here the stateful pair (row-wise Adagrad + Adam) and the stateless one, end to end, and
 # DLRM-DCNv2's model (a low-rank cross network) with Adagrad MLPs and row-wise Adagrad tables.
 # Wide&Deep adds its FTRL-trained wide part (replicated, all-gathered updates) to an Adam deep part.
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,dense_opt,model", [
     ("rowwise_adagrad", "adam", ()), ("sgd", "sgd", ()),
     ("rowwise_adagrad", "adagrad", ("model.interaction=dcn", "model.dcn_rank=4")),
@@ -71,6 +66,7 @@ def test_resume_is_bitwise_identical(tiny, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [("row", "row"), ("table", "column"), ("auto", "replicated")])
 def test_restore_onto_fewer_devices(tiny, tmp_path, before, after):
     cfg8 = tiny("mesh.devices=8", "train.steps=4", f"embedding.sharding={before}", "embedding.optimizer=adagrad")
