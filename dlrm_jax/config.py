@@ -35,8 +35,7 @@ from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's o
 # ---------------------------------------------------------------- coercion of raw values
 
 
-def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None,
-            words: tuple[str, ...] = ()) -> Any:
+def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None, words: tuple[str, ...] = ()) -> Any:
     if words:  # int | str: an integer or one of the words
         if isinstance(value, str) and value in words:
             return value
@@ -100,8 +99,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
                 raise ConfigError(f"{key}: expected a mapping of keys, got {sub!r}")
             kwargs[name] = _build(hints[name], sub, key)
         elif name in raw:
-            kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"),
-                                   f.metadata.get("words", ()))
+            kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"), f.metadata.get("words", ()))
     return cls(**kwargs)
 
 
@@ -112,8 +110,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
     for k, v in over.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and k in out and not isinstance(out[k], dict):
-            raise ConfigError(f"{key}: is {out[k]!r}, not a mapping of keys, so --set {key}.{next(iter(v), '')} "
-                              f"cannot go into it")
+            raise ConfigError(
+                f"{key}: is {out[k]!r}, not a mapping of keys, so --set {key}.{next(iter(v), '')} cannot go into it"
+            )
         out[k] = _merge(out[k], v, f"{key}.") if isinstance(v, dict) and k in out else v
     return out
 
@@ -186,7 +185,9 @@ def resolve_config_path(path: str | Path) -> Path:
         if candidate.exists():
             return candidate
     shipped = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"config file {path} does not exist; shipped configs: {', '.join(shipped)} (or a YAML file's path)")
+    raise ConfigError(
+        f"config file {path} does not exist; shipped configs: {', '.join(shipped)} (or a YAML file's path)"
+    )
 
 
 def load_raw(path: str | Path) -> dict[str, Any]:
@@ -198,8 +199,10 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"config file {p}: cannot be read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          f"a config is a YAML text file") from None
+        raise ConfigError(
+            f"config file {p}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"a config is a YAML text file"
+        ) from None
     except yaml.YAMLError as e:
         line, problem = yaml_problem(e)
         raise ConfigError(f"config file {p}{f':{line}' if line else ''}: cannot be read as YAML: {problem}") from None
@@ -218,8 +221,9 @@ def _check_sections(cls: type, raw: dict[str, Any], prefix: str, path: Path) -> 
             key, sub = f"{prefix}{f.name}", raw[f.name]
             if not isinstance(sub, dict):
                 what = "nothing" if sub is None else repr(sub)
-                raise ConfigError(f"config file {path}: {key} must be a mapping of keys (e.g. {key}: {{KEY: VALUE}}), "
-                                  f"got {what}")
+                raise ConfigError(
+                    f"config file {path}: {key} must be a mapping of keys (e.g. {key}: {{KEY: VALUE}}), got {what}"
+                )
             _check_sections(hints[f.name], sub, f"{key}.", path)
 
 
@@ -280,11 +284,13 @@ def _check_table_overrides(key: str, items: tuple[str, ...], what: str, values: 
     for i, item in enumerate(items):
         name, sep, value = item.partition("=")
         if not sep or not name or value not in values:
-            raise ConfigError(f"{key}[{i}]: {item!r} must be TABLE={what} with {what} one of "
-                              f"{', '.join(values)}, e.g. {example}")
+            raise ConfigError(
+                f"{key}[{i}]: {item!r} must be TABLE={what} with {what} one of {', '.join(values)}, e.g. {example}"
+            )
         if name in first:
-            raise ConfigError(f"{key}: table {name} is named twice ({first[name]!r} and {item!r}); "
-                              f"give each table once")
+            raise ConfigError(
+                f"{key}: table {name} is named twice ({first[name]!r} and {item!r}); give each table once"
+            )
         first[name] = item
 
 
@@ -296,9 +302,11 @@ def check_features(cfg: Config) -> Config:
         bottom = m.bottom_mlp[-1] if m.bottom_mlp else d.num_dense
         width = bottom + m.embedding_dim * len(d.cardinalities)
         if m.dcn_rank > width:
-            raise ConfigError(f"model.dcn_rank={m.dcn_rank} exceeds the cross network's input width {width} "
-                              f"({bottom} + model.embedding_dim {m.embedding_dim} x {len(d.cardinalities)} features): "
-                              f"use at most {width}, or 0 for full-rank layers")
+            raise ConfigError(
+                f"model.dcn_rank={m.dcn_rank} exceeds the cross network's input width {width} "
+                f"({bottom} + model.embedding_dim {m.embedding_dim} x {len(d.cardinalities)} features): "
+                f"use at most {width}, or 0 for full-rank layers"
+            )
     return cfg
 
 
@@ -319,8 +327,10 @@ def validate(cfg: Config) -> Config:
     _positive("train.early_stop_evals", t.early_stop_evals, allow_zero=True)
     for key in ("target_auc", "early_stop_evals"):
         if getattr(t, key) and not t.eval_every:
-            raise ConfigError(f"train.{key}: early stopping needs evaluations during the run; set "
-                              f"train.eval_every > 0 (it is 0: only at the end)")
+            raise ConfigError(
+                f"train.{key}: early stopping needs evaluations during the run; set "
+                f"train.eval_every > 0 (it is 0: only at the end)"
+            )
     if t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "
@@ -335,8 +345,7 @@ def validate(cfg: Config) -> Config:
         _positive(f"data.cardinalities[{i}]", c)
     if len(d.bag_sizes) not in (1, len(d.cardinalities)):
         raise ConfigError(
-            f"data.bag_sizes: give one value or one per feature ({len(d.cardinalities)}), "
-            f"got {len(d.bag_sizes)}"
+            f"data.bag_sizes: give one value or one per feature ({len(d.cardinalities)}), got {len(d.bag_sizes)}"
         )
     for i, b in enumerate(d.bag_sizes):
         _positive(f"data.bag_sizes[{i}]", b)
@@ -351,9 +360,11 @@ def validate(cfg: Config) -> Config:
     if d.source in ("criteo", "binary") and not d.path:
         raise ConfigError(f"data.path: required when data.source={d.source}")
     if d.source == "synthetic" and d.path:
-        raise ConfigError(f"data.path={d.path}: data.source=synthetic generates its data and reads no path; "
-                          f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
-                          f"data.source=criteo for a Criteo text file")
+        raise ConfigError(
+            f"data.path={d.path}: data.source=synthetic generates its data and reads no path; "
+            f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
+            f"data.source=criteo for a Criteo text file"
+        )
     _positive("model.embedding_dim", m.embedding_dim)
     _positive("model.dcn_layers", m.dcn_layers)
     _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)
@@ -361,11 +372,15 @@ def validate(cfg: Config) -> Config:
         check_features(cfg)
     if m.kind == "wide_deep":
         if m.bottom_mlp:
-            raise ConfigError(f"model.bottom_mlp: must be empty ([]) for model.kind=wide_deep, whose deep part "
-                              f"takes the dense features as they are; got {list(m.bottom_mlp)}")
+            raise ConfigError(
+                f"model.bottom_mlp: must be empty ([]) for model.kind=wide_deep, whose deep part "
+                f"takes the dense features as they are; got {list(m.bottom_mlp)}"
+            )
         if m.interaction == "dot":
-            raise ConfigError("model.interaction: model.kind=wide_deep has no dot interaction; use cat (Wide&Deep) "
-                              "or dcn (a cross network on the deep part)")
+            raise ConfigError(
+                "model.interaction: model.kind=wide_deep has no dot interaction; use cat (Wide&Deep) "
+                "or dcn (a cross network on the deep part)"
+            )
         _positive("model.wide_learning_rate", m.wide_learning_rate)
         _positive("model.wide_l1", m.wide_l1, allow_zero=True)
         _positive("model.wide_l2", m.wide_l2, allow_zero=True)
@@ -387,8 +402,9 @@ def validate(cfg: Config) -> Config:
     _positive("embedding.adagrad_initial_accumulator", e.adagrad_initial_accumulator, allow_zero=True)
     _positive("embedding.capacity_factor", e.capacity_factor)
     _positive("embedding.memory_budget_gb", e.memory_budget_gb, allow_zero=True)
-    _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY",
-                           ("replicated", "table", "row", "column"), "cat_2=row")
+    _check_table_overrides(
+        "embedding.table_sharding", e.table_sharding, "STRATEGY", ("replicated", "table", "row", "column"), "cat_2=row"
+    )
     _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", ("device", "tiered"), "cat_2=tiered")
     tier = e.tier
     for key in ("device_cache_rows", "host_cache_rows", "lookahead", "fill_rows"):
@@ -410,14 +426,20 @@ def validate(cfg: Config) -> Config:
     _positive("embedding.sync_every", e.sync_every, allow_zero=True)
     if e.tables_per_host:
         if h.rows != 0:
-            raise ConfigError(f"embedding.sync={e.sync}: hot rows (embedding.hot.rows) are not supported with "
-                              "per-host tables yet; set embedding.hot.rows=0")
+            raise ConfigError(
+                f"embedding.sync={e.sync}: hot rows (embedding.hot.rows) are not supported with "
+                "per-host tables yet; set embedding.hot.rows=0"
+            )
         if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
-            raise ConfigError(f"embedding.sync={e.sync}: tiered tables (embedding.storage) are not supported "
-                              "with per-host tables yet; use embedding.storage=device")
+            raise ConfigError(
+                f"embedding.sync={e.sync}: tiered tables (embedding.storage) are not supported "
+                "with per-host tables yet; use embedding.storage=device"
+            )
         if e.sync == "host_replicas" and e.sync_every:
-            raise ConfigError(f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
-                              "stay equal by construction and are never averaged; set embedding.sync_every=0")
+            raise ConfigError(
+                f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
+                "stay equal by construction and are never averaged; set embedding.sync_every=0"
+            )
         if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
             raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
     _positive("mesh.model", cfg.mesh.model)
@@ -430,15 +452,21 @@ def validate(cfg: Config) -> Config:
     if cfg.mesh.devices and cfg.mesh.devices % cfg.mesh.model:
         raise ConfigError(f"mesh.model={cfg.mesh.model} must divide mesh.devices={cfg.mesh.devices}")
     if cfg.mesh.model > 1 and e.tables_per_host:
-        raise ConfigError("mesh.model > 1: model groups are not supported with per-host tables "
-                          f"(embedding.sync={e.sync}) yet; use mesh.model=1")
+        raise ConfigError(
+            "mesh.model > 1: model groups are not supported with per-host tables "
+            f"(embedding.sync={e.sync}) yet; use mesh.model=1"
+        )
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         if e.tables_per_host:
-            raise ConfigError(f"model.kind=wide_deep: per-host tables (embedding.sync={e.sync}) are not supported "
-                              "yet; use embedding.sync=global")
+            raise ConfigError(
+                f"model.kind=wide_deep: per-host tables (embedding.sync={e.sync}) are not supported "
+                "yet; use embedding.sync=global"
+            )
         if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
-            raise ConfigError("model.kind=wide_deep: tiered tables (embedding.storage) are not supported yet; "
-                              "use embedding.storage=device")
+            raise ConfigError(
+                "model.kind=wide_deep: tiered tables (embedding.storage) are not supported yet; "
+                "use embedding.storage=device"
+            )
     return cfg
 
 

@@ -13,9 +13,33 @@ from typing import Any
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-    14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 
 AUTO_ROW_CAP = 20000  # data.max_rows=auto for synthetic data and Criteo text
 
@@ -146,9 +170,7 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    sharding: str = field(
-        default="auto", metadata=_choices("auto", "replicated", "table", "row", "column")
-    )
+    sharding: str = field(default="auto", metadata=_choices("auto", "replicated", "table", "row", "column"))
     optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
     learning_rate: float = 0.05  # 0 = use train.learning_rate
     adagrad_eps: float = 1e-8

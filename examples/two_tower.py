@@ -91,8 +91,14 @@ def item_column(s: Settings) -> int:
 
 def plan_tables(s: Settings, devices: int) -> dlrm_jax.EmbeddingPlan:
     """Large tables split by rows over every device, the two small ones whole on one device."""
-    return dlrm_jax.plan_embeddings(table_specs(s), s.sharding, devices, "adagrad", s.batch_size,
-                                    overrides={"user_region": "table", "item_topic": "table"})
+    return dlrm_jax.plan_embeddings(
+        table_specs(s),
+        s.sharding,
+        devices,
+        "adagrad",
+        s.batch_size,
+        overrides={"user_region": "table", "item_topic": "table"},
+    )
 
 
 # ----------------------------------------------------------------------------- data
@@ -211,13 +217,13 @@ def build(s: Settings, mesh: jax.sharding.Mesh) -> Parts:
     tx = dense_optimizer(s)
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(nnx.to_pure_dict(params), replicated)
-    state = TrainState(params, jax.jit(tx.init, out_shardings=replicated)(params),
-                       tables.init(jax.random.key(s.seed)))
+    state = TrainState(params, jax.jit(tx.init, out_shardings=replicated)(params), tables.init(jax.random.key(s.seed)))
 
     def train_step(state: TrainState, ids_bs: jax.Array):
         pooled_bfd, res = tables.lookup(state.tables, ids_bs)  # all-to-all to the rows' owners and back
         loss, (grads, grad_bfd) = jax.value_and_grad(partial(loss_fn, graphdef, s), argnums=(0, 1))(
-            state.params, pooled_bfd, ids_bs)
+            state.params, pooled_bfd, ids_bs
+        )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         emb = tables.apply_gradients(state.tables, res, grad_bfd, s.sparse_lr)  # looked-up rows only
@@ -227,21 +233,28 @@ def build(s: Settings, mesh: jax.sharding.Mesh) -> Parts:
         pooled_bfd, _ = tables.lookup(state.tables, ids_bs)
         user_bk, item_bk = nnx.merge(graphdef, state.params)(pooled_bfd)
         item_b = ids_bs[:, item_column(s)]
-        return (in_batch_softmax_loss(user_bk, item_bk, item_b, s.temperature),
-                recall_at_k(user_bk, item_bk, item_b, s.k))
+        return (
+            in_batch_softmax_loss(user_bk, item_bk, item_b, s.temperature),
+            recall_at_k(user_bk, item_bk, item_b, s.k),
+        )
 
     shardings = jax.tree.map(lambda x: x.sharding, state)  # the tables keep the plan's layout
     batch = tables.batch_sharding
-    return Parts(tables, graphdef, state,
-                 jax.jit(train_step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
-                         donate_argnums=0),
-                 jax.jit(eval_step, in_shardings=(shardings, batch), out_shardings=replicated))
+    return Parts(
+        tables,
+        graphdef,
+        state,
+        jax.jit(train_step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated), donate_argnums=0),
+        jax.jit(eval_step, in_shardings=(shardings, batch), out_shardings=replicated),
+    )
 
 
 def evaluate(parts: Parts, state: TrainState, data: Clicks, s: Settings) -> tuple[float, float]:
     """(loss, recall@k) averaged over ``s.eval_batches`` held-out batches."""
-    out = [parts.eval_step(state, jax.device_put(data.held_out(i), parts.tables.batch_sharding))
-           for i in range(s.eval_batches)]
+    out = [
+        parts.eval_step(state, jax.device_put(data.held_out(i), parts.tables.batch_sharding))
+        for i in range(s.eval_batches)
+    ]
     return tuple(float(np.mean([o[j] for o in out])) for j in range(2))
 
 
@@ -261,8 +274,10 @@ def train(s: Settings, log: Callable[[str], None] = print) -> list[dict]:
         if step < s.steps:
             state, _ = parts.train_step(state, jax.device_put(data.batch(step), parts.tables.batch_sharding))
     seconds = time.perf_counter() - start
-    log(f"final step={s.steps} loss={loss:.6f} recall@{s.k}={recall:.4f} chance={chance:.4f} "
-        f"devices={mesh.size} seconds={seconds:.1f}")
+    log(
+        f"final step={s.steps} loss={loss:.6f} recall@{s.k}={recall:.4f} chance={chance:.4f} "
+        f"devices={mesh.size} seconds={seconds:.1f}"
+    )
     return history
 
 

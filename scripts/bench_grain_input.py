@@ -55,22 +55,41 @@ def main(argv=None) -> None:
     from dlrm_jax.data.sources import resolve_data_config
     from dlrm_jax.train.build import build, mesh_from_config
 
-    cfg = resolve_data_config(dlrm_jax.load_config("criteo_kaggle", [
-        "data.source=binary", f"data.path={args.data}", f"train.batch_size={args.batch}", "data.max_rows=0",
-        f"mesh.devices={args.devices}", f"data.readers={args.readers}", f"data.prefetch={args.prefetch}"]))  # fmt: skip
+    cfg = resolve_data_config(
+        dlrm_jax.load_config(
+            "criteo_kaggle",
+            [
+                "data.source=binary",
+                f"data.path={args.data}",
+                f"train.batch_size={args.batch}",
+                "data.max_rows=0",
+                f"mesh.devices={args.devices}",
+                f"data.readers={args.readers}",
+                f"data.prefetch={args.prefetch}",
+            ],
+        )
+    )
     source = BinarySource(cfg)
     _, fns = build(cfg, mesh_from_config(cfg), source, log=lambda *_: None)
     sharding = fns.batch_sharding
 
     def pipeline(steps, on_device):
-        return (x.device if on_device else x.host for x in
-                InputPipeline(source.train_batch, steps, to_device=fns.device_batch if on_device else None,
-                              readers=args.readers, depth=args.prefetch))  # fmt: skip
+        return (
+            x.device if on_device else x.host
+            for x in InputPipeline(
+                source.train_batch,
+                steps,
+                to_device=fns.device_batch if on_device else None,
+                readers=args.readers,
+                depth=args.prefetch,
+            )
+        )
 
     def grain_batches(steps, processes=False):
         ds = grain.MapDataset.range(steps.start, steps.stop).map(source.train_batch)
-        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0 if processes else args.readers,
-                                                  prefetch_buffer_size=args.prefetch))  # fmt: skip
+        it = ds.to_iter_dataset(
+            grain.ReadOptions(num_threads=0 if processes else args.readers, prefetch_buffer_size=args.prefetch)
+        )
         if processes:
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=args.readers))
         return it
@@ -92,14 +111,20 @@ def main(argv=None) -> None:
     def grain_records(steps, on_device):
         per = args.batch
         ds = grain.MapDataset.source(Rows()).shuffle(seed=0).slice(slice(steps.start * per, steps.stop * per))
-        it = ds.batch(per).to_iter_dataset(grain.ReadOptions(num_threads=args.readers, prefetch_buffer_size=args.prefetch))
+        it = ds.batch(per).to_iter_dataset(
+            grain.ReadOptions(num_threads=args.readers, prefetch_buffer_size=args.prefetch)
+        )
         it = it.map(lambda d: Batch(d["dense"], d["ids"], d["labels"]))
         if on_device:
             it = grain.experimental.device_put(it, sharding, cpu_buffer_size=args.prefetch)
         return iter(it)
 
-    variants = {"pipeline": pipeline, "grain threads": grain_threads,
-                "grain processes": lambda s, d: grain_threads(s, d, processes=True), "grain records": grain_records}
+    variants = {
+        "pipeline": pipeline,
+        "grain threads": grain_threads,
+        "grain processes": lambda s, d: grain_threads(s, d, processes=True),
+        "grain records": grain_records,
+    }
     results = {f"{name} ({where})": [] for name in variants for where in ("host", "devices")}
     for rep in range(args.repeats):
         for name, make in variants.items():
@@ -114,11 +139,20 @@ def main(argv=None) -> None:
                 results[f"{name} ({'devices' if on_device else 'host'})"].append(count * args.batch / dt)
         print(f"repeat {rep}: " + ", ".join(f"{k} {v[-1] / 1e6:.2f}M/s" for k, v in results.items()), flush=True)
     base = statistics.median(results["pipeline (devices)"])
-    table = {k: {"samples_per_s": statistics.median(v), "ratio_to_pipeline_devices": statistics.median(v) / base,
-                 "runs": v} for k, v in results.items()}  # fmt: skip
-    report = {"data": args.data, "batch": args.batch, "readers": args.readers, "prefetch": args.prefetch,
-              "devices": args.devices, "grain": grain.__version__ if hasattr(grain, "__version__") else "0.2.x",
-              "variants": table, "check": bool(np.isfinite(base))}  # fmt: skip
+    table = {
+        k: {"samples_per_s": statistics.median(v), "ratio_to_pipeline_devices": statistics.median(v) / base, "runs": v}
+        for k, v in results.items()
+    }
+    report = {
+        "data": args.data,
+        "batch": args.batch,
+        "readers": args.readers,
+        "prefetch": args.prefetch,
+        "devices": args.devices,
+        "grain": grain.__version__ if hasattr(grain, "__version__") else "0.2.x",
+        "variants": table,
+        "check": bool(np.isfinite(base)),
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -42,19 +42,36 @@ def main(argv=None) -> None:
     results = {name: [] for name in variants}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name, sets in variants.items():
-            cfg = dlrm_jax.load_config(args.config, [
-                "data.source=binary", f"data.path={args.data}", f"train.batch_size={args.batch}",
-                f"train.steps={steps}", f"train.seed={seed}", "train.eval_every=0", "train.eval_batches=0",
-                "train.checkpoint_every=0", "train.progress_bar=false", f"mesh.devices={args.devices}",
-                *args.overrides, *sets])  # fmt: skip
+            cfg = dlrm_jax.load_config(
+                args.config,
+                [
+                    "data.source=binary",
+                    f"data.path={args.data}",
+                    f"train.batch_size={args.batch}",
+                    f"train.steps={steps}",
+                    f"train.seed={seed}",
+                    "train.eval_every=0",
+                    "train.eval_batches=0",
+                    "train.checkpoint_every=0",
+                    "train.progress_bar=false",
+                    f"mesh.devices={args.devices}",
+                    *args.overrides,
+                    *sets,
+                ],
+            )
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory() as run_dir:
                 s = dlrm_jax.train_and_evaluate(cfg, run_dir, log=lambda *_: None)
             results[name].append({"seed": seed, "auc": s.auc, "logloss": s.logloss, "wall_s": time.perf_counter() - t0})
             print(f"seed {seed} {name:<14} auc {s.auc:.5f} logloss {s.logloss:.5f}", flush=True)
-    summary = {name: {"auc_mean": statistics.mean(r["auc"] for r in runs),
-                      "auc_spread": max(r["auc"] for r in runs) - min(r["auc"] for r in runs), "runs": runs}
-               for name, runs in results.items()}  # fmt: skip
+    summary = {
+        name: {
+            "auc_mean": statistics.mean(r["auc"] for r in runs),
+            "auc_spread": max(r["auc"] for r in runs) - min(r["auc"] for r in runs),
+            "runs": runs,
+        }
+        for name, runs in results.items()
+    }
     report = {"data": args.data, "train_rows": rows, "steps": steps, "batch": args.batch, "variants": summary}
     print(json.dumps(report, indent=1))
     if args.out:

@@ -56,8 +56,21 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: int, env: dict) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [cli, "bench", "train", "--configs", str(REPO / "configs" / "bench" / f"{config}.yaml"),
-               "--max-rows", "0", "--steps", str(steps), "--warmup", str(warmup), "--output", out.name]
+        cmd = [
+            cli,
+            "bench",
+            "train",
+            "--configs",
+            str(REPO / "configs" / "bench" / f"{config}.yaml"),
+            "--max-rows",
+            "0",
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--output",
+            out.name,
+        ]
         for o in overrides:
             cmd += ["--set", o]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(env))
@@ -66,9 +79,23 @@ def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: in
 
 
 def run_torchrec(python: str, config: str, steps: int, warmup: int, env: dict) -> float:
-    cmd = [python, str(HERE / "peers" / "torchrec_dlrm_bench.py"), "--emb-mode", "dmp",
-           "--batch-size", "2048", "--top", "512-256-1", "--lr", "0.1", "--steps", str(steps + warmup),
-           "--warmup", str(warmup), *TORCHREC_ARGS[config]]
+    cmd = [
+        python,
+        str(HERE / "peers" / "torchrec_dlrm_bench.py"),
+        "--emb-mode",
+        "dmp",
+        "--batch-size",
+        "2048",
+        "--top",
+        "512-256-1",
+        "--lr",
+        "0.1",
+        "--steps",
+        str(steps + warmup),
+        "--warmup",
+        str(warmup),
+        *TORCHREC_ARGS[config],
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(env)).stdout
     return float(re.search(r"median_step_samples_per_s=([\d.]+)", out).group(1))
 
@@ -100,24 +127,43 @@ def main() -> int:
                 print(f"repeat {r + 1} {c} {name}: {sps:,.0f} samples/s ({time.time() - t:.0f} s)", flush=True)
 
     summary = {}
-    print(f"\n{'config':<7}{'variant':<28}{'median samples/s':>18}{'min-max':>22}{'vs TorchRec':>13}"
-          f"{'vs TorchRec huge pages':>24}")
+    print(
+        f"\n{'config':<7}{'variant':<28}{'median samples/s':>18}{'min-max':>22}{'vs TorchRec':>13}"
+        f"{'vs TorchRec huge pages':>24}"
+    )
     for c in configs:
         med = {n: statistics.median(v) for n, v in samples[c].items()}
-        summary[c] = {n: {"median": med[n], "min": min(v), "max": max(v), "runs": v,
-                          "ratio_to_torchrec": med[n] / med["torchrec"],
-                          "ratio_to_torchrec_huge_pages": med[n] / med["torchrec huge pages"]}
-                      for n, v in samples[c].items()}
+        summary[c] = {
+            n: {
+                "median": med[n],
+                "min": min(v),
+                "max": max(v),
+                "runs": v,
+                "ratio_to_torchrec": med[n] / med["torchrec"],
+                "ratio_to_torchrec_huge_pages": med[n] / med["torchrec huge pages"],
+            }
+            for n, v in samples[c].items()
+        }
         if "dlrm_jax 8 devices" in med and "dlrm_jax 1 device" in med:
             summary[c]["dlrm_jax 8 devices"]["ratio_to_1_device"] = med["dlrm_jax 8 devices"] / med["dlrm_jax 1 device"]
         for n, v in samples[c].items():
-            print(f"{c:<7}{n:<28}{med[n]:>18,.0f}{f'{min(v):,.0f}-{max(v):,.0f}':>22}"
-                  f"{med[n] / med['torchrec']:>12.2f}x{med[n] / med['torchrec huge pages']:>23.2f}x")
-    report = {"benchmark": "dlrm_jax vs torchrec, CPU train step", "repeats": args.repeats,
-              "timed_steps": args.steps, "warmup_steps": args.warmup,
-              "machine": {"host": platform.node(), "processor": platform.processor(),
-                          "cpus": os.cpu_count(), "python": platform.python_version()},
-              "results": summary}
+            print(
+                f"{c:<7}{n:<28}{med[n]:>18,.0f}{f'{min(v):,.0f}-{max(v):,.0f}':>22}"
+                f"{med[n] / med['torchrec']:>12.2f}x{med[n] / med['torchrec huge pages']:>23.2f}x"
+            )
+    report = {
+        "benchmark": "dlrm_jax vs torchrec, CPU train step",
+        "repeats": args.repeats,
+        "timed_steps": args.steps,
+        "warmup_steps": args.warmup,
+        "machine": {
+            "host": platform.node(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "results": summary,
+    }
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.output}")
     return 0

@@ -45,8 +45,7 @@ CONFIGS = {
     # that they fit one 80 GB GPU with room for the step's temporaries.
     "mlperf_v1_capped": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000"]),
     # The same with uniform ids: no repeated rows to help the gather and the update.
-    "mlperf_v1_capped_uniform": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000",
-                                                                 "data.zipf_exponent=0.0"]),
+    "mlperf_v1_capped_uniform": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000", "data.zipf_exponent=0.0"]),
 }
 AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune.textproto")
 # Each variant's XLA flags and config overrides; a variant runs in a process of its own (XLA
@@ -54,25 +53,38 @@ AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune.tex
 VARIANTS = {
     "default": ("", []),
     # Ours: exact (order-independent) sums of duplicate rows' gradients.
-    "embedding_deterministic": (f"--xla_gpu_dump_autotune_results_to={AUTOTUNE_FILE}",
-                                ["embedding.deterministic=true"]),
+    "embedding_deterministic": (
+        f"--xla_gpu_dump_autotune_results_to={AUTOTUNE_FILE}",
+        ["embedding.deterministic=true"],
+    ),
     # The same in a second process that loads the first one's autotuning choices: XLA times GEMM
     # and fusion configurations afresh in every process, and a different choice sums in a
     # different order.
-    "embedding_deterministic_again": (f"--xla_gpu_load_autotune_results_from={AUTOTUNE_FILE}",
-                                      ["embedding.deterministic=true"]),
+    "embedding_deterministic_again": (
+        f"--xla_gpu_load_autotune_results_from={AUTOTUNE_FILE}",
+        ["embedding.deterministic=true"],
+    ),
     # XLA's: every scatter sorted and scanned, autotuning kept.
     "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),
     # XLA's, and no autotuning either.
     "deterministic_ops": ("--xla_gpu_deterministic_ops=true", []),
 }
-COMMON = ["train.batch_size=65536", "train.compute_dtype=bfloat16", "train.optimizer=sgd",
-          "train.learning_rate=0.1", "train.warmup_steps=0", "train.decay_steps=0",
-          "embedding.optimizer=sgd", "embedding.learning_rate=0.1", "data.source=synthetic"]
+COMMON = [
+    "train.batch_size=65536",
+    "train.compute_dtype=bfloat16",
+    "train.optimizer=sgd",
+    "train.learning_rate=0.1",
+    "train.warmup_steps=0",
+    "train.decay_steps=0",
+    "embedding.optimizer=sgd",
+    "embedding.learning_rate=0.1",
+    "data.source=synthetic",
+]
 
 
 def _median_time(fn, *args, repeats: int = 20) -> float:
     import jax
+
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
@@ -86,6 +98,7 @@ def measure_ceilings() -> dict:
     """Device-to-device copy bandwidth (bytes read + written) and bf16 GEMM rate, on random data."""
     import jax
     import jax.numpy as jnp
+
     n = 1 << 30  # 1 Gi float32 = 4 GiB read + 4 GiB written
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     scale = jax.jit(lambda v: v * 1.0009765625)
@@ -96,13 +109,18 @@ def measure_ceilings() -> dict:
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(jnp.dot)
     gemm_s = _median_time(mm, a, b)
-    return {"copy_bytes_per_s": 2 * 4 * n / copy_s, "bf16_gemm_flops_per_s": 2 * m**3 / gemm_s,
-            "copy_s": copy_s, "gemm_s": gemm_s}
+    return {
+        "copy_bytes_per_s": 2 * 4 * n / copy_s,
+        "bf16_gemm_flops_per_s": 2 * m**3 / gemm_s,
+        "copy_s": copy_s,
+        "gemm_s": gemm_s,
+    }
 
 
 def step_cost(cfg, plan, batches) -> dict:
     """FLOPs and the fewest bytes per sample the train step must move."""
     import numpy as np
+
     d = cfg.model.embedding_dim
     table_item = np.dtype(cfg.embedding.dtype).itemsize
     # MLPs: forward 2*in*out per layer, backward twice that (input and weight gradients).
@@ -126,7 +144,7 @@ def step_cost(cfg, plan, batches) -> dict:
     for b in batches:
         start, u, n = 0, 0, 0
         for bag in bags:
-            ids = b.ids[:, start:start + bag]
+            ids = b.ids[:, start : start + bag]
             ids = ids[ids >= 0]
             u += np.unique(ids).size
             n += ids.size
@@ -140,11 +158,14 @@ def step_cost(cfg, plan, batches) -> dict:
     sparse_per_lookup = (float(np.mean(lookups)) + 2 * u) * d * table_item
     inputs = 4 * (cfg.data.num_dense + sum(bags) + 1)
     weights = 3 * 4 * params  # read, read-modify-write by SGD; amortized over the batch
-    return {"flops_per_sample": flops, "unique_rows_per_batch": u,
-            "lookups_per_batch": float(np.mean(lookups)),
-            "bytes_per_sample_min": sparse_min / batch + inputs + weights / batch,
-            "bytes_per_sample_every_lookup": sparse_per_lookup / batch + inputs + weights / batch,
-            "dense_params": params}
+    return {
+        "flops_per_sample": flops,
+        "unique_rows_per_batch": u,
+        "lookups_per_batch": float(np.mean(lookups)),
+        "bytes_per_sample_min": sparse_min / batch + inputs + weights / batch,
+        "bytes_per_sample_every_lookup": sparse_per_lookup / batch + inputs + weights / batch,
+        "dense_params": params,
+    }
 
 
 def _dense_param_shapes(cfg):
@@ -152,6 +173,7 @@ def _dense_param_shapes(cfg):
     from flax import nnx
 
     from dlrm_jax.model.dlrm import dlrm_from_config
+
     model = nnx.eval_shape(lambda: dlrm_from_config(cfg, nnx.Rngs(0)))
     return jax.tree.leaves(nnx.state(model, nnx.Param))
 
@@ -180,6 +202,7 @@ def profile_ops(compiled, state, batches, steps: int, keep: str | None) -> tuple
     """Device time per XLA operation over ``steps`` traced steps (ms/step), largest first."""
     import jax
     from jax._src.lib import _profile_data
+
     trace_dir = tempfile.mkdtemp(prefix="dlrm-gpu-profile-")
     with jax.profiler.trace(trace_dir):
         for i in range(steps):
@@ -213,8 +236,9 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     from dlrm_jax.train.build import build
 
     path, extra = CONFIGS[name]
-    cfg = resolve_data_config(load_config(os.path.join(REPO, path),
-                                          COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1"]))
+    cfg = resolve_data_config(
+        load_config(os.path.join(REPO, path), COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1"])
+    )
     mesh = make_mesh(1)
     source = make_source(cfg, 0, 1)
     plan, fns = build(cfg, mesh, source)
@@ -255,15 +279,24 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
         digests.append(_digest(s))
         del s
     batch = cfg.train.batch_size
-    return {"config": path, "overrides": COMMON + extra + EXTRA_OVERRIDES, "batch": batch,
-            "table_rows": sum(t.spec.rows for t in plan.tables), "compile_s": compile_s,
-            "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
-            "step_ms_pipelined": 1e3 * pipelined,
-            "step_ms_one_at_a_time_median": 1e3 * statistics.median(one_at_a_time),
-            "samples_per_s": batch / pipelined, "loss_last": float(out["loss"]), **cost,
-            "device_ms_per_step_by_line": lines, "top_ops_ms_per_step": dict(list(ops.items())[:25]),
-            "device_ops_ms_per_step": sum(ops.values()),
-            "determinism_digests": digests, "deterministic": digests[0] == digests[1]}
+    return {
+        "config": path,
+        "overrides": COMMON + extra + EXTRA_OVERRIDES,
+        "batch": batch,
+        "table_rows": sum(t.spec.rows for t in plan.tables),
+        "compile_s": compile_s,
+        "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
+        "step_ms_pipelined": 1e3 * pipelined,
+        "step_ms_one_at_a_time_median": 1e3 * statistics.median(one_at_a_time),
+        "samples_per_s": batch / pipelined,
+        "loss_last": float(out["loss"]),
+        **cost,
+        "device_ms_per_step_by_line": lines,
+        "top_ops_ms_per_step": dict(list(ops.items())[:25]),
+        "device_ops_ms_per_step": sum(ops.values()),
+        "determinism_digests": digests,
+        "deterministic": digests[0] == digests[1],
+    }
 
 
 def parity_child(out_npz: str, steps: int) -> None:
@@ -275,6 +308,7 @@ def parity_child(out_npz: str, steps: int) -> None:
     from dlrm_jax.data.sources import make_source, resolve_data_config
     from dlrm_jax.parallel.mesh import make_mesh
     from dlrm_jax.train.build import build
+
     cfg = resolve_data_config(load_config(os.path.join(REPO, "configs/smoke.yaml"), PARITY_OVERRIDES))
     mesh = make_mesh(1)
     source = make_source(cfg, 0, 1)
@@ -285,8 +319,11 @@ def parity_child(out_npz: str, steps: int) -> None:
         state, out = fns.train_step(state, fns.device_batch(source.train_batch(i)))
         losses.append(float(out["loss"]))
     leaves = jax.tree.leaves(state)
-    np.savez(out_npz, losses=np.array(losses), **{f"leaf{i}": np.asarray(jax.device_get(v), np.float64)
-                                                  for i, v in enumerate(leaves)})
+    np.savez(
+        out_npz,
+        losses=np.array(losses),
+        **{f"leaf{i}": np.asarray(jax.device_get(v), np.float64) for i, v in enumerate(leaves)},
+    )
 
 
 PARITY_OVERRIDES = ["mesh.devices=1", "train.compute_dtype=float32", "train.batch_size=1024"]
@@ -295,20 +332,44 @@ PARITY_OVERRIDES = ["mesh.devices=1", "train.compute_dtype=float32", "train.batc
 def check_parity(out: str, steps: int) -> dict:
     """The same fp32 training on this device and on the CPU: relative L2 error of every leaf."""
     import numpy as np
+
     files = {}
-    for label, env in (("device", {}), ("device_highest", {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
-                       ("cpu", {"JAX_PLATFORMS": "cpu"})):
+    for label, env in (
+        ("device", {}),
+        ("device_highest", {"JAX_DEFAULT_MATMUL_PRECISION": "highest"}),
+        ("cpu", {"JAX_PLATFORMS": "cpu"}),
+    ):
         files[label] = os.path.join(out, f"parity_{label}.npz")
-        subprocess.run([sys.executable, __file__, "--out", out, "--only", "parity_child", "--steps", str(steps),
-                        "--parity-file", files[label]], env=dict(os.environ, **env), check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--out",
+                out,
+                "--only",
+                "parity_child",
+                "--steps",
+                str(steps),
+                "--parity-file",
+                files[label],
+            ],
+            env=dict(os.environ, **env),
+            check=True,
+        )
     ref = np.load(files["cpu"])
     result = {}
     for label in ("device", "device_highest"):
         got = np.load(files[label])
-        errs = [float(np.linalg.norm(got[k] - ref[k]) / max(np.linalg.norm(ref[k]), 1e-30))
-                for k in ref.files if k.startswith("leaf")]
-        result[label] = {"max_leaf_rel_l2": max(errs), "loss_last": float(got["losses"][-1]),
-                         "loss_last_cpu": float(ref["losses"][-1])}
+        errs = [
+            float(np.linalg.norm(got[k] - ref[k]) / max(np.linalg.norm(ref[k]), 1e-30))
+            for k in ref.files
+            if k.startswith("leaf")
+        ]
+        result[label] = {
+            "max_leaf_rel_l2": max(errs),
+            "loss_last": float(got["losses"][-1]),
+            "loss_last_cpu": float(ref["losses"][-1]),
+        }
     return result
 
 
@@ -319,28 +380,38 @@ EXTRA_OVERRIDES: list[str] = []
 def print_tables(report: dict, log=print) -> None:
     c = report.get("ceilings")
     if c:
-        log(f"\nceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
-            f"bf16 GEMM {c['bf16_gemm_flops_per_s'] / 1e12:.0f} TFLOP/s")
+        log(
+            f"\nceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
+            f"bf16 GEMM {c['bf16_gemm_flops_per_s'] / 1e12:.0f} TFLOP/s"
+        )
     for mode, results in report.get("runs", {}).items():
         for name, r in results.items():
             log(f"\n== {name} [{mode}] batch {r['batch']}, {r['table_rows']:,} rows, compile {r['compile_s']:.1f} s")
-            log(f"step {r['step_ms_pipelined']:.2f} ms pipelined ({r['samples_per_s']:,.0f} samples/s), "
+            log(
+                f"step {r['step_ms_pipelined']:.2f} ms pipelined ({r['samples_per_s']:,.0f} samples/s), "
                 f"{r['step_ms_one_at_a_time_median']:.2f} ms one at a time; device ops "
-                f"{r['device_ops_ms_per_step']:.2f} ms/step; loss {r['loss_last']:.4f}")
+                f"{r['device_ops_ms_per_step']:.2f} ms/step; loss {r['loss_last']:.4f}"
+            )
             if c:
                 byte_roof = c["copy_bytes_per_s"] / r["bytes_per_sample_min"]
                 flop_roof = c["bf16_gemm_flops_per_s"] / r["flops_per_sample"]
                 roof = min(byte_roof, flop_roof)
                 r["roofline_samples_per_s"] = roof
                 r["fraction_of_roofline"] = r["samples_per_s"] / roof
-                log(f"bytes/sample {r['bytes_per_sample_min']:,.0f} min ({r['unique_rows_per_batch']:,.0f} distinct "
+                log(
+                    f"bytes/sample {r['bytes_per_sample_min']:,.0f} min ({r['unique_rows_per_batch']:,.0f} distinct "
                     f"rows of {r['lookups_per_batch']:,.0f} lookups), {r['bytes_per_sample_every_lookup']:,.0f} if "
-                    f"every lookup is read; FLOPs/sample {r['flops_per_sample'] / 1e6:.1f} M")
-                log(f"roofline: bytes {byte_roof / 1e6:.1f} M/s, FLOPs {flop_roof / 1e6:.1f} M/s -> "
-                    f"{r['fraction_of_roofline']:.1%} of {roof / 1e6:.1f} M samples/s")
+                    f"every lookup is read; FLOPs/sample {r['flops_per_sample'] / 1e6:.1f} M"
+                )
+                log(
+                    f"roofline: bytes {byte_roof / 1e6:.1f} M/s, FLOPs {flop_roof / 1e6:.1f} M/s -> "
+                    f"{r['fraction_of_roofline']:.1%} of {roof / 1e6:.1f} M samples/s"
+                )
             log(f"deterministic: {r['deterministic']} {r['determinism_digests']}")
-            log("top device ops (ms/step): " + ", ".join(
-                f"{k} {v:.2f}" for k, v in list(r["top_ops_ms_per_step"].items())[:12]))
+            log(
+                "top device ops (ms/step): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in list(r["top_ops_ms_per_step"].items())[:12])
+            )
 
 
 def main() -> int:
@@ -349,11 +420,20 @@ def main() -> int:
     ap.add_argument("--only", choices=["ceilings", "configs", "child", "parity", "parity_child"], default=None)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra config overrides for every config (e.g. a smaller batch for a CPU try-out)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config overrides for every config (e.g. a smaller batch for a CPU try-out)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="variants to compare: " + ", ".join(VARIANTS))
-    ap.add_argument("--variant-configs", default="criteo_kaggle,mlperf_v1_capped",
-                    help="the configs the variants other than default run")
+    ap.add_argument(
+        "--variant-configs",
+        default="criteo_kaggle,mlperf_v1_capped",
+        help="the configs the variants other than default run",
+    )
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
@@ -367,8 +447,15 @@ def main() -> int:
     names = [n for n in args.configs.split(",") if n]
     if args.only == "child":  # one process per measurement: each GPU process takes most of the memory
         import jax
-        result = {"machine": {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-                              "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}}
+
+        result = {
+            "machine": {
+                "device_kind": jax.devices()[0].device_kind,
+                "backend": jax.default_backend(),
+                "jax": jax.__version__,
+                "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            }
+        }
         if args.ceilings:
             result["ceilings"] = measure_ceilings()
         result["runs"] = {n: bench_config(n, args.steps, args.profile_dir) for n in names}
@@ -380,8 +467,20 @@ def main() -> int:
 
     def child(label: str, configs: str, ceilings: bool) -> dict:
         result_file = os.path.join(work, f"result_{label}.json")
-        cmd = [sys.executable, __file__, "--out", args.out, "--only", "child", "--configs", configs,
-               "--steps", str(args.steps), "--result-file", result_file]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--out",
+            args.out,
+            "--only",
+            "child",
+            "--configs",
+            configs,
+            "--steps",
+            str(args.steps),
+            "--result-file",
+            result_file,
+        ]
         flags, overrides = VARIANTS[label]
         cmd += [a for o in args.overrides + overrides for a in ("--set", o)]
         cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out] * (label == "default")
@@ -408,8 +507,10 @@ def main() -> int:
                     report["runs"] = {k: v for k, v in report["runs"].items() if v}
     runs = report.get("runs", {})
     for label, p in report.get("parity", {}).items():
-        print(f"parity with CPU ({label}): max relative L2 error of any state leaf {p['max_leaf_rel_l2']:.2e} "
-              f"after 20 fp32 steps; loss {p['loss_last']:.6f} vs {p['loss_last_cpu']:.6f}")
+        print(
+            f"parity with CPU ({label}): max relative L2 error of any state leaf {p['max_leaf_rel_l2']:.2e} "
+            f"after 20 fp32 steps; loss {p['loss_last']:.6f} vs {p['loss_last_cpu']:.6f}"
+        )
     print_tables(report)
     for label, results in runs.items():
         for n, r in results.items():
@@ -419,8 +520,9 @@ def main() -> int:
     again = runs.get("embedding_deterministic_again", {})
     for n, r in again.items():
         first = runs.get("embedding_deterministic", {}).get(n, {}).get("determinism_digests", [None])[0]
-        print(f"{n}: embedding.deterministic gives the same bits in two processes: "
-              f"{r['determinism_digests'][0] == first}")
+        print(
+            f"{n}: embedding.deterministic gives the same bits in two processes: {r['determinism_digests'][0] == first}"
+        )
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(report, f, indent=1)
     return 0

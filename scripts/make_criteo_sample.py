@@ -34,10 +34,12 @@ def main(argv=None) -> None:
     p.add_argument("--bad-lines", type=int, default=0)
     args = p.parse_args(argv)
     rows = tuple(min(c, args.max_rows) for c in CRITEO_KAGGLE_CARDINALITIES)
-    gen = SyntheticGenerator(seed=args.seed, num_dense=13, table_rows=rows, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.26)
-    write_criteo_tsv(args.output, gen.raw(TRAIN_STREAM, 0, 0, args.lines),
-                     missing_cat_rate=args.missing_cat_rate, seed=args.seed)
+    gen = SyntheticGenerator(
+        seed=args.seed, num_dense=13, table_rows=rows, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.26
+    )
+    write_criteo_tsv(
+        args.output, gen.raw(TRAIN_STREAM, 0, 0, args.lines), missing_cat_rate=args.missing_cat_rate, seed=args.seed
+    )
     with open(args.output, "a") as f:
         for i in range(args.bad_lines):
             f.write(BAD_LINES[i % len(BAD_LINES)])

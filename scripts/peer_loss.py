@@ -26,17 +26,37 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BOUND_S = 45  # the README's bound for a survivor to end after its peer is lost
-ARGS = ["--config", "smoke", "--set", "mesh.devices=8", "--set", "train.steps=60", "--set", "train.log_every=1",
-        "--set", "train.eval_every=20", "--set", "train.checkpoint_every=10"]
+ARGS = [
+    "--config",
+    "smoke",
+    "--set",
+    "mesh.devices=8",
+    "--set",
+    "train.steps=60",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=20",
+    "--set",
+    "train.checkpoint_every=10",
+]
 
 
 def launch(run_dir: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([str(REPO / "scripts" / "launch_local.sh"), "2", *ARGS, "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [str(REPO / "scripts" / "launch_local.sh"), "2", *ARGS, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def history(run_dir: Path) -> list:
-    return [(e["step"], e["loss"], e.get("auc")) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (e["step"], e["loss"], e.get("auc"))
+        for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def main() -> int:
@@ -79,22 +99,43 @@ def main() -> int:
             again = launch(run, env)
             out2, _ = again.communicate(timeout=600)
             resumed = re.search(r"resuming from checkpoint at step (\d+)", out2)
-            ok_line = (len(said) == 1 and said[0].startswith(f"[launch] process {victim} was ended by SIGKILL")
-                       and "to resume" in said[0] and not native)
+            ok_line = (
+                len(said) == 1
+                and said[0].startswith(f"[launch] process {victim} was ended by SIGKILL")
+                and "to resume" in said[0]
+                and not native
+            )
             bitwise = again.returncode == 0 and history(run) == reference
-            results.append({"kill": i, "victim": victim, "seconds_to_end": round(took, 2), "one_line": ok_line,
-                            "resumed_from": int(resumed[1]) if resumed else None, "bitwise": bitwise,
-                            "line": said[0] if said else out[-500:]})
-            print(f"kill {i}: process {victim}, ended in {took:.1f}s, one line: {ok_line}, resumed from "
-                  f"{results[-1]['resumed_from']}, bitwise: {bitwise}", flush=True)
+            results.append(
+                {
+                    "kill": i,
+                    "victim": victim,
+                    "seconds_to_end": round(took, 2),
+                    "one_line": ok_line,
+                    "resumed_from": int(resumed[1]) if resumed else None,
+                    "bitwise": bitwise,
+                    "line": said[0] if said else out[-500:],
+                }
+            )
+            print(
+                f"kill {i}: process {victim}, ended in {took:.1f}s, one line: {ok_line}, resumed from "
+                f"{results[-1]['resumed_from']}, bitwise: {bitwise}",
+                flush=True,
+            )
             shutil.rmtree(run, ignore_errors=True)
         bad = [r for r in results if not (r["one_line"] and r["bitwise"] and r["seconds_to_end"] < BOUND_S)]
-        summary = {"kills": len(results), "failed": len(bad), "bound_s": BOUND_S,
-                   "max_seconds_to_end": max(r["seconds_to_end"] for r in results) if results else None,
-                   "results": results}
+        summary = {
+            "kills": len(results),
+            "failed": len(bad),
+            "bound_s": BOUND_S,
+            "max_seconds_to_end": max(r["seconds_to_end"] for r in results) if results else None,
+            "results": results,
+        }
         Path(args.output).write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"peer loss: {len(results)} kills, {len(bad)} broke a rule; slowest end "
-              f"{summary['max_seconds_to_end']} s (bound {BOUND_S} s)")
+        print(
+            f"peer loss: {len(results)} kills, {len(bad)} broke a rule; slowest end "
+            f"{summary['max_seconds_to_end']} s (bound {BOUND_S} s)"
+        )
         return 1 if bad else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -83,8 +83,10 @@ def main() -> int:
                     per_op[ev.name] += ev.duration_ns
                     count[ev.name] += 1
     total = sum(per_op.values())
-    print(f"{args.config} {' '.join(args.overrides)}: {mesh.size} device(s), wall {wall_ms:.1f} ms/step "
-          f"(traced), thunk time {total / 1e6 / args.steps:.1f} ms/step summed over devices")
+    print(
+        f"{args.config} {' '.join(args.overrides)}: {mesh.size} device(s), wall {wall_ms:.1f} ms/step "
+        f"(traced), thunk time {total / 1e6 / args.steps:.1f} ms/step summed over devices"
+    )
     print(f"{'operation':<44}{'ms/step':>9}{'share':>8}{'calls/step':>12}")
     for name, ns in per_op.most_common(args.top):
         print(f"{name:<44}{ns / 1e6 / args.steps:>9.2f}{ns / total:>8.1%}{count[name] / args.steps:>12.1f}")

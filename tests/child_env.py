@@ -20,8 +20,13 @@ def child_env(drop=("JAX_PLATFORMS",)) -> dict:
 def cli(*args, timeout=300, check=False, drop=()) -> subprocess.CompletedProcess:
     """``python -m dlrm_jax ARGS`` in a child with the tests' compile flags; ``check``: an
     AssertionError showing both streams unless it exits 0."""
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], capture_output=True, text=True,
-                          timeout=timeout, env=child_env(drop=drop))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(drop=drop),
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
     return proc

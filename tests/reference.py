@@ -13,7 +13,7 @@ def dense_reference(name, table, acc, rows, grads, lr, eps=1e-8):
     if name == "sgd":
         return table - lr * g, acc
     if name == "ftrl":  # acc = (z, n); only looked-up rows change (the weights of the others
-        z, n = acc     # need not follow from their (z, n): a table may start anywhere)
+        z, n = acc  # need not follow from their (z, n): a table may start anywhere)
         touched = np.zeros(R, bool)
         touched[[r for r in rows if 0 <= r < R]] = True
         n_new = n + g * g

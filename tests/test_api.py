@@ -33,8 +33,7 @@ def test_notebook_flow(tmp_path):
         "print(s.step, 0.0 <= s.auc <= 1.0)\n"
     )
     env_free = {"PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=env_free)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env_free)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "4 True"
 
@@ -54,8 +53,10 @@ def test_overrides_as_a_list_a_string_or_a_dict_and_a_changed_copy():
 
 @pytest.mark.slow
 def test_asking_for_devices_after_they_started_is_refused():
-    code = ("import jax, dlrm_jax; jax.devices()\n"
-            "try:\n    dlrm_jax.request_cpu_devices(4)\nexcept RuntimeError as e:\n    print(e)\n")
+    code = (
+        "import jax, dlrm_jax; jax.devices()\n"
+        "try:\n    dlrm_jax.request_cpu_devices(4)\nexcept RuntimeError as e:\n    print(e)\n"
+    )
     env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "already started its devices with 1 CPU device(s)" in out.stdout and "restart the kernel" in out.stdout

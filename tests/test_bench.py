@@ -16,8 +16,9 @@ from dlrm_jax.bench.train import bench_train
 def test_embedding_bench_bytes_match_hlo(tiny, tmp_path):
     cfg = tiny("mesh.devices=8", "train.batch_size=64", "data.cardinalities=[300, 40, 1000, 7, 64]")
     out = tmp_path / "emb.json"
-    report = bench_embedding(cfg, steps=1, strategies=["replicated", "table", "row", "column", "auto"],
-                             output=str(out), **QUIET)
+    report = bench_embedding(
+        cfg, steps=1, strategies=["replicated", "table", "row", "column", "auto"], output=str(out), **QUIET
+    )
     assert json.loads(out.read_text())["results"].keys() == report["results"].keys()
     for name in ("replicated", "table", "row", "column", "auto"):
         r = report["results"][name]
@@ -27,14 +28,18 @@ def test_embedding_bench_bytes_match_hlo(tiny, tmp_path):
 
 
 def test_hlo_parser():
-    text = ("%a = f32[8,10,4]{2,1,0} all-to-all(f32[8,10,4]{2,1,0} %x), dimensions={0}\n"
-            '%b = s32[8,99]{1,0} all-to-all(s32[8,99]{1,0} %y), metadata={op_name="jit(f)/exchange_rounds/x"}\n'
-            "%c = (f32[16]{0}, s32[4]{0}) all-reduce-start(f32[16]{0} %p, s32[4]{0} %q)\n")
+    text = (
+        "%a = f32[8,10,4]{2,1,0} all-to-all(f32[8,10,4]{2,1,0} %x), dimensions={0}\n"
+        '%b = s32[8,99]{1,0} all-to-all(s32[8,99]{1,0} %y), metadata={op_name="jit(f)/exchange_rounds/x"}\n'
+        "%c = (f32[16]{0}, s32[4]{0}) all-reduce-start(f32[16]{0} %p, s32[4]{0} %q)\n"
+    )
     got = hlo_collective_bytes(text, 8, skip_scope="exchange_rounds")
     assert got == {"all-to-all": 8 * 10 * 4 * 4 * 7 / 8, "all-reduce": 2 * 7 / 8 * (64 + 16)}
     # A collective within model groups counts its group's size, in either replica-group form.
-    groups = ("%d = f32[16,8]{1,0} all-gather(f32[8,8]{1,0} %x), replica_groups={{0,1},{2,3}}, dimensions={0}\n"
-              "%e = f32[4]{0} reduce-scatter(f32[8]{0} %y), replica_groups=[4,2]<=[8], dimensions={0}\n")
+    groups = (
+        "%d = f32[16,8]{1,0} all-gather(f32[8,8]{1,0} %x), replica_groups={{0,1},{2,3}}, dimensions={0}\n"
+        "%e = f32[4]{0} reduce-scatter(f32[8]{0} %y), replica_groups=[4,2]<=[8], dimensions={0}\n"
+    )
     assert hlo_collective_bytes(groups, 8) == {"all-gather": 16 * 8 * 4 / 2, "reduce-scatter": 4 * 4 * 1}
 
 
@@ -45,8 +50,14 @@ def test_mlp_parallel_bench_compares_the_modes(tmp_path):
     from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
 
     out = tmp_path / "mlp.json"
-    bench_mlp_parallel(["smoke"], ["mesh.devices=4", "mesh.model=2", "train.batch_size=64",
-                                   "model.top_mlp=[32, 16, 1]"], steps=1, repeats=1, output=str(out), **QUIET)
+    bench_mlp_parallel(
+        ["smoke"],
+        ["mesh.devices=4", "mesh.model=2", "train.batch_size=64", "model.top_mlp=[32, 16, 1]"],
+        steps=1,
+        repeats=1,
+        output=str(out),
+        **QUIET,
+    )
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert rows.keys() == {"data", "tensor", "pipeline"}
     for r in rows.values():
@@ -70,12 +81,45 @@ def bench_json(tmp_path, name, rows, devices, env_extra=None):
     out = tmp_path / f"{name}.json"
     cards = "[" + ",".join([str(rows)] * 8) + "]"
     env = child_env(drop=("GLIBC_TUNABLES",)) | (env_extra or {})
-    subprocess.run([sys.executable, "-m", "dlrm_jax", "bench", "train", "--configs", "default", "--max-rows", "0",
-                    "--steps", "2", "--warmup", "1", "--output", str(out), "--set", f"data.cardinalities={cards}",
-                    "--set", "data.max_rows=0", "--set", "model.embedding_dim=64", "--set",
-                    "model.bottom_mlp=[64, 64]", "--set", "model.top_mlp=[64, 1]", "--set", "embedding.optimizer=sgd",
-                    "--set", "train.batch_size=512", "--set", f"mesh.devices={devices}"],
-                   check=True, capture_output=True, timeout=300, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "bench",
+            "train",
+            "--configs",
+            "default",
+            "--max-rows",
+            "0",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--output",
+            str(out),
+            "--set",
+            f"data.cardinalities={cards}",
+            "--set",
+            "data.max_rows=0",
+            "--set",
+            "model.embedding_dim=64",
+            "--set",
+            "model.bottom_mlp=[64, 64]",
+            "--set",
+            "model.top_mlp=[64, 1]",
+            "--set",
+            "embedding.optimizer=sgd",
+            "--set",
+            "train.batch_size=512",
+            "--set",
+            f"mesh.devices={devices}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+    )
     return json.loads(out.read_text())["results"]["default"]
 
 
@@ -140,8 +184,14 @@ def test_freed_buffers_are_reused_not_faulted_in_again():
 
     def faults(mode):
         env = child_env(drop=("GLIBC_TUNABLES",))  # no huge pages: faults count 4 KiB pages
-        run = subprocess.run([sys.executable, "-c", _STEPS_OF_BUFFERS, mode], env=env, check=True,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", _STEPS_OF_BUFFERS, mode],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return int(run.stdout)
 
     kept, default = faults("keep"), faults("default")
@@ -168,11 +218,24 @@ def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(ti
     bytes the plan predicts (give or take the one-word flags and hit counts), with and without."""
     from dlrm_jax.bench.hot import bench_hot
 
-    cfg = tiny("mesh.devices=4", "train.batch_size=256", "data.cardinalities=[2000, 2000, 500]", "model.embedding_dim=8",
-               "embedding.hot.stats_batches=4")
+    cfg = tiny(
+        "mesh.devices=4",
+        "train.batch_size=256",
+        "data.cardinalities=[2000, 2000, 500]",
+        "model.embedding_dim=8",
+        "embedding.hot.stats_batches=4",
+    )
     out = tmp_path / "hot.json"
-    report = bench_hot(cfg, steps=1, repeats=1, zipf=[1.2], layouts=["frequency_ordered"], row_layouts=["block"],
-                       output=str(out), **QUIET)
+    report = bench_hot(
+        cfg,
+        steps=1,
+        repeats=1,
+        zipf=[1.2],
+        layouts=["frequency_ordered"],
+        row_layouts=["block"],
+        output=str(out),
+        **QUIET,
+    )
     assert json.loads(out.read_text()) == report
     (case,) = report["cases"]
     assert case["hot_rows"] > 0 and 0 < case["hot_hit_rate"] < 1 and case["allreduce_bytes"] > 0
@@ -203,16 +266,44 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
     rates, in the issue's JSON fields."""
     from dlrm_jax.bench.tiers import bench_tiers
 
-    overrides = ["mesh.devices=4", "train.batch_size=64", "data.cardinalities=[3000, 40, 5000, 7]",
-                 "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "embedding.sharding=row"]
+    overrides = [
+        "mesh.devices=4",
+        "train.batch_size=64",
+        "data.cardinalities=[3000, 40, 5000, 7]",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.top_mlp=[16, 1]",
+        "embedding.sharding=row",
+    ]
     out = tmp_path / "tiers.json"
-    report = bench_tiers(None, overrides, steps=2, repeats=1, fractions=[0.2], lookaheads=[0, 2], warmup=2,
-                         output=str(out), large_gb=0.004, tier_dir=str(tmp_path), **QUIET)
+    report = bench_tiers(
+        None,
+        overrides,
+        steps=2,
+        repeats=1,
+        fractions=[0.2],
+        lookaheads=[0, 2],
+        warmup=2,
+        output=str(out),
+        large_gb=0.004,
+        tier_dir=str(tmp_path),
+        **QUIET,
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     cases = {(c["storage"], c["device_cache_fraction"], c["lookahead"]): c for c in report["cases"]}
     assert set(cases) == {("device", 1.0, 0), ("tiered", 0.2, 0), ("tiered", 0.2, 2), ("large", 0.01, 2)}
-    for key in ("zipf", "layout", "device_cache_fraction", "lookahead", "samples_per_s", "ratio_to_device",
-                "device_hit_rate", "host_hit_rate", "h2d_bytes_per_step", "stall_ms_per_step"):
+    for key in (
+        "zipf",
+        "layout",
+        "device_cache_fraction",
+        "lookahead",
+        "samples_per_s",
+        "ratio_to_device",
+        "device_hit_rate",
+        "host_hit_rate",
+        "h2d_bytes_per_step",
+        "stall_ms_per_step",
+    ):
         assert all(key in c for c in report["cases"]), key
     assert cases[("device", 1.0, 0)]["ratio_to_device"] == 1.0
     tiered = cases[("tiered", 0.2, 2)]

@@ -43,7 +43,11 @@ def test_the_summary_and_final_event_show_the_best_beside_the_last(full_run):
     run, summary, evals = full_run
     best = first_best(evals)
     assert best.step < 20 and best != evals[-1]  # the run peaked early
-    assert summary.best == best and (summary.step, summary.auc, summary.logloss) == (24, evals[-1].auc, evals[-1].logloss)
+    assert summary.best == best and (summary.step, summary.auc, summary.logloss) == (
+        24,
+        evals[-1].auc,
+        evals[-1].logloss,
+    )
     assert summary.best_line() == f"best step={best.step} auc={best.auc:.6f} logloss={best.logloss:.6f}"
     final = events(run)[-1]
     assert (final["best_step"], final["best_auc"], final["best_logloss"]) == (best.step, best.auc, best.logloss)
@@ -97,7 +101,9 @@ def test_early_stop_evals_stops_at_the_right_step_and_stays_stopped(tiny, tmp_pa
     summary = train_and_evaluate(cfg, run, log=logs.append)
     assert summary.step == stop and summary.best == first_best([e for e in evals if e.step <= stop])
     assert "3 evaluations without a better auc" in summary.stop_reason
-    assert [line for line in logs if line.startswith("early stop")] == [f"early stop at step {stop}: {summary.stop_reason}"]
+    assert [line for line in logs if line.startswith("early stop")] == [
+        f"early stop at step {stop}: {summary.stop_reason}"
+    ]
     assert saved_steps(run / "checkpoints")[-1] == stop  # the final checkpoint
     assert events(run)[-1]["stop_reason"] == summary.stop_reason
     # The same command again: stopped it stays, and it says so.
@@ -141,8 +147,17 @@ def test_keep_best_keeps_the_tier_snapshot_of_tiered_tables(tiny, tmp_path):
     from test_tiered import TIERED
 
     run = tmp_path / "run"
-    cfg = tiny(*TIER_BASE, *TIERED, "mesh.devices=4", "embedding.sharding=row", "train.steps=12",
-               "train.eval_every=2", "train.checkpoint_every=4", "train.keep_checkpoints=1", "train.keep_best=auc")
+    cfg = tiny(
+        *TIER_BASE,
+        *TIERED,
+        "mesh.devices=4",
+        "embedding.sharding=row",
+        "train.steps=12",
+        "train.eval_every=2",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=1",
+        "train.keep_best=auc",
+    )
     summary = train_and_evaluate(cfg, run, **QUIET)
     best = summary.best
     assert best.step < 8  # rotated out without keep_best

@@ -25,21 +25,40 @@ BLOCK = 16  # data.shuffle_block: 800 = 50 blocks
 def data(tmp_path_factory):
     """(tsv path, dataset path, {split: {name: array}}) of N synthetic lines."""
     tmp = tmp_path_factory.mktemp("binary")
-    gen = SyntheticGenerator(seed=5, num_dense=13, table_rows=(50, 500) * 13,
-                             bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
+    gen = SyntheticGenerator(
+        seed=5, num_dense=13, table_rows=(50, 500) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, N), missing_cat_rate=0.05)
-    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), max_ind_range=M, val_fraction=0.2,
-                      vocab_from="all", shuffle_seed=None, shard_mb=0.02, workers=1,
-                      progress=False)  # 131-row shards; every value has its own id, as the TSV source's
+    preprocess_criteo(
+        [str(tmp / "day.tsv")],
+        str(tmp / "ds"),
+        max_ind_range=M,
+        val_fraction=0.2,
+        vocab_from="all",
+        shuffle_seed=None,
+        shard_mb=0.02,
+        workers=1,
+        progress=False,
+    )  # 131-row shards; every value has its own id, as the TSV source's
     arrays = {s: load_split(tmp / "ds", s) for s in ("train", "val")}
     return tmp / "day.tsv", tmp / "ds", arrays
 
 
 def make_cfg(path, *extra, source="binary"):
-    return load_config(None, [f"data.source={source}", f"data.path={path}", "data.max_rows=0",
-                              f"data.cardinalities={[M] * 26}", f"train.batch_size={B}",
-                              "train.eval_batches=0", "data.val_fraction=0.2",
-                              f"data.shuffle_block={BLOCK}", *extra])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"data.source={source}",
+            f"data.path={path}",
+            "data.max_rows=0",
+            f"data.cardinalities={[M] * 26}",
+            f"train.batch_size={B}",
+            "train.eval_batches=0",
+            "data.val_fraction=0.2",
+            f"data.shuffle_block={BLOCK}",
+            *extra,
+        ],
+    )
 
 
 def assert_batches_equal(a, b):
@@ -182,7 +201,9 @@ def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy):
     labels = np.load(copy / "train" / "00000" / "labels.npy", mmap_mode="r+")
     labels[7] = 5.0
     labels.flush()
-    with pytest.raises(BinaryFormatError, match=f"{copy / 'train' / '00000' / 'labels.npy'}: row 7 .*label 5.0, not 0 or 1"):
+    with pytest.raises(
+        BinaryFormatError, match=f"{copy / 'train' / '00000' / 'labels.npy'}: row 7 .*label 5.0, not 0 or 1"
+    ):
         BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
 
 
@@ -190,8 +211,10 @@ def test_an_inflated_row_count_or_a_truncated_shard_is_named_at_start(copy):
     meta = json.loads((copy / "meta.json").read_text())
     meta["train_rows"] += 100
     (copy / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(BinaryFormatError, match=f"{copy / 'meta.json'}: says {N_TRAIN + 100:,} train rows, and its "
-                                                 f"train shards hold {N_TRAIN}"):
+    with pytest.raises(
+        BinaryFormatError,
+        match=f"{copy / 'meta.json'}: says {N_TRAIN + 100:,} train rows, and its train shards hold {N_TRAIN}",
+    ):
         BinarySource(make_cfg(copy))
     meta["train_rows"] -= 100
     (copy / "meta.json").write_text(json.dumps(meta))
@@ -203,8 +226,7 @@ def test_an_inflated_row_count_or_a_truncated_shard_is_named_at_start(copy):
 
 def test_meta_and_shape_errors_name_the_file(copy):
     with pytest.raises(BinaryFormatError, match="data.num_dense=13, 25 data.cardinalities"):
-        BinarySource(load_config(None, ["data.source=binary", f"data.path={copy}",
-                                        f"data.cardinalities={[M] * 25}"]))  # fmt: skip
+        BinarySource(load_config(None, ["data.source=binary", f"data.path={copy}", f"data.cardinalities={[M] * 25}"]))
     np.save(copy / "val" / "00000" / "labels.npy", np.zeros(7, np.float32))
     with pytest.raises(BinaryFormatError, match=f"{copy / 'val' / '00000' / 'labels.npy'}: expected"):
         BinarySource(make_cfg(copy))
@@ -267,8 +289,11 @@ def test_a_train_split_shorter_than_one_batch_is_refused_for_training_only(data,
     val split shorter than a batch is evaluated exactly as one partial batch."""
     path = data[0] if source == "criteo" else data[1]
     cfg = make_cfg(path, f"train.batch_size={N_TRAIN + 8}", source=source)
-    with pytest.raises(ConfigError, match=rf"^data.path={path}: the train split has {N_TRAIN} rows, fewer than one "
-                                          rf"batch \(train.batch_size={N_TRAIN + 8}\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^data.path={path}: the train split has {N_TRAIN} rows, fewer than one "
+        rf"batch \(train.batch_size={N_TRAIN + 8}\)",
+    ):
         make_source(cfg)
     val = make_source(cfg, trains=False, evaluates=True)
     assert sum(b.size for b in val.eval_batches()) == N_VAL
@@ -277,8 +302,15 @@ def test_a_train_split_shorter_than_one_batch_is_refused_for_training_only(data,
 
 def test_an_empty_val_split_is_refused_before_a_run_that_evaluates(data, tmp_path):
     """It used to train every step and then fail in the final evaluation, before the final checkpoint."""
-    preprocess_criteo([str(data[0])], str(tmp_path / "noval"), max_ind_range=M, val_fraction=0.0,
-                      shuffle_seed=None, workers=1, progress=False)
+    preprocess_criteo(
+        [str(data[0])],
+        str(tmp_path / "noval"),
+        max_ind_range=M,
+        val_fraction=0.0,
+        shuffle_seed=None,
+        workers=1,
+        progress=False,
+    )
     cfg = make_cfg(tmp_path / "noval")
     with pytest.raises(ConfigError, match="the val split is empty, and a run evaluates.*--val-fraction"):
         make_source(cfg, evaluates=True)
@@ -288,8 +320,12 @@ def test_an_empty_val_split_is_refused_before_a_run_that_evaluates(data, tmp_pat
 def test_dcn_rank_is_checked_against_the_datas_features(data):
     """The config's own 4 features would make the cross input 8 + 8 x 4 = 40 wide; the data's 26
     make it 216: the rank is checked once meta.json gives the features."""
-    over = ["data.cardinalities=[5, 5, 5, 5]", "model.embedding_dim=8", "model.bottom_mlp=[16, 8]",
-            "model.interaction=dcn"]
+    over = [
+        "data.cardinalities=[5, 5, 5, 5]",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.interaction=dcn",
+    ]
     assert resolve_data_config(make_cfg(data[1], *over, "model.dcn_rank=216")).model.dcn_rank == 216
     with pytest.raises(ConfigError, match=f"dcn_rank=217 exceeds .* width 216 .*data.path={data[1]}"):
         resolve_data_config(make_cfg(data[1], *over, "model.dcn_rank=217"))
@@ -318,9 +354,21 @@ def test_evaluation_scores_the_whole_split_by_default_and_says_how_much(data, tm
     from dlrm_jax.train.evaluate import evaluate_run
     from dlrm_jax.train.trainer import train_and_evaluate
 
-    cfg = load_config(None, ["data.source=binary", f"data.path={data[1]}", f"train.batch_size={B}",
-                             "train.steps=2", "train.eval_every=2", "train.progress_bar=false", "mesh.devices=1",
-                             "model.embedding_dim=8", "model.bottom_mlp=[8]", "model.top_mlp=[8, 1]"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=binary",
+            f"data.path={data[1]}",
+            f"train.batch_size={B}",
+            "train.steps=2",
+            "train.eval_every=2",
+            "train.progress_bar=false",
+            "mesh.devices=1",
+            "model.embedding_dim=8",
+            "model.bottom_mlp=[8]",
+            "model.top_mlp=[8, 1]",
+        ],
+    )
     assert cfg.train.eval_batches == 0
     lines = []
     summary = train_and_evaluate(cfg, tmp_path / "run", log=lines.append)

@@ -28,8 +28,11 @@ def test_check_dir_names_the_file_in_the_way(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match=f"^run dir {tmp_path / 'f'} is a file, not a directory$"):
         make_dir(tmp_path / "f", "run dir")
-    with pytest.raises(NotADirectoryError, match=f"^tier path {tmp_path / 'f' / 'a' / 'b'} cannot be created: "
-                                                 f"{tmp_path / 'f'} is a file, not a directory$"):
+    with pytest.raises(
+        NotADirectoryError,
+        match=f"^tier path {tmp_path / 'f' / 'a' / 'b'} cannot be created: "
+        f"{tmp_path / 'f'} is a file, not a directory$",
+    ):
         check_dir(tmp_path / "f" / "a" / "b", "tier path")
     assert make_dir(tmp_path / "new" / "deeper", "run dir").is_dir()
     assert check_dir(tmp_path / "later", "x") == tmp_path / "later" and not (tmp_path / "later").exists()
@@ -68,13 +71,16 @@ def test_preprocess_output_under_a_file(tmp_path):
     from dlrm_jax.data.synthetic import SyntheticGenerator
 
     (tmp_path / "f").write_text("x")
-    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 50))
-    with pytest.raises(NotADirectoryError, match=f"output {tmp_path / 'f' / 'out'} cannot be created: "
-                                                 f"{tmp_path / 'f'} is a file"):
-        preprocess_criteo([str(tmp_path / "day.tsv")], str(tmp_path / "f" / "out"), max_ind_range=10,
-                          workers=1, progress=False)
+    with pytest.raises(
+        NotADirectoryError, match=f"output {tmp_path / 'f' / 'out'} cannot be created: {tmp_path / 'f'} is a file"
+    ):
+        preprocess_criteo(
+            [str(tmp_path / "day.tsv")], str(tmp_path / "f" / "out"), max_ind_range=10, workers=1, progress=False
+        )
 
 
 def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
@@ -82,13 +88,20 @@ def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
     from dlrm_jax.data.criteo_preprocess import preprocess_criteo
     from dlrm_jax.data.synthetic import SyntheticGenerator
 
-    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 50))
     (tmp_path / "alias.tsv").symlink_to(tmp_path / "day.tsv")  # the same file under another name
     with pytest.raises(ValueError, match=f"--val-input {tmp_path / 'alias.tsv'}: also an --input"):
-        preprocess_criteo([str(tmp_path / "day.tsv")], str(tmp_path / "out"), val_inputs=[str(tmp_path / "alias.tsv")],
-                          max_ind_range=10, workers=1, progress=False)
+        preprocess_criteo(
+            [str(tmp_path / "day.tsv")],
+            str(tmp_path / "out"),
+            val_inputs=[str(tmp_path / "alias.tsv")],
+            max_ind_range=10,
+            workers=1,
+            progress=False,
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -107,11 +120,22 @@ def test_truncated_gz_tabular_input_is_one_line(tmp_path):
     rows = "".join(f"{i % 7},{i % 3},{i % 2}\n" for i in range(20000))
     gz = truncated_gz(tmp_path / "t.csv.gz", ("a,b,y\n" + rows).encode())
     (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\n")
-    proc = cli("preprocess", "tabular", "--schema", str(tmp_path / "s.yaml"), "--input", str(gz),
-               "--output", str(tmp_path / "out"), "--no-progress")
+    proc = cli(
+        "preprocess",
+        "tabular",
+        "--schema",
+        str(tmp_path / "s.yaml"),
+        "--input",
+        str(gz),
+        "--output",
+        str(tmp_path / "out"),
+        "--no-progress",
+    )
     assert proc.returncode == 1
-    assert one_line(proc.stderr) == (f"dlrm-jax: error: {gz}: truncated or damaged gzip file (Compressed file "
-                                     f"ended before the end-of-stream marker was reached)")
+    assert one_line(proc.stderr) == (
+        f"dlrm-jax: error: {gz}: truncated or damaged gzip file (Compressed file "
+        f"ended before the end-of-stream marker was reached)"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -122,8 +146,9 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
     from dlrm_jax.data.preprocess import SkipLog
     from dlrm_jax.data.synthetic import SyntheticGenerator
 
-    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 2000))
     gz = tmp_path / "day.gz"
     if damage == "truncated":
@@ -141,17 +166,28 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
 # ---------------------------------------------------------------- flags
 
 
-@pytest.mark.parametrize("argv,flag,says", [
-    (["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "0"], "--shard-mb", "expected a number > 0.001"),
-    (["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "-1"], "--shard-mb", "expected a number > 0.001"),
-    (["bench", "collectives", "--sizes-kib", "abc"], "--sizes-kib", "expected comma-separated integers, got 'abc'"),
-    (["bench", "collectives", "--sizes-kib", "16,0"], "--sizes-kib", "expected values >= 1"),
-    (["bench", "tiers", "--fractions", "0.5,x"], "--fractions", "expected comma-separated numbers"),
-    (["bench", "hot", "--zipf", ","], "--zipf", "expected comma-separated numbers"),
-    (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
-    (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
-    (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),
-])
+@pytest.mark.parametrize(
+    "argv,flag,says",
+    [
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "0"],
+            "--shard-mb",
+            "expected a number > 0.001",
+        ),
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "-1"],
+            "--shard-mb",
+            "expected a number > 0.001",
+        ),
+        (["bench", "collectives", "--sizes-kib", "abc"], "--sizes-kib", "expected comma-separated integers, got 'abc'"),
+        (["bench", "collectives", "--sizes-kib", "16,0"], "--sizes-kib", "expected values >= 1"),
+        (["bench", "tiers", "--fractions", "0.5,x"], "--fractions", "expected comma-separated numbers"),
+        (["bench", "hot", "--zipf", ","], "--zipf", "expected comma-separated numbers"),
+        (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
+        (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
+        (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),
+    ],
+)
 def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
@@ -184,9 +220,26 @@ def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
 def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
     """Issue 25: SIGTERM before the training loop (here: compiling) ended the process by the
     default action without a word, while SIGINT printed one."""
-    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke", "--set",
-                             "train.progress_bar=false", "--set", "mesh.devices=8", "--run-dir", str(tmp_path / "r")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(drop=()))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "train",
+            "--config",
+            "smoke",
+            "--set",
+            "train.progress_bar=false",
+            "--set",
+            "mesh.devices=8",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(drop=()),
+    )
     deadline = time.time() + 120
     for line in proc.stdout:  # the plan is printed just before the state is restored and the step compiles
         assert time.time() < deadline
@@ -224,8 +277,9 @@ except stopping.Stopped as e:
 def test_a_stop_swallowed_in_a_collection_callback_stops_the_loop_without_a_traceback():
     """CI saw SIGTERM during compiling land in JAX's gc callback: Python printed "Exception
     ignored in ... _xla_gc_callback", dropped the stop, and the run trained on to exit 0."""
-    proc = subprocess.run([sys.executable, "-c", SWALLOWED_STOP], capture_output=True, text=True,
-                          timeout=120, env=child_env(drop=()))
+    proc = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_STOP], capture_output=True, text=True, timeout=120, env=child_env(drop=())
+    )
     assert proc.stdout.split("\n")[:2] == ["went on", f"stopped {int(signal.SIGTERM)}"], proc
     assert "Exception ignored" not in proc.stderr, proc.stderr
 
@@ -248,13 +302,16 @@ def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
 
 # ---------------------------------------------------------------- the data a run reads
 @pytest.mark.slow
-@pytest.mark.parametrize("settings,says", [
-    (["data.path=DIR"], "data.source=synthetic generates its data and reads no path"),
-    (["data.source=binary", "data.path=DIR/none"], "no such folder; data.source=binary reads a folder made by"),
-    (["data.source=binary", "data.path=DIR/file.tsv"], "a file, and data.source=binary reads a folder"),
-    (["data.source=binary", "data.path=DIR"], "no meta.json in this folder"),
-    (["data.source=criteo", "data.path=DIR"], "a folder, and data.source=criteo reads Criteo text files"),
-])
+@pytest.mark.parametrize(
+    "settings,says",
+    [
+        (["data.path=DIR"], "data.source=synthetic generates its data and reads no path"),
+        (["data.source=binary", "data.path=DIR/none"], "no such folder; data.source=binary reads a folder made by"),
+        (["data.source=binary", "data.path=DIR/file.tsv"], "a file, and data.source=binary reads a folder"),
+        (["data.source=binary", "data.path=DIR"], "no meta.json in this folder"),
+        (["data.source=criteo", "data.path=DIR"], "a folder, and data.source=criteo reads Criteo text files"),
+    ],
+)
 def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(tmp_path, settings, says):
     """A synthetic run never ignores a data.path; a path of the wrong kind is named with what
     the source expects, before any run dir is made."""
@@ -273,14 +330,32 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
     from dlrm_jax.data.criteo import write_criteo_tsv
     from dlrm_jax.data.synthetic import SyntheticGenerator
 
-    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(1000,) * 26, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(1000,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     for k in range(4):
         write_criteo_tsv(tmp_path / f"day{k}.tsv", gen.raw(0, k, 0, 40_000))
-    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "preprocess", "criteo", "--input",
-                             *[str(tmp_path / f"day{k}.tsv") for k in range(4)], "--output", str(tmp_path / "out"),
-                             "--workers", "2", "--block-mb", "1", "--no-progress"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env(drop=()))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "preprocess",
+            "criteo",
+            "--input",
+            *[str(tmp_path / f"day{k}.tsv") for k in range(4)],
+            "--output",
+            str(tmp_path / "out"),
+            "--workers",
+            "2",
+            "--block-mb",
+            "1",
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=child_env(drop=()),
+    )
 
     def children(pid):
         found = []
@@ -302,17 +377,22 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.time() + 10
-    while any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-              for w in workers):
+    while any(
+        os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        for w in workers
+    ):
         assert time.time() < deadline, "a worker outlived preprocess"
         time.sleep(0.05)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("argv,says", [
-    (["train", "--config", "criteo"], "shipped configs: criteo_kaggle, default, mlperf_dlrm_dcnv2"),
-    (["train", "--set", "train.keep_best=true"], "train.keep_best: expected one of '', auc, logloss, got True"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["train", "--config", "criteo"], "shipped configs: criteo_kaggle, default, mlperf_dlrm_dcnv2"),
+        (["train", "--set", "train.keep_best=true"], "train.keep_best: expected one of '', auc, logloss, got True"),
+    ],
+)
 def test_config_mistakes_list_what_is_allowed(argv, says):
     proc = cli(*argv)
     assert proc.returncode == 2 and says in one_line(proc.stderr)
@@ -337,14 +417,26 @@ def test_a_gpu_asked_of_a_jax_without_cuda_is_one_line_saying_how_to_install():
     if jax.default_backend() != "cpu" or "cuda" in {p.platform for p in jax.devices()}:
         pytest.skip("this JAX has a CUDA backend")
     env = child_env(drop=()) | {"JAX_PLATFORMS": "cuda"}
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke"], capture_output=True,
-                          text=True, timeout=120, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2 and 'pip install -e ".[cuda12]"' in one_line(proc.stderr)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--process-id"], ["--process-id", "x", "dlrm-jax"], ["--process-id", "0"]])
 def test_a_cluster_launch_without_its_process_id_or_command_is_a_usage_line(argv):
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax.parallel.launch", *argv], capture_output=True, text=True,
-                          timeout=60, env=child_env(drop=()))  # fmt: skip
-    assert proc.returncode == 2 and one_line(proc.stderr).startswith("usage: python -m dlrm_jax.parallel.launch --process-id I")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax.parallel.launch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(drop=()),
+    )
+    assert proc.returncode == 2 and one_line(proc.stderr).startswith(
+        "usage: python -m dlrm_jax.parallel.launch --process-id I"
+    )

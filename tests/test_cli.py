@@ -54,17 +54,34 @@ def test_early_stop_keep_best_and_step_best_from_the_command_line(tmp_path):
     and the best evaluation printed beside the last (above the contract's final line); eval and
     export take --step best."""
     run = tmp_path / "run"
-    args = ["train", *SMOKE, "--set", "mesh.devices=2", "--set", "train.eval_every=5", "--set", "train.keep_best=auc",
-            "--set", "train.keep_checkpoints=1", "--set", "train.target_auc=0.6", "--run-dir", str(run)]
+    args = [
+        "train",
+        *SMOKE,
+        "--set",
+        "mesh.devices=2",
+        "--set",
+        "train.eval_every=5",
+        "--set",
+        "train.keep_best=auc",
+        "--set",
+        "train.keep_checkpoints=1",
+        "--set",
+        "train.target_auc=0.6",
+        "--run-dir",
+        str(run),
+    ]
     lines = cli(*args).stdout.strip().splitlines()
     last = FINAL.match(lines[-1])
     step = int(last.group(1))
     assert step < 40
     assert [line for line in lines if line.startswith("early stop")] == [
-        f"early stop at step {step}: auc {last.group(3)} at step {step} reached train.target_auc=0.6"]
+        f"early stop at step {step}: auc {last.group(3)} at step {step} reached train.target_auc=0.6"
+    ]
     best = re.match(r"^best step=(\d+) auc=(\S+) logloss=(\S+)$", lines[-2])
     assert best and int(best.group(1)) <= step
-    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == sorted({best.group(1), str(step)})
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == sorted(
+        {best.group(1), str(step)}
+    )
     again = cli(*args).stdout.strip().splitlines()  # stays stopped, says so, and prints the same lines
     assert any(f"run stopped early at step {step}" in line for line in again) and again[-2:] == lines[-2:]
     ev = cli("eval", "--run-dir", str(run), "--step", "best").stdout.strip().splitlines()[-1]
@@ -76,13 +93,26 @@ def test_early_stop_keep_best_and_step_best_from_the_command_line(tmp_path):
 
 
 def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
-    args = [*SMOKE, "--set", "train.steps=200", "--set", "train.checkpoint_every=40",
-            "--set", "train.log_every=10", "--set", "train.eval_every=100"]
+    args = [
+        *SMOKE,
+        "--set",
+        "train.steps=200",
+        "--set",
+        "train.checkpoint_every=40",
+        "--set",
+        "train.log_every=10",
+        "--set",
+        "train.eval_every=100",
+    ]
     whole = final_line(cli("train", *args, "--run-dir", str(tmp_path / "whole")))
     cut = tmp_path / "cut"
     env = child_env(drop=())
-    proc = subprocess.Popen([sys.executable, "-m", "dlrm_jax", "train", *args, "--run-dir", str(cut)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrm_jax", "train", *args, "--run-dir", str(cut)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     deadline = time.time() + 240
     while not (cut / "checkpoints" / "80").exists():
         assert proc.poll() is None and time.time() < deadline, "no checkpoint before the run ended"
@@ -93,7 +123,9 @@ def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
     assert "resuming from checkpoint" in resumed.stdout
     m = final_line(resumed)
     assert m.groups()[:4] == whole.groups()[:4]
-    as_steps = lambda run: {(e["step"], e["event"]): e["loss"] for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}  # noqa: E731
+    as_steps = lambda run: {
+        (e["step"], e["event"]): e["loss"] for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    }
     assert as_steps(cut) == as_steps(tmp_path / "whole")
 
 
@@ -107,9 +139,19 @@ def test_loss_trajectories_agree_across_strategies(tmp_path):
     curves = {}
     for s in ("replicated", "table", "row", "column", "auto"):
         run = tmp_path / s
-        cfg = load_config(Path(__file__).parents[1] / "configs" / "smoke.yaml", [
-            "train.progress_bar=false", f"embedding.sharding={s}", "mesh.devices=8", "embedding.optimizer=adagrad",
-            "train.steps=30", "train.log_every=3", "train.eval_every=0", "train.checkpoint_every=0"])
+        cfg = load_config(
+            Path(__file__).parents[1] / "configs" / "smoke.yaml",
+            [
+                "train.progress_bar=false",
+                f"embedding.sharding={s}",
+                "mesh.devices=8",
+                "embedding.optimizer=adagrad",
+                "train.steps=30",
+                "train.log_every=3",
+                "train.eval_every=0",
+                "train.checkpoint_every=0",
+            ],
+        )
         train_and_evaluate(cfg, run, log=lambda *_: None)
         curves[s] = [e["loss"] for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
         assert s == "auto" or f" {s}" in (run / "plan.txt").read_text()
@@ -118,11 +160,14 @@ def test_loss_trajectories_agree_across_strategies(tmp_path):
         assert max(abs(a - b) / abs(b) for a, b in zip(curve, curves["replicated"], strict=True)) < 1e-4, s
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.stepz=1", "train.stepz"),
-    ("embedding.sharding=diagonal", "embedding.sharding"),
-    ("model.interaction=mul", "dot, cat"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.stepz=1", "train.stepz"),
+        ("embedding.sharding=diagonal", "embedding.sharding"),
+        ("model.interaction=mul", "dot, cat"),
+    ],
+)
 def test_config_errors_are_one_line_not_tracebacks(override, needle):
     proc = cli("train", "--set", override, check=False, timeout=60)
     assert proc.returncode == 2
@@ -137,9 +182,19 @@ def test_plan_command_for_mlperf_without_allocating(devices, config):
     assert f"{devices} devices" in out and "Predicted exchange per step per device" in out
     assert len([line for line in out.splitlines() if line.startswith("cat_")]) == 26
     # The 40M-row tables cannot be replicated or placed whole on one of 8 x 80 GB devices.
-    budget = cli("plan", "--config", config, "--set", f"mesh.devices={devices}",
-                 "--set", "embedding.sharding=replicated", "--set", "embedding.memory_budget_gb=80",
-                 check=False, timeout=60)
+    budget = cli(
+        "plan",
+        "--config",
+        config,
+        "--set",
+        f"mesh.devices={devices}",
+        "--set",
+        "embedding.sharding=replicated",
+        "--set",
+        "embedding.memory_budget_gb=80",
+        check=False,
+        timeout=60,
+    )
     assert budget.returncode == 1 and "cat_" in budget.stderr and "budget" in budget.stderr
 
 
@@ -150,7 +205,7 @@ def test_plan_of_per_host_tables_is_one_hosts(tmp_path):
     one = cli("plan", *sets, timeout=60).stdout
     two = cli("plan", *sets, "--set", "mesh.hosts=2", "--set", "embedding.sync=host_replicas", timeout=60).stdout
     assert "the plan of one host's 4 devices (mesh.hosts=2" in two and "on 4 devices" in two and "on 8 devices" in one
-    total = lambda out: float(next(x for x in out.splitlines() if x.startswith("0 ")).split()[-2])  # noqa: E731
+    total = lambda out: float(next(x for x in out.splitlines() if x.startswith("0 ")).split()[-2])
     assert total(two) > 1.5 * total(one)
 
 
@@ -159,10 +214,29 @@ def test_mlperf_dcnv2_trains_end_to_end_with_capped_rows(tmp_path):
     27 x 128, Adagrad), its tables capped to fit here; a short warmup, since Adagrad's first
     step at a batch of 256 would otherwise trip the divergence guard."""
     run = tmp_path / "dcnv2"
-    proc = cli("train", "--config", "mlperf_dlrm_dcnv2", "--set", "data.max_rows=2000", "--set", "train.batch_size=256",
-               "--set", "train.steps=6", "--set", "train.warmup_steps=4", "--set", "train.eval_every=6",
-               "--set", "train.eval_batches=2", "--set", "train.checkpoint_every=6", "--set", "mesh.devices=2",
-               "--run-dir", str(run))
+    proc = cli(
+        "train",
+        "--config",
+        "mlperf_dlrm_dcnv2",
+        "--set",
+        "data.max_rows=2000",
+        "--set",
+        "train.batch_size=256",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.warmup_steps=4",
+        "--set",
+        "train.eval_every=6",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.checkpoint_every=6",
+        "--set",
+        "mesh.devices=2",
+        "--run-dir",
+        str(run),
+    )
     step, loss, auc, *_ = final_line(proc).groups()
     assert int(step) == 6 and float(auc) > 0.5 and float(loss) < 1.0
     assert " 100 " in (run / "plan.txt").read_text()  # the 100-id bag of cat_20
@@ -172,17 +246,39 @@ def test_wide_deep_config_trains_end_to_end_and_exports_its_wide_part(tmp_path):
     """configs/wide_deep.yaml as shipped (no bottom MLP, FTRL wide part, Adam deep part), its
     tables capped to fit here; its export holds every wide table and the wide linear weights."""
     run = tmp_path / "wd"
-    proc = cli("train", "--config", "wide_deep", "--set", "data.max_rows=2000", "--set", "train.batch_size=256",
-               "--set", "train.steps=6", "--set", "train.eval_every=6", "--set", "train.eval_batches=2",
-               "--set", "train.checkpoint_every=6", "--set", "mesh.devices=2", "--run-dir", str(run))
+    proc = cli(
+        "train",
+        "--config",
+        "wide_deep",
+        "--set",
+        "data.max_rows=2000",
+        "--set",
+        "train.batch_size=256",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.eval_every=6",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.checkpoint_every=6",
+        "--set",
+        "mesh.devices=2",
+        "--run-dir",
+        str(run),
+    )
     step, loss, auc, *_ = final_line(proc).groups()
     assert int(step) == 6 and float(auc) > 0.5 and float(loss) < 1.0
     assert "Wide part: 26 tables" in (run / "plan.txt").read_text()
     cli("export", "--run-dir", str(run), "--output", str(tmp_path / "out"))
     import tensorstore as ts
 
-    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
-                              ).result().read().result()
+    read = lambda *p: (
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}})
+        .result()
+        .read()
+        .result()
+    )
     linear = read("out", "wide_linear", "values")
     assert linear.shape == (14, 1) and np.count_nonzero(linear) == 14  # 13 dense weights and the bias
     assert read("out", "wide_20", "values").shape == (2000, 1) and read("out", "wide_20", "z").shape == (2000, 1)
@@ -190,8 +286,18 @@ def test_wide_deep_config_trains_end_to_end_and_exports_its_wide_part(tmp_path):
 
 
 def test_missing_binary_data_is_a_clear_error(tmp_path):
-    proc = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'nope'}",
-               "--run-dir", str(tmp_path / "r"), check=False, timeout=120)
+    proc = cli(
+        "train",
+        *SMOKE,
+        "--set",
+        "data.source=binary",
+        "--set",
+        f"data.path={tmp_path / 'nope'}",
+        "--run-dir",
+        str(tmp_path / "r"),
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "nope: no such folder" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists()
 
@@ -201,24 +307,69 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 def test_preprocess_then_train_on_binary(tmp_path):
     tsv = tmp_path / "day.tsv"
-    subprocess.run([sys.executable, str(SCRIPTS / "make_criteo_sample.py"), "--lines", "3000",
-                    "--output", str(tsv), "--max-rows", "500", "--bad-lines", "5"], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "make_criteo_sample.py"),
+            "--lines",
+            "3000",
+            "--output",
+            str(tsv),
+            "--max-rows",
+            "500",
+            "--bad-lines",
+            "5",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     # A malformed line stops preprocessing with its file and line number, and leaves no output.
-    failed = cli("preprocess", "criteo", "--input", str(tsv), "--output", str(tmp_path / "d"),
-                 "--no-progress", check=False)
+    failed = cli(
+        "preprocess", "criteo", "--input", str(tsv), "--output", str(tmp_path / "d"), "--no-progress", check=False
+    )
     assert failed.returncode == 1 and f"{tsv}:3001:" in failed.stderr and "Traceback" not in failed.stderr
     assert not (tmp_path / "d").exists()
-    report = cli("preprocess", "criteo", "--input", str(tsv), "--output", str(tmp_path / "d"),
-                 "--skip-bad-lines", "--no-progress").stdout
+    report = cli(
+        "preprocess",
+        "criteo",
+        "--input",
+        str(tsv),
+        "--output",
+        str(tmp_path / "d"),
+        "--skip-bad-lines",
+        "--no-progress",
+    ).stdout
     assert "5 skipped" in report and "3001" in report
-    run = cli("train", *SMOKE, "--set", "data.source=binary", "--set", f"data.path={tmp_path / 'd'}",
-              "--set", "data.max_rows=0", "--set", "train.epochs=0.5", "--set", "train.eval_every=0",
-              "--set", "train.checkpoint_every=0", "--set", "train.eval_batches=0", "--set", "train.log_every=5",
-              "--run-dir", str(tmp_path / "run"))
+    run = cli(
+        "train",
+        *SMOKE,
+        "--set",
+        "data.source=binary",
+        "--set",
+        f"data.path={tmp_path / 'd'}",
+        "--set",
+        "data.max_rows=0",
+        "--set",
+        "train.epochs=0.5",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.checkpoint_every=0",
+        "--set",
+        "train.eval_batches=0",
+        "--set",
+        "train.log_every=5",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     # Epochs of the train split: the steps they set, said in one line, and the epoch in each progress line.
-    rows, steps = re.search(r"^train split: ([\d,]+) rows, [\d.]+ steps of 128 an epoch; "
-                            r"train.epochs=0.5 sets train.steps=(\d+)$", run.stdout, re.M).groups()
+    rows, steps = re.search(
+        r"^train split: ([\d,]+) rows, [\d.]+ steps of 128 an epoch; "
+        r"train.epochs=0.5 sets train.steps=(\d+)$",
+        run.stdout,
+        re.M,
+    ).groups()
     assert int(steps) == -(-int(rows.replace(",", "")) // 256) == int(final_line(run).group(1))
     assert re.search(rf"^step 5/{steps} epoch 0\.\d\d loss \S+ samples/s \S+ left", run.stdout, re.M), run.stdout
     plan = (tmp_path / "run" / "plan.txt").read_text()
@@ -231,23 +382,79 @@ def test_mlperf_multi_hot_days_then_dcnv2_training(tmp_path):
     import gzip
 
     tsv = tmp_path / "all.tsv"
-    subprocess.run([sys.executable, str(SCRIPTS / "make_criteo_sample.py"), "--lines", "1200",
-                    "--output", str(tsv), "--max-rows", "300"], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "make_criteo_sample.py"),
+            "--lines",
+            "1200",
+            "--output",
+            str(tsv),
+            "--max-rows",
+            "300",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     lines = tsv.read_bytes().splitlines(keepends=True)
     for name, part in (("day_0.gz", lines[:500]), ("day_1.gz", lines[500:1000]), ("day_23.gz", lines[1000:])):
         (tmp_path / name).write_bytes(gzip.compress(b"".join(part)))
-    out = cli("preprocess", "criteo", "--input", str(tmp_path / "day_0.gz"), str(tmp_path / "day_1.gz"),
-              "--val-input", str(tmp_path / "day_23.gz"), "--output", str(tmp_path / "mh"), "--max-ind-range", "200",
-              "--vocab-from", "all", "--multi-hot", "mlperf", "--workers", "2", "--no-progress").stdout
+    out = cli(
+        "preprocess",
+        "criteo",
+        "--input",
+        str(tmp_path / "day_0.gz"),
+        str(tmp_path / "day_1.gz"),
+        "--val-input",
+        str(tmp_path / "day_23.gz"),
+        "--output",
+        str(tmp_path / "mh"),
+        "--max-ind-range",
+        "200",
+        "--vocab-from",
+        "all",
+        "--multi-hot",
+        "mlperf",
+        "--workers",
+        "2",
+        "--no-progress",
+    ).stdout
     assert "1000 train + 200 val rows" in out and "ids counted on all rows, train and val" in out
     meta = json.loads((tmp_path / "mh" / "meta.json").read_text())
     assert sum(meta["bag_sizes"]) == 214 and max(meta["cardinalities"]) <= 200
     assert (meta["vocab_from"], meta["split"]) == ("all", "files")
-    run = cli("train", "--config", "mlperf_dlrm_dcnv2", "--set", "data.source=binary", "--set",
-              f"data.path={tmp_path / 'mh'}", "--set", "train.batch_size=128", "--set", "train.steps=4",
-              "--set", "train.eval_every=0", "--set", "train.checkpoint_every=0", "--set", "mesh.devices=2",
-              "--set", "model.embedding_dim=8", "--set", "model.bottom_mlp=[16, 8]", "--set", "model.top_mlp=[16, 1]",
-              "--set", "model.dcn_rank=4", "--set", "train.progress_bar=false", "--run-dir", str(tmp_path / "run"))
+    run = cli(
+        "train",
+        "--config",
+        "mlperf_dlrm_dcnv2",
+        "--set",
+        "data.source=binary",
+        "--set",
+        f"data.path={tmp_path / 'mh'}",
+        "--set",
+        "train.batch_size=128",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.checkpoint_every=0",
+        "--set",
+        "mesh.devices=2",
+        "--set",
+        "model.embedding_dim=8",
+        "--set",
+        "model.bottom_mlp=[16, 8]",
+        "--set",
+        "model.top_mlp=[16, 1]",
+        "--set",
+        "model.dcn_rank=4",
+        "--set",
+        "train.progress_bar=false",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     assert int(final_line(run).group(1)) == 4
 
 
@@ -265,7 +472,7 @@ def test_without_a_terminal_train_prints_progress_lines_and_the_plan_plan_predic
     assert len(re.findall(r"^step \d+/40 loss \S+ samples/s \S+ left \dm\d\ds$", run, re.M)) == 4, run
     lines = run.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("plan: "))
-    summary = lines[first:first + 3]
+    summary = lines[first : first + 3]
     assert lines[first + 3].startswith("compiled the train step"), run
     assert not re.search(r"sharded_w|owner|bucket|capacit", "\n".join(summary), re.I), summary
     planned = cli("plan", "--config", "smoke").stdout  # the same plan: the same bytes and step

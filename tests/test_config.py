@@ -45,53 +45,73 @@ def test_named_configs():
 
 
 def test_overrides():
-    cfg = load_config(None, ["train.steps=7", "model.bottom_mlp=[32, 16]", "data.bag_sizes=3",
-                             "train.progress_bar=false", "data.source=binary", "data.path=/x/y",
-                             "train.learning_rate=1e-3"])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=7",
+            "model.bottom_mlp=[32, 16]",
+            "data.bag_sizes=3",
+            "train.progress_bar=false",
+            "data.source=binary",
+            "data.path=/x/y",
+            "train.learning_rate=1e-3",
+        ],
+    )
     assert cfg.train.steps == 7 and cfg.model.bottom_mlp == (32, 16)
     assert cfg.bag_sizes == (3,) * 26 and cfg.train.progress_bar is False
     assert cfg.train.learning_rate == 1e-3
     assert parse_override("a.b.c=[1,2]") == {"a": {"b": {"c": [1, 2]}}}
 
 
-@pytest.mark.parametrize("override,words", [
-    ("train.stepz=3", ["train.stepz", "train.steps"]),
-    ("nope.steps=3", ["nope", "train"]),
-    ("embedding.sharding=diagonal", ["embedding.sharding", "diagonal", "replicated", "row", "column"]),
-    ("embedding.optimizer=lamb", ["embedding.optimizer", "rowwise_adagrad"]),
-    ("model.interaction=mul", ["model.interaction", "dot", "cat"]),
-    ("data.source=parquet", ["data.source", "synthetic", "criteo", "binary"]),
-    ("train.steps=abc", ["train.steps", "integer", "abc"]),
-    ("train.steps=-1", ["train.steps", "> 0"]),
-    ("train.learning_rate=fast", ["train.learning_rate", "number"]),
-    ("model.bottom_mlp=[32, 8]", ["model.bottom_mlp", "embedding_dim"]),
-    ("model.top_mlp=[32, 2]", ["model.top_mlp", "1"]),
-    ("data.bag_sizes=[1, 2]", ["data.bag_sizes", "26"]),
-    ("data.source=binary", ["data.path", "binary"]),
-    ("train.progress_bar=maybe", ["train.progress_bar", "true or false"]),
-    ("train.steps", ["KEY=VALUE"]),
-    ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),
-    ("embedding.sync=host_replicas|embedding.hot.rows=64", ["embedding.sync=host_replicas", "embedding.hot.rows=0"]),
-    # Issue 25: values that were accepted silently.
-    ("train.decay_power=-1", ["train.decay_power", "> 0"]),
-    ("train.learning_rate=.nan", ["train.learning_rate", "finite", "nan"]),
-    ("train.learning_rate=nan", ["train.learning_rate", "finite"]),
-    ("train.max_loss_ratio=.inf", ["train.max_loss_ratio", "finite", "inf"]),
-    ("embedding.hot.memory_mb=-inf", ["embedding.hot.memory_mb", "finite"]),
-    ("embedding.adagrad_eps=-1e-8", ["embedding.adagrad_eps", ">= 0"]),
-    ("embedding.table_sharding=[cat_1=row, cat_2=table, cat_1=column]",
-     ["embedding.table_sharding", "cat_1 is named twice", "'cat_1=row'", "'cat_1=column'"]),
-    ("embedding.table_storage=[cat_3=tiered, cat_3=device]", ["embedding.table_storage", "cat_3 is named twice"]),
-    ("embedding.table_sharding=[=row]", ["embedding.table_sharding[0]", "TABLE=STRATEGY"]),
-    ("model.interaction=dcn|model.dcn_rank=433", ["model.dcn_rank=433", "width 432", "16 + model.embedding_dim 16 x 26"]),
-    ("model.bottom_mlp={a: 1, a: 2}", ["--set", "'a' is given twice"]),
-    ("train.steps=5|train.steps.x=1", ["train.steps: is 5, not a mapping"]),
-    ("train.keep_best=accuracy", ["train.keep_best", "auc", "logloss"]),
-    ("train.target_auc=1.5", ["train.target_auc", "[0, 1]"]),
-    ("train.early_stop_evals=-1", ["train.early_stop_evals", ">= 0"]),
-    ("train.early_stop_evals=3|train.eval_every=0", ["train.early_stop_evals", "train.eval_every > 0"]),
-    ("train.target_auc=0.8|train.eval_every=0", ["train.target_auc", "train.eval_every > 0"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("train.stepz=3", ["train.stepz", "train.steps"]),
+        ("nope.steps=3", ["nope", "train"]),
+        ("embedding.sharding=diagonal", ["embedding.sharding", "diagonal", "replicated", "row", "column"]),
+        ("embedding.optimizer=lamb", ["embedding.optimizer", "rowwise_adagrad"]),
+        ("model.interaction=mul", ["model.interaction", "dot", "cat"]),
+        ("data.source=parquet", ["data.source", "synthetic", "criteo", "binary"]),
+        ("train.steps=abc", ["train.steps", "integer", "abc"]),
+        ("train.steps=-1", ["train.steps", "> 0"]),
+        ("train.learning_rate=fast", ["train.learning_rate", "number"]),
+        ("model.bottom_mlp=[32, 8]", ["model.bottom_mlp", "embedding_dim"]),
+        ("model.top_mlp=[32, 2]", ["model.top_mlp", "1"]),
+        ("data.bag_sizes=[1, 2]", ["data.bag_sizes", "26"]),
+        ("data.source=binary", ["data.path", "binary"]),
+        ("train.progress_bar=maybe", ["train.progress_bar", "true or false"]),
+        ("train.steps", ["KEY=VALUE"]),
+        ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),
+        (
+            "embedding.sync=host_replicas|embedding.hot.rows=64",
+            ["embedding.sync=host_replicas", "embedding.hot.rows=0"],
+        ),
+        # Issue 25: values that were accepted silently.
+        ("train.decay_power=-1", ["train.decay_power", "> 0"]),
+        ("train.learning_rate=.nan", ["train.learning_rate", "finite", "nan"]),
+        ("train.learning_rate=nan", ["train.learning_rate", "finite"]),
+        ("train.max_loss_ratio=.inf", ["train.max_loss_ratio", "finite", "inf"]),
+        ("embedding.hot.memory_mb=-inf", ["embedding.hot.memory_mb", "finite"]),
+        ("embedding.adagrad_eps=-1e-8", ["embedding.adagrad_eps", ">= 0"]),
+        (
+            "embedding.table_sharding=[cat_1=row, cat_2=table, cat_1=column]",
+            ["embedding.table_sharding", "cat_1 is named twice", "'cat_1=row'", "'cat_1=column'"],
+        ),
+        ("embedding.table_storage=[cat_3=tiered, cat_3=device]", ["embedding.table_storage", "cat_3 is named twice"]),
+        ("embedding.table_sharding=[=row]", ["embedding.table_sharding[0]", "TABLE=STRATEGY"]),
+        (
+            "model.interaction=dcn|model.dcn_rank=433",
+            ["model.dcn_rank=433", "width 432", "16 + model.embedding_dim 16 x 26"],
+        ),
+        ("model.bottom_mlp={a: 1, a: 2}", ["--set", "'a' is given twice"]),
+        ("train.steps=5|train.steps.x=1", ["train.steps: is 5, not a mapping"]),
+        ("train.keep_best=accuracy", ["train.keep_best", "auc", "logloss"]),
+        ("train.target_auc=1.5", ["train.target_auc", "[0, 1]"]),
+        ("train.early_stop_evals=-1", ["train.early_stop_evals", ">= 0"]),
+        ("train.early_stop_evals=3|train.eval_every=0", ["train.early_stop_evals", "train.eval_every > 0"]),
+        ("train.target_auc=0.8|train.eval_every=0", ["train.target_auc", "train.eval_every > 0"]),
+    ],
+)
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, override.split("|"))
@@ -116,10 +136,19 @@ def test_dcn_rank_up_to_the_cross_width_is_fine():
     assert load_config(None, ["model.interaction=dcn", "model.dcn_rank=432"]).model.dcn_rank == 432
 
 
-@pytest.mark.parametrize("text,where", [
-    ("train:\n  steps: 5\n  batch_size: 64\n  steps: 7\n", r"dup.yaml:4: .*'steps' is given twice \(lines 2 and 4\)"),
-    ("train:\n  steps: 5\nmodel:\n  embedding_dim: 8\ntrain:\n  seed: 1\n", r"dup.yaml:5: .*'train' is given twice"),
-])
+@pytest.mark.parametrize(
+    "text,where",
+    [
+        (
+            "train:\n  steps: 5\n  batch_size: 64\n  steps: 7\n",
+            r"dup.yaml:4: .*'steps' is given twice \(lines 2 and 4\)",
+        ),
+        (
+            "train:\n  steps: 5\nmodel:\n  embedding_dim: 8\ntrain:\n  seed: 1\n",
+            r"dup.yaml:5: .*'train' is given twice",
+        ),
+    ],
+)
 def test_duplicate_keys_in_a_file_name_the_file_line_and_key(tmp_path, text, where):
     """PyYAML keeps the last of two equal keys; a config file that says both is refused."""
     path = tmp_path / "dup.yaml"
@@ -141,11 +170,14 @@ def test_binary_config_file_names_the_file(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("text,key,got", [
-    ("train: [1, 2]\n", "train", "got [1, 2]"),
-    ("embedding:\n  hot: 3\n", "embedding.hot", "got 3"),
-    ("train:\n", "train", "nothing"),
-])
+@pytest.mark.parametrize(
+    "text,key,got",
+    [
+        ("train: [1, 2]\n", "train", "got [1, 2]"),
+        ("embedding:\n  hot: 3\n", "embedding.hot", "got 3"),
+        ("train:\n", "train", "nothing"),
+    ],
+)
 def test_a_section_that_is_not_a_mapping_is_refused_not_replaced_by_set(tmp_path, text, key, got):
     """Before: ``--set train.steps=3`` over a file's ``train: [1, 2]`` replaced the list silently."""
     path = tmp_path / "list.yaml"

@@ -33,8 +33,9 @@ M = 97  # max_ind_range of the hashing tests
 
 
 def synthetic_raw(n=N, seed=3):
-    gen = SyntheticGenerator(seed=seed, num_dense=13, table_rows=ROWS, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
+    gen = SyntheticGenerator(
+        seed=seed, num_dense=13, table_rows=ROWS, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     return gen.raw(0, 0, 0, n)
 
 
@@ -157,9 +158,18 @@ def synthetic_tsv_lines(tmp_path, n, seed=3):
 
 
 def criteo_config(path, *extra):
-    return load_config(None, ["data.source=criteo", f"data.path={path}", "data.max_rows=0",
-                              f"data.cardinalities={[M] * 26}", "train.batch_size=16",
-                              "train.eval_batches=0", *extra])  # fmt: skip
+    return load_config(
+        None,
+        [
+            "data.source=criteo",
+            f"data.path={path}",
+            "data.max_rows=0",
+            f"data.cardinalities={[M] * 26}",
+            "train.batch_size=16",
+            "train.eval_batches=0",
+            *extra,
+        ],
+    )
 
 
 def test_skip_mode_counts_bad_lines_by_reason(tmp_path, raw, tsv):
@@ -258,20 +268,13 @@ def test_vocabulary_mode_ids(tmp_path, raw, tsv, min_count, vocab_from):
     for f in range(26):
         seen = values[:counted][~empty[:counted, f], f].tolist()
         counts = {v: seen.count(v) for v in set(seen)}
-        ranked = sorted(
-            (v for v in counts if counts[v] >= min_count), key=lambda v: (-counts[v], v)
-        )
+        ranked = sorted((v for v in counts if counts[v] >= min_count), key=lambda v: (-counts[v], v))
         id_of = {v: i + 2 for i, v in enumerate(ranked)}
-        want = [
-            0 if e else id_of.get(v, 1)
-            for v, e in zip(values[:, f].tolist(), empty[:, f], strict=True)
-        ]
+        want = [0 if e else id_of.get(v, 1) for v, e in zip(values[:, f].tolist(), empty[:, f], strict=True)]
         assert ids[:, f].tolist() == want, f"feature {f}"
         assert report.cardinalities[f] == 2 + len(ranked)
         vocab = np.load(tmp_path / "out" / "vocab" / f"feature_{f}.npy")
-        assert vocab[:, 0].tolist() == ranked and vocab[:, 1].tolist() == [
-            counts[v] for v in ranked
-        ]
+        assert vocab[:, 0].tolist() == ranked and vocab[:, 1].tolist() == [counts[v] for v in ranked]
     assert (ids[empty] == 0).all()
     if min_count > 1:
         assert report.cardinalities[-3] < 2 + len(set(values[:, -3].tolist()))  # some were rare
@@ -306,8 +309,7 @@ def test_chunking_and_line_endings_give_identical_bytes(tmp_path, tsv):
 
 @pytest.mark.slow
 @settings(max_examples=examples(15))
-@given(chunk=st.integers(1, 60), val_fraction=st.floats(0.0, 0.9), split_at=st.integers(1, 119),
-       hashing=st.booleans())  # fmt: skip
+@given(chunk=st.integers(1, 60), val_fraction=st.floats(0.0, 0.9), split_at=st.integers(1, 119), hashing=st.booleans())
 def test_any_chunking_split_and_file_boundary(tsv, chunk, val_fraction, split_at, hashing):
     lines = tsv[0].read_text().splitlines(keepends=True)[:120]
     with tempfile.TemporaryDirectory() as tmp:
@@ -360,9 +362,7 @@ def test_tsv_source_cycles_over_train_lines(tmp_path, raw, tsv):
         np.testing.assert_array_equal(batch.dense, dense[rows])
         np.testing.assert_array_equal(batch.labels, raw.labels[rows])
     halves = [CriteoTSVSource(cfg, p, 2).train_batch(56) for p in (0, 1)]
-    np.testing.assert_array_equal(
-        np.concatenate([h.ids for h in halves]), source.train_batch(56).ids
-    )
+    np.testing.assert_array_equal(np.concatenate([h.ids for h in halves]), source.train_batch(56).ids)
     evals = list(source.eval_batches())
     assert [b.size for b in evals] == [16] * 18 + [12]
     np.testing.assert_array_equal(np.concatenate([b.ids for b in evals]), ids[900:])
@@ -391,7 +391,7 @@ def test_global_shuffle_permutes_train_rows_and_keeps_val_in_order(tmp_path, tsv
     preprocess([path], tmp_path / "plain", max_ind_range=M)
     preprocess([path], tmp_path / "shuffled", max_ind_range=M, shuffle_seed=0, shard_mb=0.03)
     plain, shuffled = load_split(tmp_path / "plain", "train"), load_split(tmp_path / "shuffled", "train")
-    key = lambda a: np.lexsort(np.column_stack([a["ids"], a["dense"], a["labels"]]).T)  # noqa: E731
+    key = lambda a: np.lexsort(np.column_stack([a["ids"], a["dense"], a["labels"]]).T)
     for k in plain:  # the same rows, once each, in another order
         np.testing.assert_array_equal(plain[k][key(plain)], shuffled[k][key(shuffled)])
     assert not np.array_equal(plain["ids"], shuffled["ids"])
@@ -408,8 +408,14 @@ def test_val_input_files_and_gz_days(tmp_path, tsv):
     (tmp_path / "day_0").write_bytes(b"".join(lines[:500]))
     (tmp_path / "day_1.gz").write_bytes(gzip.compress(b"".join(lines[500:1000])))
     (tmp_path / "day_23.gz").write_bytes(gzip.compress(b"".join(lines[1000:])))
-    report = preprocess([tmp_path / "day_0", tmp_path / "day_1.gz"], tmp_path / "out", max_ind_range=M,
-                        val_inputs=[str(tmp_path / "day_23.gz")], val_fraction=0.0, workers=2)
+    report = preprocess(
+        [tmp_path / "day_0", tmp_path / "day_1.gz"],
+        tmp_path / "out",
+        max_ind_range=M,
+        val_inputs=[str(tmp_path / "day_23.gz")],
+        val_fraction=0.0,
+        workers=2,
+    )
     assert (report.train_rows, report.val_rows) == (1000, N - 1000)
     preprocess([path], tmp_path / "ref", max_ind_range=M, val_fraction=(N - 1000) / N)
     for split in ("train", "val"):

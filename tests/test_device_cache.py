@@ -26,7 +26,11 @@ def tiered(rows, strategy, layout="block", cache=4, devices=4):
 
 def owner_of_cache_id(plan: TablePlan, n: int, cid: np.ndarray):
     """Where the device view routes a cache id: (owner, local slot)."""
-    kind = KIND_FIXED if plan.strategy != Strategy.ROW else (KIND_CYCLIC if plan.row_layout == RowLayout.CYCLIC else KIND_BLOCK)
+    kind = (
+        KIND_FIXED
+        if plan.strategy != Strategy.ROW
+        else (KIND_CYCLIC if plan.row_layout == RowLayout.CYCLIC else KIND_BLOCK)
+    )
     if kind == KIND_BLOCK:
         return cid // plan.cache_rows, cid % plan.cache_rows
     if kind == KIND_CYCLIC:
@@ -38,9 +42,14 @@ batches_st = st.lists(st.lists(st.integers(-1, 59), min_size=1, max_size=10), mi
 
 
 @settings(max_examples=examples(120))
-@given(batches=batches_st, strategy=st.sampled_from(["row", "table", "column"]),
-       layout=st.sampled_from(["block", "cyclic"]), cache=st.integers(3, 16), lookahead=st.integers(0, 3),
-       devices=st.sampled_from([1, 2, 4]))
+@given(
+    batches=batches_st,
+    strategy=st.sampled_from(["row", "table", "column"]),
+    layout=st.sampled_from(["block", "cyclic"]),
+    cache=st.integers(3, 16),
+    lookahead=st.integers(0, 3),
+    devices=st.sampled_from([1, 2, 4]),
+)
 def test_planned_ids_name_the_slots_that_hold_their_rows(batches, strategy, layout, cache, lookahead, devices):
     plan = tiered(60, strategy, layout, cache, devices)
     tc = TableCache(plan, devices)
@@ -50,8 +59,10 @@ def test_planned_ids_name_the_slots_that_hold_their_rows(batches, strategy, layo
     try:
         stream = list(plan_stream({0: tc}, np.zeros(1, np.int32), ids, lookahead))
     except CacheTooSmall:
-        per_space = [max(np.bincount(tc.space_of(np.unique(b[b != PAD_ID])), minlength=spaces)) if (b != PAD_ID).any()
-                     else 0 for b in ids]
+        per_space = [
+            max(np.bincount(tc.space_of(np.unique(b[b != PAD_ID])), minlength=spaces)) if (b != PAD_ID).any() else 0
+            for b in ids
+        ]
         assert max(per_space) > cache
         return
     for t, (orig, remapped, fills) in enumerate(stream):
@@ -68,7 +79,7 @@ def test_planned_ids_name_the_slots_that_hold_their_rows(batches, strategy, layo
         assert ((0 <= local) & (local < cache)).all()
         assert np.array_equal(held[owner, local], rows)  # the slot holds the logical row
         # Window protection: with room for the window, no row a windowed batch needs leaves.
-        window = ids[t + 1: t + 1 + lookahead]
+        window = ids[t + 1 : t + 1 + lookahead]
         if window and f.evicted.size:
             needed = np.unique(np.concatenate([w[w != PAD_ID] for w in window] + [orig[valid]]))
             per = np.bincount(tc.space_of(needed), minlength=spaces) if needed.size else np.zeros(spaces)
@@ -78,7 +89,7 @@ def test_planned_ids_name_the_slots_that_hold_their_rows(batches, strategy, layo
 
 def test_lru_order_and_refusal():
     tc = TableCache(tiered(100, "table", cache=3), 4)
-    ids = lambda *r: np.array(r, np.int32)[:, None]  # noqa: E731
+    ids = lambda *r: np.array(r, np.int32)[:, None]
     _, f = tc.plan(ids(1, 2, 3))
     assert f.evicted.tolist() == [-1, -1, -1]
     tc.plan(ids(1))  # 1 used: 2 is now the least recently used

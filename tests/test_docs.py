@@ -140,8 +140,10 @@ def test_readme_starts_with_the_two_commands():
     blocks = [b.splitlines() for b in text.split("```")[1::2]]  # fenced blocks: language line, then lines
     assert blocks[0] == ["bash", TWO_COMMANDS[0]], blocks[0]
     tests = [i for i, b in enumerate(blocks) if b == ["bash", TWO_COMMANDS[1]]]
-    assert tests and all(b[0] != "bash" or "dlrm-jax" not in " ".join(b[1:]) or b[1:] == [TWO_COMMANDS[0]]
-                         or "cuda12" in b[1] for b in blocks[: tests[0]]), blocks[: tests[0] + 1]
+    assert tests and all(
+        b[0] != "bash" or "dlrm-jax" not in " ".join(b[1:]) or b[1:] == [TWO_COMMANDS[0]] or "cuda12" in b[1]
+        for b in blocks[: tests[0]]
+    ), blocks[: tests[0] + 1]
 
 
 def test_readme_launch_line_is_the_laptop_form():
@@ -159,9 +161,13 @@ def test_every_command_line_parses_and_its_config_loads():
 
 def test_a_broken_command_line_is_caught(tmp_path):
     """The checker itself: a bad flag, a bad key, a bad value and a missing script are each named."""
-    bad = ["dlrm-jax train --steps 3", "dlrm-jax plan --set embedding.shardin=row",
-           "dlrm-jax train --set embedding.sharding=diagonal", "dlrm-jax train --config no_such_config",
-           "python scripts/no_such_script.py"]
+    bad = [
+        "dlrm-jax train --steps 3",
+        "dlrm-jax plan --set embedding.shardin=row",
+        "dlrm-jax train --set embedding.sharding=diagonal",
+        "dlrm-jax train --config no_such_config",
+        "python scripts/no_such_script.py",
+    ]
     found = [check_command(Line(REPO / "README.md", i, "bash", text)) for i, text in enumerate(bad)]
     assert all(len(f) == 1 for f in found), found
 
@@ -207,7 +213,8 @@ def test_named_repository_paths_exist():
     pattern = re.compile(r"(?<![\w./-])((?:scripts|examples|configs|tests|docs)/[\w./-]*[\w/])")
     problems = [
         f"{path.relative_to(REPO)}: {p} does not exist"
-        for path in ALL_MD for p in pattern.findall(path.read_text(encoding="utf-8"))
+        for path in ALL_MD
+        for p in pattern.findall(path.read_text(encoding="utf-8"))
         if not (REPO / p).exists()
     ]
     assert not problems, "\n".join(problems)

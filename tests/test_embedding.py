@@ -47,8 +47,10 @@ def build(cfg, devices, plan=None):
 def logical(coll, state):
     tables, slots = coll.logical_tables(state)
     acc = [s["accumulator"] for s in slots] if "accumulator" in slots[0] else None
-    return (np.concatenate([np.asarray(t, np.float64) for t in tables]),
-            None if acc is None else np.concatenate([np.asarray(a, np.float64) for a in acc]))
+    return (
+        np.concatenate([np.asarray(t, np.float64) for t in tables]),
+        None if acc is None else np.concatenate([np.asarray(a, np.float64) for a in acc]),
+    )
 
 
 def close(got, want, rtol, atol, norm_tol):
@@ -59,8 +61,9 @@ def close(got, want, rtol, atol, norm_tol):
         assert rel < norm_tol, rel
 
 
-def check_against_reference(cfg, devices, steps=40, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None,
-                            hot_keys=None, refresh=None):
+def check_against_reference(
+    cfg, devices, steps=40, rtol=1e-5, atol=1e-6, norm_tol=None, plan=None, hot_keys=None, refresh=None
+):
     """``hot_keys``: the hot set to start with (the plan must have hot rows); ``refresh``: {step:
     keys} hot sets to switch to before those steps."""
     coll = build(cfg, devices, plan)
@@ -86,8 +89,9 @@ def check_against_reference(cfg, devices, steps=40, rtol=1e-5, atol=1e-6, norm_t
         # Reference: d(sum(pooled * w))/d(row) = w[feature] * pooling weight, summed per row.
         rows = np.where(ids == PAD_ID, len(table), ids + offsets[slot_feature])
         grads = w[:, slot_feature, :] * np.asarray(res.weights_bs)[..., None]
-        table, acc = dense_reference(cfg.embedding.optimizer, table, acc, rows.reshape(-1),
-                                     grads.reshape(-1, table.shape[1]), 0.05)
+        table, acc = dense_reference(
+            cfg.embedding.optimizer, table, acc, rows.reshape(-1), grads.reshape(-1, table.shape[1]), 0.05
+        )
         got_table, got_acc = logical(coll, state)
         close(got_table, table, rtol, atol, norm_tol)
         if acc is not None:
@@ -107,72 +111,118 @@ def strategy_overrides(name):
     return [f"embedding.sharding={name}"]
 
 
-CASES = [(s, d, OPTIMIZERS[(i + j) % 3], (i + j) % 2 == 1)
-         for i, s in enumerate(STRATEGIES) for j, d in enumerate([1, 2, 4, 8])]
+CASES = [
+    (s, d, OPTIMIZERS[(i + j) % 3], (i + j) % 2 == 1)
+    for i, s in enumerate(STRATEGIES)
+    for j, d in enumerate([1, 2, 4, 8])
+]
 
 
-@pytest.mark.parametrize("strategy,devices,optimizer,multi_hot", CASES,
-                         ids=[f"{s}-{d}dev-{o}-{'bags' if m else 'onehot'}" for s, d, o, m in CASES])
+@pytest.mark.parametrize(
+    "strategy,devices,optimizer,multi_hot",
+    CASES,
+    ids=[f"{s}-{d}dev-{o}-{'bags' if m else 'onehot'}" for s, d, o, m in CASES],
+)
 def test_strategy_matches_reference(tiny, strategy, devices, optimizer, multi_hot):
     bags = ["data.bag_sizes=[3, 1, 4, 2, 2]", "data.pooling=mean"] if multi_hot else []
-    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *bags,
-               *strategy_overrides(strategy))
+    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *bags, *strategy_overrides(strategy))
     coll, _ = check_against_reference(cfg, devices)
     want = {"row_cyclic": "row", "mixed": None, "auto": None}.get(strategy, strategy)
     if want and devices > 1:
         assert {t.strategy.value for t in coll.plan.tables} == {want}
 
 
-DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"),
-                 ("column", 2, "adagrad")]
+DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"), ("column", 2, "adagrad")]
 
 
 @pytest.mark.parametrize("strategy,devices,optimizer", DETERMINISTIC)
 def test_deterministic_sums_match_reference(tiny, strategy, devices, optimizer):
     """embedding.deterministic: the exact sums on every path that merges gradients."""
-    cfg = tiny(f"embedding.optimizer={optimizer}", "embedding.deterministic=true", "train.batch_size=32",
-               CARDS, "data.bag_sizes=[3, 1, 4, 2, 2]", *strategy_overrides(strategy))
+    cfg = tiny(
+        f"embedding.optimizer={optimizer}",
+        "embedding.deterministic=true",
+        "train.batch_size=32",
+        CARDS,
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        *strategy_overrides(strategy),
+    )
     coll, _ = check_against_reference(cfg, devices)
     assert coll.optimizer.exact_sums
 
 
-POOLED = [("table", 2, "rowwise_adagrad"), ("table", 4, "adagrad"), ("column", 8, "adagrad"), ("mixed", 8, "sgd"),
-          ("column", 4, "rowwise_adagrad"), ("column", 2, "sgd")]
+POOLED = [
+    ("table", 2, "rowwise_adagrad"),
+    ("table", 4, "adagrad"),
+    ("column", 8, "adagrad"),
+    ("mixed", 8, "sgd"),
+    ("column", 4, "rowwise_adagrad"),
+    ("column", 2, "sgd"),
+]
 
 
 @pytest.mark.parametrize("strategy,devices,optimizer", POOLED)
 def test_owner_pooled_bags_match_reference(tiny, strategy, devices, optimizer):
     """Bags pooled by their owners (table-wise tables and column slices; row-wise ones in
     the mixed plan take the ids form beside them), mean pooling, against the reference."""
-    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, "embedding.bag_exchange=pooled",
-               "data.bag_sizes=[5, 1, 6, 3, 4]", "data.pooling=mean", *strategy_overrides(strategy))
+    cfg = tiny(
+        f"embedding.optimizer={optimizer}",
+        "train.batch_size=32",
+        CARDS,
+        "embedding.bag_exchange=pooled",
+        "data.bag_sizes=[5, 1, 6, 3, 4]",
+        "data.pooling=mean",
+        *strategy_overrides(strategy),
+    )
     coll, _ = check_against_reference(cfg, devices)
-    fixed = {(vt.table, vt.col_start) for g in coll.groups if not g.replicated for vt in g.vtables
-             if coll.plan.tables[vt.table].strategy in (Strategy.TABLE, Strategy.COLUMN)}
-    pooled = {(vt.table, vt.col_start) for f in coll.forms if type(f).__name__ == "PooledForm" for vt in f.group.vtables}
+    fixed = {
+        (vt.table, vt.col_start)
+        for g in coll.groups
+        if not g.replicated
+        for vt in g.vtables
+        if coll.plan.tables[vt.table].strategy in (Strategy.TABLE, Strategy.COLUMN)
+    }
+    pooled = {
+        (vt.table, vt.col_start) for f in coll.forms if type(f).__name__ == "PooledForm" for vt in f.group.vtables
+    }
     assert fixed and pooled == fixed
 
 
 def test_bag_exchange_setting_picks_each_tables_form(tiny):
     """auto: fixed-owner tables pool bags, one-hot ones send distinct ids; ids: never pooled;
     pooled: every fixed-owner table; row-wise tables always send ids."""
-    mixed = ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_2=column]", CARDS,
-             "data.bag_sizes=[8, 1, 8, 1, 8]"]
-    exchange = {mode: [t.exchange.value for t in plan_from_config(tiny(*mixed, f"embedding.bag_exchange={mode}"), 4).tables]
-                for mode in ("auto", "ids", "pooled")}
+    mixed = [
+        "embedding.sharding=table",
+        "embedding.table_sharding=[cat_0=row, cat_2=column]",
+        CARDS,
+        "data.bag_sizes=[8, 1, 8, 1, 8]",
+    ]
+    exchange = {
+        mode: [t.exchange.value for t in plan_from_config(tiny(*mixed, f"embedding.bag_exchange={mode}"), 4).tables]
+        for mode in ("auto", "ids", "pooled")
+    }
     assert exchange["auto"] == ["ids", "ids", "pooled", "ids", "pooled"]
     assert exchange["ids"] == ["ids"] * 5
     assert exchange["pooled"] == ["ids", "pooled", "pooled", "pooled", "pooled"]
 
 
-@pytest.mark.parametrize("cards,kind", [("data.cardinalities=[5, 3, 9, 4, 2]", "allreduce"),
-                                        ("data.cardinalities=[5000, 3000, 9000, 400, 2000]", "gather")])
+@pytest.mark.parametrize(
+    "cards,kind",
+    [
+        ("data.cardinalities=[5, 3, 9, 4, 2]", "allreduce"),
+        ("data.cardinalities=[5000, 3000, 9000, 400, 2000]", "gather"),
+    ],
+)
 @pytest.mark.parametrize("devices", [2, 8])
 def test_replicated_tables_allreduce_or_gather(tiny, cards, kind, devices):
     """Replicated tables of few rows all-reduce their [rows, W] gradient; of many rows they
     gather the batch's (row, gradient) pairs: whichever moves fewer bytes, both exact."""
-    cfg = tiny("embedding.sharding=replicated", "embedding.optimizer=rowwise_adagrad", "train.batch_size=32",
-               "data.bag_sizes=[3, 1, 4, 2, 2]", cards)
+    cfg = tiny(
+        "embedding.sharding=replicated",
+        "embedding.optimizer=rowwise_adagrad",
+        "train.batch_size=32",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        cards,
+    )
     coll, _ = check_against_reference(cfg, devices)
     assert [f.kind.value for f in coll.forms] == [kind]
 
@@ -188,11 +238,15 @@ def test_sharded_tables_are_split_not_replicated(tiny, strategy):
         assert shard_rows == {arr.shape[0] // 8}, (name, shard_rows)
 
 
-@pytest.mark.parametrize("variant", [
-    ["embedding.sharding=row", "embedding.optimizer=rowwise_adagrad"],
-    ["embedding.sharding=row", "embedding.optimizer=adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]"],
-    ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=ids"],
-], ids=["rows", "bags", "column-slices-rowwise"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["embedding.sharding=row", "embedding.optimizer=rowwise_adagrad"],
+        ["embedding.sharding=row", "embedding.optimizer=adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]"],
+        ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=ids"],
+    ],
+    ids=["rows", "bags", "column-slices-rowwise"],
+)
 def test_forced_overflow_loses_nothing(tiny, variant):
     """A capacity far too small runs the exchange in rounds at that capacity: same numbers as
     the reference (each row updated once per step, as Adagrad needs), overflow reported."""
@@ -214,8 +268,14 @@ def test_bfloat16_storage_and_exchange_within_tolerance(tiny, devices, optimizer
     accumulators within 1e-2 of the float32 reference in relative norm (the documented bound).
     Not per-element Adagrad: its first step moves an element by lr * sign(g) whatever |g|, so a
     gradient whose bf16 partial sums cancel to near zero can step the other way (2 lr apart)."""
-    cfg = tiny("embedding.sharding=row", "embedding.dtype=bfloat16", "embedding.exchange_dtype=bfloat16",
-               "train.batch_size=32", CARDS, f"embedding.optimizer={optimizer}")
+    cfg = tiny(
+        "embedding.sharding=row",
+        "embedding.dtype=bfloat16",
+        "embedding.exchange_dtype=bfloat16",
+        "train.batch_size=32",
+        CARDS,
+        f"embedding.optimizer={optimizer}",
+    )
     check_against_reference(cfg, devices, steps=3, norm_tol=1e-2)
 
 
@@ -224,14 +284,21 @@ def test_float8_exchange_within_tolerance(tiny, strategy, devices):
     """float8 (e4m3, a float32 scale per vector) on the wire, float32 everywhere else: forward
     vectors and tables within 0.07 of the float32 reference in relative norm (each value is
     within 2**-4 of its vector's largest: the documented bound), over 10 steps."""
-    cfg = tiny(f"embedding.sharding={strategy}", "embedding.exchange_dtype=float8", "train.batch_size=32", CARDS,
-               "embedding.optimizer=rowwise_adagrad", "data.bag_sizes=[3, 1, 4, 2, 2]")
+    cfg = tiny(
+        f"embedding.sharding={strategy}",
+        "embedding.exchange_dtype=float8",
+        "train.batch_size=32",
+        CARDS,
+        "embedding.optimizer=rowwise_adagrad",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+    )
     check_against_reference(cfg, devices, steps=10, norm_tol=0.07)
 
 
 def test_plan_json_round_trip(tiny):
-    cfg = tiny("embedding.sharding=auto", CARDS, "embedding.table_sharding=[cat_4=column]",
-               "embedding.optimizer=adagrad")
+    cfg = tiny(
+        "embedding.sharding=auto", CARDS, "embedding.table_sharding=[cat_4=column]", "embedding.optimizer=adagrad"
+    )
     plan = plan_from_config(cfg, 8)
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     assert plan.tables[4].strategy == Strategy.COLUMN and plan.tables[4].column_slices == 2
@@ -240,8 +307,9 @@ def test_plan_json_round_trip(tiny):
 def test_measured_capacity_is_tight_and_still_exact(tiny):
     """Buckets sized from one batch's statistics (no headroom): later batches may overflow,
     take the fallback path, and still match the reference exactly."""
-    cfg = tiny("embedding.sharding=row", "train.batch_size=64", CARDS, "embedding.optimizer=adagrad",
-               "data.zipf_exponent=1.3")
+    cfg = tiny(
+        "embedding.sharding=row", "train.batch_size=64", CARDS, "embedding.optimizer=adagrad", "data.zipf_exponent=1.3"
+    )
     coll = build(cfg, 4)
     measured = measure_capacities(coll.plan, [SyntheticSource(cfg).train_batch(0).ids], headroom=1.0)
     bound = {g.name: g.max_capacity(16) for g in coll.groups}
@@ -249,8 +317,10 @@ def test_measured_capacity_is_tight_and_still_exact(tiny):
     plan = dataclasses.replace(coll.plan, capacities=measured)
     assert EmbeddingPlan.from_json(plan.to_json()) == plan
     coll, state = check_against_reference(cfg, 4, plan=plan)
-    overflows = [int(jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(s).ids))[1].overflow)
-                 for s in range(1, 5)]
+    overflows = [
+        int(jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(s).ids))[1].overflow)
+        for s in range(1, 5)
+    ]
     assert max(overflows) >= 1  # the tight capacity did overflow on some batch, and lost nothing
 
 
@@ -259,16 +329,19 @@ def test_column_slices_with_rowwise_adagrad_share_one_accumulator(tiny, devices,
     """Each slice owner gets the whole row's mean squared gradient (partials summed across the
     slice owners), so every slice's accumulator equals the single-device one."""
     extra = ["data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.bag_exchange=pooled"] if bags else []
-    cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=column", "train.batch_size=32", CARDS,
-               *extra)
+    cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=column", "train.batch_size=32", CARDS, *extra)
     coll, state = check_against_reference(cfg, devices)
     assert any(t.column_slices > 1 for t in coll.plan.tables)
     assert {type(f).__name__ for f in coll.forms} == {"PooledForm" if bags else "IdsForm"}
     for g in coll.groups:
         for t in {vt.table for vt in g.vtables}:
-            accs = [np.asarray(state.slots[g.name]["accumulator"])[
-                np.asarray(physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32)))]
-                for vt in g.vtables if vt.table == t]
+            accs = [
+                np.asarray(state.slots[g.name]["accumulator"])[
+                    np.asarray(physical_rows(g, vt, jnp.arange(vt.rows, dtype=jnp.int32)))
+                ]
+                for vt in g.vtables
+                if vt.table == t
+            ]
             for acc in accs[1:]:
                 np.testing.assert_array_equal(acc, accs[0])
 

@@ -32,8 +32,20 @@ def load_example(name: str):
 
 
 tt = load_example("two_tower")
-SMALL = tt.Settings(batch_size=64, devices=8, users=500, topics=8, items_per_topic=40, regions=32,
-                    history=4, dim=8, hidden=16, out=8, k=5, eval_batches=2)
+SMALL = tt.Settings(
+    batch_size=64,
+    devices=8,
+    users=500,
+    topics=8,
+    items_per_topic=40,
+    regions=32,
+    history=4,
+    dim=8,
+    hidden=16,
+    out=8,
+    k=5,
+    eval_batches=2,
+)
 TOL = dict(rtol=1e-5, atol=1e-6)  # as tests/test_embedding.py: float32 rounding, other sum orders
 
 
@@ -46,7 +58,7 @@ def reference_lookup(tables, ids_bs, specs):
     """Pooled [B, F, D] from whole tables on one device: gather, mask the padding, pool."""
     out, col = [], 0
     for table, spec in zip(tables, specs, strict=True):
-        ids = ids_bs[:, col:col + spec.bag_size]
+        ids = ids_bs[:, col : col + spec.bag_size]
         col += spec.bag_size
         valid = ids != dlrm_jax.PAD_ID
         pooled = jnp.sum(table[jnp.where(valid, ids, 0)] * valid[..., None], axis=1)
@@ -58,6 +70,7 @@ def reference_lookup(tables, ids_bs, specs):
 
 def reference_grads(graphdef, s, params, tables, ids_bs):
     """Loss, pooled vectors and the gradients w.r.t. the towers and the whole tables."""
+
     def loss(params, tables):
         pooled = reference_lookup(tables, ids_bs, tt.table_specs(s))
         return tt.loss_fn(graphdef, s, params, pooled, ids_bs), pooled
@@ -98,15 +111,19 @@ def test_forward_and_gradients_match_reference(mesh):
     def sharded(state, ids_bs):
         pooled, res = parts.tables.lookup(state.tables, ids_bs)
         loss, (g_params, g_bfd) = jax.value_and_grad(partial(tt.loss_fn, parts.graphdef, s), (0, 1))(
-            state.params, pooled, ids_bs)
-        zero = dlrm_jax.EmbeddingState(jax.tree.map(jnp.zeros_like, state.tables.tables), {k: {} for k in state.tables.slots})
+            state.params, pooled, ids_bs
+        )
+        zero = dlrm_jax.EmbeddingState(
+            jax.tree.map(jnp.zeros_like, state.tables.tables), {k: {} for k in state.tables.slots}
+        )
         return loss, pooled, g_params, sgd.apply_gradients(zero, res, g_bfd, 1.0)
 
     loss, pooled, g_params, minus_g = sharded(parts.state, ids_bs)
     tables, accs = logical(parts.tables, parts.state.tables)
     assert all(np.all(a == 0) for a in accs)
     want_loss, want_pooled, (want_params, want_tables) = jax.jit(partial(reference_grads, parts.graphdef, s))(
-        host(parts.state.params), tables, ids)
+        host(parts.state.params), tables, ids
+    )
 
     np.testing.assert_allclose(pooled, want_pooled, **TOL)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)

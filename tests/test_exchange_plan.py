@@ -30,14 +30,26 @@ FORMS = {
     "ids-rows": ["embedding.sharding=row"],
     "ids-table": ["embedding.sharding=table", "embedding.bag_exchange=ids"],
     "pooled-mean": ["embedding.sharding=table", "data.bag_sizes=[3, 1, 4, 2, 2]", "data.pooling=mean"],
-    "pooled-whole-rows": ["embedding.sharding=column", "data.bag_sizes=[3, 1, 4, 2, 2]",
-                          "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=pooled"],
+    "pooled-whole-rows": [
+        "embedding.sharding=column",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.optimizer=rowwise_adagrad",
+        "embedding.bag_exchange=pooled",
+    ],
     "replicated-allreduce": ["embedding.sharding=replicated", "data.cardinalities=[5, 3, 9, 4, 2]"],
     "replicated-gather": ["embedding.sharding=replicated", "data.cardinalities=[5000, 3000, 9000, 400, 2000]"],
-    "mixed-bf16": ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column]",
-                   "data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.exchange_dtype=bfloat16"],
-    "mixed-float8": ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_2=column]",
-                     "data.bag_sizes=[3, 1, 4, 2, 2]", "embedding.exchange_dtype=float8"],
+    "mixed-bf16": [
+        "embedding.sharding=table",
+        "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column]",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.exchange_dtype=bfloat16",
+    ],
+    "mixed-float8": [
+        "embedding.sharding=table",
+        "embedding.table_sharding=[cat_0=row, cat_2=column]",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.exchange_dtype=float8",
+    ],
     "auto": ["embedding.sharding=auto", "data.bag_sizes=[3, 1, 4, 2, 2]"],
 }
 
@@ -62,14 +74,38 @@ def test_bench_exchange_writes_every_strategy(tmp_path):
     from child_env import child_env
 
     out = tmp_path / "x.json"
-    subprocess.run([sys.executable, "-m", "dlrm_jax", "bench", "exchange", "--config", "smoke", "--set", "mesh.devices=4",
-                    "--strategies", "auto,table,row", "--output", str(out)],
-                   check=True, capture_output=True, timeout=300, env=child_env())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "bench",
+            "exchange",
+            "--config",
+            "smoke",
+            "--set",
+            "mesh.devices=4",
+            "--strategies",
+            "auto,table,row",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=child_env(),
+    )
     cases = json.loads(out.read_text())["cases"]
     assert [c["strategy"] for c in cases] == ["auto", "table", "row"]
     for c in cases:
-        assert set(c) >= {"strategy", "devices", "predicted_bytes", "measured_bytes", "lower_bound_bytes",
-                          "predicted_step_ms"}
+        assert set(c) >= {
+            "strategy",
+            "devices",
+            "predicted_bytes",
+            "measured_bytes",
+            "lower_bound_bytes",
+            "predicted_step_ms",
+        }
         assert c["devices"] == 4 and 0 <= c["measured_bytes"] - c["predicted_bytes"] <= 64
 
 
@@ -110,11 +146,17 @@ def test_a_skewed_table_does_not_size_every_owners_bucket():
 
 
 def test_auto_is_never_predicted_slower_than_an_explicit_strategy():
-    specs = [TableSpec(f"t{i}", r, 64, b) for i, (r, b) in enumerate(
-        [(3, 1), (40, 2), (5000, 1), (200_000, 4), (2_000_000, 1), (2_000_000, 8), (10_000_000, 1)])]
+    specs = [
+        TableSpec(f"t{i}", r, 64, b)
+        for i, (r, b) in enumerate(
+            [(3, 1), (40, 2), (5000, 1), (200_000, 4), (2_000_000, 1), (2_000_000, 8), (10_000_000, 1)]
+        )
+    ]
     for n in (8, 64):
-        times = {s: predict_step(plan_embeddings(specs, s, n, "sgd", 65536, cluster=H100), H100).embedding_s
-                 for s in ("auto", "table", "row", "column")}
+        times = {
+            s: predict_step(plan_embeddings(specs, s, n, "sgd", 65536, cluster=H100), H100).embedding_s
+            for s in ("auto", "table", "row", "column")
+        }
         assert times["auto"] <= min(times.values()) * 1.0001, (n, times)
 
 
@@ -152,8 +194,9 @@ def test_pooled_layout_carries_every_slot_once_to_its_owner(data):
             devices = tuple(data.draw(st.permutations(range(n)))[:2])
             placed.append(TablePlan(spec, Strategy.COLUMN, devices, exchange=ExchangeKind.POOLED))
         else:
-            placed.append(TablePlan(spec, Strategy.TABLE, (data.draw(st.integers(0, n - 1)),),
-                                    exchange=ExchangeKind.POOLED))
+            placed.append(
+                TablePlan(spec, Strategy.TABLE, (data.draw(st.integers(0, n - 1)),), exchange=ExchangeKind.POOLED)
+            )
     plan = EmbeddingPlan(tuple(placed), n, "sgd", 8 * n)
     starts = np.concatenate([[0], np.cumsum([s.bag_size for s in specs])])
     for g in build_groups(plan):
@@ -161,10 +204,10 @@ def test_pooled_layout_carries_every_slot_once_to_its_owner(data):
         for v, vt in enumerate(g.vtables):
             o, j = divmod(int(lay.reply_index[v]), lay.pieces)
             assert o == vt.device and lay.send_index[lay.reply_index[v]] == v
-            block = lay.send_slot[o, lay.starts[j]:lay.starts[j + 1]]
+            block = lay.send_slot[o, lay.starts[j] : lay.starts[j + 1]]
             bag = range(starts[vt.table], starts[vt.table + 1])
             assert list(block[block >= 0]) == list(bag)
-            assert (lay.row_offset[o, lay.starts[j]:lay.starts[j] + len(bag)] == vt.offset).all()
+            assert (lay.row_offset[o, lay.starts[j] : lay.starts[j] + len(bag)] == vt.offset).all()
         assert lay.ids_per_sample == sum(lay.piece_bags)
 
 

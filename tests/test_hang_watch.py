@@ -1,5 +1,6 @@
 """The hang watch's decisions (PeerWatchdog._check_progress) against a fake coordination
 service: no processes, so the timing is the test's own."""
+
 import pytest
 
 from dlrm_jax.parallel import mesh
@@ -33,6 +34,7 @@ def watchdog(me, timeout_s=10.0):
 
     def exit_(why):
         raise Exited(why)
+
     w._exit = exit_
     return w
 
@@ -46,8 +48,11 @@ def test_a_stall_past_the_timeout_exits_naming_every_process(clock):
     clock[0] += 9
     w1._check_progress(client)  # within the timeout
     clock[0] += 2
-    with pytest.raises(Exited, match=r"no progress for 11 s \(reading input at step 11; .*process 0: "
-                                     r"train step at step 12; process 1: reading input at step 11"):
+    with pytest.raises(
+        Exited,
+        match=r"no progress for 11 s \(reading input at step 11; .*process 0: "
+        r"train step at step 12; process 1: reading input at step 11",
+    ):
         w1._check_progress(client)
 
 

@@ -14,13 +14,20 @@ ROWS = 40
 
 def store(tmp_path):
     fields = {"values": ((3,), "float32"), "accumulator": ((), "float32")}
-    init = lambda name, a, b: {"values": np.arange(a, b, dtype=np.float32)[:, None].repeat(3, 1),  # noqa: E731
-                               "accumulator": np.zeros(b - a, np.float32)}
+    init = lambda name, a, b: {
+        "values": np.arange(a, b, dtype=np.float32)[:, None].repeat(3, 1),
+        "accumulator": np.zeros(b - a, np.float32),
+    }
     return TierStore.create(tmp_path, {"t": (ROWS, fields)}, init, chunk_rows=8)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["get", "put", "flush"]),
-                         st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True)), max_size=25)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["get", "put", "flush"]),
+        st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True),
+    ),
+    max_size=25,
+)
 
 
 @settings(max_examples=examples(40))
@@ -36,8 +43,10 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
             np.testing.assert_array_equal(got["values"][:, 0], [model[r] for r in rows])
         elif op == "put":
             vals = 1000.0 * (i + 1) + rows
-            cache.put(rows, {"values": np.repeat(vals[:, None], 3, 1).astype(np.float32),
-                             "accumulator": vals.astype(np.float32)})
+            cache.put(
+                rows,
+                {"values": np.repeat(vals[:, None], 3, 1).astype(np.float32), "accumulator": vals.astype(np.float32)},
+            )
             model.update(zip(rows.tolist(), vals.tolist(), strict=True))
         else:
             cache.flush()
@@ -45,8 +54,10 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
     cache.flush()
     on_disk = tier.read("t", np.arange(ROWS))
     np.testing.assert_array_equal(on_disk["values"][:, 0], [model[r] for r in range(ROWS)])
-    np.testing.assert_array_equal(on_disk["accumulator"][[r for r in range(ROWS) if model[r] >= 1000]],
-                                  [model[r] for r in range(ROWS) if model[r] >= 1000])
+    np.testing.assert_array_equal(
+        on_disk["accumulator"][[r for r in range(ROWS) if model[r] >= 1000]],
+        [model[r] for r in range(ROWS) if model[r] >= 1000],
+    )
     tier.close()
 
 

@@ -30,7 +30,7 @@ def counted_by_hand(batches):
     starts = np.cumsum([0, *BAGS])
     for ids in batches:
         for t in range(len(BAGS)):
-            for v in ids[:, starts[t]:starts[t + 1]].reshape(-1):
+            for v in ids[:, starts[t] : starts[t + 1]].reshape(-1):
                 if v != PAD_ID:
                     per_table[t][int(v)] += 1
     return per_table
@@ -110,8 +110,9 @@ def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
     must replicate some, which lowers the busiest owner's bucket and the predicted time."""
     from dlrm_jax.embedding.hot.planner import choose_hot_rows
 
-    cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256",
-               "embedding.optimizer=sgd")
+    cfg = tiny(
+        "data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256", "embedding.optimizer=sgd"
+    )
     plan, measure = _engine(cfg, 4)
     batches = _skewed_batches(4000, 4, 256, 2, 1.2)
     counts = RowCounts.from_batches(batches, [1, 1])

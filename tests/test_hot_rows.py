@@ -46,23 +46,40 @@ def frequent_keys(cfg, capacity, skip=0):
 # In CI, a cover of every strategy and row layout, every device count, each optimizer with one-hot
 # ids, bags the requester pools and bags the owners pool; the hot set changes before steps 2 and 4.
 # DLRM_JAX_FULL_MATRIX=1 runs the whole cross product (252 cases, 30-50 minutes on 2 cores).
-COVER = [("replicated", 2, "sgd", "bags"), ("table", 1, "rowwise_adagrad", "bags"), ("row", 8, "rowwise_adagrad", "onehot"),
-         ("row_cyclic", 4, "sgd", "bags"), ("column", 8, "adagrad", "bags"), ("column", 2, "rowwise_adagrad", "onehot"),
-         ("auto", 4, "rowwise_adagrad", "pooled"), ("mixed", 8, "adagrad", "pooled")]
+COVER = [
+    ("replicated", 2, "sgd", "bags"),
+    ("table", 1, "rowwise_adagrad", "bags"),
+    ("row", 8, "rowwise_adagrad", "onehot"),
+    ("row_cyclic", 4, "sgd", "bags"),
+    ("column", 8, "adagrad", "bags"),
+    ("column", 2, "rowwise_adagrad", "onehot"),
+    ("auto", 4, "rowwise_adagrad", "pooled"),
+    ("mixed", 8, "adagrad", "pooled"),
+]
 CASES = COVER
 if os.environ.get("DLRM_JAX_FULL_MATRIX") == "1":
-    CASES = list(itertools.product(["replicated", "table", "row", "row_cyclic", "column", "auto", "mixed"], [1, 2, 4, 8],
-                                   ["sgd", "adagrad", "rowwise_adagrad"], ["onehot", "bags", "pooled"]))
+    CASES = list(
+        itertools.product(
+            ["replicated", "table", "row", "row_cyclic", "column", "auto", "mixed"],
+            [1, 2, 4, 8],
+            ["sgd", "adagrad", "rowwise_adagrad"],
+            ["onehot", "bags", "pooled"],
+        )
+    )
 
 
 @pytest.mark.parametrize("strategy,devices,optimizer,bags", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_hot_rows_match_reference_across_refreshes(tiny, strategy, devices, optimizer, bags):
-    extra = {"onehot": [], "bags": [BAGS, "data.pooling=mean", "embedding.bag_exchange=ids"],
-             "pooled": [BAGS, "data.pooling=mean", "embedding.bag_exchange=pooled"]}[bags]
+    extra = {
+        "onehot": [],
+        "bags": [BAGS, "data.pooling=mean", "embedding.bag_exchange=ids"],
+        "pooled": [BAGS, "data.pooling=mean", "embedding.bag_exchange=pooled"],
+    }[bags]
     cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *extra, *strategy_overrides(strategy))
     first, second = frequent_keys(cfg, 20), frequent_keys(cfg, 20, skip=2)
-    coll, state = check_against_reference(cfg, devices, plan=with_hot(cfg, devices, 20), hot_keys=first,
-                                          refresh={2: second, 4: first})
+    coll, state = check_against_reference(
+        cfg, devices, plan=with_hot(cfg, devices, 20), hot_keys=first, refresh={2: second, 4: first}
+    )
     _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
     hits, lookups = np.asarray(res.hot_counts).tolist()
     assert 0.2 * lookups < hits < lookups  # both paths carry lookups
@@ -77,8 +94,9 @@ def test_hot_set_empty_or_whole_tables(tiny, which):
     cfg = tiny("embedding.optimizer=rowwise_adagrad", "embedding.sharding=row", "train.batch_size=32", CARDS, BAGS)
     capacity = sum(ROWS)
     rows = [np.arange(r) for r in ROWS] if which == "every_row" else [np.zeros(0, int)] * len(ROWS)
-    coll, state = check_against_reference(cfg, 4, steps=3, plan=with_hot(cfg, 4, capacity),
-                                          hot_keys=hot_keys(rows, capacity))
+    coll, state = check_against_reference(
+        cfg, 4, steps=3, plan=with_hot(cfg, 4, capacity), hot_keys=hot_keys(rows, capacity)
+    )
     _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
     hits, lookups = np.asarray(res.hot_counts).tolist()
     assert hits == (lookups if which == "every_row" else 0)
@@ -90,8 +108,14 @@ def trained_collection():
     Adagrad, on 4 devices, after a few steps: every kind of owner a hot row can come from."""
     from conftest import tiny_config
 
-    cfg = tiny_config("embedding.optimizer=rowwise_adagrad", "embedding.sharding=row", "train.batch_size=32",
-                      CARDS, BAGS, "embedding.table_sharding=[cat_1=replicated, cat_2=column]")
+    cfg = tiny_config(
+        "embedding.optimizer=rowwise_adagrad",
+        "embedding.sharding=row",
+        "train.batch_size=32",
+        CARDS,
+        BAGS,
+        "embedding.table_sharding=[cat_1=replicated, cat_2=column]",
+    )
     coll = build(cfg, 4, with_hot(cfg, 4, 12))
     state = coll.init(jax.random.key(0))
     lookup, update = jax.jit(coll.lookup), jax.jit(coll.apply_gradients)
@@ -103,8 +127,10 @@ def trained_collection():
     return coll, state
 
 
-edge_ids = st.lists(st.tuples(st.integers(0, len(ROWS) - 1), st.sampled_from(["first", "last", "any"]),
-                              st.integers(0, 10**6)), max_size=12)
+edge_ids = st.lists(
+    st.tuples(st.integers(0, len(ROWS) - 1), st.sampled_from(["first", "last", "any"]), st.integers(0, 10**6)),
+    max_size=12,
+)
 
 
 @settings(max_examples=examples(25), suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -147,8 +173,16 @@ def restored(cfg, run_dir):
 
 
 def hot_run(tiny, *extra):
-    return tiny("train.log_every=1", "embedding.sharding=row", "data.id_layout=frequency_ordered", CARDS,
-                "embedding.hot.rows=24", "embedding.hot.stats_batches=2", "embedding.hot.refresh_every=3", *extra)
+    return tiny(
+        "train.log_every=1",
+        "embedding.sharding=row",
+        "data.id_layout=frequency_ordered",
+        CARDS,
+        "embedding.hot.rows=24",
+        "embedding.hot.stats_batches=2",
+        "embedding.hot.refresh_every=3",
+        *extra,
+    )
 
 
 @pytest.mark.slow
@@ -163,8 +197,9 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
 
     cfg = hot_run(tiny, "mesh.devices=8", "train.steps=10", "train.checkpoint_every=5")
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
-    train_and_evaluate(hot_run(tiny, "mesh.devices=8", "train.steps=10", "embedding.hot.rows=0"), tmp_path / "cold",
-                       **QUIET)
+    train_and_evaluate(
+        hot_run(tiny, "mesh.devices=8", "train.steps=10", "embedding.hot.rows=0"), tmp_path / "cold", **QUIET
+    )
     np.testing.assert_allclose(losses(tmp_path / "whole"), losses(tmp_path / "cold"), rtol=1e-5)
     train_and_evaluate(hot_run(tiny, "mesh.devices=8", "train.steps=5"), tmp_path / "cut", **QUIET)
     resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
@@ -192,6 +227,7 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
         got = steps.collection.logical_tables(state.emb)
         for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    more = train_and_evaluate(dataclasses.replace(other, train=dataclasses.replace(other.train, steps=12)),
-                              tmp_path / "whole", **QUIET)
+    more = train_and_evaluate(
+        dataclasses.replace(other, train=dataclasses.replace(other.train, steps=12)), tmp_path / "whole", **QUIET
+    )
     assert more.step == 12

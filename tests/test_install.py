@@ -32,7 +32,9 @@ def unpacked_wheel(tmp_path_factory):
 
 def test_wheel_holds_every_module_config_and_schema(unpacked_wheel):
     for part in ("*.py", "configs/*.yaml", "configs/*/*.yaml"):
-        shipped = {p.relative_to(REPO / "dlrm_jax") for p in (REPO / "dlrm_jax").rglob(part) if "__pycache__" not in p.parts}
+        shipped = {
+            p.relative_to(REPO / "dlrm_jax") for p in (REPO / "dlrm_jax").rglob(part) if "__pycache__" not in p.parts
+        }
         assert shipped, part
         missing = [p for p in shipped if not (unpacked_wheel / "dlrm_jax" / p).is_file()]
         assert not missing, f"not in the wheel: {missing}"
@@ -44,17 +46,37 @@ def test_the_installed_copy_trains_the_smoke_config_by_name(unpacked_wheel, tmp_
     env["PYTHONPATH"] = str(unpacked_wheel)  # ahead of the checkout's editable install
 
     def cli(*args):
-        proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "dlrm_jax", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc.stdout
 
-    where = subprocess.run([sys.executable, "-c", "import dlrm_jax, dlrm_jax.config as c; print(dlrm_jax.__file__, c.CONFIG_DIR)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    where = subprocess.run(
+        [sys.executable, "-c", "import dlrm_jax, dlrm_jax.config as c; print(dlrm_jax.__file__, c.CONFIG_DIR)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert where.count(str(unpacked_wheel)) == 2, where
     out = cli("train", "--config", "smoke", "--set", "train.steps=4", "--run-dir", "run")
     assert "final step=4" in out
-    schema = subprocess.run([sys.executable, "-c", "from dlrm_jax.data.tabular_schema import load_schema; "
-                             "print(load_schema('movielens_1m').path)"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True)  # fmt: skip
+    schema = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from dlrm_jax.data.tabular_schema import load_schema; print(load_schema('movielens_1m').path)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert schema.returncode == 0 and schema.stdout.startswith(str(unpacked_wheel)), schema.stderr[-2000:]

@@ -22,9 +22,13 @@ def test_a_killed_process_is_named_before_the_survivor_that_the_runtime_aborted(
 
 
 def test_native_log_lines_go_to_the_log_not_the_terminal(tmp_path, capsys):
-    noisy = [sys.executable, "-c", "import sys; print('F1124 22:23:43.551884     617 client.h:80] Terminating', "
-             "file=sys.stderr); print('    @     0x7f2a60840634  absl::LogMessage', file=sys.stderr); "
-             "print('dlrm-jax: error: one line', file=sys.stderr); sys.exit(1)"]
+    noisy = [
+        sys.executable,
+        "-c",
+        "import sys; print('F1124 22:23:43.551884     617 client.h:80] Terminating', "
+        "file=sys.stderr); print('    @     0x7f2a60840634  absl::LogMessage', file=sys.stderr); "
+        "print('dlrm-jax: error: one line', file=sys.stderr); sys.exit(1)",
+    ]
     assert supervise([noisy], "RESUME", tmp_path / "logs") == 1
     err = capsys.readouterr().err
     assert "Terminating" not in err and "0x7f2a" not in err and "[p0] dlrm-jax: error: one line" in err
@@ -56,9 +60,16 @@ def test_signal_pending_reads_the_kernels_masks():
 
     # A pending SIGKILL cannot be held back on purpose (only a thread asleep in the kernel
     # delays it); a blocked SIGUSR2 stays pending the same way.
-    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.pthread_sigmask("
-                             "signal.SIG_BLOCK, {signal.SIGUSR2}); print(flush=True); time.sleep(60)"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.pthread_sigmask("
+            "signal.SIG_BLOCK, {signal.SIGUSR2}); print(flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         proc.stdout.readline()
         assert not signal_pending(proc.pid, signal.SIGUSR2)
@@ -76,8 +87,11 @@ def test_signal_pending_reads_the_kernels_masks():
 
 def test_errors_that_are_not_faults_get_no_resume_advice(tmp_path, capsys):
     """A config error (every process exits 2) is relayed as it is: no 'run ... to resume'."""
-    config_error = [sys.executable, "-c", "import sys; print('dlrm-jax: config error: train.stepz', "
-                    "file=sys.stderr); sys.exit(2)"]
+    config_error = [
+        sys.executable,
+        "-c",
+        "import sys; print('dlrm-jax: config error: train.stepz', file=sys.stderr); sys.exit(2)",
+    ]
     assert supervise([config_error, config_error], "RESUME", tmp_path / "logs", tmp_path / "run") == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
     assert "config error: train.stepz" in line and "RESUME" not in line and "resume" not in line
@@ -85,8 +99,12 @@ def test_errors_that_are_not_faults_get_no_resume_advice(tmp_path, capsys):
 
 
 def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
-    noisy = [sys.executable, "-c", "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); "
-             "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr)"]
+    noisy = [
+        sys.executable,
+        "-c",
+        "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); "
+        "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr)",
+    ]
     assert supervise([noisy], "RESUME", tmp_path / "logs") == 0
     out = capsys.readouterr()
     assert "Gloo" not in out.out and "Socket closed" not in out.err
@@ -101,17 +119,21 @@ def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path
     import signal
     import subprocess
 
-    child = ("import os, signal, sys, time\n"
-             "from dlrm_jax import stopping\n"
-             "signal.signal(signal.SIGTERM, lambda *_: (print('stopped by SIGTERM', flush=True), sys.exit(0)))\n"
-             "stopping.die_with_launcher()\n"
-             "print('ready', flush=True)\n"
-             "time.sleep(60)\n")
-    parent = ("import os, subprocess, sys, time\n"
-              f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=open({str(tmp_path / 'out')!r}, 'w'), "
-              "env={**os.environ, 'DLRM_JAX_PARENT': str(os.getpid())})\n"
-              "print(p.pid, flush=True)\n"
-              "time.sleep(60)\n")
+    child = (
+        "import os, signal, sys, time\n"
+        "from dlrm_jax import stopping\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('stopped by SIGTERM', flush=True), sys.exit(0)))\n"
+        "stopping.die_with_launcher()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = (
+        "import os, subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=open({str(tmp_path / 'out')!r}, 'w'), "
+        "env={**os.environ, 'DLRM_JAX_PARENT': str(os.getpid())})\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
     sup = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     pid = int(sup.stdout.readline())
     deadline = time.time() + 30
@@ -154,8 +176,13 @@ def test_the_coordination_service_listens_only_where_it_was_told():
 
     from child_env import child_env
 
-    out = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, timeout=120,
-                         env={**child_env(drop=()), "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", BIND],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**child_env(drop=()), "JAX_PLATFORMS": "cpu"},
+    )
     listeners = out.stdout.split()
     assert listeners, out.stderr
     loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, and as IPv4-mapped IPv6

@@ -38,8 +38,9 @@ def imports(path: Path):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dlrm_jax."):
             names = [f"{node.module}.{a.name}" for a in node.names]
             # `from dlrm_jax.embedding.hot import refresh`: the module imported is the name
-            yield from (n if unit_of(n) != unit_of(node.module) or node.module.count(".") < 2 else node.module
-                        for n in names)
+            yield from (
+                n if unit_of(n) != unit_of(node.module) or node.module.count(".") < 2 else node.module for n in names
+            )
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("dlrm_jax."))
 

@@ -22,9 +22,17 @@ from dlrm_jax.train.trainer import train_and_evaluate
 
 # Widths that split over 8 devices; a low-rank cross network (its U, V pair up too); a top MLP
 # deep enough for 4 pipeline stages.
-MODEL = ("model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 16, 8, 1]", "model.interaction=dcn",
-         "model.dcn_rank=8", "model.dcn_layers=1", "train.optimizer=adam", "train.learning_rate=0.01",
-         "train.steps=4", "train.log_every=1")
+MODEL = (
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 16, 8, 1]",
+    "model.interaction=dcn",
+    "model.dcn_rank=8",
+    "model.dcn_layers=1",
+    "train.optimizer=adam",
+    "train.learning_rate=0.01",
+    "train.steps=4",
+    "train.log_every=1",
+)
 
 
 def saved_dense(cfg, run_dir):
@@ -62,8 +70,9 @@ def test_tensor_and_pipeline_train_like_data_parallel(tiny):
     ref_losses, ref_state = trajectory(tiny("mesh.devices=1", *MODEL))
     for devices in (1, 2, 4, 8):
         for mode, model in (("tensor", devices), ("pipeline", min(devices, 2))):
-            got_losses, got_state = trajectory(tiny(f"mesh.devices={devices}", f"mesh.model={model}",
-                                                    f"model.mlp_parallel={mode}", *MODEL))
+            got_losses, got_state = trajectory(
+                tiny(f"mesh.devices={devices}", f"mesh.model={model}", f"model.mlp_parallel={mode}", *MODEL)
+            )
             np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5, err_msg=f"{mode} on {devices}")
             assert_same(got_state, ref_state)
 
@@ -105,16 +114,22 @@ def test_checkpoints_restore_across_modes(tiny, tmp_path):
     assert_same(saved_dense(cfg, tmp_path / "mixed"), saved_dense(cfg, tmp_path / "whole"))
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (("mesh.devices=8", "mesh.model=3"), "mesh.model=3 must divide mesh.devices=8"),
-    (("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=tensor", "model.top_mlp=[6, 1]"),
-     "model.top_mlp[0]=6"),
-    (("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=pipeline", "model.top_mlp=[8, 1]"),
-     "model.top_mlp has 2 layers"),
-    (("mesh.devices=8", "mesh.model=2", "model.mlp_parallel=pipeline", "model.microbatches=5"),
-     "model.microbatches=5 must divide the 16 rows"),
-    (("mesh.devices=8", "mesh.model=2", "embedding.sync=per_host"), "mesh.model > 1"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("mesh.devices=8", "mesh.model=3"), "mesh.model=3 must divide mesh.devices=8"),
+        (("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=tensor", "model.top_mlp=[6, 1]"), "model.top_mlp[0]=6"),
+        (
+            ("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=pipeline", "model.top_mlp=[8, 1]"),
+            "model.top_mlp has 2 layers",
+        ),
+        (
+            ("mesh.devices=8", "mesh.model=2", "model.mlp_parallel=pipeline", "model.microbatches=5"),
+            "model.microbatches=5 must divide the 16 rows",
+        ),
+        (("mesh.devices=8", "mesh.model=2", "embedding.sync=per_host"), "mesh.model > 1"),
+    ],
+)
 def test_impossible_splits_are_refused_naming_the_key(tiny, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         cfg = tiny(*overrides)
@@ -132,7 +147,7 @@ def test_stage_cuts_are_contiguous_and_the_best_balance(head, costs, stages):
     assert all(bounds[s] < bounds[s + 1] for s in range(1, stages))  # stages after the first: a layer each
 
     def heaviest(bounds):
-        return max(head * (s == 0) + sum(costs[bounds[s]:bounds[s + 1]]) for s in range(stages))
+        return max(head * (s == 0) + sum(costs[bounds[s] : bounds[s + 1]]) for s in range(stages))
 
     candidates = ([0, *inner, len(costs)] for inner in itertools.combinations(range(len(costs) + 1), stages - 1))
     every = [b for b in candidates if all(b[s] < b[s + 1] for s in range(1, stages))]

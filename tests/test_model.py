@@ -41,10 +41,15 @@ def autodiff_dot_interaction(bottom, emb):
 @pytest.mark.parametrize("f,d", [(1, 4), (3, 8), (26, 16)])
 def test_dot_interaction_gradient_matches_autodiff(f, d):
     rng = np.random.default_rng(f)
-    bottom, emb = jnp.asarray(rng.normal(size=(6, d)), jnp.float32), jnp.asarray(rng.normal(size=(6, f, d)), jnp.float32)
+    bottom, emb = (
+        jnp.asarray(rng.normal(size=(6, d)), jnp.float32),
+        jnp.asarray(rng.normal(size=(6, f, d)), jnp.float32),
+    )
     weights = jnp.asarray(rng.normal(size=(6, interaction_width("dot", f, d))), jnp.float32)
-    grads = [jax.jit(jax.grad(lambda b, e, fn=fn: jnp.sum(weights * fn(b, e)), argnums=(0, 1)))(bottom, emb)
-             for fn in (dot_interaction, autodiff_dot_interaction)]
+    grads = [
+        jax.jit(jax.grad(lambda b, e, fn=fn: jnp.sum(weights * fn(b, e)), argnums=(0, 1)))(bottom, emb)
+        for fn in (dot_interaction, autodiff_dot_interaction)
+    ]
     for got, want in zip(*grads, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -80,12 +85,15 @@ def test_cross_network_matches_numpy(layers, rank):
     rng = np.random.default_rng(rank)
     for i in range(layers):  # non-zero biases, so the test sees them
         net.bias[i][...] = jnp.asarray(rng.normal(size=width) * 0.1, jnp.float32)
-    weights = [(np.asarray(net.u[i][...]), np.asarray(net.v[i][...])) if rank else np.asarray(net.w[i][...])
-               for i in range(layers)]
+    weights = [
+        (np.asarray(net.u[i][...]), np.asarray(net.v[i][...])) if rank else np.asarray(net.w[i][...])
+        for i in range(layers)
+    ]
     biases = [np.asarray(net.bias[i][...]) for i in range(layers)]
     x0 = rng.normal(size=(7, width)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(net(jnp.asarray(x0))), numpy_cross_network(x0, weights, biases),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(net(jnp.asarray(x0))), numpy_cross_network(x0, weights, biases), rtol=2e-5, atol=2e-5
+    )
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(net, nnx.Param)))
     assert n_params == layers * ((2 * width * rank if rank else width * width) + width)
 
@@ -102,8 +110,9 @@ def test_dcn_model_is_cat_through_the_cross_network():
 
 @pytest.mark.parametrize("interaction", ["dot", "cat", "dcn"])
 def test_dlrm_shapes_and_bf16(interaction):
-    kw = dict(num_dense=13, num_features=5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1),
-              interaction=interaction)
+    kw = dict(
+        num_dense=13, num_features=5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), interaction=interaction
+    )
     f32 = DLRMDense(**kw, rngs=nnx.Rngs(0))
     bf16 = DLRMDense(**kw, compute_dtype="bfloat16", rngs=nnx.Rngs(0))
     dense = jax.random.uniform(jax.random.key(1), (32, 13))

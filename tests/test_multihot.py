@@ -80,13 +80,14 @@ def test_stream_is_drawn_cell_by_cell_feature_after_feature():
     bag-1 and single-row features draw nothing."""
     cards, bags = (3, 1, 4, 10, 2, 5), (3, 4, 1, 2, 6, 3)
     rs = np.random.RandomState(0)
-    expected = [[[i] + [rs.randint(0, c) for _ in range(b - 1)] for i in range(c)]
-                for c, b in zip(cards, bags, strict=True)]
+    expected = [
+        [[i] + [rs.randint(0, c) for _ in range(b - 1)] for i in range(c)] for c, b in zip(cards, bags, strict=True)
+    ]
     r = MultiHotRule(cards, bags)
     for f, (c, b) in enumerate(zip(cards, bags, strict=True)):
         ids = np.zeros((c, len(cards)), np.int32)
         ids[:, f] = np.arange(c)
-        got = r.expand(ids)[:, r.starts[f]:r.starts[f] + b]
+        got = r.expand(ids)[:, r.starts[f] : r.starts[f] + b]
         np.testing.assert_array_equal(got, expected[f])
 
 
@@ -96,7 +97,7 @@ def test_bag_structure_and_ranges(distribution):
     ids = random_ids(CARDS, N, seed=2)
     out = r.expand(ids)
     for f, (card, bag, start) in enumerate(zip(CARDS, BAGS, r.starts, strict=True)):
-        bags = out[:, start:start + bag]
+        bags = out[:, start : start + bag]
         np.testing.assert_array_equal(bags[:, 0], ids[:, f])  # first element: the one-hot id
         assert bags.min() >= 0 and bags.max() < card
     assert r.starts == tuple(np.cumsum((0,) + BAGS[:-1]))
@@ -139,8 +140,12 @@ def test_mlperf_constants_match_config():
 
 
 @settings(max_examples=examples(40))
-@given(n=st.integers(0, 300), cut=st.integers(0, 300), seed=st.integers(0, 2**32 - 1),
-       distribution=st.sampled_from(["uniform", "pareto"]))
+@given(
+    n=st.integers(0, 300),
+    cut=st.integers(0, 300),
+    seed=st.integers(0, 2**32 - 1),
+    distribution=st.sampled_from(["uniform", "pareto"]),
+)
 def test_property_split_invariant_and_in_range(n, cut, seed, distribution):
     r = rule(distribution)
     ids = random_ids(CARDS, n, seed)
@@ -148,16 +153,19 @@ def test_property_split_invariant_and_in_range(n, cut, seed, distribution):
     whole = r.expand(ids)
     np.testing.assert_array_equal(whole, np.concatenate([r.expand(ids[:cut]), r.expand(ids[cut:])]))
     for card, bag, start in zip(CARDS, BAGS, r.starts, strict=True):
-        assert np.all((whole[:, start:start + bag] >= 0) & (whole[:, start:start + bag] < card))
+        assert np.all((whole[:, start : start + bag] >= 0) & (whole[:, start : start + bag] < card))
 
 
-@pytest.mark.parametrize("args, match", [
-    (((3, 4), (1,)), "2 cardinalities but 1 bag sizes"),
-    (((), ()), "no features"),
-    (((3, 0), (1, 1)), r"cardinalities must lie in \[1, 2\*\*31 - 1\]"),
-    (((3, 4), (1, 0)), "bag sizes must be >= 1"),
-    (((3, 4), (1, 2), "zipf"), "distribution must be one of"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (((3, 4), (1,)), "2 cardinalities but 1 bag sizes"),
+        (((), ()), "no features"),
+        (((3, 0), (1, 1)), r"cardinalities must lie in \[1, 2\*\*31 - 1\]"),
+        (((3, 4), (1, 0)), "bag sizes must be >= 1"),
+        (((3, 4), (1, 2), "zipf"), "distribution must be one of"),
+    ],
+)
 def test_constructor_errors(args, match):
     with pytest.raises(ValueError, match=match):
         MultiHotRule(*args)

@@ -15,11 +15,33 @@ from child_env import child_env
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-        "--set", "embedding.sharding=row", "--set", "train.steps=6", "--set", "train.log_every=1",
-        "--set", "train.eval_every=3", "--set", "train.checkpoint_every=3", "--set", "embedding.hot.rows=16",
-        "--set", "embedding.hot.refresh_every=2", "--set", "embedding.hot.stats_batches=1",
-        "--set", "train.hang_timeout_s=120"]  # a stuck process exits naming where each one is
+ARGS = [
+    "train",
+    "--config",
+    "smoke",
+    "--set",
+    "train.progress_bar=false",
+    "--set",
+    "mesh.devices=8",
+    "--set",
+    "embedding.sharding=row",
+    "--set",
+    "train.steps=6",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=3",
+    "--set",
+    "train.checkpoint_every=3",
+    "--set",
+    "embedding.hot.rows=16",
+    "--set",
+    "embedding.hot.refresh_every=2",
+    "--set",
+    "embedding.hot.stats_batches=1",
+    "--set",
+    "train.hang_timeout_s=120",
+]  # a stuck process exits naming where each one is
 
 
 def free_port() -> int:
@@ -29,15 +51,36 @@ def free_port() -> int:
 
 
 def losses(run_dir):
-    return [(e["step"], e["loss"], e.get("auc"), e["hot_hit_rate"])
-            for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (e["step"], e["loss"], e.get("auc"), e["hot_hit_rate"])
+        for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def launch_two(args, env, cwd):
     port = free_port()
-    return [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *args, "--coordinator", f"127.0.0.1:{port}",
-                              "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) for i in range(2)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dlrm_jax",
+                *args,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=cwd,
+        )
+        for i in range(2)
+    ]
 
 
 def communicate(procs, timeout):
@@ -55,8 +98,12 @@ def communicate(procs, timeout):
             for p in procs:
                 p.kill()
             outs = [p.communicate() for p in procs]  # (retrying communicate loses no output)
-            pytest.fail("\n".join(f"process {i} {'stuck' if i in stuck else f'exit {p.returncode}'}:\n{out[-1500:]}"
-                                   f"\n{err[-6000:]}" for i, (p, (out, err)) in enumerate(zip(procs, outs, strict=True))))
+            pytest.fail(
+                "\n".join(
+                    f"process {i} {'stuck' if i in stuck else f'exit {p.returncode}'}:\n{out[-1500:]}\n{err[-6000:]}"
+                    for i, (p, (out, err)) in enumerate(zip(procs, outs, strict=True))
+                )
+            )
     finally:
         for p in procs:
             p.kill()
@@ -65,8 +112,13 @@ def communicate(procs, timeout):
 @pytest.mark.timeout(400)
 def test_two_processes_equal_one(tmp_path):
     env = child_env()
-    single = subprocess.run([sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "one")],
-                            capture_output=True, text=True, timeout=240, env=env)
+    single = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", *ARGS, "--run-dir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert single.returncode == 0, single.stderr
     # No --run-dir: process 0 picks runs/<time> and every process uses it.
     (tmp_path / "cwd").mkdir()
@@ -123,8 +175,14 @@ def readme_launch_line() -> list[str]:
 
 
 def launch_local(args, cwd, env):
-    return subprocess.Popen([os.path.join(REPO, args[0]), *args[1:]], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    return subprocess.Popen(
+        [os.path.join(REPO, args[0]), *args[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
@@ -162,11 +220,16 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     # The supervisor stops process 0 and says, in one line, who was lost and how to resume;
     # jaxlib's native abort reports (if any came) stay out of the terminal.
     ends = [x for x in out.splitlines() if x.startswith("[launch] process 1 was ended by SIGKILL")]
-    logs = "".join(f"\n--- {p.name}, its end:\n" + p.read_text()[-1500:]
-                   for p in sorted((tmp_path / "cut" / "launch").glob("p*.log")))  # fmt: skip
+    logs = "".join(
+        f"\n--- {p.name}, its end:\n" + p.read_text()[-1500:]
+        for p in sorted((tmp_path / "cut" / "launch").glob("p*.log"))
+    )
     assert len(ends) == 1 and "the newest checkpoint is intact: run `" in ends[0] and "to resume" in ends[0], (
-        f"killed {killed - deadline + 240:.2f} s after the wait began\n" + out[-3000:] + logs)
-    assert not [x for x in out.splitlines() if "Check failure stack trace" in x or x.lstrip("[p01] ").startswith("@ 0x")]
+        f"killed {killed - deadline + 240:.2f} s after the wait began\n" + out[-3000:] + logs
+    )
+    assert not [
+        x for x in out.splitlines() if "Check failure stack trace" in x or x.lstrip("[p01] ").startswith("@ 0x")
+    ]
 
     again = launch_local(cut_args, tmp_path, env)
     out, _ = again.communicate(timeout=300)
@@ -185,21 +248,42 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
     rows); host_replicas exactly like one global set of tables on 8 devices in one process, its
     replicas never drifting apart."""
     env = child_env()
-    common = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-              "--set", "train.steps=6", "--set", "train.log_every=1", "--set", "train.eval_every=3",
-              "--set", "embedding.sharding=row"]
+    common = [
+        "train",
+        "--config",
+        "smoke",
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "mesh.devices=8",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.eval_every=3",
+        "--set",
+        "embedding.sharding=row",
+    ]
     args = [*common, "--set", f"embedding.sync={sync}"]
     if sync == "per_host":
         args += ["--set", "embedding.sync_every=4"]
     single = [*args, "--set", "mesh.hosts=2"] if sync == "per_host" else common
-    one = subprocess.run([sys.executable, "-m", "dlrm_jax", *single, "--run-dir", str(tmp_path / "one")],
-                         capture_output=True, text=True, timeout=240, env=env)
+    one = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", *single, "--run-dir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
     for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
         assert p.returncode == 0, err[-3000:]
-    read = lambda d: [(e["step"], e["loss"], e.get("auc"), e.get("table_divergence", 0.0))  # noqa: E731
-                      for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    read = lambda d: [
+        (e["step"], e["loss"], e.get("auc"), e.get("table_divergence", 0.0))
+        for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+    ]
     a, b = read(tmp_path / "one"), read(tmp_path / "two")
     assert [s for s, *_ in a] == [s for s, *_ in b]
     for (_, la, auc_a, da), (_, lb, auc_b, db) in zip(a, b, strict=True):
@@ -239,11 +323,41 @@ def test_a_hung_process_ends_every_process_naming_where_each_is(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(STALL_INPUT)
     port = free_port()
-    args = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-            "--set", "train.hang_timeout_s=10", "--set", "data.prefetch=1", "--run-dir", str(tmp_path / "run")]
-    procs = [subprocess.Popen([sys.executable, str(script), *args, "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    args = [
+        "train",
+        "--config",
+        "smoke",
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "mesh.devices=8",
+        "--set",
+        "train.hang_timeout_s=10",
+        "--set",
+        "data.prefetch=1",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                *args,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     outs = communicate(procs, 200)
     assert all(p.returncode != 0 for p in procs), [err[-2000:] for _, err in outs]
     errors = "".join(err for _, err in outs)
@@ -256,19 +370,51 @@ def test_processes_with_different_configs_refuse_in_one_line(tmp_path):
     each refuses with one line naming the differing keys and both values (before: gloo's
     collective mismatch aborted both, or one waited 120 s and exited silently)."""
     env = child_env()
-    base = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=8",
-            "--run-dir", str(tmp_path / "run")]
+    base = [
+        "train",
+        "--config",
+        "smoke",
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "mesh.devices=8",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "dlrm_jax", *base, "--set", f"train.steps={steps}",
-                               "--set", f"train.learning_rate={lr}", "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for i, (steps, lr) in enumerate([(40, 0.1), (60, 0.2)])]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dlrm_jax",
+                *base,
+                "--set",
+                f"train.steps={steps}",
+                "--set",
+                f"train.learning_rate={lr}",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i, (steps, lr) in enumerate([(40, 0.1), (60, 0.2)])
+    ]
     for p, (_, err) in zip(procs, communicate(procs, 120), strict=True):
         mine = [line for line in err.splitlines() if line.startswith("dlrm-jax:")]
         assert p.returncode == 1 and len(mine) == 1, err[-2000:]
-        assert ("the processes' configs differ" in mine[0] and "train.learning_rate: process 0 0.1, process 1 0.2"
-                in mine[0] and "train.steps: process 0 40, process 1 60" in mine[0]), mine[0]
+        assert (
+            "the processes' configs differ" in mine[0]
+            and "train.learning_rate: process 0 0.1, process 1 0.2" in mine[0]
+            and "train.steps: process 0 40, process 1 60" in mine[0]
+        ), mine[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -276,12 +422,36 @@ def test_a_peer_that_never_joins_is_named_within_the_bound(tmp_path):
     """Process 1 never starts: process 0 exits after --join-timeout with one line naming it
     (before: 300 s, then jaxlib's abort with a C++ stack naming no process)."""
     start = time.time()
-    p = subprocess.run([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke", "--set", "mesh.devices=8",
-                        "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{free_port()}",
-                        "--num-processes", "2", "--process-id", "0", "--join-timeout", "5"],
-                       capture_output=True, text=True, env=child_env(), timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "train",
+            "--config",
+            "smoke",
+            "--set",
+            "mesh.devices=8",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "0",
+            "--join-timeout",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     mine = [line for line in p.stderr.splitlines() if line.startswith("dlrm-jax:")]
     assert p.returncode == 1 and time.time() - start < 60, p.stderr[-2000:]
-    assert mine == [f"dlrm-jax: error: process 0: process 1 did not join 127.0.0.1:{p.args[p.args.index('--coordinator') + 1].split(':')[1]} "
-                    "within 5 s (--join-timeout): start every process with the same command, or see the missing "
-                    "one's own output for why it stopped"], p.stderr[-2000:]
+    assert mine == [
+        f"dlrm-jax: error: process 0: process 1 did not join 127.0.0.1:{p.args[p.args.index('--coordinator') + 1].split(':')[1]} "
+        "within 5 s (--join-timeout): start every process with the same command, or see the missing "
+        "one's own output for why it stopped"
+    ], p.stderr[-2000:]

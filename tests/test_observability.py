@@ -22,8 +22,8 @@ def read_scalars(folder) -> dict[tuple[str, int], float]:
     for path in sorted(folder.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = Event.FromString(data[at + 12:at + 12 + length])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + length])
             at += 12 + length + 4
             for v in event.summary.value:
                 scalars[v.tag, event.step] = v.simple_value
@@ -32,16 +32,32 @@ def read_scalars(folder) -> dict[tuple[str, int], float]:
 
 @pytest.mark.slow
 def test_tensorboard_scalars_match_metrics_jsonl_across_a_resume(tiny, tmp_path):
-    overrides = ["mesh.devices=2", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
-                 "train.tensorboard=true", "embedding.sharding=row"]
+    overrides = [
+        "mesh.devices=2",
+        "train.log_every=1",
+        "train.eval_every=3",
+        "train.checkpoint_every=3",
+        "train.tensorboard=true",
+        "embedding.sharding=row",
+    ]
     train_and_evaluate(tiny(*overrides, "train.steps=3"), tmp_path, **QUIET)
     train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path, **QUIET)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scalars = read_scalars(tmp_path / "tensorboard")
-    expected = {(tensorboard_tag(k), e["step"]): v for e in events for k, v in e.items()
-                if k not in ("step", "event", "wall_s") and isinstance(v, int | float)}
-    assert {"train/loss", "train/samples_per_s", "eval/auc", "eval/logloss", "exchange/a2a_bytes",
-            "exchange/exchange_overflows"} <= {tag for tag, _ in expected}
+    expected = {
+        (tensorboard_tag(k), e["step"]): v
+        for e in events
+        for k, v in e.items()
+        if k not in ("step", "event", "wall_s") and isinstance(v, int | float)
+    }
+    assert {
+        "train/loss",
+        "train/samples_per_s",
+        "eval/auc",
+        "eval/logloss",
+        "exchange/a2a_bytes",
+        "exchange/exchange_overflows",
+    } <= {tag for tag, _ in expected}
     assert set(scalars) == set(expected)
     for key, value in expected.items():
         assert scalars[key] == pytest.approx(value, rel=1e-6), key
@@ -117,14 +133,43 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
 
     env = child_env()
     run = tmp_path / "prof"
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "profile", "--config", "smoke", "--set", "mesh.devices=2",
-                           "--set", "embedding.sharding=row", "--steps", "3", "--warmup", "1", "--run-dir", str(run)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "profile",
+            "--config",
+            "smoke",
+            "--set",
+            "mesh.devices=2",
+            "--set",
+            "embedding.sharding=row",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--run-dir",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     profile = json.loads((run / "profile.json").read_text())
     ms = {p["name"]: p["ms"] for p in profile["phases"]}
-    for phase in ("input pipeline", "host->device", "exchange forward", "dense forward+backward",
-                  "gradient all-reduce", "exchange backward", "sparse update", "dense optimizer"):
+    for phase in (
+        "input pipeline",
+        "host->device",
+        "exchange forward",
+        "dense forward+backward",
+        "gradient all-reduce",
+        "exchange backward",
+        "sparse update",
+        "dense optimizer",
+    ):
         assert ms[phase] > 0, phase
         assert any(line.startswith(phase) for line in proc.stdout.splitlines()), proc.stdout
     # The device phases are per-device means of events inside the blocking step: together no
@@ -137,7 +182,9 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     assert "pip install 'dlrm-jax[tensorboard]'" in proc.stdout
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert {re.split("[<>=~ ]", r)[0] for r in extras["tensorboard"]} == {"tensorboard", "tensorboard-plugin-profile"}
 
     from dlrm_jax.observe.report import figures
@@ -162,8 +209,14 @@ def test_every_instruction_of_the_step_gets_its_phase(tiny):
     by_phase = {}
     for name, phase in phases.items():
         by_phase.setdefault(phase, []).append(name)
-    assert {"exchange forward", "dense forward+backward", "gradient all-reduce", "exchange backward",
-            "sparse update", "dense optimizer"} <= set(by_phase)
+    assert {
+        "exchange forward",
+        "dense forward+backward",
+        "gradient all-reduce",
+        "exchange backward",
+        "sparse update",
+        "dense optimizer",
+    } <= set(by_phase)
     assert all(n.startswith("all-reduce") for n in by_phase["gradient all-reduce"])
     assert any(n.startswith("all-to-all") for n in by_phase["exchange backward"])
     assert any(n.startswith("all-to-all") for n in by_phase["exchange forward"])
@@ -177,10 +230,17 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     from dlrm_jax.bench.profile import profile
 
     lines = []
-    cfg = tiny("mesh.devices=2", "embedding.sharding=row", "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
-               "embedding.tier.device_cache_fraction=0.05", "embedding.tier.host_cache_fraction=0.05",
-               "embedding.tier.lookahead=2", "embedding.hot.rows=16", "embedding.hot.refresh_every=2",
-               "embedding.hot.stats_batches=2")
+    cfg = tiny(
+        "mesh.devices=2",
+        "embedding.sharding=row",
+        "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
+        "embedding.tier.device_cache_fraction=0.05",
+        "embedding.tier.host_cache_fraction=0.05",
+        "embedding.tier.lookahead=2",
+        "embedding.hot.rows=16",
+        "embedding.hot.refresh_every=2",
+        "embedding.hot.stats_batches=2",
+    )
     result = profile(cfg, tmp_path / "prof", steps=4, warmup=1, log=lines.append)
     ms = {p["name"]: p["ms"] for p in result["phases"]}
     assert result["tiered"] and ms["cache fill"] > 0 and ms["exchange forward"] > 0
@@ -190,11 +250,14 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     assert (tmp_path / "prof" / "tier").is_dir() and (tmp_path / "prof" / "profile.json").is_file()
 
 
-@pytest.mark.parametrize("text,message", [
-    ("", "metrics.jsonl is empty: the run logged no events yet"),
-    ("\n  \n", "metrics.jsonl is empty"),
-    ('{"step": 1, "loss": 0.5}\n3\n', "metrics.jsonl:2: not a JSON object (got 3)"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", "metrics.jsonl is empty: the run logged no events yet"),
+        ("\n  \n", "metrics.jsonl is empty"),
+        ('{"step": 1, "loss": 0.5}\n3\n', "metrics.jsonl:2: not a JSON object (got 3)"),
+    ],
+)
 def test_report_refuses_a_metrics_file_with_nothing_to_plot(tmp_path, capsys, text, message):
     """Issue 25: an empty metrics.jsonl gave rc 0, no PNG and no word."""
     from dlrm_jax.cli import main
@@ -241,8 +304,11 @@ def test_runs_of_other_batch_sizes_compare_by_samples_and_each_gets_a_summary(tm
         fake_run(tmp_path / name, [0.7, 0.6, 0.55], 1000.0)
         (tmp_path / name / "config.yaml").write_text(f"train:\n  batch_size: {batch}\n")
     figs = figures([tmp_path / "a", tmp_path / "b"])
-    steps = [e["step"] for e in map(json.loads, (tmp_path / "a" / "metrics.jsonl").read_text().splitlines())
-             if e["event"] == "train"]
+    steps = [
+        e["step"]
+        for e in map(json.loads, (tmp_path / "a" / "metrics.jsonl").read_text().splitlines())
+        if e["event"] == "train"
+    ]
     assert figs["loss"].axes[0].get_xlabel() == "samples seen"
     assert [x for x, _ in figs["loss"].axes[0].lines[1].get_xydata()] == [512 * s for s in steps]
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "png")]) == 0

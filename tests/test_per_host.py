@@ -18,13 +18,19 @@ STEPS = 4
 def reference_run(steps, state, batches, hosts: int, sync_every: int):
     """Plain JAX on one device: whole [rows, D] tables per host, dense autodiff, SGD."""
     params = jax.device_get(state.params)
-    tables = [[np.asarray(t) for t in steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0]]
-              for h in range(hosts)]
+    tables = [
+        [np.asarray(t) for t in steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0]]
+        for h in range(hosts)
+    ]
 
     def loss_fn(params, tables, batch):
         per = batch.ids.shape[0] // hosts
-        pooled = jnp.concatenate([jnp.stack([tables[h][f][batch.ids[h * per:(h + 1) * per, f]]
-                                             for f in range(len(tables[h]))], axis=1) for h in range(hosts)])
+        pooled = jnp.concatenate(
+            [
+                jnp.stack([tables[h][f][batch.ids[h * per : (h + 1) * per, f]] for f in range(len(tables[h]))], axis=1)
+                for h in range(hosts)
+            ]
+        )
         return jnp.mean(bce_loss(steps._forward(params, pooled, batch), batch.labels))
 
     grad = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
@@ -41,12 +47,23 @@ def reference_run(steps, state, batches, hosts: int, sync_every: int):
     return losses, params, tables
 
 
-@pytest.mark.parametrize("devices,hosts,sharding,sync_every", [
-    (8, 2, "row", 0), (8, 2, "table", 2), (4, 2, "column", 3), (2, 2, "row", 2), (8, 4, "row", 2), (1, 1, "row", 0)])
+@pytest.mark.parametrize(
+    "devices,hosts,sharding,sync_every",
+    [(8, 2, "row", 0), (8, 2, "table", 2), (4, 2, "column", 3), (2, 2, "row", 2), (8, 4, "row", 2), (1, 1, "row", 0)],
+)
 def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_every):
-    cfg = resolve_data_config(tiny(f"mesh.devices={devices}", f"mesh.hosts={hosts}", "embedding.sync=per_host",
-                                   f"embedding.sync_every={sync_every}", f"embedding.sharding={sharding}",
-                                   "train.optimizer=sgd", "embedding.optimizer=sgd", "train.learning_rate=0.5"))
+    cfg = resolve_data_config(
+        tiny(
+            f"mesh.devices={devices}",
+            f"mesh.hosts={hosts}",
+            "embedding.sync=per_host",
+            f"embedding.sync_every={sync_every}",
+            f"embedding.sharding={sharding}",
+            "train.optimizer=sgd",
+            "embedding.optimizer=sgd",
+            "train.learning_rate=0.5",
+        )
+    )
     source = make_source(cfg)
     _, steps = build(cfg, mesh_from_config(cfg), source, log=lambda *_: None)
     state = steps.init_state()
@@ -83,13 +100,26 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     from dlrm_jax.train.trainer import train_and_evaluate
 
     quiet = dict(log=lambda *_: None)
-    overrides = ["mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host", "embedding.sync_every=4",
-                 "embedding.sharding=row", "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=3"]
+    overrides = [
+        "mesh.devices=8",
+        "mesh.hosts=2",
+        "embedding.sync=per_host",
+        "embedding.sync_every=4",
+        "embedding.sharding=row",
+        "train.log_every=1",
+        "train.checkpoint_every=3",
+        "train.eval_every=3",
+    ]
     whole = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "whole", **quiet)
     train_and_evaluate(tiny(*overrides, "train.steps=3"), tmp_path / "cut", **quiet)
     cut = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "cut", **quiet)
-    events = {name: [{k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", *RUN_END)}
-                     for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("whole", "cut")}
+    events = {
+        name: [
+            {k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", *RUN_END)}
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        ]
+        for name in ("whole", "cut")
+    }
     assert events["whole"] == events["cut"] and (whole.auc, whole.loss) == (cut.auc, cut.loss)
     divergence = {e["step"]: e["table_divergence"] for e in events["whole"]}
     assert divergence[4] == 0.0 and all(divergence[s] > 0 for s in (1, 2, 3, 5, 6))  # synced at step 4
@@ -99,13 +129,17 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     from dlrm_jax.train.checkpoint import IncompatibleCheckpoint
 
     before = {p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"}
-    for other, needs in (("mesh.hosts=4", "holds the per-host tables of 2 hosts, this run has 4"),
-                         ("mesh.devices=4", "laid out on 4 devices per host, this run has 2")):
+    for other, needs in (
+        ("mesh.hosts=4", "holds the per-host tables of 2 hosts, this run has 4"),
+        ("mesh.devices=4", "laid out on 4 devices per host, this run has 2"),
+    ):
         with pytest.raises(IncompatibleCheckpoint, match=needs) as refused:
             train_and_evaluate(tiny(*overrides, other, "train.steps=9"), tmp_path / "cut", **quiet)
         assert "\n" not in str(refused.value)
         # Refused: config.yaml, plan.txt/json and metrics are as the last real run left them.
-        assert {p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"} == before
+        assert {
+            p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"
+        } == before
     assert export_run(tmp_path / "whole", tmp_path / "export", ["mesh.hosts=0"], **quiet) == 6
     cfg = resolve_data_config(tiny(*overrides, "train.steps=6"))
     _, steps = build(cfg, mesh_from_config(cfg), make_source(cfg), **quiet)
@@ -115,6 +149,12 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     state = restore_state(steps, Checkpoints(tmp_path / "whole" / "checkpoints", 3), **quiet)
     per_host = [steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0] for h in range(2)]
     for t, name in enumerate(["cat_0", "cat_1", "cat_2", "cat_3"]):
-        exported = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "export" / name / "values")}}
-                           ).result().read().result()
+        exported = (
+            ts.open(
+                {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "export" / name / "values")}}
+            )
+            .result()
+            .read()
+            .result()
+        )
         np.testing.assert_allclose(exported, (np.asarray(per_host[0][t]) + np.asarray(per_host[1][t])) / 2, rtol=1e-6)

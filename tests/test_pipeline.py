@@ -50,25 +50,43 @@ def test_a_readers_error_is_raised_at_its_step_and_lookahead_is_bounded():
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    gen = SyntheticGenerator(seed=1, num_dense=13, table_rows=(40, 300, 7, 1000) * 6 + (5, 60),
-                             bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3)  # fmt: skip
+    gen = SyntheticGenerator(
+        seed=1,
+        num_dense=13,
+        table_rows=(40, 300, 7, 1000) * 6 + (5, 60),
+        bag_sizes=(1,) * 26,
+        zipf_exponent=1.1,
+        positive_rate=0.3,
+    )
     write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, 3000))
-    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=0.1,
-                      workers=1, progress=False)  # fmt: skip
+    preprocess_criteo(
+        [str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=0.1, workers=1, progress=False
+    )
     return tmp / "ds"
 
 
 @pytest.mark.slow
 def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, dataset):
     def cfg(steps):
-        return tiny("data.source=binary", f"data.path={dataset}", "mesh.devices=4", f"train.steps={steps}",
-                    "train.log_every=1", "train.checkpoint_every=4", "data.shuffle_block=16",
-                    "data.readers=3", "data.prefetch=5")  # fmt: skip
+        return tiny(
+            "data.source=binary",
+            f"data.path={dataset}",
+            "mesh.devices=4",
+            f"train.steps={steps}",
+            "train.log_every=1",
+            "train.checkpoint_every=4",
+            "data.shuffle_block=16",
+            "data.readers=3",
+            "data.prefetch=5",
+        )
 
     whole = train_and_evaluate(cfg(60), tmp_path / "whole", **QUIET)  # 60 x 64 rows: past an epoch
     train_and_evaluate(cfg(28), tmp_path / "cut", **QUIET)
     resumed = train_and_evaluate(cfg(60), tmp_path / "cut", **QUIET)
-    lines = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "whole", tmp_path / "cut")]
+    lines = [
+        [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (tmp_path / "whole", tmp_path / "cut")
+    ]
     assert [e["loss"] for e in lines[0]] == [e["loss"] for e in lines[1]]
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
     assert all(e["input_wait_ms"] >= 0 and e["input_read_ms"] > 0 for e in lines[0])
@@ -98,12 +116,14 @@ def test_reading_memory_does_not_grow_with_the_dataset(tiny, tmp_path_factory, d
     tmp = tmp_path_factory.mktemp("tenfold")
     day = (dataset.parent / "day.tsv").read_bytes()
     (tmp / "days.tsv").write_bytes(day * 10)
-    preprocess_criteo([str(tmp / "days.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=1.0,
-                      workers=1, progress=False)  # fmt: skip
+    preprocess_criteo(
+        [str(tmp / "days.tsv")], str(tmp / "ds"), val_fraction=0.1, shard_mb=1.0, workers=1, progress=False
+    )
     peaks = []
     for path in (dataset, tmp / "ds"):
-        cfg = resolve_data_config(tiny("data.source=binary", f"data.path={path}", "train.batch_size=256",
-                                       "data.shuffle_block=16"))  # fmt: skip
+        cfg = resolve_data_config(
+            tiny("data.source=binary", f"data.path={path}", "train.batch_size=256", "data.shuffle_block=16")
+        )
         tracemalloc.start()
         source = BinarySource(cfg)
         for step in range(30):

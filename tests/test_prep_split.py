@@ -25,8 +25,11 @@ def test_time_keys_keep_the_order_of_the_times(times):
 
 
 @settings(max_examples=examples(60))
-@given(times=st.lists(st.one_of(st.integers(-3, 3).map(float), FLOATS), min_size=1, max_size=80),
-       cuts=st.lists(st.integers(0, 80), max_size=5), val_fraction=st.floats(0.0, 0.99))  # fmt: skip
+@given(
+    times=st.lists(st.one_of(st.integers(-3, 3).map(float), FLOATS), min_size=1, max_size=80),
+    cuts=st.lists(st.integers(0, 80), max_size=5),
+    val_fraction=st.floats(0.0, 0.99),
+)
 def test_time_split_holds_out_the_latest_rows_ties_by_input_order(times, cuts, val_fraction):
     """Whatever the parts (chunks) the rows come in: val = the last rows by (time, input
     order); each row's place is its rank in its split in input order."""
@@ -44,8 +47,12 @@ def test_time_split_holds_out_the_latest_rows_ties_by_input_order(times, cuts, v
         np.save(keys_file(work, "empty", sorted_=True), np.zeros(0, np.int64))
         plan = plan_split(parts, work, val_fraction, False, "t")
         val = np.concatenate([s.val_mask(work, name) for s, (name, _, _) in zip(plan.parts, parts, strict=True)])
-        places = np.concatenate([s.places(m) for s, m in zip(plan.parts, np.split(val, np.cumsum(
-            [r for _, r, _ in parts])[:-1]), strict=True)])  # fmt: skip
+        places = np.concatenate(
+            [
+                s.places(m)
+                for s, m in zip(plan.parts, np.split(val, np.cumsum([r for _, r, _ in parts])[:-1]), strict=True)
+            ]
+        )
     n_train, n_val = split_sizes(n, val_fraction)
     latest = sorted(range(n), key=lambda i: (times[i] + 0.0, i))[n_train:]
     assert np.flatnonzero(val).tolist() == sorted(latest)

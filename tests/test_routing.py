@@ -63,13 +63,19 @@ def id_batches(draw, rows):
     elif style == "distinct":
         ids = np.arange(np.prod(shape)).reshape(shape) % rows
     elif style == "edges":
-        ids = np.array(draw(st.lists(st.sampled_from([0, rows - 1, PAD_ID]), min_size=shape[0] * shape[1],
-                                     max_size=shape[0] * shape[1]))).reshape(shape)
+        ids = np.array(
+            draw(
+                st.lists(
+                    st.sampled_from([0, rows - 1, PAD_ID]), min_size=shape[0] * shape[1], max_size=shape[0] * shape[1]
+                )
+            )
+        ).reshape(shape)
     elif style == "empty":
         ids = np.full(shape, PAD_ID)
     else:
-        ids = np.array(draw(st.lists(st.integers(PAD_ID, rows - 1), min_size=shape[0] * shape[1],
-                                     max_size=shape[0] * shape[1]))).reshape(shape)
+        ids = np.array(
+            draw(st.lists(st.integers(PAD_ID, rows - 1), min_size=shape[0] * shape[1], max_size=shape[0] * shape[1]))
+        ).reshape(shape)
     return ids.astype(np.int32)
 
 
@@ -127,15 +133,21 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
         ids = data.draw(id_batches(rows)).reshape(-1, 1)
         owner, row, valid = route(jnp.asarray(ids), *params, n)
         buckets.append(bucket(owner, row, valid, n, local_rows))
-        wanted.append({(int(o), int(r)) for o, r, ok in zip(np.ravel(owner), np.ravel(row), np.ravel(valid),
-                                                            strict=True) if ok})
+        wanted.append(
+            {(int(o), int(r)) for o, r, ok in zip(np.ravel(owner), np.ravel(row), np.ravel(valid), strict=True) if ok}
+        )
     capacity = data.draw(st.integers(1, 3))
     done = [np.zeros(n, np.int32) for _ in buckets]
     sent = [set() for _ in buckets]
     round_of_row = {}
     for round_no in range(sum(len(w) for w in wanted) + 1):
-        limit = np.min([np.asarray(next_round_limit(b, jnp.asarray(d), capacity, local_rows))
-                        for b, d in zip(buckets, done, strict=True)], axis=0)
+        limit = np.min(
+            [
+                np.asarray(next_round_limit(b, jnp.asarray(d), capacity, local_rows))
+                for b, d in zip(buckets, done, strict=True)
+            ],
+            axis=0,
+        )
         for i, b in enumerate(buckets):
             end = np.asarray(requests_below(b, jnp.asarray(limit), local_rows))
             assert (end - done[i] <= capacity).all() and (end >= done[i]).all()
@@ -155,8 +167,9 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
 
 
 @settings(max_examples=examples(30))
-@given(seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5),
-       rows=st.sampled_from([1, 7, 50, 2**31 - 2]))
+@given(
+    seed=st.integers(0, 2**16), k=st.integers(0, 40), pad=st.integers(0, 5), rows=st.sampled_from([1, 7, 50, 2**31 - 2])
+)
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's row
     in the sorted keys; table edges (first, last row, ids near 2**31) included."""
@@ -175,8 +188,9 @@ def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     index, seeds = hot_index(keys)
     hot_row, cold = split_hot(jnp.asarray(ids), jnp.asarray(table), jnp.asarray(index), jnp.asarray(seeds))
     row_of = {p: i for i, p in enumerate(pairs)}
-    want_row = np.array([[row_of.get((int(table[j]), int(x)), -1) if x != PAD_ID else -1 for j, x in enumerate(r)]
-                         for r in ids])
+    want_row = np.array(
+        [[row_of.get((int(table[j]), int(x)), -1) if x != PAD_ID else -1 for j, x in enumerate(r)] for r in ids]
+    )
     np.testing.assert_array_equal(np.asarray(hot_row), want_row)
     np.testing.assert_array_equal(np.asarray(cold), np.where(want_row >= 0, PAD_ID, ids))
 

@@ -28,8 +28,11 @@ def snapshot(run):
 
 def tree(run):
     """Every file under a run dir (its lock and library log aside) with its bytes."""
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name not in (".lock", "dlrm-jax.log")}
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name not in (".lock", "dlrm-jax.log")
+    }
 
 
 def corrupt(checkpoint):
@@ -51,9 +54,26 @@ def test_a_finished_run_leaves_no_lock_and_no_empty_log(tiny, tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke", "--set", "train.steps=4",
-                    "--set", "mesh.devices=2", "--run-dir", str(tmp_path / "run")], check=True, capture_output=True,
-                   timeout=300, env=child_env(drop=()))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "train",
+            "--config",
+            "smoke",
+            "--set",
+            "train.steps=4",
+            "--set",
+            "mesh.devices=2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=child_env(drop=()),
+    )
     names = {p.name for p in (tmp_path / "run").iterdir()}
     assert ".lock" not in names and "dlrm-jax.log" not in names, names
 
@@ -79,8 +99,9 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4")
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
     run = tmp_path / "run"
-    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4"),
-                       run, **QUIET)
+    train_and_evaluate(
+        tiny("train.steps=4", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4"), run, **QUIET
+    )
     for f in (run / "checkpoints" / "4").rglob("*"):  # corrupt every file of the newest one
         if f.is_file():
             f.write_bytes(b"\0garbage")
@@ -106,7 +127,7 @@ def test_eval_and_export_of_another_model_refuse_in_one_line_and_change_nothing(
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
     before = tree(run)
-    export = lambda r, o, **kw: export_run(r, tmp_path / "out", o, **kw)  # noqa: E731
+    export = lambda r, o, **kw: export_run(r, tmp_path / "out", o, **kw)
     for (overrides, names), read in zip(OTHER_MODELS, (evaluate_run, export, evaluate_run), strict=True):
         with pytest.raises(IncompatibleCheckpoint) as e:
             read(run, overrides, **QUIET)
@@ -126,8 +147,11 @@ def test_eval_skips_a_damaged_checkpoint_and_leaves_it_in_place(tiny, tmp_path):
     assert len(warnings) == 1 and "checkpoints/4 is damaged" in warnings[0] and "left in place" in warnings[0]
     assert tree(run) == before and not (run / "damaged").exists()
     # Asked for by step: one line naming the step, its folder and the steps to use instead.
-    with pytest.raises(ValueError, match=rf"^{run / 'checkpoints' / '4'}: the checkpoint at step 4 is damaged "
-                                         r"\(.*\); use another step \(--step with one of \[2\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{run / 'checkpoints' / '4'}: the checkpoint at step 4 is damaged "
+        r"\(.*\); use another step \(--step with one of \[2\]\)",
+    ):
         evaluate_run(run, step=4, **QUIET)
     assert tree(run) == before
 
@@ -236,13 +260,20 @@ CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "
 
 def popen(*args, cwd=None):
     env = child_env(drop=())
-    return subprocess.Popen([sys.executable, "-m", "dlrm_jax", *CLI_ARGS, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dlrm_jax", *CLI_ARGS, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True),
-                                            (signal.SIGHUP, 129, True)])  # SIGHUP: the terminal closed
+@pytest.mark.parametrize(
+    "sig,code,named", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True), (signal.SIGHUP, 129, True)]
+)  # SIGHUP: the terminal closed
 def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
     """Without --run-dir the run goes to runs/<time>, and the line names the --run-dir that
     resumes it (the same command would start another)."""
@@ -274,8 +305,13 @@ def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(ti
     (in_flight / "manifest.ocdbt").write_bytes(b"partly written")
     for command in (["eval"], ["export", "--output", str(tmp_path / "out")]):
         # On 4 devices the tables are re-laid out: the restore whose reads orbax logs about.
-        proc = subprocess.run([sys.executable, "-m", "dlrm_jax", *command, "--run-dir", str(run), "--set", "mesh.devices=4"],
-                              capture_output=True, text=True, timeout=300, env=child_env(drop=()))
+        proc = subprocess.run(
+            [sys.executable, "-m", "dlrm_jax", *command, "--run-dir", str(run), "--set", "mesh.devices=4"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=child_env(drop=()),
+        )
         assert proc.returncode == 0 and "re-laying out" in proc.stdout, proc.stderr
         assert (in_flight / "manifest.ocdbt").read_bytes() == b"partly written"
         assert not proc.stderr.strip(), proc.stderr  # no traceback, no absl warnings
@@ -287,7 +323,9 @@ def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(ti
 def small_disk(folder, size: str):
     """``folder`` as a tmpfs of ``size`` (the test skips where none can be mounted)."""
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here")
     try:
         yield folder

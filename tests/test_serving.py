@@ -45,19 +45,40 @@ def criteo(tmp_path_factory):
     """A run on preprocessed Criteo lines (4 devices, checkpoints at steps 8 and 16), its
     artifacts (float32 at 8 and 16, int8 and bfloat16 at 16, a delta 8 -> 16) and eval's scores."""
     tmp = tmp_path_factory.mktemp("serving")
-    gen = SyntheticGenerator(seed=3, num_dense=13, table_rows=(40, 400) * 13, bag_sizes=(1,) * 26,
-                             zipf_exponent=1.1, positive_rate=0.3)
+    gen = SyntheticGenerator(
+        seed=3, num_dense=13, table_rows=(40, 400) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
     write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
-    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=VAL / LINES, shuffle_seed=None,
-                      workers=1, progress=False)
-    cfg = load_config(None, ["data.source=binary", f"data.path={tmp / 'ds'}", "train.batch_size=128",
-                             "train.steps=16", "train.checkpoint_every=8", "train.eval_every=8", "train.eval_batches=0",
-                             "train.progress_bar=false", "mesh.devices=4", "model.embedding_dim=8",
-                             "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.keep_checkpoints=3"])
+    preprocess_criteo(
+        [str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=VAL / LINES, shuffle_seed=None, workers=1, progress=False
+    )
+    cfg = load_config(
+        None,
+        [
+            "data.source=binary",
+            f"data.path={tmp / 'ds'}",
+            "train.batch_size=128",
+            "train.steps=16",
+            "train.checkpoint_every=8",
+            "train.eval_every=8",
+            "train.eval_batches=0",
+            "train.progress_bar=false",
+            "mesh.devices=4",
+            "model.embedding_dim=8",
+            "model.bottom_mlp=[16, 8]",
+            "model.top_mlp=[16, 1]",
+            "train.keep_checkpoints=3",
+        ],
+    )
     train_and_evaluate(cfg, tmp / "run", **QUIET)
     art = {}
-    for name, step, kw in (("f8", 8, {}), ("f16", 16, {}), ("i8", 16, {"tables": "int8"}),
-                           ("b16", 16, {"tables": "bfloat16"}), ("d", 16, {"since": 8})):
+    for name, step, kw in (
+        ("f8", 8, {}),
+        ("f16", 16, {}),
+        ("i8", 16, {"tables": "int8"}),
+        ("b16", 16, {"tables": "bfloat16"}),
+        ("d", 16, {"since": 8}),
+    ):
         export_serving(tmp / "run", tmp / name, step=step, **kw, **QUIET)
         art[name] = tmp / name
     return tmp, art, scores_of(tmp / "run")
@@ -78,22 +99,54 @@ def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(crit
     bad = tmp / "bad.tsv"
     bad.write_bytes(b"".join(val_lines[:5]) + b"1\tnot a line\n" + b"".join(val_lines[5:10]))
     out = tmp / "pred.txt"
-    cli = [sys.executable, "-m", "dlrm_jax", "predict", "--model", str(art["f16"]), "--output", str(out), "--no-progress"]
-    r = subprocess.run([*cli, "--input", str(tmp / "day.tsv"), str(unlabeled)], capture_output=True, text=True,
-                       env=child_env(), timeout=120)
+    cli = [
+        sys.executable,
+        "-m",
+        "dlrm_jax",
+        "predict",
+        "--model",
+        str(art["f16"]),
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
+    r = subprocess.run(
+        [*cli, "--input", str(tmp / "day.tsv"), str(unlabeled)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"predicted {LINES + VAL} of {LINES + VAL} lines" in r.stdout
     scored = np.loadtxt(out, dtype=np.float32)
     np.testing.assert_array_equal(scored[LINES - VAL : LINES], probs)
     np.testing.assert_array_equal(scored[LINES:], probs)  # without the label column, from .gz
-    r = subprocess.run([sys.executable, "-m", "dlrm_jax", "export", "--run-dir", str(tmp / "run"), "--output",
-                        str(tmp / "x"), "--tables", "int8"], capture_output=True, text=True, env=child_env(), timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "export",
+            "--run-dir",
+            str(tmp / "run"),
+            "--output",
+            str(tmp / "x"),
+            "--tables",
+            "int8",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
     assert r.returncode != 0 and "go with --serving" in r.stderr and not (tmp / "x").exists()
     r = subprocess.run([*cli, "--input", str(bad)], capture_output=True, text=True, env=child_env(), timeout=120)
     assert r.returncode != 0 and f"{bad}:6: " in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.with_name("pred.txt.partial").exists()
-    r = subprocess.run([*cli, "--input", str(bad), "--skip-bad-lines"], capture_output=True, text=True,
-                       env=child_env(), timeout=120)
+    r = subprocess.run(
+        [*cli, "--input", str(bad), "--skip-bad-lines"], capture_output=True, text=True, env=child_env(), timeout=120
+    )
     assert r.returncode == 0 and "skipped 1 malformed line" in r.stdout
     scored = np.loadtxt(out, dtype=np.float32)
     assert np.isnan(scored[5]) and np.array_equal(scored[:5], probs[:5]) and np.array_equal(scored[6:], probs[5:10])
@@ -103,11 +156,13 @@ def test_scores_equal_evals_bitwise_by_ids_by_raw_lines_and_through_the_cli(crit
 def test_loading_and_predicting_need_no_flax_optax_or_orbax(criteo):
     tmp, art, (probs, dense, ids) = criteo
     np.savez(tmp / "inputs.npz", dense=dense[:50], ids=ids[:50])
-    code = ("import sys\n"
-            "for m in ('flax', 'optax', 'orbax', 'orbax.checkpoint'): sys.modules[m] = None\n"
-            "import numpy as np\nfrom dlrm_jax.serving import load\n"
-            f"x = np.load({str(tmp / 'inputs.npz')!r})\n"
-            f"np.save({str(tmp / 'p.npy')!r}, load({str(art['f16'])!r}).predict(x['dense'], x['ids']))\n")
+    code = (
+        "import sys\n"
+        "for m in ('flax', 'optax', 'orbax', 'orbax.checkpoint'): sys.modules[m] = None\n"
+        "import numpy as np\nfrom dlrm_jax.serving import load\n"
+        f"x = np.load({str(tmp / 'inputs.npz')!r})\n"
+        f"np.save({str(tmp / 'p.npy')!r}, load({str(art['f16'])!r}).predict(x['dense'], x['ids']))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.load(tmp / "p.npy"), probs[:50])
@@ -139,8 +194,10 @@ def test_a_base_and_its_delta_load_to_the_full_export_of_the_last_step(criteo, m
     delta = json.loads((art["d"] / "manifest.json").read_text())
     changed = sum(f["rows_changed"] for f in delta["features"])
     assert 0 < changed < sum(f["rows"] for f in delta["features"])  # 16 batches of 128 touch some rows, not all
-    with serving.load(art["f8"], [art["d"]], memory_bytes=memory_bytes, cache_rows=64) as merged, \
-            serving.load(art["f16"], memory_bytes=memory_bytes) as full:
+    with (
+        serving.load(art["f8"], [art["d"]], memory_bytes=memory_bytes, cache_rows=64) as merged,
+        serving.load(art["f16"], memory_bytes=memory_bytes) as full,
+    ):
         assert merged.step == full.step == 16
         for f in full.features:
             a, b = merged.tables.table_fields(f["table"]), full.tables.table_fields(f["table"])
@@ -179,9 +236,15 @@ def test_a_damaged_or_unfinished_artifact_is_one_error_naming_the_file(criteo, t
 
 @pytest.mark.slow
 def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_rules(tmp_path):
-    cfg = tiny_config("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat",
-                      "data.bag_sizes=[1, 3, 1, 4]", "data.pooling=mean", "train.checkpoint_every=6",
-                      "mesh.devices=2")
+    cfg = tiny_config(
+        "model.kind=wide_deep",
+        "model.bottom_mlp=[]",
+        "model.interaction=cat",
+        "data.bag_sizes=[1, 3, 1, 4]",
+        "data.pooling=mean",
+        "train.checkpoint_every=6",
+        "mesh.devices=2",
+    )
     train_and_evaluate(cfg, tmp_path / "run", **QUIET)
     export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
     probs, dense, ids = scores_of(tmp_path / "run")
@@ -200,16 +263,33 @@ def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
 
     ml = tmp_path / "ml"
     make_movielens(ml, n=600)
-    preprocess_tabular("movielens_1m", [str(ml / "ratings.dat")], str(tmp_path / "ds"), val_fraction=0.2,
-                       joins={"users": str(ml / "users.dat"), "movies": str(ml / "movies.dat")}, shuffle_seed=None,
-                       workers=1, progress=False)
-    cfg = load_config("smoke", ["data.source=binary", f"data.path={tmp_path / 'ds'}", "train.steps=10",
-                                "train.checkpoint_every=10", "train.eval_every=0", "train.eval_batches=0",
-                                "train.progress_bar=false", "mesh.devices=2"])
+    preprocess_tabular(
+        "movielens_1m",
+        [str(ml / "ratings.dat")],
+        str(tmp_path / "ds"),
+        val_fraction=0.2,
+        joins={"users": str(ml / "users.dat"), "movies": str(ml / "movies.dat")},
+        shuffle_seed=None,
+        workers=1,
+        progress=False,
+    )
+    cfg = load_config(
+        "smoke",
+        [
+            "data.source=binary",
+            f"data.path={tmp_path / 'ds'}",
+            "train.steps=10",
+            "train.checkpoint_every=10",
+            "train.eval_every=0",
+            "train.eval_batches=0",
+            "train.progress_bar=false",
+            "mesh.devices=2",
+        ],
+    )
     train_and_evaluate(cfg, tmp_path / "run", **QUIET)
     export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
     probs, _, _ = scores_of(tmp_path / "run")
-    val = (ml / "ratings.dat").read_bytes().splitlines(keepends=True)[-len(probs):]  # the latest ratings
+    val = (ml / "ratings.dat").read_bytes().splitlines(keepends=True)[-len(probs) :]  # the latest ratings
     unlabeled = tmp_path / "unlabeled.dat"
     unlabeled.write_bytes(b"".join(b"::".join(line.split(b"::")[:2] + line.split(b"::")[3:]) for line in val))
     with serving.load(tmp_path / "art") as model:
@@ -217,8 +297,26 @@ def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
         np.testing.assert_array_equal(model.predict_raw(val), probs)
         np.testing.assert_array_equal(model.predict_raw(unlabeled.read_bytes().splitlines()), probs)
     out = tmp_path / "p.txt"
-    r = subprocess.run([sys.executable, "-m", "dlrm_jax", "predict", "--model", str(tmp_path / "art"), "--input",
-                        str(unlabeled), "--output", str(out), "--format", "tabular", "--no-progress"],
-                       capture_output=True, text=True, env=child_env(), timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "predict",
+            "--model",
+            str(tmp_path / "art"),
+            "--input",
+            str(unlabeled),
+            "--output",
+            str(out),
+            "--format",
+            "tabular",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(np.loadtxt(out, dtype=np.float32), probs)

@@ -9,8 +9,9 @@ from hypothesis.extra import numpy as hnp
 from dlrm_jax.serving.artifact import dequantize_int8, quantize_int8
 from dlrm_jax.serving.rules import IdRules
 
-ROWS = hnp.arrays(np.float32, st.tuples(st.integers(1, 20), st.integers(1, 16)),
-                  elements=st.floats(-100, 100, width=32))
+ROWS = hnp.arrays(
+    np.float32, st.tuples(st.integers(1, 20), st.integers(1, 16)), elements=st.floats(-100, 100, width=32)
+)
 
 
 @settings(max_examples=examples(60))

@@ -20,11 +20,18 @@ R, D = 23, 4
 
 
 OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad(), "ftrl": ftrl()}
-EXACT = {"sgd": sgd(exact_sums=True), "adagrad": adagrad(exact_sums=True),
-         "rowwise_adagrad": rowwise_adagrad(exact_sums=True), "ftrl": ftrl(exact_sums=True)}
+EXACT = {
+    "sgd": sgd(exact_sums=True),
+    "adagrad": adagrad(exact_sums=True),
+    "rowwise_adagrad": rowwise_adagrad(exact_sums=True),
+    "ftrl": ftrl(exact_sums=True),
+}
 LOOKUPS = 40  # every step padded to this many lookups with the padding row R: one compiled shape
-UPDATES = {(name, exact): jax.jit((EXACT if exact else OPTIMIZERS)[name].update)
-           for name in OPTIMIZERS for exact in (False, True)}
+UPDATES = {
+    (name, exact): jax.jit((EXACT if exact else OPTIMIZERS)[name].update)
+    for name in OPTIMIZERS
+    for exact in (False, True)
+}
 
 
 def run_both(name, rows_steps, seed, exact=False):
@@ -33,8 +40,12 @@ def run_both(name, rows_steps, seed, exact=False):
     opt = (EXACT if exact else OPTIMIZERS)[name]
     state = opt.init(jnp.asarray(table))
     ref_table = table.astype(np.float64)
-    ref_acc = {"sgd": None, "adagrad": np.zeros((R, D)), "rowwise_adagrad": np.zeros(R),
-               "ftrl": (np.zeros((R, D)), np.full((R, D), 0.1))}[name]
+    ref_acc = {
+        "sgd": None,
+        "adagrad": np.zeros((R, D)),
+        "rowwise_adagrad": np.zeros(R),
+        "ftrl": (np.zeros((R, D)), np.full((R, D), 0.1)),
+    }[name]
     jt = jnp.asarray(table)
     for rows in rows_steps:
         rows = np.asarray(rows, np.int32)
@@ -59,8 +70,7 @@ row_ids = st.integers(0, R)
 @pytest.mark.parametrize("exact", [False, True], ids=["plain", "exact_sums"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @settings(max_examples=examples(25))
-@given(steps=st.lists(st.lists(row_ids, min_size=1, max_size=40), min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
+@given(steps=st.lists(st.lists(row_ids, min_size=1, max_size=40), min_size=1, max_size=4), seed=st.integers(0, 2**16))
 def test_sparse_equals_dense(name, exact, steps, seed):
     run_both(name, steps, seed, exact)
 

@@ -32,10 +32,15 @@ STEPS = 40
 def transfer(src_plan, state: TrainState, dst) -> TrainState:
     """``state`` (of ``src_plan``'s steps) on ``dst``'s mesh and plan, values unchanged."""
     host = jax.tree.map(np.asarray, state)
-    put = lambda tree, sharding: jax.tree.map(jax.device_put, tree, sharding)  # noqa: E731
+    put = lambda tree, sharding: jax.tree.map(jax.device_put, tree, sharding)
     s = dst.state_sharding
-    return TrainState(put(host.step, s.step), put(host.params, s.params), put(host.opt_state, s.opt_state),
-                      relayout(src_plan, host.emb, dst.collection), put(host.wide, s.wide))
+    return TrainState(
+        put(host.step, s.step),
+        put(host.params, s.params),
+        put(host.opt_state, s.opt_state),
+        relayout(src_plan, host.emb, dst.collection),
+        put(host.wide, s.wide),
+    )
 
 
 def logical(steps, state: TrainState):
@@ -43,16 +48,31 @@ def logical(steps, state: TrainState):
     return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, tables, slots))]
 
 
-CASES = [("row", 2, "sgd", False), ("table", 2, "sgd", True), ("row", 4, "rowwise_adagrad", False),
-         ("column", 4, "sgd", True), ("row", 8, "adagrad", True), ("auto", 8, "rowwise_adagrad", False)]
+CASES = [
+    ("row", 2, "sgd", False),
+    ("table", 2, "sgd", True),
+    ("row", 4, "rowwise_adagrad", False),
+    ("column", 4, "sgd", True),
+    ("row", 8, "adagrad", True),
+    ("auto", 8, "rowwise_adagrad", False),
+]
 
 
-@pytest.mark.parametrize("strategy,devices,optimizer,bags", CASES,
-                         ids=[f"{s}-{d}dev-{o}-{'bags' if b else 'onehot'}" for s, d, o, b in CASES])
+@pytest.mark.parametrize(
+    "strategy,devices,optimizer,bags",
+    CASES,
+    ids=[f"{s}-{d}dev-{o}-{'bags' if b else 'onehot'}" for s, d, o, b in CASES],
+)
 def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags):
-    common = ["train.batch_size=64", "train.optimizer=sgd", "train.learning_rate=0.1",
-              "embedding.learning_rate=0.1", f"embedding.optimizer={optimizer}", "train.seed=3",
-              *(["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"] if bags else [])]
+    common = [
+        "train.batch_size=64",
+        "train.optimizer=sgd",
+        "train.learning_rate=0.1",
+        "embedding.learning_rate=0.1",
+        f"embedding.optimizer={optimizer}",
+        "train.seed=3",
+        *(["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"] if bags else []),
+    ]
     ref_cfg = tiny(*common, "mesh.devices=1", "embedding.sharding=replicated")
     cfg = tiny(*common, f"mesh.devices={devices}", f"embedding.sharding={strategy}")
     source = SyntheticSource(ref_cfg)
@@ -67,7 +87,8 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
         state, ref_metrics = ref.train_step(state, ref.device_batch(batch))
         other, metrics = steps.train_step(other, steps.device_batch(batch))
         assert int(metrics["exchange_overflows"]) == 0 or steps.collection.plan.num_devices > 1
-        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6,
-                                   err_msg=f"loss at step {step}")
+        np.testing.assert_allclose(
+            float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"loss at step {step}"
+        )
         for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")

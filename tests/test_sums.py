@@ -32,12 +32,17 @@ SUM = jax.jit(exact_segment_sum, static_argnums=2)
 
 
 @settings(max_examples=examples(60))
-@given(n=st.integers(1, MAX_N), num=st.integers(1, 20), width=st.integers(1, MAX_WIDTH),
-       spread=st.floats(0, 60), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, MAX_N),
+    num=st.integers(1, 20),
+    width=st.integers(1, MAX_WIDTH),
+    spread=st.floats(0, 60),
+    seed=st.integers(0, 2**16),
+)
 def test_any_order_same_bits_and_within_bound(n, num, width, spread, seed):
     rng = np.random.default_rng(seed)
     # Magnitudes over up to 2**60 of range, zeros, and ids outside [0, num) (dropped).
-    data = (rng.standard_normal((n, width)) * np.exp2(rng.uniform(-spread / 2, spread / 2, (n, 1))))
+    data = rng.standard_normal((n, width)) * np.exp2(rng.uniform(-spread / 2, spread / 2, (n, 1)))
     data[rng.random(n) < 0.1] = 0.0
     data = data.astype(np.float32)
     ids = rng.integers(-1, num + 1, n).astype(np.int32)
@@ -82,6 +87,8 @@ def test_non_finite_values_stay_non_finite():
 
 def test_too_many_addends_is_refused():
     with pytest.raises(ValueError, match="addends"):
-        jax.eval_shape(lambda d, i: exact_segment_sum(d, i, 2),
-                       jax.ShapeDtypeStruct(((1 << 24) + 1,), jnp.float32),
-                       jax.ShapeDtypeStruct(((1 << 24) + 1,), jnp.int32))
+        jax.eval_shape(
+            lambda d, i: exact_segment_sum(d, i, 2),
+            jax.ShapeDtypeStruct(((1 << 24) + 1,), jnp.float32),
+            jax.ShapeDtypeStruct(((1 << 24) + 1,), jnp.int32),
+        )

@@ -30,8 +30,9 @@ B = 512
 
 
 def generator(bags=ONE_HOT, layout="permuted", seed=3):
-    return SyntheticGenerator(seed=seed, num_dense=13, table_rows=ROWS, bag_sizes=bags,
-                              zipf_exponent=1.1, positive_rate=0.3, id_layout=layout)  # fmt: skip
+    return SyntheticGenerator(
+        seed=seed, num_dense=13, table_rows=ROWS, bag_sizes=bags, zipf_exponent=1.1, positive_rate=0.3, id_layout=layout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +102,11 @@ def test_pure_function_of_seed_stream_and_step(multi_hot):
     assert_batches_equal(make(11), multi_hot.batch(TRAIN_STREAM, 11, 0, B))
     assert_batches_equal(make(11), multi_hot.batch(TRAIN_STREAM, 11, 0, B))
     ids = multi_hot.raw(TRAIN_STREAM, 11, 0, B).ids
-    for other in (multi_hot.raw(TRAIN_STREAM, 12, 0, B), multi_hot.raw(EVAL_STREAM, 11, 0, B),
-                  generator(MULTI_HOT, seed=4).raw(TRAIN_STREAM, 11, 0, B)):  # fmt: skip
+    for other in (
+        multi_hot.raw(TRAIN_STREAM, 12, 0, B),
+        multi_hot.raw(EVAL_STREAM, 11, 0, B),
+        generator(MULTI_HOT, seed=4).raw(TRAIN_STREAM, 11, 0, B),
+    ):
         assert np.mean(other.ids == ids) < 0.5  # only popular ids coincide
 
 

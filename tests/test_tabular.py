@@ -103,11 +103,23 @@ def make_movielens(folder: Path, n=N, seed=0):
     """ratings.dat, users.dat, movies.dat ('::', latin-1, no header) and the expected rows.
     Users 41-45 rate but have no users.dat line (a left join: their user features are missing)."""
     rng = np.random.default_rng(seed)
-    users = {u: [str(rng.choice(["F", "M"])), str(rng.choice([1, 18, 25, 35, 56])), str(rng.integers(0, 21)),
-                 f"{rng.integers(10000, 99999)}"] for u in range(1, 41)}  # fmt: skip
+    users = {
+        u: [
+            str(rng.choice(["F", "M"])),
+            str(rng.choice([1, 18, 25, 35, 56])),
+            str(rng.integers(0, 21)),
+            f"{rng.integers(10000, 99999)}",
+        ]
+        for u in range(1, 41)
+    }
     genres = ["Action", "Comedy", "Drama", "Children's", "Film-Noir"]
-    movies = {m: [f"Movie {m}: Part {m % 3} ({1960 + m})" if m != 7 else "Café Society (1999)",
-                  "|".join(rng.choice(genres, rng.integers(1, 3), replace=False))] for m in range(1, 31)}  # fmt: skip
+    movies = {
+        m: [
+            f"Movie {m}: Part {m % 3} ({1960 + m})" if m != 7 else "Café Society (1999)",
+            "|".join(rng.choice(genres, rng.integers(1, 3), replace=False)),
+        ]
+        for m in range(1, 31)
+    }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "users.dat").write_bytes("".join(f"{u}::{'::'.join(v)}\n" for u, v in users.items()).encode("latin-1"))
     (folder / "movies.dat").write_bytes("".join(f"{m}::{'::'.join(v)}\n" for m, v in movies.items()).encode("latin-1"))
@@ -123,24 +135,40 @@ def make_movielens(folder: Path, n=N, seed=0):
     return want
 
 
-AVAZU_HEADER = ("id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
-                "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21")  # fmt: skip
+AVAZU_HEADER = (
+    "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
+    "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
+)
 
 
 def make_avazu(path: Path, n=N, seed=1):
     """train.csv with its header; hour YYMMDDHH in time order; every column categorical."""
     rng = np.random.default_rng(seed)
-    pool = lambda k: [f"{v:08x}" for v in rng.integers(0, 2**32, k)]  # noqa: E731
+    pool = lambda k: [f"{v:08x}" for v in rng.integers(0, 2**32, k)]
     sites, apps, models = pool(12), pool(8), pool(20)
     lines, want = [AVAZU_HEADER + "\n"], {"labels": [], "dense": [], "cats": []}
     for i in range(n):
         hour = f"1410{21 + i * 10 // n:02d}{i % 24:02d}"
         click = int(rng.random() < 0.2)
-        fields = [f"{rng.integers(10**17, 10**18)}7", str(click), hour, str(rng.choice([1005, 1002, 1010])),
-                  str(rng.choice([0, 1, 7])), rng.choice(sites), rng.choice(sites), rng.choice(sites),
-                  rng.choice(apps), rng.choice(apps), rng.choice(apps), rng.choice(["a99f214a", *pool(3)]),
-                  pool(1)[0], rng.choice(models), str(rng.integers(0, 5)), str(rng.integers(0, 4)),
-                  *[str(rng.integers(0, 30)) for _ in range(8)]]  # fmt: skip
+        fields = [
+            f"{rng.integers(10**17, 10**18)}7",
+            str(click),
+            hour,
+            str(rng.choice([1005, 1002, 1010])),
+            str(rng.choice([0, 1, 7])),
+            rng.choice(sites),
+            rng.choice(sites),
+            rng.choice(sites),
+            rng.choice(apps),
+            rng.choice(apps),
+            rng.choice(apps),
+            rng.choice(["a99f214a", *pool(3)]),
+            pool(1)[0],
+            rng.choice(models),
+            str(rng.integers(0, 5)),
+            str(rng.integers(0, 4)),
+            *[str(rng.integers(0, 30)) for _ in range(8)],
+        ]
         lines.append(",".join(fields) + "\n")
         want["labels"].append(click)
         want["dense"].append([])
@@ -153,18 +181,38 @@ def make_taobao(folder: Path, n=N, seed=2):
     """raw_sample.csv, ad_feature.csv, user_profile.csv with their headers. Users 41-50 have no
     profile; adgroup 99 has no ad_feature line; brand is "NULL" or pvalue_level empty at times."""
     rng = np.random.default_rng(seed)
-    ads = {a: [str(rng.integers(1, 9)), str(rng.integers(100, 120)), str(rng.integers(1000, 1010)),
-               "NULL" if a % 5 == 0 else str(rng.integers(5000, 5010)), f"{rng.choice([0.01, 9.9, 118.0, 2e5])}"]
-           for a in range(1, 31)}  # fmt: skip
-    users = {u: [str(rng.integers(0, 97)), str(rng.integers(0, 13)), str(rng.integers(1, 3)), str(rng.integers(0, 7)),
-                 "" if u % 4 == 0 else str(rng.integers(1, 4)), str(rng.integers(1, 4)), str(rng.integers(0, 2)),
-                 str(rng.integers(1, 5))] for u in range(1, 41)}  # fmt: skip
+    ads = {
+        a: [
+            str(rng.integers(1, 9)),
+            str(rng.integers(100, 120)),
+            str(rng.integers(1000, 1010)),
+            "NULL" if a % 5 == 0 else str(rng.integers(5000, 5010)),
+            f"{rng.choice([0.01, 9.9, 118.0, 2e5])}",
+        ]
+        for a in range(1, 31)
+    }
+    users = {
+        u: [
+            str(rng.integers(0, 97)),
+            str(rng.integers(0, 13)),
+            str(rng.integers(1, 3)),
+            str(rng.integers(0, 7)),
+            "" if u % 4 == 0 else str(rng.integers(1, 4)),
+            str(rng.integers(1, 4)),
+            str(rng.integers(0, 2)),
+            str(rng.integers(1, 5)),
+        ]
+        for u in range(1, 41)
+    }
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "ad_feature.csv").write_text("adgroup_id,cate_id,campaign_id,customer,brand,price\n"
-                                           + "".join(f"{a},{','.join(v)}\n" for a, v in ads.items()))  # fmt: skip
+    (folder / "ad_feature.csv").write_text(
+        "adgroup_id,cate_id,campaign_id,customer,brand,price\n"
+        + "".join(f"{a},{','.join(v)}\n" for a, v in ads.items())
+    )
     (folder / "user_profile.csv").write_text(
         "userid,cms_segid,cms_group_id,final_gender_code,age_level,pvalue_level,shopping_level,occupation,"
-        "new_user_class_level \n" + "".join(f"{u},{','.join(v)}\n" for u, v in users.items()))  # fmt: skip
+        "new_user_class_level \n" + "".join(f"{u},{','.join(v)}\n" for u, v in users.items())
+    )
     lines, want = ["user,time_stamp,adgroup_id,pid,nonclk,clk\n"], {"labels": [], "dense": [], "cats": []}
     for i in range(n):
         u, a, clk = int(rng.integers(1, 51)), int(rng.choice([*range(1, 31), 99])), int(rng.random() < 0.1)
@@ -182,16 +230,27 @@ def make_taobao(folder: Path, n=N, seed=2):
 def make_yelp(path: Path, n=N, seed=3):
     """yelp_academic_dataset_review.json: one JSON object a line; stars int or float."""
     rng = np.random.default_rng(seed)
-    uids, bids = [f"u{v:021x}"[:22] for v in rng.integers(0, 2**60, 25)], [f"b-{v:x}" for v in rng.integers(0, 2**40, 15)]
+    uids, bids = (
+        [f"u{v:021x}"[:22] for v in rng.integers(0, 2**60, 25)],
+        [f"b-{v:x}" for v in rng.integers(0, 2**40, 15)],
+    )
     lines, want = [], {"labels": [], "dense": [], "cats": []}
     for i in range(n):
         stars = [1, 2, 3, 4, 5, 4.0, 5.0, 4.5][int(rng.integers(0, 8))]
         votes = [int(v) for v in rng.integers(0, 50, 3) * (rng.random(3) < 0.5)]
         date = str(np.datetime64("2010-01-01T12:34:56") + np.timedelta64(13 * i, "D") + np.timedelta64(i, "s"))
         date = date.replace("T", " ")  # in time order, as split_by: date then keeps the tail
-        review = {"review_id": f"r{i:021d}", "user_id": str(rng.choice(uids)), "business_id": str(rng.choice(bids)),
-                  "stars": stars, "useful": votes[0], "funny": votes[1], "cool": votes[2],
-                  "text": 'Great, "really"\nnice, café ☕', "date": date}  # fmt: skip
+        review = {
+            "review_id": f"r{i:021d}",
+            "user_id": str(rng.choice(uids)),
+            "business_id": str(rng.choice(bids)),
+            "stars": stars,
+            "useful": votes[0],
+            "funny": votes[1],
+            "cool": votes[2],
+            "text": 'Great, "really"\nnice, café ☕',
+            "date": date,
+        }
         lines.append(json.dumps(review, ensure_ascii=i % 2 == 0) + "\n")
         want["labels"].append(int(stars > 4))
         want["dense"].append([log1p32(v) for v in votes])
@@ -216,17 +275,24 @@ def run(dataset, files, out, where=None, **kw):
     schema's comment shows."""
     where = where or files[dataset][0]
     args = {
-        "movielens": ("movielens_1m", [where / "ratings.dat"],
-                      {"users": where / "users.dat", "movies": where / "movies.dat"}),
+        "movielens": (
+            "movielens_1m",
+            [where / "ratings.dat"],
+            {"users": where / "users.dat", "movies": where / "movies.dat"},
+        ),
         "avazu": ("avazu", [where], {}),
-        "taobao": ("taobao_ad", [where / "raw_sample.csv"],
-                   {"ad": where / "ad_feature.csv", "user": where / "user_profile.csv"}),
+        "taobao": (
+            "taobao_ad",
+            [where / "raw_sample.csv"],
+            {"ad": where / "ad_feature.csv", "user": where / "user_profile.csv"},
+        ),
         "yelp": ("yelp_reviews", [where], {}),
-    }[dataset]  # fmt: skip
+    }[dataset]
     schema, inputs, joins = kw.pop("schema", args[0]), kw.pop("inputs", args[1]), kw.pop("joins", args[2])
     kw = {"shuffle_seed": None, "workers": 1, **kw}  # input order, in this process
-    return preprocess_tabular(schema, [str(p) for p in inputs], str(out), joins={k: str(v) for k, v in joins.items()},
-                              progress=False, **kw)  # fmt: skip
+    return preprocess_tabular(
+        schema, [str(p) for p in inputs], str(out), joins={k: str(v) for k, v in joins.items()}, progress=False, **kw
+    )
 
 
 def compacted(hashed_rows, n_train=None):
@@ -253,7 +319,12 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     assert got["dense"].shape == (N, 0)
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["num_dense"] == 0 and meta["categorical_features"][2:] == [
-        "users.gender", "users.age", "users.occupation", "users.zip", "movies.genres"]
+        "users.gender",
+        "users.age",
+        "users.occupation",
+        "users.zip",
+        "movies.genres",
+    ]
     assert meta["join_misses"] == {"users": sum(c[2] is None for c in want["cats"]), "movies": 0}
     assert meta["join_misses"]["users"] > 0
     # One row by hand: its user's and movie's attributes arrive through the joins.
@@ -279,8 +350,11 @@ def make_ratings_by_user(folder: Path, users=60, seed=4):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "users.dat").write_text("".join(f"{u}::F::25::7::{10000 + u}\n" for u in range(1, users + 1)))
     (folder / "movies.dat").write_text("".join(f"{m}::Movie {m} (2000)::Drama\n" for m in range(1, 21)))
-    rows = [(u, 978300000 + int(rng.integers(0, 60)), int(rng.integers(1, 6)))
-            for u in range(1, users + 1) for _ in range(int(rng.integers(2, 9)))]  # fmt: skip
+    rows = [
+        (u, 978300000 + int(rng.integers(0, 60)), int(rng.integers(1, 6)))
+        for u in range(1, users + 1)
+        for _ in range(int(rng.integers(2, 9)))
+    ]
     (folder / "ratings.dat").write_text("".join(f"{u}::{1 + i % 20}::{r}::{t}\n" for i, (u, t, r) in enumerate(rows)))
     return rows
 
@@ -315,8 +389,16 @@ def test_movielens_holds_out_the_latest_ratings_by_time(tmp_path):
     lines = (folder / "ratings.dat").read_text().splitlines(keepends=True)
     (folder / "a.dat").write_text("".join(lines[:100]))
     (folder / "b.dat").write_text("".join(lines[100:]))
-    run("movielens", {}, tmp_path / "cut", where=folder, inputs=[folder / "a.dat", folder / "b.dat"],
-        val_fraction=0.2, chunk_lines=9, workers=2)  # fmt: skip
+    run(
+        "movielens",
+        {},
+        tmp_path / "cut",
+        where=folder,
+        inputs=[folder / "a.dat", folder / "b.dat"],
+        val_fraction=0.2,
+        chunk_lines=9,
+        workers=2,
+    )
     assert dataset_bytes(tmp_path / "cut") == dataset_bytes(tmp_path / "out")
     # Without split_by the tail is held out: mostly users the training split never saw.
     schema = tmp_path / "tail.yaml"
@@ -352,7 +434,9 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
     hashed = [[ref_hash(t) % M if t else 0 for t in c] for c in want["cats"]]
     assert meta["cardinalities"] == [1 + max(col) for col in zip(*compacted(hashed, N - 75), strict=True)]
     first_val = json.loads(files["yelp"][0].read_text().splitlines()[N - 75])["date"]  # "YYYY-MM-DD HH:MM:SS"
-    since_1970 = (np.datetime64(first_val.replace(" ", "T")) - np.datetime64("1970-01-01T00:00:00")) // np.timedelta64(1, "s")
+    since_1970 = (np.datetime64(first_val.replace(" ", "T")) - np.datetime64("1970-01-01T00:00:00")) // np.timedelta64(
+        1, "s"
+    )
     assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
 
 
@@ -361,12 +445,34 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
     path, want = files["avazu"]
     gz = tmp_path / "train.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "preprocess", "tabular", "--schema", "avazu",
-                           "--input", str(gz), "--output", str(tmp_path / "out"), "--max-ind-range", str(M),
-                           "--no-progress", "--no-shuffle"], capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "preprocess",
+            "tabular",
+            "--schema",
+            "avazu",
+            "--input",
+            str(gz),
+            "--output",
+            str(tmp_path / "out"),
+            "--max-ind-range",
+            str(M),
+            "--no-progress",
+            "--no-shuffle",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(drop=()),
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"{tmp_path / 'out'}: 270 train + 30 val rows from 300 lines, 0 skipped" in proc.stdout
-    assert "ids counted on train rows (values seen only in val rows: out of the vocabulary)" in proc.stdout  # the default
+    assert (
+        "ids counted on train rows (values seen only in val rows: out of the vocabulary)" in proc.stdout
+    )  # the default
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["vocab_from"] == "train"
     got = check_output(tmp_path / "out", want, max_ind_range=M)
     assert got["ids"].shape == (N, 22) and (got["ids"] < M).all()
@@ -376,9 +482,26 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
     # A malformed line: one line naming file and line, exit 1, nothing written.
     bad, lines = tmp_path / "bad.csv", path.read_text().splitlines(keepends=True)
     bad.write_text("".join(lines[:5] + ["1,2,3\n"] + lines[5:]))
-    proc = subprocess.run([sys.executable, "-m", "dlrm_jax", "preprocess", "tabular", "--schema", "avazu",
-                           "--input", str(bad), "--output", str(tmp_path / "bad_out"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120, env=child_env(drop=()))  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax",
+            "preprocess",
+            "tabular",
+            "--schema",
+            "avazu",
+            "--input",
+            str(bad),
+            "--output",
+            str(tmp_path / "bad_out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(drop=()),
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == f"dlrm-jax: error: {bad}:6: expected 24 fields separated by ',', found 3"
     assert not (tmp_path / "bad_out").exists()
@@ -388,26 +511,89 @@ def test_avazu_gzipped_through_the_cli(files, tmp_path):
 
 
 BAD = {  # name -> (dataset, file, line, text, kind, message)
-    "ml fields": ("movielens", "ratings.dat", 7, "1::2::3", "field count", "expected 4 fields separated by '::', found 3"),
-    "ml label": ("movielens", "ratings.dat", 9, "1::2::x::978300760", "label",
-                 "label column rating is 'x', expected a number (label = value >= 4)"),
+    "ml fields": (
+        "movielens",
+        "ratings.dat",
+        7,
+        "1::2::3",
+        "field count",
+        "expected 4 fields separated by '::', found 3",
+    ),
+    "ml label": (
+        "movielens",
+        "ratings.dat",
+        9,
+        "1::2::x::978300760",
+        "label",
+        "label column rating is 'x', expected a number (label = value >= 4)",
+    ),
     "ml empty": ("movielens", "ratings.dat", 2, "", "empty line", "empty line"),
-    "ml time": ("movielens", "ratings.dat", 5, "1::2::3::yesterday", "split_by",
-                "split_by column timestamp is 'yesterday', expected a number or a date (YYYY-MM-DD[ HH:MM:SS])"),
-    "avazu click": ("avazu", "", 4, "1," + "2," + ",".join(["9"] * 22), "label", "label column click is '2', expected 0 or 1"),
-    "avazu quote": ("avazu", "", 3, '1,0,14102100,"1005,7"' + ",x" * 19, "field count",  # quoted: one field
-                    "expected 24 fields separated by ',', found 23"),
-    "taobao price": ("taobao", "ad_feature.csv", 5, "77,1,100,1000,5000,abc", "dense field",
-                     "dense column ad.price is 'abc', expected a finite number"),
-    "taobao duplicate": ("taobao", "user_profile.csv", 10, "3,1,1,1,1,1,1,1,1", "join key",
-                         "join key '3' repeats line 4"),
-    "yelp json": ("yelp", "", 5, '{"review_id": "x",', "json", "not valid JSON: Expecting property name enclosed in double quotes (column 19)"),
-    "yelp key": ("yelp", "", 6, '{"user_id": "u", "business_id": "b", "useful": 1, "funny": 0, "cool": 0, "date": "2012"}',
-                 "missing column", "no 'stars' in the JSON object"),
-    "yelp nan": ("yelp", "", 3, '{"user_id": "u", "business_id": "b", "stars": 5, "useful": NaN, "funny": 0, "cool": 0, "date": "2012"}',
-                 "dense field", "dense column useful is 'nan', expected a finite number"),
+    "ml time": (
+        "movielens",
+        "ratings.dat",
+        5,
+        "1::2::3::yesterday",
+        "split_by",
+        "split_by column timestamp is 'yesterday', expected a number or a date (YYYY-MM-DD[ HH:MM:SS])",
+    ),
+    "avazu click": (
+        "avazu",
+        "",
+        4,
+        "1," + "2," + ",".join(["9"] * 22),
+        "label",
+        "label column click is '2', expected 0 or 1",
+    ),
+    "avazu quote": (
+        "avazu",
+        "",
+        3,
+        '1,0,14102100,"1005,7"' + ",x" * 19,
+        "field count",  # quoted: one field
+        "expected 24 fields separated by ',', found 23",
+    ),
+    "taobao price": (
+        "taobao",
+        "ad_feature.csv",
+        5,
+        "77,1,100,1000,5000,abc",
+        "dense field",
+        "dense column ad.price is 'abc', expected a finite number",
+    ),
+    "taobao duplicate": (
+        "taobao",
+        "user_profile.csv",
+        10,
+        "3,1,1,1,1,1,1,1,1",
+        "join key",
+        "join key '3' repeats line 4",
+    ),
+    "yelp json": (
+        "yelp",
+        "",
+        5,
+        '{"review_id": "x",',
+        "json",
+        "not valid JSON: Expecting property name enclosed in double quotes (column 19)",
+    ),
+    "yelp key": (
+        "yelp",
+        "",
+        6,
+        '{"user_id": "u", "business_id": "b", "useful": 1, "funny": 0, "cool": 0, "date": "2012"}',
+        "missing column",
+        "no 'stars' in the JSON object",
+    ),
+    "yelp nan": (
+        "yelp",
+        "",
+        3,
+        '{"user_id": "u", "business_id": "b", "stars": 5, "useful": NaN, "funny": 0, "cool": 0, "date": "2012"}',
+        "dense field",
+        "dense column useful is 'nan', expected a finite number",
+    ),
     "yelp bytes": ("yelp", "", 8, '{"user_id": "\xff"}', "encoding", "not valid utf-8 text"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -440,14 +626,24 @@ def test_bad_line_names_file_and_line_or_is_skipped(files, tmp_path, case):
 
 def test_columns_by_position_without_header_tab_separated(tmp_path):
     """Label, dense and categorical columns given by 0-based position; transform none; op <."""
-    (tmp_path / "s.yaml").write_text('format: csv\ndelimiter: "\\t"\nheader: false\nquoting: false\n'
-                                     'label: {column: 3, op: "<", threshold: 0.5}\n'
-                                     'dense: [{column: 1, transform: none}, 0]\ncategorical: [2, {column: 2, substr: [0, 1]}]\n')  # fmt: skip
+    (tmp_path / "s.yaml").write_text(
+        'format: csv\ndelimiter: "\\t"\nheader: false\nquoting: false\n'
+        'label: {column: 3, op: "<", threshold: 0.5}\n'
+        "dense: [{column: 1, transform: none}, 0]\ncategorical: [2, {column: 2, substr: [0, 1]}]\n"
+    )
     rows = [("7", "-2.5", '"ab', "0.25"), ("", "1e39", "x", "1"), ("-3", "", "", "0.75"), ("12", "3", "ab", "0.5")]
     (tmp_path / "t.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
-    report = preprocess_tabular(tmp_path / "s.yaml", [str(tmp_path / "t.tsv")], str(tmp_path / "out"),
-                                max_ind_range=M, val_fraction=0.0, skip_bad_lines=True, progress=False,
-                                shuffle_seed=None, workers=1)  # fmt: skip
+    report = preprocess_tabular(
+        tmp_path / "s.yaml",
+        [str(tmp_path / "t.tsv")],
+        str(tmp_path / "out"),
+        max_ind_range=M,
+        val_fraction=0.0,
+        skip_bad_lines=True,
+        progress=False,
+        shuffle_seed=None,
+        workers=1,
+    )
     assert report.skipped_examples == (f"{tmp_path / 't.tsv'}:2: dense column 1 is '1e39', expected a finite number",)
     got = load_all(tmp_path / "out")
     assert got["labels"].tolist() == [1.0, 0.0, 0.0]
@@ -461,7 +657,10 @@ def test_columns_by_position_without_header_tab_separated(tmp_path):
 
 SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the message must name)
     "unknown side column": (("users.zip", "users.zipcode"), "categorical[5]: unknown column 'zipcode' of join 'users'"),
-    "unknown main column": (("  - movie_id\n", "  - film\n"), "categorical[1]: unknown column 'film' of the input file"),
+    "unknown main column": (
+        ("  - movie_id\n", "  - film\n"),
+        "categorical[1]: unknown column 'film' of the input file",
+    ),
     "label op": (('op: ">="', 'op: "=>"'), "label.op: '=>' is not one of"),
     "threshold": ((", threshold: 4", ""), "label: give both op and threshold"),
     "bare on": (("{column: user_id,", "{on: user_id,"), "joins.users.True: unknown key (YAML reads a bare on/off"),
@@ -469,7 +668,7 @@ SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the messa
     "multi-char quoting": (("header: false", "header: false\nquoting: true"), "quoting: quoting needs a one-character"),
     "encoding": (("latin-1", "latin-9000"), "encoding: unknown text encoding 'latin-9000'"),
     "split_by": (("\nsplit_by: timestamp", "\nsplit_by: stamp"), "split_by: unknown column 'stamp' of the input file"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(SCHEMA_ERRORS))
@@ -514,15 +713,21 @@ def test_header_without_a_schema_column_and_missing_joins(files, tmp_path):
     schema = tmp_path / "t.yaml"
     schema.write_text(Path(load_schema("taobao_ad").path).read_text().replace("  - pid\n", "  - pidx\n"))
     sample = files["taobao"][0] / "raw_sample.csv"
-    header = rf"^{re.escape(str(sample))}:1: column 'pidx' \(named in the schema\) is not in the header: user, time_stamp,"
+    header = (
+        rf"^{re.escape(str(sample))}:1: column 'pidx' \(named in the schema\) is not in the header: user, time_stamp,"
+    )
     with pytest.raises(DataFormatError, match=header):
         run("taobao", files, tmp_path / "out", schema=schema)
     schema.write_text(Path(load_schema("avazu").path).read_text().replace("  - C21", "  - C22"))
-    with pytest.raises(SchemaError, match=r"categorical\[21\]: unknown column 'C22' of the input file; its columns: id,"):
+    with pytest.raises(
+        SchemaError, match=r"categorical\[21\]: unknown column 'C22' of the input file; its columns: id,"
+    ):
         load_schema(schema)  # avazu lists its columns: caught before any file is read
     with pytest.raises(SchemaError, match=r"joins: the schema joins \['ad', 'user'\]; .* got \['ad'\]"):
         run("taobao", files, tmp_path / "out", joins={"ad": files["taobao"][0] / "ad_feature.csv"})
-    with pytest.raises(SchemaError, match="no such file .*shipped schemas: avazu, movielens_1m, taobao_ad, yelp_reviews"):
+    with pytest.raises(
+        SchemaError, match="no such file .*shipped schemas: avazu, movielens_1m, taobao_ad, yelp_reviews"
+    ):
         load_schema("criteo_tabular")
     assert not (tmp_path / "out").exists()
 
@@ -539,8 +744,12 @@ def test_header_auto_reads_files_with_and_without_a_header(files, tmp_path):
     one give the same bytes as two headered pieces (or the whole file)."""
     lines = files["avazu"][0].read_text().splitlines(keepends=True)
     head, rows = lines[0], lines[1:]
-    pieces = {"a.csv": head + "".join(rows[:140]), "b.csv": head + "".join(rows[140:]),
-              "b_bare.csv": "".join(rows[140:]), "a_bare.csv": "".join(rows[:140])}  # fmt: skip
+    pieces = {
+        "a.csv": head + "".join(rows[:140]),
+        "b.csv": head + "".join(rows[140:]),
+        "b_bare.csv": "".join(rows[140:]),
+        "a_bare.csv": "".join(rows[:140]),
+    }
     for name, text in pieces.items():
         (tmp_path / name).write_text(text)
     kw = {"max_ind_range": M, "shuffle_seed": 5}
@@ -567,7 +776,10 @@ def test_a_header_that_differs_from_the_schema_columns_names_the_file(files, tmp
         path.write_text(header + "\n" + "".join(lines[1:]))
         with pytest.raises(DataFormatError) as e:
             run("avazu", files, tmp_path / "out", inputs=[files["avazu"][0], path])
-        assert str(e.value) == f"{path}:1: the header does not match the schema's columns ({what}); expected: {', '.join(columns)}"
+        assert (
+            str(e.value)
+            == f"{path}:1: the header does not match the schema's columns ({what}); expected: {', '.join(columns)}"
+        )
         assert not (tmp_path / "out").exists()
 
 
@@ -603,7 +815,8 @@ def test_ids_counted_on_train_rows_val_only_values_are_out_of_the_vocabulary(tmp
         hist = np.load(tmp_path / f"train{hashing}" / "train" / "id_counts.npz")  # hot rows' hint: train rows
         counted = hist["counts_0"] > 0
         assert [hist["ids_0"][counted].tolist(), hist["counts_0"][counted].tolist()] == [
-            a.tolist() for a in np.unique(train[:, 0], return_counts=True)]
+            a.tolist() for a in np.unique(train[:, 0], return_counts=True)
+        ]
         assert vocab[-1] == 0 or not hashing  # hashing: the last row, added for "new", maps to no value
         # all rows counted: "new" has a row of its own
         prep(f"all{hashing}", max_ind_range=hashing, vocab_from="all")
@@ -632,8 +845,11 @@ CELLS = st.sampled_from(["", "a", "b", "a,b", 'say "hi"', "x\ny", "ü", "NULL", 
 
 
 @settings(max_examples=examples(20))
-@given(rows=st.lists(st.tuples(st.sampled_from(["0", "1"]), CELLS, CELLS), min_size=1, max_size=40),
-       min_count=st.integers(1, 3), chunk=st.integers(1, 50))  # fmt: skip
+@given(
+    rows=st.lists(st.tuples(st.sampled_from(["0", "1"]), CELLS, CELLS), min_size=1, max_size=40),
+    min_count=st.integers(1, 3),
+    chunk=st.integers(1, 50),
+)
 def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_count, chunk):
     schema = "label: y\ncategorical: [p, q]\nna_values: ['NULL']\n"
     with tempfile.TemporaryDirectory() as tmp:
@@ -642,9 +858,12 @@ def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_coun
         path.write_text(text.getvalue())
         (Path(tmp) / "s.yaml").write_text(schema)
         kw = {"val_fraction": 0.0, "chunk_lines": chunk, "shuffle_seed": None, "workers": 1}
-        preprocess_tabular(Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "h"), max_ind_range=M, progress=False, **kw)
-        report = preprocess_tabular(Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "v"), min_count=min_count,
-                                    progress=False, **kw)  # fmt: skip
+        preprocess_tabular(
+            Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "h"), max_ind_range=M, progress=False, **kw
+        )
+        report = preprocess_tabular(
+            Path(tmp) / "s.yaml", [str(path)], str(Path(tmp) / "v"), min_count=min_count, progress=False, **kw
+        )
         hashed, vocab = load_all(Path(tmp) / "h")["ids"], load_all(Path(tmp) / "v")["ids"]
     texts = [[None if t in ("", "NULL") else t for t in r[1:]] for r in rows]
     assert hashed.tolist() == compacted([[ref_hash(t) % M if t else 0 for t in r] for r in texts])
@@ -663,8 +882,14 @@ def test_hashing_and_vocabulary_ids_are_consistent_with_the_texts(rows, min_coun
 @pytest.mark.parametrize("dataset", ["movielens", "yelp"])  # 0 dense + 7 tables; 3 dense + 4 tables
 def test_training_on_a_tabular_dataset(files, tmp_path, dataset, tiny):
     run(dataset, files, tmp_path / "data", val_fraction=0.2)
-    cfg = tiny("data.source=binary", f"data.path={tmp_path / 'data'}", "train.steps=3", "train.eval_batches=0",
-               "mesh.devices=2", "train.batch_size=32")  # fmt: skip
+    cfg = tiny(
+        "data.source=binary",
+        f"data.path={tmp_path / 'data'}",
+        "train.steps=3",
+        "train.eval_batches=0",
+        "mesh.devices=2",
+        "train.batch_size=32",
+    )
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     resolved = resolve_data_config(cfg)  # the model takes its widths from the data
     assert list(resolved.data.cardinalities) == meta["cardinalities"]

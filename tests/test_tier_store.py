@@ -18,8 +18,10 @@ from dlrm_jax.embedding.tiers import store as tier_store
 from dlrm_jax.embedding.tiers.format import TierError, default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
 
-TABLES = {"cat_0": (37, {"values": ((16,), "float32"), "accumulator": ((), "float32")}),
-          "cat_1": (20, {"values": ((4,), "bfloat16")})}
+TABLES = {
+    "cat_0": (37, {"values": ((16,), "float32"), "accumulator": ((), "float32")}),
+    "cat_1": (20, {"values": ((4,), "bfloat16")}),
+}
 CHUNK_ROWS = 8  # cat_0: chunks of 8 rows, the last holding 5
 
 
@@ -62,8 +64,10 @@ def tables_at(directory: Path) -> dict[str, dict[str, np.ndarray]]:
 
 def new_values(store: TierStore, table: str, n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)  # small integers: exact in bfloat16
-    return {f: rng.integers(-100, 100, (n, *shape)).astype(numpy_dtype(dtype))
-            for f, (shape, dtype) in store.fields(table).items()}
+    return {
+        f: rng.integers(-100, 100, (n, *shape)).astype(numpy_dtype(dtype))
+        for f, (shape, dtype) in store.fields(table).items()
+    }
 
 
 @pytest.fixture
@@ -98,11 +102,21 @@ def test_chunk_rows_default_to_about_4_mib_and_shrink_to_small_tables(tmp_path):
 
 
 @settings(max_examples=examples(25))
-@given(st.lists(st.one_of(
-    st.tuples(st.just("write"), st.sampled_from(list(TABLES)), st.sets(st.integers(0, 99), max_size=12),
-              st.integers(0, 2**31)),
-    st.tuples(st.just("snapshot")),
-    st.tuples(st.just("restore"), st.integers(0, 99))), max_size=12))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("write"),
+                st.sampled_from(list(TABLES)),
+                st.sets(st.integers(0, 99), max_size=12),
+                st.integers(0, 2**31),
+            ),
+            st.tuples(st.just("snapshot")),
+            st.tuples(st.just("restore"), st.integers(0, 99)),
+        ),
+        max_size=12,
+    )
+)
 def test_snapshots_and_restores_match_a_numpy_model(ops):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "tier"
@@ -174,8 +188,7 @@ def test_a_crash_mid_restore_is_recovered(store, tmp_path, monkeypatch, crash_at
             m.setattr(tier_store.os, "link", crash)
         else:  # between renaming work away and work.tmp into place
             real = os.replace
-            m.setattr(tier_store.os, "replace",
-                      lambda a, b: crash() if Path(a).name == "work.tmp" else real(a, b))
+            m.setattr(tier_store.os, "replace", lambda a, b: crash() if Path(a).name == "work.tmp" else real(a, b))
         with pytest.raises(SystemExit):
             store.restore(1)
     assert (root / "work.tmp").is_dir()
@@ -216,9 +229,15 @@ def damage_shape(work: Path) -> Path:
     return work / "cat_0/accumulator/zarr.json"
 
 
-@pytest.mark.parametrize("damage, says", [
-    (damage_missing, "missing"), (damage_truncated, "truncated (100 of 512 bytes)"),
-    (damage_dtype, "data_type"), (damage_shape, "shape")])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (damage_missing, "missing"),
+        (damage_truncated, "truncated (100 of 512 bytes)"),
+        (damage_dtype, "data_type"),
+        (damage_shape, "shape"),
+    ],
+)
 def test_damaged_files_are_named(store, tmp_path, damage, says):
     store.close()
     bad = damage(tmp_path / "tier/work")

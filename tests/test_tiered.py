@@ -17,8 +17,11 @@ from dlrm_jax.train.build import build
 
 STEPS = 20
 BASE = ["data.cardinalities=[3000, 400, 10000, 70]", "train.batch_size=32"]
-TIERED = ["embedding.table_storage=[cat_0=tiered, cat_2=tiered]", "embedding.tier.device_cache_fraction=0.03",
-          "embedding.tier.host_cache_fraction=0.02"]
+TIERED = [
+    "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
+    "embedding.tier.device_cache_fraction=0.03",
+    "embedding.tier.host_cache_fraction=0.02",
+]
 BAGS = ["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"]
 
 
@@ -34,8 +37,9 @@ def train(cfg, devices, root=None, steps=STEPS):
             losses.append(np.asarray(out["loss"]))
         values, slots = fns.collection.logical_tables(state.emb)
         return losses, values, slots, plan, stats
-    tiered = TieredTables(plan, fns.collection.groups, fns.collection.optimizer, root, fns.embedding_key(),
-                          log=lambda *a: None)
+    tiered = TieredTables(
+        plan, fns.collection.groups, fns.collection.optimizer, root, fns.embedding_key(), log=lambda *a: None
+    )
     runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
     for batch, fills, _ in runner.planned(source.train_batch, range(steps)):
         state, out = runner.train(state, batch, fills)
@@ -62,19 +66,32 @@ def assert_same_training(a, b):
 # A cover: each optimizer, one-hot and both bag exchanges, row (block and cyclic), table and
 # column sharding, 1, 4 and 8 devices, lookahead 0 (every re-read row is forwarded) and more,
 # and a fill capacity of 4 rows (most steps overflow it and fill in extra rounds).
-CASES = [("row", 8, "rowwise_adagrad", "onehot", 0, 0), ("row", 8, "adagrad", "ids", 2, 0),
-         ("table", 1, "sgd", "ids", 0, 0), ("table", 8, "rowwise_adagrad", "pooled", 3, 4),
-         ("column", 8, "adagrad", "onehot", 1, 0), ("row_cyclic", 4, "sgd", "pooled", 2, 0)]
+CASES = [
+    ("row", 8, "rowwise_adagrad", "onehot", 0, 0),
+    ("row", 8, "adagrad", "ids", 2, 0),
+    ("table", 1, "sgd", "ids", 0, 0),
+    ("table", 8, "rowwise_adagrad", "pooled", 3, 4),
+    ("column", 8, "adagrad", "onehot", 1, 0),
+    ("row_cyclic", 4, "sgd", "pooled", 2, 0),
+]
 
 
-@pytest.mark.parametrize("strategy,devices,optimizer,bags,lookahead,fill_rows", CASES,
-                         ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize(
+    "strategy,devices,optimizer,bags,lookahead,fill_rows", CASES, ids=["-".join(map(str, c)) for c in CASES]
+)
 def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimizer, bags, lookahead, fill_rows):
     sharding = {"row_cyclic": ["embedding.sharding=row", "embedding.row_layout=cyclic"]}.get(
-        strategy, [f"embedding.sharding={strategy}"])
+        strategy, [f"embedding.sharding={strategy}"]
+    )
     extra = [] if bags == "onehot" else [*BAGS, f"embedding.bag_exchange={bags}"]
-    common = [*BASE, *sharding, *extra, f"embedding.optimizer={optimizer}", f"embedding.tier.lookahead={lookahead}",
-              f"embedding.tier.fill_rows={fill_rows}"]
+    common = [
+        *BASE,
+        *sharding,
+        *extra,
+        f"embedding.optimizer={optimizer}",
+        f"embedding.tier.lookahead={lookahead}",
+        f"embedding.tier.fill_rows={fill_rows}",
+    ]
     reference = train(tiny(*common), devices)
     tiered = train(tiny(*common, *TIERED), devices, tmp_path / "tier")
     assert tiered[3].tiered_tables == (0, 2)
@@ -117,8 +134,12 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
 
     for name in ("device", "whole"):
         assert export_run(tmp_path / name, tmp_path / f"export_{name}", **QUIET) == 8
-    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
-                              ).result().read().result()
+    read = lambda *p: (
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}})
+        .result()
+        .read()
+        .result()
+    )
     for table in ("cat_0", "cat_1", "cat_2", "cat_3"):
         for field in ("values", "accumulator"):
             np.testing.assert_array_equal(read("export_whole", table, field), read("export_device", table, field))
@@ -136,9 +157,18 @@ def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
     from dlrm_jax.train.export import export_run
     from dlrm_jax.train.trainer import train_and_evaluate
 
-    common = [*BASE, "mesh.devices=8", "embedding.sharding=row", "embedding.hot.rows=48",
-              "embedding.hot.refresh_every=3", "embedding.hot.stats_batches=2", "embedding.tier.lookahead=2",
-              "train.log_every=1", "train.eval_every=5", "train.checkpoint_every=5"]
+    common = [
+        *BASE,
+        "mesh.devices=8",
+        "embedding.sharding=row",
+        "embedding.hot.rows=48",
+        "embedding.hot.refresh_every=3",
+        "embedding.hot.stats_batches=2",
+        "embedding.tier.lookahead=2",
+        "train.log_every=1",
+        "train.eval_every=5",
+        "train.checkpoint_every=5",
+    ]
     tiered = [*common, *TIERED]
     device = train_and_evaluate(tiny(*common, "train.steps=10"), tmp_path / "device", **QUIET)
     train_and_evaluate(tiny(*tiered, "train.steps=5"), tmp_path / "cut", **QUIET)
@@ -151,8 +181,12 @@ def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
     assert hot_of["cat_0"] > 0 and hot_of["cat_2"] > 0  # tiered tables have hot rows
     events = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").open()]
     assert all(e["hot_hit_rate"] > 0.2 for e in events)
-    read = lambda *p: ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}}  # noqa: E731
-                              ).result().read().result()
+    read = lambda *p: (
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path.joinpath(*p))}})
+        .result()
+        .read()
+        .result()
+    )
     for name in ("device", "cut"):
         assert export_run(tmp_path / name, tmp_path / f"export_{name}", **QUIET) == 10
     for table in ("cat_0", "cat_1", "cat_2", "cat_3"):
@@ -172,10 +206,14 @@ def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
 
     common = [*BASE, "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4"]
     for name, extra in (("device", []), ("tiered", TIERED)):
-        train_and_evaluate(tiny(*common, *extra, "mesh.devices=8", "embedding.sharding=row", "train.steps=4"),
-                           tmp_path / name, **QUIET)
-        train_and_evaluate(tiny(*common, *extra, "mesh.devices=4", "embedding.sharding=table", "train.steps=8"),
-                           tmp_path / name, **QUIET)
+        train_and_evaluate(
+            tiny(*common, *extra, "mesh.devices=8", "embedding.sharding=row", "train.steps=4"), tmp_path / name, **QUIET
+        )
+        train_and_evaluate(
+            tiny(*common, *extra, "mesh.devices=4", "embedding.sharding=table", "train.steps=8"),
+            tmp_path / name,
+            **QUIET,
+        )
     assert len(losses(tmp_path / "tiered")) == 8
     assert losses(tmp_path / "tiered") == losses(tmp_path / "device")
     with pytest.raises(ValueError, match="keeps tables cat_0, cat_2 in the disk tier, this config none"):
@@ -228,13 +266,25 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
 
     from dlrm_jax.train.trainer import train_and_evaluate
 
-    overrides = [*BASE, *TIERED, "mesh.devices=8", "embedding.sharding=row", "train.log_every=1", "train.eval_every=0",
-                 "train.checkpoint_every=4", "train.steps=12"]
+    overrides = [
+        *BASE,
+        *TIERED,
+        "mesh.devices=8",
+        "embedding.sharding=row",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=4",
+        "train.steps=12",
+    ]
     whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
     script = tmp_path / "kill.py"
-    script.write_text(KILL_MID_FLUSH.format(tests=str(Path(__file__).parent), overrides=overrides,
-                                            run_dir=str(tmp_path / "killed")))
-    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}", "JAX_PLATFORMS": "cpu"}
+    script.write_text(
+        KILL_MID_FLUSH.format(tests=str(Path(__file__).parent), overrides=overrides, run_dir=str(tmp_path / "killed"))
+    )
+    env = os.environ | {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
+        "JAX_PLATFORMS": "cpu",
+    }
     proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]

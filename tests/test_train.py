@@ -1,6 +1,5 @@
 """The training driver: device-count invariance, bitwise resume, restore onto another mesh."""
 
-
 import jax
 import numpy as np
 import pytest
@@ -27,23 +26,33 @@ def logical_state(cfg, run_dir):
     return state.params, state.opt_state, steps.collection.logical_tables(state.emb), wide
 
 
-
-
 # Per-element Adagrad's device-count invariance is pinned at the embedding level (test_embedding);
 # here the stateful pair (row-wise Adagrad + Adam) and the stateless one, end to end, and
 # DLRM-DCNv2's model (a low-rank cross network) with Adagrad MLPs and row-wise Adagrad tables.
 # Wide&Deep adds its FTRL-trained wide part (replicated, all-gathered updates) to an Adam deep part.
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,dense_opt,model", [
-    ("rowwise_adagrad", "adam", ()), ("sgd", "sgd", ()),
-    ("rowwise_adagrad", "adagrad", ("model.interaction=dcn", "model.dcn_rank=4")),
-    ("rowwise_adagrad", "adam", ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat"))],
-    ids=["rowwise_adam", "sgd", "dcn", "wide_deep"])
+@pytest.mark.parametrize(
+    "optimizer,dense_opt,model",
+    [
+        ("rowwise_adagrad", "adam", ()),
+        ("sgd", "sgd", ()),
+        ("rowwise_adagrad", "adagrad", ("model.interaction=dcn", "model.dcn_rank=4")),
+        ("rowwise_adagrad", "adam", ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat")),
+    ],
+    ids=["rowwise_adam", "sgd", "dcn", "wide_deep"],
+)
 def test_loss_trajectory_independent_of_device_count(tiny, tmp_path, optimizer, dense_opt, model):
     runs = {}
     for n in (1, 2, 4, 8):
-        cfg = tiny(f"mesh.devices={n}", "train.steps=12", "train.log_every=1", f"train.optimizer={dense_opt}",
-                   f"embedding.optimizer={optimizer}", "train.learning_rate=0.01", *model)
+        cfg = tiny(
+            f"mesh.devices={n}",
+            "train.steps=12",
+            "train.log_every=1",
+            f"train.optimizer={dense_opt}",
+            f"embedding.optimizer={optimizer}",
+            "train.learning_rate=0.01",
+            *model,
+        )
         train_and_evaluate(cfg, tmp_path / str(n), **QUIET)
         runs[n] = (losses(tmp_path / str(n)), logical_state(cfg, tmp_path / str(n)))
     ref_loss, ref_state = runs[1]
@@ -81,8 +90,11 @@ def test_restore_onto_fewer_devices(tiny, tmp_path, before, after):
     assert on4.step == 4
     np.testing.assert_allclose(on4.auc, trained.auc, rtol=1e-6)
     # Training goes on from the restored state on the smaller mesh.
-    more = train_and_evaluate(tiny("mesh.devices=4", "train.steps=6", f"embedding.sharding={after}",
-                                   "embedding.optimizer=adagrad"), tmp_path, **QUIET)
+    more = train_and_evaluate(
+        tiny("mesh.devices=4", "train.steps=6", f"embedding.sharding={after}", "embedding.optimizer=adagrad"),
+        tmp_path,
+        **QUIET,
+    )
     assert more.step == 6
 
 
@@ -93,8 +105,14 @@ def test_learns_above_chance(tiny, tmp_path):
 
 
 def test_nan_loss_stops_training(tiny, tmp_path):
-    cfg = tiny("train.learning_rate=1e30", "embedding.learning_rate=1e30", "train.optimizer=sgd",
-               "embedding.optimizer=sgd", "train.steps=20", "train.log_every=1")
+    cfg = tiny(
+        "train.learning_rate=1e30",
+        "embedding.learning_rate=1e30",
+        "train.optimizer=sgd",
+        "embedding.optimizer=sgd",
+        "train.steps=20",
+        "train.log_every=1",
+    )
     with pytest.raises(FloatingPointError, match="step"):
         train_and_evaluate(cfg, tmp_path, **QUIET)
 

@@ -16,8 +16,11 @@ WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=c
 
 def wide_numpy(steps, state):
     values, slots = steps.wide.collection.logical_tables(state.wide.tables)
-    return ([np.asarray(v, np.float64)[:, 0] for v in values], [{k: np.asarray(v, np.float64)[:, 0]
-            for k, v in s.items()} for s in slots], np.asarray(state.wide.linear, np.float64)[:, 0])
+    return (
+        [np.asarray(v, np.float64)[:, 0] for v in values],
+        [{k: np.asarray(v, np.float64)[:, 0] for k, v in s.items()} for s in slots],
+        np.asarray(state.wide.linear, np.float64)[:, 0],
+    )
 
 
 @pytest.mark.parametrize("devices", [1, 8])  # 2 and 4: the trajectory test (test_train)
@@ -34,7 +37,8 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     ids, dense, labels = batch.ids, batch.dense.astype(np.float64), batch.labels.astype(np.float64)
 
     deep = jax.jit(lambda s, b: steps._forward(s.params, steps._lookup(s.emb, b.ids)[0], b))(
-        state, steps.device_batch(batch))
+        state, steps.device_batch(batch)
+    )
     wide = sum(t[ids[:, f]] for f, t in enumerate(tables)) + dense @ linear[:-1] + linear[-1]
     p = np.asarray(steps.eval_step(state, steps.device_batch(batch)))
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-(np.asarray(deep) + wide))), rtol=1e-5, atol=1e-6)
@@ -55,11 +59,14 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     np.testing.assert_allclose(new_linear, want[:, 0], rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("model.bottom_mlp=[8]", "model.bottom_mlp: must be empty"),
-    ("model.interaction=dot", "model.interaction: model.kind=wide_deep has no dot interaction"),
-    ("embedding.sync=per_host", "model.kind=wide_deep: per-host tables"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.bottom_mlp=[8]", "model.bottom_mlp: must be empty"),
+        ("model.interaction=dot", "model.interaction: model.kind=wide_deep has no dot interaction"),
+        ("embedding.sync=per_host", "model.kind=wide_deep: per-host tables"),
+    ],
+)
 def test_wide_deep_config_errors_name_the_key(tiny, override, message):
     with pytest.raises(ConfigError, match=message):
         tiny(*WIDE_DEEP, override)

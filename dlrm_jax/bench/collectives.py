@@ -65,14 +65,22 @@ def bench_collectives(devices: int, sizes_kib: list[int], repeats: int, output: 
             seconds = statistics.median(times)
             row[f"{kind}_s"] = seconds
             row[f"{kind}_bytes_per_s"] = _sent_bytes(kind, 4 * per_device, n) / seconds if n > 1 else 0.0
-        row["all_to_all_over_all_reduce"] = (row["all_to_all_bytes_per_s"] / row["all_reduce_bytes_per_s"]
-                                             if n > 1 else 1.0)
+        row["all_to_all_over_all_reduce"] = (
+            row["all_to_all_bytes_per_s"] / row["all_reduce_bytes_per_s"] if n > 1 else 1.0
+        )
         rows.append(row)
-    report = {"benchmark": "collectives", "devices": n, "repeats": repeats,
-              "machine": machine_description(), "results": rows}
+    report = {
+        "benchmark": "collectives",
+        "devices": n,
+        "repeats": repeats,
+        "machine": machine_description(),
+        "results": rows,
+    }
     log(f"{'buffer/device':>14}{'all-to-all MB/s':>17}{'all-reduce MB/s':>17}{'a2a / all-reduce':>18}")
     for r in rows:
-        log(f"{r['buffer_bytes_per_device'] / 1024:>11,.0f} KiB{r['all_to_all_bytes_per_s'] / 1e6:>17,.1f}"
-            f"{r['all_reduce_bytes_per_s'] / 1e6:>17,.1f}{r['all_to_all_over_all_reduce']:>18.2f}")
+        log(
+            f"{r['buffer_bytes_per_device'] / 1024:>11,.0f} KiB{r['all_to_all_bytes_per_s'] / 1e6:>17,.1f}"
+            f"{r['all_reduce_bytes_per_s'] / 1e6:>17,.1f}{r['all_to_all_over_all_reduce']:>18.2f}"
+        )
     write_report(report, output)
     return report

@@ -16,9 +16,15 @@ from dlrm_jax.files import json_text
 
 def machine_description() -> dict:
     devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
-            "device_count": len(devices), "host": platform.node(), "processor": platform.processor(),
-            "python": platform.python_version(), "jax": jax.__version__}
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "host": platform.node(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
 
 
 def write_report(report: dict, output: str | None) -> str:
@@ -30,11 +36,27 @@ def write_report(report: dict, output: str | None) -> str:
     return text
 
 
-_DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1,
-                "f8e4m3fn": 1, "f8e5m2": 1,
-                "f64": 8, "s64": 8, "u64": 8}
-_COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
-                         r"collective-permute)(?:-start)?\(")
+_DTYPE_BYTES = {
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "u16": 2,
+    "s16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
+_COLLECTIVE = re.compile(
+    r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|"
+    r"collective-permute)(?:-start)?\("
+)
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(?:\{\{([\d,]*)\}|\[\d+,(\d+)\]<=)")
 
@@ -86,8 +108,13 @@ def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -
             continue
         size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
         g = _group_size(line, n)
-        factor = {"all-to-all": (g - 1) / g, "all-gather": (g - 1) / g, "all-reduce": 2 * (g - 1) / g,
-                  "reduce-scatter": g - 1, "collective-permute": 1}[m.group(2)]
+        factor = {
+            "all-to-all": (g - 1) / g,
+            "all-gather": (g - 1) / g,
+            "all-reduce": 2 * (g - 1) / g,
+            "reduce-scatter": g - 1,
+            "collective-permute": 1,
+        }[m.group(2)]
         out[m.group(2)] = out.get(m.group(2), 0.0) + factor * size
     return out
 

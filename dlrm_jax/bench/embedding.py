@@ -43,6 +43,7 @@ from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 LR = 0.01
 
+
 def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None):
     """The collection under ``strategy``; with ``calibration`` id batches, buckets sized from
     their measured distinct requests (what training compiles) instead of the batch bound."""
@@ -50,7 +51,9 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     plan = plan_from_config(cfg, mesh.size)
     coll = EmbeddingCollection(plan, mesh, sgd())
     if calibration is not None:
-        plan = dataclasses.replace(plan, capacities=measure_capacities(plan, calibration, cfg.embedding.capacity_factor))
+        plan = dataclasses.replace(
+            plan, capacities=measure_capacities(plan, calibration, cfg.embedding.capacity_factor)
+        )
         coll = EmbeddingCollection(plan, mesh, sgd())
 
     def step(state, ids, grad):
@@ -66,10 +69,15 @@ def _collection_variant(cfg, strategy, mesh, ids, grad, steps, calibration=None)
     seconds = statistics.median(times)
     _, res = jax.jit(coll.lookup)(state, ids)
     strategies = sorted({t.strategy.value for t in plan.tables})
-    return {"step_ms": 1e3 * seconds, "predicted_bytes": exchange_bytes_per_step(plan),
-            "hlo_bytes": sum(hlo.values()), "hlo_by_kind": hlo, "strategies": strategies,
-            "capacities": {p.group.name: group_capacity(plan, p.group) for p in exchange_parts(plan) if p.kind == "ids"},
-            "overflowed": bool(int(np.asarray(res.overflow.addressable_data(0))))}
+    return {
+        "step_ms": 1e3 * seconds,
+        "predicted_bytes": exchange_bytes_per_step(plan),
+        "hlo_bytes": sum(hlo.values()),
+        "hlo_by_kind": hlo,
+        "strategies": strategies,
+        "capacities": {p.group.name: group_capacity(plan, p.group) for p in exchange_parts(plan) if p.kind == "ids"},
+        "overflowed": bool(int(np.asarray(res.overflow.addressable_data(0)))),
+    }
 
 
 def _baseline_variant(kind, cfg, mesh, ids, grad, steps):
@@ -81,21 +89,28 @@ def _baseline_variant(kind, cfg, mesh, ids, grad, steps):
         rows_total = -(-rows_total // mesh.size) * mesh.size  # divisible by the mesh
     spec = P(AXIS, None) if kind == "xla_take" else P()
     table_sharding = NamedSharding(mesh, spec)
-    table = jax.jit(lambda k: jax.random.uniform(k, (rows_total, dim), jnp.float32, -0.01, 0.01),
-                    out_shardings=table_sharding)(jax.random.key(0))
+    table = jax.jit(
+        lambda k: jax.random.uniform(k, (rows_total, dim), jnp.float32, -0.01, 0.01), out_shardings=table_sharding
+    )(jax.random.key(0))
 
     def step(table, ids, grad):
         vec, pullback = jax.vjp(lambda t: jnp.take(t, ids + offsets, axis=0), table)  # one-hot: pooled = vec
         return table - LR * pullback(grad)[0], jnp.sum(vec)
 
-    fn = jax.jit(step, in_shardings=(table_sharding, None, None), out_shardings=(table_sharding, None),
-                 donate_argnums=0)
+    fn = jax.jit(
+        step, in_shardings=(table_sharding, None, None), out_shardings=(table_sharding, None), donate_argnums=0
+    )
     compiled = fn.lower(table, ids, grad).compile()
     hlo = hlo_collective_bytes(compiled.as_text(), mesh.size)
     times, _, _ = time_steps(compiled, table, [(ids, grad)], steps)
     seconds = statistics.median(times)
-    return {"step_ms": 1e3 * seconds, "predicted_bytes": None, "hlo_bytes": sum(hlo.values()),
-            "hlo_by_kind": hlo, "strategies": [kind]}
+    return {
+        "step_ms": 1e3 * seconds,
+        "predicted_bytes": None,
+        "hlo_bytes": sum(hlo.values()),
+        "hlo_by_kind": hlo,
+        "strategies": [kind],
+    }
 
 
 def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | None, log=print) -> dict:
@@ -109,8 +124,11 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
     ids = jax.device_put(batch.ids, data)
     # Measured on batches other than the timed one, as training measures its first batches.
     calibration = [source.train_batch(i).ids for i in range(1, 5)]
-    grad = jax.device_put(np.random.default_rng(0).normal(
-        size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32) / batch.ids.shape[0], data)
+    grad = jax.device_put(
+        np.random.default_rng(0).normal(size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32)
+        / batch.ids.shape[0],
+        data,
+    )
     results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in strategies}
     results["auto_measured"] = _collection_variant(cfg, "auto", mesh, ids, grad, steps, calibration)
     for kind in ("xla_take", "dense_gradient"):
@@ -118,14 +136,23 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
     best = min(r["step_ms"] for r in results.values())
     for r in results.values():
         r["ratio_to_fastest"] = r["step_ms"] / best
-    report = {"benchmark": "embedding_step", "devices": mesh.size, "global_batch": cfg.train.batch_size,
-              "tables": len(cfg.table_rows), "table_rows": int(sum(cfg.table_rows)),
-              "embedding_dim": cfg.model.embedding_dim, "timed_steps": steps,
-              "machine": machine_description(), "results": results}
+    report = {
+        "benchmark": "embedding_step",
+        "devices": mesh.size,
+        "global_batch": cfg.train.batch_size,
+        "tables": len(cfg.table_rows),
+        "table_rows": int(sum(cfg.table_rows)),
+        "embedding_dim": cfg.model.embedding_dim,
+        "timed_steps": steps,
+        "machine": machine_description(),
+        "results": results,
+    }
     log(f"{'variant':<16}{'step ms':>10}{'x fastest':>10}{'predicted B':>14}{'HLO B':>14}  strategies")
     for name, r in results.items():
         pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes']:,}"
-        log(f"{name:<16}{r['step_ms']:>10.2f}{r['ratio_to_fastest']:>10.2f}{pred:>14}"
-            f"{int(r['hlo_bytes']):>14,}  {','.join(r['strategies'])}")
+        log(
+            f"{name:<16}{r['step_ms']:>10.2f}{r['ratio_to_fastest']:>10.2f}{pred:>14}"
+            f"{int(r['hlo_bytes']):>14,}  {','.join(r['strategies'])}"
+        )
     write_report(report, output)
     return report

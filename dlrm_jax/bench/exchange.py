@@ -46,8 +46,11 @@ STRATEGIES = ("auto", "replicated", "table", "row", "column")
 
 def compiled_train_step(steps, batch: Batch):
     """The train step compiled for an abstract state (no memory) and ``batch``'s shapes."""
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         jax.eval_shape(steps.init_state), steps.state_sharding)
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(steps.init_state),
+        steps.state_sharding,
+    )
     abstract = Batch(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.batch_sharding) for x in batch))
     return steps.train_step.lower(state, abstract).compile()
 
@@ -64,15 +67,24 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
     measured = sum(counted.values()) - dense_allreduce
     predicted = sum(collective_bytes(plan).values())
     step = predict_step(plan, cluster_from_config(cfg, jax.default_backend() == "cpu"), dense)
-    case = {"strategy": label, "devices": n, "predicted_bytes": predicted, "measured_bytes": measured,
-            "lower_bound_bytes": lower_bound_bytes(plan), "predicted_step_ms": 1e3 * step.total_s,
-            "predicted_phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
-            "strategies": sorted({t.strategy.value for t in plan.tables}),
-            "hlo_bytes_by_kind": counted, "dense_allreduce_bytes": dense_allreduce,
-            "compile_s": time.perf_counter() - t0}
-    log(f"{label:<12}{n:>8}{predicted / 2**20:>14.1f}{measured / 2**20:>14.1f}{case['lower_bound_bytes'] / 2**20:>12.1f}"
+    case = {
+        "strategy": label,
+        "devices": n,
+        "predicted_bytes": predicted,
+        "measured_bytes": measured,
+        "lower_bound_bytes": lower_bound_bytes(plan),
+        "predicted_step_ms": 1e3 * step.total_s,
+        "predicted_phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
+        "strategies": sorted({t.strategy.value for t in plan.tables}),
+        "hlo_bytes_by_kind": counted,
+        "dense_allreduce_bytes": dense_allreduce,
+        "compile_s": time.perf_counter() - t0,
+    }
+    log(
+        f"{label:<12}{n:>8}{predicted / 2**20:>14.1f}{measured / 2**20:>14.1f}{case['lower_bound_bytes'] / 2**20:>12.1f}"
         f"{measured / max(case['lower_bound_bytes'], 1):>10.2f}{measured / max(predicted, 1):>12.3f}"
-        f"{case['predicted_step_ms']:>12.3f}  {','.join(case['strategies'])}")
+        f"{case['predicted_step_ms']:>12.3f}  {','.join(case['strategies'])}"
+    )
     return case
 
 
@@ -105,14 +117,24 @@ def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=pr
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg)
-    log(f"{'strategy':<12}{'devices':>8}{'predicted MiB':>14}{'compiled MiB':>14}{'bound MiB':>12}"
-        f"{'x bound':>10}{'compiled/pred':>12}{'step ms':>12}  strategies")
+    log(
+        f"{'strategy':<12}{'devices':>8}{'predicted MiB':>14}{'compiled MiB':>14}{'bound MiB':>12}"
+        f"{'x bound':>10}{'compiled/pred':>12}{'step ms':>12}  strategies"
+    )
     cases = []
     for s in strategies:
-        chosen = cfg if s == "auto" else dataclasses.replace(
-            cfg, embedding=dataclasses.replace(cfg.embedding, sharding=s, table_sharding=()))
+        chosen = (
+            cfg
+            if s == "auto"
+            else dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, sharding=s, table_sharding=()))
+        )
         cases.append(exchange_case(chosen, mesh, source, cfg.embedding.sharding if s == "auto" else s, log))
-    report = {"benchmark": "exchange", "devices": mesh.size, "global_batch": cfg.train.batch_size,
-              "machine": machine_description(), "cases": cases}
+    report = {
+        "benchmark": "exchange",
+        "devices": mesh.size,
+        "global_batch": cfg.train.batch_size,
+        "machine": machine_description(),
+        "cases": cases,
+    }
     write_report(report, output)
     return report

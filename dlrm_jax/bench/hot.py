@@ -70,8 +70,11 @@ def _variants(cfg, mesh, emb_inputs, first_batch: int) -> tuple[dict, dict]:
     coll = fns.collection
     train_state = fns.init_state()
     train_inputs = [(fns.device_batch(source.train_batch(first_batch + i)),) for i in range(TIMED_BATCHES)]
-    train = {"fn": fns.train_step.lower(train_state, *train_inputs[0]).compile(), "state": train_state,
-             "inputs": train_inputs}
+    train = {
+        "fn": fns.train_step.lower(train_state, *train_inputs[0]).compile(),
+        "state": train_state,
+        "inputs": train_inputs,
+    }
 
     def step(state, ids, grad):
         pooled, res = coll.lookup(state, ids)  # the output keeps the forward exchange alive
@@ -85,9 +88,14 @@ def _variants(cfg, mesh, emb_inputs, first_batch: int) -> tuple[dict, dict]:
         state = coll.refresh(state, hot_keys(fns.hot.current_rows(), fns.hot.capacity))
     compiled = fn.lower(state, *emb_inputs[0]).compile()
     sharded = [g for g in build_groups(plan) if not g.replicated]
-    embedding = {"fn": compiled, "state": state, "inputs": emb_inputs, "plan": plan,
-                 "hlo": hlo_collective_bytes(compiled.as_text(), mesh.size, ROUNDS_SCOPE),
-                 "capacity": max((group_capacity(plan, g) for g in sharded), default=0)}
+    embedding = {
+        "fn": compiled,
+        "state": state,
+        "inputs": emb_inputs,
+        "plan": plan,
+        "hlo": hlo_collective_bytes(compiled.as_text(), mesh.size, ROUNDS_SCOPE),
+        "capacity": max((group_capacity(plan, g) for g in sharded), default=0),
+    }
     return embedding, train
 
 
@@ -108,7 +116,7 @@ def no_dedup_bytes(plan, ids_batches: list[np.ndarray]) -> float:
             if g.replicated:
                 continue
             for vt in g.vtables:
-                block = ids[:, starts[vt.table]:starts[vt.table + 1]]
+                block = ids[:, starts[vt.table] : starts[vt.table + 1]]
                 valid = block != PAD_ID
                 owner = physical_rows_np(g, vt, np.where(valid, block, 0)) // g.local_rows
                 remote = valid & (owner != requester[:, None])
@@ -116,8 +124,17 @@ def no_dedup_bytes(plan, ids_batches: list[np.ndarray]) -> float:
     return total / n / len(ids_batches)
 
 
-def bench_hot(cfg, *, steps: int, repeats: int = 3, zipf=ZIPF, layouts=LAYOUTS, row_layouts=ROW_LAYOUTS,
-              output: str | None, log=print) -> dict:
+def bench_hot(
+    cfg,
+    *,
+    steps: int,
+    repeats: int = 3,
+    zipf=ZIPF,
+    layouts=LAYOUTS,
+    row_layouts=ROW_LAYOUTS,
+    output: str | None,
+    log=print,
+) -> dict:
     """Every (zipf, layout, row layout) case with the model's hot rows and without; table; JSON.
     Each case's four programs (train and embedding step, with and without hot rows) are timed
     in ``repeats`` alternating chunks of ``steps``."""
@@ -133,19 +150,37 @@ def bench_hot(cfg, *, steps: int, repeats: int = 3, zipf=ZIPF, layouts=LAYOUTS, 
                 first = max(cfg.embedding.hot.stats_batches, 4)
                 host = [source.train_batch(first + i).ids for i in range(TIMED_BATCHES)]
                 rng = np.random.default_rng(0)
-                inputs = [(jax.device_put(ids, data), jax.device_put(
-                    rng.normal(size=(*ids.shape[:1], cfg.num_features, cfg.model.embedding_dim)).astype(np.float32)
-                    / ids.shape[0], data)) for ids in host]
+                inputs = [
+                    (
+                        jax.device_put(ids, data),
+                        jax.device_put(
+                            rng.normal(size=(*ids.shape[:1], cfg.num_features, cfg.model.embedding_dim)).astype(
+                                np.float32
+                            )
+                            / ids.shape[0],
+                            data,
+                        ),
+                    )
+                    for ids in host
+                ]
                 hot, hot_train = _variants(_with(base, hot_rows="auto"), mesh, inputs, first)
                 cold, cold_train = _variants(_with(base, hot_rows=0), mesh, inputs, first)
                 round_robin([hot, cold, hot_train, cold_train], steps, repeats)
                 hot["train_ms"], cold["train_ms"] = hot_train["step_ms"], cold_train["step_ms"]
                 cases.append(_case(z, layout, row_layout, hot, cold, no_dedup_bytes(cold["plan"], host)))
                 log(_row(cases[-1]))
-    report = {"benchmark": "hot_rows", "devices": mesh.size, "global_batch": cfg.train.batch_size,
-              "tables": cfg.num_features, "table_rows": int(sum(cfg.table_rows)),
-              "embedding_dim": cfg.model.embedding_dim, "optimizer": cfg.embedding.optimizer,
-              "timed_steps": steps * repeats, "machine": machine_description(), "cases": cases}
+    report = {
+        "benchmark": "hot_rows",
+        "devices": mesh.size,
+        "global_batch": cfg.train.batch_size,
+        "tables": cfg.num_features,
+        "table_rows": int(sum(cfg.table_rows)),
+        "embedding_dim": cfg.model.embedding_dim,
+        "optimizer": cfg.embedding.optimizer,
+        "timed_steps": steps * repeats,
+        "machine": machine_description(),
+        "cases": cases,
+    }
     log(HEADER)
     for c in cases:
         log(_row(c))
@@ -157,25 +192,41 @@ def _case(z, layout, row_layout, hot, cold, no_dedup) -> dict:
     def a2a(r):
         return r["hlo"].get("all-to-all", 0.0) + r["hlo"].get("all-gather", 0.0)
 
-    return {"zipf": z, "layout": layout, "row_layout": row_layout, "hot_rows": hot["plan"].hot_rows,
-            "hot_hit_rate": _hit_rate(hot["outs"]), "a2a_bytes": a2a(hot), "allreduce_bytes": hot["hlo"].get("all-reduce", 0.0),
-            "total_bytes": sum(hot["hlo"].values()), "no_hot_total_bytes": sum(cold["hlo"].values()),
-            "no_dedup_bytes": no_dedup, "capacity": hot["capacity"], "no_hot_capacity": cold["capacity"],
-            "step_ms": hot["train_ms"], "no_hot_step_ms": cold["train_ms"],
-            "embedding_step_ms": hot["step_ms"], "no_hot_embedding_step_ms": cold["step_ms"],
-            "predicted_total_bytes": exchange_bytes_per_step(hot["plan"]),
-            "no_hot_predicted_total_bytes": exchange_bytes_per_step(cold["plan"])}
+    return {
+        "zipf": z,
+        "layout": layout,
+        "row_layout": row_layout,
+        "hot_rows": hot["plan"].hot_rows,
+        "hot_hit_rate": _hit_rate(hot["outs"]),
+        "a2a_bytes": a2a(hot),
+        "allreduce_bytes": hot["hlo"].get("all-reduce", 0.0),
+        "total_bytes": sum(hot["hlo"].values()),
+        "no_hot_total_bytes": sum(cold["hlo"].values()),
+        "no_dedup_bytes": no_dedup,
+        "capacity": hot["capacity"],
+        "no_hot_capacity": cold["capacity"],
+        "step_ms": hot["train_ms"],
+        "no_hot_step_ms": cold["train_ms"],
+        "embedding_step_ms": hot["step_ms"],
+        "no_hot_embedding_step_ms": cold["step_ms"],
+        "predicted_total_bytes": exchange_bytes_per_step(hot["plan"]),
+        "no_hot_predicted_total_bytes": exchange_bytes_per_step(cold["plan"]),
+    }
 
 
-HEADER = (f"{'zipf':>5} {'layout':<18}{'rows':<7}{'hot rows':>9}{'hit':>7}{'a2a KiB':>9}{'a-r KiB':>9}"
-          f"{'total':>8}{'no hot':>8}{'no dedup':>9}{'cap':>6}{'no hot':>7}{'step ms':>8}{'no hot':>7}{'x':>6}"
-          f"{'emb ms':>8}{'no hot':>7}")
+HEADER = (
+    f"{'zipf':>5} {'layout':<18}{'rows':<7}{'hot rows':>9}{'hit':>7}{'a2a KiB':>9}{'a-r KiB':>9}"
+    f"{'total':>8}{'no hot':>8}{'no dedup':>9}{'cap':>6}{'no hot':>7}{'step ms':>8}{'no hot':>7}{'x':>6}"
+    f"{'emb ms':>8}{'no hot':>7}"
+)
 
 
 def _row(c: dict) -> str:
     kib = 1 / 1024
-    return (f"{c['zipf']:>5} {c['layout']:<18}{c['row_layout']:<7}{c['hot_rows']:>9,}{100 * c['hot_hit_rate']:>6.1f}%"
-            f"{c['a2a_bytes'] * kib:>9.1f}{c['allreduce_bytes'] * kib:>9.1f}{c['total_bytes'] * kib:>8.1f}"
-            f"{c['no_hot_total_bytes'] * kib:>8.1f}{c['no_dedup_bytes'] * kib:>9.1f}{c['capacity']:>6}"
-            f"{c['no_hot_capacity']:>7}{c['step_ms']:>8.2f}{c['no_hot_step_ms']:>7.2f}"
-            f"{c['no_hot_step_ms'] / c['step_ms']:>6.2f}{c['embedding_step_ms']:>8.2f}{c['no_hot_embedding_step_ms']:>7.2f}")
+    return (
+        f"{c['zipf']:>5} {c['layout']:<18}{c['row_layout']:<7}{c['hot_rows']:>9,}{100 * c['hot_hit_rate']:>6.1f}%"
+        f"{c['a2a_bytes'] * kib:>9.1f}{c['allreduce_bytes'] * kib:>9.1f}{c['total_bytes'] * kib:>8.1f}"
+        f"{c['no_hot_total_bytes'] * kib:>8.1f}{c['no_dedup_bytes'] * kib:>9.1f}{c['capacity']:>6}"
+        f"{c['no_hot_capacity']:>7}{c['step_ms']:>8.2f}{c['no_hot_step_ms']:>7.2f}"
+        f"{c['no_hot_step_ms'] / c['step_ms']:>6.2f}{c['embedding_step_ms']:>8.2f}{c['no_hot_embedding_step_ms']:>7.2f}"
+    )

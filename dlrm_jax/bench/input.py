@@ -46,8 +46,13 @@ def time_pipeline(cfg, steps: int) -> dict:
                 t0 = time.perf_counter()
         pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
     else:
-        with InputPipeline(source.train_batch, range(steps + 2), to_device=fns.device_batch,
-                           readers=cfg.data.readers, depth=cfg.data.prefetch) as pipeline:  # fmt: skip
+        with InputPipeline(
+            source.train_batch,
+            range(steps + 2),
+            to_device=fns.device_batch,
+            readers=cfg.data.readers,
+            depth=cfg.data.prefetch,
+        ) as pipeline:
             for i, item in enumerate(pipeline):
                 jax.block_until_ready(item.device)
                 if i == 1:
@@ -58,8 +63,12 @@ def time_pipeline(cfg, steps: int) -> dict:
             source.train_batch(step)
         read_s = time.perf_counter() - t1
     batch = cfg.train.batch_size
-    return {"samples_per_s": steps * batch / pipeline_s, "read_samples_per_s": steps * batch / read_s,
-            "peak_rss_bytes": hostmem.peak_rss_bytes(), **times}  # fmt: skip
+    return {
+        "samples_per_s": steps * batch / pipeline_s,
+        "read_samples_per_s": steps * batch / read_s,
+        "peak_rss_bytes": hostmem.peak_rss_bytes(),
+        **times,
+    }
 
 
 def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=print) -> dict:
@@ -75,15 +84,28 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
     for case in cases:
         case = resolve_data_config(case)
         step = time_train_step(case, step_steps, warmup=2)["samples_per_s"]
-        r = {"source": case.data.source, "shuffle": case.data.shuffle if case.data.source == "binary" else None,
-             "batch": case.train.batch_size, **time_pipeline(case, steps), "step_samples_per_s": step}  # fmt: skip
+        r = {
+            "source": case.data.source,
+            "shuffle": case.data.shuffle if case.data.source == "binary" else None,
+            "batch": case.train.batch_size,
+            **time_pipeline(case, steps),
+            "step_samples_per_s": step,
+        }
         r["ratio"] = r["samples_per_s"] / step
         results.append(r)
-    report = {"benchmark": "input", "timed_steps": steps, "readers": cfg.data.readers,
-              "prefetch": cfg.data.prefetch, "machine": machine_description(), "cases": results}  # fmt: skip
+    report = {
+        "benchmark": "input",
+        "timed_steps": steps,
+        "readers": cfg.data.readers,
+        "prefetch": cfg.data.prefetch,
+        "machine": machine_description(),
+        "cases": results,
+    }
     log(f"{'source':<10}{'shuffle':>8}{'batch':>8}{'input/s':>14}{'read/s (1 thread)':>19}{'step/s':>12}{'ratio':>8}")
     for r in results:
-        log(f"{r['source']:<10}{str(r['shuffle']):>8}{r['batch']:>8}{r['samples_per_s']:>14,.0f}"
-            f"{r['read_samples_per_s']:>19,.0f}{r['step_samples_per_s']:>12,.0f}{r['ratio']:>8.2f}")
+        log(
+            f"{r['source']:<10}{str(r['shuffle']):>8}{r['batch']:>8}{r['samples_per_s']:>14,.0f}"
+            f"{r['read_samples_per_s']:>19,.0f}{r['step_samples_per_s']:>12,.0f}{r['ratio']:>8.2f}"
+        )
     log(write_report(report, output))
     return report

@@ -40,34 +40,66 @@ def _variant(config: str, mode: str, overrides: list[str]) -> dict:
     hlo = compiled.as_text()
     dense_lines = "\n".join(line for line in hlo.splitlines() if any(f"/{s}/" in line for s in DENSE_SCOPES))
     first = mesh.devices.flat[0]
-    dense_state = sum(s.data.nbytes for leaf in jax.tree.leaves((state.params, state.opt_state))
-                      for s in leaf.addressable_shards if s.device == first)
-    return {"config": config, "mode": mode, "fn": compiled, "state": state, "inputs": batches,
-            "devices": mesh.size, "model": cfg.mesh.model, "global_batch": cfg.train.batch_size,
-            "peak_bytes_per_device": int(peak), "temp_bytes_per_device": int(mem.temp_size_in_bytes),
-            "dense_state_bytes_per_device": int(dense_state),
-            "bytes_sent_per_device": hlo_collective_bytes(hlo, mesh.size),
-            "dense_bytes_sent_per_device": hlo_collective_bytes(dense_lines, mesh.size)}
+    dense_state = sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves((state.params, state.opt_state))
+        for s in leaf.addressable_shards
+        if s.device == first
+    )
+    return {
+        "config": config,
+        "mode": mode,
+        "fn": compiled,
+        "state": state,
+        "inputs": batches,
+        "devices": mesh.size,
+        "model": cfg.mesh.model,
+        "global_batch": cfg.train.batch_size,
+        "peak_bytes_per_device": int(peak),
+        "temp_bytes_per_device": int(mem.temp_size_in_bytes),
+        "dense_state_bytes_per_device": int(dense_state),
+        "bytes_sent_per_device": hlo_collective_bytes(hlo, mesh.size),
+        "dense_bytes_sent_per_device": hlo_collective_bytes(dense_lines, mesh.size),
+    }
 
 
-def bench_mlp_parallel(configs: list[str], overrides: list[str], modes=MODES, steps: int = 5, repeats: int = 3,
-                       output: str | None = None, log=print) -> dict:
+def bench_mlp_parallel(
+    configs: list[str],
+    overrides: list[str],
+    modes=MODES,
+    steps: int = 5,
+    repeats: int = 3,
+    output: str | None = None,
+    log=print,
+) -> dict:
     """Every mode of every config, timed in turns; prints a table per config; JSON out."""
-    report = {"benchmark": "mlp_parallel", "machine": machine_description(), "steps": steps,
-              "repeats": repeats, "overrides": list(overrides), "results": []}
+    report = {
+        "benchmark": "mlp_parallel",
+        "machine": machine_description(),
+        "steps": steps,
+        "repeats": repeats,
+        "overrides": list(overrides),
+        "results": [],
+    }
     for config in configs:
         variants = [_variant(config, mode, overrides) for mode in modes]
         round_robin(variants, steps, repeats)
         base = variants[0]
-        log(f"\n{config}: {base['devices']} devices, model groups of {base['model']}, "
-            f"global batch {base['global_batch']}")
-        log(f"{'mode':<10}{'step ms':>10}{'vs ' + base['mode']:>10}{'peak MiB/dev':>14}{'dense state MiB/dev':>21}"
-            f"{'sent KiB/dev':>14}{'dense sent KiB/dev':>20}")
+        log(
+            f"\n{config}: {base['devices']} devices, model groups of {base['model']}, "
+            f"global batch {base['global_batch']}"
+        )
+        log(
+            f"{'mode':<10}{'step ms':>10}{'vs ' + base['mode']:>10}{'peak MiB/dev':>14}{'dense state MiB/dev':>21}"
+            f"{'sent KiB/dev':>14}{'dense sent KiB/dev':>20}"
+        )
         for v in variants:
             sent, dense = sum(v["bytes_sent_per_device"].values()), sum(v["dense_bytes_sent_per_device"].values())
-            log(f"{v['mode']:<10}{v['step_ms']:>10.1f}{base['step_ms'] / v['step_ms']:>9.2f}x"
+            log(
+                f"{v['mode']:<10}{v['step_ms']:>10.1f}{base['step_ms'] / v['step_ms']:>9.2f}x"
                 f"{v['peak_bytes_per_device'] / 2**20:>14.1f}{v['dense_state_bytes_per_device'] / 2**20:>21.2f}"
-                f"{sent / 2**10:>14.1f}{dense / 2**10:>20.1f}")
+                f"{sent / 2**10:>14.1f}{dense / 2**10:>20.1f}"
+            )
             row = {k: v[k] for k in v if k not in ("fn", "state", "inputs", "times", "outs")}
             row["speed_vs_first"] = base["step_ms"] / v["step_ms"]
             row["loss_last"] = float(v["outs"][-1]["loss"])

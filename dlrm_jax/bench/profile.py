@@ -66,8 +66,15 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
     runner = None
     if plan.tiered_tables:
-        tiered = TieredTables(plan, fns.collection.groups, fns.collection.optimizer, tier_root(cfg, out_dir),
-                              fns.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log=lambda *_: None)
+        tiered = TieredTables(
+            plan,
+            fns.collection.groups,
+            fns.collection.optimizer,
+            tier_root(cfg, out_dir),
+            fns.embedding_key(),
+            int(cfg.embedding.tier.chunk_mb * 2**20),
+            log=lambda *_: None,
+        )
         runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
     try:
         return _profile(cfg, out_dir, mesh, source, fns, runner, steps, max(warmup, 1), log)
@@ -111,8 +118,9 @@ def _step_runner(fns, source, runner: TierRunner | None, batches, count: int, lo
     return state, one, lambda state: fns.train_step.lower(state, *runner.step_input_shapes()).compile()
 
 
-def _profile(cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner | None, steps: int, warmup: int,
-             log) -> dict:
+def _profile(
+    cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner | None, steps: int, warmup: int, log
+) -> dict:
     batches, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
     state, one, compiled_step = _step_runner(fns, source, runner, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
@@ -141,20 +149,41 @@ def _profile(cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner |
     local = len(mesh.local_devices)
     per_phase = device_phase_ns(str(trace_dir), phases)
     readers = f"host, timed alone; in {cfg.data.readers} reader threads, off the dispatching thread"
-    rows = [{"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": readers},
-            {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers}]
+    rows = [
+        {"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": readers},
+        {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers},
+    ]
     rows += _hot_counting_rows(fns, batches)
     if runner is not None:
-        rows += [{"name": f"tier {kind}", "ms": 1e3 * runner.host_s[kind] / steps, "how": "host, in the run"}
-                 for kind in ("planner wait", "fill assembly + h2d", "write-back")]
-    rows += [{"name": name, "ms": per_phase[name] / 1e6 / steps / local, "how": "trace"}
-             for name in DEVICE_PHASES if name in per_phase]
+        rows += [
+            {"name": f"tier {kind}", "ms": 1e3 * runner.host_s[kind] / steps, "how": "host, in the run"}
+            for kind in ("planner wait", "fill assembly + h2d", "write-back")
+        ]
+    rows += [
+        {"name": name, "ms": per_phase[name] / 1e6 / steps / local, "how": "trace"}
+        for name in DEVICE_PHASES
+        if name in per_phase
+    ]
     if sync_s:
-        rows.append({"name": "table sync over hosts", "ms": 1e3 * float(np.median(sync_s[1:] or sync_s)) / sync_every,
-                     "how": f"timed alone, / sync_every={sync_every}"})
-    result = {"devices": mesh.size, "tiered": runner is not None, "processes": jax.process_count(), "backend": jax.default_backend(),
-              "steps": steps, "batch_size": cfg.train.batch_size, "step_wall_ms": 1e3 * float(np.median(walls)),
-              "phases": rows, "memory_per_device": _memory(compiled), "trace_dir": str(out_dir / "trace")}
+        rows.append(
+            {
+                "name": "table sync over hosts",
+                "ms": 1e3 * float(np.median(sync_s[1:] or sync_s)) / sync_every,
+                "how": f"timed alone, / sync_every={sync_every}",
+            }
+        )
+    result = {
+        "devices": mesh.size,
+        "tiered": runner is not None,
+        "processes": jax.process_count(),
+        "backend": jax.default_backend(),
+        "steps": steps,
+        "batch_size": cfg.train.batch_size,
+        "step_wall_ms": 1e3 * float(np.median(walls)),
+        "phases": rows,
+        "memory_per_device": _memory(compiled),
+        "trace_dir": str(out_dir / "trace"),
+    }
     for line in format_profile(result):
         log(line)
     if jax.process_index() == 0:
@@ -179,8 +208,15 @@ def _hot_counting_rows(fns, batches) -> list[dict]:
         count_s.append(time.perf_counter() - t0)
     refresh_s = []
     for _ in range(2):
-        copy = HotSchedule(hot.capacity, hot.bag_sizes, hot.counts, window=hot.window,
-                           refresh_every=hot.refresh_every, decay=hot.decay, threads=hot.threads)
+        copy = HotSchedule(
+            hot.capacity,
+            hot.bag_sizes,
+            hot.counts,
+            window=hot.window,
+            refresh_every=hot.refresh_every,
+            decay=hot.decay,
+            threads=hot.threads,
+        )
         counted = min(hot.window, hot.refresh_every)
         for i in range(counted):
             copy.add(np.asarray(jax.device_get(batches[i % len(batches)].ids)))
@@ -189,10 +225,18 @@ def _hot_counting_rows(fns, batches) -> list[dict]:
         refresh_s.append(time.perf_counter() - t0)
         copy.close()
     share = counted / hot.refresh_every
-    return [{"name": "hot-row id counting", "ms": 1e3 * float(np.median(count_s)) * share,
-             "how": f"host, timed alone; per counted batch x {share:.2f} of the steps, on {hot.threads} counting thread(s)"},
-            {"name": "hot-row refresh choice", "ms": 1e3 * min(refresh_s) / hot.refresh_every,
-             "how": f"dispatching thread: waits for the window's counts, sums them, chooses; / refresh_every={hot.refresh_every}"}]
+    return [
+        {
+            "name": "hot-row id counting",
+            "ms": 1e3 * float(np.median(count_s)) * share,
+            "how": f"host, timed alone; per counted batch x {share:.2f} of the steps, on {hot.threads} counting thread(s)",
+        },
+        {
+            "name": "hot-row refresh choice",
+            "ms": 1e3 * min(refresh_s) / hot.refresh_every,
+            "how": f"dispatching thread: waits for the window's counts, sums them, chooses; / refresh_every={hot.refresh_every}",
+        },
+    ]
 
 
 def _memory(compiled) -> dict:
@@ -201,7 +245,10 @@ def _memory(compiled) -> dict:
     except Exception:  # noqa: BLE001 - not every backend reports memory
         return {}
     total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "peak": total}
-
-
+    return {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "peak": total,
+    }

@@ -52,26 +52,57 @@ def _latency_ms(fn, lines: list[bytes], batch: int, calls: int) -> dict:
     return {"batch": batch, "calls": calls, "p50_ms": round(q[49], 4), "p99_ms": round(q[98], 4)}
 
 
-def bench_serving(lines: int, config: str, overrides: list[str], steps: int, workdir: str | None = None,
-                  output: str | None = None, log=print) -> dict:
+def bench_serving(
+    lines: int,
+    config: str,
+    overrides: list[str],
+    steps: int,
+    workdir: str | None = None,
+    output: str | None = None,
+    log=print,
+) -> dict:
     """Run the comparison on a ``lines``-line sample; returns (and writes) the JSON report."""
     tmp = Path(workdir or tempfile.mkdtemp(prefix="dlrm-bench-serving-"))
     tmp.mkdir(parents=True, exist_ok=True)
     val = lines // 10
-    gen = SyntheticGenerator(seed=0, num_dense=13, table_rows=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
-                             bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.26)
+    gen = SyntheticGenerator(
+        seed=0,
+        num_dense=13,
+        table_rows=tuple(min(c, 100_000) for c in CRITEO_KAGGLE_CARDINALITIES),
+        bag_sizes=(1,) * 26,
+        zipf_exponent=1.1,
+        positive_rate=0.26,
+    )
     write_criteo_tsv(tmp / "day.tsv", gen.raw(TRAIN_STREAM, 0, 0, lines), missing_cat_rate=0.02)
     raw = (tmp / "day.tsv").read_bytes().splitlines(keepends=True)
     (tmp / "val.tsv").write_bytes(b"".join(raw[-val:]))
     held_out = raw[-val:]
-    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=val / lines, shuffle_seed=None,
-                      progress=False)
-    cfg = load_config(config, ["data.source=binary", f"data.path={tmp / 'ds'}", f"train.steps={steps}",
-                               f"train.checkpoint_every={steps // 2}", "train.eval_every=0", "train.eval_batches=0",
-                               "train.progress_bar=false", "train.keep_checkpoints=2", *overrides])
+    preprocess_criteo(
+        [str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=val / lines, shuffle_seed=None, progress=False
+    )
+    cfg = load_config(
+        config,
+        [
+            "data.source=binary",
+            f"data.path={tmp / 'ds'}",
+            f"train.steps={steps}",
+            f"train.checkpoint_every={steps // 2}",
+            "train.eval_every=0",
+            "train.eval_batches=0",
+            "train.progress_bar=false",
+            "train.keep_checkpoints=2",
+            *overrides,
+        ],
+    )
     train_and_evaluate(cfg, tmp / "run", log=lambda *_: None)
-    report = {"machine": machine_description(), "lines": lines, "held_out_lines": val, "config": config,
-              "overrides": overrides, "steps": steps}
+    report = {
+        "machine": machine_description(),
+        "lines": lines,
+        "held_out_lines": val,
+        "config": config,
+        "overrides": overrides,
+        "steps": steps,
+    }
 
     # The training code's way: preprocess the file, then eval as many rows.
     t = time.perf_counter()
@@ -87,8 +118,13 @@ def bench_serving(lines: int, config: str, overrides: list[str], steps: int, wor
     labels = np.concatenate([y[m] for _, y, m in scored])
 
     arts = {}
-    for name, kw in (("float32", {}), ("int8", {"tables": "int8"}), ("bfloat16", {"tables": "bfloat16"}),
-                     ("half", {"step": steps // 2}), ("delta", {"since": steps // 2})):
+    for name, kw in (
+        ("float32", {}),
+        ("int8", {"tables": "int8"}),
+        ("bfloat16", {"tables": "bfloat16"}),
+        ("half", {"step": steps // 2}),
+        ("delta", {"since": steps // 2}),
+    ):
         t = time.perf_counter()
         export_serving(tmp / "run", tmp / f"art_{name}", log=lambda *_: None, **kw)
         arts[name] = (tmp / f"art_{name}", time.perf_counter() - t)
@@ -100,19 +136,26 @@ def bench_serving(lines: int, config: str, overrides: list[str], steps: int, wor
         got = predict_files(model, [str(tmp / "val.tsv")], tmp / "pred.txt", progress=False)
         predict_s = time.perf_counter() - t
         report["raw_lines"] = {
-            "predict_lines_per_s": round(val / predict_s), "preprocess_s": round(pre_s, 3), "eval_s": round(eval_s, 3),
+            "predict_lines_per_s": round(val / predict_s),
+            "preprocess_s": round(pre_s, 3),
+            "eval_s": round(eval_s, 3),
             "preprocess_plus_eval_lines_per_s": round(val / (pre_s + eval_s)),
-            "ratio": round((pre_s + eval_s) / predict_s, 2), "scored": got.scored,
-            "equal_to_eval_bitwise": bool(np.array_equal(np.loadtxt(tmp / "pred.txt", dtype=np.float32), probs))}
+            "ratio": round((pre_s + eval_s) / predict_s, 2),
+            "scored": got.scored,
+            "equal_to_eval_bitwise": bool(np.array_equal(np.loadtxt(tmp / "pred.txt", dtype=np.float32), probs)),
+        }
         report["latency"] = [_latency_ms(model.predict_raw, held_out, b, c) for b, c in ((1, 300), (1024, 40))]
     base_bytes = _bytes(arts["float32"][0] / "tables", "c.*")
     report["tables"] = {}
     for name in ("float32", "int8", "bfloat16"):
         with serving.load(arts[name][0]) as model:
             p = model.predict_raw(held_out)
-        report["tables"][name] = {"auc": round(roc_auc(labels, p), 6), "auc_minus_float32": round(roc_auc(labels, p) - roc_auc(labels, probs), 6),
-                                  "bytes": _bytes(arts[name][0] / "tables", "c.*"),
-                                  "size_ratio": round(_bytes(arts[name][0] / "tables", "c.*") / base_bytes, 4)}
+        report["tables"][name] = {
+            "auc": round(roc_auc(labels, p), 6),
+            "auc_minus_float32": round(roc_auc(labels, p) - roc_auc(labels, probs), 6),
+            "bytes": _bytes(arts[name][0] / "tables", "c.*"),
+            "size_ratio": round(_bytes(arts[name][0] / "tables", "c.*") / base_bytes, 4),
+        }
     report["delta"] = _delta_report(arts["half"][0], arts["delta"][0], arts["float32"][0])
     if workdir is None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,15 +168,26 @@ def _delta_report(base: Path, delta: Path, full: Path) -> dict:
 
     manifest = json.loads((delta / "manifest.json").read_text())
     entries = manifest["features"] + (manifest.get("wide") or [])
-    row_bytes = {e["name"]: 4 * e["dim"] if e["dtype"] == "float32" else e["dim"] + 8 if e["dtype"] == "int8"
-                 else 2 * e["dim"] for e in entries}
+    row_bytes = {
+        e["name"]: 4 * e["dim"] if e["dtype"] == "float32" else e["dim"] + 8 if e["dtype"] == "int8" else 2 * e["dim"]
+        for e in entries
+    }
     touched = sum(e["rows_changed"] * (row_bytes[e["name"]] + 8) for e in entries)  # + its row number
     dense = _bytes(delta / "dense") + (delta / "manifest.json").stat().st_size
     with serving.load(base, [delta]) as merged, serving.load(full) as whole:
-        equal = all(np.array_equal(merged.tables.table_fields(e["name"])[k], v)
-                    for e in entries for k, v in whole.tables.table_fields(e["name"]).items())
+        equal = all(
+            np.array_equal(merged.tables.table_fields(e["name"])[k], v)
+            for e in entries
+            for k, v in whole.tables.table_fields(e["name"]).items()
+        )
     tables = _bytes(delta / "tables", "c.*")
-    return {"rows_changed": sum(e["rows_changed"] for e in entries), "rows": sum(e["rows"] for e in entries),
-            "table_bytes": tables, "touched_rows_bytes": touched, "dense_and_manifest_bytes": dense,
-            "delta_bytes": _bytes(delta), "size_over_touched_plus_dense": round((tables + dense) / (touched + dense), 4),
-            "base_plus_delta_equals_full": equal}
+    return {
+        "rows_changed": sum(e["rows_changed"] for e in entries),
+        "rows": sum(e["rows"] for e in entries),
+        "table_bytes": tables,
+        "touched_rows_bytes": touched,
+        "dense_and_manifest_bytes": dense,
+        "delta_bytes": _bytes(delta),
+        "size_over_touched_plus_dense": round((tables + dense) / (touched + dense), 4),
+        "base_plus_delta_equals_full": equal,
+    }

@@ -46,8 +46,14 @@ class _Variant:
         self.state = self.steps.init_state()
         self.runner = None
         if self.plan.tiered_tables:
-            tiered = TieredTables(self.plan, self.steps.collection.groups, self.steps.collection.optimizer, root,
-                                  self.steps.embedding_key(), log=lambda *a: None)
+            tiered = TieredTables(
+                self.plan,
+                self.steps.collection.groups,
+                self.steps.collection.optimizer,
+                root,
+                self.steps.embedding_key(),
+                log=lambda *a: None,
+            )
             self.runner = TierRunner(self.steps, tiered, cfg.embedding.tier.lookahead)
             self.batches = self.runner.planned(self.source.train_batch, range(total_steps))
         else:
@@ -56,8 +62,10 @@ class _Variant:
         tiered = [self.plan.tables[t] for t in self.plan.tiered_tables]
         n = self.plan.num_devices
         self.tiered_rows = sum(tp.spec.rows for tp in tiered)
-        self.tier_bytes = self.tiered_rows * (DTYPE_BYTES[self.plan.dtype] * self.plan.tables[0].spec.dim
-                                              + optimizer_bytes_per_row(self.plan.optimizer, self.plan.tables[0].spec.dim))
+        self.tier_bytes = self.tiered_rows * (
+            DTYPE_BYTES[self.plan.dtype] * self.plan.tables[0].spec.dim
+            + optimizer_bytes_per_row(self.plan.optimizer, self.plan.tables[0].spec.dim)
+        )
         # The caches as planned: a cache below one batch's need is raised (tier_setup.fit_caches).
         self.cache_fraction = sum(tp.cache_rows * tp.spaces(n) for tp in tiered) / max(self.tiered_rows, 1)
 
@@ -82,10 +90,23 @@ class _Variant:
             self.runner.tiered.close()
 
 
-def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repeats: int, fractions=FRACTIONS, lookaheads=(0, 4),
-                zipf: float = 1.1, layout: str = "frequency_ordered", warmup: int = 30, output: str | None = None,
-                large_gb: float = 0.0, large_fraction: float = 0.01, large_host_fraction: float = 0.05,
-                tier_dir: str | None = None, log=print) -> dict:
+def bench_tiers(
+    config: str | None,
+    base_overrides: list[str],
+    steps: int,
+    repeats: int,
+    fractions=FRACTIONS,
+    lookaheads=(0, 4),
+    zipf: float = 1.1,
+    layout: str = "frequency_ordered",
+    warmup: int = 30,
+    output: str | None = None,
+    large_gb: float = 0.0,
+    large_fraction: float = 0.01,
+    large_host_fraction: float = 0.05,
+    tier_dir: str | None = None,
+    log=print,
+) -> dict:
     """Run every case side by side; returns (and writes) the JSON report. ``large_gb``: one
     more case whose tables are scaled up to about that many GB in the disk tier (more than
     the machine's RAM, to show what holding them costs), device caches ``large_fraction`` of
@@ -99,18 +120,34 @@ def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repea
     variants = {("device", 0.0, 0): _Variant(base, None, total)}
     for fraction in fractions:
         for lookahead in lookaheads:
-            cfg = load_config(config, [*common, "embedding.storage=tiered", f"embedding.tier.device_cache_fraction={fraction}",
-                                     f"embedding.tier.lookahead={lookahead}"])
+            cfg = load_config(
+                config,
+                [
+                    *common,
+                    "embedding.storage=tiered",
+                    f"embedding.tier.device_cache_fraction={fraction}",
+                    f"embedding.tier.lookahead={lookahead}",
+                ],
+            )
             variants[("tiered", fraction, lookahead)] = _Variant(cfg, root / f"{fraction}_{lookahead}", total)
     if large_gb:
-        cfg = load_config(config, [*common, *_scaled_tables(base, large_gb), "embedding.storage=tiered",
-                                   f"embedding.tier.device_cache_fraction={large_fraction}",
-                                   f"embedding.tier.host_cache_fraction={large_host_fraction}",
-                                   f"embedding.tier.lookahead={max(lookaheads)}"])
+        cfg = load_config(
+            config,
+            [
+                *common,
+                *_scaled_tables(base, large_gb),
+                "embedding.storage=tiered",
+                f"embedding.tier.device_cache_fraction={large_fraction}",
+                f"embedding.tier.host_cache_fraction={large_host_fraction}",
+                f"embedding.tier.lookahead={max(lookaheads)}",
+            ],
+        )
         t0 = time.perf_counter()
         variants[("large", large_fraction, max(lookaheads))] = large = _Variant(cfg, root / "large", total)
-        log(f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
-            f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB")
+        log(
+            f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
+            f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB"
+        )
     try:
         for v in variants.values():
             v.run(warmup, timed=False)
@@ -123,23 +160,41 @@ def bench_tiers(config: str | None, base_overrides: list[str], steps: int, repea
         for (kind, fraction, lookahead), v in variants.items():
             rate = v.samples / sum(v.times)
             m = v.runner.take_metrics(steps * repeats) if v.runner else {}
-            cases.append({"zipf": zipf, "layout": layout, "storage": kind, "tier_gib": v.tier_bytes / 2**30,
-                          "device_cache_fraction": fraction if kind != "device" else 1.0,
-                          "effective_cache_fraction": v.cache_fraction if kind != "device" else 1.0,
-                          "tiered_tables": len(v.plan.tiered_tables), "tiered_rows": v.tiered_rows,
-                          "lookahead": lookahead,
-                          "samples_per_s": rate, "ratio_to_device": rate / device_rate,
-                          "step_ms_median": 1e3 * statistics.median(v.times) / steps,
-                          "device_hit_rate": m.get("device_hit_rate", 1.0), "host_hit_rate": m.get("host_hit_rate", 0.0),
-                          "h2d_bytes_per_step": m.get("h2d_bytes_per_step", 0.0),
-                          "stall_ms_per_step": m.get("stall_ms_per_step", 0.0),
-                          "fill_rounds": m.get("fill_rounds", 0), **_predicted(v.plan)})
+            cases.append(
+                {
+                    "zipf": zipf,
+                    "layout": layout,
+                    "storage": kind,
+                    "tier_gib": v.tier_bytes / 2**30,
+                    "device_cache_fraction": fraction if kind != "device" else 1.0,
+                    "effective_cache_fraction": v.cache_fraction if kind != "device" else 1.0,
+                    "tiered_tables": len(v.plan.tiered_tables),
+                    "tiered_rows": v.tiered_rows,
+                    "lookahead": lookahead,
+                    "samples_per_s": rate,
+                    "ratio_to_device": rate / device_rate,
+                    "step_ms_median": 1e3 * statistics.median(v.times) / steps,
+                    "device_hit_rate": m.get("device_hit_rate", 1.0),
+                    "host_hit_rate": m.get("host_hit_rate", 0.0),
+                    "h2d_bytes_per_step": m.get("h2d_bytes_per_step", 0.0),
+                    "stall_ms_per_step": m.get("stall_ms_per_step", 0.0),
+                    "fill_rounds": m.get("fill_rounds", 0),
+                    **_predicted(v.plan),
+                }
+            )
     finally:
         for v in variants.values():
             v.close()
         shutil.rmtree(root, ignore_errors=True)
-    report = {"benchmark": "tiers", "machine": machine_description(), "overrides": base_overrides,
-              "steps": steps, "repeats": repeats, "peak_rss_mib": _peak_rss_mib(), "cases": cases}
+    report = {
+        "benchmark": "tiers",
+        "machine": machine_description(),
+        "overrides": base_overrides,
+        "steps": steps,
+        "repeats": repeats,
+        "peak_rss_mib": _peak_rss_mib(),
+        "cases": cases,
+    }
     log(_table(cases))
     write_report(report, output)
     return report
@@ -150,8 +205,11 @@ def _predicted(plan) -> dict:
     tier, tiered = plan.tier, plan.tiered_tables
     if tier is None or not tiered:
         return {}
-    mean = lambda rates: sum(rates[t] for t in tiered) / len(tiered) if rates else 0.0  # noqa: E731
-    return {"predicted_device_hit_rate": mean(tier.device_hit_rates), "predicted_host_hit_rate": mean(tier.host_hit_rates)}
+    mean = lambda rates: sum(rates[t] for t in tiered) / len(tiered) if rates else 0.0
+    return {
+        "predicted_device_hit_rate": mean(tier.device_hit_rates),
+        "predicted_host_hit_rate": mean(tier.host_hit_rates),
+    }
 
 
 def _scaled_tables(cfg, gb: float) -> list[str]:
@@ -172,14 +230,16 @@ def _peak_rss_mib() -> float:
 
 
 def _table(cases: list[dict]) -> str:
-    lines = [f"{'storage':<8}{'cache':>7}{'actual':>7}{'ahead':>6}{'samples/s':>12}{'ratio':>7}{'dev hit':>9}{'host hit':>9}"
-             f"{'h2d/step':>11}{'stall ms':>9}"]
+    lines = [
+        f"{'storage':<8}{'cache':>7}{'actual':>7}{'ahead':>6}{'samples/s':>12}{'ratio':>7}{'dev hit':>9}{'host hit':>9}"
+        f"{'h2d/step':>11}{'stall ms':>9}"
+    ]
     for c in cases:
-        lines.append(f"{c['storage']:<8}{100 * c['device_cache_fraction']:>6.0f}%"
-                     f"{100 * c['effective_cache_fraction']:>6.1f}%{c['lookahead']:>6}"
-                     f"{c['samples_per_s']:>12,.0f}{c['ratio_to_device']:>7.2f}{100 * c['device_hit_rate']:>8.1f}%"
-                     f"{100 * c['host_hit_rate']:>8.1f}%{c['h2d_bytes_per_step'] / 1024:>9.1f}Ki"
-                     f"{c['stall_ms_per_step']:>9.2f}")
+        lines.append(
+            f"{c['storage']:<8}{100 * c['device_cache_fraction']:>6.0f}%"
+            f"{100 * c['effective_cache_fraction']:>6.1f}%{c['lookahead']:>6}"
+            f"{c['samples_per_s']:>12,.0f}{c['ratio_to_device']:>7.2f}{100 * c['device_hit_rate']:>8.1f}%"
+            f"{100 * c['host_hit_rate']:>8.1f}%{c['h2d_bytes_per_step'] / 1024:>9.1f}Ki"
+            f"{c['stall_ms_per_step']:>9.2f}"
+        )
     return "\n".join(lines)
-
-

@@ -51,15 +51,26 @@ def time_train_step(cfg, steps: int, warmup: int) -> dict:
     median = statistics.median(step_s)
     plan_bytes = int(sum(per_device_bytes(plan).values()).sum())
     peak = hostmem.peak_rss_bytes()
-    return {"devices": mesh.size, "global_batch": cfg.train.batch_size,
-            "tables": len(plan.tables), "table_rows": sum(t.spec.rows for t in plan.tables),
-            "embedding_dim": cfg.model.embedding_dim, "sharding": cfg.embedding.sharding,
-            "compile_s": compile_s, "step_ms_median": 1e3 * median,
-            "step_ms_mean": 1e3 * float(np.mean(step_s)), "step_ms_min": 1e3 * min(step_s),
-            "samples_per_s": cfg.train.batch_size / median, "loss_last": float(out["loss"]),
-            "plan_bytes": plan_bytes, "state_bytes": _state_bytes(state), "rss_before_bytes": rss_before,
-            "peak_rss_bytes": peak, "peak_rss_over_plan": peak / plan_bytes,
-            "huge_page_bytes": hostmem.huge_page_bytes()}
+    return {
+        "devices": mesh.size,
+        "global_batch": cfg.train.batch_size,
+        "tables": len(plan.tables),
+        "table_rows": sum(t.spec.rows for t in plan.tables),
+        "embedding_dim": cfg.model.embedding_dim,
+        "sharding": cfg.embedding.sharding,
+        "compile_s": compile_s,
+        "step_ms_median": 1e3 * median,
+        "step_ms_mean": 1e3 * float(np.mean(step_s)),
+        "step_ms_min": 1e3 * min(step_s),
+        "samples_per_s": cfg.train.batch_size / median,
+        "loss_last": float(out["loss"]),
+        "plan_bytes": plan_bytes,
+        "state_bytes": _state_bytes(state),
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": peak,
+        "peak_rss_over_plan": peak / plan_bytes,
+        "huge_page_bytes": hostmem.huge_page_bytes(),
+    }
 
 
 def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:
@@ -68,13 +79,22 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
     first = next(iter(results.values()))["samples_per_s"]
     for r in results.values():
         r["ratio_to_first"] = r["samples_per_s"] / first
-    report = {"benchmark": "train_step", "timed_steps": steps, "warmup_steps": warmup,
-              "machine": machine_description(), "results": results}
-    log(f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}"
-        f"{'plan MiB':>10}{'peak RSS MiB':>14}")
+    report = {
+        "benchmark": "train_step",
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "machine": machine_description(),
+        "results": results,
+    }
+    log(
+        f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}"
+        f"{'plan MiB':>10}{'peak RSS MiB':>14}"
+    )
     for name, r in results.items():
-        log(f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
+        log(
+            f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
             f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}"
-            f"{r['plan_bytes'] / 2**20:>10,.0f}{r['peak_rss_bytes'] / 2**20:>14,.0f}")
+            f"{r['plan_bytes'] / 2**20:>10,.0f}{r['peak_rss_bytes'] / 2**20:>14,.0f}"
+        )
     log(write_report(report, output))
     return report

@@ -27,9 +27,13 @@ def _start_jax(devices: int, args) -> None:
     request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
     from dlrm_jax.parallel.mesh import initialize_distributed
 
-    initialize_distributed(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
-                           getattr(args, "process_id", None), join_timeout_s=getattr(args, "join_timeout", 300),
-                           bind=getattr(args, "coordinator_bind", None))
+    initialize_distributed(
+        getattr(args, "coordinator", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+        join_timeout_s=getattr(args, "join_timeout", 300),
+        bind=getattr(args, "coordinator_bind", None),
+    )
     _check_backend()
 
 
@@ -43,8 +47,12 @@ def _check_backend() -> None:
     except (AssertionError, RuntimeError) as e:
         asked = os.environ.get("JAX_PLATFORMS", "")
         gpu = any(p in asked for p in ("cuda", "gpu"))
-        how = ("this JAX has no CUDA backend: install the GPU build with `pip install -e \".[cuda12]\"` "
-               "(or unset JAX_PLATFORMS to train on the CPU)" if gpu else f"{type(e).__name__} {e}".strip())
+        how = (
+            'this JAX has no CUDA backend: install the GPU build with `pip install -e ".[cuda12]"` '
+            "(or unset JAX_PLATFORMS to train on the CPU)"
+            if gpu
+            else f"{type(e).__name__} {e}".strip()
+        )
         raise ConfigError(f"JAX_PLATFORMS={asked or '(unset)'}: JAX could not start it; {how}") from None
 
 
@@ -63,8 +71,7 @@ def _library_logs_to(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # delay: the file is made by the first message, so a run that logs none leaves none
-        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"),
-                                      delay=True)
+        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"), delay=True)
     except OSError:
         handler = logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -113,8 +120,10 @@ def cmd_eval(args) -> int:
     from dlrm_jax.train.evaluate import evaluate_run
 
     summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
-    print(f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} "
-          f"samples={summary.eval_samples}", flush=True)
+    print(
+        f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} samples={summary.eval_samples}",
+        flush=True,
+    )
     return 0
 
 
@@ -144,10 +153,17 @@ def cmd_predict(args) -> int:
 
     with load(args.model, args.delta) as model:
         if args.format and args.format != model.rules.format:
-            raise ConfigError(f"--format {args.format}: {args.model} was trained on {model.rules.format} files, "
-                              f"and reads those")
-        report = predict_files(model, args.input, args.output, batch_size=args.batch_size,
-                               skip_bad_lines=args.skip_bad_lines, progress=args.progress)
+            raise ConfigError(
+                f"--format {args.format}: {args.model} was trained on {model.rules.format} files, and reads those"
+            )
+        report = predict_files(
+            model,
+            args.input,
+            args.output,
+            batch_size=args.batch_size,
+            skip_bad_lines=args.skip_bad_lines,
+            progress=args.progress,
+        )
     print(report.summary(args.output), flush=True)
     return 0
 
@@ -161,8 +177,10 @@ def cmd_plan(args) -> int:
     devices = _devices_for(cfg)
     simulated = devices <= MAX_SIMULATED_DEVICES and not _gpu_plugin_installed()
     if cfg.embedding.tables_per_host:
-        print(f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
-              f"host's {devices // hosts} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)")
+        print(
+            f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
+            f"host's {devices // hosts} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)"
+        )
     if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
         # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
         cfg = resolve_data_config(cfg)
@@ -199,24 +217,33 @@ def cmd_preprocess(args) -> int:
     val_fraction = args.val_fraction if args.val_fraction is not None else 0.0 if args.val_input else 0.1
     if args.val_input and val_fraction:
         raise ConfigError("--val-input and --val-fraction: give one (the val split is whole files or a fraction)")
-    common = dict(max_ind_range=args.max_ind_range, min_count=args.min_count, vocab_from=args.vocab_from,
-                  val_fraction=val_fraction, val_inputs=args.val_input, skip_bad_lines=args.skip_bad_lines,
-                  workers=args.workers,
-                  shuffle_seed=None if args.no_shuffle else args.seed, shard_mb=args.shard_mb,
-                  progress=not args.no_progress)
+    common = dict(
+        max_ind_range=args.max_ind_range,
+        min_count=args.min_count,
+        vocab_from=args.vocab_from,
+        val_fraction=val_fraction,
+        val_inputs=args.val_input,
+        skip_bad_lines=args.skip_bad_lines,
+        workers=args.workers,
+        shuffle_seed=None if args.no_shuffle else args.seed,
+        shard_mb=args.shard_mb,
+        progress=not args.no_progress,
+    )
     if args.dataset == "tabular":
         from dlrm_jax.data.tabular import preprocess_tabular
 
         joins = dict(j.partition("=")[::2] for j in args.join)
         if any(not name or not path for name, path in joins.items()) or len(joins) < len(args.join):
             raise ConfigError(f"--join: expected distinct NAME=PATH values, got {args.join}")
-        report = preprocess_tabular(args.schema, args.input, args.output, joins=joins,
-                                    chunk_lines=args.chunk_lines, **common)
+        report = preprocess_tabular(
+            args.schema, args.input, args.output, joins=joins, chunk_lines=args.chunk_lines, **common
+        )
     else:
         from dlrm_jax.data.criteo_preprocess import preprocess_criteo
 
-        report = preprocess_criteo(args.input, args.output, multi_hot=_bag_sizes(args.multi_hot),
-                                   block_mb=args.block_mb, **common)
+        report = preprocess_criteo(
+            args.input, args.output, multi_hot=_bag_sizes(args.multi_hot), block_mb=args.block_mb, **common
+        )
     print(report.summary(), flush=True)
     return 0
 
@@ -289,8 +316,15 @@ def cmd_bench(args) -> int:
         _start_jax(max(_devices_for(load_config(c, overrides)) for c in configs), args)
         from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
 
-        bench_mlp_parallel(configs, overrides, modes=[m for m in args.modes.split(",") if m], steps=args.steps,
-                           repeats=args.repeats, output=args.output, log=_log)
+        bench_mlp_parallel(
+            configs,
+            overrides,
+            modes=[m for m in args.modes.split(",") if m],
+            steps=args.steps,
+            repeats=args.repeats,
+            output=args.output,
+            log=_log,
+        )
         return 0
     if args.suite == "serving":
         cfg = load_config(args.config, args.overrides)
@@ -304,19 +338,38 @@ def cmd_bench(args) -> int:
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.hot import bench_hot
 
-        bench_hot(cfg, steps=args.steps, repeats=args.repeats, zipf=args.zipf,
-                  layouts=[s for s in args.layouts.split(",") if s],
-                  row_layouts=[s for s in args.row_layouts.split(",") if s], output=args.output, log=_log)
+        bench_hot(
+            cfg,
+            steps=args.steps,
+            repeats=args.repeats,
+            zipf=args.zipf,
+            layouts=[s for s in args.layouts.split(",") if s],
+            row_layouts=[s for s in args.row_layouts.split(",") if s],
+            output=args.output,
+            log=_log,
+        )
         return 0
     if args.suite == "tiers":
         _start_jax(_devices_for(load_config(args.config, args.overrides)), args)
         from dlrm_jax.bench.tiers import bench_tiers
 
-        bench_tiers(args.config, args.overrides, steps=args.steps, repeats=args.repeats,
-                    fractions=args.fractions, lookaheads=args.lookaheads, zipf=args.zipf,
-                    layout=args.layout, warmup=args.warmup, output=args.output, large_gb=args.large_gb,
-                    large_fraction=args.large_fraction, large_host_fraction=args.large_host_fraction,
-                    tier_dir=args.tier_dir, log=_log)
+        bench_tiers(
+            args.config,
+            args.overrides,
+            steps=args.steps,
+            repeats=args.repeats,
+            fractions=args.fractions,
+            lookaheads=args.lookaheads,
+            zipf=args.zipf,
+            layout=args.layout,
+            warmup=args.warmup,
+            output=args.output,
+            large_gb=args.large_gb,
+            large_fraction=args.large_fraction,
+            large_host_fraction=args.large_host_fraction,
+            tier_dir=args.tier_dir,
+            log=_log,
+        )
         return 0
     if args.suite == "input":
         cfg = load_config(args.config, args.overrides)
@@ -337,19 +390,29 @@ def cmd_bench(args) -> int:
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.embedding import bench_embedding
 
-        bench_embedding(cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s],
-                        output=args.output, log=_log)
+        bench_embedding(
+            cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s], output=args.output, log=_log
+        )
         return 0
     names = [n for n in args.configs.split(",") if n]
     configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]
     _start_jax(max(_devices_for(c) for c in configs), args)
     from dlrm_jax.bench.train import bench_train
 
-    bench_train(dict(zip(names, configs, strict=True)), steps=args.steps, warmup=args.warmup,
-                output=args.output, log=_log)
+    bench_train(
+        dict(zip(names, configs, strict=True)), steps=args.steps, warmup=args.warmup, output=args.output, log=_log
+    )
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "predict": cmd_predict, "plan": cmd_plan, "preprocess": cmd_preprocess,
-            "bench": cmd_bench, "report": cmd_report,
-            "profile": cmd_profile}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "export": cmd_export,
+    "predict": cmd_predict,
+    "plan": cmd_plan,
+    "preprocess": cmd_preprocess,
+    "bench": cmd_bench,
+    "report": cmd_report,
+    "profile": cmd_profile,
+}

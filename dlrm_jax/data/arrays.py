@@ -23,9 +23,20 @@ class ArraySource:
     docstring). ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's
     ``cfg.table_rows``, ``cfg.bag_sizes``); ``eval_batches`` 0 evaluates the whole val split."""
 
-    def __init__(self, train: Sequence[np.ndarray], val: Sequence[np.ndarray], batch_size: int, *,
-                 table_rows: Sequence[int], bag_sizes: Sequence[int], seed: int = 0, shuffle: bool = True,
-                 eval_batches: int = 0, process_index: int = 0, process_count: int = 1):
+    def __init__(
+        self,
+        train: Sequence[np.ndarray],
+        val: Sequence[np.ndarray],
+        batch_size: int,
+        *,
+        table_rows: Sequence[int],
+        bag_sizes: Sequence[int],
+        seed: int = 0,
+        shuffle: bool = True,
+        eval_batches: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
         self.train = Batch(*(np.asarray(x) for x in _checked(train, "train", table_rows, bag_sizes)))
         self.val = Batch(*(np.asarray(x) for x in _checked(val, "val", table_rows, bag_sizes)))
         self.num_train, self.num_val = self.train.size, self.val.size
@@ -65,14 +76,17 @@ def _checked(split, name: str, table_rows, bag_sizes) -> tuple:
     dense, ids, labels = (np.asarray(x) for x in split)
     n = labels.shape[0]
     if dense.ndim != 2 or ids.ndim != 2 or labels.ndim != 1 or dense.shape[0] != n or ids.shape[0] != n:
-        raise ValueError(f"ArraySource {name}: expected dense [n, D], ids [n, S], labels [n]; got "
-                         f"{list(dense.shape)}, {list(ids.shape)}, {list(labels.shape)}")
+        raise ValueError(
+            f"ArraySource {name}: expected dense [n, D], ids [n, S], labels [n]; got "
+            f"{list(dense.shape)}, {list(ids.shape)}, {list(labels.shape)}"
+        )
     if ids.shape[1] != sum(bag_sizes):
         raise ValueError(f"ArraySource {name}: ids have {ids.shape[1]} columns, the tables' bags {sum(bag_sizes)}")
     if not np.isfinite(dense).all():
         raise ValueError(f"ArraySource {name}: dense row {int(np.argwhere(~np.isfinite(dense))[0][0])} is not finite")
     if not ((labels == 0) | (labels == 1)).all():
-        raise ValueError(f"ArraySource {name}: label of row {int(np.flatnonzero((labels != 0) & (labels != 1))[0])} "
-                         f"is not 0 or 1")
+        raise ValueError(
+            f"ArraySource {name}: label of row {int(np.flatnonzero((labels != 0) & (labels != 1))[0])} is not 0 or 1"
+        )
     check_ids(ids, tuple(table_rows), tuple(bag_sizes), f"ArraySource {name}")
     return dense.astype(np.float32), ids.astype(np.int32), labels.astype(np.float32)

@@ -47,9 +47,7 @@ class DataSource(Protocol):
 def process_slice(global_batch: int, process_index: int, process_count: int) -> slice:
     """The rows of a global batch that one process feeds to its devices."""
     if global_batch % process_count:
-        raise ValueError(
-            f"train.batch_size={global_batch} must be divisible by the {process_count} processes"
-        )
+        raise ValueError(f"train.batch_size={global_batch} must be divisible by the {process_count} processes")
     per = global_batch // process_count
     return slice(process_index * per, (process_index + 1) * per)
 
@@ -64,7 +62,6 @@ def check_ids(ids: np.ndarray, table_rows: tuple[int, ...], bag_sizes: tuple[int
             row = int(np.argwhere(bad)[0][0])
             value = int(block[bad][0])
             raise ValueError(
-                f"{where}: feature {f} (table cat_{f}, {rows} rows) has id {value} "
-                f"out of range in batch row {row}"
+                f"{where}: feature {f} (table cat_{f}, {rows} rows) has id {value} out of range in batch row {row}"
             )
         start += bag

@@ -78,8 +78,9 @@ class _Split:
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self.shards = {
             k: open_shard(root / split / shard_name(k), n, widths)
-            for k, n in enumerate(sizes) if n and self.starts[k] < hi and self.starts[k + 1] > lo
-        }  # fmt: skip
+            for k, n in enumerate(sizes)
+            if n and self.starts[k] < hi and self.starts[k + 1] > lo
+        }
         self._fds: OrderedDict[Path, int] = OrderedDict()
         self._lock = threading.Lock()  # reader threads share the open files
 
@@ -143,19 +144,26 @@ class BinarySource:
         cards = tuple(int(c) for c in self.meta["cardinalities"])
         bags = tuple(int(b) for b in self.meta["bag_sizes"])
         stored_dense = int(self.meta["num_dense"])
-        if (model_num_dense(stored_dense), len(cards), bags) != (cfg.data.num_dense, cfg.num_features, tuple(cfg.bag_sizes)):
+        if (model_num_dense(stored_dense), len(cards), bags) != (
+            cfg.data.num_dense,
+            cfg.num_features,
+            tuple(cfg.bag_sizes),
+        ):
             raise BinaryFormatError(
                 f"{self.root / META_FILE}: the data has {stored_dense} dense and {len(cards)} categorical "
                 f"features with bags {list(bags)}, the config data.num_dense={cfg.data.num_dense}, "
-                f"{cfg.num_features} data.cardinalities and data.bag_sizes={list(cfg.bag_sizes)}")
+                f"{cfg.num_features} data.cardinalities and data.bag_sizes={list(cfg.bag_sizes)}"
+            )
         widths = {"dense": stored_dense, "ids": sum(bags)}
         self._zero_dense = stored_dense == 0  # fed as one all-zero column
         self.num_train, self.num_val = int(self.meta["train_rows"]), int(self.meta["val_rows"])
         for split, rows in (("train", self.num_train), ("val", self.num_val)):
             held = sum(int(n) for n in self.meta["shards"][split])
             if held != rows:
-                raise BinaryFormatError(f"{self.root / 'meta.json'}: says {rows:,} {split} rows, and its {split} shards "
-                                        f"hold {held:,}; the dataset is damaged or edited: preprocess it again")
+                raise BinaryFormatError(
+                    f"{self.root / 'meta.json'}: says {rows:,} {split} rows, and its {split} shards "
+                    f"hold {held:,}; the dataset is damaged or edited: preprocess it again"
+                )
         if self.num_train == 0:
             raise BinaryFormatError(f"{self.root / 'train'}: the train split is empty")
         self._lo = self.num_train * process_index // process_count
@@ -268,14 +276,18 @@ class BinarySource:
         elif not np.isfinite(dense).all():
             rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
             r, c = np.argwhere(~np.isfinite(dense))[0]
-            raise BinaryFormatError(f"{self._file_of(split, rows[r], 'dense')}: row {int(rows[r])} of the "
-                                    f"{split.name} split has a non-finite value {dense[r, c]} in column "
-                                    f"{int(c)} (read for {what})")  # fmt: skip
+            raise BinaryFormatError(
+                f"{self._file_of(split, rows[r], 'dense')}: row {int(rows[r])} of the "
+                f"{split.name} split has a non-finite value {dense[r, c]} in column "
+                f"{int(c)} (read for {what})"
+            )
         if not ((labels == 0) | (labels == 1)).all():  # a click label is 0 or 1; 5.0 would train on
             rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
             r = int(np.flatnonzero((labels != 0) & (labels != 1))[0])
-            raise BinaryFormatError(f"{self._file_of(split, rows[r], 'labels')}: row {int(rows[r])} of the "
-                                    f"{split.name} split has label {labels[r]}, not 0 or 1 (read for {what})")
+            raise BinaryFormatError(
+                f"{self._file_of(split, rows[r], 'labels')}: row {int(rows[r])} of the "
+                f"{split.name} split has label {labels[r]}, not 0 or 1 (read for {what})"
+            )
         self._cap_ids(ids)
         shifted = ids - self._lower if self._multi_hot else ids  # valid: 0 <= shifted < span
         if (shifted.view(np.uint32) >= self._span).any():  # negatives read as huge
@@ -283,9 +295,11 @@ class BinarySource:
             bad = (ids < self._lower) | (ids >= self._upper)
             r, c = np.argwhere(bad)[0]
             f = int(np.searchsorted(np.cumsum(self._bag_sizes), c, side="right"))
-            raise BinaryFormatError(f"{self._file_of(split, rows[r], 'ids')}: row {int(rows[r])} of the "
-                                    f"{split.name} split: feature {f} (table cat_{f}, {self._table_rows[f]} "
-                                    f"rows) has id {int(ids[r, c])} out of range (read for {what})")  # fmt: skip
+            raise BinaryFormatError(
+                f"{self._file_of(split, rows[r], 'ids')}: row {int(rows[r])} of the "
+                f"{split.name} split: feature {f} (table cat_{f}, {self._table_rows[f]} "
+                f"rows) has id {int(ids[r, c])} out of range (read for {what})"
+            )
         return Batch(dense, ids, labels)
 
     def _file_of(self, split: _Split, row: int, name: str) -> Path:

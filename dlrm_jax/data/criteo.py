@@ -159,8 +159,7 @@ def scramble_id(v: np.ndarray) -> np.ndarray:
     return (x ^ (x >> np.uint64(13))).astype(np.uint32)
 
 
-def write_criteo_tsv(path: str | Path, raw: RawSamples, missing_cat_rate: float = 0.0,
-                     seed: int = 0) -> np.ndarray:  # fmt: skip
+def write_criteo_tsv(path: str | Path, raw: RawSamples, missing_cat_rate: float = 0.0, seed: int = 0) -> np.ndarray:
     """Write one-hot samples as Criteo TSV lines ('\\n' endings); returns bool [n, 26], which
     categoricals were left empty (a ``missing_cat_rate`` fraction, drawn from ``seed``).
 
@@ -195,9 +194,11 @@ class CriteoTSVSource:
         self.paths = [p.strip() for p in cfg.data.path.split(",") if p.strip()]
         for p in self.paths:
             if is_gzip(p):
-                raise CriteoFormatError(f"{p}: gzipped; data.source=criteo seeks into uncompressed TSV. "
-                                        f"Run `dlrm-jax preprocess criteo --input {p} ...` (it reads .gz) "
-                                        f"and train with data.source=binary")
+                raise CriteoFormatError(
+                    f"{p}: gzipped; data.source=criteo seeks into uncompressed TSV. "
+                    f"Run `dlrm-jax preprocess criteo --input {p} ...` (it reads .gz) "
+                    f"and train with data.source=binary"
+                )
         self._batch, self._table_rows = cfg.train.batch_size, cfg.table_rows
         self._rows = process_slice(self._batch, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches

@@ -32,8 +32,11 @@ from dlrm_jax.data.preprocess import (
 from dlrm_jax.data.synthetic import normalise_dense
 
 _NAMES = ["label", *(f"I{k}" for k in range(1, 14)), *(f"C{k}" for k in range(1, 27))]
-_TYPES = {"label": pa.binary(), **{f"I{k}": pa.int64() for k in range(1, 14)},
-          **{f"C{k}": pa.binary() for k in range(1, 27)}}  # fmt: skip
+_TYPES = {
+    "label": pa.binary(),
+    **{f"I{k}": pa.int64() for k in range(1, 14)},
+    **{f"C{k}": pa.binary() for k in range(1, 27)},
+}
 _READ = pacsv.ReadOptions(column_names=_NAMES, block_size=2 << 20, use_threads=False)
 _PARSE = pacsv.ParseOptions(delimiter="\t", quote_char=False, ignore_empty_lines=False)
 _CONVERT = pacsv.ConvertOptions(column_types=_TYPES, strings_can_be_null=False)
@@ -108,8 +111,9 @@ class CriteoParser:
                 p = parse_lines(raw)
                 for bad in p.bad:
                     log.record(task.path, lineno + bad.index, bad)
-                chunk = Chunk(len(raw), p.values, p.empty, p.labels.astype(np.float32),
-                              normalise_dense(p.counts, p.missing))  # fmt: skip
+                chunk = Chunk(
+                    len(raw), p.values, p.empty, p.labels.astype(np.float32), normalise_dense(p.counts, p.missing)
+                )
             lineno += chunk.lines
             yield chunk
 
@@ -162,8 +166,9 @@ def _dense(cols: list[pa.Array]) -> np.ndarray | None:
     for k, col in enumerate(cols):
         counts[:, k] = np.frombuffer(col.buffers()[1], np.int64, n, col.offset * 8)
         if col.null_count:  # missing: 0, like a negative count
-            valid = np.unpackbits(np.frombuffer(col.buffers()[0], np.uint8), count=col.offset + n,
-                                  bitorder="little")[col.offset :]  # fmt: skip
+            valid = np.unpackbits(np.frombuffer(col.buffers()[0], np.uint8), count=col.offset + n, bitorder="little")[
+                col.offset :
+            ]
             counts[valid == 0, k] = 0
     if (counts.max(initial=0) >= _INT_LIMIT) or (counts.min(initial=0) <= -_INT_LIMIT):
         return None
@@ -242,8 +247,16 @@ def preprocess_criteo(
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
     if multi_hot and len(multi_hot) != NUM_CATEGORICAL:
         raise ValueError(f"preprocess_criteo: multi_hot needs {NUM_CATEGORICAL} bag sizes, got {len(multi_hot)}")
-    opts = Options(max_ind_range=max_ind_range, min_count=min_count, vocab_from=vocab_from, val_fraction=val_fraction,
-                   shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
-                   multi_hot=tuple(multi_hot) if multi_hot else None, skip_bad_lines=skip_bad_lines,
-                   progress=progress)  # fmt: skip
+    opts = Options(
+        max_ind_range=max_ind_range,
+        min_count=min_count,
+        vocab_from=vocab_from,
+        val_fraction=val_fraction,
+        shuffle_seed=shuffle_seed,
+        shard_mb=shard_mb,
+        workers=workers or default_workers(),
+        multi_hot=tuple(multi_hot) if multi_hot else None,
+        skip_bad_lines=skip_bad_lines,
+        progress=progress,
+    )
     return write_dataset(CriteoParser(int(block_mb * 2**20)), inputs, output, opts, val_inputs)

@@ -40,7 +40,32 @@ from collections.abc import Sequence
 import numpy as np
 
 MLPERF_DCNV2_BAG_SIZES: tuple[int, ...] = (
-    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+    3,
+    2,
+    1,
+    2,
+    6,
+    1,
+    1,
+    1,
+    1,
+    7,
+    3,
+    8,
+    1,
+    6,
+    9,
+    5,
+    1,
+    1,
+    1,
+    12,
+    100,
+    27,
+    10,
+    3,
+    1,
+    1,
 )
 DISTRIBUTIONS = ("uniform", "pareto")
 SEED = 0  # np.random.seed(0) in the reference, once for all tables
@@ -85,7 +110,7 @@ def _draw_tables(cards: list[int], bags: list[int], distribution: str) -> list[n
             for lo in range(0, card, step):
                 draws = rs.pareto(PARETO_SHAPE, size=(min(step, card - lo), m - 1))
                 with np.errstate(invalid="ignore"):  # the reference's overflowing cast
-                    table[lo:lo + step] = draws.astype(np.int32) % np.int32(card)
+                    table[lo : lo + step] = draws.astype(np.int32) % np.int32(card)
         tables.append(table)
     return tables
 
@@ -93,8 +118,14 @@ def _draw_tables(cards: list[int], bags: list[int], distribution: str) -> list[n
 class MultiHotRule:
     """The one-hot -> multi-hot tables of a set of features, and ``expand`` to apply them."""
 
-    def __init__(self, cardinalities: Sequence[int], bag_sizes: Sequence[int],
-                 distribution: str = "uniform", *, tables: Sequence[np.ndarray] | None = None):
+    def __init__(
+        self,
+        cardinalities: Sequence[int],
+        bag_sizes: Sequence[int],
+        distribution: str = "uniform",
+        *,
+        tables: Sequence[np.ndarray] | None = None,
+    ):
         self.cardinalities, self.bag_sizes = _check(cardinalities, bag_sizes, distribution)
         self.distribution = distribution
         self.starts = tuple(int(s) for s in np.cumsum([0, *self.bag_sizes[:-1]]))
@@ -110,8 +141,7 @@ class MultiHotRule:
     def nbytes(self) -> int:
         return table_bytes(self.cardinalities, self.bag_sizes)
 
-    def expand(self, ids_nf: np.ndarray, *, wrap: bool = False,
-               out: np.ndarray | None = None) -> np.ndarray:
+    def expand(self, ids_nf: np.ndarray, *, wrap: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """int32 [n, F] table-local one-hot ids -> int32 [n, sum(bag_sizes)] bags.
 
         wrap: reduce ids modulo the cardinality first, as the materialise script does;
@@ -137,9 +167,9 @@ class MultiHotRule:
         # Blocks of rows, small enough that the block's ids and each feature's gathered rows are
         # still in cache when copied into their (strided) columns of the output.
         for lo in range(0, n, _BLOCK_ROWS):
-            block = out[lo:lo + _BLOCK_ROWS]
+            block = out[lo : lo + _BLOCK_ROWS]
             rows = block.shape[0]
-            cols = ids[lo:lo + rows].T  # [F, rows]
+            cols = ids[lo : lo + rows].T  # [F, rows]
             if wrap:
                 cols = cols % cards
             else:
@@ -152,16 +182,17 @@ class MultiHotRule:
                 col = cols[f]
                 block[:, s] = col
                 if m > 1:
-                    bags = scratch[:rows * (m - 1)].reshape(rows, m - 1)
+                    bags = scratch[: rows * (m - 1)].reshape(rows, m - 1)
                     np.take(table, col, axis=0, out=bags, mode="clip")  # ids checked above
-                    block[:, s + 1:s + m] = bags
+                    block[:, s + 1 : s + m] = bags
         return out
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write the tables as .npy files (one per feature with bag > 1) and a rule.json."""
         os.makedirs(directory, exist_ok=True)
-        meta = dict(cardinalities=self.cardinalities, bag_sizes=self.bag_sizes,
-                    distribution=self.distribution, seed=SEED)
+        meta = dict(
+            cardinalities=self.cardinalities, bag_sizes=self.bag_sizes, distribution=self.distribution, seed=SEED
+        )
         for f, table in enumerate(self.tables):
             if table.size:
                 np.save(os.path.join(directory, f"table_{f}.npy"), table)

@@ -42,8 +42,11 @@ class InputTimes:
     def take(self) -> dict[str, float]:
         """Milliseconds per step of each phase since the last call (then reset)."""
         n = max(self.steps, 1)
-        out = {"input_read_ms": 1e3 * self.read_s / n, "input_h2d_ms": 1e3 * self.to_device_s / n,
-               "input_wait_ms": 1e3 * self.wait_s / n}  # fmt: skip
+        out = {
+            "input_read_ms": 1e3 * self.read_s / n,
+            "input_h2d_ms": 1e3 * self.to_device_s / n,
+            "input_wait_ms": 1e3 * self.wait_s / n,
+        }
         self.read_s = self.to_device_s = self.wait_s = 0.0
         self.steps = 0
         return out
@@ -64,8 +67,15 @@ class InputPipeline(Generic[T, D]):
     ``readers`` threads (see the module docstring). Use as a context manager, or call
     :meth:`close`: pending steps are cancelled and the threads joined."""
 
-    def __init__(self, read: Callable[[int], T], steps: range, *, to_device: Callable[[T], D] | None = None,
-                 readers: int = 2, depth: int = 4):  # fmt: skip
+    def __init__(
+        self,
+        read: Callable[[int], T],
+        steps: range,
+        *,
+        to_device: Callable[[T], D] | None = None,
+        readers: int = 2,
+        depth: int = 4,
+    ):
         self._read, self._to_device, self._steps = read, to_device, iter(steps)
         self._pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="input")
         self._pending: deque[Future] = deque()

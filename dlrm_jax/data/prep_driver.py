@@ -100,8 +100,9 @@ def _pool(workers: int) -> Iterator[Callable]:
         yield map
         return
     method = "forkserver" if "jax" in sys.modules else "fork"  # never fork a started runtime
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method),
-                             initializer=die_with_parent, initargs=(signal.SIGKILL,)) as ex:  # none outlives us
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(method), initializer=die_with_parent, initargs=(signal.SIGKILL,)
+    ) as ex:  # none outlives us
         try:
             yield lambda fn, *its: ex.map(fn, *its, chunksize=1)
         except BaseException:
@@ -131,8 +132,13 @@ def _scan(parser, task, task_id: int, work: Path, max_ind_range: int, strict: bo
             np.save(keys_file(work, part, sorted_=True), np.sort(keys))
         np.savez(work / f"{part}.dict.npz", **dicts)
         parts.append((part, len(chunk.labels)))
-    return {"parts": parts, "lines": lines, "by_reason": dict(log.by_reason), "bad": log.lines,
-            "extra": getattr(parser, "take_extra", dict)()}  # fmt: skip
+    return {
+        "parts": parts,
+        "lines": lines,
+        "by_reason": dict(log.by_reason),
+        "bad": log.lines,
+        "extra": getattr(parser, "take_extra", dict)(),
+    }
 
 
 def _encode(values: np.ndarray, empty: np.ndarray | None) -> tuple[np.ndarray, dict]:
@@ -164,14 +170,17 @@ def _train_counts(part: str, split: PartSplit, work: Path, features: int) -> str
     return f"{part}.train.npz"
 
 
-def _merge_feature(f: int, parts: Sequence[str], count_files: Sequence[str], work: Path, out: Path,
-                   opts: Options, rows: int) -> int:  # fmt: skip
+def _merge_feature(
+    f: int, parts: Sequence[str], count_files: Sequence[str], work: Path, out: Path, opts: Options, rows: int
+) -> int:
     """Phase 2 for feature f: its ids (work/sorted_f: distinct values ascending, work/idof_f:
     the id of each), the vocabulary file (in ``out``) and its id histogram (work/hist_f);
     returns the table's rows. ``count_files``: per part, the file of its values' counts (c{f})
     over the counted rows, ``rows`` of them (id 0's count in vocabulary mode)."""
     dicts = [np.load(work / f"{p}.dict.npz") for p in parts]
-    counted = [d if c == f"{p}.dict.npz" else np.load(work / c) for p, d, c in zip(parts, dicts, count_files, strict=True)]
+    counted = [
+        d if c == f"{p}.dict.npz" else np.load(work / c) for p, d, c in zip(parts, dicts, count_files, strict=True)
+    ]
     values = [d[f"v{f}"] for d in dicts]
     total = sum(len(v) for v in values)
     samples = np.sort(np.concatenate([v[:: max(1, len(v) // 64)] for v in values] or [[]]).astype(np.uint64))
@@ -254,8 +263,12 @@ def _place(part: str, split: PartSplit, work: Path, opts: Options, where: _Place
     key = (~train) * per_split + shard  # (split, shard), row-major
     small = np.uint16 if 2 * per_split <= 1 << 16 else np.int64  # 16 bits: a radix sort
     order = np.argsort(key.astype(small), kind="stable")
-    arrays = {"dense": np.load(_part_file(work, part, "dense")), "ids": ids,
-              "labels": np.load(_part_file(work, part, "labels")), "pos": within.astype(np.int32)}  # fmt: skip
+    arrays = {
+        "dense": np.load(_part_file(work, part, "dense")),
+        "ids": ids,
+        "labels": np.load(_part_file(work, part, "labels")),
+        "pos": within.astype(np.int32),
+    }
     for name, a in arrays.items():
         np.save(_part_file(work, part, f"out_{name}"), a[order])
     for name in ("dense", "labels", "codes", "tkeys", "tkeys_sorted"):
@@ -264,16 +277,26 @@ def _place(part: str, split: PartSplit, work: Path, opts: Options, where: _Place
     return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
 
 
-def _assemble(split: int, shard: int, rows: int, parts: Sequence[str], starts: np.ndarray,
-              counts: np.ndarray, work: Path, root: Path) -> None:  # fmt: skip
+def _assemble(
+    split: int,
+    shard: int,
+    rows: int,
+    parts: Sequence[str],
+    starts: np.ndarray,
+    counts: np.ndarray,
+    work: Path,
+    root: Path,
+) -> None:
     """Phase 4: shard ``shard`` of ``split`` from every part's rows for it, in place order."""
     out = None
     for p, part in enumerate(parts):
         lo, n = starts[p, split, shard], counts[p, split, shard]
         if not n:
             continue
-        got = {k: np.load(_part_file(work, part, f"out_{k}"), mmap_mode="r")[lo : lo + n]
-               for k in ("dense", "ids", "labels", "pos")}  # fmt: skip
+        got = {
+            k: np.load(_part_file(work, part, f"out_{k}"), mmap_mode="r")[lo : lo + n]
+            for k in ("dense", "ids", "labels", "pos")
+        }
         if out is None:
             out = {k: np.empty((rows, *v.shape[1:]), v.dtype) for k, v in got.items() if k != "pos"}
         at = got["pos"]  # the row's place in its shard
@@ -285,9 +308,14 @@ def _assemble(split: int, shard: int, rows: int, parts: Sequence[str], starts: n
 # ---------------------------------------------------------------- the driver
 
 
-def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Options,
-                  val_inputs: Sequence[str] = (), meta: Callable[[dict], dict] = lambda extra: {},
-                  ) -> PreprocessReport:  # fmt: skip
+def write_dataset(
+    parser,
+    inputs: Sequence[str],
+    output: str | Path,
+    opts: Options,
+    val_inputs: Sequence[str] = (),
+    meta: Callable[[dict], dict] = lambda extra: {},
+) -> PreprocessReport:
     """Preprocess ``inputs`` (and ``val_inputs``, whole files for the val split) with
     ``parser`` into the sharded layout of :mod:`dlrm_jax.data.shards` at ``output``. A full
     disk is one line naming the output and the space it takes (nothing is left behind); a
@@ -300,9 +328,11 @@ def write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Optio
         need = 2 * sum(os.path.getsize(p) for p in [*inputs, *val_inputs] if os.path.isfile(p))
         if e.errno != errno.ENOSPC and not (" requested and " in str(e) and free < need):
             raise  # numpy's short writes carry no errno: a full disk is told by the free space
-        raise OSError(f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
-                      f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
-                      f"free space or choose another --output; nothing was written") from None
+        raise OSError(
+            f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
+            f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
+            f"free space or choose another --output; nothing was written"
+        ) from None
 
 
 def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
@@ -316,12 +346,20 @@ def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
     train = {key(p): p for p in inputs}
     for p in val_inputs:
         if key(p) in train:
-            raise ValueError(f"--val-input {p}: also an --input ({train[key(p)]}): its rows would be trained on and "
-                             f"then scored as held out; give the validation file(s) only once, to --val-input")
+            raise ValueError(
+                f"--val-input {p}: also an --input ({train[key(p)]}): its rows would be trained on and "
+                f"then scored as held out; give the validation file(s) only once, to --val-input"
+            )
 
 
-def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Options, val_inputs: Sequence[str],
-                   meta: Callable[[dict], dict]) -> PreprocessReport:
+def _write_dataset(
+    parser,
+    inputs: Sequence[str],
+    output: str | Path,
+    opts: Options,
+    val_inputs: Sequence[str],
+    meta: Callable[[dict], dict],
+) -> PreprocessReport:
     t0, seconds = time.perf_counter(), {}
     paths, val_paths = [str(p) for p in inputs], [str(p) for p in val_inputs]
     tasks = [(t, 0) for t in parser.tasks(paths)] + [(t, 1) for t in parser.tasks(val_paths)]
@@ -340,22 +378,51 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         count_files, counted_rows = [f"{name}.dict.npz" for name in names], valid
         if opts.vocab_from == "train" and n_val:  # parts holding val rows count their train rows
             mixed = [k for k, s in enumerate(plan.parts) if s.train < s.rows]
-            for k, file in zip(mixed, pmap(_train_counts, [names[k] for k in mixed], [plan.parts[k] for k in mixed],
-                                           [work] * len(mixed), [F] * len(mixed)), strict=True):  # fmt: skip
+            for k, file in zip(
+                mixed,
+                pmap(
+                    _train_counts,
+                    [names[k] for k in mixed],
+                    [plan.parts[k] for k in mixed],
+                    [work] * len(mixed),
+                    [F] * len(mixed),
+                ),
+                strict=True,
+            ):
                 count_files[k] = file
             counted_rows = n_train
         (out.root / "vocab").mkdir()
-        cards = list(pmap(_merge_feature, range(F), [names] * F, [count_files] * F, [work] * F, [out.root] * F,
-                          [opts] * F, [counted_rows] * F))  # fmt: skip
+        cards = list(
+            pmap(
+                _merge_feature,
+                range(F),
+                [names] * F,
+                [count_files] * F,
+                [work] * F,
+                [out.root] * F,
+                [opts] * F,
+                [counted_rows] * F,
+            )
+        )
         if opts.multi_hot:
             MultiHotRule(cards, opts.multi_hot).save(work / "multihot")
         seconds["vocabulary"] = time.perf_counter() - t0 - seconds["scan"]
         bags = tuple(opts.multi_hot) if opts.multi_hot else (1,) * parser.num_features
         row_bytes = 4 * (parser.num_dense + sum(bags) + 1)
-        where = _Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes),
-                           opts.shuffle_seed)  # fmt: skip
-        counts = np.stack(list(pmap(_place, names, plan.parts, [work] * len(names), [opts] * len(names),
-                                    [where] * len(names), [parser.num_features] * len(names))))  # fmt: skip
+        where = _Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes), opts.shuffle_seed)
+        counts = np.stack(
+            list(
+                pmap(
+                    _place,
+                    names,
+                    plan.parts,
+                    [work] * len(names),
+                    [opts] * len(names),
+                    [where] * len(names),
+                    [parser.num_features] * len(names),
+                )
+            )
+        )
         flat = counts.reshape(len(names), -1)  # a part's rows are sorted by (split, shard)
         starts = (np.cumsum(flat, axis=1) - flat).reshape(counts.shape)
         jobs = [(s, k, rows) for s in (0, 1) for k, rows in enumerate(where.shards(s))]
@@ -366,27 +433,51 @@ def _write_dataset(parser, inputs: Sequence[str], output: str | Path, opts: Opti
         seconds["write"] = time.perf_counter() - t0 - seconds["scan"] - seconds["vocabulary"]
         hists = [np.load(work / f"hist_{f}.npz") for f in range(parser.num_features)]
         if not opts.multi_hot:  # bags' other ids are not counted: hot planning counts batches instead
-            np.savez(out.root / shards.SPLITS[0] / shards.ID_COUNTS_FILE,
-                     **{f"ids_{f}": h["ids"] for f, h in enumerate(hists)},
-                     **{f"counts_{f}": h["counts"] for f, h in enumerate(hists)})  # fmt: skip
+            np.savez(
+                out.root / shards.SPLITS[0] / shards.ID_COUNTS_FILE,
+                **{f"ids_{f}": h["ids"] for f, h in enumerate(hists)},
+                **{f"counts_{f}": h["counts"] for f, h in enumerate(hists)},
+            )
         by_reason = sum((Counter(r["by_reason"]) for r in results), Counter())
         extra = _sum_extra(r["extra"] for r in results)
-        out.commit({
-            "num_dense": parser.num_dense, "cardinalities": cards, "bag_sizes": list(bags),
-            "train_rows": n_train, "val_rows": n_val, "shard_rows": where.shard_rows,
-            "shards": {"train": where.shards(0), "val": where.shards(1)},
-            "shuffled": opts.shuffle_seed is not None, "shuffle_seed": opts.shuffle_seed,
-            "max_ind_range": opts.max_ind_range, "min_count": opts.min_count, "vocab_from": opts.vocab_from,
-            "val_fraction": 0.0 if val_paths else opts.val_fraction, **plan.meta(),
-            "inputs": [str(Path(p).resolve()) for p in paths],
-            "val_inputs": [str(Path(p).resolve()) for p in val_paths],
-            "lines_read": sum(r["lines"] for r in results), "skipped": by_reason.total(),
-            "skipped_by_reason": dict(by_reason), **meta(extra),
-        })  # fmt: skip
+        out.commit(
+            {
+                "num_dense": parser.num_dense,
+                "cardinalities": cards,
+                "bag_sizes": list(bags),
+                "train_rows": n_train,
+                "val_rows": n_val,
+                "shard_rows": where.shard_rows,
+                "shards": {"train": where.shards(0), "val": where.shards(1)},
+                "shuffled": opts.shuffle_seed is not None,
+                "shuffle_seed": opts.shuffle_seed,
+                "max_ind_range": opts.max_ind_range,
+                "min_count": opts.min_count,
+                "vocab_from": opts.vocab_from,
+                "val_fraction": 0.0 if val_paths else opts.val_fraction,
+                **plan.meta(),
+                "inputs": [str(Path(p).resolve()) for p in paths],
+                "val_inputs": [str(Path(p).resolve()) for p in val_paths],
+                "lines_read": sum(r["lines"] for r in results),
+                "skipped": by_reason.total(),
+                "skipped_by_reason": dict(by_reason),
+                **meta(extra),
+            }
+        )
     seconds["total"] = time.perf_counter() - t0
-    return PreprocessReport(sum(r["lines"] for r in results), n_train, n_val, by_reason.total(),
-                            dict(by_reason), tuple(_examples(results, tasks)), tuple(cards), str(output),
-                            seconds, plan.describe(), opts.vocab_from)  # fmt: skip
+    return PreprocessReport(
+        sum(r["lines"] for r in results),
+        n_train,
+        n_val,
+        by_reason.total(),
+        dict(by_reason),
+        tuple(_examples(results, tasks)),
+        tuple(cards),
+        str(output),
+        seconds,
+        plan.describe(),
+        opts.vocab_from,
+    )
 
 
 def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) -> list[dict]:
@@ -396,8 +487,9 @@ def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) 
     sizes = [(t.end - t.start) if t.end >= 0 else Path(t.path).stat().st_size for t, _ in tasks]
     n = len(tasks)
     with byte_progress(paths, "scan", opts.progress) as bar:
-        scanned = pmap(_scan, [parser] * n, [t for t, _ in tasks], range(n), [work] * n,
-                       [opts.max_ind_range] * n, [strict] * n)  # fmt: skip
+        scanned = pmap(
+            _scan, [parser] * n, [t for t, _ in tasks], range(n), [work] * n, [opts.max_ind_range] * n, [strict] * n
+        )
         for (task, _), size, r in zip(tasks, sizes, scanned, strict=True):
             r["first_line"] = lines_before[task.path]
             if strict and r["bad"]:
@@ -411,8 +503,11 @@ def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) 
 
 def _examples(results: list[dict], tasks) -> Iterable[str]:
     """The first few skipped lines as ``path:line: reason``, in input order."""
-    found = (f"{task.path}:{r['first_line'] + lineno}: {message}"
-             for r, (task, _) in zip(results, tasks, strict=True) for lineno, _, message in r["bad"])  # fmt: skip
+    found = (
+        f"{task.path}:{r['first_line'] + lineno}: {message}"
+        for r, (task, _) in zip(results, tasks, strict=True)
+        for lineno, _, message in r["bad"]
+    )
     return list(found)[:_EXAMPLES]
 
 

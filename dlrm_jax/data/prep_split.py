@@ -101,8 +101,9 @@ class SplitPlan:
         return {"split": self.kind.value, "split_by": self.column, "split_threshold": self.threshold}
 
 
-def plan_split(parts: Sequence[tuple[str, int, int]], work: Path, val_fraction: float, by_files: bool,
-               column: str | None) -> SplitPlan:  # fmt: skip
+def plan_split(
+    parts: Sequence[tuple[str, int, int]], work: Path, val_fraction: float, by_files: bool, column: str | None
+) -> SplitPlan:
     """The split of ``parts`` ((name, rows, 1 if from a --val-input file else 0), in input
     order): whole files with ``by_files``, else by ``column``'s times when the format has one
     (saved by the scan), else the tail."""
@@ -128,8 +129,17 @@ def plan_split(parts: Sequence[tuple[str, int, int]], work: Path, val_fraction: 
     return _plan(SplitKind.TIME, rows, train, n_train, n_val, column, t, ties, val_fraction)
 
 
-def _plan(kind: SplitKind, rows: list[int], train: list[int], n_train: int, n_val: int, column=None,
-          threshold: int | None = None, ties=None, val_fraction: float = 0.0) -> SplitPlan:  # fmt: skip
+def _plan(
+    kind: SplitKind,
+    rows: list[int],
+    train: list[int],
+    n_train: int,
+    n_val: int,
+    column=None,
+    threshold: int | None = None,
+    ties=None,
+    val_fraction: float = 0.0,
+) -> SplitPlan:
     """A plan from each part's number of train rows (the first ones when ``threshold`` is
     None)."""
     out, tb, vb = [], 0, 0

@@ -87,8 +87,7 @@ def open_input(path: str | Path, error: type[Exception] = DataFormatError) -> It
 def byte_progress(paths: Sequence[str], desc: str, progress: bool) -> tqdm:
     """A tqdm bar over the bytes of ``paths`` on disk (compressed size for gzipped files)."""
     total = sum(Path(p).stat().st_size for p in paths)
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=not progress)  # fmt: skip
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress)
 
 
 def hash_ids(values: np.ndarray, rows: Sequence[int] | int) -> np.ndarray:
@@ -138,27 +137,38 @@ class PreprocessReport:
     vocab_from: str = ""  # the rows whose values were counted into ids: train | all
 
     def summary(self) -> str:
-        text = (f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
-                f"{self.lines_read} lines, {self.skipped} skipped")  # fmt: skip
+        text = (
+            f"{self.output}: {self.train_rows} train + {self.val_rows} val rows from "
+            f"{self.lines_read} lines, {self.skipped} skipped"
+        )
         if self.skipped:
             reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped_by_reason.items()))
             text += f" ({reasons})\n  " + "\n  ".join(self.skipped_examples)
         if self.split:
             text += f"\n  {self.split}"
         if self.vocab_from:
-            text += "\n  ids counted on " + ("train rows (values seen only in val rows: out of the vocabulary)"
-                                            if self.vocab_from == "train" else "all rows, train and val")  # fmt: skip
+            text += "\n  ids counted on " + (
+                "train rows (values seen only in val rows: out of the vocabulary)"
+                if self.vocab_from == "train"
+                else "all rows, train and val"
+            )
         text += f"\n  cardinalities: {list(self.cardinalities)}"
         if self.seconds:
             text += "\n  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
         return text
 
 
-def check_arguments(caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines,
-                    vocab_from: str = "train") -> None:  # fmt: skip
-    needs = {"input files": len(inputs) > 0, "max_ind_range >= 0": max_ind_range >= 0,
-             "min_count >= 1": min_count >= 1, "0 <= val_fraction < 1": 0 <= val_fraction < 1,
-             "chunk_lines >= 1": chunk_lines >= 1, "vocab_from 'train' or 'all'": vocab_from in VOCAB_FROM}  # fmt: skip
+def check_arguments(
+    caller: str, inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from: str = "train"
+) -> None:
+    needs = {
+        "input files": len(inputs) > 0,
+        "max_ind_range >= 0": max_ind_range >= 0,
+        "min_count >= 1": min_count >= 1,
+        "0 <= val_fraction < 1": 0 <= val_fraction < 1,
+        "chunk_lines >= 1": chunk_lines >= 1,
+        "vocab_from 'train' or 'all'": vocab_from in VOCAB_FROM,
+    }
     for need, ok in needs.items():
         if not ok:
             raise ValueError(f"{caller}: needs {need}")

@@ -70,8 +70,9 @@ def read_meta(path: str | Path) -> dict:
         raise BinaryFormatError(f"{file}: cannot be read as JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         found = meta.get("format_version") if isinstance(meta, dict) else None
-        raise BinaryFormatError(f"{file}: format_version {found!r} is not supported (expected "
-                                f"{FORMAT_VERSION}); preprocess the data again")  # fmt: skip
+        raise BinaryFormatError(
+            f"{file}: format_version {found!r} is not supported (expected {FORMAT_VERSION}); preprocess the data again"
+        )
     missing = [k for k in _META_KEYS if k not in meta]
     if missing:
         raise BinaryFormatError(f"{file}: missing key(s) {', '.join(missing)}")
@@ -129,13 +130,17 @@ def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, Arr
             raise BinaryFormatError(f"{file}: cannot be read as a .npy array ({e})") from None
         want = (rows, widths[name]) if name in widths else (rows,)
         if shape != want or found != dtype or fortran:
-            raise BinaryFormatError(f"{file}: expected {np.dtype(dtype).name} {list(want)} (from "
-                                    f"meta.json and the config), found {found.name} {list(shape)}")  # fmt: skip
+            raise BinaryFormatError(
+                f"{file}: expected {np.dtype(dtype).name} {list(want)} (from "
+                f"meta.json and the config), found {found.name} {list(shape)}"
+            )
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * found.itemsize
         size = file.stat().st_size
         if size < offset + rows * row_bytes:  # a truncated file: its header still says every row
-            raise BinaryFormatError(f"{file}: truncated: {size:,} bytes, its {rows:,} rows need "
-                                    f"{offset + rows * row_bytes:,}; preprocess the data again")
+            raise BinaryFormatError(
+                f"{file}: truncated: {size:,} bytes, its {rows:,} rows need "
+                f"{offset + rows * row_bytes:,}; preprocess the data again"
+            )
         arrays[name] = ArrayFile(file, offset, row_bytes, shape, found)
     return arrays
 
@@ -147,7 +152,9 @@ def verify_shard(folder: str | Path) -> int:
         info = json.loads((folder / SHARD_FILE).read_text())
         rows, crcs = int(info["rows"]), info["crc32"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BinaryFormatError(f"{folder / SHARD_FILE}: missing or unreadable ({e}); the shard is incomplete") from None
+        raise BinaryFormatError(
+            f"{folder / SHARD_FILE}: missing or unreadable ({e}); the shard is incomplete"
+        ) from None
     for name in ARRAY_DTYPES:
         a = np.load(folder / f"{name}.npy", mmap_mode="r")
         if len(a) != rows or zlib.crc32(np.ascontiguousarray(a).data) != crcs[name]:
@@ -221,8 +228,11 @@ class DatasetDir:
 def load_split(path: str | Path, split: str) -> dict[str, np.ndarray]:
     """A whole split's arrays, its shards concatenated in order (small datasets, inspection)."""
     meta, root = read_meta(path), Path(path)
-    parts = [{k: np.load(root / split / shard_name(i) / f"{k}.npy") for k in ARRAY_DTYPES}
-             for i, n in enumerate(meta["shards"][split]) if n]  # fmt: skip
+    parts = [
+        {k: np.load(root / split / shard_name(i) / f"{k}.npy") for k in ARRAY_DTYPES}
+        for i, n in enumerate(meta["shards"][split])
+        if n
+    ]
     if not parts:
         width = {"dense": (int(meta["num_dense"]),), "ids": (sum(meta["bag_sizes"]),), "labels": ()}
         return {k: np.zeros((0, *width[k]), d) for k, d in ARRAY_DTYPES.items()}

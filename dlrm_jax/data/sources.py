@@ -17,20 +17,27 @@ def check_data_path(cfg) -> None:
     if d.source == "binary":
         path = Path(d.path)
         if not path.exists():
-            raise ConfigError(f"data.path={d.path}: no such folder; data.source=binary reads a folder made by "
-                              f"`dlrm-jax preprocess`")
+            raise ConfigError(
+                f"data.path={d.path}: no such folder; data.source=binary reads a folder made by `dlrm-jax preprocess`"
+            )
         if not path.is_dir():
-            raise ConfigError(f"data.path={d.path}: a file, and data.source=binary reads a folder made by "
-                              f"`dlrm-jax preprocess`; for a Criteo text file use data.source=criteo, or "
-                              f"preprocess it first")
+            raise ConfigError(
+                f"data.path={d.path}: a file, and data.source=binary reads a folder made by "
+                f"`dlrm-jax preprocess`; for a Criteo text file use data.source=criteo, or "
+                f"preprocess it first"
+            )
         if not (path / "meta.json").is_file():
-            raise ConfigError(f"data.path={d.path}: no meta.json in this folder; data.source=binary reads a "
-                              f"folder made by `dlrm-jax preprocess`")
+            raise ConfigError(
+                f"data.path={d.path}: no meta.json in this folder; data.source=binary reads a "
+                f"folder made by `dlrm-jax preprocess`"
+            )
     elif d.source == "criteo":
         for p in (p.strip() for p in d.path.split(",") if p.strip()):
             if Path(p).is_dir():
-                raise ConfigError(f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
-                                  f"for a folder made by `dlrm-jax preprocess` use data.source=binary")
+                raise ConfigError(
+                    f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
+                    f"for a folder made by `dlrm-jax preprocess` use data.source=binary"
+                )
             if not Path(p).is_file():
                 raise ConfigError(f"data.path={p}: no such file (data.source=criteo reads Criteo text files)")
 
@@ -56,8 +63,9 @@ def resolve_data_config(cfg):
     try:
         return check_features(cfg)
     except ConfigError as e:
-        raise ConfigError(f"{e} (with the {num_dense} dense and {len(cards)} categorical features of "
-                          f"data.path={cfg.data.path})") from None
+        raise ConfigError(
+            f"{e} (with the {num_dense} dense and {len(cards)} categorical features of data.path={cfg.data.path})"
+        ) from None
 
 
 def cap_note(cfg) -> str:
@@ -69,13 +77,16 @@ def cap_note(cfg) -> str:
     if not capped:
         return ""
     largest, f = max(capped)
-    return (f"data.max_rows={cfg.row_cap:,} hashes {len(capped)} of the dataset's {cfg.num_features} tables into "
-            f"{cfg.row_cap:,} rows (the largest, cat_{f}, has {largest:,} values); data.max_rows=0 keeps every "
-            f"table at its own size")
+    return (
+        f"data.max_rows={cfg.row_cap:,} hashes {len(capped)} of the dataset's {cfg.num_features} tables into "
+        f"{cfg.row_cap:,} rows (the largest, cat_{f}, has {largest:,} values); data.max_rows=0 keeps every "
+        f"table at its own size"
+    )
 
 
-def make_source(cfg, process_index: int = 0, process_count: int = 1, *, trains: bool = True,
-                evaluates: bool = False) -> DataSource:
+def make_source(
+    cfg, process_index: int = 0, process_count: int = 1, *, trains: bool = True, evaluates: bool = False
+) -> DataSource:
     """The data source for ``cfg.data.source``; each process reads its slice of every batch.
 
     ``trains``: a train split shorter than one batch is refused (each batch would hold rows more
@@ -102,11 +113,17 @@ def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: 
     """The ConfigError of a dataset too small for the run (see :func:`make_source`)."""
     where, batch = f"data.path={cfg.data.path}", cfg.train.batch_size
     if trains and num_train < batch:
-        raise ConfigError(f"{where}: the train split has {num_train:,} rows, fewer than one batch "
-                          f"(train.batch_size={batch:,}), so every batch would hold rows more than once; "
-                          f"use train.batch_size <= {num_train:,} or more data")
+        raise ConfigError(
+            f"{where}: the train split has {num_train:,} rows, fewer than one batch "
+            f"(train.batch_size={batch:,}), so every batch would hold rows more than once; "
+            f"use train.batch_size <= {num_train:,} or more data"
+        )
     if evaluates and num_val == 0:
-        how = ("a data.val_fraction that holds out some lines" if cfg.data.source == "criteo"
-               else "data preprocessed with --val-fraction or --val-input")
-        raise ConfigError(f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at "
-                          f"the end); use {how}")
+        how = (
+            "a data.val_fraction that holds out some lines"
+            if cfg.data.source == "criteo"
+            else "data preprocessed with --val-fraction or --val-input"
+        )
+        raise ConfigError(
+            f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at the end); use {how}"
+        )

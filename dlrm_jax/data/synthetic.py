@@ -103,9 +103,17 @@ class _Tables(NamedTuple):
 class SyntheticGenerator:
     """Draws raw Criteo-shaped samples and their labels; see the module docstring."""
 
-    def __init__(self, *, seed: int, num_dense: int, table_rows: tuple[int, ...],
-                 bag_sizes: tuple[int, ...], zipf_exponent: float, positive_rate: float,
-                 id_layout: str = "permuted"):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        seed: int,
+        num_dense: int,
+        table_rows: tuple[int, ...],
+        bag_sizes: tuple[int, ...],
+        zipf_exponent: float,
+        positive_rate: float,
+        id_layout: str = "permuted",
+    ):
         self.seed, self.num_dense = seed, num_dense
         self.table_rows, self.bag_sizes = tuple(table_rows), tuple(bag_sizes)
         self.zipf_exponent, self.permuted = zipf_exponent, id_layout == "permuted"
@@ -117,8 +125,7 @@ class SyntheticGenerator:
         dense_w = params.normal(0.0, 0.35, num_dense)
         feature_w = params.uniform(0.3, 1.0, len(table_rows))
         nf = len(table_rows)
-        self._pairs = [tuple(int(f) for f in params.choice(nf, 2, replace=False))
-                       for _ in range(min(8, nf // 2))]  # fmt: skip
+        self._pairs = [tuple(int(f) for f in params.choice(nf, 2, replace=False)) for _ in range(min(8, nf // 2))]
         self.host = self._tables(dense_w, feature_w)
         bias = round(self._calibrate(positive_rate) * 2**_FIX)
         self.host = self.host._replace(bias=np.int32(bias))
@@ -126,13 +133,15 @@ class SyntheticGenerator:
     def _tables(self, dense_w: np.ndarray, feature_w: np.ndarray) -> _Tables:
         rows = self.table_rows
         perm = [_permutation(r, f) if self.permuted else (1, 0) for f, r in enumerate(rows)]
-        slot = lambda v, dtype=np.uint32: np.asarray(v, dtype)[self.slot_feature]  # noqa: E731
+        slot = lambda v, dtype=np.uint32: np.asarray(v, dtype)[self.slot_feature]
         count_bins = [_count_bins(mu) for mu in self._count_mu] or [np.ones((2, 1), np.int32)]
         return _Tables(
             id_bins=np.concatenate([_zipf_bins(r, self.zipf_exponent) for r in rows], axis=1),
             id_base=slot(np.arange(len(rows)) * (2 * _BINS - 1), np.int32),
-            id_mult=slot([m for m, _ in perm]), id_shift=slot([s for _, s in perm]),
-            id_rows=slot(rows), id_inv=slot(1 / np.asarray(rows, np.float32), np.float32),
+            id_mult=slot([m for m, _ in perm]),
+            id_shift=slot([s for _, s in perm]),
+            id_rows=slot(rows),
+            id_inv=slot(1 / np.asarray(rows, np.float32), np.float32),
             id_key=slot([_fold(self.seed, _SCORE, f) for f in range(len(rows))]),
             count_bins=np.concatenate(count_bins, axis=1),
             count_base=np.arange(self.num_dense, dtype=np.int32) * (2 * _BINS - 1),
@@ -140,7 +149,8 @@ class SyntheticGenerator:
             log1p=normalise_dense(np.arange(max(lo[-1] + w[-1] for lo, w in count_bins)), False),
             dense_w=np.round(dense_w * 2 ** (_FIX - 8)).astype(np.int32),
             feature_w=np.round(feature_w * 2**_FIX / _BYTES_STD).astype(np.int32),
-            bias=np.int32(0))  # fmt: skip
+            bias=np.int32(0),
+        )
 
     # ---------------------------------------------------------------- the definition
     # Arrays are field-major, [fields, n] (``_dn``: D dense columns, ``_sn``: S slots): XLA:CPU
@@ -165,7 +175,7 @@ class SyntheticGenerator:
         return counts_dn, missing_dn, self._ids(xp, t, key_n)
 
     def _ids(self, xp, t: _Tables, key_n):
-        column = lambda v: v[:, None]  # noqa: E731 - a per-slot constant against the rows
+        column = lambda v: v[:, None]  # a per-slot constant against the rows
         rank_sn = _draw_fields(xp, t.id_bins, t.id_base, key_n, _ID, len(self.slot_feature))
         if self.permuted:
             rank_sn = _permute(xp, rank_sn, *map(column, (t.id_mult, t.id_shift, t.id_rows, t.id_inv)))
@@ -219,8 +229,7 @@ class SyntheticGenerator:
         id (uniform, std ``_BYTES_STD``), averaged over the bag."""
         a, b = self.spans[f]
         w_bn = mix32(word_sn[a:b] ^ _fields(_VECTOR, 1)[0], xp)
-        parts = [((w_bn >> 8 * k) & xp.uint32(0xFF)).astype(xp.int32) * 2 - 255
-                 for k in range(_LATENT)]  # fmt: skip
+        parts = [((w_bn >> 8 * k) & xp.uint32(0xFF)).astype(xp.int32) * 2 - 255 for k in range(_LATENT)]
         if b - a == 1:
             return [p[0] for p in parts]
         return [_bag_mean(xp, p, valid_sn[a:b]) for p in parts]
@@ -293,11 +302,11 @@ class _DeviceBatches:
         if self.per * math.prod(mesh.shape[a] for a in axes) != global_batch:
             raise ValueError(f"batch {global_batch} does not split evenly over {axes} of {mesh}")
         everywhere = NamedSharding(mesh, P())  # make_array_*: also with several processes
-        self.tables = jax.tree.map(lambda x: jax.make_array_from_callback(
-            np.shape(x), everywhere, lambda i: np.asarray(x)[i]), gen.host)
+        self.tables = jax.tree.map(
+            lambda x: jax.make_array_from_callback(np.shape(x), everywhere, lambda i: np.asarray(x)[i]), gen.host
+        )
         rows, fields = P(axes), P(None, axes)  # [n] and field-major [m, n], split by rows
-        on_devices = lambda fn, ins, outs: jax.jit(jax.shard_map(  # noqa: E731
-            fn, mesh=mesh, in_specs=(P(), *ins), out_specs=outs))
+        on_devices = lambda fn, ins, outs: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), *ins), out_specs=outs))
         self.keys = on_devices(self._keys, [P()], rows)
         self.features = on_devices(self._features, [rows], (fields, fields, rows))
         self.finish = on_devices(self._finish, [rows, fields, fields], (fields, rows))
@@ -359,9 +368,13 @@ class SyntheticSource:
 
     def __init__(self, cfg, process_index: int = 0, process_count: int = 1):
         self.generator = SyntheticGenerator(
-            seed=cfg.train.seed, num_dense=cfg.data.num_dense, table_rows=cfg.table_rows,
-            bag_sizes=cfg.bag_sizes, zipf_exponent=cfg.data.zipf_exponent,
-            positive_rate=cfg.data.positive_rate, id_layout=cfg.data.id_layout,
+            seed=cfg.train.seed,
+            num_dense=cfg.data.num_dense,
+            table_rows=cfg.table_rows,
+            bag_sizes=cfg.bag_sizes,
+            zipf_exponent=cfg.data.zipf_exponent,
+            positive_rate=cfg.data.positive_rate,
+            id_layout=cfg.data.id_layout,
         )
         self.global_batch = cfg.train.batch_size
         self._rows = process_slice(cfg.train.batch_size, process_index, process_count)
@@ -386,5 +399,6 @@ class SyntheticSource:
     def eval_logits(self) -> np.ndarray:
         """The hidden model's logits for :meth:`eval_batches`' samples, in their order."""
         rows = self._rows
-        return np.concatenate([self.generator.logits(EVAL_STREAM, i, rows.start, rows.stop)
-                               for i in range(self._eval_batches)])  # fmt: skip
+        return np.concatenate(
+            [self.generator.logits(EVAL_STREAM, i, rows.start, rows.stop) for i in range(self._eval_batches)]
+        )

@@ -156,8 +156,9 @@ def _permute(xp, rank, mult, shift, rows, inv_rows):
     return xp.where(r >= n, r - n, r)
 
 
-def zipf_ids(rng: np.random.Generator, rows: int, exponent: float, size, feature: int,
-             permuted: bool = True) -> np.ndarray:
+def zipf_ids(
+    rng: np.random.Generator, rows: int, exponent: float, size, feature: int, permuted: bool = True
+) -> np.ndarray:
     """Ids in [0, rows) whose popularity falls off as rank**-exponent, drawn as the generator
     draws them from ``rng``'s words: the hot ids scattered over the table (``permuted``) or the
     first rows (a frequency-ordered vocabulary, as ``preprocess`` makes)."""

@@ -138,8 +138,14 @@ def _times(schema: TabularSchema, texts: Sequence[str | None], problems: Problem
     if len(bad):  # not numbers: dates?
         x[bad] = _iso_seconds([texts[i] for i in bad.tolist()])
     for i in np.flatnonzero(missing | ~np.isfinite(x)).tolist():
-        problems.setdefault(i, ("split_by", f"split_by column {schema.split_by} is {_show(texts[i] or '')}, "
-                                            f"expected a number or a date (YYYY-MM-DD[ HH:MM:SS])"))  # fmt: skip
+        problems.setdefault(
+            i,
+            (
+                "split_by",
+                f"split_by column {schema.split_by} is {_show(texts[i] or '')}, "
+                f"expected a number or a date (YYYY-MM-DD[ HH:MM:SS])",
+            ),
+        )
     return x
 
 
@@ -182,7 +188,9 @@ def _convert(schema: TabularSchema, join: str, cols: dict, problems: Problems) -
             bad = np.union1d(bad, np.flatnonzero(np.abs(x) > _F32_MAX))
         for i in bad.tolist():
             text = cols[f.column.key][i]
-            problems.setdefault(i, ("dense field", f"dense column {f.column} is {_show(text)}, expected a finite number"))
+            problems.setdefault(
+                i, ("dense field", f"dense column {f.column} is {_show(text)}, expected a finite number")
+            )
         x[bad] = 0
         dense.append(normalise_dense(x, missing) if f.transform == "log1p" else x.astype(np.float32))
     for f in (f for f in schema.categorical if f.column.join == join):
@@ -296,20 +304,33 @@ def preprocess_tabular(
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
     joins, names = dict(joins or {}), [j.name for j in schema.joins]
     if sorted(joins) != sorted(names):
-        raise SchemaError(f"{schema.path}: joins: the schema joins {names or 'no side file'}; give "
-                          f"exactly those files (--join NAME=PATH), got {sorted(joins) or 'none'}")  # fmt: skip
+        raise SchemaError(
+            f"{schema.path}: joins: the schema joins {names or 'no side file'}; give "
+            f"exactly those files (--join NAME=PATH), got {sorted(joins) or 'none'}"
+        )
     shards.check_output_target(output)  # before reading side files
     log = SkipLog(skip_bad_lines)
     sides = {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
-    opts = Options(max_ind_range=max_ind_range, min_count=min_count, vocab_from=vocab_from, val_fraction=val_fraction,
-                   shuffle_seed=shuffle_seed, shard_mb=shard_mb, workers=workers or default_workers(),
-                   skip_bad_lines=skip_bad_lines, progress=progress)  # fmt: skip
+    opts = Options(
+        max_ind_range=max_ind_range,
+        min_count=min_count,
+        vocab_from=vocab_from,
+        val_fraction=val_fraction,
+        shuffle_seed=shuffle_seed,
+        shard_mb=shard_mb,
+        workers=workers or default_workers(),
+        skip_bad_lines=skip_bad_lines,
+        progress=progress,
+    )
 
     def meta(extra: dict) -> dict:
-        return {"schema": str(Path(schema.path).resolve()), "dense_features": [f.name for f in schema.dense],
-                "categorical_features": [f.name for f in schema.categorical],
-                "joins": {k: str(Path(v).resolve()) for k, v in joins.items()},
-                "join_misses": {k: extra.get("join_misses", {}).get(k, 0) for k in names}}  # fmt: skip
+        return {
+            "schema": str(Path(schema.path).resolve()),
+            "dense_features": [f.name for f in schema.dense],
+            "categorical_features": [f.name for f in schema.categorical],
+            "joins": {k: str(Path(v).resolve()) for k, v in joins.items()},
+            "join_misses": {k: extra.get("join_misses", {}).get(k, 0) for k in names},
+        }
 
     report = write_dataset(TabularParser(schema, sides, chunk_lines), inputs, output, opts, val_inputs, meta)
     if log.by_reason:  # side files' skipped lines are counted with the main files'
@@ -319,12 +340,17 @@ def preprocess_tabular(
 
 def _with_side_skips(report: PreprocessReport, log: SkipLog) -> PreprocessReport:
     by_reason = Counter(report.skipped_by_reason) + log.by_reason
-    return dataclasses.replace(report, skipped=by_reason.total(), skipped_by_reason=dict(by_reason),
-                               skipped_examples=tuple(log.examples + list(report.skipped_examples))[:10])
+    return dataclasses.replace(
+        report,
+        skipped=by_reason.total(),
+        skipped_by_reason=dict(by_reason),
+        skipped_examples=tuple(log.examples + list(report.skipped_examples))[:10],
+    )
 
 
-def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Records, log: SkipLog,
-           misses: dict[str, int] | None) -> Chunk:  # fmt: skip
+def _chunk(
+    schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Records, log: SkipLog, misses: dict[str, int] | None
+) -> Chunk:
     """One chunk of the main file: columns converted, bad records reported, side files joined."""
     cols, problems = rec.columns(schema.wanted()), {}
     labels = _labels(schema, cols[schema.label.column.key], problems)
@@ -335,8 +361,14 @@ def _chunk(schema: TabularSchema, sides: dict[str, _Side], path: str, rec: Recor
     return Chunk(rec.count, values, empty, labels[keep], dense, None if times is None else times[keep])
 
 
-def _joined(schema: TabularSchema, sides: dict[str, _Side], cols: dict, main: _Part, keep: np.ndarray,
-            misses: dict[str, int] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _joined(
+    schema: TabularSchema,
+    sides: dict[str, _Side],
+    cols: dict,
+    main: _Part,
+    keep: np.ndarray,
+    misses: dict[str, int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dense, values, empty) of the kept records: the main file's features and the side files' rows."""
     parts = {"": main.take(keep)}
     for j in schema.joins:
@@ -360,8 +392,9 @@ def load_sides(schema: TabularSchema, joins: dict[str, str], log: SkipLog, chunk
     return {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
 
 
-def scoring_chunks(schema: TabularSchema, sides: dict, f, raw, path: str, first_line: bytes, log: SkipLog,
-                   chunk_lines: int, bar=None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+def scoring_chunks(
+    schema: TabularSchema, sides: dict, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Records of an open file to score, the label neither read nor checked: per chunk, (the
     line of every record in file order, the positions of the usable ones among them, and their
     dense, values, empty). A file whose header (or field count) shows no label column is read
@@ -387,9 +420,13 @@ def _without_label(schema: TabularSchema, first_line: bytes) -> tuple:
     layout = schema.layout
     if layout.format != "csv" or not isinstance(label, str) or label not in layout.columns:
         return layout, wanted
-    fields = [x.strip().strip('"') for x in first_line.decode(layout.encoding, "replace").rstrip("\r\n")
-              .split(layout.delimiter)]
-    header = layout.header is True or (bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields))
+    fields = [
+        x.strip().strip('"')
+        for x in first_line.decode(layout.encoding, "replace").rstrip("\r\n").split(layout.delimiter)
+    ]
+    header = layout.header is True or (
+        bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields)
+    )
     absent = label not in fields if header else len(fields) == len(layout.columns) - 1
     if absent:
         layout = dataclasses.replace(layout, columns=tuple(c for c in layout.columns if c != label))

@@ -71,8 +71,9 @@ def _split(lines: Iterator[str], layout: Layout) -> Iterator[tuple[int, int, obj
             text = line.rstrip("\r\n")
             yield lineno, lineno, text.split(layout.delimiter) if text else []
     else:
-        reader = csv.reader(lines, delimiter=layout.delimiter,
-                            quoting=csv.QUOTE_MINIMAL if layout.quoting else csv.QUOTE_NONE)  # fmt: skip
+        reader = csv.reader(
+            lines, delimiter=layout.delimiter, quoting=csv.QUOTE_MINIMAL if layout.quoting else csv.QUOTE_NONE
+        )
         while True:
             first = reader.line_num + 1
             try:
@@ -106,13 +107,15 @@ class _Columns:
         for w in wanted:
             if isinstance(w, str) and names.count(w) != 1:
                 found = "appears twice in" if w in names else "is not in"
-                raise DataFormatError(f"{path}:1: column {w!r} (named in the schema) {found} the "
-                                      f"header: {', '.join(names)}")  # fmt: skip
+                raise DataFormatError(
+                    f"{path}:1: column {w!r} (named in the schema) {found} the header: {', '.join(names)}"
+                )
         positions = [w if isinstance(w, int) else names.index(w) for w in wanted]
         self.needed = max(positions) + 1
         if self.width is not None and self.needed > self.width:
-            raise DataFormatError(f"{path}:1: the schema wants column {self.needed - 1} (0-based), "
-                                  f"the header names {self.width}")  # fmt: skip
+            raise DataFormatError(
+                f"{path}:1: the schema wants column {self.needed - 1} (0-based), the header names {self.width}"
+            )
         self.get = operator.itemgetter(*positions) if len(positions) > 1 else lambda r: (r[positions[0]],)
 
     def pick(self, record) -> tuple:
@@ -156,10 +159,14 @@ def _check_header(path: str, names: list[str], columns: tuple[str, ...]) -> None
     what += [f"unexpected {', '.join(extra)}"] if extra else []
     if not what:  # the same names, in another order or repeated
         k = next((i for i, (a, b) in enumerate(zip(names, columns, strict=False)) if a != b), None)
-        what = [f"column {k} is {names[k]}, expected {columns[k]}" if k is not None else
-                f"{len(names)} names, expected {len(columns)}"]  # fmt: skip
-    raise DataFormatError(f"{path}:1: the header does not match the schema's columns ({'; '.join(what)}); "
-                          f"expected: {', '.join(columns)}")  # fmt: skip
+        what = [
+            f"column {k} is {names[k]}, expected {columns[k]}"
+            if k is not None
+            else f"{len(names)} names, expected {len(columns)}"
+        ]
+    raise DataFormatError(
+        f"{path}:1: the header does not match the schema's columns ({'; '.join(what)}); expected: {', '.join(columns)}"
+    )
 
 
 def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None) -> Iterator[Records]:
@@ -168,8 +175,9 @@ def read_records(path: str, layout: Layout, wanted: list[str | int], chunk_lines
         yield from records_from(f, raw, path, layout, wanted, chunk_lines, bar)
 
 
-def records_from(f, raw, path: str, layout: Layout, wanted: list[str | int], chunk_lines: int,
-                 bar=None) -> Iterator[Records]:
+def records_from(
+    f, raw, path: str, layout: Layout, wanted: list[str | int], chunk_lines: int, bar=None
+) -> Iterator[Records]:
     """:func:`read_records` of an open binary stream ``f`` (``raw``: the file under it, for
     ``bar``); ``path`` names it in errors."""
     undecodable: set[int] = set()

@@ -37,8 +37,14 @@ from dlrm_jax.config import CONFIG_DIR, ConfigError
 
 SCHEMA_DIR = CONFIG_DIR / "schemas"
 FORMATS = ("csv", "json_lines")
-OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
-       "!=": operator.ne}  # label = OPS[op](value, threshold)  # fmt: skip
+OPS = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+}  # label = OPS[op](value, threshold)
 DENSE_TRANSFORMS = ("log1p", "none")
 AUTO = "auto"  # header: auto
 _LAYOUT_KEYS = ("format", "delimiter", "header", "columns", "quoting", "encoding")
@@ -202,8 +208,7 @@ class _Parser:
         for twice in sorted({n for n in names if names.count(n) > 1}):
             raise self.error("dense/categorical", f"feature name {twice!r} is used twice; give one a name:")
         split_by = self.column("split_by", raw["split_by"], joins=False) if raw.get("split_by") is not None else None
-        return TabularSchema(self.path, main, label, dense, categorical,
-                             parsed_joins, frozenset({"", *na}), split_by)  # fmt: skip
+        return TabularSchema(self.path, main, label, dense, categorical, parsed_joins, frozenset({"", *na}), split_by)
 
     def layout(self, key: str, raw: dict, base: Layout) -> Layout:
         where = f"{key}." if key else ""
@@ -217,8 +222,10 @@ class _Parser:
         delimiter, header = raw.get("delimiter", base.delimiter), raw.get("header", base.header)
         quoting = raw.get("quoting", base.quoting if len(delimiter) == 1 else False)
         columns, encoding = raw.get("columns", base.columns), raw.get("encoding", base.encoding)
-        if not isinstance(delimiter, str) or not delimiter or delimiter in "\r\n\"":
-            raise self.error(f"{where}delimiter", f"expected a non-empty string, not a quote or newline, got {delimiter!r}")
+        if not isinstance(delimiter, str) or not delimiter or delimiter in '\r\n"':
+            raise self.error(
+                f"{where}delimiter", f"expected a non-empty string, not a quote or newline, got {delimiter!r}"
+            )
         if not isinstance(header, bool) and header != AUTO:
             raise self.error(f"{where}header", f"expected true, false or {AUTO}, got {header!r}")
         if not isinstance(quoting, bool):
@@ -258,8 +265,11 @@ class _Parser:
         elif layout.columns and name not in layout.columns:
             raise self.error(key, f"unknown column {name!r} of {file}; its columns: {', '.join(layout.columns)}")
         elif layout.format == "csv" and not layout.header and not layout.columns:
-            raise self.error(key, f"column {name!r}: {file} has no header and the schema no columns: list; "
-                                  f"give columns: or a 0-based position")  # fmt: skip
+            raise self.error(
+                key,
+                f"column {name!r}: {file} has no header and the schema no columns: list; "
+                f"give columns: or a 0-based position",
+            )
         return name
 
     def join(self, name: str, spec: dict) -> Join:
@@ -278,7 +288,9 @@ class _Parser:
             raise self.error("label.op", f"{op!r} is not one of {' '.join(OPS)}")
         threshold = raw.get("threshold")
         if bool(op) != (threshold is not None):
-            raise self.error("label", "give both op and threshold (label = value OP threshold), or neither (0 / 1 labels)")
+            raise self.error(
+                "label", "give both op and threshold (label = value OP threshold), or neither (0 / 1 labels)"
+            )
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)):
             raise self.error("label.threshold", f"expected a number, got {threshold!r}")
         return Label(col, op, float(threshold or 0.0))
@@ -299,8 +311,9 @@ class _Parser:
             transform, substr = item.get("transform", "log1p") if dense else "text", item.get("substr")
             if transform not in (*DENSE_TRANSFORMS, "text"):
                 raise self.error(f"{where}.transform", f"{transform!r} is not one of {', '.join(DENSE_TRANSFORMS)}")
-            if substr is not None and not (isinstance(substr, list) and len(substr) == 2
-                                           and all(type(v) is int and v >= 0 for v in substr)):  # fmt: skip
+            if substr is not None and not (
+                isinstance(substr, list) and len(substr) == 2 and all(type(v) is int and v >= 0 for v in substr)
+            ):
                 raise self.error(f"{where}.substr", f"expected [start, stop] character positions, got {substr!r}")
             name = item.get("name", f"{col}[{substr[0]}:{substr[1]}]" if substr else str(col))
             if not isinstance(name, str) or not name:

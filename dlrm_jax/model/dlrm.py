@@ -30,14 +30,24 @@ class DLRMDense(nnx.Module):
     (:mod:`dlrm_jax.model.mlp_parallel`).
     """
 
-    def __init__(self, *, num_dense: int, num_features: int, embedding_dim: int,
-                 bottom_mlp: Sequence[int], top_mlp: Sequence[int], interaction: str,
-                 compute_dtype: str = "float32", dcn_layers: int = 3, dcn_rank: int = 0, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        *,
+        num_dense: int,
+        num_features: int,
+        embedding_dim: int,
+        bottom_mlp: Sequence[int],
+        top_mlp: Sequence[int],
+        interaction: str,
+        compute_dtype: str = "float32",
+        dcn_layers: int = 3,
+        dcn_rank: int = 0,
+        rngs: nnx.Rngs,
+    ):
         dtype = jnp.dtype(compute_dtype)
         self.bottom = MLP(num_dense, bottom_mlp, final_relu=True, dtype=dtype, rngs=rngs)
         # An empty bottom MLP (Wide&Deep's deep part) passes the dense features as they are.
-        width = interaction_width(interaction, num_features, embedding_dim,
-                                  bottom_mlp[-1] if bottom_mlp else num_dense)
+        width = interaction_width(interaction, num_features, embedding_dim, bottom_mlp[-1] if bottom_mlp else num_dense)
         self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
         self.interaction = interaction
@@ -48,8 +58,15 @@ class DLRMDense(nnx.Module):
         return self.top(z, tensor)[:, 0].astype(jnp.float32)
 
 
-def top_inputs(bottom: MLP, cross: CrossNetwork | None, interaction: str, dtype, dense_bd: jax.Array,
-               emb_bfd: jax.Array, tensor=None) -> jax.Array:
+def top_inputs(
+    bottom: MLP,
+    cross: CrossNetwork | None,
+    interaction: str,
+    dtype,
+    dense_bd: jax.Array,
+    emb_bfd: jax.Array,
+    tensor=None,
+) -> jax.Array:
     """Bottom MLP, interaction and cross network: the top MLP's input [B, width] (also the
     first pipeline stage's work, model/mlp_parallel.py)."""
     x = bottom(dense_bd.astype(dtype), tensor)
@@ -65,8 +82,14 @@ def bce_loss(logits_b: jax.Array, labels_b: jax.Array) -> jax.Array:
 def dlrm_from_config(cfg, rngs: nnx.Rngs) -> DLRMDense:
     m = cfg.model
     return DLRMDense(
-        num_dense=cfg.data.num_dense, num_features=cfg.num_features,
-        embedding_dim=m.embedding_dim, bottom_mlp=m.bottom_mlp, top_mlp=m.top_mlp,
-        interaction=m.interaction, compute_dtype=cfg.train.compute_dtype, dcn_layers=m.dcn_layers,
-        dcn_rank=m.dcn_rank, rngs=rngs,
+        num_dense=cfg.data.num_dense,
+        num_features=cfg.num_features,
+        embedding_dim=m.embedding_dim,
+        bottom_mlp=m.bottom_mlp,
+        top_mlp=m.top_mlp,
+        interaction=m.interaction,
+        compute_dtype=cfg.train.compute_dtype,
+        dcn_layers=m.dcn_layers,
+        dcn_rank=m.dcn_rank,
+        rngs=rngs,
     )

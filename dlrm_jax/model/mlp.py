@@ -31,14 +31,22 @@ class MLP(nnx.Module):
     layers pair up as :func:`pair_roles` says, a column-parallel layer then a row-parallel one.
     """
 
-    def __init__(self, in_features: int, widths: Sequence[int], *, final_relu: bool,
-                 dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, widths: Sequence[int], *, final_relu: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
         sizes = [in_features, *widths]
-        self.layers = nnx.List([
-            nnx.Linear(a, b, dtype=dtype, param_dtype=jnp.float32, rngs=rngs,
-                       kernel_init=xavier_normal, bias_init=_dlrm_bias_init)
-            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
-        ])
+        self.layers = nnx.List(
+            [
+                nnx.Linear(
+                    a,
+                    b,
+                    dtype=dtype,
+                    param_dtype=jnp.float32,
+                    rngs=rngs,
+                    kernel_init=xavier_normal,
+                    bias_init=_dlrm_bias_init,
+                )
+                for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+            ]
+        )
         self.final_relu = final_relu
 
     def __call__(self, x: jax.Array, tensor=None) -> jax.Array:

@@ -92,12 +92,16 @@ def check_tensor_widths(params: dict, model: int) -> None:
         for i, role in zip(sorted(layers), pair_roles(len(layers)), strict=True):
             width = layers[i]["kernel"].shape[1]
             if role == "column" and width % model:
-                raise ConfigError(f"model.{mlp}_mlp[{i}]={width}: model.mlp_parallel=tensor splits this layer's "
-                                  f"outputs over mesh.model={model} devices; use a multiple of {model}")
+                raise ConfigError(
+                    f"model.{mlp}_mlp[{i}]={width}: model.mlp_parallel=tensor splits this layer's "
+                    f"outputs over mesh.model={model} devices; use a multiple of {model}"
+                )
     rank = params.get("cross", {}).get("u", {}).get(0)
     if rank is not None and rank.shape[1] % model:
-        raise ConfigError(f"model.dcn_rank={rank.shape[1]}: model.mlp_parallel=tensor splits the cross layers' "
-                          f"rank over mesh.model={model} devices; use a multiple of {model}")
+        raise ConfigError(
+            f"model.dcn_rank={rank.shape[1]}: model.mlp_parallel=tensor splits the cross layers' "
+            f"rank over mesh.model={model} devices; use a multiple of {model}"
+        )
 
 
 class PipelinePlan:
@@ -111,10 +115,12 @@ class PipelinePlan:
     def __init__(self, model: DLRMDense, params: dict, stages: int, microbatches: int):
         top = params["top"]["layers"]
         if len(top) < stages - (1 if stages > 1 else 0):
-            raise ConfigError(f"model.top_mlp has {len(top)} layers: model.mlp_parallel=pipeline needs at least "
-                              f"mesh.model - 1 = {stages - 1} of them (stage 0 holds the bottom MLP and interaction)")
+            raise ConfigError(
+                f"model.top_mlp has {len(top)} layers: model.mlp_parallel=pipeline needs at least "
+                f"mesh.model - 1 = {stages - 1} of them (stage 0 holds the bottom MLP and interaction)"
+            )
         self.stages, self.microbatches = stages, microbatches
-        size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))  # noqa: E731
+        size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
         head = size({k: v for k, v in params.items() if k != "top"})
         self.cuts = _balanced_cuts(head, [size(top[i]) for i in sorted(top)], stages)
         bounds = [*self.cuts, len(top)]
@@ -123,8 +129,12 @@ class PipelinePlan:
         for s in range(stages):
             mine = {k: v for k, v in params.items() if k != "top"} if s == 0 else {}
             mine = {**mine, "top": {"layers": {i: top[i] for i in range(bounds[s], bounds[s + 1])}}}
-            self.leaves.append([(tuple(_key(k) for k in path), tuple(x.shape))
-                                for path, x in jax.tree_util.tree_flatten_with_path(mine)[0]])
+            self.leaves.append(
+                [
+                    (tuple(_key(k) for k in path), tuple(x.shape))
+                    for path, x in jax.tree_util.tree_flatten_with_path(mine)[0]
+                ]
+            )
         self.length = max(1, max(sum(int(np.prod(shape)) for _, shape in stage) for stage in self.leaves))
         widths = [params["top"]["layers"][i]["kernel"].shape[0] for i in range(len(top))] + [1]
         self.width = max(widths[b] for b in bounds[1:])  # the widest activation between stages
@@ -156,15 +166,16 @@ class PipelinePlan:
         offset = 0
         for path, shape in self.leaves[s]:
             n = int(np.prod(shape))
-            _set(out, path, row[offset:offset + n].reshape(shape))
+            _set(out, path, row[offset : offset + n].reshape(shape))
             offset += n
         return out
 
     # ------------------------------------------------------------------ schedule
     def logits(self, mesh, packed: dict, dense_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
         """The GPipe forward over every model group: logits [B], split like the batch."""
-        fn = jax.shard_map(partial(self._group_forward), mesh=mesh,
-                           in_specs=(P(MODEL_AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS))
+        fn = jax.shard_map(
+            partial(self._group_forward), mesh=mesh, in_specs=(P(MODEL_AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS)
+        )
         return fn(packed["stages"], dense_bd, emb_bfd)
 
     def _group_forward(self, row, dense_bd, emb_bfd):
@@ -201,7 +212,7 @@ class PipelinePlan:
             cross = nnx.merge(self.cross_def, p["cross"]) if self.cross_def is not None else None
             x = top_inputs(bottom, cross, self.interaction, self.dtype, dense_bd, emb_bfd)
         else:
-            x = received[:, :self.top_widths[self.bounds[s]]].astype(self.dtype)
+            x = received[:, : self.top_widths[self.bounds[s]]].astype(self.dtype)
         for i in range(self.bounds[s], self.bounds[s + 1]):
             layer = p["top"]["layers"][i]
             x = linear(x, layer["kernel"], layer["bias"], self.dtype)

@@ -63,8 +63,9 @@ class WidePart:
 
     def state_sharding(self) -> WideState:
         linear = jax.eval_shape(self._linear_init)
-        return WideState(self.collection.state_sharding(), self.replicated,
-                         jax.tree.map(lambda _: self.replicated, linear[1]))
+        return WideState(
+            self.collection.state_sharding(), self.replicated, jax.tree.map(lambda _: self.replicated, linear[1])
+        )
 
     def _linear_init(self):
         linear = jnp.zeros((self.num_dense + 1, 1), jnp.float32)
@@ -74,8 +75,11 @@ class WidePart:
         """Zero weights (and the optimizer's initial state), on the mesh."""
         tables = self.collection.init(jax.random.key(0))
         sharding = self.state_sharding()
-        tables = jax.jit(lambda e: e._replace(tables=jax.tree.map(jnp.zeros_like, e.tables)),
-                         out_shardings=sharding.tables, donate_argnums=0)(tables)
+        tables = jax.jit(
+            lambda e: e._replace(tables=jax.tree.map(jnp.zeros_like, e.tables)),
+            out_shardings=sharding.tables,
+            donate_argnums=0,
+        )(tables)
         linear, slots = jax.jit(self._linear_init, out_shardings=(sharding.linear, sharding.linear_slots))()
         return WideState(tables, linear, slots)
 

@@ -42,8 +42,15 @@ def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
 
 
 # TensorBoard sections of metrics.jsonl's fields; anything unlisted goes under "train/".
-_SECTIONS = {"auc": "eval", "logloss": "eval", "exchange_overflows": "exchange", "a2a_bytes": "exchange",
-             "allreduce_bytes": "exchange", "allgather_bytes": "exchange", "hot_hit_rate": "hot_rows"}
+_SECTIONS = {
+    "auc": "eval",
+    "logloss": "eval",
+    "exchange_overflows": "exchange",
+    "a2a_bytes": "exchange",
+    "allreduce_bytes": "exchange",
+    "allgather_bytes": "exchange",
+    "hot_hit_rate": "hot_rows",
+}
 _NOT_SCALARS = ("step", "event", "wall_s")
 
 
@@ -85,8 +92,9 @@ class MetricsWriter:
                 events.append((line, json.loads(line)))
             except json.JSONDecodeError as e:
                 if number != len(lines):
-                    raise ValueError(f"{self.path}:{number}: not a JSON event ({e.msg}); fix or remove "
-                                     f"that line to resume") from None
+                    raise ValueError(
+                        f"{self.path}:{number}: not a JSON event ({e.msg}); fix or remove that line to resume"
+                    ) from None
                 log(f"warning: {self.path}:{number}: dropped a torn last line (an interrupted write)")
         kept = [line for line, event in events if event.get("step", 0) <= step]
         if kept:
@@ -110,12 +118,14 @@ class MetricsWriter:
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             except OSError as e:
                 os.ftruncate(fd, size)
                 what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-                error = OSError(f"cannot append step {event.get('step')}'s metrics to {self.path}: {what}; "
-                                f"free space and run the same command to resume from the last checkpoint")
+                error = OSError(
+                    f"cannot append step {event.get('step')}'s metrics to {self.path}: {what}; "
+                    f"free space and run the same command to resume from the last checkpoint"
+                )
                 error.errno = e.errno
                 raise error from None
         finally:
@@ -128,8 +138,7 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             # purge_step: a resumed run hides the events a killed run logged past its checkpoint.
-            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=self._resumed_at,
-                                     flush_secs=30)
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=self._resumed_at, flush_secs=30)
         step = int(event["step"])
         for key, value in event.items():
             if key not in _NOT_SCALARS and isinstance(value, int | float) and not isinstance(value, bool):

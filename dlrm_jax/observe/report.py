@@ -34,8 +34,10 @@ def load_run(run_dir: Path) -> dict:
                 raise ValueError(f"{path}:{number}: not a JSON object (got {line.strip()[:40]})")
             events.append(event)
     if not events and not profile.exists():
-        raise ValueError(f"{path} is empty: the run logged no events yet (the first comes after train.log_every "
-                         f"steps); nothing to plot")
+        raise ValueError(
+            f"{path} is empty: the run logged no events yet (the first comes after train.log_every "
+            f"steps); nothing to plot"
+        )
     batch = None
     config = run_dir / "config.yaml"
     if config.exists():
@@ -48,8 +50,7 @@ def load_run(run_dir: Path) -> dict:
     for e in events:  # samples seen: runs of different batch sizes compare on one axis
         if batch and "step" in e:
             e.setdefault("samples", e["step"] * batch)
-    return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None,
-            "batch": batch}
+    return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None, "batch": batch}
 
 
 def summary(run: dict, label: str) -> str:
@@ -58,8 +59,11 @@ def summary(run: dict, label: str) -> str:
     rates = sorted(e["samples_per_s"] for e in run["events"] if e.get("samples_per_s"))
     best = max(evals, key=lambda e: e["auc"]) if evals else None
     parts = [f"{label}:"]
-    parts.append(f"best AUC {best['auc']:.4f} at step {best['step']:,} (logloss {best['logloss']:.4f})" if best
-                 else "no evaluation")
+    parts.append(
+        f"best AUC {best['auc']:.4f} at step {best['step']:,} (logloss {best['logloss']:.4f})"
+        if best
+        else "no evaluation"
+    )
     if rates:
         parts.append(f"median {rates[len(rates) // 2]:,.0f} samples/s over {len(rates)} windows")
     return " ".join(parts)
@@ -82,9 +86,16 @@ def series(events: list[dict], y: str, x: str = "step", kind: str | None = None)
     return xs, [points[v] for v in xs]
 
 
-AXIS_LABELS = {"step": "step", "samples": "samples seen", "wall_s": "wall time (s)", "loss": "loss",
-               "auc": "AUC", "logloss": "logloss", "samples_per_s": "samples/s",
-               "table_divergence": "relative norm of the hosts' difference"}
+AXIS_LABELS = {
+    "step": "step",
+    "samples": "samples seen",
+    "wall_s": "wall time (s)",
+    "loss": "loss",
+    "auc": "AUC",
+    "logloss": "logloss",
+    "samples_per_s": "samples/s",
+    "table_divergence": "relative norm of the hosts' difference",
+}
 
 
 def figures(run_dirs: list[Path]) -> dict:
@@ -101,8 +112,9 @@ def figures(run_dirs: list[Path]) -> dict:
     along = "samples" if all(r["batch"] for r in runs) else "step"
     out = {}
 
-    def lines(name: str, panels: list[tuple[str, str, str | None]], title: str, columns: int = 2,
-              from_zero: bool = False):
+    def lines(
+        name: str, panels: list[tuple[str, str, str | None]], title: str, columns: int = 2, from_zero: bool = False
+    ):
         """One figure of panels in a grid, each (y, x, event kind); a legend in every panel."""
         if not any(series(r["events"], y, x, k)[0] for r in runs for y, x, k in panels):
             return
@@ -118,15 +130,21 @@ def figures(run_dirs: list[Path]) -> dict:
                 if y in ("auc", "logloss"):  # the best evaluation (by AUC), where keep-best would keep it
                     _, aucs = series(run["events"], "auc", x, kind)
                     i = max(range(len(aucs)), key=aucs.__getitem__)
-                    ax.plot([xs[i]], [ys[i]], marker="*", markersize=13, color=line.get_color(),
-                            label=f"{label} best ({x} {xs[i]:,})")
+                    ax.plot(
+                        [xs[i]],
+                        [ys[i]],
+                        marker="*",
+                        markersize=13,
+                        color=line.get_color(),
+                        label=f"{label} best ({x} {xs[i]:,})",
+                    )
             ax.set_xlabel(AXIS_LABELS.get(x, x))
             ax.set_ylabel(AXIS_LABELS.get(y, y))
             if from_zero:
                 ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(panels):]:
+        for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
         fig.suptitle(title)
         fig.tight_layout()
@@ -170,8 +188,9 @@ def write_report(run_dirs: list[Path], output: Path) -> list[Path]:
 
     drawn = figures(run_dirs)
     if not drawn:
-        raise ValueError(f"nothing to plot: no loss, eval, throughput or profile figures in "
-                         f"{', '.join(str(p) for p in run_dirs)}")
+        raise ValueError(
+            f"nothing to plot: no loss, eval, throughput or profile figures in {', '.join(str(p) for p in run_dirs)}"
+        )
     make_dir(output, "report folder")
     written = []
     for name, fig in drawn.items():

@@ -15,20 +15,41 @@ import glob
 import re
 
 # Scope names of the train step's phases, found again in the compiled program's op metadata.
-PHASE_SCOPES = {"exchange_forward": "phase_exchange_forward", "dense": "phase_dense_fwd_bwd",
-                "dense_optimizer": "phase_dense_optimizer", "sparse_update": "phase_sparse_update",
-                "cache_fill": "phase_cache_fill"}
+PHASE_SCOPES = {
+    "exchange_forward": "phase_exchange_forward",
+    "dense": "phase_dense_fwd_bwd",
+    "dense_optimizer": "phase_dense_optimizer",
+    "sparse_update": "phase_sparse_update",
+    "cache_fill": "phase_cache_fill",
+}
 
 
 HOST_PHASES = ("input pipeline", "host->device")
 
 
-DEVICE_PHASES = ("cache fill", "exchange forward", "dense forward+backward", "gradient all-reduce",
-                 "exchange backward", "sparse update", "dense optimizer", "other")
+DEVICE_PHASES = (
+    "cache fill",
+    "exchange forward",
+    "dense forward+backward",
+    "gradient all-reduce",
+    "exchange backward",
+    "sparse update",
+    "dense optimizer",
+    "other",
+)
 
 
-_COLLECTIVES = ("all-reduce", "all-reduce-start", "all-reduce-done", "all-to-all", "all-gather",
-                "all-gather-start", "all-gather-done", "reduce-scatter", "collective-permute")
+_COLLECTIVES = (
+    "all-reduce",
+    "all-reduce-start",
+    "all-reduce-done",
+    "all-to-all",
+    "all-gather",
+    "all-gather-start",
+    "all-gather-done",
+    "reduce-scatter",
+    "collective-permute",
+)
 
 
 # Control flow's own events span the operations inside it, which have events of their own.
@@ -88,24 +109,30 @@ def device_phase_ns(trace_dir: str, phases: dict[str, str]) -> collections.Count
 def format_profile(result: dict) -> list[str]:
     """The table ``profile`` prints."""
     device_ms = sum(r["ms"] for r in result["phases"] if r["how"] == "trace")
-    lines = [f"{result['steps']} train steps of batch {result['batch_size']} on {result['devices']} "
-             f"{result['backend']} devices in {result['processes']} process(es); step wall time "
-             f"{result['step_wall_ms']:.2f} ms (median, blocking)",
-             f"{'phase':<24}{'ms/step':>10}{'share':>8}  timed",
-             ]
+    lines = [
+        f"{result['steps']} train steps of batch {result['batch_size']} on {result['devices']} "
+        f"{result['backend']} devices in {result['processes']} process(es); step wall time "
+        f"{result['step_wall_ms']:.2f} ms (median, blocking)",
+        f"{'phase':<24}{'ms/step':>10}{'share':>8}  timed",
+    ]
     total = device_ms + sum(r["ms"] for r in result["phases"] if r["how"] != "trace")
     for r in result["phases"]:
         lines.append(f"{r['name']:<24}{r['ms']:>10.3f}{r['ms'] / total:>8.1%}  {r['how']}")
-    lines.append("device phases: mean per device of the traced operations' time (jax.profiler trace of "
-                 "the compiled step, phases from its named scopes); host phases: timed alone"
-                 + ("; tier rows: the dispatching thread's host work, timed in the run" if result.get("tiered") else ""))
+    lines.append(
+        "device phases: mean per device of the traced operations' time (jax.profiler trace of "
+        "the compiled step, phases from its named scopes); host phases: timed alone"
+        + ("; tier rows: the dispatching thread's host work, timed in the run" if result.get("tiered") else "")
+    )
     mem = result["memory_per_device"]
     if mem:
         mib = {k: v / 2**20 for k, v in mem.items()}
-        lines.append(f"per-device memory of the compiled step: {mib['peak']:.1f} MiB (arguments "
-                     f"{mib['arguments']:.1f}, temp {mib['temp']:.1f}, outputs {mib['outputs']:.1f}, "
-                     f"aliased {mib['aliased']:.1f})")
-    lines.append(f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab, after "
-                 f"pip install 'dlrm-jax[tensorboard]'; or open the .trace.json.gz in ui.perfetto.dev)")
+        lines.append(
+            f"per-device memory of the compiled step: {mib['peak']:.1f} MiB (arguments "
+            f"{mib['arguments']:.1f}, temp {mib['temp']:.1f}, outputs {mib['outputs']:.1f}, "
+            f"aliased {mib['aliased']:.1f})"
+        )
+    lines.append(
+        f"trace: {result['trace_dir']} (tensorboard --logdir {result['trace_dir']}, profile tab, after "
+        f"pip install 'dlrm-jax[tensorboard]'; or open the .trace.json.gz in ui.perfetto.dev)"
+    )
     return lines
-

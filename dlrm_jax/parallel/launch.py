@@ -35,8 +35,10 @@ from pathlib import Path
 
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
-_NATIVE = re.compile(r"^([FEWI]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):"
-                     r"|\[Gloo\] )")
+_NATIVE = re.compile(
+    r"^([FEWI]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):"
+    r"|\[Gloo\] )"
+)
 _SUBCOMMANDS = ("train", "eval", "profile")
 
 
@@ -66,14 +68,22 @@ class _Child:
     def __init__(self, index: int, argv: list[str], log: Path):
         self.index, self.log = index, log
         # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even by SIGKILL
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     errors="replace", start_new_session=True,
-                                     env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid())})
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+            env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid())},
+        )
         self.native = 0
         self.last_error = ""
         self._log = open(log, "w")  # noqa: SIM115 - closed in join()
-        self._relays = [threading.Thread(target=self._relay, args=(stream, out), daemon=True)
-                        for stream, out in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))]
+        self._relays = [
+            threading.Thread(target=self._relay, args=(stream, out), daemon=True)
+            for stream, out in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))
+        ]
         for r in self._relays:
             r.start()
 
@@ -164,15 +174,17 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
     because = f": {first.last_error.removeprefix('dlrm-jax: ')}" if first.last_error else ""
     others = [c for c in children if c is not first]
     aborted = [c.index for c in others if c.proc.returncode == -signal.SIGABRT]
-    stopped = (f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else "")
+    stopped = f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else ""
     lost = rc < 0 or bool(aborted) or "another process died" in first.last_error
     if lost:  # a fault: what the run saved is intact, and the same command goes on from it
         log_dir = keep_logs(log_dir, run_dir)
         advice = f"; the newest checkpoint is intact: run `{resume}` to resume"
     else:  # the command itself failed (a config error, a run dir in use): nothing to resume
         advice = ""
-    sys.stderr.write(f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}; the others were "
-                     f"stopped{advice} (each process's full output: {log_dir})\n")
+    sys.stderr.write(
+        f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}; the others were "
+        f"stopped{advice} (each process's full output: {log_dir})\n"
+    )
     sys.stderr.flush()
     return 128 - rc if rc < 0 else rc
 
@@ -193,8 +205,22 @@ def main(argv: list[str]) -> int:
     port = _free_port()
     # Progress bars redraw with carriage returns, one endless line through the prefixer; the
     # caller's own --set train.progress_bar=true still wins (it comes later).
-    argvs = [[*_cli(), sub, "--set", "train.progress_bar=false", *rest, "--coordinator", f"127.0.0.1:{port}",
-              "--num-processes", str(n), "--process-id", str(i)] for i in range(n)]
+    argvs = [
+        [
+            *_cli(),
+            sub,
+            "--set",
+            "train.progress_bar=false",
+            *rest,
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            str(n),
+            "--process-id",
+            str(i),
+        ]
+        for i in range(n)
+    ]
     resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
     run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"), None)
     log_dir = Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))

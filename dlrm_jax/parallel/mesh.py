@@ -43,18 +43,25 @@ def request_cpu_devices(count: int) -> None:
 
         have = len(jax.devices("cpu"))
         if have < count:
-            raise RuntimeError(f"request_cpu_devices({count}): JAX has already started its devices with {have} "
-                               f"CPU device(s), and XLA reads its flags once; restart the kernel (or process) "
-                               f"and call dlrm_jax.request_cpu_devices({count}) before anything runs on JAX")
+            raise RuntimeError(
+                f"request_cpu_devices({count}): JAX has already started its devices with {have} "
+                f"CPU device(s), and XLA reads its flags once; restart the kernel (or process) "
+                f"and call dlrm_jax.request_cpu_devices({count}) before anything runs on JAX"
+            )
 
 
 PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
 JOIN_TIMEOUT_S = 300  # how long processes wait for all of them to join (jax.distributed's default)
 
 
-def initialize_distributed(coordinator: str | None, num_processes: int | None,
-                           process_id: int | None, peer_timeout_s: int = PEER_TIMEOUT_S,
-                           join_timeout_s: int = JOIN_TIMEOUT_S, bind: str | None = None) -> None:
+def initialize_distributed(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    peer_timeout_s: int = PEER_TIMEOUT_S,
+    join_timeout_s: int = JOIN_TIMEOUT_S,
+    bind: str | None = None,
+) -> None:
     """Start JAX's multi-controller runtime when more than one process takes part.
 
     With no coordinator given, JAX's own cluster auto-detection (SLURM, Open MPI, ...) decides;
@@ -75,22 +82,33 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
 
     kwargs = dict(heartbeat_timeout_seconds=peer_timeout_s)
     if coordinator:
-        kwargs.update(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                      coordinator_bind_address=bind or coordinator)
+        kwargs.update(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            coordinator_bind_address=bind or coordinator,
+        )
     elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
         return
     jax.config.update("jax_enable_recoverability", True)
     joined = threading.Event()
     count, me = num_processes or 0, process_id or 0
     others = [p for p in range(count) if p != me]
-    who = (f"process {others[0]}" if len(others) == 1 else f"one of processes {', '.join(map(str, others))}"
-           if others else "a peer")
+    who = (
+        f"process {others[0]}"
+        if len(others) == 1
+        else f"one of processes {', '.join(map(str, others))}"
+        if others
+        else "a peer"
+    )
 
     def bound_the_wait() -> None:
         if not joined.wait(join_timeout_s):
-            sys.stderr.write(f"dlrm-jax: error: process {me}: {who} did not join {coordinator or 'the coordinator'} "
-                             f"within {join_timeout_s} s (--join-timeout): start every process with the same "
-                             f"command, or see the missing one's own output for why it stopped\n")
+            sys.stderr.write(
+                f"dlrm-jax: error: process {me}: {who} did not join {coordinator or 'the coordinator'} "
+                f"within {join_timeout_s} s (--join-timeout): start every process with the same "
+                f"command, or see the missing one's own output for why it stopped\n"
+            )
             sys.stderr.flush()
             os._exit(1)
 
@@ -198,8 +216,9 @@ class PeerWatchdog(threading.Thread):
     def _check_progress(self, client) -> None:
         since, step, doing, timed = self.last
         if (step, doing) != self._published:  # where this process is, for the others' messages
-            client.key_value_set(f"{_PROGRESS_KEY}{self.me}", f"{int(timed)} {doing} at step {step}",
-                                 allow_overwrite=True)
+            client.key_value_set(
+                f"{_PROGRESS_KEY}{self.me}", f"{int(timed)} {doing} at step {step}", allow_overwrite=True
+            )
             self._published = (step, doing)
         now = time.monotonic()
         stalled = now - max(since, self._excused)
@@ -209,13 +228,17 @@ class PeerWatchdog(threading.Thread):
         if any(flag == "0" for flag, _ in where.values()):  # a peer compiles: we wait for it, untimed
             self._excused = now
             return
-        self._exit(f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
-                   f"{self.hang_timeout_s:g}); where each process is: "
-                   + "; ".join(f"process {i}: {what}" for i, (_, what) in sorted(where.items())))
+        self._exit(
+            f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
+            f"{self.hang_timeout_s:g}); where each process is: "
+            + "; ".join(f"process {i}: {what}" for i, (_, what) in sorted(where.items()))
+        )
 
     def _exit(self, why: str) -> None:
-        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
-                         f"restart every process with the same command to resume\n")
+        sys.stderr.write(
+            f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
+            f"restart every process with the same command to resume\n"
+        )
         sys.stderr.flush()
         os._exit(1)
 
@@ -271,8 +294,9 @@ def check_same_everywhere(settings: dict[str, str], what: str = "config") -> Non
     every = [json.loads(s) for s in outcomes_of_every_process(json.dumps(settings, sort_keys=True))]
     differ = sorted({k for theirs in every for k in set(theirs) | set(settings) if theirs.get(k) != settings.get(k)})
     if differ:
-        shown = "; ".join(f"{k}: " + ", ".join(f"process {p} {v.get(k, '(unset)')}" for p, v in enumerate(every))
-                          for k in differ[:6])
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"process {p} {v.get(k, '(unset)')}" for p, v in enumerate(every)) for k in differ[:6]
+        )
         more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
         raise ValueError(f"the processes' {what} differ, every process must run the same command: {shown}{more}")
 
@@ -292,30 +316,39 @@ def make_mesh(devices: int = 0, hosts: int = 0, model: int = 1):
     available = jax.devices()
     n = devices or len(available)
     if jax.default_backend() == "cpu" and n > MAX_SIMULATED_DEVICES:
-        raise ValueError(f"mesh.devices={n}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices (each "
-                         f"one adds compile time and threads on this host's cores); use fewer, or a "
-                         f"GPU host")
+        raise ValueError(
+            f"mesh.devices={n}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices (each "
+            f"one adds compile time and threads on this host's cores); use fewer, or a "
+            f"GPU host"
+        )
     if n > len(available):
         hint = ""
         if jax.default_backend() == "cpu":
-            hint = (" (set mesh.devices before JAX starts: the CLI does this; in Python call "
-                    "dlrm_jax.request_cpu_devices(N) before importing jax)")
-        raise ValueError(f"mesh.devices={n} but only {len(available)} {jax.default_backend()} "
-                         f"devices are available{hint}")
+            hint = (
+                " (set mesh.devices before JAX starts: the CLI does this; in Python call "
+                "dlrm_jax.request_cpu_devices(N) before importing jax)"
+            )
+        raise ValueError(
+            f"mesh.devices={n} but only {len(available)} {jax.default_backend()} devices are available{hint}"
+        )
     if n % jax.process_count():
         raise ValueError(f"mesh.devices={n} must be a multiple of the {jax.process_count()} processes")
     per_process = n // jax.process_count()
-    chosen = [d for p in range(jax.process_count())
-              for d in [x for x in available if x.process_index == p][:per_process]]
+    chosen = [
+        d for p in range(jax.process_count()) for d in [x for x in available if x.process_index == p][:per_process]
+    ]
     if model < 1 or n % model:
         raise ValueError(f"mesh.model={model} must divide the {n} devices")
     if not hosts:
         return jax.make_mesh((n // model, model), AXIS, axis_types=(AxisType.Auto,) * 2, devices=chosen)
     if hosts % jax.process_count() or n % (hosts * model):
-        raise ValueError(f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
-                         f"and divide the {n} devices (in groups of mesh.model={model})")
-    return jax.make_mesh((hosts, n // hosts // model, model), (HOST_AXIS, *AXIS),
-                         axis_types=(AxisType.Auto,) * 3, devices=chosen)
+        raise ValueError(
+            f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
+            f"and divide the {n} devices (in groups of mesh.model={model})"
+        )
+    return jax.make_mesh(
+        (hosts, n // hosts // model, model), (HOST_AXIS, *AXIS), axis_types=(AxisType.Auto,) * 3, devices=chosen
+    )
 
 
 def host_scalar(x) -> float:
@@ -360,8 +393,9 @@ def over_hosts(fn, mesh):
         out = fn(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: x[None], out)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=P(HOST_AXIS), out_specs=P(HOST_AXIS),
-                         axis_names={HOST_AXIS}, check_vma=False)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=P(HOST_AXIS), out_specs=P(HOST_AXIS), axis_names={HOST_AXIS}, check_vma=False
+    )
 
 
 def host_local_mesh(mesh):

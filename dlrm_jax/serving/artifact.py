@@ -85,13 +85,14 @@ class TableWriter:
         fields = dict(table_fields(rows, dim, dtype))
         if with_rows:
             fields[ROWS_FIELD] = ((), "int64")
-        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * numpy_dtype(d).itemsize
-                        for shape, d in fields.values())
+        row_bytes = sum(int(np.prod(shape, dtype=np.int64)) * numpy_dtype(d).itemsize for shape, d in fields.values())
         most = default_chunk_rows(row_bytes)
         chunk = max(1, -(-rows // -(-rows // most)) if rows else 1)  # even chunks: the last one pads little
         self.dtype, self.rows = dtype, rows
-        self.arrays = {f: open_array(Path(directory).absolute() / f, ArrayLayout(rows, chunk, shape, d), create=True)
-                       for f, (shape, d) in fields.items()}
+        self.arrays = {
+            f: open_array(Path(directory).absolute() / f, ArrayLayout(rows, chunk, shape, d), create=True)
+            for f, (shape, d) in fields.items()
+        }
 
     def write(self, start: int, values: np.ndarray, rows: np.ndarray | None = None) -> None:
         """float32 ``values`` [n, D] of rows ``start`` .. ``start + n`` (of a delta: table rows ``rows``)."""
@@ -132,8 +133,10 @@ def read_manifest(root: Path) -> dict:
     try:
         manifest = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ArtifactError(f"{file}: missing: not a serving artifact (dlrm-jax export --serving writes one), "
-                            f"or its export did not finish") from None
+        raise ArtifactError(
+            f"{file}: missing: not a serving artifact (dlrm-jax export --serving writes one), "
+            f"or its export did not finish"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{file}: not JSON ({e})") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None

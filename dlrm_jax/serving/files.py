@@ -29,12 +29,21 @@ class PredictReport:
 
     def summary(self, output: str) -> str:
         rate = self.lines / max(self.seconds, 1e-9)
-        line = f"predicted {self.scored} of {self.lines} lines to {output} in {self.seconds:.2f} s ({rate:,.0f} lines/s)"
+        line = (
+            f"predicted {self.scored} of {self.lines} lines to {output} in {self.seconds:.2f} s ({rate:,.0f} lines/s)"
+        )
         return line + (f"\n{self.skipped} (scored nan)" if self.skipped else "")
 
 
-def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path, *, batch_size: int = 4096,
-                  skip_bad_lines: bool = False, progress: bool = True) -> PredictReport:
+def predict_files(
+    model: ServingModel,
+    inputs: Sequence[str],
+    output: str | Path,
+    *,
+    batch_size: int = 4096,
+    skip_bad_lines: bool = False,
+    progress: bool = True,
+) -> PredictReport:
     """Score every line of ``inputs`` (plain or gzipped, the training files' layout: Criteo TSV
     with the label first or absent, or a tabular schema's, one record a line) into ``output``,
     one probability a line (a record); a malformed line stops the run naming its file and line,
@@ -56,7 +65,11 @@ def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path
                     while chunk := list(itertools.islice(f, CHUNK_LINES)):
                         probs = _score(model, chunk, batch_size, log, str(path), lineno)
                         out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                        lines, scored, lineno = lines + len(chunk), scored + int((~np.isnan(probs)).sum()), lineno + len(chunk)
+                        lines, scored, lineno = (
+                            lines + len(chunk),
+                            scored + int((~np.isnan(probs)).sum()),
+                            lineno + len(chunk),
+                        )
                         bar.update(raw.tell() - read)
                         read = raw.tell()
         os.replace(partial, output)
@@ -65,7 +78,9 @@ def predict_files(model: ServingModel, inputs: Sequence[str], output: str | Path
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
 
 
-def _score(model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLog, path: str, lineno: int) -> np.ndarray:
+def _score(
+    model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLog, path: str, lineno: int
+) -> np.ndarray:
     """Probabilities of a chunk of lines (nan for a bad one, which ``log`` records): pyarrow's
     reader when every line is valid (as preprocess reads), else the strict parser, which says
     what is wrong with each bad line."""

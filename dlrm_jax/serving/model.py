@@ -77,8 +77,9 @@ class ServingModel:
         """ids int32 [n, S] -> pooled vectors float32 [n, F, D] (and the wide part's [n, F, 1])."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
-            raise ValueError(f"ids must have shape [n, {sum(self.bag_sizes)}] (bag sizes {self.bag_sizes}), "
-                             f"got {list(ids.shape)}")
+            raise ValueError(
+                f"ids must have shape [n, {sum(self.bag_sizes)}] (bag sizes {self.bag_sizes}), got {list(ids.shape)}"
+            )
         starts = np.cumsum([0, *self.bag_sizes])
         out = []
         for entries in (self.features, self.wide_features):
@@ -120,8 +121,9 @@ class ServingModel:
             out[s : s + n] = np.asarray(self._call(self._params, *args))[:n]
         return out
 
-    def predict_raw(self, lines: Sequence[bytes | str], skip_bad_lines: bool = False,
-                    batch_size: int = DEFAULT_BATCH) -> np.ndarray:
+    def predict_raw(
+        self, lines: Sequence[bytes | str], skip_bad_lines: bool = False, batch_size: int = DEFAULT_BATCH
+    ) -> np.ndarray:
         """Probabilities float32 [len(lines)] of raw lines in the training files' layout (Criteo:
         label first or absent; a tabular schema's: one record a line, the label column present or
         absent); a malformed line is an error naming it, or (``skip_bad_lines``) scores NaN."""
@@ -142,8 +144,9 @@ class ServingModel:
         data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
         log = SkipLog(skip_bad_lines, DataFormatError)
         out = [np.zeros(0, np.float32)]
-        for records, keep, dense, ids in self.rules.chunks(io.BytesIO(b"".join(data)), None, "rows",
-                                                           data[0] if data else b"", log, max(len(data), 1)):
+        for records, keep, dense, ids in self.rules.chunks(
+            io.BytesIO(b"".join(data)), None, "rows", data[0] if data else b"", log, max(len(data), 1)
+        ):
             probs = np.full(len(records), np.nan, np.float32)
             probs[keep] = self.predict(dense, ids, batch_size)
             out.append(probs)
@@ -171,8 +174,14 @@ class ServingModel:
         self.close()
 
 
-def load(dest: str | Path, deltas: Sequence[str | Path] = (), *, memory_bytes: int | None = None,
-         cache_rows: int = 1 << 20, verify_tables: bool = False) -> ServingModel:
+def load(
+    dest: str | Path,
+    deltas: Sequence[str | Path] = (),
+    *,
+    memory_bytes: int | None = None,
+    cache_rows: int = 1 << 20,
+    verify_tables: bool = False,
+) -> ServingModel:
     """Load the serving artifact ``dest`` (``dlrm-jax export --serving``), then each delta of
     ``deltas`` in order (``export --serving --since``; each must start at the step the one
     before it ends at). Needs only numpy, jax and tensorstore.
@@ -184,8 +193,9 @@ def load(dest: str | Path, deltas: Sequence[str | Path] = (), *, memory_bytes: i
     root = Path(dest)
     manifest = read_manifest(root)
     if manifest.get("kind") != "full":
-        raise ArtifactError(f"{root}: a delta (since step {manifest.get('base_step')}); load its base and pass "
-                            f"it in deltas=[...]")
+        raise ArtifactError(
+            f"{root}: a delta (since step {manifest.get('base_step')}); load its base and pass it in deltas=[...]"
+        )
     _check(root, manifest, verify_tables)
     if memory_bytes is None:
         memory_bytes = available_memory() // 2
@@ -205,10 +215,14 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
     if delta.get("kind") != "delta":
         raise ArtifactError(f"{root}: not a delta export (export --serving --since STEP writes one)")
     if delta["base_step"] != model.step:
-        raise ArtifactError(f"{root}: a delta from step {delta['base_step']} to {delta['step']}, applied to a model "
-                            f"at step {model.step}: apply the deltas in order, from the base's step")
+        raise ArtifactError(
+            f"{root}: a delta from step {delta['base_step']} to {delta['step']}, applied to a model "
+            f"at step {model.step}: apply the deltas in order, from the base's step"
+        )
     if delta.get("tables_dtype") != model.manifest.get("tables_dtype"):
-        raise ArtifactError(f"{root}: tables {delta.get('tables_dtype')}, the base's {model.manifest.get('tables_dtype')}")
+        raise ArtifactError(
+            f"{root}: tables {delta.get('tables_dtype')}, the base's {model.manifest.get('tables_dtype')}"
+        )
     _check(root, delta, verify_tables)
     entries = [{**e, "rows": e["rows_changed"]} for e in delta["features"] + (delta.get("wide") or [])]
     store = open_store(root / "tables", entries, with_rows=True)

@@ -97,16 +97,19 @@ class TabularRules(IdRules):
 
         super().__init__(root, spec, table_rows)
         self.schema = load_schema(Path(root) / spec["schema"])
-        self.sides = load_sides(self.schema, {k: Path(root) / v for k, v in spec.get("joins", {}).items()},
-                                SkipLog(True))
+        self.sides = load_sides(
+            self.schema, {k: Path(root) / v for k, v in spec.get("joins", {}).items()}, SkipLog(True)
+        )
 
-    def chunks(self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int,
-               bar=None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    def chunks(
+        self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Per chunk of records: (their lines, the usable ones' positions, dense, ids)."""
         from dlrm_jax.data.tabular import scoring_chunks
 
-        for lines, keep, dense, values, empty in scoring_chunks(self.schema, self.sides, f, raw, path, first_line,
-                                                                log, chunk_lines, bar):
+        for lines, keep, dense, values, empty in scoring_chunks(
+            self.schema, self.sides, f, raw, path, first_line, log, chunk_lines, bar
+        ):
             yield lines, keep, dense, self.ids(values, empty)
 
 

@@ -21,8 +21,10 @@ from dlrm_jax.serving.artifact import ROWS_FIELD, ArtifactError, decode_rows, ta
 
 
 def table_bytes(t: dict) -> int:
-    return sum(t["rows"] * int(np.prod(shape, dtype=np.int64)) * numpy_dtype(d).itemsize
-               for shape, d in table_fields(t["rows"], t["dim"], t["dtype"]).values())
+    return sum(
+        t["rows"] * int(np.prod(shape, dtype=np.int64)) * numpy_dtype(d).itemsize
+        for shape, d in table_fields(t["rows"], t["dim"], t["dtype"]).values()
+    )
 
 
 def open_store(directory: Path, tables: list[dict], with_rows: bool = False) -> TierStore:

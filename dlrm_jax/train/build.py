@@ -27,8 +27,9 @@ from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_
 from dlrm_jax.train.step import StepFunctions
 
 
-def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
-          ) -> tuple[EmbeddingPlan, StepFunctions]:
+def build(
+    cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
+) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
 
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
@@ -37,11 +38,20 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     are chosen from the data too (:mod:`~dlrm_jax.embedding.hot.refresh`); they need a source.
     """
     if cfg.train.batch_size % mesh.size:
-        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the "
-                         f"{mesh.size} devices of the mesh (mesh.devices)")
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} must be divisible by the "
+            f"{mesh.size} devices of the mesh (mesh.devices)"
+        )
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
-    plan = plan_for_run(cfg, mesh.size, hosts_of(mesh), source, jax.default_backend() == "cpu", _device_budget(cfg),
-                        agree=_every_process)
+    plan = plan_for_run(
+        cfg,
+        mesh.size,
+        hosts_of(mesh),
+        source,
+        jax.default_backend() == "cpu",
+        _device_budget(cfg),
+        agree=_every_process,
+    )
     optimizer = sparse_optimizer_from_config(cfg)
     schedule = None
     if cfg.embedding.hot.rows != 0:
@@ -49,8 +59,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
         plan, schedule = hot_setup.choose(cfg, plan, mesh, source, CALIBRATION_BATCHES, log)
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host,
-                                                                      replicas=replicas), schedule)
+        return plan, StepFunctions(
+            cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas), schedule
+        )
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
@@ -59,7 +70,9 @@ def build(cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None
     if not plan.tiered_tables:
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
-    return plan, StepFunctions(cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows))
+    return plan, StepFunctions(
+        cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows)
+    )
 
 
 def _every_process(kind: str, value):

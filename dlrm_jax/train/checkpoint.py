@@ -55,8 +55,9 @@ def saved_json(directory: Path, step: int) -> dict:
 
 def largest_shard_bytes(abstract_state) -> int:
     """Bytes of the largest single-device piece of any array of a (sharded) abstract state."""
-    return max(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-               for x in jax.tree.leaves(abstract_state))
+    return max(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(abstract_state)
+    )
 
 
 def _bytes_to_write(state) -> int:
@@ -134,8 +135,13 @@ class CheckpointReader:
         if not differ:
             return
         name, there, here = differ[0]
-        what = (f"{name} is not in the checkpoint" if there is None else f"{name} is not in this config's state"
-                if here is None else f"{name} has shape {there} there, {here} here")
+        what = (
+            f"{name} is not in the checkpoint"
+            if there is None
+            else f"{name} is not in this config's state"
+            if here is None
+            else f"{name} has shape {there} there, {here} here"
+        )
         more = f" (and {len(differ) - 1} more arrays)" if len(differ) > 1 else ""
         raise IncompatibleCheckpoint(f"checkpoint {path} does not fit this config: {what}{more}")
 
@@ -155,8 +161,10 @@ class CheckpointReader:
         skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
         parent = self.directory / str(step) / "state"
         with closing(ocp.PyTreeCheckpointHandler()) as handler:
-            state = handler.restore(parent, args=ocp.args.PyTreeRestore(
-                skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)))
+            state = handler.restore(
+                parent,
+                args=ocp.args.PyTreeRestore(skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)),
+            )
 
         def spec(name: str, context: ts.Context) -> dict:
             info = ocp.type_handlers.ParamInfo(name=name, parent_dir=parent, use_zarr3=False, ts_context=context)
@@ -164,7 +172,8 @@ class CheckpointReader:
 
         names = jax.tree_util.tree_map_with_path(
             lambda path, _: ".".join([field, *(str(getattr(k, "name", getattr(k, "key", k))) for k in path)]),
-            saved_like)
+            saved_like,
+        )
         # A few decoded chunks cached, shared by all arrays: consecutive reads mostly revisit them.
         probe = ts.Context(_OCDBT_CACHE)
         chunk = max(SavedArray.open(spec(n, probe), probe).chunk_bytes for n in jax.tree.leaves(names))
@@ -191,7 +200,9 @@ class CheckpointReader:
             failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]
             if not failures:
                 for bad, reason in damaged:
-                    log(f"warning: checkpoint {self.directory / str(bad)} is damaged ({reason}); {self._set_aside(bad)}")
+                    log(
+                        f"warning: checkpoint {self.directory / str(bad)} is damaged ({reason}); {self._set_aside(bad)}"
+                    )
                 return step, result
             del result  # a partly restored state: its arrays are dropped before the next try
             process, reason = failures[0]
@@ -201,7 +212,8 @@ class CheckpointReader:
         newest, reason = damaged[0]
         raise FileNotFoundError(
             f"{self.directory}: none of the {len(damaged)} checkpoints restores (newest, step {newest}: {reason}); "
-            f"nothing was moved{self._no_intact_advice()}")
+            f"nothing was moved{self._no_intact_advice()}"
+        )
 
     def _set_aside(self, step: int) -> str:
         """What became of a damaged step older ones replaced: a reader leaves it in place."""
@@ -258,12 +270,18 @@ class Checkpoints(CheckpointReader):
         super().__init__(directory)
         _use_coordination_service_barriers()
         self._kept: set[int] = set()  # kept beyond the newest `keep` (see keep_also)
-        options = ocp.CheckpointManagerOptions(preservation_policy=_NewestAnd(keep, self._kept), create=True,
-                                               cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=_NewestAnd(keep, self._kept), create=True, cleanup_tmp_directories=True
+        )
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
-            "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
-            "plan": ocp.JsonCheckpointHandler()})
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
+                "plan": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -271,8 +289,9 @@ class Checkpoints(CheckpointReader):
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0,
-             run: dict | None = None) -> None:
+    def save(
+        self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0, run: dict | None = None
+    ) -> None:
         """Saves the state with the embedding plan that laid its tables out, the hot-row
         statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would,
         ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise), and
@@ -285,13 +304,20 @@ class Checkpoints(CheckpointReader):
         need = _bytes_to_write(state)
         free = shutil.disk_usage(self.directory).free
         if free < need:
-            raise self._write_error(step, OSError(errno.ENOSPC, "no space left on device"),
-                                    f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)")
+            raise self._write_error(
+                step,
+                OSError(errno.ENOSPC, "no space left on device"),
+                f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)",
+            )
         try:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state, save_args=chunked),
-                plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run})))
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state, save_args=chunked),
+                    plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run}),
+                ),
+            )
         except OSError as e:
             raise self._write_error(step, e) from None
 
@@ -341,11 +367,14 @@ class Checkpoints(CheckpointReader):
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
     """{"params.bottom.layers.0.kernel": shape} of every array of a pytree (named tuples, dicts
     and lists alike: orbax's metadata holds a saved named tuple as a dict)."""
+
     def key(k) -> str:
         return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
 
-    return {".".join(key(k) for k in path): tuple(getattr(leaf, "shape", None) or ())
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        ".".join(key(k) for k in path): tuple(getattr(leaf, "shape", None) or ())
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 class _NewestAnd:

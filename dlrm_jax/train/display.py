@@ -16,13 +16,22 @@ from tqdm import tqdm
 class StepDisplay:
     """``update`` after every step, ``window`` at each logged step, ``write`` for other lines."""
 
-    def __init__(self, total: int, start: int, *, bar: bool, shown: bool, batch: int, epoch_rows: int | None,
-                 log=print, stream=None):
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        *,
+        bar: bool,
+        shown: bool,
+        batch: int,
+        epoch_rows: int | None,
+        log=print,
+        stream=None,
+    ):
         stream = stream or sys.stderr
         self.total, self.batch, self.epoch_rows, self.log, self.shown = total, batch, epoch_rows, log, shown
         self.tty = shown and bar and stream.isatty()
-        self.bar = tqdm(total=total, initial=start, unit="step", file=stream, dynamic_ncols=True,
-                        disable=not self.tty)
+        self.bar = tqdm(total=total, initial=start, unit="step", file=stream, dynamic_ncols=True, disable=not self.tty)
 
     def update(self, steps: int = 1) -> None:
         self.bar.update(steps)
@@ -31,12 +40,16 @@ class StepDisplay:
         """A logged step: the bar's postfix, or one plain line."""
         epoch = f"{step * self.batch / self.epoch_rows:.2f}" if self.epoch_rows else None
         if self.tty:
-            self.bar.set_postfix(**({"epoch": epoch} if epoch else {}), loss=f"{loss:.4f}",
-                                 samples_per_s=f"{samples_per_s:,.0f}")
+            self.bar.set_postfix(
+                **({"epoch": epoch} if epoch else {}), loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:,.0f}"
+            )
         elif self.shown:
             left = (self.total - step) * seconds_per_step
-            self.log(f"step {step}/{self.total}" + (f" epoch {epoch}" if epoch else "")
-                     + f" loss {loss:.4f} samples/s {samples_per_s:,.0f} left {_duration(left)}")
+            self.log(
+                f"step {step}/{self.total}"
+                + (f" epoch {epoch}" if epoch else "")
+                + f" loss {loss:.4f} samples/s {samples_per_s:,.0f} left {_duration(left)}"
+            )
 
     def write(self, line: str) -> None:
         if self.tty:

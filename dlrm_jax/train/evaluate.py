@@ -50,8 +50,10 @@ class RunSummary:
     eval_samples: int = 0  # samples the last evaluation scored (evaluate_run: samples_per_s is its speed)
 
     def final_line(self) -> str:
-        return (f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
-                f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}")
+        return (
+            f"final step={self.step} loss={self.loss:.6f} auc={self.auc:.6f} "
+            f"logloss={self.logloss:.6f} samples_per_s={self.samples_per_s:.1f}"
+        )
 
     def best_line(self) -> str:
         b = self.best
@@ -60,19 +62,30 @@ class RunSummary:
     @classmethod
     def from_event(cls, e: dict) -> RunSummary:
         """The summary a run's final metrics.jsonl events (merged) record."""
-        best = Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"])) if "best_step" in e else \
-            Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
-        return cls(e["step"], _nan(e["loss"]), _nan(e["auc"]), _nan(e["logloss"]),
-                   _nan(e.get("run_samples_per_s", e["samples_per_s"])), best, e.get("stop_reason", ""),
-                   int(e.get("eval_samples", 0)))
+        best = (
+            Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"]))
+            if "best_step" in e
+            else Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
+        )
+        return cls(
+            e["step"],
+            _nan(e["loss"]),
+            _nan(e["auc"]),
+            _nan(e["logloss"]),
+            _nan(e.get("run_samples_per_s", e["samples_per_s"])),
+            best,
+            e.get("stop_reason", ""),
+            int(e.get("eval_samples", 0)),
+        )
 
 
 def _nan(x: float | None) -> float:
     return float("nan") if x is None else x
 
 
-def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
-             runner: TierRunner | None = None) -> tuple[float, float, int]:
+def evaluate(
+    steps: StepFunctions, state: TrainState, source: DataSource, runner: TierRunner | None = None
+) -> tuple[float, float, int]:
     """Exact AUC and logloss over the held-out batches, and how many samples they scored
     (every process gets the same numbers; ``train.eval_batches``, 0 = the whole split).
 
@@ -92,8 +105,9 @@ def evaluate(steps: StepFunctions, state: TrainState, source: DataSource,
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
 
 
-def eval_scores(steps: StepFunctions, state: TrainState, source: DataSource,
-                runner: TierRunner | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def eval_scores(
+    steps: StepFunctions, state: TrainState, source: DataSource, runner: TierRunner | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
     the batch padded to full size, ``valid`` marking its real rows."""
     per_process = steps.cfg.train.batch_size // jax.process_count()
@@ -103,20 +117,24 @@ def eval_scores(steps: StepFunctions, state: TrainState, source: DataSource,
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     for batch in source.eval_batches():
         n = batch.size
-        padded = Batch(*(np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)])
-                         if n < per_process else x for x in batch))
+        padded = Batch(
+            *(
+                np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)]) if n < per_process else x
+                for x in batch
+            )
+        )
         if runner is not None:
             ids_padded, pooled = runner.eval_inputs(state, padded)
-            out = steps.eval_step(state, steps.device_batch(ids_padded),
-                                  jax.device_put(pooled, steps.batch_sharding))
+            out = steps.eval_step(state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding))
         else:
             out = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
         yield np.concatenate([np.asarray(s.data) for s in shards]), padded.labels, np.arange(per_process) < n
 
 
-def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None,
-                 log=print) -> RunSummary:
+def evaluate_run(
+    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
+) -> RunSummary:
     """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
     best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
     training there (nothing in ``run_dir`` is written, moved or deleted)."""
@@ -131,8 +149,15 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = (), *, step: int | 
     runner = None
     try:
         if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
-            tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, run_dir),
-                                  steps.embedding_key(), log=log, snapshot=step)
+            tiered = TieredTables(
+                plan,
+                steps.collection.groups,
+                steps.collection.optimizer,
+                tier_root(cfg, run_dir),
+                steps.embedding_key(),
+                log=log,
+                snapshot=step,
+            )
             runner = TierRunner(steps, tiered, 0)
         start = time.perf_counter()
         auc, ll, samples = evaluate(steps, state, source, runner)

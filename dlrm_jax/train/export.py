@@ -35,8 +35,9 @@ class RestoredRun(NamedTuple):
     state: object
 
 
-def restore_run(run_dir: str | Path, overrides: list[str] = (), step: int | str | None = None,
-                log=print) -> RestoredRun:
+def restore_run(
+    run_dir: str | Path, overrides: list[str] = (), step: int | str | None = None, log=print
+) -> RestoredRun:
     """``run_dir``'s checkpoint at ``step`` (default: the newest intact; ``best``: the best
     evaluation's, train.keep_best), with the tables as evaluation scores them. Per-host tables
     (embedding.sync=per_host) are their average over hosts; host replicas
@@ -56,12 +57,20 @@ def restore_run(run_dir: str | Path, overrides: list[str] = (), step: int | str 
 def tier_snapshot(run: RestoredRun, run_dir: str | Path, step: int, log=print) -> TieredTables:
     """The tiered tables of ``run`` as the tier's snapshot of ``step`` holds them (read-only)."""
     steps = run.steps
-    return TieredTables(run.plan, steps.collection.groups, steps.collection.optimizer, tier_root(run.cfg, Path(run_dir)),
-                        steps.embedding_key(), log=log, snapshot=step)
+    return TieredTables(
+        run.plan,
+        steps.collection.groups,
+        steps.collection.optimizer,
+        tier_root(run.cfg, Path(run_dir)),
+        steps.embedding_key(),
+        log=log,
+        snapshot=step,
+    )
 
 
-def export_run(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
-               log=print) -> int:
+def export_run(
+    run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None, log=print
+) -> int:
     """Write every table of ``run_dir``'s checkpoint at ``step`` (:func:`restore_run`) under
     ``dest``; returns the step exported."""
     dest = Path(dest)

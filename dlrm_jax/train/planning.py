@@ -43,8 +43,15 @@ def _alone(kind: str, value):
     return value
 
 
-def plan_for_run(cfg: Config, num_devices: int, hosts: int, source: DataSource | None, simulated: bool,
-                 budget_bytes: int | None = None, agree: Callable = _alone) -> EmbeddingPlan:
+def plan_for_run(
+    cfg: Config,
+    num_devices: int,
+    hosts: int,
+    source: DataSource | None,
+    simulated: bool,
+    budget_bytes: int | None = None,
+    agree: Callable = _alone,
+) -> EmbeddingPlan:
     """The plan for ``num_devices`` devices (``hosts``: of per-host tables) with the ids
     buckets measured on ``source``'s first batches (none without a source, or with
     ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
@@ -55,10 +62,15 @@ def plan_for_run(cfg: Config, num_devices: int, hosts: int, source: DataSource |
     stats = None
     if batches and cfg.embedding.sharding == "auto":
         rows = min(len(batches[0]), STATS_DEVICES * local)
-        stats = agree("stats", table_stats(list(specs_from_config(cfg)), [b[:rows] for b in batches],
-                                           plan_devices, local, cfg.embedding.row_layout))
-    plan = host_plan_from_config(cfg, num_devices, hosts, budget_bytes, cluster=cluster_from_config(cfg, simulated),
-                                 stats=stats)
+        stats = agree(
+            "stats",
+            table_stats(
+                list(specs_from_config(cfg)), [b[:rows] for b in batches], plan_devices, local, cfg.embedding.row_layout
+            ),
+        )
+    plan = host_plan_from_config(
+        cfg, num_devices, hosts, budget_bytes, cluster=cluster_from_config(cfg, simulated), stats=stats
+    )
     if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
         measured = agree("capacities", measure_capacities(plan, batches, cfg.embedding.capacity_factor))
         plan = dataclasses.replace(plan, capacities=measured)
@@ -70,8 +82,10 @@ def agree_by_max(values) -> list:
     largest buckets, capacities by the largest (``values``: every process's, in order)."""
     first = values[0]
     if first and isinstance(first[0], TableStats):
-        return [TableStats(sum(v[t].distinct for v in values) / len(values), max(v[t].row_owner for v in values))
-                for t in range(len(first))]
+        return [
+            TableStats(sum(v[t].distinct for v in values) / len(values), max(v[t].row_owner for v in values))
+            for t in range(len(first))
+        ]
     return tuple((name, max(dict(v)[name] for v in values)) for name, _ in first)
 
 
@@ -83,11 +97,14 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     phases = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in step.phases.items())
     bound = lower_bound_bytes(plan)
     sent = exchange_bytes_per_step(plan)
-    return "\n".join([
-        config_plan_report(cfg, plan),
-        f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
-        f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
-        f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"])
+    return "\n".join(
+        [
+            config_plan_report(cfg, plan),
+            f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
+            f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
+            f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms",
+        ]
+    )
 
 
 def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None) -> str:
@@ -99,13 +116,18 @@ def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None
     sent, bound = exchange_bytes_per_step(plan), lower_bound_bytes(plan)
     step = predict_step(plan, cluster_from_config(cfg, simulated), dense_work(cfg))
     where = f"; the whole plan: {Path(run_dir) / 'plan.txt'}" if run_dir else ""
-    return "\n".join([
-        f"plan: {len(plan.tables)} tables on {plan.num_devices} devices: {placed}",
-        f"  {fmt_bytes(memory)} of tables, optimizer state and buffers on the busiest device; exchange "
-        f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the lower bound)",
-        f"  predicted step {1e3 * step.total_s:.3f} ms on the {cluster_from_config(cfg, simulated).name} profile{where}"])
+    return "\n".join(
+        [
+            f"plan: {len(plan.tables)} tables on {plan.num_devices} devices: {placed}",
+            f"  {fmt_bytes(memory)} of tables, optimizer state and buffers on the busiest device; exchange "
+            f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the lower bound)",
+            f"  predicted step {1e3 * step.total_s:.3f} ms on the {cluster_from_config(cfg, simulated).name} profile{where}",
+        ]
+    )
 
 
 def _cluster_words(c) -> str:
-    return (f"{c.devices_per_host} devices a host, {c.intra_host_gbps:g} GB/s within and {c.inter_host_gbps:g} GB/s "
-            f"between hosts, {c.hbm_gbps:g} GB/s memory, {c.tflops:g} TFLOP/s")
+    return (
+        f"{c.devices_per_host} devices a host, {c.intra_host_gbps:g} GB/s within and {c.inter_host_gbps:g} GB/s "
+        f"between hosts, {c.hbm_gbps:g} GB/s memory, {c.tflops:g} TFLOP/s"
+    )

@@ -83,8 +83,10 @@ class Progress:
         if metric == self.metric:
             return self
         if self.best is not None and log is not None:
-            log(f"train.keep_best: the best evaluation is now chosen by {metric}, not {self.metric}; it is "
-                f"tracked afresh from here")
+            log(
+                f"train.keep_best: the best evaluation is now chosen by {metric}, not {self.metric}; it is "
+                f"tracked afresh from here"
+            )
         return dataclasses.replace(self, metric=metric, best=None, evals_since_best=0)
 
     def stop_reason(self, train_cfg) -> str:
@@ -95,8 +97,10 @@ class Progress:
         tracked = self.tracking(tracked_metric(t))
         best, since = tracked.best, tracked.evals_since_best
         if t.early_stop_evals and best is not None and since >= t.early_stop_evals:
-            return (f"{since} evaluations without a better {tracked.metric} than step {best.step}'s "
-                    f"{getattr(best, tracked.metric):.6f} (train.early_stop_evals={t.early_stop_evals})")
+            return (
+                f"{since} evaluations without a better {tracked.metric} than step {best.step}'s "
+                f"{getattr(best, tracked.metric):.6f} (train.early_stop_evals={t.early_stop_evals})"
+            )
         return ""
 
     def final_fields(self, step: int, auc: float, logloss: float) -> dict:
@@ -107,17 +111,27 @@ class Progress:
         return {**out, "stop_reason": self.stopped} if self.stopped else out
 
     def to_json(self) -> dict:
-        return {"loss_reference": _num(self.loss_reference), "metric": self.metric,
-                "best": self.best and self.best.to_json(), "last": self.last and self.last.to_json(),
-                "evals_since_best": self.evals_since_best, "stopped": self.stopped}
+        return {
+            "loss_reference": _num(self.loss_reference),
+            "metric": self.metric,
+            "best": self.best and self.best.to_json(),
+            "last": self.last and self.last.to_json(),
+            "evals_since_best": self.evals_since_best,
+            "stopped": self.stopped,
+        }
 
     @classmethod
     def from_json(cls, d: dict | None) -> Progress:
         """The record saved by :meth:`to_json`; empty for checkpoints saved before it existed."""
         d = d or {}
-        return cls(loss_reference=d.get("loss_reference"), metric=d.get("metric") or "auc",
-                   best=Evaluation.from_json(d.get("best")), last=Evaluation.from_json(d.get("last")),
-                   evals_since_best=int(d.get("evals_since_best") or 0), stopped=d.get("stopped") or "")
+        return cls(
+            loss_reference=d.get("loss_reference"),
+            metric=d.get("metric") or "auc",
+            best=Evaluation.from_json(d.get("best")),
+            last=Evaluation.from_json(d.get("last")),
+            evals_since_best=int(d.get("evals_since_best") or 0),
+            stopped=d.get("stopped") or "",
+        )
 
 
 def resumed_progress(train_cfg, ckpts, start: int, log) -> tuple[Progress, str]:
@@ -131,11 +145,15 @@ def resumed_progress(train_cfg, ckpts, start: int, log) -> tuple[Progress, str]:
         ckpts.keep_also([progress.best.step])
     reason = progress.stop_reason(t)
     if reason:
-        log(f"run stopped early at step {start}: {reason}; it is not trained further (change train.target_auc "
-            f"or train.early_stop_evals to go on)")
+        log(
+            f"run stopped early at step {start}: {reason}; it is not trained further (change train.target_auc "
+            f"or train.early_stop_evals to go on)"
+        )
     elif progress.stopped:
-        log(f"run stopped early at step {start} ({progress.stopped}); with this config's train.target_auc="
-            f"{t.target_auc:g} and train.early_stop_evals={t.early_stop_evals} it trains on to step {t.steps}")
+        log(
+            f"run stopped early at step {start} ({progress.stopped}); with this config's train.target_auc="
+            f"{t.target_auc:g} and train.early_stop_evals={t.early_stop_evals} it trains on to step {t.steps}"
+        )
     return dataclasses.replace(progress, stopped=reason), reason
 
 
@@ -169,7 +187,8 @@ def checkpoint_step(directory: Path, step: int | str | None) -> int | None:
             raise FileNotFoundError(
                 f"{directory}: the best evaluation (step {best.step}, {progress.metric} "
                 f"{getattr(best, progress.metric):.6f}) has no checkpoint left (rotated out: train.keep_best "
-                f"was off); saved steps {saved}")
+                f"was off); saved steps {saved}"
+            )
         return best.step
     if step not in saved:
         raise FileNotFoundError(f"{directory}: no checkpoint at step {step}; saved steps {saved}")

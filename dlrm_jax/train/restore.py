@@ -40,8 +40,13 @@ def saved_run_config(run_dir: Path, overrides=()) -> Config:
     return cfg
 
 
-def restore_state(steps: StepFunctions, ckpts: CheckpointReader, log=print, step: int | None = None,
-                  tiered: TieredTables | None = None) -> TrainState:
+def restore_state(
+    steps: StepFunctions,
+    ckpts: CheckpointReader,
+    log=print,
+    step: int | None = None,
+    tiered: TieredTables | None = None,
+) -> TrainState:
     """The checkpoint at ``step`` (default newest) on this mesh and plan; tables saved under
     another plan (device count, strategy) are restored as saved, then re-laid out. ``tiered``:
     the disk tier, restored to its snapshot of that step (a step without one does not restore)."""
@@ -74,10 +79,12 @@ def _restore_state(steps: StepFunctions, ckpts: CheckpointReader, log, step: int
     if saved == current:
         return steps.from_checkpoint_form(ckpts.restore(steps.abstract_state(), step)), False
     if tiered != steps.tiered_tables:
-        names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"  # noqa: E731
-        raise IncompatibleCheckpoint(f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
-                         f"{names(steps.tiered_tables)} (embedding.storage / embedding.table_storage); moving "
-                         f"tables between the devices and the tier on restore is not supported")
+        names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"
+        raise IncompatibleCheckpoint(
+            f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
+            f"{names(steps.tiered_tables)} (embedding.storage / embedding.table_storage); moving "
+            f"tables between the devices and the tier on restore is not supported"
+        )
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = steps.from_checkpoint_form(ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step))
@@ -95,14 +102,17 @@ def _check_tables(saved: EmbeddingPlan, steps: StepFunctions, where: Path) -> No
     current = steps.collection.plan
     ours, theirs = [tp.spec for tp in current.tables], [tp.spec for tp in saved.tables]
     if [s.name for s in ours] != [s.name for s in theirs]:
-        raise IncompatibleCheckpoint(f"checkpoint {where} does not fit this config: it holds {len(theirs)} tables "
-                                     f"({theirs[0].name}..{theirs[-1].name}), this config {len(ours)}")
+        raise IncompatibleCheckpoint(
+            f"checkpoint {where} does not fit this config: it holds {len(theirs)} tables "
+            f"({theirs[0].name}..{theirs[-1].name}), this config {len(ours)}"
+        )
     tiered = set(saved.tiered_tables) | set(steps.tiered_tables)
     for t, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         if a.dim != b.dim or (a.rows != b.rows and t not in tiered):
             raise IncompatibleCheckpoint(
                 f"checkpoint {where} does not fit this config: table {a.name} is {a.rows:,} rows x {a.dim} there, "
-                f"{b.rows:,} x {b.dim} here (data.cardinalities, data.max_rows, model.embedding_dim)")
+                f"{b.rows:,} x {b.dim} here (data.cardinalities, data.max_rows, model.embedding_dim)"
+            )
 
 
 def _check_per_host(steps: StepFunctions, ckpts: CheckpointReader, saved: EmbeddingPlan, step: int | None) -> None:
@@ -114,22 +124,26 @@ def _check_per_host(steps: StepFunctions, ckpts: CheckpointReader, saved: Embedd
         raise IncompatibleCheckpoint(
             f"checkpoint step {step} holds the per-host tables of {hosts} hosts, this run has {steps.hosts} "
             f"(mesh.hosts, or one per process when 0); resume with {hosts} hosts (set mesh.hosts={hosts} "
-            f"to simulate them in fewer processes)")
+            f"to simulate them in fewer processes)"
+        )
     if saved != steps.collection.plan:
         raise IncompatibleCheckpoint(
             f"checkpoint step {step} holds per-host tables laid out on {saved.num_devices} devices per host, "
             f"this run has {steps.collection.plan.num_devices}; per-host tables are not re-laid out: resume with "
-            f"mesh.devices = {saved.num_devices * hosts} and the same embedding.sharding")
+            f"mesh.devices = {saved.num_devices * hosts} and the same embedding.sharding"
+        )
 
 
-def restore_newest(steps: StepFunctions, ckpts: CheckpointReader, log=print, tiered: TieredTables | None = None
-                   ) -> tuple[int, TrainState]:
+def restore_newest(
+    steps: StepFunctions, ckpts: CheckpointReader, log=print, tiered: TieredTables | None = None
+) -> tuple[int, TrainState]:
     """(step, state) of the newest checkpoint that restores; damaged newer ones are set aside."""
     return ckpts.restore_newest_intact(lambda s: restore_state(steps, ckpts, log, s, tiered), log)
 
 
-def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int | None = None, log=print
-                    ) -> tuple[int, TrainState]:
+def read_checkpoint(
+    run_dir: Path, cfg: Config, steps: StepFunctions, step: int | None = None, log=print
+) -> tuple[int, TrainState]:
     """(step, state) of ``run_dir``'s checkpoint at ``step`` (default: the newest that restores),
     read-only (``eval``, ``export``: the run may still be training; a damaged checkpoint is
     skipped, not moved). ``cfg``: the run's saved config with the command's --set overrides; a
@@ -138,9 +152,16 @@ def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int 
     saved = ckpts.all_steps()
     if not saved or (step is not None and step not in saved):
         damaged = Path(run_dir) / "damaged"
-        have = (f"(steps {', '.join(map(str, saved))})" if saved else f"(none; {damaged} holds some set aside as damaged)"
-                if damaged.is_dir() and any(damaged.iterdir()) else "(none saved)")
-        raise FileNotFoundError(f"{ckpts.directory}: no checkpoint{f' at step {step}' if step is not None else ''} {have}")
+        have = (
+            f"(steps {', '.join(map(str, saved))})"
+            if saved
+            else f"(none; {damaged} holds some set aside as damaged)"
+            if damaged.is_dir() and any(damaged.iterdir())
+            else "(none saved)"
+        )
+        raise FileNotFoundError(
+            f"{ckpts.directory}: no checkpoint{f' at step {step}' if step is not None else ''} {have}"
+        )
     try:
         if step is None:
             return restore_newest(steps, ckpts, log)
@@ -151,10 +172,13 @@ def read_checkpoint(run_dir: Path, cfg: Config, steps: StepFunctions, step: int 
         except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files
             others = [s for s in saved if s != step]
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ValueError(f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
-                             f"use another step (--step with one of {others}) or none (the newest intact)"
-                             if others else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
-                             f"({first}) and it is the only one") from None
+            raise ValueError(
+                f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
+                f"use another step (--step with one of {others}) or none (the newest intact)"
+                if others
+                else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
+                f"({first}) and it is the only one"
+            ) from None
     except IncompatibleCheckpoint as e:
         saved_cfg = Path(run_dir) / "config.yaml"
         changed = config_differences(load_config(saved_cfg), cfg, STATE_KEYS)
@@ -181,13 +205,16 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
     except Exception:  # noqa: BLE001 - a damaged newest checkpoint: its restore reports it
         return
     if tiered:
-        raise RunDirError(f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "
-                          f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
-                          f"or pass a new --run-dir to start fresh")
+        raise RunDirError(
+            f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "
+            f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
+            f"or pass a new --run-dir to start fresh"
+        )
 
 
-def restore_or_init(steps: StepFunctions, ckpts: CheckpointReader | None, log, tiered: TieredTables | None = None
-                    ) -> TrainState:
+def restore_or_init(
+    steps: StepFunctions, ckpts: CheckpointReader | None, log, tiered: TieredTables | None = None
+) -> TrainState:
     """The newest intact checkpoint's state, or (none saved yet) the initial one."""
     if ckpts is not None and ckpts.all_steps():
         step, state = restore_newest(steps, ckpts, log, tiered)
@@ -200,5 +227,3 @@ def restore_or_init(steps: StepFunctions, ckpts: CheckpointReader | None, log, t
     if steps.hot is not None:
         state = _hot_rows_from_tier(steps, tiered, state)
     return state
-
-

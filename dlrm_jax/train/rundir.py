@@ -31,10 +31,24 @@ from dlrm_jax.parallel.mesh import outcome_of_process_0
 # with other values cannot resume. (Table rows come from data.cardinalities after the
 # data.max_rows cap, and the resolved config stores binary datasets' cardinalities.)
 STATE_KEYS = (
-    "model.kind", "model.wide_optimizer", "model.embedding_dim", "model.bottom_mlp", "model.top_mlp", "model.interaction", "model.dcn_layers", "model.dcn_rank",
-    "train.optimizer", "embedding.optimizer", "embedding.dtype", "embedding.sync",
-    "data.num_dense", "data.cardinalities", "data.max_rows", "data.bag_sizes", "data.pooling",
-)  # fmt: skip
+    "model.kind",
+    "model.wide_optimizer",
+    "model.embedding_dim",
+    "model.bottom_mlp",
+    "model.top_mlp",
+    "model.interaction",
+    "model.dcn_layers",
+    "model.dcn_rank",
+    "train.optimizer",
+    "embedding.optimizer",
+    "embedding.dtype",
+    "embedding.sync",
+    "data.num_dense",
+    "data.cardinalities",
+    "data.max_rows",
+    "data.bag_sizes",
+    "data.pooling",
+)
 
 
 class RunDirError(ValueError):
@@ -82,8 +96,9 @@ def _disk_full_names(path: Path):
         if e.errno != errno.ENOSPC:
             raise
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        raise OSError(f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass "
-                      f"another --run-dir") from None
+        raise OSError(
+            f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass another --run-dir"
+        ) from None
 
 
 class RunDir:
@@ -141,8 +156,9 @@ class RunDir:
             except BlockingIOError:
                 holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
                 os.close(fd)
-                raise RunDirError(f"run dir {self.path} is in use by {holder}; wait for that run to end "
-                                  f"or pass another --run-dir") from None
+                raise RunDirError(
+                    f"run dir {self.path} is in use by {holder}; wait for that run to end or pass another --run-dir"
+                ) from None
             try:
                 if os.stat(lock).st_ino == os.fstat(fd).st_ino:
                     break
@@ -152,8 +168,9 @@ class RunDir:
         self._lock_fd = fd
         os.ftruncate(fd, 0)
         with _disk_full_names(lock):
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+            os.write(
+                fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+            )
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -172,7 +189,8 @@ class RunDir:
             raise RunDirError(
                 f"run dir {self.path} has no checkpoint to resume, but {damaged} holds {len(kept)} checkpoints set "
                 f"aside as damaged ({', '.join(kept)}): move one back to resume from it (mv {damaged / kept[-1]} "
-                f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new --run-dir to start fresh")
+                f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new --run-dir to start fresh"
+            )
 
     def _check_config(self, cfg: Config, log) -> None:
         saved = self.path / "config.yaml"
@@ -184,13 +202,14 @@ class RunDir:
             blocking = config_differences(old, cfg, STATE_KEYS)
             if blocking:
                 what = "; ".join(f"{k} {a} -> {b}" for k, a, b in blocking)
-                raise RunDirError(f"run dir {self.path} was started with another model: {what}. These "
-                                  f"change the saved state, so it cannot resume; pass a new --run-dir "
-                                  f"to start fresh (or remove {self.path})")
+                raise RunDirError(
+                    f"run dir {self.path} was started with another model: {what}. These "
+                    f"change the saved state, so it cannot resume; pass a new --run-dir "
+                    f"to start fresh (or remove {self.path})"
+                )
             changed = config_differences(old, cfg)
             if changed:
-                log("resuming with changed settings: "
-                    + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed))
+                log("resuming with changed settings: " + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         self._config_text = dump_config(cfg)
 
     def record(self, report: str, plan_json: str) -> None:

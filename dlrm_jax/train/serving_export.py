@@ -43,8 +43,15 @@ EXPORT_PLATFORMS = ("cpu", "cuda")
 ROWS_PER_WRITE = 1 << 16
 
 
-def export_serving(run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None,
-                   tables: str = "float32", since: int | None = None, log=print) -> int:
+def export_serving(
+    run_dir: str | Path,
+    dest: str | Path,
+    overrides: list[str] = (),
+    step: int | str | None = None,
+    tables: str = "float32",
+    since: int | None = None,
+    log=print,
+) -> int:
     """Write the serving artifact of ``run_dir``'s checkpoint at ``step`` (default: the newest
     intact; ``best``: train.keep_best's) to ``dest``, a new folder; ``tables``: float32,
     bfloat16 or int8 (per-row scale and offset); ``since``: a delta against that step's
@@ -78,23 +85,40 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
     features, wide = _write_tables(work, run, run_dir, tables, base, since)
     _write_function(work, run)
     manifest = {
-        "format_version": FORMAT_VERSION, "kind": "delta" if since is not None else "full",
-        "base_step": since, "step": run.step, "model": _model_section(run.cfg),
-        "num_dense": run.cfg.data.num_dense, "features": features, "wide": wide, "tables_dtype": tables,
+        "format_version": FORMAT_VERSION,
+        "kind": "delta" if since is not None else "full",
+        "base_step": since,
+        "step": run.step,
+        "model": _model_section(run.cfg),
+        "num_dense": run.cfg.data.num_dense,
+        "features": features,
+        "wide": wide,
+        "tables_dtype": tables,
         "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
         "dense_transform": _dense_transform(run.cfg),
         "evaluation": _evaluation(Path(run_dir), run.step),
-        "function": {"file": FUNCTION_FILE, "params": PARAMS_FILE, "platforms": list(EXPORT_PLATFORMS),
-                     "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
-                     + (["wide float32 [b, F, 1]"] if wide else []), "output": "probabilities float32 [b]"},
+        "function": {
+            "file": FUNCTION_FILE,
+            "params": PARAMS_FILE,
+            "platforms": list(EXPORT_PLATFORMS),
+            "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
+            + (["wide float32 [b, F, 1]"] if wide else []),
+            "output": "probabilities float32 [b]",
+        },
     }
     write_manifest(work, manifest)
 
 
 def _model_section(cfg) -> dict:
     m = cfg.model
-    return {"kind": m.kind, "interaction": m.interaction, "embedding_dim": m.embedding_dim,
-            "bottom_mlp": list(m.bottom_mlp), "top_mlp": list(m.top_mlp), "compute_dtype": cfg.train.compute_dtype}
+    return {
+        "kind": m.kind,
+        "interaction": m.interaction,
+        "embedding_dim": m.embedding_dim,
+        "bottom_mlp": list(m.bottom_mlp),
+        "top_mlp": list(m.top_mlp),
+        "compute_dtype": cfg.train.compute_dtype,
+    }
 
 
 def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iterator[tuple[int, Iterator]]:
@@ -128,8 +152,15 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
     differ from it; the manifest's feature and wide-feature entries."""
     parts = [("", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
     if run.steps.wide:
-        parts.append(("wide_", run.steps.wide.collection, run.state.wide.tables, "float32",
-                      None if base is None else base.wide.tables))
+        parts.append(
+            (
+                "wide_",
+                run.steps.wide.collection,
+                run.state.wide.tables,
+                "float32",
+                None if base is None else base.wide.tables,
+            )
+        )
     entries = {"": [], "wide_": []}
     for prefix, collection, emb, dt, base_emb in parts:
         olds = _table_chunks(run, run_dir, collection, base_emb, since) if base_emb is not None else None
@@ -137,8 +168,17 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
             old_chunks = next(olds)[1] if olds is not None else None  # the same table, in lockstep
             spec = collection.plan.tables[t].spec
             name = prefix + spec.name
-            entries[prefix].append({"name": name, "table": name, "rows": spec.rows, "dim": spec.dim,
-                                    "bag_size": spec.bag_size, "pooling": str(spec.pooling), "dtype": dt})
+            entries[prefix].append(
+                {
+                    "name": name,
+                    "table": name,
+                    "rows": spec.rows,
+                    "dim": spec.dim,
+                    "bag_size": spec.bag_size,
+                    "pooling": str(spec.pooling),
+                    "dtype": dt,
+                }
+            )
             if old_chunks is None:
                 writer = TableWriter(work / "tables" / name, spec.rows, spec.dim, dt)
                 for start, v in chunks:
@@ -178,8 +218,11 @@ def _write_function(work: Path, run: RestoredRun) -> None:
 
     (b,) = jax.export.symbolic_shape("b")
     F, D = cfg.num_features, cfg.model.embedding_dim
-    args = [[jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves],
-            jax.ShapeDtypeStruct((b, cfg.data.num_dense), jnp.float32), jax.ShapeDtypeStruct((b, F, D), jnp.float32)]
+    args = [
+        [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves],
+        jax.ShapeDtypeStruct((b, cfg.data.num_dense), jnp.float32),
+        jax.ShapeDtypeStruct((b, F, D), jnp.float32),
+    ]
     if wide:
         args.append(jax.ShapeDtypeStruct((b, F, 1), jnp.float32))
     exported = jax.export.export(jax.jit(serve), platforms=EXPORT_PLATFORMS)(*args)
@@ -208,8 +251,13 @@ def _rules(work: Path, cfg) -> dict:
         shutil.copyfile(root / "vocab" / f"feature_{f}.npy", work / name)
         files.append(name)
     modulus = int(meta.get("max_ind_range") or 0)
-    spec = {"format": "tabular" if "schema" in meta else "criteo", "kind": "compact" if modulus else "vocabulary",
-            "max_ind_range": modulus, "cardinalities": [int(c) for c in meta["cardinalities"]], "files": files}
+    spec = {
+        "format": "tabular" if "schema" in meta else "criteo",
+        "kind": "compact" if modulus else "vocabulary",
+        "max_ind_range": modulus,
+        "cardinalities": [int(c) for c in meta["cardinalities"]],
+        "files": files,
+    }
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
     else:
@@ -232,10 +280,12 @@ def _dense_transform(cfg) -> dict:
         if "schema" in meta:
             from dlrm_jax.data.tabular_schema import load_schema
 
-            return {"features": {f.name: f.transform
-                                 for f in load_schema(meta["schema"]).dense},
-                    "log1p": "log1p(max(x, 0)), missing 0", "none": "x as it is, missing 0",
-                    **({"zero_column": True} if not meta["num_dense"] else {})}
+            return {
+                "features": {f.name: f.transform for f in load_schema(meta["schema"]).dense},
+                "log1p": "log1p(max(x, 0)), missing 0",
+                "none": "x as it is, missing 0",
+                **({"zero_column": True} if not meta["num_dense"] else {}),
+            }
     if cfg.data.source == "synthetic":
         return {"all": "none: synthetic features are model inputs as drawn"}
     return {"all": "log1p(max(x, 0)), missing 0 (Criteo's integer counts)"}

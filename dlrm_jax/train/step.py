@@ -78,8 +78,14 @@ def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
 class StepFunctions:
     """Builds the model, the initial state and the compiled steps for one config and mesh."""
 
-    def __init__(self, cfg, mesh: jax.sharding.Mesh, collection: EmbeddingCollection,
-                 hot: HotSchedule | None = None, cache_groups: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        cfg,
+        mesh: jax.sharding.Mesh,
+        collection: EmbeddingCollection,
+        hot: HotSchedule | None = None,
+        cache_groups: tuple[str, ...] = (),
+    ):
         """``hot``: when the plan replicates hot rows, the schedule that knows which (the
         initial state starts with its current rows). ``cache_groups``: the groups holding
         device caches of tiered tables (``collection.tiered_tables``); the train step then
@@ -102,28 +108,50 @@ class StepFunctions:
         self.state_sharding = self._state_sharding()
         self.saved_sharding = self._state_sharding(saved_form=True)
         if self.per_host:
-            self.sync_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),
-                                       out_shardings=self.state_sharding.emb, donate_argnums=0)
-            self.averaged_tables = jax.jit(average_over_hosts, in_shardings=(self.state_sharding.emb,),
-                                           out_shardings=self.state_sharding.emb)
-            self.table_divergence = jax.jit(table_divergence, in_shardings=(self.state_sharding.emb,),
-                                            out_shardings=self.replicated)
+            self.sync_tables = jax.jit(
+                average_over_hosts,
+                in_shardings=(self.state_sharding.emb,),
+                out_shardings=self.state_sharding.emb,
+                donate_argnums=0,
+            )
+            self.averaged_tables = jax.jit(
+                average_over_hosts, in_shardings=(self.state_sharding.emb,), out_shardings=self.state_sharding.emb
+            )
+            self.table_divergence = jax.jit(
+                table_divergence, in_shardings=(self.state_sharding.emb,), out_shardings=self.replicated
+            )
         if cache_groups:
             b = self.batch_sharding
-            self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, b, b, b),
-                                      out_shardings=(self.state_sharding, self.replicated, b), donate_argnums=0)
-            self.fill_step = jax.jit(self._fill_step, in_shardings=(self.state_sharding.emb, b, b),
-                                     out_shardings=(self.state_sharding.emb, b), donate_argnums=0)
+            self.train_step = jax.jit(
+                self._train_step,
+                in_shardings=(self.state_sharding, b, b, b),
+                out_shardings=(self.state_sharding, self.replicated, b),
+                donate_argnums=0,
+            )
+            self.fill_step = jax.jit(
+                self._fill_step,
+                in_shardings=(self.state_sharding.emb, b, b),
+                out_shardings=(self.state_sharding.emb, b),
+                donate_argnums=0,
+            )
             self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, b, b), out_shardings=b)
         else:
-            self.train_step = jax.jit(self._train_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                                      out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
-            self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                                     out_shardings=self.batch_sharding)
+            self.train_step = jax.jit(
+                self._train_step,
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=(self.state_sharding, self.replicated),
+                donate_argnums=0,
+            )
+            self.eval_step = jax.jit(
+                self._eval_step,
+                in_shardings=(self.state_sharding, self.batch_sharding),
+                out_shardings=self.batch_sharding,
+            )
         # Compiled on first use (a state about to be checkpointed); tiered runs pass the batch
         # with the cache ids its train step used, whose rows the caches still hold.
-        self.state_check = jax.jit(self._state_check, in_shardings=(self.state_sharding, self.batch_sharding),
-                                   out_shardings=self.replicated)
+        self.state_check = jax.jit(
+            self._state_check, in_shardings=(self.state_sharding, self.batch_sharding), out_shardings=self.replicated
+        )
 
     def _dense_layout(self, cfg, mesh, model, params: dict) -> None:
         """model.mlp_parallel: the tensor layout or the pipeline plan (model/mlp_parallel.py)."""
@@ -135,8 +163,10 @@ class StepFunctions:
         elif cfg.model.mlp_parallel == "pipeline":
             rows = cfg.train.batch_size // (mesh.size // groups)
             if rows % cfg.model.microbatches:
-                raise ConfigError(f"model.microbatches={cfg.model.microbatches} must divide the {rows} rows of a "
-                                  f"model group (train.batch_size / (devices / mesh.model))")
+                raise ConfigError(
+                    f"model.microbatches={cfg.model.microbatches} must divide the {rows} rows of a "
+                    f"model group (train.batch_size / (devices / mesh.model))"
+                )
             self.pipeline = PipelinePlan(model, params, groups, cfg.model.microbatches)
 
     # ------------------------------------------------------------ state
@@ -159,15 +189,20 @@ class StepFunctions:
                 opt = jax.eval_shape(lambda o: self._map_params(self.pipeline.unpack, o), opt)
                 params_sharding = jax.tree.map(lambda _: self.replicated, params)
         elif self.tensor is not None:
-            params_sharding = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
-                                           tensor_param_specs(params), is_leaf=lambda x: isinstance(x, P))
+            params_sharding = jax.tree.map(
+                lambda spec: NamedSharding(self.mesh, spec),
+                tensor_param_specs(params),
+                is_leaf=lambda x: isinstance(x, P),
+            )
         else:
             params_sharding = jax.tree.map(lambda _: self.replicated, params)
         params_def = jax.tree.structure(params)
         # Optimizer state: the subtrees shaped like the parameters are laid out like them.
         opt_sharding = jax.tree.map(
             lambda sub: params_sharding if jax.tree.structure(sub) == params_def else self.replicated,
-            opt, is_leaf=lambda sub: jax.tree.structure(sub) == params_def)
+            opt,
+            is_leaf=lambda sub: jax.tree.structure(sub) == params_def,
+        )
         emb = self.collection.state_sharding()
         if self.per_host:
             emb = jax.tree.map(lambda s: NamedSharding(self.mesh, P(HOST_AXIS, *s.spec)), emb)
@@ -184,8 +219,10 @@ class StepFunctions:
         if self.pipeline is None:
             return state
         if not hasattr(self, "_unpack"):
-            self._unpack = jax.jit(lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
-                                   out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state))
+            self._unpack = jax.jit(
+                lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
+                out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state),
+            )
         params, opt = self._unpack(state.params, state.opt_state)
         return state._replace(params=params, opt_state=opt)
 
@@ -194,19 +231,25 @@ class StepFunctions:
         if self.pipeline is None:
             return state
         saved = jax.tree.structure(self.saved_sharding.params)
-        params, opt = jax.jit(lambda p, o: (self.pipeline.pack(p), map_like(self.pipeline.pack, o, saved)),
-                              out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))(state.params, state.opt_state)
+        params, opt = jax.jit(
+            lambda p, o: (self.pipeline.pack(p), map_like(self.pipeline.pack, o, saved)),
+            out_shardings=(self.state_sharding.params, self.state_sharding.opt_state),
+        )(state.params, state.opt_state)
         return state._replace(params=params, opt_state=opt)
 
     def init_state(self, hot: bool = True) -> TrainState:
         """The initial state, created on the mesh with its final shardings; ``hot=False``:
         the hot set left empty (tiered runs fill it through their ``TierRunner``)."""
-        params, opt = jax.jit(self._dense_init,
-                              out_shardings=(self.state_sharding.params, self.state_sharding.opt_state))()
+        params, opt = jax.jit(
+            self._dense_init, out_shardings=(self.state_sharding.params, self.state_sharding.opt_state)
+        )()
         emb = self.collection.init(self.embedding_key())
         if self.per_host:  # every host starts from the same tables
-            emb = jax.jit(lambda e: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.hosts, *x.shape)), e),
-                          out_shardings=self.state_sharding.emb, donate_argnums=0)(emb)
+            emb = jax.jit(
+                lambda e: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.hosts, *x.shape)), e),
+                out_shardings=self.state_sharding.emb,
+                donate_argnums=0,
+            )(emb)
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
@@ -224,8 +267,9 @@ class StepFunctions:
         """Shapes, dtypes and shardings of the state as checkpoints hold it
         (:meth:`checkpoint_form`), for restoring a checkpoint onto this mesh."""
         shapes = jax.eval_shape(lambda: self.checkpoint_form(self.init_state()))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.saved_sharding)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.saved_sharding
+        )
 
     def device_batch(self, batch: Batch) -> Batch:
         """This process's numpy slice -> one global array per field, sharded over the mesh."""
@@ -277,7 +321,8 @@ class StepFunctions:
 
         with jax.named_scope(PHASE_SCOPES["dense"]):
             loss, (grad_params, grad_bfd, grad_wide) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
-                state.params, pooled_bfd, wide)
+                state.params, pooled_bfd, wide
+            )
         with jax.named_scope(PHASE_SCOPES["dense_optimizer"]):
             updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
@@ -315,7 +360,7 @@ class StepFunctions:
 def map_like(fn, tree, treedef):
     """``fn`` applied to every subtree of ``tree`` with structure ``treedef`` (an optimizer
     state's copies of the parameters), other leaves kept."""
-    like = lambda sub: jax.tree.structure(sub) == treedef  # noqa: E731
+    like = lambda sub: jax.tree.structure(sub) == treedef
     return jax.tree.map(lambda sub: fn(sub) if like(sub) else sub, tree, is_leaf=like)
 
 

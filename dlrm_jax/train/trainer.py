@@ -72,7 +72,6 @@ RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", 
 DISPATCH_AHEAD = 2
 
 
-
 class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
     """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
 
@@ -116,8 +115,9 @@ class _StopSignals:
             signal.signal(sig, old)
 
 
-def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=print,
-                       source: DataSource | None = None) -> RunSummary:
+def train_and_evaluate(
+    cfg: Config, run_dir: str | Path | None = None, *, log=print, source: DataSource | None = None
+) -> RunSummary:
     """Train ``cfg`` on the current devices, resuming from ``run_dir``'s newest intact checkpoint.
 
     ``source``: the data, when not the config's ``data.source`` (a notebook's own loader, or
@@ -142,9 +142,12 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         stopped = progress.stop_reason(cfg.train)
         recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
         if recorded is not None:
-            log(f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
-                f"train.target_auc or train.early_stop_evals to go on); its recorded final metrics:" if stopped
-                else f"run already finished at step {newest}; its recorded final metrics:")
+            log(
+                f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
+                f"train.target_auc or train.early_stop_evals to go on); its recorded final metrics:"
+                if stopped
+                else f"run already finished at step {newest}; its recorded final metrics:"
+            )
             return RunSummary.from_event(recorded)
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
@@ -157,13 +160,21 @@ def train_and_evaluate(cfg: Config, run_dir: str | Path | None = None, *, log=pr
         if plan.tiered_tables:
             if rd.path:
                 check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
-            tiered = TieredTables(plan, steps.collection.groups, steps.collection.optimizer, tier_root(cfg, rd.path),
-                                  steps.embedding_key(), int(cfg.embedding.tier.chunk_mb * 2**20), log)
+            tiered = TieredTables(
+                plan,
+                steps.collection.groups,
+                steps.collection.optimizer,
+                tier_root(cfg, rd.path),
+                steps.embedding_key(),
+                int(cfg.embedding.tier.chunk_mb * 2**20),
+                log,
+            )
             runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)
         ckpts = None
         if rd.path:
-            ckpts = Checkpoints(rd.checkpoint_dir, cfg.train.keep_checkpoints,
-                                largest_shard_bytes(steps.abstract_state()))
+            ckpts = Checkpoints(
+                rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())
+            )
         metrics = MetricsWriter(rd.metrics_path, cfg.train.tensorboard)
         try:
             return _train(cfg, rd, ckpts, metrics, log, source, plan, steps, runner)
@@ -183,8 +194,10 @@ def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
     as given: a resumed run derives the same steps)."""
     rows, t = getattr(source, "num_train", None), cfg.train
     if rows is None:
-        raise ConfigError("train.epochs, train.evals_per_epoch: synthetic data has no train split to count epochs "
-                          "of; use train.steps and train.eval_every")
+        raise ConfigError(
+            "train.epochs, train.evals_per_epoch: synthetic data has no train split to count epochs "
+            "of; use train.steps and train.eval_every"
+        )
     steps = max(1, math.ceil(t.epochs * rows / t.batch_size)) if t.epochs else t.steps
     every = max(1, round(rows / t.batch_size / t.evals_per_epoch)) if t.evals_per_epoch else t.eval_every
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))
@@ -197,15 +210,27 @@ def epoch_note(cfg: Config, source: DataSource) -> str:
     if not rows:
         return ""
     t = cfg.train
-    how = (f"train.epochs={t.epochs:g} sets train.steps={t.steps:,}" if t.epochs
-           else f"train.steps={t.steps:,} is {t.steps * t.batch_size / rows:.2f} epochs (or set train.epochs)")
+    how = (
+        f"train.epochs={t.epochs:g} sets train.steps={t.steps:,}"
+        if t.epochs
+        else f"train.steps={t.steps:,} is {t.steps * t.batch_size / rows:.2f} epochs (or set train.epochs)"
+    )
     if t.evals_per_epoch:
         how += f"; train.evals_per_epoch={t.evals_per_epoch} sets train.eval_every={t.eval_every:,}"
     return f"train split: {rows:,} rows, {rows / t.batch_size:,.1f} steps of {t.batch_size:,} an epoch; {how}"
 
 
-def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsWriter, log, source: DataSource,
-           plan: EmbeddingPlan, steps: StepFunctions, runner: TierRunner | None = None) -> RunSummary:
+def _train(
+    cfg: Config,
+    rd: RunDir,
+    ckpts: Checkpoints | None,
+    metrics: MetricsWriter,
+    log,
+    source: DataSource,
+    plan: EmbeddingPlan,
+    steps: StepFunctions,
+    runner: TierRunner | None = None,
+) -> RunSummary:
     t = cfg.train
     epoch_rows = getattr(source, "num_train", None)
     mesh, hot = steps.mesh, steps.hot
@@ -227,15 +252,22 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
     report_progress(start, "compiling the train step", timed=False)
     if runner is None:
         compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
-        log(f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
-            f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}")
+        log(
+            f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
+            f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}"
+        )
         device_batches = getattr(source, "device_batches", None)  # generated on the devices
         if device_batches is not None:
             pipeline = None
             batches = dispatched_ahead(device_batches(steps.batch_sharding), range(start, end), cfg.data.prefetch)
         else:
-            pipeline = InputPipeline(source.train_batch, range(start, end), to_device=steps.device_batch,
-                                     readers=cfg.data.readers, depth=cfg.data.prefetch)
+            pipeline = InputPipeline(
+                source.train_batch,
+                range(start, end),
+                to_device=steps.device_batch,
+                readers=cfg.data.readers,
+                depth=cfg.data.prefetch,
+            )
             batches = pipeline
     else:
         pipeline = None
@@ -243,15 +275,24 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             runner.use_hot(np.asarray(state.emb.hot.keys))
         batches = runner.planned(source.train_batch, range(start, end))
 
-    bar = StepDisplay(t.steps, start, bar=t.progress_bar, shown=jax.process_index() == 0, batch=t.batch_size,
-                      epoch_rows=epoch_rows, log=log)
+    bar = StepDisplay(
+        t.steps,
+        start,
+        bar=t.progress_bar,
+        shown=jax.process_index() == 0,
+        batch=t.batch_size,
+        epoch_rows=epoch_rows,
+        log=log,
+    )
     watch, pending = LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
     train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
     auc = ll = float("nan")
     scored = 0
     evaluated = False
     with _StopSignals() as stop, contextlib.closing(pipeline) if pipeline else contextlib.nullcontext():
-        for step, item in zip(range(start + 1, end + 1), _reporting(batches, start + 1, runner is not None), strict=True):
+        for step, item in zip(
+            range(start + 1, end + 1), _reporting(batches, start + 1, runner is not None), strict=True
+        ):
             window_start = window_start or time.perf_counter()
             if runner is None:
                 ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
@@ -285,10 +326,18 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             last_loss, window_steps, overflows, hit_rate = watch.take_window()
             train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
             rate = window_steps * t.batch_size / elapsed
-            event = {"event": "train", "step": step, "loss": last_loss, "samples_per_s": rate,
-                     "learning_rate": float(steps.schedule(step - 1)), "exchange_overflows": overflows,
-                     "hot_hit_rate": hit_rate, "a2a_bytes": sent["all-to-all"],
-                     "allreduce_bytes": sent["all-reduce"], "allgather_bytes": sent["all-gather"]}
+            event = {
+                "event": "train",
+                "step": step,
+                "loss": last_loss,
+                "samples_per_s": rate,
+                "learning_rate": float(steps.schedule(step - 1)),
+                "exchange_overflows": overflows,
+                "hot_hit_rate": hit_rate,
+                "a2a_bytes": sent["all-to-all"],
+                "allreduce_bytes": sent["all-reduce"],
+                "allgather_bytes": sent["all-gather"],
+            }
             bar.window(step, last_loss, rate, train_time / max(trained_steps, 1))
             if runner is not None:
                 event.update(runner.take_metrics(window_steps))
@@ -301,7 +350,9 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
                 evaluated = True
                 auc, ll, scored = evaluate(steps, state, source, runner)
                 event.update(event="eval", auc=auc, logloss=ll, eval_samples=scored)
-                bar.write(f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f} on {scored:,} samples")
+                bar.write(
+                    f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f} on {scored:,} samples"
+                )
                 progress = progress.evaluated(Evaluation(step, auc, ll))
                 stop_reason = progress.stop_reason(t)
                 progress = dataclasses.replace(progress, stopped=stop_reason)
@@ -316,11 +367,18 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
             if is_ckpt and ckpts:
                 report_progress(step, "checkpoint")
                 if runner is not None:  # the tier's snapshot first: a saved step always has one
-                    runner.tiered.checkpoint(step, state.emb.tables, state.emb.slots, ckpts.all_steps(),
-                                             t.keep_checkpoints, state.emb.hot)
+                    runner.tiered.checkpoint(
+                        step, state.emb.tables, state.emb.slots, ckpts.all_steps(), t.keep_checkpoints, state.emb.hot
+                    )
                 progress = dataclasses.replace(progress, loss_reference=watch.reference)
-                ckpts.save(step, steps.checkpoint_form(state), plan_json, hot.to_json() if hot else None,
-                           steps.hosts if steps.per_host else 0, progress.to_json())
+                ckpts.save(
+                    step,
+                    steps.checkpoint_form(state),
+                    plan_json,
+                    hot.to_json() if hot else None,
+                    steps.hosts if steps.per_host else 0,
+                    progress.to_json(),
+                )
             if signum:
                 if ckpts:
                     ckpts.wait()
@@ -337,8 +395,7 @@ def _train(cfg: Config, rd: RunDir, ckpts: Checkpoints | None, metrics: MetricsW
         auc, ll, scored = evaluate(steps, state, source, runner)
     rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
     step = int(host_scalar(state.step))
-    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason,
-                      scored)
+    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason, scored)
 
 
 class _LocalRows:

@@ -43,14 +43,17 @@ class LossWatch:
         A step's update shows only in the next step's loss: the losses checked so far miss it."""
         loss, finite = host_scalar(check[0]), host_scalar(check[1])
         what = "non-finite values" if not finite else f"loss {loss:.6g} on that step's batch"
-        self._check(loss if finite else math.nan, f"training diverged at step {step}: the state after it has {what}; "
-                                                  "it was not saved")
+        self._check(
+            loss if finite else math.nan,
+            f"training diverged at step {step}: the state after it has {what}; it was not saved",
+        )
 
     def _check(self, loss: float, what: str) -> None:
         if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
             raise TrainingDiverged(
                 f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
-                f"nothing after the last checkpoint was saved; lower train.learning_rate")
+                f"nothing after the last checkpoint was saved; lower train.learning_rate"
+            )
 
     def take_window(self) -> tuple[float, int, int, float]:
         """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""

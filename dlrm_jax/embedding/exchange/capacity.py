@@ -25,14 +25,14 @@ def busiest_owner(g: Group, ids_local: np.ndarray) -> int:
     """The most distinct rows one owner is asked for by one device holding ``ids_local``
     (int32 [B_l, S], the device's share of a batch)."""
     vids = ids_local[:, g.vslot_slot]
-    owner, row, valid = route(vids, g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block,
-                              g.num_devices, xp=np)
+    owner, row, valid = route(vids, g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block, g.num_devices, xp=np)
     key = owner.astype(np.int64)[valid] * g.local_rows + row[valid]
     return int(np.bincount(np.unique(key) // g.local_rows, minlength=g.num_devices).max(initial=0))
 
 
-def measure_capacities(plan: EmbeddingPlan, id_batches: Iterable[np.ndarray], headroom: float
-                       ) -> tuple[tuple[str, int], ...]:
+def measure_capacities(
+    plan: EmbeddingPlan, id_batches: Iterable[np.ndarray], headroom: float
+) -> tuple[tuple[str, int], ...]:
     """Per ids part of ``plan``: (group name, ``headroom`` x the busiest owner's distinct
     requests over every device's share of ``id_batches``). Each batch holds consecutive
     devices' rows (``plan.global_batch / plan.num_devices`` each): a process's rows, or a
@@ -44,12 +44,17 @@ def measure_capacities(plan: EmbeddingPlan, id_batches: Iterable[np.ndarray], he
         ids = np.asarray(ids)
         for start in range(0, ids.shape[0], local):
             for g in parts:
-                most[g.name] = max(most[g.name], busiest_owner(g, ids[start:start + local]))
+                most[g.name] = max(most[g.name], busiest_owner(g, ids[start : start + local]))
     return tuple((name, max(1, math.ceil(headroom * m))) for name, m in most.items())
 
 
-def table_stats(specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_devices: int, local_batch: int,
-                row_layout: str = "block") -> list[TableStats]:
+def table_stats(
+    specs: list[TableSpec],
+    id_batches: Iterable[np.ndarray],
+    num_devices: int,
+    local_batch: int,
+    row_layout: str = "block",
+) -> list[TableStats]:
     """Per table, what the planner estimates buckets from (``plan.search.TableStats``): over
     every device's share (``local_batch`` rows) of ``id_batches``, the mean distinct rows one
     device looks up, and the most it asks of one owner were the table split by rows over all
@@ -63,8 +68,9 @@ def table_stats(specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_de
             chunks += 1
             for t, spec in enumerate(specs):
                 block = -(-spec.rows // num_devices)
-                owner, row, valid = route(ids[start:start + local_batch, starts[t]:starts[t + 1]], kind, 0, 0, block,
-                                          num_devices, xp=np)
+                owner, row, valid = route(
+                    ids[start : start + local_batch, starts[t] : starts[t + 1]], kind, 0, 0, block, num_devices, xp=np
+                )
                 rows = np.unique(owner.astype(np.int64)[valid] * block + row[valid])
                 distinct[t] += rows.size
                 busiest[t] = max(busiest[t], np.bincount(rows // block, minlength=num_devices).max(initial=0))

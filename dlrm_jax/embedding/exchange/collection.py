@@ -104,8 +104,15 @@ class EmbeddingCollection:
     vectors goes back to the rows' owners, where the sparse optimizer updates those rows only.
     """
 
-    def __init__(self, plan: EmbeddingPlan, mesh: jax.sharding.Mesh, optimizer: SparseOptimizer | None = None,
-                 tiered_tables: tuple[int, ...] = (), per_host: bool = False, replicas: bool = False):
+    def __init__(
+        self,
+        plan: EmbeddingPlan,
+        mesh: jax.sharding.Mesh,
+        optimizer: SparseOptimizer | None = None,
+        tiered_tables: tuple[int, ...] = (),
+        per_host: bool = False,
+        replicas: bool = False,
+    ):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
         whose ``tiered_tables`` name the tables held as caches). ``optimizer``: the sparse
         optimizer (:func:`~dlrm_jax.embedding.exchange.optimizers.sparse_optimizer`); by default the one
@@ -132,15 +139,29 @@ class EmbeddingCollection:
         self.one_hot = all(s.bag_size == 1 for s in specs)
         self.mean_pooling = np.array([s.pooling == Pooling.MEAN for s in specs])
         self.storage_dtype = jnp.dtype(plan.dtype)
-        self.forms = [_form(plan, part, exchange_mesh, optimizer, self.dim, over)
-                      for part in exchange_parts(plan, self.groups)]
+        self.forms = [
+            _form(plan, part, exchange_mesh, optimizer, self.dim, over) for part in exchange_parts(plan, self.groups)
+        ]
         # Flattened [F * D] column each form's output column fills -> inverse.
         filled = np.concatenate([f.cols for f in self.forms])
         assert sorted(filled.tolist()) == list(range(len(specs) * self.dim)), "plan leaves columns uncovered"
         self.assembly = np.argsort(filled).astype(np.int32)
         slot_table = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
-        self.hot = HotRows(plan.hot_rows, self.dim, self.groups, mesh, optimizer, slot_table, self.slot_feature,
-                           self.one_hot, self.tiered_tables) if plan.hot_rows else None
+        self.hot = (
+            HotRows(
+                plan.hot_rows,
+                self.dim,
+                self.groups,
+                mesh,
+                optimizer,
+                slot_table,
+                self.slot_feature,
+                self.one_hot,
+                self.tiered_tables,
+            )
+            if plan.hot_rows
+            else None
+        )
         self._refresh = None
 
     # ------------------------------------------------------------ state
@@ -157,9 +178,11 @@ class EmbeddingCollection:
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         spec = {g.name: NamedSharding(self.mesh, P() if g.replicated else P(AXIS)) for g in self.groups}
         replicated = NamedSharding(self.mesh, P())
-        return EmbeddingState({k: spec[k] for k in abstract.tables},
-                              {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()},
-                              jax.tree.map(lambda _: replicated, abstract.hot))
+        return EmbeddingState(
+            {k: spec[k] for k in abstract.tables},
+            {k: jax.tree.map(lambda _, k=k: spec[k], v) for k, v in abstract.slots.items()},
+            jax.tree.map(lambda _: replicated, abstract.hot),
+        )
 
     def _init(self, key: jax.Array) -> EmbeddingState:
         # Every element is a function of (key, table, row, column), computed where it lives:
@@ -174,8 +197,7 @@ class EmbeddingCollection:
         :meth:`refresh` chooses its rows)."""
         return jax.jit(self._init, out_shardings=self.state_sharding())(key)
 
-    def refresh(self, state: EmbeddingState, keys: np.ndarray, index_keys: np.ndarray | None = None
-                ) -> EmbeddingState:
+    def refresh(self, state: EmbeddingState, keys: np.ndarray, index_keys: np.ndarray | None = None) -> EmbeddingState:
         """The state with the hot set ``keys`` (int32 [2, H], ``routing.hot_keys``): the rows
         hot until now written back to their owners, the new ones gathered, exactly. Donates
         ``state``; one compiled program for every refresh. Tiered tables' hot rows are left
@@ -190,8 +212,12 @@ class EmbeddingCollection:
                 return EmbeddingState(*self.hot.refresh(state.tables, state.slots, state.hot, keys, index, seeds))
 
             replicated = NamedSharding(self.mesh, P())
-            self._refresh = jax.jit(refresh, in_shardings=(sharding, replicated, replicated, replicated),
-                                    out_shardings=sharding, donate_argnums=0)
+            self._refresh = jax.jit(
+                refresh,
+                in_shardings=(sharding, replicated, replicated, replicated),
+                out_shardings=sharding,
+                donate_argnums=0,
+            )
         keys = np.asarray(keys, np.int32)
         return self._refresh(state, keys, *hot_index(keys if index_keys is None else index_keys))
 
@@ -229,13 +255,15 @@ class EmbeddingCollection:
         if self.one_hot or not self.mean_pooling.any():
             return valid_bs
         count_bf = segment_sum_axis1(valid_bs, self.slot_feature, len(self.specs))
-        denom_bs = jnp.where(self.mean_pooling[self.slot_feature],
-                             jnp.maximum(count_bf[:, self.slot_feature], 1.0), 1.0)
+        denom_bs = jnp.where(
+            self.mean_pooling[self.slot_feature], jnp.maximum(count_bf[:, self.slot_feature], 1.0), 1.0
+        )
         return valid_bs / denom_bs
 
     # ------------------------------------------------------------ backward + update
-    def apply_gradients(self, state: EmbeddingState, res: LookupResiduals, grad_bfd: jax.Array,
-                        lr: jax.Array) -> EmbeddingState:
+    def apply_gradients(
+        self, state: EmbeddingState, res: LookupResiduals, grad_bfd: jax.Array, lr: jax.Array
+    ) -> EmbeddingState:
         """Sparse update of the looked-up rows from the gradient w.r.t. the pooled vectors.
 
         ``res``: :meth:`lookup`'s residuals of the same step; ``grad_bfd`` float32 [B, F, D]
@@ -245,8 +273,9 @@ class EmbeddingCollection:
         tables, slots = dict(state.tables), dict(state.slots)
         for form, residual in zip(self.forms, res.routes, strict=True):
             name = form.group.name  # (two parts of one array update it in turn)
-            tables[name], slots[name] = form.update(tables[name], slots[name], residual,
-                                                    take_columns(flat, form.cols), lr)
+            tables[name], slots[name] = form.update(
+                tables[name], slots[name], residual, take_columns(flat, form.cols), lr
+            )
         hot = self.hot.update(state.hot, res.hot_bs, res.weights_bs, grad_bfd, lr) if self.hot else None
         return EmbeddingState(tables, slots, hot)
 
@@ -269,8 +298,10 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
             values[vt.table][j] = state.tables[g.name][rows].astype(jnp.float32)
             slots[vt.table][j] = {k: v[rows] for k, v in state.slots[g.name].items()}
     tables = [jnp.concatenate(parts, axis=1) for parts in values]
-    opt = [{k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k]
-            for k in parts[0]} for parts in slots]
+    opt = [
+        {k: jnp.concatenate([p[k] for p in parts], axis=-1) if parts[0][k].ndim > 1 else parts[0][k] for k in parts[0]}
+        for parts in slots
+    ]
     return overlay(tables, opt, state.hot) if state.hot is not None else (tables, opt)
 
 

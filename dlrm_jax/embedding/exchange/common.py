@@ -28,8 +28,14 @@ from dlrm_jax.parallel.mesh import AXIS
 
 def route_and_bucket(g: Group, ids_local_bs: jax.Array):
     vids = take_columns(ids_local_bs, g.vslot_slot)  # [B_l, V]
-    owner, row, valid = route(vids, jnp.asarray(g.vslot_kind), jnp.asarray(g.vslot_device),
-                              jnp.asarray(g.vslot_offset), jnp.asarray(g.vslot_block), g.num_devices)
+    owner, row, valid = route(
+        vids,
+        jnp.asarray(g.vslot_kind),
+        jnp.asarray(g.vslot_device),
+        jnp.asarray(g.vslot_offset),
+        jnp.asarray(g.vslot_block),
+        g.num_devices,
+    )
     b = bucket(owner, row, valid, g.num_devices, g.local_rows)
     overflow = lax.pmax(jnp.max(b.counts), AXIS)
     return vids.shape, b, overflow
@@ -87,8 +93,12 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
         return end, agreed_limit(end, finished), carry, finished
 
     done = varying(jnp.zeros(g.num_devices, jnp.int32))
-    start = (done, agreed_limit(done, jnp.bool_(False)), jax.tree.map(lambda x: varying(x, agree), carry),
-             jnp.bool_(False))
+    start = (
+        done,
+        agreed_limit(done, jnp.bool_(False)),
+        jax.tree.map(lambda x: varying(x, agree), carry),
+        jnp.bool_(False),
+    )
     return lax.while_loop(lambda s: ~s[3], body, start)[2]
 
 
@@ -108,8 +118,9 @@ def update_on_owners(mesh, update):
         requests, most = route_local
         return update(table_local, slots_local, requests, grads_local, lr, most[0])
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
-                         out_specs=(P(AXIS), P(AXIS)))
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()), out_specs=(P(AXIS), P(AXIS))
+    )
 
 
 def busiest_owner_requests(g: Group, mesh):

@@ -64,8 +64,18 @@ class HotState(NamedTuple):
 class HotRows:
     """The hot group of a plan: its state, its part of the step, and the refresh program."""
 
-    def __init__(self, capacity: int, dim: int, groups: list[Group], mesh, optimizer: SparseOptimizer,
-                 slot_table: np.ndarray, slot_feature: np.ndarray, one_hot: bool, host_tables=frozenset()):
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        groups: list[Group],
+        mesh,
+        optimizer: SparseOptimizer,
+        slot_table: np.ndarray,
+        slot_feature: np.ndarray,
+        one_hot: bool,
+        host_tables=frozenset(),
+    ):
         """``host_tables``: tables whose rows the groups do not hold (tiered tables: their
         groups hold caches); the refresh program leaves their hot rows to the caller."""
         self.capacity, self.dim, self.groups, self.mesh = capacity, dim, groups, mesh
@@ -79,8 +89,13 @@ class HotRows:
         """An empty hot set: every key HOT_PAD, values zero (``refresh`` fills it)."""
         values = jnp.zeros((self.capacity, self.dim), dtype)
         index = jnp.full((hot_index_buckets(self.capacity), HOT_BUCKET, 3), HOT_PAD, jnp.int32).at[..., 2].set(-1)
-        return HotState(values, self.optimizer.init(values), jnp.full((2, self.capacity), HOT_PAD, jnp.int32),
-                        index, jnp.zeros(2, jnp.int32))
+        return HotState(
+            values,
+            self.optimizer.init(values),
+            jnp.full((2, self.capacity), HOT_PAD, jnp.int32),
+            index,
+            jnp.zeros(2, jnp.int32),
+        )
 
     # ------------------------------------------------------------ step
     def lookup(self, hot: HotState, ids_bs: jax.Array, weights_bs: jax.Array):
@@ -93,29 +108,38 @@ class HotRows:
             hot_bs, cold_bs = split_hot(ids, jnp.asarray(self.slot_table), index, seeds)
             vectors = values.at[self._safe(hot_bs)].get(mode="fill", fill_value=0).astype(jnp.float32)
             weighted = vectors * weights[..., None]
-            pooled = weighted if self.one_hot and is_identity(self.slot_feature) else segment_sum_axis1(
-                weighted, self.slot_feature, self.num_features)
+            pooled = (
+                weighted
+                if self.one_hot and is_identity(self.slot_feature)
+                else segment_sum_axis1(weighted, self.slot_feature, self.num_features)
+            )
             counts = jnp.stack([jnp.sum(hot_bs >= 0), jnp.sum(weights > 0)]).astype(jnp.float32)
             return hot_bs, cold_bs, pooled, counts[None]
 
         hot_bs, cold_bs, pooled, counts = jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)), out_specs=(P(AXIS),) * 4,
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS),) * 4,
         )(hot.values, hot.index, hot.seeds, ids_bs, weights_bs)
         return hot_bs, cold_bs, pooled, self._sum_over_devices(counts)
 
-    def update(self, hot: HotState, hot_bs: jax.Array, weights_bs: jax.Array, grad_bfd: jax.Array,
-               lr: jax.Array) -> HotState:
+    def update(
+        self, hot: HotState, hot_bs: jax.Array, weights_bs: jax.Array, grad_bfd: jax.Array, lr: jax.Array
+    ) -> HotState:
         """Every replica applies the optimizer to the hot rows' gradients summed over the
         global batch (rows not looked up get a zero gradient: an unchanged row)."""
 
         def local(hot_bs, weights, grad_bfd):
             grads = take_columns(grad_bfd, self.slot_feature) * weights[..., None]  # [b, S, D]
-            sums = self.optimizer.segment_sum(grads.reshape(-1, self.dim), self._safe(hot_bs).reshape(-1),
-                                              self.capacity)
+            sums = self.optimizer.segment_sum(
+                grads.reshape(-1, self.dim), self._safe(hot_bs).reshape(-1), self.capacity
+            )
             return sums[None]
 
-        partial_sums = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS),) * 3,
-                                     out_specs=P(AXIS))(hot_bs, weights_bs, grad_bfd)
+        partial_sums = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))(
+            hot_bs, weights_bs, grad_bfd
+        )
         sums = self._sum_over_devices(partial_sums)
         values, slots = self.optimizer.apply(hot.values, hot.slots, None, sums, lr)
         return hot._replace(values=values, slots=slots)
@@ -133,8 +157,9 @@ class HotRows:
         return jnp.where(hot_bs < 0, self.capacity, hot_bs)
 
     # ------------------------------------------------------------ refresh
-    def refresh(self, tables: dict, slots: dict, hot: HotState, new_keys: jax.Array, index: jax.Array,
-                seeds: jax.Array):
+    def refresh(
+        self, tables: dict, slots: dict, hot: HotState, new_keys: jax.Array, index: jax.Array, seeds: jax.Array
+    ):
         """-> (tables, slots, hot): the old hot rows written back to their owners, exactly,
         then the rows of ``new_keys`` gathered from theirs (``index``, ``seeds``: their
         ``routing.hot_index``). A row in both sets keeps its values and state bit for bit."""
@@ -149,17 +174,16 @@ class HotRows:
             values = jnp.zeros((self.capacity, self.dim), jnp.float32)
             state = {k: jnp.zeros(v.shape, v.dtype) for k, v in hot.slots.items()}
             for g in self.groups:
-                values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state,
-                                        self.host_tables)
+                values, state = _gather(g, tables[g.name], slots[g.name], new_keys, me, values, state, self.host_tables)
             values, state = lax.psum((values, state), AXIS)  # one device holds each piece
             new_hot = HotState(values.astype(hot.values.dtype), state, new_keys, index, seeds)
             return tuple(tables[n] for n in names), tuple(slots[n] for n in names), new_hot
 
         hot_spec = HotState(P(), P(), P(), P(), P())
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(specs, specs, hot_spec, P(), P(), P()),
-                           out_specs=(specs, specs, hot_spec))
-        t, s, new_hot = fn(tuple(tables[n] for n in names), tuple(slots[n] for n in names), hot, new_keys, index,
-                           seeds)
+        fn = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(specs, specs, hot_spec, P(), P(), P()), out_specs=(specs, specs, hot_spec)
+        )
+        t, s, new_hot = fn(tuple(tables[n] for n in names), tuple(slots[n] for n in names), hot, new_keys, index, seeds)
         return dict(zip(names, t, strict=True)), dict(zip(names, s, strict=True)), new_hot
 
 
@@ -187,8 +211,10 @@ def _write_back(g: Group, table, slots, hot: HotState, me, skip):
         cols = _columns(vt, g)
         table = table.at[rows].set(hot.values[:, cols].astype(table.dtype), mode="drop")
         # Per-element state takes the slice's columns; per-row state is the same in every slice.
-        slots = {k: v.at[rows].set(hot.slots[k][:, cols] if v.ndim == 2 else hot.slots[k], mode="drop")
-                 for k, v in slots.items()}
+        slots = {
+            k: v.at[rows].set(hot.slots[k][:, cols] if v.ndim == 2 else hot.slots[k], mode="drop")
+            for k, v in slots.items()
+        }
     return table, slots
 
 

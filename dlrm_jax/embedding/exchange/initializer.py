@@ -30,7 +30,10 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 def hash_uniform(seed_2: jax.Array, table: jax.Array, row: jax.Array, col: jax.Array) -> jax.Array:
     """float32 in [0, 1), one per element of the broadcast (table, row, col) uint32 arrays."""
-    h = _mix32(col.astype(jnp.uint32) ^ _mix32(row.astype(jnp.uint32) ^ _mix32(table.astype(jnp.uint32) + jnp.uint32(0x9E3779B9))))
+    h = _mix32(
+        col.astype(jnp.uint32)
+        ^ _mix32(row.astype(jnp.uint32) ^ _mix32(table.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    )
     h = _mix32(h ^ seed_2[0]) ^ seed_2[1]
     return (_mix32(h) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
@@ -73,18 +76,25 @@ def init_group(g: Group, table_rows: tuple[int, ...], key: jax.Array, dtype) -> 
         col0 = jnp.where(held, vt.col_start, col0)
         scale = jnp.where(held, 1.0 / table_rows[vt.table] ** 0.5, scale)
     cols = col0[:, None] + lax.iota(jnp.int32, g.width)[None, :]
-    u = hash_uniform(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
-                     table[:, None], logical[:, None], cols)
+    u = hash_uniform(
+        jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2], table[:, None], logical[:, None], cols
+    )
     return ((2.0 * u - 1.0) * scale[:, None]).astype(dtype)
 
 
-def init_table_rows(key: jax.Array, table: int, table_rows: int, start: int, stop: int, dim: int,
-                    dtype) -> jax.Array:
+def init_table_rows(key: jax.Array, table: int, table_rows: int, start: int, stop: int, dim: int, dtype) -> jax.Array:
     """Rows [start, stop) of logical table ``table`` [stop - start, dim], the same values
     :func:`init_group` gives them under any plan (a tiered table's bulk load: one compiled
     program per chunk size, the position an argument)."""
-    return _table_rows(jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2], jnp.int32(table),
-                       jnp.float32(1.0 / table_rows ** 0.5), jnp.int32(start), stop - start, dim, jnp.dtype(dtype))
+    return _table_rows(
+        jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2],
+        jnp.int32(table),
+        jnp.float32(1.0 / table_rows**0.5),
+        jnp.int32(start),
+        stop - start,
+        dim,
+        jnp.dtype(dtype),
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))

@@ -41,8 +41,9 @@ class SparseOptimizer(NamedTuple):
         return sums.segment_sum(data, segment_ids, num_segments, self.exact_sums)
 
 
-def merge_duplicates(rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False,
-                     exact: bool = False):
+def merge_duplicates(
+    rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False, exact: bool = False
+):
     """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
     (and, if asked, each input's index into the unique rows [n]); ``exact``: see
     :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum`."""
@@ -108,8 +109,7 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: boo
     return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
 
 
-def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False
-                    ) -> SparseOptimizer:
+def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
     """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2).
 
     The mean is over the row's whole width. A column slice passes ``row_mean_sq`` [n]: for each
@@ -137,8 +137,9 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_s
     return SparseOptimizer(init, update, apply, needs_whole_rows=True, exact_sums=exact_sums)
 
 
-def ftrl(l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulator: float = 0.1,
-         exact_sums: bool = False) -> SparseOptimizer:
+def ftrl(
+    l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulator: float = 0.1, exact_sums: bool = False
+) -> SparseOptimizer:
     """FTRL-Proximal (McMahan et al. 2013) per element, the wide part's optimizer in Wide&Deep:
     n' = n + g^2; z' = z + g - (sqrt(n') - sqrt(n)) / lr * w;
     w' = -(z' - sign(z') l1) / ((beta + sqrt(n')) / lr + l2) where |z'| > l1, else 0.
@@ -148,8 +149,7 @@ def ftrl(l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulato
     """
 
     def init(table):
-        return {"z": jnp.zeros(table.shape, jnp.float32),
-                "n": jnp.full(table.shape, initial_accumulator, jnp.float32)}
+        return {"z": jnp.zeros(table.shape, jnp.float32), "n": jnp.full(table.shape, initial_accumulator, jnp.float32)}
 
     def apply(table, state, uniq, g, lr):
         w = _get(table, uniq).astype(jnp.float32)

@@ -40,14 +40,23 @@ class PooledForm:
     """One pooled part's lookup and update (see the module docstring). ``cols``: the columns
     of the [B, F * D] pooled output it fills, in the order of its output's columns."""
 
-    def __init__(self, plan, part: ExchangePart, mesh, wire: Wire, optimizer: SparseOptimizer, dim: int,
-                 replicas: str | None = None):
+    def __init__(
+        self,
+        plan,
+        part: ExchangePart,
+        mesh,
+        wire: Wire,
+        optimizer: SparseOptimizer,
+        dim: int,
+        replicas: str | None = None,
+    ):
         g = self.group = part.group
         self.layout: PooledLayout = pooled_layout(plan, g)
         self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire, optimizer, dim, replicas
         self.cols = g.vfeature_cols.reshape(-1)
-        self.mean = any(plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
-                        for vt in g.vtables)
+        self.mean = any(
+            plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables
+        )
         self.whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
     # ------------------------------------------------------------ shared pieces
@@ -79,15 +88,16 @@ class PooledForm:
             weights = self._weights(recv_ids, recv_w)
             vectors = table_local.at[self._local_rows(recv_ids)].get(mode="fill", fill_value=0)
             weighted = vectors.astype(jnp.float32) * weights[..., None]  # [N, B_l, K, W]
-            pooled = jnp.stack([jnp.sum(weighted[:, :, a:b], axis=2)
-                                for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)], axis=2)
+            pooled = jnp.stack(
+                [jnp.sum(weighted[:, :, a:b], axis=2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
+                axis=2,
+            )
             back = self.wire.send(pooled, all_to_all)  # [N owners, B_l, J, W]
             flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)  # [B_l, N*J, W]
             out = flat[:, lay.reply_index].reshape(flat.shape[0], -1)
             return out, (recv_ids, weights)
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
-                           out_specs=(P(AXIS), P(AXIS)))
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS)))
         out, residual = fn(table, ids_bs, weights_bs)
         return out, residual, jnp.zeros((), jnp.int32)
 
@@ -112,8 +122,9 @@ class PooledForm:
                 return opt.update(table_local, slots_local, *every, lr)
             return opt.update(table_local, slots_local, *every, lr, row_mean_sq=gather_replicas(row_mean_sq, replicas))
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
-                           out_specs=(P(AXIS), P(AXIS)))
+        fn = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()), out_specs=(P(AXIS), P(AXIS))
+        )
         return fn(table, slots, residual, grad_bc, lr)
 
     def _row_mean_sq(self, rows, grads, shape):
@@ -121,8 +132,9 @@ class PooledForm:
         whole width (every column slice's owner adds its part), divided by the width."""
         lay, g, replicas = self.layout, self.group, self.replicas
         every_rows, every_grads = gather_replicas(rows, replicas), gather_replicas(grads, replicas)
-        _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True,
-                                          exact=self.optimizer.exact_sums)
+        _, merged, inv = merge_duplicates(
+            every_rows, every_grads, g.local_rows, return_inverse=True, exact=self.optimizer.exact_sums
+        )
         sq = jnp.sum(merged * merged, -1)[inv]
         if replicas is not None:  # this replica's own positions
             sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * rows.shape[0], rows.shape[0])
@@ -134,4 +146,3 @@ class PooledForm:
         total = jax.ops.segment_sum(flat.T, jnp.asarray(slot_of), slots + 1).T  # [B_l, S + 1]
         back = total[:, slot_of].reshape(b_l, g.num_devices, -1).transpose(1, 0, 2)
         return all_to_all(back).reshape(-1) / self.dim
-

@@ -39,10 +39,13 @@ def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
     hot = None
     if plan.hot_rows:
         values = jax.ShapeDtypeStruct((plan.hot_rows, plan.tables[0].spec.dim), jnp.dtype(plan.dtype))
-        hot = HotState(values, jax.eval_shape(optimizer.init, values),
-                       jax.ShapeDtypeStruct((2, plan.hot_rows), jnp.int32),
-                       jax.ShapeDtypeStruct((hot_index_buckets(plan.hot_rows), HOT_BUCKET, 3), jnp.int32),
-                       jax.ShapeDtypeStruct((2,), jnp.int32))
+        hot = HotState(
+            values,
+            jax.eval_shape(optimizer.init, values),
+            jax.ShapeDtypeStruct((2, plan.hot_rows), jnp.int32),
+            jax.ShapeDtypeStruct((hot_index_buckets(plan.hot_rows), HOT_BUCKET, 3), jnp.int32),
+            jax.ShapeDtypeStruct((2,), jnp.int32),
+        )
     return EmbeddingState(tables, slots, hot)
 
 
@@ -68,8 +71,11 @@ class _SavedTables:
                 self.pieces.setdefault(vt.table, []).append((g, vt, saved.tables[g.name], saved.slots[g.name]))
         self.hot = None
         if saved.hot is not None:  # H rows: small enough to hold whole
-            self.hot = (_rows_of(saved.hot.keys, 2), _rows_of(saved.hot.values, plan.hot_rows),
-                        {k: _rows_of(v, plan.hot_rows) for k, v in saved.hot.slots.items()})
+            self.hot = (
+                _rows_of(saved.hot.keys, 2),
+                _rows_of(saved.hot.values, plan.hot_rows),
+                {k: _rows_of(v, plan.hot_rows) for k, v in saved.hot.slots.items()},
+            )
 
     def read(self, table: int, logical: np.ndarray, col0: int, width: int, key: str | None):
         """Values (``key`` None) or the slot ``key`` of ``logical`` rows, columns
@@ -82,7 +88,7 @@ class _SavedTables:
             found = at < mine.size
             found[found] = keys[1, mine[at[found]]] == logical[found]
             src = (values if key is None else slots[key])[mine[at[found]]]
-            out[found] = src if src.ndim == 1 else src[:, col0:col0 + width]
+            out[found] = src if src.ndim == 1 else src[:, col0 : col0 + width]
         return out
 
     def _read_owners(self, table: int, logical: np.ndarray, col0: int, width: int, key: str | None):
@@ -101,8 +107,9 @@ class _SavedTables:
         return out
 
 
-def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection,
-             skip: frozenset[int] = frozenset()) -> EmbeddingState:
+def relayout(
+    saved_plan: EmbeddingPlan, host: EmbeddingState, collection: EmbeddingCollection, skip: frozenset[int] = frozenset()
+) -> EmbeddingState:
     """The collection's state, on its mesh with its shardings, from the saved plan's arrays
     (readers or numpy, shaped as :func:`saved_shapes` says). Tables in ``skip`` (tiered ones:
     their arrays are device caches, their rows live in the disk tier) are left zero."""
@@ -136,11 +143,17 @@ def relayout(saved_plan: EmbeddingPlan, host: EmbeddingState, collection: Embedd
         return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
     any_table = next(iter(tables.values()))
-    new_tables = {g.name: build(g, None, np.empty((0, g.width), any_table.dtype), shardings.tables[g.name])
-                  for g in groups}
+    new_tables = {
+        g.name: build(g, None, np.empty((0, g.width), any_table.dtype), shardings.tables[g.name]) for g in groups
+    }
     any_slots = next(iter(slots.values()))
-    new_slots = {g.name: {k: build(g, k, np.empty((0, g.width)[: v.ndim], v.dtype), shardings.slots[g.name][k])
-                          for k, v in any_slots.items()} for g in groups}
+    new_slots = {
+        g.name: {
+            k: build(g, k, np.empty((0, g.width)[: v.ndim], v.dtype), shardings.slots[g.name][k])
+            for k, v in any_slots.items()
+        }
+        for g in groups
+    }
     hot = None
     if collection.hot is not None:  # empty: the caller refreshes it with the rows it wants hot
         hot = jax.jit(lambda: collection.hot.init(collection.storage_dtype), out_shardings=shardings.hot)()

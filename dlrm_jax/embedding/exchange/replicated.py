@@ -42,8 +42,11 @@ class ReplicatedForm:
         g = self.group
         vectors = table.at[_rows(g, ids_bs)].get(mode="fill", fill_value=0).astype(jnp.float32)
         weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]
-        pooled = weighted if len(g.vtables) == g.num_vslots else segment_sum_axis1(
-            weighted, g.vslot_vfeature, len(g.vtables))
+        pooled = (
+            weighted
+            if len(g.vtables) == g.num_vslots
+            else segment_sum_axis1(weighted, g.vslot_vfeature, len(g.vtables))
+        )
         return pooled.reshape(pooled.shape[0], -1), (ids_bs, weights_bs), jnp.zeros((), jnp.int32)
 
     def update(self, table, slots, residual, grad_bc, lr):
@@ -64,5 +67,6 @@ class ReplicatedForm:
 
         local = allreduce if self.kind == ExchangeKind.ALLREDUCE else gather
         # check_vma off: every device applies the same summed or gathered update, so outputs are replicated.
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
-                             out_specs=(P(), P()), check_vma=False)(table, slots, ids_bs, grads, lr)
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P()), check_vma=False
+        )(table, slots, ids_bs, grads, lr)

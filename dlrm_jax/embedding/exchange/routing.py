@@ -30,10 +30,8 @@ def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):
     """
     valid = ids != PAD_ID
     safe = xp.where(valid, ids, 0)
-    owner = xp.where(kind == KIND_BLOCK, safe // block,
-                     xp.where(kind == KIND_CYCLIC, safe % num_devices, device))
-    within = xp.where(kind == KIND_BLOCK, safe % block,
-                      xp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
+    owner = xp.where(kind == KIND_BLOCK, safe // block, xp.where(kind == KIND_CYCLIC, safe % num_devices, device))
+    within = xp.where(kind == KIND_BLOCK, safe % block, xp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
     return owner.astype(xp.int32), (offset + within).astype(xp.int32), valid
 
 
@@ -78,8 +76,16 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     u_owner = jnp.where(u_valid, u_owner, 0)
     u_rank = (jnp.arange(n) - starts[u_owner]).astype(jnp.int32)
     inv = jnp.zeros(n, jnp.int32).at[perm].set(distinct)
-    return Buckets(u_owner, jnp.where(u_valid, u_row, 0), u_rank, u_valid,
-                   u_owner[inv], u_rank[inv], valid.reshape(-1), jnp.diff(starts))
+    return Buckets(
+        u_owner,
+        jnp.where(u_valid, u_row, 0),
+        u_rank,
+        u_valid,
+        u_owner[inv],
+        u_rank[inv],
+        valid.reshape(-1),
+        jnp.diff(starts),
+    )
 
 
 class Window(NamedTuple):
@@ -101,8 +107,7 @@ def send_buffer(b: Buckets, window: Window, capacity: int, num_devices: int, pad
     Requests outside the window are left out; the caller checks ``counts`` first.
     """
     fits, place = _in_window(b.unique_owner, b.unique_rank, b.unique_valid, window)
-    return scatter_to_buckets(b.unique_owner, place, fits, b.unique_row, capacity, num_devices,
-                              jnp.int32(pad_row))
+    return scatter_to_buckets(b.unique_owner, place, fits, b.unique_row, capacity, num_devices, jnp.int32(pad_row))
 
 
 def slot_index(b: Buckets, window: Window):
@@ -187,7 +192,7 @@ def hot_keys(rows_per_table, capacity: int) -> np.ndarray:
         raise ValueError(f"{tables.size} hot rows do not fit the hot capacity {capacity}")
     order = np.lexsort((ids, tables))
     out = np.full((2, capacity), HOT_PAD, np.int32)
-    out[0, :tables.size], out[1, :tables.size] = tables[order], ids[order]
+    out[0, : tables.size], out[1, : tables.size] = tables[order], ids[order]
     return out
 
 
@@ -263,7 +268,7 @@ def _place(choices: np.ndarray, buckets: int) -> np.ndarray | None:
     for key in np.flatnonzero(where < 0):
         for _ in range(500):
             for b in choices[key]:
-                free = np.flatnonzero(owner[b * HOT_BUCKET:(b + 1) * HOT_BUCKET] < 0)
+                free = np.flatnonzero(owner[b * HOT_BUCKET : (b + 1) * HOT_BUCKET] < 0)
                 if free.size:
                     where[key] = b * HOT_BUCKET + free[0]
                     owner[where[key]] = key
@@ -316,8 +321,9 @@ def hot_step_keys(keys: np.ndarray, view_rows: dict[int, int]) -> np.ndarray:
 def tiered_hot_maps(keys: np.ndarray, view_rows: dict[int, int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per tiered table with hot rows: (its hot ids, ascending; their step ids)."""
     keys, step = np.asarray(keys), hot_step_keys(keys, view_rows)
-    return {t: (keys[1, at].astype(np.int64), step[1, at]) for t in view_rows
-            if (at := np.flatnonzero(keys[0] == t)).size}
+    return {
+        t: (keys[1, at].astype(np.int64), step[1, at]) for t in view_rows if (at := np.flatnonzero(keys[0] == t)).size
+    }
 
 
 def split_hot_host(ids: np.ndarray, hot: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:

@@ -110,8 +110,11 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
             return jnp.where(usable, partial[b.slot_owner, place], acc)
 
         zeros = jnp.zeros(grads.shape[:1], jnp.float32)
-        totals = if_overflow(over, lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
-                              lambda: varying(zeros, agree))
+        totals = if_overflow(
+            over,
+            lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
+            lambda: varying(zeros, agree),
+        )
 
         def one_round(state, window):
             rows, recv_grads, where = send(b, grads, window)
@@ -130,8 +133,9 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
     return update
 
 
-def sharded_update(g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int,
-                   replicas: str | None = None):
+def sharded_update(
+    g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas: str | None = None
+):
     """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
     over whole rows of column slices). ``replicas``: the axis the tables are replicated over
@@ -150,8 +154,17 @@ class IdsForm:
     ids, weights) -> (pooled [B, V'*W], residual, overflowed)``, ``update(table, slots,
     residual, grad [B, V'*W], lr) -> (table, slots)``; ``cols``: the output's columns."""
 
-    def __init__(self, part: ExchangePart, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int,
-                 replicas: str | None = None, one_hot: bool = False):
+    def __init__(
+        self,
+        part: ExchangePart,
+        mesh,
+        capacity: int,
+        wire,
+        optimizer: SparseOptimizer,
+        dim: int,
+        replicas: str | None = None,
+        one_hot: bool = False,
+    ):
         g = self.group = part.group
         self.cols = g.vfeature_cols.reshape(-1)
         self.one_hot = one_hot
@@ -162,8 +175,11 @@ class IdsForm:
         g = self.group
         vectors, over, route_ = self._forward(table, ids_bs)
         weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
-        pooled = weighted if self.one_hot and len(g.vtables) == g.num_vslots else segment_sum_axis1(
-            weighted, g.vslot_vfeature, len(g.vtables))
+        pooled = (
+            weighted
+            if self.one_hot and len(g.vtables) == g.num_vslots
+            else segment_sum_axis1(weighted, g.vslot_vfeature, len(g.vtables))
+        )
         return pooled.reshape(pooled.shape[0], -1), (route_, weights_bs), over.astype(jnp.int32)
 
     def update(self, table, slots, residual, grad_bc, lr):

@@ -57,8 +57,9 @@ def exact_segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int
     low = jnp.round(jnp.ldexp(scaled - high, remainder_bits[safe_ids].reshape(per_addend)))  # exact difference
     sums = jax.ops.segment_sum(jnp.stack([high, low], axis=1), segment_ids, num_segments)
     per_segment = (num_segments,) + (1,) * (data.ndim - 1)
-    return (jnp.ldexp(sums[:, 0], -shift.reshape(per_segment))
-            + jnp.ldexp(sums[:, 1], -(shift + remainder_bits).reshape(per_segment)))
+    return jnp.ldexp(sums[:, 0], -shift.reshape(per_segment)) + jnp.ldexp(
+        sums[:, 1], -(shift + remainder_bits).reshape(per_segment)
+    )
 
 
 def segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int, exact: bool) -> jax.Array:

@@ -57,8 +57,10 @@ class RowCounts:
 
     @classmethod
     def empty(cls, num_tables: int) -> RowCounts:
-        return cls(tuple(np.zeros(0, np.int64) for _ in range(num_tables)),
-                   tuple(np.zeros(0, np.float64) for _ in range(num_tables)))
+        return cls(
+            tuple(np.zeros(0, np.int64) for _ in range(num_tables)),
+            tuple(np.zeros(0, np.float64) for _ in range(num_tables)),
+        )
 
     @classmethod
     def from_batches(cls, id_batches: Iterable[np.ndarray], bag_sizes: Sequence[int]) -> RowCounts:
@@ -70,7 +72,7 @@ class RowCounts:
             ids = np.asarray(ids)
             per_table = []
             for t in range(len(bag_sizes)):
-                block = ids[:, starts[t]:starts[t + 1]].reshape(-1)
+                block = ids[:, starts[t] : starts[t + 1]].reshape(-1)
                 per_table.append(sum_counts(block[block != PAD_ID]))
             parts.append(cls(tuple(i for i, _ in per_table), tuple(c for _, c in per_table)))
         return cls.total(parts)
@@ -95,8 +97,10 @@ class RowCounts:
         if len(nonempty) <= 1:
             return nonempty[0] if nonempty else parts[0]
         parts = nonempty
-        summed = [sum_counts(np.concatenate([p.ids[t] for p in parts]), np.concatenate([p.counts[t] for p in parts]))
-                  for t in range(parts[0].num_tables)]
+        summed = [
+            sum_counts(np.concatenate([p.ids[t] for p in parts]), np.concatenate([p.counts[t] for p in parts]))
+            for t in range(parts[0].num_tables)
+        ]
         return RowCounts(tuple(i for i, _ in summed), tuple(c for _, c in summed))
 
     def plus(self, new: RowCounts) -> RowCounts:
@@ -110,13 +114,21 @@ class RowCounts:
         old = RowCounts(self.ids, tuple(c * factor for c in self.counts))
         out = old.plus(new)
         keep = [c > 0 for c in out.counts]  # a factor of 0 forgets the old rows entirely
-        return RowCounts(tuple(i[k] for i, k in zip(out.ids, keep, strict=True)),
-                         tuple(c[k] for c, k in zip(out.counts, keep, strict=True)))
+        return RowCounts(
+            tuple(i[k] for i, k in zip(out.ids, keep, strict=True)),
+            tuple(c[k] for c, k in zip(out.counts, keep, strict=True)),
+        )
 
     def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(table, id, count) of every counted row, in (table, id) order."""
-        table = np.concatenate([np.full(c.size, t, np.int64) for t, c in enumerate(self.counts)] or [np.zeros(0, np.int64)])
-        return table, np.concatenate(self.ids or (np.zeros(0, np.int64),)), np.concatenate(self.counts or (np.zeros(0),))
+        table = np.concatenate(
+            [np.full(c.size, t, np.int64) for t, c in enumerate(self.counts)] or [np.zeros(0, np.int64)]
+        )
+        return (
+            table,
+            np.concatenate(self.ids or (np.zeros(0, np.int64),)),
+            np.concatenate(self.counts or (np.zeros(0),)),
+        )
 
     @staticmethod
     def _chosen(weight: np.ndarray, k: int) -> np.ndarray:
@@ -127,7 +139,7 @@ class RowCounts:
             return np.arange(k)
         threshold = np.sort(weight)[weight.size - k]  # np.partition crawls on many equal counts
         above = weight > threshold
-        tied = np.flatnonzero(weight == threshold)[:k - int(above.sum())]
+        tied = np.flatnonzero(weight == threshold)[: k - int(above.sum())]
         above[tied] = True
         return np.flatnonzero(above)
 
@@ -159,8 +171,10 @@ class RowCounts:
         table, ids, weight = self._flat()
         chosen = self._chosen(weight, k)  # ascending: each table's rows stay sorted
         table, ids, weight = table[chosen], ids[chosen], weight[chosen]
-        return RowCounts(tuple(ids[table == t] for t in range(self.num_tables)),
-                         tuple(weight[table == t] for t in range(self.num_tables)))
+        return RowCounts(
+            tuple(ids[table == t] for t in range(self.num_tables)),
+            tuple(weight[table == t] for t in range(self.num_tables)),
+        )
 
     def to_json(self) -> dict:
         """Lists of ids and counts per table (floats round-trip exactly through JSON)."""
@@ -168,20 +182,23 @@ class RowCounts:
 
     @classmethod
     def from_json(cls, raw: dict) -> RowCounts:
-        return cls(tuple(np.asarray(i, np.int64) for i in raw["ids"]),
-                   tuple(np.asarray(c, np.float64) for c in raw["counts"]))
+        return cls(
+            tuple(np.asarray(i, np.int64) for i in raw["ids"]), tuple(np.asarray(c, np.float64) for c in raw["counts"])
+        )
 
     def most_frequent(self, table: int, k: int) -> np.ndarray:
         """The ``k`` most looked-up rows of ``table`` (fewer if fewer were seen), most frequent
         first; ties go to the smaller id, so the choice is deterministic."""
         ids, counts = self.ids[table], self.counts[table]
-        order = np.lexsort((ids, -counts))[:max(k, 0)]
+        order = np.lexsort((ids, -counts))[: max(k, 0)]
         return ids[order]
 
     def table_hit_rates(self, hot: Sequence[np.ndarray]) -> tuple[float, ...]:
         """Per table, the share of its counted lookups that fall on its hot rows."""
-        return tuple(float(c[np.isin(i, h)].sum() / c.sum()) if c.sum() else 0.0
-                     for i, c, h in zip(self.ids, self.counts, hot, strict=True))
+        return tuple(
+            float(c[np.isin(i, h)].sum() / c.sum()) if c.sum() else 0.0
+            for i, c, h in zip(self.ids, self.counts, hot, strict=True)
+        )
 
     def hit_rate(self, hot: Sequence[np.ndarray]) -> float:
         """The share of counted lookups that fall on the given hot rows (one array per table)."""

@@ -69,25 +69,40 @@ def mask_hot(ids: np.ndarray, hot: Sequence[np.ndarray], bag_sizes: Sequence[int
     starts = np.concatenate([[0], np.cumsum(bag_sizes)])
     for t, rows in enumerate(hot):
         if rows.size:
-            block = out[:, starts[t]:starts[t + 1]]
+            block = out[:, starts[t] : starts[t + 1]]
             block[np.isin(block, rows)] = PAD_ID
     return out
 
 
-def hot_plan(plan: EmbeddingPlan, hot: Sequence[np.ndarray], capacities, no_hot_capacities, counts: RowCounts,
-             capacity: int | None = None) -> EmbeddingPlan:
+def hot_plan(
+    plan: EmbeddingPlan,
+    hot: Sequence[np.ndarray],
+    capacities,
+    no_hot_capacities,
+    counts: RowCounts,
+    capacity: int | None = None,
+) -> EmbeddingPlan:
     """``plan`` with these hot rows (capacity: their number unless given), the bucket
     capacities measured with them masked and without them, and their hit rates in ``counts``."""
     per_table = tuple(int(h.size) for h in hot)
     rows = sum(per_table) if capacity is None else capacity
     if rows == 0:
         return dataclasses.replace(plan, capacities=capacities, hot=None)
-    return dataclasses.replace(plan, capacities=capacities, hot=HotPlan(
-        rows, per_table, counts.hit_rate(hot), tuple(no_hot_capacities), counts.table_hit_rates(hot)))
+    return dataclasses.replace(
+        plan,
+        capacities=capacities,
+        hot=HotPlan(rows, per_table, counts.hit_rate(hot), tuple(no_hot_capacities), counts.table_hit_rates(hot)),
+    )
 
 
-def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-          rows_per_table: Sequence[int], cluster: Cluster) -> HotCandidate:
+def price(
+    plan: EmbeddingPlan,
+    measure_capacities,
+    counts: RowCounts,
+    id_batches: Sequence[np.ndarray],
+    rows_per_table: Sequence[int],
+    cluster: Cluster,
+) -> HotCandidate:
     """Price one hot set (``rows_per_table`` most frequent rows of each table); ``plan`` has
     the capacities measured without hot rows.
 
@@ -97,29 +112,45 @@ def price(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches
     """
     hot = [counts.most_frequent(t, k) for t, k in enumerate(rows_per_table)]
     bags = [t.spec.bag_size for t in plan.tables]
-    capacities = measure_capacities([mask_hot(ids, hot, bags) for ids in id_batches]) if any(rows_per_table) \
-        else plan.capacities
+    capacities = (
+        measure_capacities([mask_hot(ids, hot, bags) for ids in id_batches]) if any(rows_per_table) else plan.capacities
+    )
     candidate = hot_plan(plan, hot, capacities, plan.capacities, counts)
     sent = collective_bytes(candidate)
     a2a = sent["all-to-all"] + sent["all-gather"]
     params, state = candidate.hot_bytes_per_device()
-    return HotCandidate(tuple(int(h.size) for h in hot), counts.hit_rate(hot), capacities, a2a,
-                        sent["all-reduce"], params + state, predict_step(candidate, cluster).embedding_s)
+    return HotCandidate(
+        tuple(int(h.size) for h in hot),
+        counts.hit_rate(hot),
+        capacities,
+        a2a,
+        sent["all-reduce"],
+        params + state,
+        predict_step(candidate, cluster).embedding_s,
+    )
 
 
-def choose_hot_rows(plan: EmbeddingPlan, measure_capacities, counts: RowCounts, id_batches: Sequence[np.ndarray],
-                    memory_bytes: int, cluster: Cluster = PROFILES["cpu"],
-                    max_rows: int | None = None) -> tuple[HotCandidate, list[HotCandidate]]:
+def choose_hot_rows(
+    plan: EmbeddingPlan,
+    measure_capacities,
+    counts: RowCounts,
+    id_batches: Sequence[np.ndarray],
+    memory_bytes: int,
+    cluster: Cluster = PROFILES["cpu"],
+    max_rows: int | None = None,
+) -> tuple[HotCandidate, list[HotCandidate]]:
     """The candidate with the least predicted communication time within ``memory_bytes`` per
     device (ties: fewer rows), and every candidate priced. The empty set is always a candidate,
     so the choice is never predicted worse than no replication. Every candidate's buckets are
     measured on ``id_batches`` (host, global batches), the empty set's too."""
     per_row = plan.tables[0].spec.dim * DTYPE_BYTES[plan.dtype] + optimizer_bytes_per_row(
-        plan.optimizer, plan.tables[0].spec.dim)
+        plan.optimizer, plan.tables[0].spec.dim
+    )
     limit = memory_bytes // per_row if max_rows is None else min(max_rows, memory_bytes // per_row)
     plan = dataclasses.replace(plan, capacities=measure_capacities(list(id_batches)), hot=None)
-    priced = [price(plan, measure_capacities, counts, id_batches, k, cluster)
-              for k in candidate_sizes(counts, int(limit))]
+    priced = [
+        price(plan, measure_capacities, counts, id_batches, k, cluster) for k in candidate_sizes(counts, int(limit))
+    ]
     fits = [c for c in priced if c.memory_bytes <= memory_bytes]
     best = min(fits, key=lambda c: (c.predicted_s, c.rows))
     return best, priced

@@ -39,17 +39,26 @@ def gather_counts(local: RowCounts) -> RowCounts:
         return local
     from jax.experimental import multihost_utils
 
-    flat = np.concatenate([np.stack([np.full(i.size, t), i, c], 1).astype(np.int32)
-                           for t, (i, c) in enumerate(zip(local.ids, local.counts, strict=True))] or [np.zeros((0, 3), np.int32)])
+    flat = np.concatenate(
+        [
+            np.stack([np.full(i.size, t), i, c], 1).astype(np.int32)
+            for t, (i, c) in enumerate(zip(local.ids, local.counts, strict=True))
+        ]
+        or [np.zeros((0, 3), np.int32)]
+    )
     longest = int(np.max(multihost_utils.process_allgather(np.array([flat.shape[0]], np.int64))))
     padded = np.full((longest, 3), -1, np.int32)  # ids and window counts fit: x64 is off
-    padded[:flat.shape[0]] = flat
+    padded[: flat.shape[0]] = flat
     every = np.asarray(multihost_utils.process_allgather(padded))  # [processes, longest, 3]
     out = RowCounts.empty(local.num_tables)
     for rows in every:
         rows = rows[rows[:, 0] >= 0]
-        out = out.plus(RowCounts(tuple(rows[rows[:, 0] == t, 1] for t in range(local.num_tables)),
-                                 tuple(rows[rows[:, 0] == t, 2].astype(np.float64) for t in range(local.num_tables))))
+        out = out.plus(
+            RowCounts(
+                tuple(rows[rows[:, 0] == t, 1] for t in range(local.num_tables)),
+                tuple(rows[rows[:, 0] == t, 2].astype(np.float64) for t in range(local.num_tables)),
+            )
+        )
     return out
 
 
@@ -64,8 +73,9 @@ def initial_counts(cfg, source: DataSource) -> RowCounts:
     return RowCounts.from_batches(batches, cfg.bag_sizes)
 
 
-def choose(cfg, plan: EmbeddingPlan, mesh, source: DataSource,
-           calibration_steps: int, log=print) -> tuple[EmbeddingPlan, HotSchedule | None]:
+def choose(
+    cfg, plan: EmbeddingPlan, mesh, source: DataSource, calibration_steps: int, log=print
+) -> tuple[EmbeddingPlan, HotSchedule | None]:
     """``plan`` with its hot rows (``embedding.hot.rows``: a number, or ``auto`` for the cost
     model), the bucket capacities measured with them masked out, and the schedule that starts
     from the chosen rows (None when no rows are replicated)."""
@@ -84,10 +94,15 @@ def choose(cfg, plan: EmbeddingPlan, mesh, source: DataSource,
         cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
         best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), cluster)
         rows, capacity = [counts.most_frequent(t, k) for t, k in enumerate(best.rows_per_table)], best.rows
-        log(f"hot rows: the cost model priced {len(priced)} sets on the {cluster.name} cluster profile:\n"
-            + "\n".join(f"  {c.rows:>9,} rows  hit rate {100 * c.hit_rate:5.1f}%  all-to-all {c.a2a_bytes:>11,} B"
-                        f"  all-reduce {c.allreduce_bytes:>11,} B  predicted {1e3 * c.predicted_s:>9.3f} ms"
-                        f"{'  <- chosen' if c is best else ''}" for c in priced))
+        log(
+            f"hot rows: the cost model priced {len(priced)} sets on the {cluster.name} cluster profile:\n"
+            + "\n".join(
+                f"  {c.rows:>9,} rows  hit rate {100 * c.hit_rate:5.1f}%  all-to-all {c.a2a_bytes:>11,} B"
+                f"  all-reduce {c.allreduce_bytes:>11,} B  predicted {1e3 * c.predicted_s:>9.3f} ms"
+                f"{'  <- chosen' if c is best else ''}"
+                for c in priced
+            )
+        )
     else:
         capacity = h.rows
         rows = counts.top_rows(capacity)
@@ -96,9 +111,16 @@ def choose(cfg, plan: EmbeddingPlan, mesh, source: DataSource,
     plan = hot_plan(plan, rows, capacities, no_hot, counts, capacity)
     if plan.hot is None:
         return plan, None
-    schedule = HotSchedule(plan.hot_rows, bags, counts,
-                           window=h.stats_batches, refresh_every=h.refresh_every, decay=h.decay,
-                           gather=gather_counts, threads=cfg.data.readers)
+    schedule = HotSchedule(
+        plan.hot_rows,
+        bags,
+        counts,
+        window=h.stats_batches,
+        refresh_every=h.refresh_every,
+        decay=h.decay,
+        gather=gather_counts,
+        threads=cfg.data.readers,
+    )
     return plan, schedule
 
 

@@ -29,9 +29,18 @@ class HotSchedule:
     in :meth:`to_json`, in the same order on every process.
     """
 
-    def __init__(self, capacity: int, bag_sizes: Sequence[int], counts: RowCounts, *, window: int,
-                 refresh_every: int, decay: float, gather: Callable[[RowCounts], RowCounts] = lambda c: c,
-                 threads: int = 1):
+    def __init__(
+        self,
+        capacity: int,
+        bag_sizes: Sequence[int],
+        counts: RowCounts,
+        *,
+        window: int,
+        refresh_every: int,
+        decay: float,
+        gather: Callable[[RowCounts], RowCounts] = lambda c: c,
+        threads: int = 1,
+    ):
         self.capacity, self.bag_sizes = capacity, tuple(bag_sizes)
         self.window, self.refresh_every, self.decay = window, refresh_every, decay
         self.keep = max(16 * capacity, 4096)

@@ -131,8 +131,7 @@ def _part_memory_traffic(plan: EmbeddingPlan, part) -> tuple[float, float]:
     return rows * w * (store + 4), rows * w * per_update
 
 
-def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, replicas: int = 1
-                 ) -> StepTime:
+def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, replicas: int = 1) -> StepTime:
     """The busiest device's step, by phase: ``lookup`` and ``update`` (device memory),
     ``exchange`` (all-to-alls and all-gathers of the embedding exchange), ``all-reduce``
     (replicated tables' and hot rows' gradients), ``dense`` (MLP FLOPs) and ``dense all-reduce``
@@ -142,16 +141,18 @@ def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None 
     phases = dict.fromkeys(("lookup", "exchange", "all-reduce", "update"), 0.0)
     for part in exchange_parts(plan):
         for kind, sent in part_collective_bytes(plan, part, replicas).items():
-            phases["all-reduce" if kind == "all-reduce" else "exchange"] += link_seconds(kind, sent, n * (
-                replicas if kind != "all-to-all" else 1), cluster)
+            phases["all-reduce" if kind == "all-reduce" else "exchange"] += link_seconds(
+                kind, sent, n * (replicas if kind != "all-to-all" else 1), cluster
+            )
         lookup, update = _part_memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm
         phases["update"] += update / hbm
     if plan.hot_rows:
         dim = plan.tables[0].spec.dim
         # (XLA fuses it with the dense gradients' all-reduce: no latency of its own)
-        phases["all-reduce"] += link_seconds("all-reduce", 2 * (n - 1) / n * plan.hot_rows * dim * 4, n, cluster,
-                                             latency=False)
+        phases["all-reduce"] += link_seconds(
+            "all-reduce", 2 * (n - 1) / n * plan.hot_rows * dim * 4, n, cluster, latency=False
+        )
         phases["update"] += plan.hot_rows * dim * (4 + 2 * DTYPE_BYTES[plan.dtype]) / hbm
     if dense is not None and dense.flops_per_sample:
         peak = cluster.tflops * 1e12 * cluster.flops_efficiency * (1.0 if dense.bfloat16 else 0.5)

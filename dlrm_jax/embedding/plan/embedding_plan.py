@@ -198,8 +198,10 @@ class EmbeddingPlan:
     def hot_bytes_per_device(self) -> tuple[int, int]:
         """(parameter, optimizer-state) bytes the hot group puts on every device."""
         dim = self.tables[0].spec.dim
-        return (self.hot_rows * dim * DTYPE_BYTES[self.dtype],
-                self.hot_rows * optimizer_bytes_per_row(self.optimizer, dim))
+        return (
+            self.hot_rows * dim * DTYPE_BYTES[self.dtype],
+            self.hot_rows * optimizer_bytes_per_row(self.optimizer, dim),
+        )
 
     # ------------------------------------------------------------ data round trip
     def to_json(self) -> str:
@@ -209,22 +211,37 @@ class EmbeddingPlan:
     def from_json(cls, text: str) -> EmbeddingPlan:
         raw = json.loads(text)
         tables = tuple(
-            TablePlan(TableSpec(**{**t["spec"], "pooling": Pooling(t["spec"]["pooling"])}),
-                      Strategy(t["strategy"]), tuple(t["devices"]), RowLayout(t["row_layout"]),
-                      int(t.get("cache_rows", 0)), ExchangeKind(t.get("exchange", "ids")))
+            TablePlan(
+                TableSpec(**{**t["spec"], "pooling": Pooling(t["spec"]["pooling"])}),
+                Strategy(t["strategy"]),
+                tuple(t["devices"]),
+                RowLayout(t["row_layout"]),
+                int(t.get("cache_rows", 0)),
+                ExchangeKind(t.get("exchange", "ids")),
+            )
             for t in raw.pop("tables")
         )
         raw.pop("bag_exchange", None)  # plans saved before it became each table's exchange
         raw["capacities"] = _capacities(raw.get("capacities", ()))
         if raw.get("hot") is not None:
             hot = raw["hot"]
-            raw["hot"] = HotPlan(int(hot["rows"]), tuple(hot["per_table"]), float(hot["hit_rate"]),
-                                 _capacities(hot["no_hot_capacities"]), tuple(hot["table_hit_rates"]))
+            raw["hot"] = HotPlan(
+                int(hot["rows"]),
+                tuple(hot["per_table"]),
+                float(hot["hit_rate"]),
+                _capacities(hot["no_hot_capacities"]),
+                tuple(hot["table_hit_rates"]),
+            )
         if raw.get("tier") is not None:
             tier = raw["tier"]
-            raw["tier"] = TierPlan(tuple(tier["host_rows"]), tier["policy"], int(tier["lookahead"]),
-                                   tuple((str(g), int(r)) for g, r in tier["fill_rows"]),
-                                   tuple(tier["device_hit_rates"]), tuple(tier["host_hit_rates"]))
+            raw["tier"] = TierPlan(
+                tuple(tier["host_rows"]),
+                tier["policy"],
+                int(tier["lookahead"]),
+                tuple((str(g), int(r)) for g, r in tier["fill_rows"]),
+                tuple(tier["device_hit_rates"]),
+                tuple(tier["host_hit_rates"]),
+            )
         return cls(tables, **raw)
 
 

@@ -144,8 +144,9 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
         if g.replicated:
             parts.append(ExchangePart(replicated_kind(plan, g), g))
             continue
-        is_pooled = [vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED
-                     for vt in g.vtables]
+        is_pooled = [
+            vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED for vt in g.vtables
+        ]
         pooled = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if p]
         ids = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if not p]
         for kind, vts in ((ExchangeKind.POOLED, pooled), (ExchangeKind.IDS, ids)):
@@ -204,15 +205,24 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     vt_of = np.repeat(np.arange(v_count), bag)
     send_slot[device[vt_of], starts[piece[vt_of]] + within] = slot_start[table[vt_of]] + within
     span = np.repeat(np.arange(v_count), piece_bags[piece])  # every position of each vtable's piece
-    span_k = starts[piece[span]] + np.concatenate([np.arange(piece_bags[piece[v]]) for v in range(v_count)]
-                                                  or [np.zeros(0, np.int64)])
+    span_k = starts[piece[span]] + np.concatenate(
+        [np.arange(piece_bags[piece[v]]) for v in range(v_count)] or [np.zeros(0, np.int64)]
+    )
     row_offset[device[span], span_k] = np.array([vt.offset for vt in g.vtables], np.int64)[span]
     reply = (device * pieces + piece).astype(np.int32)
     send_index = np.full(n * pieces, v_count, np.int32)
     send_index[reply] = np.arange(v_count)
     k_piece = np.repeat(np.arange(pieces), piece_bags).astype(np.int32)
-    return PooledLayout(pieces, tuple(int(b) for b in piece_bags), tuple(int(x) for x in starts), send_slot,
-                        row_offset, k_piece, reply, send_index)
+    return PooledLayout(
+        pieces,
+        tuple(int(b) for b in piece_bags),
+        tuple(int(x) for x in starts),
+        send_slot,
+        row_offset,
+        k_piece,
+        reply,
+        send_index,
+    )
 
 
 def build_groups(plan: EmbeddingPlan) -> list[Group]:
@@ -257,22 +267,42 @@ def _slots_of_tables(plan: EmbeddingPlan) -> list[list[int]]:
 
 def _group(name, width, replicated, local_rows, n, vts, slots_of, dim) -> Group:
     """Per virtual slot (each vtable's slots in order) its slot, routing, columns and vtable."""
-    field = lambda attr: np.array([getattr(vt, attr) for vt in vts], np.int64)  # noqa: E731
+    field = lambda attr: np.array([getattr(vt, attr) for vt in vts], np.int64)
     counts = np.array([len(slots_of[vt.table]) for vt in vts], np.int64)
     vfeature = np.repeat(np.arange(len(vts)), counts)
     vfeature_cols = (field("table") * dim + field("col_start"))[:, None] + np.arange(width)  # [V', W]
     slot = np.concatenate([slots_of[vt.table] for vt in vts]) if vts else np.zeros(0, np.int64)
-    arr = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return Group(name, width, replicated, max(local_rows, 1), n, tuple(vts), arr(slot),
-                 arr(field("kind")[vfeature]), arr(field("device")[vfeature]), arr(field("offset")[vfeature]),
-                 arr(field("block")[vfeature]), arr(vfeature_cols[vfeature].reshape(-1, width)), arr(vfeature),
-                 arr(vfeature_cols.reshape(-1, width)))
+    arr = lambda x: np.asarray(x, np.int32)
+    return Group(
+        name,
+        width,
+        replicated,
+        max(local_rows, 1),
+        n,
+        tuple(vts),
+        arr(slot),
+        arr(field("kind")[vfeature]),
+        arr(field("device")[vfeature]),
+        arr(field("offset")[vfeature]),
+        arr(field("block")[vfeature]),
+        arr(vfeature_cols[vfeature].reshape(-1, width)),
+        arr(vfeature),
+        arr(vfeature_cols.reshape(-1, width)),
+    )
 
 
 def subgroup(plan: EmbeddingPlan, g: Group, vts) -> Group:
     """``g`` restricted to the virtual tables ``vts`` (same array: name, width, rows)."""
-    return _group(g.name, g.width, g.replicated, g.local_rows, g.num_devices, list(vts), _slots_of_tables(plan),
-                  plan.tables[0].spec.dim)
+    return _group(
+        g.name,
+        g.width,
+        g.replicated,
+        g.local_rows,
+        g.num_devices,
+        list(vts),
+        _slots_of_tables(plan),
+        plan.tables[0].spec.dim,
+    )
 
 
 def is_identity(index: np.ndarray) -> bool:
@@ -300,4 +330,3 @@ def segment_sum_axis1(x: jax.Array, segments: np.ndarray, num: int) -> jax.Array
     x = take_columns(x, order)
     bounds = np.searchsorted(segments[order], np.arange(num + 1))
     return jnp.stack([jnp.sum(x[:, a:b], axis=1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], axis=1)
-

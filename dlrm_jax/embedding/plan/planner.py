@@ -32,8 +32,9 @@ from dlrm_jax.embedding.plan.specs import Pooling, TableSpec, specs_from_config
 from dlrm_jax.embedding.plan.stats import per_device_bytes, plan_report
 
 
-def parse_overrides(items: Sequence[str], specs: Sequence[TableSpec], key: str = "embedding.table_sharding",
-                    values: type = Strategy) -> dict:
+def parse_overrides(
+    items: Sequence[str], specs: Sequence[TableSpec], key: str = "embedding.table_sharding", values: type = Strategy
+) -> dict:
     """``["cat_2=row", ...]`` -> {name: value}; unknown tables or values are errors."""
     names = {s.name for s in specs}
     out = {}
@@ -53,14 +54,26 @@ class Storage(enum.StrEnum):
     TIERED = "tiered"
 
 
-def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int, optimizer: str,
-                    global_batch: int, *, overrides: Mapping[str, Strategy | str] | None = None,
-                    row_layout: str = "block", capacity_factor: float = 1.25, dtype: str = "float32",
-                    exchange_dtype: str = "float32", budget_bytes: int = 0,
-                    bag_exchange: str = "auto", storage: str = "device",
-                    storage_overrides: Mapping[str, Storage] | None = None,
-                    device_cache: tuple[int, float] = (0, 0.1), cluster: Cluster | None = None,
-                    stats: Sequence[TableStats] | None = None) -> EmbeddingPlan:
+def plan_embeddings(
+    specs: Sequence[TableSpec],
+    sharding: str,
+    num_devices: int,
+    optimizer: str,
+    global_batch: int,
+    *,
+    overrides: Mapping[str, Strategy | str] | None = None,
+    row_layout: str = "block",
+    capacity_factor: float = 1.25,
+    dtype: str = "float32",
+    exchange_dtype: str = "float32",
+    budget_bytes: int = 0,
+    bag_exchange: str = "auto",
+    storage: str = "device",
+    storage_overrides: Mapping[str, Storage] | None = None,
+    device_cache: tuple[int, float] = (0, 0.1),
+    cluster: Cluster | None = None,
+    stats: Sequence[TableStats] | None = None,
+) -> EmbeddingPlan:
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
     one cannot be placed within ``budget_bytes`` per device (0 = no limit).
 
@@ -81,8 +94,9 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
     for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
         unknown = sorted(set(given) - names)
         if unknown:
-            raise PlanError(f"{what}: no table named {', '.join(map(repr, unknown))} "
-                            f"(tables: {', '.join(sorted(names))})")
+            raise PlanError(
+                f"{what}: no table named {', '.join(map(repr, unknown))} (tables: {', '.join(sorted(names))})"
+            )
     template = EmbeddingPlan((), num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype)
     local_batch = global_batch // num_devices
     stats = list(stats) if stats is not None else [batch_bound_stats(s, local_batch, num_devices) for s in specs]
@@ -91,12 +105,24 @@ def plan_embeddings(specs: Sequence[TableSpec], sharding: str, num_devices: int,
         wanted.append(overrides.get(spec.name, sharding))
         tiered.append(storage_overrides.get(spec.name, Storage(storage)) == Storage.TIERED)
         if tiered[-1] and wanted[-1] == Strategy.REPLICATED and spec.name in storage_overrides:
-            raise PlanError(f"table {spec.name}: a replicated table lives on every device and cannot be "
-                            f"tiered (embedding.table_storage); shard it or keep it on the devices")
+            raise PlanError(
+                f"table {spec.name}: a replicated table lives on every device and cannot be "
+                f"tiered (embedding.table_storage); shard it or keep it on the devices"
+            )
         if wanted[-1] != "auto":
             _check_allowed(spec, Strategy(wanted[-1]), num_devices, explicit=True)
-    tables = place_tables(specs, template, cluster or PROFILES["cpu"], stats, budget_bytes, wanted, tiered,
-                          RowLayout(row_layout), bag_exchange, device_cache)
+    tables = place_tables(
+        specs,
+        template,
+        cluster or PROFILES["cpu"],
+        stats,
+        budget_bytes,
+        wanted,
+        tiered,
+        RowLayout(row_layout),
+        bag_exchange,
+        device_cache,
+    )
     plan = dataclasses.replace(template, tables=tables)
 
     _check_budget_with_buffers(plan, budget_bytes)
@@ -107,8 +133,10 @@ def _check_allowed(spec: TableSpec, s: Strategy, n: int, explicit: bool) -> None
     if not explicit or s != Strategy.COLUMN:
         return
     if n > 1 and column_slices(spec, n) < 2:
-        raise PlanError(f"table {spec.name}: dim {spec.dim} cannot be split on {n} devices into "
-                        f"column slices at least {MIN_COLUMN_WIDTH} wide; use table or row sharding")
+        raise PlanError(
+            f"table {spec.name}: dim {spec.dim} cannot be split on {n} devices into "
+            f"column slices at least {MIN_COLUMN_WIDTH} wide; use table or row sharding"
+        )
 
 
 def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
@@ -117,12 +145,15 @@ def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
     total = sum(per_device_bytes(plan).values())
     worst = int(np.argmax(total))
     if total[worst] > budget:
-        biggest = max((t for t in plan.tables if worst in t.devices),
-                      key=lambda t: t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[worst].sum())
-        raise PlanError(f"device {worst} needs {total[worst] / 2**30:.2f} GiB with exchange buffers, "
-                        f"over the {budget / 2**30:.2f} GiB budget; its largest table is "
-                        f"{biggest.spec.name} ({biggest.spec.rows:,} rows)")
-
+        biggest = max(
+            (t for t in plan.tables if worst in t.devices),
+            key=lambda t: t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[worst].sum(),
+        )
+        raise PlanError(
+            f"device {worst} needs {total[worst] / 2**30:.2f} GiB with exchange buffers, "
+            f"over the {budget / 2**30:.2f} GiB budget; its largest table is "
+            f"{biggest.spec.name} ({biggest.spec.rows:,} rows)"
+        )
 
 
 def cluster_from_config(cfg, simulated: bool) -> Cluster:
@@ -133,8 +164,14 @@ def cluster_from_config(cfg, simulated: bool) -> Cluster:
     return cluster_for(c.pop("profile"), c, simulated)
 
 
-def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None, *, cluster: Cluster | None = None,
-                     stats: Sequence[TableStats] | None = None) -> EmbeddingPlan:
+def plan_from_config(
+    cfg,
+    num_devices: int,
+    budget_bytes: int | None = None,
+    *,
+    cluster: Cluster | None = None,
+    stats: Sequence[TableStats] | None = None,
+) -> EmbeddingPlan:
     """The plan for a config's tables on ``num_devices`` devices. The budget defaults to
     ``embedding.memory_budget_gb``, else 90% of the cluster's device memory; ``cluster``
     defaults to the config's for simulated devices (:func:`cluster_from_config`); ``stats``:
@@ -148,16 +185,29 @@ def plan_from_config(cfg, num_devices: int, budget_bytes: int | None = None, *, 
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan(cfg, num_devices)), 1)
     return plan_embeddings(
-        specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size,
-        overrides=parse_overrides(e.table_sharding, specs), row_layout=e.row_layout,
-        capacity_factor=e.capacity_factor, dtype=e.dtype, exchange_dtype=e.exchange_dtype,
-        budget_bytes=budget, bag_exchange=e.bag_exchange, storage=e.storage,
+        specs,
+        e.sharding,
+        num_devices,
+        e.optimizer,
+        cfg.train.batch_size,
+        overrides=parse_overrides(e.table_sharding, specs),
+        row_layout=e.row_layout,
+        capacity_factor=e.capacity_factor,
+        dtype=e.dtype,
+        exchange_dtype=e.exchange_dtype,
+        budget_bytes=budget,
+        bag_exchange=e.bag_exchange,
+        storage=e.storage,
         storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
-        device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction), cluster=cluster, stats=stats,
+        device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
+        cluster=cluster,
+        stats=stats,
     )
 
 
-def host_plan_from_config(cfg, num_devices: int, hosts: int, budget_bytes: int | None = None, **kwargs) -> EmbeddingPlan:
+def host_plan_from_config(
+    cfg, num_devices: int, hosts: int, budget_bytes: int | None = None, **kwargs
+) -> EmbeddingPlan:
     """With per-host tables (embedding.sync per_host or host_replicas), each of ``hosts`` hosts
     holds a whole set over its own devices: the plan of one host's ``num_devices / hosts``
     devices and its share of the batch. Otherwise the plan over all ``num_devices``."""
@@ -170,8 +220,10 @@ def host_plan_from_config(cfg, num_devices: int, hosts: int, budget_bytes: int |
 def wide_plan(cfg, num_devices: int) -> EmbeddingPlan:
     """Wide&Deep's wide part (model.kind=wide_deep): one weight per id of every feature (dim 1,
     sum pooling), every table replicated on each of ``num_devices`` devices."""
-    specs = tuple(TableSpec(f"wide_{f}", rows, 1, bag, Pooling.SUM)
-                  for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True)))
+    specs = tuple(
+        TableSpec(f"wide_{f}", rows, 1, bag, Pooling.SUM)
+        for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True))
+    )
     return plan_embeddings(specs, "replicated", num_devices, cfg.model.wide_optimizer, cfg.train.batch_size)
 
 
@@ -189,6 +241,8 @@ def config_plan_report(cfg, plan: EmbeddingPlan) -> str:
         return report
     wide = wide_plan(cfg, plan.num_devices)
     rows = sum(t.spec.rows for t in wide.tables)
-    return (f"{report}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
-            f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
-            f"{cfg.model.wide_optimizer} state (counted in embedding.memory_budget_gb)")
+    return (
+        f"{report}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
+        f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
+        f"{cfg.model.wide_optimizer} state (counted in embedding.memory_budget_gb)"
+    )

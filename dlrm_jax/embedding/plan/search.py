@@ -107,8 +107,14 @@ class Search:
     """Places tables one at a time (see the module docstring). ``template``: the plan's
     settings (optimizer, batch, dtypes, capacity factor), its tables ignored."""
 
-    def __init__(self, specs: Sequence[TableSpec], template: EmbeddingPlan, cluster: Cluster,
-                 stats: Sequence[TableStats], budget: int):
+    def __init__(
+        self,
+        specs: Sequence[TableSpec],
+        template: EmbeddingPlan,
+        cluster: Cluster,
+        stats: Sequence[TableStats],
+        budget: int,
+    ):
         self.specs, self.template, self.cluster, self.stats, self.budget = specs, template, cluster, stats, budget
         self.n = template.num_devices
         self.placed: dict[int, TablePlan] = {}
@@ -123,7 +129,8 @@ class Search:
         vec = vector_bytes(self.template.exchange_dtype, spec.dim)
         hbm = self.cluster.hbm_gbps * 1e9 * self.cluster.hbm_efficiency
         allreduce = link_seconds("all-reduce", 2 * (n - 1) / n * spec.rows * spec.dim * 4, n, self.cluster) + (
-            spec.rows * spec.dim * (8 + 2 * DTYPE_BYTES[self.template.dtype]) / hbm)  # every row updated
+            spec.rows * spec.dim * (8 + 2 * DTYPE_BYTES[self.template.dtype]) / hbm
+        )  # every row updated
         shared = link_seconds("all-to-all", (n - 1) / n * lb * (4 * spec.bag_size + 2 * vec), n, self.cluster)
         return n == 1 or allreduce - self.cluster.latency_us * 1e-6 <= shared - self.cluster.latency_us * 1e-6
 
@@ -134,8 +141,10 @@ class Search:
 
     def order(self) -> list[int]:
         """Largest exchange first (bag ids and a vector each way per sample), then largest table."""
-        weight = lambda s: 4 * s.bag_size + 2 * vector_bytes(self.template.exchange_dtype, s.dim)  # noqa: E731
-        return sorted(range(len(self.specs)), key=lambda t: (-weight(self.specs[t]), -self.specs[t].rows * self.specs[t].dim, t))
+        weight = lambda s: 4 * s.bag_size + 2 * vector_bytes(self.template.exchange_dtype, s.dim)
+        return sorted(
+            range(len(self.specs)), key=lambda t: (-weight(self.specs[t]), -self.specs[t].rows * self.specs[t].dim, t)
+        )
 
     def plan_with(self, extra: dict[int, TablePlan]) -> EmbeddingPlan:
         tables = {**self.placed, **extra}
@@ -186,8 +195,14 @@ class Search:
         self.memory -= tp.bytes_on_device(self.n, self.template.optimizer, self.template.dtype).sum(1)
         return tp
 
-    def candidates(self, spec: TableSpec, options: Sequence[Strategy], layout: RowLayout,
-                   exchanges: Sequence[ExchangeKind], slices: int | None = None) -> list[TablePlan]:
+    def candidates(
+        self,
+        spec: TableSpec,
+        options: Sequence[Strategy],
+        layout: RowLayout,
+        exchanges: Sequence[ExchangeKind],
+        slices: int | None = None,
+    ) -> list[TablePlan]:
         """Placements of ``spec`` for each strategy in ``options`` (column-wise: ``slices``
         slices, or every count :func:`column_options` allows), on the least busy devices."""
         out = []
@@ -203,8 +218,11 @@ class Search:
 
     def choose(self, t: int, candidates: list[TablePlan]) -> TablePlan | None:
         """The cheapest candidate that fits (None when none does)."""
-        priced = [(self.cost(t, tp), ORDER.index(tp.strategy), len(tp.devices), i, tp)
-                  for i, tp in enumerate(candidates) if self.fits(tp)]
+        priced = [
+            (self.cost(t, tp), ORDER.index(tp.strategy), len(tp.devices), i, tp)
+            for i, tp in enumerate(candidates)
+            if self.fits(tp)
+        ]
         return min(priced)[-1] if priced else None
 
 
@@ -220,23 +238,35 @@ def allowed(spec: TableSpec, s: Strategy, n: int) -> bool:
     return s != Strategy.COLUMN or n == 1 or column_slices(spec, n) > 1
 
 
-def place_tables(specs: Sequence[TableSpec], template: EmbeddingPlan, cluster: Cluster, stats: Sequence[TableStats],
-                 budget: int, wanted: Sequence[str], tiered: Sequence[bool], layout: RowLayout, bag_exchange: str,
-                 device_cache: tuple[int, float]) -> tuple[TablePlan, ...]:
+def place_tables(
+    specs: Sequence[TableSpec],
+    template: EmbeddingPlan,
+    cluster: Cluster,
+    stats: Sequence[TableStats],
+    budget: int,
+    wanted: Sequence[str],
+    tiered: Sequence[bool],
+    layout: RowLayout,
+    bag_exchange: str,
+    device_cache: tuple[int, float],
+) -> tuple[TablePlan, ...]:
     """Every table's placement: ``wanted[t]`` a strategy, or ``auto`` for the search (see the
     module docstring). The search runs once with every option open and once per slice count
     (table-wise, 2, 4, ... column slices) preferred for the sharded tables, and keeps the plan
     whose predicted step is shortest, after one more pass over its sharded tables."""
     n = template.num_devices
     probe = Search(specs, template, cluster, stats, budget)
-    replicated = {t for t, w in enumerate(wanted) if w == Strategy.REPLICATED or (
-        w == "auto" and not tiered[t] and probe.prefers_replicated(specs[t]))}
+    replicated = {
+        t
+        for t, w in enumerate(wanted)
+        if w == Strategy.REPLICATED or (w == "auto" and not tiered[t] and probe.prefers_replicated(specs[t]))
+    }
     args = (specs, template, cluster, stats, budget, wanted, tiered, layout, bag_exchange, device_cache, replicated)
     auto = [t for t, w in enumerate(wanted) if w == "auto" and t not in replicated]
     if not auto:
         return _run(*args, None).tables_in_order()
     most = max(column_slices(specs[t], n) for t in auto)
-    preferences = [None, 1, *[c for c in (2 ** k for k in range(1, 12)) if c <= most]]
+    preferences = [None, 1, *[c for c in (2**k for k in range(1, 12)) if c <= most]]
     best = min((_run(*args, p) for p in preferences), key=lambda r: r.final_cost())
     best.improve(auto)
     return best.tables_in_order()
@@ -247,7 +277,12 @@ class _Run:
 
     def __init__(self, search: Search, specs, wanted, tiered, layout, bag_exchange, device_cache, replicated):
         self.search, self.specs, self.wanted, self.tiered = search, specs, wanted, tiered
-        self.layout, self.bag_exchange, self.device_cache, self.replicated = layout, bag_exchange, device_cache, replicated
+        self.layout, self.bag_exchange, self.device_cache, self.replicated = (
+            layout,
+            bag_exchange,
+            device_cache,
+            replicated,
+        )
         self.exchanges = {"ids": [ExchangeKind.IDS], "pooled": [ExchangeKind.POOLED]}.get(bag_exchange)
 
     def candidates(self, t: int, prefer: int | None) -> list[TablePlan]:
@@ -259,11 +294,15 @@ class _Run:
             if prefer is not None:  # the preferred slices (or the most the table allows), or rows
                 slices = min(prefer, column_slices(spec, n))
                 sharded = [Strategy.TABLE if slices == 1 else Strategy.COLUMN, Strategy.ROW]
-            kinds = self.exchanges or ([ExchangeKind.POOLED] if spec.bag_size > 1 else [ExchangeKind.POOLED, ExchangeKind.IDS])
+            kinds = self.exchanges or (
+                [ExchangeKind.POOLED] if spec.bag_size > 1 else [ExchangeKind.POOLED, ExchangeKind.IDS]
+            )
             first = [Strategy.REPLICATED] if t in self.replicated else []
             out = search.candidates(spec, first + sharded, self.layout, kinds, slices)
         if self.tiered[t]:
-            out = [dataclasses.replace(c, cache_rows=cache_slots(c.rows_per_device(n), *self.device_cache)) for c in out]
+            out = [
+                dataclasses.replace(c, cache_rows=cache_slots(c.rows_per_device(n), *self.device_cache)) for c in out
+            ]
         return out
 
     def explicit(self, spec: TableSpec, strategy: Strategy) -> TablePlan:
@@ -288,10 +327,12 @@ class _Run:
         if best is None:
             spec, opt, dtype = self.specs[t], search.template.optimizer, search.template.dtype
             need = min(int((search.memory + c.bytes_on_device(search.n, opt, dtype).sum(1)).max()) for c in options)
-            raise PlanError(f"table {spec.name} ({spec.rows:,} rows x {spec.dim}) does not fit: "
-                            f"{need / 2**30:.2f} GiB needed on a device, budget "
-                            f"{search.budget / 2**30:.2f} GiB (embedding.memory_budget_gb); "
-                            f"try more devices or another embedding.sharding")
+            raise PlanError(
+                f"table {spec.name} ({spec.rows:,} rows x {spec.dim}) does not fit: "
+                f"{need / 2**30:.2f} GiB needed on a device, budget "
+                f"{search.budget / 2**30:.2f} GiB (embedding.memory_budget_gb); "
+                f"try more devices or another embedding.sharding"
+            )
         search.place(t, best)
 
     def improve(self, tables: Sequence[int]) -> None:
@@ -307,8 +348,9 @@ class _Run:
         return tuple(self.search.placed[t] for t in range(len(self.specs)))
 
 
-def _run(specs, template, cluster, stats, budget, wanted, tiered, layout, bag_exchange, device_cache, replicated,
-         prefer) -> _Run:
+def _run(
+    specs, template, cluster, stats, budget, wanted, tiered, layout, bag_exchange, device_cache, replicated, prefer
+) -> _Run:
     search = Search(specs, template, cluster, stats, budget)
     search.set_floors([specs[t] for t in range(len(specs)) if t not in replicated])
     run = _Run(search, specs, wanted, tiered, layout, bag_exchange, device_cache, replicated)

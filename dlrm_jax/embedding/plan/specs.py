@@ -29,8 +29,9 @@ class TableSpec:
         try:
             object.__setattr__(self, "pooling", Pooling(self.pooling))
         except ValueError:
-            raise ValueError(f"table {self.name}: pooling {self.pooling!r} must be one of "
-                             f"{', '.join(p.value for p in Pooling)}") from None
+            raise ValueError(
+                f"table {self.name}: pooling {self.pooling!r} must be one of {', '.join(p.value for p in Pooling)}"
+            ) from None
         for field in ("rows", "dim", "bag_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"table {self.name}: {field}={getattr(self, field)} must be at least 1")

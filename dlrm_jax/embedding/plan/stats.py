@@ -24,13 +24,22 @@ from dlrm_jax.embedding.plan.layout import (
 
 def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
     g = part.group
-    out = {"n": plan.num_devices, "local_batch": plan.global_batch // plan.num_devices,
-           "vector": vector_bytes(plan.exchange_dtype, g.width), "width": g.width}
+    out = {
+        "n": plan.num_devices,
+        "local_batch": plan.global_batch // plan.num_devices,
+        "vector": vector_bytes(plan.exchange_dtype, g.width),
+        "width": g.width,
+    }
     if part.kind == ExchangeKind.POOLED:
         lay = pooled_layout(plan, g)
-        out.update(k=lay.ids_per_sample, j=lay.pieces,
-                   mean=any(plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
-                            for vt in g.vtables))
+        out.update(
+            k=lay.ids_per_sample,
+            j=lay.pieces,
+            mean=any(
+                plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
+                for vt in g.vtables
+            ),
+        )
     elif part.kind == ExchangeKind.IDS:
         out["capacity"] = group_capacity(plan, g)
     out["whole_rows"] = plan.optimizer == "rowwise_adagrad" and g.has_column_slices
@@ -87,7 +96,9 @@ def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     total = sum(part_buffer_bytes(plan, p) for p in exchange_parts(plan))
     if plan.hot_rows:  # the hot rows' summed gradients, and each slot's hot row
         local_batch = plan.global_batch // plan.num_devices
-        total += plan.hot_rows * plan.tables[0].spec.dim * 4 + local_batch * sum(t.spec.bag_size for t in plan.tables) * 4
+        total += (
+            plan.hot_rows * plan.tables[0].spec.dim * 4 + local_batch * sum(t.spec.bag_size for t in plan.tables) * 4
+        )
     return total
 
 
@@ -97,8 +108,11 @@ def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
     n = plan.num_devices
     tot = sum(t.bytes_on_device(n, plan.optimizer, plan.dtype) for t in plan.tables)
     hot_params, hot_state = plan.hot_bytes_per_device()
-    return {"parameters": tot[:, 0] + hot_params, "optimizer_state": tot[:, 1] + hot_state,
-            "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64)}
+    return {
+        "parameters": tot[:, 0] + hot_params,
+        "optimizer_state": tot[:, 1] + hot_state,
+        "exchange_buffers": np.full(n, exchange_buffer_bytes(plan), np.int64),
+    }
 
 
 def collective_bytes(plan: EmbeddingPlan, replicas: int = 1) -> dict[str, int]:
@@ -139,15 +153,18 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
     ``global_batch`` is that host's share."""
     n = plan.num_devices
     hot = plan.hot
-    head = (f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}"
-            + (f"{'hot rows':>10}{'hit rate':>9}" if hot else ""))
+    head = f"{'table':<12}{'rows':>13}{'dim':>5}{'bag':>5}  {'strategy':<16}{'devices':<18}{'bytes/device':>13}" + (
+        f"{'hot rows':>10}{'hit rate':>9}" if hot else ""
+    )
     batch = f"global batch {plan.global_batch}"
     if global_batch is not None and global_batch != plan.global_batch:
-        batch = (f"global batch {global_batch} ({plan.global_batch} per host: the share of one host's "
-                 f"{n} devices)")
-    lines = [f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
-             f"storage {plan.dtype}, exchange {plan.exchange_dtype}, {batch}",
-             head, "-" * len(head)]
+        batch = f"global batch {global_batch} ({plan.global_batch} per host: the share of one host's {n} devices)"
+    lines = [
+        f"Embedding plan: {len(plan.tables)} tables on {n} devices, optimizer {plan.optimizer}, "
+        f"storage {plan.dtype}, exchange {plan.exchange_dtype}, {batch}",
+        head,
+        "-" * len(head),
+    ]
     for i, t in enumerate(plan.tables):
         strategy = t.strategy.value
         if t.strategy == Strategy.ROW:
@@ -157,16 +174,20 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
         whole = t.strategy in (Strategy.REPLICATED, Strategy.ROW)
         devs = "all" if whole else _device_list(t.devices)
         per = int(t.bytes_on_device(n, plan.optimizer, plan.dtype).sum(1).max())
-        lines.append(f"{t.spec.name:<12}{t.spec.rows:>13,}{t.spec.dim:>5}{t.spec.bag_size:>5}  "
-                     f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}"
-                     + (_hot_columns(hot, i) if hot else ""))
+        lines.append(
+            f"{t.spec.name:<12}{t.spec.rows:>13,}{t.spec.dim:>5}{t.spec.bag_size:>5}  "
+            f"{strategy:<16}{devs:<18}{fmt_bytes(per):>13}" + (_hot_columns(hot, i) if hot else "")
+        )
     per_dev = per_device_bytes(plan)
     total = sum(per_dev.values())
     lines += ["", f"{'device':<8}{'parameters':>14}{'optimizer':>14}{'exchange':>14}{'total':>14}"]
     shown = range(n) if n <= 16 else (int(np.argmax(total)),)
     for d in shown:
-        lines.append(f"{d:<8}" + "".join(f"{fmt_bytes(int(v[d])):>14}" for v in per_dev.values())
-                     + f"{fmt_bytes(int(total[d])):>14}")
+        lines.append(
+            f"{d:<8}"
+            + "".join(f"{fmt_bytes(int(v[d])):>14}" for v in per_dev.values())
+            + f"{fmt_bytes(int(total[d])):>14}"
+        )
     if n > 16:
         lines.append(f"(the busiest of {n} devices)")
     lines += exchange_report(plan)
@@ -188,18 +209,25 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
         names = _table_list(plan, sorted({vt.table for vt in g.vtables}))
         if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
             where = "on every device"
-            how = ("their gradients summed over the devices (all-reduce)" if part.kind == ExchangeKind.ALLREDUCE
-                   else "the batch's rows and gradients gathered to every device")
+            how = (
+                "their gradients summed over the devices (all-reduce)"
+                if part.kind == ExchangeKind.ALLREDUCE
+                else "the batch's rows and gradients gathered to every device"
+            )
         elif part.kind == ExchangeKind.POOLED:
             lay = pooled_layout(plan, g)
             where = f"in {g.width}-wide pieces"
-            how = (f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
-                   f"vector(s) out per sample and device")
+            how = (
+                f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
+                f"vector(s) out per sample and device"
+            )
         else:
             c = group_capacity(plan, g)
             where = f"in {g.width}-wide pieces"
-            how = (f"each distinct row sent to the device that asked: up to {c:,} rows from each device a step, "
-                   f"of at most {g.max_capacity(lb):,} ({'measured on the data' if g.name in measured else 'from the batch size'})")
+            how = (
+                f"each distinct row sent to the device that asked: up to {c:,} rows from each device a step, "
+                f"of at most {g.max_capacity(lb):,} ({'measured on the data' if g.name in measured else 'from the batch size'})"
+            )
         lines.append(f"Exchange {part.kind.value} ({where}): {names}; {how}")
     return lines
 
@@ -215,16 +243,21 @@ def tier_report(plan: EmbeddingPlan) -> list[str]:
     the DRAM cache is predicted to serve (``embedding/tiers/setup.py``)."""
     tier, dim = plan.tier, plan.tables[0].spec.dim
     row = DTYPE_BYTES[plan.dtype] * dim + optimizer_bytes_per_row(plan.optimizer, dim)
-    lines = [f"Tiered tables (DRAM cache {tier.policy}, lookahead {tier.lookahead} batches, fill rows "
-             + ", ".join(f"{g} {r}" for g, r in tier.fill_rows) + "):",
-             f"{'table':<12}{'disk tier':>12}{'DRAM cache':>12}{'device cache':>14}{'per owner':>11}{'device hits':>13}"
-             f"{'DRAM hits':>11}"]
+    lines = [
+        f"Tiered tables (DRAM cache {tier.policy}, lookahead {tier.lookahead} batches, fill rows "
+        + ", ".join(f"{g} {r}" for g, r in tier.fill_rows)
+        + "):",
+        f"{'table':<12}{'disk tier':>12}{'DRAM cache':>12}{'device cache':>14}{'per owner':>11}{'device hits':>13}"
+        f"{'DRAM hits':>11}",
+    ]
     for t in plan.tiered_tables:
         tp = plan.tables[t]
         hit = tier.device_hit_rates[t] if tier.device_hit_rates else 0.0
         host = tier.host_hit_rates[t] if tier.host_hit_rates else 0.0
-        lines.append(f"{tp.spec.name:<12}{fmt_bytes(tp.spec.rows * row):>12}{fmt_bytes(tier.host_rows[t] * row):>12}"
-                     f"{fmt_bytes(tp.cache_rows * row):>14}{tp.cache_rows:>11,}{100 * hit:>12.1f}%{100 * host:>10.1f}%")
+        lines.append(
+            f"{tp.spec.name:<12}{fmt_bytes(tp.spec.rows * row):>12}{fmt_bytes(tier.host_rows[t] * row):>12}"
+            f"{fmt_bytes(tp.cache_rows * row):>14}{tp.cache_rows:>11,}{100 * hit:>12.1f}%{100 * host:>10.1f}%"
+        )
     return lines
 
 
@@ -241,11 +274,13 @@ def hot_report(plan: EmbeddingPlan) -> list[str]:
     with_hot = collective_bytes(plan)
     without = collective_bytes(dataclasses.replace(plan, hot=None, capacities=hot.no_hot_capacities))
     chosen = sum(hot.per_table)
-    return [f"Hot rows: capacity {hot.rows:,} on every device ({fmt_bytes(params + state)} with optimizer "
-            f"state), {chosen:,} chosen, {100 * hot.hit_rate:.1f}% of lookups in the statistics batches",
-            f"  per step per device: all-to-all {fmt_bytes(with_hot['all-to-all'])} (without hot rows "
-            f"{fmt_bytes(without['all-to-all'])}), all-reduce {fmt_bytes(with_hot['all-reduce'])}; total "
-            f"{fmt_bytes(sum(with_hot.values()))} (without {fmt_bytes(sum(without.values()))})"]
+    return [
+        f"Hot rows: capacity {hot.rows:,} on every device ({fmt_bytes(params + state)} with optimizer "
+        f"state), {chosen:,} chosen, {100 * hot.hit_rate:.1f}% of lookups in the statistics batches",
+        f"  per step per device: all-to-all {fmt_bytes(with_hot['all-to-all'])} (without hot rows "
+        f"{fmt_bytes(without['all-to-all'])}), all-reduce {fmt_bytes(with_hot['all-reduce'])}; total "
+        f"{fmt_bytes(sum(with_hot.values()))} (without {fmt_bytes(sum(without.values()))})",
+    ]
 
 
 def _device_list(devices: tuple[int, ...]) -> str:

@@ -128,7 +128,8 @@ class TableCache:
             raise CacheTooSmall(
                 f"table {self.name}: a batch needs {per_space[s]} distinct rows on "
                 f"{'device ' + str(s) if self.row_wise else 'its devices'}, the device cache holds "
-                f"{self.capacity} (embedding.tier.device_cache_rows / device_cache_fraction)")
+                f"{self.capacity} (embedding.tier.device_cache_rows / device_cache_fraction)"
+            )
         self.tick += 1
         slots = self.slot_of[rows].astype(np.int64)
         hit = slots >= 0
@@ -158,9 +159,9 @@ class TableCache:
         at = 0
         for s in np.flatnonzero(counts):
             m = int(counts[s])
-            mine = score[s * c:(s + 1) * c]
+            mine = score[s * c : (s + 1) * c]
             pick = np.argpartition(mine, m - 1)[:m] if m < c else np.arange(c)
-            chosen[at:at + m] = s * c + pick[np.argsort(mine[pick], kind="stable")]
+            chosen[at : at + m] = s * c + pick[np.argsort(mine[pick], kind="stable")]
             at += m
         evicted = self.row_at[chosen]
         self.slot_of[evicted[evicted >= 0]] = -1

@@ -61,8 +61,13 @@ def fill_group(g: Group, mesh: jax.sharding.Mesh):
             new_slots[k], old_slots[k] = swap(slots[k], fill.incoming.slots[k], prev.slots[k])
         return table, new_slots, CacheRows(old_values, old_slots)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
-                         out_specs=(P(AXIS), P(AXIS), P(AXIS)), check_vma=False)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), P(AXIS), P(AXIS)),
+        check_vma=False,
+    )
 
 
 def fill_caches(groups: dict, mesh: jax.sharding.Mesh, tables: dict, slots: dict, fills: dict, prev: dict):
@@ -70,7 +75,9 @@ def fill_caches(groups: dict, mesh: jax.sharding.Mesh, tables: dict, slots: dict
     slots, evictions {group: CacheRows}); groups without fills are untouched."""
     tables, slots, evicted = dict(tables), dict(slots), {}
     for name, fill in fills.items():
-        tables[name], slots[name], evicted[name] = fill_group(groups[name], mesh)(tables[name], slots[name], fill, prev[name])
+        tables[name], slots[name], evicted[name] = fill_group(groups[name], mesh)(
+            tables[name], slots[name], fill, prev[name]
+        )
     return tables, slots, evicted
 
 
@@ -79,8 +86,9 @@ def read_rows(mesh: jax.sharding.Mesh, table: jax.Array, slots: dict, rows: jax.
     [N, K, ...]: cache rows read back without a collective (rows becoming hot)."""
 
     def local(table, slots, rows):
-        take = lambda a: a.at[rows[0]].get(mode="fill", fill_value=0)[None]  # noqa: E731
+        take = lambda a: a.at[rows[0]].get(mode="fill", fill_value=0)[None]
         return CacheRows(take(table), {k: take(v) for k, v in slots.items()})
 
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS),
-                                 check_vma=False))(table, slots, rows)
+    return jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS), check_vma=False)
+    )(table, slots, rows)

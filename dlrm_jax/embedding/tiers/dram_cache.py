@@ -83,8 +83,8 @@ class HostCache:
         writes the rest straight through (when dirty)."""
         if len(rows) > self.capacity:
             if dirty:
-                self._write(rows[:-self.capacity], {k: v[:-self.capacity] for k, v in values.items()})
-            rows, values = rows[-self.capacity:], {k: v[-self.capacity:] for k, v in values.items()}
+                self._write(rows[: -self.capacity], {k: v[: -self.capacity] for k, v in values.items()})
+            rows, values = rows[-self.capacity :], {k: v[-self.capacity :] for k, v in values.items()}
             keep = keep[:0]
         slots = self._take_free(len(rows), keep)
         for k, v in self.data.items():

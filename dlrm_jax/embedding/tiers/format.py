@@ -45,7 +45,10 @@ def os_error(path: Path, e: OSError, doing: str = "") -> TierError:
 
 
 # Exported tables are ordinary compressed zarr3 arrays (the tier's own are raw, for memmaps).
-EXPORT_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 3}}]
+EXPORT_CODECS = [
+    {"name": "bytes", "configuration": {"endian": "little"}},
+    {"name": "zstd", "configuration": {"level": 3}},
+]
 
 
 def export_array(path: Path, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -53,8 +56,12 @@ def export_array(path: Path, values: np.ndarray, chunk_bytes: int = CHUNK_BYTES)
     :meth:`TierStore.export` writes tiered tables (for tables that live on the devices)."""
     row_bytes = max(1, values[:1].nbytes)
     dtype = "bfloat16" if values.dtype == numpy_dtype("bfloat16") else values.dtype.name
-    array = ArrayLayout(values.shape[0], min(values.shape[0], default_chunk_rows(row_bytes, chunk_bytes)),
-                   tuple(values.shape[1:]), dtype)
+    array = ArrayLayout(
+        values.shape[0],
+        min(values.shape[0], default_chunk_rows(row_bytes, chunk_bytes)),
+        tuple(values.shape[1:]),
+        dtype,
+    )
     open_array(Path(path).absolute(), array, create=True, codecs=EXPORT_CODECS)[...].write(values).result()
 
 
@@ -92,17 +99,23 @@ class ArrayLayout:
         return ".".join(["c", str(chunk)] + ["0"] * len(self.shape))
 
     def metadata(self, codecs: list[dict] | None = None) -> dict:
-        return {"shape": [self.rows, *self.shape], "data_type": self.dtype,
-                "chunk_grid": {"name": "regular",
-                               "configuration": {"chunk_shape": [self.chunk_rows, *self.shape]}},
-                "chunk_key_encoding": CHUNK_KEY_ENCODING,
-                "codecs": codecs or [{"name": "bytes", "configuration": {"endian": "little"}}]}
+        return {
+            "shape": [self.rows, *self.shape],
+            "data_type": self.dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [self.chunk_rows, *self.shape]}},
+            "chunk_key_encoding": CHUNK_KEY_ENCODING,
+            "codecs": codecs or [{"name": "bytes", "configuration": {"endian": "little"}}],
+        }
 
 
-def open_array(path: Path, array: ArrayLayout, create: bool = False, codecs: list[dict] | None = None,
-                 context: ts.Context | None = None) -> ts.TensorStore:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
-            "metadata": array.metadata(codecs)}
+def open_array(
+    path: Path,
+    array: ArrayLayout,
+    create: bool = False,
+    codecs: list[dict] | None = None,
+    context: ts.Context | None = None,
+) -> ts.TensorStore:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": array.metadata(codecs)}
     if create:  # every chunk file must exist, fill-valued ones included: the memmaps need them
         spec |= {"create": True, "store_data_equal_to_fill_value": True}
     else:
@@ -119,11 +132,16 @@ def check_array(path: Path, array: ArrayLayout) -> None:
     expected = array.metadata()
     for key in ("shape", "data_type", "chunk_grid"):
         if meta.get(key) != expected[key]:
-            raise TierError(path / "zarr.json", f"{key} is {json.dumps(meta.get(key))}, "
-                            f"expected {json.dumps(expected[key])} (a foreign array)")
+            raise TierError(
+                path / "zarr.json",
+                f"{key} is {json.dumps(meta.get(key))}, expected {json.dumps(expected[key])} (a foreign array)",
+            )
     codecs = meta.get("codecs", [])
-    raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
-           and codecs[0].get("configuration", {}).get("endian", "little") == "little")
+    raw = (
+        len(codecs) == 1
+        and codecs[0].get("name") == "bytes"
+        and codecs[0].get("configuration", {}).get("endian", "little") == "little"
+    )
     if not raw or meta.get("chunk_key_encoding") != CHUNK_KEY_ENCODING:
         raise TierError(path / "zarr.json", "not raw little-endian chunks with '.' chunk keys")
     for chunk in range(array.chunks):
@@ -167,8 +185,9 @@ def bulk_load(path: Path, table: str, fields: dict[str, ArrayLayout], init: RowI
     for start in range(0, geometry.rows, geometry.chunk_rows):
         stop = min(start + geometry.chunk_rows, geometry.rows)
         values = init(table, start, stop)
-        pending = [stores[f][start:stop].write(checked_values(table, f, a, values, stop - start))
-                   for f, a in fields.items()]
+        pending = [
+            stores[f][start:stop].write(checked_values(table, f, a, values, stop - start)) for f, a in fields.items()
+        ]
         for p in pending:
             p.result()
 
@@ -179,5 +198,3 @@ def saved_chunk_rows(meta: dict) -> int:
         return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     except (KeyError, IndexError, TypeError, ValueError):
         return 0
-
-

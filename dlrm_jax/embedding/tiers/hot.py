@@ -42,8 +42,13 @@ def hot_maps(collection: EmbeddingCollection, keys: np.ndarray) -> dict[int, tup
     return tiered_hot_maps(np.asarray(keys), view_rows(collection))
 
 
-def refresh(collection: EmbeddingCollection, tiered: TieredTables, emb: EmbeddingState, keys: np.ndarray,
-            caches: dict[int, TableCache] | None = None) -> EmbeddingState:
+def refresh(
+    collection: EmbeddingCollection,
+    tiered: TieredTables,
+    emb: EmbeddingState,
+    keys: np.ndarray,
+    caches: dict[int, TableCache] | None = None,
+) -> EmbeddingState:
     """``emb`` with the hot set ``keys`` (``routing.hot_keys``), tiered tables' rows included,
     exactly. ``caches``: the planner's device caches, which forget the entering rows (None
     when no planner runs yet). Donates ``emb``."""
@@ -76,7 +81,7 @@ def _set_rows(mesh):  # one compiled program per mesh
     replicated = NamedSharding(mesh, P())
 
     def set_rows(hot, mask, values, slots):
-        pick = lambda new, old: jnp.where(mask.reshape(-1, *([1] * (old.ndim - 1))), new.astype(old.dtype), old)  # noqa: E731
+        pick = lambda new, old: jnp.where(mask.reshape(-1, *([1] * (old.ndim - 1))), new.astype(old.dtype), old)
         return hot._replace(values=pick(values, hot.values), slots={k: pick(slots[k], v) for k, v in hot.slots.items()})
 
     return jax.jit(set_rows, out_shardings=replicated, donate_argnums=0)

@@ -83,7 +83,9 @@ class TierRunner:
             try:
                 pending = {}
                 ids = (pending.setdefault(i, b).ids for i, b in enumerate(batches))
-                stream = plan_stream(caches, self.slot_table, ids, self.lookahead, hot_for if schedule is not None else None)
+                stream = plan_stream(
+                    caches, self.slot_table, ids, self.lookahead, hot_for if schedule is not None else None
+                )
                 for i, (orig, remapped, fills) in enumerate(stream):
                     yield Planned(pending.pop(i)._replace(ids=remapped), fills, orig)
             finally:
@@ -124,16 +126,24 @@ class TierRunner:
         device and DRAM hit rates, rows filled and evicted, host->device bytes and planning
         plus fill-assembly stall per step."""
         host = self.tiered.host.values()
-        now = dict(self.tiered.stats) | {"host_hits": sum(h.hits for h in host), "host_misses": sum(h.misses for h in host),
-                                         "h2d": self.h2d_bytes, "stall": self.stall_s}
+        now = dict(self.tiered.stats) | {
+            "host_hits": sum(h.hits for h in host),
+            "host_misses": sum(h.misses for h in host),
+            "h2d": self.h2d_bytes,
+            "stall": self.stall_s,
+        }
         d = {k: v - self._last.get(k, 0) for k, v in now.items()}
         self._last = now
         steps = max(steps, 1)
-        return {"device_hit_rate": 1 - d.get("rows_filled", 0) / max(d.get("rows_requested", 0), 1),
-                "host_hit_rate": d["host_hits"] / max(d["host_hits"] + d["host_misses"], 1),
-                "rows_filled": d.get("rows_filled", 0), "rows_evicted": d.get("rows_evicted", 0),
-                "fill_rounds": d.get("fill_rounds", 0), "h2d_bytes_per_step": d["h2d"] / steps,
-                "stall_ms_per_step": 1e3 * d["stall"] / steps}
+        return {
+            "device_hit_rate": 1 - d.get("rows_filled", 0) / max(d.get("rows_requested", 0), 1),
+            "host_hit_rate": d["host_hits"] / max(d["host_hits"] + d["host_misses"], 1),
+            "rows_filled": d.get("rows_filled", 0),
+            "rows_evicted": d.get("rows_evicted", 0),
+            "fill_rounds": d.get("fill_rounds", 0),
+            "h2d_bytes_per_step": d["h2d"] / steps,
+            "stall_ms_per_step": 1e3 * d["stall"] / steps,
+        }
 
     def _previous(self):
         if self.tiered.pending is not None:

@@ -39,15 +39,21 @@ def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> 
         for ids in id_batches:
             rows = np.unique(ids[:, slot_table == t])
             rows = rows[rows >= 0]
-            need = max(need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0)
+            need = max(
+                need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0
+            )
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
         need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
         if need >= owned:
-            log(f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept on the devices")
+            log(
+                f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept on the devices"
+            )
             tables[t] = dataclasses.replace(tp, cache_rows=0)
         elif need > tp.cache_rows:
-            log(f"table {tp.spec.name}: device cache raised from {tp.cache_rows:,} to {need:,} rows per owner "
-                f"(one batch needs {need // CACHE_HEADROOM:,}; twice that for later ones)")
+            log(
+                f"table {tp.spec.name}: device cache raised from {tp.cache_rows:,} to {need:,} rows per owner "
+                f"(one batch needs {need // CACHE_HEADROOM:,}; twice that for later ones)"
+            )
             tables[t] = dataclasses.replace(tp, cache_rows=need)
     return dataclasses.replace(plan, tables=tuple(tables))
 
@@ -60,8 +66,10 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
     plan = fit_caches(plan, id_batches, log)
     if not plan.tiered_tables:
         return plan
-    host_rows = tuple(cache_slots(tp.spec.rows, tier.host_cache_rows, tier.host_cache_fraction) if tp.tiered else 0
-                      for tp in plan.tables)
+    host_rows = tuple(
+        cache_slots(tp.spec.rows, tier.host_cache_rows, tier.host_cache_fraction) if tp.tiered else 0
+        for tp in plan.tables
+    )
     caches = {t: TableCache(plan.tables[t], n) for t in plan.tiered_tables}
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     groups = build_groups(plan.device_view())
@@ -77,19 +85,27 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
                 f = fills.get(vt.table)
                 if f is not None:
                     row_wise = plan.tables[vt.table].strategy == Strategy.ROW
-                    count += np.bincount(f.space, minlength=n) if row_wise else np.eye(n, dtype=np.int64)[vt.device] * len(f)
+                    count += (
+                        np.bincount(f.space, minlength=n) if row_wise else np.eye(n, dtype=np.int64)[vt.device] * len(f)
+                    )
             most[g.name] = max(most[g.name], int(count.max()))
         for t, f in fills.items():
             cols = slot_table == t
             filled[t] += len(f)
             wanted[t] += len(np.unique(ids[:, cols][ids[:, cols] >= 0]))
     tiered_groups = {g.name for g in groups for vt in g.vtables if plan.tables[vt.table].tiered}
-    fill_rows = tuple((name, tier.fill_rows or max(MIN_FILL_ROWS, math.ceil(cfg.embedding.capacity_factor * most[name])))
-                      for name in sorted(tiered_groups))
-    hit = tuple(float(1 - filled[t] / wanted[t]) if plan.tables[t].tiered and wanted[t] else 0.0
-                for t in range(len(plan.tables)))
-    host_hit = tuple(_host_hit_rate(plan, t, host_rows[t], _ids_of(id_batches, slot_table, t)) if plan.tables[t].tiered
-                     else 0.0 for t in range(len(plan.tables)))
+    fill_rows = tuple(
+        (name, tier.fill_rows or max(MIN_FILL_ROWS, math.ceil(cfg.embedding.capacity_factor * most[name])))
+        for name in sorted(tiered_groups)
+    )
+    hit = tuple(
+        float(1 - filled[t] / wanted[t]) if plan.tables[t].tiered and wanted[t] else 0.0
+        for t in range(len(plan.tables))
+    )
+    host_hit = tuple(
+        _host_hit_rate(plan, t, host_rows[t], _ids_of(id_batches, slot_table, t)) if plan.tables[t].tiered else 0.0
+        for t in range(len(plan.tables))
+    )
     return dataclasses.replace(plan, tier=TierPlan(host_rows, tier.policy, tier.lookahead, fill_rows, hit, host_hit))
 
 

@@ -88,8 +88,9 @@ def _checked_arrays(base: Path, tables: TierTables) -> dict[str, dict[str, Array
     arrays = {}
     for table, (rows, fields) in tables.items():
         chunk_rows = saved_chunk_rows(read_zarr_json(base / table / next(iter(fields))))
-        arrays[table] = {f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype)
-                         for f, (shape, dtype) in fields.items()}
+        arrays[table] = {
+            f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
+        }
         for field, array in arrays[table].items():
             check_array(base / table / field, array)
     return arrays
@@ -134,17 +135,21 @@ class TierStore:
         if (root / "work").exists():
             raise TierError(root / "work", "already holds a tier store")
         if any((root / "snapshots").glob("*")):
-            raise TierError(root / "snapshots", f"holds snapshots of an earlier store whose working files ({root / 'work'}) "
-                            f"are gone; remove {root / 'snapshots'} to start a new store here (checkpoints that need "
-                            f"those snapshots cannot resume then), or use another --run-dir or embedding.tier.path")
+            raise TierError(
+                root / "snapshots",
+                f"holds snapshots of an earlier store whose working files ({root / 'work'}) "
+                f"are gone; remove {root / 'snapshots'} to start a new store here (checkpoints that need "
+                f"those snapshots cannot resume then), or use another --run-dir or embedding.tier.path",
+            )
         arrays = {}
         for table, (rows, fields) in tables.items():
             if rows < 1 or not fields:
                 raise ValueError(f"table {table!r}: needs at least one row and one field")
             widest = max(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in fields.values())
             table_chunk_rows = min(chunk_rows or default_chunk_rows(widest), rows)
-            arrays[table] = {f: ArrayLayout(rows, table_chunk_rows, tuple(shape), dtype)
-                             for f, (shape, dtype) in fields.items()}
+            arrays[table] = {
+                f: ArrayLayout(rows, table_chunk_rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
+            }
         build = root / "work.tmp"
         for table, fields in arrays.items():
             bulk_load(build / table, table, fields, init)
@@ -233,7 +238,9 @@ class TierStore:
         for field, array in self._arrays[table].items():
             out[field] = np.empty((len(rows), *array.shape), array.np_dtype)
             for chunk, where, offsets in groups:
-                out[field][where] = self._map(table, field, chunk).view(np.ndarray)[offsets]  # (no memmap subclass overhead)
+                out[field][where] = self._map(table, field, chunk).view(np.ndarray)[
+                    offsets
+                ]  # (no memmap subclass overhead)
         return out
 
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
@@ -350,8 +357,10 @@ class TierStore:
         where = np.argsort(rows, kind="stable")
         chunks, starts = np.unique(rows[where] // chunk_rows, return_index=True)
         bounds = [*starts[1:], len(rows)]
-        return [(int(c), where[a:b], rows[where[a:b]] - int(c) * chunk_rows)
-                for c, a, b in zip(chunks, starts, bounds, strict=True)]
+        return [
+            (int(c), where[a:b], rows[where[a:b]] - int(c) * chunk_rows)
+            for c, a, b in zip(chunks, starts, bounds, strict=True)
+        ]
 
     def _map(self, table: str, field: str, chunk: int) -> np.memmap:
         """The chunk's memmap, writable only once the chunk is private (copied if it was shared)."""

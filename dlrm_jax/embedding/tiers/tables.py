@@ -72,19 +72,34 @@ class TieredTables:
     function of W, dtype)} as :func:`optimizer_fields` gives it.
     """
 
-    def __init__(self, plan: EmbeddingPlan, groups, optimizer, root: Path, key: jax.Array,
-                 chunk_bytes: int = 4 << 20, log=print, snapshot: int | None = None):
+    def __init__(
+        self,
+        plan: EmbeddingPlan,
+        groups,
+        optimizer,
+        root: Path,
+        key: jax.Array,
+        chunk_bytes: int = 4 << 20,
+        log=print,
+        snapshot: int | None = None,
+    ):
         """``snapshot``: open that snapshot read-only (evaluating a run's checkpoint) instead
         of the working store."""
         self.plan, self.n, self.dim = plan, plan.num_devices, plan.tables[0].spec.dim
         self.tables = plan.tiered_tables
         self.names = {t: plan.tables[t].spec.name for t in self.tables}
         self.per_row_slots = optimizer_fields(optimizer, self.dim)
-        fields = {"values": ((self.dim,), plan.dtype)} | {k: (shape, "float32") for k, (shape, _) in self.per_row_slots.items()}
+        fields = {"values": ((self.dim,), plan.dtype)} | {
+            k: (shape, "float32") for k, (shape, _) in self.per_row_slots.items()
+        }
         specs = {self.names[t]: (plan.tables[t].spec.rows, fields) for t in self.tables}
         root = Path(root)
-        self._create = lambda: TierStore.create(root, specs, self._initial_rows(key, optimizer),  # noqa: E731
-                                                default_chunk_rows(row_bytes, chunk_bytes))
+        self._create = lambda: TierStore.create(
+            root,
+            specs,
+            self._initial_rows(key, optimizer),
+            default_chunk_rows(row_bytes, chunk_bytes),
+        )
         row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
         if snapshot is not None:
             self.store = TierStore.open_snapshot(root, specs, snapshot)
@@ -104,8 +119,9 @@ class TieredTables:
                     row_wise = plan.tables[vt.table].strategy == Strategy.ROW
                     self.pieces[vt.table].append(_Piece(g.name, vt.offset, vt.col_start, -1 if row_wise else vt.device))
         self.fill_rows = {name: tier.fill_capacity(name) for name in self.tiered_groups()}
-        self.held = {t: np.full((plan.tables[t].spaces(self.n), plan.tables[t].cache_rows), -1, np.int64)
-                     for t in self.tables}
+        self.held = {
+            t: np.full((plan.tables[t].spaces(self.n), plan.tables[t].cache_rows), -1, np.int64) for t in self.tables
+        }
         self.pending: tuple[dict, _Program] | None = None  # the last program's evictions (device)
         self._snapshotted: list[int] = []  # this run's checkpoint snapshots, oldest first
         self.stats = defaultdict(int)
@@ -173,8 +189,9 @@ class TieredTables:
                     fwd[~fresh] = self.pending[1].evictions[(t, j)][2][at[~fresh]]
                 cols = slice(p.col_start, p.col_start + w)
                 slots = {k: v[:, cols] if v.ndim == 2 else v for k, v in full.items() if k != "values"}
-                per_group[p.group].append((t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd,
-                                           f.evicted))
+                per_group[p.group].append(
+                    (t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd, f.evicted)
+                )
         program = _Program({})
         for name, entries in per_group.items():
             self._group_arrays(name, entries, program)
@@ -186,8 +203,10 @@ class TieredTables:
         rows = np.full((self.n, cap), g.local_rows, np.int32)
         fwd = np.full((self.n, cap), -1, np.int32)
         values = np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype))
-        slot_arrays = {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
-                       for k, (s, _) in self.per_row_slots.items()}
+        slot_arrays = {
+            k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
+            for k, (s, _) in self.per_row_slots.items()
+        }
         used = np.zeros(self.n, np.int64)
         for t, j, dev, lrow, vals, slots, forward, evicted in entries:
             e = np.empty(len(dev), np.int64)
@@ -239,9 +258,13 @@ class TieredTables:
         out = {}
         for name in self.tiered_groups():
             g, cap = self.groups[name], self.fill_rows[name]
-            out[name] = CacheRows(np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype)),
-                                  {k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
-                                   for k, (s, _) in self.per_row_slots.items()})
+            out[name] = CacheRows(
+                np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype)),
+                {
+                    k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
+                    for k, (s, _) in self.per_row_slots.items()
+                },
+            )
         return out
 
     def dispatched(self, program: _Program, evicted: dict) -> None:
@@ -258,7 +281,9 @@ class TieredTables:
         self.pending = None
         if not program.evictions:
             return
-        host = {name: (np.asarray(c.values), {k: np.asarray(v) for k, v in c.slots.items()}) for name, c in evicted.items()}
+        host = {
+            name: (np.asarray(c.values), {k: np.asarray(v) for k, v in c.slots.items()}) for name, c in evicted.items()
+        }
         self._put_pieces(program.evictions, host)
 
     def _put_pieces(self, where: dict, host: dict) -> None:
@@ -288,8 +313,10 @@ class TieredTables:
         host = {}
         for name in self.tiered_groups():
             g = self.groups[name]
-            host[name] = (np.asarray(emb_tables[name]).reshape(self.n, g.local_rows, -1),
-                          {k: np.asarray(v).reshape(self.n, g.local_rows, *v.shape[1:]) for k, v in emb_slots[name].items()})
+            host[name] = (
+                np.asarray(emb_tables[name]).reshape(self.n, g.local_rows, -1),
+                {k: np.asarray(v).reshape(self.n, g.local_rows, *v.shape[1:]) for k, v in emb_slots[name].items()},
+            )
         where = {}
         for t in self.tables:
             space, slot = np.nonzero(self.held[t] >= 0)
@@ -301,8 +328,10 @@ class TieredTables:
     def _held_pieces(self, t: int, space: np.ndarray, slot: np.ndarray) -> dict:
         """(rows, device, local row) per piece of table ``t`` for cache positions (space, slot)."""
         rows = self.held[t][space, slot]
-        return {(t, j): (rows, space if p.device < 0 else np.full(len(space), p.device), p.local_offset + slot)
-                for j, p in enumerate(self.pieces[t])}
+        return {
+            (t, j): (rows, space if p.device < 0 else np.full(len(space), p.device), p.local_offset + slot)
+            for j, p in enumerate(self.pieces[t])
+        }
 
     def put_hot_rows(self, hot) -> None:
         """The tiered tables' rows in the hot copies ``hot`` (a ``HotState``) -> DRAM caches."""
@@ -314,7 +343,9 @@ class TieredTables:
         for t in self.tables:
             at = np.flatnonzero(keys[0] == t)
             if at.size:
-                self.host[t].put(keys[1, at].astype(np.int64), {"values": values[at]} | {k: v[at] for k, v in slots.items()})
+                self.host[t].put(
+                    keys[1, at].astype(np.int64), {"values": values[at]} | {k: v[at] for k, v in slots.items()}
+                )
 
     def take_from_devices(self, mesh, emb_tables: dict, emb_slots: dict, rows: dict[int, np.ndarray]) -> None:
         """Rows of tiered tables (``rows``: table -> ids) leave the device caches for the
@@ -344,9 +375,8 @@ class TieredTables:
             k = 1 << max(0, max(len(r) for r in per_dev) - 1).bit_length()
             idx = np.full((self.n, k), self.groups[name].local_rows, np.int32)
             for d, r in enumerate(per_dev):
-                idx[d, :len(r)] = r
-            got = read_rows(mesh, emb_tables[name], emb_slots[name],
-                            jax.device_put(idx, NamedSharding(mesh, P(AXIS))))
+                idx[d, : len(r)] = r
+            got = read_rows(mesh, emb_tables[name], emb_slots[name], jax.device_put(idx, NamedSharding(mesh, P(AXIS))))
             host[name] = (np.asarray(got.values), {key: np.asarray(v) for key, v in got.slots.items()})
         self._put_pieces({key: (rows_, dev, entry[key]) for key, (rows_, dev, _) in where.items()}, host)
 
@@ -359,7 +389,7 @@ class TieredTables:
         for h in self.host.values():
             h.flush()
         self.store.snapshot(step)
-        self._snapshotted = [*self._snapshotted[-(keep - 1):], step] if keep > 1 else [step]
+        self._snapshotted = [*self._snapshotted[-(keep - 1) :], step] if keep > 1 else [step]
         self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
 
     def restore(self, step: int) -> None:
@@ -373,9 +403,11 @@ class TieredTables:
             self.store = self._create()
             self.store.snapshot(0)
         if step not in self.store.snapshots():
-            raise FileNotFoundError(f"{self.store.root / 'snapshots' / str(step)}: the disk tier has no snapshot of "
-                                    f"step {step} (snapshots: {self.store.snapshots()}); the tier does not belong "
-                                    f"to this checkpoint")
+            raise FileNotFoundError(
+                f"{self.store.root / 'snapshots' / str(step)}: the disk tier has no snapshot of "
+                f"step {step} (snapshots: {self.store.snapshots()}); the tier does not belong "
+                f"to this checkpoint"
+            )
         self.pending = None
         self.store.restore(step)
         for h in self.host.values():
