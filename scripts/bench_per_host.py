@@ -6,7 +6,7 @@ Every variant, side by side in one run, through ``scripts/launch_local.sh`` (N p
 
 - accuracy: one run each of the same steps: AUC and log loss, the mean of the tables'
   divergence across hosts over the logged steps, and the AUC of the synthetic data's hidden
-  model on the same eval samples, the best any model can reach (seed 003's single-node vs
+  model on the same eval samples, the best any model can reach (*Distributed Training of DLRM*'s single-node vs
   independent-embeddings comparison, against a known ground truth);
 - speed: ``--repeats`` short runs each without evaluation, interleaved, median samples/s and
   its ratio to global;

@@ -113,7 +113,7 @@ def test_process_streams_are_disjoint_and_complete(data, processes, shuffle):
 
 @pytest.mark.parametrize("rows,block", [(8000, 4096), (40, 4096)])
 def test_small_data_is_shuffled_anew_every_epoch_and_by_seed(rows, block):
-    """Issue 32: 8,000 rows in blocks of 4,096 were one block and a tail, the same order every
+    """Before its fix: 8,000 rows in blocks of 4,096 were one block and a tail, the same order every
     epoch and whatever the seed. Now every epoch reads every row once, in another order, and
     the order follows train.seed."""
 
@@ -284,7 +284,7 @@ def test_damaged_id_histograms_name_the_file(data, tmp_path):
 
 @pytest.mark.parametrize("source", ["binary", "criteo"])
 def test_a_train_split_shorter_than_one_batch_is_refused_for_training_only(data, source):
-    """Issue 25: a batch larger than the dataset (wide_deep's 16,384 on 8,000 rows) trained on
+    """Before its fix: a batch larger than the dataset (wide_deep's 16,384 on 8,000 rows) trained on
     rows repeated within each batch without a word. Evaluation reads the val split only, and a
     val split shorter than a batch is evaluated exactly as one partial batch."""
     path = data[0] if source == "criteo" else data[1]

@@ -1,4 +1,4 @@
-"""Bad input gives one clear line naming the file, flag or key (issue 25): paths that are files,
+"""Bad input gives one clear line naming the file, flag or key : paths that are files,
 truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per-host plans."""
 
 import gzip
@@ -40,7 +40,7 @@ def test_check_dir_names_the_file_in_the_way(tmp_path):
 
 @pytest.mark.slow
 def test_run_dir_that_is_a_file_is_one_line(tmp_path):
-    """Issue 25: "[Errno 17] File exists: PATH"."""
+    """Before its fix: "[Errno 17] File exists: PATH"."""
     (tmp_path / "f").write_text("keep me")
     proc = cli("train", "--config", "smoke", "--run-dir", str(tmp_path / "f"))
     assert proc.returncode == 1
@@ -116,7 +116,7 @@ def truncated_gz(path, text: bytes):
 
 @pytest.mark.slow
 def test_truncated_gz_tabular_input_is_one_line(tmp_path):
-    """Issue 25: a 40-line traceback ending in EOFError (criteo's preprocess already said it)."""
+    """Before its fix: a 40-line traceback ending in EOFError (criteo's preprocess already said it)."""
     rows = "".join(f"{i % 7},{i % 3},{i % 2}\n" for i in range(20000))
     gz = truncated_gz(tmp_path / "t.csv.gz", ("a,b,y\n" + rows).encode())
     (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\n")
@@ -218,7 +218,7 @@ def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
-    """Issue 25: SIGTERM before the training loop (here: compiling) ended the process by the
+    """Before its fix: SIGTERM before the training loop (here: compiling) ended the process by the
     default action without a word, while SIGINT printed one."""
     proc = subprocess.Popen(
         [
@@ -324,7 +324,7 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
 
 @pytest.mark.slow
 def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
-    """Issue 32: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
+    """Before its fix: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
     import os
 
     from dlrm_jax.data.criteo import write_criteo_tsv

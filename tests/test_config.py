@@ -86,7 +86,7 @@ def test_overrides():
             "embedding.sync=host_replicas|embedding.hot.rows=64",
             ["embedding.sync=host_replicas", "embedding.hot.rows=0"],
         ),
-        # Issue 25: values that were accepted silently.
+        # Values that were once accepted silently.
         ("train.decay_power=-1", ["train.decay_power", "> 0"]),
         ("train.learning_rate=.nan", ["train.learning_rate", "finite", "nan"]),
         ("train.learning_rate=nan", ["train.learning_rate", "finite"]),

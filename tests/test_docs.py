@@ -1,4 +1,4 @@
-"""The documentation stays true to the code (issue 26): every ``dlrm-jax`` command line in a
+"""The documentation stays true to the code: every ``dlrm-jax`` command line in a
 ``bash`` block of README.md and docs/*.md parses with the real CLI parser and its ``--config``
 and ``--set``s load; every config key the prose names exists; every ``scripts/``, ``examples/``,
 ``configs/`` path exists; every relative link (and its ``#anchor``) between the markdown files

@@ -170,7 +170,7 @@ for table in ("/proc/net/tcp", "/proc/net/tcp6"):
 
 @pytest.mark.slow
 def test_the_coordination_service_listens_only_where_it_was_told():
-    """Issue 32: process 0's coordinator listened on every interface (*:PORT) although every
+    """Before its fix: process 0's coordinator listened on every interface (*:PORT) although every
     process was told 127.0.0.1:PORT; anyone reaching the host could talk to it."""
     import subprocess
 

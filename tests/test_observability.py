@@ -259,7 +259,7 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     ],
 )
 def test_report_refuses_a_metrics_file_with_nothing_to_plot(tmp_path, capsys, text, message):
-    """Issue 25: an empty metrics.jsonl gave rc 0, no PNG and no word."""
+    """Before its fix: an empty metrics.jsonl gave rc 0, no PNG and no word."""
     from dlrm_jax.cli import main
 
     (tmp_path / "a").mkdir()

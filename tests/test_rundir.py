@@ -353,7 +353,7 @@ def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
-    """Issue 32: a full disk at the start said '[Errno 28] No space left on device' and no path."""
+    """Before its fix: a full disk at the start said '[Errno 28] No space left on device' and no path."""
     with small_disk(tmp_path / "disk", "1m") as disk:
         free = shutil.disk_usage(disk).free
         (disk / "filler").write_bytes(b"\0" * free)
@@ -365,7 +365,7 @@ def test_a_disk_full_before_the_run_starts_names_the_file(tmp_path):
 
 @pytest.mark.slow
 def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_tracebacks(tmp_path):
-    """Issue 32: recovering from a damaged newest checkpoint printed 28 asyncio tracebacks
+    """Before its fix: recovering from a damaged newest checkpoint printed 28 asyncio tracebacks
     ('Event loop is closed', 168 lines): tensorstore reads in flight when the restore failed."""
     run = tmp_path / "run"
     first = popen("--set", "train.steps=4", "--set", "train.checkpoint_every=2", "--run-dir", str(run))
@@ -381,7 +381,7 @@ def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_traceback
 
 
 def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tiny, tmp_path):
-    """Issue 32: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
+    """Before its fix: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
     the snapshots were there. The working files are made again from the newest snapshot, and
     the run resumes bitwise as if nothing had happened."""
     from test_tiered import BASE, TIERED

@@ -3,7 +3,7 @@ pairs) and pipelined (GPipe stages) over model groups of ``--model`` devices, si
 time (the variants take turns, ``common.round_robin``), per-device memory of the compiled step
 (XLA's memory analysis: arguments + outputs - aliased + temporaries) and of the dense state,
 and the bytes each device sends per step, all of it and the dense layers' share (collectives
-traced in the dense phases' scopes), from the compiled HLO. Seed 000's horizontal-vs-vertical
+traced in the dense phases' scopes), from the compiled HLO. *Multi-GPU Parallelism and Large Sparse Data Movement in DL Models*' horizontal-vs-vertical
 comparison, on the dense parts of the given configs (their tables capped to ``--max-rows``
 rows: the embeddings are the same in every mode and not what is compared).
 """
