@@ -86,7 +86,7 @@ _EXPORTS = {
     "EmbeddingState": "dlrm_jax.embedding.exchange.collection",
     "sparse_optimizer": "dlrm_jax.embedding.exchange.optimizers",
     "SparseOptimizer": "dlrm_jax.embedding.exchange.optimizers",
-    "PAD_ID": "dlrm_jax.data.batch",
+    "PAD_ID": "dlrm_jax.ids",
     "HotPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "RowCounts": "dlrm_jax.embedding.hot.counts",
     "HotSchedule": "dlrm_jax.embedding.hot.schedule",

@@ -155,7 +155,7 @@ def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path
 
 BIND = """
 import socket
-from dlrm_jax.parallel.mesh import initialize_distributed
+from dlrm_jax.parallel.coordination import initialize_distributed
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

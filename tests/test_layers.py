@@ -7,7 +7,7 @@ import dlrm_jax
 
 # Bottom first. A module may import its own unit and the units before it, never one after.
 LAYERS = [
-    ("config_schema", "config", "files", "hostmem", "stopping", "config_doc"),
+    ("config_schema", "config", "files", "hostmem", "stopping", "config_doc", "ids"),
     ("parallel",),
     ("observe",),
     ("data",),
@@ -60,4 +60,26 @@ def test_every_import_points_down():
             to = unit_of(target)
             if to != unit and RANK.get(to, -1) > RANK[unit]:
                 wrong.append(f"{module} imports {target} ({to} is above {unit})")
+    assert not wrong, "\n".join(wrong)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_the_plan_is_host_only_and_the_exchange_needs_nothing_of_data():
+    """embedding/plan/ says nothing there is traced: it imports no JAX. The exchange and the
+    plan take ids by the convention of dlrm_jax.ids, not from data/."""
+    wrong = []
+    for sub in ("plan", "exchange"):
+        for path in sorted((ROOT / "embedding" / sub).glob("*.py")):
+            for m in _imported_modules(path):
+                if m.startswith("dlrm_jax.data") or (sub == "plan" and (m == "jax" or m.startswith("jax."))):
+                    wrong.append(f"embedding/{sub}/{path.name} imports {m}")
     assert not wrong, "\n".join(wrong)

@@ -34,7 +34,6 @@ from dlrm_jax.bench.common import (
     round_robin,
     write_report,
 )
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.exchange.relayout import physical_rows_np
@@ -42,6 +41,7 @@ from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES
 from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
 from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.build import build
 

@@ -25,7 +25,7 @@ def _start_jax(devices: int, args) -> None:
     """Shape the CPU backend and join the distributed runtime; imports JAX."""
     processes = getattr(args, "num_processes", None) or 1
     request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
-    from dlrm_jax.parallel.mesh import initialize_distributed
+    from dlrm_jax.parallel.coordination import initialize_distributed
 
     initialize_distributed(
         getattr(args, "coordinator", None),

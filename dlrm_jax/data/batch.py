@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-PAD_ID = -1  # an empty slot of a multi-hot bag; never a valid row
+from dlrm_jax.ids import PAD_ID  # an empty slot of a multi-hot bag (re-exported)
 
 
 class Batch(NamedTuple):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.format import TierError, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.serving.artifact import ROWS_FIELD, ArtifactError, decode_rows, table_fields
 
 

@@ -17,12 +17,8 @@ from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
-from dlrm_jax.parallel.mesh import (
-    check_same_everywhere,
-    hosts_of,
-    make_mesh,
-    outcomes_of_every_process,
-)
+from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
+from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
 

@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from dlrm_jax.parallel.mesh import outcome_of_process_0, outcomes_of_every_process
+from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 
 # Arrays are stored in chunks of at most this many bytes (orbax's default is one chunk per
 # device shard): a restore onto another plan reads scattered rows, and decodes whole chunks.

@@ -25,7 +25,7 @@ import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
 from dlrm_jax.files import make_dir
-from dlrm_jax.parallel.mesh import outcome_of_process_0
+from dlrm_jax.parallel.coordination import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the

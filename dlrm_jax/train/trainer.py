@@ -27,12 +27,8 @@ from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.metrics import MetricsWriter
-from dlrm_jax.parallel.mesh import (
-    host_scalar,
-    outcomes_of_every_process,
-    report_progress,
-    watch_for_hangs,
-)
+from dlrm_jax.parallel.coordination import outcomes_of_every_process, report_progress, watch_for_hangs
+from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import (
     Checkpoints,

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
@@ -32,16 +32,9 @@ from dlrm_jax.embedding.exchange.routing import hot_index, route
 from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
-from dlrm_jax.embedding.plan.layout import (
-    Group,
-    VirtualTable,
-    build_groups,
-    exchange_parts,
-    group_capacity,
-    segment_sum_axis1,
-    take_columns,
-)
+from dlrm_jax.embedding.plan.layout import Group, VirtualTable, build_groups, exchange_parts, group_capacity
 from dlrm_jax.embedding.plan.specs import Pooling
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import (
     AXIS,
     HOST_AXIS,

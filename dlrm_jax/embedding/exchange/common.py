@@ -10,6 +10,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.exchange.columns import take_columns
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
 from dlrm_jax.embedding.exchange.routing import (
     Buckets,
@@ -22,7 +23,7 @@ from dlrm_jax.embedding.exchange.routing import (
     slot_index,
 )
 from dlrm_jax.embedding.exchange.wire import Wire
-from dlrm_jax.embedding.plan.layout import Group, take_columns
+from dlrm_jax.embedding.plan.layout import Group
 from dlrm_jax.parallel.mesh import AXIS
 
 

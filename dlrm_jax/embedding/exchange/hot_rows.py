@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.routing import (
     HOT_BUCKET,
@@ -38,13 +39,7 @@ from dlrm_jax.embedding.exchange.routing import (
     route,
     split_hot,
 )
-from dlrm_jax.embedding.plan.layout import (
-    Group,
-    VirtualTable,
-    is_identity,
-    segment_sum_axis1,
-    take_columns,
-)
+from dlrm_jax.embedding.plan.layout import Group, VirtualTable, is_identity
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -28,11 +28,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange.common import all_to_all, gather_replicas
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
 

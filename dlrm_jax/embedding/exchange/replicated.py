@@ -11,15 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.common import agreed
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.plan.layout import (
-    ExchangeKind,
-    ExchangePart,
-    Group,
-    segment_sum_axis1,
-    take_columns,
-)
+from dlrm_jax.embedding.plan.layout import ExchangeKind, ExchangePart, Group
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.ids import PAD_ID
 
 
 def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.common import (
     agreed,
     all_to_all,
@@ -48,7 +49,7 @@ from dlrm_jax.embedding.exchange.common import (
     varying,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.plan.layout import ExchangePart, Group, segment_sum_axis1, take_columns
+from dlrm_jax.embedding.plan.layout import ExchangePart, Group
 from dlrm_jax.parallel.mesh import AXIS
 
 

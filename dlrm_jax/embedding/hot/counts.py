@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.ids import PAD_ID
 
 
 def sum_counts(ids: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.plan.cost import PROFILES, Cluster, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import (
@@ -30,6 +29,7 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     optimizer_bytes_per_row,
 )
 from dlrm_jax.embedding.plan.stats import collective_bytes
+from dlrm_jax.ids import PAD_ID
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange.routing import split_hot_host
 from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePlan
+from dlrm_jax.ids import PAD_ID
 
 
 class CacheTooSmall(ValueError):

@@ -19,11 +19,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID, Batch
+from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.pipeline import background
 from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers.cache_planner import plan_stream
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.ids import PAD_ID
 
 
 class Planned(NamedTuple):

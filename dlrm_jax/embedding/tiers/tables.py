@@ -34,7 +34,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange.initializer import init_table_rows
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.tiers.cache_planner import Fills, TableCache
@@ -42,6 +41,7 @@ from dlrm_jax.embedding.tiers.device_fill import CacheRows, GroupFill, read_rows
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.format import default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
 

@@ -1,0 +1,262 @@
+"""Processes of one run coordinating: joining the distributed runtime, the peer watchdog that
+ends a run whose peer is gone, hang reports, and every process agreeing on outcomes and
+settings (through the coordination service's key-value store)."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+import threading
+import time
+
+PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
+JOIN_TIMEOUT_S = 300  # how long processes wait for all of them to join (jax.distributed's default)
+
+
+def initialize_distributed(
+    coordinator: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    peer_timeout_s: int = PEER_TIMEOUT_S,
+    join_timeout_s: int = JOIN_TIMEOUT_S,
+    bind: str | None = None,
+) -> None:
+    """Start JAX's multi-controller runtime when more than one process takes part.
+
+    With no coordinator given, JAX's own cluster auto-detection (SLURM, Open MPI, ...) decides;
+    on a single host without a cluster environment nothing happens.
+
+    Process 0's coordination service listens on ``bind``, by default the coordinator's own
+    address (jaxlib listens on every interface otherwise: anyone who reaches the host could
+    talk to an unauthenticated coordinator).
+
+    A lost peer: the coordination service marks a process dead after ``peer_timeout_s``
+    without heartbeats. By default JAX then aborts every other process from a native thread
+    with a stack dump; here the service runs in recoverable mode and :class:`PeerWatchdog`
+    turns the loss into a one-line error and exit status 1, within about ``peer_timeout_s`` + 2
+    seconds (the main thread may be blocked inside a collective with the dead peer, so the
+    watchdog ends the process itself).
+    """
+    import jax
+
+    kwargs = dict(heartbeat_timeout_seconds=peer_timeout_s)
+    if coordinator:
+        kwargs.update(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            coordinator_bind_address=bind or coordinator,
+        )
+    elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
+        return
+    jax.config.update("jax_enable_recoverability", True)
+    joined = threading.Event()
+    count, me = num_processes or 0, process_id or 0
+    others = [p for p in range(count) if p != me]
+    who = (
+        f"process {others[0]}"
+        if len(others) == 1
+        else f"one of processes {', '.join(map(str, others))}"
+        if others
+        else "a peer"
+    )
+
+    def bound_the_wait() -> None:
+        if not joined.wait(join_timeout_s):
+            sys.stderr.write(
+                f"dlrm-jax: error: process {me}: {who} did not join {coordinator or 'the coordinator'} "
+                f"within {join_timeout_s} s (--join-timeout): start every process with the same "
+                f"command, or see the missing one's own output for why it stopped\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=bound_the_wait, name="join-timeout", daemon=True).start()
+    jax.distributed.initialize(**kwargs, initialization_timeout=join_timeout_s + 60)  # ours fires first
+    joined.set()
+    global _watchdog
+    watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
+    watchdog.start()
+    atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
+
+
+def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
+    """Leave the coordination service in order: in recoverable mode nothing else makes process 0
+    (which hosts the service) outlive the others' shutdown calls, and a shutdown that finds the
+    service gone aborts its process."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    watchdog.leaving = True
+    try:
+        client.wait_at_barrier("dlrm_jax_exit", timeout_s * 1000)
+        watchdog.stopping = True  # every process passed the barrier: from here on peers leave
+        if jax.process_index() == 0:  # the others leave first
+            deadline = time.time() + timeout_s
+            while len(client.get_live_nodes(list(range(jax.process_count())))) > 1 and time.time() < deadline:
+                time.sleep(0.1)
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - a peer already gone: nothing left to coordinate
+        os._exit(1)
+
+
+_watchdog: PeerWatchdog | None = None
+_PROGRESS_KEY = "dlrm_jax/progress/"
+
+
+def watch_for_hangs(timeout_s: float) -> None:
+    """From now on, a process whose main thread reports no progress (:func:`report_progress`)
+    for ``timeout_s`` exits, naming where every process is (0: not watched). A process stuck
+    while its heartbeat thread lives (an input read that never returns, a collective a peer
+    never joins) would otherwise keep the others waiting: they follow once it is gone."""
+    if _watchdog is not None:
+        _watchdog.hang_timeout_s = timeout_s
+        _watchdog.progress(*_watchdog.last[1:])
+
+
+def report_progress(step: int, doing: str, timed: bool = True) -> None:
+    """The main thread starts ``doing`` (a train step, evaluation, a checkpoint) at ``step``.
+
+    ``timed=False`` (compiling) takes it out of the hang watch, and every process with it: a
+    compile's length grows with the model and the machine's load, not with a peer or the input,
+    and its peers wait for it in their first step's collectives."""
+    if _watchdog is not None:
+        _watchdog.progress(step, doing, timed)
+
+
+class PeerWatchdog(threading.Thread):
+    """Polls the coordination service for live processes; ends this one when a peer is gone,
+    or when its own main thread has made no progress for ``hang_timeout_s`` (0: not checked).
+
+    It only talks to the coordination service: it never touches a device or launches a program.
+    """
+
+    def __init__(self, count: int, me: int, every_s: float = 2.0):
+        super().__init__(name="peer-watchdog", daemon=True)
+        self.count, self.me, self.every_s = count, me, every_s
+        # leaving: the main thread waits in the exit barrier (a peer that died before reaching it
+        # would keep it there); stopping: everyone passed it, so peers may now disconnect.
+        self.leaving = self.stopping = False
+        self.hang_timeout_s = 0.0
+        self.last = (time.monotonic(), 0, "starting", True)  # (since, step, doing, timed): main thread's
+        self._published = None
+        self._excused = 0.0  # when a peer was last seen in an untimed phase (compiling)
+
+    def progress(self, step: int, doing: str, timed: bool = True) -> None:
+        self.last = (time.monotonic(), step, doing, timed)  # one tuple: read whole by the watchdog thread
+
+    def run(self) -> None:
+        from jax._src import distributed
+
+        everyone = list(range(self.count))
+        while not self.stopping:
+            time.sleep(self.every_s)
+            if self.stopping:
+                return
+            try:
+                live = set(distributed.global_state.client.get_live_nodes(everyone))
+                why = ""
+            except Exception as e:  # noqa: BLE001 - the coordinator itself is unreachable
+                live, why = set(), f"lost the coordinator (process 0): {str(e).splitlines()[0][:160]}"
+            missing = sorted(set(everyone) - live)
+            if missing and self.leaving:  # the peer may have passed the exit barrier just now
+                time.sleep(self.every_s)
+            if missing and not self.stopping:
+                self._exit(why or f"lost process(es) {', '.join(map(str, missing))} of {self.count}")
+            if not self.leaving:
+                try:
+                    self._check_progress(distributed.global_state.client)
+                except Exception:  # noqa: BLE001 - the coordinator going away is the check above's
+                    pass
+
+    def _check_progress(self, client) -> None:
+        since, step, doing, timed = self.last
+        if (step, doing) != self._published:  # where this process is, for the others' messages
+            client.key_value_set(
+                f"{_PROGRESS_KEY}{self.me}", f"{int(timed)} {doing} at step {step}", allow_overwrite=True
+            )
+            self._published = (step, doing)
+        now = time.monotonic()
+        stalled = now - max(since, self._excused)
+        if not (self.hang_timeout_s and timed and stalled > self.hang_timeout_s):
+            return
+        where = {int(k.rsplit("/", 1)[-1]): v.split(" ", 1) for k, v in client.key_value_dir_get(_PROGRESS_KEY)}
+        if any(flag == "0" for flag, _ in where.values()):  # a peer compiles: we wait for it, untimed
+            self._excused = now
+            return
+        self._exit(
+            f"no progress for {stalled:.0f} s ({doing} at step {step}; train.hang_timeout_s="
+            f"{self.hang_timeout_s:g}); where each process is: "
+            + "; ".join(f"process {i}: {what}" for i, (_, what) in sorted(where.items()))
+        )
+
+    def _exit(self, why: str) -> None:
+        sys.stderr.write(
+            f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
+            f"restart every process with the same command to resume\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+
+_shared_keys = itertools.count()
+
+
+def _client_and_key():
+    from jax._src import distributed
+
+    return distributed.global_state.client, f"dlrm_jax/outcome/{next(_shared_keys)}"  # same order everywhere
+
+
+def outcome_of_process_0(outcome: str, timeout_s: int = 300) -> str:
+    """Process 0's ``outcome`` (what the others pass is ignored), given to every process through
+    the coordination service's key-value store: no device is touched, so it is safe before a
+    mesh exists and decides together whether a run goes on. One process: ``outcome``."""
+    import jax
+
+    if jax.process_count() == 1:
+        return outcome
+    client, key = _client_and_key()
+    if jax.process_index() == 0:
+        client.key_value_set(key, outcome)
+        return outcome
+    return client.blocking_key_value_get(key, timeout_s * 1000)
+
+
+def outcomes_of_every_process(outcome: str, timeout_s: int = 300) -> list[str]:
+    """Every process's ``outcome``, indexed by process, through the key-value store (as
+    :func:`outcome_of_process_0`): lets processes that each tried something locally (read their
+    shards of a checkpoint) decide together. One process: ``[outcome]``."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [outcome]
+    client, key = _client_and_key()
+    client.key_value_set(f"{key}/{jax.process_index()}", outcome)
+    return [client.blocking_key_value_get(f"{key}/{p}", timeout_s * 1000) for p in range(jax.process_count())]
+
+
+def check_same_everywhere(settings: dict[str, str], what: str = "config") -> None:
+    """Refuses, on every process, to go on when ``settings`` (name -> value, as text) differ
+    between processes, naming each differing key with its values: processes that trained with
+    different settings would fail later inside a collective (a shape mismatch that aborts) or,
+    worse, silently train different models. One process: nothing to compare."""
+    import json
+
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    every = [json.loads(s) for s in outcomes_of_every_process(json.dumps(settings, sort_keys=True))]
+    differ = sorted({k for theirs in every for k in set(theirs) | set(settings) if theirs.get(k) != settings.get(k)})
+    if differ:
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"process {p} {v.get(k, '(unset)')}" for p, v in enumerate(every)) for k in differ[:6]
+        )
+        more = f" (and {len(differ) - 6} more)" if len(differ) > 6 else ""
+        raise ValueError(f"the processes' {what} differ, every process must run the same command: {shown}{more}")
