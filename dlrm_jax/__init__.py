@@ -94,7 +94,7 @@ _EXPORTS = {
     "TierPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "TierStore": "dlrm_jax.embedding.tiers.store",
     "TieredTables": "dlrm_jax.embedding.tiers.tables",
-    "TierRunner": "dlrm_jax.embedding.tiers.runner",
+    "TierRunner": "dlrm_jax.train.tier_runner",
     "export_run": "dlrm_jax.train.export",
     "export_serving": "dlrm_jax.train.serving_export",
     "ServingModel": "dlrm_jax.serving.model",

@@ -1,6 +1,7 @@
 """The package's layers: every import points down (docs/architecture.md, "Code layout")."""
 
 import ast
+import re
 from pathlib import Path
 
 import dlrm_jax
@@ -82,4 +83,21 @@ def test_the_plan_is_host_only_and_the_exchange_needs_nothing_of_data():
             for m in _imported_modules(path):
                 if m.startswith("dlrm_jax.data") or (sub == "plan" and (m == "jax" or m.startswith("jax."))):
                     wrong.append(f"embedding/{sub}/{path.name} imports {m}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_nothing_under_embedding_drives_the_train_layers_steps_or_state():
+    """Duck typing hides an upward dependency from the import check: no module under
+    embedding/ names the train layer's step functions or train state (the tiered runner and
+    the hot-row refresh that drove them live in train/ now: driver.py, tier_runner.py)."""
+    names = re.compile(
+        r"StepFunctions|TrainState|\.train_step\b|\.eval_step\b|\.fill_step\b|\.state_check\b"
+        r"|\.device_batch\(|\bstate\.emb\b"
+    )
+    wrong = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in sorted((ROOT / "embedding").rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if names.search(line)
+    ]
     assert not wrong, "\n".join(wrong)

@@ -10,10 +10,10 @@ import tensorstore as ts
 from child_env import COMPILE_FLAGS
 
 from dlrm_jax.data.synthetic import SyntheticSource
-from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
+from dlrm_jax.train.tier_runner import TierRunner
 
 STEPS = 20
 BASE = ["data.cardinalities=[3000, 400, 10000, 70]", "train.batch_size=32"]

@@ -38,9 +38,7 @@ import numpy as np
 from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot.counts import RowCounts
-from dlrm_jax.embedding.hot.refresh import count_and_refresh
 from dlrm_jax.embedding.hot.schedule import HotSchedule
-from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_dir, json_text, make_dir
@@ -51,6 +49,7 @@ from dlrm_jax.observe.trace import (
     instruction_phases,
 )
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.driver import TieredDriver
 from dlrm_jax.train.restore import restore_or_init
 
 
@@ -64,7 +63,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
-    runner = None
+    driver = None
     if plan.tiered_tables:
         tiered = TieredTables(
             plan,
@@ -75,12 +74,12 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             int(cfg.embedding.tier.chunk_mb * 2**20),
             log=lambda *_: None,
         )
-        runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
+        driver = TieredDriver(fns, source, tiered, cfg.embedding.tier.lookahead)
     try:
-        return _profile(cfg, out_dir, mesh, source, fns, runner, steps, max(warmup, 1), log)
+        return _profile(cfg, out_dir, mesh, source, fns, driver, steps, max(warmup, 1), log)
     finally:
-        if runner is not None:
-            runner.tiered.close()
+        if driver is not None:
+            driver.tiered.close()
 
 
 def _host_batches(fns, source, count: int):
@@ -96,40 +95,36 @@ def _host_batches(fns, source, count: int):
     return batches, input_s, h2d_s
 
 
-def _step_runner(fns, source, runner: TierRunner | None, batches, count: int, log):
+def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, log):
     """(initial state, ``one(state, i) -> (state, out)`` running train step ``i``, a function
-    giving the step's compiled program once a step ran)."""
-    if runner is None:
+    giving the step's compiled program once a step ran). Device tables: the batches placed
+    beforehand, so the step is timed alone; tiered ones: the steps as training's driver runs them."""
+    if driver is None:
         state = fns.init_state()
         compiled = fns.train_step.lower(state, batches[0]).compile()
         return state, (lambda state, i: compiled(state, batches[i])), lambda state: compiled
-    state = restore_or_init(fns, None, log, runner.tiered)
-    if fns.hot is not None:
-        runner.use_hot(np.asarray(state.emb.hot.keys))
-    items = runner.planned(source.train_batch, range(count))
+    state = restore_or_init(fns, None, log, driver.tiered)
+    items = iter(driver.batches(state, 0, count))
 
     def one(state, i):
-        item = next(items)
-        state, out = runner.train(state, item.batch, item.fills)
-        if fns.hot is not None:  # as training does: a due refresh releases the planner
-            state = count_and_refresh(fns.hot, fns, state, i + 1, item.ids, runner)
-        return state, out
+        stepped = driver.run(state, next(items))
+        return driver.after_step(stepped.state, i + 1, stepped.ids), stepped.out  # a due refresh, as in training
 
-    return state, one, lambda state: fns.train_step.lower(state, *runner.step_input_shapes()).compile()
+    return state, one, lambda state: fns.train_step.lower(state, *driver.runner.step_input_shapes()).compile()
 
 
 def _profile(
-    cfg: Config, out_dir: Path, mesh, source, fns, runner: TierRunner | None, steps: int, warmup: int, log
+    cfg: Config, out_dir: Path, mesh, source, fns, driver: TieredDriver | None, steps: int, warmup: int, log
 ) -> dict:
     batches, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
-    state, one, compiled_step = _step_runner(fns, source, runner, batches, warmup + steps, lambda *_: None)
+    state, one, compiled_step = _step_runner(fns, source, driver, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
         state, out = one(state, i)
     jax.block_until_ready(state)
     compiled = compiled_step(state)
     phases = instruction_phases(compiled.as_text())
-    if runner is not None:
-        runner.host_s.clear()
+    if driver is not None:
+        driver.runner.host_s.clear()
 
     trace_dir = out_dir / "trace" / f"process_{jax.process_index()}"
     shutil.rmtree(trace_dir, ignore_errors=True)  # a profile run before this one's trace
@@ -154,9 +149,9 @@ def _profile(
         {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers},
     ]
     rows += _hot_counting_rows(fns, batches)
-    if runner is not None:
+    if driver is not None:
         rows += [
-            {"name": f"tier {kind}", "ms": 1e3 * runner.host_s[kind] / steps, "how": "host, in the run"}
+            {"name": f"tier {kind}", "ms": 1e3 * driver.runner.host_s[kind] / steps, "how": "host, in the run"}
             for kind in ("planner wait", "fill assembly + h2d", "write-back")
         ]
     rows += [
@@ -174,7 +169,7 @@ def _profile(
         )
     result = {
         "devices": mesh.size,
-        "tiered": runner is not None,
+        "tiered": driver is not None,
         "processes": jax.process_count(),
         "backend": jax.default_backend(),
         "steps": steps,

@@ -29,10 +29,10 @@ from dlrm_jax.config import load_config
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, optimizer_bytes_per_row
-from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
+from dlrm_jax.train.tier_runner import TierRunner
 
 FRACTIONS = (1.0, 0.5, 0.2, 0.1, 0.05)
 

@@ -14,7 +14,6 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.metrics import log_loss, roc_auc
@@ -31,6 +30,7 @@ from dlrm_jax.train.restore import (
     saved_run_config,
 )
 from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.train.tier_runner import TierRunner
 from dlrm_jax.train.watch import LossWatch, TrainingDiverged  # noqa: F401 - TrainingDiverged: the trainer's error
 
 

@@ -2,113 +2,36 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import itertools
 import math
-import signal
-import threading
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from dlrm_jax import hostmem, stopping
+from dlrm_jax import hostmem
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.data.batch import DataSource
-from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
-from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.stats import collective_bytes
-from dlrm_jax.embedding.tiers.runner import TierRunner
 from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.metrics import MetricsWriter
-from dlrm_jax.parallel.coordination import outcomes_of_every_process, report_progress, watch_for_hangs
+from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.checkpoint import (
-    Checkpoints,
-    largest_shard_bytes,
-)
-from dlrm_jax.train.display import StepDisplay
-from dlrm_jax.train.evaluate import RunSummary, evaluate
+from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
+from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
+from dlrm_jax.train.evaluate import RunSummary
+from dlrm_jax.train.loop import RUN_END_FIELDS, Interrupted, StopSignals, TrainingLoop, reporting  # noqa: F401
 from dlrm_jax.train.planning import plan_summary, run_plan_report
-from dlrm_jax.train.progress import (
-    Evaluation,
-    Progress,
-    newest_progress,
-    resumed_progress,
-)
-from dlrm_jax.train.restore import (
-    check_tier_kept,
-    restore_or_init,
-)
+from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
+from dlrm_jax.train.restore import check_tier_kept, restore_or_init
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
-from dlrm_jax.train.watch import LossWatch, TrainingDiverged  # noqa: F401 - TrainingDiverged: the trainer's error
+from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 
-# Fields only the run's final metrics.jsonl event has (a run cut at step N and resumed logs the
-# same events as an uninterrupted one, except these at N).
-RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", "stop_reason")
-
-# How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
-# each device's part of a program from a shared pool of max(cores, devices) threads, and a
-# launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
-# the slots are full. A host that dispatches far ahead fills the slots; blocked launches then
-# hold the pool threads that the running program's last devices need, so its all-reduce never
-# gets all participants (rendezvous.cc "only 7 of them arrived", exit 134). Waiting for step
-# N - DISPATCH_AHEAD before dispatching step N keeps a few programs in flight, far below the
-# limit, and still overlaps host work with the device. Every program with collectives is
-# dispatched from this (the main) thread, in the same order on every process; other threads
-# (batch preparation, orbax's writer) never launch one.
-DISPATCH_AHEAD = 2
-
-
-class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
-
-    def __init__(self, signum: int, step: int, saved: bool):
-        self.signum, self.step, self.saved = signum, step, saved
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
-
-
-class _StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads after each step; a second one exits at once."""
-
-    def __init__(self):
-        self.signum, self._old = None, {}
-
-    def __enter__(self):
-        stopping.raise_if_stopped()  # a signal before the loop whose exception was swallowed
-        if threading.current_thread() is threading.main_thread():
-            for sig in stopping.STOP_SIGNALS:  # SIGHUP: the terminal closed
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # asked twice: do not wait for the step
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def requested(self, step: int, every: int) -> int | None:
-        """The signal to stop on, agreed by every process (checked every ``every`` steps when
-        there are several, since agreeing is a round trip to the coordinator). Agreed through
-        the coordination service's key-value store, not a device program: it needs no device
-        time, and a program with collectives that does not depend on the train state would
-        still run on devices whose step failed when a peer died."""
-        if jax.process_count() == 1:
-            return self.signum
-        if step % every:
-            return None
-        return max(map(int, outcomes_of_every_process(str(self.signum or 0)))) or None
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+_StopSignals = StopSignals  # the name tests and older code use
 
 
 def train_and_evaluate(
@@ -129,21 +52,13 @@ def train_and_evaluate(
     hostmem.keep_freed_memory()
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
-    with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd:
+    with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd, contextlib.ExitStack() as stack:
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
             source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
             cfg = with_epoch_steps(cfg, source)
-        newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
-        stopped = progress.stop_reason(cfg.train)
-        recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
+        recorded = _recorded_final(cfg, rd, log)
         if recorded is not None:
-            log(
-                f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
-                f"train.target_auc or train.early_stop_evals to go on); its recorded final metrics:"
-                if stopped
-                else f"run already finished at step {newest}; its recorded final metrics:"
-            )
             return RunSummary.from_event(recorded)
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
@@ -152,36 +67,49 @@ def train_and_evaluate(
             if note:
                 log(note)
         plan, steps = build(cfg, mesh, source, log)
-        runner = None
-        if plan.tiered_tables:
-            if rd.path:
-                check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
-            tiered = TieredTables(
-                plan,
-                steps.collection.groups,
-                steps.collection.optimizer,
-                tier_root(cfg, rd.path),
-                steps.embedding_key(),
-                int(cfg.embedding.tier.chunk_mb * 2**20),
-                log,
-            )
-            runner = TierRunner(steps, tiered, cfg.embedding.tier.lookahead)
+        driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
         ckpts = None
         if rd.path:
             ckpts = Checkpoints(
                 rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())
             )
-        metrics = MetricsWriter(rd.metrics_path, cfg.train.tensorboard)
-        try:
-            return _train(cfg, rd, ckpts, metrics, log, source, plan, steps, runner)
-        finally:
-            metrics.close()
-            if ckpts:
-                ckpts.close()
-            if runner:
-                runner.tiered.close()
-            if steps.hot:
-                steps.hot.close()
+            stack.callback(ckpts.close)
+        metrics = stack.enter_context(contextlib.closing(MetricsWriter(rd.metrics_path, cfg.train.tensorboard)))
+        return _train(cfg, rd, ckpts, metrics, log, plan, driver)
+
+
+def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
+    """A finished (or early-stopped) run's final event: it is not trained further."""
+    newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
+    stopped = progress.stop_reason(cfg.train)
+    recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
+    if recorded is not None:
+        log(
+            f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
+            f"train.target_auc or train.early_stop_evals to go on); its recorded final metrics:"
+            if stopped
+            else f"run already finished at step {newest}; its recorded final metrics:"
+        )
+    return recorded
+
+
+def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, source: DataSource, log) -> StepDriver:
+    """The tiered driver for a plan with tiered tables, else the device one."""
+    if not plan.tiered_tables:
+        return DeviceDriver(steps, source, cfg.data.readers, cfg.data.prefetch, log)
+    if rd.path:
+        check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
+    tier = cfg.embedding.tier
+    tiered = TieredTables(
+        plan,
+        steps.collection.groups,
+        steps.collection.optimizer,
+        tier_root(cfg, rd.path),
+        steps.embedding_key(),
+        int(tier.chunk_mb * 2**20),
+        log,
+    )
+    return TieredDriver(steps, source, tiered, tier.lookahead)
 
 
 def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
@@ -222,210 +150,53 @@ def _train(
     ckpts: Checkpoints | None,
     metrics: MetricsWriter,
     log,
-    source: DataSource,
     plan: EmbeddingPlan,
-    steps: StepFunctions,
-    runner: TierRunner | None = None,
+    driver: StepDriver,
 ) -> RunSummary:
-    t = cfg.train
-    epoch_rows = getattr(source, "num_train", None)
-    mesh, hot = steps.mesh, steps.hot
-    plan_json = plan.to_json()
-    replicas = steps.hosts if steps.collection.replicas else 1
-    sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
-    report = run_plan_report(cfg, plan, jax.default_backend() == "cpu")
+    t, steps, on_cpu = cfg.train, driver.steps, jax.default_backend() == "cpu"
     if jax.process_index() == 0:  # the whole plan goes to RUN/plan.txt; the terminal gets its gist
-        log(plan_summary(cfg, plan, jax.default_backend() == "cpu", rd.path))
+        log(plan_summary(cfg, plan, on_cpu, rd.path))
     report_progress(0, "restoring or initialising the state")
-    state = restore_or_init(steps, ckpts, log, runner.tiered if runner else None)
-    rd.record(report, plan_json)  # only now: a refused resume leaves the run dir as it was
+    state = restore_or_init(steps, ckpts, log, getattr(driver, "tiered", None))
+    rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json())  # only now: a refused resume changes nothing
     start = int(host_scalar(state.step))
     progress, stop_reason = resumed_progress(t, ckpts, start, log)
     end = start if stop_reason else t.steps  # the last step this run trains
     metrics.truncate_after(start, log)
-
-    t0 = time.perf_counter()
     report_progress(start, "compiling the train step", timed=False)
-    if runner is None:
-        compiled = steps.train_step.lower(state, steps.device_batch(source.train_batch(start))).compile()
-        log(
-            f"compiled the train step in {time.perf_counter() - t0:.1f}s on {mesh.size} "
-            f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(compiled)}"
-        )
-        device_batches = getattr(source, "device_batches", None)  # generated on the devices
-        if device_batches is not None:
-            pipeline = None
-            batches = dispatched_ahead(device_batches(steps.batch_sharding), range(start, end), cfg.data.prefetch)
-        else:
-            pipeline = InputPipeline(
-                source.train_batch,
-                range(start, end),
-                to_device=steps.device_batch,
-                readers=cfg.data.readers,
-                depth=cfg.data.prefetch,
-            )
-            batches = pipeline
-    else:
-        pipeline = None
-        if hot is not None:
-            runner.use_hot(np.asarray(state.emb.hot.keys))
-        batches = runner.planned(source.train_batch, range(start, end))
-
-    bar = StepDisplay(
-        t.steps,
-        start,
-        bar=t.progress_bar,
-        shown=jax.process_index() == 0,
-        batch=t.batch_size,
-        epoch_rows=epoch_rows,
-        log=log,
-    )
-    watch, pending = LossWatch(t.max_loss_ratio, progress.loss_reference), collections.deque()
-    train_time, trained_steps, last_loss, window_start = 0.0, 0, float("nan"), None
-    auc = ll = float("nan")
-    scored = 0
-    evaluated = False
-    with _StopSignals() as stop, contextlib.closing(pipeline) if pipeline else contextlib.nullcontext():
-        for step, item in zip(
-            range(start + 1, end + 1), _reporting(batches, start + 1, runner is not None), strict=True
-        ):
-            window_start = window_start or time.perf_counter()
-            if runner is None:
-                ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
-                state, out = compiled(state, item.device)
-            else:
-                ids = item.ids  # as read: tiered runs train on a copy with cache ids
-                state, out = runner.train(state, item.batch, item.fills)
-            pending.append((step, out))
-            if steps.per_host and cfg.embedding.sync_every and step % cfg.embedding.sync_every == 0:
-                state = state._replace(emb=steps.sync_tables(state.emb))
-            signum = stop.requested(step, every=10)
-            is_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
-            is_ckpt = (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum
-            # A state that may be saved is scored first (before a hot-row refresh moves rows about);
-            # an evaluation may ask for a save (a new best, an early stop).
-            state_check = None
-            if ckpts is not None and (is_ckpt or (is_eval and (t.keep_best or t.target_auc or t.early_stop_evals))):
-                state_check = steps.state_check(state, item.device if runner is None else runner.last_batch)
-            if hot is not None:
-                state = hot_setup.count_and_refresh(hot, steps, state, step, ids, runner)
-            while len(pending) > DISPATCH_AHEAD:
-                watch.add(*pending.popleft())
-            bar.update(1)
-            if not (is_eval or is_ckpt or (t.log_every and step % t.log_every == 0)):
+    batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
+    loop = TrainingLoop(cfg, driver, ckpts, metrics, plan, progress, start, log)
+    with StopSignals() as stop:
+        for step, item in zip(range(start + 1, end + 1), batches, strict=True):
+            state = loop.dispatch(state, step, item)
+            todo = loop.plan_step(step, stop.requested(step, every=10))
+            state = loop.after_step(state, step, item, todo)
+            if not todo.log:
                 continue
-            while pending:  # every step up to here is checked before anything is saved
-                watch.add(*pending.popleft())
-            if state_check is not None:
-                watch.check_state(step, state_check)
-            elapsed = time.perf_counter() - window_start
-            last_loss, window_steps, overflows, hit_rate = watch.take_window()
-            train_time, trained_steps = train_time + elapsed, trained_steps + window_steps
-            rate = window_steps * t.batch_size / elapsed
-            event = {
-                "event": "train",
-                "step": step,
-                "loss": last_loss,
-                "samples_per_s": rate,
-                "learning_rate": float(steps.schedule(step - 1)),
-                "exchange_overflows": overflows,
-                "hot_hit_rate": hit_rate,
-                "a2a_bytes": sent["all-to-all"],
-                "allreduce_bytes": sent["all-reduce"],
-                "allgather_bytes": sent["all-gather"],
-            }
-            bar.window(step, last_loss, rate, train_time / max(trained_steps, 1))
-            if runner is not None:
-                event.update(runner.take_metrics(window_steps))
-            if pipeline is not None:
-                event.update(pipeline.times.take())
-            if steps.per_host:
-                event["table_divergence"] = host_scalar(steps.table_divergence(state.emb))
-            if is_eval and not signum:
-                report_progress(step, "evaluation", timed=evaluated)  # the first one compiles
-                evaluated = True
-                auc, ll, scored = evaluate(steps, state, source, runner)
-                event.update(event="eval", auc=auc, logloss=ll, eval_samples=scored)
-                bar.write(
-                    f"step {step}: loss {last_loss:.4f} eval auc {auc:.4f} logloss {ll:.4f} on {scored:,} samples"
-                )
-                progress = progress.evaluated(Evaluation(step, auc, ll))
-                stop_reason = progress.stop_reason(t)
-                progress = dataclasses.replace(progress, stopped=stop_reason)
-                if t.keep_best and progress.best.step == step and ckpts:  # a new best: saved and kept
-                    is_ckpt = True
-                    ckpts.keep_also([step])
-                is_ckpt = is_ckpt or bool(stop_reason)
-            if step == t.steps or stop_reason:
-                event["run_samples_per_s"] = trained_steps * t.batch_size / train_time
-                event.update(progress.final_fields(step, auc, ll))
-            metrics.write(event)
-            if is_ckpt and ckpts:
-                report_progress(step, "checkpoint")
-                if runner is not None:  # the tier's snapshot first: a saved step always has one
-                    runner.tiered.checkpoint(
-                        step, state.emb.tables, state.emb.slots, ckpts.all_steps(), t.keep_checkpoints, state.emb.hot
-                    )
-                progress = dataclasses.replace(progress, loss_reference=watch.reference)
-                ckpts.save(
-                    step,
-                    steps.checkpoint_form(state),
-                    plan_json,
-                    hot.to_json() if hot else None,
-                    steps.hosts if steps.per_host else 0,
-                    progress.to_json(),
-                )
-            if signum:
-                if ckpts:
-                    ckpts.wait()
-                bar.close()
-                raise Interrupted(signum, step, saved=ckpts is not None)
-            if stop_reason:
-                log(f"early stop at step {step}: {stop_reason}")
+            event = loop.window_event(step, state)
+            if todo.evaluate and not todo.signum:
+                todo = loop.evaluate(step, state, event, todo)
+            loop.record(step, event)
+            if todo.save and ckpts:
+                loop.save(step, state)
+            if todo.signum:
+                raise loop.interrupted(step, todo.signum)
+            if loop.stop_reason:
+                log(f"early stop at step {step}: {loop.stop_reason}")
                 break
-            window_start = None
-    bar.close()
+    loop.bar.close()
     report_progress(end, "finishing")
-
-    if trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
-        auc, ll, scored = evaluate(steps, state, source, runner)
-    rate = trained_steps * t.batch_size / train_time if train_time else float("nan")
+    if loop.trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
+        loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
     step = int(host_scalar(state.step))
-    return RunSummary(step, last_loss, auc, ll, rate, progress.best or Evaluation(step, auc, ll), stop_reason, scored)
-
-
-class _LocalRows:
-    """This process's rows of a device array, copied to the host only if read (hot-row
-    counting reads a batch's ids on the steps it counts)."""
-
-    def __init__(self, x: jax.Array):
-        self._x = x
-
-    def __array__(self, dtype=None, copy=None):
-        by_start = {s.index[0].start or 0: s for s in self._x.addressable_shards}  # replicas once
-        local = np.concatenate([np.asarray(by_start[k].data) for k in sorted(by_start)])
-        return local if dtype is None else local.astype(dtype)
-
-
-def _reporting(batches, first_step: int, first_compiles: bool):
-    """``batches``, telling the hang watch (train.hang_timeout_s) when the loop waits for one
-    and when a step runs (untimed when ``first_compiles``: the tiered step compiles on first use)."""
-    it = iter(batches)
-    for step in itertools.count(first_step):
-        report_progress(step, "reading input")
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        first = first_compiles and step == first_step
-        report_progress(step, "compiling and running the first train step" if first else "train step", not first)
-        yield item
-
-
-def _memory_report(compiled) -> str:
-    try:
-        m = compiled.memory_analysis()
-        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        return f"per-device memory {total / 2**20:.1f} MiB (temp {m.temp_size_in_bytes / 2**20:.1f} MiB)"
-    except Exception:  # noqa: BLE001 - not every backend reports memory
-        return "memory analysis unavailable"
+    best = loop.progress.best or Evaluation(step, loop.auc, loop.logloss)
+    return RunSummary(
+        step,
+        loop.last_loss,
+        loop.auc,
+        loop.logloss,
+        loop.samples_per_s,
+        best,
+        loop.stop_reason or stop_reason,
+        loop.scored,
+    )

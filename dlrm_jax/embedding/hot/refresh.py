@@ -15,7 +15,6 @@ import numpy as np
 
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
-from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -122,18 +121,3 @@ def choose(
         threads=cfg.data.readers,
     )
     return plan, schedule
-
-
-def count_and_refresh(hot: HotSchedule, steps, state, step: int, ids: np.ndarray, runner=None):
-    """After train step ``step``: count its batch (``ids``: this process's rows) if it falls in a
-    statistics window, on the counting thread, and refresh the hot set when one is due (``runner``: a tiered run's ``TierRunner``, which
-    moves the tiered rows) (before any checkpoint of this step, so a resumed run
-    starts from the refreshed rows and the statistics that chose them)."""
-    if hot.counts_batch(step - 1):
-        hot.add(ids)
-    if not hot.refresh_due(step):
-        return state
-    keys = hot_keys(hot.refresh(), hot.capacity)
-    if runner is not None:
-        return runner.refresh_hot(state, keys, step)
-    return state._replace(emb=steps.collection.refresh(state.emb, keys))

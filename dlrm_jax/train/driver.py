@@ -1,0 +1,198 @@
+"""The step driver: the next batch, the train step, and the host work around them, behind one
+interface for the two ways a run feeds its steps.
+
+- :class:`DeviceDriver`: batches read by the input pipeline's threads (or generated on the
+  devices, the synthetic source) and one compiled train step.
+- :class:`TieredDriver`: tiered tables, whose batches are planned ahead by the
+  :class:`~dlrm_jax.train.tier_runner.TierRunner` (cache fills, evictions, write-backs).
+
+Both count hot-row lookups and refresh the hot set (:meth:`StepDriver.after_step`), evaluate,
+and report their host metrics. The training loop, ``evaluate_run`` and ``dlrm-jax profile`` go
+through them; nothing else dispatches a train step. One thread drives them, in step order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.batch import Batch, DataSource
+from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
+from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.train.evaluate import evaluate
+from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.train.tier_runner import TierRunner
+
+
+class Stepped(NamedTuple):
+    """What one train step left: the new state, its metrics (device arrays, read later), and
+    this process's ids of its batch (host-readable, for hot-row counting)."""
+
+    state: TrainState
+    out: dict
+    ids: object
+
+
+class StepDriver:
+    """What both drivers share: hot-row counting and refreshes, evaluation, closing."""
+
+    compiles_on_first_step = False  # the first step compiles (the hang watch does not time it)
+
+    def __init__(self, steps: StepFunctions, source: DataSource):
+        self.steps, self.source = steps, source
+
+    def batches(self, state: TrainState, start: int, end: int) -> Iterable:
+        """The inputs of steps ``start + 1`` .. ``end``, in order (compiling first if needed)."""
+        raise NotImplementedError
+
+    def run(self, state: TrainState, item) -> Stepped:
+        raise NotImplementedError
+
+    def check_batch(self, item) -> Batch:
+        """The device batch a state check of the step just run scores."""
+        raise NotImplementedError
+
+    def after_step(self, state: TrainState, step: int, ids) -> TrainState:
+        """After train step ``step``: count its ids if it falls in a statistics window (on the
+        counting thread) and refresh the hot set when one is due, before any checkpoint of this
+        step (a resumed run starts from the refreshed rows and the statistics that chose them)."""
+        hot = self.steps.hot
+        if hot is None:
+            return state
+        if hot.counts_batch(step - 1):
+            hot.add(ids)
+        if not hot.refresh_due(step):
+            return state
+        return self._refresh_hot(state, hot_keys(hot.refresh(), hot.capacity), step)
+
+    def _refresh_hot(self, state: TrainState, keys: np.ndarray, step: int) -> TrainState:
+        return state._replace(emb=self.steps.collection.refresh(state.emb, keys))
+
+    def take_metrics(self, window_steps: int) -> dict:
+        """Host metrics of the steps since the last call."""
+        return {}
+
+    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
+        """Before checkpoint ``step`` is saved: whatever must be durable with it."""
+
+    def evaluate(self, state: TrainState) -> tuple[float, float, int]:
+        return evaluate(self.steps, state, self.source, None)
+
+    def close(self) -> None:
+        if self.steps.hot:
+            self.steps.hot.close()
+
+
+class DeviceDriver(StepDriver):
+    """Batches from the input pipeline (or made on the devices) into one compiled train step."""
+
+    def __init__(self, steps: StepFunctions, source: DataSource, readers: int, prefetch: int, log=print):
+        super().__init__(steps, source)
+        self.readers, self.prefetch, self.log = readers, prefetch, log
+        self.pipeline: InputPipeline | None = None
+        self.compiled = None
+
+    def batches(self, state: TrainState, start: int, end: int) -> Iterable:
+        steps, t0 = self.steps, time.perf_counter()
+        self.compiled = steps.train_step.lower(state, steps.device_batch(self.source.train_batch(start))).compile()
+        self.log(
+            f"compiled the train step in {time.perf_counter() - t0:.1f}s on {steps.mesh.size} "
+            f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(self.compiled)}"
+        )
+        device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
+        if device_batches is not None:
+            return dispatched_ahead(device_batches(steps.batch_sharding), range(start, end), self.prefetch)
+        self.pipeline = InputPipeline(
+            self.source.train_batch,
+            range(start, end),
+            to_device=steps.device_batch,
+            readers=self.readers,
+            depth=self.prefetch,
+        )
+        return self.pipeline
+
+    def run(self, state: TrainState, item) -> Stepped:
+        ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
+        state, out = self.compiled(state, item.device)
+        return Stepped(state, out, ids)
+
+    def check_batch(self, item) -> Batch:
+        return item.device
+
+    def take_metrics(self, window_steps: int) -> dict:
+        return self.pipeline.times.take() if self.pipeline is not None else {}
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+        super().close()
+
+
+class TieredDriver(StepDriver):
+    """Tiered tables: batches planned ahead with their cache fills (:class:`TierRunner`)."""
+
+    compiles_on_first_step = True
+
+    def __init__(self, steps: StepFunctions, source: DataSource, tiered: TieredTables, lookahead: int):
+        super().__init__(steps, source)
+        self.runner = TierRunner(steps, tiered, lookahead)
+
+    @property
+    def tiered(self) -> TieredTables:
+        return self.runner.tiered
+
+    def batches(self, state: TrainState, start: int, end: int) -> Iterable:
+        if self.steps.hot is not None:
+            self.runner.use_hot(np.asarray(state.emb.hot.keys))
+        return self.runner.planned(self.source.train_batch, range(start, end))
+
+    def run(self, state: TrainState, item) -> Stepped:
+        state, out = self.runner.train(state, item.batch, item.fills)
+        return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
+
+    def check_batch(self, item) -> Batch:
+        return self.runner.last_batch
+
+    def _refresh_hot(self, state: TrainState, keys: np.ndarray, step: int) -> TrainState:
+        return self.runner.refresh_hot(state, keys, step)  # it moves the tiered rows too
+
+    def take_metrics(self, window_steps: int) -> dict:
+        return self.runner.take_metrics(window_steps)
+
+    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
+        # the tier's snapshot first: a saved step always has one
+        self.tiered.checkpoint(step, state.emb.tables, state.emb.slots, saved_steps, keep, state.emb.hot)
+
+    def evaluate(self, state: TrainState) -> tuple[float, float, int]:
+        return evaluate(self.steps, state, self.source, self.runner)
+
+    def close(self) -> None:
+        self.tiered.close()
+        super().close()
+
+
+class _LocalRows:
+    """This process's rows of a device array, copied to the host only if read (hot-row
+    counting reads a batch's ids on the steps it counts)."""
+
+    def __init__(self, x: jax.Array):
+        self._x = x
+
+    def __array__(self, dtype=None, copy=None):
+        by_start = {s.index[0].start or 0: s for s in self._x.addressable_shards}  # replicas once
+        local = np.concatenate([np.asarray(by_start[k].data) for k in sorted(by_start)])
+        return local if dtype is None else local.astype(dtype)
+
+
+def _memory_report(compiled) -> str:
+    try:
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        return f"per-device memory {total / 2**20:.1f} MiB (temp {m.temp_size_in_bytes / 2**20:.1f} MiB)"
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        return "memory analysis unavailable"

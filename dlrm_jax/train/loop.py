@@ -1,0 +1,259 @@
+"""What happens around each train step, one concern to a method: dispatching the step and the
+host work after it, deciding what this step does (log, evaluate, save), the window's metrics
+event, evaluation with the run's record (best, early stop), and the checkpoint.
+``trainer._train`` drives it top to bottom."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import signal
+import threading
+import time
+from typing import NamedTuple
+
+import jax
+
+from dlrm_jax import stopping
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.stats import collective_bytes
+from dlrm_jax.observe.metrics import MetricsWriter
+from dlrm_jax.parallel.coordination import outcomes_of_every_process, report_progress
+from dlrm_jax.parallel.mesh import host_scalar
+from dlrm_jax.train.checkpoint import Checkpoints
+from dlrm_jax.train.display import StepDisplay
+from dlrm_jax.train.driver import StepDriver
+from dlrm_jax.train.progress import Evaluation, Progress
+from dlrm_jax.train.step import TrainState
+from dlrm_jax.train.watch import LossWatch
+
+# Fields only the run's final metrics.jsonl event has (a run cut at step N and resumed logs the
+# same events as an uninterrupted one, except these at N).
+RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", "stop_reason")
+
+# How many train steps the host may dispatch ahead of the devices. XLA's CPU client launches
+# each device's part of a program from a shared pool of max(cores, devices) threads, and a
+# launch first takes one of the device's 32 in-flight slots, blocking its pool thread while
+# the slots are full. A host that dispatches far ahead fills the slots; blocked launches then
+# hold the pool threads that the running program's last devices need, so its all-reduce never
+# gets all participants (rendezvous.cc "only 7 of them arrived", exit 134). Waiting for step
+# N - DISPATCH_AHEAD before dispatching step N keeps a few programs in flight, far below the
+# limit, and still overlaps host work with the device. Every program with collectives is
+# dispatched from this (the main) thread, in the same order on every process; other threads
+# (batch preparation, orbax's writer) never launch one.
+DISPATCH_AHEAD = 2
+
+
+class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        self.signum, self.step, self.saved = signum, step, saved
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+
+
+class StopSignals:
+    """SIGINT/SIGTERM set a flag the loop reads after each step; a second one exits at once."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        stopping.raise_if_stopped()  # a signal before the loop whose exception was swallowed
+        if threading.current_thread() is threading.main_thread():
+            for sig in stopping.STOP_SIGNALS:  # SIGHUP: the terminal closed
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # asked twice: do not wait for the step
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def requested(self, step: int, every: int) -> int | None:
+        """The signal to stop on, agreed by every process (checked every ``every`` steps when
+        there are several, since agreeing is a round trip to the coordinator). Agreed through
+        the coordination service's key-value store, not a device program: it needs no device
+        time, and a program with collectives that does not depend on the train state would
+        still run on devices whose step failed when a peer died."""
+        if jax.process_count() == 1:
+            return self.signum
+        if step % every:
+            return None
+        return max(map(int, outcomes_of_every_process(str(self.signum or 0)))) or None
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Plan(NamedTuple):
+    """What step ``step`` does besides training: evaluate, save, log; ``signum``: stop after it."""
+
+    evaluate: bool
+    save: bool
+    log: bool
+    signum: int | None
+
+
+class TrainingLoop:
+    """The loop's state between steps (the loss watch, the window's timing, the run's record)
+    and what it does around each step."""
+
+    def __init__(
+        self,
+        cfg,
+        driver: StepDriver,
+        ckpts: Checkpoints | None,
+        metrics: MetricsWriter,
+        plan: EmbeddingPlan,
+        progress: Progress,
+        start: int,
+        log=print,
+    ):
+        self.t, self.cfg, self.driver, self.steps = cfg.train, cfg, driver, driver.steps
+        self.ckpts, self.metrics, self.progress, self.log = ckpts, metrics, progress, log
+        self.plan_json = plan.to_json()
+        replicas = self.steps.hosts if self.steps.collection.replicas else 1
+        self.sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
+        self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
+        self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
+        self.auc = self.logloss = float("nan")
+        self.scored, self.evaluated, self.stop_reason = 0, False, ""
+        self.bar = StepDisplay(
+            self.t.steps,
+            start,
+            bar=self.t.progress_bar,
+            shown=jax.process_index() == 0,
+            batch=self.t.batch_size,
+            epoch_rows=getattr(driver.source, "num_train", None),
+            log=log,
+        )
+
+    def dispatch(self, state: TrainState, step: int, item) -> TrainState:
+        """Run train step ``step``; the per-host tables' sync when due."""
+        self.window_start = self.window_start or time.perf_counter()
+        stepped = self.driver.run(state, item)
+        self.pending.append((step, stepped.out))
+        state, self._ids = stepped.state, stepped.ids
+        if self.steps.per_host and self.cfg.embedding.sync_every and step % self.cfg.embedding.sync_every == 0:
+            state = state._replace(emb=self.steps.sync_tables(state.emb))
+        return state
+
+    def plan_step(self, step: int, signum: int | None) -> Plan:
+        t = self.t
+        evaluate = bool((t.eval_every and step % t.eval_every == 0) or step == t.steps)
+        save = bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum)
+        log = bool(evaluate or save or (t.log_every and step % t.log_every == 0))
+        return Plan(evaluate, save, log, signum)
+
+    def after_step(self, state: TrainState, step: int, item, todo: Plan) -> TrainState:
+        """A state that may be saved is scored first (before a hot-row refresh moves rows
+        about; an evaluation may ask for a save: a new best, an early stop); then the hot-row
+        counting and refresh; then the losses of steps far enough behind."""
+        t, self._state_check = self.t, None
+        if self.ckpts is not None and (
+            todo.save or (todo.evaluate and (t.keep_best or t.target_auc or t.early_stop_evals))
+        ):
+            self._state_check = self.steps.state_check(state, self.driver.check_batch(item))
+        state = self.driver.after_step(state, step, self._ids)
+        while len(self.pending) > DISPATCH_AHEAD:
+            self.watch.add(*self.pending.popleft())
+        self.bar.update(1)
+        return state
+
+    def window_event(self, step: int, state: TrainState) -> dict:
+        """Every step up to here checked (before anything is saved), and the window's event."""
+        while self.pending:
+            self.watch.add(*self.pending.popleft())
+        if self._state_check is not None:
+            self.watch.check_state(step, self._state_check)
+        elapsed = time.perf_counter() - self.window_start
+        self.last_loss, window_steps, overflows, hit_rate = self.watch.take_window()
+        self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + window_steps
+        rate = window_steps * self.t.batch_size / elapsed
+        event = {
+            "event": "train",
+            "step": step,
+            "loss": self.last_loss,
+            "samples_per_s": rate,
+            "learning_rate": float(self.steps.schedule(step - 1)),
+            "exchange_overflows": overflows,
+            "hot_hit_rate": hit_rate,
+            "a2a_bytes": self.sent["all-to-all"],
+            "allreduce_bytes": self.sent["all-reduce"],
+            "allgather_bytes": self.sent["all-gather"],
+        }
+        self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
+        event.update(self.driver.take_metrics(window_steps))
+        if self.steps.per_host:
+            event["table_divergence"] = host_scalar(self.steps.table_divergence(state.emb))
+        return event
+
+    def evaluate(self, step: int, state: TrainState, event: dict, todo: Plan) -> Plan:
+        """Score the held-out split into ``event`` and the run's record; a new best or an early
+        stop asks for a save."""
+        report_progress(step, "evaluation", timed=self.evaluated)  # the first one compiles
+        self.evaluated = True
+        self.auc, self.logloss, self.scored = self.driver.evaluate(state)
+        event.update(event="eval", auc=self.auc, logloss=self.logloss, eval_samples=self.scored)
+        self.bar.write(
+            f"step {step}: loss {self.last_loss:.4f} eval auc {self.auc:.4f} "
+            f"logloss {self.logloss:.4f} on {self.scored:,} samples"
+        )
+        t, progress = self.t, self.progress.evaluated(Evaluation(step, self.auc, self.logloss))
+        self.stop_reason = progress.stop_reason(t)
+        self.progress = dataclasses.replace(progress, stopped=self.stop_reason)
+        save = todo.save or bool(self.stop_reason)
+        if t.keep_best and self.progress.best.step == step and self.ckpts:  # a new best: saved and kept
+            save = True
+            self.ckpts.keep_also([step])
+        return todo._replace(save=save)
+
+    def record(self, step: int, event: dict) -> None:
+        """The window's event; the last one carries the run's final fields."""
+        if step == self.t.steps or self.stop_reason:
+            event["run_samples_per_s"] = self.trained_steps * self.t.batch_size / self.train_time
+            event.update(self.progress.final_fields(step, self.auc, self.logloss))
+        self.metrics.write(event)
+        self.window_start = None
+
+    def save(self, step: int, state: TrainState) -> None:
+        report_progress(step, "checkpoint")
+        self.driver.save_tiers(step, state, self.ckpts.all_steps(), self.t.keep_checkpoints)
+        self.progress = dataclasses.replace(self.progress, loss_reference=self.watch.reference)
+        hot = self.steps.hot
+        self.ckpts.save(
+            step,
+            self.steps.checkpoint_form(state),
+            self.plan_json,
+            hot.to_json() if hot else None,
+            self.steps.hosts if self.steps.per_host else 0,
+            self.progress.to_json(),
+        )
+
+    def interrupted(self, step: int, signum: int) -> Interrupted:
+        if self.ckpts:
+            self.ckpts.wait()
+        self.bar.close()
+        return Interrupted(signum, step, saved=self.ckpts is not None)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.trained_steps * self.t.batch_size / self.train_time if self.train_time else float("nan")
+
+
+def reporting(batches, first_step: int, first_compiles: bool):
+    """``batches``, telling the hang watch (train.hang_timeout_s) when the loop waits for one
+    and when a step runs (untimed when ``first_compiles``: the tiered step compiles on first use)."""
+    it = iter(batches)
+    for step in itertools.count(first_step):
+        report_progress(step, "reading input")
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        first = first_compiles and step == first_step
+        report_progress(step, "compiling and running the first train step" if first else "train step", not first)
+        yield item
