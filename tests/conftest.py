@@ -1,8 +1,16 @@
 """Eight simulated CPU devices for every test; must run before JAX is imported."""
 
 import os
+import sys
+from pathlib import Path
 
 from child_env import COMPILE_FLAGS  # noqa: E402 - (tests/ is on sys.path)
+
+TESTS = Path(__file__).resolve().parent  # tests/ mirrors the package's folders
+REPO = TESTS.parent
+# Test modules import each other's helpers by module name (test_embedding's reference check,
+# test_tiered's configs) across folders: every folder of tests/ is importable.
+sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir()) if d.is_dir() and d.name.isidentifier()]
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"

@@ -46,7 +46,7 @@ SMALL = tt.Settings(
     k=5,
     eval_batches=2,
 )
-TOL = dict(rtol=1e-5, atol=1e-6)  # as tests/test_embedding.py: float32 rounding, other sum orders
+TOL = dict(rtol=1e-5, atol=1e-6)  # as tests/embedding/test_embedding.py: float32 rounding, other sum orders
 
 
 @pytest.fixture(scope="module")

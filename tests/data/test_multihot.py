@@ -10,12 +10,11 @@ columns are drawn; each sample's bag is the table row of its id.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import examples
+from conftest import REPO, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,7 +131,7 @@ def test_save_load_round_trip(tmp_path, mmap):
 
 
 def test_mlperf_constants_match_config():
-    config = Path(__file__).parents[1] / "configs" / "mlperf_dlrm_dcnv2.yaml"
+    config = REPO / "configs" / "mlperf_dlrm_dcnv2.yaml"
     data = yaml.safe_load(config.read_text())["data"]
     assert MLPERF_DCNV2_BAG_SIZES == tuple(data["bag_sizes"])
     assert len(MLPERF_DCNV2_BAG_SIZES) == 26 and sum(MLPERF_DCNV2_BAG_SIZES) == 214

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from child_env import COMPILE_FLAGS
+from conftest import TESTS
 
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.tiers.tables import TieredTables
@@ -260,7 +261,6 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     from test_train import QUIET, losses
 
@@ -278,9 +278,7 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     ]
     whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
     script = tmp_path / "kill.py"
-    script.write_text(
-        KILL_MID_FLUSH.format(tests=str(Path(__file__).parent), overrides=overrides, run_dir=str(tmp_path / "killed"))
-    )
+    script.write_text(KILL_MID_FLUSH.format(tests=str(TESTS), overrides=overrides, run_dir=str(tmp_path / "killed")))
     env = os.environ | {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
         "JAX_PLATFORMS": "cpu",

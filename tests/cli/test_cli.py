@@ -6,12 +6,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from child_env import child_env
 from child_env import cli as run_cli
+from conftest import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -140,7 +140,7 @@ def test_loss_trajectories_agree_across_strategies(tmp_path):
     for s in ("replicated", "table", "row", "column", "auto"):
         run = tmp_path / s
         cfg = load_config(
-            Path(__file__).parents[1] / "configs" / "smoke.yaml",
+            REPO / "configs" / "smoke.yaml",
             [
                 "train.progress_bar=false",
                 f"embedding.sharding={s}",
@@ -302,7 +302,7 @@ def test_missing_binary_data_is_a_clear_error(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = REPO / "scripts"
 
 
 def test_preprocess_then_train_on_binary(tmp_path):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from child_env import child_env
+from conftest import REPO as REPO_PATH
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -163,7 +164,7 @@ def test_two_processes_equal_one(tmp_path):
     assert losses(run_dirs[0])[: len(before)] == before  # steps 4 to 6 trained again, bitwise
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(REPO_PATH)
 PEER_BOUND_S = 45  # the README's bound (heartbeat timeout 30 s + the watchdog's poll) plus slack
 
 

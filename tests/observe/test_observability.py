@@ -3,11 +3,10 @@
 import json
 import re
 import struct
-from pathlib import Path
 
 import pytest
 from child_env import child_env
-from conftest import QUIET
+from conftest import QUIET, REPO
 
 from dlrm_jax.observe.metrics import tensorboard_tag
 from dlrm_jax.train.trainer import train_and_evaluate
@@ -182,9 +181,7 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     assert "pip install 'dlrm-jax[tensorboard]'" in proc.stdout
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
-    ]
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {re.split("[<>=~ ]", r)[0] for r in extras["tensorboard"]} == {"tensorboard", "tensorboard-plugin-profile"}
 
     from dlrm_jax.observe.report import figures

@@ -1,17 +1,17 @@
 """The plans of the shipped configs, held as files: a planner change shows as a diff of
 ``tests/golden/plans/<config>.txt`` in review. After a deliberate change, rewrite them with
-``DLRM_UPDATE_GOLDEN=1 pytest tests/test_golden_plans.py`` and read the diff."""
+``DLRM_UPDATE_GOLDEN=1 pytest tests/embedding/test_golden_plans.py`` and read the diff."""
 
 import os
-from pathlib import Path
 
 import pytest
+from conftest import TESTS
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.planning import plan_for_run, run_plan_report
 
-GOLDEN = Path(__file__).parent / "golden" / "plans"
+GOLDEN = TESTS / "golden" / "plans"
 CONFIGS = ["default", "smoke", "criteo_kaggle", "mlperf_dlrm_v1", "mlperf_dlrm_dcnv2", "wide_deep"]
 
 
