@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from dlrm_jax.choices import Storage, Strategy
 from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's one public home
     CONFIG_DIR,
     CRITEO_KAGGLE_CARDINALITIES,
@@ -402,10 +403,8 @@ def validate(cfg: Config) -> Config:
     _positive("embedding.adagrad_initial_accumulator", e.adagrad_initial_accumulator, allow_zero=True)
     _positive("embedding.capacity_factor", e.capacity_factor)
     _positive("embedding.memory_budget_gb", e.memory_budget_gb, allow_zero=True)
-    _check_table_overrides(
-        "embedding.table_sharding", e.table_sharding, "STRATEGY", ("replicated", "table", "row", "column"), "cat_2=row"
-    )
-    _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", ("device", "tiered"), "cat_2=tiered")
+    _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY", tuple(Strategy), "cat_2=row")
+    _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", tuple(Storage), "cat_2=tiered")
     tier = e.tier
     for key in ("device_cache_rows", "host_cache_rows", "lookahead", "fill_rows"):
         _positive(f"embedding.tier.{key}", getattr(tier, key), allow_zero=True)

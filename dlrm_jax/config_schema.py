@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlrm_jax.choices import Pooling, RowLayout, Storage, Strategy
+
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
     1460,
@@ -102,7 +104,7 @@ class DataConfig:
     # data and Criteo text (sized by data.cardinalities), none for binary data (its own sizes).
     max_rows: int | str = field(default="auto", metadata=_int_or("auto"))
     bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
-    pooling: str = field(default="sum", metadata=_choices("sum", "mean"))
+    pooling: str = field(default="sum", metadata=_choices(*Pooling))
     zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
     # synthetic: "permuted" scatters popular ids over each table; "frequency_ordered" numbers
     # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
@@ -170,13 +172,13 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    sharding: str = field(default="auto", metadata=_choices("auto", "replicated", "table", "row", "column"))
+    sharding: str = field(default="auto", metadata=_choices("auto", *Strategy))
     optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
     learning_rate: float = 0.05  # 0 = use train.learning_rate
     adagrad_eps: float = 1e-8
     adagrad_initial_accumulator: float = 0.0
     table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
-    row_layout: str = field(default="block", metadata=_choices("block", "cyclic"))
+    row_layout: str = field(default="block", metadata=_choices(*RowLayout))
     capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
     bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
     capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
@@ -189,7 +191,7 @@ class EmbeddingConfig:
     hot: HotConfig = HotConfig()
     # Where tables live: on their devices, or in the host tier behind caches (sharded tables
     # only: a replicated table is small by choice). table_storage overrides it per table.
-    storage: str = field(default="device", metadata=_choices("device", "tiered"))
+    storage: str = field(default="device", metadata=_choices(*Storage))
     table_storage: tuple[str, ...] = ()  # e.g. ["cat_2=tiered", "cat_9=device"]
     tier: TierConfig = TierConfig()
     # global: one set of tables sharded over every device. per_host: each host keeps its own

@@ -15,23 +15,12 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from dlrm_jax.choices import RowLayout, Strategy  # noqa: F401 - defined once there; the plan's names
 from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
 
 
 class PlanError(ValueError):
     """A plan that cannot be made: the message names the table and the limit."""
-
-
-class Strategy(enum.StrEnum):
-    REPLICATED = "replicated"  # every device holds the table; gradients gathered to all
-    TABLE = "table"  # the whole table on one device
-    ROW = "row"  # rows split over all devices (contiguous blocks or id mod N)
-    COLUMN = "column"  # columns split into slices, each slice on one device
-
-
-class RowLayout(enum.StrEnum):
-    BLOCK = "block"  # device d owns rows [d*blk, (d+1)*blk)
-    CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
 
 
 class ExchangeKind(enum.StrEnum):

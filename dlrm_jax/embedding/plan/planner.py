@@ -8,11 +8,11 @@ busiest device on the cluster the plan is for (``cost.py``; the search is ``sear
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from dlrm_jax.choices import Storage  # defined once there
 from dlrm_jax.embedding.plan.cost import PROFILES, Cluster, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError re-exported
     EmbeddingPlan,
@@ -47,11 +47,6 @@ def parse_overrides(
         except ValueError:
             raise PlanError(f"{key}: {item!r}: must be one of {', '.join(v.value for v in values)}") from None
     return out
-
-
-class Storage(enum.StrEnum):
-    DEVICE = "device"
-    TIERED = "tiered"
 
 
 def plan_embeddings(

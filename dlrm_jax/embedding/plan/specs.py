@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-
-class Pooling(enum.StrEnum):
-    SUM = "sum"
-    MEAN = "mean"
+from dlrm_jax.choices import Pooling  # noqa: F401 - defined once there
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""The named choices the config offers and the planner acts on, defined once: the config's
+allowed values, its error messages and the plan all read these enums."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Strategy(enum.StrEnum):
+    """How a table is placed on the devices (``embedding.sharding``, ``embedding.table_sharding``)."""
+
+    REPLICATED = "replicated"  # every device holds the table; gradients gathered to all
+    TABLE = "table"  # the whole table on one device
+    ROW = "row"  # rows split over all devices (contiguous blocks or id mod N)
+    COLUMN = "column"  # columns split into slices, each slice on one device
+
+
+class RowLayout(enum.StrEnum):
+    """Which rows a row-wise table's device owns (``embedding.row_layout``)."""
+
+    BLOCK = "block"  # device d owns rows [d*blk, (d+1)*blk)
+    CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
+
+
+class Pooling(enum.StrEnum):
+    """How a bag's vectors combine into its feature's one vector (``data.pooling``)."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+
+class Storage(enum.StrEnum):
+    """Where a table's rows live (``embedding.table_storage``)."""
+
+    DEVICE = "device"
+    TIERED = "tiered"
