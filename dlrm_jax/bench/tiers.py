@@ -30,6 +30,7 @@ from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.synthetic import SyntheticSource
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, optimizer_bytes_per_row
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.files import make_dir
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.tier_runner import TierRunner
@@ -115,7 +116,8 @@ def bench_tiers(
     temporary folder)."""
     common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]
     total = warmup + steps * repeats + 8
-    root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=tier_dir))
+    where = make_dir(tier_dir, "--tier-dir") if tier_dir else None  # made if it is not there yet
+    root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=where))
     base = load_config(config, common)
     variants = {("device", 0.0, 0): _Variant(base, None, total)}
     for fraction in fractions:

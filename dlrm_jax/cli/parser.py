@@ -25,8 +25,9 @@ def _bounded(kind: type, low: float, *, strict: bool = False):
     return parse
 
 
-def _list_of(kind: type, low: float | None = None):
-    """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given)."""
+def _list_of(kind: type, low: float | None = None, empty: bool = False):
+    """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given; none at
+    all, ``""``, only when ``empty``)."""
     what = {int: "integers", float: "numbers"}[kind]
 
     def parse(text: str) -> list:
@@ -34,7 +35,7 @@ def _list_of(kind: type, low: float | None = None):
             values = [kind(v) for v in text.split(",") if v.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
-        if not values:
+        if not values and not (empty and not text.strip()):
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
         if low is not None and min(values) < low:
             raise argparse.ArgumentTypeError(f"expected values >= {low}, got {text!r}")
@@ -259,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(bt2)
     bt2.add_argument(
         "--fractions",
-        type=_list_of(float),
+        type=_list_of(float, empty=True),
         default=[1.0, 0.5, 0.2, 0.1, 0.05],
-        help="device cache, fractions of each owner's rows (default 1.0,0.5,0.2,0.1,0.05)",
+        help='device cache, fractions of each owner\'s rows (default 1.0,0.5,0.2,0.1,0.05; "": none, '
+        "with --large-gb only the large case)",
     )
     bt2.add_argument(
         "--lookaheads",

@@ -286,7 +286,7 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
         warmup=2,
         output=str(out),
         large_gb=0.004,
-        tier_dir=str(tmp_path),
+        tier_dir=str(tmp_path / "not" / "yet"),  # made, not an [Errno 2]
         **QUIET,
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -311,3 +311,32 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
     assert 0 <= tiered["predicted_host_hit_rate"] <= 1
     assert cases[("large", 0.01, 2)]["tier_gib"] > 3 * tiered["tier_gib"]
     assert not list(tmp_path.glob("dlrm-bench-tiers-*"))  # the tiers are removed
+
+
+def test_the_documented_large_case_command_parses():
+    """docs/benchmarks-log.md's command for tables larger than RAM: ``--fractions ""`` is no
+    fraction case (only the large one), not a refusal."""
+    from dlrm_jax.cli import build_parser
+
+    argv = [
+        "bench",
+        "tiers",
+        "--set",
+        "data.max_rows=200000",
+        "--fractions",
+        "",
+        "--lookaheads",
+        "4",
+        "--steps",
+        "8",
+        "--repeats",
+        "2",
+        "--large-gb",
+        "32",
+        "--tier-dir",
+        "/work/bench-tier",
+        "--output",
+        "large.json",
+    ]
+    args = build_parser().parse_args(argv)
+    assert args.fractions == [] and args.large_gb == 32 and args.lookaheads == [4]
