@@ -311,21 +311,43 @@ def check_features(cfg: Config) -> Config:
     return cfg
 
 
+def _check_bounds(section: Any, prefix: str) -> None:
+    """Every numeric key's declared bound (config_schema ``_bound``), section by section; a
+    word such as ``auto`` in place of a number is not a number to bound."""
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, f"{key}.")
+        elif "bound" in f.metadata and not isinstance(value, str):
+            rule, note = f.metadata["bound"], f.metadata["bound_note"]
+            items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if f.metadata["bound_each"] else [(key, value)]
+            for name, v in items:
+                _check_bound(name, v, rule, note)
+
+
+def _check_bound(key: str, value: float, rule: str, note: str) -> None:
+    if rule in (">0", ">=0"):
+        _positive(key, value, allow_zero=rule == ">=0")
+        return
+    lo, hi = (float(x) for x in rule[1:-1].split(","))
+    above = value >= lo if rule[0] == "[" else value > lo
+    below = value <= hi if rule[-1] == "]" else value < hi
+    if not (above and below):
+        raise ConfigError(f"{key}: must be in {rule}{note}, got {value}")
+
+
 def validate(cfg: Config) -> Config:
-    """Cross-key checks that a single field's type cannot express."""
-    t, d, m = cfg.train, cfg.data, cfg.model
-    _positive("train.steps", t.steps)
-    _positive("train.batch_size", t.batch_size)
-    _positive("train.learning_rate", t.learning_rate)
-    _positive("train.decay_power", t.decay_power)  # below 0 the "decay" would raise the rate
-    for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches", "warmup_steps", "decay_steps"):
-        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
-    _positive("train.keep_checkpoints", t.keep_checkpoints)
-    _positive("train.max_loss_ratio", t.max_loss_ratio, allow_zero=True)
-    _positive("train.hang_timeout_s", t.hang_timeout_s, allow_zero=True)
-    if not 0.0 <= t.target_auc <= 1.0:
-        raise ConfigError(f"train.target_auc: must be in [0, 1] (0 = off), got {t.target_auc}")
-    _positive("train.early_stop_evals", t.early_stop_evals, allow_zero=True)
+    """Every key's declared bound, then the checks across keys that a field's type cannot express."""
+    _check_bounds(cfg, "")
+    _check_train(cfg.train)
+    _check_data(cfg)
+    _check_model(cfg)
+    _check_embedding(cfg)
+    _check_mesh(cfg)
+    return cfg
+
+
+def _check_train(t) -> None:
     for key in ("target_auc", "early_stop_evals"):
         if getattr(t, key) and not t.eval_every:
             raise ConfigError(
@@ -337,27 +359,16 @@ def validate(cfg: Config) -> Config:
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "
             f"exceeds train.steps ({t.steps})"
         )
-    _positive("data.num_dense", d.num_dense)
-    if d.max_rows != "auto":
-        _positive("data.max_rows", d.max_rows, allow_zero=True)
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
     if not d.cardinalities:
         raise ConfigError("data.cardinalities: at least one categorical feature is needed")
-    for i, c in enumerate(d.cardinalities):
-        _positive(f"data.cardinalities[{i}]", c)
     if len(d.bag_sizes) not in (1, len(d.cardinalities)):
         raise ConfigError(
             f"data.bag_sizes: give one value or one per feature ({len(d.cardinalities)}), got {len(d.bag_sizes)}"
         )
-    for i, b in enumerate(d.bag_sizes):
-        _positive(f"data.bag_sizes[{i}]", b)
-    if not 0.0 < d.positive_rate < 1.0:
-        raise ConfigError(f"data.positive_rate: must be in (0, 1), got {d.positive_rate}")
-    _positive("data.zipf_exponent", d.zipf_exponent, allow_zero=True)
-    _positive("data.shuffle_block", d.shuffle_block)
-    _positive("data.readers", d.readers)
-    _positive("data.prefetch", d.prefetch)
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if d.source in ("criteo", "binary") and not d.path:
         raise ConfigError(f"data.path: required when data.source={d.source}")
     if d.source == "synthetic" and d.path:
@@ -366,11 +377,12 @@ def validate(cfg: Config) -> Config:
             f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
             f"data.source=criteo for a Criteo text file"
         )
-    _positive("model.embedding_dim", m.embedding_dim)
-    _positive("model.dcn_layers", m.dcn_layers)
-    _positive("model.dcn_rank", m.dcn_rank, allow_zero=True)
     if d.source != "binary":  # binary data: once its meta.json gives the features (data/sources.py)
         check_features(cfg)
+
+
+def _check_model(cfg: Config) -> None:
+    m, e = cfg.model, cfg.embedding
     if m.kind == "wide_deep":
         if m.bottom_mlp:
             raise ConfigError(
@@ -394,79 +406,53 @@ def validate(cfg: Config) -> Config:
         )
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
-    for key, widths in (("model.bottom_mlp", m.bottom_mlp), ("model.top_mlp", m.top_mlp)):
-        for i, w in enumerate(widths):
-            _positive(f"{key}[{i}]", w)
+    if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
+        _not_with("model.kind=wide_deep", e, per_host=True, tiered=True)
+
+
+def _check_embedding(cfg: Config) -> None:
     e = cfg.embedding
-    _positive("embedding.learning_rate", e.learning_rate, allow_zero=True)
-    _positive("embedding.adagrad_eps", e.adagrad_eps, allow_zero=True)
-    _positive("embedding.adagrad_initial_accumulator", e.adagrad_initial_accumulator, allow_zero=True)
-    _positive("embedding.capacity_factor", e.capacity_factor)
-    _positive("embedding.memory_budget_gb", e.memory_budget_gb, allow_zero=True)
     _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY", tuple(Strategy), "cat_2=row")
     _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", tuple(Storage), "cat_2=tiered")
-    tier = e.tier
-    for key in ("device_cache_rows", "host_cache_rows", "lookahead", "fill_rows"):
-        _positive(f"embedding.tier.{key}", getattr(tier, key), allow_zero=True)
-    for key in ("device_cache_fraction", "host_cache_fraction"):
-        if not 0.0 < getattr(tier, key) <= 1.0:
-            raise ConfigError(f"embedding.tier.{key}: must be in (0, 1], got {getattr(tier, key)}")
-    _positive("embedding.tier.chunk_mb", tier.chunk_mb)
-    h = e.hot
-    if h.rows != "auto":
-        _positive("embedding.hot.rows", h.rows, allow_zero=True)
-    _positive("embedding.hot.memory_mb", h.memory_mb)
-    _positive("embedding.hot.stats_batches", h.stats_batches)
-    _positive("embedding.hot.refresh_every", h.refresh_every, allow_zero=True)
-    if not 0.0 <= h.decay <= 1.0:
-        raise ConfigError(f"embedding.hot.decay: must be in [0, 1], got {h.decay}")
-    _positive("mesh.devices", cfg.mesh.devices, allow_zero=True)
-    _positive("mesh.hosts", cfg.mesh.hosts, allow_zero=True)
-    _positive("embedding.sync_every", e.sync_every, allow_zero=True)
-    if e.tables_per_host:
-        if h.rows != 0:
-            raise ConfigError(
-                f"embedding.sync={e.sync}: hot rows (embedding.hot.rows) are not supported with "
-                "per-host tables yet; set embedding.hot.rows=0"
-            )
-        if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
-            raise ConfigError(
-                f"embedding.sync={e.sync}: tiered tables (embedding.storage) are not supported "
-                "with per-host tables yet; use embedding.storage=device"
-            )
-        if e.sync == "host_replicas" and e.sync_every:
-            raise ConfigError(
-                f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
-                "stay equal by construction and are never averaged; set embedding.sync_every=0"
-            )
-        if cfg.mesh.devices and cfg.mesh.hosts and cfg.mesh.devices % cfg.mesh.hosts:
-            raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} must divide mesh.devices={cfg.mesh.devices}")
-    _positive("mesh.model", cfg.mesh.model)
-    _positive("train.epochs", cfg.train.epochs, allow_zero=True)
-    _positive("train.evals_per_epoch", cfg.train.evals_per_epoch, allow_zero=True)
-    for key, value in dataclasses.asdict(cfg.cluster).items():
-        if key != "profile":
-            _positive(f"cluster.{key}", value, allow_zero=True)
-    _positive("model.microbatches", m.microbatches)
-    if cfg.mesh.devices and cfg.mesh.devices % cfg.mesh.model:
-        raise ConfigError(f"mesh.model={cfg.mesh.model} must divide mesh.devices={cfg.mesh.devices}")
-    if cfg.mesh.model > 1 and e.tables_per_host:
+    if not e.tables_per_host:
+        return
+    if e.hot.rows != 0:
+        raise ConfigError(
+            f"embedding.sync={e.sync}: hot rows (embedding.hot.rows) are not supported with "
+            "per-host tables yet; set embedding.hot.rows=0"
+        )
+    _not_with(f"embedding.sync={e.sync}", e, tiered=True)
+    if e.sync == "host_replicas" and e.sync_every:
+        raise ConfigError(
+            f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
+            "stay equal by construction and are never averaged; set embedding.sync_every=0"
+        )
+
+
+def _check_mesh(cfg: Config) -> None:
+    mesh, e = cfg.mesh, cfg.embedding
+    if e.tables_per_host and mesh.devices and mesh.hosts and mesh.devices % mesh.hosts:
+        raise ConfigError(f"mesh.hosts={mesh.hosts} must divide mesh.devices={mesh.devices}")
+    if mesh.devices and mesh.devices % mesh.model:
+        raise ConfigError(f"mesh.model={mesh.model} must divide mesh.devices={mesh.devices}")
+    if mesh.model > 1 and e.tables_per_host:
         raise ConfigError(
             "mesh.model > 1: model groups are not supported with per-host tables "
             f"(embedding.sync={e.sync}) yet; use mesh.model=1"
         )
-    if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
-        if e.tables_per_host:
-            raise ConfigError(
-                f"model.kind=wide_deep: per-host tables (embedding.sync={e.sync}) are not supported "
-                "yet; use embedding.sync=global"
-            )
-        if e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage):
-            raise ConfigError(
-                "model.kind=wide_deep: tiered tables (embedding.storage) are not supported yet; "
-                "use embedding.storage=device"
-            )
-    return cfg
+
+
+def _not_with(what: str, e, per_host: bool = False, tiered: bool = False) -> None:
+    """The one home of "not supported with per-host tables / tiered tables yet"."""
+    if per_host and e.tables_per_host:
+        raise ConfigError(
+            f"{what}: per-host tables (embedding.sync={e.sync}) are not supported yet; use embedding.sync=global"
+        )
+    if tiered and (e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage)):
+        where = "with per-host tables " if what.startswith("embedding.sync") else ""
+        raise ConfigError(
+            f"{what}: tiered tables (embedding.storage) are not supported {where}yet; use embedding.storage=device"
+        )
 
 
 def dump_config(cfg: Config) -> str:

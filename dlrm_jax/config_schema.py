@@ -61,61 +61,93 @@ def _int_or(*words: str) -> dict:
     return {"words": words}
 
 
+def _bound(rule: str, note: str = "", each: bool = False) -> dict:
+    """A numeric key's allowed values, declared beside it and checked by ``config.validate``:
+    ``>0``, ``>=0``, or an interval such as ``(0, 1]``; ``note`` follows the rule in the error;
+    ``each``: the rule holds for every element of a list."""
+    return {"bound": rule, "bound_note": note, "bound_each": each}
+
+
+POS, NONNEG = _bound(">0"), _bound(">=0")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000
-    epochs: float = 0.0  # > 0: train this many passes over the train split (real data); train.steps gives way
-    batch_size: int = 1024  # global, over all processes and devices
+    steps: int = field(default=1000, metadata=POS)
+    epochs: float = field(
+        default=0.0, metadata=NONNEG
+    )  # > 0: train this many passes over the train split (real data); train.steps gives way
+    batch_size: int = field(default=1024, metadata=POS)  # global, over all processes and devices
     seed: int = 0
-    learning_rate: float = 0.001  # dense part; the embeddings take embedding.learning_rate
+    learning_rate: float = field(default=0.001, metadata=POS)  # dense part; the embeddings take embedding.learning_rate
     optimizer: str = field(default="adam", metadata=_choices("sgd", "adagrad", "adam"))
-    warmup_steps: int = 0
-    decay_steps: int = 0  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
-    decay_power: float = 2.0
+    warmup_steps: int = field(default=0, metadata=NONNEG)
+    decay_steps: int = field(
+        default=0, metadata=NONNEG
+    )  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
+    decay_power: float = field(default=2.0, metadata=POS)  # below 0 the "decay" would raise the rate
     compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
-    log_every: int = 50
-    eval_every: int = 250  # 0 = only at the end
-    evals_per_epoch: int = 0  # > 0 (real data): evaluate this many times an epoch; train.eval_every gives way
-    eval_batches: int = 0  # global batches per evaluation; 0 = the whole val split (synthetic data: 16)
-    checkpoint_every: int = 250  # 0 = only at the end
-    keep_checkpoints: int = 3
+    log_every: int = field(default=50, metadata=NONNEG)
+    eval_every: int = field(default=250, metadata=NONNEG)  # 0 = only at the end
+    evals_per_epoch: int = field(
+        default=0, metadata=NONNEG
+    )  # > 0 (real data): evaluate this many times an epoch; train.eval_every gives way
+    eval_batches: int = field(
+        default=0, metadata=NONNEG
+    )  # global batches per evaluation; 0 = the whole val split (synthetic data: 16)
+    checkpoint_every: int = field(default=250, metadata=NONNEG)  # 0 = only at the end
+    keep_checkpoints: int = field(default=3, metadata=POS)
     # auc or logloss: the checkpoint of the best evaluation by that metric is kept beyond the
     # newest keep_checkpoints (an evaluation that improves on it is saved); '' = off.
     keep_best: str = field(default="", metadata=_choices("", "auc", "logloss"))
-    target_auc: float = 0.0  # stop once an evaluation's AUC reaches this; 0 = off
+    target_auc: float = field(
+        default=0.0, metadata=_bound("[0, 1]", " (0 = off)")
+    )  # stop once an evaluation's AUC reaches this; 0 = off
     # Stop after this many evaluations in a row without a better keep_best metric (auc when
     # keep_best is ''); 0 = off.
-    early_stop_evals: int = 0
-    max_loss_ratio: float = 10.0  # stop when the loss exceeds this x its starting value; 0 = off
+    early_stop_evals: int = field(default=0, metadata=NONNEG)
+    max_loss_ratio: float = field(
+        default=10.0, metadata=NONNEG
+    )  # stop when the loss exceeds this x its starting value; 0 = off
     progress_bar: bool = True
     tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard
     # Several processes: one that makes no progress (a step, evaluation or checkpoint) for this
     # long exits naming where every process is, and the others follow; 0 = off.
-    hang_timeout_s: float = 900.0
+    hang_timeout_s: float = field(default=900.0, metadata=NONNEG)
 
 
 @dataclass(frozen=True)
 class DataConfig:
     source: str = field(default="synthetic", metadata=_choices("synthetic", "criteo", "binary"))
     path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
-    num_dense: int = 13
-    cardinalities: tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
+    num_dense: int = field(default=13, metadata=POS)
+    cardinalities: tuple[int, ...] = field(default=CRITEO_KAGGLE_CARDINALITIES, metadata=_bound(">0", each=True))
     # Cap on rows per table, larger ones hashed into it; 0 = no cap; auto = 20000 for synthetic
     # data and Criteo text (sized by data.cardinalities), none for binary data (its own sizes).
-    max_rows: int | str = field(default="auto", metadata=_int_or("auto"))
-    bag_sizes: tuple[int, ...] = (1,)  # max ids per feature; one value for all, or one per feature
+    max_rows: int | str = field(default="auto", metadata=_int_or("auto") | NONNEG)
+    bag_sizes: tuple[int, ...] = field(
+        default=(1,), metadata=_bound(">0", each=True)
+    )  # max ids per feature; one value for all, or one per feature
     pooling: str = field(default="sum", metadata=_choices(*Pooling))
-    zipf_exponent: float = 1.1  # synthetic id popularity; larger = more skewed
+    zipf_exponent: float = field(default=1.1, metadata=NONNEG)  # synthetic id popularity; larger = more skewed
     # synthetic: "permuted" scatters popular ids over each table; "frequency_ordered" numbers
     # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
     id_layout: str = field(default="permuted", metadata=_choices("permuted", "frequency_ordered"))
-    positive_rate: float = 0.26  # synthetic: target click-through rate
+    positive_rate: float = field(default=0.26, metadata=_bound("(0, 1)"))  # synthetic: target click-through rate
     shuffle: bool = True  # binary: visit each process's blocks of rows in a new order every epoch
-    shuffle_block: int = 4096  # binary: rows read contiguously (the unit the epochs shuffle)
-    readers: int = 2  # threads that read batches and copy them to the devices, ahead of the step
-    prefetch: int = 4  # steps of input prepared ahead (host and device memory: this many batches)
+    shuffle_block: int = field(
+        default=4096, metadata=POS
+    )  # binary: rows read contiguously (the unit the epochs shuffle)
+    readers: int = field(
+        default=2, metadata=POS
+    )  # threads that read batches and copy them to the devices, ahead of the step
+    prefetch: int = field(
+        default=4, metadata=POS
+    )  # steps of input prepared ahead (host and device memory: this many batches)
     skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
-    val_fraction: float = 0.1  # criteo: the last fraction of lines held out for evaluation
+    val_fraction: float = field(
+        default=0.1, metadata=_bound("(0, 1)")
+    )  # criteo: the last fraction of lines held out for evaluation
 
 
 @dataclass(frozen=True)
@@ -123,12 +155,18 @@ class ModelConfig:
     # dlrm: bottom MLP, interaction, top MLP. wide_deep: Wide&Deep, the deep part takes the dense
     # features as they are (bottom_mlp empty) and a wide linear model over the ids is added.
     kind: str = field(default="dlrm", metadata=_choices("dlrm", "wide_deep"))
-    embedding_dim: int = 16
-    bottom_mlp: tuple[int, ...] = (128, 64, 16)  # output widths; the last must be embedding_dim for dot
-    top_mlp: tuple[int, ...] = (256, 128, 1)  # output widths; the last must be 1
+    embedding_dim: int = field(default=16, metadata=POS)
+    bottom_mlp: tuple[int, ...] = field(
+        default=(128, 64, 16), metadata=_bound(">0", each=True)
+    )  # output widths; the last must be embedding_dim for dot
+    top_mlp: tuple[int, ...] = field(
+        default=(256, 128, 1), metadata=_bound(">0", each=True)
+    )  # output widths; the last must be 1
     interaction: str = field(default="dot", metadata=_choices("dot", "cat", "dcn"))
-    dcn_layers: int = 3  # interaction=dcn: cross layers (DCNv2)
-    dcn_rank: int = 0  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
+    dcn_layers: int = field(default=3, metadata=POS)  # interaction=dcn: cross layers (DCNv2)
+    dcn_rank: int = field(
+        default=0, metadata=NONNEG
+    )  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
     # wide_deep: the wide part's own optimizer (FTRL-Proximal as in the Wide&Deep paper) and its
     # constant learning rate; l1 / l2: FTRL's regularisation strengths.
     wide_optimizer: str = field(default="ftrl", metadata=_choices("sgd", "adagrad", "ftrl"))
@@ -138,18 +176,20 @@ class ModelConfig:
     # The dense layers over mesh.model devices (model/mlp_parallel.py): data (each device all
     # of them), tensor (Megatron column/row pairs), pipeline (GPipe stages, microbatches).
     mlp_parallel: str = field(default="data", metadata=_choices("data", "tensor", "pipeline"))
-    microbatches: int = 4  # mlp_parallel=pipeline: microbatches a model group's rows are split into
+    microbatches: int = field(
+        default=4, metadata=POS
+    )  # mlp_parallel=pipeline: microbatches a model group's rows are split into
 
 
 @dataclass(frozen=True)
 class HotConfig:
     """Hot-row replication: the most looked-up rows live on every device (embedding/hot/)."""
 
-    rows: int | str = field(default=0, metadata=_int_or("auto"))  # 0 = off; auto = the cost model
-    memory_mb: float = 64.0  # per device: hot rows plus their optimizer state
-    stats_batches: int = 8  # batches counted to choose the rows (and before each refresh)
-    refresh_every: int = 0  # steps between re-choosing the rows; 0 = never
-    decay: float = 0.5  # counts kept from before a refresh, as a fraction
+    rows: int | str = field(default=0, metadata=_int_or("auto") | NONNEG)  # 0 = off; auto = the cost model
+    memory_mb: float = field(default=64.0, metadata=POS)  # per device: hot rows plus their optimizer state
+    stats_batches: int = field(default=8, metadata=POS)  # batches counted to choose the rows (and before each refresh)
+    refresh_every: int = field(default=0, metadata=NONNEG)  # steps between re-choosing the rows; 0 = never
+    decay: float = field(default=0.5, metadata=_bound("[0, 1]"))  # counts kept from before a refresh, as a fraction
     # All-to-all over all-reduce bandwidth (`dlrm-jax bench collectives`); 0 = per backend.
 
 
@@ -160,34 +200,40 @@ class TierConfig:
 
     path: str = ""  # the disk tier's folder; '' = RUN_DIR/tier
     # Device cache per owner of each tiered table: rows, or 0 = device_cache_fraction of them.
-    device_cache_rows: int = 0
-    device_cache_fraction: float = 0.1
-    host_cache_rows: int = 0  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
-    host_cache_fraction: float = 0.25
+    device_cache_rows: int = field(default=0, metadata=NONNEG)
+    device_cache_fraction: float = field(default=0.1, metadata=_bound("(0, 1]"))
+    host_cache_rows: int = field(
+        default=0, metadata=NONNEG
+    )  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
+    host_cache_fraction: float = field(default=0.25, metadata=_bound("(0, 1]"))
     policy: str = field(default="lru", metadata=_choices("lru", "lfu"))  # the DRAM cache's
-    lookahead: int = 2  # batches planned ahead; their rows are never evicted early
-    fill_rows: int = 0  # rows one step may fill per device and group; 0 = measured
-    chunk_mb: float = 4.0  # size of the disk tier's chunk files
+    lookahead: int = field(default=2, metadata=NONNEG)  # batches planned ahead; their rows are never evicted early
+    fill_rows: int = field(default=0, metadata=NONNEG)  # rows one step may fill per device and group; 0 = measured
+    chunk_mb: float = field(default=4.0, metadata=POS)  # size of the disk tier's chunk files
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
     sharding: str = field(default="auto", metadata=_choices("auto", *Strategy))
     optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
-    learning_rate: float = 0.05  # 0 = use train.learning_rate
-    adagrad_eps: float = 1e-8
-    adagrad_initial_accumulator: float = 0.0
+    learning_rate: float = field(default=0.05, metadata=NONNEG)  # 0 = use train.learning_rate
+    adagrad_eps: float = field(default=1e-8, metadata=NONNEG)
+    adagrad_initial_accumulator: float = field(default=0.0, metadata=NONNEG)
     table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
     row_layout: str = field(default="block", metadata=_choices(*RowLayout))
     capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
     bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
-    capacity_factor: float = 1.25  # headroom of the all-to-all buckets over the busiest owner's load
+    capacity_factor: float = field(
+        default=1.25, metadata=POS
+    )  # headroom of the all-to-all buckets over the busiest owner's load
     dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
     exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16", "float8"))
     # Duplicate rows' gradients summed exactly (embedding/exchange/sums.py): bit-identical runs on GPUs,
     # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
     deterministic: bool = False
-    memory_budget_gb: float = 0.0  # per device, for tables, optimizer state, buffers; 0 = no check
+    memory_budget_gb: float = field(
+        default=0.0, metadata=NONNEG
+    )  # per device, for tables, optimizer state, buffers; 0 = no check
     hot: HotConfig = HotConfig()
     # Where tables live: on their devices, or in the host tier behind caches (sharded tables
     # only: a replicated table is small by choice). table_storage overrides it per table.
@@ -203,7 +249,7 @@ class EmbeddingConfig:
     # hosts), so training is global's (up to the order of float sums), at the hosts' count
     # times the table memory.
     sync: str = field(default="global", metadata=_choices("global", "per_host", "host_replicas"))
-    sync_every: int = 0
+    sync_every: int = field(default=0, metadata=NONNEG)
 
     @property
     def tables_per_host(self) -> bool:
@@ -213,13 +259,15 @@ class EmbeddingConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    devices: int = 0  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
+    devices: int = field(
+        default=0, metadata=NONNEG
+    )  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
     # Hosts of the (hosts, data, model) mesh that embedding.sync=per_host uses: 0 = one per process;
     # more than the processes splits each process's devices into simulated hosts.
-    hosts: int = 0
+    hosts: int = field(default=0, metadata=NONNEG)
     # Neighbouring devices that share the dense MLPs' layers (model.mlp_parallel tensor or
     # pipeline); the mesh is (data, model), the batch and the embedding tables over both.
-    model: int = 1
+    model: int = field(default=1, metadata=POS)
 
 
 @dataclass(frozen=True)
@@ -230,12 +278,14 @@ class ClusterConfig:
     # auto: cpu when training on simulated CPU devices, else h100 (8 GPUs a host, NVLink within,
     # one 400 Gb/s InfiniBand NIC per GPU between hosts)
     profile: str = field(default="auto", metadata=_choices("auto", "h100", "cpu"))
-    devices_per_host: int = 0
-    intra_host_gbps: float = 0.0  # GB/s each way per device between devices of one host
-    inter_host_gbps: float = 0.0  # GB/s each way per device between hosts
-    hbm_gbps: float = 0.0  # device memory bandwidth
-    tflops: float = 0.0  # dense matmul peak at bfloat16 (float32: half)
-    device_memory_gb: float = 0.0  # the planner's budget when embedding.memory_budget_gb is 0 (90% of it)
+    devices_per_host: int = field(default=0, metadata=NONNEG)
+    intra_host_gbps: float = field(default=0.0, metadata=NONNEG)  # GB/s each way per device between devices of one host
+    inter_host_gbps: float = field(default=0.0, metadata=NONNEG)  # GB/s each way per device between hosts
+    hbm_gbps: float = field(default=0.0, metadata=NONNEG)  # device memory bandwidth
+    tflops: float = field(default=0.0, metadata=NONNEG)  # dense matmul peak at bfloat16 (float32: half)
+    device_memory_gb: float = field(
+        default=0.0, metadata=NONNEG
+    )  # the planner's budget when embedding.memory_budget_gb is 0 (90% of it)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Configuration: shipped files load, the default file matches the code, errors name keys."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,34 @@ def test_yaml_syntax_error_is_one_line_with_the_line_number(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(bad)
     assert "\n" not in str(e.value) and "bad.yaml:" in str(e.value)
+
+
+def _bounded_keys(section, prefix=""):
+    import dataclasses
+
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _bounded_keys(value, f"{prefix}{f.name}.")
+        elif f.type in ("int", "float", "int | str", "tuple[int, ...]"):
+            yield f"{prefix}{f.name}", f.metadata.get("bound"), f.metadata.get("bound_each", False)
+
+
+def test_every_numeric_key_declares_its_bound_and_a_value_outside_it_is_named():
+    from dlrm_jax.config_schema import Config
+
+    keys = list(_bounded_keys(Config()))
+    unbounded = {k for k, rule, _ in keys if rule is None}
+    # any integer seeds the run; the wide part's keys are bounded where they are used (wide_deep)
+    assert unbounded == {"train.seed", "model.wide_learning_rate", "model.wide_l1", "model.wide_l2"}, unbounded
+    for key, rule, each in keys:
+        if rule is None:
+            continue
+        if rule in (">0", ">=0"):
+            bad = 0 if rule == ">0" else -1
+        else:
+            lo, hi = (float(x) for x in rule[1:-1].split(","))
+            bad = hi + 0.5 if rule[-1] == "]" else hi
+        value = f"[{bad}]" if each else bad
+        with pytest.raises(ConfigError, match=re.escape(f"{key}[0]" if each else key)):
+            load_config(None, [f"{key}={value}"])
