@@ -17,7 +17,8 @@ over numpy arrays), :func:`evaluate_run`, :class:`RunSummary`, :func:`build`; it
 :class:`Interrupted` (SIGINT/SIGTERM, after saving) and :class:`TrainingDiverged`.
 Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config` (the mesh a config asks for).
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
-:func:`plan_from_config`, :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
+:class:`PlanOptions` (its options as one record), :func:`plan_from_config`, :func:`plan_report`,
+:class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection` (lookups and sparse updates inside a jitted step of your own; its
 state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`),
 ``PAD_ID`` (an empty slot of a multi-hot bag)::
@@ -78,6 +79,7 @@ _EXPORTS = {
     "TableSpec": "dlrm_jax.embedding.plan.specs",
     "specs_from_config": "dlrm_jax.embedding.plan.specs",
     "plan_embeddings": "dlrm_jax.embedding.plan.planner",
+    "PlanOptions": "dlrm_jax.embedding.plan.planner",
     "plan_from_config": "dlrm_jax.embedding.plan.planner",
     "plan_report": "dlrm_jax.embedding.plan.stats",
     "PlanError": "dlrm_jax.embedding.plan.planner",

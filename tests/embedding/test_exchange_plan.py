@@ -223,3 +223,25 @@ def test_plan_json_keeps_each_tables_exchange(tiny):
     restored = EmbeddingPlan.from_json(json.dumps(old))
     assert restored.capacities == (("sharded_w8", 5),) and {t.exchange for t in restored.tables} == {ExchangeKind.IDS}
     assert dataclasses.replace(restored, capacities=()) is not None
+
+
+def test_plan_options_as_a_record_or_as_keywords_make_the_same_plan():
+    from dlrm_jax.embedding.plan.planner import PlanOptions
+
+    specs = [TableSpec(f"t{i}", rows, 16, 1) for i, rows in enumerate((50_000, 300, 2_000_000))]
+    options = PlanOptions(overrides={"t1": "replicated"}, capacity_factor=1.5, budget_bytes=1 << 30, cluster=H100)
+    by_record = plan_embeddings(specs, "auto", 8, "adagrad", 4096, options)
+    by_keywords = plan_embeddings(
+        specs,
+        "auto",
+        8,
+        "adagrad",
+        4096,
+        overrides={"t1": "replicated"},
+        capacity_factor=1.5,
+        budget_bytes=1 << 30,
+        cluster=H100,
+    )
+    assert by_record == by_keywords and by_record.tables[1].strategy == "replicated"
+    with pytest.raises(TypeError, match="PlanOptions' fields"):
+        plan_embeddings(specs, "auto", 8, "adagrad", 4096, overides={"t1": "table"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,42 +50,60 @@ def parse_overrides(
     return out
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """Everything a plan is made under besides the tables, the devices, the optimizer and the
+    batch: the planner's options as one record (``plan_from_config`` builds it from a config).
+
+    ``overrides``: {table name: strategy} over the default ``sharding``; ``row_layout``: block
+    or cyclic; ``capacity_factor``: the buckets' headroom; ``dtype`` / ``exchange_dtype``:
+    table storage and the wire; ``budget_bytes``: per device (0 = no limit); ``bag_exchange``:
+    auto, ids or pooled; ``storage`` and ``storage_overrides``: device or tiered tables
+    (counted by their device caches, ``device_cache``: rows per owner, or 0 and a fraction);
+    ``cluster``: the machines ``auto`` prices plans for (default: the simulated CPU profile);
+    ``stats``: per table, its ids' statistics in the data (default: the batch-size bound)."""
+
+    overrides: Mapping[str, Strategy | str] = field(default_factory=dict)
+    row_layout: str = "block"
+    capacity_factor: float = 1.25
+    dtype: str = "float32"
+    exchange_dtype: str = "float32"
+    budget_bytes: int = 0
+    bag_exchange: str = "auto"
+    storage: str = "device"
+    storage_overrides: Mapping[str, Storage] = field(default_factory=dict)
+    device_cache: tuple[int, float] = (0, 0.1)
+    cluster: Cluster | None = None
+    stats: Sequence[TableStats] | None = None
+
+
 def plan_embeddings(
     specs: Sequence[TableSpec],
     sharding: str,
     num_devices: int,
     optimizer: str,
     global_batch: int,
-    *,
-    overrides: Mapping[str, Strategy | str] | None = None,
-    row_layout: str = "block",
-    capacity_factor: float = 1.25,
-    dtype: str = "float32",
-    exchange_dtype: str = "float32",
-    budget_bytes: int = 0,
-    bag_exchange: str = "auto",
-    storage: str = "device",
-    storage_overrides: Mapping[str, Storage] | None = None,
-    device_cache: tuple[int, float] = (0, 0.1),
-    cluster: Cluster | None = None,
-    stats: Sequence[TableStats] | None = None,
+    options: PlanOptions | None = None,
+    **option_fields,
 ) -> EmbeddingPlan:
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
-    one cannot be placed within ``budget_bytes`` per device (0 = no limit).
+    one cannot be placed within the budget per device.
 
     ``sharding``: ``auto``, ``replicated``, ``table``, ``row`` or ``column`` for every table
-    not in ``overrides`` ({table name: strategy}, e.g. ``{"user_region": "table"}``);
+    not in the options' ``overrides`` ({table name: strategy}, e.g. ``{"user_region": "table"}``);
     ``optimizer``: the sparse optimizer's name (its state counts in the bytes);
-    ``global_batch``: the samples of one step over all devices (the exchange is sized for it).
-
-    Tiered tables (``storage``, ``storage_overrides``) count only their device caches
-    (``device_cache``: rows per owner, or 0 and a fraction of the rows it owns); they are
-    never replicated: ``auto`` chooses among the sharded strategies for them.
-
-    ``cluster``: the machines ``auto`` prices plans for (default: the simulated CPU profile);
-    ``stats``: per table, its ids' statistics in the data (default: the batch-size bound)."""
-    overrides = dict(overrides or {})
-    storage_overrides = dict(storage_overrides or {})
+    ``global_batch``: the samples of one step over all devices (the exchange is sized for it);
+    ``options``: a :class:`PlanOptions`, or its fields as keywords (``overrides=...``,
+    ``budget_bytes=...``). Tiered tables are never replicated: ``auto`` chooses among the
+    sharded strategies for them."""
+    try:
+        o = dataclasses.replace(options or PlanOptions(), **option_fields)
+    except TypeError as e:
+        raise TypeError(f"plan_embeddings: {e} (the options are PlanOptions' fields)") from None
+    overrides, storage_overrides = dict(o.overrides or {}), dict(o.storage_overrides or {})
+    capacity_factor, dtype, exchange_dtype, budget_bytes = o.capacity_factor, o.dtype, o.exchange_dtype, o.budget_bytes
+    storage, stats, cluster = o.storage, o.stats, o.cluster
+    row_layout, bag_exchange, device_cache = o.row_layout, o.bag_exchange, o.device_cache
     names = {s.name for s in specs}
     for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
         unknown = sorted(set(given) - names)
@@ -179,12 +198,7 @@ def plan_from_config(
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan(cfg, num_devices)), 1)
-    return plan_embeddings(
-        specs,
-        e.sharding,
-        num_devices,
-        e.optimizer,
-        cfg.train.batch_size,
+    options = PlanOptions(
         overrides=parse_overrides(e.table_sharding, specs),
         row_layout=e.row_layout,
         capacity_factor=e.capacity_factor,
@@ -198,6 +212,7 @@ def plan_from_config(
         cluster=cluster,
         stats=stats,
     )
+    return plan_embeddings(specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size, options)
 
 
 def host_plan_from_config(
