@@ -215,8 +215,15 @@ class EmbeddingCollection:
         return self._refresh(state, keys, *hot_index(keys if index_keys is None else index_keys))
 
     def logical_tables(self, state: EmbeddingState) -> tuple[list[jax.Array], list[dict[str, jax.Array]]]:
-        """Per table, its [rows, D] values and optimizer state, whatever the plan."""
-        return to_logical(self.plan, self.groups, state)
+        """Per table, its [rows, D] values and optimizer state, whatever the plan.
+
+        One compiled program: run op by op, the gathers, concatenations and hot-row scatters
+        over every group and table put dozens of multi-device programs in flight at once, and
+        XLA:CPU's launch slots then starve a running program's collective of its last devices
+        (the process aborts, as the dispatch limit in train/loop.py explains)."""
+        if not hasattr(self, "_to_logical"):
+            self._to_logical = jax.jit(lambda state: to_logical(self.plan, self.groups, state))
+        return self._to_logical(state)
 
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
