@@ -45,7 +45,8 @@ def quantize_int8(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 [n, D] -> int8 [n, D] and float32 [n, 2] (scale, offset) per row: the row's
     range in 256 steps (FBGEMM's row-wise 8-bit form); a constant row has scale 1."""
     lo, hi = values.min(axis=1), values.max(axis=1)
-    scale = np.where(hi > lo, (hi - lo) / 255.0, 1.0).astype(np.float32)
+    step = ((hi - lo) / 255.0).astype(np.float32)
+    scale = np.where(step > 0, step, 1.0).astype(np.float32)  # a constant row, or a range that underflows
     q = np.rint((values - lo[:, None]) / scale[:, None]) - 128.0
     return np.clip(q, -128, 127).astype(np.int8), np.stack([scale, lo], axis=1).astype(np.float32)
 
