@@ -30,6 +30,7 @@ from dlrm_jax.data.sources import make_source
 from dlrm_jax.data.synthetic import TRAIN_STREAM, SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.files import predict_files
+from dlrm_jax.serving.tables import table_bytes
 from dlrm_jax.train.evaluate import eval_scores
 from dlrm_jax.train.export import restore_run
 from dlrm_jax.train.serving_export import export_serving
@@ -168,10 +169,7 @@ def _delta_report(base: Path, delta: Path, full: Path) -> dict:
 
     manifest = json.loads((delta / "manifest.json").read_text())
     entries = manifest["features"] + (manifest.get("wide") or [])
-    row_bytes = {
-        e["name"]: 4 * e["dim"] if e["dtype"] == "float32" else e["dim"] + 8 if e["dtype"] == "int8" else 2 * e["dim"]
-        for e in entries
-    }
+    row_bytes = {e["name"]: table_bytes({**e, "rows": 1}) for e in entries}
     touched = sum(e["rows_changed"] * (row_bytes[e["name"]] + 8) for e in entries)  # + its row number
     dense = _bytes(delta / "dense") + (delta / "manifest.json").stat().st_size
     with serving.load(base, [delta]) as merged, serving.load(full) as whole:

@@ -104,8 +104,4 @@ def _tabular(model: ServingModel, path: str, batch_size: int, log: SkipLog, bar)
     with open_input(path, DataFormatError) as (_, f):
         first = f.readline()
     with open_input(path, DataFormatError) as (raw, f):
-        for records, keep, dense, ids in model.rules.chunks(f, raw, path, first, log, CHUNK_LINES, bar):
-            probs = np.full(len(records), np.nan, np.float32)
-            if len(keep):
-                probs[keep] = model.predict(dense, ids, batch_size)
-            yield probs
+        yield from model.score_records(model.rules.chunks(f, raw, path, first, log, CHUNK_LINES, bar), batch_size)

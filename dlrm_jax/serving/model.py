@@ -143,14 +143,19 @@ class ServingModel:
         data = [s.encode() if isinstance(s, str) else s for s in lines]
         data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
         log = SkipLog(skip_bad_lines, DataFormatError)
-        out = [np.zeros(0, np.float32)]
-        for records, keep, dense, ids in self.rules.chunks(
+        chunks = self.rules.chunks(
             io.BytesIO(b"".join(data)), None, "rows", data[0] if data else b"", log, max(len(data), 1)
-        ):
+        )
+        return np.concatenate([np.zeros(0, np.float32), *self.score_records(chunks, batch_size)])
+
+    def score_records(self, chunks, batch_size: int = DEFAULT_BATCH):
+        """Per chunk of a tabular model's records (``rules.chunks``): their probabilities in
+        order, nan for a skipped one."""
+        for records, keep, dense, ids in chunks:
             probs = np.full(len(records), np.nan, np.float32)
-            probs[keep] = self.predict(dense, ids, batch_size)
-            out.append(probs)
-        return np.concatenate(out)
+            if len(keep):
+                probs[keep] = self.predict(dense, ids, batch_size)
+            yield probs
 
     def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
         """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules."""

@@ -31,8 +31,6 @@ from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 
-_StopSignals = StopSignals  # the name tests and older code use
-
 
 def train_and_evaluate(
     cfg: Config, run_dir: str | Path | None = None, *, log=print, source: DataSource | None = None

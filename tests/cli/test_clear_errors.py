@@ -254,7 +254,7 @@ def test_sigterm_while_compiling_is_one_line_like_sigint(tmp_path):
 SWALLOWED_STOP = """
 import os, signal, sys
 from dlrm_jax import stopping
-from dlrm_jax.train.trainer import _StopSignals
+from dlrm_jax.train.loop import StopSignals
 
 stopping.stop_on_signals()
 
@@ -266,7 +266,7 @@ class Collected:
 Collected()
 print("went on", flush=True)
 try:
-    with _StopSignals():
+    with StopSignals():
         print("trained", flush=True)
 except stopping.Stopped as e:
     print("stopped", e.signum, flush=True)
