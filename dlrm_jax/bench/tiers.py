@@ -78,7 +78,7 @@ class _Variant:
             if self.runner is None:
                 self.state, out = self.steps.train_step(self.state, self.steps.device_batch(item))
             else:
-                self.state, out = self.runner.train(self.state, item.batch, item.fills)
+                self.state, out = self.runner.train(self.state, item.batch, item.fills, item.reads)
         jax.block_until_ready(out["loss"])
         if timed:
             self.times.append(time.perf_counter() - t0)

@@ -152,7 +152,7 @@ class TieredDriver(StepDriver):
         return self.runner.planned(self.source.train_batch, range(start, end))
 
     def run(self, state: TrainState, item) -> Stepped:
-        state, out = self.runner.train(state, item.batch, item.fills)
+        state, out = self.runner.train(state, item.batch, item.fills, item.reads)
         return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
 
     def check_batch(self, item) -> Batch:

@@ -1,11 +1,14 @@
 """Train steps over tiered tables: batches planned ahead in a thread, fills in, evictions back.
 
 The planner thread (plain numpy, no device work) reads batches ``lookahead`` ahead of the one
-it plans, so the rows they need stay cached, and hands over each batch with its tiered ids
-replaced by cache ids and the rows to fill. The dispatching thread reads the incoming rows
-(DRAM cache or disk tier), puts the fill arrays on the devices (asynchronously: the previous
-step is still running), dispatches the step, and only then writes back what the previous
-step evicted. Every program is dispatched from that one thread.
+it plans, so the rows they need stay cached, starts reading from the disk tier the rows each
+planned batch will fill that no cache holds (on the tier's reader thread, many reads in
+flight), and hands over each batch with its tiered ids replaced by cache ids, the rows to
+fill and those reads. The dispatching thread takes the incoming rows (DRAM cache, the rows
+read ahead, or, for the few the guess missed, the disk), puts the fill arrays on the devices
+(asynchronously: the previous step is still running), dispatches the step, and only then
+writes back what the previous step evicted (to the DRAM caches; what they evict goes to the
+tier's write-behind thread). Every program is dispatched from that one thread.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -28,11 +31,13 @@ from dlrm_jax.ids import PAD_ID
 
 
 class Planned(NamedTuple):
-    """One planned step: the batch with cache ids, its fills, and the batch's own ids."""
+    """One planned step: the batch with cache ids, its fills, the batch's own ids, and the
+    future of the tier reads begun for it (None: nothing to read)."""
 
     batch: Batch
     fills: dict
     ids: np.ndarray
+    reads: Any = None
 
 
 class TierRunner:
@@ -88,7 +93,8 @@ class TierRunner:
                     caches, self.slot_table, ids, self.lookahead, hot_for if schedule is not None else None
                 )
                 for i, (orig, remapped, fills) in enumerate(stream):
-                    yield Planned(pending.pop(i)._replace(ids=remapped), fills, orig)
+                    reads = self.tiered.read_ahead_for(fills) if threaded else None
+                    yield Planned(pending.pop(i)._replace(ids=remapped), fills, orig, reads)
             finally:
                 with self._gate:
                     self._planner_done = True
@@ -124,14 +130,21 @@ class TierRunner:
 
     def take_metrics(self, steps: int) -> dict:
         """The tier's figures since the last call, for a metrics event of ``steps`` steps:
-        device and DRAM hit rates, rows filled and evicted, host->device bytes and planning
-        plus fill-assembly stall per step."""
+        device and DRAM hit rates, rows filled and evicted, host->device bytes, planning plus
+        fill-assembly stall per step, and the disk tier's traffic (rows read ahead or at the
+        step, read requests and bytes, and the step's wait on reads)."""
         host = self.tiered.host.values()
         now = dict(self.tiered.stats) | {
             "host_hits": sum(h.hits for h in host),
             "host_misses": sum(h.misses for h in host),
             "h2d": self.h2d_bytes,
             "stall": self.stall_s,
+            "read_ahead": sum(h.rows_read_ahead for h in host),
+            "read_at_step": sum(h.tier_rows_read for h in host),
+            "from_queue": sum(h.rows_from_queue for h in host),
+            "tier_wait": self.tiered.read_ahead.wait_s + sum(h.read_wait_s for h in host),
+            "tier_reads": self.tiered.store.io_stats.reads,
+            "tier_read_bytes": self.tiered.store.io_stats.read_bytes,
         }
         d = {k: v - self._last.get(k, 0) for k, v in now.items()}
         self._last = now
@@ -144,6 +157,13 @@ class TierRunner:
             "fill_rounds": d.get("fill_rounds", 0),
             "h2d_bytes_per_step": d["h2d"] / steps,
             "stall_ms_per_step": 1e3 * d["stall"] / steps,
+            # Tier traffic: rows DRAM missed, by where they came from, and the disk requests made.
+            "rows_read_ahead": d["read_ahead"],
+            "rows_read_at_step": d["read_at_step"],
+            "rows_from_write_queue": d["from_queue"],
+            "tier_wait_ms_per_step": 1e3 * d["tier_wait"] / steps,
+            "tier_reads": d["tier_reads"],
+            "tier_read_bytes": d["tier_read_bytes"],
         }
 
     def _previous(self):
@@ -153,10 +173,11 @@ class TierRunner:
             self._empty = self._device(self.tiered.empty_evictions())
         return self._empty
 
-    def train(self, state, batch: Batch, fills: dict):
-        """One train step (after any extra fill rounds the batch needs): (state, metrics)."""
+    def train(self, state, batch: Batch, fills: dict, reads=None):
+        """One train step (after any extra fill rounds the batch needs): (state, metrics).
+        ``reads``: the :class:`Planned` batch's tier reads."""
         t0 = time.perf_counter()
-        programs = self.tiered.programs(fills)
+        programs = self.tiered.programs(fills, reads)
         for program in programs[:-1]:  # overflow of the fill capacity: fill-only rounds first
             emb, evicted = self.steps.fill_step(state.emb, self._device(program.fills), self._previous())
             state = state._replace(emb=emb)

@@ -42,8 +42,8 @@ def train(cfg, devices, root=None, steps=STEPS):
         plan, fns.collection.groups, fns.collection.optimizer, root, fns.embedding_key(), log=lambda *a: None
     )
     runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
-    for batch, fills, _ in runner.planned(source.train_batch, range(steps)):
-        state, out = runner.train(state, batch, fills)
+    for item in runner.planned(source.train_batch, range(steps)):
+        state, out = runner.train(state, item.batch, item.fills, item.reads)
         losses.append(np.asarray(out["loss"]))
     tiered.sync_to_host(state.emb.tables, state.emb.slots)
     values, slots = fns.collection.logical_tables(state.emb)
@@ -51,7 +51,7 @@ def train(cfg, devices, root=None, steps=STEPS):
     for t in plan.tiered_tables:
         got = tiered.host[t].get(np.arange(plan.tables[t].spec.rows))
         values[t], slots[t] = got.pop("values"), got
-    stats = dict(tiered.stats)
+    stats = dict(tiered.stats) | {"rows_read_ahead": sum(h.rows_read_ahead for h in tiered.host.values())}
     tiered.close()
     return losses, values, slots, plan, stats
 
@@ -100,6 +100,8 @@ def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimize
     assert stats["rows_evicted"] > 5 * STEPS  # the caches were far too small for the run
     if lookahead == 0:
         assert stats["rows_forwarded"] > 0  # rows evicted by one step and re-read by the next
+    else:
+        assert stats["rows_read_ahead"] > 0  # the disk tier was read ahead, those reads used
     if fill_rows:
         assert stats.get("fill_rounds", 0) > STEPS  # overflowing fills ran in extra rounds
     assert_same_training(reference, tiered)

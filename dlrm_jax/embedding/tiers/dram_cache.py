@@ -2,33 +2,44 @@
 
 Rows (values and optimizer state, every field of the tier) live in preallocated numpy arrays
 of ``capacity`` slots; a direct-mapped index (int32 per table row, 4 bytes against the row's
-hundreds in the tier) finds them without per-row Python. Reads that miss go to the tier in one batched call and are kept; rows
-written back from the devices are kept dirty and reach the tier when evicted or flushed (a
-checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
+hundreds in the tier) finds them without per-row Python. Rows that miss are taken from, in
+order: the write-behind queue (evicted, not on the disk yet), rows the read-ahead thread
+staged for this step (when no later write made them stale), and last the tier itself in one
+batched call (a wait on the disk, counted); all are kept. Rows written back from the devices
+are kept dirty and reach the tier when evicted (queued to the write-behind thread when there
+is one) or flushed (a checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
 the number of uses (last use breaking ties) for ``lfu``; one ``argpartition`` per batch of
 misses; a full cache evicts an eighth of its rows at once, so that selection is paid once
 per many steps.
 
-Single-threaded: only the thread that dispatches the steps calls it.
+Only the thread that dispatches the steps calls it (the planner thread only peeks at
+``slot_of`` to guess which rows to read ahead).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from dlrm_jax.embedding.tiers.format import numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
+from dlrm_jax.embedding.tiers.tier_io import Staged, WriteBehind
 
 EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
 
 
 class HostCache:
-    """DRAM cache of ``table``'s rows; ``policy`` is ``lru`` or ``lfu``."""
+    """DRAM cache of ``table``'s rows; ``policy`` is ``lru`` or ``lfu``; ``writer``: where
+    evicted dirty rows go (written at once when None)."""
 
-    def __init__(self, store: TierStore, table: str, capacity: int, policy: str = "lru"):
+    def __init__(
+        self, store: TierStore, table: str, capacity: int, policy: str = "lru", writer: WriteBehind | None = None
+    ):
         if policy not in ("lru", "lfu"):
             raise ValueError(f"embedding.tier.policy: {policy!r} must be lru or lfu")
         self.store, self.table, self.capacity, self.policy = store, table, max(1, capacity), policy
+        self.writer = writer
         fields = store.fields(table)
         self.data = {k: np.zeros((self.capacity, *shape), numpy_dtype(dtype)) for k, (shape, dtype) in fields.items()}
         self.row_of = np.full(self.capacity, -1, np.int64)
@@ -39,6 +50,8 @@ class HostCache:
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # taken from the end
         self.tick = 0
         self.hits = self.misses = self.tier_rows_read = self.tier_rows_written = 0
+        self.rows_read_ahead = self.rows_from_queue = 0  # misses served without waiting on the disk
+        self.read_wait_s = 0.0  # time waiting on the tier's reads for the rest
 
     def _lookup(self, rows: np.ndarray) -> np.ndarray:
         return self.slot_of[rows].astype(np.int64)
@@ -48,8 +61,9 @@ class HostCache:
         self.last_use[slots] = self.tick
         self.uses[slots] += 1
 
-    def get(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Every field of distinct ``rows`` (int64 [n]): copies, from DRAM or the tier."""
+    def get(self, rows: np.ndarray, staged: Staged | None = None) -> dict[str, np.ndarray]:
+        """Every field of distinct ``rows`` (int64 [n]): copies, from DRAM or the tier
+        (``staged``: rows read ahead for this call)."""
         slots = self._lookup(rows)
         hit = slots >= 0
         out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in self.data.items()}
@@ -59,12 +73,38 @@ class HostCache:
         self.hits += int(hit.sum())
         if not hit.all():
             missed = rows[~hit]
-            read = self.store.read(self.table, missed)
+            read = self._from_tier(missed, staged)
             self.misses += len(missed)
-            self.tier_rows_read += len(missed)
             for k in out:
                 out[k][~hit] = read[k]
             self._insert(missed, read, dirty=False, keep=slots[hit])
+        return out
+
+    def _from_tier(self, rows: np.ndarray, staged: Staged | None) -> dict[str, np.ndarray]:
+        """Fields of rows DRAM does not hold: queued writes first (the newest copies), then rows
+        read ahead that no later write made stale, then the disk."""
+        out = {k: np.empty((len(rows), *v.shape[1:]), v.dtype) for k, v in self.data.items()}
+        todo = np.ones(len(rows), bool)
+        for source in (self.writer, staged):
+            if source is None or not todo.any():
+                continue
+            at = np.flatnonzero(todo)
+            if source is self.writer:
+                have, got = self.writer.pending(self.table, rows[at])
+                self.rows_from_queue += int(have.sum())
+            else:
+                have, got = staged.take(self.store, self.table, rows[at])
+                self.rows_read_ahead += int(have.sum())
+            for k, v in got.items():
+                out[k][at[have]] = v
+            todo[at[have]] = False
+        if todo.any():
+            t0 = time.perf_counter()
+            read = self.store.read(self.table, rows[todo])
+            self.read_wait_s += time.perf_counter() - t0
+            self.tier_rows_read += int(todo.sum())
+            for k, v in read.items():
+                out[k][todo] = v
         return out
 
     def put(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
@@ -128,9 +168,12 @@ class HostCache:
         self.free = np.concatenate([self.free, slots])
 
     def _write(self, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        self.tier_rows_written += len(rows)
+        if self.writer is not None:
+            self.writer.put(self.table, rows, values)
+            return
         order = np.argsort(rows, kind="stable")  # chunk-ordered writes
         self.store.write(self.table, rows[order], {k: v[order] for k, v in values.items()})
-        self.tier_rows_written += len(rows)
 
     def flush(self) -> None:
         """Write every dirty row to the tier; they stay cached, clean."""

@@ -44,7 +44,7 @@ def os_error(path: Path, e: OSError, doing: str = "") -> TierError:
     return TierError(path, what + doing, e.errno)
 
 
-# Exported tables are ordinary compressed zarr3 arrays (the tier's own are raw, for memmaps).
+# Exported tables are ordinary compressed zarr3 arrays (the tier's own are raw: rows are byte ranges).
 EXPORT_CODECS = [
     {"name": "bytes", "configuration": {"endian": "little"}},
     {"name": "zstd", "configuration": {"level": 3}},
@@ -92,8 +92,12 @@ class ArrayLayout:
         return math.ceil(self.rows / self.chunk_rows)
 
     @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * self.np_dtype.itemsize
+
+    @property
     def chunk_bytes(self) -> int:
-        return self.chunk_rows * math.prod(self.shape) * self.np_dtype.itemsize
+        return self.chunk_rows * self.row_bytes
 
     def chunk_name(self, chunk: int) -> str:
         return ".".join(["c", str(chunk)] + ["0"] * len(self.shape))
@@ -116,7 +120,7 @@ def open_array(
     context: ts.Context | None = None,
 ) -> ts.TensorStore:
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": array.metadata(codecs)}
-    if create:  # every chunk file must exist, fill-valued ones included: the memmaps need them
+    if create:  # every chunk file must exist, fill-valued ones included: rows are read by offset
         spec |= {"create": True, "store_data_equal_to_fill_value": True}
     else:
         spec["open"] = True

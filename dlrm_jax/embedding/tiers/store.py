@@ -2,8 +2,10 @@
 
 Every field of every table (values, optimizer state) is an uncompressed zarr3 array under
 ``root/work/<table>/<field>/``. Each chunk file of such an array is the raw C-order bytes of
-``chunk_rows`` rows (edge chunks too are full size), so per-step scattered row reads and writes go
-through ``np.memmap`` views of the chunk files: through tensorstore they are 5-60x slower.
+``chunk_rows`` rows (edge chunks too are full size), so per-step scattered row reads and writes are
+byte ranges of the chunk files, issued as coalesced ``pread``/``pwrite`` requests many at a time
+(:mod:`.chunk_io`): through tensorstore they are 5-60x slower, and through memory maps one page
+fault (with the kernel's readahead) at a time.
 tensorstore creates, bulk-loads and exports the arrays; the host DRAM cache and the device caches
 in front of this tier call :meth:`TierStore.read` and :meth:`TierStore.write`.
 
@@ -11,11 +13,15 @@ Crash safety is copy-on-write against hard-linked snapshots. :meth:`TierStore.sn
 the chunk files written since the last one and hard-links every working file into
 ``root/snapshots/<step>/`` (built as ``<step>.tmp``, then renamed). A working chunk file with more
 than one link is shared with a snapshot: the first write to it copies it with ordinary file I/O
-(so a full disk is an error, never SIGBUS on a mapped page), fsyncs the copy and renames it over
+(so a full disk is an error), fsyncs the copy and renames it over
 the working name. After a crash the working files are untrusted; :meth:`TierStore.restore`
 rebuilds ``work/`` from a snapshot's links (built as ``work.tmp``, then swapped in).
 
-Threads: one thread owns a TierStore; it takes no locks.
+Threads: reads, writes, snapshots and restores take the store's lock, so a reader thread, a
+write-back thread and the dispatching thread may share one store; each call's requests run on
+the store's I/O threads. Every write is numbered (``write_seq``) and the rows it wrote are kept
+until :meth:`TierStore.forget_writes`, so a read made ahead of time can tell which of its rows
+a later write made stale (:meth:`TierStore.writes_since`).
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections import OrderedDict
+import threading
+import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from dlrm_jax.embedding.tiers.chunk_io import ChunkFiles, IOStats, spans
 from dlrm_jax.embedding.tiers.format import (
     COPY_BUFFER_BYTES,
     EXPORT_CODECS,
@@ -99,16 +108,17 @@ def _checked_arrays(base: Path, tables: TierTables) -> dict[str, dict[str, Array
 class TierStore:
     """All tiered tables of a run under one directory, crash-safe by copy-on-write snapshots.
 
-    Memory: a least-recently-used set of at most ``max_open_chunks`` chunk memmaps (each holds a
-    file descriptor and address space, not RAM); nothing proportional to a table's rows.
+    Memory: open file descriptors of recently used chunk files, and each call's rows; nothing
+    proportional to a table's rows.
     """
-
-    max_open_chunks = 512
 
     def __init__(self, root: Path, arrays: dict[str, dict[str, ArrayLayout]]):
         self.root = Path(root).absolute()
         self._arrays = arrays
-        self._maps: OrderedDict[tuple[str, str, int], np.memmap] = OrderedDict()
+        self._files = ChunkFiles()
+        self._lock = threading.RLock()
+        self.write_seq = 0  # writes made through this store
+        self._written: deque[tuple[int, str, np.ndarray]] = deque()  # (seq, table, rows) not yet forgotten
         self._private: set[tuple[str, str, int]] = set()  # chunks known to have one link: writable
         self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
         self._base = "work"  # or snapshots/<step> for a read-only view
@@ -231,23 +241,50 @@ class TierStore:
         return next(iter(self._arrays[table].values())).chunk_rows
 
     def read(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Rows int64 [n], any order, repeats allowed -> {field: copies [n, *shape]}."""
+        """Rows int64 [n], any order, repeats allowed -> {field: copies [n, *shape]}.
+
+        Every field's rows are read in one batch of coalesced requests, many in flight
+        (:mod:`.chunk_io`); a failed or short read is a TierError naming the file and rows."""
+        return self.read_versioned(table, rows)[0]
+
+    def read_versioned(self, table: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
+        """:meth:`read`, and ``write_seq`` as the read saw it (every write numbered up to it
+        and none after)."""
         rows = self._checked_rows(table, rows)
-        groups = self._groups(table, rows)
-        out = {}
-        for field, array in self._arrays[table].items():
-            out[field] = np.empty((len(rows), *array.shape), array.np_dtype)
-            for chunk, where, offsets in groups:
-                out[field][where] = self._map(table, field, chunk).view(np.ndarray)[
-                    offsets
-                ]  # (no memmap subclass overhead)
-        return out
+        arrays = self._arrays[table]
+        placed = []
+        with self._lock:
+            t0 = time.perf_counter()
+            groups = self._groups(table, rows)
+            requests = []
+            for field, array in arrays.items():
+                rb, cr = array.row_bytes, array.chunk_rows
+                reads = [
+                    (c, where, offsets, *spans(offsets, rb, self._files.gap_bytes)) for c, where, offsets in groups
+                ]
+                scratch = np.empty((sum(int(r[4].sum()) for r in reads), rb), np.uint8)
+                flat, at = memoryview(scratch).cast("B"), 0
+                for chunk, where, offsets, first, lengths, run_of in reads:
+                    path = self._path((table, field, chunk))
+                    requests += ChunkFiles.read_requests(path, first, lengths, rb, chunk * cr, flat[at * rb :])
+                    start = at + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                    placed.append((field, where, start[run_of] + offsets - first[run_of], scratch))
+                    at += int(lengths.sum())
+            self._files.run(requests, write=False, table=table)
+            self._files.stats.read_s += time.perf_counter() - t0
+            seq = self.write_seq
+        out = {f: np.empty((len(rows), *a.shape), a.np_dtype) for f, a in arrays.items()}
+        for field, where, index, scratch in placed:
+            array = arrays[field]
+            out[field][where] = scratch[index].view(array.np_dtype).reshape(len(index), *array.shape)
+        return out, seq
 
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
         """Writes distinct rows [n] of some or all fields (``values[field]``: [n, *shape]).
 
         Chunks shared with a snapshot are all copied before any row is written: if a copy fails
-        (TierError, e.g. ENOSPC) the store's contents are unchanged."""
+        (TierError, e.g. ENOSPC) the store's contents are unchanged. Adjacent rows are written
+        in one request, many requests in flight."""
         if self.read_only:
             raise TierError(self.root / self._base, "a snapshot view is read-only")
         rows = self._checked_rows(table, rows)
@@ -255,17 +292,48 @@ class TierStore:
         values = {f: checked_values(table, f, arrays[f], values, len(rows)) for f in values}
         if len(np.unique(rows)) != len(rows):
             raise ValueError(f"{table}: write() needs distinct rows")
-        groups = self._groups(table, rows)
-        for field in values:
-            for chunk, _, _ in groups:
-                self._make_private((table, field, chunk))
-        for field, v in values.items():
-            for chunk, where, offsets in groups:
-                self._map(table, field, chunk).view(np.ndarray)[offsets] = v[where]
-                self._dirty.add((table, field, chunk))
+        with self._lock:
+            groups = self._groups(table, rows)
+            for field in values:
+                for chunk, _, _ in groups:
+                    self._make_private((table, field, chunk))
+            requests = []
+            for field, v in values.items():
+                rb, cr = arrays[field].row_bytes, arrays[field].chunk_rows
+                for chunk, where, offsets in groups:
+                    data = np.ascontiguousarray(v[where]).view(np.uint8).reshape(-1)
+                    requests += ChunkFiles.write_requests(
+                        self._path((table, field, chunk)), offsets, rb, chunk * cr, memoryview(data)
+                    )
+                    self._dirty.add((table, field, chunk))
+            self._files.run(requests, write=True, table=table)
+            self.write_seq += 1
+            self._written.append((self.write_seq, table, rows))
+
+    def writes_since(self, table: str, seq: int) -> np.ndarray:
+        """Rows of ``table`` written by writes after the one numbered ``seq`` (``write_seq``
+        then): a read that began at ``seq`` may hold older contents of them."""
+        with self._lock:
+            hit = [rows for s, t, rows in self._written if s > seq and t == table]
+        return np.concatenate(hit) if hit else np.zeros(0, np.int64)
+
+    def forget_writes(self, through: int) -> None:
+        """No read that began at write ``through`` or earlier is still to be checked."""
+        with self._lock:
+            while self._written and self._written[0][0] <= through:
+                self._written.popleft()
+
+    @property
+    def io_stats(self) -> IOStats:
+        """Requests and bytes read and written since the store was opened."""
+        return self._files.stats
 
     def snapshot(self, step: int) -> None:
         """Makes the current contents durable as ``snapshots/<step>/`` (replacing one of that step)."""
+        with self._lock:
+            self._snapshot(step)
+
+    def _snapshot(self, step: int) -> None:
         self._sync_dirty()
         snapshots = self.root / "snapshots"
         snapshots.mkdir(exist_ok=True)
@@ -279,6 +347,10 @@ class TierStore:
 
     def restore(self, step: int) -> None:
         """Makes ``work/`` equal snapshot ``step``, discarding writes made since; re-runnable."""
+        with self._lock:
+            self._restore(step)
+
+    def _restore(self, step: int) -> None:
         source = self.root / "snapshots" / str(step)
         if not source.is_dir():
             raise TierError(source, "missing: no such snapshot")
@@ -311,22 +383,28 @@ class TierStore:
     def export(self, dest: Path, table: str | None = None, snapshot: int | None = None) -> None:
         """Writes the tables (or one), from ``work/`` or a snapshot, as zstd-compressed zarr3 arrays
         ``dest/<table>/<field>`` with the same chunking, one chunk at a time. Refuses existing ones."""
+        with self._lock:
+            self._export(Path(dest).absolute(), table, snapshot)
+
+    def _export(self, dest: Path, table: str | None, snapshot: int | None) -> None:
         source = self.root / "work" if snapshot is None else self.root / "snapshots" / str(snapshot)
         if not source.is_dir():
             raise TierError(source, "missing: no such snapshot")
         for name in [table] if table is not None else self._arrays:
             for field, array in self._arrays[name].items():
                 check_array(source / name / field, array)
-                # Reads see rows written through the memmaps: they share the page cache.
+                # Reads see rows written by pwrite: they share the page cache.
                 src = open_array(source / name / field, array)
-                dst = open_array(Path(dest).absolute() / name / field, array, create=True, codecs=EXPORT_CODECS)
+                dst = open_array(dest / name / field, array, create=True, codecs=EXPORT_CODECS)
                 for start in range(0, array.rows, array.chunk_rows):
                     stop = min(start + array.chunk_rows, array.rows)
                     dst[start:stop].write(src[start:stop]).result()
 
     def close(self) -> None:
-        """Unmaps every chunk; only :meth:`snapshot` makes writes durable."""
-        self._forget_chunks()
+        """Closes every chunk file and the I/O threads; only :meth:`snapshot` makes writes durable."""
+        with self._lock:
+            self._forget_chunks()
+            self._files.close()
 
     def __enter__(self) -> TierStore:
         return self
@@ -350,7 +428,7 @@ class TierStore:
 
     def _groups(self, table: str, rows: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(chunk, positions in ``rows``, row offsets in the chunk) per touched chunk, rows sorted
-        within each so the memmap is walked forward."""
+        within each so a chunk file is read and written front to back."""
         if not len(rows):
             return []
         chunk_rows = self.chunk_rows(table)
@@ -362,30 +440,12 @@ class TierStore:
             for c, a, b in zip(chunks, starts, bounds, strict=True)
         ]
 
-    def _map(self, table: str, field: str, chunk: int) -> np.memmap:
-        """The chunk's memmap, writable only once the chunk is private (copied if it was shared)."""
-        key = (table, field, chunk)
-        if key in self._maps:
-            self._maps.move_to_end(key)
-            return self._maps[key]
-        array = self._arrays[table][field]
-        mode = "r+" if key in self._private else "r"
-        path = self._path(key)
-        try:
-            m = np.memmap(path, array.np_dtype, mode, shape=(array.chunk_rows, *array.shape))
-        except OSError as e:
-            raise os_error(path, e) from None
-        self._maps[key] = m
-        while len(self._maps) > self.max_open_chunks:
-            self._maps.popitem(last=False)  # unmapping keeps the dirty pages in the page cache
-        return m
-
     def _make_private(self, key: tuple[str, str, int]) -> None:
         """Copies the chunk file if a snapshot shares it (more than one hard link)."""
         if key in self._private:
             return
         path = self._path(key)
-        self._maps.pop(key, None)  # reopened writable, on the copy if one is made
+        self._files.forget(path)  # reopened writable, on the copy if one is made
         if path.stat().st_nlink > 1:
             tmp = path.with_name(path.name + ".cow")
             try:
@@ -397,9 +457,6 @@ class TierStore:
         self._private.add(key)
 
     def _sync_dirty(self) -> None:
-        for m in self._maps.values():
-            if m.mode == "r+":
-                m.flush()
         for key in sorted(self._dirty):
             path = self._path(key)
             try:
@@ -409,7 +466,7 @@ class TierStore:
         self._dirty.clear()
 
     def _forget_chunks(self) -> None:
-        self._maps.clear()
+        self._files.close_files()
         self._private.clear()
 
     def _link_tree(self, source: Path, build: Path) -> None:

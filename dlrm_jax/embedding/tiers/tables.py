@@ -22,6 +22,7 @@ cold caches follows the same trajectory bit for bit.
 
 from __future__ import annotations
 
+import collections
 import math
 import shutil
 from collections import defaultdict
@@ -41,6 +42,7 @@ from dlrm_jax.embedding.tiers.device_fill import CacheRows, GroupFill, read_rows
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.format import default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
+from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -110,7 +112,16 @@ class TieredTables:
             self.store = self._create()
             self.store.snapshot(0)  # the initial tables: where a run without checkpoints starts
         tier = plan.tier
-        self.host = {t: HostCache(self.store, self.names[t], tier.host_rows[t], tier.policy) for t in self.tables}
+        self.writer = None if self.store.read_only else WriteBehind(self.store)
+        self.read_ahead = ReadAhead(self.store)
+        self.host = {
+            t: HostCache(self.store, self.names[t], tier.host_rows[t], tier.policy, self.writer) for t in self.tables
+        }
+        # Planner thread: rows each planned batch evicts from the device caches, kept until the
+        # DRAM caches hold them (two batches after the dispatching thread took that batch).
+        self._evicted_log: collections.deque[tuple[int, dict[int, np.ndarray]]] = collections.deque()
+        self._planned = 0
+        self.consumed = 0  # batches the dispatching thread took (read by the planner thread)
         self.groups = {g.name: g for g in groups}
         self.pieces: dict[int, list[_Piece]] = defaultdict(list)
         for g in groups:
@@ -143,19 +154,46 @@ class TieredTables:
 
     def new_caches(self) -> dict[int, TableCache]:
         """Empty device-cache planners, one per tiered table (for the planner thread)."""
+        self._evicted_log.clear()
+        self._planned = self.consumed = 0
         return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
 
+    def read_ahead_for(self, fills: dict[int, Fills]):
+        """(Planner thread.) Start reading the rows a planned batch will fill that neither cache
+        is likely to hold by its step: not in DRAM now, and not evicted from the device caches
+        by a batch whose evictions have not reached DRAM yet. Returns the reads' future for
+        :meth:`programs` (None: nothing to read)."""
+        i = self._planned
+        self._planned += 1
+        while self._evicted_log and self._evicted_log[0][0] < self.consumed - 2:
+            self._evicted_log.popleft()
+        wanted = {}
+        for t, f in fills.items():
+            if not len(f):
+                continue
+            skip = self.host[t].slot_of[f.row] >= 0  # a peek: the dispatching thread owns DRAM
+            recent = [e[t] for _, e in self._evicted_log if t in e]
+            if recent:
+                skip |= np.isin(f.row, np.concatenate(recent))
+            if not skip.all():
+                wanted[self.names[t]] = f.row[~skip]
+        self._evicted_log.append((i, {t: f.evicted[f.evicted >= 0] for t, f in fills.items() if len(f)}))
+        return self.read_ahead.submit(wanted) if wanted else None
+
     # ------------------------------------------------------------ fills
-    def programs(self, fills: dict[int, Fills]) -> list[_Program]:
+    def programs(self, fills: dict[int, Fills], reads=None) -> list[_Program]:
         """The fill programs for one batch: extra fill-only ones when the fills overflow the
         capacity on some device (the rows split into chunks, every piece of a row in the same
-        chunk), then the step's. Reads incoming rows on the host; rows the pending program
-        evicts are forwarded."""
+        chunk), then the step's. Incoming rows come from DRAM, the rows ``reads`` (from
+        :meth:`read_ahead_for`) staged, or the tier; rows the pending program evicts are
+        forwarded."""
+        staged = self.read_ahead.take(reads)
+        self.consumed += 1
         for f in fills.values():
             self.stats["rows_requested"] += f.requested
         rounds = self._rounds(fills)
         if rounds <= 1:
-            return [self._program(fills)]
+            return [self._program(fills, staged)]
         self.drain()  # rare: several programs, nothing forwarded between them
         while True:
             chunks = [{t: f.part(k, rounds) for t, f in fills.items()} for k in range(rounds)]
@@ -163,9 +201,9 @@ class TieredTables:
                 break
             rounds += 1
         self.stats["fill_rounds"] += rounds - 1
-        return [self._program(c) for c in chunks]
+        return [self._program(c, staged) for c in chunks]
 
-    def _program(self, fills: dict[int, Fills]) -> _Program:
+    def _program(self, fills: dict[int, Fills], staged: dict | None = None) -> _Program:
         per_group = {name: [] for name in self.tiered_groups()}
         for t, f in fills.items():
             if not len(f):
@@ -175,7 +213,7 @@ class TieredTables:
             fresh = at < 0
             full = {k: np.zeros((len(f), *v.shape[1:]), v.dtype) for k, v in self.host[t].data.items()}
             if fresh.any():
-                got = self.host[t].get(f.row[fresh])
+                got = self.host[t].get(f.row[fresh], (staged or {}).get(self.names[t]))
                 for k in full:
                     full[k][fresh] = got[k]
             self.stats["rows_filled"] += len(f)
@@ -388,6 +426,7 @@ class TieredTables:
         self.sync_to_host(emb_tables, emb_slots, hot)
         for h in self.host.values():
             h.flush()
+        self.writer.drain()
         self.store.snapshot(step)
         self._snapshotted = [*self._snapshotted[-(keep - 1) :], step] if keep > 1 else [step]
         self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
@@ -395,6 +434,8 @@ class TieredTables:
     def restore(self, step: int) -> None:
         """Resume from the snapshot of ``step`` (0: the initial tables): the tier as it was,
         every cache empty. A snapshot that is missing is an error naming the folder."""
+        if self.writer is not None:
+            self.writer.discard()
         if step == 0 and 0 not in self.store.snapshots():  # a run restarted from scratch: tables anew
             root = self.store.root
             self.store.close()
@@ -402,6 +443,9 @@ class TieredTables:
                 shutil.rmtree(root / name, ignore_errors=True)
             self.store = self._create()
             self.store.snapshot(0)
+            for user in (self.writer, self.read_ahead, *self.host.values()):
+                if user is not None:
+                    user.store = self.store
         if step not in self.store.snapshots():
             raise FileNotFoundError(
                 f"{self.store.root / 'snapshots' / str(step)}: the disk tier has no snapshot of "
@@ -431,7 +475,13 @@ class TieredTables:
         return out
 
     def close(self) -> None:
-        self.store.close()
+        """Stops the I/O threads (queued writes are written first) and closes the store."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            self.read_ahead.close()
+            self.store.close()
 
 
 def optimizer_fields(optimizer, dim: int) -> dict[str, tuple[tuple[int, ...], str]]:
