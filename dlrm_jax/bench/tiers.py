@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 
 from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.disk import probe_disk
 from dlrm_jax.config import load_config
 from dlrm_jax.data.pipeline import prefetch
 from dlrm_jax.data.synthetic import SyntheticSource
@@ -85,6 +86,11 @@ class _Variant:
             self.samples += n * self.cfg.train.batch_size
         elif self.runner is not None:
             self.runner.take_metrics(1)  # warm-up figures are not reported
+            self.runner.host_s.clear()
+
+    def host_ms(self, steps: int) -> dict:
+        """The dispatching thread's host time per step, by kind (timed steps only)."""
+        return {k: 1e3 * v / max(steps, 1) for k, v in self.runner.host_s.items()}
 
     def close(self) -> None:
         if self.runner is not None:
@@ -106,6 +112,7 @@ def bench_tiers(
     large_fraction: float = 0.01,
     large_host_fraction: float = 0.05,
     tier_dir: str | None = None,
+    disk_probe_mb: int = 1024,
     log=print,
 ) -> dict:
     """Run every case side by side; returns (and writes) the JSON report. ``large_gb``: one
@@ -113,11 +120,18 @@ def bench_tiers(
     the machine's RAM, to show what holding them costs), device caches ``large_fraction`` of
     the rows, DRAM caches ``large_host_fraction``, the largest lookahead; its ratio is to the all-in-device run of the base size
     (the only one that fits). ``tier_dir``: where the tiers are created (default: a
-    temporary folder)."""
+    temporary folder). ``disk_probe_mb``: the size of the file the tier directory's disk is
+    measured on first (:func:`~dlrm_jax.bench.disk.probe_disk`; 0: not measured)."""
     common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]
     total = warmup + steps * repeats + 8
     where = make_dir(tier_dir, "--tier-dir") if tier_dir else None  # made if it is not there yet
     root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=where))
+    disk = probe_disk(root, disk_probe_mb << 20) if disk_probe_mb else {}
+    if disk:
+        log(
+            f"disk of {root}: {disk['disk_iops_qd1']:,.0f} random 4 KiB reads/s at queue depth 1, "
+            f"{disk['disk_iops_qd32']:,.0f} at 32 ({disk['disk_probe']})"
+        )
     base = load_config(config, common)
     variants = {("device", 0.0, 0): _Variant(base, None, total)}
     for fraction in fractions:
@@ -181,6 +195,9 @@ def bench_tiers(
                     "h2d_bytes_per_step": m.get("h2d_bytes_per_step", 0.0),
                     "stall_ms_per_step": m.get("stall_ms_per_step", 0.0),
                     "fill_rounds": m.get("fill_rounds", 0),
+                    **_tier_traffic(m, sum(v.times), steps * repeats, disk),
+                    **({k: disk[k] for k in ("disk_iops_qd1", "disk_iops_qd32") if k in disk} if v.runner else {}),
+                    **({"host_ms_per_step": v.host_ms(steps * repeats)} if v.runner else {}),
                     **_predicted(v.plan),
                 }
             )
@@ -195,11 +212,30 @@ def bench_tiers(
         "steps": steps,
         "repeats": repeats,
         "peak_rss_mib": _peak_rss_mib(),
+        "disk": disk,
         "cases": cases,
     }
     log(_table(cases))
     write_report(report, output)
     return report
+
+
+def _tier_traffic(m: dict, seconds: float, steps: int, disk: dict) -> dict:
+    """The disk tier's reads in a case's timed steps, against what the disk allows."""
+    if "tier_reads" not in m:
+        return {}
+    iops = m["tier_reads"] / seconds
+    out = {
+        "tier_read_iops": iops,
+        "tier_read_bytes_per_step": m["tier_read_bytes"] / steps,
+        "tier_wait_ms_per_step": m["tier_wait_ms_per_step"],
+        "rows_read_ahead_per_step": m["rows_read_ahead"] / steps,
+        "rows_read_at_step_per_step": m["rows_read_at_step"] / steps,
+        "rows_from_write_queue_per_step": m["rows_from_write_queue"] / steps,
+    }
+    if disk.get("disk_iops_qd32"):
+        out["tier_read_iops_to_disk_qd32"] = iops / disk["disk_iops_qd32"]
+    return out
 
 
 def _predicted(plan) -> dict:

@@ -368,6 +368,7 @@ def cmd_bench(args) -> int:
             large_fraction=args.large_fraction,
             large_host_fraction=args.large_host_fraction,
             tier_dir=args.tier_dir,
+            disk_probe_mb=args.disk_probe_mb,
             log=_log,
         )
         return 0

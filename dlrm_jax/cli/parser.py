@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt2.add_argument("--large-fraction", type=float, default=0.01, help="the large case's device cache fraction")
     bt2.add_argument("--large-host-fraction", type=float, default=0.05, help="the large case's DRAM cache fraction")
     bt2.add_argument("--tier-dir", help="create the disk tiers here (default: a temporary folder)")
+    bt2.add_argument(
+        "--disk-probe-mb",
+        type=int,
+        default=1024,
+        help="first measure the tier directory's disk with 4 KiB random reads at queue depth 1 and 32 "
+        "on a file of this many MiB (0: skip)",
+    )
     bt2.add_argument("--output", help="write the JSON here too")
     bs = bench_sub.add_parser(
         "serving",

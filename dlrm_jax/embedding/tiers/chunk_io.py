@@ -13,17 +13,18 @@ Each file is opened once (the fds stay open, least recently used closed past ``m
 pages the tier never asked for. Reads go through the page cache; a short read (a chunk file cut
 short after it was opened) is a :class:`TierError` naming the file and the rows.
 
-Threads: the methods may be called from any one thread at a time (the store's lock); the pool's
-threads only run the requests of the call in progress.
+Threads: several threads may call at once (a reader, a writer, the dispatching thread), each
+with its own open files; their requests share one pool.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -44,146 +45,166 @@ class IOStats:
     read_s: float = 0.0  # wall time of read calls
 
 
-@dataclass(frozen=True)
-class _Request:
-    """One contiguous byte range of one chunk file, and the rows it serves."""
-
-    path: Path
-    offset: int  # bytes into the file
-    buffer: memoryview  # where the bytes land (reads) or come from (writes)
-    first_row: int  # the table rows it spans, for errors
-    last_row: int
-
-
-def spans(offsets: np.ndarray, row_bytes: int, gap_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sorted row ``offsets`` of one chunk file grouped into reads: a new read starts where the
-    next row begins more than ``gap_bytes`` past the previous one's end. Returns each read's
-    first row and length in rows, and each offset's read."""
-    breaks = np.flatnonzero(np.diff(offsets) > 1 + gap_bytes // row_bytes) + 1
+def plan_runs(rows: np.ndarray, chunk_rows: int, limit: int) -> tuple[np.ndarray, ...]:
+    """Requests for sorted table ``rows`` (repeats allowed): runs of rows within one chunk, a
+    new run where the next row is more than ``limit`` rows past the previous one (1: only
+    adjacent rows join). Returns per run its chunk, first row in the chunk and length in rows,
+    and per row its index in the runs' rows laid back to back."""
+    if not len(rows):
+        z = np.zeros(0, np.int64)
+        return z, z, z, z
+    chunk = rows // chunk_rows
+    breaks = np.flatnonzero((np.diff(chunk) != 0) | (np.diff(rows) > limit)) + 1
     starts = np.concatenate([[0], breaks]).astype(np.int64)
-    ends = np.append(starts[1:], len(offsets))
-    first = offsets[starts]
-    return first, offsets[ends - 1] - first + 1, np.repeat(np.arange(len(starts)), ends - starts)
+    ends = np.append(starts[1:], len(rows))
+    first, lengths = rows[starts], rows[ends - 1] - rows[starts] + 1
+    base = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    run_of = np.repeat(np.arange(len(starts)), ends - starts)
+    return chunk[starts], first - chunk[starts] * chunk_rows, lengths, base[run_of] + rows - first[run_of]
+
+
+def requests(
+    directory: str, suffix: str, chunks, firsts, lengths, row_bytes: int, chunk_rows: int, buffer: memoryview
+) -> list[tuple]:
+    """(path, byte offset, buffer slice, first table row, last table row) per run of
+    :func:`plan_runs`, the runs' bytes back to back in ``buffer``."""
+    out, at = [], 0
+    for c, f, n in zip(chunks.tolist(), firsts.tolist(), lengths.tolist(), strict=True):
+        row = c * chunk_rows + f
+        out.append((f"{directory}/c.{c}{suffix}", f * row_bytes, buffer[at : at + n * row_bytes], row, row + n - 1))
+        at += n * row_bytes
+    return out
+
+
+class _OpenFiles:
+    """One thread's open chunk files: path -> (fd, writable, generation of the path when opened)."""
+
+    def __init__(self):
+        self.fds: OrderedDict[str, tuple[int, bool, int]] = OrderedDict()
+        self.generation = 0  # ChunkFiles.generation these were checked against
+
+    def close(self) -> None:
+        for fd, _, _ in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 class ChunkFiles:
-    """Open chunk files of one store, and the thread pool that reads and writes them."""
+    """Open chunk files of one store, and the thread pool that reads and writes them.
 
-    def __init__(self, threads: int = IO_THREADS, gap_bytes: int = GAP_BYTES, max_open: int = 1024):
-        self.threads, self.gap_bytes, self.max_open = threads, gap_bytes, max_open
-        self._fds: OrderedDict[Path, tuple[int, bool]] = OrderedDict()  # path -> (fd, writable)
+    Each calling thread has its own open files (a reader thread's read never uses a
+    descriptor another thread closes). A file replaced under its path (a copy-on-write) or all
+    files (a snapshot, a restore) are marked by :meth:`replaced`; each thread reopens them at
+    its next request for them."""
+
+    def __init__(self, threads: int | None = None, gap_bytes: int = GAP_BYTES, max_open: int | None = None):
+        self.threads, self.gap_bytes = threads or IO_THREADS, gap_bytes
+        # Per calling thread (a reader, a writer, the dispatcher, a few more): an eighth of the
+        # process's descriptor limit each, at most 4096 (a 30 GiB tier of 64 MiB chunks: ~1,000).
+        self.max_open = max_open or max(64, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
+        self._local = threading.local()
+        self._every: list[_OpenFiles] = []
+        self._lock = threading.Lock()
+        self.generation = 0  # bumped when every file may have been replaced
+        self._path_generation: dict[str, int] = {}  # bumped when that file was replaced
         self._pool: ThreadPoolExecutor | None = None
         self.stats = IOStats()
 
     # -- file descriptors ----------------------------------------------------------------------
-    def _fd(self, path: Path, writable: bool) -> int:
-        held = self._fds.get(path)
-        if held is not None and (held[1] or not writable):
-            self._fds.move_to_end(path)
+    def _open_files(self) -> _OpenFiles:
+        mine = getattr(self._local, "files", None)
+        if mine is None:
+            mine = self._local.files = _OpenFiles()
+            with self._lock:
+                self._every.append(mine)
+        if mine.generation != self.generation:
+            mine.close()
+            mine.generation = self.generation
+        return mine
+
+    def _fd(self, files: _OpenFiles, path: str, writable: bool) -> int:
+        generation = self._path_generation.get(path, 0)
+        held = files.fds.get(path)
+        if held is not None and (held[1] or not writable) and held[2] == generation:
+            files.fds.move_to_end(path)
             return held[0]
-        self.forget(path)
+        if held is not None:
+            os.close(files.fds.pop(path)[0])
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         except OSError as e:
             raise os_error(path, e) from None
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self._fds[path] = (fd, writable)
-        while len(self._fds) > self.max_open:
-            os.close(self._fds.popitem(last=False)[1][0])
+        files.fds[path] = (fd, writable, generation)
+        while len(files.fds) > self.max_open:
+            os.close(files.fds.popitem(last=False)[1][0])
         return fd
 
-    def forget(self, path: Path) -> None:
-        """Close ``path`` (it is about to be replaced: a copy-on-write renames over it)."""
-        held = self._fds.pop(path, None)
-        if held is not None:
-            os.close(held[0])
-
-    def close_files(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+    def replaced(self, path: str | None = None) -> None:
+        """``path`` (None: every file) was replaced: each thread reopens it before its next use."""
+        with self._lock:
+            if path is None:
+                self.generation += 1
+            else:
+                self._path_generation[path] = self._path_generation.get(path, 0) + 1
 
     def close(self) -> None:
-        self.close_files()
+        """Closes every thread's files and the pool (no request may be in flight)."""
+        with self._lock:
+            for files in self._every:
+                files.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
 
     # -- requests ------------------------------------------------------------------------------
-    @staticmethod
-    def read_requests(
-        path: Path, first: np.ndarray, lengths: np.ndarray, row_bytes: int, base_row: int, scratch: memoryview
-    ) -> list[_Request]:
-        """Requests reading ``lengths[i]`` rows from chunk row ``first[i]`` of one file, back to
-        back into ``scratch`` (bytes; ``base_row``: the table row of the chunk's first)."""
-        at = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * row_bytes
-        return [
-            _Request(path, f * row_bytes, scratch[a : a + n * row_bytes], base_row + f, base_row + f + n - 1)
-            for f, n, a in zip(first.tolist(), lengths.tolist(), at.tolist(), strict=True)
-        ]
-
-    @staticmethod
-    def write_requests(
-        path: Path, offsets: np.ndarray, row_bytes: int, base_row: int, data: memoryview
-    ) -> list[_Request]:
-        """Requests writing ``data`` (the rows' bytes back to back) to sorted distinct row
-        ``offsets`` of one chunk file, adjacent rows joined into one request."""
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(offsets) != 1) + 1]).astype(np.int64)
-        ends = np.append(starts[1:], len(offsets))
-        return [
-            _Request(
-                path,
-                int(offsets[a]) * row_bytes,
-                data[a * row_bytes : b * row_bytes],
-                base_row + int(offsets[a]),
-                base_row + int(offsets[b - 1]),
-            )
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
-        ]
-
-    def run(self, requests: list[_Request], write: bool, table: str = "") -> None:
-        """Issue ``requests`` with up to ``threads`` in flight; the first error is raised (a
-        TierError naming the file and the rows) once every request finished."""
+    def run(self, requests: list[tuple], write: bool, table: str = "") -> None:
+        """Issue ``requests`` (from :func:`requests`) with up to ``threads`` in flight; the
+        first error is raised (a TierError naming the file and the rows) once every request
+        finished."""
         if not requests:
             return
-        fds = [self._fd(r.path, write) for r in requests]
-        n = len(requests)
-        if write:
-            self.stats.writes += n
-            self.stats.write_bytes += sum(r.buffer.nbytes for r in requests)
-        else:
-            self.stats.reads += n
-            self.stats.read_bytes += sum(r.buffer.nbytes for r in requests)
+        files = self._open_files()
+        fds = [self._fd(files, r[0], write) for r in requests]
+        n, nbytes = len(requests), sum(r[2].nbytes for r in requests)
+        with self._lock:
+            if write:
+                self.stats.writes += n
+                self.stats.write_bytes += nbytes
+            else:
+                self.stats.reads += n
+                self.stats.read_bytes += nbytes
         parts = min(self.threads, n)
         bounds = [n * k // parts for k in range(parts + 1)]
 
         def issue(k: int) -> TierError | None:
             for i in range(bounds[k], bounds[k + 1]):
-                r = requests[i]
+                path, offset, buffer, _, _ = r = requests[i]
                 try:
-                    done = (
-                        os.pwritev(fds[i], [r.buffer], r.offset) if write else os.preadv(fds[i], [r.buffer], r.offset)
-                    )
+                    done = os.pwritev(fds[i], [buffer], offset) if write else os.preadv(fds[i], [buffer], offset)
                 except OSError as e:
-                    return os_error(r.path, e, f" ({'writing' if write else 'reading'} {_rows(table, r)})")
-                if done != r.buffer.nbytes:
+                    return os_error(path, e, f" ({'writing' if write else 'reading'} {_rows(table, r)})")
+                if done != buffer.nbytes:
                     return TierError(
-                        r.path,
-                        f"short {'write' if write else 'read'}: {done} of {r.buffer.nbytes} bytes at offset {r.offset} ({_rows(table, r)})",
+                        path,
+                        f"short {'write' if write else 'read'}: {done} of {buffer.nbytes} bytes at offset {offset} "
+                        f"({_rows(table, r)})",
                     )
             return None
 
         if parts == 1:
             errors = [issue(0)]
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tier-io")
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tier-io")
             errors = list(self._pool.map(issue, range(parts)))
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
 
 
-def _rows(table: str, r: _Request) -> str:
-    span = f"row {r.first_row}" if r.first_row == r.last_row else f"rows {r.first_row}..{r.last_row}"
+def _rows(table: str, r: tuple) -> str:
+    first, last = r[3], r[4]
+    span = f"row {first}" if first == last else f"rows {first}..{last}"
     return f"{table} {span}" if table else span

@@ -17,9 +17,10 @@ than one link is shared with a snapshot: the first write to it copies it with or
 the working name. After a crash the working files are untrusted; :meth:`TierStore.restore`
 rebuilds ``work/`` from a snapshot's links (built as ``work.tmp``, then swapped in).
 
-Threads: reads, writes, snapshots and restores take the store's lock, so a reader thread, a
-write-back thread and the dispatching thread may share one store; each call's requests run on
-the store's I/O threads. Every write is numbered (``write_seq``) and the rows it wrote are kept
+Threads: a reader thread, a write-back thread and the dispatching thread may share one store.
+Writes, snapshots, restores and exports take the store's lock, one at a time; reads take no
+lock and may run beside a write (restores and closes need none in flight). Each call's
+requests run on the store's I/O threads. Every write is numbered (``write_seq``) and the rows it wrote are kept
 until :meth:`TierStore.forget_writes`, so a read made ahead of time can tell which of its rows
 a later write made stale (:meth:`TierStore.writes_since`).
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.embedding.tiers.chunk_io import ChunkFiles, IOStats, spans
+from dlrm_jax.embedding.tiers.chunk_io import ChunkFiles, IOStats, plan_runs, requests
 from dlrm_jax.embedding.tiers.format import (
     COPY_BUFFER_BYTES,
     EXPORT_CODECS,
@@ -116,9 +117,10 @@ class TierStore:
         self.root = Path(root).absolute()
         self._arrays = arrays
         self._files = ChunkFiles()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # writes, snapshots, restores, exports: one at a time
+        self._log_lock = threading.Lock()  # write_seq and the log of written rows
         self.write_seq = 0  # writes made through this store
-        self._written: deque[tuple[int, str, np.ndarray]] = deque()  # (seq, table, rows) not yet forgotten
+        self._written: dict[str, deque[tuple[int, np.ndarray]]] = {t: deque() for t in arrays}  # (seq, sorted rows)
         self._private: set[tuple[str, str, int]] = set()  # chunks known to have one link: writable
         self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
         self._base = "work"  # or snapshots/<step> for a read-only view
@@ -250,33 +252,36 @@ class TierStore:
     def read_versioned(self, table: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
         """:meth:`read`, and ``write_seq`` as the read saw it (every write numbered up to it
         and none after)."""
-        rows = self._checked_rows(table, rows)
-        arrays = self._arrays[table]
-        placed = []
-        with self._lock:
-            t0 = time.perf_counter()
-            groups = self._groups(table, rows)
-            requests = []
-            for field, array in arrays.items():
-                rb, cr = array.row_bytes, array.chunk_rows
-                reads = [
-                    (c, where, offsets, *spans(offsets, rb, self._files.gap_bytes)) for c, where, offsets in groups
-                ]
-                scratch = np.empty((sum(int(r[4].sum()) for r in reads), rb), np.uint8)
-                flat, at = memoryview(scratch).cast("B"), 0
-                for chunk, where, offsets, first, lengths, run_of in reads:
-                    path = self._path((table, field, chunk))
-                    requests += ChunkFiles.read_requests(path, first, lengths, rb, chunk * cr, flat[at * rb :])
-                    start = at + np.concatenate([[0], np.cumsum(lengths)[:-1]])
-                    placed.append((field, where, start[run_of] + offsets - first[run_of], scratch))
-                    at += int(lengths.sum())
-            self._files.run(requests, write=False, table=table)
-            self._files.stats.read_s += time.perf_counter() - t0
-            seq = self.write_seq
-        out = {f: np.empty((len(rows), *a.shape), a.np_dtype) for f, a in arrays.items()}
-        for field, where, index, scratch in placed:
-            array = arrays[field]
-            out[field][where] = scratch[index].view(array.np_dtype).reshape(len(index), *array.shape)
+        got, seq = self.read_many({table: rows})
+        return got[table], seq
+
+    def read_many(self, wanted: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, np.ndarray]], int]:
+        """Rows of several tables ({table: rows}) in one batch of requests: ({table: {field:
+        copies}}, ``write_seq`` as the reads saw it)."""
+        seq = self.write_seq  # first: a write done before this has replaced files for us to see
+        t0 = time.perf_counter()
+        placed, todo = [], []
+        for table, rows in wanted.items():
+            rows = self._checked_rows(table, rows)
+            order = np.argsort(rows, kind="stable")
+            for field, array in self._arrays[table].items():
+                rb = array.row_bytes
+                chunks, firsts, lengths, index = plan_runs(
+                    rows[order], array.chunk_rows, 1 + self._files.gap_bytes // rb
+                )
+                scratch = np.empty((int(lengths.sum()), rb), np.uint8)
+                directory, suffix = self._directory(table, field)
+                buffer = memoryview(scratch).cast("B")
+                todo += requests(directory, suffix, chunks, firsts, lengths, rb, array.chunk_rows, buffer)
+                placed.append((table, field, order, index, scratch))
+        self._files.run(todo, write=False, table=next(iter(wanted)) if len(wanted) == 1 else "")
+        out = {t: {} for t in wanted}
+        for table, field, order, index, scratch in placed:
+            array = self._arrays[table][field]
+            values = np.empty((len(order), *array.shape), array.np_dtype)
+            values[order] = scratch[index].view(array.np_dtype).reshape(len(index), *array.shape)
+            out[table][field] = values
+        self._files.stats.read_s += time.perf_counter() - t0
         return out, seq
 
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
@@ -292,36 +297,38 @@ class TierStore:
         values = {f: checked_values(table, f, arrays[f], values, len(rows)) for f in values}
         if len(np.unique(rows)) != len(rows):
             raise ValueError(f"{table}: write() needs distinct rows")
+        order = np.argsort(rows)
+        sorted_rows = rows[order]
         with self._lock:
-            groups = self._groups(table, rows)
-            for field in values:
-                for chunk, _, _ in groups:
-                    self._make_private((table, field, chunk))
-            requests = []
+            todo = []
             for field, v in values.items():
-                rb, cr = arrays[field].row_bytes, arrays[field].chunk_rows
-                for chunk, where, offsets in groups:
-                    data = np.ascontiguousarray(v[where]).view(np.uint8).reshape(-1)
-                    requests += ChunkFiles.write_requests(
-                        self._path((table, field, chunk)), offsets, rb, chunk * cr, memoryview(data)
-                    )
-                    self._dirty.add((table, field, chunk))
-            self._files.run(requests, write=True, table=table)
-            self.write_seq += 1
-            self._written.append((self.write_seq, table, rows))
+                array = arrays[field]
+                chunks, firsts, lengths, _ = plan_runs(sorted_rows, array.chunk_rows, 1)
+                for chunk in np.unique(chunks).tolist():  # every copy first: a full disk changes nothing
+                    self._make_private((table, field, chunk))
+                data = np.ascontiguousarray(v[order]).view(np.uint8).reshape(-1)
+                directory, suffix = self._directory(table, field)
+                todo += requests(
+                    directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, memoryview(data)
+                )
+                self._dirty.update((table, field, c) for c in np.unique(chunks).tolist())
+            self._files.run(todo, write=True, table=table)
+            with self._log_lock:
+                self.write_seq += 1
+                self._written[table].append((self.write_seq, sorted_rows))
 
-    def writes_since(self, table: str, seq: int) -> np.ndarray:
-        """Rows of ``table`` written by writes after the one numbered ``seq`` (``write_seq``
-        then): a read that began at ``seq`` may hold older contents of them."""
-        with self._lock:
-            hit = [rows for s, t, rows in self._written if s > seq and t == table]
-        return np.concatenate(hit) if hit else np.zeros(0, np.int64)
+    def writes_since(self, table: str, seq: int) -> list[np.ndarray]:
+        """Sorted rows of ``table`` of each write after the one numbered ``seq`` (``write_seq``
+        when a read began): that read may hold older contents of them."""
+        with self._log_lock:
+            return [rows for s, rows in self._written[table] if s > seq]
 
     def forget_writes(self, through: int) -> None:
         """No read that began at write ``through`` or earlier is still to be checked."""
-        with self._lock:
-            while self._written and self._written[0][0] <= through:
-                self._written.popleft()
+        with self._log_lock:
+            for log in self._written.values():
+                while log and log[0][0] <= through:
+                    log.popleft()
 
     @property
     def io_stats(self) -> IOStats:
@@ -414,6 +421,10 @@ class TierStore:
 
     # -- chunk files ---------------------------------------------------------------------------
 
+    def _directory(self, table: str, field: str) -> tuple[str, str]:
+        """The folder of a field's chunk files, and the suffix of their names after ``c.<i>``."""
+        return f"{self.root / self._base / table / field}", ".0" * len(self._arrays[table][field].shape)
+
     def _path(self, key: tuple[str, str, int]) -> Path:
         table, field, chunk = key
         return self.root / self._base / table / field / self._arrays[table][field].chunk_name(chunk)
@@ -426,31 +437,17 @@ class TierStore:
             raise IndexError(f"{table}: rows outside [0, {self.rows(table)})")
         return rows
 
-    def _groups(self, table: str, rows: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """(chunk, positions in ``rows``, row offsets in the chunk) per touched chunk, rows sorted
-        within each so a chunk file is read and written front to back."""
-        if not len(rows):
-            return []
-        chunk_rows = self.chunk_rows(table)
-        where = np.argsort(rows, kind="stable")
-        chunks, starts = np.unique(rows[where] // chunk_rows, return_index=True)
-        bounds = [*starts[1:], len(rows)]
-        return [
-            (int(c), where[a:b], rows[where[a:b]] - int(c) * chunk_rows)
-            for c, a, b in zip(chunks, starts, bounds, strict=True)
-        ]
-
     def _make_private(self, key: tuple[str, str, int]) -> None:
         """Copies the chunk file if a snapshot shares it (more than one hard link)."""
         if key in self._private:
             return
         path = self._path(key)
-        self._files.forget(path)  # reopened writable, on the copy if one is made
         if path.stat().st_nlink > 1:
             tmp = path.with_name(path.name + ".cow")
             try:
                 _copy_file(path, tmp)
                 os.replace(tmp, path)
+                self._files.replaced(str(path))  # every thread reopens it: the copy
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise os_error(path, e, " (copying a chunk shared with a snapshot)") from None
@@ -466,7 +463,7 @@ class TierStore:
         self._dirty.clear()
 
     def _forget_chunks(self) -> None:
-        self._files.close_files()
+        self._files.replaced()  # every working file may be another (restore) or shared (snapshot)
         self._private.clear()
 
     def _link_tree(self, source: Path, build: Path) -> None:

@@ -81,7 +81,7 @@ class TieredTables:
         optimizer,
         root: Path,
         key: jax.Array,
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int = 64 << 20,
         log=print,
         snapshot: int | None = None,
     ):

@@ -44,9 +44,9 @@ class Staged:
             return np.zeros(len(rows), bool), {}
         at = np.minimum(np.searchsorted(self.rows, rows), len(self.rows) - 1)
         have = self.rows[at] == rows
-        stale = store.writes_since(table, self.seq)
-        if stale.size:
-            have &= ~np.isin(rows, stale)
+        for written in store.writes_since(table, self.seq):  # sorted rows of each later write
+            at_w = np.minimum(np.searchsorted(written, rows), len(written) - 1)
+            have &= written[at_w] != rows
         return have, {k: v[at[have]] for k, v in self.values.items()}
 
 
@@ -81,12 +81,11 @@ class ReadAhead:
         return staged
 
     def _read(self, wanted: dict[str, np.ndarray]) -> dict[str, Staged]:
-        out = {}
-        for table, rows in wanted.items():
-            if len(rows):
-                values, seq = self.store.read_versioned(table, rows)
-                out[table] = Staged(rows, values, seq)
-        return out
+        wanted = {t: rows for t, rows in wanted.items() if len(rows)}
+        if not wanted:
+            return {}
+        got, seq = self.store.read_many(wanted)  # every table's requests in flight together
+        return {t: Staged(rows, got[t], seq) for t, rows in wanted.items()}
 
     def close(self) -> None:
         self._reader.shutdown(cancel_futures=True)
