@@ -291,3 +291,69 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     resumed = train_and_evaluate(tiny(*overrides), tmp_path / "killed", **QUIET)
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+
+
+KILL_MID_IO = """
+import os, pathlib, signal, sys, threading
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+from dlrm_jax.embedding.tiers import chunk_io
+from dlrm_jax.train.trainer import train_and_evaluate
+
+original = chunk_io.ChunkFiles.run
+checkpoints = pathlib.Path({run_dir!r}) / "checkpoints"
+
+def run_then_die(self, requests, write, table=""):
+    # On the {thread} thread, once checkpoint 4 is committed (orbax commits in the background):
+    # half of this call's requests done, the rest in flight or not begun, SIGKILL.
+    mine = threading.current_thread().name.startswith({thread!r})
+    if mine and write == {write!r} and len(requests) > 1 and (checkpoints / "4").is_dir():
+        original(self, requests[: len(requests) // 2], write, table)
+        os.kill(os.getpid(), signal.SIGKILL)
+    original(self, requests, write, table)
+
+chunk_io.ChunkFiles.run = run_then_die
+train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("thread,write", [("tier-read-ahead", False), ("tier-write-behind", True)])
+def test_sigkill_mid_read_ahead_or_write_behind_then_resume_is_bitwise(tiny, tmp_path, thread, write):
+    """SIGKILL with the tier's reads made ahead, or its write-backs, half done after the step-4
+    checkpoint: re-running resumes from step 4 and ends bitwise as a run never killed."""
+    import os
+    import subprocess
+    import sys
+
+    from test_train import QUIET, losses
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    overrides = [
+        *BASE,
+        *TIERED,
+        "mesh.devices=4",
+        "embedding.sharding=row",
+        "embedding.tier.lookahead=2",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=4",
+        "train.steps=12",
+    ]
+    whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
+    script = tmp_path / "kill.py"
+    run_dir = tmp_path / "killed"
+    script.write_text(
+        KILL_MID_IO.format(tests=str(TESTS), overrides=overrides, run_dir=str(run_dir), thread=thread, write=write)
+    )
+    env = os.environ | {
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert "4" in [p.name for p in (run_dir / "checkpoints").iterdir()]
+    resumed = train_and_evaluate(tiny(*overrides), run_dir, **QUIET)
+    assert losses(run_dir) == losses(tmp_path / "whole")
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
