@@ -113,6 +113,7 @@ def bench_tiers(
     large_host_fraction: float = 0.05,
     tier_dir: str | None = None,
     disk_probe_mb: int = 1024,
+    disk_probe_s: float = 3.0,
     log=print,
 ) -> dict:
     """Run every case side by side; returns (and writes) the JSON report. ``large_gb``: one
@@ -121,12 +122,13 @@ def bench_tiers(
     the rows, DRAM caches ``large_host_fraction``, the largest lookahead; its ratio is to the all-in-device run of the base size
     (the only one that fits). ``tier_dir``: where the tiers are created (default: a
     temporary folder). ``disk_probe_mb``: the size of the file the tier directory's disk is
-    measured on first (:func:`~dlrm_jax.bench.disk.probe_disk`; 0: not measured)."""
+    measured on first (:func:`~dlrm_jax.bench.disk.probe_disk`, ``disk_probe_s`` seconds per
+    queue depth; 0: not measured)."""
     common = [*base_overrides, f"data.zipf_exponent={zipf}", f"data.id_layout={layout}", "train.progress_bar=false"]
     total = warmup + steps * repeats + 8
     where = make_dir(tier_dir, "--tier-dir") if tier_dir else None  # made if it is not there yet
     root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=where))
-    disk = probe_disk(root, disk_probe_mb << 20) if disk_probe_mb else {}
+    disk = probe_disk(root, disk_probe_mb << 20, disk_probe_s) if disk_probe_mb else {}
     if disk:
         log(
             f"disk of {root}: {disk['disk_iops_qd1']:,.0f} random 4 KiB reads/s at queue depth 1, "

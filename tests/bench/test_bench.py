@@ -287,6 +287,8 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
         output=str(out),
         large_gb=0.004,
         tier_dir=str(tmp_path / "not" / "yet"),  # made, not an [Errno 2]
+        disk_probe_mb=8,
+        disk_probe_s=0.2,
         **QUIET,
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
@@ -310,6 +312,11 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
     assert 0 < tiered["device_hit_rate"] < 1 and tiered["h2d_bytes_per_step"] > 0
     assert 0 <= tiered["predicted_host_hit_rate"] <= 1
     assert cases[("large", 0.01, 2)]["tier_gib"] > 3 * tiered["tier_gib"]
+    # The disk measured first; each tiered case's reads against it.
+    assert report["disk"]["disk_iops_qd1"] > 0 and report["disk"]["disk_iops_qd32"] > 0
+    for key in ("tier_read_iops", "disk_iops_qd1", "disk_iops_qd32", "tier_read_iops_to_disk_qd32"):
+        assert all(key in c for c in report["cases"] if c["storage"] != "device"), key
+    assert tiered["tier_read_iops"] > 0 and tiered["rows_read_ahead_per_step"] > 0
     assert not list(tmp_path.glob("dlrm-bench-tiers-*"))  # the tiers are removed
 
 
