@@ -205,11 +205,15 @@ class TierConfig:
     host_cache_rows: int = field(
         default=0, metadata=NONNEG
     )  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
-    host_cache_fraction: float = field(default=0.25, metadata=_bound("(0, 1]"))
+    # DRAM cache as a share of each tiered table's rows; 0 = from the machine: the caches
+    # together take at most half the memory available when the run plans (all rows if that fits).
+    host_cache_fraction: float = field(default=0.0, metadata=_bound("[0, 1]", " (0 = from the memory available)"))
     policy: str = field(default="lru", metadata=_choices("lru", "lfu"))  # the DRAM cache's
     lookahead: int = field(default=2, metadata=NONNEG)  # batches planned ahead; their rows are never evicted early
     fill_rows: int = field(default=0, metadata=NONNEG)  # rows one step may fill per device and group; 0 = measured
-    chunk_mb: float = field(default=4.0, metadata=POS)  # size of the disk tier's chunk files
+    # Size of the disk tier's chunk files: 64 MiB keeps a 30 GiB tier at ~1,000 files (each
+    # reading thread keeps its own open); a snapshot's copy-on-write copies a chunk at a time.
+    chunk_mb: float = field(default=64.0, metadata=POS)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,13 @@ def _status_kib(field: str, path: Path = _STATUS) -> int | None:
     return None
 
 
+def available_bytes() -> int | None:
+    """Memory the kernel says can be allocated without swapping (``MemAvailable``: free memory
+    plus the page cache it can drop); None where /proc/meminfo does not say."""
+    kib = _status_kib("MemAvailable", Path("/proc/meminfo"))
+    return None if kib is None else kib * 1024
+
+
 def rss_bytes() -> int:
     """Resident set size now."""
     kib = _status_kib("VmRSS")

@@ -54,6 +54,7 @@ class _Variant:
                 self.steps.collection.optimizer,
                 root,
                 self.steps.embedding_key(),
+                chunk_bytes=int(cfg.embedding.tier.chunk_mb * 2**20),
                 log=lambda *a: None,
             )
             self.runner = TierRunner(self.steps, tiered, cfg.embedding.tier.lookahead)

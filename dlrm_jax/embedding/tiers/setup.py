@@ -14,13 +14,23 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy, TierPlan
+from dlrm_jax.embedding.plan.embedding_plan import (
+    DTYPE_BYTES,
+    EmbeddingPlan,
+    Strategy,
+    TierPlan,
+    optimizer_bytes_per_row,
+)
 from dlrm_jax.embedding.plan.layout import build_groups
 from dlrm_jax.embedding.plan.planner import cache_slots
+from dlrm_jax.embedding.plan.stats import fmt_bytes
 from dlrm_jax.embedding.tiers.cache_planner import TableCache, plan_stream
 from dlrm_jax.files import check_dir
+from dlrm_jax.hostmem import available_bytes
 
 MIN_FILL_ROWS = 16
+HOST_CACHE_SHARE = 0.5  # of the memory available when planning, for the DRAM caches together
+DEFAULT_HOST_FRACTION = 0.25  # where the memory available is unknown
 # A device cache holds at least this many times the most distinct rows one of the first
 # batches needed on one owner: a later batch needing more than the cache cannot run.
 CACHE_HEADROOM = 2
@@ -66,9 +76,9 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
     plan = fit_caches(plan, id_batches, log)
     if not plan.tiered_tables:
         return plan
+    fraction = tier.host_cache_fraction or host_cache_fraction_from_memory(plan, available_bytes(), log)
     host_rows = tuple(
-        cache_slots(tp.spec.rows, tier.host_cache_rows, tier.host_cache_fraction) if tp.tiered else 0
-        for tp in plan.tables
+        cache_slots(tp.spec.rows, tier.host_cache_rows, fraction) if tp.tiered else 0 for tp in plan.tables
     )
     caches = {t: TableCache(plan.tables[t], n) for t in plan.tiered_tables}
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
@@ -107,6 +117,25 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
         for t in range(len(plan.tables))
     )
     return dataclasses.replace(plan, tier=TierPlan(host_rows, tier.policy, tier.lookahead, fill_rows, hit, host_hit))
+
+
+def host_cache_fraction_from_memory(plan: EmbeddingPlan, available: int | None, log=print) -> float:
+    """The DRAM caches' share of each tiered table's rows when the config leaves it to the
+    machine (``host_cache_fraction=0``): together they take at most HOST_CACHE_SHARE of the
+    memory available now, the rest left to the page cache (the disk tier reads through it),
+    the runtime and, on simulated devices, the devices' memory. All rows when that fits."""
+    dim = plan.tables[0].spec.dim
+    row = DTYPE_BYTES[plan.dtype] * dim + optimizer_bytes_per_row(plan.optimizer, dim)
+    total = sum(plan.tables[t].spec.rows for t in plan.tiered_tables) * row
+    if available is None:
+        log(f"DRAM caches: {DEFAULT_HOST_FRACTION:.0%} of the tiered rows (the memory available is unknown)")
+        return DEFAULT_HOST_FRACTION
+    fraction = min(1.0, HOST_CACHE_SHARE * available / max(total, 1))
+    log(
+        f"DRAM caches: {fraction:.1%} of the tiered rows, {fmt_bytes(int(fraction * total))} "
+        f"({HOST_CACHE_SHARE:.0%} of the {fmt_bytes(available)} available; embedding.tier.host_cache_fraction sets it)"
+    )
+    return fraction
 
 
 def _ids_of(id_batches: list[np.ndarray], slot_table: np.ndarray, t: int) -> np.ndarray:
