@@ -377,7 +377,7 @@ def _check_data(cfg: Config) -> None:
             f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
             f"data.source=criteo for a Criteo text file"
         )
-    if d.source != "binary":  # binary data: once its meta.json gives the features (data/sources.py)
+    if d.source != "binary":  # binary data: once its meta.json gives the features (data/sources/)
         check_features(cfg)
 
 

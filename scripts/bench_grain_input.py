@@ -50,9 +50,9 @@ def main(argv=None) -> None:
     flags.FLAGS.mark_as_parsed()  # Grain's worker processes read absl flags
 
     from dlrm_jax.data.batch import Batch
-    from dlrm_jax.data.binary import BinarySource
     from dlrm_jax.data.pipeline import InputPipeline
     from dlrm_jax.data.sources import resolve_data_config
+    from dlrm_jax.data.sources.binary import BinarySource
     from dlrm_jax.train.build import build, mesh_from_config
 
     cfg = resolve_data_config(

@@ -60,7 +60,7 @@ def oracle_auc(config: str, overrides: list[str]) -> float:
     """AUC of the hidden model's true logits on the eval samples every variant is scored on."""
     from dlrm_jax.config import load_config
     from dlrm_jax.data.sources import resolve_data_config
-    from dlrm_jax.data.synthetic import SyntheticSource
+    from dlrm_jax.data.sources.synthetic import SyntheticSource
     from dlrm_jax.observe.metrics import roc_auc
 
     cfg = resolve_data_config(load_config(config, overrides))

@@ -13,5 +13,5 @@ python3 -m venv "$work/venv"
 cd "$work"
 "$work/venv/bin/dlrm-jax" --version
 "$work/venv/bin/dlrm-jax" train --config smoke --run-dir "$work/run"
-"$work/venv/bin/python" -c "from dlrm_jax.data.tabular_schema import load_schema; print('schema', load_schema('movielens_1m').path)"
+"$work/venv/bin/python" -c "from dlrm_jax.data.preprocessing.tabular_schema import load_schema; print('schema', load_schema('movielens_1m').path)"
 echo "wheel install OK in $work"

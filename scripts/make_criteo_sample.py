@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from dlrm_jax.config import CRITEO_KAGGLE_CARDINALITIES
-from dlrm_jax.data.criteo import write_criteo_tsv
-from dlrm_jax.data.synthetic import TRAIN_STREAM, SyntheticGenerator
+from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
+from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
 
 BAD_LINES = [
     "1\t2\t3\n",  # too few fields

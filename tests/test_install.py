@@ -72,7 +72,7 @@ def test_the_installed_copy_trains_the_smoke_config_by_name(unpacked_wheel, tmp_
         [
             sys.executable,
             "-c",
-            "from dlrm_jax.data.tabular_schema import load_schema; print(load_schema('movielens_1m').path)",
+            "from dlrm_jax.data.preprocessing.tabular_schema import load_schema; print(load_schema('movielens_1m').path)",
         ],
         cwd=tmp_path,
         env=env,

@@ -28,7 +28,7 @@ from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.disk import probe_disk
 from dlrm_jax.config import load_config
 from dlrm_jax.data.pipeline import prefetch
-from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES, optimizer_bytes_per_row
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import make_dir

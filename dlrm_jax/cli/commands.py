@@ -117,7 +117,7 @@ def cmd_eval(args) -> int:
     cfg = load_config(cfg_path, args.overrides)
     _start_jax(_devices_for(cfg), args)
     _library_logs_to(Path(args.run_dir))
-    from dlrm_jax.train.evaluate import evaluate_run
+    from dlrm_jax.train.saved_run import evaluate_run
 
     summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
     print(
@@ -230,7 +230,7 @@ def cmd_preprocess(args) -> int:
         progress=not args.no_progress,
     )
     if args.dataset == "tabular":
-        from dlrm_jax.data.tabular import preprocess_tabular
+        from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
 
         joins = dict(j.partition("=")[::2] for j in args.join)
         if any(not name or not path for name, path in joins.items()) or len(joins) < len(args.join):
@@ -239,7 +239,7 @@ def cmd_preprocess(args) -> int:
             args.schema, args.input, args.output, joins=joins, chunk_lines=args.chunk_lines, **common
         )
     else:
-        from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+        from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 
         report = preprocess_criteo(
             args.input, args.output, multi_hot=_bag_sizes(args.multi_hot), block_mb=args.block_mb, **common
@@ -253,7 +253,7 @@ def _bag_sizes(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
     if text == "mlperf":
-        from dlrm_jax.data.multihot import MLPERF_DCNV2_BAG_SIZES
+        from dlrm_jax.data.preprocessing.multihot import MLPERF_DCNV2_BAG_SIZES
 
         return MLPERF_DCNV2_BAG_SIZES
     try:

@@ -18,8 +18,8 @@ size, each a folder that can be written, copied to the host that reads it, and c
                                          (meta's vocab_from: train or all rows; one-hot only)
 
 Train rows are in shuffled order when ``shuffled`` (a global shuffle at preprocessing); val
-rows keep input order. Written by :mod:`dlrm_jax.data.prep_driver`, read by
-:mod:`dlrm_jax.data.binary`.
+rows keep input order. Written by :mod:`dlrm_jax.data.preprocessing.prep_driver`, read by
+:mod:`dlrm_jax.data.sources.binary`.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Both shuffles of the data path use them, so neither ever holds a permutation of the dataset:
 
 - preprocessing's global shuffle sends train row ``g`` to position ``perm(g)`` of the shuffled
-  split (:func:`dlrm_jax.data.prep_driver`), whatever the number of workers;
+  split (:func:`dlrm_jax.data.preprocessing.prep_driver`), whatever the number of workers;
 - training's block shuffle visits a process's blocks of rows in the order ``perm_e(j)`` in
-  epoch ``e`` (:mod:`dlrm_jax.data.binary`), so a batch is a pure function of (seed, step,
+  epoch ``e`` (:mod:`dlrm_jax.data.sources.binary`), so a batch is a pure function of (seed, step,
   process) and reads whole blocks.
 
 A :class:`KeyedPermutation` is a 4-round Feistel network on the smallest even number of bits
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dlrm_jax.data.synthetic_draws import mix64
+from dlrm_jax.data.sources.synthetic_draws import mix64
 
 _ROUNDS = 4
 

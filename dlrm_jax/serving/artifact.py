@@ -13,7 +13,7 @@ One folder (``dlrm-jax export --serving``)::
 
 Tables are uncompressed zarr3 arrays whose chunk files are raw rows, the disk tier's format
 (:mod:`dlrm_jax.embedding.tiers.format`): tensorstore reads them, and a host without the memory
-for a table reads it through memory maps and a row cache (:mod:`dlrm_jax.serving.tables`).
+for a table reads its rows with coalesced `pread`s behind a row cache (:mod:`dlrm_jax.serving.tables`).
 A delta (``--since STEP``) has the same layout, with ``tables/<table>/rows`` (int64 [k]) naming
 the rows its values replace. Only numpy, jax and tensorstore are needed to read any of it.
 """

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
-from dlrm_jax.data.preprocess import MISSING_ID, OOV_ID, SkipLog
-from dlrm_jax.data.synthetic import normalise_dense
+from dlrm_jax.data.preprocessing.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
+from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, SkipLog
+from dlrm_jax.data.sources.synthetic import normalise_dense
 from dlrm_jax.serving.artifact import ArtifactError
 
 ID_KINDS = ("vocabulary", "compact", "hash")
@@ -92,8 +92,8 @@ class TabularRules(IdRules):
     format = "tabular"
 
     def __init__(self, root: Path, spec: dict, table_rows: Sequence[int]):
-        from dlrm_jax.data.tabular import load_sides
-        from dlrm_jax.data.tabular_schema import load_schema
+        from dlrm_jax.data.preprocessing.tabular import load_sides
+        from dlrm_jax.data.preprocessing.tabular_schema import load_schema
 
         super().__init__(root, spec, table_rows)
         self.schema = load_schema(Path(root) / spec["schema"])
@@ -105,7 +105,7 @@ class TabularRules(IdRules):
         self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Per chunk of records: (their lines, the usable ones' positions, dense, ids)."""
-        from dlrm_jax.data.tabular import scoring_chunks
+        from dlrm_jax.data.preprocessing.tabular import scoring_chunks
 
         for lines, keep, dense, values, empty in scoring_chunks(
             self.schema, self.sides, f, raw, path, first_line, log, chunk_lines, bar

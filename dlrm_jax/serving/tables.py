@@ -1,8 +1,8 @@
-"""An artifact's tables for lookups: whole in memory, or behind a row cache over memory maps.
+"""An artifact's tables for lookups: whole in memory, or behind a row cache over the chunk files.
 
 A table that fits the memory budget is read whole; a larger one is read through the disk
 tier's own machinery, a read-only :class:`~dlrm_jax.embedding.tiers.store.TierStore` view of
-its chunk files (memory-mapped) behind a :class:`~dlrm_jax.embedding.tiers.dram_cache.HostCache`
+its chunk files (coalesced `pread`s) behind a :class:`~dlrm_jax.embedding.tiers.dram_cache.HostCache`
 of ``cache_rows`` rows, so a host need not hold it. Deltas replace rows: in place for a table
 in memory, in an overlay in front of the cache for the others.
 """

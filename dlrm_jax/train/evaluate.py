@@ -1,34 +1,18 @@
 """Evaluating a model: exact AUC and logloss over the held-out batches (:func:`evaluate`, which
-training calls too), a saved run's checkpoint (:func:`evaluate_run`, read-only), and what a run
-ended with (:class:`RunSummary`)."""
+the step drivers call), and what a run ended with (:class:`RunSummary`). A saved run's
+checkpoint is evaluated by :func:`dlrm_jax.train.saved_run.evaluate_run`."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import numpy as np
 
 from dlrm_jax.data.batch import Batch, DataSource
-from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.tiers.setup import tier_root
-from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.metrics import log_loss, roc_auc
-from dlrm_jax.parallel.mesh import (
-    host_scalar,
-)
-from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.progress import (
-    Evaluation,
-    checkpoint_step,
-)
-from dlrm_jax.train.restore import (
-    read_checkpoint,
-    saved_run_config,
-)
+from dlrm_jax.train.progress import Evaluation
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
 from dlrm_jax.train.watch import LossWatch, TrainingDiverged  # noqa: F401 - TrainingDiverged: the trainer's error
@@ -130,39 +114,3 @@ def eval_scores(
             out = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
         yield np.concatenate([np.asarray(s.data) for s in shards]), padded.labels, np.arange(per_process) < n
-
-
-def evaluate_run(
-    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
-) -> RunSummary:
-    """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
-    best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
-    training there (nothing in ``run_dir`` is written, moved or deleted)."""
-
-    run_dir = Path(run_dir)
-    cfg = saved_run_config(run_dir, overrides)
-    mesh = mesh_from_config(cfg)
-    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
-    plan, steps = build(cfg, mesh, source, log)
-    step = checkpoint_step(run_dir / "checkpoints", step)
-    step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
-    runner = None
-    try:
-        if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
-            tiered = TieredTables(
-                plan,
-                steps.collection.groups,
-                steps.collection.optimizer,
-                tier_root(cfg, run_dir),
-                steps.embedding_key(),
-                log=log,
-                snapshot=step,
-            )
-            runner = TierRunner(steps, tiered, 0)
-        start = time.perf_counter()
-        auc, ll, samples = evaluate(steps, state, source, runner)
-        seconds = time.perf_counter() - start
-    finally:
-        if runner is not None:
-            runner.tiered.close()
-    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlrm_jax.data.binary import read_meta
-from dlrm_jax.data.preprocess import MISSING_ID, OOV_ID
+from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
+from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.model.wide import WideInputs, wide_logits
 from dlrm_jax.serving.artifact import (
     FORMAT_VERSION,
@@ -278,7 +278,7 @@ def _dense_transform(cfg) -> dict:
     if cfg.data.source == "binary":
         meta = read_meta(Path(cfg.data.path))
         if "schema" in meta:
-            from dlrm_jax.data.tabular_schema import load_schema
+            from dlrm_jax.data.preprocessing.tabular_schema import load_schema
 
             return {
                 "features": {f.name: f.transform for f in load_schema(meta["schema"]).dense},

@@ -38,7 +38,7 @@ def train_and_evaluate(
     """Train ``cfg`` on the current devices, resuming from ``run_dir``'s newest intact checkpoint.
 
     ``source``: the data, when not the config's ``data.source`` (a notebook's own loader, or
-    in-memory arrays: :class:`~dlrm_jax.data.arrays.ArraySource`); any object with
+    in-memory arrays: :class:`~dlrm_jax.data.sources.arrays.ArraySource`); any object with
     ``train_batch(step)``, ``eval_batches()`` and ``skip_report()`` (``num_train`` for epochs).
 
     Raises :class:`Interrupted` after saving when SIGINT/SIGTERM arrive, :class:`TrainingDiverged`

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from dlrm_jax.config import ConfigError, load_config
-from dlrm_jax.data.binary import BinaryFormatError, BinarySource, read_meta
-from dlrm_jax.data.criteo import CriteoTSVSource, write_criteo_tsv
-from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.preprocessing.criteo import CriteoTSVSource, write_criteo_tsv
+from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.data.synthetic import SyntheticGenerator
+from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, read_meta
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch
 N_TRAIN, N_VAL = 800, 200  # val_fraction 0.2; 800 = 12.5 batches, so batches straddle epochs
@@ -351,7 +351,7 @@ def test_a_datasets_own_sizes_unless_capped_and_a_cap_says_so(data):
 def test_evaluation_scores_the_whole_split_by_default_and_says_how_much(data, tmp_path):
     """train.eval_batches defaults to 0: every evaluation of real data scores the whole val
     split (not 16 batches); the eval line, the metrics event and ``evaluate_run`` say how many."""
-    from dlrm_jax.train.evaluate import evaluate_run
+    from dlrm_jax.train.saved_run import evaluate_run
     from dlrm_jax.train.trainer import train_and_evaluate
 
     cfg = load_config(

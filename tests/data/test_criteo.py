@@ -14,18 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.config import load_config
-from dlrm_jax.data import criteo_preprocess
-from dlrm_jax.data.binary import BinarySource
-from dlrm_jax.data.criteo import (
+from dlrm_jax.data.preprocessing import criteo_preprocess
+from dlrm_jax.data.preprocessing.criteo import (
     CriteoFormatError,
     CriteoTSVSource,
     parse_lines,
     scramble_id,
     write_criteo_tsv,
 )
-from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.shards import load_split as load_dataset_split
-from dlrm_jax.data.synthetic import SyntheticGenerator, normalise_dense
+from dlrm_jax.data.sources.binary import BinarySource
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator, normalise_dense
 
 ROWS = (2, 5, 17, 60, 300, 1000) * 4 + (3, 40)  # 26 small tables: repeated values, min_count
 N = 1200
@@ -464,7 +464,7 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch, error)
     import errno
     import shutil
 
-    from dlrm_jax.data import prep_driver
+    from dlrm_jax.data.preprocessing import prep_driver
 
     src = tmp_path / "day.tsv"
     src.write_text("1\t" + "\t".join(["1"] * 12 + [""] + ["0a"] * 26) + "\n")

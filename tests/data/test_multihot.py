@@ -1,4 +1,4 @@
-"""MLPerf DLRM-DCNv2's one-hot -> multi-hot rule (dlrm_jax.data.multihot) against a per-row model.
+"""MLPerf DLRM-DCNv2's one-hot -> multi-hot rule (dlrm_jax.data.preprocessing.multihot) against a per-row model.
 
 The model below follows the structure of mlcommons/training
 recommendation_v2/torchrec_dlrm/multi_hot.py (Multihot.__make_multi_hot_indices_tables) and
@@ -18,7 +18,7 @@ from conftest import REPO, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.data.multihot import MLPERF_DCNV2_BAG_SIZES, MultiHotRule, table_bytes
+from dlrm_jax.data.preprocessing.multihot import MLPERF_DCNV2_BAG_SIZES, MultiHotRule, table_bytes
 
 # Tiny, single-row, bag-1 and large features, with a 100-wide bag like MLPerf's feature 20.
 CARDS = (3, 4, 10, 1, 1000, 200_000, 2_000_000, 7, 1)

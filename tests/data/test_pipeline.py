@@ -11,10 +11,10 @@ import pytest
 from conftest import QUIET
 
 from dlrm_jax.bench.input import bench_input
-from dlrm_jax.data.criteo import write_criteo_tsv
-from dlrm_jax.data.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.pipeline import InputPipeline
-from dlrm_jax.data.synthetic import SyntheticGenerator
+from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
+from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.train.trainer import train_and_evaluate
 
 
@@ -110,8 +110,8 @@ def test_reading_memory_does_not_grow_with_the_dataset(tiny, tmp_path_factory, d
     pread's into the batch)."""
     import tracemalloc
 
-    from dlrm_jax.data.binary import BinarySource
     from dlrm_jax.data.sources import resolve_data_config
+    from dlrm_jax.data.sources.binary import BinarySource
 
     tmp = tmp_path_factory.mktemp("tenfold")
     day = (dataset.parent / "day.tsv").read_bytes()

@@ -1,4 +1,4 @@
-"""The val split of preprocessing (:mod:`dlrm_jax.data.prep_split`) against plain sorting."""
+"""The val split of preprocessing (:mod:`dlrm_jax.data.preprocessing.prep_split`) against plain sorting."""
 
 import tempfile
 from pathlib import Path
@@ -8,7 +8,7 @@ from conftest import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.data.prep_split import SplitKind, key_time, keys_file, plan_split, time_keys
+from dlrm_jax.data.preprocessing.prep_split import SplitKind, key_time, keys_file, plan_split, time_keys
 from dlrm_jax.data.shards import split_sizes
 
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)

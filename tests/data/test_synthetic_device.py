@@ -11,9 +11,9 @@ import pytest
 from conftest import tiny_config
 from jax.sharding import NamedSharding
 
-from dlrm_jax.data import synthetic
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.data.synthetic import (
+from dlrm_jax.data.sources import synthetic
+from dlrm_jax.data.sources.synthetic import (
     EVAL_STREAM,
     TRAIN_STREAM,
     SyntheticGenerator,

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 
 import dlrm_jax
 from dlrm_jax.config import load_config
-from dlrm_jax.data.preprocess import DataFormatError
+from dlrm_jax.data.preprocessing.preprocess import DataFormatError
+from dlrm_jax.data.preprocessing.tabular import category_values, preprocess_tabular
+from dlrm_jax.data.preprocessing.tabular_schema import SchemaError, load_schema
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import resolve_data_config
-from dlrm_jax.data.tabular import category_values, preprocess_tabular
-from dlrm_jax.data.tabular_schema import SchemaError, load_schema
 
 N = 300
 M = 61  # max_ind_range of the hashing runs

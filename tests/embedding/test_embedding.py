@@ -15,7 +15,7 @@ import pytest
 from reference import dense_reference
 
 from dlrm_jax.data.batch import PAD_ID
-from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
 from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config

@@ -91,7 +91,7 @@ def test_predicted_lru_hit_rate_matches_a_simulated_lru(rows, exponent, fraction
 def test_dram_caches_default_to_half_the_memory_available(tiny):
     """``host_cache_fraction=0``: the DRAM caches together take half the memory available when
     the run plans (all rows when that fits); the plan's host rows follow, and say so."""
-    from dlrm_jax.data.synthetic import SyntheticSource
+    from dlrm_jax.data.sources.synthetic import SyntheticSource
     from dlrm_jax.embedding.tiers import setup
     from dlrm_jax.parallel.mesh import make_mesh
     from dlrm_jax.train.build import build

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_embedding import CARDS, build, check_against_reference, logical, strategy_overrides
 
-from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.plan.embedding_plan import HotPlan

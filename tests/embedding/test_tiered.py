@@ -10,7 +10,7 @@ import tensorstore as ts
 from child_env import COMPILE_FLAGS
 from conftest import TESTS
 
-from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
@@ -129,7 +129,7 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     assert "Tiered tables" in report and "cat_0" in report.split("Tiered tables")[1] and "DRAM hits" in report
     event = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()][-1]
     assert 0 < event["device_hit_rate"] < 1 and event["rows_evicted"] > 0 and event["h2d_bytes_per_step"] > 0
-    from dlrm_jax.train.evaluate import evaluate_run
+    from dlrm_jax.train.saved_run import evaluate_run
 
     assert evaluate_run(tmp_path / "whole", **QUIET).auc == whole.auc  # from the tier's snapshot, read-only
     # Exported, the tiered run's tables are the device run's, field by field.

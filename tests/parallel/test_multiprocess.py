@@ -301,7 +301,7 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
 # when step 11 needs it.)
 STALL_INPUT = """
 import sys, threading
-from dlrm_jax.data import synthetic
+from dlrm_jax.data.sources import synthetic
 device_batches = synthetic.SyntheticSource.device_batches
 def stalling(self, sharding):
     make = device_batches(self, sharding)

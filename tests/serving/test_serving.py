@@ -14,10 +14,10 @@ from conftest import QUIET, tiny_config
 
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
-from dlrm_jax.data.criteo import write_criteo_tsv
-from dlrm_jax.data.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
+from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.data.synthetic import SyntheticGenerator
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.artifact import ArtifactError
 from dlrm_jax.train.evaluate import eval_scores
@@ -259,7 +259,7 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
 def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
     from test_tabular import make_movielens
 
-    from dlrm_jax.data.tabular import preprocess_tabular
+    from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
 
     ml = tmp_path / "ml"
     make_movielens(ml, n=600)

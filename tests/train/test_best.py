@@ -9,9 +9,9 @@ import pytest
 from conftest import QUIET, tiny_config
 
 from dlrm_jax.train.checkpoint import saved_steps
-from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.progress import Evaluation, Progress
+from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
 
 # Two held-out batches a tiny evaluation: its AUC peaks early and wanders (step 4 here).

@@ -16,9 +16,9 @@ from child_env import child_env
 from conftest import QUIET
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
-from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError
+from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from dlrm_jax.data.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.relayout import relayout
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build

@@ -8,8 +8,8 @@ from conftest import QUIET, losses
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.checkpoint import Checkpoints
-from dlrm_jax.train.evaluate import evaluate_run
 from dlrm_jax.train.restore import restore_state
+from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
 
 

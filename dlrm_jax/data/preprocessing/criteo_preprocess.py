@@ -2,11 +2,11 @@
 
 The input is cut into tasks (:func:`criteo_tasks`): byte ranges of about ``block_bytes`` of a
 plain file (a task owns the lines that start inside its range), or a whole gzipped file, read
-as a stream. Worker processes of :mod:`dlrm_jax.data.prep_driver` parse the tasks' blocks of
+as a stream. Worker processes of :mod:`dlrm_jax.data.preprocessing.prep_driver` parse the tasks' blocks of
 text with pyarrow's CSV reader (C++), hex fields to integers with a few uint64 operations per
 column. A block the fast reader cannot prove valid (a parse error, a character no valid line
 has, a label that is not 0/1, an integer of over 18 digits) is parsed again line by line with
-:func:`~dlrm_jax.data.criteo.parse_lines`, which says what is wrong with each bad line: the
+:func:`~dlrm_jax.data.preprocessing.criteo.parse_lines`, which says what is wrong with each bad line: the
 rows kept and the errors are those of the strict parser, whatever the number of workers.
 """
 
@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from dlrm_jax.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFormatError, parse_lines
-from dlrm_jax.data.prep_driver import Options, default_workers, write_dataset
-from dlrm_jax.data.preprocess import (
+from dlrm_jax.data.preprocessing.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFormatError, parse_lines
+from dlrm_jax.data.preprocessing.prep_driver import Options, default_workers, write_dataset
+from dlrm_jax.data.preprocessing.preprocess import (
     Chunk,
     PreprocessReport,
     SkipLog,
@@ -29,7 +29,7 @@ from dlrm_jax.data.preprocess import (
     is_gzip,
     open_input,
 )
-from dlrm_jax.data.synthetic import normalise_dense
+from dlrm_jax.data.sources.synthetic import normalise_dense
 
 _NAMES = ["label", *(f"I{k}" for k in range(1, 14)), *(f"C{k}" for k in range(1, 27))]
 _TYPES = {
@@ -90,7 +90,7 @@ def _blocks(task: Task, block_bytes: int) -> Iterator[bytes]:
 
 
 class CriteoParser:
-    """Picklable: turns a :class:`Task` into :class:`~dlrm_jax.data.preprocess.Chunk` s."""
+    """Picklable: turns a :class:`Task` into :class:`~dlrm_jax.data.preprocessing.preprocess.Chunk` s."""
 
     num_dense, num_features, error = NUM_DENSE, NUM_CATEGORICAL, CriteoFormatError
 
@@ -241,7 +241,7 @@ def preprocess_criteo(
     MLPerf's reference numbers day_23's values too). Val split: the files ``val_inputs``
     (MLPerf: ``day_23``) or else the last ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
     (None keeps input order). ``multi_hot``: bag sizes for MLPerf DLRM-DCNv2's multi-hot rule
-    (:mod:`dlrm_jax.data.multihot`). ``workers`` processes (0: one per core) parse blocks of
+    (:mod:`dlrm_jax.data.preprocessing.multihot`). ``workers`` processes (0: one per core) parse blocks of
     ``block_mb`` MB; the output is the same for any number of workers.
     """
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)

@@ -1,6 +1,6 @@
 """Criteo Kaggle/Terabyte TSV: the strict line parser (what ``preprocess criteo`` falls back to,
 to name what is wrong with a line), synthetic TSV for tests, and :class:`CriteoTSVSource`,
-which trains straight from small TSVs (:mod:`~dlrm_jax.data.criteo_preprocess` makes binary
+which trains straight from small TSVs (:mod:`~dlrm_jax.data.preprocessing.criteo_preprocess` makes binary
 datasets).
 
 A line is ``label \\t I1..I13 \\t C1..C26``: label 0/1, integer features (empty = missing, may be
@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dlrm_jax.data import binary, shards
+from dlrm_jax.data import shards
 from dlrm_jax.data.batch import Batch, process_slice
-from dlrm_jax.data.preprocess import (
+from dlrm_jax.data.preprocessing.preprocess import (
     BadLine,
     DataFormatError,
     SkipLog,
@@ -31,7 +31,8 @@ from dlrm_jax.data.preprocess import (
     is_gzip,
     open_input,
 )
-from dlrm_jax.data.synthetic import RawSamples, normalise_dense
+from dlrm_jax.data.sources import binary
+from dlrm_jax.data.sources.synthetic import RawSamples, normalise_dense
 
 NUM_DENSE, NUM_CATEGORICAL = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL

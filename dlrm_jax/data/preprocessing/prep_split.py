@@ -1,5 +1,5 @@
 """Which rows of a preprocessed dataset are held out for validation, decided between the scan
-and the vocabulary phases of :mod:`dlrm_jax.data.prep_driver`:
+and the vocabulary phases of :mod:`dlrm_jax.data.preprocessing.prep_driver`:
 
 - **tail**: the last ``val_fraction`` of valid rows in input order (Criteo's days are in time
   order, so the tail is the latest);

@@ -1,4 +1,4 @@
-"""Counter-based draws for the synthetic data (:mod:`dlrm_jax.data.synthetic`): 32-bit hashes
+"""Counter-based draws for the synthetic data (:mod:`dlrm_jax.data.sources.synthetic`): 32-bit hashes
 of a row's fields and quantile tables that turn them into values, written against an array
 namespace ``xp`` (numpy on the host, ``jax.numpy`` in a jitted program) with integer operations
 and exactly rounded float32 multiplies only, so both evaluate them bitwise alike. ``mix64`` is

@@ -1,7 +1,7 @@
 """``dlrm-jax preprocess tabular``: CSV or JSON-lines files described by a schema
-(:mod:`dlrm_jax.data.tabular_schema`) -> the binary layout of :mod:`dlrm_jax.data.binary`.
+(:mod:`dlrm_jax.data.preprocessing.tabular_schema`) -> the binary layout of :mod:`dlrm_jax.data.sources.binary`.
 
-Files are streamed a chunk of records at a time (:mod:`dlrm_jax.data.tabular_records`); side
+Files are streamed a chunk of records at a time (:mod:`dlrm_jax.data.preprocessing.tabular_records`); side
 files named by the schema's ``joins`` are read whole first and left-joined to every record on
 one key. A categorical field's text is counted and hashed by :func:`category_values`; dense
 fields become ``log1p(max(x, 0))`` (or stay as they are), missing ones 0; the label is a 0/1
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_jax.data import shards
-from dlrm_jax.data.prep_driver import Options, default_workers, write_dataset
-from dlrm_jax.data.preprocess import (
+from dlrm_jax.data.preprocessing.prep_driver import Options, default_workers, write_dataset
+from dlrm_jax.data.preprocessing.preprocess import (
     BadLine,
     Chunk,
     DataFormatError,
@@ -31,10 +31,10 @@ from dlrm_jax.data.preprocess import (
     Task,
     check_arguments,
 )
-from dlrm_jax.data.synthetic import normalise_dense
-from dlrm_jax.data.synthetic_draws import mix64
-from dlrm_jax.data.tabular_records import Records, read_records, records_from
-from dlrm_jax.data.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
+from dlrm_jax.data.preprocessing.tabular_records import Records, read_records, records_from
+from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
+from dlrm_jax.data.sources.synthetic import normalise_dense
+from dlrm_jax.data.sources.synthetic_draws import mix64
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -245,7 +245,7 @@ def _load_side(schema: TabularSchema, join: Join, path: str, log: SkipLog, chunk
 
 class TabularParser:
     """Picklable: turns one input file (a task: CSV quoting may hide line ends, so files are
-    not cut) into :class:`~dlrm_jax.data.preprocess.Chunk` s, joined with the side files."""
+    not cut) into :class:`~dlrm_jax.data.preprocessing.preprocess.Chunk` s, joined with the side files."""
 
     error = DataFormatError
 
@@ -287,11 +287,11 @@ def preprocess_tabular(
     progress: bool = True,
 ) -> PreprocessReport:
     """Tabular files described by ``schema`` (a YAML file, a shipped schema's name such as
-    ``"movielens_1m"``, or a :class:`~dlrm_jax.data.tabular_schema.TabularSchema`) -> the
+    ``"movielens_1m"``, or a :class:`~dlrm_jax.data.preprocessing.tabular_schema.TabularSchema`) -> the
     sharded layout of :mod:`dlrm_jax.data.shards` at ``output``.
 
     ``joins`` maps each of the schema's join names to its side file (read whole, left-joined).
-    Ids, splits, shuffling and shards as for Criteo (:func:`~dlrm_jax.data.criteo_preprocess.
+    Ids, splits, shuffling and shards as for Criteo (:func:`~dlrm_jax.data.preprocessing.criteo_preprocess.
     preprocess_criteo`): frequency-ordered vocabularies or ``category_values(text) %
     max_ind_range`` numbered by hashed value, counted on the train rows (``vocab_from``) or
     all; the val split is ``val_inputs``, the latest ``val_fraction`` of rows by the schema's

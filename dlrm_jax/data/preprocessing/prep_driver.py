@@ -1,16 +1,16 @@
 """The parallel driver every ``dlrm-jax preprocess`` runs: parse, count, assign ids, shuffle,
 write shards; the output bytes do not depend on the number of workers.
 
-A format supplies a picklable *parser* (:class:`~dlrm_jax.data.criteo_preprocess.CriteoParser`,
-:class:`~dlrm_jax.data.tabular.TabularParser`): ``tasks(paths)`` cuts the input into units of
-work and ``parse(task, log)`` turns one into :class:`~dlrm_jax.data.preprocess.Chunk` s. Four
+A format supplies a picklable *parser* (:class:`~dlrm_jax.data.preprocessing.criteo_preprocess.CriteoParser`,
+:class:`~dlrm_jax.data.preprocessing.tabular.TabularParser`): ``tasks(paths)`` cuts the input into units of
+work and ``parse(task, log)`` turns one into :class:`~dlrm_jax.data.preprocessing.preprocess.Chunk` s. Four
 phases follow, each a pool of worker processes (``workers=1`` runs them in this process):
 
 1. **scan** (per task): parse; per chunk ("part") and feature, dictionary-encode the values
    (after ``% max_ind_range`` when hashing) and save the part's codes, dense and labels, and
    its sorted distinct values with their counts, under the work folder; and, when the format
    splits by time, the rows' times as sortable keys (and their sorted copy).
-   The val split is then decided (:mod:`dlrm_jax.data.prep_split`): the tail, whole files,
+   The val split is then decided (:mod:`dlrm_jax.data.preprocessing.prep_split`): the tail, whole files,
    or the latest rows by time; with ``vocab_from="train"`` each part holding val rows counts
    its train rows' values again (a bincount of its codes).
 2. **vocabulary** (per feature): merge the parts' distinct values and their counts (over the
@@ -51,9 +51,9 @@ import numpy as np
 import pyarrow as pa
 
 from dlrm_jax.data import shards
-from dlrm_jax.data.multihot import MultiHotRule
-from dlrm_jax.data.prep_split import PartSplit, keys_file, plan_split, time_keys
-from dlrm_jax.data.preprocess import PreprocessReport, SkipLog, Vocabulary, byte_progress
+from dlrm_jax.data.preprocessing.multihot import MultiHotRule
+from dlrm_jax.data.preprocessing.prep_split import PartSplit, keys_file, plan_split, time_keys
+from dlrm_jax.data.preprocessing.preprocess import PreprocessReport, SkipLog, Vocabulary, byte_progress
 from dlrm_jax.data.shuffle import KeyedPermutation
 from dlrm_jax.stopping import die_with_parent
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch, process_slice
-from dlrm_jax.data.synthetic_draws import (  # noqa: F401 - mix64, mix32, zipf_ids re-exported
+from dlrm_jax.data.sources.synthetic_draws import (  # noqa: F401 - mix64, mix32, zipf_ids re-exported
     _BINS,
     _BYTES_STD,
     _FIX,

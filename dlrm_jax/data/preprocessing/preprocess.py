@@ -1,9 +1,9 @@
 """What every ``dlrm-jax preprocess`` shares: the bad-line policy, vocabularies, the parsed
 :class:`Chunk` and the report.
 
-A format module (:mod:`~dlrm_jax.data.criteo_preprocess`, :mod:`~dlrm_jax.data.tabular`)
+A format module (:mod:`~dlrm_jax.data.preprocessing.criteo_preprocess`, :mod:`~dlrm_jax.data.preprocessing.tabular`)
 parses its input into :class:`Chunk` s of categorical *values* (uint64: Criteo's hex numbers,
-hashes of text fields); :mod:`~dlrm_jax.data.prep_driver` counts them, assigns ids, splits,
+hashes of text fields); :mod:`~dlrm_jax.data.preprocessing.prep_driver` counts them, assigns ids, splits,
 shuffles and writes shards.
 """
 

@@ -50,7 +50,7 @@ def resolve_data_config(cfg):
     check_data_path(cfg)
     if cfg.data.source != "binary":
         return cfg
-    from dlrm_jax.data.binary import model_num_dense, read_meta
+    from dlrm_jax.data.sources.binary import model_num_dense, read_meta
 
     meta = read_meta(cfg.data.path)
     cards = tuple(int(c) for c in meta["cardinalities"])
@@ -94,15 +94,15 @@ def make_source(
     would fail only then). A val split shorter than one batch is fine: it is evaluated as one
     partial batch, exactly."""
     if cfg.data.source == "synthetic":
-        from dlrm_jax.data.synthetic import SyntheticSource
+        from dlrm_jax.data.sources.synthetic import SyntheticSource
 
         return SyntheticSource(cfg, process_index, process_count)
     if cfg.data.source == "binary":
-        from dlrm_jax.data.binary import BinarySource
+        from dlrm_jax.data.sources.binary import BinarySource
 
         source = BinarySource(cfg, process_index, process_count)
     else:
-        from dlrm_jax.data.criteo import CriteoTSVSource
+        from dlrm_jax.data.preprocessing.criteo import CriteoTSVSource
 
         source = CriteoTSVSource(cfg, process_index, process_count)
     check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)

@@ -17,8 +17,8 @@ import operator
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from dlrm_jax.data.preprocess import DataFormatError, open_input
-from dlrm_jax.data.tabular_schema import AUTO, Layout
+from dlrm_jax.data.preprocessing.preprocess import DataFormatError, open_input
+from dlrm_jax.data.preprocessing.tabular_schema import AUTO, Layout
 
 
 class _Bad(Exception):

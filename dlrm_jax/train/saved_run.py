@@ -1,0 +1,54 @@
+"""Evaluating a saved run's checkpoint, read-only: the run may still be training there."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+
+from dlrm_jax.data.sources import make_source
+from dlrm_jax.embedding.tiers.setup import tier_root
+from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.parallel.mesh import host_scalar
+from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
+from dlrm_jax.train.evaluate import RunSummary
+from dlrm_jax.train.progress import checkpoint_step
+from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+
+
+def evaluate_run(
+    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
+) -> RunSummary:
+    """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
+    best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
+    training there (nothing in ``run_dir`` is written, moved or deleted)."""
+    run_dir = Path(run_dir)
+    cfg = saved_run_config(run_dir, overrides)
+    mesh = mesh_from_config(cfg)
+    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
+    plan, steps = build(cfg, mesh, source, log)
+    step = checkpoint_step(run_dir / "checkpoints", step)
+    step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
+    driver: StepDriver
+    if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
+        tiered = TieredTables(
+            plan,
+            steps.collection.groups,
+            steps.collection.optimizer,
+            tier_root(cfg, run_dir),
+            steps.embedding_key(),
+            log=log,
+            snapshot=step,
+        )
+        driver = TieredDriver(steps, source, tiered, lookahead=0)
+    else:
+        driver = DeviceDriver(steps, source, readers=0, prefetch=0, log=log)
+    try:
+        start = time.perf_counter()
+        auc, ll, samples = driver.evaluate(state)
+        seconds = time.perf_counter() - start
+    finally:
+        driver.close()
+    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)
