@@ -255,11 +255,21 @@ train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None
 """
 
 
-@pytest.mark.slow
-def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
-    """SIGKILL while the step-8 checkpoint flushes rows into the tier (the working files half
-    written, no snapshot 8): re-running resumes from step 4 and ends bitwise as a run never
-    killed."""
+KILLED_RUN = [
+    *BASE,
+    *TIERED,
+    "embedding.sharding=row",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=4",
+    "train.steps=12",
+]
+
+
+def killed_then_resumed(tiny, tmp_path, script: str, overrides: list[str]) -> list[str]:
+    """Runs ``overrides`` whole, then ``script`` (a run the script SIGKILLs in ``tmp_path /
+    'killed'``), resumes that run and checks it ends bitwise as the whole one; returns the
+    checkpoints the killed run left."""
     import os
     import subprocess
     import sys
@@ -268,29 +278,31 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
 
     from dlrm_jax.train.trainer import train_and_evaluate
 
-    overrides = [
-        *BASE,
-        *TIERED,
-        "mesh.devices=8",
-        "embedding.sharding=row",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.checkpoint_every=4",
-        "train.steps=12",
-    ]
     whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_MID_FLUSH.format(tests=str(TESTS), overrides=overrides, run_dir=str(tmp_path / "killed")))
+    (tmp_path / "kill.py").write_text(script)
     env = os.environ | {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
         "JAX_PLATFORMS": "cpu",
     }
-    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "kill.py")], env=env, timeout=600, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    left = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir() if p.name.isdigit())
     resumed = train_and_evaluate(tiny(*overrides), tmp_path / "killed", **QUIET)
     assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    return left
+
+
+@pytest.mark.slow
+def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
+    """SIGKILL while the step-8 checkpoint flushes rows into the tier (the working files half
+    written, no snapshot 8): re-running resumes from step 4 and ends bitwise as a run never
+    killed."""
+    overrides = [*KILLED_RUN, "mesh.devices=8"]
+    script = KILL_MID_FLUSH.format(tests=str(TESTS), overrides=overrides, run_dir=str(tmp_path / "killed"))
+    assert killed_then_resumed(tiny, tmp_path, script, overrides) == ["4"]
 
 
 KILL_MID_IO = """
@@ -321,39 +333,8 @@ train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None
 @pytest.mark.parametrize("thread,write", [("tier-read-ahead", False), ("tier-write-behind", True)])
 def test_sigkill_mid_read_ahead_or_write_behind_then_resume_is_bitwise(tiny, tmp_path, thread, write):
     """SIGKILL with the tier's reads made ahead, or its write-backs, half done after the step-4
-    checkpoint: re-running resumes from step 4 and ends bitwise as a run never killed."""
-    import os
-    import subprocess
-    import sys
-
-    from test_train import QUIET, losses
-
-    from dlrm_jax.train.trainer import train_and_evaluate
-
-    overrides = [
-        *BASE,
-        *TIERED,
-        "mesh.devices=4",
-        "embedding.sharding=row",
-        "embedding.tier.lookahead=2",
-        "train.log_every=1",
-        "train.eval_every=0",
-        "train.checkpoint_every=4",
-        "train.steps=12",
-    ]
-    whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
-    script = tmp_path / "kill.py"
-    run_dir = tmp_path / "killed"
-    script.write_text(
-        KILL_MID_IO.format(tests=str(TESTS), overrides=overrides, run_dir=str(run_dir), thread=thread, write=write)
-    )
-    env = os.environ | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run([sys.executable, str(script)], env=env, timeout=600, capture_output=True, text=True)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    assert "4" in [p.name for p in (run_dir / "checkpoints").iterdir()]
-    resumed = train_and_evaluate(tiny(*overrides), run_dir, **QUIET)
-    assert losses(run_dir) == losses(tmp_path / "whole")
-    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    checkpoint: re-running resumes from there and ends bitwise as a run never killed."""
+    overrides = [*KILLED_RUN, "mesh.devices=4", "embedding.tier.lookahead=2"]
+    run_dir = str(tmp_path / "killed")
+    script = KILL_MID_IO.format(tests=str(TESTS), overrides=overrides, run_dir=run_dir, thread=thread, write=write)
+    assert "4" in killed_then_resumed(tiny, tmp_path, script, overrides)

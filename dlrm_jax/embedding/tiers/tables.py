@@ -156,6 +156,7 @@ class TieredTables:
         """Empty device-cache planners, one per tiered table (for the planner thread)."""
         self._evicted_log.clear()
         self._planned = self.consumed = 0
+        self.read_ahead.restart()
         return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
 
     def read_ahead_for(self, fills: dict[int, Fills]):

@@ -64,6 +64,10 @@ class ReadAhead:
         self._submitted += 1  # before the read can begin: see forget_writes
         return self._reader.submit(self._read, {t: np.unique(np.asarray(r, np.int64)) for t, r in wanted.items()})
 
+    def restart(self) -> None:
+        """A new stream of planned batches: reads of an abandoned one are never taken."""
+        self._submitted = self._taken = 0
+
     def take(self, reads: Future | None) -> dict[str, Staged]:
         """A step's staged rows (waiting for its reads if they are still in flight); then the
         store forgets the writes no read still in flight can have missed."""
