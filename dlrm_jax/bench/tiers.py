@@ -2,8 +2,9 @@
 
 Every case trains the same config on the same stream of distinct batches (Zipf exponent and id
 layout as given; by default 1.1 and a frequency-ordered vocabulary) with every sharded table
-tiered, for device caches of several fractions of each owner's rows, lookahead 0 and > 0, and
-once with every table on the devices: the reference each case is a ratio of. Throughput is
+tiered, for device caches of several fractions of each owner's rows, lookahead 0 and > 0, the
+DRAM caches' policies (``--policies lru,lfu``: their measured hit rates beside the plan's
+prediction), and once with every table on the devices: the reference each case is a ratio of. Throughput is
 end to end, pipelined as training runs it (planner thread, fills, write-backs, host reads),
 timed over ``steps`` steps per turn after a warm-up, the variants taking turns ``repeats``
 times so that drift of the machine's speed hits them alike. Reported per case: samples/s and
@@ -105,6 +106,7 @@ def bench_tiers(
     repeats: int,
     fractions=FRACTIONS,
     lookaheads=(0, 4),
+    policies=("lru",),
     zipf: float = 1.1,
     layout: str = "frequency_ordered",
     warmup: int = 30,
@@ -136,19 +138,22 @@ def bench_tiers(
             f"{disk['disk_iops_qd32']:,.0f} at 32 ({disk['disk_probe']})"
         )
     base = load_config(config, common)
-    variants = {("device", 0.0, 0): _Variant(base, None, total)}
+    variants = {("device", 0.0, 0, ""): _Variant(base, None, total)}
     for fraction in fractions:
         for lookahead in lookaheads:
-            cfg = load_config(
-                config,
-                [
-                    *common,
-                    "embedding.storage=tiered",
-                    f"embedding.tier.device_cache_fraction={fraction}",
-                    f"embedding.tier.lookahead={lookahead}",
-                ],
-            )
-            variants[("tiered", fraction, lookahead)] = _Variant(cfg, root / f"{fraction}_{lookahead}", total)
+            for policy in policies:
+                cfg = load_config(
+                    config,
+                    [
+                        *common,
+                        "embedding.storage=tiered",
+                        f"embedding.tier.device_cache_fraction={fraction}",
+                        f"embedding.tier.lookahead={lookahead}",
+                        f"embedding.tier.policy={policy}",
+                    ],
+                )
+                where = root / f"{fraction}_{lookahead}_{policy}"
+                variants[("tiered", fraction, lookahead, policy)] = _Variant(cfg, where, total)
     if large_gb:
         cfg = load_config(
             config,
@@ -159,10 +164,12 @@ def bench_tiers(
                 f"embedding.tier.device_cache_fraction={large_fraction}",
                 f"embedding.tier.host_cache_fraction={large_host_fraction}",
                 f"embedding.tier.lookahead={max(lookaheads)}",
+                f"embedding.tier.policy={policies[0]}",
             ],
         )
         t0 = time.perf_counter()
-        variants[("large", large_fraction, max(lookaheads))] = large = _Variant(cfg, root / "large", total)
+        key = ("large", large_fraction, max(lookaheads), policies[0])
+        variants[key] = large = _Variant(cfg, root / "large", total)
         log(
             f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
             f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB"
@@ -173,10 +180,10 @@ def bench_tiers(
         for _ in range(repeats):
             for v in variants.values():
                 v.run(steps, timed=True)
-        device = variants[("device", 0.0, 0)]
+        device = variants[("device", 0.0, 0, "")]
         device_rate = device.samples / sum(device.times)
         cases = []
-        for (kind, fraction, lookahead), v in variants.items():
+        for (kind, fraction, lookahead, policy), v in variants.items():
             rate = v.samples / sum(v.times)
             m = v.runner.take_metrics(steps * repeats) if v.runner else {}
             cases.append(
@@ -190,6 +197,7 @@ def bench_tiers(
                     "tiered_tables": len(v.plan.tiered_tables),
                     "tiered_rows": v.tiered_rows,
                     "lookahead": lookahead,
+                    "policy": policy,
                     "samples_per_s": rate,
                     "ratio_to_device": rate / device_rate,
                     "step_ms_median": 1e3 * statistics.median(v.times) / steps,
@@ -272,13 +280,13 @@ def _peak_rss_mib() -> float:
 
 def _table(cases: list[dict]) -> str:
     lines = [
-        f"{'storage':<8}{'cache':>7}{'actual':>7}{'ahead':>6}{'samples/s':>12}{'ratio':>7}{'dev hit':>9}{'host hit':>9}"
+        f"{'storage':<8}{'cache':>7}{'actual':>7}{'ahead':>6}{'policy':>7}{'samples/s':>12}{'ratio':>7}{'dev hit':>9}{'host hit':>9}"
         f"{'h2d/step':>11}{'stall ms':>9}"
     ]
     for c in cases:
         lines.append(
             f"{c['storage']:<8}{100 * c['device_cache_fraction']:>6.0f}%"
-            f"{100 * c['effective_cache_fraction']:>6.1f}%{c['lookahead']:>6}"
+            f"{100 * c['effective_cache_fraction']:>6.1f}%{c['lookahead']:>6}{c['policy']:>7}"
             f"{c['samples_per_s']:>12,.0f}{c['ratio_to_device']:>7.2f}{100 * c['device_hit_rate']:>8.1f}%"
             f"{100 * c['host_hit_rate']:>8.1f}%{c['h2d_bytes_per_step'] / 1024:>9.1f}Ki"
             f"{c['stall_ms_per_step']:>9.2f}"

@@ -360,6 +360,7 @@ def cmd_bench(args) -> int:
             repeats=args.repeats,
             fractions=args.fractions,
             lookaheads=args.lookaheads,
+            policies=args.policies,
             zipf=args.zipf,
             layout=args.layout,
             warmup=args.warmup,

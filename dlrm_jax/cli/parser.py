@@ -44,6 +44,15 @@ def _list_of(kind: type, low: float | None = None, empty: bool = False):
     return parse
 
 
+def _policies(text: str) -> list[str]:
+    """An argparse type: comma-separated DRAM cache policies."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ("lru", "lfu")]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lru, lfu; got {text!r}")
+    return values
+
+
 POSITIVE, COUNT = _bounded(int, 1), _bounded(int, 0)  # steps and repeats; warmups and caps
 
 
@@ -270,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_list_of(int, 0),
         default=[0, 4],
         help="batches planned ahead, comma-separated (default 0,4)",
+    )
+    bt2.add_argument(
+        "--policies",
+        type=_policies,
+        default=["lru"],
+        help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu; default lru)",
     )
     bt2.add_argument("--zipf", type=float, default=1.1)
     bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])

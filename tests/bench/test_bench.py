@@ -283,6 +283,7 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
         repeats=1,
         fractions=[0.2],
         lookaheads=[0, 2],
+        policies=["lru", "lfu"],
         warmup=2,
         output=str(out),
         large_gb=0.004,
@@ -292,7 +293,11 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
         **QUIET,
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    cases = {(c["storage"], c["device_cache_fraction"], c["lookahead"]): c for c in report["cases"]}
+    by_policy = {(c["storage"], c["device_cache_fraction"], c["lookahead"], c["policy"]) for c in report["cases"]}
+    assert {("tiered", 0.2, 2, "lru"), ("tiered", 0.2, 2, "lfu"), ("large", 0.01, 2, "lru")} <= by_policy
+    cases = {
+        (c["storage"], c["device_cache_fraction"], c["lookahead"]): c for c in report["cases"] if c["policy"] != "lfu"
+    }
     assert set(cases) == {("device", 1.0, 0), ("tiered", 0.2, 0), ("tiered", 0.2, 2), ("large", 0.01, 2)}
     for key in (
         "zipf",

@@ -11,6 +11,7 @@ from child_env import COMPILE_FLAGS
 from conftest import TESTS
 
 from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.embedding.tiers import tables
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
@@ -51,7 +52,10 @@ def train(cfg, devices, root=None, steps=STEPS):
     for t in plan.tiered_tables:
         got = tiered.host[t].get(np.arange(plan.tables[t].spec.rows))
         values[t], slots[t] = got.pop("values"), got
-    stats = dict(tiered.stats) | {"rows_read_ahead": sum(h.rows_read_ahead for h in tiered.host.values())}
+    stats = dict(tiered.stats) | {
+        "rows_read_ahead": sum(h.rows_read_ahead for h in tiered.host.values()),
+        "mapped": tiered.store.mapped,
+    }
     tiered.close()
     return losses, values, slots, plan, stats
 
@@ -80,7 +84,13 @@ CASES = [
 @pytest.mark.parametrize(
     "strategy,devices,optimizer,bags,lookahead,fill_rows", CASES, ids=["-".join(map(str, c)) for c in CASES]
 )
-def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimizer, bags, lookahead, fill_rows):
+def test_tiered_equals_all_in_device(
+    tiny, tmp_path, monkeypatch, strategy, devices, optimizer, bags, lookahead, fill_rows
+):
+    """Lookahead 0 reads the tier through memory maps (these small tiers fit the page cache);
+    with lookahead the tier is read as a larger one is: requests, read ahead."""
+    if lookahead:
+        monkeypatch.setattr(tables, "MAPPED_SHARE", 0.0)
     sharding = {"row_cyclic": ["embedding.sharding=row", "embedding.row_layout=cyclic"]}.get(
         strategy, [f"embedding.sharding={strategy}"]
     )
@@ -98,6 +108,7 @@ def test_tiered_equals_all_in_device(tiny, tmp_path, strategy, devices, optimize
     assert tiered[3].tiered_tables == (0, 2)
     stats = tiered[4]
     assert stats["rows_evicted"] > 5 * STEPS  # the caches were far too small for the run
+    assert stats["mapped"] == (lookahead == 0)
     if lookahead == 0:
         assert stats["rows_forwarded"] > 0  # rows evicted by one step and re-read by the next
     else:
@@ -309,8 +320,10 @@ KILL_MID_IO = """
 import os, pathlib, signal, sys, threading
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from dlrm_jax.embedding.tiers import chunk_io
+from dlrm_jax.embedding.tiers import chunk_io, tables
 from dlrm_jax.train.trainer import train_and_evaluate
+
+tables.MAPPED_SHARE = 0.0  # read as a tier larger than RAM is: requests, read ahead, written behind
 
 original = chunk_io.ChunkFiles.run
 checkpoints = pathlib.Path({run_dir!r}) / "checkpoints"

@@ -120,6 +120,9 @@ class TierStore:
         self._lock = threading.RLock()  # writes, snapshots, restores, exports: one at a time
         self._log_lock = threading.Lock()  # write_seq and the log of written rows
         self.write_seq = 0  # writes made through this store
+        # Reads through memory maps instead of requests: for a tier the page cache holds, where
+        # a gather costs far less than a request per row (the owner decides; off by default).
+        self.mapped = False
         self._written: dict[str, deque[tuple[int, np.ndarray]]] = {t: deque() for t in arrays}  # (seq, sorted rows)
         self._private: set[tuple[str, str, int]] = set()  # chunks known to have one link: writable
         self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
@@ -260,6 +263,8 @@ class TierStore:
         copies}}, ``write_seq`` as the reads saw it)."""
         seq = self.write_seq  # first: a write done before this has replaced files for us to see
         t0 = time.perf_counter()
+        if self.mapped:
+            return {t: self._gather(t, rows) for t, rows in wanted.items()}, seq
         placed, todo = [], []
         for table, rows in wanted.items():
             rows = self._checked_rows(table, rows)
@@ -284,12 +289,42 @@ class TierStore:
         self._files.stats.read_s += time.perf_counter() - t0
         return out, seq
 
+    def _gather(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`read_many`'s rows of one table through memory maps (``mapped``)."""
+        rows = self._checked_rows(table, rows)
+        out = {}
+        for field, array in self._arrays[table].items():
+            directory, suffix = self._directory(table, field)
+            values = np.empty((len(rows), array.row_bytes), np.uint8)
+            chunk = rows // array.chunk_rows
+            for c in np.unique(chunk).tolist():
+                at = np.flatnonzero(chunk == c)
+                path = f"{directory}/c.{c}{suffix}"
+                values[at] = self._files.gather(
+                    path, array.chunk_rows, array.row_bytes, rows[at] - c * array.chunk_rows
+                )
+            out[field] = values.view(array.np_dtype).reshape(len(rows), *array.shape)
+        return out
+
+    def _scatter(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """:meth:`write`'s rows through shared memory maps (``mapped``; chunks made private)."""
+        for field, v in values.items():
+            array = self._arrays[table][field]
+            directory, suffix = self._directory(table, field)
+            data = np.ascontiguousarray(v).view(np.uint8).reshape(len(rows), array.row_bytes)
+            chunk = rows // array.chunk_rows
+            for c in np.unique(chunk).tolist():
+                at = np.flatnonzero(chunk == c)
+                path = f"{directory}/c.{c}{suffix}"
+                self._files.scatter(path, array.chunk_rows, array.row_bytes, rows[at] - c * array.chunk_rows, data[at])
+                self._dirty.add((table, field, c))
+
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
         """Writes distinct rows [n] of some or all fields (``values[field]``: [n, *shape]).
 
         Chunks shared with a snapshot are all copied before any row is written: if a copy fails
         (TierError, e.g. ENOSPC) the store's contents are unchanged. Adjacent rows are written
-        in one request, many requests in flight."""
+        in one request, many requests in flight (``mapped``: through memory maps)."""
         if self.read_only:
             raise TierError(self.root / self._base, "a snapshot view is read-only")
         rows = self._checked_rows(table, rows)
@@ -301,18 +336,23 @@ class TierStore:
         sorted_rows = rows[order]
         with self._lock:
             todo = []
-            for field, v in values.items():
-                array = arrays[field]
-                chunks, firsts, lengths, _ = plan_runs(sorted_rows, array.chunk_rows, 1)
-                for chunk in np.unique(chunks).tolist():  # every copy first: a full disk changes nothing
+            for field in values:
+                chunks = np.unique(sorted_rows // arrays[field].chunk_rows).tolist()
+                for chunk in chunks:  # every copy first: a full disk changes nothing
                     self._make_private((table, field, chunk))
-                data = np.ascontiguousarray(v[order]).view(np.uint8).reshape(-1)
-                directory, suffix = self._directory(table, field)
-                todo += requests(
-                    directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, memoryview(data)
-                )
-                self._dirty.update((table, field, c) for c in np.unique(chunks).tolist())
-            self._files.run(todo, write=True, table=table)
+            if self.mapped:
+                self._scatter(table, sorted_rows, {f: v[order] for f, v in values.items()})
+            else:
+                for field, v in values.items():
+                    array = arrays[field]
+                    chunks, firsts, lengths, _ = plan_runs(sorted_rows, array.chunk_rows, 1)
+                    data = memoryview(np.ascontiguousarray(v[order]).view(np.uint8).reshape(-1))
+                    directory, suffix = self._directory(table, field)
+                    todo += requests(
+                        directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, data
+                    )
+                    self._dirty.update((table, field, c) for c in np.unique(chunks).tolist())
+                self._files.run(todo, write=True, table=table)
             with self._log_lock:
                 self.write_seq += 1
                 self._written[table].append((self.write_seq, sorted_rows))

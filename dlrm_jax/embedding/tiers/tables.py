@@ -43,8 +43,11 @@ from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.format import default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
+from dlrm_jax.hostmem import available_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
+
+MAPPED_SHARE = 0.25  # a tier up to this share of the memory available is read through memory maps
 
 
 @dataclass
@@ -112,7 +115,13 @@ class TieredTables:
             self.store = self._create()
             self.store.snapshot(0)  # the initial tables: where a run without checkpoints starts
         tier = plan.tier
-        self.writer = None if self.store.read_only else WriteBehind(self.store)
+        # A tier the page cache can hold is read through memory maps, and not read ahead.
+        available = available_bytes()
+        tier_bytes = sum(plan.tables[t].spec.rows for t in self.tables) * row_bytes
+        self.store.mapped = available is not None and tier_bytes <= MAPPED_SHARE * available
+        # Evictions are written behind the step when the disk is slow to take them; a tier in
+        # the page cache takes them at once, cheaper than handing them to a thread.
+        self.writer = None if self.store.read_only or self.store.mapped else WriteBehind(self.store)
         self.read_ahead = ReadAhead(self.store)
         self.host = {
             t: HostCache(self.store, self.names[t], tier.host_rows[t], tier.policy, self.writer) for t in self.tables
@@ -164,6 +173,8 @@ class TieredTables:
         is likely to hold by its step: not in DRAM now, and not evicted from the device caches
         by a batch whose evictions have not reached DRAM yet. Returns the reads' future for
         :meth:`programs` (None: nothing to read)."""
+        if self.store.mapped:
+            return None  # the page cache holds the tier: a gather at the step costs less
         i = self._planned
         self._planned += 1
         while self._evicted_log and self._evicted_log[0][0] < self.consumed - 2:
@@ -427,7 +438,8 @@ class TieredTables:
         self.sync_to_host(emb_tables, emb_slots, hot)
         for h in self.host.values():
             h.flush()
-        self.writer.drain()
+        if self.writer is not None:
+            self.writer.drain()
         self.store.snapshot(step)
         self._snapshotted = [*self._snapshotted[-(keep - 1) :], step] if keep > 1 else [step]
         self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
@@ -442,7 +454,8 @@ class TieredTables:
             self.store.close()
             for name in ("work", "snapshots"):
                 shutil.rmtree(root / name, ignore_errors=True)
-            self.store = self._create()
+            mapped, self.store = self.store.mapped, self._create()
+            self.store.mapped = mapped
             self.store.snapshot(0)
             for user in (self.writer, self.read_ahead, *self.host.values()):
                 if user is not None:
