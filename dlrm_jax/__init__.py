@@ -105,7 +105,7 @@ _EXPORTS = {
     "SyntheticSource": "dlrm_jax.data.sources.synthetic",
     "BinarySource": "dlrm_jax.data.sources.binary",
     "ArraySource": "dlrm_jax.data.sources.arrays",
-    "CriteoTSVSource": "dlrm_jax.data.preprocessing.criteo",
+    "CriteoTSVSource": "dlrm_jax.data.sources.criteo",
     "preprocess_criteo": "dlrm_jax.data.preprocessing.criteo_preprocess",
     "preprocess_tabular": "dlrm_jax.data.preprocessing.tabular",
     "load_schema": "dlrm_jax.data.preprocessing.tabular_schema",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from dlrm_jax.config import CRITEO_KAGGLE_CARDINALITIES
-from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
+from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
 
 BAD_LINES = [

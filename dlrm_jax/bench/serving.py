@@ -24,9 +24,9 @@ import numpy as np
 from dlrm_jax import serving
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.config import CRITEO_KAGGLE_CARDINALITIES, load_config
-from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.sources import make_source
+from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.files import predict_files

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.preprocessing.criteo import NUM_FIELDS, CriteoFormatError
 from dlrm_jax.data.preprocessing.criteo_preprocess import parse_block
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog, byte_progress, open_input
+from dlrm_jax.data.sources.criteo import NUM_FIELDS, CriteoFormatError
 from dlrm_jax.serving.model import ServingModel
 from dlrm_jax.serving.rules import parse_criteo
 

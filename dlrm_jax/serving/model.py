@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dlrm_jax.data.preprocessing.criteo import CriteoFormatError, ParsedLines
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog
+from dlrm_jax.data.sources.criteo import CriteoFormatError, ParsedLines
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.serving.artifact import (
     FUNCTION_FILE,

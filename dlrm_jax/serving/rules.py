@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.preprocessing.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, SkipLog
+from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
 from dlrm_jax.serving.artifact import ArtifactError
 

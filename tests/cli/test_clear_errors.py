@@ -66,8 +66,8 @@ def test_run_dir_opened_directly_and_tier_paths_name_the_file(tiny, tmp_path):
 
 
 def test_preprocess_output_under_a_file(tmp_path):
-    from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
     from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
     from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
     (tmp_path / "f").write_text("x")
@@ -84,8 +84,8 @@ def test_preprocess_output_under_a_file(tmp_path):
 
 
 def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
-    from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
     from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
     from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
     gen = SyntheticGenerator(
@@ -141,9 +141,9 @@ def test_truncated_gz_tabular_input_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncated", "bad crc"])
 def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
-    from dlrm_jax.data.preprocessing.criteo import CriteoFormatError, iter_chunks, write_criteo_tsv
     from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
     from dlrm_jax.data.preprocessing.preprocess import SkipLog
+    from dlrm_jax.data.sources.criteo import CriteoFormatError, iter_chunks, write_criteo_tsv
     from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
     gen = SyntheticGenerator(
@@ -327,7 +327,7 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
     """Before its fix: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
     import os
 
-    from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
     from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
     gen = SyntheticGenerator(

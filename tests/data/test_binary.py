@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from dlrm_jax.config import ConfigError, load_config
-from dlrm_jax.data.preprocessing.criteo import CriteoTSVSource, write_criteo_tsv
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, read_meta
+from dlrm_jax.data.sources.criteo import CriteoTSVSource, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch

@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data.preprocessing import criteo_preprocess
-from dlrm_jax.data.preprocessing.criteo import (
+from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.shards import load_split as load_dataset_split
+from dlrm_jax.data.sources.binary import BinarySource
+from dlrm_jax.data.sources.criteo import (
     CriteoFormatError,
     CriteoTSVSource,
     parse_lines,
     scramble_id,
     write_criteo_tsv,
 )
-from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
-from dlrm_jax.data.shards import load_split as load_dataset_split
-from dlrm_jax.data.sources.binary import BinarySource
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator, normalise_dense
 
 ROWS = (2, 5, 17, 60, 300, 1000) * 4 + (3, 40)  # 26 small tables: repeated values, min_count

@@ -12,8 +12,8 @@ from conftest import QUIET
 
 from dlrm_jax.bench.input import bench_input
 from dlrm_jax.data.pipeline import InputPipeline
-from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.train.trainer import train_and_evaluate
 

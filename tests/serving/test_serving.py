@@ -14,9 +14,9 @@ from conftest import QUIET, tiny_config
 
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
-from dlrm_jax.data.preprocessing.criteo import write_criteo_tsv
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.sources import make_source
+from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.artifact import ArtifactError

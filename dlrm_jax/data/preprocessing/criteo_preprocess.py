@@ -6,7 +6,7 @@ as a stream. Worker processes of :mod:`dlrm_jax.data.preprocessing.prep_driver` 
 text with pyarrow's CSV reader (C++), hex fields to integers with a few uint64 operations per
 column. A block the fast reader cannot prove valid (a parse error, a character no valid line
 has, a label that is not 0/1, an integer of over 18 digits) is parsed again line by line with
-:func:`~dlrm_jax.data.preprocessing.criteo.parse_lines`, which says what is wrong with each bad line: the
+:func:`~dlrm_jax.data.sources.criteo.parse_lines`, which says what is wrong with each bad line: the
 rows kept and the errors are those of the strict parser, whatever the number of workers.
 """
 
@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from dlrm_jax.data.preprocessing.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFormatError, parse_lines
 from dlrm_jax.data.preprocessing.prep_driver import Options, default_workers, write_dataset
 from dlrm_jax.data.preprocessing.preprocess import (
     Chunk,
@@ -29,6 +28,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     is_gzip,
     open_input,
 )
+from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFormatError, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
 
 _NAMES = ["label", *(f"I{k}" for k in range(1, 14)), *(f"C{k}" for k in range(1, 27))]

@@ -102,7 +102,7 @@ def make_source(
 
         source = BinarySource(cfg, process_index, process_count)
     else:
-        from dlrm_jax.data.preprocessing.criteo import CriteoTSVSource
+        from dlrm_jax.data.sources.criteo import CriteoTSVSource
 
         source = CriteoTSVSource(cfg, process_index, process_count)
     check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)

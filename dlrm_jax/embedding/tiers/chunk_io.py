@@ -45,7 +45,6 @@ class IOStats:
     read_bytes: int = 0
     writes: int = 0
     write_bytes: int = 0
-    read_s: float = 0.0  # wall time of read calls
 
 
 def plan_runs(rows: np.ndarray, chunk_rows: int, limit: int) -> tuple[np.ndarray, ...]:

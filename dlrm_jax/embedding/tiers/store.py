@@ -31,7 +31,6 @@ import math
 import os
 import shutil
 import threading
-import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -250,19 +249,12 @@ class TierStore:
 
         Every field's rows are read in one batch of coalesced requests, many in flight
         (:mod:`.chunk_io`); a failed or short read is a TierError naming the file and rows."""
-        return self.read_versioned(table, rows)[0]
-
-    def read_versioned(self, table: str, rows: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
-        """:meth:`read`, and ``write_seq`` as the read saw it (every write numbered up to it
-        and none after)."""
-        got, seq = self.read_many({table: rows})
-        return got[table], seq
+        return self.read_many({table: rows})[0][table]
 
     def read_many(self, wanted: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, np.ndarray]], int]:
         """Rows of several tables ({table: rows}) in one batch of requests: ({table: {field:
         copies}}, ``write_seq`` as the reads saw it)."""
         seq = self.write_seq  # first: a write done before this has replaced files for us to see
-        t0 = time.perf_counter()
         if self.mapped:
             return {t: self._gather(t, rows) for t, rows in wanted.items()}, seq
         placed, todo = [], []
@@ -286,7 +278,6 @@ class TierStore:
             values = np.empty((len(order), *array.shape), array.np_dtype)
             values[order] = scratch[index].view(array.np_dtype).reshape(len(index), *array.shape)
             out[table][field] = values
-        self._files.stats.read_s += time.perf_counter() - t0
         return out, seq
 
     def _gather(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
