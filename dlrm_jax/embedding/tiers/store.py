@@ -9,13 +9,10 @@ fault (with the kernel's readahead) at a time.
 tensorstore creates, bulk-loads and exports the arrays; the host DRAM cache and the device caches
 in front of this tier call :meth:`TierStore.read` and :meth:`TierStore.write`.
 
-Crash safety is copy-on-write against hard-linked snapshots. :meth:`TierStore.snapshot` fsyncs
-the chunk files written since the last one and hard-links every working file into
-``root/snapshots/<step>/`` (built as ``<step>.tmp``, then renamed). A working chunk file with more
-than one link is shared with a snapshot: the first write to it copies it with ordinary file I/O
-(so a full disk is an error), fsyncs the copy and renames it over
-the working name. After a crash the working files are untrusted; :meth:`TierStore.restore`
-rebuilds ``work/`` from a snapshot's links (built as ``work.tmp``, then swapped in).
+Crash safety is copy-on-write against hard-linked snapshots (:mod:`.snapshots`: the files on disk,
+snapshots, restores, recovery). A working chunk file with more than one link is shared with a
+snapshot: the first write to it copies it with ordinary file I/O (so a full disk is an error),
+fsyncs the copy and renames it over the working name.
 
 Threads: a reader thread, a write-back thread and the dispatching thread may share one store.
 Writes, snapshots, restores and exports take the store's lock, one at a time; reads take no
@@ -27,7 +24,6 @@ a later write made stale (:meth:`TierStore.writes_since`).
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import threading
@@ -40,23 +36,27 @@ import numpy as np
 from dlrm_jax.embedding.tiers.chunk_io import ChunkFiles, IOStats, plan_runs, requests
 from dlrm_jax.embedding.tiers.format import (
     COPY_BUFFER_BYTES,
-    EXPORT_CODECS,
     ArrayLayout,
     FieldSpec,
     RowInit,
     TierError,
     TierTables,
-    bulk_load,
-    check_array,
     checked_values,
-    default_chunk_rows,
-    numpy_dtype,
-    open_array,
     os_error,
-    read_zarr_json,
-    saved_chunk_rows,
 )
-from dlrm_jax.files import make_dir
+from dlrm_jax.embedding.tiers.snapshots import (
+    build_work,
+    checked_arrays,
+    checked_snapshot,
+    export_arrays,
+    fsync,
+    keep_only,
+    link_snapshot,
+    recover,
+    snapshot_steps,
+    swap_in_work,
+    work_from_newest_snapshot,
+)
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -65,44 +65,6 @@ def _copy_file(src: Path, dst: Path) -> None:
         shutil.copyfileobj(fin, fout, COPY_BUFFER_BYTES)
         fout.flush()
         os.fsync(fout.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-
-
-def _recover(root: Path) -> None:
-    """Finishes or undoes what a crash interrupted: a snapshot, a restore's swap, a create."""
-    for tmp in (root / "snapshots").glob("*.tmp"):
-        shutil.rmtree(tmp)
-    work, tmp, old = root / "work", root / "work.tmp", root / "work.old"
-    if old.is_dir():
-        if not work.exists():  # work.tmp was whole before work was renamed away
-            os.replace(tmp if tmp.is_dir() else old, work)
-        _remove(old)
-    _remove(tmp)  # an interrupted build
-
-
-def _checked_arrays(base: Path, tables: TierTables) -> dict[str, dict[str, ArrayLayout]]:
-    """The arrays of ``tables`` under ``base``, each checked against its zarr.json and chunk files."""
-    arrays = {}
-    for table, (rows, fields) in tables.items():
-        chunk_rows = saved_chunk_rows(read_zarr_json(base / table / next(iter(fields))))
-        arrays[table] = {
-            f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
-        }
-        for field, array in arrays[table].items():
-            check_array(base / table / field, array)
-    return arrays
 
 
 class TierStore:
@@ -127,6 +89,8 @@ class TierStore:
         self._dirty: set[tuple[str, str, int]] = set()  # chunks written since the last snapshot
         self._base = "work"  # or snapshots/<step> for a read-only view
 
+    # -- opening -------------------------------------------------------------------------------
+
     @classmethod
     def open_snapshot(cls, root: Path, tables: TierTables, step: int) -> TierStore:
         """A read-only view of snapshot ``step`` (evaluating or exporting a run that may be
@@ -144,35 +108,7 @@ class TierStore:
 
         ``chunk_rows`` defaults to about CHUNK_BYTES of the widest field; a table shorter than a
         chunk is one exact-size chunk. Refuses a root that already holds a store or snapshots."""
-        root = make_dir(Path(root).absolute(), "tier path")
-        _recover(root)
-        if (root / "work").exists():
-            raise TierError(root / "work", "already holds a tier store")
-        if any((root / "snapshots").glob("*")):
-            raise TierError(
-                root / "snapshots",
-                f"holds snapshots of an earlier store whose working files ({root / 'work'}) "
-                f"are gone; remove {root / 'snapshots'} to start a new store here (checkpoints that need "
-                f"those snapshots cannot resume then), or use another --run-dir or embedding.tier.path",
-            )
-        arrays = {}
-        for table, (rows, fields) in tables.items():
-            if rows < 1 or not fields:
-                raise ValueError(f"table {table!r}: needs at least one row and one field")
-            widest = max(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in fields.values())
-            table_chunk_rows = min(chunk_rows or default_chunk_rows(widest), rows)
-            arrays[table] = {
-                f: ArrayLayout(rows, table_chunk_rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
-            }
-        build = root / "work.tmp"
-        for table, fields in arrays.items():
-            bulk_load(build / table, table, fields, init)
-        for path in sorted(build.rglob("*"), reverse=True):  # files before their directories
-            _fsync(path)
-        _fsync(build)
-        os.replace(build, root / "work")
-        _fsync(root)
-        return cls.open(root, tables)
+        return cls.open(build_work(root, tables, init, chunk_rows), tables)
 
     @property
     def read_only(self) -> bool:
@@ -185,7 +121,7 @@ class TierStore:
         (a crash between a restore's two renames leaves no ``work/`` until then)."""
         root = Path(root).absolute()
         if root.is_dir():
-            _recover(root)
+            recover(root)
         return (root / "work").is_dir()
 
     @staticmethod
@@ -193,47 +129,29 @@ class TierStore:
         """When ``root/work`` is gone but snapshots are there: ``work/`` made again from the
         newest snapshot (hard links, as a restore makes it: the copy-on-write keeps the snapshot
         whole); returns its step, or None when there is nothing to rebuild from."""
-        root = Path(root).absolute()
-        d = root / "snapshots"
-        steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
-        if (root / "work").is_dir() or not steps:
-            return None
-        source, build = d / str(steps[-1]), root / "work.tmp"
-        _remove(build)
-        for src in sorted(source.rglob("*")):
-            dst = build / src.relative_to(source)
-            if src.is_dir():
-                dst.mkdir(parents=True, exist_ok=True)
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError as e:
-                raise os_error(dst, e) from None
-        build.mkdir(exist_ok=True)
-        os.replace(build, root / "work")
-        _fsync(root)
-        return steps[-1]
+        return work_from_newest_snapshot(Path(root).absolute())
 
     @classmethod
     def open(cls, root: Path, tables: TierTables) -> TierStore:
         """Opens the store at ``root`` after checking every array's metadata and chunk files."""
         root = Path(root).absolute()
         if root.is_dir():
-            _recover(root)
+            recover(root)
         work = root / "work"
         if not work.is_dir():
             raise TierError(work, "missing: no tier store here")
-        return cls(root, _checked_arrays(work, tables))
+        return cls(root, checked_arrays(work, tables))
 
     @classmethod
     def open_directory(cls, directory: Path, tables: TierTables) -> TierStore:
         """A read-only view of raw arrays ``directory/<table>/<field>`` outside any store (a
         serving artifact's tables): no snapshots, nothing written."""
         directory = Path(directory).absolute()
-        store = cls(directory, _checked_arrays(directory, tables))
+        store = cls(directory, checked_arrays(directory, tables))
         store._base = "."
         return store
+
+    # -- rows ----------------------------------------------------------------------------------
 
     def rows(self, table: str) -> int:
         return next(iter(self._arrays[table].values())).rows
@@ -366,77 +284,35 @@ class TierStore:
         """Requests and bytes read and written since the store was opened."""
         return self._files.stats
 
+    # -- snapshots -----------------------------------------------------------------------------
+
     def snapshot(self, step: int) -> None:
         """Makes the current contents durable as ``snapshots/<step>/`` (replacing one of that step)."""
         with self._lock:
-            self._snapshot(step)
-
-    def _snapshot(self, step: int) -> None:
-        self._sync_dirty()
-        snapshots = self.root / "snapshots"
-        snapshots.mkdir(exist_ok=True)
-        build, final = snapshots / f"{step}.tmp", snapshots / str(step)
-        _remove(build)
-        self._link_tree(self.root / "work", build)
-        _remove(final)
-        os.replace(build, final)
-        _fsync(snapshots)
-        self._forget_chunks()  # every working chunk is now shared with the snapshot
+            self._sync_dirty()
+            link_snapshot(self.root, self._arrays, step)
+            self._forget_chunks()  # every working chunk is now shared with the snapshot
 
     def restore(self, step: int) -> None:
         """Makes ``work/`` equal snapshot ``step``, discarding writes made since; re-runnable."""
         with self._lock:
-            self._restore(step)
-
-    def _restore(self, step: int) -> None:
-        source = self.root / "snapshots" / str(step)
-        if not source.is_dir():
-            raise TierError(source, "missing: no such snapshot")
-        for table, fields in self._arrays.items():
-            for field, array in fields.items():
-                check_array(source / table / field, array)
-        self._forget_chunks()
-        self._dirty.clear()
-        work, build, old = self.root / "work", self.root / "work.tmp", self.root / "work.old"
-        _remove(build)
-        _remove(old)
-        self._link_tree(source, build)
-        if work.exists():
-            os.replace(work, old)
-        os.replace(build, work)  # a crash between the two renames: _recover finishes the swap
-        _fsync(self.root)
-        _remove(old)
+            source = checked_snapshot(self.root, self._arrays, step)
+            self._forget_chunks()
+            self._dirty.clear()
+            swap_in_work(self.root, self._arrays, source)
 
     def snapshots(self) -> list[int]:
-        d = self.root / "snapshots"
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+        return snapshot_steps(self.root)
 
     def keep_snapshots(self, steps: Iterable[int]) -> None:
         """Deletes every snapshot not in ``steps`` (working chunks they shared may become private)."""
-        keep = set(steps)
-        for step in self.snapshots():
-            if step not in keep:
-                shutil.rmtree(self.root / "snapshots" / str(step))
+        keep_only(self.root, steps)
 
     def export(self, dest: Path, table: str | None = None, snapshot: int | None = None) -> None:
         """Writes the tables (or one), from ``work/`` or a snapshot, as zstd-compressed zarr3 arrays
         ``dest/<table>/<field>`` with the same chunking, one chunk at a time. Refuses existing ones."""
         with self._lock:
-            self._export(Path(dest).absolute(), table, snapshot)
-
-    def _export(self, dest: Path, table: str | None, snapshot: int | None) -> None:
-        source = self.root / "work" if snapshot is None else self.root / "snapshots" / str(snapshot)
-        if not source.is_dir():
-            raise TierError(source, "missing: no such snapshot")
-        for name in [table] if table is not None else self._arrays:
-            for field, array in self._arrays[name].items():
-                check_array(source / name / field, array)
-                # Reads see rows written by pwrite: they share the page cache.
-                src = open_array(source / name / field, array)
-                dst = open_array(dest / name / field, array, create=True, codecs=EXPORT_CODECS)
-                for start in range(0, array.rows, array.chunk_rows):
-                    stop = min(start + array.chunk_rows, array.rows)
-                    dst[start:stop].write(src[start:stop]).result()
+            export_arrays(self.root, self._arrays, Path(dest).absolute(), table, snapshot)
 
     def close(self) -> None:
         """Closes every chunk file and the I/O threads; only :meth:`snapshot` makes writes durable."""
@@ -488,7 +364,7 @@ class TierStore:
         for key in sorted(self._dirty):
             path = self._path(key)
             try:
-                _fsync(path)
+                fsync(path)
             except OSError as e:
                 raise os_error(path, e) from None
         self._dirty.clear()
@@ -496,18 +372,3 @@ class TierStore:
     def _forget_chunks(self) -> None:
         self._files.replaced()  # every working file may be another (restore) or shared (snapshot)
         self._private.clear()
-
-    def _link_tree(self, source: Path, build: Path) -> None:
-        """Hard-links every file of every array from ``source`` to ``build``, fsyncing directories."""
-        for table, fields in self._arrays.items():
-            for field, array in fields.items():
-                src, dst = source / table / field, build / table / field
-                dst.mkdir(parents=True)
-                for name in ["zarr.json", *(array.chunk_name(c) for c in range(array.chunks))]:
-                    try:
-                        os.link(src / name, dst / name)
-                    except OSError as e:
-                        raise os_error(dst / name, e) from None
-                _fsync(dst)
-            _fsync(build / table)
-        _fsync(build)

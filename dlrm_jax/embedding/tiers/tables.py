@@ -1,20 +1,13 @@
-"""The host side of tiered tables: the disk tier, DRAM caches, and the fills of the device caches.
+"""A run's tiered tables on the host: their disk tier and DRAM caches, checkpoints, restores and reads for evaluation.
 
 The devices run the plan's device view (:meth:`EmbeddingPlan.device_view`): a tiered table is
-a table of cache slots there. The planner (:mod:`~dlrm_jax.embedding.tiers.cache_planner`) decides,
-batch by batch, which rows enter which slots; this module turns those decisions into the fixed
-shape fill arrays of each program (:mod:`~dlrm_jax.embedding.tiers.device_fill`), reads the incoming
-rows from the DRAM cache or the tier, and writes the rows each program evicts back.
-
-Pipelining: the rows a program evicts reach the host only after it ran. The next program is
-dispatched before that (the host waits for program t-1 only after dispatching t), so a row
-evicted by t-1 and needed again by t is *forwarded*: t takes it from t-1's eviction output on
-the device. Every other row's newest copy is on the host by then. A batch that needs more fills
-on one device than ``fill_rows`` runs extra fill-only programs first, synchronously (rare).
+a table of cache slots there. :class:`TieredTables` sets up a run's disk tier and DRAM caches and
+which rows each device-cache slot holds; the batch-by-batch fills of the device caches are
+:mod:`~dlrm_jax.embedding.tiers.fill_programs`.
 
 Checkpoints (:meth:`TieredTables.checkpoint`): the device caches' rows are copied to the DRAM
 caches, the DRAM caches flushed, and the tier snapshotted under the step (copy-on-write, see
-:mod:`~dlrm_jax.embedding.tiers.store`): the snapshot holds the whole logical tables at that
+:mod:`~dlrm_jax.embedding.tiers.snapshots`): the snapshot holds the whole logical tables at that
 step, so the device caches can start empty on resume. The numbers do not depend on which slot
 holds a row (the exchange orders requests by position, not by id value), so a resumed run with
 cold caches follows the same trajectory bit for bit.
@@ -26,7 +19,7 @@ import collections
 import math
 import shutil
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -37,10 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.initializer import init_table_rows
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.tiers.cache_planner import Fills, TableCache
-from dlrm_jax.embedding.tiers.device_fill import CacheRows, GroupFill, read_rows
+from dlrm_jax.embedding.tiers.device_fill import read_rows
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
-from dlrm_jax.embedding.tiers.format import default_chunk_rows, numpy_dtype
+from dlrm_jax.embedding.tiers.fill_programs import FillProgram, FillPrograms
+from dlrm_jax.embedding.tiers.format import default_chunk_rows
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
 from dlrm_jax.hostmem import available_bytes
@@ -60,16 +53,7 @@ class _Piece:
     device: int  # the owner of a table/column-wise piece; -1: the space's device (row-wise)
 
 
-@dataclass
-class _Program:
-    """The fill arrays of one program (numpy) and where its evictions go."""
-
-    fills: dict[str, GroupFill]
-    # Per (table, piece): (evicted rows [k], device [k], entry [k]) in the program's arrays.
-    evictions: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
-
-
-class TieredTables:
+class TieredTables(FillPrograms):
     """Disk tier + DRAM caches + device-cache bookkeeping for the tiered tables of ``plan``.
 
     ``groups``: the device view's groups (``EmbeddingCollection.groups``); ``slot_fields``:
@@ -142,7 +126,7 @@ class TieredTables:
         self.held = {
             t: np.full((plan.tables[t].spaces(self.n), plan.tables[t].cache_rows), -1, np.int64) for t in self.tables
         }
-        self.pending: tuple[dict, _Program] | None = None  # the last program's evictions (device)
+        self.pending: tuple[dict, FillProgram] | None = None  # the last program's evictions (device)
         self._snapshotted: list[int] = []  # this run's checkpoint snapshots, oldest first
         self.stats = defaultdict(int)
 
@@ -160,200 +144,6 @@ class TieredTables:
 
     def tiered_groups(self) -> list[str]:
         return sorted({p.group for t in self.tables for p in self.pieces[t]})
-
-    def new_caches(self) -> dict[int, TableCache]:
-        """Empty device-cache planners, one per tiered table (for the planner thread)."""
-        self._evicted_log.clear()
-        self._planned = self.consumed = 0
-        self.read_ahead.restart()
-        return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
-
-    def read_ahead_for(self, fills: dict[int, Fills]):
-        """(Planner thread.) Start reading the rows a planned batch will fill that neither cache
-        is likely to hold by its step: not in DRAM now, and not evicted from the device caches
-        by a batch whose evictions have not reached DRAM yet. Returns the reads' future for
-        :meth:`programs` (None: nothing to read)."""
-        if self.store.mapped:
-            return None  # the page cache holds the tier: a gather at the step costs less
-        i = self._planned
-        self._planned += 1
-        while self._evicted_log and self._evicted_log[0][0] < self.consumed - 2:
-            self._evicted_log.popleft()
-        wanted = {}
-        for t, f in fills.items():
-            if not len(f):
-                continue
-            skip = self.host[t].slot_of[f.row] >= 0  # a peek: the dispatching thread owns DRAM
-            recent = [e[t] for _, e in self._evicted_log if t in e]
-            if recent:
-                skip |= np.isin(f.row, np.concatenate(recent))
-            if not skip.all():
-                wanted[self.names[t]] = f.row[~skip]
-        self._evicted_log.append((i, {t: f.evicted[f.evicted >= 0] for t, f in fills.items() if len(f)}))
-        return self.read_ahead.submit(wanted) if wanted else None
-
-    # ------------------------------------------------------------ fills
-    def programs(self, fills: dict[int, Fills], reads=None) -> list[_Program]:
-        """The fill programs for one batch: extra fill-only ones when the fills overflow the
-        capacity on some device (the rows split into chunks, every piece of a row in the same
-        chunk), then the step's. Incoming rows come from DRAM, the rows ``reads`` (from
-        :meth:`read_ahead_for`) staged, or the tier; rows the pending program evicts are
-        forwarded."""
-        staged = self.read_ahead.take(reads)
-        self.consumed += 1
-        for f in fills.values():
-            self.stats["rows_requested"] += f.requested
-        rounds = self._rounds(fills)
-        if rounds <= 1:
-            return [self._program(fills, staged)]
-        self.drain()  # rare: several programs, nothing forwarded between them
-        while True:
-            chunks = [{t: f.part(k, rounds) for t, f in fills.items()} for k in range(rounds)]
-            if all(self._rounds(c) <= 1 for c in chunks):
-                break
-            rounds += 1
-        self.stats["fill_rounds"] += rounds - 1
-        return [self._program(c, staged) for c in chunks]
-
-    def _program(self, fills: dict[int, Fills], staged: dict | None = None) -> _Program:
-        per_group = {name: [] for name in self.tiered_groups()}
-        for t, f in fills.items():
-            if not len(f):
-                continue
-            self.held[t][f.space, f.slot] = f.row
-            at = self._pending_index(t, f.row)  # where the pending program evicts each row, or -1
-            fresh = at < 0
-            full = {k: np.zeros((len(f), *v.shape[1:]), v.dtype) for k, v in self.host[t].data.items()}
-            if fresh.any():
-                got = self.host[t].get(f.row[fresh], (staged or {}).get(self.names[t]))
-                for k in full:
-                    full[k][fresh] = got[k]
-            self.stats["rows_filled"] += len(f)
-            self.stats["rows_forwarded"] += int((~fresh).sum())
-            self.stats["rows_evicted"] += int((f.evicted >= 0).sum())
-            for j, p in enumerate(self.pieces[t]):
-                w = self.groups[p.group].width
-                dev = f.space if p.device < 0 else np.full(len(f), p.device)
-                fwd = np.full(len(f), -1, np.int64)
-                if not fresh.all():
-                    fwd[~fresh] = self.pending[1].evictions[(t, j)][2][at[~fresh]]
-                cols = slice(p.col_start, p.col_start + w)
-                slots = {k: v[:, cols] if v.ndim == 2 else v for k, v in full.items() if k != "values"}
-                per_group[p.group].append(
-                    (t, j, dev, p.local_offset + f.slot, full["values"][:, cols], slots, fwd, f.evicted)
-                )
-        program = _Program({})
-        for name, entries in per_group.items():
-            self._group_arrays(name, entries, program)
-        return program
-
-    def _group_arrays(self, name: str, entries, program: _Program) -> None:
-        """One group's fill arrays [N, F, ...]: each device's entries in order."""
-        g, cap = self.groups[name], self.fill_rows[name]
-        rows = np.full((self.n, cap), g.local_rows, np.int32)
-        fwd = np.full((self.n, cap), -1, np.int32)
-        values = np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype))
-        slot_arrays = {
-            k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
-            for k, (s, _) in self.per_row_slots.items()
-        }
-        used = np.zeros(self.n, np.int64)
-        for t, j, dev, lrow, vals, slots, forward, evicted in entries:
-            e = np.empty(len(dev), np.int64)
-            for d in np.unique(dev):  # entries go to each device's next free positions
-                mine = dev == d
-                e[mine] = used[d] + np.arange(int(mine.sum()))
-                used[d] += int(mine.sum())
-            rows[dev, e], fwd[dev, e], values[dev, e] = lrow, forward, vals
-            for k in slot_arrays:
-                slot_arrays[k][dev, e] = slots[k]
-            was = evicted >= 0
-            program.evictions[(t, j)] = (evicted[was], dev[was], e[was])
-        program.fills[name] = GroupFill(rows, fwd, CacheRows(values, slot_arrays))
-
-    def _rounds(self, fills: dict[int, Fills]) -> int:
-        """Programs these fills need: the most entries a device gets in a group over the
-        group's capacity (rounded up)."""
-        most = 0
-        for name in self.tiered_groups():
-            count = np.zeros(self.n, np.int64)
-            for t, f in fills.items():
-                for p in self.pieces[t]:
-                    if p.group == name:
-                        if p.device < 0:
-                            count += np.bincount(f.space, minlength=self.n)
-                        else:
-                            count[p.device] += len(f)
-            most = max(most, math.ceil(count.max() / self.fill_rows[name]))
-        return most
-
-    def _pending_index(self, t: int, rows: np.ndarray) -> np.ndarray:
-        """For each row, its index among table ``t``'s rows the pending program evicts (the
-        same order for every piece), or -1."""
-        out = np.full(len(rows), -1, np.int64)
-        if self.pending is None or (t, 0) not in self.pending[1].evictions:
-            return out
-        evicted = self.pending[1].evictions[(t, 0)][0]
-        if not evicted.size:
-            return out
-        order = np.argsort(evicted)
-        pos = np.searchsorted(evicted, rows, sorter=order)
-        pos = np.minimum(pos, len(evicted) - 1)
-        found = evicted[order[pos]] == rows
-        out[found] = order[pos[found]]
-        return out
-
-    def empty_evictions(self) -> dict[str, CacheRows]:
-        """Zero 'previous evictions' for a program with nothing to forward (numpy)."""
-        out = {}
-        for name in self.tiered_groups():
-            g, cap = self.groups[name], self.fill_rows[name]
-            out[name] = CacheRows(
-                np.zeros((self.n, cap, g.width), numpy_dtype(self.plan.dtype)),
-                {
-                    k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
-                    for k, (s, _) in self.per_row_slots.items()
-                },
-            )
-        return out
-
-    def dispatched(self, program: _Program, evicted: dict) -> None:
-        """``program`` was dispatched and will evict into ``evicted`` (device arrays): write
-        back what the program before it evicted (waits for that one), keep this one pending."""
-        self.drain()
-        self.pending = (evicted, program)
-
-    def drain(self) -> None:
-        """Write the pending program's evictions back to the DRAM caches (waits for it)."""
-        if self.pending is None:
-            return
-        evicted, program = self.pending
-        self.pending = None
-        if not program.evictions:
-            return
-        host = {
-            name: (np.asarray(c.values), {k: np.asarray(v) for k, v in c.slots.items()}) for name, c in evicted.items()
-        }
-        self._put_pieces(program.evictions, host)
-
-    def _put_pieces(self, where: dict, host: dict) -> None:
-        """Whole rows from per-piece (rows, device, entry) positions of ``host`` arrays
-        {group: (values, slots)}, into the DRAM caches."""
-        for t in self.tables:
-            parts = [(j, where[(t, j)]) for j in range(len(self.pieces[t])) if (t, j) in where]
-            if not parts:
-                continue
-            rows = parts[0][1][0]
-            values, slots = [], defaultdict(list)
-            for j, (_, dev, entry) in parts:
-                vals, sl = host[self.pieces[t][j].group]
-                values.append(vals[dev, entry])
-                for k, v in sl.items():
-                    slots[k].append(v[dev, entry])
-            full = {"values": np.concatenate(values, axis=1)}
-            for k, (shape, _) in self.per_row_slots.items():
-                full[k] = np.concatenate(slots[k], axis=1) if shape else slots[k][0]
-            self.host[t].put(rows, full)
 
     # ------------------------------------------------------------ checkpoints and evaluation
     def sync_to_host(self, emb_tables: dict, emb_slots: dict, hot=None) -> None:
