@@ -172,7 +172,7 @@ def _dense_param_shapes(cfg):
     import jax
     from flax import nnx
 
-    from dlrm_jax.model.dlrm import dlrm_from_config
+    from dlrm_jax.train.wiring import dlrm_from_config
 
     model = nnx.eval_shape(lambda: dlrm_from_config(cfg, nnx.Rngs(0)))
     return jax.tree.leaves(nnx.state(model, nnx.Param))
@@ -206,7 +206,7 @@ def profile_ops(compiled, state, batches, steps: int, keep: str | None) -> tuple
     trace_dir = tempfile.mkdtemp(prefix="dlrm-gpu-profile-")
     with jax.profiler.trace(trace_dir):
         for i in range(steps):
-            state, out = compiled(state, batches[i % len(batches)])
+            state, out, _ = compiled(state, batches[i % len(batches)])
         jax.block_until_ready((state, out))
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     if keep:
@@ -251,17 +251,17 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     for i in range(5):
-        state, out = compiled(state, batches[i % 4])
+        state, out, _ = compiled(state, batches[i % 4])
     jax.block_until_ready(state)
     one_at_a_time = []
     for i in range(steps):
         t = time.perf_counter()
-        state, out = compiled(state, batches[i % 4])
+        state, out, _ = compiled(state, batches[i % 4])
         jax.block_until_ready((state, out))
         one_at_a_time.append(time.perf_counter() - t)
     t = time.perf_counter()
     for i in range(steps):
-        state, out = compiled(state, batches[i % 4])
+        state, out, _ = compiled(state, batches[i % 4])
     jax.block_until_ready((state, out))
     pipelined = (time.perf_counter() - t) / steps
     keep = os.path.join(profile_dir, f"{name}.xplane.pb") if profile_dir else None
@@ -275,7 +275,7 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     for _ in range(2):
         s = fns.init_state()
         for i in range(DETERMINISM_STEPS):
-            s, out = compiled(s, batches[i % 4])
+            s, out, _ = compiled(s, batches[i % 4])
         digests.append(_digest(s))
         del s
     batch = cfg.train.batch_size
@@ -316,7 +316,7 @@ def parity_child(out_npz: str, steps: int) -> None:
     state = fns.init_state()
     losses = []
     for i in range(steps):
-        state, out = fns.train_step(state, fns.device_batch(source.train_batch(i)))
+        state, out, _ = fns.train_step(state, fns.device_batch(source.train_batch(i)))
         losses.append(float(out["loss"]))
     leaves = jax.tree.leaves(state)
     np.savez(

@@ -58,14 +58,14 @@ def main() -> int:
         with open(args.hlo, "w") as f:
             f.write(compiled.as_text())
     for i in range(5):
-        state, out = compiled(state, batches[i % 4])
+        state, out, _ = compiled(state, batches[i % 4])
     jax.block_until_ready(state)
 
     trace_dir = tempfile.mkdtemp(prefix="dlrm-profile-")
     start = time.perf_counter()
     with jax.profiler.trace(trace_dir):
         for i in range(args.steps):
-            state, out = compiled(state, batches[i % 4])
+            state, out, _ = compiled(state, batches[i % 4])
             jax.block_until_ready((state, out))
     wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
 

@@ -101,3 +101,21 @@ def test_nothing_under_embedding_drives_the_train_layers_steps_or_state():
         if names.search(line)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_config_stops_at_the_edge():
+    """embedding/ and model/ take specs, plans and single config sections, never a whole
+    Config (the name ``cfg``, the type, or an import of ``dlrm_jax.config``): train/wiring.py
+    is the one module that reads a Config into those pieces."""
+    wrong = []
+    for unit in ("embedding", "model"):
+        for p in sorted((ROOT / unit).rglob("*.py")):
+            tree = ast.parse(p.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name) and node.id in ("cfg", "Config"):
+                    wrong.append(f"{p.relative_to(ROOT)}:{node.lineno}: names {node.id}")
+                elif isinstance(node, ast.arg) and node.arg == "cfg":
+                    wrong.append(f"{p.relative_to(ROOT)}:{node.lineno}: takes cfg")
+                elif isinstance(node, ast.ImportFrom) and node.module == "dlrm_jax.config":
+                    wrong.append(f"{p.relative_to(ROOT)}:{node.lineno}: imports dlrm_jax.config")
+    assert not wrong, "\n".join(wrong)

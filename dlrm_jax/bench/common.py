@@ -120,15 +120,16 @@ def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -
 
 
 def time_steps(fn, state, inputs: list[tuple], steps: int, warmup: int = 3) -> tuple[list[float], object, list]:
-    """Seconds of each ``state, out = fn(state, *inputs[i % len(inputs)])`` after ``warmup``
-    untimed calls, each call timed to completion; returns (seconds, final state, the outs)."""
+    """Seconds of each ``state, out, ... = fn(state, *inputs[i % len(inputs)])`` after
+    ``warmup`` untimed calls, each call timed to completion; returns (seconds, final state, the
+    outs). A train step's third result (the rows it evicted from device caches) is dropped."""
     for i in range(warmup):
-        state, _ = fn(state, *inputs[i % len(inputs)])
+        state = fn(state, *inputs[i % len(inputs)])[0]
     jax.block_until_ready(state)
     times, outs = [], []
     for i in range(steps):
         t = time.perf_counter()
-        state, out = jax.block_until_ready(fn(state, *inputs[i % len(inputs)]))
+        state, out = jax.block_until_ready(fn(state, *inputs[i % len(inputs)]))[:2]
         times.append(time.perf_counter() - t)
         outs.append(out)
     return times, state, outs

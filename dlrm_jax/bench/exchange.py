@@ -36,11 +36,10 @@ from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
 from dlrm_jax.embedding.plan.layout import exchange_parts
-from dlrm_jax.embedding.plan.planner import cluster_from_config
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
-from dlrm_jax.model.work import dense_work
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.wiring import cluster_from_config, dense_work
 
 STRATEGIES = ("auto", *Strategy)
 

@@ -39,7 +39,6 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.schedule import HotSchedule
-from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_dir, json_text, make_dir
 from dlrm_jax.observe.trace import (
@@ -51,6 +50,7 @@ from dlrm_jax.observe.trace import (
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.driver import TieredDriver
 from dlrm_jax.train.restore import restore_or_init
+from dlrm_jax.train.wiring import tier_root
 
 
 def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
@@ -102,7 +102,7 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
     if driver is None:
         state = fns.init_state()
         compiled = fns.train_step.lower(state, batches[0]).compile()
-        return state, (lambda state, i: compiled(state, batches[i])), lambda state: compiled
+        return state, (lambda state, i: compiled(state, batches[i])[:2]), lambda state: compiled
     state = restore_or_init(fns, None, log, driver.tiered)
     items = iter(driver.batches(state, 0, count))
 

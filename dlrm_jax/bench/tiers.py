@@ -79,7 +79,7 @@ class _Variant:
         for _ in range(n):
             item = next(self.batches)
             if self.runner is None:
-                self.state, out = self.steps.train_step(self.state, self.steps.device_batch(item))
+                self.state, out, _ = self.steps.train_step(self.state, self.steps.device_batch(item))
             else:
                 self.state, out = self.runner.train(self.state, item.batch, item.fills, item.reads)
         jax.block_until_ready(out["loss"])

@@ -40,12 +40,12 @@ def time_train_step(cfg, steps: int, warmup: int) -> dict:
     compiled = fns.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     for i in range(warmup):
-        state, out = compiled(state, batches[i % len(batches)])
+        state, out, _ = compiled(state, batches[i % len(batches)])
     jax.block_until_ready(state)
     step_s = []
     for i in range(steps):
         t = time.perf_counter()
-        state, out = compiled(state, batches[i % len(batches)])
+        state, out, _ = compiled(state, batches[i % len(batches)])
         jax.block_until_ready((state, out))
         step_s.append(time.perf_counter() - t)
     median = statistics.median(step_s)

@@ -77,19 +77,3 @@ def top_inputs(
 def bce_loss(logits_b: jax.Array, labels_b: jax.Array) -> jax.Array:
     """Per-sample sigmoid binary cross-entropy, float32 [B]."""
     return optax.sigmoid_binary_cross_entropy(logits_b, labels_b)
-
-
-def dlrm_from_config(cfg, rngs: nnx.Rngs) -> DLRMDense:
-    m = cfg.model
-    return DLRMDense(
-        num_dense=cfg.data.num_dense,
-        num_features=cfg.num_features,
-        embedding_dim=m.embedding_dim,
-        bottom_mlp=m.bottom_mlp,
-        top_mlp=m.top_mlp,
-        interaction=m.interaction,
-        compute_dtype=cfg.train.compute_dtype,
-        dcn_layers=m.dcn_layers,
-        dcn_rank=m.dcn_rank,
-        rngs=rngs,
-    )

@@ -42,7 +42,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.config import ConfigError
+from dlrm_jax.config_schema import ConfigError
 from dlrm_jax.model.dlrm import DLRMDense, top_inputs
 from dlrm_jax.model.mlp import linear, pair_roles
 from dlrm_jax.parallel.mesh import AXIS, DATA_AXIS, MODEL_AXIS

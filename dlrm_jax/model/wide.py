@@ -24,8 +24,8 @@ from dlrm_jax.embedding.exchange.collection import (
     EmbeddingState,
     LookupResiduals,
 )
-from dlrm_jax.embedding.exchange.optimizers import wide_optimizer_from_config
-from dlrm_jax.embedding.plan.planner import wide_plan
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 
 
 class WideState(NamedTuple):
@@ -54,11 +54,19 @@ def wide_logits(inputs: WideInputs, dense_bd: jax.Array) -> jax.Array:
 class WidePart:
     """The wide part's plan, tables and optimizer on a mesh (one process or several)."""
 
-    def __init__(self, cfg, mesh: jax.sharding.Mesh):
-        self.plan = wide_plan(cfg, mesh.size)
-        self.optimizer = wide_optimizer_from_config(cfg)
+    def __init__(
+        self,
+        plan: EmbeddingPlan,
+        optimizer: SparseOptimizer,
+        num_dense: int,
+        learning_rate: float,
+        mesh: jax.sharding.Mesh,
+    ):
+        """``plan``: the wide tables replicated on every device (``planner.wide_plan``);
+        ``learning_rate``: the linear term's."""
+        self.plan, self.optimizer = plan, optimizer
         self.collection = EmbeddingCollection(self.plan, mesh, self.optimizer)
-        self.num_dense, self.learning_rate = cfg.data.num_dense, cfg.model.wide_learning_rate
+        self.num_dense, self.learning_rate = num_dense, learning_rate
         self.replicated = NamedSharding(mesh, P())
 
     def state_sharding(self) -> WideState:

@@ -1,8 +1,9 @@
-"""What the dense part is made of, by arithmetic on the config alone (no JAX): the interaction's
+"""What the dense part is made of, by arithmetic on the model section alone (no JAX): the interaction's
 width, and the FLOPs and parameters the step-time model prices (``embedding.plan.cost``)."""
 
 from __future__ import annotations
 
+from dlrm_jax.config_schema import ModelConfig
 from dlrm_jax.embedding.plan.cost import DenseWork
 
 KINDS = ("dot", "cat", "dcn")
@@ -25,13 +26,14 @@ def _mlp(widths: list[int]) -> tuple[int, int]:
     return sum(a * b for a, b in pairs), sum(a * b + b for a, b in pairs)
 
 
-def dense_work(cfg) -> DenseWork:
+def dense_work(m: ModelConfig, num_dense: int, f: int, compute_dtype: str) -> DenseWork:
     """The dense part's matmul FLOPs per sample (forward and backward: 3 x 2 x the multiply-
-    adds), its parameters, and whether it computes in bfloat16."""
-    m, f, d = cfg.model, cfg.num_features, cfg.model.embedding_dim
+    adds), its parameters, and whether it computes in bfloat16, for model section ``m`` over
+    ``num_dense`` dense and ``f`` categorical features."""
+    d = m.embedding_dim
     bottom = list(m.bottom_mlp)
-    macs, params = _mlp([cfg.data.num_dense, *bottom]) if bottom else (0, 0)
-    width = interaction_width(m.interaction, f, d, bottom[-1] if bottom else cfg.data.num_dense)
+    macs, params = _mlp([num_dense, *bottom]) if bottom else (0, 0)
+    width = interaction_width(m.interaction, f, d, bottom[-1] if bottom else num_dense)
     if m.interaction == "dot":
         macs += (f + 1) * (f + 1) * d // 2
     if m.interaction == "dcn":
@@ -39,4 +41,4 @@ def dense_work(cfg) -> DenseWork:
         macs += m.dcn_layers * per_layer
         params += m.dcn_layers * (per_layer + width)
     top_macs, top_params = _mlp([width, *m.top_mlp])
-    return DenseWork(6.0 * (macs + top_macs), params + top_params, cfg.train.compute_dtype == "bfloat16")
+    return DenseWork(6.0 * (macs + top_macs), params + top_params, compute_dtype == "bfloat16")

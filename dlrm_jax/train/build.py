@@ -12,7 +12,6 @@ import jax
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
-from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.search import TableStats
@@ -21,6 +20,7 @@ from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_ev
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
+from dlrm_jax.train.wiring import cluster_from_config, sparse_optimizer_from_config
 
 
 def build(
@@ -53,7 +53,9 @@ def build(
     if cfg.embedding.hot.rows != 0:
         if source is None:
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
-        plan, schedule = hot_setup.choose(cfg, plan, mesh, source, CALIBRATION_BATCHES, log)
+        cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
+        hot = cfg.embedding.hot
+        plan, schedule = hot_setup.choose(hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, cfg.data.readers, log)
     if not plan.tiered_tables:
         return plan, StepFunctions(
             cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas), schedule
@@ -62,7 +64,8 @@ def build(
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
-    plan = tier_plan(cfg, plan, [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)], log)
+    first = [source.train_batch(i).ids for i in range(cfg.embedding.hot.stats_batches)]
+    plan = tier_plan(cfg.embedding.tier, plan, first, log)
     if not plan.tiered_tables:
         return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)

@@ -118,7 +118,7 @@ class DeviceDriver(StepDriver):
 
     def run(self, state: TrainState, item) -> Stepped:
         ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
-        state, out = self.compiled(state, item.device)
+        state, out, _ = self.compiled(state, item.device)
         return Stepped(state, out, ids)
 
     def check_batch(self, item) -> Batch:

@@ -17,11 +17,11 @@ import numpy as np
 
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.tiers.format import export_array
-from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.wiring import tier_root
 
 
 class RestoredRun(NamedTuple):

@@ -20,20 +20,20 @@ from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.planner import (
-    cluster_from_config,
-    config_plan_report,
-    host_plan_from_config,
-)
 from dlrm_jax.embedding.plan.search import TableStats
-from dlrm_jax.embedding.plan.specs import specs_from_config
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
     fmt_bytes,
     lower_bound_bytes,
     per_device_bytes,
 )
-from dlrm_jax.model.work import dense_work
+from dlrm_jax.train.wiring import (
+    cluster_from_config,
+    config_plan_report,
+    dense_work,
+    host_plan_from_config,
+    specs_from_config,
+)
 
 CALIBRATION_BATCHES = 4
 STATS_DEVICES = 256  # devices' shares of a batch the statistics read at most (an estimate)
@@ -90,7 +90,7 @@ def agree_by_max(values) -> list:
 
 
 def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
-    """The printed plan (``planner.config_plan_report``), then the predicted step of one
+    """The printed plan (``wiring.config_plan_report``), then the predicted step of one
     device by phase on the cluster it was priced for, beside the exchange's lower bound."""
     cluster = cluster_from_config(cfg, simulated)
     step = predict_step(plan, cluster, dense_work(cfg))

@@ -8,7 +8,6 @@ from pathlib import Path
 import jax
 
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
@@ -16,6 +15,7 @@ from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.wiring import tier_root
 
 
 def evaluate_run(

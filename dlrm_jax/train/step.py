@@ -23,16 +23,17 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, Embeddin
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.tiers.device_fill import fill_caches
-from dlrm_jax.model.dlrm import bce_loss, dlrm_from_config
+from dlrm_jax.model.dlrm import bce_loss
 from dlrm_jax.model.mlp_parallel import (
     PipelinePlan,
     TensorLayout,
     check_tensor_widths,
     tensor_param_specs,
 )
-from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
+from dlrm_jax.model.wide import WideInputs, WideState, wide_logits
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import HOST_AXIS, MODEL_AXIS, batch_spec, hosts_of, over_hosts
+from dlrm_jax.train.wiring import dlrm_from_config, wide_part
 
 
 class TrainState(NamedTuple):
@@ -48,6 +49,15 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     emb: EmbeddingState
     wide: WideState | dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
+
+
+class CacheIO(NamedTuple):
+    """A tiered train step's device-cache traffic (embedding/tiers/device_fill.py): the rows
+    this step fills into its groups' caches, and the rows the previous program evicted (their
+    slots are free once this step has read them)."""
+
+    fills: dict
+    prev: dict
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
@@ -76,7 +86,13 @@ def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
 
 
 class StepFunctions:
-    """Builds the model, the initial state and the compiled steps for one config and mesh."""
+    """Builds the model, the initial state and the compiled steps for one config and mesh.
+
+    ``train_step(state, batch, cache=None) -> (state, metrics, evicted)`` whatever the features:
+    ``cache`` (a :class:`CacheIO`) is given exactly when tiered tables fill device caches, and
+    ``evicted`` is then the rows this step pushed out (empty otherwise). ``eval_step(state,
+    batch[, host_pooled])`` returns probabilities.
+    """
 
     def __init__(
         self,
@@ -100,7 +116,7 @@ class StepFunctions:
         self.tx = dense_optimizer(cfg, self.schedule)
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
         self.replicated = NamedSharding(mesh, P())
-        self.wide = WidePart(cfg, mesh) if cfg.model.kind == "wide_deep" else None
+        self.wide = wide_part(cfg, mesh) if cfg.model.kind == "wide_deep" else None
         # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
         # batch rows of host h are its devices' rows, so host h's tables see only its data.
         self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
@@ -124,7 +140,7 @@ class StepFunctions:
             b = self.batch_sharding
             self.train_step = jax.jit(
                 self._train_step,
-                in_shardings=(self.state_sharding, b, b, b),
+                in_shardings=(self.state_sharding, b, CacheIO(b, b)),
                 out_shardings=(self.state_sharding, self.replicated, b),
                 donate_argnums=0,
             )
@@ -139,7 +155,7 @@ class StepFunctions:
             self.train_step = jax.jit(
                 self._train_step,
                 in_shardings=(self.state_sharding, self.batch_sharding),
-                out_shardings=(self.state_sharding, self.replicated),
+                out_shardings=(self.state_sharding, self.replicated, self.batch_sharding),
                 donate_argnums=0,
             )
             self.eval_step = jax.jit(
@@ -305,11 +321,12 @@ class StepFunctions:
         tables, slots, evicted = fill_caches(groups, self.mesh, emb.tables, emb.slots, fills, prev)
         return emb._replace(tables=tables, slots=slots), evicted
 
-    def _train_step(self, state: TrainState, batch: Batch, fills: dict | None = None, prev: dict | None = None):
-        evicted = None
+    def _train_step(self, state: TrainState, batch: Batch, cache: CacheIO | None = None):
+        """(state, metrics, evicted): ``evicted`` is empty unless the step fills device caches."""
+        evicted = {}
         if self.cache_groups:  # the device caches take this batch's rows first
             with jax.named_scope(PHASE_SCOPES["cache_fill"]):
-                emb, evicted = self._fill_step(state.emb, fills, prev)
+                emb, evicted = self._fill_step(state.emb, cache.fills, cache.prev)
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
@@ -334,7 +351,7 @@ class StepFunctions:
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
         new_state = TrainState(state.step + 1, params, opt_state, emb, new_wide)
-        return (new_state, metrics) if evicted is None else (new_state, metrics, evicted)
+        return new_state, metrics, evicted
 
     def _state_check(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
         """(mean loss of ``state`` on ``batch``, whether every float of ``state`` is finite),

@@ -28,6 +28,7 @@ from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers.cache_planner import plan_stream
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.ids import PAD_ID
+from dlrm_jax.train.step import CacheIO
 
 
 class Planned(NamedTuple):
@@ -187,7 +188,7 @@ class TierRunner:
         assembly = time.perf_counter() - t0
         self.stall_s += assembly
         self.host_s["fill assembly + h2d"] += assembly
-        self._step_inputs = inputs = (self.steps.device_batch(batch), step_fills, self._previous())
+        self._step_inputs = inputs = (self.steps.device_batch(batch), CacheIO(step_fills, self._previous()))
         state, out, evicted = self.steps.train_step(state, *inputs)
         t1 = time.perf_counter()
         self.tiered.dispatched(programs[-1], evicted)  # (waits for the previous step's evictions)

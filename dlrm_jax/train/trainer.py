@@ -14,7 +14,6 @@ from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.tiers.setup import tier_root
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.metrics import MetricsWriter
 from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
@@ -30,6 +29,7 @@ from dlrm_jax.train.restore import check_tier_kept, restore_or_init
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
+from dlrm_jax.train.wiring import tier_root
 
 
 def train_and_evaluate(

@@ -251,7 +251,7 @@ def test_no_dedup_bytes_count_every_remote_lookup(tiny):
     0, 7, 7, 7, 0, 0 (three remote), device 1 (rows 2-3) 8, 2, 9, 9, 9 (one remote); each remote
     lookup sends an id, a vector and a gradient: 4 + 2 * 4 * D bytes, averaged over devices."""
     from dlrm_jax.bench.hot import no_dedup_bytes
-    from dlrm_jax.embedding.plan.planner import plan_from_config
+    from dlrm_jax.train.wiring import plan_from_config
 
     cfg = tiny("data.cardinalities=[10]", "embedding.sharding=row", "train.batch_size=4", "data.bag_sizes=[3]")
     plan = plan_from_config(cfg, 2)

@@ -49,9 +49,9 @@ def test_run_dir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_run_dir_opened_directly_and_tier_paths_name_the_file(tiny, tmp_path):
-    from dlrm_jax.embedding.tiers.setup import tier_root
     from dlrm_jax.embedding.tiers.store import TierStore
     from dlrm_jax.train.rundir import RunDir
+    from dlrm_jax.train.wiring import tier_root
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match="run dir .* is a file, not a directory"):
@@ -288,7 +288,7 @@ def test_a_stop_swallowed_in_a_collection_callback_stops_the_loop_without_a_trac
 
 
 def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
-    from dlrm_jax.embedding.plan.planner import (
+    from dlrm_jax.train.wiring import (
         config_plan_report,
         host_plan_from_config,
     )

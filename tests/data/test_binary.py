@@ -271,7 +271,9 @@ def test_id_histograms_count_every_row(data, max_rows):
         want_ids, want_counts = np.unique(column, return_counts=True)
         np.testing.assert_array_equal(ids, want_ids)
         np.testing.assert_array_equal(counts, want_counts)
-    assert initial_counts(cfg, source).lookups() == N * 26  # the whole dataset, not one batch
+    assert (
+        initial_counts(source, cfg.embedding.hot.stats_batches, cfg.bag_sizes).lookups() == N * 26
+    )  # the whole dataset, not one batch
 
 
 def test_damaged_id_histograms_name_the_file(data, tmp_path):

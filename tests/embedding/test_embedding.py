@@ -18,11 +18,10 @@ from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
-from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer_from_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.plan.layout import group_capacity
-from dlrm_jax.embedding.plan.planner import plan_from_config
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
+from dlrm_jax.train.wiring import plan_from_config, sparse_optimizer_from_config
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
 

@@ -15,11 +15,12 @@ from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.plan.cost import PROFILES, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, Strategy, TablePlan
 from dlrm_jax.embedding.plan.layout import build_groups, exchange_parts, pooled_layout, subgroup
-from dlrm_jax.embedding.plan.planner import plan_embeddings, plan_from_config
+from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.wiring import plan_from_config
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
 

@@ -87,7 +87,7 @@ def test_bad_decay_and_mismatched_tables_are_refused():
 # ---------------------------------------------------------------- the performance model
 def _engine(cfg, devices):
     from dlrm_jax.embedding.exchange.capacity import measure_capacities
-    from dlrm_jax.embedding.plan.planner import plan_from_config
+    from dlrm_jax.train.wiring import plan_from_config
 
     plan = plan_from_config(cfg, devices)
 

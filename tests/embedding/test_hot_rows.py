@@ -24,7 +24,7 @@ from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.plan.embedding_plan import HotPlan
-from dlrm_jax.embedding.plan.planner import plan_from_config
+from dlrm_jax.train.wiring import plan_from_config
 
 ROWS = [50, 9, 120, 7, 33]
 BAGS = "data.bag_sizes=[3, 1, 4, 2, 2]"
@@ -212,7 +212,7 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
     from dlrm_jax.data.sources import make_source
     from dlrm_jax.embedding.hot.refresh import initial_counts
 
-    first = hot_keys(initial_counts(cfg, make_source(cfg)).top_rows(24), 24)
+    first = hot_keys(initial_counts(make_source(cfg), cfg.embedding.hot.stats_batches, cfg.bag_sizes).top_rows(24), 24)
     assert not np.array_equal(np.asarray(a.emb.hot.keys), first)  # the refreshes did move the set
     events = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < e["hot_hit_rate"] < 1 and e["allreduce_bytes"] > 0 and e["a2a_bytes"] > 0 for e in events)

@@ -35,7 +35,7 @@ def train(cfg, devices, root=None, steps=STEPS):
     losses, stats = [], {}
     if not plan.tiered_tables:
         for i in range(steps):
-            state, out = fns.train_step(state, fns.device_batch(source.train_batch(i)))
+            state, out, _ = fns.train_step(state, fns.device_batch(source.train_batch(i)))
             losses.append(np.asarray(out["loss"]))
         values, slots = fns.collection.logical_tables(state.emb)
         return losses, values, slots, plan, stats

@@ -49,7 +49,7 @@ def trajectory(cfg):
     _, steps = build(cfg, mesh_from_config(cfg), source, **QUIET)
     state, out = steps.init_state(), []
     for i in range(cfg.train.steps):
-        state, metrics = steps.train_step(state, steps.device_batch(source.train_batch(i)))
+        state, metrics, _ = steps.train_step(state, steps.device_batch(source.train_batch(i)))
         out.append(float(metrics["loss"]))
     saved = steps.checkpoint_form(state)
     return out, (saved.params, saved.opt_state)

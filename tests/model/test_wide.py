@@ -30,7 +30,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     source = make_source(cfg)
     state = steps.init_state()
     for i in range(2):  # away from the zero start: the update's -sigma * w term matters
-        state, _ = steps.train_step(state, steps.device_batch(source.train_batch(i)))
+        state, _, _ = steps.train_step(state, steps.device_batch(source.train_batch(i)))
     tables, slots, linear = wide_numpy(steps, state)
     assert all(np.count_nonzero(t) for t in tables) and np.count_nonzero(linear) == linear.size
     batch = source.train_batch(2)
@@ -46,7 +46,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     d_logit = (p - labels) / len(labels)  # mean binary cross-entropy
     lr = cfg.model.wide_learning_rate
     old_linear_slots = [np.asarray(state.wide.linear_slots[k], np.float64) for k in ("z", "n")]
-    state, _ = steps.train_step(state, steps.device_batch(batch))
+    state, _, _ = steps.train_step(state, steps.device_batch(batch))
     new_tables, new_slots, new_linear = wide_numpy(steps, state)
     for f in range(len(tables)):
         acc = (slots[f]["z"][:, None], slots[f]["n"][:, None])

@@ -72,7 +72,7 @@ def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_eve
 
     losses = []
     for step, batch in enumerate(batches, 1):
-        state, out = steps.train_step(state, steps.device_batch(batch))
+        state, out, _ = steps.train_step(state, steps.device_batch(batch))
         losses.append(float(out["loss"]))
         if sync_every and step % sync_every == 0:
             state = state._replace(emb=steps.sync_tables(state.emb))

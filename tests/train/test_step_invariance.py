@@ -84,8 +84,8 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
     for step in range(STEPS):
         batch = source.train_batch(step)
         other = transfer(ref_plan, state, steps)
-        state, ref_metrics = ref.train_step(state, ref.device_batch(batch))
-        other, metrics = steps.train_step(other, steps.device_batch(batch))
+        state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
+        other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         assert int(metrics["exchange_overflows"]) == 0 or steps.collection.plan.num_devices > 1
         np.testing.assert_allclose(
             float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"loss at step {step}"

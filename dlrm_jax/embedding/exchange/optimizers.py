@@ -180,22 +180,3 @@ def sparse_optimizer(name: str, **settings) -> SparseOptimizer:
     if name not in SPARSE_OPTIMIZERS:
         raise ValueError(f"no sparse optimizer {name!r}: one of {', '.join(SPARSE_OPTIMIZERS)}")
     return SPARSE_OPTIMIZERS[name](**settings)
-
-
-def sparse_optimizer_from_config(cfg) -> SparseOptimizer:
-    e = cfg.embedding
-    if e.optimizer == "sgd":
-        return sgd(e.deterministic)
-    if e.optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
-    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
-
-
-def wide_optimizer_from_config(cfg) -> SparseOptimizer:
-    """The wide part's optimizer (model.kind=wide_deep): model.wide_optimizer."""
-    m, e = cfg.model, cfg.embedding
-    if m.wide_optimizer == "sgd":
-        return sgd(e.deterministic)
-    if m.wide_optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
-    return ftrl(m.wide_l1, m.wide_l2, exact_sums=e.deterministic)

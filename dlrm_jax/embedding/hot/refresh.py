@@ -10,16 +10,19 @@ histograms ``preprocess`` wrote (no warm-up pass over the data).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 
+from dlrm_jax.config_schema import HotConfig
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.schedule import HotSchedule
+from dlrm_jax.embedding.plan.cost import Cluster
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.planner import cluster_from_config
 
 
 def global_ids(local_ids: np.ndarray) -> np.ndarray:
@@ -61,36 +64,42 @@ def gather_counts(local: RowCounts) -> RowCounts:
     return out
 
 
-def initial_counts(cfg, source: DataSource) -> RowCounts:
+def initial_counts(source: DataSource, stats_batches: int, bag_sizes: Sequence[int]) -> RowCounts:
     """Lookup counts to choose the first hot set from: the dataset's id histograms when the
-    source has them, else the first ``embedding.hot.stats_batches`` training batches."""
+    source has them, else the first ``stats_batches`` training batches."""
     histograms = getattr(source, "id_histograms", None)
     per_feature = histograms() if histograms else None
     if per_feature is not None:
         return RowCounts(tuple(ids for ids, _ in per_feature), tuple(c.astype(np.float64) for _, c in per_feature))
-    batches = (global_ids(source.train_batch(i).ids) for i in range(cfg.embedding.hot.stats_batches))
-    return RowCounts.from_batches(batches, cfg.bag_sizes)
+    batches = (global_ids(source.train_batch(i).ids) for i in range(stats_batches))
+    return RowCounts.from_batches(batches, bag_sizes)
 
 
 def choose(
-    cfg, plan: EmbeddingPlan, mesh, source: DataSource, calibration_steps: int, log=print
+    h: HotConfig,
+    plan: EmbeddingPlan,
+    mesh,
+    source: DataSource,
+    calibration_steps: int,
+    cluster: Cluster,
+    threads: int,
+    log=print,
 ) -> tuple[EmbeddingPlan, HotSchedule | None]:
-    """``plan`` with its hot rows (``embedding.hot.rows``: a number, or ``auto`` for the cost
-    model), the bucket capacities measured with them masked out, and the schedule that starts
-    from the chosen rows (None when no rows are replicated)."""
-    h = cfg.embedding.hot
+    """``plan`` with its hot rows (the ``embedding.hot`` section ``h``; ``h.rows``: a number, or
+    ``auto`` for the cost model pricing sets on ``cluster``), the bucket capacities measured
+    with them masked out, and the schedule that starts from the chosen rows (None when no rows
+    are replicated; it gathers counts with ``threads`` threads)."""
     if h.rows == "auto" and mesh.size == 1:
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
-    counts = initial_counts(cfg, source)
+    bags = tuple(t.spec.bag_size for t in plan.tables)
+    counts = initial_counts(source, h.stats_batches, bags)
     batches = [global_ids(source.train_batch(i).ids) for i in range(calibration_steps)]
 
     def measure(host_batches):  # global batches: every process measures the same
-        return measure_capacities(plan, host_batches, cfg.embedding.capacity_factor)
+        return measure_capacities(plan, host_batches, plan.capacity_factor)
 
-    bags = cfg.bag_sizes
     if h.rows == "auto":
-        cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
         best, priced = choose_hot_rows(plan, measure, counts, batches, int(h.memory_mb * 2**20), cluster)
         rows, capacity = [counts.most_frequent(t, k) for t, k in enumerate(best.rows_per_table)], best.rows
         log(
@@ -118,6 +127,6 @@ def choose(
         refresh_every=h.refresh_every,
         decay=h.decay,
         gather=gather_counts,
-        threads=cfg.data.readers,
+        threads=threads,
     )
     return plan, schedule

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlrm_jax.choices import Storage  # defined once there
-from dlrm_jax.embedding.plan.cost import PROFILES, Cluster, cluster_for
+from dlrm_jax.embedding.plan.cost import PROFILES, Cluster
 from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError re-exported
     EmbeddingPlan,
     PlanError,
@@ -29,8 +29,8 @@ from dlrm_jax.embedding.plan.search import (  # noqa: F401 - column_slices, cach
     column_slices,
     place_tables,
 )
-from dlrm_jax.embedding.plan.specs import Pooling, TableSpec, specs_from_config
-from dlrm_jax.embedding.plan.stats import per_device_bytes, plan_report
+from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
+from dlrm_jax.embedding.plan.stats import per_device_bytes
 
 
 def parse_overrides(
@@ -170,71 +170,16 @@ def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
         )
 
 
-def cluster_from_config(cfg, simulated: bool) -> Cluster:
-    """The ``cluster.*`` keys as a :class:`~dlrm_jax.embedding.plan.cost.Cluster`
-    (``simulated``: the run is on simulated CPU devices, which ``cluster.profile=auto`` prices
-    as such)."""
-    c = dataclasses.asdict(cfg.cluster)
-    return cluster_for(c.pop("profile"), c, simulated)
-
-
-def plan_from_config(
-    cfg,
-    num_devices: int,
-    budget_bytes: int | None = None,
-    *,
-    cluster: Cluster | None = None,
-    stats: Sequence[TableStats] | None = None,
+def wide_plan(
+    table_rows: Sequence[int], bag_sizes: Sequence[int], optimizer: str, batch_size: int, num_devices: int
 ) -> EmbeddingPlan:
-    """The plan for a config's tables on ``num_devices`` devices. The budget defaults to
-    ``embedding.memory_budget_gb``, else 90% of the cluster's device memory; ``cluster``
-    defaults to the config's for simulated devices (:func:`cluster_from_config`); ``stats``:
-    the tables' id statistics in the data (``exchange.capacity.table_stats``)."""
-    e = cfg.embedding
-    specs = specs_from_config(cfg)
-    cluster = cluster or cluster_from_config(cfg, simulated=True)
-    budget = int(e.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
-    if budget_bytes is None and not budget and cluster.device_memory_gb:
-        budget = int(0.9 * cluster.device_memory_gb * 2**30)
-    if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
-        budget = max(budget - wide_bytes_per_device(wide_plan(cfg, num_devices)), 1)
-    options = PlanOptions(
-        overrides=parse_overrides(e.table_sharding, specs),
-        row_layout=e.row_layout,
-        capacity_factor=e.capacity_factor,
-        dtype=e.dtype,
-        exchange_dtype=e.exchange_dtype,
-        budget_bytes=budget,
-        bag_exchange=e.bag_exchange,
-        storage=e.storage,
-        storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
-        device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
-        cluster=cluster,
-        stats=stats,
-    )
-    return plan_embeddings(specs, e.sharding, num_devices, e.optimizer, cfg.train.batch_size, options)
-
-
-def host_plan_from_config(
-    cfg, num_devices: int, hosts: int, budget_bytes: int | None = None, **kwargs
-) -> EmbeddingPlan:
-    """With per-host tables (embedding.sync per_host or host_replicas), each of ``hosts`` hosts
-    holds a whole set over its own devices: the plan of one host's ``num_devices / hosts``
-    devices and its share of the batch. Otherwise the plan over all ``num_devices``."""
-    if not cfg.embedding.tables_per_host:
-        return plan_from_config(cfg, num_devices, budget_bytes, **kwargs)
-    local = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // hosts))
-    return plan_from_config(local, num_devices // hosts, budget_bytes, **kwargs)
-
-
-def wide_plan(cfg, num_devices: int) -> EmbeddingPlan:
-    """Wide&Deep's wide part (model.kind=wide_deep): one weight per id of every feature (dim 1,
-    sum pooling), every table replicated on each of ``num_devices`` devices."""
+    """Wide&Deep's wide part: one weight per id of every feature (dim 1, sum pooling), every
+    table replicated on each of ``num_devices`` devices."""
     specs = tuple(
         TableSpec(f"wide_{f}", rows, 1, bag, Pooling.SUM)
-        for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True))
+        for f, (rows, bag) in enumerate(zip(table_rows, bag_sizes, strict=True))
     )
-    return plan_embeddings(specs, "replicated", num_devices, cfg.model.wide_optimizer, cfg.train.batch_size)
+    return plan_embeddings(specs, "replicated", num_devices, optimizer, batch_size)
 
 
 def wide_bytes_per_device(plan: EmbeddingPlan) -> int:
@@ -242,17 +187,11 @@ def wide_bytes_per_device(plan: EmbeddingPlan) -> int:
     return int(sum(t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[0].sum() for t in plan.tables))
 
 
-def config_plan_report(cfg, plan: EmbeddingPlan) -> str:
-    """:func:`~dlrm_jax.embedding.plan.stats.plan_report` (with per-host tables, one host's plan:
-    its header names the global batch and the host's share), and for Wide&Deep a line on its
-    wide part."""
-    report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)
-    if cfg.model.kind != "wide_deep":
-        return report
-    wide = wide_plan(cfg, plan.num_devices)
+def wide_report(wide: EmbeddingPlan, optimizer: str) -> str:
+    """The plan report's line on Wide&Deep's wide part."""
     rows = sum(t.spec.rows for t in wide.tables)
     return (
-        f"{report}\nWide part: {len(plan.tables)} tables, {rows:,} weights, replicated: "
+        f"Wide part: {len(wide.tables)} tables, {rows:,} weights, replicated: "
         f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
-        f"{cfg.model.wide_optimizer} state (counted in embedding.memory_budget_gb)"
+        f"{optimizer} state (counted in embedding.memory_budget_gb)"
     )

@@ -31,11 +31,3 @@ class TableSpec:
         for field in ("rows", "dim", "bag_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"table {self.name}: {field}={getattr(self, field)} must be at least 1")
-
-
-def specs_from_config(cfg) -> tuple[TableSpec, ...]:
-    """One table per categorical feature, named ``cat_<feature>``, rows capped by data.max_rows."""
-    return tuple(
-        TableSpec(f"cat_{f}", rows, cfg.model.embedding_dim, bag, Pooling(cfg.data.pooling))
-        for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True))
-    )

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 
+from dlrm_jax.config_schema import TierConfig
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
@@ -25,7 +25,6 @@ from dlrm_jax.embedding.plan.layout import build_groups
 from dlrm_jax.embedding.plan.planner import cache_slots
 from dlrm_jax.embedding.plan.stats import fmt_bytes
 from dlrm_jax.embedding.tiers.cache_planner import TableCache, plan_stream
-from dlrm_jax.files import check_dir
 from dlrm_jax.hostmem import available_bytes
 
 MIN_FILL_ROWS = 16
@@ -68,11 +67,12 @@ def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> 
     return dataclasses.replace(plan, tables=tuple(tables))
 
 
-def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
-    """``plan`` with its TierPlan: device caches fitted to the batches, DRAM cache rows, fill
-    capacities and predicted device hit rates from planning ``id_batches`` (global ids [B, S])
-    with empty caches."""
-    tier, n = cfg.embedding.tier, plan.num_devices
+def tier_plan(tier: TierConfig, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
+    """``plan`` with its TierPlan (the ``embedding.tier`` section ``tier``): device caches fitted
+    to the batches, DRAM cache rows, fill capacities (the plan's ``capacity_factor`` times the
+    most one batch filled) and predicted device hit rates from planning ``id_batches`` (global
+    ids [B, S]) with empty caches."""
+    n = plan.num_devices
     plan = fit_caches(plan, id_batches, log)
     if not plan.tiered_tables:
         return plan
@@ -105,7 +105,7 @@ def tier_plan(cfg, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print)
             wanted[t] += len(np.unique(ids[:, cols][ids[:, cols] >= 0]))
     tiered_groups = {g.name for g in groups for vt in g.vtables if plan.tables[vt.table].tiered}
     fill_rows = tuple(
-        (name, tier.fill_rows or max(MIN_FILL_ROWS, math.ceil(cfg.embedding.capacity_factor * most[name])))
+        (name, tier.fill_rows or max(MIN_FILL_ROWS, math.ceil(plan.capacity_factor * most[name])))
         for name in sorted(tiered_groups)
     )
     hit = tuple(
@@ -184,12 +184,3 @@ def che_hit_rate(dist: tuple[np.ndarray, np.ndarray], capacity: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if (mult * -np.expm1(-p * mid)).sum() < capacity else (lo, mid)
     return float((mult * p * -np.expm1(-p * hi)).sum())
-
-
-def tier_root(cfg, run_dir: Path | None) -> Path:
-    """The disk tier's folder: embedding.tier.path, or RUN_DIR/tier."""
-    if cfg.embedding.tier.path:
-        return check_dir(cfg.embedding.tier.path, "embedding.tier.path")
-    if run_dir is None:
-        raise ValueError("embedding.storage=tiered needs a run dir (--run-dir) or embedding.tier.path")
-    return check_dir(Path(run_dir) / "tier", "tier path")

@@ -1,0 +1,196 @@
+"""The edge: the one module that reads a :class:`~dlrm_jax.config.Config` into the typed pieces
+the layers below take (table specs, a cluster, planner options and a plan, sparse optimizers,
+the dense model, the wide part, the tier's folder). Nothing under ``embedding/`` or ``model/``
+sees a ``Config``; they take specs, plans and single config sections.
+
+Derived values are computed here and passed on, never written back into a config: one host's
+share of the batch for per-host tables is ``batch_size``'s argument, not a copy of the config
+with ``train.batch_size`` rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from dlrm_jax.choices import Pooling, Storage
+from dlrm_jax.config import Config
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, adagrad, ftrl, rowwise_adagrad, sgd
+from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.planner import (
+    PlanOptions,
+    parse_overrides,
+    plan_embeddings,
+    wide_bytes_per_device,
+    wide_plan,
+    wide_report,
+)
+from dlrm_jax.embedding.plan.search import TableStats
+from dlrm_jax.embedding.plan.specs import TableSpec
+from dlrm_jax.embedding.plan.stats import plan_report
+from dlrm_jax.files import check_dir
+from dlrm_jax.model.dlrm import DLRMDense
+from dlrm_jax.model.wide import WidePart
+from dlrm_jax.model.work import dense_work as model_dense_work
+
+
+def specs_from_config(cfg: Config) -> tuple[TableSpec, ...]:
+    """One table per categorical feature, named ``cat_<feature>``, rows capped by data.max_rows."""
+    return tuple(
+        TableSpec(f"cat_{f}", rows, cfg.model.embedding_dim, bag, Pooling(cfg.data.pooling))
+        for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True))
+    )
+
+
+def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:
+    """The ``cluster.*`` keys as a :class:`~dlrm_jax.embedding.plan.cost.Cluster`
+    (``simulated``: the run is on simulated CPU devices, which ``cluster.profile=auto`` prices
+    as such)."""
+    c = dataclasses.asdict(cfg.cluster)
+    return cluster_for(c.pop("profile"), c, simulated)
+
+
+def plan_options(
+    cfg: Config,
+    specs: Sequence[TableSpec],
+    budget_bytes: int,
+    cluster: Cluster,
+    stats: Sequence[TableStats] | None = None,
+) -> PlanOptions:
+    """The ``embedding.*`` keys a plan is made under, as one record."""
+    e = cfg.embedding
+    return PlanOptions(
+        overrides=parse_overrides(e.table_sharding, specs),
+        row_layout=e.row_layout,
+        capacity_factor=e.capacity_factor,
+        dtype=e.dtype,
+        exchange_dtype=e.exchange_dtype,
+        budget_bytes=budget_bytes,
+        bag_exchange=e.bag_exchange,
+        storage=e.storage,
+        storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
+        device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
+        cluster=cluster,
+        stats=stats,
+    )
+
+
+def plan_from_config(
+    cfg: Config,
+    num_devices: int,
+    budget_bytes: int | None = None,
+    *,
+    cluster: Cluster | None = None,
+    stats: Sequence[TableStats] | None = None,
+    batch_size: int | None = None,
+) -> EmbeddingPlan:
+    """The plan for a config's tables on ``num_devices`` devices. The budget defaults to
+    ``embedding.memory_budget_gb``, else 90% of the cluster's device memory; ``cluster``
+    defaults to the config's for simulated devices (:func:`cluster_from_config`); ``stats``:
+    the tables' id statistics in the data (``exchange.capacity.table_stats``); ``batch_size``:
+    the batch these devices share (default ``train.batch_size``)."""
+    specs = specs_from_config(cfg)
+    cluster = cluster or cluster_from_config(cfg, simulated=True)
+    batch = cfg.train.batch_size if batch_size is None else batch_size
+    budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
+    if budget_bytes is None and not budget and cluster.device_memory_gb:
+        budget = int(0.9 * cluster.device_memory_gb * 2**30)
+    if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
+        budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, num_devices, batch)), 1)
+    options = plan_options(cfg, specs, budget, cluster, stats)
+    return plan_embeddings(specs, cfg.embedding.sharding, num_devices, cfg.embedding.optimizer, batch, options)
+
+
+def host_plan_from_config(
+    cfg: Config, num_devices: int, hosts: int, budget_bytes: int | None = None, **kwargs
+) -> EmbeddingPlan:
+    """With per-host tables (embedding.sync per_host or host_replicas), each of ``hosts`` hosts
+    holds a whole set over its own devices: the plan of one host's ``num_devices / hosts``
+    devices and its share of the batch. Otherwise the plan over all ``num_devices``."""
+    if not cfg.embedding.tables_per_host:
+        return plan_from_config(cfg, num_devices, budget_bytes, **kwargs)
+    host_batch = cfg.train.batch_size // hosts
+    return plan_from_config(cfg, num_devices // hosts, budget_bytes, batch_size=host_batch, **kwargs)
+
+
+def wide_plan_from_config(cfg: Config, num_devices: int, batch_size: int | None = None) -> EmbeddingPlan:
+    """Wide&Deep's wide part (model.kind=wide_deep) on ``num_devices`` devices."""
+    batch = cfg.train.batch_size if batch_size is None else batch_size
+    return wide_plan(cfg.table_rows, cfg.bag_sizes, cfg.model.wide_optimizer, batch, num_devices)
+
+
+def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
+    """:func:`~dlrm_jax.embedding.plan.stats.plan_report` (with per-host tables, one host's plan:
+    its header names the global batch and the host's share), and for Wide&Deep a line on its
+    wide part."""
+    report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)
+    if cfg.model.kind != "wide_deep":
+        return report
+    return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide_optimizer)}"
+
+
+def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
+    """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings."""
+    e = cfg.embedding
+    if e.optimizer == "sgd":
+        return sgd(e.deterministic)
+    if e.optimizer == "adagrad":
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+
+
+def wide_optimizer_from_config(cfg: Config) -> SparseOptimizer:
+    """The wide part's optimizer (model.kind=wide_deep): model.wide_optimizer."""
+    m, e = cfg.model, cfg.embedding
+    if m.wide_optimizer == "sgd":
+        return sgd(e.deterministic)
+    if m.wide_optimizer == "adagrad":
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+    return ftrl(m.wide_l1, m.wide_l2, exact_sums=e.deterministic)
+
+
+def dlrm_from_config(cfg: Config, rngs: nnx.Rngs) -> DLRMDense:
+    """The dense DLRM of ``model.*`` over the data's dense and categorical features."""
+    m = cfg.model
+    return DLRMDense(
+        num_dense=cfg.data.num_dense,
+        num_features=cfg.num_features,
+        embedding_dim=m.embedding_dim,
+        bottom_mlp=m.bottom_mlp,
+        top_mlp=m.top_mlp,
+        interaction=m.interaction,
+        compute_dtype=cfg.train.compute_dtype,
+        dcn_layers=m.dcn_layers,
+        dcn_rank=m.dcn_rank,
+        rngs=rngs,
+    )
+
+
+def dense_work(cfg: Config) -> DenseWork:
+    """The dense part's FLOPs and parameters as the step-time model prices them."""
+    return model_dense_work(cfg.model, cfg.data.num_dense, cfg.num_features, cfg.train.compute_dtype)
+
+
+def wide_part(cfg: Config, mesh: jax.sharding.Mesh) -> WidePart:
+    """Wide&Deep's wide part on ``mesh``: its plan, optimizer and linear term."""
+    return WidePart(
+        wide_plan_from_config(cfg, mesh.size),
+        wide_optimizer_from_config(cfg),
+        cfg.data.num_dense,
+        cfg.model.wide_learning_rate,
+        mesh,
+    )
+
+
+def tier_root(cfg: Config, run_dir: Path | None) -> Path:
+    """The disk tier's folder: embedding.tier.path, or RUN_DIR/tier."""
+    if cfg.embedding.tier.path:
+        return check_dir(cfg.embedding.tier.path, "embedding.tier.path")
+    if run_dir is None:
+        raise ValueError("embedding.storage=tiered needs a run dir (--run-dir) or embedding.tier.path")
+    return check_dir(Path(run_dir) / "tier", "tier path")
