@@ -62,6 +62,7 @@ def test_asking_for_devices_after_they_started_is_refused():
     assert "already started its devices with 1 CPU device(s)" in out.stdout and "restart the kernel" in out.stdout
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
     """A notebook's numpy arrays through ArraySource: each epoch reads every row once in a new
     order, epochs count its rows, evaluation scores its whole val split, and the run learns."""

@@ -98,6 +98,7 @@ def logical(collection, emb):
     return host(tables), host([s.get("accumulator") for s in slots])
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_forward_and_gradients_match_reference(mesh):
     s = SMALL
     parts = tt.build(s, mesh)

@@ -40,7 +40,7 @@ from dlrm_jax.embedding.exchange.relayout import physical_rows_np
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES
 from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
-from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
+from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step, lower_bound_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.build import build
@@ -203,6 +203,7 @@ def _case(z, layout, row_layout, hot, cold, no_dedup) -> dict:
         "total_bytes": sum(hot["hlo"].values()),
         "no_hot_total_bytes": sum(cold["hlo"].values()),
         "no_dedup_bytes": no_dedup,
+        "lower_bound_bytes": lower_bound_bytes(cold["plan"]),
         "capacity": hot["capacity"],
         "no_hot_capacity": cold["capacity"],
         "step_ms": hot["train_ms"],
@@ -216,7 +217,7 @@ def _case(z, layout, row_layout, hot, cold, no_dedup) -> dict:
 
 HEADER = (
     f"{'zipf':>5} {'layout':<18}{'rows':<7}{'hot rows':>9}{'hit':>7}{'a2a KiB':>9}{'a-r KiB':>9}"
-    f"{'total':>8}{'no hot':>8}{'no dedup':>9}{'cap':>6}{'no hot':>7}{'step ms':>8}{'no hot':>7}{'x':>6}"
+    f"{'total':>8}{'no hot':>8}{'bound':>8}{'no dedup':>9}{'cap':>6}{'no hot':>7}{'step ms':>8}{'no hot':>7}{'x':>6}"
     f"{'emb ms':>8}{'no hot':>7}"
 )
 
@@ -226,7 +227,8 @@ def _row(c: dict) -> str:
     return (
         f"{c['zipf']:>5} {c['layout']:<18}{c['row_layout']:<7}{c['hot_rows']:>9,}{100 * c['hot_hit_rate']:>6.1f}%"
         f"{c['a2a_bytes'] * kib:>9.1f}{c['allreduce_bytes'] * kib:>9.1f}{c['total_bytes'] * kib:>8.1f}"
-        f"{c['no_hot_total_bytes'] * kib:>8.1f}{c['no_dedup_bytes'] * kib:>9.1f}{c['capacity']:>6}"
+        f"{c['no_hot_total_bytes'] * kib:>8.1f}{c['lower_bound_bytes'] * kib:>8.1f}{c['no_dedup_bytes'] * kib:>9.1f}"
+        f"{c['capacity']:>6}"
         f"{c['no_hot_capacity']:>7}{c['step_ms']:>8.2f}{c['no_hot_step_ms']:>7.2f}"
         f"{c['no_hot_step_ms'] / c['step_ms']:>6.2f}{c['embedding_step_ms']:>8.2f}{c['no_hot_embedding_step_ms']:>7.2f}"
     )

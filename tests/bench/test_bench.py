@@ -242,6 +242,8 @@ def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(ti
     assert case["capacity"] < case["no_hot_capacity"]
     assert abs(case["total_bytes"] - case["predicted_total_bytes"]) <= 64, case
     assert abs(case["no_hot_total_bytes"] - case["no_hot_predicted_total_bytes"]) <= 64, case
+    assert case["total_bytes"] <= case["no_hot_total_bytes"], case  # the chosen set never costs bytes
+    assert case["lower_bound_bytes"] > 0
     for key in ("zipf", "layout", "row_layout", "a2a_bytes", "step_ms", "no_hot_step_ms"):
         assert key in case
 

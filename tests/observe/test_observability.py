@@ -63,6 +63,7 @@ def test_tensorboard_scalars_match_metrics_jsonl_across_a_resume(tiny, tmp_path)
     assert sorted({s for t, s in scalars if t == "eval/auc"}) == [3, 6]
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_no_tensorboard_folder_unless_asked(tiny, tmp_path):
     train_and_evaluate(tiny("train.steps=2"), tmp_path, **QUIET)
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()

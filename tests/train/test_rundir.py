@@ -208,6 +208,7 @@ def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
     assert again == first
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_divergence_stops_before_saving_the_bad_state(tiny, tmp_path):
     sane = ["train.checkpoint_every=5", "train.log_every=5", "train.optimizer=sgd", "embedding.optimizer=sgd"]
     train_and_evaluate(tiny("train.steps=5", *sane), tmp_path / "run", **QUIET)
@@ -241,6 +242,7 @@ def test_a_checkpoint_never_holds_the_update_that_diverged(tiny, tmp_path):
     assert Checkpoints(run / "checkpoints", 3).all_steps()[-1] == 6
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_the_divergence_limit_keeps_its_reference_across_resumes(tiny, tmp_path):
     """A resumed run measures its losses against the first loss of the run that started the
     run dir, not against its own first loss (which may already be a bad state's)."""
@@ -380,6 +382,7 @@ def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_traceback
     assert "resuming from checkpoint at step 2" in out
 
 
+@pytest.mark.slow  # 6-10 s on 2 cores
 def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tiny, tmp_path):
     """Before its fix: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
     the snapshots were there. The working files are made again from the newest snapshot, and
