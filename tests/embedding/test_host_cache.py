@@ -23,7 +23,7 @@ def store(tmp_path):
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["get", "put", "flush"]),
+        st.sampled_from(["get", "put", "flush", "expect"]),
         st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12, unique=True),
     ),
     max_size=25,
@@ -48,6 +48,9 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
                 {"values": np.repeat(vals[:, None], 3, 1).astype(np.float32), "accumulator": vals.astype(np.float32)},
             )
             model.update(zip(rows.tolist(), vals.tolist(), strict=True))
+        elif op == "expect":  # a batch planned ahead expects rows; batches before it have run
+            cache.expect(rows, batch=i + 2)
+            cache.next_batch = i
         else:
             cache.flush()
         assert (cache.row_of >= 0).sum() <= capacity
@@ -59,6 +62,26 @@ def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
         [model[r] for r in range(ROWS) if model[r] >= 1000],
     )
     tier.close()
+
+
+def test_rows_a_planned_batch_expects_are_evicted_last_until_it_runs(tmp_path):
+    """The planner skips reading ahead rows DRAM holds and marks them expected by their batch:
+    a wave of misses evicts other rows first (a row evicted anyway would be read at its step,
+    on the dispatching thread). Once the batch ran, they are ordinary rows again."""
+    cache = HostCache(store(tmp_path), "t", 16, "lru")
+    cache.get(np.arange(4))
+    cache.get(np.arange(4, 16))  # full; rows 0-3 the least recently used
+    held = cache.expect(np.array([0, 1, 2, 3, 30]), batch=5)
+    np.testing.assert_array_equal(held, [True, True, True, True, False])
+    cache.next_batch = 2  # batches 2-5 not run yet
+    cache.get(np.arange(16, 24))  # 8 misses: 8 slots freed
+    assert (cache.slot_of[:4] >= 0).all(), "rows batch 5 expects were evicted before it ran"
+    cache.next_batch = 6  # batch 5 ran
+    cache.get(np.arange(24, 40))  # 16 misses: the whole cache turns over
+    assert (cache.slot_of[:4] < 0).all()
+    cache.expect(np.arange(24, 40), batch=9)  # every slot expected: misses still find room
+    cache.get(np.arange(0, 4))
+    assert (cache.row_of >= 0).sum() == 16
 
 
 @settings(max_examples=examples(12))

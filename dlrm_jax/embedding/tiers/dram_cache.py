@@ -47,6 +47,12 @@ class HostCache:
         self.last_use = np.full(self.capacity, -1, np.int64)
         self.uses = np.zeros(self.capacity, np.int64)
         self.slot_of = np.full(store.rows(table), -1, np.int32)
+        # Read-ahead protection: the last planned batch that expects each slot's row here (the
+        # planner thread writes it when it skips reading a row DRAM holds), and the first batch
+        # not run yet (the dispatching thread's). Slots a batch not run yet expects are evicted
+        # last: the planner skipped their reads, so evicting them means a read at the step.
+        self.needed_by = np.full(self.capacity, -1, np.int64)
+        self.next_batch = 0
         self.free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # taken from the end
         self.tick = 0
         self.hits = self.misses = self.tier_rows_read = self.tier_rows_written = 0
@@ -135,24 +141,38 @@ class HostCache:
         self._touch(slots)
         self.slot_of[rows] = slots
 
+    def expect(self, rows: np.ndarray, batch: int) -> np.ndarray:
+        """(Planner thread.) Which of ``rows`` DRAM holds now; those are marked as expected by
+        planned ``batch`` (evicted last until it runs), so the planner need not read them ahead.
+        A peek: a row evicted between the look and the mark is read at its step."""
+        slots = self.slot_of[rows]
+        held = slots >= 0
+        self.needed_by[slots[held]] = batch
+        return held
+
     def _take_free(self, n: int, keep: np.ndarray) -> np.ndarray:
         """``n`` free slots. When too few are free, the lowest-scored eighth of the cache (or
         what ``n`` needs) is evicted at once: one O(capacity) selection serves many calls."""
         if len(self.free) < n:
             self._evict(max(n - len(self.free), self.capacity // EVICT_FRACTION), keep)
+        if len(self.free) < n:  # rows later batches expect, then this call's own hits
+            self._evict(n - len(self.free), keep, expected=True)
         if len(self.free) < n:  # this call's own hits fill the rest: they were copied already
-            self._evict(n - len(self.free), keep[:0])
+            self._evict(n - len(self.free), keep[:0], expected=True)
         slots, self.free = self.free[-n:], self.free[:-n]
         return slots
 
-    def _evict(self, n: int, keep: np.ndarray) -> None:
-        """Evict the ``n`` cached rows with the lowest scores (not ``keep``): dirty ones are
+    def _evict(self, n: int, keep: np.ndarray, expected: bool = False) -> None:
+        """Evict the ``n`` cached rows with the lowest scores (not ``keep``, and unless
+        ``expected``, not rows a batch planned but not run yet expects here): dirty ones are
         written to the tier."""
         if self.policy == "lru":
             score = self.last_use.astype(np.float64)
         else:  # uses first, recency breaks ties
             score = self.uses * float(self.tick + 1) + self.last_use
         score[self.row_of < 0] = np.inf  # free already
+        if not expected:
+            score[self.needed_by >= self.next_batch] = np.inf
         score[keep] = np.inf
         n = min(n, int(np.isfinite(score).sum()))
         if n <= 0:
@@ -184,6 +204,7 @@ class HostCache:
 
     def drop(self) -> None:
         """Forget everything (after the tier was restored to a snapshot): dirty rows are lost."""
+        self.needed_by[:] = -1
         self.row_of[:] = -1
         self.dirty[:] = False
         self.last_use[:] = -1

@@ -43,6 +43,9 @@ class FillPrograms:
         """Empty device-cache planners, one per tiered table (for the planner thread)."""
         self._evicted_log.clear()
         self._planned = self.consumed = 0
+        for host in self.host.values():  # a new stream: marks of the old one's batches go
+            host.needed_by[:] = -1
+            host.next_batch = 0
         self.read_ahead.restart()
         return {t: TableCache(self.plan.tables[t], self.n) for t in self.tables}
 
@@ -61,7 +64,7 @@ class FillPrograms:
         for t, f in fills.items():
             if not len(f):
                 continue
-            skip = self.host[t].slot_of[f.row] >= 0  # a peek: the dispatching thread owns DRAM
+            skip = self.host[t].expect(f.row, i)  # held in DRAM, and kept there until batch i
             recent = [e[t] for _, e in self._evicted_log if t in e]
             if recent:
                 skip |= np.isin(f.row, np.concatenate(recent))
@@ -78,6 +81,8 @@ class FillPrograms:
         forwarded."""
         staged = self.read_ahead.take(reads)
         self.consumed += 1
+        for host in self.host.values():  # this batch's rows are its hits: kept by get itself
+            host.next_batch = self.consumed
         for f in fills.values():
             self.stats["rows_requested"] += f.requested
         rounds = self._rounds(fills)
