@@ -34,3 +34,11 @@ class Storage(enum.StrEnum):
 
     DEVICE = "device"
     TIERED = "tiered"
+
+
+class DramPolicy(enum.StrEnum):
+    """How a tiered table's DRAM cache chooses what to keep (``embedding.tier.policy``)."""
+
+    LRU = "lru"  # evicts the least recently used
+    LFU = "lfu"  # evicts the least often used (recency breaks ties)
+    TINYLFU = "tinylfu"  # LRU behind a frequency admission filter

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrm_jax.choices import Pooling, RowLayout, Storage, Strategy
+from dlrm_jax.choices import DramPolicy, Pooling, RowLayout, Storage, Strategy
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -208,7 +208,7 @@ class TierConfig:
     # DRAM cache as a share of each tiered table's rows; 0 = from the machine: the caches
     # together take at most half the memory available when the run plans (all rows if that fits).
     host_cache_fraction: float = field(default=0.0, metadata=_bound("[0, 1]", " (0 = from the memory available)"))
-    policy: str = field(default="lru", metadata=_choices("lru", "lfu"))  # the DRAM cache's
+    policy: str = field(default="lru", metadata=_choices(*DramPolicy))  # the DRAM cache's
     lookahead: int = field(default=2, metadata=NONNEG)  # batches planned ahead; their rows are never evicted early
     fill_rows: int = field(default=0, metadata=NONNEG)  # rows one step may fill per device and group; 0 = measured
     # Size of the disk tier's chunk files: 64 MiB keeps a 30 GiB tier at ~1,000 files (each

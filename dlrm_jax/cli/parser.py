@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from dlrm_jax.choices import DramPolicy
+
 
 def _bounded(kind: type, low: float, *, strict: bool = False):
     """An argparse type: an integer or number >= ``low`` (> with ``strict``); argparse names the
@@ -47,9 +49,9 @@ def _list_of(kind: type, low: float | None = None, empty: bool = False):
 def _policies(text: str) -> list[str]:
     """An argparse type: comma-separated DRAM cache policies."""
     values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in ("lru", "lfu")]
+    bad = [v for v in values if v not in tuple(DramPolicy)]
     if not values or bad:
-        raise argparse.ArgumentTypeError(f"expected comma-separated lru, lfu; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(DramPolicy)}; got {text!r}")
     return values
 
 
@@ -284,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         type=_policies,
         default=["lru"],
-        help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu; default lru)",
+        help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu, tinylfu; default lru)",
     )
     bt2.add_argument("--zipf", type=float, default=1.1)
     bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])

@@ -31,7 +31,7 @@ ops = st.lists(
 
 
 @settings(max_examples=examples(40))
-@given(ops=ops, capacity=st.integers(1, 16), policy=st.sampled_from(["lru", "lfu"]))
+@given(ops=ops, capacity=st.integers(1, 16), policy=st.sampled_from(["lru", "lfu", "tinylfu"]))
 def test_reads_see_the_newest_rows(tmp_path_factory, ops, capacity, policy):
     tier = store(tmp_path_factory.mktemp("tier"))
     cache = HostCache(tier, "t", capacity, policy)
@@ -82,6 +82,27 @@ def test_rows_a_planned_batch_expects_are_evicted_last_until_it_runs(tmp_path):
     cache.expect(np.arange(24, 40), batch=9)  # every slot expected: misses still find room
     cache.get(np.arange(0, 4))
     assert (cache.row_of >= 0).sum() == 16
+
+
+def test_tinylfu_admission_keeps_frequent_rows_through_a_scan_of_one_time_rows(tmp_path):
+    """TinyLFU admits a missed row only once the sketch saw it twice: a scan of rows asked for
+    once passes through without evicting the rows asked for every batch, which plain LRU loses.
+    Dirty rows it does not admit reach the tier at once."""
+    tier = store(tmp_path)
+    kept = {}
+    for policy in ("lru", "tinylfu"):
+        cache = HostCache(tier, "t", 8, policy)
+        hot = np.arange(4)
+        for batch in range(3):
+            cache.get(hot)
+            cache.get(np.arange(8 + 8 * batch, 16 + 8 * batch))  # 8 rows, each asked for once
+        kept[policy] = int((cache.slot_of[hot] >= 0).sum())
+    assert kept == {"lru": 0, "tinylfu": 4}, kept
+    assert cache.not_admitted > 0
+    cache.put(np.array([39]), {"values": np.full((1, 3), 7.0, np.float32), "accumulator": np.ones(1, np.float32)})
+    assert cache.slot_of[39] < 0  # never asked for: not admitted, written through
+    np.testing.assert_array_equal(tier.read("t", np.array([39]))["values"], [[7.0, 7.0, 7.0]])
+    tier.close()
 
 
 @settings(max_examples=examples(12))

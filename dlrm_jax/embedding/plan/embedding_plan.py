@@ -127,7 +127,8 @@ class TierPlan:
     table's ``TablePlan.cache_rows``).
 
     host_rows: per table, rows of its host DRAM cache (0 for device-resident tables);
-    policy: the DRAM cache's eviction policy (``lru`` | ``lfu``); lookahead: batches the
+    policy: the DRAM cache's eviction policy (``lru`` | ``lfu`` | ``tinylfu``: LRU behind a
+    frequency admission filter); lookahead: batches the
     planner works ahead; fill_rows: per sharded group, the rows one step may fill on one
     device (more run in extra fill rounds); device_hit_rates / host_hit_rates: per table,
     the predicted share of lookups each cache serves (from the id statistics).

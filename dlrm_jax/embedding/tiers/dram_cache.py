@@ -7,10 +7,15 @@ order: the write-behind queue (evicted, not on the disk yet), rows the read-ahea
 staged for this step (when no later write made them stale), and last the tier itself in one
 batched call (a wait on the disk, counted); all are kept. Rows written back from the devices
 are kept dirty and reach the tier when evicted (queued to the write-behind thread when there
-is one) or flushed (a checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``,
-the number of uses (last use breaking ties) for ``lfu``; one ``argpartition`` per batch of
-misses; a full cache evicts an eighth of its rows at once, so that selection is paid once
-per many steps.
+is one) or flushed (a checkpoint flushes). Eviction takes the slots with the lowest score: the last use for ``lru``
+and ``tinylfu``, the number of uses (last use breaking ties) for ``lfu``; one ``argpartition``
+per batch of misses; a full cache evicts an eighth of its rows at once, so that selection is
+paid once per many steps.
+
+``tinylfu`` adds frequency admission (Einziger, Friedman and Manes, *TinyLFU: A Highly
+Efficient Cache Admission Policy*): a row that misses enters the cache only once a sketch of
+recent requests has seen it ``ADMIT_AFTER`` times, so rows asked for once do not push out rows
+asked for often. Rows not admitted are served and, when dirty, written straight to the tier.
 
 Only the thread that dispatches the steps calls it (the planner thread only peeks at
 ``slot_of`` to guess which rows to read ahead).
@@ -22,11 +27,47 @@ import time
 
 import numpy as np
 
+from dlrm_jax.choices import DramPolicy
 from dlrm_jax.embedding.tiers.format import numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import Staged, WriteBehind
 
 EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
+POLICIES = tuple(DramPolicy)
+ADMIT_AFTER = 2  # tinylfu: requests a missed row needs in the sketch's memory to be admitted
+
+
+class FrequencySketch:
+    """Approximate recent request counts of rows in O(capacity) memory: a count-min sketch of
+    two rows of saturating 8-bit counters, all halved after every ``10 x capacity`` requests so
+    that old popularity fades (TinyLFU's reset). Counts never fall below the truth within a
+    period; hash collisions only raise them."""
+
+    def __init__(self, capacity: int):
+        width = 1 << int(np.clip(np.ceil(np.log2(2 * max(capacity, 1))), 10, 28))
+        self.mask = np.uint64(width - 1)
+        self.counts = np.zeros((2, width), np.uint8)
+        self.period, self.seen = 10 * max(capacity, 1), 0
+
+    def _index(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        h = rows.astype(np.uint64)  # two multiplicative hashes (wrapping uint64 products)
+        return (
+            ((h * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(29)) & self.mask,
+            ((h * np.uint64(0xC2B2AE3D27D4EB4F)) >> np.uint64(31)) & self.mask,
+        )
+
+    def add(self, rows: np.ndarray) -> None:
+        """Count one request of each of distinct ``rows``."""
+        for counts, at in zip(self.counts, self._index(rows), strict=True):
+            counts[at] = np.minimum(counts[at], 254) + 1
+        self.seen += len(rows)
+        if self.seen >= self.period:
+            self.counts >>= 1
+            self.seen = 0
+
+    def estimate(self, rows: np.ndarray) -> np.ndarray:
+        a, b = self._index(rows)
+        return np.minimum(self.counts[0][a], self.counts[1][b])
 
 
 class HostCache:
@@ -36,8 +77,8 @@ class HostCache:
     def __init__(
         self, store: TierStore, table: str, capacity: int, policy: str = "lru", writer: WriteBehind | None = None
     ):
-        if policy not in ("lru", "lfu"):
-            raise ValueError(f"embedding.tier.policy: {policy!r} must be lru or lfu")
+        if policy not in POLICIES:
+            raise ValueError(f"embedding.tier.policy: {policy!r} must be one of {', '.join(POLICIES)}")
         self.store, self.table, self.capacity, self.policy = store, table, max(1, capacity), policy
         self.writer = writer
         fields = store.fields(table)
@@ -47,6 +88,8 @@ class HostCache:
         self.last_use = np.full(self.capacity, -1, np.int64)
         self.uses = np.zeros(self.capacity, np.int64)
         self.slot_of = np.full(store.rows(table), -1, np.int32)
+        self.sketch = FrequencySketch(self.capacity) if policy == "tinylfu" else None
+        self.not_admitted = 0  # misses served without entering the cache (tinylfu)
         # Read-ahead protection: the last planned batch that expects each slot's row here (the
         # planner thread writes it when it skips reading a row DRAM holds), and the first batch
         # not run yet (the dispatching thread's). Slots a batch not run yet expects are evicted
@@ -77,14 +120,26 @@ class HostCache:
             out[k][hit] = v[slots[hit]]
         self._touch(slots[hit])
         self.hits += int(hit.sum())
+        if self.sketch is not None:
+            self.sketch.add(rows)
         if not hit.all():
             missed = rows[~hit]
             read = self._from_tier(missed, staged)
             self.misses += len(missed)
             for k in out:
                 out[k][~hit] = read[k]
-            self._insert(missed, read, dirty=False, keep=slots[hit])
+            admit = self._admitted(missed)
+            self._insert(missed[admit], {k: v[admit] for k, v in read.items()}, dirty=False, keep=slots[hit])
         return out
+
+    def _admitted(self, rows: np.ndarray) -> np.ndarray:
+        """Which of ``rows`` (not cached) may enter the cache: all, but with ``tinylfu`` only
+        those the sketch saw often enough."""
+        if self.sketch is None:
+            return np.ones(len(rows), bool)
+        admit = self.sketch.estimate(rows) >= ADMIT_AFTER
+        self.not_admitted += int((~admit).sum())
+        return admit
 
     def _from_tier(self, rows: np.ndarray, staged: Staged | None) -> dict[str, np.ndarray]:
         """Fields of rows DRAM does not hold: queued writes first (the newest copies), then rows
@@ -122,11 +177,19 @@ class HostCache:
         self.dirty[slots[hit]] = True
         self._touch(slots[hit])
         if not hit.all():
-            self._insert(rows[~hit], {k: v[~hit] for k, v in values.items()}, dirty=True, keep=slots[hit])
+            missed = ~hit
+            admit = missed.copy()
+            admit[missed] = self._admitted(rows[missed])
+            self._insert(rows[admit], {k: v[admit] for k, v in values.items()}, dirty=True, keep=slots[hit])
+            rest = missed & ~admit  # newer than the tier and not kept here: written through
+            if rest.any():
+                self._write(rows[rest], {k: v[rest] for k, v in values.items()})
 
     def _insert(self, rows: np.ndarray, values: dict[str, np.ndarray], dirty: bool, keep: np.ndarray) -> None:
         """Keep rows not cached yet; a batch larger than the cache keeps its last rows and
         writes the rest straight through (when dirty)."""
+        if not len(rows):
+            return
         if len(rows) > self.capacity:
             if dirty:
                 self._write(rows[: -self.capacity], {k: v[: -self.capacity] for k, v in values.items()})
