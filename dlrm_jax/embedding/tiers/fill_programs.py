@@ -42,6 +42,7 @@ class FillPrograms:
     def new_caches(self) -> dict[int, TableCache]:
         """Empty device-cache planners, one per tiered table (for the planner thread)."""
         self._evicted_log.clear()
+        self._coming.clear()
         self._planned = self.consumed = 0
         for host in self.host.values():  # a new stream: marks of the old one's batches go
             host.needed_by[:] = -1
@@ -67,7 +68,10 @@ class FillPrograms:
             skip = self.host[t].expect(f.row, i)  # held in DRAM, and kept there until batch i
             recent = [e[t] for _, e in self._evicted_log if t in e]
             if recent:
-                skip |= np.isin(f.row, np.concatenate(recent))
+                coming = np.isin(f.row, np.concatenate(recent)) & ~skip
+                if coming.any():  # in DRAM after a write-back: marked expected then
+                    self._coming.append((i, t, f.row[coming]))
+                skip |= coming
             if not skip.all():
                 wanted[self.names[t]] = f.row[~skip]
         self._evicted_log.append((i, {t: f.evicted[f.evicted >= 0] for t, f in fills.items() if len(f)}))
@@ -236,3 +240,8 @@ class FillPrograms:
             for k, (shape, _) in self.per_row_slots.items():
                 full[k] = np.concatenate(slots[k], axis=1) if shape else slots[k][0]
             self.host[t].put(rows, full)
+            for i, table, expected in list(self._coming):  # (the planner only appends meanwhile)
+                if table == t and i >= self.consumed:
+                    self.host[t].expect(expected, i)
+        while self._coming and self._coming[0][0] < self.consumed:  # batches taken already
+            self._coming.popleft()

@@ -113,6 +113,9 @@ class TieredTables(FillPrograms):
         # Planner thread: rows each planned batch evicts from the device caches, kept until the
         # DRAM caches hold them (two batches after the dispatching thread took that batch).
         self._evicted_log: collections.deque[tuple[int, dict[int, np.ndarray]]] = collections.deque()
+        # Planner thread appends, dispatching thread reads: (batch, table, rows) the batch will
+        # take from DRAM once the device caches' write-back put them there (marked expected then).
+        self._coming: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
         self._planned = 0
         self.consumed = 0  # batches the dispatching thread took (read by the planner thread)
         self.groups = {g.name: g for g in groups}
