@@ -33,7 +33,6 @@ from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import Staged, WriteBehind
 
 EVICT_FRACTION = 8  # a full cache frees capacity // EVICT_FRACTION slots at a time
-POLICIES = tuple(DramPolicy)
 ADMIT_AFTER = 2  # tinylfu: requests a missed row needs in the sketch's memory to be admitted
 
 
@@ -77,8 +76,8 @@ class HostCache:
     def __init__(
         self, store: TierStore, table: str, capacity: int, policy: str = "lru", writer: WriteBehind | None = None
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"embedding.tier.policy: {policy!r} must be one of {', '.join(POLICIES)}")
+        if policy not in tuple(DramPolicy):
+            raise ValueError(f"embedding.tier.policy: {policy!r} must be one of {', '.join(DramPolicy)}")
         self.store, self.table, self.capacity, self.policy = store, table, max(1, capacity), policy
         self.writer = writer
         fields = store.fields(table)
