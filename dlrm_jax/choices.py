@@ -13,6 +13,9 @@ class Strategy(enum.StrEnum):
     TABLE = "table"  # the whole table on one device
     ROW = "row"  # rows split over all devices (contiguous blocks or id mod N)
     COLUMN = "column"  # columns split into slices, each slice on one device
+    # rows split over the devices of one host (cluster.devices_per_host); the owners pool each
+    # bag's rows and add their partial sums within the host, so one vector per bag crosses hosts
+    HOST_ROW = "host_row"
 
 
 class RowLayout(enum.StrEnum):

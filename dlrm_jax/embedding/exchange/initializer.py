@@ -48,9 +48,9 @@ def logical_rows(g: Group, vt_index: int, physical_row: jax.Array) -> tuple[jax.
     else:
         device, local = physical_row // g.local_rows, physical_row % g.local_rows
     i = local - vt.offset
-    if vt.kind == KIND_BLOCK:
-        logical = device * vt.block + i
-        held = (i >= 0) & (i < vt.block)
+    if vt.kind == KIND_BLOCK:  # (devices before the piece's first get negative rows: not held)
+        logical = (device - vt.device) * vt.block + i
+        held = (i >= 0) & (i < vt.block) & (logical >= 0)
     elif vt.kind == KIND_CYCLIC:
         logical = i * g.num_devices + device
         held = (i >= 0) & (i < vt.block)

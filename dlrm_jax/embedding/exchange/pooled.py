@@ -61,12 +61,12 @@ class PooledForm:
 
     # ------------------------------------------------------------ shared pieces
     def _requests(self, x_local, fill):
-        """[B_l, S] per-slot values -> [N, B_l, K]: what this device sends each owner (a
+        """[B_l, S] per-slot values -> [O, B_l, K]: what this device sends each owner (a
         position that carries no slot reads the appended ``fill`` column)."""
         s = x_local.shape[1]
         padded = jnp.concatenate([x_local, jnp.full((x_local.shape[0], 1), fill, x_local.dtype)], axis=1)
         index = np.where(self.layout.send_slot < 0, s, self.layout.send_slot).reshape(-1)
-        return padded[:, index].reshape(x_local.shape[0], self.group.num_devices, -1).transpose(1, 0, 2)
+        return padded[:, index].reshape(x_local.shape[0], self.layout.owners, -1).transpose(1, 0, 2)
 
     def _local_rows(self, recv_ids):
         """Rows of this owner's shard for the received ids (PAD -> past the end: dropped)."""

@@ -52,7 +52,7 @@ def saved_shapes(plan: EmbeddingPlan, optimizer) -> EmbeddingState:
 def physical_rows_np(g: Group, vt: VirtualTable, logical: np.ndarray) -> np.ndarray:
     """Rows of group ``g``'s array holding ``logical`` rows of virtual table ``vt`` (numpy)."""
     if vt.kind == KIND_BLOCK:
-        device, local = logical // vt.block, vt.offset + logical % vt.block
+        device, local = vt.device + logical // vt.block, vt.offset + logical % vt.block
     elif vt.kind == KIND_CYCLIC:
         device, local = logical % g.num_devices, vt.offset + logical // g.num_devices
     else:

@@ -30,7 +30,9 @@ def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):
     """
     valid = ids != PAD_ID
     safe = xp.where(valid, ids, 0)
-    owner = xp.where(kind == KIND_BLOCK, safe // block, xp.where(kind == KIND_CYCLIC, safe % num_devices, device))
+    owner = xp.where(
+        kind == KIND_BLOCK, device + safe // block, xp.where(kind == KIND_CYCLIC, safe % num_devices, device)
+    )
     within = xp.where(kind == KIND_BLOCK, safe % block, xp.where(kind == KIND_CYCLIC, safe // num_devices, safe))
     return owner.astype(xp.int32), (offset + within).astype(xp.int32), valid
 

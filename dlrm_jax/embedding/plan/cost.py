@@ -1,10 +1,11 @@
 """The step-time model a plan is chosen by: one training step of one device, by phase.
 
-Every exchange part's collectives move the bytes ``stats.part_collective_bytes`` counts (what
-the compiled step moves, checked against HLO by the tests); each crosses the links its devices
-span: within a host of ``devices_per_host`` devices at ``intra_host_gbps``, between hosts at
-``inter_host_gbps``. An all-to-all or all-gather sends (G-1)/(N-1) of its bytes within the
-host and the rest between hosts, both at once; an all-reduce runs hierarchically (reduce-
+Every exchange part's collectives move the bytes ``stats.part_links`` counts (what the compiled
+step moves, checked against HLO by the tests); each crosses the links its devices span: within
+a host of ``devices_per_host`` devices at ``intra_host_gbps``, between hosts at
+``inter_host_gbps``. An all-to-all or all-gather over every device sends (G-1)/(N-1) of its
+bytes within the host and the rest between hosts, both at once (one over a host's devices only
+within it, one over a device of each host only between hosts); an all-reduce runs hierarchically (reduce-
 scatter within the host, all-reduce of 1/G of it between hosts, all-gather within the host).
 Lookups and updates read and write rows at ``hbm_gbps``; the dense MLPs (data-parallel, the
 same under every plan) run at ``tflops`` and all-reduce their gradients. Every collective
@@ -36,7 +37,7 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     optimizer_bytes_per_row,
 )
 from dlrm_jax.embedding.plan.layout import exchange_parts, group_capacity, pooled_layout
-from dlrm_jax.embedding.plan.stats import lower_bound_bytes, part_collective_bytes
+from dlrm_jax.embedding.plan.stats import SPAN_HOST, SPAN_HOSTS, lower_bound_bytes, part_links
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,17 @@ def link_seconds(kind: str, sent_bytes: float, n: int, cluster: Cluster, latency
     return max(within / intra, across / inter) + latency
 
 
+def _span_seconds(kind: str, sent: float, span: str, n: int, cluster: Cluster) -> float:
+    """:func:`link_seconds` of a collective over the devices ``span`` names (stats.SPAN_*):
+    all ``n``; one device per host (only links between hosts); one host's devices."""
+    g = min(n, cluster.devices_per_host)
+    if span == SPAN_HOSTS:
+        return link_seconds(kind, sent, math.ceil(n / g), replace(cluster, devices_per_host=1))
+    if span == SPAN_HOST:
+        return link_seconds(kind, sent, g, cluster)
+    return link_seconds(kind, sent, n, cluster)
+
+
 def _part_memory_traffic(plan: EmbeddingPlan, part) -> tuple[float, float]:
     """(lookup, update) bytes one device reads and writes in device memory for a part, at
     the compiled sizes (padding included: the step processes it)."""
@@ -140,9 +152,9 @@ def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None 
     hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
     phases = dict.fromkeys(("lookup", "exchange", "all-reduce", "update"), 0.0)
     for part in exchange_parts(plan):
-        for kind, sent in part_collective_bytes(plan, part, replicas).items():
-            phases["all-reduce" if kind == "all-reduce" else "exchange"] += link_seconds(
-                kind, sent, n * (replicas if kind != "all-to-all" else 1), cluster
+        for kind, sent, span in part_links(plan, part, replicas):
+            phases["all-reduce" if kind == "all-reduce" else "exchange"] += _span_seconds(
+                kind, sent, span, n * (replicas if kind != "all-to-all" else 1), cluster
             )
         lookup, update = _part_memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm

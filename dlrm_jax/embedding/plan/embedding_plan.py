@@ -30,6 +30,9 @@ class ExchangeKind(enum.StrEnum):
     GATHER = "gather"  # replicated: local lookups, every device's rows and gradients all-gathered
     IDS = "ids"  # sharded: distinct rows go to the requester, which pools (buckets of capacity C)
     POOLED = "pooled"  # sharded on fixed owners: every bag goes to its owner, which pools it
+    # rows of one host (HOST_ROW tables with POOLED exchange): every bag goes to its host, whose
+    # devices pool their rows of it and add the partial sums within the host
+    HOST_POOLED = "host_pooled"
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}  # float8: the exchange only
@@ -50,7 +53,8 @@ class TablePlan:
     """One table's placement.
 
     devices: REPLICATED and ROW, every device; TABLE, the one owner; COLUMN, the owner of each
-    column slice in slice order (so ``len(devices)`` slices of ``dim / len(devices)`` columns).
+    column slice in slice order (so ``len(devices)`` slices of ``dim / len(devices)`` columns);
+    HOST_ROW, the devices of one host in order, each a block of ``ceil(rows / len(devices))``.
     """
 
     spec: TableSpec
@@ -61,8 +65,8 @@ class TablePlan:
     # cache slots of its part (rows of its block; of the whole table for table/column-wise);
     # 0 = the whole table lives on its devices.
     cache_rows: int = 0
-    # TABLE and COLUMN: POOLED (the owner pools each bag) or IDS (distinct rows travel, the
-    # requester pools); ROW is always IDS; REPLICATED looks up locally (the field is unused).
+    # TABLE, COLUMN and HOST_ROW: POOLED (the owners pool each bag) or IDS (distinct rows
+    # travel, the requester pools); ROW is always IDS; REPLICATED looks up locally (unused).
     exchange: ExchangeKind = ExchangeKind.IDS
 
     @property
@@ -83,6 +87,8 @@ class TablePlan:
             return self.cache_rows
         if self.strategy == Strategy.ROW:
             return math.ceil(self.spec.rows / num_devices)
+        if self.strategy == Strategy.HOST_ROW:
+            return math.ceil(self.spec.rows / len(self.devices))
         return self.spec.rows
 
     def spaces(self, num_devices: int) -> int:

@@ -18,7 +18,7 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, 
 
 # How a virtual table's ids map to owners (the exchange's routing reads these).
 KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
-KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = id // block
+KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = device + id // block (device: the first)
 KIND_CYCLIC = 2  # row-wise, cyclic: owner = id % N
 
 
@@ -29,10 +29,15 @@ class VirtualTable:
     table: int  # index into plan.tables (= feature index)
     col_start: int  # first column of the table this piece holds
     kind: int  # KIND_FIXED, KIND_BLOCK or KIND_CYCLIC
-    device: int  # KIND_FIXED on a sharded group: the owner
+    device: int  # KIND_FIXED on a sharded group: the owner; KIND_BLOCK: the first owner
     offset: int  # first local row
     block: int  # KIND_BLOCK: rows per device
     rows: int
+
+    @property
+    def span(self) -> int:
+        """Devices holding rows of a row-wise piece (KIND_BLOCK: from ``device`` on)."""
+        return -(-self.rows // self.block) if self.kind == KIND_BLOCK else 1
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,12 @@ class Group:
         (each fixed-owner slot sends all its B_local ids to one device, a row-wise slot spreads
         them over N), never above the most that can occur."""
         load = np.zeros(self.num_devices)
-        for kind, dev in zip(self.vslot_kind, self.vslot_device, strict=True):
-            if kind == KIND_FIXED:
-                load[dev] += local_batch
+        for v in self.vslot_vfeature:
+            vt = self.vtables[v]
+            if vt.kind == KIND_FIXED:
+                load[vt.device] += local_batch
+            elif vt.kind == KIND_BLOCK:
+                load[vt.device : vt.device + vt.span] += local_batch / vt.span
             else:
                 load += local_batch / self.num_devices
         return max(1, min(self.max_capacity(local_batch), math.ceil(factor * load.max())))
@@ -142,30 +150,50 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
         if g.replicated:
             parts.append(ExchangePart(replicated_kind(plan, g), g))
             continue
-        is_pooled = [
-            vt.kind == KIND_FIXED and plan.tables[vt.table].exchange == ExchangeKind.POOLED for vt in g.vtables
-        ]
-        pooled = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if p]
-        ids = [vt for vt, p in zip(g.vtables, is_pooled, strict=True) if not p]
-        for kind, vts in ((ExchangeKind.POOLED, pooled), (ExchangeKind.IDS, ids)):
+        kinds = [_part_kind(plan, vt) for vt in g.vtables]
+        for kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.IDS):
+            vts = [vt for vt, k in zip(g.vtables, kinds, strict=True) if k == kind]
             if vts:
                 parts.append(ExchangePart(kind, g if len(vts) == len(g.vtables) else subgroup(plan, g, vts)))
     return parts
 
 
+def _part_kind(plan: EmbeddingPlan, vt: VirtualTable) -> ExchangeKind:
+    """The exchange form a sharded piece takes: its table's, where the piece allows it."""
+    tp = plan.tables[vt.table]
+    if tp.exchange != ExchangeKind.POOLED:
+        return ExchangeKind.IDS
+    if vt.kind == KIND_FIXED:
+        return ExchangeKind.POOLED
+    return ExchangeKind.HOST_POOLED if tp.strategy == Strategy.HOST_ROW else ExchangeKind.IDS
+
+
+def host_size(plan: EmbeddingPlan) -> int:
+    """Devices of one host that row-within-host tables are split over (every such table's
+    ``devices``; the plan's devices when it has none)."""
+    sizes = {len(tp.devices) for tp in plan.tables if tp.strategy == Strategy.HOST_ROW}
+    if len(sizes) > 1:
+        raise ValueError(f"host_row tables span different host sizes {sorted(sizes)}: one host size per plan")
+    return sizes.pop() if sizes else plan.num_devices
+
+
 @dataclass(frozen=True)
 class PooledLayout:
-    """Where a pooled part's bags travel (all static; ``exchange/pooled.py`` reads it).
+    """Where a pooled part's bags travel (all static; ``exchange/pooled.py`` and
+    ``exchange/host_pooled.py`` read it).
 
-    Every owner holds up to J pieces (its table-wise tables and column slices of the part),
-    sorted by bag size, largest first. A request buffer row holds K = sum(piece_bags) ids:
-    piece j of every owner at positions ``starts[j]:starts[j + 1]``, so pooling is a static
-    slice whatever the owner. ``send_slot`` [N, K]: the batch slot each position of the buffer
-    to owner o carries (-1: none); ``row_offset`` [N, K]: its piece's first local row at o;
-    ``k_piece`` [K]: the piece of each position; ``reply_index`` [V']: per virtual table of
-    the part, its (owner, piece) as owner * J + piece; ``send_index`` [N * J]: the inverse
-    (V' where no piece is)."""
+    An *owner* is a device (POOLED parts: table-wise tables and column slices) or a host
+    (HOST_POOLED: tables split by rows over one host's devices); there are ``owners`` of them.
+    Every owner holds up to J pieces, sorted by bag size, largest first. A request buffer row
+    holds K = sum(piece_bags) ids: piece j of every owner at positions ``starts[j]:starts[j +
+    1]``, so pooling is a static slice whatever the owner. ``send_slot`` [O, K]: the batch slot
+    each position of the buffer to owner o carries (-1: none); ``row_offset`` [O, K]: its
+    piece's first local row at o; ``block`` [O, K]: rows of the piece per device of a host (1
+    for a device owner); ``k_piece`` [K]: the piece of each position; ``reply_index`` [V']: per
+    virtual table of the part, its (owner, piece) as owner * J + piece; ``send_index`` [O * J]:
+    the inverse (V' where no piece is)."""
 
+    owners: int
     pieces: int
     piece_bags: tuple[int, ...]
     starts: tuple[int, ...]
@@ -174,6 +202,7 @@ class PooledLayout:
     k_piece: np.ndarray
     reply_index: np.ndarray
     send_index: np.ndarray
+    block: np.ndarray
 
     @property
     def ids_per_sample(self) -> int:
@@ -182,9 +211,13 @@ class PooledLayout:
 
 
 def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
-    """The static layout of a pooled part ``g`` (its vtables all of fixed owners)."""
-    n, v_count = g.num_devices, len(g.vtables)
-    device = np.array([vt.device for vt in g.vtables], np.int64)
+    """The static layout of a pooled part ``g``: its vtables all of fixed owners (POOLED), or
+    all split by rows within hosts (HOST_POOLED: the owners are hosts)."""
+    v_count = len(g.vtables)
+    hosts = any(vt.kind == KIND_BLOCK for vt in g.vtables)
+    per_host = host_size(plan) if hosts else 1
+    n = g.num_devices // per_host
+    device = np.array([vt.device // per_host for vt in g.vtables], np.int64)
     table = np.array([vt.table for vt in g.vtables], np.int64)
     bag = np.array([plan.tables[t].spec.bag_size for t in table], np.int64)
     order = np.lexsort((np.arange(v_count), -bag, device))  # by owner, largest bag first
@@ -207,11 +240,14 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
         [np.arange(piece_bags[piece[v]]) for v in range(v_count)] or [np.zeros(0, np.int64)]
     )
     row_offset[device[span], span_k] = np.array([vt.offset for vt in g.vtables], np.int64)[span]
+    block = np.ones((n, k), np.int32)
+    block[device[span], span_k] = np.array([vt.block if hosts else 1 for vt in g.vtables], np.int64)[span]
     reply = (device * pieces + piece).astype(np.int32)
     send_index = np.full(n * pieces, v_count, np.int32)
     send_index[reply] = np.arange(v_count)
     k_piece = np.repeat(np.arange(pieces), piece_bags).astype(np.int32)
     return PooledLayout(
+        n,
         pieces,
         tuple(int(b) for b in piece_bags),
         tuple(int(x) for x in starts),
@@ -220,6 +256,7 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
         k_piece,
         reply,
         send_index,
+        block,
     )
 
 
@@ -246,6 +283,13 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
                 kind = KIND_CYCLIC if tp.row_layout == RowLayout.CYCLIC else KIND_BLOCK
                 vts.append(VirtualTable(t, 0, kind, 0, int(used.max()), blk, tp.spec.rows))
                 used[:] = used.max() + blk
+        # Then row-within-host pieces: the same local offset on each device of their host.
+        for t, tp in enumerate(plan.tables):
+            if tp.strategy == Strategy.HOST_ROW and tp.slice_dim == width:
+                blk, devs = tp.rows_per_device(n), list(tp.devices)
+                offset = int(used[devs].max())
+                vts.append(VirtualTable(t, 0, KIND_BLOCK, tp.devices[0], offset, blk, tp.spec.rows))
+                used[devs] = offset + blk
         for t, tp in enumerate(plan.tables):
             if tp.strategy in (Strategy.TABLE, Strategy.COLUMN) and tp.slice_dim == width:
                 for j, dev in enumerate(tp.devices):

@@ -37,11 +37,11 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     TablePlan,
     vector_bytes,
 )
-from dlrm_jax.embedding.plan.layout import KIND_FIXED, exchange_parts, pooled_layout
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_FIXED, exchange_parts, pooled_layout
 from dlrm_jax.embedding.plan.specs import TableSpec
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient
-ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN)
+ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Strategy.HOST_ROW)
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ def estimated_capacities(plan: EmbeddingPlan, stats: Sequence[TableStats]) -> tu
         for vt in part.group.vtables:
             if vt.kind == KIND_FIXED:
                 per_owner[vt.device] += stats[vt.table].distinct
+            elif vt.kind == KIND_BLOCK and vt.span < plan.num_devices:  # rows within one host
+                per_owner[vt.device : vt.device + vt.span] += stats[vt.table].row_owner * plan.num_devices / vt.span
             else:
                 per_owner += stats[vt.table].row_owner
         out.append((part.group.name, max(1, math.ceil(plan.capacity_factor * per_owner.max()))))
@@ -161,7 +163,7 @@ class Search:
         every table is placed (see the module docstring)."""
         ids = cols = 0
         for part in exchange_parts(plan):
-            if part.kind == ExchangeKind.POOLED:
+            if part.kind == ExchangeKind.POOLED:  # (host pooled parts carry no device's padding)
                 lay = pooled_layout(plan, part.group)
                 ids, cols = ids + lay.ids_per_sample, cols + lay.pieces * part.group.width
         lb, wire = plan.global_batch // self.n, DTYPE_BYTES[plan.exchange_dtype]
@@ -179,6 +181,23 @@ class Search:
                     ids[d] += tp.spec.bag_size
         order = np.lexsort((np.arange(self.n), self.memory, ids, pieces))
         return tuple(int(d) for d in order[:count])
+
+    @property
+    def host_size(self) -> int:
+        """Devices of one host (``cluster.devices_per_host``, at most all of them)."""
+        return min(self.n, self.cluster.devices_per_host)
+
+    def least_busy_host(self) -> tuple[int, ...]:
+        """The devices of the host whose row-within-host tables send it the fewest ids per
+        sample, then whose fullest device holds the least."""
+        g = self.host_size
+        ids = np.zeros(self.n // g)
+        for tp in self.placed.values():
+            if tp.strategy == Strategy.HOST_ROW:
+                ids[tp.devices[0] // g] += tp.spec.bag_size
+        memory = self.memory.reshape(-1, g).max(1)
+        host = int(np.lexsort((np.arange(self.n // g), memory, ids))[0])
+        return tuple(range(host * g, (host + 1) * g))
 
     def fits(self, tp: TablePlan) -> bool:
         if not self.budget:
@@ -210,6 +229,9 @@ class Search:
             if s in (Strategy.REPLICATED, Strategy.ROW):
                 out.append(TablePlan(spec, s, tuple(range(self.n)), layout))
                 continue
+            if s == Strategy.HOST_ROW:
+                out += [TablePlan(spec, s, self.least_busy_host(), layout, exchange=x) for x in exchanges]
+                continue
             counts = [1] if s == Strategy.TABLE else ([slices] if slices else column_options(spec, self.n))
             for count in counts:
                 devices = self.least_busy(spec.dim // count, count, spec)
@@ -228,13 +250,20 @@ class Search:
 
 def exchange_for(tp: TablePlan, bag_exchange: str) -> ExchangeKind:
     """An explicitly placed table's exchange: ``embedding.bag_exchange``, where ``auto`` pools
-    the bags of table- and column-wise tables and sends one-hot ids as distinct rows."""
+    the bags of table- and column-wise tables and sends one-hot ids as distinct rows; a table
+    split by rows within a host pools unless ``ids`` is asked for."""
+    if tp.strategy == Strategy.HOST_ROW:
+        return ExchangeKind.IDS if bag_exchange == "ids" else ExchangeKind.POOLED
     if tp.strategy not in (Strategy.TABLE, Strategy.COLUMN) or bag_exchange == "ids":
         return ExchangeKind.IDS
     return ExchangeKind.POOLED if bag_exchange == "pooled" or tp.spec.bag_size > 1 else ExchangeKind.IDS
 
 
-def allowed(spec: TableSpec, s: Strategy, n: int) -> bool:
+def allowed(spec: TableSpec, s: Strategy, n: int, host_size: int) -> bool:
+    """Whether the search may try ``s`` for ``spec``: column slices when the width splits;
+    rows within a host when hosts of ``host_size`` devices tile the ``n`` devices."""
+    if s == Strategy.HOST_ROW:
+        return n % host_size == 0
     return s != Strategy.COLUMN or n == 1 or column_slices(spec, n) > 1
 
 
@@ -290,7 +319,7 @@ class _Run:
         if self.wanted[t] != "auto":
             out = [self.explicit(spec, Strategy(self.wanted[t]))]
         else:
-            sharded, slices = [s for s in ORDER[1:] if allowed(spec, s, n)], None
+            sharded, slices = [s for s in ORDER[1:] if allowed(spec, s, n, search.host_size)], None
             if prefer is not None:  # the preferred slices (or the most the table allows), or rows
                 slices = min(prefer, column_slices(spec, n))
                 sharded = [Strategy.TABLE if slices == 1 else Strategy.COLUMN, Strategy.ROW]
@@ -300,6 +329,9 @@ class _Run:
             first = [Strategy.REPLICATED] if t in self.replicated else []
             out = search.candidates(spec, first + sharded, self.layout, kinds, slices)
         if self.tiered[t]:
+            if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != "auto":
+                raise PlanError(f"table {spec.name}: host_row tables live on the devices; tier it row- or table-wise")
+            out = [c for c in out if c.strategy != Strategy.HOST_ROW]
             out = [
                 dataclasses.replace(c, cache_rows=cache_slots(c.rows_per_device(n), *self.device_cache)) for c in out
             ]
@@ -311,6 +343,13 @@ class _Run:
         n = self.search.n
         if strategy in (Strategy.REPLICATED, Strategy.ROW):
             devices = tuple(range(n))
+        elif strategy == Strategy.HOST_ROW:
+            if not allowed(spec, strategy, n, self.search.host_size):
+                raise PlanError(
+                    f"table {spec.name}: host_row needs the {n} devices in hosts of "
+                    f"cluster.devices_per_host={self.search.host_size}; use row sharding"
+                )
+            devices = self.search.least_busy_host()
         else:
             slices = 1 if strategy == Strategy.TABLE else column_slices(spec, n)
             devices = self.search.least_busy(spec.dim // slices, slices, spec)

@@ -30,9 +30,10 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
         "vector": vector_bytes(plan.exchange_dtype, g.width),
         "width": g.width,
     }
-    if part.kind == ExchangeKind.POOLED:
+    if part.kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED):
         lay = pooled_layout(plan, g)
         out.update(
+            hosts=lay.owners,
             k=lay.ids_per_sample,
             j=lay.pieces,
             mean=any(
@@ -48,32 +49,60 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
 
 def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> dict[str, float]:
     """Bytes one device sends per step in one exchange part's collectives, by kind (named as
-    in HLO and counted as ``bench.common.hlo_collective_bytes`` counts a compiled program).
+    in HLO and counted as ``bench.common.hlo_collective_bytes`` counts a compiled program):
+    :func:`part_links` summed by kind."""
+    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0, "reduce-scatter": 0.0}
+    for kind, sent, _ in part_links(plan, part, replicas):
+        out[kind] += sent
+    return out
+
+
+# Which devices a collective joins (cost.predict_step prices each over the links it crosses).
+SPAN_ALL = "all"  # every device of the plan (times ``replicas``)
+SPAN_HOSTS = "hosts"  # one device of each host: only links between hosts
+SPAN_HOST = "host"  # the devices of one host: only links within it
+
+
+def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> list[tuple[str, float, str]]:
+    """(kind, bytes one device sends, span) of every collective of one exchange part.
 
     allreduce: the part's [rows, W] float32 gradient, all-reduced (ring: 2 (n-1)/n of it);
     gather: the device's (row, gradient) pairs to every other device; ids: per owner C row ids
     out, C vectors back, C row ids and C gradients out (+ C floats both ways of whole-row
     statistics for row-wise Adagrad on column slices); pooled: per owner B_l x K ids (and
     weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
-    floats both ways of whole-row statistics). ``replicas``: hosts holding equal replicas
-    (embedding.sync=host_replicas), whose owners all-gather what their counterparts received."""
+    floats both ways of whole-row statistics); host pooled (H hosts of G devices): to each
+    other host B_l x K ids (and weights) out, B_l x J vectors back and B_l x J gradients out;
+    within the host, the ids (and weights) and gradients of all H x G requesters all-gathered
+    and their float32 partial sums reduce-scattered. ``replicas``: hosts holding equal
+    replicas (embedding.sync=host_replicas), whose owners all-gather what their counterparts
+    received."""
     g, s = part.group, _part_shapes(plan, part)
     n, lb, vec, w = s["n"], s["local_batch"], s["vector"], s["width"]
-    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0}
     if part.kind == ExchangeKind.ALLREDUCE:
         m = n * replicas
-        out["all-reduce"] = 2 * (m - 1) / m * g.local_rows * w * 4
-    elif part.kind == ExchangeKind.GATHER:
-        out["all-gather"] = (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w)
-    elif part.kind == ExchangeKind.IDS:
+        return [("all-reduce", 2 * (m - 1) / m * g.local_rows * w * 4, SPAN_ALL)]
+    if part.kind == ExchangeKind.GATHER:
+        return [("all-gather", (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w), SPAN_ALL)]
+    if part.kind == ExchangeKind.IDS:
         c = s["capacity"]
-        out["all-to-all"] = (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * s["whole_rows"]
-        out["all-gather"] = (replicas - 1) * n * c * (4 + 4 * w)
-    else:
-        k, j = s["k"], s["j"]
-        out["all-to-all"] = (n - 1) * lb * (k * 4 * (1 + s["mean"]) + 2 * j * vec + k * 8 * s["whole_rows"])
-        out["all-gather"] = (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"])
-    return out
+        return [
+            ("all-to-all", (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * s["whole_rows"], SPAN_ALL),
+            ("all-gather", (replicas - 1) * n * c * (4 + 4 * w), SPAN_ALL),
+        ]
+    k, j, ids = s["k"], s["j"], 4 * (1 + s["mean"])
+    if part.kind == ExchangeKind.HOST_POOLED:
+        h = s["hosts"]
+        per_host = n // h
+        return [
+            ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * vec), SPAN_HOSTS),
+            ("all-gather", (per_host - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
+            ("reduce-scatter", (per_host - 1) * h * lb * j * w * 4, SPAN_HOST),
+        ]
+    return [
+        ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * s["whole_rows"]), SPAN_ALL),
+        ("all-gather", (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"]), SPAN_ALL),
+    ]
 
 
 def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
@@ -87,6 +116,8 @@ def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
         return n * lb * g.num_vslots * (4 + 4 * w)
     if part.kind == ExchangeKind.IDS:
         return 2 * n * s["capacity"] * (4 + 2 * vec)
+    if part.kind == ExchangeKind.HOST_POOLED:  # every requester's ids and partial sums on each device
+        return n * lb * (s["k"] * (8 + 4 * w) + s["j"] * (4 * w + vec)) + 2 * s["hosts"] * lb * s["j"] * vec
     return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * vec)
 
 
@@ -120,7 +151,7 @@ def collective_bytes(plan: EmbeddingPlan, replicas: int = 1) -> dict[str, int]:
     (named as in HLO): every exchange part's (:func:`part_collective_bytes`) and the hot
     rows' float32 gradients, all-reduced (ring: 2 (N-1)/N of the buffer)."""
     n = plan.num_devices
-    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0}
+    out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0, "reduce-scatter": 0.0}
     for part in exchange_parts(plan):
         for kind, b in part_collective_bytes(plan, part, replicas).items():
             out[kind] += b
@@ -169,6 +200,8 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
         strategy = t.strategy.value
         if t.strategy == Strategy.ROW:
             strategy += f" ({t.row_layout.value})"
+        elif t.strategy == Strategy.HOST_ROW:
+            strategy += f" x{len(t.devices)}"
         elif t.strategy == Strategy.COLUMN:
             strategy += f" x{t.column_slices}"
         whole = t.strategy in (Strategy.REPLICATED, Strategy.ROW)
@@ -220,6 +253,13 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
             how = (
                 f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
                 f"vector(s) out per sample and device"
+            )
+        elif part.kind == ExchangeKind.HOST_POOLED:
+            lay = pooled_layout(plan, g)
+            where = f"split by rows within each of {lay.owners} host(s)"
+            how = (
+                f"each host's devices sum their rows of each bag and add the sums within the host: "
+                f"{lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
             )
         else:
             c = group_capacity(plan, g)

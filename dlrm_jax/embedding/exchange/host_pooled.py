@@ -1,0 +1,118 @@
+"""The row-within-host pooled form: a table split by rows over the devices of one host, its
+bags pooled where the rows are, and the partial sums added inside the host, so one vector per
+(sample, table) crosses hosts each way: what the exchange's lower bound counts, with no
+capacity to overflow and no owner that sizes everyone's buckets.
+
+It runs on the mesh's devices seen as (``hosts``, ``local``): H hosts of G devices, in the
+order the batch is split in. Collectives over ``hosts`` join the devices of the same local
+index on every host (the network between hosts); collectives over ``local`` stay inside a host.
+Per part (the row-within-host pieces of one fused array), one ``jax.shard_map``:
+
+forward   requester (h', k) sends host h the ids of its samples' bags of h's tables
+          ([B_l, K], all_to_all over hosts, to (h, k)) -> the host's devices all-gather them
+          ([G, H, B_l, K]: every requester's) -> each device pools its own rows of every bag
+          (others count zero) -> the partial sums are reduce-scattered over the host: device
+          (h, k) gets the sums for the requesters of local index k ([H, B_l, J, W]) -> back to
+          them (all_to_all over hosts).
+backward  each (sample, piece) gradient goes to (h, k) (all_to_all over hosts) -> all-gathered
+          within the host -> each device gives every position it owns its piece's gradient
+          times the position's weight and applies the sparse optimizer to those rows.
+
+Vectors and gradients travel at the wire precision; the partial sums are added in float32.
+The layout is :func:`~dlrm_jax.embedding.plan.layout.pooled_layout` with hosts as owners.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.exchange.pooled import PooledForm
+from dlrm_jax.ids import PAD_ID
+
+HOSTS, LOCAL = "hosts", "local"
+_BATCH = P((HOSTS, LOCAL))
+
+
+def host_mesh(mesh, hosts: int) -> Mesh:
+    """``mesh``'s devices as (``hosts``, ``local``), in the order the batch is split over them."""
+    devices = np.asarray(mesh.devices).reshape(hosts, -1)
+    return Mesh(devices, (HOSTS, LOCAL), axis_types=(AxisType.Auto,) * 2)
+
+
+def _over_hosts(x):
+    return lax.all_to_all(x, HOSTS, 0, 0)
+
+
+def _within_host(x):
+    return lax.all_gather(x, LOCAL, axis=0)
+
+
+class HostPooledForm(PooledForm):
+    """One row-within-host part's lookup and update (see the module docstring)."""
+
+    def __init__(self, plan, part, mesh, wire, optimizer, dim):
+        super().__init__(plan, part, mesh, wire, optimizer, dim)
+        self.hosts = self.layout.owners
+        self.mesh = host_mesh(mesh, self.hosts)
+
+    def _owned(self, ids):
+        """For every position of the gathered requests [G, H, B_l, K]: the row of this
+        device's shard holding it, past the end when another device of the host holds it."""
+        host, me = lax.axis_index(HOSTS), lax.axis_index(LOCAL)
+        block = jnp.asarray(self.layout.block)[host]
+        offset = jnp.asarray(self.layout.row_offset)[host]
+        safe = jnp.where(ids == PAD_ID, 0, ids)
+        mine = (ids != PAD_ID) & (safe // block == me)
+        return jnp.where(mine, offset + safe % block, self.group.local_rows).astype(jnp.int32)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, table, ids_bs, weights_bs):
+        """``(table [N*R, W], ids [B, S], weights [B, S]) -> (pooled [B, V'*W] float32,
+        residual, overflowed int32 [] (never))``."""
+        lay, g = self.layout, self.group
+
+        def local(table_local, ids_local, weights_local):
+            ids = _within_host(_over_hosts(self._requests(ids_local, PAD_ID)))  # [G, H, B_l, K]
+            weights = self._weights(
+                ids, _within_host(_over_hosts(self._requests(weights_local, 0.0))) if self.mean else None
+            )
+            rows = self._owned(ids)
+            vectors = table_local.at[rows].get(mode="fill", fill_value=0)
+            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [G, H, B_l, K, W]
+            partial = jnp.stack(
+                [jnp.sum(weighted[..., a:b, :], axis=-2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
+                axis=-2,
+            )  # [G, H, B_l, J, W]: for every requester of the host's hosts-group
+            summed = lax.psum_scatter(partial, LOCAL, scatter_dimension=0)  # [H, B_l, J, W]: local index = mine
+            back = self.wire.send(summed, _over_hosts)  # [H owner hosts, B_l, J, W]
+            flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)
+            return flat[:, lay.reply_index].reshape(flat.shape[0], -1), (rows, weights)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH), out_specs=(_BATCH, _BATCH))
+        out, residual = fn(table, ids_bs, weights_bs)
+        return out, residual, jnp.zeros((), jnp.int32)
+
+    # ------------------------------------------------------------ backward + update
+    def update(self, table, slots, residual, grad_bc, lr):
+        """``grad_bc`` [B, V'*W]: the loss's gradient w.r.t. :meth:`forward`'s output."""
+        lay, g, opt = self.layout, self.group, self.optimizer
+
+        def local(table_local, slots_local, residual_local, grad_local, lr):
+            rows, weights = residual_local
+            b_l = grad_local.shape[0]
+            per_vt = grad_local.reshape(b_l, -1, g.width)
+            padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, g.width), per_vt.dtype)], axis=1)
+            send = padded[:, lay.send_index].reshape(b_l, self.hosts, lay.pieces, g.width).transpose(1, 0, 2, 3)
+            every = self.wire.send(send, lambda x: _within_host(_over_hosts(x)))  # [G, H, B_l, J, W]
+            grads = every[..., lay.k_piece, :] * weights[..., None]  # [G, H, B_l, K, W]
+            return opt.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+
+        fn = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
+        )
+        return fn(table, slots, residual, grad_bc, lr)
