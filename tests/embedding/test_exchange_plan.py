@@ -52,6 +52,20 @@ FORMS = {
         "embedding.exchange_dtype=float8",
     ],
     "auto": ["embedding.sharding=auto", "data.bag_sizes=[3, 1, 4, 2, 2]"],
+    # rows within hosts: 2 hosts of 2 devices, ids and vectors between them, partial sums within
+    "host-pooled-mean": [
+        "embedding.sharding=host_row",
+        "cluster.devices_per_host=2",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "data.pooling=mean",
+    ],
+    "host-pooled-mixed-float8": [
+        "embedding.sharding=host_row",
+        "cluster.devices_per_host=2",
+        "embedding.table_sharding=[cat_0=row, cat_1=table, cat_2=column]",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.exchange_dtype=float8",
+    ],
 }
 
 

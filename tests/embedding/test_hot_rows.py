@@ -55,6 +55,7 @@ COVER = [
     ("column", 2, "rowwise_adagrad", "onehot"),
     ("auto", 4, "rowwise_adagrad", "pooled"),
     ("mixed", 8, "adagrad", "pooled"),
+    ("mixed_hosts", 8, "sgd", "pooled"),
 ]
 CASES = COVER
 if os.environ.get("DLRM_JAX_FULL_MATRIX") == "1":

@@ -55,7 +55,9 @@ CASES = [
     ("column", 4, "sgd", True),
     ("row", 8, "adagrad", True),
     ("auto", 8, "rowwise_adagrad", False),
+    ("host_row", 8, "sgd", True),  # 2 hosts of 4 (HOSTS below)
 ]
+HOSTS = {"host_row": ["cluster.devices_per_host=4"]}
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,7 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
         *(["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"] if bags else []),
     ]
     ref_cfg = tiny(*common, "mesh.devices=1", "embedding.sharding=replicated")
-    cfg = tiny(*common, f"mesh.devices={devices}", f"embedding.sharding={strategy}")
+    cfg = tiny(*common, f"mesh.devices={devices}", f"embedding.sharding={strategy}", *HOSTS.get(strategy, []))
     source = SyntheticSource(ref_cfg)
     ref_plan, ref = build(ref_cfg, make_mesh(1), source)
     plan, steps = build(cfg, make_mesh(devices), source)
