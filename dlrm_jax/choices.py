@@ -16,6 +16,9 @@ class Strategy(enum.StrEnum):
     # rows split over the devices of one host (cluster.devices_per_host); the owners pool each
     # bag's rows and add their partial sums within the host, so one vector per bag crosses hosts
     HOST_ROW = "host_row"
+    # columns split over the devices of one host, one slice each; every device of the host
+    # pools its columns of each bag, and the slices meet inside the host
+    HOST_COLUMN = "host_column"
 
 
 class RowLayout(enum.StrEnum):

@@ -98,7 +98,7 @@ def check_against_reference(
     return coll, state
 
 
-STRATEGIES = ["replicated", "table", "row", "row_cyclic", "column", "host_row", "auto", "mixed"]
+STRATEGIES = ["replicated", "table", "row", "row_cyclic", "column", "host_row", "host_column", "auto", "mixed"]
 OPTIMIZERS = ["sgd", "adagrad", "rowwise_adagrad"]
 
 
@@ -107,13 +107,15 @@ def strategy_overrides(name):
         return ["embedding.sharding=row", "embedding.row_layout=cyclic"]
     if name == "mixed":
         return ["embedding.sharding=table", "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column]"]
-    if name == "host_row":  # hosts of 2 devices: 1, 1, 2 and 4 hosts on 1, 2, 4 and 8 devices
-        return ["embedding.sharding=host_row", "cluster.devices_per_host=2"]
-    if name == "mixed_hosts":  # every strategy beside rows within hosts of 4
+    if name in ("host_row", "host_column"):  # hosts of 2 devices: 1, 1, 2 and 4 hosts on 1, 2, 4 and 8 devices
+        return [f"embedding.sharding={name}", "cluster.devices_per_host=2"]
+    if name == "mixed_hosts":  # every strategy beside rows and columns within hosts of 4
         return [
             "embedding.sharding=host_row",
             "cluster.devices_per_host=4",
-            "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column, cat_3=table]",
+            "model.embedding_dim=16",
+            "model.bottom_mlp=[16, 16]",
+            "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column, cat_3=host_column]",
         ]
     return [f"embedding.sharding={name}"]
 
@@ -141,9 +143,10 @@ def test_strategy_matches_reference(tiny, strategy, devices, optimizer, multi_ho
 
 @pytest.mark.parametrize("optimizer,exchange", [("sgd", "pooled"), ("rowwise_adagrad", "ids")])
 def test_rows_within_hosts_on_two_hosts_of_four(tiny, optimizer, exchange):
-    """Tables split by rows within one host of 4, on a mesh of 2 hosts, beside every other
-    strategy: forward and state after 40 steps against the reference. Pooled: the owners sum
-    each bag and add the partial sums within the host; ids: distinct rows go to the requester."""
+    """Tables split by rows and by columns within one host of 4, on a mesh of 2 hosts, beside
+    the other strategies: forward and state after 40 steps against the reference. Pooled: the
+    host's devices sum their rows or columns of each bag, and the sums or slices meet within
+    the host; ids: distinct rows go to the requester."""
     cfg = tiny(
         f"embedding.optimizer={optimizer}",
         "train.batch_size=32",
@@ -154,10 +157,11 @@ def test_rows_within_hosts_on_two_hosts_of_four(tiny, optimizer, exchange):
         *strategy_overrides("mixed_hosts"),
     )
     coll, _ = check_against_reference(cfg, 8)
-    host_row = coll.plan.tables[4]
+    host_row, host_column = coll.plan.tables[4], coll.plan.tables[3]
     assert host_row.strategy == Strategy.HOST_ROW and host_row.devices in ((0, 1, 2, 3), (4, 5, 6, 7))
-    host_forms = [f for f in coll.forms if type(f).__name__ == "HostPooledForm"]
-    assert len(host_forms) == (exchange == "pooled")
+    assert host_column.strategy == Strategy.HOST_COLUMN and host_column.column_slices == 4
+    host_forms = [f for f in coll.forms if type(f).__name__ in ("HostPooledForm", "HostColumnsForm")]
+    assert len(host_forms) == 2 * (exchange == "pooled")
     assert all(dict(f.mesh.shape) == {"hosts": 2, "local": 4} for f in host_forms)
 
 

@@ -59,10 +59,17 @@ FORMS = {
         "data.bag_sizes=[3, 1, 4, 2, 2]",
         "data.pooling=mean",
     ],
+    "host-columns-whole-rows": [
+        "embedding.sharding=host_column",
+        "cluster.devices_per_host=2",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.optimizer=rowwise_adagrad",
+        "data.pooling=mean",
+    ],
     "host-pooled-mixed-float8": [
         "embedding.sharding=host_row",
         "cluster.devices_per_host=2",
-        "embedding.table_sharding=[cat_0=row, cat_1=table, cat_2=column]",
+        "embedding.table_sharding=[cat_0=row, cat_1=table, cat_2=column, cat_3=host_column]",
         "data.bag_sizes=[3, 1, 4, 2, 2]",
         "embedding.exchange_dtype=float8",
     ],

@@ -56,8 +56,9 @@ CASES = [
     ("row", 8, "adagrad", True),
     ("auto", 8, "rowwise_adagrad", False),
     ("host_row", 8, "sgd", True),  # 2 hosts of 4 (HOSTS below)
+    ("host_column", 4, "rowwise_adagrad", True),  # 2 hosts of 2
 ]
-HOSTS = {"host_row": ["cluster.devices_per_host=4"]}
+HOSTS = {"host_row": ["cluster.devices_per_host=4"], "host_column": ["cluster.devices_per_host=2"]}
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
-from dlrm_jax.embedding.exchange.host_pooled import HostPooledForm
+from dlrm_jax.embedding.exchange.host_pooled import HostColumnsForm, HostPooledForm
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
@@ -315,8 +315,11 @@ def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int,
         return ReplicatedForm(part, mesh, optimizer, replicas)
     if part.kind == ExchangeKind.POOLED:
         return PooledForm(plan, part, mesh, wire, optimizer, dim, replicas)
-    if part.kind == ExchangeKind.HOST_POOLED:
+    if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
         if HOST_AXIS in mesh.shape:  # a per-host mesh: each host's tables on its devices already
-            raise ValueError("host_row tables are split within each host already: not with embedding.sync=per_host")
-        return HostPooledForm(plan, part, mesh, wire, optimizer, dim)
+            raise ValueError(
+                "host_row and host_column tables are split within a host: not with embedding.sync=per_host"
+            )
+        form = HostPooledForm if part.kind == ExchangeKind.HOST_POOLED else HostColumnsForm
+        return form(plan, part, mesh, wire, optimizer, dim)
     return IdsForm(part, mesh, group_capacity(plan, part.group), wire, optimizer, dim, replicas)

@@ -18,8 +18,14 @@ backward  each (sample, piece) gradient goes to (h, k) (all_to_all over hosts) -
           within the host -> each device gives every position it owns its piece's gradient
           times the position's weight and applies the sparse optimizer to those rows.
 
-Vectors and gradients travel at the wire precision; the partial sums are added in float32.
-The layout is :func:`~dlrm_jax.embedding.plan.layout.pooled_layout` with hosts as owners.
+The column-within-host form (:class:`HostColumnsForm`) is the same trip with the table split
+by columns instead: every device of the host holds one slice of every row, so each pools all of
+every bag for its columns (no device's work is wasted on rows it does not hold), and the
+slices go to the requester's local-index device by an all_to_all within the host instead of a
+reduce-scatter (each carries 1/G of a vector, not a whole partial sum).
+
+Vectors and gradients travel at the wire precision; partial sums are added in float32. The
+layout is :func:`~dlrm_jax.embedding.plan.layout.pooled_layout` with hosts as owners.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.exchange.optimizers import merge_duplicates
 from dlrm_jax.embedding.exchange.pooled import PooledForm
 from dlrm_jax.ids import PAD_ID
 
@@ -111,6 +118,97 @@ class HostPooledForm(PooledForm):
             every = self.wire.send(send, lambda x: _within_host(_over_hosts(x)))  # [G, H, B_l, J, W]
             grads = every[..., lay.k_piece, :] * weights[..., None]  # [G, H, B_l, K, W]
             return opt.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+
+        fn = jax.shard_map(
+            local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
+        )
+        return fn(table, slots, residual, grad_bc, lr)
+
+
+def _slices_to_requesters(x):
+    """[G requesters' local index, H, B_l, J, c] of this device's slice -> at the requester:
+    [H owner hosts, B_l, J, G slices, c] (within the host, then between hosts)."""
+    x = lax.all_to_all(x, LOCAL, 0, 0)  # [G slices, H requester hosts, B_l, J, c]
+    return _over_hosts(x.transpose(1, 2, 3, 0, 4))
+
+
+def _slices_to_owners(x):
+    """The inverse: [H owner hosts, B_l, J, G slices, c] at the requester -> at each slice's
+    owner: [G requesters' local index, H requester hosts, B_l, J, c]."""
+    x = _over_hosts(x).transpose(3, 0, 1, 2, 4)  # [G slices, H requester hosts, B_l, J, c]
+    return lax.all_to_all(x, LOCAL, 0, 0)
+
+
+class HostColumnsForm(PooledForm):
+    """One column-within-host part's lookup and update (see the module docstring). The part's
+    virtual tables are column slices, one per device of a host; ``layout`` has one piece per
+    table (its first slice), its position at every device of the host."""
+
+    def __init__(self, plan, part, mesh, wire, optimizer, dim):
+        super().__init__(plan, part, mesh, wire, optimizer, dim)
+        lay, g = self.layout, self.group
+        self.hosts, self.per_host = lay.owners, g.num_devices // lay.owners
+        self.mesh = host_mesh(mesh, self.hosts)
+        # Each output column [V' * Ws] -> its place in a sample's [H * J * W] vectors
+        # (W = per_host slices of Ws, in slice order), and the piece of each table.
+        piece = {vt.table: int(lay.reply_index[i]) for i, vt in enumerate(v for v in g.vtables if v.col_start == 0)}
+        full = self.per_host * g.width
+        self.reply_cols = np.concatenate(
+            [piece[vt.table] * full + vt.col_start + np.arange(g.width) for vt in g.vtables]
+        ).astype(np.int32)
+        self.whole_rows = optimizer.needs_whole_rows and self.per_host > 1
+
+    def _rows(self, ids):
+        offset = jnp.asarray(self.layout.row_offset)[lax.axis_index(HOSTS)]
+        return jnp.where(ids == PAD_ID, self.group.local_rows, ids + offset).astype(jnp.int32)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, table, ids_bs, weights_bs):
+        """``(table [N*R, Ws], ids [B, S], weights [B, S]) -> (pooled [B, V'*Ws] float32,
+        residual, overflowed int32 [] (never))``."""
+        lay = self.layout
+
+        def local(table_local, ids_local, weights_local):
+            ids = _within_host(_over_hosts(self._requests(ids_local, PAD_ID)))  # [G, H, B_l, K]
+            weights = self._weights(
+                ids, _within_host(_over_hosts(self._requests(weights_local, 0.0))) if self.mean else None
+            )
+            rows = self._rows(ids)
+            vectors = table_local.at[rows].get(mode="fill", fill_value=0)
+            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [G, H, B_l, K, Ws]
+            pooled = jnp.stack(
+                [jnp.sum(weighted[..., a:b, :], axis=-2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
+                axis=-2,
+            )  # [G, H, B_l, J, Ws]: this device's columns of every requester's bags
+            back = self.wire.send(pooled, _slices_to_requesters)  # [H, B_l, J, G, Ws]
+            flat = back.transpose(1, 0, 2, 3, 4).reshape(back.shape[1], -1)  # [B_l, H * J * W]
+            return flat[:, self.reply_cols], (rows, weights)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH), out_specs=(_BATCH, _BATCH))
+        out, residual = fn(table, ids_bs, weights_bs)
+        return out, residual, jnp.zeros((), jnp.int32)
+
+    # ------------------------------------------------------------ backward + update
+    def update(self, table, slots, residual, grad_bc, lr):
+        """``grad_bc`` [B, V'*Ws]: the loss's gradient w.r.t. :meth:`forward`'s output."""
+        lay, g, opt = self.layout, self.group, self.optimizer
+        vectors = self.hosts * lay.pieces * self.per_host * g.width
+
+        def local(table_local, slots_local, residual_local, grad_local, lr):
+            rows, weights = residual_local
+            b_l = grad_local.shape[0]
+            full = jnp.zeros((b_l, vectors), grad_local.dtype).at[:, self.reply_cols].set(grad_local)
+            full = full.reshape(b_l, self.hosts, lay.pieces, self.per_host, g.width).transpose(1, 0, 2, 3, 4)
+            every = self.wire.send(full, _slices_to_owners)  # [G, H, B_l, J, Ws]
+            grads = (every[..., lay.k_piece, :] * weights[..., None]).reshape(-1, g.width)  # per position
+            rows = rows.reshape(-1)
+            if not self.whole_rows:
+                return opt.update(table_local, slots_local, rows, grads, lr)
+            # The host's devices hold the slices of the same rows at the same positions: a
+            # row's squared gradient over its whole width is a sum over the host.
+            _, merged, inv = merge_duplicates(rows, grads, g.local_rows, return_inverse=True, exact=opt.exact_sums)
+            sq = lax.psum(jnp.sum(merged * merged, -1), LOCAL)[inv] / self.dim
+            return opt.update(table_local, slots_local, rows, grads, lr, row_mean_sq=sq)
 
         fn = jax.shard_map(
             local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)

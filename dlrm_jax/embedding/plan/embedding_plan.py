@@ -33,6 +33,9 @@ class ExchangeKind(enum.StrEnum):
     # rows of one host (HOST_ROW tables with POOLED exchange): every bag goes to its host, whose
     # devices pool their rows of it and add the partial sums within the host
     HOST_POOLED = "host_pooled"
+    # columns of one host (HOST_COLUMN tables with POOLED exchange): every bag goes to its host,
+    # whose devices pool their columns of it; the slices meet within the host
+    HOST_COLUMNS = "host_columns"
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}  # float8: the exchange only
@@ -54,7 +57,8 @@ class TablePlan:
 
     devices: REPLICATED and ROW, every device; TABLE, the one owner; COLUMN, the owner of each
     column slice in slice order (so ``len(devices)`` slices of ``dim / len(devices)`` columns);
-    HOST_ROW, the devices of one host in order, each a block of ``ceil(rows / len(devices))``.
+    HOST_ROW, the devices of one host in order, each a block of ``ceil(rows / len(devices))``;
+    HOST_COLUMN, the devices of one host in order, each a column slice.
     """
 
     spec: TableSpec
@@ -75,7 +79,7 @@ class TablePlan:
 
     @property
     def column_slices(self) -> int:
-        return len(self.devices) if self.strategy == Strategy.COLUMN else 1
+        return len(self.devices) if self.strategy in (Strategy.COLUMN, Strategy.HOST_COLUMN) else 1
 
     @property
     def slice_dim(self) -> int:

@@ -16,6 +16,9 @@ import numpy as np
 
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout, Strategy
 
+# Strategies whose tables live on the devices of one host (plan.host_size of them).
+HOST_STRATEGIES = (Strategy.HOST_ROW, Strategy.HOST_COLUMN)
+
 # How a virtual table's ids map to owners (the exchange's routing reads these).
 KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
 KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = device + id // block (device: the first)
@@ -151,7 +154,7 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
             parts.append(ExchangePart(replicated_kind(plan, g), g))
             continue
         kinds = [_part_kind(plan, vt) for vt in g.vtables]
-        for kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.IDS):
+        for kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS, ExchangeKind.IDS):
             vts = [vt for vt, k in zip(g.vtables, kinds, strict=True) if k == kind]
             if vts:
                 parts.append(ExchangePart(kind, g if len(vts) == len(g.vtables) else subgroup(plan, g, vts)))
@@ -161,19 +164,19 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
 def _part_kind(plan: EmbeddingPlan, vt: VirtualTable) -> ExchangeKind:
     """The exchange form a sharded piece takes: its table's, where the piece allows it."""
     tp = plan.tables[vt.table]
-    if tp.exchange != ExchangeKind.POOLED:
+    if tp.exchange != ExchangeKind.POOLED or tp.strategy == Strategy.ROW:
         return ExchangeKind.IDS
-    if vt.kind == KIND_FIXED:
-        return ExchangeKind.POOLED
-    return ExchangeKind.HOST_POOLED if tp.strategy == Strategy.HOST_ROW else ExchangeKind.IDS
+    return {Strategy.HOST_ROW: ExchangeKind.HOST_POOLED, Strategy.HOST_COLUMN: ExchangeKind.HOST_COLUMNS}.get(
+        tp.strategy, ExchangeKind.POOLED
+    )
 
 
 def host_size(plan: EmbeddingPlan) -> int:
-    """Devices of one host that row-within-host tables are split over (every such table's
+    """Devices of one host that tables split within a host are split over (every such table's
     ``devices``; the plan's devices when it has none)."""
-    sizes = {len(tp.devices) for tp in plan.tables if tp.strategy == Strategy.HOST_ROW}
+    sizes = {len(tp.devices) for tp in plan.tables if tp.strategy in HOST_STRATEGIES}
     if len(sizes) > 1:
-        raise ValueError(f"host_row tables span different host sizes {sorted(sizes)}: one host size per plan")
+        raise ValueError(f"tables within hosts span different host sizes {sorted(sizes)}: one host size per plan")
     return sizes.pop() if sizes else plan.num_devices
 
 
@@ -213,8 +216,10 @@ class PooledLayout:
 def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     """The static layout of a pooled part ``g``: its vtables all of fixed owners (POOLED), or
     all split by rows within hosts (HOST_POOLED: the owners are hosts)."""
+    if any(plan.tables[vt.table].strategy == Strategy.HOST_COLUMN for vt in g.vtables):  # one piece per table
+        g = subgroup(plan, g, [vt for vt in g.vtables if vt.col_start == 0])
     v_count = len(g.vtables)
-    hosts = any(vt.kind == KIND_BLOCK for vt in g.vtables)
+    hosts = any(plan.tables[vt.table].strategy in HOST_STRATEGIES for vt in g.vtables)
     per_host = host_size(plan) if hosts else 1
     n = g.num_devices // per_host
     device = np.array([vt.device // per_host for vt in g.vtables], np.int64)
@@ -241,7 +246,7 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     )
     row_offset[device[span], span_k] = np.array([vt.offset for vt in g.vtables], np.int64)[span]
     block = np.ones((n, k), np.int32)
-    block[device[span], span_k] = np.array([vt.block if hosts else 1 for vt in g.vtables], np.int64)[span]
+    block[device[span], span_k] = np.array([vt.block for vt in g.vtables], np.int64)[span]
     reply = (device * pieces + piece).astype(np.int32)
     send_index = np.full(n * pieces, v_count, np.int32)
     send_index[reply] = np.arange(v_count)
@@ -283,12 +288,17 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
                 kind = KIND_CYCLIC if tp.row_layout == RowLayout.CYCLIC else KIND_BLOCK
                 vts.append(VirtualTable(t, 0, kind, 0, int(used.max()), blk, tp.spec.rows))
                 used[:] = used.max() + blk
-        # Then row-within-host pieces: the same local offset on each device of their host.
+        # Then pieces within one host: the same local offset on each device of their host.
         for t, tp in enumerate(plan.tables):
-            if tp.strategy == Strategy.HOST_ROW and tp.slice_dim == width:
+            if tp.strategy in HOST_STRATEGIES and tp.slice_dim == width:
                 blk, devs = tp.rows_per_device(n), list(tp.devices)
                 offset = int(used[devs].max())
-                vts.append(VirtualTable(t, 0, KIND_BLOCK, tp.devices[0], offset, blk, tp.spec.rows))
+                if tp.strategy == Strategy.HOST_ROW:
+                    vts.append(VirtualTable(t, 0, KIND_BLOCK, tp.devices[0], offset, blk, tp.spec.rows))
+                else:
+                    vts += [
+                        VirtualTable(t, j * width, KIND_FIXED, d, offset, 1, tp.spec.rows) for j, d in enumerate(devs)
+                    ]
                 used[devs] = offset + blk
         for t, tp in enumerate(plan.tables):
             if tp.strategy in (Strategy.TABLE, Strategy.COLUMN) and tp.slice_dim == width:

@@ -37,11 +37,11 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     TablePlan,
     vector_bytes,
 )
-from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_FIXED, exchange_parts, pooled_layout
+from dlrm_jax.embedding.plan.layout import HOST_STRATEGIES, KIND_BLOCK, KIND_FIXED, exchange_parts, pooled_layout
 from dlrm_jax.embedding.plan.specs import TableSpec
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient
-ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Strategy.HOST_ROW)
+ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Strategy.HOST_COLUMN, Strategy.HOST_ROW)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class Search:
         g = self.host_size
         ids = np.zeros(self.n // g)
         for tp in self.placed.values():
-            if tp.strategy == Strategy.HOST_ROW:
+            if tp.strategy in HOST_STRATEGIES:
                 ids[tp.devices[0] // g] += tp.spec.bag_size
         memory = self.memory.reshape(-1, g).max(1)
         host = int(np.lexsort((np.arange(self.n // g), memory, ids))[0])
@@ -229,7 +229,7 @@ class Search:
             if s in (Strategy.REPLICATED, Strategy.ROW):
                 out.append(TablePlan(spec, s, tuple(range(self.n)), layout))
                 continue
-            if s == Strategy.HOST_ROW:
+            if s in HOST_STRATEGIES:
                 out += [TablePlan(spec, s, self.least_busy_host(), layout, exchange=x) for x in exchanges]
                 continue
             counts = [1] if s == Strategy.TABLE else ([slices] if slices else column_options(spec, self.n))
@@ -252,7 +252,7 @@ def exchange_for(tp: TablePlan, bag_exchange: str) -> ExchangeKind:
     """An explicitly placed table's exchange: ``embedding.bag_exchange``, where ``auto`` pools
     the bags of table- and column-wise tables and sends one-hot ids as distinct rows; a table
     split by rows within a host pools unless ``ids`` is asked for."""
-    if tp.strategy == Strategy.HOST_ROW:
+    if tp.strategy in HOST_STRATEGIES:
         return ExchangeKind.IDS if bag_exchange == "ids" else ExchangeKind.POOLED
     if tp.strategy not in (Strategy.TABLE, Strategy.COLUMN) or bag_exchange == "ids":
         return ExchangeKind.IDS
@@ -261,9 +261,14 @@ def exchange_for(tp: TablePlan, bag_exchange: str) -> ExchangeKind:
 
 def allowed(spec: TableSpec, s: Strategy, n: int, host_size: int) -> bool:
     """Whether the search may try ``s`` for ``spec``: column slices when the width splits;
-    rows within a host when hosts of ``host_size`` devices tile the ``n`` devices."""
+    within a host when hosts of ``host_size`` devices tile the ``n`` devices (columns: and
+    the width splits into ``host_size`` slices at least MIN_COLUMN_WIDTH wide)."""
+    if s in HOST_STRATEGIES and n % host_size:
+        return False
+    if s == Strategy.HOST_COLUMN:
+        return host_size == 1 or (spec.dim % host_size == 0 and spec.dim // host_size >= MIN_COLUMN_WIDTH)
     if s == Strategy.HOST_ROW:
-        return n % host_size == 0
+        return True
     return s != Strategy.COLUMN or n == 1 or column_slices(spec, n) > 1
 
 
@@ -329,9 +334,11 @@ class _Run:
             first = [Strategy.REPLICATED] if t in self.replicated else []
             out = search.candidates(spec, first + sharded, self.layout, kinds, slices)
         if self.tiered[t]:
-            if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != "auto":
-                raise PlanError(f"table {spec.name}: host_row tables live on the devices; tier it row- or table-wise")
-            out = [c for c in out if c.strategy != Strategy.HOST_ROW]
+            if any(c.strategy in HOST_STRATEGIES for c in out) and self.wanted[t] != "auto":
+                raise PlanError(
+                    f"table {spec.name}: {self.wanted[t]} tables live on the devices; tier it row- or table-wise"
+                )
+            out = [c for c in out if c.strategy not in HOST_STRATEGIES]
             out = [
                 dataclasses.replace(c, cache_rows=cache_slots(c.rows_per_device(n), *self.device_cache)) for c in out
             ]
@@ -343,11 +350,13 @@ class _Run:
         n = self.search.n
         if strategy in (Strategy.REPLICATED, Strategy.ROW):
             devices = tuple(range(n))
-        elif strategy == Strategy.HOST_ROW:
+        elif strategy in HOST_STRATEGIES:
             if not allowed(spec, strategy, n, self.search.host_size):
                 raise PlanError(
-                    f"table {spec.name}: host_row needs the {n} devices in hosts of "
-                    f"cluster.devices_per_host={self.search.host_size}; use row sharding"
+                    f"table {spec.name}: {strategy.value} needs the {n} devices in hosts of "
+                    f"cluster.devices_per_host={self.search.host_size}"
+                    + (f" and dim {spec.dim} in as many slices" if strategy == Strategy.HOST_COLUMN else "")
+                    + f" at least {MIN_COLUMN_WIDTH} wide; use row or column sharding"
                 )
             devices = self.search.least_busy_host()
         else:

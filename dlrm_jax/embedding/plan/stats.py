@@ -30,7 +30,7 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
         "vector": vector_bytes(plan.exchange_dtype, g.width),
         "width": g.width,
     }
-    if part.kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED):
+    if part.kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
         lay = pooled_layout(plan, g)
         out.update(
             hosts=lay.owners,
@@ -74,7 +74,10 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
     floats both ways of whole-row statistics); host pooled (H hosts of G devices): to each
     other host B_l x K ids (and weights) out, B_l x J vectors back and B_l x J gradients out;
     within the host, the ids (and weights) and gradients of all H x G requesters all-gathered
-    and their float32 partial sums reduce-scattered. ``replicas``: hosts holding equal
+    and their float32 partial sums reduce-scattered; host columns: the same between hosts,
+    within the host the ids all-gathered, each device's slices of the H x G requesters' vectors
+    and gradients exchanged (all-to-all), and with row-wise Adagrad one float per position
+    all-reduced (the rows' squared gradients over their whole width). ``replicas``: hosts holding equal
     replicas (embedding.sync=host_replicas), whose owners all-gather what their counterparts
     received."""
     g, s = part.group, _part_shapes(plan, part)
@@ -99,6 +102,15 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
             ("all-gather", (per_host - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
             ("reduce-scatter", (per_host - 1) * h * lb * j * w * 4, SPAN_HOST),
         ]
+    if part.kind == ExchangeKind.HOST_COLUMNS:  # vec: one slice's; a table's vector is per_host of them
+        h = s["hosts"]
+        per_host = n // h
+        return [
+            ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * per_host * vec), SPAN_HOSTS),
+            ("all-to-all", (per_host - 1) * h * lb * 2 * j * vec, SPAN_HOST),
+            ("all-gather", (per_host - 1) * h * lb * k * ids, SPAN_HOST),
+            ("all-reduce", 2 * (per_host - 1) * h * lb * k * 4 * s["whole_rows"], SPAN_HOST),
+        ]
     return [
         ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * s["whole_rows"]), SPAN_ALL),
         ("all-gather", (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"]), SPAN_ALL),
@@ -116,7 +128,7 @@ def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
         return n * lb * g.num_vslots * (4 + 4 * w)
     if part.kind == ExchangeKind.IDS:
         return 2 * n * s["capacity"] * (4 + 2 * vec)
-    if part.kind == ExchangeKind.HOST_POOLED:  # every requester's ids and partial sums on each device
+    if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):  # every requester's ids and sums
         return n * lb * (s["k"] * (8 + 4 * w) + s["j"] * (4 * w + vec)) + 2 * s["hosts"] * lb * s["j"] * vec
     return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * vec)
 
@@ -200,7 +212,7 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
         strategy = t.strategy.value
         if t.strategy == Strategy.ROW:
             strategy += f" ({t.row_layout.value})"
-        elif t.strategy == Strategy.HOST_ROW:
+        elif t.strategy in (Strategy.HOST_ROW, Strategy.HOST_COLUMN):
             strategy += f" x{len(t.devices)}"
         elif t.strategy == Strategy.COLUMN:
             strategy += f" x{t.column_slices}"
@@ -254,9 +266,10 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
                 f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
                 f"vector(s) out per sample and device"
             )
-        elif part.kind == ExchangeKind.HOST_POOLED:
+        elif part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
             lay = pooled_layout(plan, g)
-            where = f"split by rows within each of {lay.owners} host(s)"
+            split = "rows" if part.kind == ExchangeKind.HOST_POOLED else "columns"
+            where = f"split by {split} within each of {lay.owners} host(s)"
             how = (
                 f"each host's devices sum their rows of each bag and add the sums within the host: "
                 f"{lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
