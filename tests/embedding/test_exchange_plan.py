@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from dlrm_jax.bench.exchange import exchange_case
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.plan.cost import PROFILES, predict_step
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, Strategy, TablePlan
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, PlanError, Strategy, TablePlan
 from dlrm_jax.embedding.plan.layout import build_groups, exchange_parts, pooled_layout, subgroup
 from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.search import TableStats
@@ -177,9 +177,40 @@ def test_auto_is_never_predicted_slower_than_an_explicit_strategy():
     for n in (8, 64):
         times = {
             s: predict_step(plan_embeddings(specs, s, n, "sgd", 65536, cluster=H100), H100).embedding_s
-            for s in ("auto", "table", "row", "column")
+            for s in ("auto", "table", "row", "column", "host_row", "host_column")
         }
         assert times["auto"] <= min(times.values()) * 1.0001, (n, times)
+
+
+def test_a_heavy_bag_table_across_hosts_stays_within_one_host():
+    """Bags of 100 ids of 64-wide rows on 8 hosts of 8 (the ids are most of what travels):
+    the table goes within one host, whose devices take every bag's ids over the fast links
+    while each crosses hosts once, predicted faster than split by rows or columns over every
+    device (a column slice's owner takes every bag's ids, from every device)."""
+    specs = [TableSpec("heavy", 40_000_000, 64, 100), TableSpec("light", 1_000_000, 64, 2)]
+    plan = auto(specs, 64, batch=65536)
+    heavy = plan.tables[0]
+    assert heavy.strategy in (Strategy.HOST_ROW, Strategy.HOST_COLUMN), heavy
+    assert (
+        len(heavy.devices) == 8
+        and heavy.devices[0] % 8 == 0
+        and heavy.devices == tuple(range(heavy.devices[0], heavy.devices[0] + 8))
+    )
+    assert {p.kind for p in exchange_parts(plan)} & {ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS}
+    for strategy in ("row", "column"):
+        flat = plan_embeddings(specs, "auto", 64, "sgd", 65536, cluster=H100, overrides={"heavy": strategy})
+        assert predict_step(plan, H100).embedding_s < predict_step(flat, H100).embedding_s, strategy
+
+
+def test_tables_within_hosts_need_hosts_that_tile_the_devices():
+    specs = [TableSpec("a", 1000, 16, 2)]
+    odd = dataclasses.replace(H100, devices_per_host=3)
+    with pytest.raises(PlanError, match="cluster.devices_per_host=3"):
+        plan_embeddings(specs, "host_row", 8, "sgd", 64, cluster=odd)
+    with pytest.raises(PlanError, match="dim 16 in as many slices"):
+        plan_embeddings(specs, "host_column", 16, "sgd", 64, cluster=dataclasses.replace(H100, devices_per_host=8))
+    plan = plan_embeddings(specs, "host_column", 8, "sgd", 64, cluster=dataclasses.replace(H100, devices_per_host=4))
+    assert plan.tables[0].devices in ((0, 1, 2, 3), (4, 5, 6, 7)) and plan.tables[0].slice_dim == 4
 
 
 @pytest.mark.slow

@@ -268,11 +268,12 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
             )
         elif part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
             lay = pooled_layout(plan, g)
-            split = "rows" if part.kind == ExchangeKind.HOST_POOLED else "columns"
-            where = f"split by {split} within each of {lay.owners} host(s)"
+            rows = part.kind == ExchangeKind.HOST_POOLED
+            where = f"split by {'rows' if rows else 'columns'} within each of {lay.owners} host(s)"
             how = (
-                f"each host's devices sum their rows of each bag and add the sums within the host: "
-                f"{lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
+                "each host's devices sum their "
+                + ("rows of each bag and add the sums" if rows else "columns of each bag and trade the slices")
+                + f" within the host: {lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
             )
         else:
             c = group_capacity(plan, g)
@@ -338,7 +339,11 @@ def hot_report(plan: EmbeddingPlan) -> list[str]:
 
 def _device_list(devices: tuple[int, ...]) -> str:
     text = ",".join(map(str, devices))
-    return text if len(text) <= 16 else f"{devices[0]}..{devices[-1]} ({len(devices)})"
+    if len(text) <= 16:
+        return text
+    if devices == tuple(range(devices[0], devices[0] + len(devices))):
+        return f"{devices[0]}..{devices[-1]} ({len(devices)})"
+    return f"{len(devices)} of {min(devices)}..{max(devices)}"
 
 
 def fmt_bytes(n: int) -> str:
