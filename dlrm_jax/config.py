@@ -422,6 +422,13 @@ def _check_embedding(cfg: Config) -> None:
             "per-host tables yet; set embedding.hot.rows=0"
         )
     _not_with(f"embedding.sync={e.sync}", e, tiered=True)
+    within = [e.sharding] + [item.partition("=")[2] for item in e.table_sharding]
+    if any(s in (Strategy.HOST_ROW, Strategy.HOST_COLUMN) for s in within):
+        raise ConfigError(
+            f"embedding.sync={e.sync}: each host's tables live on its own devices already; "
+            "host_row and host_column (embedding.sharding, embedding.table_sharding) split a table "
+            "within one host of the global mesh: use embedding.sync=global for them"
+        )
     if e.sync == "host_replicas" and e.sync_every:
         raise ConfigError(
             f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "

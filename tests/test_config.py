@@ -87,6 +87,10 @@ def test_overrides():
             "embedding.sync=host_replicas|embedding.hot.rows=64",
             ["embedding.sync=host_replicas", "embedding.hot.rows=0"],
         ),
+        (
+            "embedding.sync=per_host|mesh.hosts=2|embedding.hot.rows=0|embedding.table_sharding=[cat_1=host_column]",
+            ["embedding.sync=per_host", "host_column", "embedding.sync=global"],
+        ),
         # Values that were once accepted silently.
         ("train.decay_power=-1", ["train.decay_power", "> 0"]),
         ("train.learning_rate=.nan", ["train.learning_rate", "finite", "nan"]),
