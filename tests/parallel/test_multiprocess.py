@@ -296,6 +296,46 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
         assert all(d == 0.0 for *_, d in b)
 
 
+def test_tables_within_hosts_over_two_processes_equal_one_process(tmp_path):
+    """Tables split by rows within a host of 4 devices, 2 processes of 4 (a host each): the
+    exchange between hosts crosses processes; training matches one process of 8 devices."""
+    env = child_env()
+    args = [
+        "train",
+        "--config",
+        "smoke",
+        "--set",
+        "train.progress_bar=false",
+        "--set",
+        "mesh.devices=8",
+        "--set",
+        "train.steps=6",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "embedding.sharding=host_row",
+        "--set",
+        "cluster.devices_per_host=4",
+    ]
+    one = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", *args, "--run-dir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
+    for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
+        assert p.returncode == 0, err[-3000:]
+    read = lambda d: [(e["step"], e["loss"]) for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
+    for (_, la), (_, lb) in zip(a, b, strict=True):
+        assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
+    assert "host_row x4" in (tmp_path / "one" / "plan.txt").read_text()
+
+
 # Process 1's input for step 11 (batch 10) never comes (a hung file system, say); its heartbeat
 # thread lives on, so only the hang watch can end it. (data.prefetch=1: batch 10 is asked for
 # when step 11 needs it.)
