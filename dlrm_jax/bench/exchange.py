@@ -35,7 +35,7 @@ from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
-from dlrm_jax.embedding.plan.layout import exchange_parts
+from dlrm_jax.embedding.plan.layout import exchange_parts, pooled_layout
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config
@@ -75,6 +75,7 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
         "lower_bound_bytes": lower_bound_bytes(plan),
         "predicted_step_ms": 1e3 * step.total_s,
         "predicted_phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
+        "bound_exchange_ms": 1e3 * step.bound_exchange_s,  # the bound's bytes over the same links
         "strategies": sorted({t.strategy.value for t in plan.tables}),
         "hlo_bytes_by_kind": counted,
         "dense_allreduce_bytes": dense_allreduce,
@@ -89,8 +90,15 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
 
 
 def _exchange_shapes(plan) -> set[tuple[int, ...]]:
-    """Shapes of the exchange's all-reduced gradients: replicated groups' and the hot rows'."""
+    """Shapes of the exchange's all-reduced operands: replicated groups' and the hot rows'
+    gradients, and the whole-row statistics of host columns (one float per position)."""
     shapes = {(p.group.local_rows, p.group.width) for p in exchange_parts(plan) if p.kind == ExchangeKind.ALLREDUCE}
+    if plan.optimizer == "rowwise_adagrad":
+        shapes |= {
+            (plan.global_batch * pooled_layout(plan, p.group).ids_per_sample,)
+            for p in exchange_parts(plan)
+            if p.kind == ExchangeKind.HOST_COLUMNS and p.group.has_column_slices
+        }
     if plan.hot_rows:
         shapes.add((plan.hot_rows, plan.tables[0].spec.dim))
     return shapes
