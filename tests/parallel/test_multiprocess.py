@@ -242,34 +242,15 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("sync", ["per_host", "host_replicas"])
-def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
-    """Per-host tables over 2 processes x 4 devices (a host each). per_host trains exactly like
-    one process whose 8 devices form 2 simulated hosts (each process's tables see its own
-    rows); host_replicas exactly like one global set of tables on 8 devices in one process, its
-    replicas never drifting apart."""
+def smoke_train(*sets: str) -> list[str]:
+    """``dlrm-jax train`` on the smoke config, 8 devices, 6 steps logged every step."""
+    base = ["train.progress_bar=false", "mesh.devices=8", "train.steps=6", "train.log_every=1", *sets]
+    return ["train", "--config", "smoke", *[a for kv in base for a in ("--set", kv)]]
+
+
+def one_and_two_processes(tmp_path, single: list[str], two: list[str], read) -> tuple[list, list]:
+    """``read`` of the run dirs of ``single`` in one process and ``two`` over two."""
     env = child_env()
-    common = [
-        "train",
-        "--config",
-        "smoke",
-        "--set",
-        "train.progress_bar=false",
-        "--set",
-        "mesh.devices=8",
-        "--set",
-        "train.steps=6",
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "train.eval_every=3",
-        "--set",
-        "embedding.sharding=row",
-    ]
-    args = [*common, "--set", f"embedding.sync={sync}"]
-    if sync == "per_host":
-        args += ["--set", "embedding.sync_every=4"]
-    single = [*args, "--set", "mesh.hosts=2"] if sync == "per_host" else common
     one = subprocess.run(
         [sys.executable, "-m", "dlrm_jax", *single, "--run-dir", str(tmp_path / "one")],
         capture_output=True,
@@ -278,14 +259,31 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
         env=env,
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
+    procs = launch_two([*two, "--run-dir", str(tmp_path / "two")], env, tmp_path)
     for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
         assert p.returncode == 0, err[-3000:]
-    read = lambda d: [
-        (e["step"], e["loss"], e.get("auc"), e.get("table_divergence", 0.0))
-        for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+    return read(tmp_path / "one"), read(tmp_path / "two")
+
+
+def metrics(run_dir, *keys) -> list[tuple]:
+    return [
+        tuple(e.get(k) for k in keys) for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     ]
-    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+
+
+@pytest.mark.parametrize("sync", ["per_host", "host_replicas"])
+def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
+    """Per-host tables over 2 processes x 4 devices (a host each). per_host trains exactly like
+    one process whose 8 devices form 2 simulated hosts (each process's tables see its own
+    rows); host_replicas exactly like one global set of tables on 8 devices in one process, its
+    replicas never drifting apart."""
+    common = ["train.eval_every=3", "embedding.sharding=row"]
+    sets = [*common, f"embedding.sync={sync}", *(["embedding.sync_every=4"] if sync == "per_host" else [])]
+    single = smoke_train(*sets, "mesh.hosts=2") if sync == "per_host" else smoke_train(*common)
+    a, b = one_and_two_processes(
+        tmp_path, single, smoke_train(*sets), lambda d: metrics(d, "step", "loss", "auc", "table_divergence")
+    )
+    a, b = ([(s, loss, auc, d or 0.0) for s, loss, auc, d in x] for x in (a, b))
     assert [s for s, *_ in a] == [s for s, *_ in b]
     for (_, la, auc_a, da), (_, lb, auc_b, db) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la) and abs(da - db) <= 1e-5 * max(da, 1e-6)
@@ -299,37 +297,8 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
 def test_tables_within_hosts_over_two_processes_equal_one_process(tmp_path):
     """Tables split by rows within a host of 4 devices, 2 processes of 4 (a host each): the
     exchange between hosts crosses processes; training matches one process of 8 devices."""
-    env = child_env()
-    args = [
-        "train",
-        "--config",
-        "smoke",
-        "--set",
-        "train.progress_bar=false",
-        "--set",
-        "mesh.devices=8",
-        "--set",
-        "train.steps=6",
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "embedding.sharding=host_row",
-        "--set",
-        "cluster.devices_per_host=4",
-    ]
-    one = subprocess.run(
-        [sys.executable, "-m", "dlrm_jax", *args, "--run-dir", str(tmp_path / "one")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    procs = launch_two([*args, "--run-dir", str(tmp_path / "two")], env, tmp_path)
-    for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
-        assert p.returncode == 0, err[-3000:]
-    read = lambda d: [(e["step"], e["loss"]) for e in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
-    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+    args = smoke_train("embedding.sharding=host_row", "cluster.devices_per_host=4")
+    a, b = one_and_two_processes(tmp_path, args, args, lambda d: metrics(d, "step", "loss"))
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     for (_, la), (_, lb) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)

@@ -59,13 +59,30 @@ def _within_host(x):
     return lax.all_gather(x, LOCAL, axis=0)
 
 
-class HostPooledForm(PooledForm):
-    """One row-within-host part's lookup and update (see the module docstring)."""
+class _HostForm(PooledForm):
+    """What both forms within hosts share: the (hosts, local) mesh, and the requests every
+    device of a host receives."""
 
     def __init__(self, plan, part, mesh, wire, optimizer, dim):
         super().__init__(plan, part, mesh, wire, optimizer, dim)
-        self.hosts = self.layout.owners
+        self.hosts, self.per_host = self.layout.owners, self.group.num_devices // self.layout.owners
         self.mesh = host_mesh(mesh, self.hosts)
+
+    def _host_requests(self, ids_local, weights_local):
+        """This device's [B_l, S] ids and weights -> every requester's for this host, as
+        every device of the host sees them: ids int32 and weights float32 [G, H, B_l, K]."""
+        ids = _within_host(_over_hosts(self._requests(ids_local, PAD_ID)))
+        weights = _within_host(_over_hosts(self._requests(weights_local, 0.0))) if self.mean else None
+        return ids, self._weights(ids, weights)
+
+    def _forward(self, local, table, ids_bs, weights_bs):
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH), out_specs=(_BATCH, _BATCH))
+        out, residual = fn(table, ids_bs, weights_bs)
+        return out, residual, jnp.zeros((), jnp.int32)
+
+
+class HostPooledForm(_HostForm):
+    """One row-within-host part's lookup and update (see the module docstring)."""
 
     def _owned(self, ids):
         """For every position of the gathered requests [G, H, B_l, K]: the row of this
@@ -84,25 +101,16 @@ class HostPooledForm(PooledForm):
         lay, g = self.layout, self.group
 
         def local(table_local, ids_local, weights_local):
-            ids = _within_host(_over_hosts(self._requests(ids_local, PAD_ID)))  # [G, H, B_l, K]
-            weights = self._weights(
-                ids, _within_host(_over_hosts(self._requests(weights_local, 0.0))) if self.mean else None
-            )
+            ids, weights = self._host_requests(ids_local, weights_local)  # [G, H, B_l, K]
             rows = self._owned(ids)
             vectors = table_local.at[rows].get(mode="fill", fill_value=0)
-            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [G, H, B_l, K, W]
-            partial = jnp.stack(
-                [jnp.sum(weighted[..., a:b, :], axis=-2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
-                axis=-2,
-            )  # [G, H, B_l, J, W]: for every requester of the host's hosts-group
+            partial = self._pool(vectors.astype(jnp.float32) * weights[..., None])  # [G, H, B_l, J, W]
             summed = lax.psum_scatter(partial, LOCAL, scatter_dimension=0)  # [H, B_l, J, W]: local index = mine
             back = self.wire.send(summed, _over_hosts)  # [H owner hosts, B_l, J, W]
             flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)
             return flat[:, lay.reply_index].reshape(flat.shape[0], -1), (rows, weights)
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH), out_specs=(_BATCH, _BATCH))
-        out, residual = fn(table, ids_bs, weights_bs)
-        return out, residual, jnp.zeros((), jnp.int32)
+        return self._forward(local, table, ids_bs, weights_bs)
 
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):
@@ -111,11 +119,7 @@ class HostPooledForm(PooledForm):
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             rows, weights = residual_local
-            b_l = grad_local.shape[0]
-            per_vt = grad_local.reshape(b_l, -1, g.width)
-            padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, g.width), per_vt.dtype)], axis=1)
-            send = padded[:, lay.send_index].reshape(b_l, self.hosts, lay.pieces, g.width).transpose(1, 0, 2, 3)
-            every = self.wire.send(send, lambda x: _within_host(_over_hosts(x)))  # [G, H, B_l, J, W]
+            every = self.wire.send(self._to_owners(grad_local, g.width), lambda x: _within_host(_over_hosts(x)))
             grads = every[..., lay.k_piece, :] * weights[..., None]  # [G, H, B_l, K, W]
             return opt.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
 
@@ -139,7 +143,7 @@ def _slices_to_owners(x):
     return lax.all_to_all(x, LOCAL, 0, 0)
 
 
-class HostColumnsForm(PooledForm):
+class HostColumnsForm(_HostForm):
     """One column-within-host part's lookup and update (see the module docstring). The part's
     virtual tables are column slices, one per device of a host; ``layout`` has one piece per
     table (its first slice), its position at every device of the host."""
@@ -147,8 +151,6 @@ class HostColumnsForm(PooledForm):
     def __init__(self, plan, part, mesh, wire, optimizer, dim):
         super().__init__(plan, part, mesh, wire, optimizer, dim)
         lay, g = self.layout, self.group
-        self.hosts, self.per_host = lay.owners, g.num_devices // lay.owners
-        self.mesh = host_mesh(mesh, self.hosts)
         # Each output column [V' * Ws] -> its place in a sample's [H * J * W] vectors
         # (W = per_host slices of Ws, in slice order), and the piece of each table.
         piece = {vt.table: int(lay.reply_index[i]) for i, vt in enumerate(v for v in g.vtables if v.col_start == 0)}
@@ -166,27 +168,17 @@ class HostColumnsForm(PooledForm):
     def forward(self, table, ids_bs, weights_bs):
         """``(table [N*R, Ws], ids [B, S], weights [B, S]) -> (pooled [B, V'*Ws] float32,
         residual, overflowed int32 [] (never))``."""
-        lay = self.layout
 
         def local(table_local, ids_local, weights_local):
-            ids = _within_host(_over_hosts(self._requests(ids_local, PAD_ID)))  # [G, H, B_l, K]
-            weights = self._weights(
-                ids, _within_host(_over_hosts(self._requests(weights_local, 0.0))) if self.mean else None
-            )
+            ids, weights = self._host_requests(ids_local, weights_local)  # [G, H, B_l, K]
             rows = self._rows(ids)
             vectors = table_local.at[rows].get(mode="fill", fill_value=0)
-            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [G, H, B_l, K, Ws]
-            pooled = jnp.stack(
-                [jnp.sum(weighted[..., a:b, :], axis=-2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
-                axis=-2,
-            )  # [G, H, B_l, J, Ws]: this device's columns of every requester's bags
+            pooled = self._pool(vectors.astype(jnp.float32) * weights[..., None])  # [G, H, B_l, J, Ws]: my columns
             back = self.wire.send(pooled, _slices_to_requesters)  # [H, B_l, J, G, Ws]
             flat = back.transpose(1, 0, 2, 3, 4).reshape(back.shape[1], -1)  # [B_l, H * J * W]
             return flat[:, self.reply_cols], (rows, weights)
 
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH), out_specs=(_BATCH, _BATCH))
-        out, residual = fn(table, ids_bs, weights_bs)
-        return out, residual, jnp.zeros((), jnp.int32)
+        return self._forward(local, table, ids_bs, weights_bs)
 
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):

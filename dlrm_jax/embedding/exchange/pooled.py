@@ -76,6 +76,21 @@ class PooledForm:
     def _weights(self, recv_ids, recv_weights):
         return recv_weights if self.mean else (recv_ids != PAD_ID).astype(jnp.float32)
 
+    def _pool(self, weighted):
+        """[..., K, W] weighted rows at the request positions -> [..., J, W]: each piece's sum."""
+        starts = self.layout.starts
+        return jnp.stack(
+            [jnp.sum(weighted[..., a:b, :], axis=-2) for a, b in zip(starts[:-1], starts[1:], strict=True)], axis=-2
+        )
+
+    def _to_owners(self, grad_local, width: int):
+        """[B_l, V' * width] gradient of this device's outputs -> [O, B_l, J, width]: what goes
+        to each owner for each piece (zero where an owner has no such piece)."""
+        lay, b_l = self.layout, grad_local.shape[0]
+        per_vt = grad_local.reshape(b_l, -1, width)
+        padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, width), per_vt.dtype)], axis=1)
+        return padded[:, lay.send_index].reshape(b_l, lay.owners, lay.pieces, width).transpose(1, 0, 2, 3)
+
     # ------------------------------------------------------------ forward
     def forward(self, table, ids_bs, weights_bs):
         """``(table [N*R, W], ids [B, S], weights [B, S]) -> (pooled [B, V'*W] float32,
@@ -87,11 +102,7 @@ class PooledForm:
             recv_w = all_to_all(self._requests(weights_local, 0.0)) if self.mean else recv_ids
             weights = self._weights(recv_ids, recv_w)
             vectors = table_local.at[self._local_rows(recv_ids)].get(mode="fill", fill_value=0)
-            weighted = vectors.astype(jnp.float32) * weights[..., None]  # [N, B_l, K, W]
-            pooled = jnp.stack(
-                [jnp.sum(weighted[:, :, a:b], axis=2) for a, b in zip(lay.starts[:-1], lay.starts[1:], strict=True)],
-                axis=2,
-            )
+            pooled = self._pool(vectors.astype(jnp.float32) * weights[..., None])  # [N, B_l, J, W]
             back = self.wire.send(pooled, all_to_all)  # [N owners, B_l, J, W]
             flat = back.transpose(1, 0, 2, 3).reshape(back.shape[1], -1, g.width)  # [B_l, N*J, W]
             out = flat[:, lay.reply_index].reshape(flat.shape[0], -1)
@@ -108,11 +119,7 @@ class PooledForm:
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             recv_ids, weights = residual_local
-            b_l = grad_local.shape[0]
-            per_vt = grad_local.reshape(b_l, -1, g.width)
-            padded = jnp.concatenate([per_vt, jnp.zeros((b_l, 1, g.width), per_vt.dtype)], axis=1)
-            send = padded[:, lay.send_index].reshape(b_l, g.num_devices, lay.pieces, g.width).transpose(1, 0, 2, 3)
-            recv = self.wire.send(send, all_to_all)  # [N requesters, B_l, J, W]
+            recv = self.wire.send(self._to_owners(grad_local, g.width), all_to_all)  # [N requesters, B_l, J, W]
             grads = recv[:, :, lay.k_piece] * weights[..., None]  # [N, B_l, K, W]
             rows = self._local_rows(recv_ids).reshape(-1)
             grads = grads.reshape(-1, g.width)
