@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(bx)
     bx.add_argument(
         "--strategies",
-        default="auto,replicated,table,row,column",
+        default="auto,replicated,table,row,column,host_column,host_row",
         help="comma-separated; auto: the config's own embedding.sharding",
     )
     bx.add_argument("--output", help="write the JSON here too")

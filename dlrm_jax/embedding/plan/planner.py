@@ -1,8 +1,9 @@
 """The planner: chooses a strategy and devices for every table, within a memory budget.
 
-Explicit strategies (``replicated``, ``table``, ``row``, ``column``) apply to every table not
-named in the per-table overrides. ``auto`` decides per table by the predicted step time of the
-busiest device on the cluster the plan is for (``cost.py``; the search is ``search.py``).
+Explicit strategies (``replicated``, ``table``, ``row``, ``column``, ``host_row``,
+``host_column``) apply to every table not named in the per-table overrides. ``auto`` decides
+per table by the predicted step time of the busiest device on the cluster the plan is for
+(``cost.py``; the search is ``search.py``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def plan_embeddings(
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
     one cannot be placed within the budget per device.
 
-    ``sharding``: ``auto``, ``replicated``, ``table``, ``row`` or ``column`` for every table
+    ``sharding``: ``auto`` or a strategy (``choices.Strategy``) for every table
     not in the options' ``overrides`` ({table name: strategy}, e.g. ``{"user_region": "table"}``);
     ``optimizer``: the sparse optimizer's name (its state counts in the bytes);
     ``global_batch``: the samples of one step over all devices (the exchange is sized for it);
