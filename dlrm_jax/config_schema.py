@@ -224,7 +224,7 @@ class EmbeddingConfig:
     adagrad_eps: float = field(default=1e-8, metadata=NONNEG)
     adagrad_initial_accumulator: float = field(default=0.0, metadata=NONNEG)
     table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
-    row_layout: str = field(default="block", metadata=_choices(*RowLayout))
+    row_layout: str = field(default="block", metadata=_choices(*RowLayout, "auto"))
     capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
     bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
     capacity_factor: float = field(

@@ -19,7 +19,7 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import predict_step
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, RowLayout
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
@@ -60,20 +60,27 @@ def plan_for_run(
     plan_devices = num_devices // hosts if cfg.embedding.tables_per_host else num_devices
     batches = [source.train_batch(i).ids for i in range(CALIBRATION_BATCHES)] if source is not None else []
     stats = None
-    if batches and cfg.embedding.sharding == "auto":
+    if batches and (cfg.embedding.sharding == "auto" or cfg.embedding.row_layout == "auto"):
         rows = min(len(batches[0]), STATS_DEVICES * local)
         stats = agree(
-            "stats",
-            table_stats(
-                list(specs_from_config(cfg)), [b[:rows] for b in batches], plan_devices, local, cfg.embedding.row_layout
-            ),
+            "stats", table_stats(list(specs_from_config(cfg)), [b[:rows] for b in batches], plan_devices, local)
         )
-    plan = host_plan_from_config(
-        cfg, num_devices, hosts, budget_bytes, cluster=cluster_from_config(cfg, simulated), stats=stats
-    )
-    if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
-        measured = agree("capacities", measure_capacities(plan, batches, cfg.embedding.capacity_factor))
-        plan = dataclasses.replace(plan, capacities=measured)
+    cluster = cluster_from_config(cfg, simulated)
+
+    def measured(cfg: Config) -> EmbeddingPlan:
+        plan = host_plan_from_config(cfg, num_devices, hosts, budget_bytes, cluster=cluster, stats=stats)
+        if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
+            capacities = agree("capacities", measure_capacities(plan, batches, cfg.embedding.capacity_factor))
+            plan = dataclasses.replace(plan, capacities=capacities)
+        return plan
+
+    plan = measured(cfg)
+    if cfg.embedding.row_layout == "auto" and batches:
+        # The search weighs layouts by estimated buckets (per owner, the tables' busiest owners
+        # added up); measured, the plan of blocks alone may still be faster: keep the faster.
+        block = measured(dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, row_layout="block")))
+        if predict_step(block, cluster).embedding_s <= predict_step(plan, cluster).embedding_s:
+            plan = block
     return plan
 
 
@@ -83,7 +90,11 @@ def agree_by_max(values) -> list:
     first = values[0]
     if first and isinstance(first[0], TableStats):
         return [
-            TableStats(sum(v[t].distinct for v in values) / len(values), max(v[t].row_owner for v in values))
+            TableStats(
+                sum(v[t].distinct for v in values) / len(values),
+                max(v[t].row_owner for v in values),
+                max(v[t].owner(RowLayout.CYCLIC) for v in values),
+            )
             for t in range(len(first))
         ]
     return tuple((name, max(dict(v)[name] for v in values)) for name, _ in first)

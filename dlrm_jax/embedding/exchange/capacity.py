@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from dlrm_jax.embedding.exchange.routing import route
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, Group, exchange_parts
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
@@ -49,29 +49,35 @@ def measure_capacities(
 
 
 def table_stats(
-    specs: list[TableSpec],
-    id_batches: Iterable[np.ndarray],
-    num_devices: int,
-    local_batch: int,
-    row_layout: str = "block",
+    specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_devices: int, local_batch: int
 ) -> list[TableStats]:
     """Per table, what the planner estimates buckets from (``plan.search.TableStats``): over
     every device's share (``local_batch`` rows) of ``id_batches``, the mean distinct rows one
     device looks up, and the most it asks of one owner were the table split by rows over all
-    ``num_devices`` devices in ``row_layout``."""
-    kind = KIND_CYCLIC if RowLayout(row_layout) == RowLayout.CYCLIC else KIND_BLOCK
+    ``num_devices`` devices, in blocks and cyclically."""
     starts = np.concatenate([[0], np.cumsum([s.bag_size for s in specs])])
-    distinct, busiest, chunks = np.zeros(len(specs)), np.zeros(len(specs)), 0
+    distinct, chunks = np.zeros(len(specs)), 0
+    busiest = {kind: np.zeros(len(specs)) for kind in (KIND_BLOCK, KIND_CYCLIC)}
     for ids in id_batches:
         ids = np.asarray(ids)
         for start in range(0, ids.shape[0], local_batch):
             chunks += 1
             for t, spec in enumerate(specs):
                 block = -(-spec.rows // num_devices)
-                owner, row, valid = route(
-                    ids[start : start + local_batch, starts[t] : starts[t + 1]], kind, 0, 0, block, num_devices, xp=np
-                )
-                rows = np.unique(owner.astype(np.int64)[valid] * block + row[valid])
-                distinct[t] += rows.size
-                busiest[t] = max(busiest[t], np.bincount(rows // block, minlength=num_devices).max(initial=0))
-    return [TableStats(float(d / max(chunks, 1)), float(b)) for d, b in zip(distinct, busiest, strict=True)]
+                for kind, most in busiest.items():
+                    owner, row, valid = route(
+                        ids[start : start + local_batch, starts[t] : starts[t + 1]],
+                        kind,
+                        0,
+                        0,
+                        block,
+                        num_devices,
+                        xp=np,
+                    )
+                    rows = np.unique(owner.astype(np.int64)[valid] * block + row[valid])
+                    distinct[t] += rows.size if kind == KIND_BLOCK else 0
+                    most[t] = max(most[t], np.bincount(rows // block, minlength=num_devices).max(initial=0))
+    return [
+        TableStats(float(d / max(chunks, 1)), float(b), float(c))
+        for d, b, c in zip(distinct, busiest[KIND_BLOCK], busiest[KIND_CYCLIC], strict=True)
+    ]

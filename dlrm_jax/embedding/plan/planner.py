@@ -56,8 +56,9 @@ class PlanOptions:
     """Everything a plan is made under besides the tables, the devices, the optimizer and the
     batch: the planner's options as one record (``plan_from_config`` builds it from a config).
 
-    ``overrides``: {table name: strategy} over the default ``sharding``; ``row_layout``: block
-    or cyclic; ``capacity_factor``: the buckets' headroom; ``dtype`` / ``exchange_dtype``:
+    ``overrides``: {table name: strategy} over the default ``sharding``; ``row_layout``: block,
+    cyclic, or auto (per row-wise table, whichever the data's statistics predict cheaper;
+    block without statistics); ``capacity_factor``: the buckets' headroom; ``dtype`` / ``exchange_dtype``:
     table storage and the wire; ``budget_bytes``: per device (0 = no limit); ``bag_exchange``:
     auto, ids or pooled; ``storage`` and ``storage_overrides``: device or tiered tables
     (counted by their device caches, ``device_cache``: rows per owner, or 0 and a fraction);
@@ -134,7 +135,7 @@ def plan_embeddings(
         budget_bytes,
         wanted,
         tiered,
-        RowLayout(row_layout),
+        tuple(RowLayout) if row_layout == "auto" else (RowLayout(row_layout),),
         bag_exchange,
         device_cache,
     )

@@ -48,10 +48,18 @@ ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Str
 class TableStats:
     """A table's ids in one device's share of a batch (from the data's first batches):
     ``distinct`` rows it looks up, and ``row_owner`` the most distinct rows it asks of one
-    owner when the table is split by rows over every device (the bucket that split needs)."""
+    owner when the table is split by rows over every device in blocks (the bucket that split
+    needs); ``cyclic_owner`` the same for rows dealt out cyclically (None: as in blocks)."""
 
     distinct: float
     row_owner: float
+    cyclic_owner: float | None = None
+
+    def owner(self, layout: RowLayout) -> float:
+        """The busiest owner's distinct rows under ``layout``."""
+        if layout == RowLayout.CYCLIC and self.cyclic_owner is not None:
+            return self.cyclic_owner
+        return self.row_owner
 
 
 def batch_bound_stats(spec: TableSpec, local_batch: int, n: int) -> TableStats:
@@ -100,7 +108,7 @@ def estimated_capacities(plan: EmbeddingPlan, stats: Sequence[TableStats]) -> tu
             elif vt.kind == KIND_BLOCK and vt.span < plan.num_devices:  # rows within one host
                 per_owner[vt.device : vt.device + vt.span] += stats[vt.table].row_owner * plan.num_devices / vt.span
             else:
-                per_owner += stats[vt.table].row_owner
+                per_owner += stats[vt.table].owner(plan.tables[vt.table].row_layout)
         out.append((part.group.name, max(1, math.ceil(plan.capacity_factor * per_owner.max()))))
     return tuple(out)
 
@@ -218,16 +226,20 @@ class Search:
         self,
         spec: TableSpec,
         options: Sequence[Strategy],
-        layout: RowLayout,
+        layouts: Sequence[RowLayout],
         exchanges: Sequence[ExchangeKind],
         slices: int | None = None,
     ) -> list[TablePlan]:
-        """Placements of ``spec`` for each strategy in ``options`` (column-wise: ``slices``
-        slices, or every count :func:`column_options` allows), on the least busy devices."""
-        out = []
+        """Placements of ``spec`` for each strategy in ``options`` (row-wise: in each of
+        ``layouts``; column-wise: ``slices`` slices, or every count :func:`column_options`
+        allows), on the least busy devices."""
+        out, layout = [], layouts[0]
         for s in options:
-            if s in (Strategy.REPLICATED, Strategy.ROW):
+            if s == Strategy.REPLICATED:
                 out.append(TablePlan(spec, s, tuple(range(self.n)), layout))
+                continue
+            if s == Strategy.ROW:
+                out += [TablePlan(spec, s, tuple(range(self.n)), x) for x in layouts]
                 continue
             if s in HOST_STRATEGIES:
                 out += [TablePlan(spec, s, self.least_busy_host(), layout, exchange=x) for x in exchanges]
@@ -280,7 +292,7 @@ def place_tables(
     budget: int,
     wanted: Sequence[str],
     tiered: Sequence[bool],
-    layout: RowLayout,
+    layouts: Sequence[RowLayout],
     bag_exchange: str,
     device_cache: tuple[int, float],
 ) -> tuple[TablePlan, ...]:
@@ -295,7 +307,7 @@ def place_tables(
         for t, w in enumerate(wanted)
         if w == Strategy.REPLICATED or (w == "auto" and not tiered[t] and probe.prefers_replicated(specs[t]))
     }
-    args = (specs, template, cluster, stats, budget, wanted, tiered, layout, bag_exchange, device_cache, replicated)
+    args = (specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
     auto = [t for t, w in enumerate(wanted) if w == "auto" and t not in replicated]
     if not auto:
         return _run(*args, None).tables_in_order()
@@ -309,10 +321,10 @@ def place_tables(
 class _Run:
     """One pass of the search with a slice preference (None: every option)."""
 
-    def __init__(self, search: Search, specs, wanted, tiered, layout, bag_exchange, device_cache, replicated):
+    def __init__(self, search: Search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated):
         self.search, self.specs, self.wanted, self.tiered = search, specs, wanted, tiered
-        self.layout, self.bag_exchange, self.device_cache, self.replicated = (
-            layout,
+        self.layouts, self.bag_exchange, self.device_cache, self.replicated = (
+            layouts,
             bag_exchange,
             device_cache,
             replicated,
@@ -322,7 +334,7 @@ class _Run:
     def candidates(self, t: int, prefer: int | None) -> list[TablePlan]:
         search, spec, n = self.search, self.specs[t], self.search.n
         if self.wanted[t] != "auto":
-            out = [self.explicit(spec, Strategy(self.wanted[t]))]
+            out = [self.explicit(t, Strategy(self.wanted[t]))]
         else:
             sharded, slices = [s for s in ORDER[1:] if allowed(spec, s, n, search.host_size)], None
             if prefer is not None:  # the preferred slices (or the most the table allows), or rows
@@ -332,7 +344,7 @@ class _Run:
                 [ExchangeKind.POOLED] if spec.bag_size > 1 else [ExchangeKind.POOLED, ExchangeKind.IDS]
             )
             first = [Strategy.REPLICATED] if t in self.replicated else []
-            out = search.candidates(spec, first + sharded, self.layout, kinds, slices)
+            out = search.candidates(spec, first + sharded, self.layouts, kinds, slices)
         if self.tiered[t]:
             if any(c.strategy in HOST_STRATEGIES for c in out) and self.wanted[t] != "auto":
                 raise PlanError(
@@ -344,10 +356,10 @@ class _Run:
             ]
         return out
 
-    def explicit(self, spec: TableSpec, strategy: Strategy) -> TablePlan:
+    def explicit(self, t: int, strategy: Strategy) -> TablePlan:
         """The one placement an explicit strategy allows: table- and column-wise pieces (as
         many slices as fit) on the least busy devices."""
-        n = self.search.n
+        n, spec = self.search.n, self.specs[t]
         if strategy in (Strategy.REPLICATED, Strategy.ROW):
             devices = tuple(range(n))
         elif strategy in HOST_STRATEGIES:
@@ -362,7 +374,10 @@ class _Run:
         else:
             slices = 1 if strategy == Strategy.TABLE else column_slices(spec, n)
             devices = self.search.least_busy(spec.dim // slices, slices, spec)
-        tp = TablePlan(spec, strategy, devices, self.layout)
+        # Rows in the layout whose busiest owner is least busy on the data (blocks on a tie).
+        stats = self.search.stats[t]
+        layout = min(self.layouts, key=lambda x: (stats.owner(x), self.layouts.index(x)))
+        tp = TablePlan(spec, strategy, devices, layout)
         return dataclasses.replace(tp, exchange=exchange_for(tp, self.bag_exchange))
 
     def place(self, t: int, prefer: int | None) -> None:
@@ -397,11 +412,11 @@ class _Run:
 
 
 def _run(
-    specs, template, cluster, stats, budget, wanted, tiered, layout, bag_exchange, device_cache, replicated, prefer
+    specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated, prefer
 ) -> _Run:
     search = Search(specs, template, cluster, stats, budget)
     search.set_floors([specs[t] for t in range(len(specs)) if t not in replicated])
-    run = _Run(search, specs, wanted, tiered, layout, bag_exchange, device_cache, replicated)
+    run = _Run(search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
     for t in search.order():
         run.place(t, prefer)
     return run
