@@ -33,7 +33,7 @@ from dlrm_jax.choices import Strategy
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
-from dlrm_jax.embedding.plan.cost import predict_step
+from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
 from dlrm_jax.embedding.plan.layout import exchange_parts, pooled_layout
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
@@ -66,7 +66,8 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
     dense_allreduce = _dense_allreduce_bytes(hlo, n, _exchange_shapes(plan))
     measured = sum(counted.values()) - dense_allreduce
     predicted = sum(collective_bytes(plan).values())
-    step = predict_step(plan, cluster_from_config(cfg, jax.default_backend() == "cpu"), dense)
+    cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
+    step = predict_step(plan, cluster, dense)
     case = {
         "strategy": label,
         "devices": n,
@@ -76,6 +77,9 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
         "predicted_step_ms": 1e3 * step.total_s,
         "predicted_phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
         "bound_exchange_ms": 1e3 * step.bound_exchange_s,  # the bound's bytes over the same links
+        # what crosses the links between hosts (cluster.devices_per_host), predicted and the bound's
+        "predicted_between_hosts_bytes": exchange_link_bytes(plan, cluster)[1],
+        "bound_between_hosts_bytes": bound_link_bytes(plan, cluster)[1],
         "strategies": sorted({t.strategy.value for t in plan.tables}),
         "hlo_bytes_by_kind": counted,
         "dense_allreduce_bytes": dense_allreduce,

@@ -18,7 +18,7 @@ from pathlib import Path
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
-from dlrm_jax.embedding.plan.cost import predict_step
+from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, RowLayout
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.stats import (
@@ -108,14 +108,23 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     phases = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in step.phases.items())
     bound = lower_bound_bytes(plan)
     sent = exchange_bytes_per_step(plan)
-    return "\n".join(
-        [
-            config_plan_report(cfg, plan),
-            f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
-            f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
-            f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms",
-        ]
+    lines = [
+        config_plan_report(cfg, plan),
+        f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
+    ]
+    if plan.num_devices > cluster.devices_per_host:  # the slow links' share, what hosts decide
+        within, between = exchange_link_bytes(plan, cluster)
+        bound_between = bound_link_bytes(plan, cluster)[1]
+        lines.append(
+            f"Between hosts ({cluster.devices_per_host} devices a host): {fmt_bytes(int(between))} of it per "
+            f"device and step, the bound's {fmt_bytes(int(bound_between))} ({between / max(bound_between, 1):.2f}x); "
+            f"within hosts {fmt_bytes(int(within))}"
+        )
+    lines.append(
+        f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
+        f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"
     )
+    return "\n".join(lines)
 
 
 def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None) -> str:

@@ -198,6 +198,17 @@ def test_plan_command_for_mlperf_without_allocating(devices, config):
     assert budget.returncode == 1 and "cat_" in budget.stderr and "budget" in budget.stderr
 
 
+def test_plan_prints_what_crosses_hosts():
+    """On more devices than one host has, `plan` says what crosses the links between hosts
+    beside the bound's share of them; tables within hosts say so."""
+    sets = ["--config", "smoke", "--set", "mesh.devices=8", "--set", "cluster.devices_per_host=4"]
+    out = cli("plan", *sets, "--set", "embedding.sharding=host_row", timeout=60).stdout
+    line = next(x for x in out.splitlines() if x.startswith("Between hosts (4 devices a host): "))
+    assert "the bound's" in line and "within hosts" in line
+    assert "host_row x4" in out and "split by rows within each of 2 host(s)" in out
+    assert "Between hosts" not in cli("plan", "--config", "smoke", "--set", "mesh.devices=8", timeout=60).stdout
+
+
 def test_plan_of_per_host_tables_is_one_hosts(tmp_path):
     """Per-host tables: every device holds its host's share of a whole set, so `plan` prints
     one host's plan (twice the bytes per device of the global plan on 2 hosts)."""

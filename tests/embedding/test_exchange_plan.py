@@ -323,3 +323,22 @@ def test_row_layout_auto_deals_frequency_ordered_ids_out_and_is_never_slower(tin
         assert dict(auto.capacities)["sharded_w8"] < 0.7 * dict(block.capacities)["sharded_w8"]
     else:
         assert sum(collective_bytes(auto).values()) <= sum(collective_bytes(block).values()) * 1.1
+
+
+def test_link_bytes_split_by_the_links_each_collective_takes():
+    """Within a host and between hosts: a form's collectives over every device split by the
+    share of devices on each side, the host forms' by the devices they join; one host sends
+    nothing between hosts."""
+    from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes
+    from dlrm_jax.embedding.plan.stats import SPAN_HOSTS, part_links
+
+    specs = [TableSpec("a", 1_000_000, 64, 20), TableSpec("b", 500_000, 64, 3)]
+    for strategy in ("table", "host_column"):
+        plan = plan_embeddings(specs, strategy, 64, "sgd", 65536, cluster=H100)
+        within, between = exchange_link_bytes(plan, H100)
+        assert within + between == pytest.approx(sum(collective_bytes(plan).values()), rel=1e-6)
+        if strategy == "host_column":
+            hosts = sum(b for p in exchange_parts(plan) for k, b, s in part_links(plan, p) if s == SPAN_HOSTS)
+            assert between == pytest.approx(hosts)
+        one_host = dataclasses.replace(H100, devices_per_host=64)
+        assert exchange_link_bytes(plan, one_host)[1] == 0 and bound_link_bytes(plan, one_host)[1] == 0

@@ -93,35 +93,70 @@ class StepTime:
         return sum(v for k, v in self.phases.items() if not k.startswith("dense"))
 
 
+def link_split(kind: str, sent_bytes: float, n: int, devices_per_host: int) -> tuple[float, float]:
+    """(bytes within a host, bytes between hosts) that one device sends in a collective of
+    ``kind`` over ``n`` devices in hosts of ``devices_per_host`` (``sent_bytes`` as
+    ``part_collective_bytes`` counts them): an all-reduce runs hierarchically, anything else
+    sends each other device its share."""
+    if n <= 1 or sent_bytes <= 0:
+        return 0.0, 0.0
+    g = min(n, devices_per_host)
+    hosts = math.ceil(n / g)
+    if kind == "all-reduce":
+        buffer = sent_bytes * n / (2 * (n - 1))
+        return 2 * (g - 1) / g * buffer, 2 * (hosts - 1) / hosts * buffer / g
+    return sent_bytes * (g - 1) / (n - 1), sent_bytes * (n - g) / (n - 1)
+
+
 def link_seconds(kind: str, sent_bytes: float, n: int, cluster: Cluster, latency: bool = True) -> float:
     """Seconds for a collective of ``kind`` that sends ``sent_bytes`` per device over ``n``
     devices (the bytes as ``part_collective_bytes`` counts them), its latency included unless
     it rides in another collective (``latency=False``)."""
     if n <= 1 or sent_bytes <= 0:
         return 0.0
-    g = min(n, cluster.devices_per_host)
-    hosts = math.ceil(n / g)
-    intra = cluster.intra_host_gbps * 1e9 * cluster.link_efficiency
-    inter = cluster.inter_host_gbps * 1e9 * cluster.link_efficiency
+    within, across = link_split(kind, sent_bytes, n, cluster.devices_per_host)
+    within /= cluster.intra_host_gbps * 1e9 * cluster.link_efficiency
+    across /= cluster.inter_host_gbps * 1e9 * cluster.link_efficiency
     latency = cluster.latency_us * 1e-6 if latency else 0.0
-    if kind == "all-reduce":
-        buffer = sent_bytes * n / (2 * (n - 1))
-        within = 2 * (g - 1) / g * buffer / intra
-        across = 2 * (hosts - 1) / hosts * buffer / g / inter
-        return within + across + latency
-    within, across = sent_bytes * (g - 1) / (n - 1), sent_bytes * (n - g) / (n - 1)
-    return max(within / intra, across / inter) + latency
+    return (within + across if kind == "all-reduce" else max(within, across)) + latency
+
+
+def _span_devices(span: str, n: int, cluster: Cluster) -> tuple[int, int]:
+    """(devices, devices a host) of a collective over the devices ``span`` names
+    (stats.SPAN_*): all ``n``; one device per host; one host's devices."""
+    g = min(n, cluster.devices_per_host)
+    if span == SPAN_HOSTS:
+        return math.ceil(n / g), 1
+    if span == SPAN_HOST:
+        return g, g
+    return n, g
 
 
 def _span_seconds(kind: str, sent: float, span: str, n: int, cluster: Cluster) -> float:
-    """:func:`link_seconds` of a collective over the devices ``span`` names (stats.SPAN_*):
-    all ``n``; one device per host (only links between hosts); one host's devices."""
-    g = min(n, cluster.devices_per_host)
-    if span == SPAN_HOSTS:
-        return link_seconds(kind, sent, math.ceil(n / g), replace(cluster, devices_per_host=1))
-    if span == SPAN_HOST:
-        return link_seconds(kind, sent, g, cluster)
-    return link_seconds(kind, sent, n, cluster)
+    devices, per_host = _span_devices(span, n, cluster)
+    return link_seconds(kind, sent, devices, replace(cluster, devices_per_host=per_host))
+
+
+def exchange_link_bytes(plan: EmbeddingPlan, cluster: Cluster, replicas: int = 1) -> tuple[float, float]:
+    """(within hosts, between hosts): the bytes one device sends per step in the embedding
+    exchange (every part's collectives and the hot rows' all-reduce), by the links they take."""
+    n, within, between = plan.num_devices, 0.0, 0.0
+    for part in exchange_parts(plan):
+        for kind, sent, span in part_links(plan, part, replicas):
+            devices, per_host = _span_devices(span, n * (replicas if kind != "all-to-all" else 1), cluster)
+            w, b = link_split(kind, sent, devices, per_host)
+            within, between = within + w, between + b
+    if plan.hot_rows:
+        w, b = link_split(
+            "all-reduce", 2 * (n - 1) / n * plan.hot_rows * plan.tables[0].spec.dim * 4, n, cluster.devices_per_host
+        )
+        within, between = within + w, between + b
+    return within, between
+
+
+def bound_link_bytes(plan: EmbeddingPlan, cluster: Cluster) -> tuple[float, float]:
+    """The lower bound's bytes (one all-to-all over every device) by the links they take."""
+    return link_split("all-to-all", lower_bound_bytes(plan), plan.num_devices, cluster.devices_per_host)
 
 
 def _part_memory_traffic(plan: EmbeddingPlan, part) -> tuple[float, float]:
