@@ -17,8 +17,10 @@ over numpy arrays), :func:`evaluate_run`, :class:`RunSummary`, :func:`build`; it
 :class:`Interrupted` (SIGINT/SIGTERM, after saving) and :class:`TrainingDiverged`.
 Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config` (the mesh a config asks for).
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
-:class:`PlanOptions` (its options as one record), :func:`plan_from_config`, :func:`plan_report`,
-:class:`EmbeddingPlan`, :class:`PlanError`,
+:class:`PlanOptions` (its options as one record; ``cluster=``: a :class:`Cluster`, e.g.
+``cluster_for("h100", {"devices_per_host": 4}, simulated=False)``, which ``auto`` prices plans
+for and ``host_row`` / ``host_column`` split tables within the hosts of), :func:`plan_from_config`,
+:func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection` (lookups and sparse updates inside a jitted step of your own; its
 state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`),
 ``PAD_ID`` (an empty slot of a multi-hot bag)::
@@ -80,6 +82,8 @@ _EXPORTS = {
     "specs_from_config": "dlrm_jax.train.wiring",
     "plan_embeddings": "dlrm_jax.embedding.plan.planner",
     "PlanOptions": "dlrm_jax.embedding.plan.planner",
+    "Cluster": "dlrm_jax.embedding.plan.cost",
+    "cluster_for": "dlrm_jax.embedding.plan.cost",
     "plan_from_config": "dlrm_jax.train.wiring",
     "plan_report": "dlrm_jax.embedding.plan.stats",
     "PlanError": "dlrm_jax.embedding.plan.planner",
