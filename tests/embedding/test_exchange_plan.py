@@ -209,8 +209,13 @@ def test_tables_within_hosts_need_hosts_that_tile_the_devices():
         plan_embeddings(specs, "host_row", 8, "sgd", 64, cluster=odd)
     with pytest.raises(PlanError, match="dim 16 in as many slices"):
         plan_embeddings(specs, "host_column", 16, "sgd", 64, cluster=dataclasses.replace(H100, devices_per_host=8))
-    plan = plan_embeddings(specs, "host_column", 8, "sgd", 64, cluster=dataclasses.replace(H100, devices_per_host=4))
+    fours = dataclasses.replace(H100, devices_per_host=4)
+    plan = plan_embeddings(specs, "host_column", 8, "sgd", 64, cluster=fours)
     assert plan.tables[0].devices in ((0, 1, 2, 3), (4, 5, 6, 7)) and plan.tables[0].slice_dim == 4
+    with pytest.raises(PlanError, match="table a: host_row tables live on the devices"):
+        plan_embeddings(specs, "host_row", 8, "sgd", 64, cluster=fours, storage="tiered")
+    tiered = plan_embeddings(specs, "auto", 8, "sgd", 64, cluster=fours, storage="tiered")
+    assert tiered.tables[0].strategy != Strategy.HOST_ROW and tiered.tables[0].tiered
 
 
 @pytest.mark.slow

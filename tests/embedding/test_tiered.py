@@ -78,6 +78,7 @@ CASES = [
     ("table", 8, "rowwise_adagrad", "pooled", 3, 4),
     ("column", 8, "adagrad", "onehot", 1, 0),
     ("row_cyclic", 4, "sgd", "pooled", 2, 0),
+    ("host_column", 8, "rowwise_adagrad", "pooled", 2, 0),  # 4 hosts of 2
 ]
 
 
@@ -91,9 +92,10 @@ def test_tiered_equals_all_in_device(
     with lookahead the tier is read as a larger one is: requests, read ahead."""
     if lookahead:
         monkeypatch.setattr(tables, "MAPPED_SHARE", 0.0)
-    sharding = {"row_cyclic": ["embedding.sharding=row", "embedding.row_layout=cyclic"]}.get(
-        strategy, [f"embedding.sharding={strategy}"]
-    )
+    sharding = {
+        "row_cyclic": ["embedding.sharding=row", "embedding.row_layout=cyclic"],
+        "host_column": ["embedding.sharding=host_column", "cluster.devices_per_host=2"],
+    }.get(strategy, [f"embedding.sharding={strategy}"])
     extra = [] if bags == "onehot" else [*BAGS, f"embedding.bag_exchange={bags}"]
     common = [
         *BASE,
@@ -106,6 +108,8 @@ def test_tiered_equals_all_in_device(
     reference = train(tiny(*common), devices)
     tiered = train(tiny(*common, *TIERED), devices, tmp_path / "tier")
     assert tiered[3].tiered_tables == (0, 2)
+    if strategy == "host_column":
+        assert {t.strategy.value for t in tiered[3].tables} == {"host_column"}
     stats = tiered[4]
     assert stats["rows_evicted"] > 5 * STEPS  # the caches were far too small for the run
     assert stats["mapped"] == (lookahead == 0)

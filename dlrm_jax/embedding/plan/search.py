@@ -345,12 +345,12 @@ class _Run:
             )
             first = [Strategy.REPLICATED] if t in self.replicated else []
             out = search.candidates(spec, first + sharded, self.layouts, kinds, slices)
-        if self.tiered[t]:
-            if any(c.strategy in HOST_STRATEGIES for c in out) and self.wanted[t] != "auto":
+        if self.tiered[t]:  # (a host's row blocks would need a cache space per owner of the host)
+            if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != "auto":
                 raise PlanError(
-                    f"table {spec.name}: {self.wanted[t]} tables live on the devices; tier it row- or table-wise"
+                    f"table {spec.name}: host_row tables live on the devices; tier it host_column-, row- or table-wise"
                 )
-            out = [c for c in out if c.strategy not in HOST_STRATEGIES]
+            out = [c for c in out if c.strategy != Strategy.HOST_ROW]
             out = [
                 dataclasses.replace(c, cache_rows=cache_slots(c.rows_per_device(n), *self.device_cache)) for c in out
             ]
