@@ -205,7 +205,7 @@ def test_a_heavy_bag_table_across_hosts_stays_within_one_host():
 def test_tables_within_hosts_need_hosts_that_tile_the_devices():
     specs = [TableSpec("a", 1000, 16, 2)]
     odd = dataclasses.replace(H100, devices_per_host=3)
-    with pytest.raises(PlanError, match="cluster.devices_per_host=3"):
+    with pytest.raises(PlanError, match=r"host_row needs the 8 devices in hosts of cluster.devices_per_host=3; use"):
         plan_embeddings(specs, "host_row", 8, "sgd", 64, cluster=odd)
     with pytest.raises(PlanError, match="dim 16 in as many slices"):
         plan_embeddings(specs, "host_column", 16, "sgd", 64, cluster=dataclasses.replace(H100, devices_per_host=8))

@@ -364,11 +364,12 @@ class _Run:
             devices = tuple(range(n))
         elif strategy in HOST_STRATEGIES:
             if not allowed(spec, strategy, n, self.search.host_size):
+                slices = f" and dim {spec.dim} in as many slices at least {MIN_COLUMN_WIDTH} wide"
                 raise PlanError(
                     f"table {spec.name}: {strategy.value} needs the {n} devices in hosts of "
                     f"cluster.devices_per_host={self.search.host_size}"
-                    + (f" and dim {spec.dim} in as many slices" if strategy == Strategy.HOST_COLUMN else "")
-                    + f" at least {MIN_COLUMN_WIDTH} wide; use row or column sharding"
+                    + (slices if strategy == Strategy.HOST_COLUMN else "")
+                    + "; use row or column sharding"
                 )
             devices = self.search.least_busy_host()
         else:
