@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,22 @@ def check_dir(path: str | Path, what: str) -> Path:
     a NotADirectoryError that names ``what`` ("run dir", "tier path") and the file."""
     path = Path(path)
     for p in (path, *path.parents):
-        if p.is_dir():
-            return path
-        if p.exists() or p.is_symlink():
-            kind = "a file" if p.is_file() else "a broken link" if p.is_symlink() else "a special file"
-            if p == path:
-                raise NotADirectoryError(f"{what} {path} is {kind}, not a directory")
-            raise NotADirectoryError(f"{what} {path} cannot be created: {p} is {kind}, not a directory")
+        # One stat per path: another process may create the folder meanwhile (processes of
+        # one run make the same run dir), and separate is_dir / exists calls would then see
+        # neither a folder nor a file.
+        try:
+            mode = p.stat().st_mode  # follows links: a link to a folder is a folder
+        except (FileNotFoundError, NotADirectoryError):  # not there yet (or under a file)
+            if not p.is_symlink():
+                continue
+            kind = "a broken link"
+        else:
+            if stat.S_ISDIR(mode):
+                return path
+            kind = "a file" if stat.S_ISREG(mode) else "a special file"
+        if p == path:
+            raise NotADirectoryError(f"{what} {path} is {kind}, not a directory")
+        raise NotADirectoryError(f"{what} {path} cannot be created: {p} is {kind}, not a directory")
     return path
 
 

@@ -440,3 +440,27 @@ def test_a_cluster_launch_without_its_process_id_or_command_is_a_usage_line(argv
     assert proc.returncode == 2 and one_line(proc.stderr).startswith(
         "usage: python -m dlrm_jax.parallel.launch --process-id I"
     )
+
+
+def test_processes_making_one_run_dir_at_once_all_see_a_folder(tmp_path):
+    """Every process of a run makes the same run dir; one that looks while another creates
+    it must see a folder, not 'a special file' (a check made of two looks saw neither)."""
+    import threading
+
+    from dlrm_jax.files import make_dir
+
+    errors = []
+
+    def make(path):
+        try:
+            make_dir(path, "run dir")
+        except OSError as e:
+            errors.append(e)
+
+    for i in range(200):
+        threads = [threading.Thread(target=make, args=(tmp_path / f"run{i}" / "x",)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
