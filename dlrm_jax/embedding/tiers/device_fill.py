@@ -51,9 +51,13 @@ def fill_group(g: Group, mesh: jax.sharding.Mesh):
 
         def swap(arr, incoming, previous):
             mask = use_prev.reshape(-1, *([1] * (incoming.ndim - 2)))
-            new = jnp.where(mask, previous[0][src], incoming[0])
+            new = jnp.where(mask, previous[0][src], incoming[0]).astype(arr.dtype)
             old = arr.at[rows].get(mode="fill", fill_value=0)
-            return arr.at[rows].set(new.astype(arr.dtype), mode="drop"), old[None]
+            # The same rows, but written only after they were read: with the write depending
+            # on the read, XLA updates the cache in place instead of copying all of it (twice)
+            # each step. (Padding rows are dropped either way.)
+            kept = (rows < arr.shape[0]).reshape(mask.shape)
+            return arr.at[rows].set(jnp.where(kept, new, old), mode="drop"), old[None]
 
         table, old_values = swap(table, fill.incoming.values, prev.values)
         new_slots, old_slots = {}, {}
