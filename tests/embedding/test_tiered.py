@@ -3,7 +3,9 @@ state after 20 steps, with device caches far smaller than the working set (evict
 step), the DRAM caches smaller still, every optimizer, one-hot and bags, 1 to 8 devices."""
 
 import json
+import re
 
+import jax
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -120,6 +122,30 @@ def test_tiered_equals_all_in_device(
     if fill_rows:
         assert stats.get("fill_rounds", 0) > STEPS  # overflowing fills ran in extra rounds
     assert_same_training(reference, tiered)
+
+
+def test_the_step_fills_device_caches_in_place(tiny, tmp_path):
+    """The compiled train step writes the device caches where they are: no copy of a cache
+    (values or optimizer state), which on CPU cost more than the step itself."""
+    cfg = tiny(*BASE, "embedding.sharding=row", "embedding.optimizer=rowwise_adagrad", *TIERED)
+    source = SyntheticSource(cfg)
+    plan, fns = build(cfg, make_mesh(2), source, log=lambda *a: None)
+    tiered = TieredTables(
+        plan, fns.collection.groups, fns.collection.optimizer, tmp_path, fns.embedding_key(), log=lambda *a: None
+    )
+    runner = TierRunner(fns, tiered, 0)
+    state = fns.init_state()
+    for item in runner.planned(source.train_batch, range(2)):
+        state, _ = runner.train(state, item.batch, item.fills, item.reads)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    hlo = fns.train_step.lower(shapes, *runner.step_input_shapes()).compile().as_text()
+    tiered.close()
+    caches = [g.name for g in fns.collection.groups if g.name in tiered.tiered_groups()]
+    assert caches
+    for name in caches:
+        rows = state.emb.tables[name].shape[0] // 2  # one device's
+        copies = re.findall(rf"= f32\[{rows}(,\d+)?\]\S* copy\(", hlo)
+        assert not copies, f"{name}: the step copies its cache {len(copies)} times"
 
 
 @pytest.mark.slow
