@@ -65,17 +65,60 @@ def plan_runs(rows: np.ndarray, chunk_rows: int, limit: int) -> tuple[np.ndarray
     return chunk[starts], first - chunk[starts] * chunk_rows, lengths, base[run_of] + rows - first[run_of]
 
 
+@dataclass
+class Requests:
+    """The runs of :func:`plan_runs` on one field's chunk files, as arrays: per run its file
+    (an index into ``paths``), byte offset in the file, bytes, and start in ``buffer`` (the
+    runs' bytes back to back), and its first table row (for errors). Arrays, not a tuple per
+    run: a step of the tier larger than RAM reads about 7,000 runs."""
+
+    paths: list[str]
+    file: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    start: np.ndarray
+    first_row: np.ndarray
+    row_bytes: int
+    buffer: memoryview
+    table: str = ""
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    def rows(self, i: int) -> str:
+        """Run ``i``'s rows, for an error message."""
+        first = int(self.first_row[i])
+        last = first + int(self.nbytes[i]) // self.row_bytes - 1
+        span = f"row {first}" if first == last else f"rows {first}..{last}"
+        return f"{self.table} {span}" if self.table else span
+
+
 def requests(
-    directory: str, suffix: str, chunks, firsts, lengths, row_bytes: int, chunk_rows: int, buffer: memoryview
-) -> list[tuple]:
-    """(path, byte offset, buffer slice, first table row, last table row) per run of
-    :func:`plan_runs`, the runs' bytes back to back in ``buffer``."""
-    out, at = [], 0
-    for c, f, n in zip(chunks.tolist(), firsts.tolist(), lengths.tolist(), strict=True):
-        row = c * chunk_rows + f
-        out.append((f"{directory}/c.{c}{suffix}", f * row_bytes, buffer[at : at + n * row_bytes], row, row + n - 1))
-        at += n * row_bytes
-    return out
+    directory: str,
+    suffix: str,
+    chunks,
+    firsts,
+    lengths,
+    row_bytes: int,
+    chunk_rows: int,
+    buffer: memoryview,
+    table: str = "",
+) -> Requests:
+    """The runs of :func:`plan_runs` as :class:`Requests` on the chunk files of ``directory``
+    (of ``table``), their bytes back to back in ``buffer``."""
+    files, file = np.unique(np.asarray(chunks, np.int64), return_inverse=True)
+    nbytes = np.asarray(lengths, np.int64) * row_bytes
+    return Requests(
+        [f"{directory}/c.{c}{suffix}" for c in files.tolist()],
+        file.reshape(-1),
+        np.asarray(firsts, np.int64) * row_bytes,
+        nbytes,
+        np.cumsum(nbytes) - nbytes,
+        np.asarray(chunks, np.int64) * chunk_rows + firsts,
+        row_bytes,
+        buffer,
+        table,
+    )
 
 
 class _OpenFiles:
@@ -195,15 +238,22 @@ class ChunkFiles:
             self._pool = None
 
     # -- requests ------------------------------------------------------------------------------
-    def run(self, requests: list[tuple], write: bool, table: str = "") -> None:
-        """Issue ``requests`` (from :func:`requests`) with up to ``threads`` in flight; the
-        first error is raised (a TierError naming the file and the rows) once every request
-        finished."""
-        if not requests:
+    def run(self, batches: list[Requests], write: bool) -> None:
+        """Issue every run of ``batches`` (from :func:`requests`) with up to ``threads`` in
+        flight; the first error is raised (a TierError naming the file and the rows) once every
+        request finished."""
+        batches = [b for b in batches if len(b)]
+        if not batches:
             return
         files = self._open_files()
-        fds = [self._fd(files, r[0], write) for r in requests]
-        n, nbytes = len(requests), sum(r[2].nbytes for r in requests)
+        fds, offsets, views, where = [], [], [], []
+        for k, b in enumerate(batches):  # one descriptor look-up per file, not per run
+            fd_of = np.array([self._fd(files, path, write) for path in b.paths], np.int64)
+            fds += fd_of[b.file].tolist()
+            offsets += b.offset.tolist()
+            views += [b.buffer[s : s + n] for s, n in zip(b.start.tolist(), b.nbytes.tolist(), strict=True)]
+            where += [k] * len(b)
+        n, nbytes = len(fds), sum(int(b.nbytes.sum()) for b in batches)
         with self._lock:
             if write:
                 self.stats.writes += n
@@ -213,20 +263,25 @@ class ChunkFiles:
                 self.stats.read_bytes += nbytes
         parts = min(self.threads, -(-n // MIN_PER_THREAD))
         bounds = [n * k // parts for k in range(parts + 1)]
+        call = os.pwritev if write else os.preadv
+        doing = "write" if write else "read"
+
+        def failed(i: int, what: str) -> TierError:
+            b = batches[where[i]]
+            run = i - sum(len(x) for x in batches[: where[i]])
+            return TierError(b.paths[b.file[run]], f"{what} ({b.rows(run)})")
 
         def issue(k: int) -> TierError | None:
             for i in range(bounds[k], bounds[k + 1]):
-                path, offset, buffer, _, _ = r = requests[i]
+                view = views[i]
                 try:
-                    done = os.pwritev(fds[i], [buffer], offset) if write else os.preadv(fds[i], [buffer], offset)
+                    done = call(fds[i], [view], offsets[i])
                 except OSError as e:
-                    return os_error(path, e, f" ({'writing' if write else 'reading'} {_rows(table, r)})")
-                if done != buffer.nbytes:
-                    return TierError(
-                        path,
-                        f"short {'write' if write else 'read'}: {done} of {buffer.nbytes} bytes at offset {offset} "
-                        f"({_rows(table, r)})",
-                    )
+                    b = batches[where[i]]
+                    run = i - sum(len(x) for x in batches[: where[i]])
+                    return os_error(b.paths[b.file[run]], e, f" ({doing}ing {b.rows(run)})")
+                if done != view.nbytes:
+                    return failed(i, f"short {doing}: {done} of {view.nbytes} bytes at offset {offsets[i]}")
             return None
 
         if parts == 1:
@@ -239,9 +294,3 @@ class ChunkFiles:
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
-
-
-def _rows(table: str, r: tuple) -> str:
-    first, last = r[3], r[4]
-    span = f"row {first}" if first == last else f"rows {first}..{last}"
-    return f"{table} {span}" if table else span

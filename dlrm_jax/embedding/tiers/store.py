@@ -187,9 +187,9 @@ class TierStore:
                 scratch = np.empty((int(lengths.sum()), rb), np.uint8)
                 directory, suffix = self._directory(table, field)
                 buffer = memoryview(scratch).cast("B")
-                todo += requests(directory, suffix, chunks, firsts, lengths, rb, array.chunk_rows, buffer)
+                todo.append(requests(directory, suffix, chunks, firsts, lengths, rb, array.chunk_rows, buffer, table))
                 placed.append((table, field, order, index, scratch))
-        self._files.run(todo, write=False, table=next(iter(wanted)) if len(wanted) == 1 else "")
+        self._files.run(todo, write=False)
         out = {t: {} for t in wanted}
         for table, field, order, index, scratch in placed:
             array = self._arrays[table][field]
@@ -257,11 +257,13 @@ class TierStore:
                     chunks, firsts, lengths, _ = plan_runs(sorted_rows, array.chunk_rows, 1)
                     data = memoryview(np.ascontiguousarray(v[order]).view(np.uint8).reshape(-1))
                     directory, suffix = self._directory(table, field)
-                    todo += requests(
-                        directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, data
+                    todo.append(
+                        requests(
+                            directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, data, table
+                        )
                     )
                     self._dirty.update((table, field, c) for c in np.unique(chunks).tolist())
-                self._files.run(todo, write=True, table=table)
+                self._files.run(todo, write=True)
             with self._log_lock:
                 self.write_seq += 1
                 self._written[table].append((self.write_seq, sorted_rows))
