@@ -143,18 +143,25 @@ class FillPrograms:
             k: np.zeros((self.n, cap, *(s if not s else (g.width,))), np.float32)
             for k, (s, _) in self.per_row_slots.items()
         }
-        used = np.zeros(self.n, np.int64)
-        for t, j, dev, lrow, vals, slots, forward, evicted in entries:
-            e = np.empty(len(dev), np.int64)
-            for d in np.unique(dev):  # entries go to each device's next free positions
-                mine = dev == d
-                e[mine] = used[d] + np.arange(int(mine.sum()))
-                used[d] += int(mine.sum())
-            rows[dev, e], fwd[dev, e], values[dev, e] = lrow, forward, vals
-            for k in slot_arrays:
-                slot_arrays[k][dev, e] = slots[k]
-            was = evicted >= 0
-            program.evictions[(t, j)] = (evicted[was], dev[was], e[was])
+        if not entries:
+            program.fills[name] = GroupFill(rows, fwd, CacheRows(values, slot_arrays))
+            return
+        # Entries go to each device's next free positions, in order: all of them at once.
+        dev = np.concatenate([e[2] for e in entries])
+        order = np.argsort(dev, kind="stable")
+        counts = np.bincount(dev, minlength=self.n)
+        pos = np.empty(len(dev), np.int64)
+        pos[order] = np.arange(len(dev)) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows[dev, pos] = np.concatenate([e[3] for e in entries])
+        fwd[dev, pos] = np.concatenate([e[6] for e in entries])
+        values[dev, pos] = np.concatenate([e[4] for e in entries])
+        for k in slot_arrays:
+            slot_arrays[k][dev, pos] = np.concatenate([e[5][k] for e in entries])
+        at = 0
+        for t, j, d, _, _, _, _, evicted in entries:
+            e, was = pos[at : at + len(d)], evicted >= 0
+            program.evictions[(t, j)] = (evicted[was], d[was], e[was])
+            at += len(d)
         program.fills[name] = GroupFill(rows, fwd, CacheRows(values, slot_arrays))
 
     def _rounds(self, fills: dict[int, Fills]) -> int:
