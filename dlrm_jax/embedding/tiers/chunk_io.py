@@ -32,8 +32,9 @@ from dlrm_jax.embedding.tiers.format import TierError, os_error
 
 IO_THREADS = 32
 GAP_BYTES = 4096
-# Requests per thread at least: a call of a few hundred mostly hits the page cache or is small,
-# where waking 32 threads costs more than the reads (tables that fit in RAM: 53 ms a step).
+# Requests per thread at least for a call made ahead of its need: a call of a few hundred mostly
+# hits the page cache or is small, where waking 32 threads costs more than the reads (tables
+# that fit in RAM: 53 ms a step). A caller waiting on its rows asks for every request in flight.
 MIN_PER_THREAD = 256
 
 
@@ -238,10 +239,11 @@ class ChunkFiles:
             self._pool = None
 
     # -- requests ------------------------------------------------------------------------------
-    def run(self, batches: list[Requests], write: bool) -> None:
+    def run(self, batches: list[Requests], write: bool, per_thread: int = MIN_PER_THREAD) -> None:
         """Issue every run of ``batches`` (from :func:`requests`) with up to ``threads`` in
-        flight; the first error is raised (a TierError naming the file and the rows) once every
-        request finished."""
+        flight, each thread given ``per_thread`` requests at least (1: as many in flight as
+        there are requests, for a caller that waits on them); the first error is raised (a
+        TierError naming the file and the rows) once every request finished."""
         batches = [b for b in batches if len(b)]
         if not batches:
             return
@@ -261,7 +263,7 @@ class ChunkFiles:
             else:
                 self.stats.reads += n
                 self.stats.read_bytes += nbytes
-        parts = min(self.threads, -(-n // MIN_PER_THREAD))
+        parts = min(self.threads, -(-n // per_thread))
         bounds = [n * k // parts for k in range(parts + 1)]
         call = os.pwritev if write else os.preadv
         doing = "write" if write else "read"

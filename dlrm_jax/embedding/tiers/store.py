@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.embedding.tiers.chunk_io import ChunkFiles, IOStats, plan_runs, requests
+from dlrm_jax.embedding.tiers.chunk_io import MIN_PER_THREAD, ChunkFiles, IOStats, plan_runs, requests
 from dlrm_jax.embedding.tiers.format import (
     COPY_BUFFER_BYTES,
     ArrayLayout,
@@ -165,13 +165,17 @@ class TierStore:
     def read(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Rows int64 [n], any order, repeats allowed -> {field: copies [n, *shape]}.
 
-        Every field's rows are read in one batch of coalesced requests, many in flight
-        (:mod:`.chunk_io`); a failed or short read is a TierError naming the file and rows."""
-        return self.read_many({table: rows})[0][table]
+        Every field's rows are read in one batch of coalesced requests, all in flight at once
+        (:mod:`.chunk_io`): the caller (a step) waits on them; a failed or short read is a
+        TierError naming the file and rows."""
+        return self.read_many({table: rows}, per_thread=1)[0][table]
 
-    def read_many(self, wanted: dict[str, np.ndarray]) -> tuple[dict[str, dict[str, np.ndarray]], int]:
+    def read_many(
+        self, wanted: dict[str, np.ndarray], per_thread: int = MIN_PER_THREAD
+    ) -> tuple[dict[str, dict[str, np.ndarray]], int]:
         """Rows of several tables ({table: rows}) in one batch of requests: ({table: {field:
-        copies}}, ``write_seq`` as the reads saw it)."""
+        copies}}, ``write_seq`` as the reads saw it). ``per_thread``: requests each I/O thread
+        takes at least (:meth:`ChunkFiles.run`)."""
         seq = self.write_seq  # first: a write done before this has replaced files for us to see
         if self.mapped:
             return {t: self._gather(t, rows) for t, rows in wanted.items()}, seq
@@ -189,7 +193,7 @@ class TierStore:
                 buffer = memoryview(scratch).cast("B")
                 todo.append(requests(directory, suffix, chunks, firsts, lengths, rb, array.chunk_rows, buffer, table))
                 placed.append((table, field, order, index, scratch))
-        self._files.run(todo, write=False)
+        self._files.run(todo, write=False, per_thread=per_thread)
         out = {t: {} for t in wanted}
         for table, field, order, index, scratch in placed:
             array = self._arrays[table][field]
