@@ -63,7 +63,8 @@ def _get(array, rows):
 
 
 def _set(array, rows, values):
-    return values.astype(array.dtype) if rows is None else array.at[rows].set(values, mode="drop")
+    values = values.astype(array.dtype)  # rounded once, here (a float32 scatter into bfloat16 warns)
+    return values if rows is None else array.at[rows].set(values, mode="drop")
 
 
 def _add_rows(table, unique_rows, delta_f32):
