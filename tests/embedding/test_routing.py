@@ -255,3 +255,37 @@ def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
         a, _ = split_hot(t_ids, jnp.full(t_ids.shape, t, jnp.int32), index, seeds)
         b, _ = split_hot(t_ids, jnp.full(t_ids.shape, t, jnp.int32), logical_index, logical_seeds)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    rows=st.integers(1, 300),
+    n=st.sampled_from([1, 2, 3, 8]),
+    bags=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
+    """The planner's statistics (distinct rows a device looks up; the busiest owner's distinct
+    requests under a block and a cyclic row split) equal what the step's own routing sends."""
+    from dlrm_jax.embedding.exchange.capacity import table_stats
+    from dlrm_jax.embedding.plan.specs import TableSpec
+
+    specs = [TableSpec(f"t{i}", rows, 8, bag) for i, bag in enumerate(bags)]
+    rng = np.random.default_rng(seed)
+    local, batches = 5, 2
+    ids = rng.integers(0, rows, (batches * n * local, sum(bags))).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.2] = PAD_ID
+    got = table_stats(specs, [ids[: n * local], ids[n * local :]], n, local)
+    starts = np.cumsum([0, *bags])
+    for t in range(len(specs)):
+        block = -(-rows // n)
+        distinct, most = [], {KIND_BLOCK: 0, KIND_CYCLIC: 0}
+        for c in range(0, len(ids), local):
+            sub = ids[c : c + local, starts[t] : starts[t + 1]]
+            for kind in most:
+                owner, row, valid = (np.asarray(x) for x in route(sub, kind, 0, 0, block, n))
+                pairs = np.unique(owner[valid].astype(np.int64) * block + row[valid])
+                most[kind] = max(most[kind], np.bincount(pairs // block, minlength=n).max(initial=0))
+            distinct.append(len(pairs))
+        assert got[t].distinct == pytest.approx(np.mean(distinct))
+        assert (got[t].row_owner, got[t].cyclic_owner) == (most[KIND_BLOCK], most[KIND_CYCLIC])

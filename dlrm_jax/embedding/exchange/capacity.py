@@ -19,6 +19,7 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, Group, exchange_parts
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
+from dlrm_jax.ids import PAD_ID
 
 
 def busiest_owner(g: Group, ids_local: np.ndarray) -> int:
@@ -64,19 +65,14 @@ def table_stats(
             chunks += 1
             for t, spec in enumerate(specs):
                 block = -(-spec.rows // num_devices)
-                for kind, most in busiest.items():
-                    owner, row, valid = route(
-                        ids[start : start + local_batch, starts[t] : starts[t + 1]],
-                        kind,
-                        0,
-                        0,
-                        block,
-                        num_devices,
-                        xp=np,
-                    )
-                    rows = np.unique(owner.astype(np.int64)[valid] * block + row[valid])
-                    distinct[t] += rows.size if kind == KIND_BLOCK else 0
-                    most[t] = max(most[t], np.bincount(rows // block, minlength=num_devices).max(initial=0))
+                sub = ids[start : start + local_batch, starts[t] : starts[t + 1]]
+                # Routing (routing.route) maps each id to one (owner, row): distinct ids are the
+                # distinct requests, and their owners are id // block (blocks) or id % N (cyclic).
+                rows = np.unique(sub[sub != PAD_ID]).astype(np.int64)
+                distinct[t] += rows.size
+                for kind, owner in ((KIND_BLOCK, rows // block), (KIND_CYCLIC, rows % num_devices)):
+                    most = np.bincount(owner, minlength=num_devices).max(initial=0)
+                    busiest[kind][t] = max(busiest[kind][t], most)
     return [
         TableStats(float(d / max(chunks, 1)), float(b), float(c))
         for d, b, c in zip(distinct, busiest[KIND_BLOCK], busiest[KIND_CYCLIC], strict=True)
