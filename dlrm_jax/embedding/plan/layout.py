@@ -9,6 +9,7 @@ is a *virtual table* with routing parameters (see :mod:`~dlrm_jax.embedding.exch
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -266,8 +267,15 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
 
 
 def build_groups(plan: EmbeddingPlan) -> list[Group]:
-    """The fused groups of a plan, in a fixed order (replicated first, then by width)."""
-    n = plan.num_devices
+    """The fused groups of a plan, in a fixed order (replicated first, then by width). They
+    depend only on the tables' placement and the device count, and the planner's search asks
+    for the same placements many times over: remembered (treat them as read-only)."""
+    return list(_groups_of(plan.tables, plan.num_devices))
+
+
+@functools.lru_cache(maxsize=256)
+def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
+    plan = _Placement(tables, n)
     dim = plan.tables[0].spec.dim
     slots_of = _slots_of_tables(plan)
     groups = []
@@ -306,7 +314,15 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
                     vts.append(VirtualTable(t, j * width, KIND_FIXED, dev, int(used[dev]), 1, tp.spec.rows))
                     used[dev] += tp.spec.rows
         groups.append(_group(f"sharded_w{width}", width, False, int(used.max()), n, vts, slots_of, dim))
-    return groups
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """What :func:`build_groups` reads of a plan."""
+
+    tables: tuple
+    num_devices: int
 
 
 def _slots_of_tables(plan: EmbeddingPlan) -> list[list[int]]:
