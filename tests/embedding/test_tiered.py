@@ -358,14 +358,14 @@ tables.MAPPED_SHARE = 0.0  # read as a tier larger than RAM is: requests, read a
 original = chunk_io.ChunkFiles.run
 checkpoints = pathlib.Path({run_dir!r}) / "checkpoints"
 
-def run_then_die(self, batches, write):
+def run_then_die(self, batches, write, **kw):
     # On the {thread} thread, once checkpoint 4 is committed (orbax commits in the background):
     # half of this call's requests (one batch per table and field) done, the rest not, SIGKILL.
     mine = threading.current_thread().name.startswith({thread!r})
     if mine and write == {write!r} and len(batches) > 1 and (checkpoints / "4").is_dir():
-        original(self, batches[: len(batches) // 2], write)
+        original(self, batches[: len(batches) // 2], write, **kw)
         os.kill(os.getpid(), signal.SIGKILL)
-    original(self, batches, write)
+    original(self, batches, write, **kw)
 
 chunk_io.ChunkFiles.run = run_then_die
 train_and_evaluate(tiny_config(*{overrides!r}), {run_dir!r}, log=lambda *a: None)
