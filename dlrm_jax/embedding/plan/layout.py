@@ -275,29 +275,28 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
 
 @functools.lru_cache(maxsize=256)
 def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
-    plan = _Placement(tables, n)
-    dim = plan.tables[0].spec.dim
-    slots_of = _slots_of_tables(plan)
+    dim = tables[0].spec.dim
+    slots_of = _slots_of_tables(tables)
     groups = []
-    rep = [t for t, tp in enumerate(plan.tables) if tp.strategy == Strategy.REPLICATED]
+    rep = [t for t, tp in enumerate(tables) if tp.strategy == Strategy.REPLICATED]
     if rep:
         vts, offset = [], 0
         for t in rep:
-            vts.append(VirtualTable(t, 0, KIND_FIXED, 0, offset, 1, plan.tables[t].spec.rows))
-            offset += plan.tables[t].spec.rows
+            vts.append(VirtualTable(t, 0, KIND_FIXED, 0, offset, 1, tables[t].spec.rows))
+            offset += tables[t].spec.rows
         groups.append(_group("replicated", dim, True, offset, n, vts, slots_of, dim))
-    widths = sorted({tp.slice_dim for tp in plan.tables if tp.strategy != Strategy.REPLICATED}, reverse=True)
+    widths = sorted({tp.slice_dim for tp in tables if tp.strategy != Strategy.REPLICATED}, reverse=True)
     for width in widths:
         vts, used = [], np.zeros(n, np.int64)
         # Row-wise pieces first: they sit at the same local offset on every device.
-        for t, tp in enumerate(plan.tables):
+        for t, tp in enumerate(tables):
             if tp.strategy == Strategy.ROW and tp.slice_dim == width:
                 blk = tp.rows_per_device(n)
                 kind = KIND_CYCLIC if tp.row_layout == RowLayout.CYCLIC else KIND_BLOCK
                 vts.append(VirtualTable(t, 0, kind, 0, int(used.max()), blk, tp.spec.rows))
                 used[:] = used.max() + blk
         # Then pieces within one host: the same local offset on each device of their host.
-        for t, tp in enumerate(plan.tables):
+        for t, tp in enumerate(tables):
             if tp.strategy in HOST_STRATEGIES and tp.slice_dim == width:
                 blk, devs = tp.rows_per_device(n), list(tp.devices)
                 offset = int(used[devs].max())
@@ -308,7 +307,7 @@ def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
                         VirtualTable(t, j * width, KIND_FIXED, d, offset, 1, tp.spec.rows) for j, d in enumerate(devs)
                     ]
                 used[devs] = offset + blk
-        for t, tp in enumerate(plan.tables):
+        for t, tp in enumerate(tables):
             if tp.strategy in (Strategy.TABLE, Strategy.COLUMN) and tp.slice_dim == width:
                 for j, dev in enumerate(tp.devices):
                     vts.append(VirtualTable(t, j * width, KIND_FIXED, dev, int(used[dev]), 1, tp.spec.rows))
@@ -317,17 +316,9 @@ def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
     return tuple(groups)
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """What :func:`build_groups` reads of a plan."""
-
-    tables: tuple
-    num_devices: int
-
-
-def _slots_of_tables(plan: EmbeddingPlan) -> list[list[int]]:
+def _slots_of_tables(tables) -> list[list[int]]:
     out, start = [], 0
-    for tp in plan.tables:
+    for tp in tables:
         out.append(list(range(start, start + tp.spec.bag_size)))
         start += tp.spec.bag_size
     return out
@@ -368,7 +359,7 @@ def subgroup(plan: EmbeddingPlan, g: Group, vts) -> Group:
         g.local_rows,
         g.num_devices,
         list(vts),
-        _slots_of_tables(plan),
+        _slots_of_tables(plan.tables),
         plan.tables[0].spec.dim,
     )
 

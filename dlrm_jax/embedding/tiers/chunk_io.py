@@ -268,10 +268,11 @@ class ChunkFiles:
         call = os.pwritev if write else os.preadv
         doing = "write" if write else "read"
 
-        def failed(i: int, what: str) -> TierError:
+        def named(i: int) -> tuple[str, str]:
+            """Request ``i``'s file and rows (for an error)."""
             b = batches[where[i]]
             run = i - sum(len(x) for x in batches[: where[i]])
-            return TierError(b.paths[b.file[run]], f"{what} ({b.rows(run)})")
+            return b.paths[b.file[run]], b.rows(run)
 
         def issue(k: int) -> TierError | None:
             for i in range(bounds[k], bounds[k + 1]):
@@ -279,11 +280,13 @@ class ChunkFiles:
                 try:
                     done = call(fds[i], [view], offsets[i])
                 except OSError as e:
-                    b = batches[where[i]]
-                    run = i - sum(len(x) for x in batches[: where[i]])
-                    return os_error(b.paths[b.file[run]], e, f" ({doing}ing {b.rows(run)})")
+                    path, rows = named(i)
+                    return os_error(path, e, f" ({doing}ing {rows})")
                 if done != view.nbytes:
-                    return failed(i, f"short {doing}: {done} of {view.nbytes} bytes at offset {offsets[i]}")
+                    path, rows = named(i)
+                    return TierError(
+                        path, f"short {doing}: {done} of {view.nbytes} bytes at offset {offsets[i]} ({rows})"
+                    )
             return None
 
         if parts == 1:
