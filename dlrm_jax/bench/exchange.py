@@ -35,7 +35,7 @@ from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
-from dlrm_jax.embedding.plan.layout import exchange_parts, pooled_layout
+from dlrm_jax.embedding.plan.layout import exchange_parts, needs_whole_rows, whole_rows_capacity
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config
@@ -95,14 +95,13 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
 
 def _exchange_shapes(plan) -> set[tuple[int, ...]]:
     """Shapes of the exchange's all-reduced operands: replicated groups' and the hot rows'
-    gradients, and the whole-row statistics of host columns (one float per position)."""
+    gradients, and the whole-row statistics of host columns (one float per distinct row)."""
     shapes = {(p.group.local_rows, p.group.width) for p in exchange_parts(plan) if p.kind == ExchangeKind.ALLREDUCE}
-    if plan.optimizer == "rowwise_adagrad":
-        shapes |= {
-            (plan.global_batch * pooled_layout(plan, p.group).ids_per_sample,)
-            for p in exchange_parts(plan)
-            if p.kind == ExchangeKind.HOST_COLUMNS and p.group.has_column_slices
-        }
+    shapes |= {
+        (whole_rows_capacity(plan, p.group),)
+        for p in exchange_parts(plan)
+        if p.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, p.group)
+    }
     if plan.hot_rows:
         shapes.add((plan.hot_rows, plan.tables[0].spec.dim))
     return shapes

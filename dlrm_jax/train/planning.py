@@ -84,9 +84,14 @@ def plan_for_run(
     return plan
 
 
+def _most(values):
+    return None if None in values else max(values)
+
+
 def agree_by_max(values) -> list:
-    """How processes combine what each measured: statistics by their mean distinct rows and
-    largest buckets, capacities by the largest (``values``: every process's, in order)."""
+    """How processes combine what each measured: statistics by their mean distinct rows, and
+    largest buckets and batch distinct rows (each process's scaled up from its own rows);
+    capacities by the largest (``values``: every process's, in order)."""
     first = values[0]
     if first and isinstance(first[0], TableStats):
         return [
@@ -94,6 +99,7 @@ def agree_by_max(values) -> list:
                 sum(v[t].distinct for v in values) / len(values),
                 max(v[t].row_owner for v in values),
                 max(v[t].owner(RowLayout.CYCLIC) for v in values),
+                _most([v[t].batch_distinct for v in values]),
             )
             for t in range(len(first))
         ]

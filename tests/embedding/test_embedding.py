@@ -18,8 +18,14 @@ from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
-from dlrm_jax.embedding.plan.layout import group_capacity
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, Strategy
+from dlrm_jax.embedding.plan.layout import (
+    exchange_parts,
+    group_capacity,
+    pooled_layout,
+    whole_rows_capacity,
+    whole_rows_key,
+)
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.wiring import plan_from_config, sparse_optimizer_from_config
 
@@ -163,6 +169,42 @@ def test_rows_within_hosts_on_two_hosts_of_four(tiny, optimizer, exchange):
     host_forms = [f for f in coll.forms if type(f).__name__ in ("HostPooledForm", "HostColumnsForm")]
     assert len(host_forms) == 2 * (exchange == "pooled")
     assert all(dict(f.mesh.shape) == {"hosts": 2, "local": 4} for f in host_forms)
+
+
+@pytest.mark.parametrize("capacity", ["measured", "rounds"])
+def test_host_columns_whole_rows_of_distinct_rows_only(tiny, capacity):
+    """Row-wise Adagrad on tables split by columns within hosts of 4 (2 hosts): the host's
+    devices add up their slices' squared gradients for the distinct rows only. With the
+    capacity measured on the batches trained on, one all-reduce a step; with a capacity of
+    3 rows, in rounds (reported as overflows). Both against the reference for 40 steps."""
+    cfg = tiny(
+        "embedding.optimizer=rowwise_adagrad",
+        "train.batch_size=32",
+        CARDS,
+        "data.bag_sizes=[3, 1, 4, 2, 5]",
+        "embedding.sharding=host_column",
+        "cluster.devices_per_host=4",
+        "model.embedding_dim=16",
+        "model.bottom_mlp=[16, 16]",
+    )
+    plan = plan_from_config(cfg, 8)
+    (part,) = [p for p in exchange_parts(plan) if p.kind == ExchangeKind.HOST_COLUMNS]
+    positions = whole_rows_capacity(plan, part.group)
+    assert positions == 32 * pooled_layout(plan, part.group).ids_per_sample  # unmeasured: every position
+    source = SyntheticSource(cfg)
+    if capacity == "measured":
+        capacities = measure_capacities(plan, [source.train_batch(i).ids for i in range(40)], 1.0)
+    else:
+        capacities = ((whole_rows_key(part.group), 3),)
+    plan = dataclasses.replace(plan, capacities=capacities)
+    want = whole_rows_capacity(plan, part.group)
+    assert want < positions / 2 if capacity == "measured" else want == 3
+    coll, state = check_against_reference(cfg, 8, plan=plan)
+    (form,) = [f for f in coll.forms if type(f).__name__ == "HostColumnsForm"]
+    assert form.rows_capacity == want
+    ids = jax.device_put(source.train_batch(0).ids, jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS)))
+    _, res = jax.jit(coll.lookup)(state, ids)
+    assert (int(res.overflow) > 0) == (capacity == "rounds")
 
 
 DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"), ("column", 2, "adagrad")]

@@ -1,4 +1,5 @@
-"""Bucket capacities of the ids exchange, measured on the host from batches of ids.
+"""Bucket capacities of the ids exchange (and the distinct rows a host-columns part adds up),
+measured on the host from batches of ids.
 
 The ids form sends each owner at most C distinct rows per step (``C``: the part's compiled
 capacity). Training and ``dlrm-jax plan`` both size C here, from the same first batches, so the
@@ -16,7 +17,15 @@ import numpy as np
 
 from dlrm_jax.embedding.exchange.routing import route
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
-from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, Group, exchange_parts
+from dlrm_jax.embedding.plan.layout import (
+    KIND_BLOCK,
+    KIND_CYCLIC,
+    Group,
+    exchange_parts,
+    needs_whole_rows,
+    pooled_layout,
+    whole_rows_key,
+)
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.ids import PAD_ID
@@ -31,21 +40,56 @@ def busiest_owner(g: Group, ids_local: np.ndarray) -> int:
     return int(np.bincount(np.unique(key) // g.local_rows, minlength=g.num_devices).max(initial=0))
 
 
+def count_distinct(values: np.ndarray, bound: int) -> int:
+    """How many distinct values ``values`` (int, in [0, ``bound``)) holds: by marking a
+    bitmap when it is not much larger than the values (a hash-based ``np.unique`` of millions
+    of ids takes ~10x longer), else by ``np.unique``."""
+    if bound <= max(1 << 24, 16 * values.size):
+        seen = np.zeros(bound, np.bool_)
+        seen[values] = True
+        return int(np.count_nonzero(seen))
+    return int(np.unique(values).size)
+
+
+def busiest_host(plan: EmbeddingPlan, g: Group, ids: np.ndarray) -> int:
+    """The most distinct rows one host's devices pool of a host-columns part ``g`` for the
+    batch rows ``ids`` (int32 [B, S]): what their whole-row statistics add up (the positions
+    as ``exchange.host_pooled`` lays them out: a piece's ids plus its first local row)."""
+    lay = pooled_layout(plan, g)
+    most = 0
+    for host in range(lay.owners):
+        used = lay.send_slot[host] >= 0
+        sent = ids[:, lay.send_slot[host][used]].astype(np.int64)
+        rows = (sent + lay.row_offset[host][used])[sent != PAD_ID]
+        most = max(most, count_distinct(rows, g.local_rows))
+    return most
+
+
 def measure_capacities(
     plan: EmbeddingPlan, id_batches: Iterable[np.ndarray], headroom: float
 ) -> tuple[tuple[str, int], ...]:
     """Per ids part of ``plan``: (group name, ``headroom`` x the busiest owner's distinct
-    requests over every device's share of ``id_batches``). Each batch holds consecutive
-    devices' rows (``plan.global_batch / plan.num_devices`` each): a process's rows, or a
-    global batch. Several processes take the maximum of their results."""
+    requests over every device's share of ``id_batches``); per host-columns part with
+    row-wise Adagrad: (``whole_rows_key``, ``headroom`` x the most distinct rows a host pools,
+    scaled up to the global batch when a batch holds fewer rows). Each batch holds
+    consecutive devices' rows (``plan.global_batch / plan.num_devices`` each): a process's
+    rows, or a global batch. Several processes take the maximum of their results."""
     parts = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
+    hosts = [
+        p.group
+        for p in exchange_parts(plan)
+        if p.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, p.group) and plan.num_devices > 1
+    ]
     local = plan.global_batch // plan.num_devices
-    most = dict.fromkeys((g.name for g in parts), 0)
+    most = dict.fromkeys((g.name for g in parts), 0) | dict.fromkeys((whole_rows_key(g) for g in hosts), 0)
     for ids in id_batches:
         ids = np.asarray(ids)
         for start in range(0, ids.shape[0], local):
             for g in parts:
                 most[g.name] = max(most[g.name], busiest_owner(g, ids[start : start + local]))
+        for g in hosts:  # distinct rows grow slower than the batch: scaling up over-counts
+            scale = plan.global_batch / max(ids.shape[0], 1)
+            most[whole_rows_key(g)] = max(most[whole_rows_key(g)], math.ceil(scale * busiest_host(plan, g, ids)))
     return tuple((name, max(1, math.ceil(headroom * m))) for name, m in most.items())
 
 
@@ -57,10 +101,12 @@ def table_stats(
     device looks up, and the most it asks of one owner were the table split by rows over all
     ``num_devices`` devices, in blocks and cyclically."""
     starts = np.concatenate([[0], np.cumsum([s.bag_size for s in specs])])
-    distinct, chunks = np.zeros(len(specs)), 0
+    distinct, chunks, batches = np.zeros(len(specs)), 0, 0
+    in_batch = np.zeros(len(specs))
     busiest = {kind: np.zeros(len(specs)) for kind in (KIND_BLOCK, KIND_CYCLIC)}
     for ids in id_batches:
         ids = np.asarray(ids)
+        batches += 1
         for start in range(0, ids.shape[0], local_batch):
             chunks += 1
             for t, spec in enumerate(specs):
@@ -73,7 +119,13 @@ def table_stats(
                 for kind, owner in ((KIND_BLOCK, rows // block), (KIND_CYCLIC, rows % num_devices)):
                     most = np.bincount(owner, minlength=num_devices).max(initial=0)
                     busiest[kind][t] = max(busiest[kind][t], most)
+        # The whole batch's distinct rows, scaled up to a global batch when fewer rows were
+        # read (distinct rows grow slower than the batch: an over-estimate).
+        scale = num_devices * local_batch / max(ids.shape[0], 1)
+        for t, spec in enumerate(specs):
+            sub = ids[:, starts[t] : starts[t + 1]]
+            in_batch[t] += scale * count_distinct(sub[sub != PAD_ID], spec.rows)
     return [
-        TableStats(float(d / max(chunks, 1)), float(b), float(c))
-        for d, b, c in zip(distinct, busiest[KIND_BLOCK], busiest[KIND_CYCLIC], strict=True)
+        TableStats(float(d / max(chunks, 1)), float(b), float(c), float(e / max(batches, 1)))
+        for d, b, c, e in zip(distinct, busiest[KIND_BLOCK], busiest[KIND_CYCLIC], in_batch, strict=True)
     ]

@@ -24,6 +24,12 @@ every bag for its columns (no device's work is wasted on rows it does not hold),
 slices go to the requester's local-index device by an all_to_all within the host instead of a
 reduce-scatter (each carries 1/G of a vector, not a whole partial sum).
 
+With row-wise Adagrad a column slice's update needs its row's squared gradient over the whole
+width: the host's devices hold the same rows at the same positions, so they add their slices'
+squares with one all-reduce within the host, of the distinct rows only (a measured capacity,
+``layout.whole_rows_capacity``; a step with more runs further rounds of that size, agreed by
+every device and reported as an overflow, so nothing is dropped).
+
 Vectors and gradients travel at the wire precision; partial sums are added in float32. The
 layout is :func:`~dlrm_jax.embedding.plan.layout.pooled_layout` with hosts as owners.
 """
@@ -37,8 +43,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.optimizers import merge_duplicates
+from dlrm_jax.embedding.exchange.common import if_overflow
 from dlrm_jax.embedding.exchange.pooled import PooledForm
+from dlrm_jax.embedding.plan.layout import whole_rows_capacity
 from dlrm_jax.ids import PAD_ID
 
 HOSTS, LOCAL = "hosts", "local"
@@ -159,6 +166,7 @@ class HostColumnsForm(_HostForm):
             [piece[vt.table] * full + vt.col_start + np.arange(g.width) for vt in g.vtables]
         ).astype(np.int32)
         self.whole_rows = optimizer.needs_whole_rows and self.per_host > 1
+        self.rows_capacity = whole_rows_capacity(plan, part.group)
 
     def _rows(self, ids):
         offset = jnp.asarray(self.layout.row_offset)[lax.axis_index(HOSTS)]
@@ -176,9 +184,23 @@ class HostColumnsForm(_HostForm):
             pooled = self._pool(vectors.astype(jnp.float32) * weights[..., None])  # [G, H, B_l, J, Ws]: my columns
             back = self.wire.send(pooled, _slices_to_requesters)  # [H, B_l, J, G, Ws]
             flat = back.transpose(1, 0, 2, 3, 4).reshape(back.shape[1], -1)  # [B_l, H * J * W]
-            return flat[:, self.reply_cols], (rows, weights)
+            return flat[:, self.reply_cols], (rows, weights, *self._distinct(rows))
 
-        return self._forward(local, table, ids_bs, weights_bs)
+        if not self.whole_rows:
+            return self._forward(local, table, ids_bs, weights_bs)
+        out, residual, _ = self._forward(local, table, ids_bs, weights_bs)
+        return out, residual, jnp.max(residual[3]).astype(jnp.int32)
+
+    def _distinct(self, rows):
+        """With whole-row statistics: each position's index among the distinct rows the host
+        was asked for [n] (sorted, so the real rows come first), and whether more of them than
+        the capacity were asked of any host ([1], agreed by every device). Else nothing."""
+        if not self.whole_rows:
+            return ()
+        n, pad = rows.size, self.group.local_rows
+        uniq, inv = jnp.unique(rows.reshape(-1), size=n, fill_value=pad, return_inverse=True)
+        most = lax.pmax(jnp.sum(uniq < pad), (HOSTS, LOCAL))
+        return inv.reshape(-1), (most > self.rows_capacity)[None], most[None]
 
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):
@@ -187,7 +209,7 @@ class HostColumnsForm(_HostForm):
         vectors = self.hosts * lay.pieces * self.per_host * g.width
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
-            rows, weights = residual_local
+            rows, weights, *distinct = residual_local
             b_l = grad_local.shape[0]
             full = jnp.zeros((b_l, vectors), grad_local.dtype).at[:, self.reply_cols].set(grad_local)
             full = full.reshape(b_l, self.hosts, lay.pieces, self.per_host, g.width).transpose(1, 0, 2, 3, 4)
@@ -198,11 +220,33 @@ class HostColumnsForm(_HostForm):
                 return opt.update(table_local, slots_local, rows, grads, lr)
             # The host's devices hold the slices of the same rows at the same positions: a
             # row's squared gradient over its whole width is a sum over the host.
-            _, merged, inv = merge_duplicates(rows, grads, g.local_rows, return_inverse=True, exact=opt.exact_sums)
-            sq = lax.psum(jnp.sum(merged * merged, -1), LOCAL)[inv] / self.dim
+            inv, over, most = distinct
+            merged = opt.segment_sum(grads, inv, rows.shape[0])  # by distinct row, in sorted order
+            sq = self._host_sums(jnp.sum(merged * merged, -1), over[0], most[0])[inv] / self.dim
             return opt.update(table_local, slots_local, rows, grads, lr, row_mean_sq=sq)
 
         fn = jax.shard_map(
             local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
         )
         return fn(table, slots, residual, grad_bc, lr)
+
+    def _host_sums(self, sq, over, most):
+        """[n] squared sums of this device's slices by distinct row (the real rows first) ->
+        the host's totals: the first ``rows_capacity`` in one all-reduce within the host, the
+        rest (when any host was asked for more distinct rows) in further rounds as large."""
+        c, n = self.rows_capacity, sq.shape[0]
+        if c >= n:
+            return lax.psum(sq, LOCAL)
+        total = jnp.zeros_like(sq).at[:c].set(lax.psum(sq[:c], LOCAL))
+        rounds = -(-n // c)
+        padded = jnp.pad(sq, (0, rounds * c - n))
+
+        def more(total):
+            def one_round(i, acc):
+                window = lax.psum(lax.dynamic_slice_in_dim(padded, i * c, c), LOCAL)
+                return lax.dynamic_update_slice_in_dim(acc, window, i * c, 0)
+
+            acc = jnp.pad(total, (0, rounds * c - n))
+            return lax.fori_loop(1, (most + c - 1) // c, one_round, acc)[:n]
+
+        return if_overflow(over, more, lambda total: total, total)

@@ -131,6 +131,28 @@ def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
     return _capacity(plan, g)
 
 
+def whole_rows_key(g: Group) -> str:
+    """The key of a host-columns part's whole-row capacity in ``plan.capacities`` (beside the
+    ids parts' buckets, which are keyed by the group's name alone)."""
+    return f"{g.name}:whole_rows"
+
+
+def needs_whole_rows(plan: EmbeddingPlan, g: Group) -> bool:
+    """Whether the part's updates need each row's squared gradient over its whole width from
+    the column slices' owners (row-wise Adagrad on a table split by columns)."""
+    return plan.optimizer == "rowwise_adagrad" and g.has_column_slices
+
+
+def whole_rows_capacity(plan: EmbeddingPlan, g: Group) -> int:
+    """Distinct rows whose squared gradients a host-columns part's devices add up in one
+    all-reduce (row-wise Adagrad): measured when the plan has it, else every position a
+    device pools (the global batch times K), which no step can exceed. A step with more
+    distinct rows adds the rest in further rounds of the same size."""
+    positions = plan.global_batch * pooled_layout(plan, g).ids_per_sample
+    measured = dict(plan.capacities).get(whole_rows_key(g))
+    return positions if measured is None else max(1, min(positions, measured))
+
+
 def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> ExchangeKind:
     """ALLREDUCE when all-reducing the [rows, W] float32 gradient moves fewer bytes than
     all-gathering every device's (row, gradient) pairs; GATHER otherwise (and on one device,

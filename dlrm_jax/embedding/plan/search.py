@@ -37,7 +37,16 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     TablePlan,
     vector_bytes,
 )
-from dlrm_jax.embedding.plan.layout import HOST_STRATEGIES, KIND_BLOCK, KIND_FIXED, exchange_parts, pooled_layout
+from dlrm_jax.embedding.plan.layout import (
+    HOST_STRATEGIES,
+    KIND_BLOCK,
+    KIND_FIXED,
+    exchange_parts,
+    host_size,
+    needs_whole_rows,
+    pooled_layout,
+    whole_rows_key,
+)
 from dlrm_jax.embedding.plan.specs import TableSpec
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient
@@ -49,11 +58,19 @@ class TableStats:
     """A table's ids in one device's share of a batch (from the data's first batches):
     ``distinct`` rows it looks up, and ``row_owner`` the most distinct rows it asks of one
     owner when the table is split by rows over every device in blocks (the bucket that split
-    needs); ``cyclic_owner`` the same for rows dealt out cyclically (None: as in blocks)."""
+    needs); ``cyclic_owner`` the same for rows dealt out cyclically (None: as in blocks);
+    ``batch_distinct`` the distinct rows of a whole global batch (None: unknown, see
+    :meth:`in_batch`)."""
 
     distinct: float
     row_owner: float
     cyclic_owner: float | None = None
+    batch_distinct: float | None = None
+
+    def in_batch(self, num_devices: int) -> float:
+        """Distinct rows in a global batch of ``num_devices`` devices' shares: measured, else
+        every device's distinct rows as if no two shared one (an upper bound)."""
+        return self.batch_distinct if self.batch_distinct is not None else self.distinct * num_devices
 
     def owner(self, layout: RowLayout) -> float:
         """The busiest owner's distinct rows under ``layout``."""
@@ -65,7 +82,12 @@ class TableStats:
 def batch_bound_stats(spec: TableSpec, local_batch: int, n: int) -> TableStats:
     """Without data: every lookup distinct, spread evenly over the owners of a row split."""
     lookups = local_batch * spec.bag_size
-    return TableStats(min(lookups, spec.rows), min(math.ceil(lookups / n), math.ceil(spec.rows / n)))
+    return TableStats(
+        min(lookups, spec.rows),
+        min(math.ceil(lookups / n), math.ceil(spec.rows / n)),
+        None,
+        min(lookups * n, spec.rows),
+    )
 
 
 def column_slices(spec: TableSpec, num_devices: int) -> int:
@@ -96,9 +118,16 @@ def column_options(spec: TableSpec, n: int) -> list[int]:
 def estimated_capacities(plan: EmbeddingPlan, stats: Sequence[TableStats]) -> tuple[tuple[str, int], ...]:
     """Per ids part, the bucket its tables' statistics predict: per owner, the row-wise
     tables' ``row_owner`` plus the distinct rows of its table-wise ids tables; the busiest
-    owner's, times the plan's capacity factor."""
+    owner's, times the plan's capacity factor. Per host-columns part with whole-row
+    statistics, the distinct rows of the busiest host's tables in a batch, times the factor."""
     out = []
     for part in exchange_parts(plan):
+        if part.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, part.group):
+            per_host = host_size(plan)
+            per_owner = np.zeros(plan.num_devices // per_host)
+            for t in {vt.table for vt in part.group.vtables}:
+                per_owner[plan.tables[t].devices[0] // per_host] += stats[t].in_batch(plan.num_devices)
+            out.append((whole_rows_key(part.group), max(1, math.ceil(plan.capacity_factor * per_owner.max()))))
         if part.kind != ExchangeKind.IDS:
             continue
         per_owner = np.zeros(plan.num_devices)

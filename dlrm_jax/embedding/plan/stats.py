@@ -18,7 +18,9 @@ from dlrm_jax.embedding.plan.layout import (
     ExchangePart,
     exchange_parts,
     group_capacity,
+    needs_whole_rows,
     pooled_layout,
+    whole_rows_capacity,
 )
 
 
@@ -43,7 +45,9 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
         )
     elif part.kind == ExchangeKind.IDS:
         out["capacity"] = group_capacity(plan, g)
-    out["whole_rows"] = plan.optimizer == "rowwise_adagrad" and g.has_column_slices
+    out["whole_rows"] = needs_whole_rows(plan, g)
+    if part.kind == ExchangeKind.HOST_COLUMNS:
+        out["rows_capacity"] = whole_rows_capacity(plan, g)
     return out
 
 
@@ -76,8 +80,9 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
     within the host, the ids (and weights) and gradients of all H x G requesters all-gathered
     and their float32 partial sums reduce-scattered; host columns: the same between hosts,
     within the host the ids all-gathered, each device's slices of the H x G requesters' vectors
-    and gradients exchanged (all-to-all), and with row-wise Adagrad one float per position
-    all-reduced (the rows' squared gradients over their whole width). ``replicas``: hosts holding equal
+    and gradients exchanged (all-to-all), and with row-wise Adagrad one float per distinct row
+    all-reduced (the rows' squared gradients over their whole width; ``whole_rows_capacity``
+    of them, the overflow rounds not counted). ``replicas``: hosts holding equal
     replicas (embedding.sync=host_replicas), whose owners all-gather what their counterparts
     received."""
     g, s = part.group, _part_shapes(plan, part)
@@ -109,7 +114,7 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
             ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * per_host * vec), SPAN_HOSTS),
             ("all-to-all", (per_host - 1) * h * lb * 2 * j * vec, SPAN_HOST),
             ("all-gather", (per_host - 1) * h * lb * k * ids, SPAN_HOST),
-            ("all-reduce", 2 * (per_host - 1) * h * lb * k * 4 * s["whole_rows"], SPAN_HOST),
+            ("all-reduce", 2 * (per_host - 1) * s["rows_capacity"] * 4 * s["whole_rows"] / per_host, SPAN_HOST),
         ]
     return [
         ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * s["whole_rows"]), SPAN_ALL),
