@@ -202,9 +202,12 @@ def test_host_columns_whole_rows_of_distinct_rows_only(tiny, capacity):
     coll, state = check_against_reference(cfg, 8, plan=plan)
     (form,) = [f for f in coll.forms if type(f).__name__ == "HostColumnsForm"]
     assert form.rows_capacity == want
-    ids = jax.device_put(source.train_batch(0).ids, jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS)))
-    _, res = jax.jit(coll.lookup)(state, ids)
+    ids = source.train_batch(0).ids
+    _, res = jax.jit(coll.lookup)(state, jax.device_put(ids, jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS))))
     assert (int(res.overflow) > 0) == (capacity == "rounds")
+    # The measurement counts what the step's forward finds: the most distinct rows of a host.
+    most = int(np.max(res.routes[coll.forms.index(form)][4]))
+    assert measure_capacities(plan, [ids], 1.0) == ((whole_rows_key(part.group), most),)
 
 
 DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"), ("column", 2, "adagrad")]

@@ -266,7 +266,8 @@ def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
 )
 def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
     """The planner's statistics (distinct rows a device looks up; the busiest owner's distinct
-    requests under a block and a cyclic row split) equal what the step's own routing sends."""
+    requests under a block and a cyclic row split; a whole batch's distinct rows) equal what
+    the step's own routing sends."""
     from dlrm_jax.embedding.exchange.capacity import table_stats
     from dlrm_jax.embedding.plan.specs import TableSpec
 
@@ -289,3 +290,7 @@ def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
             distinct.append(len(pairs))
         assert got[t].distinct == pytest.approx(np.mean(distinct))
         assert (got[t].row_owner, got[t].cyclic_owner) == (most[KIND_BLOCK], most[KIND_CYCLIC])
+        in_batches = [
+            np.setdiff1d(ids[b : b + n * local, starts[t] : starts[t + 1]], [PAD_ID]).size for b in (0, n * local)
+        ]
+        assert got[t].batch_distinct == pytest.approx(np.mean(in_batches))
