@@ -227,6 +227,9 @@ class EmbeddingConfig:
     row_layout: str = field(default="block", metadata=_choices(*RowLayout, "auto"))
     capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
     bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
+    # The ids exchange on several hosts: a host's requests merged before they cross hosts
+    # (two_level), or every device to every owner (flat); auto: the faster predicted.
+    ids_exchange: str = field(default="auto", metadata=_choices("auto", "flat", "two_level"))
     capacity_factor: float = field(
         default=1.25, metadata=POS
     )  # headroom of the all-to-all buckets over the busiest owner's load

@@ -19,7 +19,8 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, RowLayout
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
+from dlrm_jax.embedding.plan.layout import exchange_parts, two_level_ids
 from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
@@ -81,7 +82,32 @@ def plan_for_run(
         block = measured(dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, row_layout="block")))
         if predict_step(block, cluster).embedding_s <= predict_step(plan, cluster).embedding_s:
             plan = block
+    hosts = two_level_hosts(cfg, plan, cluster.devices_per_host)
+    if hosts > 1:  # the ids exchange in two levels: kept when asked for, or when predicted faster
+        two = dataclasses.replace(plan, ids_hosts=hosts)
+        if batches and cfg.embedding.capacity_from == "measured":  # the same buckets, and the two stages'
+            capacities = agree("capacities", measure_capacities(two, batches, cfg.embedding.capacity_factor))
+            two = dataclasses.replace(two, capacities=capacities)
+        if cfg.embedding.ids_exchange == "two_level" or (
+            predict_step(two, cluster).embedding_s < predict_step(plan, cluster).embedding_s
+        ):
+            plan = two
     return plan
+
+
+def two_level_hosts(cfg: Config, plan: EmbeddingPlan, devices_per_host: int) -> int:
+    """Hosts the plan's ids exchange may go over in two levels (1: none): tables over every
+    device (not per host), hosts of several devices tiling them, an ids part that can, and
+    ``embedding.ids_exchange`` not ``flat``."""
+    n = plan.num_devices
+    if cfg.embedding.ids_exchange == "flat" or cfg.embedding.tables_per_host or devices_per_host < 2:
+        return 1
+    if n % devices_per_host or n // devices_per_host < 2:
+        return 1
+    hosts = n // devices_per_host
+    probe = dataclasses.replace(plan, ids_hosts=hosts)
+    parts = [p for p in exchange_parts(probe) if p.kind == ExchangeKind.IDS and two_level_ids(probe, p.group)]
+    return hosts if parts else 1
 
 
 def _most(values):

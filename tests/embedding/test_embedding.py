@@ -23,6 +23,8 @@ from dlrm_jax.embedding.plan.layout import (
     exchange_parts,
     group_capacity,
     pooled_layout,
+    two_level_capacities,
+    two_level_keys,
     whole_rows_capacity,
     whole_rows_key,
 )
@@ -208,6 +210,56 @@ def test_host_columns_whole_rows_of_distinct_rows_only(tiny, capacity):
     # The measurement counts what the step's forward finds: the most distinct rows of a host.
     most = int(np.max(res.routes[coll.forms.index(form)][4]))
     assert measure_capacities(plan, [ids], 1.0) == ((whole_rows_key(part.group), most),)
+
+
+TWO_LEVEL = [
+    ("sgd", 8, 4, "measured", False),
+    ("rowwise_adagrad", 8, 2, "measured", True),
+    ("adagrad", 4, 2, "measured", True),
+    ("adagrad", 8, 4, "one level", False),
+]
+
+
+@pytest.mark.parametrize(
+    "optimizer,devices,per_host,capacities,multi_hot",
+    TWO_LEVEL,
+    ids=[f"{o}-{d}dev-hosts-of-{g}-{c}-{'bags' if m else 'onehot'}" for o, d, g, c, m in TWO_LEVEL],
+)
+def test_two_level_ids_match_reference(tiny, optimizer, devices, per_host, capacities, multi_hot):
+    """Row-wise tables' ids in two levels (a host's requests merged at the device of each
+    local index, then across hosts): forward and state after 40 steps against the reference,
+    with the stage capacities measured on the batches trained on, and with capacities of one
+    row (every step runs the one-level form instead, and reports it)."""
+    bags = ["data.bag_sizes=[3, 1, 4, 2, 2]", "data.pooling=mean"] if multi_hot else []
+    cfg = tiny(
+        f"embedding.optimizer={optimizer}",
+        "train.batch_size=32",
+        CARDS,
+        *bags,
+        "embedding.sharding=row",
+        f"cluster.devices_per_host={per_host}",
+    )
+    plan = dataclasses.replace(plan_from_config(cfg, devices), ids_hosts=devices // per_host)
+    (part,) = [p for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
+    source = SyntheticSource(cfg)
+    batches = [source.train_batch(i).ids for i in range(40)]
+    if capacities == "measured":
+        plan = dataclasses.replace(plan, capacities=measure_capacities(plan, batches, 1.0))
+        every = plan.global_batch // devices * part.group.num_vslots
+        assert max(two_level_capacities(plan, part.group)) < per_host * every  # smaller than no measurement
+    else:
+        plan = dataclasses.replace(plan, capacities=tuple((k, 1) for k in two_level_keys(part.group)))
+    coll, state = check_against_reference(cfg, devices, plan=plan)
+    (form,) = coll.forms
+    assert type(form).__name__ == "HostIdsForm" and (form.c1, form.c2) == two_level_capacities(plan, part.group)
+    _, res = jax.jit(coll.lookup)(state, jax.device_put(batches[0], jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS))))
+    assert (int(res.overflow) > 0) == (capacities == "one level")
+    # The measurement counts what the step's routing finds: the fullest buckets of each stage
+    # (of stage 2 only when stage 1 sent everything).
+    most = np.asarray(res.routes[0][0][0].most).reshape(-1, 2).max(0)  # (route, ids), weights
+    measured = dict(measure_capacities(plan, batches[:1], 1.0))
+    want = tuple(measured[k] for k in two_level_keys(part.group))
+    assert most[0] == want[0] and (most[1] == want[1] or capacities == "one level")
 
 
 DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"), ("column", 2, "adagrad")]

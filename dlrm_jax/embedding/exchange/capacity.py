@@ -24,6 +24,8 @@ from dlrm_jax.embedding.plan.layout import (
     exchange_parts,
     needs_whole_rows,
     pooled_layout,
+    two_level_ids,
+    two_level_keys,
     whole_rows_key,
 )
 from dlrm_jax.embedding.plan.search import TableStats
@@ -34,10 +36,30 @@ from dlrm_jax.ids import PAD_ID
 def busiest_owner(g: Group, ids_local: np.ndarray) -> int:
     """The most distinct rows one owner is asked for by one device holding ``ids_local``
     (int32 [B_l, S], the device's share of a batch)."""
+    owner, _ = _requests(g, ids_local)
+    return int(np.bincount(owner, minlength=g.num_devices).max(initial=0))
+
+
+def _requests(g: Group, ids_local: np.ndarray):
+    """A device's distinct requests as (owner, row) int64 arrays, routed as the step routes."""
     vids = ids_local[:, g.vslot_slot]
     owner, row, valid = route(vids, g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block, g.num_devices, xp=np)
-    key = owner.astype(np.int64)[valid] * g.local_rows + row[valid]
-    return int(np.bincount(np.unique(key) // g.local_rows, minlength=g.num_devices).max(initial=0))
+    key = np.unique(owner.astype(np.int64)[valid] * g.local_rows + row[valid])
+    return key // g.local_rows, key
+
+
+def two_level_counts(g: Group, ids_host: np.ndarray, hosts: int, local: int) -> tuple[int, int]:
+    """For the rows ``ids_host`` of one host's devices (``local`` each, in device order): the
+    most distinct requests one device sends its relay for the owners of one local index (C1),
+    and the most one relay sends one owner host, its host's requests merged (C2)."""
+    per_host = g.num_devices // hosts
+    most1, every = 0, []
+    for start in range(0, ids_host.shape[0], local):
+        owner, key = _requests(g, ids_host[start : start + local])
+        most1 = max(most1, int(np.bincount(owner % per_host, minlength=per_host).max(initial=0)))
+        every.append(key)
+    owner = np.unique(np.concatenate(every)) // g.local_rows if every else np.zeros(0, np.int64)
+    return most1, int(np.bincount(owner, minlength=g.num_devices).max(initial=0))
 
 
 def count_distinct(values: np.ndarray, bound: int) -> int:
@@ -82,11 +104,19 @@ def measure_capacities(
     ]
     local = plan.global_batch // plan.num_devices
     most = dict.fromkeys((g.name for g in parts), 0) | dict.fromkeys((whole_rows_key(g) for g in hosts), 0)
+    two_level = [g for g in parts if two_level_ids(plan, g)]
+    most |= dict.fromkeys((k for g in two_level for k in two_level_keys(g)), 0)
+    host_rows = plan.global_batch // max(plan.ids_hosts, 1)
     for ids in id_batches:
         ids = np.asarray(ids)
         for start in range(0, ids.shape[0], local):
             for g in parts:
                 most[g.name] = max(most[g.name], busiest_owner(g, ids[start : start + local]))
+        for start in range(0, ids.shape[0], host_rows):
+            for g in two_level:
+                counts = two_level_counts(g, ids[start : start + host_rows], plan.ids_hosts, local)
+                for key, count in zip(two_level_keys(g), counts, strict=True):
+                    most[key] = max(most[key], count)
         for g in hosts:  # distinct rows grow slower than the batch: scaling up over-counts
             scale = plan.global_batch / max(ids.shape[0], 1)
             most[whole_rows_key(g)] = max(most[whole_rows_key(g)], math.ceil(scale * busiest_host(plan, g, ids)))

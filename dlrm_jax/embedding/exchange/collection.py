@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
+from dlrm_jax.embedding.exchange.host_ids import HostIdsForm
 from dlrm_jax.embedding.exchange.host_pooled import HostColumnsForm, HostPooledForm
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
@@ -33,7 +34,15 @@ from dlrm_jax.embedding.exchange.routing import hot_index, route
 from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
-from dlrm_jax.embedding.plan.layout import Group, VirtualTable, build_groups, exchange_parts, group_capacity
+from dlrm_jax.embedding.plan.layout import (
+    Group,
+    VirtualTable,
+    build_groups,
+    exchange_parts,
+    group_capacity,
+    two_level_capacities,
+    two_level_ids,
+)
 from dlrm_jax.embedding.plan.specs import Pooling
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import (
@@ -322,4 +331,7 @@ def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int,
             )
         form = HostPooledForm if part.kind == ExchangeKind.HOST_POOLED else HostColumnsForm
         return form(plan, part, mesh, wire, optimizer, dim)
+    if replicas is None and two_level_ids(plan, part.group):
+        capacities = (group_capacity(plan, part.group), *two_level_capacities(plan, part.group))
+        return HostIdsForm(part, mesh, capacities, wire, optimizer, dim, plan.ids_hosts)
     return IdsForm(part, mesh, group_capacity(plan, part.group), wire, optimizer, dim, replicas)

@@ -172,6 +172,9 @@ class EmbeddingPlan:
     capacities: tuple[tuple[str, int], ...] = ()
     hot: HotPlan | None = None
     tier: TierPlan | None = None
+    # Hosts the ids exchange goes over in two levels (exchange/host_ids.py: a host's requests
+    # merged before they cross hosts); 1: one level, every device to every owner.
+    ids_hosts: int = 1
 
     @property
     def tiered_tables(self) -> tuple[int, ...]:

@@ -131,6 +131,31 @@ def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
     return _capacity(plan, g)
 
 
+def two_level_ids(plan: EmbeddingPlan, g: Group) -> bool:
+    """Whether an ids part goes in two levels (``plan.ids_hosts`` > 1): not for column slices
+    whose update needs whole-row statistics, nor for tiered tables' device caches."""
+    return plan.ids_hosts > 1 and not needs_whole_rows(plan, g) and plan.tier is None
+
+
+def two_level_keys(g: Group) -> tuple[str, str]:
+    """The keys of a two-level ids part's stage-1 and stage-2 capacities in ``plan.capacities``."""
+    return f"{g.name}:local", f"{g.name}:hosts"
+
+
+def two_level_capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
+    """(C1, C2) of a two-level ids part: the distinct rows one device sends its relay for the
+    owners of one local index, and one relay sends one host; measured when the plan has them,
+    else every request (which no step can exceed)."""
+    every = plan.global_batch // plan.num_devices * g.num_vslots
+    per_host = plan.num_devices // plan.ids_hosts
+    measured = dict(plan.capacities)
+    c1, c2 = (measured.get(k) for k in two_level_keys(g))
+    return (
+        every if c1 is None else max(1, min(every, c1)),
+        per_host * every if c2 is None else max(1, min(per_host * every, c2)),
+    )
+
+
 def whole_rows_key(g: Group) -> str:
     """The key of a host-columns part's whole-row capacity in ``plan.capacities`` (beside the
     ids parts' buckets, which are keyed by the group's name alone)."""

@@ -20,6 +20,8 @@ from dlrm_jax.embedding.plan.layout import (
     group_capacity,
     needs_whole_rows,
     pooled_layout,
+    two_level_capacities,
+    two_level_ids,
     whole_rows_capacity,
 )
 
@@ -45,6 +47,7 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
         )
     elif part.kind == ExchangeKind.IDS:
         out["capacity"] = group_capacity(plan, g)
+        out["two_level"] = two_level_capacities(plan, g) if two_level_ids(plan, g) else None
     out["whole_rows"] = needs_whole_rows(plan, g)
     if part.kind == ExchangeKind.HOST_COLUMNS:
         out["rows_capacity"] = whole_rows_capacity(plan, g)
@@ -73,7 +76,10 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
     allreduce: the part's [rows, W] float32 gradient, all-reduced (ring: 2 (n-1)/n of it);
     gather: the device's (row, gradient) pairs to every other device; ids: per owner C row ids
     out, C vectors back, C row ids and C gradients out (+ C floats both ways of whole-row
-    statistics for row-wise Adagrad on column slices); pooled: per owner B_l x K ids (and
+    statistics for row-wise Adagrad on column slices); ids in two levels (``ids_hosts``):
+    to each relay of the host C1 (host, row) pairs out, C1 vectors back and C1 gradients out,
+    to each other host C2 rows out, C2 vectors back and C2 gradients out, and the two
+    fullest buckets' counts all-reduced (the one-level overflow path not counted); pooled: per owner B_l x K ids (and
     weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
     floats both ways of whole-row statistics); host pooled (H hosts of G devices): to each
     other host B_l x K ids (and weights) out, B_l x J vectors back and B_l x J gradients out;
@@ -92,6 +98,14 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
         return [("all-reduce", 2 * (m - 1) / m * g.local_rows * w * 4, SPAN_ALL)]
     if part.kind == ExchangeKind.GATHER:
         return [("all-gather", (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w), SPAN_ALL)]
+    if part.kind == ExchangeKind.IDS and s["two_level"]:
+        (c1, c2), h = s["two_level"], plan.ids_hosts
+        per_host = n // h
+        return [
+            ("all-to-all", (per_host - 1) * c1 * (8 + 2 * vec), SPAN_HOST),
+            ("all-to-all", (h - 1) * c2 * (4 + 2 * vec), SPAN_HOSTS),
+            ("all-reduce", 2 * (n - 1) * 8 / n, SPAN_ALL),  # the fullest buckets, agreed
+        ]
     if part.kind == ExchangeKind.IDS:
         c = s["capacity"]
         return [
@@ -131,6 +145,13 @@ def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
         return 2 * g.local_rows * w * 4
     if part.kind == ExchangeKind.GATHER:
         return n * lb * g.num_vslots * (4 + 4 * w)
+    if part.kind == ExchangeKind.IDS and s["two_level"]:  # beside the one-level buffers of its overflow
+        (c1, c2), per_host = s["two_level"], n // plan.ids_hosts
+        return (
+            2 * n * s["capacity"] * (4 + 2 * vec)
+            + 2 * per_host * c1 * (8 + 2 * vec)
+            + 2 * (n // per_host) * c2 * (4 + 2 * vec)
+        )
     if part.kind == ExchangeKind.IDS:
         return 2 * n * s["capacity"] * (4 + 2 * vec)
     if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):  # every requester's ids and sums
@@ -279,6 +300,15 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
                 "each host's devices sum their "
                 + ("rows of each bag and add the sums" if rows else "columns of each bag and trade the slices")
                 + f" within the host: {lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
+            )
+        elif two_level_ids(plan, g):
+            (c1, c2), per_host = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
+            where = f"in {g.width}-wide pieces, in two levels over {plan.ids_hosts} hosts of {per_host}"
+            how = (
+                f"each device's distinct rows go to the device of its host with the owner's local index, which "
+                f"merges the host's and asks each host once: up to {c1:,} rows from each device to each of its "
+                f"host's, {c2:,} from each to each host a step ({'measured on the data' if g.name in measured else 'from the batch size'}; "
+                f"more run one level, up to {group_capacity(plan, g):,} rows from each device to each owner)"
             )
         else:
             c = group_capacity(plan, g)
