@@ -66,6 +66,20 @@ FORMS = {
         "embedding.optimizer=rowwise_adagrad",
         "data.pooling=mean",
     ],
+    # ids in two levels: 2 hosts of 2 devices, the host's requests merged before crossing
+    "ids-two-level": [
+        "embedding.sharding=row",
+        "cluster.devices_per_host=2",
+        "embedding.ids_exchange=two_level",
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+    ],
+    "ids-two-level-bf16-mixed": [
+        "embedding.sharding=table",
+        "embedding.table_sharding=[cat_0=row, cat_1=replicated, cat_2=column, cat_3=row]",
+        "cluster.devices_per_host=2",
+        "embedding.ids_exchange=two_level",
+        "embedding.exchange_dtype=bfloat16",
+    ],
     "host-pooled-mixed-float8": [
         "embedding.sharding=host_row",
         "cluster.devices_per_host=2",
@@ -347,3 +361,21 @@ def test_link_bytes_split_by_the_links_each_collective_takes():
             assert between == pytest.approx(hosts)
         one_host = dataclasses.replace(H100, devices_per_host=64)
         assert exchange_link_bytes(plan, one_host)[1] == 0 and bound_link_bytes(plan, one_host)[1] == 0
+
+
+def test_the_planner_merges_a_hosts_ids_on_many_devices_and_not_on_one_host():
+    """criteo_kaggle (one-hot, row-wise) on 512 devices of H100 hosts: each device asks each
+    owner for ~4 rows, so flat buckets are sized by the busiest of 262,144 pairs; the plan
+    (with buckets measured on the data) sends the ids in two levels, moving less than half the
+    bytes. On one host there is nothing to merge: one level."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.train.planning import plan_for_run
+
+    cfg = load_config("criteo_kaggle", ["mesh.devices=512", "cluster.profile=h100", "train.batch_size=65536"])
+    plan = plan_for_run(cfg, 512, 1, make_source(cfg), simulated=True)
+    assert plan.ids_hosts == 64
+    flat = dataclasses.replace(plan, ids_hosts=1)
+    assert sum(collective_bytes(plan).values()) < 0.5 * sum(collective_bytes(flat).values())
+    assert sum(collective_bytes(plan).values()) < 2.5 * lower_bound_bytes(plan)
+    one_host = load_config("criteo_kaggle", ["mesh.devices=8", "cluster.profile=h100", "train.batch_size=8192"])
+    assert plan_for_run(one_host, 8, 1, make_source(one_host), simulated=True).ids_hosts == 1

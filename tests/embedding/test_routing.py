@@ -294,3 +294,36 @@ def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
             np.setdiff1d(ids[b : b + n * local, starts[t] : starts[t + 1]], [PAD_ID]).size for b in (0, n * local)
         ]
         assert got[t].batch_distinct == pytest.approx(np.mean(in_batches))
+
+
+@settings(max_examples=examples(25))
+@given(
+    hosts=st.sampled_from([1, 2, 4]),
+    per_host=st.sampled_from([1, 2, 4]),
+    rows=st.integers(1, 12),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_two_level_stage_one_ranks_requests_per_local_index(hosts, per_host, rows, n, seed):
+    """The two-level exchange's first stage: every distinct (owner, row) request gets one
+    place among the requests to owners of its local index, the places of one local index are
+    0 .. count - 1, and each request's slot finds the place of its own (owner, row)."""
+    from dlrm_jax.embedding.exchange.host_ids import stage_counts
+
+    rng = np.random.default_rng(seed)
+    owner = rng.integers(0, hosts * per_host, n).astype(np.int32)
+    row = rng.integers(0, rows, n).astype(np.int32)
+    valid = rng.random(n) < 0.8
+    b, rank, slot_rank = jax.jit(stage_counts, static_argnums=(3, 4, 5))(owner, row, valid, hosts, per_host, rows)
+    b, rank, slot_rank = jax.tree.map(np.asarray, (b, rank, slot_rank))
+    key = (b.unique_owner % hosts) * per_host + b.unique_owner // hosts  # back to the owner index
+    pairs = {(int(o), int(r)) for o, r, v in zip(owner, row, valid, strict=True) if v}
+    got = {(int(key[i]), int(b.unique_row[i])) for i in np.flatnonzero(b.unique_valid)}
+    assert got == pairs  # each distinct request once
+    local = b.unique_owner // hosts
+    for k in range(per_host):
+        at = np.flatnonzero(b.unique_valid & (local == k))
+        assert sorted(rank[at]) == list(range(at.size))
+    for i in np.flatnonzero(valid):
+        j = np.flatnonzero(b.unique_valid & (rank == slot_rank[i]) & (local == b.slot_owner[i] // hosts))
+        assert j.size == 1 and (key[j[0]], b.unique_row[j[0]]) == (owner[i], row[i])

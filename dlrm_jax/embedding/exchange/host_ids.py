@@ -74,13 +74,17 @@ def _to_hosts(x):
 
 def stage_counts(owner, row, valid, hosts: int, per_host: int, local_rows: int):
     """A requester's distinct (owner, row) requests sorted by (owner's local index, owner's
-    host, row): the :class:`~dlrm_jax.embedding.exchange.routing.Buckets` of that order and
-    each request's rank among those to owners of the same local index (its stage-1 place)."""
+    host, row): the :class:`~dlrm_jax.embedding.exchange.routing.Buckets` of that order (its
+    owners are local index * hosts + host), each distinct request's rank among those to
+    owners of the same local index (its stage-1 place), and each slot's."""
     key = (owner % per_host) * hosts + owner // per_host
     b = bucket(key, row, valid, hosts * per_host, local_rows)
     starts = jnp.cumsum(b.counts) - b.counts
-    first = starts[(b.unique_owner // hosts) * hosts]
-    return b, starts[b.unique_owner] + b.unique_rank - first, starts
+
+    def rank(owner_key, within):  # the place among the same local index's requests
+        return starts[owner_key] + within - starts[(owner_key // hosts) * hosts]
+
+    return b, rank(b.unique_owner, b.unique_rank), rank(b.slot_owner, b.slot_rank)
 
 
 class HostIdsForm(IdsForm):
@@ -120,7 +124,7 @@ class HostIdsForm(IdsForm):
             jnp.asarray(g.vslot_block),
             g.num_devices,
         )
-        b, rank1, starts = stage_counts(owner, row, valid, H, G, g.local_rows)
+        b, rank1, slot_rank = stage_counts(owner, row, valid, H, G, g.local_rows)
         # Stage 1: each distinct request's (owner host, row) to its relay, by local index.
         fits = b.unique_valid & (rank1 < c1)
         k_of, h_of = b.unique_owner // H, b.unique_owner % H
@@ -131,7 +135,6 @@ class HostIdsForm(IdsForm):
             ],
             axis=1,
         )  # [G, 2, C1]
-        slot_rank = starts[b.slot_owner] + b.slot_rank - starts[(b.slot_owner // H) * H]
         usable = b.slot_valid & (slot_rank < c1)
         slot_dest = jnp.where(usable, (b.slot_owner // H) * c1 + slot_rank, G * c1)
         # Stage 2, at the relay: the host's requests merged per owner host.
