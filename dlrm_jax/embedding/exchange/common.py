@@ -27,9 +27,10 @@ from dlrm_jax.embedding.plan.layout import Group
 from dlrm_jax.parallel.mesh import AXIS
 
 
-def route_and_bucket(g: Group, ids_local_bs: jax.Array):
+def route_group(g: Group, ids_local_bs: jax.Array):
+    """A device's ids [B_l, S] -> owner, row, valid [B_l, V] of each of the group's virtual slots."""
     vids = take_columns(ids_local_bs, g.vslot_slot)  # [B_l, V]
-    owner, row, valid = route(
+    return route(
         vids,
         jnp.asarray(g.vslot_kind),
         jnp.asarray(g.vslot_device),
@@ -37,9 +38,13 @@ def route_and_bucket(g: Group, ids_local_bs: jax.Array):
         jnp.asarray(g.vslot_block),
         g.num_devices,
     )
+
+
+def route_and_bucket(g: Group, ids_local_bs: jax.Array):
+    owner, row, valid = route_group(g, ids_local_bs)
     b = bucket(owner, row, valid, g.num_devices, g.local_rows)
     overflow = lax.pmax(jnp.max(b.counts), AXIS)
-    return vids.shape, b, overflow
+    return owner.shape, b, overflow
 
 
 def all_to_all(x):

@@ -36,10 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.columns import take_columns
-from dlrm_jax.embedding.exchange.common import if_overflow, route_and_bucket
+from dlrm_jax.embedding.exchange.common import if_overflow, route_and_bucket, route_group
 from dlrm_jax.embedding.exchange.host_pooled import HOSTS, LOCAL, host_mesh
-from dlrm_jax.embedding.exchange.routing import bucket, route, scatter_to_buckets
+from dlrm_jax.embedding.exchange.routing import bucket, scatter_to_buckets
 from dlrm_jax.embedding.exchange.sharded import IdsForm, sharded_forward, sharded_update
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import ExchangePart
@@ -115,15 +114,7 @@ class HostIdsForm(IdsForm):
     # ------------------------------------------------------------ routing (both levels)
     def _route_local(self, ids_local):
         g, H, G, c1, c2 = self.group, self.hosts, self.per_host, self.c1, self.c2
-        vids = take_columns(ids_local, g.vslot_slot)
-        owner, row, valid = route(
-            vids,
-            jnp.asarray(g.vslot_kind),
-            jnp.asarray(g.vslot_device),
-            jnp.asarray(g.vslot_offset),
-            jnp.asarray(g.vslot_block),
-            g.num_devices,
-        )
+        owner, row, valid = route_group(g, ids_local)
         b, rank1, slot_rank = stage_counts(owner, row, valid, H, G, g.local_rows)
         # Stage 1: each distinct request's (owner host, row) to its relay, by local index.
         fits = b.unique_valid & (rank1 < c1)
