@@ -60,20 +60,24 @@ def plan_for_run(
     local = cfg.train.batch_size // num_devices
     plan_devices = num_devices // hosts if cfg.embedding.tables_per_host else num_devices
     batches = [source.train_batch(i).ids for i in range(CALIBRATION_BATCHES)] if source is not None else []
+    cluster = cluster_from_config(cfg, simulated)
+    ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
     stats = None
     if batches and (cfg.embedding.sharding == "auto" or cfg.embedding.row_layout == "auto"):
         rows = min(len(batches[0]), STATS_DEVICES * local)
-        stats = agree(
-            "stats", table_stats(list(specs_from_config(cfg)), [b[:rows] for b in batches], plan_devices, local)
-        )
-    cluster = cluster_from_config(cfg, simulated)
+        per_host = cluster.devices_per_host if ids_hosts > 1 else 1
+        specs = list(specs_from_config(cfg))
+        stats = agree("stats", table_stats(specs, [b[:rows] for b in batches], plan_devices, local, per_host))
 
-    def measured(cfg: Config) -> EmbeddingPlan:
-        plan = host_plan_from_config(cfg, num_devices, hosts, budget_bytes, cluster=cluster, stats=stats)
+    def with_capacities(plan: EmbeddingPlan) -> EmbeddingPlan:
         if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
             capacities = agree("capacities", measure_capacities(plan, batches, cfg.embedding.capacity_factor))
             plan = dataclasses.replace(plan, capacities=capacities)
         return plan
+
+    def measured(cfg: Config, ids_hosts: int = 1) -> EmbeddingPlan:
+        kw = dict(cluster=cluster, stats=stats, ids_hosts=ids_hosts)
+        return with_capacities(host_plan_from_config(cfg, num_devices, hosts, budget_bytes, **kw))
 
     plan = measured(cfg)
     if cfg.embedding.row_layout == "auto" and batches:
@@ -82,36 +86,44 @@ def plan_for_run(
         block = measured(dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, row_layout="block")))
         if predict_step(block, cluster).embedding_s <= predict_step(plan, cluster).embedding_s:
             plan = block
-    hosts = two_level_hosts(cfg, plan, cluster.devices_per_host)
-    if hosts > 1:  # the ids exchange in two levels: kept when asked for, or when predicted faster
-        two = dataclasses.replace(plan, ids_hosts=hosts)
-        if batches and cfg.embedding.capacity_from == "measured":  # the same buckets, and the two stages'
-            capacities = agree("capacities", measure_capacities(two, batches, cfg.embedding.capacity_factor))
-            two = dataclasses.replace(two, capacities=capacities)
-        if cfg.embedding.ids_exchange == "two_level" or (
-            predict_step(two, cluster).embedding_s < predict_step(plan, cluster).embedding_s
-        ):
-            plan = two
+    if ids_hosts > 1:
+        # The ids exchange in two levels: this placement's ids parts, and (when the search
+        # places tables from the data) the placement searched with two levels priced; kept
+        # when asked for (embedding.ids_exchange=two_level) or when predicted faster.
+        two = [with_capacities(dataclasses.replace(plan, ids_hosts=ids_hosts))]
+        if stats is not None and cfg.embedding.sharding == "auto":
+            two.append(measured(cfg, ids_hosts))
+        two = [p for p in two if any_two_level(p)]
+        candidates = two if cfg.embedding.ids_exchange == "two_level" and two else [plan, *two]
+        plan = min(candidates, key=lambda p: predict_step(p, cluster).embedding_s)
     return plan
 
 
-def two_level_hosts(cfg: Config, plan: EmbeddingPlan, devices_per_host: int) -> int:
-    """Hosts the plan's ids exchange may go over in two levels (1: none): tables over every
-    device (not per host), hosts of several devices tiling them, an ids part that can, and
-    ``embedding.ids_exchange`` not ``flat``."""
-    n = plan.num_devices
+def any_two_level(plan: EmbeddingPlan) -> bool:
+    """Whether some ids part of the plan goes in two levels."""
+    return any(p.kind == ExchangeKind.IDS and two_level_ids(plan, p.group) for p in exchange_parts(plan))
+
+
+def two_level_hosts(cfg: Config, num_devices: int, devices_per_host: int) -> int:
+    """Hosts an ids exchange may go over in two levels (1: none): tables over every device
+    (not per host), hosts of several devices tiling them, and ``embedding.ids_exchange`` not
+    ``flat``."""
     if cfg.embedding.ids_exchange == "flat" or cfg.embedding.tables_per_host or devices_per_host < 2:
         return 1
-    if n % devices_per_host or n // devices_per_host < 2:
+    if num_devices % devices_per_host or num_devices // devices_per_host < 2:
         return 1
-    hosts = n // devices_per_host
-    probe = dataclasses.replace(plan, ids_hosts=hosts)
-    parts = [p for p in exchange_parts(probe) if p.kind == ExchangeKind.IDS and two_level_ids(probe, p.group)]
-    return hosts if parts else 1
+    return num_devices // devices_per_host
 
 
 def _most(values):
     return None if None in values else max(values)
+
+
+def _most_each(values):
+    """Per split and owner, the most of every process's (None if one has none)."""
+    if any(v is None for v in values):
+        return None
+    return tuple(tuple(max(x) for x in zip(*(v[k] for v in values), strict=True)) for k in range(2))
 
 
 def agree_by_max(values) -> list:
@@ -126,6 +138,10 @@ def agree_by_max(values) -> list:
                 max(v[t].row_owner for v in values),
                 max(v[t].owner(RowLayout.CYCLIC) for v in values),
                 _most([v[t].batch_distinct for v in values]),
+                _most([v[t].host_owner for v in values]),
+                _most([v[t].host_cyclic_owner for v in values]),
+                _most_each([v[t].by_owner for v in values]),
+                _most_each([v[t].by_owner_host for v in values]),
             )
             for t in range(len(first))
         ]

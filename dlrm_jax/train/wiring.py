@@ -61,8 +61,10 @@ def plan_options(
     budget_bytes: int,
     cluster: Cluster,
     stats: Sequence[TableStats] | None = None,
+    ids_hosts: int = 1,
 ) -> PlanOptions:
-    """The ``embedding.*`` keys a plan is made under, as one record."""
+    """The ``embedding.*`` keys a plan is made under, as one record (``ids_hosts``: see
+    ``PlanOptions``)."""
     e = cfg.embedding
     return PlanOptions(
         overrides=parse_overrides(e.table_sharding, specs),
@@ -77,6 +79,7 @@ def plan_options(
         device_cache=(e.tier.device_cache_rows, e.tier.device_cache_fraction),
         cluster=cluster,
         stats=stats,
+        ids_hosts=ids_hosts,
     )
 
 
@@ -88,12 +91,14 @@ def plan_from_config(
     cluster: Cluster | None = None,
     stats: Sequence[TableStats] | None = None,
     batch_size: int | None = None,
+    ids_hosts: int = 1,
 ) -> EmbeddingPlan:
     """The plan for a config's tables on ``num_devices`` devices. The budget defaults to
     ``embedding.memory_budget_gb``, else 90% of the cluster's device memory; ``cluster``
     defaults to the config's for simulated devices (:func:`cluster_from_config`); ``stats``:
     the tables' id statistics in the data (``exchange.capacity.table_stats``); ``batch_size``:
-    the batch these devices share (default ``train.batch_size``)."""
+    the batch these devices share (default ``train.batch_size``); ``ids_hosts``: hosts the
+    ids exchange goes over in two levels (1: one level)."""
     specs = specs_from_config(cfg)
     cluster = cluster or cluster_from_config(cfg, simulated=True)
     batch = cfg.train.batch_size if batch_size is None else batch_size
@@ -102,7 +107,7 @@ def plan_from_config(
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, num_devices, batch)), 1)
-    options = plan_options(cfg, specs, budget, cluster, stats)
+    options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
     return plan_embeddings(specs, cfg.embedding.sharding, num_devices, cfg.embedding.optimizer, batch, options)
 
 

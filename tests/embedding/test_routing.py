@@ -265,9 +265,9 @@ def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
     seed=st.integers(0, 2**16),
 )
 def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
-    """The planner's statistics (distinct rows a device looks up; the busiest owner's distinct
-    requests under a block and a cyclic row split; a whole batch's distinct rows) equal what
-    the step's own routing sends."""
+    """The planner's statistics (distinct rows a device looks up; per owner and at the
+    busiest, the distinct requests one device and one host of 2 send it under a block and a
+    cyclic row split; a whole batch's distinct rows) equal what the step's own routing sends."""
     from dlrm_jax.embedding.exchange.capacity import table_stats
     from dlrm_jax.embedding.plan.specs import TableSpec
 
@@ -276,20 +276,33 @@ def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
     local, batches = 5, 2
     ids = rng.integers(0, rows, (batches * n * local, sum(bags))).astype(np.int32)
     ids[rng.random(ids.shape) < 0.2] = PAD_ID
-    got = table_stats(specs, [ids[: n * local], ids[n * local :]], n, local)
+    per_host = 2 if n % 2 == 0 else 1
+    got = table_stats(specs, [ids[: n * local], ids[n * local :]], n, local, per_host)
     starts = np.cumsum([0, *bags])
     for t in range(len(specs)):
         block = -(-rows // n)
-        distinct, most = [], {KIND_BLOCK: 0, KIND_CYCLIC: 0}
-        for c in range(0, len(ids), local):
-            sub = ids[c : c + local, starts[t] : starts[t + 1]]
+        distinct = []
+        most = {kind: np.zeros(n) for kind in (KIND_BLOCK, KIND_CYCLIC)}
+        host_most = {kind: np.zeros(n) for kind in most}
+        for c in range(0, len(ids), local * per_host):
+            host = {kind: [] for kind in most}
+            for d in range(c, c + local * per_host, local):
+                sub = ids[d : d + local, starts[t] : starts[t + 1]]
+                for kind in most:
+                    owner, row, valid = (np.asarray(x) for x in route(sub, kind, 0, 0, block, n))
+                    pairs = np.unique(owner[valid].astype(np.int64) * block + row[valid])
+                    most[kind] = np.maximum(most[kind], np.bincount(pairs // block, minlength=n))
+                    host[kind].append(pairs)
+                distinct.append(len(pairs))
             for kind in most:
-                owner, row, valid = (np.asarray(x) for x in route(sub, kind, 0, 0, block, n))
-                pairs = np.unique(owner[valid].astype(np.int64) * block + row[valid])
-                most[kind] = max(most[kind], np.bincount(pairs // block, minlength=n).max(initial=0))
-            distinct.append(len(pairs))
+                merged = np.unique(np.concatenate(host[kind]))
+                host_most[kind] = np.maximum(host_most[kind], np.bincount(merged // block, minlength=n))
         assert got[t].distinct == pytest.approx(np.mean(distinct))
-        assert (got[t].row_owner, got[t].cyclic_owner) == (most[KIND_BLOCK], most[KIND_CYCLIC])
+        assert (got[t].row_owner, got[t].cyclic_owner) == (most[KIND_BLOCK].max(), most[KIND_CYCLIC].max())
+        assert got[t].by_owner == (tuple(most[KIND_BLOCK]), tuple(most[KIND_CYCLIC]))
+        if per_host > 1:
+            assert got[t].by_owner_host == (tuple(host_most[KIND_BLOCK]), tuple(host_most[KIND_CYCLIC]))
+            assert (got[t].host_owner, got[t].host_cyclic_owner) == tuple(host_most[k].max() for k in most)
         in_batches = [
             np.setdiff1d(ids[b : b + n * local, starts[t] : starts[t + 1]], [PAD_ID]).size for b in (0, n * local)
         ]

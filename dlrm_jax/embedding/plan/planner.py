@@ -63,7 +63,9 @@ class PlanOptions:
     auto, ids or pooled; ``storage`` and ``storage_overrides``: device or tiered tables
     (counted by their device caches, ``device_cache``: rows per owner, or 0 and a fraction);
     ``cluster``: the machines ``auto`` prices plans for (default: the simulated CPU profile);
-    ``stats``: per table, its ids' statistics in the data (default: the batch-size bound)."""
+    ``stats``: per table, its ids' statistics in the data (default: the batch-size bound);
+    ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level), as the
+    search prices it and the plan records it."""
 
     overrides: Mapping[str, Strategy | str] = field(default_factory=dict)
     row_layout: str = "block"
@@ -77,6 +79,7 @@ class PlanOptions:
     device_cache: tuple[int, float] = (0, 0.1)
     cluster: Cluster | None = None
     stats: Sequence[TableStats] | None = None
+    ids_hosts: int = 1
 
 
 def plan_embeddings(
@@ -113,7 +116,9 @@ def plan_embeddings(
             raise PlanError(
                 f"{what}: no table named {', '.join(map(repr, unknown))} (tables: {', '.join(sorted(names))})"
             )
-    template = EmbeddingPlan((), num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype)
+    template = EmbeddingPlan(
+        (), num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype, ids_hosts=o.ids_hosts
+    )
     local_batch = global_batch // num_devices
     stats = list(stats) if stats is not None else [batch_bound_stats(s, local_batch, num_devices) for s in specs]
     wanted, tiered = [], []
