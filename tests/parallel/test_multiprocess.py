@@ -295,14 +295,24 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
 
 
 def test_tables_within_hosts_over_two_processes_equal_one_process(tmp_path):
-    """Tables split by rows within a host of 4 devices, 2 processes of 4 (a host each): the
-    exchange between hosts crosses processes; training matches one process of 8 devices."""
-    args = smoke_train("embedding.sharding=host_row", "cluster.devices_per_host=4")
+    """Tables split by rows within a host of 4 devices, and one row-wise over all 8 whose ids
+    go in two levels, 2 processes of 4 (a host each): the exchange between hosts crosses
+    processes, each process measures the two stages' buckets on its own host's rows; training
+    matches one process of 8 devices."""
+    args = smoke_train(
+        "embedding.sharding=host_row",
+        "embedding.table_sharding=[cat_3=row]",
+        "embedding.ids_exchange=two_level",
+        "cluster.devices_per_host=4",
+    )
     a, b = one_and_two_processes(tmp_path, args, args, lambda d: metrics(d, "step", "loss"))
     assert [s for s, _ in a] == [s for s, _ in b] and len(a) == 6
     for (_, la), (_, lb) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la), (la, lb)
-    assert "host_row x4" in (tmp_path / "one" / "plan.txt").read_text()
+    for run in ("one", "two"):  # the same plan, buckets measured on each process's own rows
+        plan = (tmp_path / run / "plan.txt").read_text()
+        assert "host_row x4" in plan and "in two levels over 2 hosts of 4" in plan
+    assert (tmp_path / "one" / "plan.txt").read_text() == (tmp_path / "two" / "plan.txt").read_text()
 
 
 # Process 1's input for step 11 (batch 10) never comes (a hung file system, say); its heartbeat
