@@ -56,6 +56,7 @@ COVER = [
     ("auto", 4, "rowwise_adagrad", "pooled"),
     ("mixed", 8, "adagrad", "pooled"),
     ("mixed_hosts", 8, "sgd", "pooled"),
+    ("row_two_levels", 8, "adagrad", "bags"),  # the cold ids in two levels, 2 hosts of 4
 ]
 CASES = COVER
 if os.environ.get("DLRM_JAX_FULL_MATRIX") == "1":
@@ -76,11 +77,13 @@ def test_hot_rows_match_reference_across_refreshes(tiny, strategy, devices, opti
         "bags": [BAGS, "data.pooling=mean", "embedding.bag_exchange=ids"],
         "pooled": [BAGS, "data.pooling=mean", "embedding.bag_exchange=pooled"],
     }[bags]
-    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *extra, *strategy_overrides(strategy))
+    two_levels = strategy == "row_two_levels"
+    overrides = ["embedding.sharding=row", "cluster.devices_per_host=4"] if two_levels else strategy_overrides(strategy)
+    cfg = tiny(f"embedding.optimizer={optimizer}", "train.batch_size=32", CARDS, *extra, *overrides)
     first, second = frequent_keys(cfg, 20), frequent_keys(cfg, 20, skip=2)
-    coll, state = check_against_reference(
-        cfg, devices, plan=with_hot(cfg, devices, 20), hot_keys=first, refresh={2: second, 4: first}
-    )
+    plan = dataclasses.replace(with_hot(cfg, devices, 20), ids_hosts=2 if two_levels else 1)
+    coll, state = check_against_reference(cfg, devices, plan=plan, hot_keys=first, refresh={2: second, 4: first})
+    assert two_levels == any(type(f).__name__ == "HostIdsForm" for f in coll.forms)
     _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
     hits, lookups = np.asarray(res.hot_counts).tolist()
     assert 0.2 * lookups < hits < lookups  # both paths carry lookups
