@@ -93,16 +93,13 @@ class HostIdsForm(IdsForm):
     def __init__(self, part: ExchangePart, mesh, capacities, wire: Wire, optimizer, dim: int, hosts: int):
         # (Not IdsForm.__init__: its forward and update are this class's methods.)
         g = self.group = part.group
+        if hosts < 2 or g.num_devices % hosts:
+            raise ValueError(f"ids in two levels need hosts that tile the {g.num_devices} devices, not {hosts}")
         self.cols, self.one_hot = g.vfeature_cols.reshape(-1), False
-        self.capacity, self.c1, self.c2 = capacities
+        self.capacity, self.c1, self.c2 = capacities  # one level (overflow), stage 1, stage 2
         self.hosts, self.per_host = hosts, g.num_devices // hosts
-        self.mesh, self.host_mesh, self.wire, self.optimizer, self.dim = (
-            mesh,
-            host_mesh(mesh, hosts),
-            wire,
-            optimizer,
-            dim,
-        )
+        self.mesh, self.host_mesh = mesh, host_mesh(mesh, hosts)
+        self.wire, self.optimizer, self.dim = wire, optimizer, dim
         self._flat_route = jax.shard_map(
             lambda ids: (lambda _, b, most: (b, most[None]))(*route_and_bucket(g, ids)),
             mesh=mesh,
