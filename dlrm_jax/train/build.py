@@ -14,7 +14,7 @@ from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
-from dlrm_jax.embedding.plan.search import TableStats
+from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh

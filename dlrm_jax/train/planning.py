@@ -20,8 +20,8 @@ from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
+from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.layout import exchange_parts, two_level_ids
-from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
     fmt_bytes,
@@ -138,8 +138,6 @@ def agree_by_max(values) -> list:
                 max(v[t].row_owner for v in values),
                 max(v[t].owner(RowLayout.CYCLIC) for v in values),
                 _most([v[t].batch_distinct for v in values]),
-                _most([v[t].host_owner for v in values]),
-                _most([v[t].host_cyclic_owner for v in values]),
                 _most_each([v[t].by_owner for v in values]),
                 _most_each([v[t].by_owner_host for v in values]),
             )

@@ -22,6 +22,7 @@ from dlrm_jax.config import Config
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, adagrad, ftrl, rowwise_adagrad, sgd
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.planner import (
     PlanOptions,
     parse_overrides,
@@ -30,7 +31,6 @@ from dlrm_jax.embedding.plan.planner import (
     wide_plan,
     wide_report,
 )
-from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import plan_report
 from dlrm_jax.files import check_dir

@@ -14,9 +14,9 @@ from dlrm_jax.bench.exchange import exchange_case
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.plan.cost import PROFILES, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, PlanError, Strategy, TablePlan
+from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.layout import build_groups, exchange_parts, pooled_layout, subgroup
 from dlrm_jax.embedding.plan.planner import plan_embeddings
-from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.parallel.mesh import make_mesh

@@ -17,6 +17,7 @@ import numpy as np
 
 from dlrm_jax.embedding.exchange.routing import route
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
+from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.layout import (
     KIND_BLOCK,
     KIND_CYCLIC,
@@ -28,7 +29,6 @@ from dlrm_jax.embedding.plan.layout import (
     two_level_keys,
     whole_rows_key,
 )
-from dlrm_jax.embedding.plan.search import TableStats
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.ids import PAD_ID
 
@@ -107,13 +107,13 @@ def measure_capacities(
     consecutive devices' rows (``plan.global_batch / plan.num_devices`` each): a process's
     rows, or a global batch. Several processes take the maximum of their results."""
     parts = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
-    hosts = [
+    host_columns = [
         p.group
         for p in exchange_parts(plan)
         if p.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, p.group) and plan.num_devices > 1
     ]
     local = plan.global_batch // plan.num_devices
-    most = dict.fromkeys((g.name for g in parts), 0) | dict.fromkeys((whole_rows_key(g) for g in hosts), 0)
+    most = dict.fromkeys((g.name for g in parts), 0) | dict.fromkeys((whole_rows_key(g) for g in host_columns), 0)
     two_level = [g for g in parts if two_level_ids(plan, g)]
     most |= dict.fromkeys((k for g in two_level for k in two_level_keys(g)), 0)
     host_rows = plan.global_batch // max(plan.ids_hosts, 1)
@@ -127,8 +127,8 @@ def measure_capacities(
                 counts = two_level_counts(g, ids[start : start + host_rows], plan.ids_hosts, local)
                 for key, count in zip(two_level_keys(g), counts, strict=True):
                     most[key] = max(most[key], count)
-        for g in hosts:  # distinct rows grow slower than the batch: scaling up over-counts
-            scale = plan.global_batch / max(ids.shape[0], 1)
+        scale = plan.global_batch / max(ids.shape[0], 1)  # distinct rows grow slower: over-counts
+        for g in host_columns:
             most[whole_rows_key(g)] = max(most[whole_rows_key(g)], math.ceil(scale * busiest_host(plan, g, ids)))
     return tuple((name, max(1, math.ceil(headroom * m))) for name, m in most.items())
 
@@ -136,7 +136,7 @@ def measure_capacities(
 def table_stats(
     specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_devices: int, local_batch: int, per_host: int = 1
 ) -> list[TableStats]:
-    """Per table, what the planner estimates buckets from (``plan.search.TableStats``): over
+    """Per table, what the planner estimates buckets from (``plan.estimates.TableStats``): over
     every device's share (``local_batch`` rows) of ``id_batches``, the mean distinct rows one
     device looks up, and the most it asks of one owner were the table split by rows over all
     ``num_devices`` devices, in blocks and cyclically; a whole batch's distinct rows; with
@@ -189,8 +189,6 @@ def table_stats(
                 max(block, default=0.0),
                 max(cyclic, default=0.0),
                 float(in_batch[t] / max(batches, 1)),
-                None if host is None else max(host[0], default=0.0),
-                None if host is None else max(host[1], default=0.0),
                 (block, cyclic),
                 host,
             )

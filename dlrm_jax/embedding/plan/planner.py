@@ -22,10 +22,9 @@ from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError r
     RowLayout,
     Strategy,
 )
+from dlrm_jax.embedding.plan.estimates import TableStats, batch_bound_stats
 from dlrm_jax.embedding.plan.search import (  # noqa: F401 - column_slices, cache_slots re-exported
     MIN_COLUMN_WIDTH,
-    TableStats,
-    batch_bound_stats,
     cache_slots,
     column_slices,
     place_tables,

@@ -20,10 +20,8 @@ data's statistics (:class:`TableStats`) while searching and measured once the pl
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,92 +36,16 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     TablePlan,
     vector_bytes,
 )
+from dlrm_jax.embedding.plan.estimates import TableStats, estimated_capacities
 from dlrm_jax.embedding.plan.layout import (
     HOST_STRATEGIES,
-    KIND_BLOCK,
-    KIND_FIXED,
     exchange_parts,
-    host_size,
-    needs_whole_rows,
     pooled_layout,
-    two_level_ids,
-    two_level_keys,
-    whole_rows_key,
 )
 from dlrm_jax.embedding.plan.specs import TableSpec
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient
 ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Strategy.HOST_COLUMN, Strategy.HOST_ROW)
-
-
-@dataclass(frozen=True)
-class TableStats:
-    """A table's ids in one device's share of a batch (from the data's first batches):
-    ``distinct`` rows it looks up, and ``row_owner`` the most distinct rows it asks of one
-    owner when the table is split by rows over every device in blocks (the bucket that split
-    needs); ``cyclic_owner`` the same for rows dealt out cyclically (None: as in blocks);
-    ``batch_distinct`` the distinct rows of a whole global batch (None: unknown, see
-    :meth:`in_batch`); ``host_owner`` / ``host_cyclic_owner``: the most distinct rows one
-    host's devices together ask of one owner, under the same two splits (what the two-level
-    ids exchange's stage-2 buckets need; None: not measured)."""
-
-    distinct: float
-    row_owner: float
-    cyclic_owner: float | None = None
-    batch_distinct: float | None = None
-    host_owner: float | None = None
-    host_cyclic_owner: float | None = None
-    # Per owner, the most distinct rows one device (``by_owner``) and one host (``by_owner_host``)
-    # asked of it, in blocks and cyclically (None: not measured): a plan's tables add up per
-    # owner, which is tighter than adding each table's busiest owner.
-    by_owner: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    by_owner_host: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-
-    def host(self, layout: RowLayout, per_host: int) -> float:
-        """The busiest owner's distinct rows from one host of ``per_host`` devices: measured,
-        else as if no two of its devices asked for the same row."""
-        measured = self.host_cyclic_owner if layout == RowLayout.CYCLIC else self.host_owner
-        return measured if measured is not None else per_host * self.owner(layout)
-
-    def owners(self, layout: RowLayout, n: int, per_host: int = 0) -> np.ndarray:
-        """float [n]: per owner of a split over every one of ``n`` devices, the most distinct
-        rows one device (``per_host`` > 0: one host of that many) asked of it; the busiest
-        owner's count for every owner when not measured."""
-        arrays = self._host_arrays if per_host else self._device_arrays
-        if arrays is not None and arrays.shape[1] == n:
-            return arrays[int(layout == RowLayout.CYCLIC)]
-        return np.full(n, self.host(layout, per_host) if per_host else self.owner(layout), np.float64)
-
-    # The search asks for these thousands of times: made into arrays once.
-    @functools.cached_property
-    def _device_arrays(self):
-        return None if self.by_owner is None else np.asarray(self.by_owner, np.float64)
-
-    @functools.cached_property
-    def _host_arrays(self):
-        return None if self.by_owner_host is None else np.asarray(self.by_owner_host, np.float64)
-
-    def in_batch(self, num_devices: int) -> float:
-        """Distinct rows in a global batch of ``num_devices`` devices' shares: measured, else
-        every device's distinct rows as if no two shared one (an upper bound)."""
-        return self.batch_distinct if self.batch_distinct is not None else self.distinct * num_devices
-
-    def owner(self, layout: RowLayout) -> float:
-        """The busiest owner's distinct rows under ``layout``."""
-        if layout == RowLayout.CYCLIC and self.cyclic_owner is not None:
-            return self.cyclic_owner
-        return self.row_owner
-
-
-def batch_bound_stats(spec: TableSpec, local_batch: int, n: int) -> TableStats:
-    """Without data: every lookup distinct, spread evenly over the owners of a row split."""
-    lookups = local_batch * spec.bag_size
-    return TableStats(
-        min(lookups, spec.rows),
-        min(math.ceil(lookups / n), math.ceil(spec.rows / n)),
-        None,
-        min(lookups * n, spec.rows),
-    )
 
 
 def column_slices(spec: TableSpec, num_devices: int) -> int:
@@ -149,58 +71,6 @@ def column_options(spec: TableSpec, n: int) -> list[int]:
             out.append(c)
         c *= 2
     return out
-
-
-def estimated_capacities(plan: EmbeddingPlan, stats: Sequence[TableStats]) -> tuple[tuple[str, int], ...]:
-    """Per ids part, the bucket its tables' statistics predict: per owner, the row-wise
-    tables' ``row_owner`` plus the distinct rows of its table-wise ids tables; the busiest
-    owner's, times the plan's capacity factor (in two levels: each stage's, see
-    :func:`_two_level_estimates`). Per host-columns part with whole-row statistics, the
-    distinct rows of the busiest host's tables in a batch, times the factor."""
-    out = []
-    factor = plan.capacity_factor
-    for part in exchange_parts(plan):
-        g = part.group
-        if part.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, g):
-            per_host = host_size(plan)
-            per_owner = np.zeros(plan.num_devices // per_host)
-            for t in {vt.table for vt in g.vtables}:
-                per_owner[plan.tables[t].devices[0] // per_host] += stats[t].in_batch(plan.num_devices)
-            out.append((whole_rows_key(g), max(1, math.ceil(factor * per_owner.max()))))
-        if part.kind != ExchangeKind.IDS:
-            continue
-        per_owner = np.zeros(plan.num_devices)
-        for vt in g.vtables:
-            if vt.kind == KIND_FIXED:
-                per_owner[vt.device] += stats[vt.table].distinct
-            elif vt.kind == KIND_BLOCK and vt.span < plan.num_devices:  # rows within one host
-                per_owner[vt.device : vt.device + vt.span] += stats[vt.table].row_owner * plan.num_devices / vt.span
-            else:
-                per_owner += stats[vt.table].owners(plan.tables[vt.table].row_layout, plan.num_devices)
-        out.append((g.name, max(1, math.ceil(factor * per_owner.max()))))
-        if two_level_ids(plan, g):
-            out += _two_level_estimates(plan, g, stats, per_owner)
-    return tuple(out)
-
-
-def _two_level_estimates(plan: EmbeddingPlan, g, stats: Sequence[TableStats], per_owner: np.ndarray) -> list:
-    """A two-level ids part's (C1, C2) estimates: stage 1, a device's busiest buckets summed
-    over the owners of each local index (``per_owner``: each owner's), at most its distinct
-    rows; stage 2, per owner the distinct rows one host asks of it, merged, the busiest's."""
-    per_host, n = plan.num_devices // plan.ids_hosts, plan.num_devices
-    distinct = sum(stats[t].distinct for t in {vt.table for vt in g.vtables})
-    host = np.zeros(n)
-    for vt in g.vtables:
-        st = stats[vt.table]
-        if vt.kind == KIND_FIXED:
-            host[vt.device] += min(per_host * st.distinct, st.in_batch(n))
-        elif vt.kind == KIND_BLOCK and vt.span < n:
-            host[vt.device : vt.device + vt.span] += st.row_owner * n / vt.span * per_host
-        else:
-            host += st.owners(plan.tables[vt.table].row_layout, n, per_host)
-    by_local = per_owner.reshape(plan.ids_hosts, per_host).sum(0)
-    c1, c2 = min(distinct, by_local.max()), host.max()
-    return [(k, max(1, math.ceil(plan.capacity_factor * c))) for k, c in zip(two_level_keys(g), (c1, c2), strict=True)]
 
 
 class Search:
