@@ -46,6 +46,21 @@ CONFIGS = {
     "mlperf_v1_capped": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000"]),
     # The same with uniform ids: no repeated rows to help the gather and the update.
     "mlperf_v1_capped_uniform": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000", "data.zipf_exponent=0.0"]),
+    # Zipf 1.05, the skew of the reported GPU scatter-add slowdown under index contention
+    # (openxla/xla#46225, jax-ml/jax#38806): most lookups land on a few rows.
+    "mlperf_v1_capped_zipf105": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000", "data.zipf_exponent=1.05"]),
+    # DLRM-DCNv2 (multi-hot bags, 214 lookups a sample, cross network), tables capped at 10M
+    # rows (54M rows x 128 x 4 B = 28 GB), with its own optimizers (Adagrad, row-wise Adagrad).
+    "mlperf_dcnv2_capped": (
+        "configs/mlperf_dlrm_dcnv2.yaml",
+        [
+            "data.max_rows=10000000",
+            "train.optimizer=adagrad",
+            "train.learning_rate=0.005",
+            "embedding.optimizer=rowwise_adagrad",
+            "embedding.learning_rate=0.005",
+        ],
+    ),
 }
 AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune.textproto")
 # Each variant's XLA flags and config overrides; a variant runs in a process of its own (XLA
@@ -68,6 +83,8 @@ VARIANTS = {
     "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),
     # XLA's, and no autotuning either.
     "deterministic_ops": ("--xla_gpu_deterministic_ops=true", []),
+    # The reported workaround for slow float atomics under index contention.
+    "ftz_atomics": ("--xla_backend_extra_options=-nvptx-allow-ftz-atomics", []),
 }
 COMMON = [
     "train.batch_size=65536",
@@ -272,7 +289,7 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     del state
     # Determinism: the same seed and batches twice, every parameter and table compared.
     digests = []
-    for _ in range(2):
+    for _ in range(2 if DETERMINISM_STEPS else 0):
         s = fns.init_state()
         for i in range(DETERMINISM_STEPS):
             s, out, _ = compiled(s, batches[i % 4])
@@ -294,8 +311,33 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
         "device_ms_per_step_by_line": lines,
         "top_ops_ms_per_step": dict(list(ops.items())[:25]),
         "device_ops_ms_per_step": sum(ops.values()),
+        "sparse_update_ms_per_step": sum(v for k, v in ops.items() if "scatter" in k.lower()),
+        "predicted": predicted_step(cfg, plan),
         "determinism_digests": digests,
-        "deterministic": digests[0] == digests[1],
+        "deterministic": bool(digests) and digests[0] == digests[1],
+    }
+
+
+# Memory bandwidth and size of the cards the cost model knows only as overrides of its h100
+# profile (NVIDIA's H200 datasheet: HBM3e, 4.8 TB/s, 141 GB; the same Hopper compute).
+CARD_OVERRIDES = {"H200": {"hbm_gbps": 4800.0, "device_memory_gb": 141.0}}
+
+
+def predicted_step(cfg, plan) -> dict:
+    """The step-time model's prediction for this step on this card (``dlrm-jax plan`` prints
+    the same by phase), to hold against the measured step."""
+    import jax
+
+    from dlrm_jax.embedding.plan.cost import cluster_for, predict_step
+    from dlrm_jax.train.wiring import dense_work
+
+    kind = jax.devices()[0].device_kind
+    overrides = next((o for card, o in CARD_OVERRIDES.items() if card in kind), {})
+    step = predict_step(plan, cluster_for("h100", overrides, simulated=False), dense_work(cfg))
+    return {
+        "profile": "h100" + "".join(f" {k}={v}" for k, v in overrides.items()),
+        "step_ms": 1e3 * step.total_s,
+        "phases_ms": {k: 1e3 * v for k, v in step.phases.items()},
     }
 
 
@@ -407,17 +449,52 @@ def print_tables(report: dict, log=print) -> None:
                     f"roofline: bytes {byte_roof / 1e6:.1f} M/s, FLOPs {flop_roof / 1e6:.1f} M/s -> "
                     f"{r['fraction_of_roofline']:.1%} of {roof / 1e6:.1f} M samples/s"
                 )
-            log(f"deterministic: {r['deterministic']} {r['determinism_digests']}")
+            p = r.get("predicted")
+            if p:
+                log(
+                    f"predicted {p['step_ms']:.2f} ms ({p['profile']}; "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in p["phases_ms"].items() if v)
+                    + f"): measured / predicted {r['step_ms_pipelined'] / p['step_ms']:.2f}; "
+                    f"sparse update (scatter kernels) {r['sparse_update_ms_per_step']:.2f} ms/step"
+                )
+            if r["determinism_digests"]:
+                log(f"deterministic: {r['deterministic']} {r['determinism_digests']}")
             log(
                 "top device ops (ms/step): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in list(r["top_ops_ms_per_step"].items())[:12])
             )
 
 
+def train_end_to_end(name: str, steps: int) -> dict:
+    """``dlrm-jax train`` as a user runs it (its input pipeline, logging, the end's evaluation
+    and checkpoint), at the benchmark's settings: its windows' samples/s and its wall time."""
+    path, extra = CONFIGS[name]
+    run_dir = tempfile.mkdtemp(prefix="dlrm-gpu-train-")
+    overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", f"train.steps={steps}", "train.log_every=50"]
+    cmd = [sys.executable, "-m", "dlrm_jax", "train", "--config", os.path.join(REPO, path), "--run-dir", run_dir]
+    t = time.perf_counter()
+    done = subprocess.run(cmd + [a for o in overrides for a in ("--set", o)], cwd=REPO)
+    wall = time.perf_counter() - t
+    if done.returncode:
+        return {"failed": done.returncode}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    windows = [e["samples_per_s"] for e in events if "loss" in e and e.get("samples_per_s")]  # train or eval
+    last = next(e for e in reversed(events) if "run_samples_per_s" in e)
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "window_samples_per_s": windows,
+        "median_window_samples_per_s": statistics.median(windows[1:-1] or windows),
+        "run_samples_per_s": last["run_samples_per_s"],
+    }
+
+
 def main() -> int:
+    global DETERMINISM_STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["ceilings", "configs", "child", "parity", "parity_child"], default=None)
+    ap.add_argument("--only", choices=["ceilings", "configs", "train", "child", "parity", "parity_child"], default=None)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument(
@@ -434,11 +511,19 @@ def main() -> int:
         default="criteo_kaggle,mlperf_v1_capped",
         help="the configs the variants other than default run",
     )
+    ap.add_argument(
+        "--train-configs",
+        default="criteo_kaggle",
+        help="configs also trained end to end with `dlrm-jax train` (its samples/s beside the step's)",
+    )
+    ap.add_argument("--train-steps", type=int, default=400)
+    ap.add_argument("--determinism-steps", type=int, default=DETERMINISM_STEPS, help="0: no determinism check")
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
     ap.add_argument("--ceilings", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    DETERMINISM_STEPS = args.determinism_steps
     EXTRA_OVERRIDES.extend(args.overrides)
     os.makedirs(args.out, exist_ok=True)
     if args.only == "parity_child":
@@ -483,6 +568,7 @@ def main() -> int:
         ]
         flags, overrides = VARIANTS[label]
         cmd += [a for o in args.overrides + overrides for a in ("--set", o)]
+        cmd += ["--determinism-steps", str(args.determinism_steps)]
         cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out] * (label == "default")
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
         if subprocess.run(cmd, env=env).returncode:
@@ -505,6 +591,11 @@ def main() -> int:
                 if label and label != "default":
                     report["runs"][label] = child(label, args.variant_configs, ceilings=False)["runs"]
                     report["runs"] = {k: v for k, v in report["runs"].items() if v}
+    if args.only in (None, "configs", "train"):
+        report["train"] = {}
+        for n in (n for n in args.train_configs.split(",") if n):
+            report["train"][n] = train_end_to_end(n, args.train_steps)
+            print(json.dumps({n: report["train"][n]}), flush=True)
     runs = report.get("runs", {})
     for label, p in report.get("parity", {}).items():
         print(
@@ -517,6 +608,16 @@ def main() -> int:
             if label != "default" and n in runs["default"]:
                 ratio = r["samples_per_s"] / runs["default"][n]["samples_per_s"]
                 print(f"{n} [{label}]: {ratio:.2f}x the default's samples/s, deterministic: {r['deterministic']}")
+    for n, t in report.get("train", {}).items():
+        step = runs.get("default", {}).get(n)
+        if "failed" in t:
+            print(f"{n}: dlrm-jax train failed ({t['failed']})")
+            continue
+        print(
+            f"{n}: dlrm-jax train {t['median_window_samples_per_s']:,.0f} samples/s (median window; "
+            f"{t['run_samples_per_s']:,.0f} over the run, {t['steps']} steps in {t['wall_s']:.0f} s wall)"
+            + (f", {t['median_window_samples_per_s'] / step['samples_per_s']:.2f}x the step's alone" if step else "")
+        )
     again = runs.get("embedding_deterministic_again", {})
     for n, r in again.items():
         first = runs.get("embedding_deterministic", {}).get(n, {}).get("determinism_digests", [None])[0]
