@@ -24,11 +24,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 
-# Arrays are stored in chunks of at most this many bytes (orbax's default is one chunk per
-# device shard): a restore onto another plan reads scattered rows, and decodes whole chunks.
-CHUNK_BYTES = 32 * 2**20
+# Arrays are stored in chunks of at most CHUNK_BYTES (orbax's default is one chunk per device
+# shard): a restore onto another plan reads scattered rows, and decodes whole chunks. The
+# layout pads large shards' rows so that such chunks divide them (layout.storage_rows).
 
 
 class IncompatibleCheckpoint(ValueError):

@@ -175,6 +175,9 @@ class EmbeddingPlan:
     # Hosts the ids exchange goes over in two levels (exchange/host_ids.py: a host's requests
     # merged before they cross hosts); 1: one level, every device to every owner.
     ids_hosts: int = 1
+    # Large shards' rows padded for chunked checkpoints (layout.storage_rows); False in plans
+    # saved before the padding, so their checkpoints restore with the arrays they hold.
+    padded_rows: bool = True
 
     @property
     def tiered_tables(self) -> tuple[int, ...]:
@@ -225,6 +228,7 @@ class EmbeddingPlan:
             for t in raw.pop("tables")
         )
         raw.pop("bag_exchange", None)  # plans saved before it became each table's exchange
+        raw.setdefault("padded_rows", False)  # plans saved before large shards were padded
         raw["capacities"] = _capacities(raw.get("capacities", ()))
         if raw.get("hot") is not None:
             hot = raw["hot"]

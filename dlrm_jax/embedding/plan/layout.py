@@ -20,6 +20,24 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, 
 # Strategies whose tables live on the devices of one host (plan.host_size of them).
 HOST_STRATEGIES = (Strategy.HOST_ROW, Strategy.HOST_COLUMN)
 
+# Arrays over this many bytes are checkpointed in chunks of at most as many (train/checkpoint.py),
+# and a chunk must divide a device's shard (each shard is written apart). A shard with a prime
+# row count could only be stored one row a chunk: criteo_kaggle's replicated tables on one
+# device, 33,762,577 rows, took minutes and ten times their memory to save. So such arrays' rows
+# are padded to a multiple of a power of two near 1/256 of them (under 0.4% more rows, never
+# read): chunks of 1/512 of the shard or more always divide it.
+CHUNK_BYTES = 32 * 2**20
+
+
+def storage_rows(rows: int, width: int) -> int:
+    """``rows`` of one device's shard of ``width`` as stored: padded (see CHUNK_BYTES) when the
+    shard is large enough to be checkpointed in chunks."""
+    if rows * width * 4 <= CHUNK_BYTES:
+        return rows
+    quantum = 1 << ((rows // 256).bit_length() - 1)
+    return -(-rows // quantum) * quantum
+
+
 # How a virtual table's ids map to owners (the exchange's routing reads these).
 KIND_FIXED = 0  # the owner is a fixed device (table-wise, column slice, or replicated)
 KIND_BLOCK = 1  # row-wise, contiguous blocks: owner = device + id // block (device: the first)
@@ -317,11 +335,12 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
     """The fused groups of a plan, in a fixed order (replicated first, then by width). They
     depend only on the tables' placement and the device count, and the planner's search asks
     for the same placements many times over: remembered (treat them as read-only)."""
-    return list(_groups_of(plan.tables, plan.num_devices))
+    return list(_groups_of(plan.tables, plan.num_devices, plan.padded_rows))
 
 
 @functools.lru_cache(maxsize=256)
-def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
+def _groups_of(tables: tuple, n: int, padded: bool) -> tuple[Group, ...]:
+    rows_of = (lambda rows, width: storage_rows(rows, width)) if padded else (lambda rows, width: rows)
     dim = tables[0].spec.dim
     slots_of = _slots_of_tables(tables)
     groups = []
@@ -331,7 +350,7 @@ def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
         for t in rep:
             vts.append(VirtualTable(t, 0, KIND_FIXED, 0, offset, 1, tables[t].spec.rows))
             offset += tables[t].spec.rows
-        groups.append(_group("replicated", dim, True, offset, n, vts, slots_of, dim))
+        groups.append(_group("replicated", dim, True, rows_of(offset, dim), n, vts, slots_of, dim))
     widths = sorted({tp.slice_dim for tp in tables if tp.strategy != Strategy.REPLICATED}, reverse=True)
     for width in widths:
         vts, used = [], np.zeros(n, np.int64)
@@ -359,7 +378,8 @@ def _groups_of(tables: tuple, n: int) -> tuple[Group, ...]:
                 for j, dev in enumerate(tp.devices):
                     vts.append(VirtualTable(t, j * width, KIND_FIXED, dev, int(used[dev]), 1, tp.spec.rows))
                     used[dev] += tp.spec.rows
-        groups.append(_group(f"sharded_w{width}", width, False, int(used.max()), n, vts, slots_of, dim))
+        local = rows_of(int(used.max()), width)
+        groups.append(_group(f"sharded_w{width}", width, False, local, n, vts, slots_of, dim))
     return tuple(groups)
 
 
