@@ -4,7 +4,8 @@
     python scripts/gpu_bench.py --out DIR                 # everything, on the default device
     python scripts/gpu_bench.py --out DIR --only ceilings # just the measured HBM and GEMM rates
 
-For each config (``criteo_kaggle`` and an MLPerf-v1-shaped one with tables capped to fit) it:
+For each config (``criteo_kaggle``; MLPerf-v1 and DLRM-DCNv2 shapes with tables capped to fit;
+the v1 shape with uniform and Zipf 1.05 ids) it:
 1. times the compiled train step back to back (pipelined, as training runs) and one at a time;
 2. counts the bytes the step must move per sample (every input read once, every output written
    once: the distinct embedding rows of each batch read, then read and written by the sparse
@@ -12,10 +13,17 @@ For each config (``criteo_kaggle`` and an MLPerf-v1-shaped one with tables cappe
 3. turns those into a roofline from the *measured* copy bandwidth and bf16 GEMM rate, and
    reports the fraction reached;
 4. traces a few steps with ``jax.profiler`` and prints what dominates the device time;
-5. trains the same steps twice from the same seed and compares every parameter bit for bit.
+5. trains the same steps twice from the same seed and compares every parameter bit for bit
+   (``--determinism-steps 0``: not);
+6. sets the step-time model's prediction for the same plan (what ``dlrm-jax plan`` prints, on
+   the ``h100`` profile with the card's own memory) beside the measured step.
+
+``--train-configs`` are then trained end to end by ``dlrm-jax train`` (its input pipeline,
+logging, evaluation and checkpoint), whose samples/s is set beside the step's alone.
 
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
-process loading the first one's autotuning results; XLA's two deterministic flags) runs in a
+process loading the first one's autotuning results; XLA's two deterministic flags; the
+``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a
 process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
 
