@@ -123,7 +123,7 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
     data = NamedSharding(mesh, P(AXIS))
     ids = jax.device_put(batch.ids, data)
     # Measured on batches other than the timed one, as training measures its first batches.
-    calibration = [source.train_batch(i).ids for i in range(1, 5)]
+    calibration = [source.train_ids(i) for i in range(1, 5)]
     grad = jax.device_put(
         np.random.default_rng(0).normal(size=(*batch.ids.shape, cfg.model.embedding_dim)).astype(np.float32)
         / batch.ids.shape[0],

@@ -148,7 +148,7 @@ def bench_hot(
                 source = make_source(base)
                 # Timed on batches after those the hot set and capacities were measured on.
                 first = max(cfg.embedding.hot.stats_batches, 4)
-                host = [source.train_batch(first + i).ids for i in range(TIMED_BATCHES)]
+                host = [source.train_ids(first + i) for i in range(TIMED_BATCHES)]
                 rng = np.random.default_rng(0)
                 inputs = [
                     (

@@ -35,6 +35,11 @@ class DataSource(Protocol):
         """This process's slice of global training batch ``step``."""
         ...
 
+    def train_ids(self, step: int) -> np.ndarray:
+        """``train_batch(step).ids`` alone (the planner and the hot-row statistics read no
+        more; a source may make them without the rest)."""
+        ...
+
     def eval_batches(self) -> Iterator[Batch]:
         """This process's slices of the held-out batches, the same every call."""
         ...

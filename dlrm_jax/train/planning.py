@@ -59,7 +59,7 @@ def plan_for_run(
     value every process uses (``kind``: "stats" or "capacities")."""
     local = cfg.train.batch_size // num_devices
     plan_devices = num_devices // hosts if cfg.embedding.tables_per_host else num_devices
-    batches = [source.train_batch(i).ids for i in range(CALIBRATION_BATCHES)] if source is not None else []
+    batches = [source.train_ids(i) for i in range(CALIBRATION_BATCHES)] if source is not None else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
     stats = None

@@ -80,6 +80,18 @@ def test_source_device_batches_equal_train_batch():
         assert_batches_equal(make(step), source.train_batch(step))
 
 
+@pytest.mark.parametrize("bags", ["[1, 1, 1, 1]", "[1, 4, 1, 3]"], ids=["one_hot", "multi_hot"])
+def test_train_ids_are_the_train_batchs_ids(bags):
+    cfg = tiny_config("train.batch_size=512", CARDS, f"data.bag_sizes={bags}")
+    for process in (0, 1):
+        source = SyntheticSource(cfg, process, 2)
+        for step in (0, 5):
+            want = source.train_batch(step).ids
+            got = source.train_ids(step)
+            assert (got.shape, got.dtype) == (want.shape, want.dtype)
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.slow
 def test_rows_do_not_depend_on_the_split(multi_hot, monkeypatch):
     whole = multi_hot.raw(TRAIN_STREAM, 2, 0, B)

@@ -49,6 +49,9 @@ class ArraySource:
     def skip_report(self) -> str:
         return ""
 
+    def train_ids(self, step: int) -> np.ndarray:
+        return self.train_batch(step).ids
+
     def train_batch(self, step: int) -> Batch:
         positions = step * self._batch + np.arange(self._rows.start, self._rows.stop, dtype=np.int64)
         epoch, within = np.divmod(positions, self.num_train)

@@ -254,6 +254,9 @@ class BinarySource:
         """int64 [B/processes]: the train-split rows of this process's slice of batch ``step``."""
         return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in self.train_runs(step)])
 
+    def train_ids(self, step: int) -> np.ndarray:
+        return self.train_batch(step).ids
+
     def train_batch(self, step: int) -> Batch:
         runs = self.train_runs(step)
         return self._batch_of(self.train, runs, f"training step {step}")

@@ -218,6 +218,9 @@ class CriteoTSVSource:
         """What ``data.skip_bad_lines`` skipped while indexing, in one line ('' if nothing)."""
         return self.skipped.summary()
 
+    def train_ids(self, step: int) -> np.ndarray:
+        return self.train_batch(step).ids
+
     def train_batch(self, step: int) -> Batch:
         return self._read(binary.train_positions(step, self._batch, self._rows) % self.num_train)
 

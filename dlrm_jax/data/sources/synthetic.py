@@ -258,6 +258,16 @@ class SyntheticGenerator:
                 parts.append((counts.T, missing.T, ids.T, labels, logit))
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))
 
+    def ids(self, stream: int, step: int, lo: int, hi: int) -> np.ndarray:
+        """int32 [hi - lo, S]: the ids of rows ``lo:hi``, as :meth:`raw` gives them, without the
+        dense features and labels (a third of the work on multi-hot data)."""
+        parts = []
+        with np.errstate(over="ignore"):
+            for start in range(lo, hi, CHUNK):
+                rows_n = np.arange(start, min(start + CHUNK, hi), dtype=np.uint32)
+                parts.append(self._ids(np, self.host, self._row_keys(np, stream, step, rows_n)).T)
+        return np.concatenate(parts)
+
     def raw(self, stream: int, step: int, lo: int, hi: int) -> RawSamples:
         """Rows ``lo:hi`` of global batch ``step`` of ``stream``, unnormalised (host numpy)."""
         counts, missing, ids, labels, _ = self._host_rows(stream, step, lo, hi)
@@ -385,6 +395,9 @@ class SyntheticSource:
 
     def train_batch(self, step: int) -> Batch:
         return self.generator.batch(TRAIN_STREAM, step, self._rows.start, self._rows.stop)
+
+    def train_ids(self, step: int) -> np.ndarray:
+        return self.generator.ids(TRAIN_STREAM, step, self._rows.start, self._rows.stop)
 
     def device_batches(self, sharding) -> Callable[[int], Batch]:
         """``make(step)``: global training batch ``step`` made on the devices of the batch

@@ -71,7 +71,7 @@ def initial_counts(source: DataSource, stats_batches: int, bag_sizes: Sequence[i
     per_feature = histograms() if histograms else None
     if per_feature is not None:
         return RowCounts(tuple(ids for ids, _ in per_feature), tuple(c.astype(np.float64) for _, c in per_feature))
-    batches = (global_ids(source.train_batch(i).ids) for i in range(stats_batches))
+    batches = (global_ids(source.train_ids(i)) for i in range(stats_batches))
     return RowCounts.from_batches(batches, bag_sizes)
 
 
@@ -94,7 +94,7 @@ def choose(
         return plan, None
     bags = tuple(t.spec.bag_size for t in plan.tables)
     counts = initial_counts(source, h.stats_batches, bags)
-    batches = [global_ids(source.train_batch(i).ids) for i in range(calibration_steps)]
+    batches = [global_ids(source.train_ids(i)) for i in range(calibration_steps)]
 
     def measure(host_batches):  # global batches: every process measures the same
         return measure_capacities(plan, host_batches, plan.capacity_factor)
