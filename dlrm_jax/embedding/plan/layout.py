@@ -240,10 +240,14 @@ def _part_kind(plan: EmbeddingPlan, vt: VirtualTable) -> ExchangeKind:
 def host_size(plan: EmbeddingPlan) -> int:
     """Devices of one host that tables split within a host are split over (every such table's
     ``devices``; the plan's devices when it has none)."""
-    sizes = {len(tp.devices) for tp in plan.tables if tp.strategy in HOST_STRATEGIES}
+    return _host_size(plan.tables, plan.num_devices)
+
+
+def _host_size(tables, num_devices: int) -> int:
+    sizes = {len(tp.devices) for tp in tables if tp.strategy in HOST_STRATEGIES}
     if len(sizes) > 1:
         raise ValueError(f"tables within hosts span different host sizes {sorted(sizes)}: one host size per plan")
-    return sizes.pop() if sizes else plan.num_devices
+    return sizes.pop() if sizes else num_devices
 
 
 @dataclass(frozen=True)
@@ -281,16 +285,22 @@ class PooledLayout:
 
 def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     """The static layout of a pooled part ``g``: its vtables all of fixed owners (POOLED), or
-    all split by rows within hosts (HOST_POOLED: the owners are hosts)."""
-    if any(plan.tables[vt.table].strategy == Strategy.HOST_COLUMN for vt in g.vtables):  # one piece per table
-        g = subgroup(plan, g, [vt for vt in g.vtables if vt.col_start == 0])
-    v_count = len(g.vtables)
-    hosts = any(plan.tables[vt.table].strategy in HOST_STRATEGIES for vt in g.vtables)
-    per_host = host_size(plan) if hosts else 1
-    n = g.num_devices // per_host
-    device = np.array([vt.device // per_host for vt in g.vtables], np.int64)
-    table = np.array([vt.table for vt in g.vtables], np.int64)
-    bag = np.array([plan.tables[t].spec.bag_size for t in table], np.int64)
+    all split by rows within hosts (HOST_POOLED: the owners are hosts). The planner's search
+    asks for the same ones many times over: remembered (treat them as read-only)."""
+    return _pooled_layout(plan.tables, g.vtables, g.num_devices)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pooled_layout(tables: tuple, vtables: tuple, num_devices: int) -> PooledLayout:
+    if any(tables[vt.table].strategy == Strategy.HOST_COLUMN for vt in vtables):  # one piece per table
+        vtables = tuple(vt for vt in vtables if vt.col_start == 0)
+    v_count = len(vtables)
+    hosts = any(tables[vt.table].strategy in HOST_STRATEGIES for vt in vtables)
+    per_host = _host_size(tables, num_devices) if hosts else 1
+    n = num_devices // per_host
+    device = np.array([vt.device // per_host for vt in vtables], np.int64)
+    table = np.array([vt.table for vt in vtables], np.int64)
+    bag = np.array([tables[t].spec.bag_size for t in table], np.int64)
     order = np.lexsort((np.arange(v_count), -bag, device))  # by owner, largest bag first
     first = np.searchsorted(device[order], device[order], side="left")
     piece = np.empty(v_count, np.int64)
@@ -302,7 +312,7 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     k = int(starts[-1])
     send_slot = np.full((n, k), -1, np.int32)
     row_offset = np.zeros((n, k), np.int32)
-    slot_start = np.concatenate([[0], np.cumsum([tp.spec.bag_size for tp in plan.tables])])
+    slot_start = np.concatenate([[0], np.cumsum([tp.spec.bag_size for tp in tables])])
     within = np.concatenate([np.arange(b) for b in bag]) if v_count else np.zeros(0, np.int64)
     vt_of = np.repeat(np.arange(v_count), bag)
     send_slot[device[vt_of], starts[piece[vt_of]] + within] = slot_start[table[vt_of]] + within
@@ -310,9 +320,9 @@ def pooled_layout(plan: EmbeddingPlan, g: Group) -> PooledLayout:
     span_k = starts[piece[span]] + np.concatenate(
         [np.arange(piece_bags[piece[v]]) for v in range(v_count)] or [np.zeros(0, np.int64)]
     )
-    row_offset[device[span], span_k] = np.array([vt.offset for vt in g.vtables], np.int64)[span]
+    row_offset[device[span], span_k] = np.array([vt.offset for vt in vtables], np.int64)[span]
     block = np.ones((n, k), np.int32)
-    block[device[span], span_k] = np.array([vt.block for vt in g.vtables], np.int64)[span]
+    block[device[span], span_k] = np.array([vt.block for vt in vtables], np.int64)[span]
     reply = (device * pieces + piece).astype(np.int32)
     send_index = np.full(n * pieces, v_count, np.int32)
     send_index[reply] = np.arange(v_count)
