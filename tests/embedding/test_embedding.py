@@ -29,6 +29,7 @@ from dlrm_jax.embedding.plan.layout import (
     whole_rows_key,
 )
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
+from dlrm_jax.train.planning import agree_by_max
 from dlrm_jax.train.wiring import plan_from_config, sparse_optimizer_from_config
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
@@ -260,6 +261,23 @@ def test_two_level_ids_match_reference(tiny, optimizer, devices, per_host, capac
     measured = dict(measure_capacities(plan, batches[:1], 1.0))
     want = tuple(measured[k] for k in two_level_keys(part.group))
     assert most[0] == want[0] and (most[1] == want[1] or capacities == "one level")
+
+
+@pytest.mark.parametrize("processes_per_host", [2, 4])
+def test_two_level_capacities_measured_by_processes_holding_part_of_a_host_never_fall_short(tiny, processes_per_host):
+    """One process per GPU (or per few): each measures the host stage on its part of the host's
+    rows; what they agree on (the largest) must cover what the whole host merges."""
+    cfg = tiny("train.batch_size=64", CARDS, "embedding.sharding=row", "cluster.devices_per_host=4")
+    plan = dataclasses.replace(plan_from_config(cfg, 8), ids_hosts=2)
+    (part,) = [p for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
+    batches = [SyntheticSource(cfg).train_batch(i).ids for i in range(4)]
+    whole = dict(measure_capacities(plan, batches, 1.0))
+    processes = 2 * processes_per_host
+    rows = plan.global_batch // processes  # each process's share of every batch
+    each = [measure_capacities(plan, [b[p * rows : (p + 1) * rows] for b in batches], 1.0) for p in range(processes)]
+    agreed = dict(agree_by_max(each))
+    for key in two_level_keys(part.group):
+        assert agreed[key] >= whole[key], key
 
 
 DETERMINISTIC = [("replicated", 1, "sgd"), ("row", 8, "sgd"), ("mixed", 4, "rowwise_adagrad"), ("column", 2, "adagrad")]

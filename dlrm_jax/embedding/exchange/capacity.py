@@ -103,7 +103,8 @@ def measure_capacities(
     """Per ids part of ``plan``: (group name, ``headroom`` x the busiest owner's distinct
     requests over every device's share of ``id_batches``); per host-columns part with
     row-wise Adagrad: (``whole_rows_key``, ``headroom`` x the most distinct rows a host pools,
-    scaled up to the global batch when a batch holds fewer rows). Each batch holds
+    scaled up to the global batch when a batch holds fewer rows); per two-level ids part, its
+    two stages' (scaled up likewise when a batch holds part of a host). Each batch holds
     consecutive devices' rows (``plan.global_batch / plan.num_devices`` each): a process's
     rows, or a global batch. Several processes take the maximum of their results."""
     parts = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
@@ -123,9 +124,15 @@ def measure_capacities(
             for g in parts:
                 most[g.name] = max(most[g.name], busiest_owner(g, ids[start : start + local]))
         for start in range(0, ids.shape[0], host_rows):
+            rows = ids[start : start + host_rows]
+            # A process holding 1/P of a host's rows (one process per GPU) scales its merged
+            # count by P: an upper bound of the host's (the union of P parts is at most their
+            # sum, and processes agree on the largest), where its own count would fall short
+            # and every step would overflow into the flat form.
+            share = host_rows / max(rows.shape[0], 1)
             for g in two_level:
-                counts = two_level_counts(g, ids[start : start + host_rows], plan.ids_hosts, local)
-                for key, count in zip(two_level_keys(g), counts, strict=True):
+                c1, c2 = two_level_counts(g, rows, plan.ids_hosts, local)
+                for key, count in zip(two_level_keys(g), (c1, math.ceil(share * c2)), strict=True):
                     most[key] = max(most[key], count)
         scale = plan.global_batch / max(ids.shape[0], 1)  # distinct rows grow slower: over-counts
         for g in host_columns:
