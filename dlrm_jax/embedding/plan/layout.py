@@ -350,7 +350,7 @@ def build_groups(plan: EmbeddingPlan) -> list[Group]:
 
 @functools.lru_cache(maxsize=256)
 def _groups_of(tables: tuple, n: int, padded: bool) -> tuple[Group, ...]:
-    rows_of = (lambda rows, width: storage_rows(rows, width)) if padded else (lambda rows, width: rows)
+    rows_of = storage_rows if padded else (lambda rows, width: rows)
     dim = tables[0].spec.dim
     slots_of = _slots_of_tables(tables)
     groups = []
