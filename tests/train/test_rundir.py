@@ -282,10 +282,12 @@ def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
     args = ["--set", "train.steps=100000", "--set", "train.checkpoint_every=50"]
     proc = popen(*args, "--run-dir", str(tmp_path / "run")) if named else popen(*args, cwd=tmp_path)
     deadline = time.time() + 120
-    while not list(tmp_path.glob("**/checkpoints/50")):
+    # A fixed depth, not "**": a recursive walk races orbax's temporary folders as they vanish.
+    pattern = "run/checkpoints/50" if named else "runs/*/checkpoints/50"
+    while not list(tmp_path.glob(pattern)):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
-    run = list(tmp_path.glob("**/checkpoints/50"))[0].parent.parent
+    run = list(tmp_path.glob(pattern))[0].parent.parent
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
