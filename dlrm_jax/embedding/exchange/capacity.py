@@ -85,16 +85,18 @@ def count_distinct(values: np.ndarray) -> int:
 
 def busiest_host(plan: EmbeddingPlan, g: Group, ids: np.ndarray) -> int:
     """The most distinct rows one host's devices pool of a host-columns part ``g`` for the
-    batch rows ``ids`` (int32 [B, S]): what their whole-row statistics add up (the positions
-    as ``exchange.host_pooled`` lays them out: a piece's ids plus its first local row)."""
-    lay = pooled_layout(plan, g)
-    most = 0
-    for host in range(lay.owners):
-        used = lay.send_slot[host] >= 0
-        sent = ids[:, lay.send_slot[host][used]].astype(np.int64)
-        rows = (sent + lay.row_offset[host][used])[sent != PAD_ID]
-        most = max(most, count_distinct(rows))
-    return most
+    batch rows ``ids`` (int32 [B, S]): what their whole-row statistics add up. A host's tables
+    sit at disjoint rows of its devices (``layout``), so that is the sum of its tables'
+    distinct ids, each table counted once however many hosts ask."""
+    per_host = g.num_devices // pooled_layout(plan, g).owners
+    starts = np.concatenate([[0], np.cumsum([tp.spec.bag_size for tp in plan.tables])])
+    hosts: dict[int, int] = {}
+    for vt in g.vtables:
+        if vt.col_start == 0:  # one slice of each table names its host
+            sent = ids[:, starts[vt.table] : starts[vt.table + 1]]
+            host = vt.device // per_host
+            hosts[host] = hosts.get(host, 0) + count_distinct(sent[sent != PAD_ID])
+    return max(hosts.values(), default=0)
 
 
 def measure_capacities(
