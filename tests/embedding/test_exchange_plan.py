@@ -349,15 +349,16 @@ def test_link_bytes_split_by_the_links_each_collective_takes():
     share of devices on each side, the host forms' by the devices they join; one host sends
     nothing between hosts."""
     from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes
-    from dlrm_jax.embedding.plan.stats import SPAN_HOSTS, part_links
+    from dlrm_jax.embedding.plan.stats import SPAN_ALL, SPAN_HOSTS, part_links
 
     specs = [TableSpec("a", 1_000_000, 64, 20), TableSpec("b", 500_000, 64, 3)]
     for strategy in ("table", "host_column"):
         plan = plan_embeddings(specs, strategy, 64, "sgd", 65536, cluster=H100)
         within, between = exchange_link_bytes(plan, H100)
         assert within + between == pytest.approx(sum(collective_bytes(plan).values()), rel=1e-6)
-        if strategy == "host_column":
-            hosts = sum(b for p in exchange_parts(plan) for k, b, s in part_links(plan, p) if s == SPAN_HOSTS)
+        if strategy == "host_column":  # its slices go over every device: (N - G) / (N - 1) between hosts
+            links = [(b, s) for p in exchange_parts(plan) for _, b, s in part_links(plan, p)]
+            hosts = sum(b for b, s in links if s == SPAN_HOSTS) + sum(b for b, s in links if s == SPAN_ALL) * 56 / 63
             assert between == pytest.approx(hosts)
         one_host = dataclasses.replace(H100, devices_per_host=64)
         assert exchange_link_bytes(plan, one_host)[1] == 0 and bound_link_bytes(plan, one_host)[1] == 0
@@ -379,3 +380,26 @@ def test_the_planner_merges_a_hosts_ids_on_many_devices_and_not_on_one_host():
     assert sum(collective_bytes(plan).values()) < 2.5 * lower_bound_bytes(plan)
     one_host = load_config("criteo_kaggle", ["mesh.devices=8", "cluster.profile=h100", "train.batch_size=8192"])
     assert plan_for_run(one_host, 8, 1, make_source(one_host), simulated=True).ids_hosts == 1
+
+
+def test_exchange_floor_prices_each_table_in_its_cheapest_form():
+    """``scripts/exchange_floor.py``'s three forms on a batch small enough to count by hand:
+    16 samples over 4 devices in hosts of 2 (8 samples a host), width 8."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "exchange_floor.py"
+    spec = importlib.util.spec_from_file_location("exchange_floor", path)
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    pad = -1
+    small = np.array([0, 1, 2, 0, 1, 2, 0, 1] * 2)  # a 3-row table: 3 distinct rows a host
+    bags = np.array([[5, 5], [6, pad], [5, 7], [8, pad], [9, 9], [5, pad], [6, 6], [7, pad]] * 2)  # a host: 5 distinct
+    ids = np.concatenate([small[:, None], bags], 1).astype(np.int32)
+    got = floor.table_floors(ids, [1, 2], [3, 1000], 8, 4, 2)
+    vector = 4 + 2 * 8 * 4  # an id out, its vector back and its gradient out
+    assert got[0]["replicated"] == pytest.approx(2 * 3 / 4 * 3 * 8 * 4)
+    assert got[0]["rows"] == pytest.approx(3 / 2 * vector) and got[0]["cheapest"] == "rows"  # 102 < 144
+    assert got[1]["mean_bag"] == pytest.approx(1.5) and got[1]["rows"] == pytest.approx(5 / 2 * vector)
+    # R = sqrt(K N / 2D) = 0.6 -> 1: every id to each column owner, a 1/N vector each way
+    assert got[1]["pooled"] == pytest.approx(16 * (4 * 1.5 + 2 * 8 * 4 / 4)) and got[1]["cheapest"] == "rows"

@@ -20,8 +20,8 @@ backward  each (sample, piece) gradient goes to (h, k) (all_to_all over hosts) -
 
 The column-within-host form (:class:`HostColumnsForm`) is the same trip with the table split
 by columns instead: every device of the host holds one slice of every row, so each pools all of
-every bag for its columns (no device's work is wasted on rows it does not hold), and the
-slices go to the requester's local-index device by an all_to_all within the host instead of a
+every bag for its columns (no device's work is wasted on rows it does not hold), and each
+slice goes straight to its requester by one all_to_all over every device instead of a
 reduce-scatter (each carries 1/G of a vector, not a whole partial sum).
 
 With row-wise Adagrad a column slice's update needs its row's squared gradient over the whole
@@ -137,17 +137,22 @@ class HostPooledForm(_HostForm):
 
 
 def _slices_to_requesters(x):
-    """[G requesters' local index, H, B_l, J, c] of this device's slice -> at the requester:
-    [H owner hosts, B_l, J, G slices, c] (within the host, then between hosts)."""
-    x = lax.all_to_all(x, LOCAL, 0, 0)  # [G slices, H requester hosts, B_l, J, c]
-    return _over_hosts(x.transpose(1, 2, 3, 0, 4))
+    """[G requesters' local index, H requester hosts, B_l, J, c] of this device's slice -> at the
+    requester: [H owner hosts, B_l, J, G slices, c]. One all_to_all over every device: each
+    slice crosses once (within a host or between hosts), where a trip within the host and then
+    between hosts would carry every slice twice."""
+    g, h = x.shape[:2]
+    x = lax.all_to_all(x.swapaxes(0, 1).reshape(h * g, *x.shape[2:]), (HOSTS, LOCAL), 0, 0)
+    return x.reshape(h, g, *x.shape[1:]).transpose(0, 2, 3, 1, 4)  # (devices are host-major)
 
 
 def _slices_to_owners(x):
     """The inverse: [H owner hosts, B_l, J, G slices, c] at the requester -> at each slice's
     owner: [G requesters' local index, H requester hosts, B_l, J, c]."""
-    x = _over_hosts(x).transpose(3, 0, 1, 2, 4)  # [G slices, H requester hosts, B_l, J, c]
-    return lax.all_to_all(x, LOCAL, 0, 0)
+    h, g = x.shape[0], x.shape[3]
+    x = x.transpose(0, 3, 1, 2, 4).reshape(h * g, *x.shape[1:3], x.shape[4])
+    x = lax.all_to_all(x, (HOSTS, LOCAL), 0, 0)  # [N requesters (host-major), B_l, J, c]
+    return x.reshape(h, g, *x.shape[1:]).swapaxes(0, 1)
 
 
 class HostColumnsForm(_HostForm):

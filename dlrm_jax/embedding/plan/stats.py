@@ -84,9 +84,9 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
     floats both ways of whole-row statistics); host pooled (H hosts of G devices): to each
     other host B_l x K ids (and weights) out, B_l x J vectors back and B_l x J gradients out;
     within the host, the ids (and weights) and gradients of all H x G requesters all-gathered
-    and their float32 partial sums reduce-scattered; host columns: the same between hosts,
-    within the host the ids all-gathered, each device's slices of the H x G requesters' vectors
-    and gradients exchanged (all-to-all), and with row-wise Adagrad one float per distinct row
+    and their float32 partial sums reduce-scattered; host columns: the ids the same, each
+    device's slices of the H x G requesters' vectors and gradients straight to and from them
+    (all-to-all over every device), and with row-wise Adagrad one float per distinct row
     all-reduced (the rows' squared gradients over their whole width; ``whole_rows_capacity``
     of them, the overflow rounds not counted). ``replicas``: hosts holding equal
     replicas (embedding.sync=host_replicas), whose owners all-gather what their counterparts
@@ -125,8 +125,8 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
         h = s["hosts"]
         per_host = n // h
         return [
-            ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * per_host * vec), SPAN_HOSTS),
-            ("all-to-all", (per_host - 1) * h * lb * 2 * j * vec, SPAN_HOST),
+            ("all-to-all", (h - 1) * lb * k * ids, SPAN_HOSTS),
+            ("all-to-all", (n - 1) * lb * 2 * j * vec, SPAN_ALL),
             ("all-gather", (per_host - 1) * h * lb * k * ids, SPAN_HOST),
             ("all-reduce", 2 * (per_host - 1) * s["rows_capacity"] * 4 * s["whole_rows"] / per_host, SPAN_HOST),
         ]
@@ -298,8 +298,12 @@ def exchange_report(plan: EmbeddingPlan) -> list[str]:
             where = f"split by {'rows' if rows else 'columns'} within each of {lay.owners} host(s)"
             how = (
                 "each host's devices sum their "
-                + ("rows of each bag and add the sums" if rows else "columns of each bag and trade the slices")
-                + f" within the host: {lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
+                + (
+                    "rows of each bag and add the sums within the host"
+                    if rows
+                    else "columns of each bag and send each slice straight to its requester"
+                )
+                + f": {lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
             )
         elif two_level_ids(plan, g):
             (c1, c2), per_host = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
