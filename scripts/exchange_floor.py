@@ -29,6 +29,7 @@ from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.capacity import count_distinct
 from dlrm_jax.ids import PAD_ID
+from dlrm_jax.train.wiring import specs_from_config
 
 FLOAT = 4
 
@@ -69,8 +70,8 @@ def main() -> None:
     for n in args.devices:
         cfg = resolve_data_config(load_config(args.config, [f"mesh.devices={n}", *args.set]))
         ids = np.asarray(make_source(cfg, trains=True).train_ids(0))
-        bags, dim = cfg.data.bag_sizes, cfg.model.embedding_dim
-        rows = [min(c, cfg.data.max_rows) if cfg.data.max_rows else c for c in cfg.data.cardinalities]
+        specs = specs_from_config(cfg)  # rows as capped, bags (1: one-hot)
+        bags, rows, dim = [s.bag_size for s in specs], [s.rows for s in specs], cfg.model.embedding_dim
         tables = table_floors(ids, bags, rows, dim, n, args.devices_per_host)
         local = ids.shape[0] // n
         bound = (2 * local * len(bags) * dim * FLOAT + local * sum(bags) * 4) * (n - 1) / n
