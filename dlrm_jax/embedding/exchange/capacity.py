@@ -11,9 +11,7 @@ the routing is ``routing.route``, the step's own.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -122,13 +120,11 @@ def measure_capacities(
     two_level = [g for g in parts if two_level_ids(plan, g)]
     most |= dict.fromkeys((k for g in two_level for k in two_level_keys(g)), 0)
     host_rows = plan.global_batch // max(plan.ids_hosts, 1)
-
-    def counts(ids) -> dict[str, int]:
-        """One batch's counts (a thread each: numpy's sorts let go of the GIL)."""
-        ids, out = np.asarray(ids), dict.fromkeys(most, 0)
+    for ids in id_batches:
+        ids = np.asarray(ids)
         for start in range(0, ids.shape[0], local):
             for g in parts:
-                out[g.name] = max(out[g.name], busiest_owner(g, ids[start : start + local]))
+                most[g.name] = max(most[g.name], busiest_owner(g, ids[start : start + local]))
         for start in range(0, ids.shape[0], host_rows):
             rows = ids[start : start + host_rows]
             # A process holding 1/P of a host's rows (one process per GPU) scales its merged
@@ -139,16 +135,10 @@ def measure_capacities(
             for g in two_level:
                 c1, c2 = two_level_counts(g, rows, plan.ids_hosts, local)
                 for key, count in zip(two_level_keys(g), (c1, math.ceil(share * c2)), strict=True):
-                    out[key] = max(out[key], count)
+                    most[key] = max(most[key], count)
         scale = plan.global_batch / max(ids.shape[0], 1)  # distinct rows grow slower: over-counts
         for g in host_columns:
-            out[whole_rows_key(g)] = max(out[whole_rows_key(g)], math.ceil(scale * busiest_host(plan, g, ids)))
-        return out
-
-    batches = list(id_batches)
-    with ThreadPoolExecutor(max(1, min(len(batches), os.cpu_count() or 1))) as pool:
-        for found in pool.map(counts, batches):
-            most = {key: max(m, found[key]) for key, m in most.items()}
+            most[whole_rows_key(g)] = max(most[whole_rows_key(g)], math.ceil(scale * busiest_host(plan, g, ids)))
     return tuple((name, max(1, math.ceil(headroom * m))) for name, m in most.items())
 
 
@@ -161,18 +151,19 @@ def table_stats(
     ``num_devices`` devices, in blocks and cyclically; a whole batch's distinct rows; with
     hosts of ``per_host`` devices (> 1), the most one host's devices together ask of one owner."""
     starts = np.concatenate([[0], np.cumsum([s.bag_size for s in specs])])
+    distinct, chunks, batches = np.zeros(len(specs)), 0, 0
+    in_batch = np.zeros(len(specs))
     kinds = (KIND_BLOCK, KIND_CYCLIC)
+    busiest = {kind: np.zeros((len(specs), num_devices)) for kind in kinds}  # per table and owner
+    host_busiest = {kind: np.zeros((len(specs), num_devices)) for kind in kinds}
 
     def most_of_one_owner(rows, spec):  # per split: each owner's count
         block = -(-spec.rows // num_devices)
         return [np.bincount(owner, minlength=num_devices) for owner in (rows // block, rows % num_devices)]
 
-    def one_batch(ids):
-        """One batch's sums and maxima (a thread each: numpy's sorts let go of the GIL)."""
+    for ids in id_batches:
         ids = np.asarray(ids)
-        distinct, in_batch, chunks = np.zeros(len(specs)), np.zeros(len(specs)), 0
-        busiest = {kind: np.zeros((len(specs), num_devices)) for kind in kinds}  # per table and owner
-        host_busiest = {kind: np.zeros((len(specs), num_devices)) for kind in kinds}
+        batches += 1
         host = [[] for _ in specs]  # the current host's devices' distinct rows, per table
         for index, start in enumerate(range(0, ids.shape[0], local_batch)):
             chunks += 1
@@ -197,18 +188,6 @@ def table_stats(
         for t in range(len(specs)):
             sub = ids[:, starts[t] : starts[t + 1]]
             in_batch[t] += scale * count_distinct(sub[sub != PAD_ID])
-        return distinct, in_batch, chunks, busiest, host_busiest
-
-    batches = list(id_batches)
-    with ThreadPoolExecutor(max(1, min(len(batches), os.cpu_count() or 1))) as pool:
-        found = list(pool.map(one_batch, batches))
-    distinct = sum((f[0] for f in found), np.zeros(len(specs)))
-    in_batch = sum((f[1] for f in found), np.zeros(len(specs)))
-    chunks = sum(f[2] for f in found)
-    busiest = {k: np.max([f[3][k] for f in found], 0) if found else np.zeros((len(specs), num_devices)) for k in kinds}
-    host_busiest = {
-        k: np.max([f[4][k] for f in found], 0) if found else np.zeros((len(specs), num_devices)) for k in kinds
-    }
     out = []
     for t in range(len(specs)):
         block, cyclic = (tuple(float(x) for x in busiest[k][t]) for k in kinds)
@@ -218,7 +197,7 @@ def table_stats(
                 float(distinct[t] / max(chunks, 1)),
                 max(block, default=0.0),
                 max(cyclic, default=0.0),
-                float(in_batch[t] / max(len(batches), 1)),
+                float(in_batch[t] / max(batches, 1)),
                 (block, cyclic),
                 host,
             )
