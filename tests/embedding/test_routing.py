@@ -339,3 +339,32 @@ def test_two_level_stage_one_ranks_requests_per_local_index(hosts, per_host, row
     for i in np.flatnonzero(valid):
         j = np.flatnonzero(b.unique_valid & (rank == slot_rank[i]) & (local == b.slot_owner[i] // hosts))
         assert j.size == 1 and (key[j[0]], b.unique_row[j[0]]) == (owner[i], row[i])
+
+
+@settings(max_examples=examples(40))
+@given(
+    batch=st.integers(1, 60),
+    rows=st.integers(1, 12),
+    width=st.integers(1, 5),
+    span=st.integers(1, 50),
+    chunk=st.sampled_from([1, 3, 16, 1 << 14]),
+    wide=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_distinct_by_share_is_each_shares_distinct_values(batch, rows, width, span, chunk, wide, seed):
+    """The planner's measurements take every device's distinct ids at once, many shares to a
+    sort or one share a sort (``_SORT_CHUNK``): the same pairs as each share on its own."""
+    from dlrm_jax.embedding.exchange import capacity
+
+    rng = np.random.default_rng(seed)
+    value = rng.integers(0, span, (batch, width)).astype(np.int64 if wide else np.int32)
+    valid = rng.random((batch, width)) < 0.7
+    saved, capacity._SORT_CHUNK = capacity._SORT_CHUNK, chunk
+    try:
+        share, got = capacity.distinct_by_share(value, valid, rows, span)
+    finally:
+        capacity._SORT_CHUNK = saved
+    want = [
+        (s, v) for s, a in enumerate(range(0, batch, rows)) for v in np.unique(value[a : a + rows][valid[a : a + rows]])
+    ]
+    assert list(zip(share.tolist(), got.tolist(), strict=True)) == [(s, int(v)) for s, v in want]
