@@ -79,7 +79,7 @@ def id_batches(draw, rows):
     return ids.astype(np.int32)
 
 
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(20))
 @given(data=st.data())
 def test_routing_and_bucketing(data):
     n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
@@ -120,7 +120,7 @@ def test_routing_and_bucketing(data):
 
 
 @pytest.mark.slow
-@settings(max_examples=examples(25))
+@settings(max_examples=examples(15))
 @given(data=st.data())
 def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
     """Several devices' buckets for the same owners, a capacity too small: the agreed rounds
@@ -308,7 +308,7 @@ def test_table_stats_count_what_the_routing_sends(rows, n, bags, seed):
         assert got[t].batch_distinct == pytest.approx(np.mean(in_batches))
 
 
-@settings(max_examples=examples(25))
+@settings(max_examples=examples(15))
 @given(
     hosts=st.sampled_from([1, 2, 4]),
     per_host=st.sampled_from([1, 2, 4]),

@@ -295,14 +295,13 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
         assert all(d == 0.0 for *_, d in b)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_tables_within_hosts_over_processes_equal_one_process(tmp_path, processes):
+def test_tables_within_hosts_over_processes_equal_one_process(tmp_path):
     """Tables split by rows within a host of 4 devices, and one row-wise over all 8 whose ids
-    go in two levels, over 2 processes of 4 (a host each) or 4 of 2 (two a host, as with one
-    process per GPU): the exchange between hosts crosses processes, each process measures the
-    two stages' buckets on its own rows (a process holding half a host's rows doubles its count
-    of the host's merged requests: an upper bound); training matches one process of 8 devices,
-    and no step overflows into the one-level form."""
+    go in two levels, over 4 processes of 2 devices, two a host (as with one process per GPU):
+    the exchange between hosts crosses processes, and each process measures the two stages'
+    buckets on its own rows (holding half a host's rows, it doubles its count of the host's
+    merged requests: an upper bound). Training matches one process of 8 devices, and no step
+    overflows into the one-level form (without the doubling, step 1 does)."""
     args = smoke_train(
         "embedding.sharding=host_row",
         "embedding.table_sharding=[cat_3=row]",
@@ -310,15 +309,13 @@ def test_tables_within_hosts_over_processes_equal_one_process(tmp_path, processe
         "cluster.devices_per_host=4",
     )
     read = lambda d: metrics(d, "step", "loss", "exchange_overflows")
-    a, b = one_and_two_processes(tmp_path, args, args, read, processes)
+    a, b = one_and_two_processes(tmp_path, args, args, read, 4)
     assert [s for s, *_ in a] == [s for s, *_ in b] and len(a) == 6
     for (_, la, _), (_, lb, overflows) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la) and overflows == 0, (la, lb, overflows)
-    for run in ("one", "two"):  # the same plan, buckets measured on each process's own rows
+    for run in ("one", "two"):  # the same placement, buckets measured on each process's own rows
         plan = (tmp_path / run / "plan.txt").read_text()
         assert "host_row x4" in plan and "in two levels over 2 hosts of 4" in plan
-    if processes == 2:
-        assert (tmp_path / "one" / "plan.txt").read_text() == (tmp_path / "two" / "plan.txt").read_text()
 
 
 # Process 1's input for step 11 (batch 10) never comes (a hung file system, say); its heartbeat
