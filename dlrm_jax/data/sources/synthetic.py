@@ -59,18 +59,20 @@ from dlrm_jax.data.sources.synthetic_draws import (  # noqa: F401 - mix64, mix32
 )
 
 CHUNK = 8192  # rows the host evaluates at once (bounds temporaries; no part of the data)
-# Threads for the host path's chunks: numpy's arithmetic lets go of the GIL, so chunks run side
-# by side (the planner's 4 calibration batches of DLRM-DCNv2: 2.7 s -> 1.2 s on 2 cores).
-_THREADS = min(8, os.cpu_count() or 1)
+# Threads for the ids alone (planning, hot-row statistics): numpy's arithmetic lets go of the
+# GIL, so chunks run side by side (the planner's 4 calibration batches of DLRM-DCNv2: 2.7 s ->
+# 1.2 s on 2 cores). Whole batches stay on their caller's thread: the input pipeline already
+# runs several readers.
+_ID_THREADS = min(8, os.cpu_count() or 1)
 
 
-def _by_chunks(fn, lo: int, hi: int) -> list:
-    """``fn(rows_n)`` for each CHUNK of rows ``lo:hi`` (uint32), in order, on up to _THREADS
-    threads."""
+def _by_chunks(fn, lo: int, hi: int, threads: int = 1) -> list:
+    """``fn(rows_n)`` for each CHUNK of rows ``lo:hi`` (uint32), in order, on up to
+    ``threads`` threads."""
     chunks = [np.arange(start, min(start + CHUNK, hi), dtype=np.uint32) for start in range(lo, hi, CHUNK)]
-    if len(chunks) < 2 or _THREADS < 2:
+    if len(chunks) < 2 or threads < 2:
         return [fn(rows_n) for rows_n in chunks]
-    with ThreadPoolExecutor(min(_THREADS, len(chunks))) as pool:
+    with ThreadPoolExecutor(min(threads, len(chunks))) as pool:
         return list(pool.map(fn, chunks))
 
 
@@ -266,7 +268,7 @@ class SyntheticGenerator:
         """(counts, missing, ids, labels, logit) of rows ``lo:hi`` by numpy, CHUNK at a time."""
 
         def chunk(rows_n):
-            with np.errstate(over="ignore"):  # (per thread: numpy's error state is)
+            with np.errstate(over="ignore"):
                 key_n = self._row_keys(np, stream, step, rows_n)
                 counts, missing, ids = self._features(np, self.host, key_n)
                 dense = self._dense(np, self.host, self._present(np, counts, missing))
@@ -280,10 +282,10 @@ class SyntheticGenerator:
         dense features and labels (a third of the work on multi-hot data)."""
 
         def chunk(rows_n):
-            with np.errstate(over="ignore"):
+            with np.errstate(over="ignore"):  # (per thread: numpy's error state is)
                 return self._ids(np, self.host, self._row_keys(np, stream, step, rows_n)).T
 
-        return np.concatenate(_by_chunks(chunk, lo, hi))
+        return np.concatenate(_by_chunks(chunk, lo, hi, _ID_THREADS))
 
     def raw(self, stream: int, step: int, lo: int, hi: int) -> RawSamples:
         """Rows ``lo:hi`` of global batch ``step`` of ``stream``, unnormalised (host numpy)."""
