@@ -58,7 +58,7 @@ def losses(run_dir):
     ]
 
 
-def launch_two(args, env, cwd, count=2):
+def launch_processes(args, env, cwd, count=2):
     """``count`` processes (two unless told) of one run, on local ports."""
     port = free_port()
     return [
@@ -124,7 +124,7 @@ def test_two_processes_equal_one(tmp_path):
     assert single.returncode == 0, single.stderr
     # No --run-dir: process 0 picks runs/<time> and every process uses it.
     (tmp_path / "cwd").mkdir()
-    procs = launch_two(ARGS, env, tmp_path / "cwd")
+    procs = launch_processes(ARGS, env, tmp_path / "cwd")
     outs = communicate(procs, 240)
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -144,7 +144,7 @@ def test_two_processes_equal_one(tmp_path):
     with open(run_dirs[0] / ".lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         started = time.time()
-        procs = launch_two([*ARGS, "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
+        procs = launch_processes([*ARGS, "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
         outs = communicate(procs, 120)
     assert time.time() - started < 90
     for p, (_, err) in zip(procs, outs, strict=True):
@@ -156,7 +156,7 @@ def test_two_processes_equal_one(tmp_path):
     before = losses(run_dirs[0])
     for f in (run_dirs[0] / "checkpoints" / "6" / "state" / "ocdbt.process_1" / "d").iterdir():
         f.write_bytes(b"\0garbage")
-    procs = launch_two([*ARGS, "--set", "train.steps=9", "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
+    procs = launch_processes([*ARGS, "--set", "train.steps=9", "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
     for p, (out, err) in zip(procs, communicate(procs, 240), strict=True):
         assert p.returncode == 0, err[-3000:]
         warnings = [line for line in out.splitlines() if line.startswith("warning:")]
@@ -249,7 +249,7 @@ def smoke_train(*sets: str) -> list[str]:
     return ["train", "--config", "smoke", *[a for kv in base for a in ("--set", kv)]]
 
 
-def one_and_two_processes(tmp_path, single: list[str], two: list[str], read, count=2) -> tuple[list, list]:
+def one_and_more_processes(tmp_path, single: list[str], two: list[str], read, count=2) -> tuple[list, list]:
     """``read`` of the run dirs of ``single`` in one process and ``two`` over ``count``."""
     env = child_env()
     one = subprocess.run(
@@ -260,7 +260,7 @@ def one_and_two_processes(tmp_path, single: list[str], two: list[str], read, cou
         env=env,
     )
     assert one.returncode == 0, one.stderr[-3000:]
-    procs = launch_two([*two, "--run-dir", str(tmp_path / "two")], env, tmp_path, count)
+    procs = launch_processes([*two, "--run-dir", str(tmp_path / "two")], env, tmp_path, count)
     for p, (_, err) in zip(procs, communicate(procs, 240), strict=True):
         assert p.returncode == 0, err[-3000:]
     return read(tmp_path / "one"), read(tmp_path / "two")
@@ -281,7 +281,7 @@ def test_per_host_tables_over_two_processes_equal_one_process(tmp_path, sync):
     common = ["train.eval_every=3", "embedding.sharding=row"]
     sets = [*common, f"embedding.sync={sync}", *(["embedding.sync_every=4"] if sync == "per_host" else [])]
     single = smoke_train(*sets, "mesh.hosts=2") if sync == "per_host" else smoke_train(*common)
-    a, b = one_and_two_processes(
+    a, b = one_and_more_processes(
         tmp_path, single, smoke_train(*sets), lambda d: metrics(d, "step", "loss", "auc", "table_divergence")
     )
     a, b = ([(s, loss, auc, d or 0.0) for s, loss, auc, d in x] for x in (a, b))
@@ -309,7 +309,7 @@ def test_tables_within_hosts_over_processes_equal_one_process(tmp_path):
         "cluster.devices_per_host=4",
     )
     read = lambda d: metrics(d, "step", "loss", "exchange_overflows")
-    a, b = one_and_two_processes(tmp_path, args, args, read, 4)
+    a, b = one_and_more_processes(tmp_path, args, args, read, 4)
     assert [s for s, *_ in a] == [s for s, *_ in b] and len(a) == 6
     for (_, la, _), (_, lb, overflows) in zip(a, b, strict=True):
         assert abs(la - lb) <= 1e-5 * abs(la) and overflows == 0, (la, lb, overflows)
