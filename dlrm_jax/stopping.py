@@ -2,7 +2,8 @@
 and exit status 128 + signal, where SIGTERM's (and a closed terminal's SIGHUP's) default action
 would end the process without a word. Inside the loop the trainer's own handlers finish the step,
 save and exit on the same three. :func:`die_with_parent` ends a process with the one that
-started it (a launch supervisor, preprocessing's parent), even when that one is SIGKILLed.
+started it (a launch supervisor, preprocessing's parent), even when that one is SIGKILLed; a
+process whose supervisor is gone writes on into its log file (:func:`divert_if_orphaned`).
 
 The handler raises :class:`Stopped` where the main thread happens to be. Python swallows an
 exception raised inside a garbage-collection or ``__del__`` callback (JAX runs one at every
@@ -18,7 +19,15 @@ import signal
 import sys
 import threading
 
-__all__ = ["Stopped", "stop_on_signals", "raise_if_stopped", "die_with_parent", "STOP_SIGNALS"]
+__all__ = [
+    "STOP_SIGNALS",
+    "Stopped",
+    "die_with_launcher",
+    "die_with_parent",
+    "divert_if_orphaned",
+    "raise_if_stopped",
+    "stop_on_signals",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNALS = STOP_SIGNALS
@@ -36,6 +45,7 @@ class Stopped(KeyboardInterrupt):
 
 def _stop(signum, frame):
     global _pending
+    divert_if_orphaned()  # SIGTERM from a supervisor's death: its pipes are gone
     _pending = signum
     raise Stopped(signum)
 
@@ -89,9 +99,69 @@ def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> 
         os.kill(os.getpid(), signum)
 
 
+_launch: tuple[int, str] | None = None  # (the supervisor's pid, this process's log file)
+_diverted = False
+
+
 def die_with_launcher() -> None:
     """In a process a launch supervisor started (``DLRM_JAX_PARENT`` holds its pid): SIGTERM,
-    the save-and-stop signal, when the supervisor ends, even by SIGKILL."""
+    the save-and-stop signal, when the supervisor ends, even by SIGKILL; from then on the
+    process's output goes to its log file (``DLRM_JAX_LOG``), see :func:`divert_if_orphaned`."""
+    global _launch
     parent = os.environ.get("DLRM_JAX_PARENT", "")
-    if parent.isdigit():
-        die_with_parent(signal.SIGTERM, int(parent))
+    if not parent.isdigit():
+        return
+    _launch = (int(parent), os.environ.get("DLRM_JAX_LOG", ""))
+    sys.stdout, sys.stderr = _Relayed(sys.stdout), _Relayed(sys.stderr)
+    die_with_parent(signal.SIGTERM, int(parent))
+
+
+def divert_if_orphaned() -> None:
+    """When the launch supervisor is gone, nothing reads the pipes it gave this process: the
+    next line written would fail (EPIPE) and end the run wherever it happens to print, before
+    it saves, while its peers wait for it in the save's barrier. Points standard output and
+    error (file descriptors 1 and 2: native output too) at the process's log file instead
+    (``/dev/null`` without one). Only system calls: safe in a signal handler."""
+    global _diverted
+    if _launch is None or _diverted or os.getppid() == _launch[0]:
+        return
+    try:
+        fd = os.open(_launch[1] or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _diverted = True
+
+
+class _Relayed:
+    """``sys.stdout`` / ``sys.stderr`` of a launched process: a write or flush that finds the
+    supervisor's pipe gone diverts the output (:func:`divert_if_orphaned`) and is made again
+    there, instead of raising BrokenPipeError (a line may then appear twice in the log)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            return self._again(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._again("")
+
+    def _again(self, text: str) -> int:
+        divert_if_orphaned()
+        if not _diverted:  # the pipe closed with the supervisor alive: not ours to hide
+            raise BrokenPipeError(32, "Broken pipe")
+        self._stream.write(text)
+        self._stream.flush()
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)

@@ -67,7 +67,8 @@ class _Child:
 
     def __init__(self, index: int, argv: list[str], log: Path):
         self.index, self.log = index, log
-        # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even by SIGKILL
+        # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even
+        # by SIGKILL, and DLRM_JAX_LOG: it then writes on into its log (our pipes have no reader)
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -75,7 +76,7 @@ class _Child:
             text=True,
             errors="replace",
             start_new_session=True,
-            env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid())},
+            env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid()), "DLRM_JAX_LOG": str(log.absolute())},
         )
         self.native = 0
         self.last_error = ""
@@ -137,7 +138,7 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
     log_dir.mkdir(parents=True, exist_ok=True)
     children = [_Child(i, argv, log_dir / f"p{i}.log") for i, argv in enumerate(argvs)]
     for c in children:
-        print(f"[launch] process {c.index}: pid {c.proc.pid}", flush=True)
+        print(f"[launch] process {c.index}: output also in {c.log}, pid {c.proc.pid}", flush=True)
 
     def forward(signum, _frame):  # Ctrl-C, SIGTERM, a closed terminal: every process checkpoints and stops
         for c in children:

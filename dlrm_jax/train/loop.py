@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 import signal
 import threading
 import time
@@ -44,6 +45,10 @@ RUN_END_FIELDS = ("run_samples_per_s", "best_step", "best_auc", "best_logloss", 
 # (batch preparation, orbax's writer) never launch one.
 DISPATCH_AHEAD = 2
 
+# Several processes agree on a stop signal every this many steps (a round trip to the
+# coordinator); the step they stop at is the first such one after the signal.
+STOP_AGREE_EVERY = 10
+
 
 class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
     """SIGINT/SIGTERM arrived; the state at ``step`` was checkpointed (if the run has a dir)."""
@@ -54,10 +59,13 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
 
 
 class StopSignals:
-    """SIGINT/SIGTERM set a flag the loop reads after each step; a second one exits at once."""
+    """SIGINT/SIGTERM set a flag the loop reads after each step, and say at once what will
+    happen; a second one exits at once. ``saves``: the run has a run dir to save to;
+    ``agree_every``: steps between the processes' agreements on stopping (several processes)."""
 
-    def __init__(self):
+    def __init__(self, saves: bool = True, agree_every: int = 1):
         self.signum, self._old = None, {}
+        self.saves, self.agree_every = saves, agree_every
 
     def __enter__(self):
         stopping.raise_if_stopped()  # a signal before the loop whose exception was swallowed
@@ -67,19 +75,38 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
+        stopping.divert_if_orphaned()  # SIGTERM from a launch supervisor's death: its pipes are gone
         if self.signum is not None:  # asked twice: do not wait for the step
             raise KeyboardInterrupt
         self.signum = signum
+        # os.write, not print: a handler may run in the middle of another write to stderr.
+        os.write(2, self.notice(signum).encode())
 
-    def requested(self, step: int, every: int) -> int | None:
-        """The signal to stop on, agreed by every process (checked every ``every`` steps when
-        there are several, since agreeing is a round trip to the coordinator). Agreed through
-        the coordination service's key-value store, not a device program: it needs no device
-        time, and a program with collectives that does not depend on the train state would
-        still run on devices whose step failed when a peer died."""
+    def notice(self, signum: int) -> str:
+        """The line a first stop signal prints (an evaluation or a save can take minutes, and
+        a user who sees nothing presses again and loses the steps since the last save)."""
+        name = signal.Signals(signum).name
+        when = (
+            "after the current step"
+            if self.agree_every == 1
+            else f"at the next step that is a multiple of {self.agree_every} (the processes agree on it)"
+        )
+        then = "saves a checkpoint and stops" if self.saves else "stops (no run dir: nothing is saved)"
+        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+        return (
+            f"dlrm-jax: {name}: the run finishes what it is doing (a step, an evaluation or a save), "
+            f"{then} {when}; {again} to stop at once without saving\n"
+        )
+
+    def requested(self, step: int) -> int | None:
+        """The signal to stop on, agreed by every process (checked every ``agree_every`` steps
+        when there are several, since agreeing is a round trip to the coordinator). Agreed
+        through the coordination service's key-value store, not a device program: it needs no
+        device time, and a program with collectives that does not depend on the train state
+        would still run on devices whose step failed when a peer died."""
         if jax.process_count() == 1:
             return self.signum
-        if step % every:
+        if step % self.agree_every:
             return None
         return max(map(int, outcomes_of_every_process(str(self.signum or 0)))) or None
 

@@ -22,7 +22,14 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
-from dlrm_jax.train.loop import RUN_END_FIELDS, Interrupted, StopSignals, TrainingLoop, reporting  # noqa: F401
+from dlrm_jax.train.loop import (  # noqa: F401
+    RUN_END_FIELDS,
+    STOP_AGREE_EVERY,
+    Interrupted,
+    StopSignals,
+    TrainingLoop,
+    reporting,
+)
 from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
 from dlrm_jax.train.restore import check_tier_kept, restore_or_init
@@ -164,10 +171,11 @@ def _train(
     report_progress(start, "compiling the train step", timed=False)
     batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
     loop = TrainingLoop(cfg, driver, ckpts, metrics, plan, progress, start, log)
-    with StopSignals() as stop:
+    agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
+    with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop:
         for step, item in zip(range(start + 1, end + 1), batches, strict=True):
             state = loop.dispatch(state, step, item)
-            todo = loop.plan_step(step, stop.requested(step, every=10))
+            todo = loop.plan_step(step, stop.requested(step))
             state = loop.after_step(state, step, item, todo)
             if not todo.log:
                 continue

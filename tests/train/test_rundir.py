@@ -291,13 +291,20 @@ def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    step = int(err.split("after step ")[1].split(";")[0])
+    # What will happen, at once (an evaluation or a save may take minutes), then how it ended.
+    notice, end = err.strip().splitlines()
+    again = "press Ctrl-C again" if sig == signal.SIGINT else f"send {sig.name} again"
+    assert notice == (
+        f"dlrm-jax: {sig.name}: the run finishes what it is doing (a step, an evaluation or a save), saves a "
+        f"checkpoint and stops after the current step; {again} to stop at once without saving"
+    )
+    assert "Traceback" not in err
+    step = int(end.split("after step ")[1].split(";")[0])
     assert step >= 50 and (run / "checkpoints" / str(step)).exists()
     if named:
-        assert "re-run the same command to resume" in err
+        assert "re-run the same command to resume" in end
     else:
-        assert f"re-run the command with --run-dir {run.relative_to(tmp_path)} to resume" in err
+        assert f"re-run the command with --run-dir {run.relative_to(tmp_path)} to resume" in end
 
 
 @pytest.mark.slow
