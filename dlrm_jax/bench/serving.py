@@ -136,6 +136,7 @@ def bench_serving(
         t = time.perf_counter()
         got = predict_files(model, [str(tmp / "val.tsv")], tmp / "pred.txt", progress=False)
         predict_s = time.perf_counter() - t
+        scores = np.loadtxt(tmp / "pred.txt", dtype=np.float32)
         report["raw_lines"] = {
             "predict_lines_per_s": round(val / predict_s),
             "preprocess_s": round(pre_s, 3),
@@ -143,7 +144,8 @@ def bench_serving(
             "preprocess_plus_eval_lines_per_s": round(val / (pre_s + eval_s)),
             "ratio": round((pre_s + eval_s) / predict_s, 2),
             "scored": got.scored,
-            "equal_to_eval_bitwise": bool(np.array_equal(np.loadtxt(tmp / "pred.txt", dtype=np.float32), probs)),
+            "equal_to_eval_bitwise": bool(np.array_equal(scores, probs)),
+            "max_ulps_from_eval": int(np.abs(scores.view(np.int32).astype(np.int64) - probs.view(np.int32)).max()),
         }
         report["latency"] = [_latency_ms(model.predict_raw, held_out, b, c) for b, c in ((1, 300), (1024, 40))]
     base_bytes = _bytes(arts["float32"][0] / "tables", "c.*")

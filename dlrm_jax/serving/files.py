@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlrm_jax import stopping
 from dlrm_jax.data.preprocessing.criteo_preprocess import parse_block
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog, byte_progress, open_input
 from dlrm_jax.data.sources.criteo import NUM_FIELDS, CriteoFormatError
@@ -47,18 +48,24 @@ def predict_files(
     """Score every line of ``inputs`` (plain or gzipped, the training files' layout: Criteo TSV
     with the label first or absent, or a tabular schema's, one record a line) into ``output``,
     one probability a line (a record); a malformed line stops the run naming its file and line,
-    or (``skip_bad_lines``) is scored nan. ``output`` appears whole or not at all."""
+    or (``skip_bad_lines``) is scored nan. ``output`` appears whole or not at all, and the
+    paths are checked before any line is scored (:func:`check_paths`)."""
     start, log = time.perf_counter(), SkipLog(skip_bad_lines, DataFormatError)
     output = Path(output)
-    partial = output.with_name(output.name + ".partial")
+    check_paths(inputs, output, model.folders)
+    # A new file of its own beside the output ("x": never an existing one, such as an input),
+    # renamed over the output once every line is scored.
+    partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     lines = scored = 0
+    out = open(partial, "x")  # noqa: SIM115 - closed below, before the rename
     try:
-        with open(partial, "w") as out, byte_progress(inputs, "predict", progress) as bar:
+        with out, byte_progress(inputs, "predict", progress) as bar:
             for path in inputs:
                 if model.rules.format == "tabular":
                     for probs in _tabular(model, str(path), batch_size, log, bar):
                         out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
                         lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
+                        stopping.raise_if_stopped()
                     continue
                 with open_input(path, CriteoFormatError) as (raw, f):
                     lineno, read = 1, 0
@@ -72,10 +79,40 @@ def predict_files(
                         )
                         bar.update(raw.tell() - read)
                         read = raw.tell()
+                        stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
         os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
+
+
+def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[Path] = ()) -> None:
+    """Refuses, before anything is read or written: an input that is missing or not a file; an
+    output that is a folder, lies in a missing folder, is one of the inputs (it would be
+    replaced by their scores), or lies inside ``protected`` (the model's artifact and deltas,
+    whose files it would replace)."""
+    for path in map(Path, inputs):
+        if not path.exists():
+            raise FileNotFoundError(f"--input {path}: no such file")
+        if not path.is_file():
+            raise IsADirectoryError(f"--input {path}: a folder, not a file: give the files in it")
+    if output.is_dir():
+        raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
+    if not output.parent.is_dir():
+        raise FileNotFoundError(f"--output {output}: its folder {output.parent} does not exist")
+    same = [p for p in map(Path, inputs) if output.exists() and os.path.samefile(p, output)]
+    if same:
+        raise ValueError(
+            f"--output {output} is also --input {same[0]}: the scores would replace the lines they come "
+            f"from; write them to another file"
+        )
+    where = output.parent.resolve()
+    for folder in protected:
+        if where == Path(folder).resolve() or Path(folder).resolve() in where.parents:
+            raise ValueError(
+                f"--output {output} lies inside the serving artifact {folder}: the scores would replace "
+                f"or add to its files; write them outside it"
+            )
 
 
 def _score(

@@ -15,6 +15,7 @@ from dlrm_jax.ids import PAD_ID
 from dlrm_jax.serving.artifact import (
     FUNCTION_FILE,
     INT8_FIELD,
+    MANIFEST,
     PARAMS_FILE,
     ROWS_FIELD,
     ArtifactError,
@@ -56,8 +57,9 @@ class ServingModel:
 
     def __init__(self, root: Path, manifest: dict, memory_bytes: int, cache_rows: int):
         self.root, self.manifest = Path(root), manifest
+        self.folders = [self.root]  # the artifact's, then each applied delta's
         self.features, self.wide_features = manifest["features"], manifest.get("wide") or []
-        self.tables = ServingTables(self.root, self.features + self.wide_features, memory_bytes, cache_rows)
+        self.tables = ServingTables(self.root, manifest, self.features + self.wide_features, memory_bytes, cache_rows)
         self.bag_sizes = [int(f["bag_size"]) for f in self.features]
         self._rules = None
         self._load_function(self.root)
@@ -66,7 +68,29 @@ class ServingModel:
         self._exported = jax.export.deserialize(bytearray((root / FUNCTION_FILE).read_bytes()))
         with np.load(root / PARAMS_FILE) as npz:
             self._params = [jax.device_put(npz[f"arr_{k}"]) for k in range(len(npz.files))]
+        self._check_function(root)
         self._call = jax.jit(self._exported.call)
+
+    def _check_function(self, root: Path) -> None:
+        """The manifest's dense width, features and dim against what the function takes: an
+        edited or mismatched manifest is refused naming both, not met at the first batch."""
+        avals = self._exported.in_avals[len(self._params) :]  # dense [b, num_dense], pooled [b, F, D], ...
+        takes = {
+            "num_dense": avals[0].shape[1],
+            "features": avals[1].shape[1],
+            "embedding dim": avals[1].shape[2],
+        }
+        says = {
+            "num_dense": self.manifest["num_dense"],
+            "features": len(self.manifest["features"]),
+            "embedding dim": int(self.manifest["features"][0]["dim"]) if self.manifest["features"] else 0,
+        }
+        for what, n in takes.items():
+            if says[what] != n:
+                raise ArtifactError(
+                    f"{self.root / MANIFEST}: {what} {says[what]}, but its dense function {root / FUNCTION_FILE} "
+                    f"takes {n}: the manifest was edited or belongs to another export"
+                )
 
     @property
     def step(self) -> int:
@@ -193,8 +217,9 @@ def load(
 
     Tables up to ``memory_bytes`` in all (default: half the memory available) are read whole;
     larger ones through a row cache of ``cache_rows`` rows each over memory-mapped chunk files.
-    The dense function and the rules are checked against the manifest's sha256; tables too when
-    ``verify_tables`` (reads them all)."""
+    The dense function and the rules are checked against the manifest's sha256, each chunk
+    file of the tables as its rows are first read (a delta's, whole, as it is applied), and
+    every table file up front when ``verify_tables``."""
     root = Path(dest)
     manifest = read_manifest(root)
     if manifest.get("kind") != "full":
@@ -224,11 +249,22 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
             f"{root}: a delta from step {delta['base_step']} to {delta['step']}, applied to a model "
             f"at step {model.step}: apply the deltas in order, from the base's step"
         )
+    if not delta.get("base_state") or not model.manifest.get("state"):
+        raise ArtifactError(
+            f"{root}: cannot tell whether this delta was exported from the state of {model.folders[-1]} "
+            f"(one of them was exported by an older dlrm_jax, without a state fingerprint): export both again"
+        )
+    if delta["base_state"] != model.manifest["state"]:
+        raise ArtifactError(
+            f"{root}: a delta from another trained state than {model.folders[-1]} (both at step "
+            f"{model.step}, from different runs or a run resumed elsewhere): export the base and its "
+            f"deltas from the same run"
+        )
     if delta.get("tables_dtype") != model.manifest.get("tables_dtype"):
         raise ArtifactError(
             f"{root}: tables {delta.get('tables_dtype')}, the base's {model.manifest.get('tables_dtype')}"
         )
-    _check(root, delta, verify_tables)
+    _check(root, delta, verify_tables=True)  # its tables are read whole just below
     entries = [{**e, "rows": e["rows_changed"]} for e in delta["features"] + (delta.get("wide") or [])]
     store = open_store(root / "tables", entries, with_rows=True)
     try:
@@ -239,7 +275,13 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
     finally:
         store.close()
     model._load_function(root)
-    model.manifest = {**model.manifest, "step": delta["step"], "evaluation": delta.get("evaluation")}
+    model.manifest = {
+        **model.manifest,
+        "step": delta["step"],
+        "state": delta["state"],
+        "evaluation": delta.get("evaluation"),
+    }
+    model.folders.append(root)
 
 
 load_serving = load  # the name dlrm_jax re-exports

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
-from dlrm_jax.embedding.tiers.format import TierError, numpy_dtype
+from dlrm_jax.embedding.tiers.format import ArrayLayout, TierError, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.ids import PAD_ID
-from dlrm_jax.serving.artifact import ROWS_FIELD, ArtifactError, decode_rows, table_fields
+from dlrm_jax.serving.artifact import ROWS_FIELD, ArtifactError, check_files, decode_rows, table_fields
 
 
 def table_bytes(t: dict) -> int:
@@ -41,19 +41,47 @@ def open_store(directory: Path, tables: list[dict], with_rows: bool = False) -> 
         raise ArtifactError(str(e)) from None
 
 
-class ServingTables:
-    """Every table of an artifact: ``rows(name, ids)`` -> float32 [n, D]."""
+class ChunkCheck:
+    """Each chunk file of an artifact's tables checked against the manifest's sha256 the first
+    time any of its rows is read: a damaged table is an ArtifactError naming the file before a
+    score comes from it, at the cost of reading each chunk used once more (``load``'s
+    ``verify_tables`` checks them all up front instead)."""
 
-    def __init__(self, root: Path, tables: list[dict], memory_bytes: int, cache_rows: int):
+    def __init__(self, root: Path, manifest: dict, store: TierStore):
+        self.root, self.manifest, self.store = Path(root), manifest, store
+        self.checked: set[str] = set()
+
+    def rows(self, table: str, rows: np.ndarray) -> None:
+        chunk_rows = self.store.chunk_rows(table)
+        chunks = np.unique(np.asarray(rows, np.int64) // chunk_rows).tolist()
+        names = [
+            f"tables/{table}/{field}/{ArrayLayout(0, chunk_rows, shape, dtype).chunk_name(c)}"
+            for field, (shape, dtype) in self.store.fields(table).items()
+            for c in chunks
+        ]
+        todo = [n for n in names if n not in self.checked]
+        if todo:
+            check_files(self.root, self.manifest, todo)
+            self.checked.update(todo)
+
+
+class ServingTables:
+    """Every table of an artifact: ``rows(name, ids)`` -> float32 [n, D]. Chunk files are
+    checked against ``manifest`` as they are first read (:class:`ChunkCheck`)."""
+
+    def __init__(self, root: Path, manifest: dict, tables: list[dict], memory_bytes: int, cache_rows: int):
         self.specs = {t["name"]: t for t in tables}
         self.store = open_store(Path(root) / "tables", tables)
+        self.check = ChunkCheck(root, manifest, self.store)
         self.whole: dict[str, dict[str, np.ndarray]] = {}  # table -> its fields, every row
         self.caches: dict[str, HostCache] = {}
         self.overlay: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]] = {}  # sorted rows, fields
         for t in sorted(tables, key=table_bytes):  # the small ones in memory first
             if table_bytes(t) <= memory_bytes:
                 memory_bytes -= table_bytes(t)
-                self.whole[t["name"]] = self.store.read(t["name"], np.arange(t["rows"]))
+                every = np.arange(t["rows"])
+                self.check.rows(t["name"], every)
+                self.whole[t["name"]] = self.store.read(t["name"], every)
             else:
                 self.caches[t["name"]] = HostCache(self.store, t["name"], min(cache_rows, t["rows"]))
 
@@ -62,6 +90,7 @@ class ServingTables:
         if name in self.whole:
             return {k: v[rows] for k, v in self.whole[name].items()}
         distinct, inverse = np.unique(rows, return_inverse=True)
+        self.check.rows(name, distinct)  # before the cache reads any of them
         got = self.caches[name].get(distinct)
         if name in self.overlay:
             changed, values = self.overlay[name]

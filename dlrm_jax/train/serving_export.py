@@ -13,6 +13,7 @@ STEP (compared here, at export time: training tracks nothing), and the dense par
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -89,6 +90,10 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "kind": "delta" if since is not None else "full",
         "base_step": since,
         "step": run.step,
+        # Which trained state this is, and (a delta) which one it applies to: a delta from
+        # another run with the same shapes and steps is refused, not applied.
+        "state": state_fingerprint(run, run.state),
+        "base_state": state_fingerprint(run, base) if base is not None else None,
         "model": _model_section(run.cfg),
         "num_dense": run.cfg.data.num_dense,
         "features": features,
@@ -200,14 +205,30 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
     return entries[""], entries["wide_"]
 
 
+def _dense_leaves(run: RestoredRun, state) -> tuple[list[np.ndarray], object]:
+    """The dense parameters of ``state`` as the function takes them (the wide part's dense
+    weights then bias last), and the treedef of the model's own."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(run.steps.checkpoint_form(state).params))
+    if run.steps.wide is not None:
+        leaves = [*leaves, jax.device_get(state.wide.linear)]
+    return [np.asarray(x) for x in leaves], treedef
+
+
+def state_fingerprint(run: RestoredRun, state) -> str:
+    """sha256 of ``state``'s dense parameters (shapes, dtypes and bytes, in order): names one
+    trained state; two runs part in their dense parameters from the first step."""
+    h = hashlib.sha256()
+    for x in _dense_leaves(run, state)[0]:
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
 def _write_function(work: Path, run: RestoredRun) -> None:
     """The eval step's forward as a jax.export for CPU and CUDA, and its parameters."""
-    steps, state, cfg = run.steps, run.state, run.cfg
-    params = jax.device_get(steps.checkpoint_form(state).params)
-    leaves, treedef = jax.tree.flatten(params)
+    steps, cfg = run.steps, run.cfg
+    leaves, treedef = _dense_leaves(run, run.state)
     wide = steps.wide is not None
-    if wide:  # the wide part's dense weights then bias, after the dense parameters
-        leaves = [*leaves, np.asarray(jax.device_get(state.wide.linear))]
     n_dense = len(leaves) - wide
 
     def serve(leaves, dense, pooled, *wide_pooled):
