@@ -9,10 +9,19 @@ The handler raises :class:`Stopped` where the main thread happens to be. Python 
 exception raised inside a garbage-collection or ``__del__`` callback (JAX runs one at every
 collection), so the stop is also kept here, and honoured at the next :func:`raise_if_stopped`:
 the training loop's start, and the command's end.
+
+Not while JAX works natively (:func:`deferred`): jaxlib compiles on its client's thread pool
+and waits for the compile in a way a signal interrupts; the stop's exception then ends the
+process, whose exit tears the client down under the compile still running, which touches it:
+a segfault after "stopped by SIGTERM" (rc -11; seen 4 times in 8 stops during start-up on a
+machine at load 15-22). Inside :func:`deferred` a stop is kept and honoured at the block's
+end or at the next :func:`raise_if_stopped`, after a line saying so; a second one ends the
+process at once (:func:`exit_now`), without tearing anything down.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -22,9 +31,13 @@ import threading
 __all__ = [
     "STOP_SIGNALS",
     "Stopped",
+    "deferred",
     "die_with_launcher",
     "die_with_parent",
     "divert_if_orphaned",
+    "exit_now",
+    "say",
+    "signal_words",
     "raise_if_stopped",
     "stop_on_signals",
 ]
@@ -43,17 +56,68 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_deferring: list[str] = []  # what each open deferred() block waits for, innermost last
+
+
 def _stop(signum, frame):
     global _pending
     divert_if_orphaned()  # SIGTERM from a supervisor's death: its pipes are gone
+    if not _deferring:
+        _pending = signum
+        raise Stopped(signum)
+    if _pending is not None:  # asked twice
+        exit_now(signum)
     _pending = signum
-    raise Stopped(signum)
+    name, again = signal_words(signum)
+    say(
+        f"dlrm-jax: {name}: stopping once {_deferring[-1]} is done (native work under way there "
+        f"cannot be abandoned safely); {again} to stop at once without saving"
+    )
 
 
 def raise_if_stopped() -> None:
-    """Raise :class:`Stopped` if a signal arrived and its exception was swallowed on the way."""
+    """Raise :class:`Stopped` if a signal arrived and its exception was swallowed on the way,
+    or was kept by :func:`deferred`: a point where nothing native is waited for."""
     if _pending is not None:
         raise Stopped(_pending)
+
+
+@contextlib.contextmanager
+def deferred(what: str):
+    """Within the block a stop signal is kept, not raised (see the module's docstring), and
+    raised as :class:`Stopped` when the block ends; ``what``: what the stop waits for, in the
+    line printed at once (e.g. "the run's start"). A no-op where :func:`stop_on_signals` has
+    not installed the handlers (a notebook keeps Python's own KeyboardInterrupt)."""
+    _deferring.append(what)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    raise_if_stopped()
+
+
+def exit_now(signum: int) -> None:
+    """A second stop signal: one line and exit status 128 + signal, at once. No exception
+    unwinds and nothing is torn down (a native compile, a step or a save in flight could
+    crash the exit); checkpoints already committed stay intact, the run dir's lock goes with
+    the process."""
+    say(f"dlrm-jax: stopped at once by {signal.Signals(signum).name}: nothing saved since the last checkpoint")
+    os._exit(128 + signum)
+
+
+def signal_words(signum: int) -> tuple[str, str]:
+    """The signal's name, and how to send it again."""
+    name = signal.Signals(signum).name
+    return name, "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+
+
+def say(line: str) -> None:
+    """Writes ``line`` to stderr at once, safe inside a signal handler."""
+    # os.write, not print: a handler may run in the middle of another write to stderr.
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 def stop_on_signals():

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from dlrm_jax import stopping
 from dlrm_jax.config import Config, ConfigError, load_config
 from dlrm_jax.files import check_dir
 from dlrm_jax.parallel.mesh import (
@@ -98,7 +99,10 @@ def cmd_train(args) -> int:
     _log(f"run dir: {run_dir}")
     _library_logs_to(run_dir)
     try:
-        summary = train_and_evaluate(cfg, run_dir, log=_log)
+        # Planning, restoring, compiling and the final evaluation compile: a stop signal there
+        # waits for a point where nothing native is under way (see dlrm_jax.stopping).
+        with stopping.deferred("the run's start"):
+            summary = train_and_evaluate(cfg, run_dir, log=_log)
     except Interrupted as e:
         again = "re-run the same command" if args.run_dir else f"re-run the command with --run-dir {run_dir}"
         saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
@@ -119,7 +123,8 @@ def cmd_eval(args) -> int:
     _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.saved_run import evaluate_run
 
-    summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
+    with stopping.deferred("the evaluation"):  # restores and compiles (see dlrm_jax.stopping)
+        summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=_log)
     print(
         f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} samples={summary.eval_samples}",
         flush=True,
@@ -135,14 +140,16 @@ def cmd_export(args) -> int:
         raise ConfigError("--tables and --since go with --serving (the plain export writes float32 tables whole)")
     _start_jax(_devices_for(load_config(cfg_path, args.overrides)), args)
     _library_logs_to(Path(args.run_dir))
-    if args.serving:
-        from dlrm_jax.train.serving_export import export_serving
+    from dlrm_jax.train.export import export_run
+    from dlrm_jax.train.serving_export import export_serving
 
-        step = export_serving(args.run_dir, args.output, args.overrides, args.step, args.tables, args.since, log=_log)
-    else:
-        from dlrm_jax.train.export import export_run
-
-        step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
+    with stopping.deferred("the export"):  # restores and compiles (see dlrm_jax.stopping)
+        if args.serving:
+            step = export_serving(
+                args.run_dir, args.output, args.overrides, args.step, args.tables, args.since, log=_log
+            )
+        else:
+            step = export_run(args.run_dir, args.output, args.overrides, args.step, log=_log)
     print(f"exported step={step} to {args.output}", flush=True)
     return 0
 
@@ -151,7 +158,7 @@ def cmd_predict(args) -> int:
     from dlrm_jax.serving import load
     from dlrm_jax.serving.files import predict_files
 
-    with load(args.model, args.delta) as model:
+    with stopping.deferred("scoring the current chunk of lines"), load(args.model, args.delta) as model:
         if args.format and args.format != model.rules.format:
             raise ConfigError(
                 f"--format {args.format}: {args.model} was trained on {model.rules.format} files, and reads those"

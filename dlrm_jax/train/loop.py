@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import os
 import signal
 import threading
 import time
@@ -76,26 +75,24 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         stopping.divert_if_orphaned()  # SIGTERM from a launch supervisor's death: its pipes are gone
-        if self.signum is not None:  # asked twice: do not wait for the step
-            raise KeyboardInterrupt
+        if self.signum is not None:  # asked twice: do not wait for the step (or the save)
+            stopping.exit_now(signum)
         self.signum = signum
-        # os.write, not print: a handler may run in the middle of another write to stderr.
-        os.write(2, self.notice(signum).encode())
+        stopping.say(self.notice(signum))
 
     def notice(self, signum: int) -> str:
         """The line a first stop signal prints (an evaluation or a save can take minutes, and
         a user who sees nothing presses again and loses the steps since the last save)."""
-        name = signal.Signals(signum).name
+        name, again = stopping.signal_words(signum)
         when = (
             "after the current step"
             if self.agree_every == 1
             else f"at the next step that is a multiple of {self.agree_every} (the processes agree on it)"
         )
         then = "saves a checkpoint and stops" if self.saves else "stops (no run dir: nothing is saved)"
-        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
         return (
             f"dlrm-jax: {name}: the run finishes what it is doing (a step, an evaluation or a save), "
-            f"{then} {when}; {again} to stop at once without saving\n"
+            f"{then} {when}; {again} to stop at once without saving"
         )
 
     def requested(self, step: int) -> int | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 
-from dlrm_jax import hostmem
+from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
@@ -67,19 +67,20 @@ def train_and_evaluate(
             return RunSummary.from_event(recorded)
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
-        source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
-        for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
-            if note:
-                log(note)
-        plan, steps = build(cfg, mesh, source, log)
-        driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
-        ckpts = None
-        if rd.path:
-            ckpts = Checkpoints(
-                rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())
-            )
-            stack.callback(ckpts.close)
-        metrics = stack.enter_context(contextlib.closing(MetricsWriter(rd.metrics_path, cfg.train.tensorboard)))
+        with stopping.deferred("planning"):  # it compiles too: a stop waits for the end (see stopping)
+            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+            for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
+                if note:
+                    log(note)
+            plan, steps = build(cfg, mesh, source, log)
+            driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
+            ckpts = None
+            if rd.path:
+                ckpts = Checkpoints(
+                    rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())
+                )
+                stack.callback(ckpts.close)
+            metrics = stack.enter_context(contextlib.closing(MetricsWriter(rd.metrics_path, cfg.train.tensorboard)))
         return _train(cfg, rd, ckpts, metrics, log, plan, driver)
 
 
@@ -162,14 +163,15 @@ def _train(
     if jax.process_index() == 0:  # the whole plan goes to RUN/plan.txt; the terminal gets its gist
         log(plan_summary(cfg, plan, on_cpu, rd.path))
     report_progress(0, "restoring or initialising the state")
-    state = restore_or_init(steps, ckpts, log, getattr(driver, "tiered", None))
-    rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json())  # only now: a refused resume changes nothing
-    start = int(host_scalar(state.step))
-    progress, stop_reason = resumed_progress(t, ckpts, start, log)
-    end = start if stop_reason else t.steps  # the last step this run trains
-    metrics.truncate_after(start, log)
-    report_progress(start, "compiling the train step", timed=False)
-    batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
+    with stopping.deferred("restoring the state and compiling the train step"):
+        state = restore_or_init(steps, ckpts, log, getattr(driver, "tiered", None))
+        rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json())  # only now: a refused resume changes nothing
+        start = int(host_scalar(state.step))
+        progress, stop_reason = resumed_progress(t, ckpts, start, log)
+        end = start if stop_reason else t.steps  # the last step this run trains
+        metrics.truncate_after(start, log)
+        report_progress(start, "compiling the train step", timed=False)
+        batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
     loop = TrainingLoop(cfg, driver, ckpts, metrics, plan, progress, start, log)
     agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
     with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop:
@@ -193,7 +195,8 @@ def _train(
     loop.bar.close()
     report_progress(end, "finishing")
     if loop.trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
-        loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
+        with stopping.deferred("the evaluation"):
+            loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
     step = int(host_scalar(state.step))
     best = loop.progress.best or Evaluation(step, loop.auc, loop.logloss)
     return RunSummary(
