@@ -51,7 +51,7 @@ class TierError(OSError):
 
     def __init__(self, path: Path, what: str, code: int | None = None):
         super().__init__(f"{path}: {what}")
-        self.errno = code
+        self.errno, self.path, self.what = code, Path(path), what
 
 
 def os_error(path: Path, e: OSError, doing: str = "") -> TierError:

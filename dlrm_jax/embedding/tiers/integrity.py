@@ -27,10 +27,6 @@ SHOWN_ROWS = 3  # rows an error names; it counts the others
 class RowsDamaged(TierError):
     """Rows of a chunk file do not match their checksums: the file changed after the tier wrote it."""
 
-    def __init__(self, path: Path, what: str):
-        super().__init__(path, what)
-        self.path, self.what = Path(path), what
-
 
 def mismatched(arrays: dict[str, ArrayLayout], got: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray | None:
     """bool [n, fields]: which of table ``rows`` [n] do not match their checksums, per field in
@@ -112,21 +108,24 @@ def verify_arrays(base: Path, arrays: dict[str, dict[str, ArrayLayout]], slice_b
 
 def advice(root: Path, path: Path, steps: list[int], resuming: bool) -> str:
     """What to do about the damaged file ``path`` under a store's ``root`` with snapshots
-    ``steps``: which snapshots hold this same file (hard links of it: damaged alike) and, when
-    ``resuming`` (found in ``work/``), what re-running does."""
-    rel = path.relative_to(root).parts
-    rel = Path(*rel[2:] if rel[0] == "snapshots" else rel[1:])
+    ``steps``: which other snapshots hold this same file (hard links of it: damaged alike) and,
+    when ``resuming`` (found in ``work/``), what re-running does."""
+    parts = path.relative_to(root).parts
+    found = int(parts[1]) if parts[0] == "snapshots" else None
+    rel = Path(*parts[2:] if found is not None else parts[1:])
     try:
-        same = [s for s in steps if os.path.samefile(root / "snapshots" / str(s) / rel, path)]
+        same = [s for s in steps if s == found or os.path.samefile(root / "snapshots" / str(s) / rel, path)]
     except OSError:
         same = []
-    listed = ", ".join(map(str, same))
     if steps and same == steps:
         return (
-            f"every snapshot of the disk tier (steps {listed}) holds this same file, so none has an intact "
-            f"copy and no checkpoint of these tables can be resumed; start afresh with a new --run-dir"
+            f"every snapshot of the disk tier (steps {', '.join(map(str, steps))}) holds this same file, so none "
+            f"has an intact copy and no checkpoint of these tables can be resumed; start afresh with a new --run-dir"
         )
+    others = [s for s in same if s != found]
+    listed = ", ".join(map(str, others))
+    held = f"step {listed}: its snapshot holds" if len(others) == 1 else f"steps {listed}: their snapshots hold"
     if resuming:
-        also = f" (not steps {listed}: their snapshots hold this same file)" if same else ""
+        also = f" (not {held} this same file)" if others else ""
         return f"re-running resumes from the newest checkpoint whose disk-tier snapshot is intact{also}"
-    return f"snapshots {listed} hold this same file" if same else ""
+    return f"{held} this same file" if others else ""

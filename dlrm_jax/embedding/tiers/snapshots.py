@@ -13,10 +13,11 @@ These functions take no lock: :class:`~dlrm_jax.embedding.tiers.store.TierStore`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dlrm_jax.embedding.tiers.format import (
@@ -40,6 +41,23 @@ from dlrm_jax.embedding.tiers.integrity import verified_rows
 from dlrm_jax.files import make_dir
 
 Arrays = dict[str, dict[str, ArrayLayout]]  # {table: {field: layout}}
+
+
+def _naming_the_file(change: Callable) -> Callable:
+    """``change`` (a snapshot or a restore) raising a TierError that names the file or folder it
+    could not make, link, rename or remove, with its errno (a tier folder that is not writable:
+    EACCES, EPERM, EROFS), not an OSError from deep inside it."""
+
+    @functools.wraps(change)
+    def named(root: Path, *args):
+        try:
+            return change(root, *args)
+        except TierError:
+            raise
+        except OSError as e:
+            raise os_error(Path(e.filename or root), e) from None
+
+    return named
 
 
 def fsync(path: Path) -> None:
@@ -146,6 +164,7 @@ def work_from_newest_snapshot(root: Path) -> int | None:
     return steps[-1]
 
 
+@_naming_the_file
 def link_snapshot(root: Path, arrays: Arrays, step: int) -> None:
     """``work/``'s files hard-linked as ``snapshots/<step>/`` (replacing one of that step); the
     chunk files written since the last snapshot must be fsynced first."""
@@ -170,6 +189,7 @@ def checked_snapshot(root: Path, arrays: Arrays, step: int) -> Path:
     return source
 
 
+@_naming_the_file
 def swap_in_work(root: Path, arrays: Arrays, source: Path) -> None:
     """Makes ``work/`` hard links to the files of ``source`` (a snapshot); re-runnable."""
     work, build, old = root / "work", root / "work.tmp", root / "work.old"
