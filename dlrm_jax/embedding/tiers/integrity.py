@@ -52,9 +52,13 @@ def damage(
     in_chunk = damaged[damaged // array.chunk_rows == chunk]
     shown = ", ".join(map(str, in_chunk[:SHOWN_ROWS].tolist()))
     more = f" and {len(in_chunk) - SHOWN_ROWS} more" if len(in_chunk) > SHOWN_ROWS else ""
+    which = (
+        f"row {shown} of table {table} does not match its checksum"
+        if len(in_chunk) == 1
+        else (f"rows {shown}{more} of table {table} do not match their checksums")
+    )
     return RowsDamaged(
-        Path(directory) / fields[j] / array.chunk_name(chunk),
-        f"rows {shown}{more} of table {table} do not match their checksums: the file changed after the tier wrote it",
+        Path(directory) / fields[j] / array.chunk_name(chunk), f"{which}: the file changed after the tier wrote it"
     )
 
 
