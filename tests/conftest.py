@@ -75,26 +75,25 @@ if os.environ.get("DLRM_TEST_COMPILE_MEMO", "1") != "0" and jax.__version__.star
     _compile_identical_programs_once()
 
 
+TINY = [  # tiny_config's settings, as --set arguments take them (a CLI child's)
+    "train.batch_size=64",
+    "train.steps=6",
+    "train.log_every=2",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.checkpoint_every=0",
+    "train.progress_bar=false",
+    "data.cardinalities=[300, 40, 1000, 7]",
+    "data.max_rows=0",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 1]",
+]
+
+
 def tiny_config(*overrides: str):
     """A small config that compiles and runs in about a second."""
-    return load_config(
-        None,
-        [
-            "train.batch_size=64",
-            "train.steps=6",
-            "train.log_every=2",
-            "train.eval_every=0",
-            "train.eval_batches=2",
-            "train.checkpoint_every=0",
-            "train.progress_bar=false",
-            "data.cardinalities=[300, 40, 1000, 7]",
-            "data.max_rows=0",
-            "model.embedding_dim=8",
-            "model.bottom_mlp=[16, 8]",
-            "model.top_mlp=[16, 1]",
-            *overrides,
-        ],
-    )
+    return load_config(None, [*TINY, *overrides])
 
 
 @pytest.fixture

@@ -36,6 +36,11 @@ class IncompatibleCheckpoint(ValueError):
     """A checkpoint this config cannot restore (not damage: it is left where it is)."""
 
 
+class CheckpointsIntact(OSError):
+    """A restore failed for a cause outside the checkpoints (a folder it must write is not
+    writable): none is damaged, so none is set aside and no older one is tried."""
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); older ones are intact."""
 
@@ -185,7 +190,8 @@ class CheckpointReader:
         """``restore_step(step)`` for the newest step that restores on every process; each
         damaged newer one gets a one-line warning and is set aside (:meth:`_set_aside`) once an
         older one restored. Returns (step, result). None restoring is an error that moves
-        nothing; IncompatibleCheckpoint (the config, not the checkpoint) is raised at once.
+        nothing; IncompatibleCheckpoint (the config, not the checkpoint) and CheckpointsIntact
+        (the machine) are raised at once.
 
         Every process reads its own shards, so one may fail where the others succeed: they
         exchange outcomes and skip a step together (no device is touched while deciding)."""
@@ -194,7 +200,7 @@ class CheckpointReader:
             try:
                 with _native_noise_to(self.directory.parent / "dlrm-jax.log"):
                     result, failure = restore_step(step), ""
-            except IncompatibleCheckpoint:
+            except (IncompatibleCheckpoint, CheckpointsIntact):
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
                 result, failure = None, _first_line(e)

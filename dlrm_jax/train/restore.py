@@ -8,6 +8,8 @@ afresh when the layout changed.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from pathlib import Path
 
 from dlrm_jax.config import Config, load_config
@@ -20,6 +22,7 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.checkpoint import (
     CheckpointReader,
+    CheckpointsIntact,
     IncompatibleCheckpoint,
     saved_json,
     saved_steps,
@@ -52,10 +55,31 @@ def restore_state(
     the disk tier, restored to its snapshot of that step (a step without one does not restore)."""
     state, relaid_out = _restore_state(steps, ckpts, log, step)
     if tiered is not None:
-        tiered.restore(int(host_scalar(state.step)))
+        _restore_tier(tiered, int(host_scalar(state.step)), ckpts.directory)
         if relaid_out and steps.hot is not None:  # the snapshot holds the hot rows: choose afresh
             state = _hot_rows_from_tier(steps, tiered, state)
     return state
+
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _restore_tier(tiered: TieredTables, step: int, ckpt_dir: Path | None) -> None:
+    """The tier restored to its snapshot of ``step``; a tier folder that cannot be written is
+    CheckpointsIntact, saying so (a restore rebuilds the working files there): the checkpoints
+    in ``ckpt_dir`` are not damaged, and removing them would lose them."""
+    try:
+        tiered.restore(step)
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE:
+            raise
+        root = tiered.store.root
+        where = getattr(e, "path", None) or e.filename or root
+        kept = f"; the checkpoints in {ckpt_dir} are intact and nothing was changed" if ckpt_dir else ""
+        raise CheckpointsIntact(
+            f"the disk tier's folder {root} is not writable ({errno.errorcode[e.errno]}, {os.strerror(e.errno)}: "
+            f"{where}): a resume rebuilds its working files there{kept}; make {root} writable by this user and re-run"
+        ) from None
 
 
 def _hot_rows_from_tier(steps: StepFunctions, tiered: TieredTables, state: TrainState) -> TrainState:
@@ -222,7 +246,7 @@ def restore_or_init(
         return state
     if tiered is None:
         return steps.init_state()
-    tiered.restore(0)  # the initial tables
+    _restore_tier(tiered, 0, None)  # the initial tables
     state = steps.init_state(hot=False)
     if steps.hot is not None:
         state = _hot_rows_from_tier(steps, tiered, state)

@@ -213,6 +213,18 @@ class ChunkFiles:
             self.stats.read_bytes += len(offsets) * row_bytes
         return self._mapped(path, chunk_rows, row_bytes, False)[offsets]
 
+    def gather_rows(self, directory: str, suffix: str, chunk_rows: int, row_bytes: int, rows: np.ndarray) -> np.ndarray:
+        """Sorted table ``rows`` of one array's chunk files ``directory/c.<i><suffix>`` through
+        memory maps (:meth:`gather`, a chunk at a time): uint8 [n, row_bytes]."""
+        out = np.empty((len(rows), row_bytes), np.uint8)
+        chunk = rows // chunk_rows
+        bounds = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(rows)]
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            if s < e:
+                c = int(chunk[s])
+                out[s:e] = self.gather(f"{directory}/c.{c}{suffix}", chunk_rows, row_bytes, rows[s:e] - c * chunk_rows)
+        return out
+
     def scatter(self, path: str, chunk_rows: int, row_bytes: int, offsets: np.ndarray, data: np.ndarray) -> None:
         """Rows ``data`` (uint8 [n, row_bytes]) to ``offsets`` of one chunk file through a
         shared memory map (the page cache; a snapshot's fsync makes them durable)."""
@@ -220,6 +232,18 @@ class ChunkFiles:
             self.stats.writes += 1
             self.stats.write_bytes += data.nbytes
         self._mapped(path, chunk_rows, row_bytes, True)[offsets] = data
+
+    def scatter_rows(
+        self, directory: str, suffix: str, chunk_rows: int, row_bytes: int, rows: np.ndarray, data: np.ndarray
+    ) -> None:
+        """:meth:`scatter` of sorted table ``rows`` (``data``: uint8 [n, row_bytes]) over one
+        array's chunk files ``directory/c.<i><suffix>``, a chunk at a time."""
+        chunk = rows // chunk_rows
+        bounds = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(rows)]
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            if s < e:
+                c = int(chunk[s])
+                self.scatter(f"{directory}/c.{c}{suffix}", chunk_rows, row_bytes, rows[s:e] - c * chunk_rows, data[s:e])
 
     def replaced(self, path: str | None = None) -> None:
         """``path`` (None: every file) was replaced: each thread reopens it before its next use."""

@@ -5,11 +5,23 @@ with only the ``bytes`` codec, so a chunk file is the C-order bytes of its rows 
 full size) and can be memory-mapped. tensorstore creates, validates, bulk-loads and exports
 them; exported tables are ordinary zstd-compressed zarr3 arrays. :mod:`~dlrm_jax.embedding.tiers.store` builds the
 crash-safe store on top.
+
+Row checksums: each table has one more array of the same geometry, ``<table>/row-checksums``,
+uint64 [rows, fields]: column j holds :func:`row_checksums` of row r of the j-th field in name
+order, i.e. ``sum_i w_i * k_i + (r + 1) * K`` mod 2**64 over the row's little-endian 32-bit
+words w_i (the row's bytes zero-padded to whole words), with ``k_i`` the odd splitmix64 value
+of i + 1 and K = 0x9E3779B97F4A7C15. Any change of one word changes it (k_i is odd), a row
+moved to another row's place does too (the row term), and an all-zero chunk with all-zero
+checksums does not pass. It is a vectorised numpy sum, ~1.4 GB/s on one core: against
+random damage, not an adversary. Written with every row, checked on every read
+(:mod:`.integrity`). Stores made before checksums have no such array: their rows are read
+unchecked (:meth:`~dlrm_jax.embedding.tiers.store.TierStore.unverified_tables`).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -29,6 +41,9 @@ COPY_BUFFER_BYTES = 2**20
 # Chunk keys "c.<i>.0": one directory per array, so a snapshot creates and fsyncs a directory
 # per array, not one per chunk as the default "/" separator would.
 CHUNK_KEY_ENCODING = {"name": "default", "configuration": {"separator": "."}}
+CHECKSUMS = "row-checksums"  # the checksum array beside a table's fields (never a field name: a hyphen)
+_ROW_TERM = np.uint64(0x9E3779B97F4A7C15)
+_BLOCK_WORDS = 1 << 17  # words summed per block: a 1 MiB uint64 temporary, in cache
 
 
 class TierError(OSError):
@@ -36,7 +51,7 @@ class TierError(OSError):
 
     def __init__(self, path: Path, what: str, code: int | None = None):
         super().__init__(f"{path}: {what}")
-        self.errno = code
+        self.errno, self.path, self.what = code, Path(path), what
 
 
 def os_error(path: Path, e: OSError, doing: str = "") -> TierError:
@@ -182,16 +197,18 @@ def checked_values(table: str, field: str, array: ArrayLayout, values: dict, n: 
 
 
 def bulk_load(path: Path, table: str, fields: dict[str, ArrayLayout], init: RowInit) -> None:
-    """Creates the table's arrays under ``path`` and writes ``init``'s rows one chunk at a time."""
+    """Creates the table's arrays under ``path`` (``fields``: with :data:`CHECKSUMS`, their
+    checksums are written too) and writes ``init``'s rows one chunk at a time."""
     no_sync = ts.Context({"file_io_sync": False})  # the caller fsyncs each file once instead
     stores = {f: open_array(path / f, a, create=True, context=no_sync) for f, a in fields.items()}
     geometry = next(iter(fields.values()))
     for start in range(0, geometry.rows, geometry.chunk_rows):
         stop = min(start + geometry.chunk_rows, geometry.rows)
-        values = init(table, start, stop)
-        pending = [
-            stores[f][start:stop].write(checked_values(table, f, a, values, stop - start)) for f, a in fields.items()
-        ]
+        given = init(table, start, stop)
+        values = {f: checked_values(table, f, a, given, stop - start) for f, a in fields.items() if f != CHECKSUMS}
+        if CHECKSUMS in fields:
+            values[CHECKSUMS] = table_checksums(values, np.arange(start, stop))
+        pending = [stores[f][start:stop].write(v) for f, v in values.items()]
         for p in pending:
             p.result()
 
@@ -202,3 +219,48 @@ def saved_chunk_rows(meta: dict) -> int:
         return int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
     except (KeyError, IndexError, TypeError, ValueError):
         return 0
+
+
+def checksum_layout(fields: dict[str, ArrayLayout]) -> ArrayLayout:
+    """The :data:`CHECKSUMS` array of a table with ``fields``: a uint64 per row and field."""
+    geometry = next(iter(fields.values()))
+    return ArrayLayout(geometry.rows, geometry.chunk_rows, (len(fields),), "uint64")
+
+
+def table_checksums(values: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
+    """uint64 [n, fields]: the checksums of table ``rows`` [n] whose fields hold ``values``
+    ({field: [n, *shape]}, every field of the table), columns in field-name order."""
+    return np.stack([row_checksums(as_bytes(values[f]), rows) for f in sorted(values)], axis=1)
+
+
+def as_bytes(values: np.ndarray) -> np.ndarray:
+    """uint8 [n, row_bytes]: the rows' bytes as the chunk files hold them."""
+    values = np.ascontiguousarray(values)
+    return values.reshape(-1).view(np.uint8).reshape(len(values), values.itemsize * math.prod(values.shape[1:]))
+
+
+@functools.cache
+def _multipliers(words: int) -> np.ndarray:
+    """k_1..k_words: splitmix64 of 1..words, made odd (an odd k makes every change of word i show)."""
+    z = np.arange(1, words + 1, dtype=np.uint64) * _ROW_TERM
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+def row_checksums(data: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """uint64 [n]: the checksum of each row's bytes ``data`` (uint8 [n, row_bytes]) as table
+    row ``rows`` [n] (see the module docstring), in blocks of rows that stay in cache."""
+    n, nbytes = data.shape
+    if nbytes % 4:
+        data = np.concatenate([data, np.zeros((n, 4 - nbytes % 4), np.uint8)], axis=1)
+    words = np.ascontiguousarray(data).view("<u4")
+    k = _multipliers(words.shape[1])
+    out = (np.asarray(rows).astype(np.uint64) + np.uint64(1)) * _ROW_TERM
+    block = max(1, _BLOCK_WORDS // words.shape[1])
+    scratch = np.empty((min(block, n), words.shape[1]), np.uint64)
+    for s in range(0, n, block):
+        part = scratch[: len(words[s : s + block])]
+        np.multiply(words[s : s + block], k, out=part)
+        out[s : s + block] += part.sum(axis=1, dtype=np.uint64)
+    return out

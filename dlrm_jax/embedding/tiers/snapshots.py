@@ -13,13 +13,15 @@ These functions take no lock: :class:`~dlrm_jax.embedding.tiers.store.TierStore`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dlrm_jax.embedding.tiers.format import (
+    CHECKSUMS,
     EXPORT_CODECS,
     ArrayLayout,
     RowInit,
@@ -27,6 +29,7 @@ from dlrm_jax.embedding.tiers.format import (
     TierTables,
     bulk_load,
     check_array,
+    checksum_layout,
     default_chunk_rows,
     numpy_dtype,
     open_array,
@@ -34,9 +37,27 @@ from dlrm_jax.embedding.tiers.format import (
     read_zarr_json,
     saved_chunk_rows,
 )
+from dlrm_jax.embedding.tiers.integrity import verified_rows
 from dlrm_jax.files import make_dir
 
 Arrays = dict[str, dict[str, ArrayLayout]]  # {table: {field: layout}}
+
+
+def _naming_the_file(change: Callable) -> Callable:
+    """``change`` (a snapshot or a restore) raising a TierError that names the file or folder it
+    could not make, link, rename or remove, with its errno (a tier folder that is not writable:
+    EACCES, EPERM, EROFS), not an OSError from deep inside it."""
+
+    @functools.wraps(change)
+    def named(root: Path, *args):
+        try:
+            return change(root, *args)
+        except TierError:
+            raise
+        except OSError as e:
+            raise os_error(Path(e.filename or root), e) from None
+
+    return named
 
 
 def fsync(path: Path) -> None:
@@ -65,13 +86,17 @@ def recover(root: Path) -> None:
 
 
 def checked_arrays(base: Path, tables: TierTables) -> Arrays:
-    """The arrays of ``tables`` under ``base``, each checked against its zarr.json and chunk files."""
+    """The arrays of ``tables`` under ``base``, each checked against its zarr.json and chunk
+    files, with each table's :data:`CHECKSUMS` array where it has one (stores made before
+    them, and serving artifacts, have none)."""
     arrays = {}
     for table, (rows, fields) in tables.items():
         chunk_rows = saved_chunk_rows(read_zarr_json(base / table / next(iter(fields))))
         arrays[table] = {
             f: ArrayLayout(rows, chunk_rows or rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
         }
+        if (base / table / CHECKSUMS).is_dir():
+            arrays[table][CHECKSUMS] = checksum_layout(arrays[table])
         for field, array in arrays[table].items():
             check_array(base / table / field, array)
     return arrays
@@ -92,13 +117,14 @@ def build_work(root: Path, tables: TierTables, init: RowInit, chunk_rows: int | 
         )
     arrays = {}
     for table, (rows, fields) in tables.items():
-        if rows < 1 or not fields:
-            raise ValueError(f"table {table!r}: needs at least one row and one field")
+        if rows < 1 or not fields or CHECKSUMS in fields:
+            raise ValueError(f"table {table!r}: needs at least one row and one field, none named {CHECKSUMS}")
         widest = max(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in fields.values())
         table_chunk_rows = min(chunk_rows or default_chunk_rows(widest), rows)
         arrays[table] = {
             f: ArrayLayout(rows, table_chunk_rows, tuple(shape), dtype) for f, (shape, dtype) in fields.items()
         }
+        arrays[table][CHECKSUMS] = checksum_layout(arrays[table])
     build = root / "work.tmp"
     for table, fields in arrays.items():
         bulk_load(build / table, table, fields, init)
@@ -138,6 +164,7 @@ def work_from_newest_snapshot(root: Path) -> int | None:
     return steps[-1]
 
 
+@_naming_the_file
 def link_snapshot(root: Path, arrays: Arrays, step: int) -> None:
     """``work/``'s files hard-linked as ``snapshots/<step>/`` (replacing one of that step); the
     chunk files written since the last snapshot must be fsynced first."""
@@ -162,6 +189,7 @@ def checked_snapshot(root: Path, arrays: Arrays, step: int) -> Path:
     return source
 
 
+@_naming_the_file
 def swap_in_work(root: Path, arrays: Arrays, source: Path) -> None:
     """Makes ``work/`` hard links to the files of ``source`` (a snapshot); re-runnable."""
     work, build, old = root / "work", root / "work.tmp", root / "work.old"
@@ -184,19 +212,27 @@ def keep_only(root: Path, steps: Iterable[int]) -> None:
 
 
 def export_arrays(root: Path, arrays: Arrays, dest: Path, table: str | None, snapshot: int | None) -> None:
-    """:meth:`TierStore.export`: zstd-compressed copies of the tables (or one), one chunk at a time."""
+    """:meth:`TierStore.export`: zstd-compressed copies of the tables' fields (or one table's),
+    one chunk at a time, every row checked against its checksums first (RowsDamaged)."""
     source = root / "work" if snapshot is None else root / "snapshots" / str(snapshot)
     if not source.is_dir():
         raise TierError(source, "missing: no such snapshot")
     for name in [table] if table is not None else arrays:
-        for field, array in arrays[name].items():
+        fields = arrays[name]
+        for field, array in fields.items():
             check_array(source / name / field, array)
-            # Reads see rows written by pwrite: they share the page cache.
-            src = open_array(source / name / field, array)
-            dst = open_array(dest / name / field, array, create=True, codecs=EXPORT_CODECS)
-            for start in range(0, array.rows, array.chunk_rows):
-                stop = min(start + array.chunk_rows, array.rows)
-                dst[start:stop].write(src[start:stop]).result()
+        out = {
+            f: open_array(dest / name / f, a, create=True, codecs=EXPORT_CODECS)
+            for f, a in fields.items()
+            if f != CHECKSUMS  # not a field of the table
+        }
+        geometry = next(iter(fields.values()))
+        for start in range(0, geometry.rows, geometry.chunk_rows):
+            stop = min(start + geometry.chunk_rows, geometry.rows)
+            got = verified_rows(source / name, name, fields, start, stop)  # pwrite's rows: the page cache's
+            for f, dst in out.items():
+                a = fields[f]
+                dst[start:stop].write(got[f].view(a.np_dtype).reshape(stop - start, *a.shape)).result()
 
 
 def _link_tree(arrays: Arrays, source: Path, build: Path) -> None:

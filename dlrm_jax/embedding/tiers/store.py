@@ -14,9 +14,15 @@ snapshots, restores, recovery). A working chunk file with more than one link is 
 snapshot: the first write to it copies it with ordinary file I/O (so a full disk is an error),
 fsyncs the copy and renames it over the working name.
 
+Every row written is written with its checksums and every row read is checked against them
+(:mod:`.integrity`); a restore checks every row of the snapshot first, so a damaged snapshot
+is refused before it replaces ``work/``.
+
 Threads: a reader thread, a write-back thread and the dispatching thread may share one store.
 Writes, snapshots, restores and exports take the store's lock, one at a time; reads take no
-lock and may run beside a write (restores and closes need none in flight). Each call's
+lock and may run beside a write (restores and closes need none in flight), so a read may see a
+row half written: rows that fail their check are read again under the lock before they count
+as damaged (a read ahead then drops them as stale, :meth:`TierStore.writes_since`). Each call's
 requests run on the store's I/O threads. Every write is numbered (``write_seq``) and the rows it wrote are kept
 until :meth:`TierStore.forget_writes`, so a read made ahead of time can tell which of its rows
 a later write made stale (:meth:`TierStore.writes_since`).
@@ -35,15 +41,19 @@ import numpy as np
 
 from dlrm_jax.embedding.tiers.chunk_io import MIN_PER_THREAD, ChunkFiles, IOStats, plan_runs, requests
 from dlrm_jax.embedding.tiers.format import (
+    CHECKSUMS,
     COPY_BUFFER_BYTES,
     ArrayLayout,
     FieldSpec,
     RowInit,
     TierError,
     TierTables,
+    as_bytes,
     checked_values,
     os_error,
+    table_checksums,
 )
+from dlrm_jax.embedding.tiers.integrity import RowsDamaged, advice, damage, mismatched, verify_arrays
 from dlrm_jax.embedding.tiers.snapshots import (
     build_work,
     checked_arrays,
@@ -157,7 +167,11 @@ class TierStore:
         return next(iter(self._arrays[table].values())).rows
 
     def fields(self, table: str) -> dict[str, FieldSpec]:
-        return {f: (a.shape, a.dtype) for f, a in self._arrays[table].items()}
+        return {f: (a.shape, a.dtype) for f, a in self._arrays[table].items() if f != CHECKSUMS}
+
+    def unverified_tables(self) -> list[str]:
+        """Tables without row checksums (a store made before them): their reads are not checked."""
+        return [t for t, arrays in self._arrays.items() if CHECKSUMS not in arrays]
 
     def chunk_rows(self, table: str) -> int:
         return next(iter(self._arrays[table].values())).chunk_rows
@@ -177,63 +191,65 @@ class TierStore:
         copies}}, ``write_seq`` as the reads saw it). ``per_thread``: requests each I/O thread
         takes at least (:meth:`ChunkFiles.run`)."""
         seq = self.write_seq  # first: a write done before this has replaced files for us to see
-        if self.mapped:
-            return {t: self._gather(t, rows) for t, rows in wanted.items()}, seq
-        placed, todo = [], []
+        out = {}
+        for table, (rows, order, got) in self._read_sorted(wanted, per_thread).items():
+            self._check(table, rows, got)
+            out[table] = {}
+            for field, array in self._arrays[table].items():
+                if field != CHECKSUMS:
+                    values = np.empty((len(rows), *array.shape), array.np_dtype)
+                    values[order] = got[field].view(array.np_dtype).reshape(len(rows), *array.shape)
+                    out[table][field] = values
+        return out, seq
+
+    def _read_sorted(self, wanted: dict[str, np.ndarray], per_thread: int) -> dict:
+        """{table: (its rows sorted, their order in ``wanted``, {array: bytes uint8 [n,
+        row_bytes]})}: every array's rows, checksums included, in one batch of requests (or
+        through memory maps when ``mapped``)."""
+        out, placed, todo = {}, [], []
         for table, rows in wanted.items():
             rows = self._checked_rows(table, rows)
             order = np.argsort(rows, kind="stable")
-            for field, array in self._arrays[table].items():
+            rows = rows[order]
+            out[table] = (rows, order, {})
+            for name, array in self._arrays[table].items():
+                directory, suffix = self._directory(table, name)
+                if self.mapped:
+                    got = self._files.gather_rows(directory, suffix, array.chunk_rows, array.row_bytes, rows)
+                    out[table][2][name] = got
+                    continue
                 rb = array.row_bytes
-                chunks, firsts, lengths, index = plan_runs(
-                    rows[order], array.chunk_rows, 1 + self._files.gap_bytes // rb
-                )
+                chunks, firsts, lengths, index = plan_runs(rows, array.chunk_rows, 1 + self._files.gap_bytes // rb)
                 scratch = np.empty((int(lengths.sum()), rb), np.uint8)
-                directory, suffix = self._directory(table, field)
                 buffer = memoryview(scratch).cast("B")
                 todo.append(requests(directory, suffix, chunks, firsts, lengths, rb, array.chunk_rows, buffer, table))
-                placed.append((table, field, order, index, scratch))
+                placed.append((out[table][2], name, scratch, index))
         self._files.run(todo, write=False, per_thread=per_thread)
-        out = {t: {} for t in wanted}
-        for table, field, order, index, scratch in placed:
-            array = self._arrays[table][field]
-            values = np.empty((len(order), *array.shape), array.np_dtype)
-            values[order] = scratch[index].view(array.np_dtype).reshape(len(index), *array.shape)
-            out[table][field] = values
-        return out, seq
-
-    def _gather(self, table: str, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`read_many`'s rows of one table through memory maps (``mapped``)."""
-        rows = self._checked_rows(table, rows)
-        out = {}
-        for field, array in self._arrays[table].items():
-            directory, suffix = self._directory(table, field)
-            values = np.empty((len(rows), array.row_bytes), np.uint8)
-            chunk = rows // array.chunk_rows
-            for c in np.unique(chunk).tolist():
-                at = np.flatnonzero(chunk == c)
-                path = f"{directory}/c.{c}{suffix}"
-                values[at] = self._files.gather(
-                    path, array.chunk_rows, array.row_bytes, rows[at] - c * array.chunk_rows
-                )
-            out[field] = values.view(array.np_dtype).reshape(len(rows), *array.shape)
+        for got, name, scratch, index in placed:
+            got[name] = scratch[index]
         return out
 
-    def _scatter(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """:meth:`write`'s rows through shared memory maps (``mapped``; chunks made private)."""
-        for field, v in values.items():
-            array = self._arrays[table][field]
-            directory, suffix = self._directory(table, field)
-            data = np.ascontiguousarray(v).view(np.uint8).reshape(len(rows), array.row_bytes)
-            chunk = rows // array.chunk_rows
-            for c in np.unique(chunk).tolist():
-                at = np.flatnonzero(chunk == c)
-                path = f"{directory}/c.{c}{suffix}"
-                self._files.scatter(path, array.chunk_rows, array.row_bytes, rows[at] - c * array.chunk_rows, data[at])
-                self._dirty.add((table, field, c))
+    def _check(self, table: str, rows: np.ndarray, got: dict[str, np.ndarray]) -> None:
+        """Rows of ``got`` that fail their checksums are read again with no write beside the
+        read (a write in flight may have torn them); fixed in ``got`` if they pass then, else
+        a :class:`RowsDamaged` that says what to do."""
+        bad = mismatched(self._arrays[table], got, rows)
+        if bad is None or not bad.any():
+            return
+        redo = bad.any(axis=1)
+        again = np.unique(rows[redo])
+        with self._lock:
+            _, _, fresh = self._read_sorted({table: again}, per_thread=1)[table]
+        still = mismatched(self._arrays[table], fresh, again)
+        if still.any():
+            raise self._advised(damage(self.root / self._base / table, table, self._arrays[table], still, again))
+        at = np.searchsorted(again, rows[redo])
+        for name, v in got.items():
+            v[redo] = fresh[name][at]
 
     def write(self, table: str, rows: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """Writes distinct rows [n] of some or all fields (``values[field]``: [n, *shape]).
+        """Writes distinct rows [n] of every field (``values[field]``: [n, *shape]; some of
+        them only in a store without checksums), with their checksums.
 
         Chunks shared with a snapshot are all copied before any row is written: if a copy fails
         (TierError, e.g. ENOSPC) the store's contents are unchanged. Adjacent rows are written
@@ -243,31 +259,32 @@ class TierStore:
         rows = self._checked_rows(table, rows)
         arrays = self._arrays[table]
         values = {f: checked_values(table, f, arrays[f], values, len(rows)) for f in values}
+        if CHECKSUMS in arrays:
+            missing = sorted(arrays.keys() - values.keys() - {CHECKSUMS})
+            if missing:
+                raise ValueError(f"{table}: write() needs every field (their checksums cover them all): no {missing}")
+            values[CHECKSUMS] = table_checksums(values, rows)
         if len(np.unique(rows)) != len(rows):
             raise ValueError(f"{table}: write() needs distinct rows")
         order = np.argsort(rows)
         sorted_rows = rows[order]
         with self._lock:
-            todo = []
-            for field in values:
-                chunks = np.unique(sorted_rows // arrays[field].chunk_rows).tolist()
+            touched = {f: np.unique(sorted_rows // arrays[f].chunk_rows).tolist() for f in values}
+            for field, chunks in touched.items():
                 for chunk in chunks:  # every copy first: a full disk changes nothing
                     self._make_private((table, field, chunk))
-            if self.mapped:
-                self._scatter(table, sorted_rows, {f: v[order] for f, v in values.items()})
-            else:
-                for field, v in values.items():
-                    array = arrays[field]
+            todo = []
+            for field, v in values.items():
+                array, (directory, suffix), data = arrays[field], self._directory(table, field), as_bytes(v[order])
+                if self.mapped:  # through shared memory maps (the page cache; a snapshot's fsync makes them durable)
+                    self._files.scatter_rows(directory, suffix, array.chunk_rows, array.row_bytes, sorted_rows, data)
+                else:
                     chunks, firsts, lengths, _ = plan_runs(sorted_rows, array.chunk_rows, 1)
-                    data = memoryview(np.ascontiguousarray(v[order]).view(np.uint8).reshape(-1))
-                    directory, suffix = self._directory(table, field)
-                    todo.append(
-                        requests(
-                            directory, suffix, chunks, firsts, lengths, array.row_bytes, array.chunk_rows, data, table
-                        )
-                    )
-                    self._dirty.update((table, field, c) for c in np.unique(chunks).tolist())
-                self._files.run(todo, write=True)
+                    buffer = memoryview(data.reshape(-1))
+                    rb, cr = array.row_bytes, array.chunk_rows
+                    todo.append(requests(directory, suffix, chunks, firsts, lengths, rb, cr, buffer, table))
+                self._dirty.update((table, field, c) for c in touched[field])
+            self._files.run(todo, write=True)
             with self._log_lock:
                 self.write_seq += 1
                 self._written[table].append((self.write_seq, sorted_rows))
@@ -299,10 +316,17 @@ class TierStore:
             link_snapshot(self.root, self._arrays, step)
             self._forget_chunks()  # every working chunk is now shared with the snapshot
 
-    def restore(self, step: int) -> None:
-        """Makes ``work/`` equal snapshot ``step``, discarding writes made since; re-runnable."""
+    def restore(self, step: int, verify: bool = True) -> None:
+        """Makes ``work/`` equal snapshot ``step``, discarding writes made since; re-runnable.
+        ``verify``: every row of the snapshot is checked first (a RowsDamaged changes nothing);
+        the caller may skip that for a snapshot it has just made from rows it wrote."""
         with self._lock:
             source = checked_snapshot(self.root, self._arrays, step)
+            if verify:
+                try:
+                    verify_arrays(source, self._arrays)
+                except RowsDamaged as e:
+                    raise self._advised(e, resuming=False) from None
             self._forget_chunks()
             self._dirty.clear()
             swap_in_work(self.root, self._arrays, source)
@@ -341,6 +365,13 @@ class TierStore:
     def _path(self, key: tuple[str, str, int]) -> Path:
         table, field, chunk = key
         return self.root / self._base / table / field / self._arrays[table][field].chunk_name(chunk)
+
+    def _advised(self, e: RowsDamaged, resuming: bool = True) -> RowsDamaged:
+        """``e`` with :func:`~.integrity.advice` (``resuming``: found reading ``work/``)."""
+        if self._base == ".":  # a directory view: no snapshots
+            return e
+        said = advice(self.root, e.path, self.snapshots(), resuming and not self.read_only)
+        return RowsDamaged(e.path, f"{e.what}; {said}" if said else e.what)
 
     def _checked_rows(self, table: str, rows: np.ndarray) -> np.ndarray:
         rows = np.asarray(rows, np.int64)

@@ -90,6 +90,7 @@ class TieredTables(FillPrograms):
             default_chunk_rows(row_bytes, chunk_bytes),
         )
         row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
+        self._made_now = False  # a store made by this run: its snapshot 0 needs no check on restore
         if snapshot is not None:
             self.store = TierStore.open_snapshot(root, specs, snapshot)
         elif TierStore.exists(root):
@@ -98,6 +99,12 @@ class TieredTables(FillPrograms):
             log(f"creating the disk tier of {len(self.tables)} tables in {root}")
             self.store = self._create()
             self.store.snapshot(0)  # the initial tables: where a run without checkpoints starts
+            self._made_now = True
+        if self.store.unverified_tables():
+            log(
+                f"warning: the disk tier in {root} was made before row checksums: tables "
+                f"{', '.join(self.store.unverified_tables())} are read unchecked (a new run dir has them)"
+            )
         tier = plan.tier
         # A tier the page cache can hold is read through memory maps, and not read ahead.
         available = available_bytes()
@@ -250,6 +257,7 @@ class TieredTables(FillPrograms):
             mapped, self.store = self.store.mapped, self._create()
             self.store.mapped = mapped
             self.store.snapshot(0)
+            self._made_now = True
             for user in (self.writer, self.read_ahead, *self.host.values()):
                 if user is not None:
                     user.store = self.store
@@ -260,7 +268,7 @@ class TieredTables(FillPrograms):
                 f"to this checkpoint"
             )
         self.pending = None
-        self.store.restore(step)
+        self.store.restore(step, verify=not (self._made_now and step == 0))
         for h in self.host.values():
             h.drop()
         for held in self.held.values():
