@@ -319,7 +319,7 @@ def cmd_bench(args) -> int:
         bench_mlp_parallel(
             configs,
             overrides,
-            modes=[m for m in args.modes.split(",") if m],
+            modes=args.modes,
             steps=args.steps,
             repeats=args.repeats,
             output=args.output,
@@ -343,8 +343,8 @@ def cmd_bench(args) -> int:
             steps=args.steps,
             repeats=args.repeats,
             zipf=args.zipf,
-            layouts=[s for s in args.layouts.split(",") if s],
-            row_layouts=[s for s in args.row_layouts.split(",") if s],
+            layouts=args.layouts,
+            row_layouts=args.row_layouts,
             output=args.output,
             log=_log,
         )
@@ -385,16 +385,14 @@ def cmd_bench(args) -> int:
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.exchange import bench_exchange
 
-        bench_exchange(cfg, [s for s in args.strategies.split(",") if s], output=args.output, log=_log)
+        bench_exchange(cfg, args.strategies, output=args.output, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.embedding import bench_embedding
 
-        bench_embedding(
-            cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s], output=args.output, log=_log
-        )
+        bench_embedding(cfg, steps=args.steps, strategies=args.strategies, output=args.output, log=_log)
         return 0
     names = [n for n in args.configs.split(",") if n]
     configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]

@@ -165,6 +165,8 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
 
 # ---------------------------------------------------------------- flags
 
+STRATS = "auto, replicated, table, row, column, host_row, host_column"
+
 
 @pytest.mark.parametrize(
     "argv,flag,says",
@@ -186,6 +188,37 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
         (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
         (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
         (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),
+        # Before: '' measured nothing and exited 0; 'diagonal' was "'diagonal' is not a valid Strategy".
+        (
+            ["bench", "exchange", "--strategies", ""],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got ''",
+        ),
+        (
+            ["bench", "exchange", "--strategies", "row,diagonal"],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got 'diagonal' in 'row,diagonal'",
+        ),
+        (
+            ["bench", "embedding", "--strategies", ","],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got ','",
+        ),
+        (
+            ["bench", "hot", "--row-layouts", "blocks"],
+            "--row-layouts",
+            "expected comma-separated values of block, cyclic, auto; got 'blocks'",
+        ),
+        (
+            ["bench", "mlp-parallel", "--modes", ""],
+            "--modes",
+            "expected comma-separated values of data, tensor, pipeline; got ''",
+        ),
+        (
+            ["bench", "tiers", "--policies", "fifo"],
+            "--policies",
+            "expected comma-separated values of lru, lfu, tinylfu; got 'fifo'",
+        ),
     ],
 )
 def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
@@ -199,6 +232,17 @@ def test_list_flags_parse_to_lists():
     args = build_parser().parse_args(["bench", "collectives", "--sizes-kib", "16, 64,"])
     assert args.sizes_kib == [16, 64]
     assert build_parser().parse_args(["bench", "tiers"]).fractions == [1.0, 0.5, 0.2, 0.1, 0.05]
+    assert build_parser().parse_args(["bench", "exchange", "--strategies", "row, auto"]).strategies == ["row", "auto"]
+
+
+def test_bench_name_lists_allow_what_the_benches_run():
+    from dlrm_jax.bench import exchange, hot, mlp_parallel
+    from dlrm_jax.cli import parser
+
+    assert parser.STRATEGIES == exchange.STRATEGIES
+    assert (parser.HOT_LAYOUTS, parser.MLP_MODES) == (hot.LAYOUTS, mlp_parallel.MODES)
+    args = build_parser().parse_args(["bench", "hot"])
+    assert (args.layouts, args.row_layouts) == (list(hot.LAYOUTS), list(hot.ROW_LAYOUTS))
 
 
 def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
