@@ -228,6 +228,7 @@ def cmd_preprocess(args) -> int:
         shuffle_seed=None if args.no_shuffle else args.seed,
         shard_mb=args.shard_mb,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     if args.dataset == "tabular":
         from dlrm_jax.data.preprocessing.tabular import preprocess_tabular

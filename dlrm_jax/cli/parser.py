@@ -402,7 +402,13 @@ def _step_arg(text: str) -> int | str:
 
 def _add_preprocess_args(p, chunk_lines: int) -> None:
     """What every `preprocess` dataset shares: output, ids, validation split, bad lines."""
-    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the dataset --output holds already (runs trained on it resume on other rows); "
+        "a folder that holds anything else is never replaced",
+    )
     p.add_argument(
         "--max-ind-range",
         type=COUNT,

@@ -105,6 +105,54 @@ def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def small_tsv(path, lines=200):
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
+    from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(path, gen.raw(0, 0, 0, lines))
+    return path
+
+
+@pytest.mark.parametrize("dataset", ["criteo", "tabular"])
+def test_a_missing_input_is_named_as_given(tmp_path, monkeypatch, capsys, dataset):
+    """Before: `--input train.txt --output data/kaggle` said "No such file or directory: <abs>/data"."""
+    from dlrm_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["preprocess", dataset, *(["--schema", "avazu"] if dataset == "tabular" else []), "--no-progress"]
+    assert main([*args, "--input", "train.txt", "--output", "data/kaggle"]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err == f"dlrm-jax: error: --input train.txt: no such file (looked for {tmp_path}/train.txt)"
+    (tmp_path / "day.tsv").mkdir()
+    assert main([*args, "--input", str(tmp_path / "day.tsv"), "--output", "o"]) == 1
+    assert one_line(capsys.readouterr().err).endswith(f"--input {tmp_path}/day.tsv: a folder, not a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv"]
+
+
+def test_preprocess_into_a_dataset_needs_overwrite(tmp_path):
+    """Before: a second preprocess replaced the dataset with rc 0, and runs trained on the old
+    one resumed on other rows."""
+    from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+
+    day = small_tsv(tmp_path / "day.tsv")
+    out = tmp_path / "ds"
+    preprocess_criteo([str(day)], str(out), max_ind_range=10, workers=1, progress=False)
+    meta = (out / "meta.json").read_text()
+    proc = cli("preprocess", "criteo", "--input", str(day), "--output", str(out), "--max-ind-range", "20")
+    assert proc.returncode == 1 and one_line(proc.stderr) == (
+        f"dlrm-jax: error: --output {out}: holds a preprocessed dataset already (runs trained on it would resume "
+        f"on other rows if it were replaced); choose a new folder, or pass --overwrite to replace it"
+    )
+    assert (out / "meta.json").read_text() == meta
+    preprocess_criteo([str(day)], str(out), max_ind_range=20, workers=1, progress=False, overwrite=True)
+    assert (out / "meta.json").read_text() != meta
+    (tmp_path / "empty").mkdir()  # an empty folder is as good as a new one
+    preprocess_criteo([str(day)], str(tmp_path / "empty"), max_ind_range=10, workers=1, progress=False)
+
+
 # ---------------------------------------------------------------- truncated .gz inputs
 
 
