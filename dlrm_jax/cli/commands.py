@@ -21,18 +21,16 @@ def _devices_for(cfg: Config) -> int:
     return cfg.mesh.devices or SIMULATED_DEVICES_DEFAULT
 
 
-def _start_jax(devices: int, args) -> None:
-    """Shape the CPU backend and join the distributed runtime; imports JAX."""
-    processes = getattr(args, "num_processes", None) or 1
-    request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
-    from dlrm_jax.parallel.coordination import initialize_distributed
+def _start_jax(devices: int, args, mesh_devices: int = 0) -> None:
+    """Check the multi-process flags (``mesh_devices``: the config's mesh.devices, which they
+    must split), shape the CPU backend and join the distributed runtime; imports JAX."""
+    from dlrm_jax.parallel.coordination import check_processes, initialize_distributed
 
+    flags = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    check_processes(*flags, mesh_devices)
+    request_cpu_devices(max(1, devices // (flags[1] or 1)))  # simulated devices of this process
     initialize_distributed(
-        getattr(args, "coordinator", None),
-        getattr(args, "num_processes", None),
-        getattr(args, "process_id", None),
-        join_timeout_s=getattr(args, "join_timeout", 300),
-        bind=getattr(args, "coordinator_bind", None),
+        *flags, join_timeout_s=getattr(args, "join_timeout", 300), bind=getattr(args, "coordinator_bind", None)
     )
     _check_backend()
 
@@ -90,7 +88,7 @@ def cmd_train(args) -> int:
     from dlrm_jax.data.sources import check_data_path
 
     check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
     from dlrm_jax.train.rundir import agree_on_run_dir
     from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
@@ -115,7 +113,7 @@ def cmd_eval(args) -> int:
     if not cfg_path.exists():
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
     cfg = load_config(cfg_path, args.overrides)
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
     _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.saved_run import evaluate_run
 
@@ -270,7 +268,7 @@ def cmd_profile(args) -> int:
     cfg = load_config(args.config, args.overrides)
     # XLA:CPU records one trace event per executed operation only when asked, before it starts.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
     from dlrm_jax.bench.profile import profile
     from dlrm_jax.train.rundir import agree_on_run_dir
 
