@@ -414,6 +414,34 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
     assert not (tmp_path / "run").exists()
 
 
+def test_explicit_features_that_disagree_with_a_binary_dataset_are_refused(tmp_path):
+    """Before: the dataset's values replaced them without a word (config.yaml showed its)."""
+    from dlrm_jax.config import ConfigError, load_config
+    from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.sources import resolve_data_config
+
+    def cfg(*overrides):
+        return resolve_data_config(load_config(None, ["data.source=binary", f"data.path={ds}", *overrides]))
+
+    ds = tmp_path / "ds"
+    preprocess_criteo([str(small_tsv(tmp_path / "day.tsv"))], str(ds), max_ind_range=10, workers=1, progress=False)
+    with pytest.raises(ConfigError) as e:
+        cfg("data.num_dense=5")
+    assert str(e.value) == (
+        f"data.num_dense=5 disagrees with the dataset data.path={ds}, which has 13 dense features; binary data "
+        f"takes the dataset's: remove the key or set data.num_dense=13"
+    )
+    with pytest.raises(ConfigError) as e:
+        cfg(f"data.bag_sizes={[1] * 25 + [3]}")
+    assert str(e.value) == (
+        f"data.bag_sizes={[1] * 25 + [3]} disagrees with the dataset data.path={ds}, whose 26 features have bags of [1]; "
+        f"binary data takes the dataset's: remove the key or set data.bag_sizes=[1]"
+    )
+    for agreeing in ([], ["data.num_dense=13", f"data.bag_sizes={[1] * 26}"]):  # defaults take the dataset's
+        resolved = cfg(*agreeing)
+        assert (resolved.data.num_dense, resolved.data.bag_sizes, resolved.num_features) == (13, (1,), 26)
+
+
 @pytest.mark.slow
 def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
     """Before its fix: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
