@@ -4,6 +4,7 @@ devices), then call the library."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -60,23 +61,32 @@ def _library_logs_to(run_dir: Path) -> None:
     Every command with a run dir calls this (the others use no library that logs through
     absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
     libraries' messages are dropped rather than printed."""
-    import logging
-
     import jax
 
     check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
     index = jax.process_index()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # delay: the file is made by the first message, so a run that logs none leaves none
-        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"), delay=True)
-    except OSError:
-        handler = logging.NullHandler()
+    handler = _RunDirLog(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed restore
         library = logging.getLogger(name)
         library.addHandler(handler)
         library.propagate = False
+
+
+class _RunDirLog(logging.FileHandler):
+    """A log file, and its run dir, made by the first message: a run that logs none leaves
+    none, and a run refused before its run dir is made leaves no empty one. A file that cannot
+    be written (read-only, another user's dir) loses the messages."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)
+
+    def emit(self, record) -> None:
+        try:
+            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+            super().emit(record)  # opens the file on the first message (delay)
+        except OSError:
+            pass
 
 
 def _log(msg: str) -> None:
@@ -89,9 +99,16 @@ def cmd_train(args) -> int:
 
     check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
     _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
+    import jax
+
+    from dlrm_jax.parallel.mesh import check_available
+    from dlrm_jax.train.checks import check_runnable
     from dlrm_jax.train.rundir import agree_on_run_dir
     from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
+    devices, cpu = cfg.mesh.devices or jax.device_count(), jax.default_backend() == "cpu"
+    check_available(devices, jax.device_count(), jax.default_backend())
+    check_runnable(cfg, devices, jax.process_count(), simulated=cpu)  # the plan command's checks, before a run dir
     run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     _log(f"run dir: {run_dir}")
     _library_logs_to(run_dir)
@@ -174,6 +191,9 @@ def cmd_plan(args) -> int:
     hosts = cfg.mesh.hosts or 1
     devices = _devices_for(cfg)
     simulated = devices <= MAX_SIMULATED_DEVICES and not _gpu_plugin_installed()
+    from dlrm_jax.train.checks import check_runnable
+
+    check_runnable(cfg, devices, simulated=simulated)  # train's checks: a plan only for a config that trains
     if cfg.embedding.tables_per_host:
         print(
             f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "

@@ -584,3 +584,64 @@ def test_processes_making_one_run_dir_at_once_all_see_a_folder(tmp_path):
         for t in threads:
             t.join()
     assert not errors, errors[:3]
+
+
+# ---------------------------------------------------------------- plan and train refuse alike
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["mesh.model=3"], "mesh.model=3 must divide the 8 devices"),
+        (["train.epochs=1"], "train.epochs, train.evals_per_epoch: synthetic data has no train split to count"),
+        (["train.batch_size=100"], "train.batch_size=100 must be divisible by the 8 devices of the mesh"),
+        # Before: trained with the flat exchange and said nothing (cpu profile: 64 devices a host)
+        (
+            ["embedding.ids_exchange=two_level"],
+            "embedding.ids_exchange=two_level: the 8 devices fit one host of 64 (cluster.devices_per_host), the cpu "
+            "profile's; two levels need 2 or more hosts of 2 or more devices; set cluster.devices_per_host to a "
+            "divisor of 8 of at least 2 and at most 4, or embedding.ids_exchange=auto (two levels where they can "
+            "go) or flat",
+        ),
+        (
+            ["embedding.ids_exchange=two_level", "cluster.devices_per_host=3"],
+            "embedding.ids_exchange=two_level: the 8 devices do not split into hosts of 3 (cluster.devices_per_host)",
+        ),
+    ],
+)
+def test_plan_refuses_what_train_refuses_and_train_leaves_no_run_dir(tmp_path, capsys, overrides, says):
+    """Before: `plan` printed a plan for these, and `train` refused them after making its run dir."""
+    from dlrm_jax.cli import main
+
+    sets = [a for o in ["train.steps=1", *overrides] for a in ("--set", o)]
+    for command in (["plan"], ["train", "--run-dir", str(tmp_path / "run")]):
+        assert main([*command, "--config", "smoke", *sets]) == 2
+        assert one_line(capsys.readouterr().err).startswith(f"dlrm-jax: config error: {says}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_levels_that_no_part_can_take_are_said_in_the_plan(tiny):
+    from dlrm_jax.train.checks import check_runnable
+    from dlrm_jax.train.planning import plan_for_run, plan_summary, run_plan_report
+
+    cfg = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=column")
+    check_runnable(cfg, 8, simulated=True)  # the mesh can: 2 hosts of 4
+    plan = plan_for_run(cfg, 8, 1, None, True)
+    says = "embedding.ids_exchange=two_level: no part of this plan's exchange sends ids to the tables' owners"
+    assert run_plan_report(cfg, plan, True).splitlines()[-1].startswith(says)
+    assert plan_summary(cfg, plan, True).splitlines()[-1].startswith(f"  {says}")
+    row = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=row")
+    assert says not in run_plan_report(row, plan_for_run(row, 8, 1, None, True), True)
+
+
+def test_a_run_dir_made_by_a_refused_train_is_removed(tmp_path, capsys):
+    """What only the plan can tell (here a memory budget) is refused after the run dir is made:
+    the empty dir goes with the run; a dir that was there before stays."""
+    from dlrm_jax.cli import main
+
+    budget = ["--set", "embedding.memory_budget_gb=0.000001", "--set", "mesh.devices=2", "--set", "train.steps=1"]
+    (tmp_path / "mine").mkdir()
+    for run, kept in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        assert main(["train", "--config", "smoke", *budget, "--run-dir", str(run)]) in (1, 2)
+        assert "embedding.memory_budget_gb" in one_line(capsys.readouterr().err)
+        assert run.exists() == kept
