@@ -160,7 +160,9 @@ def agree_by_max(values) -> list:
 
 def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     """The printed plan (``wiring.config_plan_report``), then the predicted step of one
-    device by phase on the cluster it was priced for, beside the exchange's lower bound."""
+    device by phase on the cluster it was priced for, beside the pooled-exchange bound (a
+    pooled vector each way per lookup, no dedup: :func:`~dlrm_jax.embedding.plan.stats.lower_bound_bytes`),
+    which replicated tables, hot rows and deduplicated ids go below."""
     cluster = cluster_from_config(cfg, simulated)
     step = predict_step(plan, cluster, dense_work(cfg))
     phases = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in step.phases.items())
@@ -168,7 +170,8 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     sent = exchange_bytes_per_step(plan)
     lines = [
         config_plan_report(cfg, plan),
-        f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
+        f"Pooled-exchange bound (no dedup) per step per device: {fmt_bytes(bound)} (predicted / bound: "
+        f"{sent / max(bound, 1):.2f}{below_bound_words(plan) if sent < bound else ''})",
     ]
     if plan.num_devices > cluster.devices_per_host:  # the slow links' share, what hosts decide
         within, between = exchange_link_bytes(plan, cluster)
@@ -183,6 +186,18 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
         f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"
     )
     return "\n".join(lines + [two_levels_unused(cfg, plan)]).strip()
+
+
+def below_bound_words(plan: EmbeddingPlan) -> str:
+    """Why a plan sends less than the pooled-exchange bound, which counts one vector each way
+    per lookup of every table: the parts of this plan that send less."""
+    kinds = {p.kind for p in exchange_parts(plan)}
+    why = [
+        "replicated tables look up on every device" if kinds & {ExchangeKind.ALLREDUCE, ExchangeKind.GATHER} else "",
+        "hot rows are replicated" if plan.hot else "",
+        "ids parts send each distinct row once" if ExchangeKind.IDS in kinds else "",
+    ]
+    return "; below it as " + (", ".join(w for w in why if w) or "fewer vectors than lookups are sent")
 
 
 def two_levels_unused(cfg: Config, plan: EmbeddingPlan) -> str:
@@ -211,7 +226,7 @@ def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None
         [
             f"plan: {len(plan.tables)} tables on {plan.num_devices} devices: {placed}",
             f"  {fmt_bytes(memory)} of tables, optimizer state and buffers on the busiest device; exchange "
-            f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the lower bound)",
+            f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the pooled-exchange bound)",
             f"  predicted step {1e3 * step.total_s:.3f} ms on the {cluster_from_config(cfg, simulated).name} profile{where}",
             *([f"  {unused}"] if unused else []),
         ]
