@@ -95,7 +95,7 @@ def _log(msg: str) -> None:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.data.sources import check_data_path
+    from dlrm_jax.data.sources import check_data_path, resolve_data_config
 
     check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
     _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
@@ -108,6 +108,7 @@ def cmd_train(args) -> int:
 
     devices, cpu = cfg.mesh.devices or jax.device_count(), jax.default_backend() == "cpu"
     check_available(devices, jax.device_count(), jax.default_backend())
+    cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
     check_runnable(cfg, devices, jax.process_count(), simulated=cpu)  # the plan command's checks, before a run dir
     run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     _log(f"run dir: {run_dir}")
@@ -193,6 +194,7 @@ def cmd_plan(args) -> int:
     simulated = devices <= MAX_SIMULATED_DEVICES and not _gpu_plugin_installed()
     from dlrm_jax.train.checks import check_runnable
 
+    cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
     check_runnable(cfg, devices, simulated=simulated)  # train's checks: a plan only for a config that trains
     if cfg.embedding.tables_per_host:
         print(
@@ -201,7 +203,6 @@ def cmd_plan(args) -> int:
         )
     if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
         # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
-        cfg = resolve_data_config(cfg)
         if cap_note(cfg):
             print(cap_note(cfg))
         source = make_source(cfg, trains=True) if cfg.embedding.capacity_from == "measured" else None
@@ -213,7 +214,6 @@ def cmd_plan(args) -> int:
     _start_jax(devices, args)
     from dlrm_jax.train.build import build, mesh_from_config
 
-    cfg = resolve_data_config(cfg)
     plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)
     print(run_plan_report(cfg, plan, simulated))
     return 0
