@@ -79,7 +79,12 @@ def bench_serving(
     (tmp / "val.tsv").write_bytes(b"".join(raw[-val:]))
     held_out = raw[-val:]
     preprocess_criteo(
-        [str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=val / lines, shuffle_seed=None, progress=False
+        [str(tmp / "day.tsv")],
+        str(tmp / "ds"),
+        val_fraction=val / lines,
+        shuffle_seed=None,
+        progress=False,
+        overwrite=True,
     )
     cfg = load_config(
         config,
@@ -107,7 +112,7 @@ def bench_serving(
 
     # The training code's way: preprocess the file, then eval as many rows.
     t = time.perf_counter()
-    preprocess_criteo([str(tmp / "val.tsv")], str(tmp / "val_ds"), val_fraction=0.0, progress=False)
+    preprocess_criteo([str(tmp / "val.tsv")], str(tmp / "val_ds"), val_fraction=0.0, progress=False, overwrite=True)
     pre_s = time.perf_counter() - t
     run = restore_run(tmp / "run", log=lambda *_: None)
     source = make_source(run.cfg, 0, 1, trains=False, evaluates=True)

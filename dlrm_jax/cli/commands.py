@@ -4,6 +4,7 @@ devices), then call the library."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,18 +23,16 @@ def _devices_for(cfg: Config) -> int:
     return cfg.mesh.devices or SIMULATED_DEVICES_DEFAULT
 
 
-def _start_jax(devices: int, args) -> None:
-    """Shape the CPU backend and join the distributed runtime; imports JAX."""
-    processes = getattr(args, "num_processes", None) or 1
-    request_cpu_devices(max(1, devices // processes))  # simulated devices of this process
-    from dlrm_jax.parallel.coordination import initialize_distributed
+def _start_jax(devices: int, args, mesh_devices: int = 0) -> None:
+    """Check the multi-process flags (``mesh_devices``: the config's mesh.devices, which they
+    must split), shape the CPU backend and join the distributed runtime; imports JAX."""
+    from dlrm_jax.parallel.coordination import check_processes, initialize_distributed
 
+    flags = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    check_processes(*flags, mesh_devices)
+    request_cpu_devices(max(1, devices // (flags[1] or 1)))  # simulated devices of this process
     initialize_distributed(
-        getattr(args, "coordinator", None),
-        getattr(args, "num_processes", None),
-        getattr(args, "process_id", None),
-        join_timeout_s=getattr(args, "join_timeout", 300),
-        bind=getattr(args, "coordinator_bind", None),
+        *flags, join_timeout_s=getattr(args, "join_timeout", 300), bind=getattr(args, "coordinator_bind", None)
     )
     _check_backend()
 
@@ -63,23 +62,32 @@ def _library_logs_to(run_dir: Path) -> None:
     Every command with a run dir calls this (the others use no library that logs through
     absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
     libraries' messages are dropped rather than printed."""
-    import logging
-
     import jax
 
     check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
     index = jax.process_index()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # delay: the file is made by the first message, so a run that logs none leaves none
-        handler = logging.FileHandler(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"), delay=True)
-    except OSError:
-        handler = logging.NullHandler()
+    handler = _RunDirLog(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed restore
         library = logging.getLogger(name)
         library.addHandler(handler)
         library.propagate = False
+
+
+class _RunDirLog(logging.FileHandler):
+    """A log file, and its run dir, made by the first message: a run that logs none leaves
+    none, and a run refused before its run dir is made leaves no empty one. A file that cannot
+    be written (read-only, another user's dir) loses the messages."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)
+
+    def emit(self, record) -> None:
+        try:
+            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+            super().emit(record)  # opens the file on the first message (delay)
+        except OSError:
+            pass
 
 
 def _log(msg: str) -> None:
@@ -88,13 +96,21 @@ def _log(msg: str) -> None:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from dlrm_jax.data.sources import check_data_path
+    from dlrm_jax.data.sources import check_data_path, resolve_data_config
 
     check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
+    import jax
+
+    from dlrm_jax.parallel.mesh import check_available
+    from dlrm_jax.train.checks import check_runnable
     from dlrm_jax.train.rundir import agree_on_run_dir
     from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
+    devices, cpu = cfg.mesh.devices or jax.device_count(), jax.default_backend() == "cpu"
+    check_available(devices, jax.device_count(), jax.default_backend())
+    cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
+    check_runnable(cfg, devices, jax.process_count(), simulated=cpu)  # the plan command's checks, before a run dir
     run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     _log(f"run dir: {run_dir}")
     _library_logs_to(run_dir)
@@ -119,7 +135,7 @@ def cmd_eval(args) -> int:
     if not cfg_path.exists():
         raise ConfigError(f"{cfg_path} does not exist: is {args.run_dir} a run directory?")
     cfg = load_config(cfg_path, args.overrides)
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
     _library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.saved_run import evaluate_run
 
@@ -183,6 +199,10 @@ def cmd_plan(args) -> int:
     hosts = cfg.mesh.hosts or 1
     devices = _devices_for(cfg)
     simulated = devices <= MAX_SIMULATED_DEVICES and not _gpu_plugin_installed()
+    from dlrm_jax.train.checks import check_runnable
+
+    cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
+    check_runnable(cfg, devices, simulated=simulated)  # train's checks: a plan only for a config that trains
     if cfg.embedding.tables_per_host:
         print(
             f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
@@ -190,7 +210,6 @@ def cmd_plan(args) -> int:
         )
     if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
         # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
-        cfg = resolve_data_config(cfg)
         if cap_note(cfg):
             print(cap_note(cfg))
         source = make_source(cfg, trains=True) if cfg.embedding.capacity_from == "measured" else None
@@ -202,7 +221,6 @@ def cmd_plan(args) -> int:
     _start_jax(devices, args)
     from dlrm_jax.train.build import build, mesh_from_config
 
-    cfg = resolve_data_config(cfg)
     plan, _ = build(cfg, mesh_from_config(cfg), make_source(cfg), log=_log)
     print(run_plan_report(cfg, plan, simulated))
     return 0
@@ -235,6 +253,7 @@ def cmd_preprocess(args) -> int:
         shuffle_seed=None if args.no_shuffle else args.seed,
         shard_mb=args.shard_mb,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     if args.dataset == "tabular":
         from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
@@ -276,7 +295,7 @@ def cmd_profile(args) -> int:
     cfg = load_config(args.config, args.overrides)
     # XLA:CPU records one trace event per executed operation only when asked, before it starts.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
-    _start_jax(_devices_for(cfg), args)
+    _start_jax(_devices_for(cfg), args, cfg.mesh.devices)
     from dlrm_jax.bench.profile import profile
     from dlrm_jax.train.rundir import agree_on_run_dir
 
@@ -326,7 +345,7 @@ def cmd_bench(args) -> int:
         bench_mlp_parallel(
             configs,
             overrides,
-            modes=[m for m in args.modes.split(",") if m],
+            modes=args.modes,
             steps=args.steps,
             repeats=args.repeats,
             output=args.output,
@@ -350,8 +369,8 @@ def cmd_bench(args) -> int:
             steps=args.steps,
             repeats=args.repeats,
             zipf=args.zipf,
-            layouts=[s for s in args.layouts.split(",") if s],
-            row_layouts=[s for s in args.row_layouts.split(",") if s],
+            layouts=args.layouts,
+            row_layouts=args.row_layouts,
             output=args.output,
             log=_log,
         )
@@ -392,16 +411,14 @@ def cmd_bench(args) -> int:
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.exchange import bench_exchange
 
-        bench_exchange(cfg, [s for s in args.strategies.split(",") if s], output=args.output, log=_log)
+        bench_exchange(cfg, args.strategies, output=args.output, log=_log)
         return 0
     if args.suite == "embedding":
         cfg = _tighten_cap(load_config(args.config, args.overrides), args.max_rows)
         _start_jax(_devices_for(cfg), args)
         from dlrm_jax.bench.embedding import bench_embedding
 
-        bench_embedding(
-            cfg, steps=args.steps, strategies=[s for s in args.strategies.split(",") if s], output=args.output, log=_log
-        )
+        bench_embedding(cfg, steps=args.steps, strategies=args.strategies, output=args.output, log=_log)
         return 0
     names = [n for n in args.configs.split(",") if n]
     configs = [_tighten_cap(load_config(n, args.overrides), args.max_rows) for n in names]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dlrm_jax.choices import DramPolicy
+from dlrm_jax.choices import DramPolicy, RowLayout, Strategy
 
 
 def _bounded(kind: type, low: float, *, strict: bool = False):
@@ -46,13 +46,24 @@ def _list_of(kind: type, low: float | None = None, empty: bool = False):
     return parse
 
 
-def _policies(text: str) -> list[str]:
-    """An argparse type: comma-separated DRAM cache policies."""
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in tuple(DramPolicy)]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(DramPolicy)}; got {text!r}")
-    return values
+def _names(*allowed: str):
+    """An argparse type: comma-separated names, each one of ``allowed``, at least one; argparse
+    names the flag in its error, and the error lists what is allowed."""
+
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            got = f"{bad[0]!r} in {text!r}" if bad and bad != [text.strip()] else repr(text)
+            raise argparse.ArgumentTypeError(f"expected comma-separated values of {', '.join(allowed)}; got {got}")
+        return values
+
+    return parse
+
+
+STRATEGIES = ("auto", *Strategy)  # auto: the config's own embedding.sharding
+HOT_LAYOUTS = ("permuted", "frequency_ordered")  # bench/hot.py's LAYOUTS (a test keeps them equal)
+MLP_MODES = ("data", "tensor", "pipeline")  # bench/mlp_parallel.py's MODES (likewise)
 
 
 POSITIVE, COUNT = _bounded(int, 1), _bounded(int, 0)  # steps and repeats; warmups and caps
@@ -252,13 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(bx)
     bx.add_argument(
         "--strategies",
-        default="auto,replicated,table,row,column,host_column,host_row",
-        help="comma-separated; auto: the config's own embedding.sharding",
+        type=_names(*STRATEGIES),
+        default=list(STRATEGIES),
+        help=f"comma-separated, of {','.join(STRATEGIES)} (default: all); auto: the config's own embedding.sharding",
     )
     bx.add_argument("--output", help="write the JSON here too")
     be = bench_sub.add_parser("embedding", help="embedding step of every strategy vs XLA baselines")
     _add_config_args(be)
-    be.add_argument("--strategies", default="replicated,table,row,column,auto")
+    be.add_argument(
+        "--strategies",
+        type=_names(*STRATEGIES),
+        default=["replicated", "table", "row", "column", "auto"],
+        help=f"comma-separated, of {','.join(STRATEGIES)} (default replicated,table,row,column,auto)",
+    )
     be.add_argument("--steps", type=POSITIVE, default=20, help="timed steps per variant")
     be.add_argument(
         "--max-rows",
@@ -284,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt2.add_argument(
         "--policies",
-        type=_policies,
+        type=_names(*DramPolicy),
         default=["lru"],
         help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu, tinylfu; default lru)",
     )
@@ -328,8 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1.05, 1.1, 1.2],
         help="Zipf exponents, comma-separated (default 1.05,1.1,1.2)",
     )
-    bh.add_argument("--layouts", default="permuted,frequency_ordered")
-    bh.add_argument("--row-layouts", default="block,cyclic")
+    bh.add_argument(
+        "--layouts", type=_names(*HOT_LAYOUTS), default=list(HOT_LAYOUTS), help="id layouts, comma-separated"
+    )
+    bh.add_argument(
+        "--row-layouts",
+        type=_names(*RowLayout, "auto"),
+        default=list(RowLayout),
+        help="comma-separated, of block, cyclic, auto (embedding.row_layout's values; default block,cyclic)",
+    )
     bh.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
     bh.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
     bh.add_argument(
@@ -341,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--output", help="write the JSON here too")
     bm = bench_sub.add_parser("mlp-parallel", help="dense layers data vs tensor vs pipeline parallel, side by side")
     bm.add_argument("--configs", default="criteo_kaggle,mlperf_dlrm_v1", help="configs whose dense parts are compared")
-    bm.add_argument("--modes", default="data,tensor,pipeline")
+    bm.add_argument("--modes", type=_names(*MLP_MODES), default=list(MLP_MODES), help="comma-separated")
     bm.add_argument(
         "--set",
         dest="overrides",
@@ -378,7 +402,13 @@ def _step_arg(text: str) -> int | str:
 
 def _add_preprocess_args(p, chunk_lines: int) -> None:
     """What every `preprocess` dataset shares: output, ids, validation split, bad lines."""
-    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--output", required=True, help="output directory: new or empty (see --overwrite)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the dataset --output holds already (runs trained on it resume on other rows); "
+        "a folder that holds anything else is never replaced",
+    )
     p.add_argument(
         "--max-ind-range",
         type=COUNT,

@@ -162,11 +162,19 @@ def verify_shard(folder: str | Path) -> int:
     return rows
 
 
-def check_output_target(output: str | Path) -> None:
-    """Refuse to replace anything at ``output`` but an earlier preprocessed dataset."""
+def check_output_target(output: str | Path, overwrite: bool = False) -> None:
+    """Refuse a non-empty ``output``: an earlier preprocessed dataset is replaced only with
+    ``overwrite`` (runs trained on it would resume on other rows), anything else never."""
     out = check_dir(output, "output")  # a file at it or at a parent: named, not "[Errno 20]"
-    if out.exists() and not (out / META_FILE).exists() and (out.is_file() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not a preprocessed dataset; not replacing it")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / META_FILE).exists():
+        raise FileExistsError(f"--output {out}: exists and is not a preprocessed dataset; not replacing it")
+    if not overwrite:
+        raise FileExistsError(
+            f"--output {out}: holds a preprocessed dataset already (runs trained on it would resume on "
+            f"other rows if it were replaced); choose a new folder, or pass --overwrite to replace it"
+        )
 
 
 def _alive(pid: int) -> bool:
@@ -194,12 +202,13 @@ def remove_stale_temporaries(output: str | Path) -> list[Path]:
 
 class DatasetDir:
     """A dataset being written in ``.NAME.tmp-PID`` beside ``output``: :meth:`commit` writes
-    meta.json last and renames it into place (replacing an earlier dataset only then); an
+    meta.json last and renames it into place (replacing an earlier dataset, with ``overwrite``,
+    only then); an
     exception inside the ``with`` removes it, so ``output`` is never half written."""
 
-    def __init__(self, output: str | Path):
+    def __init__(self, output: str | Path, overwrite: bool = False):
         self.output = Path(output)
-        check_output_target(self.output)
+        check_output_target(self.output, overwrite)
         remove_stale_temporaries(self.output)
         self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -11,8 +11,46 @@ import sys
 import threading
 import time
 
+from dlrm_jax.config import ConfigError
+
 PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
 JOIN_TIMEOUT_S = 300  # how long processes wait for all of them to join (jax.distributed's default)
+
+
+CLUSTER_VARIABLES = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")  # JAX detects these
+
+
+def check_processes(
+    coordinator: str | None, num_processes: int | None, process_id: int | None, mesh_devices: int = 0
+) -> None:
+    """The multi-process flags, before JAX starts: one line (a ConfigError) for a set that
+    cannot make one run. Without a coordinator and a cluster environment JAX never joins the
+    others, so each process would train a model of its own alone (into the same run dir);
+    ``mesh_devices`` (0: every device of every process) must split evenly over the processes."""
+    if num_processes is not None and num_processes < 1:
+        raise ConfigError(f"--num-processes {num_processes}: expected an integer >= 1")
+    if coordinator and (num_processes is None or process_id is None):
+        raise ConfigError(
+            f"--coordinator {coordinator}: also give --num-processes N (every process the same) and "
+            f"--process-id I (this process's, 0 to N-1)"
+        )
+    if not coordinator and not any(k in os.environ for k in CLUSTER_VARIABLES):
+        if (num_processes or 1) > 1 or process_id:
+            given = f"--num-processes {num_processes}" if num_processes else f"--process-id {process_id}"
+            raise ConfigError(
+                f"{given} without --coordinator: this process would train alone, a model of its own; give "
+                f"every process --coordinator HOST:PORT (process 0's address; SLURM and Open MPI need none)"
+            )
+    if num_processes and process_id is not None and not 0 <= process_id < num_processes:
+        raise ConfigError(
+            f"--process-id {process_id}: expected 0 to {num_processes - 1} (--num-processes {num_processes})"
+        )
+    if num_processes and mesh_devices and mesh_devices % num_processes:
+        raise ConfigError(
+            f"mesh.devices={mesh_devices} does not split over --num-processes {num_processes}: every process "
+            f"takes an equal share of the devices; use a multiple of {num_processes} devices, or a process "
+            f"count that divides {mesh_devices}"
+        )
 
 
 def initialize_distributed(
@@ -49,7 +87,7 @@ def initialize_distributed(
             process_id=process_id,
             coordinator_bind_address=bind or coordinator,
         )
-    elif not any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")):
+    elif not any(k in os.environ for k in CLUSTER_VARIABLES):
         return
     jax.config.update("jax_enable_recoverability", True)
     joined = threading.Event()

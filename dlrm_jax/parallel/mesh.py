@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+from dlrm_jax.config import ConfigError
+
 DATA_AXIS, MODEL_AXIS = "data", "model"
 AXIS = (DATA_AXIS, MODEL_AXIS)  # every device (of a host): embedding shards, the batch
 HOST_AXIS = "hosts"  # embedding.sync=per_host: the mesh is (hosts, data, model), devices within a host
@@ -60,40 +62,49 @@ def make_mesh(devices: int = 0, hosts: int = 0, model: int = 1):
 
     available = jax.devices()
     n = devices or len(available)
-    if jax.default_backend() == "cpu" and n > MAX_SIMULATED_DEVICES:
+    check_available(n, len(available), jax.default_backend())
+    check_mesh_shape(n, jax.process_count(), model, hosts)
+    per_process = n // jax.process_count()
+    chosen = [
+        d for p in range(jax.process_count()) for d in [x for x in available if x.process_index == p][:per_process]
+    ]
+    if not hosts:
+        return jax.make_mesh((n // model, model), AXIS, axis_types=(AxisType.Auto,) * 2, devices=chosen)
+    return jax.make_mesh(
+        (hosts, n // hosts // model, model), (HOST_AXIS, *AXIS), axis_types=(AxisType.Auto,) * 3, devices=chosen
+    )
+
+
+def check_available(n: int, available: int, backend: str) -> None:
+    """A ValueError when this machine cannot give ``n`` devices of ``backend``."""
+    if backend == "cpu" and n > MAX_SIMULATED_DEVICES:
         raise ValueError(
             f"mesh.devices={n}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices (each "
             f"one adds compile time and threads on this host's cores); use fewer, or a "
             f"GPU host"
         )
-    if n > len(available):
+    if n > available:
         hint = ""
-        if jax.default_backend() == "cpu":
+        if backend == "cpu":
             hint = (
                 " (set mesh.devices before JAX starts: the CLI does this; in Python call "
                 "dlrm_jax.request_cpu_devices(N) before importing jax)"
             )
-        raise ValueError(
-            f"mesh.devices={n} but only {len(available)} {jax.default_backend()} devices are available{hint}"
-        )
-    if n % jax.process_count():
-        raise ValueError(f"mesh.devices={n} must be a multiple of the {jax.process_count()} processes")
-    per_process = n // jax.process_count()
-    chosen = [
-        d for p in range(jax.process_count()) for d in [x for x in available if x.process_index == p][:per_process]
-    ]
+        raise ValueError(f"mesh.devices={n} but only {available} {backend} devices are available{hint}")
+
+
+def check_mesh_shape(n: int, processes: int, model: int, hosts: int = 0) -> None:
+    """A ConfigError when ``n`` devices cannot form the mesh: an equal share of each of the
+    ``processes``, groups of ``model``, and (per-host tables) ``hosts`` hosts."""
+    if n % processes:
+        raise ConfigError(f"mesh.devices={n} must be a multiple of the {processes} processes")
     if model < 1 or n % model:
-        raise ValueError(f"mesh.model={model} must divide the {n} devices")
-    if not hosts:
-        return jax.make_mesh((n // model, model), AXIS, axis_types=(AxisType.Auto,) * 2, devices=chosen)
-    if hosts % jax.process_count() or n % (hosts * model):
-        raise ValueError(
-            f"mesh.hosts={hosts} must be a multiple of the {jax.process_count()} processes "
+        raise ConfigError(f"mesh.model={model} must divide the {n} devices")
+    if hosts and (hosts % processes or n % (hosts * model)):
+        raise ConfigError(
+            f"mesh.hosts={hosts} must be a multiple of the {processes} processes "
             f"and divide the {n} devices (in groups of mesh.model={model})"
         )
-    return jax.make_mesh(
-        (hosts, n // hosts // model, model), (HOST_AXIS, *AXIS), axis_types=(AxisType.Auto,) * 3, devices=chosen
-    )
 
 
 def host_scalar(x) -> float:

@@ -18,6 +18,7 @@ from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
+from dlrm_jax.train.checks import check_batch
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.wiring import cluster_from_config, sparse_optimizer_from_config
@@ -33,11 +34,7 @@ def build(
     so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
     are chosen from the data too (:mod:`~dlrm_jax.embedding.hot.refresh`); they need a source.
     """
-    if cfg.train.batch_size % mesh.size:
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} must be divisible by the "
-            f"{mesh.size} devices of the mesh (mesh.devices)"
-        )
+    check_batch(cfg, mesh.size)
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
     plan = plan_for_run(
         cfg,

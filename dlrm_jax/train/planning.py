@@ -107,12 +107,24 @@ def any_two_level(plan: EmbeddingPlan) -> bool:
 def two_level_hosts(cfg: Config, num_devices: int, devices_per_host: int) -> int:
     """Hosts an ids exchange may go over in two levels (1: none): tables over every device
     (not per host), hosts of several devices tiling them, and ``embedding.ids_exchange`` not
-    ``flat``."""
-    if cfg.embedding.ids_exchange == "flat" or cfg.embedding.tables_per_host or devices_per_host < 2:
-        return 1
-    if num_devices % devices_per_host or num_devices // devices_per_host < 2:
+    ``flat`` (``two_level`` where they cannot: refused by ``checks.check_runnable``)."""
+    if cfg.embedding.ids_exchange == "flat" or why_not_two_levels(cfg, num_devices, devices_per_host):
         return 1
     return num_devices // devices_per_host
+
+
+def why_not_two_levels(cfg: Config, num_devices: int, devices_per_host: int) -> str:
+    """Why no ids exchange of this mesh can go in two levels ('' when one can)."""
+    per_host, g = cfg.embedding.tables_per_host, devices_per_host
+    if per_host:
+        return f"per-host tables (embedding.sync={cfg.embedding.sync}) exchange no ids between hosts"
+    if g < 2:
+        return f"hosts of {g} device (cluster.devices_per_host) have no requests to merge"
+    if num_devices <= g:
+        return f"the {num_devices} devices fit one host of {g} (cluster.devices_per_host)"
+    if num_devices % g:
+        return f"the {num_devices} devices do not split into hosts of {g} (cluster.devices_per_host)"
+    return ""
 
 
 def _most(values):
@@ -148,7 +160,9 @@ def agree_by_max(values) -> list:
 
 def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     """The printed plan (``wiring.config_plan_report``), then the predicted step of one
-    device by phase on the cluster it was priced for, beside the exchange's lower bound."""
+    device by phase on the cluster it was priced for, beside the pooled-exchange bound (a
+    pooled vector each way per lookup, no dedup: :func:`~dlrm_jax.embedding.plan.stats.lower_bound_bytes`),
+    which replicated tables, hot rows and deduplicated ids go below."""
     cluster = cluster_from_config(cfg, simulated)
     step = predict_step(plan, cluster, dense_work(cfg))
     phases = ", ".join(f"{k} {1e3 * v:.3f}" for k, v in step.phases.items())
@@ -156,7 +170,8 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     sent = exchange_bytes_per_step(plan)
     lines = [
         config_plan_report(cfg, plan),
-        f"Lower bound of the exchange per step per device: {fmt_bytes(bound)} (predicted / bound: {sent / max(bound, 1):.2f})",
+        f"Pooled-exchange bound (no dedup) per step per device: {fmt_bytes(bound)} (predicted / bound: "
+        f"{sent / max(bound, 1):.2f}{below_bound_words(plan) if sent < bound else ''})",
     ]
     if plan.num_devices > cluster.devices_per_host:  # the slow links' share, what hosts decide
         within, between = exchange_link_bytes(plan, cluster)
@@ -170,7 +185,31 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
         f"Predicted step per device on {cluster.name} ({_cluster_words(cluster)}): {1e3 * step.total_s:.3f} ms = {phases} "
         f"(ms); the bound's exchange alone {1e3 * step.bound_exchange_s:.3f} ms"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + [two_levels_unused(cfg, plan)]).strip()
+
+
+def below_bound_words(plan: EmbeddingPlan) -> str:
+    """Why a plan sends less than the pooled-exchange bound, which counts one vector each way
+    per lookup of every table: the parts of this plan that send less."""
+    kinds = {p.kind for p in exchange_parts(plan)}
+    why = [
+        "replicated tables look up on every device" if kinds & {ExchangeKind.ALLREDUCE, ExchangeKind.GATHER} else "",
+        "hot rows are replicated" if plan.hot else "",
+        "ids parts send each distinct row once" if ExchangeKind.IDS in kinds else "",
+    ]
+    return "; below it as " + (", ".join(w for w in why if w) or "fewer vectors than lookups are sent")
+
+
+def two_levels_unused(cfg: Config, plan: EmbeddingPlan) -> str:
+    """One line when embedding.ids_exchange=two_level is asked of a plan none of whose
+    exchange's ids parts can go in two levels (the mesh can: ``checks`` refuses it otherwise);
+    '' when one does, or two levels were not asked for."""
+    if cfg.embedding.ids_exchange != "two_level" or any_two_level(plan):
+        return ""
+    return (
+        "embedding.ids_exchange=two_level: no part of this plan's exchange sends ids to the tables' owners "
+        "(the form whose requests two levels merge), so nothing goes in two levels"
+    )
 
 
 def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None) -> str:
@@ -182,12 +221,14 @@ def plan_summary(cfg: Config, plan: EmbeddingPlan, simulated: bool, run_dir=None
     sent, bound = exchange_bytes_per_step(plan), lower_bound_bytes(plan)
     step = predict_step(plan, cluster_from_config(cfg, simulated), dense_work(cfg))
     where = f"; the whole plan: {Path(run_dir) / 'plan.txt'}" if run_dir else ""
+    unused = two_levels_unused(cfg, plan)
     return "\n".join(
         [
             f"plan: {len(plan.tables)} tables on {plan.num_devices} devices: {placed}",
             f"  {fmt_bytes(memory)} of tables, optimizer state and buffers on the busiest device; exchange "
-            f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the lower bound)",
+            f"{fmt_bytes(sent)} a step per device ({sent / max(bound, 1):.2f}x the pooled-exchange bound)",
             f"  predicted step {1e3 * step.total_s:.3f} ms on the {cluster_from_config(cfg, simulated).name} profile{where}",
+            *([f"  {unused}"] if unused else []),
         ]
     )
 

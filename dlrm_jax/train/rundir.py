@@ -106,13 +106,14 @@ class RunDir:
 
     ``open`` takes the lock and checks ``config.yaml`` against the new config; :meth:`record`
     writes the config and plan once the run's state is restored (a run refused before that,
-    here or by its checkpoint, leaves them as they were). Use as a context manager; the lock is released on exit, and by the
-    kernel if the process dies.
+    here or by its checkpoint, leaves them as they were, and a directory it made, none). Use as
+    a context manager; the lock is released on exit, and by the kernel if the process dies.
     """
 
     def __init__(self, path: Path | None, writer: bool):
         self.path, self.writer, self._lock_fd = path, writer, None
         self._config_text = ""
+        self._made = False  # this run made the directory: it goes again if the run leaves it empty
 
     @classmethod
     def open(cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print) -> RunDir:
@@ -121,6 +122,7 @@ class RunDir:
         rd = cls(Path(path) if path else None, writer and path is not None)
         refusal = ""
         if rd.writer:
+            rd._made = not rd.path.exists()
             make_dir(rd.path, "run dir")
             try:
                 rd._lock()
@@ -173,11 +175,16 @@ class RunDir:
             )
 
     def close(self) -> None:
+        """Release the lock; a directory this run made and left empty (refused by its data or
+        plan before anything was recorded) is removed."""
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.path / ".lock")  # while still held: no stale lock is left behind
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+            if self._made:
+                with contextlib.suppress(OSError):  # rmdir: only if empty
+                    self.path.rmdir()
 
     # ------------------------------------------------------------ checkpoints and config
     def _check_set_aside(self) -> None:

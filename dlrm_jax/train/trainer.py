@@ -20,6 +20,7 @@ from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
+from dlrm_jax.train.checks import EPOCHS_NEED_A_SPLIT, check_runnable
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.loop import (  # noqa: F401
@@ -57,6 +58,8 @@ def train_and_evaluate(
     hostmem.keep_freed_memory()
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
+    simulated = jax.default_backend() == "cpu"
+    check_runnable(cfg, mesh.size, jax.process_count(), simulated=simulated, source_given=source is not None)
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd, contextlib.ExitStack() as stack:
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
@@ -124,10 +127,7 @@ def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
     as given: a resumed run derives the same steps)."""
     rows, t = getattr(source, "num_train", None), cfg.train
     if rows is None:
-        raise ConfigError(
-            "train.epochs, train.evals_per_epoch: synthetic data has no train split to count epochs "
-            "of; use train.steps and train.eval_every"
-        )
+        raise ConfigError(EPOCHS_NEED_A_SPLIT)
     steps = max(1, math.ceil(t.epochs * rows / t.batch_size)) if t.epochs else t.steps
     every = max(1, round(rows / t.batch_size / t.evals_per_epoch)) if t.evals_per_epoch else t.eval_every
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))

@@ -105,6 +105,54 @@ def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def small_tsv(path, lines=200):
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
+    from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(20,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(path, gen.raw(0, 0, 0, lines))
+    return path
+
+
+@pytest.mark.parametrize("dataset", ["criteo", "tabular"])
+def test_a_missing_input_is_named_as_given(tmp_path, monkeypatch, capsys, dataset):
+    """Before: `--input train.txt --output data/kaggle` said "No such file or directory: <abs>/data"."""
+    from dlrm_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["preprocess", dataset, *(["--schema", "avazu"] if dataset == "tabular" else []), "--no-progress"]
+    assert main([*args, "--input", "train.txt", "--output", "data/kaggle"]) == 1
+    err = one_line(capsys.readouterr().err)
+    assert err == f"dlrm-jax: error: --input train.txt: no such file (looked for {tmp_path}/train.txt)"
+    (tmp_path / "day.tsv").mkdir()
+    assert main([*args, "--input", str(tmp_path / "day.tsv"), "--output", "o"]) == 1
+    assert one_line(capsys.readouterr().err).endswith(f"--input {tmp_path}/day.tsv: a folder, not a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv"]
+
+
+def test_preprocess_into_a_dataset_needs_overwrite(tmp_path):
+    """Before: a second preprocess replaced the dataset with rc 0, and runs trained on the old
+    one resumed on other rows."""
+    from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+
+    day = small_tsv(tmp_path / "day.tsv")
+    out = tmp_path / "ds"
+    preprocess_criteo([str(day)], str(out), max_ind_range=10, workers=1, progress=False)
+    meta = (out / "meta.json").read_text()
+    proc = cli("preprocess", "criteo", "--input", str(day), "--output", str(out), "--max-ind-range", "20")
+    assert proc.returncode == 1 and one_line(proc.stderr) == (
+        f"dlrm-jax: error: --output {out}: holds a preprocessed dataset already (runs trained on it would resume "
+        f"on other rows if it were replaced); choose a new folder, or pass --overwrite to replace it"
+    )
+    assert (out / "meta.json").read_text() == meta
+    preprocess_criteo([str(day)], str(out), max_ind_range=20, workers=1, progress=False, overwrite=True)
+    assert (out / "meta.json").read_text() != meta
+    (tmp_path / "empty").mkdir()  # an empty folder is as good as a new one
+    preprocess_criteo([str(day)], str(tmp_path / "empty"), max_ind_range=10, workers=1, progress=False)
+
+
 # ---------------------------------------------------------------- truncated .gz inputs
 
 
@@ -165,6 +213,8 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
 
 # ---------------------------------------------------------------- flags
 
+STRATS = "auto, replicated, table, row, column, host_row, host_column"
+
 
 @pytest.mark.parametrize(
     "argv,flag,says",
@@ -186,6 +236,37 @@ def test_every_criteo_gz_reader_names_the_file(tmp_path, damage):
         (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
         (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
         (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),
+        # Before: '' measured nothing and exited 0; 'diagonal' was "'diagonal' is not a valid Strategy".
+        (
+            ["bench", "exchange", "--strategies", ""],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got ''",
+        ),
+        (
+            ["bench", "exchange", "--strategies", "row,diagonal"],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got 'diagonal' in 'row,diagonal'",
+        ),
+        (
+            ["bench", "embedding", "--strategies", ","],
+            "--strategies",
+            f"expected comma-separated values of {STRATS}; got ','",
+        ),
+        (
+            ["bench", "hot", "--row-layouts", "blocks"],
+            "--row-layouts",
+            "expected comma-separated values of block, cyclic, auto; got 'blocks'",
+        ),
+        (
+            ["bench", "mlp-parallel", "--modes", ""],
+            "--modes",
+            "expected comma-separated values of data, tensor, pipeline; got ''",
+        ),
+        (
+            ["bench", "tiers", "--policies", "fifo"],
+            "--policies",
+            "expected comma-separated values of lru, lfu, tinylfu; got 'fifo'",
+        ),
     ],
 )
 def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
@@ -199,6 +280,17 @@ def test_list_flags_parse_to_lists():
     args = build_parser().parse_args(["bench", "collectives", "--sizes-kib", "16, 64,"])
     assert args.sizes_kib == [16, 64]
     assert build_parser().parse_args(["bench", "tiers"]).fractions == [1.0, 0.5, 0.2, 0.1, 0.05]
+    assert build_parser().parse_args(["bench", "exchange", "--strategies", "row, auto"]).strategies == ["row", "auto"]
+
+
+def test_bench_name_lists_allow_what_the_benches_run():
+    from dlrm_jax.bench import exchange, hot, mlp_parallel
+    from dlrm_jax.cli import parser
+
+    assert parser.STRATEGIES == exchange.STRATEGIES
+    assert (parser.HOT_LAYOUTS, parser.MLP_MODES) == (hot.LAYOUTS, mlp_parallel.MODES)
+    args = build_parser().parse_args(["bench", "hot"])
+    assert (args.layouts, args.row_layouts) == (list(hot.LAYOUTS), list(hot.ROW_LAYOUTS))
 
 
 def test_profile_refuses_zero_steps_and_json_never_holds_nan(tiny, tmp_path):
@@ -370,6 +462,34 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
     assert not (tmp_path / "run").exists()
 
 
+def test_explicit_features_that_disagree_with_a_binary_dataset_are_refused(tmp_path):
+    """Before: the dataset's values replaced them without a word (config.yaml showed its)."""
+    from dlrm_jax.config import ConfigError, load_config
+    from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+    from dlrm_jax.data.sources import resolve_data_config
+
+    def cfg(*overrides):
+        return resolve_data_config(load_config(None, ["data.source=binary", f"data.path={ds}", *overrides]))
+
+    ds = tmp_path / "ds"
+    preprocess_criteo([str(small_tsv(tmp_path / "day.tsv"))], str(ds), max_ind_range=10, workers=1, progress=False)
+    with pytest.raises(ConfigError) as e:
+        cfg("data.num_dense=5")
+    assert str(e.value) == (
+        f"data.num_dense=5 disagrees with the dataset data.path={ds}, which has 13 dense features; binary data "
+        f"takes the dataset's: remove the key or set data.num_dense=13"
+    )
+    with pytest.raises(ConfigError) as e:
+        cfg(f"data.bag_sizes={[1] * 25 + [3]}")
+    assert str(e.value) == (
+        f"data.bag_sizes={[1] * 25 + [3]} disagrees with the dataset data.path={ds}, whose 26 features have bags of [1]; "
+        f"binary data takes the dataset's: remove the key or set data.bag_sizes=[1]"
+    )
+    for agreeing in ([], ["data.num_dense=13", f"data.bag_sizes={[1] * 26}"]):  # defaults take the dataset's
+        resolved = cfg(*agreeing)
+        assert (resolved.data.num_dense, resolved.data.bag_sizes, resolved.num_features) == (13, (1,), 26)
+
+
 @pytest.mark.slow
 def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
     """Before its fix: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
@@ -512,3 +632,64 @@ def test_processes_making_one_run_dir_at_once_all_see_a_folder(tmp_path):
         for t in threads:
             t.join()
     assert not errors, errors[:3]
+
+
+# ---------------------------------------------------------------- plan and train refuse alike
+
+
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (["mesh.model=3"], "mesh.model=3 must divide the 8 devices"),
+        (["train.epochs=1"], "train.epochs, train.evals_per_epoch: synthetic data has no train split to count"),
+        (["train.batch_size=100"], "train.batch_size=100 must be divisible by the 8 devices of the mesh"),
+        # Before: trained with the flat exchange and said nothing (cpu profile: 64 devices a host)
+        (
+            ["embedding.ids_exchange=two_level"],
+            "embedding.ids_exchange=two_level: the 8 devices fit one host of 64 (cluster.devices_per_host), the cpu "
+            "profile's; two levels need 2 or more hosts of 2 or more devices; set cluster.devices_per_host to a "
+            "divisor of 8 of at least 2 and at most 4, or embedding.ids_exchange=auto (two levels where they can "
+            "go) or flat",
+        ),
+        (
+            ["embedding.ids_exchange=two_level", "cluster.devices_per_host=3"],
+            "embedding.ids_exchange=two_level: the 8 devices do not split into hosts of 3 (cluster.devices_per_host)",
+        ),
+    ],
+)
+def test_plan_refuses_what_train_refuses_and_train_leaves_no_run_dir(tmp_path, capsys, overrides, says):
+    """Before: `plan` printed a plan for these, and `train` refused them after making its run dir."""
+    from dlrm_jax.cli import main
+
+    sets = [a for o in ["train.steps=1", *overrides] for a in ("--set", o)]
+    for command in (["plan"], ["train", "--run-dir", str(tmp_path / "run")]):
+        assert main([*command, "--config", "smoke", *sets]) == 2
+        assert one_line(capsys.readouterr().err).startswith(f"dlrm-jax: config error: {says}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_levels_that_no_part_can_take_are_said_in_the_plan(tiny):
+    from dlrm_jax.train.checks import check_runnable
+    from dlrm_jax.train.planning import plan_for_run, plan_summary, run_plan_report
+
+    cfg = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=column")
+    check_runnable(cfg, 8, simulated=True)  # the mesh can: 2 hosts of 4
+    plan = plan_for_run(cfg, 8, 1, None, True)
+    says = "embedding.ids_exchange=two_level: no part of this plan's exchange sends ids to the tables' owners"
+    assert run_plan_report(cfg, plan, True).splitlines()[-1].startswith(says)
+    assert plan_summary(cfg, plan, True).splitlines()[-1].startswith(f"  {says}")
+    row = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=row")
+    assert says not in run_plan_report(row, plan_for_run(row, 8, 1, None, True), True)
+
+
+def test_a_run_dir_made_by_a_refused_train_is_removed(tmp_path, capsys):
+    """What only the plan can tell (here a memory budget) is refused after the run dir is made:
+    the empty dir goes with the run; a dir that was there before stays."""
+    from dlrm_jax.cli import main
+
+    budget = ["--set", "embedding.memory_budget_gb=0.000001", "--set", "mesh.devices=2", "--set", "train.steps=1"]
+    (tmp_path / "mine").mkdir()
+    for run, kept in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        assert main(["train", "--config", "smoke", *budget, "--run-dir", str(run)]) in (1, 2)
+        assert "embedding.memory_budget_gb" in one_line(capsys.readouterr().err)
+        assert run.exists() == kept

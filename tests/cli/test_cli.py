@@ -487,7 +487,9 @@ def test_without_a_terminal_train_prints_progress_lines_and_the_plan_plan_predic
     assert lines[first + 3].startswith("compiled the train step"), run
     assert not re.search(r"sharded_w|owner|bucket|capacit", "\n".join(summary), re.I), summary
     planned = cli("plan", "--config", "smoke").stdout  # the same plan: the same bytes and step
-    sent, ratio = re.search(r"exchange (\S+ \S+) a step per device \((\S+)x the lower bound\)", summary[1]).groups()
+    sent, ratio = re.search(
+        r"exchange (\S+ \S+) a step per device \((\S+)x the pooled-exchange bound\)", summary[1]
+    ).groups()
     step = re.search(r"predicted step (\S+) ms", summary[2]).group(1)
-    assert f"Predicted exchange per step per device: {sent}\n" in planned and f"(predicted / bound: {ratio})" in planned
+    assert f"Predicted exchange per step per device: {sent}\n" in planned and f"(predicted / bound: {ratio}" in planned
     assert f": {step} ms = lookup" in planned, (summary, planned)

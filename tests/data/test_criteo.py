@@ -340,7 +340,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, tsv, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         preprocess([path], tmp_path / "new", max_ind_range=M)
     with pytest.raises(OSError, match="disk full"):  # an earlier dataset survives intact
-        preprocess([path], tmp_path / "out", max_ind_range=M)
+        preprocess([path], tmp_path / "out", max_ind_range=M, overwrite=True)
     assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
     assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before
     (tmp_path / "other").mkdir()

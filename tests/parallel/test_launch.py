@@ -1,5 +1,7 @@
 """The launch supervisor (dlrm_jax/parallel/launch.py) on stand-in processes: who it names."""
 
+import re
+import subprocess
 import sys
 import time
 
@@ -187,3 +189,77 @@ def test_the_coordination_service_listens_only_where_it_was_told():
     assert listeners, out.stderr
     loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, and as IPv4-mapped IPv6
     assert set(listeners) <= loopback, listeners
+
+
+CLUSTER = ("JAX_PLATFORMS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS")
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        # Before: trained alone on its own devices and exited 0 (on a cluster: a model per host)
+        ((None, 2, 0), "--num-processes 2 without --coordinator: this process would train alone"),
+        ((None, None, 1), "--process-id 1 without --coordinator"),
+        # Before: JAX's bare "Number of processes must be defined."
+        (
+            ("h:1", None, None),
+            "--coordinator h:1: also give --num-processes N (every process the same) and --process-id",
+        ),
+        (("h:1", 2, None), "--coordinator h:1: also give --num-processes N"),
+        (("h:1", 2, 2), "--process-id 2: expected 0 to 1 (--num-processes 2)"),
+        (("h:1", 0, 0), "--num-processes 0: expected an integer >= 1"),
+    ],
+)
+def test_process_flags_that_cannot_make_one_run_are_one_line(monkeypatch, flags, says):
+    from dlrm_jax.config import ConfigError
+    from dlrm_jax.parallel.coordination import check_processes
+
+    for k in CLUSTER[1:]:
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}"):
+        check_processes(*flags)
+    check_processes("h:1", 2, 1, 8)
+    check_processes(None, 1, 0)  # one process: nothing to join
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # the cluster's environment says who joins
+    check_processes(None, 2, 0)
+
+
+@pytest.mark.slow
+def test_devices_that_do_not_split_over_the_processes_are_named(tmp_path):
+    """Before: `launch_local.sh 3 --set mesh.devices=8` said each process had only 6 devices and
+    blamed request_cpu_devices, which the CLI had called: 8 devices do not split over 3."""
+    from child_env import child_env
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlrm_jax.parallel.launch",
+            "3",
+            "--set",
+            "mesh.devices=8",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(drop=CLUSTER),
+    )
+    says = (
+        "mesh.devices=8 does not split over --num-processes 3: every process takes an equal share of the "
+        "devices; use a multiple of 3 devices, or a process count that divides 8"
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("[launch] process ") and "pid" not in x]
+    assert re.match(rf"\[launch\] process \d exited with status 2: config error: {re.escape(says)}; the others", line)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_several_processes_without_a_coordinator_are_refused_before_a_run_dir(tmp_path):
+    from child_env import cli
+
+    proc = cli("train", "--num-processes", "2", "--process-id", "0", "--run-dir", str(tmp_path / "r"), drop=CLUSTER)
+    assert proc.returncode == 2 and proc.stderr.startswith("dlrm-jax: config error: --num-processes 2 without")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()

@@ -229,6 +229,7 @@ def preprocess_criteo(
     block_mb: float = 64.0,
     skip_bad_lines: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> PreprocessReport:
     """Criteo TSV days (plain or .gz) -> the sharded layout of :mod:`dlrm_jax.data.shards`.
 
@@ -242,7 +243,8 @@ def preprocess_criteo(
     (MLPerf: ``day_23``) or else the last ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
     (None keeps input order). ``multi_hot``: bag sizes for MLPerf DLRM-DCNv2's multi-hot rule
     (:mod:`dlrm_jax.data.preprocessing.multihot`). ``workers`` processes (0: one per core) parse blocks of
-    ``block_mb`` MB; the output is the same for any number of workers.
+    ``block_mb`` MB; the output is the same for any number of workers. An ``output`` that
+    holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
     if multi_hot and len(multi_hot) != NUM_CATEGORICAL:
@@ -259,4 +261,4 @@ def preprocess_criteo(
         skip_bad_lines=skip_bad_lines,
         progress=progress,
     )
-    return write_dataset(CriteoParser(int(block_mb * 2**20)), inputs, output, opts, val_inputs)
+    return write_dataset(CriteoParser(int(block_mb * 2**20)), inputs, output, opts, val_inputs, overwrite=overwrite)

@@ -58,7 +58,7 @@ from dlrm_jax.data.preprocessing.prep_phases import (
 )
 from dlrm_jax.data.preprocessing.prep_pool import default_workers, worker_pool
 from dlrm_jax.data.preprocessing.prep_split import plan_split
-from dlrm_jax.data.preprocessing.preprocess import PreprocessReport, byte_progress
+from dlrm_jax.data.preprocessing.preprocess import PreprocessReport, byte_progress, check_input_files
 
 __all__ = ["Options", "default_workers", "write_dataset"]  # default_workers: re-exported for the formats
 
@@ -86,18 +86,26 @@ def write_dataset(
     opts: Options,
     val_inputs: Sequence[str] = (),
     meta: Callable[[dict], dict] = lambda extra: {},
+    overwrite: bool = False,
 ) -> PreprocessReport:
     """Preprocess ``inputs`` (and ``val_inputs``, whole files for the val split) with
     ``parser`` into the sharded layout of :mod:`dlrm_jax.data.shards` at ``output``. A full
     disk is one line naming the output and the space it takes (nothing is left behind); a
-    validation file that is also an input (every later AUC would score training rows) is refused."""
+    validation file that is also an input (every later AUC would score training rows), a
+    missing input and a non-empty output (an earlier dataset: unless ``overwrite``) are
+    refused before any work."""
+    check_input_files(inputs, val_inputs)
     _check_disjoint(inputs, val_inputs)
+    shards.check_output_target(output, overwrite)
     try:
-        return _write_dataset(parser, inputs, output, opts, val_inputs, meta)
+        return _write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
     except OSError as e:
-        free = shutil.disk_usage(Path(output).resolve().parent).free
+        if e.errno != errno.ENOSPC and " requested and " not in str(e):
+            raise  # not a full disk: its own message, which names its file
+        existing = next(p for p in Path(output).absolute().parents if p.exists())
+        free = shutil.disk_usage(existing).free
         need = 2 * sum(os.path.getsize(p) for p in [*inputs, *val_inputs] if os.path.isfile(p))
-        if e.errno != errno.ENOSPC and not (" requested and " in str(e) and free < need):
+        if e.errno != errno.ENOSPC and free >= need:
             raise  # numpy's short writes carry no errno: a full disk is told by the free space
         raise OSError(
             f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
@@ -130,11 +138,12 @@ def _write_dataset(
     opts: Options,
     val_inputs: Sequence[str],
     meta: Callable[[dict], dict],
+    overwrite: bool,
 ) -> PreprocessReport:
     t0, seconds = time.perf_counter(), {}
     paths, val_paths = [str(p) for p in inputs], [str(p) for p in val_inputs]
     tasks = [(t, 0) for t in parser.tasks(paths)] + [(t, 1) for t in parser.tasks(val_paths)]
-    with shards.DatasetDir(output) as out, worker_pool(opts.workers) as pmap:
+    with shards.DatasetDir(output, overwrite) as out, worker_pool(opts.workers) as pmap:
         work = out.root / ".work"
         work.mkdir()
         results = _scan_all(pmap, parser, tasks, work, opts, paths + val_paths)

@@ -174,6 +174,17 @@ def check_arguments(
             raise ValueError(f"{caller}: needs {need}")
 
 
+def check_input_files(inputs: Sequence[str], val_inputs: Sequence[str] = ()) -> None:
+    """Every input is a file, named by its flag as given when it is not (before any work: a
+    missing one found later was reported as whatever the error handling touched next)."""
+    for flag, paths in (("--input", inputs), ("--val-input", val_inputs)):
+        for p in map(Path, paths):
+            if not p.is_file():
+                where = "" if p.is_absolute() else f" (looked for {p.absolute()})"
+                what = "a folder, not a file" if p.is_dir() else "no such file"
+                raise FileNotFoundError(f"{flag} {p}: {what}{where}")
+
+
 class Task(NamedTuple):
     """A unit of parsing work: the lines of ``path`` that start in ``[start, end)``, or the
     whole file when ``end`` is -1 (gzipped files, files whose records may span lines)."""

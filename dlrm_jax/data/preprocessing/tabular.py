@@ -30,6 +30,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     SkipLog,
     Task,
     check_arguments,
+    check_input_files,
 )
 from dlrm_jax.data.preprocessing.tabular_records import Records, read_records, records_from
 from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
@@ -285,6 +286,7 @@ def preprocess_tabular(
     skip_bad_lines: bool = False,
     chunk_lines: int = 100_000,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> PreprocessReport:
     """Tabular files described by ``schema`` (a YAML file, a shipped schema's name such as
     ``"movielens_1m"``, or a :class:`~dlrm_jax.data.preprocessing.tabular_schema.TabularSchema`) -> the
@@ -298,7 +300,8 @@ def preprocess_tabular(
     ``split_by`` column, or the last ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
     Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
     counted. meta.json also names the features and counts the rows no side-file row matched
-    (``join_misses``). Train on the output with ``data.source=binary``.
+    (``join_misses``). Train on the output with ``data.source=binary``. An ``output`` that
+    holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
@@ -308,7 +311,8 @@ def preprocess_tabular(
             f"{schema.path}: joins: the schema joins {names or 'no side file'}; give "
             f"exactly those files (--join NAME=PATH), got {sorted(joins) or 'none'}"
         )
-    shards.check_output_target(output)  # before reading side files
+    check_input_files(inputs, val_inputs)  # before reading side files
+    shards.check_output_target(output, overwrite)
     log = SkipLog(skip_bad_lines)
     sides = {j.name: _load_side(schema, j, str(joins[j.name]), log, chunk_lines) for j in schema.joins}
     opts = Options(
@@ -332,7 +336,8 @@ def preprocess_tabular(
             "join_misses": {k: extra.get("join_misses", {}).get(k, 0) for k in names},
         }
 
-    report = write_dataset(TabularParser(schema, sides, chunk_lines), inputs, output, opts, val_inputs, meta)
+    parser = TabularParser(schema, sides, chunk_lines)
+    report = write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
     if log.by_reason:  # side files' skipped lines are counted with the main files'
         report = _with_side_skips(report, log)
     return report

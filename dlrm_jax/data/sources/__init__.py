@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from dlrm_jax.config import ConfigError, check_features
+from dlrm_jax.config import ConfigError, DataConfig, check_features
 from dlrm_jax.data.batch import DataSource
 
 
@@ -46,7 +46,8 @@ def resolve_data_config(cfg):
     """For ``binary`` data, take the number of dense features, the tables' cardinalities and
     the bag sizes from the dataset's meta.json (Criteo's 13 + 26, MLPerf's multi-hot bags, or
     what a tabular schema made; a dataset without dense features is read as one all-zero
-    column). Keys that depend on the features (model.dcn_rank) are checked against the data's."""
+    column). A data.num_dense or data.bag_sizes set to other than its default must agree with
+    the dataset's. Keys that depend on the features (model.dcn_rank) are checked against the data's."""
     check_data_path(cfg)
     if cfg.data.source != "binary":
         return cfg
@@ -57,6 +58,7 @@ def resolve_data_config(cfg):
     num_dense = model_num_dense(int(meta["num_dense"]))
     bags = tuple(int(b) for b in meta["bag_sizes"])
     bags = bags[:1] if len(set(bags)) == 1 else bags  # the config's short form for equal bags
+    _check_given(cfg.data, int(meta["num_dense"]), num_dense, bags, len(cards))
     if (num_dense, cards, bags) != (cfg.data.num_dense, cfg.data.cardinalities, cfg.data.bag_sizes):
         data = dataclasses.replace(cfg.data, num_dense=num_dense, cardinalities=cards, bag_sizes=bags)
         cfg = dataclasses.replace(cfg, data=data)
@@ -66,6 +68,25 @@ def resolve_data_config(cfg):
         raise ConfigError(
             f"{e} (with the {num_dense} dense and {len(cards)} categorical features of data.path={cfg.data.path})"
         ) from None
+
+
+def _check_given(d, stored_dense: int, num_dense: int, bags: tuple[int, ...], features: int) -> None:
+    """A ConfigError when a data.num_dense or data.bag_sizes given (other than its default)
+    disagrees with the dataset's, which would replace it: the model would not be the one asked."""
+    default = DataConfig()
+    where = f"the dataset data.path={d.path}"
+    if d.num_dense not in (default.num_dense, num_dense):
+        read_as = f" (read as {num_dense} all-zero column)" if stored_dense != num_dense else ""
+        raise ConfigError(
+            f"data.num_dense={d.num_dense} disagrees with {where}, which has {stored_dense} dense features"
+            f"{read_as}; binary data takes the dataset's: remove the key or set data.num_dense={num_dense}"
+        )
+    given = d.bag_sizes * features if len(d.bag_sizes) == 1 else d.bag_sizes
+    if d.bag_sizes != default.bag_sizes and given != (bags * features if len(bags) == 1 else bags):
+        raise ConfigError(
+            f"data.bag_sizes={list(d.bag_sizes)} disagrees with {where}, whose {features} features have bags of "
+            f"{list(bags)}; binary data takes the dataset's: remove the key or set data.bag_sizes={list(bags)}"
+        )
 
 
 def cap_note(cfg) -> str:
