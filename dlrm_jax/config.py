@@ -9,6 +9,7 @@ a bad one raises :class:`ConfigError` naming the key, the value and what is allo
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -46,6 +47,8 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
     origin = typing.get_origin(annotation)
     if origin is tuple:
         (item_type, _) = typing.get_args(annotation)
+        if isinstance(value, str) and "," in value:  # --set model.bottom_mlp=64,32,8: YAML's list is [64,32,8]
+            value = [load_yaml(v) for v in value.split(",") if v.strip()]
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, (list, tuple)):
@@ -78,7 +81,9 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
             allowed = f"one of {', '.join(c or repr(c) for c in choices)}" if choices else "a string"
             raise ConfigError(f"{key}: expected {allowed}, got {value!r}")
         if choices and value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(c or repr(c) for c in choices)}")
+            raise ConfigError(
+                f"{key}: {value!r} is not one of {', '.join(c or repr(c) for c in choices)}{_elsewhere(key, value)}"
+            )
         return value
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
@@ -88,9 +93,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        where = f"{prefix}." if prefix else ""
-        allowed = ", ".join(f"{where}{k}" for k in fields)
-        raise ConfigError(f"unknown config key {where}{unknown[0]}; allowed keys: {allowed}")
+        raise ConfigError(_unknown_key(fields, unknown[0], prefix))
     kwargs = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -102,6 +105,27 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         elif name in raw:
             kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"), f.metadata.get("words", ()))
     return cls(**kwargs)
+
+
+def _unknown_key(fields, name: str, prefix: str) -> str:
+    """'unknown config key K' with the nearest known key, and the keys allowed there."""
+    where = f"{prefix}." if prefix else ""
+    near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
+    hint = f" (did you mean {where}{near[0]}?)" if near else ""
+    return f"unknown config key {where}{name}{hint}; allowed keys: {', '.join(f'{where}{k}' for k in fields)}"
+
+
+def _elsewhere(key: str, value: str) -> str:
+    """A hint when ``value``, refused for ``key``, is (nearly) a value of another key: the
+    DCNv2 cross network is model.interaction=dcn, not a model.kind."""
+    others = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(typing.get_type_hints(Config)[section.name]):
+            name = f"{section.name}.{f.name}"
+            if name != key:
+                others.update({c: name for c in f.metadata.get("choices", ()) if c})
+    near = difflib.get_close_matches(value, list(others), n=1, cutoff=0.7)
+    return f"; {near[0]} is a value of {others[near[0]]}: --set {others[near[0]]}={near[0]}" if near else ""
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -217,6 +241,10 @@ def _check_sections(cls: type, raw: dict[str, Any], prefix: str, path: Path) -> 
     """Every section of ``raw`` (a dataclass field of ``cls``) must be a mapping of keys: a list
     or a scalar there would be silently replaced by a ``--set`` into the section."""
     hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields), key=str)
+    if unknown:
+        raise ConfigError(f"config file {path}: {_unknown_key(fields, str(unknown[0]), prefix.rstrip('.'))}")
     for f in dataclasses.fields(cls):
         if f.name in raw and dataclasses.is_dataclass(hints[f.name]):
             key, sub = f"{prefix}{f.name}", raw[f.name]

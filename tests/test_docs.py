@@ -281,3 +281,33 @@ def test_the_reference_check_fails_when_the_docs_fall_behind(change):
     assert config_doc.problems(edited)
     fixed = config_doc.render(edited)
     assert change == "no meaning" or "train.stepz" not in fixed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_readme_first_command_ends_with_the_line_the_readme_shows(tmp_path):
+    """The README's first command trains the embedded default and ends with the README's line:
+    step and metrics to the spread the README gives for CPUs (their matrix kernels differ in
+    the last bits; a wrong exchange or model moves AUC by 1e-2). The README once showed
+    0.288854 / 0.928379 / 0.288325 where the command printed 0.289070 / 0.928436 / 0.289078."""
+    import subprocess
+    import sys
+
+    from child_env import child_env
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    shown = re.search(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=\S+$", text, re.M)
+    assert shown, "the README shows no final line"
+    run = subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", "train", "--set", "train.progress_bar=false"],
+        capture_output=True,
+        text=True,
+        timeout=850,
+        cwd=tmp_path,
+        env=child_env(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = re.search(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=\S+$", run.stdout, re.M)
+    assert got and got.group(1) == shown.group(1), run.stdout[-2000:]
+    for name, index, spread in (("loss", 2, 1e-3), ("auc", 3, 5e-4), ("logloss", 4, 1e-3)):
+        assert abs(float(got.group(index)) - float(shown.group(index))) <= spread, (name, got.group(0), shown.group(0))

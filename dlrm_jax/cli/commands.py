@@ -124,9 +124,12 @@ def cmd_train(args) -> int:
         saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
         print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
-        print(summary.best_line(), flush=True)
-    print(summary.final_line(), flush=True)
+    import jax
+
+    if jax.process_index() == 0:  # every process holds the same summary: one copy for the reader
+        if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
+            print(summary.best_line(), flush=True)
+        print(summary.final_line(), flush=True)
     return 0
 
 
@@ -188,6 +191,23 @@ def cmd_predict(args) -> int:
             progress=args.progress,
         )
     print(report.summary(args.output), flush=True)
+    return 0
+
+
+def cmd_config(args) -> int:
+    """The resolved config as YAML (binary data's features from its meta.json, as training
+    takes them), after a comment naming where it came from and the keys that differ from the
+    default; every key is checked as train checks it. Touches no device."""
+    from dlrm_jax.config import dump_config
+    from dlrm_jax.data.sources import resolve_data_config
+    from dlrm_jax.train.rundir import config_differences
+
+    cfg = resolve_data_config(load_config(args.config, args.overrides))
+    changed = [key for key, _, _ in config_differences(load_config(None), cfg)]
+    source = args.config or "the embedded default"
+    print(f"# dlrm-jax config of {source}{''.join(f' --set {o}' for o in args.overrides)}")
+    print(f"# differs from the default in: {', '.join(changed) if changed else 'nothing'}")
+    print(dump_config(cfg), end="")
     return 0
 
 
@@ -437,6 +457,7 @@ COMMANDS = {
     "export": cmd_export,
     "predict": cmd_predict,
     "plan": cmd_plan,
+    "config": cmd_config,
     "preprocess": cmd_preprocess,
     "bench": cmd_bench,
     "report": cmd_report,

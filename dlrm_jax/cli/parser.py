@@ -94,8 +94,8 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
         help="where process 0's coordination service listens (default: --coordinator's own address, "
         "not every interface; 0.0.0.0:PORT to listen on all)",
     )
-    g.add_argument("--num-processes", type=int)
-    g.add_argument("--process-id", type=int)
+    g.add_argument("--num-processes", type=int, help="how many processes take part (every process the same)")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 to --num-processes - 1")
     g.add_argument(
         "--join-timeout",
         type=int,
@@ -118,13 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_args(train)
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint of a run (default: the newest)")
-    ev.add_argument("--run-dir", required=True)
+    ev.add_argument("--run-dir", required=True, help="the training run's folder (its config.yaml and checkpoints)")
     ev.add_argument(
         "--step",
         type=_step_arg,
         help="the checkpoint to evaluate: a step, or 'best' (train.keep_best's); default: the newest intact",
     )
-    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the run's config for this evaluation, e.g. --set mesh.devices=4 "
+        "or --set train.eval_batches=0 (the whole held-out split; repeatable)",
+    )
     _add_distributed_args(ev)
 
     ex = sub.add_parser(
@@ -132,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a run's tables (values and optimizer state) as tensorstore arrays, "
         "or (--serving) a self-contained serving artifact",
     )
-    ex.add_argument("--run-dir", required=True)
+    ex.add_argument("--run-dir", required=True, help="the training run's folder (its config.yaml and checkpoints)")
     ex.add_argument(
         "--output",
         required=True,
@@ -162,7 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--serving: a delta, only the rows changed since "
         "the checkpoint of STEP (load it after that step's export)",
     )
-    ex.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ex.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the run's config for the export, e.g. --set mesh.devices=4 (repeatable)",
+    )
 
     pr = sub.add_parser("predict", help="score raw input lines with a serving artifact (export --serving)")
     pr.add_argument("--model", required=True, help="the serving artifact's folder")
@@ -183,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the input's layout (default and only choice: "
         "the model's training files', Criteo TSV or its tabular schema's)",
     )
-    pr.add_argument("--batch-size", type=POSITIVE, default=4096)
+    pr.add_argument(
+        "--batch-size", type=POSITIVE, default=4096, help="lines scored per call of the model (default 4096)"
+    )
     pr.add_argument(
         "--skip-bad-lines",
         action="store_true",
@@ -193,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the embedding sharding plan without training")
     _add_config_args(plan)
+
+    show = sub.add_parser(
+        "config",
+        help="print the resolved config (the default or --config, with every --set applied) as YAML, "
+        "as train writes it to RUN_DIR/config.yaml",
+    )
+    _add_config_args(show)
 
     pre = sub.add_parser("preprocess", help="convert raw data to memory-mappable binary arrays")
     pre_sub = pre.add_subparsers(dest="dataset", required=True)
@@ -221,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="time per phase of a few train steps, peak memory, and a trace")
     _add_config_args(prof)
-    prof.add_argument("--steps", type=POSITIVE, default=10, help="traced steps")
-    prof.add_argument("--warmup", type=COUNT, default=3, help="untraced steps after compilation")
+    prof.add_argument("--steps", type=POSITIVE, default=10, help="traced steps (default 10)")
+    prof.add_argument("--warmup", type=COUNT, default=3, help="untraced steps after compilation (default 3)")
     prof.add_argument(
         "--run-dir",
         help="where profile.json and trace/ go (default: runs/profile-<time>); "
@@ -231,7 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_args(prof)
 
     rep = sub.add_parser("report", help="PNG plots of runs' metrics.jsonl (and profile.json), on shared axes")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    rep.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run folders (train's or profile's --run-dir), plotted together on shared axes",
+    )
     rep.add_argument("--output", help="folder for the PNG files (default: FIRST_RUN_DIR/report)")
 
     bench = sub.add_parser("bench", help="benchmarks; results as JSON")
@@ -305,8 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=["lru"],
         help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu, tinylfu; default lru)",
     )
-    bt2.add_argument("--zipf", type=float, default=1.1)
-    bt2.add_argument("--layout", default="frequency_ordered", choices=["permuted", "frequency_ordered"])
+    bt2.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent (default 1.1)")
+    bt2.add_argument(
+        "--layout",
+        default="frequency_ordered",
+        choices=["permuted", "frequency_ordered"],
+        help="rows in order of popularity, as preprocess lays them out (default), or shuffled",
+    )
     bt2.add_argument("--warmup", type=COUNT, default=30, help="untimed steps per variant first (the caches fill)")
     bt2.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
     bt2.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
@@ -332,7 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict from a serving artifact vs preprocess + eval; latency; int8/bfloat16 tables; delta sizes",
     )
     bs.add_argument("--config", default="criteo_kaggle", help="the model trained on the sample (default criteo_kaggle)")
-    bs.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    bs.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the benchmark's training config (repeatable)",
+    )
     bs.add_argument("--lines", type=POSITIVE, default=200_000, help="sample lines (a tenth held out and scored)")
     bs.add_argument("--steps", type=POSITIVE, default=100, help="training steps (a checkpoint at half of them)")
     bs.add_argument("--workdir", help="keep the sample, run and artifacts here (default: a temporary folder)")
@@ -385,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[64, 1024, 16384],
         help="buffer sizes per device, KiB, comma-separated (default 64,1024,16384)",
     )
-    bc.add_argument("--repeats", type=POSITIVE, default=10)
+    bc.add_argument("--repeats", type=POSITIVE, default=10, help="timed calls per size (default 10)")
     bc.add_argument("--output", help="write the JSON here too")
     return parser
 
@@ -453,5 +494,10 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     )
     p.add_argument("--workers", type=COUNT, default=0, help="worker processes (default: one per core)")
     if chunk_lines:
-        p.add_argument("--chunk-lines", type=int, default=chunk_lines)
-    p.add_argument("--no-progress", action="store_true")
+        p.add_argument(
+            "--chunk-lines",
+            type=int,
+            default=chunk_lines,
+            help=f"records a worker parses at a time (default {chunk_lines:,})",
+        )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal either)")

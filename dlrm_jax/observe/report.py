@@ -98,6 +98,13 @@ AXIS_LABELS = {
 }
 
 
+def _at(x: str, value: float) -> str:
+    """Where on the x axis, in words: 'step 1,000', '512,000 samples', '93 s'."""
+    if x == "wall_s":
+        return f"{value:,.0f} s"
+    return f"{value:,} samples" if x == "samples" else f"{AXIS_LABELS.get(x, x)} {value:,}"
+
+
 def figures(run_dirs: list[Path]) -> dict:
     """name -> matplotlib Figure, for the figures that any of the runs has data for. Curves
     run along samples seen when every run's config gives its batch size (else steps); the best
@@ -115,8 +122,10 @@ def figures(run_dirs: list[Path]) -> dict:
     def lines(
         name: str, panels: list[tuple[str, str, str | None]], title: str, columns: int = 2, from_zero: bool = False
     ):
-        """One figure of panels in a grid, each (y, x, event kind); a legend in every panel."""
-        if not any(series(r["events"], y, x, k)[0] for r in runs for y, x, k in panels):
+        """One figure of the panels (y, x, event kind) some run has data for, in a grid; a
+        legend in every panel."""
+        panels = [(y, x, k) for y, x, k in panels if any(series(r["events"], y, x, k)[0] for r in runs)]
+        if not panels:
             return
         rows = -(-len(panels) // columns)
         cols = min(columns, len(panels))
@@ -136,7 +145,7 @@ def figures(run_dirs: list[Path]) -> dict:
                         marker="*",
                         markersize=13,
                         color=line.get_color(),
-                        label=f"{label} best ({x} {xs[i]:,})",
+                        label=f"{label} best (at {_at(x, xs[i])})",
                     )
             ax.set_xlabel(AXIS_LABELS.get(x, x))
             ax.set_ylabel(AXIS_LABELS.get(y, y))
@@ -151,7 +160,13 @@ def figures(run_dirs: list[Path]) -> dict:
         out[name] = fig
 
     lines("loss", [("loss", along, None), ("loss", "wall_s", None)], "training loss (mean over each log window)")
-    lines("eval", [("auc", along, "eval"), ("logloss", along, "eval"), ("auc", "wall_s", "eval")], "evaluation")
+    evals = [
+        ("auc", along, "eval"),
+        ("logloss", along, "eval"),
+        ("auc", "wall_s", "eval"),
+        ("logloss", "wall_s", "eval"),
+    ]
+    lines("eval", evals, "evaluation")  # a full 2 x 2 grid: no empty panel
     lines("throughput", [("samples_per_s", along, None)], "training throughput", from_zero=True)
     lines("divergence", [("table_divergence", along, None)], "per-host tables: relative norm of their difference")
     profiled = [(r["profile"], label) for r, label in zip(runs, labels, strict=True) if r["profile"]]

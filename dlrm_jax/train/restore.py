@@ -27,7 +27,7 @@ from dlrm_jax.train.checkpoint import (
     saved_json,
     saved_steps,
 )
-from dlrm_jax.train.rundir import STATE_KEYS, RunDirError, config_differences
+from dlrm_jax.train.rundir import STATE_KEYS, RunDirError, config_differences, describe_changes
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -208,8 +208,9 @@ def read_checkpoint(
         changed = config_differences(load_config(saved_cfg), cfg, STATE_KEYS)
         if not changed:
             raise
-        what = "; ".join(f"{k} {a} -> {b}" for k, a, b in changed)
-        raise IncompatibleCheckpoint(f"{e}; changed from {saved_cfg}: {what} (by --set or the data)") from None
+        raise IncompatibleCheckpoint(
+            f"{e}; changed from {saved_cfg}: {describe_changes(changed)} (by --set or the data)"
+        ) from None
 
 
 def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:

@@ -69,6 +69,24 @@ def config_differences(old: Config, new: Config, keys=None) -> list[tuple[str, o
     return [(k, _get(a, k), _get(b, k)) for k in keys if _get(a, k) != _get(b, k)]
 
 
+def describe_changes(changed: list[tuple[str, object, object]]) -> str:
+    """``key old -> new; ...`` of :func:`config_differences`, a long list by the entries that
+    differ (26 cardinalities twice made a 700-character line)."""
+    return "; ".join(_change(*c) for c in changed)
+
+
+def _change(key: str, old, new) -> str:
+    if not (isinstance(old, list) and isinstance(new, list) and max(len(old), len(new)) > 4):
+        return f"{key} {old} -> {new}"
+    if len(old) != len(new):
+        return f"{key} {len(old)} entries -> {len(new)}"
+    at = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
+    more = f" and {len(at) - 3} more" if len(at) > 3 else ""
+    return f"{key}[{'], ['.join(map(str, at[:3]))}]{more} of {len(old)}: " + ", ".join(
+        f"{old[i]} -> {new[i]}" for i in at[:3]
+    )
+
+
 def _step_first(name: str) -> tuple[int, str]:
     """Sort key of ``damaged/`` entries, ``<step>-<time>``: by step, then time."""
     step = name.split("-")[0]
@@ -208,7 +226,7 @@ class RunDir:
                 raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
             blocking = config_differences(old, cfg, STATE_KEYS)
             if blocking:
-                what = "; ".join(f"{k} {a} -> {b}" for k, a, b in blocking)
+                what = describe_changes(blocking)
                 raise RunDirError(
                     f"run dir {self.path} was started with another model: {what}. These "
                     f"change the saved state, so it cannot resume; pass a new --run-dir "
@@ -216,7 +234,7 @@ class RunDir:
                 )
             changed = config_differences(old, cfg)
             if changed:
-                log("resuming with changed settings: " + "; ".join(f"{k} {a} -> {b}" for k, a, b in changed))
+                log("resuming with changed settings: " + describe_changes(changed))
         self._config_text = dump_config(cfg)
 
     def record(self, report: str, plan_json: str) -> None:

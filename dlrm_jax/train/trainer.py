@@ -133,6 +133,9 @@ def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))
 
 
+FEW_STEPS_AN_EPOCH = 100  # below this many steps an epoch, the epoch note suggests a smaller batch
+
+
 def epoch_note(cfg: Config, source: DataSource) -> str:
     """One line: the train split's rows, steps of the batch an epoch, and the run's length in
     epochs ('' for data without a split)."""
@@ -147,7 +150,16 @@ def epoch_note(cfg: Config, source: DataSource) -> str:
     )
     if t.evals_per_epoch:
         how += f"; train.evals_per_epoch={t.evals_per_epoch} sets train.eval_every={t.eval_every:,}"
-    return f"train split: {rows:,} rows, {rows / t.batch_size:,.1f} steps of {t.batch_size:,} an epoch; {how}"
+    note = f"train split: {rows:,} rows, {rows / t.batch_size:,.1f} steps of {t.batch_size:,} an epoch; {how}"
+    if rows / t.batch_size < FEW_STEPS_AN_EPOCH:
+        smaller = max(64, 2 ** int(math.log2(max(rows // FEW_STEPS_AN_EPOCH, 1))))
+        if smaller < t.batch_size:
+            note += (
+                f"\nnote: the batch is large for this data: a smaller one learns more an epoch "
+                f"(e.g. train.batch_size={smaller}: {rows / smaller:,.0f} steps; Criteo's 8k-line sample "
+                f"reached AUC 0.735 at 128 against 0.709 at 2,048)"
+            )
+    return note
 
 
 def _train(

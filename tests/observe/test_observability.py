@@ -103,7 +103,9 @@ def test_report_draws_every_runs_metrics_on_shared_axes(tmp_path):
         best = max(evals, key=lambda e: e["auc"])
         assert auc_lines[2 * index + 1].get_xydata().tolist() == [[best["step"], best["auc"]]]
         assert [line.get_label() for line in figs["loss"].axes[0].lines] == ["a", "b"]
-    assert all(ax.get_legend() is not None for ax in figs["eval"].axes if ax.get_visible())
+    assert all(ax.get_visible() and ax.get_legend() is not None for ax in figs["eval"].axes)  # no empty panel
+    stars = [line.get_label() for line in figs["eval"].axes[2].lines[1::2]]  # the wall-time panel's
+    assert all(label.endswith(" s)") and "wall_s" not in label for label in stars), stars
     assert figs["throughput"].axes[0].get_ylim()[0] == 0 and figs["throughput"].axes[0].get_ylabel() == "samples/s"
     bars = figs["phases"].axes[0].containers
     assert [[r.get_width() for r in c] for c in bars] == [[1.0, 4.0, 0.0], [0.0, 2.5, 0.5]]

@@ -85,9 +85,11 @@ def open_input(path: str | Path, error: type[Exception] = DataFormatError) -> It
 
 
 def byte_progress(paths: Sequence[str], desc: str, progress: bool) -> tqdm:
-    """A tqdm bar over the bytes of ``paths`` on disk (compressed size for gzipped files)."""
+    """A tqdm bar over the bytes of ``paths`` on disk (compressed size for gzipped files), on a
+    terminal only: redirected into a log, its redraws would be one endless line of frames."""
     total = sum(Path(p).stat().st_size for p in paths)
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress)
+    shown = progress and sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not shown)
 
 
 def hash_ids(values: np.ndarray, rows: Sequence[int] | int) -> np.ndarray:

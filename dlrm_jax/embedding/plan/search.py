@@ -43,6 +43,7 @@ from dlrm_jax.embedding.plan.layout import (
     pooled_layout,
 )
 from dlrm_jax.embedding.plan.specs import TableSpec
+from dlrm_jax.embedding.plan.stats import fmt_bytes
 
 MIN_COLUMN_WIDTH = 4  # narrower slices make lookups inefficient
 ORDER = (Strategy.REPLICATED, Strategy.TABLE, Strategy.ROW, Strategy.COLUMN, Strategy.HOST_COLUMN, Strategy.HOST_ROW)
@@ -353,8 +354,8 @@ class _Run:
             need = min(int((search.memory + c.bytes_on_device(search.n, opt, dtype).sum(1)).max()) for c in options)
             raise PlanError(
                 f"table {spec.name} ({spec.rows:,} rows x {spec.dim}) does not fit: "
-                f"{need / 2**30:.2f} GiB needed on a device, budget "
-                f"{search.budget / 2**30:.2f} GiB (embedding.memory_budget_gb); "
+                f"{fmt_bytes(need)} needed on a device, budget {fmt_bytes(search.budget)} "
+                f"(embedding.memory_budget_gb); "
                 f"try more devices or another embedding.sharding"
             )
         search.place(t, best)

@@ -1,0 +1,80 @@
+"""What a user meets first, one line each (issue 45's small items): the resolved config, hints
+for near misses, a help text for every flag, readable sizes and differences, a note when the
+batch is large for the data."""
+
+import argparse
+
+import pytest
+import yaml
+
+from dlrm_jax.cli import build_parser, main
+from dlrm_jax.config import ConfigError, config_from_dict, load_config
+
+
+def test_config_prints_the_resolved_config_and_the_keys_that_differ(capsys):
+    assert main(["config", "--config", "smoke", "--set", "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    first, second, *_ = out.splitlines()
+    assert first == "# dlrm-jax config of smoke --set train.steps=7"
+    assert second.startswith("# differs from the default in: train.steps, train.batch_size, ")
+    assert config_from_dict(yaml.safe_load(out)) == load_config("smoke", ["train.steps=7"])
+
+
+def test_near_misses_get_the_key_or_value_meant(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key train\.stepz \(did you mean train\.steps\?\)"):
+        load_config(None, ["train.stepz=3"])
+    (tmp_path / "c.yaml").write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"config file .*c\.yaml: unknown config key train\.stepz \(did you mean"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(
+        ConfigError, match=r"'dcnv2' is not one of dlrm, wide_deep; dcn is a value of model\.interaction"
+    ):
+        load_config(None, ["model.kind=dcnv2"])
+    assert load_config(None, ["model.bottom_mlp=64,32,16"]).model.bottom_mlp == (64, 32, 16)  # as [64,32,16]
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif action.help is None and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), ["dlrm-jax"])
+    assert not missing, missing
+
+
+def test_sizes_and_config_differences_read_as_a_person_would_write_them():
+    from dlrm_jax.train.rundir import describe_changes
+
+    old, new = [1460, 583, 10131227, 2202608, 305, 24], [1460, 583, 40000, 40000, 305, 24]
+    assert describe_changes([("data.cardinalities", old, new), ("model.embedding_dim", 16, 8)]) == (
+        "data.cardinalities[2], [3] of 6: 10131227 -> 40000, 2202608 -> 40000; model.embedding_dim 16 -> 8"
+    )
+    from dlrm_jax.embedding.plan.stats import fmt_bytes
+
+    assert fmt_bytes(22_528) == "22.0 KiB"  # the budget error said "0.00 GiB needed"
+
+
+def test_a_batch_large_for_the_data_is_said_with_a_smaller_one():
+    from types import SimpleNamespace
+
+    from dlrm_jax.train.trainer import epoch_note
+
+    cfg = load_config(None, ["train.batch_size=2048"])
+    note = epoch_note(cfg, SimpleNamespace(num_train=8_000))
+    assert "3.9 steps of 2,048 an epoch" in note and "e.g. train.batch_size=64: 125 steps" in note
+    assert "note:" not in epoch_note(load_config(None, ["train.batch_size=64"]), SimpleNamespace(num_train=8_000))
+
+
+def test_progress_bars_stay_out_of_redirected_logs(capsys):
+    """preprocess and predict drew tqdm frames into logs; train already printed plain lines."""
+    from dlrm_jax.data.preprocessing.preprocess import byte_progress
+
+    with byte_progress([__file__], "predict", progress=True) as bar:  # stderr is captured: not a terminal
+        bar.update(10)
+    assert bar.disable and capsys.readouterr().err == ""
