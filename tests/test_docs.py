@@ -298,13 +298,16 @@ def test_readme_first_command_ends_with_the_line_the_readme_shows(tmp_path):
     text = (REPO / "README.md").read_text(encoding="utf-8")
     shown = re.search(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=\S+$", text, re.M)
     assert shown, "the README shows no final line"
+    # As a user runs it: without the suite's compile flags (XLA's optimisation level moves the
+    # fourth decimal too: level 0 gave AUC 0.927867 where the default gives 0.928163).
+    env = {k: v for k, v in child_env().items() if k != "XLA_FLAGS"}
     run = subprocess.run(
         [sys.executable, "-m", "dlrm_jax", "train", "--set", "train.progress_bar=false"],
         capture_output=True,
         text=True,
         timeout=850,
         cwd=tmp_path,
-        env=child_env(),
+        env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = re.search(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=\S+$", run.stdout, re.M)
