@@ -18,7 +18,7 @@ from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, Strategy
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, HotPlan, Strategy
 from dlrm_jax.embedding.plan.layout import (
     exchange_parts,
     group_capacity,
@@ -509,3 +509,51 @@ def test_bag_pooling_is_scatter_free(tiny):
     state = coll.init(jax.random.key(0))
     ids = SyntheticSource(cfg).train_batch(0).ids
     assert "scatter" not in str(jax.make_jaxpr(coll.lookup)(state, ids))
+
+
+def scatters_into(hlo: str, shapes: set[str]) -> list[str]:
+    """The compiled program's scatters whose result has one of ``shapes`` (HLO spelling, e.g.
+    'f32[219,8]'), fused or not."""
+    found = []
+    for line in hlo.splitlines():
+        head, _, rest = line.partition(" = ")
+        if rest.split("{")[0].split(" ")[0] in shapes and " scatter(" in f" {rest}":
+            found.append(line.strip())
+    return found
+
+
+def hlo_shape(x) -> str:
+    dtype = {"float32": "f32", "bfloat16": "bf16", "int32": "s32"}[str(x.dtype)]
+    return f"{dtype}[{','.join(map(str, x.addressable_shards[0].data.shape))}]"
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "table", "row", "column", "host_column", "hot"])
+def test_updates_write_each_row_of_a_table_or_its_state_once(tiny, strategy):
+    """Row-wise Adagrad's compiled update never scatters repeated indices into a table, its
+    accumulator or the hot rows (a GPU adds those with contended float atomics, in any order):
+    every such scatter promises unique indices, because the update sums each distinct row's
+    gradient first, in a fixed order, and applies the optimizer to it once."""
+    overrides = strategy_overrides("row" if strategy == "hot" else strategy)
+    cfg = tiny(
+        "train.batch_size=32",
+        CARDS,
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        "embedding.optimizer=rowwise_adagrad",
+        *overrides,
+    )
+    plan = plan_from_config(cfg, 2)
+    if strategy == "hot":
+        plan = dataclasses.replace(plan, hot=HotPlan(16))
+    coll = build(cfg, 2, plan)
+    state = coll.init(jax.random.key(0))
+    ids = jax.device_put(SyntheticSource(cfg).train_batch(0).ids, jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS)))
+    pooled, res = jax.jit(coll.lookup)(state, ids)
+    lowered = jax.jit(coll.apply_gradients).lower(state, res, jnp.ones_like(pooled), jnp.float32(0.1))
+    hlo = lowered.compile().as_text()
+    arrays = [*jax.tree.leaves(state.tables), *jax.tree.leaves(state.slots)]
+    if strategy == "hot":
+        arrays += [state.hot.values, *jax.tree.leaves(state.hot.slots)]
+    found = scatters_into(hlo, {hlo_shape(a) for a in arrays})
+    assert found, "no scatter into a table found: the test no longer reads the program it means to"
+    repeated = [line for line in found if "unique_indices=true" not in line]
+    assert not repeated, "\n".join(repeated)

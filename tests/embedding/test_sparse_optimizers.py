@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from reference import dense_reference
 
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
+from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
 
 R, D = 23, 4
 
@@ -125,3 +126,71 @@ def test_ftrl_l1_keeps_rarely_pushed_weights_at_zero_and_l2_shrinks_the_rest():
     assert abs(float(out["plain"][2, 0])) > abs(float(out["l1"][2, 0])) > 0
     assert abs(float(out["plain"][2, 0])) > abs(float(out["l2"][2, 0])) > 0
     np.testing.assert_allclose(float(out["plain"][2, 0]), -4.0 / (np.sqrt(0.1 + 16.0) / 0.1), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- lookups of pooled gradients
+
+
+def bags(rng, samples, bag, rows, vectors, mean):
+    """A batch of bags: rows [samples, slots] (some padding), each slot's vector, weights."""
+    slot_vector = np.repeat(np.arange(vectors), bag)
+    ids = rng.integers(0, rows + 1, (samples, vectors * bag)).astype(np.int32)  # rows: padding
+    valid = (ids < rows).astype(np.float32)
+    if not mean:
+        return ids, slot_vector, valid
+    count = np.stack([valid[:, slot_vector == v].sum(1) for v in range(vectors)], 1)
+    return ids, slot_vector, valid / np.maximum(count[:, slot_vector], 1.0)
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@settings(max_examples=examples(10), deadline=None)
+@given(seed=st.integers(0, 2**16), bag=st.integers(1, 6), vectors=st.integers(1, 3))
+def test_lookups_of_pooled_gradients_give_the_bits_of_one_gradient_per_lookup(name, mean, seed, bag, vectors):
+    """The update reads each lookup's gradient from its bag's pooled gradient times its
+    weight, never a row per lookup: the same bits as the per-lookup form, in the same order."""
+    rng = np.random.default_rng(seed)
+    ids, slot_vector, weights = bags(rng, 7, bag, R, vectors, mean)
+    pooled = jnp.asarray(rng.normal(size=(7 * vectors, D)).astype(np.float32))
+    lookups = Lookups.of_bags(jnp.asarray(ids), slot_vector, vectors, jnp.asarray(weights))
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32))
+    opt = OPTIMIZERS[name]
+    got = opt.update(table, opt.init(table), lookups, pooled, 0.05)
+    want = opt.update(table, opt.init(table), lookups.rows, lookups.gradients(pooled), 0.05)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_duplicate_heavy_batches_match_the_dense_reference(name):
+    """Bags of 100 on a 3-row table (4,000 lookups, each row over a thousand times), and one
+    row looked up by every lookup of a batch."""
+    rng = np.random.default_rng(11)
+    opt = OPTIMIZERS[name]
+    for ids in (rng.integers(0, 3, (40, 100)), np.zeros((40, 100), np.int64)):
+        ids = ids.astype(np.int32)
+        pooled = rng.normal(size=(40, D)).astype(np.float32) * 0.01
+        lookups = Lookups.of_bags(jnp.asarray(ids), np.zeros(100, np.int32), 1)
+        table = rng.normal(size=(R, D)).astype(np.float32)
+        state = opt.init(jnp.asarray(table))
+        got, state = jax.jit(opt.update)(jnp.asarray(table), state, lookups, jnp.asarray(pooled), 0.05)
+        acc = {"sgd": None, "adagrad": np.zeros((R, D)), "rowwise_adagrad": np.zeros(R)}.get(
+            name, (np.zeros((R, D)), np.full((R, D), 0.1))
+        )
+        grads = np.repeat(pooled, 100, axis=0)
+        want, _ = dense_reference(name, table.astype(np.float64), acc, ids.reshape(-1), grads, 0.05)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_rows_gradient_is_the_sum_of_its_lookups_in_their_order():
+    """The fixed order the same bits every run come from: a row's lookups, in the order given,
+    added one after the other (what numpy's float32 running sum does)."""
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 3, 5000).astype(np.int32)
+    grads = (rng.normal(size=(5000, D)) * np.exp2(rng.uniform(-10, 10, (5000, 1)))).astype(np.float32)
+    got = jax.jit(sum_by_row, static_argnums=2)(jnp.asarray(rows), jnp.asarray(grads), R)
+    for place, row in enumerate(range(3)):
+        assert int(got.rows[place]) == row
+        in_order = np.cumsum(grads[rows == row], axis=0, dtype=np.float32)[-1]
+        np.testing.assert_array_equal(np.asarray(got.grads[place]), in_order)
+    assert (np.asarray(got.rows[3:]) >= R).all()  # unused places point past the table

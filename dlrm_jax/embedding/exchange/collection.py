@@ -40,6 +40,7 @@ from dlrm_jax.embedding.plan.layout import (
     build_groups,
     exchange_parts,
     group_capacity,
+    pools_by_mean,
     two_level_capacities,
     two_level_ids,
 )
@@ -321,7 +322,7 @@ def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int,
     ``update(table, slots, residual, grad [B, V'*W], lr) -> (table, slots)``, ``cols``)."""
     wire = Wire(plan.exchange_dtype)
     if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
-        return ReplicatedForm(part, mesh, optimizer, replicas)
+        return ReplicatedForm(part, mesh, optimizer, replicas, pools_by_mean(plan, part.group))
     if part.kind == ExchangeKind.POOLED:
         return PooledForm(plan, part, mesh, wire, optimizer, dim, replicas)
     if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):

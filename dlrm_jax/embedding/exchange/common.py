@@ -11,7 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import take_columns
-from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.routing import (
     Buckets,
     Window,
@@ -22,6 +22,7 @@ from dlrm_jax.embedding.exchange.routing import (
     send_buffer,
     slot_index,
 )
+from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import Group
 from dlrm_jax.parallel.mesh import AXIS
@@ -74,6 +75,20 @@ def agreed(replicas: str | None):
 def gather_replicas(x, replicas: str | None):
     """What every replica's owner received, in host order (unchanged without replicas)."""
     return x if replicas is None else lax.all_gather(x, replicas, tiled=True)
+
+
+def gather_replica_lookups(lookups: Lookups, grads, replicas: str | None):
+    """:func:`gather_replicas` for lookups and the gradients they point at. The sources are
+    the same on every replica (a static layout), so they are not sent: each replica's copy is
+    shifted to its block of the gathered gradients."""
+    if replicas is None:
+        return lookups, grads
+    sources = lookups.sources
+    if sources is not None:
+        blocks = jnp.arange(lax.axis_size(replicas), dtype=jnp.int32)[:, None] * grads.shape[0]
+        sources = (sources[None, :] + blocks).reshape(-1)
+    weights = None if lookups.weights is None else gather_replicas(lookups.weights, replicas)
+    return Lookups(gather_replicas(lookups.rows, replicas), sources, weights), gather_replicas(grads, replicas)
 
 
 def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS):
@@ -150,8 +165,8 @@ def slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | N
     request's row's gradient, merged over every device (of every replica) that sent it.
     ``every_*``: what this owner and its replicas received (:func:`gather_replicas`), of which
     this owner's ``own`` requests are its replica's block."""
-    _, merged, inv = merge_duplicates(every_rows, every_grads, g.local_rows, return_inverse=True)
-    sq = jnp.sum(merged * merged, -1)[inv]
+    merged = sum_by_row(every_rows, every_grads, g.local_rows)
+    sq = jnp.sum(merged.grads * merged.grads, -1)[merged.inverse()]
     if replicas is not None:  # this replica's own requests
         sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
     return sq.reshape(g.num_devices, -1)
@@ -188,16 +203,19 @@ def lookup_exchange(g: Group, capacity: int, wire: Wire):
 
 
 def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOptimizer):
-    """``f(b, grads [n, W], window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
-    receives the window's rows and, per row, the sum of this device's gradients for it;
-    ``where`` = (dest, place, usable) of each request in the [N, C] buffers."""
+    """``f(b, pooled, window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
+    receives the window's rows and, per row, the sum of this device's gradients for it (from
+    ``pooled`` = (gradients [B_l, V', W], slot weights [B_l, V])); ``where`` = (dest, place,
+    usable) of each request in the [N, C] buffers."""
 
-    def send(b, grads, window):
+    def send(b, pooled, window):
         recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
         owner, place, usable = slot_index(b, window)
         dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
         slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
-        sums = optimizer.segment_sum(grads, slot, g.num_devices * capacity)
+        grads, weights = pooled
+        lookups = Lookups.of_bags(slot.reshape(weights.shape), g.vslot_vfeature, grads.shape[1], weights)
+        sums = optimizer.row_sums(lookups, grads.reshape(-1, g.width), g.num_devices * capacity)
         sums = sums.reshape(g.num_devices, capacity, g.width)
         recv_grads = wire.send(sums, all_to_all)
         return recv_rows.reshape(-1), recv_grads.reshape(-1, g.width), (dest, place, usable)

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.exchange.common import if_overflow, route_and_bucket, route_group
 from dlrm_jax.embedding.exchange.host_pooled import HOSTS, LOCAL, host_mesh
 from dlrm_jax.embedding.exchange.routing import bucket, scatter_to_buckets
+from dlrm_jax.embedding.exchange.row_grads import Lookups
 from dlrm_jax.embedding.exchange.sharded import IdsForm, sharded_forward, sharded_update
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import ExchangePart
@@ -165,10 +166,11 @@ class HostIdsForm(IdsForm):
     # ------------------------------------------------------------ backward + update
     def _two_level_update(self, table_local, slots_local, r: TwoLevelRoute, grads_local, lr):
         g, H, G, opt = self.group, self.hosts, self.per_host, self.optimizer
-        grads = grads_local.reshape(-1, g.width)
-        sums1 = opt.segment_sum(grads, r.slot_dest, G * self.c1 + 1)[:-1].reshape(G, self.c1, g.width)
+        grads, weights = grads_local  # the pooled outputs' gradients, the slots' weights
+        lookups = Lookups.of_bags(r.slot_dest.reshape(weights.shape), g.vslot_vfeature, grads.shape[1], weights)
+        sums1 = opt.row_sums(lookups, grads.reshape(-1, g.width), G * self.c1).reshape(G, self.c1, g.width)
         at_relay = self.wire.send(sums1, _to_local).reshape(G * self.c1, g.width)
-        sums2 = opt.segment_sum(at_relay, r.relay_dest, H * self.c2 + 1)[:-1].reshape(H, self.c2, g.width)
+        sums2 = opt.row_sums(r.relay_dest, at_relay, H * self.c2).reshape(H, self.c2, g.width)
         at_owner = self.wire.send(sums2, _to_hosts).reshape(H * self.c2, g.width)
         return opt.update(table_local, slots_local, r.owner_rows, at_owner, lr)
 

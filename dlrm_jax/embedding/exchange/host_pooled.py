@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.common import if_overflow
 from dlrm_jax.embedding.exchange.pooled import PooledForm
+from dlrm_jax.embedding.exchange.row_grads import sum_by_row
 from dlrm_jax.embedding.plan.layout import whole_rows_capacity
 from dlrm_jax.ids import PAD_ID
 
@@ -122,13 +123,12 @@ class HostPooledForm(_HostForm):
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):
         """``grad_bc`` [B, V'*W]: the loss's gradient w.r.t. :meth:`forward`'s output."""
-        lay, g, opt = self.layout, self.group, self.optimizer
+        g, opt = self.group, self.optimizer
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             rows, weights = residual_local
             every = self.wire.send(self._to_owners(grad_local, g.width), lambda x: _within_host(_over_hosts(x)))
-            grads = every[..., lay.k_piece, :] * weights[..., None]  # [G, H, B_l, K, W]
-            return opt.update(table_local, slots_local, rows.reshape(-1), grads.reshape(-1, g.width), lr)
+            return opt.update(table_local, slots_local, self._lookups(rows, weights), every.reshape(-1, g.width), lr)
 
         fn = jax.shard_map(
             local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
@@ -219,16 +219,15 @@ class HostColumnsForm(_HostForm):
             full = jnp.zeros((b_l, vectors), grad_local.dtype).at[:, self.reply_cols].set(grad_local)
             full = full.reshape(b_l, self.hosts, lay.pieces, self.per_host, g.width).transpose(1, 0, 2, 3, 4)
             every = self.wire.send(full, _slices_to_owners)  # [G, H, B_l, J, Ws]
-            grads = (every[..., lay.k_piece, :] * weights[..., None]).reshape(-1, g.width)  # per position
-            rows = rows.reshape(-1)
+            lookups, grads = self._lookups(rows, weights), every.reshape(-1, g.width)
             if not self.whole_rows:
-                return opt.update(table_local, slots_local, rows, grads, lr)
+                return opt.update(table_local, slots_local, lookups, grads, lr)
             # The host's devices hold the slices of the same rows at the same positions: a
             # row's squared gradient over its whole width is a sum over the host.
             inv, over, most = distinct
-            merged = opt.segment_sum(grads, inv, rows.shape[0])  # by distinct row, in sorted order
+            merged = sum_by_row(lookups, grads, g.local_rows, opt.exact_sums).grads  # by distinct row, sorted
             sq = self._host_sums(jnp.sum(merged * merged, -1), over[0], most[0])[inv] / self.dim
-            return opt.update(table_local, slots_local, rows, grads, lr, row_mean_sq=sq)
+            return opt.update(table_local, slots_local, lookups, grads, lr, row_mean_sq=sq)
 
         fn = jax.shard_map(
             local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)

@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
+from dlrm_jax.embedding.exchange.columns import segment_sum_axis1
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.routing import (
     HOT_BUCKET,
@@ -39,6 +39,7 @@ from dlrm_jax.embedding.exchange.routing import (
     route,
     split_hot,
 )
+from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums
 from dlrm_jax.embedding.plan.layout import Group, VirtualTable, is_identity
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -126,10 +127,8 @@ class HotRows:
         global batch (rows not looked up get a zero gradient: an unchanged row)."""
 
         def local(hot_bs, weights, grad_bfd):
-            grads = take_columns(grad_bfd, self.slot_feature) * weights[..., None]  # [b, S, D]
-            sums = self.optimizer.segment_sum(
-                grads.reshape(-1, self.dim), self._safe(hot_bs).reshape(-1), self.capacity
-            )
+            lookups = Lookups.of_bags(self._safe(hot_bs), self.slot_feature, self.num_features, weights)
+            sums = dense_row_sums(lookups, grad_bfd.reshape(-1, self.dim), self.capacity, self.optimizer.exact_sums)
             return sums[None]
 
         partial_sums = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))(

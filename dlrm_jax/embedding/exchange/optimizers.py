@@ -1,9 +1,11 @@
 """Sparse optimizers: pure functions that update only the rows a batch looked up.
 
-Each takes the fused table [R, D], its state, the looked-up rows [n] (``R`` or more = padding,
-dropped) and their gradients [n, D], and returns the new table and state. No full-table gradient
-is ever formed. Duplicate rows are merged first where the update is not linear in the gradient
-(Adagrad), so every optimizer equals its dense counterpart applied to the summed gradient.
+Each takes the fused table [R, D], its state, the batch's lookups (rows ``R`` or more =
+padding, dropped; see :mod:`~dlrm_jax.embedding.exchange.row_grads`) and the gradients they
+point at, and returns the new table and state. No full-table gradient and no gradient row per
+lookup is formed: each distinct row's gradient is summed in a fixed order and the optimizer
+applied to it once, so every optimizer equals its dense counterpart applied to the summed
+gradient, with the same bits on every run.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dlrm_jax.embedding.exchange import sums
+from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums, sum_by_row
 
 
 class SparseOptimizer(NamedTuple):
-    """``init(table) -> state``; ``update(table, state, rows_n, grads_nd, lr) -> (table, state)``;
-    ``apply``: the same for rows known to be distinct (or None: every row in order), each with
-    its summed gradient (no merge).
+    """``init(table) -> state``; ``update(table, state, lookups, grads, lr) -> (table, state)``
+    with ``lookups`` a :class:`~dlrm_jax.embedding.exchange.row_grads.Lookups` (or a bare [n]
+    array of rows, one gradient row each) and ``grads`` the vectors it points at; ``apply``:
+    the same for distinct ascending rows (or None: every row in order), each with its summed
+    gradient.
 
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
@@ -36,61 +40,56 @@ class SparseOptimizer(NamedTuple):
     needs_whole_rows: bool = False
     exact_sums: bool = False
 
-    def segment_sum(self, data: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
-        """The gradient sum by row that this optimizer's updates use."""
-        return sums.segment_sum(data, segment_ids, num_segments, self.exact_sums)
+    def row_sums(self, lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int) -> jax.Array:
+        """[num_rows, W]: every row's summed gradient as this optimizer's updates sum them
+        (:func:`~dlrm_jax.embedding.exchange.row_grads.dense_row_sums`); for exchange buffers
+        and small tables all-reduced whole."""
+        return dense_row_sums(lookups, grads, num_rows, self.exact_sums)
 
 
-def merge_duplicates(
-    rows_n: jax.Array, grads_nd: jax.Array, pad_row: int, return_inverse: bool = False, exact: bool = False
-):
-    """Unique rows [n] (padded with ``pad_row``) and the summed gradient of each [n, D]
-    (and, if asked, each input's index into the unique rows [n]); ``exact``: see
-    :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum`."""
-    n = rows_n.shape[0]
-    uniq, inv = jnp.unique(rows_n, size=n, fill_value=pad_row, return_inverse=True)
-    inv = inv.reshape(-1)
-    summed = sums.segment_sum(grads_nd, inv, n, exact)
-    return (uniq, summed, inv) if return_inverse else (uniq, summed)
-
-
-# ``apply`` takes distinct rows, or None for every row in order (the hot group: one dense
-# elementwise update instead of a gather and a scatter of all its rows).
+# ``apply`` takes distinct rows in ascending order (``RowSums.rows``: its scatters promise XLA
+# unique, sorted indices, so none adds into a row twice), or None for every row in order (the
+# hot group: one dense elementwise update instead of a gather and a scatter of all its rows).
 
 
 def _get(array, rows):
-    return array if rows is None else array.at[rows].get(mode="fill", fill_value=0)
+    return array if rows is None else array.at[rows].get(mode="fill", fill_value=0, indices_are_sorted=True)
 
 
 def _set(array, rows, values):
     values = values.astype(array.dtype)  # rounded once, here (a float32 scatter into bfloat16 warns)
-    return values if rows is None else array.at[rows].set(values, mode="drop")
+    if rows is None:
+        return values
+    return array.at[rows].set(values, mode="drop", unique_indices=True, indices_are_sorted=True)
 
 
-def _add_rows(table, unique_rows, delta_f32):
+def _add_rows(table, rows, delta_f32):
     """table[r] += delta for distinct rows, computed in float32 and rounded once to storage."""
-    if table.dtype == jnp.float32 and unique_rows is not None:
-        return table.at[unique_rows].add(delta_f32, mode="drop")
-    return _set(table, unique_rows, _get(table, unique_rows).astype(jnp.float32) + delta_f32)
+    if table.dtype == jnp.float32 and rows is not None:
+        return table.at[rows].add(delta_f32, mode="drop", unique_indices=True, indices_are_sorted=True)
+    return _set(table, rows, _get(table, rows).astype(jnp.float32) + delta_f32)
+
+
+def _by_row(apply, exact_sums: bool):
+    """``update`` from ``apply``: each distinct row's summed gradient, then ``apply`` once."""
+
+    def update(table, state, lookups, grads, lr):
+        r = sum_by_row(lookups, grads, table.shape[0], exact_sums)
+        return apply(table, state, r.rows, r.grads, lr)
+
+    return update
 
 
 def sgd(exact_sums: bool = False) -> SparseOptimizer:
-    """table[r] -= lr * g, duplicates summed by the scatter-add itself (unless exact sums)."""
+    """table[r] -= lr * g."""
 
     def init(table):
         return {}
 
-    def apply(table, state, rows_n, grads_nd, lr):
-        return _add_rows(table, rows_n, -lr * grads_nd.astype(jnp.float32)), state
+    def apply(table, state, rows, g, lr):
+        return _add_rows(table, rows, -lr * g.astype(jnp.float32)), state
 
-    def update(table, state, rows_n, grads_nd, lr):
-        # Merge first for narrow tables (one rounding per row, not one per duplicate) and for
-        # exact sums (atomics adding duplicates straight into the table round in any order).
-        if table.dtype != jnp.float32 or exact_sums:
-            rows_n, grads_nd = merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums)
-        return apply(table, state, rows_n, grads_nd, lr)
-
-    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
+    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
 
 
 def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
@@ -104,10 +103,7 @@ def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: boo
         step = -lr * g / (jnp.sqrt(acc) + eps)
         return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
 
-    def update(table, state, rows_n, grads_nd, lr):
-        return apply(table, state, *merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums), lr)
-
-    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
+    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
 
 
 def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
@@ -129,11 +125,10 @@ def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_s
         step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
         return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
 
-    def update(table, state, rows_n, grads_nd, lr, row_mean_sq=None):
-        uniq, g, inv = merge_duplicates(rows_n, grads_nd, table.shape[0], return_inverse=True, exact=exact_sums)
-        if row_mean_sq is not None:  # duplicates carry the same value; empty (padding) segments give 0
-            row_mean_sq = jnp.maximum(jax.ops.segment_max(row_mean_sq, inv, num_segments=rows_n.shape[0]), 0.0)
-        return apply(table, state, uniq, g, lr, row_mean_sq)
+    def update(table, state, lookups, grads, lr, row_mean_sq=None):
+        """``row_mean_sq`` [n]: per lookup, its row's (every lookup of a row carries the same)."""
+        r = sum_by_row(lookups, grads, table.shape[0], exact_sums)
+        return apply(table, state, r.rows, r.grads, lr, None if row_mean_sq is None else r.max_by_row(row_mean_sq))
 
     return SparseOptimizer(init, update, apply, needs_whole_rows=True, exact_sums=exact_sums)
 
@@ -162,10 +157,7 @@ def ftrl(
         w_new = jnp.where(jnp.abs(z_new) > l1, -shrunk / jnp.maximum((beta + jnp.sqrt(n_new)) / lr + l2, 1e-30), 0.0)
         return _set(table, uniq, w_new), {"z": _set(state["z"], uniq, z_new), "n": _set(state["n"], uniq, n_new)}
 
-    def update(table, state, rows_n, grads_nd, lr):
-        return apply(table, state, *merge_duplicates(rows_n, grads_nd, table.shape[0], exact=exact_sums), lr)
-
-    return SparseOptimizer(init, update, apply, exact_sums=exact_sums)
+    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
 
 
 SPARSE_OPTIMIZERS = {"sgd": sgd, "adagrad": adagrad, "rowwise_adagrad": rowwise_adagrad, "ftrl": ftrl}

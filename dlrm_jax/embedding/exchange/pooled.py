@@ -28,10 +28,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import all_to_all, gather_replicas
-from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, merge_duplicates
+from dlrm_jax.embedding.exchange.common import all_to_all, gather_replica_lookups, gather_replicas
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
 from dlrm_jax.embedding.exchange.wire import Wire
-from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout
+from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout, pools_by_mean
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -54,9 +55,7 @@ class PooledForm:
         self.layout: PooledLayout = pooled_layout(plan, g)
         self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire, optimizer, dim, replicas
         self.cols = g.vfeature_cols.reshape(-1)
-        self.mean = any(
-            plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables
-        )
+        self.mean = pools_by_mean(plan, g)
         self.whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
     # ------------------------------------------------------------ shared pieces
@@ -115,36 +114,39 @@ class PooledForm:
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):
         """``grad_bc`` [B, V'*W]: the loss's gradient w.r.t. :meth:`forward`'s output."""
-        lay, g, opt, replicas = self.layout, self.group, self.optimizer, self.replicas
+        g, opt, replicas = self.group, self.optimizer, self.replicas
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             recv_ids, weights = residual_local
             recv = self.wire.send(self._to_owners(grad_local, g.width), all_to_all)  # [N requesters, B_l, J, W]
-            grads = recv[:, :, lay.k_piece] * weights[..., None]  # [N, B_l, K, W]
-            rows = self._local_rows(recv_ids).reshape(-1)
-            grads = grads.reshape(-1, g.width)
-            row_mean_sq = self._row_mean_sq(rows, grads, recv_ids.shape) if self.whole_rows else None
-            every = gather_replicas(rows, replicas), gather_replicas(grads, replicas)
-            if row_mean_sq is None:
+            lookups = self._lookups(self._local_rows(recv_ids), weights)
+            every = gather_replica_lookups(lookups, recv.reshape(-1, g.width), replicas)
+            if not self.whole_rows:
                 return opt.update(table_local, slots_local, *every, lr)
-            return opt.update(table_local, slots_local, *every, lr, row_mean_sq=gather_replicas(row_mean_sq, replicas))
+            row_mean_sq = gather_replicas(self._row_mean_sq(every, lookups.rows.shape[0], recv_ids.shape), replicas)
+            return opt.update(table_local, slots_local, *every, lr, row_mean_sq=row_mean_sq)
 
         fn = jax.shard_map(
             local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()), out_specs=(P(AXIS), P(AXIS))
         )
         return fn(table, slots, residual, grad_bc, lr)
 
-    def _row_mean_sq(self, rows, grads, shape):
+    def _lookups(self, rows, weights) -> Lookups:
+        """The received positions [..., K] as lookups of the received gradients [..., J, W]:
+        position (..., k) takes piece ``k_piece[k]``'s gradient of its bag, times its weight
+        (1 without means: an empty position's row is past the end, dropped)."""
+        return Lookups.of_bags(rows, self.layout.k_piece, self.layout.pieces, weights if self.mean else None)
+
+    def _row_mean_sq(self, every, own: int, shape):
         """Per received position [N*B_l*K]: its row's summed gradient squared, over the row's
-        whole width (every column slice's owner adds its part), divided by the width."""
+        whole width (every column slice's owner adds its part), divided by the width.
+        ``every``: (lookups, gradients) of every replica, of which this one's ``own`` lookups
+        are its block."""
         lay, g, replicas = self.layout, self.group, self.replicas
-        every_rows, every_grads = gather_replicas(rows, replicas), gather_replicas(grads, replicas)
-        _, merged, inv = merge_duplicates(
-            every_rows, every_grads, g.local_rows, return_inverse=True, exact=self.optimizer.exact_sums
-        )
-        sq = jnp.sum(merged * merged, -1)[inv]
+        merged = sum_by_row(*every, g.local_rows, self.optimizer.exact_sums)
+        sq = jnp.sum(merged.grads * merged.grads, -1)[merged.inverse()]
         if replicas is not None:  # this replica's own positions
-            sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * rows.shape[0], rows.shape[0])
+            sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
         partial = all_to_all(sq.reshape(shape))  # [N owners, B_l, K]: back to the requesters
         # Requester: a slot's total is the sum over the owners it went to (one per slice).
         b_l, slots = shape[1], int(lay.send_slot.max()) + 1

@@ -1,8 +1,9 @@
 """The replicated forms: every device holds the tables and looks up locally. The update either
 all-reduces each table's [rows, W] gradient (cheap for tables of few rows: what TorchRec calls
-data-parallel tables) or gathers every device's (row, gradient) pairs to all (cheap for a
-batch with fewer lookups than the tables have rows); ``plan.layout.replicated_kind`` picks by
-bytes. Every device then applies the same update, so the copies never drift apart."""
+data-parallel tables) or gathers every device's lookups (row ids, and weights for means) and
+pooled gradients to all (cheap for a batch with fewer lookups than the tables have rows);
+``plan.layout.replicated_kind`` picks by bytes. Every device then applies the same update, so
+the copies never drift apart."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
-from dlrm_jax.embedding.exchange.common import agreed
+from dlrm_jax.embedding.exchange.common import agreed, gather_replica_lookups
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums
 from dlrm_jax.embedding.plan.layout import ExchangeKind, ExchangePart, Group
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -26,12 +28,15 @@ def _rows(g: Group, ids_bs):
 
 class ReplicatedForm:
     """The replicated group's lookup and update with the forms' shared interface (see
-    ``sharded.IdsForm``)."""
+    ``sharded.IdsForm``). ``mean``: some bag of the group is a mean (``pools_by_mean``), so
+    the lookups' weights travel with them."""
 
-    def __init__(self, part: ExchangePart, mesh, optimizer: SparseOptimizer, replicas: str | None = None):
+    def __init__(
+        self, part: ExchangePart, mesh, optimizer: SparseOptimizer, replicas: str | None = None, mean: bool = True
+    ):
         g = self.group = part.group
         self.cols, self.kind = g.vfeature_cols.reshape(-1), part.kind
-        self.mesh, self.optimizer, self.every = mesh, optimizer, agreed(replicas)
+        self.mesh, self.optimizer, self.every, self.mean = mesh, optimizer, agreed(replicas), mean
 
     def forward(self, table, ids_bs, weights_bs):
         g = self.group
@@ -44,24 +49,35 @@ class ReplicatedForm:
         )
         return pooled.reshape(pooled.shape[0], -1), (ids_bs, weights_bs), jnp.zeros((), jnp.int32)
 
+    def _lookups(self, ids_local, weights_local) -> Lookups:
+        """This device's lookups, pointing at its pooled gradients [B_l * V, W]: slot s of
+        sample b read into feature ``vslot_vfeature[s]`` of b. Without means every weight is 1
+        (a missing id's row is past the end: dropped)."""
+        g = self.group
+        weights = take_columns(weights_local, g.vslot_slot) if self.mean else None
+        return Lookups.of_bags(_rows(g, ids_local), g.vslot_vfeature, len(g.vtables), weights)
+
     def update(self, table, slots, residual, grad_bc, lr):
         g, opt, every = self.group, self.optimizer, self.every
         ids_bs, weights_bs = residual
-        per_vt = grad_bc.reshape(grad_bc.shape[0], -1, g.width)
-        grads = take_columns(per_vt, g.vslot_vfeature) * take_columns(weights_bs, g.vslot_slot)[:, :, None]
 
-        def allreduce(table, slots, ids_local, grads_local, lr):
-            rows = _rows(g, ids_local).reshape(-1)
-            summed = opt.segment_sum(grads_local.reshape(-1, g.width), rows, g.local_rows)  # this device's
-            return opt.apply(table, slots, None, lax.psum(summed, every), lr)
+        def allreduce(table, slots, ids_local, weights_local, grad_local, lr):
+            lookups = self._lookups(ids_local, weights_local)
+            mine = dense_row_sums(lookups, grad_local.reshape(-1, g.width), g.local_rows, opt.exact_sums)
+            return opt.apply(table, slots, None, lax.psum(mine, every), lr)
 
-        def gather(table, slots, ids_local, grads_local, lr):
-            rows = lax.all_gather(_rows(g, ids_local).reshape(-1), every, tiled=True)
-            grads = lax.all_gather(grads_local.reshape(-1, g.width), every, tiled=True)
-            return opt.update(table, slots, rows, grads, lr)
+        def gather(table, slots, ids_local, weights_local, grad_local, lr):
+            lookups = self._lookups(ids_local, weights_local)
+            return opt.update(
+                table, slots, *gather_replica_lookups(lookups, grad_local.reshape(-1, g.width), every), lr
+            )
 
         local = allreduce if self.kind == ExchangeKind.ALLREDUCE else gather
         # check_vma off: every device applies the same summed or gathered update, so outputs are replicated.
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P()), check_vma=False
-        )(table, slots, ids_bs, grads, lr)
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), P()),
+            out_specs=(P(), P()),
+            check_vma=False,
+        )(table, slots, ids_bs, weights_bs, grad_bc, lr)

@@ -88,8 +88,9 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
 
 
 def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas=None):
-    """``f(table_local, slots_local, b, grads [n, W], lr, over) -> (table, slots)``: the owners
-    apply the optimizer to the rows requested, in one exchange or rounds.
+    """``f(table_local, slots_local, b, pooled, lr, over) -> (table, slots)``: the owners
+    apply the optimizer to the rows requested, in one exchange or rounds. ``pooled``: this
+    device's (gradients [B_l, V', W] of its pooled outputs, weights [B_l, V] of its slots).
 
     ``dim``: the tables' full width (for statistics over whole rows of column slices). Those
     need every slice's squared sum of a row before its update: in one exchange they travel
@@ -110,7 +111,7 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
             partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
             return jnp.where(usable, partial[b.slot_owner, place], acc)
 
-        zeros = jnp.zeros(grads.shape[:1], jnp.float32)
+        zeros = jnp.zeros(b.slot_valid.shape, jnp.float32)
         totals = if_overflow(
             over,
             lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
@@ -137,7 +138,8 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
 def sharded_update(
     g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas: str | None = None
 ):
-    """``f(table, slots, route, grads [B, V, W], lr) -> (table, slots)``, sparse, on owners;
+    """``f(table, slots, route, (grads [B, V', W], weights [B, V]), lr) -> (table, slots)``,
+    sparse, on owners (the pooled outputs' gradients and the slots' pooling weights);
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
     over whole rows of column slices). ``replicas``: the axis the tables are replicated over
     (hosts), whose gradients every replica applies."""
@@ -145,7 +147,7 @@ def sharded_update(
 
     def on_owners(table_local, slots_local, b, grads, lr, most):
         over = busiest_of_replicas(most, replicas) > capacity
-        return update(table_local, slots_local, b, grads.reshape(-1, g.width), lr, over)
+        return update(table_local, slots_local, b, grads, lr, over)
 
     return update_on_owners(mesh, on_owners)
 
@@ -186,6 +188,5 @@ class IdsForm:
     def update(self, table, slots, residual, grad_bc, lr):
         g = self.group
         route_, weights_bs = residual
-        per_vt = grad_bc.reshape(grad_bc.shape[0], -1, g.width)
-        grads = take_columns(per_vt, g.vslot_vfeature) * take_columns(weights_bs, g.vslot_slot)[:, :, None]
-        return self._update(table, slots, route_, grads, lr)
+        pooled = grad_bc.reshape(grad_bc.shape[0], -1, g.width), take_columns(weights_bs, g.vslot_slot)
+        return self._update(table, slots, route_, pooled, lr)

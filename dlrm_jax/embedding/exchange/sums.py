@@ -27,7 +27,9 @@ import jax.numpy as jnp
 MAX_EXACT_ADDENDS = (1 << 24) - 1
 
 
-def exact_segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+def exact_segment_sum(
+    data: jax.Array, segment_ids: jax.Array, num_segments: int, indices_are_sorted: bool = False
+) -> jax.Array:
     """``segment_sum(data [n, ...], segment_ids [n], num_segments)`` in float32, bit-identical
     for any order of the addends (so any order of a GPU's atomics).
 
@@ -44,8 +46,10 @@ def exact_segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int
     data = data.astype(jnp.float32)
     addend_max = jnp.max(jnp.abs(data.reshape(n, -1)), axis=1)
     # Maxima and integer counts come out the same in any order, so the scales do too.
-    seg_max = jax.ops.segment_max(addend_max, segment_ids, num_segments)
-    count = jax.ops.segment_sum(jnp.ones(n, jnp.int32), segment_ids, num_segments)
+    seg_max = jax.ops.segment_max(addend_max, segment_ids, num_segments, indices_are_sorted=indices_are_sorted)
+    count = jax.ops.segment_sum(
+        jnp.ones(n, jnp.int32), segment_ids, num_segments, indices_are_sorted=indices_are_sorted
+    )
     ceil_log2_count = 32 - jax.lax.clz(jnp.maximum(count, 1) - 1)
     remainder_bits = 23 - ceil_log2_count
     _, max_exponent = jnp.frexp(jnp.maximum(seg_max, 0.0))  # |x| < 2**max_exponent
@@ -55,15 +59,22 @@ def exact_segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int
     scaled = jnp.ldexp(data, shift[safe_ids].reshape(per_addend))
     high = jnp.round(scaled)
     low = jnp.round(jnp.ldexp(scaled - high, remainder_bits[safe_ids].reshape(per_addend)))  # exact difference
-    sums = jax.ops.segment_sum(jnp.stack([high, low], axis=1), segment_ids, num_segments)
+    sums = jax.ops.segment_sum(
+        jnp.stack([high, low], axis=1), segment_ids, num_segments, indices_are_sorted=indices_are_sorted
+    )
     per_segment = (num_segments,) + (1,) * (data.ndim - 1)
     return jnp.ldexp(sums[:, 0], -shift.reshape(per_segment)) + jnp.ldexp(
         sums[:, 1], -(shift + remainder_bits).reshape(per_segment)
     )
 
 
-def segment_sum(data: jax.Array, segment_ids: jax.Array, num_segments: int, exact: bool) -> jax.Array:
-    """Gradient sums by segment in float32: :func:`exact_segment_sum` or the plain scatter-add."""
+def segment_sum(
+    data: jax.Array, segment_ids: jax.Array, num_segments: int, exact: bool, indices_are_sorted: bool = False
+) -> jax.Array:
+    """Gradient sums by segment in float32: :func:`exact_segment_sum` or the plain scatter-add
+    (``indices_are_sorted``: the ids are non-decreasing, a promise XLA may use)."""
     if exact:
-        return exact_segment_sum(data, segment_ids, num_segments)
-    return jax.ops.segment_sum(data.astype(jnp.float32), segment_ids, num_segments)
+        return exact_segment_sum(data, segment_ids, num_segments, indices_are_sorted)
+    return jax.ops.segment_sum(
+        data.astype(jnp.float32), segment_ids, num_segments, indices_are_sorted=indices_are_sorted
+    )

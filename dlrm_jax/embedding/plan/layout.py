@@ -196,17 +196,30 @@ def whole_rows_capacity(plan: EmbeddingPlan, g: Group) -> int:
     return positions if measured is None else max(1, min(positions, measured))
 
 
+def pools_by_mean(plan: EmbeddingPlan, g: Group) -> bool:
+    """Whether any bag of the group's tables is a mean (its lookups' weights are not all 1)."""
+    return any(
+        plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1 for vt in g.vtables
+    )
+
+
+def gather_bytes_per_sample(plan: EmbeddingPlan, g: Group) -> int:
+    """What a replicated group's gathered update sends per sample: each slot's row id (and
+    weight, for means) and each feature's pooled gradient, float32."""
+    return g.num_vslots * 4 * (1 + pools_by_mean(plan, g)) + len(g.vtables) * 4 * g.width
+
+
 def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> ExchangeKind:
     """ALLREDUCE when all-reducing the [rows, W] float32 gradient moves fewer bytes than
-    all-gathering every device's (row, gradient) pairs; GATHER otherwise (and on one device,
-    where the gathered form is the plain sparse update)."""
+    all-gathering every device's lookups and pooled gradients; GATHER otherwise (and on one
+    device, where the gathered form is the plain sparse update)."""
     n = plan.num_devices * replicas
     if plan.optimizer == "ftrl":  # its update rewrites every row it is given from (z, n)
         return ExchangeKind.GATHER
     if n == 1:  # nothing to exchange: the plain sparse update, not a dense one of every row
         return ExchangeKind.GATHER
     allreduce = 2 * (n - 1) / n * g.local_rows * g.width * 4
-    gather = (n - 1) * plan.global_batch // plan.num_devices * g.num_vslots * (4 + 4 * g.width)
+    gather = (n - 1) * plan.global_batch // plan.num_devices * gather_bytes_per_sample(plan, g)
     return ExchangeKind.ALLREDUCE if allreduce <= gather else ExchangeKind.GATHER
 
 

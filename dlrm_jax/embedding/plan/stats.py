@@ -17,9 +17,11 @@ from dlrm_jax.embedding.plan.embedding_plan import (
 from dlrm_jax.embedding.plan.layout import (
     ExchangePart,
     exchange_parts,
+    gather_bytes_per_sample,
     group_capacity,
     needs_whole_rows,
     pooled_layout,
+    pools_by_mean,
     two_level_capacities,
     two_level_ids,
     whole_rows_capacity,
@@ -40,10 +42,7 @@ def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
             hosts=lay.owners,
             k=lay.ids_per_sample,
             j=lay.pieces,
-            mean=any(
-                plan.tables[vt.table].spec.pooling == "mean" and plan.tables[vt.table].spec.bag_size > 1
-                for vt in g.vtables
-            ),
+            mean=pools_by_mean(plan, g),
         )
     elif part.kind == ExchangeKind.IDS:
         out["capacity"] = group_capacity(plan, g)
@@ -74,7 +73,7 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
     """(kind, bytes one device sends, span) of every collective of one exchange part.
 
     allreduce: the part's [rows, W] float32 gradient, all-reduced (ring: 2 (n-1)/n of it);
-    gather: the device's (row, gradient) pairs to every other device; ids: per owner C row ids
+    gather: the device's row ids (and weights, for means) and pooled gradients to every other device; ids: per owner C row ids
     out, C vectors back, C row ids and C gradients out (+ C floats both ways of whole-row
     statistics for row-wise Adagrad on column slices); ids in two levels (``ids_hosts``):
     to each relay of the host C1 (host, row) pairs out, C1 vectors back and C1 gradients out,
@@ -97,7 +96,7 @@ def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> li
         m = n * replicas
         return [("all-reduce", 2 * (m - 1) / m * g.local_rows * w * 4, SPAN_ALL)]
     if part.kind == ExchangeKind.GATHER:
-        return [("all-gather", (n * replicas - 1) * lb * g.num_vslots * (4 + 4 * w), SPAN_ALL)]
+        return [("all-gather", (n * replicas - 1) * lb * gather_bytes_per_sample(plan, g), SPAN_ALL)]
     if part.kind == ExchangeKind.IDS and s["two_level"]:
         (c1, c2), h = s["two_level"], plan.ids_hosts
         per_host = n // h
