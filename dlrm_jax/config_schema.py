@@ -238,6 +238,10 @@ class EmbeddingConfig:
     # Duplicate rows' gradients summed exactly (embedding/exchange/sums.py): bit-identical runs on GPUs,
     # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
     deterministic: bool = False
+    # The sparse update: xla (rows sorted once, each row's lookups summed, one scatter per table
+    # and state array), or fused (Pallas kernels that sum each row's lookups and apply the
+    # optimizer in one pass, in a fixed order: GPUs; elsewhere interpreted, for tests only).
+    sparse_update: str = field(default="xla", metadata=_choices("xla", "fused"))
     memory_budget_gb: float = field(
         default=0.0, metadata=NONNEG
     )  # per device, for tables, optimizer state, buffers; 0 = no check

@@ -140,13 +140,15 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
 
 
 def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
-    """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings."""
+    """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings,
+    ``embedding.deterministic`` and ``embedding.sparse_update``."""
     e = cfg.embedding
+    sums = dict(exact_sums=e.deterministic, kernel=e.sparse_update == "fused")
     if e.optimizer == "sgd":
-        return sgd(e.deterministic)
+        return sgd(**sums)
     if e.optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
-    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
+        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, **sums)
+    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, **sums)
 
 
 def wide_optimizer_from_config(cfg: Config) -> SparseOptimizer:

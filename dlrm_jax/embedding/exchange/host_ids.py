@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import if_overflow, route_and_bucket, route_group
+from dlrm_jax.embedding.exchange.common import checks_varying, if_overflow, route_and_bucket, route_group
 from dlrm_jax.embedding.exchange.host_pooled import HOSTS, LOCAL, host_mesh
 from dlrm_jax.embedding.exchange.routing import bucket, scatter_to_buckets
 from dlrm_jax.embedding.exchange.row_grads import Lookups
@@ -181,6 +181,7 @@ class HostIdsForm(IdsForm):
             mesh=self.host_mesh,
             in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()),
             out_specs=(_BATCH, _BATCH),
+            check_vma=checks_varying(self.optimizer),
         )
         flat = sharded_update(self.group, self.mesh, self.capacity, self.wire, self.optimizer, self.dim)
         return if_overflow(

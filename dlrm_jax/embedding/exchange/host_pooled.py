@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import if_overflow
+from dlrm_jax.embedding.exchange.common import checks_varying, if_overflow
 from dlrm_jax.embedding.exchange.pooled import PooledForm
 from dlrm_jax.embedding.exchange.row_grads import sum_by_row
 from dlrm_jax.embedding.plan.layout import whole_rows_capacity
@@ -131,7 +131,11 @@ class HostPooledForm(_HostForm):
             return opt.update(table_local, slots_local, self._lookups(rows, weights), every.reshape(-1, g.width), lr)
 
         fn = jax.shard_map(
-            local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
+            local,
+            mesh=self.mesh,
+            in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()),
+            out_specs=(_BATCH, _BATCH),
+            check_vma=checks_varying(opt),
         )
         return fn(table, slots, residual, grad_bc, lr)
 
@@ -230,7 +234,11 @@ class HostColumnsForm(_HostForm):
             return opt.update(table_local, slots_local, lookups, grads, lr, row_mean_sq=sq)
 
         fn = jax.shard_map(
-            local, mesh=self.mesh, in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()), out_specs=(_BATCH, _BATCH)
+            local,
+            mesh=self.mesh,
+            in_specs=(_BATCH, _BATCH, _BATCH, _BATCH, P()),
+            out_specs=(_BATCH, _BATCH),
+            check_vma=checks_varying(opt),
         )
         return fn(table, slots, residual, grad_bc, lr)
 

@@ -16,7 +16,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dlrm_jax.embedding.exchange import row_update_kernel
 from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums, sum_by_row
+
+
+class RowStep(NamedTuple):
+    """One optimizer's arithmetic on rows given their summed gradients, shared by the XLA
+    update and the fused kernel: ``fn(w, state, g, lr, mean_sq) -> (out, state)`` on [k, W]
+    rows, ``w`` float32 (None unless ``reads_table``), ``state`` those rows of each state array,
+    ``mean_sq`` [k] each row's mean squared gradient over its whole width (row-wise Adagrad on
+    column slices; else None); ``out`` is what to add to the rows (``adds``) or the new rows."""
+
+    fn: Callable
+    adds: bool = True
+    reads_table: bool = False
 
 
 class SparseOptimizer(NamedTuple):
@@ -29,16 +42,37 @@ class SparseOptimizer(NamedTuple):
     The state is a dict of arrays whose leading axis is the table's row axis, so it can be
     sharded exactly like the table. ``needs_whole_rows``: the update depends on each row's
     gradient over all its columns (row-wise Adagrad), so a column slice must be given that
-    statistic as ``update(..., row_mean_sq=[n])``. ``exact_sums``: duplicates' gradients are
-    summed by :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum`, so the update is the same bits in any order (GPU
-    atomics); the exchange's own gradient sums follow the same choice.
+    statistic as ``update(..., row_mean_sq=[n])``. ``exact_sums``: gradients are summed by
+    :func:`~dlrm_jax.embedding.exchange.sums.exact_segment_sum` (the same bits in any order,
+    for a backend whose scatter-adds are float atomics); the exchange's own sums follow.
+    ``kernel``: ``update`` runs the fused kernel
+    (:func:`~dlrm_jax.embedding.exchange.row_update_kernel.fused_row_update`: sums and update
+    in one pass, the same bits every run) where it applies.
     """
 
     init: Callable[[jax.Array], dict[str, jax.Array]]
-    update: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
-    apply: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    step: RowStep
     needs_whole_rows: bool = False
     exact_sums: bool = False
+    kernel: bool = False
+
+    def update(self, table, state, lookups, grads, lr, row_mean_sq=None):
+        """Each distinct row's gradient summed in a fixed order, then the optimizer applied to
+        it once. ``row_mean_sq`` [n] (row-wise Adagrad on column slices): per lookup, its
+        row's mean squared gradient over the whole width (every lookup of a row carries it)."""
+        if self.kernel and row_update_kernel.applies(table, grads):
+            return row_update_kernel.fused_row_update(self.step, table, state, lookups, grads, lr, row_mean_sq)
+        r = sum_by_row(lookups, grads, table.shape[0], self.exact_sums)
+        mean_sq = None if row_mean_sq is None else r.max_by_row(row_mean_sq)
+        return self.apply(table, state, r.rows, r.grads, lr, mean_sq)
+
+    def apply(self, table, state, rows, g, lr, mean_sq=None):
+        """The step for distinct ascending ``rows`` [k] (or None: every row) and their summed
+        gradients ``g`` [k, W]: each row and its state read and written once."""
+        w = _get(table, rows).astype(jnp.float32) if self.step.reads_table else None
+        out, new = self.step.fn(w, {k: _get(v, rows) for k, v in state.items()}, g.astype(jnp.float32), lr, mean_sq)
+        table = _add_rows(table, rows, out) if self.step.adds else _set(table, rows, out)
+        return table, {k: _set(state[k], rows, new[k]) for k in state}
 
     def row_sums(self, lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int) -> jax.Array:
         """[num_rows, W]: every row's summed gradient as this optimizer's updates sum them
@@ -70,71 +104,57 @@ def _add_rows(table, rows, delta_f32):
     return _set(table, rows, _get(table, rows).astype(jnp.float32) + delta_f32)
 
 
-def _by_row(apply, exact_sums: bool):
-    """``update`` from ``apply``: each distinct row's summed gradient, then ``apply`` once."""
-
-    def update(table, state, lookups, grads, lr):
-        r = sum_by_row(lookups, grads, table.shape[0], exact_sums)
-        return apply(table, state, r.rows, r.grads, lr)
-
-    return update
-
-
-def sgd(exact_sums: bool = False) -> SparseOptimizer:
+def sgd(exact_sums: bool = False, kernel: bool = False) -> SparseOptimizer:
     """table[r] -= lr * g."""
 
-    def init(table):
-        return {}
+    def step(w, state, g, lr, mean_sq):
+        return -lr * g, state
 
-    def apply(table, state, rows, g, lr):
-        return _add_rows(table, rows, -lr * g.astype(jnp.float32)), state
-
-    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
+    return SparseOptimizer(lambda table: {}, RowStep(step), exact_sums=exact_sums, kernel=kernel)
 
 
-def adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
+def adagrad(
+    eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False, kernel: bool = False
+) -> SparseOptimizer:
     """Per-element Adagrad: acc[r] += g^2; table[r] -= lr * g / (sqrt(acc[r]) + eps)."""
 
     def init(table):
         return {"accumulator": jnp.full(table.shape, initial_accumulator, jnp.float32)}
 
-    def apply(table, state, uniq, g, lr):
-        acc = _get(state["accumulator"], uniq) + g * g
-        step = -lr * g / (jnp.sqrt(acc) + eps)
-        return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
+    def step(w, state, g, lr, mean_sq):
+        acc = state["accumulator"] + g * g
+        return -lr * g / (jnp.sqrt(acc) + eps), {"accumulator": acc}
 
-    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
+    return SparseOptimizer(init, RowStep(step), exact_sums=exact_sums, kernel=kernel)
 
 
-def rowwise_adagrad(eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False) -> SparseOptimizer:
+def rowwise_adagrad(
+    eps: float = 1e-8, initial_accumulator: float = 0.0, exact_sums: bool = False, kernel: bool = False
+) -> SparseOptimizer:
     """Row-wise Adagrad (FBGEMM/TorchRec): one accumulator per row, acc[r] += mean(g^2).
 
-    The mean is over the row's whole width. A column slice passes ``row_mean_sq`` [n]: for each
-    input row, the mean over all columns of its summed gradient squared (every slice of a row
-    gets the same value, so the slices' accumulators stay equal).
+    The mean is over the row's whole width. A column slice passes ``row_mean_sq`` (every slice
+    of a row gets the same value, so the slices' accumulators stay equal); otherwise it is the
+    mean over the gradient's own columns.
     """
 
     def init(table):
         return {"accumulator": jnp.full(table.shape[:1], initial_accumulator, jnp.float32)}
 
-    def apply(table, state, uniq, g, lr, row_mean_sq=None):
-        """``row_mean_sq`` [n]: per distinct row, the whole row's mean squared gradient (column
-        slices); by default the mean over ``g``'s own columns."""
-        mean_sq = jnp.mean(g * g, -1) if row_mean_sq is None else row_mean_sq
-        acc = _get(state["accumulator"], uniq) + mean_sq
-        step = -lr * g / (jnp.sqrt(acc)[:, None] + eps)
-        return _add_rows(table, uniq, step), {"accumulator": _set(state["accumulator"], uniq, acc)}
+    def step(w, state, g, lr, mean_sq):
+        acc = state["accumulator"] + (jnp.mean(g * g, -1) if mean_sq is None else mean_sq)
+        return -lr * g / (jnp.sqrt(acc)[:, None] + eps), {"accumulator": acc}
 
-    def update(table, state, lookups, grads, lr, row_mean_sq=None):
-        """``row_mean_sq`` [n]: per lookup, its row's (every lookup of a row carries the same)."""
-        r = sum_by_row(lookups, grads, table.shape[0], exact_sums)
-        return apply(table, state, r.rows, r.grads, lr, None if row_mean_sq is None else r.max_by_row(row_mean_sq))
-
-    return SparseOptimizer(init, update, apply, needs_whole_rows=True, exact_sums=exact_sums)
+    return SparseOptimizer(init, RowStep(step), needs_whole_rows=True, exact_sums=exact_sums, kernel=kernel)
 
 
 def ftrl(
-    l1: float = 0.0, l2: float = 0.0, beta: float = 0.0, initial_accumulator: float = 0.1, exact_sums: bool = False
+    l1: float = 0.0,
+    l2: float = 0.0,
+    beta: float = 0.0,
+    initial_accumulator: float = 0.1,
+    exact_sums: bool = False,
+    kernel: bool = False,
 ) -> SparseOptimizer:
     """FTRL-Proximal (McMahan et al. 2013) per element, the wide part's optimizer in Wide&Deep:
     n' = n + g^2; z' = z + g - (sqrt(n') - sqrt(n)) / lr * w;
@@ -147,17 +167,16 @@ def ftrl(
     def init(table):
         return {"z": jnp.zeros(table.shape, jnp.float32), "n": jnp.full(table.shape, initial_accumulator, jnp.float32)}
 
-    def apply(table, state, uniq, g, lr):
-        w = _get(table, uniq).astype(jnp.float32)
-        n, z = _get(state["n"], uniq), _get(state["z"], uniq)
+    def step(w, state, g, lr, mean_sq):
+        n, z = state["n"], state["z"]
         n_new = n + g * g
         z_new = z + g - (jnp.sqrt(n_new) - jnp.sqrt(n)) / lr * w
         shrunk = z_new - jnp.sign(z_new) * l1
         # (padding rows read n = 0 and are dropped; the guard keeps their division finite)
         w_new = jnp.where(jnp.abs(z_new) > l1, -shrunk / jnp.maximum((beta + jnp.sqrt(n_new)) / lr + l2, 1e-30), 0.0)
-        return _set(table, uniq, w_new), {"z": _set(state["z"], uniq, z_new), "n": _set(state["n"], uniq, n_new)}
+        return w_new, {"z": z_new, "n": n_new}
 
-    return SparseOptimizer(init, _by_row(apply, exact_sums), apply, exact_sums=exact_sums)
+    return SparseOptimizer(init, RowStep(step, adds=False, reads_table=True), exact_sums=exact_sums, kernel=kernel)
 
 
 SPARSE_OPTIMIZERS = {"sgd": sgd, "adagrad": adagrad, "rowwise_adagrad": rowwise_adagrad, "ftrl": ftrl}

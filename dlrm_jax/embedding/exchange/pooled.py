@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import all_to_all, gather_replica_lookups, gather_replicas
+from dlrm_jax.embedding.exchange.common import all_to_all, checks_varying, gather_replica_lookups, gather_replicas
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
 from dlrm_jax.embedding.exchange.wire import Wire
@@ -127,7 +127,11 @@ class PooledForm:
             return opt.update(table_local, slots_local, *every, lr, row_mean_sq=row_mean_sq)
 
         fn = jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()), out_specs=(P(AXIS), P(AXIS))
+            local,
+            mesh=self.mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P()),
+            out_specs=(P(AXIS), P(AXIS)),
+            check_vma=checks_varying(opt),
         )
         return fn(table, slots, residual, grad_bc, lr)
 

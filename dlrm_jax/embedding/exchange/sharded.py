@@ -149,7 +149,7 @@ def sharded_update(
         over = busiest_of_replicas(most, replicas) > capacity
         return update(table_local, slots_local, b, grads, lr, over)
 
-    return update_on_owners(mesh, on_owners)
+    return update_on_owners(mesh, on_owners, optimizer)
 
 
 class IdsForm:

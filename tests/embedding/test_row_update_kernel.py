@@ -1,0 +1,83 @@
+"""The fused sparse update (Pallas kernels, run here in Pallas's interpreter) against the XLA
+form it replaces on GPUs: every optimizer, pooled lookups with weights and padding, rows long
+enough to be summed in chunks, narrow tables, whole-row statistics of column slices; and
+through the exchange's forms against the single-device reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_embedding import CARDS, check_against_reference
+
+from dlrm_jax.embedding.exchange import row_update_kernel
+from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
+from dlrm_jax.embedding.exchange.row_grads import Lookups
+
+R, D = 23, 8
+OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad(), "ftrl": ftrl()}
+
+
+def fused(opt, *args, **kwargs):
+    return jax.jit(
+        lambda *a: row_update_kernel.fused_row_update(opt.step, *a, **kwargs, interpret=True), static_argnums=()
+    )(*args)
+
+
+def batch(rng, samples=20):
+    """Bags of 3 over 2 vectors per sample; row 2 in every sample's first bag (60 lookups: a
+    long row at LONG=8), some padding (row R)."""
+    ids = rng.integers(0, R + 1, (samples, 6)).astype(np.int32)
+    ids[:, :3] = 2
+    weights = rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+    pooled = rng.normal(size=(samples * 2, D)).astype(np.float32)
+    return Lookups.of_bags(jnp.asarray(ids), np.repeat(np.arange(2), 3), 2, jnp.asarray(weights)), jnp.asarray(pooled)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_update_matches_the_xla_form(monkeypatch, name, dtype):
+    monkeypatch.setattr(row_update_kernel, "LONG", 8)  # row 2's 60 lookups: chunks of 8
+    rng = np.random.default_rng(3)
+    opt = OPTIMIZERS[name]
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32)).astype(dtype)
+    state = opt.init(table)
+    for _ in range(3):  # a few steps: state carries over
+        lookups, pooled = batch(rng)
+        got = fused(opt, table, state, lookups, pooled, 0.05)
+        table, state = opt.update(table, state, lookups, pooled, 0.05)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((table, state)), strict=True):
+            tol = 1e-5 if dtype == "float32" else 1e-2  # bf16: a sum's order can move one rounding
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+        table, state = got
+
+
+def test_fused_update_takes_whole_row_statistics_and_drops_padding():
+    rng = np.random.default_rng(4)
+    opt = rowwise_adagrad()
+    lookups, pooled = batch(rng)
+    mean_sq = jnp.asarray(rng.uniform(0, 1, R + 1).astype(np.float32))[jnp.minimum(lookups.rows, R)]
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32))
+    got = fused(opt, table, opt.init(table), lookups, pooled, 0.05, mean_sq)
+    want = opt.update(table, opt.init(table), lookups, pooled, 0.05, row_mean_sq=mean_sq)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    only_padding = Lookups(jnp.full(8, R, jnp.int32))
+    same, acc = fused(opt, table, opt.init(table), only_padding, jnp.ones((8, D)), 1.0)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(table))
+    assert float(acc["accumulator"].sum()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "strategy,optimizer", [("replicated", "rowwise_adagrad"), ("table", "adagrad"), ("row", "sgd")]
+)
+def test_fused_update_through_the_forms_matches_the_reference(tiny, strategy, optimizer):
+    """40 steps on 2 devices: the gathered replicated update, owners' pooled bags, ids."""
+    cfg = tiny(
+        "train.batch_size=16",
+        CARDS,
+        "data.bag_sizes=[3, 1, 4, 2, 2]",
+        f"embedding.sharding={strategy}",
+        f"embedding.optimizer={optimizer}",
+        "embedding.sparse_update=fused",
+    )
+    check_against_reference(cfg, 2)
