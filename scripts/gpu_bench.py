@@ -22,7 +22,8 @@ the v1 shape with uniform and Zipf 1.05 ids) it:
 logging, evaluation and checkpoint), whose samples/s is set beside the step's alone.
 
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
-process loading the first one's autotuning results; XLA's two deterministic flags; the
+process loading the first one's autotuning results; ``embedding.sparse_update=fused``, twice
+the same way; XLA's two deterministic flags; the
 ``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a
 process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
@@ -59,6 +60,9 @@ CONFIGS = {
     "mlperf_v1_capped_zipf105": ("configs/mlperf_dlrm_v1.yaml", ["data.max_rows=10000000", "data.zipf_exponent=1.05"]),
     # DLRM-DCNv2 (multi-hot bags, 214 lookups a sample, cross network), tables capped at 10M
     # rows (54M rows x 128 x 4 B = 28 GB), with its own optimizers (Adagrad, row-wise Adagrad).
+    # The same with SGD for the tables and the MLPs (COMMON's): the step without the
+    # optimizers' state, what row-wise Adagrad's update is held against.
+    "mlperf_dcnv2_capped_sgd": ("configs/mlperf_dlrm_dcnv2.yaml", ["data.max_rows=10000000"]),
     "mlperf_dcnv2_capped": (
         "configs/mlperf_dlrm_dcnv2.yaml",
         [
@@ -71,6 +75,7 @@ CONFIGS = {
     ),
 }
 AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune.textproto")
+FUSED_AUTOTUNE_FILE = os.path.join(tempfile.gettempdir(), "dlrm_gpu_bench_autotune_fused.textproto")
 # Each variant's XLA flags and config overrides; a variant runs in a process of its own (XLA
 # reads its flags at start-up).
 VARIANTS = {
@@ -87,6 +92,10 @@ VARIANTS = {
         f"--xla_gpu_load_autotune_results_from={AUTOTUNE_FILE}",
         ["embedding.deterministic=true"],
     ),
+    # The fused sparse update (Pallas kernels: each row's lookups summed in a fixed order and
+    # the optimizer applied once), twice in two processes sharing the dense side's autotuning.
+    "fused": (f"--xla_gpu_dump_autotune_results_to={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
+    "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
     # XLA's: every scatter sorted and scanned, autotuning kept.
     "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),
     # XLA's, and no autotuning either.
@@ -252,6 +261,12 @@ def profile_ops(compiled, state, batches, steps: int, keep: str | None) -> tuple
     return state, ms, {k: v / 1e6 / steps for k, v in lines.items()}
 
 
+def _is_sparse_update(kernel: str) -> bool:
+    """A kernel of the sparse update: XLA's scatters and sorts, or the fused Pallas kernels."""
+    k = kernel.lower()
+    return any(word in k for word in ("scatter", "sort", "row_kernel", "chunk_kernel"))
+
+
 def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     import jax
 
@@ -319,7 +334,7 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
         "device_ms_per_step_by_line": lines,
         "top_ops_ms_per_step": dict(list(ops.items())[:25]),
         "device_ops_ms_per_step": sum(ops.values()),
-        "sparse_update_ms_per_step": sum(v for k, v in ops.items() if "scatter" in k.lower()),
+        "sparse_update_ms_per_step": sum(v for k, v in ops.items() if _is_sparse_update(k)),
         "predicted": predicted_step(cfg, plan),
         "determinism_digests": digests,
         "deterministic": bool(digests) and digests[0] == digests[1],
@@ -463,7 +478,7 @@ def print_tables(report: dict, log=print) -> None:
                     f"predicted {p['step_ms']:.2f} ms ({p['profile']}; "
                     + ", ".join(f"{k} {v:.2f}" for k, v in p["phases_ms"].items() if v)
                     + f"): measured / predicted {r['step_ms_pipelined'] / p['step_ms']:.2f}; "
-                    f"sparse update (scatter kernels) {r['sparse_update_ms_per_step']:.2f} ms/step"
+                    f"sparse update (scatter, sort and fused kernels) {r['sparse_update_ms_per_step']:.2f} ms/step"
                 )
             if r["determinism_digests"]:
                 log(f"deterministic: {r['deterministic']} {r['determinism_digests']}")
@@ -626,12 +641,13 @@ def main() -> int:
             f"{t['run_samples_per_s']:,.0f} over the run, {t['steps']} steps in {t['wall_s']:.0f} s wall)"
             + (f", {t['median_window_samples_per_s'] / step['samples_per_s']:.2f}x the step's alone" if step else "")
         )
-    again = runs.get("embedding_deterministic_again", {})
-    for n, r in again.items():
-        first = runs.get("embedding_deterministic", {}).get(n, {}).get("determinism_digests", [None])[0]
-        print(
-            f"{n}: embedding.deterministic gives the same bits in two processes: {r['determinism_digests'][0] == first}"
-        )
+    for first_label, again_label in (
+        ("embedding_deterministic", "embedding_deterministic_again"),
+        ("fused", "fused_again"),
+    ):
+        for n, r in runs.get(again_label, {}).items():
+            first = runs.get(first_label, {}).get(n, {}).get("determinism_digests", [None])[0]
+            print(f"{n}: {first_label} gives the same bits in two processes: {r['determinism_digests'][0] == first}")
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(report, f, indent=1)
     return 0

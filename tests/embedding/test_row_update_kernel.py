@@ -81,3 +81,30 @@ def test_fused_update_through_the_forms_matches_the_reference(tiny, strategy, op
         "embedding.sparse_update=fused",
     )
     check_against_reference(cfg, 2)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_kernels_lower_to_triton_for_a_gpu(name):
+    """The kernels as a GPU build would compile them: lowered for CUDA (on this CPU machine) to
+    two Triton kernels, with rows of 128 floats and bf16 tables (what the interpreter cannot
+    check: Triton's own rules on shapes, loads and loops)."""
+    opt = OPTIMIZERS[name]
+
+    def update(table, state, ids, weights, pooled, lr):
+        lookups = Lookups.of_bags(ids, np.repeat(np.arange(2), 3), 2, weights)
+        return row_update_kernel.fused_row_update(opt.step, table, state, lookups, pooled, lr, interpret=False)
+
+    table = jax.ShapeDtypeStruct((1000, 128), jnp.bfloat16)
+    args = (
+        table,
+        jax.eval_shape(opt.init, table),
+        jax.ShapeDtypeStruct((64, 6), jnp.int32),
+        jax.ShapeDtypeStruct((64, 6), jnp.float32),
+        jax.ShapeDtypeStruct((128, 128), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(
+        jax.jit(update), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+    )(*args)
+    assert exported.mlir_module().count(f"@{triton}(") == 2

@@ -29,11 +29,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from dlrm_jax.embedding.exchange.row_grads import Lookups, sort_by_row
 
 BLOCK = 16  # lookups read per iteration: one [BLOCK, W] gather of pooled gradients
 LONG = 512  # a row with more lookups than this is summed in chunks of this many first
+WARPS = 1  # per program
+PLACES = 4  # distinct rows per program of the row kernel (fewer, longer programs than one each)
 
 
 def applies(table: jax.Array, grads: jax.Array) -> bool:
@@ -69,8 +72,9 @@ def _chunk_kernel(begin_ref, end_ref, source_ref, *rest, weighted: bool):
 
 
 def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, has_mean_sq: bool):
-    """Program k: distinct row ``rows[k]`` (past the end: nothing to do) gets its summed
-    gradient (its lookups, or its chunks' partial sums), then one optimizer step."""
+    """Program p, for places k of p's PLACES: distinct row ``rows[k]`` (past the end: nothing
+    to do) gets its summed gradient (its lookups, or its chunks' partial sums), then one
+    optimizer step."""
     it = iter(refs)
     rows_ref, starts_ref, first_ref, chunks_ref, source_ref = (next(it) for _ in range(5))
     weight_ref = next(it) if weighted else None
@@ -80,11 +84,8 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
     [next(it) for _ in state_keys]
     table_ref = next(it)
     state_refs = {key: next(it) for key in state_keys}
-    k = pl.program_id(0)
-    row = rows_ref[k]
 
-    @pl.when(row < num_rows)
-    def _():
+    def update_row(k, row):
         chunks, start, end = chunks_ref[k], starts_ref[k], starts_ref[k + 1]
         direct_end = jnp.where(chunks > 0, start, end)  # a long row reads its chunks instead
         g = _sum_block(start, direct_end, grads_ref, source_ref, weight_ref)
@@ -100,6 +101,16 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
                 ref[at, :] = new[key].astype(ref.dtype)
             else:
                 ref[at] = new[key].astype(ref.dtype)
+
+    places, first_place = rows_ref.shape[0], pl.program_id(0) * PLACES  # (read outside the loop)
+
+    def one_place(i, carry):
+        k = jnp.minimum(first_place + i, places - 1)
+        row = rows_ref[k]
+        pl.when((first_place + i < places) & (row < num_rows))(lambda: update_row(k, row))
+        return carry
+
+    lax.fori_loop(0, PLACES, one_place, 0)
 
 
 def _varying_like(x, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -132,7 +143,10 @@ def fused_row_update(step, table, state: dict, lookups, grads, lr, row_mean_sq=N
     end = jnp.where(used, jnp.minimum(begin + LONG, s.starts[place + 1]), 0)
 
     weights_in = () if weight is None else (weight,)
-    call = functools.partial(pl.pallas_call, interpret=interpret)
+    # Triton's compiler parameters pick the Triton backend (not Mosaic GPU's warpgroup copies,
+    # which want rows of 512 bytes or more); one warp per program: a program holds one row.
+    params = plt.CompilerParams(num_warps=WARPS, num_stages=1)
+    call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
     partial = call(
         functools.partial(_chunk_kernel, weighted=weight is not None),
         grid=(most,),
@@ -156,7 +170,7 @@ def fused_row_update(step, table, state: dict, lookups, grads, lr, row_mean_sq=N
             state_keys=keys,
             has_mean_sq=bool(mean_sq),
         ),
-        grid=(n,),
+        grid=(pl.cdiv(n, PLACES),),
         out_shape=out_shape,
         input_output_aliases={len(inputs) + i: i for i in range(1 + len(keys))},
     )(*inputs, table, *(state[k] for k in keys))
