@@ -35,6 +35,8 @@ __all__ = [
     "die_with_launcher",
     "die_with_parent",
     "divert_if_orphaned",
+    "launcher_gone",
+    "repeats_parent_death",
     "exit_now",
     "say",
     "signal_words",
@@ -61,7 +63,11 @@ _deferring: list[str] = []  # what each open deferred() block waits for, innermo
 
 def _stop(signum, frame):
     global _pending
-    divert_if_orphaned()  # SIGTERM from a supervisor's death: its pipes are gone
+    diverted_now = divert_if_orphaned()  # SIGTERM from a supervisor's death: its pipes are gone
+    if _pending is not None and repeats_parent_death(signum):
+        if diverted_now:  # the first one's line went to the dead supervisor's pipe
+            say(f"dlrm-jax: {signal_words(signum)[0]}: the launch supervisor ended; stopping as said")
+        return
     if not _deferring:
         _pending = signum
         raise Stopped(signum)
@@ -180,15 +186,40 @@ def die_with_launcher() -> None:
     die_with_parent(signal.SIGTERM, int(parent))
 
 
-def divert_if_orphaned() -> None:
+def launcher_gone() -> bool:
+    """Whether the launch supervisor that started this process has ended or is ending. Its pid
+    stays our parent's until its last thread ends: a killed process loses its threads one by
+    one, and Linux sends the parent-death signal as each parent *thread* ends (the child is
+    handed to a sibling thread first). So its main thread's end (a zombie leader) counts too."""
+    if _launch is None:
+        return False
+    if os.getppid() != _launch[0]:
+        return True
+    try:
+        with open(f"/proc/{_launch[0]}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X", "x")
+
+
+def repeats_parent_death(signum: int) -> bool:
+    """A SIGTERM while the launch supervisor is gone, after a first stop signal: the kernel's
+    parent-death signal again (once per supervisor thread that ends), not a second request to
+    stop at once. SIGINT (or SIGKILL) still stops such a process at once."""
+    return signum == signal.SIGTERM and launcher_gone()
+
+
+def divert_if_orphaned() -> bool:
     """When the launch supervisor is gone, nothing reads the pipes it gave this process: the
     next line written would fail (EPIPE) and end the run wherever it happens to print, before
     it saves, while its peers wait for it in the save's barrier. Points standard output and
     error (file descriptors 1 and 2: native output too) at the process's log file instead
-    (``/dev/null`` without one). Only system calls: safe in a signal handler."""
+    (``/dev/null`` without one). Only system calls: safe in a signal handler. Returns whether
+    it diverted them now."""
     global _diverted
-    if _launch is None or _diverted or os.getppid() == _launch[0]:
-        return
+    if _launch is None or _diverted or not launcher_gone():
+        return False
     try:
         fd = os.open(_launch[1] or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
@@ -197,6 +228,7 @@ def divert_if_orphaned() -> None:
     os.dup2(fd, 2)
     os.close(fd)
     _diverted = True
+    return True
 
 
 class _Relayed:

@@ -74,7 +74,11 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
-        stopping.divert_if_orphaned()  # SIGTERM from a launch supervisor's death: its pipes are gone
+        diverted_now = stopping.divert_if_orphaned()  # SIGTERM from a launch supervisor's death: its pipes are gone
+        if self.signum is not None and stopping.repeats_parent_death(signum):
+            if diverted_now:  # the first notice went to the dead supervisor's pipe: say it where it is read
+                stopping.say(self.notice(self.signum))
+            return
         if self.signum is not None:  # asked twice: do not wait for the step (or the save)
             stopping.exit_now(signum)
         self.signum = signum

@@ -155,6 +155,68 @@ def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path
     assert "stopped by SIGTERM" in (tmp_path / "out").read_text()
 
 
+
+def test_the_parent_death_signal_once_per_supervisor_thread_is_one_stop(tmp_path):
+    """Linux sends the parent-death signal as each thread of the parent ends (the child is
+    handed to a sibling thread until the last): a SIGKILLed supervisor on a loaded machine can
+    deliver two SIGTERMs, and the second one ended the run at once, unsaved ("stopped at once
+    by SIGTERM" in a full test run, never alone). Here the thread that started the child ends
+    first (one signal, the supervisor alive), then the supervisor is killed (another): the
+    child stops once, as the first notice said."""
+    import os
+    import signal
+    import subprocess
+
+    out = tmp_path / "out"
+    child = (
+        "import time\n"
+        "from dlrm_jax import stopping\n"
+        "from dlrm_jax.train.loop import StopSignals\n"
+        "stopping.die_with_launcher()\n"
+        "with StopSignals() as s:\n"
+        "    print('ready', flush=True)\n"
+        "    t = time.time()\n"
+        "    while time.time() - t < 30 and not (s.signum and stopping.launcher_gone()):\n"
+        "        time.sleep(0.05)\n"
+        "    time.sleep(1.0)  # the supervisor's other threads end meanwhile\n"
+        "    print(f'stopping as asked by signal {s.signum}', flush=True)\n"
+    )
+    parent = (
+        "import os, subprocess, sys, threading, time\n"
+        "box = []\n"
+        "def start():  # this thread is the child's parent thread: its end sends the signal once\n"
+        f"    f = open({str(out)!r}, 'w')\n"
+        "    env = {**os.environ, 'DLRM_JAX_PARENT': str(os.getpid()), "
+        f"'DLRM_JAX_LOG': {str(out)!r}}}\n"
+        f"    box.append(subprocess.Popen([sys.executable, '-c', {child!r}], stdout=f, stderr=f, env=env))\n"
+        f"    while 'ready' not in open({str(out)!r}).read():\n"
+        "        time.sleep(0.05)\n"
+        "t = threading.Thread(target=start)\n"
+        "t.start()\n"
+        "t.join()\n"
+        "print(box[0].pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    sup = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    pid = int(sup.stdout.readline())
+    deadline = time.time() + 30
+    while "the run finishes what it is doing" not in out.read_text():  # the first signal, noted
+        assert time.time() < deadline, out.read_text()
+        time.sleep(0.05)
+    sup.send_signal(signal.SIGKILL)
+    sup.wait(timeout=10)
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the child outlived its supervisor")
+    text = out.read_text()
+    assert "stopping as asked by signal 15" in text and "stopped at once" not in text, text
+
+
 BIND = """
 import socket
 from dlrm_jax.parallel.coordination import initialize_distributed
