@@ -101,13 +101,13 @@ def test_sigkill_then_rerun_is_bitwise_identical(tmp_path):
         "--set",
         "data.bag_sizes=[3, 1, 5, 2]",
         "--set",
-        "train.steps=200",
+        "train.steps=120",
         "--set",
         "train.checkpoint_every=40",
         "--set",
         "train.log_every=10",
         "--set",
-        "train.eval_every=100",
+        "train.eval_every=60",
     ]
     whole = final_line(cli("train", *args, "--run-dir", str(tmp_path / "whole")))
     cut = tmp_path / "cut"
