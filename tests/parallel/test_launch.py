@@ -155,7 +155,6 @@ def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path
     assert "stopped by SIGTERM" in (tmp_path / "out").read_text()
 
 
-
 def test_the_parent_death_signal_once_per_supervisor_thread_is_one_stop(tmp_path):
     """Linux sends the parent-death signal as each thread of the parent ends (the child is
     handed to a sibling thread until the last): a SIGKILLed supervisor on a loaded machine can
