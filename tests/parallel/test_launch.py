@@ -113,12 +113,26 @@ def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def kill_and_outlive(supervisor, pid: int, deadline: float) -> None:
+    """SIGKILL ``supervisor`` and wait (until ``deadline``) for its child ``pid`` to end."""
+    import os
+    import signal
+
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait(timeout=10)
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the child outlived its supervisor")
+
+
 def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path):
     """A child of the launch (DLRM_JAX_PARENT set) gets SIGTERM, the save-and-stop signal, when
     the supervisor dies, however it dies: before, both children trained on for 10-30 s holding
     the run-dir lock and then died without a checkpoint."""
-    import os
-    import signal
     import subprocess
 
     child = (
@@ -142,16 +156,7 @@ def test_a_process_ends_with_the_supervisor_even_when_that_is_sigkilled(tmp_path
     while "ready" not in (tmp_path / "out").read_text() if (tmp_path / "out").exists() else True:
         assert time.time() < deadline
         time.sleep(0.05)
-    sup.send_signal(signal.SIGKILL)
-    sup.wait(timeout=10)
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the child outlived its supervisor")
+    kill_and_outlive(sup, pid, deadline)
     assert "stopped by SIGTERM" in (tmp_path / "out").read_text()
 
 
@@ -162,8 +167,6 @@ def test_the_parent_death_signal_once_per_supervisor_thread_is_one_stop(tmp_path
     by SIGTERM" in a full test run, never alone). Here the thread that started the child ends
     first (one signal, the supervisor alive), then the supervisor is killed (another): the
     child stops once, as the first notice said."""
-    import os
-    import signal
     import subprocess
 
     out = tmp_path / "out"
@@ -202,16 +205,7 @@ def test_the_parent_death_signal_once_per_supervisor_thread_is_one_stop(tmp_path
     while "the run finishes what it is doing" not in out.read_text():  # the first signal, noted
         assert time.time() < deadline, out.read_text()
         time.sleep(0.05)
-    sup.send_signal(signal.SIGKILL)
-    sup.wait(timeout=10)
-    while time.time() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("the child outlived its supervisor")
+    kill_and_outlive(sup, pid, deadline)
     text = out.read_text()
     assert "stopping as asked by signal 15" in text and "stopped at once" not in text, text
 
