@@ -22,7 +22,8 @@ Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embedding
 for and ``host_row`` / ``host_column`` split tables within the hosts of), :func:`plan_from_config`,
 :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection` (lookups and sparse updates inside a jitted step of your own; its
-state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`),
+state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`;
+its ``update`` takes a batch's :class:`Lookups` and the pooled gradients they point at),
 ``PAD_ID`` (an empty slot of a multi-hot bag)::
 
     specs = [dlrm_jax.TableSpec("user_id", 100_000, 32), dlrm_jax.TableSpec("item_id", 50_000, 32)]
@@ -92,6 +93,7 @@ _EXPORTS = {
     "EmbeddingState": "dlrm_jax.embedding.exchange.collection",
     "sparse_optimizer": "dlrm_jax.embedding.exchange.optimizers",
     "SparseOptimizer": "dlrm_jax.embedding.exchange.optimizers",
+    "Lookups": "dlrm_jax.embedding.exchange.row_grads",
     "PAD_ID": "dlrm_jax.ids",
     "HotPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "RowCounts": "dlrm_jax.embedding.hot.counts",
