@@ -171,16 +171,20 @@ def busiest_of_replicas(most, replicas: str | None):
     return most if replicas is None else lax.pmax(most, replicas)
 
 
-def slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | None = None):
-    """Owner side, per received request [N, C]: the squared sum over this owner's columns of the
-    request's row's gradient, merged over every device (of every replica) that sent it.
-    ``every_*``: what this owner and its replicas received (:func:`gather_replicas`), of which
-    this owner's ``own`` requests are its replica's block."""
-    merged = sum_by_row(every_rows, every_grads, g.local_rows)
-    sq = jnp.sum(merged.grads * merged.grads, -1)[merged.inverse()]
-    if replicas is not None:  # this replica's own requests
+def own_squares(every, num_rows: int, own: int, replicas: str | None, exact: bool = False):
+    """Per lookup of this owner [own]: the squared sum over its columns of the lookup's row's
+    gradient, summed over every lookup of the row that this owner and its replicas received.
+    ``every``: (lookups, gradients) of every replica (:func:`gather_replicas`), of which this
+    owner's ``own`` lookups are its replica's block."""
+    sq = sum_by_row(*every, num_rows, exact).squares_per_lookup()
+    if replicas is not None:  # this replica's own lookups
         sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
-    return sq.reshape(g.num_devices, -1)
+    return sq
+
+
+def slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | None = None):
+    """Owner side, per received request [N, C]: :func:`own_squares` of the requests."""
+    return own_squares((every_rows, every_grads), g.local_rows, own, replicas).reshape(g.num_devices, -1)
 
 
 def row_totals(g: Group, per_slot):

@@ -63,7 +63,7 @@ class SparseOptimizer(NamedTuple):
         if self.kernel and row_update_kernel.applies(table, grads):
             return row_update_kernel.fused_row_update(self.step, table, state, lookups, grads, lr, row_mean_sq)
         r = sum_by_row(lookups, grads, table.shape[0], self.exact_sums)
-        mean_sq = None if row_mean_sq is None else r.max_by_row(row_mean_sq)
+        mean_sq = None if row_mean_sq is None else r.sorted.max_by_row(row_mean_sq)
         return self.apply(table, state, r.rows, r.grads, lr, mean_sq)
 
     def apply(self, table, state, rows, g, lr, mean_sq=None):

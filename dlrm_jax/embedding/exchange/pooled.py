@@ -28,9 +28,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.exchange.common import all_to_all, checks_varying, gather_replica_lookups, gather_replicas
+from dlrm_jax.embedding.exchange.common import (
+    all_to_all,
+    checks_varying,
+    gather_replica_lookups,
+    gather_replicas,
+    own_squares,
+)
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
+from dlrm_jax.embedding.exchange.row_grads import Lookups
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import ExchangePart, PooledLayout, pooled_layout, pools_by_mean
 from dlrm_jax.ids import PAD_ID
@@ -147,10 +153,7 @@ class PooledForm:
         ``every``: (lookups, gradients) of every replica, of which this one's ``own`` lookups
         are its block."""
         lay, g, replicas = self.layout, self.group, self.replicas
-        merged = sum_by_row(*every, g.local_rows, self.optimizer.exact_sums)
-        sq = jnp.sum(merged.grads * merged.grads, -1)[merged.inverse()]
-        if replicas is not None:  # this replica's own positions
-            sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
+        sq = own_squares(every, g.local_rows, own, replicas, self.optimizer.exact_sums)
         partial = all_to_all(sq.reshape(shape))  # [N owners, B_l, K]: back to the requesters
         # Requester: a slot's total is the sum over the owners it went to (one per slice).
         b_l, slots = shape[1], int(lay.send_slot.max()) + 1

@@ -52,24 +52,19 @@ class Lookups(NamedTuple):
         sources = np.arange(samples, dtype=np.int32)[:, None] * vectors + np.asarray(slot_vector, np.int32)[None, :]
         return cls(rows.reshape(-1), jnp.asarray(sources.reshape(-1)), None if weights is None else weights.reshape(-1))
 
-    def gradients(self, grads: jax.Array) -> jax.Array:
-        """[n, W] float32: each lookup's own gradient (its source times its weight). Only for
-        statistics that need it and for tests; the update never forms it."""
-        g = (grads if self.sources is None else grads[self.sources]).astype(jnp.float32)
-        return g if self.weights is None else g * self.weights[:, None]
 
-
-class RowSums(NamedTuple):
-    """Each distinct row's summed gradient. ``rows`` [n]: the distinct rows ascending, then
+class SortedLookups(NamedTuple):
+    """:class:`Lookups` sorted by row. ``rows`` [n]: the distinct rows ascending, then
     ``num_rows + position`` for the unused places (every entry distinct and sorted, so scatters
-    may promise both; those past the end are dropped); ``grads`` [n, W] float32 in the same
-    places; ``order`` [n]: the lookups in row order; ``segment`` [n]: the place of the row of
-    ``order``'s lookups (non-decreasing)."""
+    may promise both; those past the end are dropped); ``order`` [n]: the lookups in row order;
+    ``segment`` [n]: the place of the row of ``order``'s lookups (non-decreasing); ``starts``
+    [n + 1]: where each place's lookups begin in ``order`` (``starts[k + 1] - starts[k]`` of
+    them; 0 for unused places)."""
 
     rows: jax.Array
-    grads: jax.Array
     order: jax.Array
     segment: jax.Array
+    starts: jax.Array
 
     def inverse(self) -> jax.Array:
         """[n]: each lookup's (in its original order) place among :attr:`rows`."""
@@ -83,15 +78,21 @@ class RowSums(NamedTuple):
         return jnp.maximum(top, 0.0)
 
 
-class SortedLookups(NamedTuple):
-    """:class:`Lookups` sorted by row: ``rows`` [n] distinct rows as in :class:`RowSums`;
-    ``order``, ``segment`` as there; ``starts`` [n + 1]: where each place's lookups begin in
-    ``order`` (``starts[k + 1] - starts[k]`` of them; 0 for unused places)."""
+class RowSums(NamedTuple):
+    """Each distinct row's summed gradient: ``grads`` [n, W] float32 at the places of
+    ``sorted.rows``."""
 
-    rows: jax.Array
-    order: jax.Array
-    segment: jax.Array
-    starts: jax.Array
+    sorted: SortedLookups
+    grads: jax.Array
+
+    @property
+    def rows(self) -> jax.Array:
+        return self.sorted.rows
+
+    def squares_per_lookup(self) -> jax.Array:
+        """[n]: for each lookup (in its original order), its row's summed gradient squared,
+        summed over the columns given."""
+        return jnp.sum(self.grads * self.grads, -1)[self.sorted.inverse()]
 
 
 def sort_by_row(rows: jax.Array, num_rows: int) -> SortedLookups:
@@ -126,7 +127,7 @@ def sum_by_row(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, ex
     if lookups.weights is not None:
         addends = addends * lookups.weights[s.order][:, None]
     summed = sums.segment_sum(addends, s.segment, n, exact, indices_are_sorted=True)
-    return RowSums(s.rows, summed, s.order, s.segment)
+    return RowSums(s, summed)
 
 
 def dense_row_sums(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, exact: bool = False) -> jax.Array:

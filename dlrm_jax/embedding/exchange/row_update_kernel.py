@@ -156,8 +156,7 @@ def fused_row_update(step, table, state: dict, lookups, grads, lr, row_mean_sq=N
     keys = tuple(sorted(state))
     mean_sq = ()
     if row_mean_sq is not None:  # per place: every lookup of a row carries its row's value
-        top = jax.ops.segment_max(row_mean_sq[s.order], s.segment, n, indices_are_sorted=True)
-        mean_sq = (jnp.maximum(top, 0.0).astype(jnp.float32),)
+        mean_sq = (s.max_by_row(row_mean_sq).astype(jnp.float32),)
     lr = jnp.asarray(lr, jnp.float32).reshape(1)
     inputs = (s.rows, s.starts, first, chunks, source, *weights_in, grads, partial, lr, *mean_sq)
     out_shape = [_varying_like(x, x.shape, x.dtype) for x in (table, *(state[k] for k in keys))]
