@@ -138,9 +138,10 @@ class DataConfig:
     shuffle_block: int = field(
         default=4096, metadata=POS
     )  # binary: rows read contiguously (the unit the epochs shuffle)
-    readers: int = field(
-        default=2, metadata=POS
-    )  # threads that read batches and copy them to the devices, ahead of the step
+    # Threads that read and check batches and copy them to the devices, ahead of the step (also
+    # the hot-row counting threads); auto: this process's share of the host's cores less two
+    # (the dispatching thread, XLA's own), between 2 and 16.
+    readers: int | str = field(default="auto", metadata=_int_or("auto") | POS)
     prefetch: int = field(
         default=4, metadata=POS
     )  # steps of input prepared ahead (host and device memory: this many batches)

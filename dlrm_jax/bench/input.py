@@ -20,7 +20,7 @@ import jax
 from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.train import time_train_step
-from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
+from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.build import build, mesh_from_config
 
@@ -96,7 +96,7 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
     report = {
         "benchmark": "input",
         "timed_steps": steps,
-        "readers": cfg.data.readers,
+        "readers": input_readers(cfg.data.readers),
         "prefetch": cfg.data.prefetch,
         "machine": machine_description(),
         "cases": results,

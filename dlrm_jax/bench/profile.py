@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.config import Config
+from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -143,7 +144,7 @@ def _profile(
         sync_s.append(time.perf_counter() - t0)
     local = len(mesh.local_devices)
     per_phase = device_phase_ns(str(trace_dir), phases)
-    readers = f"host, timed alone; in {cfg.data.readers} reader threads, off the dispatching thread"
+    readers = f"host, timed alone; in {input_readers(cfg.data.readers)} reader threads, off the dispatching thread"
     rows = [
         {"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": readers},
         {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers},

@@ -26,8 +26,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dlrm_jax.parallel.launch import cores_of_this_process
+
 T = TypeVar("T")
 D = TypeVar("D")
+
+MAX_AUTO_READERS = 16  # past this, more threads only queue on the GIL for their Python parts
+
+
+def input_readers(readers: int | str, cores: int | None = None) -> int:
+    """``data.readers`` as a number of threads: ``auto`` is this process's cores
+    (:func:`~dlrm_jax.parallel.launch.cores_of_this_process`) less two, one for the
+    dispatching thread and one for XLA's own, between 2 and ``MAX_AUTO_READERS``."""
+    if readers != "auto":
+        return int(readers)
+    cores = cores_of_this_process() if cores is None else cores
+    return max(2, min(MAX_AUTO_READERS, cores - 2))
 
 
 @dataclass
@@ -73,11 +87,12 @@ class InputPipeline(Generic[T, D]):
         steps: range,
         *,
         to_device: Callable[[T], D] | None = None,
-        readers: int = 2,
+        readers: int | str = "auto",
         depth: int = 4,
     ):
         self._read, self._to_device, self._steps = read, to_device, iter(steps)
-        self._pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="input")
+        self.readers = max(1, input_readers(readers))
+        self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="input")
         self._pending: deque[Future] = deque()
         self._depth = max(1, depth)
         self.times = InputTimes()

@@ -40,6 +40,23 @@ _NATIVE = re.compile(
     r"|\[Gloo\] )"
 )
 _SUBCOMMANDS = ("train", "eval", "profile")
+# How many processes the supervisor started on this host: they share its cores (read by
+# :func:`cores_of_this_process`; a cluster launch's one process a host leaves it unset).
+LOCAL_PROCESSES_ENV = "DLRM_JAX_LOCAL_PROCESSES"
+
+
+def cores_of_this_process() -> int:
+    """The cores this process may run on (its CPU affinity), divided among the processes the
+    supervisor started on this host."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        share = max(1, int(os.environ.get(LOCAL_PROCESSES_ENV, "1")))
+    except ValueError:
+        share = 1
+    return max(1, cores // share)
 
 
 def _free_port() -> int:
@@ -65,7 +82,7 @@ def _how_it_ended(rc: int) -> str:
 class _Child:
     """One process: its output relayed with a ``[pI]`` prefix, native log lines to ``log``."""
 
-    def __init__(self, index: int, argv: list[str], log: Path):
+    def __init__(self, index: int, argv: list[str], log: Path, local_processes: int):
         self.index, self.log = index, log
         # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even
         # by SIGKILL, and DLRM_JAX_LOG: it then writes on into its log (our pipes have no reader)
@@ -76,7 +93,12 @@ class _Child:
             text=True,
             errors="replace",
             start_new_session=True,
-            env={**os.environ, "DLRM_JAX_PARENT": str(os.getpid()), "DLRM_JAX_LOG": str(log.absolute())},
+            env={
+                **os.environ,
+                "DLRM_JAX_PARENT": str(os.getpid()),
+                "DLRM_JAX_LOG": str(log.absolute()),
+                LOCAL_PROCESSES_ENV: str(local_processes),  # they share this host's cores (data.readers=auto)
+            },
         )
         self.native = 0
         self.last_error = ""
@@ -136,7 +158,7 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
     """Runs one child per argv until all end; returns the first abnormal status (0 if none).
     Logs go to ``log_dir``, and into ``run_dir``/launch once a run there has started."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    children = [_Child(i, argv, log_dir / f"p{i}.log") for i, argv in enumerate(argvs)]
+    children = [_Child(i, argv, log_dir / f"p{i}.log", len(argvs)) for i, argv in enumerate(argvs)]
     for c in children:
         print(f"[launch] process {c.index}: output also in {c.log}, pid {c.proc.pid}", flush=True)
 

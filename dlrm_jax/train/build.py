@@ -11,6 +11,7 @@ import jax
 
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -52,7 +53,9 @@ def build(
             raise ValueError("embedding.hot.rows: choosing hot rows needs the training data")
         cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
         hot = cfg.embedding.hot
-        plan, schedule = hot_setup.choose(hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, cfg.data.readers, log)
+        plan, schedule = hot_setup.choose(
+            hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, input_readers(cfg.data.readers), log
+        )
     if not plan.tiered_tables:
         return plan, StepFunctions(
             cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas), schedule

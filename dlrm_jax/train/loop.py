@@ -147,6 +147,7 @@ class TrainingLoop:
         self.sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
+        self.window_cpu = 0.0
         self.auc = self.logloss = float("nan")
         self.scored, self.evaluated, self.stop_reason = 0, False, ""
         self.bar = StepDisplay(
@@ -161,7 +162,8 @@ class TrainingLoop:
 
     def dispatch(self, state: TrainState, step: int, item) -> TrainState:
         """Run train step ``step``; the per-host tables' sync when due."""
-        self.window_start = self.window_start or time.perf_counter()
+        if self.window_start is None:
+            self.window_start, self.window_cpu = time.perf_counter(), time.thread_time()
         stepped = self.driver.run(state, item)
         self.pending.append((step, stepped.out))
         state, self._ids = stepped.state, stepped.ids
@@ -198,6 +200,7 @@ class TrainingLoop:
         if self._state_check is not None:
             self.watch.check_state(step, self._state_check)
         elapsed = time.perf_counter() - self.window_start
+        dispatch_cpu_s = time.thread_time() - self.window_cpu  # this thread's own work; its waits excluded
         self.last_loss, window_steps, overflows, hit_rate = self.watch.take_window()
         self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + window_steps
         rate = window_steps * self.t.batch_size / elapsed
@@ -212,6 +215,7 @@ class TrainingLoop:
             "a2a_bytes": self.sent["all-to-all"],
             "allreduce_bytes": self.sent["all-reduce"],
             "allgather_bytes": self.sent["all-gather"],
+            "host_dispatch_ms": 1e3 * dispatch_cpu_s / max(window_steps, 1),
         }
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))

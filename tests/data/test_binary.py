@@ -4,15 +4,19 @@ block shuffle's epochs, evaluation, the max_rows cap, error messages, and agreem
 
 import json
 import shutil
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, read_meta
+from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, IdRanges, read_meta
 from dlrm_jax.data.sources.criteo import CriteoTSVSource, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 
@@ -111,20 +115,62 @@ def test_process_streams_are_disjoint_and_complete(data, processes, shuffle):
     np.testing.assert_array_equal(np.sort(np.concatenate(epochs)), np.arange(N_TRAIN))
 
 
+GOLDEN_RUNS = Path(__file__).parent.parent / "golden" / "data" / "binary_train_runs.json"
+
+
+class StreamOnly(BinarySource):
+    """A binary source's stream logic alone: which rows each step reads, without files."""
+
+    def __init__(self, rows, batch, processes, process, seed, block, shuffle):
+        self._lo, self._hi = rows * process // processes, rows * (process + 1) // processes
+        self._process, self._seed, self._shuffle = process, seed, shuffle
+        self._places, self._places_lock, self._turns = {}, threading.Lock(), {}
+        per = batch // processes
+        self._rows = slice(process * per, (process + 1) * per)
+        self._block = max(1, min(block, (self._hi - self._lo) // 64))
+
+
+def test_the_rows_each_step_reads_are_those_of_before_the_places_were_kept():
+    """The shuffled block places are now computed a chunk at a time and kept, not per step:
+    every step of every case (1-4 processes, shuffled or not, epochs' boundaries, steps far
+    into a run) reads exactly the rows the per-step computation of 2026-11-27 read."""
+    for case in json.loads(GOLDEN_RUNS.read_text()):
+        source = StreamOnly(*case["case"])
+        got = [[list(r) for r in source.train_runs(step)] for step in case["steps"]]
+        assert got == case["runs"], case["case"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 700),
+    bags=st.sampled_from([(1, 1, 1), (3, 1, 2), (1,) * 26]),
+    bad=st.one_of(st.none(), st.tuples(st.floats(0, 0.999), st.floats(0, 0.999), st.sampled_from([-2, -1, 0, 1]))),
+    seed=st.integers(0, 2**16),
+)
+def test_the_id_check_agrees_with_a_plain_comparison(n, bags, bad, seed):
+    """The id check compares CHECK_ROWS rows at a time; any batch length (whole chunks and a
+    tail), one-hot and multi-hot columns (PAD_ID valid only in bags), one bad id anywhere."""
+    rng = np.random.default_rng(seed)
+    rows = tuple(int(r) for r in rng.integers(1, 50, len(bags)))
+    ranges = IdRanges(rows, bags)
+    ids = rng.integers(ranges.lower, ranges.upper, (n, sum(bags))).astype(np.int32)
+    if bad is not None and n:
+        r, c, which = int(bad[0] * n), int(bad[1] * sum(bags)), bad[2]
+        ids[r, c] = {-2: -2, -1: ranges.lower[c] - 1, 0: ranges.upper[c], 1: 2**31 - 1}[which]
+    plain = bool(((ids >= ranges.lower) & (ids < ranges.upper)).all())
+    assert ranges.hold(ids) == plain
+    if not plain:
+        assert ranges.first_bad(ids) == (r, c)
+
+
 @pytest.mark.parametrize("rows,block", [(8000, 4096), (40, 4096)])
 def test_small_data_is_shuffled_anew_every_epoch_and_by_seed(rows, block):
     """Before its fix: 8,000 rows in blocks of 4,096 were one block and a tail, the same order every
     epoch and whatever the seed. Now every epoch reads every row once, in another order, and
     the order follows train.seed."""
 
-    class Rows(BinarySource):  # the stream logic alone, over `rows` rows
-        def __init__(self, seed):
-            self._lo, self._hi, self._process, self._perm = 0, rows, 0, None
-            self._rows, self._seed, self._shuffle = slice(0, 32), seed, True
-            self._block = max(1, min(block, rows // 64))
-
     def epochs(seed, count=3):
-        source = Rows(seed)
+        source = StreamOnly(rows, 32, 1, 0, seed, block, True)
         stream = np.concatenate([source.train_rows(step) for step in range(-(-count * rows // 32))])
         return stream[: count * rows].reshape(count, rows)
 

@@ -2,6 +2,7 @@
 bounded look-ahead; training on a binary dataset through it resumes bitwise; `bench input`."""
 
 import json
+import os
 import threading
 import time
 
@@ -11,10 +12,11 @@ import pytest
 from conftest import QUIET
 
 from dlrm_jax.bench.input import bench_input
-from dlrm_jax.data.pipeline import InputPipeline
+from dlrm_jax.data.pipeline import MAX_AUTO_READERS, InputPipeline, input_readers
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+from dlrm_jax.parallel.launch import LOCAL_PROCESSES_ENV, cores_of_this_process
 from dlrm_jax.train.trainer import train_and_evaluate
 
 
@@ -45,6 +47,18 @@ def test_a_readers_error_is_raised_at_its_step_and_lookahead_is_bounded():
         next(p)
     p.close()
     assert max(started) <= 5 + 3  # never more than depth steps past the one taken
+
+
+def test_auto_readers_are_this_processs_share_of_the_cores_less_two(monkeypatch):
+    assert input_readers(3) == 3
+    assert [input_readers("auto", cores=c) for c in (1, 2, 4, 16, 64)] == [2, 2, 2, 14, MAX_AUTO_READERS]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(32)))
+    monkeypatch.setenv(LOCAL_PROCESSES_ENV, "4")  # the supervisor started 4 processes on this host
+    assert cores_of_this_process() == 8 and input_readers("auto") == 6
+    monkeypatch.delenv(LOCAL_PROCESSES_ENV)
+    assert cores_of_this_process() == 32 and input_readers("auto") == MAX_AUTO_READERS
+    with InputPipeline(lambda s: s, range(0), readers="auto") as p:
+        assert p.readers == MAX_AUTO_READERS
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,9 @@ from dlrm_jax.data.shuffle import KeyedPermutation
 from dlrm_jax.data.sources.synthetic_draws import mix64
 
 MIN_BLOCKS = 64  # a stream is cut into at least this many blocks to shuffle (or single rows)
+PLACES_CHUNK = 4096  # blocks whose shuffled places are computed together (256 steps of 65,536 in blocks of 4,096)
+CHECK_ROWS = 256  # rows whose ids one comparison spans (see _ids_in_range)
+PLACES_KEPT = 8  # chunks of places kept (an epoch's boundary needs two epochs' chunks)
 
 __all__ = ["BinaryFormatError", "BinarySource", "read_meta", "model_num_dense"]
 _OPEN_FILES = 192  # per split: 64 shards of 3 arrays
@@ -124,6 +127,40 @@ class _Split:
         self._lock = threading.Lock()
 
 
+class IdRanges:
+    """Each id column's valid values: ``[0, rows)`` of its table, and ``PAD_ID`` too in a
+    multi-hot bag's columns."""
+
+    def __init__(self, table_rows: tuple[int, ...], bag_sizes: tuple[int, ...]):
+        self.upper = np.repeat(np.asarray(table_rows, np.int64), bag_sizes)  # per id column
+        self.lower = np.where(np.repeat(bag_sizes, bag_sizes) > 1, PAD_ID, 0).astype(np.int32)
+        self._span = (self.upper - self.lower).astype(np.uint32)
+        self._shifts = bool(self.lower.any())
+        # the same, CHECK_ROWS rows side by side: a comparison broadcast over one row's few
+        # columns runs 3x slower than one over this many
+        self._lower_rows = np.tile(self.lower.view(np.uint32), CHECK_ROWS)
+        self._span_rows = np.tile(self._span, CHECK_ROWS)
+
+    def hold(self, ids: np.ndarray) -> bool:
+        """Whether every id of ``ids`` (int32 [n, columns], C-contiguous) is valid: ``ids -
+        lower`` as uint32 (negatives wrap to huge) is below the span."""
+        u = ids.view(np.uint32)
+        whole = len(u) - len(u) % CHECK_ROWS
+        for part, lower, span in (
+            (u[:whole].reshape(-1, self._span_rows.shape[0]), self._lower_rows, self._span_rows),
+            (u[whole:], self.lower.view(np.uint32), self._span),
+        ):
+            shifted = part - lower if self._shifts else part
+            if (shifted >= span).any():
+                return False
+        return True
+
+    def first_bad(self, ids: np.ndarray) -> tuple[int, int]:
+        """(row, column) of the first invalid id (call when :meth:`hold` is False)."""
+        r, c = np.argwhere((ids < self.lower) | (ids >= self.upper))[0]
+        return int(r), int(c)
+
+
 def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
     """int64 [n] rows -> (first row, length) of each contiguous ascending run."""
     if not len(rows):
@@ -178,11 +215,10 @@ class BinarySource:
         self._block = max(1, min(cfg.data.shuffle_block, (self._hi - self._lo) // MIN_BLOCKS))
         self._eval_batches = cfg.train.eval_batches
         self._table_rows, self._bag_sizes = cfg.table_rows, tuple(cfg.bag_sizes)
-        self._upper = np.repeat(np.asarray(cfg.table_rows, np.int64), self._bag_sizes)  # per id column
-        self._lower = np.where(np.repeat(self._bag_sizes, self._bag_sizes) > 1, PAD_ID, 0).astype(np.int32)
-        self._span = (self._upper - self._lower).astype(np.uint32)
-        self._multi_hot = max(self._bag_sizes) > 1
-        self._perm: tuple[int, KeyedPermutation] | None = None  # the newest epoch's block order
+        self._id_ranges = IdRanges(self._table_rows, self._bag_sizes)
+        self._places: dict[tuple[int, int], np.ndarray] = {}  # (epoch, chunk) -> its blocks' places
+        self._places_lock = threading.Lock()
+        self._turns: dict[int, int] = {}
         # Features whose stored ids exceed the table (data.max_rows cap) are hashed into it.
         self._hashed = [f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r]
 
@@ -229,26 +265,43 @@ class BinarySource:
             take = min(end - pos, (k - offset) if block < full else m - within)
             pieces.append((epoch, block, offset, take))
             pos += take
-        moved, turn = {}, {}  # epoch -> its blocks' places (one vectorised permutation) and its turn
-        if self._shuffle:
-            for e in {p[0] for p in pieces}:
-                blocks = [b for pe, b, _, _ in pieces if pe == e and b < full]
-                perm = self._epoch_permutation(e, full)
-                moved[e] = dict(zip(blocks, perm(np.asarray(blocks, np.int64)).tolist(), strict=True))
-                turn[e] = int(mix64(np.array([self._seed, e, self._process, 0x5EED], np.uint64)).sum() % np.uint64(m))
         runs = []
         for e, b, o, n in pieces:  # a run that passes the stream's end goes on from its start
-            start = (moved.get(e, {}).get(b, b) * k + o + turn.get(e, 0)) % m
+            place = self._block_place(e, b, full) if self._shuffle and b < full else b
+            start = (place * k + o + (self._turn(e, m) if self._shuffle else 0)) % m
             first = min(n, m - start)
             runs.append((self._lo + start, first))
             if first < n:
                 runs.append((self._lo, n - first))
         return runs
 
-    def _epoch_permutation(self, epoch: int, blocks: int) -> KeyedPermutation:
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, KeyedPermutation(max(blocks, 1), [self._seed, epoch, self._process]))
-        return self._perm[1]
+    def _block_place(self, epoch: int, block: int, blocks: int) -> int:
+        """Where block ``block`` of epoch ``epoch`` is read from: the epoch's keyed
+        permutation of its ``blocks`` whole blocks, evaluated a chunk of ``PLACES_CHUNK`` at a
+        time and kept (a step's few blocks would otherwise cost a permutation's rounds each
+        step, on the reader threads' GIL)."""
+        chunk, at = divmod(block, PLACES_CHUNK)
+        key = (epoch, chunk)
+        places = self._places.get(key)
+        if places is None:
+            perm = KeyedPermutation(max(blocks, 1), [self._seed, epoch, self._process])
+            places = perm(np.arange(chunk * PLACES_CHUNK, min((chunk + 1) * PLACES_CHUNK, blocks), dtype=np.int64))
+            with self._places_lock:  # readers share it; at most a few chunks are kept
+                while len(self._places) >= PLACES_KEPT:
+                    self._places.pop(next(iter(self._places)))
+                self._places[key] = places
+        return int(places[at])
+
+    def _turn(self, epoch: int, m: int) -> int:
+        """The keyed offset epoch ``epoch`` turns this process's stream by (kept per epoch)."""
+        turn = self._turns.get(epoch)
+        if turn is None:
+            turn = int(mix64(np.array([self._seed, epoch, self._process, 0x5EED], np.uint64)).sum() % np.uint64(m))
+            self._turns = {
+                **dict(list(self._turns.items())[-PLACES_KEPT:]),
+                epoch: turn,
+            }  # replaced whole: readers share it
+        return turn
 
     def train_rows(self, step: int) -> np.ndarray:
         """int64 [B/processes]: the train-split rows of this process's slice of batch ``step``."""
@@ -292,11 +345,9 @@ class BinarySource:
                 f"{split.name} split has label {labels[r]}, not 0 or 1 (read for {what})"
             )
         self._cap_ids(ids)
-        shifted = ids - self._lower if self._multi_hot else ids  # valid: 0 <= shifted < span
-        if (shifted.view(np.uint32) >= self._span).any():  # negatives read as huge
+        if not self._id_ranges.hold(ids):
             rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
-            bad = (ids < self._lower) | (ids >= self._upper)
-            r, c = np.argwhere(bad)[0]
+            r, c = self._id_ranges.first_bad(ids)
             f = int(np.searchsorted(np.cumsum(self._bag_sizes), c, side="right"))
             raise BinaryFormatError(
                 f"{self._file_of(split, rows[r], 'ids')}: row {int(rows[r])} of the "
