@@ -19,7 +19,9 @@ the v1 shape with uniform and Zipf 1.05 ids) it:
    the ``h100`` profile with the card's own memory) beside the measured step.
 
 ``--train-configs`` are then trained end to end by ``dlrm-jax train`` (its input pipeline,
-logging, evaluation and checkpoint), whose samples/s is set beside the step's alone.
+logging, evaluation and checkpoint), whose samples/s is set beside the step's alone; and
+``--feed-configs`` twice, on synthetic batches and on a binary dataset of the same rows
+generated first (``--only feed`` for these alone), with the input pipeline's per-step figures.
 
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
 process loading the first one's autotuning results; ``embedding.sparse_update=fused``, twice
@@ -39,6 +41,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -488,12 +491,16 @@ def print_tables(report: dict, log=print) -> None:
             )
 
 
-def train_end_to_end(name: str, steps: int) -> dict:
+def train_end_to_end(name: str, steps: int, data: str | None = None) -> dict:
     """``dlrm-jax train`` as a user runs it (its input pipeline, logging, the end's evaluation
-    and checkpoint), at the benchmark's settings: its windows' samples/s and its wall time."""
+    and checkpoint), at the benchmark's settings: its windows' samples/s, the input pipeline's
+    and the dispatching thread's per-step figures, and its wall time. ``data``: a binary
+    dataset to read instead of the synthetic batches made on the device."""
     path, extra = CONFIGS[name]
     run_dir = tempfile.mkdtemp(prefix="dlrm-gpu-train-")
     overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", f"train.steps={steps}", "train.log_every=50"]
+    if data:
+        overrides += ["data.source=binary", f"data.path={data}"]
     cmd = [sys.executable, "-m", "dlrm_jax", "train", "--config", os.path.join(REPO, path), "--run-dir", run_dir]
     t = time.perf_counter()
     done = subprocess.run(cmd + [a for o in overrides for a in ("--set", o)], cwd=REPO)
@@ -502,22 +509,65 @@ def train_end_to_end(name: str, steps: int) -> dict:
         return {"failed": done.returncode}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         events = [json.loads(line) for line in f]
-    windows = [e["samples_per_s"] for e in events if "loss" in e and e.get("samples_per_s")]  # train or eval
+    trains = [e for e in events if "loss" in e and e.get("samples_per_s")]  # train or eval
+    inner = trains[1:-1] or trains  # the first window compiles, the last evaluates and saves
     last = next(e for e in reversed(events) if "run_samples_per_s" in e)
+    host = {
+        k: statistics.median(e[k] for e in inner if k in e)
+        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "host_dispatch_ms")
+        if any(k in e for e in inner)
+    }
     return {
         "steps": steps,
+        "data": data or "synthetic",
         "wall_s": wall,
-        "window_samples_per_s": windows,
-        "median_window_samples_per_s": statistics.median(windows[1:-1] or windows),
+        "window_samples_per_s": [e["samples_per_s"] for e in trains],
+        "median_window_samples_per_s": statistics.median(e["samples_per_s"] for e in inner),
         "run_samples_per_s": last["run_samples_per_s"],
+        "host_ms_per_step": host,
     }
+
+
+# The feed's end-to-end cases: rows of the generated binary dataset per config (criteo_kaggle:
+# 8M rows, 1.3 GB, 122 steps an epoch at 65,536; DLRM-DCNv2: 2M rows of 214 ids, 1.8 GB).
+FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
+
+
+def feed_cases(names: list[str], steps: int, work: str) -> dict:
+    """Each config trained end to end twice by ``dlrm-jax train``: on synthetic batches made on
+    the device, and on a binary dataset of the same kind of rows written first
+    (:func:`~dlrm_jax.data.preprocessing.synthetic_dataset.write_synthetic_dataset`) read
+    through the input pipeline; the ratio is the feed's cost."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
+
+    out = {}
+    for name in names:
+        path, extra = CONFIGS[name]
+        cfg = load_config(os.path.join(REPO, path), COMMON + extra + EXTRA_OVERRIDES)
+        rows = FEED_ROWS.get(name, 4_000_000)
+        data = os.path.join(work, f"feed_{name}")
+        t = time.perf_counter()
+        write_synthetic_dataset(cfg, data, train_rows=rows, val_rows=cfg.train.batch_size, overwrite=True)
+        made_s = time.perf_counter() - t
+        synthetic = train_end_to_end(name, steps)
+        binary = train_end_to_end(name, steps, data)
+        out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
+        if "failed" not in synthetic and "failed" not in binary:
+            ratio = binary["median_window_samples_per_s"] / synthetic["median_window_samples_per_s"]
+            out[name]["binary_over_synthetic"] = ratio
+        print(json.dumps({name: out[name]}), flush=True)
+        shutil.rmtree(data, ignore_errors=True)
+    return out
 
 
 def main() -> int:
     global DETERMINISM_STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["ceilings", "configs", "train", "child", "parity", "parity_child"], default=None)
+    ap.add_argument(
+        "--only", choices=["ceilings", "configs", "train", "feed", "child", "parity", "parity_child"], default=None
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument(
@@ -540,6 +590,11 @@ def main() -> int:
         help="configs also trained end to end with `dlrm-jax train` (its samples/s beside the step's)",
     )
     ap.add_argument("--train-steps", type=int, default=400)
+    ap.add_argument(
+        "--feed-configs",
+        default="criteo_kaggle,mlperf_dcnv2_capped",
+        help="configs trained end to end on synthetic batches and on a generated binary dataset (the feed)",
+    )
     ap.add_argument("--determinism-steps", type=int, default=DETERMINISM_STEPS, help="0: no determinism check")
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -619,6 +674,8 @@ def main() -> int:
         for n in (n for n in args.train_configs.split(",") if n):
             report["train"][n] = train_end_to_end(n, args.train_steps)
             print(json.dumps({n: report["train"][n]}), flush=True)
+    if args.only in (None, "feed"):
+        report["feed"] = feed_cases([n for n in args.feed_configs.split(",") if n], args.train_steps, work)
     runs = report.get("runs", {})
     for label, p in report.get("parity", {}).items():
         print(
@@ -641,6 +698,27 @@ def main() -> int:
             f"{t['run_samples_per_s']:,.0f} over the run, {t['steps']} steps in {t['wall_s']:.0f} s wall)"
             + (f", {t['median_window_samples_per_s'] / step['samples_per_s']:.2f}x the step's alone" if step else "")
         )
+    for n, f in report.get("feed", {}).items():
+        step = runs.get("default", {}).get(n)
+        for kind in ("synthetic", "binary"):
+            t = f[kind]
+            if "failed" in t:
+                print(f"{n} [{kind}]: dlrm-jax train failed ({t['failed']})")
+                continue
+            print(
+                f"{n} [{kind}]: dlrm-jax train {t['median_window_samples_per_s']:,.0f} samples/s (median window)"
+                + (
+                    f", {t['median_window_samples_per_s'] / step['samples_per_s']:.2f}x the step's alone"
+                    if step
+                    else ""
+                )
+                + "; per step, ms: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in t["host_ms_per_step"].items())
+            )
+        if "binary_over_synthetic" in f:
+            print(
+                f"{n}: binary data end to end {f['binary_over_synthetic']:.2f}x synthetic ({f['dataset_rows']:,} rows)"
+            )
     for first_label, again_label in (
         ("embedding_deterministic", "embedding_deterministic_again"),
         ("fused", "fused_again"),

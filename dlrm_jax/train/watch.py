@@ -27,18 +27,14 @@ class LossWatch:
         self.hot_hits, self.lookups = 0, 0
 
     def add(self, step: int, out) -> None:
-        # One transfer for the step's scalars (each read alone is a round trip to the device),
-        # waiting for that step only; replicated arrays: this process's first copy.
-        names = [k for k in ("loss", "exchange_overflows", "hot_counts") if k in out]
-        got = dict(zip(names, jax.device_get([out[k].addressable_data(0) for k in names]), strict=True))
-        loss = float(got["loss"])
+        loss = host_scalar(out["loss"])  # waits for that step only
         if self.reference is None:
             self.reference = loss
         self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
         self.total, self.steps = self.total + loss, self.steps + 1
-        self.overflows += int(got["exchange_overflows"])
-        if "hot_counts" in got:
-            hits, lookups = np.asarray(got["hot_counts"]).tolist()
+        self.overflows += int(host_scalar(out["exchange_overflows"]))
+        if "hot_counts" in out:
+            hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
             self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
 
     def check_state(self, step: int, check: tuple[jax.Array, jax.Array]) -> None:

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, IdRanges, read_meta
 from dlrm_jax.data.sources.criteo import CriteoTSVSource, write_criteo_tsv
-from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator, SyntheticSource
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch
 N_TRAIN, N_VAL = 800, 200  # val_fraction 0.2; 800 = 12.5 batches, so batches straddle epochs
@@ -425,3 +426,25 @@ def test_evaluation_scores_the_whole_split_by_default_and_says_how_much(data, tm
     assert [e["eval_samples"] for e in events if e["event"] == "eval"] == [N_VAL]
     again = evaluate_run(tmp_path / "run", log=lambda *_: None)
     assert again.eval_samples == N_VAL and again.samples_per_s > 0 and again.auc == summary.auc
+
+
+@pytest.mark.parametrize("bags", [[1], [3, 1, 2, 1]])
+def test_a_synthetic_binary_dataset_holds_the_generators_rows(tmp_path, bags):
+    """``write_synthetic_dataset`` (the feed benchmarks' data): shard k is the generator's
+    batch k, the config's tables and bags are the dataset's, and the binary source reads it."""
+    cfg = load_config("smoke", [f"data.bag_sizes={bags}", "train.batch_size=64", "data.shuffle=false"])
+    write_synthetic_dataset(cfg, tmp_path / "ds", train_rows=700, val_rows=150, shard_rows=300)
+    gen = SyntheticSource(cfg).generator
+    want = [gen.batch(TRAIN_STREAM, k, 0, n) for k, n in enumerate([300, 300, 100])]
+    split = load_split(tmp_path / "ds", "train")
+    for name in ("dense", "ids", "labels"):
+        np.testing.assert_array_equal(split[name], np.concatenate([getattr(b, name) for b in want]))
+    binary = resolve_data_config(
+        load_config(
+            "smoke", ["data.source=binary", f"data.path={tmp_path / 'ds'}", "train.batch_size=64", "data.shuffle=false"]
+        )
+    )
+    assert (binary.table_rows, binary.bag_sizes) == (cfg.table_rows, cfg.bag_sizes)
+    source = make_source(binary, evaluates=True)
+    np.testing.assert_array_equal(source.train_batch(2).ids, split["ids"][128:192])
+    assert sum(len(b.labels) for b in source.eval_batches()) == 150
