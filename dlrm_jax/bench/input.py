@@ -20,6 +20,7 @@ import jax
 from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.train import time_train_step
+from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.build import build, mesh_from_config
@@ -47,7 +48,7 @@ def time_pipeline(cfg, steps: int) -> dict:
         pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
     else:
         with InputPipeline(
-            source.train_batch,
+            packed_reader(source, fns.packed_layout()),  # as training reads: packed, one transfer
             range(steps + 2),
             to_device=fns.device_batch,
             readers=cfg.data.readers,

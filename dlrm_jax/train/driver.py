@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.data.batch import Batch, DataSource
+from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.tiers.tables import TieredTables
@@ -98,17 +99,21 @@ class DeviceDriver(StepDriver):
         self.compiled = None
 
     def batches(self, state: TrainState, start: int, end: int) -> Iterable:
+        """Batches made on the devices (the synthetic source), or read by the input pipeline
+        and placed packed (one transfer each, :mod:`dlrm_jax.data.packed`)."""
         steps, t0 = self.steps, time.perf_counter()
-        self.compiled = steps.train_step.lower(state, steps.device_batch(self.source.train_batch(start))).compile()
+        device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
+        read = packed_reader(self.source, steps.packed_layout())
+        first = steps.device_batch(self.source.train_batch(start) if device_batches else read(start))
+        self.compiled = steps.train_step.lower(state, first).compile()
         self.log(
             f"compiled the train step in {time.perf_counter() - t0:.1f}s on {steps.mesh.size} "
             f"{jax.default_backend()} devices in {jax.process_count()} process(es); {_memory_report(self.compiled)}"
         )
-        device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
         if device_batches is not None:
             return dispatched_ahead(device_batches(steps.batch_sharding), range(start, end), self.prefetch)
         self.pipeline = InputPipeline(
-            self.source.train_batch,
+            read,
             range(start, end),
             to_device=steps.device_batch,
             readers=self.readers,

@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.config import ConfigError, load_config
+from dlrm_jax.data.batch import Batch
+from dlrm_jax.data.packed import PackedLayout, packed_reader
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 from dlrm_jax.data.shards import load_split
@@ -74,6 +76,23 @@ def assert_batches_equal(a, b):
 
 def concat(batches):
     return [np.concatenate(parts) for parts in zip(*batches, strict=True)]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("shards,process", [(1, (0, 1)), (8, (0, 1)), (4, (1, 2))])
+def test_packed_reads_are_the_batches_step_by_step(data, shuffle, shards, process):
+    """The packed feed reads each shard's rows straight into its place in the buffer; the
+    batch it holds is the source's batch, bit for bit, step by step past two epochs, shuffled
+    or not, on 1 and 8 devices and as process 1 of 2."""
+    source = BinarySource(make_cfg(data[1], f"data.shuffle={shuffle}"), *process)
+    layout = PackedLayout(shards, B // process[1] // shards, 26, 13)
+    read = packed_reader(source, layout)
+    for step in range(45):
+        packed, want = read(step), source.train_batch(step)
+        views = layout.views(packed.buf)
+        got = Batch(*(np.concatenate(views[k]) for k in ("dense", "ids", "labels")))
+        assert_batches_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(packed.ids), want.ids)
 
 
 def test_read_meta(data):
@@ -227,12 +246,20 @@ def copy(data, tmp_path):
     return tmp_path / "ds"
 
 
-def test_out_of_range_id_names_the_file(copy):
+def first_batch(source, how: str):
+    """Step 0's batch, read as a batch or packed in place (8 shards)."""
+    if how == "batch":
+        return source.train_batch(0)
+    return packed_reader(source, PackedLayout(8, B // 8, 26, 13))(0)
+
+
+@pytest.mark.parametrize("how", ["batch", "packed"])
+def test_out_of_range_id_names_the_file(copy, how):
     ids = np.load(copy / "train" / "00000" / "ids.npy", mmap_mode="r+")
     ids[3, 5] = M
     ids.flush()
     with pytest.raises(ValueError, match=f"{copy / 'train' / '00000' / 'ids.npy'}: row 3 .*feature 5 .*id 97"):
-        BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
+        first_batch(BinarySource(make_cfg(copy, "data.shuffle=false")), how)
 
 
 def test_nan_dense_value_names_the_file_and_row(copy):
@@ -244,14 +271,15 @@ def test_nan_dense_value_names_the_file_and_row(copy):
         list(source.eval_batches())
 
 
-def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy):
+@pytest.mark.parametrize("how", ["batch", "packed"])
+def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy, how):
     labels = np.load(copy / "train" / "00000" / "labels.npy", mmap_mode="r+")
     labels[7] = 5.0
     labels.flush()
     with pytest.raises(
         BinaryFormatError, match=f"{copy / 'train' / '00000' / 'labels.npy'}: row 7 .*label 5.0, not 0 or 1"
     ):
-        BinarySource(make_cfg(copy, "data.shuffle=false")).train_batch(0)
+        first_batch(BinarySource(make_cfg(copy, "data.shuffle=false")), how)
 
 
 def test_an_inflated_row_count_or_a_truncated_shard_is_named_at_start(copy):

@@ -98,24 +98,33 @@ class _Split:
             return fd
 
     def read(self, runs: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-        """The arrays at the split rows of ``runs`` ((first row, length) each), in order,
-        read a contiguous piece at a time."""
+        """The arrays at the split rows of ``runs`` ((first row, length) each), in order."""
         n = sum(length for _, length in runs)
         first = next(iter(self.shards.values()))
         out = {k: np.empty((n, *a.shape[1:]), a.dtype) for k, a in first.items()}
-        at = 0
+        self.read_into(runs, [out])
+        return out
+
+    def read_into(self, runs: list[tuple[int, int]], parts: list[dict[str, np.ndarray]]) -> None:
+        """The rows of ``runs``, in order, into ``parts``: consecutive pieces of the rows,
+        each a C-contiguous array per field it names (fields it does not name are not read).
+        One ``pread`` per contiguous piece of a run, shard and part."""
+        part, at = 0, 0
         for start, length in runs:
-            while length:  # a run may cross into the next shard
+            while length:  # a run may cross into the next shard, or the next part
                 k = int(np.searchsorted(self.starts, start, side="right")) - 1
                 files = self.shards.get(k)
                 if files is None:
                     raise BinaryFormatError(f"{self.root / self.name / shard_name(k)}: read but not opened")
+                while at == len(next(iter(parts[part].values()))):
+                    part, at = part + 1, 0
                 lo = start - int(self.starts[k])
-                take = min(length, int(self.starts[k + 1]) - start)
+                room = len(next(iter(parts[part].values()))) - at
+                take = min(length, int(self.starts[k + 1]) - start, room)
                 for name, f in files.items():
-                    f.read_into(self._fd(f.path), out[name][at : at + take], lo)
+                    if name in parts[part]:
+                        f.read_into(self._fd(f.path), parts[part][name][at : at + take], lo)
                 at, start, length = at + take, start + take, length - take
-        return out
 
     def __getstate__(self) -> dict:  # picklable (worker processes open their own files)
         state = dict(self.__dict__, _fds=OrderedDict())
@@ -142,23 +151,24 @@ class IdRanges:
         self._span_rows = np.tile(self._span, CHECK_ROWS)
 
     def hold(self, ids: np.ndarray) -> bool:
-        """Whether every id of ``ids`` (int32 [n, columns], C-contiguous) is valid: ``ids -
-        lower`` as uint32 (negatives wrap to huge) is below the span."""
+        """Whether every id of ``ids`` (int32 ``[..., n, columns]``, each row block
+        C-contiguous) is valid: ``ids - lower`` as uint32 (negatives wrap) is below the span."""
         u = ids.view(np.uint32)
-        whole = len(u) - len(u) % CHECK_ROWS
+        n = u.shape[-2]
+        whole = n - n % CHECK_ROWS
+        lead = u.shape[:-2]
         for part, lower, span in (
-            (u[:whole].reshape(-1, self._span_rows.shape[0]), self._lower_rows, self._span_rows),
-            (u[whole:], self.lower.view(np.uint32), self._span),
+            (u[..., :whole, :].reshape(*lead, -1, self._span_rows.shape[0]), self._lower_rows, self._span_rows),
+            (u[..., whole:, :], self.lower.view(np.uint32), self._span),
         ):
             shifted = part - lower if self._shifts else part
             if (shifted >= span).any():
                 return False
         return True
 
-    def first_bad(self, ids: np.ndarray) -> tuple[int, int]:
-        """(row, column) of the first invalid id (call when :meth:`hold` is False)."""
-        r, c = np.argwhere((ids < self.lower) | (ids >= self.upper))[0]
-        return int(r), int(c)
+    def first_bad(self, ids: np.ndarray) -> tuple[int, ...]:
+        """The index (``[..., row, column]``) of the first invalid id (when :meth:`hold` is False)."""
+        return tuple(int(i) for i in np.argwhere((ids < self.lower) | (ids >= self.upper))[0])
 
 
 def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -193,6 +203,7 @@ class BinarySource:
             )
         widths = {"dense": stored_dense, "ids": sum(bags)}
         self._zero_dense = stored_dense == 0  # fed as one all-zero column
+        self._stored_dense = stored_dense
         self.num_train, self.num_val = int(self.meta["train_rows"]), int(self.meta["val_rows"])
         for split, rows in (("train", self.num_train), ("val", self.num_val)):
             held = sum(int(n) for n in self.meta["shards"][split])
@@ -324,37 +335,58 @@ class BinarySource:
 
     # ---------------------------------------------------------------- reading
     def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch:
-        """Read ``runs`` of a split, map ids into the tables and check every value."""
-        a = split.read(runs)
-        dense, ids, labels = a["dense"], a["ids"], a["labels"]
-        if self._zero_dense:
-            dense = np.zeros((len(labels), 1), np.float32)
-        elif not np.isfinite(dense).all():
-            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
-            r, c = np.argwhere(~np.isfinite(dense))[0]
+        """Read ``runs`` of a split into a new batch, map ids into the tables and check every value."""
+        n = sum(length for _, length in runs)
+        widths = {"dense": max(self._stored_dense, 1), "ids": sum(self._bag_sizes)}
+        dtypes = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
+        whole = {k: np.empty((1, n, *((widths[k],) if k in widths else ())), d) for k, d in dtypes.items()}
+        self._read_checked(split, runs, what, whole)
+        return Batch(whole["dense"][0], whole["ids"][0], whole["labels"][0])
+
+    def train_batch_into(self, step: int, fields: dict[str, np.ndarray]) -> None:
+        """``train_batch(step)`` written in place: ``fields`` maps each field to a
+        ``[pieces, rows, ...]`` array whose pieces hold consecutive rows of the batch (a packed
+        buffer's shards, :mod:`dlrm_jax.data.packed`)."""
+        self._read_checked(self.train, self.train_runs(step), f"training step {step}", fields)
+
+    def _read_checked(self, split: _Split, runs: list[tuple[int, int]], what: str, fields: dict) -> None:
+        """Read ``runs`` into ``fields`` (``[pieces, rows, ...]`` each), map ids into the tables
+        and check every value, each check one pass over all pieces; an error names the file and
+        the split's row."""
+        read = dict(fields)
+        if self._zero_dense:  # read as one all-zero column
+            fields["dense"][...] = 0
+            del read["dense"]
+        split.read_into(runs, [{k: v[j] for k, v in read.items()} for j in range(len(fields["labels"]))])
+        dense, ids, labels = fields["dense"], fields["ids"], fields["labels"]
+        rows = labels.shape[1]
+
+        def row(piece_and_row) -> int:  # the split's row of the batch's row
+            at = int(piece_and_row[0]) * rows + int(piece_and_row[1])
+            return int(np.concatenate([np.arange(s, s + n) for s, n in runs])[at])
+
+        if not self._zero_dense and not np.isfinite(dense).all():
+            j, r, c = np.argwhere(~np.isfinite(dense))[0]
             raise BinaryFormatError(
-                f"{self._file_of(split, rows[r], 'dense')}: row {int(rows[r])} of the "
-                f"{split.name} split has a non-finite value {dense[r, c]} in column "
+                f"{self._file_of(split, row((j, r)), 'dense')}: row {row((j, r))} of the "
+                f"{split.name} split has a non-finite value {dense[j, r, c]} in column "
                 f"{int(c)} (read for {what})"
             )
         if not ((labels == 0) | (labels == 1)).all():  # a click label is 0 or 1; 5.0 would train on
-            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
-            r = int(np.flatnonzero((labels != 0) & (labels != 1))[0])
+            j, r = np.argwhere((labels != 0) & (labels != 1))[0]
             raise BinaryFormatError(
-                f"{self._file_of(split, rows[r], 'labels')}: row {int(rows[r])} of the "
-                f"{split.name} split has label {labels[r]}, not 0 or 1 (read for {what})"
+                f"{self._file_of(split, row((j, r)), 'labels')}: row {row((j, r))} of the "
+                f"{split.name} split has label {labels[j, r]}, not 0 or 1 (read for {what})"
             )
         self._cap_ids(ids)
         if not self._id_ranges.hold(ids):
-            rows = np.concatenate([np.arange(s, s + n) for s, n in runs])
-            r, c = self._id_ranges.first_bad(ids)
+            j, r, c = self._id_ranges.first_bad(ids)
             f = int(np.searchsorted(np.cumsum(self._bag_sizes), c, side="right"))
             raise BinaryFormatError(
-                f"{self._file_of(split, rows[r], 'ids')}: row {int(rows[r])} of the "
+                f"{self._file_of(split, row((j, r)), 'ids')}: row {row((j, r))} of the "
                 f"{split.name} split: feature {f} (table cat_{f}, {self._table_rows[f]} "
-                f"rows) has id {int(ids[r, c])} out of range (read for {what})"
+                f"rows) has id {int(ids[j, r, c])} out of range (read for {what})"
             )
-        return Batch(dense, ids, labels)
 
     def _file_of(self, split: _Split, row: int, name: str) -> Path:
         k = int(np.searchsorted(split.starts, row, side="right") - 1)
@@ -364,6 +396,6 @@ class BinarySource:
         """In place: id % table_rows for the hashed features, padding slots left alone."""
         starts = np.concatenate([[0], np.cumsum(self._bag_sizes)])
         for f in self._hashed:
-            block = ids[:, starts[f] : starts[f + 1]]
+            block = ids[..., starts[f] : starts[f + 1]]
             rows = self._table_rows[f]
             block[...] = np.where(block >= 0, block % rows, block)

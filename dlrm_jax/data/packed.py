@@ -1,0 +1,156 @@
+"""A batch in one host buffer, placed on the devices in one transfer and split into its fields
+inside the train step.
+
+Why: every array placed on the devices costs the reader thread a fixed share of host time
+under the GIL (sharding, per-device slicing, the transfer's bookkeeping): 0.42-0.64 ms a batch
+for the three fields on this project's CPU, whatever the batch size. One array of bytes costs
+one share, and the split is free on the device (slices and bitcasts the step fuses into its
+first reads). Readers that can write a batch in place (the binary source's ``pread``) write
+straight into the buffer, so the batch is copied once on the host, by the kernel.
+
+Layout. The batch axis is cut into the shards of the mesh's batch sharding (one per device);
+this process's buffer is uint8 ``[local shards, shard_bytes]``, shard j holding rows
+``[j*rows, (j+1)*rows)`` of the process's slice, field by field: ids (int32 ``[rows, S]``),
+dense (float32 ``[rows, num_dense]``), labels (float32 ``[rows]``). Placed with the batch
+sharding, each device holds exactly its shard, and :meth:`PackedLayout.unpack` (a
+``shard_map`` of local slices) gives the same :class:`~dlrm_jax.data.batch.Batch`, bit for
+bit, as placing the three fields one by one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from dlrm_jax.data.batch import Batch
+
+_FIELDS = (("ids", np.int32), ("dense", np.float32), ("labels", np.float32))
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each field of a shard's rows lies in its bytes (see the module docstring)."""
+
+    shards: int  # this process's shards of the batch axis
+    rows: int  # rows a shard holds
+    ids_width: int  # S: sum of the bag sizes
+    num_dense: int
+
+    def widths(self) -> dict[str, tuple[int, ...]]:
+        return {"ids": (self.ids_width,), "dense": (self.num_dense,), "labels": ()}
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """Field -> (first byte, bytes) within a shard (computed once: readers ask every batch)."""
+        out, at = {}, 0
+        for name, dtype in _FIELDS:
+            n = self.rows * int(np.prod(self.widths()[name], dtype=np.int64)) * np.dtype(dtype).itemsize
+            out[name], at = (at, n), at + n
+        return out
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(n for _, n in self.offsets.values())
+
+    def empty(self) -> np.ndarray:
+        """A new host buffer for one batch (malloc's kept free lists make this cheap:
+        :func:`dlrm_jax.hostmem.keep_freed_memory`)."""
+        return np.empty((self.shards, self.shard_bytes), np.uint8)
+
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Field -> a writable ``[shards, rows, ...]`` view into ``buf`` (each shard's rows
+        C-contiguous, the shards ``shard_bytes`` apart)."""
+        out = {}
+        for (name, dtype), (first, n) in zip(_FIELDS, self.offsets.values(), strict=True):
+            shape = (self.shards, self.rows, *self.widths()[name])
+            out[name] = buf[:, first : first + n].view(dtype).reshape(shape)
+        return out
+
+    def pack(self, batch: Batch) -> np.ndarray:
+        """A host batch copied into a new buffer (sources that cannot read in place)."""
+        buf = self.empty()
+        for name, view in self.views(buf).items():
+            view[...] = getattr(batch, name).reshape(view.shape)
+        return buf
+
+    def unpack(self, packed: jax.Array, mesh, spec) -> Batch:
+        """Traced: the global packed array (``[shards over every process, shard_bytes]``,
+        sharded by ``spec`` on its first axis) -> the batch, sharded the same way by rows."""
+        offsets = self.offsets
+
+        def local(x):  # [1, shard_bytes] -> this device's rows
+            got = {}
+            for name, dtype in _FIELDS:
+                first, n = offsets[name]
+                words = x[0, first : first + n].reshape(-1, np.dtype(dtype).itemsize)
+                got[name] = jax.lax.bitcast_convert_type(words, dtype).reshape(self.rows, *self.widths()[name])
+            return Batch(got["dense"], got["ids"], got["labels"])
+
+        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=Batch(spec, spec, spec))(packed)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Packed:
+    """A batch as one device array of bytes (the train step unpacks it); ``layout`` is static."""
+
+    data: jax.Array
+    layout: PackedLayout = field(metadata={"static": True})
+
+
+class _Joined:
+    """A ``[shards, rows, ...]`` view read as ``[shards * rows, ...]`` (``np.asarray``),
+    copied only when read."""
+
+    def __init__(self, view: np.ndarray):
+        self._view = view
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._view.shape[0] * self._view.shape[1], *self._view.shape[2:])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype=None, copy=None):
+        joined = self._view.reshape(self.shape)
+        return joined if dtype is None else joined.astype(dtype)
+
+
+def unpacked(batch, mesh, spec) -> Batch:
+    """Traced: ``batch`` as a :class:`Batch`, unpacking a :class:`Packed` one."""
+    return batch.layout.unpack(batch.data, mesh, spec) if isinstance(batch, Packed) else batch
+
+
+class HostPacked(NamedTuple):
+    """One batch's host buffer and its layout (what the readers hand to the transfer)."""
+
+    buf: np.ndarray
+    layout: PackedLayout
+
+    @property
+    def ids(self) -> _Joined:
+        """The batch's ids, joined only when read (hot-row counting reads the steps it counts,
+        on its own threads)."""
+        return _Joined(self.layout.views(self.buf)["ids"])
+
+
+def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
+    """``step -> HostPacked`` for ``source``: read in place where the source can
+    (``train_batch_into``: the binary source's reads go straight into the buffer), else its
+    ``train_batch`` copied in."""
+    into = getattr(source, "train_batch_into", None)
+
+    def read(step: int) -> HostPacked:
+        if into is None:
+            return HostPacked(layout.pack(source.train_batch(step)), layout)
+        buf = layout.empty()
+        into(step, layout.views(buf))
+        return HostPacked(buf, layout)
+
+    return read
