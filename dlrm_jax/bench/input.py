@@ -1,13 +1,15 @@
 """``dlrm-jax bench input``: the input pipeline as training uses it, beside the train step.
 
 For each case (the config's binary dataset with ``data.shuffle`` on and off, and synthetic
-data) the pipeline of :mod:`dlrm_jax.data.pipeline` reads this process's batches and copies
-them to the current devices, ``data.readers`` threads ``data.prefetch`` steps ahead; nothing
-consumes them but a wait for each to be on the devices, so its samples/s is what the input can
-feed. Beside it: the same config's step-only samples/s (cached batches, ``bench train``'s
-measure) and their ratio (above 1: the input outruns the step). Also the reading thread alone
-(``read_samples_per_s``: ``BinarySource.train_batch`` on one thread) and the process's peak
-memory.
+data) the pipeline of :mod:`dlrm_jax.data.pipeline` reads this process's batches, packed as
+training reads them (:mod:`dlrm_jax.data.packed`), and places them on the current devices,
+``data.readers`` threads ``data.prefetch`` steps ahead; nothing consumes them but a wait for
+each to be on the devices, so its samples/s is what the input can feed (``samples_per_s``:
+global, were every process as fast; ``process_samples_per_s``: this process's own rows).
+Beside it: the same config's step-only samples/s (cached batches, ``bench train``'s measure)
+and their ratio (above 1: the input outruns the step). Also the reading thread alone
+(``read_samples_per_s``: ``BinarySource.train_batch`` on one thread, this process's rows) and
+the process's peak memory.
 """
 
 from __future__ import annotations
@@ -63,10 +65,12 @@ def time_pipeline(cfg, steps: int) -> dict:
         for step in range(steps):
             source.train_batch(step)
         read_s = time.perf_counter() - t1
-    batch = cfg.train.batch_size
+    batch, processes = cfg.train.batch_size, jax.process_count()
     return {
-        "samples_per_s": steps * batch / pipeline_s,
-        "read_samples_per_s": steps * batch / read_s,
+        "samples_per_s": steps * batch / pipeline_s,  # global, were every process this fast
+        "processes": processes,
+        "process_samples_per_s": steps * batch / processes / pipeline_s,  # this process's own rows
+        "read_samples_per_s": steps * batch / processes / read_s,
         "peak_rss_bytes": hostmem.peak_rss_bytes(),
         **times,
     }

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.config import Config
+from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.hot.counts import RowCounts
@@ -84,16 +85,19 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
 
 
 def _host_batches(fns, source, count: int):
-    """The batches placed on the devices, and the input pipeline's and host->device's times."""
-    input_s, h2d_s, batches = [], [], []
+    """The batches placed on the devices as training places them (packed, one transfer), their
+    ids on the host, and the input pipeline's and host->device's times."""
+    input_s, h2d_s, batches, ids = [], [], [], []
+    read = packed_reader(source, fns.packed_layout())
     for i in range(count):
         t0 = time.perf_counter()
-        host = source.train_batch(i)
+        host = read(i)
         t1 = time.perf_counter()
         batches.append(jax.block_until_ready(fns.device_batch(host)))
         input_s.append(t1 - t0)
         h2d_s.append(time.perf_counter() - t1)
-    return batches, input_s, h2d_s
+        ids.append(np.asarray(host.ids))
+    return batches, ids, input_s, h2d_s
 
 
 def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, log):
@@ -117,7 +121,7 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
 def _profile(
     cfg: Config, out_dir: Path, mesh, source, fns, driver: TieredDriver | None, steps: int, warmup: int, log
 ) -> dict:
-    batches, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
+    batches, host_ids, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
     state, one, compiled_step = _step_runner(fns, source, driver, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
         state, out = one(state, i)
@@ -149,7 +153,7 @@ def _profile(
         {"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": readers},
         {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers},
     ]
-    rows += _hot_counting_rows(fns, batches)
+    rows += _hot_counting_rows(fns, host_ids)
     if driver is not None:
         rows += [
             {"name": f"tier {kind}", "ms": 1e3 * driver.runner.host_s[kind] / steps, "how": "host, in the run"}
@@ -188,7 +192,7 @@ def _profile(
     return result
 
 
-def _hot_counting_rows(fns, batches) -> list[dict]:
+def _hot_counting_rows(fns, host_ids: list[np.ndarray]) -> list[dict]:
     """Hot-row statistics as training keeps them: each counted batch (the ``window`` before
     every refresh) is counted on the schedule's counting threads, and at a refresh the
     dispatching thread sums the window and chooses the rows; both amortised over the refresh
@@ -197,8 +201,7 @@ def _hot_counting_rows(fns, batches) -> list[dict]:
     if hot is None or not hot.refresh_every:
         return []
     count_s = []
-    for b in batches[:4]:
-        ids = np.asarray(jax.device_get(b.ids))
+    for ids in host_ids[:4]:
         t0 = time.perf_counter()
         RowCounts.from_batches([ids], hot.bag_sizes)
         count_s.append(time.perf_counter() - t0)
@@ -215,7 +218,7 @@ def _hot_counting_rows(fns, batches) -> list[dict]:
         )
         counted = min(hot.window, hot.refresh_every)
         for i in range(counted):
-            copy.add(np.asarray(jax.device_get(batches[i % len(batches)].ids)))
+            copy.add(host_ids[i % len(host_ids)])
         t0 = time.perf_counter()  # the refresh right after the window's last step was dispatched
         copy.refresh()
         refresh_s.append(time.perf_counter() - t0)

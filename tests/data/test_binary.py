@@ -2,6 +2,7 @@
 block shuffle's epochs, evaluation, the max_rows cap, error messages, and agreement with
 `CriteoTSVSource`."""
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -89,9 +90,7 @@ def test_packed_reads_are_the_batches_step_by_step(data, shuffle, shards, proces
     read = packed_reader(source, layout)
     for step in range(45):
         packed, want = read(step), source.train_batch(step)
-        views = layout.views(packed.buf)
-        got = Batch(*(np.concatenate(views[k]) for k in ("dense", "ids", "labels")))
-        assert_batches_equal(got, want)
+        assert_batches_equal(joined(packed), want)
         np.testing.assert_array_equal(np.asarray(packed.ids), want.ids)
 
 
@@ -246,6 +245,12 @@ def copy(data, tmp_path):
     return tmp_path / "ds"
 
 
+def joined(packed) -> Batch:
+    """A packed host batch's fields, each as one array."""
+    views = packed.layout.views(packed.buf)
+    return Batch(*(np.concatenate(views[k]) for k in ("dense", "ids", "labels")))
+
+
 def first_batch(source, how: str):
     """Step 0's batch, read as a batch or packed in place (8 shards)."""
     if how == "batch":
@@ -329,6 +334,9 @@ def test_tsv_source_matches_unshuffled_binary_source(data):
         assert_batches_equal(text.train_batch(step), as_values(binary.train_batch(step)))
     for a, b in zip(text.eval_batches(), binary.eval_batches(), strict=True):
         assert_batches_equal(a, as_values(b))
+    read = packed_reader(text, PackedLayout(8, B // 8, 26, 13))  # the text source is copied in
+    for step in (0, 12, 13):
+        assert_batches_equal(joined(read(step)), text.train_batch(step))
 
 
 @pytest.mark.parametrize("max_rows", [0, 13])
@@ -476,3 +484,7 @@ def test_a_synthetic_binary_dataset_holds_the_generators_rows(tmp_path, bags):
     source = make_source(binary, evaluates=True)
     np.testing.assert_array_equal(source.train_batch(2).ids, split["ids"][128:192])
     assert sum(len(b.labels) for b in source.eval_batches()) == 150
+    shuffled = make_source(dataclasses.replace(binary, data=dataclasses.replace(binary.data, shuffle=True)))
+    read = packed_reader(shuffled, PackedLayout(4, 16, sum(cfg.bag_sizes), cfg.data.num_dense))
+    for step in range(30):  # multi-hot bags read in place, shard by shard, past two epochs
+        assert_batches_equal(joined(read(step)), shuffled.train_batch(step))
