@@ -144,7 +144,7 @@ class DataConfig:
     readers: int | str = field(default="auto", metadata=_int_or("auto") | POS)
     prefetch: int = field(
         default=4, metadata=POS
-    )  # steps of input prepared ahead (host and device memory: this many batches)
+    )  # steps of input prepared ahead, at least data.readers (host and device memory: this many batches)
     skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
     val_fraction: float = field(
         default=0.1, metadata=_bound("(0, 1)")

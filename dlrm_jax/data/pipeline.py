@@ -6,7 +6,7 @@ Threads and what they own: ``readers`` worker threads each take whole steps: rea
 batch (numpy, which releases the GIL while it copies) and, when a ``to_device`` is given, put
 it on the devices (``jax.make_array_from_process_local_data``: a host-to-device transfer, never
 a program with collectives). The thread that iterates (the trainer's dispatching thread) only
-takes finished steps in order, so its cost per step is a queue pop; it keeps at most ``depth``
+takes finished steps in order, so its cost per step is a queue pop; it keeps at most ``max(depth, readers)``
 steps in flight, which bounds host and device memory. Each step is a pure function of its
 index, so the order in which threads finish changes nothing.
 
@@ -77,8 +77,8 @@ class Prepared(Generic[T, D]):
 
 
 class InputPipeline(Generic[T, D]):
-    """Iterates :class:`Prepared` steps ``steps`` in order, made ``depth`` steps ahead by
-    ``readers`` threads (see the module docstring). Use as a context manager, or call
+    """Iterates :class:`Prepared` steps ``steps`` in order, made ``max(depth, readers)`` steps
+    ahead by ``readers`` threads (see the module docstring). Use as a context manager, or call
     :meth:`close`: pending steps are cancelled and the threads joined."""
 
     def __init__(
@@ -94,7 +94,7 @@ class InputPipeline(Generic[T, D]):
         self.readers = max(1, input_readers(readers))
         self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="input")
         self._pending: deque[Future] = deque()
-        self._depth = max(1, depth)
+        self._depth = max(1, depth, self.readers)  # fewer steps in flight would leave readers idle
         self.times = InputTimes()
         self._fill()
 

@@ -49,6 +49,25 @@ def test_a_readers_error_is_raised_at_its_step_and_lookahead_is_bounded():
     assert max(started) <= 5 + 3  # never more than depth steps past the one taken
 
 
+def test_every_reader_has_a_step_however_small_the_prefetch():
+    """Each reader takes a whole step: with data.prefetch below data.readers, the readers past
+    it would wait idle."""
+    started, go = [], threading.Event()
+
+    def read(step):
+        started.append(step)
+        go.wait(10)
+        return step
+
+    with InputPipeline(read, range(20), readers=6, depth=2) as p:
+        deadline = time.time() + 10
+        while len(started) < 6 and time.time() < deadline:
+            time.sleep(0.01)
+        assert sorted(started) == list(range(6))
+        go.set()
+        assert [i.step for i in p] == list(range(20))
+
+
 def test_auto_readers_are_this_processs_share_of_the_cores_less_two(monkeypatch):
     assert input_readers(3) == 3
     assert [input_readers("auto", cores=c) for c in (1, 2, 4, 16, 64)] == [2, 2, 2, 14, MAX_AUTO_READERS]
