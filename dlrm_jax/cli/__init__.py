@@ -1,5 +1,6 @@
-"""``dlrm-jax``: argument parsing (``parser``) and dispatch (``commands``), nothing else; here,
-the program itself: the huge-pages restart, signals, and one line per kind of failure.
+"""``dlrm-jax``: the commands (``commands``, one module each), their shared flags (``args``) and
+run-time helpers (``runtime``), the parser that lists them (``parser``); here, the program
+itself: the huge-pages restart, signals, and one line per kind of failure.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import signal
 import sys
 
 from dlrm_jax import hostmem, stopping
-from dlrm_jax.cli.commands import COMMANDS
+from dlrm_jax.cli.commands import by_name
 from dlrm_jax.cli.parser import build_parser
 from dlrm_jax.config import ConfigError
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping.die_with_launcher()  # a launch supervisor that ends, even by SIGKILL, stops us (a SIGTERM)
     hostmem.keep_freed_memory()
     try:
-        status = COMMANDS[args.command](args)
+        status = by_name()[args.command].run(args)
         stopping.raise_if_stopped()  # a signal whose exception Python swallowed (see stopping)
         return status
     except ConfigError as e:

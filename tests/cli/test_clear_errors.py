@@ -285,10 +285,10 @@ def test_list_flags_parse_to_lists():
 
 def test_bench_name_lists_allow_what_the_benches_run():
     from dlrm_jax.bench import exchange, hot, mlp_parallel
-    from dlrm_jax.cli import parser
+    from dlrm_jax.cli import args as cli_args
 
-    assert parser.STRATEGIES == exchange.STRATEGIES
-    assert (parser.HOT_LAYOUTS, parser.MLP_MODES) == (hot.LAYOUTS, mlp_parallel.MODES)
+    assert cli_args.STRATEGIES == exchange.STRATEGIES
+    assert (cli_args.HOT_LAYOUTS, cli_args.MLP_MODES) == (hot.LAYOUTS, mlp_parallel.MODES)
     args = build_parser().parse_args(["bench", "hot"])
     assert (args.layouts, args.row_layouts) == (list(hot.LAYOUTS), list(hot.ROW_LAYOUTS))
 

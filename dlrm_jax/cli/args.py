@@ -1,0 +1,114 @@
+"""The argument types and groups ``dlrm-jax``'s commands share: argparse types that name their
+flag in an error (bounded numbers, comma-separated lists and names), the config and the
+multi-process flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from dlrm_jax.choices import Strategy
+
+
+def bounded(kind: type, low: float, *, strict: bool = False):
+    """An argparse type: an integer or number >= ``low`` (> with ``strict``); argparse names the
+    flag in its error."""
+    what, op = {int: "an integer", float: "a number"}[kind], ">" if strict else ">="
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected {what} {op} {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+def list_of(kind: type, low: float | None = None, empty: bool = False):
+    """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given; none at
+    all, ``""``, only when ``empty``)."""
+    what = {int: "integers", float: "numbers"}[kind]
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values and not (empty and not text.strip()):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        if low is not None and min(values) < low:
+            raise argparse.ArgumentTypeError(f"expected values >= {low}, got {text!r}")
+        return values
+
+    return parse
+
+
+def names(*allowed: str):
+    """An argparse type: comma-separated names, each one of ``allowed``, at least one; argparse
+    names the flag in its error, and the error lists what is allowed."""
+
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            got = f"{bad[0]!r} in {text!r}" if bad and bad != [text.strip()] else repr(text)
+            raise argparse.ArgumentTypeError(f"expected comma-separated values of {', '.join(allowed)}; got {got}")
+        return values
+
+    return parse
+
+
+STRATEGIES = ("auto", *Strategy)  # auto: the config's own embedding.sharding
+HOT_LAYOUTS = ("permuted", "frequency_ordered")  # bench/hot.py's LAYOUTS (a test keeps them equal)
+MLP_MODES = ("data", "tensor", "pipeline")  # bench/mlp_parallel.py's MODES (likewise)
+
+
+POSITIVE, COUNT = bounded(int, 1), bounded(int, 0)  # steps and repeats; warmups and caps
+
+
+def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
+    p.add_argument(
+        "--config",
+        required=config_required,
+        help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.steps=100 (repeatable)",
+    )
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-process (one process per host)")
+    g.add_argument("--coordinator", help="host:port of process 0 for jax.distributed")
+    g.add_argument(
+        "--coordinator-bind",
+        metavar="ADDRESS:PORT",
+        help="where process 0's coordination service listens (default: --coordinator's own address, "
+        "not every interface; 0.0.0.0:PORT to listen on all)",
+    )
+    g.add_argument("--num-processes", type=int, help="how many processes take part (every process the same)")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 to --num-processes - 1")
+    g.add_argument(
+        "--join-timeout",
+        type=int,
+        default=300,
+        metavar="S",
+        help="seconds to wait for every process to join before exiting with one line (default 300)",
+    )
+
+
+def step_arg(text: str) -> int | str:
+    """--step: a checkpoint's step, or 'best'."""
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number or 'best', got {text!r}") from None

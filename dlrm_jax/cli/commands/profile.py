@@ -1,0 +1,43 @@
+"""``dlrm-jax profile``: the time of each phase of a few train steps, and a trace."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dlrm_jax.cli.args import COUNT, POSITIVE, add_config_args, add_distributed_args
+from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
+from dlrm_jax.config import load_config
+
+NAME = "profile"
+HELP = "time per phase of a few train steps, peak memory, and a trace"
+
+
+def add_arguments(p) -> None:
+    add_config_args(p)
+    p.add_argument("--steps", type=POSITIVE, default=10, help="traced steps (default 10)")
+    p.add_argument("--warmup", type=COUNT, default=3, help="untraced steps after compilation (default 3)")
+    p.add_argument(
+        "--run-dir",
+        help="where profile.json and trace/ go (default: runs/profile-<time>); "
+        "a training run's dir adds its phase bars to `dlrm-jax report`",
+    )
+    add_distributed_args(p)
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    # XLA:CPU records one trace event per executed operation only when asked, before it starts.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
+    start_jax(devices_for(cfg), args, cfg.mesh.devices)
+    from dlrm_jax.bench.profile import profile
+    from dlrm_jax.train.rundir import agree_on_run_dir
+
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:  # runs/profile-<time>, the same on every process
+        agreed = Path(agree_on_run_dir(None))
+        run_dir = agreed.with_name(f"profile-{agreed.name}")
+    library_logs_to(run_dir)
+    profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=log)
+    return 0

@@ -1,0 +1,59 @@
+"""``dlrm-jax train``: train a model, resuming from its run dir's newest checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dlrm_jax import stopping
+from dlrm_jax.cli.args import add_config_args, add_distributed_args
+from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
+from dlrm_jax.config import load_config
+
+NAME = "train"
+HELP = "train a model (resumes from --run-dir's newest checkpoint)"
+
+
+def add_arguments(p) -> None:
+    add_config_args(p)
+    p.add_argument("--run-dir", help="where config, plan, metrics and checkpoints go (default: runs/<time>)")
+    add_distributed_args(p)
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from dlrm_jax.data.sources import check_data_path, resolve_data_config
+
+    check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
+    start_jax(devices_for(cfg), args, cfg.mesh.devices)
+    import jax
+
+    from dlrm_jax.parallel.mesh import check_available
+    from dlrm_jax.train.checks import check_runnable
+    from dlrm_jax.train.rundir import agree_on_run_dir
+    from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
+
+    devices, cpu = cfg.mesh.devices or jax.device_count(), jax.default_backend() == "cpu"
+    check_available(devices, jax.device_count(), jax.default_backend())
+    cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
+    check_runnable(cfg, devices, jax.process_count(), simulated=cpu)  # the plan command's checks, before a run dir
+    run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
+    log(f"run dir: {run_dir}")
+    library_logs_to(run_dir)
+    try:
+        # Planning, restoring, compiling and the final evaluation compile: a stop signal there
+        # waits for a point where nothing native is under way (see dlrm_jax.stopping).
+        with stopping.deferred("the run's start"):
+            summary = train_and_evaluate(cfg, run_dir, log=log)
+    except Interrupted as e:
+        again = "re-run the same command" if args.run_dir else f"re-run the command with --run-dir {run_dir}"
+        saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
+        print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    import jax
+
+    if jax.process_index() == 0:  # every process holds the same summary: one copy for the reader
+        if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
+            print(summary.best_line(), flush=True)
+        print(summary.final_line(), flush=True)
+    return 0

@@ -1,0 +1,103 @@
+"""What ``dlrm-jax``'s commands share when they run: starting JAX with the simulated devices and
+processes a config asks for, the libraries' logs into the run dir, the log line, a row cap."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from dlrm_jax.config import Config, ConfigError, load_config
+from dlrm_jax.files import check_dir
+from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
+
+
+def devices_for(cfg: Config) -> int:
+    return cfg.mesh.devices or SIMULATED_DEVICES_DEFAULT
+
+
+def start_jax(devices: int, args, mesh_devices: int = 0) -> None:
+    """Check the multi-process flags (``mesh_devices``: the config's mesh.devices, which they
+    must split), shape the CPU backend and join the distributed runtime; imports JAX."""
+    from dlrm_jax.parallel.coordination import check_processes, initialize_distributed
+
+    flags = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]
+    check_processes(*flags, mesh_devices)
+    request_cpu_devices(max(1, devices // (flags[1] or 1)))  # simulated devices of this process
+    initialize_distributed(
+        *flags, join_timeout_s=getattr(args, "join_timeout", 300), bind=getattr(args, "coordinator_bind", None)
+    )
+    check_backend()
+
+
+def check_backend() -> None:
+    """One line when JAX cannot start the platform asked for (JAX_PLATFORMS=cuda with a CPU-only
+    jaxlib fails deep inside JAX with a bare AssertionError)."""
+    import jax
+
+    try:
+        jax.devices()
+    except (AssertionError, RuntimeError) as e:
+        asked = os.environ.get("JAX_PLATFORMS", "")
+        gpu = any(p in asked for p in ("cuda", "gpu"))
+        how = (
+            'this JAX has no CUDA backend: install the GPU build with `pip install -e ".[cuda12]"` '
+            "(or unset JAX_PLATFORMS to train on the CPU)"
+            if gpu
+            else f"{type(e).__name__} {e}".strip()
+        )
+        raise ConfigError(f"JAX_PLATFORMS={asked or '(unset)'}: JAX could not start it; {how}") from None
+
+
+def library_logs_to(run_dir: Path) -> None:
+    """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``: their
+    multi-line reports of a failure we already report in one line stay out of the terminal.
+    Every command with a run dir calls this (the others use no library that logs through
+    absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
+    libraries' messages are dropped rather than printed."""
+    import jax
+
+    check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
+    index = jax.process_index()
+    handler = _RunDirLog(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed restore
+        library = logging.getLogger(name)
+        library.addHandler(handler)
+        library.propagate = False
+
+
+class _RunDirLog(logging.FileHandler):
+    """A log file, and its run dir, made by the first message: a run that logs none leaves
+    none, and a run refused before its run dir is made leaves no empty one. A file that cannot
+    be written (read-only, another user's dir) loses the messages."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)
+
+    def emit(self, record) -> None:
+        try:
+            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+            super().emit(record)  # opens the file on the first message (delay)
+        except OSError:
+            pass
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def tighten_cap(cfg: Config, max_rows: int) -> Config:
+    import dataclasses
+
+    own = cfg.row_cap
+    cap = own if not max_rows else (min(own, max_rows) if own else max_rows)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_rows=cap))
+
+
+def run_config(run_dir: str, overrides: list[str]) -> Config:
+    """A training run's config (its ``config.yaml``), with ``overrides`` applied."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: is {run_dir} a run directory?")
+    return load_config(path, overrides)
