@@ -98,7 +98,7 @@ _EXPORTS = {
     "HotPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "RowCounts": "dlrm_jax.embedding.hot.counts",
     "HotSchedule": "dlrm_jax.embedding.hot.schedule",
-    "choose_hot_rows": "dlrm_jax.embedding.hot.planner",
+    "choose_hot_rows": "dlrm_jax.embedding.hot.choice",
     "TierPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "TierStore": "dlrm_jax.embedding.tiers.store",
     "TieredTables": "dlrm_jax.embedding.tiers.tables",

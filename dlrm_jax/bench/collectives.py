@@ -4,7 +4,7 @@ For each message size, both collectives run inside one ``shard_map`` over the me
 within the compiled program so that dispatch stays out of the timing, and each is reported as
 the bytes one device sends per second: all-to-all sends (N-1)/N of its buffer, a ring
 all-reduce 2(N-1)/N of it. The ratio of the two at the sizes a step uses is what
-``embedding/hot/planner.py`` needs (a replicated row trades all-to-all bytes for all-reduce
+``embedding/hot/choice.py`` needs (a replicated row trades all-to-all bytes for all-reduce
 bytes).
 """
 

@@ -2,7 +2,8 @@
 
 One train step: embedding lookup -> dense DLRM forward and loss -> gradients w.r.t. the dense
 parameters and the looked-up vectors -> optax update of the dense part and sparse update of the
-tables. The state is donated, the batch is sharded over the mesh's ``devices`` axis.
+tables. The state is donated, the batch is sharded over every device (``batch_spec``: the
+mesh's ``data`` and ``model`` axes).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def _skewed_batches(rows, n_batches, batch, features, exponent, seed=0):
 def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
     """Row-wise block layout, hot ids at the bottom of every table: all on device 0. The model
     must replicate some, which lowers the busiest owner's bucket and the predicted time."""
-    from dlrm_jax.embedding.hot.planner import choose_hot_rows
+    from dlrm_jax.embedding.hot.choice import choose_hot_rows
 
     cfg = tiny(
         "data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256", "embedding.optimizer=sgd"
@@ -127,7 +127,7 @@ def test_model_replicates_the_hot_rows_of_a_frequency_ordered_vocabulary(tiny):
 def test_model_never_predicts_worse_than_no_replication(tiny):
     """Uniform ids: replication saves little capacity and costs an all-reduce; whatever it
     picks is predicted no slower than nothing, and within the memory budget."""
-    from dlrm_jax.embedding.hot.planner import choose_hot_rows
+    from dlrm_jax.embedding.hot.choice import choose_hot_rows
 
     cfg = tiny("data.cardinalities=[4000, 4000]", "embedding.sharding=row", "train.batch_size=256")
     plan, measure = _engine(cfg, 4)
@@ -142,7 +142,7 @@ def test_model_never_predicts_worse_than_no_replication(tiny):
 @settings(max_examples=examples(30))
 @given(seed=st.integers(0, 2**16), max_rows=st.integers(0, 500))
 def test_candidate_sizes_follow_the_global_ranking(seed, max_rows):
-    from dlrm_jax.embedding.hot.planner import candidate_sizes
+    from dlrm_jax.embedding.hot.choice import candidate_sizes
 
     counts = RowCounts.from_batches(random_batches(seed, 3, 10, rows=200), BAGS)
     seen = [c.size for c in counts.ids]

@@ -1,7 +1,7 @@
 """The ids form of the sparse exchange: distinct rows travel to the requester, which pools.
 
 It serves row-wise tables (and table-wise ones whose plan says ``ids``). Per part, inside one
-``jax.shard_map`` over the mesh's ``devices`` axis, each device:
+``jax.shard_map`` over every device of the mesh (its ``data`` and ``model`` axes), each device:
 
 forward   route its ids to owners -> deduplicate per owner -> all_to_all of row ids (fixed
           capacity C per owner) -> owners gather rows from their local shard -> all_to_all of

@@ -18,8 +18,8 @@ import numpy as np
 from dlrm_jax.config_schema import HotConfig
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
+from dlrm_jax.embedding.hot.choice import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.counts import RowCounts
-from dlrm_jax.embedding.hot.planner import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.plan.cost import Cluster
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
