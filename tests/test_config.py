@@ -231,3 +231,23 @@ def test_every_numeric_key_declares_its_bound_and_a_value_outside_it_is_named():
         value = f"[{bad}]" if each else bad
         with pytest.raises(ConfigError, match=re.escape(f"{key}[0]" if each else key)):
             load_config(None, [f"{key}={value}"])
+
+
+def test_every_dense_optimizer_the_schema_allows_is_built_and_no_other():
+    """train.optimizer's choices are DENSE_OPTIMIZERS' names; a name past validation (a config
+    built in code) is an error naming the key, not a silent Adam."""
+    import dataclasses
+
+    import optax
+
+    from dlrm_jax.config_schema import TrainConfig
+    from dlrm_jax.train.step import DENSE_OPTIMIZERS, dense_optimizer
+
+    allowed = TrainConfig.__dataclass_fields__["optimizer"].metadata["choices"]
+    assert tuple(DENSE_OPTIMIZERS) == tuple(allowed)
+    cfg = load_config(None, [])
+    for name in allowed:
+        assert dense_optimizer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=name)), 0.1)
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="lamb"))
+    with pytest.raises(ConfigError, match="train.optimizer='lamb' is not one of sgd, adagrad, adam"):
+        dense_optimizer(bad, optax.constant_schedule(0.1))

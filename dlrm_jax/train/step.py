@@ -78,13 +78,20 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
     return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
 
+DENSE_OPTIMIZERS = {  # train.optimizer's values (the schema lists the same names)
+    "sgd": optax.sgd,
+    "adagrad": lambda schedule: optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-8),
+    "adam": optax.adam,
+}
+
+
 def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
-    name = cfg.train.optimizer
-    if name == "sgd":
-        return optax.sgd(schedule)
-    if name == "adagrad":
-        return optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-8)
-    return optax.adam(schedule)
+    """The dense part's optax optimizer (``train.optimizer``); another name is a ConfigError,
+    not a silent Adam."""
+    make = DENSE_OPTIMIZERS.get(cfg.train.optimizer)
+    if make is None:
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not one of {', '.join(DENSE_OPTIMIZERS)}")
+    return make(schedule)
 
 
 class StepFunctions:
