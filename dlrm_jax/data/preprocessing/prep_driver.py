@@ -41,6 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -158,60 +159,40 @@ def _write_dataset(
         count_files, counted_rows = [f"{name}.dict.npz" for name in names], valid
         if opts.vocab_from == "train" and n_val:  # parts holding val rows count their train rows
             mixed = [k for k, s in enumerate(plan.parts) if s.train < s.rows]
+            counts_of = partial(train_counts, work=work, features=F)  # what every part shares, bound once
             for k, file in zip(
-                mixed,
-                pmap(
-                    train_counts,
-                    [names[k] for k in mixed],
-                    [plan.parts[k] for k in mixed],
-                    [work] * len(mixed),
-                    [F] * len(mixed),
-                ),
-                strict=True,
+                mixed, pmap(counts_of, [names[k] for k in mixed], [plan.parts[k] for k in mixed]), strict=True
             ):
                 count_files[k] = file
             counted_rows = n_train
         (out.root / "vocab").mkdir()
-        cards = list(
-            pmap(
-                merge_feature,
-                range(F),
-                [names] * F,
-                [count_files] * F,
-                [work] * F,
-                [out.root] * F,
-                [opts.max_ind_range] * F,
-                [opts.min_count] * F,
-                [opts.vocab_from] * F,
-                [counted_rows] * F,
-            )
+        merge = partial(
+            merge_feature,
+            parts=names,
+            count_files=count_files,
+            work=work,
+            out=out.root,
+            max_ind_range=opts.max_ind_range,
+            min_count=opts.min_count,
+            vocab_from=opts.vocab_from,
+            rows=counted_rows,
         )
+        cards = list(pmap(merge, range(F)))
         if opts.multi_hot:
             MultiHotRule(cards, opts.multi_hot).save(work / "multihot")
         seconds["vocabulary"] = time.perf_counter() - t0 - seconds["scan"]
         bags = tuple(opts.multi_hot) if opts.multi_hot else (1,) * parser.num_features
         row_bytes = 4 * (parser.num_dense + sum(bags) + 1)
         where = Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes), opts.shuffle_seed)
-        counts = np.stack(
-            list(
-                pmap(
-                    place_part,
-                    names,
-                    plan.parts,
-                    [work] * len(names),
-                    [bool(opts.multi_hot)] * len(names),
-                    [where] * len(names),
-                    [parser.num_features] * len(names),
-                )
-            )
-        )
+        place = partial(place_part, work=work, multi_hot=bool(opts.multi_hot), where=where, features=F)
+        counts = np.stack(list(pmap(place, names, plan.parts)))
         flat = counts.reshape(len(names), -1)  # a part's rows are sorted by (split, shard)
         starts = (np.cumsum(flat, axis=1) - flat).reshape(counts.shape)
         jobs = [(s, k, rows) for s in (0, 1) for k, rows in enumerate(where.shards(s))]
         for split in (0, 1):
             (out.root / shards.SPLITS[split]).mkdir()
-        same = [[x] * len(jobs) for x in (names, starts, counts, work, out.root)]
-        list(pmap(assemble_shard, *zip(*jobs, strict=True), *same))
+        assemble = partial(assemble_shard, parts=names, starts=starts, counts=counts, work=work, root=out.root)
+        list(pmap(assemble, *zip(*jobs, strict=True)))
         seconds["write"] = time.perf_counter() - t0 - seconds["scan"] - seconds["vocabulary"]
         hists = [np.load(work / f"hist_{f}.npz") for f in range(parser.num_features)]
         if not opts.multi_hot:  # bags' other ids are not counted: hot planning counts batches instead
@@ -269,9 +250,8 @@ def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) 
     sizes = [(t.end - t.start) if t.end >= 0 else Path(t.path).stat().st_size for t, _ in tasks]
     n = len(tasks)
     with byte_progress(paths, "scan", opts.progress) as bar:
-        scanned = pmap(
-            scan_task, [parser] * n, [t for t, _ in tasks], range(n), [work] * n, [opts.max_ind_range] * n, [strict] * n
-        )
+        scan = partial(scan_task, parser, work=work, max_ind_range=opts.max_ind_range, strict=strict)
+        scanned = pmap(scan, [t for t, _ in tasks], range(n))
         for (task, _), size, r in zip(tasks, sizes, scanned, strict=True):
             r["first_line"] = lines_before[task.path]
             if strict and r["bad"]:
