@@ -5,6 +5,7 @@ multi-process flags."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from dlrm_jax.choices import Strategy
 
@@ -74,14 +75,7 @@ def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -
         required=config_required,
         help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.steps=100 (repeatable)",
-    )
+    add_overrides(p, "override a config key, e.g. --set train.steps=100 (repeatable)")
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -112,3 +106,35 @@ def step_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a step number or 'best', got {text!r}") from None
+
+
+def add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """--set KEY=VALUE, repeatable, into ``args.overrides``."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def add_run_and_step(p: argparse.ArgumentParser, to: str, between: Callable | None = None) -> None:
+    """--run-dir (a training run's folder) and --step (one of its checkpoints, which the command
+    uses ``to`` ...); ``between`` adds the flags that come between them in ``-h``."""
+    p.add_argument("--run-dir", required=True, help="the training run's folder (its config.yaml and checkpoints)")
+    if between is not None:
+        between(p)
+    p.add_argument(
+        "--step",
+        type=step_arg,
+        help=f"the checkpoint to {to}: a step, or 'best' (train.keep_best's); default: the newest intact",
+    )
+
+
+def add_max_rows(p: argparse.ArgumentParser, default: int) -> None:
+    """--max-rows: a benchmark's cap on table rows (a config's own tighter cap stays)."""
+    p.add_argument(
+        "--max-rows",
+        type=COUNT,
+        default=default,
+        help="cap tables at this many rows; a config's own tighter cap stays (0: no change)",
+    )
+
+
+def add_json_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", help="write the JSON here too")

@@ -14,6 +14,9 @@ from dlrm_jax.cli.args import (
     POSITIVE,
     STRATEGIES,
     add_config_args,
+    add_json_output,
+    add_max_rows,
+    add_overrides,
     list_of,
     names,
 )
@@ -46,25 +49,18 @@ def run(args) -> int:
 
 def _train_arguments(p) -> None:
     p.add_argument("--configs", default="default,criteo_kaggle", help="comma-separated config names or files")
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="applied to every config"
-    )
+    add_overrides(p, "applied to every config")
     p.add_argument("--steps", type=POSITIVE, default=30, help="timed steps per config")
     p.add_argument("--warmup", type=COUNT, default=5, help="untimed steps after compilation")
-    p.add_argument(
-        "--max-rows",
-        type=COUNT,
-        default=200_000,
-        help="cap tables at this many rows; a config's own tighter cap stays (0: no change)",
-    )
-    p.add_argument("--output", help="write the JSON here too")
+    add_max_rows(p, 200_000)
+    add_json_output(p)
 
 
 def _input_arguments(p) -> None:
     add_config_args(p)
     p.add_argument("--steps", type=POSITIVE, default=30, help="batches timed through the pipeline per case")
     p.add_argument("--step-steps", type=POSITIVE, default=5, help="timed train steps for the step-only figure")
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _exchange_arguments(p) -> None:
@@ -75,7 +71,7 @@ def _exchange_arguments(p) -> None:
         default=list(STRATEGIES),
         help=f"comma-separated, of {','.join(STRATEGIES)} (default: all); auto: the config's own embedding.sharding",
     )
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _embedding_arguments(p) -> None:
@@ -87,13 +83,8 @@ def _embedding_arguments(p) -> None:
         help=f"comma-separated, of {','.join(STRATEGIES)} (default replicated,table,row,column,auto)",
     )
     p.add_argument("--steps", type=POSITIVE, default=20, help="timed steps per variant")
-    p.add_argument(
-        "--max-rows",
-        type=COUNT,
-        default=100_000,
-        help="cap tables at this many rows; a config's own tighter cap stays (0: no change)",
-    )
-    p.add_argument("--output", help="write the JSON here too")
+    add_max_rows(p, 100_000)
+    add_json_output(p)
 
 
 def _tiers_arguments(p) -> None:
@@ -143,23 +134,16 @@ def _tiers_arguments(p) -> None:
         help="first measure the tier directory's disk with 4 KiB random reads at queue depth 1 and 32 "
         "on a file of this many MiB (0: skip)",
     )
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _serving_arguments(p) -> None:
     p.add_argument("--config", default="criteo_kaggle", help="the model trained on the sample (default criteo_kaggle)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key of the benchmark's training config (repeatable)",
-    )
+    add_overrides(p, "override a key of the benchmark's training config (repeatable)")
     p.add_argument("--lines", type=POSITIVE, default=200_000, help="sample lines (a tenth held out and scored)")
     p.add_argument("--steps", type=POSITIVE, default=100, help="training steps (a checkpoint at half of them)")
     p.add_argument("--workdir", help="keep the sample, run and artifacts here (default: a temporary folder)")
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _hot_arguments(p) -> None:
@@ -179,29 +163,17 @@ def _hot_arguments(p) -> None:
     )
     p.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
     p.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
-    p.add_argument(
-        "--max-rows",
-        type=COUNT,
-        default=0,
-        help="cap tables at this many rows; a config's own tighter cap stays (0: no change)",
-    )
-    p.add_argument("--output", help="write the JSON here too")
+    add_max_rows(p, 0)
+    add_json_output(p)
 
 
 def _mlp_parallel_arguments(p) -> None:
     p.add_argument("--configs", default="criteo_kaggle,mlperf_dlrm_v1", help="configs whose dense parts are compared")
     p.add_argument("--modes", type=names(*MLP_MODES), default=list(MLP_MODES), help="comma-separated")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="applied to every config (default: mesh.model=2, train.batch_size=2048, data.max_rows=1000)",
-    )
+    add_overrides(p, "applied to every config (default: mesh.model=2, train.batch_size=2048, data.max_rows=1000)")
     p.add_argument("--steps", type=POSITIVE, default=5, help="timed steps per variant and repeat")
     p.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _collectives_arguments(p) -> None:
@@ -213,7 +185,7 @@ def _collectives_arguments(p) -> None:
         help="buffer sizes per device, KiB, comma-separated (default 64,1024,16384)",
     )
     p.add_argument("--repeats", type=POSITIVE, default=10, help="timed calls per size (default 10)")
-    p.add_argument("--output", help="write the JSON here too")
+    add_json_output(p)
 
 
 def _train(args) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlrm_jax import stopping
-from dlrm_jax.cli.args import add_distributed_args, step_arg
+from dlrm_jax.cli.args import add_distributed_args, add_overrides, add_run_and_step
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, run_config, start_jax
 
 NAME = "eval"
@@ -13,19 +13,10 @@ HELP = "evaluate a checkpoint of a run (default: the newest)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--run-dir", required=True, help="the training run's folder (its config.yaml and checkpoints)")
-    p.add_argument(
-        "--step",
-        type=step_arg,
-        help="the checkpoint to evaluate: a step, or 'best' (train.keep_best's); default: the newest intact",
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key of the run's config for this evaluation, e.g. --set mesh.devices=4 "
+    add_run_and_step(p, "evaluate")
+    add_overrides(
+        p,
+        "override a key of the run's config for this evaluation, e.g. --set mesh.devices=4 "
         "or --set train.eval_batches=0 (the whole held-out split; repeatable)",
     )
     add_distributed_args(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlrm_jax import stopping
-from dlrm_jax.cli.args import step_arg
+from dlrm_jax.cli.args import add_overrides, add_run_and_step
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, run_config, start_jax
 from dlrm_jax.config import ConfigError
 
@@ -17,16 +17,14 @@ HELP = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--run-dir", required=True, help="the training run's folder (its config.yaml and checkpoints)")
-    p.add_argument(
-        "--output",
-        required=True,
-        help="folder for OUTPUT/<table>/<field> zarr3 arrays, or the serving artifact (a new folder)",
-    )
-    p.add_argument(
-        "--step",
-        type=step_arg,
-        help="the checkpoint to export: a step, or 'best' (train.keep_best's); default: the newest intact",
+    add_run_and_step(
+        p,
+        "export",
+        lambda p: p.add_argument(
+            "--output",
+            required=True,
+            help="folder for OUTPUT/<table>/<field> zarr3 arrays, or the serving artifact (a new folder)",
+        ),
     )
     p.add_argument(
         "--serving",
@@ -47,14 +45,7 @@ def add_arguments(p) -> None:
         help="--serving: a delta, only the rows changed since "
         "the checkpoint of STEP (load it after that step's export)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key of the run's config for the export, e.g. --set mesh.devices=4 (repeatable)",
-    )
+    add_overrides(p, "override a key of the run's config for the export, e.g. --set mesh.devices=4 (repeatable)")
 
 
 def run(args) -> int:
