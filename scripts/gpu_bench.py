@@ -514,7 +514,7 @@ def train_end_to_end(name: str, steps: int, data: str | None = None) -> dict:
     last = next(e for e in reversed(events) if "run_samples_per_s" in e)
     host = {
         k: statistics.median(e[k] for e in inner if k in e)
-        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "host_dispatch_ms")
+        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "dispatch_ms")
         if any(k in e for e in inner)
     }
     return {

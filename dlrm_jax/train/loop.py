@@ -215,7 +215,7 @@ class TrainingLoop:
             "a2a_bytes": self.sent["all-to-all"],
             "allreduce_bytes": self.sent["all-reduce"],
             "allgather_bytes": self.sent["all-gather"],
-            "host_dispatch_ms": 1e3 * dispatch_cpu_s / max(window_steps, 1),
+            "dispatch_ms": 1e3 * dispatch_cpu_s / max(window_steps, 1),
         }
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))

@@ -10,6 +10,7 @@ from reference import dense_reference
 
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
+from dlrm_jax.observe.metrics import TIMING_FIELDS
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.trainer import RUN_END_FIELDS as RUN_END
 
@@ -195,7 +196,7 @@ def test_host_replicas_run_equals_a_global_run_through_the_api(tiny, tmp_path):
         whole.auc,
         whole.logloss,
     )
-    timeless = lambda e: {k: v for k, v in e.items() if k not in ("samples_per_s", "wall_s", *RUN_END)}
+    timeless = lambda e: {k: v for k, v in e.items() if k not in (*TIMING_FIELDS, *RUN_END)}
     cut = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert list(map(timeless, cut)) == list(map(timeless, events["replicas"]))
     for name in runs:

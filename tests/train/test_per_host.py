@@ -9,6 +9,7 @@ import pytest
 
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
+from dlrm_jax.observe.metrics import TIMING_FIELDS
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.trainer import RUN_END_FIELDS as RUN_END
 
@@ -115,7 +116,7 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
     cut = train_and_evaluate(tiny(*overrides, "train.steps=6"), tmp_path / "cut", **quiet)
     events = {
         name: [
-            {k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s", *RUN_END)}
+            {k: v for k, v in json.loads(line).items() if k not in (*TIMING_FIELDS, *RUN_END)}
             for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         ]
         for name in ("whole", "cut")
