@@ -96,7 +96,7 @@ def _host_batches(fns, source, count: int):
         batches.append(jax.block_until_ready(fns.device_batch(host)))
         input_s.append(t1 - t0)
         h2d_s.append(time.perf_counter() - t1)
-        ids.append(np.asarray(host.ids))
+        ids.append(host.ids)  # joined only if hot-row counting reads them
     return batches, ids, input_s, h2d_s
 
 
@@ -192,7 +192,7 @@ def _profile(
     return result
 
 
-def _hot_counting_rows(fns, host_ids: list[np.ndarray]) -> list[dict]:
+def _hot_counting_rows(fns, host_ids: list) -> list[dict]:
     """Hot-row statistics as training keeps them: each counted batch (the ``window`` before
     every refresh) is counted on the schedule's counting threads, and at a refresh the
     dispatching thread sums the window and chooses the rows; both amortised over the refresh
@@ -201,7 +201,7 @@ def _hot_counting_rows(fns, host_ids: list[np.ndarray]) -> list[dict]:
     if hot is None or not hot.refresh_every:
         return []
     count_s = []
-    for ids in host_ids[:4]:
+    for ids in map(np.asarray, host_ids[:4]):
         t0 = time.perf_counter()
         RowCounts.from_batches([ids], hot.bag_sizes)
         count_s.append(time.perf_counter() - t0)

@@ -110,15 +110,8 @@ class _Joined:
     def __init__(self, view: np.ndarray):
         self._view = view
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self._view.shape[0] * self._view.shape[1], *self._view.shape[2:])
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
     def __array__(self, dtype=None, copy=None):
-        joined = self._view.reshape(self.shape)
+        joined = self._view.reshape(-1, *self._view.shape[2:])
         return joined if dtype is None else joined.astype(dtype)
 
 

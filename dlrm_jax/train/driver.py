@@ -122,7 +122,9 @@ class DeviceDriver(StepDriver):
         return self.pipeline
 
     def run(self, state: TrainState, item) -> Stepped:
-        ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
+        ids = None  # read only for hot-row counting (after_step), so nothing per step without it
+        if self.steps.hot is not None:
+            ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
         state, out, _ = self.compiled(state, item.device)
         return Stepped(state, out, ids)
 

@@ -200,7 +200,9 @@ class TrainingLoop:
         if self._state_check is not None:
             self.watch.check_state(step, self._state_check)
         elapsed = time.perf_counter() - self.window_start
-        dispatch_cpu_s = time.thread_time() - self.window_cpu  # this thread's own work; its waits excluded
+        dispatch_cpu_s = (
+            time.thread_time() - self.window_cpu
+        )  # this thread's CPU time (a blocking wait counts only its spin)
         self.last_loss, window_steps, overflows, hit_rate = self.watch.take_window()
         self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + window_steps
         rate = window_steps * self.t.batch_size / elapsed

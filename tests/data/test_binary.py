@@ -5,7 +5,6 @@ block shuffle's epochs, evaluation, the max_rows cap, error messages, and agreem
 import dataclasses
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +142,7 @@ class StreamOnly(BinarySource):
     def __init__(self, rows, batch, processes, process, seed, block, shuffle):
         self._lo, self._hi = rows * process // processes, rows * (process + 1) // processes
         self._process, self._seed, self._shuffle = process, seed, shuffle
-        self._places, self._places_lock, self._turns = {}, threading.Lock(), {}
+        self._keep_places()
         per = batch // processes
         self._rows = slice(process * per, (process + 1) * per)
         self._block = max(1, min(block, (self._hi - self._lo) // 64))

@@ -23,6 +23,7 @@ A dataset without dense features (num_dense 0) is read as one all-zero dense col
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch, process_slice
 from dlrm_jax.data.shards import (
+    ARRAY_DTYPES,
     ID_COUNTS_FILE,
     META_FILE,
     SPLITS,
@@ -46,7 +48,7 @@ from dlrm_jax.data.sources.synthetic_draws import mix64
 
 MIN_BLOCKS = 64  # a stream is cut into at least this many blocks to shuffle (or single rows)
 PLACES_CHUNK = 4096  # blocks whose shuffled places are computed together (256 steps of 65,536 in blocks of 4,096)
-CHECK_ROWS = 256  # rows whose ids one comparison spans (see _ids_in_range)
+CHECK_ROWS = 256  # rows whose ids one comparison spans (see IdRanges)
 PLACES_KEPT = 8  # chunks of places kept (an epoch's boundary needs two epochs' chunks)
 
 __all__ = ["BinaryFormatError", "BinarySource", "read_meta", "model_num_dense"]
@@ -227,9 +229,7 @@ class BinarySource:
         self._eval_batches = cfg.train.eval_batches
         self._table_rows, self._bag_sizes = cfg.table_rows, tuple(cfg.bag_sizes)
         self._id_ranges = IdRanges(self._table_rows, self._bag_sizes)
-        self._places: dict[tuple[int, int], np.ndarray] = {}  # (epoch, chunk) -> its blocks' places
-        self._places_lock = threading.Lock()
-        self._turns: dict[int, int] = {}
+        self._keep_places()
         # Features whose stored ids exceed the table (data.max_rows cap) are hashed into it.
         self._hashed = [f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r]
 
@@ -286,33 +286,27 @@ class BinarySource:
                 runs.append((self._lo, n - first))
         return runs
 
-    def _block_place(self, epoch: int, block: int, blocks: int) -> int:
-        """Where block ``block`` of epoch ``epoch`` is read from: the epoch's keyed
-        permutation of its ``blocks`` whole blocks, evaluated a chunk of ``PLACES_CHUNK`` at a
-        time and kept (a step's few blocks would otherwise cost a permutation's rounds each
-        step, on the reader threads' GIL)."""
-        chunk, at = divmod(block, PLACES_CHUNK)
-        key = (epoch, chunk)
-        places = self._places.get(key)
-        if places is None:
-            perm = KeyedPermutation(max(blocks, 1), [self._seed, epoch, self._process])
-            places = perm(np.arange(chunk * PLACES_CHUNK, min((chunk + 1) * PLACES_CHUNK, blocks), dtype=np.int64))
-            with self._places_lock:  # readers share it; at most a few chunks are kept
-                while len(self._places) >= PLACES_KEPT:
-                    self._places.pop(next(iter(self._places)))
-                self._places[key] = places
-        return int(places[at])
+    def _keep_places(self) -> None:
+        """The shuffle's block places (a chunk of ``PLACES_CHUNK`` blocks per permutation) and
+        each epoch's turn, computed once and kept for the last few chunks and epochs: a step's
+        few blocks would otherwise cost a permutation's rounds every step, on the reader
+        threads' GIL (``lru_cache`` is safe for the readers to share)."""
+        self._chunk_places = functools.lru_cache(PLACES_KEPT)(self._places_of_chunk)
+        self._turn = functools.lru_cache(PLACES_KEPT)(self._turn_of)
 
-    def _turn(self, epoch: int, m: int) -> int:
-        """The keyed offset epoch ``epoch`` turns this process's stream by (kept per epoch)."""
-        turn = self._turns.get(epoch)
-        if turn is None:
-            turn = int(mix64(np.array([self._seed, epoch, self._process, 0x5EED], np.uint64)).sum() % np.uint64(m))
-            self._turns = {
-                **dict(list(self._turns.items())[-PLACES_KEPT:]),
-                epoch: turn,
-            }  # replaced whole: readers share it
-        return turn
+    def _block_place(self, epoch: int, block: int, blocks: int) -> int:
+        """Where block ``block`` of epoch ``epoch`` is read from: the epoch's keyed permutation
+        of its ``blocks`` whole blocks."""
+        chunk, at = divmod(block, PLACES_CHUNK)
+        return int(self._chunk_places(epoch, chunk, blocks)[at])
+
+    def _places_of_chunk(self, epoch: int, chunk: int, blocks: int) -> np.ndarray:
+        perm = KeyedPermutation(max(blocks, 1), [self._seed, epoch, self._process])
+        return perm(np.arange(chunk * PLACES_CHUNK, min((chunk + 1) * PLACES_CHUNK, blocks), dtype=np.int64))
+
+    def _turn_of(self, epoch: int, m: int) -> int:
+        """The keyed offset epoch ``epoch`` turns this process's stream by."""
+        return int(mix64(np.array([self._seed, epoch, self._process, 0x5EED], np.uint64)).sum() % np.uint64(m))
 
     def train_rows(self, step: int) -> np.ndarray:
         """int64 [B/processes]: the train-split rows of this process's slice of batch ``step``."""
@@ -337,9 +331,8 @@ class BinarySource:
     def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch:
         """Read ``runs`` of a split into a new batch, map ids into the tables and check every value."""
         n = sum(length for _, length in runs)
-        widths = {"dense": max(self._stored_dense, 1), "ids": sum(self._bag_sizes)}
-        dtypes = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
-        whole = {k: np.empty((1, n, *((widths[k],) if k in widths else ())), d) for k, d in dtypes.items()}
+        widths = {"dense": (model_num_dense(self._stored_dense),), "ids": (sum(self._bag_sizes),), "labels": ()}
+        whole = {k: np.empty((1, n, *widths[k]), d) for k, d in ARRAY_DTYPES.items()}
         self._read_checked(split, runs, what, whole)
         return Batch(whole["dense"][0], whole["ids"][0], whole["labels"][0])
 
