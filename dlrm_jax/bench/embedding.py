@@ -36,7 +36,8 @@ from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.exchange.optimizers import sgd
-from dlrm_jax.embedding.plan.layout import exchange_parts, group_capacity
+from dlrm_jax.embedding.plan.layout import group_capacity
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.wiring import plan_from_config

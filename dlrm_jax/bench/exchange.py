@@ -35,7 +35,8 @@ from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
-from dlrm_jax.embedding.plan.layout import exchange_parts, needs_whole_rows, whole_rows_capacity
+from dlrm_jax.embedding.plan.layout import needs_whole_rows, whole_rows_capacity
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config

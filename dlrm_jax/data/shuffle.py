@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dlrm_jax.data.sources.synthetic_draws import mix64
+from dlrm_jax.hashing import mix64
 
 _ROUNDS = 4
 

@@ -21,7 +21,8 @@ from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
 from dlrm_jax.embedding.plan.estimates import TableStats
-from dlrm_jax.embedding.plan.layout import exchange_parts, two_level_ids
+from dlrm_jax.embedding.plan.layout import two_level_ids
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
     fmt_bytes,

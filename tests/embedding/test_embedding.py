@@ -20,7 +20,6 @@ from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, physical_rows
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, HotPlan, Strategy
 from dlrm_jax.embedding.plan.layout import (
-    exchange_parts,
     group_capacity,
     pooled_layout,
     two_level_capacities,
@@ -28,6 +27,7 @@ from dlrm_jax.embedding.plan.layout import (
     whole_rows_capacity,
     whole_rows_key,
 )
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 from dlrm_jax.train.planning import agree_by_max
 from dlrm_jax.train.wiring import plan_from_config, sparse_optimizer_from_config

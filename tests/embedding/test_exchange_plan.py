@@ -15,7 +15,8 @@ from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.plan.cost import PROFILES, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, PlanError, Strategy, TablePlan
 from dlrm_jax.embedding.plan.estimates import TableStats
-from dlrm_jax.embedding.plan.layout import build_groups, exchange_parts, pooled_layout, subgroup
+from dlrm_jax.embedding.plan.layout import build_groups, pooled_layout, subgroup
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
@@ -349,7 +350,7 @@ def test_link_bytes_split_by_the_links_each_collective_takes():
     share of devices on each side, the host forms' by the devices they join; one host sends
     nothing between hosts."""
     from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes
-    from dlrm_jax.embedding.plan.stats import SPAN_ALL, SPAN_HOSTS, part_links
+    from dlrm_jax.embedding.plan.part_kinds import SPAN_ALL, SPAN_HOSTS, part_kind
 
     specs = [TableSpec("a", 1_000_000, 64, 20), TableSpec("b", 500_000, 64, 3)]
     for strategy in ("table", "host_column"):
@@ -357,7 +358,7 @@ def test_link_bytes_split_by_the_links_each_collective_takes():
         within, between = exchange_link_bytes(plan, H100)
         assert within + between == pytest.approx(sum(collective_bytes(plan).values()), rel=1e-6)
         if strategy == "host_column":  # its slices go over every device: (N - G) / (N - 1) between hosts
-            links = [(b, s) for p in exchange_parts(plan) for _, b, s in part_links(plan, p)]
+            links = [(b, s) for p in exchange_parts(plan) for _, b, s in part_kind(p).links(plan, p)]
             hosts = sum(b for b, s in links if s == SPAN_HOSTS) + sum(b for b, s in links if s == SPAN_ALL) * 56 / 63
             assert between == pytest.approx(hosts)
         one_host = dataclasses.replace(H100, devices_per_host=64)

@@ -35,7 +35,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
 from dlrm_jax.data.preprocessing.tabular_records import Records, read_records, records_from
 from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
 from dlrm_jax.data.sources.synthetic import normalise_dense
-from dlrm_jax.data.sources.synthetic_draws import mix64
+from dlrm_jax.hashing import mix64
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -44,7 +44,7 @@ from dlrm_jax.data.shards import (
     shard_name,
 )
 from dlrm_jax.data.shuffle import KeyedPermutation
-from dlrm_jax.data.sources.synthetic_draws import mix64
+from dlrm_jax.hashing import mix64
 
 MIN_BLOCKS = 64  # a stream is cut into at least this many blocks to shuffle (or single rows)
 PLACES_CHUNK = 4096  # blocks whose shuffled places are computed together (256 steps of 65,536 in blocks of 4,096)

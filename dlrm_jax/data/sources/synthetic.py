@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_jax.data.batch import PAD_ID, Batch, process_slice
-from dlrm_jax.data.sources.synthetic_draws import (  # noqa: F401 - mix64, mix32, zipf_ids re-exported
+from dlrm_jax.data.sources.synthetic_draws import (  # noqa: F401 - zipf_ids re-exported
     _BINS,
     _BYTES_STD,
     _FIX,
@@ -53,10 +53,9 @@ from dlrm_jax.data.sources.synthetic_draws import (  # noqa: F401 - mix64, mix32
     _permute,
     _words,
     _zipf_bins,
-    mix32,
-    mix64,
     zipf_ids,
 )
+from dlrm_jax.hashing import mix32
 
 CHUNK = 8192  # rows the host evaluates at once (bounds temporaries; no part of the data)
 # Threads for the ids alone (planning, hot-row statistics): numpy's arithmetic lets go of the

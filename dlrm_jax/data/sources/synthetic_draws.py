@@ -1,8 +1,7 @@
 """Counter-based draws for the synthetic data (:mod:`dlrm_jax.data.sources.synthetic`): 32-bit hashes
 of a row's fields and quantile tables that turn them into values, written against an array
 namespace ``xp`` (numpy on the host, ``jax.numpy`` in a jitted program) with integer operations
-and exactly rounded float32 multiplies only, so both evaluate them bitwise alike. ``mix64`` is
-the 64-bit hash the host-side code shares (tabular hashing, keyed permutations).
+and exactly rounded float32 multiplies only, so both evaluate them bitwise alike.
 """
 
 from __future__ import annotations
@@ -13,31 +12,12 @@ from statistics import NormalDist
 
 import numpy as np
 
+from dlrm_jax.hashing import mix32
+
 _BIN_BITS = 10
 _BINS = 1 << _BIN_BITS  # K bins per quantile table (and K more inside the last one)
 _FIX = 16  # the hidden logit is an integer in units of 2**-_FIX
 _BYTES_MEAN, _BYTES_STD = 510, 147.8  # sum of four uniform bytes; also std of 2 * byte - 255
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a well-mixed 64-bit hash of each element."""
-    x = x.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        x ^= x >> np.uint64(30)
-        x *= np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(27)
-        x *= np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
-    return x
-
-
-def mix32(x, xp=np):
-    """lowbias32: a well-mixed bijection of uint32, exact in numpy and in XLA."""
-    x = x ^ (x >> 16)
-    x = x * xp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * xp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def _fold(*values: int) -> np.uint32:

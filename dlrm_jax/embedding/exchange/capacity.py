@@ -22,13 +22,13 @@ from dlrm_jax.embedding.plan.layout import (
     KIND_BLOCK,
     KIND_CYCLIC,
     Group,
-    exchange_parts,
     needs_whole_rows,
     pooled_layout,
     two_level_ids,
     two_level_keys,
     whole_rows_key,
 )
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.ids import PAD_ID
 

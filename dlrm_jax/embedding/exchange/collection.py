@@ -23,27 +23,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
-from dlrm_jax.embedding.exchange.host_ids import HostIdsForm
-from dlrm_jax.embedding.exchange.host_pooled import HostColumnsForm, HostPooledForm
+from dlrm_jax.embedding.exchange.forms import FormRequest, build_form
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
-from dlrm_jax.embedding.exchange.pooled import PooledForm
-from dlrm_jax.embedding.exchange.replicated import ReplicatedForm
 from dlrm_jax.embedding.exchange.routing import hot_index, route
-from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.exchange.wire import Wire
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.layout import (
     Group,
     VirtualTable,
     build_groups,
-    exchange_parts,
-    group_capacity,
-    pools_by_mean,
-    two_level_capacities,
-    two_level_ids,
 )
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.specs import Pooling
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import (
@@ -143,8 +135,10 @@ class EmbeddingCollection:
         self.one_hot = all(s.bag_size == 1 for s in specs)
         self.mean_pooling = np.array([s.pooling == Pooling.MEAN for s in specs])
         self.storage_dtype = jnp.dtype(plan.dtype)
+        wire = Wire(plan.exchange_dtype)
         self.forms = [
-            _form(plan, part, exchange_mesh, optimizer, self.dim, over) for part in exchange_parts(plan, self.groups)
+            build_form(FormRequest(plan, part, exchange_mesh, wire, optimizer, self.dim, over))
+            for part in exchange_parts(plan, self.groups)
         ]
         # Flattened [F * D] column each form's output column fills -> inverse.
         filled = np.concatenate([f.cols for f in self.forms])
@@ -314,25 +308,3 @@ def to_logical(plan: EmbeddingPlan, groups: list[Group], state: EmbeddingState):
         for parts in slots
     ]
     return overlay(tables, opt, state.hot) if state.hot is not None else (tables, opt)
-
-
-def _form(plan: EmbeddingPlan, part, mesh, optimizer: SparseOptimizer, dim: int, replicas: str | None):
-    """The exchange form serving ``part`` (plan.layout.exchange_parts): one interface for all
-    (``forward(table, ids, weights) -> (pooled [B, V'*W], residual, overflowed)``,
-    ``update(table, slots, residual, grad [B, V'*W], lr) -> (table, slots)``, ``cols``)."""
-    wire = Wire(plan.exchange_dtype)
-    if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
-        return ReplicatedForm(part, mesh, optimizer, replicas, pools_by_mean(plan, part.group))
-    if part.kind == ExchangeKind.POOLED:
-        return PooledForm(plan, part, mesh, wire, optimizer, dim, replicas)
-    if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
-        if HOST_AXIS in mesh.shape:  # a per-host mesh: each host's tables on its devices already
-            raise ValueError(
-                "host_row and host_column tables are split within a host: not with embedding.sync=per_host"
-            )
-        form = HostPooledForm if part.kind == ExchangeKind.HOST_POOLED else HostColumnsForm
-        return form(plan, part, mesh, wire, optimizer, dim)
-    if replicas is None and two_level_ids(plan, part.group):
-        capacities = (group_capacity(plan, part.group), *two_level_capacities(plan, part.group))
-        return HostIdsForm(part, mesh, capacities, wire, optimizer, dim, plan.ids_hosts)
-    return IdsForm(part, mesh, group_capacity(plan, part.group), wire, optimizer, dim, replicas)

@@ -17,25 +17,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, Group
-
-
-def _mix32(x: jax.Array) -> jax.Array:
-    """A bijective 32-bit finaliser (Wellons' lowbias32): every input bit affects every output bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+from dlrm_jax.hashing import mix32
 
 
 def hash_uniform(seed_2: jax.Array, table: jax.Array, row: jax.Array, col: jax.Array) -> jax.Array:
     """float32 in [0, 1), one per element of the broadcast (table, row, col) uint32 arrays."""
-    h = _mix32(
+    h = mix32(
         col.astype(jnp.uint32)
-        ^ _mix32(row.astype(jnp.uint32) ^ _mix32(table.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+        ^ mix32(row.astype(jnp.uint32) ^ mix32(table.astype(jnp.uint32) + jnp.uint32(0x9E3779B9), jnp), jnp),
+        jnp,
     )
-    h = _mix32(h ^ seed_2[0]) ^ seed_2[1]
-    return (_mix32(h) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    h = mix32(h ^ seed_2[0], jnp) ^ seed_2[1]
+    return (mix32(h, jnp) >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def logical_rows(g: Group, vt_index: int, physical_row: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -16,7 +16,8 @@ from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.common import agreed, gather_replica_lookups
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums
-from dlrm_jax.embedding.plan.layout import ExchangeKind, ExchangePart, Group
+from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
+from dlrm_jax.embedding.plan.layout import ExchangePart, Group
 from dlrm_jax.parallel.mesh import AXIS
 
 

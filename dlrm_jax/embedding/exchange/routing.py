@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.hashing import mix32
 from dlrm_jax.ids import PAD_ID
 
 
@@ -211,18 +212,9 @@ def hot_index_buckets(capacity: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
-def _mix32(x, xp):
-    """Wellons' lowbias32 on uint32 (numpy or jax.numpy): every input bit moves every output bit."""
-    x = x ^ (x >> 16)
-    x = x * xp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * xp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _bucket(table, ids, seed, buckets: int, xp):
     """The bucket of each (table, id) under one seed (same bits on host and device)."""
-    h = _mix32(_mix32(table.astype(xp.uint32) ^ seed.astype(xp.uint32), xp) ^ ids.astype(xp.uint32), xp)
+    h = mix32(mix32(table.astype(xp.uint32) ^ seed.astype(xp.uint32), xp) ^ ids.astype(xp.uint32), xp)
     return (h & xp.uint32(buckets - 1)).astype(xp.int32)
 
 

@@ -1,6 +1,6 @@
 """The step-time model a plan is chosen by: one training step of one device, by phase.
 
-Every exchange part's collectives move the bytes ``stats.part_links`` counts (what the compiled
+Every exchange part's collectives move the bytes the kind's ``links`` (``part_kinds``) counts (what the compiled
 step moves, checked against HLO by the tests); each crosses the links its devices span: within
 a host of ``devices_per_host`` devices at ``intra_host_gbps``, between hosts at
 ``inter_host_gbps``. An all-to-all or all-gather over every device sends (G-1)/(N-1) of its
@@ -33,11 +33,9 @@ from dataclasses import dataclass, field, replace
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
-    ExchangeKind,
-    optimizer_bytes_per_row,
 )
-from dlrm_jax.embedding.plan.layout import exchange_parts, group_capacity, pooled_layout
-from dlrm_jax.embedding.plan.stats import SPAN_HOST, SPAN_HOSTS, lower_bound_bytes, part_links
+from dlrm_jax.embedding.plan.part_kinds import SPAN_HOST, SPAN_HOSTS, exchange_parts, part_kind
+from dlrm_jax.embedding.plan.stats import lower_bound_bytes
 
 
 @dataclass(frozen=True)
@@ -142,7 +140,7 @@ def exchange_link_bytes(plan: EmbeddingPlan, cluster: Cluster, replicas: int = 1
     exchange (every part's collectives and the hot rows' all-reduce), by the links they take."""
     n, within, between = plan.num_devices, 0.0, 0.0
     for part in exchange_parts(plan):
-        for kind, sent, span in part_links(plan, part, replicas):
+        for kind, sent, span in part_kind(part).links(plan, part, replicas):
             devices, per_host = _span_devices(span, n * (replicas if kind != "all-to-all" else 1), cluster)
             w, b = link_split(kind, sent, devices, per_host)
             within, between = within + w, between + b
@@ -159,25 +157,6 @@ def bound_link_bytes(plan: EmbeddingPlan, cluster: Cluster) -> tuple[float, floa
     return link_split("all-to-all", lower_bound_bytes(plan), plan.num_devices, cluster.devices_per_host)
 
 
-def _part_memory_traffic(plan: EmbeddingPlan, part) -> tuple[float, float]:
-    """(lookup, update) bytes one device reads and writes in device memory for a part, at
-    the compiled sizes (padding included: the step processes it)."""
-    g, n = part.group, plan.num_devices
-    lb, w = plan.global_batch // n, g.width
-    store = DTYPE_BYTES[plan.dtype]
-    state = optimizer_bytes_per_row(plan.optimizer, w) / w
-    per_update = 8 + 2 * store + 2 * state + 16 / w  # gradient out and in, row and state read and written; sort
-    if part.kind == ExchangeKind.ALLREDUCE:
-        return lb * g.num_vslots * w * store, g.local_rows * w * per_update
-    if part.kind == ExchangeKind.GATHER:
-        return lb * g.num_vslots * w * store, n * lb * g.num_vslots * w * per_update
-    if part.kind == ExchangeKind.IDS:  # owners gather N x C rows; requesters pick every slot's vector and pool
-        rows, slots = n * group_capacity(plan, g), lb * g.num_vslots
-        return rows * w * (store + 4) + slots * w * 8, rows * w * per_update + slots * w * 8
-    rows = n * lb * pooled_layout(plan, g).ids_per_sample
-    return rows * w * (store + 4), rows * w * per_update
-
-
 def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, replicas: int = 1) -> StepTime:
     """The busiest device's step, by phase: ``lookup`` and ``update`` (device memory),
     ``exchange`` (all-to-alls and all-gathers of the embedding exchange), ``all-reduce``
@@ -187,11 +166,11 @@ def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None 
     hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
     phases = dict.fromkeys(("lookup", "exchange", "all-reduce", "update"), 0.0)
     for part in exchange_parts(plan):
-        for kind, sent, span in part_links(plan, part, replicas):
+        for kind, sent, span in part_kind(part).links(plan, part, replicas):
             phases["all-reduce" if kind == "all-reduce" else "exchange"] += _span_seconds(
                 kind, sent, span, n * (replicas if kind != "all-to-all" else 1), cluster
             )
-        lookup, update = _part_memory_traffic(plan, part)
+        lookup, update = part_kind(part).memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm
         phases["update"] += update / hbm
     if plan.hot_rows:

@@ -16,13 +16,13 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, 
 from dlrm_jax.embedding.plan.layout import (
     KIND_BLOCK,
     KIND_FIXED,
-    exchange_parts,
     host_size,
     needs_whole_rows,
     two_level_ids,
     two_level_keys,
     whole_rows_key,
 )
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.specs import TableSpec
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout, Strategy
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, RowLayout, Strategy
 
 # Strategies whose tables live on the devices of one host (plan.host_size of them).
 HOST_STRATEGIES = (Strategy.HOST_ROW, Strategy.HOST_COLUMN)
@@ -130,7 +130,7 @@ class ExchangePart:
     """The virtual tables of one fused array that one exchange form serves, as a group of
     their own (same name, width and rows as the storage group; only these vtables' slots)."""
 
-    kind: ExchangeKind
+    kind: str  # its kind's name in part_kinds.PART_KINDS (an ExchangeKind for the built-in ones)
     group: Group
 
 
@@ -207,47 +207,6 @@ def gather_bytes_per_sample(plan: EmbeddingPlan, g: Group) -> int:
     """What a replicated group's gathered update sends per sample: each slot's row id (and
     weight, for means) and each feature's pooled gradient, float32."""
     return g.num_vslots * 4 * (1 + pools_by_mean(plan, g)) + len(g.vtables) * 4 * g.width
-
-
-def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> ExchangeKind:
-    """ALLREDUCE when all-reducing the [rows, W] float32 gradient moves fewer bytes than
-    all-gathering every device's lookups and pooled gradients; GATHER otherwise (and on one
-    device, where the gathered form is the plain sparse update)."""
-    n = plan.num_devices * replicas
-    if plan.optimizer == "ftrl":  # its update rewrites every row it is given from (z, n)
-        return ExchangeKind.GATHER
-    if n == 1:  # nothing to exchange: the plain sparse update, not a dense one of every row
-        return ExchangeKind.GATHER
-    allreduce = 2 * (n - 1) / n * g.local_rows * g.width * 4
-    gather = (n - 1) * plan.global_batch // plan.num_devices * gather_bytes_per_sample(plan, g)
-    return ExchangeKind.ALLREDUCE if allreduce <= gather else ExchangeKind.GATHER
-
-
-def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> list[ExchangePart]:
-    """Every group split into the parts its exchange forms serve: the replicated group whole;
-    a sharded group's fixed-owner pieces (table-wise tables, column slices) whose tables
-    exchange pooled bags, and the rest (row-wise tables, ids exchange) in an ids part."""
-    parts = []
-    for g in build_groups(plan) if groups is None else groups:
-        if g.replicated:
-            parts.append(ExchangePart(replicated_kind(plan, g), g))
-            continue
-        kinds = [_part_kind(plan, vt) for vt in g.vtables]
-        for kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS, ExchangeKind.IDS):
-            vts = [vt for vt, k in zip(g.vtables, kinds, strict=True) if k == kind]
-            if vts:
-                parts.append(ExchangePart(kind, g if len(vts) == len(g.vtables) else subgroup(plan, g, vts)))
-    return parts
-
-
-def _part_kind(plan: EmbeddingPlan, vt: VirtualTable) -> ExchangeKind:
-    """The exchange form a sharded piece takes: its table's, where the piece allows it."""
-    tp = plan.tables[vt.table]
-    if tp.exchange != ExchangeKind.POOLED or tp.strategy == Strategy.ROW:
-        return ExchangeKind.IDS
-    return {Strategy.HOST_ROW: ExchangeKind.HOST_POOLED, Strategy.HOST_COLUMN: ExchangeKind.HOST_COLUMNS}.get(
-        tp.strategy, ExchangeKind.POOLED
-    )
 
 
 def host_size(plan: EmbeddingPlan) -> int:

@@ -37,11 +37,8 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     vector_bytes,
 )
 from dlrm_jax.embedding.plan.estimates import TableStats, estimated_capacities
-from dlrm_jax.embedding.plan.layout import (
-    HOST_STRATEGIES,
-    exchange_parts,
-    pooled_layout,
-)
+from dlrm_jax.embedding.plan.layout import HOST_STRATEGIES, pooled_layout
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import fmt_bytes
 

@@ -9,159 +9,28 @@ import numpy as np
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
-    ExchangeKind,
     Strategy,
     optimizer_bytes_per_row,
     vector_bytes,
 )
-from dlrm_jax.embedding.plan.layout import (
-    ExchangePart,
-    exchange_parts,
-    gather_bytes_per_sample,
-    group_capacity,
-    needs_whole_rows,
-    pooled_layout,
-    pools_by_mean,
-    two_level_capacities,
-    two_level_ids,
-    whole_rows_capacity,
-)
-
-
-def _part_shapes(plan: EmbeddingPlan, part: ExchangePart) -> dict:
-    g = part.group
-    out = {
-        "n": plan.num_devices,
-        "local_batch": plan.global_batch // plan.num_devices,
-        "vector": vector_bytes(plan.exchange_dtype, g.width),
-        "width": g.width,
-    }
-    if part.kind in (ExchangeKind.POOLED, ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
-        lay = pooled_layout(plan, g)
-        out.update(
-            hosts=lay.owners,
-            k=lay.ids_per_sample,
-            j=lay.pieces,
-            mean=pools_by_mean(plan, g),
-        )
-    elif part.kind == ExchangeKind.IDS:
-        out["capacity"] = group_capacity(plan, g)
-        out["two_level"] = two_level_capacities(plan, g) if two_level_ids(plan, g) else None
-    out["whole_rows"] = needs_whole_rows(plan, g)
-    if part.kind == ExchangeKind.HOST_COLUMNS:
-        out["rows_capacity"] = whole_rows_capacity(plan, g)
-    return out
+from dlrm_jax.embedding.plan.layout import ExchangePart
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts, part_kind
 
 
 def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> dict[str, float]:
     """Bytes one device sends per step in one exchange part's collectives, by kind (named as
     in HLO and counted as ``bench.common.hlo_collective_bytes`` counts a compiled program):
-    :func:`part_links` summed by kind."""
+    its kind's links (``part_kinds``) summed by kind."""
     out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0, "reduce-scatter": 0.0}
-    for kind, sent, _ in part_links(plan, part, replicas):
+    for kind, sent, _ in part_kind(part).links(plan, part, replicas):
         out[kind] += sent
     return out
-
-
-# Which devices a collective joins (cost.predict_step prices each over the links it crosses).
-SPAN_ALL = "all"  # every device of the plan (times ``replicas``)
-SPAN_HOSTS = "hosts"  # one device of each host: only links between hosts
-SPAN_HOST = "host"  # the devices of one host: only links within it
-
-
-def part_links(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> list[tuple[str, float, str]]:
-    """(kind, bytes one device sends, span) of every collective of one exchange part.
-
-    allreduce: the part's [rows, W] float32 gradient, all-reduced (ring: 2 (n-1)/n of it);
-    gather: the device's row ids (and weights, for means) and pooled gradients to every other device; ids: per owner C row ids
-    out, C vectors back, C row ids and C gradients out (+ C floats both ways of whole-row
-    statistics for row-wise Adagrad on column slices); ids in two levels (``ids_hosts``):
-    to each relay of the host C1 (host, row) pairs out, C1 vectors back and C1 gradients out,
-    to each other host C2 rows out, C2 vectors back and C2 gradients out, and the two
-    fullest buckets' counts all-reduced (the one-level overflow path not counted); pooled: per owner B_l x K ids (and
-    weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
-    floats both ways of whole-row statistics); host pooled (H hosts of G devices): to each
-    other host B_l x K ids (and weights) out, B_l x J vectors back and B_l x J gradients out;
-    within the host, the ids (and weights) and gradients of all H x G requesters all-gathered
-    and their float32 partial sums reduce-scattered; host columns: the ids the same, each
-    device's slices of the H x G requesters' vectors and gradients straight to and from them
-    (all-to-all over every device), and with row-wise Adagrad one float per distinct row
-    all-reduced (the rows' squared gradients over their whole width; ``whole_rows_capacity``
-    of them, the overflow rounds not counted). ``replicas``: hosts holding equal
-    replicas (embedding.sync=host_replicas), whose owners all-gather what their counterparts
-    received."""
-    g, s = part.group, _part_shapes(plan, part)
-    n, lb, vec, w = s["n"], s["local_batch"], s["vector"], s["width"]
-    if part.kind == ExchangeKind.ALLREDUCE:
-        m = n * replicas
-        return [("all-reduce", 2 * (m - 1) / m * g.local_rows * w * 4, SPAN_ALL)]
-    if part.kind == ExchangeKind.GATHER:
-        return [("all-gather", (n * replicas - 1) * lb * gather_bytes_per_sample(plan, g), SPAN_ALL)]
-    if part.kind == ExchangeKind.IDS and s["two_level"]:
-        (c1, c2), h = s["two_level"], plan.ids_hosts
-        per_host = n // h
-        return [
-            ("all-to-all", (per_host - 1) * c1 * (8 + 2 * vec), SPAN_HOST),
-            ("all-to-all", (h - 1) * c2 * (4 + 2 * vec), SPAN_HOSTS),
-            ("all-reduce", 2 * (n - 1) * 8 / n, SPAN_ALL),  # the fullest buckets, agreed
-        ]
-    if part.kind == ExchangeKind.IDS:
-        c = s["capacity"]
-        return [
-            ("all-to-all", (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * s["whole_rows"], SPAN_ALL),
-            ("all-gather", (replicas - 1) * n * c * (4 + 4 * w), SPAN_ALL),
-        ]
-    k, j, ids = s["k"], s["j"], 4 * (1 + s["mean"])
-    if part.kind == ExchangeKind.HOST_POOLED:
-        h = s["hosts"]
-        per_host = n // h
-        return [
-            ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * vec), SPAN_HOSTS),
-            ("all-gather", (per_host - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
-            ("reduce-scatter", (per_host - 1) * h * lb * j * w * 4, SPAN_HOST),
-        ]
-    if part.kind == ExchangeKind.HOST_COLUMNS:  # vec: one slice's; a table's vector is per_host of them
-        h = s["hosts"]
-        per_host = n // h
-        return [
-            ("all-to-all", (h - 1) * lb * k * ids, SPAN_HOSTS),
-            ("all-to-all", (n - 1) * lb * 2 * j * vec, SPAN_ALL),
-            ("all-gather", (per_host - 1) * h * lb * k * ids, SPAN_HOST),
-            ("all-reduce", 2 * (per_host - 1) * s["rows_capacity"] * 4 * s["whole_rows"] / per_host, SPAN_HOST),
-        ]
-    return [
-        ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * s["whole_rows"]), SPAN_ALL),
-        ("all-gather", (replicas - 1) * n * lb * k * (4 + 4 * w + 4 * s["whole_rows"]), SPAN_ALL),
-    ]
-
-
-def part_buffer_bytes(plan: EmbeddingPlan, part: ExchangePart) -> int:
-    """Per device: the part's exchange buffers at the compiled sizes (ids, vectors, gradients
-    sent and received; gathered rows; a replicated part's dense gradient)."""
-    g, s = part.group, _part_shapes(plan, part)
-    n, lb, vec, w = s["n"], s["local_batch"], s["vector"], s["width"]
-    if part.kind == ExchangeKind.ALLREDUCE:
-        return 2 * g.local_rows * w * 4
-    if part.kind == ExchangeKind.GATHER:
-        return n * lb * g.num_vslots * (4 + 4 * w)
-    if part.kind == ExchangeKind.IDS and s["two_level"]:  # beside the one-level buffers of its overflow
-        (c1, c2), per_host = s["two_level"], n // plan.ids_hosts
-        return (
-            2 * n * s["capacity"] * (4 + 2 * vec)
-            + 2 * per_host * c1 * (8 + 2 * vec)
-            + 2 * (n // per_host) * c2 * (4 + 2 * vec)
-        )
-    if part.kind == ExchangeKind.IDS:
-        return 2 * n * s["capacity"] * (4 + 2 * vec)
-    if part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):  # every requester's ids and sums
-        return n * lb * (s["k"] * (8 + 4 * w) + s["j"] * (4 * w + vec)) + 2 * s["hosts"] * lb * s["j"] * vec
-    return n * lb * (s["k"] * (8 + 4 * w) + 2 * s["j"] * vec)
 
 
 def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     """Per device: every part's exchange buffers plus the hot rows' gradient sums. An
     overflowing ids part runs in rounds at the same capacity, so this bounds it too."""
-    total = sum(part_buffer_bytes(plan, p) for p in exchange_parts(plan))
+    total = sum(part_kind(p).buffer_bytes(plan, p) for p in exchange_parts(plan))
     if plan.hot_rows:  # the hot rows' summed gradients, and each slot's hot row
         local_batch = plan.global_batch // plan.num_devices
         total += (
@@ -272,55 +141,10 @@ def plan_report(plan: EmbeddingPlan, global_batch: int | None = None) -> str:
 def exchange_report(plan: EmbeddingPlan) -> list[str]:
     """One line per exchange part: its form, the tables it serves and its buffers' sizes."""
     lines = []
-    lb = plan.global_batch // plan.num_devices
-    measured = {name for name, _ in plan.capacities}
     for part in exchange_parts(plan):
-        g = part.group
-        names = _table_list(plan, sorted({vt.table for vt in g.vtables}))
-        if part.kind in (ExchangeKind.ALLREDUCE, ExchangeKind.GATHER):
-            where = "on every device"
-            how = (
-                "their gradients summed over the devices (all-reduce)"
-                if part.kind == ExchangeKind.ALLREDUCE
-                else "the batch's rows and gradients gathered to every device"
-            )
-        elif part.kind == ExchangeKind.POOLED:
-            lay = pooled_layout(plan, g)
-            where = f"in {g.width}-wide pieces"
-            how = (
-                f"the device holding a piece sums each bag: {lay.ids_per_sample} ids in and {lay.pieces} "
-                f"vector(s) out per sample and device"
-            )
-        elif part.kind in (ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS):
-            lay = pooled_layout(plan, g)
-            rows = part.kind == ExchangeKind.HOST_POOLED
-            where = f"split by {'rows' if rows else 'columns'} within each of {lay.owners} host(s)"
-            how = (
-                "each host's devices sum their "
-                + (
-                    "rows of each bag and add the sums within the host"
-                    if rows
-                    else "columns of each bag and send each slice straight to its requester"
-                )
-                + f": {lay.ids_per_sample} ids in and {lay.pieces} vector(s) out per sample and host"
-            )
-        elif two_level_ids(plan, g):
-            (c1, c2), per_host = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
-            where = f"in {g.width}-wide pieces, in two levels over {plan.ids_hosts} hosts of {per_host}"
-            how = (
-                f"each device's distinct rows go to the device of its host with the owner's local index, which "
-                f"merges the host's and asks each host once: up to {c1:,} rows from each device to each of its "
-                f"host's, {c2:,} from each to each host a step ({'measured on the data' if g.name in measured else 'from the batch size'}; "
-                f"more run one level, up to {group_capacity(plan, g):,} rows from each device to each owner)"
-            )
-        else:
-            c = group_capacity(plan, g)
-            where = f"in {g.width}-wide pieces"
-            how = (
-                f"each distinct row sent to the device that asked: up to {c:,} rows from each device a step, "
-                f"of at most {g.max_capacity(lb):,} ({'measured on the data' if g.name in measured else 'from the batch size'})"
-            )
-        lines.append(f"Exchange {part.kind.value} ({where}): {names}; {how}")
+        names = _table_list(plan, sorted({vt.table for vt in part.group.vtables}))
+        where, how = part_kind(part).describe(plan, part)
+        lines.append(f"Exchange {part.kind} ({where}): {names}; {how}")
     return lines
 
 
