@@ -1,9 +1,10 @@
 """The named choices the config offers and the planner acts on, defined once: the config's
-allowed values, its error messages and the plan all read these enums."""
+allowed values, its error messages and the plan all read these enums and registries."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Strategy(enum.StrEnum):
@@ -48,3 +49,37 @@ class DramPolicy(enum.StrEnum):
     LRU = "lru"  # evicts the least recently used
     LFU = "lfu"  # evicts the least often used (recency breaks ties)
     TINYLFU = "tinylfu"  # LRU behind a frequency admission filter
+
+
+@dataclass(frozen=True)
+class SparseOptimizerKind:
+    """What the config and the planner know of a sparse optimizer, without its math (which
+    ``embedding/exchange/optimizers.py`` registers under the same name; a test holds the two to
+    each other): its state's size, and the two properties the exchange's choice of form reads."""
+
+    name: str
+    state_per_value: int  # float32 state values per element of a row (Adagrad's accumulator: 1)
+    state_per_row: int  # float32 state values per row (row-wise Adagrad's accumulator: 1)
+    # its step reads each row's statistic over the row's whole width: a table split by columns
+    # must give every slice the whole row's
+    whole_rows: bool = False
+    # its update rewrites every row it is given from the state alone (FTRL's weights follow
+    # from (z, n)): never as a dense update of every row
+    rewrites_given_rows: bool = False
+    tables: bool = True  # offered as embedding.optimizer
+    wide: bool = True  # offered as model.wide_optimizer (the wide part's weights)
+
+    def state_bytes_per_row(self, dim: int) -> int:
+        """Bytes of optimizer state per table row of width ``dim``."""
+        return 4 * (self.state_per_value * dim + self.state_per_row)
+
+
+SPARSE_OPTIMIZER_KINDS: dict[str, SparseOptimizerKind] = {
+    k.name: k
+    for k in (
+        SparseOptimizerKind("sgd", 0, 0),
+        SparseOptimizerKind("adagrad", 1, 0),
+        SparseOptimizerKind("rowwise_adagrad", 0, 1, whole_rows=True, wide=False),
+        SparseOptimizerKind("ftrl", 2, 0, rewrites_given_rows=True, tables=False),
+    )
+}

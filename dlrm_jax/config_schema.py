@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrm_jax.choices import DramPolicy, Pooling, RowLayout, Storage, Strategy
+from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS, DramPolicy, Pooling, RowLayout, Storage, Strategy
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -170,7 +170,9 @@ class ModelConfig:
     )  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
     # wide_deep: the wide part's own optimizer (FTRL-Proximal as in the Wide&Deep paper) and its
     # constant learning rate; l1 / l2: FTRL's regularisation strengths.
-    wide_optimizer: str = field(default="ftrl", metadata=_choices("sgd", "adagrad", "ftrl"))
+    wide_optimizer: str = field(
+        default="ftrl", metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
+    )
     wide_learning_rate: float = 0.05
     wide_l1: float = 0.0
     wide_l2: float = 0.0
@@ -220,7 +222,9 @@ class TierConfig:
 @dataclass(frozen=True)
 class EmbeddingConfig:
     sharding: str = field(default="auto", metadata=_choices("auto", *Strategy))
-    optimizer: str = field(default="rowwise_adagrad", metadata=_choices("sgd", "adagrad", "rowwise_adagrad"))
+    optimizer: str = field(
+        default="rowwise_adagrad", metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.tables))
+    )
     learning_rate: float = field(default=0.05, metadata=NONNEG)  # 0 = use train.learning_rate
     adagrad_eps: float = field(default=1e-8, metadata=NONNEG)
     adagrad_initial_accumulator: float = field(default=0.0, metadata=NONNEG)

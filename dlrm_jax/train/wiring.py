@@ -19,7 +19,7 @@ from flax import nnx
 
 from dlrm_jax.choices import Pooling, Storage
 from dlrm_jax.config import Config
-from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, adagrad, ftrl, rowwise_adagrad, sgd
+from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
@@ -143,22 +143,24 @@ def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
     """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings,
     ``embedding.deterministic`` and ``embedding.sparse_update``."""
     e = cfg.embedding
-    sums = dict(exact_sums=e.deterministic, kernel=e.sparse_update == "fused")
-    if e.optimizer == "sgd":
-        return sgd(**sums)
-    if e.optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, **sums)
-    return rowwise_adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, **sums)
+    return sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": e.sparse_update == "fused"})
 
 
 def wide_optimizer_from_config(cfg: Config) -> SparseOptimizer:
     """The wide part's optimizer (model.kind=wide_deep): model.wide_optimizer."""
-    m, e = cfg.model, cfg.embedding
-    if m.wide_optimizer == "sgd":
-        return sgd(e.deterministic)
-    if m.wide_optimizer == "adagrad":
-        return adagrad(e.adagrad_eps, e.adagrad_initial_accumulator, e.deterministic)
-    return ftrl(m.wide_l1, m.wide_l2, exact_sums=e.deterministic)
+    return sparse_optimizer_taking(cfg.model.wide_optimizer, _sparse_settings(cfg))
+
+
+def _sparse_settings(cfg: Config) -> dict:
+    """Every sparse optimizer's settings in the config; each takes those it names."""
+    e, m = cfg.embedding, cfg.model
+    return dict(
+        eps=e.adagrad_eps,
+        initial_accumulator=e.adagrad_initial_accumulator,
+        l1=m.wide_l1,
+        l2=m.wide_l2,
+        exact_sums=e.deterministic,
+    )
 
 
 def dlrm_from_config(cfg: Config, rngs: nnx.Rngs) -> DLRMDense:

@@ -195,3 +195,21 @@ def test_a_rows_gradient_is_the_sum_of_its_lookups_in_their_order():
         in_order = np.cumsum(grads[rows == row], axis=0, dtype=np.float32)[-1]
         np.testing.assert_array_equal(np.asarray(got.grads[place]), in_order)
     assert (np.asarray(got.rows[3:]) >= R).all()  # unused places point past the table
+
+
+def test_each_optimizer_declares_the_state_it_keeps():
+    """choices.SPARSE_OPTIMIZER_KINDS (what the planner counts, no JAX) and the optimizers'
+    registry name the same optimizers, and each built optimizer's state is the bytes per row
+    its kind declares, with the whole-row statistic it says it reads."""
+    from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS
+    from dlrm_jax.embedding.exchange.optimizers import SPARSE_OPTIMIZERS, sparse_optimizer
+
+    assert set(SPARSE_OPTIMIZER_KINDS) == set(SPARSE_OPTIMIZERS)
+    for name, kind in SPARSE_OPTIMIZER_KINDS.items():
+        opt = sparse_optimizer(name)
+        for dim in (1, 8, 24):
+            state = jax.eval_shape(opt.init, jax.ShapeDtypeStruct((10, dim), jnp.float32))
+            nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+            assert nbytes == 10 * kind.state_bytes_per_row(dim), (name, dim)
+        assert opt.needs_whole_rows == kind.whole_rows, name
+        assert (not opt.step.adds) == kind.rewrites_given_rows, name  # FTRL writes rows, not deltas

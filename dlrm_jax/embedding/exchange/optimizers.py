@@ -10,6 +10,7 @@ gradient, with the same bits on every run.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -152,7 +153,7 @@ def ftrl(
     l1: float = 0.0,
     l2: float = 0.0,
     beta: float = 0.0,
-    initial_accumulator: float = 0.1,
+    initial_n: float = 0.1,
     exact_sums: bool = False,
     kernel: bool = False,
 ) -> SparseOptimizer:
@@ -160,12 +161,12 @@ def ftrl(
     n' = n + g^2; z' = z + g - (sqrt(n') - sqrt(n)) / lr * w;
     w' = -(z' - sign(z') l1) / ((beta + sqrt(n')) / lr + l2) where |z'| > l1, else 0.
 
-    The weights follow from (z, n) alone, so a table starts at zero; ``initial_accumulator``
-    (TensorFlow's default 0.1) keeps the first step's denominator away from zero.
+    The weights follow from (z, n) alone, so a table starts at zero; ``initial_n`` (TensorFlow's
+    ``initial_accumulator_value``, 0.1) keeps the first step's denominator away from zero.
     """
 
     def init(table):
-        return {"z": jnp.zeros(table.shape, jnp.float32), "n": jnp.full(table.shape, initial_accumulator, jnp.float32)}
+        return {"z": jnp.zeros(table.shape, jnp.float32), "n": jnp.full(table.shape, initial_n, jnp.float32)}
 
     def step(w, state, g, lr, mean_sq):
         n, z = state["n"], state["z"]
@@ -179,6 +180,7 @@ def ftrl(
     return SparseOptimizer(init, RowStep(step, adds=False, reads_table=True), exact_sums=exact_sums, kernel=kernel)
 
 
+# Keyed by the names of choices.SPARSE_OPTIMIZER_KINDS, which say what the planner counts of each.
 SPARSE_OPTIMIZERS = {"sgd": sgd, "adagrad": adagrad, "rowwise_adagrad": rowwise_adagrad, "ftrl": ftrl}
 
 
@@ -192,3 +194,13 @@ def sparse_optimizer(name: str, **settings) -> SparseOptimizer:
     if name not in SPARSE_OPTIMIZERS:
         raise ValueError(f"no sparse optimizer {name!r}: one of {', '.join(SPARSE_OPTIMIZERS)}")
     return SPARSE_OPTIMIZERS[name](**settings)
+
+
+def sparse_optimizer_taking(name: str, settings: dict) -> SparseOptimizer:
+    """The sparse optimizer ``name`` given those of ``settings`` its constructor takes (a
+    config's settings for every optimizer: Adagrad's ``eps`` and ``initial_accumulator``,
+    FTRL's ``l1`` and ``l2``, ``exact_sums``, ``kernel``), so no caller chooses by name."""
+    if name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"no sparse optimizer {name!r}: one of {', '.join(SPARSE_OPTIMIZERS)}")
+    taken = inspect.signature(SPARSE_OPTIMIZERS[name]).parameters
+    return SPARSE_OPTIMIZERS[name](**{k: v for k, v in settings.items() if k in taken})

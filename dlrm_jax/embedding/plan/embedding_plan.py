@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from dlrm_jax.choices import RowLayout, Strategy  # noqa: F401 - defined once there; the plan's names
+from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS, RowLayout, Strategy  # noqa: F401 - defined once there
 from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
 
 
@@ -47,8 +47,8 @@ def vector_bytes(exchange_dtype: str, width: int) -> int:
 
 
 def optimizer_bytes_per_row(optimizer: str, dim: int) -> int:
-    """Optimizer state per table row (float32): none, one per element, or one per row."""
-    return {"sgd": 0, "adagrad": 4 * dim, "rowwise_adagrad": 4, "ftrl": 8 * dim}[optimizer]
+    """Optimizer state per table row of width ``dim`` (``choices.SPARSE_OPTIMIZER_KINDS``)."""
+    return SPARSE_OPTIMIZER_KINDS[optimizer].state_bytes_per_row(dim)
 
 
 @dataclass(frozen=True)

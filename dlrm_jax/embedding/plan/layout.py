@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, RowLayout, Strategy
 
 # Strategies whose tables live on the devices of one host (plan.host_size of them).
@@ -183,7 +184,7 @@ def whole_rows_key(g: Group) -> str:
 def needs_whole_rows(plan: EmbeddingPlan, g: Group) -> bool:
     """Whether the part's updates need each row's squared gradient over its whole width from
     the column slices' owners (row-wise Adagrad on a table split by columns)."""
-    return plan.optimizer == "rowwise_adagrad" and g.has_column_slices
+    return SPARSE_OPTIMIZER_KINDS[plan.optimizer].whole_rows and g.has_column_slices
 
 
 def whole_rows_capacity(plan: EmbeddingPlan, g: Group) -> int:

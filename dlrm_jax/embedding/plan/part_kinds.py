@@ -11,6 +11,7 @@ HLO), and the cost model prices them. Adding a kind: docs/sharding.md, "Adding a
 
 from __future__ import annotations
 
+from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
@@ -99,7 +100,7 @@ class AllReduce(PartKind):
     name, replicated = ExchangeKind.ALLREDUCE.value, True
 
     def usable(self, plan, devices):
-        return plan.optimizer != "ftrl" and devices > 1
+        return not SPARSE_OPTIMIZER_KINDS[plan.optimizer].rewrites_given_rows and devices > 1
 
     def links(self, plan, part, replicas=1):
         m = plan.num_devices * replicas
