@@ -83,3 +83,12 @@ SPARSE_OPTIMIZER_KINDS: dict[str, SparseOptimizerKind] = {
         SparseOptimizerKind("ftrl", 2, 0, rewrites_given_rows=True, tables=False),
     )
 }
+
+
+# model.kind's values and what each is. train/wiring.MODELS builds each under the same name; the
+# config reads this dict when it checks a value, so a registered model is a valid model.kind.
+MODEL_KINDS: dict[str, str] = {
+    "dlrm": "bottom MLP, interaction, top MLP (DLRM; DLRM-DCNv2 with model.interaction=dcn)",
+    "wide_deep": "Wide&Deep: the deep part over the dense features and the pooled vectors, and a linear "
+    "wide part over the ids",
+}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS, DramPolicy, Pooling, RowLayout, Storage, Strategy
+from dlrm_jax.choices import MODEL_KINDS, SPARSE_OPTIMIZER_KINDS, DramPolicy, Pooling, RowLayout, Storage, Strategy
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -153,9 +153,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # dlrm: bottom MLP, interaction, top MLP. wide_deep: Wide&Deep, the deep part takes the dense
-    # features as they are (bottom_mlp empty) and a wide linear model over the ids is added.
-    kind: str = field(default="dlrm", metadata=_choices("dlrm", "wide_deep"))
+    # The model trained: choices.MODEL_KINDS says what each is (dlrm; wide_deep, whose deep part
+    # takes the dense features as they are, bottom_mlp empty, beside a linear wide part over the ids).
+    # The registry itself is the choices, read when a value is checked: a registered model is valid.
+    kind: str = field(default="dlrm", metadata={"choices": MODEL_KINDS})
     embedding_dim: int = field(default=16, metadata=POS)
     bottom_mlp: tuple[int, ...] = field(
         default=(128, 64, 16), metadata=_bound(">0", each=True)

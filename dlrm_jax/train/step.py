@@ -35,7 +35,7 @@ from dlrm_jax.model.mlp_parallel import (
 from dlrm_jax.model.wide import WideInputs, WideState, wide_logits
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import HOST_AXIS, MODEL_AXIS, batch_spec, hosts_of, over_hosts
-from dlrm_jax.train.wiring import dlrm_from_config, wide_part
+from dlrm_jax.train.wiring import model_entry
 
 
 class TrainState(NamedTuple):
@@ -118,14 +118,15 @@ class StepFunctions:
         (embedding/tiers/device_fill.py)."""
         self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
-        model = dlrm_from_config(cfg, nnx.Rngs(0))
+        self.model = model_entry(cfg)
+        model = self.model.dense(cfg, nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(cfg, mesh, model, nnx.to_pure_dict(params))
         self.schedule = learning_rate_schedule(cfg)
         self.tx = dense_optimizer(cfg, self.schedule)
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
         self.replicated = NamedSharding(mesh, P())
-        self.wide = wide_part(cfg, mesh) if cfg.model.kind == "wide_deep" else None
+        self.wide = self.model.wide(cfg, mesh) if self.model.wide else None
         # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
         # batch rows of host h are its devices' rows, so host h's tables see only its data.
         self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
@@ -196,7 +197,7 @@ class StepFunctions:
 
     # ------------------------------------------------------------ state
     def _dense_init(self):
-        model = dlrm_from_config(self.cfg, nnx.Rngs(self.cfg.train.seed))
+        model = self.model.dense(self.cfg, nnx.Rngs(self.cfg.train.seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if self.pipeline is not None:
             params = self.pipeline.pack(params)

@@ -11,14 +11,15 @@ with ``train.batch_size`` rewritten.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 from flax import nnx
 
 from dlrm_jax.choices import Pooling, Storage
-from dlrm_jax.config import Config
+from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -194,6 +195,30 @@ def wide_part(cfg: Config, mesh: jax.sharding.Mesh) -> WidePart:
         cfg.model.wide_learning_rate,
         mesh,
     )
+
+
+class ModelEntry(NamedTuple):
+    """How one ``model.kind`` is built. ``dense(cfg, rngs)``: the Flax NNX module called as
+    ``(dense [B, num_dense], pooled [B, F, D], tensor) -> logits [B]`` (``tensor``: the tensor
+    layout with model.mlp_parallel=tensor, else None); ``wide(cfg, mesh)``: a wide part whose
+    logits are added (None: none)."""
+
+    dense: Callable[[Config, nnx.Rngs], nnx.Module]
+    wide: Callable[[Config, jax.sharding.Mesh], WidePart] | None = None
+
+
+# model.kind -> how it is built; choices.MODEL_KINDS names the same models for the config.
+MODELS: dict[str, ModelEntry] = {
+    "dlrm": ModelEntry(dlrm_from_config),
+    "wide_deep": ModelEntry(dlrm_from_config, wide_part),
+}
+
+
+def model_entry(cfg: Config) -> ModelEntry:
+    """The registered model of ``model.kind``."""
+    if cfg.model.kind not in MODELS:
+        raise ConfigError(f"model.kind={cfg.model.kind!r}: no model registered by that name ({', '.join(MODELS)})")
+    return MODELS[cfg.model.kind]
 
 
 def tier_root(cfg: Config, run_dir: Path | None) -> Path:

@@ -372,7 +372,7 @@ def test_replicated_tables_allreduce_or_gather(tiny, cards, kind, devices):
         cards,
     )
     coll, _ = check_against_reference(cfg, devices)
-    assert [f.kind.value for f in coll.forms] == [kind]
+    assert [f.kind for f in coll.forms] == [kind]
 
 
 @pytest.mark.parametrize("strategy", ["table", "row", "column"])
