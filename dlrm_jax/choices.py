@@ -92,3 +92,12 @@ MODEL_KINDS: dict[str, str] = {
     "wide_deep": "Wide&Deep: the deep part over the dense features and the pooled vectors, and a linear "
     "wide part over the ids",
 }
+
+
+# data.source's values and what each reads. data/sources.SOURCES makes each under the same name;
+# the config checks a value against this dict, so a registered source is a valid data.source.
+DATA_SOURCES: dict[str, str] = {
+    "synthetic": "batches generated from the seed (no files); the tables as data.cardinalities says",
+    "criteo": "Criteo-format text files (tab-separated label, 13 dense, 26 hex categorical values)",
+    "binary": "a folder made by `dlrm-jax preprocess` (memory-mapped shards and meta.json)",
+}

@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlrm_jax.choices import MODEL_KINDS, SPARSE_OPTIMIZER_KINDS, DramPolicy, Pooling, RowLayout, Storage, Strategy
+from dlrm_jax.choices import (
+    DATA_SOURCES,
+    MODEL_KINDS,
+    SPARSE_OPTIMIZER_KINDS,
+    DramPolicy,
+    Pooling,
+    RowLayout,
+    Storage,
+    Strategy,
+)
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
@@ -118,7 +127,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = field(default="synthetic", metadata=_choices("synthetic", "criteo", "binary"))
+    source: str = field(default="synthetic", metadata={"choices": DATA_SOURCES})  # a live registry
     path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
     num_dense: int = field(default=13, metadata=POS)
     cardinalities: tuple[int, ...] = field(default=CRITEO_KAGGLE_CARDINALITIES, metadata=_bound(">0", each=True))

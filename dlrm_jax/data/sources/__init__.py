@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from dlrm_jax.config import ConfigError, DataConfig, check_features
 from dlrm_jax.data.batch import DataSource
@@ -13,33 +15,38 @@ def check_data_path(cfg) -> None:
     """One line (a ConfigError) when ``data.path`` is not what ``data.source`` reads: binary
     data is a folder made by ``dlrm-jax preprocess`` (with its meta.json), Criteo text is one
     or more files (comma-separated). Called before a run dir is made."""
+    source_kind(cfg).check_path(cfg)
+
+
+def _check_binary_path(cfg) -> None:
     d = cfg.data
-    if d.source == "binary":
-        path = Path(d.path)
-        if not path.exists():
+    path = Path(d.path)
+    if not path.exists():
+        raise ConfigError(
+            f"data.path={d.path}: no such folder; data.source=binary reads a folder made by `dlrm-jax preprocess`"
+        )
+    if not path.is_dir():
+        raise ConfigError(
+            f"data.path={d.path}: a file, and data.source=binary reads a folder made by "
+            f"`dlrm-jax preprocess`; for a Criteo text file use data.source=criteo, or "
+            f"preprocess it first"
+        )
+    if not (path / "meta.json").is_file():
+        raise ConfigError(
+            f"data.path={d.path}: no meta.json in this folder; data.source=binary reads a "
+            f"folder made by `dlrm-jax preprocess`"
+        )
+
+
+def _check_criteo_path(cfg) -> None:
+    for p in (p.strip() for p in cfg.data.path.split(",") if p.strip()):
+        if Path(p).is_dir():
             raise ConfigError(
-                f"data.path={d.path}: no such folder; data.source=binary reads a folder made by `dlrm-jax preprocess`"
+                f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
+                f"for a folder made by `dlrm-jax preprocess` use data.source=binary"
             )
-        if not path.is_dir():
-            raise ConfigError(
-                f"data.path={d.path}: a file, and data.source=binary reads a folder made by "
-                f"`dlrm-jax preprocess`; for a Criteo text file use data.source=criteo, or "
-                f"preprocess it first"
-            )
-        if not (path / "meta.json").is_file():
-            raise ConfigError(
-                f"data.path={d.path}: no meta.json in this folder; data.source=binary reads a "
-                f"folder made by `dlrm-jax preprocess`"
-            )
-    elif d.source == "criteo":
-        for p in (p.strip() for p in d.path.split(",") if p.strip()):
-            if Path(p).is_dir():
-                raise ConfigError(
-                    f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
-                    f"for a folder made by `dlrm-jax preprocess` use data.source=binary"
-                )
-            if not Path(p).is_file():
-                raise ConfigError(f"data.path={p}: no such file (data.source=criteo reads Criteo text files)")
+        if not Path(p).is_file():
+            raise ConfigError(f"data.path={p}: no such file (data.source=criteo reads Criteo text files)")
 
 
 def resolve_data_config(cfg):
@@ -49,8 +56,10 @@ def resolve_data_config(cfg):
     column). A data.num_dense or data.bag_sizes set to other than its default must agree with
     the dataset's. Keys that depend on the features (model.dcn_rank) are checked against the data's."""
     check_data_path(cfg)
-    if cfg.data.source != "binary":
-        return cfg
+    return source_kind(cfg).resolve(cfg)
+
+
+def _resolve_binary(cfg):
     from dlrm_jax.data.sources.binary import model_num_dense, read_meta
 
     meta = read_meta(cfg.data.path)
@@ -114,19 +123,10 @@ def make_source(
     than once). ``evaluates``: an empty val split is refused (training evaluates at the end and
     would fail only then). A val split shorter than one batch is fine: it is evaluated as one
     partial batch, exactly."""
-    if cfg.data.source == "synthetic":
-        from dlrm_jax.data.sources.synthetic import SyntheticSource
-
-        return SyntheticSource(cfg, process_index, process_count)
-    if cfg.data.source == "binary":
-        from dlrm_jax.data.sources.binary import BinarySource
-
-        source = BinarySource(cfg, process_index, process_count)
-    else:
-        from dlrm_jax.data.sources.criteo import CriteoTSVSource
-
-        source = CriteoTSVSource(cfg, process_index, process_count)
-    check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)
+    kind = source_kind(cfg)
+    source = kind.make(cfg, process_index, process_count)
+    if kind.files:
+        check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)
     return source
 
 
@@ -148,3 +148,49 @@ def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: 
         raise ConfigError(
             f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at the end); use {how}"
         )
+
+
+def _synthetic(cfg, process_index: int, process_count: int) -> DataSource:
+    from dlrm_jax.data.sources.synthetic import SyntheticSource
+
+    return SyntheticSource(cfg, process_index, process_count)
+
+
+def _binary(cfg, process_index: int, process_count: int) -> DataSource:
+    from dlrm_jax.data.sources.binary import BinarySource
+
+    return BinarySource(cfg, process_index, process_count)
+
+
+def _criteo(cfg, process_index: int, process_count: int) -> DataSource:
+    from dlrm_jax.data.sources.criteo import CriteoTSVSource
+
+    return CriteoTSVSource(cfg, process_index, process_count)
+
+
+class SourceKind(NamedTuple):
+    """How one ``data.source`` is made and checked. ``make(cfg, process_index, process_count)``:
+    the source (each process reads its slice of every batch); ``check_path(cfg)``: a ConfigError
+    when ``data.path`` is not what it reads; ``resolve(cfg)``: the config fitted to the data
+    (features, tables, bags from the dataset's own description); ``files``: it reads splits of
+    files, whose sizes the run is checked against (``num_train``, ``num_val``)."""
+
+    make: Callable[[Any, int, int], DataSource]
+    check_path: Callable[[Any], None] = lambda cfg: None
+    resolve: Callable[[Any], Any] = lambda cfg: cfg
+    files: bool = False
+
+
+# data.source -> how it is made; choices.DATA_SOURCES names the same sources for the config.
+SOURCES: dict[str, SourceKind] = {
+    "synthetic": SourceKind(_synthetic),
+    "criteo": SourceKind(_criteo, _check_criteo_path, files=True),
+    "binary": SourceKind(_binary, _check_binary_path, _resolve_binary, files=True),
+}
+
+
+def source_kind(cfg) -> SourceKind:
+    """The registered source of ``data.source``."""
+    if cfg.data.source not in SOURCES:
+        raise ConfigError(f"data.source={cfg.data.source!r}: no source registered by that name ({', '.join(SOURCES)})")
+    return SOURCES[cfg.data.source]
