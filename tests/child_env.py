@@ -1,8 +1,13 @@
-"""Flags every test process compiles with, and the environment of the tests' child processes."""
+"""Flags every test process compiles with, and the environment of the tests' child processes.
+
+Standard library only: conftest imports it before JAX, to set the XLA flags."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout, whose tests/ is the package `tests`
 
 # Tests compile far more than they run: LLVM's optimisation passes are most of a CPU compile and
 # level 0 makes the suite about a third faster. Results are unchanged (no fast-math either way).
@@ -11,9 +16,12 @@ COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 def child_env(drop=("JAX_PLATFORMS",)) -> dict:
     """os.environ for a child that sets its own device count (the CLI, launch_local.sh), with
-    the test compile flags; ``drop``: other variables it must not inherit."""
+    the test compile flags and the checkout first on PYTHONPATH (a script a test writes imports
+    its helpers as the tests do: ``from tests.helpers import tiny_config``); ``drop``: other
+    variables it must not inherit."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and k not in drop}
     env["XLA_FLAGS"] = COMPILE_FLAGS
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
 

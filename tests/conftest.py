@@ -1,16 +1,10 @@
-"""Eight simulated CPU devices for every test; must run before JAX is imported."""
+"""Eight simulated CPU devices for every test; must run before JAX is imported. Also the compile
+memo, the ``tiny`` fixture, the hypothesis profiles and the slow marks; what tests import is in
+tests/helpers.py (tests/ is a package: ``from tests.helpers import ...``)."""
 
 import os
-import sys
-from pathlib import Path
 
-from child_env import COMPILE_FLAGS  # noqa: E402 - (tests/ is on sys.path)
-
-TESTS = Path(__file__).resolve().parent  # tests/ mirrors the package's folders
-REPO = TESTS.parent
-# Test modules import each other's helpers by module name (test_embedding's reference check,
-# test_tiered's configs) across folders: every folder of tests/ is importable.
-sys.path[1:1] = [str(d) for d in sorted(TESTS.iterdir()) if d.is_dir() and d.name.isidentifier()]
+from tests.child_env import COMPILE_FLAGS  # the standard library only: no JAX yet
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {COMPILE_FLAGS}"
@@ -19,13 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No XLA persistent compilation cache: with jaxlib 0.10.2, loading some cached CPU executables
 # kills the process ("Fatal Python error" in test_hot_rows with a warm cache, none with an empty one).
 
-import json  # noqa: E402
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from dlrm_jax.config import load_config  # noqa: E402
+from tests.helpers import EXAMPLE_SCALE, PROFILE, tiny_config  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -75,58 +67,18 @@ if os.environ.get("DLRM_TEST_COMPILE_MEMO", "1") != "0" and jax.__version__.star
     _compile_identical_programs_once()
 
 
-TINY = [  # tiny_config's settings, as --set arguments take them (a CLI child's)
-    "train.batch_size=64",
-    "train.steps=6",
-    "train.log_every=2",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.checkpoint_every=0",
-    "train.progress_bar=false",
-    "data.cardinalities=[300, 40, 1000, 7]",
-    "data.max_rows=0",
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[16, 8]",
-    "model.top_mlp=[16, 1]",
-]
-
-
-def tiny_config(*overrides: str):
-    """A small config that compiles and runs in about a second."""
-    return load_config(None, [*TINY, *overrides])
-
-
 @pytest.fixture
 def tiny():
     return tiny_config
 
 
-# ---------------------------------------------------------------- shared by the tests
-
-QUIET = dict(log=lambda *_: None)  # train_and_evaluate & co. without their progress lines
-
-
-def losses(run_dir) -> list[float]:
-    """Every metrics.jsonl event's loss, in order."""
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-# Hypothesis: HYPOTHESIS_PROFILE=fast (a quarter of the examples: the inner loop), default, or
-# thorough (5x: a longer search before a release). Tests give their example counts through
-# examples(), which the profile scales; no deadline (first calls compile).
-_EXAMPLE_SCALE = {"fast": 0.25, "default": 1.0, "thorough": 5.0}
-settings.register_profile("default", deadline=None)
-settings.register_profile("fast", deadline=None)
-settings.register_profile("thorough", deadline=None)
-_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "default")
-if _PROFILE not in _EXAMPLE_SCALE:
-    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={_PROFILE}: one of {', '.join(_EXAMPLE_SCALE)}")
-settings.load_profile(_PROFILE)
-
-
-def examples(n: int) -> int:
-    """``n`` hypothesis examples, scaled by the profile (at least 2)."""
-    return max(2, round(n * _EXAMPLE_SCALE[_PROFILE]))
+# Hypothesis profiles (tests/helpers.py: which one, and examples() that it scales): no deadline,
+# as first calls compile.
+for _name in EXAMPLE_SCALE:
+    settings.register_profile(_name, deadline=None)
+if PROFILE not in EXAMPLE_SCALE:
+    raise pytest.UsageError(f"HYPOTHESIS_PROFILE={PROFILE}: one of {', '.join(EXAMPLE_SCALE)}")
+settings.load_profile(PROFILE)
 
 
 def pytest_collection_modifyitems(items):

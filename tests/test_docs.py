@@ -147,7 +147,7 @@ def test_readme_starts_with_the_two_commands():
 
 
 def test_readme_launch_line_is_the_laptop_form():
-    from test_multiprocess import readme_launch_line
+    from tests.parallel.readme_launch import readme_launch_line
 
     assert readme_launch_line() == ["scripts/launch_local.sh", "2", "--config", "smoke", "--set", "mesh.devices=8"]
 
@@ -293,7 +293,7 @@ def test_readme_first_command_ends_with_the_line_the_readme_shows(tmp_path):
     import subprocess
     import sys
 
-    from child_env import child_env
+    from tests.child_env import child_env
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
     shown = re.search(r"^final step=(\d+) loss=(\S+) auc=(\S+) logloss=(\S+) samples_per_s=\S+$", text, re.M)

@@ -9,7 +9,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from child_env import child_env
+
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 

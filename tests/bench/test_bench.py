@@ -4,12 +4,12 @@ import json
 
 import numpy as np
 import pytest
-from child_env import child_env
-from conftest import QUIET
 
 from dlrm_jax.bench.common import hlo_collective_bytes
 from dlrm_jax.bench.embedding import bench_embedding
 from dlrm_jax.bench.train import bench_train
+from tests.child_env import child_env
+from tests.helpers import QUIET
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
-from child_env import child_env, cli
 
 from dlrm_jax.cli import build_parser
 from dlrm_jax.files import check_dir, json_text, make_dir
+from tests.child_env import child_env, cli
 
 
 def one_line(err: str) -> str:

@@ -9,9 +9,10 @@ import time
 
 import numpy as np
 import pytest
-from child_env import child_env
-from child_env import cli as run_cli
-from conftest import REPO
+
+from tests.child_env import child_env
+from tests.child_env import cli as run_cli
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

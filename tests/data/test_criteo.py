@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ from dlrm_jax.data.sources.criteo import (
     write_criteo_tsv,
 )
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator, normalise_dense
+from tests.helpers import examples
 
 ROWS = (2, 5, 17, 60, 300, 1000) * 4 + (3, 40)  # 26 small tables: repeated values, min_count
 N = 1200

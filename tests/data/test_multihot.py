@@ -14,11 +14,11 @@ import functools
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.preprocessing.multihot import MLPERF_DCNV2_BAG_SIZES, MultiHotRule, table_bytes
+from tests.helpers import REPO, examples
 
 # Tiny, single-row, bag-1 and large features, with a 100-wide bag like MLPerf's feature 20.
 CARDS = (3, 4, 10, 1, 1000, 200_000, 2_000_000, 7, 1)

@@ -9,7 +9,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import QUIET
 
 from dlrm_jax.bench.input import bench_input
 from dlrm_jax.data.pipeline import MAX_AUTO_READERS, InputPipeline, input_readers
@@ -18,6 +17,7 @@ from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.parallel.launch import LOCAL_PROCESSES_ENV, cores_of_this_process
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET
 
 
 def test_steps_come_in_order_whatever_thread_finishes_first():

@@ -4,12 +4,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from conftest import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.preprocessing.prep_split import SplitKind, key_time, keys_file, plan_split, time_keys
 from dlrm_jax.data.shards import split_sizes
+from tests.helpers import examples
 
 FLOATS = st.floats(allow_nan=False, allow_infinity=False)
 

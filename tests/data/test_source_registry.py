@@ -4,13 +4,13 @@ only, is accepted by the config, checked and read by a training run."""
 
 import numpy as np
 import pytest
-from conftest import QUIET, losses, tiny_config
 
 from dlrm_jax.choices import DATA_SOURCES
 from dlrm_jax.config import ConfigError
 from dlrm_jax.data import sources
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, losses, tiny_config
 
 
 def test_every_data_source_is_made_by_a_registered_kind():

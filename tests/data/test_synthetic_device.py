@@ -8,7 +8,6 @@ pure function of (seed, stream, step), and the distributions are the documented 
 
 import numpy as np
 import pytest
-from conftest import tiny_config
 from jax.sharding import NamedSharding
 
 from dlrm_jax.data.batch import PAD_ID
@@ -22,6 +21,7 @@ from dlrm_jax.data.sources.synthetic import (
     zipf_ids,
 )
 from dlrm_jax.parallel.mesh import batch_spec, make_mesh
+from tests.helpers import tiny_config
 
 ROWS = (10, 97, 1000, 10000)
 ONE_HOT, MULTI_HOT = (1, 1, 1, 1), (1, 4, 1, 3)

@@ -8,7 +8,6 @@ lookahead window needs is never evicted when the cache can hold the window.
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePla
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.tiers.cache_planner import CacheTooSmall, TableCache, plan_stream
+from tests.helpers import examples
 
 
 def tiered(rows, strategy, layout="block", cache=4, devices=4):

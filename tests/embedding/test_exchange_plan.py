@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +21,7 @@ from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.wiring import plan_from_config
+from tests.helpers import examples
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"
 
@@ -108,7 +108,7 @@ def test_bench_exchange_writes_every_strategy(tmp_path):
     import subprocess
     import sys
 
-    from child_env import child_env
+    from tests.child_env import child_env
 
     out = tmp_path / "x.json"
     subprocess.run(

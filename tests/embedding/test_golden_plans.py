@@ -5,11 +5,11 @@
 import os
 
 import pytest
-from conftest import TESTS
 
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.planning import plan_for_run, run_plan_report
+from tests.helpers import TESTS
 
 GOLDEN = TESTS / "golden" / "plans"
 CONFIGS = ["default", "smoke", "criteo_kaggle", "mlperf_dlrm_v1", "mlperf_dlrm_dcnv2", "wide_deep"]

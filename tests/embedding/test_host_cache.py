@@ -2,12 +2,12 @@
 written back, or in the tier), dirty rows reach the tier when evicted or flushed."""
 
 import numpy as np
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.store import TierStore
+from tests.helpers import examples
 
 ROWS = 40
 

@@ -5,12 +5,12 @@ import json
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.hot.counts import RowCounts
+from tests.helpers import examples
 
 BAGS = [2, 1, 3]
 

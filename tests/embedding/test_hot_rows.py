@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import QUIET, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_embedding import CARDS, build, check_against_reference, logical, strategy_overrides
 
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
 from dlrm_jax.embedding.plan.embedding_plan import HotPlan
 from dlrm_jax.train.wiring import plan_from_config
+from tests.embedding.reference_checks import CARDS, build, check_against_reference, logical, strategy_overrides
+from tests.helpers import QUIET, examples
 
 ROWS = [50, 9, 120, 7, 33]
 BAGS = "data.bag_sizes=[3, 1, 4, 2, 2]"
@@ -110,7 +110,7 @@ def test_hot_set_empty_or_whole_tables(tiny, which):
 def trained_collection():
     """Row-wise (block) tables with column-sliced and replicated ones beside them, row-wise
     Adagrad, on 4 devices, after a few steps: every kind of owner a hot row can come from."""
-    from conftest import tiny_config
+    from tests.helpers import tiny_config
 
     cfg = tiny_config(
         "embedding.optimizer=rowwise_adagrad",
@@ -195,9 +195,8 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
     run is cut after step 5, inside the window of the refresh at 6 (batch 4 counted before
     the cut, batch 5 after). Every loss, the final tables, hot set and counts: bit for bit.
     And against a run that replicates nothing: the same losses to float32 rounding."""
-    from test_train import losses
-
     from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import losses
 
     cfg = hot_run(tiny, "mesh.devices=8", "train.steps=10", "train.checkpoint_every=5")
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ from dlrm_jax.embedding.exchange.routing import (
     slot_index,
 )
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+from tests.helpers import examples
 
 # Jitted, as the exchange runs them: one compilation per example's shapes, where eager calls
 # compiled every primitive on its own (700 compilations, 80% of these tests' time).

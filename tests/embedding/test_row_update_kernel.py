@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_embedding import CARDS, check_against_reference
 
 from dlrm_jax.embedding.exchange import row_update_kernel
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
 from dlrm_jax.embedding.exchange.row_grads import Lookups
+from tests.embedding.reference_checks import CARDS, check_against_reference
 
 R, D = 23, 8
 OPTIMIZERS = {"sgd": sgd(), "adagrad": adagrad(), "rowwise_adagrad": rowwise_adagrad(), "ftrl": ftrl()}

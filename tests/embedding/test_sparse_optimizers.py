@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import dense_reference
 
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
 from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
+from tests.helpers import examples
+from tests.reference import dense_reference
 
 R, D = 23, 4
 

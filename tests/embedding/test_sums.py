@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.exchange.sums import exact_segment_sum
+from tests.helpers import examples
 
 
 def reference_and_bound(data, ids, num):

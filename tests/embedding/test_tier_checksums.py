@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_tier_store import CHUNK_ROWS, TABLES, assert_equal, contents, full, new_values, reference
 
 from dlrm_jax.embedding.tiers.format import CHECKSUMS, TierError
 from dlrm_jax.embedding.tiers.integrity import RowsDamaged
 from dlrm_jax.embedding.tiers.store import TierStore
+from tests.embedding.tier_store_cases import CHUNK_ROWS, TABLES, assert_equal, contents, full, new_values, reference
 
 CHUNK = "cat_0/values/c.1.0"  # rows 8..15 of cat_0, 64 bytes each
 

@@ -5,16 +5,16 @@ import os
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tier_store import CHUNK_ROWS, TABLES, assert_equal, new_values, reference
 
 from dlrm_jax.embedding.tiers import chunk_io
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.format import TierError
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
+from tests.embedding.tier_store_cases import CHUNK_ROWS, TABLES, assert_equal, new_values, reference
+from tests.helpers import examples
 
 
 @pytest.fixture

@@ -10,47 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorstore as ts
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.tiers import store as tier_store
 from dlrm_jax.embedding.tiers.format import TierError, default_chunk_rows, numpy_dtype
 from dlrm_jax.embedding.tiers.store import TierStore
-
-TABLES = {
-    "cat_0": (37, {"values": ((16,), "float32"), "accumulator": ((), "float32")}),
-    "cat_1": (20, {"values": ((4,), "bfloat16")}),
-}
-CHUNK_ROWS = 8  # cat_0: chunks of 8 rows, the last holding 5
-
-
-def reference(table: str, start: int, stop: int) -> dict[str, np.ndarray]:
-    """Row r, column c holds r * 1000 + c (r * 8 + c in bfloat16, exact below 256); field k adds k / 4."""
-    out = {}
-    for k, (field, (shape, dtype)) in enumerate(TABLES[table][1].items()):
-        scale = 8 if dtype == "bfloat16" else 1000
-        cols = np.arange(int(np.prod(shape)))
-        rows = np.arange(start, stop)[:, None] * scale + cols[None, :] + k / 4
-        out[field] = rows.reshape(stop - start, *shape).astype(numpy_dtype(dtype))
-    return out
-
-
-def full(table: str) -> dict[str, np.ndarray]:
-    return reference(table, 0, TABLES[table][0])
-
-
-def contents(store: TierStore) -> dict[str, dict[str, np.ndarray]]:
-    return {t: store.read(t, np.arange(store.rows(t))) for t in TABLES}
-
-
-def assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], dict):
-            assert_equal(a[k], b[k])
-        else:
-            np.testing.assert_array_equal(np.asarray(a[k], np.float32), np.asarray(b[k], np.float32), err_msg=k)
+from tests.embedding.tier_store_cases import CHUNK_ROWS, TABLES, assert_equal, contents, full, new_values, reference
+from tests.helpers import examples
 
 
 def read_with_tensorstore(path: Path) -> np.ndarray:
@@ -60,14 +27,6 @@ def read_with_tensorstore(path: Path) -> np.ndarray:
 
 def tables_at(directory: Path) -> dict[str, dict[str, np.ndarray]]:
     return {t: {f: read_with_tensorstore(directory / t / f) for f in fields} for t, (_, fields) in TABLES.items()}
-
-
-def new_values(store: TierStore, table: str, n: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)  # small integers: exact in bfloat16
-    return {
-        f: rng.integers(-100, 100, (n, *shape)).astype(numpy_dtype(dtype))
-        for f, (shape, dtype) in store.fields(table).items()
-    }
 
 
 @pytest.fixture

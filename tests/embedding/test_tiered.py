@@ -9,8 +9,6 @@ import jax
 import numpy as np
 import pytest
 import tensorstore as ts
-from child_env import COMPILE_FLAGS
-from conftest import TESTS
 
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.tiers import tables
@@ -18,14 +16,10 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.tier_runner import TierRunner
+from tests.child_env import COMPILE_FLAGS, child_env
+from tests.embedding.tiered_configs import BASE, TIERED
 
 STEPS = 20
-BASE = ["data.cardinalities=[3000, 400, 10000, 70]", "train.batch_size=32"]
-TIERED = [
-    "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
-    "embedding.tier.device_cache_fraction=0.03",
-    "embedding.tier.host_cache_fraction=0.02",
-]
 BAGS = ["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"]
 
 
@@ -153,9 +147,8 @@ def test_trainer_resumes_tiered_runs_bitwise_and_matches_device(tiny, tmp_path):
     """Through train_and_evaluate: a tiered run cut after its step-4 checkpoint and resumed
     (the tier restored to its snapshot, caches cold) equals the uninterrupted run, and both
     equal the all-in-device run, loss by loss and in the final AUC."""
-    from test_train import QUIET, losses
-
     from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import QUIET, losses
 
     common = [*BASE, "mesh.devices=8", "embedding.sharding=row", "train.log_every=1", "train.eval_every=4"]
     tiered = [*common, *TIERED, "train.checkpoint_every=4"]
@@ -196,10 +189,9 @@ def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
     caches/tier exactly. Losses, AUC and exported tables equal the all-in-device run with the
     same hot rows; a run cut at its step-5 checkpoint and resumed (across refreshes at steps
     3, 6, 9, with lookahead) equals both."""
-    from test_train import QUIET, losses
-
     from dlrm_jax.train.export import export_run
     from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import QUIET, losses
 
     common = [
         *BASE,
@@ -244,9 +236,8 @@ def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
     are re-laid out, the tiered ones come from the tier's snapshot with new, cold caches; the
     losses equal the same cut and restore with every table on the devices. Moving a table
     between the devices and the tier on restore is refused, naming the tables."""
-    from test_train import QUIET, losses
-
     from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import QUIET, losses
 
     common = [*BASE, "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=4"]
     for name, extra in (("device", []), ("tiered", TIERED)):
@@ -265,10 +256,9 @@ def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
 
 
 KILL_MID_FLUSH = """
-import os, signal, sys
+import os, signal
 import numpy as np
-sys.path.insert(0, {tests!r})
-from conftest import tiny_config
+from tests.helpers import tiny_config
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.train.trainer import train_and_evaluate
 
@@ -311,19 +301,20 @@ def killed_then_resumed(tiny, tmp_path, script: str, overrides: list[str]) -> li
     """Runs ``overrides`` whole, then ``script`` (a run the script SIGKILLs in ``tmp_path /
     'killed'``), resumes that run and checks it ends bitwise as the whole one; returns the
     checkpoints the killed run left."""
-    import os
     import subprocess
     import sys
 
-    from test_train import QUIET, losses
-
     from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import QUIET, losses
 
     whole = train_and_evaluate(tiny(*overrides), tmp_path / "whole", **QUIET)
     (tmp_path / "kill.py").write_text(script)
-    env = os.environ | {
+    # The script imports tests.helpers (child_env puts the checkout on its PYTHONPATH) and runs
+    # with this process's JAX settings (conftest's): this process resumes its run bitwise.
+    env = child_env(drop=()) | {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {COMPILE_FLAGS}",
         "JAX_PLATFORMS": "cpu",
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
     }
     proc = subprocess.run(
         [sys.executable, str(tmp_path / "kill.py")], env=env, timeout=600, capture_output=True, text=True
@@ -342,14 +333,13 @@ def test_sigkill_mid_flush_then_resume_is_bitwise(tiny, tmp_path):
     written, no snapshot 8): re-running resumes from step 4 and ends bitwise as a run never
     killed."""
     overrides = [*KILLED_RUN, "mesh.devices=8"]
-    script = KILL_MID_FLUSH.format(tests=str(TESTS), overrides=overrides, run_dir=str(tmp_path / "killed"))
+    script = KILL_MID_FLUSH.format(overrides=overrides, run_dir=str(tmp_path / "killed"))
     assert killed_then_resumed(tiny, tmp_path, script, overrides) == ["4"]
 
 
 KILL_MID_IO = """
-import os, pathlib, signal, sys, threading
-sys.path.insert(0, {tests!r})
-from conftest import tiny_config
+import os, pathlib, signal, threading
+from tests.helpers import tiny_config
 from dlrm_jax.embedding.tiers import chunk_io, tables
 from dlrm_jax.train.trainer import train_and_evaluate
 
@@ -379,5 +369,5 @@ def test_sigkill_mid_read_ahead_or_write_behind_then_resume_is_bitwise(tiny, tmp
     checkpoint: re-running resumes from there and ends bitwise as a run never killed."""
     overrides = [*KILLED_RUN, "mesh.devices=4", "embedding.tier.lookahead=2"]
     run_dir = str(tmp_path / "killed")
-    script = KILL_MID_IO.format(tests=str(TESTS), overrides=overrides, run_dir=run_dir, thread=thread, write=write)
+    script = KILL_MID_IO.format(overrides=overrides, run_dir=run_dir, thread=thread, write=write)
     assert "4" in killed_then_resumed(tiny, tmp_path, script, overrides)

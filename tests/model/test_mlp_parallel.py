@@ -7,7 +7,6 @@ import itertools
 import jax
 import numpy as np
 import pytest
-from conftest import QUIET, examples, losses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, examples, losses
 
 # Widths that split over 8 devices; a low-rank cross network (its U, V pair up too); a top MLP
 # deep enough for 4 pipeline stages.

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import QUIET, losses, tiny_config
 from flax import nnx
 
 from dlrm_jax.choices import MODEL_KINDS
@@ -15,6 +14,7 @@ from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train import wiring
 from dlrm_jax.train.build import build
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, losses, tiny_config
 
 
 def test_every_model_kind_is_built_by_a_registered_entry():

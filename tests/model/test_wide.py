@@ -4,12 +4,12 @@ its FTRL update on 1, 2, 4 and 8 devices from a state where every weight is alre
 import jax
 import numpy as np
 import pytest
-from reference import dense_reference
 
 from dlrm_jax.config import ConfigError
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
+from tests.reference import dense_reference
 
 WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "model.wide_learning_rate=0.1")
 

@@ -1,11 +1,11 @@
 """Exact AUC against a brute-force pair count, ties included; logloss."""
 
 import numpy as np
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.observe.metrics import log_loss, roc_auc
+from tests.helpers import examples
 
 
 def brute_auc(labels, scores):

@@ -5,11 +5,11 @@ import re
 import struct
 
 import pytest
-from child_env import child_env
-from conftest import QUIET, REPO
 
 from dlrm_jax.observe.metrics import tensorboard_tag
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.child_env import child_env
+from tests.helpers import QUIET, REPO
 
 
 def read_scalars(folder) -> dict[tuple[str, int], float]:

@@ -231,7 +231,7 @@ def test_the_coordination_service_listens_only_where_it_was_told():
     process was told 127.0.0.1:PORT; anyone reaching the host could talk to it."""
     import subprocess
 
-    from child_env import child_env
+    from tests.child_env import child_env
 
     out = subprocess.run(
         [sys.executable, "-c", BIND],
@@ -283,7 +283,7 @@ def test_process_flags_that_cannot_make_one_run_are_one_line(monkeypatch, flags,
 def test_devices_that_do_not_split_over_the_processes_are_named(tmp_path):
     """Before: `launch_local.sh 3 --set mesh.devices=8` said each process had only 6 devices and
     blamed request_cpu_devices, which the CLI had called: 8 devices do not split over 3."""
-    from child_env import child_env
+    from tests.child_env import child_env
 
     proc = subprocess.run(
         [
@@ -313,7 +313,7 @@ def test_devices_that_do_not_split_over_the_processes_are_named(tmp_path):
 
 @pytest.mark.slow
 def test_several_processes_without_a_coordinator_are_refused_before_a_run_dir(tmp_path):
-    from child_env import cli
+    from tests.child_env import cli
 
     proc = cli("train", "--num-processes", "2", "--process-id", "0", "--run-dir", str(tmp_path / "r"), drop=CLUSTER)
     assert proc.returncode == 2 and proc.stderr.startswith("dlrm-jax: config error: --num-processes 2 without")

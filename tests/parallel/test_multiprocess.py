@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from child_env import child_env
-from conftest import REPO as REPO_PATH
+
+from tests.child_env import child_env
+from tests.helpers import REPO as REPO_PATH
+from tests.parallel.readme_launch import readme_launch_line
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -168,13 +170,6 @@ def test_two_processes_equal_one(tmp_path):
 
 REPO = str(REPO_PATH)
 PEER_BOUND_S = 45  # the README's bound (heartbeat timeout 30 s + the watchdog's poll) plus slack
-
-
-def readme_launch_line() -> list[str]:
-    """The README's first laptop launch command, as a user copies it."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        line = next(x.strip() for x in f if x.startswith("scripts/launch_local.sh "))
-    return line.split("#")[0].split()
 
 
 def launch_local(args, cwd, env):

@@ -10,8 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-from child_env import child_env
-from conftest import QUIET, tiny_config
 
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
@@ -25,6 +23,8 @@ from dlrm_jax.train.evaluate import eval_scores
 from dlrm_jax.train.export import restore_run
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.child_env import child_env
+from tests.helpers import QUIET, tiny_config
 
 LINES, VAL = 1500, 300
 
@@ -279,9 +279,8 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
 
 @pytest.mark.slow
 def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
-    from test_tabular import make_movielens
-
     from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
+    from tests.data.public_layouts import make_movielens
 
     ml = tmp_path / "ml"
     make_movielens(ml, n=600)

@@ -2,13 +2,13 @@
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dlrm_jax.serving.artifact import dequantize_int8, quantize_int8
 from dlrm_jax.serving.rules import IdRules
+from tests.helpers import examples
 
 ROWS = hnp.arrays(
     np.float32, st.tuples(st.integers(1, 20), st.integers(1, 16)), elements=st.floats(-100, 100, width=32)

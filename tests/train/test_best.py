@@ -6,13 +6,13 @@ import json
 import math
 
 import pytest
-from conftest import QUIET, tiny_config
 
 from dlrm_jax.train.checkpoint import saved_steps
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.progress import Evaluation, Progress
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, tiny_config
 
 # Two held-out batches a tiny evaluation: its AUC peaks early and wanders (step 4 here).
 BASE = ("train.steps=24", "train.eval_every=2", "train.checkpoint_every=4", "mesh.devices=2")
@@ -143,8 +143,8 @@ def test_progress_record_round_trips_and_never_prefers_nan():
 @pytest.mark.slow
 def test_keep_best_keeps_the_tier_snapshot_of_tiered_tables(tiny, tmp_path):
     """Tiered tables live in the disk tier's snapshots: the best step's stays with its checkpoint."""
-    from test_tiered import BASE as TIER_BASE
-    from test_tiered import TIERED
+    from tests.embedding.tiered_configs import BASE as TIER_BASE
+    from tests.embedding.tiered_configs import TIERED
 
     run = tmp_path / "run"
     cfg = tiny(

@@ -5,7 +5,6 @@ import json
 
 import jax
 import numpy as np
-from conftest import QUIET, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +15,7 @@ from dlrm_jax.train.build import build
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, examples
 
 
 def largest_chunk_rows(rows: int, width: int) -> int:

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import dense_reference
 
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.model.dlrm import bce_loss
 from dlrm_jax.observe.metrics import TIMING_FIELDS
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.trainer import RUN_END_FIELDS as RUN_END
+from tests.reference import dense_reference
 
 STEPS = 4
 BAGS = ["data.bag_sizes=[3, 1, 4, 2]", "data.pooling=mean"]

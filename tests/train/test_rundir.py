@@ -12,14 +12,14 @@ import sys
 import time
 
 import pytest
-from child_env import child_env
-from conftest import QUIET
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
+from tests.child_env import child_env
+from tests.helpers import QUIET
 
 
 def snapshot(run):
@@ -191,7 +191,7 @@ def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh
 
 
 def test_resume_with_its_disk_tier_gone_is_refused(tiny, tmp_path):
-    from test_tiered import BASE, TIERED
+    from tests.embedding.tiered_configs import BASE, TIERED
 
     run, tiered = tmp_path / "run", [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2"]
     train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
@@ -396,7 +396,7 @@ def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tin
     """Before its fix: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
     the snapshots were there. The working files are made again from the newest snapshot, and
     the run resumes bitwise as if nothing had happened."""
-    from test_tiered import BASE, TIERED
+    from tests.embedding.tiered_configs import BASE, TIERED
 
     tiered = [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2", "train.log_every=1"]
     whole = tmp_path / "whole"

@@ -8,25 +8,18 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from child_env import child_env
-from conftest import QUIET, TESTS, TINY, losses
-from test_tiered import BASE, TIERED
 
 from dlrm_jax.embedding.tiers import snapshots
 from dlrm_jax.train.checkpoint import CheckpointsIntact
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.child_env import child_env
+from tests.embedding.tiered_configs import BASE, TIERED
+from tests.helpers import QUIET, TINY, losses
+from tests.train.damage import damage
 
 RUN = [*BASE, *TIERED, "mesh.devices=1", "train.log_every=1", "train.checkpoint_every=2"]
 CHUNK = "cat_0/values/c.0.0"  # the table's one chunk of values: every row
-
-
-def damage(path) -> None:
-    """Same size, random bytes, written in place (every hard link of the file sees them)."""
-    size = path.stat().st_size
-    with open(path, "r+b") as f:
-        f.write(np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes())
 
 
 # Before step 4 the working chunk is made the run's own copy, as a write since the step-2
@@ -34,12 +27,11 @@ def damage(path) -> None:
 # on the reader thread, as a tier larger than RAM is.
 DAMAGED_MID_RUN = """
 import sys
-sys.path[:0] = [{tests!r}, {tests!r} + "/train"]
 import numpy as np
 from dlrm_jax.cli import main
 from dlrm_jax.embedding.tiers import tables
 from dlrm_jax.train.tier_runner import TierRunner
-from test_tier_damage import damage
+from tests.train.damage import damage
 
 tables.MAPPED_SHARE = 0.0
 train = TierRunner.train
@@ -58,7 +50,7 @@ sys.exit(main(["train", "--run-dir", {run!r}, *[a for o in {overrides!r} for a i
 def test_a_chunk_damaged_mid_run_stops_it_with_one_line_naming_the_chunk(tmp_path):
     run = tmp_path / "run"
     overrides = [*TINY, *RUN, "train.steps=6", "embedding.tier.lookahead=2"]
-    script = DAMAGED_MID_RUN.format(tests=str(TESTS), run=str(run), chunk=CHUNK, overrides=overrides)
+    script = DAMAGED_MID_RUN.format(run=str(run), chunk=CHUNK, overrides=overrides)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

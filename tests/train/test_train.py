@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import pytest
-from conftest import QUIET, losses
 
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
@@ -11,6 +10,7 @@ from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, losses
 
 
 def final_state(cfg, run_dir):
