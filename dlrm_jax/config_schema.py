@@ -80,129 +80,276 @@ def _bound(rule: str, note: str = "", each: bool = False) -> dict:
 POS, NONNEG = _bound(">0"), _bound(">=0")
 
 
+def doc(meaning: str) -> dict:
+    """A key's meaning (markdown): docs/configs.md's tables and configs/default.yaml are
+    generated from it (``python -m dlrm_jax.config_doc``)."""
+    return {"doc": meaning}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = field(default=1000, metadata=POS)
+    steps: int = field(default=1000, metadata=POS | doc("training steps"))
     epochs: float = field(
-        default=0.0, metadata=NONNEG
-    )  # > 0: train this many passes over the train split (real data); train.steps gives way
-    batch_size: int = field(default=1024, metadata=POS)  # global, over all processes and devices
-    seed: int = 0
-    learning_rate: float = field(default=0.001, metadata=POS)  # dense part; the embeddings take embedding.learning_rate
-    optimizer: str = field(default="adam", metadata=_choices("sgd", "adagrad", "adam"))
-    warmup_steps: int = field(default=0, metadata=NONNEG)
-    decay_steps: int = field(
-        default=0, metadata=NONNEG
-    )  # polynomial decay to 0 over the last `decay_steps` steps; 0 = none
-    decay_power: float = field(default=2.0, metadata=POS)  # below 0 the "decay" would raise the rate
-    compute_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
-    log_every: int = field(default=50, metadata=NONNEG)
-    eval_every: int = field(default=250, metadata=NONNEG)  # 0 = only at the end
+        default=0.0,
+        metadata=NONNEG
+        | doc(
+            "> 0: train this many passes over the train split (binary data, Criteo text): it sets "
+            "`train.steps` (which gives way, and the run says so); a run prints its split's rows and "
+            "steps an epoch, and the progress line the epoch"
+        ),
+    )
+    batch_size: int = field(
+        default=1024, metadata=POS | doc("global batch: samples per step over every device and process")
+    )
+    seed: int = field(default=0, metadata=doc("seed of the parameters, the synthetic data and the shuffles"))
+    learning_rate: float = field(
+        default=0.001, metadata=POS | doc("the dense part's learning rate (the tables take `embedding.learning_rate`)")
+    )
+    optimizer: str = field(
+        default="adam", metadata=_choices("sgd", "adagrad", "adam") | doc("the dense part's optimizer (optax)")
+    )
+    warmup_steps: int = field(default=0, metadata=NONNEG | doc("linear warmup from 0 over the first steps"))
+    decay_steps: int = field(default=0, metadata=NONNEG | doc("polynomial decay to 0 over the last steps; 0 = none"))
+    # (a power below 0 would make the "decay" raise the rate)
+    decay_power: float = field(default=2.0, metadata=POS | doc("the decay's power (> 0)"))
+    compute_dtype: str = field(
+        default="float32",
+        metadata=_choices("float32", "bfloat16") | doc("`bfloat16`: MLP compute in bf16 with float32 master weights"),
+    )
+    log_every: int = field(
+        default=50, metadata=NONNEG | doc("steps between log events in `metrics.jsonl`; 0 = only at the end")
+    )
+    eval_every: int = field(default=250, metadata=NONNEG | doc("steps between evaluations; 0 = only at the end"))
     evals_per_epoch: int = field(
-        default=0, metadata=NONNEG
-    )  # > 0 (real data): evaluate this many times an epoch; train.eval_every gives way
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "> 0 (binary data, Criteo text): evaluate this many times an epoch; it sets "
+            "`train.eval_every` (which gives way)"
+        ),
+    )
     eval_batches: int = field(
-        default=0, metadata=NONNEG
-    )  # global batches per evaluation; 0 = the whole val split (synthetic data: 16)
-    checkpoint_every: int = field(default=250, metadata=NONNEG)  # 0 = only at the end
-    keep_checkpoints: int = field(default=3, metadata=POS)
-    # auc or logloss: the checkpoint of the best evaluation by that metric is kept beyond the
-    # newest keep_checkpoints (an evaluation that improves on it is saved); '' = off.
-    keep_best: str = field(default="", metadata=_choices("", "auc", "logloss"))
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "global batches per evaluation; 0 = the whole val split (binary data, Criteo text; synthetic "
+            "data: 16 batches); every evaluation says how many samples it scored"
+        ),
+    )
+    checkpoint_every: int = field(default=250, metadata=NONNEG | doc("steps between checkpoints; 0 = only at the end"))
+    keep_checkpoints: int = field(
+        default=3, metadata=POS | doc("checkpoints kept in `RUN_DIR/checkpoints/` (older ones are deleted)")
+    )
+    keep_best: str = field(
+        default="",
+        metadata=_choices("", "auc", "logloss")
+        | doc(
+            "keep the best evaluation's checkpoint beyond `keep_checkpoints` (`--step best`); '' = off "
+            "([keeping the best](run-dirs.md#keeping-the-best-checkpoint-stopping-early))"
+        ),
+    )
     target_auc: float = field(
-        default=0.0, metadata=_bound("[0, 1]", " (0 = off)")
-    )  # stop once an evaluation's AUC reaches this; 0 = off
-    # Stop after this many evaluations in a row without a better keep_best metric (auc when
-    # keep_best is ''); 0 = off.
-    early_stop_evals: int = field(default=0, metadata=NONNEG)
+        default=0.0, metadata=_bound("[0, 1]", " (0 = off)") | doc("stop once an evaluation reaches this AUC; 0 = off")
+    )
+    early_stop_evals: int = field(
+        default=0,
+        metadata=NONNEG | doc("stop after N evaluations without a better `keep_best` metric (AUC if off); 0 = off"),
+    )
     max_loss_ratio: float = field(
-        default=10.0, metadata=NONNEG
-    )  # stop when the loss exceeds this x its starting value; 0 = off
-    progress_bar: bool = True
-    tensorboard: bool = False  # also write metrics as TensorBoard events under RUN_DIR/tensorboard
-    # Several processes: one that makes no progress (a step, evaluation or checkpoint) for this
-    # long exits naming where every process is, and the others follow; 0 = off.
-    hang_timeout_s: float = field(default=900.0, metadata=NONNEG)
+        default=10.0,
+        metadata=NONNEG
+        | doc(
+            "stop (before any checkpoint of that state) when the loss exceeds this multiple of the first "
+            "step's loss or is not finite; 0 = off"
+        ),
+    )
+    progress_bar: bool = field(default=True, metadata=doc("a progress bar on the terminal"))
+    tensorboard: bool = field(
+        default=False,
+        metadata=doc("also write the metrics as TensorBoard scalars under `RUN_DIR/tensorboard/` (process 0)"),
+    )
+    hang_timeout_s: float = field(
+        default=900.0,
+        metadata=NONNEG
+        | doc(
+            "several processes: one that makes no progress (train step, evaluation, checkpoint) for this "
+            "long exits naming where every process is, and the others follow; compiles are not timed; 0 = "
+            "off"
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = field(default="synthetic", metadata={"choices": DATA_SOURCES})  # a live registry
-    path: str = ""  # criteo: TSV file(s), comma separated; binary: `dlrm-jax preprocess` output
-    num_dense: int = field(default=13, metadata=POS)
-    cardinalities: tuple[int, ...] = field(default=CRITEO_KAGGLE_CARDINALITIES, metadata=_bound(">0", each=True))
-    # Cap on rows per table, larger ones hashed into it; 0 = no cap; auto = 20000 for synthetic
-    # data and Criteo text (sized by data.cardinalities), none for binary data (its own sizes).
-    max_rows: int | str = field(default="auto", metadata=_int_or("auto") | NONNEG)
+    # The registry itself is the choices: a registered source is valid.
+    source: str = field(
+        default="synthetic",
+        metadata={"choices": DATA_SOURCES}
+        | doc("`synthetic` (generated on the devices), `criteo` (raw TSV), `binary` (made by `dlrm-jax preprocess`)"),
+    )
+    path: str = field(
+        default="", metadata=doc("`criteo`: TSV file(s), comma separated; `binary`: the `preprocess` output folder")
+    )
+    num_dense: int = field(
+        default=13,
+        metadata=POS
+        | doc(
+            "dense features per sample (binary data: taken from `meta.json`; a value other than the "
+            "default must agree with it)"
+        ),
+    )
+    cardinalities: tuple[int, ...] = field(
+        default=CRITEO_KAGGLE_CARDINALITIES,
+        metadata=_bound(">0", each=True)
+        | doc("rows of each feature's table (default: Criteo Kaggle's 26; binary data: taken from `meta.json`)"),
+    )
+    max_rows: int | str = field(
+        default="auto",
+        metadata=_int_or("auto")
+        | NONNEG
+        | doc(
+            "cap on rows per table, larger ones hashed into it (a run says so in one line); 0 = none; "
+            "`auto`: 20,000 for synthetic data and Criteo text (sized by `data.cardinalities`), none for "
+            "binary data (the dataset's own sizes)"
+        ),
+    )
     bag_sizes: tuple[int, ...] = field(
-        default=(1,), metadata=_bound(">0", each=True)
-    )  # max ids per feature; one value for all, or one per feature
-    pooling: str = field(default="sum", metadata=_choices(*Pooling))
-    zipf_exponent: float = field(default=1.1, metadata=NONNEG)  # synthetic id popularity; larger = more skewed
-    # synthetic: "permuted" scatters popular ids over each table; "frequency_ordered" numbers
-    # them by popularity (id 0 the most frequent), as `preprocess` vocabularies do.
-    id_layout: str = field(default="permuted", metadata=_choices("permuted", "frequency_ordered"))
-    positive_rate: float = field(default=0.26, metadata=_bound("(0, 1)"))  # synthetic: target click-through rate
-    shuffle: bool = True  # binary: visit each process's blocks of rows in a new order every epoch
+        default=(1,),
+        metadata=_bound(">0", each=True)
+        | doc(
+            "most ids per sample of each feature (one value for all, or one per feature); 1 = one-hot "
+            "(binary data: taken from `meta.json`; a value other than the default must agree with it)"
+        ),
+    )
+    pooling: str = field(default="sum", metadata=_choices(*Pooling) | doc("how a bag's vectors are pooled"))
+    zipf_exponent: float = field(
+        default=1.1, metadata=NONNEG | doc("synthetic: id popularity skew (larger = more skewed)")
+    )
+    id_layout: str = field(
+        default="permuted",
+        metadata=_choices("permuted", "frequency_ordered")
+        | doc(
+            "synthetic: `permuted` scatters popular ids over each table, `frequency_ordered` numbers them "
+            "by popularity (id 0 the most frequent, as `preprocess` vocabularies do)"
+        ),
+    )
+    positive_rate: float = field(
+        default=0.26, metadata=_bound("(0, 1)") | doc("synthetic: click-through rate of the labels")
+    )
+    shuffle: bool = field(
+        default=True, metadata=doc("binary: visit each process's blocks of rows in a new order every epoch")
+    )
     shuffle_block: int = field(
-        default=4096, metadata=POS
-    )  # binary: rows read contiguously (the unit the epochs shuffle)
-    # Threads that read and check batches and copy them to the devices, ahead of the step (also
-    # the hot-row counting threads); auto: this process's share of the host's cores less two
-    # (the dispatching thread, XLA's own), between 2 and 16.
-    readers: int | str = field(default="auto", metadata=_int_or("auto") | POS)
+        default=4096,
+        metadata=POS
+        | doc(
+            "binary: rows read contiguously, the unit each epoch reorders (at most 1/64 of a process's "
+            "rows; 1 = a full per-row reshuffle)"
+        ),
+    )
+    # auto keeps two cores for the dispatching thread and XLA's own
+    readers: int | str = field(
+        default="auto",
+        metadata=_int_or("auto")
+        | POS
+        | doc(
+            "threads that read and check batches and copy them to the devices ahead of the step (also the "
+            "hot-row counting threads); `auto`: this process's share of the host's cores (its CPU "
+            "affinity, divided among the processes `launch` started on the host) less two, between 2 and "
+            "16 ([data](data.md#the-data-path))"
+        ),
+    )
     prefetch: int = field(
-        default=4, metadata=POS
-    )  # steps of input prepared ahead, at least data.readers (host and device memory: this many batches)
-    skip_bad_lines: bool = False  # criteo: skip and count malformed lines instead of failing
+        default=4,
+        metadata=POS
+        | doc(
+            "steps of input prepared ahead, at least `data.readers` (each reader takes a whole step; this "
+            "many batches in host and device memory)"
+        ),
+    )
+    skip_bad_lines: bool = field(
+        default=False, metadata=doc("criteo: skip and count malformed lines instead of stopping at the first")
+    )
     val_fraction: float = field(
-        default=0.1, metadata=_bound("(0, 1)")
-    )  # criteo: the last fraction of lines held out for evaluation
+        default=0.1, metadata=_bound("(0, 1)") | doc("criteo: the last fraction of lines held out for evaluation")
+    )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # The model trained: choices.MODEL_KINDS says what each is (dlrm; wide_deep, whose deep part
-    # takes the dense features as they are, bottom_mlp empty, beside a linear wide part over the ids).
-    # The registry itself is the choices, read when a value is checked: a registered model is valid.
-    kind: str = field(default="dlrm", metadata={"choices": MODEL_KINDS})
-    embedding_dim: int = field(default=16, metadata=POS)
-    bottom_mlp: tuple[int, ...] = field(
-        default=(128, 64, 16), metadata=_bound(">0", each=True)
-    )  # output widths; the last must be embedding_dim for dot
-    top_mlp: tuple[int, ...] = field(
-        default=(256, 128, 1), metadata=_bound(">0", each=True)
-    )  # output widths; the last must be 1
-    interaction: str = field(default="dot", metadata=_choices("dot", "cat", "dcn"))
-    dcn_layers: int = field(default=3, metadata=POS)  # interaction=dcn: cross layers (DCNv2)
-    dcn_rank: int = field(
-        default=0, metadata=NONNEG
-    )  # interaction=dcn: rank of each layer's weight (U V); 0 = full d x d
-    # wide_deep: the wide part's own optimizer (FTRL-Proximal as in the Wide&Deep paper) and its
-    # constant learning rate; l1 / l2: FTRL's regularisation strengths.
-    wide_optimizer: str = field(
-        default="ftrl", metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
+    # The registry itself is the choices (read when a value is checked): a registered model is valid.
+    kind: str = field(
+        default="dlrm",
+        metadata={"choices": MODEL_KINDS}
+        | doc(
+            "`dlrm`, or `wide_deep`: Wide&Deep (`model.bottom_mlp: []`, interaction `cat` or `dcn`, plus "
+            "a wide linear part; [models](models.md#widedeep))"
+        ),
     )
-    wide_learning_rate: float = 0.05
-    wide_l1: float = 0.0
-    wide_l2: float = 0.0
-    # The dense layers over mesh.model devices (model/mlp_parallel.py): data (each device all
-    # of them), tensor (Megatron column/row pairs), pipeline (GPipe stages, microbatches).
-    mlp_parallel: str = field(default="data", metadata=_choices("data", "tensor", "pipeline"))
+    embedding_dim: int = field(default=16, metadata=POS | doc("width of every embedding vector"))
+    bottom_mlp: tuple[int, ...] = field(
+        default=(128, 64, 16),
+        metadata=_bound(">0", each=True)
+        | doc("output widths of the bottom MLP over the dense features; the last must be `embedding_dim` for `dot`"),
+    )
+    top_mlp: tuple[int, ...] = field(
+        default=(256, 128, 1),
+        metadata=_bound(">0", each=True) | doc("output widths of the top MLP; the last must be 1"),
+    )
+    interaction: str = field(
+        default="dot",
+        metadata=_choices("dot", "cat", "dcn")
+        | doc(
+            "`dot` (DLRM's pairwise dot products), `cat` (concatenation), `dcn` (DLRM-DCNv2: the "
+            "concatenation through a cross network)"
+        ),
+    )
+    dcn_layers: int = field(default=3, metadata=POS | doc("`dcn`: cross layers"))
+    dcn_rank: int = field(
+        default=0, metadata=NONNEG | doc("`dcn`: rank r of each cross layer's weight U V; 0 = full width x width")
+    )
+    wide_optimizer: str = field(
+        default="ftrl",
+        metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
+        | doc("`wide_deep`: the wide part's own optimizer (`ftrl`: FTRL-Proximal)"),
+    )
+    wide_learning_rate: float = field(default=0.05, metadata=doc("`wide_deep`: the wide part's constant learning rate"))
+    wide_l1: float = field(default=0.0, metadata=doc("`wide_deep`, `ftrl`: L1 strength (exact zeros)"))
+    wide_l2: float = field(default=0.0, metadata=doc("`wide_deep`, `ftrl`: L2 strength"))
+    mlp_parallel: str = field(
+        default="data",
+        metadata=_choices("data", "tensor", "pipeline")
+        | doc(
+            "how the dense layers use a model group's `mesh.model` devices: `data` (each holds all), "
+            "`tensor` (Megatron pairs), `pipeline` (GPipe stages) ([models](models.md#mlp-parallelism))"
+        ),
+    )
     microbatches: int = field(
-        default=4, metadata=POS
-    )  # mlp_parallel=pipeline: microbatches a model group's rows are split into
+        default=4, metadata=POS | doc("`pipeline`: microbatches a model group's rows are split into")
+    )
 
 
 @dataclass(frozen=True)
 class HotConfig:
     """Hot-row replication: the most looked-up rows live on every device (embedding/hot/)."""
 
-    rows: int | str = field(default=0, metadata=_int_or("auto") | NONNEG)  # 0 = off; auto = the cost model
-    memory_mb: float = field(default=64.0, metadata=POS)  # per device: hot rows plus their optimizer state
-    stats_batches: int = field(default=8, metadata=POS)  # batches counted to choose the rows (and before each refresh)
-    refresh_every: int = field(default=0, metadata=NONNEG)  # steps between re-choosing the rows; 0 = never
-    decay: float = field(default=0.5, metadata=_bound("[0, 1]"))  # counts kept from before a refresh, as a fraction
+    rows: int | str = field(
+        default=0,
+        metadata=_int_or("auto")
+        | NONNEG
+        | doc(
+            "rows replicated on every device: 0 = none, `auto` = the cost model decides, or a number "
+            "([hot rows](hot-rows.md))"
+        ),
+    )
+    memory_mb: float = field(
+        default=64.0, metadata=POS | doc("per device, for the hot rows and their optimizer state (`auto`'s limit)")
+    )
+    stats_batches: int = field(
+        default=8, metadata=POS | doc("batches counted to choose the hot rows, and before every refresh")
+    )
+    refresh_every: int = field(default=0, metadata=NONNEG | doc("steps between re-choosing the hot rows; 0 = never"))
+    decay: float = field(default=0.5, metadata=_bound("[0, 1]") | doc("share of the older counts kept at each refresh"))
     # All-to-all over all-reduce bandwidth (`dlrm-jax bench collectives`); 0 = per backend.
 
 
@@ -211,71 +358,177 @@ class TierConfig:
     """Tiered storage: tables in a tensorstore array on local disk, DRAM and device caches in
     front (embedding/tiers/)."""
 
-    path: str = ""  # the disk tier's folder; '' = RUN_DIR/tier
-    # Device cache per owner of each tiered table: rows, or 0 = device_cache_fraction of them.
-    device_cache_rows: int = field(default=0, metadata=NONNEG)
-    device_cache_fraction: float = field(default=0.1, metadata=_bound("(0, 1]"))
+    path: str = field(default="", metadata=doc("the disk tier's folder; `''` = `RUN_DIR/tier`"))
+    device_cache_rows: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc("device cache per owner of each tiered table, in rows; 0 = `device_cache_fraction` of the rows it owns"),
+    )
+    device_cache_fraction: float = field(
+        default=0.1, metadata=_bound("(0, 1]") | doc("device cache as a share of an owner's rows")
+    )
     host_cache_rows: int = field(
-        default=0, metadata=NONNEG
-    )  # DRAM cache per tiered table: rows, or 0 = host_cache_fraction
-    # DRAM cache as a share of each tiered table's rows; 0 = from the machine: the caches
-    # together take at most half the memory available when the run plans (all rows if that fits).
-    host_cache_fraction: float = field(default=0.0, metadata=_bound("[0, 1]", " (0 = from the memory available)"))
-    policy: str = field(default="lru", metadata=_choices(*DramPolicy))  # the DRAM cache's
-    lookahead: int = field(default=2, metadata=NONNEG)  # batches planned ahead; their rows are never evicted early
-    fill_rows: int = field(default=0, metadata=NONNEG)  # rows one step may fill per device and group; 0 = measured
-    # Size of the disk tier's chunk files: 64 MiB keeps a 30 GiB tier at ~1,000 files (each
-    # reading thread keeps its own open); a snapshot's copy-on-write copies a chunk at a time.
-    chunk_mb: float = field(default=64.0, metadata=POS)
+        default=0, metadata=NONNEG | doc("DRAM cache per tiered table, in rows; 0 = `host_cache_fraction` of its rows")
+    )
+    host_cache_fraction: float = field(
+        default=0.0,
+        metadata=_bound("[0, 1]", " (0 = from the memory available)")
+        | doc(
+            "DRAM cache as a share of a table's rows; 0 = from the machine: the DRAM caches together take "
+            "at most half the memory available when the run plans (all rows if that fits)"
+        ),
+    )
+    policy: str = field(
+        default="lru",
+        metadata=_choices(*DramPolicy) | doc("the DRAM cache's eviction policy (dirty rows are written back)"),
+    )
+    lookahead: int = field(
+        default=2, metadata=NONNEG | doc("batches the planner thread plans ahead; their rows are never evicted early")
+    )
+    fill_rows: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "rows one step may fill per device and group; 0 = measured on the first batches (more fills "
+            "run in extra rounds)"
+        ),
+    )
+    # 64 MiB keeps a 30 GiB tier at ~1,000 files (each reading thread keeps its own open)
+    chunk_mb: float = field(
+        default=64.0,
+        metadata=POS | doc("size of the disk tier's chunk files (a snapshot's copy-on-write copies one at a time)"),
+    )
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    sharding: str = field(default="auto", metadata=_choices("auto", *Strategy))
-    optimizer: str = field(
-        default="rowwise_adagrad", metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.tables))
+    sharding: str = field(
+        default="auto",
+        metadata=_choices("auto", *Strategy)
+        | doc(
+            "every table's strategy, or `auto`: per table the cheapest under the memory budget "
+            "([sharding](sharding.md))"
+        ),
     )
-    learning_rate: float = field(default=0.05, metadata=NONNEG)  # 0 = use train.learning_rate
-    adagrad_eps: float = field(default=1e-8, metadata=NONNEG)
-    adagrad_initial_accumulator: float = field(default=0.0, metadata=NONNEG)
-    table_sharding: tuple[str, ...] = ()  # per-table overrides, e.g. ["cat_2=row", "cat_9=table"]
-    row_layout: str = field(default="block", metadata=_choices(*RowLayout, "auto"))
-    capacity_from: str = field(default="measured", metadata=_choices("measured", "batch"))
-    bag_exchange: str = field(default="auto", metadata=_choices("auto", "ids", "pooled"))
-    # The ids exchange on several hosts: a host's requests merged before they cross hosts
-    # (two_level), or every device to every owner (flat); auto: the faster predicted.
-    ids_exchange: str = field(default="auto", metadata=_choices("auto", "flat", "two_level"))
+    optimizer: str = field(
+        default="rowwise_adagrad",
+        metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.tables))
+        | doc("the tables' sparse optimizer, applied on the owners to the looked-up rows only"),
+    )
+    learning_rate: float = field(
+        default=0.05, metadata=NONNEG | doc("the tables' learning rate; 0 = `train.learning_rate`")
+    )
+    adagrad_eps: float = field(default=1e-8, metadata=NONNEG | doc("Adagrad's epsilon"))
+    adagrad_initial_accumulator: float = field(
+        default=0.0, metadata=NONNEG | doc("Adagrad's starting accumulator value")
+    )
+    table_sharding: tuple[str, ...] = field(
+        default=(), metadata=doc("per-table strategy overrides, e.g. `[cat_2=row, cat_9=replicated]`")
+    )
+    row_layout: str = field(
+        default="block",
+        metadata=_choices(*RowLayout, "auto")
+        | doc(
+            "row-wise tables: contiguous `block`s of rows per device, `cyclic` (id mod N) to spread hot "
+            "ids, or `auto`: per table, whichever gives the smaller busiest bucket on the first batches "
+            "(ids in frequency order, as preprocessing writes them, go cyclic; blocks on a tie or without "
+            "data)"
+        ),
+    )
+    capacity_from: str = field(
+        default="measured",
+        metadata=_choices("measured", "batch")
+        | doc("all-to-all bucket size: `measured` on the first batches, or bounded from the `batch` size"),
+    )
+    bag_exchange: str = field(
+        default="auto",
+        metadata=_choices("auto", "ids", "pooled")
+        | doc(
+            "how table- and column-wise tables exchange: `pooled` (every bag goes to its owner, which "
+            "pools it: one vector per sample each way), `ids` (distinct rows travel, the requester "
+            "pools); `auto`: the planner's choice under `sharding=auto`, else pooled bags and one-hot "
+            "ids. Row-wise tables always send ids"
+        ),
+    )
+    ids_exchange: str = field(
+        default="auto",
+        metadata=_choices("auto", "flat", "two_level")
+        | doc(
+            "how the ids exchange crosses hosts (`cluster.devices_per_host` devices each, more than one "
+            "host): `two_level` (each device's distinct requests go to the device of its host with the "
+            "owner's local index, which merges the host's requests and sends each owner host one bucket; "
+            "[sharding](sharding.md)), `flat` (every device to every owner); `auto`: whichever the cost "
+            "model predicts faster with the measured buckets. `two_level` where the mesh cannot have two "
+            "levels (the devices fit one host or do not split into hosts, or per-host tables) is refused; "
+            "where no part of the plan sends ids, the plan says so"
+        ),
+    )
     capacity_factor: float = field(
-        default=1.25, metadata=POS
-    )  # headroom of the all-to-all buckets over the busiest owner's load
-    dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16"))  # table storage
-    exchange_dtype: str = field(default="float32", metadata=_choices("float32", "bfloat16", "float8"))
-    # Duplicate rows' gradients summed exactly (embedding/exchange/sums.py): bit-identical runs on GPUs,
-    # whose scatter-adds use atomics in any order. Costs a few percent (BENCHMARKS.md).
-    deterministic: bool = False
-    # The sparse update: xla (rows sorted once, each row's lookups summed, one scatter per table
-    # and state array), or fused (Pallas kernels that sum each row's lookups and apply the
-    # optimizer in one pass, in a fixed order: GPUs; elsewhere interpreted, for tests only).
-    sparse_update: str = field(default="xla", metadata=_choices("xla", "fused"))
+        default=1.25, metadata=POS | doc("headroom of the buckets over the busiest owner's measured requests")
+    )
+    dtype: str = field(
+        default="float32",
+        metadata=_choices("float32", "bfloat16") | doc("table storage; `bfloat16` halves table memory"),
+    )
+    exchange_dtype: str = field(
+        default="float32",
+        metadata=_choices("float32", "bfloat16", "float8")
+        | doc(
+            "vectors and gradients in the all-to-all; `bfloat16` halves the bytes, `float8` (e4m3 with a "
+            "float32 scale per vector) sends W + 4 bytes a vector ([precision](sharding.md#the-exchange))"
+        ),
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata=doc(
+            "exact, order-independent sums of duplicate rows' gradients: the same bits on every GPU run "
+            "(0.6-0.7x the speed on one H100; [benchmarks](benchmarks-log.md#determinism-on-gpu))"
+        ),
+    )
+    sparse_update: str = field(
+        default="xla",
+        metadata=_choices("xla", "fused")
+        | doc(
+            "the sparse update: `xla` sorts the lookups by row once, sums each row's in their order and "
+            "writes each row and its state once; `fused` does the sums and the optimizer in Pallas "
+            "kernels, one pass, the same bits every run (GPUs; interpreted elsewhere, for tests). Not yet "
+            "measured on a GPU ([sharding](sharding.md#the-sparse-update))"
+        ),
+    )
     memory_budget_gb: float = field(
-        default=0.0, metadata=NONNEG
-    )  # per device, for tables, optimizer state, buffers; 0 = no check
+        default=0.0,
+        metadata=NONNEG
+        | doc(
+            "per device, for tables, optimizer state and buffers; 0 = 90% of an accelerator's memory, no check on CPU"
+        ),
+    )
     hot: HotConfig = HotConfig()
-    # Where tables live: on their devices, or in the host tier behind caches (sharded tables
-    # only: a replicated table is small by choice). table_storage overrides it per table.
-    storage: str = field(default="device", metadata=_choices(*Storage))
-    table_storage: tuple[str, ...] = ()  # e.g. ["cat_2=tiered", "cat_9=device"]
+    storage: str = field(
+        default="device",
+        metadata=_choices(*Storage)
+        | doc(
+            "where sharded tables live: on their `device`s, or `tiered` (disk tier behind DRAM and device "
+            "caches; [tiered tables](tiered-tables.md))"
+        ),
+    )
+    table_storage: tuple[str, ...] = field(
+        default=(), metadata=doc("per-table storage overrides, e.g. `[cat_2=tiered, cat_9=device]`")
+    )
     tier: TierConfig = TierConfig()
-    # global: one set of tables sharded over every device. per_host: each host keeps its own
-    # set, sharded over its local devices and trained on its own data only (no cross-host
-    # embedding traffic; the MLP gradients are still all-reduced over every device), averaged
-    # over hosts every sync_every steps (0 = never: independent embeddings). host_replicas:
-    # each host keeps a replica, sharded over its local devices, so the lookups' all-to-all
-    # stays inside the host; every replica applies the gradients of every host (gathered over
-    # hosts), so training is global's (up to the order of float sums), at the hosts' count
-    # times the table memory.
-    sync: str = field(default="global", metadata=_choices("global", "per_host", "host_replicas"))
-    sync_every: int = field(default=0, metadata=NONNEG)
+    sync: str = field(
+        default="global",
+        metadata=_choices("global", "per_host", "host_replicas")
+        | doc(
+            "`global`: one set of tables over every device; `per_host`: each host trains its own tables "
+            "on its own rows; `host_replicas`: equal replicas per host, the all-to-all inside each host "
+            "([multi-host](multi-host.md#per-host-embeddings))"
+        ),
+    )
+    sync_every: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc("`per_host`: average the tables and their optimizer state over hosts every N steps; 0 = never"),
+    )
 
     @property
     def tables_per_host(self) -> bool:
@@ -286,14 +539,22 @@ class EmbeddingConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     devices: int = field(
-        default=0, metadata=NONNEG
-    )  # 0 = every device; on a host without accelerators, 8 simulated CPU devices
-    # Hosts of the (hosts, data, model) mesh that embedding.sync=per_host uses: 0 = one per process;
-    # more than the processes splits each process's devices into simulated hosts.
-    hosts: int = field(default=0, metadata=NONNEG)
-    # Neighbouring devices that share the dense MLPs' layers (model.mlp_parallel tensor or
-    # pipeline); the mesh is (data, model), the batch and the embedding tables over both.
-    model: int = field(default=1, metadata=POS)
+        default=0,
+        metadata=NONNEG
+        | doc("devices in the mesh, over all hosts; 0 = all (8 simulated CPU devices without accelerators)"),
+    )
+    hosts: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "hosts of the (`hosts`, `data`, `model`) mesh for per-host tables; 0 = one per process, more "
+            "splits each process's devices into simulated hosts"
+        ),
+    )
+    model: int = field(
+        default=1,
+        metadata=POS | doc("neighbouring devices per model group that share the dense layers (`model.mlp_parallel`)"),
+    )
 
 
 @dataclass(frozen=True)
@@ -301,17 +562,46 @@ class ClusterConfig:
     """The machines embedding.sharding=auto prices a plan for (embedding/plan/cost.py has the
     model and the sources of the profiles' numbers); 0 = the profile's value."""
 
-    # auto: cpu when training on simulated CPU devices, else h100 (8 GPUs a host, NVLink within,
-    # one 400 Gb/s InfiniBand NIC per GPU between hosts)
-    profile: str = field(default="auto", metadata=_choices("auto", "h100", "cpu"))
-    devices_per_host: int = field(default=0, metadata=NONNEG)
-    intra_host_gbps: float = field(default=0.0, metadata=NONNEG)  # GB/s each way per device between devices of one host
-    inter_host_gbps: float = field(default=0.0, metadata=NONNEG)  # GB/s each way per device between hosts
-    hbm_gbps: float = field(default=0.0, metadata=NONNEG)  # device memory bandwidth
-    tflops: float = field(default=0.0, metadata=NONNEG)  # dense matmul peak at bfloat16 (float32: half)
+    profile: str = field(
+        default="auto",
+        metadata=_choices("auto", "h100", "cpu")
+        | doc(
+            "the machines `embedding.sharding=auto` prices plans for ([the cost "
+            "model](sharding.md#the-cost-model)): `h100` (8 GPUs a host, NVLink within, one 400 Gb/s "
+            "InfiniBand NIC per GPU between hosts), `cpu` (simulated CPU devices of one host); `auto`: "
+            "`cpu` when training on simulated CPU devices, else `h100`"
+        ),
+    )
+    devices_per_host: int = field(
+        default=0,
+        metadata=NONNEG | doc("devices that share the fast links of one host (0: the profile's: 8 for `h100`)"),
+    )
+    intra_host_gbps: float = field(
+        default=0.0,
+        metadata=NONNEG | doc("GB/s each way per device between devices of one host (0: the profile's: 450, NVLink 4)"),
+    )
+    inter_host_gbps: float = field(
+        default=0.0,
+        metadata=NONNEG | doc("GB/s each way per device between hosts (0: the profile's: 50, a 400 Gb/s NIC per GPU)"),
+    )
+    hbm_gbps: float = field(
+        default=0.0,
+        metadata=NONNEG
+        | doc("device memory bandwidth in GB/s, for lookups and updates (0: the profile's: 3350, HBM3)"),
+    )
+    tflops: float = field(
+        default=0.0,
+        metadata=NONNEG
+        | doc("dense matmul peak in TFLOP/s at bfloat16, half of it at float32 (0: the profile's: 990)"),
+    )
     device_memory_gb: float = field(
-        default=0.0, metadata=NONNEG
-    )  # the planner's budget when embedding.memory_budget_gb is 0 (90% of it)
+        default=0.0,
+        metadata=NONNEG
+        | doc(
+            "the planner's memory budget is 90% of it when `embedding.memory_budget_gb` is 0 (0: the "
+            "profile's: 80 for `h100`, none for `cpu`)"
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -264,8 +264,10 @@ def test_every_doc_page_is_in_the_index():
 
 def test_configs_reference_matches_the_schema():
     text = config_doc.DOC_PATH.read_text(encoding="utf-8")
-    problems = config_doc.problems(text)
-    assert not problems, "docs/configs.md (regenerate with python -m dlrm_jax.config_doc):\n" + "\n".join(problems)
+    problems = config_doc.problems(text, config_doc.DEFAULT_YAML.read_text(encoding="utf-8"))
+    assert not problems, (
+        "docs/configs.md, configs/default.yaml (regenerate: python -m dlrm_jax.config_doc):\n" + "\n".join(problems)
+    )
 
 
 @pytest.mark.parametrize("change", ["drop a row", "wrong default", "unknown key", "no meaning"])
