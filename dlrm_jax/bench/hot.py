@@ -37,7 +37,7 @@ from dlrm_jax.bench.common import (
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.exchange.relayout import physical_rows_np
-from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.plan.embedding_plan import DTYPE_BYTES
 from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
 from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step, lower_bound_bytes

@@ -13,12 +13,12 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
-from dlrm_jax.embedding.hot import refresh as hot_setup
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
+from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checks import check_batch
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
@@ -33,7 +33,7 @@ def build(
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,
     so a resumed run compiles the same step). With ``embedding.hot.rows`` set, the hot rows
-    are chosen from the data too (:mod:`~dlrm_jax.embedding.hot.refresh`); they need a source.
+    are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
     """
     check_batch(cfg, mesh.size)
     per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"

@@ -23,7 +23,7 @@ import numpy as np
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
-from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.train.evaluate import evaluate
 from dlrm_jax.train.step import StepFunctions, TrainState

@@ -22,7 +22,7 @@ from dlrm_jax.config import ConfigError
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, unpacked
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.exchange.routing import hot_keys
+from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.tiers.device_fill import fill_caches
 from dlrm_jax.model.dlrm import bce_loss
@@ -282,7 +282,7 @@ class StepFunctions:
         return TrainState(step, params, opt, emb, self.wide.init() if self.wide else {})
 
     def hot_keys(self) -> np.ndarray:
-        """The hot set the schedule's statistics now rank hottest (``routing.hot_keys``)."""
+        """The hot set the schedule's statistics now rank hottest (``hot.index.hot_keys``)."""
         return hot_keys(self.hot.current_rows(), self.hot.capacity)
 
     def embedding_key(self) -> jax.Array:

@@ -343,7 +343,7 @@ def test_id_histograms_count_every_row(data, max_rows):
     """preprocess counts every feature's ids over the rows it counted values on (all rows
     here, --vocab-from all; a placement hint for hot rows, never math); with data.max_rows the counts follow the ids into their hashed rows, as
     batches do; hot rows start from them."""
-    from dlrm_jax.embedding.hot.refresh import initial_counts
+    from dlrm_jax.train.hot_setup import initial_counts
 
     cfg = make_cfg(data[1], f"data.max_rows={max_rows}", "embedding.hot.stats_batches=1")
     source = BinarySource(cfg)

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.sources.synthetic import SyntheticSource
-from dlrm_jax.embedding.exchange.routing import hot_keys
 from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.plan.embedding_plan import HotPlan
 from dlrm_jax.train.wiring import plan_from_config
 from tests.embedding.reference_checks import CARDS, build, check_against_reference, logical, strategy_overrides
@@ -213,7 +213,7 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert steps_a.hot.to_json() == steps_b.hot.to_json()
     from dlrm_jax.data.sources import make_source
-    from dlrm_jax.embedding.hot.refresh import initial_counts
+    from dlrm_jax.train.hot_setup import initial_counts
 
     first = hot_keys(initial_counts(make_source(cfg), cfg.embedding.hot.stats_batches, cfg.bag_sizes).top_rows(24), 24)
     assert not np.array_equal(np.asarray(a.emb.hot.keys), first)  # the refreshes did move the set

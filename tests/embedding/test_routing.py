@@ -173,7 +173,7 @@ def test_rounds_send_each_request_once_and_each_row_in_one_round(data):
 def test_split_hot_matches_a_lookup_table(seed, k, pad, rows):
     """Every id is hot exactly when its (table, id) pair is in the hot set, at the pair's row
     in the sorted keys; table edges (first, last row, ids near 2**31) included."""
-    from dlrm_jax.embedding.exchange.routing import hot_index, hot_keys, split_hot
+    from dlrm_jax.embedding.hot.index import hot_index, hot_keys, split_hot
 
     rng = np.random.default_rng(seed)
     v = 5
@@ -204,7 +204,7 @@ def test_cuckoo_placement_puts_every_key_in_one_of_its_buckets(seed, buckets, lo
     nearly full."""
     import itertools
 
-    from dlrm_jax.embedding.exchange.routing import HOT_BUCKET, _place
+    from dlrm_jax.embedding.hot.index import HOT_BUCKET, _place
 
     n = int(load * buckets * HOT_BUCKET)
     choices = np.random.default_rng(seed).integers(0, buckets, (n, 2))
@@ -227,7 +227,7 @@ def test_tiered_hot_rows_split_on_the_host_reach_the_same_hot_rows(data):
     """A tiered table's hot ids, split on the host into step ids (cache rows + hot row), are
     found by the step's ``split_hot`` at the hot row the logical pair has; every other id is
     left to the cache, and device tables keep their logical pairs."""
-    from dlrm_jax.embedding.exchange.routing import (
+    from dlrm_jax.embedding.hot.index import (
         hot_index,
         hot_keys,
         hot_step_keys,

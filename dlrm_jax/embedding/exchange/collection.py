@@ -27,8 +27,9 @@ from dlrm_jax.embedding.exchange.forms import FormRequest, build_form
 from dlrm_jax.embedding.exchange.hot_rows import HotRows, HotState, overlay
 from dlrm_jax.embedding.exchange.initializer import init_group
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer
-from dlrm_jax.embedding.exchange.routing import hot_index, route
+from dlrm_jax.embedding.exchange.routing import route
 from dlrm_jax.embedding.exchange.wire import Wire
+from dlrm_jax.embedding.hot.index import hot_index
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.layout import (
     Group,
@@ -196,11 +197,11 @@ class EmbeddingCollection:
         return jax.jit(self._init, out_shardings=self.state_sharding())(key)
 
     def refresh(self, state: EmbeddingState, keys: np.ndarray, index_keys: np.ndarray | None = None) -> EmbeddingState:
-        """The state with the hot set ``keys`` (int32 [2, H], ``routing.hot_keys``): the rows
+        """The state with the hot set ``keys`` (int32 [2, H], ``hot.index.hot_keys``): the rows
         hot until now written back to their owners, the new ones gathered, exactly. Donates
         ``state``; one compiled program for every refresh. Tiered tables' hot rows are left
         zero (``embedding/tiers/hot.py`` moves them); ``index_keys``: the pairs the step looks
-        up (``routing.hot_step_keys``), when they differ from ``keys``."""
+        up (``hot.index.hot_step_keys``), when they differ from ``keys``."""
         if self.hot is None:
             raise ValueError("this plan replicates no hot rows (embedding.hot.rows=0)")
         if self._refresh is None:

@@ -1,10 +1,10 @@
 """Hot rows inside the step: one more fused array, on every device, for the most looked-up rows.
 
 The plan's hot group (``plan.hot``) holds H rows of any tables as ``[H, D]`` on every device,
-the sparse optimizer's state beside them, and their keys (``routing.hot_keys``: sorted
+the sparse optimizer's state beside them, and their keys (``hot.index.hot_keys``: sorted
 (table, id) pairs). H is fixed when the step compiles; which rows are hot is state.
 
-lookup    ``routing.split_hot`` splits the batch's ids into hot rows and cold ids (a hash index
+lookup    ``hot.index.split_hot`` splits the batch's ids into hot rows and cold ids (a hash index
           of the keys, two gathers). Cold ids take their tables' exchange (a hot id never
           enters a bucket); hot rows are a local gather.
 update    each device sums its hot rows' gradients; their sum over devices is a reduction in
@@ -32,22 +32,17 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.exchange.routing import (
-    HOT_BUCKET,
-    HOT_PAD,
-    hot_index_buckets,
-    route,
-    split_hot,
-)
+from dlrm_jax.embedding.exchange.routing import route
 from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums
+from dlrm_jax.embedding.hot.index import HOT_BUCKET, HOT_PAD, hot_index_buckets, split_hot
 from dlrm_jax.embedding.plan.layout import Group, VirtualTable, is_identity
 from dlrm_jax.parallel.mesh import AXIS
 
 
 class HotState(NamedTuple):
     """values [H, D] (table storage dtype), slots: the sparse optimizer's state with the same
-    row axis, keys int32 [2, H] (``routing.hot_keys``), and the step's hash index of them:
-    index int32 [buckets, HOT_BUCKET, 3], seeds int32 [2] (``routing.hot_index``); all
+    row axis, keys int32 [2, H] (``hot.index.hot_keys``), and the step's hash index of them:
+    index int32 [buckets, HOT_BUCKET, 3], seeds int32 [2] (``hot.index.hot_index``); all
     replicated on every device."""
 
     values: jax.Array
@@ -156,7 +151,7 @@ class HotRows:
     ):
         """-> (tables, slots, hot): the old hot rows written back to their owners, exactly,
         then the rows of ``new_keys`` gathered from theirs (``index``, ``seeds``: their
-        ``routing.hot_index``). A row in both sets keeps its values and state bit for bit."""
+        ``hot.index.hot_index``). A row in both sets keeps its values and state bit for bit."""
         names = [g.name for g in self.groups]
         specs = tuple(P() if g.replicated else P(AXIS) for g in self.groups)
 

@@ -18,7 +18,7 @@ import numpy as np
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.hot_rows import HotState
 from dlrm_jax.embedding.exchange.initializer import logical_rows
-from dlrm_jax.embedding.exchange.routing import HOT_BUCKET, hot_index_buckets
+from dlrm_jax.embedding.hot.index import HOT_BUCKET, hot_index_buckets
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.layout import (
     KIND_BLOCK,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_jax.embedding.exchange.routing import split_hot_host
+from dlrm_jax.embedding.hot.index import split_hot_host
 from dlrm_jax.embedding.plan.embedding_plan import RowLayout, Strategy, TablePlan
 from dlrm_jax.ids import PAD_ID
 
@@ -241,7 +241,7 @@ def plan_stream(caches: dict[int, TableCache], slot_table: np.ndarray, batches, 
     tiered table's ids replaced, {table: Fills}). ``caches``: tiered table index -> its
     cache; ``slot_table``: the table of each batch slot. Batch t is planned with batches
     t+1 .. t+lookahead in the window (read ahead from ``batches``). ``hot``: called with t
-    when batch t is planned, its tiered tables' hot rows (``routing.tiered_hot_maps``):
+    when batch t is planned, its tiered tables' hot rows (``hot.index.tiered_hot_maps``):
     those never enter a cache and become their step ids."""
     cols = {t: np.flatnonzero(slot_table == t) for t in caches}
     window, it = collections.deque(), iter(batches)

@@ -1,7 +1,7 @@
 """Hot rows of tiered tables: moving them between the hot copies and the tiers at a refresh.
 
 While a row of a tiered table is hot it lives only in the replicated hot arrays: the planner
-splits it off before the device caches see a batch (``routing.split_hot_host``), so it never
+splits it off before the device caches see a batch (``hot.index.split_hot_host``), so it never
 takes a cache slot, and its copy in the DRAM cache or the disk tier is stale. A refresh runs
 with no program in flight and the planner stopped before the first batch of the new set:
 
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.exchange.routing import hot_step_keys, tiered_hot_maps
+from dlrm_jax.embedding.hot.index import hot_step_keys, tiered_hot_maps
 from dlrm_jax.embedding.tiers.cache_planner import TableCache
 from dlrm_jax.embedding.tiers.tables import TieredTables
 
@@ -49,7 +49,7 @@ def refresh(
     keys: np.ndarray,
     caches: dict[int, TableCache] | None = None,
 ) -> EmbeddingState:
-    """``emb`` with the hot set ``keys`` (``routing.hot_keys``), tiered tables' rows included,
+    """``emb`` with the hot set ``keys`` (``hot.index.hot_keys``), tiered tables' rows included,
     exactly. ``caches``: the planner's device caches, which forget the entering rows (None
     when no planner runs yet). Donates ``emb``."""
     keys = np.asarray(keys, np.int32)
