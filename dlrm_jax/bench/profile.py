@@ -140,11 +140,11 @@ def _profile(
             state, out = one(state, i)
             jax.block_until_ready((state, out))
             walls.append(time.perf_counter() - t0)
-    sync_every = cfg.embedding.sync_every if fns.per_host else 0
+    sync_every = fns.collection.sync_every  # per-host tables' periodic average
     sync_s = []
-    for _ in range(steps if sync_every else 0):  # per_host's periodic average, its own program
+    for _ in range(steps if sync_every else 0):  # its own program: timed alone
         t0 = time.perf_counter()
-        state = state._replace(emb=jax.block_until_ready(fns.sync_tables(state.emb)))
+        state = state._replace(emb=jax.block_until_ready(fns.collection.after_step(state.emb, sync_every)))
         sync_s.append(time.perf_counter() - t0)
     local = len(mesh.local_devices)
     per_phase = device_phase_ns(str(trace_dir), phases)

@@ -13,6 +13,7 @@ from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.tiers.setup import tier_plan
@@ -36,7 +37,6 @@ def build(
     are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
     """
     check_batch(cfg, mesh.size)
-    per_host, replicas = cfg.embedding.tables_per_host, cfg.embedding.sync == "host_replicas"
     plan = plan_for_run(
         cfg,
         mesh.size,
@@ -57,9 +57,7 @@ def build(
             hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, input_readers(cfg.data.readers), log
         )
     if not plan.tiered_tables:
-        return plan, StepFunctions(
-            cfg, mesh, EmbeddingCollection(plan, mesh, optimizer, per_host=per_host, replicas=replicas), schedule
-        )
+        return plan, StepFunctions(cfg, mesh, _tables(cfg, plan, mesh, optimizer), schedule)
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
@@ -72,6 +70,15 @@ def build(
     return plan, StepFunctions(
         cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows)
     )
+
+
+def _tables(cfg: Config, plan: EmbeddingPlan, mesh, optimizer) -> EmbeddingCollection | HostTables:
+    """The collection on ``mesh``, or per-host tables (embedding.sync per_host or host_replicas)
+    around it."""
+    e = cfg.embedding
+    if not e.tables_per_host:
+        return EmbeddingCollection(plan, mesh, optimizer)
+    return HostTables(plan, mesh, optimizer, replicas=e.sync == "host_replicas", sync_every=e.sync_every)
 
 
 def _every_process(kind: str, value):
@@ -107,8 +114,8 @@ def _comparable(cfg: Config) -> dict[str, str]:
                 flat[f"{prefix}{k}"] = json.dumps(v)
 
     walk(cfg.to_dict(), "")
-    for per_host in ("data.path", "embedding.tier.path"):
-        flat.pop(per_host, None)
+    for key in ("data.path", "embedding.tier.path"):
+        flat.pop(key, None)
     meta = Path(cfg.data.path) / "meta.json"
     if cfg.data.source == "binary" and meta.is_file():
         flat["the dataset (data.path's meta.json)"] = hashlib.sha256(meta.read_bytes()).hexdigest()[:12]

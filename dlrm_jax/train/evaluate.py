@@ -95,8 +95,7 @@ def eval_scores(
     """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
     the batch padded to full size, ``valid`` marking its real rows."""
     per_process = steps.cfg.train.batch_size // jax.process_count()
-    if steps.per_host and not steps.collection.replicas:  # the model evaluated is the hosts' average
-        state = state._replace(emb=steps.averaged_tables(state.emb))
+    state = state._replace(emb=steps.collection.model_tables(state.emb))  # (per-host tables: their average)
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     for batch in source.eval_batches():

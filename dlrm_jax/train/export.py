@@ -48,9 +48,8 @@ def restore_run(
     plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
     step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
-    if steps.per_host:  # host replicas are equal: host 0's copy is every host's
-        emb = state.emb if steps.collection.replicas else steps.averaged_tables(state.emb)
-        state = state._replace(emb=jax.tree.map(lambda x: x[0], emb))
+    if steps.collection.host_sets:  # the hosts' model tables are equal: host 0's copy is every host's
+        state = state._replace(emb=jax.tree.map(lambda x: x[0], steps.collection.model_tables(state.emb)))
     return RestoredRun(cfg, plan, steps, step, state)
 
 

@@ -143,8 +143,8 @@ class TrainingLoop:
         self.t, self.cfg, self.driver, self.steps = cfg.train, cfg, driver, driver.steps
         self.ckpts, self.metrics, self.progress, self.log = ckpts, metrics, progress, log
         self.plan_json = plan.to_json()
-        replicas = self.steps.hosts if self.steps.collection.replicas else 1
-        self.sent = collective_bytes(plan, replicas)  # per device and step, at the compiled capacities
+        # per device and step, at the compiled capacities
+        self.sent = collective_bytes(plan, self.steps.collection.table_copies)
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.window_cpu = 0.0
@@ -161,15 +161,13 @@ class TrainingLoop:
         )
 
     def dispatch(self, state: TrainState, step: int, item) -> TrainState:
-        """Run train step ``step``; the per-host tables' sync when due."""
+        """Run train step ``step``, then what the tables ask after it (per-host tables: their sync, when due)."""
         if self.window_start is None:
             self.window_start, self.window_cpu = time.perf_counter(), time.thread_time()
         stepped = self.driver.run(state, item)
         self.pending.append((step, stepped.out))
         state, self._ids = stepped.state, stepped.ids
-        if self.steps.per_host and self.cfg.embedding.sync_every and step % self.cfg.embedding.sync_every == 0:
-            state = state._replace(emb=self.steps.sync_tables(state.emb))
-        return state
+        return state._replace(emb=self.steps.collection.after_step(state.emb, step))
 
     def plan_step(self, step: int, signum: int | None) -> Plan:
         t = self.t
@@ -221,8 +219,7 @@ class TrainingLoop:
         }
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))
-        if self.steps.per_host:
-            event["table_divergence"] = host_scalar(self.steps.table_divergence(state.emb))
+        event.update({k: host_scalar(v) for k, v in self.steps.collection.step_metrics(state.emb).items()})
         return event
 
     def evaluate(self, step: int, state: TrainState, event: dict, todo: Plan) -> Plan:
@@ -263,7 +260,7 @@ class TrainingLoop:
             self.steps.checkpoint_form(state),
             self.plan_json,
             hot.to_json() if hot else None,
-            self.steps.hosts if self.steps.per_host else 0,
+            self.steps.collection.host_sets,
             self.progress.to_json(),
         )
 

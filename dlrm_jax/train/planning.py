@@ -66,9 +66,9 @@ def plan_for_run(
     stats = None
     if batches and (cfg.embedding.sharding == "auto" or cfg.embedding.row_layout == "auto"):
         rows = min(len(batches[0]), STATS_DEVICES * local)
-        per_host = cluster.devices_per_host if ids_hosts > 1 else 1
+        host_devices = cluster.devices_per_host if ids_hosts > 1 else 1
         specs = list(specs_from_config(cfg))
-        stats = agree("stats", table_stats(specs, [b[:rows] for b in batches], plan_devices, local, per_host))
+        stats = agree("stats", table_stats(specs, [b[:rows] for b in batches], plan_devices, local, host_devices))
 
     def with_capacities(plan: EmbeddingPlan) -> EmbeddingPlan:
         if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:

@@ -95,8 +95,8 @@ def _restore_state(steps: StepFunctions, ckpts: CheckpointReader, log, step: int
     _check_tables(saved, steps, ckpts.directory / str(step))
     saved = saved.device_view() if tiered else saved  # what the devices held
     current = steps.collection.plan
-    if steps.per_host:
-        _check_per_host(steps, ckpts, saved, step)
+    if steps.collection.host_sets:
+        _check_host_sets(steps, ckpts, saved, step)
     counts = ckpts.saved_hot_counts(step)
     if steps.hot is not None and counts is not None:  # the statistics the saved run refreshes from
         steps.hot.load_json(counts)
@@ -139,14 +139,14 @@ def _check_tables(saved: EmbeddingPlan, steps: StepFunctions, where: Path) -> No
             )
 
 
-def _check_per_host(steps: StepFunctions, ckpts: CheckpointReader, saved: EmbeddingPlan, step: int | None) -> None:
+def _check_host_sets(steps: StepFunctions, ckpts: CheckpointReader, saved: EmbeddingPlan, step: int | None) -> None:
     """Per-host tables restore only onto as many hosts, each with the plan they were saved with:
     there is no one right way to spread 2 hosts' diverged tables over 4 (or to re-lay out a
     leading hosts axis), so the user is told what the checkpoint needs."""
     hosts, step = ckpts.saved_hosts(step), ckpts.latest_step() if step is None else step
-    if hosts != steps.hosts:
+    if hosts != steps.collection.host_sets:
         raise IncompatibleCheckpoint(
-            f"checkpoint step {step} holds the per-host tables of {hosts} hosts, this run has {steps.hosts} "
+            f"checkpoint step {step} holds the per-host tables of {hosts} hosts, this run has {steps.collection.host_sets} "
             f"(mesh.hosts, or one per process when 0); resume with {hosts} hosts (set mesh.hosts={hosts} "
             f"to simulate them in fewer processes)"
         )

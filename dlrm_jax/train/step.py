@@ -34,7 +34,7 @@ from dlrm_jax.model.mlp_parallel import (
 )
 from dlrm_jax.model.wide import WideInputs, WideState, wide_logits
 from dlrm_jax.observe.trace import PHASE_SCOPES
-from dlrm_jax.parallel.mesh import HOST_AXIS, MODEL_AXIS, batch_spec, hosts_of, over_hosts
+from dlrm_jax.parallel.mesh import MODEL_AXIS, batch_spec
 from dlrm_jax.train.wiring import model_entry
 
 
@@ -127,37 +127,27 @@ class StepFunctions:
         self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
         self.replicated = NamedSharding(mesh, P())
         self.wide = self.model.wide(cfg, mesh) if self.model.wide else None
-        # Per host (embedding.sync=per_host): the tables carry a leading hosts axis, and the
-        # batch rows of host h are its devices' rows, so host h's tables see only its data.
-        self.per_host, self.hosts = collection.per_host, hosts_of(mesh)
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         self.state_sharding = self._state_sharding()
         self.saved_sharding = self._state_sharding(saved_form=True)
-        if self.per_host:
-            self.sync_tables = jax.jit(
-                average_over_hosts,
-                in_shardings=(self.state_sharding.emb,),
-                out_shardings=self.state_sharding.emb,
-                donate_argnums=0,
-            )
-            self.averaged_tables = jax.jit(
-                average_over_hosts, in_shardings=(self.state_sharding.emb,), out_shardings=self.state_sharding.emb
-            )
-            self.table_divergence = jax.jit(
-                table_divergence, in_shardings=(self.state_sharding.emb,), out_shardings=self.replicated
-            )
+        b = self.batch_sharding
+        # A tiered run's cache fills, as a program of their own (the tier runner's first fills).
+        self.fill_step = jax.jit(
+            self._fill_step,
+            in_shardings=(self.state_sharding.emb, b, b),
+            out_shardings=(self.state_sharding.emb, b),
+            donate_argnums=0,
+        )
+        # The pipeline's packed parameters to and from the checkpoints' layout (checkpoint_form).
+        self._unpack = jax.jit(
+            lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
+            out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state),
+        )
         if cache_groups:
-            b = self.batch_sharding
             self.train_step = jax.jit(
                 self._train_step,
                 in_shardings=(self.state_sharding, b, CacheIO(b, b)),
                 out_shardings=(self.state_sharding, self.replicated, b),
-                donate_argnums=0,
-            )
-            self.fill_step = jax.jit(
-                self._fill_step,
-                in_shardings=(self.state_sharding.emb, b, b),
-                out_shardings=(self.state_sharding.emb, b),
                 donate_argnums=0,
             )
             self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, b, b), out_shardings=b)
@@ -230,8 +220,6 @@ class StepFunctions:
             is_leaf=lambda sub: jax.tree.structure(sub) == params_def,
         )
         emb = self.collection.state_sharding()
-        if self.per_host:
-            emb = jax.tree.map(lambda s: NamedSharding(self.mesh, P(HOST_AXIS, *s.spec)), emb)
         wide = self.wide.state_sharding() if self.wide else {}
         return TrainState(self.replicated, params_sharding, opt_sharding, emb, wide)
 
@@ -244,11 +232,6 @@ class StepFunctions:
         pipeline's packed stages unpacked), so a checkpoint restores under any model.mlp_parallel."""
         if self.pipeline is None:
             return state
-        if not hasattr(self, "_unpack"):
-            self._unpack = jax.jit(
-                lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
-                out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state),
-            )
         params, opt = self._unpack(state.params, state.opt_state)
         return state._replace(params=params, opt_state=opt)
 
@@ -270,12 +253,6 @@ class StepFunctions:
             self._dense_init, out_shardings=(self.state_sharding.params, self.state_sharding.opt_state)
         )()
         emb = self.collection.init(self.embedding_key())
-        if self.per_host:  # every host starts from the same tables
-            emb = jax.jit(
-                lambda e: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (self.hosts, *x.shape)), e),
-                out_shardings=self.state_sharding.emb,
-                donate_argnums=0,
-            )(emb)
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
@@ -312,23 +289,6 @@ class StepFunctions:
         return PackedLayout(shards, local // shards, sum(self.cfg.bag_sizes), self.cfg.data.num_dense)
 
     # ------------------------------------------------------------ steps
-    def _lookup(self, emb: EmbeddingState, ids_bs: jax.Array):
-        if not self.per_host:
-            return self.collection.lookup(emb, ids_bs)
-        pooled, res = over_hosts(self.collection.lookup, self.mesh)(emb, self._by_host(ids_bs))
-        return pooled.reshape(-1, *pooled.shape[2:]), res._replace(overflow=jnp.sum(res.overflow))
-
-    def _apply_gradients(self, emb: EmbeddingState, res, grad_bfd: jax.Array, lr: jax.Array) -> EmbeddingState:
-        if not self.per_host:
-            return self.collection.apply_gradients(emb, res, grad_bfd, lr)
-        res = res._replace(overflow=jnp.zeros(self.hosts, jnp.int32))  # (not used by the update)
-        lr_h = jnp.broadcast_to(lr, (self.hosts,))
-        return over_hosts(self.collection.apply_gradients, self.mesh)(emb, res, self._by_host(grad_bfd), lr_h)
-
-    def _by_host(self, x: jax.Array) -> jax.Array:
-        """[B, ...] -> [hosts, B / hosts, ...]: host h's rows are its own devices' rows."""
-        return x.reshape(self.hosts, -1, *x.shape[1:])
-
     def _forward(self, params, pooled_bfd, batch: Batch, wide: WideInputs | None = None):
         if self.pipeline is not None:
             logits = self.pipeline.logits(self.mesh, params, batch.dense, pooled_bfd)
@@ -350,7 +310,7 @@ class StepFunctions:
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
-            pooled_bfd, res = self._lookup(state.emb, batch.ids)
+            pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
             wide, wide_res = self.wide.lookup(state.wide, batch.ids) if self.wide else (None, None)
 
         def loss_fn(params, pooled_bfd, wide):
@@ -365,7 +325,7 @@ class StepFunctions:
             params = optax.apply_updates(state.params, updates)
         with jax.named_scope(PHASE_SCOPES["sparse_update"]):
             emb_lr = self.schedule(state.step) * self.emb_lr_scale
-            emb = self._apply_gradients(state.emb, res, grad_bfd, emb_lr)
+            emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
             new_wide = self.wide.apply_gradients(state.wide, wide_res, grad_wide) if self.wide else state.wide
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
@@ -378,7 +338,7 @@ class StepFunctions:
         replicated scalars; nothing trained. A train step reports the loss of the state it
         starts from, so its own update shows only here (or in the next step's loss)."""
         batch = unpacked(batch, self.mesh, self.batch_sharding.spec)
-        pooled_bfd, _ = self._lookup(state.emb, batch.ids)
+        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
         wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
         loss = jnp.mean(bce_loss(self._forward(state.params, pooled_bfd, batch, wide), batch.labels))
         floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -388,7 +348,7 @@ class StepFunctions:
         """``host_pooled``: with tiered tables, their features' pooled vectors read on the
         host (the batch's ids of those tables are padding here). Per host: each host looks up
         its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average)."""
-        pooled_bfd, _ = self._lookup(state.emb, batch.ids)
+        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
         wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
@@ -400,24 +360,3 @@ def map_like(fn, tree, treedef):
     state's copies of the parameters), other leaves kept."""
     like = lambda sub: jax.tree.structure(sub) == treedef
     return jax.tree.map(lambda sub: fn(sub) if like(sub) else sub, tree, is_leaf=like)
-
-
-def average_over_hosts(emb: EmbeddingState) -> EmbeddingState:
-    """Every host's tables and optimizer state replaced by their mean over hosts (one
-    all-reduce over the hosts axis per array)."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.mean(x, axis=0, keepdims=True), x.shape).astype(x.dtype), emb)
-
-
-def table_divergence(emb: EmbeddingState) -> jax.Array:
-    """How far the hosts' tables have drifted apart: sqrt(mean over hosts of ||T_h - T||^2)
-    / ||T||, T the hosts' mean, over every table's values (the measure of Figure 4 of *Distributed Training of DLRM*)."""
-    diff = mean_sq = jnp.float32(0)
-    for table in emb.tables.values():
-        x = table.astype(jnp.float32)
-        # Deviations measured from host 0's copy first: equal tables give exactly 0 (a float
-        # mean of H equal values need not equal them), and small drifts lose no digits.
-        dev = x - x[:1]
-        dev = dev - jnp.mean(dev, axis=0)
-        diff += jnp.mean(jnp.sum(jnp.square(dev).reshape(x.shape[0], -1), axis=1))
-        mean_sq += jnp.sum(jnp.square(jnp.mean(x, axis=0)))
-    return jnp.sqrt(diff / jnp.maximum(mean_sq, 1e-30))

@@ -118,7 +118,7 @@ def test_host_replicas_match_the_reference(tiny, devices, hosts, sharding, optim
     for x in jax.tree.leaves(state.emb):  # the replicas are bitwise equal
         x = np.asarray(x)
         assert all(np.array_equal(x[h], x[0]) for h in range(hosts))
-    assert float(steps.table_divergence(state.emb)) == 0.0
+    assert float(steps.collection.step_metrics(state.emb)["table_divergence"]) == 0.0
 
 
 @pytest.mark.slow

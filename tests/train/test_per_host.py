@@ -75,8 +75,7 @@ def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_eve
     for step, batch in enumerate(batches, 1):
         state, out, _ = steps.train_step(state, steps.device_batch(batch))
         losses.append(float(out["loss"]))
-        if sync_every and step % sync_every == 0:
-            state = state._replace(emb=steps.sync_tables(state.emb))
+        state = state._replace(emb=steps.collection.after_step(state.emb, step))  # the average when due
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
     for got, want in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
@@ -84,7 +83,7 @@ def test_per_host_matches_the_reference(tiny, devices, hosts, sharding, sync_eve
         got = steps.collection.logical_tables(jax.tree.map(lambda x, h=h: x[h], state.emb))[0]
         for t, (g, w) in enumerate(zip(got, want_tables[h], strict=True)):
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-6, err_msg=f"host {h} table {t}")
-    divergence = float(steps.table_divergence(state.emb))
+    divergence = float(steps.collection.step_metrics(state.emb)["table_divergence"])
     if hosts == 1 or (sync_every and STEPS % sync_every == 0):
         assert divergence == 0.0
     else:

@@ -90,10 +90,10 @@ def two_level_counts(g: Group, ids_host: np.ndarray, hosts: int, local: int) -> 
     """For the rows ``ids_host`` of one host's devices (``local`` each, in device order): the
     most distinct requests one device sends its relay for the owners of one local index (C1),
     and the most one relay sends one owner host, its host's requests merged (C2)."""
-    per_host = g.num_devices // hosts
+    host_devices = g.num_devices // hosts
     device, key, devices = _requests(g, ids_host, local)
     owner = key // g.local_rows
-    most1 = np.bincount(device * per_host + owner % per_host, minlength=devices * per_host).max(initial=0)
+    most1 = np.bincount(device * host_devices + owner % host_devices, minlength=devices * host_devices).max(initial=0)
     merged = sorted_distinct(key) // g.local_rows
     return int(most1), int(np.bincount(merged, minlength=g.num_devices).max(initial=0))
 
@@ -124,13 +124,13 @@ def busiest_host(plan: EmbeddingPlan, g: Group, ids: np.ndarray) -> int:
     batch rows ``ids`` (int32 [B, S]): what their whole-row statistics add up. A host's tables
     sit at disjoint rows of its devices (``layout``), so that is the sum of its tables'
     distinct ids, each table counted once however many hosts ask."""
-    per_host = g.num_devices // pooled_layout(plan, g).owners
+    host_devices = g.num_devices // pooled_layout(plan, g).owners
     starts = np.concatenate([[0], np.cumsum([tp.spec.bag_size for tp in plan.tables])])
     hosts: dict[int, int] = {}
     for vt in g.vtables:
         if vt.col_start == 0:  # one slice of each table names its host
             sent = ids[:, starts[vt.table] : starts[vt.table + 1]]
-            host = vt.device // per_host
+            host = vt.device // host_devices
             hosts[host] = hosts.get(host, 0) + count_distinct(sent[sent != PAD_ID])
     return max(hosts.values(), default=0)
 
@@ -178,13 +178,13 @@ def measure_capacities(
 
 
 def table_stats(
-    specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_devices: int, local_batch: int, per_host: int = 1
+    specs: list[TableSpec], id_batches: Iterable[np.ndarray], num_devices: int, local_batch: int, host_devices: int = 1
 ) -> list[TableStats]:
     """Per table, what the planner estimates buckets from (``plan.estimates.TableStats``): over
     every device's share (``local_batch`` rows) of ``id_batches``, the mean distinct rows one
     device looks up, and the most it asks of one owner were the table split by rows over all
     ``num_devices`` devices, in blocks and cyclically; a whole batch's distinct rows; with
-    hosts of ``per_host`` devices (> 1), the most one host's devices together ask of one owner."""
+    hosts of ``host_devices`` devices (> 1), the most one host's devices together ask of one owner."""
     starts = np.concatenate([[0], np.cumsum([s.bag_size for s in specs])])
     distinct, chunks, batches = np.zeros(len(specs)), 0, 0
     in_batch = np.zeros(len(specs))
@@ -212,10 +212,10 @@ def table_stats(
             distinct[t] += rows.size
             for kind, most in zip(kinds, most_of_one_owner(device, rows, spec, devices), strict=True):
                 np.maximum(busiest[kind][t], most, out=busiest[kind][t])
-            hosts = devices // per_host
-            if per_host > 1 and hosts:  # whole hosts only: their devices' rows merged
-                whole = device < hosts * per_host
-                host, rows = distinct_pairs(device[whole] // per_host, rows[whole], spec.rows)
+            hosts = devices // host_devices
+            if host_devices > 1 and hosts:  # whole hosts only: their devices' rows merged
+                whole = device < hosts * host_devices
+                host, rows = distinct_pairs(device[whole] // host_devices, rows[whole], spec.rows)
                 for kind, most in zip(kinds, most_of_one_owner(host, rows, spec, hosts), strict=True):
                     np.maximum(host_busiest[kind][t], most, out=host_busiest[kind][t])
         # The whole batch's distinct rows, scaled up to a global batch when fewer rows were
@@ -227,7 +227,7 @@ def table_stats(
     out = []
     for t in range(len(specs)):
         block, cyclic = (tuple(float(x) for x in busiest[k][t]) for k in kinds)
-        host = tuple(tuple(float(x) for x in host_busiest[k][t]) for k in kinds) if per_host > 1 else None
+        host = tuple(tuple(float(x) for x in host_busiest[k][t]) for k in kinds) if host_devices > 1 else None
         out.append(
             TableStats(
                 float(distinct[t] / max(chunks, 1)),

@@ -107,17 +107,17 @@ class EmbeddingCollection:
         mesh: jax.sharding.Mesh,
         optimizer: SparseOptimizer | None = None,
         tiered_tables: tuple[int, ...] = (),
-        per_host: bool = False,
-        replicas: bool = False,
+        agree_over: str | None = None,
     ):
         """``plan``: the tables as the devices hold them (a tiered plan's ``device_view``,
         whose ``tiered_tables`` name the tables held as caches). ``optimizer``: the sparse
         optimizer (:func:`~dlrm_jax.embedding.exchange.optimizers.sparse_optimizer`); by default the one
-        the plan names (``plan.optimizer``) with its default settings. ``per_host``: ``mesh`` is
-        (hosts, data, model) and the plan is one host's; lookups and updates run inside
-        ``parallel.mesh.over_hosts`` on arrays with a leading hosts axis. ``replicas`` (with
-        ``per_host``): the hosts' tables are replicas kept equal, every update applying every
-        host's gradients (embedding.sync=host_replicas); otherwise each host's own only."""
+        the plan names (``plan.optimizer``) with its default settings. A (hosts, data, model)
+        ``mesh`` gives one host's collection: the plan is one host's, and its lookups and updates
+        run inside ``parallel.mesh.over_hosts`` on the host's devices
+        (:class:`~dlrm_jax.embedding.exchange.host_tables.HostTables` wraps it so).
+        ``agree_over``: a mesh axis along which copies of the tables are kept equal, every
+        update applying the gradients of every copy (embedding.sync=host_replicas: the hosts)."""
         self.tiered_tables = tuple(tiered_tables)
         optimizer = sparse_optimizer(plan.optimizer) if optimizer is None else optimizer
         specs = tuple(t.spec for t in plan.tables)
@@ -126,9 +126,8 @@ class EmbeddingCollection:
         if devices_per_host(mesh) != plan.num_devices:  # (a per-host mesh has a "hosts" axis beside it)
             raise ValueError(f"the plan is for {plan.num_devices} devices, the mesh has {devices_per_host(mesh)}")
         self.plan, self.mesh, self.optimizer, self.specs = plan, mesh, optimizer, specs
-        self.per_host, self.replicas = per_host, per_host and replicas
-        over = HOST_AXIS if self.replicas else None
-        exchange_mesh = host_local_mesh(mesh) if per_host else mesh
+        self.agree_over = agree_over
+        exchange_mesh = host_local_mesh(mesh) if HOST_AXIS in mesh.shape else mesh
         self.dim = specs[0].dim
         self.groups = build_groups(plan)
         self.local_batch = plan.global_batch // plan.num_devices
@@ -138,7 +137,7 @@ class EmbeddingCollection:
         self.storage_dtype = jnp.dtype(plan.dtype)
         wire = Wire(plan.exchange_dtype)
         self.forms = [
-            build_form(FormRequest(plan, part, exchange_mesh, wire, optimizer, self.dim, over))
+            build_form(FormRequest(plan, part, exchange_mesh, wire, optimizer, self.dim, agree_over))
             for part in exchange_parts(plan, self.groups)
         ]
         # Flattened [F * D] column each form's output column fills -> inverse.
@@ -162,6 +161,7 @@ class EmbeddingCollection:
             else None
         )
         self._refresh = None
+        self._to_logical = jax.jit(lambda state: to_logical(self.plan, self.groups, state))
 
     # ------------------------------------------------------------ state
     @property
@@ -227,9 +227,25 @@ class EmbeddingCollection:
         over every group and table put dozens of multi-device programs in flight at once, and
         XLA:CPU's launch slots then starve a running program's collective of its last devices
         (the process aborts, as the dispatch limit in train/loop.py explains)."""
-        if not hasattr(self, "_to_logical"):
-            self._to_logical = jax.jit(lambda state: to_logical(self.plan, self.groups, state))
         return self._to_logical(state)
+
+    # ------------------------------------------------------------ what a training loop asks of any tables
+    # (HostTables, per-host tables around a collection, answers them otherwise)
+    table_copies = 1  # copies of the tables that apply every update (host replicas: the hosts)
+    host_sets = 0  # hosts holding a set of the tables each (HostTables); 0: one set over the mesh
+    sync_every = 0  # steps between the hosts' averages of their tables (HostTables); 0: none
+
+    def after_step(self, state: EmbeddingState, step: int) -> EmbeddingState:
+        """What a training loop applies to the tables after step ``step``: nothing here."""
+        return state
+
+    def step_metrics(self, state: EmbeddingState) -> dict[str, jax.Array]:
+        """Scalars a training loop logs about the tables: none here."""
+        return {}
+
+    def model_tables(self, state: EmbeddingState) -> EmbeddingState:
+        """The tables the trained model is, for evaluation and export: ``state`` itself here."""
+        return state
 
     # ------------------------------------------------------------ forward
     def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:

@@ -1,5 +1,6 @@
 """What the exchange's forms share: routing and bucketing a device's ids, the all-to-all, running in
-rounds when a bucket overflows (agreed by every device), replicas over hosts, and where the
+rounds when a bucket overflows (agreed by every device), copies of the tables on other hosts
+that agree (``agree_over``: their axis), and where the
 owners apply their update. The forms themselves: ``sharded``, ``pooled``, ``replicated``."""
 
 from __future__ import annotations
@@ -66,29 +67,29 @@ def if_overflow(over, on_overflow, otherwise, *operands):
     return lax.cond(over, named, otherwise, *operands)
 
 
-def agreed(replicas: str | None):
+def agreed(agree_over: str | None):
     """The axes every decision of an update is agreed over: the devices, and the hosts when
-    the tables have replicas there."""
-    return AXIS if replicas is None else (replicas, *AXIS)
+    the tables have copies that agree over ``agree_over``."""
+    return AXIS if agree_over is None else (agree_over, *AXIS)
 
 
-def gather_replicas(x, replicas: str | None):
-    """What every replica's owner received, in host order (unchanged without replicas)."""
-    return x if replicas is None else lax.all_gather(x, replicas, tiled=True)
+def gather_over(x, agree_over: str | None):
+    """What every copy's owner received along ``agree_over``, in host order (unchanged without one)."""
+    return x if agree_over is None else lax.all_gather(x, agree_over, tiled=True)
 
 
-def gather_replica_lookups(lookups: Lookups, grads, replicas: str | None):
-    """:func:`gather_replicas` for lookups and the gradients they point at. The sources are
+def gather_lookups_over(lookups: Lookups, grads, agree_over: str | None):
+    """:func:`gather_over` for lookups and the gradients they point at. The sources are
     the same on every replica (a static layout), so they are not sent: each replica's copy is
     shifted to its block of the gathered gradients."""
-    if replicas is None:
+    if agree_over is None:
         return lookups, grads
     sources = lookups.sources
     if sources is not None:
-        blocks = jnp.arange(lax.axis_size(replicas), dtype=jnp.int32)[:, None] * grads.shape[0]
+        blocks = jnp.arange(lax.axis_size(agree_over), dtype=jnp.int32)[:, None] * grads.shape[0]
         sources = (sources[None, :] + blocks).reshape(-1)
-    weights = None if lookups.weights is None else gather_replicas(lookups.weights, replicas)
-    return Lookups(gather_replicas(lookups.rows, replicas), sources, weights), gather_replicas(grads, replicas)
+    weights = None if lookups.weights is None else gather_over(lookups.weights, agree_over)
+    return Lookups(gather_over(lookups.rows, agree_over), sources, weights), gather_over(grads, agree_over)
 
 
 def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS):
@@ -125,7 +126,7 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
 
 def varying(x, axes=AXIS):
     """``x`` typed as differing per device (a loop carry that the body makes device-specific)
-    of ``axes`` (the devices; with replicas, the hosts too: what every replica gathered)."""
+    of ``axes`` (the devices; with agree_over, the hosts too: what every replica gathered)."""
     missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
     return lax.pcast(x, missing, to="varying") if missing else x
 
@@ -165,26 +166,26 @@ def busiest_owner_requests(g: Group, mesh):
     return lambda ids_bs: fn(ids_bs)[0]
 
 
-def busiest_of_replicas(most, replicas: str | None):
-    """The forward's busiest-owner count (agreed over the devices) agreed over the replicas
+def busiest_over(most, agree_over: str | None):
+    """The forward's busiest-owner count (agreed over the devices) agreed over ``agree_over``
     too, so every host's update takes the same branch."""
-    return most if replicas is None else lax.pmax(most, replicas)
+    return most if agree_over is None else lax.pmax(most, agree_over)
 
 
-def own_squares(every, num_rows: int, own: int, replicas: str | None, exact: bool = False):
+def own_squares(every, num_rows: int, own: int, agree_over: str | None, exact: bool = False):
     """Per lookup of this owner [own]: the squared sum over its columns of the lookup's row's
-    gradient, summed over every lookup of the row that this owner and its replicas received.
-    ``every``: (lookups, gradients) of every replica (:func:`gather_replicas`), of which this
+    gradient, summed over every lookup of the row that this owner and its copies along ``agree_over`` received.
+    ``every``: (lookups, gradients) of every replica (:func:`gather_over`), of which this
     owner's ``own`` lookups are its replica's block."""
     sq = sum_by_row(*every, num_rows, exact).squares_per_lookup()
-    if replicas is not None:  # this replica's own lookups
-        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(replicas) * own, own)
+    if agree_over is not None:  # this replica's own lookups
+        sq = lax.dynamic_slice_in_dim(sq, lax.axis_index(agree_over) * own, own)
     return sq
 
 
-def slice_sq_sums(g: Group, every_rows, every_grads, own: int, replicas: str | None = None):
+def slice_sq_sums(g: Group, every_rows, every_grads, own: int, agree_over: str | None = None):
     """Owner side, per received request [N, C]: :func:`own_squares` of the requests."""
-    return own_squares((every_rows, every_grads), g.local_rows, own, replicas).reshape(g.num_devices, -1)
+    return own_squares((every_rows, every_grads), g.local_rows, own, agree_over).reshape(g.num_devices, -1)
 
 
 def row_totals(g: Group, per_slot):
@@ -238,12 +239,12 @@ def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOp
     return send
 
 
-def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, replicas=None):
+def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, agree_over=None):
     """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
     owners (and every replica's), which apply the optimizer."""
 
     def one_round(state, window):
         rows, recv_grads, _ = send(b, grads, window)
-        return optimizer.update(*state, gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas), lr)
+        return optimizer.update(*state, gather_over(rows, agree_over), gather_over(recv_grads, agree_over), lr)
 
     return one_round

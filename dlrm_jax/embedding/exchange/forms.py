@@ -64,7 +64,8 @@ class ExchangeForm(Protocol):
 class FormRequest(NamedTuple):
     """What a builder gets: the plan and the part, the mesh the exchange runs over (one host's,
     with per-host tables), the wire format, the sparse optimizer, the tables' width, and
-    ``replicas``: the mesh axis whose hosts hold replicas kept equal (None when none)."""
+    ``agree_over``: the mesh axis along which copies of the tables are kept equal (None when
+    none)."""
 
     plan: EmbeddingPlan
     part: ExchangePart
@@ -72,15 +73,15 @@ class FormRequest(NamedTuple):
     wire: Wire
     optimizer: SparseOptimizer
     dim: int
-    replicas: str | None
+    agree_over: str | None
 
 
 def _replicated(r: FormRequest) -> ExchangeForm:
-    return ReplicatedForm(r.part, r.mesh, r.optimizer, r.replicas, pools_by_mean(r.plan, r.part.group))
+    return ReplicatedForm(r.part, r.mesh, r.optimizer, r.agree_over, pools_by_mean(r.plan, r.part.group))
 
 
 def _pooled(r: FormRequest) -> ExchangeForm:
-    return PooledForm(r.plan, r.part, r.mesh, r.wire, r.optimizer, r.dim, r.replicas)
+    return PooledForm(r.plan, r.part, r.mesh, r.wire, r.optimizer, r.dim, r.agree_over)
 
 
 def _within_hosts(form):
@@ -96,10 +97,10 @@ def _within_hosts(form):
 
 def _ids(r: FormRequest) -> ExchangeForm:
     plan, g = r.plan, r.part.group
-    if r.replicas is None and two_level_ids(plan, g):
+    if r.agree_over is None and two_level_ids(plan, g):
         capacities = (group_capacity(plan, g), *two_level_capacities(plan, g))
         return HostIdsForm(r.part, r.mesh, capacities, r.wire, r.optimizer, r.dim, plan.ids_hosts)
-    return IdsForm(r.part, r.mesh, group_capacity(plan, g), r.wire, r.optimizer, r.dim, r.replicas)
+    return IdsForm(r.part, r.mesh, group_capacity(plan, g), r.wire, r.optimizer, r.dim, r.agree_over)
 
 
 # Keyed by the kind's name in plan/part_kinds.PART_KINDS.

@@ -72,13 +72,13 @@ def _to_hosts(x):
     return lax.all_to_all(x, HOSTS, 0, 0)
 
 
-def stage_counts(owner, row, valid, hosts: int, per_host: int, local_rows: int):
+def stage_counts(owner, row, valid, hosts: int, host_devices: int, local_rows: int):
     """A requester's distinct (owner, row) requests sorted by (owner's local index, owner's
     host, row): the :class:`~dlrm_jax.embedding.exchange.routing.Buckets` of that order (its
     owners are local index * hosts + host), each distinct request's rank among those to
     owners of the same local index (its stage-1 place), and each slot's."""
-    key = (owner % per_host) * hosts + owner // per_host
-    b = bucket(key, row, valid, hosts * per_host, local_rows)
+    key = (owner % host_devices) * hosts + owner // host_devices
+    b = bucket(key, row, valid, hosts * host_devices, local_rows)
     starts = jnp.cumsum(b.counts) - b.counts
 
     def rank(owner_key, within):  # the place among the same local index's requests
@@ -98,7 +98,7 @@ class HostIdsForm(IdsForm):
             raise ValueError(f"ids in two levels need hosts that tile the {g.num_devices} devices, not {hosts}")
         self.cols, self.one_hot = g.vfeature_cols.reshape(-1), False
         self.capacity, self.c1, self.c2 = capacities  # one level (overflow), stage 1, stage 2
-        self.hosts, self.per_host = hosts, g.num_devices // hosts
+        self.hosts, self.host_devices = hosts, g.num_devices // hosts
         self.mesh, self.host_mesh = mesh, host_mesh(mesh, hosts)
         self.wire, self.optimizer, self.dim = wire, optimizer, dim
         self._flat_route = jax.shard_map(
@@ -111,7 +111,7 @@ class HostIdsForm(IdsForm):
 
     # ------------------------------------------------------------ routing (both levels)
     def _route_local(self, ids_local):
-        g, H, G, c1, c2 = self.group, self.hosts, self.per_host, self.c1, self.c2
+        g, H, G, c1, c2 = self.group, self.hosts, self.host_devices, self.c1, self.c2
         owner, row, valid = route_group(g, ids_local)
         b, rank1, slot_rank = stage_counts(owner, row, valid, H, G, g.local_rows)
         # Stage 1: each distinct request's (owner host, row) to its relay, by local index.
@@ -141,7 +141,7 @@ class HostIdsForm(IdsForm):
 
     # ------------------------------------------------------------ forward
     def _two_level_lookup(self, table_local, r: TwoLevelRoute):
-        g, H, G = self.group, self.hosts, self.per_host
+        g, H, G = self.group, self.hosts, self.host_devices
         vectors = table_local.at[r.owner_rows].get(mode="fill", fill_value=0).reshape(H, self.c2, g.width)
         at_relay = self.wire.send(vectors, _to_hosts).reshape(H * self.c2, g.width)
         answers = jnp.concatenate([at_relay, jnp.zeros((1, g.width), at_relay.dtype)])[r.relay_dest]
@@ -165,7 +165,7 @@ class HostIdsForm(IdsForm):
 
     # ------------------------------------------------------------ backward + update
     def _two_level_update(self, table_local, slots_local, r: TwoLevelRoute, grads_local, lr):
-        g, H, G, opt = self.group, self.hosts, self.per_host, self.optimizer
+        g, H, G, opt = self.group, self.hosts, self.host_devices, self.optimizer
         grads, weights = grads_local  # the pooled outputs' gradients, the slots' weights
         lookups = Lookups.of_bags(r.slot_dest.reshape(weights.shape), g.vslot_vfeature, grads.shape[1], weights)
         sums1 = opt.row_sums(lookups, grads.reshape(-1, g.width), G * self.c1).reshape(G, self.c1, g.width)

@@ -73,7 +73,7 @@ class _HostForm(PooledForm):
 
     def __init__(self, plan, part, mesh, wire, optimizer, dim):
         super().__init__(plan, part, mesh, wire, optimizer, dim)
-        self.hosts, self.per_host = self.layout.owners, self.group.num_devices // self.layout.owners
+        self.hosts, self.host_devices = self.layout.owners, self.group.num_devices // self.layout.owners
         self.mesh = host_mesh(mesh, self.hosts)
 
     def _host_requests(self, ids_local, weights_local):
@@ -168,13 +168,13 @@ class HostColumnsForm(_HostForm):
         super().__init__(plan, part, mesh, wire, optimizer, dim)
         lay, g = self.layout, self.group
         # Each output column [V' * Ws] -> its place in a sample's [H * J * W] vectors
-        # (W = per_host slices of Ws, in slice order), and the piece of each table.
+        # (W = host_devices slices of Ws, in slice order), and the piece of each table.
         piece = {vt.table: int(lay.reply_index[i]) for i, vt in enumerate(v for v in g.vtables if v.col_start == 0)}
-        full = self.per_host * g.width
+        full = self.host_devices * g.width
         self.reply_cols = np.concatenate(
             [piece[vt.table] * full + vt.col_start + np.arange(g.width) for vt in g.vtables]
         ).astype(np.int32)
-        self.whole_rows = optimizer.needs_whole_rows and self.per_host > 1
+        self.whole_rows = optimizer.needs_whole_rows and self.host_devices > 1
         self.rows_capacity = whole_rows_capacity(plan, part.group)
 
     def _rows(self, ids):
@@ -215,13 +215,13 @@ class HostColumnsForm(_HostForm):
     def update(self, table, slots, residual, grad_bc, lr):
         """``grad_bc`` [B, V'*Ws]: the loss's gradient w.r.t. :meth:`forward`'s output."""
         lay, g, opt = self.layout, self.group, self.optimizer
-        vectors = self.hosts * lay.pieces * self.per_host * g.width
+        vectors = self.hosts * lay.pieces * self.host_devices * g.width
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             rows, weights, *distinct = residual_local
             b_l = grad_local.shape[0]
             full = jnp.zeros((b_l, vectors), grad_local.dtype).at[:, self.reply_cols].set(grad_local)
-            full = full.reshape(b_l, self.hosts, lay.pieces, self.per_host, g.width).transpose(1, 0, 2, 3, 4)
+            full = full.reshape(b_l, self.hosts, lay.pieces, self.host_devices, g.width).transpose(1, 0, 2, 3, 4)
             every = self.wire.send(full, _slices_to_owners)  # [G, H, B_l, J, Ws]
             lookups, grads = self._lookups(rows, weights), every.reshape(-1, g.width)
             if not self.whole_rows:

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.exchange.common import (
     all_to_all,
     checks_varying,
-    gather_replica_lookups,
-    gather_replicas,
+    gather_lookups_over,
+    gather_over,
     own_squares,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
@@ -55,11 +55,11 @@ class PooledForm:
         wire: Wire,
         optimizer: SparseOptimizer,
         dim: int,
-        replicas: str | None = None,
+        agree_over: str | None = None,
     ):
         g = self.group = part.group
         self.layout: PooledLayout = pooled_layout(plan, g)
-        self.mesh, self.wire, self.optimizer, self.dim, self.replicas = mesh, wire, optimizer, dim, replicas
+        self.mesh, self.wire, self.optimizer, self.dim, self.agree_over = mesh, wire, optimizer, dim, agree_over
         self.cols = g.vfeature_cols.reshape(-1)
         self.mean = pools_by_mean(plan, g)
         self.whole_rows = optimizer.needs_whole_rows and g.has_column_slices
@@ -120,16 +120,16 @@ class PooledForm:
     # ------------------------------------------------------------ backward + update
     def update(self, table, slots, residual, grad_bc, lr):
         """``grad_bc`` [B, V'*W]: the loss's gradient w.r.t. :meth:`forward`'s output."""
-        g, opt, replicas = self.group, self.optimizer, self.replicas
+        g, opt, agree_over = self.group, self.optimizer, self.agree_over
 
         def local(table_local, slots_local, residual_local, grad_local, lr):
             recv_ids, weights = residual_local
             recv = self.wire.send(self._to_owners(grad_local, g.width), all_to_all)  # [N requesters, B_l, J, W]
             lookups = self._lookups(self._local_rows(recv_ids), weights)
-            every = gather_replica_lookups(lookups, recv.reshape(-1, g.width), replicas)
+            every = gather_lookups_over(lookups, recv.reshape(-1, g.width), agree_over)
             if not self.whole_rows:
                 return opt.update(table_local, slots_local, *every, lr)
-            row_mean_sq = gather_replicas(self._row_mean_sq(every, lookups.rows.shape[0], recv_ids.shape), replicas)
+            row_mean_sq = gather_over(self._row_mean_sq(every, lookups.rows.shape[0], recv_ids.shape), agree_over)
             return opt.update(table_local, slots_local, *every, lr, row_mean_sq=row_mean_sq)
 
         fn = jax.shard_map(
@@ -152,8 +152,8 @@ class PooledForm:
         whole width (every column slice's owner adds its part), divided by the width.
         ``every``: (lookups, gradients) of every replica, of which this one's ``own`` lookups
         are its block."""
-        lay, g, replicas = self.layout, self.group, self.replicas
-        sq = own_squares(every, g.local_rows, own, replicas, self.optimizer.exact_sums)
+        lay, g, agree_over = self.layout, self.group, self.agree_over
+        sq = own_squares(every, g.local_rows, own, agree_over, self.optimizer.exact_sums)
         partial = all_to_all(sq.reshape(shape))  # [N owners, B_l, K]: back to the requesters
         # Requester: a slot's total is the sum over the owners it went to (one per slice).
         b_l, slots = shape[1], int(lay.send_slot.max()) + 1

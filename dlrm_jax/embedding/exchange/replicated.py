@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
-from dlrm_jax.embedding.exchange.common import agreed, gather_replica_lookups
+from dlrm_jax.embedding.exchange.common import agreed, gather_lookups_over
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
@@ -33,11 +33,11 @@ class ReplicatedForm:
     the lookups' weights travel with them."""
 
     def __init__(
-        self, part: ExchangePart, mesh, optimizer: SparseOptimizer, replicas: str | None = None, mean: bool = True
+        self, part: ExchangePart, mesh, optimizer: SparseOptimizer, agree_over: str | None = None, mean: bool = True
     ):
         g = self.group = part.group
         self.cols, self.kind = g.vfeature_cols.reshape(-1), part.kind
-        self.mesh, self.optimizer, self.every, self.mean = mesh, optimizer, agreed(replicas), mean
+        self.mesh, self.optimizer, self.every, self.mean = mesh, optimizer, agreed(agree_over), mean
 
     def forward(self, table, ids_bs, weights_bs):
         g = self.group
@@ -69,9 +69,7 @@ class ReplicatedForm:
 
         def gather(table, slots, ids_local, weights_local, grad_local, lr):
             lookups = self._lookups(ids_local, weights_local)
-            return opt.update(
-                table, slots, *gather_replica_lookups(lookups, grad_local.reshape(-1, g.width), every), lr
-            )
+            return opt.update(table, slots, *gather_lookups_over(lookups, grad_local.reshape(-1, g.width), every), lr)
 
         local = allreduce if self.kind == ExchangeKind.ALLREDUCE else gather
         # check_vma off: every device applies the same summed or gathered update, so outputs are replicated.

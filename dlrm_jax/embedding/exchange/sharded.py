@@ -16,10 +16,10 @@ window of every owner's rows that all devices agree on (see ``routing``). Nothin
 no buffer is larger than C, a row is updated once per step, and the step reports that it
 happened.
 
-Replicas over hosts (embedding.sync=host_replicas, ``replicas`` the hosts axis): every host
+Replicas over hosts (embedding.sync=host_replicas, ``agree_over`` the hosts axis): every host
 holds the tables, split over its own devices, and runs this exchange among them only. The
-updates keep the replicas equal: each owner gathers what its counterparts on the other hosts
-received (an all-gather over ``replicas``, the only cross-host embedding traffic) and applies
+updates keep the copies equal: each owner gathers what its counterparts on the other hosts
+received (an all-gather over ``agree_over``, the only cross-host embedding traffic) and applies
 the whole batch's gradients, and the decisions to run in rounds, and their windows, are agreed
 over every host.
 """
@@ -34,8 +34,8 @@ from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.common import (
     agreed,
     all_to_all,
-    busiest_of_replicas,
-    gather_replicas,
+    busiest_over,
+    gather_over,
     gradients_to_owners,
     if_overflow,
     in_rounds,
@@ -87,7 +87,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
     return forward
 
 
-def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas=None):
+def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, dim: int, agree_over=None):
     """``f(table_local, slots_local, b, pooled, lr, over) -> (table, slots)``: the owners
     apply the optimizer to the rows requested, in one exchange or rounds. ``pooled``: this
     device's (gradients [B_l, V', W] of its pooled outputs, weights [B_l, V] of its slots).
@@ -98,17 +98,17 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
     send = gradients_to_owners(g, capacity, wire, optimizer)
     whole_rows = optimizer.needs_whole_rows and g.has_column_slices
 
-    agree = agreed(replicas)
+    agree = agreed(agree_over)
 
     def update(table_local, slots_local, b, grads, lr, over):
         if not whole_rows:
-            one_round = owner_update_round(send, optimizer, b, grads, lr, replicas)
+            one_round = owner_update_round(send, optimizer, b, grads, lr, agree_over)
             return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
         def sq_round(acc, window):
             rows, recv_grads, (_, place, usable) = send(b, grads, window)
-            every = gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas)
-            partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
+            every = gather_over(rows, agree_over), gather_over(recv_grads, agree_over)
+            partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], agree_over))
             return jnp.where(usable, partial[b.slot_owner, place], acc)
 
         zeros = jnp.zeros(b.slot_valid.shape, jnp.float32)
@@ -120,14 +120,14 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
 
         def one_round(state, window):
             rows, recv_grads, where = send(b, grads, window)
-            every = gather_replicas(rows, replicas), gather_replicas(recv_grads, replicas)  # once, for both uses
+            every = gather_over(rows, agree_over), gather_over(recv_grads, agree_over)  # once, for both uses
 
             def from_this_exchange():
-                partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], replicas))
+                partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], agree_over))
                 return row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
             these_totals = if_overflow(over, lambda: totals, from_this_exchange)
-            row_mean_sq = gather_replicas(to_owners(g, capacity, these_totals, where), replicas) / dim
+            row_mean_sq = gather_over(to_owners(g, capacity, these_totals, where), agree_over) / dim
             return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
 
         return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
@@ -136,17 +136,17 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
 
 
 def sharded_update(
-    g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int, replicas: str | None = None
+    g: Group, mesh, capacity: int, wire, optimizer: SparseOptimizer, dim: int, agree_over: str | None = None
 ):
     """``f(table, slots, route, (grads [B, V', W], weights [B, V]), lr) -> (table, slots)``,
     sparse, on owners (the pooled outputs' gradients and the slots' pooling weights);
     ``route`` is what the forward returned. ``dim``: the tables' full width (for statistics
-    over whole rows of column slices). ``replicas``: the axis the tables are replicated over
+    over whole rows of column slices). ``agree_over``: the axis the tables are replicated over
     (hosts), whose gradients every replica applies."""
-    update = _sparse_update(g, capacity, wire, optimizer, dim, replicas)
+    update = _sparse_update(g, capacity, wire, optimizer, dim, agree_over)
 
     def on_owners(table_local, slots_local, b, grads, lr, most):
-        over = busiest_of_replicas(most, replicas) > capacity
+        over = busiest_over(most, agree_over) > capacity
         return update(table_local, slots_local, b, grads, lr, over)
 
     return update_on_owners(mesh, on_owners, optimizer)
@@ -165,14 +165,14 @@ class IdsForm:
         wire,
         optimizer: SparseOptimizer,
         dim: int,
-        replicas: str | None = None,
+        agree_over: str | None = None,
         one_hot: bool = False,
     ):
         g = self.group = part.group
         self.cols = g.vfeature_cols.reshape(-1)
         self.one_hot = one_hot
         self._forward = sharded_forward(g, mesh, capacity, wire)
-        self._update = sharded_update(g, mesh, capacity, wire, optimizer, dim, replicas)
+        self._update = sharded_update(g, mesh, capacity, wire, optimizer, dim, agree_over)
 
     def forward(self, table, ids_bs, weights_bs):
         g = self.group

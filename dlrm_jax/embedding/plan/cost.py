@@ -131,18 +131,18 @@ def _span_devices(span: str, n: int, cluster: Cluster) -> tuple[int, int]:
 
 
 def _span_seconds(kind: str, sent: float, span: str, n: int, cluster: Cluster) -> float:
-    devices, per_host = _span_devices(span, n, cluster)
-    return link_seconds(kind, sent, devices, replace(cluster, devices_per_host=per_host))
+    devices, host_devices = _span_devices(span, n, cluster)
+    return link_seconds(kind, sent, devices, replace(cluster, devices_per_host=host_devices))
 
 
-def exchange_link_bytes(plan: EmbeddingPlan, cluster: Cluster, replicas: int = 1) -> tuple[float, float]:
+def exchange_link_bytes(plan: EmbeddingPlan, cluster: Cluster, table_copies: int = 1) -> tuple[float, float]:
     """(within hosts, between hosts): the bytes one device sends per step in the embedding
     exchange (every part's collectives and the hot rows' all-reduce), by the links they take."""
     n, within, between = plan.num_devices, 0.0, 0.0
     for part in exchange_parts(plan):
-        for kind, sent, span in part_kind(part).links(plan, part, replicas):
-            devices, per_host = _span_devices(span, n * (replicas if kind != "all-to-all" else 1), cluster)
-            w, b = link_split(kind, sent, devices, per_host)
+        for kind, sent, span in part_kind(part).links(plan, part, table_copies):
+            devices, host_devices = _span_devices(span, n * (table_copies if kind != "all-to-all" else 1), cluster)
+            w, b = link_split(kind, sent, devices, host_devices)
             within, between = within + w, between + b
     if plan.hot_rows:
         w, b = link_split(
@@ -157,7 +157,7 @@ def bound_link_bytes(plan: EmbeddingPlan, cluster: Cluster) -> tuple[float, floa
     return link_split("all-to-all", lower_bound_bytes(plan), plan.num_devices, cluster.devices_per_host)
 
 
-def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, replicas: int = 1) -> StepTime:
+def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, table_copies: int = 1) -> StepTime:
     """The busiest device's step, by phase: ``lookup`` and ``update`` (device memory),
     ``exchange`` (all-to-alls and all-gathers of the embedding exchange), ``all-reduce``
     (replicated tables' and hot rows' gradients), ``dense`` (MLP FLOPs) and ``dense all-reduce``
@@ -166,9 +166,9 @@ def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None 
     hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
     phases = dict.fromkeys(("lookup", "exchange", "all-reduce", "update"), 0.0)
     for part in exchange_parts(plan):
-        for kind, sent, span in part_kind(part).links(plan, part, replicas):
+        for kind, sent, span in part_kind(part).links(plan, part, table_copies):
             phases["all-reduce" if kind == "all-reduce" else "exchange"] += _span_seconds(
-                kind, sent, span, n * (replicas if kind != "all-to-all" else 1), cluster
+                kind, sent, span, n * (table_copies if kind != "all-to-all" else 1), cluster
             )
         lookup, update = part_kind(part).memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm

@@ -46,15 +46,15 @@ class TableStats:
     by_owner: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     by_owner_host: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
-    def owners(self, layout: RowLayout, n: int, per_host: int = 0) -> np.ndarray:
+    def owners(self, layout: RowLayout, n: int, host_devices: int = 0) -> np.ndarray:
         """float [n]: per owner of a split over every one of ``n`` devices, the most distinct
-        rows one device (``per_host`` > 0: one host of that many) asked of it; when not
+        rows one device (``host_devices`` > 0: one host of that many) asked of it; when not
         measured, the busiest owner's count for every owner (from a host: as if no two of its
         devices asked for the same row)."""
-        arrays = self._host_arrays if per_host else self._device_arrays
+        arrays = self._host_arrays if host_devices else self._device_arrays
         if arrays is not None and arrays.shape[1] == n:
             return arrays[int(layout == RowLayout.CYCLIC)]
-        return np.full(n, max(per_host, 1) * self.owner(layout), np.float64)
+        return np.full(n, max(host_devices, 1) * self.owner(layout), np.float64)
 
     # The search asks for these thousands of times: made into arrays once.
     @functools.cached_property
@@ -99,10 +99,10 @@ def estimated_capacities(plan: EmbeddingPlan, stats: Sequence[TableStats]) -> tu
     for part in exchange_parts(plan):
         g = part.group
         if part.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, g):
-            per_host = host_size(plan)
-            per_owner = np.zeros(plan.num_devices // per_host)
+            host_devices = host_size(plan)
+            per_owner = np.zeros(plan.num_devices // host_devices)
             for t in {vt.table for vt in g.vtables}:
-                per_owner[plan.tables[t].devices[0] // per_host] += stats[t].in_batch(plan.num_devices)
+                per_owner[plan.tables[t].devices[0] // host_devices] += stats[t].in_batch(plan.num_devices)
             out.append((whole_rows_key(g), max(1, math.ceil(factor * per_owner.max()))))
         if part.kind != ExchangeKind.IDS:
             continue
@@ -124,17 +124,17 @@ def _two_level_estimates(plan: EmbeddingPlan, g, stats: Sequence[TableStats], pe
     """A two-level ids part's (C1, C2) estimates: stage 1, a device's busiest buckets summed
     over the owners of each local index (``per_owner``: each owner's), at most its distinct
     rows; stage 2, per owner the distinct rows one host asks of it, merged, the busiest's."""
-    per_host, n = plan.num_devices // plan.ids_hosts, plan.num_devices
+    host_devices, n = plan.num_devices // plan.ids_hosts, plan.num_devices
     distinct = sum(stats[t].distinct for t in {vt.table for vt in g.vtables})
     host = np.zeros(n)
     for vt in g.vtables:
         st = stats[vt.table]
         if vt.kind == KIND_FIXED:
-            host[vt.device] += min(per_host * st.distinct, st.in_batch(n))
+            host[vt.device] += min(host_devices * st.distinct, st.in_batch(n))
         elif vt.kind == KIND_BLOCK and vt.span < n:
-            host[vt.device : vt.device + vt.span] += st.row_owner * n / vt.span * per_host
+            host[vt.device : vt.device + vt.span] += st.row_owner * n / vt.span * host_devices
         else:
-            host += st.owners(plan.tables[vt.table].row_layout, n, per_host)
-    by_local = per_owner.reshape(plan.ids_hosts, per_host).sum(0)
+            host += st.owners(plan.tables[vt.table].row_layout, n, host_devices)
+    by_local = per_owner.reshape(plan.ids_hosts, host_devices).sum(0)
     c1, c2 = min(distinct, by_local.max()), host.max()
     return [(k, max(1, math.ceil(plan.capacity_factor * c))) for k, c in zip(two_level_keys(g), (c1, c2), strict=True)]

@@ -166,12 +166,12 @@ def two_level_capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
     owners of one local index, and one relay sends one host; measured when the plan has them,
     else every request (which no step can exceed)."""
     every = plan.global_batch // plan.num_devices * g.num_vslots
-    per_host = plan.num_devices // plan.ids_hosts
+    host_devices = plan.num_devices // plan.ids_hosts
     measured = dict(plan.capacities)
     c1, c2 = (measured.get(k) for k in two_level_keys(g))
     return (
         every if c1 is None else max(1, min(every, c1)),
-        per_host * every if c2 is None else max(1, min(per_host * every, c2)),
+        host_devices * every if c2 is None else max(1, min(host_devices * every, c2)),
     )
 
 
@@ -269,9 +269,9 @@ def _pooled_layout(tables: tuple, vtables: tuple, num_devices: int) -> PooledLay
         vtables = tuple(vt for vt in vtables if vt.col_start == 0)
     v_count = len(vtables)
     hosts = any(tables[vt.table].strategy in HOST_STRATEGIES for vt in vtables)
-    per_host = _host_size(tables, num_devices) if hosts else 1
-    n = num_devices // per_host
-    device = np.array([vt.device // per_host for vt in vtables], np.int64)
+    host_devices = _host_size(tables, num_devices) if hosts else 1
+    n = num_devices // host_devices
+    device = np.array([vt.device // host_devices for vt in vtables], np.int64)
     table = np.array([vt.table for vt in vtables], np.int64)
     bag = np.array([tables[t].spec.bag_size for t in table], np.int64)
     order = np.lexsort((np.arange(v_count), -bag, device))  # by owner, largest bag first

@@ -37,7 +37,7 @@ from dlrm_jax.embedding.plan.layout import (
 )
 
 # Which devices a collective joins (cost.predict_step prices each over the links it crosses).
-SPAN_ALL = "all"  # every device of the plan (times ``replicas``)
+SPAN_ALL = "all"  # every device of the plan (times ``table_copies``)
 SPAN_HOSTS = "hosts"  # one device of each host: only links between hosts
 SPAN_HOST = "host"  # the devices of one host: only links within it
 
@@ -62,9 +62,9 @@ class PartKind:
         ``devices`` devices; the usable one with the fewest bytes sent is chosen."""
         return True
 
-    def links(self, plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> list[Link]:
+    def links(self, plan: EmbeddingPlan, part: ExchangePart, table_copies: int = 1) -> list[Link]:
         """Every collective of one step of the part: (kind, bytes one device sends, span).
-        ``replicas``: hosts holding equal replicas of their tables (embedding.sync=host_replicas)."""
+        ``table_copies``: hosts holding equal table_copies of their tables (embedding.sync=host_replicas)."""
         raise NotImplementedError
 
     def buffer_bytes(self, plan: EmbeddingPlan, part: ExchangePart) -> int:
@@ -102,8 +102,8 @@ class AllReduce(PartKind):
     def usable(self, plan, devices):
         return not SPARSE_OPTIMIZER_KINDS[plan.optimizer].rewrites_given_rows and devices > 1
 
-    def links(self, plan, part, replicas=1):
-        m = plan.num_devices * replicas
+    def links(self, plan, part, table_copies=1):
+        m = plan.num_devices * table_copies
         return [("all-reduce", 2 * (m - 1) / m * part.group.local_rows * part.group.width * 4, SPAN_ALL)]
 
     def buffer_bytes(self, plan, part):
@@ -125,10 +125,10 @@ class Gather(PartKind):
 
     name, replicated = ExchangeKind.GATHER.value, True
 
-    def links(self, plan, part, replicas=1):
+    def links(self, plan, part, table_copies=1):
         lb = plan.global_batch // plan.num_devices
         return [
-            ("all-gather", (plan.num_devices * replicas - 1) * lb * gather_bytes_per_sample(plan, part.group), SPAN_ALL)
+            ("all-gather", (plan.num_devices * table_copies - 1) * lb * gather_bytes_per_sample(plan, part.group), SPAN_ALL)
         ]
 
     def buffer_bytes(self, plan, part):
@@ -152,7 +152,7 @@ class Ids(PartKind):
     column slices). In two levels (``ids_hosts``): to each relay of the host C1 (host, row)
     pairs out, C1 vectors back and C1 gradients out, to each other host C2 rows out, C2 vectors
     back and C2 gradients out, and the two fullest buckets' counts all-reduced (the one-level
-    overflow path not counted). With host replicas, owners all-gather what their counterparts
+    overflow path not counted). With host table_copies, owners all-gather what their counterparts
     received."""
 
     name = ExchangeKind.IDS.value
@@ -160,21 +160,21 @@ class Ids(PartKind):
     def serves(self, plan, tp):
         return tp.exchange == ExchangeKind.IDS or (tp.exchange == ExchangeKind.POOLED and tp.strategy == Strategy.ROW)
 
-    def links(self, plan, part, replicas=1):
+    def links(self, plan, part, table_copies=1):
         g, n = part.group, plan.num_devices
         vec = vector_bytes(plan.exchange_dtype, g.width)
         if two_level_ids(plan, g):
             (c1, c2), h = two_level_capacities(plan, g), plan.ids_hosts
-            per_host = n // h
+            host_devices = n // h
             return [
-                ("all-to-all", (per_host - 1) * c1 * (8 + 2 * vec), SPAN_HOST),
+                ("all-to-all", (host_devices - 1) * c1 * (8 + 2 * vec), SPAN_HOST),
                 ("all-to-all", (h - 1) * c2 * (4 + 2 * vec), SPAN_HOSTS),
                 ("all-reduce", 2 * (n - 1) * 8 / n, SPAN_ALL),  # the fullest buckets, agreed
             ]
         c = group_capacity(plan, g)
         return [
             ("all-to-all", (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * needs_whole_rows(plan, g), SPAN_ALL),
-            ("all-gather", (replicas - 1) * n * c * (4 + 4 * g.width), SPAN_ALL),
+            ("all-gather", (table_copies - 1) * n * c * (4 + 4 * g.width), SPAN_ALL),
         ]
 
     def buffer_bytes(self, plan, part):
@@ -183,9 +183,9 @@ class Ids(PartKind):
         one_level = 2 * n * c * (4 + 2 * vec)
         if not two_level_ids(plan, g):
             return one_level
-        (c1, c2), per_host = two_level_capacities(plan, g), n // plan.ids_hosts
+        (c1, c2), host_devices = two_level_capacities(plan, g), n // plan.ids_hosts
         # beside the one-level buffers of its overflow
-        return one_level + 2 * per_host * c1 * (8 + 2 * vec) + 2 * (n // per_host) * c2 * (4 + 2 * vec)
+        return one_level + 2 * host_devices * c1 * (8 + 2 * vec) + 2 * (n // host_devices) * c2 * (4 + 2 * vec)
 
     def memory_traffic(self, plan, part):
         # owners gather N x C rows; requesters pick every slot's vector and pool
@@ -200,9 +200,9 @@ class Ids(PartKind):
     def describe(self, plan, part):
         g, lb = part.group, plan.global_batch // plan.num_devices
         if two_level_ids(plan, g):
-            (c1, c2), per_host = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
+            (c1, c2), host_devices = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
             return (
-                f"in {g.width}-wide pieces, in two levels over {plan.ids_hosts} hosts of {per_host}",
+                f"in {g.width}-wide pieces, in two levels over {plan.ids_hosts} hosts of {host_devices}",
                 f"each device's distinct rows go to the device of its host with the owner's local index, which "
                 f"merges the host's and asks each host once: up to {c1:,} rows from each device to each of its "
                 f"host's, {c2:,} from each to each host a step ({_measured(plan, g)}; "
@@ -233,7 +233,7 @@ class _Pooled(PartKind):
 class Pooled(_Pooled):
     """Sharded on fixed owners (table-wise tables, column slices): per owner B_l x K ids (and
     weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
-    floats both ways of whole-row statistics); with host replicas, owners all-gather what their
+    floats both ways of whole-row statistics); with host table_copies, owners all-gather what their
     counterparts received."""
 
     name = ExchangeKind.POOLED.value
@@ -241,7 +241,7 @@ class Pooled(_Pooled):
     def serves(self, plan, tp):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy in (Strategy.TABLE, Strategy.COLUMN)
 
-    def links(self, plan, part, replicas=1):
+    def links(self, plan, part, table_copies=1):
         (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
         k, j, vec, whole = (
             lay.ids_per_sample,
@@ -251,7 +251,7 @@ class Pooled(_Pooled):
         )
         return [
             ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * whole), SPAN_ALL),
-            ("all-gather", (replicas - 1) * n * lb * k * (4 + 4 * g.width + 4 * whole), SPAN_ALL),
+            ("all-gather", (table_copies - 1) * n * lb * k * (4 + 4 * g.width + 4 * whole), SPAN_ALL),
         ]
 
     def buffer_bytes(self, plan, part):
@@ -301,14 +301,14 @@ class HostPooled(_HostPooled):
     def serves(self, plan, tp):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy == Strategy.HOST_ROW
 
-    def links(self, plan, part, replicas=1):
+    def links(self, plan, part, table_copies=1):
         (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
         k, j, vec, h = lay.ids_per_sample, lay.pieces, vector_bytes(plan.exchange_dtype, g.width), lay.owners
-        per_host = n // h
+        host_devices = n // h
         return [
             ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * vec), SPAN_HOSTS),
-            ("all-gather", (per_host - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
-            ("reduce-scatter", (per_host - 1) * h * lb * j * g.width * 4, SPAN_HOST),
+            ("all-gather", (host_devices - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
+            ("reduce-scatter", (host_devices - 1) * h * lb * j * g.width * 4, SPAN_HOST),
         ]
 
 
@@ -324,15 +324,15 @@ class HostColumns(_HostPooled):
     def serves(self, plan, tp):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy == Strategy.HOST_COLUMN
 
-    def links(self, plan, part, replicas=1):
+    def links(self, plan, part, table_copies=1):
         (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
         k, j, vec, h = lay.ids_per_sample, lay.pieces, vector_bytes(plan.exchange_dtype, g.width), lay.owners
-        per_host, whole = n // h, needs_whole_rows(plan, g)
+        host_devices, whole = n // h, needs_whole_rows(plan, g)
         return [
             ("all-to-all", (h - 1) * lb * k * ids, SPAN_HOSTS),
             ("all-to-all", (n - 1) * lb * 2 * j * vec, SPAN_ALL),
-            ("all-gather", (per_host - 1) * h * lb * k * ids, SPAN_HOST),
-            ("all-reduce", 2 * (per_host - 1) * whole_rows_capacity(plan, g) * 4 * whole / per_host, SPAN_HOST),
+            ("all-gather", (host_devices - 1) * h * lb * k * ids, SPAN_HOST),
+            ("all-reduce", 2 * (host_devices - 1) * whole_rows_capacity(plan, g) * 4 * whole / host_devices, SPAN_HOST),
         ]
 
 
@@ -348,13 +348,13 @@ def part_kind(part: ExchangePart) -> PartKind:
     return PART_KINDS[part.kind]
 
 
-def replicated_kind(plan: EmbeddingPlan, g: Group, replicas: int = 1) -> str:
+def replicated_kind(plan: EmbeddingPlan, g: Group, table_copies: int = 1) -> str:
     """The replicated kind that serves ``g`` with the fewest bytes sent per step (the first
     registered among equals): all-reducing the [rows, W] gradient or gathering the lookups."""
-    usable = [k for k in PART_KINDS.values() if k.replicated and k.usable(plan, plan.num_devices * replicas)]
+    usable = [k for k in PART_KINDS.values() if k.replicated and k.usable(plan, plan.num_devices * table_copies)]
     if not usable:
         raise ValueError(f"no registered replicated exchange kind can serve {g.name} with {plan.optimizer}")
-    sent = [sum(b for _, b, _ in k.links(plan, ExchangePart(k.name, g), replicas)) for k in usable]
+    sent = [sum(b for _, b, _ in k.links(plan, ExchangePart(k.name, g), table_copies)) for k in usable]
     return usable[sent.index(min(sent))].name
 
 

@@ -17,12 +17,12 @@ from dlrm_jax.embedding.plan.layout import ExchangePart
 from dlrm_jax.embedding.plan.part_kinds import exchange_parts, part_kind
 
 
-def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, replicas: int = 1) -> dict[str, float]:
+def part_collective_bytes(plan: EmbeddingPlan, part: ExchangePart, table_copies: int = 1) -> dict[str, float]:
     """Bytes one device sends per step in one exchange part's collectives, by kind (named as
     in HLO and counted as ``bench.common.hlo_collective_bytes`` counts a compiled program):
     its kind's links (``part_kinds``) summed by kind."""
     out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0, "reduce-scatter": 0.0}
-    for kind, sent, _ in part_kind(part).links(plan, part, replicas):
+    for kind, sent, _ in part_kind(part).links(plan, part, table_copies):
         out[kind] += sent
     return out
 
@@ -52,14 +52,14 @@ def per_device_bytes(plan: EmbeddingPlan) -> dict[str, np.ndarray]:
     }
 
 
-def collective_bytes(plan: EmbeddingPlan, replicas: int = 1) -> dict[str, int]:
+def collective_bytes(plan: EmbeddingPlan, table_copies: int = 1) -> dict[str, int]:
     """Bytes one device sends to the others per step at the compiled sizes, by collective
     (named as in HLO): every exchange part's (:func:`part_collective_bytes`) and the hot
     rows' float32 gradients, all-reduced (ring: 2 (N-1)/N of the buffer)."""
     n = plan.num_devices
     out = {"all-to-all": 0.0, "all-gather": 0.0, "all-reduce": 0.0, "reduce-scatter": 0.0}
     for part in exchange_parts(plan):
-        for kind, b in part_collective_bytes(plan, part, replicas).items():
+        for kind, b in part_collective_bytes(plan, part, table_copies).items():
             out[kind] += b
     if plan.hot_rows and n > 1:
         out["all-reduce"] += 2 * (n - 1) * plan.hot_rows * plan.tables[0].spec.dim * 4 / n
