@@ -19,11 +19,13 @@ Devices: :func:`request_cpu_devices`, :func:`make_mesh`, :func:`mesh_from_config
 Embeddings: :class:`TableSpec`, :func:`specs_from_config`, :func:`plan_embeddings`,
 :class:`PlanOptions` (its options as one record; ``cluster=``: a :class:`Cluster`, e.g.
 ``cluster_for("h100", {"devices_per_host": 4}, simulated=False)``, which ``auto`` prices plans
-for and ``host_row`` / ``host_column`` split tables within the hosts of), :func:`plan_from_config`,
+for and ``host_row`` / ``host_column`` split tables within the hosts of), :class:`PlanRequest` (a
+plan asked for, as one record: ``request.plan()``), :func:`plan_from_config`,
 :func:`plan_report`, :class:`EmbeddingPlan`, :class:`PlanError`,
 :class:`EmbeddingCollection` (lookups and sparse updates inside a jitted step of your own; its
 state is an :class:`EmbeddingState`), :func:`sparse_optimizer` (:class:`SparseOptimizer`;
 its ``update`` takes a batch's :class:`Lookups` and the pooled gradients they point at),
+:class:`HostTables` (a set of the tables on each host, around a collection),
 ``PAD_ID`` (an empty slot of a multi-hot bag)::
 
     specs = [dlrm_jax.TableSpec("user_id", 100_000, 32), dlrm_jax.TableSpec("item_id", 50_000, 32)]
@@ -83,6 +85,7 @@ _EXPORTS = {
     "specs_from_config": "dlrm_jax.train.wiring",
     "plan_embeddings": "dlrm_jax.embedding.plan.planner",
     "PlanOptions": "dlrm_jax.embedding.plan.planner",
+    "PlanRequest": "dlrm_jax.embedding.plan.planner",
     "Cluster": "dlrm_jax.embedding.plan.cost",
     "cluster_for": "dlrm_jax.embedding.plan.cost",
     "plan_from_config": "dlrm_jax.train.wiring",
@@ -90,6 +93,7 @@ _EXPORTS = {
     "PlanError": "dlrm_jax.embedding.plan.planner",
     "EmbeddingPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "EmbeddingCollection": "dlrm_jax.embedding.exchange.collection",
+    "HostTables": "dlrm_jax.embedding.exchange.host_tables",
     "EmbeddingState": "dlrm_jax.embedding.exchange.collection",
     "sparse_optimizer": "dlrm_jax.embedding.exchange.optimizers",
     "SparseOptimizer": "dlrm_jax.embedding.exchange.optimizers",

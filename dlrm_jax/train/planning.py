@@ -23,6 +23,7 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, 
 from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.layout import two_level_ids
 from dlrm_jax.embedding.plan.part_kinds import exchange_parts
+from dlrm_jax.embedding.plan.planner import PlanRequest
 from dlrm_jax.embedding.plan.stats import (
     exchange_bytes_per_step,
     fmt_bytes,
@@ -33,8 +34,7 @@ from dlrm_jax.train.wiring import (
     cluster_from_config,
     config_plan_report,
     dense_work,
-    host_plan_from_config,
-    specs_from_config,
+    plan_request,
 )
 
 CALIBRATION_BATCHES = 4
@@ -63,12 +63,14 @@ def plan_for_run(
     batches = [source.train_ids(i) for i in range(CALIBRATION_BATCHES)] if source is not None else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
-    stats = None
+    request = plan_request(cfg, num_devices, budget_bytes, hosts=hosts, cluster=cluster)
     if batches and (cfg.embedding.sharding == "auto" or cfg.embedding.row_layout == "auto"):
         rows = min(len(batches[0]), STATS_DEVICES * local)
         host_devices = cluster.devices_per_host if ids_hosts > 1 else 1
-        specs = list(specs_from_config(cfg))
-        stats = agree("stats", table_stats(specs, [b[:rows] for b in batches], plan_devices, local, host_devices))
+        shares = [b[:rows] for b in batches]
+        request = request.with_options(
+            stats=agree("stats", table_stats(list(request.specs), shares, plan_devices, local, host_devices))
+        )
 
     def with_capacities(plan: EmbeddingPlan) -> EmbeddingPlan:
         if batches and cfg.embedding.capacity_from == "measured" and plan.num_devices > 1:
@@ -76,15 +78,14 @@ def plan_for_run(
             plan = dataclasses.replace(plan, capacities=capacities)
         return plan
 
-    def measured(cfg: Config, ids_hosts: int = 1) -> EmbeddingPlan:
-        kw = dict(cluster=cluster, stats=stats, ids_hosts=ids_hosts)
-        return with_capacities(host_plan_from_config(cfg, num_devices, hosts, budget_bytes, **kw))
+    def measured(request: PlanRequest) -> EmbeddingPlan:
+        return with_capacities(request.plan())
 
-    plan = measured(cfg)
+    plan = measured(request)
     if cfg.embedding.row_layout == "auto" and batches:
         # The search weighs layouts by estimated buckets (per owner, the tables' busiest owners
         # added up); measured, the plan of blocks alone may still be faster: keep the faster.
-        block = measured(dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, row_layout="block")))
+        block = measured(request.with_options(row_layout="block"))
         if predict_step(block, cluster).embedding_s <= predict_step(plan, cluster).embedding_s:
             plan = block
     if ids_hosts > 1:
@@ -92,8 +93,8 @@ def plan_for_run(
         # places tables from the data) the placement searched with two levels priced; kept
         # when asked for (embedding.ids_exchange=two_level) or when predicted faster.
         two = [with_capacities(dataclasses.replace(plan, ids_hosts=ids_hosts))]
-        if stats is not None and cfg.embedding.sharding == "auto":
-            two.append(measured(cfg, ids_hosts))
+        if request.options.stats is not None and cfg.embedding.sharding == "auto":
+            two.append(measured(request.with_options(ids_hosts=ids_hosts)))
         two = [p for p in two if any_two_level(p)]
         candidates = two if cfg.embedding.ids_exchange == "two_level" and two else [plan, *two]
         plan = min(candidates, key=lambda p: predict_step(p, cluster).embedding_s)

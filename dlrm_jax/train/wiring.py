@@ -26,8 +26,8 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
 from dlrm_jax.embedding.plan.planner import (
     PlanOptions,
+    PlanRequest,
     parse_overrides,
-    plan_embeddings,
     wide_bytes_per_device,
     wide_plan,
     wide_report,
@@ -84,44 +84,42 @@ def plan_options(
     )
 
 
-def plan_from_config(
+def plan_request(
     cfg: Config,
     num_devices: int,
     budget_bytes: int | None = None,
     *,
+    hosts: int = 1,
     cluster: Cluster | None = None,
     stats: Sequence[TableStats] | None = None,
-    batch_size: int | None = None,
     ids_hosts: int = 1,
-) -> EmbeddingPlan:
-    """The plan for a config's tables on ``num_devices`` devices. The budget defaults to
-    ``embedding.memory_budget_gb``, else 90% of the cluster's device memory; ``cluster``
-    defaults to the config's for simulated devices (:func:`cluster_from_config`); ``stats``:
-    the tables' id statistics in the data (``exchange.capacity.table_stats``); ``batch_size``:
-    the batch these devices share (default ``train.batch_size``); ``ids_hosts``: hosts the
-    ids exchange goes over in two levels (1: one level)."""
+) -> PlanRequest:
+    """The plan a config asks for on ``num_devices`` devices, as one record. With per-host
+    tables (embedding.sync per_host or host_replicas) each of ``hosts`` hosts holds a whole set
+    over its own devices: the request is one host's, its ``num_devices / hosts`` devices and its
+    share of the batch. The budget defaults to ``embedding.memory_budget_gb``, else 90% of the
+    cluster's device memory (less the wide part of Wide&Deep, which every device holds whole);
+    ``cluster`` defaults to the config's for simulated devices (:func:`cluster_from_config`);
+    ``stats``: the tables' id statistics in the data (``exchange.capacity.table_stats``);
+    ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level)."""
     specs = specs_from_config(cfg)
     cluster = cluster or cluster_from_config(cfg, simulated=True)
-    batch = cfg.train.batch_size if batch_size is None else batch_size
+    per_host = cfg.embedding.tables_per_host and hosts > 1
+    devices = num_devices // hosts if per_host else num_devices
+    batch = cfg.train.batch_size // hosts if per_host else cfg.train.batch_size
     budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
     if budget_bytes is None and not budget and cluster.device_memory_gb:
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
-        budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, num_devices, batch)), 1)
+        budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
-    return plan_embeddings(specs, cfg.embedding.sharding, num_devices, cfg.embedding.optimizer, batch, options)
+    return PlanRequest(tuple(specs), cfg.embedding.sharding, devices, cfg.embedding.optimizer, batch, options)
 
 
-def host_plan_from_config(
-    cfg: Config, num_devices: int, hosts: int, budget_bytes: int | None = None, **kwargs
-) -> EmbeddingPlan:
-    """With per-host tables (embedding.sync per_host or host_replicas), each of ``hosts`` hosts
-    holds a whole set over its own devices: the plan of one host's ``num_devices / hosts``
-    devices and its share of the batch. Otherwise the plan over all ``num_devices``."""
-    if not cfg.embedding.tables_per_host:
-        return plan_from_config(cfg, num_devices, budget_bytes, **kwargs)
-    host_batch = cfg.train.batch_size // hosts
-    return plan_from_config(cfg, num_devices // hosts, budget_bytes, batch_size=host_batch, **kwargs)
+def plan_from_config(cfg: Config, num_devices: int, budget_bytes: int | None = None, **kwargs) -> EmbeddingPlan:
+    """The plan for a config's tables on ``num_devices`` devices (:func:`plan_request`'s, with
+    its keywords: ``hosts``, ``cluster``, ``stats``, ``ids_hosts``)."""
+    return plan_request(cfg, num_devices, budget_bytes, **kwargs).plan()
 
 
 def wide_plan_from_config(cfg: Config, num_devices: int, batch_size: int | None = None) -> EmbeddingPlan:

@@ -425,14 +425,14 @@ def test_a_stop_during_a_compile_waits_for_it_and_never_crashes_the_exit():
 def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
     from dlrm_jax.train.wiring import (
         config_plan_report,
-        host_plan_from_config,
+        plan_from_config,
     )
 
     cfg = tiny("train.batch_size=128", "mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host")
-    header = config_plan_report(cfg, host_plan_from_config(cfg, 8, 2)).splitlines()[0]
+    header = config_plan_report(cfg, plan_from_config(cfg, 8, hosts=2)).splitlines()[0]
     assert header.endswith("global batch 128 (64 per host: the share of one host's 4 devices)"), header
     glob = tiny("train.batch_size=128", "mesh.devices=8")
-    assert config_plan_report(glob, host_plan_from_config(glob, 8, 1)).splitlines()[0].endswith("global batch 128")
+    assert config_plan_report(glob, plan_from_config(glob, 8, hosts=1)).splitlines()[0].endswith("global batch 128")
 
 
 # ---------------------------------------------------------------- the data a run reads

@@ -151,7 +151,7 @@ def measure_capacities(
         for p in exchange_parts(plan)
         if p.kind == ExchangeKind.HOST_COLUMNS and needs_whole_rows(plan, p.group) and plan.num_devices > 1
     ]
-    local = plan.global_batch // plan.num_devices
+    local = plan.local_batch
     most = dict.fromkeys((g.name for g in parts), 0) | dict.fromkeys((whole_rows_key(g) for g in host_columns), 0)
     two_level = [g for g in parts if two_level_ids(plan, g)]
     most |= dict.fromkeys((k for g in two_level for k in two_level_keys(g)), 0)

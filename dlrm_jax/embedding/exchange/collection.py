@@ -130,7 +130,7 @@ class EmbeddingCollection:
         exchange_mesh = host_local_mesh(mesh) if HOST_AXIS in mesh.shape else mesh
         self.dim = specs[0].dim
         self.groups = build_groups(plan)
-        self.local_batch = plan.global_batch // plan.num_devices
+        self.local_batch = plan.local_batch
         self.slot_feature = np.repeat(np.arange(len(specs)), [s.bag_size for s in specs]).astype(np.int32)
         self.one_hot = all(s.bag_size == 1 for s in specs)
         self.mean_pooling = np.array([s.pooling == Pooling.MEAN for s in specs])

@@ -157,7 +157,9 @@ def bound_link_bytes(plan: EmbeddingPlan, cluster: Cluster) -> tuple[float, floa
     return link_split("all-to-all", lower_bound_bytes(plan), plan.num_devices, cluster.devices_per_host)
 
 
-def predict_step(plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, table_copies: int = 1) -> StepTime:
+def predict_step(
+    plan: EmbeddingPlan, cluster: Cluster, dense: DenseWork | None = None, table_copies: int = 1
+) -> StepTime:
     """The busiest device's step, by phase: ``lookup`` and ``update`` (device memory),
     ``exchange`` (all-to-alls and all-gathers of the embedding exchange), ``all-reduce``
     (replicated tables' and hot rows' gradients), ``dense`` (MLP FLOPs) and ``dense all-reduce``

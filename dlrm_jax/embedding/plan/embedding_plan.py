@@ -180,6 +180,11 @@ class EmbeddingPlan:
     padded_rows: bool = True
 
     @property
+    def local_batch(self) -> int:
+        """Samples of one step on one device: the exchange's buffers are sized for them."""
+        return self.global_batch // self.num_devices
+
+    @property
     def tiered_tables(self) -> tuple[int, ...]:
         """Indices of the tables kept in the host tier."""
         return tuple(t for t, tp in enumerate(self.tables) if tp.tiered)

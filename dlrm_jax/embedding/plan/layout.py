@@ -138,7 +138,7 @@ class ExchangePart:
 def _capacity(plan: EmbeddingPlan, g: Group) -> int:
     """Distinct-request bucket size per owner of an ids part: measured when the plan has it,
     else ``capacity_factor`` x the batch-size bound; never above the worst case."""
-    local_batch = plan.global_batch // plan.num_devices
+    local_batch = plan.local_batch
     measured = dict(plan.capacities).get(g.name)
     if measured is None:
         return g.capacity(local_batch, plan.capacity_factor)
@@ -165,7 +165,7 @@ def two_level_capacities(plan: EmbeddingPlan, g: Group) -> tuple[int, int]:
     """(C1, C2) of a two-level ids part: the distinct rows one device sends its relay for the
     owners of one local index, and one relay sends one host; measured when the plan has them,
     else every request (which no step can exceed)."""
-    every = plan.global_batch // plan.num_devices * g.num_vslots
+    every = plan.local_batch * g.num_vslots
     host_devices = plan.num_devices // plan.ids_hosts
     measured = dict(plan.capacities)
     c1, c2 = (measured.get(k) for k in two_level_keys(g))

@@ -110,7 +110,7 @@ class AllReduce(PartKind):
         return 2 * part.group.local_rows * part.group.width * 4
 
     def memory_traffic(self, plan, part):
-        g, lb = part.group, plan.global_batch // plan.num_devices
+        g, lb = part.group, plan.local_batch
         return lb * g.num_vslots * g.width * DTYPE_BYTES[plan.dtype], g.local_rows * g.width * _update_bytes_per_value(
             plan, g.width
         )
@@ -126,18 +126,22 @@ class Gather(PartKind):
     name, replicated = ExchangeKind.GATHER.value, True
 
     def links(self, plan, part, table_copies=1):
-        lb = plan.global_batch // plan.num_devices
+        lb = plan.local_batch
         return [
-            ("all-gather", (plan.num_devices * table_copies - 1) * lb * gather_bytes_per_sample(plan, part.group), SPAN_ALL)
+            (
+                "all-gather",
+                (plan.num_devices * table_copies - 1) * lb * gather_bytes_per_sample(plan, part.group),
+                SPAN_ALL,
+            )
         ]
 
     def buffer_bytes(self, plan, part):
         g, n = part.group, plan.num_devices
-        return n * (plan.global_batch // n) * g.num_vslots * (4 + 4 * g.width)
+        return n * plan.local_batch * g.num_vslots * (4 + 4 * g.width)
 
     def memory_traffic(self, plan, part):
         g, n = part.group, plan.num_devices
-        lb, w = plan.global_batch // n, g.width
+        lb, w = plan.local_batch, g.width
         return lb * g.num_vslots * w * DTYPE_BYTES[plan.dtype], n * lb * g.num_vslots * w * _update_bytes_per_value(
             plan, w
         )
@@ -190,7 +194,7 @@ class Ids(PartKind):
     def memory_traffic(self, plan, part):
         # owners gather N x C rows; requesters pick every slot's vector and pool
         g, n = part.group, plan.num_devices
-        lb, w = plan.global_batch // n, g.width
+        lb, w = plan.local_batch, g.width
         rows, slots = n * group_capacity(plan, g), lb * g.num_vslots
         return (
             rows * w * (DTYPE_BYTES[plan.dtype] + 4) + slots * w * 8,
@@ -198,7 +202,7 @@ class Ids(PartKind):
         )
 
     def describe(self, plan, part):
-        g, lb = part.group, plan.global_batch // plan.num_devices
+        g, lb = part.group, plan.local_batch
         if two_level_ids(plan, g):
             (c1, c2), host_devices = two_level_capacities(plan, g), plan.num_devices // plan.ids_hosts
             return (
@@ -222,11 +226,11 @@ class _Pooled(PartKind):
     def _shapes(self, plan, part):
         lay = pooled_layout(plan, part.group)
         ids = 4 * (1 + pools_by_mean(plan, part.group))  # an id, and its weight for means
-        return lay, plan.global_batch // plan.num_devices, ids
+        return lay, plan.local_batch, ids
 
     def memory_traffic(self, plan, part):
         g = part.group
-        rows = plan.num_devices * (plan.global_batch // plan.num_devices) * pooled_layout(plan, g).ids_per_sample
+        rows = plan.num_devices * plan.local_batch * pooled_layout(plan, g).ids_per_sample
         return rows * g.width * (DTYPE_BYTES[plan.dtype] + 4), rows * g.width * _update_bytes_per_value(plan, g.width)
 
 

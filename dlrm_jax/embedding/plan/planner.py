@@ -81,6 +81,32 @@ class PlanOptions:
     ids_hosts: int = 1
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """One plan asked for, as one record: the tables, how they are placed (``sharding``: a
+    strategy for every table, or ``auto``), the devices, the sparse optimizer, the batch the
+    devices share and the options. The edge builds it once from a config
+    (``train.wiring.plan_request``); planning replans by replacing an option
+    (:meth:`with_options`), never by rewriting a config."""
+
+    specs: tuple[TableSpec, ...]
+    sharding: str
+    num_devices: int
+    optimizer: str
+    global_batch: int
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+    def with_options(self, **fields) -> PlanRequest:
+        """The same request with those options replaced (``row_layout=...``, ``stats=...``)."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **fields))
+
+    def plan(self) -> EmbeddingPlan:
+        """The plan (:func:`plan_embeddings`)."""
+        return plan_embeddings(
+            self.specs, self.sharding, self.num_devices, self.optimizer, self.global_batch, self.options
+        )
+
+
 def plan_embeddings(
     specs: Sequence[TableSpec],
     sharding: str,

@@ -132,7 +132,7 @@ class Search:
             if part.kind == ExchangeKind.POOLED:  # (host pooled parts carry no device's padding)
                 lay = pooled_layout(plan, part.group)
                 ids, cols = ids + lay.ids_per_sample, cols + lay.pieces * part.group.width
-        lb, wire = plan.global_batch // self.n, DTYPE_BYTES[plan.exchange_dtype]
+        lb, wire = plan.local_batch, DTYPE_BYTES[plan.exchange_dtype]
         missing = (self.n - 1) * lb * (4 * max(0.0, self.floor_ids - ids) + 2 * wire * max(0.0, self.floor_cols - cols))
         return link_seconds("all-to-all", missing, self.n, self.cluster) if missing > 0 else 0.0
 

@@ -32,7 +32,7 @@ def exchange_buffer_bytes(plan: EmbeddingPlan) -> int:
     overflowing ids part runs in rounds at the same capacity, so this bounds it too."""
     total = sum(part_kind(p).buffer_bytes(plan, p) for p in exchange_parts(plan))
     if plan.hot_rows:  # the hot rows' summed gradients, and each slot's hot row
-        local_batch = plan.global_batch // plan.num_devices
+        local_batch = plan.local_batch
         total += (
             plan.hot_rows * plan.tables[0].spec.dim * 4 + local_batch * sum(t.spec.bag_size for t in plan.tables) * 4
         )
