@@ -29,6 +29,46 @@ class RowLayout(enum.StrEnum):
     CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
 
 
+class BagExchange(enum.StrEnum):
+    """How table- and column-wise tables exchange (``embedding.bag_exchange``)."""
+
+    AUTO = "auto"  # the planner's choice under sharding=auto, else pooled bags and one-hot ids
+    IDS = "ids"  # distinct rows travel, the requester pools
+    POOLED = "pooled"  # every bag goes to its owner, which pools it
+
+
+class IdsExchange(enum.StrEnum):
+    """How the ids exchange crosses hosts (``embedding.ids_exchange``)."""
+
+    AUTO = "auto"  # whichever the cost model predicts faster
+    FLAT = "flat"  # every device to every owner
+    TWO_LEVEL = "two_level"  # a host's requests merged before they cross hosts
+
+
+class Sync(enum.StrEnum):
+    """How many sets of the tables there are and how they agree (``embedding.sync``)."""
+
+    GLOBAL = "global"  # one set over every device
+    PER_HOST = "per_host"  # each host its own, trained on its own rows, averaged every sync_every
+    HOST_REPLICAS = "host_replicas"  # equal replicas per host, every host's gradients applied to each
+
+
+class Interaction(enum.StrEnum):
+    """How DLRM's top MLP sees the features (``model.interaction``)."""
+
+    DOT = "dot"  # pairwise dot products of the vectors (DLRM)
+    CAT = "cat"  # their concatenation
+    DCN = "dcn"  # the concatenation through a DCNv2 cross network (DLRM-DCNv2)
+
+
+class MlpParallel(enum.StrEnum):
+    """How the dense layers use a model group's devices (``model.mlp_parallel``)."""
+
+    DATA = "data"  # each device holds all of them
+    TENSOR = "tensor"  # Megatron column/row pairs
+    PIPELINE = "pipeline"  # GPipe stages over microbatches
+
+
 class Pooling(enum.StrEnum):
     """How a bag's vectors combine into its feature's one vector (``data.pooling``)."""
 

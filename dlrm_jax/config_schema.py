@@ -15,11 +15,16 @@ from dlrm_jax.choices import (
     DATA_SOURCES,
     MODEL_KINDS,
     SPARSE_OPTIMIZER_KINDS,
+    BagExchange,
     DramPolicy,
+    IdsExchange,
+    Interaction,
+    MlpParallel,
     Pooling,
     RowLayout,
     Storage,
     Strategy,
+    Sync,
 )
 
 # Published per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm).
@@ -298,7 +303,7 @@ class ModelConfig:
     )
     interaction: str = field(
         default="dot",
-        metadata=_choices("dot", "cat", "dcn")
+        metadata=_choices(*Interaction)
         | doc(
             "`dot` (DLRM's pairwise dot products), `cat` (concatenation), `dcn` (DLRM-DCNv2: the "
             "concatenation through a cross network)"
@@ -318,7 +323,7 @@ class ModelConfig:
     wide_l2: float = field(default=0.0, metadata=doc("`wide_deep`, `ftrl`: L2 strength"))
     mlp_parallel: str = field(
         default="data",
-        metadata=_choices("data", "tensor", "pipeline")
+        metadata=_choices(*MlpParallel)
         | doc(
             "how the dense layers use a model group's `mesh.model` devices: `data` (each holds all), "
             "`tensor` (Megatron pairs), `pipeline` (GPipe stages) ([models](models.md#mlp-parallelism))"
@@ -442,7 +447,7 @@ class EmbeddingConfig:
     )
     bag_exchange: str = field(
         default="auto",
-        metadata=_choices("auto", "ids", "pooled")
+        metadata=_choices(*BagExchange)
         | doc(
             "how table- and column-wise tables exchange: `pooled` (every bag goes to its owner, which "
             "pools it: one vector per sample each way), `ids` (distinct rows travel, the requester "
@@ -452,7 +457,7 @@ class EmbeddingConfig:
     )
     ids_exchange: str = field(
         default="auto",
-        metadata=_choices("auto", "flat", "two_level")
+        metadata=_choices(*IdsExchange)
         | doc(
             "how the ids exchange crosses hosts (`cluster.devices_per_host` devices each, more than one "
             "host): `two_level` (each device's distinct requests go to the device of its host with the "
@@ -517,7 +522,7 @@ class EmbeddingConfig:
     tier: TierConfig = TierConfig()
     sync: str = field(
         default="global",
-        metadata=_choices("global", "per_host", "host_replicas")
+        metadata=_choices(*Sync)
         | doc(
             "`global`: one set of tables over every device; `per_host`: each host trains its own tables "
             "on its own rows; `host_replicas`: equal replicas per host, the all-to-all inside each host "

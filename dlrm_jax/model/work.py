@@ -3,10 +3,11 @@ width, and the FLOPs and parameters the step-time model prices (``embedding.plan
 
 from __future__ import annotations
 
+from dlrm_jax.choices import Interaction
 from dlrm_jax.config_schema import ModelConfig
 from dlrm_jax.embedding.plan.cost import DenseWork
 
-KINDS = ("dot", "cat", "dcn")
+KINDS = tuple(Interaction)
 
 
 def interaction_width(kind: str, num_features: int, dim: int, bottom_width: int | None = None) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dlrm_jax.choices import Storage  # defined once there
+from dlrm_jax.choices import BagExchange, Storage  # defined once there
 from dlrm_jax.embedding.plan.cost import PROFILES, Cluster
 from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError re-exported
     EmbeddingPlan,
@@ -67,13 +67,13 @@ class PlanOptions:
     search prices it and the plan records it."""
 
     overrides: Mapping[str, Strategy | str] = field(default_factory=dict)
-    row_layout: str = "block"
+    row_layout: RowLayout | str = RowLayout.BLOCK  # or "auto"
     capacity_factor: float = 1.25
     dtype: str = "float32"
     exchange_dtype: str = "float32"
     budget_bytes: int = 0
-    bag_exchange: str = "auto"
-    storage: str = "device"
+    bag_exchange: BagExchange = BagExchange.AUTO
+    storage: Storage = Storage.DEVICE
     storage_overrides: Mapping[str, Storage] = field(default_factory=dict)
     device_cache: tuple[int, float] = (0, 0.1)
     cluster: Cluster | None = None
