@@ -241,7 +241,7 @@ def test_every_dense_optimizer_the_schema_allows_is_built_and_no_other():
     import optax
 
     from dlrm_jax.config_schema import TrainConfig
-    from dlrm_jax.train.step import DENSE_OPTIMIZERS, dense_optimizer
+    from dlrm_jax.train.wiring import DENSE_OPTIMIZERS, dense_optimizer
 
     allowed = TrainConfig.__dataclass_fields__["optimizer"].metadata["choices"]
     assert tuple(DENSE_OPTIMIZERS) == tuple(allowed)

@@ -23,7 +23,7 @@ from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checks import check_batch
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
-from dlrm_jax.train.wiring import cluster_from_config, sparse_optimizer_from_config
+from dlrm_jax.train.wiring import cluster_from_config, sparse_optimizer_from_config, step_spec
 
 
 def build(
@@ -57,7 +57,7 @@ def build(
             hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, input_readers(cfg.data.readers), log
         )
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, _tables(cfg, plan, mesh, optimizer), schedule)
+        return plan, StepFunctions(step_spec(cfg, mesh), mesh, _tables(cfg, plan, mesh, optimizer), schedule)
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
@@ -65,10 +65,10 @@ def build(
     first = [source.train_ids(i) for i in range(cfg.embedding.hot.stats_batches)]
     plan = tier_plan(cfg.embedding.tier, plan, first, log)
     if not plan.tiered_tables:
-        return plan, StepFunctions(cfg, mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
+        return plan, StepFunctions(step_spec(cfg, mesh), mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)
     return plan, StepFunctions(
-        cfg, mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows)
+        step_spec(cfg, mesh), mesh, collection, schedule, cache_groups=tuple(name for name, _ in plan.tier.fill_rows)
     )
 
 

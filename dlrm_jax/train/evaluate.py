@@ -94,7 +94,7 @@ def eval_scores(
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
     the batch padded to full size, ``valid`` marking its real rows."""
-    per_process = steps.cfg.train.batch_size // jax.process_count()
+    per_process = steps.spec.batch_size // jax.process_count()
     state = state._replace(emb=steps.collection.model_tables(state.emb))  # (per-host tables: their average)
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)

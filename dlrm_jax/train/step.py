@@ -8,6 +8,8 @@ mesh's ``data`` and ``model`` axes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -22,6 +24,7 @@ from dlrm_jax.config import ConfigError
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, unpacked
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.tiers.device_fill import fill_caches
@@ -32,10 +35,9 @@ from dlrm_jax.model.mlp_parallel import (
     check_tensor_widths,
     tensor_param_specs,
 )
-from dlrm_jax.model.wide import WideInputs, WideState, wide_logits
+from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import MODEL_AXIS, batch_spec
-from dlrm_jax.train.wiring import model_entry
 
 
 class TrainState(NamedTuple):
@@ -62,36 +64,27 @@ class CacheIO(NamedTuple):
     prev: dict
 
 
-def learning_rate_schedule(cfg) -> optax.Schedule:
-    """Linear warmup, constant, then polynomial decay to 0 over the last ``decay_steps``."""
-    t = cfg.train
-    lr = t.learning_rate
-    pieces, boundaries = [], []
-    if t.warmup_steps:
-        pieces.append(optax.linear_schedule(lr / t.warmup_steps, lr, t.warmup_steps))
-        boundaries.append(t.warmup_steps)
-    constant_steps = t.steps - t.warmup_steps - t.decay_steps
-    pieces.append(optax.constant_schedule(lr))
-    if t.decay_steps:
-        boundaries.append(t.warmup_steps + constant_steps)
-        pieces.append(optax.polynomial_schedule(lr, 0.0, t.decay_power, t.decay_steps))
-    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+@dataclass(frozen=True)
+class StepSpec:
+    """What the steps are built from, made at the edge from a config (``wiring.step_spec``):
+    ``dense(rngs)``: the dense model (``wiring.ModelEntry.dense``), ``wide``: a wide part whose
+    logits are added (None: none), ``tx`` and ``schedule``: the dense optimizer and its learning
+    rate per step, ``emb_lr_scale``: the tables' learning rate over the dense part's, ``seed``:
+    of the parameters and the tables, ``batch_size``: the global batch, ``bag_sizes`` and
+    ``num_dense``: the batch's shape, ``mlp_parallel`` and ``microbatches``: the dense layers'
+    layout over a model group's devices."""
 
-
-DENSE_OPTIMIZERS = {  # train.optimizer's values (the schema lists the same names)
-    "sgd": optax.sgd,
-    "adagrad": lambda schedule: optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-8),
-    "adam": optax.adam,
-}
-
-
-def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
-    """The dense part's optax optimizer (``train.optimizer``); another name is a ConfigError,
-    not a silent Adam."""
-    make = DENSE_OPTIMIZERS.get(cfg.train.optimizer)
-    if make is None:
-        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not one of {', '.join(DENSE_OPTIMIZERS)}")
-    return make(schedule)
+    dense: Callable[[nnx.Rngs], nnx.Module]
+    wide: WidePart | None
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    emb_lr_scale: float
+    seed: int
+    batch_size: int
+    bag_sizes: tuple[int, ...]
+    num_dense: int
+    mlp_parallel: str = "data"
+    microbatches: int = 1
 
 
 class StepFunctions:
@@ -105,9 +98,9 @@ class StepFunctions:
 
     def __init__(
         self,
-        cfg,
+        spec: StepSpec,
         mesh: jax.sharding.Mesh,
-        collection: EmbeddingCollection,
+        collection: EmbeddingCollection | HostTables,
         hot: HotSchedule | None = None,
         cache_groups: tuple[str, ...] = (),
     ):
@@ -116,17 +109,13 @@ class StepFunctions:
         device caches of tiered tables (``collection.tiered_tables``); the train step then
         takes each program's fills and the previous program's evictions and returns its own
         (embedding/tiers/device_fill.py)."""
-        self.cfg, self.mesh, self.collection, self.hot = cfg, mesh, collection, hot
+        self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
-        self.model = model_entry(cfg)
-        model = self.model.dense(cfg, nnx.Rngs(0))
+        model = spec.dense(nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
-        self._dense_layout(cfg, mesh, model, nnx.to_pure_dict(params))
-        self.schedule = learning_rate_schedule(cfg)
-        self.tx = dense_optimizer(cfg, self.schedule)
-        self.emb_lr_scale = cfg.embedding_learning_rate / cfg.train.learning_rate
+        self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
+        self.schedule, self.tx, self.emb_lr_scale, self.wide = spec.schedule, spec.tx, spec.emb_lr_scale, spec.wide
         self.replicated = NamedSharding(mesh, P())
-        self.wide = self.model.wide(cfg, mesh) if self.model.wide else None
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         self.state_sharding = self._state_sharding()
         self.saved_sharding = self._state_sharding(saved_form=True)
@@ -169,25 +158,25 @@ class StepFunctions:
             self._state_check, in_shardings=(self.state_sharding, self.batch_sharding), out_shardings=self.replicated
         )
 
-    def _dense_layout(self, cfg, mesh, model, params: dict) -> None:
+    def _dense_layout(self, spec: StepSpec, mesh, model, params: dict) -> None:
         """model.mlp_parallel: the tensor layout or the pipeline plan (model/mlp_parallel.py)."""
         self.tensor = self.pipeline = None
         groups = mesh.shape[MODEL_AXIS]
-        if cfg.model.mlp_parallel == "tensor":
+        if spec.mlp_parallel == "tensor":
             check_tensor_widths(params, groups)
             self.tensor = TensorLayout(mesh)
-        elif cfg.model.mlp_parallel == "pipeline":
-            rows = cfg.train.batch_size // (mesh.size // groups)
-            if rows % cfg.model.microbatches:
+        elif spec.mlp_parallel == "pipeline":
+            rows = spec.batch_size // (mesh.size // groups)
+            if rows % spec.microbatches:
                 raise ConfigError(
-                    f"model.microbatches={cfg.model.microbatches} must divide the {rows} rows of a "
+                    f"model.microbatches={spec.microbatches} must divide the {rows} rows of a "
                     f"model group (train.batch_size / (devices / mesh.model))"
                 )
-            self.pipeline = PipelinePlan(model, params, groups, cfg.model.microbatches)
+            self.pipeline = PipelinePlan(model, params, groups, spec.microbatches)
 
     # ------------------------------------------------------------ state
     def _dense_init(self):
-        model = self.model.dense(self.cfg, nnx.Rngs(self.cfg.train.seed))
+        model = self.spec.dense(nnx.Rngs(self.spec.seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if self.pipeline is not None:
             params = self.pipeline.pack(params)
@@ -264,7 +253,7 @@ class StepFunctions:
 
     def embedding_key(self) -> jax.Array:
         """The key every table's initial values derive from (tiered tables' too)."""
-        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), 1)
+        return jax.random.fold_in(jax.random.key(self.spec.seed), 1)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state as checkpoints hold it
@@ -285,8 +274,8 @@ class StepFunctions:
     def packed_layout(self) -> PackedLayout:
         """How this process's slice of a batch is packed: a shard per local device."""
         shards = len(self.batch_sharding.addressable_devices)
-        local = self.cfg.train.batch_size // jax.process_count()
-        return PackedLayout(shards, local // shards, sum(self.cfg.bag_sizes), self.cfg.data.num_dense)
+        local = self.spec.batch_size // jax.process_count()
+        return PackedLayout(shards, local // shards, sum(self.spec.bag_sizes), self.spec.num_dense)
 
     # ------------------------------------------------------------ steps
     def _forward(self, params, pooled_bfd, batch: Batch, wide: WideInputs | None = None):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import optax
 from flax import nnx
 
 from dlrm_jax.choices import Pooling, Storage
@@ -38,6 +39,7 @@ from dlrm_jax.files import check_dir
 from dlrm_jax.model.dlrm import DLRMDense
 from dlrm_jax.model.wide import WidePart
 from dlrm_jax.model.work import dense_work as model_dense_work
+from dlrm_jax.train.step import StepSpec
 
 
 def specs_from_config(cfg: Config) -> tuple[TableSpec, ...]:
@@ -217,6 +219,57 @@ def model_entry(cfg: Config) -> ModelEntry:
     if cfg.model.kind not in MODELS:
         raise ConfigError(f"model.kind={cfg.model.kind!r}: no model registered by that name ({', '.join(MODELS)})")
     return MODELS[cfg.model.kind]
+
+
+def learning_rate_schedule(cfg) -> optax.Schedule:
+    """Linear warmup, constant, then polynomial decay to 0 over the last ``decay_steps``."""
+    t = cfg.train
+    lr = t.learning_rate
+    pieces, boundaries = [], []
+    if t.warmup_steps:
+        pieces.append(optax.linear_schedule(lr / t.warmup_steps, lr, t.warmup_steps))
+        boundaries.append(t.warmup_steps)
+    constant_steps = t.steps - t.warmup_steps - t.decay_steps
+    pieces.append(optax.constant_schedule(lr))
+    if t.decay_steps:
+        boundaries.append(t.warmup_steps + constant_steps)
+        pieces.append(optax.polynomial_schedule(lr, 0.0, t.decay_power, t.decay_steps))
+    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
+
+
+DENSE_OPTIMIZERS = {  # train.optimizer's values (the schema lists the same names)
+    "sgd": optax.sgd,
+    "adagrad": lambda schedule: optax.adagrad(schedule, initial_accumulator_value=0.0, eps=1e-8),
+    "adam": optax.adam,
+}
+
+
+def dense_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """The dense part's optax optimizer (``train.optimizer``); another name is a ConfigError,
+    not a silent Adam."""
+    make = DENSE_OPTIMIZERS.get(cfg.train.optimizer)
+    if make is None:
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r} is not one of {', '.join(DENSE_OPTIMIZERS)}")
+    return make(schedule)
+
+
+def step_spec(cfg: Config, mesh: jax.sharding.Mesh) -> StepSpec:
+    """What the config asks of the train and eval steps (:class:`~dlrm_jax.train.step.StepSpec`)."""
+    entry = model_entry(cfg)
+    schedule = learning_rate_schedule(cfg)
+    return StepSpec(
+        dense=lambda rngs: entry.dense(cfg, rngs),
+        wide=entry.wide(cfg, mesh) if entry.wide else None,
+        tx=dense_optimizer(cfg, schedule),
+        schedule=schedule,
+        emb_lr_scale=cfg.embedding_learning_rate / cfg.train.learning_rate,
+        seed=cfg.train.seed,
+        batch_size=cfg.train.batch_size,
+        bag_sizes=cfg.bag_sizes,
+        num_dense=cfg.data.num_dense,
+        mlp_parallel=cfg.model.mlp_parallel,
+        microbatches=cfg.model.microbatches,
+    )
 
 
 def tier_root(cfg: Config, run_dir: Path | None) -> Path:

@@ -36,7 +36,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     batch = source.train_batch(2)
     ids, dense, labels = batch.ids, batch.dense.astype(np.float64), batch.labels.astype(np.float64)
 
-    deep = jax.jit(lambda s, b: steps._forward(s.params, steps._lookup(s.emb, b.ids)[0], b))(
+    deep = jax.jit(lambda s, b: steps._forward(s.params, steps.collection.lookup(s.emb, b.ids)[0], b))(
         state, steps.device_batch(batch)
     )
     wide = sum(t[ids[:, f]] for f, t in enumerate(tables)) + dense @ linear[:-1] + linear[-1]
