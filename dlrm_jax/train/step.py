@@ -1,4 +1,4 @@
-"""The jitted train and eval steps, and the train state they carry.
+"""The jitted train and eval steps (the state they carry and its layout: ``train/state.py``).
 
 One train step: embedding lookup -> dense DLRM forward and loss -> gradients w.r.t. the dense
 parameters and the looked-up vectors -> optax update of the dense part and sparse update of the
@@ -8,51 +8,27 @@ mesh's ``data`` and ``model`` axes).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.config import ConfigError
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, unpacked
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.host_tables import HostTables
-from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.tiers.device_fill import fill_caches
 from dlrm_jax.model.dlrm import bce_loss
-from dlrm_jax.model.mlp_parallel import (
-    PipelinePlan,
-    TensorLayout,
-    check_tensor_widths,
-    tensor_param_specs,
-)
-from dlrm_jax.model.wide import WideInputs, WidePart, WideState, wide_logits
+from dlrm_jax.model.wide import WideInputs, wide_logits
 from dlrm_jax.observe.trace import PHASE_SCOPES
-from dlrm_jax.parallel.mesh import MODEL_AXIS, batch_spec
-
-
-class TrainState(NamedTuple):
-    """Everything a checkpoint holds; a pytree of arrays.
-
-    step: int32 []; params: the dense model's parameters (nested dict, replicated);
-    opt_state: optax state of the dense part; emb: tables and sparse optimizer state;
-    wide: the wide part of Wide&Deep (:class:`~dlrm_jax.model.wide.WideState`), else empty.
-    """
-
-    step: jax.Array
-    params: dict
-    opt_state: optax.OptState
-    emb: EmbeddingState
-    wide: WideState | dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
+from dlrm_jax.parallel.mesh import batch_spec
+from dlrm_jax.train.spec import StepSpec
+from dlrm_jax.train.state import StateLayout, TrainState
 
 
 class CacheIO(NamedTuple):
@@ -64,31 +40,11 @@ class CacheIO(NamedTuple):
     prev: dict
 
 
-@dataclass(frozen=True)
-class StepSpec:
-    """What the steps are built from, made at the edge from a config (``wiring.step_spec``):
-    ``dense(rngs)``: the dense model (``wiring.ModelEntry.dense``), ``wide``: a wide part whose
-    logits are added (None: none), ``tx`` and ``schedule``: the dense optimizer and its learning
-    rate per step, ``emb_lr_scale``: the tables' learning rate over the dense part's, ``seed``:
-    of the parameters and the tables, ``batch_size``: the global batch, ``bag_sizes`` and
-    ``num_dense``: the batch's shape, ``mlp_parallel`` and ``microbatches``: the dense layers'
-    layout over a model group's devices."""
-
-    dense: Callable[[nnx.Rngs], nnx.Module]
-    wide: WidePart | None
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
-    emb_lr_scale: float
-    seed: int
-    batch_size: int
-    bag_sizes: tuple[int, ...]
-    num_dense: int
-    mlp_parallel: str = "data"
-    microbatches: int = 1
-
-
 class StepFunctions:
-    """Builds the model, the initial state and the compiled steps for one config and mesh.
+    """The compiled steps of one :class:`~dlrm_jax.train.spec.StepSpec` on one mesh, and the
+    state's layout there (``state``: :class:`~dlrm_jax.train.state.StateLayout`, whose
+    ``init_state``, ``abstract_state``, ``checkpoint_form`` and ``from_checkpoint_form`` it
+    offers as its own).
 
     ``train_step(state, batch, cache=None) -> (state, metrics, evicted)`` whatever the features:
     ``cache`` (a :class:`CacheIO`) is given exactly when tiered tables fill device caches, and
@@ -111,14 +67,16 @@ class StepFunctions:
         (embedding/tiers/device_fill.py)."""
         self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
-        model = spec.dense(nnx.Rngs(0))
-        self.graphdef, params = nnx.split(model, nnx.Param)
-        self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
         self.schedule, self.tx, self.emb_lr_scale, self.wide = spec.schedule, spec.tx, spec.emb_lr_scale, spec.wide
+        self.state = layout = StateLayout(spec, mesh, collection, hot)
+        self.graphdef, self.tensor, self.pipeline = layout.graphdef, layout.tensor, layout.pipeline
+        self.state_sharding, self.saved_sharding = layout.sharding, layout.saved_sharding
+        # The state as it trains, fresh and as checkpoints hold it (train/state.py).
+        self.init_state, self.abstract_state = layout.init, layout.abstract
+        self.checkpoint_form, self.from_checkpoint_form = layout.checkpoint_form, layout.from_checkpoint_form
+        self.hot_keys, self.embedding_key = layout.hot_keys, layout.embedding_key
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
-        self.state_sharding = self._state_sharding()
-        self.saved_sharding = self._state_sharding(saved_form=True)
         b = self.batch_sharding
         # A tiered run's cache fills, as a program of their own (the tier runner's first fills).
         self.fill_step = jax.jit(
@@ -126,11 +84,6 @@ class StepFunctions:
             in_shardings=(self.state_sharding.emb, b, b),
             out_shardings=(self.state_sharding.emb, b),
             donate_argnums=0,
-        )
-        # The pipeline's packed parameters to and from the checkpoints' layout (checkpoint_form).
-        self._unpack = jax.jit(
-            lambda p, o: (self.pipeline.unpack(p), self._map_params(self.pipeline.unpack, o)),
-            out_shardings=(self.saved_sharding.params, self.saved_sharding.opt_state),
         )
         if cache_groups:
             self.train_step = jax.jit(
@@ -156,111 +109,6 @@ class StepFunctions:
         # with the cache ids its train step used, whose rows the caches still hold.
         self.state_check = jax.jit(
             self._state_check, in_shardings=(self.state_sharding, self.batch_sharding), out_shardings=self.replicated
-        )
-
-    def _dense_layout(self, spec: StepSpec, mesh, model, params: dict) -> None:
-        """model.mlp_parallel: the tensor layout or the pipeline plan (model/mlp_parallel.py)."""
-        self.tensor = self.pipeline = None
-        groups = mesh.shape[MODEL_AXIS]
-        if spec.mlp_parallel == "tensor":
-            check_tensor_widths(params, groups)
-            self.tensor = TensorLayout(mesh)
-        elif spec.mlp_parallel == "pipeline":
-            rows = spec.batch_size // (mesh.size // groups)
-            if rows % spec.microbatches:
-                raise ConfigError(
-                    f"model.microbatches={spec.microbatches} must divide the {rows} rows of a "
-                    f"model group (train.batch_size / (devices / mesh.model))"
-                )
-            self.pipeline = PipelinePlan(model, params, groups, spec.microbatches)
-
-    # ------------------------------------------------------------ state
-    def _dense_init(self):
-        model = self.spec.dense(nnx.Rngs(self.spec.seed))
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        if self.pipeline is not None:
-            params = self.pipeline.pack(params)
-        return params, self.tx.init(params)
-
-    def _state_sharding(self, saved_form: bool = False) -> TrainState:
-        """The state's shardings; ``saved_form``: of the form checkpoints hold
-        (:meth:`checkpoint_form`), the pipeline's parameters unpacked."""
-        params, opt = jax.eval_shape(self._dense_init)
-        if self.pipeline is not None:
-            split = NamedSharding(self.mesh, P(MODEL_AXIS))
-            params_sharding = jax.tree.map(lambda _: split, params)
-            if saved_form:
-                params = jax.eval_shape(self.pipeline.unpack, params)
-                opt = jax.eval_shape(lambda o: self._map_params(self.pipeline.unpack, o), opt)
-                params_sharding = jax.tree.map(lambda _: self.replicated, params)
-        elif self.tensor is not None:
-            params_sharding = jax.tree.map(
-                lambda spec: NamedSharding(self.mesh, spec),
-                tensor_param_specs(params),
-                is_leaf=lambda x: isinstance(x, P),
-            )
-        else:
-            params_sharding = jax.tree.map(lambda _: self.replicated, params)
-        params_def = jax.tree.structure(params)
-        # Optimizer state: the subtrees shaped like the parameters are laid out like them.
-        opt_sharding = jax.tree.map(
-            lambda sub: params_sharding if jax.tree.structure(sub) == params_def else self.replicated,
-            opt,
-            is_leaf=lambda sub: jax.tree.structure(sub) == params_def,
-        )
-        emb = self.collection.state_sharding()
-        wide = self.wide.state_sharding() if self.wide else {}
-        return TrainState(self.replicated, params_sharding, opt_sharding, emb, wide)
-
-    def _map_params(self, fn, tree):
-        """``fn`` applied to every subtree of ``tree`` shaped like the (packed) parameters."""
-        return map_like(fn, tree, jax.tree.structure(self.state_sharding.params))
-
-    def checkpoint_form(self, state: TrainState) -> TrainState:
-        """The state as checkpoints hold it: every mode's dense parameters in one layout (the
-        pipeline's packed stages unpacked), so a checkpoint restores under any model.mlp_parallel."""
-        if self.pipeline is None:
-            return state
-        params, opt = self._unpack(state.params, state.opt_state)
-        return state._replace(params=params, opt_state=opt)
-
-    def from_checkpoint_form(self, state: TrainState) -> TrainState:
-        """Inverse of :meth:`checkpoint_form`."""
-        if self.pipeline is None:
-            return state
-        saved = jax.tree.structure(self.saved_sharding.params)
-        params, opt = jax.jit(
-            lambda p, o: (self.pipeline.pack(p), map_like(self.pipeline.pack, o, saved)),
-            out_shardings=(self.state_sharding.params, self.state_sharding.opt_state),
-        )(state.params, state.opt_state)
-        return state._replace(params=params, opt_state=opt)
-
-    def init_state(self, hot: bool = True) -> TrainState:
-        """The initial state, created on the mesh with its final shardings; ``hot=False``:
-        the hot set left empty (tiered runs fill it through their ``TierRunner``)."""
-        params, opt = jax.jit(
-            self._dense_init, out_shardings=(self.state_sharding.params, self.state_sharding.opt_state)
-        )()
-        emb = self.collection.init(self.embedding_key())
-        if self.hot is not None and hot:
-            emb = self.collection.refresh(emb, self.hot_keys())
-        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return TrainState(step, params, opt, emb, self.wide.init() if self.wide else {})
-
-    def hot_keys(self) -> np.ndarray:
-        """The hot set the schedule's statistics now rank hottest (``hot.index.hot_keys``)."""
-        return hot_keys(self.hot.current_rows(), self.hot.capacity)
-
-    def embedding_key(self) -> jax.Array:
-        """The key every table's initial values derive from (tiered tables' too)."""
-        return jax.random.fold_in(jax.random.key(self.spec.seed), 1)
-
-    def abstract_state(self) -> TrainState:
-        """Shapes, dtypes and shardings of the state as checkpoints hold it
-        (:meth:`checkpoint_form`), for restoring a checkpoint onto this mesh."""
-        shapes = jax.eval_shape(lambda: self.checkpoint_form(self.init_state()))
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.saved_sharding
         )
 
     def device_batch(self, batch: Batch | HostPacked) -> Batch | Packed:
@@ -342,10 +190,3 @@ class StepFunctions:
             pooled_bfd = pooled_bfd + host_pooled
         wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
         return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, wide))
-
-
-def map_like(fn, tree, treedef):
-    """``fn`` applied to every subtree of ``tree`` with structure ``treedef`` (an optimizer
-    state's copies of the parameters), other leaves kept."""
-    like = lambda sub: jax.tree.structure(sub) == treedef
-    return jax.tree.map(lambda sub: fn(sub) if like(sub) else sub, tree, is_leaf=like)

@@ -39,7 +39,7 @@ from dlrm_jax.files import check_dir
 from dlrm_jax.model.dlrm import DLRMDense
 from dlrm_jax.model.wide import WidePart
 from dlrm_jax.model.work import dense_work as model_dense_work
-from dlrm_jax.train.step import StepSpec
+from dlrm_jax.train.spec import StepSpec
 
 
 def specs_from_config(cfg: Config) -> tuple[TableSpec, ...]:
