@@ -64,7 +64,8 @@ class PartKind:
 
     def links(self, plan: EmbeddingPlan, part: ExchangePart, table_copies: int = 1) -> list[Link]:
         """Every collective of one step of the part: (kind, bytes one device sends, span).
-        ``table_copies``: hosts holding equal table_copies of their tables (embedding.sync=host_replicas)."""
+        ``table_copies``: copies of the tables that apply every update (embedding.sync=host_replicas:
+        the hosts, each holding one)."""
         raise NotImplementedError
 
     def buffer_bytes(self, plan: EmbeddingPlan, part: ExchangePart) -> int:
@@ -156,7 +157,7 @@ class Ids(PartKind):
     column slices). In two levels (``ids_hosts``): to each relay of the host C1 (host, row)
     pairs out, C1 vectors back and C1 gradients out, to each other host C2 rows out, C2 vectors
     back and C2 gradients out, and the two fullest buckets' counts all-reduced (the one-level
-    overflow path not counted). With host table_copies, owners all-gather what their counterparts
+    overflow path not counted). With host replicas, owners all-gather what their counterparts
     received."""
 
     name = ExchangeKind.IDS.value
@@ -237,7 +238,7 @@ class _Pooled(PartKind):
 class Pooled(_Pooled):
     """Sharded on fixed owners (table-wise tables, column slices): per owner B_l x K ids (and
     weights for mean pooling) out, B_l x J vectors back and B_l x J gradients out (+ B_l x K
-    floats both ways of whole-row statistics); with host table_copies, owners all-gather what their
+    floats both ways of whole-row statistics); with host replicas, owners all-gather what their
     counterparts received."""
 
     name = ExchangeKind.POOLED.value
