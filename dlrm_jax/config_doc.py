@@ -148,18 +148,8 @@ def render_default_yaml() -> str:
         for depth in range(common, len(path) - 1):
             lines.append(f"{'  ' * depth}{path[depth]}:")
         section = path[:-1]
-        lines.append(f"{'  ' * (len(path) - 1)}{path[-1]}: {_yaml_value(k.value)}")
+        lines.append(f"{'  ' * (len(path) - 1)}{path[-1]}: {format_value(k.value)}")
     return "\n".join(lines) + "\n"
-
-
-def _yaml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return value if value else "''"
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
-    return repr(value)
 
 
 def problems(text: str, default_yaml: str | None = None) -> list[str]:

@@ -11,6 +11,8 @@ HLO), and the cost model prices them. Adding a kind: docs/sharding.md, "Adding a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from dlrm_jax.choices import SPARSE_OPTIMIZER_KINDS
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
@@ -220,14 +222,30 @@ class Ids(PartKind):
         )
 
 
+class _Bags(NamedTuple):
+    """A pooled part's sizes: ``lb`` samples a device (B_l), ``k`` ids and ``j`` pieces per
+    sample and owner (K, J), bytes of one ``id`` (with its weight for means) and one ``vec``tor
+    on the wire, the ``owners`` (hosts, for the host kinds) and each one's ``devices``."""
+
+    lb: int
+    k: int
+    j: int
+    id: int
+    vec: int
+    owners: int
+    devices: int
+
+
 class _Pooled(PartKind):
     """What the kinds whose owners pool each bag share: the bags' ids go to the owners, the
     pooled vectors come back (B_l: the local batch, K ids and J pieces per sample)."""
 
-    def _shapes(self, plan, part):
-        lay = pooled_layout(plan, part.group)
-        ids = 4 * (1 + pools_by_mean(plan, part.group))  # an id, and its weight for means
-        return lay, plan.local_batch, ids
+    def _bags(self, plan, part) -> _Bags:
+        g, lay = part.group, pooled_layout(plan, part.group)
+        ids = 4 * (1 + pools_by_mean(plan, g))  # an id, and its weight for means
+        vec = vector_bytes(plan.exchange_dtype, g.width)
+        owners = lay.owners
+        return _Bags(plan.local_batch, lay.ids_per_sample, lay.pieces, ids, vec, owners, plan.num_devices // owners)
 
     def memory_traffic(self, plan, part):
         g = part.group
@@ -247,22 +265,16 @@ class Pooled(_Pooled):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy in (Strategy.TABLE, Strategy.COLUMN)
 
     def links(self, plan, part, table_copies=1):
-        (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
-        k, j, vec, whole = (
-            lay.ids_per_sample,
-            lay.pieces,
-            vector_bytes(plan.exchange_dtype, g.width),
-            needs_whole_rows(plan, g),
-        )
+        b, g, n = self._bags(plan, part), part.group, plan.num_devices
+        whole = needs_whole_rows(plan, g)
         return [
-            ("all-to-all", (n - 1) * lb * (k * ids + 2 * j * vec + k * 8 * whole), SPAN_ALL),
-            ("all-gather", (table_copies - 1) * n * lb * k * (4 + 4 * g.width + 4 * whole), SPAN_ALL),
+            ("all-to-all", (n - 1) * b.lb * (b.k * b.id + 2 * b.j * b.vec + b.k * 8 * whole), SPAN_ALL),
+            ("all-gather", (table_copies - 1) * n * b.lb * b.k * (4 + 4 * g.width + 4 * whole), SPAN_ALL),
         ]
 
     def buffer_bytes(self, plan, part):
-        (lay, lb, _), g = self._shapes(plan, part), part.group
-        vec, w = vector_bytes(plan.exchange_dtype, g.width), g.width
-        return plan.num_devices * lb * (lay.ids_per_sample * (8 + 4 * w) + 2 * lay.pieces * vec)
+        b, w = self._bags(plan, part), part.group.width
+        return plan.num_devices * b.lb * (b.k * (8 + 4 * w) + 2 * b.j * b.vec)
 
     def describe(self, plan, part):
         lay = pooled_layout(plan, part.group)
@@ -277,9 +289,8 @@ class _HostPooled(_Pooled):
     """Split within each host: every bag goes to its host (H hosts of G devices)."""
 
     def buffer_bytes(self, plan, part):  # every requester's ids and sums
-        (lay, lb, _), g = self._shapes(plan, part), part.group
-        vec, w, k, j = vector_bytes(plan.exchange_dtype, g.width), g.width, lay.ids_per_sample, lay.pieces
-        return plan.num_devices * lb * (k * (8 + 4 * w) + j * (4 * w + vec)) + 2 * lay.owners * lb * j * vec
+        b, w = self._bags(plan, part), part.group.width
+        return plan.num_devices * b.lb * (b.k * (8 + 4 * w) + b.j * (4 * w + b.vec)) + 2 * b.owners * b.lb * b.j * b.vec
 
     def describe(self, plan, part):
         lay, rows = pooled_layout(plan, part.group), isinstance(self, HostPooled)
@@ -307,13 +318,12 @@ class HostPooled(_HostPooled):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy == Strategy.HOST_ROW
 
     def links(self, plan, part, table_copies=1):
-        (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
-        k, j, vec, h = lay.ids_per_sample, lay.pieces, vector_bytes(plan.exchange_dtype, g.width), lay.owners
-        host_devices = n // h
+        b = self._bags(plan, part)
+        h = b.owners
         return [
-            ("all-to-all", (h - 1) * lb * (k * ids + 2 * j * vec), SPAN_HOSTS),
-            ("all-gather", (host_devices - 1) * h * lb * (k * ids + j * vec), SPAN_HOST),
-            ("reduce-scatter", (host_devices - 1) * h * lb * j * g.width * 4, SPAN_HOST),
+            ("all-to-all", (h - 1) * b.lb * (b.k * b.id + 2 * b.j * b.vec), SPAN_HOSTS),
+            ("all-gather", (b.devices - 1) * h * b.lb * (b.k * b.id + b.j * b.vec), SPAN_HOST),
+            ("reduce-scatter", (b.devices - 1) * h * b.lb * b.j * part.group.width * 4, SPAN_HOST),
         ]
 
 
@@ -330,14 +340,13 @@ class HostColumns(_HostPooled):
         return tp.exchange == ExchangeKind.POOLED and tp.strategy == Strategy.HOST_COLUMN
 
     def links(self, plan, part, table_copies=1):
-        (lay, lb, ids), g, n = self._shapes(plan, part), part.group, plan.num_devices
-        k, j, vec, h = lay.ids_per_sample, lay.pieces, vector_bytes(plan.exchange_dtype, g.width), lay.owners
-        host_devices, whole = n // h, needs_whole_rows(plan, g)
+        b, g, n = self._bags(plan, part), part.group, plan.num_devices
+        h, rows = b.owners, whole_rows_capacity(plan, g) * needs_whole_rows(plan, g)
         return [
-            ("all-to-all", (h - 1) * lb * k * ids, SPAN_HOSTS),
-            ("all-to-all", (n - 1) * lb * 2 * j * vec, SPAN_ALL),
-            ("all-gather", (host_devices - 1) * h * lb * k * ids, SPAN_HOST),
-            ("all-reduce", 2 * (host_devices - 1) * whole_rows_capacity(plan, g) * 4 * whole / host_devices, SPAN_HOST),
+            ("all-to-all", (h - 1) * b.lb * b.k * b.id, SPAN_HOSTS),
+            ("all-to-all", (n - 1) * b.lb * 2 * b.j * b.vec, SPAN_ALL),
+            ("all-gather", (b.devices - 1) * h * b.lb * b.k * b.id, SPAN_HOST),
+            ("all-reduce", 2 * (b.devices - 1) * rows * 4 / b.devices, SPAN_HOST),
         ]
 
 
