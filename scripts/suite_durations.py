@@ -11,6 +11,9 @@ package's metadata (none where JAX is not installed).
 Fields: ``wall_s`` is the pytest session from start to end (the XML's suite time);
 ``seconds_by_folder`` and ``slowest`` are each test's setup, call and teardown added up, so with
 several workers (``-n 2``) the folders add up to about the workers times the wall time.
+
+``--slow-list tests/measured_slow.txt`` also writes the tests of 3 s or more (``--slow-seconds``)
+of a full run, which ``tests/conftest.py`` marks slow: the fast lane's rule kept as data.
 """
 
 from __future__ import annotations
@@ -120,12 +123,35 @@ def summary(d: dict) -> str:
     return "\n".join(lines)
 
 
+def slow_list(junit: Path, seconds: float, d: dict) -> str:
+    """``tests/measured_slow.txt``: the node id of every test of the run in ``junit`` that took
+    ``seconds`` or more (setup, call and teardown), sorted, under a header naming the run."""
+    root = ET.parse(junit).getroot()
+    slow = sorted(
+        node_id(c.get("classname", ""), c.get("name", ""))
+        for c in root.iter("testcase")
+        if float(c.get("time", 0) or 0) >= seconds
+    )
+    header = (
+        f"# Tests of {seconds:g} s or more in the full run of {d['date'][:10]} ({d['tests']} tests in "
+        f"{minutes(d['wall_s'])} on {d['machine']['cpus']} x {d['machine']['cpu']}): tests/conftest.py marks them\n"
+        f"# slow, so the fast lane (-m 'not slow') leaves them out. Written by scripts/suite_durations.py --slow-list.\n"
+    )
+    return header + "".join(f"{n}\n" for n in slow)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("junit", type=Path, help="pytest's --junitxml file")
     parser.add_argument("output", type=Path, nargs="?", help="the JSON to write (default: beside the XML)")
+    parser.add_argument(
+        "--slow-list", type=Path, help="also write the tests that took --slow-seconds or more (tests/measured_slow.txt)"
+    )
+    parser.add_argument("--slow-seconds", type=float, default=3.0, help="the fast lane's limit per test (default 3)")
     args = parser.parse_args(argv)
     d = durations(args.junit)
+    if args.slow_list:
+        args.slow_list.write_text(slow_list(args.junit, args.slow_seconds, d), encoding="utf-8")
     output = args.output or args.junit.with_name("durations.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")

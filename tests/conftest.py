@@ -3,6 +3,7 @@ memo, the ``tiny`` fixture, the hypothesis profiles and the slow marks; what tes
 tests/helpers.py (tests/ is a package: ``from tests.helpers import ...``)."""
 
 import os
+from pathlib import Path
 
 from tests.child_env import COMPILE_FLAGS  # the standard library only: no JAX yet
 
@@ -81,10 +82,23 @@ if PROFILE not in EXAMPLE_SCALE:
 settings.load_profile(PROFILE)
 
 
+# The tests a full run measured at 3 s or more (scripts/suite_durations.py --slow-list writes it).
+MEASURED_SLOW = Path(__file__).with_name("measured_slow.txt")
+
+
+def measured_slow() -> frozenset[str]:
+    if not MEASURED_SLOW.is_file():
+        return frozenset()
+    lines = MEASURED_SLOW.read_text(encoding="utf-8").splitlines()
+    return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
 def pytest_collection_modifyitems(items):
-    """The 4- and 8-device columns of a battery parametrized over ``devices`` are slow: the fast
-    lane (``pytest -m "not slow"``) keeps its 1 and 2 devices, sharded all the same."""
+    """Slow, so the fast lane (``pytest -m "not slow"``) leaves them out: the 4- and 8-device
+    columns of a battery parametrized over ``devices`` (the lane keeps its 1 and 2 devices,
+    sharded all the same), and the tests the last full run measured at 3 s or more."""
+    slow = measured_slow()
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("devices", 0) >= 4:
+        if params.get("devices", 0) >= 4 or item.nodeid in slow:
             item.add_marker(pytest.mark.slow)

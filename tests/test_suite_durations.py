@@ -68,3 +68,28 @@ def test_an_explicit_output_path_and_a_bare_testsuite_root(tmp_path):
     out = tmp_path / "ci" / "figures.json"
     script.main([str(tmp_path / "junit.xml"), str(out)])
     assert json.loads(out.read_text())["tests"] == 6
+
+
+def test_the_slow_list_holds_the_tests_at_or_over_the_limit_and_conftest_marks_them(tmp_path):
+    """--slow-list writes the node ids of the tests at or over --slow-seconds, sorted, under a
+    header; conftest reads such a file and marks those tests slow (the committed list's
+    entries are real node ids of the suite)."""
+    script = load_script()
+    (tmp_path / "junit.xml").write_text(JUNIT)
+    listed = tmp_path / "slow.txt"
+    assert (
+        script.main(
+            [str(tmp_path / "junit.xml"), str(tmp_path / "d.json"), "--slow-list", str(listed), "--slow-seconds", "3"]
+        )
+        == 0
+    )
+    lines = listed.read_text().splitlines()
+    assert lines[0].startswith("# Tests of 3 s or more in the full run of 2026-11-28 (6 tests")
+    assert [line for line in lines if not line.startswith("#")] == [
+        "tests/embedding/test_tiered.py::test_resume[8]",
+        "tests/train/test_train.py::test_bf16",
+        "tests/train/test_train.py::test_trains",
+    ]
+    from tests import conftest
+
+    assert conftest.measured_slow() and all("::" in n and n.startswith("tests/") for n in conftest.measured_slow())
