@@ -59,7 +59,6 @@ def plan_for_run(
     ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
     value every process uses (``kind``: "stats" or "capacities")."""
     local = cfg.train.batch_size // num_devices
-    plan_devices = num_devices // hosts if cfg.embedding.tables_per_host else num_devices
     batches = [source.train_ids(i) for i in range(CALIBRATION_BATCHES)] if source is not None else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
@@ -69,7 +68,7 @@ def plan_for_run(
         host_devices = cluster.devices_per_host if ids_hosts > 1 else 1
         shares = [b[:rows] for b in batches]
         request = request.with_options(
-            stats=agree("stats", table_stats(list(request.specs), shares, plan_devices, local, host_devices))
+            stats=agree("stats", table_stats(list(request.specs), shares, request.num_devices, local, host_devices))
         )
 
     def with_capacities(plan: EmbeddingPlan) -> EmbeddingPlan:
