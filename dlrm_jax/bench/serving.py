@@ -30,6 +30,7 @@ from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.files import predict_files
+from dlrm_jax.serving.model import part_entries
 from dlrm_jax.serving.tables import table_bytes
 from dlrm_jax.train.evaluate import eval_scores
 from dlrm_jax.train.export import restore_run
@@ -175,7 +176,7 @@ def _delta_report(base: Path, delta: Path, full: Path) -> dict:
     import json
 
     manifest = json.loads((delta / "manifest.json").read_text())
-    entries = manifest["features"] + (manifest.get("wide") or [])
+    entries = manifest["features"] + [e for part in part_entries(manifest).values() for e in part]
     row_bytes = {e["name"]: table_bytes({**e, "rows": 1}) for e in entries}
     touched = sum(e["rows_changed"] * (row_bytes[e["name"]] + 8) for e in entries)  # + its row number
     dense = _bytes(delta / "dense") + (delta / "manifest.json").stat().st_size

@@ -26,6 +26,7 @@ from dlrm_jax.embedding.exchange.collection import (
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
+from dlrm_jax.model.parts import PartInputs
 
 
 class WideState(NamedTuple):
@@ -38,21 +39,16 @@ class WideState(NamedTuple):
     linear_slots: dict
 
 
-class WideInputs(NamedTuple):
-    """What the loss differentiates: the pooled weights [B, F, 1] and ``linear``."""
-
-    pooled_bf1: jax.Array
-    linear: jax.Array
-
-
-def wide_logits(inputs: WideInputs, dense_bd: jax.Array) -> jax.Array:
-    """float32 [B]: the ids' summed weights plus the dense features' linear term and the bias."""
-    w = inputs.linear[:, 0]
-    return jnp.sum(inputs.pooled_bf1, axis=(1, 2)) + dense_bd.astype(jnp.float32) @ w[:-1] + w[-1]
+def wide_logits(inputs: PartInputs, dense_bd: jax.Array) -> jax.Array:
+    """float32 [B]: the ids' summed weights (``inputs.pooled``, [B, F, 1]) plus the dense
+    features' linear term and the bias (``inputs.weights``: ``linear``)."""
+    w = inputs.weights[:, 0]
+    return jnp.sum(inputs.pooled, axis=(1, 2)) + dense_bd.astype(jnp.float32) @ w[:-1] + w[-1]
 
 
 class WidePart:
-    """The wide part's plan, tables and optimizer on a mesh (one process or several)."""
+    """The wide part's plan, tables and optimizer on a mesh (one process or several): a
+    :class:`~dlrm_jax.model.parts.SparsePart`, registered by Wide&Deep under the name ``wide``."""
 
     def __init__(
         self,
@@ -91,14 +87,23 @@ class WidePart:
         linear, slots = jax.jit(self._linear_init, out_shardings=(sharding.linear, sharding.linear_slots))()
         return WideState(tables, linear, slots)
 
-    def lookup(self, state: WideState, ids_bs: jax.Array) -> tuple[WideInputs, LookupResiduals]:
+    def lookup(self, state: WideState, ids_bs: jax.Array) -> tuple[PartInputs, LookupResiduals]:
         """The batch's pooled weights (local gathers) and what the update needs."""
         pooled, res = self.collection.lookup(state.tables, ids_bs)
-        return WideInputs(pooled, state.linear), res
+        return PartInputs(pooled, state.linear), res
 
-    def apply_gradients(self, state: WideState, res: LookupResiduals, grads: WideInputs) -> WideState:
+    def apply_gradients(self, state: WideState, res: LookupResiduals, grads: PartInputs) -> WideState:
         """The wide optimizer's step on the looked-up ids' weights and on the linear weights."""
         lr = jnp.float32(self.learning_rate)
-        tables = self.collection.apply_gradients(state.tables, res, grads.pooled_bf1, lr)
-        linear, slots = self.optimizer.apply(state.linear, state.linear_slots, None, grads.linear, lr)
+        tables = self.collection.apply_gradients(state.tables, res, grads.pooled, lr)
+        linear, slots = self.optimizer.apply(state.linear, state.linear_slots, None, grads.weights, lr)
         return WideState(tables, linear, slots)
+
+    def logits(self, inputs: PartInputs, dense_bd: jax.Array) -> jax.Array:
+        return wide_logits(inputs, dense_bd)
+
+    def tables(self, state: WideState) -> EmbeddingState:
+        return state.tables
+
+    def dense_arrays(self, state: WideState) -> dict[str, jax.Array]:
+        return {"values": state.linear, **state.linear_slots}

@@ -58,8 +58,9 @@ class ServingModel:
     def __init__(self, root: Path, manifest: dict, memory_bytes: int, cache_rows: int):
         self.root, self.manifest = Path(root), manifest
         self.folders = [self.root]  # the artifact's, then each applied delta's
-        self.features, self.wide_features = manifest["features"], manifest.get("wide") or []
-        self.tables = ServingTables(self.root, manifest, self.features + self.wide_features, memory_bytes, cache_rows)
+        self.features, self.part_features = manifest["features"], part_entries(manifest)
+        every = self.features + [e for entries in self.part_features.values() for e in entries]
+        self.tables = ServingTables(self.root, manifest, every, memory_bytes, cache_rows)
         self.bag_sizes = [int(f["bag_size"]) for f in self.features]
         self._rules = None
         self._load_function(self.root)
@@ -97,8 +98,9 @@ class ServingModel:
         """The training step the artifact (with its deltas) holds."""
         return int(self.manifest["step"])
 
-    def pooled(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """ids int32 [n, S] -> pooled vectors float32 [n, F, D] (and the wide part's [n, F, 1])."""
+    def pooled(self, ids: np.ndarray) -> list[np.ndarray]:
+        """ids int32 [n, S] -> pooled vectors float32 [n, F, D], then each extra sparse part's
+        (Wide&Deep's wide part: [n, F, 1])."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
             raise ValueError(
@@ -106,10 +108,7 @@ class ServingModel:
             )
         starts = np.cumsum([0, *self.bag_sizes])
         out = []
-        for entries in (self.features, self.wide_features):
-            if not entries:
-                out.append(None)
-                continue
+        for entries in (self.features, *self.part_features.values()):
             pooled = np.empty((len(ids), len(entries), int(entries[0]["dim"])), np.float32)
             for f, e in enumerate(entries):
                 bag = ids[:, starts[f] : starts[f + 1]]
@@ -124,7 +123,7 @@ class ServingModel:
                     w /= np.maximum(w.sum(axis=1, keepdims=True), 1.0)
                 pooled[:, f] = np.einsum("bl,bld->bd", w, rows)
             out.append(pooled)
-        return out[0], out[1]
+        return out
 
     def predict(self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Probabilities float32 [n] of ``dense`` [n, num_dense] and ``ids`` [n, S], ``batch_size`` at a time."""
@@ -137,8 +136,7 @@ class ServingModel:
             raise ValueError(f"{len(dense)} dense rows and {len(ids)} id rows")
         out = np.empty(len(dense), np.float32)
         for s in range(0, len(dense), batch_size):
-            pooled, wide = self.pooled(ids[s : s + batch_size])
-            args = [dense[s : s + batch_size], pooled] + ([wide] if wide is not None else [])
+            args = [dense[s : s + batch_size], *self.pooled(ids[s : s + batch_size])]
             n = len(args[0])
             rows = max(MIN_CALL_ROWS, 1 << (n - 1).bit_length())
             args = [np.concatenate([a, np.zeros((rows - n, *a.shape[1:]), a.dtype)]) if rows > n else a for a in args]
@@ -265,7 +263,8 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
             f"{root}: tables {delta.get('tables_dtype')}, the base's {model.manifest.get('tables_dtype')}"
         )
     _check(root, delta, verify_tables=True)  # its tables are read whole just below
-    entries = [{**e, "rows": e["rows_changed"]} for e in delta["features"] + (delta.get("wide") or [])]
+    parts = [e for entries in part_entries(delta).values() for e in entries]
+    entries = [{**e, "rows": e["rows_changed"]} for e in delta["features"] + parts]
     store = open_store(root / "tables", entries, with_rows=True)
     try:
         for e in entries:
@@ -287,3 +286,11 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
 load_serving = load  # the name dlrm_jax re-exports
 
 __all__ = ["ServingModel", "available_memory", "load", "load_serving"]
+
+
+def part_entries(manifest: dict) -> dict[str, list]:
+    """Each extra sparse part's table entries by part name; artifacts written before parts
+    were named hold Wide&Deep's under ``wide``."""
+    if "parts" in manifest:
+        return manifest["parts"]
+    return {"wide": manifest["wide"]} if manifest.get("wide") else {}

@@ -151,22 +151,36 @@ class CheckpointReader:
         more = f" (and {len(differ) - 1} more arrays)" if len(differ) > 1 else ""
         raise IncompatibleCheckpoint(f"checkpoint {path} does not fit this config: {what}{more}")
 
-    def restore(self, abstract_state, step: int | None = None):
-        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings."""
+    def restore(self, abstract_state: dict, step: int | None = None) -> dict:
+        """The state at ``step`` (default newest), laid out like ``abstract_state``'s shardings
+        (a dict of the saved tree's top-level entries)."""
         self.check_fits(abstract_state, step)
         path = self.directory / str(self._step(step)) / "state"
         with closing(ocp.StandardCheckpointHandler()) as handler:
-            return handler.restore(path, args=ocp.args.StandardRestore(abstract_state))
+            item = self._with_empty_entries(handler, path, abstract_state)
+            state = handler.restore(path, args=ocp.args.StandardRestore(item))
+        return {k: state[k] for k in abstract_state}
 
-    def restore_lazily(self, abstract_state, field: str, saved_like, step: int | None = None):
+    @staticmethod
+    def _with_empty_entries(handler, path: Path, abstract_state: dict) -> dict:
+        """``abstract_state`` with the saved tree's empty top-level entries that it lacks
+        (checkpoints written before extra sparse parts were named hold an empty ``wide``):
+        orbax restores only a tree of the saved structure, and check_fits has compared every
+        array already."""
+        saved = handler.metadata(path).tree
+        empty = {k: {} for k, v in saved.items() if k not in abstract_state and not jax.tree.leaves(v)}
+        return {**abstract_state, **empty}
+
+    def restore_lazily(self, abstract_state: dict, field: str, saved_like, step: int | None = None) -> dict:
         """The state at ``step`` (default newest) laid out like ``abstract_state``, except
         ``field``, which was saved in another layout (its arrays shaped like ``saved_like``):
         those come back unread, as :class:`SavedArray` readers of the checkpoint's arrays."""
         step = self._step(step)
-        self.check_fits(abstract_state._replace(**{field: saved_like}), step)
-        skipped = abstract_state._replace(**{field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)})
+        self.check_fits({**abstract_state, field: saved_like}, step)
+        skipped = {**abstract_state, field: jax.tree.map(lambda _: ocp.PLACEHOLDER, saved_like)}
         parent = self.directory / str(step) / "state"
         with closing(ocp.PyTreeCheckpointHandler()) as handler:
+            skipped = self._with_empty_entries(handler, parent, skipped)
             state = handler.restore(
                 parent,
                 args=ocp.args.PyTreeRestore(skipped, restore_args=ocp.checkpoint_utils.construct_restore_args(skipped)),
@@ -184,7 +198,8 @@ class CheckpointReader:
         probe = ts.Context(_OCDBT_CACHE)
         chunk = max(SavedArray.open(spec(n, probe), probe).chunk_bytes for n in jax.tree.leaves(names))
         context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
-        return state._replace(**{field: jax.tree.map(lambda n: SavedArray.open(spec(n, context), context), names)})
+        readers = jax.tree.map(lambda n: SavedArray.open(spec(n, context), context), names)
+        return {**{k: state[k] for k in abstract_state}, field: readers}
 
     def restore_newest_intact(self, restore_step, log=print):
         """``restore_step(step)`` for the newest step that restores on every process; each

@@ -2,8 +2,8 @@
 
 Every table of the checkpoint (newest intact, or ``step``) is written as compressed zarr3 arrays
 ``DEST/<table>/values`` and ``DEST/<table>/<optimizer state>`` ([rows, dim] or [rows]), readable
-with tensorstore alone (Wide&Deep's wide part too: ``wide_<feature>``, and ``wide_linear``, the
-dense features' weights then the bias). Tiered tables are copied chunk by chunk from the tier's snapshot of that
+with tensorstore alone (extra sparse parts too, by their names: Wide&Deep's ``wide_<feature>``,
+and ``wide_linear``, the dense features' weights then the bias). Tiered tables are copied chunk by chunk from the tier's snapshot of that
 step; device-resident tables are gathered from the checkpoint one table at a time.
 """
 
@@ -76,11 +76,10 @@ def export_run(
     run = restore_run(run_dir, overrides, step, log)
     steps, state, step = run.steps, run.state, run.step
     _export_tables(dest, steps.collection, state.emb)
-    if steps.wide:  # Wide&Deep: the wide part's tables, and its dense weights then bias
-        _export_tables(dest, steps.wide.collection, state.wide.tables)
-        export_array(dest / "wide_linear" / "values", np.asarray(state.wide.linear))
-        for k, v in state.wide.linear_slots.items():
-            export_array(dest / "wide_linear" / k, np.asarray(v))
+    for name, part in steps.parts.items():  # extra sparse parts (Wide&Deep's wide): tables, dense weights
+        _export_tables(dest, part.collection, part.tables(state.parts[name]))
+        for k, v in part.dense_arrays(state.parts[name]).items():
+            export_array(dest / f"{name}_linear" / k, np.asarray(v))
     if run.plan.tiered_tables:
         tiered = tier_snapshot(run, run_dir, step, log)
         try:

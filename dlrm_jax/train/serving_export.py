@@ -2,7 +2,7 @@
 
 The dense part is exported with ``jax.export`` for CPU and CUDA, with a symbolic batch size,
 taking the dense parameters, the dense features and the *pooled* vectors of every feature (and
-of the wide part's): lookups stay outside it, so tables larger than a device (or a host's
+of each extra sparse part's, such as Wide&Deep's wide part): lookups stay outside it, so tables larger than a device (or a host's
 memory) are served from the host behind a row cache, and the function is the same small
 program whatever the plan trained the tables with. The function is the eval step's own
 forward: the same graph, with the parameters as arguments, so scores match ``eval``'s.
@@ -26,7 +26,7 @@ from flax import nnx
 
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.sources.binary import read_meta
-from dlrm_jax.model.wide import WideInputs, wide_logits
+from dlrm_jax.model.parts import PartInputs
 from dlrm_jax.serving.artifact import (
     FORMAT_VERSION,
     FUNCTION_FILE,
@@ -83,7 +83,7 @@ def export_serving(
 
 
 def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, since: int | None) -> None:
-    features, wide = _write_tables(work, run, run_dir, tables, base, since)
+    features, parts = _write_tables(work, run, run_dir, tables, base, since)
     _write_function(work, run)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -97,7 +97,7 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "model": _model_section(run.cfg),
         "num_dense": run.cfg.data.num_dense,
         "features": features,
-        "wide": wide,
+        "parts": parts,
         "tables_dtype": tables,
         "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
         "dense_transform": _dense_transform(run.cfg),
@@ -107,7 +107,7 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
             "params": PARAMS_FILE,
             "platforms": list(EXPORT_PLATFORMS),
             "inputs": ["params", "dense float32 [b, num_dense]", "pooled float32 [b, F, D]"]
-            + (["wide float32 [b, F, 1]"] if wide else []),
+            + [f"{name} float32 [b, F, {entries[0]['dim']}]" for name, entries in parts.items()],
             "output": "probabilities float32 [b]",
         },
     }
@@ -152,28 +152,22 @@ def _tier_chunks(store, table: str, rows: int) -> Iterator[tuple[int, np.ndarray
         yield s, store.read(table, np.arange(s, min(s + ROWS_PER_WRITE, rows)))["values"].astype(np.float32)
 
 
-def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since) -> tuple[list, list]:
-    """Every table (and the wide part's, always float32), whole or (``base``) the rows that
-    differ from it; the manifest's feature and wide-feature entries."""
-    parts = [("", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
-    if run.steps.wide:
-        parts.append(
-            (
-                "wide_",
-                run.steps.wide.collection,
-                run.state.wide.tables,
-                "float32",
-                None if base is None else base.wide.tables,
-            )
-        )
-    entries = {"": [], "wide_": []}
-    for prefix, collection, emb, dt, base_emb in parts:
+def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since) -> tuple[list, dict]:
+    """Every table (and each extra sparse part's, always float32, named ``<part>_<feature>``),
+    whole or (``base``) the rows that differ from it; the manifest's feature entries and each
+    part's."""
+    parts = [("", "", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
+    for name, part in run.steps.parts.items():
+        base_tables = None if base is None else part.tables(base.parts[name])
+        parts.append((name, f"{name}_", part.collection, part.tables(run.state.parts[name]), "float32", base_tables))
+    entries = {name: [] for name, *_ in parts}
+    for part_name, prefix, collection, emb, dt, base_emb in parts:
         olds = _table_chunks(run, run_dir, collection, base_emb, since) if base_emb is not None else None
         for t, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
             old_chunks = next(olds)[1] if olds is not None else None  # the same table, in lockstep
             spec = collection.plan.tables[t].spec
             name = prefix + spec.name
-            entries[prefix].append(
+            entries[part_name].append(
                 {
                     "name": name,
                     "table": name,
@@ -198,19 +192,19 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
                 changed_rows.append(start + np.flatnonzero(diff))
                 changed.append(v[diff])
             rows = np.concatenate(changed_rows)
-            entries[prefix][-1]["rows_changed"] = int(len(rows))
+            entries[part_name][-1]["rows_changed"] = int(len(rows))
             writer = TableWriter(work / "tables" / name, len(rows), spec.dim, dt, with_rows=True)
             if len(rows):
                 writer.write(0, np.concatenate(changed), rows)
-    return entries[""], entries["wide_"]
+    return entries.pop(""), entries
 
 
 def _dense_leaves(run: RestoredRun, state) -> tuple[list[np.ndarray], object]:
-    """The dense parameters of ``state`` as the function takes them (the wide part's dense
-    weights then bias last), and the treedef of the model's own."""
-    leaves, treedef = jax.tree.flatten(jax.device_get(run.steps.checkpoint_form(state).params))
-    if run.steps.wide is not None:
-        leaves = [*leaves, jax.device_get(state.wide.linear)]
+    """The dense parameters of ``state`` as the function takes them (each extra sparse part's
+    dense weights last, in the parts' order), and the treedef of the model's own."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(run.steps.checkpoint_form(state)["params"]))
+    for name, part in run.steps.parts.items():
+        leaves = [*leaves, jax.device_get(part.dense_arrays(state.parts[name])["values"])]
     return [np.asarray(x) for x in leaves], treedef
 
 
@@ -228,13 +222,13 @@ def _write_function(work: Path, run: RestoredRun) -> None:
     """The eval step's forward as a jax.export for CPU and CUDA, and its parameters."""
     steps, cfg = run.steps, run.cfg
     leaves, treedef = _dense_leaves(run, run.state)
-    wide = steps.wide is not None
-    n_dense = len(leaves) - wide
+    parts = list(steps.parts.values())
+    n_dense = len(leaves) - len(parts)
 
-    def serve(leaves, dense, pooled, *wide_pooled):
+    def serve(leaves, dense, pooled, *parts_pooled):
         logits = nnx.merge(steps.graphdef, jax.tree.unflatten(treedef, leaves[:n_dense]))(dense, pooled)
-        if wide_pooled:
-            logits = logits + wide_logits(WideInputs(wide_pooled[0], leaves[-1]), dense)
+        for part, part_pooled, weights in zip(parts, parts_pooled, leaves[n_dense:], strict=True):
+            logits = logits + part.logits(PartInputs(part_pooled, weights), dense)
         return jax.nn.sigmoid(logits)
 
     (b,) = jax.export.symbolic_shape("b")
@@ -244,8 +238,8 @@ def _write_function(work: Path, run: RestoredRun) -> None:
         jax.ShapeDtypeStruct((b, cfg.data.num_dense), jnp.float32),
         jax.ShapeDtypeStruct((b, F, D), jnp.float32),
     ]
-    if wide:
-        args.append(jax.ShapeDtypeStruct((b, F, 1), jnp.float32))
+    for part in parts:
+        args.append(jax.ShapeDtypeStruct((b, F, part.collection.plan.tables[0].spec.dim), jnp.float32))
     exported = jax.export.export(jax.jit(serve), platforms=EXPORT_PLATFORMS)(*args)
     (work / FUNCTION_FILE).parent.mkdir(parents=True, exist_ok=True)
     (work / FUNCTION_FILE).write_bytes(exported.serialize())

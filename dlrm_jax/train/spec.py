@@ -3,27 +3,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import optax
 from flax import nnx
 
-from dlrm_jax.model.wide import WidePart
+from dlrm_jax.model.parts import SparsePart
 
 
 @dataclass(frozen=True)
 class StepSpec:
     """What the steps are built from, made at the edge from a config (``wiring.step_spec``):
-    ``dense(rngs)``: the dense model (``wiring.ModelEntry.dense``), ``wide``: a wide part whose
-    logits are added (None: none), ``tx`` and ``schedule``: the dense optimizer and its learning
+    ``dense(rngs)``: the dense model (``wiring.ModelEntry.dense``), ``parts``: extra sparse
+    parts by name whose logits are added (``wiring.ModelEntry.parts``; Wide&Deep's ``wide``), ``tx`` and ``schedule``: the dense optimizer and its learning
     rate per step, ``emb_lr_scale``: the tables' learning rate over the dense part's, ``seed``:
     of the parameters and the tables, ``batch_size``: the global batch, ``bag_sizes`` and
     ``num_dense``: the batch's shape, ``mlp_parallel`` and ``microbatches``: the dense layers'
     layout over a model group's devices."""
 
     dense: Callable[[nnx.Rngs], nnx.Module]
-    wide: WidePart | None
+    parts: Mapping[str, SparsePart]
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     emb_lr_scale: float
@@ -33,3 +33,12 @@ class StepSpec:
     num_dense: int
     mlp_parallel: str = "data"
     microbatches: int = 1
+
+    def __post_init__(self):
+        taken = set(self.parts) & set(CORE_FIELDS)
+        if taken:
+            raise ValueError(f"a sparse part may not be named {sorted(taken)[0]!r}: the train state's own field")
+
+
+# The train state's own fields; checkpoints hold the parts beside them, by name (train/state.py).
+CORE_FIELDS = ("step", "params", "opt_state", "emb")

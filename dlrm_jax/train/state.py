@@ -25,9 +25,8 @@ from dlrm_jax.model.mlp_parallel import (
     check_tensor_widths,
     tensor_param_specs,
 )
-from dlrm_jax.model.wide import WideState
 from dlrm_jax.parallel.mesh import MODEL_AXIS
-from dlrm_jax.train.spec import StepSpec
+from dlrm_jax.train.spec import CORE_FIELDS, StepSpec
 
 
 class TrainState(NamedTuple):
@@ -35,14 +34,25 @@ class TrainState(NamedTuple):
 
     step: int32 []; params: the dense model's parameters (nested dict, replicated);
     opt_state: optax state of the dense part; emb: tables and sparse optimizer state;
-    wide: the wide part of Wide&Deep (:class:`~dlrm_jax.model.wide.WideState`), else empty.
+    parts: each extra sparse part's state by its name (:mod:`dlrm_jax.model.parts`;
+    Wide&Deep's ``wide``: :class:`~dlrm_jax.model.wide.WideState`), else empty.
     """
 
     step: jax.Array
     params: dict
     opt_state: optax.OptState
     emb: EmbeddingState
-    wide: WideState | dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
+    parts: dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
+
+    def saved_tree(self) -> dict:
+        """The tree checkpoints hold: the parts beside the state's own fields, each under its
+        name (a Wide&Deep checkpoint's ``wide`` is where it always was)."""
+        return {**{k: getattr(self, k) for k in CORE_FIELDS}, **self.parts}
+
+    @classmethod
+    def from_saved_tree(cls, tree: dict) -> TrainState:
+        """Inverse of :meth:`saved_tree`."""
+        return cls(**{k: tree[k] for k in CORE_FIELDS}, parts={k: v for k, v in tree.items() if k not in CORE_FIELDS})
 
 
 class StateLayout:
@@ -59,7 +69,7 @@ class StateLayout:
         hot: HotSchedule | None = None,
     ):
         self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
-        self.tx, self.wide = spec.tx, spec.wide
+        self.tx, self.parts = spec.tx, spec.parts
         model = spec.dense(nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
@@ -122,23 +132,25 @@ class StateLayout:
             is_leaf=lambda sub: jax.tree.structure(sub) == params_def,
         )
         emb = self.collection.state_sharding()
-        wide = self.wide.state_sharding() if self.wide else {}
-        return TrainState(self.replicated, params_sharding, opt_sharding, emb, wide)
+        parts = {name: part.state_sharding() for name, part in self.parts.items()}
+        return TrainState(self.replicated, params_sharding, opt_sharding, emb, parts)
 
     def _map_params(self, fn, tree):
         """``fn`` applied to every subtree of ``tree`` shaped like the (packed) parameters."""
         return map_like(fn, tree, jax.tree.structure(self.sharding.params))
 
-    def checkpoint_form(self, state: TrainState) -> TrainState:
-        """The state as checkpoints hold it: every mode's dense parameters in one layout (the
-        pipeline's packed stages unpacked), so a checkpoint restores under any model.mlp_parallel."""
-        if self.pipeline is None:
-            return state
-        params, opt = self._unpack(state.params, state.opt_state)
-        return state._replace(params=params, opt_state=opt)
+    def checkpoint_form(self, state: TrainState) -> dict:
+        """The state as checkpoints hold it (:meth:`TrainState.saved_tree`): every mode's dense
+        parameters in one layout (the pipeline's packed stages unpacked), so a checkpoint
+        restores under any model.mlp_parallel."""
+        if self.pipeline is not None:
+            params, opt = self._unpack(state.params, state.opt_state)
+            state = state._replace(params=params, opt_state=opt)
+        return state.saved_tree()
 
-    def from_checkpoint_form(self, state: TrainState) -> TrainState:
+    def from_checkpoint_form(self, saved: dict) -> TrainState:
         """Inverse of :meth:`checkpoint_form`."""
+        state = TrainState.from_saved_tree(saved)
         if self.pipeline is None:
             return state
         saved = jax.tree.structure(self.saved_sharding.params)
@@ -156,7 +168,7 @@ class StateLayout:
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return TrainState(step, params, opt, emb, self.wide.init() if self.wide else {})
+        return TrainState(step, params, opt, emb, {name: part.init() for name, part in self.parts.items()})
 
     def hot_keys(self) -> np.ndarray:
         """The hot set the schedule's statistics now rank hottest (``hot.index.hot_keys``)."""
@@ -166,12 +178,12 @@ class StateLayout:
         """The key every table's initial values derive from (tiered tables' too)."""
         return jax.random.fold_in(jax.random.key(self.spec.seed), 1)
 
-    def abstract(self) -> TrainState:
+    def abstract(self) -> dict:
         """Shapes, dtypes and shardings of the state as checkpoints hold it
         (:meth:`checkpoint_form`), for restoring a checkpoint onto this mesh."""
         shapes = jax.eval_shape(lambda: self.checkpoint_form(self.init()))
         return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.saved_sharding
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.saved_sharding.saved_tree()
         )
 
 

@@ -24,7 +24,7 @@ from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.embedding.tiers.device_fill import fill_caches
 from dlrm_jax.model.dlrm import bce_loss
-from dlrm_jax.model.wide import WideInputs, wide_logits
+from dlrm_jax.model.parts import PartInputs
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import batch_spec
 from dlrm_jax.train.spec import StepSpec
@@ -67,7 +67,7 @@ class StepFunctions:
         (embedding/tiers/device_fill.py)."""
         self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
         self.cache_groups, self.tiered_tables = cache_groups, collection.tiered_tables
-        self.schedule, self.tx, self.emb_lr_scale, self.wide = spec.schedule, spec.tx, spec.emb_lr_scale, spec.wide
+        self.schedule, self.tx, self.emb_lr_scale, self.parts = spec.schedule, spec.tx, spec.emb_lr_scale, spec.parts
         self.state = layout = StateLayout(spec, mesh, collection, hot)
         self.graphdef, self.tensor, self.pipeline = layout.graphdef, layout.tensor, layout.pipeline
         self.state_sharding, self.saved_sharding = layout.sharding, layout.saved_sharding
@@ -126,12 +126,19 @@ class StepFunctions:
         return PackedLayout(shards, local // shards, sum(self.spec.bag_sizes), self.spec.num_dense)
 
     # ------------------------------------------------------------ steps
-    def _forward(self, params, pooled_bfd, batch: Batch, wide: WideInputs | None = None):
+    def _forward(self, params, pooled_bfd, batch: Batch, parts: dict[str, PartInputs] | None = None):
         if self.pipeline is not None:
             logits = self.pipeline.logits(self.mesh, params, batch.dense, pooled_bfd)
         else:
             logits = nnx.merge(self.graphdef, params)(batch.dense, pooled_bfd, self.tensor)
-        return logits if wide is None else logits + wide_logits(wide, batch.dense)
+        for name, inputs in (parts or {}).items():  # the extra sparse parts' logits (Wide&Deep's wide part)
+            logits = logits + self.parts[name].logits(inputs, batch.dense)
+        return logits
+
+    def _part_lookups(self, state: TrainState, ids) -> tuple[dict[str, PartInputs], dict]:
+        """Each extra sparse part's inputs to the loss and its residuals, by name."""
+        looked = {name: part.lookup(state.parts[name], ids) for name, part in self.parts.items()}
+        return {k: v[0] for k, v in looked.items()}, {k: v[1] for k, v in looked.items()}
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}
@@ -148,14 +155,14 @@ class StepFunctions:
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
             pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
-            wide, wide_res = self.wide.lookup(state.wide, batch.ids) if self.wide else (None, None)
+            part_inputs, part_res = self._part_lookups(state, batch.ids)
 
-        def loss_fn(params, pooled_bfd, wide):
-            return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch, wide), batch.labels))
+        def loss_fn(params, pooled_bfd, part_inputs):
+            return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch, part_inputs), batch.labels))
 
         with jax.named_scope(PHASE_SCOPES["dense"]):
-            loss, (grad_params, grad_bfd, grad_wide) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
-                state.params, pooled_bfd, wide
+            loss, (grad_params, grad_bfd, grad_parts) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+                state.params, pooled_bfd, part_inputs
             )
         with jax.named_scope(PHASE_SCOPES["dense_optimizer"]):
             updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)
@@ -163,11 +170,14 @@ class StepFunctions:
         with jax.named_scope(PHASE_SCOPES["sparse_update"]):
             emb_lr = self.schedule(state.step) * self.emb_lr_scale
             emb = self.collection.apply_gradients(state.emb, res, grad_bfd, emb_lr)
-            new_wide = self.wide.apply_gradients(state.wide, wide_res, grad_wide) if self.wide else state.wide
+            parts = {
+                name: part.apply_gradients(state.parts[name], part_res[name], grad_parts[name])
+                for name, part in self.parts.items()
+            }
         metrics = {"loss": loss, "exchange_overflows": res.overflow}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
-        new_state = TrainState(state.step + 1, params, opt_state, emb, new_wide)
+        new_state = TrainState(state.step + 1, params, opt_state, emb, parts)
         return new_state, metrics, evicted
 
     def _state_check(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -176,8 +186,11 @@ class StepFunctions:
         starts from, so its own update shows only here (or in the next step's loss)."""
         batch = unpacked(batch, self.mesh, self.batch_sharding.spec)
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
-        wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
-        loss = jnp.mean(bce_loss(self._forward(state.params, pooled_bfd, batch, wide), batch.labels))
+        loss = jnp.mean(
+            bce_loss(
+                self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]), batch.labels
+            )
+        )
         floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
         return loss, jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
 
@@ -188,5 +201,4 @@ class StepFunctions:
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
-        wide = self.wide.lookup(state.wide, batch.ids)[0] if self.wide else None
-        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, wide))
+        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]))

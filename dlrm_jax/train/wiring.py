@@ -11,8 +11,9 @@ with ``train.batch_size`` rewritten.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import NamedTuple
 
 import jax
@@ -37,6 +38,7 @@ from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import plan_report
 from dlrm_jax.files import check_dir
 from dlrm_jax.model.dlrm import DLRMDense
+from dlrm_jax.model.parts import SparsePart
 from dlrm_jax.model.wide import WidePart
 from dlrm_jax.model.work import dense_work as model_dense_work
 from dlrm_jax.train.spec import StepSpec
@@ -200,17 +202,17 @@ def wide_part(cfg: Config, mesh: jax.sharding.Mesh) -> WidePart:
 class ModelEntry(NamedTuple):
     """How one ``model.kind`` is built. ``dense(cfg, rngs)``: the Flax NNX module called as
     ``(dense [B, num_dense], pooled [B, F, D], tensor) -> logits [B]`` (``tensor``: the tensor
-    layout with model.mlp_parallel=tensor, else None); ``wide(cfg, mesh)``: a wide part whose
-    logits are added (None: none)."""
+    layout with model.mlp_parallel=tensor, else None); ``parts``: extra sparse parts by name,
+    each ``make(cfg, mesh)`` a :class:`~dlrm_jax.model.parts.SparsePart` whose logits are added."""
 
     dense: Callable[[Config, nnx.Rngs], nnx.Module]
-    wide: Callable[[Config, jax.sharding.Mesh], WidePart] | None = None
+    parts: Mapping[str, Callable[[Config, jax.sharding.Mesh], SparsePart]] = MappingProxyType({})
 
 
 # model.kind -> how it is built; choices.MODEL_KINDS names the same models for the config.
 MODELS: dict[str, ModelEntry] = {
     "dlrm": ModelEntry(dlrm_from_config),
-    "wide_deep": ModelEntry(dlrm_from_config, wide_part),
+    "wide_deep": ModelEntry(dlrm_from_config, {"wide": wide_part}),
 }
 
 
@@ -259,7 +261,7 @@ def step_spec(cfg: Config, mesh: jax.sharding.Mesh) -> StepSpec:
     schedule = learning_rate_schedule(cfg)
     return StepSpec(
         dense=lambda rngs: entry.dense(cfg, rngs),
-        wide=entry.wide(cfg, mesh) if entry.wide else None,
+        parts={name: make(cfg, mesh) for name, make in entry.parts.items()},
         tx=dense_optimizer(cfg, schedule),
         schedule=schedule,
         emb_lr_scale=cfg.embedding_learning_rate / cfg.train.learning_rate,

@@ -40,7 +40,7 @@ def saved_dense(cfg, run_dir):
     _, steps = build(cfg, mesh_from_config(cfg))
     state = restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
     saved = steps.checkpoint_form(state)
-    return saved.params, saved.opt_state
+    return saved["params"], saved["opt_state"]
 
 
 def trajectory(cfg):
@@ -52,7 +52,7 @@ def trajectory(cfg):
         state, metrics, _ = steps.train_step(state, steps.device_batch(source.train_batch(i)))
         out.append(float(metrics["loss"]))
     saved = steps.checkpoint_form(state)
-    return out, (saved.params, saved.opt_state)
+    return out, (saved["params"], saved["opt_state"])
 
 
 def assert_same(a, b):

@@ -15,11 +15,12 @@ WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=c
 
 
 def wide_numpy(steps, state):
-    values, slots = steps.wide.collection.logical_tables(state.wide.tables)
+    wide, part = state.parts["wide"], steps.parts["wide"]
+    values, slots = part.collection.logical_tables(wide.tables)
     return (
         [np.asarray(v, np.float64)[:, 0] for v in values],
         [{k: np.asarray(v, np.float64)[:, 0] for k, v in s.items()} for s in slots],
-        np.asarray(state.wide.linear, np.float64)[:, 0],
+        np.asarray(wide.linear, np.float64)[:, 0],
     )
 
 
@@ -45,7 +46,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
 
     d_logit = (p - labels) / len(labels)  # mean binary cross-entropy
     lr = cfg.model.wide_learning_rate
-    old_linear_slots = [np.asarray(state.wide.linear_slots[k], np.float64) for k in ("z", "n")]
+    old_linear_slots = [np.asarray(state.parts["wide"].linear_slots[k], np.float64) for k in ("z", "n")]
     state, _, _ = steps.train_step(state, steps.device_batch(batch))
     new_tables, new_slots, new_linear = wide_numpy(steps, state)
     for f in range(len(tables)):

@@ -271,7 +271,7 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
     export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
     probs, dense, ids = scores_of(tmp_path / "run")
     with serving.load(tmp_path / "art") as model:
-        assert [f["bag_size"] for f in model.features] == [1, 3, 1, 4] and len(model.wide_features) == 4
+        assert [f["bag_size"] for f in model.features] == [1, 3, 1, 4] and len(model.part_features["wide"]) == 4
         assert_scores_of_eval(model.predict(dense, ids), probs)
         with pytest.raises(ArtifactError, match="data.source=synthetic"):
             model.predict_raw(["1\t2"])

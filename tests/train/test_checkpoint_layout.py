@@ -78,3 +78,24 @@ def test_a_checkpoint_saved_before_the_padding_restores_row_for_row(tiny, tmp_pa
     after = logical_tables(cfg, tmp_path)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_saved_with_the_former_wide_field_restores_whole(tiny, tmp_path):
+    """Before extra sparse parts were named, every checkpoint held the train state's ``wide``
+    field, empty but for Wide&Deep; both kinds restore as they were saved."""
+    for kind in ("dlrm", "wide_deep"):
+        extra = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat") if kind == "wide_deep" else ()
+        cfg = tiny("mesh.devices=2", *extra)
+        _, steps = build(cfg, make_mesh(2))
+        state = steps.init_state()
+        saved = steps.checkpoint_form(state)
+        if kind == "dlrm":
+            saved = {**saved, "wide": {}}  # the empty field as orbax wrote it (a named tuple as a dict)
+        assert kind == "dlrm" or set(saved) == {"step", "params", "opt_state", "emb", "wide"}  # where it always was
+        ckpts = Checkpoints(tmp_path / kind, 3)
+        ckpts.save(0, saved, steps.collection.plan.to_json())
+        ckpts.wait()
+        restored = restore_state(steps, ckpts, **QUIET)
+        assert set(restored.parts) == set(steps.parts)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -39,7 +39,7 @@ def transfer(src_plan, state: TrainState, dst) -> TrainState:
         put(host.params, s.params),
         put(host.opt_state, s.opt_state),
         relayout(src_plan, host.emb, dst.collection),
-        put(host.wide, s.wide),
+        put(host.parts, s.parts),
     )
 
 

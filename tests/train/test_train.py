@@ -22,7 +22,8 @@ def logical_state(cfg, run_dir):
     """Dense params, optimizer state and every table's values and slots, whatever the plan."""
     _, steps = build(cfg, make_mesh(cfg.mesh.devices))
     state = restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
-    wide = steps.wide.collection.logical_tables(state.wide.tables) + state.wide[1:] if steps.wide else ()
+    wide = state.parts.get("wide")
+    wide = steps.parts["wide"].collection.logical_tables(wide.tables) + wide[1:] if wide else ()
     return state.params, state.opt_state, steps.collection.logical_tables(state.emb), wide
 
 
