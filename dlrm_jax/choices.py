@@ -107,7 +107,7 @@ class SparseOptimizerKind:
     # from (z, n)): never as a dense update of every row
     rewrites_given_rows: bool = False
     tables: bool = True  # offered as embedding.optimizer
-    wide: bool = True  # offered as model.wide_optimizer (the wide part's weights)
+    wide: bool = True  # offered as model.wide.optimizer (the wide part's weights)
 
     def state_bytes_per_row(self, dim: int) -> int:
         """Bytes of optimizer state per table row of width ``dim``."""

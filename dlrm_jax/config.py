@@ -88,6 +88,40 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")
 
 
+# Keys that moved: a config (or a run dir's saved one) written with the former name still loads.
+RENAMED_KEYS = {
+    "model.wide_optimizer": "model.wide.optimizer",
+    "model.wide_learning_rate": "model.wide.learning_rate",
+    "model.wide_l1": "model.wide.l1",
+    "model.wide_l2": "model.wide.l2",
+}
+
+
+def with_current_keys(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """A copy of ``raw`` (nested dicts) with every key of RENAMED_KEYS under its current name;
+    both names given at once is an error naming them (``where``: the file, if any)."""
+    copy = lambda d: {k: copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+    out = copy(raw)
+    for old, new in RENAMED_KEYS.items():
+        *path, name = old.split(".")
+        node = out
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or name not in node:
+            continue
+        value = node.pop(name)
+        *new_path, new_name = new.split(".")
+        node = out
+        for k, part in enumerate(new_path):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}{old} is now {new}, but {'.'.join(new_path[: k + 1])} is not a mapping")
+        if new_name in node:
+            raise ConfigError(f"{where}{old} and {new} both given: {old} is the former name of {new}")
+        node[new_name] = value
+    return out
+
+
 def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -233,6 +267,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}{f':{line}' if line else ''}: cannot be read as YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {p}: expected a mapping at the top level")
+    raw = with_current_keys(raw, f"config file {p}: ")
     _check_sections(Config, raw, "", p)
     return raw
 
@@ -293,13 +328,14 @@ def _override_dicts(overrides) -> list[dict[str, Any]]:
             for part in parts[:-1]:
                 node = node.setdefault(part, {})
             node[parts[-1]] = list(value) if isinstance(value, tuple) else value
-            out.append(top)
+            out.append(with_current_keys(top))
         return out
-    return [parse_override(text) for text in overrides]
+    return [with_current_keys(parse_override(text)) for text in overrides]
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    return validate(_build(Config, raw, ""))
+    """The config of nested dicts ``raw`` (a run dir's saved one, say; former key names read)."""
+    return validate(_build(Config, with_current_keys(raw), ""))
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
@@ -422,9 +458,9 @@ def _check_model(cfg: Config) -> None:
                 "model.interaction: model.kind=wide_deep has no dot interaction; use cat (Wide&Deep) "
                 "or dcn (a cross network on the deep part)"
             )
-        _positive("model.wide_learning_rate", m.wide_learning_rate)
-        _positive("model.wide_l1", m.wide_l1, allow_zero=True)
-        _positive("model.wide_l2", m.wide_l2, allow_zero=True)
+        _positive("model.wide.learning_rate", m.wide.learning_rate)
+        _positive("model.wide.l1", m.wide.l1, allow_zero=True)
+        _positive("model.wide.l2", m.wide.l2, allow_zero=True)
     elif not m.bottom_mlp:
         raise ConfigError("model.bottom_mlp: DLRM needs at least one layer (empty only for model.kind=wide_deep)")
     elif m.interaction == "dot" and m.bottom_mlp[-1] != m.embedding_dim:

@@ -281,6 +281,20 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class WideConfig:
+    """Wide&Deep's wide part (`model.kind: wide_deep`; [models](models.md#widedeep))."""
+
+    optimizer: str = field(
+        default="ftrl",
+        metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
+        | doc("the wide part's own optimizer (`ftrl`: FTRL-Proximal)"),
+    )
+    learning_rate: float = field(default=0.05, metadata=doc("the wide part's constant learning rate"))
+    l1: float = field(default=0.0, metadata=doc("`ftrl`: L1 strength (exact zeros)"))
+    l2: float = field(default=0.0, metadata=doc("`ftrl`: L2 strength"))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     # The registry itself is the choices (read when a value is checked): a registered model is valid.
     kind: str = field(
@@ -313,14 +327,7 @@ class ModelConfig:
     dcn_rank: int = field(
         default=0, metadata=NONNEG | doc("`dcn`: rank r of each cross layer's weight U V; 0 = full width x width")
     )
-    wide_optimizer: str = field(
-        default="ftrl",
-        metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
-        | doc("`wide_deep`: the wide part's own optimizer (`ftrl`: FTRL-Proximal)"),
-    )
-    wide_learning_rate: float = field(default=0.05, metadata=doc("`wide_deep`: the wide part's constant learning rate"))
-    wide_l1: float = field(default=0.0, metadata=doc("`wide_deep`, `ftrl`: L1 strength (exact zeros)"))
-    wide_l2: float = field(default=0.0, metadata=doc("`wide_deep`, `ftrl`: L2 strength"))
+    wide: WideConfig = WideConfig()
     mlp_parallel: str = field(
         default="data",
         metadata=_choices(*MlpParallel)

@@ -8,8 +8,10 @@ import pytest
 from dlrm_jax.config import (
     CONFIG_DIR,
     CRITEO_KAGGLE_CARDINALITIES,
+    RENAMED_KEYS,
     Config,
     ConfigError,
+    config_from_dict,
     load_config,
     parse_override,
 )
@@ -219,7 +221,7 @@ def test_every_numeric_key_declares_its_bound_and_a_value_outside_it_is_named():
     keys = list(_bounded_keys(Config()))
     unbounded = {k for k, rule, _ in keys if rule is None}
     # any integer seeds the run; the wide part's keys are bounded where they are used (wide_deep)
-    assert unbounded == {"train.seed", "model.wide_learning_rate", "model.wide_l1", "model.wide_l2"}, unbounded
+    assert unbounded == {"train.seed", "model.wide.learning_rate", "model.wide.l1", "model.wide.l2"}, unbounded
     for key, rule, each in keys:
         if rule is None:
             continue
@@ -251,3 +253,25 @@ def test_every_dense_optimizer_the_schema_allows_is_built_and_no_other():
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="lamb"))
     with pytest.raises(ConfigError, match="train.optimizer='lamb' is not one of sgd, adagrad, adam"):
         dense_optimizer(bad, optax.constant_schedule(0.1))
+
+
+def test_former_key_names_load_as_their_current_ones(tmp_path):
+    """Wide&Deep's keys moved into model.wide; configs, --sets and saved run dirs that use the
+    former names load as before, and a file giving both names is refused naming them."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  kind: wide_deep\n  bottom_mlp: []\n  interaction: cat\n  wide_l1: 0.5\n")
+    cfg = load_config(old, ["model.wide_learning_rate=0.2"])
+    assert (cfg.model.wide.l1, cfg.model.wide.learning_rate) == (0.5, 0.2)
+    assert load_config(None, {"model.wide_optimizer": "adagrad"}).model.wide.optimizer == "adagrad"
+    saved = cfg.to_dict()
+    saved["model"]["wide_l2"] = saved["model"]["wide"].pop("l2") + 0.25
+    assert config_from_dict(saved).model.wide.l2 == 0.25
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  wide_l1: 0.5\n  wide:\n    l1: 0.1\n")
+    with pytest.raises(ConfigError, match=r"both.yaml: model.wide_l1 and model.wide.l1 both given"):
+        load_config(both)
+    for old_key, new_key in RENAMED_KEYS.items():  # every former name points at a key that exists
+        section = cfg.to_dict()
+        for part in new_key.split("."):
+            section = section[part]
+        assert old_key != new_key

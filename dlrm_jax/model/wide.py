@@ -5,7 +5,7 @@ Each categorical feature has a table of one weight per id, held whole on every d
 of ``replicated`` tables): lookups are local gathers, so the wide part never enters the
 all-to-all, and each step's sparse update all-gathers the batch's ids and gradients so every
 device applies the same update (B*F values moved, never a table-sized all-reduce). It has its
-own optimizer (``model.wide_optimizer``: FTRL-Proximal by default, as in the Wide&Deep paper)
+own optimizer (``model.wide.optimizer``: FTRL-Proximal by default, as in the Wide&Deep paper)
 and constant learning rate, for the tables and for the dense features' weights and bias alike.
 The weights start at zero: the model starts as the deep part alone.
 """

@@ -32,7 +32,7 @@ from dlrm_jax.parallel.coordination import outcome_of_process_0
 # data.max_rows cap, and the resolved config stores binary datasets' cardinalities.)
 STATE_KEYS = (
     "model.kind",
-    "model.wide_optimizer",
+    "model.wide.optimizer",
     "model.embedding_dim",
     "model.bottom_mlp",
     "model.top_mlp",
@@ -56,8 +56,9 @@ class RunDirError(ValueError):
 
 
 def _get(cfg_dict: dict, key: str):
-    section, name = key.split(".")
-    value = cfg_dict.get(section, {}).get(name)
+    value = cfg_dict
+    for name in key.split("."):
+        value = value.get(name) if isinstance(value, dict) else None
     return list(value) if isinstance(value, (list, tuple)) else value
 
 

@@ -129,7 +129,7 @@ def plan_from_config(cfg: Config, num_devices: int, budget_bytes: int | None = N
 def wide_plan_from_config(cfg: Config, num_devices: int, batch_size: int | None = None) -> EmbeddingPlan:
     """Wide&Deep's wide part (model.kind=wide_deep) on ``num_devices`` devices."""
     batch = cfg.train.batch_size if batch_size is None else batch_size
-    return wide_plan(cfg.table_rows, cfg.bag_sizes, cfg.model.wide_optimizer, batch, num_devices)
+    return wide_plan(cfg.table_rows, cfg.bag_sizes, cfg.model.wide.optimizer, batch, num_devices)
 
 
 def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
@@ -139,7 +139,7 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
     report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)
     if cfg.model.kind != "wide_deep":
         return report
-    return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide_optimizer)}"
+    return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide.optimizer)}"
 
 
 def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
@@ -150,8 +150,8 @@ def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
 
 
 def wide_optimizer_from_config(cfg: Config) -> SparseOptimizer:
-    """The wide part's optimizer (model.kind=wide_deep): model.wide_optimizer."""
-    return sparse_optimizer_taking(cfg.model.wide_optimizer, _sparse_settings(cfg))
+    """The wide part's optimizer (model.kind=wide_deep): model.wide.optimizer."""
+    return sparse_optimizer_taking(cfg.model.wide.optimizer, _sparse_settings(cfg))
 
 
 def _sparse_settings(cfg: Config) -> dict:
@@ -160,8 +160,8 @@ def _sparse_settings(cfg: Config) -> dict:
     return dict(
         eps=e.adagrad_eps,
         initial_accumulator=e.adagrad_initial_accumulator,
-        l1=m.wide_l1,
-        l2=m.wide_l2,
+        l1=m.wide.l1,
+        l2=m.wide.l2,
         exact_sums=e.deterministic,
     )
 
@@ -194,7 +194,7 @@ def wide_part(cfg: Config, mesh: jax.sharding.Mesh) -> WidePart:
         wide_plan_from_config(cfg, mesh.size),
         wide_optimizer_from_config(cfg),
         cfg.data.num_dense,
-        cfg.model.wide_learning_rate,
+        cfg.model.wide.learning_rate,
         mesh,
     )
 

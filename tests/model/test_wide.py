@@ -11,7 +11,7 @@ from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from tests.reference import dense_reference
 
-WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "model.wide_learning_rate=0.1")
+WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "model.wide.learning_rate=0.1")
 
 
 def wide_numpy(steps, state):
@@ -45,7 +45,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-(np.asarray(deep) + wide))), rtol=1e-5, atol=1e-6)
 
     d_logit = (p - labels) / len(labels)  # mean binary cross-entropy
-    lr = cfg.model.wide_learning_rate
+    lr = cfg.model.wide.learning_rate
     old_linear_slots = [np.asarray(state.parts["wide"].linear_slots[k], np.float64) for k in ("z", "n")]
     state, _, _ = steps.train_step(state, steps.device_batch(batch))
     new_tables, new_slots, new_linear = wide_numpy(steps, state)
