@@ -29,6 +29,19 @@ class RowLayout(enum.StrEnum):
     CYCLIC = "cyclic"  # device d owns rows with id % N == d: spreads hot ids
 
 
+def _or_auto(name: str, values: type[enum.StrEnum], doc: str) -> type[enum.StrEnum]:
+    """An enum of ``values``' members and AUTO (``"auto"``): the planner chooses per table."""
+    choice = enum.StrEnum(name, [("AUTO", "auto"), *((m.name, m.value) for m in values)], module=__name__)
+    choice.__doc__ = doc
+    return choice
+
+
+# What the config asks of the planner: one strategy (layout) for every table, or AUTO, the
+# search's choice per table from the cost model.
+Sharding = _or_auto("Sharding", Strategy, "``embedding.sharding``: a Strategy for every table, or AUTO.")
+RowLayoutChoice = _or_auto("RowLayoutChoice", RowLayout, "``embedding.row_layout``: a RowLayout, or AUTO.")
+
+
 class BagExchange(enum.StrEnum):
     """How table- and column-wise tables exchange (``embedding.bag_exchange``)."""
 

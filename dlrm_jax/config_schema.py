@@ -21,9 +21,9 @@ from dlrm_jax.choices import (
     Interaction,
     MlpParallel,
     Pooling,
-    RowLayout,
+    RowLayoutChoice,
+    Sharding,
     Storage,
-    Strategy,
     Sync,
 )
 
@@ -416,7 +416,7 @@ class TierConfig:
 class EmbeddingConfig:
     sharding: str = field(
         default="auto",
-        metadata=_choices("auto", *Strategy)
+        metadata=_choices(*Sharding)
         | doc(
             "every table's strategy, or `auto`: per table the cheapest under the memory budget "
             "([sharding](sharding.md))"
@@ -439,7 +439,7 @@ class EmbeddingConfig:
     )
     row_layout: str = field(
         default="block",
-        metadata=_choices(*RowLayout, "auto")
+        metadata=_choices(*RowLayoutChoice)
         | doc(
             "row-wise tables: contiguous `block`s of rows per device, `cyclic` (id mod N) to spread hot "
             "ids, or `auto`: per table, whichever gives the smaller busiest bucket on the first batches "

@@ -29,7 +29,7 @@ from dlrm_jax.bench.common import (
     machine_description,
     write_report,
 )
-from dlrm_jax.choices import Strategy
+from dlrm_jax.choices import Sharding
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
@@ -42,7 +42,7 @@ from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.wiring import cluster_from_config, dense_work
 
-STRATEGIES = ("auto", *Strategy)
+STRATEGIES = tuple(Sharding)
 
 
 def compiled_train_step(steps, batch: Batch):

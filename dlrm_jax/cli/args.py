@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from dlrm_jax.choices import Strategy
+from dlrm_jax.choices import Sharding
 
 
 def bounded(kind: type, low: float, *, strict: bool = False):
@@ -61,7 +61,7 @@ def names(*allowed: str):
     return parse
 
 
-STRATEGIES = ("auto", *Strategy)  # auto: the config's own embedding.sharding
+STRATEGIES = tuple(Sharding)  # auto: the config's own embedding.sharding
 HOT_LAYOUTS = ("permuted", "frequency_ordered")  # bench/hot.py's LAYOUTS (a test keeps them equal)
 MLP_MODES = ("data", "tensor", "pipeline")  # bench/mlp_parallel.py's MODES (likewise)
 

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from dlrm_jax.choices import RowLayoutChoice, Sharding
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
@@ -63,7 +64,9 @@ def plan_for_run(
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
     request = plan_request(cfg, num_devices, budget_bytes, hosts=hosts, cluster=cluster)
-    if batches and (cfg.embedding.sharding == "auto" or cfg.embedding.row_layout == "auto"):
+    auto_sharding = request.sharding is Sharding.AUTO
+    auto_layout = request.options.row_layout is RowLayoutChoice.AUTO
+    if batches and (auto_sharding or auto_layout):
         rows = min(len(batches[0]), STATS_DEVICES * local)
         host_devices = cluster.devices_per_host if ids_hosts > 1 else 1
         shares = [b[:rows] for b in batches]
@@ -81,10 +84,10 @@ def plan_for_run(
         return with_capacities(request.plan())
 
     plan = measured(request)
-    if cfg.embedding.row_layout == "auto" and batches:
+    if auto_layout and batches:
         # The search weighs layouts by estimated buckets (per owner, the tables' busiest owners
         # added up); measured, the plan of blocks alone may still be faster: keep the faster.
-        block = measured(request.with_options(row_layout="block"))
+        block = measured(request.with_options(row_layout=RowLayoutChoice.BLOCK))
         if predict_step(block, cluster).embedding_s <= predict_step(plan, cluster).embedding_s:
             plan = block
     if ids_hosts > 1:
@@ -92,7 +95,7 @@ def plan_for_run(
         # places tables from the data) the placement searched with two levels priced; kept
         # when asked for (embedding.ids_exchange=two_level) or when predicted faster.
         two = [with_capacities(dataclasses.replace(plan, ids_hosts=ids_hosts))]
-        if request.options.stats is not None and cfg.embedding.sharding == "auto":
+        if request.options.stats is not None and auto_sharding:
             two.append(measured(request.with_options(ids_hosts=ids_hosts)))
         two = [p for p in two if any_two_level(p)]
         candidates = two if cfg.embedding.ids_exchange == "two_level" and two else [plan, *two]

@@ -20,7 +20,7 @@ import jax
 import optax
 from flax import nnx
 
-from dlrm_jax.choices import Pooling, Storage
+from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
@@ -73,7 +73,7 @@ def plan_options(
     e = cfg.embedding
     return PlanOptions(
         overrides=parse_overrides(e.table_sharding, specs),
-        row_layout=e.row_layout,
+        row_layout=RowLayoutChoice(e.row_layout),
         capacity_factor=e.capacity_factor,
         dtype=e.dtype,
         exchange_dtype=e.exchange_dtype,
@@ -117,7 +117,7 @@ def plan_request(
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
-    return PlanRequest(tuple(specs), cfg.embedding.sharding, devices, cfg.embedding.optimizer, batch, options)
+    return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 
 
 def plan_from_config(cfg: Config, num_devices: int, budget_bytes: int | None = None, **kwargs) -> EmbeddingPlan:

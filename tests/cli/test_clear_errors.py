@@ -255,7 +255,7 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
         (
             ["bench", "hot", "--row-layouts", "blocks"],
             "--row-layouts",
-            "expected comma-separated values of block, cyclic, auto; got 'blocks'",
+            "expected comma-separated values of auto, block, cyclic; got 'blocks'",
         ),
         (
             ["bench", "mlp-parallel", "--modes", ""],

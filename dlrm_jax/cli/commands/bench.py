@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from dlrm_jax.choices import DramPolicy, RowLayout
+from dlrm_jax.choices import DramPolicy, RowLayout, RowLayoutChoice
 from dlrm_jax.cli.args import (
     COUNT,
     HOT_LAYOUTS,
@@ -157,9 +157,9 @@ def _hot_arguments(p) -> None:
     p.add_argument("--layouts", type=names(*HOT_LAYOUTS), default=list(HOT_LAYOUTS), help="id layouts, comma-separated")
     p.add_argument(
         "--row-layouts",
-        type=names(*RowLayout, "auto"),
+        type=names(*RowLayoutChoice),
         default=list(RowLayout),
-        help="comma-separated, of block, cyclic, auto (embedding.row_layout's values; default block,cyclic)",
+        help="comma-separated, of auto, block, cyclic (embedding.row_layout's values; default block,cyclic)",
     )
     p.add_argument("--steps", type=POSITIVE, default=10, help="timed steps per variant and repeat")
     p.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")

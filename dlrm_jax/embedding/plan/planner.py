@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dlrm_jax.choices import BagExchange, Storage  # defined once there
+from dlrm_jax.choices import BagExchange, RowLayoutChoice, Sharding, Storage  # defined once there
 from dlrm_jax.embedding.plan.cost import PROFILES, Cluster
 from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError re-exported
     EmbeddingPlan,
@@ -67,7 +67,7 @@ class PlanOptions:
     search prices it and the plan records it."""
 
     overrides: Mapping[str, Strategy | str] = field(default_factory=dict)
-    row_layout: RowLayout | str = RowLayout.BLOCK  # or "auto"
+    row_layout: RowLayoutChoice = RowLayoutChoice.BLOCK
     capacity_factor: float = 1.25
     dtype: str = "float32"
     exchange_dtype: str = "float32"
@@ -84,13 +84,13 @@ class PlanOptions:
 @dataclass(frozen=True)
 class PlanRequest:
     """One plan asked for, as one record: the tables, how they are placed (``sharding``: a
-    strategy for every table, or ``auto``), the devices, the sparse optimizer, the batch the
+    strategy for every table, or ``Sharding.AUTO``), the devices, the sparse optimizer, the batch the
     devices share and the options. The edge builds it once from a config
     (``train.wiring.plan_request``); planning replans by replacing an option
     (:meth:`with_options`), never by rewriting a config."""
 
     specs: tuple[TableSpec, ...]
-    sharding: str
+    sharding: Sharding
     num_devices: int
     optimizer: str
     global_batch: int
@@ -107,9 +107,16 @@ class PlanRequest:
         )
 
 
+def _choice(kind: type, value, what: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise PlanError(f"{what}: {value!r} is not one of {', '.join(kind)}") from None
+
+
 def plan_embeddings(
     specs: Sequence[TableSpec],
-    sharding: str,
+    sharding: Sharding | str,
     num_devices: int,
     optimizer: str,
     global_batch: int,
@@ -119,7 +126,7 @@ def plan_embeddings(
     """A plan for ``specs`` on ``num_devices`` devices; raises PlanError naming the table when
     one cannot be placed within the budget per device.
 
-    ``sharding``: ``auto`` or a strategy (``choices.Strategy``) for every table
+    ``sharding``: a :class:`~dlrm_jax.choices.Sharding` (or its value): AUTO, or a strategy for every table
     not in the options' ``overrides`` ({table name: strategy}, e.g. ``{"user_region": "table"}``);
     ``optimizer``: the sparse optimizer's name (its state counts in the bytes);
     ``global_batch``: the samples of one step over all devices (the exchange is sized for it);
@@ -135,6 +142,7 @@ def plan_embeddings(
     storage, stats, cluster = o.storage, o.stats, o.cluster
     row_layout, bag_exchange, device_cache = o.row_layout, o.bag_exchange, o.device_cache
     names = {s.name for s in specs}
+    sharding, row_layout = _choice(Sharding, sharding, "sharding"), _choice(RowLayoutChoice, row_layout, "row_layout")
     for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
         unknown = sorted(set(given) - names)
         if unknown:
@@ -155,7 +163,7 @@ def plan_embeddings(
                 f"table {spec.name}: a replicated table lives on every device and cannot be "
                 f"tiered (embedding.table_storage); shard it or keep it on the devices"
             )
-        if wanted[-1] != "auto":
+        if wanted[-1] != Sharding.AUTO:
             _check_allowed(spec, Strategy(wanted[-1]), num_devices, explicit=True)
     tables = place_tables(
         specs,
@@ -165,7 +173,7 @@ def plan_embeddings(
         budget_bytes,
         wanted,
         tiered,
-        tuple(RowLayout) if row_layout == "auto" else (RowLayout(row_layout),),
+        tuple(RowLayout) if row_layout is RowLayoutChoice.AUTO else (RowLayout(row_layout),),
         bag_exchange,
         device_cache,
     )

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dlrm_jax.choices import Sharding
 from dlrm_jax.embedding.plan.cost import Cluster, link_seconds, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
@@ -263,10 +264,10 @@ def place_tables(
     replicated = {
         t
         for t, w in enumerate(wanted)
-        if w == Strategy.REPLICATED or (w == "auto" and not tiered[t] and probe.prefers_replicated(specs[t]))
+        if w == Strategy.REPLICATED or (w == Sharding.AUTO and not tiered[t] and probe.prefers_replicated(specs[t]))
     }
     args = (specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
-    auto = [t for t, w in enumerate(wanted) if w == "auto" and t not in replicated]
+    auto = [t for t, w in enumerate(wanted) if w == Sharding.AUTO and t not in replicated]
     if not auto:
         return _run(*args, None).tables_in_order()
     most = max(column_slices(specs[t], n) for t in auto)
@@ -291,7 +292,7 @@ class _Run:
 
     def candidates(self, t: int, prefer: int | None) -> list[TablePlan]:
         search, spec, n = self.search, self.specs[t], self.search.n
-        if self.wanted[t] != "auto":
+        if self.wanted[t] != Sharding.AUTO:
             out = [self.explicit(t, Strategy(self.wanted[t]))]
         else:
             sharded, slices = [s for s in ORDER[1:] if allowed(spec, s, n, search.host_size)], None
@@ -304,7 +305,7 @@ class _Run:
             first = [Strategy.REPLICATED] if t in self.replicated else []
             out = search.candidates(spec, first + sharded, self.layouts, kinds, slices)
         if self.tiered[t]:  # (a host's row blocks would need a cache space per owner of the host)
-            if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != "auto":
+            if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != Sharding.AUTO:
                 raise PlanError(
                     f"table {spec.name}: host_row tables live on the devices; tier it host_column-, row- or table-wise"
                 )
@@ -343,7 +344,7 @@ class _Run:
         """The cheapest candidate that fits; a table the search keeps on every device takes
         that when it fits."""
         options, search = self.candidates(t, prefer), self.search
-        if t in self.replicated and self.wanted[t] == "auto" and search.fits(options[0]):
+        if t in self.replicated and self.wanted[t] == Sharding.AUTO and search.fits(options[0]):
             options = options[:1]
         best = search.choose(t, options)
         if best is None:
