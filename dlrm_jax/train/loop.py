@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 
 from dlrm_jax import stopping
+from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.stats import collective_bytes
 from dlrm_jax.observe.metrics import MetricsWriter
@@ -127,11 +128,12 @@ class Plan(NamedTuple):
 
 class TrainingLoop:
     """The loop's state between steps (the loss watch, the window's timing, the run's record)
-    and what it does around each step."""
+    and what it does around each step. ``train``: the config's ``train`` section (the steps,
+    the batch, when to log, evaluate and save, what stops early), the only keys it reads."""
 
     def __init__(
         self,
-        cfg,
+        train: TrainConfig,
         driver: StepDriver,
         ckpts: Checkpoints | None,
         metrics: MetricsWriter,
@@ -140,7 +142,7 @@ class TrainingLoop:
         start: int,
         log=print,
     ):
-        self.t, self.cfg, self.driver, self.steps = cfg.train, cfg, driver, driver.steps
+        self.t, self.driver, self.steps = train, driver, driver.steps
         self.ckpts, self.metrics, self.progress, self.log = ckpts, metrics, progress, log
         self.plan_json = plan.to_json()
         # per device and step, at the compiled capacities

@@ -184,7 +184,7 @@ def _train(
         metrics.truncate_after(start, log)
         report_progress(start, "compiling the train step", timed=False)
         batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
-    loop = TrainingLoop(cfg, driver, ckpts, metrics, plan, progress, start, log)
+    loop = TrainingLoop(cfg.train, driver, ckpts, metrics, plan, progress, start, log)
     agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
     with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop:
         for step, item in zip(range(start + 1, end + 1), batches, strict=True):
