@@ -12,6 +12,7 @@ LAYERS = [
     ("parallel",),
     ("observe",),
     ("data",),
+    ("embedding.dynamic",),
     ("embedding.plan",),
     ("embedding.hot",),
     ("embedding.exchange",),

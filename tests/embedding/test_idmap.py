@@ -1,0 +1,136 @@
+"""The dynamic tables' id map (embedding/dynamic/idmap.py) against a plain Python model of it,
+batch by batch: random streams with repeated ids in a batch, ids colliding in their probes,
+full shards, both policies, admission; and the same map on 1, 2 and 4 owners of its shards."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, init_map, resolve, shard_of, split_ids
+from tests.embedding.dynamic_reference import DictMap
+from tests.helpers import examples
+
+
+@functools.cache
+def resolver(spec: MapSpec):
+    return jax.jit(functools.partial(resolve, spec))
+
+
+def as_arrays(batch: list[int | None]):
+    ids = np.array([k if k is not None else 0 for k in batch], np.uint64)
+    hi, lo = split_ids(ids)
+    return jnp.asarray(hi), jnp.asarray(lo), jnp.asarray([k is not None for k in batch])
+
+
+def contents(m) -> dict[int, int]:
+    """{id: row} of a map's arrays."""
+    used = np.flatnonzero(np.asarray(m.used))
+    keys = (np.asarray(m.key_hi)[used].astype(np.uint64) << np.uint64(32)) | np.asarray(m.key_lo)[used]
+    return {int(k): int(r) for k, r in zip(keys, used, strict=True)}
+
+
+# A few maps (each compiles once): 1, 2 and 4 shards; one probe or every slot; both policies,
+# with and without decay; admission with a sketch whose counts collide (width 2) or not.
+SPECS = [
+    MapSpec(4, 1, 3, "lru"),
+    MapSpec(6, 2, 1, "lru"),
+    MapSpec(12, 4, 2, "lfu", half_life=0),
+    MapSpec(9, 1, 8, "lfu", half_life=1),
+    MapSpec(16, 2, 4, "lfu", half_life=3, admit=2, sketch_depth=2, sketch_width=2),
+    MapSpec(20, 4, 4, "lru", admit=3, sketch_depth=2, sketch_width=16),
+    MapSpec(8, 4, 1, "lfu", half_life=1, admit=2, sketch_depth=1, sketch_width=4),
+]
+specs = st.sampled_from(SPECS)
+# A small pool of ids (repeats, collisions in the probes) with high bits set in some.
+pools = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40, unique=True)
+
+
+@pytest.mark.slow  # 20 s on 2 cores; the fast lane keeps the worked example below
+@settings(max_examples=examples(40), deadline=None)
+@given(spec=specs, pool=pools, data=st.data())
+def test_the_map_equals_a_python_dictionary_model_batch_by_batch(spec, pool, data):
+    spec.check()
+    ids = st.one_of(st.none(), st.sampled_from(pool))
+    batches = data.draw(st.lists(st.lists(ids, min_size=6, max_size=6), min_size=2, max_size=7))
+    model, m = DictMap(spec), init_map(spec)
+    for step, batch in enumerate(batches):
+        want_rows, want_fresh, want_stats = model.resolve(batch, step)
+        out = resolver(spec)(m, *as_arrays(batch), step)
+        m = out.map
+        assert np.asarray(out.rows).tolist() == want_rows, step
+        assert set(np.flatnonzero(np.asarray(out.fresh)).tolist()) == want_fresh, step
+        assert {k: int(out.stats[k]) for k in STATS} == want_stats, step
+        assert contents(m) == model.row_of, step
+        used = np.asarray(m.used)
+        assert np.asarray(m.last_seen)[used].tolist() == [model.last_seen[r] for r in np.flatnonzero(used)]
+        assert np.asarray(m.count)[used].tolist() == [model.count[r] for r in np.flatnonzero(used)]
+
+
+def test_a_full_shard_evicts_by_its_policy_and_admission_waits_for_k_sightings():
+    spec = MapSpec(rows=4, vshards=1, probes=3, policy="lru").check()  # 3 rows past the shared one
+    m, run = init_map(spec), resolver(spec)
+    rows = {}
+    for step, key in enumerate([10, 11, 12]):
+        out = run(m, *as_arrays([key]), step)
+        m, rows[key] = out.map, int(out.rows[0])
+    assert sorted(rows.values()) == [1, 2, 3] and int(out.stats["evicted"]) == 0
+    m = run(m, *as_arrays([11, 12]), 3).map  # 10 is now the least recently seen
+    out = run(m, *as_arrays([13]), 4)
+    assert int(out.rows[0]) == rows[10] and int(out.stats["evicted"]) == 1 and bool(out.fresh[rows[10]])
+    assert 10 not in contents(out.map)
+
+    spec = MapSpec(rows=8, vshards=1, probes=4, admit=3, sketch_width=64).check()
+    m, run = init_map(spec), resolver(spec)
+    for step, seen in enumerate([[7], [7], [7, 7]]):
+        out = run(m, *as_arrays(seen), step)
+        m = out.map
+        admitted = int(out.stats["admitted"])
+        assert (admitted == 1) == (step == 2), step  # the third and fourth sightings reach 3
+    assert 7 in contents(m)
+    out = run(init_map(spec), *as_arrays([9]), 0)
+    assert int(out.rows[0]) == 0 and int(out.stats["held_back"]) == 1  # the shared row meanwhile
+
+
+@pytest.mark.slow
+@settings(max_examples=examples(15), deadline=None)
+@given(spec=specs, pool=pools, data=st.data())
+def test_owners_of_whole_shards_reach_what_one_map_reaches(spec, pool, data):
+    """Each owner holds some whole shards and sees the batch's ids of its shards: the rows,
+    fresh rows and maps put together equal the one map's, on any number of owners."""
+    spec.check()
+    batches = data.draw(st.lists(st.lists(st.sampled_from(pool), min_size=8, max_size=8), min_size=2, max_size=5))
+    whole = init_map(spec)
+    for owners in [o for o in (2, 4) if spec.vshards % o == 0]:
+        per = spec.vshards // owners
+        parts = [init_map(spec, per) for _ in range(owners)]
+        one = whole
+        for step, batch in enumerate(batches):
+            hi, lo, valid = as_arrays(batch)
+            ref = resolver(spec)(one, hi, lo, valid, step)
+            one = ref.map
+            shard = np.asarray(shard_of(spec, hi, lo))
+            rows, fresh = np.full(len(batch), -1), []
+            for o in range(owners):
+                mine = valid & jnp.asarray(shard // per == o)
+                out = resolver(spec)(parts[o], hi, lo, mine, step, o * per)
+                parts[o] = out.map
+                local = np.asarray(out.rows)
+                rows = np.where(local >= 0, local + o * per * spec.slots, rows)
+                fresh.append(np.asarray(out.fresh))
+            assert rows.tolist() == np.asarray(ref.rows).tolist()
+            assert np.concatenate(fresh).tolist() == np.asarray(ref.fresh).tolist()
+            for field in ("key_hi", "key_lo", "used", "last_seen", "count"):
+                joined = np.concatenate([np.asarray(getattr(p, field)) for p in parts])
+                assert joined.tolist() == np.asarray(getattr(one, field)).tolist(), field
+
+
+def test_bad_specs_are_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="probes=4"):
+        MapSpec(rows=8, vshards=2, probes=4).check()
+    with pytest.raises(ValueError, match="policy='mru'"):
+        MapSpec(rows=8, vshards=1, probes=4, policy="mru").check()
