@@ -36,6 +36,9 @@ its ``update`` takes a batch's :class:`Lookups` and the pooled gradients they po
     emb = tables.apply_gradients(emb, res, grad_bfd, lr)     # grad_bfd: d loss / d pooled_bfd
 
 ``examples/two_tower.py`` trains a two-tower retrieval model this way.
+Models: ``MODELS`` (``model.kind`` -> :class:`ModelEntry`: the dense module and any extra
+sparse parts, each a :class:`SparsePart` whose logits are added, as Wide&Deep's wide part;
+:class:`PartInputs` is what a part's loss differentiates; docs/models.md, "Adding a model").
 Hot rows: :class:`HotPlan` (in a plan), :class:`RowCounts` (lookup statistics),
 :func:`choose_hot_rows` (the cost model), :class:`HotSchedule` (counting and refreshes);
 ``EmbeddingCollection.refresh`` changes the hot set of a state.
@@ -94,6 +97,10 @@ _EXPORTS = {
     "EmbeddingPlan": "dlrm_jax.embedding.plan.embedding_plan",
     "EmbeddingCollection": "dlrm_jax.embedding.exchange.collection",
     "HostTables": "dlrm_jax.embedding.exchange.host_tables",
+    "MODELS": "dlrm_jax.train.wiring",
+    "ModelEntry": "dlrm_jax.train.wiring",
+    "SparsePart": "dlrm_jax.model.parts",
+    "PartInputs": "dlrm_jax.model.parts",
     "EmbeddingState": "dlrm_jax.embedding.exchange.collection",
     "sparse_optimizer": "dlrm_jax.embedding.exchange.optimizers",
     "SparseOptimizer": "dlrm_jax.embedding.exchange.optimizers",
