@@ -28,6 +28,7 @@ def stream(steps: int, batch: int, bag: int, seed: int = 0):
         yield ids, rng.random((batch, bag)) > 0.1
 
 
+@pytest.mark.slow  # 3-6 s each on 2 cores
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_the_sharded_map_equals_one_map_step_by_step(devices):
     mesh = make_mesh(devices)

@@ -1,0 +1,102 @@
+"""Dynamic tables over a collection: raw 64-bit ids resolved to rows by each table's id map
+(``embedding/dynamic``), the rows given to new ids reset, then the collection's own lookup and
+sparse update, unchanged.
+
+A dynamic table is a row-wise table whose blocks are its map's: device d holds map rows
+[d * R/n, (d + 1) * R/n) and the same logical rows of the table, so the map's fresh rows are
+reset where they live, with no communication. A fresh row starts as its new id's own initial
+vector (a hash of the seed, the table and the id: the same whichever row or device it lands
+on) and its optimizer state as the optimizer's initial state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
+from dlrm_jax.embedding.dynamic.sharded import check_split, map_devices, sharded_resolve
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.initializer import hash_uniform
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
+from dlrm_jax.parallel.mesh import AXIS
+
+
+class DynamicTables:
+    """``collection``'s tables named in ``maps`` ({table index: its MapSpec}) take raw ids.
+    ``resolve`` turns a batch's raw ids into the collection's ids and resets the fresh rows;
+    the rest of a step is the collection's."""
+
+    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
+        self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
+        n = map_devices(self.mesh)
+        self._where: dict[int, tuple[Group, VirtualTable]] = {}
+        for t, spec in self.maps.items():
+            name = collection.plan.tables[t].spec.name
+            check_split(spec.check(), n)
+            placed = [(g, vt) for g in collection.groups for vt in g.vtables if vt.table == t]
+            g, vt = placed[0]
+            if spec.rows != vt.rows or len(placed) > 1 or g.replicated or vt.kind != KIND_BLOCK:
+                raise ValueError(f"table {name}: a dynamic table is row-wise in whole blocks of its {spec.rows} rows")
+            if vt.block * n != spec.rows or vt.device != 0:
+                raise ValueError(f"table {name}: its {spec.rows} rows must split evenly over the {n} devices")
+            if t in collection.tiered_tables or collection.plan.hot_rows:
+                raise ValueError(f"table {name}: dynamic tables are neither tiered nor replicated hot rows")
+            self._where[t] = (g, vt)
+        self.map_sharding = IdMap(*(NamedSharding(self.mesh, P(AXIS)),) * 6)
+
+    def init_maps(self) -> dict[int, IdMap]:
+        """Empty maps, sharded with their tables."""
+        return {t: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
+
+    def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array):
+        """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
+        feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
+        features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
+        counts per table). Traceable: call it inside the step."""
+        stats, slot = {}, 0
+        starts = {}
+        for t, spec in enumerate(self.collection.plan.tables):
+            starts[t], slot = slot, slot + spec.spec.bag_size
+        for t, spec in self.maps.items():
+            hi, lo, valid = raw[t]
+            out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step)
+            maps[t] = out.map
+            emb = self._reset(t, emb, out.fresh, out.map, key)
+            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), starts[t], axis=1)
+            stats[t] = {k: out.stats[k] for k in STATS}
+        return emb, maps, ids_bs, stats
+
+    def _reset(self, t: int, emb: EmbeddingState, fresh, m: IdMap, key) -> EmbeddingState:
+        g, vt = self._where[t]
+        opt = self.collection.optimizer
+        scale = 1.0 / self.maps[t].rows ** 0.5
+        seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
+
+        def local(table, slots, fresh, key_hi, key_lo):
+            cols = vt.col_start + lax.iota(jnp.int32, g.width)
+            u = hash_uniform(
+                seed_2, jnp.full((vt.block, 1), vt.table, jnp.int32), id_hash(key_hi, key_lo)[:, None], cols[None, :]
+            )
+            start = ((2.0 * u - 1.0) * scale).astype(table.dtype)
+            rows = slice(vt.offset, vt.offset + vt.block)
+            table = table.at[rows].set(jnp.where(fresh[:, None], start, table[rows]))
+            initial = opt.init(jnp.zeros((vt.block, g.width), table.dtype))
+            slots = {
+                k: v.at[rows].set(jnp.where(fresh.reshape(-1, *([1] * (v.ndim - 1))), initial[k], v[rows]))
+                for k, v in slots.items()
+            }
+            return table, slots
+
+        table, slots = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
+            out_specs=(P(AXIS), P(AXIS)),
+        )(emb.tables[g.name], emb.slots[g.name], fresh, m.key_hi, m.key_lo)
+        return emb._replace(tables={**emb.tables, g.name: table}, slots={**emb.slots, g.name: slots})

@@ -1,0 +1,119 @@
+"""Dynamic tables over a collection (embedding/exchange/dynamic_tables.py): raw ids resolved,
+fresh rows reset, then the collection's lookup and update. On 2, 4 and 8 devices every step
+equals one device's for 40 steps (pooled vectors, tables, optimizer state, maps, counts),
+through evictions, admissions and resets; a fresh row starts as its id's own vector."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, split_ids
+from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
+from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer
+from dlrm_jax.embedding.plan.planner import plan_embeddings
+from dlrm_jax.embedding.plan.specs import TableSpec
+from dlrm_jax.parallel.mesh import make_mesh
+
+SPECS = [TableSpec("user", 64, 8, 2), TableSpec("item", 40, 8, 1)]
+MAP = MapSpec(rows=64, vshards=8, probes=3, policy="lfu", half_life=4, admit=2, sketch_depth=2, sketch_width=16)
+BATCH = 16
+
+
+def tables(devices: int, optimizer: str):
+    plan = plan_embeddings(SPECS, "row", devices, optimizer, BATCH)
+    coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer(optimizer))
+    return coll, DynamicTables(coll, {0: MAP})
+
+
+def stream(steps: int, seed: int = 0):
+    """Raw user ids from a population drifting past the table's rows, item ids, targets."""
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        born = (np.arange(step * 5, step * 5 + 90, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        users = born[np.minimum(rng.zipf(1.4, size=(BATCH, 2)) - 1, len(born) - 1)]
+        valid = rng.random((BATCH, 2)) > 0.1
+        items = rng.integers(0, 40, (BATCH, 1), dtype=np.int32)
+        yield users, valid, items, rng.normal(size=(BATCH, 2, 8)).astype(np.float32)
+
+
+def run(devices: int, optimizer: str, steps: int):
+    coll, dyn = tables(devices, optimizer)
+    key = jax.random.key(3)
+    emb, maps = coll.init(key), dyn.init_maps()
+
+    @jax.jit
+    def step(emb, maps, hi, lo, valid, items, target, step_no):
+        ids = jnp.concatenate([jnp.zeros((BATCH, 2), jnp.int32), items], axis=1)
+        emb, maps, ids, stats = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        pooled, res = coll.lookup(emb, ids)
+        grad = 2.0 * (pooled - target) / BATCH
+        return coll.apply_gradients(emb, res, grad, jnp.float32(0.1)), maps, pooled, stats[0]
+
+    put = lambda x: jax.device_put(x, coll.batch_sharding)
+    for t, (users, valid, items, target) in enumerate(stream(steps)):
+        hi, lo = split_ids(users)
+        emb, maps, pooled, stats = step(emb, maps, put(hi), put(lo), put(valid), put(items), put(target), t)
+        values, slots = coll.logical_tables(emb)
+        yield (
+            np.asarray(pooled),
+            [np.asarray(v) for v in values],
+            [{k: np.asarray(x) for k, x in s.items()} for s in slots],
+            [np.asarray(a) for a in maps[0]],
+            {k: int(stats[k]) for k in STATS},
+        )
+
+
+@pytest.mark.slow  # 8-16 s each on 2 cores
+@pytest.mark.parametrize(
+    ("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "rowwise_adagrad"), (8, "rowwise_adagrad"), (8, "sgd")]
+)
+def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
+    counts = dict.fromkeys(STATS, 0)
+    for t, (got, want) in enumerate(zip(run(devices, optimizer, 40), run(1, optimizer, 40), strict=True)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=f"pooled, step {t}")
+        for a, b in zip(got[1], want[1], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"table, step {t}")
+        for a, b in zip(got[2], want[2], strict=True):
+            for k in a:
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=f"{k}, step {t}")
+        for a, b in zip(got[3], want[3], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"map, step {t}")
+        assert got[4] == want[4], t
+        counts = {k: counts[k] + want[4][k] for k in STATS}
+    assert counts["evicted"] > 20 and counts["admitted"] > 40 and counts["held_back"], counts
+
+
+@pytest.mark.slow
+def test_a_fresh_row_starts_as_its_ids_own_vector_and_state():
+    """The same id placed in different rows (other maps, other device counts) starts alike;
+    its optimizer state starts as the optimizer's initial state."""
+    starts = []
+    for devices in (1, 4):
+        coll, dyn = tables(devices, "rowwise_adagrad")
+        key = jax.random.key(3)
+        emb, maps = coll.init(key), dyn.init_maps()
+        emb = emb._replace(slots=jax.tree.map(lambda s: s + 1.0, emb.slots))  # not the initial state
+        hi, lo = split_ids(np.array([[7, 7]] * BATCH, np.uint64))
+        ids = jnp.zeros((BATCH, 3), jnp.int32)
+        put = lambda x: jax.device_put(x, coll.batch_sharding)  # noqa: B023
+        emb, maps, ids, _ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
+            emb, maps, {0: (put(hi), put(lo), put(np.ones((BATCH, 2), bool)))}, put(ids)
+        )
+        row = int(ids[0, 0])
+        values, slots = coll.logical_tables(emb)
+        starts.append(np.asarray(values[0])[row])
+        assert float(np.asarray(slots[0]["accumulator"])[row]) == 0.0
+        assert float(np.asarray(slots[0]["accumulator"])[(row + 1) % 64]) == 1.0  # others untouched
+    np.testing.assert_array_equal(starts[0], starts[1])
+    assert np.all(np.abs(starts[0]) <= 1 / 8) and np.any(starts[0])
+
+
+def test_a_table_that_is_not_row_wise_in_even_blocks_is_refused():
+    plan = plan_embeddings(SPECS, "table", 2, "sgd", BATCH)
+    coll = EmbeddingCollection(plan, make_mesh(2), sparse_optimizer("sgd"))
+    with pytest.raises(ValueError, match="table user: a dynamic table is row-wise"):
+        DynamicTables(coll, {0: MAP})
