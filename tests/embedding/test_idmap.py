@@ -134,3 +134,19 @@ def test_bad_specs_are_refused_naming_the_setting():
         MapSpec(rows=8, vshards=2, probes=4).check()
     with pytest.raises(ValueError, match="policy='mru'"):
         MapSpec(rows=8, vshards=1, probes=4, policy="mru").check()
+
+
+def test_reading_the_map_changes_nothing_and_sends_unknown_ids_to_the_shared_row():
+    spec = SPECS[4]
+    model, m = DictMap(spec), init_map(spec)
+    for step, batch in enumerate([[1, 2, 3, 2, 5, None], [2, 3, 3, 9, 9, 1], [1, 2, 3, 4, 5, 6]]):
+        model.resolve(batch, step)
+        m = resolver(spec)(m, *as_arrays(batch), step).map
+    read = jax.jit(functools.partial(resolve, spec, learn=False))
+    batch = [1, 2, 3, 4, 77, None]
+    out = read(m, *as_arrays(batch), 9)
+    want = [model.row_of.get(k, model.probes(k)[0] * spec.slots) if k is not None else -1 for k in batch]
+    assert np.asarray(out.rows).tolist() == want
+    assert not np.asarray(out.fresh).any() and int(out.stats["admitted"]) == 0
+    for a, b in zip(out.map, m, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -174,10 +174,12 @@ def _distinct(hi, lo, valid):
     return order, seg, uhi, ulo, occurrences, jnp.arange(n) < jnp.sum(new)
 
 
-def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0) -> Resolved:
+def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding)
     through the map ``m`` of the shards ``first_shard`` onward at train step ``step``. Ids of
-    other shards are left alone (row -1). Traceable; ``first_shard`` may be traced."""
+    other shards are left alone (row -1). ``learn=False`` (evaluation, serving): the map is
+    read, not changed: an id without a row uses its shard's shared row. Traceable;
+    ``first_shard`` may be traced."""
     n, slots, shards = hi.shape[0], spec.slots, m.used.shape[0] // spec.slots
     order, seg, uhi, ulo, occurrences, real = _distinct(hi, lo, valid)
     h = id_hash(uhi, ulo)
@@ -190,8 +192,8 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0) -> Reso
     found = real & jnp.any(match, axis=1)
     found_row = jnp.take_along_axis(probe, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
 
-    sketch, admitted = m.sketch, real
-    if spec.counts:
+    sketch, admitted = m.sketch, real if learn else found
+    if spec.counts and learn:
         absent = real & ~found
         cols = jnp.stack(
             [mix32(h ^ jnp.uint32(s), jnp) % jnp.uint32(spec.sketch_width) for s in _SKETCH_SEEDS[: spec.sketch_depth]],
@@ -241,6 +243,8 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0) -> Reso
         m.count.at[seen_at].set(kept + occurrences, mode="drop"),
         sketch,
     )
+    if not learn:
+        new_map = m
     shared = local * slots
     distinct_row = jnp.where(found, found_row, jnp.where(won, placed, jnp.where(real, shared, -1)))
     sorted_rows = jnp.where(seg < n, distinct_row[jnp.clip(seg, 0, n - 1)], -1)

@@ -29,11 +29,14 @@ def check_split(spec: MapSpec, devices: int) -> None:
         raise ValueError(f"a map of {spec.vshards} shards cannot be split over {devices} devices in whole shards")
 
 
-def sharded_resolve(spec: MapSpec, mesh: jax.sharding.Mesh, m: IdMap, hi, lo, valid, step) -> Resolved:
+def sharded_resolve(
+    spec: MapSpec, mesh: jax.sharding.Mesh, m: IdMap, hi, lo, valid, step, learn: bool = True
+) -> Resolved:
     """The batch's ids ``hi``/``lo``/``valid`` ([B, ...], sharded over the batch axis) through the
     map ``m`` (its arrays sharded over the devices by rows, the sketch by shards) at ``step``:
     rows [B, ...] sharded like the ids, the map after the batch, the fresh rows sharded like
-    the map's, and the counts summed over the devices."""
+    the map's, and the counts summed over the devices. ``learn=False``: the map read only
+    (``idmap.resolve``)."""
     n = map_devices(mesh)
     check_split(spec, n)
     per = spec.vshards // n
@@ -41,7 +44,7 @@ def sharded_resolve(spec: MapSpec, mesh: jax.sharding.Mesh, m: IdMap, hi, lo, va
     def local(m, hi, lo, valid, step):
         me = lax.axis_index(AXIS)
         every = [lax.all_gather(x.reshape(-1), AXIS, tiled=True) for x in (hi, lo, valid)]
-        out = resolve(spec, m, *every, step, me * per)
+        out = resolve(spec, m, *every, step, me * per, learn)
         rows = lax.pmax(jnp.where(out.rows >= 0, out.rows + me * per * spec.slots, -1), AXIS)
         mine = lax.dynamic_slice_in_dim(rows, me * hi.size, hi.size).reshape(hi.shape)
         return mine, out.map, out.fresh, {k: lax.psum(out.stats[k], AXIS) for k in STATS}

@@ -54,20 +54,22 @@ class DynamicTables:
         """Empty maps, sharded with their tables."""
         return {t: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
 
-    def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array):
+    def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array, learn=True):
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
         feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
-        counts per table). Traceable: call it inside the step."""
+        counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
+        Traceable: call it inside the step."""
         stats, slot = {}, 0
         starts = {}
         for t, spec in enumerate(self.collection.plan.tables):
             starts[t], slot = slot, slot + spec.spec.bag_size
         for t, spec in self.maps.items():
             hi, lo, valid = raw[t]
-            out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step)
-            maps[t] = out.map
-            emb = self._reset(t, emb, out.fresh, out.map, key)
+            out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step, learn)
+            if learn:
+                maps[t] = out.map
+                emb = self._reset(t, emb, out.fresh, out.map, key)
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), starts[t], axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
