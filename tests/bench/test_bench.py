@@ -354,3 +354,33 @@ def test_the_documented_large_case_command_parses():
     ]
     args = build_parser().parse_args(argv)
     assert args.fractions == [] and args.large_gb == 32 and args.lookaheads == [4]
+
+
+@pytest.mark.slow
+def test_stream_bench_scores_each_window_before_training_on_it(tmp_path):
+    """`dlrm-jax bench stream` as a user runs it: the three ways of ids to rows on one stream,
+    each window scored, the schema the issue names; the dynamic tables evict and admit."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "stream.json"
+    sets = ["mesh.devices=2", "train.batch_size=512", "model.bottom_mlp=[16]", "model.top_mlp=[16, 1]"]
+    stream = ["--features", "2", "--windows", "3", "--window-samples", "2048", "--born", "300", "--lifetime", "2"]
+    subprocess.run(
+        [sys.executable, "-m", "dlrm_jax", "bench", "stream", *(x for s in sets for x in ("--set", s)), *stream]
+        + ["--rows", "32", "--probes", "3", "--half-life", "4", "--output", str(out)],
+        check=True,
+        env=child_env(),
+        timeout=600,
+        capture_output=True,
+    )
+    r = json.loads(out.read_text())
+    assert [c["ids"] for c in r["cases"]] == ["dynamic", "hashed", "vocab"]
+    assert r["distinct_ids_per_row"] > 10 and 0.5 < r["ground_truth_auc"] < 1
+    for c in r["cases"]:
+        assert [w["window"] for w in c["windows"]] == [1, 2]
+        assert all(0 < w["auc"] < 1 and w["logloss"] > 0 for w in c["windows"])
+        assert c["mean_auc_last_half"] == pytest.approx(np.mean([w["auc"] for w in c["windows"][1:]]))
+        assert c["samples_per_s"] > 0
+    dynamic = r["cases"][0]
+    assert dynamic["evicted"] > 0 and dynamic["admitted"] > dynamic["evicted"]

@@ -188,6 +188,45 @@ def _collectives_arguments(p) -> None:
     add_json_output(p)
 
 
+def _stream_arguments(p) -> None:
+    add_config_args(p)  # the model (model.*), the batch, the learning rates, the mesh
+    s = p.add_argument_group("the drifting stream (data/sources/drifting.py)")
+    s.add_argument("--features", type=POSITIVE, default=8, help="categorical features (default 8)")
+    s.add_argument("--windows", type=POSITIVE, default=12, help="time windows (default 12)")
+    s.add_argument("--window-samples", type=POSITIVE, default=65_536, help="samples per window (default 65536)")
+    s.add_argument("--born", type=POSITIVE, default=20_000, help="new ids per feature and window (default 20000)")
+    s.add_argument("--lifetime", type=POSITIVE, default=4, help="windows an id is seen in (default 4)")
+    s.add_argument("--seed", type=COUNT, default=0)
+    m = p.add_argument_group("the tables and the dynamic tables' maps")
+    m.add_argument("--rows", type=POSITIVE, default=8192, help="rows per table, every case (default 8192)")
+    m.add_argument("--vshards", type=POSITIVE, default=8, help="virtual shards of a map (default 8)")
+    m.add_argument("--probes", type=POSITIVE, default=8, help="slots an id may live in (default 8)")
+    m.add_argument("--policy", choices=("lru", "lfu"), default="lfu", help="eviction (default lfu)")
+    m.add_argument("--half-life", type=COUNT, default=64, help="lfu: steps per halving of a count (0: none)")
+    m.add_argument("--admit", type=COUNT, default=2, help="sightings before an id gets a row (default 2)")
+    p.add_argument("--cases", type=names("dynamic", "hashed", "vocab"), default=["dynamic", "hashed", "vocab"])
+    add_json_output(p)
+
+
+def _stream(args) -> None:
+    cfg = load_config(args.config, args.overrides)
+    start_jax(devices_for(cfg), args)
+    from dlrm_jax.bench.stream import bench_stream
+    from dlrm_jax.data.sources.drifting import DriftingStream
+    from dlrm_jax.embedding.dynamic.idmap import MapSpec
+
+    stream = DriftingStream(
+        features=args.features,
+        windows=args.windows,
+        window_samples=args.window_samples,
+        born_per_window=args.born,
+        lifetime=args.lifetime,
+        seed=args.seed,
+    )
+    spec = MapSpec(args.rows, args.vshards, args.probes, args.policy, args.half_life, args.admit)
+    bench_stream(cfg, stream, args.rows, spec, args.cases, output=args.output, log=log)
+
+
 def _train(args) -> None:
     configs = {n: tighten_cap(load_config(n, args.overrides), args.max_rows) for n in args.configs.split(",") if n}
     start_jax(max(devices_for(c) for c in configs.values()), args)
@@ -310,5 +349,10 @@ SUITES = {
     ),
     "collectives": Suite(
         "all-to-all vs all-reduce bandwidth on the current devices", _collectives_arguments, _collectives
+    ),
+    "stream": Suite(
+        "dynamic vs hashed vs first-window vocabulary ids on a drifting stream, progressive validation",
+        _stream_arguments,
+        _stream,
     ),
 }
