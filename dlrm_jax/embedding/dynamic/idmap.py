@@ -188,9 +188,12 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
     local = jnp.clip(local, 0, shards - 1)
     home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % jnp.uint32(slots - 1)).astype(jnp.int32)
     probe = local[:, None] * slots + 1 + (home[:, None] + jnp.arange(spec.probes)) % (slots - 1)  # [U, P]
-    match = m.used[probe] & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
+    used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
+    match = used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
     found = real & jnp.any(match, axis=1)
-    found_row = jnp.take_along_axis(probe, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
+    found_at = jnp.argmax(match, axis=1)[:, None]
+    found_row = jnp.take_along_axis(probe, found_at, axis=1)[:, 0]
+    decayed = _decayed(spec, m.count[probe], last_seen, step)
 
     sketch, admitted = m.sketch, real if learn else found
     if spec.counts and learn:
@@ -207,17 +210,16 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
 
     # Placement: free slots first, then the policy's victims; the smallest id wins a contested slot.
     rows_n = m.used.shape[0]
-    decayed = _decayed(spec, m.count, m.last_seen, step)
-    primary = jnp.where(m.used, m.last_seen if spec.policy == "lru" else decayed, _FREE)
-    secondary = jnp.where(m.used, m.last_seen, _FREE) if spec.policy == "lfu" else jnp.zeros_like(primary)
+    primary = jnp.where(used, last_seen if spec.policy == "lru" else decayed, _FREE)
+    secondary = jnp.where(used, last_seen, _FREE) if spec.policy == "lfu" else jnp.zeros_like(primary)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
     placed = jnp.full(n, -1, jnp.int32)
     rank = jnp.arange(n, dtype=jnp.int32)  # distinct ids are sorted: rank order is id order
     for _ in range(spec.probes):
-        k1 = jnp.where(taken[probe], _TAKEN, primary[probe])
+        k1 = jnp.where(taken[probe], _TAKEN, primary)
         best1 = jnp.min(k1, axis=1, keepdims=True)
-        k2 = jnp.where(k1 == best1, secondary[probe], _TAKEN)
+        k2 = jnp.where(k1 == best1, secondary, _TAKEN)
         best2 = jnp.min(k2, axis=1, keepdims=True)
         pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
         asks = pending & (best1[:, 0] < _TAKEN)
@@ -234,7 +236,7 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
 
     seen_at = jnp.where(found, found_row, at)
     now = jnp.asarray(step, jnp.int32)
-    kept = jnp.where(found, decayed[jnp.clip(found_row, 0)], 0)
+    kept = jnp.where(found, jnp.take_along_axis(decayed, found_at, axis=1)[:, 0], 0)
     new_map = IdMap(
         m.key_hi.at[at].set(uhi, mode="drop"),
         m.key_lo.at[at].set(ulo, mode="drop"),

@@ -69,31 +69,30 @@ class DynamicTables:
             out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step, learn)
             if learn:
                 maps[t] = out.map
-                emb = self._reset(t, emb, out.fresh, out.map, key)
+                emb = self._reset(t, emb, out.fresh, out.map, key, most=hi.size)
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), starts[t], axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
 
-    def _reset(self, t: int, emb: EmbeddingState, fresh, m: IdMap, key) -> EmbeddingState:
+    def _reset(self, t: int, emb: EmbeddingState, fresh, m: IdMap, key, most: int) -> EmbeddingState:
+        """The fresh rows of table ``t`` reset; a batch of ``most`` ids makes at most that many,
+        so only that many rows are written (never the whole block)."""
         g, vt = self._where[t]
+        k = min(vt.block, most)
         opt = self.collection.optimizer
         scale = 1.0 / self.maps[t].rows ** 0.5
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
 
         def local(table, slots, fresh, key_hi, key_lo):
+            at = jnp.nonzero(fresh, size=k, fill_value=vt.block)[0]  # this device's fresh rows
+            row = jnp.where(at < vt.block, vt.offset + at, table.shape[0])  # padding: dropped
+            at = jnp.minimum(at, vt.block - 1)
             cols = vt.col_start + lax.iota(jnp.int32, g.width)
-            u = hash_uniform(
-                seed_2, jnp.full((vt.block, 1), vt.table, jnp.int32), id_hash(key_hi, key_lo)[:, None], cols[None, :]
-            )
-            start = ((2.0 * u - 1.0) * scale).astype(table.dtype)
-            rows = slice(vt.offset, vt.offset + vt.block)
-            table = table.at[rows].set(jnp.where(fresh[:, None], start, table[rows]))
-            initial = opt.init(jnp.zeros((vt.block, g.width), table.dtype))
-            slots = {
-                k: v.at[rows].set(jnp.where(fresh.reshape(-1, *([1] * (v.ndim - 1))), initial[k], v[rows]))
-                for k, v in slots.items()
-            }
-            return table, slots
+            ids = id_hash(key_hi[at], key_lo[at])
+            u = hash_uniform(seed_2, jnp.full((k, 1), vt.table, jnp.int32), ids[:, None], cols[None, :])
+            table = table.at[row].set(((2.0 * u - 1.0) * scale).astype(table.dtype), mode="drop")
+            initial = opt.init(jnp.zeros((k, g.width), table.dtype))
+            return table, {name: v.at[row].set(initial[name], mode="drop") for name, v in slots.items()}
 
         table, slots = jax.shard_map(
             local,
