@@ -8,7 +8,18 @@ import dlrm_jax
 
 # Bottom first. A module may import its own unit and the units before it, never one after.
 LAYERS = [
-    ("ids", "hashing", "choices", "config_schema", "config", "files", "hostmem", "stopping", "config_doc"),
+    (
+        "ids",
+        "hashing",
+        "choices",
+        "config_schema",
+        "config_renames",
+        "config",
+        "files",
+        "hostmem",
+        "stopping",
+        "config_doc",
+    ),
     ("parallel",),
     ("observe",),
     ("data",),
