@@ -196,7 +196,7 @@ def _stream_arguments(p) -> None:
     s.add_argument("--window-samples", type=POSITIVE, default=65_536, help="samples per window (default 65536)")
     s.add_argument("--born", type=POSITIVE, default=20_000, help="new ids per feature and window (default 20000)")
     s.add_argument("--lifetime", type=POSITIVE, default=4, help="windows an id is seen in (default 4)")
-    s.add_argument("--seed", type=COUNT, default=0)
+    s.add_argument("--seed", type=COUNT, default=0, help="the stream's seed: its ids, effects and samples (default 0)")
     m = p.add_argument_group("the tables and the dynamic tables' maps")
     m.add_argument("--rows", type=POSITIVE, default=8192, help="rows per table, every case (default 8192)")
     m.add_argument("--vshards", type=POSITIVE, default=8, help="virtual shards of a map (default 8)")
@@ -204,7 +204,12 @@ def _stream_arguments(p) -> None:
     m.add_argument("--policy", choices=("lru", "lfu"), default="lfu", help="eviction (default lfu)")
     m.add_argument("--half-life", type=COUNT, default=64, help="lfu: steps per halving of a count (0: none)")
     m.add_argument("--admit", type=COUNT, default=2, help="sightings before an id gets a row (default 2)")
-    p.add_argument("--cases", type=names("dynamic", "hashed", "vocab"), default=["dynamic", "hashed", "vocab"])
+    p.add_argument(
+        "--cases",
+        type=names("dynamic", "hashed", "vocab"),
+        default=["dynamic", "hashed", "vocab"],
+        help="comma-separated, of dynamic, hashed, vocab (default: all)",
+    )
     add_json_output(p)
 
 
