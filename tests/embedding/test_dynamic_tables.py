@@ -68,9 +68,7 @@ def run(devices: int, optimizer: str, steps: int):
 
 
 @pytest.mark.slow  # 8-16 s each on 2 cores
-@pytest.mark.parametrize(
-    ("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "sgd"), (8, "rowwise_adagrad")]
-)
+@pytest.mark.parametrize(("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "sgd"), (8, "rowwise_adagrad")])
 def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
     counts = dict.fromkeys(STATS, 0)
     for t, (got, want) in enumerate(zip(run(devices, optimizer, 40), run(1, optimizer, 40), strict=True)):
