@@ -34,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dlrm_jax.hashing import mix32
 
@@ -216,7 +217,9 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
     pending = admitted & ~found
     placed = jnp.full(n, -1, jnp.int32)
     rank = jnp.arange(n, dtype=jnp.int32)  # distinct ids are sorted: rank order is id order
-    for _ in range(spec.probes):
+
+    def round_(carry):
+        r, _, taken, placed, pending = carry
         k1 = jnp.where(taken[probe], _TAKEN, primary)
         best1 = jnp.min(k1, axis=1, keepdims=True)
         k2 = jnp.where(k1 == best1, secondary, _TAKEN)
@@ -228,7 +231,13 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
         wins = asks & (winner[target] == rank)
         placed = jnp.where(wins, target, placed)
         taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-        pending = pending & ~wins
+        return r + 1, jnp.any(asks), taken, placed, pending & ~wins
+
+    # At most ``probes`` rounds; a round in which no id asks changes nothing, and neither would
+    # any after it, so the loop ends there (most batches settle in one or two rounds).
+    # (the flag and the rows derived from the batch: inside shard_map they vary by device like it)
+    carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
+    _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < spec.probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     fresh = jnp.zeros(rows_n, bool).at[at].set(True, mode="drop")
