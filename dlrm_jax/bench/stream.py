@@ -83,7 +83,7 @@ class _Case:
         self.vocab = None
         self.train_step, self.scores = jax.jit(self._train_step, donate_argnums=(0, 1, 2)), jax.jit(self._scores)
 
-    def _rows(self, emb, maps, dense, hi, lo, ids, step, learn):
+    def _rows(self, emb, maps, hi, lo, ids, step, learn):
         stats = {}
         if self.dyn is not None:
             raw = {
@@ -97,7 +97,7 @@ class _Case:
         return nnx.merge(self.graphdef, params)(dense, pooled)
 
     def _train_step(self, params, opt_state, emb, maps, dense, hi, lo, ids, labels, step):
-        emb, maps, ids, stats = self._rows(emb, maps, dense, hi, lo, ids, step, True)
+        emb, maps, ids, stats = self._rows(emb, maps, hi, lo, ids, step, True)
         pooled, res = self.coll.lookup(emb, ids)
         loss_fn = lambda p, pooled: jnp.mean(bce_loss(self._logits(p, dense, pooled), labels))
         loss, (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, pooled)
@@ -107,7 +107,7 @@ class _Case:
         return optax.apply_updates(params, updates), opt_state, emb, maps, loss, totals
 
     def _scores(self, params, emb, maps, dense, hi, lo, ids):
-        _, _, ids, _ = self._rows(emb, maps, dense, hi, lo, ids, 0, False)
+        _, _, ids, _ = self._rows(emb, maps, hi, lo, ids, 0, False)
         return jax.nn.sigmoid(self._logits(params, dense, self.coll.lookup(emb, ids)[0]))
 
     def host_ids(self, ids: np.ndarray) -> np.ndarray:

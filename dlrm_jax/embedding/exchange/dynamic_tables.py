@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -60,17 +61,15 @@ class DynamicTables:
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
         Traceable: call it inside the step."""
-        stats, slot = {}, 0
-        starts = {}
-        for t, spec in enumerate(self.collection.plan.tables):
-            starts[t], slot = slot, slot + spec.spec.bag_size
+        stats = {}
+        starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])  # each feature's first slot
         for t, spec in self.maps.items():
             hi, lo, valid = raw[t]
             out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step, learn)
             if learn:
                 maps[t] = out.map
                 emb = self._reset(t, emb, out.fresh, out.map, key, most=hi.size)
-            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), starts[t], axis=1)
+            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), int(starts[t]), axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
 
