@@ -96,6 +96,20 @@ class Storage(enum.StrEnum):
     TIERED = "tiered"
 
 
+class Ids(enum.StrEnum):
+    """How a categorical value becomes a table row (``embedding.ids``, ``embedding.table_ids``)."""
+
+    VOCAB = "vocab"  # the data's row ids as they come (a vocabulary or a hash, fixed before training)
+    DYNAMIC = "dynamic"  # raw 64-bit ids mapped to rows as training runs: no collisions, eviction
+
+
+class EvictionPolicy(enum.StrEnum):
+    """Which id a dynamic table's full probes give up (``embedding.dynamic.policy``)."""
+
+    LRU = "lru"  # the id seen least recently
+    LFU = "lfu"  # the id seen least often, counts halving every half_life steps
+
+
 class DramPolicy(enum.StrEnum):
     """How a tiered table's DRAM cache chooses what to keep (``embedding.tier.policy``)."""
 

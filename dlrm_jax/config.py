@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from dlrm_jax.choices import Storage, Strategy
+from dlrm_jax.choices import Ids, Storage, Strategy
 from dlrm_jax.config_renames import RENAMED_KEYS, with_current_keys  # noqa: F401 - RENAMED_KEYS re-exported
 from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's one public home
     CONFIG_DIR,
@@ -27,6 +27,7 @@ from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's o
     Config,
     ConfigError,
     DataConfig,
+    DynamicConfig,
     EmbeddingConfig,
     HotConfig,
     MeshConfig,
@@ -445,6 +446,8 @@ def _check_embedding(cfg: Config) -> None:
     e = cfg.embedding
     _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY", tuple(Strategy), "cat_2=row")
     _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", tuple(Storage), "cat_2=tiered")
+    _check_table_overrides("embedding.table_ids", e.table_ids, "IDS", tuple(Ids), "cat_2=dynamic")
+    _check_dynamic(cfg)
     if not e.tables_per_host:
         return
     if e.hot.rows != 0:
@@ -465,6 +468,29 @@ def _check_embedding(cfg: Config) -> None:
             f"embedding.sync_every={e.sync_every}: host replicas (embedding.sync=host_replicas) "
             "stay equal by construction and are never averaged; set embedding.sync_every=0"
         )
+
+
+def _check_dynamic(cfg: Config) -> None:
+    """Dynamic tables (embedding.ids, embedding.table_ids): row-wise, on the devices, in DLRM."""
+    e = cfg.embedding
+    if e.ids != Ids.DYNAMIC and not any(item.endswith("=dynamic") for item in e.table_ids):
+        return
+    what = "embedding.ids=dynamic" if e.ids == Ids.DYNAMIC else "dynamic tables (embedding.table_ids)"
+    for item in e.table_sharding:
+        name, _, strategy = item.partition("=")
+        if e.ids_of(name) == Ids.DYNAMIC and strategy != Strategy.ROW:
+            raise ConfigError(
+                f"embedding.table_sharding: {item!r}: table {name} takes raw ids ({what}) and a dynamic table "
+                f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
+            )
+    if e.hot.rows != 0:
+        raise ConfigError(f"{what}: hot rows (embedding.hot.rows) are not supported with dynamic tables yet")
+    _not_with(what, e, per_host=True, tiered=True)
+    if cfg.model.kind == "wide_deep":
+        raise ConfigError(f"{what}: model.kind=wide_deep reads the batch's ids in its wide part; use model.kind=dlrm")
+    v = e.dynamic.vshards
+    if v & (v - 1):
+        raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")
 
 
 def _check_mesh(cfg: Config) -> None:

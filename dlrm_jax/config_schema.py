@@ -17,6 +17,8 @@ from dlrm_jax.choices import (
     SPARSE_OPTIMIZER_KINDS,
     BagExchange,
     DramPolicy,
+    EvictionPolicy,
+    Ids,
     IdsExchange,
     Interaction,
     MlpParallel,
@@ -413,6 +415,50 @@ class TierConfig:
 
 
 @dataclass(frozen=True)
+class DynamicConfig:
+    """Dynamic tables (``embedding.ids=dynamic``): raw 64-bit ids mapped to rows on their owners
+    as training runs (embedding/dynamic/; [dynamic tables](dynamic-tables.md))."""
+
+    rows: float = field(
+        default=0.0,
+        metadata=NONNEG
+        | doc(
+            "rows of each dynamic table: a number (>= 1) or a fraction (< 1) of its feature's values "
+            "(`data.cardinalities`); 0 = one row per value. Rounded up to whole `vshards`"
+        ),
+    )
+    policy: str = field(
+        default="lru",
+        metadata=_choices(*EvictionPolicy)
+        | doc("which id a new one evicts when its probes are full: seen least recently (`lru`) or least often (`lfu`)"),
+    )
+    half_life: int = field(
+        default=0, metadata=NONNEG | doc("`lfu`: steps after which an id's count halves unless it is seen; 0 = never")
+    )
+    admit: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "sightings before a new id gets a row of its own (0 or 1: at once); until then it shares its "
+            "shard's row for new ids"
+        ),
+    )
+    probes: int = field(default=8, metadata=POS | doc("slots an id may live in, after its home slot"))
+    vshards: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "virtual shards per table, a power of two (each has its own shared row; a device holds whole "
+            "ones, so a checkpoint restores onto any device count dividing them); 0 = up to 256, at "
+            "least 4 x (probes + 1) rows each"
+        ),
+    )
+    sketch_width: int = field(
+        default=1024, metadata=POS | doc("`admit` > 1: counters per row of each shard's count-min sketch (4 rows)")
+    )
+
+
+@dataclass(frozen=True)
 class EmbeddingConfig:
     sharding: str = field(
         default="auto",
@@ -507,6 +553,19 @@ class EmbeddingConfig:
             "measured on a GPU ([sharding](sharding.md#the-sparse-update))"
         ),
     )
+    ids: str = field(
+        default="vocab",
+        metadata=_choices(*Ids)
+        | doc(
+            "how a value becomes a row: the data's ids as they are (`vocab`: a vocabulary or a hash fixed "
+            "before training) or `dynamic`: raw 64-bit ids mapped to rows without collisions, evicting "
+            "ids that stopped appearing ([dynamic tables](dynamic-tables.md))"
+        ),
+    )
+    table_ids: tuple[str, ...] = field(
+        default=(), metadata=doc("per-table overrides of `ids`, e.g. `[cat_2=dynamic, cat_9=vocab]`")
+    )
+    dynamic: DynamicConfig = DynamicConfig()
     memory_budget_gb: float = field(
         default=0.0,
         metadata=NONNEG
@@ -541,6 +600,10 @@ class EmbeddingConfig:
         metadata=NONNEG
         | doc("`per_host`: average the tables and their optimizer state over hosts every N steps; 0 = never"),
     )
+
+    def ids_of(self, table: str) -> str:
+        """How the table named ``table`` takes ids: its ``table_ids`` override, else ``ids``."""
+        return dict(item.partition("=")[::2] for item in self.table_ids).get(table, self.ids)
 
     @property
     def tables_per_host(self) -> bool:
@@ -649,6 +712,11 @@ class Config:
         """Maximum ids per sample for each feature (1 = one-hot)."""
         b = self.data.bag_sizes
         return tuple(b) * self.num_features if len(b) == 1 else tuple(b)
+
+    @property
+    def dynamic_tables(self) -> tuple[int, ...]:
+        """The features whose tables take raw ids (``embedding.ids``, ``embedding.table_ids``)."""
+        return tuple(f for f in range(self.num_features) if self.embedding.ids_of(f"cat_{f}") == Ids.DYNAMIC)
 
     @property
     def embedding_learning_rate(self) -> float:

@@ -4,6 +4,21 @@ A batch's ids are table-local row numbers, each feature's bag after the previous
 ``PAD_ID`` marks an empty slot of a bag (never a valid row). Data sources write them, the
 exchange routes them, serving reads them: this module, at the bottom, is the one home of the
 convention, so the exchange needs nothing of ``data/``.
+
+A dynamic table's feature (``embedding.ids=dynamic``) holds placeholders there (any row, or
+``PAD_ID`` for an empty slot): its raw 64-bit ids travel beside them (:func:`raw_columns`), or,
+where a source has none, the placeholders themselves are the raw ids, and the step's id map
+turns them into rows.
 """
 
+import numpy as np
+
 PAD_ID = -1
+
+
+def raw_columns(values):
+    """A batch's raw 64-bit ids of its dynamic tables' features (numpy int64/uint64 [B, R], the
+    bags one after another in table order) as the batch carries them: uint32 [B, 2, R], the
+    high halves then the low ones (devices hold 32-bit words)."""
+    u = np.asarray(values).astype(np.uint64)
+    return np.stack([(u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=1)

@@ -28,6 +28,36 @@ class Batch(NamedTuple):
         return int(self.labels.shape[0])
 
 
+class RawBatch(NamedTuple):
+    """A :class:`Batch` with the raw 64-bit ids of its dynamic tables' features beside it
+    (``embedding.ids=dynamic``), from a source that has them (Criteo text's values):
+
+    raw:    uint32  [B, 2, R]  as ``dlrm_jax.ids.raw_columns`` lays them out; the dynamic
+                               features' slots of ``ids`` are placeholders (PAD_ID: empty)
+
+    A source without raw ids yields plain Batches: the dynamic features' ids serve as raw ids."""
+
+    dense: np.ndarray
+    ids: np.ndarray
+    labels: np.ndarray
+    raw: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def take(batch: Batch | RawBatch, rows) -> Batch | RawBatch:
+    """The batch of rows ``rows`` (an index or slice of the batch axis) of each field."""
+    return type(batch)(*(x[rows] for x in batch))
+
+
+def padded(batch: Batch | RawBatch, n: int) -> Batch | RawBatch:
+    """The batch with zero rows appended up to ``n`` rows."""
+    pad = lambda x: np.concatenate([x, np.zeros((n - len(x), *x.shape[1:]), x.dtype)]) if len(x) < n else x
+    return type(batch)(*(pad(x) for x in batch))
+
+
 class DataSource(Protocol):
     """Deterministic batches: the same (step, process) always gives the same data."""
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import Batch, DataSource
+from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import padded as pad_batch
 from dlrm_jax.observe.metrics import log_loss, roc_auc
 from dlrm_jax.train.progress import Evaluation
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -100,12 +101,7 @@ def eval_scores(
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     for batch in source.eval_batches():
         n = batch.size
-        padded = Batch(
-            *(
-                np.concatenate([x, np.zeros((per_process - n, *x.shape[1:]), x.dtype)]) if n < per_process else x
-                for x in batch
-            )
-        )
+        padded = pad_batch(batch, per_process)
         if runner is not None:
             ids_padded, pooled = runner.eval_inputs(state, padded)
             out = steps.eval_step(state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding))

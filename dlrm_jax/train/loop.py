@@ -222,6 +222,8 @@ class TrainingLoop:
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))
         event.update({k: host_scalar(v) for k, v in self.steps.collection.step_metrics(state.emb).items()})
+        event.update(self.watch.take_id_maps())
+        event.update({k: host_scalar(v) for k, v in self.steps.map_metrics(state).items()})
         return event
 
     def evaluate(self, step: int, state: TrainState, event: dict, todo: Plan) -> Plan:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import optax
 from flax import nnx
 
+from dlrm_jax.embedding.dynamic.idmap import MapSpec
 from dlrm_jax.model.parts import SparsePart
 
 
@@ -20,7 +21,8 @@ class StepSpec:
     rate per step, ``emb_lr_scale``: the tables' learning rate over the dense part's, ``seed``:
     of the parameters and the tables, ``batch_size``: the global batch, ``bag_sizes`` and
     ``num_dense``: the batch's shape, ``mlp_parallel`` and ``microbatches``: the dense layers'
-    layout over a model group's devices."""
+    layout over a model group's devices, ``maps``: {table index: its id map} of the tables
+    taking raw ids (``wiring.dynamic_maps``; embedding/dynamic)."""
 
     dense: Callable[[nnx.Rngs], nnx.Module]
     parts: Mapping[str, SparsePart]
@@ -33,12 +35,15 @@ class StepSpec:
     num_dense: int
     mlp_parallel: str = "data"
     microbatches: int = 1
+    maps: Mapping[int, MapSpec] = field(default_factory=dict)
 
     def __post_init__(self):
-        taken = set(self.parts) & set(CORE_FIELDS)
+        taken = set(self.parts) & {*CORE_FIELDS, MAPS}
         if taken:
             raise ValueError(f"a sparse part may not be named {sorted(taken)[0]!r}: the train state's own field")
 
 
-# The train state's own fields; checkpoints hold the parts beside them, by name (train/state.py).
+# The train state's own fields; checkpoints hold the parts beside them, by name, and the
+# dynamic tables' id maps under MAPS when there are any (train/state.py).
 CORE_FIELDS = ("step", "params", "opt_state", "emb")
+MAPS = "maps"

@@ -15,7 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.config import ConfigError
+from dlrm_jax.embedding.dynamic.idmap import IdMap
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -26,7 +28,7 @@ from dlrm_jax.model.mlp_parallel import (
     tensor_param_specs,
 )
 from dlrm_jax.parallel.mesh import MODEL_AXIS
-from dlrm_jax.train.spec import CORE_FIELDS, StepSpec
+from dlrm_jax.train.spec import CORE_FIELDS, MAPS, StepSpec
 
 
 class TrainState(NamedTuple):
@@ -35,7 +37,9 @@ class TrainState(NamedTuple):
     step: int32 []; params: the dense model's parameters (nested dict, replicated);
     opt_state: optax state of the dense part; emb: tables and sparse optimizer state;
     parts: each extra sparse part's state by its name (:mod:`dlrm_jax.model.parts`;
-    Wide&Deep's ``wide``: :class:`~dlrm_jax.model.wide.WideState`), else empty.
+    Wide&Deep's ``wide``: :class:`~dlrm_jax.model.wide.WideState`), else empty; maps: the
+    dynamic tables' id maps by table name (:class:`~dlrm_jax.embedding.dynamic.idmap.IdMap`),
+    else empty.
     """
 
     step: jax.Array
@@ -43,16 +47,21 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     emb: EmbeddingState
     parts: dict = {}  # noqa: RUF012 - never mutated: an empty pytree node
+    maps: dict = {}  # noqa: RUF012 - the same
 
     def saved_tree(self) -> dict:
         """The tree checkpoints hold: the parts beside the state's own fields, each under its
-        name (a Wide&Deep checkpoint's ``wide`` is where it always was)."""
-        return {**{k: getattr(self, k) for k in CORE_FIELDS}, **self.parts}
+        name (a Wide&Deep checkpoint's ``wide`` is where it always was), and the id maps, when
+        there are any, under ``maps`` (each a dict of its arrays)."""
+        maps = {MAPS: {k: m._asdict() for k, m in self.maps.items()}} if self.maps else {}
+        return {**{k: getattr(self, k) for k in CORE_FIELDS}, **self.parts, **maps}
 
     @classmethod
     def from_saved_tree(cls, tree: dict) -> TrainState:
         """Inverse of :meth:`saved_tree`."""
-        return cls(**{k: tree[k] for k in CORE_FIELDS}, parts={k: v for k, v in tree.items() if k not in CORE_FIELDS})
+        maps = {k: IdMap(**m) for k, m in tree.get(MAPS, {}).items()}
+        parts = {k: v for k, v in tree.items() if k not in (*CORE_FIELDS, MAPS)}
+        return cls(**{k: tree[k] for k in CORE_FIELDS}, parts=parts, maps=maps)
 
 
 class StateLayout:
@@ -70,6 +79,7 @@ class StateLayout:
     ):
         self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
         self.tx, self.parts = spec.tx, spec.parts
+        self.dynamic = DynamicTables(collection, spec.maps) if spec.maps else None
         model = spec.dense(nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
@@ -133,7 +143,8 @@ class StateLayout:
         )
         emb = self.collection.state_sharding()
         parts = {name: part.state_sharding() for name, part in self.parts.items()}
-        return TrainState(self.replicated, params_sharding, opt_sharding, emb, parts)
+        maps = self.dynamic.maps_sharding() if self.dynamic else {}
+        return TrainState(self.replicated, params_sharding, opt_sharding, emb, parts, maps)
 
     def _map_params(self, fn, tree):
         """``fn`` applied to every subtree of ``tree`` shaped like the (packed) parameters."""
@@ -168,7 +179,8 @@ class StateLayout:
         if self.hot is not None and hot:
             emb = self.collection.refresh(emb, self.hot_keys())
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return TrainState(step, params, opt, emb, {name: part.init() for name, part in self.parts.items()})
+        parts = {name: part.init() for name, part in self.parts.items()}
+        return TrainState(step, params, opt, emb, parts, self.dynamic.init_maps() if self.dynamic else {})
 
     def hot_keys(self) -> np.ndarray:
         """The hot set the schedule's statistics now rank hottest (``hot.index.hot_keys``)."""

@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.data.batch import Batch
+from dlrm_jax.data.batch import Batch, RawBatch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, unpacked
+from dlrm_jax.embedding.dynamic.idmap import STATS
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -75,6 +76,11 @@ class StepFunctions:
         self.init_state, self.abstract_state = layout.init, layout.abstract
         self.checkpoint_form, self.from_checkpoint_form = layout.checkpoint_form, layout.from_checkpoint_form
         self.hot_keys, self.embedding_key = layout.hot_keys, layout.embedding_key
+        self.dynamic = layout.dynamic  # the dynamic tables' id maps (embedding.ids), or None
+        if self.dynamic is not None:
+            rows = sum(spec.rows for spec in self.dynamic.maps.values())
+            used = lambda maps: sum(jnp.sum(m.used, dtype=jnp.int32) for m in maps.values()) / rows
+            self._map_fill = jax.jit(used, out_shardings=NamedSharding(mesh, P()))
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         b = self.batch_sharding
@@ -111,13 +117,20 @@ class StepFunctions:
             self._state_check, in_shardings=(self.state_sharding, self.batch_sharding), out_shardings=self.replicated
         )
 
+    def map_metrics(self, state: TrainState) -> dict:
+        """The dynamic tables' maps now: ``map_fill``, the share of their rows holding an id
+        (replicated scalars; empty without dynamic tables). Read at log windows, not per step."""
+        if self.dynamic is None:
+            return {}
+        return {"map_fill": self._map_fill(state.maps)}
+
     def device_batch(self, batch: Batch | HostPacked) -> Batch | Packed:
         """This process's numpy slice -> one global array per field, sharded over the mesh (one
         call for the three: a single process puts them in one batched transfer); a packed one
         -> one array of bytes the train step unpacks (:mod:`dlrm_jax.data.packed`)."""
         if isinstance(batch, HostPacked):
             return Packed(jax.make_array_from_process_local_data(self.batch_sharding, batch.buf), batch.layout)
-        return Batch(*jax.make_array_from_process_local_data(self.batch_sharding, tuple(batch)))
+        return type(batch)(*jax.make_array_from_process_local_data(self.batch_sharding, tuple(batch)))
 
     def packed_layout(self) -> PackedLayout:
         """How this process's slice of a batch is packed: a shard per local device."""
@@ -140,6 +153,21 @@ class StepFunctions:
         looked = {name: part.lookup(state.parts[name], ids) for name, part in self.parts.items()}
         return {k: v[0] for k, v in looked.items()}, {k: v[1] for k, v in looked.items()}
 
+    def _rows_of(self, state: TrainState, batch: Batch | RawBatch, learn: bool) -> tuple[TrainState, Batch, dict]:
+        """With dynamic tables, the batch's raw ids through their maps: (the state with the
+        maps after the batch and the rows given to new ids reset, the batch with rows for
+        ids, ``{"id_map_counts"}``: the maps' counts summed over the tables, int32 in
+        ``embedding.dynamic.idmap.STATS`` order). ``learn=False``: the maps are read only
+        (evaluation). Without dynamic tables: all unchanged."""
+        if self.dynamic is None:
+            return state, batch, {}
+        raw = self.dynamic.raw_ids(batch.ids, getattr(batch, "raw", None))
+        emb, maps, ids, stats = self.dynamic.resolve(
+            state.emb, state.maps, raw, batch.ids, state.step, self.embedding_key(), learn
+        )
+        counts = jnp.stack([sum(s[k] for s in stats.values()) for k in STATS])
+        return state._replace(emb=emb, maps=maps), Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts}
+
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}
         tables, slots, evicted = fill_caches(groups, self.mesh, emb.tables, emb.slots, fills, prev)
@@ -154,6 +182,7 @@ class StepFunctions:
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
+            state, batch, map_metrics = self._rows_of(state, batch, learn=True)
             pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
             part_inputs, part_res = self._part_lookups(state, batch.ids)
 
@@ -174,10 +203,10 @@ class StepFunctions:
                 name: part.apply_gradients(state.parts[name], part_res[name], grad_parts[name])
                 for name, part in self.parts.items()
             }
-        metrics = {"loss": loss, "exchange_overflows": res.overflow}
+        metrics = {"loss": loss, "exchange_overflows": res.overflow, **map_metrics}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
-        new_state = TrainState(state.step + 1, params, opt_state, emb, parts)
+        new_state = TrainState(state.step + 1, params, opt_state, emb, parts, state.maps)
         return new_state, metrics, evicted
 
     def _state_check(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -185,6 +214,7 @@ class StepFunctions:
         replicated scalars; nothing trained. A train step reports the loss of the state it
         starts from, so its own update shows only here (or in the next step's loss)."""
         batch = unpacked(batch, self.mesh, self.batch_sharding.spec)
+        state, batch, _ = self._rows_of(state, batch, learn=False)
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
         loss = jnp.mean(
             bce_loss(
@@ -197,7 +227,9 @@ class StepFunctions:
     def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
         """``host_pooled``: with tiered tables, their features' pooled vectors read on the
         host (the batch's ids of those tables are padding here). Per host: each host looks up
-        its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average)."""
+        its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average).
+        Dynamic tables: an id without a row reads its shard's shared row."""
+        state, batch, _ = self._rows_of(state, batch, learn=False)
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled

@@ -7,6 +7,7 @@ import math
 import jax
 import numpy as np
 
+from dlrm_jax.embedding.dynamic.idmap import STATS
 from dlrm_jax.parallel.mesh import host_scalar
 
 
@@ -25,6 +26,7 @@ class LossWatch:
         self.max_ratio, self.reference = max_ratio, reference
         self.total, self.steps, self.overflows = 0.0, 0, 0
         self.hot_hits, self.lookups = 0, 0
+        self.id_maps = np.zeros(len(STATS), np.int64)
 
     def add(self, step: int, out) -> None:
         loss = host_scalar(out["loss"])  # waits for that step only
@@ -33,6 +35,8 @@ class LossWatch:
         self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
         self.total, self.steps = self.total + loss, self.steps + 1
         self.overflows += int(host_scalar(out["exchange_overflows"]))
+        if "id_map_counts" in out:
+            self.id_maps += np.asarray(out["id_map_counts"].addressable_data(0))
         if "hot_counts" in out:
             hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
             self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
@@ -54,6 +58,16 @@ class LossWatch:
                 f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
                 f"nothing after the last checkpoint was saved; lower train.learning_rate"
             )
+
+    def take_id_maps(self) -> dict:
+        """The dynamic tables' counts since the last call (empty without dynamic tables): ids
+        looked up, found in their maps, admitted (given a row), rows evicted, ids held back by
+        admission and ids that found no free slot, and the share of lookups found."""
+        counts = dict(zip(STATS, self.id_maps.tolist(), strict=True))
+        self.id_maps[:] = 0
+        if not counts["lookups"]:
+            return {}
+        return {f"ids_{k}": v for k, v in counts.items()} | {"ids_found_rate": counts["found"] / counts["lookups"]}
 
     def take_window(self) -> tuple[float, int, int, float]:
         """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""

@@ -17,11 +17,13 @@ from types import MappingProxyType
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
-from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage
+from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strategy
 from dlrm_jax.config import Config, ConfigError
+from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -37,6 +39,7 @@ from dlrm_jax.embedding.plan.planner import (
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import plan_report
 from dlrm_jax.files import check_dir
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.model.dlrm import DLRMDense
 from dlrm_jax.model.parts import SparsePart
 from dlrm_jax.model.wide import WidePart
@@ -45,11 +48,36 @@ from dlrm_jax.train.spec import StepSpec
 
 
 def specs_from_config(cfg: Config) -> tuple[TableSpec, ...]:
-    """One table per categorical feature, named ``cat_<feature>``, rows capped by data.max_rows."""
+    """One table per categorical feature, named ``cat_<feature>``, rows capped by data.max_rows
+    (a dynamic table's: its map's, :func:`dynamic_maps`)."""
+    rows = list(cfg.table_rows)
+    for f, spec in dynamic_maps(cfg).items():
+        rows[f] = spec.rows
     return tuple(
-        TableSpec(f"cat_{f}", rows, cfg.model.embedding_dim, bag, Pooling(cfg.data.pooling))
-        for f, (rows, bag) in enumerate(zip(cfg.table_rows, cfg.bag_sizes, strict=True))
+        TableSpec(f"cat_{f}", r, cfg.model.embedding_dim, bag, Pooling(cfg.data.pooling))
+        for f, (r, bag) in enumerate(zip(rows, cfg.bag_sizes, strict=True))
     )
+
+
+def dynamic_maps(cfg: Config) -> dict[int, MapSpec]:
+    """{feature: its id map} of the tables taking raw ids (``embedding.ids``,
+    ``embedding.table_ids``), sized by ``embedding.dynamic``."""
+    d, out = cfg.embedding.dynamic, {}
+    for f in cfg.dynamic_tables:
+        try:
+            out[f] = MapSpec.sized(
+                cfg.table_rows[f],
+                d.rows,
+                d.vshards,
+                probes=d.probes,
+                policy=d.policy,
+                half_life=d.half_life,
+                admit=d.admit,
+                sketch_width=d.sketch_width,
+            )
+        except ValueError as e:
+            raise ConfigError(f"embedding.dynamic: table cat_{f}: {e}") from None
+    return out
 
 
 def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:
@@ -58,6 +86,19 @@ def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:
     as such)."""
     c = dataclasses.asdict(cfg.cluster)
     return cluster_for(c.pop("profile"), c, simulated)
+
+
+def dynamic_homes(cfg: Config, ids: np.ndarray) -> np.ndarray:
+    """A batch's ids with each dynamic table's (its raw ids) replaced by their home rows in
+    its map (``idmap.home_rows``): the rows its owners will see, for measuring the traffic."""
+    maps = dynamic_maps(cfg)
+    if not maps:
+        return ids
+    ids, starts = ids.copy(), np.cumsum([0, *cfg.bag_sizes])
+    for f, spec in maps.items():
+        block = ids[:, starts[f] : starts[f + 1]]
+        block[...] = np.where(block == PAD_ID, PAD_ID, home_rows(spec, block))
+    return ids
 
 
 def plan_options(
@@ -71,8 +112,9 @@ def plan_options(
     """The ``embedding.*`` keys a plan is made under, as one record (``ids_hosts``: see
     ``PlanOptions``)."""
     e = cfg.embedding
+    dynamic = {f"cat_{f}": Strategy.ROW for f in cfg.dynamic_tables}  # their maps split with their rows
     return PlanOptions(
-        overrides=parse_overrides(e.table_sharding, specs),
+        overrides=dynamic | parse_overrides(e.table_sharding, specs),
         row_layout=RowLayoutChoice(e.row_layout),
         capacity_factor=e.capacity_factor,
         dtype=e.dtype,
@@ -85,6 +127,7 @@ def plan_options(
         cluster=cluster,
         stats=stats,
         ids_hosts=ids_hosts,
+        block_rows=frozenset(dynamic),
     )
 
 
@@ -271,6 +314,7 @@ def step_spec(cfg: Config, mesh: jax.sharding.Mesh) -> StepSpec:
         num_dense=cfg.data.num_dense,
         mlp_parallel=cfg.model.mlp_parallel,
         microbatches=cfg.model.microbatches,
+        maps=dynamic_maps(cfg),
     )
 
 

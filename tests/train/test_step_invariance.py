@@ -40,12 +40,13 @@ def transfer(src_plan, state: TrainState, dst) -> TrainState:
         put(host.opt_state, s.opt_state),
         relayout(src_plan, host.emb, dst.collection),
         put(host.parts, s.parts),
+        put(host.maps, s.maps),  # a map's arrays are the same on any device count
     )
 
 
 def logical(steps, state: TrainState):
     tables, slots = steps.collection.logical_tables(state.emb)
-    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, tables, slots))]
+    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, tables, slots, state.maps))]
 
 
 CASES = [
@@ -95,3 +96,49 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
         )
         for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
+
+
+# Dynamic tables (embedding.table_ids): raw ids through id maps sharded with their tables, with
+# evictions (tables of a fifth of their values) and, on 4 devices, admission after 2 sightings.
+DYNAMIC = [(2, "lru", 0), (4, "lfu", 2), (8, "lru", 0)]
+
+
+@pytest.mark.parametrize("devices,policy,admit", DYNAMIC, ids=[f"{d}dev-{p}-admit{a}" for d, p, a in DYNAMIC])
+def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit):
+    common = [
+        "train.batch_size=64",
+        "train.learning_rate=0.1",
+        "embedding.optimizer=rowwise_adagrad",
+        "train.seed=5",
+        "data.bag_sizes=[2, 1, 3, 1]",
+        "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
+        "embedding.dynamic.rows=0.2",
+        "embedding.dynamic.vshards=8",
+        "embedding.dynamic.probes=3",
+        f"embedding.dynamic.policy={policy}",
+        "embedding.dynamic.half_life=4",
+        f"embedding.dynamic.admit={admit}",
+        "embedding.dynamic.sketch_width=64",
+    ]
+    ref_cfg = tiny(*common, "mesh.devices=1")
+    cfg = tiny(*common, f"mesh.devices={devices}")
+    source = SyntheticSource(ref_cfg)
+    ref_plan, ref = build(ref_cfg, make_mesh(1), source)
+    _, steps = build(cfg, make_mesh(devices), source)
+    assert [ref_plan.tables[t].spec.rows for t in (0, 2)] == [64, 200]
+    state, counts = ref.init_state(), np.zeros(6, np.int64)
+    for step in range(STEPS):
+        batch = source.train_batch(step)
+        other = transfer(ref_plan, state, steps)
+        state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
+        other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
+        np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
+        counts += np.asarray(ref_metrics["id_map_counts"])
+        np.testing.assert_allclose(
+            float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"step {step}"
+        )
+        for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
+    lookups, found, admitted, evicted, held_back, _ = counts
+    assert evicted > 0 and admitted > evicted and 0 < found < lookups
+    assert (held_back > 0) == (admit > 1)

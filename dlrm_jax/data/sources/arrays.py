@@ -1,7 +1,8 @@
 """A data source over numpy arrays in memory: a notebook's own data, without preprocessing.
 
 ``ArraySource(train, val, batch_size)`` takes ``(dense, ids, labels)`` arrays for each split
-(shapes as :class:`~dlrm_jax.data.batch.Batch` documents) and serves them as every source does:
+(shapes as :class:`~dlrm_jax.data.batch.Batch` documents), and for dynamic tables optionally a
+fourth, their features' raw 64-bit ids [n, R], and serves them as every source does:
 batch ``step`` is a pure function of (seed, step, process), each epoch visits the train rows in
 a new order (a keyed bijection of seed and epoch, per row: no permutation is held), every row
 once an epoch, and evaluation reads the val split once, in order, the last batch partial.
@@ -14,8 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from dlrm_jax.data.batch import Batch, check_ids, process_slice
+from dlrm_jax.data.batch import Batch, RawBatch, check_ids, process_slice, take
 from dlrm_jax.data.shuffle import KeyedPermutation
+from dlrm_jax.ids import raw_columns
 
 
 class ArraySource:
@@ -37,8 +39,8 @@ class ArraySource:
         process_index: int = 0,
         process_count: int = 1,
     ):
-        self.train = Batch(*(np.asarray(x) for x in _checked(train, "train", table_rows, bag_sizes)))
-        self.val = Batch(*(np.asarray(x) for x in _checked(val, "val", table_rows, bag_sizes)))
+        self.train = _checked(train, "train", table_rows, bag_sizes)
+        self.val = _checked(val, "val", table_rows, bag_sizes)
         self.num_train, self.num_val = self.train.size, self.val.size
         if self.num_train < batch_size:
             raise ValueError(f"ArraySource: {self.num_train} train rows, fewer than one batch of {batch_size}")
@@ -60,7 +62,7 @@ class ArraySource:
             for e in np.unique(epoch):
                 at = epoch == e
                 rows[at] = self._permutation(int(e))(within[at])
-        return Batch(*(x[rows] for x in self.train))
+        return take(self.train, rows)
 
     def _permutation(self, epoch: int) -> KeyedPermutation:
         if self._perm is None or self._perm[0] != epoch:
@@ -72,11 +74,18 @@ class ArraySource:
         for b in range(min(count, self._eval_batches) if self._eval_batches else count):
             lo = b * self._batch
             rows = np.arange(lo + self._rows.start, min(lo + self._rows.stop, self.num_val))
-            yield Batch(*(x[rows] for x in self.val))
+            yield take(self.val, rows)
 
 
-def _checked(split, name: str, table_rows, bag_sizes) -> tuple:
-    dense, ids, labels = (np.asarray(x) for x in split)
+def _checked(split, name: str, table_rows, bag_sizes) -> Batch | RawBatch:
+    """(dense, ids, labels[, raw]) checked; ``raw``: the dynamic features' raw ids, int64 or
+    uint64 [n, R] (as :func:`dlrm_jax.ids.raw_columns` takes them)."""
+    if len(split) not in (3, 4):
+        raise ValueError(f"ArraySource {name}: expected (dense, ids, labels) or (dense, ids, labels, raw)")
+    dense, ids, labels = (np.asarray(x) for x in split[:3])
+    raw = raw_columns(split[3]) if len(split) == 4 else None
+    if raw is not None and raw.shape[0] != labels.shape[0]:
+        raise ValueError(f"ArraySource {name}: raw ids have {raw.shape[0]} rows, the labels {labels.shape[0]}")
     n = labels.shape[0]
     if dense.ndim != 2 or ids.ndim != 2 or labels.ndim != 1 or dense.shape[0] != n or ids.shape[0] != n:
         raise ValueError(
@@ -92,4 +101,5 @@ def _checked(split, name: str, table_rows, bag_sizes) -> tuple:
             f"ArraySource {name}: label of row {int(np.flatnonzero((labels != 0) & (labels != 1))[0])} is not 0 or 1"
         )
     check_ids(ids, tuple(table_rows), tuple(bag_sizes), f"ArraySource {name}")
-    return dense.astype(np.float32), ids.astype(np.int32), labels.astype(np.float32)
+    fields = dense.astype(np.float32), ids.astype(np.int32), labels.astype(np.float32)
+    return Batch(*fields) if raw is None else RawBatch(*fields, raw)

@@ -29,6 +29,7 @@ ties to the least recently seen. Further ties go to the earlier probe.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -36,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlrm_jax.choices import EvictionPolicy
 from dlrm_jax.hashing import mix32
 
-POLICIES = ("lru", "lfu")
+POLICIES = tuple(EvictionPolicy)  # lru, lfu
 _SHARD_SEED, _HOME_SEED = 0x3C6EF372, 0xA54FF53A
 _SKETCH_SEEDS = (0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19, 0x6A09E667, 0xBB67AE85, 0x428A2F98, 0x71374491)
 _FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
@@ -59,6 +61,21 @@ class MapSpec(NamedTuple):
     admit: int = 0
     sketch_depth: int = 4
     sketch_width: int = 1024
+
+    @classmethod
+    def sized(cls, values: int, rows: float = 0, vshards: int = 0, **fields) -> MapSpec:
+        """The map of a table for a feature of ``values`` values: ``rows`` rows (>= 1), a
+        fraction of ``values`` (< 1) or one per value (0), rounded up to whole shards;
+        ``vshards`` (0: up to 256 shards, at least 4 x (probes + 1) rows each). ``fields``:
+        the rest of MapSpec's fields."""
+        want = values if not rows else (int(rows) if rows >= 1 else math.ceil(rows * values))
+        probes = fields.get("probes", cls._field_defaults["probes"])
+        if not vshards:
+            vshards = 256
+            while vshards > 1 and want // vshards < 4 * (probes + 1):
+                vshards //= 2
+        slots = max(-(-want // vshards), probes + 1)
+        return cls(vshards * slots, vshards, **fields).check()
 
     @property
     def slots(self) -> int:
@@ -94,7 +111,7 @@ class IdMap(NamedTuple):
     """The map's arrays for the rows of some whole shards (one device's, or all): per row the
     id it holds (``key_hi``/``key_lo``, uint32), whether it holds one (``used``), the step its id
     was last seen and its count (int32); per shard the sketch, int32 [shards, depth, width]
-    (empty without admission)."""
+    (1 x 1 and unused without admission)."""
 
     key_hi: jax.Array
     key_lo: jax.Array
@@ -126,7 +143,9 @@ def init_map(spec: MapSpec, shards: int | None = None) -> IdMap:
     """An empty map of ``shards`` whole shards (default all)."""
     shards = spec.vshards if shards is None else shards
     n = shards * spec.slots
-    depth, width = (spec.sketch_depth, spec.sketch_width) if spec.counts else (0, 0)
+    depth, width = (
+        (spec.sketch_depth, spec.sketch_width) if spec.counts else (1, 1)
+    )  # (never read; no empty arrays in checkpoints)
     return IdMap(
         jnp.zeros(n, jnp.uint32),
         jnp.zeros(n, jnp.uint32),
@@ -151,6 +170,17 @@ def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """int64/uint64 ids -> (high, low) uint32 halves, as :func:`resolve` takes them."""
     u = np.asarray(ids).astype(np.uint64)
     return (u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def home_rows(spec: MapSpec, ids: np.ndarray) -> np.ndarray:
+    """Each raw id's home row (int32, numpy): the row the map gives it when nothing else asks
+    for its probes. What planning measures a dynamic table's traffic by, before any map
+    exists (the first batches' ids, as the owners will see them)."""
+    hi, lo = split_ids(ids)
+    h = id_hash(hi, lo, np)
+    shard = (h % np.uint32(spec.vshards)).astype(np.int64)
+    home = (mix32(h ^ np.uint32(_HOME_SEED), np) % np.uint32(spec.slots - 1)).astype(np.int64)
+    return (shard * spec.slots + 1 + home).astype(np.int32)
 
 
 def _decayed(spec: MapSpec, count, last_seen, step):

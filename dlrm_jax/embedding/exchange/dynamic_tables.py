@@ -4,7 +4,8 @@ sparse update, unchanged.
 
 A dynamic table is a row-wise table whose blocks are its map's: device d holds map rows
 [d * R/n, (d + 1) * R/n) and the same logical rows of the table, so the map's fresh rows are
-reset where they live, with no communication. A fresh row starts as its new id's own initial
+reset where they live, with no communication, and a checkpoint's tables and maps restore onto
+another device count alike (the planner lays them out in blocks: ``PlanOptions.block_rows``). A fresh row starts as its new id's own initial
 vector (a hash of the seed, the table and the id: the same whichever row or device it lands
 on) and its optimizer state as the optimizer's initial state.
 """
@@ -25,6 +26,7 @@ from dlrm_jax.embedding.dynamic.sharded import check_split, map_devices, sharded
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -39,7 +41,10 @@ class DynamicTables:
         self._where: dict[int, tuple[Group, VirtualTable]] = {}
         for t, spec in self.maps.items():
             name = collection.plan.tables[t].spec.name
-            check_split(spec.check(), n)
+            try:
+                check_split(spec.check(), n)
+            except ValueError as e:
+                raise ValueError(f"table {name}: {e} (embedding.dynamic.vshards)") from None
             placed = [(g, vt) for g in collection.groups for vt in g.vtables if vt.table == t]
             g, vt = placed[0]
             if spec.rows != vt.rows or len(placed) > 1 or g.replicated or vt.kind != KIND_BLOCK:
@@ -51,9 +56,17 @@ class DynamicTables:
             self._where[t] = (g, vt)
         self.map_sharding = IdMap(*(NamedSharding(self.mesh, P(AXIS)),) * 6)
 
-    def init_maps(self) -> dict[int, IdMap]:
-        """Empty maps, sharded with their tables."""
-        return {t: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
+    def names(self) -> dict[int, str]:
+        """{table index: its name}: the maps' keys in the train state and checkpoints."""
+        return {t: self.collection.plan.tables[t].spec.name for t in self.maps}
+
+    def init_maps(self) -> dict[str, IdMap]:
+        """Empty maps by table name, sharded with their tables."""
+        return {self.names()[t]: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
+
+    def maps_sharding(self) -> dict[str, IdMap]:
+        """The maps' shardings, keyed like :meth:`init_maps`."""
+        return dict.fromkeys(self.names().values(), self.map_sharding)
 
     def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array, learn=True):
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
@@ -61,17 +74,35 @@ class DynamicTables:
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
         Traceable: call it inside the step."""
-        stats = {}
+        stats, maps = {}, dict(maps)
         starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])  # each feature's first slot
         for t, spec in self.maps.items():
             hi, lo, valid = raw[t]
-            out = sharded_resolve(spec, self.mesh, maps[t], hi, lo, valid, step, learn)
+            name = self.names()[t]
+            out = sharded_resolve(spec, self.mesh, maps[name], hi, lo, valid, step, learn)
             if learn:
-                maps[t] = out.map
+                maps[name] = out.map
                 emb = self._reset(t, emb, out.fresh, out.map, key, most=hi.size)
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), int(starts[t]), axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
+
+    def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> dict:
+        """{table: (hi, lo, valid)} of the dynamic tables from a batch: ``raw`` uint32 [B, 2, R]
+        (high and low halves of the dynamic features' ids, their bags one after another in
+        table order; :func:`raw_columns`), or without it the batch's own ids (``ids_bs`` int32
+        [B, S], taken as ids below 2**31). ``valid``: the slot is not padding in ``ids_bs``."""
+        starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])
+        out, at = {}, 0
+        for t in self.maps:
+            bag = self.collection.plan.tables[t].spec.bag_size
+            ids = ids_bs[:, starts[t] : starts[t] + bag]
+            if raw is None:
+                hi, lo = jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32)
+            else:
+                hi, lo = raw[:, 0, at : at + bag], raw[:, 1, at : at + bag]
+            out[t], at = (hi, lo, ids != PAD_ID), at + bag
+        return out
 
     def _reset(self, t: int, emb: EmbeddingState, fresh, m: IdMap, key, most: int) -> EmbeddingState:
         """The fresh rows of table ``t`` reset; a batch of ``most`` ids makes at most that many,

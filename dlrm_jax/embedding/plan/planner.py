@@ -64,7 +64,8 @@ class PlanOptions:
     ``cluster``: the machines ``auto`` prices plans for (default: the simulated CPU profile);
     ``stats``: per table, its ids' statistics in the data (default: the batch-size bound);
     ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level), as the
-    search prices it and the plan records it."""
+    search prices it and the plan records it; ``block_rows``: tables whose rows, row-wise,
+    lie in blocks whatever ``row_layout`` says (dynamic tables: their maps' blocks)."""
 
     overrides: Mapping[str, Strategy | str] = field(default_factory=dict)
     row_layout: RowLayoutChoice = RowLayoutChoice.BLOCK
@@ -79,6 +80,7 @@ class PlanOptions:
     cluster: Cluster | None = None
     stats: Sequence[TableStats] | None = None
     ids_hosts: int = 1
+    block_rows: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ def plan_embeddings(
             raise PlanError(
                 f"{what}: no table named {', '.join(map(repr, unknown))} (tables: {', '.join(sorted(names))})"
             )
+    layouts = tuple(RowLayout) if row_layout is RowLayoutChoice.AUTO else (RowLayout(row_layout),)
     template = EmbeddingPlan(
         (), num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype, ids_hosts=o.ids_hosts
     )
@@ -173,7 +176,7 @@ def plan_embeddings(
         budget_bytes,
         wanted,
         tiered,
-        tuple(RowLayout) if row_layout is RowLayoutChoice.AUTO else (RowLayout(row_layout),),
+        [(RowLayout.BLOCK,) if spec.name in o.block_rows else layouts for spec in specs],
         bag_exchange,
         device_cache,
     )

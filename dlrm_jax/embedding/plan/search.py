@@ -251,12 +251,12 @@ def place_tables(
     budget: int,
     wanted: Sequence[str],
     tiered: Sequence[bool],
-    layouts: Sequence[RowLayout],
+    layouts: Sequence[Sequence[RowLayout]],
     bag_exchange: str,
     device_cache: tuple[int, float],
 ) -> tuple[TablePlan, ...]:
     """Every table's placement: ``wanted[t]`` a strategy, or ``auto`` for the search (see the
-    module docstring). The search runs once with every option open and once per slice count
+    module docstring), its rows (row-wise) in one of ``layouts[t]``. The search runs once with every option open and once per slice count
     (table-wise, 2, 4, ... column slices) preferred for the sharded tables, and keeps the plan
     whose predicted step is shortest, after one more pass over its sharded tables."""
     n = template.num_devices
@@ -303,7 +303,7 @@ class _Run:
                 [ExchangeKind.POOLED] if spec.bag_size > 1 else [ExchangeKind.POOLED, ExchangeKind.IDS]
             )
             first = [Strategy.REPLICATED] if t in self.replicated else []
-            out = search.candidates(spec, first + sharded, self.layouts, kinds, slices)
+            out = search.candidates(spec, first + sharded, self.layouts[t], kinds, slices)
         if self.tiered[t]:  # (a host's row blocks would need a cache space per owner of the host)
             if any(c.strategy == Strategy.HOST_ROW for c in out) and self.wanted[t] != Sharding.AUTO:
                 raise PlanError(
@@ -336,7 +336,7 @@ class _Run:
             devices = self.search.least_busy(spec.dim // slices, slices, spec)
         # Rows in the layout whose busiest owner is least busy on the data (blocks on a tie).
         stats = self.search.stats[t]
-        layout = min(self.layouts, key=lambda x: (stats.owner(x), self.layouts.index(x)))
+        layout = min(self.layouts[t], key=lambda x: (stats.owner(x), self.layouts[t].index(x)))
         tp = TablePlan(spec, strategy, devices, layout)
         return dataclasses.replace(tp, exchange=exchange_for(tp, self.bag_exchange))
 

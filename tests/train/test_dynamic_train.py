@@ -1,0 +1,94 @@
+"""Dynamic tables (embedding.ids=dynamic) through training: the run's events, a resumed run
+equal to an uninterrupted one bit for bit (maps included), a checkpoint restored onto another
+device count, and the config's refusals. The step itself against one device, step by step:
+test_step_invariance.py; the map against a dictionary: tests/embedding/test_idmap.py."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from dlrm_jax.config import ConfigError
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.build import build
+from dlrm_jax.train.saved_run import evaluate_run
+from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, losses
+from tests.train.test_train import final_state
+
+DYNAMIC = (
+    "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
+    "embedding.dynamic.rows=0.2",
+    "embedding.dynamic.vshards=8",
+    "embedding.dynamic.probes=3",
+    "embedding.dynamic.admit=2",
+    "embedding.dynamic.sketch_width=64",
+    "embedding.optimizer=rowwise_adagrad",
+)
+
+
+def test_resume_is_bitwise_identical_with_its_maps(tiny, tmp_path):
+    cfg = tiny("mesh.devices=8", "train.steps=8", "train.log_every=2", "train.checkpoint_every=4", *DYNAMIC)
+    whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
+    train_and_evaluate(tiny("mesh.devices=8", "train.steps=4", *DYNAMIC), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    a, b = final_state(cfg, tmp_path / "whole"), final_state(cfg, tmp_path / "cut")
+    assert set(a.maps) == {"cat_0", "cat_2"}
+    assert int(np.asarray(a.maps["cat_0"].used).sum()) > 0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The run's events count what the maps did in each window.
+    events = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    first = events[0]
+    assert first["ids_lookups"] == 2 * 64 * 2  # two steps of 64 samples, one id in each of two tables
+    assert 0 < first["ids_admitted"] and first["ids_held_back"] > 0 and 0 < first["map_fill"] < 1
+    assert first["ids_found_rate"] == first["ids_found"] / first["ids_lookups"]
+
+
+@pytest.mark.slow
+def test_restore_onto_fewer_devices_keeps_the_maps(tiny, tmp_path):
+    cfg8 = tiny("mesh.devices=8", "train.steps=4", *DYNAMIC)
+    trained = train_and_evaluate(cfg8, tmp_path, **QUIET)
+    cfg4 = tiny("mesh.devices=4", "train.steps=4", *DYNAMIC)
+    s8, s4 = final_state(cfg8, tmp_path), final_state(cfg4, tmp_path)
+    _, steps8 = build(cfg8, make_mesh(8))
+    _, steps4 = build(cfg4, make_mesh(4))
+    for x, y in zip(
+        jax.tree.leaves((s8.maps, steps8.collection.logical_tables(s8.emb))),
+        jax.tree.leaves((s4.maps, steps4.collection.logical_tables(s4.emb))),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(s4.maps))
+    on4 = evaluate_run(tmp_path, ["mesh.devices=4"], **QUIET)
+    np.testing.assert_allclose(on4.auc, trained.auc, rtol=1e-6)
+    assert train_and_evaluate(tiny("mesh.devices=4", "train.steps=6", *DYNAMIC), tmp_path, **QUIET).step == 6
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ("embedding.table_sharding=[cat_2=table]",),
+            "embedding.table_sharding: 'cat_2=table': table cat_2 takes raw ids",
+        ),
+        (("embedding.hot.rows=16",), "hot rows (embedding.hot.rows) are not supported with dynamic tables"),
+        (("embedding.dynamic.vshards=6",), "embedding.dynamic.vshards=6: a power of two"),
+        (("embedding.table_ids=[cat_2=hashed]",), "embedding.table_ids[0]: 'cat_2=hashed' must be TABLE=IDS"),
+    ],
+    ids=["not-row", "hot", "vshards", "value"],
+)
+def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        tiny("embedding.table_ids=[cat_2=dynamic]", *overrides)
+
+
+def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(tiny):
+    cfg = tiny("mesh.devices=8", "embedding.table_ids=[cat_2=dynamic]", "embedding.dynamic.vshards=4")
+    with pytest.raises(
+        ValueError, match=r"table cat_2: a map of 4 shards cannot be split over 8 devices.*embedding.dynamic.vshards"
+    ):
+        build(cfg, make_mesh(8))
