@@ -1,7 +1,7 @@
 """``dlrm-jax bench stream``: the same model trained on the same time-ordered stream (the
-drifting synthetic stream, data/sources/drifting.py) with three ways of turning raw ids into
-rows, at equal table rows, judged by progressive validation: each window is scored before it
-is trained on.
+drifting synthetic stream, data/sources/drifting.py, or Criteo-format text read in the order it
+was written, ``criteo.criteo_windows``) with three ways of turning raw ids into rows, at equal
+table rows, judged by progressive validation: each window is scored before it is trained on.
 
 - ``dynamic``: each table's id map (embedding/dynamic): a row per id while it is live,
   evicted by the policy, admitted after ``admit`` sightings;
@@ -11,7 +11,7 @@ is trained on.
 
 The report: per case and window its AUC and logloss, the mean AUC over the last half of the
 windows, training samples/s, and (dynamic) ids admitted and rows evicted; the ground truth's
-AUC per window (the stream's true probabilities: no model does better).
+AUC per window (the synthetic stream's true probabilities: no model does better).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.bench.common import machine_description, write_report
-from dlrm_jax.data.sources.drifting import DriftingStream
+from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, split_ids
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
@@ -53,19 +55,18 @@ def _vocab_rows(ids: np.ndarray, vocab: np.ndarray) -> np.ndarray:
 class _Case:
     """One way of ids to rows: the tables, the dense model and the jitted steps."""
 
-    def __init__(self, kind: str, cfg, stream: DriftingStream, rows: int, map_spec: MapSpec, mesh):
-        self.kind, self.rows, self.stream = kind, rows, stream
+    def __init__(self, kind: str, cfg, shape: tuple[int, int], maps: list[MapSpec], mesh):
+        features, num_dense = shape
+        self.kind, self.rows = kind, np.array([m.rows for m in maps], np.uint64)
         n = mesh.size
-        specs = [TableSpec(f"cat_{f}", rows, cfg.model.embedding_dim, 1) for f in range(stream.features)]
+        specs = [TableSpec(f"cat_{f}", m.rows, cfg.model.embedding_dim, 1) for f, m in enumerate(maps)]
         plan = plan_embeddings(specs, "row", n, cfg.embedding.optimizer, cfg.train.batch_size)
         self.coll = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
-        self.dyn = (
-            DynamicTables(self.coll, dict.fromkeys(range(stream.features), map_spec)) if kind == "dynamic" else None
-        )
+        self.dyn = DynamicTables(self.coll, dict(enumerate(maps))) if kind == "dynamic" else None
         m = cfg.model
         model = DLRMDense(
-            num_dense=stream.num_dense,
-            num_features=stream.features,
+            num_dense=num_dense,
+            num_features=features,
             embedding_dim=m.embedding_dim,
             bottom_mlp=m.bottom_mlp,
             top_mlp=m.top_mlp,
@@ -73,9 +74,11 @@ class _Case:
             rngs=nnx.Rngs(cfg.train.seed),
         )
         self.graphdef, params = nnx.split(model, nnx.Param)
-        self.params = nnx.to_pure_dict(params)
+        # committed to the mesh as the step returns them: else the second step compiles again
+        everywhere = NamedSharding(mesh, P())
+        self.params = jax.device_put(nnx.to_pure_dict(params), everywhere)
         self.tx = optax.adam(cfg.train.learning_rate)
-        self.opt_state = self.tx.init(self.params)
+        self.opt_state = jax.device_put(self.tx.init(self.params), everywhere)
         self.key = jax.random.key(cfg.train.seed)
         self.emb = self.coll.init(self.key)
         self.maps = self.dyn.init_maps() if self.dyn else {}
@@ -113,10 +116,10 @@ class _Case:
     def host_ids(self, ids: np.ndarray) -> np.ndarray:
         """The collection's ids of raw ids [n, F] (dynamic: placeholders the maps fill in)."""
         if self.kind == "hashed":
-            return (ids % np.uint64(self.rows)).astype(np.int32)
+            return (ids % self.rows).astype(np.int32)
         if self.kind == "vocab":
             if self.vocab is None:  # the first window it sees: the vocabulary, counted once
-                self.vocab = [_vocabulary(ids[:, f], self.rows) for f in range(ids.shape[1])]
+                self.vocab = [_vocabulary(ids[:, f], int(self.rows[f])) for f in range(ids.shape[1])]
             return np.stack([_vocab_rows(ids[:, f], v) for f, v in enumerate(self.vocab)], axis=1)
         return np.zeros(ids.shape, np.int32)
 
@@ -134,27 +137,42 @@ def _logloss(labels: np.ndarray, p: np.ndarray) -> float:
     return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
 
-def bench_stream(cfg, stream: DriftingStream, rows: int, map_spec: MapSpec, cases=CASES, output=None, log=print):
-    """Each case of ``cases`` trained on ``stream`` with ``rows`` rows per table (progressive
-    validation); the report as JSON (``output``: written there too)."""
+def stream_maps(cfg, windows: list[StreamWindow], rows: float) -> list[MapSpec]:
+    """Each feature's table for every case: ``rows`` rows (>= 1) or that fraction of the
+    feature's distinct ids over the whole stream (< 1), rounded up to whole shards of its map
+    (``embedding.dynamic``'s policy, probes, shards and admission)."""
+    d = cfg.embedding.dynamic
+    fields = dict(probes=d.probes, policy=d.policy, half_life=d.half_life, admit=d.admit, sketch_width=d.sketch_width)
+    distinct = [len(np.unique(np.concatenate([w.ids[:, f] for w in windows]))) for f in range(windows[0].ids.shape[1])]
+    return [MapSpec.sized(n, rows, d.vshards, **fields) for n in distinct]
+
+
+def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, output=None, about=None, log=print):
+    """Each case of ``cases`` trained on ``windows`` in order with the tables of
+    :func:`stream_maps` (progressive validation); the report as JSON (``output``: written
+    there too). ``about``: what the windows are, for the report."""
     mesh = mesh_from_config(cfg)
     batch = cfg.train.batch_size
-    windows = [stream.window(t) for t in range(stream.windows)]
-    truth = [roc_auc(w.labels, w.p) for w in windows[1:]]
-    distinct = sum(len(np.unique(np.concatenate([w.ids[:, f] for w in windows]))) for f in range(stream.features))
+    maps = stream_maps(cfg, windows, rows)
+    table_rows = sum(m.rows for m in maps)
+    truth = [roc_auc(w.labels, w.p) for w in windows[1:]] if windows[0].p is not None else []
+    distinct = sum(len(np.unique(np.concatenate([w.ids[:, f] for w in windows]))) for f in range(len(maps)))
     report = {
         "machine": machine_description(),
-        "stream": {k: getattr(stream, k) for k in stream.__dataclass_fields__},
-        "rows_per_table": rows,
+        "stream": about or {},
+        "windows": len(windows),
+        "window_samples": len(windows[0].labels),
+        "rows_per_table": [m.rows for m in maps],
         "distinct_ids": distinct,
-        "distinct_ids_per_row": distinct / (rows * stream.features),
-        "map": {**map_spec._asdict(), "bytes_per_row": map_spec.bytes_per_row()},
-        "ground_truth_auc": float(np.mean(truth[len(truth) // 2 :])),
+        "distinct_ids_per_row": distinct / table_rows,
+        "map": {**maps[0]._asdict(), "rows": None, "bytes_per_row": maps[0].bytes_per_row()},
+        "ground_truth_auc": float(np.mean(truth[len(truth) // 2 :])) if truth else None,
         "ground_truth_windows": [{"window": t + 1, "auc": a} for t, a in enumerate(truth)],
         "cases": [],
     }
+    shape = (len(maps), windows[0].dense.shape[1])
     for kind in cases:
-        case = _Case(kind, cfg, stream, rows, map_spec, mesh)
+        case = _Case(kind, cfg, shape, maps, mesh)
         out, trained, train_s, step, counts = [], 0, 0.0, 0, {"admitted": 0, "evicted": 0}
         for t, window in enumerate(windows):
             if t:  # scored before it is trained on
@@ -185,9 +203,10 @@ def bench_stream(cfg, stream: DriftingStream, rows: int, map_spec: MapSpec, case
             **(counts if kind == "dynamic" else {"evicted": 0, "admitted": 0}),
         }
         report["cases"].append(row)
+        truth_note = f" (ground truth {report['ground_truth_auc']:.4f})" if truth else ""
         log(
-            f"{kind:8s} mean AUC over the last {len(last)} windows {row['mean_auc_last_half']:.4f} "
-            f"(ground truth {report['ground_truth_auc']:.4f}), {row['samples_per_s']:,.0f} samples/s"
+            f"{kind:8s} mean AUC over the last {len(last)} windows {row['mean_auc_last_half']:.4f}"
+            f"{truth_note}, {row['samples_per_s']:,.0f} samples/s"
         )
     log(write_report(report, output) if output else "")
     return report

@@ -24,6 +24,7 @@ from flax import nnx
 from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strategy
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
+from dlrm_jax.embedding.dynamic.sharded import map_bytes_per_device, maps_report
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -145,7 +146,8 @@ def plan_request(
     tables (embedding.sync per_host or host_replicas) each of ``hosts`` hosts holds a whole set
     over its own devices: the request is one host's, its ``num_devices / hosts`` devices and its
     share of the batch. The budget defaults to ``embedding.memory_budget_gb``, else 90% of the
-    cluster's device memory (less the wide part of Wide&Deep, which every device holds whole);
+    cluster's device memory (less the wide part of Wide&Deep, which every device holds whole,
+    and each device's share of the dynamic tables' id maps);
     ``cluster`` defaults to the config's for simulated devices (:func:`cluster_from_config`);
     ``stats``: the tables' id statistics in the data (``exchange.capacity.table_stats``);
     ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level)."""
@@ -159,6 +161,8 @@ def plan_request(
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
+    if budget and cfg.dynamic_tables:  # and its share of the dynamic tables' id maps
+        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in dynamic_maps(cfg).values()), 1)
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 
@@ -180,6 +184,10 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
     its header names the global batch and the host's share), and for Wide&Deep a line on its
     wide part."""
     report = plan_report(plan, cfg.train.batch_size if cfg.embedding.tables_per_host else None)
+    maps = dynamic_maps(cfg)
+    if maps:
+        specs, bags = {f"cat_{f}": s for f, s in maps.items()}, {f"cat_{f}": cfg.bag_sizes[f] for f in maps}
+        report = f"{report}\n{maps_report(specs, bags, plan.num_devices, cfg.train.batch_size)}"
     if cfg.model.kind != "wide_deep":
         return report
     return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide.optimizer)}"

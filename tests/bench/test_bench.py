@@ -365,10 +365,11 @@ def test_stream_bench_scores_each_window_before_training_on_it(tmp_path):
 
     out = tmp_path / "stream.json"
     sets = ["mesh.devices=2", "train.batch_size=512", "model.bottom_mlp=[16]", "model.top_mlp=[16, 1]"]
+    sets += ["embedding.dynamic.probes=3", "embedding.dynamic.half_life=4"]
     stream = ["--features", "2", "--windows", "3", "--window-samples", "2048", "--born", "300", "--lifetime", "2"]
     subprocess.run(
         [sys.executable, "-m", "dlrm_jax", "bench", "stream", *(x for s in sets for x in ("--set", s)), *stream]
-        + ["--rows", "32", "--probes", "3", "--half-life", "4", "--output", str(out)],
+        + ["--rows", "32", "--output", str(out)],
         check=True,
         env=child_env(),
         timeout=600,

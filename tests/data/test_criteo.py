@@ -20,6 +20,7 @@ from dlrm_jax.data.sources.binary import BinarySource
 from dlrm_jax.data.sources.criteo import (
     CriteoFormatError,
     CriteoTSVSource,
+    criteo_windows,
     parse_lines,
     scramble_id,
     write_criteo_tsv,
@@ -479,3 +480,34 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch, error)
     with pytest.raises(OSError, match=r"^" + str(tmp_path / "out") + ": no space left on device .*another --output"):
         preprocess_criteo([str(src)], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_dynamic_features_carry_their_raw_values_beside_the_batch(tsv):
+    """With dynamic tables a Criteo batch carries each dynamic feature's value whole (a
+    RawBatch), the same lines as the batch without them; the other features are unchanged."""
+    path, _ = tsv
+    plain = CriteoTSVSource(criteo_config(path))
+    dynamic = CriteoTSVSource(criteo_config(path, "embedding.table_ids=[cat_3=dynamic, cat_7=dynamic]"))
+    values = parse_lines(path.read_bytes().splitlines(keepends=True)).values
+    for step in (0, 5):
+        a, b = plain.train_batch(step), dynamic.train_batch(step)
+        assert type(a).__name__ == "Batch" and type(b).__name__ == "RawBatch"
+        for x, y in zip(a, b[:3], strict=True):
+            np.testing.assert_array_equal(x, y)
+        raw = (b.raw[:, 0].astype(np.uint64) << np.uint64(32)) | b.raw[:, 1].astype(np.uint64)
+        assert (
+            raw.shape == (16, 2) and np.isin(raw[:, 0], values[:, 3]).all() and np.isin(raw[:, 1], values[:, 7]).all()
+        )
+        np.testing.assert_array_equal(raw % np.uint64(M), b.ids[:, [3, 7]].astype(np.uint64))
+
+
+def test_windows_are_the_lines_in_the_order_written(tsv):
+    path, _ = tsv
+    windows = criteo_windows([str(path)], 256)
+    assert len(windows) == N // 256 and all(len(w.labels) == 256 and w.p is None for w in windows)
+    parsed = parse_lines(path.read_bytes().splitlines(keepends=True))
+    np.testing.assert_array_equal(np.concatenate([w.ids for w in windows]), parsed.values[: len(windows) * 256])
+    np.testing.assert_array_equal(np.concatenate([w.labels for w in windows]), parsed.labels[: len(windows) * 256])
+    assert len(criteo_windows([str(path)], 256, 2)) == 2
+    with pytest.raises(ValueError, match="fewer than one window"):
+        criteo_windows([str(path)], 10 * N)

@@ -40,6 +40,11 @@ class DictMap:
             return self.count[row]
         return self.count[row] >> min((step - self.last_seen[row]) // s.half_life, 31)
 
+    def open_to(self, row: int, estimate: int, decayed: dict) -> bool:
+        """Whether a new id of count ``estimate`` may take ``row``: a free row, or under lfu a
+        held row whose decayed count is below it."""
+        return row not in self.id_at or self.spec.policy != "lfu" or estimate > decayed[row]
+
     def resolve(self, ids: list[int | None], step: int) -> tuple[list[int], set[int], dict]:
         """Rows of ``ids`` (None: padding -> -1), the fresh rows, and the counts."""
         s = self.spec
@@ -57,11 +62,14 @@ class DictMap:
             ]
             for k in absent
         }
+        if s.counts and s.half_life and step > 0 and step % s.half_life == 0:
+            self.sketch = {cell: v >> 1 for cell, v in self.sketch.items()}
         if s.counts:  # the whole batch counted first, then each id's estimate read
             for k in absent:
                 for cell in cells[k]:
                     self.sketch[cell] = self.sketch.get(cell, 0) + occurrences[k]
-        admitted = set(found) | {k for k in absent if not s.counts or min(self.sketch[c] for c in cells[k]) >= s.admit}
+        estimate = {k: min(self.sketch[c] for c in cells[k]) if s.counts else occurrences[k] for k in absent}
+        admitted = set(found) | {k for k in absent if not s.counts or estimate[k] >= s.admit}
         taken = {self.row_of[k] for k in found}
         decayed = {r: self.decayed(r, step) for r in self.id_at}
 
@@ -77,7 +85,7 @@ class DictMap:
         for _ in range(s.probes):
             asks: dict[int, int] = {}  # row -> smallest id asking for it
             for k in pending:
-                free = [r for r in self.probes(k)[1] if r not in taken]
+                free = [r for r in self.probes(k)[1] if r not in taken and self.open_to(r, estimate[k], decayed)]
                 if not free:
                     continue
                 target = min(free, key=lambda r: (key_of(r), self.probes(k)[1].index(r)))
@@ -97,7 +105,7 @@ class DictMap:
             if r in self.id_at:
                 del self.row_of[self.id_at[r]]
             self.id_at[r], self.row_of[k] = k, r
-            self.count[r], self.last_seen[r] = occurrences[k], step
+            self.count[r], self.last_seen[r] = estimate[k], step
 
         def row(k):
             if k is None:

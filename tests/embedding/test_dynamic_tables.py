@@ -62,7 +62,7 @@ def run(devices: int, optimizer: str, steps: int):
             np.asarray(pooled),
             [np.asarray(v) for v in values],
             [{k: np.asarray(x) for k, x in s.items()} for s in slots],
-            [np.asarray(a) for a in maps["cat_0"]],
+            [np.asarray(a) for a in maps["user"]],
             {k: int(stats[k]) for k in STATS},
         )
 

@@ -189,21 +189,27 @@ def _collectives_arguments(p) -> None:
 
 
 def _stream_arguments(p) -> None:
-    add_config_args(p)  # the model (model.*), the batch, the learning rates, the mesh
+    add_config_args(p)  # the model, the batch, the learning rates, the mesh, embedding.dynamic.*
     s = p.add_argument_group("the drifting stream (data/sources/drifting.py)")
     s.add_argument("--features", type=POSITIVE, default=8, help="categorical features (default 8)")
-    s.add_argument("--windows", type=POSITIVE, default=12, help="time windows (default 12)")
+    s.add_argument("--windows", type=COUNT, default=12, help="time windows (default 12; 0 with --criteo: all)")
     s.add_argument("--window-samples", type=POSITIVE, default=65_536, help="samples per window (default 65536)")
     s.add_argument("--born", type=POSITIVE, default=20_000, help="new ids per feature and window (default 20000)")
     s.add_argument("--lifetime", type=POSITIVE, default=4, help="windows an id is seen in (default 4)")
     s.add_argument("--seed", type=COUNT, default=0, help="the stream's seed: its ids, effects and samples (default 0)")
-    m = p.add_argument_group("the tables and the dynamic tables' maps")
-    m.add_argument("--rows", type=POSITIVE, default=8192, help="rows per table, every case (default 8192)")
-    m.add_argument("--vshards", type=POSITIVE, default=8, help="virtual shards of a map (default 8)")
-    m.add_argument("--probes", type=POSITIVE, default=8, help="slots an id may live in (default 8)")
-    m.add_argument("--policy", choices=("lru", "lfu"), default="lfu", help="eviction (default lfu)")
-    m.add_argument("--half-life", type=COUNT, default=64, help="lfu: steps per halving of a count (0: none)")
-    m.add_argument("--admit", type=COUNT, default=2, help="sightings before an id gets a row (default 2)")
+    s.add_argument(
+        "--criteo",
+        metavar="FILES",
+        help="instead of the synthetic stream, Criteo-format text (comma-separated files) read in order, "
+        "--window-samples lines a window",
+    )
+    p.add_argument(
+        "--rows",
+        type=float,
+        default=8192,
+        help="rows per table, every case: a number, or a fraction (< 1) of each feature's distinct ids "
+        "(default 8192; the maps' other settings: embedding.dynamic.*)",
+    )
     p.add_argument(
         "--cases",
         type=names("dynamic", "hashed", "vocab"),
@@ -214,22 +220,28 @@ def _stream_arguments(p) -> None:
 
 
 def _stream(args) -> None:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config or "stream", args.overrides)
     start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.stream import bench_stream
+    from dlrm_jax.data.sources.criteo import criteo_windows
     from dlrm_jax.data.sources.drifting import DriftingStream
-    from dlrm_jax.embedding.dynamic.idmap import MapSpec
 
-    stream = DriftingStream(
-        features=args.features,
-        windows=args.windows,
-        window_samples=args.window_samples,
-        born_per_window=args.born,
-        lifetime=args.lifetime,
-        seed=args.seed,
-    )
-    spec = MapSpec(args.rows, args.vshards, args.probes, args.policy, args.half_life, args.admit)
-    bench_stream(cfg, stream, args.rows, spec, args.cases, output=args.output, log=log)
+    if args.criteo:
+        paths = [p.strip() for p in args.criteo.split(",") if p.strip()]
+        windows = criteo_windows(paths, args.window_samples, args.windows)
+        about = {"criteo": paths}
+    else:
+        stream = DriftingStream(
+            features=args.features,
+            windows=args.windows,
+            window_samples=args.window_samples,
+            born_per_window=args.born,
+            lifetime=args.lifetime,
+            seed=args.seed,
+        )
+        windows = [stream.window(t) for t in range(stream.windows)]
+        about = {k: getattr(stream, k) for k in stream.__dataclass_fields__}
+    bench_stream(cfg, windows, args.rows, args.cases, output=args.output, about=about, log=log)
 
 
 def _train(args) -> None:

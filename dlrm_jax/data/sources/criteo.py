@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_jax.data import shards
-from dlrm_jax.data.batch import Batch, process_slice
+from dlrm_jax.data.batch import Batch, RawBatch, process_slice
 from dlrm_jax.data.preprocessing.preprocess import (
     BadLine,
     DataFormatError,
@@ -32,7 +32,9 @@ from dlrm_jax.data.preprocessing.preprocess import (
     open_input,
 )
 from dlrm_jax.data.sources import binary
+from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.data.sources.synthetic import RawSamples, normalise_dense
+from dlrm_jax.ids import raw_columns
 
 NUM_DENSE, NUM_CATEGORICAL = 13, 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
@@ -148,6 +150,33 @@ def iter_chunks(
                     lineno, offset = lineno + len(lines), offset + sum(map(len, lines))
 
 
+def criteo_windows(paths: Sequence[str], window_samples: int, windows: int = 0) -> list[StreamWindow]:
+    """Criteo text read in the order it was written, as time windows of ``window_samples``
+    lines (``windows`` of them, 0: every whole window the files hold) with the raw values of
+    the categorical features (uint64, 0 where empty) and no ground truth (``p`` is None)."""
+    want = windows * window_samples if windows else None
+    parts, got = [], 0
+    for _, _, _, parsed in iter_chunks(list(paths), 65536, SkipLog(False, CriteoFormatError)):
+        parts.append(parsed)
+        got += len(parsed.rows)
+        if want is not None and got >= want:
+            break
+    n = (min(got, want) if want else got) // window_samples * window_samples
+    if not n:
+        raise ValueError(f"{', '.join(paths)}: {got} lines, fewer than one window of {window_samples}")
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])[:n]
+    dense, values, labels = normalise_dense(cat("counts"), cat("missing")), cat("values"), cat("labels")
+    return [
+        StreamWindow(
+            dense[s : s + window_samples],
+            values[s : s + window_samples],
+            labels[s : s + window_samples].astype(np.float32),
+            None,
+        )
+        for s in range(0, n, window_samples)
+    ]
+
+
 # ---------------------------------------------------------------- synthetic TSV for tests/demos
 
 
@@ -201,6 +230,7 @@ class CriteoTSVSource:
                     f"and train with data.source=binary"
                 )
         self._batch, self._table_rows = cfg.train.batch_size, cfg.table_rows
+        self._dynamic = list(cfg.dynamic_tables)  # their values travel whole (RawBatch.raw)
         self._rows = process_slice(self._batch, process_index, process_count)
         self._eval_batches = cfg.train.eval_batches
         self.skipped = SkipLog(cfg.data.skip_bad_lines, CriteoFormatError)
@@ -221,7 +251,7 @@ class CriteoTSVSource:
     def train_ids(self, step: int) -> np.ndarray:
         return self.train_batch(step).ids
 
-    def train_batch(self, step: int) -> Batch:
+    def train_batch(self, step: int) -> Batch | RawBatch:
         return self._read(binary.train_positions(step, self._batch, self._rows) % self.num_train)
 
     def eval_batches(self) -> Iterator[Batch]:
@@ -230,7 +260,7 @@ class CriteoTSVSource:
         ranges = binary.eval_positions(self.num_val, self._batch, self._rows, self._eval_batches)
         return (self._read(self.num_train + rows) for rows in ranges)
 
-    def _read(self, positions: np.ndarray) -> Batch:
+    def _read(self, positions: np.ndarray) -> Batch | RawBatch:
         """Valid lines ``positions`` (int64 [n]) as a Batch, read in file/offset order."""
         lines = [b""] * len(positions)
         with ExitStack() as stack:
@@ -242,5 +272,5 @@ class CriteoTSVSource:
         p = parse_lines(lines)
         if p.bad:
             raise CriteoFormatError(f"{self.paths}: changed since indexed ({p.bad[0].message})")
-        dense = normalise_dense(p.counts, p.missing)
-        return Batch(dense, hash_ids(p.values, self._table_rows), p.labels.astype(np.float32))
+        fields = normalise_dense(p.counts, p.missing), hash_ids(p.values, self._table_rows), p.labels.astype(np.float32)
+        return RawBatch(*fields, raw_columns(p.values[:, self._dynamic])) if self._dynamic else Batch(*fields)

@@ -30,12 +30,13 @@ _FEATURE_BITS, _COHORT_BITS = 8, 24  # raw id: hash of (feature, cohort, rank), 
 
 class StreamWindow(NamedTuple):
     """One window of the stream, in the order it was written: dense float32 [n, num_dense],
-    ids uint64 [n, features] (raw), labels float32 [n], p float32 [n] (the true probability)."""
+    ids uint64 [n, features] (raw), labels float32 [n], p float32 [n] (the true probability;
+    None for real data)."""
 
     dense: np.ndarray
     ids: np.ndarray
     labels: np.ndarray
-    p: np.ndarray
+    p: np.ndarray | None
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,23 @@ One batch (:func:`resolve`), per shard:
 1. the batch's distinct ids, each with its occurrences; ids found in their probes keep their row;
 2. admission (``admit`` > 1): a count-min sketch per shard counts each absent id's
    occurrences; an id is admitted once its estimate reaches ``admit`` (counts are kept after
-   admission, so an evicted id that returns is admitted at once);
+   admission, so an evicted id that returns is admitted at once). With ``half_life``, every
+   counter halves at each step that is a multiple of it (the sketch forgets, as TinyLFU's does);
 3. placement in ``probes`` rounds: each admitted absent id asks for the best slot among its
    probes not taken this batch (a free slot first, in probe order; else the policy's victim),
    and where several ask for one slot the smallest id (as an unsigned 64-bit number) gets it;
-   the others ask again next round. An id that gets no slot uses its shard's shared row;
+   the others ask again next round. Under ``lfu`` an id takes a held slot only when its own
+   count (its sketch estimate, or without admission its occurrences in the batch) exceeds the
+   victim's decayed count, so rare new ids do not push out frequent old ones (TinyLFU's
+   rule). An id that gets no slot uses its shard's shared row;
 4. the rows given to new ids are *fresh*: their values and optimizer state must be reset
    before the batch looks them up (the caller does it: ``Resolved.fresh``).
 
 Policies, on integers only (so a plain Python model reaches the same bits):
 ``lru``: the victim is the slot seen least recently; ``lfu``: the slot with the smallest
 count, each count halving every ``half_life`` steps since its id was last seen (0: never),
-ties to the least recently seen. Further ties go to the earlier probe.
+ties to the least recently seen. Further ties go to the earlier probe. A new id's count starts
+at its count above.
 """
 
 from __future__ import annotations
@@ -226,8 +231,11 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
     found_row = jnp.take_along_axis(probe, found_at, axis=1)[:, 0]
     decayed = _decayed(spec, m.count[probe], last_seen, step)
 
-    sketch, admitted = m.sketch, real if learn else found
+    sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
     if spec.counts and learn:
+        if spec.half_life:  # the sketch forgets: every counter halves each half_life steps
+            age = (step > 0) & (step % spec.half_life == 0)
+            sketch = jnp.where(age, sketch >> 1, sketch)
         absent = real & ~found
         cols = jnp.stack(
             [mix32(h ^ jnp.uint32(s), jnp) % jnp.uint32(spec.sketch_width) for s in _SKETCH_SEEDS[: spec.sketch_depth]],
@@ -237,11 +245,14 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
         depth = jnp.arange(spec.sketch_depth)[None, :]
         shard_at = jnp.where(absent, local, shards)[:, None]  # found ids are not counted
         sketch = sketch.at[shard_at, depth, cols].add(occurrences[:, None], mode="drop")
-        admitted = real & (found | (jnp.min(sketch[local[:, None], depth, cols], axis=1) >= spec.admit))
+        estimate = jnp.min(sketch[local[:, None], depth, cols], axis=1)
+        admitted = real & (found | (estimate >= spec.admit))
 
     # Placement: free slots first, then the policy's victims; the smallest id wins a contested slot.
     rows_n = m.used.shape[0]
     primary = jnp.where(used, last_seen if spec.policy == "lru" else decayed, _FREE)
+    # lfu: a held slot is open to an id only when the id's count exceeds the slot's
+    open_ = ~used | (estimate[:, None] > decayed) if spec.policy == "lfu" else jnp.ones_like(used)
     secondary = jnp.where(used, last_seen, _FREE) if spec.policy == "lfu" else jnp.zeros_like(primary)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
@@ -250,7 +261,7 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
 
     def round_(carry):
         r, _, taken, placed, pending = carry
-        k1 = jnp.where(taken[probe], _TAKEN, primary)
+        k1 = jnp.where(taken[probe] | ~open_, _TAKEN, primary)
         best1 = jnp.min(k1, axis=1, keepdims=True)
         k2 = jnp.where(k1 == best1, secondary, _TAKEN)
         best2 = jnp.min(k2, axis=1, keepdims=True)
@@ -281,7 +292,7 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
         m.key_lo.at[at].set(ulo, mode="drop"),
         m.used.at[at].set(True, mode="drop"),
         m.last_seen.at[seen_at].set(now, mode="drop"),
-        m.count.at[seen_at].set(kept + occurrences, mode="drop"),
+        m.count.at[seen_at].set(jnp.where(found, kept + occurrences, estimate), mode="drop"),
         sketch,
     )
     if not learn:

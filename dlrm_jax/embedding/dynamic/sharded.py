@@ -57,3 +57,27 @@ def sharded_resolve(
         out_specs=(P(AXIS), specs, P(AXIS), P()),
     )(m, hi, lo, valid, step)
     return Resolved(rows, new_map, fresh, stats)
+
+
+def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
+    """One device's bytes of a map split over ``devices``: its rows' keys, flags, recency and
+    counts, and its shards' admission sketches."""
+    return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
+
+
+def gathered_bytes_per_device(ids_per_step: int) -> int:
+    """Bytes a device receives a step gathering the batch's raw ids of a table (``ids_per_step``
+    over the whole batch: high and low words and the padding flag), and the rows' max back."""
+    return ids_per_step * (4 + 4 + 1 + 4)
+
+
+def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int) -> str:
+    """The plan report's line on dynamic tables: their maps' memory and the raw ids' traffic."""
+    memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
+    wire = sum(gathered_bytes_per_device(batch * bags[name]) for name in specs)
+    per_row = {s.bytes_per_row() for s in specs.values()}
+    return (
+        f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
+        f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
+        f"raw ids gathered {wire / 2**10:,.1f} KiB a step per device"
+    )
