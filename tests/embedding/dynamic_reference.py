@@ -27,6 +27,10 @@ class DictMap:
         hi, lo = np.array([key >> 32], np.uint32), np.array([key & 0xFFFFFFFF], np.uint32)
         return int(id_hash(hi, lo, np)[0])
 
+    def order(self, key: int) -> tuple[int, int]:
+        """Who wins a contested slot: the smaller (hash, low word)."""
+        return self._hash(key), key & 0xFFFFFFFF
+
     def probes(self, key: int) -> tuple[int, list[int]]:
         s = self.spec
         h = self._hash(key)
@@ -52,7 +56,7 @@ class DictMap:
         for key in ids:
             if key is not None:
                 occurrences[key] = occurrences.get(key, 0) + 1
-        distinct = sorted(occurrences)
+        distinct = sorted(occurrences, key=self.order)
         found = {k for k in distinct if k in self.row_of}
         absent = [k for k in distinct if k not in found]
         cells = {
@@ -89,7 +93,7 @@ class DictMap:
                 if not free:
                     continue
                 target = min(free, key=lambda r: (key_of(r), self.probes(k)[1].index(r)))
-                asks[target] = min(asks.get(target, k), k)
+                asks[target] = min(asks.get(target, k), k, key=self.order)
             for row, k in asks.items():
                 placed[k] = row
                 taken.add(row)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, init_map, resolve, shard_of, split_ids
+from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, resolve, shard_of, split_ids
 from tests.embedding.dynamic_reference import DictMap
 from tests.helpers import examples
 
@@ -150,3 +150,26 @@ def test_reading_the_map_changes_nothing_and_sends_unknown_ids_to_the_shared_row
     assert not np.asarray(out.fresh).any() and int(out.stats["admitted"]) == 0
     for a, b in zip(out.map, m, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ids_sharing_a_32_bit_hash_stay_distinct():
+    """Two ids whose hashes collide (found by a birthday search) keep rows of their own: the
+    batch takes the exact path of the distinct ids (by hash and low word)."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 2**63, 300_000, dtype=np.int64).astype(np.uint64)
+    hi, lo = split_ids(ids)
+    h = id_hash(hi, lo, np)
+    hs, first = np.unique(h, return_index=True)
+    dup = np.setdiff1d(np.arange(len(h)), first)[0]
+    a, b = ids[first[np.searchsorted(hs, h[dup])]], ids[dup]
+    assert a != b and id_hash(*split_ids(np.array([a])), np) == id_hash(*split_ids(np.array([b])), np)
+    spec = MapSpec(rows=16, vshards=1, probes=4).check()
+    batch = np.array([a, b, a, 5], np.uint64)
+    model = DictMap(spec)
+    want_rows, _, want_stats = model.resolve([int(x) for x in batch], 0)
+    bhi, blo = split_ids(batch)
+    out = resolve(spec, init_map(spec), jnp.asarray(bhi), jnp.asarray(blo), jnp.ones(4, bool), 0)
+    rows = np.asarray(out.rows)
+    assert rows[0] == rows[2] != rows[1] and len(set(rows.tolist())) == 3
+    np.testing.assert_array_equal(rows, want_rows)
+    assert {k: int(v) for k, v in out.stats.items()} == want_stats
