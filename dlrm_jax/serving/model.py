@@ -22,6 +22,7 @@ from dlrm_jax.serving.artifact import (
     check_files,
     read_manifest,
 )
+from dlrm_jax.serving.id_maps import IdMaps
 from dlrm_jax.serving.rules import parse_criteo, raw_rules
 from dlrm_jax.serving.tables import ServingTables, open_store
 
@@ -62,6 +63,7 @@ class ServingModel:
         every = self.features + [e for entries in self.part_features.values() for e in entries]
         self.tables = ServingTables(self.root, manifest, every, memory_bytes, cache_rows)
         self.bag_sizes = [int(f["bag_size"]) for f in self.features]
+        self.id_maps = IdMaps(self.root, manifest.get("id_maps") or {}, self.features)
         self._rules = None
         self._load_function(self.root)
 
@@ -98,10 +100,11 @@ class ServingModel:
         """The training step the artifact (with its deltas) holds."""
         return int(self.manifest["step"])
 
-    def pooled(self, ids: np.ndarray) -> list[np.ndarray]:
+    def pooled(self, ids: np.ndarray, raw: dict | None = None) -> list[np.ndarray]:
         """ids int32 [n, S] -> pooled vectors float32 [n, F, D], then each extra sparse part's
-        (Wide&Deep's wide part: [n, F, 1])."""
-        ids = np.asarray(ids)
+        (Wide&Deep's wide part: [n, F, 1]). Dynamic tables' features: their ids are raw ids,
+        or ``raw`` gives them ({feature: uint64 [n, bag]}), turned into rows by the maps."""
+        ids = self._map_rows(np.asarray(ids), raw)
         if ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
             raise ValueError(
                 f"ids must have shape [n, {sum(self.bag_sizes)}] (bag sizes {self.bag_sizes}), got {list(ids.shape)}"
@@ -125,8 +128,23 @@ class ServingModel:
             out.append(pooled)
         return out
 
-    def predict(self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
-        """Probabilities float32 [n] of ``dense`` [n, num_dense] and ``ids`` [n, S], ``batch_size`` at a time."""
+    def _map_rows(self, ids: np.ndarray, raw: dict | None) -> np.ndarray:
+        if not self.id_maps or ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
+            return ids
+        ids, starts = ids.astype(np.int32, copy=True), np.cumsum([0, *self.bag_sizes])
+        for f in self.id_maps.features:
+            bag = ids[:, starts[f] : starts[f + 1]]
+            given = bag if raw is None else raw[f]
+            bag[...] = self.id_maps.rows(f, given, bag != PAD_ID)
+        return ids
+
+    def predict(
+        self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH, raw: dict | None = None
+    ) -> np.ndarray:
+        """Probabilities float32 [n] of ``dense`` [n, num_dense] and ``ids`` [n, S], ``batch_size``
+        at a time. Dynamic tables (``manifest["id_maps"]``): their features' ids are raw ids, or
+        ``raw`` gives them whole ({feature: uint64 [n, bag]}); an id the map does not hold
+        reads its shard's shared row, as evaluation does."""
         dense = np.asarray(dense, np.float32)
         if dense.ndim == 2 and dense.shape[1] == 0 and self.manifest["num_dense"] == 1:
             dense = np.zeros((len(dense), 1), np.float32)  # data without dense features: one zero column, as trained
@@ -136,7 +154,8 @@ class ServingModel:
             raise ValueError(f"{len(dense)} dense rows and {len(ids)} id rows")
         out = np.empty(len(dense), np.float32)
         for s in range(0, len(dense), batch_size):
-            args = [dense[s : s + batch_size], *self.pooled(ids[s : s + batch_size])]
+            part = None if raw is None else {f: r[s : s + batch_size] for f, r in raw.items()}
+            args = [dense[s : s + batch_size], *self.pooled(ids[s : s + batch_size], part)]
             n = len(args[0])
             rows = max(MIN_CALL_ROWS, 1 << (n - 1).bit_length())
             args = [np.concatenate([a, np.zeros((rows - n, *a.shape[1:]), a.dtype)]) if rows > n else a for a in args]
@@ -157,7 +176,9 @@ class ServingModel:
             bad = parsed.bad[0]
             raise CriteoFormatError(f"line {bad.index}: {bad.message}")
         out = np.full(len(lines), np.nan, np.float32)
-        out[parsed.rows] = self.predict(*rules.inputs(parsed), batch_size)
+        # Criteo values hashed to rows in training reach dynamic tables whole, as RawBatch did
+        raw = {f: parsed.values[:, f : f + 1] for f in self.id_maps.features} if rules.kind == "hash" else None
+        out[parsed.rows] = self.predict(*rules.inputs(parsed), batch_size, raw=raw or None)
         return out
 
     def _predict_tabular(self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int) -> np.ndarray:
@@ -274,6 +295,8 @@ def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:
     finally:
         store.close()
     model._load_function(root)
+    if delta.get("id_maps"):  # the delta's step's maps replace the base's
+        model.id_maps = IdMaps(root, delta["id_maps"], model.features)
     model.manifest = {
         **model.manifest,
         "step": delta["step"],

@@ -124,7 +124,7 @@ def parse_criteo(lines: Sequence[bytes | str]) -> ParsedLines:
 def raw_rules(root: Path, manifest: dict) -> CriteoRules | TabularRules:
     """The rules of an artifact, or an ArtifactError saying why raw rows cannot be scored."""
     spec = manifest.get("preprocessing") or {"kind": "none"}
-    kind, rows = spec.get("kind"), [f["rows"] for f in manifest["features"]]
+    kind, rows = spec.get("kind"), spec.get("table_rows") or [f["rows"] for f in manifest["features"]]
     if kind in ID_KINDS and spec.get("format") == "tabular":
         return TabularRules(root, spec, rows)
     if kind in ID_KINDS:

@@ -37,6 +37,7 @@ from dlrm_jax.serving.artifact import (
     encode_rows,
     write_manifest,
 )
+from dlrm_jax.serving.id_maps import write_maps
 from dlrm_jax.train.export import RestoredRun, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint
 
@@ -100,6 +101,7 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "parts": parts,
         "tables_dtype": tables,
         "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
+        "id_maps": _id_maps(work, run),  # a delta's too: its step's maps, whole
         "dense_transform": _dense_transform(run.cfg),
         "evaluation": _evaluation(Path(run_dir), run.step),
         "function": {
@@ -112,6 +114,17 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         },
     }
     write_manifest(work, manifest)
+
+
+def _id_maps(work: Path, run: RestoredRun) -> dict:
+    """The dynamic tables' maps at the exported step (dlrm_jax.serving.id_maps)."""
+    dynamic = run.steps.dynamic
+    if dynamic is None:
+        return {}
+    maps = {
+        name: (dynamic.maps[t], jax.device_get(run.state.maps[name])._asdict()) for t, name in dynamic.names().items()
+    }
+    return write_maps(work, maps)
 
 
 def _model_section(cfg) -> dict:
@@ -271,6 +284,7 @@ def _rules(work: Path, cfg) -> dict:
         "kind": "compact" if modulus else "vocabulary",
         "max_ind_range": modulus,
         "cardinalities": [int(c) for c in meta["cardinalities"]],
+        "table_rows": list(cfg.table_rows),  # the ids' range (a dynamic table's rows are its map's)
         "files": files,
     }
     if modulus:  # the compacted tables' row for hashed values training never counted, if any

@@ -1,0 +1,65 @@
+"""Serving a model with dynamic tables (embedding.ids=dynamic): the maps travel with the
+artifact, raw Criteo lines score as eval scores them (an id the map does not hold reads its
+shard's shared row, in both), and a delta carries its step's maps."""
+
+import numpy as np
+import pytest
+
+from dlrm_jax import serving
+from dlrm_jax.config import load_config
+from dlrm_jax.data.sources.criteo import write_criteo_tsv
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+from dlrm_jax.train.serving_export import export_serving
+from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET
+from tests.serving.test_serving import assert_scores_of_eval, scores_of
+
+LINES, VAL = 1200, 256
+
+
+@pytest.mark.slow
+def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
+    gen = SyntheticGenerator(
+        seed=5, num_dense=13, table_rows=(40, 400) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
+    cfg = load_config(
+        None,
+        [
+            "data.source=criteo",
+            f"data.path={tmp_path / 'day.tsv'}",
+            f"data.val_fraction={VAL / LINES}",
+            "data.max_rows=0",
+            f"data.cardinalities={[40, 400] * 13}",
+            "embedding.table_ids=[cat_1=dynamic, cat_3=dynamic]",
+            "embedding.dynamic.rows=0.25",
+            "embedding.dynamic.vshards=4",
+            "embedding.dynamic.probes=3",
+            "train.batch_size=64",
+            "train.steps=16",
+            "train.checkpoint_every=8",
+            "train.eval_every=0",
+            "train.eval_batches=0",
+            "train.keep_checkpoints=3",
+            "train.progress_bar=false",
+            "mesh.devices=2",
+            "model.embedding_dim=8",
+            "model.bottom_mlp=[16, 8]",
+            "model.top_mlp=[16, 1]",
+        ],
+    )
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    for name, step, kw in (("f8", 8, {}), ("f16", 16, {}), ("d", 16, {"since": 8})):
+        export_serving(tmp_path / "run", tmp_path / name, step=step, **kw, **QUIET)
+    probs, _, _ = scores_of(tmp_path / "run")
+    val_lines = (tmp_path / "day.tsv").read_bytes().splitlines(keepends=True)[-VAL:]
+    with serving.load(tmp_path / "f16") as model:
+        maps = model.manifest["id_maps"]
+        assert set(maps) == {"cat_1", "cat_3"} and all(0 < m["ids_held"] <= m["rows"] for m in maps.values())
+        full = model.predict_raw(val_lines)
+    assert_scores_of_eval(full, probs)
+    with serving.load(tmp_path / "f8") as base:
+        at8 = base.predict_raw(val_lines)
+    with serving.load(tmp_path / "f8", deltas=[tmp_path / "d"]) as model:
+        np.testing.assert_array_equal(model.predict_raw(val_lines), full)
+    assert not np.array_equal(at8, full)  # the maps and rows moved between the steps
