@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, resolve, split_ids
-from dlrm_jax.embedding.dynamic.sharded import sharded_resolve
+from dlrm_jax.embedding.dynamic.sharded import own_capacity, sharded_resolve, sharded_resolve_many
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 SPEC = MapSpec(rows=8 * 6, vshards=8, probes=3, policy="lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=8)
@@ -57,3 +57,35 @@ def test_the_sharded_map_equals_one_map_step_by_step(devices):
 def test_a_map_that_does_not_split_in_whole_shards_is_refused():
     with pytest.raises(ValueError, match="6 shards cannot be split over 4 devices"):
         sharded_resolve(MapSpec(rows=12, vshards=6), make_mesh(4), None, None, None, None, 0)
+
+
+@pytest.mark.parametrize("skew", ["spread", "one id throughout"])
+def test_each_device_resolves_its_own_ids_compacted_or_all_of_them(skew):
+    """Several tables in one resolution (sharded_resolve_many) on 8 devices: each device's own
+    ids fit its buffer when hashing spreads them (the compacted path), and do not when one id
+    fills most of the batch (the whole-batch path); both equal one map on one device."""
+    mesh, devices, batch = make_mesh(8), 8, 1024
+    assert own_capacity(batch, devices) < batch
+    specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
+    on = NamedSharding(mesh, P(AXIS))
+    maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
+    one_maps = [init_map(s) for s in specs]
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        ids = rng.integers(0, 2**63, (batch, 2), dtype=np.int64).astype(np.uint64) % np.uint64(5000)
+        if skew != "spread":
+            ids[: batch * 3 // 4, 1] = np.uint64(77)
+        valid = rng.random((batch, 2)) > 0.05
+        hi, lo = split_ids(ids)
+        tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
+        got = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))(maps, tables, step)
+        for t, (spec, out) in enumerate(zip(specs, got, strict=True)):
+            want = resolve(spec, one_maps[t], *(jnp.asarray(x[:, t]) for x in (hi, lo, valid)), step)
+            one_maps[t] = want.map
+            np.testing.assert_array_equal(
+                np.asarray(out.rows).reshape(-1), np.asarray(want.rows), err_msg=f"{t} {step}"
+            )
+            for a, b in zip(out.map, want.map, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert {k: int(out.stats[k]) for k in STATS} == {k: int(want.stats[k]) for k in STATS}
+        maps = [o.map for o in got]

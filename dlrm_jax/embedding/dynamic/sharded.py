@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, resolve
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, resolve, shard_of
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -36,27 +37,80 @@ def sharded_resolve(
     map ``m`` (its arrays sharded over the devices by rows, the sketch by shards) at ``step``:
     rows [B, ...] sharded like the ids, the map after the batch, the fresh rows sharded like
     the map's, and the counts summed over the devices. ``learn=False``: the map read only
-    (``idmap.resolve``)."""
+    (``idmap.resolve``). One table of :func:`sharded_resolve_many`."""
+    return sharded_resolve_many([spec], mesh, [m], [(hi, lo, valid)], step, learn)[0]
+
+
+def sharded_resolve_many(
+    specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: list[IdMap], ids: list[tuple], step, learn: bool = True
+) -> list[Resolved]:
+    """:func:`sharded_resolve` of several tables in one program: their ids gathered in one
+    all-gather and their rows met in one max. Each device resolves only the gathered ids of
+    its own shards, moved to the front of a buffer of ``own_capacity`` (so its sort and its
+    placement work on about B/n ids, not B); a batch with more ids of one device's shards than
+    that (one id repeated throughout, say) resolves all B there instead, with the same result."""
     n = map_devices(mesh)
-    check_split(spec, n)
-    per = spec.vshards // n
+    for spec in specs:
+        check_split(spec, n)
+    sizes = [hi.size // n for hi, _, _ in ids]  # each table's ids per device
 
-    def local(m, hi, lo, valid, step):
+    def local(maps, his, los, valids, step):
         me = lax.axis_index(AXIS)
-        every = [lax.all_gather(x.reshape(-1), AXIS, tiled=True) for x in (hi, lo, valid)]
-        out = resolve(spec, m, *every, step, me * per, learn)
-        rows = lax.pmax(jnp.where(out.rows >= 0, out.rows + me * per * spec.slots, -1), AXIS)
-        mine = lax.dynamic_slice_in_dim(rows, me * hi.size, hi.size).reshape(hi.shape)
-        return mine, out.map, out.fresh, {k: lax.psum(out.stats[k], AXIS) for k in STATS}
+        flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
+        every = [lax.all_gather(flat(xs), AXIS, tiled=True) for xs in (his, los, valids)]
+        out, rows, at = [], [], 0
+        for spec, m, size in zip(specs, maps, sizes, strict=True):
+            per = spec.vshards // n
+            ghi, glo, gval = (x.reshape(n, -1)[:, at : at + size].reshape(-1) for x in every)
+            got = _resolve_own(spec, m, ghi, glo, gval, step, me * per, learn, n)
+            out.append(got)
+            rows.append(jnp.where(got.rows >= 0, got.rows + me * per * spec.slots, -1).reshape(n, size))
+            at += size
+        met = lax.pmax(jnp.concatenate(rows, axis=1), AXIS)[me]  # [sum of sizes]: this device's ids
+        mine = [met[a : a + size] for a, size in zip(np.cumsum([0, *sizes[:-1]]), sizes, strict=True)]
+        # one collective for every table's counts (a psum each would be 6 per table)
+        summed = lax.psum(jnp.stack([jnp.stack([o.stats[k] for k in STATS]) for o in out]), AXIS)
+        stats = [dict(zip(STATS, summed[j], strict=True)) for j in range(len(out))]
+        return mine, [o.map for o in out], [o.fresh for o in out], stats
 
-    specs = IdMap(*(P(AXIS),) * 6)
-    rows, new_map, fresh, stats = jax.shard_map(
+    map_spec = IdMap(*(P(AXIS),) * 6)
+    k = len(specs)
+    mine, new_maps, fresh, stats = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, P(AXIS), P(AXIS), P(AXIS), P()),
-        out_specs=(P(AXIS), specs, P(AXIS), P()),
-    )(m, hi, lo, valid, step)
-    return Resolved(rows, new_map, fresh, stats)
+        in_specs=([map_spec] * k, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
+        out_specs=([P(AXIS)] * k, [map_spec] * k, [P(AXIS)] * k, [P()] * k),
+    )(list(maps), *([x[j] for x in ids] for j in range(3)), step)
+    return [
+        Resolved(r.reshape(hi.shape), m, f, st)
+        for r, m, f, st, (hi, _, _) in zip(mine, new_maps, fresh, stats, ids, strict=True)
+    ]
+
+
+def own_capacity(total: int, devices: int) -> int:
+    """Ids of one device's shards a resolution holds at most before resolving the whole gathered
+    batch there: twice a fair share and some (hashing spreads ids evenly; a repeated id does not)."""
+    return total if devices == 1 else min(total, 2 * -(-total // devices) + 64)
+
+
+def _resolve_own(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard, learn: bool, devices: int) -> Resolved:
+    """``idmap.resolve`` of the ids of this device's shards among the gathered ``hi``/``lo``/
+    ``valid`` [N]: compacted to :func:`own_capacity` when they fit (the result does not depend
+    on where in the batch an id stands), else over all N."""
+    total, cap = hi.shape[0], own_capacity(hi.shape[0], devices)
+    if cap == total:
+        return resolve(spec, m, hi, lo, valid, step, first_shard, learn)
+    shards = m.used.shape[0] // spec.slots
+    local = shard_of(spec, hi, lo) - first_shard
+    own = valid & (local >= 0) & (local < shards)
+    at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
+
+    def compacted():
+        put = lambda x, fill: jnp.full(cap, fill, x.dtype).at[at].set(x, mode="drop")
+        out = resolve(spec, m, put(hi, 0), put(lo, 0), put(own, False), step, first_shard, learn)
+        return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
+
+    return lax.cond(jnp.sum(own) <= cap, compacted, lambda: resolve(spec, m, hi, lo, valid, step, first_shard, learn))
 
 
 def map_bytes_per_device(spec: MapSpec, devices: int) -> int:

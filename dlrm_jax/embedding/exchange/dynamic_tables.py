@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
-from dlrm_jax.embedding.dynamic.sharded import check_split, map_devices, sharded_resolve
+from dlrm_jax.embedding.dynamic.sharded import check_split, map_devices, sharded_resolve_many
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
@@ -76,13 +76,19 @@ class DynamicTables:
         Traceable: call it inside the step."""
         stats, maps = {}, dict(maps)
         starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])  # each feature's first slot
-        for t, spec in self.maps.items():
-            hi, lo, valid = raw[t]
-            name = self.names()[t]
-            out = sharded_resolve(spec, self.mesh, maps[name], hi, lo, valid, step, learn)
+        tables, names = list(self.maps), self.names()
+        outs = sharded_resolve_many(
+            [self.maps[t] for t in tables],
+            self.mesh,
+            [maps[names[t]] for t in tables],
+            [raw[t] for t in tables],
+            step,
+            learn,
+        )
+        for t, out in zip(tables, outs, strict=True):
             if learn:
-                maps[name] = out.map
-                emb = self._reset(t, emb, out.fresh, out.map, key, most=hi.size)
+                maps[names[t]] = out.map
+                emb = self._reset(t, emb, out.fresh, out.map, key, most=raw[t][0].size)
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), int(starts[t]), axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
