@@ -28,6 +28,7 @@ DYNAMIC = (
 )
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_with_its_maps(tiny, tmp_path):
     cfg = tiny("mesh.devices=8", "train.steps=8", "train.log_every=2", "train.checkpoint_every=4", *DYNAMIC)
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
