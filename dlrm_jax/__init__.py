@@ -46,8 +46,11 @@ Tiered tables: :class:`TierPlan` (in a plan), :class:`TierStore` (the disk tier)
 :class:`TieredTables` (disk tier, DRAM caches and device-cache fills of a run),
 :class:`TierRunner` (train steps over them), :func:`export_run` (a checkpoint's tables as
 tensorstore arrays).
-Data: :class:`Batch`, :class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`,
-:class:`ArraySource`,
+Dynamic tables (``embedding.ids=dynamic``; docs/dynamic-tables.md): :class:`MapSpec` (one
+table's id map: rows, shards, probes, eviction, admission), :class:`DynamicTables` (raw ids
+resolved to rows inside a step, over a collection).
+Data: :class:`Batch`, :class:`RawBatch` (with raw 64-bit ids for dynamic tables),
+:class:`SyntheticSource`, :class:`BinarySource`, :class:`CriteoTSVSource`, :class:`ArraySource`,
 :func:`preprocess_criteo`; other datasets (MovieLens, Avazu, Taobao, Yelp, or any CSV /
 JSON-lines file) through a schema: :func:`load_schema`, :func:`preprocess_tabular`::
 
@@ -118,7 +121,10 @@ _EXPORTS = {
     "export_serving": "dlrm_jax.train.serving_export",
     "ServingModel": "dlrm_jax.serving.model",
     "load_serving": "dlrm_jax.serving.model",
+    "MapSpec": "dlrm_jax.embedding.dynamic.idmap",
+    "DynamicTables": "dlrm_jax.embedding.exchange.dynamic_tables",
     "Batch": "dlrm_jax.data.batch",
+    "RawBatch": "dlrm_jax.data.batch",
     "SyntheticSource": "dlrm_jax.data.sources.synthetic",
     "BinarySource": "dlrm_jax.data.sources.binary",
     "ArraySource": "dlrm_jax.data.sources.arrays",
