@@ -36,7 +36,7 @@ from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.model.dlrm import DLRMDense, bce_loss
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.train.build import mesh_from_config
-from dlrm_jax.train.wiring import sparse_optimizer_from_config
+from dlrm_jax.train.wiring import map_fields, sparse_optimizer_from_config
 
 CASES = ("dynamic", "hashed", "vocab")
 
@@ -141,10 +141,8 @@ def stream_maps(cfg, windows: list[StreamWindow], rows: float) -> list[MapSpec]:
     """Each feature's table for every case: ``rows`` rows (>= 1) or that fraction of the
     feature's distinct ids over the whole stream (< 1), rounded up to whole shards of its map
     (``embedding.dynamic``'s policy, probes, shards and admission)."""
-    d = cfg.embedding.dynamic
-    fields = dict(probes=d.probes, policy=d.policy, half_life=d.half_life, admit=d.admit, sketch_width=d.sketch_width)
     distinct = [len(np.unique(np.concatenate([w.ids[:, f] for w in windows]))) for f in range(windows[0].ids.shape[1])]
-    return [MapSpec.sized(n, rows, d.vshards, **fields) for n in distinct]
+    return [MapSpec.sized(n, rows, cfg.embedding.dynamic.vshards, **map_fields(cfg)) for n in distinct]
 
 
 def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, output=None, about=None, log=print):

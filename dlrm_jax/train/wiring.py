@@ -66,19 +66,16 @@ def dynamic_maps(cfg: Config) -> dict[int, MapSpec]:
     d, out = cfg.embedding.dynamic, {}
     for f in cfg.dynamic_tables:
         try:
-            out[f] = MapSpec.sized(
-                cfg.table_rows[f],
-                d.rows,
-                d.vshards,
-                probes=d.probes,
-                policy=d.policy,
-                half_life=d.half_life,
-                admit=d.admit,
-                sketch_width=d.sketch_width,
-            )
+            out[f] = MapSpec.sized(cfg.table_rows[f], d.rows, d.vshards, **map_fields(cfg))
         except ValueError as e:
             raise ConfigError(f"embedding.dynamic: table cat_{f}: {e}") from None
     return out
+
+
+def map_fields(cfg: Config) -> dict:
+    """``embedding.dynamic``'s settings every map of a run shares, as MapSpec's fields."""
+    d = cfg.embedding.dynamic
+    return dict(probes=d.probes, policy=d.policy, half_life=d.half_life, admit=d.admit, sketch_width=d.sketch_width)
 
 
 def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:
