@@ -3,7 +3,9 @@
 Every table of the checkpoint (newest intact, or ``step``) is written as compressed zarr3 arrays
 ``DEST/<table>/values`` and ``DEST/<table>/<optimizer state>`` ([rows, dim] or [rows]), readable
 with tensorstore alone (extra sparse parts too, by their names: Wide&Deep's ``wide_<feature>``,
-and ``wide_linear``, the dense features' weights then the bias). Tiered tables are copied chunk by chunk from the tier's snapshot of that
+and ``wide_linear``, the dense features' weights then the bias); a dynamic table's id map as
+``DEST/<table>/map/<field>`` (``key_hi``, ``key_lo``, ``used``, ``last_seen``, ``count``, per row;
+``sketch``; embedding/dynamic/idmap.py). Tiered tables are copied chunk by chunk from the tier's snapshot of that
 step; device-resident tables are gathered from the checkpoint one table at a time.
 """
 
@@ -80,6 +82,9 @@ def export_run(
         _export_tables(dest, part.collection, part.tables(state.parts[name]))
         for k, v in part.dense_arrays(state.parts[name]).items():
             export_array(dest / f"{name}_linear" / k, np.asarray(v))
+    for name, m in state.maps.items():  # dynamic tables' id maps, beside their tables
+        for k, v in jax.device_get(m)._asdict().items():
+            export_array(dest / name / "map" / k, np.asarray(v))
     if run.plan.tiered_tables:
         tiered = tier_snapshot(run, run_dir, step, log)
         try:

@@ -8,10 +8,12 @@ import json
 import jax
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from dlrm_jax.config import ConfigError
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
+from dlrm_jax.train.export import export_run
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET, losses
@@ -61,6 +63,12 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
     assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(s4.maps))
     on4 = evaluate_run(tmp_path / "whole", ["mesh.devices=4"], **QUIET)
     np.testing.assert_allclose(on4.auc, whole.auc, rtol=1e-6)
+    # `dlrm-jax export` writes each map beside its table.
+    export_run(tmp_path / "whole", tmp_path / "export", **QUIET)
+    for field, want in a.maps["cat_2"]._asdict().items():
+        path = tmp_path / "export" / "cat_2" / "map" / field
+        got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result().read().result()
+        np.testing.assert_array_equal(got, np.asarray(want))
 
 
 @pytest.mark.parametrize(
