@@ -85,10 +85,13 @@ class DynamicTables:
             step,
             learn,
         )
+        if learn:
+            emb = self._reset(
+                emb, {t: (out.fresh, out.map, raw[t][0].size) for t, out in zip(tables, outs, strict=True)}, key
+            )
         for t, out in zip(tables, outs, strict=True):
             if learn:
                 maps[names[t]] = out.map
-                emb = self._reset(t, emb, out.fresh, out.map, key, most=raw[t][0].size)
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), int(starts[t]), axis=1)
             stats[t] = {k: out.stats[k] for k in STATS}
         return emb, maps, ids_bs, stats
@@ -110,30 +113,45 @@ class DynamicTables:
             out[t], at = (hi, lo, ids != PAD_ID), at + bag
         return out
 
-    def _reset(self, t: int, emb: EmbeddingState, fresh, m: IdMap, key, most: int) -> EmbeddingState:
-        """The fresh rows of table ``t`` reset; a batch of ``most`` ids makes at most that many,
-        so only that many rows are written (never the whole block)."""
-        g, vt = self._where[t]
-        k = min(vt.block, most)
+    def _reset(self, emb: EmbeddingState, fresh: dict, key) -> EmbeddingState:
+        """Every table's fresh rows reset, in one program: ``fresh`` {table: (its fresh rows,
+        its map after the batch, the batch's ids of it)}; a batch of ``most`` ids makes at
+        most that many, so only that many rows are written per table (never the whole block)."""
         opt = self.collection.optimizer
-        scale = 1.0 / self.maps[t].rows ** 0.5
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
+        tables = list(fresh)
+        groups = sorted({self._where[t][0].name for t in tables})
 
-        def local(table, slots, fresh, key_hi, key_lo):
-            at = jnp.nonzero(fresh, size=k, fill_value=vt.block)[0]  # this device's fresh rows
-            row = jnp.where(at < vt.block, vt.offset + at, table.shape[0])  # padding: dropped
-            at = jnp.minimum(at, vt.block - 1)
-            cols = vt.col_start + lax.iota(jnp.int32, g.width)
-            ids = id_hash(key_hi[at], key_lo[at])
-            u = hash_uniform(seed_2, jnp.full((k, 1), vt.table, jnp.int32), ids[:, None], cols[None, :])
-            table = table.at[row].set(((2.0 * u - 1.0) * scale).astype(table.dtype), mode="drop")
-            initial = opt.init(jnp.zeros((k, g.width), table.dtype))
-            return table, {name: v.at[row].set(initial[name], mode="drop") for name, v in slots.items()}
+        def local(arrays, slots, marks, key_his, key_los):
+            arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
+            for t, mark, key_hi, key_lo in zip(tables, marks, key_his, key_los, strict=True):
+                g, vt = self._where[t]
+                k = min(vt.block, fresh[t][2])
+                at = jnp.nonzero(mark, size=k, fill_value=vt.block)[0]  # this device's fresh rows
+                table = arrays[g.name]
+                row = jnp.where(at < vt.block, vt.offset + at, table.shape[0])  # padding: dropped
+                at = jnp.minimum(at, vt.block - 1)
+                cols = vt.col_start + lax.iota(jnp.int32, g.width)
+                ids = id_hash(key_hi[at], key_lo[at])
+                u = hash_uniform(seed_2, jnp.full((k, 1), vt.table, jnp.int32), ids[:, None], cols[None, :])
+                scale = 1.0 / self.maps[t].rows ** 0.5
+                arrays[g.name] = table.at[row].set(((2.0 * u - 1.0) * scale).astype(table.dtype), mode="drop")
+                initial = opt.init(jnp.zeros((k, g.width), table.dtype))
+                slots[g.name] = {n: v.at[row].set(initial[n], mode="drop") for n, v in slots[g.name].items()}
+            return arrays, slots
 
-        table, slots = jax.shard_map(
+        rows = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)
+        arrays = {g: emb.tables[g] for g in groups}
+        slots = {g: emb.slots[g] for g in groups}
+        per_table = [
+            [fresh[t][0] for t in tables],
+            [fresh[t][1].key_hi for t in tables],
+            [fresh[t][1].key_lo for t in tables],
+        ]
+        arrays, slots = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(P(AXIS), P(AXIS), P(AXIS), P(AXIS), P(AXIS)),
-            out_specs=(P(AXIS), P(AXIS)),
-        )(emb.tables[g.name], emb.slots[g.name], fresh, m.key_hi, m.key_lo)
-        return emb._replace(tables={**emb.tables, g.name: table}, slots={**emb.slots, g.name: slots})
+            in_specs=(rows(arrays), rows(slots), *(rows(x) for x in per_table)),
+            out_specs=(rows(arrays), rows(slots)),
+        )(arrays, slots, *per_table)
+        return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots})
