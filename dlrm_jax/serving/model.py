@@ -63,6 +63,7 @@ class ServingModel:
         every = self.features + [e for entries in self.part_features.values() for e in entries]
         self.tables = ServingTables(self.root, manifest, every, memory_bytes, cache_rows)
         self.bag_sizes = [int(f["bag_size"]) for f in self.features]
+        self._starts = np.cumsum([0, *self.bag_sizes])  # each feature's first slot in a row's ids
         self.id_maps = IdMaps(self.root, manifest.get("id_maps") or {}, self.features)
         self._rules = None
         self._load_function(self.root)
@@ -109,8 +110,7 @@ class ServingModel:
             raise ValueError(
                 f"ids must have shape [n, {sum(self.bag_sizes)}] (bag sizes {self.bag_sizes}), got {list(ids.shape)}"
             )
-        starts = np.cumsum([0, *self.bag_sizes])
-        out = []
+        starts, out = self._starts, []
         for entries in (self.features, *self.part_features.values()):
             pooled = np.empty((len(ids), len(entries), int(entries[0]["dim"])), np.float32)
             for f, e in enumerate(entries):
@@ -131,7 +131,7 @@ class ServingModel:
     def _map_rows(self, ids: np.ndarray, raw: dict | None) -> np.ndarray:
         if not self.id_maps or ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
             return ids
-        ids, starts = ids.astype(np.int32, copy=True), np.cumsum([0, *self.bag_sizes])
+        ids, starts = ids.astype(np.int32, copy=True), self._starts
         for f in self.id_maps.features:
             bag = ids[:, starts[f] : starts[f + 1]]
             given = bag if raw is None else raw[f]

@@ -61,7 +61,7 @@ def plan_for_run(
     ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
     value every process uses (``kind``: "stats" or "capacities")."""
     local = cfg.train.batch_size // num_devices
-    batches = [dynamic_homes(cfg, source.train_ids(i)) for i in range(CALIBRATION_BATCHES)] if source else []
+    batches = dynamic_homes(cfg, [source.train_ids(i) for i in range(CALIBRATION_BATCHES)]) if source else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
     request = plan_request(cfg, num_devices, budget_bytes, hosts=hosts, cluster=cluster)

@@ -86,17 +86,20 @@ def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:
     return cluster_for(c.pop("profile"), c, simulated)
 
 
-def dynamic_homes(cfg: Config, ids: np.ndarray) -> np.ndarray:
-    """A batch's ids with each dynamic table's (its raw ids) replaced by their home rows in
-    its map (``idmap.home_rows``): the rows its owners will see, for measuring the traffic."""
-    maps = dynamic_maps(cfg)
+def dynamic_homes(cfg: Config, batches: list[np.ndarray]) -> list[np.ndarray]:
+    """Batches' ids with each dynamic table's (its raw ids) replaced by their home rows in its
+    map (``idmap.home_rows``): the rows its owners will see, for measuring the traffic."""
+    maps, starts = dynamic_maps(cfg), np.cumsum([0, *cfg.bag_sizes])
     if not maps:
-        return ids
-    ids, starts = ids.copy(), np.cumsum([0, *cfg.bag_sizes])
-    for f, spec in maps.items():
-        block = ids[:, starts[f] : starts[f + 1]]
-        block[...] = np.where(block == PAD_ID, PAD_ID, home_rows(spec, block))
-    return ids
+        return batches
+    out = []
+    for ids in batches:
+        ids = ids.copy()
+        for f, spec in maps.items():
+            block = ids[:, starts[f] : starts[f + 1]]
+            block[...] = np.where(block == PAD_ID, PAD_ID, home_rows(spec, block))
+        out.append(ids)
+    return out
 
 
 def plan_options(

@@ -55,18 +55,21 @@ class DynamicTables:
                 raise ValueError(f"table {name}: dynamic tables are neither tiered nor replicated hot rows")
             self._where[t] = (g, vt)
         self.map_sharding = IdMap(*(NamedSharding(self.mesh, P(AXIS)),) * 6)
+        self._names = {t: collection.plan.tables[t].spec.name for t in self.maps}
+        bags = [tp.spec.bag_size for tp in collection.plan.tables]
+        self._starts = np.cumsum([0, *bags])  # each feature's first slot in a batch's ids
 
     def names(self) -> dict[int, str]:
         """{table index: its name}: the maps' keys in the train state and checkpoints."""
-        return {t: self.collection.plan.tables[t].spec.name for t in self.maps}
+        return dict(self._names)
 
     def init_maps(self) -> dict[str, IdMap]:
         """Empty maps by table name, sharded with their tables."""
-        return {self.names()[t]: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
+        return {self._names[t]: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
 
     def maps_sharding(self) -> dict[str, IdMap]:
         """The maps' shardings, keyed like :meth:`init_maps`."""
-        return dict.fromkeys(self.names().values(), self.map_sharding)
+        return dict.fromkeys(self._names.values(), self.map_sharding)
 
     def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array, learn=True):
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
@@ -75,8 +78,7 @@ class DynamicTables:
         counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
         Traceable: call it inside the step."""
         stats, maps = {}, dict(maps)
-        starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])  # each feature's first slot
-        tables, names = list(self.maps), self.names()
+        tables, names, starts = list(self.maps), self._names, self._starts
         outs = sharded_resolve_many(
             [self.maps[t] for t in tables],
             self.mesh,
@@ -101,11 +103,10 @@ class DynamicTables:
         (high and low halves of the dynamic features' ids, their bags one after another in
         table order; :func:`raw_columns`), or without it the batch's own ids (``ids_bs`` int32
         [B, S], taken as ids below 2**31). ``valid``: the slot is not padding in ``ids_bs``."""
-        starts = np.cumsum([0, *(tp.spec.bag_size for tp in self.collection.plan.tables)])
         out, at = {}, 0
         for t in self.maps:
-            bag = self.collection.plan.tables[t].spec.bag_size
-            ids = ids_bs[:, starts[t] : starts[t] + bag]
+            bag = int(self._starts[t + 1] - self._starts[t])
+            ids = ids_bs[:, self._starts[t] : self._starts[t + 1]]
             if raw is None:
                 hi, lo = jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32)
             else:
