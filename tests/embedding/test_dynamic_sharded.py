@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, resolve, split_ids
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, split_ids
+from dlrm_jax.embedding.dynamic.resolve import resolve
 from dlrm_jax.embedding.dynamic.sharded import own_capacity, sharded_resolve, sharded_resolve_many
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 

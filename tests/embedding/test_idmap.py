@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, resolve, shard_of, split_ids
+from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, shard_of, split_ids
+from dlrm_jax.embedding.dynamic.resolve import resolve
 from tests.embedding.dynamic_reference import DictMap
 from tests.helpers import examples
 

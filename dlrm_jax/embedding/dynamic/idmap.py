@@ -1,5 +1,5 @@
 """A table's map from raw 64-bit ids to rows: open addressing, bounded probes, eviction by a
-policy, admission after K sightings; pure ``jax.numpy``, one batch at a time inside a step.
+policy, admission after K sightings: its spec, its arrays and its hashes.
 
 Layout. The table's rows are split into ``vshards`` virtual shards of ``slots`` rows each; an
 id's shard and its home slot come from a hash of the id alone. Slot 0 of every shard is its
@@ -9,27 +9,7 @@ a batch does to one shard depends on that shard's slots and the batch's ids of t
 devices that own whole shards (a row-wise table of ``vshards`` divisible by the devices) reach
 exactly what one device holding every shard reaches: the map is the same on any device count.
 
-One batch (:func:`resolve`), per shard:
-1. the batch's distinct ids, each with its occurrences; ids found in their probes keep their row;
-2. admission (``admit`` > 1): a count-min sketch per shard counts each absent id's
-   occurrences; an id is admitted once its estimate reaches ``admit`` (counts are kept after
-   admission, so an evicted id that returns is admitted at once). With ``half_life``, every
-   counter halves at each step that is a multiple of it (the sketch forgets, as TinyLFU's does);
-3. placement in ``probes`` rounds: each admitted absent id asks for the best slot among its
-   probes not taken this batch (a free slot first, in probe order; else the policy's victim),
-   and where several ask for one slot the first id in (hash, low word) order gets it;
-   the others ask again next round. Under ``lfu`` an id takes a held slot only when its own
-   count (its sketch estimate, or without admission its occurrences in the batch) exceeds the
-   victim's decayed count, so rare new ids do not push out frequent old ones (TinyLFU's
-   rule). An id that gets no slot uses its shard's shared row;
-4. the rows given to new ids are *fresh*: their values and optimizer state must be reset
-   before the batch looks them up (the caller does it: ``Resolved.fresh``).
-
-Policies, on integers only (so a plain Python model reaches the same bits):
-``lru``: the victim is the slot seen least recently; ``lfu``: the slot with the smallest
-count, each count halving every ``half_life`` steps since its id was last seen (0: never),
-ties to the least recently seen. Further ties go to the earlier probe. A new id's count starts
-at its count above.
+One batch through the map, and the policies: ``resolve.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +20,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from dlrm_jax.choices import EvictionPolicy
 from dlrm_jax.hashing import mix32
@@ -48,8 +27,6 @@ from dlrm_jax.hashing import mix32
 POLICIES = tuple(EvictionPolicy)  # lru, lfu
 _SHARD_SEED, _HOME_SEED = 0x3C6EF372, 0xA54FF53A
 _SKETCH_SEEDS = (0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19, 0x6A09E667, 0xBB67AE85, 0x428A2F98, 0x71374491)
-_FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
-_TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
 
 
 class MapSpec(NamedTuple):
@@ -186,148 +163,3 @@ def home_rows(spec: MapSpec, ids: np.ndarray) -> np.ndarray:
     shard = (h % np.uint32(spec.vshards)).astype(np.int64)
     home = (mix32(h ^ np.uint32(_HOME_SEED), np) % np.uint32(spec.slots - 1)).astype(np.int64)
     return (shard * spec.slots + 1 + home).astype(np.int32)
-
-
-def _decayed(spec: MapSpec, count, last_seen, step):
-    if spec.policy != "lfu" or not spec.half_life:
-        return count
-    shift = jnp.minimum((step - last_seen) // spec.half_life, 31)
-    return count >> shift
-
-
-def _distinct(hi, lo, valid):
-    """The batch's distinct valid ids in (hash, low word) order, padded to N: (each id's index
-    among them, N for padding; their high and low words; occurrences; whether each distinct
-    slot is real). The hash and the low word determine an id (``id_hash`` mixes the high word
-    through a bijection), so the order is a total order of ids.
-
-    Fast path: one sort of the 32-bit hashes alone (XLA sorts a lone array ~8x faster than
-    keys with a payload on CPU) and each id's run found by binary search. Two distinct ids (or
-    an id and padding) with one hash would share a run: when the batch has such a pair, the
-    exact path sorts by (hash, low word) instead, with the same result."""
-    n = hi.shape[0]
-    h = id_hash(hi, lo)
-    key = jnp.where(valid, h, jnp.uint32(0xFFFFFFFF))  # padding last
-    sorted_key = jnp.sort(key)
-    start = jnp.searchsorted(sorted_key, key, side="left").astype(jnp.int32)  # its run's first place
-    rep = jnp.full(n, n, jnp.int32).at[start].min(jnp.arange(n, dtype=jnp.int32))[start]
-    shared = (hi != hi[rep]) | (lo != lo[rep]) | (valid != valid[rep])
-
-    def by_hash():
-        new = jnp.concatenate([jnp.ones(1, bool), sorted_key[1:] != sorted_key[:-1]])
-        place = jnp.cumsum(new, dtype=jnp.int32) - 1  # of each sorted position's run
-        return jnp.where(valid, place[start], n)
-
-    def by_hash_and_low_word():
-        order = jnp.lexsort((lo, h, ~valid))
-        sh, slo, sval = h[order], lo[order], valid[order]
-        new = jnp.concatenate([jnp.ones(1, bool), (sh[1:] != sh[:-1]) | (slo[1:] != slo[:-1])])
-        place = jnp.where(sval, jnp.cumsum(new, dtype=jnp.int32) - 1, n)
-        return jnp.zeros(n, jnp.int32).at[order].set(place)
-
-    index = lax.cond(jnp.any(shared), by_hash_and_low_word, by_hash)
-    uhi = jnp.zeros(n, jnp.uint32).at[index].set(hi, mode="drop")
-    ulo = jnp.zeros(n, jnp.uint32).at[index].set(lo, mode="drop")
-    occurrences = jnp.zeros(n, jnp.int32).at[index].add(1, mode="drop")
-    return index, uhi, ulo, occurrences, jnp.arange(n) < jnp.max(jnp.where(valid, index + 1, 0))
-
-
-def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
-    """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding)
-    through the map ``m`` of the shards ``first_shard`` onward at train step ``step``. Ids of
-    other shards are left alone (row -1). ``learn=False`` (evaluation, serving): the map is
-    read, not changed: an id without a row uses its shard's shared row. Traceable;
-    ``first_shard`` may be traced."""
-    n, slots, shards = hi.shape[0], spec.slots, m.used.shape[0] // spec.slots
-    index, uhi, ulo, occurrences, real = _distinct(hi, lo, valid)
-    h = id_hash(uhi, ulo)
-    local = (h % jnp.uint32(spec.vshards)).astype(jnp.int32) - first_shard
-    real = real & (local >= 0) & (local < shards)
-    local = jnp.clip(local, 0, shards - 1)
-    home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % jnp.uint32(slots - 1)).astype(jnp.int32)
-    probe = local[:, None] * slots + 1 + (home[:, None] + jnp.arange(spec.probes)) % (slots - 1)  # [U, P]
-    used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
-    match = used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
-    found = real & jnp.any(match, axis=1)
-    found_at = jnp.argmax(match, axis=1)[:, None]
-    found_row = jnp.take_along_axis(probe, found_at, axis=1)[:, 0]
-    decayed = _decayed(spec, m.count[probe], last_seen, step)
-
-    sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
-    if spec.counts and learn:
-        if spec.half_life:  # the sketch forgets: every counter halves each half_life steps
-            age = (step > 0) & (step % spec.half_life == 0)
-            sketch = jnp.where(age, sketch >> 1, sketch)
-        absent = real & ~found
-        cols = jnp.stack(
-            [mix32(h ^ jnp.uint32(s), jnp) % jnp.uint32(spec.sketch_width) for s in _SKETCH_SEEDS[: spec.sketch_depth]],
-            1,
-        )
-        cols = cols.astype(jnp.int32)  # [U, depth]
-        depth = jnp.arange(spec.sketch_depth)[None, :]
-        shard_at = jnp.where(absent, local, shards)[:, None]  # found ids are not counted
-        sketch = sketch.at[shard_at, depth, cols].add(occurrences[:, None], mode="drop")
-        estimate = jnp.min(sketch[local[:, None], depth, cols], axis=1)
-        admitted = real & (found | (estimate >= spec.admit))
-
-    # Placement: free slots first, then the policy's victims; the first id in (hash, low word) order wins a contested slot.
-    rows_n = m.used.shape[0]
-    primary = jnp.where(used, last_seen if spec.policy == "lru" else decayed, _FREE)
-    # lfu: a held slot is open to an id only when the id's count exceeds the slot's
-    open_ = ~used | (estimate[:, None] > decayed) if spec.policy == "lfu" else jnp.ones_like(used)
-    secondary = jnp.where(used, last_seen, _FREE) if spec.policy == "lfu" else jnp.zeros_like(primary)
-    taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
-    pending = admitted & ~found
-    placed = jnp.full(n, -1, jnp.int32)
-    rank = jnp.arange(n, dtype=jnp.int32)  # the distinct ids' order: (hash, low word)
-
-    def round_(carry):
-        r, _, taken, placed, pending = carry
-        k1 = jnp.where(taken[probe] | ~open_, _TAKEN, primary)
-        best1 = jnp.min(k1, axis=1, keepdims=True)
-        k2 = jnp.where(k1 == best1, secondary, _TAKEN)
-        best2 = jnp.min(k2, axis=1, keepdims=True)
-        pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
-        asks = pending & (best1[:, 0] < _TAKEN)
-        target = jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
-        winner = jnp.full(rows_n, n, jnp.int32).at[jnp.where(asks, target, rows_n)].min(rank, mode="drop")
-        wins = asks & (winner[target] == rank)
-        placed = jnp.where(wins, target, placed)
-        taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-        return r + 1, jnp.any(asks), taken, placed, pending & ~wins
-
-    # At most ``probes`` rounds; a round in which no id asks changes nothing, and neither would
-    # any after it, so the loop ends there (most batches settle in one or two rounds).
-    # (the flag and the rows derived from the batch: inside shard_map they vary by device like it)
-    carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
-    _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < spec.probes) & c[1], round_, carry)
-    won = placed >= 0
-    at = jnp.where(won, placed, rows_n)
-    fresh = jnp.zeros(rows_n, bool).at[at].set(True, mode="drop")
-    evicted = jnp.sum(won & m.used[jnp.clip(placed, 0)])
-
-    seen_at = jnp.where(found, found_row, at)
-    now = jnp.asarray(step, jnp.int32)
-    kept = jnp.where(found, jnp.take_along_axis(decayed, found_at, axis=1)[:, 0], 0)
-    new_map = IdMap(
-        m.key_hi.at[at].set(uhi, mode="drop"),
-        m.key_lo.at[at].set(ulo, mode="drop"),
-        m.used.at[at].set(True, mode="drop"),
-        m.last_seen.at[seen_at].set(now, mode="drop"),
-        m.count.at[seen_at].set(jnp.where(found, kept + occurrences, estimate), mode="drop"),
-        sketch,
-    )
-    if not learn:
-        new_map = m
-    shared = local * slots
-    distinct_row = jnp.where(found, found_row, jnp.where(won, placed, jnp.where(real, shared, -1)))
-    rows = jnp.where(index < n, distinct_row[jnp.clip(index, 0, n - 1)], -1)
-    stats = {
-        "lookups": jnp.sum(jnp.where(real, occurrences, 0)),
-        "found": jnp.sum(jnp.where(found, occurrences, 0)),
-        "admitted": jnp.sum(won),
-        "evicted": evicted,
-        "held_back": jnp.sum(real & ~admitted),
-        "unplaced": jnp.sum(pending),
-    }
-    return Resolved(rows, new_map, fresh, stats)

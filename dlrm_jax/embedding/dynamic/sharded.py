@@ -1,13 +1,15 @@
 """The id map sharded with its table: each device holds whole virtual shards (a block of the
 map's rows), and one batch's raw ids are resolved to rows inside one program.
 
-Every device gathers the batch's ids, resolves those of its own shards (``idmap.resolve``
-with its first shard) and the rows meet in a max over the devices (an id has one owner; every
-other device says -1). The map on n devices is the one-device map cut in n blocks, step by
+Every device gathers the batch's ids of every dynamic table, resolves those of its own shards
+in one pass (``resolve.resolve_fused`` with its first shards) and the rows meet in a max over
+the devices (an id has one owner; every other device says -1). The map on n devices is the one-device map cut in n blocks, step by
 step (idmap's layout), so a run's ids reach the same rows on any device count.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, resolve, shard_of
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
+from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -30,6 +33,20 @@ def check_split(spec: MapSpec, devices: int) -> None:
         raise ValueError(f"a map of {spec.vshards} shards cannot be split over {devices} devices in whole shards")
 
 
+class FreshRows(NamedTuple):
+    """The rows a batch gave to new ids, [devices * N] sharded over the devices (each device's
+    N entries are its own rows): each entry's table-local row on its device (-1: none), its
+    table (index into the specs) and its id's high and low words. A device with at most
+    ``window`` fresh rows has them all within its first ``window`` entries (so a reset need
+    only write those)."""
+
+    rows: jax.Array
+    table: jax.Array
+    hi: jax.Array
+    lo: jax.Array
+    window: int
+
+
 def sharded_resolve(
     spec: MapSpec, mesh: jax.sharding.Mesh, m: IdMap, hi, lo, valid, step, learn: bool = True
 ) -> Resolved:
@@ -37,41 +54,104 @@ def sharded_resolve(
     map ``m`` (its arrays sharded over the devices by rows, the sketch by shards) at ``step``:
     rows [B, ...] sharded like the ids, the map after the batch, the fresh rows sharded like
     the map's, and the counts summed over the devices. ``learn=False``: the map read only
-    (``idmap.resolve``). One table of :func:`sharded_resolve_many`."""
+    (``resolve.resolve``). One table of :func:`sharded_resolve_many`."""
     return sharded_resolve_many([spec], mesh, [m], [(hi, lo, valid)], step, learn)[0]
 
 
 def sharded_resolve_many(
     specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: list[IdMap], ids: list[tuple], step, learn: bool = True
 ) -> list[Resolved]:
-    """:func:`sharded_resolve` of several tables in one program: their ids gathered in one
-    all-gather and their rows met in one max. Each device resolves only the gathered ids of
-    its own shards, moved to the front of a buffer of ``own_capacity`` (so its sort and its
+    """:func:`sharded_resolve` of several tables in one program (:func:`sharded_resolve_fused`),
+    each table's fresh rows as a mask of its rows."""
+    rows, new_maps, fresh, stats = sharded_resolve_fused(specs, mesh, maps, ids, step, learn)
+    n = map_devices(mesh)
+
+    def masks(rows, table):
+        out = []
+        for t, spec in enumerate(specs):
+            local = spec.rows // n
+            out.append(
+                jnp.zeros(local, bool).at[jnp.where((table == t) & (rows >= 0), rows, local)].set(True, mode="drop")
+            )
+        return out
+
+    fresh_masks = jax.shard_map(masks, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=[P(AXIS)] * len(specs))(
+        fresh.rows, fresh.table
+    )
+    return [
+        Resolved(r, m, f, dict(zip(STATS, st, strict=True)))
+        for r, m, f, st in zip(rows, new_maps, fresh_masks, stats, strict=True)
+    ]
+
+
+def sharded_resolve_fused(
+    specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: list[IdMap], ids: list[tuple], step, learn: bool = True
+) -> tuple[list, list[IdMap], FreshRows, jax.Array]:
+    """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
+    the batch axis) through their maps in one program and one pass (``resolve.resolve_fused``):
+    every table's ids gathered in one all-gather, resolved at once by each device for its own
+    shards, and their rows met in one max. Each device resolves only the gathered ids of its
+    own shards, moved to the front of a buffer of ``own_capacity`` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
-    that (one id repeated throughout, say) resolves all B there instead, with the same result."""
+    that (one id repeated throughout, say) resolves all of them there instead, with the same
+    result. Returns (rows per table, shaped and sharded like its ids; the maps after the batch;
+    the fresh rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
     sizes = [hi.size // n for hi, _, _ in ids]  # each table's ids per device
+    layout = Maps(tuple(specs), tuple(s.vshards // n for s in specs))
+    per_device = np.repeat(np.arange(len(specs), dtype=np.int32), sizes)
+    total = n * per_device.size
+    cap = own_capacity(total, n)
+    per_shards = np.array([s.vshards // n for s in specs], np.int32)
+    vshards = np.array([s.vshards for s in specs], np.uint32)
+    slots = np.array([s.slots for s in specs], np.int32)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
 
     def local(maps, his, los, valids, step):
         me = lax.axis_index(AXIS)
         flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
-        every = [lax.all_gather(flat(xs), AXIS, tiled=True) for xs in (his, los, valids)]
-        out, rows, at = [], [], 0
-        for spec, m, size in zip(specs, maps, sizes, strict=True):
-            per = spec.vshards // n
-            ghi, glo, gval = (x.reshape(n, -1)[:, at : at + size].reshape(-1) for x in every)
-            got = _resolve_own(spec, m, ghi, glo, gval, step, me * per, learn, n)
-            out.append(got)
-            rows.append(jnp.where(got.rows >= 0, got.rows + me * per * spec.slots, -1).reshape(n, size))
-            at += size
-        met = lax.pmax(jnp.concatenate(rows, axis=1), AXIS)[me]  # [sum of sizes]: this device's ids
-        mine = [met[a : a + size] for a, size in zip(np.cumsum([0, *sizes[:-1]]), sizes, strict=True)]
-        # one collective for every table's counts (a psum each would be 6 per table)
-        summed = lax.psum(jnp.stack([jnp.stack([o.stats[k] for k in STATS]) for o in out]), AXIS)
-        stats = [dict(zip(STATS, summed[j], strict=True)) for j in range(len(out))]
-        return mine, [o.map for o in out], [o.fresh for o in out], stats
+        hi, lo, valid = (lax.all_gather(flat(xs), AXIS, tiled=True) for xs in (his, los, valids))
+        table = jnp.asarray(np.tile(per_device, n))
+        first = me * jnp.asarray(per_shards)
+        owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
+        own = valid & (owner == me)
+        fused = layout.fuse(maps)
+        run = lambda *a: resolve_fused(layout, fused, *a, step, first, learn)
+        at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
+
+        def compacted():
+            put = lambda x, fill: jnp.full(cap, fill, x.dtype).at[at].set(x, mode="drop")
+            out = run(put(table, 0), put(hi, 0), put(lo, 0), put(own, False))
+            pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - cap, fill, x.dtype)])
+            return out._replace(
+                rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1),
+                fresh_rows=pad(out.fresh_rows, -1),
+                fresh_table=pad(out.fresh_table, 0),
+                fresh_hi=pad(out.fresh_hi, 0),
+                fresh_lo=pad(out.fresh_lo, 0),
+            )
+
+        def whole():
+            out = run(table, hi, lo, valid)
+            keep = out.fresh_rows >= 0  # the fresh entries to the front, so that most fit the window
+            to = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, total)
+            put = lambda x, fill: jnp.full(total, fill, x.dtype).at[to].set(x, mode="drop")
+            return out._replace(
+                fresh_rows=put(out.fresh_rows, -1),
+                fresh_table=put(out.fresh_table, 0),
+                fresh_hi=put(out.fresh_hi, 0),
+                fresh_lo=put(out.fresh_lo, 0),
+            )
+
+        out = whole() if cap == total else lax.cond(jnp.sum(own) <= cap, compacted, whole)
+        shift = first[table] * jnp.asarray(slots)[table]  # table-local rows here -> the table's rows
+        rows = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, -1)
+        met = lax.pmax(rows, AXIS)[me]  # this device's ids, every table's
+        mine = [met[starts[t] : starts[t + 1]] for t in range(len(specs))]
+        fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
+        return mine, layout.split(out.map), fresh, lax.psum(out.stats, AXIS)
 
     map_spec = IdMap(*(P(AXIS),) * 6)
     k = len(specs)
@@ -79,38 +159,16 @@ def sharded_resolve_many(
         local,
         mesh=mesh,
         in_specs=([map_spec] * k, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
-        out_specs=([P(AXIS)] * k, [map_spec] * k, [P(AXIS)] * k, [P()] * k),
+        out_specs=([P(AXIS)] * k, [map_spec] * k, (P(AXIS),) * 4, P()),
     )(list(maps), *([x[j] for x in ids] for j in range(3)), step)
-    return [
-        Resolved(r.reshape(hi.shape), m, f, st)
-        for r, m, f, st, (hi, _, _) in zip(mine, new_maps, fresh, stats, ids, strict=True)
-    ]
+    rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
+    return rows, new_maps, FreshRows(*fresh, window=cap), stats
 
 
 def own_capacity(total: int, devices: int) -> int:
     """Ids of one device's shards a resolution holds at most before resolving the whole gathered
     batch there: twice a fair share and some (hashing spreads ids evenly; a repeated id does not)."""
     return total if devices == 1 else min(total, 2 * -(-total // devices) + 64)
-
-
-def _resolve_own(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard, learn: bool, devices: int) -> Resolved:
-    """``idmap.resolve`` of the ids of this device's shards among the gathered ``hi``/``lo``/
-    ``valid`` [N]: compacted to :func:`own_capacity` when they fit (the result does not depend
-    on where in the batch an id stands), else over all N."""
-    total, cap = hi.shape[0], own_capacity(hi.shape[0], devices)
-    if cap == total:
-        return resolve(spec, m, hi, lo, valid, step, first_shard, learn)
-    shards = m.used.shape[0] // spec.slots
-    local = shard_of(spec, hi, lo) - first_shard
-    own = valid & (local >= 0) & (local < shards)
-    at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
-
-    def compacted():
-        put = lambda x, fill: jnp.full(cap, fill, x.dtype).at[at].set(x, mode="drop")
-        out = resolve(spec, m, put(hi, 0), put(lo, 0), put(own, False), step, first_shard, learn)
-        return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
-
-    return lax.cond(jnp.sum(own) <= cap, compacted, lambda: resolve(spec, m, hi, lo, valid, step, first_shard, learn))
 
 
 def map_bytes_per_device(spec: MapSpec, devices: int) -> int:

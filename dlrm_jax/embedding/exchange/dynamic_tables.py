@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
-from dlrm_jax.embedding.dynamic.sharded import check_split, map_devices, sharded_resolve_many
+from dlrm_jax.embedding.dynamic.sharded import FreshRows, check_split, map_devices, sharded_resolve_fused
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
@@ -77,9 +77,8 @@ class DynamicTables:
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
         Traceable: call it inside the step."""
-        stats, maps = {}, dict(maps)
-        tables, names, starts = list(self.maps), self._names, self._starts
-        outs = sharded_resolve_many(
+        maps, tables, names, starts = dict(maps), list(self.maps), self._names, self._starts
+        rows, new_maps, fresh, counts = sharded_resolve_fused(
             [self.maps[t] for t in tables],
             self.mesh,
             [maps[names[t]] for t in tables],
@@ -88,14 +87,11 @@ class DynamicTables:
             learn,
         )
         if learn:
-            emb = self._reset(
-                emb, {t: (out.fresh, out.map, raw[t][0].size) for t, out in zip(tables, outs, strict=True)}, key
-            )
-        for t, out in zip(tables, outs, strict=True):
-            if learn:
-                maps[names[t]] = out.map
-            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, out.rows.astype(ids_bs.dtype), int(starts[t]), axis=1)
-            stats[t] = {k: out.stats[k] for k in STATS}
+            emb = self._reset(emb, fresh, key)
+            maps.update({names[t]: m for t, m in zip(tables, new_maps, strict=True)})
+        for t, r in zip(tables, rows, strict=True):
+            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, r.astype(ids_bs.dtype), int(starts[t]), axis=1)
+        stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
         return emb, maps, ids_bs, stats
 
     def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> dict:
@@ -114,45 +110,52 @@ class DynamicTables:
             out[t], at = (hi, lo, ids != PAD_ID), at + bag
         return out
 
-    def _reset(self, emb: EmbeddingState, fresh: dict, key) -> EmbeddingState:
-        """Every table's fresh rows reset, in one program: ``fresh`` {table: (its fresh rows,
-        its map after the batch, the batch's ids of it)}; a batch of ``most`` ids makes at
-        most that many, so only that many rows are written per table (never the whole block)."""
+    def _reset(self, emb: EmbeddingState, fresh: FreshRows, key) -> EmbeddingState:
+        """Every dynamic table's fresh rows reset, in one program and one write per group: a
+        device with at most ``fresh.window`` fresh rows writes only that many entries (never
+        the whole block)."""
         opt = self.collection.optimizer
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
-        tables = list(fresh)
-        groups = sorted({self._where[t][0].name for t in tables})
+        tables = list(self.maps)  # fresh.table indexes these
+        by_name = {self._where[t][0].name: self._where[t][0] for t in tables}
+        groups = sorted(by_name)
+        const = lambda values, dtype=jnp.int32: jnp.asarray(np.asarray(values), dtype)
+        group_of = [groups.index(self._where[t][0].name) for t in tables]
+        offset = const([self._where[t][1].offset for t in tables])
+        col_start = const([self._where[t][1].col_start for t in tables])
+        scale = const([1.0 / self.maps[t].rows ** 0.5 for t in tables], jnp.float32)
+        table_index = const(tables)
 
-        def local(arrays, slots, marks, key_his, key_los):
+        def reset(arrays, slots, rows, table, hi, lo):
             arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
-            for t, mark, key_hi, key_lo in zip(tables, marks, key_his, key_los, strict=True):
-                g, vt = self._where[t]
-                k = min(vt.block, fresh[t][2])
-                at = jnp.nonzero(mark, size=k, fill_value=vt.block)[0]  # this device's fresh rows
-                table = arrays[g.name]
-                row = jnp.where(at < vt.block, vt.offset + at, table.shape[0])  # padding: dropped
-                at = jnp.minimum(at, vt.block - 1)
-                cols = vt.col_start + lax.iota(jnp.int32, g.width)
-                ids = id_hash(key_hi[at], key_lo[at])
-                u = hash_uniform(seed_2, jnp.full((k, 1), vt.table, jnp.int32), ids[:, None], cols[None, :])
-                scale = 1.0 / self.maps[t].rows ** 0.5
-                arrays[g.name] = table.at[row].set(((2.0 * u - 1.0) * scale).astype(table.dtype), mode="drop")
-                initial = opt.init(jnp.zeros((k, g.width), table.dtype))
-                slots[g.name] = {n: v.at[row].set(initial[n], mode="drop") for n, v in slots[g.name].items()}
+            ids = id_hash(hi, lo)[:, None]
+            for gi, name in enumerate(groups):
+                width, array = by_name[name].width, arrays[name]
+                mine = (rows >= 0) & (const(group_of)[table] == gi)
+                row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
+                cols = col_start[table][:, None] + lax.iota(jnp.int32, width)[None, :]
+                u = hash_uniform(seed_2, table_index[table][:, None], ids, cols)
+                values = (2.0 * u - 1.0) * scale[table][:, None]
+                arrays[name] = array.at[row].set(values.astype(array.dtype), mode="drop")
+                initial = opt.init(jnp.zeros((rows.shape[0], width), array.dtype))
+                slots[name] = {s: v.at[row].set(initial[s], mode="drop") for s, v in slots[name].items()}
             return arrays, slots
 
-        rows = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)
+        def local(arrays, slots, rows, table, hi, lo):
+            w = fresh.window
+            few = lambda: reset(arrays, slots, rows[:w], table[:w], hi[:w], lo[:w])
+            if w >= rows.shape[0]:
+                return reset(arrays, slots, rows, table, hi, lo)
+            return lax.cond(jnp.any(rows[w:] >= 0), lambda: reset(arrays, slots, rows, table, hi, lo), few)
+
+        tree_rows = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)
         arrays = {g: emb.tables[g] for g in groups}
         slots = {g: emb.slots[g] for g in groups}
-        per_table = [
-            [fresh[t][0] for t in tables],
-            [fresh[t][1].key_hi for t in tables],
-            [fresh[t][1].key_lo for t in tables],
-        ]
+        parts = (fresh.rows, fresh.table, fresh.hi, fresh.lo)
         arrays, slots = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(rows(arrays), rows(slots), *(rows(x) for x in per_table)),
-            out_specs=(rows(arrays), rows(slots)),
-        )(arrays, slots, *per_table)
+            in_specs=(tree_rows(arrays), tree_rows(slots), *(P(AXIS),) * 4),
+            out_specs=(tree_rows(arrays), tree_rows(slots)),
+        )(arrays, slots, *parts)
         return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots})

@@ -1,0 +1,294 @@
+"""One batch of raw ids through id maps (``idmap``): every dynamic table at once, in one pass.
+
+Several tables' maps are held as one (:class:`Maps`: their arrays end to end, each table's
+shards on this device in a block of its own) and a batch's ids of all of them, each tagged
+with its table, go through one sort, one probe, one sketch update and one placement loop.
+What a batch does to one table depends only on that table's block and its own ids, so the
+result is the one each table's map reaches alone; a step with 26 dynamic tables runs about
+60 operations instead of 26 x 60 (most of a small step's time on CPU was their dispatch).
+
+Per table and shard (``idmap``'s layout), one batch:
+1. the batch's distinct ids, each with its occurrences; ids found in their probes keep their row;
+2. admission (``admit`` > 1): a count-min sketch per shard counts each absent id's
+   occurrences; an id is admitted once its estimate reaches ``admit`` (counts are kept after
+   admission, so an evicted id that returns is admitted at once). With ``half_life``, every
+   counter halves at each step that is a multiple of it (the sketch forgets, as TinyLFU's does);
+3. placement in ``probes`` rounds: each admitted absent id asks for the best slot among its
+   probes not taken this batch (a free slot first, in probe order; else the policy's victim),
+   and where several ask for one slot the first id in (hash, low word) order gets it;
+   the others ask again next round. Under ``lfu`` an id takes a held slot only when its own
+   count (its sketch estimate, or without admission its occurrences in the batch) exceeds the
+   victim's decayed count, so rare new ids do not push out frequent old ones (TinyLFU's
+   rule). An id that gets no slot uses its shard's shared row;
+4. the rows given to new ids are *fresh*: their values and optimizer state must be reset
+   before the batch looks them up (the caller does it, from :attr:`Fused.fresh_rows`).
+
+Policies, on integers only (so a plain Python model reaches the same bits):
+``lru``: the victim is the slot seen least recently; ``lfu``: the slot with the smallest
+count, each count halving every ``half_life`` steps since its id was last seen (0: never),
+ties to the least recently seen. Further ties go to the earlier probe. A new id's count starts
+at its count above.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
+from dlrm_jax.hashing import mix32
+
+_FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
+_TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
+_LAST = np.uint32(0xFFFFFFFF)
+_TABLE_SALT = np.uint32(0x9E3779B9)
+
+
+class Maps(NamedTuple):
+    """Several tables' maps held as one: table t's ``shards[t]`` shards (this device's, or all)
+    at rows ``row_starts[t]`` onward of one IdMap, its sketch flattened at ``sketch_starts[t]``."""
+
+    specs: tuple[MapSpec, ...]
+    shards: tuple[int, ...]
+
+    def _sizes(self, per_shard) -> np.ndarray:
+        return np.array([n * per_shard(s) for s, n in zip(self.specs, self.shards, strict=True)], np.int64)
+
+    @property
+    def row_sizes(self) -> np.ndarray:
+        return self._sizes(lambda s: s.slots)
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.row_sizes)[:-1]]).astype(np.int64)
+
+    @property
+    def sketch_dims(self) -> list[tuple[int, int]]:
+        return [(s.sketch_depth, s.sketch_width) if s.counts else (1, 1) for s in self.specs]
+
+    @property
+    def sketch_starts(self) -> np.ndarray:
+        sizes = [n * d * w for n, (d, w) in zip(self.shards, self.sketch_dims, strict=True)]
+        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+    def fuse(self, maps: list[IdMap]) -> IdMap:
+        """The tables' maps (each of ``shards[t]`` shards) as one."""
+        return IdMap(
+            *(jnp.concatenate([getattr(m, f) for m in maps]) for f in IdMap._fields[:5]),
+            jnp.concatenate([m.sketch.reshape(-1) for m in maps]),
+        )
+
+    def split(self, m: IdMap) -> list[IdMap]:
+        """The inverse of :meth:`fuse`."""
+        rows = np.cumsum(self.row_sizes)[:-1]
+        sk = self.sketch_starts[1:]
+        parts = [jnp.split(getattr(m, f), rows) for f in IdMap._fields[:5]]
+        sketches = jnp.split(m.sketch, sk)
+        return [
+            IdMap(*(p[t] for p in parts), sketches[t].reshape(self.shards[t], *self.sketch_dims[t]))
+            for t in range(len(self.specs))
+        ]
+
+
+class Fused(NamedTuple):
+    """One batch through :class:`Maps`: ``rows`` int32 [N], each id's row among its table's rows
+    here (-1: padding, or an id of another device's shards); ``map``: the maps after the batch;
+    ``fresh_rows`` int32 [N], rows given to a new id this batch (its table's row here, -1: none;
+    at most one entry per distinct id, in no order), with that entry's ``fresh_table`` and id
+    (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]."""
+
+    rows: jax.Array
+    map: IdMap
+    fresh_rows: jax.Array
+    fresh_table: jax.Array
+    fresh_hi: jax.Array
+    fresh_lo: jax.Array
+    stats: jax.Array
+
+
+def _distinct(hi, lo, valid, table):
+    """The batch's distinct valid (table, id) pairs, padded to N: (each id's index among them, N
+    for padding; their high and low words and tables; occurrences; whether each distinct slot
+    is real). Their order is a hash's, and means nothing to the map.
+
+    Fast path: one sort of a 32-bit key alone (XLA sorts a lone array ~8x faster than keys with
+    a payload on CPU) and each id's run found by binary search. Two distinct pairs (or a pair
+    and padding) with one key would share a run: when the batch has such a pair, the exact
+    path sorts by (table, high word, low word) instead."""
+    n = hi.shape[0]
+    key = mix32(id_hash(hi, lo) ^ (table.astype(jnp.uint32) * _TABLE_SALT), jnp)
+    key = jnp.where(valid, key, _LAST)  # padding last
+    sorted_key = jnp.sort(key)
+    start = jnp.searchsorted(sorted_key, key, side="left").astype(jnp.int32)  # its run's first place
+    rep = jnp.full(n, n, jnp.int32).at[start].min(jnp.arange(n, dtype=jnp.int32))[start]
+    shared = (hi != hi[rep]) | (lo != lo[rep]) | (valid != valid[rep]) | (table != table[rep])
+
+    def by_key():
+        new = jnp.concatenate([jnp.ones(1, bool), sorted_key[1:] != sorted_key[:-1]])
+        place = jnp.cumsum(new, dtype=jnp.int32) - 1  # of each sorted position's run
+        return jnp.where(valid, place[start], n)
+
+    def by_table_and_id():
+        order = jnp.lexsort((lo, hi, table, ~valid))
+        st, shi, slo, sval = table[order], hi[order], lo[order], valid[order]
+        step = (st[1:] != st[:-1]) | (shi[1:] != shi[:-1]) | (slo[1:] != slo[:-1])
+        new = jnp.concatenate([jnp.ones(1, bool), step])
+        place = jnp.where(sval, jnp.cumsum(new, dtype=jnp.int32) - 1, n)
+        return jnp.zeros(n, jnp.int32).at[order].set(place)
+
+    index = lax.cond(jnp.any(shared), by_table_and_id, by_key)
+    put = lambda x: jnp.zeros(n, x.dtype).at[index].set(x, mode="drop")
+    occurrences = jnp.zeros(n, jnp.int32).at[index].add(1, mode="drop")
+    real = jnp.arange(n) < jnp.max(jnp.where(valid, index + 1, 0))
+    return index, put(hi), put(lo), put(table), occurrences, real
+
+
+def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True) -> Fused:
+    """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
+    tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
+    ``maps`` says) at train step ``step``. ``first_shards`` (int32 [tables], may be traced):
+    each table's first shard held here; ids of other shards are left alone (row -1).
+    ``learn=False`` (evaluation, serving): the maps are read, not changed: an id without a row
+    uses its shard's shared row. Traceable."""
+    specs, n, rows_n = maps.specs, hi.shape[0], m.used.shape[0]
+    per_table = lambda values, dtype=jnp.int32: jnp.asarray(np.asarray(values), dtype)  # [tables] constants
+    index, uhi, ulo, utab, occurrences, real = _distinct(hi, lo, valid, table)
+    of = lambda values, dtype=jnp.int32: per_table(values, dtype)[utab]  # each distinct id's table's
+    slots, vshards = of([s.slots for s in specs]), of([s.vshards for s in specs], jnp.uint32)
+    shards, base = of(maps.shards), of(maps.row_starts)
+    lfu = of([s.policy == "lfu" for s in specs], bool)
+    half_life = of([s.half_life if s.policy == "lfu" else 0 for s in specs])
+    counts = of([s.counts for s in specs], bool)
+
+    h = id_hash(uhi, ulo)
+    local = (h % vshards).astype(jnp.int32) - jnp.asarray(first_shards, jnp.int32)[utab]
+    real = real & (local >= 0) & (local < shards)
+    local = jnp.clip(local, 0, shards - 1)
+    home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % (slots - 1).astype(jnp.uint32)).astype(jnp.int32)
+    probes = max(s.probes for s in specs)
+    p = jnp.arange(probes)
+    in_probes = p[None, :] < of([s.probes for s in specs])[:, None]  # [U, P]: tables probe differently far
+    shard_base = base + local * slots
+    probe = shard_base[:, None] + 1 + (home[:, None] + p) % (slots - 1)[:, None]
+    used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
+    match = in_probes & used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
+    found = real & jnp.any(match, axis=1)
+    found_at = jnp.argmax(match, axis=1)[:, None]
+    found_row = jnp.take_along_axis(probe, found_at, axis=1)[:, 0]
+    hl = half_life[:, None]
+    shift = jnp.where(hl > 0, jnp.minimum((step - last_seen) // jnp.maximum(hl, 1), 31), 0)
+    decayed = m.count[probe] >> shift
+
+    sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
+    if learn and any(s.counts for s in specs):
+        sketch, estimate = _count(maps, sketch, utab, h, local, real & ~found & counts, occurrences, step)
+        estimate = jnp.where(counts, estimate, occurrences)
+        admitted = real & (found | ~counts | (estimate >= of([s.admit for s in specs])))
+
+    # Placement: free slots first, then the policy's victims; the first id in (hash, low word)
+    # order wins a contested slot (slots are a table's own, so contests are within a table).
+    lfu2 = lfu[:, None]
+    primary = jnp.where(used, jnp.where(lfu2, decayed, last_seen), _FREE)
+    # lfu: a held slot is open to an id only when the id's count exceeds the slot's
+    closed = ~in_probes | (lfu2 & used & (estimate[:, None] <= decayed))
+    secondary = jnp.where(lfu2, jnp.where(used, last_seen, _FREE), 0)
+    taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
+    pending = admitted & ~found
+    placed = jnp.full(n, -1, jnp.int32)
+
+    def round_(carry):
+        r, _, taken, placed, pending = carry
+        k1 = jnp.where(taken[probe] | closed, _TAKEN, primary)
+        best1 = jnp.min(k1, axis=1, keepdims=True)
+        k2 = jnp.where(k1 == best1, secondary, _TAKEN)
+        best2 = jnp.min(k2, axis=1, keepdims=True)
+        pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
+        asks = pending & (best1[:, 0] < _TAKEN)
+        target = jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
+        at = jnp.where(asks, target, rows_n)
+        first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
+        asks = asks & (first_h[target] == h)
+        at = jnp.where(asks, target, rows_n)
+        wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
+        placed = jnp.where(wins, target, placed)
+        taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
+        return r + 1, jnp.any(asks), taken, placed, pending & ~wins
+
+    # At most ``probes`` rounds; a round in which no id asks changes nothing, and neither would
+    # any after it, so the loop ends there (most batches settle in one or two rounds).
+    # (the flag and the rows derived from the batch: inside shard_map they vary by device like it)
+    carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
+    _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+    won = placed >= 0
+    at = jnp.where(won, placed, rows_n)
+    evicted = won & m.used[jnp.clip(placed, 0)]
+
+    seen_at = jnp.where(found, found_row, at)
+    kept = jnp.where(found, jnp.take_along_axis(decayed, found_at, axis=1)[:, 0], 0)
+    new_map = IdMap(
+        m.key_hi.at[at].set(uhi, mode="drop"),
+        m.key_lo.at[at].set(ulo, mode="drop"),
+        m.used.at[at].set(True, mode="drop"),
+        m.last_seen.at[seen_at].set(jnp.asarray(step, jnp.int32), mode="drop"),
+        m.count.at[seen_at].set(jnp.where(found, kept + occurrences, estimate), mode="drop"),
+        sketch,
+    )
+    fused_row = jnp.where(found, found_row, jnp.where(won, placed, shard_base))
+    distinct_row = jnp.where(real, fused_row - base, -1)  # the table's own numbering
+    rows = jnp.where(index < n, distinct_row[jnp.clip(index, 0, n - 1)], -1)
+    by_table = lambda x: jax.ops.segment_sum(x.astype(jnp.int32), utab, num_segments=len(specs))
+    stats = jnp.stack(
+        [
+            by_table(jnp.where(real, occurrences, 0)),  # lookups
+            by_table(jnp.where(found, occurrences, 0)),  # found
+            by_table(won),  # admitted
+            by_table(evicted),  # evicted
+            by_table(real & ~admitted),  # held back
+            by_table(pending),  # unplaced
+        ],
+        axis=1,
+    )
+    return Fused(rows, new_map if learn else m, jnp.where(won, placed - base, -1), utab, uhi, ulo, stats)
+
+
+def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
+    """The sketches after the batch's absent ids are counted (and aged, where a table's half
+    life ends at ``step``), and every id's estimate."""
+    specs = maps.specs
+    per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
+    dims = maps.sketch_dims
+    sizes = [n * d * w for n, (d, w) in zip(maps.shards, dims, strict=True)]
+    half = np.array([s.half_life if s.counts else 0 for s in specs])
+    if half.any():  # every counter of a table halves at each multiple of its half life
+        hl = per_table(np.maximum(half, 1))
+        age = (per_table(half) > 0) & (step > 0) & (step % hl == 0)
+        shift = jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
+        sketch = sketch >> shift
+    depth_n = max(d for d, _ in dims)
+    depth, width = per_table([d for d, _ in dims])[utab], per_table([w for _, w in dims])[utab]
+    d = jnp.arange(depth_n)
+    cols = jnp.stack([mix32(h ^ jnp.uint32(s), jnp) for s in _SKETCH_SEEDS[:depth_n]], 1)
+    cols = (cols % width.astype(jnp.uint32)[:, None]).astype(jnp.int32)  # [U, depth]
+    at = per_table(maps.sketch_starts)[utab][:, None] + (local[:, None] * depth[:, None] + d) * width[:, None] + cols
+    rows_d = d[None, :] < depth[:, None]
+    sketch = sketch.at[jnp.where(absent[:, None] & rows_d, at, sketch.shape[0])].add(occurrences[:, None], mode="drop")
+    estimate = jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, sketch.shape[0] - 1)], _TAKEN), axis=1)
+    return sketch, estimate
+
+
+def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
+    """One table's batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for
+    padding) through its map ``m`` of the shards ``first_shard`` onward at train step ``step``:
+    :func:`resolve_fused` of one table. Ids of other shards are left alone (row -1).
+    ``learn=False``: the map is read, not changed. Traceable; ``first_shard`` may be traced."""
+    maps = Maps((spec,), (m.used.shape[0] // spec.slots,))
+    out = resolve_fused(
+        maps, maps.fuse([m]), jnp.zeros(hi.shape[0], jnp.int32), hi, lo, valid, step, jnp.reshape(first_shard, 1), learn
+    )
+    rows_n = m.used.shape[0]
+    fresh = jnp.zeros(rows_n, bool).at[jnp.where(out.fresh_rows >= 0, out.fresh_rows, rows_n)].set(True, mode="drop")
+    return Resolved(out.rows, maps.split(out.map)[0], fresh, dict(zip(STATS, out.stats[0], strict=True)))
