@@ -81,8 +81,9 @@ class StepDriver:
     def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
         """Before checkpoint ``step`` is saved: whatever must be durable with it."""
 
-    def evaluate(self, state: TrainState) -> tuple[float, float, int]:
-        return evaluate(self.steps, state, self.source, None)
+    def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
+        """AUC, logloss and samples scored of the held-out split, or of ``batches``."""
+        return evaluate(self.steps, state, self.source, None, batches)
 
     def close(self) -> None:
         if self.steps.hot:
@@ -175,8 +176,8 @@ class TieredDriver(StepDriver):
         # the tier's snapshot first: a saved step always has one
         self.tiered.checkpoint(step, state.emb.tables, state.emb.slots, saved_steps, keep, state.emb.hot)
 
-    def evaluate(self, state: TrainState) -> tuple[float, float, int]:
-        return evaluate(self.steps, state, self.source, self.runner)
+    def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
+        return evaluate(self.steps, state, self.source, self.runner, batches)
 
     def close(self) -> None:
         self.tiered.close()

@@ -4,13 +4,13 @@ checkpoint is evaluated by :func:`dlrm_jax.train.saved_run.evaluate_run`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.batch import padded as pad_batch
 from dlrm_jax.observe.metrics import log_loss, roc_auc
 from dlrm_jax.train.progress import Evaluation
@@ -69,16 +69,22 @@ def _nan(x: float | None) -> float:
 
 
 def evaluate(
-    steps: StepFunctions, state: TrainState, source: DataSource, runner: TierRunner | None = None
+    steps: StepFunctions,
+    state: TrainState,
+    source: DataSource,
+    runner: TierRunner | None = None,
+    batches: Iterable[Batch] | None = None,
 ) -> tuple[float, float, int]:
     """Exact AUC and logloss over the held-out batches, and how many samples they scored
     (every process gets the same numbers; ``train.eval_batches``, 0 = the whole split).
+    ``batches``: this process's slices of other batches to score instead (progressive
+    validation scores training batches before they are trained on).
 
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
     padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
     """
     probs, labels, valid = [], [], []
-    for p, y, m in eval_scores(steps, state, source, runner):
+    for p, y, m in eval_scores(steps, state, source, runner, batches):
         probs.append(p)
         labels.append(y)
         valid.append(m)
@@ -91,7 +97,11 @@ def evaluate(
 
 
 def eval_scores(
-    steps: StepFunctions, state: TrainState, source: DataSource, runner: TierRunner | None = None
+    steps: StepFunctions,
+    state: TrainState,
+    source: DataSource,
+    runner: TierRunner | None = None,
+    batches: Iterable[Batch] | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
     the batch padded to full size, ``valid`` marking its real rows."""
@@ -99,7 +109,7 @@ def eval_scores(
     state = state._replace(emb=steps.collection.model_tables(state.emb))  # (per-host tables: their average)
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
-    for batch in source.eval_batches():
+    for batch in source.eval_batches() if batches is None else batches:
         n = batch.size
         padded = pad_batch(batch, per_process)
         if runner is not None:

@@ -124,6 +124,7 @@ class Plan(NamedTuple):
     save: bool
     log: bool
     signum: int | None
+    progressive: bool = False  # score the next window's training batches (train.progressive_window)
 
 
 class TrainingLoop:
@@ -175,8 +176,9 @@ class TrainingLoop:
         t = self.t
         evaluate = bool((t.eval_every and step % t.eval_every == 0) or step == t.steps)
         save = bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum)
-        log = bool(evaluate or save or (t.log_every and step % t.log_every == 0))
-        return Plan(evaluate, save, log, signum)
+        progressive = bool(t.progressive_window and step % t.progressive_window == 0 and step < t.steps)
+        log = bool(evaluate or save or progressive or (t.log_every and step % t.log_every == 0))
+        return Plan(evaluate, save, log, signum, progressive)
 
     def after_step(self, state: TrainState, step: int, item, todo: Plan) -> TrainState:
         """A state that may be saved is scored first (before a hot-row refresh moves rows
@@ -245,6 +247,30 @@ class TrainingLoop:
             save = True
             self.ckpts.keep_also([step])
         return todo._replace(save=save)
+
+    def progressive(self, step: int, state: TrainState) -> None:
+        """Progressive validation: the state after ``step`` scores the next window's training
+        batches (those of steps ``step + 1`` onward, as the source reads them) before they are
+        trained on; a ``progressive`` event with the window's AUC and logloss."""
+        report_progress(step, "progressive validation")
+        w = self.t.progressive_window
+        source = self.driver.source
+        batches = (source.train_batch(i) for i in range(step, min(step + w, self.t.steps)))
+        auc, logloss, scored = self.driver.evaluate(state, batches)
+        window = step // w
+        self.metrics.write(
+            {
+                "event": "progressive",
+                "step": step,
+                "window": window,
+                "progressive_auc": auc,
+                "progressive_logloss": logloss,
+                "progressive_samples": scored,
+            }
+        )
+        self.bar.write(
+            f"step {step}: window {window} scored before training on it: auc {auc:.4f} logloss {logloss:.4f}"
+        )
 
     def record(self, step: int, event: dict) -> None:
         """The window's event; the last one carries the run's final fields."""

@@ -197,6 +197,8 @@ def _train(
             if todo.evaluate and not todo.signum:
                 todo = loop.evaluate(step, state, event, todo)
             loop.record(step, event)
+            if todo.progressive and not todo.signum and not loop.stop_reason:
+                loop.progressive(step, state)
             if todo.save and ckpts:
                 loop.save(step, state)
             if todo.signum:

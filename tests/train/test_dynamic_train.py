@@ -95,3 +95,32 @@ def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(
         ValueError, match=r"table cat_2: a map of 4 shards cannot be split over 8 devices.*embedding.dynamic.vshards"
     ):
         build(cfg, make_mesh(8))
+
+
+def test_progressive_validation_scores_each_next_window_before_training_on_it(tiny, tmp_path):
+    """train.progressive_window=4 over 12 steps: after steps 4 and 8 (not at the end) the state
+    scores the next window's training batches (dynamic tables reading their maps); each event
+    equals scoring those batches with the checkpoint of that step, and the training is the
+    same as without them."""
+    from dlrm_jax.data.sources import make_source
+    from dlrm_jax.train.evaluate import evaluate
+
+    run = ("mesh.devices=2", "train.log_every=4", "train.eval_every=0", *DYNAMIC)
+    cfg = tiny(*run, "train.steps=12", "train.progressive_window=4")
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    windows = [e for e in events if e["event"] == "progressive"]
+    assert [(e["step"], e["window"], e["progressive_samples"]) for e in windows] == [(4, 1, 4 * 64), (8, 2, 4 * 64)]
+    assert [e["step"] for e in events if e["event"] != "progressive"] == [4, 8, 12]  # the windows' own events unchanged
+    # The first window's score from a run cut at step 4: the same numbers.
+    cut = tiny(*run, "train.steps=4")
+    train_and_evaluate(cut, tmp_path / "cut", **QUIET)
+    _, steps = build(cut, make_mesh(2))
+    state = final_state(cut, tmp_path / "cut")
+    source = make_source(cut)
+    auc, logloss, scored = evaluate(steps, state, source, batches=(source.train_batch(i) for i in range(4, 8)))
+    assert (auc, logloss, scored) == (windows[0]["progressive_auc"], windows[0]["progressive_logloss"], 4 * 64)
+    # Scoring changes nothing the training does.
+    train_and_evaluate(tiny(*run, "train.steps=12"), tmp_path / "plain", **QUIET)
+    plain = [json.loads(line)["loss"] for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["loss"] for e in events if e["event"] != "progressive"] == plain
