@@ -3,7 +3,7 @@ ids to rows (``embedding.ids=dynamic``; embedding/dynamic/idmap.py).
 
 The artifact keeps, per dynamic table, the ids that held a row and their rows (``maps/<table>.npy``,
 uint64 [k, 2], sorted by id) and the map's shape. An id found there reads its row; any other id
-reads its shard's shared row, as evaluation does (``idmap.resolve`` with ``learn=False``): a new
+reads its shard's shared row, as evaluation does (``resolve.resolve`` with ``learn=False``): a new
 user is scored like the average one not yet admitted. A delta carries its step's maps whole.
 """
 
