@@ -82,7 +82,8 @@ def export_run(
         _export_tables(dest, part.collection, part.tables(state.parts[name]))
         for k, v in part.dense_arrays(state.parts[name]).items():
             export_array(dest / f"{name}_linear" / k, np.asarray(v))
-    for name, m in state.maps.items():  # dynamic tables' id maps, beside their tables
+    maps = steps.dynamic.by_table(state.maps) if steps.dynamic else {}
+    for name, m in maps.items():  # dynamic tables' id maps, beside their tables
         for k, v in jax.device_get(m)._asdict().items():
             export_array(dest / name / "map" / k, np.asarray(v))
     if run.plan.tiered_tables:

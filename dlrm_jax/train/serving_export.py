@@ -121,9 +121,8 @@ def _id_maps(work: Path, run: RestoredRun) -> dict:
     dynamic = run.steps.dynamic
     if dynamic is None:
         return {}
-    maps = {
-        name: (dynamic.maps[t], jax.device_get(run.state.maps[name])._asdict()) for t, name in dynamic.names().items()
-    }
+    by_table = dynamic.by_table(run.state.maps)
+    maps = {name: (dynamic.maps[t], jax.device_get(by_table[name])._asdict()) for t, name in dynamic.names().items()}
     return write_maps(work, maps)
 
 

@@ -143,7 +143,7 @@ class StateLayout:
         )
         emb = self.collection.state_sharding()
         parts = {name: part.state_sharding() for name, part in self.parts.items()}
-        maps = self.dynamic.maps_sharding() if self.dynamic else {}
+        maps = self.dynamic.maps_sharding(by_table=saved_form) if self.dynamic else {}
         return TrainState(self.replicated, params_sharding, opt_sharding, emb, parts, maps)
 
     def _map_params(self, fn, tree):
@@ -153,15 +153,20 @@ class StateLayout:
     def checkpoint_form(self, state: TrainState) -> dict:
         """The state as checkpoints hold it (:meth:`TrainState.saved_tree`): every mode's dense
         parameters in one layout (the pipeline's packed stages unpacked), so a checkpoint
-        restores under any model.mlp_parallel."""
+        restores under any model.mlp_parallel; dynamic tables' maps each its own, so that they
+        restore onto any device count."""
         if self.pipeline is not None:
             params, opt = self._unpack(state.params, state.opt_state)
             state = state._replace(params=params, opt_state=opt)
+        if self.dynamic is not None and state.maps:
+            state = state._replace(maps=self.dynamic.by_table(state.maps))
         return state.saved_tree()
 
     def from_checkpoint_form(self, saved: dict) -> TrainState:
         """Inverse of :meth:`checkpoint_form`."""
         state = TrainState.from_saved_tree(saved)
+        if self.dynamic is not None and state.maps:
+            state = state._replace(maps=self.dynamic.joined(state.maps))
         if self.pipeline is None:
             return state
         saved = jax.tree.structure(self.saved_sharding.params)

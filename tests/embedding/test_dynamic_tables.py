@@ -62,7 +62,7 @@ def run(devices: int, optimizer: str, steps: int):
             np.asarray(pooled),
             [np.asarray(v) for v in values],
             [{k: np.asarray(x) for k, x in s.items()} for s in slots],
-            [np.asarray(a) for a in maps["user"]],
+            [np.asarray(a) for a in dyn.by_table(maps)["user"]],
             {k: int(stats[k]) for k in STATS},
         )
 

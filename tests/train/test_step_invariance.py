@@ -29,8 +29,14 @@ from dlrm_jax.train.step import TrainState
 STEPS = 40
 
 
+def by_table(steps, state: TrainState) -> TrainState:
+    """``state`` with its dynamic tables' maps each its own (the same on any device count)."""
+    return state._replace(maps=steps.dynamic.by_table(state.maps)) if steps.dynamic else state
+
+
 def transfer(src_plan, state: TrainState, dst) -> TrainState:
-    """``state`` (of ``src_plan``'s steps) on ``dst``'s mesh and plan, values unchanged."""
+    """``state`` (of ``src_plan``'s steps, maps by table) on ``dst``'s mesh and plan, values
+    unchanged."""
     host = jax.tree.map(np.asarray, state)
     put = lambda tree, sharding: jax.tree.map(jax.device_put, tree, sharding)
     s = dst.state_sharding
@@ -40,13 +46,14 @@ def transfer(src_plan, state: TrainState, dst) -> TrainState:
         put(host.opt_state, s.opt_state),
         relayout(src_plan, host.emb, dst.collection),
         put(host.parts, s.parts),
-        put(host.maps, s.maps),  # a map's arrays are the same on any device count
+        dst.dynamic.joined(put(host.maps, dst.dynamic.maps_sharding(by_table=True))) if dst.dynamic else {},
     )
 
 
 def logical(steps, state: TrainState):
     tables, slots = steps.collection.logical_tables(state.emb)
-    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, tables, slots, state.maps))]
+    maps = steps.dynamic.by_table(state.maps) if steps.dynamic else {}
+    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, tables, slots, maps))]
 
 
 CASES = [
@@ -87,7 +94,7 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
     state = ref.init_state()
     for step in range(STEPS):
         batch = source.train_batch(step)
-        other = transfer(ref_plan, state, steps)
+        other = transfer(ref_plan, by_table(ref, state), steps)
         state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
         other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         assert int(metrics["exchange_overflows"]) == 0 or steps.collection.plan.num_devices > 1
@@ -130,7 +137,7 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
     state, counts = ref.init_state(), np.zeros(6, np.int64)
     for step in range(STEPS):
         batch = source.train_batch(step)
-        other = transfer(ref_plan, state, steps)
+        other = transfer(ref_plan, by_table(ref, state), steps)
         state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
         other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))

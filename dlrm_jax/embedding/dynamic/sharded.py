@@ -63,8 +63,11 @@ def sharded_resolve_many(
 ) -> list[Resolved]:
     """:func:`sharded_resolve` of several tables in one program (:func:`sharded_resolve_fused`),
     each table's fresh rows as a mask of its rows."""
-    rows, new_maps, fresh, stats = sharded_resolve_fused(specs, mesh, maps, ids, step, learn)
     n = map_devices(mesh)
+    for spec in specs:
+        check_split(spec, n)
+    rows, fused, fresh, stats = sharded_resolve_fused(specs, mesh, fuse_maps(specs, n, maps), ids, step, learn)
+    new_maps = split_maps(specs, n, fused)
 
     def masks(rows, table):
         out = []
@@ -84,18 +87,45 @@ def sharded_resolve_many(
     ]
 
 
+def fuse_maps(specs: list[MapSpec], devices: int, maps: list[IdMap]) -> IdMap:
+    """The tables' maps (each whole, as :func:`~dlrm_jax.embedding.dynamic.idmap.init_map`
+    makes it) as one, device by device: device d's block holds every table's rows and sketch
+    of device d end to end (``resolve.Maps`` of its shards), so the fused arrays split over the
+    devices give each device its own. The layout depends on ``devices``: checkpoints and
+    exports hold the tables' maps (:func:`split_maps`). Traceable."""
+    per_device = lambda x: x.reshape(devices, -1)
+    joined = lambda xs: jnp.concatenate([per_device(x) for x in xs], axis=1).reshape(-1)
+    return IdMap(*(joined([getattr(m, f) for m in maps]) for f in IdMap._fields))
+
+
+def split_maps(specs: list[MapSpec], devices: int, m: IdMap) -> list[IdMap]:
+    """The inverse of :func:`fuse_maps`."""
+    layout = Maps(tuple(specs), tuple(s.vshards // devices for s in specs))
+    rows = np.concatenate([[0], np.cumsum(layout.row_sizes)])
+    sketch = np.concatenate([layout.sketch_starts, [m.sketch.size // devices]])
+    cut = lambda x, edges, t: x.reshape(devices, -1)[:, edges[t] : edges[t + 1]].reshape(-1)
+    return [
+        IdMap(
+            *(cut(getattr(m, f), rows, t) for f in IdMap._fields[:5]),
+            cut(m.sketch, sketch, t).reshape(s.vshards, *layout.sketch_dims[t]),
+        )
+        for t, s in enumerate(specs)
+    ]
+
+
 def sharded_resolve_fused(
-    specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: list[IdMap], ids: list[tuple], step, learn: bool = True
-) -> tuple[list, list[IdMap], FreshRows, jax.Array]:
+    specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: IdMap, ids: list[tuple], step, learn: bool = True
+) -> tuple[list, IdMap, FreshRows, jax.Array]:
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
-    the batch axis) through their maps in one program and one pass (``resolve.resolve_fused``):
+    the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
+    devices) in one program and one pass (``resolve.resolve_fused``):
     every table's ids gathered in one all-gather, resolved at once by each device for its own
     shards, and their rows met in one max. Each device resolves only the gathered ids of its
     own shards, moved to the front of a buffer of ``own_capacity`` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
     that (one id repeated throughout, say) resolves all of them there instead, with the same
-    result. Returns (rows per table, shaped and sharded like its ids; the maps after the batch;
-    the fresh rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
+    result. Returns (rows per table, shaped and sharded like its ids; the fused maps after the
+    batch; the fresh rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
@@ -109,7 +139,7 @@ def sharded_resolve_fused(
     slots = np.array([s.slots for s in specs], np.int32)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
 
-    def local(maps, his, los, valids, step):
+    def local(fused, his, los, valids, step):
         me = lax.axis_index(AXIS)
         flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
         hi, lo, valid = (lax.all_gather(flat(xs), AXIS, tiled=True) for xs in (his, los, valids))
@@ -117,7 +147,6 @@ def sharded_resolve_fused(
         first = me * jnp.asarray(per_shards)
         owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
         own = valid & (owner == me)
-        fused = layout.fuse(maps)
         run = lambda *a: resolve_fused(layout, fused, *a, step, first, learn)
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
@@ -151,18 +180,18 @@ def sharded_resolve_fused(
         met = lax.pmax(rows, AXIS)[me]  # this device's ids, every table's
         mine = [met[starts[t] : starts[t + 1]] for t in range(len(specs))]
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
-        return mine, layout.split(out.map), fresh, lax.psum(out.stats, AXIS)
+        return mine, out.map, fresh, lax.psum(out.stats, AXIS)
 
     map_spec = IdMap(*(P(AXIS),) * 6)
     k = len(specs)
-    mine, new_maps, fresh, stats = jax.shard_map(
+    mine, new_map, fresh, stats = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=([map_spec] * k, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
-        out_specs=([P(AXIS)] * k, [map_spec] * k, (P(AXIS),) * 4, P()),
-    )(list(maps), *([x[j] for x in ids] for j in range(3)), step)
+        in_specs=(map_spec, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
+        out_specs=([P(AXIS)] * k, map_spec, (P(AXIS),) * 4, P()),
+    )(maps, *([x[j] for x in ids] for j in range(3)), step)
     rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
-    return rows, new_maps, FreshRows(*fresh, window=cap), stats
+    return rows, new_map, FreshRows(*fresh, window=cap), stats
 
 
 def own_capacity(total: int, devices: int) -> int:

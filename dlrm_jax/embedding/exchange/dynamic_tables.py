@@ -22,12 +22,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
-from dlrm_jax.embedding.dynamic.sharded import FreshRows, check_split, map_devices, sharded_resolve_fused
+from dlrm_jax.embedding.dynamic.sharded import (
+    FreshRows,
+    check_split,
+    fuse_maps,
+    map_devices,
+    sharded_resolve_fused,
+    split_maps,
+)
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
+
+FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
 
 
 class DynamicTables:
@@ -56,20 +65,40 @@ class DynamicTables:
             self._where[t] = (g, vt)
         self.map_sharding = IdMap(*(NamedSharding(self.mesh, P(AXIS)),) * 6)
         self._names = {t: collection.plan.tables[t].spec.name for t in self.maps}
+        specs = [self.maps[t] for t in self.maps]
+        self._split = jax.jit(
+            lambda m: dict(zip([self._names[t] for t in self.maps], split_maps(specs, n, m), strict=True)),
+            out_shardings={self._names[t]: self.map_sharding for t in self.maps},
+        )
+        self._join = jax.jit(lambda ms: fuse_maps(specs, n, ms), out_shardings=self.map_sharding)
         bags = [tp.spec.bag_size for tp in collection.plan.tables]
         self._starts = np.cumsum([0, *bags])  # each feature's first slot in a batch's ids
 
     def names(self) -> dict[int, str]:
-        """{table index: its name}: the maps' keys in the train state and checkpoints."""
+        """{table index: its name}: the maps' keys in checkpoints and exports."""
         return dict(self._names)
 
     def init_maps(self) -> dict[str, IdMap]:
-        """Empty maps by table name, sharded with their tables."""
-        return {self._names[t]: jax.device_put(init_map(spec), self.map_sharding) for t, spec in self.maps.items()}
+        """Empty maps as the step holds them: every table's fused into one (``{FUSED: IdMap}``,
+        :func:`~dlrm_jax.embedding.dynamic.sharded.fuse_maps`), sharded over the devices."""
+        return self.joined({self._names[t]: init_map(spec) for t, spec in self.maps.items()})
 
-    def maps_sharding(self) -> dict[str, IdMap]:
-        """The maps' shardings, keyed like :meth:`init_maps`."""
-        return dict.fromkeys(self._names.values(), self.map_sharding)
+    def maps_sharding(self, by_table: bool = False) -> dict[str, IdMap]:
+        """The maps' shardings as the step holds them, or (``by_table``) as :meth:`by_table` gives them."""
+        return dict.fromkeys(self._names.values() if by_table else [FUSED], self.map_sharding)
+
+    def by_table(self, maps: dict) -> dict[str, IdMap]:
+        """The step's fused maps as each table's own, by table name (whole maps, sharded over
+        the devices by rows): what checkpoints and exports hold, the same on any device count."""
+        if FUSED not in maps:
+            return dict(maps)
+        return self._split(maps[FUSED])
+
+    def joined(self, maps: dict) -> dict[str, IdMap]:
+        """The inverse of :meth:`by_table`."""
+        if FUSED in maps:
+            return dict(maps)
+        return {FUSED: self._join([maps[self._names[t]] for t in self.maps])}
 
     def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array, learn=True):
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
@@ -77,18 +106,13 @@ class DynamicTables:
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
         Traceable: call it inside the step."""
-        maps, tables, names, starts = dict(maps), list(self.maps), self._names, self._starts
-        rows, new_maps, fresh, counts = sharded_resolve_fused(
-            [self.maps[t] for t in tables],
-            self.mesh,
-            [maps[names[t]] for t in tables],
-            [raw[t] for t in tables],
-            step,
-            learn,
+        tables, starts = list(self.maps), self._starts
+        rows, fused, fresh, counts = sharded_resolve_fused(
+            [self.maps[t] for t in tables], self.mesh, maps[FUSED], [raw[t] for t in tables], step, learn
         )
         if learn:
             emb = self._reset(emb, fresh, key)
-            maps.update({names[t]: m for t, m in zip(tables, new_maps, strict=True)})
+            maps = {FUSED: fused}
         for t, r in zip(tables, rows, strict=True):
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, r.astype(ids_bs.dtype), int(starts[t]), axis=1)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
