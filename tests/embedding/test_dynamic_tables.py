@@ -40,8 +40,9 @@ def stream(steps: int, seed: int = 0):
         yield users, valid, items, rng.normal(size=(BATCH, 2, 8)).astype(np.float32)
 
 
-def run(devices: int, optimizer: str, steps: int):
+def run(devices: int, optimizer: str, steps: int, reset_sizes=()):
     coll, dyn = tables(devices, optimizer)
+    dyn.reset_sizes = reset_sizes  # () : every reset writes all its entries
     key = jax.random.key(3)
     emb, maps = coll.init(key), dyn.init_maps()
 
@@ -71,7 +72,10 @@ def run(devices: int, optimizer: str, steps: int):
 @pytest.mark.parametrize(("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "sgd"), (8, "rowwise_adagrad")])
 def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
     counts = dict.fromkeys(STATS, 0)
-    for t, (got, want) in enumerate(zip(run(devices, optimizer, 40), run(1, optimizer, 40), strict=True)):
+    # the sharded run resets in branches of 1, 2, 4 and 8 entries (as many as its fresh rows
+    # need), the one-device run in one of them all
+    sharded = run(devices, optimizer, 40, reset_sizes=(1, 2, 4, 8))
+    for t, (got, want) in enumerate(zip(sharded, run(1, optimizer, 40), strict=True)):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=f"pooled, step {t}")
         for a, b in zip(got[1], want[1], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"table, step {t}")

@@ -97,8 +97,8 @@ class Maps(NamedTuple):
 class Fused(NamedTuple):
     """One batch through :class:`Maps`: ``rows`` int32 [N], each id's row among its table's rows
     here (-1: padding, or an id of another device's shards); ``map``: the maps after the batch;
-    ``fresh_rows`` int32 [N], rows given to a new id this batch (its table's row here, -1: none;
-    at most one entry per distinct id, in no order), with that entry's ``fresh_table`` and id
+    ``fresh_rows`` int32 [N], rows given to a new id this batch (its table's row here), first,
+    then -1, with that entry's ``fresh_table`` and id
     (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]."""
 
     rows: jax.Array
@@ -252,7 +252,10 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
         ],
         axis=1,
     )
-    return Fused(rows, new_map if learn else m, jnp.where(won, placed - base, -1), utab, uhi, ulo, stats)
+    to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first
+    first = lambda x, fill: jnp.full(n, fill, x.dtype).at[to].set(x, mode="drop")
+    fresh = (first(placed - base, -1), first(utab, 0), first(uhi, 0), first(ulo, 0))
+    return Fused(rows, new_map if learn else m, *fresh, stats)
 
 
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):

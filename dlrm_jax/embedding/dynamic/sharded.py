@@ -35,16 +35,13 @@ def check_split(spec: MapSpec, devices: int) -> None:
 
 class FreshRows(NamedTuple):
     """The rows a batch gave to new ids, [devices * N] sharded over the devices (each device's
-    N entries are its own rows): each entry's table-local row on its device (-1: none), its
-    table (index into the specs) and its id's high and low words. A device with at most
-    ``window`` fresh rows has them all within its first ``window`` entries (so a reset need
-    only write those)."""
+    N entries are its own rows, first, then padding): each entry's table-local row on its
+    device (-1: padding), its table (index into the specs) and its id's high and low words."""
 
     rows: jax.Array
     table: jax.Array
     hi: jax.Array
     lo: jax.Array
-    window: int
 
 
 def sharded_resolve(
@@ -162,18 +159,7 @@ def sharded_resolve_fused(
                 fresh_lo=pad(out.fresh_lo, 0),
             )
 
-        def whole():
-            out = run(table, hi, lo, valid)
-            keep = out.fresh_rows >= 0  # the fresh entries to the front, so that most fit the window
-            to = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, total)
-            put = lambda x, fill: jnp.full(total, fill, x.dtype).at[to].set(x, mode="drop")
-            return out._replace(
-                fresh_rows=put(out.fresh_rows, -1),
-                fresh_table=put(out.fresh_table, 0),
-                fresh_hi=put(out.fresh_hi, 0),
-                fresh_lo=put(out.fresh_lo, 0),
-            )
-
+        whole = lambda: run(table, hi, lo, valid)
         out = whole() if cap == total else lax.cond(jnp.sum(own) <= cap, compacted, whole)
         shift = first[table] * jnp.asarray(slots)[table]  # table-local rows here -> the table's rows
         rows = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, -1)
@@ -191,7 +177,7 @@ def sharded_resolve_fused(
         out_specs=([P(AXIS)] * k, map_spec, (P(AXIS),) * 4, P()),
     )(maps, *([x[j] for x in ids] for j in range(3)), step)
     rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
-    return rows, new_map, FreshRows(*fresh, window=cap), stats
+    return rows, new_map, FreshRows(*fresh), stats
 
 
 def own_capacity(total: int, devices: int) -> int:

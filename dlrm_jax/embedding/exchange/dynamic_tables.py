@@ -36,6 +36,7 @@ from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
+RESET_SIZES = tuple(2**k for k in range(8, 20))  # the entries a reset writes: the least of these that holds its rows
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
 
 
@@ -71,6 +72,7 @@ class DynamicTables:
             out_shardings={self._names[t]: self.map_sharding for t in self.maps},
         )
         self._join = jax.jit(lambda ms: fuse_maps(specs, n, ms), out_shardings=self.map_sharding)
+        self.reset_sizes = RESET_SIZES
         bags = [tp.spec.bag_size for tp in collection.plan.tables]
         self._starts = np.cumsum([0, *bags])  # each feature's first slot in a batch's ids
 
@@ -136,8 +138,7 @@ class DynamicTables:
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
-        device with at most ``fresh.window`` fresh rows writes only that many entries (never
-        the whole block)."""
+        device writes its fresh rows' entries only (never the whole block)."""
         opt = self.collection.optimizer
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
         tables = list(self.maps)  # fresh.table indexes these
@@ -166,11 +167,15 @@ class DynamicTables:
             return arrays, slots
 
         def local(arrays, slots, rows, table, hi, lo):
-            w = fresh.window
-            few = lambda: reset(arrays, slots, rows[:w], table[:w], hi[:w], lo[:w])
-            if w >= rows.shape[0]:
-                return reset(arrays, slots, rows, table, hi, lo)
-            return lax.cond(jnp.any(rows[w:] >= 0), lambda: reset(arrays, slots, rows, table, hi, lo), few)
+            # Only as many entries as the device has fresh rows, rounded up to a size of
+            # RESET_SIZES (or all): most steps of a filled map give out few rows; one compiled
+            # branch a size, at most twice the work.
+            total = rows.shape[0]
+            sizes = [k for k in self.reset_sizes if k < total] + [total]
+            count = jnp.sum(rows >= 0)
+            branch = lambda k: lambda: reset(arrays, slots, rows[:k], table[:k], hi[:k], lo[:k])
+            which = jnp.searchsorted(jnp.asarray(sizes), count)
+            return lax.switch(which, [branch(k) for k in sizes])
 
         tree_rows = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)
         arrays = {g: emb.tables[g] for g in groups}
