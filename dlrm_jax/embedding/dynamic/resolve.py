@@ -221,8 +221,9 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
     # At most ``probes`` rounds; a round in which no id asks changes nothing, and neither would
     # any after it, so the loop ends there (most batches settle in one or two rounds).
     # (the flag and the rows derived from the batch: inside shard_map they vary by device like it)
-    carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
-    _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+    if learn:  # (reading, no id asks for a slot)
+        carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
+        _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     evicted = won & m.used[jnp.clip(placed, 0)]
@@ -269,8 +270,8 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
     if half.any():  # every counter of a table halves at each multiple of its half life
         hl = per_table(np.maximum(half, 1))
         age = (per_table(half) > 0) & (step > 0) & (step % hl == 0)
-        shift = jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
-        sketch = sketch >> shift
+        halve = lambda sk: sk >> jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
+        sketch = lax.cond(jnp.any(age), halve, lambda sk: sk, sketch)  # a pass over the sketches only when one ages
     depth_n = max(d for d, _ in dims)
     depth, width = per_table([d for d, _ in dims])[utab], per_table([w for _, w in dims])[utab]
     d = jnp.arange(depth_n)
