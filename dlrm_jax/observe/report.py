@@ -54,7 +54,8 @@ def load_run(run_dir: Path) -> dict:
 
 
 def summary(run: dict, label: str) -> str:
-    """One line per run: its best evaluation (AUC, its step) and its median samples/s."""
+    """One line per run: its best evaluation (AUC, its step), its median samples/s and, with
+    progressive validation, the mean AUC of the last half of its windows."""
     evals = [e for e in run["events"] if e.get("event") == "eval" and e.get("auc") is not None]
     rates = sorted(e["samples_per_s"] for e in run["events"] if e.get("samples_per_s"))
     best = max(evals, key=lambda e: e["auc"]) if evals else None
@@ -66,6 +67,12 @@ def summary(run: dict, label: str) -> str:
     )
     if rates:
         parts.append(f"median {rates[len(rates) // 2]:,.0f} samples/s over {len(rates)} windows")
+    windows = [e["progressive_auc"] for e in run["events"] if e.get("event") == "progressive"]
+    if windows:  # train.progressive_window: each window scored before training on it
+        last = windows[len(windows) // 2 :]
+        parts.append(
+            f"progressive AUC {sum(last) / len(last):.4f} (mean of the last {len(last)} of {len(windows)} windows)"
+        )
     return " ".join(parts)
 
 

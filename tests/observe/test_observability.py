@@ -315,3 +315,16 @@ def test_runs_of_other_batch_sizes_compare_by_samples_and_each_gets_a_summary(tm
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(tmp_path / "png")]) == 0
     out = capsys.readouterr().out
     assert "a: best AUC 0.6" in out and "b: best AUC 0.6" in out and "samples/s over" in out
+
+
+def test_summary_gives_the_mean_progressive_auc_of_the_last_half_of_the_windows(tmp_path):
+    from dlrm_jax.observe.report import load_run, summary
+
+    fake_run(tmp_path / "a", [0.7, 0.6], 1000.0)
+    windows = [
+        {"event": "progressive", "step": 10 * w, "window": w, "progressive_auc": a}
+        for w, a in ((1, 0.6), (2, 0.7), (3, 0.8))
+    ]
+    with (tmp_path / "a" / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in windows))
+    assert "progressive AUC 0.7500 (mean of the last 2 of 3 windows)" in summary(load_run(tmp_path / "a"), "a")
