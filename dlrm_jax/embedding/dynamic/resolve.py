@@ -155,23 +155,34 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
     ``learn=False`` (evaluation, serving): the maps are read, not changed: an id without a row
     uses its shard's shared row. Traceable."""
     specs, n, rows_n = maps.specs, hi.shape[0], m.used.shape[0]
-    per_table = lambda values, dtype=jnp.int32: jnp.asarray(np.asarray(values), dtype)  # [tables] constants
     index, uhi, ulo, utab, occurrences, real = _distinct(hi, lo, valid, table)
-    of = lambda values, dtype=jnp.int32: per_table(values, dtype)[utab]  # each distinct id's table's
-    slots, vshards = of([s.slots for s in specs]), of([s.vshards for s in specs], jnp.uint32)
-    shards, base = of(maps.shards), of(maps.row_starts)
-    lfu = of([s.policy == "lfu" for s in specs], bool)
-    half_life = of([s.half_life if s.policy == "lfu" else 0 for s in specs])
-    counts = of([s.counts for s in specs], bool)
+    # Each distinct id's table's settings, in one gather of a [tables, 10] array.
+    columns = [
+        [s.slots for s in specs],
+        [s.vshards for s in specs],
+        list(maps.shards),
+        list(maps.row_starts),
+        [s.policy == "lfu" for s in specs],
+        [s.half_life if s.policy == "lfu" else 0 for s in specs],
+        [s.counts for s in specs],
+        [s.probes for s in specs],
+        [s.admit for s in specs],
+    ]
+    settings = jnp.concatenate(
+        [jnp.asarray(np.array(columns, np.int32).T), jnp.asarray(first_shards, jnp.int32)[:, None]], axis=1
+    )[utab]
+    slots, vshards, shards, base = (settings[:, k] for k in range(4))
+    lfu, half_life, counts = settings[:, 4] > 0, settings[:, 5], settings[:, 6] > 0
+    probes_of, admit, first = settings[:, 7], settings[:, 8], settings[:, 9]
 
     h = id_hash(uhi, ulo)
-    local = (h % vshards).astype(jnp.int32) - jnp.asarray(first_shards, jnp.int32)[utab]
+    local = (h % vshards.astype(jnp.uint32)).astype(jnp.int32) - first
     real = real & (local >= 0) & (local < shards)
     local = jnp.clip(local, 0, shards - 1)
     home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % (slots - 1).astype(jnp.uint32)).astype(jnp.int32)
     probes = max(s.probes for s in specs)
     p = jnp.arange(probes)
-    in_probes = p[None, :] < of([s.probes for s in specs])[:, None]  # [U, P]: tables probe differently far
+    in_probes = p[None, :] < probes_of[:, None]  # [U, P]: tables probe differently far
     shard_base = base + local * slots
     probe = shard_base[:, None] + 1 + (home[:, None] + p) % (slots - 1)[:, None]
     used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
@@ -187,7 +198,7 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
     if learn and any(s.counts for s in specs):
         sketch, estimate = _count(maps, sketch, utab, h, local, real & ~found & counts, occurrences, step)
         estimate = jnp.where(counts, estimate, occurrences)
-        admitted = real & (found | ~counts | (estimate >= of([s.admit for s in specs])))
+        admitted = real & (found | ~counts | (estimate >= admit))
 
     # Placement: free slots first, then the policy's victims; the first id in (hash, low word)
     # order wins a contested slot (slots are a table's own, so contests are within a table).
@@ -241,22 +252,27 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
     fused_row = jnp.where(found, found_row, jnp.where(won, placed, shard_base))
     distinct_row = jnp.where(real, fused_row - base, -1)  # the table's own numbering
     rows = jnp.where(index < n, distinct_row[jnp.clip(index, 0, n - 1)], -1)
-    by_table = lambda x: jax.ops.segment_sum(x.astype(jnp.int32), utab, num_segments=len(specs))
-    stats = jnp.stack(
-        [
-            by_table(jnp.where(real, occurrences, 0)),  # lookups
-            by_table(jnp.where(found, occurrences, 0)),  # found
-            by_table(won),  # admitted
-            by_table(evicted),  # evicted
-            by_table(real & ~admitted),  # held back
-            by_table(pending),  # unplaced
-        ],
-        axis=1,
+    per_id = [
+        jnp.where(real, occurrences, 0),  # lookups
+        jnp.where(found, occurrences, 0),  # found
+        won,  # admitted
+        evicted,  # evicted
+        real & ~admitted,  # held back
+        pending,  # unplaced
+    ]
+    stats = jax.ops.segment_sum(jnp.stack([x.astype(jnp.int32) for x in per_id], 1), utab, num_segments=len(specs))
+    to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first, in one scatter
+    entries = jnp.stack([placed - base, utab, uhi.view(jnp.int32), ulo.view(jnp.int32)], 1)
+    fresh = jnp.full((n, 4), -1, jnp.int32).at[to].set(entries, mode="drop")
+    return Fused(
+        rows,
+        new_map if learn else m,
+        fresh[:, 0],
+        fresh[:, 1],
+        fresh[:, 2].view(jnp.uint32),
+        fresh[:, 3].view(jnp.uint32),
+        stats,
     )
-    to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first
-    first = lambda x, fill: jnp.full(n, fill, x.dtype).at[to].set(x, mode="drop")
-    fresh = (first(placed - base, -1), first(utab, 0), first(uhi, 0), first(ulo, 0))
-    return Fused(rows, new_map if learn else m, *fresh, stats)
 
 
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
