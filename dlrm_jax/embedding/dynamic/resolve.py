@@ -75,24 +75,6 @@ class Maps(NamedTuple):
         sizes = [n * d * w for n, (d, w) in zip(self.shards, self.sketch_dims, strict=True)]
         return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
-    def fuse(self, maps: list[IdMap]) -> IdMap:
-        """The tables' maps (each of ``shards[t]`` shards) as one."""
-        return IdMap(
-            *(jnp.concatenate([getattr(m, f) for m in maps]) for f in IdMap._fields[:5]),
-            jnp.concatenate([m.sketch.reshape(-1) for m in maps]),
-        )
-
-    def split(self, m: IdMap) -> list[IdMap]:
-        """The inverse of :meth:`fuse`."""
-        rows = np.cumsum(self.row_sizes)[:-1]
-        sk = self.sketch_starts[1:]
-        parts = [jnp.split(getattr(m, f), rows) for f in IdMap._fields[:5]]
-        sketches = jnp.split(m.sketch, sk)
-        return [
-            IdMap(*(p[t] for p in parts), sketches[t].reshape(self.shards[t], *self.sketch_dims[t]))
-            for t in range(len(self.specs))
-        ]
-
 
 class Fused(NamedTuple):
     """One batch through :class:`Maps`: ``rows`` int32 [N], each id's row among its table's rows
@@ -307,8 +289,17 @@ def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: 
     ``learn=False``: the map is read, not changed. Traceable; ``first_shard`` may be traced."""
     maps = Maps((spec,), (m.used.shape[0] // spec.slots,))
     out = resolve_fused(
-        maps, maps.fuse([m]), jnp.zeros(hi.shape[0], jnp.int32), hi, lo, valid, step, jnp.reshape(first_shard, 1), learn
+        maps,
+        m._replace(sketch=m.sketch.reshape(-1)),  # one table's map is a fused map of one table
+        jnp.zeros(hi.shape[0], jnp.int32),
+        hi,
+        lo,
+        valid,
+        step,
+        jnp.reshape(first_shard, 1),
+        learn,
     )
     rows_n = m.used.shape[0]
     fresh = jnp.zeros(rows_n, bool).at[jnp.where(out.fresh_rows >= 0, out.fresh_rows, rows_n)].set(True, mode="drop")
-    return Resolved(out.rows, maps.split(out.map)[0], fresh, dict(zip(STATS, out.stats[0], strict=True)))
+    new_map = out.map._replace(sketch=out.map.sketch.reshape(m.sketch.shape))
+    return Resolved(out.rows, new_map, fresh, dict(zip(STATS, out.stats[0], strict=True)))
