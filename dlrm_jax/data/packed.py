@@ -11,7 +11,11 @@ straight into the buffer, so the batch is copied once on the host, by the kernel
 Layout. The batch axis is cut into the shards of the mesh's batch sharding (one per device);
 this process's buffer is uint8 ``[local shards, shard_bytes]``, shard j holding rows
 ``[j*rows, (j+1)*rows)`` of the process's slice, field by field: ids (int32 ``[rows, S]``),
-dense (float32 ``[rows, num_dense]``), labels (float32 ``[rows]``). Placed with the batch
+dense (float32 ``[rows, num_dense]``), labels (float32 ``[rows]``) and, for dynamic tables
+fed by a source with raw ids, raw (uint64 ``[rows, W]``: W 64-bit values per row, of which
+``raw_pick`` are the dynamic features', in table order; a preprocessed dataset's rows are read
+in whole, so the high and low halves are split and the columns picked on the device, not on the
+host's reader threads). Placed with the batch
 sharding, each device holds exactly its shard, and :meth:`PackedLayout.unpack` (a
 ``shard_map`` of local slices) gives the same :class:`~dlrm_jax.data.batch.Batch`, bit for
 bit, as placing the three fields one by one.
@@ -21,15 +25,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import Batch
+from dlrm_jax.data.batch import Batch, RawBatch
 
-_FIELDS = (("ids", np.int32), ("dense", np.float32), ("labels", np.float32))
+_FIELDS = (("ids", np.int32), ("dense", np.float32), ("labels", np.float32), ("raw", np.uint64))
 
 
 @dataclass(frozen=True)
@@ -40,18 +44,29 @@ class PackedLayout:
     rows: int  # rows a shard holds
     ids_width: int  # S: sum of the bag sizes
     num_dense: int
+    raw_words: int = 0  # W: 64-bit raw values per row (0: the batch carries no raw ids)
+    raw_pick: tuple[int, ...] = ()  # which of them are the dynamic features' ids, in table order
 
     def widths(self) -> dict[str, tuple[int, ...]]:
-        return {"ids": (self.ids_width,), "dense": (self.num_dense,), "labels": ()}
+        widths = {"ids": (self.ids_width,), "dense": (self.num_dense,), "labels": ()}
+        return widths | ({"raw": (self.raw_words,)} if self.raw_words else {})
+
+    def with_raw(self, words: int, pick: tuple[int, ...] | None = None) -> PackedLayout:
+        """This layout with ``words`` raw values per row, ``pick`` of them (default: all, in
+        order) the dynamic features' ids."""
+        return replace(self, raw_words=words, raw_pick=tuple(range(words)) if pick is None else tuple(pick))
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, int]]:
         """Field -> (first byte, bytes) within a shard (computed once: readers ask every batch)."""
         out, at = {}, 0
-        for name, dtype in _FIELDS:
+        for name, dtype in self._fields():
             n = self.rows * int(np.prod(self.widths()[name], dtype=np.int64)) * np.dtype(dtype).itemsize
             out[name], at = (at, n), at + n
         return out
+
+    def _fields(self) -> tuple[tuple[str, type], ...]:
+        return _FIELDS if self.raw_words else _FIELDS[:3]
 
     @property
     def shard_bytes(self) -> int:
@@ -66,32 +81,50 @@ class PackedLayout:
         """Field -> a writable ``[shards, rows, ...]`` view into ``buf`` (each shard's rows
         C-contiguous, the shards ``shard_bytes`` apart)."""
         out = {}
-        for (name, dtype), (first, n) in zip(_FIELDS, self.offsets.values(), strict=True):
+        for (name, dtype), (first, n) in zip(self._fields(), self.offsets.values(), strict=True):
             shape = (self.shards, self.rows, *self.widths()[name])
             out[name] = buf[:, first : first + n].view(dtype).reshape(shape)
         return out
 
     def pack(self, batch: Batch) -> np.ndarray:
         """A host batch copied into a new buffer (sources that cannot read in place)."""
+        has_raw = isinstance(batch, RawBatch)
+        if has_raw != bool(self.raw_words):  # raw ids dropped here would train on placeholders
+            raise ValueError(
+                f"PackedLayout.pack: a {type(batch).__name__} into a layout "
+                f"{'with' if self.raw_words else 'without'} raw ids (PackedLayout.with_raw)"
+            )
         buf = self.empty()
         for name, view in self.views(buf).items():
-            view[...] = getattr(batch, name).reshape(view.shape)
+            got = getattr(batch, name)
+            if name == "raw":  # uint32 [rows, 2, R] (high, low) -> uint64 [rows, R]
+                got = (got[:, 0].astype(np.uint64) << np.uint64(32)) | got[:, 1]
+            view[...] = got.reshape(view.shape)
         return buf
 
     def unpack(self, packed: jax.Array, mesh, spec) -> Batch:
         """Traced: the global packed array (``[shards over every process, shard_bytes]``,
         sharded by ``spec`` on its first axis) -> the batch, sharded the same way by rows."""
-        offsets = self.offsets
+        offsets, pick = self.offsets, np.asarray(self.raw_pick, np.int32)
 
         def local(x):  # [1, shard_bytes] -> this device's rows
             got = {}
-            for name, dtype in _FIELDS:
+            for name, dtype in self._fields():
                 first, n = offsets[name]
+                if name == "raw":  # 64-bit values as little-endian (low, high) 32-bit words
+                    words = x[0, first : first + n].reshape(-1, 4)
+                    halves = jax.lax.bitcast_convert_type(words, np.uint32).reshape(self.rows, self.raw_words, 2)
+                    picked = halves[:, pick]  # [rows, R, 2]
+                    got[name] = jax.numpy.stack([picked[..., 1], picked[..., 0]], axis=1)  # [rows, 2, R]
+                    continue
                 words = x[0, first : first + n].reshape(-1, np.dtype(dtype).itemsize)
                 got[name] = jax.lax.bitcast_convert_type(words, dtype).reshape(self.rows, *self.widths()[name])
+            if self.raw_words:
+                return RawBatch(got["dense"], got["ids"], got["labels"], got["raw"])
             return Batch(got["dense"], got["ids"], got["labels"])
 
-        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=Batch(spec, spec, spec))(packed)
+        out_specs = RawBatch(spec, spec, spec, spec) if self.raw_words else Batch(spec, spec, spec)
+        return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=out_specs)(packed)
 
 
 @jax.tree_util.register_dataclass
@@ -115,8 +148,9 @@ class _Joined:
         return joined if dtype is None else joined.astype(dtype)
 
 
-def unpacked(batch, mesh, spec) -> Batch:
-    """Traced: ``batch`` as a :class:`Batch`, unpacking a :class:`Packed` one."""
+def unpacked(batch, mesh, spec) -> Batch | RawBatch:
+    """Traced: ``batch`` as a :class:`Batch` (a :class:`RawBatch` with raw ids), unpacking a
+    :class:`Packed` one."""
     return batch.layout.unpack(batch.data, mesh, spec) if isinstance(batch, Packed) else batch
 
 
@@ -135,13 +169,19 @@ class HostPacked(NamedTuple):
 
 def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
     """``step -> HostPacked`` for ``source``: read in place where the source can
-    (``train_batch_into``: the binary source's reads go straight into the buffer), else its
-    ``train_batch`` copied in."""
+    (``train_batch_into``: the binary source's reads go straight into the buffer; its
+    ``raw_layout``, when not None, the raw values it writes per row and which of them the
+    dynamic features'), else its ``train_batch`` copied in (a :class:`RawBatch`'s raw ids too)."""
     into = getattr(source, "train_batch_into", None)
+    raw = getattr(source, "raw_layout", None) if into is not None else None
+    if raw is not None:
+        layout = layout.with_raw(*raw)
 
     def read(step: int) -> HostPacked:
         if into is None:
-            return HostPacked(layout.pack(source.train_batch(step)), layout)
+            batch = source.train_batch(step)
+            fits = layout.with_raw(batch.raw.shape[2]) if isinstance(batch, RawBatch) else layout
+            return HostPacked(fits.pack(batch), fits)
         buf = layout.empty()
         into(step, layout.views(buf))
         return HostPacked(buf, layout)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from dlrm_jax.data.batch import PAD_ID, Batch
+from dlrm_jax.data.batch import PAD_ID, Batch, RawBatch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, packed_reader, unpacked
 from dlrm_jax.data.pipeline import InputPipeline
 from dlrm_jax.data.sources.arrays import ArraySource
+from dlrm_jax.ids import raw_columns
 from dlrm_jax.parallel.mesh import batch_spec, make_mesh
 
 
@@ -23,13 +24,19 @@ def random_batch(rng, n: int, bags: tuple[int, ...], rows: tuple[int, ...], num_
     return Batch(dense, ids.astype(np.int32), (rng.random(n) < 0.3).astype(np.float32))
 
 
-def place(sharding, batch: Batch) -> Batch:
-    return Batch(*(jax.make_array_from_process_local_data(sharding, x) for x in batch))
+def place(sharding, batch: Batch | RawBatch) -> Batch | RawBatch:
+    return type(batch)(*(jax.make_array_from_process_local_data(sharding, x) for x in batch))
+
+
+def with_raw(batch: Batch, rng, columns: int) -> RawBatch:
+    """The batch with ``columns`` raw 64-bit ids per row (every bit pattern, the top bit too)."""
+    return RawBatch(*batch, raw_columns(rng.integers(0, 2**64, (batch.size, columns), dtype=np.uint64)))
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
-@pytest.mark.parametrize("bags,num_dense", [((1,) * 26, 13), ((3, 1, 100, 1), 1)])
-def test_unpacked_on_the_devices_is_the_batch_placed_field_by_field(devices, bags, num_dense):
+@pytest.mark.parametrize("bags,num_dense,raw", [((1,) * 26, 13, 0), ((3, 1, 100, 1), 1, 0), ((1,) * 26, 13, 3)])
+def test_unpacked_on_the_devices_is_the_batch_placed_field_by_field(devices, bags, num_dense, raw):
+    """Raw ids too (``raw`` columns: dynamic tables' ids read from text or arrays)."""
     mesh = make_mesh(devices)
     spec = batch_spec(mesh)
     sharding = NamedSharding(mesh, spec)
@@ -37,9 +44,12 @@ def test_unpacked_on_the_devices_is_the_batch_placed_field_by_field(devices, bag
     n = 64 * devices
     batch = random_batch(rng, n, bags, tuple(rng.integers(1, 1000, len(bags))), num_dense)
     layout = PackedLayout(devices, n // devices, sum(bags), num_dense)
+    if raw:
+        batch, layout = with_raw(batch, rng, raw), layout.with_raw(raw)
     packed = Packed(jax.make_array_from_process_local_data(sharding, layout.pack(batch)), layout)
     got = jax.jit(lambda p: unpacked(p, mesh, spec))(packed)
     want = place(sharding, batch)
+    assert type(got) is type(want)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and g.sharding.is_equivalent_to(w.sharding, g.ndim)
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
@@ -61,6 +71,30 @@ def test_a_source_that_cannot_read_in_place_is_copied_in():
         views = layout.views(got.buf)
         for name in ("dense", "ids", "labels"):
             np.testing.assert_array_equal(np.concatenate(views[name]), getattr(want, name))
+
+
+def test_raw_ids_are_packed_with_the_batch_never_dropped():
+    """A source with raw ids (Criteo text, arrays with a raw column) is packed with them: the
+    step's dynamic tables map these, not the placeholder ids beside them. A layout without room
+    for them refuses the batch rather than drop them."""
+    rng = np.random.default_rng(3)
+    train = random_batch(rng, 512, (1, 1, 1), (50, 7, 300), 13)
+    raw = rng.integers(0, 2**64, (512, 2), dtype=np.uint64)
+    source = ArraySource((*train, raw), (*train, raw), 64, table_rows=(50, 7, 300), bag_sizes=(1, 1, 1))
+    mesh = make_mesh(2)
+    spec = batch_spec(mesh)
+    layout = PackedLayout(2, 32, 3, 13)
+    read = packed_reader(source, layout)
+    unpack = jax.jit(lambda b: unpacked(b, mesh, spec))
+    sharding = NamedSharding(mesh, spec)
+    for step in range(3):
+        host, want = read(step), source.train_batch(step)
+        got = unpack(Packed(jax.make_array_from_process_local_data(sharding, host.buf), host.layout))
+        assert isinstance(got, RawBatch)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), w)
+    with pytest.raises(ValueError, match="RawBatch into a layout without raw ids"):
+        layout.pack(source.train_batch(0))
 
 
 def test_a_batch_handed_out_stays_intact_while_later_ones_are_read():

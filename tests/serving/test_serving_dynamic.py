@@ -2,16 +2,21 @@
 artifact, raw Criteo lines score as eval scores them (an id the map does not hold reads its
 shard's shared row, in both), and a delta carries its step's maps."""
 
+import jax
 import numpy as np
 import pytest
 
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
-from dlrm_jax.data.sources.criteo import write_criteo_tsv
+from dlrm_jax.data.sources.criteo import parse_lines, write_criteo_tsv
+from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.train.serving_export import export_serving
+from dlrm_jax.train.build import build
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET
+from tests.train.test_step_invariance import by_table
+from tests.train.test_train import final_state
 from tests.serving.test_serving import assert_scores_of_eval, scores_of
 
 LINES, VAL = 1200, 256
@@ -49,6 +54,16 @@ def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
         ],
     )
     train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    # Training mapped the values themselves (the packed feed carries them beside the batch),
+    # never the placeholder ids ``value % rows`` that travel in the ids' slots.
+    lines = (tmp_path / "day.tsv").read_bytes().splitlines(keepends=True)
+    values = parse_lines(lines[:-VAL]).values
+    _, steps = build(cfg, make_mesh(2))
+    maps = by_table(steps, final_state(cfg, tmp_path / "run")).maps
+    for name, f in (("cat_1", 1), ("cat_3", 3)):
+        m = jax.tree.map(np.asarray, maps[name])
+        held = (m.key_hi[m.used].astype(np.uint64) << np.uint64(32)) | m.key_lo[m.used]
+        assert len(held) > 20 and np.isin(held, values[:, f]).all(), name
     for name, step, kw in (("f8", 8, {}), ("f16", 16, {}), ("d", 16, {"since": 8})):
         export_serving(tmp_path / "run", tmp_path / name, step=step, **kw, **QUIET)
     probs, _, _ = scores_of(tmp_path / "run")
