@@ -9,15 +9,15 @@ import pytest
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources.criteo import parse_lines, write_criteo_tsv
-from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
-from dlrm_jax.train.serving_export import export_serving
+from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
+from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET
+from tests.serving.test_serving import assert_scores_of_eval, scores_of
 from tests.train.test_step_invariance import by_table
 from tests.train.test_train import final_state
-from tests.serving.test_serving import assert_scores_of_eval, scores_of
 
 LINES, VAL = 1200, 256
 
