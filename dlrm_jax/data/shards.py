@@ -9,6 +9,9 @@ size, each a folder that can be written, copied to the host that reads it, and c
     PATH/{train,val}/NNNNN/dense.npy     float32 [rows, num_dense]  normalised dense features
     PATH/{train,val}/NNNNN/ids.npy       int32   [rows, S]          ids; S = sum(bag_sizes)
     PATH/{train,val}/NNNNN/labels.npy    float32 [rows]             0 or 1
+    PATH/{train,val}/NNNNN/raw.npy       uint64  [rows, F]          each feature's 64-bit value, 0
+                                         where missing (``raw_values`` in meta: ``preprocess
+                                         --raw-values``; dynamic tables map these)
     PATH/{train,val}/NNNNN/shard.json    rows and the CRC-32 of each file
     PATH/vocab/feature_{f}.npy           uint64 [K_f, 2]: (value, count) per id (vocabularies:
                                          of ids 1..K_f; hashing: of ids 0..K_f-1, the value
@@ -41,6 +44,7 @@ SHARD_FILE = "shard.json"
 ID_COUNTS_FILE = "id_counts.npz"
 SPLITS = ("train", "val")
 ARRAY_DTYPES = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
+RAW_DTYPES = {"raw": np.uint64}  # a shard's raw values, when the dataset keeps them
 HISTOGRAM_IDS = 1 << 20  # ids kept per feature in id_counts.npz: far more than any hot set
 _META_KEYS = ("num_dense", "cardinalities", "bag_sizes", "train_rows", "val_rows", "shards")
 
@@ -80,10 +84,11 @@ def read_meta(path: str | Path) -> dict:
 
 
 def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write one shard's arrays, then its shard.json (rows, CRC-32 per file) last."""
+    """Write one shard's arrays (those of ``ARRAY_DTYPES``, and raw values when given), then its
+    shard.json (rows, CRC-32 per file) last."""
     folder.mkdir(parents=True)
     crcs = {}
-    for name in ARRAY_DTYPES:
+    for name in [*ARRAY_DTYPES, *(k for k in RAW_DTYPES if k in arrays)]:
         a = np.ascontiguousarray(arrays[name])
         np.save(folder / f"{name}.npy", a)
         crcs[name] = zlib.crc32(a.data)
@@ -114,9 +119,9 @@ class ArrayFile(NamedTuple):
 
 def open_shard(folder: Path, rows: int, widths: dict[str, int]) -> dict[str, ArrayFile]:
     """One shard's arrays as :class:`ArrayFile` s, checked for shape and dtype (``widths``:
-    dense, ids) from their headers."""
+    dense, ids, and raw when its raw values are read) from their headers."""
     arrays = {}
-    for name, dtype in ARRAY_DTYPES.items():
+    for name, dtype in (ARRAY_DTYPES | {k: d for k, d in RAW_DTYPES.items() if k in widths}).items():
         file = folder / f"{name}.npy"
         try:
             with open(file, "rb") as f:
@@ -155,7 +160,7 @@ def verify_shard(folder: str | Path) -> int:
         raise BinaryFormatError(
             f"{folder / SHARD_FILE}: missing or unreadable ({e}); the shard is incomplete"
         ) from None
-    for name in ARRAY_DTYPES:
+    for name in [*ARRAY_DTYPES, *(k for k in RAW_DTYPES if k in crcs)]:
         a = np.load(folder / f"{name}.npy", mmap_mode="r")
         if len(a) != rows or zlib.crc32(np.ascontiguousarray(a).data) != crcs[name]:
             raise BinaryFormatError(f"{folder / name}.npy: does not match {SHARD_FILE} (damaged or changed)")
@@ -235,14 +240,17 @@ class DatasetDir:
 
 
 def load_split(path: str | Path, split: str) -> dict[str, np.ndarray]:
-    """A whole split's arrays, its shards concatenated in order (small datasets, inspection)."""
+    """A whole split's arrays, its shards concatenated in order (small datasets, inspection);
+    ``raw`` too when the dataset keeps raw values."""
     meta, root = read_meta(path), Path(path)
+    dtypes = ARRAY_DTYPES | (RAW_DTYPES if meta.get("raw_values") else {})
     parts = [
-        {k: np.load(root / split / shard_name(i) / f"{k}.npy") for k in ARRAY_DTYPES}
+        {k: np.load(root / split / shard_name(i) / f"{k}.npy") for k in dtypes}
         for i, n in enumerate(meta["shards"][split])
         if n
     ]
     if not parts:
         width = {"dense": (int(meta["num_dense"]),), "ids": (sum(meta["bag_sizes"]),), "labels": ()}
-        return {k: np.zeros((0, *width[k]), d) for k, d in ARRAY_DTYPES.items()}
-    return {k: np.concatenate([p[k] for p in parts]) for k in ARRAY_DTYPES}
+        width["raw"] = (len(meta["cardinalities"]),)
+        return {k: np.zeros((0, *width[k]), d) for k, d in dtypes.items()}
+    return {k: np.concatenate([p[k] for p in parts]) for k in dtypes}

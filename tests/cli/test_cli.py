@@ -355,12 +355,15 @@ def test_preprocess_then_train_on_binary(tmp_path):
         "--output",
         str(tmp_path / "d"),
         "--skip-bad-lines",
+        "--raw-values",
         "--no-progress",
     ).stdout
     assert "5 skipped" in report and "3001" in report
     run = cli(
         "train",
         *SMOKE,
+        "--set",
+        "embedding.table_ids=[cat_2=dynamic]",  # fed the values preprocessing kept (--raw-values)
         "--set",
         "data.source=binary",
         "--set",
@@ -391,6 +394,22 @@ def test_preprocess_then_train_on_binary(tmp_path):
     assert re.search(rf"^step 5/{steps} epoch 0\.\d\d loss \S+ samples/s \S+ left", run.stdout, re.M), run.stdout
     plan = (tmp_path / "run" / "plan.txt").read_text()
     assert len([line for line in plan.splitlines() if line.startswith("cat_")]) == 26
+    # The dynamic table holds the values themselves (hex numbers), not the vocabulary's ids.
+    import jax
+
+    from dlrm_jax.data.shards import load_split
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.build import build
+    from dlrm_jax.train.checkpoint import Checkpoints
+    from dlrm_jax.train.restore import restore_state, saved_run_config
+
+    cfg = saved_run_config(tmp_path / "run")
+    _, steps = build(cfg, make_mesh(cfg.mesh.devices))
+    state = restore_state(steps, Checkpoints(tmp_path / "run" / "checkpoints", 3), log=lambda *a: None)
+    m = jax.tree.map(np.asarray, steps.dynamic.by_table(state.maps)["cat_2"])
+    held = (m.key_hi[m.used].astype(np.uint64) << np.uint64(32)) | m.key_lo[m.used]
+    values = load_split(tmp_path / "d", "train")["raw"][:, 2]
+    assert len(held) > 10 and np.isin(held, values).all() and held.max() > 2**20
 
 
 def test_mlperf_multi_hot_days_then_dcnv2_training(tmp_path):

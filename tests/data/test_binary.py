@@ -20,7 +20,7 @@ from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_datase
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, IdRanges, read_meta
-from dlrm_jax.data.sources.criteo import CriteoTSVSource, write_criteo_tsv
+from dlrm_jax.data.sources.criteo import CriteoTSVSource, parse_lines, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator, SyntheticSource
 
 M, N, B = 97, 1000, 64  # hashing range, lines, global batch
@@ -487,3 +487,100 @@ def test_a_synthetic_binary_dataset_holds_the_generators_rows(tmp_path, bags):
     read = packed_reader(shuffled, PackedLayout(4, 16, sum(cfg.bag_sizes), cfg.data.num_dense))
     for step in range(30):  # multi-hot bags read in place, shard by shard, past two epochs
         assert_batches_equal(joined(read(step)), shuffled.train_batch(step))
+
+
+DYNAMIC = "embedding.table_ids=[cat_1=dynamic, cat_3=dynamic, cat_20=dynamic]"
+
+
+@pytest.fixture(scope="module")
+def raw_data(data, tmp_path_factory):
+    """The same lines preprocessed with ``raw_values``, shuffled, by two workers."""
+    out = tmp_path_factory.mktemp("raw") / "ds"
+    preprocess_criteo(
+        [str(data[0])],
+        str(out),
+        max_ind_range=M,
+        val_fraction=0.2,
+        vocab_from="all",
+        shard_mb=0.02,
+        workers=2,
+        raw_values=True,
+        progress=False,
+    )
+    return out
+
+
+def test_raw_values_are_each_rows_values_beside_the_same_ids(data, raw_data):
+    """``raw_values`` adds each row's values (Criteo's ``int(hex, 16)``, 0 where missing) and
+    changes nothing else: the ids, dense and labels are those of a dataset made without them
+    (shuffled here, so rows are matched by their dense values)."""
+    _, ds, arrays = data
+    meta = read_meta(raw_data)
+    assert meta["raw_values"] is True and read_meta(ds)["raw_values"] is False
+    text = CriteoTSVSource(make_cfg(data[0], source="criteo"))
+    lines = data[0].read_bytes().splitlines(keepends=True)
+    values = parse_lines(lines).values  # 0 where missing
+    for split, rows in (("train", slice(0, N_TRAIN)), ("val", slice(N_TRAIN, N))):
+        got = load_split(raw_data, split)
+        assert got["raw"].dtype == np.uint64 and got["raw"].shape == (rows.stop - rows.start, 26)
+        plain = {k: v for k, v in arrays[split].items()}
+        order = np.lexsort(got["dense"].T[::-1])
+        want = np.lexsort(plain["dense"].T[::-1])
+        for k in ("dense", "ids", "labels"):
+            np.testing.assert_array_equal(got[k][order], plain[k][want])
+        np.testing.assert_array_equal(got["raw"][order], values[rows][want])
+    assert text.num_train == N_TRAIN
+
+
+@pytest.mark.parametrize("shards,process", [(1, (0, 1)), (8, (0, 1)), (4, (1, 2))])
+def test_dynamic_tables_read_the_raw_values_as_text_would_carry_them(data, raw_data, shards, process):
+    """With dynamic tables a batch carries its dynamic features' values (a RawBatch laid out as
+    the Criteo text source lays them), in training, evaluation and the packed feed, which reads
+    every value of a row in place and leaves picking the dynamic ones to the device."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from dlrm_jax.data.batch import RawBatch
+    from dlrm_jax.data.packed import Packed, unpacked
+    from dlrm_jax.ids import raw_columns
+    from dlrm_jax.parallel.mesh import batch_spec, make_mesh
+
+    values = load_split(raw_data, "train")["raw"]
+    source = BinarySource(make_cfg(raw_data, DYNAMIC), *process)
+    assert source.raw_layout == (26, (1, 3, 20))
+    mesh = make_mesh(shards)
+    spec = batch_spec(mesh)
+    sharding = NamedSharding(mesh, spec)
+    layout = PackedLayout(shards, B // process[1] // shards, 26, 13)
+    read = packed_reader(source, layout)
+    unpack = jax.jit(lambda b: unpacked(b, mesh, spec))
+    for step in (0, 7, 12, 13):
+        batch = source.train_batch(step)
+        assert isinstance(batch, RawBatch)
+        np.testing.assert_array_equal(batch.raw, raw_columns(values[source.train_rows(step)][:, [1, 3, 20]]))
+        host = read(step)
+        if process[1] == 1:  # one process: its buffer is the global batch
+            got = unpack(Packed(jax.make_array_from_process_local_data(sharding, host.buf), host.layout))
+            assert isinstance(got, RawBatch)
+            assert_batches_equal([np.asarray(x) for x in got], batch)
+        assert_batches_equal(joined(host), Batch(*batch[:3]))
+    val = load_split(raw_data, "val")["raw"]
+    first = next(iter(source.eval_batches()))
+    rows = slice(process[0] * B // process[1], (process[0] + 1) * B // process[1])
+    np.testing.assert_array_equal(first.raw, raw_columns(val[rows][:, [1, 3, 20]]))
+
+
+def test_raw_values_are_read_only_for_dynamic_tables(data, raw_data):
+    """Without dynamic tables a dataset's raw values are not read (plain batches); a dataset
+    without them gives dynamic tables its ids, as plain batches too."""
+    assert type(BinarySource(make_cfg(raw_data)).train_batch(0)) is Batch
+    assert BinarySource(make_cfg(raw_data)).raw_layout is None
+    assert type(BinarySource(make_cfg(data[1], DYNAMIC)).train_batch(0)) is Batch
+
+
+def test_raw_values_and_multi_hot_bags_are_refused_together(data, tmp_path):
+    with pytest.raises(ValueError, match="--raw-values and --multi-hot"):
+        preprocess_criteo(
+            [str(data[0])], str(tmp_path / "ds"), multi_hot=(2,) * 26, raw_values=True, workers=1, progress=False
+        )
+    assert not (tmp_path / "ds").exists()

@@ -174,6 +174,16 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     run("movielens", files, tmp_path / "chunked", val_fraction=0.2, chunk_lines=7)
     for f in sorted((tmp_path / "out").rglob("*.npy")):
         assert (tmp_path / "chunked" / f.relative_to(tmp_path / "out")).read_bytes() == f.read_bytes(), f
+    # Raw values (--raw-values): the same shards, and beside each id its value's hash (0: missing).
+    run("movielens", files, tmp_path / "raw", val_fraction=0.2, raw_values=True)
+    for f in sorted((tmp_path / "out").rglob("*.npy")):
+        assert (tmp_path / "raw" / f.relative_to(tmp_path / "out")).read_bytes() == f.read_bytes(), f
+    split = load_split(tmp_path / "raw", "train")
+    for f in range(split["ids"].shape[1]):
+        ids, raw = split["ids"][:, f], split["raw"][:, f]
+        vocab = np.load(tmp_path / "raw" / "vocab" / f"feature_{f}.npy")[:, 0]
+        assert (raw[ids == 0] == 0).all() and (raw[ids >= 2] == vocab[ids[ids >= 2] - 2]).all()
+        assert (ids >= 2).any()
 
 
 def make_ratings_by_user(folder: Path, users=60, seed=4):

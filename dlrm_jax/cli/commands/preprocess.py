@@ -49,6 +49,7 @@ def run(args) -> int:
         workers=args.workers,
         shuffle_seed=None if args.no_shuffle else args.seed,
         shard_mb=args.shard_mb,
+        raw_values=args.raw_values,
         progress=not args.no_progress,
         overwrite=args.overwrite,
     )
@@ -115,6 +116,12 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
         default="train",
         help="rows whose values are counted into ids: train (values seen only in validation "
         "share the out-of-vocabulary id, not the missing values') or all (MLPerf's Terabyte numbering)",
+    )
+    p.add_argument(
+        "--raw-values",
+        action="store_true",
+        help="keep each value's 64-bit number too (raw.npy), for dynamic tables (embedding.ids=dynamic): "
+        "they map the values themselves, not the ids (8 bytes per feature per row)",
     )
     p.add_argument(
         "--val-fraction",

@@ -228,6 +228,7 @@ def preprocess_criteo(
     workers: int = 0,
     block_mb: float = 64.0,
     skip_bad_lines: bool = False,
+    raw_values: bool = False,
     progress: bool = True,
     overwrite: bool = False,
 ) -> PreprocessReport:
@@ -243,7 +244,9 @@ def preprocess_criteo(
     (MLPerf: ``day_23``) or else the last ``val_fraction`` of valid lines. Train rows are shuffled globally with ``shuffle_seed``
     (None keeps input order). ``multi_hot``: bag sizes for MLPerf DLRM-DCNv2's multi-hot rule
     (:mod:`dlrm_jax.data.preprocessing.multihot`). ``workers`` processes (0: one per core) parse blocks of
-    ``block_mb`` MB; the output is the same for any number of workers. An ``output`` that
+    ``block_mb`` MB; the output is the same for any number of workers. ``raw_values``: each
+    shard keeps every feature's value too (``int(hex, 16)``, 0 where missing; raw.npy), which
+    dynamic tables (``embedding.ids=dynamic``) map instead of the ids. An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
@@ -259,6 +262,7 @@ def preprocess_criteo(
         workers=workers or default_workers(),
         multi_hot=tuple(multi_hot) if multi_hot else None,
         skip_bad_lines=skip_bad_lines,
+        raw_values=raw_values,
         progress=progress,
     )
     return write_dataset(CriteoParser(int(block_mb * 2**20)), inputs, output, opts, val_inputs, overwrite=overwrite)

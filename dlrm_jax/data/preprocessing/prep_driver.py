@@ -76,6 +76,7 @@ class Options:
     shard_mb: float = 1024.0
     workers: int = 1
     multi_hot: tuple[int, ...] | None = None  # bag sizes of MLPerf's multi-hot rule
+    raw_values: bool = False  # each shard keeps every feature's 64-bit value too (raw.npy)
     skip_bad_lines: bool = False
     progress: bool = True
 
@@ -97,6 +98,8 @@ def write_dataset(
     refused before any work."""
     check_input_files(inputs, val_inputs)
     _check_disjoint(inputs, val_inputs)
+    if opts.raw_values and opts.multi_hot:  # the rule's extra ids are drawn, and have no values
+        raise ValueError("--raw-values and --multi-hot: multi-hot bags' drawn ids have no raw values; choose one")
     shards.check_output_target(output, overwrite)
     try:
         return _write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
@@ -182,7 +185,7 @@ def _write_dataset(
             MultiHotRule(cards, opts.multi_hot).save(work / "multihot")
         seconds["vocabulary"] = time.perf_counter() - t0 - seconds["scan"]
         bags = tuple(opts.multi_hot) if opts.multi_hot else (1,) * parser.num_features
-        row_bytes = 4 * (parser.num_dense + sum(bags) + 1)
+        row_bytes = 4 * (parser.num_dense + sum(bags) + 1) + 8 * parser.num_features * opts.raw_values
         where = Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes), opts.shuffle_seed)
         place = partial(place_part, work=work, multi_hot=bool(opts.multi_hot), where=where, features=F)
         counts = np.stack(list(pmap(place, names, plan.parts)))
@@ -217,6 +220,7 @@ def _write_dataset(
                 "max_ind_range": opts.max_ind_range,
                 "min_count": opts.min_count,
                 "vocab_from": opts.vocab_from,
+                "raw_values": opts.raw_values,
                 "val_fraction": 0.0 if val_paths else opts.val_fraction,
                 **plan.meta(),
                 "inputs": [str(Path(p).resolve()) for p in paths],
@@ -250,7 +254,9 @@ def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) 
     sizes = [(t.end - t.start) if t.end >= 0 else Path(t.path).stat().st_size for t, _ in tasks]
     n = len(tasks)
     with byte_progress(paths, "scan", opts.progress) as bar:
-        scan = partial(scan_task, parser, work=work, max_ind_range=opts.max_ind_range, strict=strict)
+        scan = partial(
+            scan_task, parser, work=work, max_ind_range=opts.max_ind_range, strict=strict, raw_values=opts.raw_values
+        )
         scanned = pmap(scan, [t for t, _ in tasks], range(n))
         for (task, _), size, r in zip(tasks, sizes, scanned, strict=True):
             r["first_line"] = lines_before[task.path]

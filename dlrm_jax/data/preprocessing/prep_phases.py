@@ -41,8 +41,9 @@ def _part_file(work: Path, part: str, name: str) -> Path:
     return work / f"{part}.{name}.npy"
 
 
-def scan_task(parser, task, task_id: int, work: Path, max_ind_range: int, strict: bool) -> dict:
-    """Phase 1 for one task: its parts saved under ``work``; what was read and skipped."""
+def scan_task(parser, task, task_id: int, work: Path, max_ind_range: int, strict: bool, raw_values: bool) -> dict:
+    """Phase 1 for one task: its parts saved under ``work`` (``raw_values``: the values
+    themselves too, 0 where missing); what was read and skipped."""
     log, parts, lines = _TaskLog(), [], 0
     for k, chunk in enumerate(parser.parse(task, log)):
         lines += chunk.lines
@@ -53,6 +54,8 @@ def scan_task(parser, task, task_id: int, work: Path, max_ind_range: int, strict
         codes, dicts = _encode(values, None if max_ind_range else chunk.empty)
         for name, a in (("dense", chunk.dense), ("labels", chunk.labels), ("codes", codes)):
             np.save(_part_file(work, part, name), a)
+        if raw_values:
+            np.save(_part_file(work, part, "raw"), np.where(chunk.empty, np.uint64(0), chunk.values))
         if chunk.order is not None:  # a split by time: sortable keys, and sorted for the search
             keys = time_keys(chunk.order)
             np.save(keys_file(work, part), keys)
@@ -204,9 +207,11 @@ def place_part(part: str, split: PartSplit, work: Path, multi_hot: bool, where: 
         "labels": np.load(_part_file(work, part, "labels")),
         "pos": within.astype(np.int32),
     }
+    if _part_file(work, part, "raw").exists():
+        arrays["raw"] = np.load(_part_file(work, part, "raw"))
     for name, a in arrays.items():
         np.save(_part_file(work, part, f"out_{name}"), a[order])
-    for name in ("dense", "labels", "codes", "tkeys", "tkeys_sorted"):
+    for name in ("dense", "labels", "codes", "raw", "tkeys", "tkeys_sorted"):
         _part_file(work, part, name).unlink(missing_ok=True)
     (work / f"{part}.train.npz").unlink(missing_ok=True)
     return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
@@ -228,10 +233,14 @@ def assemble_shard(
         lo, n = starts[p, split, shard], counts[p, split, shard]
         if not n:
             continue
-        got = {
-            k: np.load(_part_file(work, part, f"out_{k}"), mmap_mode="r")[lo : lo + n]
-            for k in ("dense", "ids", "labels", "pos")
-        }
+        names = (
+            "dense",
+            "ids",
+            "labels",
+            "pos",
+            *(k for k in shards.RAW_DTYPES if _part_file(work, part, f"out_{k}").exists()),
+        )
+        got = {k: np.load(_part_file(work, part, f"out_{k}"), mmap_mode="r")[lo : lo + n] for k in names}
         if out is None:
             out = {k: np.empty((rows, *v.shape[1:]), v.dtype) for k, v in got.items() if k != "pos"}
         at = got["pos"]  # the row's place in its shard

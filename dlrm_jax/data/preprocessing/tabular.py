@@ -285,6 +285,7 @@ def preprocess_tabular(
     workers: int = 0,
     skip_bad_lines: bool = False,
     chunk_lines: int = 100_000,
+    raw_values: bool = False,
     progress: bool = True,
     overwrite: bool = False,
 ) -> PreprocessReport:
@@ -300,7 +301,8 @@ def preprocess_tabular(
     ``split_by`` column, or the last ``val_fraction`` of valid rows. Each input file is one task of the ``workers`` processes.
     Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
     counted. meta.json also names the features and counts the rows no side-file row matched
-    (``join_misses``). Train on the output with ``data.source=binary``. An ``output`` that
+    (``join_misses``). ``raw_values``: each shard keeps every feature's 64-bit value too
+    (``category_values``'s hash, 0 where missing), which dynamic tables map. Train on the output with ``data.source=binary``. An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
@@ -324,6 +326,7 @@ def preprocess_tabular(
         shard_mb=shard_mb,
         workers=workers or default_workers(),
         skip_bad_lines=skip_bad_lines,
+        raw_values=raw_values,
         progress=progress,
     )
 

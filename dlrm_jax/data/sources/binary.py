@@ -19,6 +19,13 @@ epoch, memory does not grow with the dataset, and a batch is a few large contigu
 
 A dataset without dense features (num_dense 0) is read as one all-zero dense column
 (:func:`model_num_dense`): the bottom MLP needs a non-empty input, and zeros change nothing.
+
+**Raw values.** A dataset preprocessed with ``--raw-values`` keeps each feature's 64-bit value
+beside its id; with dynamic tables (``embedding.ids=dynamic``) batches carry their features'
+values (:class:`~dlrm_jax.data.batch.RawBatch`) and the tables map those. The packed feed
+reads a row's values whole, straight into the buffer (:attr:`BinarySource.raw_layout`), and the
+step picks the dynamic features' on the device. Without raw values the dynamic tables map the
+dataset's ids.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.batch import PAD_ID, Batch, process_slice
+from dlrm_jax.data.batch import PAD_ID, Batch, RawBatch, process_slice
 from dlrm_jax.data.shards import (
     ARRAY_DTYPES,
     ID_COUNTS_FILE,
     META_FILE,
+    RAW_DTYPES,
     SPLITS,
     BinaryFormatError,
     open_shard,
@@ -45,6 +53,7 @@ from dlrm_jax.data.shards import (
 )
 from dlrm_jax.data.shuffle import KeyedPermutation
 from dlrm_jax.hashing import mix64
+from dlrm_jax.ids import raw_columns
 
 MIN_BLOCKS = 64  # a stream is cut into at least this many blocks to shuffle (or single rows)
 PLACES_CHUNK = 4096  # blocks whose shuffled places are computed together (256 steps of 65,536 in blocks of 4,096)
@@ -204,6 +213,9 @@ class BinarySource:
                 f"{cfg.num_features} data.cardinalities and data.bag_sizes={list(cfg.bag_sizes)}"
             )
         widths = {"dense": stored_dense, "ids": sum(bags)}
+        self._dynamic = list(cfg.dynamic_tables) if self.meta.get("raw_values") else []  # their values are read
+        if self._dynamic:
+            widths["raw"] = len(cards)
         self._zero_dense = stored_dense == 0  # fed as one all-zero column
         self._stored_dense = stored_dense
         self.num_train, self.num_val = int(self.meta["train_rows"]), int(self.meta["val_rows"])
@@ -232,6 +244,12 @@ class BinarySource:
         self._keep_places()
         # Features whose stored ids exceed the table (data.max_rows cap) are hashed into it.
         self._hashed = [f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r]
+
+    @property
+    def raw_layout(self) -> tuple[int, tuple[int, ...]] | None:
+        """(values per row, the dynamic features' columns among them) when batches carry raw
+        values (:func:`dlrm_jax.data.packed.packed_reader`), else None."""
+        return (len(self._table_rows), tuple(self._dynamic)) if self._dynamic else None
 
     def skip_report(self) -> str:
         """What preprocessing skipped to make this dataset, in one line ('' if nothing)."""
@@ -315,7 +333,7 @@ class BinarySource:
     def train_ids(self, step: int) -> np.ndarray:
         return self.train_batch(step).ids
 
-    def train_batch(self, step: int) -> Batch:
+    def train_batch(self, step: int) -> Batch | RawBatch:
         runs = self.train_runs(step)
         return self._batch_of(self.train, runs, f"training step {step}")
 
@@ -328,13 +346,16 @@ class BinarySource:
             yield self._batch_of(self.val, runs_of(rows), f"evaluation batch {i}")
 
     # ---------------------------------------------------------------- reading
-    def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch:
+    def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch | RawBatch:
         """Read ``runs`` of a split into a new batch, map ids into the tables and check every value."""
         n = sum(length for _, length in runs)
         widths = {"dense": (model_num_dense(self._stored_dense),), "ids": (sum(self._bag_sizes),), "labels": ()}
-        whole = {k: np.empty((1, n, *widths[k]), d) for k, d in ARRAY_DTYPES.items()}
+        widths["raw"] = (len(self._table_rows),)
+        dtypes = ARRAY_DTYPES | (RAW_DTYPES if self._dynamic else {})
+        whole = {k: np.empty((1, n, *widths[k]), d) for k, d in dtypes.items()}
         self._read_checked(split, runs, what, whole)
-        return Batch(whole["dense"][0], whole["ids"][0], whole["labels"][0])
+        batch = Batch(whole["dense"][0], whole["ids"][0], whole["labels"][0])
+        return RawBatch(*batch, raw_columns(whole["raw"][0][:, self._dynamic])) if self._dynamic else batch
 
     def train_batch_into(self, step: int, fields: dict[str, np.ndarray]) -> None:
         """``train_batch(step)`` written in place: ``fields`` maps each field to a
