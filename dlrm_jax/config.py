@@ -373,6 +373,7 @@ def validate(cfg: Config) -> Config:
     _check_bounds(cfg, "")
     _check_train(cfg.train)
     _check_data(cfg)
+    _check_progressive(cfg)
     _check_model(cfg)
     _check_embedding(cfg)
     _check_mesh(cfg)
@@ -440,6 +441,18 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         _not_with("model.kind=wide_deep", e, per_host=True, tiered=True)
+
+
+def _check_progressive(cfg: Config) -> None:
+    """``train.progressive_window=data`` reads the windows a preprocessed dataset recorded."""
+    if cfg.train.progressive_window != "data":
+        return
+    if cfg.data.source != "binary" or cfg.data.shuffle:
+        raise ConfigError(
+            f"train.progressive_window=data: the dataset's own windows need data.source=binary (preprocessed "
+            f"with --no-shuffle) read in order (data.shuffle=false); got data.source={cfg.data.source}, "
+            f"data.shuffle={str(cfg.data.shuffle).lower()}"
+        )
 
 
 def _check_embedding(cfg: Config) -> None:

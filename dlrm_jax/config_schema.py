@@ -127,13 +127,16 @@ class TrainConfig:
         default=50, metadata=NONNEG | doc("steps between log events in `metrics.jsonl`; 0 = only at the end")
     )
     eval_every: int = field(default=250, metadata=NONNEG | doc("steps between evaluations; 0 = only at the end"))
-    progressive_window: int = field(
+    progressive_window: int | str = field(
         default=0,
-        metadata=NONNEG
+        metadata=_int_or("data")
+        | NONNEG
         | doc(
             "> 0: progressive validation in windows of this many steps: after each window the next "
             "window's training batches are scored before they are trained on (a `progressive` event "
-            "with its AUC and logloss); for data read in time order (`data.shuffle: false`); 0 = off "
+            "with its AUC and logloss); for data read in time order (`data.shuffle: false`); `data`: the "
+            "dataset's own windows (binary data preprocessed with `--no-shuffle`: each input file, such as "
+            "a Criteo day, or `--window-seconds` of a time column); 0 = off "
             "([time order](dynamic-tables.md#time-order-and-progressive-validation))"
         ),
     )

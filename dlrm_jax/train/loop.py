@@ -127,6 +127,24 @@ class Plan(NamedTuple):
     progressive: bool = False  # score the next window's training batches (train.progressive_window)
 
 
+def progressive_windows(t: TrainConfig, source) -> dict[int, tuple[int, int, str]]:
+    """The progressive validation windows of a run (``train.progressive_window``): the step
+    each begins at -> (its index, the step after its last, its label). Every N steps, or the
+    dataset's own windows (``data``: :meth:`~dlrm_jax.data.sources.binary.BinarySource.window_steps`);
+    the first window is never scored (no model has trained before it)."""
+    if not t.progressive_window:
+        return {}
+    if t.progressive_window == "data":
+        starts = source.window_steps(t.steps)
+    else:
+        starts = [
+            (s, f"steps {s}-{min(s + t.progressive_window, t.steps) - 1}")
+            for s in range(0, t.steps, t.progressive_window)
+        ]
+    ends = [s for s, _ in starts[1:]] + [t.steps]
+    return {s: (k, e, label) for k, ((s, label), e) in enumerate(zip(starts, ends, strict=True)) if k}
+
+
 class TrainingLoop:
     """The loop's state between steps (the loss watch, the window's timing, the run's record)
     and what it does around each step. ``train``: the config's ``train`` section (the steps,
@@ -151,6 +169,7 @@ class TrainingLoop:
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.window_cpu = 0.0
+        self.windows = progressive_windows(train, driver.source)
         self.auc = self.logloss = float("nan")
         self.scored, self.evaluated, self.stop_reason = 0, False, ""
         self.bar = StepDisplay(
@@ -176,7 +195,7 @@ class TrainingLoop:
         t = self.t
         evaluate = bool((t.eval_every and step % t.eval_every == 0) or step == t.steps)
         save = bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum)
-        progressive = bool(t.progressive_window and step % t.progressive_window == 0 and step < t.steps)
+        progressive = step in self.windows and step < t.steps
         log = bool(evaluate or save or progressive or (t.log_every and step % t.log_every == 0))
         return Plan(evaluate, save, log, signum, progressive)
 
@@ -253,23 +272,23 @@ class TrainingLoop:
         batches (those of steps ``step + 1`` onward, as the source reads them) before they are
         trained on; a ``progressive`` event with the window's AUC and logloss."""
         report_progress(step, "progressive validation")
-        w = self.t.progressive_window
+        window, end, label = self.windows[step]
         source = self.driver.source
-        batches = (source.train_batch(i) for i in range(step, min(step + w, self.t.steps)))
+        batches = (source.train_batch(i) for i in range(step, end))
         auc, logloss, scored = self.driver.evaluate(state, batches)
-        window = step // w
         self.metrics.write(
             {
                 "event": "progressive",
                 "step": step,
                 "window": window,
+                "window_label": label,
                 "progressive_auc": auc,
                 "progressive_logloss": logloss,
                 "progressive_samples": scored,
             }
         )
         self.bar.write(
-            f"step {step}: window {window} scored before training on it: auc {auc:.4f} logloss {logloss:.4f}"
+            f"step {step}: window {window} ({label}) scored before training on it: auc {auc:.4f} logloss {logloss:.4f}"
         )
 
     def record(self, step: int, event: dict) -> None:

@@ -50,6 +50,7 @@ def run(args) -> int:
         shuffle_seed=None if args.no_shuffle else args.seed,
         shard_mb=args.shard_mb,
         raw_values=args.raw_values,
+        window_seconds=args.window_seconds,
         progress=not args.no_progress,
         overwrite=args.overwrite,
     )
@@ -138,7 +139,18 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     p.add_argument(
         "--skip-bad-lines", action="store_true", help="skip malformed lines and count them instead of failing"
     )
-    p.add_argument("--no-shuffle", action="store_true", help="keep the train rows in input order")
+    p.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="keep the train rows in input order; each input file is then a window of them (train.progressive_by=data)",
+    )
+    p.add_argument(
+        "--window-seconds",
+        type=bounded(float, 0.0),
+        default=0.0,
+        help="with --no-shuffle, windows of this many seconds of the schema's split_by column instead of "
+        "input files (tabular; rows in time order)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the global shuffle of the train rows")
     p.add_argument(
         "--shard-mb",

@@ -229,6 +229,7 @@ def preprocess_criteo(
     block_mb: float = 64.0,
     skip_bad_lines: bool = False,
     raw_values: bool = False,
+    window_seconds: float = 0.0,
     progress: bool = True,
     overwrite: bool = False,
 ) -> PreprocessReport:
@@ -246,7 +247,9 @@ def preprocess_criteo(
     (:mod:`dlrm_jax.data.preprocessing.multihot`). ``workers`` processes (0: one per core) parse blocks of
     ``block_mb`` MB; the output is the same for any number of workers. ``raw_values``: each
     shard keeps every feature's value too (``int(hex, 16)``, 0 where missing; raw.npy), which
-    dynamic tables (``embedding.ids=dynamic``) map instead of the ids. An ``output`` that
+    dynamic tables (``embedding.ids=dynamic``) map instead of the ids. With ``shuffle_seed=None``
+    meta.json records each input file (a day) as a window of the train rows, for progressive
+    validation (``train.progressive_by: data``). An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
@@ -263,6 +266,7 @@ def preprocess_criteo(
         multi_hot=tuple(multi_hot) if multi_hot else None,
         skip_bad_lines=skip_bad_lines,
         raw_values=raw_values,
+        window_seconds=window_seconds,
         progress=progress,
     )
     return write_dataset(CriteoParser(int(block_mb * 2**20)), inputs, output, opts, val_inputs, overwrite=overwrite)

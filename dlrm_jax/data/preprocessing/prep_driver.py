@@ -77,6 +77,7 @@ class Options:
     workers: int = 1
     multi_hot: tuple[int, ...] | None = None  # bag sizes of MLPerf's multi-hot rule
     raw_values: bool = False  # each shard keeps every feature's 64-bit value too (raw.npy)
+    window_seconds: float = 0.0  # time windows of the train rows by the format's time column (0: by input file)
     skip_bad_lines: bool = False
     progress: bool = True
 
@@ -100,6 +101,13 @@ def write_dataset(
     _check_disjoint(inputs, val_inputs)
     if opts.raw_values and opts.multi_hot:  # the rule's extra ids are drawn, and have no values
         raise ValueError("--raw-values and --multi-hot: multi-hot bags' drawn ids have no raw values; choose one")
+    if opts.window_seconds and (opts.shuffle_seed is not None or not getattr(parser, "split_by", None)):
+        need = (
+            "--no-shuffle (windows of rows in input order)"
+            if getattr(parser, "split_by", None)
+            else ("a time column (a tabular schema's split_by)")
+        )
+        raise ValueError(f"--window-seconds {opts.window_seconds:g}: needs {need}")
     shards.check_output_target(output, overwrite)
     try:
         return _write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
@@ -187,8 +195,18 @@ def _write_dataset(
         bags = tuple(opts.multi_hot) if opts.multi_hot else (1,) * parser.num_features
         row_bytes = 4 * (parser.num_dense + sum(bags) + 1) + 8 * parser.num_features * opts.raw_values
         where = Placement(n_train, n_val, max(1, int(opts.shard_mb * 2**20) // row_bytes), opts.shuffle_seed)
-        place = partial(place_part, work=work, multi_hot=bool(opts.multi_hot), where=where, features=F)
-        counts = np.stack(list(pmap(place, names, plan.parts)))
+        place = partial(
+            place_part,
+            work=work,
+            multi_hot=bool(opts.multi_hot),
+            where=where,
+            features=F,
+            window_seconds=opts.window_seconds,
+        )
+        placed = list(pmap(place, names, plan.parts))
+        counts = np.stack([c for c, _ in placed])
+        part_paths = [task.path for r, (task, _) in zip(results, tasks, strict=True) for _ in r["parts"]]
+        windows = _windows(opts, parser, paths, part_paths, plan, [w for _, w in placed])
         flat = counts.reshape(len(names), -1)  # a part's rows are sorted by (split, shard)
         starts = (np.cumsum(flat, axis=1) - flat).reshape(counts.shape)
         jobs = [(s, k, rows) for s in (0, 1) for k, rows in enumerate(where.shards(s))]
@@ -221,6 +239,7 @@ def _write_dataset(
                 "min_count": opts.min_count,
                 "vocab_from": opts.vocab_from,
                 "raw_values": opts.raw_values,
+                **({"windows": windows} if windows else {}),
                 "val_fraction": 0.0 if val_paths else opts.val_fraction,
                 **plan.meta(),
                 "inputs": [str(Path(p).resolve()) for p in paths],
@@ -245,6 +264,45 @@ def _write_dataset(
         plan.describe(),
         opts.vocab_from,
     )
+
+
+def _windows(opts: Options, parser, paths: list[str], part_paths: list[str], plan, placed: list) -> dict | None:
+    """The train split's time windows when its rows keep input order: the row each starts at,
+    and a label: each input file (Criteo's days), or with ``window_seconds`` each span of that
+    many seconds of the format's time column (rows must then come in time order)."""
+    if opts.shuffle_seed is not None:
+        return None
+    if not opts.window_seconds:
+        rows = dict.fromkeys(paths, 0)
+        for path, part in zip(part_paths, plan.parts, strict=True):
+            if path in rows:
+                rows[path] += part.train
+        kept = [(p, n) for p, n in rows.items() if n]
+        starts = np.cumsum([0] + [n for _, n in kept[:-1]]).tolist()
+        return {"by": "input", "starts": starts, "labels": [Path(p).name for p, _ in kept]}
+    first: dict[int, int] = {}
+    last, last_path = None, None
+    for path, w in zip(part_paths, placed, strict=True):
+        if w is None or not len(w.windows):
+            continue
+        if not w.in_order or (last is not None and w.windows[0] < last):
+            where = "within the file" if not w.in_order else f"earlier than rows of {last_path} before them"
+            raise ValueError(
+                f"{path}: rows are not in {parser.split_by} order ({where}); --window-seconds cuts "
+                f"windows of time-ordered rows: sort the input by {parser.split_by}, or leave it out to "
+                f"window by input file"
+            )
+        for win, rank in zip(w.windows.tolist(), w.first_rank.tolist(), strict=True):
+            first[win] = min(rank, first.get(win, rank))
+        last, last_path = int(w.windows[-1]), path
+    order = sorted(first)
+    return {
+        "by": "seconds",
+        "column": parser.split_by,
+        "seconds": opts.window_seconds,
+        "starts": [first[w] for w in order],
+        "labels": [w * opts.window_seconds for w in order],
+    }
 
 
 def _scan_all(pmap, parser, tasks, work: Path, opts: Options, paths: list[str]) -> list[dict]:

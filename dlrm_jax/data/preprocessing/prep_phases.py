@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from dlrm_jax.data import shards
 from dlrm_jax.data.preprocessing.multihot import MultiHotRule
-from dlrm_jax.data.preprocessing.prep_split import PartSplit, keys_file, time_keys
+from dlrm_jax.data.preprocessing.prep_split import PartSplit, key_times, keys_file, time_keys
 from dlrm_jax.data.preprocessing.preprocess import SkipLog, Vocabulary
 from dlrm_jax.data.shuffle import KeyedPermutation
 
@@ -178,10 +179,37 @@ class Placement:
         return [min(self.shard_rows, n - s) for s in range(0, n, self.shard_rows)]
 
 
-def place_part(part: str, split: PartSplit, work: Path, multi_hot: bool, where: Placement, features: int) -> np.ndarray:
+class PartWindows(NamedTuple):
+    """A part's train rows by time window (``--window-seconds``): each window it has rows in
+    (int64 ``floor(time / seconds)``, ascending), the input-order rank of its first row there,
+    and whether its windows never go back in input order."""
+
+    windows: np.ndarray
+    first_rank: np.ndarray
+    in_order: bool
+
+
+def part_windows(keys: np.ndarray, ranks: np.ndarray, seconds: float) -> PartWindows:
+    """The windows of train rows with time keys ``keys`` and input-order ranks ``ranks``."""
+    w = np.floor(key_times(keys) / seconds).astype(np.int64)
+    order = np.argsort(ranks, kind="stable")
+    w, ranks = w[order], ranks[order]
+    found, first = np.unique(w, return_index=True)
+    return PartWindows(found, ranks[first], bool((np.diff(w) >= 0).all()))
+
+
+def place_part(
+    part: str,
+    split: PartSplit,
+    work: Path,
+    multi_hot: bool,
+    where: Placement,
+    features: int,
+    window_seconds: float = 0.0,
+) -> tuple[np.ndarray, PartWindows | None]:
     """Phase 3 for one part (``split``: which of its rows are val, and the rows before it):
     ids, then the rows sorted by (split, shard) with their positions; returns int64
-    [2, shards] counts."""
+    [2, shards] counts, and with ``window_seconds`` its train rows' time windows."""
     codes = np.load(_part_file(work, part, "codes"))
     dicts = np.load(work / f"{part}.dict.npz")
     ids = np.empty(codes.shape, np.int32)
@@ -194,6 +222,9 @@ def place_part(part: str, split: PartSplit, work: Path, multi_hot: bool, where: 
         ids = MultiHotRule.load(work / "multihot").expand(ids)
     val = split.val_mask(work, part)
     pos, train = split.places(val), ~val  # each row's rank in its split, in input order
+    windows = None
+    if window_seconds:
+        windows = part_windows(np.load(keys_file(work, part))[train], pos[train], window_seconds)
     if where.shuffle_seed is not None and train.any():
         pos[train] = KeyedPermutation(where.n_train, [where.shuffle_seed, 1])(pos[train])
     per_split = max(len(where.shards(0)), len(where.shards(1)), 1)
@@ -214,7 +245,7 @@ def place_part(part: str, split: PartSplit, work: Path, multi_hot: bool, where: 
     for name in ("dense", "labels", "codes", "raw", "tkeys", "tkeys_sorted"):
         _part_file(work, part, name).unlink(missing_ok=True)
     (work / f"{part}.train.npz").unlink(missing_ok=True)
-    return np.bincount(key, minlength=2 * per_split).reshape(2, per_split)
+    return np.bincount(key, minlength=2 * per_split).reshape(2, per_split), windows
 
 
 def assemble_shard(

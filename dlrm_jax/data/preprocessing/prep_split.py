@@ -45,8 +45,13 @@ def time_keys(times: np.ndarray) -> np.ndarray:
 
 
 def key_time(key: int) -> float:
-    bits = np.int64(key)
-    return float((bits ^ ((bits >> 63) & _SIGN_OFF)).view(np.float64))
+    return float(key_times(np.array([key], np.int64))[0])
+
+
+def key_times(keys: np.ndarray) -> np.ndarray:
+    """int64 [n] keys -> float64 [n] times (:func:`time_keys` inverted)."""
+    bits = np.asarray(keys, np.int64)
+    return (bits ^ ((bits >> 63) & _SIGN_OFF)).view(np.float64)
 
 
 def keys_file(work: Path, part: str, sorted_: bool = False) -> Path:

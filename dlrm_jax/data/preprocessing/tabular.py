@@ -286,6 +286,7 @@ def preprocess_tabular(
     skip_bad_lines: bool = False,
     chunk_lines: int = 100_000,
     raw_values: bool = False,
+    window_seconds: float = 0.0,
     progress: bool = True,
     overwrite: bool = False,
 ) -> PreprocessReport:
@@ -302,7 +303,10 @@ def preprocess_tabular(
     Bad records raise ``DataFormatError("path:line: ...")`` or, with ``skip_bad_lines``, are
     counted. meta.json also names the features and counts the rows no side-file row matched
     (``join_misses``). ``raw_values``: each shard keeps every feature's 64-bit value too
-    (``category_values``'s hash, 0 where missing), which dynamic tables map. Train on the output with ``data.source=binary``. An ``output`` that
+    (``category_values``'s hash, 0 where missing), which dynamic tables map. With
+    ``shuffle_seed=None`` meta.json records the train rows' windows for progressive validation
+    (``train.progressive_by: data``): each input file, or with ``window_seconds`` each span of
+    that many seconds of the ``split_by`` column (the rows must come in its order). Train on the output with ``data.source=binary``. An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
@@ -327,6 +331,7 @@ def preprocess_tabular(
         workers=workers or default_workers(),
         skip_bad_lines=skip_bad_lines,
         raw_values=raw_values,
+        window_seconds=window_seconds,
         progress=progress,
     )
 

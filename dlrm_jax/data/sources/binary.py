@@ -251,6 +251,30 @@ class BinarySource:
         values (:func:`dlrm_jax.data.packed.packed_reader`), else None."""
         return (len(self._table_rows), tuple(self._dynamic)) if self._dynamic else None
 
+    def window_steps(self, steps: int) -> list[tuple[int, str]]:
+        """(first step, label) of each of the dataset's windows met in ``steps`` steps, in order
+        (``train.progressive_window=data``): the windows preprocessing recorded (input files, or
+        spans of a time column), a batch belonging to the window of its first row; the windows
+        come round again each epoch."""
+        windows = self.meta.get("windows")
+        if not windows or self.meta.get("shuffled", True):
+            raise BinaryFormatError(
+                f"{self.root / META_FILE}: records no windows (train.progressive_window=data): preprocess "
+                f"the data with --no-shuffle"
+            )
+        if self._shuffle or (self._lo, self._hi) != (0, self.num_train):
+            raise BinaryFormatError(
+                f"{self.root}: train.progressive_window=data reads the train rows in order on one process "
+                f"(data.shuffle=false; each of several processes reads its own part of the rows)"
+            )
+        starts = np.asarray(windows["starts"], np.int64)
+        first_rows = (np.arange(steps, dtype=np.int64) * self._batch) % self.num_train
+        window = np.searchsorted(starts, first_rows, side="right") - 1
+        begin = np.flatnonzero(np.diff(window, prepend=-1) != 0)
+        labels = windows["labels"]
+        text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:g}")
+        return [(int(s), text(labels[window[s]])) for s in begin]
+
     def skip_report(self) -> str:
         """What preprocessing skipped to make this dataset, in one line ('' if nothing)."""
         skipped = int(self.meta.get("skipped", 0))
