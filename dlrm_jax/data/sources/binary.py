@@ -1,12 +1,14 @@
 """The ``data.source=binary`` loader: memory-mapped shards written by ``dlrm-jax preprocess``
 (layout in :mod:`dlrm_jax.data.shards`).
 
-**Which rows a process reads.** Process p of P owns the contiguous rows
+**Which rows a process reads.** Shuffled, process p of P owns the contiguous rows
 ``[p*M/P, (p+1)*M/P)`` of the M train rows (so with many shards it opens about 1/P of them)
-and cycles over them: its *stream*. Every batch is a pure function of (seed, step, process):
-a resumed run reads exactly what an uninterrupted one read, the P processes' rows are disjoint
-and together cover the split, and with one process the global batch is the stream's next B
-rows.
+and cycles over them: its *stream*. In order (``data.shuffle=false``), global batch s is the
+split's rows ``[s*B, (s+1)*B)`` (cycling), each process reading its slice of them: the
+processes together train the rows in the order they were written (time order, as
+progressive validation needs), whatever their number. Every batch is a pure function of
+(seed, step, process): a resumed run reads exactly what an uninterrupted one read, and the
+P processes' rows are disjoint and together cover the split.
 
 **Shuffling (``data.shuffle``).** The dataset was shuffled globally when it was preprocessed;
 at training time each epoch e turns a process's stream by a keyed offset, cuts it into blocks
@@ -228,8 +230,8 @@ class BinarySource:
                 )
         if self.num_train == 0:
             raise BinaryFormatError(f"{self.root / 'train'}: the train split is empty")
-        self._lo = self.num_train * process_index // process_count
-        self._hi = self.num_train * (process_index + 1) // process_count
+        self._lo = self.num_train * process_index // process_count if cfg.data.shuffle else 0
+        self._hi = self.num_train * (process_index + 1) // process_count if cfg.data.shuffle else self.num_train
         if self._hi == self._lo:
             raise BinaryFormatError(f"{self.root}: {self.num_train} train rows for {process_count} processes")
         self.train = _Split(self.root, "train", self.meta["shards"]["train"], widths, self._lo, self._hi)
@@ -262,10 +264,9 @@ class BinarySource:
                 f"{self.root / META_FILE}: records no windows (train.progressive_window=data): preprocess "
                 f"the data with --no-shuffle"
             )
-        if self._shuffle or (self._lo, self._hi) != (0, self.num_train):
+        if self._shuffle:
             raise BinaryFormatError(
-                f"{self.root}: train.progressive_window=data reads the train rows in order on one process "
-                f"(data.shuffle=false; each of several processes reads its own part of the rows)"
+                f"{self.root}: train.progressive_window=data reads the train rows in order (data.shuffle=false)"
             )
         starts = np.asarray(windows["starts"], np.int64)
         first_rows = (np.arange(steps, dtype=np.int64) * self._batch) % self.num_train
@@ -308,8 +309,13 @@ class BinarySource:
         """(first train-split row, length) of the contiguous pieces of this process's slice
         of batch ``step``, in batch order: about B / (processes * block) + 2 of them."""
         per, m, k = self._rows.stop - self._rows.start, self._hi - self._lo, self._block
-        if not self._shuffle:
-            k = m  # one block: the stream in order
+        if not self._shuffle:  # the split in order: this process's slice of rows [step*B, (step+1)*B)
+            runs, start = [], (step * self._batch + self._rows.start) % m
+            while per:
+                take = min(per, m - start)
+                runs.append((self._lo + start, take))
+                start, per = 0, per - take
+            return runs
         full = m // k  # blocks past ``full`` (the partial tail) keep their place
         pieces, pos, end = [], step * per, (step + 1) * per  # (epoch, block, offset, length)
         while pos < end:
