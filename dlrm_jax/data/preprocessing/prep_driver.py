@@ -101,13 +101,12 @@ def write_dataset(
     _check_disjoint(inputs, val_inputs)
     if opts.raw_values and opts.multi_hot:  # the rule's extra ids are drawn, and have no values
         raise ValueError("--raw-values and --multi-hot: multi-hot bags' drawn ids have no raw values; choose one")
-    if opts.window_seconds and (opts.shuffle_seed is not None or not getattr(parser, "split_by", None)):
-        need = (
-            "--no-shuffle (windows of rows in input order)"
-            if getattr(parser, "split_by", None)
-            else ("a time column (a tabular schema's split_by)")
-        )
-        raise ValueError(f"--window-seconds {opts.window_seconds:g}: needs {need}")
+    if opts.window_seconds:  # windows of a time column, of rows kept in input order
+        timed = getattr(parser, "split_by", None)
+        need = None if timed else "a time column (a tabular schema's split_by)"
+        need = need or ("--no-shuffle (windows of rows in input order)" if opts.shuffle_seed is not None else None)
+        if need:
+            raise ValueError(f"--window-seconds {opts.window_seconds:g}: needs {need}")
     shards.check_output_target(output, overwrite)
     try:
         return _write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
