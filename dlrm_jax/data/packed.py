@@ -177,10 +177,12 @@ def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
     if raw is not None:
         layout = layout.with_raw(*raw)
 
+    with_raw = functools.cache(layout.with_raw)  # one layout for every batch with raw ids
+
     def read(step: int) -> HostPacked:
         if into is None:
             batch = source.train_batch(step)
-            fits = layout.with_raw(batch.raw.shape[2]) if isinstance(batch, RawBatch) else layout
+            fits = with_raw(batch.raw.shape[2]) if isinstance(batch, RawBatch) else layout
             return HostPacked(fits.pack(batch), fits)
         buf = layout.empty()
         into(step, layout.views(buf))

@@ -268,13 +268,20 @@ class BinarySource:
             raise BinaryFormatError(
                 f"{self.root}: train.progressive_window=data reads the train rows in order (data.shuffle=false)"
             )
-        starts = np.asarray(windows["starts"], np.int64)
-        first_rows = (np.arange(steps, dtype=np.int64) * self._batch) % self.num_train
-        window = np.searchsorted(starts, first_rows, side="right") - 1
-        begin = np.flatnonzero(np.diff(window, prepend=-1) != 0)
+        # Each window's start in the endless stream, epoch after epoch (work per window, not per
+        # step); its first step is the first whose first row is at or past it.
+        starts, m, b = np.asarray(windows["starts"], np.int64), self.num_train, self._batch
+        epochs = -(-steps * b // m) + 1
+        first = -(-(np.arange(epochs)[:, None] * m + starts).ravel() // b)
+        window = np.tile(np.arange(len(starts)), epochs)
+        held = np.append(first[1:] != first[:-1], True) & (
+            first < steps
+        )  # of starts before one step's first row, the last
+        first, window = first[held], window[held]
+        new = np.append(True, window[1:] != window[:-1])  # a window that follows itself goes on
         labels = windows["labels"]
         text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:g}")
-        return [(int(s), text(labels[window[s]])) for s in begin]
+        return [(int(s), text(labels[w])) for s, w in zip(first[new], window[new], strict=True)]
 
     def skip_report(self) -> str:
         """What preprocessing skipped to make this dataset, in one line ('' if nothing)."""
@@ -379,8 +386,12 @@ class BinarySource:
     def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch | RawBatch:
         """Read ``runs`` of a split into a new batch, map ids into the tables and check every value."""
         n = sum(length for _, length in runs)
-        widths = {"dense": (model_num_dense(self._stored_dense),), "ids": (sum(self._bag_sizes),), "labels": ()}
-        widths["raw"] = (len(self._table_rows),)
+        widths = {
+            "dense": (model_num_dense(self._stored_dense),),
+            "ids": (sum(self._bag_sizes),),
+            "labels": (),
+            "raw": (len(self._table_rows),),
+        }
         dtypes = ARRAY_DTYPES | (RAW_DTYPES if self._dynamic else {})
         whole = {k: np.empty((1, n, *widths[k]), d) for k, d in dtypes.items()}
         self._read_checked(split, runs, what, whole)
