@@ -496,8 +496,6 @@ def _check_dynamic(cfg: Config) -> None:
                 f"embedding.table_sharding: {item!r}: table {name} takes raw ids ({what}) and a dynamic table "
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
-    if e.hot.rows != 0:
-        raise ConfigError(f"{what}: hot rows (embedding.hot.rows) are not supported with dynamic tables yet")
     _not_with(what, e, per_host=True, tiered=True)
     if cfg.model.kind == "wide_deep":
         raise ConfigError(f"{what}: model.kind=wide_deep reads the batch's ids in its wide part; use model.kind=dlrm")

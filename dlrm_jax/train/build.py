@@ -23,7 +23,7 @@ from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checks import check_batch
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
-from dlrm_jax.train.wiring import cluster_from_config, sparse_optimizer_from_config, step_spec
+from dlrm_jax.train.wiring import cluster_from_config, dynamic_homes, sparse_optimizer_from_config, step_spec
 
 
 def build(
@@ -54,7 +54,16 @@ def build(
         cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
         hot = cfg.embedding.hot
         plan, schedule = hot_setup.choose(
-            hot, plan, mesh, source, CALIBRATION_BATCHES, cluster, input_readers(cfg.data.readers), log
+            hot,
+            plan,
+            mesh,
+            source,
+            CALIBRATION_BATCHES,
+            cluster,
+            input_readers(cfg.data.readers),
+            log,
+            dynamic=cfg.dynamic_tables,
+            to_rows=lambda batches: dynamic_homes(cfg, batches),
         )
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, _tables(cfg, plan, mesh, optimizer), schedule)

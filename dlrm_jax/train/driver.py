@@ -124,9 +124,12 @@ class DeviceDriver(StepDriver):
 
     def run(self, state: TrainState, item) -> Stepped:
         ids = None  # read only for hot-row counting (after_step), so nothing per step without it
-        if self.steps.hot is not None:
-            ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
         state, out, _ = self.compiled(state, item.device)
+        if self.steps.hot is not None:
+            if "rows" in out:  # dynamic tables: the rows their maps gave the raw ids
+                ids = _LocalRows(out["rows"])
+            else:
+                ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
         return Stepped(state, out, ids)
 
     def check_batch(self, item) -> Batch:

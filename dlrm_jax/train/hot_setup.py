@@ -10,7 +10,7 @@ histograms ``preprocess`` wrote (no warm-up pass over the data).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -84,17 +84,29 @@ def choose(
     cluster: Cluster,
     threads: int,
     log=print,
+    dynamic: Sequence[int] = (),
+    to_rows: Callable[[list[np.ndarray]], list[np.ndarray]] = lambda batches: batches,
 ) -> tuple[EmbeddingPlan, HotSchedule | None]:
     """``plan`` with its hot rows (the ``embedding.hot`` section ``h``; ``h.rows``: a number, or
     ``auto`` for the cost model pricing sets on ``cluster``), the bucket capacities measured
     with them masked out, and the schedule that starts from the chosen rows (None when no rows
-    are replicated; it gathers counts with ``threads`` threads)."""
+    are replicated; it gathers counts with ``threads`` threads).
+
+    ``dynamic``: tables whose ids are raw ids given rows by their maps as training runs
+    (``embedding.ids``): none of their rows is hot at first (no map holds an id yet); the
+    schedule counts the rows the maps give, so refreshes make them hot. ``to_rows``: the data's
+    batches as the owners will see them (dynamic tables' raw ids: their home rows), for
+    measuring the buckets."""
     if h.rows == "auto" and mesh.size == 1:
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
     bags = tuple(t.spec.bag_size for t in plan.tables)
     counts = initial_counts(source, h.stats_batches, bags)
-    batches = [global_ids(source.train_ids(i)) for i in range(calibration_steps)]
+    if dynamic:
+        empty = RowCounts.empty(len(bags))
+        pick = lambda field: tuple(getattr(empty if t in dynamic else counts, field)[t] for t in range(len(bags)))
+        counts = RowCounts(pick("ids"), pick("counts"))
+    batches = to_rows([global_ids(source.train_ids(i)) for i in range(calibration_steps)])
 
     def measure(host_batches):  # global batches: every process measures the same
         return measure_capacities(plan, host_batches, plan.capacity_factor)

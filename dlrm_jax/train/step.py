@@ -206,6 +206,8 @@ class StepFunctions:
         metrics = {"loss": loss, "exchange_overflows": res.overflow, **map_metrics}
         if res.hot_counts is not None:
             metrics["hot_counts"] = res.hot_counts
+            if self.dynamic is not None:  # what hot-row statistics count: rows, not raw ids
+                metrics["rows"] = batch.ids
         new_state = TrainState(state.step + 1, params, opt_state, emb, parts, state.maps)
         return new_state, metrics, evicted
 

@@ -11,6 +11,7 @@ import pytest
 import tensorstore as ts
 
 from dlrm_jax.config import ConfigError
+from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.export import export_run
@@ -33,14 +34,17 @@ DYNAMIC = (
 
 @pytest.mark.slow
 def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_maps(tiny, tmp_path):
-    cfg = tiny("mesh.devices=8", "train.steps=8", "train.log_every=2", "train.checkpoint_every=4", *DYNAMIC)
+    # With hot rows refreshed every 2 steps: the maps' rows become hot once counted (none is at
+    # first), and a resumed run refreshes as the uninterrupted one did.
+    hot = ("embedding.hot.rows=16", "embedding.hot.refresh_every=2", "embedding.hot.stats_batches=2")
+    cfg = tiny("mesh.devices=8", "train.steps=8", "train.log_every=2", "train.checkpoint_every=4", *DYNAMIC, *hot)
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
-    train_and_evaluate(tiny("mesh.devices=8", "train.steps=4", *DYNAMIC), tmp_path / "cut", **QUIET)
+    train_and_evaluate(tiny("mesh.devices=8", "train.steps=4", *DYNAMIC, *hot), tmp_path / "cut", **QUIET)
     resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
-    _, steps8 = build(cfg, make_mesh(8))
-    a, b = (by_table(steps8, final_state(cfg, tmp_path / d)) for d in ("whole", "cut"))
+    _, steps8 = build(cfg, make_mesh(8), SyntheticSource(cfg))
+    a, b = (by_table(steps8, final_state(cfg, tmp_path / d, SyntheticSource(cfg))) for d in ("whole", "cut"))
     assert set(a.maps) == {"cat_0", "cat_2"}
     assert int(np.asarray(a.maps["cat_0"].used).sum()) > 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -51,10 +55,13 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
     assert first["ids_lookups"] == 2 * 64 * 2  # two steps of 64 samples, one id in each of two tables
     assert 0 < first["ids_admitted"] and first["ids_held_back"] > 0 and 0 < first["map_fill"] < 1
     assert first["ids_found_rate"] == first["ids_found"] / first["ids_lookups"]
+    assert events[-1]["hot_hit_rate"] > 0
+    hot_tables = np.asarray(a.emb.hot.keys)[0]  # the last refresh made rows of the dynamic tables hot
+    assert {0, 2} & set(hot_tables.tolist()), hot_tables
     # The checkpoint onto 4 devices: the same maps and tables, the same scores.
-    cfg4 = tiny("mesh.devices=4", "train.steps=8", *DYNAMIC)
-    _, steps4 = build(cfg4, make_mesh(4))
-    s4 = by_table(steps4, final_state(cfg4, tmp_path / "whole"))
+    cfg4 = tiny("mesh.devices=4", "train.steps=8", *DYNAMIC, *hot)
+    _, steps4 = build(cfg4, make_mesh(4), SyntheticSource(cfg4))
+    s4 = by_table(steps4, final_state(cfg4, tmp_path / "whole", SyntheticSource(cfg4)))
     for x, y in zip(
         jax.tree.leaves((a.maps, steps8.collection.logical_tables(a.emb))),
         jax.tree.leaves((s4.maps, steps4.collection.logical_tables(s4.emb))),
@@ -79,11 +86,11 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
             ("embedding.table_sharding=[cat_2=table]",),
             "embedding.table_sharding: 'cat_2=table': table cat_2 takes raw ids",
         ),
-        (("embedding.hot.rows=16",), "hot rows (embedding.hot.rows) are not supported with dynamic tables"),
+        (("embedding.storage=tiered",), "tiered tables (embedding.storage) are not supported yet"),
         (("embedding.dynamic.vshards=6",), "embedding.dynamic.vshards=6: a power of two"),
         (("embedding.table_ids=[cat_2=hashed]",), "embedding.table_ids[0]: 'cat_2=hashed' must be TABLE=IDS"),
     ],
-    ids=["not-row", "hot", "vshards", "value"],
+    ids=["not-row", "tiered", "vshards", "value"],
 )
 def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

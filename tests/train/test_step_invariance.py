@@ -22,6 +22,7 @@ import pytest
 
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.relayout import relayout
+from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.step import TrainState
@@ -150,3 +151,60 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
     lookups, found, admitted, evicted, held_back, _ = counts
     assert evicted > 0 and admitted > evicted and 0 < found < lookups
     assert (held_back > 0) == (admit > 1)
+
+
+# Dynamic tables with hot rows: the hot set of every step holds the rows its batch gives to new
+# ids (known from the reference's maps after the step) beside others, so a fresh row that is hot
+# must be reset in the hot copies too, or that step fails.
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_dynamic_tables_with_hot_rows_every_step_match_one_device(tiny, devices):
+    common = [
+        "train.batch_size=64",
+        "train.learning_rate=0.1",
+        "embedding.optimizer=rowwise_adagrad",
+        "train.seed=5",
+        "data.bag_sizes=[2, 1, 3, 1]",
+        "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
+        "embedding.dynamic.rows=0.2",
+        "embedding.dynamic.vshards=8",
+        "embedding.dynamic.probes=3",
+        "embedding.dynamic.policy=lfu",
+        "embedding.dynamic.half_life=4",
+        "embedding.dynamic.sketch_width=64",
+    ]
+    capacity = 48
+    ref_cfg = tiny(*common, "mesh.devices=1")
+    cfg = tiny(*common, f"mesh.devices={devices}", f"embedding.hot.rows={capacity}", "embedding.hot.refresh_every=0")
+    source = SyntheticSource(ref_cfg)
+    ref_plan, ref = build(ref_cfg, make_mesh(1), source)
+    plan, steps = build(cfg, make_mesh(devices), source)
+    assert plan.hot_rows == capacity and steps.dynamic is not None
+    state, fresh_hot, hits = ref.init_state(), 0, 0
+    for step in range(STEPS):
+        batch = source.train_batch(step)
+        before = by_table(ref, state)
+        other = transfer(ref_plan, before, steps)
+        state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
+        after = by_table(ref, state)
+        hot = [np.arange(0, 40, 7) % r for r in [t.spec.rows for t in plan.tables]]  # some rows of every table
+        for t, name in steps.dynamic.names().items():
+            old, new = before.maps[name], after.maps[name]
+            changed = np.asarray(new.used) & (
+                ~np.asarray(old.used)
+                | (np.asarray(old.key_hi) != np.asarray(new.key_hi))
+                | (np.asarray(old.key_lo) != np.asarray(new.key_lo))
+            )
+            held = np.flatnonzero(np.asarray(new.used))[:6]  # and rows that keep their ids
+            hot[t] = np.union1d(np.flatnonzero(changed)[:10], held)
+            fresh_hot += min(int(changed.sum()), 10)
+        other = other._replace(emb=steps.collection.refresh(other.emb, hot_keys([np.unique(r) for r in hot], capacity)))
+        other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
+        np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
+        np.testing.assert_allclose(
+            float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"step {step}"
+        )
+        for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
+        hits += int(np.asarray(metrics["hot_counts"])[0])
+        assert np.asarray(metrics["rows"]).shape == np.asarray(batch.ids).shape  # what refreshes count
+    assert fresh_hot > 40 and hits > 0

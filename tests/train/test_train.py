@@ -13,8 +13,9 @@ from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET, losses
 
 
-def final_state(cfg, run_dir):
-    _, steps = build(cfg, make_mesh(cfg.mesh.devices))
+def final_state(cfg, run_dir, source=None):
+    """``source``: the data, where building needs it (hot rows are chosen from it)."""
+    _, steps = build(cfg, make_mesh(cfg.mesh.devices), source)
     return restore_state(steps, Checkpoints(run_dir / "checkpoints", 3), **QUIET)
 
 

@@ -32,6 +32,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
 )
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
+from dlrm_jax.embedding.hot.index import split_hot
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
@@ -61,8 +62,10 @@ class DynamicTables:
                 raise ValueError(f"table {name}: a dynamic table is row-wise in whole blocks of its {spec.rows} rows")
             if vt.block * n != spec.rows or vt.device != 0:
                 raise ValueError(f"table {name}: its {spec.rows} rows must split evenly over the {n} devices")
-            if t in collection.tiered_tables or collection.plan.hot_rows:
-                raise ValueError(f"table {name}: dynamic tables are neither tiered nor replicated hot rows")
+            if t in collection.tiered_tables:
+                raise ValueError(f"table {name}: dynamic tables are not tiered")
+            if collection.hot is not None and g.width != collection.hot.dim:
+                raise ValueError(f"table {name}: its rows are {g.width} wide, the hot rows {collection.hot.dim}")
             self._where[t] = (g, vt)
         self.map_sharding = IdMap(*(NamedSharding(self.mesh, P(AXIS)),) * 6)
         self._names = {t: collection.plan.tables[t].spec.name for t in self.maps}
@@ -138,7 +141,10 @@ class DynamicTables:
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
-        device writes its fresh rows' entries only (never the whole block)."""
+        device writes its fresh rows' entries only (never the whole block). A fresh row that is
+        hot is reset in the hot group too, on every device: each device finds which of its own
+        fresh rows are hot (the step's hash index of the hot keys) and the hot slots' new ids
+        meet in one sum over the devices (a row has one owner), [H, 4] whatever the batch."""
         opt = self.collection.optimizer
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
         tables = list(self.maps)  # fresh.table indexes these
@@ -150,41 +156,71 @@ class DynamicTables:
         col_start = const([self._where[t][1].col_start for t in tables])
         scale = const([1.0 / self.maps[t].rows ** 0.5 for t in tables], jnp.float32)
         table_index = const(tables)
+        block = const([self.maps[t].rows // map_devices(self.mesh) for t in tables])  # a device's rows of each
+        hot = emb.hot
 
-        def reset(arrays, slots, rows, table, hi, lo):
+        def initial(table, hi, lo, width, dtype):
+            """The new ids' initial vectors (``table``: indices into ``tables``) and optimizer
+            state: a function of the seed, the table and the id alone, wherever the row is."""
+            cols = col_start[table][:, None] + lax.iota(jnp.int32, width)[None, :]
+            u = hash_uniform(seed_2, table_index[table][:, None], id_hash(hi, lo)[:, None], cols)
+            values = (2.0 * u - 1.0) * scale[table][:, None]
+            return values.astype(dtype), opt.init(jnp.zeros((table.shape[0], width), dtype))
+
+        def reset(arrays, slots, hot_index, rows, table, hi, lo):
             arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
-            ids = id_hash(hi, lo)[:, None]
             for gi, name in enumerate(groups):
                 width, array = by_name[name].width, arrays[name]
                 mine = (rows >= 0) & (const(group_of)[table] == gi)
                 row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
-                cols = col_start[table][:, None] + lax.iota(jnp.int32, width)[None, :]
-                u = hash_uniform(seed_2, table_index[table][:, None], ids, cols)
-                values = (2.0 * u - 1.0) * scale[table][:, None]
-                arrays[name] = array.at[row].set(values.astype(array.dtype), mode="drop")
-                initial = opt.init(jnp.zeros((rows.shape[0], width), array.dtype))
-                slots[name] = {s: v.at[row].set(initial[s], mode="drop") for s, v in slots[name].items()}
-            return arrays, slots
+                values, state = initial(table, hi, lo, width, array.dtype)
+                arrays[name] = array.at[row].set(values, mode="drop")
+                slots[name] = {s: v.at[row].set(state[s], mode="drop") for s, v in slots[name].items()}
+            if hot is None:
+                return arrays, slots, jnp.zeros((0, 4), jnp.int32)
+            logical = jnp.where(rows >= 0, lax.axis_index(AXIS) * block[table] + rows, PAD_ID)
+            at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
+            entries = jnp.stack([jnp.ones_like(table), table, hi.view(jnp.int32), lo.view(jnp.int32)], 1)
+            n_hot = hot.values.shape[0]
+            return (
+                arrays,
+                slots,
+                jnp.zeros((n_hot, 4), jnp.int32).at[jnp.where(at[0] >= 0, at[0], n_hot)].set(entries, mode="drop"),
+            )
 
-        def local(arrays, slots, rows, table, hi, lo):
+        def local(arrays, slots, hot_state, rows, table, hi, lo):
             # Only as many entries as the device has fresh rows, rounded up to a size of
             # RESET_SIZES (or all): most steps of a filled map give out few rows; one compiled
             # branch a size, at most twice the work.
             total = rows.shape[0]
             sizes = [k for k in self.reset_sizes if k < total] + [total]
             count = jnp.sum(rows >= 0)
-            branch = lambda k: lambda: reset(arrays, slots, rows[:k], table[:k], hi[:k], lo[:k])
+            index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
+            branch = lambda k: lambda: reset(arrays, slots, index, rows[:k], table[:k], hi[:k], lo[:k])
             which = jnp.searchsorted(jnp.asarray(sizes), count)
-            return lax.switch(which, [branch(k) for k in sizes])
+            arrays, slots, found = lax.switch(which, [branch(k) for k in sizes])
+            if hot_state is None:
+                return arrays, slots, hot_state
+            found = lax.psum(found, AXIS)  # every hot slot given a new id this step, on every device
+            reset_here = found[:, 0] > 0
+            new_ids = (found[:, 1], found[:, 2].view(jnp.uint32), found[:, 3].view(jnp.uint32))
+            values, state = initial(*new_ids, hot_state.values.shape[1], hot_state.values.dtype)
+            keep = lambda old, new: jnp.where(reset_here.reshape(-1, *[1] * (old.ndim - 1)), new, old)
+            hot_state = hot_state._replace(
+                values=keep(hot_state.values, values),
+                slots={s: keep(v, state[s]) for s, v in hot_state.slots.items()},
+            )
+            return arrays, slots, hot_state
 
         tree_rows = lambda tree: jax.tree.map(lambda _: P(AXIS), tree)
+        everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
         arrays = {g: emb.tables[g] for g in groups}
         slots = {g: emb.slots[g] for g in groups}
         parts = (fresh.rows, fresh.table, fresh.hi, fresh.lo)
-        arrays, slots = jax.shard_map(
+        arrays, slots, hot = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(tree_rows(arrays), tree_rows(slots), *(P(AXIS),) * 4),
-            out_specs=(tree_rows(arrays), tree_rows(slots)),
-        )(arrays, slots, *parts)
-        return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots})
+            in_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot), *(P(AXIS),) * 4),
+            out_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot)),
+        )(arrays, slots, hot, *parts)
+        return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots}, hot=hot)
