@@ -107,13 +107,21 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
 
 
 # Dynamic tables (embedding.table_ids): raw ids through id maps sharded with their tables, with
-# evictions (tables of a fifth of their values) and, on 8 devices, lfu with admission after 2
-# sightings (the map alone on 1, 2, 4 and 8 devices: tests/embedding/test_dynamic_sharded.py).
-DYNAMIC = [(2, "lru", 0), (8, "lfu", 2)]
+# evictions (tables of a fifth of their values), lru or lfu, admission after 2 sightings or at
+# once (the map alone on 1, 2, 4 and 8 devices: tests/embedding/test_dynamic_sharded.py). With
+# hot rows, every step's hot set holds the rows its batch gives to new ids (known from the
+# reference's maps after the step) beside rows that keep theirs, so a fresh row that is hot must
+# be reset in the hot copies too, or that step fails.
+DYNAMIC = [(1, "lfu", 2, True), (2, "lru", 0, True), (4, "lfu", 0, True), (8, "lru", 2, True), (8, "lfu", 2, False)]
+HOT_CAPACITY = 48
 
 
-@pytest.mark.parametrize("devices,policy,admit", DYNAMIC, ids=[f"{d}dev-{p}-admit{a}" for d, p, a in DYNAMIC])
-def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit):
+@pytest.mark.parametrize(
+    "devices,policy,admit,hot",
+    DYNAMIC,
+    ids=[f"{d}dev-{p}-admit{a}{'-hot' if h else ''}" for d, p, a, h in DYNAMIC],
+)
+def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot):
     common = [
         "train.batch_size=64",
         "train.learning_rate=0.1",
@@ -130,16 +138,23 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
         "embedding.dynamic.sketch_width=64",
     ]
     ref_cfg = tiny(*common, "mesh.devices=1")
-    cfg = tiny(*common, f"mesh.devices={devices}")
+    hot_rows = [f"embedding.hot.rows={HOT_CAPACITY}", "embedding.hot.refresh_every=0"] if hot else []
+    cfg = tiny(*common, f"mesh.devices={devices}", *hot_rows)
     source = SyntheticSource(ref_cfg)
     ref_plan, ref = build(ref_cfg, make_mesh(1), source)
-    _, steps = build(cfg, make_mesh(devices), source)
+    plan, steps = build(cfg, make_mesh(devices), source)
     assert [ref_plan.tables[t].spec.rows for t in (0, 2)] == [64, 200]
-    state, counts = ref.init_state(), np.zeros(6, np.int64)
+    assert plan.hot_rows == (HOT_CAPACITY if hot else 0)
+    state, counts, fresh_hot, hits = ref.init_state(), np.zeros(6, np.int64), 0, 0
     for step in range(STEPS):
         batch = source.train_batch(step)
-        other = transfer(ref_plan, by_table(ref, state), steps)
+        before = by_table(ref, state)
+        other = transfer(ref_plan, before, steps)
         state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
+        if hot:
+            keys, fresh = hot_set_with_new_rows(plan, steps, before, by_table(ref, state))
+            other = other._replace(emb=steps.collection.refresh(other.emb, keys))
+            fresh_hot += fresh
         other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
         counts += np.asarray(ref_metrics["id_map_counts"])
@@ -148,63 +163,24 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
         )
         for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
+        if hot:
+            hits += int(np.asarray(metrics["hot_counts"])[0])
+            assert np.asarray(metrics["rows"]).shape == np.asarray(batch.ids).shape  # what refreshes count
     lookups, found, admitted, evicted, held_back, _ = counts
     assert evicted > 0 and admitted > evicted and 0 < found < lookups
     assert (held_back > 0) == (admit > 1)
+    assert (fresh_hot > 40 and hits > 0) if hot else "hot_counts" not in metrics
 
 
-# Dynamic tables with hot rows: the hot set of every step holds the rows its batch gives to new
-# ids (known from the reference's maps after the step) beside others, so a fresh row that is hot
-# must be reset in the hot copies too, or that step fails.
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-def test_dynamic_tables_with_hot_rows_every_step_match_one_device(tiny, devices):
-    common = [
-        "train.batch_size=64",
-        "train.learning_rate=0.1",
-        "embedding.optimizer=rowwise_adagrad",
-        "train.seed=5",
-        "data.bag_sizes=[2, 1, 3, 1]",
-        "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
-        "embedding.dynamic.rows=0.2",
-        "embedding.dynamic.vshards=8",
-        "embedding.dynamic.probes=3",
-        "embedding.dynamic.policy=lfu",
-        "embedding.dynamic.half_life=4",
-        "embedding.dynamic.sketch_width=64",
-    ]
-    capacity = 48
-    ref_cfg = tiny(*common, "mesh.devices=1")
-    cfg = tiny(*common, f"mesh.devices={devices}", f"embedding.hot.rows={capacity}", "embedding.hot.refresh_every=0")
-    source = SyntheticSource(ref_cfg)
-    ref_plan, ref = build(ref_cfg, make_mesh(1), source)
-    plan, steps = build(cfg, make_mesh(devices), source)
-    assert plan.hot_rows == capacity and steps.dynamic is not None
-    state, fresh_hot, hits = ref.init_state(), 0, 0
-    for step in range(STEPS):
-        batch = source.train_batch(step)
-        before = by_table(ref, state)
-        other = transfer(ref_plan, before, steps)
-        state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
-        after = by_table(ref, state)
-        hot = [np.arange(0, 40, 7) % r for r in [t.spec.rows for t in plan.tables]]  # some rows of every table
-        for t, name in steps.dynamic.names().items():
-            old, new = before.maps[name], after.maps[name]
-            changed = np.asarray(new.used) & (
-                ~np.asarray(old.used)
-                | (np.asarray(old.key_hi) != np.asarray(new.key_hi))
-                | (np.asarray(old.key_lo) != np.asarray(new.key_lo))
-            )
-            held = np.flatnonzero(np.asarray(new.used))[:6]  # and rows that keep their ids
-            hot[t] = np.union1d(np.flatnonzero(changed)[:10], held)
-            fresh_hot += min(int(changed.sum()), 10)
-        other = other._replace(emb=steps.collection.refresh(other.emb, hot_keys([np.unique(r) for r in hot], capacity)))
-        other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
-        np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
-        np.testing.assert_allclose(
-            float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"step {step}"
-        )
-        for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
-        hits += int(np.asarray(metrics["hot_counts"])[0])
-        assert np.asarray(metrics["rows"]).shape == np.asarray(batch.ids).shape  # what refreshes count
-    assert fresh_hot > 40 and hits > 0
+def hot_set_with_new_rows(plan, steps, before: TrainState, after: TrainState) -> tuple[np.ndarray, int]:
+    """Hot keys holding up to 10 rows of each dynamic table that the step gave to a new id (its
+    maps ``before`` and ``after`` it, by table), 6 rows that kept their ids, and a few rows of
+    every other table; and how many of the step's new rows are hot."""
+    rows = [np.unique(np.arange(0, 40, 7) % t.spec.rows) for t in plan.tables]
+    fresh = 0
+    for t, name in steps.dynamic.names().items():
+        old, new = (jax.tree.map(np.asarray, m[name]) for m in (before.maps, after.maps))
+        given = new.used & (~old.used | (old.key_hi != new.key_hi) | (old.key_lo != new.key_lo))
+        rows[t] = np.union1d(np.flatnonzero(given)[:10], np.flatnonzero(new.used)[:6])
+        fresh += min(int(given.sum()), 10)
+    return hot_keys(rows, HOT_CAPACITY), fresh
