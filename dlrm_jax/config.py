@@ -497,8 +497,6 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True, tiered=True)
-    if cfg.model.kind == "wide_deep":
-        raise ConfigError(f"{what}: model.kind=wide_deep reads the batch's ids in its wide part; use model.kind=dlrm")
     v = e.dynamic.vshards
     if v & (v - 1):
         raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")

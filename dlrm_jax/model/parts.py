@@ -49,6 +49,9 @@ class SparsePart(Protocol):
     def tables(self, state: Any) -> EmbeddingState:
         """The part's tables and their optimizer state (exported as ``<name>_<feature>``)."""
 
+    def with_tables(self, state: Any, tables: EmbeddingState) -> Any:
+        """``state`` with :meth:`tables` replaced (dynamic tables reset rows given to new ids)."""
+
     def dense_arrays(self, state: Any) -> dict[str, jax.Array]:
         """The part's dense weights as exported (``<name>_linear/values``) and their optimizer
         state (``<name>_linear/<slot>``): ``{"values": ..., slot: ...}``."""

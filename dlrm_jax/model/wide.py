@@ -105,5 +105,8 @@ class WidePart:
     def tables(self, state: WideState) -> EmbeddingState:
         return state.tables
 
+    def with_tables(self, state: WideState, tables: EmbeddingState) -> WideState:
+        return state._replace(tables=tables)
+
     def dense_arrays(self, state: WideState) -> dict[str, jax.Array]:
         return {"values": state.linear, **state.linear_slots}

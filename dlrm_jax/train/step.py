@@ -162,11 +162,20 @@ class StepFunctions:
         if self.dynamic is None:
             return state, batch, {}
         raw = self.dynamic.raw_ids(batch.ids, getattr(batch, "raw", None))
-        emb, maps, ids, stats = self.dynamic.resolve(
+        emb, maps, ids, stats, fresh = self.dynamic.resolve(
             state.emb, state.maps, raw, batch.ids, state.step, self.embedding_key(), learn
         )
+        parts = state.parts
+        if learn:  # the extra parts' rows of the dynamic tables (Wide&Deep's weights) start again too
+            parts = {
+                name: part.with_tables(
+                    parts[name], self.dynamic.reset_replicated(part.collection, part.tables(parts[name]), fresh)
+                )
+                for name, part in self.parts.items()
+            }
         counts = jnp.stack([sum(s[k] for s in stats.values()) for k in STATS])
-        return state._replace(emb=emb, maps=maps), Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts}
+        new_state = state._replace(emb=emb, maps=maps, parts=parts)
+        return new_state, Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts}
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}

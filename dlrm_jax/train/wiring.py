@@ -176,7 +176,8 @@ def plan_from_config(cfg: Config, num_devices: int, budget_bytes: int | None = N
 def wide_plan_from_config(cfg: Config, num_devices: int, batch_size: int | None = None) -> EmbeddingPlan:
     """Wide&Deep's wide part (model.kind=wide_deep) on ``num_devices`` devices."""
     batch = cfg.train.batch_size if batch_size is None else batch_size
-    return wide_plan(cfg.table_rows, cfg.bag_sizes, cfg.model.wide.optimizer, batch, num_devices)
+    rows = [s.rows for s in specs_from_config(cfg)]  # a dynamic table's wide weights: one per row of its map
+    return wide_plan(rows, cfg.bag_sizes, cfg.model.wide.optimizer, batch, num_devices)
 
 
 def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:

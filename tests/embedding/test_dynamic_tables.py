@@ -49,7 +49,7 @@ def run(devices: int, optimizer: str, steps: int, reset_sizes=()):
     @jax.jit
     def step(emb, maps, hi, lo, valid, items, target, step_no):
         ids = jnp.concatenate([jnp.zeros((BATCH, 2), jnp.int32), items], axis=1)
-        emb, maps, ids, stats = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        emb, maps, ids, stats, _ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
         pooled, res = coll.lookup(emb, ids)
         grad = 2.0 * (pooled - target) / BATCH
         return coll.apply_gradients(emb, res, grad, jnp.float32(0.1)), maps, pooled, stats[0]
@@ -119,3 +119,47 @@ def test_a_table_that_is_not_row_wise_in_even_blocks_is_refused():
     coll = EmbeddingCollection(plan, make_mesh(2), sparse_optimizer("sgd"))
     with pytest.raises(ValueError, match="table user: a dynamic table is row-wise"):
         DynamicTables(coll, {0: MAP})
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(devices):
+    """A replicated collection beside the dynamic tables (Wide&Deep's weights, one per row),
+    every value and optimizer state 7 at first and never trained here: after each step the
+    rows ever given to a new id (the maps' changed slots) are zero with the optimizer's
+    initial state, every other row is still 7, and every device holds the same."""
+    coll, dyn = tables(devices, "sgd")
+    dyn.reset_sizes = (1, 2, 4, 8)  # several branches taken, each gathering that many entries
+    wide_specs = [TableSpec(f"w{t}", s.rows, 1, s.bag_size) for t, s in enumerate(SPECS)]
+    wide_plan = plan_embeddings(wide_specs, "replicated", devices, "adagrad", BATCH)
+    opt = sparse_optimizer("adagrad")
+    wide = EmbeddingCollection(wide_plan, make_mesh(devices), opt)
+    key = jax.random.key(3)
+    emb, maps, state = coll.init(key), dyn.init_maps(), wide.init(key)
+    sevens = lambda tree: jax.tree.map(lambda x: jnp.full_like(x, 7.0), tree)
+    state = state._replace(tables=sevens(state.tables), slots=sevens(state.slots))
+    initial = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in opt.init(jnp.zeros((1, 1))).items()}
+
+    @jax.jit
+    def step(emb, maps, state, hi, lo, valid, step_no):
+        ids = jnp.zeros((BATCH, 3), jnp.int32)
+        emb, maps, _, _, fresh = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        return emb, maps, dyn.reset_replicated(wide, state, fresh)
+
+    put = lambda x: jax.device_put(x, coll.batch_sharding)
+    ever = np.zeros(MAP.rows, bool)
+    for t, (users, valid, _, _) in enumerate(stream(12)):
+        before = jax.tree.map(np.asarray, dyn.by_table(maps)["user"])
+        hi, lo = split_ids(users)
+        emb, maps, state = step(emb, maps, state, put(hi), put(lo), put(valid), t)
+        after = jax.tree.map(np.asarray, dyn.by_table(maps)["user"])
+        ever |= after.used & (~before.used | (before.key_hi != after.key_hi) | (before.key_lo != after.key_lo))
+        for array in jax.tree.leaves((state.tables, state.slots)):
+            copies = [np.asarray(s.data) for s in array.addressable_shards]
+            assert all(np.array_equal(c, copies[0]) for c in copies)
+        values, slots = wide.logical_tables(state)
+        np.testing.assert_array_equal(np.asarray(values[0])[:, 0], np.where(ever, 0.0, 7.0), err_msg=f"step {t}")
+        np.testing.assert_array_equal(np.asarray(values[1]), 7.0)
+        for name, slot in slots[0].items():
+            got = np.asarray(slot).reshape(MAP.rows, -1)[:, 0]
+            np.testing.assert_array_equal(got, np.where(ever, initial[name], 7.0), err_msg=f"{name}, step {t}")
+    assert 20 < ever.sum() < MAP.rows

@@ -109,8 +109,8 @@ class DynamicTables:
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
         feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
-        counts per table). ``learn=False`` (evaluation): the maps are read, nothing is reset.
-        Traceable: call it inside the step."""
+        counts per table, the fresh rows: for :meth:`reset_replicated`). ``learn=False``
+        (evaluation): the maps are read, nothing is reset. Traceable: call it inside the step."""
         tables, starts = list(self.maps), self._starts
         rows, fused, fresh, counts = sharded_resolve_fused(
             [self.maps[t] for t in tables], self.mesh, maps[FUSED], [raw[t] for t in tables], step, learn
@@ -121,7 +121,7 @@ class DynamicTables:
         for t, r in zip(tables, rows, strict=True):
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, r.astype(ids_bs.dtype), int(starts[t]), axis=1)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
-        return emb, maps, ids_bs, stats
+        return emb, maps, ids_bs, stats, fresh
 
     def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> dict:
         """{table: (hi, lo, valid)} of the dynamic tables from a batch: ``raw`` uint32 [B, 2, R]
@@ -224,3 +224,62 @@ class DynamicTables:
             out_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot)),
         )(arrays, slots, hot, *parts)
         return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots}, hot=hot)
+
+    def reset_replicated(self, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows):
+        """``collection``: tables replicated on every device whose table t has as many rows as
+        this one's dynamic table t (Wide&Deep's wide part: one weight per row); ``state`` with
+        the rows ``fresh`` gave to new ids set to zero (as that part starts) and their optimizer
+        state to its initial state, on every device. Each device's fresh rows are gathered
+        from all (as many entries as the device with the most has, rounded up to a size of
+        RESET_SIZES). Traceable: call it inside the step, after :meth:`resolve`."""
+        n, opt = map_devices(self.mesh), collection.optimizer
+        tables = list(self.maps)  # fresh.table indexes these
+        placed = {}
+        for t in tables:
+            (g, vt), *_ = [(g, vt) for g in collection.groups for vt in g.vtables if vt.table == t]
+            if not g.replicated or vt.rows != self.maps[t].rows:
+                raise ValueError(f"table {t}: not a replicated table of {self.maps[t].rows} rows")
+            placed[t] = (g, vt)
+        groups = sorted({g.name for g, _ in placed.values()})
+        const = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
+        group_of = const([groups.index(placed[t][0].name) for t in tables])
+        offset = const([placed[t][1].offset for t in tables])
+        block = const([self.maps[t].rows // n for t in tables])
+        width = {g.name: g.width for g, _ in placed.values()}
+
+        def reset(arrays, slots, rows, table):
+            arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
+            # Every device's entries, [n, k], on every device: a sum of each device's own row
+            # (a sum is replicated by type; an all-gather's result is not, in shard_map).
+            mine = (
+                jnp.zeros((n, 2, rows.shape[0]), jnp.int32).at[lax.axis_index(AXIS)].set(jnp.stack([rows + 1, table]))
+            )
+            every = lax.psum(mine, AXIS)
+            rows, table = every[:, 0] - 1, every[:, 1]
+            logical = rows + lax.broadcasted_iota(jnp.int32, rows.shape, 0) * block[table]
+            rows, logical, table = rows.reshape(-1), logical.reshape(-1), table.reshape(-1)
+            for gi, name in enumerate(groups):
+                array = arrays[name]
+                at = jnp.where((rows >= 0) & (group_of[table] == gi), offset[table] + logical, array.shape[0])
+                arrays[name] = array.at[at].set(0, mode="drop")
+                initial = opt.init(jnp.zeros((at.shape[0], width[name]), array.dtype))
+                slots[name] = {s: v.at[at].set(initial[s], mode="drop") for s, v in slots[name].items()}
+            return arrays, slots
+
+        def local(arrays, slots, rows, table):
+            total = rows.shape[0]
+            sizes = [k for k in self.reset_sizes if k < total] + [total]
+            most = lax.pmax(jnp.sum(rows >= 0), AXIS)  # the same branch on every device
+            branch = lambda k: lambda: reset(arrays, slots, rows[:k], table[:k])
+            return lax.switch(jnp.searchsorted(jnp.asarray(sizes), most), [branch(k) for k in sizes])
+
+        everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
+        arrays = {g: state.tables[g] for g in groups}
+        slots = {g: state.slots[g] for g in groups}
+        arrays, slots = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(everywhere(arrays), everywhere(slots), P(AXIS), P(AXIS)),
+            out_specs=(everywhere(arrays), everywhere(slots)),
+        )(arrays, slots, fresh.rows, fresh.table)
+        return state._replace(tables={**state.tables, **arrays}, slots={**state.slots, **slots})
