@@ -1,6 +1,7 @@
 """Serving a model with dynamic tables (embedding.ids=dynamic): the maps travel with the
 artifact, raw Criteo lines score as eval scores them (an id the map does not hold reads its
-shard's shared row, in both), and a delta carries its step's maps."""
+shard's shared row, in both), and a delta carries its step's maps; a Wide&Deep model, whose
+wide weights of a dynamic table are looked up at the rows its map gives."""
 
 import jax
 import numpy as np
@@ -49,8 +50,11 @@ def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
             "train.progress_bar=false",
             "mesh.devices=2",
             "model.embedding_dim=8",
-            "model.bottom_mlp=[16, 8]",
             "model.top_mlp=[16, 1]",
+            # Wide&Deep: the maps' rows serve the deep tables and the wide weights alike
+            "model.kind=wide_deep",
+            "model.bottom_mlp=[]",
+            "model.interaction=cat",
         ],
     )
     train_and_evaluate(cfg, tmp_path / "run", **QUIET)
