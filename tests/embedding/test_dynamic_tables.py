@@ -102,7 +102,7 @@ def test_a_fresh_row_starts_as_its_ids_own_vector_and_state():
         hi, lo = split_ids(np.array([[7, 7]] * BATCH, np.uint64))
         ids = jnp.zeros((BATCH, 3), jnp.int32)
         put = lambda x: jax.device_put(x, coll.batch_sharding)  # noqa: B023
-        emb, maps, ids, _ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
+        emb, maps, ids, _, _ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
             emb, maps, {0: (put(hi), put(lo), put(np.ones((BATCH, 2), bool)))}, put(ids)
         )
         row = int(ids[0, 0])
