@@ -101,11 +101,7 @@ def choose(
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
     bags = tuple(t.spec.bag_size for t in plan.tables)
-    counts = initial_counts(source, h.stats_batches, bags)
-    if dynamic:
-        empty = RowCounts.empty(len(bags))
-        pick = lambda field: tuple(getattr(empty if t in dynamic else counts, field)[t] for t in range(len(bags)))
-        counts = RowCounts(pick("ids"), pick("counts"))
+    counts = initial_counts(source, h.stats_batches, bags).without(set(dynamic))
     batches = to_rows([global_ids(source.train_ids(i)) for i in range(calibration_steps)])
 
     def measure(host_batches):  # global batches: every process measures the same

@@ -139,6 +139,14 @@ class DynamicTables:
             out[t], at = (hi, lo, ids != PAD_ID), at + bag
         return out
 
+    def _sized(self, rows: jax.Array, count: jax.Array, write):
+        """``write(k)`` of the first k fresh entries, k the least size of RESET_SIZES holding
+        ``count`` of them (or all ``rows``): most steps of a filled map give out few rows; one
+        compiled branch a size, at most twice the work. Inside shard_map."""
+        total = rows.shape[0]
+        sizes = [k for k in self.reset_sizes if k < total] + [total]
+        return lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), [lambda k=k: write(k) for k in sizes])
+
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
         device writes its fresh rows' entries only (never the whole block). A fresh row that is
@@ -189,16 +197,10 @@ class DynamicTables:
             )
 
         def local(arrays, slots, hot_state, rows, table, hi, lo):
-            # Only as many entries as the device has fresh rows, rounded up to a size of
-            # RESET_SIZES (or all): most steps of a filled map give out few rows; one compiled
-            # branch a size, at most twice the work.
-            total = rows.shape[0]
-            sizes = [k for k in self.reset_sizes if k < total] + [total]
-            count = jnp.sum(rows >= 0)
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
-            branch = lambda k: lambda: reset(arrays, slots, index, rows[:k], table[:k], hi[:k], lo[:k])
-            which = jnp.searchsorted(jnp.asarray(sizes), count)
-            arrays, slots, found = lax.switch(which, [branch(k) for k in sizes])
+            arrays, slots, found = self._sized(
+                rows, jnp.sum(rows >= 0), lambda k: reset(arrays, slots, index, rows[:k], table[:k], hi[:k], lo[:k])
+            )
             if hot_state is None:
                 return arrays, slots, hot_state
             found = lax.psum(found, AXIS)  # every hot slot given a new id this step, on every device
@@ -230,8 +232,7 @@ class DynamicTables:
         this one's dynamic table t (Wide&Deep's wide part: one weight per row); ``state`` with
         the rows ``fresh`` gave to new ids set to zero (as that part starts) and their optimizer
         state to its initial state, on every device. Each device's fresh rows are gathered
-        from all (as many entries as the device with the most has, rounded up to a size of
-        RESET_SIZES). Traceable: call it inside the step, after :meth:`resolve`."""
+        from all (as many entries as the device with the most has: :meth:`_sized`). Traceable: call it inside the step, after :meth:`resolve`."""
         n, opt = map_devices(self.mesh), collection.optimizer
         tables = list(self.maps)  # fresh.table indexes these
         placed = {}
@@ -267,11 +268,8 @@ class DynamicTables:
             return arrays, slots
 
         def local(arrays, slots, rows, table):
-            total = rows.shape[0]
-            sizes = [k for k in self.reset_sizes if k < total] + [total]
             most = lax.pmax(jnp.sum(rows >= 0), AXIS)  # the same branch on every device
-            branch = lambda k: lambda: reset(arrays, slots, rows[:k], table[:k])
-            return lax.switch(jnp.searchsorted(jnp.asarray(sizes), most), [branch(k) for k in sizes])
+            return self._sized(rows, most, lambda k: reset(arrays, slots, rows[:k], table[:k]))
 
         everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
         arrays = {g: state.tables[g] for g in groups}

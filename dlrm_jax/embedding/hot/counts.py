@@ -103,6 +103,15 @@ class RowCounts:
         ]
         return RowCounts(tuple(i for i, _ in summed), tuple(c for _, c in summed))
 
+    def without(self, tables) -> RowCounts:
+        """These counts with ``tables`` (indices) counted as never looked up."""
+        empty = RowCounts.empty(self.num_tables)
+        pick = lambda t: empty if t in tables else self
+        return RowCounts(
+            tuple(pick(t).ids[t] for t in range(self.num_tables)),
+            tuple(pick(t).counts[t] for t in range(self.num_tables)),
+        )
+
     def plus(self, new: RowCounts) -> RowCounts:
         """``self + new``, row by row."""
         return RowCounts.total([self, new])
