@@ -75,6 +75,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             fns.embedding_key(),
             int(cfg.embedding.tier.chunk_mb * 2**20),
             log=lambda *_: None,
+            maps=fns.tiered_maps,
         )
         driver = TieredDriver(fns, source, tiered, cfg.embedding.tier.lookahead)
     try:

@@ -71,7 +71,7 @@ def build(
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
-    first = [source.train_ids(i) for i in range(cfg.embedding.hot.stats_batches)]
+    first = dynamic_homes(cfg, [source.train_ids(i) for i in range(cfg.embedding.hot.stats_batches)])
     plan = tier_plan(cfg.embedding.tier, plan, first, log)
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)

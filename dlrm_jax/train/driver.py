@@ -25,6 +25,7 @@ from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.evaluate import evaluate
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
@@ -77,6 +78,10 @@ class StepDriver:
     def take_metrics(self, window_steps: int) -> dict:
         """Host metrics of the steps since the last call."""
         return {}
+
+    def map_metrics(self, state: TrainState) -> dict:
+        """The dynamic tables' maps now (``map_fill``; empty without dynamic tables)."""
+        return {k: host_scalar(v) for k, v in self.steps.map_metrics(state).items()}
 
     def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
         """Before checkpoint ``step`` is saved: whatever must be durable with it."""
@@ -163,7 +168,7 @@ class TieredDriver(StepDriver):
         return self.runner.planned(self.source.train_batch, range(start, end))
 
     def run(self, state: TrainState, item) -> Stepped:
-        state, out = self.runner.train(state, item.batch, item.fills, item.reads)
+        state, out = self.runner.train(state, item.batch, item.fills, item.reads, item)
         return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
 
     def check_batch(self, item) -> Batch:
@@ -174,6 +179,16 @@ class TieredDriver(StepDriver):
 
     def take_metrics(self, window_steps: int) -> dict:
         return self.runner.take_metrics(window_steps)
+
+    def map_metrics(self, state: TrainState) -> dict:
+        maps = self.tiered.maps
+        if maps is None:
+            return super().map_metrics(state)
+        # every dynamic table's fill: the devices' maps' and the host maps' (newest batch planned)
+        on_devices = self.steps.dynamic
+        rows = sum(s.rows for s in on_devices.maps.values()) if on_devices else 0
+        used = round(super().map_metrics(state)["map_fill"] * rows) if on_devices else 0
+        return {"map_fill": (used + maps.used()) / (rows + maps.rows)}
 
     def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
         # the tier's snapshot first: a saved step always has one

@@ -66,7 +66,25 @@ def tier_snapshot(run: RestoredRun, run_dir: str | Path, step: int, log=print) -
         steps.embedding_key(),
         log=log,
         snapshot=step,
+        maps=steps.tiered_maps,
     )
+
+
+def id_maps(run: RestoredRun, run_dir: str | Path) -> dict:
+    """Every dynamic table's id map at the run's step, in table order, {name: (MapSpec, IdMap
+    of numpy arrays)}: the devices' from the state, tiered tables' from the tier's snapshot."""
+    steps, found = run.steps, {}
+    if steps.dynamic is not None:
+        by_table = steps.dynamic.by_table(run.state.maps)
+        for t, name in steps.dynamic.names().items():
+            found[t] = (steps.dynamic.maps[t], jax.device_get(by_table[name]))
+    if steps.tiered_maps:
+        tiered = tier_snapshot(run, run_dir, run.step)
+        try:
+            found.update({t: (steps.tiered_maps[t], m) for t, m in tiered.maps.maps_at(run.step).items()})
+        finally:
+            tiered.close()
+    return {run.plan.tables[t].spec.name: found[t] for t in sorted(found)}
 
 
 def export_run(
@@ -82,9 +100,8 @@ def export_run(
         _export_tables(dest, part.collection, part.tables(state.parts[name]))
         for k, v in part.dense_arrays(state.parts[name]).items():
             export_array(dest / f"{name}_linear" / k, np.asarray(v))
-    maps = steps.dynamic.by_table(state.maps) if steps.dynamic else {}
-    for name, m in maps.items():  # dynamic tables' id maps, beside their tables
-        for k, v in jax.device_get(m)._asdict().items():
+    for name, (_, m) in id_maps(run, run_dir).items():  # dynamic tables' id maps, beside their tables
+        for k, v in m._asdict().items():
             export_array(dest / name / "map" / k, np.asarray(v))
     if run.plan.tiered_tables:
         tiered = tier_snapshot(run, run_dir, step, log)

@@ -244,7 +244,7 @@ class TrainingLoop:
         event.update(self.driver.take_metrics(window_steps))
         event.update({k: host_scalar(v) for k, v in self.steps.collection.step_metrics(state.emb).items()})
         event.update(self.watch.take_id_maps())
-        event.update({k: host_scalar(v) for k, v in self.steps.map_metrics(state).items()})
+        event.update(self.driver.map_metrics(state))
         return event
 
     def evaluate(self, step: int, state: TrainState, event: dict, todo: Plan) -> Plan:

@@ -41,6 +41,7 @@ def evaluate_run(
             steps.embedding_key(),
             log=log,
             snapshot=step,
+            maps=steps.tiered_maps,
         )
         driver = TieredDriver(steps, source, tiered, lookahead=0)
     else:

@@ -38,7 +38,7 @@ from dlrm_jax.serving.artifact import (
     write_manifest,
 )
 from dlrm_jax.serving.id_maps import write_maps
-from dlrm_jax.train.export import RestoredRun, restore_run, tier_snapshot
+from dlrm_jax.train.export import RestoredRun, id_maps, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint
 
 EXPORT_PLATFORMS = ("cpu", "cuda")
@@ -101,7 +101,7 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "parts": parts,
         "tables_dtype": tables,
         "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
-        "id_maps": _id_maps(work, run),  # a delta's too: its step's maps, whole
+        "id_maps": _id_maps(work, run, run_dir),  # a delta's too: its step's maps, whole
         "dense_transform": _dense_transform(run.cfg),
         "evaluation": _evaluation(Path(run_dir), run.step),
         "function": {
@@ -116,14 +116,9 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
     write_manifest(work, manifest)
 
 
-def _id_maps(work: Path, run: RestoredRun) -> dict:
+def _id_maps(work: Path, run: RestoredRun, run_dir) -> dict:
     """The dynamic tables' maps at the exported step (dlrm_jax.serving.id_maps)."""
-    dynamic = run.steps.dynamic
-    if dynamic is None:
-        return {}
-    by_table = dynamic.by_table(run.state.maps)
-    maps = {name: (dynamic.maps[t], jax.device_get(by_table[name])._asdict()) for t, name in dynamic.names().items()}
-    return write_maps(work, maps)
+    return write_maps(work, {name: (spec, m._asdict()) for name, (spec, m) in id_maps(run, run_dir).items()})
 
 
 def _model_section(cfg) -> dict:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.config import ConfigError
 from dlrm_jax.embedding.dynamic.idmap import IdMap
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
+from dlrm_jax.embedding.exchange.dynamic_tables import CachedDynamicTables, DynamicTables
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -79,7 +79,13 @@ class StateLayout:
     ):
         self.spec, self.mesh, self.collection, self.hot = spec, mesh, collection, hot
         self.tx, self.parts = spec.tx, spec.parts
-        self.dynamic = DynamicTables(collection, spec.maps) if spec.maps else None
+        # Dynamic tables: on the devices, their maps in the state; tiered, their maps on the
+        # host (the tier's, embedding/dynamic/host_maps.py) and their fresh cache slots reset here.
+        tiered = collection.tiered_tables
+        device_maps = {t: s for t, s in spec.maps.items() if t not in tiered}
+        self.tiered_maps = {t: s for t, s in sorted(spec.maps.items()) if t in tiered}
+        self.dynamic = DynamicTables(collection, device_maps) if device_maps else None
+        self.cached_dynamic = CachedDynamicTables(collection, self.tiered_maps) if self.tiered_maps else None
         model = spec.dense(nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.data.batch import Batch, RawBatch
 from dlrm_jax.data.packed import HostPacked, Packed, PackedLayout, unpacked
 from dlrm_jax.embedding.dynamic.idmap import STATS
+from dlrm_jax.embedding.dynamic.sharded import FreshRows
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.hot.schedule import HotSchedule
@@ -35,10 +36,12 @@ from dlrm_jax.train.state import StateLayout, TrainState
 class CacheIO(NamedTuple):
     """A tiered train step's device-cache traffic (embedding/tiers/device_fill.py): the rows
     this step fills into its groups' caches, and the rows the previous program evicted (their
-    slots are free once this step has read them)."""
+    slots are free once this step has read them); with tiered dynamic tables, the cache slots
+    the host maps gave to new ids this batch, reset after the fills."""
 
     fills: dict
     prev: dict
+    fresh: FreshRows | None = None  # tiered dynamic tables: the cache slots given to new ids
 
 
 class StepFunctions:
@@ -77,6 +80,7 @@ class StepFunctions:
         self.checkpoint_form, self.from_checkpoint_form = layout.checkpoint_form, layout.from_checkpoint_form
         self.hot_keys, self.embedding_key = layout.hot_keys, layout.embedding_key
         self.dynamic = layout.dynamic  # the dynamic tables' id maps (embedding.ids), or None
+        self.cached_dynamic, self.tiered_maps = layout.cached_dynamic, layout.tiered_maps  # tiered ones
         if self.dynamic is not None:
             rows = sum(spec.rows for spec in self.dynamic.maps.values())
             used = lambda maps: sum(jnp.sum(m.used, dtype=jnp.int32) for m in maps.values()) / rows
@@ -94,7 +98,7 @@ class StepFunctions:
         if cache_groups:
             self.train_step = jax.jit(
                 self._train_step,
-                in_shardings=(self.state_sharding, b, CacheIO(b, b)),
+                in_shardings=(self.state_sharding, b, CacheIO(b, b, b)),
                 out_shardings=(self.state_sharding, self.replicated, b),
                 donate_argnums=0,
             )
@@ -188,6 +192,8 @@ class StepFunctions:
         if self.cache_groups:  # the device caches take this batch's rows first
             with jax.named_scope(PHASE_SCOPES["cache_fill"]):
                 emb, evicted = self._fill_step(state.emb, cache.fills, cache.prev)
+                if cache.fresh is not None:
+                    emb = self.cached_dynamic.reset(emb, cache.fresh, self.embedding_key())
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):

@@ -24,21 +24,28 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.pipeline import background
+from dlrm_jax.embedding.dynamic.sharded import FreshRows
 from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers.cache_planner import plan_stream
+from dlrm_jax.embedding.tiers.dynamic_ids import TieredIds
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.ids import PAD_ID
+from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.step import CacheIO
 
 
 class Planned(NamedTuple):
-    """One planned step: the batch with cache ids, its fills, the batch's own ids, and the
-    future of the tier reads begun for it (None: nothing to read)."""
+    """One planned step: the batch with cache ids, its fills, the batch's own ids, the
+    future of the tier reads begun for it (None: nothing to read), and with tiered dynamic
+    tables the cache slots given to new ids and the host maps' counts; its step."""
 
     batch: Batch
     fills: dict
     ids: np.ndarray
     reads: Any = None
+    fresh: FreshRows | None = None  # tiered dynamic tables: cache slots given to new ids
+    map_counts: np.ndarray | None = None  # and their host maps' counts (STATS order)
+    step: int = 0
 
 
 class TierRunner:
@@ -63,6 +70,10 @@ class TierRunner:
         self._gate = threading.Condition()
         self._arrived = self._released = -1  # the refresh boundary the planner waits at / may pass
         self._planner_done = True
+        maps = tiered.maps  # tiered dynamic tables' host maps: their ids resolved in the planner thread
+        self.ids = (
+            None if maps is None else TieredIds(maps, steps.collection, list(steps.spec.maps), steps.spec.bag_sizes)
+        )
 
     def use_hot(self, hot_keys: np.ndarray) -> None:
         """The hot set the state starts with (before :meth:`planned`)."""
@@ -86,16 +97,32 @@ class TierRunner:
                     self._gate.wait_for(lambda: self._released >= i)
             return self._hot_maps
 
+        if self.ids is not None:
+            self.tiered.maps.rewind(steps.start)
+
         def plans():
             try:
-                pending = {}
-                ids = (pending.setdefault(i, b).ids for i, b in enumerate(batches))
+                pending, hosts = {}, {}
+
+                def read(i, batch):  # (tiered dynamic ids to rows here, in batch order)
+                    if self.ids is not None:
+                        batch, hosts[i] = self.ids.host_ids(batch, steps.start + i)
+                    pending[i] = batch
+                    return batch.ids
+
+                ids = (read(i, b) for i, b in enumerate(batches))
                 stream = plan_stream(
                     caches, self.slot_table, ids, self.lookahead, hot_for if schedule is not None else None
                 )
                 for i, (orig, remapped, fills) in enumerate(stream):
                     reads = self.tiered.read_ahead_for(fills) if threaded else None
-                    yield Planned(pending.pop(i)._replace(ids=remapped), fills, orig, reads)
+                    fresh = counts = None
+                    if self.ids is not None:
+                        host = hosts.pop(i)
+                        fresh = self.ids.fresh_slots(host, remapped, host.resolved.rows.size)
+                        counts = host.resolved.stats.sum(axis=0)
+                    batch = pending.pop(i)._replace(ids=remapped)
+                    yield Planned(batch, fills, orig, reads, fresh, counts, steps.start + i)
             finally:
                 with self._gate:
                     self._planner_done = True
@@ -174,9 +201,14 @@ class TierRunner:
             self._empty = self._device(self.tiered.empty_evictions())
         return self._empty
 
-    def train(self, state, batch: Batch, fills: dict, reads=None):
+    def train(self, state, batch: Batch, fills: dict, reads=None, planned: Planned | None = None):
         """One train step (after any extra fill rounds the batch needs): (state, metrics).
-        ``reads``: the :class:`Planned` batch's tier reads."""
+        ``reads``: the :class:`Planned` batch's tier reads; ``planned``: the whole of it (its
+        fresh cache slots and host map counts, with tiered dynamic tables)."""
+        fresh = None
+        if planned is not None and planned.fresh is not None:
+            self.tiered.maps.forget_before(planned.step)  # the state is at this step or later now
+            fresh = planned.fresh
         t0 = time.perf_counter()
         programs = self.tiered.programs(fills, reads)
         for program in programs[:-1]:  # overflow of the fill capacity: fill-only rounds first
@@ -188,8 +220,11 @@ class TierRunner:
         assembly = time.perf_counter() - t0
         self.stall_s += assembly
         self.host_s["fill assembly + h2d"] += assembly
-        self._step_inputs = inputs = (self.steps.device_batch(batch), CacheIO(step_fills, self._previous()))
+        cache = CacheIO(step_fills, self._previous(), None if fresh is None else self._device(fresh))
+        self._step_inputs = inputs = (self.steps.device_batch(batch), cache)
         state, out, evicted = self.steps.train_step(state, *inputs)
+        if fresh is not None:
+            out = {**out, "host_id_map_counts": planned.map_counts}
         t1 = time.perf_counter()
         self.tiered.dispatched(programs[-1], evicted)  # (waits for the previous step's evictions)
         self.host_s["write-back"] += time.perf_counter() - t1
@@ -209,6 +244,8 @@ class TierRunner:
     def eval_inputs(self, state, batch: Batch) -> tuple[Batch, np.ndarray]:
         """An eval batch with its tiered ids padded out, and their features' pooled vectors
         read on the host (call :meth:`TieredTables.sync_to_host` once before evaluating)."""
+        if self.ids is not None:  # rows of the maps as of the state's step
+            batch, _ = self.ids.host_ids(batch, int(host_scalar(state.step)), learn=False)
         ids = batch.ids
         tiered = np.isin(self.slot_table, self.tiered.tables)
         weights = self.pool_weights(ids)

@@ -117,6 +117,7 @@ def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, 
         steps.embedding_key(),
         int(tier.chunk_mb * 2**20),
         log,
+        maps=steps.tiered_maps,
     )
     return TieredDriver(steps, source, tiered, tier.lookahead)
 

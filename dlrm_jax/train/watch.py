@@ -37,6 +37,8 @@ class LossWatch:
         self.overflows += int(host_scalar(out["exchange_overflows"]))
         if "id_map_counts" in out:
             self.id_maps += np.asarray(out["id_map_counts"].addressable_data(0))
+        if "host_id_map_counts" in out:  # tiered dynamic tables' maps, on the host
+            self.id_maps += out["host_id_map_counts"]
         if "hot_counts" in out:
             hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
             self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups

@@ -86,11 +86,15 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
             ("embedding.table_sharding=[cat_2=table]",),
             "embedding.table_sharding: 'cat_2=table': table cat_2 takes raw ids",
         ),
-        (("embedding.storage=tiered",), "tiered tables (embedding.storage) are not supported yet"),
+        (
+            ("embedding.storage=tiered", "embedding.hot.rows=8"),
+            "hot rows (embedding.hot.rows) are not supported with tiered dynamic tables (cat_2) yet",
+        ),
+        (("embedding.sync=per_host",), "per-host tables (embedding.sync=per_host) are not supported yet"),
         (("embedding.dynamic.vshards=6",), "embedding.dynamic.vshards=6: a power of two"),
         (("embedding.table_ids=[cat_2=hashed]",), "embedding.table_ids[0]: 'cat_2=hashed' must be TABLE=IDS"),
     ],
-    ids=["not-row", "tiered", "vshards", "value"],
+    ids=["not-row", "tiered-hot", "per-host", "vshards", "value"],
 )
 def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

@@ -81,7 +81,10 @@ class Fused(NamedTuple):
     here (-1: padding, or an id of another device's shards); ``map``: the maps after the batch;
     ``fresh_rows`` int32 [N], rows given to a new id this batch (its table's row here), first,
     then -1, with that entry's ``fresh_table`` and id
-    (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]."""
+    (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]. What the batch wrote
+    (a map held on the host keeps it to undo: ``host_maps``): ``touched`` int32 [N], the map
+    rows it set (the map's row count: none), ``sketch_touched`` int32 [N * depth], the sketch
+    counters it added to (the sketch's size: none), aging apart."""
 
     rows: jax.Array
     map: IdMap
@@ -90,6 +93,8 @@ class Fused(NamedTuple):
     fresh_hi: jax.Array
     fresh_lo: jax.Array
     stats: jax.Array
+    touched: jax.Array
+    sketch_touched: jax.Array
 
 
 def _distinct(hi, lo, valid, table):
@@ -177,8 +182,11 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
     decayed = m.count[probe] >> shift
 
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
+    sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
-        sketch, estimate = _count(maps, sketch, utab, h, local, real & ~found & counts, occurrences, step)
+        sketch, estimate, sketch_touched = _count(
+            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step
+        )
         estimate = jnp.where(counts, estimate, occurrences)
         admitted = real & (found | ~counts | (estimate >= admit))
 
@@ -254,12 +262,15 @@ def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards
         fresh[:, 2].view(jnp.uint32),
         fresh[:, 3].view(jnp.uint32),
         stats,
+        seen_at,
+        sketch_touched,
     )
 
 
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
     """The sketches after the batch's absent ids are counted (and aged, where a table's half
-    life ends at ``step``), and every id's estimate."""
+    life ends at ``step``), every id's estimate, and the counters added to (flat; the
+    sketch's size: none)."""
     specs = maps.specs
     per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
     dims = maps.sketch_dims
@@ -277,9 +288,10 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
     cols = (cols % width.astype(jnp.uint32)[:, None]).astype(jnp.int32)  # [U, depth]
     at = per_table(maps.sketch_starts)[utab][:, None] + (local[:, None] * depth[:, None] + d) * width[:, None] + cols
     rows_d = d[None, :] < depth[:, None]
-    sketch = sketch.at[jnp.where(absent[:, None] & rows_d, at, sketch.shape[0])].add(occurrences[:, None], mode="drop")
+    added = jnp.where(absent[:, None] & rows_d, at, sketch.shape[0])
+    sketch = sketch.at[added].add(occurrences[:, None], mode="drop")
     estimate = jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, sketch.shape[0] - 1)], _TAKEN), axis=1)
-    return sketch, estimate
+    return sketch, estimate, added.reshape(-1)
 
 
 def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:

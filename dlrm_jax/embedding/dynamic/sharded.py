@@ -144,7 +144,10 @@ def sharded_resolve_fused(
         first = me * jnp.asarray(per_shards)
         owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
         own = valid & (owner == me)
-        run = lambda *a: resolve_fused(layout, fused, *a, step, first, learn)
+        none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
+        run = lambda *a: resolve_fused(layout, fused, *a, step, first, learn)._replace(
+            touched=none, sketch_touched=none
+        )
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
         def compacted():  # this device's ids to the front, in one scatter

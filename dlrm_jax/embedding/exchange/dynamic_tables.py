@@ -281,3 +281,29 @@ class DynamicTables:
             out_specs=(everywhere(arrays), everywhere(slots)),
         )(arrays, slots, fresh.rows, fresh.table)
         return state._replace(tables={**state.tables, **arrays}, slots={**state.slots, **slots})
+
+
+class CachedDynamicTables(DynamicTables):
+    """Tiered dynamic tables (``maps``: {table index: MapSpec}, in the order of the host maps'
+    tables): the host resolves their ids (``dynamic.host_maps``) and the tier runner hands each
+    step the device-cache slots given to new ids (:class:`FreshRows`, each device's own
+    slots); :meth:`reset` resets them after the step's fills, as :class:`DynamicTables` resets
+    its rows: the same initial vector per id and the optimizer's initial state."""
+
+    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
+        self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
+        self.reset_sizes = RESET_SIZES
+        self._where = {}
+        for t in self.maps:
+            name = collection.plan.tables[t].spec.name
+            placed = [(g, vt) for g in collection.groups for vt in g.vtables if vt.table == t]
+            if t not in collection.tiered_tables or len(placed) != 1 or placed[0][1].kind != KIND_BLOCK:
+                raise ValueError(f"table {name}: a tiered dynamic table is row-wise in whole blocks of cache slots")
+            self._where[t] = placed[0]
+
+    def reset(self, emb: EmbeddingState, fresh: FreshRows, key: jax.Array) -> EmbeddingState:
+        """``emb`` with the cache slots ``fresh`` names (each device's slot within its block of
+        the table's device view) reset. Traceable."""
+        if emb.hot is not None:
+            raise ValueError("hot rows (embedding.hot.rows) are not supported with tiered dynamic tables yet")
+        return self._reset(emb, fresh, key)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import shutil
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.dynamic.host_maps import HostMaps
+from dlrm_jax.embedding.dynamic.idmap import IdMap, MapSpec
 from dlrm_jax.embedding.exchange.initializer import init_table_rows
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.tiers.device_fill import read_rows
@@ -40,6 +44,7 @@ from dlrm_jax.hostmem import available_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
+MAPS_FILE = "id_maps.npz"  # a snapshot's host id maps (tiered dynamic tables)
 MAPPED_SHARE = 0.25  # a tier up to this share of the memory available is read through memory maps
 
 
@@ -71,9 +76,12 @@ class TieredTables(FillPrograms):
         chunk_bytes: int = 64 << 20,
         log=print,
         snapshot: int | None = None,
+        maps: dict[int, MapSpec] | None = None,
     ):
         """``snapshot``: open that snapshot read-only (evaluating a run's checkpoint) instead
-        of the working store."""
+        of the working store. ``maps``: the tiered tables that take raw ids (dynamic tables),
+        {table index: MapSpec}; their id maps are held on the host (:attr:`maps`) and kept in
+        each snapshot with the rows."""
         self.plan, self.n, self.dim = plan, plan.num_devices, plan.tables[0].spec.dim
         self.tables = plan.tiered_tables
         self.names = {t: plan.tables[t].spec.name for t in self.tables}
@@ -139,6 +147,9 @@ class TieredTables(FillPrograms):
         self.pending: tuple[dict, FillProgram] | None = None  # the last program's evictions (device)
         self._snapshotted: list[int] = []  # this run's checkpoint snapshots, oldest first
         self.stats = defaultdict(int)
+        self.maps = HostMaps(maps) if maps else None
+        if self.maps is not None and snapshot is not None:
+            self.maps.load(self._saved_maps(snapshot), snapshot)
 
     def _initial_rows(self, key, optimizer):
         plan = self.plan
@@ -241,6 +252,8 @@ class TieredTables(FillPrograms):
         if self.writer is not None:
             self.writer.drain()
         self.store.snapshot(step)
+        if self.maps is not None:
+            self._save_maps(step)
         self._snapshotted = [*self._snapshotted[-(keep - 1) :], step] if keep > 1 else [step]
         self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
 
@@ -273,6 +286,35 @@ class TieredTables(FillPrograms):
             h.drop()
         for held in self.held.values():
             held[:] = -1
+        if self.maps is not None:
+            self.maps.load(self._saved_maps(step), step)
+
+    # The host maps of a snapshot: one file in its folder (written after the rows; a snapshot
+    # of step 0 has none: every map starts empty).
+    def _maps_file(self, step: int) -> Path:
+        return self.store.root / "snapshots" / str(step) / MAPS_FILE
+
+    def _save_maps(self, step: int) -> None:
+        path = self._maps_file(step)
+        arrays = {f"{t}/{f}": v for t, m in self.maps.maps_at(step).items() for f, v in m._asdict().items()}
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _saved_maps(self, step: int) -> dict[int, IdMap]:
+        path = self._maps_file(step)
+        if not path.exists():
+            if step == 0:
+                return {}
+            raise FileNotFoundError(f"{path}: missing; the disk tier's snapshot of step {step} has no id maps")
+        try:
+            with np.load(path) as saved:
+                return {t: IdMap(*(saved[f"{t}/{f}"] for f in IdMap._fields)) for t in self.maps.tables}
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path}: damaged id maps ({e}); resume from an older checkpoint") from None
 
     def host_pooled(self, ids: np.ndarray, slot_table: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """float32 [B, F, D]: the pooled vectors of the tiered features of a batch, read on

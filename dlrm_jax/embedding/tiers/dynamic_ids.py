@@ -1,0 +1,130 @@
+"""Raw ids of tiered dynamic tables to rows on the host, before the device caches are planned.
+
+The planner thread turns each batch's raw ids of these tables into rows through the tier's
+host maps (:class:`~dlrm_jax.embedding.dynamic.host_maps.HostMaps`), so the cache planner and
+the fills see rows as for any tiered table. The rows the maps gave to new ids must start
+again in the step that first reads them for their new id; once the batch's rows are cache
+slots, :meth:`TieredIds.fresh_slots` says which slot of which device each one is (a fresh row
+is one the batch looks up, so the batch's own cache ids give it).
+
+All numpy; the maps' program runs on the host's CPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dlrm_jax.data.batch import Batch, RawBatch
+from dlrm_jax.embedding.dynamic.host_maps import HostMaps, HostResolved
+from dlrm_jax.embedding.dynamic.sharded import FreshRows
+from dlrm_jax.ids import PAD_ID
+
+
+class HostIds(NamedTuple):
+    """One batch's tiered dynamic ids resolved: the maps' answer and, per fresh row, the flat
+    position (in the order :meth:`TieredIds.host_ids` lays the ids out) of one id it was given to."""
+
+    resolved: HostResolved
+    positions: np.ndarray
+
+
+class TieredIds:
+    """``maps``: the tier's host maps; ``collection``: the device view's (its groups place each
+    table's cache slots); ``dynamic``: every dynamic table's index (the raw columns hold their
+    bags in table order); ``bag_sizes``: every feature's slots in a batch's ids."""
+
+    def __init__(self, maps: HostMaps, collection, dynamic: list[int], bag_sizes):
+        self.maps, self.n = maps, collection.plan.num_devices
+        starts = np.cumsum([0, *bag_sizes])
+        self.slices = [slice(int(starts[t]), int(starts[t + 1])) for t in maps.tables]
+        self.raw_cols, keep, col = {}, [], 0
+        for t in sorted(dynamic):
+            cols = np.arange(col, col + bag_sizes[t])
+            col += bag_sizes[t]
+            if t in maps.tables:
+                self.raw_cols[t] = cols
+            else:
+                keep.append(cols)
+        self.keep = np.concatenate(keep) if keep else None  # the devices' dynamic tables' raw columns
+        self.block = []
+        for t in maps.tables:
+            (vt,) = [vt for g in collection.groups for vt in g.vtables if vt.table == t]
+            self.block.append(vt.block)
+
+    def host_ids(self, batch: Batch | RawBatch, step: int, learn: bool = True) -> tuple[Batch | RawBatch, HostIds]:
+        """The batch with its tiered dynamic features' ids replaced by their rows (their raw
+        columns dropped), and what the maps answered. ``learn``: batch number ``step`` of
+        training, through the maps in order; otherwise read as of ``step`` (evaluation)."""
+        ids, raw = batch.ids, getattr(batch, "raw", None)
+        table, hi, lo, valid = [], [], [], []
+        for j, (t, sl) in enumerate(zip(self.maps.tables, self.slices, strict=True)):
+            sub = ids[:, sl]
+            valid.append((sub != PAD_ID).reshape(-1))
+            table.append(np.full(sub.size, j, np.int32))
+            if raw is None:  # a source without raw ids: the ids themselves (below 2**31)
+                hi.append(np.zeros(sub.size, np.uint32))
+                lo.append(sub.astype(np.uint32).reshape(-1))
+            else:
+                hi.append(raw[:, 0, self.raw_cols[t]].reshape(-1))
+                lo.append(raw[:, 1, self.raw_cols[t]].reshape(-1))
+        args = [np.concatenate(x) for x in (table, hi, lo, valid)]
+        if learn:
+            resolved = self.maps.learn(step, *args)
+        else:
+            rows = self.maps.read(step, *args)
+            empty = np.zeros(0, np.int32)
+            resolved = HostResolved(rows, empty, empty, empty.view(np.uint32), empty.view(np.uint32), None)
+        out, at = ids.copy(), 0
+        for sl in self.slices:
+            width = sl.stop - sl.start
+            rows = resolved.rows[at : at + ids.shape[0] * width].reshape(ids.shape[0], width)
+            out[:, sl] = np.where(rows >= 0, rows, PAD_ID)
+            at += rows.size
+        if raw is None:
+            new = batch._replace(ids=out)
+        elif self.keep is None:
+            new = Batch(batch.dense, out, batch.labels)
+        else:
+            new = RawBatch(batch.dense, out, batch.labels, np.ascontiguousarray(raw[:, :, self.keep]))
+        return new, HostIds(resolved, self._positions(args[0], resolved))
+
+    def _positions(self, table: np.ndarray, resolved: HostResolved) -> np.ndarray:
+        """Per fresh row, the flat position of an id the batch gave it to."""
+        if not resolved.fresh_rows.size:
+            return np.zeros(0, np.int64)
+        key = table.astype(np.int64) << 32 | (resolved.rows.astype(np.int64) & 0xFFFFFFFF)
+        order = np.argsort(key, kind="stable")
+        want = resolved.fresh_table.astype(np.int64) << 32 | resolved.fresh_rows.astype(np.int64)
+        return order[np.searchsorted(key[order], want)]
+
+    def fresh_slots(self, host: HostIds, remapped: np.ndarray, size: int) -> FreshRows:
+        """The fresh rows as each device's cache slots (``remapped``: the batch's ids as cache
+        ids), ``size`` entries a device (padding: row -1), flat over the devices."""
+        r = host.resolved
+        rows = np.full((self.n, size), -1, np.int32)
+        table = np.zeros((self.n, size), np.int32)
+        hi, lo = np.zeros((self.n, size), np.uint32), np.zeros((self.n, size), np.uint32)
+        if r.fresh_rows.size:
+            widths = [sl.stop - sl.start for sl in self.slices]
+            sizes = np.array([remapped.shape[0] * w for w in widths])
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            j = r.fresh_table.astype(np.int64)
+            within = host.positions - starts[j]
+            width = np.array(widths)[j]
+            col = np.array([sl.start for sl in self.slices])[j] + within % width
+            cache_id = remapped[within // width, col].astype(np.int64)
+            block = np.array(self.block, np.int64)[j]
+            owner, slot = cache_id // block, cache_id % block
+            order = np.argsort(owner, kind="stable")
+            owner_sorted = owner[order]
+            rank = np.arange(owner.size) - np.searchsorted(owner_sorted, owner_sorted)
+            if rank.size and rank.max() >= size:
+                raise ValueError(f"{rank.max() + 1} fresh rows on one device, room for {size}")
+            place = (owner_sorted, rank)
+            rows[place] = slot[order]
+            table[place] = j[order]
+            hi[place] = r.fresh_hi[order]
+            lo[place] = r.fresh_lo[order]
+        return FreshRows(rows.reshape(-1), table.reshape(-1), hi.reshape(-1), lo.reshape(-1))

@@ -1,0 +1,128 @@
+"""Tiered dynamic tables (raw ids resolved by host maps, rows in the disk tier behind device
+caches far smaller than the working set) against the same dynamic tables on the devices:
+every step's loss and map counts equal, and after 40 steps the tables, optimizer state and
+maps equal, bit for bit, on 1 to 8 devices, with evictions and admissions every few steps."""
+
+import jax
+import numpy as np
+import pytest
+
+from dlrm_jax.data.batch import RawBatch
+from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.embedding.tiers import tables
+from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.ids import PAD_ID, raw_columns
+from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.train.build import build
+from dlrm_jax.train.tier_runner import TierRunner
+
+STEPS = 40
+DYNAMIC = (0, 2)
+COMMON = [
+    "data.cardinalities=[3000, 400, 10000, 70]",
+    "train.batch_size=64",
+    "train.learning_rate=0.1",
+    "train.seed=5",
+    "data.bag_sizes=[2, 1, 3, 1]",
+    "embedding.sharding=row",
+    "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
+    "embedding.dynamic.rows=0.05",
+    "embedding.dynamic.vshards=8",
+    "embedding.dynamic.probes=3",
+    "embedding.dynamic.half_life=4",
+    "embedding.dynamic.sketch_width=64",
+]
+TIERED = ["embedding.tier.device_cache_fraction=0.2", "embedding.tier.host_cache_fraction=0.1"]
+
+
+def raw_batch(source, step: int) -> RawBatch:
+    """The synthetic batch with raw 64-bit ids for the dynamic features (high words set, so
+    both halves of an id matter)."""
+    b = source.train_batch(step)
+    starts = np.cumsum([0, 2, 1, 3, 1])
+    cols = np.concatenate([np.arange(starts[t], starts[t + 1]) for t in DYNAMIC])
+    ids = b.ids[:, cols].astype(np.int64)
+    values = np.where(ids == PAD_ID, 0, ids + (np.int64(7) << 35) * (cols[None, :] + 1))
+    return RawBatch(b.dense, b.ids, b.labels, raw_columns(values))
+
+
+def run(cfg, devices, root=None):
+    """Per step (loss, map counts); then per table (values, optimizer state) and the maps."""
+    source = SyntheticSource(cfg)
+    plan, fns = build(cfg, make_mesh(devices), source, log=lambda *a: None)
+    state, per_step = fns.init_state(), []
+    if not plan.tiered_tables:
+        for i in range(STEPS):
+            state, out, _ = fns.train_step(state, fns.device_batch(raw_batch(source, i)))
+            per_step.append((np.asarray(out["loss"]), np.asarray(out["id_map_counts"])))
+        values, slots = fns.collection.logical_tables(state.emb)
+        maps = {t: jax.device_get(m) for t, m in zip(DYNAMIC, fns.dynamic.by_table(state.maps).values(), strict=True)}
+        return per_step, list(values), list(slots), maps, plan, {}
+    tiered = TieredTables(
+        plan,
+        fns.collection.groups,
+        fns.collection.optimizer,
+        root,
+        fns.embedding_key(),
+        log=lambda *a: None,
+        maps=fns.tiered_maps,
+    )
+    tiered.restore(0)
+    runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
+    for item in runner.planned(lambda i: raw_batch(source, i), range(STEPS)):
+        state, out = runner.train(state, item.batch, item.fills, item.reads, item)
+        counts = out["host_id_map_counts"]
+        if "id_map_counts" in out:
+            counts = counts + np.asarray(out["id_map_counts"])
+        per_step.append((np.asarray(out["loss"]), counts))
+    tiered.sync_to_host(state.emb.tables, state.emb.slots)
+    values, slots = (list(x) for x in fns.collection.logical_tables(state.emb))
+    for t in plan.tiered_tables:
+        got = tiered.host[t].get(np.arange(plan.tables[t].spec.rows))
+        values[t], slots[t] = got.pop("values"), got
+    maps = tiered.maps.maps_at(STEPS)
+    if fns.dynamic is not None:
+        maps |= {t: jax.device_get(fns.dynamic.by_table(state.maps)[f"cat_{t}"]) for t in fns.dynamic.maps}
+    stats = dict(tiered.stats)
+    tiered.close()
+    return per_step, values, slots, maps, plan, stats
+
+
+# (devices, policy, admission, lookahead, which dynamic tables are tiered)
+CASES = [
+    (1, "lfu", 2, 0, "cat_0=tiered, cat_2=tiered"),
+    (2, "lru", 0, 2, "cat_0=tiered, cat_2=tiered"),
+    (4, "lfu", 2, 3, "cat_2=tiered"),
+    (8, "lru", 2, 1, "cat_0=tiered, cat_1=tiered, cat_2=tiered"),
+]
+
+
+@pytest.mark.parametrize(
+    "devices,policy,admit,lookahead,storage", CASES, ids=[f"{d}dev-{p}-admit{a}-ahead{k}" for d, p, a, k, _ in CASES]
+)
+def test_tiered_dynamic_tables_equal_device_ones_every_step(
+    tiny, tmp_path, monkeypatch, devices, policy, admit, lookahead, storage
+):
+    """A step that resolved, placed or reset one id differently on the tiered side fails at
+    that step (its loss or its counts), not only at the end."""
+    if lookahead:
+        monkeypatch.setattr(tables, "MAPPED_SHARE", 0.0)  # read the tier ahead, as a large one is
+    common = [*COMMON, f"embedding.dynamic.policy={policy}", f"embedding.dynamic.admit={admit}"]
+    common += [f"mesh.devices={devices}", f"embedding.tier.lookahead={lookahead}"]
+    want = run(tiny(*common), devices)
+    got = run(tiny(*common, *TIERED, f"embedding.table_storage=[{storage}]"), devices, tmp_path / "tier")
+    assert set(got[4].tiered_tables) >= {2}
+    for step, ((loss, counts), (loss_ref, counts_ref)) in enumerate(zip(got[0], want[0], strict=True)):
+        np.testing.assert_array_equal(counts, counts_ref, err_msg=f"map counts of step {step}")
+        np.testing.assert_array_equal(loss, loss_ref, err_msg=f"loss of step {step}")
+    lookups, found, admitted, evicted, held_back, _ = np.sum([c for _, c in want[0]], axis=0)
+    assert evicted > 0 and admitted > evicted and 0 < found < lookups
+    assert (held_back > 0) == (admit > 1)
+    assert got[5]["rows_evicted"] > 10, got[5]  # the device caches were smaller than the tables
+    for t in range(4):
+        np.testing.assert_array_equal(np.asarray(got[1][t], np.float32), np.asarray(want[1][t]), err_msg=f"table {t}")
+        for k in want[2][t]:
+            np.testing.assert_array_equal(np.asarray(got[2][t][k]), np.asarray(want[2][t][k]), err_msg=f"{t} {k}")
+    for t in DYNAMIC:
+        for f, a, b in zip(want[3][t]._fields, got[3][t], want[3][t], strict=True):
+            np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1), err_msg=f"map {t} {f}")
