@@ -4,6 +4,7 @@ device count, and the config's refusals. The step itself against one device, ste
 test_step_invariance.py; the map against a dictionary: tests/embedding/test_idmap.py."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -136,3 +137,59 @@ def test_progressive_validation_scores_each_next_window_before_training_on_it(ti
     train_and_evaluate(tiny(*run, "train.steps=12"), tmp_path / "plain", **QUIET)
     plain = [json.loads(line)["loss"] for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
     assert [e["loss"] for e in events if e["event"] != "progressive"] == plain
+
+
+def events_of(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported_arrays(root) -> dict:
+    """Every array ``dlrm-jax export`` wrote under ``root``, by path."""
+    out = {}
+    for meta in sorted(root.rglob("zarr.json")):
+        if meta.parent == root or not any(p.name == "zarr.json" for p in meta.parent.iterdir()):
+            continue
+        try:
+            array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(meta.parent)}}).result()
+        except ValueError:  # a group
+            continue
+        out[str(meta.parent.relative_to(root))] = array.read().result()
+    return out
+
+
+@pytest.mark.slow
+def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tiny, tmp_path):
+    """Tiered dynamic tables through train_and_evaluate, read ahead 2 batches, evaluated mid-run
+    (the host maps ahead of the state): a run cut after its step-4 checkpoint and resumed
+    equals the uninterrupted one (losses, scores, exported tables and maps), which equals the
+    same run with the tables on the devices; the checkpoint evaluates on another device count."""
+    tiered = ("embedding.table_storage=[cat_0=tiered, cat_2=tiered]", "embedding.tier.lookahead=2")
+    run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=2", *DYNAMIC)
+    cfg = tiny(*run, "train.steps=8", *tiered)
+    whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
+    # Resumed from the step-4 checkpoint, saved while the planner had resolved batches ahead.
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    for newer in (tmp_path / "cut" / "checkpoints" / "8", tmp_path / "cut" / "tier" / "snapshots" / "8"):
+        shutil.rmtree(newer)
+    resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
+    assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
+    device = train_and_evaluate(tiny(*run, "train.steps=8"), tmp_path / "device", **QUIET)
+    assert losses(tmp_path / "device") == losses(tmp_path / "whole")
+    scores = lambda d: [(e["step"], e["auc"]) for e in events_of(tmp_path / d) if "auc" in e]
+    assert len(scores("whole")) == 4  # evaluated mid-run too, the host maps read as of each step
+    np.testing.assert_allclose(scores("whole"), scores("device"), rtol=1e-5)
+    for d in ("whole", "cut", "device"):
+        export_run(tmp_path / d, tmp_path / f"export-{d}", **QUIET)
+    a, b, c = (exported_arrays(tmp_path / f"export-{d}") for d in ("whole", "cut", "device"))
+    assert {"cat_0/map/key_lo", "cat_2/map/used", "cat_2/values"} <= set(a)
+    assert int(a["cat_2/map/used"].sum()) > 0
+    for path, want in a.items():
+        np.testing.assert_array_equal(b[path], want, err_msg=path)
+    for name in ("cat_0", "cat_2"):  # the same maps and rows as on the devices
+        for field in ("key_hi", "key_lo", "used", "last_seen", "count", "sketch"):
+            np.testing.assert_array_equal(a[f"{name}/map/{field}"], c[f"{name}/map/{field}"], err_msg=name)
+        np.testing.assert_allclose(a[f"{name}/values"], c[f"{name}/values"], rtol=1e-6, err_msg=name)
+    first = [e for e in events_of(tmp_path / "whole") if "ids_lookups" in e][0]
+    assert first["ids_lookups"] == 2 * 64 * 2 and 0 < first["map_fill"] < 1
+    on2 = evaluate_run(tmp_path / "whole", ["mesh.devices=2"], **QUIET)
+    np.testing.assert_allclose(on2.auc, whole.auc, rtol=1e-6)
