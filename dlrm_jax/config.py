@@ -497,8 +497,7 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True)
-    storage = dict(item.partition("=")[::2] for item in e.table_storage)
-    tiered = [name for name in (f"cat_{f}" for f in cfg.dynamic_tables) if storage.get(name, e.storage) == "tiered"]
+    tiered = [name for name in (f"cat_{f}" for f in cfg.dynamic_tables) if e.storage_of(name) == "tiered"]
     if tiered and e.hot.rows != 0:
         raise ConfigError(
             f"{what}: hot rows (embedding.hot.rows) are not supported with tiered dynamic tables "

@@ -618,6 +618,10 @@ class EmbeddingConfig:
         """How the table named ``table`` takes ids: its ``table_ids`` override, else ``ids``."""
         return dict(item.partition("=")[::2] for item in self.table_ids).get(table, self.ids)
 
+    def storage_of(self, table: str) -> str:
+        """Where the table named ``table`` is asked to live: its ``table_storage`` override, else ``storage``."""
+        return dict(item.partition("=")[::2] for item in self.table_storage).get(table, self.storage)
+
     @property
     def tables_per_host(self) -> bool:
         """Each host holds its own copy of the tables (per_host or host_replicas)."""

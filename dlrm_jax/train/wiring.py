@@ -161,8 +161,9 @@ def plan_request(
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
-    if budget and cfg.dynamic_tables:  # and its share of the dynamic tables' id maps
-        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in dynamic_maps(cfg).values()), 1)
+    if budget and cfg.dynamic_tables:  # and its share of the dynamic tables' id maps (tiered ones: on the host)
+        on_devices = [s for f, s in dynamic_maps(cfg).items() if cfg.embedding.storage_of(f"cat_{f}") != "tiered"]
+        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices), 1)
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 
@@ -188,7 +189,7 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
     maps = dynamic_maps(cfg)
     if maps:
         specs, bags = {f"cat_{f}": s for f, s in maps.items()}, {f"cat_{f}": cfg.bag_sizes[f] for f in maps}
-        report = f"{report}\n{maps_report(specs, bags, plan.num_devices, cfg.train.batch_size)}"
+        report = f"{report}\n{maps_report(specs, bags, plan.num_devices, cfg.train.batch_size, plan.tiered_tables)}"
     if cfg.model.kind != "wide_deep":
         return report
     return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide.optimizer)}"

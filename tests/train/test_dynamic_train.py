@@ -173,7 +173,7 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
         shutil.rmtree(newer)
     resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
-    device = train_and_evaluate(tiny(*run, "train.steps=8"), tmp_path / "device", **QUIET)
+    train_and_evaluate(tiny(*run, "train.steps=8"), tmp_path / "device", **QUIET)
     assert losses(tmp_path / "device") == losses(tmp_path / "whole")
     scores = lambda d: [(e["step"], e["auc"]) for e in events_of(tmp_path / d) if "auc" in e]
     assert len(scores("whole")) == 4  # evaluated mid-run too, the host maps read as of each step

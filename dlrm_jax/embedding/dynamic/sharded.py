@@ -202,13 +202,26 @@ def gathered_bytes_per_device(ids_per_step: int) -> int:
     return ids_per_step * (4 + 4 + 1 + 4)
 
 
-def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int) -> str:
-    """The plan report's line on dynamic tables: their maps' memory and the raw ids' traffic."""
-    memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
-    wire = sum(gathered_bytes_per_device(batch * bags[name]) for name in specs)
-    per_row = {s.bytes_per_row() for s in specs.values()}
-    return (
-        f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
-        f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
-        f"raw ids gathered {wire / 2**10:,.1f} KiB a step per device"
-    )
+def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=()) -> str:
+    """The plan report's lines on dynamic tables: their maps' memory and the raw ids' traffic;
+    tiered ones' (``tiered``: their table indices, names ``cat_<index>``) are held whole on the
+    host and resolved there."""
+    host = {k: s for k, s in specs.items() if int(k.removeprefix("cat_")) in set(tiered)}
+    specs = {k: s for k, s in specs.items() if k not in host}
+    lines = []
+    if specs:
+        memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
+        wire = sum(gathered_bytes_per_device(batch * bags[name]) for name in specs)
+        per_row = {s.bytes_per_row() for s in specs.values()}
+        lines.append(
+            f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
+            f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
+            f"raw ids gathered {wire / 2**10:,.1f} KiB a step per device"
+        )
+    if host:
+        memory = sum(map_bytes_per_device(s, 1) for s in host.values())
+        lines.append(
+            f"Tiered dynamic tables ({', '.join(host)}): id maps {memory / 2**20:,.2f} MiB on the host "
+            f"(whole; raw ids resolved there, in the planner thread)"
+        )
+    return "\n".join(lines)
