@@ -497,12 +497,6 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True)
-    tiered = [name for name in (f"cat_{f}" for f in cfg.dynamic_tables) if e.storage_of(name) == "tiered"]
-    if tiered and e.hot.rows != 0:
-        raise ConfigError(
-            f"{what}: hot rows (embedding.hot.rows) are not supported with tiered dynamic tables "
-            f"({', '.join(tiered)}) yet; set embedding.hot.rows=0 or keep them on the devices"
-        )
     v = e.dynamic.vshards
     if v & (v - 1):
         raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")

@@ -41,7 +41,8 @@ class CacheIO(NamedTuple):
 
     fills: dict
     prev: dict
-    fresh: FreshRows | None = None  # tiered dynamic tables: the cache slots given to new ids
+    fresh: FreshRows | None = None  # tiered dynamic tables: the cache slots given to new ids,
+    fresh_hot: jax.Array | None = None  # and the hot rows given to new ids (int32 [H, 4], replicated)
 
 
 class StepFunctions:
@@ -98,7 +99,7 @@ class StepFunctions:
         if cache_groups:
             self.train_step = jax.jit(
                 self._train_step,
-                in_shardings=(self.state_sharding, b, CacheIO(b, b, b)),
+                in_shardings=(self.state_sharding, b, CacheIO(b, b, b, self.replicated)),
                 out_shardings=(self.state_sharding, self.replicated, b),
                 donate_argnums=0,
             )
@@ -193,7 +194,7 @@ class StepFunctions:
             with jax.named_scope(PHASE_SCOPES["cache_fill"]):
                 emb, evicted = self._fill_step(state.emb, cache.fills, cache.prev)
                 if cache.fresh is not None:
-                    emb = self.cached_dynamic.reset(emb, cache.fresh, self.embedding_key())
+                    emb = self.cached_dynamic.reset(emb, cache.fresh, cache.fresh_hot, self.embedding_key())
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):

@@ -43,7 +43,8 @@ class Planned(NamedTuple):
     fills: dict
     ids: np.ndarray
     reads: Any = None
-    fresh: FreshRows | None = None  # tiered dynamic tables: cache slots given to new ids
+    fresh: FreshRows | None = None  # tiered dynamic tables: cache slots given to new ids,
+    fresh_hot: np.ndarray | None = None  # hot rows given to new ids (with hot rows)
     map_counts: np.ndarray | None = None  # and their host maps' counts (STATS order)
     step: int = 0
 
@@ -116,13 +117,13 @@ class TierRunner:
                 )
                 for i, (orig, remapped, fills) in enumerate(stream):
                     reads = self.tiered.read_ahead_for(fills) if threaded else None
-                    fresh = counts = None
+                    fresh = fresh_hot = counts = None
                     if self.ids is not None:
                         host = hosts.pop(i)
-                        fresh = self.ids.fresh_slots(host, remapped, host.resolved.rows.size)
+                        fresh, fresh_hot = self.ids.fresh_slots(host, remapped, host.resolved.rows.size)
                         counts = host.resolved.stats.sum(axis=0)
                     batch = pending.pop(i)._replace(ids=remapped)
-                    yield Planned(batch, fills, orig, reads, fresh, counts, steps.start + i)
+                    yield Planned(batch, fills, orig, reads, fresh, fresh_hot, counts, steps.start + i)
             finally:
                 with self._gate:
                     self._planner_done = True
@@ -220,7 +221,10 @@ class TierRunner:
         assembly = time.perf_counter() - t0
         self.stall_s += assembly
         self.host_s["fill assembly + h2d"] += assembly
-        cache = CacheIO(step_fills, self._previous(), None if fresh is None else self._device(fresh))
+        cache = CacheIO(step_fills, self._previous())
+        if fresh is not None:
+            hot = None if planned.fresh_hot is None else jax.device_put(planned.fresh_hot, self.steps.replicated)
+            cache = cache._replace(fresh=self._device(fresh), fresh_hot=hot)
         self._step_inputs = inputs = (self.steps.device_batch(batch), cache)
         state, out, evicted = self.steps.train_step(state, *inputs)
         if fresh is not None:

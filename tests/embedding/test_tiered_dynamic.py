@@ -9,6 +9,8 @@ import pytest
 
 from dlrm_jax.data.batch import RawBatch
 from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.embedding.hot.index import hot_keys
+from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers import tables
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.ids import PAD_ID, raw_columns
@@ -17,6 +19,7 @@ from dlrm_jax.train.build import build
 from dlrm_jax.train.tier_runner import TierRunner
 
 STEPS = 40
+HOT_CAPACITY = 48
 DYNAMIC = (0, 2)
 COMMON = [
     "data.cardinalities=[3000, 400, 10000, 70]",
@@ -46,12 +49,22 @@ def raw_batch(source, step: int) -> RawBatch:
     return RawBatch(b.dense, b.ids, b.labels, raw_columns(values))
 
 
+def hot_set(plan) -> np.ndarray:
+    """Hot keys holding a seventh of table 0's rows and a twenty-first of table 2's: rows the
+    maps give to new ids every few steps."""
+    rows = [np.arange(0, t.spec.rows, {0: 7, 2: 21}.get(i, t.spec.rows + 1)) for i, t in enumerate(plan.tables)]
+    return hot_keys(rows, HOT_CAPACITY)
+
+
 def run(cfg, devices, root=None):
-    """Per step (loss, map counts); then per table (values, optimizer state) and the maps."""
+    """Per step (loss, map counts); then per table (values, optimizer state) and the maps, and
+    (tiered) how many hot rows the host maps gave to new ids."""
     source = SyntheticSource(cfg)
     plan, fns = build(cfg, make_mesh(devices), source, log=lambda *a: None)
-    state, per_step = fns.init_state(), []
+    state, per_step = fns.init_state(hot=False), []
     if not plan.tiered_tables:
+        if plan.hot_rows:
+            state = state._replace(emb=fns.collection.refresh(state.emb, hot_set(plan)))
         for i in range(STEPS):
             state, out, _ = fns.train_step(state, fns.device_batch(raw_batch(source, i)))
             per_step.append((np.asarray(out["loss"]), np.asarray(out["id_map_counts"])))
@@ -69,13 +82,18 @@ def run(cfg, devices, root=None):
     )
     tiered.restore(0)
     runner = TierRunner(fns, tiered, cfg.embedding.tier.lookahead)
+    hot_given = 0
+    if plan.hot_rows:
+        state = state._replace(emb=tier_hot.refresh(fns.collection, tiered, state.emb, hot_set(plan)))
+        runner.use_hot(hot_set(plan))
     for item in runner.planned(lambda i: raw_batch(source, i), range(STEPS)):
+        hot_given += 0 if item.fresh_hot is None else int(item.fresh_hot[:, 0].sum())
         state, out = runner.train(state, item.batch, item.fills, item.reads, item)
         counts = out["host_id_map_counts"]
         if "id_map_counts" in out:
             counts = counts + np.asarray(out["id_map_counts"])
         per_step.append((np.asarray(out["loss"]), counts))
-    tiered.sync_to_host(state.emb.tables, state.emb.slots)
+    tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
     values, slots = (list(x) for x in fns.collection.logical_tables(state.emb))
     for t in plan.tiered_tables:
         got = tiered.host[t].get(np.arange(plan.tables[t].spec.rows))
@@ -83,32 +101,38 @@ def run(cfg, devices, root=None):
     maps = tiered.maps.maps_at(STEPS)
     if fns.dynamic is not None:
         maps |= {t: jax.device_get(fns.dynamic.by_table(state.maps)[f"cat_{t}"]) for t in fns.dynamic.maps}
-    stats = dict(tiered.stats)
+    stats = dict(tiered.stats) | {"hot_given": hot_given}
     tiered.close()
     return per_step, values, slots, maps, plan, stats
 
 
-# (devices, policy, admission, lookahead, which dynamic tables are tiered)
+# (devices, policy, admission, lookahead, which dynamic tables are tiered, hot rows)
 CASES = [
-    (1, "lfu", 2, 0, "cat_0=tiered, cat_2=tiered"),
-    (2, "lru", 0, 2, "cat_0=tiered, cat_2=tiered"),
-    (4, "lfu", 2, 3, "cat_2=tiered"),
-    (8, "lru", 2, 1, "cat_0=tiered, cat_1=tiered, cat_2=tiered"),
+    (1, "lfu", 2, 0, "cat_0=tiered, cat_2=tiered", False),
+    (2, "lru", 0, 2, "cat_0=tiered, cat_2=tiered", True),
+    (4, "lfu", 2, 3, "cat_2=tiered", False),
+    (8, "lru", 2, 1, "cat_0=tiered, cat_1=tiered, cat_2=tiered", True),
 ]
 
 
 @pytest.mark.parametrize(
-    "devices,policy,admit,lookahead,storage", CASES, ids=[f"{d}dev-{p}-admit{a}-ahead{k}" for d, p, a, k, _ in CASES]
+    "devices,policy,admit,lookahead,storage,hot",
+    CASES,
+    ids=[f"{d}dev-{p}-admit{a}-ahead{k}{'-hot' if h else ''}" for d, p, a, k, _, h in CASES],
 )
 def test_tiered_dynamic_tables_equal_device_ones_every_step(
-    tiny, tmp_path, monkeypatch, devices, policy, admit, lookahead, storage
+    tiny, tmp_path, monkeypatch, devices, policy, admit, lookahead, storage, hot
 ):
     """A step that resolved, placed or reset one id differently on the tiered side fails at
-    that step (its loss or its counts), not only at the end."""
+    that step (its loss or its counts), not only at the end. With hot rows, a seventh of the
+    dynamic tables' rows are hot (they never take a cache slot), and the maps give some of
+    them to new ids."""
     if lookahead:
         monkeypatch.setattr(tables, "MAPPED_SHARE", 0.0)  # read the tier ahead, as a large one is
     common = [*COMMON, f"embedding.dynamic.policy={policy}", f"embedding.dynamic.admit={admit}"]
     common += [f"mesh.devices={devices}", f"embedding.tier.lookahead={lookahead}"]
+    if hot:
+        common += [f"embedding.hot.rows={HOT_CAPACITY}", "embedding.hot.refresh_every=0"]
     want = run(tiny(*common), devices)
     got = run(tiny(*common, *TIERED, f"embedding.table_storage=[{storage}]"), devices, tmp_path / "tier")
     assert set(got[4].tiered_tables) >= {2}
@@ -119,6 +143,7 @@ def test_tiered_dynamic_tables_equal_device_ones_every_step(
     assert evicted > 0 and admitted > evicted and 0 < found < lookups
     assert (held_back > 0) == (admit > 1)
     assert got[5]["rows_evicted"] > 10, got[5]  # the device caches were smaller than the tables
+    assert (got[5]["hot_given"] > 5) == hot, got[5]
     for t in range(4):
         np.testing.assert_array_equal(np.asarray(got[1][t], np.float32), np.asarray(want[1][t]), err_msg=f"table {t}")
         for k in want[2][t]:

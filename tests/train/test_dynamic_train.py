@@ -87,15 +87,11 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
             ("embedding.table_sharding=[cat_2=table]",),
             "embedding.table_sharding: 'cat_2=table': table cat_2 takes raw ids",
         ),
-        (
-            ("embedding.storage=tiered", "embedding.hot.rows=8"),
-            "hot rows (embedding.hot.rows) are not supported with tiered dynamic tables (cat_2) yet",
-        ),
         (("embedding.sync=per_host",), "per-host tables (embedding.sync=per_host) are not supported yet"),
         (("embedding.dynamic.vshards=6",), "embedding.dynamic.vshards=6: a power of two"),
         (("embedding.table_ids=[cat_2=hashed]",), "embedding.table_ids[0]: 'cat_2=hashed' must be TABLE=IDS"),
     ],
-    ids=["not-row", "tiered-hot", "per-host", "vshards", "value"],
+    ids=["not-row", "per-host", "vshards", "value"],
 )
 def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -160,11 +156,13 @@ def exported_arrays(root) -> dict:
 @pytest.mark.slow
 def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tiny, tmp_path):
     """Tiered dynamic tables through train_and_evaluate, read ahead 2 batches, evaluated mid-run
-    (the host maps ahead of the state): a run cut after its step-4 checkpoint and resumed
+    (the host maps ahead of the state), hot rows refreshed every 2 steps (rows of the maps
+    become hot once counted): a run cut after its step-4 checkpoint and resumed
     equals the uninterrupted one (losses, scores, exported tables and maps), which equals the
     same run with the tables on the devices; the checkpoint evaluates on another device count."""
-    tiered = ("embedding.table_storage=[cat_0=tiered, cat_2=tiered]", "embedding.tier.lookahead=2")
-    run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=2", *DYNAMIC)
+    tiered = ("embedding.table_storage=[cat_2=tiered]", "embedding.tier.lookahead=2")
+    hot = ("embedding.hot.rows=16", "embedding.hot.refresh_every=2", "embedding.hot.stats_batches=2")
+    run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=2", *DYNAMIC, *hot)
     cfg = tiny(*run, "train.steps=8", *tiered)
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
     # Resumed from the step-4 checkpoint, saved while the planner had resolved batches ahead.
@@ -189,6 +187,7 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
         for field in ("key_hi", "key_lo", "used", "last_seen", "count", "sketch"):
             np.testing.assert_array_equal(a[f"{name}/map/{field}"], c[f"{name}/map/{field}"], err_msg=name)
         np.testing.assert_allclose(a[f"{name}/values"], c[f"{name}/values"], rtol=1e-6, err_msg=name)
+    assert events_of(tmp_path / "whole")[-1]["hot_hit_rate"] > 0
     first = [e for e in events_of(tmp_path / "whole") if "ids_lookups" in e][0]
     assert first["ids_lookups"] == 2 * 64 * 2 and 0 < first["map_fill"] < 1
     on2 = evaluate_run(tmp_path / "whole", ["mesh.devices=2"], **QUIET)

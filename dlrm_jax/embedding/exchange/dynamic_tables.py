@@ -147,12 +147,14 @@ class DynamicTables:
         sizes = [k for k in self.reset_sizes if k < total] + [total]
         return lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), [lambda k=k: write(k) for k in sizes])
 
-    def _reset(self, emb: EmbeddingState, fresh: FreshRows, key) -> EmbeddingState:
+    def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
         device writes its fresh rows' entries only (never the whole block). A fresh row that is
         hot is reset in the hot group too, on every device: each device finds which of its own
         fresh rows are hot (the step's hash index of the hot keys) and the hot slots' new ids
-        meet in one sum over the devices (a row has one owner), [H, 4] whatever the batch."""
+        meet in one sum over the devices (a row has one owner), [H, 4] whatever the batch.
+        ``hot_found``: those [H, 4] entries (new id's flag, table, id's words) given instead,
+        replicated (tiered tables: the host knows which hot rows it gave out)."""
         opt = self.collection.optimizer
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
         tables = list(self.maps)  # fresh.table indexes these
@@ -184,7 +186,7 @@ class DynamicTables:
                 values, state = initial(table, hi, lo, width, array.dtype)
                 arrays[name] = array.at[row].set(values, mode="drop")
                 slots[name] = {s: v.at[row].set(state[s], mode="drop") for s, v in slots[name].items()}
-            if hot is None:
+            if hot is None or hot_found is not None:
                 return arrays, slots, jnp.zeros((0, 4), jnp.int32)
             logical = jnp.where(rows >= 0, lax.axis_index(AXIS) * block[table] + rows, PAD_ID)
             at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
@@ -196,14 +198,15 @@ class DynamicTables:
                 jnp.zeros((n_hot, 4), jnp.int32).at[jnp.where(at[0] >= 0, at[0], n_hot)].set(entries, mode="drop"),
             )
 
-        def local(arrays, slots, hot_state, rows, table, hi, lo):
+        def local(arrays, slots, hot_state, rows, table, hi, lo, *given):
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
             arrays, slots, found = self._sized(
                 rows, jnp.sum(rows >= 0), lambda k: reset(arrays, slots, index, rows[:k], table[:k], hi[:k], lo[:k])
             )
             if hot_state is None:
                 return arrays, slots, hot_state
-            found = lax.psum(found, AXIS)  # every hot slot given a new id this step, on every device
+            # every hot slot given a new id this step, on every device
+            found = given[0] if given else lax.psum(found, AXIS)
             reset_here = found[:, 0] > 0
             new_ids = (found[:, 1], found[:, 2].view(jnp.uint32), found[:, 3].view(jnp.uint32))
             values, state = initial(*new_ids, hot_state.values.shape[1], hot_state.values.dtype)
@@ -219,12 +222,13 @@ class DynamicTables:
         arrays = {g: emb.tables[g] for g in groups}
         slots = {g: emb.slots[g] for g in groups}
         parts = (fresh.rows, fresh.table, fresh.hi, fresh.lo)
+        given = () if hot is None or hot_found is None else (hot_found,)
         arrays, slots, hot = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot), *(P(AXIS),) * 4),
+            in_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot), *(P(AXIS),) * 4, *(P(),) * len(given)),
             out_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot)),
-        )(arrays, slots, hot, *parts)
+        )(arrays, slots, hot, *parts, *given)
         return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots}, hot=hot)
 
     def reset_replicated(self, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows):
@@ -301,9 +305,10 @@ class CachedDynamicTables(DynamicTables):
                 raise ValueError(f"table {name}: a tiered dynamic table is row-wise in whole blocks of cache slots")
             self._where[t] = placed[0]
 
-    def reset(self, emb: EmbeddingState, fresh: FreshRows, key: jax.Array) -> EmbeddingState:
+    def reset(self, emb: EmbeddingState, fresh: FreshRows, hot_found: jax.Array, key: jax.Array) -> EmbeddingState:
         """``emb`` with the cache slots ``fresh`` names (each device's slot within its block of
-        the table's device view) reset. Traceable."""
-        if emb.hot is not None:
-            raise ValueError("hot rows (embedding.hot.rows) are not supported with tiered dynamic tables yet")
-        return self._reset(emb, fresh, key)
+        the table's device view) reset, and the hot rows given to new ids (a hot row of a
+        tiered table never takes a cache slot): ``hot_found`` int32 [H, 4], per hot slot
+        whether it was given out, its table (an index into the maps) and its new id's words.
+        Traceable."""
+        return self._reset(emb, fresh, key, hot_found if emb.hot is not None else None)

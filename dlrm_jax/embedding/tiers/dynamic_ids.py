@@ -52,6 +52,9 @@ class TieredIds:
         for t in maps.tables:
             (vt,) = [vt for g in collection.groups for vt in g.vtables if vt.table == t]
             self.block.append(vt.block)
+        # cache ids are below a table's view rows, hot rows' step ids above (embedding/tiers/hot.py)
+        self.view_rows = np.array([collection.plan.tables[t].spec.rows for t in maps.tables], np.int64)
+        self.hot_rows = collection.plan.hot_rows
 
     def host_ids(self, batch: Batch | RawBatch, step: int, learn: bool = True) -> tuple[Batch | RawBatch, HostIds]:
         """The batch with its tiered dynamic features' ids replaced by their rows (their raw
@@ -99,13 +102,16 @@ class TieredIds:
         want = resolved.fresh_table.astype(np.int64) << 32 | resolved.fresh_rows.astype(np.int64)
         return order[np.searchsorted(key[order], want)]
 
-    def fresh_slots(self, host: HostIds, remapped: np.ndarray, size: int) -> FreshRows:
+    def fresh_slots(self, host: HostIds, remapped: np.ndarray, size: int) -> tuple[FreshRows, np.ndarray | None]:
         """The fresh rows as each device's cache slots (``remapped``: the batch's ids as cache
-        ids), ``size`` entries a device (padding: row -1), flat over the devices."""
+        ids), ``size`` entries a device (padding: row -1), flat over the devices; and with hot
+        rows, those that are hot (their step ids are hot slots): int32 [H, 4], per hot slot
+        whether a new id took it, its table (index into the maps') and the id's words."""
         r = host.resolved
         rows = np.full((self.n, size), -1, np.int32)
         table = np.zeros((self.n, size), np.int32)
         hi, lo = np.zeros((self.n, size), np.uint32), np.zeros((self.n, size), np.uint32)
+        hot = np.zeros((self.hot_rows, 4), np.int32) if self.hot_rows else None
         if r.fresh_rows.size:
             widths = [sl.stop - sl.start for sl in self.slices]
             sizes = np.array([remapped.shape[0] * w for w in widths])
@@ -115,6 +121,13 @@ class TieredIds:
             width = np.array(widths)[j]
             col = np.array([sl.start for sl in self.slices])[j] + within % width
             cache_id = remapped[within // width, col].astype(np.int64)
+            is_hot = cache_id >= self.view_rows[j]
+            if is_hot.any():
+                at = (cache_id - self.view_rows[j])[is_hot]
+                words = np.stack([r.fresh_hi[is_hot], r.fresh_lo[is_hot]], 1).view(np.int32)
+                hot[at] = np.concatenate([np.ones((at.size, 1), np.int32), j[is_hot, None].astype(np.int32), words], 1)
+                j, cache_id = j[~is_hot], cache_id[~is_hot]
+                r = r._replace(fresh_hi=r.fresh_hi[~is_hot], fresh_lo=r.fresh_lo[~is_hot])
             block = np.array(self.block, np.int64)[j]
             owner, slot = cache_id // block, cache_id % block
             order = np.argsort(owner, kind="stable")
@@ -127,4 +140,4 @@ class TieredIds:
             table[place] = j[order]
             hi[place] = r.fresh_hi[order]
             lo[place] = r.fresh_lo[order]
-        return FreshRows(rows.reshape(-1), table.reshape(-1), hi.reshape(-1), lo.reshape(-1))
+        return FreshRows(rows.reshape(-1), table.reshape(-1), hi.reshape(-1), lo.reshape(-1)), hot
