@@ -36,11 +36,11 @@ from tests.train.damage import damage
 tables.MAPPED_SHARE = 0.0
 train = TierRunner.train
 
-def damaged_before_step_4(self, state, batch, fills, reads=None):
+def damaged_before_step_4(self, state, batch, fills, reads=None, planned=None):
     if int(np.asarray(state.step)) == 3:
         self.tiered.store._make_private(("cat_0", "values", 0))
         damage(self.tiered.store.root / "work" / {chunk!r})
-    return train(self, state, batch, fills, reads)
+    return train(self, state, batch, fills, reads, planned)
 
 TierRunner.train = damaged_before_step_4
 sys.exit(main(["train", "--run-dir", {run!r}, *[a for o in {overrides!r} for a in ("--set", o)]]))
