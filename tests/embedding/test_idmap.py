@@ -72,6 +72,32 @@ def test_the_map_equals_a_python_dictionary_model_batch_by_batch(spec, pool, dat
         assert np.asarray(m.count)[used].tolist() == [model.count[r] for r in np.flatnonzero(used)]
 
 
+@pytest.mark.parametrize("distinct", [40, 700, 2500])
+def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
+    """4,096 ids a batch: after the dedup the map works on the least of 256, 1,024 or all 4,096
+    places that holds the batch's distinct ids (resolve.distinct_sizes); each prefix gives
+    what the model gives, evictions and admissions included."""
+    from dlrm_jax.embedding.dynamic.resolve import distinct_sizes
+
+    assert distinct_sizes(4096) == [256, 1024, 4096]
+    spec = MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32)
+    rng = np.random.default_rng(distinct)
+    pool = rng.choice(2**62, size=distinct, replace=False) + (1 << 40)
+    model, m = DictMap(spec), init_map(spec)
+    for step in range(3):
+        batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=4096)]
+        want_rows, want_fresh, want_stats = model.resolve(batch, step)
+        out = resolver(spec)(m, *as_arrays(batch), step)
+        m = out.map
+        assert np.asarray(out.rows).tolist() == want_rows, step
+        assert set(np.flatnonzero(np.asarray(out.fresh)).tolist()) == want_fresh, step
+        assert {k: int(out.stats[k]) for k in STATS} == want_stats, step
+        assert contents(m) == model.row_of, step
+        # the prefix this batch takes: 256 places for 40 distinct ids, 1,024 for ~700, 4,096 for ~2,300
+        assert len({k for k in batch if k is not None}) > {40: 0, 700: 256, 2500: 1024}[distinct]
+    assert want_stats["admitted"] + want_stats["found"] > 0
+
+
 def test_a_full_shard_evicts_by_its_policy_and_admission_waits_for_k_sightings():
     spec = MapSpec(rows=4, vshards=1, probes=3, policy="lru").check()  # 3 rows past the shared one
     m, run = init_map(spec), resolver(spec)
