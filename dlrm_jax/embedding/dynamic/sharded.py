@@ -139,7 +139,10 @@ def sharded_resolve_fused(
     def local(fused, his, los, valids, step):
         me = lax.axis_index(AXIS)
         flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
-        hi, lo, valid = (lax.all_gather(flat(xs), AXIS, tiled=True) for xs in (his, los, valids))
+        # one all-gather of the ids' words and flags (each collective is a meeting of every device)
+        words = jnp.stack([flat(his).view(jnp.int32), flat(los).view(jnp.int32), flat(valids).astype(jnp.int32)])
+        every = lax.all_gather(words, AXIS, axis=1, tiled=True)
+        hi, lo, valid = every[0].view(jnp.uint32), every[1].view(jnp.uint32), every[2] > 0
         table = jnp.asarray(np.tile(per_device, n))
         first = me * jnp.asarray(per_shards)
         owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
@@ -167,10 +170,13 @@ def sharded_resolve_fused(
         out = whole() if cap == total else lax.cond(jnp.sum(own) <= cap, compacted, whole)
         shift = first[table] * jnp.asarray(slots)[table]  # table-local rows here -> the table's rows
         rows = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, -1)
-        met = lax.pmax(rows, AXIS)[me]  # this device's ids, every table's
-        mine = [met[starts[t] : starts[t + 1]] for t in range(len(specs))]
+        # The rows meet in a max, and the counts with them: each device's in a row of its own
+        # (-1 elsewhere; counts are not negative), summed after (one collective, not two).
+        counts = jnp.full((n, out.stats.size), -1, jnp.int32).at[me].set(out.stats.reshape(-1))
+        met = lax.pmax(jnp.concatenate([rows, counts], axis=1), AXIS)
+        mine = [met[me, starts[t] : starts[t + 1]] for t in range(len(specs))]
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
-        return mine, out.map, fresh, lax.psum(out.stats, AXIS)
+        return mine, out.map, fresh, jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape)
 
     map_spec = IdMap(*(P(AXIS),) * 6)
     k = len(specs)
