@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.data.batch import PAD_ID
+from dlrm_jax.embedding.exchange import routing
 from dlrm_jax.embedding.exchange.routing import (
+    Buckets,
     Window,
     bucket,
     next_round_limit,
@@ -24,6 +26,7 @@ from dlrm_jax.embedding.exchange.routing import (
     send_buffer,
     slot_index,
 )
+from dlrm_jax.embedding.exchange.sorting import packs, sort_with_order
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
 from tests.helpers import examples
 
@@ -368,3 +371,37 @@ def test_distinct_by_share_is_each_shares_distinct_values(batch, rows, width, sp
         (s, v) for s, a in enumerate(range(0, batch, rows)) for v in np.unique(value[a : a + rows][valid[a : a + rows]])
     ]
     assert list(zip(share.tolist(), got.tolist(), strict=True)) == [(s, int(v)) for s, v in want]
+
+
+@settings(max_examples=examples(20))
+@given(
+    keys=st.lists(st.integers(0, 40), min_size=1, max_size=300),
+    bound=st.sampled_from([41, 2**20, 2**31 - 1]),
+)
+def test_sort_with_order_is_a_stable_sort_packed_or_not(keys, bound):
+    """Keys and positions packed in 32 bits (small bounds) or sorted as a pair (large ones):
+    the same stable order as numpy's."""
+    key = np.array(keys, np.int32)
+    assert packs(bound, key.size) == (bound * 2 ** max(key.size - 1, 1).bit_length() <= 2**32)
+    sorted_key, order = (np.asarray(a) for a in sort_with_order(jnp.asarray(key), bound))
+    want = np.argsort(key, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(sorted_key, key[want])
+
+
+@settings(max_examples=examples(10))
+@given(data=st.data())
+def test_bucketing_is_the_same_with_owner_and_row_as_one_key_or_two(data):
+    n, rows, kind, block, device, offset, local_rows = data.draw(layouts())
+    ids = data.draw(id_batches(rows))
+    params = [jnp.full((ids.shape[1],), x, jnp.int32) for x in (kind, device, offset, block)]
+    owner, row, valid = route(jnp.asarray(ids), *params, n)
+    one_key = bucket(owner, row, valid, n, local_rows)
+    original = routing.packs
+    routing.packs = lambda bound, count: False  # the two-key sort of meshes too large to pack
+    try:
+        two_keys = bucket(owner, row, valid, n, local_rows)
+    finally:
+        routing.packs = original
+    for field, a, b in zip(Buckets._fields, one_key, two_keys, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)

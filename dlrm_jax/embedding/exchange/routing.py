@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dlrm_jax.embedding.exchange.sorting import packs, sort_with_order
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 from dlrm_jax.ids import PAD_ID
 
@@ -61,13 +62,18 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     """Deduplicate requests and give each distinct one a rank within its owner's bucket.
 
     Sorting by (owner, row) groups requests by owner, so a request's rank is its index minus
-    the index of the owner's first request. The two keys are sorted together rather than
-    combined into ``owner * local_rows + row``, which would overflow int32 on large meshes
-    (64 owners of 40M-row shards)."""
+    the index of the owner's first request. The two keys are combined into ``owner *
+    local_rows + row`` where that and the positions fit in 32 bits (``sorting``), else sorted
+    together (64 owners of 40M-row shards would overflow int32)."""
     o = jnp.where(valid, owner, num_devices).reshape(-1).astype(jnp.int32)  # padding sorts last
     r = jnp.where(valid, row, 0).reshape(-1).astype(jnp.int32)
     n = o.shape[0]
-    so, sr, perm = lax.sort((o, r, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
+    bound = (num_devices + 1) * local_rows
+    if packs(bound, n):  # (owner, row) as one key, sorted with positions packed beside it
+        key, perm = sort_with_order(o * local_rows + r, bound)
+        so, sr = key // local_rows, key % local_rows
+    else:
+        so, sr, perm = lax.sort((o, r, jnp.arange(n, dtype=jnp.int32)), num_keys=2)
     first = jnp.concatenate([jnp.ones(1, bool), (so[1:] != so[:-1]) | (sr[1:] != sr[:-1])])
     distinct = jnp.cumsum(first.astype(jnp.int32)) - 1  # each sorted request's distinct index
     u_owner = jnp.full(n, num_devices, jnp.int32).at[distinct].set(so)

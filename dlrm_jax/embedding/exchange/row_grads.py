@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from dlrm_jax.embedding.exchange import sums
+from dlrm_jax.embedding.exchange.sorting import sort_with_order
 
 
 class Lookups(NamedTuple):
@@ -101,7 +102,7 @@ def sort_by_row(rows: jax.Array, num_rows: int) -> SortedLookups:
     n = rows.shape[0]
     capped = jnp.minimum(rows.astype(jnp.int32), num_rows)  # every padding row -> num_rows: one place, dropped
     position = lax.iota(jnp.int32, n)
-    sorted_rows, order = lax.sort((capped, position), num_keys=1, is_stable=True)
+    sorted_rows, order = sort_with_order(capped, num_rows + 1)
     first = jnp.concatenate([jnp.ones(1, bool), sorted_rows[1:] != sorted_rows[:-1]])
     segment = jnp.cumsum(first, dtype=jnp.int32) - 1
     real = first & (sorted_rows < num_rows)
