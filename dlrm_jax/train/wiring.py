@@ -109,11 +109,15 @@ def plan_options(
     cluster: Cluster,
     stats: Sequence[TableStats] | None = None,
     ids_hosts: int = 1,
+    devices: int = 0,
 ) -> PlanOptions:
     """The ``embedding.*`` keys a plan is made under, as one record (``ids_hosts``: see
-    ``PlanOptions``)."""
+    ``PlanOptions``; ``devices``: the plan's, 1 lets dynamic tables be replicated)."""
     e = cfg.embedding
-    dynamic = {f"cat_{f}": Strategy.ROW for f in cfg.dynamic_tables}  # their maps split with their rows
+    # Dynamic tables: row-wise, their maps split with their rows; on one device the replicated
+    # form holds the same rows without the exchange's routing (unless the table is tiered).
+    whole = lambda f: devices == 1 and e.storage_of(f"cat_{f}") != "tiered"
+    dynamic = {f"cat_{f}": Strategy.REPLICATED if whole(f) else Strategy.ROW for f in cfg.dynamic_tables}
     return PlanOptions(
         overrides=dynamic | parse_overrides(e.table_sharding, specs),
         row_layout=RowLayoutChoice(e.row_layout),
@@ -164,7 +168,7 @@ def plan_request(
     if budget and cfg.dynamic_tables:  # and its share of the dynamic tables' id maps (tiered ones: on the host)
         on_devices = [s for f, s in dynamic_maps(cfg).items() if cfg.embedding.storage_of(f"cat_{f}") != "tiered"]
         budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices), 1)
-    options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts)
+    options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts, devices)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 
 

@@ -58,9 +58,10 @@ class DynamicTables:
                 raise ValueError(f"table {name}: {e} (embedding.dynamic.vshards)") from None
             placed = [(g, vt) for g in collection.groups for vt in g.vtables if vt.table == t]
             g, vt = placed[0]
-            if spec.rows != vt.rows or len(placed) > 1 or g.replicated or vt.kind != KIND_BLOCK:
+            whole = g.replicated and n == 1  # one device: the table whole, its rows as the map's
+            if spec.rows != vt.rows or len(placed) > 1 or not (whole or (not g.replicated and vt.kind == KIND_BLOCK)):
                 raise ValueError(f"table {name}: a dynamic table is row-wise in whole blocks of its {spec.rows} rows")
-            if vt.block * n != spec.rows or vt.device != 0:
+            if not whole and (vt.block * n != spec.rows or vt.device != 0):
                 raise ValueError(f"table {name}: its {spec.rows} rows must split evenly over the {n} devices")
             if t in collection.tiered_tables:
                 raise ValueError(f"table {name}: dynamic tables are not tiered")
