@@ -153,20 +153,6 @@ def requests_below(b: Buckets, limit, local_rows: int):
     return jax.ops.segment_sum(below.astype(jnp.int32), b.unique_owner, b.counts.shape[0])
 
 
-def rank_by_owner(owner, valid, num_devices: int):
-    """Every request ranked among the requests to the same owner, in input order (no dedupe).
-
-    owner, valid: [n]. Returns rank int32 [n] and counts int32 [N] of valid requests per owner.
-    """
-    key = jnp.where(valid, owner, num_devices)
-    n = key.shape[0]
-    order = jnp.argsort(key, stable=True)
-    starts = jnp.searchsorted(key[order], jnp.arange(num_devices + 1, dtype=key.dtype))
-    rank_sorted = jnp.arange(n) - starts[jnp.minimum(key[order], num_devices)]
-    rank = jnp.zeros(n, jnp.int32).at[order].set(rank_sorted.astype(jnp.int32))
-    return rank, jnp.diff(starts).astype(jnp.int32)
-
-
 def scatter_to_buckets(owner, rank, usable, values, capacity: int, num_devices: int, fill):
     """[N, C] buffer with ``values[i]`` at (owner[i], rank[i]) for usable requests, else ``fill``."""
     dest = jnp.where(usable, owner, num_devices)  # out of bounds -> dropped
