@@ -158,11 +158,12 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
     """Tiered dynamic tables through train_and_evaluate, read ahead 2 batches, evaluated mid-run
     (the host maps ahead of the state), hot rows refreshed every 2 steps (rows of the maps
     become hot once counted): a run cut after its step-4 checkpoint and resumed
-    equals the uninterrupted one (losses, scores, exported tables and maps), which equals the
-    same run with the tables on the devices; the checkpoint evaluates on another device count."""
+    equals the uninterrupted one (scores, exported tables and maps), which equals the same run
+    with the tables on the devices (losses, scores); the checkpoint evaluates on another device
+    count."""
     tiered = ("embedding.table_storage=[cat_2=tiered]", "embedding.tier.lookahead=2")
     hot = ("embedding.hot.rows=16", "embedding.hot.refresh_every=2", "embedding.hot.stats_batches=2")
-    run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=2", *DYNAMIC, *hot)
+    run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=4", *DYNAMIC, *hot)
     cfg = tiny(*run, "train.steps=8", *tiered)
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
     # Resumed from the step-4 checkpoint, saved while the planner had resolved batches ahead.
@@ -174,19 +175,15 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
     train_and_evaluate(tiny(*run, "train.steps=8"), tmp_path / "device", **QUIET)
     assert losses(tmp_path / "device") == losses(tmp_path / "whole")
     scores = lambda d: [(e["step"], e["auc"]) for e in events_of(tmp_path / d) if "auc" in e]
-    assert len(scores("whole")) == 4  # evaluated mid-run too, the host maps read as of each step
+    assert len(scores("whole")) == 2  # evaluated mid-run too (step 4), the host maps read as of it
     np.testing.assert_allclose(scores("whole"), scores("device"), rtol=1e-5)
-    for d in ("whole", "cut", "device"):
+    for d in ("whole", "cut"):  # (the same maps and rows as on the devices: test_tiered_dynamic.py)
         export_run(tmp_path / d, tmp_path / f"export-{d}", **QUIET)
-    a, b, c = (exported_arrays(tmp_path / f"export-{d}") for d in ("whole", "cut", "device"))
+    a, b = (exported_arrays(tmp_path / f"export-{d}") for d in ("whole", "cut"))
     assert {"cat_0/map/key_lo", "cat_2/map/used", "cat_2/values"} <= set(a)
     assert int(a["cat_2/map/used"].sum()) > 0
     for path, want in a.items():
         np.testing.assert_array_equal(b[path], want, err_msg=path)
-    for name in ("cat_0", "cat_2"):  # the same maps and rows as on the devices
-        for field in ("key_hi", "key_lo", "used", "last_seen", "count", "sketch"):
-            np.testing.assert_array_equal(a[f"{name}/map/{field}"], c[f"{name}/map/{field}"], err_msg=name)
-        np.testing.assert_allclose(a[f"{name}/values"], c[f"{name}/values"], rtol=1e-6, err_msg=name)
     assert events_of(tmp_path / "whole")[-1]["hot_hit_rate"] > 0
     first = [e for e in events_of(tmp_path / "whole") if "ids_lookups" in e][0]
     assert first["ids_lookups"] == 2 * 64 * 2 and 0 < first["map_fill"] < 1
