@@ -72,6 +72,9 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
     assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(s4.maps))
     on4 = evaluate_run(tmp_path / "whole", ["mesh.devices=4"], **QUIET)
     np.testing.assert_allclose(on4.auc, whole.auc, rtol=1e-6)
+    # And onto one device, where dynamic tables are replicated, not row-wise.
+    on1 = evaluate_run(tmp_path / "whole", ["mesh.devices=1"], **QUIET)
+    np.testing.assert_allclose(on1.auc, whole.auc, rtol=1e-6)
     # `dlrm-jax export` writes each map beside its table.
     export_run(tmp_path / "whole", tmp_path / "export", **QUIET)
     for field, want in a.maps["cat_2"]._asdict().items():
