@@ -66,6 +66,15 @@ def _read(layout: Maps, m: IdMap, table, hi, lo, valid, step):
     return resolve_fused(layout, m, table, hi, lo, valid, step, jnp.zeros(len(layout.specs), jnp.int32), False).rows
 
 
+def host_device() -> jax.Device:
+    """The host's CPU as a JAX device; where the CPU backend is left out (``JAX_PLATFORMS=cuda``),
+    the first device (the same results, on the accelerator)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
 class HostMaps:
     """The maps of ``specs`` ({table index: MapSpec}, in table order) on the host's CPU, every
     shard: :meth:`learn` each batch in order, :meth:`maps_at` any step not yet forgotten."""
@@ -75,7 +84,7 @@ class HostMaps:
         self.specs = [specs[t] for t in self.tables]
         self.layout = Maps(tuple(self.specs), tuple(s.vshards for s in self.specs))
         self.rows = sum(s.rows for s in self.specs)
-        self._cpu = jax.devices("cpu")[0]
+        self._cpu = host_device()
         self._learn = jax.jit(lambda m, *a: _learn(self.layout, m, *a), donate_argnums=0)
         self._read = jax.jit(lambda m, *a: _read(self.layout, m, *a))
         self._lock = threading.Lock()
