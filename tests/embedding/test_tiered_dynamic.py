@@ -9,6 +9,7 @@ import pytest
 
 from dlrm_jax.data.batch import RawBatch
 from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.embedding.dynamic import host_maps
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers import tables
@@ -151,3 +152,16 @@ def test_tiered_dynamic_tables_equal_device_ones_every_step(
     for t in DYNAMIC:
         for f, a, b in zip(want[3][t]._fields, got[3][t], want[3][t], strict=True):
             np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1), err_msg=f"map {t} {f}")
+
+
+def test_host_maps_run_on_the_first_device_when_the_cpu_backend_is_left_out(monkeypatch):
+    """JAX_PLATFORMS=cuda leaves no CPU backend: the host maps go to the first device instead."""
+    real = jax.devices
+
+    def devices(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return real(backend)
+
+    monkeypatch.setattr(jax, "devices", devices)
+    assert host_maps.host_device() == real()[0]
