@@ -185,9 +185,8 @@ class TieredDriver(StepDriver):
         if maps is None:
             return super().map_metrics(state)
         # every dynamic table's fill: the devices' maps' and the host maps' (newest batch planned)
-        on_devices = self.steps.dynamic
-        rows = sum(s.rows for s in on_devices.maps.values()) if on_devices else 0
-        used = round(super().map_metrics(state)["map_fill"] * rows) if on_devices else 0
+        steps = self.steps
+        used, rows = (int(host_scalar(steps.map_used(state))), steps.map_rows) if steps.dynamic else (0, 0)
         return {"map_fill": (used + maps.used()) / (rows + maps.rows)}
 
     def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:

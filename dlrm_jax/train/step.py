@@ -83,9 +83,9 @@ class StepFunctions:
         self.dynamic = layout.dynamic  # the dynamic tables' id maps (embedding.ids), or None
         self.cached_dynamic, self.tiered_maps = layout.cached_dynamic, layout.tiered_maps  # tiered ones
         if self.dynamic is not None:
-            rows = sum(spec.rows for spec in self.dynamic.maps.values())
-            used = lambda maps: sum(jnp.sum(m.used, dtype=jnp.int32) for m in maps.values()) / rows
-            self._map_fill = jax.jit(used, out_shardings=NamedSharding(mesh, P()))
+            self.map_rows = sum(spec.rows for spec in self.dynamic.maps.values())
+            used = lambda maps: sum(jnp.sum(m.used, dtype=jnp.int32) for m in maps.values())
+            self._map_used = jax.jit(used, out_shardings=NamedSharding(mesh, P()))
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, batch_spec(mesh))
         b = self.batch_sharding
@@ -127,7 +127,11 @@ class StepFunctions:
         (replicated scalars; empty without dynamic tables). Read at log windows, not per step."""
         if self.dynamic is None:
             return {}
-        return {"map_fill": self._map_fill(state.maps)}
+        return {"map_fill": self.map_used(state) / self.map_rows}
+
+    def map_used(self, state: TrainState) -> jax.Array:
+        """Rows of the devices' dynamic tables holding an id (a replicated int32)."""
+        return self._map_used(state.maps)
 
     def device_batch(self, batch: Batch | HostPacked) -> Batch | Packed:
         """This process's numpy slice -> one global array per field, sharded over the mesh (one

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map
+from dlrm_jax.embedding.dynamic.idmap import IdMap, MapSpec, init_map
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
-from dlrm_jax.embedding.dynamic.sharded import split_maps
+from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
 
 
 class HostResolved(NamedTuple):
@@ -94,10 +94,10 @@ class HostMaps:
     def load(self, maps: dict[int, IdMap], batches: int) -> None:
         """Start from ``maps`` ({table index: its whole map, numpy}; missing: empty) as of
         ``batches`` batches resolved."""
-        whole = [maps.get(t) or jax.device_get(init_map(s)) for t, s in zip(self.tables, self.specs, strict=True)]
-        fused = IdMap(*(np.concatenate([np.asarray(getattr(m, f)).reshape(-1) for m in whole]) for f in IdMap._fields))
+        with jax.default_device(self._cpu):  # (an empty map made on the host, not an accelerator)
+            whole = [maps.get(t) or jax.device_get(init_map(s)) for t, s in zip(self.tables, self.specs, strict=True)]
         with self._lock:
-            self._map = jax.device_put(fused, self._cpu)
+            self._map = self._fused(whole)
             self._journal: collections.deque[_Undo] = collections.deque()
             self._batches = batches
             self._cached = None  # (step, maps) that :meth:`read` resolved against
@@ -114,7 +114,8 @@ class HostMaps:
                     break
                 if u.sketch is not None:
                     fields[5] = u.sketch.copy()
-                fields[5][u.counters[u.counters < fields[5].size]] = u.old_counters[u.counters < fields[5].size]
+                added = u.counters < fields[5].size
+                fields[5][u.counters[added]] = u.old_counters[added]
                 keep = u.rows < fields[0].size
                 for f, old in zip(fields[:5], u.old, strict=True):
                     f[u.rows[keep]] = old[keep]
@@ -145,12 +146,12 @@ class HostMaps:
         """Batch number ``batch`` (the next one: batches go in order) of ids ``hi``/``lo`` of
         the tables ``table`` (int32 [N], indices into the maps' tables; ``valid``: False for
         padding) through the maps, which keep what it overwrote."""
-        args = (np.asarray(table, np.int32), np.asarray(hi, np.uint32), np.asarray(lo, np.uint32), np.asarray(valid))
+        args = self._ids(table, hi, lo, valid)
         with self._lock:
             if batch != self._batches:
                 raise ValueError(f"the host maps resolve batch {self._batches} next, not {batch}")
             sketch = np.array(jax.device_get(self._map.sketch)) if self._ages(batch) else None
-            out, old, old_counters = self._learn(self._map, *jax.device_put(args, self._cpu), np.int32(batch))
+            out, old, old_counters = self._learn(self._map, *args, np.int32(batch))
             self._map = out.map
             out, old, old_counters = jax.device_get((out._replace(map=None), old, old_counters))
             self._journal.append(_Undo(batch, out.touched, old, out.sketch_touched, old_counters, sketch))
@@ -170,21 +171,19 @@ class HostMaps:
         without a row reads its shard's shared row)."""
         if self._cached is None or self._cached[0] != step:
             maps = self.maps_at(step)
-            fused = IdMap(
-                *(
-                    np.concatenate([np.asarray(getattr(maps[t], f)).reshape(-1) for t in self.tables])
-                    for f in IdMap._fields
-                )
-            )
-            self._cached = (step, jax.device_put(fused, self._cpu))
-        args = (np.asarray(table, np.int32), np.asarray(hi, np.uint32), np.asarray(lo, np.uint32), np.asarray(valid))
-        return np.asarray(self._read(self._cached[1], *jax.device_put(args, self._cpu), np.int32(step)))
+            self._cached = (step, self._fused([maps[t] for t in self.tables]))
+        return np.asarray(self._read(self._cached[1], *self._ids(table, hi, lo, valid), np.int32(step)))
+
+    def _fused(self, whole: list[IdMap]) -> IdMap:
+        """Each table's whole map (numpy) as the one the program takes, on the host device."""
+        return jax.device_put(fuse_maps(self.specs, 1, whole, xp=np), self._cpu)
+
+    def _ids(self, table, hi, lo, valid) -> tuple:
+        return jax.device_put(
+            (np.asarray(table, np.int32), np.asarray(hi, np.uint32), np.asarray(lo, np.uint32), np.asarray(valid)),
+            self._cpu,
+        )
 
     def _ages(self, step: int) -> bool:
         """Whether some table's sketch halves at ``step`` (resolve's ``_count``)."""
         return any(s.counts and s.half_life and step > 0 and step % s.half_life == 0 for s in self.specs)
-
-
-def stats_total(stats: np.ndarray) -> np.ndarray:
-    """The counts of :attr:`HostResolved.stats` summed over the tables, in ``STATS`` order."""
-    return stats.sum(axis=0).astype(np.int64).reshape(len(STATS))

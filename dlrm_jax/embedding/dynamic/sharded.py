@@ -84,14 +84,14 @@ def sharded_resolve_many(
     ]
 
 
-def fuse_maps(specs: list[MapSpec], devices: int, maps: list[IdMap]) -> IdMap:
+def fuse_maps(specs: list[MapSpec], devices: int, maps: list[IdMap], xp=jnp) -> IdMap:
     """The tables' maps (each whole, as :func:`~dlrm_jax.embedding.dynamic.idmap.init_map`
     makes it) as one, device by device: device d's block holds every table's rows and sketch
     of device d end to end (``resolve.Maps`` of its shards), so the fused arrays split over the
     devices give each device its own. The layout depends on ``devices``: checkpoints and
-    exports hold the tables' maps (:func:`split_maps`). Traceable."""
-    per_device = lambda x: x.reshape(devices, -1)
-    joined = lambda xs: jnp.concatenate([per_device(x) for x in xs], axis=1).reshape(-1)
+    exports hold the tables' maps (:func:`split_maps`). Traceable; ``xp=numpy``: on the host."""
+    per_device = lambda x: xp.asarray(x).reshape(devices, -1)
+    joined = lambda xs: xp.concatenate([per_device(x) for x in xs], axis=1).reshape(-1)
     return IdMap(*(joined([getattr(m, f) for m in maps]) for f in IdMap._fields))
 
 

@@ -121,13 +121,13 @@ class TieredIds:
             width = np.array(widths)[j]
             col = np.array([sl.start for sl in self.slices])[j] + within % width
             cache_id = remapped[within // width, col].astype(np.int64)
+            fresh_hi, fresh_lo = r.fresh_hi, r.fresh_lo
             is_hot = cache_id >= self.view_rows[j]
             if is_hot.any():
                 at = (cache_id - self.view_rows[j])[is_hot]
-                words = np.stack([r.fresh_hi[is_hot], r.fresh_lo[is_hot]], 1).view(np.int32)
+                words = np.stack([fresh_hi[is_hot], fresh_lo[is_hot]], 1).view(np.int32)
                 hot[at] = np.concatenate([np.ones((at.size, 1), np.int32), j[is_hot, None].astype(np.int32), words], 1)
-                j, cache_id = j[~is_hot], cache_id[~is_hot]
-                r = r._replace(fresh_hi=r.fresh_hi[~is_hot], fresh_lo=r.fresh_lo[~is_hot])
+                j, cache_id, fresh_hi, fresh_lo = (x[~is_hot] for x in (j, cache_id, fresh_hi, fresh_lo))
             block = np.array(self.block, np.int64)[j]
             owner, slot = cache_id // block, cache_id % block
             order = np.argsort(owner, kind="stable")
@@ -138,6 +138,6 @@ class TieredIds:
             place = (owner_sorted, rank)
             rows[place] = slot[order]
             table[place] = j[order]
-            hi[place] = r.fresh_hi[order]
-            lo[place] = r.fresh_lo[order]
+            hi[place] = fresh_hi[order]
+            lo[place] = fresh_lo[order]
         return FreshRows(rows.reshape(-1), table.reshape(-1), hi.reshape(-1), lo.reshape(-1)), hot
