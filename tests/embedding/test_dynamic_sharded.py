@@ -11,9 +11,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, split_ids
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, shard_of, split_ids
 from dlrm_jax.embedding.dynamic.resolve import resolve
-from dlrm_jax.embedding.dynamic.sharded import own_capacity, sharded_resolve, sharded_resolve_many
+from dlrm_jax.embedding.dynamic.sharded import (
+    own_capacity,
+    resolution_bytes_per_device,
+    route_capacity,
+    sharded_resolve,
+    sharded_resolve_many,
+)
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 SPEC = MapSpec(rows=8 * 6, vshards=8, probes=3, policy="lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=8)
@@ -60,13 +66,16 @@ def test_a_map_that_does_not_split_in_whole_shards_is_refused():
         sharded_resolve(MapSpec(rows=12, vshards=6), make_mesh(4), None, None, None, None, 0)
 
 
-@pytest.mark.parametrize("skew", ["spread", "one id throughout"])
-def test_each_device_resolves_its_own_ids_compacted_or_all_of_them(skew):
-    """Several tables in one resolution (sharded_resolve_many) on 8 devices: each device's own
-    ids fit its buffer when hashing spreads them (the compacted path), and do not when one id
-    fills most of the batch (the whole-batch path); both equal one map on one device."""
+@pytest.mark.parametrize("skew", ["spread", "one id on one device", "one id throughout"])
+def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
+    """Several tables in one resolution (sharded_resolve_many) on 8 devices, every path equal to
+    one map on one device: hashing spreads the ids, so each device sends its ids to their
+    owners (routed: 2 x 128 ids a device, at most 96 to one owner); one id fills one device's
+    batch, so that device has more for one owner than it may send and every device gathers
+    the batch, each holding its own ids in a buffer of 576 (compacted); one id fills 7/8 of
+    every device's batch, and its owner resolves the whole gathered batch."""
     mesh, devices, batch = make_mesh(8), 8, 1024
-    assert own_capacity(batch, devices) < batch
+    assert own_capacity(2 * batch, devices) == 576 and route_capacity(2 * batch // devices, devices) == 128
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
@@ -74,10 +83,18 @@ def test_each_device_resolves_its_own_ids_compacted_or_all_of_them(skew):
     rng = np.random.default_rng(3)
     for step in range(3):
         ids = rng.integers(0, 2**63, (batch, 2), dtype=np.int64).astype(np.uint64) % np.uint64(5000)
-        if skew != "spread":
-            ids[: batch * 3 // 4, 1] = np.uint64(77)
+        if skew == "one id on one device":
+            ids[: batch // devices] = np.uint64(77)  # 256 ids of one owner from device 0
+        elif skew == "one id throughout":
+            ids[: batch * 7 // 8] = np.uint64(77)
         valid = rng.random((batch, 2)) > 0.05
         hi, lo = split_ids(ids)
+        owner = np.where(valid, shard_of(SPEC, hi, lo, np), devices)  # both maps: a shard a device
+        sent = [np.bincount(o.reshape(-1), minlength=devices + 1)[:devices] for o in np.split(owner, devices)]
+        own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices]
+        want_path = {"spread": "routed", "one id on one device": "compacted", "one id throughout": "whole"}[skew]
+        path = "routed" if max(map(max, sent)) <= 128 else "compacted" if own.max() <= 576 else "whole"
+        assert path == want_path, (sent, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
         got = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))(maps, tables, step)
         for t, (spec, out) in enumerate(zip(specs, got, strict=True)):
@@ -90,3 +107,23 @@ def test_each_device_resolves_its_own_ids_compacted_or_all_of_them(skew):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert {k: int(out.stats[k]) for k in STATS} == {k: int(want.stats[k]) for k in STATS}
         maps = [o.map for o in got]
+
+
+def test_the_plans_resolution_bytes_are_the_compiled_programs():
+    """The plan's figure for the routed resolution (``resolution_bytes_per_device``) is what the
+    compiled program's all-to-alls send (the gathered path, compiled beside it, has none)."""
+    from dlrm_jax.bench.common import hlo_collective_bytes
+
+    mesh, devices, batch, bags = make_mesh(8), 8, 512, (1, 3)
+    specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
+    on = NamedSharding(mesh, P(AXIS))
+    maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
+    ids = [
+        tuple(
+            jax.device_put(x, on)
+            for x in (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
+        )
+        for b in bags
+    ]
+    hlo = jax.jit(functools.partial(sharded_resolve_many, specs, mesh)).lower(maps, ids, 0).compile().as_text()
+    assert hlo_collective_bytes(hlo, devices)["all-to-all"] == resolution_bytes_per_device(batch * sum(bags), devices)

@@ -1,10 +1,15 @@
 """The id map sharded with its table: each device holds whole virtual shards (a block of the
 map's rows), and one batch's raw ids are resolved to rows inside one program.
 
-Every device gathers the batch's ids of every dynamic table, resolves those of its own shards
-in one pass (``resolve.resolve_fused`` with its first shards) and the rows meet in a max over
-the devices (an id has one owner; every other device says -1). The map on n devices is the one-device map cut in n blocks, step by
-step (idmap's layout), so a run's ids reach the same rows on any device count.
+Each device sends its ids of every dynamic table to their owners (an id's owner holds its
+shard, chosen by a hash of it) in one all-to-all; each owner resolves what it received in one
+pass (``resolve.resolve_fused`` with its first shards) and sends the rows back in another, so a
+device's work and traffic follow its own ids. Where that saves nothing (one or two devices) or
+some device has more ids of one owner than it may send (one id throughout its batch, say),
+every device gathers the whole batch's ids instead, resolves those of its own shards, and the
+rows meet in a max (an id has one owner; every other device says -1). The map on n devices is
+the one-device map cut in n blocks, step by step (idmap's layout), so a run's ids reach the
+same rows on any device count, by either path.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+from dlrm_jax.embedding.exchange.sorting import sort_with_order
 from dlrm_jax.parallel.mesh import AXIS
 
 
@@ -115,13 +121,13 @@ def sharded_resolve_fused(
 ) -> tuple[list, IdMap, FreshRows, jax.Array]:
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
-    devices) in one program and one pass (``resolve.resolve_fused``):
-    every table's ids gathered in one all-gather, resolved at once by each device for its own
-    shards, and their rows met in one max. Each device resolves only the gathered ids of its
-    own shards, moved to the front of a buffer of ``own_capacity`` (so its sort and its
+    devices) in one program and one pass (``resolve.resolve_fused``): routed, each device's
+    ids to their owners and the rows back (at most :func:`route_capacity` ids from one device to
+    one owner); otherwise gathered, every table's ids in one all-gather, resolved by each device
+    for its own shards and the rows met in one max. Gathered, each device resolves only its own
+    shards' ids, moved to the front of a buffer of :func:`own_capacity` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
-    that (one id repeated throughout, say) resolves all of them there instead, with the same
-    result. Returns (rows per table, shaped and sharded like its ids; the fused maps after the
+    that resolves all of them there instead. Every path gives the same result. Returns (rows per table, shaped and sharded like its ids; the fused maps after the
     batch; the fresh rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
     n = map_devices(mesh)
     for spec in specs:
@@ -135,22 +141,32 @@ def sharded_resolve_fused(
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    sent = route_capacity(per_device.size, n)
 
-    def local(fused, his, los, valids, step):
+    def resolved(fused, table, hi, lo, valid, step):  # this device's shards' ids among these
+        first = lax.axis_index(AXIS) * jnp.asarray(per_shards)
+        none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
+        return resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn)._replace(
+            touched=none, sketch_touched=none
+        )
+
+    def owners(hi, lo, valid):  # each id's device (n: padding)
+        table = jnp.asarray(per_device)
+        shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]
+        return jnp.where(valid, shard.astype(jnp.int32) // jnp.asarray(per_shards)[table], n)
+
+    def gathered(fused, his, los, valids, step):
+        """Every device's ids gathered by every device, each resolving its own shards' ids."""
         me = lax.axis_index(AXIS)
-        flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
         # one all-gather of the ids' words and flags (each collective is a meeting of every device)
-        words = jnp.stack([flat(his).view(jnp.int32), flat(los).view(jnp.int32), flat(valids).astype(jnp.int32)])
+        words = jnp.stack([his.view(jnp.int32), los.view(jnp.int32), valids.astype(jnp.int32)])
         every = lax.all_gather(words, AXIS, axis=1, tiled=True)
         hi, lo, valid = every[0].view(jnp.uint32), every[1].view(jnp.uint32), every[2] > 0
         table = jnp.asarray(np.tile(per_device, n))
         first = me * jnp.asarray(per_shards)
         owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
         own = valid & (owner == me)
-        none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
-        run = lambda *a: resolve_fused(layout, fused, *a, step, first, learn)._replace(
-            touched=none, sketch_touched=none
-        )
+        run = lambda *a: resolved(fused, *a, step)
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
         def compacted():  # this device's ids to the front, in one scatter
@@ -174,9 +190,48 @@ def sharded_resolve_fused(
         # (-1 elsewhere; counts are not negative), summed after (one collective, not two).
         counts = jnp.full((n, out.stats.size), -1, jnp.int32).at[me].set(out.stats.reshape(-1))
         met = lax.pmax(jnp.concatenate([rows, counts], axis=1), AXIS)
-        mine = [met[me, starts[t] : starts[t + 1]] for t in range(len(specs))]
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
-        return mine, out.map, fresh, jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape)
+        return (
+            met[me, : rows.shape[1]],
+            out.map,
+            fresh,
+            jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape),
+        )
+
+    def routed(fused, hi, lo, valid, step):
+        """Each device's ids sent to their owners in one all-to-all (at most ``sent`` to each
+        owner), resolved there, and their rows sent back in another: a device's work and
+        traffic follow its own ids, not the batch's."""
+        me = lax.axis_index(AXIS)
+        table = jnp.asarray(per_device)
+        owner, order = sort_with_order(owners(hi, lo, valid), n + 1)  # by owner, then position
+        first_of = jnp.searchsorted(owner, jnp.arange(n + 1, dtype=jnp.int32)).astype(jnp.int32)
+        rank = jnp.arange(per_device.size, dtype=jnp.int32) - first_of[owner]
+        words = jnp.stack([table, hi.view(jnp.int32), lo.view(jnp.int32), valid.astype(jnp.int32)], 1)[order]
+        send = jnp.zeros((n, sent, 4), jnp.int32).at[owner, rank].set(words, mode="drop")  # padding: owner n
+        got = lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(n * sent, 4)
+        got_table = got[:, 0]
+        out = resolved(fused, got_table, got[:, 1].view(jnp.uint32), got[:, 2].view(jnp.uint32), got[:, 3] > 0, step)
+        shift = (me * jnp.asarray(per_shards) * jnp.asarray(slots))[got_table]
+        answers = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, sent)
+        back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
+        rows = jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1)
+        rows = jnp.zeros(per_device.size, jnp.int32).at[order].set(rows)
+        pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - x.shape[0], fill, x.dtype)])
+        fresh = (pad(out.fresh_rows, -1), pad(out.fresh_table, 0), pad(out.fresh_hi, 0), pad(out.fresh_lo, 0))
+        return rows, out.map, fresh, lax.psum(out.stats, AXIS)
+
+    def local(fused, his, los, valids, step):
+        flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
+        hi, lo, valid = flat(his), flat(los), flat(valids)
+        if sent is None:
+            rows, new_map, fresh, stats = gathered(fused, hi, lo, valid, step)
+        else:  # routed, unless some device has more ids of one owner than it may send
+            most = jnp.max(jax.ops.segment_sum(jnp.ones_like(lo, jnp.int32), owners(hi, lo, valid), n))
+            fits = lax.pmax(most, AXIS) <= sent  # the same branch on every device
+            rows, new_map, fresh, stats = lax.cond(fits, routed, gathered, fused, hi, lo, valid, step)
+        mine = [rows[starts[t] : starts[t + 1]] for t in range(len(specs))]
+        return mine, new_map, fresh, stats
 
     map_spec = IdMap(*(P(AXIS),) * 6)
     k = len(specs)
@@ -188,6 +243,13 @@ def sharded_resolve_fused(
     )(maps, *([x[j] for x in ids] for j in range(3)), step)
     rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
     return rows, new_map, FreshRows(*fresh), stats
+
+
+def route_capacity(ids: int, devices: int) -> int | None:
+    """Ids one device may send to one owner when each is routed to its owner (``ids``: a
+    device's ids): twice a fair share and some; None where that saves nothing (few devices)."""
+    sent = 2 * -(-ids // devices) + 64
+    return sent if devices > 1 and sent < ids else None
 
 
 def own_capacity(total: int, devices: int) -> int:
@@ -202,10 +264,17 @@ def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
     return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
 
 
-def gathered_bytes_per_device(ids_per_step: int) -> int:
-    """Bytes a device receives a step gathering the batch's raw ids of a table (``ids_per_step``
-    over the whole batch: high and low words and the padding flag), and the rows' max back."""
-    return ids_per_step * (4 + 4 + 1 + 4)
+def resolution_bytes_per_device(ids_per_step: int, devices: int) -> int:
+    """Bytes a device sends to the others a step resolving the raw ids of the dynamic tables
+    (``ids_per_step``: their ids over the whole batch), as the exchange's plan counts them:
+    routed, each id's table, words and flag (:func:`route_capacity` places for each owner)
+    and the owners' rows back; gathered (one or two devices), every id's words and flag and
+    the rows' max (a ring all-reduce). The per-table counts' sum is left out."""
+    n = devices
+    sent = route_capacity(ids_per_step // n, n)
+    if sent is not None:
+        return (n - 1) * sent * (16 + 4)
+    return (n - 1) * ids_per_step * 12 // n + 2 * (n - 1) * ids_per_step * 4 // n
 
 
 def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=()) -> str:
@@ -217,12 +286,12 @@ def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, b
     lines = []
     if specs:
         memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
-        wire = sum(gathered_bytes_per_device(batch * bags[name]) for name in specs)
+        wire = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices)
         per_row = {s.bytes_per_row() for s in specs.values()}
         lines.append(
             f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
             f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
-            f"raw ids gathered {wire / 2**10:,.1f} KiB a step per device"
+            f"raw ids resolved: {wire / 2**10:,.1f} KiB a step sent per device"
         )
     if host:
         memory = sum(map_bytes_per_device(s, 1) for s in host.values())
