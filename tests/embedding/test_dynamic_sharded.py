@@ -2,6 +2,7 @@
 device, batch by batch, on 1, 2, 4 and 8 devices: rows, fresh rows, every array of the map and
 the counts, through evictions and admissions."""
 
+import collections
 import functools
 
 import jax
@@ -16,7 +17,7 @@ from dlrm_jax.embedding.dynamic.resolve import resolve
 from dlrm_jax.embedding.dynamic.sharded import (
     own_capacity,
     resolution_bytes_per_device,
-    route_capacity,
+    route_capacities,
     sharded_resolve,
     sharded_resolve_many,
 )
@@ -66,35 +67,54 @@ def test_a_map_that_does_not_split_in_whole_shards_is_refused():
         sharded_resolve(MapSpec(rows=12, vshards=6), make_mesh(4), None, None, None, None, 0)
 
 
-@pytest.mark.parametrize("skew", ["spread", "one id on one device", "one id throughout"])
+PATHS = {  # each batch's path: a buffer of the routed one, or the gathered one (see the test)
+    "spread": "routed in 68",
+    "one id throughout": "routed in 68",
+    "100 ids of device 0 on one owner": "routed in 128",
+    "256 ids of device 0 on one owner": "gathered, compacted",
+    "every id on one owner": "gathered, whole",
+}
+
+
+@pytest.mark.parametrize("skew", list(PATHS))
 def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
     """Several tables in one resolution (sharded_resolve_many) on 8 devices, every path equal to
-    one map on one device: hashing spreads the ids, so each device sends its ids to their
-    owners (routed: 2 x 128 ids a device, at most 96 to one owner); one id fills one device's
-    batch, so that device has more for one owner than it may send and every device gathers
-    the batch, each holding its own ids in a buffer of 576 (compacted); one id fills 7/8 of
-    every device's batch, and its owner resolves the whole gathered batch."""
+    one map on one device. Each device has 2 x 128 ids; it sends its distinct ids to their
+    owners in the least buffer (68, 80 or 128 places an owner) that holds every device's for
+    one owner, so a repeated id costs one place. A device with more distinct ids for one
+    owner than 128 makes every device gather the batch instead, each resolving its own ids in
+    a buffer of 576 (compacted), or the whole gathered batch where one device owns more."""
     mesh, devices, batch = make_mesh(8), 8, 1024
-    assert own_capacity(2 * batch, devices) == 576 and route_capacity(2 * batch // devices, devices) == 128
+    assert own_capacity(2 * batch, devices) == 576 and route_capacities(2 * batch // devices, devices) == [68, 80, 128]
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
     one_maps = [init_map(s) for s in specs]
     rng = np.random.default_rng(3)
+    pool = np.arange(1, 200_000, dtype=np.uint64)
+    on_owner_0 = pool[shard_of(SPEC, *split_ids(pool), np) == 0]  # both maps: a shard a device
     for step in range(3):
         ids = rng.integers(0, 2**63, (batch, 2), dtype=np.int64).astype(np.uint64) % np.uint64(5000)
-        if skew == "one id on one device":
-            ids[: batch // devices] = np.uint64(77)  # 256 ids of one owner from device 0
-        elif skew == "one id throughout":
+        fresh = rng.permutation(on_owner_0)
+        if skew == "one id throughout":
             ids[: batch * 7 // 8] = np.uint64(77)
+        elif skew == "100 ids of device 0 on one owner":
+            ids[:50] = fresh[:100].reshape(50, 2)
+        elif skew == "256 ids of device 0 on one owner":
+            ids[: batch // devices] = fresh[:256].reshape(-1, 2)
+        elif skew == "every id on one owner":
+            ids[:] = fresh[: 2 * batch].reshape(-1, 2)
         valid = rng.random((batch, 2)) > 0.05
         hi, lo = split_ids(ids)
-        owner = np.where(valid, shard_of(SPEC, hi, lo, np), devices)  # both maps: a shard a device
-        sent = [np.bincount(o.reshape(-1), minlength=devices + 1)[:devices] for o in np.split(owner, devices)]
-        own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices]
-        want_path = {"spread": "routed", "one id on one device": "compacted", "one id throughout": "whole"}[skew]
-        path = "routed" if max(map(max, sent)) <= 128 else "compacted" if own.max() <= 576 else "whole"
-        assert path == want_path, (sent, own)
+        owner = np.where(valid, shard_of(SPEC, hi, lo, np), devices)
+        pairs = {(i // 128, int(owner[i, t]), t, int(ids[i, t])) for i in range(batch) for t in range(2)}
+        most = max(
+            collections.Counter((d, o) for d, o, _, _ in pairs if o < devices).values()
+        )  # distinct, one device, one owner
+        own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices].max()
+        fits = [k for k in (68, 80, 128) if most <= k]
+        path = f"routed in {fits[0]}" if fits else "gathered, compacted" if own <= 576 else "gathered, whole"
+        assert path == PATHS[skew], (most, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
         got = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))(maps, tables, step)
         for t, (spec, out) in enumerate(zip(specs, got, strict=True)):
@@ -110,20 +130,19 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
 
 
 def test_the_plans_resolution_bytes_are_the_compiled_programs():
-    """The plan's figure for the routed resolution (``resolution_bytes_per_device``) is what the
-    compiled program's all-to-alls send (the gathered path, compiled beside it, has none)."""
+    """The plan's least and most bytes of the routed resolution (``resolution_bytes_per_device``)
+    are what the compiled program's all-to-alls send in its least and largest buffers (each
+    buffer's pair compiled in a branch of its own; the gathered path has none)."""
     from dlrm_jax.bench.common import hlo_collective_bytes
 
     mesh, devices, batch, bags = make_mesh(8), 8, 512, (1, 3)
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
-    ids = [
-        tuple(
-            jax.device_put(x, on)
-            for x in (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
-        )
-        for b in bags
-    ]
+    words = lambda b: (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
+    ids = [tuple(jax.device_put(x, on) for x in words(b)) for b in bags]
     hlo = jax.jit(functools.partial(sharded_resolve_many, specs, mesh)).lower(maps, ids, 0).compile().as_text()
-    assert hlo_collective_bytes(hlo, devices)["all-to-all"] == resolution_bytes_per_device(batch * sum(bags), devices)
+    sends = route_capacities(batch * sum(bags) // devices, devices)
+    branch = lambda k: (devices - 1) * k * (16 + 4)
+    assert len(sends) == 3 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
+    assert resolution_bytes_per_device(batch * sum(bags), devices) == (branch(sends[0]), branch(sends[-1]))

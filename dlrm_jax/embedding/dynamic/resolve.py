@@ -97,10 +97,11 @@ class Fused(NamedTuple):
     sketch_touched: jax.Array
 
 
-def _distinct(hi, lo, valid, table):
+def distinct_ids(hi, lo, valid, table, counts=None):
     """The batch's distinct valid (table, id) pairs, padded to N: (each id's index among them, N
-    for padding; their high and low words and tables; occurrences; whether each distinct slot
-    is real). Their order is a hash's, and means nothing to the map.
+    for padding; their high and low words and tables; occurrences, each entry counting
+    ``counts`` (int32 [N]) or 1; whether each distinct slot is real). Their order is a hash's,
+    and means nothing to the map.
 
     Fast path: one sort of a 32-bit key alone (XLA sorts a lone array ~8x faster than keys with
     a payload on CPU) and each id's run found by binary search. Two distinct pairs (or a pair
@@ -129,20 +130,23 @@ def _distinct(hi, lo, valid, table):
 
     index = lax.cond(jnp.any(shared), by_table_and_id, by_key)
     put = lambda x: jnp.zeros(n, x.dtype).at[index].set(x, mode="drop")
-    occurrences = jnp.zeros(n, jnp.int32).at[index].add(1, mode="drop")
+    occurrences = jnp.zeros(n, jnp.int32).at[index].add(1 if counts is None else counts, mode="drop")
     real = jnp.arange(n) < jnp.max(jnp.where(valid, index + 1, 0))
     return index, put(hi), put(lo), put(table), occurrences, real
 
 
-def resolve_fused(maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True) -> Fused:
+def resolve_fused(
+    maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True, counts=None
+) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
     ``maps`` says) at train step ``step``. ``first_shards`` (int32 [tables], may be traced):
     each table's first shard held here; ids of other shards are left alone (row -1).
     ``learn=False`` (evaluation, serving): the maps are read, not changed: an id without a row
-    uses its shard's shared row. Traceable."""
+    uses its shard's shared row. ``counts`` (int32 [N]): each entry stands for that many
+    lookups of its id (ids counted where they were looked up), else one. Traceable."""
     n = hi.shape[0]
-    index, uhi, ulo, utab, occurrences, real = _distinct(hi, lo, valid, table)
+    index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table, counts)
     # The distinct ids come first: the rest of the work runs on the least of a few prefix sizes
     # that holds them (a batch repeats most ids: 7,500 distinct of 26,624 in stream's batch).
     sizes = distinct_sizes(n)

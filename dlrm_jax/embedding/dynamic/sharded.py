@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
-from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused
 from dlrm_jax.embedding.exchange.sorting import sort_with_order
 from dlrm_jax.parallel.mesh import AXIS
 
@@ -141,19 +141,14 @@ def sharded_resolve_fused(
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    sent = route_capacity(per_device.size, n)
+    sends = route_capacities(per_device.size, n)
 
-    def resolved(fused, table, hi, lo, valid, step):  # this device's shards' ids among these
+    def resolved(fused, table, hi, lo, valid, step, counts=None):  # this device's shards' ids among these
         first = lax.axis_index(AXIS) * jnp.asarray(per_shards)
         none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
-        return resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn)._replace(
+        return resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn, counts)._replace(
             touched=none, sketch_touched=none
         )
-
-    def owners(hi, lo, valid):  # each id's device (n: padding)
-        table = jnp.asarray(per_device)
-        shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]
-        return jnp.where(valid, shard.astype(jnp.int32) // jnp.asarray(per_shards)[table], n)
 
     def gathered(fused, his, los, valids, step):
         """Every device's ids gathered by every device, each resolving its own shards' ids."""
@@ -198,38 +193,47 @@ def sharded_resolve_fused(
             jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape),
         )
 
-    def routed(fused, hi, lo, valid, step):
-        """Each device's ids sent to their owners in one all-to-all (at most ``sent`` to each
-        owner), resolved there, and their rows sent back in another: a device's work and
-        traffic follow its own ids, not the batch's."""
+    def routed(sent, fused, distinct, step):
+        """Each device's distinct ids (``distinct``: ``resolve.distinct_ids`` of its own, with
+        their owners) sent to their owners with their counts in one all-to-all (at most
+        ``sent`` to each owner), resolved there, and their rows sent back in another: a
+        device's work and traffic follow its own ids, not the batch's."""
+        index, uhi, ulo, utab, occurrences, real, owner = distinct
         me = lax.axis_index(AXIS)
-        table = jnp.asarray(per_device)
-        owner, order = sort_with_order(owners(hi, lo, valid), n + 1)  # by owner, then position
+        owner, order = sort_with_order(owner, n + 1)  # by owner, then position
         first_of = jnp.searchsorted(owner, jnp.arange(n + 1, dtype=jnp.int32)).astype(jnp.int32)
-        rank = jnp.arange(per_device.size, dtype=jnp.int32) - first_of[owner]
-        words = jnp.stack([table, hi.view(jnp.int32), lo.view(jnp.int32), valid.astype(jnp.int32)], 1)[order]
+        rank = jnp.arange(owner.shape[0], dtype=jnp.int32) - first_of[owner]
+        words = jnp.stack([utab, uhi.view(jnp.int32), ulo.view(jnp.int32), occurrences], 1)[order]
         send = jnp.zeros((n, sent, 4), jnp.int32).at[owner, rank].set(words, mode="drop")  # padding: owner n
         got = lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(n * sent, 4)
-        got_table = got[:, 0]
-        out = resolved(fused, got_table, got[:, 1].view(jnp.uint32), got[:, 2].view(jnp.uint32), got[:, 3] > 0, step)
+        got_table, got_count = got[:, 0], got[:, 3]
+        words = (got[:, 1].view(jnp.uint32), got[:, 2].view(jnp.uint32), got_count > 0)
+        out = resolved(fused, got_table, *words, step, got_count)
         shift = (me * jnp.asarray(per_shards) * jnp.asarray(slots))[got_table]
         answers = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, sent)
         back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
         rows = jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1)
-        rows = jnp.zeros(per_device.size, jnp.int32).at[order].set(rows)
+        rows = jnp.zeros(owner.shape[0], jnp.int32).at[order].set(rows)  # of each distinct id
         pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - x.shape[0], fill, x.dtype)])
         fresh = (pad(out.fresh_rows, -1), pad(out.fresh_table, 0), pad(out.fresh_hi, 0), pad(out.fresh_lo, 0))
-        return rows, out.map, fresh, lax.psum(out.stats, AXIS)
+        return rows[jnp.minimum(index, owner.shape[0] - 1)], out.map, fresh, lax.psum(out.stats, AXIS)
 
     def local(fused, his, los, valids, step):
         flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
         hi, lo, valid = flat(his), flat(los), flat(valids)
-        if sent is None:
+        if not sends:
             rows, new_map, fresh, stats = gathered(fused, hi, lo, valid, step)
-        else:  # routed, unless some device has more ids of one owner than it may send
-            most = jnp.max(jax.ops.segment_sum(jnp.ones_like(lo, jnp.int32), owners(hi, lo, valid), n))
-            fits = lax.pmax(most, AXIS) <= sent  # the same branch on every device
-            rows, new_map, fresh, stats = lax.cond(fits, routed, gathered, fused, hi, lo, valid, step)
+        else:  # routed, in the least buffer every device's ids fit, else gathered
+            table = jnp.asarray(per_device)
+            index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
+            shard = id_hash(uhi, ulo) % jnp.asarray(vshards)[utab]
+            owner = jnp.where(real, shard.astype(jnp.int32) // jnp.asarray(per_shards)[utab], n)
+            most = lax.pmax(jnp.max(jax.ops.segment_sum(real.astype(jnp.int32), owner, n)), AXIS)
+            distinct = (index, uhi, ulo, utab, occurrences, real, owner)
+            branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
+            branches.append(lambda d: gathered(fused, hi, lo, valid, step))
+            rows, new_map, fresh, stats = lax.switch(jnp.searchsorted(jnp.asarray(sends), most), branches, distinct)
+            rows = jnp.where(valid, rows, -1)
         mine = [rows[starts[t] : starts[t + 1]] for t in range(len(specs))]
         return mine, new_map, fresh, stats
 
@@ -245,11 +249,16 @@ def sharded_resolve_fused(
     return rows, new_map, FreshRows(*fresh), stats
 
 
-def route_capacity(ids: int, devices: int) -> int | None:
-    """Ids one device may send to one owner when each is routed to its owner (``ids``: a
-    device's ids): twice a fair share and some; None where that saves nothing (few devices)."""
-    sent = 2 * -(-ids // devices) + 64
-    return sent if devices > 1 and sent < ids else None
+def route_capacities(ids: int, devices: int) -> list[int]:
+    """The buffers one device's distinct ids for one owner are routed in (``ids``: a device's
+    ids), least first: twice a fair share of a sixteenth, a quarter and all of them, and some
+    (a batch repeats most ids: a device's distinct ids are often a quarter of them or fewer);
+    none where routing saves nothing (few devices)."""
+    fair = lambda k: 2 * -(-k // devices) + 64
+    full = fair(ids)
+    if devices == 1 or full >= ids:
+        return []
+    return sorted({fair(ids // d) for d in (16, 4) if fair(ids // d) < full} | {full})
 
 
 def own_capacity(total: int, devices: int) -> int:
@@ -264,17 +273,19 @@ def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
     return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
 
 
-def resolution_bytes_per_device(ids_per_step: int, devices: int) -> int:
+def resolution_bytes_per_device(ids_per_step: int, devices: int) -> tuple[int, int]:
     """Bytes a device sends to the others a step resolving the raw ids of the dynamic tables
-    (``ids_per_step``: their ids over the whole batch), as the exchange's plan counts them:
-    routed, each id's table, words and flag (:func:`route_capacity` places for each owner)
-    and the owners' rows back; gathered (one or two devices), every id's words and flag and
-    the rows' max (a ring all-reduce). The per-table counts' sum is left out."""
+    (``ids_per_step``: their ids over the whole batch), as the exchange's plan counts them, at
+    least and at most: routed, each distinct id's table, words and count (in the least of
+    :func:`route_capacities` that holds every device's distinct ids for one owner) and the
+    owners' rows back; gathered (one or two devices), every id's words and flag and the rows'
+    max (a ring all-reduce). The per-table counts' sum is left out."""
     n = devices
-    sent = route_capacity(ids_per_step // n, n)
-    if sent is not None:
-        return (n - 1) * sent * (16 + 4)
-    return (n - 1) * ids_per_step * 12 // n + 2 * (n - 1) * ids_per_step * 4 // n
+    sends = route_capacities(ids_per_step // n, n)
+    if sends:
+        return (n - 1) * sends[0] * (16 + 4), (n - 1) * sends[-1] * (16 + 4)
+    gathered = (n - 1) * ids_per_step * 12 // n + 2 * (n - 1) * ids_per_step * 4 // n
+    return gathered, gathered
 
 
 def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=()) -> str:
@@ -286,12 +297,13 @@ def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, b
     lines = []
     if specs:
         memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
-        wire = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices)
+        least, most = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices)
         per_row = {s.bytes_per_row() for s in specs.values()}
         lines.append(
             f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
             f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
-            f"raw ids resolved: {wire / 2**10:,.1f} KiB a step sent per device"
+            f"raw ids resolved: {least / 2**10:,.1f}-{most / 2**10:,.1f} KiB a step sent per device"
+            " (as many distinct ids as the batch holds)"
         )
     if host:
         memory = sum(map_bytes_per_device(s, 1) for s in host.values())
