@@ -534,3 +534,23 @@ def test_a_peer_that_never_joins_is_named_within_the_bound(tmp_path):
         "within 5 s (--join-timeout): start every process with the same command, or see the missing "
         "one's own output for why it stopped"
     ], p.stderr[-2000:]
+
+
+def test_dynamic_tables_over_two_processes_equal_one_process(tmp_path):
+    """Every smoke table dynamic over 2 processes x 4 devices: each device's distinct raw ids
+    cross processes to their owners and their rows come back (the routed resolution: 128
+    samples x 4 tables a device, more than its largest buffer), and training equals one
+    process of 8 devices in every step's loss, evaluation and the maps' counts."""
+    from dlrm_jax.embedding.dynamic.sharded import route_capacities
+
+    assert route_capacities(1024 // 8 * 4, 8)
+    args = smoke_train(
+        "embedding.ids=dynamic", "embedding.dynamic.vshards=8", "train.batch_size=1024", "train.eval_every=3"
+    )
+    keys = ("step", "loss", "auc", "ids_lookups", "ids_found", "ids_admitted", "ids_held_back", "map_fill")
+    a, b = one_and_more_processes(tmp_path, args, args, lambda d: metrics(d, *keys))
+    assert [x[:1] + x[3:] for x in a] == [x[:1] + x[3:] for x in b]
+    assert a[0][5] > 0 and a[-1][4] > 0  # ids admitted, then found
+    for (_, la, auc_a, *_), (_, lb, auc_b, *_) in zip(a, b, strict=True):
+        assert abs(la - lb) <= 1e-5 * abs(la)
+        assert (auc_a is None) == (auc_b is None) and (auc_a is None or abs(auc_a - auc_b) < 1e-6)
