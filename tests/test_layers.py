@@ -11,6 +11,7 @@ LAYERS = [
     (
         "ids",
         "hashing",
+        "sorting",
         "choices",
         "config_schema",
         "config_renames",

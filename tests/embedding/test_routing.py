@@ -26,8 +26,8 @@ from dlrm_jax.embedding.exchange.routing import (
     send_buffer,
     slot_index,
 )
-from dlrm_jax.embedding.exchange.sorting import packs, sort_with_order
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC, KIND_FIXED
+from dlrm_jax.sorting import packs, sort_with_order
 from tests.helpers import examples
 
 # Jitted, as the exchange runs them: one compilation per example's shapes, where eager calls

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused
-from dlrm_jax.embedding.exchange.sorting import sort_with_order
 from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.sorting import sort_with_order
 
 
 def map_devices(mesh: jax.sharding.Mesh) -> int:

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dlrm_jax.embedding.exchange.sorting import packs, sort_with_order
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 from dlrm_jax.ids import PAD_ID
+from dlrm_jax.sorting import packs, sort_with_order
 
 
 def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from dlrm_jax.embedding.exchange import sums
-from dlrm_jax.embedding.exchange.sorting import sort_with_order
+from dlrm_jax.sorting import sort_with_order
 
 
 class Lookups(NamedTuple):
