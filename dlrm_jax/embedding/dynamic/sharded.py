@@ -5,8 +5,8 @@ Each device sends its ids of every dynamic table to their owners (an id's owner 
 shard, chosen by a hash of it) in one all-to-all; each owner resolves what it received in one
 pass (``resolve.resolve_fused`` with its first shards) and sends the rows back in another, so a
 device's work and traffic follow its own ids. Where that saves nothing (one or two devices) or
-some device has more ids of one owner than it may send (one id throughout its batch, say),
-every device gathers the whole batch's ids instead, resolves those of its own shards, and the
+some device has more distinct ids of one owner than the largest buffer holds, every device
+gathers the whole batch's ids instead, resolves those of its own shards, and the
 rows meet in a max (an id has one owner; every other device says -1). The map on n devices is
 the one-device map cut in n blocks, step by step (idmap's layout), so a run's ids reach the
 same rows on any device count, by either path.
@@ -122,13 +122,14 @@ def sharded_resolve_fused(
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
     devices) in one program and one pass (``resolve.resolve_fused``): routed, each device's
-    ids to their owners and the rows back (at most :func:`route_capacity` ids from one device to
-    one owner); otherwise gathered, every table's ids in one all-gather, resolved by each device
+    distinct ids to their owners and the rows back (in the least of :func:`route_capacities`
+    holding every device's for one owner); otherwise gathered, every table's ids in one all-gather, resolved by each device
     for its own shards and the rows met in one max. Gathered, each device resolves only its own
     shards' ids, moved to the front of a buffer of :func:`own_capacity` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
-    that resolves all of them there instead. Every path gives the same result. Returns (rows per table, shaped and sharded like its ids; the fused maps after the
-    batch; the fresh rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
+    that resolves all of them there instead. Every path gives the same result. Returns (rows
+    per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
+    rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
@@ -150,6 +151,10 @@ def sharded_resolve_fused(
             touched=none, sketch_touched=none
         )
 
+    def owner_of(table, hi, lo):  # each id's device: the one holding its shard
+        shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]
+        return shard.astype(jnp.int32) // jnp.asarray(per_shards)[table]
+
     def gathered(fused, his, los, valids, step):
         """Every device's ids gathered by every device, each resolving its own shards' ids."""
         me = lax.axis_index(AXIS)
@@ -159,8 +164,7 @@ def sharded_resolve_fused(
         hi, lo, valid = every[0].view(jnp.uint32), every[1].view(jnp.uint32), every[2] > 0
         table = jnp.asarray(np.tile(per_device, n))
         first = me * jnp.asarray(per_shards)
-        owner = (id_hash(hi, lo) % jnp.asarray(vshards)[table]).astype(jnp.int32) // jnp.asarray(per_shards)[table]
-        own = valid & (owner == me)
+        own = valid & (owner_of(table, hi, lo) == me)
         run = lambda *a: resolved(fused, *a, step)
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
@@ -198,7 +202,7 @@ def sharded_resolve_fused(
         their owners) sent to their owners with their counts in one all-to-all (at most
         ``sent`` to each owner), resolved there, and their rows sent back in another: a
         device's work and traffic follow its own ids, not the batch's."""
-        index, uhi, ulo, utab, occurrences, real, owner = distinct
+        index, uhi, ulo, utab, occurrences, owner = distinct
         me = lax.axis_index(AXIS)
         owner, order = sort_with_order(owner, n + 1)  # by owner, then position
         first_of = jnp.searchsorted(owner, jnp.arange(n + 1, dtype=jnp.int32)).astype(jnp.int32)
@@ -226,10 +230,9 @@ def sharded_resolve_fused(
         else:  # routed, in the least buffer every device's ids fit, else gathered
             table = jnp.asarray(per_device)
             index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
-            shard = id_hash(uhi, ulo) % jnp.asarray(vshards)[utab]
-            owner = jnp.where(real, shard.astype(jnp.int32) // jnp.asarray(per_shards)[utab], n)
+            owner = jnp.where(real, owner_of(utab, uhi, ulo), n)
             most = lax.pmax(jnp.max(jax.ops.segment_sum(real.astype(jnp.int32), owner, n)), AXIS)
-            distinct = (index, uhi, ulo, utab, occurrences, real, owner)
+            distinct = (index, uhi, ulo, utab, occurrences, owner)
             branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
             branches.append(lambda d: gathered(fused, hi, lo, valid, step))
             rows, new_map, fresh, stats = lax.switch(jnp.searchsorted(jnp.asarray(sends), most), branches, distinct)
