@@ -12,6 +12,7 @@ LAYERS = [
         "ids",
         "hashing",
         "sorting",
+        "chunks",
         "choices",
         "config_schema",
         "config_renames",

@@ -40,9 +40,9 @@ def stream(steps: int, seed: int = 0):
         yield users, valid, items, rng.normal(size=(BATCH, 2, 8)).astype(np.float32)
 
 
-def run(devices: int, optimizer: str, steps: int, reset_sizes=()):
+def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6):
     coll, dyn = tables(devices, optimizer)
-    dyn.reset_sizes = reset_sizes  # () : every reset writes all its entries
+    dyn.reset_chunk = reset_chunk  # (the default: every reset writes all its entries in one chunk)
     key = jax.random.key(3)
     emb, maps = coll.init(key), dyn.init_maps()
 
@@ -72,9 +72,9 @@ def run(devices: int, optimizer: str, steps: int, reset_sizes=()):
 @pytest.mark.parametrize(("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "sgd"), (8, "rowwise_adagrad")])
 def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
     counts = dict.fromkeys(STATS, 0)
-    # the sharded run resets in branches of 1, 2, 4 and 8 entries (as many as its fresh rows
-    # need), the one-device run in one of them all
-    sharded = run(devices, optimizer, 40, reset_sizes=(1, 2, 4, 8))
+    # the sharded run resets its fresh rows 2 at a time (many chunks a step), the one-device
+    # run all of them in one chunk
+    sharded = run(devices, optimizer, 40, reset_chunk=2)
     for t, (got, want) in enumerate(zip(sharded, run(1, optimizer, 40), strict=True)):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=f"pooled, step {t}")
         for a, b in zip(got[1], want[1], strict=True):
@@ -128,7 +128,7 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
     rows ever given to a new id (the maps' changed slots) are zero with the optimizer's
     initial state, every other row is still 7, and every device holds the same."""
     coll, dyn = tables(devices, "sgd")
-    dyn.reset_sizes = (1, 2, 4, 8)  # several branches taken, each gathering that many entries
+    dyn.reset_chunk = 2  # several chunks a step, each gathering 2 entries a device
     wide_specs = [TableSpec(f"w{t}", s.rows, 1, s.bag_size) for t, s in enumerate(SPECS)]
     wide_plan = plan_embeddings(wide_specs, "replicated", devices, "adagrad", BATCH)
     opt = sparse_optimizer("adagrad")

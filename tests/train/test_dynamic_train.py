@@ -192,3 +192,30 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
     assert first["ids_lookups"] == 2 * 64 * 2 and 0 < first["map_fill"] < 1
     on2 = evaluate_run(tmp_path / "whole", ["mesh.devices=2"], **QUIET)
     np.testing.assert_allclose(on2.auc, whole.auc, rtol=1e-6)
+
+
+@pytest.mark.parametrize("devices", [2, 8])
+def test_the_step_copies_no_table_optimizer_state_or_id_map(tiny, devices):
+    """The compiled step with dynamic tables writes its tables, their optimizer state and the
+    id maps where they lie: no copy of any of them (a write inside a switch's branch made XLA
+    copy the array whole every step; ``dlrm_jax/chunks.py``), on 2 devices (the ids gathered)
+    and 8 (routed to their owners). The admission sketches, a fixed size per shard, are left out."""
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+
+    overrides = (f"mesh.devices={devices}", "train.batch_size=512", "embedding.ids=dynamic", *DYNAMIC[1:])
+    cfg = resolve_data_config(tiny(*overrides))
+    source = make_source(cfg)
+    _, fns = build(cfg, make_mesh(devices), source, log=lambda *_: None)
+    state = fns.init_state()
+    hlo = fns.train_step.lower(state, fns.device_batch(source.train_batch(0))).compile().as_text()
+    dtypes = {"float32": "f32", "bfloat16": "bf16", "int32": "s32", "uint32": "u32", "bool": "pred"}
+    spell = lambda x: f"{dtypes[str(x.dtype)]}[{','.join(map(str, x.addressable_shards[0].data.shape))}]"
+    maps = [m._replace(sketch=None) for m in state.maps.values()]
+    held = {spell(x) for x in jax.tree.leaves((state.emb.tables, state.emb.slots, maps))}
+    assert any(s.startswith("u32[") for s in held) and any(s.startswith("f32[") for s in held)
+    copies = [
+        line.strip()
+        for line in hlo.splitlines()
+        if " copy(" in line and "copy(%broadcast" not in line and line.split(" = ")[1].split("{")[0] in held
+    ]  # (a broadcast's copy is a fresh array filled, not one of these)
+    assert not copies, "\n".join(copies)

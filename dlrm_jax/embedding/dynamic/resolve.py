@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlrm_jax.chunks import in_chunks
 from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.hashing import mix32
 
@@ -46,6 +47,7 @@ _FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
 _TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
 _LAST = np.uint32(0xFFFFFFFF)
 _TABLE_SALT = np.uint32(0x9E3779B9)
+WRITE_CHUNK = 4096  # distinct ids whose map rows one pass of the write loop sets
 
 
 class Maps(NamedTuple):
@@ -84,7 +86,8 @@ class Fused(NamedTuple):
     (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]. What the batch wrote
     (a map held on the host keeps it to undo: ``host_maps``): ``touched`` int32 [N], the map
     rows it set (the map's row count: none), ``sketch_touched`` int32 [N * depth], the sketch
-    counters it added to (the sketch's size: none), aging apart."""
+    counters it added to (the sketch's size: none), aging apart. ``writes``: with
+    ``write=False``, what the batch sets in the map (``map`` then holds only the new sketch)."""
 
     rows: jax.Array
     map: IdMap
@@ -95,6 +98,45 @@ class Fused(NamedTuple):
     stats: jax.Array
     touched: jax.Array
     sketch_touched: jax.Array
+    writes: MapWrites | None = None
+
+
+class MapWrites(NamedTuple):
+    """The map rows a batch sets, an entry per distinct id (:func:`write_map`): ``at`` int32
+    [N], the row given to each new id (the map's row count: none); ``seen_at`` and
+    ``seen_count``, the row each id was seen at and its count there (likewise); ``hi``/``lo``,
+    the ids' words; ``count``, int32, the entries that hold an id (the rest are padding)."""
+
+    at: jax.Array
+    seen_at: jax.Array
+    seen_count: jax.Array
+    hi: jax.Array
+    lo: jax.Array
+    count: jax.Array
+
+    def padded(self, n: int, rows: int) -> MapWrites:
+        """The same writes in ``n`` entries (``rows``: the map's row count, the padding's row)."""
+        more = n - self.at.shape[0]
+        grow = lambda x, fill: jnp.concatenate([x, jnp.full(more, fill, x.dtype)])
+        return MapWrites(grow(self.at, rows), grow(self.seen_at, rows), *(grow(x, 0) for x in self[2:5]), self.count)
+
+
+def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
+    """``m`` with the writes ``w`` of the batch at ``step`` made where the map lies, a chunk of
+    entries at a time (``chunks.in_chunks``: a write inside a switch's branch copied the map
+    whole, every step)."""
+    rows = m.used.shape[0]
+
+    def write(m, at, seen_at, seen_count, hi, lo):
+        return m._replace(
+            key_hi=m.key_hi.at[at].set(hi, mode="drop"),
+            key_lo=m.key_lo.at[at].set(lo, mode="drop"),
+            used=m.used.at[at].set(True, mode="drop"),
+            last_seen=m.last_seen.at[seen_at].set(jnp.asarray(step, jnp.int32), mode="drop"),
+            count=m.count.at[seen_at].set(seen_count, mode="drop"),
+        )
+
+    return in_chunks(w[:5], w.count, WRITE_CHUNK, m, write, fill=(rows, rows))
 
 
 def distinct_ids(hi, lo, valid, table, counts=None):
@@ -136,7 +178,7 @@ def distinct_ids(hi, lo, valid, table, counts=None):
 
 
 def resolve_fused(
-    maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True, counts=None
+    maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True, counts=None, write=True
 ) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
@@ -144,7 +186,9 @@ def resolve_fused(
     each table's first shard held here; ids of other shards are left alone (row -1).
     ``learn=False`` (evaluation, serving): the maps are read, not changed: an id without a row
     uses its shard's shared row. ``counts`` (int32 [N]): each entry stands for that many
-    lookups of its id (ids counted where they were looked up), else one. Traceable."""
+    lookups of its id (ids counted where they were looked up), else one. ``write=False``: the
+    map's rows are left to the caller (``Fused.writes``, :func:`write_map`: outside any switch
+    it runs in). Traceable."""
     n = hi.shape[0]
     index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table, counts)
     # The distinct ids come first: the rest of the work runs on the least of a few prefix sizes
@@ -157,9 +201,15 @@ def resolve_fused(
         )
         for k in sizes
     ]
-    distinct_row, new_map, fresh, stats, seen_at, sketch_touched = (
+    distinct_row, at, seen_at, seen_count, sketch, fresh, stats, sketch_touched = (
         branches[0]() if len(sizes) == 1 else lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), branches)
     )
+    # The map is written here, not in the branches (a switch's results are buffers of their
+    # own: a map written in a branch was copied whole, every step).
+    writes = MapWrites(at, seen_at, seen_count, uhi, ulo, count)
+    new_map = m._replace(sketch=sketch)
+    if learn and write:
+        new_map = write_map(new_map, writes, step)
     rows = jnp.where(index < n, distinct_row[jnp.clip(index, 0, n - 1)], -1)
     return Fused(
         rows,
@@ -171,18 +221,22 @@ def resolve_fused(
         stats,
         seen_at,
         sketch_touched,
+        None if write else writes,
     )
 
 
 def distinct_sizes(n: int) -> list[int]:
-    """The prefix sizes a resolution of ``n`` ids is compiled for: a sixteenth, a quarter, all."""
-    return sorted({k for k in (n // 16, n // 4) if k >= 256} | {n})
+    """The prefix sizes a resolution of ``n`` ids is compiled for: a sixteenth, a quarter, a
+    half, all (stream's batches of 1,024 hold 28% distinct ids; of 8,192, 15%)."""
+    return sorted({k for k in (n // 16, n // 4, n // 2) if k >= 256} | {n})
 
 
 def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn):
     """:func:`resolve_fused` past the dedup, on the first ``k`` distinct ids (every one of
-    them): each one's row ([n], -1 past k), the maps after the batch, the fresh rows' entries
-    ([n, 4], first), the counts, and what the batch wrote ([n] and [n * depth] or [0])."""
+    them): each one's row ([n], -1 past k); the map rows given to each ([n], the map's row
+    count past k or where none), the rows each was seen at (the same) and their counts; the
+    sketch after the batch; the fresh rows' entries ([n, 4], first), the counts, and the sketch
+    counters added to ([n * depth] or [0])."""
     specs, rows_n = maps.specs, m.used.shape[0]
     # Each distinct id's table's settings, in one gather of a [tables, 10] array.
     columns = [
@@ -212,7 +266,8 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
     p = jnp.arange(probes)
     in_probes = p[None, :] < probes_of[:, None]  # [U, P]: tables probe differently far
     shard_base = base + local * slots
-    probe = shard_base[:, None] + 1 + (home[:, None] + p) % (slots - 1)[:, None]
+    wrap = (home[:, None] + p) - (slots - 1)[:, None]  # past the shard's last slot: back to slot 1
+    probe = shard_base[:, None] + 1 + jnp.where(wrap >= 0, wrap, wrap + (slots - 1)[:, None])  # (no division)
     used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
     match = in_probes & used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
     found = real & jnp.any(match, axis=1)
@@ -268,18 +323,12 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
         _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
-    evicted = won & m.used[jnp.clip(placed, 0)]
+    # (from the probes' flags read before the map is written: a read of the map after it would copy it)
+    evicted = won & jnp.any(used & (probe == placed[:, None]), axis=1)
 
     seen_at = jnp.where(found, found_row, at)
     kept = jnp.where(found, jnp.take_along_axis(decayed, found_at, axis=1)[:, 0], 0)
-    new_map = IdMap(
-        m.key_hi.at[at].set(uhi, mode="drop"),
-        m.key_lo.at[at].set(ulo, mode="drop"),
-        m.used.at[at].set(True, mode="drop"),
-        m.last_seen.at[seen_at].set(jnp.asarray(step, jnp.int32), mode="drop"),
-        m.count.at[seen_at].set(jnp.where(found, kept + occurrences, estimate), mode="drop"),
-        sketch,
-    )
+    seen_count = jnp.where(found, kept + occurrences, estimate)
     fused_row = jnp.where(found, found_row, jnp.where(won, placed, shard_base))
     distinct_row = jnp.where(real, fused_row - base, -1)  # the table's own numbering
     per_id = [
@@ -298,10 +347,12 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
     depth = sketch_touched.shape[0] // k
     return (
         pad(distinct_row, -1, n),
-        new_map if learn else m,
+        pad(at, rows_n, n),
+        pad(seen_at, rows_n, n),
+        pad(seen_count, 0, n),
+        sketch,
         fresh,
         stats,
-        pad(seen_at, rows_n, n),
         pad(sketch_touched, m.sketch.shape[0], n * depth),
     )
 

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
-from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused
+from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
 from dlrm_jax.parallel.mesh import AXIS
 from dlrm_jax.sorting import sort_with_order
 
@@ -144,12 +144,16 @@ def sharded_resolve_fused(
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     sends = route_capacities(per_device.size, n)
 
-    def resolved(fused, table, hi, lo, valid, step, counts=None):  # this device's shards' ids among these
+    rows_n = int(sum(layout.row_sizes))  # a device's rows of the fused map
+
+    def resolved(fused, table, hi, lo, valid, step, counts=None):
+        """This device's shards' ids among these resolved, the map's rows left unwritten: their
+        writes come back in ``total`` entries (every path's alike) and ``local`` makes them
+        after the switch among the paths (a map written inside it was copied whole)."""
         first = lax.axis_index(AXIS) * jnp.asarray(per_shards)
         none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
-        return resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn, counts)._replace(
-            touched=none, sketch_touched=none
-        )
+        out = resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn, counts, write=False)
+        return out._replace(touched=none, sketch_touched=none, writes=out.writes.padded(total, rows_n))
 
     def owner_of(table, hi, lo):  # each id's device: the one holding its shard
         shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]
@@ -192,7 +196,7 @@ def sharded_resolve_fused(
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
         return (
             met[me, : rows.shape[1]],
-            out.map,
+            (out.map.sketch, out.writes),
             fresh,
             jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape),
         )
@@ -220,13 +224,14 @@ def sharded_resolve_fused(
         rows = jnp.zeros(owner.shape[0], jnp.int32).at[order].set(rows)  # of each distinct id
         pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - x.shape[0], fill, x.dtype)])
         fresh = (pad(out.fresh_rows, -1), pad(out.fresh_table, 0), pad(out.fresh_hi, 0), pad(out.fresh_lo, 0))
-        return rows[jnp.minimum(index, owner.shape[0] - 1)], out.map, fresh, lax.psum(out.stats, AXIS)
+        changed = (out.map.sketch, out.writes)
+        return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS)
 
     def local(fused, his, los, valids, step):
         flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
         hi, lo, valid = flat(his), flat(los), flat(valids)
         if not sends:
-            rows, new_map, fresh, stats = gathered(fused, hi, lo, valid, step)
+            rows, changed, fresh, stats = gathered(fused, hi, lo, valid, step)
         else:  # routed, in the least buffer every device's ids fit, else gathered
             table = jnp.asarray(per_device)
             index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
@@ -235,8 +240,10 @@ def sharded_resolve_fused(
             distinct = (index, uhi, ulo, utab, occurrences, owner)
             branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
             branches.append(lambda d: gathered(fused, hi, lo, valid, step))
-            rows, new_map, fresh, stats = lax.switch(jnp.searchsorted(jnp.asarray(sends), most), branches, distinct)
+            rows, changed, fresh, stats = lax.switch(jnp.searchsorted(jnp.asarray(sends), most), branches, distinct)
             rows = jnp.where(valid, rows, -1)
+        sketch, writes = changed
+        new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
         mine = [rows[starts[t] : starts[t + 1]] for t in range(len(specs))]
         return mine, new_map, fresh, stats
 

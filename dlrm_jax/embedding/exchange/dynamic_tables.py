@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.chunks import in_chunks
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
 from dlrm_jax.embedding.dynamic.sharded import (
     FreshRows,
@@ -31,13 +32,14 @@ from dlrm_jax.embedding.dynamic.sharded import (
     split_maps,
 )
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.common import varying
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.hot.index import split_hot
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
 
-RESET_SIZES = tuple(2**k for k in range(8, 20))  # the entries a reset writes: the least of these that holds its rows
+RESET_CHUNK = 512  # fresh rows a reset writes at a time
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
 
 
@@ -76,7 +78,7 @@ class DynamicTables:
             out_shardings={self._names[t]: self.map_sharding for t in self.maps},
         )
         self._join = jax.jit(lambda ms: fuse_maps(specs, n, ms), out_shardings=self.map_sharding)
-        self.reset_sizes = RESET_SIZES
+        self.reset_chunk = RESET_CHUNK
         bags = [tp.spec.bag_size for tp in collection.plan.tables]
         self._starts = np.cumsum([0, *bags])  # each feature's first slot in a batch's ids
 
@@ -140,13 +142,11 @@ class DynamicTables:
             out[t], at = (hi, lo, ids != PAD_ID), at + bag
         return out
 
-    def _sized(self, rows: jax.Array, count: jax.Array, write):
-        """``write(k)`` of the first k fresh entries, k the least size of RESET_SIZES holding
-        ``count`` of them (or all ``rows``): most steps of a filled map give out few rows; one
-        compiled branch a size, at most twice the work. Inside shard_map."""
-        total = rows.shape[0]
-        sizes = [k for k in self.reset_sizes if k < total] + [total]
-        return lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), [lambda k=k: write(k) for k in sizes])
+    def _in_chunks(self, parts: tuple, count: jax.Array, carry, write):
+        """``chunks.in_chunks`` of the fresh entries ``parts`` ((rows, table, hi, lo) [N]; row -1:
+        padding), ``reset_chunk`` at a time: the tables updated in place, the work following
+        the fresh rows (most steps of a filled map give out few). Inside shard_map."""
+        return in_chunks(parts, count, self.reset_chunk, carry, write, fill=(-1,))
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
@@ -201,9 +201,15 @@ class DynamicTables:
 
         def local(arrays, slots, hot_state, rows, table, hi, lo, *given):
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
-            arrays, slots, found = self._sized(
-                rows, jnp.sum(rows >= 0), lambda k: reset(arrays, slots, index, rows[:k], table[:k], hi[:k], lo[:k])
-            )
+            n_hot = 0 if hot is None or hot_found is not None else hot.values.shape[0]
+
+            def write(carry, *chunk):  # each hot slot is found by one entry at most: a sum gathers them
+                arrays, slots, found = carry
+                arrays, slots, more = reset(arrays, slots, index, *chunk)
+                return arrays, slots, found + more
+
+            carry = (arrays, slots, varying(jnp.zeros((n_hot, 4), jnp.int32)))  # (each device finds its own)
+            arrays, slots, found = self._in_chunks((rows, table, hi, lo), jnp.sum(rows >= 0), carry, write)
             if hot_state is None:
                 return arrays, slots, hot_state
             # every hot slot given a new id this step, on every device
@@ -237,7 +243,8 @@ class DynamicTables:
         this one's dynamic table t (Wide&Deep's wide part: one weight per row); ``state`` with
         the rows ``fresh`` gave to new ids set to zero (as that part starts) and their optimizer
         state to its initial state, on every device. Each device's fresh rows are gathered
-        from all (as many entries as the device with the most has: :meth:`_sized`). Traceable: call it inside the step, after :meth:`resolve`."""
+        from all, a chunk at a time (:meth:`_in_chunks`, as many chunks as the device with the most
+        needs). Traceable: call it inside the step, after :meth:`resolve`."""
         n, opt = map_devices(self.mesh), collection.optimizer
         tables = list(self.maps)  # fresh.table indexes these
         placed = {}
@@ -273,8 +280,9 @@ class DynamicTables:
             return arrays, slots
 
         def local(arrays, slots, rows, table):
-            most = lax.pmax(jnp.sum(rows >= 0), AXIS)  # the same branch on every device
-            return self._sized(rows, most, lambda k: reset(arrays, slots, rows[:k], table[:k]))
+            most = lax.pmax(jnp.sum(rows >= 0), AXIS)  # as many chunks on every device (each meets in a sum)
+            write = lambda carry, rows, table, *_: reset(*carry, rows, table)
+            return self._in_chunks((rows, table, rows, rows), most, (arrays, slots), write)
 
         everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
         arrays = {g: state.tables[g] for g in groups}
@@ -297,7 +305,7 @@ class CachedDynamicTables(DynamicTables):
 
     def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
         self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
-        self.reset_sizes = RESET_SIZES
+        self.reset_chunk = RESET_CHUNK
         self._where = {}
         for t in self.maps:
             name = collection.plan.tables[t].spec.name
