@@ -93,7 +93,7 @@ class _Case:
                 f: (hi[:, f : f + 1], lo[:, f : f + 1], jnp.ones_like(hi[:, f : f + 1], bool))
                 for f in range(hi.shape[1])
             }
-            emb, maps, ids, stats, _ = self.dyn.resolve(emb, maps, raw, ids, step, self.key, learn)
+            emb, maps, ids, stats, *_ = self.dyn.resolve(emb, maps, raw, ids, step, self.key, learn)
         return emb, maps, ids, stats
 
     def _logits(self, params, dense, pooled):

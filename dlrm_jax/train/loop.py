@@ -164,8 +164,11 @@ class TrainingLoop:
         self.t, self.driver, self.steps = train, driver, driver.steps
         self.ckpts, self.metrics, self.progress, self.log = ckpts, metrics, progress, log
         self.plan_json = plan.to_json()
-        # per device and step, at the compiled capacities
+        # per device and step, at the compiled capacities; the dynamic tables' raw ids by the
+        # path each step's resolution took
         self.sent = collective_bytes(plan, self.steps.collection.table_copies)
+        dynamic = self.steps.dynamic
+        self.route_bytes = dynamic.resolution_paths(train.batch_size) if dynamic is not None else []
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.window_cpu = 0.0
@@ -214,6 +217,20 @@ class TrainingLoop:
         self.bar.update(1)
         return state
 
+    def _sent_bytes(self) -> dict:
+        """``a2a_bytes``, ``allreduce_bytes``, ``allgather_bytes``: per device and step, the
+        embeddings' at the compiled capacities and the raw ids' resolution as the window's
+        steps took it (a mean over them)."""
+        sent = dict(self.sent)
+        routes = self.watch.take_id_routes()
+        for path, steps in routes.items():
+            for kind, size in self.route_bytes[path].items():
+                sent[kind] += size * steps / sum(routes.values())
+        return {
+            f"{k}_bytes": sent[c]
+            for k, c in (("a2a", "all-to-all"), ("allreduce", "all-reduce"), ("allgather", "all-gather"))
+        }
+
     def window_event(self, step: int, state: TrainState) -> dict:
         """Every step up to here checked (before anything is saved), and the window's event."""
         while self.pending:
@@ -235,9 +252,7 @@ class TrainingLoop:
             "learning_rate": float(self.steps.schedule(step - 1)),
             "exchange_overflows": overflows,
             "hot_hit_rate": hit_rate,
-            "a2a_bytes": self.sent["all-to-all"],
-            "allreduce_bytes": self.sent["all-reduce"],
-            "allgather_bytes": self.sent["all-gather"],
+            **self._sent_bytes(),
             "dispatch_ms": 1e3 * dispatch_cpu_s / max(window_steps, 1),
         }
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))

@@ -165,13 +165,14 @@ class StepFunctions:
     def _rows_of(self, state: TrainState, batch: Batch | RawBatch, learn: bool) -> tuple[TrainState, Batch, dict]:
         """With dynamic tables, the batch's raw ids through their maps: (the state with the
         maps after the batch and the rows given to new ids reset, the batch with rows for
-        ids, ``{"id_map_counts"}``: the maps' counts summed over the tables, int32 in
-        ``embedding.dynamic.idmap.STATS`` order). ``learn=False``: the maps are read only
+        ids, ``{"id_map_counts", "id_route"}``: the maps' counts summed over the tables, int32 in
+        ``embedding.dynamic.idmap.STATS`` order, and the path the resolution took, an index into
+        ``DynamicTables.resolution_paths``). ``learn=False``: the maps are read only
         (evaluation). Without dynamic tables: all unchanged."""
         if self.dynamic is None:
             return state, batch, {}
         raw = self.dynamic.raw_ids(batch.ids, getattr(batch, "raw", None))
-        emb, maps, ids, stats, fresh = self.dynamic.resolve(
+        emb, maps, ids, stats, fresh, path = self.dynamic.resolve(
             state.emb, state.maps, raw, batch.ids, state.step, self.embedding_key(), learn
         )
         parts = state.parts
@@ -184,7 +185,7 @@ class StepFunctions:
             }
         counts = jnp.stack([sum(s[k] for s in stats.values()) for k in STATS])
         new_state = state._replace(emb=emb, maps=maps, parts=parts)
-        return new_state, Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts}
+        return new_state, Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts, "id_route": path}
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import jax
@@ -27,6 +28,7 @@ class LossWatch:
         self.total, self.steps, self.overflows = 0.0, 0, 0
         self.hot_hits, self.lookups = 0, 0
         self.id_maps = np.zeros(len(STATS), np.int64)
+        self.id_routes = collections.Counter()  # steps by the resolution's path
 
     def add(self, step: int, out) -> None:
         loss = host_scalar(out["loss"])  # waits for that step only
@@ -35,8 +37,12 @@ class LossWatch:
         self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
         self.total, self.steps = self.total + loss, self.steps + 1
         self.overflows += int(host_scalar(out["exchange_overflows"]))
-        if "id_map_counts" in out:
-            self.id_maps += np.asarray(out["id_map_counts"].addressable_data(0))
+        if "id_map_counts" in out:  # (fetched together)
+            counts, route = jax.device_get(
+                (out["id_map_counts"].addressable_data(0), out["id_route"].addressable_data(0))
+            )
+            self.id_maps += counts
+            self.id_routes[int(route)] += 1
         if "host_id_map_counts" in out:  # tiered dynamic tables' maps, on the host
             self.id_maps += out["host_id_map_counts"]
         if "hot_counts" in out:
@@ -70,6 +76,12 @@ class LossWatch:
         if not counts["lookups"]:
             return {}
         return {f"ids_{k}": v for k, v in counts.items()} | {"ids_found_rate": counts["found"] / counts["lookups"]}
+
+    def take_id_routes(self) -> dict[int, int]:
+        """Steps since the last call by the path their raw ids were resolved on (an index into
+        ``DynamicTables.resolution_paths``; empty without dynamic tables on the devices)."""
+        out, self.id_routes = dict(self.id_routes), collections.Counter()
+        return out
 
     def take_window(self) -> tuple[float, int, int, float]:
         """(mean loss, steps, exchange overflows, hot hit rate) of the steps since the last call."""

@@ -17,6 +17,7 @@ from dlrm_jax.embedding.dynamic.resolve import resolve
 from dlrm_jax.embedding.dynamic.sharded import (
     own_capacity,
     resolution_bytes_per_device,
+    resolution_paths,
     route_capacities,
     sharded_resolve,
     sharded_resolve_many,
@@ -146,3 +147,7 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs():
     branch = lambda k: (devices - 1) * k * (16 + 4)
     assert len(sends) == 3 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
     assert resolution_bytes_per_device(batch * sum(bags), devices) == (branch(sends[0]), branch(sends[-1]))
+    # each path's bytes as training's events count them: the routed buffers, then the gathered fallback
+    paths = resolution_paths(batch * sum(bags), devices)
+    assert [p["all-to-all"] for p in paths[:-1]] == [branch(k) for k in sends]
+    assert paths[-1]["all-gather"] == hlo_collective_bytes(hlo, devices)["all-gather"]

@@ -49,7 +49,7 @@ def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6):
     @jax.jit
     def step(emb, maps, hi, lo, valid, items, target, step_no):
         ids = jnp.concatenate([jnp.zeros((BATCH, 2), jnp.int32), items], axis=1)
-        emb, maps, ids, stats, _ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        emb, maps, ids, stats, *_ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
         pooled, res = coll.lookup(emb, ids)
         grad = 2.0 * (pooled - target) / BATCH
         return coll.apply_gradients(emb, res, grad, jnp.float32(0.1)), maps, pooled, stats[0]
@@ -102,7 +102,7 @@ def test_a_fresh_row_starts_as_its_ids_own_vector_and_state():
         hi, lo = split_ids(np.array([[7, 7]] * BATCH, np.uint64))
         ids = jnp.zeros((BATCH, 3), jnp.int32)
         put = lambda x: jax.device_put(x, coll.batch_sharding)  # noqa: B023
-        emb, maps, ids, _, _ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
+        emb, maps, ids, *_ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
             emb, maps, {0: (put(hi), put(lo), put(np.ones((BATCH, 2), bool)))}, put(ids)
         )
         row = int(ids[0, 0])
@@ -142,7 +142,7 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
     @jax.jit
     def step(emb, maps, state, hi, lo, valid, step_no):
         ids = jnp.zeros((BATCH, 3), jnp.int32)
-        emb, maps, _, _, fresh = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        emb, maps, _, _, fresh, _ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
         return emb, maps, dyn.reset_replicated(wide, state, fresh)
 
     put = lambda x: jax.device_put(x, coll.batch_sharding)

@@ -13,6 +13,7 @@ import tensorstore as ts
 
 from dlrm_jax.config import ConfigError
 from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.embedding.plan.stats import collective_bytes
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
 from dlrm_jax.train.export import export_run
@@ -44,7 +45,7 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
     resumed = train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
-    _, steps8 = build(cfg, make_mesh(8), SyntheticSource(cfg))
+    plan8, steps8 = build(cfg, make_mesh(8), SyntheticSource(cfg))
     a, b = (by_table(steps8, final_state(cfg, tmp_path / d, SyntheticSource(cfg))) for d in ("whole", "cut"))
     assert set(a.maps) == {"cat_0", "cat_2"}
     assert int(np.asarray(a.maps["cat_0"].used).sum()) > 0
@@ -56,6 +57,11 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
     assert first["ids_lookups"] == 2 * 64 * 2  # two steps of 64 samples, one id in each of two tables
     assert 0 < first["ids_admitted"] and first["ids_held_back"] > 0 and 0 < first["map_fill"] < 1
     assert first["ids_found_rate"] == first["ids_found"] / first["ids_lookups"]
+    # what the raw ids' resolution sends is in the bytes: 8 ids a device, gathered (no route pays)
+    (gathered,) = steps8.dynamic.resolution_paths(64)
+    sent = collective_bytes(plan8, steps8.collection.table_copies)
+    assert first["allgather_bytes"] == sent["all-gather"] + gathered["all-gather"] > 0
+    assert first["allreduce_bytes"] == sent["all-reduce"] + gathered["all-reduce"]
     assert events[-1]["hot_hit_rate"] > 0
     hot_tables = np.asarray(a.emb.hot.keys)[0]  # the last refresh made rows of the dynamic tables hot
     assert {0, 2} & set(hot_tables.tolist()), hot_tables

@@ -69,7 +69,7 @@ def sharded_resolve_many(
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
-    rows, fused, fresh, stats = sharded_resolve_fused(specs, mesh, fuse_maps(specs, n, maps), ids, step, learn)
+    rows, fused, fresh, stats, _ = sharded_resolve_fused(specs, mesh, fuse_maps(specs, n, maps), ids, step, learn)
     new_maps = split_maps(specs, n, fused)
 
     def masks(rows, table):
@@ -129,7 +129,8 @@ def sharded_resolve_fused(
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
     that resolves all of them there instead. Every path gives the same result. Returns (rows
     per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
-    rows; the counts, int32 [tables, len(STATS)] summed over the devices)."""
+    rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
+    int32, an index into :func:`resolution_paths`)."""
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
@@ -232,6 +233,7 @@ def sharded_resolve_fused(
         hi, lo, valid = flat(his), flat(los), flat(valids)
         if not sends:
             rows, changed, fresh, stats = gathered(fused, hi, lo, valid, step)
+            path = jnp.int32(0)
         else:  # routed, in the least buffer every device's ids fit, else gathered
             table = jnp.asarray(per_device)
             index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
@@ -240,23 +242,24 @@ def sharded_resolve_fused(
             distinct = (index, uhi, ulo, utab, occurrences, owner)
             branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
             branches.append(lambda d: gathered(fused, hi, lo, valid, step))
-            rows, changed, fresh, stats = lax.switch(jnp.searchsorted(jnp.asarray(sends), most), branches, distinct)
+            path = jnp.searchsorted(jnp.asarray(sends), most).astype(jnp.int32)  # alike on every device
+            rows, changed, fresh, stats = lax.switch(path, branches, distinct)
             rows = jnp.where(valid, rows, -1)
         sketch, writes = changed
         new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
         mine = [rows[starts[t] : starts[t + 1]] for t in range(len(specs))]
-        return mine, new_map, fresh, stats
+        return mine, new_map, fresh, stats, path
 
     map_spec = IdMap(*(P(AXIS),) * 6)
     k = len(specs)
-    mine, new_map, fresh, stats = jax.shard_map(
+    mine, new_map, fresh, stats, path = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(map_spec, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
-        out_specs=([P(AXIS)] * k, map_spec, (P(AXIS),) * 4, P()),
+        out_specs=([P(AXIS)] * k, map_spec, (P(AXIS),) * 4, P(), P()),
     )(maps, *([x[j] for x in ids] for j in range(3)), step)
     rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
-    return rows, new_map, FreshRows(*fresh), stats
+    return rows, new_map, FreshRows(*fresh), stats, path
 
 
 def route_capacities(ids: int, devices: int) -> list[int]:
@@ -283,19 +286,27 @@ def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
     return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
 
 
-def resolution_bytes_per_device(ids_per_step: int, devices: int) -> tuple[int, int]:
+def resolution_paths(ids_per_step: int, devices: int) -> list[dict[str, int]]:
     """Bytes a device sends to the others a step resolving the raw ids of the dynamic tables
-    (``ids_per_step``: their ids over the whole batch), as the exchange's plan counts them, at
-    least and at most: routed, each distinct id's table, words and count (in the least of
-    :func:`route_capacities` that holds every device's distinct ids for one owner) and the
-    owners' rows back; gathered (one or two devices), every id's words and flag and the rows'
-    max (a ring all-reduce). The per-table counts' sum is left out."""
+    (``ids_per_step``: their ids over the whole batch), by collective, on each path a step may
+    take, in the order :func:`sharded_resolve_fused` numbers them: routed, in each buffer of
+    :func:`route_capacities` (each distinct id's table, words and count out, its row back),
+    then gathered (every id's words and flag; the rows met in a max, a ring all-reduce). The
+    per-table counts' sum and the one max choosing the path are left out."""
     n = devices
-    sends = route_capacities(ids_per_step // n, n)
-    if sends:
-        return (n - 1) * sends[0] * (16 + 4), (n - 1) * sends[-1] * (16 + 4)
-    gathered = (n - 1) * ids_per_step * 12 // n + 2 * (n - 1) * ids_per_step * 4 // n
-    return gathered, gathered
+    routed = [{"all-to-all": (n - 1) * k * (16 + 4)} for k in route_capacities(ids_per_step // n, n)]
+    return [
+        *routed,
+        {"all-gather": (n - 1) * ids_per_step * 12 // n, "all-reduce": 2 * (n - 1) * ids_per_step * 4 // n},
+    ]
+
+
+def resolution_bytes_per_device(ids_per_step: int, devices: int) -> tuple[int, int]:
+    """The least and most bytes of :func:`resolution_paths` a device sends a step: of the routed
+    paths (the gathered one is their fallback), or the gathered one where none is routed."""
+    paths = resolution_paths(ids_per_step, devices)
+    totals = [sum(p.values()) for p in paths[:-1] or paths]
+    return totals[0], totals[-1]
 
 
 def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=()) -> str:

@@ -28,6 +28,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
     check_split,
     fuse_maps,
     map_devices,
+    resolution_paths,
     sharded_resolve_fused,
     split_maps,
 )
@@ -112,10 +113,11 @@ class DynamicTables:
         """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
         feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
-        counts per table, the fresh rows: for :meth:`reset_replicated`). ``learn=False``
+        counts per table, the fresh rows: for :meth:`reset_replicated`, the resolution's path:
+        an index into :meth:`resolution_paths`). ``learn=False``
         (evaluation): the maps are read, nothing is reset. Traceable: call it inside the step."""
         tables, starts = list(self.maps), self._starts
-        rows, fused, fresh, counts = sharded_resolve_fused(
+        rows, fused, fresh, counts, path = sharded_resolve_fused(
             [self.maps[t] for t in tables], self.mesh, maps[FUSED], [raw[t] for t in tables], step, learn
         )
         if learn:
@@ -124,7 +126,13 @@ class DynamicTables:
         for t, r in zip(tables, rows, strict=True):
             ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, r.astype(ids_bs.dtype), int(starts[t]), axis=1)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
-        return emb, maps, ids_bs, stats, fresh
+        return emb, maps, ids_bs, stats, fresh, path
+
+    def resolution_paths(self, batch: int) -> list[dict[str, int]]:
+        """Bytes a device sends a step resolving a global ``batch``'s raw ids, by collective, on
+        each path :meth:`resolve` may take (``sharded.resolution_paths``)."""
+        ids = batch * sum(int(self._starts[t + 1] - self._starts[t]) for t in self.maps)
+        return resolution_paths(ids, map_devices(self.mesh))
 
     def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> dict:
         """{table: (hi, lo, valid)} of the dynamic tables from a batch: ``raw`` uint32 [B, 2, R]
