@@ -14,20 +14,19 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def in_chunks(parts, count, size: int, carry, write, fill=()):
+def in_chunks(parts, count, size: int, carry, write):
     """``carry`` after ``write(carry, *chunk)`` over the first ``count`` (traced) entries of
-    ``parts`` (arrays of one length N), ``size`` at a time: chunks of ``size`` entries of each
-    part, the last one padded past N with ``fill`` (one value per part, default 0). Traceable;
-    inside shard_map, a ``write`` whose chunks meet in a collective needs ``count`` alike on
-    every device."""
+    ``parts`` (arrays of one length N), ``size`` at a time. The last chunk ends at N (no
+    padding copied each step): it may hold entries an earlier chunk held, so ``write`` must
+    give the same result for an entry written twice (a set, not an add). Traceable; inside
+    shard_map, a ``write`` whose chunks meet in a collective needs ``count`` alike on every
+    device."""
     total = parts[0].shape[0]
     size = max(1, min(size, total))
-    fill = tuple(fill) + (0,) * (len(parts) - len(fill))
-    pad = -total % size
-    parts = [jnp.concatenate([p, jnp.full(pad, f, p.dtype)]) if pad else p for p, f in zip(parts, fill, strict=True)]
 
     def body(c):
         i, carry = c
-        return i + 1, write(carry, *(lax.dynamic_slice_in_dim(p, i * size, size) for p in parts))
+        start = jnp.minimum(i * size, total - size)
+        return i + 1, write(carry, *(lax.dynamic_slice_in_dim(p, start, size) for p in parts))
 
     return lax.while_loop(lambda c: c[0] * size < count, body, (jnp.int32(0), carry))[1]

@@ -125,7 +125,6 @@ def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
     """``m`` with the writes ``w`` of the batch at ``step`` made where the map lies, a chunk of
     entries at a time (``chunks.in_chunks``: a write inside a switch's branch copied the map
     whole, every step)."""
-    rows = m.used.shape[0]
 
     def write(m, at, seen_at, seen_count, hi, lo):
         return m._replace(
@@ -136,7 +135,7 @@ def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
             count=m.count.at[seen_at].set(seen_count, mode="drop"),
         )
 
-    return in_chunks(w[:5], w.count, WRITE_CHUNK, m, write, fill=(rows, rows))
+    return in_chunks(w[:5], w.count, WRITE_CHUNK, m, write)  # (each entry sets: written twice, the same)
 
 
 def distinct_ids(hi, lo, valid, table, counts=None):

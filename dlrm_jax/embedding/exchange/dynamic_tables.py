@@ -152,9 +152,9 @@ class DynamicTables:
 
     def _in_chunks(self, parts: tuple, count: jax.Array, carry, write):
         """``chunks.in_chunks`` of the fresh entries ``parts`` ((rows, table, hi, lo) [N]; row -1:
-        padding), ``reset_chunk`` at a time: the tables updated in place, the work following
+        none), ``reset_chunk`` at a time (a reset written twice is the same reset): the tables updated in place, the work following
         the fresh rows (most steps of a filled map give out few). Inside shard_map."""
-        return in_chunks(parts, count, self.reset_chunk, carry, write, fill=(-1,))
+        return in_chunks(parts, count, self.reset_chunk, carry, write)
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
@@ -211,10 +211,10 @@ class DynamicTables:
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
             n_hot = 0 if hot is None or hot_found is not None else hot.values.shape[0]
 
-            def write(carry, *chunk):  # each hot slot is found by one entry at most: a sum gathers them
+            def write(carry, *chunk):  # each hot slot is found by one entry at most (perhaps twice over)
                 arrays, slots, found = carry
                 arrays, slots, more = reset(arrays, slots, index, *chunk)
-                return arrays, slots, found + more
+                return arrays, slots, jnp.where(more[:, :1] > 0, more, found) if n_hot else found
 
             carry = (arrays, slots, varying(jnp.zeros((n_hot, 4), jnp.int32)))  # (each device finds its own)
             arrays, slots, found = self._in_chunks((rows, table, hi, lo), jnp.sum(rows >= 0), carry, write)
