@@ -145,8 +145,6 @@ def sharded_resolve_fused(
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     sends = route_capacities(per_device.size, n)
 
-    rows_n = int(sum(layout.row_sizes))  # a device's rows of the fused map
-
     def resolved(fused, table, hi, lo, valid, step, counts=None):
         """This device's shards' ids among these resolved, the map's rows left unwritten: their
         writes come back in ``total`` entries (every path's alike) and ``local`` makes them
@@ -154,7 +152,7 @@ def sharded_resolve_fused(
         first = lax.axis_index(AXIS) * jnp.asarray(per_shards)
         none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
         out = resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn, counts, write=False)
-        return out._replace(touched=none, sketch_touched=none, writes=out.writes.padded(total, rows_n))
+        return out._replace(touched=none, sketch_touched=none, writes=out.writes.padded(total, fused.used.shape[0]))
 
     def owner_of(table, hi, lo):  # each id's device: the one holding its shard
         shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]

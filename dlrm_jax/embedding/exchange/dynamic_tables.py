@@ -151,9 +151,10 @@ class DynamicTables:
         return out
 
     def _in_chunks(self, parts: tuple, count: jax.Array, carry, write):
-        """``chunks.in_chunks`` of the fresh entries ``parts`` ((rows, table, hi, lo) [N]; row -1:
-        none), ``reset_chunk`` at a time (a reset written twice is the same reset): the tables updated in place, the work following
-        the fresh rows (most steps of a filled map give out few). Inside shard_map."""
+        """``chunks.in_chunks`` of fresh entries (``parts``: rows first, -1 where none, then
+        what else ``write`` takes, each [N]), ``reset_chunk`` at a time (a row reset twice is
+        reset once): the tables updated in place, the work following the fresh rows (most steps
+        of a filled map give out few). Inside shard_map."""
         return in_chunks(parts, count, self.reset_chunk, carry, write)
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
@@ -289,8 +290,8 @@ class DynamicTables:
 
         def local(arrays, slots, rows, table):
             most = lax.pmax(jnp.sum(rows >= 0), AXIS)  # as many chunks on every device (each meets in a sum)
-            write = lambda carry, rows, table, *_: reset(*carry, rows, table)
-            return self._in_chunks((rows, table, rows, rows), most, (arrays, slots), write)
+            write = lambda carry, rows, table: reset(*carry, rows, table)
+            return self._in_chunks((rows, table), most, (arrays, slots), write)
 
         everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
         arrays = {g: state.tables[g] for g in groups}
