@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlrm_jax import sorting
 from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.embedding.exchange import routing
 from dlrm_jax.embedding.exchange.routing import (
@@ -374,19 +375,20 @@ def test_distinct_by_share_is_each_shares_distinct_values(batch, rows, width, sp
 
 
 @settings(max_examples=examples(20))
-@given(
-    keys=st.lists(st.integers(0, 40), min_size=1, max_size=300),
-    bound=st.sampled_from([41, 2**20, 2**31 - 1]),
-)
-def test_sort_with_order_is_a_stable_sort_packed_or_not(keys, bound):
-    """Keys and positions packed in 32 bits (small bounds) or sorted as a pair (large ones):
-    the same stable order as numpy's."""
-    key = np.array(keys, np.int32)
+@given(data=st.data(), bound=st.sampled_from([41, 2**20, 2**31 - 1]), n=st.sampled_from([1, 7, 300, 70_000]))
+def test_sort_with_order_is_a_stable_sort_packed_by_digits_or_with_a_payload(data, bound, n):
+    """Keys and positions packed in 32 bits (small bounds), a digit at a time (larger ones;
+    70,000 keys below 2^31 take three passes) or with a payload (any other platform's form):
+    the same stable order as numpy's, repeated keys included."""
+    distinct = data.draw(st.lists(st.integers(0, bound - 1), min_size=1, max_size=50))
+    picks = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).integers(0, len(distinct), n)
+    key = np.array(distinct, np.int32)[picks]
     assert packs(bound, key.size) == (bound * 2 ** max(key.size - 1, 1).bit_length() <= 2**32)
-    sorted_key, order = (np.asarray(a) for a in sort_with_order(jnp.asarray(key), bound))
     want = np.argsort(key, kind="stable")
-    np.testing.assert_array_equal(order, want)
-    np.testing.assert_array_equal(sorted_key, key[want])
+    for form in (sort_with_order, lambda k, b: sorting.sort_with_payload(k)):
+        sorted_key, order = (np.asarray(a) for a in jax.jit(form, static_argnums=1)(jnp.asarray(key), bound))
+        np.testing.assert_array_equal(order, want)
+        np.testing.assert_array_equal(sorted_key, key[want])
 
 
 @settings(max_examples=examples(10))
@@ -397,11 +399,11 @@ def test_bucketing_is_the_same_with_owner_and_row_as_one_key_or_two(data):
     params = [jnp.full((ids.shape[1],), x, jnp.int32) for x in (kind, device, offset, block)]
     owner, row, valid = route(jnp.asarray(ids), *params, n)
     one_key = bucket(owner, row, valid, n, local_rows)
-    original = routing.packs
-    routing.packs = lambda bound, count: False  # the two-key sort of meshes too large to pack
+    original = routing.one_key
+    routing.one_key = lambda bound: False  # the two-key sort of meshes too large for an int32
     try:
-        two_keys = bucket(owner, row, valid, n, local_rows)
+        two_keys = jax.jit(lambda *a: routing.bucket(*a), static_argnums=(3, 4))(owner, row, valid, n, local_rows)
     finally:
-        routing.packs = original
+        routing.one_key = original
     for field, a, b in zip(Buckets._fields, one_key, two_keys, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)

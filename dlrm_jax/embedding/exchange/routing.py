@@ -18,7 +18,7 @@ from jax import lax
 
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 from dlrm_jax.ids import PAD_ID
-from dlrm_jax.sorting import packs, sort_with_order
+from dlrm_jax.sorting import sort_with_order
 
 
 def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):
@@ -58,18 +58,23 @@ class Buckets(NamedTuple):
     counts: jax.Array
 
 
+def one_key(bound: int) -> bool:
+    """Whether (owner, row) pairs below ``bound`` combined fit in one int32 key."""
+    return bound <= 1 << 31
+
+
 def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     """Deduplicate requests and give each distinct one a rank within its owner's bucket.
 
     Sorting by (owner, row) groups requests by owner, so a request's rank is its index minus
     the index of the owner's first request. The two keys are combined into ``owner *
-    local_rows + row`` where that and the positions fit in 32 bits (``sorting``), else sorted
+    local_rows + row`` where that fits in an int32 (``sorting`` sorts it fastest), else sorted
     together (64 owners of 40M-row shards would overflow int32)."""
     o = jnp.where(valid, owner, num_devices).reshape(-1).astype(jnp.int32)  # padding sorts last
     r = jnp.where(valid, row, 0).reshape(-1).astype(jnp.int32)
     n = o.shape[0]
     bound = (num_devices + 1) * local_rows
-    if packs(bound, n):  # (owner, row) as one key, sorted with positions packed beside it
+    if one_key(bound):  # (owner, row) as one key
         key, perm = sort_with_order(o * local_rows + r, bound)
         so, sr = key // local_rows, key % local_rows
     else:
