@@ -89,10 +89,7 @@ class _Case:
     def _rows(self, emb, maps, hi, lo, ids, step, learn):
         stats = {}
         if self.dyn is not None:
-            raw = {
-                f: (hi[:, f : f + 1], lo[:, f : f + 1], jnp.ones_like(hi[:, f : f + 1], bool))
-                for f in range(hi.shape[1])
-            }
+            raw = (hi, lo, jnp.ones_like(hi, bool))  # every feature's table is dynamic, one slot each
             emb, maps, ids, stats, *_ = self.dyn.resolve(emb, maps, raw, ids, step, self.key, learn)
         return emb, maps, ids, stats
 

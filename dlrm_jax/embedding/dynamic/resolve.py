@@ -202,7 +202,9 @@ def resolve_fused(
         for k in sizes
     ]
     distinct_row, at, seen_at, seen_count, sketch, fresh, stats, sketch_touched = (
-        branches[0]() if len(sizes) == 1 else lax.switch(jnp.searchsorted(jnp.asarray(sizes), count), branches)
+        branches[0]()
+        if len(sizes) == 1
+        else lax.switch(jnp.searchsorted(jnp.asarray(sizes), count, method="compare_all"), branches)
     )
     # The map is written here, not in the branches (a switch's results are buffers of their
     # own: a map written in a branch was copied whole, every step).

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
 from dlrm_jax.parallel.mesh import AXIS
-from dlrm_jax.sorting import sort_with_order
+from dlrm_jax.sorting import first_places, sort_with_order
 
 
 def map_devices(mesh: jax.sharding.Mesh) -> int:
@@ -117,8 +117,14 @@ def split_maps(specs: list[MapSpec], devices: int, m: IdMap) -> list[IdMap]:
 
 
 def sharded_resolve_fused(
-    specs: list[MapSpec], mesh: jax.sharding.Mesh, maps: IdMap, ids: list[tuple], step, learn: bool = True
-) -> tuple[list, IdMap, FreshRows, jax.Array]:
+    specs: list[MapSpec],
+    mesh: jax.sharding.Mesh,
+    maps: IdMap,
+    ids: list[tuple] | tuple,
+    step,
+    learn: bool = True,
+    bags: tuple[int, ...] | None = None,
+) -> tuple[list | jax.Array, IdMap, FreshRows, jax.Array, jax.Array]:
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
     devices) in one program and one pass (``resolve.resolve_fused``): routed, each device's
@@ -130,19 +136,31 @@ def sharded_resolve_fused(
     that resolves all of them there instead. Every path gives the same result. Returns (rows
     per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
     rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
-    int32, an index into :func:`resolution_paths`)."""
+    int32, an index into :func:`resolution_paths`).
+
+    With ``bags`` (each table's columns), ``ids`` is every table's side by side, (hi, lo, valid)
+    [B, sum(bags)], and so are the rows: one array each, not one per table (each operation on
+    a table's own array runs once a device on simulated devices: 26 tables' slices and writes
+    were a hundred small operations a step)."""
+    if bags is None:
+        b = ids[0][0].shape[0]
+        bags = tuple(hi.size // b for hi, _, _ in ids)
+        side = tuple(jnp.concatenate([x[j].reshape(b, -1) for x in ids], axis=1) for j in range(3))
+        rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags)
+        edges = np.cumsum([0, *bags])
+        return [rows[:, edges[t] : edges[t + 1]].reshape(x[0].shape) for t, x in enumerate(ids)], *rest
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
-    sizes = [hi.size // n for hi, _, _ in ids]  # each table's ids per device
     layout = Maps(tuple(specs), tuple(s.vshards // n for s in specs))
-    per_device = np.repeat(np.arange(len(specs), dtype=np.int32), sizes)
+    # each id's table, a device's ids taken row by row (the resolution's work does not depend
+    # on the ids' order: distinct ids are found by sorting)
+    per_device = np.tile(np.repeat(np.arange(len(specs), dtype=np.int32), bags), ids[0].shape[0] // n)
     total = n * per_device.size
     cap = own_capacity(total, n)
     per_shards = np.array([s.vshards // n for s in specs], np.int32)
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     sends = route_capacities(per_device.size, n)
 
     def resolved(fused, table, hi, lo, valid, step, counts=None):
@@ -208,7 +226,7 @@ def sharded_resolve_fused(
         index, uhi, ulo, utab, occurrences, owner = distinct
         me = lax.axis_index(AXIS)
         owner, order = sort_with_order(owner, n + 1)  # by owner, then position
-        first_of = jnp.searchsorted(owner, jnp.arange(n + 1, dtype=jnp.int32)).astype(jnp.int32)
+        first_of = first_places(owner, n + 1)
         rank = jnp.arange(owner.shape[0], dtype=jnp.int32) - first_of[owner]
         words = jnp.stack([utab, uhi.view(jnp.int32), ulo.view(jnp.int32), occurrences], 1)[order]
         send = jnp.zeros((n, sent, 4), jnp.int32).at[owner, rank].set(words, mode="drop")  # padding: owner n
@@ -226,9 +244,9 @@ def sharded_resolve_fused(
         changed = (out.map.sketch, out.writes)
         return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS)
 
-    def local(fused, his, los, valids, step):
-        flat = lambda xs: jnp.concatenate([x.reshape(-1) for x in xs])
-        hi, lo, valid = flat(his), flat(los), flat(valids)
+    def local(fused, hi, lo, valid, step):
+        shape = hi.shape
+        hi, lo, valid = hi.reshape(-1), lo.reshape(-1), valid.reshape(-1)
         if not sends:
             rows, changed, fresh, stats = gathered(fused, hi, lo, valid, step)
             path = jnp.int32(0)
@@ -240,23 +258,22 @@ def sharded_resolve_fused(
             distinct = (index, uhi, ulo, utab, occurrences, owner)
             branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
             branches.append(lambda d: gathered(fused, hi, lo, valid, step))
-            path = jnp.searchsorted(jnp.asarray(sends), most).astype(jnp.int32)  # alike on every device
+            path = jnp.searchsorted(jnp.asarray(sends), most, method="compare_all").astype(
+                jnp.int32
+            )  # alike everywhere
             rows, changed, fresh, stats = lax.switch(path, branches, distinct)
             rows = jnp.where(valid, rows, -1)
         sketch, writes = changed
         new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
-        mine = [rows[starts[t] : starts[t + 1]] for t in range(len(specs))]
-        return mine, new_map, fresh, stats, path
+        return rows.reshape(shape), new_map, fresh, stats, path
 
     map_spec = IdMap(*(P(AXIS),) * 6)
-    k = len(specs)
-    mine, new_map, fresh, stats, path = jax.shard_map(
+    rows, new_map, fresh, stats, path = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(map_spec, [P(AXIS)] * k, [P(AXIS)] * k, [P(AXIS)] * k, P()),
-        out_specs=([P(AXIS)] * k, map_spec, (P(AXIS),) * 4, P(), P()),
-    )(maps, *([x[j] for x in ids] for j in range(3)), step)
-    rows = [r.reshape(hi.shape) for r, (hi, _, _) in zip(mine, ids, strict=True)]
+        in_specs=(map_spec, P(AXIS), P(AXIS), P(AXIS), P()),
+        out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P()),
+    )(maps, *ids, step)
     return rows, new_map, FreshRows(*fresh), stats, path
 
 

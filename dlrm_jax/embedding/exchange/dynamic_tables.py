@@ -82,6 +82,9 @@ class DynamicTables:
         self.reset_chunk = RESET_CHUNK
         bags = [tp.spec.bag_size for tp in collection.plan.tables]
         self._starts = np.cumsum([0, *bags])  # each feature's first slot in a batch's ids
+        self._bags = tuple(bags[t] for t in self.maps)
+        self._columns = np.concatenate([np.arange(self._starts[t], self._starts[t + 1]) for t in self.maps])
+        self._every_column = np.array_equal(self._columns, np.arange(self._starts[-1]))
 
     def names(self) -> dict[int, str]:
         """{table index: its name}: the maps' keys in checkpoints and exports."""
@@ -109,22 +112,28 @@ class DynamicTables:
             return dict(maps)
         return {FUSED: self._join([maps[self._names[t]] for t in self.maps])}
 
-    def resolve(self, emb: EmbeddingState, maps: dict, raw: dict, ids_bs: jax.Array, step, key: jax.Array, learn=True):
-        """``raw``: {table: (hi, lo, valid)} uint32/uint32/bool [B, bag] of each dynamic table's
-        feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
+    def resolve(
+        self, emb: EmbeddingState, maps: dict, raw: dict | tuple, ids_bs: jax.Array, step, key: jax.Array, learn=True
+    ):
+        """``raw``: the dynamic tables' raw ids as :meth:`raw_ids` gives them, or {table: (hi, lo,
+        valid)} uint32/uint32/bool [B, bag] of each one's feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table, the fresh rows: for :meth:`reset_replicated`, the resolution's path:
         an index into :meth:`resolution_paths`). ``learn=False``
         (evaluation): the maps are read, nothing is reset. Traceable: call it inside the step."""
-        tables, starts = list(self.maps), self._starts
+        tables = list(self.maps)
+        if isinstance(raw, dict):  # by table: side by side, as raw_ids gives them
+            raw = tuple(
+                jnp.concatenate([raw[t][j].reshape(raw[t][j].shape[0], -1) for t in tables], 1) for j in range(3)
+            )
         rows, fused, fresh, counts, path = sharded_resolve_fused(
-            [self.maps[t] for t in tables], self.mesh, maps[FUSED], [raw[t] for t in tables], step, learn
+            [self.maps[t] for t in tables], self.mesh, maps[FUSED], raw, step, learn, self._bags
         )
         if learn:
             emb = self._reset(emb, fresh, key)
             maps = {FUSED: fused}
-        for t, r in zip(tables, rows, strict=True):
-            ids_bs = lax.dynamic_update_slice_in_dim(ids_bs, r.astype(ids_bs.dtype), int(starts[t]), axis=1)
+        rows = rows.astype(ids_bs.dtype)
+        ids_bs = rows if self._every_column else ids_bs.at[:, self._columns].set(rows)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
         return emb, maps, ids_bs, stats, fresh, path
 
@@ -134,21 +143,16 @@ class DynamicTables:
         ids = batch * sum(int(self._starts[t + 1] - self._starts[t]) for t in self.maps)
         return resolution_paths(ids, map_devices(self.mesh))
 
-    def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> dict:
-        """{table: (hi, lo, valid)} of the dynamic tables from a batch: ``raw`` uint32 [B, 2, R]
-        (high and low halves of the dynamic features' ids, their bags one after another in
-        table order; :func:`raw_columns`), or without it the batch's own ids (``ids_bs`` int32
-        [B, S], taken as ids below 2**31). ``valid``: the slot is not padding in ``ids_bs``."""
-        out, at = {}, 0
-        for t in self.maps:
-            bag = int(self._starts[t + 1] - self._starts[t])
-            ids = ids_bs[:, self._starts[t] : self._starts[t + 1]]
-            if raw is None:
-                hi, lo = jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32)
-            else:
-                hi, lo = raw[:, 0, at : at + bag], raw[:, 1, at : at + bag]
-            out[t], at = (hi, lo, ids != PAD_ID), at + bag
-        return out
+    def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> tuple:
+        """(hi, lo, valid) uint32/uint32/bool [B, R] of the dynamic tables' slots of a batch, one
+        table's bag after another in table order: ``raw`` uint32 [B, 2, R] (high and low halves
+        of their ids; :func:`raw_columns`), or without it the batch's own ids (``ids_bs`` int32
+        [B, S], taken as ids below 2**31). ``valid``: the slot is not padding in ``ids_bs``.
+        :meth:`resolve` takes it (or {table: (hi, lo, valid)})."""
+        ids = ids_bs if self._every_column else ids_bs[:, self._columns]
+        if raw is None:
+            return jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32), ids != PAD_ID
+        return raw[:, 0], raw[:, 1], ids != PAD_ID
 
     def _in_chunks(self, parts: tuple, count: jax.Array, carry, write):
         """``chunks.in_chunks`` of fresh entries (``parts``: rows first, -1 where none, then

@@ -18,7 +18,7 @@ from jax import lax
 
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
 from dlrm_jax.ids import PAD_ID
-from dlrm_jax.sorting import sort_with_order
+from dlrm_jax.sorting import first_places, sort_with_order
 
 
 def route(ids, kind, device, offset, block, num_devices: int, xp=jnp):
@@ -84,7 +84,7 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     u_owner = jnp.full(n, num_devices, jnp.int32).at[distinct].set(so)
     u_row = jnp.full(n, local_rows, jnp.int32).at[distinct].set(sr)
     u_valid = u_owner < num_devices
-    starts = jnp.searchsorted(u_owner, jnp.arange(num_devices + 1, dtype=jnp.int32)).astype(jnp.int32)
+    starts = first_places(u_owner, num_devices + 1)
     u_owner = jnp.where(u_valid, u_owner, 0)
     u_rank = (jnp.arange(n) - starts[u_owner]).astype(jnp.int32)
     inv = jnp.zeros(n, jnp.int32).at[perm].set(distinct)
