@@ -107,6 +107,17 @@ def check_mesh_shape(n: int, processes: int, model: int, hosts: int = 0) -> None
         )
 
 
+def varying(x, axes=AXIS):
+    """``x`` typed as differing per device inside a ``shard_map`` (a loop carry, or a branch's
+    result, that is device-specific on another path) over ``axes`` (the devices; with
+    agree_over, the hosts too: what every replica gathered)."""
+    import jax
+    from jax import lax
+
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def host_scalar(x) -> float:
     """A replicated scalar's value; works when the array spans other processes' devices too."""
     import jax

@@ -114,10 +114,20 @@ class MapWrites(NamedTuple):
     lo: jax.Array
     count: jax.Array
 
-    def padded(self, n: int, rows: int) -> MapWrites:
-        """The same writes in ``n`` entries (``rows``: the map's row count, the padding's row)."""
-        more = n - self.at.shape[0]
-        grow = lambda x, fill: jnp.concatenate([x, jnp.full(more, fill, x.dtype)])
+    def fitted(self, n: int, rows: int) -> MapWrites:
+        """The same writes in ``n`` entries (``rows``: the map's row count, the padding's row).
+        More entries than ``n`` are compacted, those that write a row first: each writes rows
+        no other does, so at most ``rows`` of them do (``n`` >= ``rows``)."""
+        have = self.at.shape[0]
+        if have > n:
+            if n < rows:
+                raise ValueError(f"{have} map writes cannot fit in {n} entries of a map of {rows} rows")
+            keep = (self.at < rows) | (self.seen_at < rows)
+            to = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, n)
+            put = lambda x, fill: jnp.full(n, fill, x.dtype).at[to].set(x, mode="drop")
+            count = jnp.sum(keep, dtype=jnp.int32)
+            return MapWrites(put(self.at, rows), put(self.seen_at, rows), *(put(x, 0) for x in self[2:5]), count)
+        grow = lambda x, fill: jnp.concatenate([x, jnp.full(n - have, fill, x.dtype)])
         return MapWrites(grow(self.at, rows), grow(self.seen_at, rows), *(grow(x, 0) for x in self[2:5]), self.count)
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, varying
 from dlrm_jax.sorting import first_places, sort_with_order
 
 
@@ -162,15 +162,31 @@ def sharded_resolve_fused(
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
     sends = route_capacities(per_device.size, n)
+    # Every path's writes and fresh rows in one size (a switch's branches return alike): its
+    # largest batch of ids, but no more than the map's rows here (a batch writes each row once).
+    rows_here = int(np.sum(layout.row_sizes))
+    size = max([n * s for s in sends] + [cap, min(rows_here, total)])
+
+    def fit(x, fill):  # the fresh rows come first: past the map's rows, only padding
+        x = x[:size] if x.shape[0] >= size else jnp.concatenate([x, jnp.full(size - x.shape[0], fill, x.dtype)])
+        return varying(x)  # (alike in every path's branch)
 
     def resolved(fused, table, hi, lo, valid, step, counts=None):
         """This device's shards' ids among these resolved, the map's rows left unwritten: their
-        writes come back in ``total`` entries (every path's alike) and ``local`` makes them
-        after the switch among the paths (a map written inside it was copied whole)."""
+        writes and fresh rows come back in ``size`` entries (every path's alike) and ``local``
+        makes them after the switch among the paths (a map written inside it was copied whole)."""
         first = lax.axis_index(AXIS) * jnp.asarray(per_shards)
         none = jnp.zeros(0, jnp.int32)  # (what the batch wrote: only a host map keeps it)
         out = resolve_fused(layout, fused, table, hi, lo, valid, step, first, learn, counts, write=False)
-        return out._replace(touched=none, sketch_touched=none, writes=out.writes.padded(total, fused.used.shape[0]))
+        return out._replace(
+            touched=none,
+            sketch_touched=none,
+            writes=jax.tree.map(varying, out.writes.fitted(size, rows_here)),
+            fresh_rows=fit(out.fresh_rows, -1),
+            fresh_table=fit(out.fresh_table, 0),
+            fresh_hi=fit(out.fresh_hi, 0),
+            fresh_lo=fit(out.fresh_lo, 0),
+        )
 
     def owner_of(table, hi, lo):  # each id's device: the one holding its shard
         shard = id_hash(hi, lo) % jnp.asarray(vshards)[table]
@@ -193,14 +209,7 @@ def sharded_resolve_fused(
             ids = jnp.stack([table, hi.view(jnp.int32), lo.view(jnp.int32), own.astype(jnp.int32)], 1)
             put = jnp.zeros((cap, 4), jnp.int32).at[at].set(ids, mode="drop")
             out = run(put[:, 0], put[:, 1].view(jnp.uint32), put[:, 2].view(jnp.uint32), put[:, 3] > 0)
-            pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - cap, fill, x.dtype)])
-            return out._replace(
-                rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1),
-                fresh_rows=pad(out.fresh_rows, -1),
-                fresh_table=pad(out.fresh_table, 0),
-                fresh_hi=pad(out.fresh_hi, 0),
-                fresh_lo=pad(out.fresh_lo, 0),
-            )
+            return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
 
         whole = lambda: run(table, hi, lo, valid)
         out = whole() if cap == total else lax.cond(jnp.sum(own) <= cap, compacted, whole)
@@ -239,8 +248,7 @@ def sharded_resolve_fused(
         back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
         rows = jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1)
         rows = jnp.zeros(owner.shape[0], jnp.int32).at[order].set(rows)  # of each distinct id
-        pad = lambda x, fill: jnp.concatenate([x, jnp.full(total - x.shape[0], fill, x.dtype)])
-        fresh = (pad(out.fresh_rows, -1), pad(out.fresh_table, 0), pad(out.fresh_hi, 0), pad(out.fresh_lo, 0))
+        fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
         changed = (out.map.sketch, out.writes)
         return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS)
 

@@ -26,7 +26,7 @@ from dlrm_jax.embedding.exchange.routing import (
 from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
 from dlrm_jax.embedding.exchange.wire import Wire
 from dlrm_jax.embedding.plan.layout import Group
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, varying
 
 
 def route_group(g: Group, ids_local_bs: jax.Array):
@@ -122,13 +122,6 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
         jnp.bool_(False),
     )
     return lax.while_loop(lambda s: ~s[3], body, start)[2]
-
-
-def varying(x, axes=AXIS):
-    """``x`` typed as differing per device (a loop carry that the body makes device-specific)
-    of ``axes`` (the devices; with agree_over, the hosts too: what every replica gathered)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def checks_varying(optimizer: SparseOptimizer) -> bool:

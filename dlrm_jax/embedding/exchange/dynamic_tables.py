@@ -33,12 +33,11 @@ from dlrm_jax.embedding.dynamic.sharded import (
     split_maps,
 )
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
-from dlrm_jax.embedding.exchange.common import varying
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.hot.index import split_hot
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, varying
 
 RESET_CHUNK = 512  # fresh rows a reset writes at a time
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
