@@ -116,6 +116,14 @@ def split_maps(specs: list[MapSpec], devices: int, m: IdMap) -> list[IdMap]:
     ]
 
 
+def side_by_side(ids: list[tuple]) -> tuple[tuple, tuple[int, ...]]:
+    """Per-table (hi, lo, valid) [B, ...] as every table's side by side ((hi, lo, valid) [B,
+    sum(bags)]) and each table's columns (``bags``)."""
+    b = ids[0][0].shape[0]
+    bags = tuple(x[0].size // b for x in ids)
+    return tuple(jnp.concatenate([x[j].reshape(b, -1) for x in ids], axis=1) for j in range(3)), bags
+
+
 def sharded_resolve_fused(
     specs: list[MapSpec],
     mesh: jax.sharding.Mesh,
@@ -143,9 +151,7 @@ def sharded_resolve_fused(
     a table's own array runs once a device on simulated devices: 26 tables' slices and writes
     were a hundred small operations a step)."""
     if bags is None:
-        b = ids[0][0].shape[0]
-        bags = tuple(hi.size // b for hi, _, _ in ids)
-        side = tuple(jnp.concatenate([x[j].reshape(b, -1) for x in ids], axis=1) for j in range(3))
+        side, bags = side_by_side(ids)
         rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags)
         edges = np.cumsum([0, *bags])
         return [rows[:, edges[t] : edges[t + 1]].reshape(x[0].shape) for t, x in enumerate(ids)], *rest

@@ -30,6 +30,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
     map_devices,
     resolution_paths,
     sharded_resolve_fused,
+    side_by_side,
     split_maps,
 )
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
@@ -122,9 +123,7 @@ class DynamicTables:
         (evaluation): the maps are read, nothing is reset. Traceable: call it inside the step."""
         tables = list(self.maps)
         if isinstance(raw, dict):  # by table: side by side, as raw_ids gives them
-            raw = tuple(
-                jnp.concatenate([raw[t][j].reshape(raw[t][j].shape[0], -1) for t in tables], 1) for j in range(3)
-            )
+            raw, _ = side_by_side([raw[t] for t in tables])
         rows, fused, fresh, counts, path = sharded_resolve_fused(
             [self.maps[t] for t in tables], self.mesh, maps[FUSED], raw, step, learn, self._bags
         )

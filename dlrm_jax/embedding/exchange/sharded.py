@@ -46,11 +46,10 @@ from dlrm_jax.embedding.exchange.common import (
     slice_sq_sums,
     to_owners,
     update_on_owners,
-    varying,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
 from dlrm_jax.embedding.plan.layout import ExchangePart, Group
-from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.parallel.mesh import AXIS, varying
 
 
 def _lookup(g: Group, capacity: int, wire):
