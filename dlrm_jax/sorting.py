@@ -39,14 +39,14 @@ def _position_bits(n: int) -> int:
 
 
 def sort_with_order(key: jax.Array, bound: int) -> tuple[jax.Array, jax.Array]:
-    """(the keys sorted, int32 [n]; the positions in that order, int32 [n]): a stable sort of
-    ``key`` (int32 [n], every value in [0, ``bound``))."""
+    """(the keys sorted, as ``key``; the positions in that order, int32 [n]): a stable sort of
+    ``key`` (int32 or uint32 [n], every value in [0, ``bound``); ``bound`` at most 2^32)."""
     n = key.shape[0]
     shift = _position_bits(n)
     if packs(bound, n):
         position = lax.iota(jnp.uint32, n)
         packed = jnp.sort((key.astype(jnp.uint32) << shift) | position)
-        return (packed >> shift).astype(jnp.int32), (packed & jnp.uint32((1 << shift) - 1)).astype(jnp.int32)
+        return (packed >> shift).astype(key.dtype), (packed & jnp.uint32((1 << shift) - 1)).astype(jnp.int32)
     if 32 - shift < _LEAST_DIGIT:
         return sort_with_payload(key)
     by_digits = functools.partial(_by_digits, bits=max(bound - 1, 1).bit_length(), shift=shift)

@@ -203,3 +203,36 @@ def test_ids_sharing_a_32_bit_hash_stay_distinct():
     assert rows[0] == rows[2] != rows[1] and len(set(rows.tolist())) == 3
     np.testing.assert_array_equal(rows, want_rows)
     assert {k: int(v) for k, v in out.stats.items()} == want_stats
+
+
+def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map():
+    """Two lfu tables with half lives 2 and 5 and an lru one in one fused resolution (each
+    probe's decay divided by its own table's half life), step after step with evictions and
+    gaps between steps: each table's rows, fresh rows and map as its own Python model's."""
+    from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+    from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
+
+    specs = [MapSpec(12, 2, 3, "lfu", half_life=2), MapSpec(8, 1, 4, "lfu", half_life=5), MapSpec(6, 2, 2, "lru")]
+    layout = Maps(tuple(specs), tuple(s.vshards for s in specs))
+    run = jax.jit(
+        lambda m, table, hi, lo, valid, step: resolve_fused(
+            layout, m, table, hi, lo, valid, step, jnp.zeros(3, jnp.int32)
+        )
+    )
+    models = [DictMap(s) for s in specs]
+    m = fuse_maps(specs, 1, [init_map(s) for s in specs])
+    rng = np.random.default_rng(11)
+    pool = rng.integers(0, 2**63, 40, dtype=np.int64).astype(np.uint64)
+    for step in [0, 1, 2, 5, 6, 13, 14, 30, 31, 32]:
+        batches = [[int(k) for k in rng.choice(pool, 10)] for _ in specs]
+        flat = np.array([k for b in batches for k in b], np.uint64)
+        table = np.repeat(np.arange(3, dtype=np.int32), 10)
+        hi, lo = split_ids(flat)
+        out = run(m, jnp.asarray(table), jnp.asarray(hi), jnp.asarray(lo), jnp.ones(30, bool), step)
+        m = out.map
+        for t, (model, mine) in enumerate(zip(models, split_maps(specs, 1, m), strict=True)):
+            want_rows, want_fresh, _ = model.resolve(batches[t], step)
+            assert np.asarray(out.rows)[table == t].tolist() == want_rows, (t, step)
+            fresh = np.asarray(out.fresh_rows)[np.asarray(out.fresh_table) == t]
+            assert set(fresh[fresh >= 0].tolist()) == want_fresh, (t, step)
+            assert contents(mine) == model.row_of, (t, step)

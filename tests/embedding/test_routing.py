@@ -375,14 +375,15 @@ def test_distinct_by_share_is_each_shares_distinct_values(batch, rows, width, sp
 
 
 @settings(max_examples=examples(20))
-@given(data=st.data(), bound=st.sampled_from([41, 2**20, 2**31 - 1]), n=st.sampled_from([1, 7, 300, 70_000]))
+@given(data=st.data(), bound=st.sampled_from([41, 2**20, 2**31 - 1, 2**32]), n=st.sampled_from([1, 7, 300, 70_000]))
 def test_sort_with_order_is_a_stable_sort_packed_by_digits_or_with_a_payload(data, bound, n):
     """Keys and positions packed in 32 bits (small bounds), a digit at a time (larger ones;
-    70,000 keys below 2^31 take three passes) or with a payload (any other platform's form):
-    the same stable order as numpy's, repeated keys included."""
+    70,000 keys below 2^31 take three passes; uint32 keys, the id maps' hashes, any value) or
+    with a payload (any other platform's form): the same stable order as numpy's, repeated keys
+    included."""
     distinct = data.draw(st.lists(st.integers(0, bound - 1), min_size=1, max_size=50))
     picks = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).integers(0, len(distinct), n)
-    key = np.array(distinct, np.int32)[picks]
+    key = np.array(distinct, np.uint32 if bound > 2**31 else np.int32)[picks]
     assert packs(bound, key.size) == (bound * 2 ** max(key.size - 1, 1).bit_length() <= 2**32)
     want = np.argsort(key, kind="stable")
     for form in (sort_with_order, lambda k, b: sorting.sort_with_payload(k)):
