@@ -236,3 +236,40 @@ def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map
             fresh = np.asarray(out.fresh_rows)[np.asarray(out.fresh_table) == t]
             assert set(fresh[fresh >= 0].tolist()) == want_fresh, (t, step)
             assert contents(mine) == model.row_of, (t, step)
+
+
+def test_a_resolution_in_chunks_equals_one_at_once(monkeypatch):
+    """The placement's per-probe work and the sketch's counters in passes of a few ids (as the
+    largest prefixes run: ``SETTLE_CHUNK``) give every output of one pass, bit for bit, and
+    the Python model's rows: lfu with admission, and lru, with evictions and repeated ids."""
+    from dlrm_jax.embedding.dynamic import resolve as resolve_module
+    from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+
+    specs = [MapSpec(16, 2, 4, "lfu", half_life=3, admit=2, sketch_depth=2, sketch_width=4), MapSpec(6, 2, 2, "lru")]
+    layout = Maps(tuple(specs), tuple(s.vshards for s in specs))
+
+    def run():  # compiled afresh: the chunk size is read when the resolution is traced
+        first = jnp.zeros(2, jnp.int32)
+        return jax.jit(lambda m, t, hi, lo, v, step: resolve_fused(layout, m, t, hi, lo, v, step, first))
+
+    whole = run()
+    monkeypatch.setattr(resolve_module, "SETTLE_CHUNK", 8)
+    chunked = run()
+    from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
+
+    models = [DictMap(s) for s in specs]
+    m = fuse_maps(specs, 1, [init_map(s) for s in specs])
+    rng = np.random.default_rng(5)
+    pool = rng.integers(0, 2**63, 30, dtype=np.int64).astype(np.uint64)
+    for step in range(8):
+        batches = [[int(k) for k in rng.choice(pool, 20)] for _ in specs]
+        table = np.repeat(np.arange(2, dtype=np.int32), 20)
+        hi, lo = split_ids(np.array([k for b in batches for k in b], np.uint64))
+        args = (jnp.asarray(table), jnp.asarray(hi), jnp.asarray(lo), jnp.ones(40, bool), step)
+        want, got = whole(m, *args), chunked(m, *args)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(step))
+        m = got.map
+        for t, (model, mine) in enumerate(zip(models, split_maps(specs, 1, m), strict=True)):
+            assert np.asarray(got.rows)[table == t].tolist() == model.resolve(batches[t], step)[0], (t, step)
+            assert contents(mine) == model.row_of, (t, step)

@@ -32,6 +32,7 @@ at its count above.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,10 @@ _TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
 _LAST = np.uint32(0xFFFFFFFF)
 _TABLE_SALT = np.uint32(0x9E3779B9)
 WRITE_CHUNK = 4096  # distinct ids whose map rows one pass of the write loop sets
+# Distinct ids whose probes ([ids, probes] arrays) one pass of the placement holds: the rare
+# largest prefixes (a gathered batch resolved whole on one device) run in passes, so a step's
+# scratch memory follows its common paths, not the global batch.
+SETTLE_CHUNK = 1 << 14
 
 
 class Maps(NamedTuple):
@@ -82,13 +87,14 @@ class Maps(NamedTuple):
 class Fused(NamedTuple):
     """One batch through :class:`Maps`: ``rows`` int32 [N], each id's row among its table's rows
     here (-1: padding, or an id of another device's shards); ``map``: the maps after the batch;
-    ``fresh_rows`` int32 [N], rows given to a new id this batch (its table's row here), first,
-    then -1, with that entry's ``fresh_table`` and id
+    ``fresh_rows`` int32 [min(N, the map's rows)], rows given to a new id this batch (its
+    table's row here), first, then -1, with that entry's ``fresh_table`` and id
     (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]. What the batch wrote
     (a map held on the host keeps it to undo: ``host_maps``): ``touched`` int32 [N], the map
     rows it set (the map's row count: none), ``sketch_touched`` int32 [N * depth], the sketch
-    counters it added to (the sketch's size: none), aging apart. ``writes``: with
-    ``write=False``, what the batch sets in the map (``map`` then holds only the new sketch)."""
+    counters it added to (the sketch's size: none; with ``write=False``, none at all), aging
+    apart. ``writes``: with ``write=False``, what the batch sets in the map (``map`` then holds
+    only the new sketch)."""
 
     rows: jax.Array
     map: IdMap
@@ -209,7 +215,7 @@ def resolve_fused(
     count = jnp.max(jnp.where(valid, index + 1, 0))
     branches = [
         lambda k=k: _settled(
-            maps, m, k, n, uhi[:k], ulo[:k], utab[:k], occurrences[:k], real[:k], step, first_shards, learn
+            maps, m, k, n, uhi[:k], ulo[:k], utab[:k], occurrences[:k], real[:k], step, first_shards, learn, write
         )
         for k in sizes
     ]
@@ -245,31 +251,25 @@ def distinct_sizes(n: int) -> list[int]:
     return sorted({k for k in (n // 16, n // 4, n // 2) if k >= 256} | {n})
 
 
-def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn):
+def _settled(
+    maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn, touched
+):
     """:func:`resolve_fused` past the dedup, on the first ``k`` distinct ids (every one of
     them): each one's row ([n], -1 past k); the map rows given to each ([n], the map's row
     count past k or where none), the rows each was seen at (the same) and their counts; the
-    sketch after the batch; the fresh rows' entries ([n, 4], first), the counts, and the sketch
-    counters added to ([n * depth] or [0])."""
+    sketch after the batch; the fresh rows' entries ([min(n, the map's rows), 4], first), the
+    counts, and the sketch counters added to ([n * depth]; [0] without ``touched`` or a sketch)."""
     specs, rows_n = maps.specs, m.used.shape[0]
-    # Each distinct id's table's settings, in one gather of a [tables, 10] array.
-    columns = [
-        [s.slots for s in specs],
-        [s.vshards for s in specs],
-        list(maps.shards),
-        list(maps.row_starts),
-        [s.policy == "lfu" for s in specs],
-        [s.half_life if s.policy == "lfu" else 0 for s in specs],
-        [s.counts for s in specs],
-        [s.probes for s in specs],
-        [s.admit for s in specs],
-    ]
-    settings = jnp.concatenate(
-        [jnp.asarray(np.array(columns, np.int32).T), jnp.asarray(first_shards, jnp.int32)[:, None]], axis=1
-    )[utab]
-    slots, vshards, shards, base = (settings[:, k] for k in range(4))
-    lfu, half_life, counts = settings[:, 4] > 0, settings[:, 5], settings[:, 6] > 0
-    probes_of, admit, first = settings[:, 7], settings[:, 8], settings[:, 9]
+    # Each distinct id's table's settings (each a gather from a [tables] constant, fused where used:
+    # one [U, 10] array of them was the largest of a resolution of a whole gathered batch)
+    per_table = lambda values: jnp.asarray(np.asarray(values, np.int32))[utab]
+    slots, vshards = per_table([s.slots for s in specs]), per_table([s.vshards for s in specs])
+    shards, base = per_table(maps.shards), per_table(maps.row_starts)
+    lfu = per_table([s.policy == "lfu" for s in specs]) > 0
+    half_life = per_table([s.half_life if s.policy == "lfu" else 0 for s in specs])
+    counts = per_table([s.counts for s in specs]) > 0
+    probes_of, admit = per_table([s.probes for s in specs]), per_table([s.admit for s in specs])
+    first = jnp.asarray(first_shards, jnp.int32)[utab]
 
     h = id_hash(uhi, ulo)
     local = (h % vshards.astype(jnp.uint32)).astype(jnp.int32) - first
@@ -277,54 +277,83 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
     local = jnp.clip(local, 0, shards - 1)
     home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % (slots - 1).astype(jnp.uint32)).astype(jnp.int32)
     probes = max(s.probes for s in specs)
-    p = jnp.arange(probes)
-    in_probes = p[None, :] < probes_of[:, None]  # [U, P]: tables probe differently far
     shard_base = base + local * slots
-    wrap = (home[:, None] + p) - (slots - 1)[:, None]  # past the shard's last slot: back to slot 1
-    probe = shard_base[:, None] + 1 + jnp.where(wrap >= 0, wrap, wrap + (slots - 1)[:, None])  # (no division)
-    used, last_seen = m.used[probe], m.last_seen[probe]  # the probed slots only: work per id, not per row
-    match = in_probes & used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
-    found = real & jnp.any(match, axis=1)
-    found_at = jnp.argmax(match, axis=1)[:, None]
-    found_row = jnp.take_along_axis(probe, found_at, axis=1)[:, 0]
-    hl = half_life[:, None]
-    age = jnp.maximum(step - last_seen, 0)  # (a held slot's id was seen at or before the step)
     lives = {s.half_life for s in specs if s.policy == "lfu" and s.half_life}
     # One half life (a run's tables share it) divides as a constant: a multiply and a shift,
     # where XLA:CPU divides by a varying divisor one element at a time (4x the time).
-    halvings = lax.div(age, np.int32(lives.pop()) if len(lives) == 1 else jnp.maximum(hl, 1))
-    shift = jnp.where(hl > 0, jnp.minimum(halvings, 31), 0)
-    decayed = m.count[probe] >> shift
+    divisor = np.int32(lives.pop()) if len(lives) == 1 else None
+
+    def probed(shard_base, home, slots, probes_of, half_life):
+        """[U, P]: each id's probed rows, which of them its table probes, and their slots'
+        flags, recency and decayed counts (the probed slots only: work per id, not per row)."""
+        p = jnp.arange(probes)
+        in_probes = p[None, :] < probes_of[:, None]  # tables probe differently far
+        wrap = (home[:, None] + p) - (slots - 1)[:, None]  # past the shard's last slot: back to slot 1
+        probe = shard_base[:, None] + 1 + jnp.where(wrap >= 0, wrap, wrap + (slots - 1)[:, None])  # (no division)
+        used, last_seen = m.used[probe], m.last_seen[probe]
+        hl = half_life[:, None]
+        age = jnp.maximum(step - last_seen, 0)  # (a held slot's id was seen at or before the step)
+        halvings = lax.div(age, jnp.maximum(hl, 1) if divisor is None else divisor)
+        decayed = m.count[probe] >> jnp.where(hl > 0, jnp.minimum(halvings, 31), 0)
+        return probe, in_probes, used, last_seen, decayed
+
+    probing = (shard_base, home, slots, probes_of, half_life)  # what ``probed`` takes of each id
+
+    def lookup(uhi, ulo, *where_):  # whether each id is in its probes, its row and decayed count there
+        probe, in_probes, used, _, decayed = probed(*where_)
+        match = in_probes & used & (m.key_hi[probe] == uhi[:, None]) & (m.key_lo[probe] == ulo[:, None])
+        at = jnp.argmax(match, axis=1)[:, None]
+        pick = lambda x: jnp.take_along_axis(x, at, axis=1)[:, 0]
+        return jnp.any(match, axis=1), pick(probe), pick(decayed)
+
+    chunks = -(-k // SETTLE_CHUNK)
+    by_chunks = functools.partial(_by_chunks, chunks)
+    matched, found_row, found_count = by_chunks(lookup, uhi, ulo, *probing)
+    found = real & matched
 
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
         sketch, estimate, sketch_touched = _count(
-            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step
+            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunks
         )
         estimate = jnp.where(counts, estimate, occurrences)
         admitted = real & (found | ~counts | (estimate >= admit))
+        sketch_touched = sketch_touched if touched else jnp.zeros(0, jnp.int32)
 
     # Placement: free slots first, then the policy's victims; the first id in (hash, low word)
     # order wins a contested slot (slots are a table's own, so contests are within a table).
-    lfu2 = lfu[:, None]
-    primary = jnp.where(used, jnp.where(lfu2, decayed, last_seen), _FREE)
-    # lfu: a held slot is open to an id only when the id's count exceeds the slot's
-    closed = ~in_probes | (lfu2 & used & (estimate[:, None] <= decayed))
-    secondary = jnp.where(lfu2, jnp.where(used, last_seen, _FREE), 0)
+    def candidates(estimate, lfu, *where_):  # [U, P]: each probe's rank for the id (2 keys) and whether it is closed
+        probe, in_probes, used, last_seen, decayed = probed(*where_)
+        lfu2 = lfu[:, None]
+        primary = jnp.where(used, jnp.where(lfu2, decayed, last_seen), _FREE)
+        # lfu: a held slot is open to an id only when the id's count exceeds the slot's
+        closed = ~in_probes | (lfu2 & used & (estimate[:, None] <= decayed))
+        secondary = jnp.where(lfu2, jnp.where(used, last_seen, _FREE), 0)
+        return probe, closed, primary, secondary
+
+    def choose(taken, probe, closed, primary, secondary):  # each id's best open probe, if any
+        k1 = jnp.where(taken[probe] | closed, _TAKEN, primary)
+        best1 = jnp.min(k1, axis=1, keepdims=True)
+        k2 = jnp.where(k1 == best1, secondary, _TAKEN)
+        best2 = jnp.min(k2, axis=1, keepdims=True)
+        pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
+        return best1[:, 0] < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
+
+    asking = (estimate, lfu, *probing)
+    if chunks == 1:  # the candidates once, for every round
+        fixed = candidates(*asking)
+        ask = lambda taken: choose(taken, *fixed)
+    else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
+        ask = lambda taken: by_chunks(lambda *a: choose(taken, *candidates(*a)), *asking)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
     placed = jnp.full(k, -1, jnp.int32)
 
     def round_(carry):
         r, _, taken, placed, pending = carry
-        k1 = jnp.where(taken[probe] | closed, _TAKEN, primary)
-        best1 = jnp.min(k1, axis=1, keepdims=True)
-        k2 = jnp.where(k1 == best1, secondary, _TAKEN)
-        best2 = jnp.min(k2, axis=1, keepdims=True)
-        pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
-        asks = pending & (best1[:, 0] < _TAKEN)
-        target = jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
+        open_, target = ask(taken)
+        asks = pending & open_
         at = jnp.where(asks, target, rows_n)
         first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
         asks = asks & (first_h[target] == h)
@@ -342,11 +371,10 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
         _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
-    # (from the probes' flags read before the map is written: a read of the map after it would copy it)
-    evicted = won & jnp.any(used & (probe == placed[:, None]), axis=1)
+    evicted = won & m.used[jnp.clip(placed, 0, rows_n - 1)]  # (the map before the batch: it is written after)
 
     seen_at = jnp.where(found, found_row, at)
-    kept = jnp.where(found, jnp.take_along_axis(decayed, found_at, axis=1)[:, 0], 0)
+    kept = jnp.where(found, found_count, 0)
     seen_count = jnp.where(found, kept + occurrences, estimate)
     fused_row = jnp.where(found, found_row, jnp.where(won, placed, shard_base))
     distinct_row = jnp.where(real, fused_row - base, -1)  # the table's own numbering
@@ -358,10 +386,11 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
         real & ~admitted,  # held back
         pending,  # unplaced
     ]
-    stats = jax.ops.segment_sum(jnp.stack([x.astype(jnp.int32) for x in per_id], 1), utab, num_segments=len(specs))
+    sums = [jax.ops.segment_sum(x.astype(jnp.int32), utab, num_segments=len(specs)) for x in per_id]
+    stats = jnp.stack(sums, 1)  # (each stat summed alone: no [U, 6] array)
     to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first, in one scatter
     entries = jnp.stack([placed - base, utab, uhi.view(jnp.int32), ulo.view(jnp.int32)], 1)
-    fresh = jnp.full((n, 4), -1, jnp.int32).at[to].set(entries, mode="drop")
+    fresh = jnp.full((min(n, rows_n), 4), -1, jnp.int32).at[to].set(entries, mode="drop")  # (a row is given once)
     pad = lambda x, fill, size: jnp.concatenate([x, jnp.full(size - x.shape[0], fill, x.dtype)])
     depth = sketch_touched.shape[0] // k
     return (
@@ -376,10 +405,27 @@ def _settled(maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, 
     )
 
 
-def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
+def _chunked(chunks: int, x: jax.Array) -> jax.Array:
+    """``x`` [U, ...] as [chunks, SETTLE_CHUNK, ...], the last chunk padded with zeros."""
+    c = SETTLE_CHUNK
+    return jnp.concatenate([x, jnp.zeros((chunks * c - x.shape[0], *x.shape[1:]), x.dtype)]).reshape(
+        chunks, c, *x.shape[1:]
+    )
+
+
+def _by_chunks(chunks: int, f, *xs):
+    """``f`` of the arrays ``xs`` (each [U, ...]; ``f`` works id by id) in ``chunks`` passes of
+    :data:`SETTLE_CHUNK` ids (the padding's results dropped), or at once."""
+    if chunks == 1:
+        return f(*xs)
+    out = lax.map(lambda a: f(*a), [_chunked(chunks, x) for x in xs])
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
+
+
+def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunks: int):
     """The sketches after the batch's absent ids are counted (and aged, where a table's half
     life ends at ``step``), every id's estimate, and the counters added to (flat; the
-    sketch's size: none)."""
+    sketch's size: none); the ids' counters in ``chunks`` passes (:func:`_by_chunks`)."""
     specs = maps.specs
     per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
     dims = maps.sketch_dims
@@ -391,16 +437,34 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step):
         halve = lambda sk: sk >> jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
         sketch = lax.cond(jnp.any(age), halve, lambda sk: sk, sketch)  # a pass over the sketches only when one ages
     depth_n = max(d for d, _ in dims)
-    depth, width = per_table([d for d, _ in dims])[utab], per_table([w for _, w in dims])[utab]
-    d = jnp.arange(depth_n)
-    cols = jnp.stack([mix32(h ^ jnp.uint32(s), jnp) for s in _SKETCH_SEEDS[:depth_n]], 1)
-    cols = (cols % width.astype(jnp.uint32)[:, None]).astype(jnp.int32)  # [U, depth]
-    at = per_table(maps.sketch_starts)[utab][:, None] + (local[:, None] * depth[:, None] + d) * width[:, None] + cols
-    rows_d = d[None, :] < depth[:, None]
-    added = jnp.where(absent[:, None] & rows_d, at, sketch.shape[0])
-    sketch = sketch.at[added].add(occurrences[:, None], mode="drop")
-    estimate = jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, sketch.shape[0] - 1)], _TAKEN), axis=1)
-    return sketch, estimate, added.reshape(-1)
+    size = sketch.shape[0]
+
+    def counters(utab, h, local):  # [U, depth]: each id's counters, and which of them its table has
+        depth, width = per_table([d for d, _ in dims])[utab], per_table([w for _, w in dims])[utab]
+        d = jnp.arange(depth_n)
+        cols = jnp.stack([mix32(h ^ jnp.uint32(s), jnp) for s in _SKETCH_SEEDS[:depth_n]], 1)
+        cols = (cols % width.astype(jnp.uint32)[:, None]).astype(jnp.int32)
+        at = (
+            per_table(maps.sketch_starts)[utab][:, None] + (local[:, None] * depth[:, None] + d) * width[:, None] + cols
+        )
+        return at, d[None, :] < depth[:, None]
+
+    def add(sketch, utab, h, local, absent, occurrences):
+        at, rows_d = counters(utab, h, local)
+        added = jnp.where(absent[:, None] & rows_d, at, size)
+        return sketch.at[added].add(occurrences[:, None], mode="drop"), added
+
+    def estimate(utab, h, local):
+        at, rows_d = counters(utab, h, local)
+        return jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, size - 1)], _TAKEN), axis=1)
+
+    ids = (utab, h, local, absent, occurrences)
+    if chunks == 1:
+        sketch, added = add(sketch, *ids)
+    else:  # a chunk at a time (the sums are the same in any order; padding is not absent)
+        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [_chunked(chunks, x) for x in ids])
+        added = added.reshape(-1, depth_n)[: utab.shape[0]]
+    return sketch, _by_chunks(chunks, estimate, *ids[:3]), added.reshape(-1)
 
 
 def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:

@@ -211,10 +211,10 @@ def sharded_resolve_fused(
         run = lambda *a: resolved(fused, *a, step)
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
-        def compacted():  # this device's ids to the front, in one scatter
-            ids = jnp.stack([table, hi.view(jnp.int32), lo.view(jnp.int32), own.astype(jnp.int32)], 1)
-            put = jnp.zeros((cap, 4), jnp.int32).at[at].set(ids, mode="drop")
-            out = run(put[:, 0], put[:, 1].view(jnp.uint32), put[:, 2].view(jnp.uint32), put[:, 3] > 0)
+        def compacted():  # this device's ids to the front: where each place's id is, in one scatter
+            src = jnp.full(cap, total, jnp.int32).at[at].set(lax.iota(jnp.int32, total), mode="drop")
+            pick = lambda x: x[jnp.minimum(src, total - 1)]
+            out = run(pick(table), pick(hi), pick(lo), src < total)
             return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
 
         whole = lambda: run(table, hi, lo, valid)
