@@ -238,23 +238,20 @@ def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map
             assert contents(mine) == model.row_of, (t, step)
 
 
-def test_a_resolution_in_chunks_equals_one_at_once(monkeypatch):
+def test_a_resolution_in_chunks_equals_one_at_once():
     """The placement's per-probe work and the sketch's counters in passes of a few ids (as the
-    largest prefixes run: ``SETTLE_CHUNK``) give every output of one pass, bit for bit, and
+    largest prefixes run: ``chunk``) give every output of one pass, bit for bit, and
     the Python model's rows: lfu with admission, and lru, with evictions and repeated ids."""
-    from dlrm_jax.embedding.dynamic import resolve as resolve_module
     from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
 
     specs = [MapSpec(16, 2, 4, "lfu", half_life=3, admit=2, sketch_depth=2, sketch_width=4), MapSpec(6, 2, 2, "lru")]
     layout = Maps(tuple(specs), tuple(s.vshards for s in specs))
 
-    def run():  # compiled afresh: the chunk size is read when the resolution is traced
+    def run(chunk):  # 40 ids: 5 passes of 8 (touched counters kept: write=True)
         first = jnp.zeros(2, jnp.int32)
-        return jax.jit(lambda m, t, hi, lo, v, step: resolve_fused(layout, m, t, hi, lo, v, step, first))
+        return jax.jit(lambda m, t, hi, lo, v, s: resolve_fused(layout, m, t, hi, lo, v, s, first, chunk=chunk))
 
-    whole = run()
-    monkeypatch.setattr(resolve_module, "SETTLE_CHUNK", 8)
-    chunked = run()
+    whole, chunked = run(0), run(8)
     from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
 
     models = [DictMap(s) for s in specs]

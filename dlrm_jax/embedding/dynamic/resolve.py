@@ -50,10 +50,6 @@ _TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
 _LAST = np.uint32(0xFFFFFFFF)
 _TABLE_SALT = np.uint32(0x9E3779B9)
 WRITE_CHUNK = 4096  # distinct ids whose map rows one pass of the write loop sets
-# Distinct ids whose probes ([ids, probes] arrays) one pass of the placement holds: the rare
-# largest prefixes (a gathered batch resolved whole on one device) run in passes, so a step's
-# scratch memory follows its common paths, not the global batch.
-SETTLE_CHUNK = 1 << 14
 
 
 class Maps(NamedTuple):
@@ -196,7 +192,18 @@ def distinct_ids(hi, lo, valid, table, counts=None):
 
 
 def resolve_fused(
-    maps: Maps, m: IdMap, table, hi, lo, valid, step, first_shards, learn: bool = True, counts=None, write=True
+    maps: Maps,
+    m: IdMap,
+    table,
+    hi,
+    lo,
+    valid,
+    step,
+    first_shards,
+    learn: bool = True,
+    counts=None,
+    write=True,
+    chunk: int = 0,
 ) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
@@ -206,7 +213,10 @@ def resolve_fused(
     uses its shard's shared row. ``counts`` (int32 [N]): each entry stands for that many
     lookups of its id (ids counted where they were looked up), else one. ``write=False``: the
     map's rows are left to the caller (``Fused.writes``, :func:`write_map`: outside any switch
-    it runs in). Traceable."""
+    it runs in). ``chunk``: at most this many distinct ids' [ids, probes] arrays at once (the
+    placement's per-probe work and the sketch's counters in passes where more are resolved,
+    the candidates recomputed each round there), so a rare large batch (a skewed gathered
+    one resolved whole) needs no more scratch than the common ones; 0: all at once. Traceable."""
     n = hi.shape[0]
     index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table, counts)
     # The distinct ids come first: the rest of the work runs on the least of a few prefix sizes
@@ -215,7 +225,20 @@ def resolve_fused(
     count = jnp.max(jnp.where(valid, index + 1, 0))
     branches = [
         lambda k=k: _settled(
-            maps, m, k, n, uhi[:k], ulo[:k], utab[:k], occurrences[:k], real[:k], step, first_shards, learn, write
+            maps,
+            m,
+            k,
+            n,
+            uhi[:k],
+            ulo[:k],
+            utab[:k],
+            occurrences[:k],
+            real[:k],
+            step,
+            first_shards,
+            learn,
+            write,
+            chunk,
         )
         for k in sizes
     ]
@@ -252,7 +275,7 @@ def distinct_sizes(n: int) -> list[int]:
 
 
 def _settled(
-    maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn, touched
+    maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn, touched, chunk
 ):
     """:func:`resolve_fused` past the dedup, on the first ``k`` distinct ids (every one of
     them): each one's row ([n], -1 past k); the map rows given to each ([n], the map's row
@@ -306,8 +329,8 @@ def _settled(
         pick = lambda x: jnp.take_along_axis(x, at, axis=1)[:, 0]
         return jnp.any(match, axis=1), pick(probe), pick(decayed)
 
-    chunks = -(-k // SETTLE_CHUNK)
-    by_chunks = functools.partial(_by_chunks, chunks)
+    chunk = chunk if 0 < chunk < k else k
+    by_chunks = functools.partial(_by_chunks, chunk)
     matched, found_row, found_count = by_chunks(lookup, uhi, ulo, *probing)
     found = real & matched
 
@@ -315,7 +338,7 @@ def _settled(
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
         sketch, estimate, sketch_touched = _count(
-            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunks
+            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunk
         )
         estimate = jnp.where(counts, estimate, occurrences)
         admitted = real & (found | ~counts | (estimate >= admit))
@@ -341,7 +364,7 @@ def _settled(
         return best1[:, 0] < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
 
     asking = (estimate, lfu, *probing)
-    if chunks == 1:  # the candidates once, for every round
+    if chunk == k:  # the candidates once, for every round
         fixed = candidates(*asking)
         ask = lambda taken: choose(taken, *fixed)
     else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
@@ -405,27 +428,26 @@ def _settled(
     )
 
 
-def _chunked(chunks: int, x: jax.Array) -> jax.Array:
-    """``x`` [U, ...] as [chunks, SETTLE_CHUNK, ...], the last chunk padded with zeros."""
-    c = SETTLE_CHUNK
-    return jnp.concatenate([x, jnp.zeros((chunks * c - x.shape[0], *x.shape[1:]), x.dtype)]).reshape(
-        chunks, c, *x.shape[1:]
-    )
+def _chunked(chunk: int, x: jax.Array) -> jax.Array:
+    """``x`` [U, ...] as [chunks, chunk, ...], the last chunk padded with zeros."""
+    chunks = -(-x.shape[0] // chunk)
+    pad = jnp.zeros((chunks * chunk - x.shape[0], *x.shape[1:]), x.dtype)
+    return jnp.concatenate([x, pad]).reshape(chunks, chunk, *x.shape[1:])
 
 
-def _by_chunks(chunks: int, f, *xs):
-    """``f`` of the arrays ``xs`` (each [U, ...]; ``f`` works id by id) in ``chunks`` passes of
-    :data:`SETTLE_CHUNK` ids (the padding's results dropped), or at once."""
-    if chunks == 1:
+def _by_chunks(chunk: int, f, *xs):
+    """``f`` of the arrays ``xs`` (each [U, ...]; ``f`` works id by id) in passes of ``chunk``
+    ids (the padding's results dropped), or at once where ``chunk`` is U."""
+    if chunk == xs[0].shape[0]:
         return f(*xs)
-    out = lax.map(lambda a: f(*a), [_chunked(chunks, x) for x in xs])
+    out = lax.map(lambda a: f(*a), [_chunked(chunk, x) for x in xs])
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
 
 
-def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunks: int):
+def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int):
     """The sketches after the batch's absent ids are counted (and aged, where a table's half
     life ends at ``step``), every id's estimate, and the counters added to (flat; the
-    sketch's size: none); the ids' counters in ``chunks`` passes (:func:`_by_chunks`)."""
+    sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`_by_chunks`)."""
     specs = maps.specs
     per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
     dims = maps.sketch_dims
@@ -459,12 +481,12 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunks
         return jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, size - 1)], _TAKEN), axis=1)
 
     ids = (utab, h, local, absent, occurrences)
-    if chunks == 1:
+    if chunk == utab.shape[0]:
         sketch, added = add(sketch, *ids)
     else:  # a chunk at a time (the sums are the same in any order; padding is not absent)
-        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [_chunked(chunks, x) for x in ids])
+        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [_chunked(chunk, x) for x in ids])
         added = added.reshape(-1, depth_n)[: utab.shape[0]]
-    return sketch, _by_chunks(chunks, estimate, *ids[:3]), added.reshape(-1)
+    return sketch, _by_chunks(chunk, estimate, *ids[:3]), added.reshape(-1)
 
 
 def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
