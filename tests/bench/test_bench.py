@@ -71,6 +71,7 @@ def test_train_bench_writes_json(tiny, tmp_path):
     bench_train({"tiny": tiny("mesh.devices=2")}, steps=2, warmup=1, output=str(out), **QUIET)
     r = json.loads(out.read_text())["results"]["tiny"]
     assert r["samples_per_s"] > 0 and r["ratio_to_first"] == 1.0
+    assert r["scratch_bytes_per_device"] > 0 and r["page_faults_per_step"] >= 0
 
 
 def bench_json(tmp_path, name, rows, devices, env_extra=None):
