@@ -6,10 +6,15 @@ compiled sizes with ``lax.switch`` would copy those arrays: XLA gives a switch's
 buffers of their own, so state written in a branch is copied whole every step (a table of 200k
 rows, 13 MB, twice a step on CPU). A ``while_loop`` carries its buffers and updates them where
 they lie; its trip count follows the entries, not the arrays.
+
+:func:`by_chunks` is the other direction: per-entry work over many entries in passes of a
+fixed size, so the intermediate arrays hold one pass (a rare large batch needs no more scratch
+than the common ones).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -30,3 +35,19 @@ def in_chunks(parts, count, size: int, carry, write):
         return i + 1, write(carry, *(lax.dynamic_slice_in_dim(p, start, size) for p in parts))
 
     return lax.while_loop(lambda c: c[0] * size < count, body, (jnp.int32(0), carry))[1]
+
+
+def padded_chunks(chunk: int, x: jax.Array) -> jax.Array:
+    """``x`` [U, ...] as [chunks, chunk, ...], the last chunk padded with zeros."""
+    chunks = -(-x.shape[0] // chunk)
+    pad = jnp.zeros((chunks * chunk - x.shape[0], *x.shape[1:]), x.dtype)
+    return jnp.concatenate([x, pad]).reshape(chunks, chunk, *x.shape[1:])
+
+
+def by_chunks(chunk: int, f, *xs):
+    """``f`` of the arrays ``xs`` (each [U, ...]; ``f`` works id by id) in passes of ``chunk``
+    ids (the padding's results dropped), or at once where ``chunk`` is U."""
+    if chunk == xs[0].shape[0]:
+        return f(*xs)
+    out = lax.map(lambda a: f(*a), [padded_chunks(chunk, x) for x in xs])
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dlrm_jax.chunks import in_chunks
+from dlrm_jax.chunks import by_chunks, in_chunks, padded_chunks
 from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.hashing import mix32
 from dlrm_jax.sorting import sort_with_order
@@ -158,11 +158,12 @@ def distinct_ids(hi, lo, valid, table, counts=None):
     and means nothing to the map.
 
     Fast path: the ids sorted by a 32-bit hash of (table, id) with their positions
-    (``sorting.sort_with_order``: on CPU two passes of a lone uint32 sort), each run of one key
+    (``sorting.sort_with_order``: on CPU two or three passes of a lone uint32 sort), each run of one key
     numbered in that order. Two distinct pairs (or a pair and padding) with one key would share
     a run: when the batch has such a pair (a run whose neighbours differ), the exact path sorts
-    by (table, high word, low word) instead. (The order replaced a sort of the keys alone and a
-    binary search for each key's run: its fifteen gathers were the dedup's largest cost.)"""
+    by (table, high word, low word) instead. (A sort of the keys alone and a binary search for
+    each key's run is as fast, but its unrolled steps over a gathered batch took the 8-device
+    step's scratch over glibc's 32 MiB mmap cutoff: page faults every step.)"""
     n = hi.shape[0]
     key = mix32(id_hash(hi, lo) ^ (table.astype(jnp.uint32) * _TABLE_SALT), jnp)
     key = jnp.where(valid, key, _LAST)  # padding last
@@ -330,8 +331,8 @@ def _settled(
         return jnp.any(match, axis=1), pick(probe), pick(decayed)
 
     chunk = chunk if 0 < chunk < k else k
-    by_chunks = functools.partial(_by_chunks, chunk)
-    matched, found_row, found_count = by_chunks(lookup, uhi, ulo, *probing)
+    in_passes = functools.partial(by_chunks, chunk)
+    matched, found_row, found_count = in_passes(lookup, uhi, ulo, *probing)
     found = real & matched
 
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
@@ -368,7 +369,7 @@ def _settled(
         fixed = candidates(*asking)
         ask = lambda taken: choose(taken, *fixed)
     else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
-        ask = lambda taken: by_chunks(lambda *a: choose(taken, *candidates(*a)), *asking)
+        ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
     placed = jnp.full(k, -1, jnp.int32)
@@ -428,26 +429,10 @@ def _settled(
     )
 
 
-def _chunked(chunk: int, x: jax.Array) -> jax.Array:
-    """``x`` [U, ...] as [chunks, chunk, ...], the last chunk padded with zeros."""
-    chunks = -(-x.shape[0] // chunk)
-    pad = jnp.zeros((chunks * chunk - x.shape[0], *x.shape[1:]), x.dtype)
-    return jnp.concatenate([x, pad]).reshape(chunks, chunk, *x.shape[1:])
-
-
-def _by_chunks(chunk: int, f, *xs):
-    """``f`` of the arrays ``xs`` (each [U, ...]; ``f`` works id by id) in passes of ``chunk``
-    ids (the padding's results dropped), or at once where ``chunk`` is U."""
-    if chunk == xs[0].shape[0]:
-        return f(*xs)
-    out = lax.map(lambda a: f(*a), [_chunked(chunk, x) for x in xs])
-    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
-
-
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int):
     """The sketches after the batch's absent ids are counted (and aged, where a table's half
     life ends at ``step``), every id's estimate, and the counters added to (flat; the
-    sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`_by_chunks`)."""
+    sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`by_chunks`)."""
     specs = maps.specs
     per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
     dims = maps.sketch_dims
@@ -484,9 +469,9 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk:
     if chunk == utab.shape[0]:
         sketch, added = add(sketch, *ids)
     else:  # a chunk at a time (the sums are the same in any order; padding is not absent)
-        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [_chunked(chunk, x) for x in ids])
+        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [padded_chunks(chunk, x) for x in ids])
         added = added.reshape(-1, depth_n)[: utab.shape[0]]
-    return sketch, _by_chunks(chunk, estimate, *ids[:3]), added.reshape(-1)
+    return sketch, by_chunks(chunk, estimate, *ids[:3]), added.reshape(-1)
 
 
 def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
