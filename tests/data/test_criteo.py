@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from dlrm_jax.data.sources.criteo import (
     scramble_id,
     write_criteo_tsv,
 )
+from dlrm_jax.data.sources.drifting import DriftingStream
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator, normalise_dense
+from tests.child_env import REPO, child_env
 from tests.helpers import examples
 
 ROWS = (2, 5, 17, 60, 300, 1000) * 4 + (3, 40)  # 26 small tables: repeated values, min_count
@@ -511,3 +514,29 @@ def test_windows_are_the_lines_in_the_order_written(tsv):
     assert len(criteo_windows([str(path)], 256, 2)) == 2
     with pytest.raises(ValueError, match="fewer than one window"):
         criteo_windows([str(path)], 10 * N)
+
+
+def test_a_drifting_sample_reads_back_as_its_stream_in_time_order(tmp_path):
+    """`make_criteo_sample.py --drift-windows`: the drifting stream's windows as Criteo lines, in
+    order (values its ids' low words, labels its labels, dense counts that log1p turns back into
+    about x + 2), so later windows bring values the first never had."""
+    path = tmp_path / "drift.tsv"
+    script = REPO / "scripts" / "make_criteo_sample.py"
+    args = ["--lines", "4096", "--drift-windows", "4", "--born-per-window", "300", "--missing-cat-rate", "0"]
+    subprocess.run(
+        [sys.executable, str(script), *args, "--seed", "3", "--output", str(path)],
+        check=True, capture_output=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    windows = criteo_windows([str(path)], 1024)
+    stream = DriftingStream(
+        features=26, num_dense=13, windows=4, window_samples=1024, born_per_window=300, lifetime=4, seed=3
+    )
+    assert len(windows) == 4
+    for t, w in enumerate(windows):
+        truth = stream.window(t)
+        np.testing.assert_array_equal(w.ids, scramble_id(truth.ids & np.uint64(0xFFFFFFFF)))
+        np.testing.assert_array_equal(w.labels, truth.labels)
+        above = truth.dense > 0  # where the count is large enough to keep x's digits
+        np.testing.assert_allclose(w.dense[above], truth.dense[above] + 2, atol=0.15)
+    new = ~np.isin(windows[3].ids, windows[0].ids)
+    assert new.mean() > 0.8  # the cohorts of windows 1-3 carry most of window 3's lookups
