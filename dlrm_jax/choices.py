@@ -110,6 +110,13 @@ class EvictionPolicy(enum.StrEnum):
     LFU = "lfu"  # the id seen least often, counts halving every half_life steps
 
 
+class NewRows(enum.StrEnum):
+    """What a row a dynamic table gives to a new id starts from (``embedding.dynamic.new_rows``)."""
+
+    INITIALIZER = "initializer"  # the id's own initial vector (a hash of the seed, the table and the id)
+    SHARED = "shared"  # that plus its shard's shared row: what the id was trained through until then
+
+
 class DramPolicy(enum.StrEnum):
     """How a tiered table's DRAM cache chooses what to keep (``embedding.tier.policy``)."""
 

@@ -22,6 +22,7 @@ from dlrm_jax.choices import (
     IdsExchange,
     Interaction,
     MlpParallel,
+    NewRows,
     Pooling,
     RowLayoutChoice,
     Sharding,
@@ -468,6 +469,14 @@ class DynamicConfig:
     )
     sketch_width: int = field(
         default=1024, metadata=POS | doc("`admit` > 1: counters per row of each shard's count-min sketch (4 rows)")
+    )
+    new_rows: str = field(
+        default="initializer",
+        metadata=_choices(*NewRows)
+        | doc(
+            "what a row given to a new id starts from: the id's own initial vector (`initializer`), or that plus "
+            "its shard's shared row, which the id trained until it had a row (`shared`; not with tiered tables)"
+        ),
     )
 
 

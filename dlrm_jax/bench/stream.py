@@ -62,7 +62,8 @@ class _Case:
         specs = [TableSpec(f"cat_{f}", m.rows, cfg.model.embedding_dim, 1) for f, m in enumerate(maps)]
         plan = plan_embeddings(specs, "row", n, cfg.embedding.optimizer, cfg.train.batch_size)
         self.coll = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
-        self.dyn = DynamicTables(self.coll, dict(enumerate(maps))) if kind == "dynamic" else None
+        new_rows = cfg.embedding.dynamic.new_rows
+        self.dyn = DynamicTables(self.coll, dict(enumerate(maps)), new_rows) if kind == "dynamic" else None
         m = cfg.model
         model = DLRMDense(
             num_dense=num_dense,

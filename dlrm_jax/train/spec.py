@@ -22,7 +22,8 @@ class StepSpec:
     of the parameters and the tables, ``batch_size``: the global batch, ``bag_sizes`` and
     ``num_dense``: the batch's shape, ``mlp_parallel`` and ``microbatches``: the dense layers'
     layout over a model group's devices, ``maps``: {table index: its id map} of the tables
-    taking raw ids (``wiring.dynamic_maps``; embedding/dynamic)."""
+    taking raw ids (``wiring.dynamic_maps``; embedding/dynamic), ``new_rows``: what their rows
+    given to new ids start from (``embedding.dynamic.new_rows``)."""
 
     dense: Callable[[nnx.Rngs], nnx.Module]
     parts: Mapping[str, SparsePart]
@@ -36,6 +37,7 @@ class StepSpec:
     mlp_parallel: str = "data"
     microbatches: int = 1
     maps: Mapping[int, MapSpec] = field(default_factory=dict)
+    new_rows: str = "initializer"
 
     def __post_init__(self):
         taken = set(self.parts) & {*CORE_FIELDS, MAPS}

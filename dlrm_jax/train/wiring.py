@@ -329,6 +329,7 @@ def step_spec(cfg: Config, mesh: jax.sharding.Mesh) -> StepSpec:
         mlp_parallel=cfg.model.mlp_parallel,
         microbatches=cfg.model.microbatches,
         maps=dynamic_maps(cfg),
+        new_rows=cfg.embedding.dynamic.new_rows,
     )
 
 

@@ -23,10 +23,10 @@ MAP = MapSpec(rows=64, vshards=8, probes=3, policy="lfu", half_life=4, admit=2, 
 BATCH = 16
 
 
-def tables(devices: int, optimizer: str):
+def tables(devices: int, optimizer: str, new_rows: str = "initializer"):
     plan = plan_embeddings(SPECS, "row", devices, optimizer, BATCH)
     coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer(optimizer))
-    return coll, DynamicTables(coll, {0: MAP})
+    return coll, DynamicTables(coll, {0: MAP}, new_rows)
 
 
 def stream(steps: int, seed: int = 0):
@@ -112,6 +112,29 @@ def test_a_fresh_row_starts_as_its_ids_own_vector_and_state():
         assert float(np.asarray(slots[0]["accumulator"])[(row + 1) % 64]) == 1.0  # others untouched
     np.testing.assert_array_equal(starts[0], starts[1])
     assert np.all(np.abs(starts[0]) <= 1 / 8) and np.any(starts[0])
+
+
+def test_with_new_rows_shared_a_fresh_row_starts_from_its_shards_shared_row():
+    """``new_rows="shared"``: the id's own initial vector plus its shard's shared row (slot 0 of
+    the shard), as it was before the step; its optimizer state as the optimizer's initial state."""
+    starts = {}
+    for new_rows in ("initializer", "shared"):
+        coll, dyn = tables(4, "rowwise_adagrad", new_rows)
+        key = jax.random.key(3)
+        emb, maps = coll.init(key), dyn.init_maps()
+        hi, lo = split_ids(np.array([[7, 7]] * BATCH, np.uint64))
+        put = lambda x: jax.device_put(x, coll.batch_sharding)  # noqa: B023
+        emb, maps, ids, *_ = jax.jit(functools.partial(dyn.resolve, step=0, key=key))(
+            emb, maps, {0: (put(hi), put(lo), put(np.ones((BATCH, 2), bool)))}, put(jnp.zeros((BATCH, 3), jnp.int32))
+        )
+        row = int(ids[0, 0])
+        values, slots = (np.asarray(x[0]) if not isinstance(x[0], dict) else x[0] for x in coll.logical_tables(emb))
+        shared = row // MAP.slots * MAP.slots
+        assert row != shared and float(np.asarray(slots["accumulator"])[row]) == 0.0
+        starts[new_rows] = values[row], values[shared]
+    (own, _), (warm, shared_value) = starts["initializer"], starts["shared"]
+    assert np.any(shared_value)
+    np.testing.assert_allclose(warm, shared_value + own, rtol=1e-6, atol=1e-7)
 
 
 def test_a_table_that_is_not_row_wise_in_even_blocks_is_refused():

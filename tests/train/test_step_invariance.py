@@ -114,12 +114,15 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
 # reference's maps after the step) beside rows that keep theirs, so a fresh row that is hot must
 # be reset in the hot copies too, or that step fails. Two cases are Wide&Deep, whose wide
 # weights of a dynamic table (one per row, on every device) restart at zero with their rows.
+# Two start fresh rows from their shards' shared rows (embedding.dynamic.new_rows=shared): with
+# hot rows, shard 0's shared row is hot (its value is the hot copy's) and fresh hot rows take
+# their shared rows' values from their owners; with Wide&Deep, the wide weights do too.
 DYNAMIC = [
-    (1, "lfu", 2, True, False),
-    (2, "lru", 0, True, True),
-    (4, "lfu", 0, True, False),
-    (8, "lru", 2, True, False),
-    (8, "lfu", 2, False, True),
+    (1, "lfu", 2, True, False, "initializer"),
+    (2, "lru", 0, True, True, "initializer"),
+    (4, "lfu", 0, True, False, "shared"),
+    (8, "lru", 2, True, False, "initializer"),
+    (8, "lfu", 2, False, True, "shared"),
 ]
 # (the dense model by SGD: Adam's first step divides a near-zero gradient by its own size, so
 # the last bit of a sum taken in another order shows at 1e-5)
@@ -128,11 +131,14 @@ HOT_CAPACITY = 48
 
 
 @pytest.mark.parametrize(
-    "devices,policy,admit,hot,wide",
+    "devices,policy,admit,hot,wide,new_rows",
     DYNAMIC,
-    ids=[f"{d}dev-{p}-admit{a}{'-hot' if h else ''}{'-wide_deep' if w else ''}" for d, p, a, h, w in DYNAMIC],
+    ids=[
+        f"{d}dev-{p}-admit{a}{'-hot' if h else ''}{'-wide_deep' if w else ''}{'-shared' if n == 'shared' else ''}"
+        for d, p, a, h, w, n in DYNAMIC
+    ],
 )
-def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot, wide):
+def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot, wide, new_rows):
     common = [
         "train.batch_size=64",
         "train.learning_rate=0.1",
@@ -147,6 +153,7 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
         "embedding.dynamic.half_life=4",
         f"embedding.dynamic.admit={admit}",
         "embedding.dynamic.sketch_width=64",
+        f"embedding.dynamic.new_rows={new_rows}",
         *(WIDE_DEEP if wide else ()),
     ]
     ref_cfg = tiny(*common, "mesh.devices=1")
@@ -166,6 +173,8 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
         if hot:
             keys, fresh = hot_set_with_new_rows(plan, steps, before, by_table(ref, state))
             other = other._replace(emb=steps.collection.refresh(other.emb, keys))
+            if new_rows == "shared":
+                other = with_stale_shared_rows(steps, other)
             fresh_hot += fresh
         other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
@@ -184,15 +193,30 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
     assert (fresh_hot > 40 and hits > 0) if hot else "hot_counts" not in metrics
 
 
+def with_stale_shared_rows(steps, state: TrainState) -> TrainState:
+    """``state`` with the tables' own copies of row 0 of each dynamic table (shard 0's shared
+    row, hot) far off: while a row is hot its value is the hot copy's, as between refreshes
+    (here every step refreshes, which leaves both copies alike), so a fresh row of shard 0 must
+    start from the hot copy."""
+    tables = dict(state.emb.tables)
+    for t in steps.dynamic.maps:
+        g, vt = steps.dynamic._where[t]  # row 0 is device 0's first row of the table's block
+        tables[g.name] = jax.jit(lambda a, i=vt.offset: a.at[i].add(100.0), out_shardings=tables[g.name].sharding)(
+            tables[g.name]
+        )
+    return state._replace(emb=state.emb._replace(tables=tables))
+
+
 def hot_set_with_new_rows(plan, steps, before: TrainState, after: TrainState) -> tuple[np.ndarray, int]:
     """Hot keys holding up to 10 rows of each dynamic table that the step gave to a new id (its
-    maps ``before`` and ``after`` it, by table), 6 rows that kept their ids, and a few rows of
-    every other table; and how many of the step's new rows are hot."""
+    maps ``before`` and ``after`` it, by table), 6 rows that kept their ids and shard 0's
+    shared row (row 0), and a few rows of every other table; and how many of the step's new
+    rows are hot."""
     rows = [np.unique(np.arange(0, 40, 7) % t.spec.rows) for t in plan.tables]
     fresh = 0
     for t, name in steps.dynamic.names().items():
         old, new = (jax.tree.map(np.asarray, m[name]) for m in (before.maps, after.maps))
         given = new.used & (~old.used | (old.key_hi != new.key_hi) | (old.key_lo != new.key_lo))
-        rows[t] = np.union1d(np.flatnonzero(given)[:10], np.flatnonzero(new.used)[:6])
+        rows[t] = np.union1d(np.flatnonzero(given)[:10], [0, *np.flatnonzero(new.used)[:6]])
         fresh += min(int(given.sum()), 10)
     return hot_keys(rows, HOT_CAPACITY), fresh

@@ -7,7 +7,9 @@ A dynamic table is a row-wise table whose blocks are its map's: device d holds m
 reset where they live, with no communication, and a checkpoint's tables and maps restore onto
 another device count alike (the planner lays them out in blocks: ``PlanOptions.block_rows``). A fresh row starts as its new id's own initial
 vector (a hash of the seed, the table and the id: the same whichever row or device it lands
-on) and its optimizer state as the optimizer's initial state.
+on) and its optimizer state as the optimizer's initial state. With ``new_rows="shared"`` the
+vector starts from its shard's shared row as well (that row's value before the step plus the
+id's own initial vector): the id keeps what it was trained through while it had no row.
 """
 
 from __future__ import annotations
@@ -41,16 +43,20 @@ from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, varying
 
 RESET_CHUNK = 512  # fresh rows a reset writes at a time
+NEW_ROWS = ("initializer", "shared")  # what a row given to a new id starts from (embedding.dynamic.new_rows)
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
 
 
 class DynamicTables:
     """``collection``'s tables named in ``maps`` ({table index: its MapSpec}) take raw ids.
     ``resolve`` turns a batch's raw ids into the collection's ids and resets the fresh rows;
-    the rest of a step is the collection's."""
+    the rest of a step is the collection's. ``new_rows``: what a fresh row's vector starts from
+    (:data:`NEW_ROWS`): its id's initial vector, or that plus its shard's shared row."""
 
-    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
-        self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
+    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows: str = "initializer"):
+        if new_rows not in NEW_ROWS:
+            raise ValueError(f"new_rows={new_rows!r}: one of {', '.join(NEW_ROWS)}")
+        self.collection, self.mesh, self.maps, self.new_rows = collection, collection.mesh, dict(maps), new_rows
         n = map_devices(self.mesh)
         self._where: dict[int, tuple[Group, VirtualTable]] = {}
         for t, spec in self.maps.items():
@@ -179,55 +185,88 @@ class DynamicTables:
         scale = const([1.0 / self.maps[t].rows ** 0.5 for t in tables], jnp.float32)
         table_index = const(tables)
         block = const([self.maps[t].rows // map_devices(self.mesh) for t in tables])  # a device's rows of each
+        slots_of = const([self.maps[t].slots for t in tables])
+        warm = self.new_rows == "shared"
         hot = emb.hot
 
-        def initial(table, hi, lo, width, dtype):
+        def initial(table, hi, lo, width, dtype, base=None):
             """The new ids' initial vectors (``table``: indices into ``tables``) and optimizer
-            state: a function of the seed, the table and the id alone, wherever the row is."""
+            state: a function of the seed, the table and the id alone, wherever the row is
+            (plus ``base``, float32, where given: their shared rows' values)."""
             cols = col_start[table][:, None] + lax.iota(jnp.int32, width)[None, :]
             u = hash_uniform(seed_2, table_index[table][:, None], id_hash(hi, lo)[:, None], cols)
             values = (2.0 * u - 1.0) * scale[table][:, None]
+            if base is not None:
+                values = base + values
             return values.astype(dtype), opt.init(jnp.zeros((table.shape[0], width), dtype))
 
-        def reset(arrays, slots, hot_index, rows, table, hi, lo):
+        def shared_rows(arrays, hot_state, hot_index, rows, table, name):
+            """float32 [k, width]: the value of each fresh row's shard's shared row (slot 0 of
+            its shard, on this device) before the step: the hot copy where the row is hot."""
+            local = rows // slots_of[table] * slots_of[table]
+            values = arrays[name][jnp.where(rows >= 0, offset[table] + local, 0)].astype(jnp.float32)
+            if hot_state is None:
+                return values
+            logical = jnp.where(rows >= 0, lax.axis_index(AXIS) * block[table] + local, PAD_ID)
+            at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
+            from_hot = hot_state.values[jnp.maximum(at[0], 0), : values.shape[1]].astype(jnp.float32)
+            return jnp.where(at[0][:, None] >= 0, from_hot, values)
+
+        def reset(arrays, slots, hot_state, hot_index, rows, table, hi, lo):
+            """The fresh rows ``rows`` (-1: none) reset; and, with hot rows, per hot slot given
+            to a new id here its entry (flag, table, id's words) and its shared row's value."""
+            before = arrays
             arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
+            base = {}
             for gi, name in enumerate(groups):
                 width, array = by_name[name].width, arrays[name]
                 mine = (rows >= 0) & (const(group_of)[table] == gi)
                 row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
-                values, state = initial(table, hi, lo, width, array.dtype)
+                base[name] = shared_rows(before, hot_state, hot_index, rows, table, name) if warm else None
+                values, state = initial(table, hi, lo, width, array.dtype, base[name])
                 arrays[name] = array.at[row].set(values, mode="drop")
                 slots[name] = {s: v.at[row].set(state[s], mode="drop") for s, v in slots[name].items()}
             if hot is None or hot_found is not None:
-                return arrays, slots, jnp.zeros((0, 4), jnp.int32)
+                return arrays, slots, jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 0))
             logical = jnp.where(rows >= 0, lax.axis_index(AXIS) * block[table] + rows, PAD_ID)
             at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
             entries = jnp.stack([jnp.ones_like(table), table, hi.view(jnp.int32), lo.view(jnp.int32)], 1)
             n_hot = hot.values.shape[0]
-            return (
-                arrays,
-                slots,
-                jnp.zeros((n_hot, 4), jnp.int32).at[jnp.where(at[0] >= 0, at[0], n_hot)].set(entries, mode="drop"),
-            )
+            slot = jnp.where(at[0] >= 0, at[0], n_hot)
+            if warm:  # every dynamic table's rows are the hot rows' width
+                hot_base = sum(jnp.where((const(group_of)[table] == gi)[:, None], base[name], 0.0)
+                               for gi, name in enumerate(groups))  # fmt: skip
+                hot_base = jnp.zeros((n_hot, hot.values.shape[1]), jnp.float32).at[slot].set(hot_base, mode="drop")
+            else:
+                hot_base = jnp.zeros((n_hot, 0))
+            return arrays, slots, jnp.zeros((n_hot, 4), jnp.int32).at[slot].set(entries, mode="drop"), hot_base
 
         def local(arrays, slots, hot_state, rows, table, hi, lo, *given):
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
             n_hot = 0 if hot is None or hot_found is not None else hot.values.shape[0]
+            hot_width = hot.values.shape[1] if n_hot and warm else 0
 
             def write(carry, *chunk):  # each hot slot is found by one entry at most (perhaps twice over)
-                arrays, slots, found = carry
-                arrays, slots, more = reset(arrays, slots, index, *chunk)
-                return arrays, slots, jnp.where(more[:, :1] > 0, more, found) if n_hot else found
+                arrays, slots, found, found_base = carry
+                arrays, slots, more, more_base = reset(arrays, slots, hot_state, index, *chunk)
+                if not n_hot:
+                    return arrays, slots, found, found_base
+                got = more[:, :1] > 0
+                found_base = jnp.where(got, more_base, found_base) if hot_width else found_base
+                return arrays, slots, jnp.where(got, more, found), found_base
 
-            carry = (arrays, slots, varying(jnp.zeros((n_hot, 4), jnp.int32)))  # (each device finds its own)
-            arrays, slots, found = self._in_chunks((rows, table, hi, lo), jnp.sum(rows >= 0), carry, write)
+            # (each device finds its own)
+            carry = (arrays, slots, varying(jnp.zeros((n_hot, 4), jnp.int32)), varying(jnp.zeros((n_hot, hot_width))))
+            arrays, slots, found, found_base = self._in_chunks((rows, table, hi, lo), jnp.sum(rows >= 0), carry, write)
             if hot_state is None:
                 return arrays, slots, hot_state
-            # every hot slot given a new id this step, on every device
+            # every hot slot given a new id this step, on every device (and its shared row's
+            # value: a sum of one device's and zeros, exact)
             found = given[0] if given else lax.psum(found, AXIS)
+            base = lax.psum(found_base, AXIS) if hot_width else None
             reset_here = found[:, 0] > 0
             new_ids = (found[:, 1], found[:, 2].view(jnp.uint32), found[:, 3].view(jnp.uint32))
-            values, state = initial(*new_ids, hot_state.values.shape[1], hot_state.values.dtype)
+            values, state = initial(*new_ids, hot_state.values.shape[1], hot_state.values.dtype, base)
             keep = lambda old, new: jnp.where(reset_here.reshape(-1, *[1] * (old.ndim - 1)), new, old)
             hot_state = hot_state._replace(
                 values=keep(hot_state.values, values),
@@ -252,7 +291,8 @@ class DynamicTables:
     def reset_replicated(self, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows):
         """``collection``: tables replicated on every device whose table t has as many rows as
         this one's dynamic table t (Wide&Deep's wide part: one weight per row); ``state`` with
-        the rows ``fresh`` gave to new ids set to zero (as that part starts) and their optimizer
+        the rows ``fresh`` gave to new ids set to zero (as that part starts; ``new_rows="shared"``:
+        to their shards' shared rows' values) and their optimizer
         state to its initial state, on every device. Each device's fresh rows are gathered
         from all, a chunk at a time (:meth:`_in_chunks`, as many chunks as the device with the most
         needs). Traceable: call it inside the step, after :meth:`resolve`."""
@@ -269,6 +309,7 @@ class DynamicTables:
         group_of = const([groups.index(placed[t][0].name) for t in tables])
         offset = const([placed[t][1].offset for t in tables])
         block = const([self.maps[t].rows // n for t in tables])
+        slots_of = const([self.maps[t].slots for t in tables])
         width = {g.name: g.width for g, _ in placed.values()}
 
         def reset(arrays, slots, rows, table):
@@ -285,7 +326,11 @@ class DynamicTables:
             for gi, name in enumerate(groups):
                 array = arrays[name]
                 at = jnp.where((rows >= 0) & (group_of[table] == gi), offset[table] + logical, array.shape[0])
-                arrays[name] = array.at[at].set(0, mode="drop")
+                if self.new_rows == "shared":  # the shard's shared row's value before the step
+                    shared = offset[table] + logical // slots_of[table] * slots_of[table]
+                    arrays[name] = array.at[at].set(array[shared], mode="drop")
+                else:
+                    arrays[name] = array.at[at].set(0, mode="drop")
                 initial = opt.init(jnp.zeros((at.shape[0], width[name]), array.dtype))
                 slots[name] = {s: v.at[at].set(initial[s], mode="drop") for s, v in slots[name].items()}
             return arrays, slots
@@ -315,7 +360,10 @@ class CachedDynamicTables(DynamicTables):
     its rows: the same initial vector per id and the optimizer's initial state."""
 
     def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
+        # A shared row's value is where the tier holds it, not in the device cache: fresh cache
+        # slots start from their ids' initial vectors (embedding.dynamic.new_rows=shared refused).
         self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
+        self.new_rows = "initializer"
         self.reset_chunk = RESET_CHUNK
         self._where = {}
         for t in self.maps:
