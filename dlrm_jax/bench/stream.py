@@ -161,7 +161,12 @@ def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, out
         "rows_per_table": [m.rows for m in maps],
         "distinct_ids": distinct,
         "distinct_ids_per_row": distinct / table_rows,
-        "map": {**maps[0]._asdict(), "rows": None, "bytes_per_row": maps[0].bytes_per_row()},
+        "map": {
+            **maps[0]._asdict(),
+            "rows": None,
+            "bytes_per_row": maps[0].bytes_per_row(),
+            "new_rows": cfg.embedding.dynamic.new_rows,
+        },
         "ground_truth_auc": float(np.mean(truth[len(truth) // 2 :])) if truth else None,
         "ground_truth_windows": [{"window": t + 1, "auc": a} for t, a in enumerate(truth)],
         "cases": [],
