@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import optax
 from flax import nnx
 
+from dlrm_jax.choices import NewRows
 from dlrm_jax.embedding.dynamic.idmap import MapSpec
 from dlrm_jax.model.parts import SparsePart
 
@@ -37,7 +38,7 @@ class StepSpec:
     mlp_parallel: str = "data"
     microbatches: int = 1
     maps: Mapping[int, MapSpec] = field(default_factory=dict)
-    new_rows: str = "initializer"
+    new_rows: str = NewRows.INITIALIZER
 
     def __post_init__(self):
         taken = set(self.parts) & {*CORE_FIELDS, MAPS}

@@ -154,6 +154,12 @@ def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
+def shared_row_of(rows, slots):
+    """The shared row (slot 0) of the shard holding each of ``rows`` (rows of whole shards of
+    ``slots`` rows each, counted from a shard's start: a table's, or one device's block)."""
+    return rows // slots * slots
+
+
 def home_rows(spec: MapSpec, ids: np.ndarray) -> np.ndarray:
     """Each raw id's home row (int32, numpy): the row the map gives it when nothing else asks
     for its probes. What planning measures a dynamic table's traffic by, before any map

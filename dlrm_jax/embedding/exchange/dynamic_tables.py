@@ -23,8 +23,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.choices import NewRows
 from dlrm_jax.chunks import in_chunks
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map, shared_row_of
 from dlrm_jax.embedding.dynamic.sharded import (
     FreshRows,
     check_split,
@@ -43,7 +44,6 @@ from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, varying
 
 RESET_CHUNK = 512  # fresh rows a reset writes at a time
-NEW_ROWS = ("initializer", "shared")  # what a row given to a new id starts from (embedding.dynamic.new_rows)
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
 
 
@@ -51,11 +51,14 @@ class DynamicTables:
     """``collection``'s tables named in ``maps`` ({table index: its MapSpec}) take raw ids.
     ``resolve`` turns a batch's raw ids into the collection's ids and resets the fresh rows;
     the rest of a step is the collection's. ``new_rows``: what a fresh row's vector starts from
-    (:data:`NEW_ROWS`): its id's initial vector, or that plus its shard's shared row."""
+    (:class:`~dlrm_jax.choices.NewRows`): its id's initial vector, or that plus its shard's
+    shared row."""
 
-    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows: str = "initializer"):
-        if new_rows not in NEW_ROWS:
-            raise ValueError(f"new_rows={new_rows!r}: one of {', '.join(NEW_ROWS)}")
+    def __init__(
+        self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows: str = NewRows.INITIALIZER
+    ):
+        if new_rows not in set(NewRows):
+            raise ValueError(f"new_rows={new_rows!r}: one of {', '.join(NewRows)}")
         self.collection, self.mesh, self.maps, self.new_rows = collection, collection.mesh, dict(maps), new_rows
         n = map_devices(self.mesh)
         self._where: dict[int, tuple[Group, VirtualTable]] = {}
@@ -186,7 +189,7 @@ class DynamicTables:
         table_index = const(tables)
         block = const([self.maps[t].rows // map_devices(self.mesh) for t in tables])  # a device's rows of each
         slots_of = const([self.maps[t].slots for t in tables])
-        warm = self.new_rows == "shared"
+        warm = self.new_rows == NewRows.SHARED
         hot = emb.hot
 
         def initial(table, hi, lo, width, dtype, base=None):
@@ -203,7 +206,7 @@ class DynamicTables:
         def shared_rows(arrays, hot_state, hot_index, rows, table, name):
             """float32 [k, width]: the value of each fresh row's shard's shared row (slot 0 of
             its shard, on this device) before the step: the hot copy where the row is hot."""
-            local = rows // slots_of[table] * slots_of[table]
+            local = shared_row_of(rows, slots_of[table])
             values = arrays[name][jnp.where(rows >= 0, offset[table] + local, 0)].astype(jnp.float32)
             if hot_state is None:
                 return values
@@ -217,13 +220,15 @@ class DynamicTables:
             to a new id here its entry (flag, table, id's words) and its shared row's value."""
             before = arrays
             arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
-            base = {}
+            entry_base = None  # each entry's shared row's value, from its own group's
             for gi, name in enumerate(groups):
                 width, array = by_name[name].width, arrays[name]
                 mine = (rows >= 0) & (const(group_of)[table] == gi)
                 row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
-                base[name] = shared_rows(before, hot_state, hot_index, rows, table, name) if warm else None
-                values, state = initial(table, hi, lo, width, array.dtype, base[name])
+                base = shared_rows(before, hot_state, hot_index, rows, table, name) if warm else None
+                if warm:
+                    entry_base = base if entry_base is None else jnp.where(mine[:, None], base, entry_base)
+                values, state = initial(table, hi, lo, width, array.dtype, base)
                 arrays[name] = array.at[row].set(values, mode="drop")
                 slots[name] = {s: v.at[row].set(state[s], mode="drop") for s, v in slots[name].items()}
             if hot is None or hot_found is not None:
@@ -234,9 +239,7 @@ class DynamicTables:
             n_hot = hot.values.shape[0]
             slot = jnp.where(at[0] >= 0, at[0], n_hot)
             if warm:  # every dynamic table's rows are the hot rows' width
-                hot_base = sum(jnp.where((const(group_of)[table] == gi)[:, None], base[name], 0.0)
-                               for gi, name in enumerate(groups))  # fmt: skip
-                hot_base = jnp.zeros((n_hot, hot.values.shape[1]), jnp.float32).at[slot].set(hot_base, mode="drop")
+                hot_base = jnp.zeros((n_hot, hot.values.shape[1]), jnp.float32).at[slot].set(entry_base, mode="drop")
             else:
                 hot_base = jnp.zeros((n_hot, 0))
             return arrays, slots, jnp.zeros((n_hot, 4), jnp.int32).at[slot].set(entries, mode="drop"), hot_base
@@ -326,8 +329,8 @@ class DynamicTables:
             for gi, name in enumerate(groups):
                 array = arrays[name]
                 at = jnp.where((rows >= 0) & (group_of[table] == gi), offset[table] + logical, array.shape[0])
-                if self.new_rows == "shared":  # the shard's shared row's value before the step
-                    shared = offset[table] + logical // slots_of[table] * slots_of[table]
+                if self.new_rows == NewRows.SHARED:  # the shard's shared row's value before the step
+                    shared = offset[table] + shared_row_of(logical, slots_of[table])
                     arrays[name] = array.at[at].set(array[shared], mode="drop")
                 else:
                     arrays[name] = array.at[at].set(0, mode="drop")
@@ -363,7 +366,7 @@ class CachedDynamicTables(DynamicTables):
         # A shared row's value is where the tier holds it, not in the device cache: fresh cache
         # slots start from their ids' initial vectors (embedding.dynamic.new_rows=shared refused).
         self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
-        self.new_rows = "initializer"
+        self.new_rows = NewRows.INITIALIZER
         self.reset_chunk = RESET_CHUNK
         self._where = {}
         for t in self.maps:
