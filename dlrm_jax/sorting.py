@@ -1,7 +1,6 @@
 """A stable sort of non-negative int32 (or any uint32) keys that also gives the order: the one
 sort the exchange's bucketing and the sparse update run over a batch's lookups, and the id
-maps' dedup of a batch's ids (by a 32-bit hash) and routing of its distinct ids to their owners
-(a layer below both).
+maps' routing of a batch's distinct ids to their owners (a layer below both).
 
 When a key and its position fit in 32 bits together (key < ``bound`` and n positions), they are
 packed into one uint32 (key in the high bits, position in the low) and sorted alone: the packed
