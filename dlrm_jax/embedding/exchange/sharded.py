@@ -48,6 +48,7 @@ from dlrm_jax.embedding.exchange.common import (
     update_on_owners,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
+from dlrm_jax.embedding.exchange.routing import Window
 from dlrm_jax.embedding.plan.layout import ExchangePart, Group
 from dlrm_jax.parallel.mesh import AXIS, varying
 
@@ -61,7 +62,15 @@ def _lookup(g: Group, capacity: int, wire):
             out, usable = exchange(table_local, b, window)
             return jnp.where(usable[:, None], out, acc)
 
-        return in_rounds(g, b, capacity, over, one_round, jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32))
+        def rounds():
+            return in_rounds(g, b, capacity, over, one_round, jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32))
+
+        def at_once():  # nothing overflowed: one exchange of every request, no loop and no accumulator
+            out, usable = exchange(table_local, b, Window(jnp.zeros_like(b.counts), b.counts))
+            return jnp.where(usable[:, None], out, 0.0)
+
+        # (a lookup only reads the table, so a cond does not copy it, as one around an update would)
+        return if_overflow(over, rounds, at_once)
 
     return lookup
 
