@@ -205,6 +205,52 @@ def test_ids_sharing_a_32_bit_hash_stay_distinct():
     assert {k: int(v) for k, v in out.stats.items()} == want_stats
 
 
+@functools.cache
+def _distinct():
+    from dlrm_jax.embedding.dynamic.resolve import distinct_ids
+
+    return jax.jit(distinct_ids)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.booleans()), min_size=1, max_size=64),
+    st.booleans(),
+)
+def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence(entries, with_counts):
+    """``resolve.distinct_ids`` (a hash table, rounds until every id settles) against a Python
+    grouping: each valid (table, id) pair numbered once, in the order it first occurs, with its
+    occurrences (or summed counts); padding of any table and id numbered N. A pair of ids whose
+    32-bit hashes collide (found by a birthday search) is always in the pool, so they meet."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 2**63, 300_000, dtype=np.int64).astype(np.uint64)
+    h = id_hash(*split_ids(ids), np)
+    hs, first = np.unique(h, return_index=True)
+    dup = np.setdiff1d(np.arange(len(h)), first)[0]
+    pool = np.array([ids[first[np.searchsorted(hs, h[dup])]], ids[dup], 0, 1, 2**40 + 3, 2**63 - 1, 77], np.uint64)
+    entries = entries + [(i % 3, i % 7, False) for i in range(64 - len(entries))]  # one shape, padded
+    table = np.array([t for t, _, _ in entries], np.int32)
+    raw = pool[[k for _, k, _ in entries]]
+    valid = np.array([v for _, _, v in entries])
+    counts = np.arange(1, len(entries) + 1, dtype=np.int32) if with_counts else None
+    hi, lo = split_ids(raw)
+    out = _distinct()(
+        jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), jnp.asarray(table), None if counts is None else counts
+    )
+    index, uhi, ulo, utab, occurrences, real = map(np.asarray, out)
+    n, order, totals = len(entries), {}, {}
+    for i, (t, k, v) in enumerate(entries):
+        if v:
+            order.setdefault((t, int(pool[k])), len(order))
+            totals[(t, int(pool[k]))] = totals.get((t, int(pool[k])), 0) + (1 if counts is None else int(counts[i]))
+    want = [order[(t, int(pool[k]))] if v else n for t, k, v in entries]
+    np.testing.assert_array_equal(index, want)
+    np.testing.assert_array_equal(real, np.arange(n) < len(order))
+    for (t, k), j in order.items():
+        got = (int(utab[j]), (int(uhi[j]) << 32) | int(ulo[j]))
+        assert got == (t, k) and occurrences[j] == totals[(t, k)]
+
+
 def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map():
     """Two lfu tables with half lives 2 and 5 and an lru one in one fused resolution (each
     probe's decay divided by its own table's half life), step after step with evictions and
