@@ -162,17 +162,18 @@ class StepFunctions:
         looked = {name: part.lookup(state.parts[name], ids) for name, part in self.parts.items()}
         return {k: v[0] for k, v in looked.items()}, {k: v[1] for k, v in looked.items()}
 
-    def _rows_of(self, state: TrainState, batch: Batch | RawBatch, learn: bool) -> tuple[TrainState, Batch, dict]:
+    def _rows_of(self, state: TrainState, batch: Batch | RawBatch, learn: bool) -> tuple[TrainState, Batch, dict, dict]:
         """With dynamic tables, the batch's raw ids through their maps: (the state with the
         maps after the batch and the rows given to new ids reset, the batch with rows for
         ids, ``{"id_map_counts", "id_route"}``: the maps' counts summed over the tables, int32 in
         ``embedding.dynamic.idmap.STATS`` order, and the path the resolution took, an index into
-        ``DynamicTables.resolution_paths``). ``learn=False``: the maps are read only
+        ``DynamicTables.resolution_paths``; how the ids were routed, for the collection's
+        lookup: ``DynamicTables.resolve``'s). ``learn=False``: the maps are read only
         (evaluation). Without dynamic tables: all unchanged."""
         if self.dynamic is None:
-            return state, batch, {}
+            return state, batch, {}, {}
         raw = self.dynamic.raw_ids(batch.ids, getattr(batch, "raw", None))
-        emb, maps, ids, stats, fresh, path = self.dynamic.resolve(
+        emb, maps, ids, stats, fresh, path, routed = self.dynamic.resolve(
             state.emb, state.maps, raw, batch.ids, state.step, self.embedding_key(), learn
         )
         parts = state.parts
@@ -185,7 +186,8 @@ class StepFunctions:
             }
         counts = jnp.stack([sum(s[k] for s in stats.values()) for k in STATS])
         new_state = state._replace(emb=emb, maps=maps, parts=parts)
-        return new_state, Batch(batch.dense, ids, batch.labels), {"id_map_counts": counts, "id_route": path}
+        metrics = {"id_map_counts": counts, "id_route": path}
+        return new_state, Batch(batch.dense, ids, batch.labels), metrics, routed
 
     def _fill_step(self, emb: EmbeddingState, fills: dict, prev: dict):
         groups = {g.name: g for g in self.collection.groups}
@@ -203,8 +205,8 @@ class StepFunctions:
             state = state._replace(emb=emb)
         # The named scopes mark the phases in the compiled program's metadata (dlrm-jax profile).
         with jax.named_scope(PHASE_SCOPES["exchange_forward"]):
-            state, batch, map_metrics = self._rows_of(state, batch, learn=True)
-            pooled_bfd, res = self.collection.lookup(state.emb, batch.ids)
+            state, batch, map_metrics, routed = self._rows_of(state, batch, learn=True)
+            pooled_bfd, res = self.collection.lookup(state.emb, batch.ids, routed)
             part_inputs, part_res = self._part_lookups(state, batch.ids)
 
         def loss_fn(params, pooled_bfd, part_inputs):
@@ -237,8 +239,8 @@ class StepFunctions:
         replicated scalars; nothing trained. A train step reports the loss of the state it
         starts from, so its own update shows only here (or in the next step's loss)."""
         batch = unpacked(batch, self.mesh, self.batch_sharding.spec)
-        state, batch, _ = self._rows_of(state, batch, learn=False)
-        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
+        state, batch, _, routed = self._rows_of(state, batch, learn=False)
+        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids, routed)
         loss = jnp.mean(
             bce_loss(
                 self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]), batch.labels
@@ -252,8 +254,8 @@ class StepFunctions:
         host (the batch's ids of those tables are padding here). Per host: each host looks up
         its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average).
         Dynamic tables: an id without a row reads its shard's shared row."""
-        state, batch, _ = self._rows_of(state, batch, learn=False)
-        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids)
+        state, batch, _, routed = self._rows_of(state, batch, learn=False)
+        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids, routed)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
         return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]))

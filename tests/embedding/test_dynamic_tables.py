@@ -3,6 +3,7 @@ fresh rows reset, then the collection's lookup and update. On 2, 4 and 8 devices
 equals one device's for 40 steps (pooled vectors, tables, optimizer state, maps, counts),
 through evictions, admissions and resets; a fresh row starts as its id's own vector."""
 
+import dataclasses
 import functools
 
 import jax
@@ -14,6 +15,8 @@ from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, split_ids
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
 from dlrm_jax.embedding.exchange.optimizers import sparse_optimizer
+from dlrm_jax.embedding.plan.embedding_plan import HotPlan
+from dlrm_jax.embedding.plan.layout import build_groups, group_capacity
 from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.parallel.mesh import make_mesh
@@ -29,15 +32,15 @@ def tables(devices: int, optimizer: str, new_rows: str = "initializer"):
     return coll, DynamicTables(coll, {0: MAP}, new_rows)
 
 
-def stream(steps: int, seed: int = 0):
+def stream(steps: int, seed: int = 0, batch: int = BATCH):
     """Raw user ids from a population drifting past the table's rows, item ids, targets."""
     rng = np.random.default_rng(seed)
     for step in range(steps):
         born = (np.arange(step * 5, step * 5 + 90, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        users = born[np.minimum(rng.zipf(1.4, size=(BATCH, 2)) - 1, len(born) - 1)]
-        valid = rng.random((BATCH, 2)) > 0.1
-        items = rng.integers(0, 40, (BATCH, 1), dtype=np.int32)
-        yield users, valid, items, rng.normal(size=(BATCH, 2, 8)).astype(np.float32)
+        users = born[np.minimum(rng.zipf(1.4, size=(batch, 2)) - 1, len(born) - 1)]
+        valid = rng.random((batch, 2)) > 0.1
+        items = rng.integers(0, 40, (batch, 1), dtype=np.int32)
+        yield users, valid, items, rng.normal(size=(batch, 2, 8)).astype(np.float32)
 
 
 def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6):
@@ -165,7 +168,7 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
     @jax.jit
     def step(emb, maps, state, hi, lo, valid, step_no):
         ids = jnp.zeros((BATCH, 3), jnp.int32)
-        emb, maps, _, _, fresh, _ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
+        emb, maps, _, _, fresh, *_ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
         return emb, maps, dyn.reset_replicated(wide, state, fresh)
 
     put = lambda x: jax.device_put(x, coll.batch_sharding)
@@ -186,3 +189,54 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
             got = np.asarray(slot).reshape(MAP.rows, -1)[:, 0]
             np.testing.assert_array_equal(got, np.where(ever, initial[name], 7.0), err_msg=f"{name}, step {t}")
     assert 20 < ever.sum() < MAP.rows
+
+
+@pytest.mark.slow  # 6-10 s each on 2 cores
+@pytest.mark.parametrize(("devices", "capacity"), [(4, None), (8, None), (8, 3)])
+def test_a_lookup_sends_the_requests_as_the_maps_routed_them(devices, capacity):
+    """Every table dynamic (one group of just them): the collection's lookup reuses the
+    resolution's routing (no sort or send of the row ids of its own) and trains as the same
+    devices routing their rows afresh, step by step over 40 steps with hot rows, evictions and
+    ids sharing their shard's row; with a capacity below the busiest owner's requests
+    (``capacity=3``) it routes afresh, in rounds."""
+    batch = 256  # (a device's ids are routed only past a few dozen of them)
+    specs = [TableSpec("user", 64, 8, 2), TableSpec("item", 64, 8, 1)]
+    maps = {0: MAP, 1: MapSpec(rows=64, vshards=8, probes=2, policy="lru")}
+
+    def run(reuse: bool):
+        plan = dataclasses.replace(plan_embeddings(specs, "row", devices, "rowwise_adagrad", batch), hot=HotPlan(4))
+        if capacity is not None:
+            (group,) = {g.name for g in build_groups(plan)}
+            plan = dataclasses.replace(plan, capacities=((group, capacity),))
+        coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer("rowwise_adagrad"))
+        dyn = DynamicTables(coll, maps)
+        assert dyn.routed_group is not None
+        (g,) = coll.groups
+        reused_within = group_capacity(plan, g)  # the busiest owner's requests above it: routed afresh
+        key = jax.random.key(3)
+        emb, state = coll.init(key), dyn.init_maps()
+        emb = coll.refresh(emb, np.array([[0, 0, 1, 1], [0, 9, 0, 17]], np.int32))  # shard 0's shared row hot
+
+        @jax.jit
+        def step(emb, state, hi, lo, valid, step_no):
+            ids = jnp.zeros((batch, 3), jnp.int32)
+            emb, state, ids, _, _, _, routed = dyn.resolve(emb, state, (hi, lo, valid), ids, step_no, key)
+            pooled, res = coll.lookup(emb, ids, routed if reuse else None)
+            grad = 2.0 * (pooled - 0.5) / batch
+            used = routed[dyn.routed_group]
+            return coll.apply_gradients(emb, res, grad, jnp.float32(0.1)), state, pooled, used.used, used.busiest
+
+        put = lambda x: jax.device_put(x, coll.batch_sharding)
+        for t, (users, valid, items, _) in enumerate(stream(40, batch=batch)):
+            raw = np.concatenate([users, items.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)], axis=1)
+            hi, lo = split_ids(raw)
+            valid = np.concatenate([valid, np.ones((batch, 1), bool)], axis=1)
+            emb, state, pooled, used, busiest = step(emb, state, put(hi), put(lo), put(valid), t)
+            values, slots = coll.logical_tables(emb)
+            yield np.asarray(pooled), [np.asarray(v) for v in values], [np.asarray(s["accumulator"]) for s in slots]
+            assert bool(used) and (int(busiest) > reused_within) == (capacity is not None), (t, int(busiest))
+
+    for t, (got, want) in enumerate(zip(run(True), run(False), strict=True)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=f"pooled, step {t}")
+        for a, b in zip(got[1] + got[2], want[1] + want[2], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"tables, step {t}")

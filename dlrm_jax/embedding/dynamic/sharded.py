@@ -50,6 +50,29 @@ class FreshRows(NamedTuple):
     lo: jax.Array
 
 
+class Route(NamedTuple):
+    """How a routed resolution sent each device's distinct ids to their owners, for the
+    exchange of the tables' rows to send the same requests again without sorting or sending
+    them (``exchange.sharded``'s forward). Per device, sharded over the devices (N: a device's
+    ids; S: the largest routing buffer), except the first two, alike on every device:
+
+    used: bool [] the step took a routed path (gathered: the other fields mean nothing);
+    busiest: int32 [] the most distinct ids one device sent one owner;
+    owner, rank: int32 [N] each distinct id's owner (the devices' count: padding) and its
+    place among this device's ids for that owner; row: int32 [N] its row in its group's local
+    array there (``offsets``); index: int32 [N] each id's distinct number (N: padding);
+    received: int32 [devices * S] at this owner, the local row of each id each device sent
+    it, at its sender's place (-1: none)."""
+
+    used: jax.Array
+    busiest: jax.Array
+    owner: jax.Array
+    rank: jax.Array
+    row: jax.Array
+    index: jax.Array
+    received: jax.Array
+
+
 def sharded_resolve(
     spec: MapSpec, mesh: jax.sharding.Mesh, m: IdMap, hi, lo, valid, step, learn: bool = True
 ) -> Resolved:
@@ -69,7 +92,7 @@ def sharded_resolve_many(
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
-    rows, fused, fresh, stats, _ = sharded_resolve_fused(specs, mesh, fuse_maps(specs, n, maps), ids, step, learn)
+    rows, fused, fresh, stats, *_ = sharded_resolve_fused(specs, mesh, fuse_maps(specs, n, maps), ids, step, learn)
     new_maps = split_maps(specs, n, fused)
 
     def masks(rows, table):
@@ -132,7 +155,8 @@ def sharded_resolve_fused(
     step,
     learn: bool = True,
     bags: tuple[int, ...] | None = None,
-) -> tuple[list | jax.Array, IdMap, FreshRows, jax.Array, jax.Array]:
+    offsets: tuple[int, ...] | None = None,
+) -> tuple[list | jax.Array, IdMap, FreshRows, jax.Array, jax.Array, Route | None]:
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
     devices) in one program and one pass (``resolve.resolve_fused``): routed, each device's
@@ -144,7 +168,8 @@ def sharded_resolve_fused(
     that resolves all of them there instead. Every path gives the same result. Returns (rows
     per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
     rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
-    int32, an index into :func:`resolution_paths`).
+    int32, an index into :func:`resolution_paths`; with ``offsets`` (each table's first row in
+    the local array its rows live in on every device), the :class:`Route`, else None).
 
     With ``bags`` (each table's columns), ``ids`` is every table's side by side, (hi, lo, valid)
     [B, sum(bags)], and so are the rows: one array each, not one per table (each operation on
@@ -152,7 +177,7 @@ def sharded_resolve_fused(
     were a hundred small operations a step)."""
     if bags is None:
         side, bags = side_by_side(ids)
-        rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags)
+        rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags, offsets)
         edges = np.cumsum([0, *bags])
         return [rows[:, edges[t] : edges[t + 1]].reshape(x[0].shape) for t, x in enumerate(ids)], *rest
     n = map_devices(mesh)
@@ -168,6 +193,13 @@ def sharded_resolve_fused(
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
     sends = route_capacities(per_device.size, n)
+    most_sent = max(sends, default=0)
+
+    # (the gathered path's route: nothing a lookup may use)
+    def unrouted():
+        sizes = () if offsets is None else (per_device.size, per_device.size, n * most_sent)
+        return tuple(varying(jnp.zeros(k, jnp.int32)) for k in sizes)
+
     # Every path's writes and fresh rows in one size (a switch's branches return alike): its
     # largest batch of ids, but no more than the map's rows here (a batch writes each row once).
     rows_here = int(np.sum(layout.row_sizes))
@@ -237,6 +269,7 @@ def sharded_resolve_fused(
             (out.map.sketch, out.writes),
             fresh,
             jnp.sum(met[:, rows.shape[1] :], axis=0).reshape(out.stats.shape),
+            unrouted(),
         )
 
     def routed(sent, fused, distinct, step):
@@ -249,6 +282,7 @@ def sharded_resolve_fused(
         owner, order = sort_with_order(owner, n + 1)  # by owner, then position
         first_of = first_places(owner, n + 1)
         rank = jnp.arange(owner.shape[0], dtype=jnp.int32) - first_of[owner]
+        unsorted = lambda x: jnp.zeros(owner.shape[0], jnp.int32).at[order].set(x)  # of each distinct id
         words = jnp.stack([utab, uhi.view(jnp.int32), ulo.view(jnp.int32), occurrences], 1)[order]
         send = jnp.zeros((n, sent, 4), jnp.int32).at[owner, rank].set(words, mode="drop")  # padding: owner n
         got = lax.all_to_all(send, AXIS, 0, 0, tiled=True).reshape(n * sent, 4)
@@ -258,17 +292,22 @@ def sharded_resolve_fused(
         shift = (me * jnp.asarray(per_shards) * jnp.asarray(slots))[got_table]
         answers = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, sent)
         back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
-        rows = jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1)
-        rows = jnp.zeros(owner.shape[0], jnp.int32).at[order].set(rows)  # of each distinct id
+        rows = unsorted(jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1))
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
         changed = (out.map.sketch, out.writes)
-        return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS)
+        route = ()
+        if offsets is not None:  # each id's rank, row, and what this owner received, as local rows
+            received = jnp.where(out.rows >= 0, jnp.asarray(offsets, jnp.int32)[got_table] + out.rows, -1)
+            received = jnp.full((n, most_sent), -1, jnp.int32).at[:, :sent].set(received.reshape(n, sent))
+            route = (unsorted(rank), rows, received.reshape(-1))
+        return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS), route
 
     def local(fused, hi, lo, valid, step):
         shape = hi.shape
         hi, lo, valid = hi.reshape(-1), lo.reshape(-1), valid.reshape(-1)
+        route = None
         if not sends:
-            rows, changed, fresh, stats = gathered(fused, hi, lo, valid, step)
+            rows, changed, fresh, stats, _ = gathered(fused, hi, lo, valid, step)
             path = jnp.int32(0)
         else:  # routed, in the least buffer every device's ids fit, else gathered
             table = jnp.asarray(per_device)
@@ -281,20 +320,35 @@ def sharded_resolve_fused(
             path = jnp.searchsorted(jnp.asarray(sends), most, method="compare_all").astype(
                 jnp.int32
             )  # alike everywhere
-            rows, changed, fresh, stats = lax.switch(path, branches, distinct)
+            rows, changed, fresh, stats, routed_as = lax.switch(path, branches, distinct)
             rows = jnp.where(valid, rows, -1)
+            if offsets is not None:
+                rank, row_of, received = routed_as
+                real = owner < n  # the row within the owner's block of its table, at its offset there
+                block = jnp.asarray(per_shards * slots)[utab]
+                local_row = jnp.asarray(offsets, jnp.int32)[utab] + row_of - owner * block
+                route = Route(
+                    path < len(sends),
+                    most,
+                    owner,
+                    rank,
+                    jnp.where(real & (row_of >= 0), local_row, 0),
+                    index,
+                    received,
+                )
         sketch, writes = changed
         new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
-        return rows.reshape(shape), new_map, fresh, stats, path
+        return rows.reshape(shape), new_map, fresh, stats, path, route
 
     map_spec = IdMap(*(P(AXIS),) * 6)
-    rows, new_map, fresh, stats, path = jax.shard_map(
+    routing = offsets is not None and bool(sends)
+    rows, new_map, fresh, stats, path, route = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(map_spec, P(AXIS), P(AXIS), P(AXIS), P()),
-        out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P()),
+        out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P(), Route(P(), P(), *(P(AXIS),) * 5) if routing else None),
     )(maps, *ids, step)
-    return rows, new_map, FreshRows(*fresh), stats, path
+    return rows, new_map, FreshRows(*fresh), stats, path, route if routing else None
 
 
 def route_capacities(ids: int, devices: int) -> list[int]:

@@ -248,21 +248,25 @@ class EmbeddingCollection:
         return state
 
     # ------------------------------------------------------------ forward
-    def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
+    def lookup(
+        self, state: EmbeddingState, ids_bs: jax.Array, routed: dict | None = None
+    ) -> tuple[jax.Array, LookupResiduals]:
         """ids_bs int32 [B, S] (batch-sharded) -> pooled vectors float32 [B, F, D] (batch-sharded)
         and the residuals :meth:`apply_gradients` needs.
 
         F: the plan's tables in order, one feature each; S: their bag sizes summed, each table's
         slots after the previous table's, holding row numbers of that table (0 .. rows - 1;
         ``PAD_ID`` = -1 marks an empty slot of a bag). B: the plan's ``global_batch``, which the
-        exchange's buffers are sized for."""
+        exchange's buffers are sized for. ``routed``: {group name: how the id maps' resolution
+        sent its requests already} (``DynamicTables.resolve``), reused by its form."""
         weights_bs = self._pool_weights(ids_bs)  # hot ids count in a bag's mean too
         hot_bs = hot_pooled = hot_counts = None
         if self.hot:
             hot_bs, ids_bs, hot_pooled, hot_counts = self.hot.lookup(state.hot, ids_bs, weights_bs)
         outputs, overflow, residuals = [], jnp.zeros((), jnp.int32), []
         for form in self.forms:
-            out, residual, over = form.forward(state.tables[form.group.name], ids_bs, weights_bs)
+            given = {} if not routed or form.group.name not in routed else {"routed": routed[form.group.name]}
+            out, residual, over = form.forward(state.tables[form.group.name], ids_bs, weights_bs, **given)
             outputs.append(out)
             residuals.append(residual)
             overflow = overflow + over

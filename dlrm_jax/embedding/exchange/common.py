@@ -198,11 +198,14 @@ def to_owners(g: Group, capacity: int, values, where):
 
 
 def lookup_exchange(g: Group, capacity: int, wire: Wire):
-    """``f(table_local, b, window) -> (vectors [n, W] float32, usable [n])``: one exchange of
-    the window's requests; a request outside the window gets usable False."""
+    """``f(table_local, b, window, recv_rows=None) -> (vectors [n, W] float32, usable [n])``:
+    one exchange of the window's requests; a request outside the window gets usable False.
+    ``recv_rows`` int32 [N, C]: the rows each device asks of this owner where they are known
+    already (the id maps' resolution routed the same requests), so they are not sent again."""
 
-    def exchange(table_local, b, window):
-        recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+    def exchange(table_local, b, window, recv_rows=None):
+        if recv_rows is None:
+            recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
         vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0)
         replies = wire.send(vectors, all_to_all)  # [N, C, W]: from each owner, in my request order
         owner, place, usable = slot_index(b, window)

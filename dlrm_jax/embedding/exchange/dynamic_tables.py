@@ -38,10 +38,11 @@ from dlrm_jax.embedding.dynamic.sharded import (
 )
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
+from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.hot.index import split_hot
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
 from dlrm_jax.ids import PAD_ID
-from dlrm_jax.parallel.mesh import AXIS, varying
+from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, varying
 
 RESET_CHUNK = 512  # fresh rows a reset writes at a time
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
@@ -94,6 +95,20 @@ class DynamicTables:
         self._bags = tuple(bags[t] for t in self.maps)
         self._columns = np.concatenate([np.arange(self._starts[t], self._starts[t + 1]) for t in self.maps])
         self._every_column = np.array_equal(self._columns, np.arange(self._starts[-1]))
+        self.routed_group = self._routed_group()
+
+    def _routed_group(self) -> str | None:
+        """The group whose lookups reuse the resolution's routing (``Route``): the one group
+        holding every dynamic table and nothing else, its slots the dynamic features' in order,
+        exchanged by ids over more than two devices (only there are the ids routed)."""
+        placed = {g.name: g for g, _ in self._where.values()}
+        if len(placed) != 1 or self.collection.agree_over is not None or HOST_AXIS in self.mesh.shape:
+            return None
+        (g,) = placed.values()
+        forms = [f for f in self.collection.forms if f.group.name == g.name]
+        if len(forms) != 1 or not isinstance(forms[0], IdsForm) or len(g.vtables) != len(self.maps):
+            return None
+        return g.name if np.array_equal(g.vslot_slot, self._columns) else None
 
     def names(self) -> dict[int, str]:
         """{table index: its name}: the maps' keys in checkpoints and exports."""
@@ -128,13 +143,15 @@ class DynamicTables:
         valid)} uint32/uint32/bool [B, bag] of each one's feature (batch-sharded); ``ids_bs``: int32 [B, S], the other features' ids (the dynamic
         features' slots are overwritten). Returns (emb with fresh rows reset, maps, ids_bs,
         counts per table, the fresh rows: for :meth:`reset_replicated`, the resolution's path:
-        an index into :meth:`resolution_paths`). ``learn=False``
+        an index into :meth:`resolution_paths`, and ``{group name: sharded.Route}`` for the
+        collection's ``lookup`` to send the ids as they were routed, or {}). ``learn=False``
         (evaluation): the maps are read, nothing is reset. Traceable: call it inside the step."""
         tables = list(self.maps)
         if isinstance(raw, dict):  # by table: side by side, as raw_ids gives them
             raw, _ = side_by_side([raw[t] for t in tables])
-        rows, fused, fresh, counts, path = sharded_resolve_fused(
-            [self.maps[t] for t in tables], self.mesh, maps[FUSED], raw, step, learn, self._bags
+        offsets = None if self.routed_group is None else tuple(self._where[t][1].offset for t in tables)
+        rows, fused, fresh, counts, path, route = sharded_resolve_fused(
+            [self.maps[t] for t in tables], self.mesh, maps[FUSED], raw, step, learn, self._bags, offsets
         )
         if learn:
             emb = self._reset(emb, fresh, key)
@@ -142,7 +159,7 @@ class DynamicTables:
         rows = rows.astype(ids_bs.dtype)
         ids_bs = rows if self._every_column else ids_bs.at[:, self._columns].set(rows)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
-        return emb, maps, ids_bs, stats, fresh, path
+        return emb, maps, ids_bs, stats, fresh, path, {} if route is None else {self.routed_group: route}
 
     def resolution_paths(self, batch: int) -> list[dict[str, int]]:
         """Bytes a device sends a step resolving a global ``batch``'s raw ids, by collective, on

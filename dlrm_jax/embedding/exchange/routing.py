@@ -100,6 +100,22 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     )
 
 
+def buckets_as_routed(slot_valid, owner, rank, row, index, num_devices: int) -> Buckets:
+    """:class:`Buckets` of requests some earlier exchange sent already (the id maps' resolution
+    of raw ids): each distinct request's ``owner`` (``num_devices``: padding), ``rank`` (places
+    0, 1, ... per owner) and ``row``, and each request's distinct number ``index`` (past the
+    end: padding); ``slot_valid`` bool [n]: the requests to answer (hot rows left out: a
+    distinct request none of them asks for is left out too). Not sorted by row: for one
+    exchange of everything, never for rounds."""
+    n = owner.shape[0]
+    asked = jnp.zeros(n, bool).at[index].max(slot_valid, mode="drop")
+    real = owner < num_devices
+    owner = jnp.where(real, owner, 0)
+    at = jnp.minimum(index, n - 1)
+    counts = jax.ops.segment_sum(real.astype(jnp.int32), owner, num_devices)  # places taken per owner
+    return Buckets(owner, jnp.where(asked, row, 0), rank, asked & real, owner[at], rank[at], slot_valid, counts)
+
+
 class Window(NamedTuple):
     """Which of one device's requests to each owner go into one exchange: the ranks
     ``first[o] <= rank < end[o]``, placed at ``rank - first[o]`` (``end - first`` <= capacity)."""
@@ -152,10 +168,13 @@ def next_round_limit(b: Buckets, done, capacity: int, local_rows: int):
 
 
 def requests_below(b: Buckets, limit, local_rows: int):
-    """int32 [N]: how many of this device's requests to each owner are for rows below
-    ``limit[owner]``: the end of the round that ``limit`` closes."""
+    """int32 [N]: the end of the round that ``limit`` closes at each owner: one past the last
+    place of this device's requests to it for rows below ``limit[owner]`` (sorted buckets hold
+    those in places 0, 1, ...: their count; buckets as routed may hold places of requests
+    none asks for among them, which the window's flags leave out)."""
     below = b.unique_valid & (b.unique_row < limit[b.unique_owner])
-    return jax.ops.segment_sum(below.astype(jnp.int32), b.unique_owner, b.counts.shape[0])
+    end = jax.ops.segment_max(jnp.where(below, b.unique_rank + 1, 0), b.unique_owner, b.counts.shape[0])
+    return jnp.maximum(end, 0)  # (an owner asked nothing: the segment's max is the int minimum)
 
 
 def scatter_to_buckets(owner, rank, usable, values, capacity: int, num_devices: int, fill):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
@@ -48,8 +49,9 @@ from dlrm_jax.embedding.exchange.common import (
     update_on_owners,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.exchange.routing import Window
+from dlrm_jax.embedding.exchange.routing import Window, buckets_as_routed
 from dlrm_jax.embedding.plan.layout import ExchangePart, Group
+from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, varying
 
 
@@ -76,20 +78,48 @@ def _lookup(g: Group, capacity: int, wire):
 
 
 def sharded_forward(g: Group, mesh, capacity: int, wire):
-    """``f(table [N*R, W], ids [B, S]) -> (vectors [B, V, W] float32, overflowed bool [])``."""
+    """``f(table [N*R, W], ids [B, S], routed=None) -> (vectors [B, V, W] float32, overflowed
+    bool [])``. ``routed``: how the id maps' resolution sent these requests already
+    (``dynamic.sharded.Route``, the group's slots being its ids in order): used when it was
+    routed in buffers within ``capacity``, so the requests are neither sorted nor sent again."""
     lookup = _lookup(g, capacity, wire)
+    exchange = lookup_exchange(g, capacity, wire)
 
     def local(table_local, ids_local):
         shape, b, most = route_and_bucket(g, ids_local)
         out = lookup(table_local, b, most > capacity).reshape(*shape, g.width)
         return out, (most > capacity)[None], (b, most[None])
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(AXIS), P(AXIS), P(AXIS)))
+    def local_routed(table_local, ids_local, routed):
+        def as_routed():
+            valid = (take_columns(ids_local, g.vslot_slot) != PAD_ID).reshape(-1)  # (hot ids are out)
+            b = buckets_as_routed(valid, routed.owner, routed.rank, routed.row, routed.index, g.num_devices)
+            received = routed.received.reshape(g.num_devices, -1)
+            sent = received.shape[1]  # (within capacity: wider places are empty when this runs)
+            received = received[:, :capacity] if sent >= capacity else jnp.pad(received, ((0, 0), (0, capacity - sent)))
+            out, usable = exchange(
+                table_local,
+                b,
+                Window(jnp.zeros_like(b.counts), b.counts),
+                jnp.where(received >= 0, received, g.local_rows),
+            )
+            out = jnp.where(usable[:, None], out, 0.0).reshape(ids_local.shape[0], -1, g.width)
+            return out, jnp.zeros(1, bool), (b, routed.busiest[None])
 
-    def forward(table, ids_bs):
+        reuse = routed.used & (routed.busiest <= capacity)  # (alike on every device)
+        return lax.cond(reuse, as_routed, lambda: local(table_local, ids_local))
+
+    specs = (P(AXIS), P(AXIS), P(AXIS))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=specs)
+    routed_spec = lambda r: type(r)(P(), P(), *(P(AXIS),) * (len(r) - 2))
+    fn_routed = lambda table, ids, r: jax.shard_map(
+        local_routed, mesh=mesh, in_specs=(P(AXIS), P(AXIS), routed_spec(r)), out_specs=specs
+    )(table, ids, r)
+
+    def forward(table, ids_bs, routed=None):
         """-> (vectors, overflowed, route): the route (buckets, busiest count) is the backward's
         residual, so the ids are not routed and sorted a second time."""
-        out, over, route_ = fn(table, ids_bs)
+        out, over, route_ = fn(table, ids_bs) if routed is None else fn_routed(table, ids_bs, routed)
         return out, over[0], route_
 
     return forward
@@ -182,9 +212,10 @@ class IdsForm:
         self._forward = sharded_forward(g, mesh, capacity, wire)
         self._update = sharded_update(g, mesh, capacity, wire, optimizer, dim, agree_over)
 
-    def forward(self, table, ids_bs, weights_bs):
+    def forward(self, table, ids_bs, weights_bs, routed=None):
+        """(``routed``: ``sharded_forward``'s: how the id maps sent these requests already.)"""
         g = self.group
-        vectors, over, route_ = self._forward(table, ids_bs)
+        vectors, over, route_ = self._forward(table, ids_bs) if routed is None else self._forward(table, ids_bs, routed)
         weighted = vectors * take_columns(weights_bs, g.vslot_slot)[:, :, None]  # [B, V, W]
         pooled = (
             weighted
