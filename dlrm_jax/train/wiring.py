@@ -24,11 +24,13 @@ from flax import nnx
 from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strategy
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
-from dlrm_jax.embedding.dynamic.sharded import map_bytes_per_device, maps_report
+from dlrm_jax.embedding.dynamic.sharded import map_bytes_per_device, maps_report, route_capacities
+from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, unsent_row_id_bytes
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
+from dlrm_jax.embedding.plan.layout import build_groups
 from dlrm_jax.embedding.plan.planner import (
     PlanOptions,
     PlanRequest,
@@ -193,7 +195,13 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
     maps = dynamic_maps(cfg)
     if maps:
         specs, bags = {f"cat_{f}": s for f, s in maps.items()}, {f"cat_{f}": cfg.bag_sizes[f] for f in maps}
-        report = f"{report}\n{maps_report(specs, bags, plan.num_devices, cfg.train.batch_size, plan.tiered_tables)}"
+        on_devices = [t for t in maps if t not in set(plan.tiered_tables)]
+        ids = cfg.train.batch_size // plan.num_devices * sum(cfg.bag_sizes[t] for t in on_devices)
+        routes = on_devices and route_capacities(ids, plan.num_devices)  # (else the ids are gathered)
+        routed = routed_lookup_group(plan, build_groups(plan), on_devices) if routes else None
+        unsent = 0 if routed is None else unsent_row_id_bytes(plan, routed)
+        lines = maps_report(specs, bags, plan.num_devices, cfg.train.batch_size, plan.tiered_tables, unsent)
+        report = f"{report}\n{lines}"
     if cfg.model.kind != "wide_deep":
         return report
     return f"{report}\n{wide_report(wide_plan_from_config(cfg, plan.num_devices), cfg.model.wide.optimizer)}"

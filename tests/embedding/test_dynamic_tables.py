@@ -192,7 +192,7 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
 
 
 @pytest.mark.slow  # 6-10 s each on 2 cores
-@pytest.mark.parametrize(("devices", "capacity"), [(4, None), (8, None), (8, 3)])
+@pytest.mark.parametrize(("devices", "capacity"), [(8, None), (8, 3)])
 def test_a_lookup_sends_the_requests_as_the_maps_routed_them(devices, capacity):
     """Every table dynamic (one group of just them): the collection's lookup reuses the
     resolution's routing (no sort or send of the row ids of its own) and trains as the same

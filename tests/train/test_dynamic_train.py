@@ -34,6 +34,28 @@ DYNAMIC = (
 )
 
 
+def test_plan_and_events_leave_out_the_row_ids_a_routed_lookup_does_not_send(tiny):
+    """Every table dynamic on 8 devices at a batch whose ids are routed: the lookups reuse the
+    maps' routing, so the plan says how many bytes of row ids a step does not send and the
+    events' routed paths count that many fewer; with two tables dynamic in a group shared with
+    row-wise tables of vocabulary ids, nothing is left out."""
+    from dlrm_jax.embedding.dynamic.sharded import resolution_paths
+    from dlrm_jax.train.wiring import config_plan_report
+
+    common = ("mesh.devices=8", "train.batch_size=512", *DYNAMIC[1:])
+    for ids_of, reused in ((("embedding.ids=dynamic",), True), ((DYNAMIC[0], "embedding.sharding=row"), False)):
+        cfg = tiny(*common, *ids_of)
+        plan, steps = build(cfg, make_mesh(8), SyntheticSource(cfg))
+        assert (steps.dynamic.routed_group is not None) == reused
+        unsent = steps.dynamic.unsent_row_id_bytes()
+        assert (unsent > 0) == reused
+        ids = 512 * sum(cfg.bag_sizes[t] for t in steps.dynamic.maps)
+        for got, plain in zip(steps.dynamic.resolution_paths(512), resolution_paths(ids, 8), strict=True):
+            assert got == ({**plain, "all-to-all": plain["all-to-all"] - unsent} if "all-to-all" in plain else plain)
+        report = config_plan_report(cfg, plan)
+        assert (f"{unsent / 2**10:,.1f} KiB a step fewer than the all-to-all above" in report) == reused, report
+
+
 @pytest.mark.slow
 def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_maps(tiny, tmp_path):
     # With hot rows refreshed every 2 steps: the maps' rows become hot once counted (none is at

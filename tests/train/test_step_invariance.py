@@ -116,7 +116,9 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
 # weights of a dynamic table (one per row, on every device) restart at zero with their rows.
 # Two start fresh rows from their shards' shared rows (embedding.dynamic.new_rows=shared): with
 # hot rows, shard 0's shared row is hot (its value is the hot copy's) and fresh hot rows take
-# their shared rows' values from their owners; with Wide&Deep, the wide weights do too.
+# their shared rows' values from their owners; with Wide&Deep, the wide weights do too. In the
+# 4-device case every table is dynamic, at a batch whose ids the maps route to their owners, so
+# the lookups send their requests as the maps routed them (DynamicTables.routed_group).
 DYNAMIC = [
     (1, "lfu", 2, True, False, "initializer"),
     (2, "lru", 0, True, True, "initializer"),
@@ -124,6 +126,7 @@ DYNAMIC = [
     (8, "lru", 2, True, False, "initializer"),
     (8, "lfu", 2, False, True, "shared"),
 ]
+EVERY_TABLE_ROUTED = 4  # the devices of the case whose tables are all dynamic
 # (the dense model by SGD: Adam's first step divides a near-zero gradient by its own size, so
 # the last bit of a sum taken in another order shows at 1e-5)
 WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "train.optimizer=sgd")
@@ -139,13 +142,14 @@ HOT_CAPACITY = 48
     ],
 )
 def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot, wide, new_rows):
+    every = devices == EVERY_TABLE_ROUTED
     common = [
-        "train.batch_size=64",
+        f"train.batch_size={128 if every else 64}",
         "train.learning_rate=0.1",
         "embedding.optimizer=rowwise_adagrad",
         "train.seed=5",
         "data.bag_sizes=[2, 1, 3, 1]",
-        "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
+        "embedding.ids=dynamic" if every else "embedding.table_ids=[cat_0=dynamic, cat_2=dynamic]",
         "embedding.dynamic.rows=0.2",
         "embedding.dynamic.vshards=8",
         "embedding.dynamic.probes=3",
@@ -164,6 +168,8 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
     plan, steps = build(cfg, make_mesh(devices), source)
     assert [ref_plan.tables[t].spec.rows for t in (0, 2)] == [64, 200]
     assert plan.hot_rows == (HOT_CAPACITY if hot else 0)
+    assert (steps.dynamic.routed_group is not None) == (devices > 2)  # (dynamic tables alone in their group)
+    routed = 0
     state, counts, fresh_hot, hits = ref.init_state(), np.zeros(6, np.int64), 0, 0
     for step in range(STEPS):
         batch = source.train_batch(step)
@@ -179,6 +185,7 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
         other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
         np.testing.assert_array_equal(np.asarray(metrics["id_map_counts"]), np.asarray(ref_metrics["id_map_counts"]))
         counts += np.asarray(ref_metrics["id_map_counts"])
+        routed += int(metrics["id_route"]) < len(steps.dynamic.resolution_paths(cfg.train.batch_size)) - 1
         np.testing.assert_allclose(
             float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"step {step}"
         )
@@ -190,6 +197,7 @@ def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit
     lookups, found, admitted, evicted, held_back, _ = counts
     assert evicted > 0 and admitted > evicted and 0 < found < lookups
     assert (held_back > 0) == (admit > 1)
+    assert routed > STEPS // 2 if every else routed == 0  # (on the gathered path the lookups route afresh)
     assert (fresh_hot > 40 and hits > 0) if hot else "hot_counts" not in metrics
 
 

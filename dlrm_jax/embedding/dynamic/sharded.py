@@ -398,10 +398,13 @@ def resolution_bytes_per_device(ids_per_step: int, devices: int) -> tuple[int, i
     return totals[0], totals[-1]
 
 
-def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=()) -> str:
+def maps_report(
+    specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=(), unsent: int = 0
+) -> str:
     """The plan report's lines on dynamic tables: their maps' memory and the raw ids' traffic;
     tiered ones' (``tiered``: their table indices, names ``cat_<index>``) are held whole on the
-    host and resolved there."""
+    host and resolved there. ``unsent``: bytes a device does not send a step where the lookups
+    send their requests as the maps routed them (their row ids)."""
     host = {k: s for k, s in specs.items() if int(k.removeprefix("cat_")) in set(tiered)}
     specs = {k: s for k, s in specs.items() if k not in host}
     lines = []
@@ -414,6 +417,12 @@ def maps_report(specs: dict[str, MapSpec], bags: dict[str, int], devices: int, b
             f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
             f"raw ids resolved: {least / 2**10:,.1f}-{most / 2**10:,.1f} KiB a step sent per device"
             " (as many distinct ids as the batch holds)"
+            + (
+                f"; their lookups send the requests as the maps routed them, {unsent / 2**10:,.1f} KiB a step"
+                " fewer than the all-to-all above where they were routed"
+                if unsent
+                else ""
+            )
         )
     if host:
         memory = sum(map_bytes_per_device(s, 1) for s in host.values())

@@ -40,12 +40,37 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, Embeddin
 from dlrm_jax.embedding.exchange.initializer import hash_uniform
 from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.hot.index import split_hot
-from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable
+from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
+from dlrm_jax.embedding.plan.layout import KIND_BLOCK, Group, VirtualTable, group_capacity, two_level_ids
+from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, HOST_AXIS, varying
 
 RESET_CHUNK = 512  # fresh rows a reset writes at a time
 FUSED = "__fused__"  # the step's maps: every dynamic table's in one (by_table: each its own)
+
+
+def routed_lookup_group(plan: EmbeddingPlan, groups: list[Group], dynamic: list[int]) -> Group | None:
+    """The group whose lookups send their requests as the id maps routed them
+    (``sharded.Route``), or None: the one group holding every dynamic table (``dynamic``: their
+    indices, in order) and nothing else, its slots theirs in order, all exchanged as ids in one
+    level, over more than two devices (where the maps route ids at all)."""
+    placed = {g.name: g for g in groups for vt in g.vtables if vt.table in set(dynamic)}
+    if len(placed) != 1 or plan.num_devices <= 2:
+        return None
+    (g,) = placed.values()
+    bags = np.cumsum([0, *(tp.spec.bag_size for tp in plan.tables)])
+    columns = np.concatenate([np.arange(bags[t], bags[t + 1]) for t in dynamic])
+    parts = [p for p in exchange_parts(plan, groups) if p.group.name == g.name]
+    if g.replicated or len(g.vtables) != len(dynamic) or not np.array_equal(g.vslot_slot, columns):
+        return None
+    return g if len(parts) == 1 and parts[0].kind == ExchangeKind.IDS and not two_level_ids(plan, g) else None
+
+
+def unsent_row_id_bytes(plan: EmbeddingPlan, g: Group) -> int:
+    """The row ids a device does not send a step where the lookups of ``g`` (the
+    :func:`routed_lookup_group`) reuse the maps' routing: its forward's all-to-all of buckets."""
+    return (plan.num_devices - 1) * group_capacity(plan, g) * 4
 
 
 class DynamicTables:
@@ -98,17 +123,14 @@ class DynamicTables:
         self.routed_group = self._routed_group()
 
     def _routed_group(self) -> str | None:
-        """The group whose lookups reuse the resolution's routing (``Route``): the one group
-        holding every dynamic table and nothing else, its slots the dynamic features' in order,
-        exchanged by ids over more than two devices (only there are the ids routed)."""
-        placed = {g.name: g for g, _ in self._where.values()}
-        if len(placed) != 1 or self.collection.agree_over is not None or HOST_AXIS in self.mesh.shape:
+        """:func:`routed_lookup_group`'s name, where this collection's form of it is the plain
+        ids form (no copies over hosts)."""
+        coll = self.collection
+        g = routed_lookup_group(coll.plan, coll.groups, list(self.maps))
+        if g is None or coll.agree_over is not None or HOST_AXIS in self.mesh.shape:
             return None
-        (g,) = placed.values()
-        forms = [f for f in self.collection.forms if f.group.name == g.name]
-        if len(forms) != 1 or not isinstance(forms[0], IdsForm) or len(g.vtables) != len(self.maps):
-            return None
-        return g.name if np.array_equal(g.vslot_slot, self._columns) else None
+        forms = [f for f in coll.forms if f.group.name == g.name]
+        return g.name if len(forms) == 1 and isinstance(forms[0], IdsForm) else None
 
     def names(self) -> dict[int, str]:
         """{table index: its name}: the maps' keys in checkpoints and exports."""
@@ -163,9 +185,23 @@ class DynamicTables:
 
     def resolution_paths(self, batch: int) -> list[dict[str, int]]:
         """Bytes a device sends a step resolving a global ``batch``'s raw ids, by collective, on
-        each path :meth:`resolve` may take (``sharded.resolution_paths``)."""
+        each path :meth:`resolve` may take (``sharded.resolution_paths``). Where the lookups
+        send their requests as a routed path sent them (:attr:`routed_group`), that path's
+        all-to-all is less the row ids the lookup's forward does not send: the plan's bytes
+        count them (a step whose busiest owner exceeds the exchange's capacity sends them)."""
         ids = batch * sum(int(self._starts[t + 1] - self._starts[t]) for t in self.maps)
-        return resolution_paths(ids, map_devices(self.mesh))
+        paths = resolution_paths(ids, map_devices(self.mesh))
+        if self.routed_group is None:
+            return paths
+        unsent = self.unsent_row_id_bytes()
+        return [{**p, "all-to-all": p["all-to-all"] - unsent} if "all-to-all" in p else p for p in paths]
+
+    def unsent_row_id_bytes(self) -> int:
+        """:func:`unsent_row_id_bytes` of :attr:`routed_group` (0 without one)."""
+        if self.routed_group is None:
+            return 0
+        (g,) = [g for g in self.collection.groups if g.name == self.routed_group]
+        return unsent_row_id_bytes(self.collection.plan, g)
 
     def raw_ids(self, ids_bs: jax.Array, raw: jax.Array | None) -> tuple:
         """(hi, lo, valid) uint32/uint32/bool [B, R] of the dynamic tables' slots of a batch, one
