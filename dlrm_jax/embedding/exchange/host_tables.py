@@ -81,7 +81,13 @@ class HostTables:
         return self.inner.logical_tables(state)
 
     # ------------------------------------------------------------ the step
-    def lookup(self, state: EmbeddingState, ids_bs: jax.Array) -> tuple[jax.Array, LookupResiduals]:
+    def lookup(
+        self, state: EmbeddingState, ids_bs: jax.Array, routed: dict | None = None
+    ) -> tuple[jax.Array, LookupResiduals]:
+        """(``routed`` must be empty: the id maps' routing is over the whole mesh, and each
+        host's tables route their own lookups: ``DynamicTables.routed_group`` is None here.)"""
+        if routed:
+            raise ValueError("per-host tables route their own lookups: no routing of the id maps to reuse")
         pooled, res = over_hosts(self.inner.lookup, self.mesh)(state, self._by_host(ids_bs))
         return pooled.reshape(-1, *pooled.shape[2:]), res._replace(overflow=jnp.sum(res.overflow))
 
