@@ -2,7 +2,9 @@
 memo, the ``tiny`` fixture, the hypothesis profiles and the slow marks; what tests import is in
 tests/helpers.py (tests/ is a package: ``from tests.helpers import ...``)."""
 
+import gc
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 from tests.child_env import COMPILE_FLAGS  # the standard library only: no JAX yet
@@ -23,6 +25,9 @@ from tests.helpers import EXAMPLE_SCALE, PROFILE, tiny_config  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+_EXECUTABLES: OrderedDict = OrderedDict()  # the compile memo's loaded executables, oldest first
+
+
 def _compile_identical_programs_once():
     """Tests build the same programs many times (every run, resume and restore makes new
     closures, so jit's own caches miss) and compiling is most of the suite's time. XLA's
@@ -31,13 +36,12 @@ def _compile_identical_programs_once():
     bytecode (debug info stripped), its compile options and its devices. Programs with host
     callbacks are always compiled."""
     import io
-    from collections import OrderedDict
 
     from jax._src import compiler
     from jax._src.lib.mlir import passmanager
 
     compile_and_load = compiler.backend_compile_and_load
-    executables: OrderedDict = OrderedDict()
+    executables = _EXECUTABLES
 
     def program_key(module, devices, options) -> tuple:
         with module.context:
@@ -66,6 +70,38 @@ def _compile_identical_programs_once():
 _MEMO_JAX = ("0.10.",)
 if os.environ.get("DLRM_TEST_COMPILE_MEMO", "1") != "0" and jax.__version__.startswith(_MEMO_JAX):
     _compile_identical_programs_once()
+
+
+def _mapping_count() -> int:
+    """This process's memory mappings (0 where /proc does not say)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+# A loaded XLA:CPU executable keeps its JIT code in memory mappings of its own: 190 for a tiny
+# 2-device train step, 620 for an 8-device dynamic one. A worker that had run ~700 tests reached
+# Linux's vm.max_map_count (65,530; its core had 65,531 segments) with the memo's and jit's
+# caches holding them, and died in its next compile (SIGSEGV or SIGABRT in
+# backend_compile_and_load). Past half the limit, both caches are dropped between tests.
+_MAPPINGS_HIGH = _max_map_count() // 2
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _mapping_count() > _MAPPINGS_HIGH:
+        _EXECUTABLES.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture

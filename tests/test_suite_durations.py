@@ -93,3 +93,24 @@ def test_the_slow_list_holds_the_tests_at_or_over_the_limit_and_conftest_marks_t
     from tests import conftest
 
     assert conftest.measured_slow() and all("::" in n and n.startswith("tests/") for n in conftest.measured_slow())
+
+
+def test_conftest_drops_compiled_programs_between_tests_past_half_the_mapping_limit(monkeypatch):
+    """Each loaded XLA:CPU executable holds memory mappings of its own; a worker whose caches
+    reached vm.max_map_count died in its next compile. conftest drops the compile memo and
+    jit's caches between tests once the process holds more than half the limit, not before."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests import conftest
+
+    double = jax.jit(lambda x: 2 * x + 1)
+    double(jnp.ones(13))
+    assert conftest._mapping_count() > 0 and double._cache_size() == 1
+    memo = len(conftest._EXECUTABLES)
+    monkeypatch.setattr(conftest, "_MAPPINGS_HIGH", 10**9)
+    conftest.pytest_runtest_teardown(None, None)
+    assert double._cache_size() == 1 and len(conftest._EXECUTABLES) == memo
+    monkeypatch.setattr(conftest, "_MAPPINGS_HIGH", 0)
+    conftest.pytest_runtest_teardown(None, None)
+    assert double._cache_size() == 0 and not conftest._EXECUTABLES
