@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -22,6 +24,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
     sharded_resolve,
     sharded_resolve_many,
 )
+from dlrm_jax.embedding.dynamic.table_passes import table_passes
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 SPEC = MapSpec(rows=8 * 6, vshards=8, probes=3, policy="lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=8)
@@ -73,7 +76,7 @@ PATHS = {  # each batch's path: a buffer of the routed one, or the gathered one 
     "one id throughout": "routed in 68",
     "100 ids of device 0 on one owner": "routed in 128",
     "256 ids of device 0 on one owner": "gathered, compacted",
-    "every id on one owner": "gathered, whole",
+    "every id on one owner": "gathered, in passes of tables",
 }
 
 
@@ -84,7 +87,8 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
     owners in the least buffer (68, 80 or 128 places an owner) that holds every device's for
     one owner, so a repeated id costs one place. A device with more distinct ids for one
     owner than 128 makes every device gather the batch instead, each resolving its own ids in
-    a buffer of 576 (compacted), or the whole gathered batch where one device owns more."""
+    a buffer of 576 (compacted), or a table's ids at a time where one device owns more (step 2
+    ages the sketches: they must halve once, not once a pass)."""
     mesh, devices, batch = make_mesh(8), 8, 1024
     assert own_capacity(2 * batch, devices) == 576 and route_capacities(2 * batch // devices, devices) == [68, 80, 128]
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
@@ -114,7 +118,9 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
         )  # distinct, one device, one owner
         own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices].max()
         fits = [k for k in (68, 80, 128) if most <= k]
-        path = f"routed in {fits[0]}" if fits else "gathered, compacted" if own <= 576 else "gathered, whole"
+        path = (
+            f"routed in {fits[0]}" if fits else "gathered, compacted" if own <= 576 else "gathered, in passes of tables"
+        )
         assert path == PATHS[skew], (most, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
         got = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))(maps, tables, step)
@@ -128,6 +134,25 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert {k: int(out.stats[k]) for k in STATS} == {k: int(want.stats[k]) for k in STATS}
         maps = [o.map for o in got]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.integers(1, 3), st.integers(1, 200))
+def test_table_passes_hold_each_place_once_whole_tables_and_no_more_than_their_bound(bags, rows, bound):
+    """A batch's places (``rows`` rows of every table's ``bags`` columns side by side) in passes:
+    each place in one pass, each table's places all in one, in table order, and no pass
+    longer than the bound or, where one table alone exceeds it, that table."""
+    tables = np.tile(np.repeat(np.arange(len(bags)), bags), rows)
+    passes = table_passes(tables, bound)
+    n = tables.size
+    real = passes[passes < n]
+    assert sorted(real.tolist()) == list(range(n))
+    held = [tables[p[p < n]] for p in passes]
+    assert all(h.size for h in held)
+    assert sum(len(set(h.tolist())) for h in held) == len(bags)  # no table split over two passes
+    assert [min(h) for h in held] == sorted(min(h) for h in held)
+    assert all(h.size <= max(bound, rows * max(bags)) for h in held)
+    assert passes.shape[1] == max(h.size for h in held)
 
 
 def test_the_plans_resolution_bytes_are_the_compiled_programs():

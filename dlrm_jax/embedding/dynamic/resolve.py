@@ -204,6 +204,7 @@ def resolve_fused(
     counts=None,
     write=True,
     chunk: int = 0,
+    age=True,
 ) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
@@ -215,8 +216,10 @@ def resolve_fused(
     map's rows are left to the caller (``Fused.writes``, :func:`write_map`: outside any switch
     it runs in). ``chunk``: at most this many distinct ids' [ids, probes] arrays at once (the
     placement's per-probe work and the sketch's counters in passes where more are resolved,
-    the candidates recomputed each round there), so a rare large batch (a skewed gathered
-    one resolved whole) needs no more scratch than the common ones; 0: all at once. Traceable."""
+    the candidates recomputed each round there), so a rare large batch needs no more scratch
+    than the common ones; 0: all at once. ``age`` (may be traced): whether the sketches age
+    where this step ends a half life (a batch resolved in passes, ``table_passes``, ages them in
+    its first only). Traceable."""
     n = hi.shape[0]
     index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table, counts)
     # The distinct ids come first: the rest of the work runs on the least of a few prefix sizes
@@ -239,6 +242,7 @@ def resolve_fused(
             learn,
             write,
             chunk,
+            age,
         )
         for k in sizes
     ]
@@ -275,7 +279,21 @@ def distinct_sizes(n: int) -> list[int]:
 
 
 def _settled(
-    maps: Maps, m: IdMap, k: int, n: int, uhi, ulo, utab, occurrences, real, step, first_shards, learn, touched, chunk
+    maps: Maps,
+    m: IdMap,
+    k: int,
+    n: int,
+    uhi,
+    ulo,
+    utab,
+    occurrences,
+    real,
+    step,
+    first_shards,
+    learn,
+    touched,
+    chunk,
+    ages,
 ):
     """:func:`resolve_fused` past the dedup, on the first ``k`` distinct ids (every one of
     them): each one's row ([n], -1 past k); the map rows given to each ([n], the map's row
@@ -338,7 +356,7 @@ def _settled(
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
         sketch, estimate, sketch_touched = _count(
-            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunk
+            maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunk, ages
         )
         estimate = jnp.where(counts, estimate, occurrences)
         admitted = real & (found | ~counts | (estimate >= admit))
@@ -428,10 +446,10 @@ def _settled(
     )
 
 
-def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int):
-    """The sketches after the batch's absent ids are counted (and aged, where a table's half
-    life ends at ``step``), every id's estimate, and the counters added to (flat; the
-    sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`by_chunks`)."""
+def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int, age=True):
+    """The sketches after the batch's absent ids are counted (and aged, with ``age``, where a
+    table's half life ends at ``step``), every id's estimate, and the counters added to (flat;
+    the sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`by_chunks`)."""
     specs = maps.specs
     per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
     dims = maps.sketch_dims
@@ -439,7 +457,7 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk:
     half = np.array([s.half_life if s.counts else 0 for s in specs])
     if half.any():  # every counter of a table halves at each multiple of its half life
         hl = per_table(np.maximum(half, 1))
-        age = (per_table(half) > 0) & (step > 0) & (step % hl == 0)
+        age = (per_table(half) > 0) & (step > 0) & (step % hl == 0) & age
         halve = lambda sk: sk >> jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
         sketch = lax.cond(jnp.any(age), halve, lambda sk: sk, sketch)  # a pass over the sketches only when one ages
     depth_n = max(d for d, _ in dims)

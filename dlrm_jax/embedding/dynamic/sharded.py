@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
+from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
 from dlrm_jax.parallel.mesh import AXIS, varying
 from dlrm_jax.sorting import first_places, sort_with_order
 
@@ -165,7 +166,8 @@ def sharded_resolve_fused(
     for its own shards and the rows met in one max. Gathered, each device resolves only its own
     shards' ids, moved to the front of a buffer of :func:`own_capacity` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
-    that resolves all of them there instead. Every path gives the same result. Returns (rows
+    that resolves them a few tables at a time (``table_passes``: its scratch stays that of a
+    buffer, whatever the ids). Every path gives the same result. Returns (rows
     per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
     rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
     int32, an index into :func:`resolution_paths`; with ``offsets`` (each table's first row in
@@ -189,6 +191,7 @@ def sharded_resolve_fused(
     per_device = np.tile(np.repeat(np.arange(len(specs), dtype=np.int32), bags), ids[0].shape[0] // n)
     total = n * per_device.size
     cap = own_capacity(total, n)
+    passes = table_passes(np.tile(per_device, n), cap) if cap < total else None
     per_shards = np.array([s.vshards // n for s in specs], np.int32)
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
@@ -255,8 +258,13 @@ def sharded_resolve_fused(
             out = run(pick(table), pick(hi), pick(lo), src < total)
             return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
 
-        whole = lambda: run(table, hi, lo, valid)
-        out = whole() if cap == total else lax.cond(jnp.sum(own) <= cap, compacted, whole)
+        def in_passes():  # more: a few tables' ids at a time (table_passes)
+            return resolve_in_passes(layout, fused, passes, table, hi, lo, own, step, first, learn, size, chunk)
+
+        if cap == total:  # (one or two devices: the buffer would hold the whole batch)
+            out = run(table, hi, lo, valid)
+        else:
+            out = lax.cond(jnp.sum(own) <= cap, compacted, in_passes)
         shift = first[table] * jnp.asarray(slots)[table]  # table-local rows here -> the table's rows
         rows = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, -1)
         # The rows meet in a max, and the counts with them: each device's in a row of its own
@@ -364,8 +372,9 @@ def route_capacities(ids: int, devices: int) -> list[int]:
 
 
 def own_capacity(total: int, devices: int) -> int:
-    """Ids of one device's shards a resolution holds at most before resolving the whole gathered
-    batch there: twice a fair share and some (hashing spreads ids evenly; a repeated id does not)."""
+    """Ids of one device's shards of the gathered batch a resolution holds at once before it
+    resolves them a few tables at a time: twice a fair share and some (hashing spreads ids
+    evenly; a repeated id does not)."""
     return total if devices == 1 else min(total, 2 * -(-total // devices) + 64)
 
 
