@@ -217,6 +217,14 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
+def config_layers(path: str | Path) -> list[str | Path]:
+    """The config files ``path`` names, in order: itself, or where no file has that name and it
+    joins names with ``+`` (``criteo_kaggle+stream``), each of them."""
+    if isinstance(path, Path) or "+" not in path or Path(path).exists():
+        return [path]
+    return path.split("+")
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
     """The YAML file at ``path`` as nested dicts, its sections checked to be mappings; any
     problem is a one-line ConfigError naming the file (and the line, where YAML knows it)."""
@@ -261,12 +269,16 @@ def _check_sections(cls: type, raw: dict[str, Any], prefix: str, path: Path) -> 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | str = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (if any: a file, or a shipped config's name such
-    as ``"smoke"``), then the overrides: ``KEY=VALUE`` strings as ``--set`` takes them (a list,
-    or one string), or a dict of dotted keys to values (``{"train.steps": 100}``)::
+    as ``"smoke"``; ``"a+b"``: b's keys over a's, where no file has that name), then the
+    overrides: ``KEY=VALUE`` strings as ``--set`` takes them (a list, or one string), or a dict
+    of dotted keys to values (``{"train.steps": 100}``)::
 
         cfg = dlrm_jax.load_config("criteo_kaggle", {"train.steps": 500, "mesh.devices": 8})
+        dynamic = dlrm_jax.load_config("criteo_kaggle+stream")  # the same model, stream's id maps
     """
-    raw: dict[str, Any] = load_raw(path) if path else {}
+    raw: dict[str, Any] = {}
+    for layer in config_layers(path) if path else ():
+        raw = _merge(raw, load_raw(layer))
     for override in _override_dicts(overrides):
         raw = _merge(raw, override)
     return validate(_build(Config, raw, ""))

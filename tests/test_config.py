@@ -28,6 +28,18 @@ def test_every_shipped_config_loads(path):
     assert isinstance(load_config(path), Config)
 
 
+def test_configs_joined_with_plus_layer_in_order_and_a_missing_one_is_named(tmp_path):
+    both = load_config("criteo_kaggle+stream", ["mesh.devices=2"])
+    assert both.data.cardinalities == CRITEO_KAGGLE_CARDINALITIES and both.embedding.ids == "dynamic"
+    assert both.embedding.dynamic == load_config("stream").embedding.dynamic and both.mesh.devices == 2
+    assert load_config("stream+criteo_kaggle").embedding.ids == "dynamic"  # (kaggle does not set it)
+    odd = tmp_path / "a+b.yaml"  # a file whose name has a plus is that file
+    odd.write_text("train:\n  steps: 7\n")
+    assert load_config(odd).train.steps == 7 and load_config(str(odd)).train.steps == 7
+    with pytest.raises(ConfigError, match="config file nope does not exist"):
+        load_config("criteo_kaggle+nope")
+
+
 def test_default_file_equals_embedded_default():
     assert load_config(CONFIG_DIR / "default.yaml") == Config() == load_config(None)
     # ... and lists every key, so it documents them all.

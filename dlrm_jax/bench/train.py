@@ -1,6 +1,7 @@
 """``dlrm-jax bench train``: train-step throughput of several configs on the current devices. Host batches
 are prepared before timing (the step, not the data generator, is measured), compilation and
-warm-up steps are excluded, and the median of per-step times is reported with the mean.
+warm-up steps are excluded, and the median of per-step times is reported with the mean. With
+``--rounds``, the configs' steps are interleaved, so a machine's drift moves them alike.
 
 With them, the compiled step's scratch memory per device and the host's minor page faults per
 timed step: XLA:CPU allocates a run's scratch afresh, and above glibc's 32 MiB mmap cutoff
@@ -30,70 +31,106 @@ def _state_bytes(state) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
 
 
+class _Prepared:
+    """One config built as training builds it, its step compiled and warmed up."""
+
+    def __init__(self, cfg, warmup: int):
+        gc.collect()
+        hostmem.reset_peak_rss()
+        self.rss_before = hostmem.rss_bytes()
+        cfg = resolve_data_config(cfg)
+        self.cfg, self.mesh = cfg, mesh_from_config(cfg)
+        source = make_source(cfg, jax.process_index(), jax.process_count())
+        self.plan, fns = build(cfg, self.mesh, source, log=lambda *_: None)
+        self.batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
+        self.state = fns.init_state()
+        t0 = time.perf_counter()
+        self.compiled = fns.train_step.lower(self.state, self.batches[0]).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.step_s, self.faults, self.calls = [], 0, 0
+        self.run(warmup, timed=False)
+
+    def run(self, steps: int, timed: bool = True) -> None:
+        """``steps`` steps, each timed alone (``timed``), their page faults counted together."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(steps):
+            t = time.perf_counter()
+            self.state, self.out, _ = self.compiled(self.state, self.batches[self.calls % len(self.batches)])
+            jax.block_until_ready((self.state, self.out))
+            self.calls += 1
+            if timed:
+                self.step_s.append(time.perf_counter() - t)
+        if timed:
+            self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+    def result(self) -> dict:
+        cfg, step_s = self.cfg, self.step_s
+        median = statistics.median(step_s)
+        memory = self.compiled.memory_analysis()  # (None where a backend does not say)
+        plan_bytes = int(sum(per_device_bytes(self.plan).values()).sum())
+        peak = hostmem.peak_rss_bytes()
+        return {
+            "devices": self.mesh.size,
+            "global_batch": cfg.train.batch_size,
+            "tables": len(self.plan.tables),
+            "table_rows": sum(t.spec.rows for t in self.plan.tables),
+            "embedding_dim": cfg.model.embedding_dim,
+            "sharding": cfg.embedding.sharding,
+            "compile_s": self.compile_s,
+            "step_ms_median": 1e3 * median,
+            "step_ms_mean": 1e3 * float(np.mean(step_s)),
+            "step_ms_min": 1e3 * min(step_s),
+            "samples_per_s": cfg.train.batch_size / median,
+            "loss_last": float(self.out["loss"]),
+            "plan_bytes": plan_bytes,
+            "state_bytes": _state_bytes(self.state),
+            "rss_before_bytes": self.rss_before,
+            "peak_rss_bytes": peak,
+            "peak_rss_over_plan": peak / plan_bytes,
+            "huge_page_bytes": hostmem.huge_page_bytes(),
+            "scratch_bytes_per_device": int(memory.temp_size_in_bytes) if memory is not None else None,
+            "page_faults_per_step": self.faults / max(len(step_s), 1),
+        }
+
+
 def time_train_step(cfg, steps: int, warmup: int) -> dict:
     """Build ``cfg`` as training does, then time its compiled train step (median of ``steps``
     after ``warmup``), with its plan's bytes and the process's peak host memory."""
-    gc.collect()
-    hostmem.reset_peak_rss()
-    rss_before = hostmem.rss_bytes()
-    cfg = resolve_data_config(cfg)
-    mesh = mesh_from_config(cfg)
-    source = make_source(cfg, jax.process_index(), jax.process_count())
-    plan, fns = build(cfg, mesh, source, log=lambda *_: None)
-    batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
-    state = fns.init_state()
-    t0 = time.perf_counter()
-    compiled = fns.train_step.lower(state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
-    for i in range(warmup):
-        state, out, _ = compiled(state, batches[i % len(batches)])
-    jax.block_until_ready(state)
-    step_s = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for i in range(steps):
-        t = time.perf_counter()
-        state, out, _ = compiled(state, batches[i % len(batches)])
-        jax.block_until_ready((state, out))
-        step_s.append(time.perf_counter() - t)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    median = statistics.median(step_s)
-    memory = compiled.memory_analysis()  # (None where a backend does not say)
-    plan_bytes = int(sum(per_device_bytes(plan).values()).sum())
-    peak = hostmem.peak_rss_bytes()
-    return {
-        "devices": mesh.size,
-        "global_batch": cfg.train.batch_size,
-        "tables": len(plan.tables),
-        "table_rows": sum(t.spec.rows for t in plan.tables),
-        "embedding_dim": cfg.model.embedding_dim,
-        "sharding": cfg.embedding.sharding,
-        "compile_s": compile_s,
-        "step_ms_median": 1e3 * median,
-        "step_ms_mean": 1e3 * float(np.mean(step_s)),
-        "step_ms_min": 1e3 * min(step_s),
-        "samples_per_s": cfg.train.batch_size / median,
-        "loss_last": float(out["loss"]),
-        "plan_bytes": plan_bytes,
-        "state_bytes": _state_bytes(state),
-        "rss_before_bytes": rss_before,
-        "peak_rss_bytes": peak,
-        "peak_rss_over_plan": peak / plan_bytes,
-        "huge_page_bytes": hostmem.huge_page_bytes(),
-        "scratch_bytes_per_device": int(memory.temp_size_in_bytes) if memory is not None else None,
-        "page_faults_per_step": faults / max(steps, 1),
-    }
+    prepared = _Prepared(cfg, warmup)
+    prepared.run(steps)
+    return prepared.result()
 
 
-def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print) -> dict:
-    """Time each named config's train step; print a table with ratios to the first; JSON out."""
-    results = {name: time_train_step(cfg, steps, warmup) for name, cfg in configs.items()}
+def time_interleaved(configs: dict, steps: int, warmup: int, rounds: int) -> dict:
+    """Every config built and warmed up, then timed in ``rounds`` turns of ``steps / rounds``
+    steps each, config after config, each turn after one untimed step (the allocator settles
+    on the config's buffers again): a machine whose speed drifts over minutes (a shared VM)
+    moves every config alike, so their ratios hold where one config after another's do not.
+    All configs' states are held at once; the peak host memory is the run's."""
+    prepared = {name: _Prepared(cfg, warmup) for name, cfg in configs.items()}
+    per_turn = -(-steps // rounds)
+    for _ in range(rounds):
+        for p in prepared.values():
+            p.run(1, timed=False)
+            p.run(per_turn)
+    return {name: p.result() for name, p in prepared.items()}
+
+
+def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print, rounds: int = 1) -> dict:
+    """Time each named config's train step; print a table with ratios to the first; JSON out.
+    ``rounds`` > 1: the configs' steps interleaved (:func:`time_interleaved`)."""
+    if rounds > 1:
+        results = time_interleaved(configs, steps, warmup, rounds)
+    else:
+        results = {name: time_train_step(cfg, steps, warmup) for name, cfg in configs.items()}
     first = next(iter(results.values()))["samples_per_s"]
     for r in results.values():
         r["ratio_to_first"] = r["samples_per_s"] / first
     report = {
         "benchmark": "train_step",
-        "timed_steps": steps,
+        "timed_steps": steps if rounds == 1 else -(-steps // rounds) * rounds,
         "warmup_steps": warmup,
+        "rounds": rounds,
         "machine": machine_description(),
         "results": results,
     }

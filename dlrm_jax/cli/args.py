@@ -73,7 +73,7 @@ def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -
     p.add_argument(
         "--config",
         required=config_required,
-        help="YAML file (or a name from configs/, e.g. criteo_kaggle); default: the embedded default",
+        help="YAML file (or a name from configs/, e.g. criteo_kaggle; a+b: b's keys over a's); default: the embedded default",
     )
     add_overrides(p, "override a config key, e.g. --set train.steps=100 (repeatable)")
 

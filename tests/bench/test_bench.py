@@ -74,6 +74,28 @@ def test_train_bench_writes_json(tiny, tmp_path):
     assert r["scratch_bytes_per_device"] > 0 and r["page_faults_per_step"] >= 0
 
 
+def test_train_bench_interleaves_the_configs_in_rounds(tiny, tmp_path, monkeypatch):
+    """With rounds, every config is built first and then timed in turns, config after config,
+    each turn after one untimed step."""
+    from dlrm_jax.bench import train as train_bench
+
+    turns, run = [], train_bench._Prepared.run
+    monkeypatch.setattr(
+        train_bench._Prepared,
+        "run",
+        lambda self, k, timed=True: turns.append((self.mesh.size, k, timed)) or run(self, k, timed),
+    )
+    out = tmp_path / "train.json"
+    configs = {"two": tiny("mesh.devices=2"), "one": tiny("mesh.devices=1")}
+    bench_train(configs, steps=3, warmup=1, output=str(out), rounds=2, **QUIET)
+    warm = [(2, 1, False), (1, 1, False)]
+    turn = lambda d: [(d, 1, False), (d, 2, True)]
+    assert turns == warm + turn(2) + turn(1) + turn(2) + turn(1)
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 2 and report["timed_steps"] == 4
+    assert report["results"].keys() == {"two", "one"} and report["results"]["two"]["ratio_to_first"] == 1.0
+
+
 def bench_json(tmp_path, name, rows, devices, env_extra=None):
     """`dlrm-jax bench train` in its own process (so its peak RSS is its own) -> the result dict."""
     import subprocess

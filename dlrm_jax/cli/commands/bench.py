@@ -52,6 +52,13 @@ def _train_arguments(p) -> None:
     add_overrides(p, "applied to every config")
     p.add_argument("--steps", type=POSITIVE, default=30, help="timed steps per config")
     p.add_argument("--warmup", type=COUNT, default=5, help="untimed steps after compilation")
+    p.add_argument(
+        "--rounds",
+        type=POSITIVE,
+        default=1,
+        help="time the configs in this many interleaved turns, every config held at once (ratios robust to a "
+        "machine whose speed drifts; default 1: one config after another)",
+    )
     add_max_rows(p, 200_000)
     add_json_output(p)
 
@@ -249,7 +256,7 @@ def _train(args) -> None:
     start_jax(max(devices_for(c) for c in configs.values()), args)
     from dlrm_jax.bench.train import bench_train
 
-    bench_train(configs, steps=args.steps, warmup=args.warmup, output=args.output, log=log)
+    bench_train(configs, steps=args.steps, warmup=args.warmup, output=args.output, log=log, rounds=args.rounds)
 
 
 def _input(args) -> None:
