@@ -24,7 +24,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
     sharded_resolve,
     sharded_resolve_many,
 )
-from dlrm_jax.embedding.dynamic.table_passes import table_passes
+from dlrm_jax.embedding.dynamic.table_passes import pass_places, table_passes
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 SPEC = MapSpec(rows=8 * 6, vshards=8, probes=3, policy="lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=8)
@@ -143,16 +143,17 @@ def test_table_passes_hold_each_place_once_whole_tables_and_no_more_than_their_b
     each place in one pass, each table's places all in one, in table order, and no pass
     longer than the bound or, where one table alone exceeds it, that table."""
     tables = np.tile(np.repeat(np.arange(len(bags)), bags), rows)
-    passes = table_passes(tables, bound)
-    n = tables.size
-    real = passes[passes < n]
+    n, width = tables.size, sum(bags)
+    passes = table_passes(tuple(bags), rows, bound)
+    size = int(passes[:, 1].max()) * rows
+    places = [pass_places(first, columns, rows, width, size, np) for first, columns in passes]
+    real = np.concatenate([p[p < n] for p in places])
     assert sorted(real.tolist()) == list(range(n))
-    held = [tables[p[p < n]] for p in passes]
+    held = [tables[p[p < n]] for p in places]
     assert all(h.size for h in held)
     assert sum(len(set(h.tolist())) for h in held) == len(bags)  # no table split over two passes
     assert [min(h) for h in held] == sorted(min(h) for h in held)
     assert all(h.size <= max(bound, rows * max(bags)) for h in held)
-    assert passes.shape[1] == max(h.size for h in held)
 
 
 def test_the_plans_resolution_bytes_are_the_compiled_programs():

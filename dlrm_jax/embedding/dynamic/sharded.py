@@ -191,7 +191,7 @@ def sharded_resolve_fused(
     per_device = np.tile(np.repeat(np.arange(len(specs), dtype=np.int32), bags), ids[0].shape[0] // n)
     total = n * per_device.size
     cap = own_capacity(total, n)
-    passes = table_passes(np.tile(per_device, n), cap) if cap < total else None
+    passes = table_passes(bags, ids[0].shape[0], cap)  # (the gathered batch: every row of every device)
     per_shards = np.array([s.vshards // n for s in specs], np.int32)
     vshards = np.array([s.vshards for s in specs], np.uint32)
     slots = np.array([s.slots for s in specs], np.int32)
@@ -259,7 +259,8 @@ def sharded_resolve_fused(
             return out._replace(rows=jnp.where(own, out.rows[jnp.minimum(at, cap - 1)], -1))
 
         def in_passes():  # more: a few tables' ids at a time (table_passes)
-            return resolve_in_passes(layout, fused, passes, table, hi, lo, own, step, first, learn, size, chunk)
+            args = (table, hi, lo, own, step, first, learn, size, chunk)
+            return resolve_in_passes(layout, fused, passes, sum(bags), *args)
 
         if cap == total:  # (one or two devices: the buffer would hold the whole batch)
             out = run(table, hi, lo, valid)

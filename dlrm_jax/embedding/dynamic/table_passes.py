@@ -6,7 +6,8 @@ counters and contests for a slot are all its own table's (``resolve``'s layout),
 its counts. So a batch resolved table group by table group, each group's ids in a pass of its
 own, reaches the map, rows and counts that one pass over all of them does, exactly, while its
 arrays hold one group's ids. The groups are fixed at trace time: an id's table is known from
-its place in the batch (:func:`table_passes`), so no pass can overflow whatever the ids are.
+its place in the batch (its column: :func:`table_passes`), so no pass can overflow whatever
+the ids are.
 """
 
 from __future__ import annotations
@@ -20,30 +21,35 @@ from dlrm_jax.embedding.dynamic.resolve import Fused, Maps, MapWrites, resolve_f
 from dlrm_jax.parallel.mesh import varying
 
 
-def table_passes(tables: np.ndarray, bound: int) -> np.ndarray:
-    """The places of a batch's ids (``tables``: each id's table, int [N], fixed by the batch's
-    layout) grouped into passes of whole tables, in table order, each holding at most
-    ``bound`` ids or one table's: int32 [passes, size], each row a pass's places, padded with N."""
-    n = tables.shape[0]
-    counts = np.bincount(tables, minlength=int(tables.max(initial=-1)) + 1)
-    size = max(bound, int(counts.max(initial=1)))
-    groups, current, held = [], [], 0
-    for t in np.flatnonzero(counts):
-        if current and held + counts[t] > size:
-            groups.append(current)
-            current, held = [], 0
-        current.append(t)
-        held += counts[t]
-    groups.append(current)
-    places = [np.flatnonzero(np.isin(tables, g)) for g in groups]
-    size = max(p.size for p in places)
-    return np.stack([np.concatenate([p, np.full(size - p.size, n)]) for p in places]).astype(np.int32)
+def table_passes(bags: tuple[int, ...], rows: int, bound: int) -> np.ndarray:
+    """A batch of ``rows`` rows of every table's ``bags`` columns side by side, in passes of
+    whole tables in table order, each holding at most ``bound`` ids or one table's: int32
+    [passes, 2], each pass's first column and its columns (:func:`pass_places`)."""
+    size = max(bound, rows * max(bags, default=1))
+    passes, first, columns = [], 0, 0
+    for b in bags:
+        if columns and (columns + b) * rows > size:
+            passes.append((first, columns))
+            first, columns = first + columns, 0
+        columns += b
+    passes.append((first, columns))
+    return np.array(passes, np.int32)
+
+
+def pass_places(first, columns, rows: int, width: int, size: int, xp=jnp):
+    """The places in the batch ([rows * width], row by row) of a pass's ids: ``columns``
+    columns from ``first`` in every row, then ``rows * width`` (padding) up to ``size``.
+    Traceable (computed, not a constant as long as the batch); ``xp=numpy``: on the host."""
+    i = xp.arange(size)
+    k = xp.maximum(columns, 1)
+    return xp.where(i < columns * rows, (i // k) * width + first + i % k, rows * width)
 
 
 def resolve_in_passes(
     maps: Maps,
     m: IdMap,
     passes: np.ndarray,
+    width: int,
     table,
     hi,
     lo,
@@ -54,13 +60,14 @@ def resolve_in_passes(
     size: int,
     chunk: int = 0,
 ) -> Fused:
-    """``resolve.resolve_fused`` of the ids ``table``/``hi``/``lo``/``valid`` ([N]) with
-    ``write=False``, one pass of :func:`table_passes` (``passes``) at a time: the same rows
+    """``resolve.resolve_fused`` of the ids ``table``/``hi``/``lo``/``valid`` ([N], rows of
+    ``width`` ids) with ``write=False``, one pass of :func:`table_passes` (``passes``) at a time: the same rows
     ([N]), sketch, counts and map writes, its arrays one pass long. The writes and the fresh
     rows come in ``size`` entries (those that write a row first, then padding; ``size`` at
     least the map's rows here or N). The sketches age once, in the first pass. Inside
     ``shard_map`` (its carries are typed as differing by device)."""
     n, rows_here = hi.shape[0], m.used.shape[0]
+    size_of_pass = int(np.max(passes[:, 1])) * (n // width)
 
     def appended(acc, count, parts, keep):
         """``parts``' kept entries after the first ``count`` of ``acc`` (each array [size])."""
@@ -70,7 +77,8 @@ def resolve_in_passes(
 
     def one(carry, pass_):
         sketch, rows, writes, fresh, stats = carry
-        index, places = pass_
+        index, first, columns = pass_
+        places = pass_places(first, columns, n // width, width, size_of_pass)
         ok = places < n
         pick = lambda x: x[jnp.minimum(places, n - 1)]
         out = resolve_fused(
@@ -95,6 +103,6 @@ def resolve_in_passes(
     fresh = (full(-1, jnp.int32), full(0, jnp.int32), full(0, jnp.uint32), full(0, jnp.uint32), zero)
     stats = varying(jnp.zeros((len(maps.specs), len(STATS)), jnp.int32))
     carry = (m.sketch, varying(jnp.full(n, -1, jnp.int32)), writes, fresh, stats)
-    sketch, rows, writes, fresh, stats = lax.scan(one, carry, (jnp.arange(len(passes)), jnp.asarray(passes)))[0]
+    sketch, rows, writes, fresh, stats = lax.scan(one, carry, (jnp.arange(len(passes)), *jnp.asarray(passes).T))[0]
     none = jnp.zeros(0, jnp.int32)
     return Fused(rows, m._replace(sketch=sketch), *fresh[:4], stats, none, none, writes)
