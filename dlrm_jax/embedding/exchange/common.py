@@ -133,12 +133,12 @@ def checks_varying(optimizer: SparseOptimizer) -> bool:
 
 def update_on_owners(mesh, update, optimizer: SparseOptimizer):
     """``f(table, slots, route, grads, lr) -> (table, slots)`` running ``update(table_local,
-    slots_local, requests, grads_local, lr, over)`` per device; ``route`` is (requests, busiest
-    count) as the forward returned it."""
+    slots_local, requests, grads_local, lr, over, recv_rows)`` per device; ``route`` is
+    (requests, busiest count, rows the owner received or None) as the forward returned it."""
 
     def local(table_local, slots_local, route_local, grads_local, lr):
-        requests, most = route_local
-        return update(table_local, slots_local, requests, grads_local, lr, most[0])
+        requests, most, recv_rows = route_local
+        return update(table_local, slots_local, requests, grads_local, lr, most[0], recv_rows)
 
     return jax.shard_map(
         local,
@@ -198,8 +198,9 @@ def to_owners(g: Group, capacity: int, values, where):
 
 
 def lookup_exchange(g: Group, capacity: int, wire: Wire):
-    """``f(table_local, b, window, recv_rows=None) -> (vectors [n, W] float32, usable [n])``:
-    one exchange of the window's requests; a request outside the window gets usable False.
+    """``f(table_local, b, window, recv_rows=None) -> (vectors [n, W] float32, usable [n],
+    recv_rows)``: one exchange of the window's requests; a request outside the window gets
+    usable False; ``recv_rows`` int32 [N, C] are the rows each device asked of this owner.
     ``recv_rows`` int32 [N, C]: the rows each device asks of this owner where they are known
     already (the id maps' resolution routed the same requests), so they are not sent again."""
 
@@ -209,19 +210,25 @@ def lookup_exchange(g: Group, capacity: int, wire: Wire):
         vectors = table_local.at[recv_rows].get(mode="fill", fill_value=0)
         replies = wire.send(vectors, all_to_all)  # [N, C, W]: from each owner, in my request order
         owner, place, usable = slot_index(b, window)
-        return replies[owner, place], usable
+        return replies[owner, place], usable, recv_rows
 
     return exchange
 
 
 def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOptimizer):
-    """``f(b, pooled, window) -> (rows [N*C], grads [N*C, W] float32, where)``: each owner
-    receives the window's rows and, per row, the sum of this device's gradients for it (from
-    ``pooled`` = (gradients [B_l, V', W], slot weights [B_l, V])); ``where`` = (dest, place,
-    usable) of each request in the [N, C] buffers."""
+    """``f(b, pooled, window, known=None) -> (rows [N*C], grads [N*C, W] float32, where)``:
+    each owner receives the window's rows and, per row, the sum of this device's gradients for
+    it (from ``pooled`` = (gradients [B_l, V', W], slot weights [B_l, V])); ``where`` = (dest,
+    place, usable) of each request in the [N, C] buffers. ``known`` = (overflowed, rows [N, C]
+    the forward's one exchange received): where nothing overflowed, the row ids are not sent
+    again, only the gradients."""
 
-    def send(b, pooled, window):
-        recv_rows = all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+    def send(b, pooled, window, known=None):
+        def ask():
+            return all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
+
+        # the rows this owner was asked for in the forward's one exchange are the same requests
+        recv_rows = ask() if known is None else if_overflow(known[0], ask, lambda: known[1])
         owner, place, usable = slot_index(b, window)
         dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
         slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
@@ -235,12 +242,12 @@ def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOp
     return send
 
 
-def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, agree_over=None):
+def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, agree_over=None, known=None):
     """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
-    owners (and every replica's), which apply the optimizer."""
+    owners (and every replica's), which apply the optimizer (``known``: ``send``'s)."""
 
     def one_round(state, window):
-        rows, recv_grads, _ = send(b, grads, window)
+        rows, recv_grads, _ = send(b, grads, window, known)
         return optimizer.update(*state, gather_over(rows, agree_over), gather_over(recv_grads, agree_over), lr)
 
     return one_round

@@ -102,7 +102,7 @@ class HostIdsForm(IdsForm):
         self.mesh, self.host_mesh = mesh, host_mesh(mesh, hosts)
         self.wire, self.optimizer, self.dim = wire, optimizer, dim
         self._flat_route = jax.shard_map(
-            lambda ids: (lambda _, b, most: (b, most[None]))(*route_and_bucket(g, ids)),
+            lambda ids: (lambda _, b, most: (b, most[None], None))(*route_and_bucket(g, ids)),
             mesh=mesh,
             in_specs=P(AXIS),
             out_specs=P(AXIS),

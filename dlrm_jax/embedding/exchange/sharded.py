@@ -7,8 +7,9 @@ forward   route its ids to owners -> deduplicate per owner -> all_to_all of row 
           capacity C per owner) -> owners gather rows from their local shard -> all_to_all of
           vectors back -> each slot picks its vector.
 backward  the same buckets -> gradients of duplicate slots summed into their bucket place ->
-          all_to_all of row ids and gradients to owners -> the owner applies the sparse
-          optimizer to its shard (merging what several devices sent for one row).
+          all_to_all of gradients to owners, which kept the row ids the forward sent them
+          (sent again only after rounds) -> the owner applies the sparse optimizer to its
+          shard (merging what several devices sent for one row).
 
 Overflow: when any device has more distinct requests for one owner than C (the decision is a
 pmax, so all agree), the exchange runs in rounds at the same capacity instead, each round a
@@ -56,20 +57,24 @@ from dlrm_jax.parallel.mesh import AXIS, varying
 
 
 def _lookup(g: Group, capacity: int, wire):
-    """``f(table_local, b, over) -> vectors [n, W]`` of every request, in one exchange or rounds."""
+    """``f(table_local, b, over) -> (vectors [n, W], rows [N, C])`` of every request, in one
+    exchange or rounds; ``rows``: those this owner was asked for in one exchange (the
+    backward's, which sends no row ids), ``g.local_rows`` after rounds (unused: it asks again)."""
     exchange = lookup_exchange(g, capacity, wire)
 
     def lookup(table_local, b, over):
         def one_round(acc, window):
-            out, usable = exchange(table_local, b, window)
+            out, usable, _ = exchange(table_local, b, window)
             return jnp.where(usable[:, None], out, acc)
 
         def rounds():
-            return in_rounds(g, b, capacity, over, one_round, jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32))
+            acc = jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32)
+            unknown = varying(jnp.full((g.num_devices, capacity), g.local_rows, jnp.int32))
+            return in_rounds(g, b, capacity, over, one_round, acc), unknown
 
         def at_once():  # nothing overflowed: one exchange of every request, no loop and no accumulator
-            out, usable = exchange(table_local, b, Window(jnp.zeros_like(b.counts), b.counts))
-            return jnp.where(usable[:, None], out, 0.0)
+            out, usable, rows = exchange(table_local, b, Window(jnp.zeros_like(b.counts), b.counts))
+            return jnp.where(usable[:, None], out, 0.0), rows
 
         # (a lookup only reads the table, so a cond does not copy it, as one around an update would)
         return if_overflow(over, rounds, at_once)
@@ -87,8 +92,8 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
 
     def local(table_local, ids_local):
         shape, b, most = route_and_bucket(g, ids_local)
-        out = lookup(table_local, b, most > capacity).reshape(*shape, g.width)
-        return out, (most > capacity)[None], (b, most[None])
+        out, rows = lookup(table_local, b, most > capacity)
+        return out.reshape(*shape, g.width), (most > capacity)[None], (b, most[None], rows)
 
     def local_routed(table_local, ids_local, routed):
         def as_routed():
@@ -97,14 +102,14 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
             received = routed.received.reshape(g.num_devices, -1)
             sent = received.shape[1]  # (within capacity: wider places are empty when this runs)
             received = received[:, :capacity] if sent >= capacity else jnp.pad(received, ((0, 0), (0, capacity - sent)))
-            out, usable = exchange(
+            out, usable, rows = exchange(
                 table_local,
                 b,
                 Window(jnp.zeros_like(b.counts), b.counts),
                 jnp.where(received >= 0, received, g.local_rows),
             )
             out = jnp.where(usable[:, None], out, 0.0).reshape(ids_local.shape[0], -1, g.width)
-            return out, jnp.zeros(1, bool), (b, routed.busiest[None])
+            return out, jnp.zeros(1, bool), (b, routed.busiest[None], rows)
 
         reuse = routed.used & (routed.busiest <= capacity)  # (alike on every device)
         return lax.cond(reuse, as_routed, lambda: local(table_local, ids_local))
@@ -138,9 +143,10 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
 
     agree = agreed(agree_over)
 
-    def update(table_local, slots_local, b, grads, lr, over):
+    def update(table_local, slots_local, b, grads, lr, over, recv_rows=None):
+        known = None if recv_rows is None else (over, recv_rows)
         if not whole_rows:
-            one_round = owner_update_round(send, optimizer, b, grads, lr, agree_over)
+            one_round = owner_update_round(send, optimizer, b, grads, lr, agree_over, known)
             return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
 
         def sq_round(acc, window):
@@ -157,7 +163,7 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
         )
 
         def one_round(state, window):
-            rows, recv_grads, where = send(b, grads, window)
+            rows, recv_grads, where = send(b, grads, window, known)
             every = gather_over(rows, agree_over), gather_over(recv_grads, agree_over)  # once, for both uses
 
             def from_this_exchange():
@@ -183,9 +189,10 @@ def sharded_update(
     (hosts), whose gradients every replica applies."""
     update = _sparse_update(g, capacity, wire, optimizer, dim, agree_over)
 
-    def on_owners(table_local, slots_local, b, grads, lr, most):
+    def on_owners(table_local, slots_local, b, grads, lr, most, recv_rows):
+        # (not overflowed when agreed over the hosts -> not on this one either: the rows hold)
         over = busiest_over(most, agree_over) > capacity
-        return update(table_local, slots_local, b, grads, lr, over)
+        return update(table_local, slots_local, b, grads, lr, over, recv_rows)
 
     return update_on_owners(mesh, on_owners, optimizer)
 

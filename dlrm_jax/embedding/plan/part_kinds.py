@@ -154,9 +154,9 @@ class Gather(PartKind):
 
 
 class Ids(PartKind):
-    """Sharded, the requester pools: per owner C distinct row ids out, C vectors back, C row ids
-    and C gradients out (+ C floats both ways of whole-row statistics for row-wise Adagrad on
-    column slices). In two levels (``ids_hosts``): to each relay of the host C1 (host, row)
+    """Sharded, the requester pools: per owner C distinct row ids out, C vectors back and C
+    gradients out (the owner kept the row ids; + C floats both ways of whole-row statistics for
+    row-wise Adagrad on column slices). In two levels (``ids_hosts``): to each relay of the host C1 (host, row)
     pairs out, C1 vectors back and C1 gradients out, to each other host C2 rows out, C2 vectors
     back and C2 gradients out, and the two fullest buckets' counts all-reduced (the one-level
     overflow path not counted). With host replicas, owners all-gather what their counterparts
@@ -180,7 +180,7 @@ class Ids(PartKind):
             ]
         c = group_capacity(plan, g)
         return [
-            ("all-to-all", (n - 1) * c * 2 * (4 + vec) + (n - 1) * c * 8 * needs_whole_rows(plan, g), SPAN_ALL),
+            ("all-to-all", (n - 1) * c * (4 + 2 * vec) + (n - 1) * c * 8 * needs_whole_rows(plan, g), SPAN_ALL),
             ("all-gather", (table_copies - 1) * n * c * (4 + 4 * g.width), SPAN_ALL),
         ]
 
