@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from dlrm_jax.choices import Ids, NewRows, Storage, Strategy
+from dlrm_jax.choices import Ids, Storage, Strategy
 from dlrm_jax.config_renames import RENAMED_KEYS, with_current_keys  # noqa: F401 - RENAMED_KEYS re-exported
 from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's one public home
     CONFIG_DIR,
@@ -509,13 +509,6 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True)
-    if e.dynamic.new_rows == NewRows.SHARED:
-        tiered = [f"cat_{f}" for f in cfg.dynamic_tables if e.storage_of(f"cat_{f}") == Storage.TIERED]
-        if tiered:
-            raise ConfigError(
-                f"embedding.dynamic.new_rows=shared: table {tiered[0]} is tiered, and a tiered table's shared rows "
-                f"live in its tiers, not beside its fresh cache slots; use new_rows=initializer or keep it on the devices"
-            )
     v = e.dynamic.vshards
     if v & (v - 1):
         raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")

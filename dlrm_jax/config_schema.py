@@ -475,7 +475,7 @@ class DynamicConfig:
         metadata=_choices(*NewRows)
         | doc(
             "what a row given to a new id starts from: the id's own initial vector (`initializer`), or that plus "
-            "its shard's shared row, which the id trained until it had a row (`shared`; not with tiered tables)"
+            "its shard's shared row, which the id trained until it had a row (`shared`)"
         ),
     )
 

@@ -85,7 +85,9 @@ class StateLayout:
         device_maps = {t: s for t, s in spec.maps.items() if t not in tiered}
         self.tiered_maps = {t: s for t, s in sorted(spec.maps.items()) if t in tiered}
         self.dynamic = DynamicTables(collection, device_maps, spec.new_rows) if device_maps else None
-        self.cached_dynamic = CachedDynamicTables(collection, self.tiered_maps) if self.tiered_maps else None
+        self.cached_dynamic = (
+            CachedDynamicTables(collection, self.tiered_maps, spec.new_rows) if self.tiered_maps else None
+        )
         model = spec.dense(nnx.Rngs(0))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))

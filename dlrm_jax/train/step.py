@@ -42,7 +42,7 @@ class CacheIO(NamedTuple):
     fills: dict
     prev: dict
     fresh: FreshRows | None = None  # tiered dynamic tables: the cache slots given to new ids,
-    fresh_hot: jax.Array | None = None  # and the hot rows given to new ids (int32 [H, 4], replicated)
+    fresh_hot: jax.Array | None = None  # and the hot rows given to new ids (int32 [H, 4] or [H, 6], replicated)
 
 
 class StepFunctions:

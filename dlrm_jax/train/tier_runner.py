@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from dlrm_jax.choices import NewRows
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.pipeline import background
 from dlrm_jax.embedding.dynamic.sharded import FreshRows
@@ -73,7 +74,15 @@ class TierRunner:
         self._planner_done = True
         maps = tiered.maps  # tiered dynamic tables' host maps: their ids resolved in the planner thread
         self.ids = (
-            None if maps is None else TieredIds(maps, steps.collection, list(steps.spec.maps), steps.spec.bag_sizes)
+            None
+            if maps is None
+            else TieredIds(
+                maps,
+                steps.collection,
+                list(steps.spec.maps),
+                steps.spec.bag_sizes,
+                shared=steps.spec.new_rows == NewRows.SHARED,
+            )
         )
 
     def use_hot(self, hot_keys: np.ndarray) -> None:
@@ -106,10 +115,11 @@ class TierRunner:
                 pending, hosts = {}, {}
 
                 def read(i, batch):  # (tiered dynamic ids to rows here, in batch order)
-                    if self.ids is not None:
-                        batch, hosts[i] = self.ids.host_ids(batch, steps.start + i)
                     pending[i] = batch
-                    return batch.ids
+                    if self.ids is None:
+                        return batch.ids
+                    pending[i], hosts[i] = self.ids.host_ids(batch, steps.start + i)
+                    return hosts[i].planned_ids(pending[i].ids)  # (and the fresh rows' shared rows)
 
                 ids = (read(i, b) for i, b in enumerate(batches))
                 stream = plan_stream(
@@ -118,11 +128,13 @@ class TierRunner:
                 for i, (orig, remapped, fills) in enumerate(stream):
                     reads = self.tiered.read_ahead_for(fills) if threaded else None
                     fresh = fresh_hot = counts = None
+                    batch = pending.pop(i)
                     if self.ids is not None:
                         host = hosts.pop(i)
                         fresh, fresh_hot = self.ids.fresh_slots(host, remapped, host.resolved.rows.size)
                         counts = host.resolved.stats.sum(axis=0)
-                    batch = pending.pop(i)._replace(ids=remapped)
+                    orig, remapped = orig[: batch.ids.shape[0]], remapped[: batch.ids.shape[0]]
+                    batch = batch._replace(ids=remapped)
                     yield Planned(batch, fills, orig, reads, fresh, fresh_hot, counts, steps.start + i)
             finally:
                 with self._gate:

@@ -107,30 +107,32 @@ def run(cfg, devices, root=None):
     return per_step, values, slots, maps, plan, stats
 
 
-# (devices, policy, admission, lookahead, which dynamic tables are tiered, hot rows)
+# (devices, policy, admission, lookahead, which dynamic tables are tiered, hot rows, new rows)
 CASES = [
-    (1, "lfu", 2, 0, "cat_0=tiered, cat_2=tiered", False),
-    (2, "lru", 0, 2, "cat_0=tiered, cat_2=tiered", True),
-    (4, "lfu", 2, 3, "cat_2=tiered", False),
-    (8, "lru", 2, 1, "cat_0=tiered, cat_1=tiered, cat_2=tiered", True),
+    (1, "lfu", 2, 0, "cat_0=tiered, cat_2=tiered", False, "initializer"),
+    (2, "lru", 0, 2, "cat_0=tiered, cat_2=tiered", True, "shared"),
+    (4, "lfu", 2, 3, "cat_2=tiered", False, "shared"),
+    (8, "lru", 2, 1, "cat_0=tiered, cat_1=tiered, cat_2=tiered", True, "initializer"),
 ]
 
 
 @pytest.mark.parametrize(
-    "devices,policy,admit,lookahead,storage,hot",
+    "devices,policy,admit,lookahead,storage,hot,new_rows",
     CASES,
-    ids=[f"{d}dev-{p}-admit{a}-ahead{k}{'-hot' if h else ''}" for d, p, a, k, _, h in CASES],
+    ids=[f"{d}dev-{p}-admit{a}-ahead{k}{'-hot' if h else ''}-{n}" for d, p, a, k, _, h, n in CASES],
 )
 def test_tiered_dynamic_tables_equal_device_ones_every_step(
-    tiny, tmp_path, monkeypatch, devices, policy, admit, lookahead, storage, hot
+    tiny, tmp_path, monkeypatch, devices, policy, admit, lookahead, storage, hot, new_rows
 ):
     """A step that resolved, placed or reset one id differently on the tiered side fails at
     that step (its loss or its counts), not only at the end. With hot rows, a seventh of the
     dynamic tables' rows are hot (they never take a cache slot), and the maps give some of
-    them to new ids."""
+    them to new ids. With ``new_rows=shared`` a fresh row starts from its shard's shared row,
+    which the host placed in the step's caches (or found hot), wherever the tiers held it."""
     if lookahead:
         monkeypatch.setattr(tables, "MAPPED_SHARE", 0.0)  # read the tier ahead, as a large one is
     common = [*COMMON, f"embedding.dynamic.policy={policy}", f"embedding.dynamic.admit={admit}"]
+    common += [f"embedding.dynamic.new_rows={new_rows}"]
     common += [f"mesh.devices={devices}", f"embedding.tier.lookahead={lookahead}"]
     if hot:
         common += [f"embedding.hot.rows={HOT_CAPACITY}", "embedding.hot.refresh_every=0"]

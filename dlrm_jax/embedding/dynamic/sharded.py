@@ -49,6 +49,9 @@ class FreshRows(NamedTuple):
     table: jax.Array
     hi: jax.Array
     lo: jax.Array
+    # tiered tables with new_rows=shared: where the host placed each entry's shard's shared
+    # row this step: its cache slot on the entry's device (>= 0) or -2 - its hot slot
+    shared: jax.Array | None = None
 
 
 class Route(NamedTuple):

@@ -228,7 +228,8 @@ class DynamicTables:
         fresh rows are hot (the step's hash index of the hot keys) and the hot slots' new ids
         meet in one sum over the devices (a row has one owner), [H, 4] whatever the batch.
         ``hot_found``: those [H, 4] entries (new id's flag, table, id's words) given instead,
-        replicated (tiered tables: the host knows which hot rows it gave out)."""
+        replicated (tiered tables: the host knows which hot rows it gave out; [H, 6] with
+        ``new_rows="shared"``: and where it placed each one's shared row, device and slot)."""
         opt = self.collection.optimizer
         seed_2 = jax.random.key_data(key).astype(jnp.uint32).reshape(-1)[:2]
         tables = list(self.maps)  # fresh.table indexes these
@@ -244,6 +245,11 @@ class DynamicTables:
         slots_of = const([self.maps[t].slots for t in tables])
         warm = self.new_rows == NewRows.SHARED
         hot = emb.hot
+        parts = (fresh.rows, fresh.table, fresh.hi, fresh.lo)
+        if warm and fresh.shared is not None:
+            parts += (fresh.shared,)
+        given = () if hot is None or hot_found is None else (hot_found,)
+        n_given = len(given)
 
         def initial(table, hi, lo, width, dtype, base=None):
             """The new ids' initial vectors (``table``: indices into ``tables``) and optimizer
@@ -256,9 +262,16 @@ class DynamicTables:
                 values = base + values
             return values.astype(dtype), opt.init(jnp.zeros((table.shape[0], width), dtype))
 
-        def shared_rows(arrays, hot_state, hot_index, rows, table, name):
+        def shared_rows(arrays, hot_state, hot_index, rows, table, name, placed=None):
             """float32 [k, width]: the value of each fresh row's shard's shared row (slot 0 of
-            its shard, on this device) before the step: the hot copy where the row is hot."""
+            its shard, on this device) before the step: the hot copy where the row is hot.
+            ``placed``: where the host put it instead (tiered tables: :attr:`FreshRows.shared`)."""
+            if placed is not None:
+                values = arrays[name][jnp.where(placed >= 0, offset[table] + placed, 0)].astype(jnp.float32)
+                if hot_state is None:
+                    return values
+                from_hot = hot_state.values[jnp.maximum(-2 - placed, 0), : values.shape[1]].astype(jnp.float32)
+                return jnp.where(placed[:, None] <= -2, from_hot, values)
             local = shared_row_of(rows, slots_of[table])
             values = arrays[name][jnp.where(rows >= 0, offset[table] + local, 0)].astype(jnp.float32)
             if hot_state is None:
@@ -268,7 +281,7 @@ class DynamicTables:
             from_hot = hot_state.values[jnp.maximum(at[0], 0), : values.shape[1]].astype(jnp.float32)
             return jnp.where(at[0][:, None] >= 0, from_hot, values)
 
-        def reset(arrays, slots, hot_state, hot_index, rows, table, hi, lo):
+        def reset(arrays, slots, hot_state, hot_index, rows, table, hi, lo, placed=None):
             """The fresh rows ``rows`` (-1: none) reset; and, with hot rows, per hot slot given
             to a new id here its entry (flag, table, id's words) and its shared row's value."""
             before = arrays
@@ -278,7 +291,7 @@ class DynamicTables:
                 width, array = by_name[name].width, arrays[name]
                 mine = (rows >= 0) & (const(group_of)[table] == gi)
                 row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
-                base = shared_rows(before, hot_state, hot_index, rows, table, name) if warm else None
+                base = shared_rows(before, hot_state, hot_index, rows, table, name, placed) if warm else None
                 if warm:
                     entry_base = base if entry_base is None else jnp.where(mine[:, None], base, entry_base)
                 values, state = initial(table, hi, lo, width, array.dtype, base)
@@ -297,7 +310,25 @@ class DynamicTables:
                 hot_base = jnp.zeros((n_hot, 0))
             return arrays, slots, jnp.zeros((n_hot, 4), jnp.int32).at[slot].set(entries, mode="drop"), hot_base
 
-        def local(arrays, slots, hot_state, rows, table, hi, lo, *given):
+        def given_hot_base(arrays, hot_state, found):
+            """float32 [H, width]: per hot slot the host gave a new id (``found``: flag, table,
+            id's words, then its shared row's device and slot there, device -1: a hot slot),
+            its shared row's value: a sum of the holding device's and zeros, exact."""
+            table, owner, at = found[:, 1], found[:, 4], found[:, 5]
+            width = hot_state.values.shape[1]
+            mine = (found[:, 0] > 0) & (owner == lax.axis_index(AXIS))
+            base = jnp.zeros((found.shape[0], width), jnp.float32)
+            for gi, name in enumerate(groups):
+                here = mine & (const(group_of)[table] == gi)
+                value = arrays[name][jnp.where(here, offset[table] + at, 0)].astype(jnp.float32)
+                value = jnp.pad(value, ((0, 0), (0, width - value.shape[1])))
+                base = jnp.where(here[:, None], value, base)
+            base = lax.psum(base, AXIS)
+            from_hot = hot_state.values[jnp.maximum(at, 0)].astype(jnp.float32)
+            return jnp.where(((found[:, 0] > 0) & (owner < 0))[:, None], from_hot, base)
+
+        def local(arrays, slots, hot_state, rows, table, hi, lo, *rest):
+            placed, given = rest[: len(rest) - n_given], rest[len(rest) - n_given :]
             index = (hot_state.index, hot_state.seeds) if hot_state is not None else None
             n_hot = 0 if hot is None or hot_found is not None else hot.values.shape[0]
             hot_width = hot.values.shape[1] if n_hot and warm else 0
@@ -313,13 +344,17 @@ class DynamicTables:
 
             # (each device finds its own)
             carry = (arrays, slots, varying(jnp.zeros((n_hot, 4), jnp.int32)), varying(jnp.zeros((n_hot, hot_width))))
-            arrays, slots, found, found_base = self._in_chunks((rows, table, hi, lo), jnp.sum(rows >= 0), carry, write)
+            parts = (rows, table, hi, lo, *placed)
+            arrays, slots, found, found_base = self._in_chunks(parts, jnp.sum(rows >= 0), carry, write)
             if hot_state is None:
                 return arrays, slots, hot_state
             # every hot slot given a new id this step, on every device (and its shared row's
             # value: a sum of one device's and zeros, exact)
             found = given[0] if given else lax.psum(found, AXIS)
-            base = lax.psum(found_base, AXIS) if hot_width else None
+            if given and warm:
+                base = given_hot_base(arrays, hot_state, found)
+            else:
+                base = lax.psum(found_base, AXIS) if hot_width else None
             reset_here = found[:, 0] > 0
             new_ids = (found[:, 1], found[:, 2].view(jnp.uint32), found[:, 3].view(jnp.uint32))
             values, state = initial(*new_ids, hot_state.values.shape[1], hot_state.values.dtype, base)
@@ -334,12 +369,16 @@ class DynamicTables:
         everywhere = lambda tree: jax.tree.map(lambda _: P(), tree)
         arrays = {g: emb.tables[g] for g in groups}
         slots = {g: emb.slots[g] for g in groups}
-        parts = (fresh.rows, fresh.table, fresh.hi, fresh.lo)
-        given = () if hot is None or hot_found is None else (hot_found,)
         arrays, slots, hot = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot), *(P(AXIS),) * 4, *(P(),) * len(given)),
+            in_specs=(
+                tree_rows(arrays),
+                tree_rows(slots),
+                everywhere(hot),
+                *(P(AXIS),) * len(parts),
+                *(P(),) * n_given,
+            ),
             out_specs=(tree_rows(arrays), tree_rows(slots), everywhere(hot)),
         )(arrays, slots, hot, *parts, *given)
         return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots}, hot=hot)
@@ -415,11 +454,11 @@ class CachedDynamicTables(DynamicTables):
     slots); :meth:`reset` resets them after the step's fills, as :class:`DynamicTables` resets
     its rows: the same initial vector per id and the optimizer's initial state."""
 
-    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec]):
-        # A shared row's value is where the tier holds it, not in the device cache: fresh cache
-        # slots start from their ids' initial vectors (embedding.dynamic.new_rows=shared refused).
+    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows=NewRows.INITIALIZER):
+        # new_rows=shared: the host places each fresh row's shard's shared row in the step's
+        # caches (or finds it hot) and says where (FreshRows.shared, fresh_hot's last columns)
         self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
-        self.new_rows = NewRows.INITIALIZER
+        self.new_rows = NewRows(new_rows)
         self.reset_chunk = RESET_CHUNK
         self._where = {}
         for t in self.maps:

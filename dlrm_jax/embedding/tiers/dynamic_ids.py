@@ -24,19 +24,32 @@ from dlrm_jax.ids import PAD_ID
 
 class HostIds(NamedTuple):
     """One batch's tiered dynamic ids resolved: the maps' answer and, per fresh row, the flat
-    position (in the order :meth:`TieredIds.host_ids` lays the ids out) of one id it was given to."""
+    position (in the order :meth:`TieredIds.host_ids` lays the ids out) of one id it was given
+    to. With ``new_rows="shared"``: ``extra`` int32 [K, S], lines of ids holding the fresh rows'
+    shards' shared rows (each in its table's first slot, the rest padding) for the cache
+    planner to place with the batch, and ``line``, each fresh row's line there."""
 
     resolved: HostResolved
     positions: np.ndarray
+    extra: np.ndarray | None = None
+    line: np.ndarray | None = None
+
+    def planned_ids(self, ids: np.ndarray) -> np.ndarray:
+        """What the cache planner places for the batch whose ids these are: them and the extra lines."""
+        return ids if self.extra is None else np.concatenate([ids, self.extra])
 
 
 class TieredIds:
     """``maps``: the tier's host maps; ``collection``: the device view's (its groups place each
     table's cache slots); ``dynamic``: every dynamic table's index (the raw columns hold their
-    bags in table order); ``bag_sizes``: every feature's slots in a batch's ids."""
+    bags in table order); ``bag_sizes``: every feature's slots in a batch's ids. ``shared``: a
+    fresh row starts from its shard's shared row (``embedding.dynamic.new_rows=shared``), so
+    each step's caches hold the shared rows of the shards that gave rows out, and the device is
+    told where."""
 
-    def __init__(self, maps: HostMaps, collection, dynamic: list[int], bag_sizes):
-        self.maps, self.n = maps, collection.plan.num_devices
+    def __init__(self, maps: HostMaps, collection, dynamic: list[int], bag_sizes, shared: bool = False):
+        self.maps, self.n, self.shared = maps, collection.plan.num_devices, shared
+        self.slots = np.array([s.rows // s.vshards for s in maps.specs], np.int64)  # a shard's rows
         starts = np.cumsum([0, *bag_sizes])
         self.slices = [slice(int(starts[t]), int(starts[t + 1])) for t in maps.tables]
         self.raw_cols, keep, col = {}, [], 0
@@ -91,7 +104,16 @@ class TieredIds:
             new = Batch(batch.dense, out, batch.labels)
         else:
             new = RawBatch(batch.dense, out, batch.labels, np.ascontiguousarray(raw[:, :, self.keep]))
-        return new, HostIds(resolved, self._positions(args[0], resolved))
+        host = HostIds(resolved, self._positions(args[0], resolved))
+        if self.shared and resolved.fresh_rows.size:
+            j = resolved.fresh_table.astype(np.int64)
+            key = j << 32 | resolved.fresh_rows // self.slots[j] * self.slots[j]  # (table, shared row)
+            pairs, line = np.unique(key, return_inverse=True)
+            extra = np.full((pairs.size, ids.shape[1]), PAD_ID, ids.dtype)
+            first = np.array([sl.start for sl in self.slices])
+            extra[np.arange(pairs.size), first[pairs >> 32]] = pairs & 0xFFFFFFFF
+            host = host._replace(extra=extra, line=line)
+        return new, host
 
     def _positions(self, table: np.ndarray, resolved: HostResolved) -> np.ndarray:
         """Per fresh row, the flat position of an id the batch gave it to."""
@@ -103,33 +125,46 @@ class TieredIds:
         return order[np.searchsorted(key[order], want)]
 
     def fresh_slots(self, host: HostIds, remapped: np.ndarray, size: int) -> tuple[FreshRows, np.ndarray | None]:
-        """The fresh rows as each device's cache slots (``remapped``: the batch's ids as cache
-        ids), ``size`` entries a device (padding: row -1), flat over the devices; and with hot
-        rows, those that are hot (their step ids are hot slots): int32 [H, 4], per hot slot
-        whether a new id took it, its table (index into the maps') and the id's words."""
+        """The fresh rows as each device's cache slots (``remapped``: the planned ids as cache
+        ids, the batch's then :attr:`HostIds.extra`'s), ``size`` entries a device (padding: row
+        -1), flat over the devices; and with hot rows, those that are hot (their step ids are
+        hot slots): int32 [H, 4], per hot slot whether a new id took it, its table (index into
+        the maps') and the id's words ([H, 6] when ``shared``: and where its shared row is, the
+        device and its cache slot there, or -1 and its hot slot)."""
         r = host.resolved
+        batch = remapped.shape[0] - (0 if host.extra is None else host.extra.shape[0])
         rows = np.full((self.n, size), -1, np.int32)
         table = np.zeros((self.n, size), np.int32)
         hi, lo = np.zeros((self.n, size), np.uint32), np.zeros((self.n, size), np.uint32)
-        hot = np.zeros((self.hot_rows, 4), np.int32) if self.hot_rows else None
+        shared = np.full((self.n, size), -1, np.int32) if self.shared else None
+        hot = np.zeros((self.hot_rows, 6 if self.shared else 4), np.int32) if self.hot_rows else None
         if r.fresh_rows.size:
             widths = [sl.stop - sl.start for sl in self.slices]
-            sizes = np.array([remapped.shape[0] * w for w in widths])
+            sizes = np.array([batch * w for w in widths])
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             j = r.fresh_table.astype(np.int64)
             within = host.positions - starts[j]
             width = np.array(widths)[j]
-            col = np.array([sl.start for sl in self.slices])[j] + within % width
-            cache_id = remapped[within // width, col].astype(np.int64)
+            first = np.array([sl.start for sl in self.slices])[j]
+            cache_id = remapped[within // width, first + within % width].astype(np.int64)
             fresh_hi, fresh_lo = r.fresh_hi, r.fresh_lo
+            base = self._shared_places(j, remapped[batch + host.line, first]) if self.shared else None
             is_hot = cache_id >= self.view_rows[j]
             if is_hot.any():
                 at = (cache_id - self.view_rows[j])[is_hot]
                 words = np.stack([fresh_hi[is_hot], fresh_lo[is_hot]], 1).view(np.int32)
-                hot[at] = np.concatenate([np.ones((at.size, 1), np.int32), j[is_hot, None].astype(np.int32), words], 1)
+                cols = [np.ones((at.size, 1), np.int32), j[is_hot, None].astype(np.int32), words]
+                if base is not None:
+                    cols += [base[0][is_hot, None], base[1][is_hot, None]]
+                hot[at] = np.concatenate(cols, 1)
                 j, cache_id, fresh_hi, fresh_lo = (x[~is_hot] for x in (j, cache_id, fresh_hi, fresh_lo))
+                base = None if base is None else (base[0][~is_hot], base[1][~is_hot])
             block = np.array(self.block, np.int64)[j]
             owner, slot = cache_id // block, cache_id % block
+            if base is not None:
+                away = (base[0] >= 0) & (base[0] != owner)
+                if away.any():  # (a shard's rows share one device's block of cache slots)
+                    raise ValueError(f"a fresh row on device {owner[away][0]} and its shared row on {base[0][away][0]}")
             order = np.argsort(owner, kind="stable")
             owner_sorted = owner[order]
             rank = np.arange(owner.size) - np.searchsorted(owner_sorted, owner_sorted)
@@ -140,4 +175,16 @@ class TieredIds:
             table[place] = j[order]
             hi[place] = fresh_hi[order]
             lo[place] = fresh_lo[order]
-        return FreshRows(rows.reshape(-1), table.reshape(-1), hi.reshape(-1), lo.reshape(-1)), hot
+            if base is not None:
+                shared[place] = np.where(base[0] >= 0, base[1], -2 - base[1])[order]
+        flat = (rows, table, hi, lo) + (() if shared is None else (shared,))
+        return FreshRows(*(x.reshape(-1) for x in flat)), hot
+
+    def _shared_places(self, j: np.ndarray, cache_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each fresh row's shared row is this step (``cache_id``: its step id, tables
+        ``j``): (device, cache slot there), or (-1, hot slot) where it is hot."""
+        hot = cache_id >= self.view_rows[j]
+        block = np.array(self.block, np.int64)[j]
+        device = np.where(hot, -1, cache_id // block)
+        at = np.where(hot, cache_id - self.view_rows[j], cache_id % block)
+        return device.astype(np.int32), at.astype(np.int32)
