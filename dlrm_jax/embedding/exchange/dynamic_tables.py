@@ -472,6 +472,7 @@ class CachedDynamicTables(DynamicTables):
         """``emb`` with the cache slots ``fresh`` names (each device's slot within its block of
         the table's device view) reset, and the hot rows given to new ids (a hot row of a
         tiered table never takes a cache slot): ``hot_found`` int32 [H, 4], per hot slot
-        whether it was given out, its table (an index into the maps) and its new id's words.
-        Traceable."""
+        whether it was given out, its table (an index into the maps) and its new id's words
+        (``new_rows="shared"``: [H, 6], and where its shared row is: device and cache slot, or
+        -1 and hot slot). Traceable."""
         return self._reset(emb, fresh, key, hot_found if emb.hot is not None else None)
