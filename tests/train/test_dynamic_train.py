@@ -192,10 +192,12 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
     become hot once counted): a run cut after its step-4 checkpoint and resumed
     equals the uninterrupted one (scores, exported tables and maps), which equals the same run
     with the tables on the devices (losses, scores); the checkpoint evaluates on another device
-    count."""
+    count. Fresh rows start from their shared rows (``new_rows=shared``), which the planner
+    places in the caches with each batch, across hot-set refreshes and the resume."""
     tiered = ("embedding.table_storage=[cat_2=tiered]", "embedding.tier.lookahead=2")
     hot = ("embedding.hot.rows=16", "embedding.hot.refresh_every=2", "embedding.hot.stats_batches=2")
     run = ("mesh.devices=4", "train.log_every=2", "train.checkpoint_every=4", "train.eval_every=4", *DYNAMIC, *hot)
+    run += ("embedding.dynamic.new_rows=shared",)
     cfg = tiny(*run, "train.steps=8", *tiered)
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
     # Resumed from the step-4 checkpoint, saved while the planner had resolved batches ahead.
