@@ -200,9 +200,9 @@ def to_owners(g: Group, capacity: int, values, where):
 def lookup_exchange(g: Group, capacity: int, wire: Wire):
     """``f(table_local, b, window, recv_rows=None) -> (vectors [n, W] float32, usable [n],
     recv_rows)``: one exchange of the window's requests; a request outside the window gets
-    usable False; ``recv_rows`` int32 [N, C] are the rows each device asked of this owner.
-    ``recv_rows`` int32 [N, C]: the rows each device asks of this owner where they are known
-    already (the id maps' resolution routed the same requests), so they are not sent again."""
+    usable False. ``recv_rows`` int32 [N, C], the rows each device asks of this owner: given
+    where they are known already (the id maps' resolution routed the same requests), so they
+    are not sent; returned either way (the backward's, which then sends none)."""
 
     def exchange(table_local, b, window, recv_rows=None):
         if recv_rows is None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch, RawBatch
 from dlrm_jax.embedding.dynamic.host_maps import HostMaps, HostResolved
+from dlrm_jax.embedding.dynamic.idmap import shared_row_of
 from dlrm_jax.embedding.dynamic.sharded import FreshRows
 from dlrm_jax.ids import PAD_ID
 
@@ -107,7 +108,7 @@ class TieredIds:
         host = HostIds(resolved, self._positions(args[0], resolved))
         if self.shared and resolved.fresh_rows.size:
             j = resolved.fresh_table.astype(np.int64)
-            key = j << 32 | resolved.fresh_rows // self.slots[j] * self.slots[j]  # (table, shared row)
+            key = j << 32 | shared_row_of(resolved.fresh_rows, self.slots[j])  # (table, shared row)
             pairs, line = np.unique(key, return_inverse=True)
             extra = np.full((pairs.size, ids.shape[1]), PAD_ID, ids.dtype)
             first = np.array([sl.start for sl in self.slices])
@@ -146,21 +147,19 @@ class TieredIds:
             within = host.positions - starts[j]
             width = np.array(widths)[j]
             first = np.array([sl.start for sl in self.slices])[j]
-            cache_id = remapped[within // width, first + within % width].astype(np.int64)
+            owner, slot = self._places(j, remapped[within // width, first + within % width])
             fresh_hi, fresh_lo = r.fresh_hi, r.fresh_lo
-            base = self._shared_places(j, remapped[batch + host.line, first]) if self.shared else None
-            is_hot = cache_id >= self.view_rows[j]
+            base = self._places(j, remapped[batch + host.line, first]) if self.shared else None
+            is_hot = owner < 0
             if is_hot.any():
-                at = (cache_id - self.view_rows[j])[is_hot]
+                at = slot[is_hot]
                 words = np.stack([fresh_hi[is_hot], fresh_lo[is_hot]], 1).view(np.int32)
                 cols = [np.ones((at.size, 1), np.int32), j[is_hot, None].astype(np.int32), words]
                 if base is not None:
                     cols += [base[0][is_hot, None], base[1][is_hot, None]]
                 hot[at] = np.concatenate(cols, 1)
-                j, cache_id, fresh_hi, fresh_lo = (x[~is_hot] for x in (j, cache_id, fresh_hi, fresh_lo))
+                j, owner, slot, fresh_hi, fresh_lo = (x[~is_hot] for x in (j, owner, slot, fresh_hi, fresh_lo))
                 base = None if base is None else (base[0][~is_hot], base[1][~is_hot])
-            block = np.array(self.block, np.int64)[j]
-            owner, slot = cache_id // block, cache_id % block
             if base is not None:
                 away = (base[0] >= 0) & (base[0] != owner)
                 if away.any():  # (a shard's rows share one device's block of cache slots)
@@ -180,9 +179,9 @@ class TieredIds:
         flat = (rows, table, hi, lo) + (() if shared is None else (shared,))
         return FreshRows(*(x.reshape(-1) for x in flat)), hot
 
-    def _shared_places(self, j: np.ndarray, cache_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where each fresh row's shared row is this step (``cache_id``: its step id, tables
-        ``j``): (device, cache slot there), or (-1, hot slot) where it is hot."""
+    def _places(self, j: np.ndarray, cache_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where rows of tables ``j`` are this step, from their step ids ``cache_id``: (device,
+        cache slot there), or (-1, hot slot) where they are hot."""
         hot = cache_id >= self.view_rows[j]
         block = np.array(self.block, np.int64)[j]
         device = np.where(hot, -1, cache_id // block)
