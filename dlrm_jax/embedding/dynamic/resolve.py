@@ -205,6 +205,7 @@ def resolve_fused(
     write=True,
     chunk: int = 0,
     age=True,
+    prefixes: bool = True,
 ) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
@@ -219,12 +220,14 @@ def resolve_fused(
     the candidates recomputed each round there), so a rare large batch needs no more scratch
     than the common ones; 0: all at once. ``age`` (may be traced): whether the sketches age
     where this step ends a half life (a batch resolved in passes, ``table_passes``, ages them in
-    its first only). Traceable."""
+    its first only). ``prefixes=False``: the work past the dedup is compiled for all N ids
+    only, not also for shorter prefixes (:func:`distinct_sizes`: each is a copy of it in the
+    program, about a second of compile on CPU), for paths a step rarely takes. Traceable."""
     n = hi.shape[0]
     index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table, counts)
     # The distinct ids come first: the rest of the work runs on the least of a few prefix sizes
     # that holds them (a batch repeats most ids: 7,500 distinct of 26,624 in stream's batch).
-    sizes = distinct_sizes(n)
+    sizes = distinct_sizes(n) if prefixes else [n]
     count = jnp.max(jnp.where(valid, index + 1, 0))
     branches = [
         lambda k=k: _settled(

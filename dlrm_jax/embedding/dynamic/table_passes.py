@@ -81,9 +81,10 @@ def resolve_in_passes(
         places = pass_places(first, columns, n // width, width, size_of_pass)
         ok = places < n
         pick = lambda x: x[jnp.minimum(places, n - 1)]
+        # (a rare path: compiled for the pass's whole size only, ``prefixes=False``)
         out = resolve_fused(
             maps, m._replace(sketch=sketch), pick(table), pick(hi), pick(lo), pick(valid) & ok, step,
-            first_shards, learn, None, False, chunk, age=index == 0,
+            first_shards, learn, None, False, chunk, age=index == 0, prefixes=False,
         )  # fmt: skip
         rows = rows.at[jnp.where(ok, places, n)].set(out.rows, mode="drop")
         w = out.writes
