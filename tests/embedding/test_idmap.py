@@ -212,6 +212,17 @@ def _distinct():
     return jax.jit(distinct_ids)
 
 
+@functools.cache
+def _id_pool() -> np.ndarray:
+    """Seven ids, the first two a pair whose 32-bit hashes collide (a birthday search)."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 2**63, 300_000, dtype=np.int64).astype(np.uint64)
+    h = id_hash(*split_ids(ids), np)
+    hs, first = np.unique(h, return_index=True)
+    dup = np.setdiff1d(np.arange(len(h)), first)[0]
+    return np.array([ids[first[np.searchsorted(hs, h[dup])]], ids[dup], 0, 1, 2**40 + 3, 2**63 - 1, 77], np.uint64)
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.booleans()), min_size=1, max_size=64),
@@ -222,12 +233,7 @@ def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence
     grouping: each valid (table, id) pair numbered once, in the order it first occurs, with its
     occurrences (or summed counts); padding of any table and id numbered N. A pair of ids whose
     32-bit hashes collide (found by a birthday search) is always in the pool, so they meet."""
-    rng = np.random.default_rng(7)
-    ids = rng.integers(0, 2**63, 300_000, dtype=np.int64).astype(np.uint64)
-    h = id_hash(*split_ids(ids), np)
-    hs, first = np.unique(h, return_index=True)
-    dup = np.setdiff1d(np.arange(len(h)), first)[0]
-    pool = np.array([ids[first[np.searchsorted(hs, h[dup])]], ids[dup], 0, 1, 2**40 + 3, 2**63 - 1, 77], np.uint64)
+    pool = _id_pool()
     entries = entries + [(i % 3, i % 7, False) for i in range(64 - len(entries))]  # one shape, padded
     table = np.array([t for t, _, _ in entries], np.int32)
     raw = pool[[k for _, k, _ in entries]]
