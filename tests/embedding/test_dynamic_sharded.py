@@ -72,9 +72,9 @@ def test_a_map_that_does_not_split_in_whole_shards_is_refused():
 
 
 PATHS = {  # each batch's path: a buffer of the routed one, or the gathered one (see the test)
-    "spread": "routed in 68",
-    "one id throughout": "routed in 68",
-    "100 ids of device 0 on one owner": "routed in 128",
+    "spread": "routed in 96",
+    "one id throughout": "routed in 96",
+    "100 ids of device 0 on one owner": "routed in 192",
     "256 ids of device 0 on one owner": "gathered, compacted",
     "every id on one owner": "gathered, in passes of tables",
 }
@@ -83,14 +83,14 @@ PATHS = {  # each batch's path: a buffer of the routed one, or the gathered one 
 @pytest.mark.parametrize("skew", list(PATHS))
 def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
     """Several tables in one resolution (sharded_resolve_many) on 8 devices, every path equal to
-    one map on one device. Each device has 2 x 128 ids; it sends its distinct ids to their
-    owners in the least buffer (68, 80 or 128 places an owner) that holds every device's for
+    one map on one device. Each device has 2 x 256 ids; it sends its distinct ids to their
+    owners in the least buffer (96 or 192 places an owner) that holds every device's for
     one owner, so a repeated id costs one place. A device with more distinct ids for one
-    owner than 128 makes every device gather the batch instead, each resolving its own ids in
-    a buffer of 576 (compacted), or a table's ids at a time where one device owns more (step 2
+    owner than 192 makes every device gather the batch instead, each resolving its own ids in
+    a buffer of 1,088 (compacted), or a table's ids at a time where one device owns more (step 2
     ages the sketches: they must halve once, not once a pass)."""
-    mesh, devices, batch = make_mesh(8), 8, 1024
-    assert own_capacity(2 * batch, devices) == 576 and route_capacities(2 * batch // devices, devices) == [68, 80, 128]
+    mesh, devices, batch = make_mesh(8), 8, 2048
+    assert own_capacity(2 * batch, devices) == 1088 and route_capacities(2 * batch // devices, devices) == [96, 192]
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
@@ -106,20 +106,24 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
         elif skew == "100 ids of device 0 on one owner":
             ids[:50] = fresh[:100].reshape(50, 2)
         elif skew == "256 ids of device 0 on one owner":
-            ids[: batch // devices] = fresh[:256].reshape(-1, 2)
+            ids[:128] = fresh[:256].reshape(-1, 2)
         elif skew == "every id on one owner":
             ids[:] = fresh[: 2 * batch].reshape(-1, 2)
         valid = rng.random((batch, 2)) > 0.05
         hi, lo = split_ids(ids)
         owner = np.where(valid, shard_of(SPEC, hi, lo, np), devices)
-        pairs = {(i // 128, int(owner[i, t]), t, int(ids[i, t])) for i in range(batch) for t in range(2)}
+        pairs = {(i // (batch // devices), int(owner[i, t]), t, int(ids[i, t])) for i in range(batch) for t in range(2)}
         most = max(
             collections.Counter((d, o) for d, o, _, _ in pairs if o < devices).values()
         )  # distinct, one device, one owner
         own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices].max()
-        fits = [k for k in (68, 80, 128) if most <= k]
+        fits = [k for k in (96, 192) if most <= k]
         path = (
-            f"routed in {fits[0]}" if fits else "gathered, compacted" if own <= 576 else "gathered, in passes of tables"
+            f"routed in {fits[0]}"
+            if fits
+            else "gathered, compacted"
+            if own <= 1088
+            else "gathered, in passes of tables"
         )
         assert path == PATHS[skew], (most, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
@@ -162,7 +166,7 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs():
     buffer's pair compiled in a branch of its own; the gathered path has none)."""
     from dlrm_jax.bench.common import hlo_collective_bytes
 
-    mesh, devices, batch, bags = make_mesh(8), 8, 512, (1, 3)
+    mesh, devices, batch, bags = make_mesh(8), 8, 1024, (1, 3)
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
@@ -171,7 +175,7 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs():
     hlo = jax.jit(functools.partial(sharded_resolve_many, specs, mesh)).lower(maps, ids, 0).compile().as_text()
     sends = route_capacities(batch * sum(bags) // devices, devices)
     branch = lambda k: (devices - 1) * k * (16 + 4)
-    assert len(sends) == 3 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
+    assert len(sends) == 2 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
     assert resolution_bytes_per_device(batch * sum(bags), devices) == (branch(sends[0]), branch(sends[-1]))
     # each path's bytes as training's events count them: the routed buffers, then the gathered fallback
     paths = resolution_paths(batch * sum(bags), devices)

@@ -371,13 +371,20 @@ def sharded_resolve_fused(
 def route_capacities(ids: int, devices: int) -> list[int]:
     """The buffers one device's distinct ids for one owner are routed in (``ids``: a device's
     ids), least first: twice a fair share of a sixteenth, a quarter and all of them, and some
-    (a batch repeats most ids: a device's distinct ids are often a quarter of them or fewer);
-    none where routing saves nothing (few devices)."""
+    (a batch repeats most ids: a device's distinct ids are often a quarter of them or fewer),
+    each kept only where it is at most half the next one kept (each buffer is a copy of the
+    routed path in the program, over a second of compile on CPU: one that saves less than
+    half the bytes is not worth it; small batches, whose buffers the slack makes alike, keep
+    one); none where routing saves nothing (few devices)."""
     fair = lambda k: 2 * -(-k // devices) + 64
     full = fair(ids)
     if devices == 1 or full >= ids:
         return []
-    return sorted({fair(ids // d) for d in (16, 4) if fair(ids // d) < full} | {full})
+    kept = [full]
+    for k in sorted({fair(ids // d) for d in (16, 4)}, reverse=True):
+        if 2 * k <= kept[-1]:
+            kept.append(k)
+    return kept[::-1]
 
 
 def own_capacity(total: int, devices: int) -> int:
