@@ -255,8 +255,7 @@ def sharded_resolve_fused(
         first = me * jnp.asarray(per_shards)
         own = valid & (owner_of(table, hi, lo) == me)
         # Where routed paths exist this one is their fallback (a skewed batch): compiled for
-        # its whole buffer only (``resolve_fused``'s prefixes; with the passes likewise, smoke's
-        # dynamic step on 8 devices compiles in 17 s, not 25 s).
+        # its whole buffer only (``resolve_fused``'s prefixes: each a copy of the maps' work).
         run = lambda *a: resolved(fused, *a, step, prefixes=not sends)
         at = jnp.where(own, jnp.cumsum(own, dtype=jnp.int32) - 1, cap)
 
