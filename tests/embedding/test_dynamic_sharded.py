@@ -90,7 +90,8 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
     a buffer of 1,088 (compacted), or a table's ids at a time where one device owns more (step 2
     ages the sketches: they must halve once, not once a pass)."""
     mesh, devices, batch = make_mesh(8), 8, 2048
-    assert own_capacity(2 * batch, devices) == 1088 and route_capacities(2 * batch // devices, devices) == [96, 192]
+    cap, sends = own_capacity(2 * batch, devices), route_capacities(2 * batch // devices, devices)
+    assert cap == 1088 and sends == [96, 192]
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
@@ -117,13 +118,9 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
             collections.Counter((d, o) for d, o, _, _ in pairs if o < devices).values()
         )  # distinct, one device, one owner
         own = np.bincount(owner.reshape(-1), minlength=devices + 1)[:devices].max()
-        fits = [k for k in (96, 192) if most <= k]
+        fits = [k for k in sends if most <= k]
         path = (
-            f"routed in {fits[0]}"
-            if fits
-            else "gathered, compacted"
-            if own <= 1088
-            else "gathered, in passes of tables"
+            f"routed in {fits[0]}" if fits else "gathered, compacted" if own <= cap else "gathered, in passes of tables"
         )
         assert path == PATHS[skew], (most, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
