@@ -385,34 +385,60 @@ def _settled(
         return best1[:, 0] < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
 
     asking = (estimate, lfu, *probing)
-    if chunk == k:  # the candidates once, for every round
-        fixed = candidates(*asking)
-        ask = lambda taken: choose(taken, *fixed)
-    else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
-        ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
-    placed = jnp.full(k, -1, jnp.int32)
 
-    def round_(carry):
-        r, _, taken, placed, pending = carry
-        open_, target = ask(taken)
-        asks = pending & open_
-        at = jnp.where(asks, target, rows_n)
-        first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
-        asks = asks & (first_h[target] == h)
-        at = jnp.where(asks, target, rows_n)
-        wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
-        placed = jnp.where(wins, target, placed)
-        taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-        return r + 1, jnp.any(asks), taken, placed, pending & ~wins
+    def settle(ask, h, ulo, pending):
+        """Rounds of placement of the ``pending`` ids (``ask(taken)``: each id's best open probe):
+        in each, every pending id with an open probe asks for its best, and the least (hash,
+        low word) of those asking for a slot wins it. At most ``probes`` rounds, and another
+        only while an id lost a contest: an id that did not ask had no open probe, and the
+        slots only fill, so it still has none. Returns each id's row (-1: none) and whether it
+        is still pending."""
 
-    # At most ``probes`` rounds; a round in which no id asks changes nothing, and neither would
-    # any after it, so the loop ends there (most batches settle in one or two rounds).
-    # (the flag and the rows derived from the batch: inside shard_map they vary by device like it)
-    if learn:  # (reading, no id asks for a slot)
-        carry = (0, jnp.any(pending) | True, taken, jnp.where(pending, placed, placed), pending)
-        _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+        def round_(carry):
+            r, _, taken, placed, pending = carry
+            open_, target = ask(taken)
+            asked = pending & open_
+            at = jnp.where(asked, target, rows_n)
+            first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
+            asks = asked & (first_h[target] == h)
+            at = jnp.where(asks, target, rows_n)
+            wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
+            placed = jnp.where(wins, target, placed)
+            taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
+            return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins
+
+        # (the rows derived from the batch: inside shard_map they vary by device like it)
+        placed = jnp.where(pending, -1, -1)
+        carry = (0, jnp.any(pending), taken, placed, pending)
+        _, _, _, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+        return placed, pending
+
+    def every_id():  # the rounds over all k ids
+        if chunk == k:  # the candidates once, for every round
+            fixed = candidates(*asking)
+            ask = lambda taken: choose(taken, *fixed)
+        else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
+            ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
+        return settle(ask, h, ulo, pending)
+
+    def few_ids():  # the rounds over the pending ids alone, moved to the front of a quarter of k
+        (where_,) = jnp.nonzero(pending, size=few, fill_value=k)
+        pick = lambda x: x[jnp.minimum(where_, k - 1)]
+        fixed = candidates(*map(pick, asking))
+        placed, still = settle(lambda taken: choose(taken, *fixed), pick(h), pick(ulo), where_ < k)
+        back = lambda x, fill: jnp.full(k, fill, x.dtype).at[where_].set(x, mode="drop")
+        return back(placed, -1), back(still, False)
+
+    # Most of a warm map's ids are found: the new ones asking for rows are a few of the batch's.
+    few = min(k // 4, chunk)
+    placed, still = jnp.full(k, -1, jnp.int32), pending
+    if learn and few >= 64:  # (reading, no id asks for a slot)
+        placed, still = lax.cond(jnp.sum(pending) <= few, few_ids, every_id)
+    elif learn:
+        placed, still = every_id()
+    pending = still
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     evicted = won & m.used[jnp.clip(placed, 0, rows_n - 1)]  # (the map before the batch: it is written after)
