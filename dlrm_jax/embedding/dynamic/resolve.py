@@ -355,6 +355,10 @@ def _settled(
     matched, found_row, found_count = in_passes(lookup, uhi, ulo, *probing)
     found = real & matched
 
+    # Most of a warm map's ids are found: the new ones asking for rows are a few of the
+    # batch's, and their rounds of placement run on them alone, moved to the front of ``few``
+    # places, where they fit (:func:`_to_front`).
+    few = min(k // 4, chunk) if k // 4 >= 64 else 0
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
@@ -423,18 +427,14 @@ def _settled(
             ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
         return settle(ask, h, ulo, pending)
 
-    def few_ids():  # the rounds over the pending ids alone, moved to the front of a quarter of k
-        (where_,) = jnp.nonzero(pending, size=few, fill_value=k)
-        pick = lambda x: x[jnp.minimum(where_, k - 1)]
+    def few_ids():  # the rounds over the pending ids alone
+        pick, back, held = _to_front(pending, few)
         fixed = candidates(*map(pick, asking))
-        placed, still = settle(lambda taken: choose(taken, *fixed), pick(h), pick(ulo), where_ < k)
-        back = lambda x, fill: jnp.full(k, fill, x.dtype).at[where_].set(x, mode="drop")
+        placed, still = settle(lambda taken: choose(taken, *fixed), pick(h), pick(ulo), held)
         return back(placed, -1), back(still, False)
 
-    # Most of a warm map's ids are found: the new ones asking for rows are a few of the batch's.
-    few = min(k // 4, chunk)
     placed, still = jnp.full(k, -1, jnp.int32), pending
-    if learn and few >= 64:  # (reading, no id asks for a slot)
+    if learn and few:  # (reading, no id asks for a slot)
         placed, still = lax.cond(jnp.sum(pending) <= few, few_ids, every_id)
     elif learn:
         placed, still = every_id()
@@ -473,6 +473,18 @@ def _settled(
         stats,
         pad(sketch_touched, m.sketch.shape[0], n * depth),
     )
+
+
+def _to_front(flags, size: int):
+    """(``pick``, ``back``, ``held``): ``pick(x)`` gives ``x``'s entries (each [k, ...]) of the
+    flagged ids (``flags``: bool [k], at most ``size`` of them) in ``size`` places, first, then
+    copies of entry k - 1 (``held``: bool [size], which places hold a flagged id);
+    ``back(y, fill)`` puts ``y`` [size, ...] back at their places, ``fill`` elsewhere."""
+    k = flags.shape[0]
+    (where_,) = jnp.nonzero(flags, size=size, fill_value=k)
+    pick = lambda x: x[jnp.minimum(where_, k - 1)]
+    back = lambda y, fill: jnp.full((k, *y.shape[1:]), fill, y.dtype).at[where_].set(y, mode="drop")
+    return pick, back, where_ < k
 
 
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int, age=True):
