@@ -102,12 +102,10 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
 
 
 @pytest.mark.parametrize("policy,admit", [("lru", 0), ("lfu", 0), ("lfu", 2)])
-def test_placing_the_pending_ids_alone_gives_what_placing_every_id_gives(policy, admit):
-    """A batch of 256 places settles its new ids over those ids alone, moved to the front of
-    64 places, when at most 64 are pending (most batches of a warm map), else over every
-    place. 60 to 70 new ids a batch contest 62 slots of two probes each (some lose, ask again,
-    or get no row; with admission some wait, so fewer ask): every step equals the Python
-    model, on either side of 64."""
+def test_new_ids_contesting_slots_settle_in_rounds_as_the_model_settles_them(policy, admit):
+    """60 to 70 new ids a batch of 256 places contest 62 slots of two probes each: some lose a
+    slot and ask again in the next round, some get none (with admission some wait, so fewer
+    ask). The rounds end when no id lost a contest: every step equals the Python model."""
     spec = MapSpec(64, 2, 2, policy, half_life=2 if policy == "lfu" else 0, admit=admit, sketch_width=8)
     rng = np.random.default_rng(64)
     model, m = DictMap(spec), init_map(spec)

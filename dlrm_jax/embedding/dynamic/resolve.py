@@ -355,10 +355,6 @@ def _settled(
     matched, found_row, found_count = in_passes(lookup, uhi, ulo, *probing)
     found = real & matched
 
-    # Most of a warm map's ids are found: the new ones asking for rows are a few of the
-    # batch's, and their rounds of placement run on them alone, moved to the front of ``few``
-    # places, where they fit (:func:`_to_front`).
-    few = min(k // 4, chunk) if k // 4 >= 64 else 0
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
@@ -389,56 +385,35 @@ def _settled(
         return best1[:, 0] < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
 
     asking = (estimate, lfu, *probing)
+    if chunk == k:  # the candidates once, for every round
+        fixed = candidates(*asking)
+        ask = lambda taken: choose(taken, *fixed)
+    else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
+        ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
+    placed = jnp.full(k, -1, jnp.int32)
 
-    def settle(ask, h, ulo, pending):
-        """Rounds of placement of the ``pending`` ids (``ask(taken)``: each id's best open probe):
-        in each, every pending id with an open probe asks for its best, and the least (hash,
-        low word) of those asking for a slot wins it. At most ``probes`` rounds, and another
-        only while an id lost a contest: an id that did not ask had no open probe, and the
-        slots only fill, so it still has none. Returns each id's row (-1: none) and whether it
-        is still pending."""
+    def round_(carry):
+        r, _, taken, placed, pending = carry
+        open_, target = ask(taken)
+        asked = pending & open_
+        at = jnp.where(asked, target, rows_n)
+        first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
+        asks = asked & (first_h[target] == h)
+        at = jnp.where(asks, target, rows_n)
+        wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
+        placed = jnp.where(wins, target, placed)
+        taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
+        return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins
 
-        def round_(carry):
-            r, _, taken, placed, pending = carry
-            open_, target = ask(taken)
-            asked = pending & open_
-            at = jnp.where(asked, target, rows_n)
-            first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
-            asks = asked & (first_h[target] == h)
-            at = jnp.where(asks, target, rows_n)
-            wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
-            placed = jnp.where(wins, target, placed)
-            taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-            return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins
-
-        # (the rows derived from the batch: inside shard_map they vary by device like it)
-        placed = jnp.where(pending, -1, -1)
-        carry = (0, jnp.any(pending), taken, placed, pending)
-        _, _, _, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
-        return placed, pending
-
-    def every_id():  # the rounds over all k ids
-        if chunk == k:  # the candidates once, for every round
-            fixed = candidates(*asking)
-            ask = lambda taken: choose(taken, *fixed)
-        else:  # a chunk's candidates again each round: the ids' [U, P] arrays never whole
-            ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
-        return settle(ask, h, ulo, pending)
-
-    def few_ids():  # the rounds over the pending ids alone
-        pick, back, held = _to_front(pending, few)
-        fixed = candidates(*map(pick, asking))
-        placed, still = settle(lambda taken: choose(taken, *fixed), pick(h), pick(ulo), held)
-        return back(placed, -1), back(still, False)
-
-    placed, still = jnp.full(k, -1, jnp.int32), pending
-    if learn and few:  # (reading, no id asks for a slot)
-        placed, still = lax.cond(jnp.sum(pending) <= few, few_ids, every_id)
-    elif learn:
-        placed, still = every_id()
-    pending = still
+    # At most ``probes`` rounds, and another only while an id lost a contested slot: an id that
+    # did not ask had no open probe, and the slots only fill, so it still has none (no round
+    # runs where no id is pending; most batches settle in one).
+    # (the rows derived from the batch: inside shard_map they vary by device like it)
+    if learn:  # (reading, no id asks for a slot)
+        carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), pending)
+        _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     evicted = won & m.used[jnp.clip(placed, 0, rows_n - 1)]  # (the map before the batch: it is written after)
@@ -473,18 +448,6 @@ def _settled(
         stats,
         pad(sketch_touched, m.sketch.shape[0], n * depth),
     )
-
-
-def _to_front(flags, size: int):
-    """(``pick``, ``back``, ``held``): ``pick(x)`` gives ``x``'s entries (each [k, ...]) of the
-    flagged ids (``flags``: bool [k], at most ``size`` of them) in ``size`` places, first, then
-    copies of entry k - 1 (``held``: bool [size], which places hold a flagged id);
-    ``back(y, fill)`` puts ``y`` [size, ...] back at their places, ``fill`` elsewhere."""
-    k = flags.shape[0]
-    (where_,) = jnp.nonzero(flags, size=size, fill_value=k)
-    pick = lambda x: x[jnp.minimum(where_, k - 1)]
-    back = lambda y, fill: jnp.full((k, *y.shape[1:]), fill, y.dtype).at[where_].set(y, mode="drop")
-    return pick, back, where_ < k
 
 
 def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int, age=True):
