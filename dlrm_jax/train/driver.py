@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import Batch, DataSource
+from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
 from dlrm_jax.embedding.hot.index import hot_keys
@@ -55,8 +55,9 @@ class StepDriver:
     def run(self, state: TrainState, item) -> Stepped:
         raise NotImplementedError
 
-    def check_batch(self, item) -> Batch:
-        """The device batch a state check of the step just run scores."""
+    def check_inputs(self, item) -> tuple:
+        """What a state check of the step just run scores, after the state: the eval step's
+        inputs (:meth:`StepFunctions.state_check`)."""
         raise NotImplementedError
 
     def after_step(self, state: TrainState, step: int, ids) -> TrainState:
@@ -137,8 +138,8 @@ class DeviceDriver(StepDriver):
                 ids = item.host.ids if item.host is not None else _LocalRows(item.device.ids)
         return Stepped(state, out, ids)
 
-    def check_batch(self, item) -> Batch:
-        return item.device
+    def check_inputs(self, item) -> tuple:
+        return (item.device,)
 
     def take_metrics(self, window_steps: int) -> dict:
         return self.pipeline.times.take() if self.pipeline is not None else {}
@@ -171,8 +172,8 @@ class TieredDriver(StepDriver):
         state, out = self.runner.train(state, item.batch, item.fills, item.reads, item)
         return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
 
-    def check_batch(self, item) -> Batch:
-        return self.runner.last_batch
+    def check_inputs(self, item) -> tuple:
+        return self.runner.check_inputs()
 
     def _refresh_hot(self, state: TrainState, keys: np.ndarray, step: int) -> TrainState:
         return self.runner.refresh_hot(state, keys, step)  # it moves the tiered rows too

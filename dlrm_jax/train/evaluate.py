@@ -114,8 +114,10 @@ def eval_scores(
         padded = pad_batch(batch, per_process)
         if runner is not None:
             ids_padded, pooled = runner.eval_inputs(state, padded)
-            out = steps.eval_step(state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding))
+            out, _ = steps.eval_step(
+                state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding)
+            )
         else:
-            out = steps.eval_step(state, steps.device_batch(padded))
+            out, _ = steps.eval_step(state, steps.device_batch(padded))
         shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
         yield np.concatenate([np.asarray(s.data) for s in shards]), padded.labels, np.arange(per_process) < n

@@ -210,7 +210,7 @@ class TrainingLoop:
         if self.ckpts is not None and (
             todo.save or (todo.evaluate and (t.keep_best or t.target_auc or t.early_stop_evals))
         ):
-            self._state_check = self.steps.state_check(state, self.driver.check_batch(item))
+            self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
         state = self.driver.after_step(state, step, self._ids)
         while len(self.pending) > DISPATCH_AHEAD:
             self.watch.add(*self.pending.popleft())

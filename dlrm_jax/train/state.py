@@ -88,7 +88,8 @@ class StateLayout:
         self.cached_dynamic = (
             CachedDynamicTables(collection, self.tiered_maps, spec.new_rows) if self.tiered_maps else None
         )
-        model = spec.dense(nnx.Rngs(0))
+        # Shapes only: a model built with values here compiled one random draw per layer shape.
+        model = nnx.eval_shape(lambda: spec.dense(nnx.Rngs(0)))
         self.graphdef, params = nnx.split(model, nnx.Param)
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
         self.replicated = NamedSharding(mesh, P())

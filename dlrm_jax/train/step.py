@@ -54,7 +54,7 @@ class StepFunctions:
     ``train_step(state, batch, cache=None) -> (state, metrics, evicted)`` whatever the features:
     ``cache`` (a :class:`CacheIO`) is given exactly when tiered tables fill device caches, and
     ``evicted`` is then the rows this step pushed out (empty otherwise). ``eval_step(state,
-    batch[, host_pooled])`` returns probabilities.
+    batch[, host_pooled])`` returns (probabilities, logits).
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class StepFunctions:
                 out_shardings=(self.state_sharding, self.replicated, b),
                 donate_argnums=0,
             )
-            self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, b, b), out_shardings=b)
+            self.eval_step = jax.jit(self._eval_step, in_shardings=(self.state_sharding, b, b), out_shardings=(b, b))
         else:
             self.train_step = jax.jit(
                 self._train_step,
@@ -114,13 +114,12 @@ class StepFunctions:
             self.eval_step = jax.jit(
                 self._eval_step,
                 in_shardings=(self.state_sharding, self.batch_sharding),
-                out_shardings=self.batch_sharding,
+                out_shardings=(self.batch_sharding, self.batch_sharding),
             )
-        # Compiled on first use (a state about to be checkpointed); tiered runs pass the batch
-        # with the cache ids its train step used, whose rows the caches still hold.
-        self.state_check = jax.jit(
-            self._state_check, in_shardings=(self.state_sharding, self.batch_sharding), out_shardings=self.replicated
-        )
+        # A state check scores the state with the eval step (compiled for evaluation anyway: a
+        # program of its own cost every run that saved a second compile of the whole forward).
+        self._check = jax.jit(self._checked, in_shardings=(self.state_sharding, b, b), out_shardings=self.replicated)
+        self._unpack = jax.jit(lambda batch: unpacked(batch, mesh, b.spec), out_shardings=b)
 
     def map_metrics(self, state: TrainState) -> dict:
         """The dynamic tables' maps now: ``map_fill``, the share of their rows holding an id
@@ -234,22 +233,25 @@ class StepFunctions:
         new_state = TrainState(state.step + 1, params, opt_state, emb, parts, state.maps)
         return new_state, metrics, evicted
 
-    def _state_check(self, state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    def state_check(self, state: TrainState, batch: Batch | Packed, *host_pooled) -> tuple[jax.Array, jax.Array]:
         """(mean loss of ``state`` on ``batch``, whether every float of ``state`` is finite),
         replicated scalars; nothing trained. A train step reports the loss of the state it
-        starts from, so its own update shows only here (or in the next step's loss)."""
-        batch = unpacked(batch, self.mesh, self.batch_sharding.spec)
-        state, batch, _, routed = self._rows_of(state, batch, learn=False)
-        pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids, routed)
-        loss = jnp.mean(
-            bce_loss(
-                self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]), batch.labels
-            )
-        )
-        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return loss, jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
+        starts from, so its own update shows only here (or in the next step's loss). Tiered
+        runs pass the batch with the cache ids its train step used (rows the caches still hold)
+        and zeros for ``host_pooled``."""
+        if isinstance(batch, Packed):
+            batch = self._unpack(batch)
+        _, logits = self.eval_step(state, batch, *host_pooled)
+        return self._check(state, logits, batch.labels)
 
-    def _eval_step(self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None) -> jax.Array:
+    @staticmethod
+    def _checked(state: TrainState, logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.mean(bce_loss(logits, labels)), jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats]))
+
+    def _eval_step(
+        self, state: TrainState, batch: Batch, host_pooled: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """``host_pooled``: with tiered tables, their features' pooled vectors read on the
         host (the batch's ids of those tables are padding here). Per host: each host looks up
         its rows in its own tables of ``state`` (``evaluate`` passes the hosts' average).
@@ -258,4 +260,5 @@ class StepFunctions:
         pooled_bfd, _ = self.collection.lookup(state.emb, batch.ids, routed)
         if host_pooled is not None:
             pooled_bfd = pooled_bfd + host_pooled
-        return jax.nn.sigmoid(self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0]))
+        logits = self._forward(state.params, pooled_bfd, batch, self._part_lookups(state, batch.ids)[0])
+        return jax.nn.sigmoid(logits), logits

@@ -64,6 +64,7 @@ class TierRunner:
         # Host time on the dispatching thread, by kind (dlrm-jax profile prints it).
         self.host_s: collections.Counter = collections.Counter()
         self._step_inputs = ()  # the last train step's (batch, fills, evictions), for step_input_shapes
+        self._no_host_pooled = None  # a state check's zeros for the eval step's host-pooled vectors
         self.h2d_bytes = 0
         self._empty = None
         self._last = {}
@@ -251,6 +252,16 @@ class TierRunner:
         """The last train step's device batch, tiered ids as cache ids (rows its caches hold
         until the next step's fills)."""
         return self._step_inputs[0]
+
+    def check_inputs(self) -> tuple:
+        """The eval step's inputs that score the state after the last train step: its batch
+        (:attr:`last_batch`) and no host-pooled vectors (its tiered rows are in the caches)."""
+        batch = self.last_batch
+        if self._no_host_pooled is None:
+            local = self.steps.spec.batch_size // jax.process_count()
+            zeros = np.zeros((local, len(self.tiered.plan.tables), self.tiered.dim), np.float32)
+            self._no_host_pooled = jax.device_put(zeros, self.steps.batch_sharding)
+        return batch, self._no_host_pooled
 
     def step_input_shapes(self) -> tuple:
         """Shapes, dtypes and shardings of the last train step's inputs after the state (to

@@ -41,7 +41,7 @@ def test_wide_logit_and_ftrl_step_match_numpy(tiny, devices):
         state, steps.device_batch(batch)
     )
     wide = sum(t[ids[:, f]] for f, t in enumerate(tables)) + dense @ linear[:-1] + linear[-1]
-    p = np.asarray(steps.eval_step(state, steps.device_batch(batch)))
+    p = np.asarray(steps.eval_step(state, steps.device_batch(batch))[0])
     np.testing.assert_allclose(p, 1 / (1 + np.exp(-(np.asarray(deep) + wide))), rtol=1e-5, atol=1e-6)
 
     d_logit = (p - labels) / len(labels)  # mean binary cross-entropy
