@@ -247,16 +247,11 @@ class TierRunner:
         self.host_s["write-back"] += time.perf_counter() - t1
         return state, out
 
-    @property
-    def last_batch(self) -> Batch:
-        """The last train step's device batch, tiered ids as cache ids (rows its caches hold
-        until the next step's fills)."""
-        return self._step_inputs[0]
-
     def check_inputs(self) -> tuple:
-        """The eval step's inputs that score the state after the last train step: its batch
-        (:attr:`last_batch`) and no host-pooled vectors (its tiered rows are in the caches)."""
-        batch = self.last_batch
+        """The eval step's inputs that score the state after the last train step: its device
+        batch, tiered ids as cache ids (rows the caches hold until the next step's fills), and
+        no host-pooled vectors."""
+        batch = self._step_inputs[0]
         if self._no_host_pooled is None:
             local = self.steps.spec.batch_size // jax.process_count()
             zeros = np.zeros((local, len(self.tiered.plan.tables), self.tiered.dim), np.float32)
