@@ -207,9 +207,10 @@ def sharded_resolve_fused(
         return tuple(varying(jnp.zeros(k, jnp.int32)) for k in sizes)
 
     # Every path's writes and fresh rows in one size (a switch's branches return alike): its
-    # largest batch of ids, but no more than the map's rows here (a batch writes each row once).
+    # largest batch of ids, but no more than the map's rows here (a batch writes each row once:
+    # a path with more entries moves those that write to the front, ``MapWrites.fitted``).
     rows_here = int(np.sum(layout.row_sizes))
-    size = max([n * s for s in sends] + [cap, min(rows_here, total)])
+    size = min(max([n * s for s in sends] + [cap]), rows_here)
     # The [ids, probes] arrays of a resolution hold at most half a device's own ids at once:
     # larger ones (a skewed batch's buffers, the gathered batch) run in passes, so the scratch
     # follows a device's share of the batch, not the global batch (on 8 simulated devices at
@@ -294,7 +295,14 @@ def sharded_resolve_fused(
         ``sent`` to each owner), resolved there, and their rows sent back in another: a
         device's work and traffic follow its own ids, not the batch's."""
         index, uhi, ulo, utab, occurrences, owner = distinct
+        # This path runs where no device has more than ``sent`` distinct ids for one owner, so
+        # none has more than n * sent in all, and they are numbered first: its sort, buffers
+        # and rows work on those places, not on every id's (at stream's shape, 13,824 of 26,624).
+        k = owner.shape[0]
+        held = min(k, n * sent)
+        uhi, ulo, utab, occurrences, owner = (x[:held] for x in (uhi, ulo, utab, occurrences, owner))
         me = lax.axis_index(AXIS)
+        owner_of_id = owner
         owner, order = sort_with_order(owner, n + 1)  # by owner, then position
         first_of = first_places(owner, n + 1)
         rank = jnp.arange(owner.shape[0], dtype=jnp.int32) - first_of[owner]
@@ -312,11 +320,16 @@ def sharded_resolve_fused(
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
         changed = (out.map.sketch, out.writes)
         route = ()
-        if offsets is not None:  # each id's rank, row, and what this owner received, as local rows
-            received = jnp.where(out.rows >= 0, jnp.asarray(offsets, jnp.int32)[got_table] + out.rows, -1)
+        if offsets is not None:  # each id's rank, row in its owner's block at its offset there, and
+            # what this owner received, as local rows
+            offset = jnp.asarray(offsets, jnp.int32)
+            received = jnp.where(out.rows >= 0, offset[got_table] + out.rows, -1)
             received = jnp.full((n, most_sent), -1, jnp.int32).at[:, :sent].set(received.reshape(n, sent))
-            route = (unsorted(rank), rows, received.reshape(-1))
-        return rows[jnp.minimum(index, owner.shape[0] - 1)], changed, fresh, lax.psum(out.stats, AXIS), route
+            block = jnp.asarray(per_shards * slots)[utab]
+            local_row = jnp.where(rows >= 0, offset[utab] + rows - owner_of_id * block, 0)  # (rows: -1 past the ids)
+            pad = lambda x: jnp.concatenate([x, jnp.zeros(k - held, x.dtype)])  # (every path's alike)
+            route = (pad(unsorted(rank)), pad(local_row), received.reshape(-1))
+        return rows[jnp.minimum(index, held - 1)], changed, fresh, lax.psum(out.stats, AXIS), route
 
     def local(fused, hi, lo, valid, step):
         shape = hi.shape
@@ -339,19 +352,8 @@ def sharded_resolve_fused(
             rows, changed, fresh, stats, routed_as = lax.switch(path, branches, distinct)
             rows = jnp.where(valid, rows, -1)
             if offsets is not None:
-                rank, row_of, received = routed_as
-                real = owner < n  # the row within the owner's block of its table, at its offset there
-                block = jnp.asarray(per_shards * slots)[utab]
-                local_row = jnp.asarray(offsets, jnp.int32)[utab] + row_of - owner * block
-                route = Route(
-                    path < len(sends),
-                    most,
-                    owner,
-                    rank,
-                    jnp.where(real & (row_of >= 0), local_row, 0),
-                    index,
-                    received,
-                )
+                rank, local_row, received = routed_as
+                route = Route(path < len(sends), most, owner, rank, local_row, index, received)
         sketch, writes = changed
         new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
         return rows.reshape(shape), new_map, fresh, stats, path, route
