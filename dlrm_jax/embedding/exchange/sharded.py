@@ -114,7 +114,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
         reuse = routed.used & (routed.busiest <= capacity)  # (alike on every device)
         return lax.cond(reuse, as_routed, lambda: local(table_local, ids_local))
 
-    specs = (P(AXIS), P(AXIS), P(AXIS))
+    specs = (P(AXIS), P(), P(AXIS))  # (the flag is alike everywhere: reading it outside needs no collective)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=specs)
     routed_spec = lambda r: type(r)(P(), P(), *(P(AXIS),) * (len(r) - 2))
     fn_routed = lambda table, ids, r: jax.shard_map(
