@@ -47,12 +47,14 @@ class _Prepared:
         t0 = time.perf_counter()
         self.compiled = fns.train_step.lower(self.state, self.batches[0]).compile()
         self.compile_s = time.perf_counter() - t0
-        self.step_s, self.faults, self.calls = [], 0, 0
+        self.step_s, self.cpu_s, self.faults, self.calls = [], [], 0, 0
         self.run(warmup, timed=False)
 
     def run(self, steps: int, timed: bool = True) -> None:
-        """``steps`` steps, each timed alone (``timed``), their page faults counted together."""
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        """``steps`` steps, each timed alone (``timed``), their page faults and the process's
+        CPU time counted together (CPU a step: per call of ``run``)."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        faults, cpu = usage.ru_minflt, usage.ru_utime + usage.ru_stime
         for _ in range(steps):
             t = time.perf_counter()
             self.state, self.out, _ = self.compiled(self.state, self.batches[self.calls % len(self.batches)])
@@ -61,7 +63,9 @@ class _Prepared:
             if timed:
                 self.step_s.append(time.perf_counter() - t)
         if timed:
-            self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            self.faults += usage.ru_minflt - faults
+            self.cpu_s.append((usage.ru_utime + usage.ru_stime - cpu) / max(steps, 1))
 
     def result(self) -> dict:
         cfg, step_s = self.cfg, self.step_s
@@ -80,6 +84,9 @@ class _Prepared:
             "step_ms_median": 1e3 * median,
             "step_ms_mean": 1e3 * float(np.mean(step_s)),
             "step_ms_min": 1e3 * min(step_s),
+            # the process's CPU time a step (every device's threads; the median of the turns):
+            # steadier than wall time on a shared VM, whose speed moves both alike
+            "cpu_ms_per_step": 1e3 * statistics.median(self.cpu_s),
             "samples_per_s": cfg.train.batch_size / median,
             "loss_last": float(self.out["loss"]),
             "plan_bytes": plan_bytes,
@@ -123,9 +130,10 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
         results = time_interleaved(configs, steps, warmup, rounds)
     else:
         results = {name: time_train_step(cfg, steps, warmup) for name, cfg in configs.items()}
-    first = next(iter(results.values()))["samples_per_s"]
+    first = next(iter(results.values()))
     for r in results.values():
-        r["ratio_to_first"] = r["samples_per_s"] / first
+        r["ratio_to_first"] = r["samples_per_s"] / first["samples_per_s"]
+        r["cpu_ratio_to_first"] = first["cpu_ms_per_step"] / r["cpu_ms_per_step"]
     report = {
         "benchmark": "train_step",
         "timed_steps": steps if rounds == 1 else -(-steps // rounds) * rounds,
@@ -136,12 +144,13 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
     }
     log(
         f"{'config':<18}{'devices':>8}{'batch':>8}{'rows':>12}{'step ms':>10}{'samples/s':>12}{'ratio':>7}"
-        f"{'plan MiB':>10}{'peak RSS MiB':>14}"
+        f"{'CPU ms':>9}{'ratio':>7}{'plan MiB':>10}{'peak RSS MiB':>14}"
     )
     for name, r in results.items():
         log(
             f"{name:<18}{r['devices']:>8}{r['global_batch']:>8}{r['table_rows']:>12,}"
             f"{r['step_ms_median']:>10.2f}{r['samples_per_s']:>12,.0f}{r['ratio_to_first']:>7.2f}"
+            f"{r['cpu_ms_per_step']:>9.1f}{r['cpu_ratio_to_first']:>7.2f}"
             f"{r['plan_bytes'] / 2**20:>10,.0f}{r['peak_rss_bytes'] / 2**20:>14,.0f}"
         )
     log(write_report(report, output))

@@ -72,6 +72,7 @@ def test_train_bench_writes_json(tiny, tmp_path):
     r = json.loads(out.read_text())["results"]["tiny"]
     assert r["samples_per_s"] > 0 and r["ratio_to_first"] == 1.0
     assert r["scratch_bytes_per_device"] > 0 and r["page_faults_per_step"] >= 0
+    assert r["cpu_ms_per_step"] > 0 and r["cpu_ratio_to_first"] == 1.0
 
 
 def test_train_bench_interleaves_the_configs_in_rounds(tiny, tmp_path, monkeypatch):
