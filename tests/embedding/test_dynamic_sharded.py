@@ -17,12 +17,15 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, shard_of, split_ids
 from dlrm_jax.embedding.dynamic.resolve import resolve
 from dlrm_jax.embedding.dynamic.sharded import (
+    fuse_maps,
     own_capacity,
     resolution_bytes_per_device,
     resolution_paths,
     route_capacities,
     sharded_resolve,
+    sharded_resolve_fused,
     sharded_resolve_many,
+    split_maps,
 )
 from dlrm_jax.embedding.dynamic.table_passes import pass_places, table_passes
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
@@ -178,3 +181,54 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs():
     paths = resolution_paths(batch * sum(bags), devices)
     assert [p["all-to-all"] for p in paths[:-1]] == [branch(k) for k in sends]
     assert paths[-1]["all-gather"] == hlo_collective_bytes(hlo, devices)["all-gather"]
+
+
+@pytest.mark.slow  # about 10 s on 2 cores
+def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
+    """A routed path works on the n x buffer places that can hold a device's distinct ids, not
+    on all of its ids: at 2,048 ids a device on 8 devices the buffer of 192 an owner gives
+    1,536 places. Batches with more than 768 distinct ids a device (past a buffer of 96's
+    places) take it; rows, maps and counts equal one map's, and the route the lookups reuse
+    names each id's row at its owner."""
+    mesh, n, batch = make_mesh(8), 8, 8192
+    specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
+    assert route_capacities(2 * batch // n, n) == [96, 192, 576]
+    on = NamedSharding(mesh, P(AXIS))
+    fused = jax.device_put(fuse_maps(specs, n, [init_map(s) for s in specs]), IdMap(*(on,) * 6))
+    one_maps = [init_map(s) for s in specs]
+    offsets = (0, specs[0].rows // n)  # each table's block in one local array of both
+    run = jax.jit(lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets))
+    rng = np.random.default_rng(5)
+    for step in range(2):
+        ids = rng.integers(1, 600, (batch, 2)).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        valid = rng.random((batch, 2)) > 0.05
+        hi, lo = split_ids(ids)
+        distinct = max(
+            len({(t, int(ids[i, t])) for i in range(d * 1024, (d + 1) * 1024) for t in range(2) if valid[i, t]})
+            for d in range(n)
+        )
+        assert 8 * 96 < distinct <= 8 * 192, distinct
+        tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
+        rows, fused, _, stats, path, route = run(fused, tables, step)
+        assert int(path) == 1 and bool(route.used)  # routed, in 192
+        for t, spec in enumerate(specs):
+            want = resolve(spec, one_maps[t], *(jnp.asarray(x[:, t]) for x in (hi, lo, valid)), step)
+            one_maps[t] = want.map
+            np.testing.assert_array_equal(np.asarray(rows[t]).reshape(-1), np.asarray(want.rows), err_msg=f"{t} {step}")
+            assert dict(zip(STATS, np.asarray(stats[t]).tolist(), strict=True)) == {
+                k: int(want.stats[k]) for k in STATS
+            }
+        for got, want in zip(split_maps(specs, n, fused), one_maps, strict=True):
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # the route: each lookup's distinct id, its owner and its row in the owner's local array
+        per = 2 * batch // n
+        index, owner, row = (np.asarray(x).reshape(n, -1) for x in (route.index, route.owner, route.row))
+        got_rows = np.stack([np.asarray(r).reshape(-1) for r in rows], 1).reshape(n, per)
+        for d in range(n):
+            j = np.flatnonzero(valid.reshape(n, per)[d])
+            u = index[d, j]
+            table = j % 2
+            block = np.array([s.rows // n for s in specs])[table]
+            np.testing.assert_array_equal(owner[d, u], got_rows[d, j] // block)
+            np.testing.assert_array_equal(row[d, u], got_rows[d, j] % block + np.array(offsets)[table])
