@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
-from dlrm_jax.embedding.exchange.row_grads import Lookups, sum_by_row
+from dlrm_jax.embedding.exchange.row_grads import (
+    Lookups,
+    dense_row_sums,
+    dense_sums_in_order,
+    dense_sums_sorted,
+    sum_by_row,
+)
 from tests.helpers import examples
 from tests.reference import dense_reference
 
@@ -195,6 +201,36 @@ def test_a_rows_gradient_is_the_sum_of_its_lookups_in_their_order():
         in_order = np.cumsum(grads[rows == row], axis=0, dtype=np.float32)[-1]
         np.testing.assert_array_equal(np.asarray(got.grads[place]), in_order)
     assert (np.asarray(got.rows[3:]) >= R).all()  # unused places point past the table
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_dense_row_sums_on_cpu_are_the_sorted_sums_bits_without_the_sort(exact):
+    """On CPU the dense sums (exchange buffers, replicated and hot tables) are one scatter-add
+    of the lookups as given: each row's lookups added in their order, as the sorted form adds
+    them, so the bits are the sorted form's (bags with weights, many lookups of few rows, rows
+    past the end dropped), and the compiled program sorts nothing."""
+    rng = np.random.default_rng(7)
+    samples, slots, vectors, rows_n = 3000, 6, 2, 5
+    rows = rng.integers(0, rows_n + 2, (samples, slots)).astype(np.int32)  # past rows_n: padding
+    weights = rng.uniform(0.5, 2.0, (samples, slots)).astype(np.float32)
+    grads = rng.normal(size=(samples * vectors, 16)) * np.exp2(rng.uniform(-10, 10, (samples * vectors, 1)))
+    grads = grads.astype(np.float32)
+    lookups = Lookups.of_bags(jnp.asarray(rows), np.arange(slots) % vectors, vectors, jnp.asarray(weights))
+    run = lambda f: jax.jit(lambda lk, g: f(lk, g, rows_n, exact))  # (the lookups traced: nothing folded)
+    got, in_order, by_sort = (
+        np.asarray(run(f)(lookups, jnp.asarray(grads)))
+        for f in (dense_row_sums, dense_sums_in_order, dense_sums_sorted)
+    )
+    np.testing.assert_array_equal(got, by_sort)
+    np.testing.assert_array_equal(in_order, by_sort)
+    if not exact:  # numpy's float32 running sum of each row's lookups, in their order
+        sources = np.asarray(lookups.sources)
+        for r in range(rows_n):
+            mine = rows.reshape(-1) == r
+            added = grads[sources[mine]] * weights.reshape(-1)[mine][:, None]
+            np.testing.assert_array_equal(got[r], np.cumsum(added, axis=0, dtype=np.float32)[-1])
+    compiled = lambda f: run(f).lower(lookups, jnp.asarray(grads)).compile().as_text()
+    assert " sort(" not in compiled(dense_row_sums) and " sort(" in compiled(dense_sums_sorted)
 
 
 def test_each_optimizer_declares_the_state_it_keeps():
