@@ -78,14 +78,14 @@ def test_the_map_equals_a_python_dictionary_model_batch_by_batch(spec, pool, dat
         assert np.asarray(m.count)[used].tolist() == [model.count[r] for r in np.flatnonzero(used)]
 
 
-@pytest.mark.parametrize("distinct", [40, 700, 1500, 6000])
+@pytest.mark.parametrize("distinct", [40, 700, 1200, 1500, 6000])
 def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
-    """4,096 ids a batch: after the dedup the map works on the least of 256, 1,024, 2,048 or all
-    4,096 places that holds the batch's distinct ids (resolve.distinct_sizes); each prefix gives
-    what the model gives, evictions and admissions included."""
+    """4,096 ids a batch: after the dedup the map works on the least of 256, 1,024, 1,365, 2,048
+    or all 4,096 places that holds the batch's distinct ids (resolve.distinct_sizes); each
+    prefix gives what the model gives, evictions and admissions included."""
     from dlrm_jax.embedding.dynamic.resolve import distinct_sizes
 
-    assert distinct_sizes(4096) == [256, 1024, 2048, 4096]
+    assert distinct_sizes(4096) == [256, 1024, 1365, 2048, 4096]
     spec = MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32)
     rng = np.random.default_rng(distinct)
     pool = rng.choice(2**62, size=distinct, replace=False) + (1 << 40)
@@ -93,10 +93,10 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
     for step in range(3):
         batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=4096)]
         m, stats = step_like_the_model(spec, model, m, batch, step)
-        # the prefix this batch takes: 256 places for 40 distinct ids, 1,024 for ~700, 2,048 for
-        # ~1,400, 4,096 for ~2,900
+        # the prefix this batch takes: 256 places for 40 distinct ids, 1,024 for ~700, 1,365 for
+        # ~1,160, 2,048 for ~1,400, 4,096 for ~2,900
         seen = len({k for k in batch if k is not None})
-        least, most = {40: (0, 256), 700: (256, 1024), 1500: (1024, 2048), 6000: (2048, 4096)}[distinct]
+        least, most = {40: (0, 256), 700: (256, 1024), 1200: (1024, 1365), 1500: (1365, 2048), 6000: (2048, 4096)}[distinct]
         assert least < seen <= most, seen
     assert stats["admitted"] + stats["found"] > 0
 

@@ -277,8 +277,10 @@ def resolve_fused(
 
 def distinct_sizes(n: int) -> list[int]:
     """The prefix sizes a resolution of ``n`` ids is compiled for: a sixteenth, a quarter, a
-    half, all (stream's batches of 1,024 hold 28% distinct ids; of 8,192, 15%)."""
-    return sorted({k for k in (n // 16, n // 4, n // 2) if k >= 256} | {n})
+    third, a half, all (stream's batches of 1,024 hold 28% distinct ids; of 8,192, 15%; on 8
+    devices at 8,192 each owner resolves 3,750-4,250 distinct ids in 13,824 places: a third
+    holds them, where the least before was a half)."""
+    return sorted({k for k in (n // 16, n // 4, n // 3, n // 2) if k >= 256} | {n})
 
 
 def _settled(
