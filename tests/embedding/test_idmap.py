@@ -96,7 +96,9 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
         # the prefix this batch takes: 256 places for 40 distinct ids, 1,024 for ~700, 1,365 for
         # ~1,160, 2,048 for ~1,400, 4,096 for ~2,900
         seen = len({k for k in batch if k is not None})
-        least, most = {40: (0, 256), 700: (256, 1024), 1200: (1024, 1365), 1500: (1365, 2048), 6000: (2048, 4096)}[distinct]
+        least, most = {40: (0, 256), 700: (256, 1024), 1200: (1024, 1365), 1500: (1365, 2048), 6000: (2048, 4096)}[
+            distinct
+        ]
         assert least < seen <= most, seen
     assert stats["admitted"] + stats["found"] > 0
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
 from dlrm_jax.embedding.exchange.row_grads import (
     Lookups,
+    buffer_row_sums,
     dense_row_sums,
     dense_sums_in_order,
-    dense_sums_sorted,
     sum_by_row,
 )
 from tests.helpers import examples
@@ -204,8 +204,8 @@ def test_a_rows_gradient_is_the_sum_of_its_lookups_in_their_order():
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_dense_row_sums_on_cpu_are_the_sorted_sums_bits_without_the_sort(exact):
-    """On CPU the dense sums (exchange buffers, replicated and hot tables) are one scatter-add
+def test_an_exchange_buffers_sums_on_cpu_are_the_sorted_sums_bits_without_the_sort(exact):
+    """On CPU an exchange buffer's sums (what a device sends its owners) are one scatter-add
     of the lookups as given: each row's lookups added in their order, as the sorted form adds
     them, so the bits are the sorted form's (bags with weights, many lookups of few rows, rows
     past the end dropped), and the compiled program sorts nothing."""
@@ -218,8 +218,7 @@ def test_dense_row_sums_on_cpu_are_the_sorted_sums_bits_without_the_sort(exact):
     lookups = Lookups.of_bags(jnp.asarray(rows), np.arange(slots) % vectors, vectors, jnp.asarray(weights))
     run = lambda f: jax.jit(lambda lk, g: f(lk, g, rows_n, exact))  # (the lookups traced: nothing folded)
     got, in_order, by_sort = (
-        np.asarray(run(f)(lookups, jnp.asarray(grads)))
-        for f in (dense_row_sums, dense_sums_in_order, dense_sums_sorted)
+        np.asarray(run(f)(lookups, jnp.asarray(grads))) for f in (buffer_row_sums, dense_sums_in_order, dense_row_sums)
     )
     np.testing.assert_array_equal(got, by_sort)
     np.testing.assert_array_equal(in_order, by_sort)
@@ -230,7 +229,7 @@ def test_dense_row_sums_on_cpu_are_the_sorted_sums_bits_without_the_sort(exact):
             added = grads[sources[mine]] * weights.reshape(-1)[mine][:, None]
             np.testing.assert_array_equal(got[r], np.cumsum(added, axis=0, dtype=np.float32)[-1])
     compiled = lambda f: run(f).lower(lookups, jnp.asarray(grads)).compile().as_text()
-    assert " sort(" not in compiled(dense_row_sums) and " sort(" in compiled(dense_sums_sorted)
+    assert " sort(" not in compiled(buffer_row_sums) and " sort(" in compiled(dense_row_sums)
 
 
 def test_each_optimizer_declares_the_state_it_keeps():

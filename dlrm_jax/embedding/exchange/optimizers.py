@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dlrm_jax.embedding.exchange import row_update_kernel
-from dlrm_jax.embedding.exchange.row_grads import Lookups, dense_row_sums, sum_by_row
+from dlrm_jax.embedding.exchange.row_grads import Lookups, buffer_row_sums, sum_by_row
 
 
 class RowStep(NamedTuple):
@@ -77,9 +77,8 @@ class SparseOptimizer(NamedTuple):
 
     def row_sums(self, lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int) -> jax.Array:
         """[num_rows, W]: every row's summed gradient as this optimizer's updates sum them
-        (:func:`~dlrm_jax.embedding.exchange.row_grads.dense_row_sums`); for exchange buffers
-        and small tables all-reduced whole."""
-        return dense_row_sums(lookups, grads, num_rows, self.exact_sums)
+        (:func:`~dlrm_jax.embedding.exchange.row_grads.buffer_row_sums`); for exchange buffers."""
+        return buffer_row_sums(lookups, grads, num_rows, self.exact_sums)
 
 
 # ``apply`` takes distinct rows in ascending order (``RowSums.rows``: its scatters promise XLA

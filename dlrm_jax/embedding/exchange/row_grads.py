@@ -10,7 +10,9 @@ order: the same bits on every run. The optimizer then touches each distinct row 
 with ``unique_indices``: no two writes to one row, so no atomics into a table or its state).
 
 :func:`sum_by_row` is the XLA form (the CPU path and the reference); the fused GPU kernel
-(``row_update_kernel``) computes the same sums inside the optimizer's update.
+(``row_update_kernel``) computes the same sums inside the optimizer's update. An exchange
+buffer's sums (:func:`buffer_row_sums`) skip the sort on CPU, where a scatter-add already adds
+in the lookups' order.
 """
 
 from __future__ import annotations
@@ -133,21 +135,23 @@ def sum_by_row(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, ex
 
 def dense_row_sums(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, exact: bool = False) -> jax.Array:
     """[num_rows, W] float32: every row's summed gradient (0 where none), for tables small
-    enough to all-reduce whole and for exchange buffers. On CPU, :func:`dense_sums_in_order`;
-    elsewhere :func:`dense_sums_sorted`: the same bits."""
-    return lax.platform_dependent(
-        grads,
-        cpu=lambda g: dense_sums_in_order(lookups, g, num_rows, exact),
-        default=lambda g: dense_sums_sorted(lookups, g, num_rows, exact),
-    )
-
-
-def dense_sums_sorted(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, exact: bool = False) -> jax.Array:
-    """:func:`dense_row_sums` from :func:`sum_by_row`: each row written once (no scatter-add
-    of duplicates, which a GPU does with float atomics, in any order)."""
+    enough to all-reduce whole; each row written once (no scatter-add of duplicates)."""
     r = sum_by_row(lookups, grads, num_rows, exact)
     dense = jnp.zeros((num_rows, grads.shape[-1]), jnp.float32)
     return dense.at[r.rows].set(r.grads, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+
+def buffer_row_sums(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, exact: bool = False) -> jax.Array:
+    """:func:`dense_row_sums` of an exchange buffer's places (the gradients a device sends its
+    owners): on CPU :func:`dense_sums_in_order`, the same bits without the sort. (Tables'
+    dense sums, replicated and hot rows, keep the sorted form on every platform: no scatter
+    with repeated indices then has a table's shape, which is how tests read a GPU's property
+    from a program compiled on CPU.)"""
+    return lax.platform_dependent(
+        grads,
+        cpu=lambda g: dense_sums_in_order(lookups, g, num_rows, exact),
+        default=lambda g: dense_row_sums(lookups, g, num_rows, exact),
+    )
 
 
 def dense_sums_in_order(
