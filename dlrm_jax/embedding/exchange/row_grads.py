@@ -124,13 +124,17 @@ def sum_by_row(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, ex
     for backends whose sums go through float atomics)."""
     lookups = Lookups.of(lookups)
     s = sort_by_row(lookups.rows, num_rows)
-    n = s.order.shape[0]
-    source = s.order if lookups.sources is None else lookups.sources[s.order]
-    addends = grads[source].astype(jnp.float32)
-    if lookups.weights is not None:
-        addends = addends * lookups.weights[s.order][:, None]
-    summed = sums.segment_sum(addends, s.segment, n, exact, indices_are_sorted=True)
+    addends = weighted_addends(lookups, grads, s.order)
+    summed = sums.segment_sum(addends, s.segment, s.order.shape[0], exact, indices_are_sorted=True)
     return RowSums(s, summed)
+
+
+def weighted_addends(lookups: Lookups, grads: jax.Array, order: jax.Array | None = None) -> jax.Array:
+    """[n, W] float32: each lookup's gradient times its weight, in ``order`` (positions of the
+    lookups) or as given."""
+    at = lambda x: x if order is None else x[order]
+    addends = (at(grads) if lookups.sources is None else grads[at(lookups.sources)]).astype(jnp.float32)
+    return addends if lookups.weights is None else addends * at(lookups.weights)[:, None]
 
 
 def dense_row_sums(lookups: Lookups | jax.Array, grads: jax.Array, num_rows: int, exact: bool = False) -> jax.Array:
@@ -160,11 +164,8 @@ def dense_sums_in_order(
     """:func:`dense_row_sums` as one scatter-add of the lookups as given. XLA:CPU adds a
     scatter's updates one after another in their order, so each row's sum is its lookups'
     in their order, the order :func:`sum_by_row`'s stable sort gives them: the same bits
-    without the sort and its permutation (8-14% of the step on 8 simulated devices, where it
-    was the largest sort; BENCHMARKS.md). ``exact``: any order gives the same bits."""
+    without the sort and its permutation (the dynamic step's largest sort on 8 simulated
+    devices; docs/benchmarks-log.md). ``exact``: any order gives the same bits. Rows past the
+    end (padding) are dropped."""
     lookups = Lookups.of(lookups)
-    addends = (grads if lookups.sources is None else grads[lookups.sources]).astype(jnp.float32)
-    if lookups.weights is not None:
-        addends = addends * lookups.weights[:, None]
-    rows = jnp.minimum(lookups.rows.astype(jnp.int32), num_rows)  # (padding past the end: dropped)
-    return sums.segment_sum(addends, rows, num_rows, exact)
+    return sums.segment_sum(weighted_addends(lookups, grads), lookups.rows.astype(jnp.int32), num_rows, exact)
