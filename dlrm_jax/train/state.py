@@ -84,7 +84,9 @@ class StateLayout:
         tiered = collection.tiered_tables
         device_maps = {t: s for t, s in spec.maps.items() if t not in tiered}
         self.tiered_maps = {t: s for t, s in sorted(spec.maps.items()) if t in tiered}
-        self.dynamic = DynamicTables(collection, device_maps, spec.new_rows) if device_maps else None
+        # (the extra parts read the rows; else only the lookup, which can reuse the maps' route)
+        only_lookups = not spec.parts
+        self.dynamic = DynamicTables(collection, device_maps, spec.new_rows, only_lookups) if device_maps else None
         self.cached_dynamic = (
             CachedDynamicTables(collection, self.tiered_maps, spec.new_rows) if self.tiered_maps else None
         )

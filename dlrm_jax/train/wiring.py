@@ -25,7 +25,7 @@ from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strate
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
 from dlrm_jax.embedding.dynamic.sharded import map_bytes_per_device, maps_report, route_capacities
-from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, unsent_row_id_bytes
+from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, rows_sent_back, unsent_row_id_bytes
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -200,7 +200,8 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
         routes = on_devices and route_capacities(ids, plan.num_devices)  # (else the ids are gathered)
         routed = routed_lookup_group(plan, build_groups(plan), on_devices) if routes else None
         unsent = 0 if routed is None else unsent_row_id_bytes(plan, routed)
-        lines = maps_report(specs, bags, plan.num_devices, cfg.train.batch_size, plan.tiered_tables, unsent)
+        rows_back = rows_sent_back(routed is not None, plan.hot_rows > 0, bool(model_entry(cfg).parts))
+        lines = maps_report(specs, bags, plan.num_devices, cfg.train.batch_size, plan.tiered_tables, unsent, rows_back)
         report = f"{report}\n{lines}"
     if cfg.model.kind != "wide_deep":
         return report

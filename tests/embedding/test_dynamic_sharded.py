@@ -160,25 +160,30 @@ def test_table_passes_hold_each_place_once_whole_tables_and_no_more_than_their_b
     assert all(h.size <= max(bound, rows * max(bags)) for h in held)
 
 
-def test_the_plans_resolution_bytes_are_the_compiled_programs():
+@pytest.mark.parametrize("rows_back", [True, False])
+def test_the_plans_resolution_bytes_are_the_compiled_programs(rows_back):
     """The plan's least and most bytes of the routed resolution (``resolution_bytes_per_device``)
     are what the compiled program's all-to-alls send in its least and largest buffers (each
-    buffer's pair compiled in a branch of its own; the gathered path has none)."""
+    buffer's pair compiled in a branch of its own; the gathered path has none), with the rows
+    sent back or (``rows_back=False``: ``rows_later``, for lookups that reuse the route) not."""
     from dlrm_jax.bench.common import hlo_collective_bytes
 
     mesh, devices, batch, bags = make_mesh(8), 8, 1024, (1, 3)
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
-    maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
+    fused = jax.device_put(fuse_maps(specs, devices, [init_map(s) for s in specs]), IdMap(*(on,) * 6))
     words = lambda b: (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
     ids = [tuple(jax.device_put(x, on) for x in words(b)) for b in bags]
-    hlo = jax.jit(functools.partial(sharded_resolve_many, specs, mesh)).lower(maps, ids, 0).compile().as_text()
+    offsets = (0, specs[0].rows // devices)
+    resolve_ = lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets, not rows_back)
+    hlo = jax.jit(resolve_).lower(fused, ids, 0).compile().as_text()
     sends = route_capacities(batch * sum(bags) // devices, devices)
-    branch = lambda k: (devices - 1) * k * (16 + 4)
+    branch = lambda k: (devices - 1) * k * (16 + 4 * rows_back)
     assert len(sends) == 2 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
-    assert resolution_bytes_per_device(batch * sum(bags), devices) == (branch(sends[0]), branch(sends[-1]))
+    least_most = (branch(sends[0]), branch(sends[-1]))
+    assert resolution_bytes_per_device(batch * sum(bags), devices, rows_back) == least_most
     # each path's bytes as training's events count them: the routed buffers, then the gathered fallback
-    paths = resolution_paths(batch * sum(bags), devices)
+    paths = resolution_paths(batch * sum(bags), devices, rows_back)
     assert [p["all-to-all"] for p in paths[:-1]] == [branch(k) for k in sends]
     assert paths[-1]["all-gather"] == hlo_collective_bytes(hlo, devices)["all-gather"]
 
@@ -222,9 +227,11 @@ def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
         for got, want in zip(split_maps(specs, n, fused), one_maps, strict=True):
             for a, b in zip(got, want, strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        # the route: each lookup's distinct id, its owner and its row in the owner's local array
+        # the route: each lookup's distinct id, its owner, its place there, and what that owner
+        # received at the place: the id's row in its local array
         per = 2 * batch // n
-        index, owner, row = (np.asarray(x).reshape(n, -1) for x in (route.index, route.owner, route.row))
+        index, owner, rank = (np.asarray(x).reshape(n, -1) for x in (route.index, route.owner, route.rank))
+        received = np.asarray(route.received).reshape(n, n, -1)  # [owner, sender, place]
         got_rows = np.stack([np.asarray(r).reshape(-1) for r in rows], 1).reshape(n, per)
         for d in range(n):
             j = np.flatnonzero(valid.reshape(n, per)[d])
@@ -232,4 +239,6 @@ def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
             table = j % 2
             block = np.array([s.rows // n for s in specs])[table]
             np.testing.assert_array_equal(owner[d, u], got_rows[d, j] // block)
-            np.testing.assert_array_equal(row[d, u], got_rows[d, j] % block + np.array(offsets)[table])
+            np.testing.assert_array_equal(
+                received[owner[d, u], d, rank[d, u]], got_rows[d, j] % block + np.array(offsets)[table]
+            )

@@ -192,30 +192,36 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
 
 
 @pytest.mark.slow  # 6-10 s each on 2 cores
-@pytest.mark.parametrize(("devices", "capacity"), [(8, None), (8, 3)])
-def test_a_lookup_sends_the_requests_as_the_maps_routed_them(devices, capacity):
+@pytest.mark.parametrize(
+    ("devices", "capacity", "hot"), [(8, None, True), (8, 3, True), (8, None, False), (8, 3, False)]
+)
+def test_a_lookup_sends_the_requests_as_the_maps_routed_them(devices, capacity, hot):
     """Every table dynamic (one group of just them): the collection's lookup reuses the
     resolution's routing (no sort or send of the row ids of its own) and trains as the same
-    devices routing their rows afresh, step by step over 40 steps with hot rows, evictions and
-    ids sharing their shard's row; with a capacity below the busiest owner's requests
-    (``capacity=3``) it routes afresh, in rounds."""
+    devices routing their rows afresh, step by step over 40 steps with evictions and ids
+    sharing their shard's row, with hot rows or (``hot=False``) without them and without the
+    rows sent back to the devices (``only_lookups``: only the lookup reads them); with a
+    capacity below the busiest owner's requests (``capacity=3``) it routes afresh, in rounds,
+    from the rows the owners gave."""
     batch = 256  # (a device's ids are routed only past a few dozen of them)
     specs = [TableSpec("user", 64, 8, 2), TableSpec("item", 64, 8, 1)]
     maps = {0: MAP, 1: MapSpec(rows=64, vshards=8, probes=2, policy="lru")}
 
     def run(reuse: bool):
-        plan = dataclasses.replace(plan_embeddings(specs, "row", devices, "rowwise_adagrad", batch), hot=HotPlan(4))
+        plan = plan_embeddings(specs, "row", devices, "rowwise_adagrad", batch)
+        plan = dataclasses.replace(plan, hot=HotPlan(4)) if hot else plan
         if capacity is not None:
             (group,) = {g.name for g in build_groups(plan)}
             plan = dataclasses.replace(plan, capacities=((group, capacity),))
         coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer("rowwise_adagrad"))
-        dyn = DynamicTables(coll, maps)
-        assert dyn.routed_group is not None
+        dyn = DynamicTables(coll, maps, only_lookups=reuse)
+        assert dyn.routed_group is not None and dyn.rows_back == (hot or not reuse)
         (g,) = coll.groups
         reused_within = group_capacity(plan, g)  # the busiest owner's requests above it: routed afresh
         key = jax.random.key(3)
         emb, state = coll.init(key), dyn.init_maps()
-        emb = coll.refresh(emb, np.array([[0, 0, 1, 1], [0, 9, 0, 17]], np.int32))  # shard 0's shared row hot
+        if hot:
+            emb = coll.refresh(emb, np.array([[0, 0, 1, 1], [0, 9, 0, 17]], np.int32))  # shard 0's shared row hot
 
         @jax.jit
         def step(emb, state, hi, lo, valid, step_no):

@@ -38,8 +38,9 @@ DYNAMIC = (
 def test_plan_and_events_leave_out_the_row_ids_a_routed_lookup_does_not_send(tiny):
     """Every table dynamic on 8 devices at a batch whose ids are routed: the lookups reuse the
     maps' routing, so the plan says how many bytes of row ids a step does not send and the
-    events' routed paths count that many fewer; with two tables dynamic in a group shared with
-    row-wise tables of vocabulary ids, nothing is left out."""
+    events' routed paths count that many fewer, and (no hot rows, no wide part) without the
+    rows sent back; with two tables dynamic in a group shared with row-wise tables of
+    vocabulary ids, nothing is left out."""
     from dlrm_jax.embedding.dynamic.sharded import resolution_paths
     from dlrm_jax.train.wiring import config_plan_report
 
@@ -51,7 +52,9 @@ def test_plan_and_events_leave_out_the_row_ids_a_routed_lookup_does_not_send(tin
         unsent = steps.dynamic.unsent_row_id_bytes()
         assert (unsent > 0) == reused
         ids = 512 * sum(cfg.bag_sizes[t] for t in steps.dynamic.maps)
-        for got, plain in zip(steps.dynamic.resolution_paths(512), resolution_paths(ids, 8), strict=True):
+        assert steps.dynamic.rows_back == (not reused)
+        plain_paths = resolution_paths(ids, 8, rows_back=not reused)
+        for got, plain in zip(steps.dynamic.resolution_paths(512), plain_paths, strict=True):
             assert got == ({**plain, "all-to-all": plain["all-to-all"] - unsent} if "all-to-all" in plain else plain)
         report = config_plan_report(cfg, plan)
         assert (f"{unsent / 2**10:,.1f} KiB a step fewer than the all-to-all above" in report) == reused, report

@@ -116,17 +116,18 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
 # weights of a dynamic table (one per row, on every device) restart at zero with their rows.
 # Two start fresh rows from their shards' shared rows (embedding.dynamic.new_rows=shared): with
 # hot rows, shard 0's shared row is hot (its value is the hot copy's) and fresh hot rows take
-# their shared rows' values from their owners; with Wide&Deep, the wide weights do too. In the
-# 4-device case every table is dynamic, at a batch whose ids the maps route to their owners, so
-# the lookups send their requests as the maps routed them (DynamicTables.routed_group).
+# their shared rows' values from their owners; with Wide&Deep, the wide weights do too. In two
+# cases ("every") every table is dynamic, at a batch whose ids the maps route to their owners,
+# so the lookups send their requests as the maps routed them (DynamicTables.routed_group): with
+# hot rows, whose lookup reads the rows, so they are sent back to the devices; without, where
+# only the owners hold them (DynamicTables.resolve's rows=False).
 DYNAMIC = [
-    (1, "lfu", 2, True, False, "initializer"),
-    (2, "lru", 0, True, True, "initializer"),
-    (4, "lfu", 0, True, False, "shared"),
-    (8, "lru", 2, True, False, "initializer"),
-    (8, "lfu", 2, False, True, "shared"),
+    (1, "lfu", 2, True, False, "initializer", False),
+    (2, "lru", 0, True, True, "initializer", False),
+    (4, "lfu", 0, True, False, "shared", True),
+    (8, "lru", 2, False, False, "initializer", True),
+    (8, "lfu", 2, False, True, "shared", False),
 ]
-EVERY_TABLE_ROUTED = 4  # the devices of the case whose tables are all dynamic
 # (the dense model by SGD: Adam's first step divides a near-zero gradient by its own size, so
 # the last bit of a sum taken in another order shows at 1e-5)
 WIDE_DEEP = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", "train.optimizer=sgd")
@@ -134,15 +135,15 @@ HOT_CAPACITY = 48
 
 
 @pytest.mark.parametrize(
-    "devices,policy,admit,hot,wide,new_rows",
+    "devices,policy,admit,hot,wide,new_rows,every",
     DYNAMIC,
     ids=[
         f"{d}dev-{p}-admit{a}{'-hot' if h else ''}{'-wide_deep' if w else ''}{'-shared' if n == 'shared' else ''}"
-        for d, p, a, h, w, n in DYNAMIC
+        f"{'-every' if e else ''}"
+        for d, p, a, h, w, n, e in DYNAMIC
     ],
 )
-def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot, wide, new_rows):
-    every = devices == EVERY_TABLE_ROUTED
+def test_dynamic_tables_every_step_match_one_device(tiny, devices, policy, admit, hot, wide, new_rows, every):
     common = [
         f"train.batch_size={128 if every else 64}",
         "train.learning_rate=0.1",

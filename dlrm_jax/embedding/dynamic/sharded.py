@@ -63,16 +63,14 @@ class Route(NamedTuple):
     used: bool [] the step took a routed path (gathered: the other fields mean nothing);
     busiest: int32 [] the most distinct ids one device sent one owner;
     owner, rank: int32 [N] each distinct id's owner (the devices' count: padding) and its
-    place among this device's ids for that owner; row: int32 [N] its row in its group's local
-    array there (``offsets``); index: int32 [N] each id's distinct number (N: padding);
-    received: int32 [devices * S] at this owner, the local row of each id each device sent
-    it, at its sender's place (-1: none)."""
+    place among this device's ids for that owner; index: int32 [N] each id's distinct number
+    (N: padding); received: int32 [devices * S] at this owner, the row in its group's local
+    array (``offsets``) of each id each device sent it, at its sender's place (-1: none)."""
 
     used: jax.Array
     busiest: jax.Array
     owner: jax.Array
     rank: jax.Array
-    row: jax.Array
     index: jax.Array
     received: jax.Array
 
@@ -160,6 +158,7 @@ def sharded_resolve_fused(
     learn: bool = True,
     bags: tuple[int, ...] | None = None,
     offsets: tuple[int, ...] | None = None,
+    rows_later: bool = False,
 ) -> tuple[list | jax.Array, IdMap, FreshRows, jax.Array, jax.Array, Route | None]:
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
@@ -175,6 +174,9 @@ def sharded_resolve_fused(
     rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
     int32, an index into :func:`resolution_paths`; with ``offsets`` (each table's first row in
     the local array its rows live in on every device), the :class:`Route`, else None).
+    ``rows_later`` (with ``offsets``): a routed path does not send the rows back (a collective
+    fewer, where the lookups reuse the route: only their owners need them); its rows are
+    then 0 for each id and -1 for padding, and ``exchange.routing.ids_as_routed`` gives them.
 
     With ``bags`` (each table's columns), ``ids`` is every table's side by side, (hi, lo, valid)
     [B, sum(bags)], and so are the rows: one array each, not one per table (each operation on
@@ -182,7 +184,7 @@ def sharded_resolve_fused(
     were a hundred small operations a step)."""
     if bags is None:
         side, bags = side_by_side(ids)
-        rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags, offsets)
+        rows, *rest = sharded_resolve_fused(specs, mesh, maps, side, step, learn, bags, offsets, rows_later)
         edges = np.cumsum([0, *bags])
         return [rows[:, edges[t] : edges[t + 1]].reshape(x[0].shape) for t, x in enumerate(ids)], *rest
     n = map_devices(mesh)
@@ -200,10 +202,11 @@ def sharded_resolve_fused(
     slots = np.array([s.slots for s in specs], np.int32)
     sends = route_capacities(per_device.size, n)
     most_sent = max(sends, default=0)
+    later = rows_later and offsets is not None
 
     # (the gathered path's route: nothing a lookup may use)
     def unrouted():
-        sizes = () if offsets is None else (per_device.size, per_device.size, n * most_sent)
+        sizes = () if offsets is None else (per_device.size, n * most_sent)
         return tuple(varying(jnp.zeros(k, jnp.int32)) for k in sizes)
 
     # Every path's writes and fresh rows in one size (a switch's branches return alike): its
@@ -315,20 +318,20 @@ def sharded_resolve_fused(
         out = resolved(fused, got_table, *words, step, got_count)
         shift = (me * jnp.asarray(per_shards) * jnp.asarray(slots))[got_table]
         answers = jnp.where(out.rows >= 0, out.rows + shift, -1).reshape(n, sent)
-        back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
-        rows = unsorted(jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1))
+        if later:  # (the lookups' owners know the rows: ``received``)
+            rows = jnp.where(owner_of_id < n, 0, -1)
+        else:
+            back = lax.all_to_all(answers, AXIS, 0, 0, tiled=True)  # this device's rows, by owner
+            rows = unsorted(jnp.where(owner < n, back[jnp.minimum(owner, n - 1), jnp.minimum(rank, sent - 1)], -1))
         fresh = (out.fresh_rows, out.fresh_table, out.fresh_hi, out.fresh_lo)
         changed = (out.map.sketch, out.writes)
         route = ()
-        if offsets is not None:  # each id's rank, row in its owner's block at its offset there, and
-            # what this owner received, as local rows
+        if offsets is not None:  # each id's rank, and what this owner received, as local rows
             offset = jnp.asarray(offsets, jnp.int32)
             received = jnp.where(out.rows >= 0, offset[got_table] + out.rows, -1)
             received = jnp.full((n, most_sent), -1, jnp.int32).at[:, :sent].set(received.reshape(n, sent))
-            block = jnp.asarray(per_shards * slots)[utab]
-            local_row = jnp.where(rows >= 0, offset[utab] + rows - owner_of_id * block, 0)  # (rows: -1 past the ids)
             pad = lambda x: jnp.concatenate([x, jnp.zeros(k - held, x.dtype)])  # (every path's alike)
-            route = (pad(unsorted(rank)), pad(local_row), received.reshape(-1))
+            route = (pad(unsorted(rank)), received.reshape(-1))
         return rows[jnp.minimum(index, held - 1)], changed, fresh, lax.psum(out.stats, AXIS), route
 
     def local(fused, hi, lo, valid, step):
@@ -352,8 +355,8 @@ def sharded_resolve_fused(
             rows, changed, fresh, stats, routed_as = lax.switch(path, branches, distinct)
             rows = jnp.where(valid, rows, -1)
             if offsets is not None:
-                rank, local_row, received = routed_as
-                route = Route(path < len(sends), most, owner, rank, local_row, index, received)
+                rank, received = routed_as
+                route = Route(path < len(sends), most, owner, rank, index, received)
         sketch, writes = changed
         new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
         return rows.reshape(shape), new_map, fresh, stats, path, route
@@ -364,7 +367,7 @@ def sharded_resolve_fused(
         local,
         mesh=mesh,
         in_specs=(map_spec, P(AXIS), P(AXIS), P(AXIS), P()),
-        out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P(), Route(P(), P(), *(P(AXIS),) * 5) if routing else None),
+        out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P(), Route(P(), P(), *(P(AXIS),) * 4) if routing else None),
     )(maps, *ids, step)
     return rows, new_map, FreshRows(*fresh), stats, path, route if routing else None
 
@@ -401,42 +404,50 @@ def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
     return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
 
 
-def resolution_paths(ids_per_step: int, devices: int) -> list[dict[str, int]]:
+def resolution_paths(ids_per_step: int, devices: int, rows_back: bool = True) -> list[dict[str, int]]:
     """Bytes a device sends to the others a step resolving the raw ids of the dynamic tables
     (``ids_per_step``: their ids over the whole batch), by collective, on each path a step may
     take, in the order :func:`sharded_resolve_fused` numbers them: routed, in each buffer of
-    :func:`route_capacities` (each distinct id's table, words and count out, its row back),
-    then gathered (every id's words and flag; the rows met in a max, a ring all-reduce). The
-    per-table counts' sum and the one max choosing the path are left out."""
+    :func:`route_capacities` (each distinct id's table, words and count out, and with
+    ``rows_back`` its row back), then gathered (every id's words and flag; the rows met in a
+    max, a ring all-reduce). The per-table counts' sum and the one max choosing the path are
+    left out."""
     n = devices
-    routed = [{"all-to-all": (n - 1) * k * (16 + 4)} for k in route_capacities(ids_per_step // n, n)]
+    routed = [{"all-to-all": (n - 1) * k * (16 + 4 * rows_back)} for k in route_capacities(ids_per_step // n, n)]
     return [
         *routed,
         {"all-gather": (n - 1) * ids_per_step * 12 // n, "all-reduce": 2 * (n - 1) * ids_per_step * 4 // n},
     ]
 
 
-def resolution_bytes_per_device(ids_per_step: int, devices: int) -> tuple[int, int]:
+def resolution_bytes_per_device(ids_per_step: int, devices: int, rows_back: bool = True) -> tuple[int, int]:
     """The least and most bytes of :func:`resolution_paths` a device sends a step: of the routed
     paths (the gathered one is their fallback), or the gathered one where none is routed."""
-    paths = resolution_paths(ids_per_step, devices)
+    paths = resolution_paths(ids_per_step, devices, rows_back)
     totals = [sum(p.values()) for p in paths[:-1] or paths]
     return totals[0], totals[-1]
 
 
 def maps_report(
-    specs: dict[str, MapSpec], bags: dict[str, int], devices: int, batch: int, tiered=(), unsent: int = 0
+    specs: dict[str, MapSpec],
+    bags: dict[str, int],
+    devices: int,
+    batch: int,
+    tiered=(),
+    unsent: int = 0,
+    rows_back: bool = True,
 ) -> str:
     """The plan report's lines on dynamic tables: their maps' memory and the raw ids' traffic;
     tiered ones' (``tiered``: their table indices, names ``cat_<index>``) are held whole on the
     host and resolved there. ``unsent``: bytes a device does not send a step where the lookups
-    send their requests as the maps routed them (their row ids)."""
+    send their requests as the maps routed them (their row ids); ``rows_back``: whether a
+    routed resolution sends the rows back (:func:`resolution_paths`)."""
     host = {k: s for k, s in specs.items() if int(k.removeprefix("cat_")) in set(tiered)}
     specs = {k: s for k, s in specs.items() if k not in host}
     lines = []
     if specs:
         memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
-        least, most = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices)
+        least, most = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices, rows_back)
         per_row = {s.bytes_per_row() for s in specs.values()}
         lines.append(
             f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "

@@ -100,20 +100,40 @@ def bucket(owner, row, valid, num_devices: int, local_rows: int) -> Buckets:
     )
 
 
-def buckets_as_routed(slot_valid, owner, rank, row, index, num_devices: int) -> Buckets:
+def buckets_as_routed(slot_valid, owner, rank, index, num_devices: int) -> Buckets:
     """:class:`Buckets` of requests some earlier exchange sent already (the id maps' resolution
-    of raw ids): each distinct request's ``owner`` (``num_devices``: padding), ``rank`` (places
-    0, 1, ... per owner) and ``row``, and each request's distinct number ``index`` (past the
-    end: padding); ``slot_valid`` bool [n]: the requests to answer (hot rows left out: a
-    distinct request none of them asks for is left out too). Not sorted by row: for one
-    exchange of everything, never for rounds."""
+    of raw ids): each distinct request's ``owner`` (``num_devices``: padding) and ``rank``
+    (places 0, 1, ... per owner), and each request's distinct number ``index`` (past the end:
+    padding); ``slot_valid`` bool [n]: the requests to answer (hot rows left out: a distinct
+    request none of them asks for is left out too). Not sorted by row, and without rows (the
+    owners know them): for one exchange of everything whose rows are not sent, never for
+    rounds."""
     n = owner.shape[0]
     asked = jnp.zeros(n, bool).at[index].max(slot_valid, mode="drop")
     real = owner < num_devices
     owner = jnp.where(real, owner, 0)
     at = jnp.minimum(index, n - 1)
     counts = jax.ops.segment_sum(real.astype(jnp.int32), owner, num_devices)  # places taken per owner
-    return Buckets(owner, jnp.where(asked, row, 0), rank, asked & real, owner[at], rank[at], slot_valid, counts)
+    unsent = jnp.zeros_like(rank)  # (the rows: never sent, so never needed here)
+    return Buckets(owner, unsent, rank, asked & real, owner[at], rank[at], slot_valid, counts)
+
+
+def ids_as_routed(owner, rank, index, received, kind, device, offset, block, num_devices: int, axis) -> jax.Array:
+    """Inside ``shard_map`` over ``axis``: the ids [n] of a device's requests that some earlier
+    exchange routed (:func:`buckets_as_routed`'s ``owner``, ``rank`` and ``index``) from what
+    each owner received (``received`` int32 [N * S]: at each sender's place, the local row there
+    it answers; -1: none), in one all-to-all: the inverse of :func:`route` (``kind``, ``device``,
+    ``offset`` and ``block`` int32 [n], each request's slot's). PAD_ID where padding."""
+    n = owner.shape[0]
+    back = lax.all_to_all(received.reshape(num_devices, -1), axis, 0, 0, tiled=True)  # [N, S]: by owner
+    at = jnp.minimum(index, n - 1)
+    o, r = owner[at], rank[at]
+    got = back[jnp.minimum(o, num_devices - 1), jnp.minimum(r, back.shape[1] - 1)]
+    row = got - offset
+    ids = jnp.where(
+        kind == KIND_BLOCK, (o - device) * block + row, jnp.where(kind == KIND_CYCLIC, row * num_devices + o, row)
+    )
+    return jnp.where((index < n) & (o < num_devices) & (got >= 0), ids, PAD_ID).astype(jnp.int32)
 
 
 class Window(NamedTuple):

@@ -50,7 +50,7 @@ from dlrm_jax.embedding.exchange.common import (
     update_on_owners,
 )
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer
-from dlrm_jax.embedding.exchange.routing import Window, buckets_as_routed
+from dlrm_jax.embedding.exchange.routing import Window, buckets_as_routed, ids_as_routed
 from dlrm_jax.embedding.plan.layout import ExchangePart, Group
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS, varying
@@ -86,7 +86,9 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
     """``f(table [N*R, W], ids [B, S], routed=None) -> (vectors [B, V, W] float32, overflowed
     bool [])``. ``routed``: how the id maps' resolution sent these requests already
     (``dynamic.sharded.Route``, the group's slots being its ids in order): used when it was
-    routed in buffers within ``capacity``, so the requests are neither sorted nor sent again."""
+    routed in buffers within ``capacity``, so the requests are neither sorted nor sent again;
+    otherwise, where it was routed, the group's ids that are not padding are taken from the
+    rows its owners gave (``ids_as_routed``): the resolution may have left them unsent."""
     lookup = _lookup(g, capacity, wire)
     exchange = lookup_exchange(g, capacity, wire)
 
@@ -98,7 +100,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
     def local_routed(table_local, ids_local, routed):
         def as_routed():
             valid = (take_columns(ids_local, g.vslot_slot) != PAD_ID).reshape(-1)  # (hot ids are out)
-            b = buckets_as_routed(valid, routed.owner, routed.rank, routed.row, routed.index, g.num_devices)
+            b = buckets_as_routed(valid, routed.owner, routed.rank, routed.index, g.num_devices)
             received = routed.received.reshape(g.num_devices, -1)
             sent = received.shape[1]  # (within capacity: wider places are empty when this runs)
             received = received[:, :capacity] if sent >= capacity else jnp.pad(received, ((0, 0), (0, capacity - sent)))
@@ -111,8 +113,23 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
             out = jnp.where(usable[:, None], out, 0.0).reshape(ids_local.shape[0], -1, g.width)
             return out, jnp.zeros(1, bool), (b, routed.busiest[None], rows)
 
+        def as_ids():  # a routed step's ids of these slots may be placeholders (``DynamicTables.resolve``)
+            slots = lambda x: jnp.tile(jnp.asarray(x), ids_local.shape[0])
+            vids = ids_as_routed(
+                routed.owner,
+                routed.rank,
+                routed.index,
+                routed.received,
+                *(slots(x) for x in (g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block)),
+                g.num_devices,
+                AXIS,
+            )
+            held = take_columns(ids_local, g.vslot_slot)
+            ids = ids_local.at[:, g.vslot_slot].set(jnp.where(held != PAD_ID, vids.reshape(held.shape), PAD_ID))
+            return local(table_local, ids)
+
         reuse = routed.used & (routed.busiest <= capacity)  # (alike on every device)
-        return lax.cond(reuse, as_routed, lambda: local(table_local, ids_local))
+        return lax.cond(reuse, as_routed, lambda: lax.cond(routed.used, as_ids, lambda: local(table_local, ids_local)))
 
     specs = (P(AXIS), P(), P(AXIS))  # (the flag is alike everywhere: reading it outside needs no collective)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=specs)
