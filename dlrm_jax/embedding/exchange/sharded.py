@@ -125,11 +125,13 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
                 AXIS,
             )
             held = take_columns(ids_local, g.vslot_slot)
-            ids = ids_local.at[:, g.vslot_slot].set(jnp.where(held != PAD_ID, vids.reshape(held.shape), PAD_ID))
-            return local(table_local, ids)
+            return ids_local.at[:, g.vslot_slot].set(jnp.where(held != PAD_ID, vids.reshape(held.shape), PAD_ID))
+
+        def afresh():  # (one copy of the lookup in the program, whichever ids it takes)
+            return local(table_local, lax.cond(routed.used, as_ids, lambda: ids_local))
 
         reuse = routed.used & (routed.busiest <= capacity)  # (alike on every device)
-        return lax.cond(reuse, as_routed, lambda: lax.cond(routed.used, as_ids, lambda: local(table_local, ids_local)))
+        return lax.cond(reuse, as_routed, afresh)
 
     specs = (P(AXIS), P(), P(AXIS))  # (the flag is alike everywhere: reading it outside needs no collective)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=specs)
