@@ -3,7 +3,8 @@ map's rows), and one batch's raw ids are resolved to rows inside one program.
 
 Each device sends its ids of every dynamic table to their owners (an id's owner holds its
 shard, chosen by a hash of it) in one all-to-all; each owner resolves what it received in one
-pass (``resolve.resolve_fused`` with its first shards) and sends the rows back in another, so a
+pass (``resolve.resolve_fused`` with its first shards) and sends the rows back in another (or
+keeps them, where only the lookups that reuse the route read them: ``rows_later``), so a
 device's work and traffic follow its own ids. Where that saves nothing (one or two devices) or
 some device has more distinct ids of one owner than the largest buffer holds, every device
 gathers the whole batch's ids instead, resolves those of its own shards, and the
@@ -295,8 +296,8 @@ def sharded_resolve_fused(
     def routed(sent, fused, distinct, step):
         """Each device's distinct ids (``distinct``: ``resolve.distinct_ids`` of its own, with
         their owners) sent to their owners with their counts in one all-to-all (at most
-        ``sent`` to each owner), resolved there, and their rows sent back in another: a
-        device's work and traffic follow its own ids, not the batch's."""
+        ``sent`` to each owner), resolved there, and their rows sent back in another (unless
+        ``rows_later``): a device's work and traffic follow its own ids, not the batch's."""
         index, uhi, ulo, utab, occurrences, owner = distinct
         # This path runs where no device has more than ``sent`` distinct ids for one owner, so
         # none has more than n * sent in all, and they are numbered first: its sort, buffers
