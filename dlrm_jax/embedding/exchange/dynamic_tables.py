@@ -215,8 +215,8 @@ class DynamicTables:
         if learn:
             emb = self._reset(emb, fresh, key)
             maps = {FUSED: fused}
-        ids = rows.astype(ids_bs.dtype)
-        ids_bs = ids if self._every_column else ids_bs.at[:, self._columns].set(ids)
+        rows = rows.astype(ids_bs.dtype)
+        ids_bs = rows if self._every_column else ids_bs.at[:, self._columns].set(rows)
         stats = {t: dict(zip(STATS, counts[j], strict=True)) for j, t in enumerate(tables)}
         return emb, maps, ids_bs, stats, fresh, path, {} if route is None else {self.routed_group: route}
 

@@ -118,17 +118,16 @@ def buckets_as_routed(slot_valid, owner, rank, index, num_devices: int) -> Bucke
     return Buckets(owner, unsent, rank, asked & real, owner[at], rank[at], slot_valid, counts)
 
 
-def ids_as_routed(owner, rank, index, received, kind, device, offset, block, num_devices: int, axis) -> jax.Array:
-    """Inside ``shard_map`` over ``axis``: the ids [n] of a device's requests that some earlier
-    exchange routed (:func:`buckets_as_routed`'s ``owner``, ``rank`` and ``index``) from what
-    each owner received (``received`` int32 [N * S]: at each sender's place, the local row there
-    it answers; -1: none), in one all-to-all: the inverse of :func:`route` (``kind``, ``device``,
+def ids_as_routed(owner, rank, index, answered, kind, device, offset, block, num_devices: int) -> jax.Array:
+    """The ids [n] of a device's requests that some earlier exchange routed
+    (:func:`buckets_as_routed`'s ``owner``, ``rank`` and ``index``), from what each owner
+    answered them (``answered`` int32 [N, S]: from each owner, at this device's places there,
+    the local row it holds; -1: none): the inverse of :func:`route` (``kind``, ``device``,
     ``offset`` and ``block`` int32 [n], each request's slot's). PAD_ID where padding."""
     n = owner.shape[0]
-    back = lax.all_to_all(received.reshape(num_devices, -1), axis, 0, 0, tiled=True)  # [N, S]: by owner
     at = jnp.minimum(index, n - 1)
     o, r = owner[at], rank[at]
-    got = back[jnp.minimum(o, num_devices - 1), jnp.minimum(r, back.shape[1] - 1)]
+    got = answered[jnp.minimum(o, num_devices - 1), jnp.minimum(r, answered.shape[1] - 1)]
     row = got - offset
     ids = jnp.where(
         kind == KIND_BLOCK, (o - device) * block + row, jnp.where(kind == KIND_CYCLIC, row * num_devices + o, row)

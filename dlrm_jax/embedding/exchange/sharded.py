@@ -119,10 +119,9 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
                 routed.owner,
                 routed.rank,
                 routed.index,
-                routed.received,
+                all_to_all(routed.received.reshape(g.num_devices, -1)),  # each owner's rows, back
                 *(slots(x) for x in (g.vslot_kind, g.vslot_device, g.vslot_offset, g.vslot_block)),
                 g.num_devices,
-                AXIS,
             )
             held = take_columns(ids_local, g.vslot_slot)
             return ids_local.at[:, g.vslot_slot].set(jnp.where(held != PAD_ID, vids.reshape(held.shape), PAD_ID))
