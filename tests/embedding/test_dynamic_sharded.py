@@ -100,6 +100,8 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
     maps = [jax.device_put(init_map(s), IdMap(*(on,) * 6)) for s in specs]
     one_maps = [init_map(s) for s in specs]
     rng = np.random.default_rng(3)
+    run = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))
+    one = jax.jit(resolve, static_argnums=0)  # (each case's program: the compile memo shares it)
     pool = np.arange(1, 200_000, dtype=np.uint64)
     on_owner_0 = pool[shard_of(SPEC, *split_ids(pool), np) == 0]  # both maps: a shard a device
     for step in range(3):
@@ -127,9 +129,9 @@ def test_each_device_resolves_its_own_ids_routed_compacted_or_all_of_them(skew):
         )
         assert path == PATHS[skew], (most, own)
         tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
-        got = jax.jit(functools.partial(sharded_resolve_many, specs, mesh))(maps, tables, step)
+        got = run(maps, tables, step)
         for t, (spec, out) in enumerate(zip(specs, got, strict=True)):
-            want = resolve(spec, one_maps[t], *(jnp.asarray(x[:, t]) for x in (hi, lo, valid)), step)
+            want = one(spec, one_maps[t], *(jnp.asarray(x[:, t]) for x in (hi, lo, valid)), step)
             one_maps[t] = want.map
             np.testing.assert_array_equal(
                 np.asarray(out.rows).reshape(-1), np.asarray(want.rows), err_msg=f"{t} {step}"

@@ -393,7 +393,8 @@ def exchange_parts(plan: EmbeddingPlan, groups: list[Group] | None = None) -> li
         if g.replicated:
             parts.append(ExchangePart(replicated_kind(plan, g), g))
             continue
-        kinds = [sharded_kind(plan, plan.tables[vt.table]) for vt in g.vtables]
+        by_table = {t: sharded_kind(plan, plan.tables[t]) for t in {vt.table for vt in g.vtables}}
+        kinds = [by_table[vt.table] for vt in g.vtables]  # (a table's pieces: hundreds on many devices)
         for kind in PART_KINDS:
             vts = [vt for vt, k in zip(g.vtables, kinds, strict=True) if k == kind]
             if vts:
