@@ -162,14 +162,27 @@ def test_table_passes_hold_each_place_once_whole_tables_and_no_more_than_their_b
     assert all(h.size <= max(bound, rows * max(bags)) for h in held)
 
 
-@pytest.mark.parametrize("rows_back", [True, False])
-def test_the_plans_resolution_bytes_are_the_compiled_programs(rows_back):
-    """The plan's least and most bytes of the routed resolution (``resolution_bytes_per_device``)
-    are what the compiled program's all-to-alls send in its least and largest buffers (each
-    buffer's pair compiled in a branch of its own; the gathered path has none), with the rows
-    sent back or (``rows_back=False``: ``rows_later``, for lookups that reuse the route) not."""
+def compiled_bytes_are_the_plans(hlo: str, ids: int, devices: int, rows_back: bool) -> None:
+    """The plan's least and most bytes of the routed resolution of ``ids`` ids a step
+    (``resolution_bytes_per_device``) and each path's bytes as training's events count them are
+    what the compiled program ``hlo`` sends: its all-to-alls in its least and largest buffers
+    (each buffer's pair compiled in a branch of its own; the gathered path has none), and the
+    gathered path's all-gather."""
     from dlrm_jax.bench.common import hlo_collective_bytes
 
+    sent = hlo_collective_bytes(hlo, devices)
+    sends = route_capacities(ids // devices, devices)
+    branch = lambda k: (devices - 1) * k * (16 + 4 * rows_back)
+    assert len(sends) >= 2 and sent["all-to-all"] == sum(map(branch, sends))
+    assert resolution_bytes_per_device(ids, devices, rows_back) == (branch(sends[0]), branch(sends[-1]))
+    paths = resolution_paths(ids, devices, rows_back)  # the routed buffers, then the gathered fallback
+    assert [p["all-to-all"] for p in paths[:-1]] == [branch(k) for k in sends]
+    assert paths[-1]["all-gather"] == sent["all-gather"]
+
+
+def test_the_plans_resolution_bytes_are_the_compiled_programs_without_rows_back():
+    """``compiled_bytes_are_the_plans`` where the rows stay on their owners (``rows_later``, for
+    lookups that reuse the route); with the rows sent back, in the next test's program."""
     mesh, devices, batch, bags = make_mesh(8), 8, 1024, (1, 3)
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     on = NamedSharding(mesh, P(AXIS))
@@ -177,17 +190,9 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs(rows_back):
     words = lambda b: (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
     ids = [tuple(jax.device_put(x, on) for x in words(b)) for b in bags]
     offsets = (0, specs[0].rows // devices)
-    resolve_ = lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets, not rows_back)
+    resolve_ = lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets, True)
     hlo = jax.jit(resolve_).lower(fused, ids, 0).compile().as_text()
-    sends = route_capacities(batch * sum(bags) // devices, devices)
-    branch = lambda k: (devices - 1) * k * (16 + 4 * rows_back)
-    assert len(sends) == 2 and hlo_collective_bytes(hlo, devices)["all-to-all"] == sum(map(branch, sends))
-    least_most = (branch(sends[0]), branch(sends[-1]))
-    assert resolution_bytes_per_device(batch * sum(bags), devices, rows_back) == least_most
-    # each path's bytes as training's events count them: the routed buffers, then the gathered fallback
-    paths = resolution_paths(batch * sum(bags), devices, rows_back)
-    assert [p["all-to-all"] for p in paths[:-1]] == [branch(k) for k in sends]
-    assert paths[-1]["all-gather"] == hlo_collective_bytes(hlo, devices)["all-gather"]
+    compiled_bytes_are_the_plans(hlo, batch * sum(bags), devices, rows_back=False)
 
 
 @pytest.mark.slow  # about 25 s on 2 cores, most of it compiling
@@ -196,7 +201,8 @@ def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
     on all of its ids: at 2,048 ids a device on 8 devices the buffer of 192 an owner gives
     1,536 places. Batches with more than 768 distinct ids a device (past a buffer of 96's
     places) take it; rows, maps and counts equal one map's, and the route the lookups reuse
-    names each id's row at its owner."""
+    names each id's row at its owner. The program sends the plan's bytes, the rows sent back
+    (``compiled_bytes_are_the_plans``)."""
     mesh, n, batch = make_mesh(8), 8, 8192
     specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
     assert route_capacities(2 * batch // n, n) == [96, 192, 576]
@@ -211,12 +217,14 @@ def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
         ids = rng.integers(1, 600, (batch, 2)).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
         valid = rng.random((batch, 2)) > 0.05
         hi, lo = split_ids(ids)
+        tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
+        if step == 0:  # (the program the steps run: the compile memo keeps it)
+            compiled_bytes_are_the_plans(run.lower(fused, tables, step).compile().as_text(), 2 * batch, n, True)
         distinct = max(
             len({(t, int(ids[i, t])) for i in range(d * 1024, (d + 1) * 1024) for t in range(2) if valid[i, t]})
             for d in range(n)
         )
         assert 8 * 96 < distinct <= 8 * 192, distinct
-        tables = [tuple(jax.device_put(x[:, t : t + 1], on) for x in (hi, lo, valid)) for t in range(2)]
         rows, fused, _, stats, path, route = run(fused, tables, step)
         assert int(path) == 1 and bool(route.used)  # routed, in 192
         for t, spec in enumerate(specs):
