@@ -187,7 +187,10 @@ def test_plan_command_for_mlperf_without_allocating(devices, config):
     out = proc.stdout
     assert f"{devices} devices" in out and "Predicted exchange per step per device" in out
     assert len([line for line in out.splitlines() if line.startswith("cat_")]) == 26
-    # The 40M-row tables cannot be replicated or placed whole on one of 8 x 80 GB devices.
+    if devices != 8:
+        return
+    # The 40M-row tables cannot be replicated or placed whole on one of 8 x 80 GB devices (nor
+    # on one of 64: a replica is as large).
     budget = cli(
         "plan",
         "--config",
