@@ -195,7 +195,7 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs_without_rows_back(
     compiled_bytes_are_the_plans(hlo, batch * sum(bags), devices, rows_back=False)
 
 
-@pytest.mark.slow  # about 25 s on 2 cores, most of it compiling
+@pytest.mark.slow  # 25-40 s on 2 cores, most of it compiling (the bytes check shares the compile)
 def test_a_routed_path_holds_every_distinct_id_in_its_prefix_of_places():
     """A routed path works on the n x buffer places that can hold a device's distinct ids, not
     on all of its ids: at 2,048 ids a device on 8 devices the buffer of 192 an owner gives
