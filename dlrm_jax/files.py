@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,11 @@ def make_dir(path: str | Path, what: str) -> Path:
     path = check_dir(path, what)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def new_run_dir() -> str:
+    """The run dir a training run without ``--run-dir`` gets: ``runs/<local time>``."""
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
 def json_text(obj: Any, indent: int | None = None) -> str:

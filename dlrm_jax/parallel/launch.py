@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from dlrm_jax.files import new_run_dir
+
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
 _NATIVE = re.compile(
@@ -212,6 +214,16 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
     return 128 - rc if rc < 0 else rc
 
 
+def given_run_dir(args: list[str]) -> str | None:
+    """The ``--run-dir`` among a command's arguments (either spelling argparse takes), or None."""
+    for i, a in enumerate(args):
+        if a == "--run-dir" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--run-dir="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str]) -> int:
     here = "python -m dlrm_jax.parallel.launch"
     if argv[:1] == ["--process-id"]:  # one process of a cluster launch: the command is given whole
@@ -225,6 +237,14 @@ def main(argv: list[str]) -> int:
         return 2
     n, rest = int(argv[0]), argv[1:]
     sub = rest.pop(0) if rest[:1] and rest[0] in _SUBCOMMANDS else "train"
+    run_dir = given_run_dir(rest)
+    resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
+    if sub == "train" and run_dir is None:
+        # Chosen here, not by process 0, so that the logs move into it and the command that
+        # resumes after a fault names it (the same command without it would start afresh).
+        run_dir = new_run_dir()
+        rest = [*rest, "--run-dir", run_dir]
+        resume = f"{resume} --run-dir {shlex.quote(run_dir)}"
     port = _free_port()
     # Progress bars redraw with carriage returns, one endless line through the prefixer; the
     # caller's own --set train.progress_bar=true still wins (it comes later).
@@ -244,8 +264,6 @@ def main(argv: list[str]) -> int:
         ]
         for i in range(n)
     ]
-    resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
-    run_dir = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--run-dir"), None)
     log_dir = Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
     return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
-from dlrm_jax.files import make_dir
+from dlrm_jax.files import make_dir, new_run_dir
 from dlrm_jax.parallel.coordination import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
@@ -277,8 +277,8 @@ def agree_on_run_dir(run_dir: str | None) -> str:
     from jax.experimental import multihost_utils
 
     if run_dir or jax.process_count() == 1:
-        return run_dir or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    chosen = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S")).encode()
+        return run_dir or new_run_dir()
+    chosen = new_run_dir().encode()
     buf = np.zeros(256, np.uint8)
     buf[: len(chosen)] = np.frombuffer(chosen, np.uint8)
     agreed = np.asarray(multihost_utils.broadcast_one_to_all(buf))

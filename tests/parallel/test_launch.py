@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +319,35 @@ def test_several_processes_without_a_coordinator_are_refused_before_a_run_dir(tm
     proc = cli("train", "--num-processes", "2", "--process-id", "0", "--run-dir", str(tmp_path / "r"), drop=CLUSTER)
     assert proc.returncode == 2 and proc.stderr.startswith("dlrm-jax: config error: --num-processes 2 without")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "args, chosen",
+    [
+        (["--config", "smoke"], True),
+        (["train", "--config", "smoke", "--run-dir", "mine"], False),
+        (["--config", "smoke", "--run-dir=mine"], False),
+        (["eval", "--run-dir", "mine"], False),
+    ],
+)
+def test_a_local_launch_names_the_run_dir_it_trains_in_and_the_resume_command_names_it(
+    tmp_path, monkeypatch, args, chosen
+):
+    """Without --run-dir every process used process 0's runs/<time>, so the logs stayed in /tmp
+    and the command that the supervisor gave to resume after a fault started afresh instead."""
+    from dlrm_jax.parallel import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "supervise", lambda argvs, resume, log_dir, run_dir: seen.update(locals()) or 0)
+    monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    monkeypatch.setenv("DLRM_JAX_LAUNCH_AS", "scripts/launch_local.sh 2 " + " ".join(args))
+    assert launch.main(["2", *args]) == 0
+    run_dir = seen["run_dir"]
+    if not chosen:
+        assert seen["resume"] == "scripts/launch_local.sh 2 " + " ".join(args)
+        assert run_dir == Path("mine")
+        return
+    assert re.fullmatch(r"runs/\d{8}-\d{6}", str(run_dir))
+    assert seen["resume"] == f"scripts/launch_local.sh 2 --config smoke --run-dir {run_dir}"
+    for argv in seen["argvs"]:  # every process trains in it
+        assert argv[argv.index("--run-dir") + 1] == str(run_dir)

@@ -196,6 +196,7 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     final = [x for x in out.splitlines() if x.startswith("[p0] final step=")]
     assert final and "[p1] final step=" not in out  # one summary, from process 0
     (reference,) = [p for p in (tmp_path / "runs").iterdir()]
+    assert sorted(p.name for p in (reference / "launch").iterdir()) == ["p0.log", "p1.log"]  # not left in /tmp
 
     cut_args = [*line, "--set", "train.checkpoint_every=10", "--run-dir", str(tmp_path / "cut")]
     cut = launch_local(cut_args, tmp_path, env)
