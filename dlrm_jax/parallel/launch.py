@@ -215,12 +215,16 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
 
 
 def given_run_dir(args: list[str]) -> str | None:
-    """The ``--run-dir`` among a command's arguments (either spelling argparse takes), or None."""
+    """The ``--run-dir`` among a command's arguments as argparse reads it (``--run-dir X``,
+    ``--run-dir=X``, or an abbreviation such as ``--run X``; no other option starts ``--r``),
+    or None."""
     for i, a in enumerate(args):
-        if a == "--run-dir" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--run-dir="):
-            return a.split("=", 1)[1]
+        name, eq, value = a.partition("=")
+        if len(name) > 2 and "--run-dir".startswith(name):
+            if eq:
+                return value
+            if i + 1 < len(args):
+                return args[i + 1]
     return None
 
 

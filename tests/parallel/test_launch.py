@@ -327,6 +327,7 @@ def test_several_processes_without_a_coordinator_are_refused_before_a_run_dir(tm
         (["--config", "smoke"], True),
         (["train", "--config", "smoke", "--run-dir", "mine"], False),
         (["--config", "smoke", "--run-dir=mine"], False),
+        (["--config", "smoke", "--run", "mine"], False),  # argparse's abbreviation
         (["eval", "--run-dir", "mine"], False),
     ],
 )
