@@ -24,9 +24,9 @@ logging, evaluation and checkpoint), whose samples/s is set beside the step's al
 generated first (``--only feed`` for these alone), with the input pipeline's per-step figures.
 
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
-process loading the first one's autotuning results; ``embedding.sparse_update=fused``, twice
-the same way; XLA's two deterministic flags; the
-``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a
+process loading the first one's autotuning results; ``embedding.sparse_update=xla`` (the
+default, ``auto``, is ``fused`` on GPUs); ``embedding.sparse_update=fused``, twice the same
+way; XLA's two deterministic flags; the ``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a
 process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
 
@@ -119,6 +119,8 @@ VARIANTS = {
         f"--xla_gpu_load_autotune_results_from={AUTOTUNE_FILE}",
         ["embedding.deterministic=true"],
     ),
+    # The sparse update's XLA form (on GPUs the default, ``auto``, is the fused one).
+    "xla": ("", ["embedding.sparse_update=xla"]),
     # The fused sparse update (Pallas kernels: each row's lookups summed in a fixed order and
     # the optimizer applied once), twice in two processes sharing the dense side's autotuning.
     "fused": (f"--xla_gpu_dump_autotune_results_to={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),

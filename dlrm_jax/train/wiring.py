@@ -212,7 +212,15 @@ def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
     """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings,
     ``embedding.deterministic`` and ``embedding.sparse_update``."""
     e = cfg.embedding
-    return sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": e.sparse_update == "fused"})
+    return sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": fused_sparse_update(cfg)})
+
+
+def fused_sparse_update(cfg: Config) -> bool:
+    """Whether the tables' update runs the fused Pallas kernels: ``embedding.sparse_update``,
+    where ``auto`` means on GPUs (where they were measured faster; off GPUs Pallas only
+    interprets them)."""
+    choice = cfg.embedding.sparse_update
+    return choice == "fused" or (choice == "auto" and jax.default_backend() == "gpu")
 
 
 def wide_optimizer_from_config(cfg: Config) -> SparseOptimizer:

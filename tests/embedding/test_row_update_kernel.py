@@ -108,3 +108,19 @@ def test_kernels_lower_to_triton_for_a_gpu(name):
         jax.jit(update), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
     )(*args)
     assert exported.mlir_module().count(f"@{triton}(") == 2
+
+
+@pytest.mark.parametrize(
+    "choice,backend,kernel",
+    [("auto", "gpu", True), ("auto", "cpu", False), ("xla", "gpu", False), ("fused", "cpu", True)],
+)
+def test_the_default_update_is_fused_on_gpus_and_xla_elsewhere(monkeypatch, choice, backend, kernel):
+    """``embedding.sparse_update=auto`` (the default) runs the kernels where they were measured
+    faster (GPUs) and the XLA form where Pallas only interprets them; a named form is kept."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.train import wiring
+
+    assert load_config().embedding.sparse_update == "auto"
+    cfg = load_config(None, [f"embedding.sparse_update={choice}"])
+    monkeypatch.setattr(wiring.jax, "default_backend", lambda: backend)
+    assert wiring.sparse_optimizer_from_config(cfg).kernel is kernel
