@@ -81,17 +81,26 @@ def _use_coordination_service_barriers() -> None:
     flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
-def _no_replica_parallel_writes_on_cpu() -> None:
-    """On CPU devices, orbax writes each replicated array whole from one replica, as it does
-    on GPUs. Its replica-parallel save (each replica writing a slice, its default off GPUs)
-    compiles a slicing program per array shape on a process's first save (48 on the smoke
-    config: about 1.2 s a save on a 2-core machine) to split what on simulated CPU devices is
-    one host memory. Set in orbax's registry of type handlers, which this process's other
-    orbax saves share: there too it only saves the compiles."""
-    if jax.default_backend() == "cpu":
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-        )
+def _state_writer(write_gb: float) -> ocp.PyTreeCheckpointHandler:
+    """orbax's writer of the state (what its StandardCheckpointHandler wraps: the same files),
+    with type handlers of its own: on CPU devices each replicated array is written whole from
+    one replica, as orbax does on GPUs. Its replica-parallel save (each replica writing a
+    slice, its default off GPUs) compiles a slicing program per array shape on a process's
+    first save (48 on the smoke config: about 1.2 s a save on a 2-core machine) to split what
+    on simulated CPU devices is one host memory. Orbax's own registry, which a notebook's other
+    saves use, is left as it is."""
+    th = ocp.type_handlers
+    arrays = th.ArrayHandler(use_replica_parallel=False if jax.default_backend() == "cpu" else None)
+    scalars = th.ScalarHandler()
+    registry = th.create_type_handler_registry(
+        (jax.Array, arrays),
+        (np.ndarray, th.NumpyHandler()),
+        (int, scalars),
+        (float, scalars),
+        (np.number, scalars),
+        (str, th.StringHandler()),
+    )
+    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=write_gb, type_handler_registry=registry)
 
 
 class CheckpointReader:
@@ -304,7 +313,6 @@ class Checkpoints(CheckpointReader):
         the whole state at once: on simulated CPU devices, a second copy of every table.)"""
         super().__init__(directory)
         _use_coordination_service_barriers()
-        _no_replica_parallel_writes_on_cpu()
         self._kept: set[int] = set()  # kept beyond the newest `keep` (see keep_also)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_NewestAnd(keep, self._kept), create=True, cleanup_tmp_directories=True
@@ -314,7 +322,7 @@ class Checkpoints(CheckpointReader):
             self.directory,
             options=options,
             item_handlers={
-                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=write_gb),
+                "state": _state_writer(write_gb),
                 "plan": ocp.JsonCheckpointHandler(),
             },
         )
@@ -350,7 +358,7 @@ class Checkpoints(CheckpointReader):
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state, save_args=chunked),
+                    state=ocp.args.PyTreeSave(state, save_args=chunked),
                     plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run}),
                 ),
             )
