@@ -517,14 +517,16 @@ def print_tables(report: dict, log=print) -> None:
             )
 
 
-def train_end_to_end(name: str, steps: int, data: str | None = None) -> dict:
+def train_end_to_end(name: str, steps: int, data: str | None = None, more: tuple[str, ...] = ()) -> dict:
     """``dlrm-jax train`` as a user runs it (its input pipeline, logging, the end's evaluation
     and checkpoint), at the benchmark's settings: its windows' samples/s, the input pipeline's
     and the dispatching thread's per-step figures, and its wall time. ``data``: a binary
-    dataset to read instead of the synthetic batches made on the device."""
+    dataset to read instead of the synthetic batches made on the device; ``more``: overrides
+    of this run alone."""
     path, extra = CONFIGS[name]
     run_dir = tempfile.mkdtemp(prefix="dlrm-gpu-train-")
     overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", f"train.steps={steps}", "train.log_every=50"]
+    overrides += list(more)
     if data:
         overrides += ["data.source=binary", f"data.path={data}"]
     cmd = [sys.executable, "-m", "dlrm_jax", "train", "--config", os.path.join(REPO, path), "--run-dir", run_dir]
@@ -559,11 +561,12 @@ def train_end_to_end(name: str, steps: int, data: str | None = None) -> dict:
 FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
 
 
-def feed_cases(names: list[str], steps: int, work: str) -> dict:
+def feed_cases(names: list[str], steps: int, work: str, variants: list[tuple[str, ...]] = ()) -> dict:
     """Each config trained end to end twice by ``dlrm-jax train``: on synthetic batches made on
     the device, and on a binary dataset of the same kind of rows written first
     (:func:`~dlrm_jax.data.preprocessing.synthetic_dataset.write_synthetic_dataset`) read
-    through the input pipeline; the ratio is the feed's cost."""
+    through the input pipeline; the ratio is the feed's cost. ``variants``: overrides the
+    binary run is repeated with (``data.readers`` counts, say), each reported beside it."""
     from dlrm_jax.config import load_config
     from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 
@@ -579,6 +582,8 @@ def feed_cases(names: list[str], steps: int, work: str) -> dict:
         synthetic = train_end_to_end(name, steps)
         binary = train_end_to_end(name, steps, data)
         out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
+        for more in variants:
+            out[name][f"binary {' '.join(more)}"] = train_end_to_end(name, steps, data, more)
         if "failed" not in synthetic and "failed" not in binary:
             ratio = binary["median_window_samples_per_s"] / synthetic["median_window_samples_per_s"]
             out[name]["binary_over_synthetic"] = ratio
@@ -620,6 +625,12 @@ def main() -> int:
         "--feed-configs",
         default="criteo_kaggle,mlperf_dcnv2_capped",
         help="configs trained end to end on synthetic batches and on a generated binary dataset (the feed)",
+    )
+    ap.add_argument(
+        "--feed-variants",
+        default="",
+        help="';'-separated sets of ','-separated overrides the binary run is repeated with "
+        "(e.g. 'data.readers=2;data.readers=6')",
     )
     ap.add_argument("--determinism-steps", type=int, default=DETERMINISM_STEPS, help="0: no determinism check")
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
@@ -701,7 +712,8 @@ def main() -> int:
             report["train"][n] = train_end_to_end(n, args.train_steps)
             print(json.dumps({n: report["train"][n]}), flush=True)
     if args.only in (None, "feed"):
-        report["feed"] = feed_cases([n for n in args.feed_configs.split(",") if n], args.train_steps, work)
+        variants = [tuple(o for o in v.split(",") if o) for v in args.feed_variants.split(";") if v]
+        report["feed"] = feed_cases([n for n in args.feed_configs.split(",") if n], args.train_steps, work, variants)
     runs = report.get("runs", {})
     for label, p in report.get("parity", {}).items():
         print(
@@ -726,7 +738,7 @@ def main() -> int:
         )
     for n, f in report.get("feed", {}).items():
         step = runs.get("default", {}).get(n)
-        for kind in ("synthetic", "binary"):
+        for kind in [k for k in f if k == "synthetic" or k.startswith("binary") and k != "binary_over_synthetic"]:
             t = f[kind]
             if "failed" in t:
                 print(f"{n} [{kind}]: dlrm-jax train failed ({t['failed']})")

@@ -29,7 +29,8 @@ def _mlp(widths: list[int]) -> tuple[int, int]:
 
 def dense_work(m: ModelConfig, num_dense: int, f: int, compute_dtype: str) -> DenseWork:
     """The dense part's matmul FLOPs per sample (forward and backward: 3 x 2 x the multiply-
-    adds), its parameters, and whether it computes in bfloat16, for model section ``m`` over
+    adds), its parameters, whether it computes in bfloat16, and its linear layers (the dot
+    interaction and a low-rank cross layer's two products each one), for model section ``m`` over
     ``num_dense`` dense and ``f`` categorical features."""
     d = m.embedding_dim
     bottom = list(m.bottom_mlp)
@@ -42,4 +43,7 @@ def dense_work(m: ModelConfig, num_dense: int, f: int, compute_dtype: str) -> De
         macs += m.dcn_layers * per_layer
         params += m.dcn_layers * (per_layer + width)
     top_macs, top_params = _mlp([width, *m.top_mlp])
-    return DenseWork(6.0 * (macs + top_macs), params + top_params, compute_dtype == "bfloat16")
+    layers = len(bottom) + len(m.top_mlp) + (m.interaction == "dot")
+    if m.interaction == "dcn":
+        layers += m.dcn_layers * (2 if m.dcn_rank else 1)
+    return DenseWork(6.0 * (macs + top_macs), params + top_params, compute_dtype == "bfloat16", layers)

@@ -199,11 +199,16 @@ def test_auto_is_never_predicted_slower_than_an_explicit_strategy():
 
 def test_a_heavy_bag_table_across_hosts_stays_within_one_host():
     """Bags of 100 ids of 64-wide rows on 8 hosts of 8 (the ids are most of what travels):
-    the table goes within one host, whose devices take every bag's ids over the fast links
-    while each crosses hosts once, predicted faster than split by rows or columns over every
-    device (a column slice's owner takes every bag's ids, from every device)."""
+    with the update priced by its bytes (a cluster without a measured rate per lookup), the
+    table goes within one host, whose devices take every bag's ids over the fast links while
+    each crosses hosts once, predicted faster than split by rows or columns over every device
+    (a column slice's owner takes every bag's ids, from every device). With the h100
+    profile's measured update (0.27 ns a lookup it sorts, however narrow the slice), the
+    owners within a host sort every bag slot of the host's batch, and rows over every device,
+    whose requesters send each distinct row once, are predicted faster."""
     specs = [TableSpec("heavy", 40_000_000, 64, 100), TableSpec("light", 1_000_000, 64, 2)]
-    plan = auto(specs, 64, batch=65536)
+    by_bytes = dataclasses.replace(H100, update_ns_per_lookup=0.0)
+    plan = plan_embeddings(specs, "auto", 64, "sgd", 65536, cluster=by_bytes)
     heavy = plan.tables[0]
     assert heavy.strategy in (Strategy.HOST_ROW, Strategy.HOST_COLUMN), heavy
     assert (
@@ -213,8 +218,36 @@ def test_a_heavy_bag_table_across_hosts_stays_within_one_host():
     )
     assert {p.kind for p in exchange_parts(plan)} & {ExchangeKind.HOST_POOLED, ExchangeKind.HOST_COLUMNS}
     for strategy in ("row", "column"):
-        flat = plan_embeddings(specs, "auto", 64, "sgd", 65536, cluster=H100, overrides={"heavy": strategy})
-        assert predict_step(plan, H100).embedding_s < predict_step(flat, H100).embedding_s, strategy
+        flat = plan_embeddings(specs, "auto", 64, "sgd", 65536, cluster=by_bytes, overrides={"heavy": strategy})
+        assert predict_step(plan, by_bytes).embedding_s < predict_step(flat, by_bytes).embedding_s, strategy
+    assert auto(specs, 64, batch=65536).tables[0].strategy == Strategy.ROW
+
+
+def test_one_gpus_update_and_dense_part_are_priced_at_the_measured_rates():
+    """The h100 profile prices a sorted update at its measured rate per lookup slot (rows of
+    16 and 128 floats alike) and the dense part's layers beyond their FLOPs; without those
+    rates, by bytes and FLOPs alone. DLRM-DCNv2's dense part has 14 linear layers (3 bottom,
+    3 low-rank cross layers of two products, 5 top), criteo_kaggle's 8 (with the dot)."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.train.wiring import dense_work
+
+    bf16 = ["train.compute_dtype=bfloat16"]
+    kaggle, dcn = (dense_work(load_config(c, bf16)) for c in ("criteo_kaggle", "mlperf_dlrm_dcnv2"))
+    assert (kaggle.layers, dcn.layers) == (8, 14)
+    batch = 65536
+    for dim in (16, 128):
+        specs = [TableSpec("t", 1000, dim, 1), TableSpec("u", 1000, dim, 3)]
+        plan = plan_embeddings(specs, "replicated", 1, "sgd", batch, cluster=H100)
+        slots = batch * 4
+        measured = predict_step(plan, H100, kaggle).phases
+        assert measured["update"] == pytest.approx(slots * H100.update_ns_per_lookup * 1e-9)
+        peak = H100.tflops * 1e12 * H100.flops_efficiency
+        per_sample = kaggle.flops_per_sample / peak + 8 * H100.dense_layer_ns_per_sample * 1e-9
+        assert measured["dense"] == pytest.approx(batch * per_sample)
+        by_bytes = dataclasses.replace(H100, update_ns_per_lookup=0.0, dense_layer_ns_per_sample=0.0)
+        plain = predict_step(plan, by_bytes, kaggle).phases
+        assert plain["dense"] == pytest.approx(batch * kaggle.flops_per_sample / peak)
+        assert plain["update"] != pytest.approx(measured["update"])
 
 
 def test_tables_within_hosts_need_hosts_that_tile_the_devices():

@@ -21,8 +21,16 @@ Constants (peaks, then the share of them a step reaches, ``*_efficiency``):
 - Simulated CPU devices of this 2-core VM: one host; `dlrm-jax bench collectives` measured
   an all-to-all at 0.41-0.61 of an all-reduce's bandwidth, a single-threaded 64 MB copy runs
   6.7 GB/s (BENCHMARKS.md); about 0.05 TFLOP/s of float32 matmul on both cores.
-- Efficiencies: 0.7 of link and memory bandwidth, 0.5 of peak FLOP/s (our assumption, to
-  be replaced by measurements on a lent GPU; they scale phases, not the choice between plans).
+- Efficiencies: 0.7 of link and memory bandwidth, 0.5 of peak FLOP/s (assumed; the dense
+  kernels of criteo_kaggle and DLRM-DCNv2 on one H200 fit 0.5 once the per-layer cost below is
+  added).
+- Measured on one H200 (docs/benchmarks-log.md, 2026-12-04: criteo_kaggle and DLRM-DCNv2 at
+  batch 65,536, one device, the fused sparse update; GPUs' default): the update costs about
+  0.27 ns per lookup it sorts and sums, whether rows are 16 or 128 floats wide (0.46 ms for
+  1.7M lookups, 3.85 ms for 14.0M), far from what its bytes take; and the dense part costs
+  about 1.75 ns per sample and linear layer beyond its FLOPs (its bias, activation and
+  gradient passes: 1.5 ms against 0.38 ms of FLOPs for criteo_kaggle's 8 layers). On an H100
+  these are leads (the same compute, 0.7x the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -34,7 +42,13 @@ from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
 )
-from dlrm_jax.embedding.plan.part_kinds import SPAN_HOST, SPAN_HOSTS, exchange_parts, part_kind
+from dlrm_jax.embedding.plan.part_kinds import (
+    SPAN_HOST,
+    SPAN_HOSTS,
+    exchange_parts,
+    part_kind,
+    update_bytes_per_value,
+)
 from dlrm_jax.embedding.plan.stats import lower_bound_bytes
 
 
@@ -54,10 +68,15 @@ class Cluster:
     link_efficiency: float = 0.7
     hbm_efficiency: float = 0.7
     flops_efficiency: float = 0.5
+    # measured (module docstring); 0: priced by bytes and FLOPs alone
+    update_ns_per_lookup: float = 0.0
+    dense_layer_ns_per_sample: float = 0.0
 
 
 PROFILES = {
-    "h100": Cluster("h100", 8, 450.0, 50.0, 3350.0, 990.0, 80.0),
+    "h100": Cluster(
+        "h100", 8, 450.0, 50.0, 3350.0, 990.0, 80.0, update_ns_per_lookup=0.27, dense_layer_ns_per_sample=1.75
+    ),
     "cpu": Cluster("cpu", 64, 2.0, 2.0, 6.7, 0.1, 0.0, latency_us=200.0),
 }
 
@@ -71,6 +90,7 @@ class DenseWork:
     flops_per_sample: float = 0.0
     params: int = 0
     bfloat16: bool = False
+    layers: int = 0  # linear layers (and the dot interaction), each with passes of its own
 
 
 @dataclass(frozen=True)
@@ -172,9 +192,10 @@ def predict_step(
             phases["all-reduce" if kind == "all-reduce" else "exchange"] += _span_seconds(
                 kind, sent, span, n * (table_copies if kind != "all-to-all" else 1), cluster
             )
-        lookup, update = part_kind(part).memory_traffic(plan, part)
+        kind = part_kind(part)
+        lookup, update = kind.memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm
-        phases["update"] += update / hbm
+        phases["update"] += _update_seconds(plan, kind.update_lookups(plan, part), part.group.width, update, cluster)
     if plan.hot_rows:
         dim = plan.tables[0].spec.dim
         # (XLA fuses it with the dense gradients' all-reduce: no latency of its own)
@@ -184,10 +205,22 @@ def predict_step(
         phases["update"] += plan.hot_rows * dim * (4 + 2 * DTYPE_BYTES[plan.dtype]) / hbm
     if dense is not None and dense.flops_per_sample:
         peak = cluster.tflops * 1e12 * cluster.flops_efficiency * (1.0 if dense.bfloat16 else 0.5)
-        phases["dense"] = plan.global_batch / n * dense.flops_per_sample / peak
+        per_sample = dense.flops_per_sample / peak + dense.layers * cluster.dense_layer_ns_per_sample * 1e-9
+        phases["dense"] = plan.global_batch / n * per_sample
         phases["dense all-reduce"] = link_seconds("all-reduce", 2 * (n - 1) / n * dense.params * 4, n, cluster)
     bound = link_seconds("all-to-all", lower_bound_bytes(plan), n, cluster)
     return StepTime(phases, bound)
+
+
+def _update_seconds(plan: EmbeddingPlan, lookups: float, width: int, update_bytes: float, cluster: Cluster) -> float:
+    """A part's sparse update by its bytes; where the cluster has a measured rate per lookup,
+    the sorted lookups' share of those bytes is priced at that rate instead (or by each
+    lookup's float32 gradient read once, if that takes longer)."""
+    hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
+    if not (cluster.update_ns_per_lookup and lookups):
+        return update_bytes / hbm
+    rest = update_bytes - lookups * width * update_bytes_per_value(plan, width)
+    return rest / hbm + max(lookups * cluster.update_ns_per_lookup * 1e-9, lookups * width * 4 / hbm)
 
 
 def cluster_for(profile: str, overrides: dict, simulated: bool) -> Cluster:

@@ -79,12 +79,19 @@ class PartKind:
         sizes (padding included: the step processes it)."""
         raise NotImplementedError
 
+    def update_lookups(self, plan: EmbeddingPlan, part: ExchangePart) -> float:
+        """Lookups one device's sparse update sorts and sums a step, each counted in
+        ``memory_traffic``'s update bytes at :func:`update_bytes_per_value` a value (where the
+        cost model has a measured rate per lookup, ``cost.Cluster.update_ns_per_lookup``, that
+        rate prices them instead); 0: no such update (priced by its bytes alone)."""
+        return 0.0
+
     def describe(self, plan: EmbeddingPlan, part: ExchangePart) -> tuple[str, str]:
         """(where the rows are, how the vectors travel): the part's line in the plan's report."""
         raise NotImplementedError
 
 
-def _update_bytes_per_value(plan: EmbeddingPlan, width: int) -> float:
+def update_bytes_per_value(plan: EmbeddingPlan, width: int) -> float:
     """Device-memory bytes an update moves per value of a row: the gradient out and in, the
     row and its optimizer state read and written, and the sort's share."""
     store, state = DTYPE_BYTES[plan.dtype], optimizer_bytes_per_row(plan.optimizer, width) / width
@@ -114,7 +121,7 @@ class AllReduce(PartKind):
 
     def memory_traffic(self, plan, part):
         g, lb = part.group, plan.local_batch
-        return lb * g.num_vslots * g.width * DTYPE_BYTES[plan.dtype], g.local_rows * g.width * _update_bytes_per_value(
+        return lb * g.num_vslots * g.width * DTYPE_BYTES[plan.dtype], g.local_rows * g.width * update_bytes_per_value(
             plan, g.width
         )
 
@@ -145,9 +152,12 @@ class Gather(PartKind):
     def memory_traffic(self, plan, part):
         g, n = part.group, plan.num_devices
         lb, w = plan.local_batch, g.width
-        return lb * g.num_vslots * w * DTYPE_BYTES[plan.dtype], n * lb * g.num_vslots * w * _update_bytes_per_value(
+        return lb * g.num_vslots * w * DTYPE_BYTES[plan.dtype], n * lb * g.num_vslots * w * update_bytes_per_value(
             plan, w
         )
+
+    def update_lookups(self, plan, part):
+        return plan.num_devices * plan.local_batch * part.group.num_vslots
 
     def describe(self, plan, part):
         return "on every device", "the batch's rows and gradients gathered to every device"
@@ -201,8 +211,11 @@ class Ids(PartKind):
         rows, slots = n * group_capacity(plan, g), lb * g.num_vslots
         return (
             rows * w * (DTYPE_BYTES[plan.dtype] + 4) + slots * w * 8,
-            rows * w * _update_bytes_per_value(plan, w) + slots * w * 8,
+            rows * w * update_bytes_per_value(plan, w) + slots * w * 8,
         )
+
+    def update_lookups(self, plan, part):
+        return plan.num_devices * group_capacity(plan, part.group)  # the distinct rows sent to an owner
 
     def describe(self, plan, part):
         g, lb = part.group, plan.local_batch
@@ -249,8 +262,11 @@ class _Pooled(PartKind):
 
     def memory_traffic(self, plan, part):
         g = part.group
-        rows = plan.num_devices * plan.local_batch * pooled_layout(plan, g).ids_per_sample
-        return rows * g.width * (DTYPE_BYTES[plan.dtype] + 4), rows * g.width * _update_bytes_per_value(plan, g.width)
+        rows = self.update_lookups(plan, part)
+        return rows * g.width * (DTYPE_BYTES[plan.dtype] + 4), rows * g.width * update_bytes_per_value(plan, g.width)
+
+    def update_lookups(self, plan, part):
+        return plan.num_devices * plan.local_batch * pooled_layout(plan, part.group).ids_per_sample
 
 
 class Pooled(_Pooled):
