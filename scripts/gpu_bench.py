@@ -335,7 +335,11 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
     pipelined = (time.perf_counter() - t) / steps
     keep = os.path.join(profile_dir, f"{name}.xplane.pb") if profile_dir else None
     if profile_dir:
-        with open(os.path.join(profile_dir, f"{name}.hlo.txt"), "w") as f:
+        # the variant's flags and overrides change the program: each keeps its own
+        label = os.environ.get("DLRM_GPU_BENCH_VARIANT", "default")
+        prefix = "" if label == "default" else f"{label}-"
+        keep = keep and os.path.join(profile_dir, f"{prefix}{name}.xplane.pb")
+        with open(os.path.join(profile_dir, f"{prefix}{name}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
     state, ops, lines = profile_ops(compiled, state, batches, 5, keep)
     del state
@@ -684,8 +688,10 @@ def main() -> int:
         flags, overrides = VARIANTS[label]
         cmd += [a for o in args.overrides + overrides for a in ("--set", o)]
         cmd += ["--determinism-steps", str(args.determinism_steps)]
-        cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out] * (label == "default")
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out]
+        env = dict(
+            os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), DLRM_GPU_BENCH_VARIANT=label
+        )
         if subprocess.run(cmd, env=env).returncode:
             print(f"variant {label} failed; going on without it")
             return {"runs": {}}
