@@ -124,3 +124,20 @@ def test_the_default_update_is_fused_on_gpus_and_xla_elsewhere(monkeypatch, choi
     cfg = load_config(None, [f"embedding.sparse_update={choice}"])
     monkeypatch.setattr(wiring.jax, "default_backend", lambda: backend)
     assert wiring.sparse_optimizer_from_config(cfg).kernel is kernel
+
+
+def test_padding_is_never_summed_in_chunks():
+    """A batch whose unused bag slots (rows past the table) far outnumber LONG: only the real
+    long row is chunked, so the chunk kernel sums no padding (before, the padding's place was
+    chunked too, then skipped by the row kernel: DLRM-DCNv2's bags are half padding)."""
+    from dlrm_jax.embedding.exchange.row_grads import sort_by_row
+
+    long = row_update_kernel.LONG
+    rows = np.concatenate([np.full(3 * long, R), np.full(2 * long + 5, 7), np.arange(5)]).astype(np.int32)
+    s = sort_by_row(jnp.asarray(np.random.default_rng(0).permutation(rows)), R)
+    chunks, first, begin, end = row_update_kernel.long_row_chunks(s, R)
+    real = np.asarray(s.rows) < R
+    assert int(np.asarray(chunks)[~real].sum()) == 0
+    assert int(np.asarray(chunks)[real].sum()) == 3  # row 7's 2 * LONG + 5 lookups
+    summed = np.asarray(end) - np.asarray(begin)
+    assert summed.sum() == 2 * long + 5 and (summed > 0).sum() == 3

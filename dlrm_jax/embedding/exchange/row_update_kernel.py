@@ -119,6 +119,26 @@ def _varying_like(x, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
 
 
+def long_row_chunks(s, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """How the chunk kernel splits long rows: per place of the sorted lookups ``s`` (a
+    ``SortedLookups``), its ``chunks`` of LONG lookups (0: summed directly) and the ``first``
+    one's index; per chunk program, the lookups [``begin``, ``end``) it sums (empty: unused).
+    The padding's place (rows past ``num_rows``, all of a bag's unused slots: over half of
+    DLRM-DCNv2's lookups) is never chunked: the row kernel skips it, so its sums were wasted."""
+    n = s.order.shape[0]
+    count = s.starts[1:] - s.starts[:-1]
+    chunks = jnp.where((count > LONG) & (s.rows < num_rows), (count + LONG - 1) // LONG, 0).astype(jnp.int32)
+    chunk_end = jnp.cumsum(chunks, dtype=jnp.int32)
+    first = chunk_end - chunks
+    most = 2 * n // LONG + 1  # each long row has over LONG lookups, so at most 2 chunks per LONG
+    c = lax.iota(jnp.int32, most)
+    place = jnp.minimum(jnp.searchsorted(chunk_end, c, side="right"), n - 1).astype(jnp.int32)
+    used = c < chunk_end[-1]
+    begin = jnp.where(used, s.starts[place] + (c - first[place]) * LONG, 0)
+    end = jnp.where(used, jnp.minimum(begin + LONG, s.starts[place + 1]), 0)
+    return chunks, first, begin, end
+
+
 def fused_row_update(step, table, state: dict, lookups, grads, lr, row_mean_sq=None, interpret: bool | None = None):
     """``SparseOptimizer.update`` through the kernels: ``step`` its ``RowStep``; the rest as
     there. ``interpret``: run in Pallas's interpreter (default: unless on a GPU)."""
@@ -131,16 +151,8 @@ def fused_row_update(step, table, state: dict, lookups, grads, lr, row_mean_sq=N
     # The lookups' sources and weights in row order: the kernels read them contiguously.
     source = s.order if lookups.sources is None else lookups.sources[s.order]
     weight = None if lookups.weights is None else lookups.weights[s.order].astype(jnp.float32)
-    count = s.starts[1:] - s.starts[:-1]
-    chunks = jnp.where(count > LONG, (count + LONG - 1) // LONG, 0).astype(jnp.int32)
-    chunk_end = jnp.cumsum(chunks, dtype=jnp.int32)
-    first = chunk_end - chunks
-    most = 2 * n // LONG + 1  # each long row has over LONG lookups, so at most 2 chunks per LONG
-    c = lax.iota(jnp.int32, most)
-    place = jnp.minimum(jnp.searchsorted(chunk_end, c, side="right"), n - 1).astype(jnp.int32)
-    used = c < chunk_end[-1]
-    begin = jnp.where(used, s.starts[place] + (c - first[place]) * LONG, 0)
-    end = jnp.where(used, jnp.minimum(begin + LONG, s.starts[place + 1]), 0)
+    chunks, first, begin, end = long_row_chunks(s, num_rows)
+    most = begin.shape[0]
 
     weights_in = () if weight is None else (weight,)
     # Triton's compiler parameters pick the Triton backend (not Mosaic GPU's warpgroup copies,
