@@ -577,6 +577,15 @@ class EmbeddingConfig:
             "([sharding](sharding.md#the-sparse-update))"
         ),
     )
+    fused_programs: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "the fused update's row kernel: at most this many programs, each taking rows until the "
+            "batch's distinct rows run out; 0: one program per 4 lookups, most of them idle where rows "
+            "repeat (the form measured on 2026-12-04; the other is not yet measured on a GPU)"
+        ),
+    )
     ids: str = field(
         default="vocab",
         metadata=_choices(*Ids)

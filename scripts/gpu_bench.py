@@ -124,6 +124,9 @@ VARIANTS = {
     # The fused sparse update (Pallas kernels: each row's lookups summed in a fixed order and
     # the optimizer applied once), twice in two processes sharing the dense side's autotuning.
     "fused": (f"--xla_gpu_dump_autotune_results_to={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
+    # The fused update's row kernel with at most 65,536 programs (each taking distinct rows
+    # until they run out) instead of one per 4 lookups, most of them idle.
+    "fused_programs": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=65536"]),
     "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
     # XLA's: every scatter sorted and scanned, autotuning kept.
     "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),

@@ -212,7 +212,8 @@ def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
     """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings,
     ``embedding.deterministic`` and ``embedding.sparse_update``."""
     e = cfg.embedding
-    return sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": fused_sparse_update(cfg)})
+    optimizer = sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": fused_sparse_update(cfg)})
+    return optimizer._replace(kernel_programs=e.fused_programs)
 
 
 def fused_sparse_update(cfg: Config) -> bool:

@@ -84,7 +84,27 @@ def test_fused_update_through_the_forms_matches_the_reference(tiny, strategy, op
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_kernels_lower_to_triton_for_a_gpu(name):
+def test_fewer_programs_taking_rows_in_rounds_give_the_same_bits(monkeypatch, name):
+    """The row kernel with at most 2 programs (each taking 4 places a round, 8 apart, until the
+    distinct rows run out: several rounds here) writes the bits of one program per 4 lookups,
+    over steps whose distinct rows change (and one batch of padding alone)."""
+    monkeypatch.setattr(row_update_kernel, "LONG", 8)
+    rng = np.random.default_rng(5)
+    opt = OPTIMIZERS[name]
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32))
+    state = opt.init(table)
+    steps = [batch(rng), batch(rng, samples=7), (Lookups(jnp.full(8, R, jnp.int32)), jnp.ones((8, D)))]
+    for lookups, pooled in steps:
+        every = fused(opt, table, state, lookups, pooled, 0.05)
+        few = fused(opt, table, state, lookups, pooled, 0.05, programs=2)
+        for a, b in zip(jax.tree.leaves(few), jax.tree.leaves(every), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        table, state = every
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("programs", [0, 8])
+def test_kernels_lower_to_triton_for_a_gpu(name, programs):
     """The kernels as a GPU build would compile them: lowered for CUDA (on this CPU machine) to
     two Triton kernels, with rows of 128 floats and bf16 tables (what the interpreter cannot
     check: Triton's own rules on shapes, loads and loops)."""
@@ -92,7 +112,9 @@ def test_kernels_lower_to_triton_for_a_gpu(name):
 
     def update(table, state, ids, weights, pooled, lr):
         lookups = Lookups.of_bags(ids, np.repeat(np.arange(2), 3), 2, weights)
-        return row_update_kernel.fused_row_update(opt.step, table, state, lookups, pooled, lr, interpret=False)
+        return row_update_kernel.fused_row_update(
+            opt.step, table, state, lookups, pooled, lr, interpret=False, programs=programs
+        )
 
     table = jax.ShapeDtypeStruct((1000, 128), jnp.bfloat16)
     args = (
@@ -124,6 +146,8 @@ def test_the_default_update_is_fused_on_gpus_and_xla_elsewhere(monkeypatch, choi
     cfg = load_config(None, [f"embedding.sparse_update={choice}"])
     monkeypatch.setattr(wiring.jax, "default_backend", lambda: backend)
     assert wiring.sparse_optimizer_from_config(cfg).kernel is kernel
+    capped = load_config(None, [f"embedding.sparse_update={choice}", "embedding.fused_programs=64"])
+    assert wiring.sparse_optimizer_from_config(capped).kernel_programs == 64
 
 
 def test_padding_is_never_summed_in_chunks():

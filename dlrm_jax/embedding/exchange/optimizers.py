@@ -56,13 +56,16 @@ class SparseOptimizer(NamedTuple):
     needs_whole_rows: bool = False
     exact_sums: bool = False
     kernel: bool = False
+    kernel_programs: int = 0  # the row kernel's most programs (fused_row_update's ``programs``)
 
     def update(self, table, state, lookups, grads, lr, row_mean_sq=None):
         """Each distinct row's gradient summed in a fixed order, then the optimizer applied to
         it once. ``row_mean_sq`` [n] (row-wise Adagrad on column slices): per lookup, its
         row's mean squared gradient over the whole width (every lookup of a row carries it)."""
         if self.kernel and row_update_kernel.applies(table, grads):
-            return row_update_kernel.fused_row_update(self.step, table, state, lookups, grads, lr, row_mean_sq)
+            return row_update_kernel.fused_row_update(
+                self.step, table, state, lookups, grads, lr, row_mean_sq, programs=self.kernel_programs
+            )
         r = sum_by_row(lookups, grads, table.shape[0], self.exact_sums)
         mean_sq = None if row_mean_sq is None else r.sorted.max_by_row(row_mean_sq)
         return self.apply(table, state, r.rows, r.grads, lr, mean_sq)
