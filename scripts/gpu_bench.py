@@ -26,8 +26,8 @@ generated first (``--only feed`` for these alone), with the input pipeline's per
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
 process loading the first one's autotuning results; ``embedding.sparse_update=xla`` (the
 default, ``auto``, is ``fused`` on GPUs); ``embedding.sparse_update=fused``, twice the same
-way; XLA's two deterministic flags; the ``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a
-process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
+way, and with the row kernel's programs capped; XLA's two deterministic flags; the
+``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
 
 Everything lands in DIR/gpu_bench.json; the tables are printed last.
@@ -299,7 +299,7 @@ def _is_sparse_update(kernel: str) -> bool:
     return any(word in k for word in ("scatter", "sort", "row_kernel", "chunk_kernel"))
 
 
-def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
+def bench_config(name: str, steps: int, profile_dir: str | None, variant: str = "default") -> dict:
     import jax
 
     from dlrm_jax.config import load_config
@@ -336,12 +336,10 @@ def bench_config(name: str, steps: int, profile_dir: str | None) -> dict:
         state, out, _ = compiled(state, batches[i % 4])
     jax.block_until_ready((state, out))
     pipelined = (time.perf_counter() - t) / steps
-    keep = os.path.join(profile_dir, f"{name}.xplane.pb") if profile_dir else None
+    # the variant's flags and overrides change the program: each keeps its own
+    prefix = "" if variant == "default" else f"{variant}-"
+    keep = os.path.join(profile_dir, f"{prefix}{name}.xplane.pb") if profile_dir else None
     if profile_dir:
-        # the variant's flags and overrides change the program: each keeps its own
-        label = os.environ.get("DLRM_GPU_BENCH_VARIANT", "default")
-        prefix = "" if label == "default" else f"{label}-"
-        keep = keep and os.path.join(profile_dir, f"{prefix}{name}.xplane.pb")
         with open(os.path.join(profile_dir, f"{prefix}{name}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
     state, ops, lines = profile_ops(compiled, state, batches, 5, keep)
@@ -643,6 +641,7 @@ def main() -> int:
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     ap.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="default", help=argparse.SUPPRESS)
     ap.add_argument("--ceilings", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     DETERMINISM_STEPS = args.determinism_steps
@@ -665,7 +664,7 @@ def main() -> int:
         }
         if args.ceilings:
             result["ceilings"] = measure_ceilings()
-        result["runs"] = {n: bench_config(n, args.steps, args.profile_dir) for n in names}
+        result["runs"] = {n: bench_config(n, args.steps, args.profile_dir, args.variant) for n in names}
         with open(args.result_file, "w") as f:
             json.dump(result, f)
         return 0
@@ -691,10 +690,8 @@ def main() -> int:
         flags, overrides = VARIANTS[label]
         cmd += [a for o in args.overrides + overrides for a in ("--set", o)]
         cmd += ["--determinism-steps", str(args.determinism_steps)]
-        cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out]
-        env = dict(
-            os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(), DLRM_GPU_BENCH_VARIANT=label
-        )
+        cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out, "--variant", label]
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
         if subprocess.run(cmd, env=env).returncode:
             print(f"variant {label} failed; going on without it")
             return {"runs": {}}
@@ -747,7 +744,7 @@ def main() -> int:
         )
     for n, f in report.get("feed", {}).items():
         step = runs.get("default", {}).get(n)
-        for kind in [k for k in f if k == "synthetic" or k.startswith("binary") and k != "binary_over_synthetic"]:
+        for kind in [k for k, v in f.items() if isinstance(v, dict)]:  # synthetic, binary and its variants
             t = f[kind]
             if "failed" in t:
                 print(f"{n} [{kind}]: dlrm-jax train failed ({t['failed']})")

@@ -210,7 +210,7 @@ def config_plan_report(cfg: Config, plan: EmbeddingPlan) -> str:
 
 def sparse_optimizer_from_config(cfg: Config) -> SparseOptimizer:
     """The tables' optimizer: ``embedding.optimizer`` with its ``embedding.adagrad_*`` settings,
-    ``embedding.deterministic`` and ``embedding.sparse_update``."""
+    ``embedding.deterministic``, ``embedding.sparse_update`` and ``embedding.fused_programs``."""
     e = cfg.embedding
     optimizer = sparse_optimizer_taking(e.optimizer, _sparse_settings(cfg) | {"kernel": fused_sparse_update(cfg)})
     return optimizer._replace(kernel_programs=e.fused_programs)

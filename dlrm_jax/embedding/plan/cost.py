@@ -195,7 +195,9 @@ def predict_step(
         kind = part_kind(part)
         lookup, update = kind.memory_traffic(plan, part)
         phases["lookup"] += lookup / hbm
-        phases["update"] += _update_seconds(plan, kind.update_lookups(plan, part), part.group.width, update, cluster)
+        phases["update"] += _update_seconds(
+            plan, kind.update_lookups(plan, part), part.group.width, update, cluster, hbm
+        )
     if plan.hot_rows:
         dim = plan.tables[0].spec.dim
         # (XLA fuses it with the dense gradients' all-reduce: no latency of its own)
@@ -212,11 +214,12 @@ def predict_step(
     return StepTime(phases, bound)
 
 
-def _update_seconds(plan: EmbeddingPlan, lookups: float, width: int, update_bytes: float, cluster: Cluster) -> float:
-    """A part's sparse update by its bytes; where the cluster has a measured rate per lookup,
-    the sorted lookups' share of those bytes is priced at that rate instead (or by each
-    lookup's float32 gradient read once, if that takes longer)."""
-    hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
+def _update_seconds(
+    plan: EmbeddingPlan, lookups: float, width: int, update_bytes: float, cluster: Cluster, hbm: float
+) -> float:
+    """A part's sparse update by its bytes (at ``hbm`` bytes/s); where the cluster has a
+    measured rate per lookup, the sorted lookups' share of those bytes is priced at that rate
+    instead (or by each lookup's float32 gradient read once, if that takes longer)."""
     if not (cluster.update_ns_per_lookup and lookups):
         return update_bytes / hbm
     rest = update_bytes - lookups * width * update_bytes_per_value(plan, width)
