@@ -128,6 +128,12 @@ VARIANTS = {
     # until they run out) instead of one per 4 lookups, most of them idle.
     "fused_programs": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=65536"]),
     "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
+    # Control flow on the device: XLA's GPU runtime reads a loop's predicate and a switch's
+    # index on the host (a MemcpyD2H and a wait each time, the device idle meanwhile) unless
+    # the loop or switch is recorded into a command buffer (CUDA graph conditional nodes). The
+    # dynamic tables' step has a switch, conditionals and while loops (issue 49's 1.3 ms idle
+    # a step on one H200); run it as ``device_control:criteo_kaggle_dynamic``.
+    "device_control": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", []),
     # XLA's: every scatter sorted and scanned, autotuning kept.
     "exclude_nondeterministic_ops": ("--xla_gpu_exclude_nondeterministic_ops=true", []),
     # XLA's, and no autotuning either.
@@ -561,6 +567,24 @@ def train_end_to_end(name: str, steps: int, data: str | None = None, more: tuple
     }
 
 
+def input_alone(name: str, data: str, more: tuple[str, ...] = ()) -> dict:
+    """``dlrm-jax bench input`` on the binary dataset ``data`` (the pipeline alone, no step):
+    the shuffled case's samples/s, its per-batch figures and ``gil_wait``, how late a thread
+    that gives up the GIL gets it back while the readers run (the dispatching thread's lot)."""
+    path, extra = CONFIGS[name]
+    out = os.path.join(tempfile.mkdtemp(prefix="dlrm-gpu-input-"), "input.json")
+    overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", "data.source=binary", f"data.path={data}"]
+    cmd = [sys.executable, "-m", "dlrm_jax", "bench", "input", "--config", os.path.join(REPO, path)]
+    cmd += [a for o in overrides + list(more) for a in ("--set", o)] + ["--steps", "200", "--step-steps", "0"]
+    if subprocess.run(cmd + ["--output", out], cwd=REPO, stdout=subprocess.DEVNULL).returncode:
+        return {"failed": True}
+    with open(out) as f:
+        report = json.load(f)
+    case = next(c for c in report["cases"] if c["source"] == "binary" and c["shuffle"])
+    keep = ("samples_per_s", "read_samples_per_s", "input_read_ms", "input_h2d_ms", "gil_wait")
+    return {"readers": report["readers"], **{k: case[k] for k in keep if k in case}}
+
+
 # The feed's end-to-end cases: rows of the generated binary dataset per config (criteo_kaggle:
 # 8M rows, 1.3 GB, 122 steps an epoch at 65,536; DLRM-DCNv2: 2M rows of 214 ids, 1.8 GB).
 FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
@@ -587,8 +611,10 @@ def feed_cases(names: list[str], steps: int, work: str, variants: list[tuple[str
         synthetic = train_end_to_end(name, steps)
         binary = train_end_to_end(name, steps, data)
         out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
+        out[name]["input_alone"] = {"default": input_alone(name, data)}
         for more in variants:
             out[name][f"binary {' '.join(more)}"] = train_end_to_end(name, steps, data, more)
+            out[name]["input_alone"][" ".join(more)] = input_alone(name, data, more)
         if "failed" not in synthetic and "failed" not in binary:
             ratio = binary["median_window_samples_per_s"] / synthetic["median_window_samples_per_s"]
             out[name]["binary_over_synthetic"] = ratio
@@ -614,7 +640,12 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="extra config overrides for every config (e.g. a smaller batch for a CPU try-out)",
     )
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="variants to compare: " + ", ".join(VARIANTS))
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="variants to compare, each LABEL or LABEL:CONFIG+CONFIG (those configs only, not "
+        "--variant-configs): " + ", ".join(VARIANTS),
+    )
     ap.add_argument(
         "--variant-configs",
         default="criteo_kaggle,mlperf_v1_capped",
@@ -708,9 +739,11 @@ def main() -> int:
         first = child("default", "" if args.only == "ceilings" else args.configs, ceilings=True)
         report.update(machine=first["machine"], ceilings=first["ceilings"], runs={"default": first["runs"]})
         if args.only != "ceilings":
-            for label in args.variants.split(","):
+            for item in args.variants.split(","):
+                label, _, only = item.partition(":")
                 if label and label != "default":
-                    report["runs"][label] = child(label, args.variant_configs, ceilings=False)["runs"]
+                    configs = only.replace("+", ",") or args.variant_configs
+                    report["runs"][label] = child(label, configs, ceilings=False)["runs"]
                     report["runs"] = {k: v for k, v in report["runs"].items() if v}
     if args.only in (None, "configs", "train"):
         report["train"] = {}
@@ -744,7 +777,8 @@ def main() -> int:
         )
     for n, f in report.get("feed", {}).items():
         step = runs.get("default", {}).get(n)
-        for kind in [k for k, v in f.items() if isinstance(v, dict)]:  # synthetic, binary and its variants
+        # synthetic, binary and its variants
+        for kind in [k for k, v in f.items() if isinstance(v, dict) and k != "input_alone"]:
             t = f[kind]
             if "failed" in t:
                 print(f"{n} [{kind}]: dlrm-jax train failed ({t['failed']})")
@@ -758,6 +792,15 @@ def main() -> int:
                 )
                 + "; per step, ms: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in t["host_ms_per_step"].items())
+            )
+        for label, a in f.get("input_alone", {}).items():
+            if "failed" in a:
+                continue
+            busy = a["gil_wait"]["busy"]
+            print(
+                f"{n} [input alone, {label}: {a['readers']} readers]: {a['samples_per_s']:,.0f} samples/s; "
+                f"a waking thread's wait for the GIL {busy['mean_ms']:.2f} ms mean, {busy['p90_ms']:.2f} p90, "
+                f"{busy['p99_ms']:.2f} p99 (idle {a['gil_wait']['idle']['mean_ms']:.2f})"
             )
         if "binary_over_synthetic" in f:
             print(

@@ -8,8 +8,10 @@ each to be on the devices, so its samples/s is what the input can feed (``sample
 global, were every process as fast; ``process_samples_per_s``: this process's own rows).
 Beside it: the same config's step-only samples/s (cached batches, ``bench train``'s measure)
 and their ratio (above 1: the input outruns the step). Also the reading thread alone
-(``read_samples_per_s``: ``BinarySource.train_batch`` on one thread, this process's rows) and
-the process's peak memory.
+(``read_samples_per_s``: ``BinarySource.train_batch`` on one thread, this process's rows),
+the process's peak memory, and ``gil_wait``: how late a thread that gives up the GIL gets it
+back while the pipeline runs (:mod:`dlrm_jax.bench.gil_wait`), what the readers cost the
+training loop's dispatching thread at each of its waits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 
 from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.gil_wait import GilWait
 from dlrm_jax.bench.train import time_train_step
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
@@ -43,19 +46,23 @@ def time_pipeline(cfg, steps: int) -> dict:
     if device_batches is not None:  # generated on the devices: dispatched ahead, no host copy
         make = device_batches(fns.batch_sharding)
         # as training takes them: data.prefetch batches in flight, each awaited in turn
-        for i, item in enumerate(dispatched_ahead(make, range(steps + 2), cfg.data.prefetch)):
-            jax.block_until_ready(item.device)
-            if i == 1:
-                t0 = time.perf_counter()
+        with GilWait() as gil:
+            for i, item in enumerate(dispatched_ahead(make, range(steps + 2), cfg.data.prefetch)):
+                jax.block_until_ready(item.device)
+                if i == 1:
+                    t0 = time.perf_counter()
         pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
     else:
-        with InputPipeline(
-            packed_reader(source, fns.packed_layout()),  # as training reads: packed, one transfer
-            range(steps + 2),
-            to_device=fns.device_batch,
-            readers=cfg.data.readers,
-            depth=cfg.data.prefetch,
-        ) as pipeline:
+        with (
+            GilWait() as gil,
+            InputPipeline(
+                packed_reader(source, fns.packed_layout()),  # as training reads: packed, one transfer
+                range(steps + 2),
+                to_device=fns.device_batch,
+                readers=cfg.data.readers,
+                depth=cfg.data.prefetch,
+            ) as pipeline,
+        ):
             for i, item in enumerate(pipeline):
                 jax.block_until_ready(item.device)
                 if i == 1:
@@ -72,6 +79,8 @@ def time_pipeline(cfg, steps: int) -> dict:
         "process_samples_per_s": steps * batch / processes / pipeline_s,  # this process's own rows
         "read_samples_per_s": steps * batch / processes / read_s,
         "peak_rss_bytes": hostmem.peak_rss_bytes(),
+        # what the readers cost a dispatching thread: its wait for the GIL at each wake-up
+        "gil_wait": gil.result(),
         **times,
     }
 
@@ -88,7 +97,7 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
     results = []
     for case in cases:
         case = resolve_data_config(case)
-        step = time_train_step(case, step_steps, warmup=2)["samples_per_s"]
+        step = time_train_step(case, step_steps, warmup=2)["samples_per_s"] if step_steps else float("nan")
         r = {
             "source": case.data.source,
             "shuffle": case.data.shuffle if case.data.source == "binary" else None,
@@ -106,11 +115,20 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
         "machine": machine_description(),
         "cases": results,
     }
-    log(f"{'source':<10}{'shuffle':>8}{'batch':>8}{'input/s':>14}{'read/s (1 thread)':>19}{'step/s':>12}{'ratio':>8}")
+    log(
+        f"{'source':<10}{'shuffle':>8}{'batch':>8}{'input/s':>14}{'read/s (1 thread)':>19}{'step/s':>12}"
+        f"{'ratio':>8}{'GIL wait ms (mean/p90/p99; idle mean)':>40}"
+    )
     for r in results:
+        busy, idle = r["gil_wait"]["busy"], r["gil_wait"]["idle"]
+        wait = (
+            f"{busy['mean_ms']:.2f}/{busy['p90_ms']:.2f}/{busy['p99_ms']:.2f}; {idle['mean_ms']:.2f}"
+            if busy["wakes"]
+            else "-"
+        )
         log(
             f"{r['source']:<10}{str(r['shuffle']):>8}{r['batch']:>8}{r['samples_per_s']:>14,.0f}"
-            f"{r['read_samples_per_s']:>19,.0f}{r['step_samples_per_s']:>12,.0f}{r['ratio']:>8.2f}"
+            f"{r['read_samples_per_s']:>19,.0f}{r['step_samples_per_s']:>12,.0f}{r['ratio']:>8.2f}{wait:>40}"
         )
     log(write_report(report, output))
     return report

@@ -134,7 +134,36 @@ def test_bench_input_reports_every_case_beside_the_step(tiny, tmp_path, dataset)
     for c in cases:
         assert c["batch"] == 128 and c["samples_per_s"] > 0 and c["step_samples_per_s"] > 0
         assert np.isclose(c["ratio"], c["samples_per_s"] / c["step_samples_per_s"])
+        assert c["gil_wait"]["busy"]["wakes"] >= 1 and c["gil_wait"]["idle"]["wakes"] >= 1
     assert report["machine"]["device_count"] == len(jax.devices())
+
+
+def test_the_gil_wait_probe_sees_a_thread_that_holds_the_gil():
+    """A thread running Python without a pause keeps the GIL for the switch interval (here 50
+    ms) each time: the probe's wake-ups wait for it, far beyond the OS's own latency."""
+    import sys
+
+    from dlrm_jax.bench.gil_wait import GilWait
+
+    old, stop = sys.getswitchinterval(), threading.Event()
+
+    def hog():
+        while not stop.is_set():
+            pass
+
+    sys.setswitchinterval(0.05)
+    try:
+        with GilWait(idle_s=0.05) as probe:
+            hogging = threading.Thread(target=hog)
+            hogging.start()
+            time.sleep(0.4)
+            stop.set()
+            hogging.join()
+    finally:
+        sys.setswitchinterval(old)
+    got = probe.result()
+    assert got["busy"]["wakes"] >= 1 and got["idle"]["wakes"] >= 1
+    assert got["busy"]["p90_ms"] > 10 > got["idle"]["p50_ms"]
 
 
 def test_reading_memory_does_not_grow_with_the_dataset(tiny, tmp_path_factory, dataset):

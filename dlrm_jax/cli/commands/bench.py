@@ -66,7 +66,9 @@ def _train_arguments(p) -> None:
 def _input_arguments(p) -> None:
     add_config_args(p)
     p.add_argument("--steps", type=POSITIVE, default=30, help="batches timed through the pipeline per case")
-    p.add_argument("--step-steps", type=POSITIVE, default=5, help="timed train steps for the step-only figure")
+    p.add_argument(
+        "--step-steps", type=COUNT, default=5, help="timed train steps for the step-only figure (0: no step figure)"
+    )
     add_json_output(p)
 
 
