@@ -422,6 +422,10 @@ def _check_data(cfg: Config) -> None:
             f"set data.source=binary for a folder made by `dlrm-jax preprocess`, or "
             f"data.source=criteo for a Criteo text file"
         )
+    if d.reader_processes and d.source not in ("binary", "synthetic"):  # (synthetic: made on the devices)
+        raise ConfigError(
+            f"data.reader_processes: only data.source=binary is read in worker processes, got data.source={d.source}"
+        )
     if d.source != "binary":  # binary data: once its meta.json gives the features (data/sources/)
         check_features(cfg)
 

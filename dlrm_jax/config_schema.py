@@ -288,6 +288,15 @@ class DataConfig:
             "many batches in host and device memory)"
         ),
     )
+    reader_processes: bool = field(
+        default=False,
+        metadata=doc(
+            "binary: each reader thread's batches read and checked by a worker process of its own, into "
+            "shared memory, so that reading holds none of the training process's GIL (the dispatching "
+            "thread waits for it at every step); the same batches, bit for bit "
+            "([data](data.md#the-data-path))"
+        ),
+    )
     skip_bad_lines: bool = field(
         default=False, metadata=doc("criteo: skip and count malformed lines instead of stopping at the first")
     )

@@ -94,6 +94,10 @@ def test_overrides():
         ("model.top_mlp=[32, 2]", ["model.top_mlp", "1"]),
         ("data.bag_sizes=[1, 2]", ["data.bag_sizes", "26"]),
         ("data.source=binary", ["data.path", "binary"]),
+        (
+            "data.source=criteo|data.path=x.tsv|data.reader_processes=true",
+            ["data.reader_processes", "data.source=criteo"],
+        ),
         ("train.progress_bar=maybe", ["train.progress_bar", "true or false"]),
         ("train.steps", ["KEY=VALUE"]),
         ("embedding.sync=host_replicas|embedding.sync_every=5", ["embedding.sync_every=5", "never averaged"]),

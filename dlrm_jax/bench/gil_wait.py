@@ -65,6 +65,10 @@ class GilWait:
         self._thread, self._stop = self._run(self._busy)
         return self
 
+    def restart(self) -> None:
+        """Forget the wake-ups so far (the work's warm-up: from here on, its steady state)."""
+        self._busy.clear()
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()

@@ -16,6 +16,7 @@ training loop's dispatching thread at each of its waits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -27,6 +28,7 @@ from dlrm_jax.bench.gil_wait import GilWait
 from dlrm_jax.bench.train import time_train_step
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
+from dlrm_jax.data.reader_processes import ProcessReaders
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.train.build import build, mesh_from_config
 
@@ -51,12 +53,17 @@ def time_pipeline(cfg, steps: int) -> dict:
                 jax.block_until_ready(item.device)
                 if i == 1:
                     t0 = time.perf_counter()
+                    gil.restart()
         pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
     else:
+        layout = fns.packed_layout()  # as training reads: packed, one transfer
+        processes = cfg.data.reader_processes
+        read = ProcessReaders(source, layout, input_readers(cfg.data.readers)) if processes else None
         with (
+            contextlib.closing(read) if processes else contextlib.nullcontext(),
             GilWait() as gil,
             InputPipeline(
-                packed_reader(source, fns.packed_layout()),  # as training reads: packed, one transfer
+                read or packed_reader(source, layout),
                 range(steps + 2),
                 to_device=fns.device_batch,
                 readers=cfg.data.readers,
@@ -67,6 +74,7 @@ def time_pipeline(cfg, steps: int) -> dict:
                 jax.block_until_ready(item.device)
                 if i == 1:
                     t0, _ = time.perf_counter(), pipeline.times.take()
+                    gil.restart()
             pipeline_s, times = time.perf_counter() - t0, pipeline.times.take()
         t1 = time.perf_counter()
         for step in range(steps):

@@ -167,15 +167,21 @@ class HostPacked(NamedTuple):
         return _Joined(self.layout.views(self.buf)["ids"])
 
 
+def reading_layout(source, layout: PackedLayout) -> PackedLayout:
+    """The layout a source that reads in place (``train_batch_into``) writes ``layout``'s
+    batches in: with its ``raw_layout``, when not None, the raw values it writes per row and
+    which of them are the dynamic features'."""
+    raw = getattr(source, "raw_layout", None) if getattr(source, "train_batch_into", None) is not None else None
+    return layout if raw is None else layout.with_raw(*raw)
+
+
 def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
     """``step -> HostPacked`` for ``source``: read in place where the source can
-    (``train_batch_into``: the binary source's reads go straight into the buffer; its
-    ``raw_layout``, when not None, the raw values it writes per row and which of them the
-    dynamic features'), else its ``train_batch`` copied in (a :class:`RawBatch`'s raw ids too)."""
+    (``train_batch_into``: the binary source's reads go straight into the buffer, in
+    :func:`reading_layout`), else its ``train_batch`` copied in (a :class:`RawBatch`'s raw ids
+    too)."""
     into = getattr(source, "train_batch_into", None)
-    raw = getattr(source, "raw_layout", None) if into is not None else None
-    if raw is not None:
-        layout = layout.with_raw(*raw)
+    layout = reading_layout(source, layout)
 
     with_raw = functools.cache(layout.with_raw)  # one layout for every batch with raw ids
 

@@ -22,7 +22,8 @@ import numpy as np
 
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.packed import packed_reader
-from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead
+from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
+from dlrm_jax.data.reader_processes import ProcessReaders
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
@@ -99,10 +100,13 @@ class StepDriver:
 class DeviceDriver(StepDriver):
     """Batches from the input pipeline (or made on the devices) into one compiled train step."""
 
-    def __init__(self, steps: StepFunctions, source: DataSource, readers: int, prefetch: int, log=print):
+    def __init__(
+        self, steps: StepFunctions, source: DataSource, readers: int, prefetch: int, log=print, processes: bool = False
+    ):
         super().__init__(steps, source)
-        self.readers, self.prefetch, self.log = readers, prefetch, log
+        self.readers, self.prefetch, self.log, self.processes = readers, prefetch, log, processes
         self.pipeline: InputPipeline | None = None
+        self.reader_processes: ProcessReaders | None = None
         self.compiled = None
 
     def batches(self, state: TrainState, start: int, end: int) -> Iterable:
@@ -111,6 +115,10 @@ class DeviceDriver(StepDriver):
         steps, t0 = self.steps, time.perf_counter()
         device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
         read = packed_reader(self.source, steps.packed_layout())
+        if self.processes and device_batches is None:  # data.reader_processes
+            read = self.reader_processes = ProcessReaders(
+                self.source, steps.packed_layout(), input_readers(self.readers)
+            )
         first = steps.device_batch(self.source.train_batch(start) if device_batches else read(start))
         self.compiled = steps.train_step.lower(state, first).compile()
         self.log(
@@ -147,6 +155,8 @@ class DeviceDriver(StepDriver):
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
+        if self.reader_processes is not None:
+            self.reader_processes.close()
         super().close()
 
 

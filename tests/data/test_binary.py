@@ -5,6 +5,7 @@ block shuffle's epochs, evaluation, the max_rows cap, error messages, and agreem
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,10 @@ from hypothesis import strategies as st
 from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import PackedLayout, packed_reader
+from dlrm_jax.data.pipeline import InputPipeline
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
+from dlrm_jax.data.reader_processes import ProcessReaders
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, IdRanges, read_meta
@@ -91,6 +94,32 @@ def test_packed_reads_are_the_batches_step_by_step(data, shuffle, shards, proces
         packed, want = read(step), source.train_batch(step)
         assert_batches_equal(joined(packed), want)
         np.testing.assert_array_equal(np.asarray(packed.ids), want.ids)
+
+
+def test_worker_processes_read_the_same_batches_and_never_overwrite_one_handed_on(data):
+    """data.reader_processes: 3 reader threads share 2 worker processes (each thread waits for
+    an idle one); every batch handed on is kept (a consumer slower than the readers) and
+    compared once all are read: one a worker wrote into again would differ. Shuffled, as
+    process 1 of 2, 4 shards, past two epochs; a worker that dies is named."""
+    source = BinarySource(make_cfg(data[1], "data.shuffle=true"), 1, 2)
+    layout = PackedLayout(4, B // 2 // 4, 26, 13)
+    read = packed_reader(source, layout)
+    with ProcessReaders(source, layout, 2) as workers:
+        with InputPipeline(workers, range(30), readers=3, depth=6) as pipeline:
+            kept = []
+            for item in pipeline:
+                kept.append(item)
+                time.sleep(0.005)
+        assert [k.step for k in kept] == list(range(30))
+        for k in kept:
+            assert k.host.layout == layout
+            np.testing.assert_array_equal(k.host.buf, read(k.step).buf)
+        for w in workers._workers:
+            w.process.kill()
+        with pytest.raises(
+            RuntimeError, match=r"input reader process \d+ ended \(exit code -9\) while reading training step 4"
+        ):
+            workers(4)
 
 
 def test_read_meta(data):
@@ -268,19 +297,38 @@ def joined(packed) -> Batch:
 
 
 def first_batch(source, how: str):
-    """Step 0's batch, read as a batch or packed in place (8 shards)."""
+    """Step 0's batch, read as a batch, packed in place (8 shards), or so by a worker process."""
     if how == "batch":
         return source.train_batch(0)
+    if how == "process":
+        with ProcessReaders(source, PackedLayout(8, B // 8, 26, 13), 1) as read:
+            return read(0)
     return packed_reader(source, PackedLayout(8, B // 8, 26, 13))(0)
 
 
-@pytest.mark.parametrize("how", ["batch", "packed"])
+@pytest.mark.parametrize("how", ["batch", "packed", "process"])
 def test_out_of_range_id_names_the_file(copy, how):
     ids = np.load(copy / "train" / "00000" / "ids.npy", mmap_mode="r+")
     ids[3, 5] = M
     ids.flush()
     with pytest.raises(ValueError, match=f"{copy / 'train' / '00000' / 'ids.npy'}: row 3 .*feature 5 .*id 97"):
         first_batch(BinarySource(make_cfg(copy, "data.shuffle=false")), how)
+
+
+def test_a_workers_error_comes_at_its_step_and_the_worker_goes_on(copy):
+    ids = np.load(copy / "train" / "00000" / "ids.npy", mmap_mode="r+")
+    ids[70, 2] = M  # step 1's row 6 (in order)
+    ids.flush()
+    source = BinarySource(make_cfg(copy, "data.shuffle=false"))
+    layout = PackedLayout(2, B // 2, 26, 13)
+    with ProcessReaders(source, layout, 1) as read:
+        want = packed_reader(source, layout)
+        with pytest.raises(
+            BinaryFormatError, match=f"{copy / 'train' / '00000' / 'ids.npy'}: row 70 .*training step 1"
+        ):
+            read(1)
+        for step in (0, 2):
+            np.testing.assert_array_equal(read(step).buf, want(step).buf)
 
 
 def test_nan_dense_value_names_the_file_and_row(copy):
@@ -292,7 +340,7 @@ def test_nan_dense_value_names_the_file_and_row(copy):
         list(source.eval_batches())
 
 
-@pytest.mark.parametrize("how", ["batch", "packed"])
+@pytest.mark.parametrize("how", ["batch", "packed", "process"])
 def test_a_label_that_is_not_0_or_1_names_the_file_and_row(copy, how):
     labels = np.load(copy / "train" / "00000" / "labels.npy", mmap_mode="r+")
     labels[7] = 5.0

@@ -100,8 +100,12 @@ def dataset(tmp_path_factory):
 
 @pytest.mark.slow
 def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, dataset):
-    def cfg(steps):
+    """Cut at step 28 and resumed, the run logs the losses and scores of one that was not;
+    the cut run reads in worker processes (data.reader_processes), the whole one in threads."""
+
+    def cfg(steps, *more):
         return tiny(
+            *more,
             "data.source=binary",
             f"data.path={dataset}",
             "mesh.devices=4",
@@ -114,8 +118,8 @@ def test_binary_training_through_the_pipeline_resumes_bitwise(tiny, tmp_path, da
         )
 
     whole = train_and_evaluate(cfg(60), tmp_path / "whole", **QUIET)  # 60 x 64 rows: past an epoch
-    train_and_evaluate(cfg(28), tmp_path / "cut", **QUIET)
-    resumed = train_and_evaluate(cfg(60), tmp_path / "cut", **QUIET)
+    train_and_evaluate(cfg(28, "data.reader_processes=true"), tmp_path / "cut", **QUIET)
+    resumed = train_and_evaluate(cfg(60, "data.reader_processes=true"), tmp_path / "cut", **QUIET)
     lines = [
         [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         for d in (tmp_path / "whole", tmp_path / "cut")

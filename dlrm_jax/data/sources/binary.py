@@ -341,6 +341,15 @@ class BinarySource:
                 runs.append((self._lo, n - first))
         return runs
 
+    def __getstate__(self) -> dict:  # picklable (reader processes, data.reader_processes)
+        state = dict(self.__dict__)
+        del state["_chunk_places"], state["_turn"]  # caches of bound methods: made again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._keep_places()
+
     def _keep_places(self) -> None:
         """The shuffle's block places (a chunk of ``PLACES_CHUNK`` blocks per permutation) and
         each epoch's turn, computed once and kept for the last few chunks and epochs: a step's
