@@ -41,37 +41,47 @@ def _summary(late: list[float]) -> dict:
 
 
 class GilWait:
-    """``with GilWait() as probe: <work>``; then ``probe.result()``: the wake-ups' lateness in
-    ms (mean and percentiles) while the work ran, and ``idle``, the same over ``idle_s``
-    before it began (the OS's own latency, with no other thread wanting the GIL)."""
+    """``probe.idle()`` (the OS's own latency over ``idle_s``, nothing else wanting the GIL),
+    then ``probe.start()`` and ``probe.stop()`` around the work, or ``with GilWait() as
+    probe: <work>`` for all three; ``probe.result()``: each wake-up's lateness in ms (mean and
+    percentiles), ``busy`` while the work ran and ``idle`` before. The probe takes a little of
+    the GIL and a core itself (on the 2-core VM, 10-15% of synthetic batches' rate): time the
+    work's throughput outside it."""
 
     def __init__(self, nap_s: float = NAP_S, idle_s: float = 0.3):
         self.nap_s, self.idle_s = nap_s, idle_s
         self._idle: list[float] = []
         self._busy: list[float] = []
+        self._thread: threading.Thread | None = None
 
-    def _run(self, out: list[float], seconds: float | None = None) -> tuple[threading.Thread, threading.Event]:
-        stop = threading.Event()
-        thread = threading.Thread(target=_lateness, args=(stop, self.nap_s, out), name="gil-wait", daemon=True)
-        thread.start()
-        if seconds is not None:
-            time.sleep(seconds)
-            stop.set()
-            thread.join()
-        return thread, stop
+    def _run(self, out: list[float]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_lateness, args=(self._stop, self.nap_s, out), name="gil-wait", daemon=True
+        )
+        self._thread.start()
+
+    def idle(self) -> None:
+        self._run(self._idle)
+        time.sleep(self.idle_s)
+        self.stop()
+
+    def start(self) -> None:
+        self._run(self._busy)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
 
     def __enter__(self) -> GilWait:
-        self._run(self._idle, self.idle_s)
-        self._thread, self._stop = self._run(self._busy)
+        self.idle()
+        self.start()
         return self
 
-    def restart(self) -> None:
-        """Forget the wake-ups so far (the work's warm-up: from here on, its steady state)."""
-        self._busy.clear()
-
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        self.stop()
 
     def result(self) -> dict:
         return {"nap_ms": 1e3 * self.nap_s, "busy": _summary(self._busy), "idle": _summary(self._idle)}

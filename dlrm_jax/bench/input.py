@@ -39,32 +39,38 @@ def _with_data(cfg, **data):
 
 def time_pipeline(cfg, steps: int) -> dict:
     """Samples/s of ``steps`` batches through the pipeline to the devices, after 2 warm-up
-    steps; and of the source's ``train_batch`` alone on this thread."""
+    steps; the GIL probe's figures over some more; and of the source's ``train_batch`` alone
+    on this thread."""
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     _, fns = build(cfg, mesh, source, log=lambda *_: None)
     device_batches = getattr(source, "device_batches", None)
     hostmem.reset_peak_rss()
+    # The GIL probe runs after the timed steps, over more of them (it takes a share of the
+    # cores itself): the throughput is the pipeline's alone.
+    probed, gil = max(10, steps // 2), GilWait()
+    gil.idle()
     if device_batches is not None:  # generated on the devices: dispatched ahead, no host copy
         make = device_batches(fns.batch_sharding)
         # as training takes them: data.prefetch batches in flight, each awaited in turn
-        with GilWait() as gil:
-            for i, item in enumerate(dispatched_ahead(make, range(steps + 2), cfg.data.prefetch)):
-                jax.block_until_ready(item.device)
-                if i == 1:
-                    t0 = time.perf_counter()
-                    gil.restart()
-        pipeline_s, read_s, times = time.perf_counter() - t0, float("nan"), {}
+        for i, item in enumerate(dispatched_ahead(make, range(steps + 2 + probed), cfg.data.prefetch)):
+            jax.block_until_ready(item.device)
+            if i == 1:
+                t0 = time.perf_counter()
+            elif i == steps + 1:
+                pipeline_s = time.perf_counter() - t0
+                gil.start()
+        gil.stop()
+        read_s, times = float("nan"), {}
     else:
         layout = fns.packed_layout()  # as training reads: packed, one transfer
-        processes = cfg.data.reader_processes
-        read = ProcessReaders(source, layout, input_readers(cfg.data.readers)) if processes else None
+        in_processes = cfg.data.reader_processes
+        read = ProcessReaders(source, layout, input_readers(cfg.data.readers)) if in_processes else None
         with (
-            contextlib.closing(read) if processes else contextlib.nullcontext(),
-            GilWait() as gil,
+            contextlib.closing(read) if in_processes else contextlib.nullcontext(),
             InputPipeline(
                 read or packed_reader(source, layout),
-                range(steps + 2),
+                range(steps + 2 + probed),
                 to_device=fns.device_batch,
                 readers=cfg.data.readers,
                 depth=cfg.data.prefetch,
@@ -74,8 +80,10 @@ def time_pipeline(cfg, steps: int) -> dict:
                 jax.block_until_ready(item.device)
                 if i == 1:
                     t0, _ = time.perf_counter(), pipeline.times.take()
-                    gil.restart()
-            pipeline_s, times = time.perf_counter() - t0, pipeline.times.take()
+                elif i == steps + 1:
+                    pipeline_s, times = time.perf_counter() - t0, pipeline.times.take()
+                    gil.start()
+            gil.stop()
         t1 = time.perf_counter()
         for step in range(steps):
             source.train_batch(step)
