@@ -42,6 +42,7 @@ from jax import lax
 
 from dlrm_jax.chunks import by_chunks, in_chunks, padded_chunks
 from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
+from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.hashing import mix32
 
 _FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
@@ -433,7 +434,7 @@ def _settled(
         real & ~admitted,  # held back
         pending,  # unplaced
     ]
-    sums = [jax.ops.segment_sum(x.astype(jnp.int32), utab, num_segments=len(specs)) for x in per_id]
+    sums = [few_segment_sum(x.astype(jnp.int32), utab, len(specs)) for x in per_id]
     stats = jnp.stack(sums, 1)  # (each stat summed alone: no [U, 6] array)
     to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first, in one scatter
     entries = jnp.stack([placed - base, utab, uhi.view(jnp.int32), ulo.view(jnp.int32)], 1)

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
 from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
+from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.parallel.mesh import AXIS, varying
 from dlrm_jax.sorting import first_places, sort_with_order
 
@@ -346,7 +347,7 @@ def sharded_resolve_fused(
             table = jnp.asarray(per_device)
             index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
             owner = jnp.where(real, owner_of(utab, uhi, ulo), n)
-            most = lax.pmax(jnp.max(jax.ops.segment_sum(real.astype(jnp.int32), owner, n)), AXIS)
+            most = lax.pmax(jnp.max(few_segment_sum(real.astype(jnp.int32), owner, n)), AXIS)
             distinct = (index, uhi, ulo, utab, occurrences, owner)
             branches = [lambda d, k=k: routed(k, fused, d, step) for k in sends]
             branches.append(lambda d: gathered(fused, hi, lo, valid, step))

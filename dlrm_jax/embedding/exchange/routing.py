@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dlrm_jax.embedding.plan.layout import KIND_BLOCK, KIND_CYCLIC
+from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.sorting import first_places, sort_with_order
 
@@ -113,7 +114,7 @@ def buckets_as_routed(slot_valid, owner, rank, index, num_devices: int) -> Bucke
     real = owner < num_devices
     owner = jnp.where(real, owner, 0)
     at = jnp.minimum(index, n - 1)
-    counts = jax.ops.segment_sum(real.astype(jnp.int32), owner, num_devices)  # places taken per owner
+    counts = few_segment_sum(real.astype(jnp.int32), owner, num_devices)  # places taken per owner
     unsent = jnp.zeros_like(rank)  # (the rows: never sent, so never needed here)
     return Buckets(owner, unsent, rank, asked & real, owner[at], rank[at], slot_valid, counts)
 
