@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The next GPU lease's measurements, one call per run of the device tool (each ends well inside
+# its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
+#
+#   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
+#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, xla, fused_programs
+#   scripts/gpu_lease.sh 2   # dynamic tables: the step as is, and with loops and switches in CUDA graphs
+#   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, 2 and 6 readers, reader processes
+#
+# Arguments after the call's number go to gpu_bench.py too (a try-out on CPU: --set
+# train.batch_size=1024 --set data.max_rows=20000 --set mesh.devices=1).
+#
+# What comes back (at most 8 files, under $OUT): the call's log, its gpu_bench.json, and the
+# optimized HLO of each step it timed (gzipped).
+set -o pipefail
+call=${1:?which call: 1, 2 or 3}
+out=${OUT:-/tmp/gpu_lease_out}
+work=/tmp/gpu_lease_$call
+export PYTHONUNBUFFERED=1
+mkdir -p "$out" "$work"
+cd "$(dirname "$0")/.."
+case $call in
+1) args=(--only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle
+         --variants default,fused_again,xla,fused_programs --variant-configs mlperf_dcnv2_capped,criteo_kaggle
+         --train-configs "" --steps 20) ;;
+2) args=(--only configs --configs criteo_kaggle_dynamic --variants default,device_control:criteo_kaggle_dynamic
+         --train-configs "" --steps 10 --determinism-steps 0) ;;
+3) args=(--only feed --feed-configs criteo_kaggle --set data.max_rows=500000
+         --feed-variants "data.readers=2;data.readers=6;data.reader_processes=true" --train-steps 400) ;;
+*) echo "call $call: 1, 2 or 3" >&2; exit 2 ;;
+esac
+python scripts/gpu_bench.py --out "$work" "${args[@]}" "${@:2}" 2>&1 | tee "$out/call$call.log"
+status=$?
+cp "$work/gpu_bench.json" "$out/call$call.json" 2>/dev/null
+for hlo in "$work"/*.hlo.txt; do  # the steps' programs, most telling first, up to the file limit
+    [ -e "$hlo" ] || continue
+    [ "$(ls "$out" | wc -l)" -ge 8 ] && break
+    gzip -c "$hlo" > "$out/$(basename "$hlo").gz"
+done
+exit $status
