@@ -35,11 +35,11 @@ def contents(m) -> dict[int, int]:
     return {int(k): int(r) for k, r in zip(keys, used, strict=True)}
 
 
-def step_like_the_model(spec: MapSpec, model: DictMap, m, batch: list[int | None], step: int):
-    """One batch through the map and the model: the same rows, fresh rows, counts and
-    contents. Returns the map after it and the batch's counts."""
+def step_like_the_model(spec: MapSpec, model: DictMap, m, batch: list[int | None], step: int, resolving=None):
+    """One batch through the map (``resolving``, default :func:`resolver`) and the model: the
+    same rows, fresh rows, counts and contents. Returns the map after it and the batch's counts."""
     want_rows, want_fresh, want_stats = model.resolve(batch, step)
-    out = resolver(spec)(m, *as_arrays(batch), step)
+    out = (resolving or resolver(spec))(m, *as_arrays(batch), step)
     assert np.asarray(out.rows).tolist() == want_rows, step
     assert set(np.flatnonzero(np.asarray(out.fresh)).tolist()) == want_fresh, step
     assert {k: int(out.stats[k]) for k in STATS} == want_stats, step
@@ -101,6 +101,29 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
         ]
         assert least < seen <= most, seen
     assert stats["admitted"] + stats["found"] > 0
+
+
+def test_the_gpus_straight_form_equals_the_model(monkeypatch):
+    """On GPUs a resolution keeps to one path (``resolve.by_platform``): all N ids, not the
+    least prefix that holds the distinct ones; the sketches halved every step; the map written
+    at once, not in chunks of WRITE_CHUNK. Forced here on CPU: 4,096 ids a batch of 700 to 6,000
+    distinct (every prefix the CPU form would take, and writes past one chunk), admission with
+    a sketch that halves every other step, both policies: every step equals the model."""
+    from dlrm_jax.embedding.dynamic import resolve as resolving
+
+    monkeypatch.setattr(resolving, "STRAIGHT_EVERYWHERE", True)
+    for spec, distinct in ((MapSpec(8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64), 6000),
+                           (MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32), 700)):  # fmt: skip
+        straight = jax.jit(functools.partial(resolve, spec))  # (traced with the flag set)
+        text = straight.lower(init_map(spec), *as_arrays([1] * 4096), 0).as_text()
+        assert "stablehlo.case" not in text  # no switch, no conditional
+        rng = np.random.default_rng(distinct)
+        pool = rng.choice(2**62, size=distinct, replace=False) + (1 << 40)
+        model, m = DictMap(spec), init_map(spec)
+        for step in range(4):
+            batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=4096)]
+            m, stats = step_like_the_model(spec, model, m, batch, step, straight)
+        assert stats["admitted"] + stats["found"] > 0
 
 
 @pytest.mark.parametrize("policy,admit", [("lru", 0), ("lfu", 0), ("lfu", 2)])
