@@ -12,6 +12,7 @@ LAYERS = [
         "ids",
         "hashing",
         "sorting",
+        "few_segments",
         "chunks",
         "choices",
         "config_schema",
