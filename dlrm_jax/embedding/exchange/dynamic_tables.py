@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.choices import NewRows
 from dlrm_jax.chunks import in_chunks
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map, shared_row_of
+from dlrm_jax.embedding.dynamic.resolve import by_platform
 from dlrm_jax.embedding.dynamic.sharded import (
     FreshRows,
     check_split,
@@ -255,8 +256,14 @@ class DynamicTables:
         """``chunks.in_chunks`` of fresh entries (``parts``: rows first, -1 where none, then
         what else ``write`` takes, each [N]), ``reset_chunk`` at a time (a row reset twice is
         reset once): the tables updated in place, the work following the fresh rows (most steps
-        of a filled map give out few). Inside shard_map."""
-        return in_chunks(parts, count, self.reset_chunk, carry, write)
+        of a filled map give out few). Inside shard_map. On one GPU, every entry at once
+        (``resolve.by_platform``: a loop's predicate is read on the host each chunk, and a
+        filling map gives out thousands of rows a step; entries past the fresh ones reset
+        nothing); on several devices each chunk meets in a sum, so the chunks stay."""
+        chunked = lambda: in_chunks(parts, count, self.reset_chunk, carry, write)
+        if map_devices(self.mesh) > 1:
+            return chunked()
+        return by_platform(chunked, lambda: write(carry, *parts))
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
