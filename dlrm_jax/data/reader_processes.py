@@ -34,7 +34,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -48,7 +47,7 @@ JOIN_S = 10.0  # a worker's time to exit after being asked, before it is termina
 
 def _serve(conn: Connection) -> None:
     """A worker's loop: first (source, layout, shared buffer's name); then a step number in,
-    that batch written into the shared buffer, ``("ok", seconds)`` or ``("error", exception)``
+    that batch written into the shared buffer, ``("ok", None)`` or ``("error", exception)``
     out; None (or a closed socket) ends it."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -61,7 +60,6 @@ def _serve(conn: Connection) -> None:
     views = layout.views(buf)
     try:
         while (step := conn.recv()) is not None:
-            t = time.perf_counter()
             try:
                 source.train_batch_into(step, views)
             except Exception as e:  # the training process raises it at its step
@@ -70,7 +68,7 @@ def _serve(conn: Connection) -> None:
                 except Exception:  # an exception that does not pickle: its words
                     conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
                 continue
-            conn.send(("ok", time.perf_counter() - t))
+            conn.send(("ok", None))
     except (EOFError, OSError):  # the training process is gone
         pass
     finally:
