@@ -49,11 +49,12 @@ def _gram_forward(t_bnd):
 def _gram_backward(t_bnd, d_pairs):
     b, n, _ = t_bnd.shape
     rows, cols = _pairs(n)
-    source = np.full(n * n, len(rows), np.int32)  # index into [pairs..., zero]
+    source = np.zeros(n * n, np.int32)  # each place's pair (the diagonal: none, masked)
     source[rows * n + cols] = np.arange(len(rows))
     source[cols * n + rows] = np.arange(len(rows))
-    padded = jnp.concatenate([d_pairs, jnp.zeros((b, 1), d_pairs.dtype)], axis=1)
-    d_gram = jnp.take(padded, source, axis=1).reshape(b, n, n)  # symmetric: dG + dG^T
+    off_diagonal = (np.arange(n * n) // n) != (np.arange(n * n) % n)
+    # (a gather and a select in one pass: a zero column appended first was a pad of its own)
+    d_gram = jnp.where(off_diagonal, jnp.take(d_pairs, source, axis=1), 0).reshape(b, n, n)  # dG + dG^T
     return (jnp.einsum("bij,bjd->bid", d_gram, t_bnd),)
 
 
