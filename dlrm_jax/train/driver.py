@@ -114,11 +114,12 @@ class DeviceDriver(StepDriver):
         and placed packed (one transfer each, :mod:`dlrm_jax.data.packed`)."""
         steps, t0 = self.steps, time.perf_counter()
         device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
-        read = packed_reader(self.source, steps.packed_layout())
         if self.processes and device_batches is None:  # data.reader_processes
             read = self.reader_processes = ProcessReaders(
                 self.source, steps.packed_layout(), input_readers(self.readers)
             )
+        else:
+            read = packed_reader(self.source, steps.packed_layout())
         first = steps.device_batch(self.source.train_batch(start) if device_batches else read(start))
         self.compiled = steps.train_step.lower(state, first).compile()
         self.log(

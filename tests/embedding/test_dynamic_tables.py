@@ -94,12 +94,12 @@ def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
 
 def test_one_gpus_straight_form_trains_as_the_branches_do(monkeypatch):
     """On one GPU the fresh rows are reset all at once and the resolution keeps to one path
-    (``resolve.by_platform``); forced here on CPU, 40 steps equal the CPU form's resetting 2
+    (``chunks.by_platform``); forced here on CPU, 40 steps equal the CPU form's resetting 2
     rows a chunk: pooled vectors, tables, state, maps and counts, bit for bit."""
-    from dlrm_jax.embedding.dynamic import resolve as resolving
+    from dlrm_jax import chunks
 
     branches = list(run(1, "rowwise_adagrad", 40, reset_chunk=2))
-    monkeypatch.setattr(resolving, "STRAIGHT_EVERYWHERE", True)
+    monkeypatch.setattr(chunks, "STRAIGHT_EVERYWHERE", True)
     for t, (got, want) in enumerate(zip(run(1, "rowwise_adagrad", 40), branches, strict=True)):
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"pooled, step {t}")
         for a, b in zip(got[1] + got[3], want[1] + want[3], strict=True):

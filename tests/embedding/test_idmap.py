@@ -104,14 +104,14 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
 
 
 def test_the_gpus_straight_form_equals_the_model(monkeypatch):
-    """On GPUs a resolution keeps to one path (``resolve.by_platform``): all N ids, not the
+    """On GPUs a resolution keeps to one path (``chunks.by_platform``): all N ids, not the
     least prefix that holds the distinct ones; the sketches halved every step; the map written
     at once, not in chunks of WRITE_CHUNK. Forced here on CPU: 4,096 ids a batch of 700 to 6,000
     distinct (every prefix the CPU form would take, and writes past one chunk), admission with
     a sketch that halves every other step, both policies: every step equals the model."""
-    from dlrm_jax.embedding.dynamic import resolve as resolving
+    from dlrm_jax import chunks
 
-    monkeypatch.setattr(resolving, "STRAIGHT_EVERYWHERE", True)
+    monkeypatch.setattr(chunks, "STRAIGHT_EVERYWHERE", True)
     for spec, distinct in ((MapSpec(8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64), 6000),
                            (MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32), 700)):  # fmt: skip
         straight = jax.jit(functools.partial(resolve, spec))  # (traced with the flag set)

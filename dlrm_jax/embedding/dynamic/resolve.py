@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dlrm_jax.chunks import by_chunks, in_chunks, padded_chunks
+from dlrm_jax.chunks import by_chunks, by_platform, in_chunks_on_cpu, padded_chunks
 from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.hashing import mix32
@@ -134,27 +134,10 @@ class MapWrites(NamedTuple):
         return MapWrites(grow(self.at, rows), grow(self.seen_at, rows), *(grow(x, 0) for x in self[2:5]), self.count)
 
 
-# Tests set it to run the GPUs' form (:func:`by_platform`'s ``straight``) on every platform.
-STRAIGHT_EVERYWHERE = False
-
-
-def by_platform(branchy, straight):
-    """``branchy()`` in a program compiled for CPUs, ``straight()`` elsewhere (only the one is
-    compiled). A resolution keeps to one path on GPUs: its work compiled for all N ids only
-    (no switch among the prefix sizes of :func:`distinct_sizes`), the sketches' halving
-    computed every step (no conditional), the map written in one pass (no loop of chunks).
-    XLA's GPU runtime reads every switch index and loop predicate on the host, a copy and a
-    wait with the device idle (on one H200 the dynamic step was idle 1.3 ms of 7.1 for them);
-    on CPUs they cost nothing and the branches save work. The same results either way."""
-    if STRAIGHT_EVERYWHERE:
-        return straight()
-    return lax.platform_dependent(cpu=branchy, default=straight)
-
-
 def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
     """``m`` with the writes ``w`` of the batch at ``step`` made where the map lies, a chunk of
     entries at a time (``chunks.in_chunks``: a write inside a switch's branch copied the map
-    whole, every step), or at once on GPUs (:func:`by_platform`; padding writes nothing)."""
+    whole, every step), or at once on GPUs (``chunks.in_chunks_on_cpu``; padding writes nothing)."""
 
     def write(m, at, seen_at, seen_count, hi, lo):
         return m._replace(
@@ -165,9 +148,7 @@ def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
             count=m.count.at[seen_at].set(seen_count, mode="drop"),
         )
 
-    return by_platform(  # (each entry sets: written twice, the same)
-        lambda: in_chunks(w[:5], w.count, WRITE_CHUNK, m, write), lambda: write(m, *w[:5])
-    )
+    return in_chunks_on_cpu(w[:5], w.count, WRITE_CHUNK, m, write)  # (each entry sets: written twice, the same)
 
 
 def distinct_ids(hi, lo, valid, table, counts=None):
@@ -272,9 +253,9 @@ def resolve_fused(
     distinct_row, at, seen_at, seen_count, sketch, fresh, stats, sketch_touched = (
         branches[0]()
         if len(sizes) == 1
-        else by_platform(
+        else by_platform(  # on GPUs one path: all N ids, what every branch gives
             lambda: lax.switch(jnp.searchsorted(jnp.asarray(sizes), count, method="compare_all"), branches),
-            branches[-1],  # (all N ids: what every branch gives)
+            branches[-1],
         )
     )
     # The map is written here, not in the branches (a switch's results are buffers of their

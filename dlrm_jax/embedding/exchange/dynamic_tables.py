@@ -24,9 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.choices import NewRows
-from dlrm_jax.chunks import in_chunks
+from dlrm_jax.chunks import in_chunks, in_chunks_on_cpu
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map, shared_row_of
-from dlrm_jax.embedding.dynamic.resolve import by_platform
 from dlrm_jax.embedding.dynamic.sharded import (
     FreshRows,
     check_split,
@@ -257,13 +256,11 @@ class DynamicTables:
         what else ``write`` takes, each [N]), ``reset_chunk`` at a time (a row reset twice is
         reset once): the tables updated in place, the work following the fresh rows (most steps
         of a filled map give out few). Inside shard_map. On one GPU, every entry at once
-        (``resolve.by_platform``: a loop's predicate is read on the host each chunk, and a
+        (``chunks.in_chunks_on_cpu``: a loop's predicate is read on the host each chunk, and a
         filling map gives out thousands of rows a step; entries past the fresh ones reset
         nothing); on several devices each chunk meets in a sum, so the chunks stay."""
-        chunked = lambda: in_chunks(parts, count, self.reset_chunk, carry, write)
-        if map_devices(self.mesh) > 1:
-            return chunked()
-        return by_platform(chunked, lambda: write(carry, *parts))
+        chunked = in_chunks if map_devices(self.mesh) > 1 else in_chunks_on_cpu
+        return chunked(parts, count, self.reset_chunk, carry, write)
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
