@@ -184,6 +184,18 @@ class TrainConfig:
             "step's loss or is not finite; 0 = off"
         ),
     )
+    trace_steps: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "> 0: trace this many train steps of the run with `jax.profiler` (from the step after the "
+            "first log window: compiling is not in it) into `RUN_DIR/trace/process_N/` (TensorBoard's "
+            "profile tab or ui.perfetto.dev), and log a `trace` event of where a step's time went: the "
+            "devices' kernels and idle share, host-to-device copies, the dispatching thread's launching "
+            "and waiting, the input threads ([a trace of the training loop](observe.md#a-trace-of-the-training-loop)); "
+            "traced steps run a little slower; 0 = off"
+        ),
+    )
     progress_bar: bool = field(default=True, metadata=doc("a progress bar on the terminal"))
     tensorboard: bool = field(
         default=False,

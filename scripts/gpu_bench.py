@@ -529,15 +529,24 @@ def print_tables(report: dict, log=print) -> None:
             )
 
 
-def train_end_to_end(name: str, steps: int, data: str | None = None, more: tuple[str, ...] = ()) -> dict:
+# Steps of each end-to-end run traced (train.trace_steps: after its first 50-step window).
+TRACE_STEPS = 20
+
+
+def train_end_to_end(
+    name: str, steps: int, data: str | None = None, more: tuple[str, ...] = (), keep_trace: str | None = None
+) -> dict:
     """``dlrm-jax train`` as a user runs it (its input pipeline, logging, the end's evaluation
     and checkpoint), at the benchmark's settings: its windows' samples/s, the input pipeline's
-    and the dispatching thread's per-step figures, and its wall time. ``data``: a binary
-    dataset to read instead of the synthetic batches made on the device; ``more``: overrides
-    of this run alone."""
+    and the dispatching thread's per-step figures, its wall time, and its ``trace`` event
+    (``train.trace_steps``: the devices' busy and idle time per step in the loop itself).
+    ``data``: a binary dataset to read instead of the synthetic batches made on the device;
+    ``more``: overrides of this run alone; ``keep_trace``: where to copy the run's Perfetto
+    trace (ui.perfetto.dev)."""
     path, extra = CONFIGS[name]
     run_dir = tempfile.mkdtemp(prefix="dlrm-gpu-train-")
     overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", f"train.steps={steps}", "train.log_every=50"]
+    overrides += [f"train.trace_steps={TRACE_STEPS}"]
     overrides += list(more)
     if data:
         overrides += ["data.source=binary", f"data.path={data}"]
@@ -550,11 +559,16 @@ def train_end_to_end(name: str, steps: int, data: str | None = None, more: tuple
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         events = [json.loads(line) for line in f]
     trains = [e for e in events if "loss" in e and e.get("samples_per_s")]  # train or eval
-    inner = trains[1:-1] or trains  # the first window compiles, the last evaluates and saves
+    # the first window compiles, the last evaluates and saves, the second holds the trace
+    inner = trains[2:-1] or trains[1:-1] or trains
+    trace = next((e for e in events if e.get("event") == "trace"), {})
+    kept = glob.glob(os.path.join(trace.get("trace_dir", "-"), "**", "perfetto_trace.json.gz"), recursive=True)
+    if keep_trace and kept:
+        shutil.copy(kept[0], keep_trace)
     last = next(e for e in reversed(events) if "run_samples_per_s" in e)
     host = {
         k: statistics.median(e[k] for e in inner if k in e)
-        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "dispatch_ms")
+        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "dispatch_ms", "result_wait_ms")
         if any(k in e for e in inner)
     }
     return {
@@ -565,6 +579,7 @@ def train_end_to_end(name: str, steps: int, data: str | None = None, more: tuple
         "median_window_samples_per_s": statistics.median(e["samples_per_s"] for e in inner),
         "run_samples_per_s": last["run_samples_per_s"],
         "host_ms_per_step": host,
+        "trace": {k: v for k, v in trace.items() if k.startswith("trace_") and k != "trace_dir"},
     }
 
 
@@ -591,12 +606,15 @@ def input_alone(name: str, data: str, more: tuple[str, ...] = ()) -> dict:
 FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
 
 
-def feed_cases(names: list[str], steps: int, work: str, variants: list[tuple[str, ...]] = ()) -> dict:
+def feed_cases(
+    names: list[str], steps: int, work: str, variants: list[tuple[str, ...]] = (), keep: str | None = None
+) -> dict:
     """Each config trained end to end twice by ``dlrm-jax train``: on synthetic batches made on
     the device, and on a binary dataset of the same kind of rows written first
     (:func:`~dlrm_jax.data.preprocessing.synthetic_dataset.write_synthetic_dataset`) read
     through the input pipeline; the ratio is the feed's cost. ``variants``: overrides the
-    binary run is repeated with (``data.readers`` counts, say), each reported beside it."""
+    binary run is repeated with (``data.readers`` counts, say), each reported beside it;
+    ``keep``: a folder for each run's Perfetto trace."""
     from dlrm_jax.config import load_config
     from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 
@@ -609,12 +627,14 @@ def feed_cases(names: list[str], steps: int, work: str, variants: list[tuple[str
         t = time.perf_counter()
         write_synthetic_dataset(cfg, data, train_rows=rows, val_rows=cfg.train.batch_size, overwrite=True)
         made_s = time.perf_counter() - t
-        synthetic = train_end_to_end(name, steps)
-        binary = train_end_to_end(name, steps, data)
+        kept = lambda label, name=name: os.path.join(keep, f"trace-{name}-{label}.json.gz") if keep else None
+        synthetic = train_end_to_end(name, steps, keep_trace=kept("synthetic"))
+        binary = train_end_to_end(name, steps, data, keep_trace=kept("binary"))
         out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
         out[name]["input_alone"] = {"default": input_alone(name, data)}
         for more in variants:
-            out[name][f"binary {' '.join(more)}"] = train_end_to_end(name, steps, data, more)
+            label = " ".join(more)
+            out[name][f"binary {label}"] = train_end_to_end(name, steps, data, more, kept(label.replace("=", "-")))
             out[name]["input_alone"][" ".join(more)] = input_alone(name, data, more)
         if "failed" not in synthetic and "failed" not in binary:
             ratio = binary["median_window_samples_per_s"] / synthetic["median_window_samples_per_s"]
@@ -753,7 +773,8 @@ def main() -> int:
             print(json.dumps({n: report["train"][n]}), flush=True)
     if args.only in (None, "feed"):
         variants = [tuple(o for o in v.split(",") if o) for v in args.feed_variants.split(";") if v]
-        report["feed"] = feed_cases([n for n in args.feed_configs.split(",") if n], args.train_steps, work, variants)
+        names = [n for n in args.feed_configs.split(",") if n]
+        report["feed"] = feed_cases(names, args.train_steps, work, variants, args.out)
     runs = report.get("runs", {})
     for label, p in report.get("parity", {}).items():
         print(
@@ -761,6 +782,8 @@ def main() -> int:
             f"after 20 fp32 steps; loss {p['loss_last']:.6f} vs {p['loss_last_cpu']:.6f}"
         )
     print_tables(report)
+    from dlrm_jax.observe.loop_trace import format_summary
+
     for label, results in runs.items():
         for n, r in results.items():
             if label != "default" and n in runs["default"]:
@@ -776,6 +799,8 @@ def main() -> int:
             f"{t['run_samples_per_s']:,.0f} over the run, {t['steps']} steps in {t['wall_s']:.0f} s wall)"
             + (f", {t['median_window_samples_per_s'] / step['samples_per_s']:.2f}x the step's alone" if step else "")
         )
+        if t.get("trace"):
+            print(f"{n}: {format_summary(t['trace'])}")
     for n, f in report.get("feed", {}).items():
         step = runs.get("default", {}).get(n)
         # synthetic, binary and its variants
@@ -794,6 +819,8 @@ def main() -> int:
                 + "; per step, ms: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in t["host_ms_per_step"].items())
             )
+            if t.get("trace"):
+                print(f"{n} [{kind}]: {format_summary(t['trace'])}")
         for label, a in f.get("input_alone", {}).items():
             if "failed" in a:
                 continue

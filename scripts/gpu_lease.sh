@@ -10,8 +10,9 @@
 # Arguments after the call's number go to gpu_bench.py too (a try-out on CPU: --set
 # train.batch_size=1024 --set data.max_rows=20000 --set mesh.devices=1).
 #
-# What comes back (at most 8 files, under $OUT): the call's log, its gpu_bench.json, and the
-# optimized HLO of each step it timed (gzipped).
+# What comes back (at most 8 files, under $OUT): the call's log, its gpu_bench.json, the
+# end-to-end runs' loop traces (train.trace_steps, Perfetto's format) and the optimized HLO of
+# each step it timed (gzipped).
 set -o pipefail
 call=${1:?which call: 1, 2 or 3}
 out=${OUT:-/tmp/gpu_lease_out}
@@ -32,6 +33,11 @@ esac
 python scripts/gpu_bench.py --out "$work" "${args[@]}" "${@:2}" 2>&1 | tee "$out/call$call.log"
 status=$?
 cp "$work/gpu_bench.json" "$out/call$call.json" 2>/dev/null
+for trace in "$work"/trace-*.json.gz; do  # the end-to-end runs' loop traces (ui.perfetto.dev)
+    [ -e "$trace" ] || continue
+    [ "$(ls "$out" | wc -l)" -ge 8 ] && break
+    cp "$trace" "$out/"
+done
 for hlo in "$work"/*.hlo.txt; do  # the steps' programs, most telling first, up to the file limit
     [ -e "$hlo" ] || continue
     [ "$(ls "$out" | wc -l)" -ge 8 ] && break

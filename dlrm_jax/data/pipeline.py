@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dlrm_jax.observe.threads import name_os_thread
 from dlrm_jax.parallel.launch import cores_of_this_process
 
 T = TypeVar("T")
@@ -92,7 +93,7 @@ class InputPipeline(Generic[T, D]):
     ):
         self._read, self._to_device, self._steps = read, to_device, iter(steps)
         self.readers = max(1, input_readers(readers))
-        self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="input")
+        self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="input", initializer=name_os_thread)
         self._pending: deque[Future] = deque()
         self._depth = max(1, depth, self.readers)  # fewer steps in flight would leave readers idle
         self.times = InputTimes()

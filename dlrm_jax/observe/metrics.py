@@ -54,7 +54,15 @@ _SECTIONS = {
 _NOT_SCALARS = ("step", "event", "wall_s")
 # Fields that measure the machine, not the training: a resumed run logs the same events as an
 # uninterrupted one except these (and the final event's run fields).
-TIMING_FIELDS = ("wall_s", "samples_per_s", "dispatch_ms", "input_read_ms", "input_h2d_ms", "input_wait_ms")
+TIMING_FIELDS = (
+    "wall_s",
+    "samples_per_s",
+    "dispatch_ms",
+    "result_wait_ms",
+    "input_read_ms",
+    "input_h2d_ms",
+    "input_wait_ms",
+)
 
 
 def tensorboard_tag(key: str) -> str:

@@ -6,6 +6,7 @@ event, evaluation with the run's record (best, early stop), and the checkpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import signal
@@ -19,6 +20,7 @@ from dlrm_jax import stopping
 from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.stats import collective_bytes
+from dlrm_jax.observe.loop_trace import LoopTrace, format_summary
 from dlrm_jax.observe.metrics import MetricsWriter
 from dlrm_jax.parallel.coordination import outcomes_of_every_process, report_progress
 from dlrm_jax.parallel.mesh import host_scalar
@@ -160,8 +162,9 @@ class TrainingLoop:
         progress: Progress,
         start: int,
         log=print,
+        trace: LoopTrace | None = None,
     ):
-        self.t, self.driver, self.steps = train, driver, driver.steps
+        self.t, self.driver, self.steps, self.trace = train, driver, driver.steps, trace
         self.ckpts, self.metrics, self.progress, self.log = ckpts, metrics, progress, log
         self.plan_json = plan.to_json()
         # per device and step, at the compiled capacities; the dynamic tables' raw ids by the
@@ -171,6 +174,7 @@ class TrainingLoop:
         self.route_bytes = dynamic.resolution_paths(train.batch_size) if dynamic is not None else []
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
+        self.result_wait_s = 0.0  # the window's, in read_results
         self.window_cpu = 0.0
         self.windows = progressive_windows(train, driver.source)
         self.auc = self.logloss = float("nan")
@@ -189,6 +193,8 @@ class TrainingLoop:
         """Run train step ``step``, then what the tables ask after it (per-host tables: their sync, when due)."""
         if self.window_start is None:
             self.window_start, self.window_cpu = time.perf_counter(), time.thread_time()
+        if self.trace is not None:
+            self.trace.before(step)
         stepped = self.driver.run(state, item)
         self.pending.append((step, stepped.out))
         state, self._ids = stepped.state, stepped.ids
@@ -212,10 +218,43 @@ class TrainingLoop:
         ):
             self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
         state = self.driver.after_step(state, step, self._ids)
-        while len(self.pending) > DISPATCH_AHEAD:
-            self.watch.add(*self.pending.popleft())
+        self.read_results(DISPATCH_AHEAD)
+        self.end_trace(step - len(self.pending))
         self.bar.update(1)
         return state
+
+    @contextlib.contextmanager
+    def trace_closed(self):
+        """Around the loop: a trace still running when it ends (a run shorter than its traced
+        steps) is read; when it raises, ended unread (a notebook's next run could not start
+        one)."""
+        try:
+            yield
+        except BaseException:
+            if self.trace is not None and self.trace.running:
+                self.trace.running = False
+                jax.profiler.stop_trace()
+            raise
+        self.end_trace()
+
+    def read_results(self, keep: int) -> None:
+        """The losses (and counts) of the dispatched steps but the last ``keep``, read on the
+        host: a wait for the devices to finish them (timed: ``result_wait_ms``)."""
+        t0 = time.perf_counter()
+        while len(self.pending) > keep:
+            self.watch.add(*self.pending.popleft())
+        self.result_wait_s += time.perf_counter() - t0
+
+    def end_trace(self, read_through: int | None = None) -> None:
+        """The ``trace`` event and its line, once the traced steps' results are read (steps up
+        to ``read_through``), or now (None: the loop ended first)."""
+        if self.trace is None:
+            return
+        summary = self.trace.stop() if read_through is None else self.trace.done(read_through)
+        if summary is None:
+            return
+        self.metrics.write({"event": "trace", "step": self.trace.last, **summary, "trace_dir": self.trace.trace_dir})
+        self.bar.write(f"{format_summary(summary)} ({self.trace.trace_dir})")
 
     def _sent_bytes(self) -> dict:
         """``a2a_bytes``, ``allreduce_bytes``, ``allgather_bytes``: per device and step, the
@@ -233,8 +272,8 @@ class TrainingLoop:
 
     def window_event(self, step: int, state: TrainState) -> dict:
         """Every step up to here checked (before anything is saved), and the window's event."""
-        while self.pending:
-            self.watch.add(*self.pending.popleft())
+        self.read_results(0)
+        self.end_trace(step)
         if self._state_check is not None:
             self.watch.check_state(step, self._state_check)
         elapsed = time.perf_counter() - self.window_start
@@ -254,7 +293,9 @@ class TrainingLoop:
             "hot_hit_rate": hit_rate,
             **self._sent_bytes(),
             "dispatch_ms": 1e3 * dispatch_cpu_s / max(window_steps, 1),
+            "result_wait_ms": 1e3 * self.result_wait_s / max(window_steps, 1),
         }
+        self.result_wait_s = 0.0
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))
         event.update({k: host_scalar(v) for k, v in self.steps.collection.step_metrics(state.emb).items()})

@@ -5,16 +5,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import tempfile
 from pathlib import Path
 
 import jax
 
 from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config, ConfigError
+from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.observe.loop_trace import LoopTrace
 from dlrm_jax.observe.metrics import MetricsWriter
 from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
 from dlrm_jax.parallel.mesh import host_scalar
@@ -163,6 +166,16 @@ def epoch_note(cfg: Config, source: DataSource) -> str:
     return note
 
 
+def _loop_trace(t: TrainConfig, rd: RunDir, start: int, end: int) -> LoopTrace | None:
+    """``train.trace_steps``' trace, into the run dir's ``trace/process_N`` (or a temporary
+    dir for a run without one)."""
+    if not t.trace_steps or end - start < 2:
+        return None
+    root = rd.path / "trace" if rd.path else Path(tempfile.mkdtemp(prefix="dlrm-jax-trace-"))
+    first = LoopTrace.first_step(start, end, t.trace_steps, t.log_every)
+    return LoopTrace(first, t.trace_steps, str(root / f"process_{jax.process_index()}"))
+
+
 def _train(
     cfg: Config,
     rd: RunDir,
@@ -185,9 +198,9 @@ def _train(
         metrics.truncate_after(start, log)
         report_progress(start, "compiling the train step", timed=False)
         batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
-    loop = TrainingLoop(cfg.train, driver, ckpts, metrics, plan, progress, start, log)
+    loop = TrainingLoop(cfg.train, driver, ckpts, metrics, plan, progress, start, log, _loop_trace(t, rd, start, end))
     agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
-    with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop:
+    with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop, loop.trace_closed():
         for step, item in zip(range(start + 1, end + 1), batches, strict=True):
             state = loop.dispatch(state, step, item)
             todo = loop.plan_step(step, stop.requested(step))

@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from dlrm_jax.embedding.hot.counts import RowCounts
+from dlrm_jax.observe.threads import name_os_thread
 
 
 class HotSchedule:
@@ -61,7 +62,7 @@ class HotSchedule:
         """Count one batch's ids (int [B, S] as in Batch, or anything ``np.asarray`` reads, such
         as a device array's local rows) on the counting thread."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hot-count")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hot-count", initializer=name_os_thread)
         self._pending.append(self._pool.submit(lambda: RowCounts.from_batches([np.asarray(ids)], self.bag_sizes)))
 
     def _window_counts(self) -> RowCounts:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlrm_jax.embedding.tiers.format import TierError, os_error
+from dlrm_jax.observe.threads import name_os_thread
 
 IO_THREADS = 32
 GAP_BYTES = 4096
@@ -318,7 +319,9 @@ class ChunkFiles:
         else:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tier-io")
+                    self._pool = ThreadPoolExecutor(
+                        self.threads, thread_name_prefix="tier-io", initializer=name_os_thread
+                    )
             errors = list(self._pool.map(issue, range(parts)))
         error = next((e for e in errors if e is not None), None)
         if error is not None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlrm_jax.embedding.tiers.store import TierStore
+from dlrm_jax.observe.threads import name_os_thread
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class ReadAhead:
 
     def __init__(self, store: TierStore):
         self.store = store
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tier-read-ahead")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tier-read-ahead", initializer=name_os_thread)
         self._submitted = self._taken = 0  # each written by one thread only (planner, dispatcher)
         self.wait_s = 0.0  # the dispatching thread's wait for reads still in flight
 

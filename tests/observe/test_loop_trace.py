@@ -1,0 +1,93 @@
+"""train.trace_steps: a trace of the training loop read back into where a step's time went;
+the interval arithmetic against a brute-force count; host threads named for the OS."""
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlrm_jax.observe.loop_trace import Event, LoopTrace, overlap_ns, summarize, union_ns
+from dlrm_jax.observe.threads import name_os_thread
+from dlrm_jax.train.trainer import train_and_evaluate
+from tests.helpers import QUIET, examples, tiny_config
+
+intervals = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)).map(lambda t: (t[0], t[0] + t[1])), max_size=12)
+
+
+def covered(ivs) -> np.ndarray:
+    at = np.zeros(100, bool)
+    for s, e in ivs:
+        at[s:e] = True
+    return at
+
+
+@settings(max_examples=examples(80))
+@given(intervals, intervals)
+def test_union_and_overlap_count_each_instant_once(a, b):
+    assert union_ns(a) == covered(a).sum()
+    assert overlap_ns(a, b) == sum((covered([iv]) & covered(b)).sum() for iv in a)
+
+
+def test_a_gpu_traces_summary():
+    """Three launches 10 us apart (each logs a nested event too): two steps of 10 us; kernels
+    cover 12 of their 20 us, with a 3 us copy in, 2 us of it under a kernel."""
+    launch = "PjitFunction(jit(_train_step))"
+    host = {
+        "python3": [e for t in (0, 10_000, 20_000) for e in (Event(launch, t, 500), Event(launch, t + 100, 300))]
+        + [Event("CommonPjRtBuffer::Await", 1_000, 4_000)],
+        "input_0": [Event("DevicePutWithSharding", 2_000, 1_000)],
+        "XLAPool": [Event("something", 0, 30_000)],
+    }
+    stream = [
+        Event("fusion_1", 1_000, 5_000),
+        Event("MemcpyH2D", 4_000, 3_000),
+        Event("gemm", 12_000, 7_000),
+        Event("MemcpyD2H", 19_000, 10),
+        Event("late_kernel", 25_000, 5_000),  # after the span
+    ]
+    planes = {"/host:CPU": host, "/device:GPU:0": {"Stream #14(Compute)": stream, "XLA Ops": []}}
+    s = summarize(planes, steps=2)
+    assert s["trace_steps"] == 2 and s["trace_step_ms"] == 0.01
+    assert s["trace_launch_ms"] == 0.0005
+    assert np.isclose(s["trace_device_busy_ms"], 0.006) and np.isclose(s["trace_device_idle_share"], 0.4)
+    assert np.isclose(s["trace_h2d_ms"], 0.0015) and np.isclose(s["trace_h2d_under_kernels_share"], 2 / 3)
+    assert s["trace_d2h_per_step"] == 0.5
+    assert s["trace_threads_xla_ms"] == {"input_0": 0.0005}
+    assert summarize({"/host:CPU": {"python3": []}}) == {}
+
+
+def test_the_first_traced_step_follows_the_first_window():
+    assert LoopTrace.first_step(0, 1000, 20, 50) == 51
+    assert LoopTrace.first_step(100, 1000, 20, 0) == 111  # no log windows: after 10 steps
+    assert LoopTrace.first_step(0, 30, 20, 50) == 11  # as late as leaves 20
+    assert LoopTrace.first_step(0, 10, 20, 50) == 2  # never the compiling step
+
+
+def test_a_run_logs_its_trace_and_result_waits(tmp_path):
+    cfg = tiny_config("train.steps=12", "train.log_every=4", "train.trace_steps=3", "train.eval_every=0")
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (trace,) = [e for e in events if e.get("event") == "trace"]
+    assert trace["step"] == 7 and trace["trace_steps"] == 3  # steps 5-7, after the window ending at 4
+    assert trace["trace_step_ms"] > trace["trace_launch_ms"] > 0
+    assert Path(trace["trace_dir"]) == tmp_path / "run" / "trace" / "process_0"
+    assert list(Path(trace["trace_dir"]).rglob("*.xplane.pb")) and list(
+        Path(trace["trace_dir"]).rglob("*.trace.json.gz")
+    )
+    assert all(e["result_wait_ms"] >= 0 for e in events if e.get("event") == "train")
+
+
+def test_threads_carry_their_names_to_the_os():
+    got = []
+
+    def work():
+        name_os_thread()
+        got.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
+
+    t = threading.Thread(target=work, name="input_7-and-a-long-tail")
+    t.start()
+    t.join()
+    assert got == ["input_7-and-a-l"]  # cut to 15 bytes
