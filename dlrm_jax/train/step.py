@@ -31,6 +31,7 @@ from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import batch_spec
 from dlrm_jax.train.spec import StepSpec
 from dlrm_jax.train.state import StateLayout, TrainState
+from dlrm_jax.train.watch import read_back
 
 
 class CacheIO(NamedTuple):
@@ -230,6 +231,7 @@ class StepFunctions:
             metrics["hot_counts"] = res.hot_counts
             if self.dynamic is not None:  # what hot-row statistics count: rows, not raw ids
                 metrics["rows"] = batch.ids
+        metrics["read_back"] = read_back(metrics)
         new_state = TrainState(state.step + 1, params, opt_state, emb, parts, state.maps)
         return new_state, metrics, evicted
 

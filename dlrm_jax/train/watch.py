@@ -6,10 +6,25 @@ import collections
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.embedding.dynamic.idmap import STATS
 from dlrm_jax.parallel.mesh import host_scalar
+
+
+def read_back(metrics: dict) -> jax.Array:
+    """uint32 [k]: what the host reads of every train step (:meth:`LossWatch.add`) in one array,
+    so one transfer and one wait a step, not one per scalar (on GPUs each is a copy and a wait,
+    and each wait gives the GIL to the input threads): the loss's bits, the exchange's
+    overflow, then the hot rows' [hits, lookups] and the dynamic tables' counts and path
+    where the step has them. Traced, inside the step."""
+    loss_bits = jax.lax.bitcast_convert_type(jnp.asarray(metrics["loss"], jnp.float32), jnp.uint32)
+    parts = [loss_bits.reshape(1), jnp.asarray(metrics["exchange_overflows"]).astype(jnp.uint32).reshape(1)]
+    for key in ("hot_counts", "id_map_counts", "id_route"):
+        if key in metrics:
+            parts.append(jnp.asarray(metrics[key]).astype(jnp.uint32).reshape(-1))
+    return jnp.concatenate(parts)
 
 
 class TrainingDiverged(FloatingPointError):
@@ -31,23 +46,22 @@ class LossWatch:
         self.id_routes = collections.Counter()  # steps by the resolution's path
 
     def add(self, step: int, out) -> None:
-        loss = host_scalar(out["loss"])  # waits for that step only
+        words = np.asarray(out["read_back"].addressable_data(0))  # waits for that step only
+        loss = float(words[:1].view(np.float32)[0])
         if self.reference is None:
             self.reference = loss
         self._check(loss, f"training diverged at step {step}: loss {loss:.6g}")
         self.total, self.steps = self.total + loss, self.steps + 1
-        self.overflows += int(host_scalar(out["exchange_overflows"]))
-        if "id_map_counts" in out:  # (fetched together)
-            counts, route = jax.device_get(
-                (out["id_map_counts"].addressable_data(0), out["id_route"].addressable_data(0))
-            )
-            self.id_maps += counts
-            self.id_routes[int(route)] += 1
+        self.overflows += int(words[1])
+        rest = words[2:].astype(np.int64)  # in read_back's order
+        if "hot_counts" in out:
+            self.hot_hits, self.lookups = self.hot_hits + int(rest[0]), self.lookups + int(rest[1])
+            rest = rest[2:]
+        if "id_map_counts" in out:
+            self.id_maps += rest[: len(STATS)]
+            self.id_routes[int(rest[len(STATS)])] += 1
         if "host_id_map_counts" in out:  # tiered dynamic tables' maps, on the host
             self.id_maps += out["host_id_map_counts"]
-        if "hot_counts" in out:
-            hits, lookups = np.asarray(out["hot_counts"].addressable_data(0)).tolist()
-            self.hot_hits, self.lookups = self.hot_hits + hits, self.lookups + lookups
 
     def check_state(self, step: int, check: tuple[jax.Array, jax.Array]) -> None:
         """Raises unless the state after ``step``, about to be saved, is sound: every value
