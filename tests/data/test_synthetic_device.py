@@ -72,6 +72,17 @@ def test_device_batch_equals_host_batch(bags, layout, devices, hosts):
             np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
 
 
+@pytest.mark.parametrize("bags", [ONE_HOT, MULTI_HOT], ids=["one_hot", "multi_hot"])
+def test_the_gpus_one_program_makes_the_same_batch(bags, monkeypatch):
+    """GPUs make a batch in one program, CPUs in five (``FIVE_PROGRAMS_ON``): the same bits."""
+    monkeypatch.setattr(synthetic, "FIVE_PROGRAMS_ON", ())
+    gen = generator(bags)
+    for devices, hosts in [(1, 0), (8, 2)]:
+        make = gen.device_batches(TRAIN_STREAM, B, batch_sharding(devices, hosts))
+        assert make.whole is not None
+        assert_batches_equal(make(7), gen.batch(TRAIN_STREAM, 7, 0, B))
+
+
 def test_source_device_batches_equal_train_batch():
     cfg = tiny_config("train.batch_size=512", CARDS, "data.bag_sizes=[1, 4, 1, 3]")
     source = SyntheticSource(cfg)

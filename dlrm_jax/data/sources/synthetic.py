@@ -24,8 +24,8 @@ the devices (uint32 wraps in both; no x64), and the two give the same batches bi
 
 Threads: the host path (``raw``, ``batch``, :class:`SyntheticSource`'s ``train_batch``) is
 numpy on whichever thread calls it, ``CHUNK`` rows at a time. The device path
-(:meth:`SyntheticGenerator.device_batches`) dispatches five jitted programs without
-collectives: call it from the thread that dispatches the train step.
+(:meth:`SyntheticGenerator.device_batches`) dispatches jitted programs without collectives
+(five a batch on CPUs, one on GPUs): call it from the thread that dispatches the train step.
 """
 
 from __future__ import annotations
@@ -310,13 +310,18 @@ class SyntheticGenerator:
         return _DeviceBatches(self, stream, global_batch, sharding)
 
 
+# Platforms whose devices make a batch in five programs (:class:`_DeviceBatches`); elsewhere one.
+FIVE_PROGRAMS_ON = ("cpu",)
+
+
 class _DeviceBatches:
-    """The device path: five jitted programs, the rows' keys, the features (and the labels'
-    noise), the labels and dense features, then each field-major output in the batch's
+    """The device path on CPUs: five jitted programs, the rows' keys, the features (and the
+    labels' noise), the labels and dense features, then each field-major output in the batch's
     row-major layout. In one program XLA:CPU would recompute keys, hashes and gathers in every
     loop that reads them, and a transpose fused with the arithmetic that feeds it, or with a
     second transpose, runs 3x slower than on its own (5.8 against 8.7 ms a batch of 65,536 for
-    three programs row-major, 1 CPU device)."""
+    three programs row-major, 1 CPU device). On GPUs the same functions make one program: each
+    launch is work on the thread that dispatches the train step, five of them a step."""
 
     def __init__(self, gen: SyntheticGenerator, stream: int, global_batch: int, sharding):
         import jax  # here, not at the top: the host path and its users need no jax
@@ -340,13 +345,23 @@ class _DeviceBatches:
         self.finish = on_devices(self._finish, [rows, fields, fields], (fields, rows))
         # one transpose a program: XLA:CPU runs a lone transpose 3-4x faster than two together
         self.row_major = on_devices(lambda t, x: x.T, [fields], rows)
+        self.whole = None
+        if mesh.devices.flat[0].platform not in FIVE_PROGRAMS_ON:
+            self.whole = on_devices(self._whole, [P()], (rows, rows, rows))
 
     def __call__(self, step) -> Batch:
         t = self.tables
+        if self.whole is not None:
+            return Batch(*self.whole(t, step))
         key_n = self.keys(t, step)
         present_dn, ids_sn, noise_n = self.features(t, key_n)
         dense_dn, labels_n = self.finish(t, noise_n, present_dn, ids_sn)
         return Batch(self.row_major(t, dense_dn), self.row_major(t, ids_sn), labels_n)
+
+    def _whole(self, t: _Tables, step):  # the five programs' work in one
+        present_dn, ids_sn, noise_n = self._features(t, self._keys(t, step))
+        dense_dn, labels_n = self._finish(t, noise_n, present_dn, ids_sn)
+        return dense_dn.T, ids_sn.T, labels_n
 
     def _keys(self, t: _Tables, step):  # of this device's rows
         xp, first = self.xp, self.jax.lax.axis_index(self.axes).astype(self.xp.uint32) * self.per
