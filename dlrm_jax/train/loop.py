@@ -28,6 +28,7 @@ from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.display import StepDisplay
 from dlrm_jax.train.driver import StepDriver
 from dlrm_jax.train.progress import Evaluation, Progress
+from dlrm_jax.train.release import ReleaseThread
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.watch import LossWatch
 
@@ -175,6 +176,7 @@ class TrainingLoop:
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.result_wait_s = 0.0  # the window's, in read_results
+        self.release, self._ids = ReleaseThread(), None
         self.window_cpu = 0.0
         self.windows = progressive_windows(train, driver.source)
         self.auc = self.logloss = float("nan")
@@ -195,8 +197,10 @@ class TrainingLoop:
             self.window_start, self.window_cpu = time.perf_counter(), time.thread_time()
         if self.trace is not None:
             self.trace.before(step)
+        self.release.release()  # what the last step left (see ReleaseThread)
         stepped = self.driver.run(state, item)
         self.pending.append((step, stepped.out))
+        self.release.hold(state, item, self._ids)
         state, self._ids = stepped.state, stepped.ids
         return state._replace(emb=self.steps.collection.after_step(state.emb, step))
 
@@ -224,10 +228,10 @@ class TrainingLoop:
         return state
 
     @contextlib.contextmanager
-    def trace_closed(self):
+    def running(self):
         """Around the loop: a trace still running when it ends (a run shorter than its traced
-        steps) is read; when it raises, ended unread (a notebook's next run could not start
-        one)."""
+        steps) is read, or when it raises, ended unread (a notebook's next run could not start
+        one); the release thread is joined."""
         try:
             yield
         except BaseException:
@@ -235,6 +239,8 @@ class TrainingLoop:
                 self.trace.running = False
                 jax.profiler.stop_trace()
             raise
+        finally:
+            self.release.close()
         self.end_trace()
 
     def read_results(self, keep: int) -> None:
@@ -242,7 +248,9 @@ class TrainingLoop:
         host: a wait for the devices to finish them (timed: ``result_wait_ms``)."""
         t0 = time.perf_counter()
         while len(self.pending) > keep:
-            self.watch.add(*self.pending.popleft())
+            done = self.pending.popleft()
+            self.watch.add(*done)
+            self.release.hold(done)
         self.result_wait_s += time.perf_counter() - t0
 
     def end_trace(self, read_through: int | None = None) -> None:

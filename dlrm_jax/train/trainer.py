@@ -200,7 +200,7 @@ def _train(
         batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)
     loop = TrainingLoop(cfg.train, driver, ckpts, metrics, plan, progress, start, log, _loop_trace(t, rd, start, end))
     agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
-    with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop, loop.trace_closed():
+    with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop, loop.running():
         for step, item in zip(range(start + 1, end + 1), batches, strict=True):
             state = loop.dispatch(state, step, item)
             todo = loop.plan_step(step, stop.requested(step))
