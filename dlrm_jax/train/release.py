@@ -43,13 +43,16 @@ class ReleaseThread:
         while (objects := self._queue.get()) is not None:
             del objects  # the last references: their destructors run here
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Hands over what is held and ends the thread, joined when ``wait`` (not on a failure:
+        a buffer of a program that never ends, a lost peer's collective, could hold it)."""
         self.release()
         self._queue.put(None)
-        self._thread.join()
+        if wait:
+            self._thread.join()
 
     def __enter__(self) -> ReleaseThread:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(wait=exc_type is None)
