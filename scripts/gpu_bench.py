@@ -141,6 +141,9 @@ VARIANTS = {
     "deterministic_ops": ("--xla_gpu_deterministic_ops=true", []),
     # The reported workaround for slow float atomics under index contention.
     "ftz_atomics": ("--xla_backend_extra_options=-nvptx-allow-ftz-atomics", []),
+    # The step fed as training on a dataset feeds it: one array of bytes a batch, split into
+    # its fields inside the step (data/packed.py); the other variants feed the three fields.
+    "packed_input": ("", []),
 }
 COMMON = [
     "train.batch_size=65536",
@@ -322,7 +325,13 @@ def bench_config(name: str, steps: int, profile_dir: str | None, variant: str = 
     source = make_source(cfg, 0, 1)
     plan, fns = build(cfg, mesh, source)
     host_batches = [source.train_batch(i) for i in range(4)]
-    batches = [fns.device_batch(b) for b in host_batches]
+    if variant == "packed_input":
+        from dlrm_jax.data.packed import HostPacked
+
+        layout = fns.packed_layout()
+        batches = [fns.device_batch(HostPacked(layout.pack(b), layout)) for b in host_batches]
+    else:
+        batches = [fns.device_batch(b) for b in host_batches]
     cost = step_cost(cfg, plan, host_batches)
     state = fns.init_state()
     t0 = time.perf_counter()

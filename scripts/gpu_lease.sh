@@ -3,7 +3,8 @@
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
-#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, xla, fused_programs
+#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, xla, fused_programs;
+#                            # criteo_kaggle's step fed packed batches, as a dataset feeds it
 #   scripts/gpu_lease.sh 2   # dynamic tables: the step as is, and with loops and switches in CUDA graphs
 #   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, 2 and 6 readers, reader processes
 #
@@ -22,7 +23,8 @@ mkdir -p "$out" "$work"
 cd "$(dirname "$0")/.."
 case $call in
 1) args=(--only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle
-         --variants default,fused_again,xla,fused_programs --variant-configs mlperf_dcnv2_capped,criteo_kaggle
+         --variants default,fused_again,xla,fused_programs,packed_input:criteo_kaggle
+         --variant-configs mlperf_dcnv2_capped,criteo_kaggle
          --train-configs "" --steps 20) ;;
 2) args=(--only configs --configs criteo_kaggle_dynamic --variants default,device_control:criteo_kaggle_dynamic
          --train-configs "" --steps 10 --determinism-steps 0) ;;
