@@ -281,7 +281,6 @@ class TrainingLoop:
     def window_event(self, step: int, state: TrainState) -> dict:
         """Every step up to here checked (before anything is saved), and the window's event."""
         self.read_results(0)
-        self.end_trace(step)
         if self._state_check is not None:
             self.watch.check_state(step, self._state_check)
         elapsed = time.perf_counter() - self.window_start
