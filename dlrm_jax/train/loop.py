@@ -235,12 +235,12 @@ class TrainingLoop:
         try:
             yield
         except BaseException:
-            self.release.close(wait=False)
             if self.trace is not None and self.trace.running:
                 self.trace.running = False
                 jax.profiler.stop_trace()
             raise
-        self.release.close()
+        finally:
+            self.release.close()
         self.end_trace()
 
     def read_results(self, keep: int) -> None:

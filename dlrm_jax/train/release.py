@@ -43,16 +43,17 @@ class ReleaseThread:
         while (objects := self._queue.get()) is not None:
             del objects  # the last references: their destructors run here
 
-    def close(self, wait: bool = True) -> None:
-        """Hands over what is held and ends the thread, joined when ``wait`` (not on a failure:
-        a buffer of a program that never ends, a lost peer's collective, could hold it)."""
+    def close(self) -> None:
+        """Hands over what is held and ends the thread, joined, on failures too: a thread
+        still freeing when the interpreter exits is cut short inside jaxlib's C++ destructor,
+        and the process aborts ("FATAL: exception not rethrown", a full disk's clean one-line
+        exit turned into SIGABRT)."""
         self.release()
         self._queue.put(None)
-        if wait:
-            self._thread.join()
+        self._thread.join()
 
     def __enter__(self) -> ReleaseThread:
         return self
 
-    def __exit__(self, exc_type, *exc) -> None:
-        self.close(wait=exc_type is None)
+    def __exit__(self, *exc) -> None:
+        self.close()
