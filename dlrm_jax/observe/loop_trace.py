@@ -52,25 +52,25 @@ def read_planes(trace_dir: str) -> Planes:
     return planes
 
 
-def union_ns(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
-def overlap_ns(intervals: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
-    """How much of ``intervals`` lies inside the union of ``busy``."""
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """``(start, end)`` intervals as disjoint ones, by start."""
     merged: list[list[float]] = []
-    for s, e in sorted(busy):
+    for s, e in sorted(intervals):
         if merged and s <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], e)
         else:
             merged.append([s, e])
+    return merged
+
+
+def union_ns(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    return sum(max(e - s, 0.0) for s, e in _merged(intervals))
+
+
+def overlap_ns(intervals: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """How much of ``intervals`` lies inside the union of ``busy``."""
+    merged = _merged(busy)
     total = 0.0
     for s, e in intervals:
         for ms, me in merged:
@@ -95,9 +95,13 @@ def outermost(events: list[Event]) -> list[Event]:
     return out
 
 
+def _launches_the_step(e: Event) -> bool:
+    return TRAIN_STEP in e.name and "PjitFunction" in e.name
+
+
 def dispatching_line(host: dict[str, list[Event]]) -> str | None:
     """The host thread that launched the most train steps (the trainer's dispatching thread)."""
-    counts = {name: sum(TRAIN_STEP in e.name and "PjitFunction" in e.name for e in ev) for name, ev in host.items()}
+    counts = {name: sum(map(_launches_the_step, ev)) for name, ev in host.items()}
     best = max(counts, key=counts.get, default=None)
     return best if best is not None and counts[best] else None
 
@@ -114,7 +118,7 @@ def summarize(planes: Planes, steps: int | None = None, threads: tuple[str, ...]
     line = dispatching_line(host)
     if line is None:
         return {}
-    launches = outermost([e for e in host[line] if TRAIN_STEP in e.name and "PjitFunction" in e.name])
+    launches = outermost([e for e in host[line] if _launches_the_step(e)])
     launches = launches if steps is None else launches[: steps + 1]
     if len(launches) < 2:
         return {}
@@ -202,12 +206,13 @@ class LoopTrace:
             return None
         return self.stop()
 
-    def stop(self) -> dict | None:
-        """Ends a running trace (a run that stops early) and reads it; None if none ran."""
+    def stop(self, read: bool = True) -> dict | None:
+        """Ends a running trace (a run that stops early) and reads it unless not ``read`` (a
+        failed run: the profiler freed for the next one); None if none ran or unread."""
         if not self.running:
             return None
         import jax
 
         jax.profiler.stop_trace()
         self.running = False
-        return summarize(read_planes(self.trace_dir), self.last - self.first + 1)
+        return summarize(read_planes(self.trace_dir), self.last - self.first + 1) if read else None

@@ -235,9 +235,8 @@ class TrainingLoop:
         try:
             yield
         except BaseException:
-            if self.trace is not None and self.trace.running:
-                self.trace.running = False
-                jax.profiler.stop_trace()
+            if self.trace is not None:
+                self.trace.stop(read=False)
             raise
         finally:
             self.release.close()
