@@ -110,6 +110,14 @@ class EvictionPolicy(enum.StrEnum):
     LFU = "lfu"  # the id seen least often, counts halving every half_life steps
 
 
+class ControlFlow(enum.StrEnum):
+    """How a dynamic table's step takes its data-dependent work (``embedding.dynamic.control_flow``)."""
+
+    AUTO = "auto"  # branches on CPUs, one path on other platforms
+    BRANCHES = "branches"  # a switch among prefix sizes of the distinct ids, loops that end when done
+    ONE_PATH = "one_path"  # every id, no switch or conditional, the map written at once
+
+
 class NewRows(enum.StrEnum):
     """What a row a dynamic table gives to a new id starts from (``embedding.dynamic.new_rows``)."""
 

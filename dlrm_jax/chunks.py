@@ -59,20 +59,20 @@ def by_chunks(chunk: int, f, *xs):
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
 
 
-# Tests set it to run the GPUs' form (:func:`by_platform`'s ``straight``) on every platform.
-STRAIGHT_EVERYWHERE = False
-
-
-def by_platform(branchy, straight):
+def by_platform(branchy, straight, form: str = "auto"):
     """``branchy()`` in a program compiled for CPUs, ``straight()`` elsewhere (only the one is
     compiled; ``lax.platform_dependent``): the same results, with or without data-dependent
-    loops and switches (see the module docstring)."""
-    if STRAIGHT_EVERYWHERE:
+    loops and switches (see the module docstring). ``form`` (``embedding.dynamic.control_flow``):
+    ``branches`` or ``one_path`` takes that one on every platform."""
+    if form == "branches":
+        return branchy()
+    if form == "one_path":
         return straight()
     return lax.platform_dependent(cpu=branchy, default=straight)
 
 
-def in_chunks_on_cpu(parts, count, size: int, carry, write):
-    """:func:`in_chunks` on CPUs, every entry of ``parts`` at once elsewhere: ``write`` must
-    leave ``carry`` as it is for the entries past ``count`` (padding)."""
-    return by_platform(lambda: in_chunks(parts, count, size, carry, write), lambda: write(carry, *parts))
+def in_chunks_on_cpu(parts, count, size: int, carry, write, form: str = "auto"):
+    """:func:`in_chunks` on CPUs, every entry of ``parts`` at once elsewhere (``form``: as
+    :func:`by_platform`'s): ``write`` must leave ``carry`` as it is for the entries past
+    ``count`` (padding)."""
+    return by_platform(lambda: in_chunks(parts, count, size, carry, write), lambda: write(carry, *parts), form)

@@ -16,6 +16,7 @@ from dlrm_jax.choices import (
     MODEL_KINDS,
     SPARSE_OPTIMIZER_KINDS,
     BagExchange,
+    ControlFlow,
     DramPolicy,
     EvictionPolicy,
     Ids,
@@ -497,6 +498,17 @@ class DynamicConfig:
         | doc(
             "what a row given to a new id starts from: the id's own initial vector (`initializer`), or that plus "
             "its shard's shared row, which the id trained until it had a row (`shared`)"
+        ),
+    )
+    control_flow: str = field(
+        default="auto",
+        metadata=_choices(*ControlFlow)
+        | doc(
+            "how the step takes work whose size the batch decides: `branches` (a switch among sizes of the "
+            "batch's distinct ids, loops that end when done: the least work, but XLA's GPU runtime reads each "
+            "switch index and loop predicate on the host unless `--xla_gpu_enable_command_buffer` holds "
+            "`WHILE,CONDITIONAL`), `one_path` (every id, no switch or conditional), or `auto`: branches on "
+            "CPUs, one path on GPUs. The same results either way"
         ),
     )
 

@@ -77,7 +77,14 @@ def dynamic_maps(cfg: Config) -> dict[int, MapSpec]:
 def map_fields(cfg: Config) -> dict:
     """``embedding.dynamic``'s settings every map of a run shares, as MapSpec's fields."""
     d = cfg.embedding.dynamic
-    return dict(probes=d.probes, policy=d.policy, half_life=d.half_life, admit=d.admit, sketch_width=d.sketch_width)
+    return dict(
+        probes=d.probes,
+        policy=d.policy,
+        half_life=d.half_life,
+        admit=d.admit,
+        sketch_width=d.sketch_width,
+        control_flow=d.control_flow,
+    )
 
 
 def cluster_from_config(cfg: Config, simulated: bool) -> Cluster:

@@ -26,10 +26,10 @@ MAP = MapSpec(rows=64, vshards=8, probes=3, policy="lfu", half_life=4, admit=2, 
 BATCH = 16
 
 
-def tables(devices: int, optimizer: str, new_rows: str = "initializer"):
+def tables(devices: int, optimizer: str, new_rows: str = "initializer", control_flow: str = "auto"):
     plan = plan_embeddings(SPECS, "row", devices, optimizer, BATCH)
     coll = EmbeddingCollection(plan, make_mesh(devices), sparse_optimizer(optimizer))
-    return coll, DynamicTables(coll, {0: MAP}, new_rows)
+    return coll, DynamicTables(coll, {0: MAP._replace(control_flow=control_flow)}, new_rows)
 
 
 def stream(steps: int, seed: int = 0, batch: int = BATCH):
@@ -43,8 +43,8 @@ def stream(steps: int, seed: int = 0, batch: int = BATCH):
         yield users, valid, items, rng.normal(size=(batch, 2, 8)).astype(np.float32)
 
 
-def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6):
-    coll, dyn = tables(devices, optimizer)
+def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6, control_flow="auto"):
+    coll, dyn = tables(devices, optimizer, control_flow=control_flow)
     dyn.reset_chunk = reset_chunk  # (the default: every reset writes all its entries in one chunk)
     key = jax.random.key(3)
     emb, maps = coll.init(key), dyn.init_maps()
@@ -92,15 +92,13 @@ def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
     assert counts["evicted"] > 20 and counts["admitted"] > 40 and counts["held_back"], counts
 
 
-def test_one_gpus_straight_form_trains_as_the_branches_do(monkeypatch):
+def test_one_gpus_straight_form_trains_as_the_branches_do():
     """On one GPU the fresh rows are reset all at once and the resolution keeps to one path
-    (``chunks.by_platform``); forced here on CPU, 40 steps equal the CPU form's resetting 2
-    rows a chunk: pooled vectors, tables, state, maps and counts, bit for bit."""
-    from dlrm_jax import chunks
-
-    branches = list(run(1, "rowwise_adagrad", 40, reset_chunk=2))
-    monkeypatch.setattr(chunks, "STRAIGHT_EVERYWHERE", True)
-    for t, (got, want) in enumerate(zip(run(1, "rowwise_adagrad", 40), branches, strict=True)):
+    (``chunks.by_platform``); forced here on CPU (``control_flow=one_path``), 40 steps equal the
+    CPU form's resetting 2 rows a chunk: pooled vectors, tables, state, maps and counts, bit
+    for bit."""
+    branches = list(run(1, "rowwise_adagrad", 40, reset_chunk=2, control_flow="branches"))
+    for t, (got, want) in enumerate(zip(run(1, "rowwise_adagrad", 40, control_flow="one_path"), branches, strict=True)):
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"pooled, step {t}")
         for a, b in zip(got[1] + got[3], want[1] + want[3], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"table or map, step {t}")

@@ -103,18 +103,17 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
     assert stats["admitted"] + stats["found"] > 0
 
 
-def test_the_gpus_straight_form_equals_the_model(monkeypatch):
+def test_the_gpus_straight_form_equals_the_model():
     """On GPUs a resolution keeps to one path (``chunks.by_platform``): all N ids, not the
     least prefix that holds the distinct ones; the sketches halved every step; the map written
-    at once, not in chunks of WRITE_CHUNK. Forced here on CPU: 4,096 ids a batch of 700 to 6,000
-    distinct (every prefix the CPU form would take, and writes past one chunk), admission with
-    a sketch that halves every other step, both policies: every step equals the model."""
-    from dlrm_jax import chunks
-
-    monkeypatch.setattr(chunks, "STRAIGHT_EVERYWHERE", True)
+    at once, not in chunks of WRITE_CHUNK. Forced here on CPU (``control_flow=one_path``): 4,096
+    ids a batch of 700 to 6,000 distinct (every prefix the CPU form would take, and writes past
+    one chunk), admission with a sketch that halves every other step, both policies: every step
+    equals the model."""
     for spec, distinct in ((MapSpec(8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64), 6000),
                            (MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32), 700)):  # fmt: skip
-        straight = jax.jit(functools.partial(resolve, spec))  # (traced with the flag set)
+        spec = spec._replace(control_flow="one_path")
+        straight = jax.jit(functools.partial(resolve, spec))
         text = straight.lower(init_map(spec), *as_arrays([1] * 4096), 0).as_text()
         assert "stablehlo.case" not in text  # no switch, no conditional
         rng = np.random.default_rng(distinct)
@@ -124,6 +123,31 @@ def test_the_gpus_straight_form_equals_the_model(monkeypatch):
             batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=4096)]
             m, stats = step_like_the_model(spec, model, m, batch, step, straight)
         assert stats["admitted"] + stats["found"] > 0
+
+
+def test_control_flow_picks_each_platforms_form():
+    """``embedding.dynamic.control_flow``: the resolution as lowered for CPUs and for CUDA (no GPU
+    needed to lower): ``auto`` takes the branches' loops (the dedup's rounds, the placement's,
+    the map written a chunk at a time, one of each per prefix size) on CPUs and one path's (the
+    dedup's and the placement's rounds only) on CUDA; ``branches`` and ``one_path`` take theirs
+    on both."""
+    whiles = {}
+    for control_flow in ("auto", "branches", "one_path"):
+        spec = MapSpec(
+            8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64, control_flow=control_flow
+        )
+        f = jax.jit(functools.partial(resolve, spec))
+        args = (init_map(spec), *as_arrays([1] * 4096), 0)
+        for platform in ("cpu", "cuda"):
+            text = jax.export.export(f, platforms=[platform])(*args).mlir_module()
+            whiles[control_flow, platform] = text.count("stablehlo.while")
+    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 2, whiles
+    assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"] > 2, whiles
+
+
+def test_an_unknown_control_flow_is_refused():
+    with pytest.raises(ValueError, match="control_flow='fast': one of auto, branches, one_path"):
+        MapSpec(64, 8, 4, control_flow="fast").check()
 
 
 @pytest.mark.parametrize("policy,admit", [("lru", 0), ("lfu", 0), ("lfu", 2)])

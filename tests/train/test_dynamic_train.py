@@ -133,6 +133,14 @@ def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
         tiny("embedding.table_ids=[cat_2=dynamic]", *overrides)
 
 
+def test_control_flow_reaches_every_map(tiny):
+    """``embedding.dynamic.control_flow`` is every map's (the form its resolution compiles to:
+    tests/embedding/test_idmap.py)."""
+    for form in ("auto", "one_path"):
+        _, steps = build(tiny(*DYNAMIC, f"embedding.dynamic.control_flow={form}"), make_mesh(1))
+        assert {spec.control_flow for spec in steps.dynamic.maps.values()} == {form}
+
+
 def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(tiny):
     cfg = tiny("mesh.devices=8", "embedding.table_ids=[cat_2=dynamic]", "embedding.dynamic.vshards=4")
     with pytest.raises(

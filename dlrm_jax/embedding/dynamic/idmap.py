@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.choices import EvictionPolicy
+from dlrm_jax.choices import ControlFlow, EvictionPolicy
 from dlrm_jax.hashing import mix32
 
 POLICIES = tuple(EvictionPolicy)  # lru, lfu
@@ -33,7 +33,9 @@ class MapSpec(NamedTuple):
     """The map of one table. ``rows``: the table's rows, ``vshards`` * slots; ``probes``: slots
     an id may live in (at most slots - 1); ``policy``: ``lru`` or ``lfu``; ``half_life``: lfu's
     steps per halving (0: no decay); ``admit``: sightings before an id gets a row (0 or 1: at
-    once); ``sketch_depth`` x ``sketch_width``: the count-min sketch per shard."""
+    once); ``sketch_depth`` x ``sketch_width``: the count-min sketch per shard;
+    ``control_flow``: how a step takes work whose size its batch decides
+    (``embedding.dynamic.control_flow``; the same results every way)."""
 
     rows: int
     vshards: int
@@ -43,6 +45,7 @@ class MapSpec(NamedTuple):
     admit: int = 0
     sketch_depth: int = 4
     sketch_width: int = 1024
+    control_flow: str = ControlFlow.AUTO
 
     @classmethod
     def sized(cls, values: int, rows: float = 0, vshards: int = 0, **fields) -> MapSpec:
@@ -72,6 +75,8 @@ class MapSpec(NamedTuple):
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r}: one of {', '.join(POLICIES)}")
+        if self.control_flow not in tuple(ControlFlow):
+            raise ValueError(f"control_flow={self.control_flow!r}: one of {', '.join(ControlFlow)}")
         if self.admit > 1 and not 1 <= self.sketch_depth <= len(_SKETCH_SEEDS):
             raise ValueError(f"sketch_depth={self.sketch_depth}: between 1 and {len(_SKETCH_SEEDS)}")
         return self

@@ -59,6 +59,11 @@ class Maps(NamedTuple):
     specs: tuple[MapSpec, ...]
     shards: tuple[int, ...]
 
+    @property
+    def control_flow(self) -> str:
+        """How a step takes its data-dependent work (every map of a run alike: MapSpec's)."""
+        return self.specs[0].control_flow if self.specs else "auto"
+
     def _sizes(self, per_shard) -> np.ndarray:
         return np.array([n * per_shard(s) for s, n in zip(self.specs, self.shards, strict=True)], np.int64)
 
@@ -134,10 +139,11 @@ class MapWrites(NamedTuple):
         return MapWrites(grow(self.at, rows), grow(self.seen_at, rows), *(grow(x, 0) for x in self[2:5]), self.count)
 
 
-def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
+def write_map(m: IdMap, w: MapWrites, step, form: str = "auto") -> IdMap:
     """``m`` with the writes ``w`` of the batch at ``step`` made where the map lies, a chunk of
     entries at a time (``chunks.in_chunks``: a write inside a switch's branch copied the map
-    whole, every step), or at once on GPUs (``chunks.in_chunks_on_cpu``; padding writes nothing)."""
+    whole, every step), or at once on GPUs (``chunks.in_chunks_on_cpu``, ``form`` as its;
+    padding writes nothing)."""
 
     def write(m, at, seen_at, seen_count, hi, lo):
         return m._replace(
@@ -148,7 +154,7 @@ def write_map(m: IdMap, w: MapWrites, step) -> IdMap:
             count=m.count.at[seen_at].set(seen_count, mode="drop"),
         )
 
-    return in_chunks_on_cpu(w[:5], w.count, WRITE_CHUNK, m, write)  # (each entry sets: written twice, the same)
+    return in_chunks_on_cpu(w[:5], w.count, WRITE_CHUNK, m, write, form)  # (each entry sets: written twice, the same)
 
 
 def distinct_ids(hi, lo, valid, table, counts=None):
@@ -256,6 +262,7 @@ def resolve_fused(
         else by_platform(  # on GPUs one path: all N ids, what every branch gives
             lambda: lax.switch(jnp.searchsorted(jnp.asarray(sizes), count, method="compare_all"), branches),
             branches[-1],
+            maps.control_flow,
         )
     )
     # The map is written here, not in the branches (a switch's results are buffers of their
@@ -263,7 +270,7 @@ def resolve_fused(
     writes = MapWrites(at, seen_at, seen_count, uhi, ulo, count)
     new_map = m._replace(sketch=sketch)
     if learn and write:
-        new_map = write_map(new_map, writes, step)
+        new_map = write_map(new_map, writes, step, maps.control_flow)
     rows = jnp.where(index < n, distinct_row[jnp.clip(index, 0, n - 1)], -1)
     return Fused(
         rows,
@@ -470,7 +477,9 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk:
         age = (per_table(half) > 0) & (step > 0) & (step % hl == 0) & age
         halve = lambda sk: sk >> jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
         # a pass over the sketches only when one ages (on GPUs every step: a shift by 0 where none does)
-        sketch = by_platform(lambda: lax.cond(jnp.any(age), halve, lambda sk: sk, sketch), lambda: halve(sketch))
+        sketch = by_platform(
+            lambda: lax.cond(jnp.any(age), halve, lambda sk: sk, sketch), lambda: halve(sketch), maps.control_flow
+        )
     depth_n = max(d for d, _ in dims)
     size = sketch.shape[0]
 

@@ -360,7 +360,7 @@ def sharded_resolve_fused(
                 rank, received = routed_as
                 route = Route(path < len(sends), most, owner, rank, index, received)
         sketch, writes = changed
-        new_map = write_map(fused._replace(sketch=sketch), writes, step) if learn else fused
+        new_map = write_map(fused._replace(sketch=sketch), writes, step, layout.control_flow) if learn else fused
         return rows.reshape(shape), new_map, fresh, stats, path, route
 
     map_spec = IdMap(*(P(AXIS),) * 6)

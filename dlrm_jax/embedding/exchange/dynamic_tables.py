@@ -259,8 +259,10 @@ class DynamicTables:
         (``chunks.in_chunks_on_cpu``: a loop's predicate is read on the host each chunk, and a
         filling map gives out thousands of rows a step; entries past the fresh ones reset
         nothing); on several devices each chunk meets in a sum, so the chunks stay."""
-        chunked = in_chunks if map_devices(self.mesh) > 1 else in_chunks_on_cpu
-        return chunked(parts, count, self.reset_chunk, carry, write)
+        if map_devices(self.mesh) > 1:
+            return in_chunks(parts, count, self.reset_chunk, carry, write)
+        form = next(iter(self.maps.values())).control_flow
+        return in_chunks_on_cpu(parts, count, self.reset_chunk, carry, write, form)
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
         """Every dynamic table's fresh rows reset, in one program and one write per group: a
