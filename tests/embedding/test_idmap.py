@@ -3,6 +3,7 @@ batch by batch: random streams with repeated ids in a batch, ids colliding in th
 full shards, both policies, admission; and the same map on 1, 2 and 4 owners of its shards."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,28 @@ def test_control_flow_picks_each_platforms_form():
             whiles[control_flow, platform] = text.count("stablehlo.while")
     assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 2, whiles
     assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"] > 2, whiles
+
+
+@pytest.mark.parametrize("control_flow", ["branches", "one_path"])
+def test_the_placements_rounds_make_no_pass_over_the_maps_rows(control_flow):
+    """A round of the placement costs its claims: no array the size of the map's rows is filled
+    or copied inside a loop of the compiled resolution (a round once filled two, and XLA
+    copied them: two passes over 33.8M rows a round for criteo_kaggle on one device)."""
+    spec = MapSpec(
+        8 * 8191, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64, control_flow=control_flow
+    )
+    f = jax.jit(functools.partial(resolve, spec))
+    text = f.lower(init_map(spec), *as_arrays([1] * 4096), 0).compile().as_text()
+    bodies, body, passes = set(re.findall(r"while\(.*?body=(%[\w.\-]+)", text)), None, []
+    for line in text.splitlines():
+        body = (re.match(r"^(%[\w.\-]+) ", line) or [None, body])[1]
+        if (
+            body in bodies
+            and re.search(r"= \w+\[65528\]\{0\} (broadcast|copy|fusion)\(", line)
+            and "scatter" not in line
+        ):
+            passes.append(line.strip())
+    assert len(bodies) >= 2 and not passes, passes
 
 
 def test_an_unknown_control_flow_is_refused():

@@ -408,25 +408,31 @@ def _settled(
     placed = jnp.full(k, -1, jnp.int32)
 
     def round_(carry):
-        r, _, taken, placed, pending = carry
+        r, _, taken, placed, pending, least = carry
         open_, target = ask(taken)
         asked = pending & open_
+        # Each slot's least claim, by hash and then by low word, in a buffer that lives through
+        # the rounds (no pass over the map's rows a round): a slot claimed in a round is taken
+        # in it (its least claimant wins), so no later round claims it again and what a round
+        # leaves there is never read; the ties on a hash are set back before their low words.
         at = jnp.where(asked, target, rows_n)
-        first_h = jnp.full(rows_n, _LAST).at[at].min(h, mode="drop")
-        asks = asked & (first_h[target] == h)
+        least = least.at[at].min(h, mode="drop")
+        asks = asked & (least[target] == h)
         at = jnp.where(asks, target, rows_n)
-        wins = asks & (jnp.full(rows_n, _LAST).at[at].min(ulo, mode="drop")[target] == ulo)
+        least = least.at[at].set(_LAST, mode="drop").at[at].min(ulo, mode="drop")
+        wins = asks & (least[target] == ulo)
         placed = jnp.where(wins, target, placed)
         taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-        return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins
+        return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins, least
 
     # At most ``probes`` rounds, and another only while an id lost a contested slot: an id that
     # did not ask had no open probe, and the slots only fill, so it still has none (no round
     # runs where no id is pending; most batches settle in one).
     # (the rows derived from the batch: inside shard_map they vary by device like it)
     if learn:  # (reading, no id asks for a slot)
-        carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), pending)
-        _, _, taken, placed, pending = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+        least = jnp.where(taken, _LAST, _LAST)  # (from ``taken``: inside shard_map it varies by device like it)
+        carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), pending, least)
+        _, _, taken, placed, pending, *_ = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     evicted = won & m.used[jnp.clip(placed, 0, rows_n - 1)]  # (the map before the batch: it is written after)
