@@ -150,11 +150,12 @@ def test_control_flow_picks_each_platforms_form():
 def test_the_placements_rounds_make_no_pass_over_the_maps_rows(control_flow):
     """A round of the placement costs its claims: no array the size of the map's rows is filled
     or copied inside a loop of the compiled resolution (a round once filled two, and XLA
-    copied them: two passes over 33.8M rows a round for criteo_kaggle on one device)."""
+    copied them: two passes over 33.8M rows a round for criteo_kaggle on one device), and none
+    is copied anywhere (the map read again after the rounds was copied twice)."""
     spec = MapSpec(
         8 * 8191, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64, control_flow=control_flow
     )
-    f = jax.jit(functools.partial(resolve, spec))
+    f = jax.jit(functools.partial(resolve, spec), donate_argnums=0)  # (the map written in place, as training does)
     text = f.lower(init_map(spec), *as_arrays([1] * 4096), 0).compile().as_text()
     bodies, body, passes = set(re.findall(r"while\(.*?body=(%[\w.\-]+)", text)), None, []
     for line in text.splitlines():
@@ -164,6 +165,8 @@ def test_the_placements_rounds_make_no_pass_over_the_maps_rows(control_flow):
             and re.search(r"= \w+\[65528\]\{0\} (broadcast|copy|fusion)\(", line)
             and "scatter" not in line
         ):
+            passes.append(line.strip())
+        if re.search(r"= \w+\[65528\]\{0\} copy\(%(m_|copy)", line):  # the map's own arrays
             passes.append(line.strip())
     assert len(bodies) >= 2 and not passes, passes
 

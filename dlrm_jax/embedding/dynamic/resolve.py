@@ -389,13 +389,14 @@ def _settled(
         secondary = jnp.where(lfu2, jnp.where(used, last_seen, _FREE), 0)
         return probe, closed, primary, secondary
 
-    def choose(taken, probe, closed, primary, secondary):  # each id's best open probe, if any
+    def choose(taken, probe, closed, primary, secondary):  # each id's best open probe, if any, and whether it is held
         k1 = jnp.where(taken[probe] | closed, _TAKEN, primary)
         best1 = jnp.min(k1, axis=1, keepdims=True)
         k2 = jnp.where(k1 == best1, secondary, _TAKEN)
         best2 = jnp.min(k2, axis=1, keepdims=True)
         pick = jnp.argmax((k1 == best1) & (k2 == best2), axis=1)
-        return best1[:, 0] < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0]
+        best = best1[:, 0]
+        return best < _TAKEN, jnp.take_along_axis(probe, pick[:, None], axis=1)[:, 0], best != _FREE
 
     asking = (estimate, lfu, *probing)
     if chunk == k:  # the candidates once, for every round
@@ -405,11 +406,11 @@ def _settled(
         ask = lambda taken: in_passes(lambda *a: choose(taken, *candidates(*a)), *asking)
     taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
     pending = admitted & ~found
-    placed = jnp.full(k, -1, jnp.int32)
+    placed, evicts = jnp.full(k, -1, jnp.int32), pending & False
 
     def round_(carry):
-        r, _, taken, placed, pending, least = carry
-        open_, target = ask(taken)
+        r, _, taken, placed, evicts, pending, least = carry
+        open_, target, held = ask(taken)
         asked = pending & open_
         # Each slot's least claim, by hash and then by low word, in a buffer that lives through
         # the rounds (no pass over the map's rows a round): a slot claimed in a round is taken
@@ -421,9 +422,9 @@ def _settled(
         at = jnp.where(asks, target, rows_n)
         least = least.at[at].set(_LAST, mode="drop").at[at].min(ulo, mode="drop")
         wins = asks & (least[target] == ulo)
-        placed = jnp.where(wins, target, placed)
+        placed, evicts = jnp.where(wins, target, placed), jnp.where(wins, held, evicts)
         taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
-        return r + 1, jnp.any(asked & ~wins), taken, placed, pending & ~wins, least
+        return r + 1, jnp.any(asked & ~wins), taken, placed, evicts, pending & ~wins, least
 
     # At most ``probes`` rounds, and another only while an id lost a contested slot: an id that
     # did not ask had no open probe, and the slots only fill, so it still has none (no round
@@ -431,11 +432,13 @@ def _settled(
     # (the rows derived from the batch: inside shard_map they vary by device like it)
     if learn:  # (reading, no id asks for a slot)
         least = jnp.where(taken, _LAST, _LAST)  # (from ``taken``: inside shard_map it varies by device like it)
-        carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), pending, least)
-        _, _, taken, placed, pending, *_ = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+        carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), evicts, pending, least)
+        _, _, taken, placed, evicts, pending, _ = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
-    evicted = won & m.used[jnp.clip(placed, 0, rows_n - 1)]  # (the map before the batch: it is written after)
+    # (each winner's slot held before the batch, as its choice saw it: the map read again here
+    # after the rounds was copied whole by XLA, twice, to be written in place after)
+    evicted = won & evicts
 
     seen_at = jnp.where(found, found_row, at)
     kept = jnp.where(found, found_count, 0)
