@@ -547,6 +547,23 @@ def print_tables(report: dict, log=print) -> None:
 
 # Steps of each end-to-end run traced (train.trace_steps: after its first 50-step window).
 TRACE_STEPS = 20
+# A feed variant's item that is not a config override: Python's GIL switch interval for the run
+# (``sys.setswitchinterval``; 5 ms by default: how long a thread that wants the GIL waits before
+# the holder must give it up). Whether the dispatching thread's lost time is the readers'
+# GIL: a shorter interval bounds each wait for it.
+SWITCH = "switch_interval_ms="
+
+
+def dlrm_jax_command(more: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """``python -m dlrm_jax``, with a ``switch_interval_ms=`` item of ``more`` set before it
+    starts; the rest of ``more``."""
+    switch = [m[len(SWITCH) :] for m in more if m.startswith(SWITCH)]
+    rest = [m for m in more if not m.startswith(SWITCH)]
+    if not switch:
+        return [sys.executable, "-m", "dlrm_jax"], rest
+    code = f"import runpy, sys; sys.setswitchinterval({float(switch[-1]) / 1e3!r}); "
+    code += "runpy.run_module('dlrm_jax', run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", code], rest
 
 
 def train_end_to_end(
@@ -563,10 +580,11 @@ def train_end_to_end(
     run_dir = tempfile.mkdtemp(prefix="dlrm-gpu-train-")
     overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", f"train.steps={steps}", "train.log_every=50"]
     overrides += [f"train.trace_steps={TRACE_STEPS}"]
-    overrides += list(more)
+    python, more = dlrm_jax_command(more)
+    overrides += more
     if data:
         overrides += ["data.source=binary", f"data.path={data}"]
-    cmd = [sys.executable, "-m", "dlrm_jax", "train", "--config", os.path.join(REPO, path), "--run-dir", run_dir]
+    cmd = [*python, "train", "--config", os.path.join(REPO, path), "--run-dir", run_dir]
     t = time.perf_counter()
     done = subprocess.run(cmd + [a for o in overrides for a in ("--set", o)], cwd=REPO)
     wall = time.perf_counter() - t
@@ -606,8 +624,9 @@ def input_alone(name: str, data: str, more: tuple[str, ...] = ()) -> dict:
     path, extra = CONFIGS[name]
     out = os.path.join(tempfile.mkdtemp(prefix="dlrm-gpu-input-"), "input.json")
     overrides = COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1", "data.source=binary", f"data.path={data}"]
-    cmd = [sys.executable, "-m", "dlrm_jax", "bench", "input", "--config", os.path.join(REPO, path)]
-    cmd += [a for o in overrides + list(more) for a in ("--set", o)] + ["--steps", "200", "--step-steps", "0"]
+    python, more = dlrm_jax_command(more)
+    cmd = [*python, "bench", "input", "--config", os.path.join(REPO, path)]
+    cmd += [a for o in overrides + more for a in ("--set", o)] + ["--steps", "200", "--step-steps", "0"]
     if subprocess.run(cmd + ["--output", out], cwd=REPO, stdout=subprocess.DEVNULL).returncode:
         return {"failed": True}
     with open(out) as f:
@@ -703,7 +722,8 @@ def main() -> int:
         "--feed-variants",
         default="",
         help="';'-separated sets of ','-separated overrides the binary run is repeated with "
-        "(e.g. 'data.readers=2;data.readers=6')",
+        "(e.g. 'data.readers=2;data.readers=6'; an item switch_interval_ms=X sets Python's GIL switch "
+        "interval for those runs instead)",
     )
     ap.add_argument("--determinism-steps", type=int, default=DETERMINISM_STEPS, help="0: no determinism check")
     ap.add_argument("--parity-file", help=argparse.SUPPRESS)
