@@ -3,7 +3,7 @@
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
-#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, xla, fused_programs;
+#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, fused_programs;
 #                            # criteo_kaggle's step fed packed batches, as a dataset feeds it
 #   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path), and with loops and switches in
 #                            # CUDA graphs, one path and branches
@@ -25,7 +25,7 @@ mkdir -p "$out" "$work"
 cd "$(dirname "$0")/.."
 case $call in
 1) args=(--only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle
-         --variants default,fused_again,xla,fused_programs,packed_input:criteo_kaggle
+         --variants default,fused_again,fused_programs,packed_input:criteo_kaggle
          --variant-configs mlperf_dcnv2_capped,criteo_kaggle
          --train-configs "" --steps 20) ;;
 2) args=(--only configs --configs criteo_kaggle_dynamic
