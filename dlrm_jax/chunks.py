@@ -59,11 +59,15 @@ def by_chunks(chunk: int, f, *xs):
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
 
 
-def by_platform(branchy, straight, form: str = "auto"):
+def by_platform(branchy, straight, form: str = "auto", sizes: bool = False):
     """``branchy()`` in a program compiled for CPUs, ``straight()`` elsewhere (only the one is
     compiled; ``lax.platform_dependent``): the same results, with or without data-dependent
     loops and switches (see the module docstring). ``form`` (``embedding.dynamic.control_flow``):
-    ``branches`` or ``one_path`` takes that one on every platform."""
+    ``branches`` or ``one_path`` takes that one on every platform; ``prefixes`` takes
+    ``branchy`` where it is a choice among compiled sizes (``sizes``: one switch, whose work
+    follows the batch), ``straight`` elsewhere (loops of chunks, conditionals)."""
+    if form == "prefixes":
+        form = "branches" if sizes else "one_path"
     if form == "branches":
         return branchy()
     if form == "one_path":

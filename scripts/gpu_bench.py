@@ -135,6 +135,10 @@ VARIANTS = {
     # dynamic tables' step has a switch, conditionals and while loops (issue 49's 1.3 ms idle
     # a step on one H200); run it as ``device_control:criteo_kaggle_dynamic``.
     "device_control": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", []),
+    # The dynamic step's switch among prefix sizes of the batch's distinct ids on a GPU, nothing
+    # else of the branches: one index read on the host a step for work that follows the
+    # distinct ids rather than all N.
+    "prefixes": ("", ["embedding.dynamic.control_flow=prefixes"]),
     # The dynamic step's branches on a GPU (a switch among prefix sizes of the batch's distinct
     # ids: the least work, about 1.2x the distinct ids against all N on one path), its loops and
     # switches recorded into CUDA graphs so that none is read on the host.

@@ -92,13 +92,16 @@ def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
     assert counts["evicted"] > 20 and counts["admitted"] > 40 and counts["held_back"], counts
 
 
-def test_one_gpus_straight_form_trains_as_the_branches_do():
+@pytest.mark.parametrize("control_flow", ["one_path", "prefixes"])
+def test_one_gpus_straight_form_trains_as_the_branches_do(control_flow):
     """On one GPU the fresh rows are reset all at once and the resolution keeps to one path
-    (``chunks.by_platform``); forced here on CPU (``control_flow=one_path``), 40 steps equal the
-    CPU form's resetting 2 rows a chunk: pooled vectors, tables, state, maps and counts, bit
-    for bit."""
+    (``chunks.by_platform``), or to one switch among sizes (``prefixes``); forced here on CPU,
+    40 steps equal the branches' resetting 2 rows a chunk: pooled vectors, tables, state, maps
+    and counts, bit for bit."""
     branches = list(run(1, "rowwise_adagrad", 40, reset_chunk=2, control_flow="branches"))
-    for t, (got, want) in enumerate(zip(run(1, "rowwise_adagrad", 40, control_flow="one_path"), branches, strict=True)):
+    for t, (got, want) in enumerate(
+        zip(run(1, "rowwise_adagrad", 40, control_flow=control_flow), branches, strict=True)
+    ):
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"pooled, step {t}")
         for a, b in zip(got[1] + got[3], want[1] + want[3], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"table or map, step {t}")

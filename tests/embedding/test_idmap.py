@@ -104,19 +104,20 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
     assert stats["admitted"] + stats["found"] > 0
 
 
-def test_the_gpus_straight_form_equals_the_model():
+@pytest.mark.parametrize("control_flow", ["one_path", "prefixes"])
+def test_the_gpus_straight_form_equals_the_model(control_flow):
     """On GPUs a resolution keeps to one path (``chunks.by_platform``): all N ids, not the
     least prefix that holds the distinct ones; the sketches halved every step; the map written
-    at once, not in chunks of WRITE_CHUNK. Forced here on CPU (``control_flow=one_path``): 4,096
-    ids a batch of 700 to 6,000 distinct (every prefix the CPU form would take, and writes past
-    one chunk), admission with a sketch that halves every other step, both policies: every step
-    equals the model."""
+    at once, not in chunks of WRITE_CHUNK; or (``prefixes``) the switch among prefixes kept and
+    the rest so. Forced here on CPU: 4,096 ids a batch of 700 to 6,000 distinct (every prefix
+    the CPU form would take, and writes past one chunk), admission with a sketch that halves
+    every other step, both policies: every step equals the model."""
     for spec, distinct in ((MapSpec(8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64), 6000),
                            (MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32), 700)):  # fmt: skip
-        spec = spec._replace(control_flow="one_path")
+        spec = spec._replace(control_flow=control_flow)
         straight = jax.jit(functools.partial(resolve, spec))
         text = straight.lower(init_map(spec), *as_arrays([1] * 4096), 0).as_text()
-        assert "stablehlo.case" not in text  # no switch, no conditional
+        assert text.count("stablehlo.case") == (control_flow == "prefixes")  # the switch among sizes at most
         rng = np.random.default_rng(distinct)
         pool = rng.choice(2**62, size=distinct, replace=False) + (1 << 40)
         model, m = DictMap(spec), init_map(spec)
@@ -131,9 +132,11 @@ def test_control_flow_picks_each_platforms_form():
     needed to lower): ``auto`` takes the branches' loops (the dedup's rounds, the placement's,
     the map written a chunk at a time, one of each per prefix size) on CPUs and one path's (the
     dedup's and the placement's rounds only) on CUDA; ``branches`` and ``one_path`` take theirs
-    on both."""
-    whiles = {}
-    for control_flow in ("auto", "branches", "one_path"):
+    on both; ``prefixes`` keeps the switch among sizes (one ``stablehlo.case``, each branch with
+    its placement's rounds) and nothing else of the branches (no loop of chunks, no conditional
+    halving)."""
+    whiles, cases = {}, {}
+    for control_flow in ("auto", "branches", "prefixes", "one_path"):
         spec = MapSpec(
             8192, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64, control_flow=control_flow
         )
@@ -142,11 +145,14 @@ def test_control_flow_picks_each_platforms_form():
         for platform in ("cpu", "cuda"):
             text = jax.export.export(f, platforms=[platform])(*args).mlir_module()
             whiles[control_flow, platform] = text.count("stablehlo.while")
+            cases[control_flow, platform] = text.count("stablehlo.case")
     assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 2, whiles
-    assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"] > 2, whiles
+    assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"], whiles
+    assert whiles["branches", "cuda"] - 1 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"] > 2, whiles
+    assert cases["prefixes", "cuda"] == cases["prefixes", "cpu"] == 1 and cases["one_path", "cuda"] == 0, cases
 
 
-@pytest.mark.parametrize("control_flow", ["branches", "one_path"])
+@pytest.mark.parametrize("control_flow", ["branches", "prefixes", "one_path"])
 def test_the_placements_rounds_make_no_pass_over_the_maps_rows(control_flow):
     """A round of the placement costs its claims: no array the size of the map's rows is filled
     or copied inside a loop of the compiled resolution (a round once filled two, and XLA
@@ -172,7 +178,7 @@ def test_the_placements_rounds_make_no_pass_over_the_maps_rows(control_flow):
 
 
 def test_an_unknown_control_flow_is_refused():
-    with pytest.raises(ValueError, match="control_flow='fast': one of auto, branches, one_path"):
+    with pytest.raises(ValueError, match="control_flow='fast': one of auto, branches, prefixes, one_path"):
         MapSpec(64, 8, 4, control_flow="fast").check()
 
 

@@ -263,6 +263,7 @@ def resolve_fused(
             lambda: lax.switch(jnp.searchsorted(jnp.asarray(sizes), count, method="compare_all"), branches),
             branches[-1],
             maps.control_flow,
+            sizes=True,
         )
     )
     # The map is written here, not in the branches (a switch's results are buffers of their
