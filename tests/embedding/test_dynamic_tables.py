@@ -72,12 +72,15 @@ def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6, control_flo
 
 
 @pytest.mark.slow  # 8-16 s each on 2 cores
-@pytest.mark.parametrize(("devices", "optimizer"), [(2, "rowwise_adagrad"), (4, "sgd"), (8, "rowwise_adagrad")])
-def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer):
+@pytest.mark.parametrize(
+    ("devices", "optimizer", "control_flow"),
+    [(2, "rowwise_adagrad", "auto"), (4, "sgd", "prefixes"), (8, "rowwise_adagrad", "auto")],
+)
+def test_dynamic_tables_train_as_on_one_device_step_by_step(devices, optimizer, control_flow):
     counts = dict.fromkeys(STATS, 0)
     # the sharded run resets its fresh rows 2 at a time (many chunks a step), the one-device
-    # run all of them in one chunk
-    sharded = run(devices, optimizer, 40, reset_chunk=2)
+    # run all of them in one chunk; on 4 devices its maps are written at once (``prefixes``)
+    sharded = run(devices, optimizer, 40, reset_chunk=2, control_flow=control_flow)
     for t, (got, want) in enumerate(zip(sharded, run(1, optimizer, 40), strict=True)):
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=f"pooled, step {t}")
         for a, b in zip(got[1], want[1], strict=True):
