@@ -5,8 +5,9 @@
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
 #                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, fused_programs;
 #                            # criteo_kaggle's step fed packed batches, as a dataset feeds it
-#   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path), its switch among prefix sizes
-#                            # alone, and the branches with loops and switches in CUDA graphs
+#   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path) beside the vocabulary step, its
+#                            # switch among prefix sizes alone, and the branches with loops and
+#                            # switches in CUDA graphs
 #   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, 2 and 6 readers, reader processes,
 #                            # a GIL switch interval of 0.25 ms
 #
@@ -28,7 +29,7 @@ case $call in
          --variants default,fused_again,fused_programs,packed_input:criteo_kaggle
          --variant-configs mlperf_dcnv2_capped,criteo_kaggle
          --train-configs "" --steps 20) ;;
-2) args=(--only configs --configs criteo_kaggle_dynamic
+2) args=(--only configs --configs criteo_kaggle,criteo_kaggle_dynamic
          --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic
          --train-configs "" --steps 10 --determinism-steps 0) ;;
 3) args=(--only feed --feed-configs criteo_kaggle --set data.max_rows=500000
