@@ -146,10 +146,11 @@ def test_control_flow_picks_each_platforms_form():
             text = jax.export.export(f, platforms=[platform])(*args).mlir_module()
             whiles[control_flow, platform] = text.count("stablehlo.while")
             cases[control_flow, platform] = text.count("stablehlo.case")
-    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 2, whiles
+    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"], whiles
     assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"], whiles
-    assert whiles["branches", "cuda"] - 1 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"] > 2, whiles
-    assert cases["prefixes", "cuda"] == cases["prefixes", "cpu"] == 1 and cases["one_path", "cuda"] == 0, cases
+    assert whiles["branches", "cuda"] - 1 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"], whiles
+    assert whiles["prefixes", "cuda"] > whiles["one_path", "cuda"], whiles  # a placement's rounds per size
+    assert cases["prefixes", "cuda"] == cases["prefixes", "cpu"] == cases["one_path", "cuda"] + 1, cases
 
 
 @pytest.mark.parametrize("control_flow", ["branches", "prefixes", "one_path"])
