@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dlrm_jax.choices import ControlFlow
+
 
 def in_chunks(parts, count, size: int, carry, write):
     """``carry`` after ``write(carry, *chunk)`` over the first ``count`` (traced) entries of
@@ -59,23 +61,23 @@ def by_chunks(chunk: int, f, *xs):
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[: xs[0].shape[0]], out)
 
 
-def by_platform(branchy, straight, form: str = "auto", sizes: bool = False):
+def by_platform(branchy, straight, form: str = ControlFlow.AUTO, sizes: bool = False):
     """``branchy()`` in a program compiled for CPUs, ``straight()`` elsewhere (only the one is
     compiled; ``lax.platform_dependent``): the same results, with or without data-dependent
     loops and switches (see the module docstring). ``form`` (``embedding.dynamic.control_flow``):
     ``branches`` or ``one_path`` takes that one on every platform; ``prefixes`` takes
     ``branchy`` where it is a choice among compiled sizes (``sizes``: one switch, whose work
     follows the batch), ``straight`` elsewhere (loops of chunks, conditionals)."""
-    if form == "prefixes":
-        form = "branches" if sizes else "one_path"
-    if form == "branches":
+    if form == ControlFlow.PREFIXES:
+        form = ControlFlow.BRANCHES if sizes else ControlFlow.ONE_PATH
+    if form == ControlFlow.BRANCHES:
         return branchy()
-    if form == "one_path":
+    if form == ControlFlow.ONE_PATH:
         return straight()
     return lax.platform_dependent(cpu=branchy, default=straight)
 
 
-def in_chunks_on_cpu(parts, count, size: int, carry, write, form: str = "auto"):
+def in_chunks_on_cpu(parts, count, size: int, carry, write, form: str = ControlFlow.AUTO):
     """:func:`in_chunks` on CPUs, every entry of ``parts`` at once elsewhere (``form``: as
     :func:`by_platform`'s): ``write`` must leave ``carry`` as it is for the entries past
     ``count`` (padding)."""

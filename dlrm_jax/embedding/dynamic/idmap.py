@@ -94,6 +94,12 @@ class MapSpec(NamedTuple):
         return 4 * self.vshards * self.sketch_depth * self.sketch_width if self.counts else 0
 
 
+def control_flow_of(specs) -> str:
+    """The form a run's dynamic step takes (``embedding.dynamic.control_flow``): every map of
+    a run has the same, its first's; ``auto`` with none."""
+    return next((s.control_flow for s in specs), ControlFlow.AUTO)
+
+
 class IdMap(NamedTuple):
     """The map's arrays for the rows of some whole shards (one device's, or all): per row the
     id it holds (``key_hi``/``key_lo``, uint32), whether it holds one (``used``), the step its id

@@ -40,8 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlrm_jax.choices import ControlFlow
 from dlrm_jax.chunks import by_chunks, by_platform, in_chunks_on_cpu, padded_chunks
-from dlrm_jax.embedding.dynamic.idmap import _HOME_SEED, _SKETCH_SEEDS, STATS, IdMap, MapSpec, Resolved, id_hash
+from dlrm_jax.embedding.dynamic.idmap import (
+    _HOME_SEED,
+    _SKETCH_SEEDS,
+    STATS,
+    IdMap,
+    MapSpec,
+    Resolved,
+    control_flow_of,
+    id_hash,
+)
 from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.hashing import mix32
 
@@ -61,8 +71,8 @@ class Maps(NamedTuple):
 
     @property
     def control_flow(self) -> str:
-        """How a step takes its data-dependent work (every map of a run alike: MapSpec's)."""
-        return self.specs[0].control_flow if self.specs else "auto"
+        """How a step takes its data-dependent work (:func:`control_flow_of` its maps)."""
+        return control_flow_of(self.specs)
 
     def _sizes(self, per_shard) -> np.ndarray:
         return np.array([n * per_shard(s) for s, n in zip(self.specs, self.shards, strict=True)], np.int64)
@@ -139,7 +149,7 @@ class MapWrites(NamedTuple):
         return MapWrites(grow(self.at, rows), grow(self.seen_at, rows), *(grow(x, 0) for x in self[2:5]), self.count)
 
 
-def write_map(m: IdMap, w: MapWrites, step, form: str = "auto") -> IdMap:
+def write_map(m: IdMap, w: MapWrites, step, form: str = ControlFlow.AUTO) -> IdMap:
     """``m`` with the writes ``w`` of the batch at ``step`` made where the map lies, a chunk of
     entries at a time (``chunks.in_chunks``: a write inside a switch's branch copied the map
     whole, every step), or at once on GPUs (``chunks.in_chunks_on_cpu``, ``form`` as its;

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.choices import NewRows
 from dlrm_jax.chunks import in_chunks, in_chunks_on_cpu
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, id_hash, init_map, shared_row_of
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, control_flow_of, id_hash, init_map, shared_row_of
 from dlrm_jax.embedding.dynamic.sharded import (
     FreshRows,
     check_split,
@@ -261,7 +261,7 @@ class DynamicTables:
         nothing); on several devices each chunk meets in a sum, so the chunks stay."""
         if map_devices(self.mesh) > 1:
             return in_chunks(parts, count, self.reset_chunk, carry, write)
-        form = next(iter(self.maps.values())).control_flow
+        form = control_flow_of(self.maps.values())
         return in_chunks_on_cpu(parts, count, self.reset_chunk, carry, write, form)
 
     def _reset(self, emb: EmbeddingState, fresh: FreshRows, key, hot_found=None) -> EmbeddingState:
