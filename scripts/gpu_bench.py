@@ -139,6 +139,9 @@ VARIANTS = {
     # else of the branches: one index read on the host a step for work that follows the
     # distinct ids rather than all N.
     "prefixes": ("", ["embedding.dynamic.control_flow=prefixes"]),
+    # The CPUs' form of the dynamic step on a GPU: its switch among prefix sizes, the sketches'
+    # halving in a conditional, loops that end when their work does.
+    "branches": ("", ["embedding.dynamic.control_flow=branches"]),
     # The dynamic step's branches on a GPU (a switch among prefix sizes of the batch's distinct
     # ids: the least work, about 1.2x the distinct ids against all N on one path), its loops and
     # switches recorded into CUDA graphs so that none is read on the host.

@@ -1,0 +1,238 @@
+"""What a compiled GPU program does each step, read from its optimized HLO text (no device).
+
+``scripts/gpu_compile.py`` compiles a train step for a GPU on a machine without one (XLA's
+deviceless compilation for a named card); this module reads the program it gives:
+
+- **kernels**: the instructions of the entry computation and of its loops' bodies and switches'
+  branches that launch work (fusions, custom calls, sorts, unfused scatters, copies,
+  collectives), each with an estimate of the bytes it moves: its operands read and its result
+  written, except what it does not touch (an operand it only gathers or slices from counts the
+  gathered elements; a result written in place, a scatter's or a dynamic update slice's,
+  counts the updates, not the array);
+- **host reads**: the loops whose trip count XLA does not know and the switches, each of which
+  XLA's GPU runtime decides on the host (it copies the predicate or index back and waits, the
+  device idle meanwhile) unless the loop or switch is recorded into a command buffer;
+- **loops**: each ``while`` with its known trip count, if any.
+
+The byte estimates are an upper bound on a kernel's traffic where caches serve repeats and a
+lower bound where atomics contend; they rank kernels and compare forms of one step, they do not
+time it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+_DTYPE_BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+# Instructions that launch nothing of their own.
+_FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+    "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain", "copy-done",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "send-done", "recv-done",
+}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape (a tuple's: every element's), its layouts ignored."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+    @property
+    def bytes(self) -> int:
+        return shape_bytes(self.shape)
+
+    def called(self, key: str) -> list[str]:
+        """The computations this instruction calls under ``key`` (``calls``, ``body``, ...)."""
+        m = re.search(rf"\b{key}=(\{{[^}}]*\}}|%[\w.\-]+)", self.attrs)
+        return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
+    @property
+    def op_name(self) -> str:
+        m = _OP_NAME.search(self.attrs)
+        return m.group(1) if m else ""
+
+
+@dataclass
+class Computation:
+    name: str
+    instructions: dict[str, Instruction] = field(default_factory=dict)
+    root: str = ""
+
+
+def _split_operands(rest: str) -> tuple[list[str], str]:
+    """The operand names of an instruction's text after its opening parenthesis, and the rest."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    return re.findall(r"%([\w.\-]+)", rest[: i - 1]), rest[i:]
+
+
+def parse(text: str) -> tuple[dict[str, Computation], str]:
+    """Every computation of an HLO module's text by name, and the entry's name."""
+    comps, entry, current = {}, "", None
+    for line in text.splitlines():
+        if line.startswith(("%", "ENTRY ")) and line.rstrip().endswith("{"):
+            name = re.match(r"(?:ENTRY )?%([\w.\-]+)", line).group(1)
+            current = comps.setdefault(name, Computation(name))
+            entry = name if line.startswith("ENTRY") else entry
+            continue
+        m = _INSTRUCTION.match(line) if current is not None else None
+        if m:
+            operands, attrs = _split_operands(m.group(4))
+            inst = Instruction(m.group(1), m.group(2), m.group(3), operands, attrs)
+            current.instructions[inst.name] = inst
+            if line.lstrip().startswith("ROOT"):
+                current.root = inst.name
+    return comps, entry
+
+
+@dataclass
+class Kernel:
+    name: str
+    opcode: str
+    bytes: int  # estimated traffic, bytes
+    runs: int  # launches a step (a loop's body: its trip count; unknown: 1 a round)
+    where: str  # the loops around it, outermost first ("" at the top level)
+    op_name: str
+
+
+@dataclass
+class Program:
+    kernels: list[Kernel]
+    host_reads: list[str]  # each loop of unknown trip count and each switch, by op name
+    loops: list[tuple[str, int | None]]  # (op name, known trip count or None)
+    # a step's launches and bytes on its cheapest and its dearest path through the switches
+    # (a loop of unknown trip count counted once: a round)
+    launches: tuple[int, int] = (0, 0)
+    traffic: tuple[int, int] = (0, 0)
+
+    def largest(self, n: int = 15) -> list[Kernel]:
+        return sorted(self.kernels, key=lambda k: -k.bytes * k.runs)[:n]
+
+
+_IN_PLACE = {"scatter", "dynamic-update-slice"}
+_PARTIAL_READ = {"gather", "dynamic-slice"}
+
+
+def _fusion_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:
+    """A fusion's traffic: each operand read (only what its gathers and slices take of an operand
+    they alone use; nothing of an array updated in place) and its result written (an in-place
+    result: its updates only)."""
+    body = comps.get((inst.called("calls") or [""])[0])
+    if body is None:
+        return inst.bytes + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+    params = [i.name for i in body.instructions.values() if i.opcode == "parameter"]
+    users: dict[str, list[Instruction]] = {}
+    for i in body.instructions.values():
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    roots = [body.instructions[body.root]] if body.root in body.instructions else []
+    if roots and roots[0].opcode == "tuple":
+        roots = [body.instructions[o] for o in roots[0].operands if o in body.instructions]
+    in_place = {r.operands[0] for r in roots if r.opcode in _IN_PLACE and r.operands}
+    written = 0
+    for r in roots:
+        if r.opcode == "scatter" and len(r.operands) >= 3:
+            written += shape_bytes(body.instructions[r.operands[2]].shape) if r.operands[2] in body.instructions else 0
+        elif r.opcode == "dynamic-update-slice" and len(r.operands) >= 2:
+            written += shape_bytes(body.instructions[r.operands[1]].shape) if r.operands[1] in body.instructions else 0
+        else:
+            written += r.bytes
+    read = 0
+    for pname in params:
+        full = body.instructions[pname].bytes
+        uses = users.get(pname, [])
+        if pname in in_place:
+            continue
+        if uses and all(u.opcode in _PARTIAL_READ and u.operands[0] == pname for u in uses):
+            read += min(full, sum(u.bytes for u in uses))
+        else:
+            read += full
+    return read + written
+
+
+def _call_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:
+    """An instruction's operands read and its result written, less what its result aliases (a
+    custom call updating an operand in place: what it touches there is not in the HLO)."""
+    aliased = set()
+    m = re.search(r"output_to_operand_aliasing=\{(.*?\))\}", inst.attrs)
+    if m:
+        aliased = {int(i) for i in re.findall(r"\((\d+),", m.group(1))}
+    operands = [shape_bytes(shapes.get(o, "")) for o in inst.operands]
+    kept = sum(b for i, b in enumerate(operands) if i not in aliased)
+    return kept + inst.bytes - sum(operands[i] for i in aliased if i < len(operands))
+
+
+def program(text: str) -> Program:
+    """The kernels, host reads and loops of an optimized HLO module (see the module docstring)."""
+    comps, entry = parse(text)
+    kernels, host_reads, loops = [], [], []
+
+    def walk(name: str, runs: int, where: str) -> tuple[int, int, int, int]:
+        """Launches and bytes of one run of computation ``name`` (least, most): kernels noted."""
+        comp = comps[name]
+        shapes = {i.name: i.shape for i in comp.instructions.values()}
+        total = [0, 0, 0, 0]  # launches least, most; bytes least, most
+
+        def add(part, times=1):
+            for i in range(4):
+                total[i] += part[i] * times
+
+        for inst in comp.instructions.values():
+            if inst.opcode == "while":
+                m = _TRIP.search(inst.attrs)
+                trip = int(m.group(1)) if m else None
+                loops.append((inst.op_name, trip))
+                if trip is None:
+                    host_reads.append(f"loop {inst.op_name}")
+                label = f"{where}/while[{trip if trip is not None else '?'}]"
+                # (a condition decided on the host still computes its predicate in a kernel)
+                for body in inst.called("body") + ([] if trip else inst.called("condition")):
+                    add(walk(body, runs * (trip or 1), label), trip or 1)
+            elif inst.opcode == "conditional":
+                host_reads.append(f"switch {inst.op_name}")
+                names = inst.called("branch_computations") or inst.called("true_computation") + inst.called(
+                    "false_computation"
+                )
+                parts = [walk(b, runs, f"{where}/branch{i}") for i, b in enumerate(names)]
+                if parts:
+                    add(
+                        (
+                            min(p[0] for p in parts),
+                            max(p[1] for p in parts),
+                            min(p[2] for p in parts),
+                            max(p[3] for p in parts),
+                        )
+                    )
+            elif inst.opcode == "call":
+                for callee in inst.called("to_apply"):
+                    add(walk(callee, runs, where))
+            elif inst.opcode not in _FREE and not inst.opcode.endswith("-done"):
+                moved = (_fusion_bytes if inst.opcode == "fusion" else _call_bytes)(inst, comps, shapes)
+                kernels.append(Kernel(inst.name, inst.opcode, moved, runs, where, inst.op_name))
+                add((1, 1, moved, moved))
+        return tuple(total)
+
+    launches_least, launches_most, least, most = walk(entry, 1, "")
+    return Program(kernels, host_reads, loops, (launches_least, launches_most), (least, most))

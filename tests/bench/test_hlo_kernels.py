@@ -1,0 +1,67 @@
+"""``bench.hlo_kernels`` on a program XLA compiled for an H100 without one
+(``tests/golden/hlo/gpu_program.hlo.txt``, written by ``scripts/gpu_compile.py --sample``)."""
+
+from pathlib import Path
+
+from dlrm_jax.bench.hlo_kernels import parse, program, shape_bytes
+
+SAMPLE = Path(__file__).parent.parent / "golden" / "hlo" / "gpu_program.hlo.txt"
+TABLE = (1 << 20) * 8 * 4  # the sample's table: 1M rows of 8 floats
+ROWS = 4096 * 8 * 4  # what a batch of 4096 ids gathers or adds of it
+
+
+def _program():
+    return program(SAMPLE.read_text())
+
+
+def test_shape_bytes_counts_every_element_of_arrays_and_tuples():
+    assert shape_bytes("f32[1048576,8]{1,0}") == TABLE
+    assert shape_bytes("(s32[], pred[10]{0}, bf16[3,4]{1,0})") == 4 + 10 + 24
+    assert shape_bytes("s32[]") == 4
+
+
+def test_the_loop_of_unknown_trip_count_and_the_switch_are_read_on_the_host():
+    p = _program()
+    assert p.host_reads == ["loop jit(f)/while", "switch jit(f)/cond"]
+    assert sorted(p.loops, key=str) == [("jit(f)/while", 3), ("jit(f)/while", None)]
+
+
+def test_a_known_loops_kernels_run_its_trip_count_and_an_unknown_ones_once_a_round():
+    p = _program()
+    known = [k for k in p.kernels if k.where == "/while[3]"]
+    unknown = [k for k in p.kernels if k.where == "/while[?]"]
+    assert known and all(k.runs == 3 for k in known)
+    # the body and the condition's predicate: each a kernel a round
+    assert len(unknown) >= 2 and all(k.runs == 1 for k in unknown)
+
+
+def test_gathers_count_what_they_take_and_in_place_scatters_their_updates_not_the_table():
+    p = _program()
+    gather = next(k for k in p.kernels if k.op_name == "jit(f)/reduce_sum" and k.bytes > ROWS)
+    scatter = next(k for k in p.kernels if k.op_name == "jit(f)/scatter-add")
+    assert ROWS <= gather.bytes < 2 * ROWS  # the rows, ids and sums; not 32 MiB
+    assert 2 * ROWS <= scatter.bytes < 3 * ROWS  # the updates read and written, with the ids
+    assert p.traffic[1] < TABLE // 8
+
+
+def test_the_switchs_branches_give_a_least_and_a_most_costly_path():
+    p = _program()
+    branches = {k.where for k in p.kernels if "branch" in k.where}
+    assert branches == {"/branch0", "/branch1"}
+    assert p.launches[0] < p.launches[1] and p.traffic[0] < p.traffic[1]
+
+
+def test_a_custom_call_updating_an_operand_in_place_counts_only_its_other_operands():
+    text = """HloModule m
+
+ENTRY %main (t: f32[1000,16], g: f32[10,16], i: s32[10]) -> f32[1000,16] {
+  %t = f32[1000,16]{1,0} parameter(0)
+  %g = f32[10,16]{1,0} parameter(1)
+  %i = s32[10]{0} parameter(2)
+  ROOT %k = f32[1000,16]{1,0} custom-call(%i, %g, %t), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{}: (2, {})}
+}
+"""
+    comps, entry = parse(text)
+    assert entry == "main" and comps["main"].root == "k"
+    (k,) = program(text).kernels
+    assert k.bytes == 10 * 4 + 10 * 16 * 4
