@@ -113,7 +113,7 @@ class Kernel:
     opcode: str
     bytes: int  # estimated traffic, bytes
     runs: int  # launches a step (a loop's body: its trip count; unknown: 1 a round)
-    where: str  # the loops around it, outermost first ("" at the top level)
+    where: str  # the loops (name[trip count]) and branches around it, outermost first ("" at the top)
     op_name: str
 
 
@@ -206,7 +206,7 @@ def program(text: str) -> Program:
                 loops.append((inst.op_name, trip))
                 if trip is None:
                     host_reads.append(f"loop {inst.op_name}")
-                label = f"{where}/while[{trip if trip is not None else '?'}]"
+                label = f"{where}/{inst.name}[{trip if trip is not None else '?'}]"
                 # (a condition decided on the host still computes its predicate in a kernel)
                 for body in inst.called("body") + ([] if trip else inst.called("condition")):
                     add(walk(body, runs * (trip or 1), label), trip or 1)

@@ -392,9 +392,15 @@ def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map
 
 def test_a_resolution_in_chunks_equals_one_at_once():
     """The placement's per-probe work and the sketch's counters in passes of a few ids (as the
-    largest prefixes run: ``chunk``) give every output of one pass, bit for bit, and
-    the Python model's rows: lfu with admission, and lru, with evictions and repeated ids."""
+    largest prefixes run on CPUs: ``chunk``) give every output of one pass (the GPUs' form),
+    bit for bit, and the Python model's rows: lfu with admission, and lru, with evictions and
+    repeated ids."""
     from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+    from dlrm_jax.embedding.dynamic.sharded import resolution_chunk
+
+    # passes on CPUs (their scratch under the mmap cutoff), all at once on GPUs (fewer kernels)
+    assert resolution_chunk("cpu", 13_824) == 6_912 and resolution_chunk("cpu", 1) == 1
+    assert resolution_chunk("gpu", 13_824) == resolution_chunk("cuda", 1_703_936) == 0
 
     specs = [MapSpec(16, 2, 4, "lfu", half_life=3, admit=2, sketch_depth=2, sketch_width=4), MapSpec(6, 2, 2, "lru")]
     layout = Maps(tuple(specs), tuple(s.vshards for s in specs))

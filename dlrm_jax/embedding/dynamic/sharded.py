@@ -151,6 +151,22 @@ def side_by_side(ids: list[tuple]) -> tuple[tuple, tuple[int, ...]]:
     return tuple(jnp.concatenate([x[j].reshape(b, -1) for x in ids], axis=1) for j in range(3)), bags
 
 
+def resolution_chunk(platform: str, own_ids: int) -> int:
+    """How many ids' [ids, probes] arrays a device's resolution holds at once (``resolve_fused``'s
+    ``chunk``; 0: all), for ``own_ids`` a device's share of the batch. On CPUs half of them:
+    larger ones (a skewed batch's buffers, the gathered batch) run in passes, so the scratch
+    follows a device's share of the batch, not the global batch (on 8 simulated devices at
+    8,192 it stays under glibc's 32 MiB mmap cutoff: XLA:CPU's scratch is then reused, where
+    93 MiB was mapped afresh each step, 42,600 page faults). Not on GPUs, which keep their
+    scratch and pay for each kernel launched: in passes, a loop restacked the passes' results
+    and every placement round computed the ids' candidates again. Compiled for one H100 at
+    criteo_kaggle's batch of 65,536 (``scripts/gpu_compile.py``), the lookups and placement
+    took 28 kernels and 0.65 GB once and 30 kernels and 0.76 GB a round in passes, against 5
+    kernels and 1.02 GB once and 15 kernels and 0.51 GB a round all at once (its scratch
+    541 -> 610 MB)."""
+    return max(own_ids // 2, 1) if platform == "cpu" else 0
+
+
 def sharded_resolve_fused(
     specs: list[MapSpec],
     mesh: jax.sharding.Mesh,
@@ -216,12 +232,7 @@ def sharded_resolve_fused(
     # a path with more entries moves those that write to the front, ``MapWrites.fitted``).
     rows_here = int(np.sum(layout.row_sizes))
     size = min(max([n * s for s in sends] + [cap]), rows_here)
-    # The [ids, probes] arrays of a resolution hold at most half a device's own ids at once:
-    # larger ones (a skewed batch's buffers, the gathered batch) run in passes, so the scratch
-    # follows a device's share of the batch, not the global batch (on 8 simulated devices at
-    # 8,192 it stays under glibc's 32 MiB mmap cutoff: XLA:CPU's scratch is then reused, where
-    # 93 MiB was mapped afresh each step, 42,600 page faults).
-    chunk = max(per_device.size // 2, 1)
+    chunk = resolution_chunk(mesh.devices.flat[0].platform, per_device.size)
 
     def fit(x, fill):  # the fresh rows come first: past the map's rows, only padding
         x = x[:size] if x.shape[0] >= size else jnp.concatenate([x, jnp.full(size - x.shape[0], fill, x.dtype)])
