@@ -132,44 +132,66 @@ class Program:
 
 
 _IN_PLACE = {"scatter", "dynamic-update-slice"}
-_PARTIAL_READ = {"gather", "dynamic-slice"}
+_SAME_ELEMENTS = {"bitcast", "reshape", "transpose", "copy", "convert", "reverse"}
+
+
+def _elements(shape: str) -> int:
+    return sum(shape_bytes(f"s8[{dims}]") for _, dims in _ARRAY.findall(shape))
+
+
+def _demand(body: Computation) -> dict[str, float]:
+    """The share of each instruction's elements a fusion's results need (XLA computes a fused
+    result element by element, so an operand only sliced or gathered from is read that far):
+    from the results back, each operand taking the most any user needs of it."""
+    need: dict[str, float] = {}
+    order = list(body.instructions.values())
+    roots = [body.root]
+    if body.root in body.instructions and body.instructions[body.root].opcode == "tuple":
+        roots = body.instructions[body.root].operands
+    for r in roots:
+        need[r] = 1.0
+    for inst in reversed(order):
+        f = need.get(inst.name, 0.0)
+        if inst.opcode == "tuple" or not f:
+            continue
+        out = max(_elements(inst.shape), 1)
+        for i, o in enumerate(inst.operands):
+            operand = body.instructions.get(o)
+            if operand is None:
+                continue
+            size = max(_elements(operand.shape), 1)
+            if inst.opcode in ("slice", "dynamic-slice", "gather") and i == 0:
+                share = f * min(1.0, out / size)
+            elif inst.opcode in _IN_PLACE and i == 0:
+                share = 0.0  # (updated where it lies: ``_fusion_bytes`` counts the updates)
+            elif inst.opcode in _SAME_ELEMENTS or size == out:
+                share = f
+            else:  # broadcasts, reductions, dots, indices: all of it
+                share = 1.0
+            need[o] = max(need.get(o, 0.0), share)
+    return need
 
 
 def _fusion_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:
-    """A fusion's traffic: each operand read (only what its gathers and slices take of an operand
-    they alone use; nothing of an array updated in place) and its result written (an in-place
-    result: its updates only)."""
+    """A fusion's traffic: each operand read as far as its results need it (:func:`_demand`;
+    nothing of an array updated in place) and its results written (one updated in place: its
+    updates only)."""
     body = comps.get((inst.called("calls") or [""])[0])
     if body is None:
         return inst.bytes + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
-    params = [i.name for i in body.instructions.values() if i.opcode == "parameter"]
-    users: dict[str, list[Instruction]] = {}
-    for i in body.instructions.values():
-        for o in i.operands:
-            users.setdefault(o, []).append(i)
+    need = _demand(body)
     roots = [body.instructions[body.root]] if body.root in body.instructions else []
     if roots and roots[0].opcode == "tuple":
         roots = [body.instructions[o] for o in roots[0].operands if o in body.instructions]
-    in_place = {r.operands[0] for r in roots if r.opcode in _IN_PLACE and r.operands}
     written = 0
     for r in roots:
-        if r.opcode == "scatter" and len(r.operands) >= 3:
-            written += shape_bytes(body.instructions[r.operands[2]].shape) if r.operands[2] in body.instructions else 0
-        elif r.opcode == "dynamic-update-slice" and len(r.operands) >= 2:
-            written += shape_bytes(body.instructions[r.operands[1]].shape) if r.operands[1] in body.instructions else 0
+        update = {"scatter": 2, "dynamic-update-slice": 1}.get(r.opcode)
+        if update is not None and len(r.operands) > update and r.operands[update] in body.instructions:
+            written += body.instructions[r.operands[update]].bytes
         else:
             written += r.bytes
-    read = 0
-    for pname in params:
-        full = body.instructions[pname].bytes
-        uses = users.get(pname, [])
-        if pname in in_place:
-            continue
-        if uses and all(u.opcode in _PARTIAL_READ and u.operands[0] == pname for u in uses):
-            read += min(full, sum(u.bytes for u in uses))
-        else:
-            read += full
-    return read + written
+    params = (i for i in body.instructions.values() if i.opcode == "parameter")
+    return written + int(sum(need.get(i.name, 0.0) * i.bytes for i in params))
 
 
 def _call_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:

@@ -161,9 +161,9 @@ def resolution_chunk(platform: str, own_ids: int) -> int:
     scratch and pay for each kernel launched: in passes, a loop restacked the passes' results
     and every placement round computed the ids' candidates again. Compiled for one H100 at
     criteo_kaggle's batch of 65,536 (``scripts/gpu_compile.py``), the lookups and placement
-    took 28 kernels and 0.65 GB once and 30 kernels and 0.76 GB a round in passes, against 5
-    kernels and 1.02 GB once and 15 kernels and 0.51 GB a round all at once (its scratch
-    541 -> 610 MB)."""
+    took 28 kernels and 0.51 GB once and 30 kernels and 0.76 GB a round in passes, against 5
+    kernels and 0.87 GB once and 15 kernels and 0.51 GB a round all at once (the same bytes
+    at 1.5 rounds a step, half the kernels at any; its scratch 541 -> 610 MB)."""
     return max(own_ids // 2, 1) if platform == "cpu" else 0
 
 
