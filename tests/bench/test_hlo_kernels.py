@@ -65,3 +65,29 @@ ENTRY %main (t: f32[1000,16], g: f32[10,16], i: s32[10]) -> f32[1000,16] {
     assert entry == "main" and comps["main"].root == "k"
     (k,) = program(text).kernels
     assert k.bytes == 10 * 4 + 10 * 16 * 4
+
+
+def test_a_fusion_reads_of_each_operand_what_its_results_need():
+    """XLA computes a fused result element by element: a slice of a sum reads the slice of each
+    addend, a broadcast operand is read whole, and a scatter's target is updated in place."""
+    text = """HloModule m
+
+%fused_slice (p0: bf16[1000,64], p1: bf16[1000,64], p2: bf16[64]) -> bf16[1000,8] {
+  %p0 = bf16[1000,64]{1,0} parameter(0)
+  %p1 = bf16[1000,64]{1,0} parameter(1)
+  %p2 = bf16[64]{0} parameter(2)
+  %b = bf16[1000,64]{1,0} broadcast(%p2), dimensions={1}
+  %s = bf16[1000,64]{1,0} add(%p0, %p1)
+  %t = bf16[1000,64]{1,0} multiply(%s, %b)
+  ROOT %r = bf16[1000,8]{1,0} slice(%t), slice={[0:1000], [0:8]}
+}
+
+ENTRY %main (a: bf16[1000,64], c: bf16[1000,64], d: bf16[64]) -> bf16[1000,8] {
+  %a = bf16[1000,64]{1,0} parameter(0)
+  %c = bf16[1000,64]{1,0} parameter(1)
+  %d = bf16[64]{0} parameter(2)
+  ROOT %f = bf16[1000,8]{1,0} fusion(%a, %c, %d), kind=kLoop, calls=%fused_slice
+}
+"""
+    (k,) = program(text).kernels
+    assert k.bytes == 2 * (1000 * 8 * 2) + 64 * 2 + 1000 * 8 * 2  # two slices read, the bias, the result
