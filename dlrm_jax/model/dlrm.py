@@ -25,6 +25,10 @@ class DLRMDense(nnx.Module):
     The embedding tables are not part of this module: they are sharded and updated sparsely by
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
 
+    ``pooled_dtype``: it reads the pooled vectors in its compute dtype (its first use of them
+    casts), so the train step hands them over cast and their gradient comes back in that dtype
+    (half the bytes for the sparse update to read in bfloat16).
+
     Call: dense_bd float32 [B, num_dense], emb_bfd [B, F, D] -> logits float32 [B]; ``tensor``
     (model.mlp_parallel=tensor) splits the MLPs' and cross network's layers over model groups
     (:mod:`dlrm_jax.model.mlp_parallel`).
@@ -51,7 +55,7 @@ class DLRMDense(nnx.Module):
         self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
         self.interaction = interaction
-        self.dtype = dtype
+        self.dtype = self.pooled_dtype = dtype
 
     def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array, tensor=None) -> jax.Array:
         z = top_inputs(self.bottom, self.cross, self.interaction, self.dtype, dense_bd, emb_bfd, tensor)

@@ -93,6 +93,8 @@ class StateLayout:
         # Shapes only: a model built with values here compiled one random draw per layer shape.
         model = nnx.eval_shape(lambda: spec.dense(nnx.Rngs(0)))
         self.graphdef, params = nnx.split(model, nnx.Param)
+        # what the model reads the pooled vectors in (a model of one's own that says nothing: float32)
+        self.pooled_dtype = jnp.dtype(getattr(model, "pooled_dtype", jnp.float32))
         self._dense_layout(spec, mesh, model, nnx.to_pure_dict(params))
         self.replicated = NamedSharding(mesh, P())
         self.sharding = self._sharding()

@@ -76,6 +76,8 @@ class StepFunctions:
         self.schedule, self.tx, self.emb_lr_scale, self.parts = spec.schedule, spec.tx, spec.emb_lr_scale, spec.parts
         self.state = layout = StateLayout(spec, mesh, collection, hot)
         self.graphdef, self.tensor, self.pipeline = layout.graphdef, layout.tensor, layout.pipeline
+        # The pooled vectors as the model reads them (the pipeline gathers them first: float32)
+        self.pooled_dtype = jnp.dtype(jnp.float32) if self.pipeline is not None else layout.pooled_dtype
         self.state_sharding, self.saved_sharding = layout.sharding, layout.saved_sharding
         # The state as it trains, fresh and as checkpoints hold it (train/state.py).
         self.init_state, self.abstract_state = layout.init, layout.abstract
@@ -213,8 +215,10 @@ class StepFunctions:
             return jnp.mean(bce_loss(self._forward(params, pooled_bfd, batch, part_inputs), batch.labels))
 
         with jax.named_scope(PHASE_SCOPES["dense"]):
+            # cast as the model's first use of them would: the gradient comes back in that dtype,
+            # whose values it holds exactly (bfloat16: half the bytes for the update to read)
             loss, (grad_params, grad_bfd, grad_parts) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
-                state.params, pooled_bfd, part_inputs
+                state.params, pooled_bfd.astype(self.pooled_dtype), part_inputs
             )
         with jax.named_scope(PHASE_SCOPES["dense_optimizer"]):
             updates, opt_state = self.tx.update(grad_params, state.opt_state, state.params)

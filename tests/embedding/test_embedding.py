@@ -465,3 +465,51 @@ def test_updates_write_each_row_of_a_table_or_its_state_once(tiny, strategy):
     assert found, "no scatter into a table found: the test no longer reads the program it means to"
     repeated = [line for line in found if "unique_indices=true" not in line]
     assert not repeated, "\n".join(repeated)
+
+
+BF16_CASES = [
+    ("replicated", 1, "fused"),
+    ("replicated", 1, "xla"),
+    ("replicated", 2, "fused"),
+    ("row", 2, "fused"),
+    ("column", 4, "xla"),
+    ("host_row", 4, "xla"),
+    ("table", 8, "fused"),
+]
+
+
+@pytest.mark.parametrize("strategy,devices,update", BF16_CASES, ids=[f"{s}-{d}dev-{u}" for s, d, u in BF16_CASES])
+def test_a_bfloat16_gradient_gives_the_bits_of_its_float32_copy(tiny, strategy, devices, update, monkeypatch):
+    """A model computing in bfloat16 hands the collection its pooled vectors' gradient in
+    bfloat16 (the train step differentiates w.r.t. them as the model reads them): every form
+    then updates its tables and state exactly as from the float32 copy of that gradient, the
+    replicated form's fused kernels reading it as it comes (on one device: no float32 copy of
+    it written), every other sum in float32."""
+    from dlrm_jax.embedding.exchange import row_update_kernel
+
+    read = []
+    kernels = row_update_kernel.fused_row_update
+    monkeypatch.setattr(
+        row_update_kernel, "fused_row_update", lambda *a, **k: read.append(a[4].dtype) or kernels(*a, **k)
+    )
+    cfg = tiny(
+        *strategy_overrides(strategy),
+        "embedding.optimizer=rowwise_adagrad",
+        f"embedding.sparse_update={update}",
+        "data.bag_sizes=[3, 1, 4, 2]",
+    )
+    coll = build(cfg, devices)
+    source = SyntheticSource(cfg)
+    state = coll.init(jax.random.key(0))
+    lookup, apply = jax.jit(coll.lookup), jax.jit(coll.apply_gradients)
+    batch = jax.sharding.NamedSharding(coll.mesh, jax.P(AXIS))
+    for step in range(4):
+        pooled, res = lookup(state, jax.device_put(source.train_batch(step).ids, batch))
+        w = jnp.asarray(np.random.default_rng(step).normal(size=pooled.shape), jnp.bfloat16)
+        low = apply(state, res, jax.device_put(w, batch), jnp.float32(0.05))
+        wide = apply(state, res, jax.device_put(w.astype(jnp.float32), batch), jnp.float32(0.05))
+        for a, b in zip(jax.tree.leaves(low), jax.tree.leaves(wide), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"step {step}")
+        state = low
+    if (strategy, devices, update) == ("replicated", 1, "fused"):
+        assert read[0] == jnp.bfloat16 and read[1] == jnp.float32  # (the two programs' traces)

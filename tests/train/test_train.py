@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dlrm_jax.parallel.mesh import make_mesh
-from dlrm_jax.train.build import build
+from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.restore import restore_state
 from dlrm_jax.train.saved_run import evaluate_run
@@ -122,3 +122,34 @@ def test_nan_loss_stops_training(tiny, tmp_path):
 def test_bfloat16_compute_trains(tiny):
     result = train_and_evaluate(tiny("train.compute_dtype=bfloat16", "train.steps=4"), None, **QUIET)
     assert np.isfinite(result.loss)
+
+
+@pytest.mark.parametrize(
+    "sets,want",
+    [
+        (["train.compute_dtype=bfloat16"], "bfloat16"),
+        ([], "float32"),
+        (["train.compute_dtype=bfloat16", "model.mlp_parallel=pipeline", "mesh.model=2", "mesh.devices=2"], "float32"),
+    ],
+    ids=["bfloat16", "float32", "bfloat16-pipeline"],
+)
+def test_the_sparse_update_gets_the_gradient_in_the_dtype_the_model_read_the_vectors_in(tiny, sets, want, monkeypatch):
+    """The train step differentiates the loss w.r.t. the pooled vectors as the model reads them
+    (``DLRMDense.pooled_dtype``: its compute dtype), so a bfloat16 model's sparse update reads
+    half the bytes (the same bits: tests/embedding/test_embedding.py); the pipeline gathers
+    them before its stages cast, so it takes float32."""
+    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
+
+    cfg = resolve_data_config(tiny(*sets))
+    seen = []
+    apply = EmbeddingCollection.apply_gradients
+    monkeypatch.setattr(
+        EmbeddingCollection,
+        "apply_gradients",
+        lambda self, s, r, g, lr: seen.append(g.dtype) or apply(self, s, r, g, lr),
+    )
+    source = make_source(cfg, 0, 1)
+    _, fns = build(cfg, mesh_from_config(cfg), source, **QUIET)
+    state, out, _ = fns.train_step(fns.init_state(), fns.device_batch(source.train_batch(0)))
+    assert seen == [np.dtype(want)] and np.isfinite(float(out["loss"]))

@@ -292,17 +292,27 @@ class EmbeddingCollection:
     ) -> EmbeddingState:
         """Sparse update of the looked-up rows from the gradient w.r.t. the pooled vectors.
 
-        ``res``: :meth:`lookup`'s residuals of the same step; ``grad_bfd`` float32 [B, F, D]
-        (batch-sharded): the loss's gradient w.r.t. ``lookup``'s output; ``lr``: the sparse
-        optimizer's learning rate (a scalar, may be traced). Only the looked-up rows change."""
+        ``res``: :meth:`lookup`'s residuals of the same step; ``grad_bfd`` [B, F, D]
+        (batch-sharded): the loss's gradient w.r.t. ``lookup``'s output, float32 or the
+        dtype the model read it in (its values, exactly: bfloat16 gives the same bits as its
+        float32 copy); ``lr``: the sparse optimizer's learning rate (a scalar, may be traced).
+        Only the looked-up rows change."""
         flat = grad_bfd.reshape(grad_bfd.shape[0], -1)
+        # float32 from the start, but for forms that read it as it comes (ExchangeForm's
+        # ``reads_any_float``: the fused kernels read it where it lies)
+        wide = flat.astype(jnp.float32)
         tables, slots = dict(state.tables), dict(state.slots)
         for form, residual in zip(self.forms, res.routes, strict=True):
             name = form.group.name  # (two parts of one array update it in turn)
+            grad = flat if getattr(form, "reads_any_float", False) else wide
             tables[name], slots[name] = form.update(
-                tables[name], slots[name], residual, take_columns(flat, form.cols), lr
+                tables[name], slots[name], residual, take_columns(grad, form.cols), lr
             )
-        hot = self.hot.update(state.hot, res.hot_bs, res.weights_bs, grad_bfd, lr) if self.hot else None
+        hot = (
+            self.hot.update(state.hot, res.hot_bs, res.weights_bs, wide.reshape(grad_bfd.shape), lr)
+            if self.hot
+            else None
+        )
         return EmbeddingState(tables, slots, hot)
 
 

@@ -41,7 +41,9 @@ class ExchangeForm(Protocol):
 
     ``group``: the part's group (its fused array's name in the state, rows, virtual tables);
     ``cols``: int [V' * W], the columns of the collection's flattened [B, F * D] output that the
-    form's output fills, in its output's order.
+    form's output fills, in its output's order. ``reads_any_float`` (optional, False): ``update``
+    takes the gradient in the dtype the model read the vectors in (bfloat16), as it comes, and
+    gives the bits it would give its float32 copy; otherwise it is given float32.
     """
 
     group: Group
@@ -57,7 +59,7 @@ class ExchangeForm(Protocol):
         self, table: jax.Array, slots: dict[str, jax.Array], residual: Any, grad: jax.Array, lr: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The sparse update of the looked-up rows and their optimizer state from the gradient
-        float32 [B, V' * W] w.r.t. ``forward``'s output."""
+        [B, V' * W] w.r.t. ``forward``'s output (float32 unless ``reads_any_float``)."""
         ...
 
 

@@ -61,7 +61,9 @@ class SparseOptimizer(NamedTuple):
     def update(self, table, state, lookups, grads, lr, row_mean_sq=None):
         """Each distinct row's gradient summed in a fixed order, then the optimizer applied to
         it once. ``row_mean_sq`` [n] (row-wise Adagrad on column slices): per lookup, its
-        row's mean squared gradient over the whole width (every lookup of a row carries it)."""
+        row's mean squared gradient over the whole width (every lookup of a row carries it).
+        ``grads`` float32, or bfloat16 as the model gave it: each lookup's gradient is made
+        float32 before it is added (in the kernels; ``row_grads.weighted_addends``)."""
         if self.kernel and row_update_kernel.applies(table, grads):
             return row_update_kernel.fused_row_update(
                 self.step, table, state, lookups, grads, lr, row_mean_sq, programs=self.kernel_programs
