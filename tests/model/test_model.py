@@ -98,6 +98,23 @@ def test_cross_network_matches_numpy(layers, rank):
     assert n_params == layers * ((2 * width * rank if rank else width * width) + width)
 
 
+def test_the_cross_networks_x0_is_written_whole_in_the_forward_and_its_gradient_passes_untouched():
+    """x0 goes through one optimization barrier in the forward (so the fusion making it writes
+    it whole and the stacked pooled vectors are not written apart: 0.9 GB a step on DLRM-DCNv2,
+    ``cross.written_once``), none in the backward (one there made XLA write x0's gradient whole
+    as well: 1.0 GB more); the values and gradients are the plain ones."""
+    from dlrm_jax.model.cross import CrossNetwork, written_once
+
+    net = CrossNetwork(16, 2, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x0 = jnp.asarray(np.random.default_rng(0).normal(size=(5, 16)), jnp.float32)
+    loss = lambda x: jnp.sum(net(x) ** 2)
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss))(x0))
+    assert jaxpr.count("optimization_barrier") == 1
+    y, back = jax.vjp(written_once, x0)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x0))
+    np.testing.assert_array_equal(np.asarray(back(2 * x0)[0]), np.asarray(2 * x0))
+
+
 def test_dcn_model_is_cat_through_the_cross_network():
     kw = dict(num_dense=13, num_features=5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1))
     model = DLRMDense(**kw, interaction="dcn", dcn_layers=2, dcn_rank=4, rngs=nnx.Rngs(0))
