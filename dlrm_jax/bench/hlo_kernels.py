@@ -6,9 +6,10 @@ deviceless compilation for a named card); this module reads the program it gives
 - **kernels**: the instructions of the entry computation and of its loops' bodies and switches'
   branches that launch work (fusions, custom calls, sorts, unfused scatters, copies,
   collectives), each with an estimate of the bytes it moves: its operands read and its result
-  written, except what it does not touch (an operand it only gathers or slices from counts the
-  gathered elements; a result written in place, a scatter's or a dynamic update slice's,
-  counts the updates, not the array);
+  written, except what it does not touch (a fusion reads of each operand what its results
+  need: a slice or a gather of it, that part; a result written in place, a scatter's or a
+  dynamic update slice's, counts the updates, not the array; a custom call's operand aliased
+  to its result is not counted at all, what it touches there not being in the HLO);
 - **host reads**: the loops whose trip count XLA does not know and the switches, each of which
   XLA's GPU runtime decides on the host (it copies the predicate or index back and waits, the
   device idle meanwhile) unless the loop or switch is recorded into a command buffer;
