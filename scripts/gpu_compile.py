@@ -11,7 +11,8 @@ own) this builds the step as training builds it, compiles it for the card, keeps
 HLO (``DIR/<variant>-<config>.gpu.hlo.txt``) and prints what ``dlrm_jax.bench.hlo_kernels``
 reads there: kernels launched a step, the loops and switches decided on the host (each a copy
 to the host and a wait, the device idle), the bytes the kernels move (an estimate) and their
-time at the card's bandwidth, the step's scratch memory, and the largest kernels. JSON in
+time at the card's bandwidth, the step's scratch memory, gathers that read an array by
+columns, and the largest kernels. JSON in
 ``DIR/gpu_compile.json``. It times nothing: the GPU figures are ``gpu_bench.py``'s.
 
 Needs the CUDA plugin beside JAX (not the project's dependencies; about 4 GB), best in a
@@ -111,6 +112,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "loops": [{"op": op, "trip_count": n} for op, n in p.loops],
         "traffic_bytes": list(p.traffic),
         "traffic_ms_at_bandwidth": [1e3 * b / bandwidth for b in p.traffic],
+        "strided_gathers": p.strided_gathers,
         "largest": [
             {"name": k.name, "opcode": k.opcode, "bytes": k.bytes, "runs": k.runs, "where": k.where, "op": k.op_name}
             for k in p.largest(15)
@@ -174,7 +176,8 @@ def print_table(results: list[dict]) -> None:
             f"{r['temp_bytes'] / 2**20:>11,.0f}{r['compile_s']:>10.1f}"
         )
     for r in results:
-        print(f"\n{r['variant']} {r['config']}: host reads {r['host_reads'] or 'none'}; largest kernels (MB a step):")
+        print(f"\n{r['variant']} {r['config']}: host reads {r['host_reads'] or 'none'}; strided gathers")
+        print(f"{r['strided_gathers'] or 'none'}; largest kernels (MB a step):")
         for k in r["largest"][:10]:
             where = f" in {k['where']}" if k["where"] else ""
             print(f"  {k['bytes'] * k['runs'] / 1e6:9.1f}  {k['opcode']:<12} {k['op'][-80:]}{where}")

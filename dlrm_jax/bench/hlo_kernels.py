@@ -13,7 +13,9 @@ deviceless compilation for a named card); this module reads the program it gives
 - **host reads**: the loops whose trip count XLA does not know and the switches, each of which
   XLA's GPU runtime decides on the host (it copies the predicate or index back and waits, the
   device idle meanwhile) unless the loop or switch is recorded into a command buffer;
-- **loops**: each ``while`` with its known trip count, if any.
+- **loops**: each ``while`` with its known trip count, if any;
+- **strided gathers**: gathers whose slices are columns of a row-major array (a value read per
+  memory sector: criteo_kaggle's interaction pairs took 0.166 ms on an H200 for 0.15 GB).
 
 The byte estimates are an upper bound on a kernel's traffic where caches serve repeats and a
 lower bound where atomics contend; they rank kernels and compare forms of one step, they do not
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
+import numpy as np
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
 _DTYPE_BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
@@ -127,6 +131,9 @@ class Program:
     # (a loop of unknown trip count counted once: a round)
     launches: tuple[int, int] = (0, 0)
     traffic: tuple[int, int] = (0, 0)
+    # gathers that read across an array's rows: each slice a column (1 element of the minor
+    # dimension, many of the others), so neighbouring threads read a value per memory sector
+    strided_gathers: list[str] = field(default_factory=list)
 
     def largest(self, n: int = 15) -> list[Kernel]:
         return sorted(self.kernels, key=lambda k: -k.bytes * k.runs)[:n]
@@ -258,4 +265,23 @@ def program(text: str) -> Program:
         return tuple(total)
 
     launches_least, launches_most, least, most = walk(entry, 1, "")
-    return Program(kernels, host_reads, loops, (launches_least, launches_most), (least, most))
+    strided = [i.op_name or i.name for c in comps.values() for i in c.instructions.values() if _reads_columns(i, c)]
+    return Program(kernels, host_reads, loops, (launches_least, launches_most), (least, most), strided)
+
+
+_LAYOUT = re.compile(r"\[([\d,]*)\]\{([\d,]+)")
+
+
+def _reads_columns(inst: Instruction, comp: Computation, least: int = 1024) -> bool:
+    """Whether a gather's slices are columns of its operand: one element along the operand's
+    minor dimension and at least ``least`` along the others."""
+    if inst.opcode != "gather" or not inst.operands or inst.operands[0] not in comp.instructions:
+        return False
+    sizes = re.search(r"slice_sizes=\{([\d,]+)\}", inst.attrs)
+    layout = _LAYOUT.search(comp.instructions[inst.operands[0]].shape)
+    if sizes is None or layout is None:
+        return False
+    sizes = [int(x) for x in sizes.group(1).split(",")]
+    minor = int(layout.group(2).split(",")[0])
+    others = int(np.prod([n for d, n in enumerate(sizes) if d != minor]))
+    return sizes[minor] == 1 and others >= least

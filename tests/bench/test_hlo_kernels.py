@@ -91,3 +91,34 @@ ENTRY %main (a: bf16[1000,64], c: bf16[1000,64], d: bf16[64]) -> bf16[1000,8] {
 """
     (k,) = program(text).kernels
     assert k.bytes == 2 * (1000 * 8 * 2) + 64 * 2 + 1000 * 8 * 2  # two slices read, the bias, the result
+
+
+def test_a_gather_of_columns_of_a_row_major_array_is_strided_and_one_of_rows_is_not():
+    """jnp.take(x, idx, axis=1) on a [B, N] row-major array gathers columns: a value per
+    memory sector for neighbouring threads (criteo_kaggle's interaction pairs)."""
+    text = """HloModule m
+
+%fused_gather (p0: bf16[65536,729], p1: s32[351,1]) -> bf16[351,65536,1] {
+  %p0 = bf16[65536,729]{1,0} parameter(0)
+  %p1 = s32[351,1]{1,0} parameter(1)
+  ROOT %g = bf16[351,65536,1]{2,1,0} gather(%p0, %p1), offset_dims={1,2}, collapsed_slice_dims={}, start_index_map={1}, index_vector_dim=1, slice_sizes={65536,1}, metadata={op_name="columns"}
+}
+
+%fused_rows (q0: f32[100000,128], q1: s32[4096,1]) -> f32[4096,1,128] {
+  %q0 = f32[100000,128]{1,0} parameter(0)
+  %q1 = s32[4096,1]{1,0} parameter(1)
+  ROOT %h = f32[4096,1,128]{2,1,0} gather(%q0, %q1), offset_dims={1,2}, collapsed_slice_dims={}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,128}, metadata={op_name="rows"}
+}
+
+ENTRY %main (a: bf16[65536,729], i: s32[351,1], t: f32[100000,128], j: s32[4096,1]) -> (bf16[351,65536,1], f32[4096,1,128]) {
+  %a = bf16[65536,729]{1,0} parameter(0)
+  %i = s32[351,1]{1,0} parameter(1)
+  %t = f32[100000,128]{1,0} parameter(2)
+  %j = s32[4096,1]{1,0} parameter(3)
+  %f = bf16[351,65536,1]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_gather
+  %r = f32[4096,1,128]{2,1,0} fusion(%t, %j), kind=kLoop, calls=%fused_rows
+  ROOT %out = (bf16[351,65536,1]{2,1,0}, f32[4096,1,128]{2,1,0}) tuple(%f, %r)
+}
+"""
+    assert program(text).strided_gathers == ["columns"]
+    assert _program().strided_gathers == []  # the sample's gather takes rows
