@@ -357,6 +357,21 @@ def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence
         assert got == (t, k) and occurrences[j] == totals[(t, k)]
 
 
+def test_distinct_ids_set_each_distinct_slot_from_its_first_occurrence_alone():
+    """The distinct ids' words and tables are scattered from their first occurrences only, with
+    unique indices promised (XLA's GPU code then stores without atomics: every occurrence of a
+    hot id writing its slot made thousands of stores to one address, one after another)."""
+    from dlrm_jax.embedding.dynamic.resolve import distinct_ids
+
+    n = 64
+    args = (jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.ones(n, bool), jnp.zeros(n, jnp.int32))
+    jaxpr = jax.make_jaxpr(distinct_ids)(*args)
+    sets = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
+    assert len(sets) == 3 and all(e.params["unique_indices"] for e in sets)
+    index, *_ = jax.jit(distinct_ids)(*args)  # one id 64 times: one slot
+    assert np.asarray(index).tolist() == [0] * n
+
+
 def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map():
     """Two lfu tables with half lives 2 and 5 and an lru one in one fused resolution (each
     probe's decay divided by its own table's half life), step after step with evictions and

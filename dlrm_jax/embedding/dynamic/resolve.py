@@ -202,7 +202,11 @@ def distinct_ids(hi, lo, valid, table, counts=None):
     leads = first == position
     number = jnp.cumsum(leads, dtype=jnp.int32) - 1
     index = jnp.where(valid, number[jnp.minimum(first, n - 1)], n)
-    put = lambda x: jnp.zeros(n, x.dtype).at[index].set(x, mode="drop")
+    # Each distinct id's words set by its first occurrence alone: one write a slot, no two at
+    # one address (every occurrence writing them was a scatter whose stores to a hot id's slot,
+    # thousands a batch, XLA's GPU code made one after another).
+    at = jnp.where(leads, number, n)
+    put = lambda x: jnp.zeros(n, x.dtype).at[at].set(x, mode="drop", unique_indices=True)
     occurrences = jnp.zeros(n, jnp.int32).at[index].add(1 if counts is None else counts, mode="drop")
     real = jnp.arange(n) < jnp.sum(leads)
     return index, put(hi), put(lo), put(table), occurrences, real
