@@ -192,7 +192,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="default",
-        help="gpu_bench.py's variants, comma-separated; NAME:CONFIG,... compiles NAME for those configs only",
+        help="gpu_bench.py's variants, comma-separated; NAME:CONFIG[:CONFIG...] compiles NAME for those configs only",
     )
     ap.add_argument("--card", default="h100", choices=sorted(CARDS))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override, repeatable")
