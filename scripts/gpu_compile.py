@@ -18,8 +18,10 @@ columns, and the largest kernels. JSON in
 Needs the CUDA plugin beside JAX (not the project's dependencies; about 4 GB), best in a
 virtual environment of its own:
 
-    python -m venv /tmp/gpuc && /tmp/gpuc/bin/pip install "jax[cuda13]==$(python -c \
+    python3 -m venv /tmp/gpuc && /tmp/gpuc/bin/pip install "jax[cuda13]==$(.venv/bin/python -c \
         'import jax; print(jax.__version__)')" && /tmp/gpuc/bin/pip install -e .
+
+(the version of the project's own JAX, with its CUDA 13 plugin; a few minutes).
 
 Where it differs from a GPU: no autotuning (XLA takes its default GEMM and fusion
 configurations), and sorts that a GPU gives to CUB's radix sort stay XLA's own sort kernels
