@@ -185,6 +185,14 @@ def print_table(results: list[dict]) -> None:
             print(f"  {k['bytes'] * k['runs'] / 1e6:9.1f}  {k['opcode']:<12} {k['op'][-80:]}{where}")
 
 
+def _has_cuda_plugin() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+
+
 def main() -> int:
     import gpu_bench
 
@@ -209,6 +217,8 @@ def main() -> int:
         result = compile_one(*args.one, args.card, args.overrides, args.out)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    if not _has_cuda_plugin():
+        ap.error(f"no CUDA plugin beside JAX in {sys.executable}: install one as this script's docstring says")
     configs = args.configs.split(",")
     wanted = {item.partition(":")[0] for item in args.variants.split(",")}
     unknown = sorted(wanted - set(gpu_bench.VARIANTS)) + sorted(set(configs) - set(gpu_bench.CONFIGS))
