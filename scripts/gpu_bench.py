@@ -323,18 +323,26 @@ def _is_sparse_update(kernel: str) -> bool:
     return any(word in k for word in ("scatter", "sort", "row_kernel", "chunk_kernel"))
 
 
+def step_config(name: str):
+    """Config ``name`` as the step is benched: COMMON's settings, the run's overrides, one device."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.data.sources import resolve_data_config
+
+    path, extra = CONFIGS[name]
+    return resolve_data_config(
+        load_config(os.path.join(REPO, path), COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1"])
+    )
+
+
 def bench_config(name: str, steps: int, profile_dir: str | None, variant: str = "default") -> dict:
     import jax
 
-    from dlrm_jax.config import load_config
-    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import make_mesh
     from dlrm_jax.train.build import build
 
     path, extra = CONFIGS[name]
-    cfg = resolve_data_config(
-        load_config(os.path.join(REPO, path), COMMON + extra + EXTRA_OVERRIDES + ["mesh.devices=1"])
-    )
+    cfg = step_config(name)
     mesh = make_mesh(1)
     source = make_source(cfg, 0, 1)
     plan, fns = build(cfg, mesh, source)

@@ -74,8 +74,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
 
     from dlrm_jax.bench.exchange import compiled_train_step
     from dlrm_jax.bench.hlo_kernels import program
-    from dlrm_jax.config import load_config
-    from dlrm_jax.data.sources import make_source, resolve_data_config
+    from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import AXIS
     from dlrm_jax.train.build import build
 
@@ -83,10 +82,8 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     # The code asks the default backend which platform it runs on (the sparse update's form,
     # Pallas's interpreter): here that is the CPU, so it is told what a GPU machine would say.
     jax.default_backend = lambda: "gpu"
-    path, extra = gpu_bench.CONFIGS[config]
-    variant_overrides = gpu_bench.VARIANTS[variant][1]
-    sets = gpu_bench.COMMON + extra + variant_overrides + overrides + ["mesh.devices=1"]
-    cfg = resolve_data_config(load_config(os.path.join(REPO, path), sets))
+    gpu_bench.EXTRA_OVERRIDES[:] = overrides + gpu_bench.VARIANTS[variant][1]  # (as a variant's child takes them)
+    cfg = gpu_bench.step_config(config)
     source = make_source(cfg, 0, 1)
     _, fns = build(cfg, mesh, source, log=lambda *_: None)
     t0 = time.perf_counter()
@@ -103,7 +100,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "config": config,
         "variant": variant,
         "card": CARDS[card]["name"],
-        "overrides": sets,
+        "overrides": gpu_bench.COMMON + gpu_bench.CONFIGS[config][1] + gpu_bench.EXTRA_OVERRIDES,
         "compile_s": compile_s,
         "temp_bytes": int(mem.temp_size_in_bytes),
         "argument_bytes": int(mem.argument_size_in_bytes),

@@ -43,15 +43,13 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+def _count(dims: str) -> int:
+    return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape (a tuple's: every element's), its layouts ignored."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _DTYPE_BYTES.get(dtype, 4)
-    return total
+    return sum(_count(dims) * _DTYPE_BYTES.get(dtype, 4) for dtype, dims in _ARRAY.findall(shape))
 
 
 @dataclass
@@ -144,21 +142,23 @@ _SAME_ELEMENTS = {"bitcast", "reshape", "transpose", "copy", "convert", "reverse
 
 
 def _elements(shape: str) -> int:
-    return sum(shape_bytes(f"s8[{dims}]") for _, dims in _ARRAY.findall(shape))
+    return sum(_count(dims) for _, dims in _ARRAY.findall(shape))
+
+
+def _roots(body: Computation) -> list[Instruction]:
+    """A computation's results: its root, or the elements of its root tuple."""
+    root = body.instructions.get(body.root)
+    if root is None:
+        return []
+    return [body.instructions[o] for o in root.operands if o in body.instructions] if root.opcode == "tuple" else [root]
 
 
 def _demand(body: Computation) -> dict[str, float]:
     """The share of each instruction's elements a fusion's results need (XLA computes a fused
     result element by element, so an operand only sliced or gathered from is read that far):
     from the results back, each operand taking the most any user needs of it."""
-    need: dict[str, float] = {}
-    order = list(body.instructions.values())
-    roots = [body.root]
-    if body.root in body.instructions and body.instructions[body.root].opcode == "tuple":
-        roots = body.instructions[body.root].operands
-    for r in roots:
-        need[r] = 1.0
-    for inst in reversed(order):
+    need = {r.name: 1.0 for r in _roots(body)}
+    for inst in reversed(list(body.instructions.values())):
         f = need.get(inst.name, 0.0)
         if inst.opcode == "tuple" or not f:
             continue
@@ -186,13 +186,10 @@ def _fusion_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict
     updates only)."""
     body = comps.get((inst.called("calls") or [""])[0])
     if body is None:
-        return inst.bytes + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+        return _call_bytes(inst, comps, shapes)
     need = _demand(body)
-    roots = [body.instructions[body.root]] if body.root in body.instructions else []
-    if roots and roots[0].opcode == "tuple":
-        roots = [body.instructions[o] for o in roots[0].operands if o in body.instructions]
     written = 0
-    for r in roots:
+    for r in _roots(body):
         update = {"scatter": 2, "dynamic-update-slice": 1}.get(r.opcode)
         if update is not None and len(r.operands) > update and r.operands[update] in body.instructions:
             written += body.instructions[r.operands[update]].bytes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -26,12 +25,6 @@ def _rows(g: Group, ids_bs):
     """Rows of the fused array for every virtual slot's id (PAD_ID -> past the end)."""
     vids = take_columns(ids_bs, g.vslot_slot)
     return jnp.where(vids == -1, g.local_rows, vids + jnp.asarray(g.vslot_offset))
-
-
-def _devices(axes) -> int:
-    """How many devices a collective over ``axes`` (a name or a tuple of them) meets."""
-    names = axes if isinstance(axes, tuple) else (axes,)
-    return int(np.prod([lax.axis_size(a) for a in names]))
 
 
 class ReplicatedForm:
@@ -83,7 +76,7 @@ class ReplicatedForm:
         def gather(table, slots, ids_local, weights_local, grad_local, lr):
             lookups = self._lookups(ids_local, weights_local)
             grads = grad_local.reshape(-1, g.width)
-            if _devices(every) > 1:  # (gathered in float32, as planned; ``update`` sums in it)
+            if lax.axis_size(every) > 1:  # (gathered in float32, as planned; ``update`` sums in it)
                 grads = grads.astype(jnp.float32)
             return opt.update(table, slots, *gather_lookups_over(lookups, grads, every), lr)
 
