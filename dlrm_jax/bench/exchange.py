@@ -31,6 +31,7 @@ from dlrm_jax.bench.common import (
 )
 from dlrm_jax.choices import Sharding
 from dlrm_jax.data.batch import Batch
+from dlrm_jax.data.packed import HostPacked, Packed
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
@@ -45,14 +46,16 @@ from dlrm_jax.train.wiring import cluster_from_config, dense_work
 STRATEGIES = tuple(Sharding)
 
 
-def compiled_train_step(steps, batch: Batch):
-    """The train step compiled for an abstract state (no memory) and ``batch``'s shapes."""
+def compiled_train_step(steps, batch: Batch | HostPacked):
+    """The train step compiled for an abstract state (no memory) and ``batch``'s shapes (a
+    packed one: the step fed one array of bytes a batch, as a dataset's readers feed it)."""
     state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         jax.eval_shape(steps.init_state),
         steps.state_sharding,
     )
-    abstract = Batch(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.batch_sharding) for x in batch))
+    like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=steps.batch_sharding)
+    abstract = Packed(like(batch.buf), batch.layout) if isinstance(batch, HostPacked) else Batch(*map(like, batch))
     return steps.train_step.lower(state, abstract).compile()
 
 

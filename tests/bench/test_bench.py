@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -410,3 +411,24 @@ def test_stream_bench_scores_each_window_before_training_on_it(tmp_path):
         assert c["samples_per_s"] > 0
     dynamic = r["cases"][0]
     assert dynamic["evicted"] > 0 and dynamic["admitted"] > dynamic["evicted"]
+
+
+def test_compiled_train_step_takes_a_packed_batch_as_one_array_of_bytes(tiny):
+    """What ``scripts/gpu_compile.py`` compiles for gpu_bench's ``packed_input``: the step fed as
+    a dataset's readers feed it (one uint8 array a batch, split inside the step), not the three
+    fields of a synthetic batch."""
+    from dlrm_jax.bench.exchange import compiled_train_step
+    from dlrm_jax.data.packed import HostPacked
+    from dlrm_jax.data.sources import make_source
+    from dlrm_jax.train.build import build, mesh_from_config
+
+    cfg = tiny("mesh.devices=2", "train.batch_size=32")
+    source = make_source(cfg, 0, 1)
+    _, steps = build(cfg, mesh_from_config(cfg), source, log=lambda *_: None)
+    batch = source.train_batch(0)
+    layout = steps.packed_layout()
+    packed = compiled_train_step(steps, HostPacked(layout.pack(batch), layout))
+    fields = compiled_train_step(steps, batch)
+    batch_args = lambda compiled: [(a.shape, str(a.dtype)) for a in jax.tree.leaves(compiled.args_info[0][1])]
+    assert batch_args(packed) == [((2, layout.shard_bytes), "uint8")]
+    assert batch_args(fields) == [(x.shape, str(x.dtype)) for x in batch]
