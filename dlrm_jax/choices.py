@@ -110,6 +110,14 @@ class EvictionPolicy(enum.StrEnum):
     LFU = "lfu"  # the id seen least often, counts halving every half_life steps
 
 
+class DotPairs(enum.StrEnum):
+    """How the dot interaction's pairs are computed (``model.dot_pairs``)."""
+
+    AUTO = "auto"  # xla until the kernels are measured on a GPU
+    XLA = "xla"  # each sample's N x N products (a batched GEMM), then a gather of the pairs
+    FUSED = "fused"  # Pallas kernels: the pairs and their gradient, no N x N products in memory
+
+
 class ControlFlow(enum.StrEnum):
     """How a dynamic table's step takes its data-dependent work (``embedding.dynamic.control_flow``)."""
 

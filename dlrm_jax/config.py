@@ -455,6 +455,11 @@ def _check_model(cfg: Config) -> None:
         )
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
+    if m.dot_pairs == "fused" and m.mlp_parallel == "pipeline":
+        raise ConfigError(
+            "model.dot_pairs=fused: not with model.mlp_parallel=pipeline (its first stage runs "
+            "inside shard_map, where the pairs are XLA's); use xla or auto"
+        )
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         _not_with("model.kind=wide_deep", e, per_host=True, tiered=True)
 

@@ -17,6 +17,7 @@ from dlrm_jax.choices import (
     SPARSE_OPTIMIZER_KINDS,
     BagExchange,
     ControlFlow,
+    DotPairs,
     DramPolicy,
     EvictionPolicy,
     Ids,
@@ -359,6 +360,17 @@ class ModelConfig:
         | doc(
             "`dot` (DLRM's pairwise dot products), `cat` (concatenation), `dcn` (DLRM-DCNv2: the "
             "concatenation through a cross network)"
+        ),
+    )
+    dot_pairs: str = field(
+        default="auto",
+        metadata=_choices(*DotPairs)
+        | doc(
+            "`dot`: how the pairs' dot products are made; `xla`: each sample's N x N products (a batched "
+            "GEMM), then a gather of the pairs; `fused`: Pallas kernels that write the pairs, and their "
+            "gradient, with no N x N products in memory (interpreted off GPUs, for tests; not with "
+            "`model.mlp_parallel=pipeline`); `auto`: `xla` (the kernels are not yet measured on a GPU) "
+            "([models](models.md#the-dot-interactions-pairs))"
         ),
     )
     dcn_layers: int = field(default=3, metadata=POS | doc("`dcn`: cross layers"))

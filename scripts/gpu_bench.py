@@ -158,6 +158,9 @@ VARIANTS = {
     # The step fed as training on a dataset feeds it: one array of bytes a batch, split into
     # its fields inside the step (data/packed.py); the other variants feed the three fields.
     "packed_input": ("", []),
+    # The dot interaction's pairs by the Pallas kernels (model/pairs_kernel.py): no N x N
+    # products in memory, no gather reading them by columns (dot models only).
+    "pairs_fused": ("", ["model.dot_pairs=fused"]),
 }
 COMMON = [
     "train.batch_size=65536",
@@ -694,6 +697,20 @@ def feed_cases(
     return out
 
 
+def variant_runs(variants: str, configs: str) -> list[tuple[str, list[str]]]:
+    """``--variants``' items as (variant, configs): ``NAME`` runs ``configs`` (comma-separated),
+    ``NAME:CONFIG+CONFIG`` those alone. Raises ValueError naming an unknown variant or config."""
+    runs = []
+    for item in (i for i in variants.split(",") if i):
+        label, _, only = item.partition(":")
+        names = [n for n in (only.split("+") if only else configs.split(",")) if n]
+        unknown = [x for x in (label, *names) if x not in (VARIANTS if x == label else CONFIGS)]
+        if unknown:
+            raise ValueError(f"--variants {item}: unknown variant or config {', '.join(unknown)}")
+        runs.append((label, names))
+    return runs
+
+
 def main() -> int:
     global DETERMINISM_STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -754,6 +771,11 @@ def main() -> int:
         parity_child(args.parity_file, args.steps)
         return 0
     names = [n for n in args.configs.split(",") if n]
+    try:  # (before any device time is spent)
+        runs = variant_runs(args.variants, args.variant_configs)
+        variant_runs("default", args.configs)
+    except ValueError as e:
+        ap.error(str(e))
     if args.only == "child":  # one process per measurement: each GPU process takes most of the memory
         import jax
 
@@ -811,11 +833,9 @@ def main() -> int:
         first = child("default", "" if args.only == "ceilings" else args.configs, ceilings=True)
         report.update(machine=first["machine"], ceilings=first["ceilings"], runs={"default": first["runs"]})
         if args.only != "ceilings":
-            for item in args.variants.split(","):
-                label, _, only = item.partition(":")
-                if label and label != "default":
-                    configs = only.replace("+", ",") or args.variant_configs
-                    report["runs"][label] = child(label, configs, ceilings=False)["runs"]
+            for label, configs in runs:
+                if label != "default":
+                    report["runs"][label] = child(label, ",".join(configs), ceilings=False)["runs"]
                     report["runs"] = {k: v for k, v in report["runs"].items() if v}
     if args.only in (None, "configs", "train"):
         report["train"] = {}

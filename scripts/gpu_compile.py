@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="default",
-        help="gpu_bench.py's variants, comma-separated; NAME:CONFIG[:CONFIG...] compiles NAME for those configs only",
+        help="gpu_bench.py's variants, comma-separated; NAME:CONFIG+CONFIG compiles NAME for those configs only",
     )
     ap.add_argument("--card", default="h100", choices=sorted(CARDS))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override, repeatable")
@@ -221,18 +221,16 @@ def main() -> int:
         return 0
     if not _has_cuda_plugin():
         ap.error(f"no CUDA plugin beside JAX in {sys.executable}: install one as this script's docstring says")
-    configs = args.configs.split(",")
-    wanted = {item.partition(":")[0] for item in args.variants.split(",")}
-    unknown = sorted(wanted - set(gpu_bench.VARIANTS)) + sorted(set(configs) - set(gpu_bench.CONFIGS))
-    if unknown:
-        ap.error(f"unknown variant or config: {', '.join(unknown)}")
+    try:
+        runs = gpu_bench.variant_runs(args.variants, args.configs)
+    except ValueError as e:
+        ap.error(str(e))
     results = []
-    for item in args.variants.split(","):
-        variant, _, only = item.partition(":")
+    for variant, configs in runs:
         # XLA reads its flags once a process: each variant in its own; autotuning needs a device
         flags = " ".join(f for f in gpu_bench.VARIANTS[variant][0].split() if "autotune" not in f)
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        for config in only.split(":") if only else configs:
+        for config in configs:
             cmd = [sys.executable, __file__, "--out", args.out, "--card", args.card, "--one", config, variant]
             cmd += [a for o in args.overrides for a in ("--set", o)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -25,6 +25,9 @@ class DLRMDense(nnx.Module):
     The embedding tables are not part of this module: they are sharded and updated sparsely by
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
 
+    ``dot_pairs``: how the dot interaction's pairs are made (``xla`` or ``fused``:
+    :func:`~dlrm_jax.model.interaction.dot_interaction`).
+
     ``pooled_dtype``: it reads the pooled vectors in its compute dtype (its first use of them
     casts), so the train step hands them over cast and their gradient comes back in that dtype
     (half the bytes for the sparse update to read in bfloat16).
@@ -46,6 +49,7 @@ class DLRMDense(nnx.Module):
         compute_dtype: str = "float32",
         dcn_layers: int = 3,
         dcn_rank: int = 0,
+        dot_pairs: str = "xla",
         rngs: nnx.Rngs,
     ):
         dtype = jnp.dtype(compute_dtype)
@@ -54,11 +58,11 @@ class DLRMDense(nnx.Module):
         width = interaction_width(interaction, num_features, embedding_dim, bottom_mlp[-1] if bottom_mlp else num_dense)
         self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
-        self.interaction = interaction
+        self.interaction, self.dot_pairs = interaction, dot_pairs
         self.dtype = self.pooled_dtype = dtype
 
     def __call__(self, dense_bd: jax.Array, emb_bfd: jax.Array, tensor=None) -> jax.Array:
-        z = top_inputs(self.bottom, self.cross, self.interaction, self.dtype, dense_bd, emb_bfd, tensor)
+        z = top_inputs(self.bottom, self.cross, self.interaction, self.dtype, dense_bd, emb_bfd, tensor, self.dot_pairs)
         return self.top(z, tensor)[:, 0].astype(jnp.float32)
 
 
@@ -70,11 +74,12 @@ def top_inputs(
     dense_bd: jax.Array,
     emb_bfd: jax.Array,
     tensor=None,
+    pairs: str = "xla",
 ) -> jax.Array:
     """Bottom MLP, interaction and cross network: the top MLP's input [B, width] (also the
-    first pipeline stage's work, model/mlp_parallel.py)."""
+    first pipeline stage's work, model/mlp_parallel.py, inside shard_map: the XLA pairs)."""
     x = bottom(dense_bd.astype(dtype), tensor)
-    z = INTERACTIONS[interaction](x, emb_bfd.astype(dtype))
+    z = INTERACTIONS[interaction](x, emb_bfd.astype(dtype), pairs)
     return z if cross is None else cross(z, tensor)
 
 

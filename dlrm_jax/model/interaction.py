@@ -7,18 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlrm_jax.model import pairs_kernel
 from dlrm_jax.model.work import KINDS, interaction_width  # noqa: F401 - interaction_width re-exported
 
 
-def dot_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
+def dot_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array, pairs: str = "xla") -> jax.Array:
     """DLRM's dot interaction.
 
     Stacks the bottom-MLP output with the F embedding vectors into T [B, F+1, D], takes all
     pairwise dot products T T^T, keeps the strictly lower triangle ((F+1)F/2 values, pairs i > j
     in row-major order) and concatenates it after the bottom output: [B, D + (F+1)F/2].
+    ``pairs`` (``model.dot_pairs``): ``xla`` (:func:`lower_triangle_gram`) or ``fused`` (the
+    kernels of :mod:`dlrm_jax.model.pairs_kernel`); the same values to rounding.
     """
     t = jnp.concatenate([bottom_bd[:, None, :], emb_bfd.astype(bottom_bd.dtype)], axis=1)
-    return jnp.concatenate([bottom_bd, lower_triangle_gram(t)], axis=1)
+    return jnp.concatenate([bottom_bd, PAIRS[pairs](t)], axis=1)
 
 
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,11 +64,13 @@ def _gram_backward(t_bnd, d_pairs):
 lower_triangle_gram.defvjp(_gram_forward, _gram_backward)
 
 
-def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array) -> jax.Array:
-    """Concatenation of the bottom output [B, W] and every embedding vector: [B, W + F * D]."""
+def cat_interaction(bottom_bd: jax.Array, emb_bfd: jax.Array, pairs: str = "xla") -> jax.Array:
+    """Concatenation of the bottom output [B, W] and every embedding vector: [B, W + F * D]
+    (``pairs``: unused, as every interaction takes it)."""
     b = bottom_bd.shape[0]
     return jnp.concatenate([bottom_bd, emb_bfd.astype(bottom_bd.dtype).reshape(b, -1)], axis=1)
 
 
+PAIRS = {"xla": lower_triangle_gram, "fused": pairs_kernel.lower_triangle_gram}  # model.dot_pairs
 INTERACTIONS = {"dot": dot_interaction, "cat": cat_interaction, "dcn": cat_interaction}
 assert set(INTERACTIONS) == set(KINDS)

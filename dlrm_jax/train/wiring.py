@@ -261,8 +261,15 @@ def dlrm_from_config(cfg: Config, rngs: nnx.Rngs) -> DLRMDense:
         compute_dtype=cfg.train.compute_dtype,
         dcn_layers=m.dcn_layers,
         dcn_rank=m.dcn_rank,
+        dot_pairs=dot_pairs(cfg),
         rngs=rngs,
     )
+
+
+def dot_pairs(cfg: Config) -> str:
+    """How the dot interaction's pairs are made (``model.dot_pairs``): ``auto`` is ``xla``
+    everywhere until the kernels are measured on a GPU (off GPUs Pallas only interprets them)."""
+    return "fused" if cfg.model.dot_pairs == "fused" else "xla"
 
 
 def dense_work(cfg: Config) -> DenseWork:

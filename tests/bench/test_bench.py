@@ -432,3 +432,30 @@ def test_compiled_train_step_takes_a_packed_batch_as_one_array_of_bytes(tiny):
     batch_args = lambda compiled: [(a.shape, str(a.dtype)) for a in jax.tree.leaves(compiled.args_info[0][1])]
     assert batch_args(packed) == [((2, layout.shard_bytes), "uint8")]
     assert batch_args(fields) == [(x.shape, str(x.dtype)) for x in batch]
+
+
+def test_the_gpu_lease_calls_name_known_variants_and_configs():
+    """Each of ``scripts/gpu_lease.sh``'s calls parses as gpu_bench.py reads it (a name it does
+    not know would cost the lease its device time before failing), and a bad one is refused."""
+    import re
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_bench
+
+    lease = (REPO / "scripts" / "gpu_lease.sh").read_text()
+    calls = re.findall(r"^\d\) args=\((.*?)\) ;;", lease, flags=re.S | re.M)
+    assert len(calls) == 3
+    for call in calls:
+        words = call.split()
+        get = dict(zip(words, (w.strip('"') for w in words[1:]), strict=False)).get
+        configs = get("--configs", "criteo_kaggle")
+        gpu_bench.variant_runs(get("--variants", "default"), get("--variant-configs", configs))
+        gpu_bench.variant_runs("default", configs)
+    assert ("pairs_fused", ["criteo_kaggle", "mlperf_v1_capped"]) in gpu_bench.variant_runs(
+        "pairs_fused:criteo_kaggle+mlperf_v1_capped", ""
+    )
+    with pytest.raises(ValueError, match="unknown variant or config criteo_kaggle:mlperf_v1_capped"):
+        gpu_bench.variant_runs("pairs_fused:criteo_kaggle:mlperf_v1_capped", "")

@@ -20,12 +20,13 @@ def numpy_dot_interaction(bottom, emb):
     return np.stack(out)
 
 
+@pytest.mark.parametrize("pairs", ["xla", "fused"])
 @pytest.mark.parametrize("f,d", [(1, 4), (3, 8), (26, 16)])
-def test_dot_interaction_matches_numpy(f, d):
+def test_dot_interaction_matches_numpy(f, d, pairs):
     rng = np.random.default_rng(f)
     bottom = rng.normal(size=(5, d)).astype(np.float32)
     emb = rng.normal(size=(5, f, d)).astype(np.float32)
-    got = np.asarray(dot_interaction(jnp.asarray(bottom), jnp.asarray(emb)))
+    got = np.asarray(dot_interaction(jnp.asarray(bottom), jnp.asarray(emb), pairs))
     np.testing.assert_allclose(got, numpy_dot_interaction(bottom, emb), rtol=1e-5, atol=1e-5)
     assert got.shape[1] == interaction_width("dot", f, d)
 

@@ -107,6 +107,44 @@ def test_every_step_matches_one_device(tiny, strategy, devices, optimizer, bags)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
 
 
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_fused_dot_pairs_every_step_match_one_device_with_xlas(tiny, devices):
+    """``model.dot_pairs=fused`` (the pairs and their gradient by Pallas kernels, interpreted
+    here, split over the batch's devices) against XLA's pairs on one device, step by step: ten
+    tables (eleven vectors a sample: two row blocks, the last reaching past the pairs)."""
+    common = [
+        "train.batch_size=64",
+        "train.learning_rate=0.1",
+        "embedding.optimizer=rowwise_adagrad",
+        "train.seed=4",
+        "data.cardinalities=[300, 40, 1000, 7, 50, 90, 3, 120, 64, 500]",
+    ]
+    ref_cfg = tiny(*common, "mesh.devices=1", "embedding.sharding=replicated", "model.dot_pairs=xla")
+    cfg = tiny(*common, f"mesh.devices={devices}", "model.dot_pairs=fused")
+    source = SyntheticSource(ref_cfg)
+    ref_plan, ref = build(ref_cfg, make_mesh(1), source)
+    _, steps = build(cfg, make_mesh(devices), source)
+    assert nnx_attr(steps, "dot_pairs") == "fused" and nnx_attr(ref, "dot_pairs") == "xla"
+    state = ref.init_state()
+    for step in range(STEPS):
+        batch = source.train_batch(step)
+        other = transfer(ref_plan, state, steps)
+        state, ref_metrics, _ = ref.train_step(state, ref.device_batch(batch))
+        other, metrics, _ = steps.train_step(other, steps.device_batch(batch))
+        np.testing.assert_allclose(
+            float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-6, err_msg=f"step {step}"
+        )
+        for got, want in zip(logical(steps, other), logical(ref, state), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=f"state after step {step}")
+
+
+def nnx_attr(steps, name: str):
+    """An attribute of the steps' dense model (its graph's static part)."""
+    from flax import nnx
+
+    return getattr(nnx.merge(steps.graphdef, nnx.state(steps.spec.dense(nnx.Rngs(0)), nnx.Param)), name)
+
+
 # Dynamic tables (embedding.table_ids): raw ids through id maps sharded with their tables, with
 # evictions (tables of a fifth of their values), lru or lfu, admission after 2 sightings or at
 # once (the map alone on 1, 2, 4 and 8 devices: tests/embedding/test_dynamic_sharded.py). With
