@@ -3,9 +3,9 @@
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
-#                            # the MLPerf-v1 shape, criteo_kaggle; fused_again, fused_programs;
-#                            # criteo_kaggle's step fed packed batches, as a dataset feeds it;
-#                            # the dot interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1)
+#                            # the MLPerf-v1 shape, criteo_kaggle; fused_programs, the dot
+#                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
+#                            # fused_again (two processes' bits)
 #   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path) beside the vocabulary step, its
 #                            # switch among prefix sizes alone, and the branches with loops and
 #                            # switches in CUDA graphs
@@ -27,7 +27,7 @@ mkdir -p "$out" "$work"
 cd "$(dirname "$0")/.."
 case $call in
 1) args=(--only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle
-         --variants default,fused_again,fused_programs,packed_input:criteo_kaggle,pairs_fused:criteo_kaggle+mlperf_v1_capped
+         --variants default,fused_programs,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again
          --variant-configs mlperf_dcnv2_capped,criteo_kaggle
          --train-configs "" --steps 20) ;;
 2) args=(--only configs --configs criteo_kaggle,criteo_kaggle_dynamic
