@@ -123,8 +123,8 @@ class ControlFlow(enum.StrEnum):
 
     AUTO = "auto"  # branches on CPUs, one path on other platforms
     BRANCHES = "branches"  # a switch among prefix sizes of the distinct ids, loops that end when done
-    PREFIXES = "prefixes"  # that switch alone: the map written and the rows reset at once, no conditional
-    ONE_PATH = "one_path"  # every id, no switch or conditional, the map written at once
+    PREFIXES = "prefixes"  # that switch alone: the rest as on one path
+    ONE_PATH = "one_path"  # every id, no switch or conditional, the map written at once, the dedup by sorts
 
 
 class NewRows(enum.StrEnum):

@@ -519,8 +519,9 @@ class DynamicConfig:
             "how the step takes work whose size the batch decides: `branches` (a switch among sizes of the "
             "batch's distinct ids, loops that end when done: the least work, but XLA's GPU runtime reads each "
             "switch index and loop predicate on the host unless `--xla_gpu_enable_command_buffer` holds "
-            "`WHILE,CONDITIONAL`), `one_path` (every id, no switch or conditional), `prefixes` (the switch "
-            "among sizes alone: one index read on the host, the work of the branches), or `auto`: branches on "
+            "`WHILE,CONDITIONAL`), `one_path` (every id, no switch or conditional, the distinct ids found by "
+            "sorting: the placement's rounds the one loop), `prefixes` (the switch among sizes alone: one "
+            "index read on the host, the work of the branches), or `auto`: branches on "
             "CPUs, one path on GPUs. The same results every way"
         ),
     )

@@ -6,10 +6,11 @@ import functools
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, shard_of, split_ids
@@ -131,7 +132,7 @@ def test_control_flow_picks_each_platforms_form():
     """``embedding.dynamic.control_flow``: the resolution as lowered for CPUs and for CUDA (no GPU
     needed to lower): ``auto`` takes the branches' loops (the dedup's rounds, the placement's,
     the map written a chunk at a time, one of each per prefix size) on CPUs and one path's (the
-    dedup's and the placement's rounds only) on CUDA; ``branches`` and ``one_path`` take theirs
+    placement's rounds only: its dedup sorts) on CUDA; ``branches`` and ``one_path`` take theirs
     on both; ``prefixes`` keeps the switch among sizes (one ``stablehlo.case``, each branch with
     its placement's rounds) and nothing else of the branches (no loop of chunks, no conditional
     halving)."""
@@ -148,7 +149,9 @@ def test_control_flow_picks_each_platforms_form():
             cases[control_flow, platform] = text.count("stablehlo.case")
     assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"], whiles
     assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"], whiles
-    assert whiles["branches", "cuda"] - 1 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"], whiles
+    assert whiles["one_path", "cuda"] == 1, whiles  # the placement's rounds alone
+    # (prefixes: neither the map's writes a chunk at a time nor the dedup's rounds)
+    assert whiles["branches", "cuda"] - 2 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"], whiles
     assert whiles["prefixes", "cuda"] > whiles["one_path", "cuda"], whiles  # a placement's rounds per size
     assert cases["prefixes", "cuda"] == cases["prefixes", "cpu"] == cases["one_path", "cuda"] + 1, cases
 
@@ -306,41 +309,48 @@ def test_ids_sharing_a_32_bit_hash_stay_distinct():
 
 
 @functools.cache
-def _distinct():
+def _distinct(form: str):
     from dlrm_jax.embedding.dynamic.resolve import distinct_ids
 
-    return jax.jit(distinct_ids)
+    return jax.jit(functools.partial(distinct_ids, form=form, tables=3))  # (the tables below: 0-2)
 
 
 @functools.cache
 def _id_pool() -> np.ndarray:
-    """Seven ids, the first two a pair whose 32-bit hashes collide (a birthday search)."""
+    """Eight ids, the first two a pair whose 32-bit hashes collide (a birthday search), the last
+    the first's low word under another high word."""
     rng = np.random.default_rng(7)
     ids = rng.integers(0, 2**63, 300_000, dtype=np.int64).astype(np.uint64)
     h = id_hash(*split_ids(ids), np)
     hs, first = np.unique(h, return_index=True)
     dup = np.setdiff1d(np.arange(len(h)), first)[0]
-    return np.array([ids[first[np.searchsorted(hs, h[dup])]], ids[dup], 0, 1, 2**40 + 3, 2**63 - 1, 77], np.uint64)
+    a = ids[first[np.searchsorted(hs, h[dup])]]
+    return np.array([a, ids[dup], 0, 1, 2**40 + 3, 2**63 - 1, 77, a ^ (1 << 40)], np.uint64)
 
 
 @settings(max_examples=examples(40), deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.booleans()), min_size=1, max_size=64),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(0, 7), st.booleans()), min_size=1, max_size=64),
     st.booleans(),
+    st.sampled_from(["branches", "one_path"]),
 )
-def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence(entries, with_counts):
-    """``resolve.distinct_ids`` (a hash table, rounds until every id settles) against a Python
-    grouping: each valid (table, id) pair numbered once, in the order it first occurs, with its
-    occurrences (or summed counts); padding of any table and id numbered N. A pair of ids whose
-    32-bit hashes collide (found by a birthday search) is always in the pool, so they meet."""
+@example([(0, 0, True), (0, 7, True), (1, 0, True), (0, 0, True)], False, "one_path")  # one low word, two ids
+@example([(0, 0, True), (0, 1, True), (0, 0, False), (0, 1, True)], True, "one_path")  # the colliding pair
+def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence(entries, with_counts, form):
+    """``resolve.distinct_ids`` against a Python grouping, both ways it finds first occurrences
+    (``branches``: a hash table, rounds until every id settles, CPUs'; ``one_path``: stable radix
+    sorts, GPUs'): each valid (table, id) pair numbered once, in the order it first occurs, with
+    its occurrences (or summed counts); padding of any table and id numbered N. A pair of ids
+    whose 32-bit hashes collide (found by a birthday search) is always in the pool, so they
+    meet; padding shares its words with real ids."""
     pool = _id_pool()
-    entries = entries + [(i % 3, i % 7, False) for i in range(64 - len(entries))]  # one shape, padded
+    entries = entries + [(i % 3, i % 8, False) for i in range(64 - len(entries))]  # one shape, padded
     table = np.array([t for t, _, _ in entries], np.int32)
     raw = pool[[k for _, k, _ in entries]]
     valid = np.array([v for _, _, v in entries])
     counts = np.arange(1, len(entries) + 1, dtype=np.int32) if with_counts else None
     hi, lo = split_ids(raw)
-    out = _distinct()(
+    out = _distinct(form)(
         jnp.asarray(hi), jnp.asarray(lo), jnp.asarray(valid), jnp.asarray(table), None if counts is None else counts
     )
     index, uhi, ulo, utab, occurrences, real = map(np.asarray, out)
@@ -358,18 +368,31 @@ def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence
 
 
 def test_distinct_ids_set_each_distinct_slot_from_its_first_occurrence_alone():
-    """The distinct ids' words and tables are scattered from their first occurrences only, with
-    unique indices promised (XLA's GPU code then stores without atomics: every occurrence of a
-    hot id writing its slot made thousands of stores to one address, one after another)."""
+    """The distinct ids' words, tables and occurrences are scattered from their first
+    occurrences only, with unique indices promised (XLA's GPU code then stores without atomics:
+    every occurrence of a hot id writing its slot made thousands of stores to one address, one
+    after another); on GPUs (``one_path``) the first occurrences and the occurrences' sums come
+    from sorts, with no scatter that adds or takes a least and no loop."""
     from dlrm_jax.embedding.dynamic.resolve import distinct_ids
 
     n = 64
     args = (jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.ones(n, bool), jnp.zeros(n, jnp.int32))
-    jaxpr = jax.make_jaxpr(distinct_ids)(*args)
-    sets = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
-    assert len(sets) == 3 and all(e.params["unique_indices"] for e in sets)
-    index, *_ = jax.jit(distinct_ids)(*args)  # one id 64 times: one slot
-    assert np.asarray(index).tolist() == [0] * n
+    for form, combining in (("branches", {"scatter-min", "scatter-add"}), ("one_path", set())):
+        jaxpr = jax.make_jaxpr(functools.partial(distinct_ids, form=form))(*args)
+        top = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
+        assert len(top) == 4 + 2 * (not combining) and all(e.params["unique_indices"] for e in top)
+        names = {e.primitive.name for e in _all_eqns(jaxpr.jaxpr)}
+        assert {"scatter-min", "scatter-add"} & names == combining and ("while" in names) == bool(combining)
+        index, *_, occurrences, _ = jax.jit(functools.partial(distinct_ids, form=form))(*args)  # one id 64 times
+        assert np.asarray(index).tolist() == [0] * n and int(occurrences[0]) == n
+
+
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr``, those of its loops' and branches' bodies too."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _all_eqns(sub)
 
 
 def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map():

@@ -356,7 +356,9 @@ def sharded_resolve_fused(
             path = jnp.int32(0)
         else:  # routed, in the least buffer every device's ids fit, else gathered
             table = jnp.asarray(per_device)
-            index, uhi, ulo, utab, occurrences, real = distinct_ids(hi, lo, valid, table)
+            index, uhi, ulo, utab, occurrences, real = distinct_ids(
+                hi, lo, valid, table, form=layout.control_flow, tables=len(layout.specs)
+            )
             owner = jnp.where(real, owner_of(utab, uhi, ulo), n)
             most = lax.pmax(jnp.max(few_segment_sum(real.astype(jnp.int32), owner, n)), AXIS)
             distinct = (index, uhi, ulo, utab, occurrences, owner)
