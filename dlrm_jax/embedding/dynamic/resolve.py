@@ -496,6 +496,10 @@ def _settled(
     if learn:  # (reading, no id asks for a slot)
         least = jnp.where(taken, _LAST, _LAST)  # (from ``taken``: inside shard_map it varies by device like it)
         carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), evicts, pending, least)
+        # Where the host decides the loop (GPUs) the first round runs before it, whether or not an
+        # id is pending (then it changes nothing): a training batch nearly always has new ids,
+        # and its first predicate, a copy to the host and a wait, is then not read.
+        carry = by_platform(lambda: carry, lambda: round_(carry), maps.control_flow)
         _, _, taken, placed, evicts, pending, _ = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
