@@ -7,10 +7,11 @@ gradient wants them batch-minor ([pairs, B]), so XLA lays the gather's output ou
 reads the products one 2-byte value per 32-byte memory sector (criteo_kaggle on one H200: 0.166
 ms of a 2.08 ms step; the gradient's gather another 0.059 ms). Here:
 
-forward   a program takes SAMPLES samples, loads their vectors once (in CHUNK-row blocks) and,
+forward   a program takes its samples (a power of two: ``samples_per_program``), loads their vectors once (in CHUNK-row blocks) and,
           for each i, the products with the rows j < i, CHUNK at a time, summed over D in
-          float32; it writes them pair-major ([P, B]: each store SAMPLES contiguous values of
-          a pair), which is the layout the top MLP reads, so no gather and no transpose.
+          float32; it writes them pair-major ([P, B]: each store its samples' contiguous
+          values of a pair), which is the layout the top MLP reads, so no gather and no
+          transpose.
 backward  the pairs' gradient dP [B, P] (the layout the top MLP's input gradient comes in):
           dT[i] = sum_j dP(i, j) T[j]; each row i's pairs are contiguous in dP, so a program
           reads them CHUNK at a time and adds both ways (dT[i] += dP(i, j) T[j] and dT[j] +=
@@ -35,10 +36,11 @@ from jax.sharding import PartitionSpec as P
 
 CHUNK = 8  # rows j a product block takes (Triton's blocks are powers of two)
 WARPS = 4  # per program
-
-
-FORWARD_FLOATS = 8192  # a program's vectors held in registers (floats), forward
-BACKWARD_FLOATS = 4096  # and backward (where their gradient is held beside them)
+# A program's vectors held in registers, in floats: forward, and backward (where their gradient
+# is held beside them). At these, ptxas (sm_90a) gives 96 and 104 registers a thread at D = 16,
+# no spills; twice the backward's spilled 1.7 KB a thread.
+FORWARD_FLOATS = 8192
+BACKWARD_FLOATS = 4096
 
 
 def samples_per_program(batch: int, floats_per_sample: int, budget: int) -> int:
@@ -118,7 +120,7 @@ def pairs_transposed(t_bnd: jax.Array, interpret: bool | None = None) -> jax.Arr
     out = jax.ShapeDtypeStruct((pairs + CHUNK, b), t_bnd.dtype)  # (the last row's block reaches past P)
     samples = samples_per_program(b, _chunks(n) * CHUNK * d, FORWARD_FLOATS)
     kernel = functools.partial(_pairs_kernel, n=n, samples=samples)
-    return _call(kernel, b // kernel.keywords["samples"], out, interpret, _padded_rows(t_bnd))[:pairs]
+    return _call(kernel, b // samples, out, interpret, _padded_rows(t_bnd))[:pairs]
 
 
 def pairs_gradient(t_bnd: jax.Array, d_pairs: jax.Array, interpret: bool | None = None) -> jax.Array:
@@ -127,25 +129,23 @@ def pairs_gradient(t_bnd: jax.Array, d_pairs: jax.Array, interpret: bool | None 
     t = _padded_rows(t_bnd)
     samples = samples_per_program(b, _chunks(n) * CHUNK * d, BACKWARD_FLOATS)
     kernel = functools.partial(_pairs_grad_kernel, n=n, samples=samples)
-    d_padded = jnp.pad(d_pairs, ((0, 0), (0, CHUNK)))
+    d_padded = jnp.pad(d_pairs, ((0, 0), (0, CHUNK)))  # (the last row's block reaches past P)
     out = jax.ShapeDtypeStruct(t.shape, t_bnd.dtype)
-    return _call(kernel, b // kernel.keywords["samples"], out, interpret, t, d_padded)[:, :n]
+    return _call(kernel, b // samples, out, interpret, t, d_padded)[:, :n]
 
 
-def _per_batch_shard(fn, rule: str, out_batch_dim: int):
+def _per_batch_shard(fn, rule: str, out_spec):
     """``fn`` run on each device's samples under jit's sharding: every operand's first axis is
-    the batch (the result's ``out_batch_dim``), split as the first operand's is; the other axes
-    whole (a kernel is not split by XLA, which would otherwise gather the batch to every
-    device). ``rule``: Shardy's sharding rule, the batch factor ``b``."""
+    the batch, split as the first operand's is, the other axes whole (XLA cannot split a
+    kernel: it would gather the batch to every device). ``rule``: Shardy's sharding rule, the
+    batch factor ``b``; ``out_spec(batch)``: the result's PartitionSpec."""
     wrapped = custom_partitioning(fn)
 
     def shardings(mesh, arg_shapes):
         spec = arg_shapes[0].sharding.spec
         batch = spec[0] if len(spec) else None
         args = tuple(NamedSharding(mesh, P(batch, *(None,) * (len(a.shape) - 1))) for a in arg_shapes)
-        out = [None, None]
-        out[out_batch_dim] = batch
-        return args, NamedSharding(mesh, P(*out) if out_batch_dim else P(batch, None, None))
+        return args, NamedSharding(mesh, out_spec(batch))
 
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[1]
@@ -162,8 +162,10 @@ def _per_batch_shard(fn, rule: str, out_batch_dim: int):
     return wrapped
 
 
-_pairs_sharded = _per_batch_shard(lambda t: pairs_transposed(t), "b n d -> p b", 1)
-_gradient_sharded = _per_batch_shard(lambda t, d: pairs_gradient(t, d), "b n d, b q -> b n d", 0)
+_pairs_sharded = _per_batch_shard(lambda t: pairs_transposed(t), "b n d -> p b", lambda b: P(None, b))
+_gradient_sharded = _per_batch_shard(
+    lambda t, d: pairs_gradient(t, d), "b n d, b q -> b n d", lambda b: P(b, None, None)
+)
 
 
 @jax.custom_vjp
