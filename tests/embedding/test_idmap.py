@@ -310,7 +310,7 @@ def test_ids_sharing_a_32_bit_hash_stay_distinct():
 
 @functools.cache
 def _distinct(form: str):
-    from dlrm_jax.embedding.dynamic.resolve import distinct_ids
+    from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 
     return jax.jit(functools.partial(distinct_ids, form=form, tables=3))  # (the tables below: 0-2)
 
@@ -337,7 +337,7 @@ def _id_pool() -> np.ndarray:
 @example([(0, 0, True), (0, 7, True), (1, 0, True), (0, 0, True)], False, "one_path")  # one low word, two ids
 @example([(0, 0, True), (0, 1, True), (0, 0, False), (0, 1, True)], True, "one_path")  # the colliding pair
 def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence(entries, with_counts, form):
-    """``resolve.distinct_ids`` against a Python grouping, both ways it finds first occurrences
+    """``distinct.distinct_ids`` against a Python grouping, both ways it finds first occurrences
     (``branches``: a hash table, rounds until every id settles, CPUs'; ``one_path``: stable radix
     sorts, GPUs'): each valid (table, id) pair numbered once, in the order it first occurs, with
     its occurrences (or summed counts); padding of any table and id numbered N. A pair of ids
@@ -373,7 +373,7 @@ def test_distinct_ids_set_each_distinct_slot_from_its_first_occurrence_alone():
     every occurrence of a hot id writing its slot made thousands of stores to one address, one
     after another); on GPUs (``one_path``) the first occurrences and the occurrences' sums come
     from sorts, with no scatter that adds or takes a least and no loop."""
-    from dlrm_jax.embedding.dynamic.resolve import distinct_ids
+    from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 
     n = 64
     args = (jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.uint32), jnp.ones(n, bool), jnp.zeros(n, jnp.int32))

@@ -23,8 +23,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
-from dlrm_jax.embedding.dynamic.resolve import Maps, distinct_ids, resolve_fused, write_map
+from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
 from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
 from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.parallel.mesh import AXIS, varying
@@ -306,7 +307,7 @@ def sharded_resolve_fused(
         )
 
     def routed(sent, fused, distinct, step):
-        """Each device's distinct ids (``distinct``: ``resolve.distinct_ids`` of its own, with
+        """Each device's distinct ids (``distinct``: ``distinct.distinct_ids`` of its own, with
         their owners) sent to their owners with their counts in one all-to-all (at most
         ``sent`` to each owner), resolved there, and their rows sent back in another (unless
         ``rows_later``): a device's work and traffic follow its own ids, not the batch's."""
