@@ -337,6 +337,17 @@ def step_config(name: str):
     )
 
 
+def variant_batch(variant: str, fns, batch):
+    """A host batch as ``variant`` feeds the step: ``packed_input`` one array of bytes (as a
+    dataset's readers hand it over), the others the batch's fields."""
+    if variant != "packed_input":
+        return batch
+    from dlrm_jax.data.packed import HostPacked
+
+    layout = fns.packed_layout()
+    return HostPacked(layout.pack(batch), layout)
+
+
 def bench_config(name: str, steps: int, profile_dir: str | None, variant: str = "default") -> dict:
     import jax
 
@@ -350,13 +361,7 @@ def bench_config(name: str, steps: int, profile_dir: str | None, variant: str = 
     source = make_source(cfg, 0, 1)
     plan, fns = build(cfg, mesh, source)
     host_batches = [source.train_batch(i) for i in range(4)]
-    if variant == "packed_input":
-        from dlrm_jax.data.packed import HostPacked
-
-        layout = fns.packed_layout()
-        batches = [fns.device_batch(HostPacked(layout.pack(b), layout)) for b in host_batches]
-    else:
-        batches = [fns.device_batch(b) for b in host_batches]
+    batches = [fns.device_batch(variant_batch(variant, fns, b)) for b in host_batches]
     cost = step_cost(cfg, plan, host_batches)
     state = fns.init_state()
     t0 = time.perf_counter()

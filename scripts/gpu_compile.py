@@ -74,7 +74,6 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
 
     from dlrm_jax.bench.exchange import compiled_train_step
     from dlrm_jax.bench.hlo_kernels import program
-    from dlrm_jax.data.packed import HostPacked
     from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import AXIS
     from dlrm_jax.train.build import build
@@ -87,12 +86,8 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     cfg = gpu_bench.step_config(config)
     source = make_source(cfg, 0, 1)
     _, fns = build(cfg, mesh, source, log=lambda *_: None)
-    batch = source.train_batch(0)
-    if variant == "packed_input":  # (gpu_bench's variant: the step fed a batch as one array of bytes)
-        layout = fns.packed_layout()
-        batch = HostPacked(layout.pack(batch), layout)
     t0 = time.perf_counter()
-    compiled = compiled_train_step(fns, batch)
+    compiled = compiled_train_step(fns, gpu_bench.variant_batch(variant, fns, source.train_batch(0)))
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     prefix = "" if variant == "default" else f"{variant}-"

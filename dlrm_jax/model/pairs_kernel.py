@@ -7,9 +7,9 @@ gradient wants them batch-minor ([pairs, B]), so XLA lays the gather's output ou
 reads the products one 2-byte value per 32-byte memory sector (criteo_kaggle on one H200: 0.166
 ms of a 2.08 ms step; the gradient's gather another 0.059 ms). Here:
 
-forward   a program takes its samples (a power of two: ``samples_per_program``), loads their vectors once (in CHUNK-row blocks) and,
-          for each i, the products with the rows j < i, CHUNK at a time, summed over D in
-          float32; it writes them pair-major ([P, B]: each store its samples' contiguous
+forward   a program takes its samples (a power of two: ``samples_per_program``), loads
+          their vectors once (in CHUNK-row blocks) and, for each i, the products with the
+          rows j < i, CHUNK at a time, summed over D in float32; it writes them pair-major ([P, B]: each store its samples' contiguous
           values of a pair), which is the layout the top MLP reads, so no gather and no
           transpose.
 backward  the pairs' gradient dP [B, P] (the layout the top MLP's input gradient comes in):
