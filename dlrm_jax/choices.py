@@ -127,6 +127,14 @@ class ControlFlow(enum.StrEnum):
     ONE_PATH = "one_path"  # every id, no switch or conditional, the map written at once, the dedup by sorts
 
 
+class HostMemory(enum.StrEnum):
+    """What the batches' host buffers are (``data.host_memory``)."""
+
+    AUTO = "auto"  # pinned where the devices are GPUs, pageable elsewhere
+    PINNED = "pinned"  # page-locked and registered with the devices' runtime: transferred with no staging copy
+    PAGEABLE = "pageable"  # ordinary memory: the runtime copies each batch into a staging buffer of its own
+
+
 class NewRows(enum.StrEnum):
     """What a row a dynamic table gives to a new id starts from (``embedding.dynamic.new_rows``)."""
 

@@ -20,6 +20,7 @@ from dlrm_jax.choices import (
     DotPairs,
     DramPolicy,
     EvictionPolicy,
+    HostMemory,
     Ids,
     IdsExchange,
     Interaction,
@@ -308,6 +309,16 @@ class DataConfig:
             "binary: each reader thread's batches read and checked by a worker process of its own, into "
             "shared memory, so that reading holds none of the training process's GIL (the dispatching "
             "thread waits for it at every step); the same batches, bit for bit "
+            "([data](data.md#the-data-path))"
+        ),
+    )
+    host_memory: str = field(
+        default="auto",
+        metadata=_choices(*HostMemory)
+        | doc(
+            "the batches' host buffers, reused from step to step: `pinned` (page-locked and registered with "
+            "the devices' runtime, so each transfer reads them directly instead of the runtime first copying "
+            "the batch into a staging buffer), `pageable`, or `auto`: pinned where the devices are GPUs "
             "([data](data.md#the-data-path))"
         ),
     )

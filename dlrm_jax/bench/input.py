@@ -26,6 +26,7 @@ from dlrm_jax import hostmem
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.gil_wait import GilWait
 from dlrm_jax.bench.train import time_train_step
+from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
 from dlrm_jax.data.reader_processes import ProcessReaders
@@ -63,13 +64,15 @@ def time_pipeline(cfg, steps: int) -> dict:
         gil.stop()
         read_s, times = float("nan"), {}
     else:
-        layout = fns.packed_layout()  # as training reads: packed, one transfer
+        layout = fns.packed_layout()  # as training reads: packed, one transfer, reused buffers
+        buffers = HostBuffers.for_devices(cfg.data.host_memory, list(fns.batch_sharding.addressable_devices))
         in_processes = cfg.data.reader_processes
-        read = ProcessReaders(source, layout, input_readers(cfg.data.readers)) if in_processes else None
+        read = ProcessReaders(source, layout, input_readers(cfg.data.readers), buffers) if in_processes else None
         with (
+            contextlib.closing(buffers),
             contextlib.closing(read) if in_processes else contextlib.nullcontext(),
             InputPipeline(
-                read or packed_reader(source, layout),
+                read or packed_reader(source, layout, buffers),
                 range(steps + 2 + probed),
                 to_device=fns.device_batch,
                 readers=cfg.data.readers,
@@ -84,6 +87,7 @@ def time_pipeline(cfg, steps: int) -> dict:
                     pipeline_s, times = time.perf_counter() - t0, pipeline.times.take()
                     gil.start()
             gil.stop()
+            times |= buffers.stats()
         t1 = time.perf_counter()
         for step in range(steps):
             source.train_batch(step)

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.config import Config
+from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import input_readers
 from dlrm_jax.data.sources import make_source, resolve_data_config
@@ -85,11 +86,13 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             driver.tiered.close()
 
 
-def _host_batches(fns, source, count: int):
-    """The batches placed on the devices as training places them (packed, one transfer), their
-    ids on the host, and the input pipeline's and host->device's times."""
+def _host_batches(fns, source, count: int, host_memory: str):
+    """The batches placed on the devices as training places them (packed, one transfer, from
+    the host buffers ``data.host_memory`` asks for), their ids on the host, and the input
+    pipeline's and host->device's times."""
     input_s, h2d_s, batches, ids = [], [], [], []
-    read = packed_reader(source, fns.packed_layout())
+    buffers = HostBuffers.for_devices(host_memory, list(fns.batch_sharding.addressable_devices))
+    read = packed_reader(source, fns.packed_layout(), buffers)
     for i in range(count):
         t0 = time.perf_counter()
         host = read(i)
@@ -98,6 +101,7 @@ def _host_batches(fns, source, count: int):
         input_s.append(t1 - t0)
         h2d_s.append(time.perf_counter() - t1)
         ids.append(host.ids)  # joined only if hot-row counting reads them
+    buffers.close()  # (each buffer freed when its batch is gone)
     return batches, ids, input_s, h2d_s
 
 
@@ -122,7 +126,7 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
 def _profile(
     cfg: Config, out_dir: Path, mesh, source, fns, driver: TieredDriver | None, steps: int, warmup: int, log
 ) -> dict:
-    batches, host_ids, input_s, h2d_s = _host_batches(fns, source, warmup + steps)
+    batches, host_ids, input_s, h2d_s = _host_batches(fns, source, warmup + steps, cfg.data.host_memory)
     state, one, compiled_step = _step_runner(fns, source, driver, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
         state, out = one(state, i)

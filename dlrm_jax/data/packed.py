@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.data.batch import Batch, RawBatch
+from dlrm_jax.data.host_buffers import HostBuffers
 
 _FIELDS = (("ids", np.int32), ("dense", np.float32), ("labels", np.float32), ("raw", np.uint64))
 
@@ -72,10 +73,12 @@ class PackedLayout:
     def shard_bytes(self) -> int:
         return sum(n for _, n in self.offsets.values())
 
-    def empty(self) -> np.ndarray:
-        """A new host buffer for one batch (malloc's kept free lists make this cheap:
-        :func:`dlrm_jax.hostmem.keep_freed_memory`)."""
-        return np.empty((self.shards, self.shard_bytes), np.uint8)
+    def empty(self, buffers: HostBuffers | None = None) -> np.ndarray:
+        """A host buffer for one batch: from ``buffers`` (reused, pinned on GPUs:
+        :mod:`dlrm_jax.data.host_buffers`), else a new one (malloc's kept free lists make that
+        cheap: :func:`dlrm_jax.hostmem.keep_freed_memory`)."""
+        shape = (self.shards, self.shard_bytes)
+        return np.empty(shape, np.uint8) if buffers is None else buffers.take(shape)
 
     def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Field -> a writable ``[shards, rows, ...]`` view into ``buf`` (each shard's rows
@@ -86,15 +89,16 @@ class PackedLayout:
             out[name] = buf[:, first : first + n].view(dtype).reshape(shape)
         return out
 
-    def pack(self, batch: Batch) -> np.ndarray:
-        """A host batch copied into a new buffer (sources that cannot read in place)."""
+    def pack(self, batch: Batch, buffers: HostBuffers | None = None) -> np.ndarray:
+        """A host batch copied into a buffer (sources that cannot read in place; ``buffers``:
+        as :meth:`empty`'s)."""
         has_raw = isinstance(batch, RawBatch)
         if has_raw != bool(self.raw_words):  # raw ids dropped here would train on placeholders
             raise ValueError(
                 f"PackedLayout.pack: a {type(batch).__name__} into a layout "
                 f"{'with' if self.raw_words else 'without'} raw ids (PackedLayout.with_raw)"
             )
-        buf = self.empty()
+        buf = self.empty(buffers)
         for name, view in self.views(buf).items():
             got = getattr(batch, name)
             if name == "raw":  # uint32 [rows, 2, R] (high, low) -> uint64 [rows, R]
@@ -175,11 +179,11 @@ def reading_layout(source, layout: PackedLayout) -> PackedLayout:
     return layout if raw is None else layout.with_raw(*raw)
 
 
-def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
+def packed_reader(source, layout: PackedLayout, buffers: HostBuffers | None = None) -> Callable[[int], HostPacked]:
     """``step -> HostPacked`` for ``source``: read in place where the source can
     (``train_batch_into``: the binary source's reads go straight into the buffer, in
     :func:`reading_layout`), else its ``train_batch`` copied in (a :class:`RawBatch`'s raw ids
-    too)."""
+    too); the buffers from ``buffers`` (:mod:`dlrm_jax.data.host_buffers`), else new ones."""
     into = getattr(source, "train_batch_into", None)
     layout = reading_layout(source, layout)
 
@@ -189,8 +193,8 @@ def packed_reader(source, layout: PackedLayout) -> Callable[[int], HostPacked]:
         if into is None:
             batch = source.train_batch(step)
             fits = with_raw(batch.raw.shape[2]) if isinstance(batch, RawBatch) else layout
-            return HostPacked(fits.pack(batch), fits)
-        buf = layout.empty()
+            return HostPacked(fits.pack(batch, buffers), fits)
+        buf = layout.empty(buffers)
         into(step, layout.views(buf))
         return HostPacked(buf, layout)
 

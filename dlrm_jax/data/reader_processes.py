@@ -40,6 +40,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import HostPacked, PackedLayout, reading_layout
 
 JOIN_S = 10.0  # a worker's time to exit after being asked, before it is terminated
@@ -101,16 +102,17 @@ class ProcessReaders:
     """``step -> HostPacked`` (what :func:`~dlrm_jax.data.packed.packed_reader` gives) read by
     ``workers`` worker processes (see the module docstring), for sources that read in place
     (``train_batch_into``: the binary source). Safe to call from several threads at once (each
-    call takes an idle worker, waiting for one). Call :meth:`close` (or use as a context
-    manager) to end the workers and free their buffers."""
+    call takes an idle worker, waiting for one); each batch copied out into a buffer of
+    ``buffers`` (:mod:`dlrm_jax.data.host_buffers`), else a new one. Call :meth:`close` (or use
+    as a context manager) to end the workers and free their buffers."""
 
-    def __init__(self, source, layout: PackedLayout, workers: int):
+    def __init__(self, source, layout: PackedLayout, workers: int, buffers: HostBuffers | None = None):
         if getattr(source, "train_batch_into", None) is None:
             raise ValueError(
                 f"data.reader_processes: {type(source).__name__} cannot read a batch in place "
                 "(train_batch_into); only the binary source reads in worker processes"
             )
-        self.layout = reading_layout(source, layout)
+        self.layout, self._buffers = reading_layout(source, layout), buffers
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._workers: list[_Worker] = []
         size = self.layout.shards * self.layout.shard_bytes
@@ -152,7 +154,7 @@ class ProcessReaders:
                 ) from None
             if kind == "error":
                 raise got
-            buf = self.layout.empty()
+            buf = self.layout.empty(self._buffers)
             np.copyto(buf, worker.batch)  # (out of the shared buffer before the worker reads again)
             return HostPacked(buf, self.layout)
         finally:

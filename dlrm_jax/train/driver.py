@@ -20,7 +20,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from dlrm_jax.choices import HostMemory
 from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
 from dlrm_jax.data.reader_processes import ProcessReaders
@@ -101,25 +103,37 @@ class DeviceDriver(StepDriver):
     """Batches from the input pipeline (or made on the devices) into one compiled train step."""
 
     def __init__(
-        self, steps: StepFunctions, source: DataSource, readers: int, prefetch: int, log=print, processes: bool = False
+        self,
+        steps: StepFunctions,
+        source: DataSource,
+        readers: int,
+        prefetch: int,
+        log=print,
+        processes: bool = False,
+        host_memory: str = HostMemory.AUTO,
     ):
         super().__init__(steps, source)
         self.readers, self.prefetch, self.log, self.processes = readers, prefetch, log, processes
+        self.host_memory = host_memory
         self.pipeline: InputPipeline | None = None
         self.reader_processes: ProcessReaders | None = None
+        self.buffers: HostBuffers | None = None
         self.compiled = None
 
     def batches(self, state: TrainState, start: int, end: int) -> Iterable:
         """Batches made on the devices (the synthetic source), or read by the input pipeline
-        and placed packed (one transfer each, :mod:`dlrm_jax.data.packed`)."""
+        into reused host buffers (pinned on GPUs, :mod:`dlrm_jax.data.host_buffers`) and placed
+        packed (one transfer each, :mod:`dlrm_jax.data.packed`)."""
         steps, t0 = self.steps, time.perf_counter()
         device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
+        if device_batches is None and self.buffers is None:
+            self.buffers = HostBuffers.for_devices(self.host_memory, list(steps.batch_sharding.addressable_devices))
         if self.processes and device_batches is None:  # data.reader_processes
             read = self.reader_processes = ProcessReaders(
-                self.source, steps.packed_layout(), input_readers(self.readers)
+                self.source, steps.packed_layout(), input_readers(self.readers), self.buffers
             )
         else:
-            read = packed_reader(self.source, steps.packed_layout())
+            read = packed_reader(self.source, steps.packed_layout(), self.buffers)
         first = steps.device_batch(self.source.train_batch(start) if device_batches else read(start))
         self.compiled = steps.train_step.lower(state, first).compile()
         self.log(
@@ -151,13 +165,17 @@ class DeviceDriver(StepDriver):
         return (item.device,)
 
     def take_metrics(self, window_steps: int) -> dict:
-        return self.pipeline.times.take() if self.pipeline is not None else {}
+        if self.pipeline is None:
+            return {}
+        return self.pipeline.times.take() | self.buffers.stats()
 
     def close(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
         if self.reader_processes is not None:
             self.reader_processes.close()
+        if self.buffers is not None:
+            self.buffers.close()
         super().close()
 
 

@@ -108,7 +108,9 @@ def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
 def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, source: DataSource, log) -> StepDriver:
     """The tiered driver for a plan with tiered tables, else the device one."""
     if not plan.tiered_tables:
-        return DeviceDriver(steps, source, cfg.data.readers, cfg.data.prefetch, log, cfg.data.reader_processes)
+        return DeviceDriver(
+            steps, source, cfg.data.readers, cfg.data.prefetch, log, cfg.data.reader_processes, cfg.data.host_memory
+        )
     if rd.path:
         check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
     tier = cfg.embedding.tier
