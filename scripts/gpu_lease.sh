@@ -10,7 +10,7 @@
 #                            # switch among prefix sizes alone, and the branches with loops and
 #                            # switches in CUDA graphs
 #   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, pageable buffers against the
-#                            # default's pinned ones, 2 and 6 readers, reader processes, a GIL
+#                            # default's pinned ones, 2 readers, reader processes, a GIL
 #                            # switch interval of 0.25 ms
 #
 # Arguments after the call's number go to gpu_bench.py too (a try-out on CPU: --set
@@ -35,7 +35,7 @@ case $call in
          --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic
          --train-configs "" --steps 10 --determinism-steps 0) ;;
 3) args=(--only feed --feed-configs criteo_kaggle --set data.max_rows=500000
-         --feed-variants "data.host_memory=pageable;data.readers=2;data.readers=6;data.reader_processes=true;switch_interval_ms=0.25"
+         --feed-variants "data.host_memory=pageable;data.readers=2;data.reader_processes=true;switch_interval_ms=0.25"
          --train-steps 400) ;;
 *) echo "call $call: 1, 2 or 3" >&2; exit 2 ;;
 esac

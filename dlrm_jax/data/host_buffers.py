@@ -78,21 +78,26 @@ class HostBuffers:
 
     @classmethod
     def for_devices(cls, setting: str, devices=None) -> HostBuffers:
-        """The pool ``data.host_memory`` asks for on ``devices`` (default: this process's)."""
+        """The pool ``data.host_memory`` asks for on ``devices`` (default: this process's). A
+        runtime that cannot register host memory gives pageable buffers under ``auto`` and a
+        config error under ``pinned``."""
         devices = jax.local_devices() if devices is None else devices
         if not pins_memory(setting, devices):
             return cls()
         client = devices[0].client
+        probe = _Region(mmap.PAGESIZE)
         try:
-            probe = _Region(mmap.PAGESIZE)
             client.dma_map(probe.address, probe.nbytes)
             client.dma_unmap(probe.address)
-            probe.free()
         except Exception as e:  # noqa: BLE001 - said in one line, with the key
+            if setting == HostMemory.AUTO:
+                return cls()
             raise ConfigError(
                 f"data.host_memory=pinned: the {devices[0].platform} runtime cannot register host memory ({e}); "
                 "use auto or pageable"
             ) from None
+        finally:
+            probe.free()
         return cls(client.dma_map, client.dma_unmap)
 
     @property

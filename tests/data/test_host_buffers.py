@@ -108,3 +108,23 @@ def test_host_memory_setting():
     assert not HostBuffers.for_devices("auto", cpus).pinned
     with pytest.raises(ConfigError, match=r"data.host_memory=pinned: the cpu runtime cannot register host memory"):
         HostBuffers.for_devices("pinned", cpus)
+
+
+class _Refusing:
+    """A device whose runtime cannot register host memory, though its platform is a GPU's."""
+
+    platform = "gpu"
+
+    class client:  # noqa: N801 - the attribute jax's devices have
+        @staticmethod
+        def dma_map(address, size):
+            raise RuntimeError("UNIMPLEMENTED: DmaMap")
+
+        dma_unmap = dma_map
+
+
+def test_auto_falls_back_to_pageable_where_registering_fails_and_pinned_says_so():
+    assert pins_memory("auto", [_Refusing()])
+    assert not HostBuffers.for_devices("auto", [_Refusing()]).pinned
+    with pytest.raises(ConfigError, match="the gpu runtime cannot register host memory"):
+        HostBuffers.for_devices("pinned", [_Refusing()])
