@@ -2,6 +2,10 @@
 # The next GPU lease's measurements, one call per run of the device tool (each ends well inside
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
+#   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 8 minutes): DLRM-DCNv2
+#                            # (own optimizers and SGD), the MLPerf-v1 shape, criteo_kaggle and its
+#                            # dynamic step (one path and prefixes), and criteo_kaggle's binary feed
+#                            # against synthetic batches (pinned buffers, then pageable)
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
 #                            # the MLPerf-v1 shape, criteo_kaggle; fused_programs, the dot
 #                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
@@ -16,40 +20,57 @@
 # Arguments after the call's number go to gpu_bench.py too (a try-out on CPU: --set
 # train.batch_size=1024 --set data.max_rows=20000 --set mesh.devices=1).
 #
-# What comes back (at most 8 files, under $OUT): the call's log, its gpu_bench.json, the
+# What comes back (at most 8 files, under $OUT): the call's log, each run's gpu_bench.json, the
 # end-to-end runs' loop traces (train.trace_steps, Perfetto's format) and the optimized HLO of
 # each step it timed (gzipped).
 set -o pipefail
-call=${1:?which call: 1, 2 or 3}
+call=${1:?which call: 0, 1, 2 or 3}
 out=${OUT:-/tmp/gpu_lease_out}
-work=/tmp/gpu_lease_$call
 export PYTHONUNBUFFERED=1
-mkdir -p "$out" "$work"
+mkdir -p "$out"
 cd "$(dirname "$0")/.."
+status=0
+
+# bench RUN ARGS...: one gpu_bench.py run of this call, its JSON as callN-RUN.json
+bench() {
+    local run=$1 work=/tmp/gpu_lease_$call-$1
+    shift
+    mkdir -p "$work"
+    python scripts/gpu_bench.py --out "$work" "$@" "${extra[@]}" 2>&1 | tee -a "$out/call$call.log" || status=1
+    cp "$work/gpu_bench.json" "$out/call$call-$run.json" 2>/dev/null
+    works+=("$work")
+}
+
+extra=("${@:2}")
+works=()
 case $call in
-1) args=(--only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle
-         --variants default,fused_programs,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again
-         --variant-configs mlperf_dcnv2_capped,criteo_kaggle
-         --train-configs "" --steps 20) ;;
-2) args=(--only configs --configs criteo_kaggle,criteo_kaggle_dynamic
-         --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic
-         --train-configs "" --steps 10 --determinism-steps 0) ;;
-3) args=(--only feed --feed-configs criteo_kaggle --set data.max_rows=500000
-         --feed-variants "data.host_memory=pageable;data.readers=2;data.reader_processes=true;switch_interval_ms=0.25"
-         --train-steps 400) ;;
-*) echo "call $call: 1, 2 or 3" >&2; exit 2 ;;
+0) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
+       --variants default,prefixes:criteo_kaggle_dynamic --train-configs "" --steps 10 --determinism-steps 0
+   bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
+       --feed-variants "data.host_memory=pageable" --train-steps 300 ;;
+1) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle \
+       --variants default,fused_programs,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again \
+       --variant-configs mlperf_dcnv2_capped,criteo_kaggle --train-configs "" --steps 20 ;;
+2) bench configs --only configs --configs criteo_kaggle,criteo_kaggle_dynamic \
+       --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \
+       --train-configs "" --steps 10 --determinism-steps 0 ;;
+3) bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
+       --feed-variants "data.host_memory=pageable;data.readers=2;data.reader_processes=true;switch_interval_ms=0.25" \
+       --train-steps 400 ;;
+*) echo "call $call: 0, 1, 2 or 3" >&2; exit 2 ;;
 esac
-python scripts/gpu_bench.py --out "$work" "${args[@]}" "${@:2}" 2>&1 | tee "$out/call$call.log"
-status=$?
-cp "$work/gpu_bench.json" "$out/call$call.json" 2>/dev/null
-for trace in "$work"/trace-*.json.gz; do  # the end-to-end runs' loop traces (ui.perfetto.dev)
-    [ -e "$trace" ] || continue
-    [ "$(ls "$out" | wc -l)" -ge 8 ] && break
-    cp "$trace" "$out/"
+for work in "${works[@]}"; do
+    for trace in "$work"/trace-*.json.gz; do  # the end-to-end runs' loop traces (ui.perfetto.dev)
+        [ -e "$trace" ] || continue
+        [ "$(ls "$out" | wc -l)" -ge 8 ] && break
+        cp "$trace" "$out/"
+    done
 done
-for hlo in "$work"/*.hlo.txt; do  # the steps' programs, most telling first, up to the file limit
-    [ -e "$hlo" ] || continue
-    [ "$(ls "$out" | wc -l)" -ge 8 ] && break
-    gzip -c "$hlo" > "$out/$(basename "$hlo").gz"
+for work in "${works[@]}"; do
+    for hlo in "$work"/*.hlo.txt; do  # the steps' programs, most telling first, up to the file limit
+        [ -e "$hlo" ] || continue
+        [ "$(ls "$out" | wc -l)" -ge 8 ] && break
+        gzip -c "$hlo" > "$out/$(basename "$hlo").gz"
+    done
 done
 exit $status

@@ -445,11 +445,11 @@ def test_the_gpu_lease_calls_name_known_variants_and_configs():
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_bench
 
-    lease = (REPO / "scripts" / "gpu_lease.sh").read_text()
-    calls = re.findall(r"^\d\) args=\((.*?)\) ;;", lease, flags=re.S | re.M)
-    assert len(calls) == 3
-    for call in calls:
-        words = call.split()
+    lease = (REPO / "scripts" / "gpu_lease.sh").read_text().replace("\\\n", " ")
+    runs = re.findall(r"^\s*(?:\d\) )?bench \w+ (.*?)(?: ;;)?$", lease, flags=re.M)
+    assert len(runs) == 5  # call 0's two, one each for calls 1 to 3
+    for run in runs:
+        words = run.split()
         get = dict(zip(words, (w.strip('"') for w in words[1:]), strict=False)).get
         configs = get("--configs", "criteo_kaggle")
         gpu_bench.variant_runs(get("--variants", "default"), get("--variant-configs", configs))
