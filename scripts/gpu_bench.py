@@ -569,7 +569,7 @@ def print_tables(report: dict, log=print) -> None:
 
 
 # What a run says of the batches' host buffers (made, their memory, pinned: data.host_memory).
-HOST_BUFFERS = ("host_buffers", "host_buffer_mb", "host_buffers_pinned")
+INPUT_BUFFERS = ("input_buffers", "input_buffer_mb", "input_buffers_pinned")
 # Steps of each end-to-end run traced (train.trace_steps: after its first 50-step window).
 TRACE_STEPS = 20
 # A feed variant's item that is not a config override: Python's GIL switch interval for the run
@@ -639,7 +639,7 @@ def train_end_to_end(
         "run_samples_per_s": last["run_samples_per_s"],
         "host_ms_per_step": host,
         # the batches' host buffers at the end (data.host_memory: pinned on GPUs unless pageable)
-        "host_buffers": {k: inner[-1][k] for k in HOST_BUFFERS if k in inner[-1]},
+        "input_buffers": {k: inner[-1][k] for k in INPUT_BUFFERS if k in inner[-1]},
         "trace": {k: v for k, v in trace.items() if k.startswith("trace_") and k != "trace_dir"},
     }
 
@@ -659,7 +659,7 @@ def input_alone(name: str, data: str, more: tuple[str, ...] = ()) -> dict:
     with open(out) as f:
         report = json.load(f)
     case = next(c for c in report["cases"] if c["source"] == "binary" and c["shuffle"])
-    keep = ("samples_per_s", "read_samples_per_s", "input_read_ms", "input_h2d_ms", "gil_wait", *HOST_BUFFERS)
+    keep = ("samples_per_s", "read_samples_per_s", "input_read_ms", "input_h2d_ms", "gil_wait", *INPUT_BUFFERS)
     return {"readers": report["readers"], **{k: case[k] for k in keep if k in case}}
 
 

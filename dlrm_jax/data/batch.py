@@ -71,7 +71,10 @@ class DataSource(Protocol):
         ...
 
     def eval_batches(self) -> Iterator[Batch]:
-        """This process's slices of the held-out batches, the same every call."""
+        """This process's slices of the held-out batches, the same every call. A source that
+        can read them by index also has ``eval_batch_count()`` and ``eval_batch(i)`` (safe from
+        several threads): evaluation then reads them with ``data.readers`` threads instead of
+        one (:func:`dlrm_jax.train.evaluate.held_out`)."""
         ...
 
     def skip_report(self) -> str:

@@ -142,12 +142,12 @@ class HostBuffers:
         region.free()
 
     def stats(self) -> dict:
-        """``host_buffers``: buffers made so far (the batches in flight at most, not the steps);
-        ``host_buffer_mb``: their memory; ``host_buffers_pinned``: how many of them are pinned."""
+        """``input_buffers``: buffers made so far (the batches in flight at most, not the steps);
+        ``input_buffer_mb``: their memory; ``input_buffers_pinned``: how many of them are pinned."""
         return {
-            "host_buffers": self.regions,
-            "host_buffer_mb": self.bytes / 2**20,
-            "host_buffers_pinned": self.pinned_regions,
+            "input_buffers": self.regions,
+            "input_buffer_mb": self.bytes / 2**20,
+            "input_buffers_pinned": self.pinned_regions,
         }
 
     def close(self) -> None:

@@ -62,6 +62,10 @@ TIMING_FIELDS = (
     "input_read_ms",
     "input_h2d_ms",
     "input_wait_ms",
+    "input_buffers",
+    "input_buffer_mb",
+    "input_buffers_pinned",
+    "eval_s",
 )
 
 

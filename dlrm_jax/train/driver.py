@@ -164,6 +164,10 @@ class DeviceDriver(StepDriver):
     def check_inputs(self, item) -> tuple:
         return (item.device,)
 
+    def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
+        """As :meth:`StepDriver.evaluate`, the batches read ahead by the training input's readers."""
+        return evaluate(self.steps, state, self.source, None, batches, self.readers or 1, self.prefetch or 1)
+
     def take_metrics(self, window_steps: int) -> dict:
         if self.pipeline is None:
             return {}

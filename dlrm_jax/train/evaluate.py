@@ -4,7 +4,8 @@ checkpoint is evaluated by :func:`dlrm_jax.train.saved_run.evaluate_run`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.batch import padded as pad_batch
+from dlrm_jax.data.pipeline import InputPipeline, background
 from dlrm_jax.observe.metrics import log_loss, roc_auc
 from dlrm_jax.train.progress import Evaluation
 from dlrm_jax.train.step import StepFunctions, TrainState
@@ -68,23 +70,43 @@ def _nan(x: float | None) -> float:
     return float("nan") if x is None else x
 
 
+@dataclass(frozen=True)
+class Indexed:
+    """Held-out batches read by index: ``read(i)`` for ``i`` in ``range(count)``, from any
+    thread and in any order (several readers take them at once)."""
+
+    count: int
+    read: Callable[[int], Batch]
+
+
+def held_out(source: DataSource) -> Indexed | Iterable[Batch]:
+    """The source's held-out batches: by index where it can read them so (``eval_batch_count``
+    and ``eval_batch``: the binary and Criteo-text sources), else its ``eval_batches()``."""
+    if hasattr(source, "eval_batch") and hasattr(source, "eval_batch_count"):
+        return Indexed(source.eval_batch_count(), source.eval_batch)
+    return source.eval_batches()
+
+
 def evaluate(
     steps: StepFunctions,
     state: TrainState,
     source: DataSource,
     runner: TierRunner | None = None,
-    batches: Iterable[Batch] | None = None,
+    batches: Indexed | Iterable[Batch] | None = None,
+    readers: int | str = 1,
+    depth: int = 4,
 ) -> tuple[float, float, int]:
     """Exact AUC and logloss over the held-out batches, and how many samples they scored
     (every process gets the same numbers; ``train.eval_batches``, 0 = the whole split).
     ``batches``: this process's slices of other batches to score instead (progressive
-    validation scores training batches before they are trained on).
+    validation scores training batches before they are trained on). ``readers``, ``depth``:
+    as the training input's (``data.readers``, ``data.prefetch``), for batches read by index.
 
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
     padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
     """
     probs, labels, valid = [], [], []
-    for p, y, m in eval_scores(steps, state, source, runner, batches):
+    for p, y, m in eval_scores(steps, state, source, runner, batches, readers, depth):
         probs.append(p)
         labels.append(y)
         valid.append(m)
@@ -96,28 +118,67 @@ def evaluate(
     return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
 
 
+# Eval steps dispatched before the first one's scores are read (as training's DISPATCH_AHEAD:
+# a few programs in flight overlap the host with the devices, far below XLA:CPU's limit).
+_READ_BEHIND = 2
+
+
 def eval_scores(
     steps: StepFunctions,
     state: TrainState,
     source: DataSource,
     runner: TierRunner | None = None,
-    batches: Iterable[Batch] | None = None,
+    batches: Indexed | Iterable[Batch] | None = None,
+    readers: int | str = 1,
+    depth: int = 4,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per held-out batch, this process's (probabilities, labels, valid) [per-process batch]:
-    the batch padded to full size, ``valid`` marking its real rows."""
+    """Per held-out batch, in order, this process's (probabilities, labels, valid) [per-process
+    batch]: the batch padded to full size, ``valid`` marking its real rows. The batches are read,
+    padded and placed on the devices ahead of the eval steps, by ``readers`` threads where they
+    are read by index (:class:`Indexed`) and by one thread otherwise, while this thread only
+    dispatches the steps (in order: programs with collectives come from one thread) and reads
+    each one's scores ``_READ_BEHIND`` steps later."""
     per_process = steps.spec.batch_size // jax.process_count()
     state = state._replace(emb=steps.collection.model_tables(state.emb))  # (per-host tables: their average)
+    batches = held_out(source) if batches is None else batches
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
-    for batch in source.eval_batches() if batches is None else batches:
-        n = batch.size
-        padded = pad_batch(batch, per_process)
-        if runner is not None:
+        for batch in batches if not isinstance(batches, Indexed) else map(batches.read, range(batches.count)):
+            padded = pad_batch(batch, per_process)
             ids_padded, pooled = runner.eval_inputs(state, padded)
             out, _ = steps.eval_step(
                 state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding)
             )
+            yield _scores(out), padded.labels, np.arange(per_process) < batch.size
+        return
+
+    def placed(batch: Batch) -> tuple:  # (on the reading threads: host work and a transfer, no program)
+        padded = pad_batch(batch, per_process)
+        return steps.device_batch(padded), padded.labels, np.arange(per_process) < batch.size
+
+    if isinstance(batches, Indexed):
+        pipeline = InputPipeline(batches.read, range(batches.count), to_device=placed, readers=readers, depth=depth)
+        items, close = (p.device for p in pipeline), pipeline.close
+    else:
+        items, close = background(map(placed, batches), depth), None
+    pending: deque = deque()
+    try:
+        for device, labels, valid in items:
+            pending.append((steps.eval_step(state, device)[0], labels, valid))
+            while len(pending) > _READ_BEHIND:
+                out, labels, valid = pending.popleft()
+                yield _scores(out), labels, valid
+        while pending:
+            out, labels, valid = pending.popleft()
+            yield _scores(out), labels, valid
+    finally:
+        if close is not None:
+            close()
         else:
-            out, _ = steps.eval_step(state, steps.device_batch(padded))
-        shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
-        yield np.concatenate([np.asarray(s.data) for s in shards]), padded.labels, np.arange(per_process) < n
+            items.close()
+
+
+def _scores(out: jax.Array) -> np.ndarray:
+    """This process's rows of a batch's scores, in order (a wait for its eval step)."""
+    shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards])

@@ -27,6 +27,7 @@ from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.display import StepDisplay
 from dlrm_jax.train.driver import StepDriver
+from dlrm_jax.train.evaluate import Indexed
 from dlrm_jax.train.progress import Evaluation, Progress
 from dlrm_jax.train.release import ReleaseThread
 from dlrm_jax.train.step import TrainState
@@ -314,8 +315,10 @@ class TrainingLoop:
         stop asks for a save."""
         report_progress(step, "evaluation", timed=self.evaluated)  # the first one compiles
         self.evaluated = True
+        t0 = time.perf_counter()
         self.auc, self.logloss, self.scored = self.driver.evaluate(state)
-        event.update(event="eval", auc=self.auc, logloss=self.logloss, eval_samples=self.scored)
+        seconds = time.perf_counter() - t0  # (the first evaluation's includes compiling the eval step)
+        event.update(event="eval", auc=self.auc, logloss=self.logloss, eval_samples=self.scored, eval_s=seconds)
         self.bar.write(
             f"step {step}: loss {self.last_loss:.4f} eval auc {self.auc:.4f} "
             f"logloss {self.logloss:.4f} on {self.scored:,} samples"
@@ -336,7 +339,7 @@ class TrainingLoop:
         report_progress(step, "progressive validation")
         window, end, label = self.windows[step]
         source = self.driver.source
-        batches = (source.train_batch(i) for i in range(step, end))
+        batches = Indexed(end - step, lambda k: source.train_batch(step + k))
         auc, logloss, scored = self.driver.evaluate(state, batches)
         self.metrics.write(
             {

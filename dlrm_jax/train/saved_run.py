@@ -45,7 +45,7 @@ def evaluate_run(
         )
         driver = TieredDriver(steps, source, tiered, lookahead=0)
     else:
-        driver = DeviceDriver(steps, source, readers=0, prefetch=0, log=log)
+        driver = DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)
     try:
         start = time.perf_counter()
         auc, ll, samples = driver.evaluate(state)

@@ -76,13 +76,17 @@ def train_positions(step: int, batch: int, rows: slice) -> np.ndarray:
     return step * batch + np.arange(rows.start, rows.stop, dtype=np.int64)
 
 
-def eval_positions(num_val: int, batch: int, rows: slice, max_batches: int) -> Iterator[np.ndarray]:
-    """int64 [<= rows] per global eval batch of ``batch`` val rows (the last may be partial;
-    ``max_batches`` of them, 0 = all): this process's ``rows`` of each, possibly empty."""
+def eval_count(num_val: int, batch: int, max_batches: int) -> int:
+    """Global eval batches of ``batch`` val rows (the last may be partial), at most
+    ``max_batches`` (0 = all)."""
     total = -(-num_val // batch)
-    for i in range(min(total, max_batches) if max_batches else total):
-        lo, hi = (min(i * batch + r, num_val) for r in (rows.start, rows.stop))
-        yield np.arange(lo, hi, dtype=np.int64)
+    return min(total, max_batches) if max_batches else total
+
+
+def eval_rows(num_val: int, batch: int, rows: slice, i: int) -> np.ndarray:
+    """int64 [<= rows]: this process's ``rows`` of global eval batch ``i``, possibly empty."""
+    lo, hi = (min(i * batch + r, num_val) for r in (rows.start, rows.stop))
+    return np.arange(lo, hi, dtype=np.int64)
 
 
 class _Split:
@@ -384,12 +388,19 @@ class BinarySource:
         return self._batch_of(self.train, runs, f"training step {step}")
 
     # ---------------------------------------------------------------- evaluation
+    def eval_batch_count(self) -> int:
+        """Global batches of B in the val split (the last may be partial), ``train.eval_batches``
+        of them (0 = the whole split)."""
+        return eval_count(self.num_val, self._batch, self._eval_batches)
+
+    def eval_batch(self, i: int) -> Batch | RawBatch:
+        """This process's slice of eval batch ``i`` (any order, from any thread)."""
+        rows = eval_rows(self.num_val, self._batch, self._rows, i)
+        return self._batch_of(self.val, runs_of(rows), f"evaluation batch {i}")
+
     def eval_batches(self) -> Iterator[Batch]:
-        """The val split in order: global batches of B (the last may be partial), this
-        process's slice of each, ``train.eval_batches`` of them (0 = the whole split)."""
-        ranges = eval_positions(self.num_val, self._batch, self._rows, self._eval_batches)
-        for i, rows in enumerate(ranges):
-            yield self._batch_of(self.val, runs_of(rows), f"evaluation batch {i}")
+        """The val split in order: :meth:`eval_batch` of each."""
+        return map(self.eval_batch, range(self.eval_batch_count()))
 
     # ---------------------------------------------------------------- reading
     def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch | RawBatch:

@@ -254,11 +254,18 @@ class CriteoTSVSource:
     def train_batch(self, step: int) -> Batch | RawBatch:
         return self._read(binary.train_positions(step, self._batch, self._rows) % self.num_train)
 
+    def eval_batch_count(self) -> int:
+        """Global batches of B held out (the last may be partial), ``train.eval_batches`` of them
+        (0 = all)."""
+        return binary.eval_count(self.num_val, self._batch, self._eval_batches)
+
+    def eval_batch(self, i: int) -> Batch | RawBatch:
+        """This process's slice of held-out batch ``i`` (any order, from any thread)."""
+        return self._read(self.num_train + binary.eval_rows(self.num_val, self._batch, self._rows, i))
+
     def eval_batches(self) -> Iterator[Batch]:
-        """Held-out lines in order: global batches of B (the last may be partial), this
-        process's slice of each, ``train.eval_batches`` of them (0 = all)."""
-        ranges = binary.eval_positions(self.num_val, self._batch, self._rows, self._eval_batches)
-        return (self._read(self.num_train + rows) for rows in ranges)
+        """Held-out lines in order: :meth:`eval_batch` of each."""
+        return map(self.eval_batch, range(self.eval_batch_count()))
 
     def _read(self, positions: np.ndarray) -> Batch | RawBatch:
         """Valid lines ``positions`` (int64 [n]) as a Batch, read in file/offset order."""
