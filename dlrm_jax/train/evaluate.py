@@ -160,7 +160,8 @@ def eval_scores(
         pipeline = InputPipeline(batches.read, range(batches.count), to_device=placed, readers=readers, depth=depth)
         items, close = (p.device for p in pipeline), pipeline.close
     else:
-        items, close = background(map(placed, batches), depth), None
+        items = background(map(placed, batches), depth)
+        close = items.close
     pending: deque = deque()
     try:
         for device, labels, valid in items:
@@ -172,10 +173,7 @@ def eval_scores(
             out, labels, valid = pending.popleft()
             yield _scores(out), labels, valid
     finally:
-        if close is not None:
-            close()
-        else:
-            items.close()
+        close()
 
 
 def _scores(out: jax.Array) -> np.ndarray:
