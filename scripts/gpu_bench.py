@@ -632,6 +632,7 @@ def train_end_to_end(
     }
     return {
         "steps": steps,
+        "run_dir": run_dir,
         "data": data or "synthetic",
         "wall_s": wall,
         "window_samples_per_s": [e["samples_per_s"] for e in trains],
@@ -663,6 +664,22 @@ def input_alone(name: str, data: str, more: tuple[str, ...] = ()) -> dict:
     return {"readers": report["readers"], **{k: case[k] for k in keep if k in case}}
 
 
+# Held-out batches of the feed's datasets: each run's last evaluation scores them, and
+# scripts/bench_eval.py times evaluating the binary run's checkpoint over them.
+EVAL_BATCHES = 16
+
+
+def eval_alone(run_dir: str) -> dict:
+    """``scripts/bench_eval.py`` on a run's checkpoint: the held-out split scored three times in
+    one process (the first compiles), with the run's own readers."""
+    out = os.path.join(tempfile.mkdtemp(prefix="dlrm-gpu-eval-"), "eval.json")
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "bench_eval.py"), "--run-dir", run_dir, "--out", out]
+    if subprocess.run(cmd, cwd=REPO).returncode:
+        return {"failed": True}
+    with open(out) as f:
+        return json.load(f)
+
+
 # The feed's end-to-end cases: rows of the generated binary dataset per config (criteo_kaggle:
 # 8M rows, 1.3 GB, 122 steps an epoch at 65,536; DLRM-DCNv2: 2M rows of 214 ids, 1.8 GB).
 FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
@@ -687,13 +704,16 @@ def feed_cases(
         rows = FEED_ROWS.get(name, 4_000_000)
         data = os.path.join(work, f"feed_{name}")
         t = time.perf_counter()
-        write_synthetic_dataset(cfg, data, train_rows=rows, val_rows=cfg.train.batch_size, overwrite=True)
+        val_rows = EVAL_BATCHES * cfg.train.batch_size
+        write_synthetic_dataset(cfg, data, train_rows=rows, val_rows=val_rows, overwrite=True)
         made_s = time.perf_counter() - t
         kept = lambda label, name=name: os.path.join(keep, f"trace-{name}-{label}.json.gz") if keep else None
         synthetic = train_end_to_end(name, steps, keep_trace=kept("synthetic"))
         binary = train_end_to_end(name, steps, data, keep_trace=kept("binary"))
         out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
         out[name]["input_alone"] = {"default": input_alone(name, data)}
+        if "failed" not in binary:
+            out[name]["eval_alone"] = eval_alone(binary["run_dir"])
         for more in variants:
             label = " ".join(more)
             out[name][f"binary {label}"] = train_end_to_end(name, steps, data, more, kept(label.replace("=", "-")))
@@ -901,6 +921,10 @@ def main() -> int:
             )
             if t.get("trace"):
                 print(f"{n} [{kind}]: {format_summary(t['trace'])}")
+        e = f.get("eval_alone", {})
+        if "failed" not in e and e.get("evaluations"):
+            rates = [f"{x['samples_per_s']:,.0f}" for x in e["evaluations"]]
+            print(f"{n} [evaluation alone, {e['readers']} readers]: samples/s {', '.join(rates)} (the first compiles)")
         for label, a in f.get("input_alone", {}).items():
             if "failed" in a:
                 continue

@@ -459,3 +459,23 @@ def test_the_gpu_lease_calls_name_known_variants_and_configs():
     )
     with pytest.raises(ValueError, match="unknown variant or config criteo_kaggle:mlperf_v1_capped"):
         gpu_bench.variant_runs("pairs_fused:criteo_kaggle:mlperf_v1_capped", "")
+
+
+def test_bench_eval_times_each_evaluation_of_a_runs_checkpoint(tmp_path, tiny):
+    """``scripts/bench_eval.py``: a run's checkpoint evaluated ``--repeats`` times in one
+    process, each evaluation's samples and time in its JSON, the same scores each time."""
+    import sys
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_eval
+
+    train_and_evaluate(tiny("train.steps=2", "mesh.devices=2"), tmp_path / "run", **QUIET)
+    bench_eval.main(["--run-dir", str(tmp_path / "run"), "--repeats", "2", "--out", str(tmp_path / "eval.json")])
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["step"] == 2 and len(report["evaluations"]) == 2
+    assert [e["samples"] for e in report["evaluations"]] == [128, 128]  # train.eval_batches=2 of 64
+    assert report["evaluations"][0]["auc"] == report["evaluations"][1]["auc"]
+    assert all(e["samples_per_s"] > 0 for e in report["evaluations"])
