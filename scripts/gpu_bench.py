@@ -904,7 +904,7 @@ def main() -> int:
     for n, f in report.get("feed", {}).items():
         step = runs.get("default", {}).get(n)
         # synthetic, binary and its variants
-        for kind in [k for k, v in f.items() if isinstance(v, dict) and k != "input_alone"]:
+        for kind in [k for k, v in f.items() if isinstance(v, dict) and k not in ("input_alone", "eval_alone")]:
             t = f[kind]
             if "failed" in t:
                 print(f"{n} [{kind}]: dlrm-jax train failed ({t['failed']})")
