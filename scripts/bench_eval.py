@@ -31,22 +31,15 @@ def main(argv=None) -> None:
 
     from dlrm_jax.cli.runtime import devices_for, run_config
 
-    dlrm_jax.request_cpu_devices(devices_for(run_config(args.run_dir, args.overrides)))  # (before JAX starts)
+    cfg = run_config(args.run_dir, args.overrides)
+    dlrm_jax.request_cpu_devices(devices_for(cfg))  # (before JAX starts)
     import jax
 
     from dlrm_jax.data.pipeline import input_readers
-    from dlrm_jax.data.sources import make_source
-    from dlrm_jax.train.build import build, mesh_from_config
-    from dlrm_jax.train.driver import DeviceDriver
-    from dlrm_jax.train.progress import checkpoint_step
-    from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+    from dlrm_jax.parallel.mesh import host_scalar
+    from dlrm_jax.train.saved_run import restored
 
-    run_dir = Path(args.run_dir)
-    cfg = saved_run_config(run_dir, args.overrides)
-    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
-    _, steps = build(cfg, mesh_from_config(cfg), source, lambda *_: None)
-    step, state = read_checkpoint(run_dir, cfg, steps, checkpoint_step(run_dir / "checkpoints", None), log=print)
-    driver = DeviceDriver(steps, source, cfg.data.readers, cfg.data.prefetch, log=lambda *_: None)
+    state, driver = restored(args.run_dir, args.overrides, log=print)
     evaluations = []
     try:
         for i in range(args.repeats):
@@ -60,8 +53,8 @@ def main(argv=None) -> None:
         driver.close()
     report = {
         "benchmark": "eval",
-        "run_dir": str(run_dir),
-        "step": step,
+        "run_dir": args.run_dir,
+        "step": int(host_scalar(state.step)),
         "device_kind": jax.devices()[0].device_kind,
         "readers": input_readers(cfg.data.readers),
         "evaluations": evaluations,

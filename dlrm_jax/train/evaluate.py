@@ -78,6 +78,9 @@ class Indexed:
     count: int
     read: Callable[[int], Batch]
 
+    def __iter__(self) -> Iterator[Batch]:  # (in order, on the caller's thread)
+        return map(self.read, range(self.count))
+
 
 def held_out(source: DataSource) -> Indexed | Iterable[Batch]:
     """The source's held-out batches: by index where it can read them so (``eval_batch_count``
@@ -143,7 +146,7 @@ def eval_scores(
     batches = held_out(source) if batches is None else batches
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
-        for batch in batches if not isinstance(batches, Indexed) else map(batches.read, range(batches.count)):
+        for batch in batches:
             padded = pad_batch(batch, per_process)
             ids_padded, pooled = runner.eval_inputs(state, padded)
             out, _ = steps.eval_step(

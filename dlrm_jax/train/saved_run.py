@@ -15,6 +15,7 @@ from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
 
@@ -24,6 +25,21 @@ def evaluate_run(
     """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
     best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
     training there (nothing in ``run_dir`` is written, moved or deleted)."""
+    state, driver = restored(run_dir, overrides, step=step, log=log)
+    try:
+        start = time.perf_counter()
+        auc, ll, samples = driver.evaluate(state)
+        seconds = time.perf_counter() - start
+    finally:
+        driver.close()
+    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)
+
+
+def restored(
+    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
+) -> tuple[TrainState, StepDriver]:
+    """``run_dir``'s checkpoint at ``step`` (as :func:`evaluate_run` takes it), read-only, and a
+    driver whose ``evaluate`` scores it (close it after: tiered tables hold their snapshot)."""
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
@@ -31,7 +47,6 @@ def evaluate_run(
     plan, steps = build(cfg, mesh, source, log)
     step = checkpoint_step(run_dir / "checkpoints", step)
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
-    driver: StepDriver
     if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
         tiered = TieredTables(
             plan,
@@ -43,13 +58,5 @@ def evaluate_run(
             snapshot=step,
             maps=steps.tiered_maps,
         )
-        driver = TieredDriver(steps, source, tiered, lookahead=0)
-    else:
-        driver = DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)
-    try:
-        start = time.perf_counter()
-        auc, ll, samples = driver.evaluate(state)
-        seconds = time.perf_counter() - start
-    finally:
-        driver.close()
-    return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)
+        return state, TieredDriver(steps, source, tiered, lookahead=0)
+    return state, DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)
