@@ -153,7 +153,7 @@ def side_by_side(ids: list[tuple]) -> tuple[tuple, tuple[int, ...]]:
 
 
 def resolution_chunk(platform: str, own_ids: int) -> int:
-    """How many ids' [ids, probes] arrays a device's resolution holds at once (``resolve_fused``'s
+    """How many ids' per-probe arrays a device's resolution holds at once (``resolve_fused``'s
     ``chunk``; 0: all), for ``own_ids`` a device's share of the batch. On CPUs half of them:
     larger ones (a skewed batch's buffers, the gathered batch) run in passes, so the scratch
     follows a device's share of the batch, not the global batch (on 8 simulated devices at
