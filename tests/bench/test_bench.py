@@ -479,3 +479,21 @@ def test_bench_eval_times_each_evaluation_of_a_runs_checkpoint(tmp_path, tiny):
     assert [e["samples"] for e in report["evaluations"]] == [128, 128]  # train.eval_batches=2 of 64
     assert report["evaluations"][0]["auc"] == report["evaluations"][1]["auc"]
     assert all(e["samples_per_s"] > 0 for e in report["evaluations"])
+
+
+def test_bench_resolution_times_a_revision_beside_this_checkout(tmp_path):
+    """``scripts/bench_resolution.py``: the resolution at a git revision beside this checkout's,
+    every output compared, a median and a ratio for each size in its JSON."""
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_resolution
+
+    report = bench_resolution.main(
+        ["--places", "512", "--steps", "7", "--against", "HEAD", "--out", str(tmp_path / "r.json")]
+    )
+    (row,) = json.loads((tmp_path / "r.json").read_text())["sizes"]
+    assert row["places"] == 512 and row["this_ms"] > 0 and row["HEAD_ms"] > 0 and row["ratio"] > 0
+    assert report["against"] == "HEAD"
