@@ -2,10 +2,11 @@
 # The next GPU lease's measurements, one call per run of the device tool (each ends well inside
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
-#   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 8 minutes): DLRM-DCNv2
+#   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 9 minutes): DLRM-DCNv2
 #                            # (own optimizers and SGD), the MLPerf-v1 shape, criteo_kaggle and its
-#                            # dynamic step (one path and prefixes), and criteo_kaggle's binary feed
-#                            # against synthetic batches (pinned buffers, then pageable)
+#                            # dynamic step (one path and prefixes), the fused update's row kernel
+#                            # with fewer programs (DLRM-DCNv2, criteo_kaggle), and criteo_kaggle's
+#                            # binary feed against synthetic batches (pinned buffers, then pageable)
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
 #                            # the MLPerf-v1 shape, criteo_kaggle; fused_programs, the dot
 #                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
@@ -45,7 +46,8 @@ extra=("${@:2}")
 works=()
 case $call in
 0) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
-       --variants default,prefixes:criteo_kaggle_dynamic --train-configs "" --steps 10 --determinism-steps 0
+       --variants default,fused_programs:mlperf_dcnv2_capped+criteo_kaggle,prefixes:criteo_kaggle_dynamic \
+       --train-configs "" --steps 10 --determinism-steps 0
    bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable" --train-steps 300 ;;
 1) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle \
