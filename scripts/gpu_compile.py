@@ -109,6 +109,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "launches_per_step": list(p.launches),
         "host_reads": p.host_reads,
         "loops": [{"op": op, "trip_count": n} for op, n in p.loops],
+        "loop_launches_per_step": p.loop_launches,
         "traffic_bytes": list(p.traffic),
         "traffic_ms_at_bandwidth": [1e3 * b / bandwidth for b in p.traffic],
         "strided_gathers": p.strided_gathers,
@@ -163,20 +164,22 @@ def write_sample(path: str) -> None:
 
 def print_table(results: list[dict]) -> None:
     print(
-        f"{'variant':<24}{'config':<22}{'launches':>10}{'host reads':>11}{'traffic MB':>14}"
+        f"{'variant':<24}{'config':<22}{'launches':>10}{'in loops':>9}{'host reads':>11}{'traffic MB':>14}"
         f"{'ms at bw':>13}{'scratch MB':>11}{'compile s':>10}"
     )
     span = lambda pair, f: f(pair[0]) if pair[0] == pair[1] else f"{f(pair[0])}-{f(pair[1])}"
     for r in results:
         print(
-            f"{r['variant']:<24}{r['config']:<22}{span(r['launches_per_step'], str):>10}{len(r['host_reads']):>11}"
+            f"{r['variant']:<24}{r['config']:<22}{span(r['launches_per_step'], str):>10}"
+            f"{r['loop_launches_per_step']:>9}{len(r['host_reads']):>11}"
             f"{span(r['traffic_bytes'], lambda b: f'{b / 1e6:,.0f}'):>14}"
             f"{span(r['traffic_ms_at_bandwidth'], lambda t: f'{t:.2f}'):>13}"
             f"{r['temp_bytes'] / 2**20:>11,.0f}{r['compile_s']:>10.1f}"
         )
     for r in results:
-        print(f"\n{r['variant']} {r['config']}: host reads {r['host_reads'] or 'none'}; strided gathers")
-        print(f"{r['strided_gathers'] or 'none'}; largest kernels (MB a step):")
+        loops = [f"{x['op']}[{x['trip_count'] or '?'}]" for x in r["loops"]]
+        print(f"\n{r['variant']} {r['config']}: loops {loops or 'none'}; host reads {r['host_reads'] or 'none'}")
+        print(f"strided gathers {r['strided_gathers'] or 'none'}; largest kernels (MB a step):")
         for k in r["largest"][:10]:
             where = f" in {k['where']}" if k["where"] else ""
             print(f"  {k['bytes'] * k['runs'] / 1e6:9.1f}  {k['opcode']:<12} {k['op'][-80:]}{where}")

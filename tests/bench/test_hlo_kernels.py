@@ -33,6 +33,9 @@ def test_a_known_loops_kernels_run_its_trip_count_and_an_unknown_ones_once_a_rou
     assert known and all(k.runs == 3 for k in known)
     # the body and the condition's predicate: each a kernel a round
     assert len(unknown) >= 2 and all(k.runs == 1 for k in unknown)
+    # what a GPU launches from the host, kernel by kernel: every round of each loop
+    assert p.loop_launches == 3 * len(known) + len(unknown) > 0
+    assert p.loop_launches < p.launches[0]
 
 
 def test_gathers_count_what_they_take_and_in_place_scatters_their_updates_not_the_table():
