@@ -322,6 +322,31 @@ def test_forced_overflow_loses_nothing(tiny, variant):
     assert int(res.overflow) == 0
 
 
+@pytest.mark.parametrize("capacity", ["0.01", "4"], ids=["overflow", "roomy"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(["embedding.sharding=row", "embedding.optimizer=rowwise_adagrad"], id="rows"),
+        pytest.param(
+            ["embedding.sharding=column", "embedding.optimizer=rowwise_adagrad", "embedding.bag_exchange=ids"],
+            id="column-slices-rowwise",
+        ),
+    ],
+)
+def test_the_gpus_first_trip_outside_the_loop_matches_the_reference(monkeypatch, tiny, capacity, variant):
+    """The GPUs' form of the update's rounds (the one trip before the loop: every request where
+    nothing overflowed, none after an overflow, whose rounds then send them all) forced on CPU
+    devices: the same numbers as the reference, step by step, with and without rounds."""
+    from dlrm_jax.choices import ControlFlow
+    from dlrm_jax.embedding.exchange import common
+
+    monkeypatch.setattr(common, "ROUNDS_FORM", ControlFlow.ONE_PATH)
+    cfg = tiny(f"embedding.capacity_factor={capacity}", "train.batch_size=32", CARDS, *variant)
+    coll, state = check_against_reference(cfg, 4, steps=3)
+    _, res = jax.jit(coll.lookup)(state, jnp.asarray(SyntheticSource(cfg).train_batch(0).ids))
+    assert (int(res.overflow) >= 1) == (capacity == "0.01")
+
+
 @pytest.mark.parametrize("devices", [2, 8])
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
 def test_bfloat16_storage_and_exchange_within_tolerance(tiny, devices, optimizer):

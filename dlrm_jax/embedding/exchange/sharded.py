@@ -70,7 +70,7 @@ def _lookup(g: Group, capacity: int, wire):
         def rounds():
             acc = jnp.zeros((b.slot_valid.shape[0], g.width), jnp.float32)
             unknown = varying(jnp.full((g.num_devices, capacity), g.local_rows, jnp.int32))
-            return in_rounds(g, b, capacity, over, one_round, acc), unknown
+            return in_rounds(g, b, capacity, over, one_round, acc, first_trip=False), unknown
 
         def at_once():  # nothing overflowed: one exchange of every request, no loop and no accumulator
             out, usable, rows = exchange(table_local, b, Window(jnp.zeros_like(b.counts), b.counts))
@@ -176,7 +176,7 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
         zeros = jnp.zeros(b.slot_valid.shape, jnp.float32)
         totals = if_overflow(
             over,
-            lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree)),
+            lambda: row_totals(g, in_rounds(g, b, capacity, over, sq_round, zeros, agree, first_trip=False)),
             lambda: varying(zeros, agree),
         )
 
