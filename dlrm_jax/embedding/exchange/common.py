@@ -117,11 +117,12 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
     makes XLA copy the whole table shard; a loop whose body holds conds updates it in place.
     The limits are pmins over ``agree``, so every device runs the same rounds."""
 
+    everything = jnp.full(g.num_devices, g.local_rows, jnp.int32)
+
     def agreed_limit(done):
         def proposals():
             return lax.pmin(next_round_limit(b, done, capacity, g.local_rows), agree)
 
-        everything = jnp.full(g.num_devices, g.local_rows, jnp.int32)
         return if_overflow(over, proposals, lambda: everything)
 
     def body(state):  # a round: its limits agreed from what was sent, then its requests
@@ -137,7 +138,7 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
     start = (done, jax.tree.map(lambda x: varying(x, agree), carry), varying(jnp.bool_(False)))
 
     def trip_first():
-        limit = jnp.where(over, 0, g.local_rows) * jnp.ones(g.num_devices, jnp.int32)  # everything, or nothing
+        limit = jnp.where(over, 0, everything)  # everything, or nothing after an overflow
         end = requests_below(b, limit, g.local_rows)
         state = (end, one_round(start[1], Window(done, end)), varying(~over))
         with jax.named_scope(ROUNDS_SCOPE):  # (the loop runs a round only after an overflow)
