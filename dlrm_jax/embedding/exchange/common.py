@@ -99,7 +99,9 @@ def gather_lookups_over(lookups: Lookups, grads, agree_over: str | None):
 ROUNDS_FORM = ControlFlow.AUTO
 
 
-def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS, first_trip: bool = True):
+def in_rounds(
+    g: Group, b: Buckets, capacity: int, over, one_round, carry, agree=AXIS, first_trip: bool = True, trip=None
+):
     """``one_round(carry, window) -> carry`` until every request is sent: one trip with all of
     each owner's requests when nothing overflowed, else over the agreed rounds (see routing).
 
@@ -112,6 +114,8 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
     overflowed, 3 with the trip before the loop).
     On CPUs the loop takes every trip (the trip outside it cost 2-6% of a row-wise step on 8
     simulated devices). Callers that run only after an overflow pass ``first_trip=False``.
+    ``trip``: ``one_round`` for that trip before the loop where it can do with less (it sends
+    everything or nothing: what it would ask after an overflow it knows, with no cond).
 
     Never a ``lax.cond`` around the loop: one whose branch holds a loop that updates the table
     makes XLA copy the whole table shard; a loop whose body holds conds updates it in place.
@@ -140,7 +144,7 @@ def in_rounds(g: Group, b: Buckets, capacity: int, over, one_round, carry, agree
     def trip_first():
         limit = jnp.where(over, 0, everything)  # everything, or nothing after an overflow
         end = requests_below(b, limit, g.local_rows)
-        state = (end, one_round(start[1], Window(done, end)), varying(~over))
+        state = (end, (trip or one_round)(start[1], Window(done, end)), varying(~over))
         with jax.named_scope(ROUNDS_SCOPE):  # (the loop runs a round only after an overflow)
             return rounds(state)
 
@@ -244,14 +248,20 @@ def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOp
     it (from ``pooled`` = (gradients [B_l, V', W], slot weights [B_l, V])); ``where`` = (dest,
     place, usable) of each request in the [N, C] buffers. ``known`` = (overflowed, rows [N, C]
     the forward's one exchange received): where nothing overflowed, the row ids are not sent
-    again, only the gradients."""
+    again, only the gradients. ``before_loop``: the window is everything or, after an overflow,
+    nothing (``in_rounds``' trip before the loop)."""
 
-    def send(b, pooled, window, known=None):
+    def send(b, pooled, window, known=None, before_loop=False):
         def ask():
             return all_to_all(send_buffer(b, window, capacity, g.num_devices, g.local_rows))
 
         # the rows this owner was asked for in the forward's one exchange are the same requests
-        recv_rows = ask() if known is None else if_overflow(known[0], ask, lambda: known[1])
+        if known is None:
+            recv_rows = ask()
+        elif before_loop:  # asking for nothing gives padding everywhere: no cond to read on the host
+            recv_rows = jnp.where(known[0], g.local_rows, known[1])
+        else:
+            recv_rows = if_overflow(known[0], ask, lambda: known[1])
         owner, place, usable = slot_index(b, window)
         dest = jnp.where(usable, owner, g.num_devices)  # unusable -> dropped by the scatter
         slot = dest * capacity + place  # dest == N (unusable) lands past the end: dropped
@@ -265,12 +275,14 @@ def gradients_to_owners(g: Group, capacity: int, wire: Wire, optimizer: SparseOp
     return send
 
 
-def owner_update_round(send, optimizer: SparseOptimizer, b: Buckets, grads, lr, agree_over=None, known=None):
+def owner_update_round(
+    send, optimizer: SparseOptimizer, b: Buckets, grads, lr, agree_over=None, known=None, before_loop=False
+):
     """``one_round(state, window) -> state``: the window's rows and summed gradients go to their
-    owners (and every replica's), which apply the optimizer (``known``: ``send``'s)."""
+    owners (and every replica's), which apply the optimizer (``known``, ``before_loop``: ``send``'s)."""
 
     def one_round(state, window):
-        rows, recv_grads, _ = send(b, grads, window, known)
+        rows, recv_grads, _ = send(b, grads, window, known, before_loop)
         return optimizer.update(*state, gather_over(rows, agree_over), gather_over(recv_grads, agree_over), lr)
 
     return one_round

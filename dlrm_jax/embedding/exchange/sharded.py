@@ -164,8 +164,10 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
     def update(table_local, slots_local, b, grads, lr, over, recv_rows=None):
         known = None if recv_rows is None else (over, recv_rows)
         if not whole_rows:
-            one_round = owner_update_round(send, optimizer, b, grads, lr, agree_over, known)
-            return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
+            round_ = lambda before_loop: owner_update_round(
+                send, optimizer, b, grads, lr, agree_over, known, before_loop
+            )
+            return in_rounds(g, b, capacity, over, round_(False), (table_local, slots_local), agree, trip=round_(True))
 
         def sq_round(acc, window):
             rows, recv_grads, (_, place, usable) = send(b, grads, window)
@@ -180,19 +182,24 @@ def _sparse_update(g: Group, capacity: int, wire, optimizer: SparseOptimizer, di
             lambda: varying(zeros, agree),
         )
 
-        def one_round(state, window):
-            rows, recv_grads, where = send(b, grads, window, known)
-            every = gather_over(rows, agree_over), gather_over(recv_grads, agree_over)  # once, for both uses
+        def round_(before_loop):  # (before the loop: everything, or nothing after an overflow)
+            def one_round(state, window):
+                rows, recv_grads, where = send(b, grads, window, known, before_loop)
+                every = gather_over(rows, agree_over), gather_over(recv_grads, agree_over)  # once, for both uses
 
-            def from_this_exchange():
-                partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], agree_over))
-                return row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
+                def from_this_exchange():
+                    partial = all_to_all(slice_sq_sums(g, *every, rows.shape[0], agree_over))
+                    return row_totals(g, jnp.where(where[2], partial[b.slot_owner, where[1]], 0.0))
 
-            these_totals = if_overflow(over, lambda: totals, from_this_exchange)
-            row_mean_sq = gather_over(to_owners(g, capacity, these_totals, where), agree_over) / dim
-            return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
+                these_totals = (
+                    from_this_exchange() if before_loop else if_overflow(over, lambda: totals, from_this_exchange)
+                )
+                row_mean_sq = gather_over(to_owners(g, capacity, these_totals, where), agree_over) / dim
+                return optimizer.update(*state, *every, lr, row_mean_sq=row_mean_sq)
 
-        return in_rounds(g, b, capacity, over, one_round, (table_local, slots_local), agree)
+            return one_round
+
+        return in_rounds(g, b, capacity, over, round_(False), (table_local, slots_local), agree, trip=round_(True))
 
     return update
 
