@@ -69,7 +69,7 @@ CARDS = {
 
 def compile_one(config: str, variant: str, card: str, overrides: list[str], out: str) -> dict:
     """One config and variant compiled for ``card`` (in this process: its XLA flags are set)."""
-    import gpu_bench
+    import gpu_bench_cases as cases
     import jax
 
     from dlrm_jax.bench.exchange import compiled_train_step
@@ -82,12 +82,12 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     # The code asks the default backend which platform it runs on (the sparse update's form,
     # Pallas's interpreter): here that is the CPU, so it is told what a GPU machine would say.
     jax.default_backend = lambda: "gpu"
-    gpu_bench.EXTRA_OVERRIDES[:] = overrides + gpu_bench.VARIANTS[variant][1]  # (as a variant's child takes them)
-    cfg = gpu_bench.step_config(config)
+    cases.EXTRA_OVERRIDES[:] = overrides + cases.VARIANTS[variant][1]  # (as a variant's child takes them)
+    cfg = cases.step_config(config)
     source = make_source(cfg, 0, 1)
     _, fns = build(cfg, mesh, source, log=lambda *_: None)
     t0 = time.perf_counter()
-    compiled = compiled_train_step(fns, gpu_bench.variant_batch(variant, fns, source.train_batch(0)))
+    compiled = compiled_train_step(fns, cases.variant_batch(variant, fns, source.train_batch(0)))
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     prefix = "" if variant == "default" else f"{variant}-"
@@ -100,7 +100,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "config": config,
         "variant": variant,
         "card": CARDS[card]["name"],
-        "overrides": gpu_bench.COMMON + gpu_bench.CONFIGS[config][1] + gpu_bench.EXTRA_OVERRIDES,
+        "overrides": cases.COMMON + cases.CONFIGS[config][1] + cases.EXTRA_OVERRIDES,
         "compile_s": compile_s,
         "temp_bytes": int(mem.temp_size_in_bytes),
         "argument_bytes": int(mem.argument_size_in_bytes),
@@ -194,11 +194,11 @@ def _has_cuda_plugin() -> bool:
 
 
 def main() -> int:
-    import gpu_bench
+    import gpu_bench_cases as cases
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default="criteo_kaggle", help="of: " + ", ".join(gpu_bench.CONFIGS))
+    ap.add_argument("--configs", default="criteo_kaggle", help="of: " + ", ".join(cases.CONFIGS))
     ap.add_argument(
         "--variants",
         default="default",
@@ -220,13 +220,13 @@ def main() -> int:
     if not _has_cuda_plugin():
         ap.error(f"no CUDA plugin beside JAX in {sys.executable}: install one as this script's docstring says")
     try:
-        runs = gpu_bench.variant_runs(args.variants, args.configs)
+        runs = cases.variant_runs(args.variants, args.configs)
     except ValueError as e:
         ap.error(str(e))
     results = []
     for variant, configs in runs:
         # XLA reads its flags once a process: each variant in its own; autotuning needs a device
-        flags = " ".join(f for f in gpu_bench.VARIANTS[variant][0].split() if "autotune" not in f)
+        flags = " ".join(f for f in cases.VARIANTS[variant][0].split() if "autotune" not in f)
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
         for config in configs:
             cmd = [sys.executable, __file__, "--out", args.out, "--card", args.card, "--one", config, variant]
