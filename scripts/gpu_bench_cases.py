@@ -91,7 +91,8 @@ VARIANTS = {
     "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
     # Control flow on the device: XLA's GPU runtime reads a loop's predicate and a switch's
     # index on the host (a MemcpyD2H and a wait each time, the device idle meanwhile) unless
-    # the loop or switch is recorded into a command buffer (CUDA graph conditional nodes). The
+    # the loop or switch is recorded into a command buffer whole (CUDA graph conditional nodes:
+    # by default switches whose branches hold no loop or collective; loops never). The
     # dynamic tables' step has a switch, conditionals and while loops (issue 49's 1.3 ms idle
     # a step on one H200); run it as ``device_control:criteo_kaggle_dynamic``.
     "device_control": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", []),

@@ -73,7 +73,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     import jax
 
     from dlrm_jax.bench.exchange import compiled_train_step
-    from dlrm_jax.bench.hlo_kernels import program
+    from dlrm_jax.bench.hlo_kernels import command_buffer_types, program
     from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import AXIS
     from dlrm_jax.train.build import build
@@ -93,7 +93,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     prefix = "" if variant == "default" else f"{variant}-"
     with open(os.path.join(out, f"{prefix}{config}.gpu.hlo.txt"), "w") as f:
         f.write(text)
-    p = program(text)
+    p = program(text, command_buffer_types(os.environ.get("XLA_FLAGS", "")))  # (the variant's flags are set)
     mem = compiled.memory_analysis()
     bandwidth = CARDS[card]["bandwidth"]
     return {
@@ -108,6 +108,8 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         # a step's cheapest and dearest paths through its switches (a loop decided on the host: a round)
         "launches_per_step": list(p.launches),
         "host_reads": p.host_reads,
+        "host_reads_per_step": list(p.reads_per_step),  # cheapest and dearest paths (a loop: a round)
+        "decided_on_device": p.on_device,  # switches (and loops, with +WHILE) recorded into CUDA graphs whole
         "loops": [{"op": op, "trip_count": n} for op, n in p.loops],
         "loop_launches_per_step": p.loop_launches,
         "traffic_bytes": list(p.traffic),
@@ -171,7 +173,7 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         print(
             f"{r['variant']:<24}{r['config']:<22}{span(r['launches_per_step'], str):>10}"
-            f"{r['loop_launches_per_step']:>9}{len(r['host_reads']):>11}"
+            f"{r['loop_launches_per_step']:>9}{span(r['host_reads_per_step'], str):>11}"
             f"{span(r['traffic_bytes'], lambda b: f'{b / 1e6:,.0f}'):>14}"
             f"{span(r['traffic_ms_at_bandwidth'], lambda t: f'{t:.2f}'):>13}"
             f"{r['temp_bytes'] / 2**20:>11,.0f}{r['compile_s']:>10.1f}"
@@ -179,6 +181,7 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         loops = [f"{x['op']}[{x['trip_count'] or '?'}]" for x in r["loops"]]
         print(f"\n{r['variant']} {r['config']}: loops {loops or 'none'}; host reads {r['host_reads'] or 'none'}")
+        print(f"decided on the device (recorded into CUDA graphs whole): {r['decided_on_device'] or 'none'}")
         print(f"strided gathers {r['strided_gathers'] or 'none'}; largest kernels (MB a step):")
         for k in r["largest"][:10]:
             where = f" in {k['where']}" if k["where"] else ""

@@ -10,9 +10,14 @@ deviceless compilation for a named card); this module reads the program it gives
   need: a slice or a gather of it, that part; a result written in place, a scatter's or a
   dynamic update slice's, counts the updates, not the array; a custom call's operand aliased
   to its result is not counted at all, what it touches there not being in the HLO);
-- **host reads**: the loops whose trip count XLA does not know and the switches, each of which
-  XLA's GPU runtime decides on the host (it copies the predicate or index back and waits, the
-  device idle meanwhile) unless the loop or switch is recorded into a command buffer;
+- **host reads**: the loops whose trip count XLA does not know and the switches that XLA's GPU
+  runtime decides on the host (it copies the predicate or index back and waits, the device idle
+  meanwhile). It records runs of kernels into command buffers (CUDA graphs) at every level, a
+  loop's body and a switch's branches included, and records a switch or loop itself, decided
+  on the device (CUDA graphs' conditional nodes), where its kind is among the command buffer's
+  types (``--xla_gpu_enable_command_buffer``; by default switches, not loops) and everything
+  in it can be recorded too: no collective (not among the defaults) and no loop left to the
+  host. :func:`command_buffer_types` reads the types from XLA's flags;
 - **loops**: each ``while`` with its known trip count, if any;
 - **strided gathers**: gathers whose slices are columns of a row-major array (a value read per
   memory sector: criteo_kaggle's interaction pairs took 0.166 ms on an H200 for 0.15 GB).
@@ -37,6 +42,15 @@ _FREE = {
     "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain", "copy-done",
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "send-done", "recv-done",
 }  # fmt: skip
+# What XLA's GPU runtime records into command buffers by default (jaxlib 0.10.2's XLA, read from
+# its compile options' debug options): no WHILE, no COLLECTIVES.
+DEFAULT_COMMAND_BUFFER = frozenset(
+    {"FUSION", "CUBLAS", "CUBLASLT", "CUDNN", "CUSTOM_CALL", "DYNAMIC_SLICE_FUSION", "CONDITIONAL"}
+)
+_COLLECTIVE = re.compile(
+    r"^(all-to-all|ragged-all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute|collective-broadcast"
+    r"|send|recv|infeed|outfeed)(-start)?$"
+)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -120,10 +134,23 @@ class Kernel:
     op_name: str
 
 
+def command_buffer_types(xla_flags: str = "") -> frozenset[str]:
+    """The command buffer's types after ``xla_flags`` (``--xla_gpu_enable_command_buffer=``:
+    a list replaces the defaults, ``+X``/``-X`` items add or take away)."""
+    types = set(DEFAULT_COMMAND_BUFFER)
+    for value in re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", xla_flags):
+        items = [i for i in value.split(",") if i]
+        if items and not all(i[0] in "+-" for i in items):
+            types = set()
+        for item in items:
+            (types.discard if item.startswith("-") else types.add)(item.lstrip("+-").upper())
+    return frozenset(types)
+
+
 @dataclass
 class Program:
     kernels: list[Kernel]
-    host_reads: list[str]  # each loop of unknown trip count and each switch, by op name
+    host_reads: list[str]  # each loop of unknown trip count and each switch decided on the host, by op name
     loops: list[tuple[str, int | None]]  # (op name, known trip count or None)
     # a step's launches and bytes on its cheapest and its dearest path through the switches
     # (a loop of unknown trip count counted once: a round)
@@ -132,6 +159,11 @@ class Program:
     # gathers that read across an array's rows: each slice a column (1 element of the minor
     # dimension, many of the others), so neighbouring threads read a value per memory sector
     strided_gathers: list[str] = field(default_factory=list)
+    # switches and loops recorded into command buffers whole: decided on the device, no read
+    on_device: list[str] = field(default_factory=list)
+    # host reads a step on the cheapest and the dearest path (a loop of unknown trip count that
+    # the host decides: none of its rounds on the cheapest, one on the dearest)
+    reads_per_step: tuple[int, int] = (0, 0)
 
     def largest(self, n: int = 15) -> list[Kernel]:
         return sorted(self.kernels, key=lambda k: -k.bytes * k.runs)[:n]
@@ -139,9 +171,10 @@ class Program:
     @property
     def loop_launches(self) -> int:
         """Launches a step of kernels inside loops (an unknown trip count: one round), known
-        trip count or not: a GPU runs a loop's body kernel by kernel, launched from the host,
-        outside the command buffers that take the rest (a binary search's loop of 21 rounds
-        was 44 of criteo_kaggle's 191 kernels a step, and its carry's copies 43 more)."""
+        trip count or not: unless the loop is recorded whole, the host drives every round of
+        it, launching its body's command buffers and whatever is not in one (a binary search's
+        loop of 21 rounds was 44 of criteo_kaggle's 191 kernels a step, and its carry's copies
+        43 more)."""
         return sum(k.runs for k in self.kernels if "[" in k.where)
 
 
@@ -219,19 +252,30 @@ def _call_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[s
     return kept + inst.bytes - sum(operands[i] for i in aliased if i < len(operands))
 
 
-def program(text: str) -> Program:
-    """The kernels, host reads and loops of an optimized HLO module (see the module docstring)."""
+def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Program:
+    """The kernels, host reads and loops of an optimized HLO module (see the module docstring);
+    ``graphs``: the command buffer's types (:func:`command_buffer_types`)."""
     comps, entry = parse(text)
-    kernels, host_reads, loops = [], [], []
+    kernels, host_reads, loops, on_device = [], [], [], []
+    recordable = {}
 
-    def walk(name: str, runs: int, where: str) -> tuple[int, int, int, int]:
-        """Launches and bytes of one run of computation ``name`` (least, most): kernels noted."""
+    def whole(name: str) -> bool:
+        """Whether everything computation ``name`` runs can be recorded into a command buffer."""
+        if name not in recordable:
+            recordable[name] = False  # (no cycles in HLO; this only guards the walk)
+            comp = comps.get(name)
+            recordable[name] = comp is not None and all(_recorded(i, graphs, whole) for i in comp.instructions.values())
+        return recordable[name]
+
+    def walk(name: str, runs: int, where: str) -> tuple[int, ...]:
+        """Launches, bytes and host reads of one run of computation ``name`` (each least, most):
+        kernels noted."""
         comp = comps[name]
         shapes = {i.name: i.shape for i in comp.instructions.values()}
-        total = [0, 0, 0, 0]  # launches least, most; bytes least, most
+        total = [0] * 6  # launches least, most; bytes least, most; host reads least, most
 
         def add(part, times=1):
-            for i in range(4):
+            for i in range(6):
                 total[i] += part[i] * times
 
         for inst in comp.instructions.values():
@@ -239,39 +283,61 @@ def program(text: str) -> Program:
                 m = _TRIP.search(inst.attrs)
                 trip = int(m.group(1)) if m else None
                 loops.append((inst.op_name, trip))
-                if trip is None:
+                decided = _recorded(inst, graphs, whole)
+                if decided:
+                    on_device.append(f"loop {inst.op_name}")
+                elif trip is None:
                     host_reads.append(f"loop {inst.op_name}")
                 label = f"{where}/{inst.name}[{trip if trip is not None else '?'}]"
                 # (a condition decided on the host still computes its predicate in a kernel)
                 for body in inst.called("body") + ([] if trip else inst.called("condition")):
-                    add(walk(body, runs * (trip or 1), label), trip or 1)
+                    part = walk(body, runs * (trip or 1), label)
+                    if trip is None and not decided:  # no round (the predicate read once), or one (twice)
+                        part = (*part[:4], 0, part[5])
+                    add(part, trip or 1)
+                if trip is None and not decided:
+                    add((0, 0, 0, 0, 1, 2))
             elif inst.opcode == "conditional":
-                host_reads.append(f"switch {inst.op_name}")
+                read = 0 if _recorded(inst, graphs, whole) else 1
+                (host_reads if read else on_device).append(f"switch {inst.op_name}")
                 names = inst.called("branch_computations") or inst.called("true_computation") + inst.called(
                     "false_computation"
                 )
                 parts = [walk(b, runs, f"{where}/branch{i}") for i, b in enumerate(names)]
                 if parts:
-                    add(
-                        (
-                            min(p[0] for p in parts),
-                            max(p[1] for p in parts),
-                            min(p[2] for p in parts),
-                            max(p[3] for p in parts),
-                        )
-                    )
+                    add(tuple((min, max)[i % 2](p[i] for p in parts) for i in range(6)))
+                add((0, 0, 0, 0, read, read))
             elif inst.opcode == "call":
                 for callee in inst.called("to_apply"):
                     add(walk(callee, runs, where))
             elif inst.opcode not in _FREE and not inst.opcode.endswith("-done"):
                 moved = (_fusion_bytes if inst.opcode == "fusion" else _call_bytes)(inst, comps, shapes)
                 kernels.append(Kernel(inst.name, inst.opcode, moved, runs, where, inst.op_name))
-                add((1, 1, moved, moved))
+                add((1, 1, moved, moved, 0, 0))
         return tuple(total)
 
-    launches_least, launches_most, least, most = walk(entry, 1, "")
+    launches_least, launches_most, least, most, reads_least, reads_most = walk(entry, 1, "")
     strided = [i.op_name or i.name for c in comps.values() for i in c.instructions.values() if _reads_columns(i, c)]
-    return Program(kernels, host_reads, loops, (launches_least, launches_most), (least, most), strided)
+    launches, traffic, reads = (launches_least, launches_most), (least, most), (reads_least, reads_most)
+    return Program(kernels, host_reads, loops, launches, traffic, strided, on_device, reads)
+
+
+def _recorded(inst: Instruction, graphs: frozenset[str], whole) -> bool:
+    """Whether XLA records ``inst`` into a command buffer: a switch or loop whole only where its
+    kind is among ``graphs`` and ``whole`` says so of every computation it runs; a collective
+    where ``COLLECTIVES`` is; anything else (kernels, library calls, copies) always."""
+    if inst.opcode == "while":
+        return "WHILE" in graphs and all(whole(c) for c in inst.called("body") + inst.called("condition"))
+    if inst.opcode == "conditional":
+        names = inst.called("branch_computations") or inst.called("true_computation") + inst.called("false_computation")
+        return "CONDITIONAL" in graphs and all(whole(c) for c in names)
+    if inst.opcode == "call":
+        return all(whole(c) for c in inst.called("to_apply"))
+    if inst.opcode == "async-start":  # (what it starts is in the computation it calls)
+        return all(whole(c) for c in inst.called("calls"))
+    if _COLLECTIVE.match(inst.opcode):
+        return "COLLECTIVES" in graphs
+    return True
 
 
 _LAYOUT = re.compile(r"\[([\d,]*)\]\{([\d,]+)")

@@ -3,7 +3,7 @@
 
 from pathlib import Path
 
-from dlrm_jax.bench.hlo_kernels import parse, program, shape_bytes
+from dlrm_jax.bench.hlo_kernels import DEFAULT_COMMAND_BUFFER, command_buffer_types, parse, program, shape_bytes
 
 SAMPLE = Path(__file__).parent.parent / "golden" / "hlo" / "gpu_program.hlo.txt"
 TABLE = (1 << 20) * 8 * 4  # the sample's table: 1M rows of 8 floats
@@ -20,10 +20,86 @@ def test_shape_bytes_counts_every_element_of_arrays_and_tuples():
     assert shape_bytes("s32[]") == 4
 
 
-def test_the_loop_of_unknown_trip_count_and_the_switch_are_read_on_the_host():
+def test_the_loop_of_unknown_trip_count_is_read_on_the_host_and_the_switch_of_kernels_is_not():
+    """By XLA's defaults a switch whose branches hold only kernels is recorded into a command
+    buffer whole (decided on the device); a loop is not. With no command buffers both are read."""
     p = _program()
-    assert p.host_reads == ["loop jit(f)/while", "switch jit(f)/cond"]
+    assert p.host_reads == ["loop jit(f)/while"] and p.reads_per_step == (1, 2)
+    assert p.on_device == ["switch jit(f)/cond"]
     assert sorted(p.loops, key=str) == [("jit(f)/while", 3), ("jit(f)/while", None)]
+    bare = program(SAMPLE.read_text(), frozenset())
+    assert bare.host_reads == ["loop jit(f)/while", "switch jit(f)/cond"] and not bare.on_device
+    assert bare.reads_per_step == (2, 3)
+    with_loops = program(SAMPLE.read_text(), command_buffer_types("--xla_gpu_enable_command_buffer=+WHILE"))
+    assert not with_loops.host_reads and len(with_loops.on_device) == 3  # both loops and the switch
+
+
+SWITCHES = """HloModule m
+
+%gather_branch (p: (f32[64])) -> (f32[64]) {
+  %p = (f32[64]{0}) parameter(0)
+  %x = f32[64]{0} get-tuple-element(%p), index=0
+  %a = f32[64]{0} all-to-all(%x), dimensions={0}, metadata={op_name="jit(f)/cond/branch_1_fun/all_to_all"}
+  ROOT %t = (f32[64]{0}) tuple(%a)
+}
+
+%keep_branch (p: (f32[64])) -> (f32[64]) {
+  ROOT %p = (f32[64]{0}) parameter(0)
+}
+
+%body (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one), metadata={op_name="jit(g)/while/body/add"}
+  ROOT %t = (s32[]) tuple(%n)
+}
+
+%cond (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %k = s32[] constant(10)
+  ROOT %lt = pred[] compare(%i, %k), direction=LT
+}
+
+%keep_count (p: (s32[])) -> (s32[]) {
+  ROOT %p = (s32[]) parameter(0)
+}
+
+%loop_branch (p: (s32[])) -> (s32[]) {
+  %p = (s32[]) parameter(0)
+  ROOT %w = (s32[]) while(%p), condition=%cond, body=%body, metadata={op_name="jit(g)/cond/while"}
+}
+
+ENTRY %main (b: pred[], x: f32[64], c: pred[], i: s32[]) -> ((f32[64]), (s32[])) {
+  %b = pred[] parameter(0)
+  %x = f32[64]{0} parameter(1)
+  %c = pred[] parameter(2)
+  %i = s32[] parameter(3)
+  %tx = (f32[64]{0}) tuple(%x)
+  %ti = (s32[]) tuple(%i)
+  %s1 = (f32[64]{0}) conditional(%b, %tx, %tx), true_computation=%gather_branch, false_computation=%keep_branch, metadata={op_name="jit(f)/cond"}
+  %s2 = (s32[]) conditional(%c, %ti, %ti), true_computation=%loop_branch, false_computation=%keep_count, metadata={op_name="jit(g)/cond"}
+  ROOT %r = ((f32[64]{0}), (s32[])) tuple(%s1, %s2)
+}
+"""
+
+
+def test_a_switch_holding_a_collective_or_a_loop_is_read_on_the_host():
+    """XLA records a switch whole only where everything in its branches can be recorded: a
+    collective (not among the command buffer's default types) or a loop (idem) keeps it, and
+    the loop, on the host; with those types added both are decided on the device."""
+    p = program(SWITCHES)
+    assert p.host_reads == ["switch jit(f)/cond", "switch jit(g)/cond", "loop jit(g)/cond/while"]
+    assert not p.on_device
+    # both switches; the loop's predicate only in the branch that holds it, twice for a round
+    assert p.reads_per_step == (2, 4)
+    flags = "--xla_gpu_enable_command_buffer=+COLLECTIVES,+WHILE"
+    assert command_buffer_types(flags) == DEFAULT_COMMAND_BUFFER | {"COLLECTIVES", "WHILE"}
+    p = program(SWITCHES, command_buffer_types(flags))
+    assert not p.host_reads and len(p.on_device) == 3 and p.reads_per_step == (0, 0)
+    assert command_buffer_types("--xla_gpu_enable_command_buffer=FUSION,+WHILE") == {"FUSION", "WHILE"}
+    assert "CONDITIONAL" not in command_buffer_types("--xla_gpu_enable_command_buffer=-CONDITIONAL")
 
 
 def test_a_known_loops_kernels_run_its_trip_count_and_an_unknown_ones_once_a_round():
@@ -33,7 +109,7 @@ def test_a_known_loops_kernels_run_its_trip_count_and_an_unknown_ones_once_a_rou
     assert known and all(k.runs == 3 for k in known)
     # the body and the condition's predicate: each a kernel a round
     assert len(unknown) >= 2 and all(k.runs == 1 for k in unknown)
-    # what a GPU launches from the host, kernel by kernel: every round of each loop
+    # what the host drives round by round on a GPU: every round of each loop
     assert p.loop_launches == 3 * len(known) + len(unknown) > 0
     assert p.loop_launches < p.launches[0]
 

@@ -107,8 +107,8 @@ def test_fewer_programs_taking_rows_in_rounds_give_the_same_bits(monkeypatch, na
 def test_kernels_lower_to_triton_for_a_gpu(name, programs):
     """The kernels as a GPU build would compile them: lowered for CUDA (on this CPU machine) to
     two Triton kernels, with rows of 128 floats and bf16 tables (what the interpreter cannot
-    check: Triton's own rules on shapes, loads and loops), and no loop around them: XLA runs a
-    loop's body kernel by kernel on GPUs (a binary search as a loop of 21 rounds was 87 of
+    check: Triton's own rules on shapes, loads and loops), and no loop around them: the host
+    drives a loop on GPUs round by round (a binary search as a loop of 21 rounds was 87 of
     criteo_kaggle's 191 kernels a step, two and a copy a round)."""
     opt = OPTIMIZERS[name]
 

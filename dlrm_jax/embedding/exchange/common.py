@@ -107,11 +107,11 @@ def in_rounds(
 
     On GPUs (``first_trip``) that one trip runs before the loop, outside it, with all the
     requests where nothing overflowed (the common case: the loop then runs no round) and none
-    after an overflow (the loop's rounds send them all): there a loop's body runs kernel by
-    kernel, launched from the host, and its predicate is read on the host each round, so the
-    whole update of a row-wise table ran so every step (compiled for one H200, criteo_kaggle's
-    row-wise tables: its 35 kernels in the loop, and 6 host reads a step where nothing
-    overflowed, 3 with the trip before the loop).
+    after an overflow (the loop's rounds send them all): there the host drives a loop round by
+    round (its body's kernels launched as command buffers, its collectives one by one) and
+    reads its predicate each round, so the whole update of a row-wise table ran so every step
+    (compiled for one H200, criteo_kaggle's row-wise tables: its 35 kernels in the loop, and 6
+    host reads a step where nothing overflowed, 2 now; see ``bench.hlo_kernels``).
     On CPUs the loop takes every trip (the trip outside it cost 2-6% of a row-wise step on 8
     simulated devices). Callers that run only after an overflow pass ``first_trip=False``.
     ``trip``: ``one_round`` for that trip before the loop where it can do with less (it sends
