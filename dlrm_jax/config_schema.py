@@ -529,10 +529,11 @@ class DynamicConfig:
         | doc(
             "how the step takes work whose size the batch decides: `branches` (a switch among sizes of the "
             "batch's distinct ids, loops that end when done: the least work, but XLA's GPU runtime reads each "
-            "switch index and loop predicate on the host unless `--xla_gpu_enable_command_buffer` holds "
-            "`WHILE,CONDITIONAL`), `one_path` (every id, no switch or conditional, the distinct ids found by "
-            "sorting: the placement's rounds the one loop), `prefixes` (the switch among sizes alone: one "
-            "index read on the host, the work of the branches), or `auto`: branches on "
+            "loop predicate, and the index of each switch holding a loop, on the host unless "
+            "`--xla_gpu_enable_command_buffer` holds `WHILE`), `one_path` (every id, no switch or conditional, "
+            "the distinct ids found by sorting: the placement's rounds the one loop), `prefixes` (the switch "
+            "among sizes alone: one index read on the host, none with `WHILE`, the work of the branches), or "
+            "`auto`: branches on "
             "CPUs, one path on GPUs. The same results every way"
         ),
     )
