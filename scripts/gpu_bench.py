@@ -115,12 +115,16 @@ def main() -> int:
     if args.only == "child":  # one process per measurement: each GPU process takes most of the memory
         import jax
 
+        from dlrm_jax.bench.xla_options import command_buffer_types_installed
+
         result = {
             "machine": {
                 "device_kind": jax.devices()[0].device_kind,
                 "backend": jax.default_backend(),
                 "jax": jax.__version__,
                 "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                # what its XLA records into CUDA graphs (bench.hlo_kernels' model of host reads)
+                "command_buffer_types": sorted(command_buffer_types_installed() or []),
             }
         }
         if args.ceilings:

@@ -74,6 +74,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
 
     from dlrm_jax.bench.exchange import compiled_train_step
     from dlrm_jax.bench.hlo_kernels import command_buffer_types, program
+    from dlrm_jax.bench.xla_options import command_buffer_types_installed
     from dlrm_jax.data.sources import make_source
     from dlrm_jax.parallel.mesh import AXIS
     from dlrm_jax.train.build import build
@@ -93,7 +94,9 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
     prefix = "" if variant == "default" else f"{variant}-"
     with open(os.path.join(out, f"{prefix}{config}.gpu.hlo.txt"), "w") as f:
         f.write(text)
-    p = program(text, command_buffer_types(os.environ.get("XLA_FLAGS", "")))  # (the variant's flags are set)
+    # what this XLA records into command buffers, the variant's flags applied
+    graphs = command_buffer_types_installed() or command_buffer_types(os.environ.get("XLA_FLAGS", ""))
+    p = program(text, graphs)
     mem = compiled.memory_analysis()
     bandwidth = CARDS[card]["bandwidth"]
     return {
@@ -107,6 +110,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "kernels": len(p.kernels),
         # a step's cheapest and dearest paths through its switches (a loop decided on the host: a round)
         "launches_per_step": list(p.launches),
+        "command_buffer_types": sorted(graphs),
         "host_reads": p.host_reads,
         "host_reads_per_step": list(p.reads_per_step),  # cheapest and dearest paths (a loop: a round)
         "decided_on_device": p.on_device,  # switches (and loops, with +WHILE) recorded into CUDA graphs whole

@@ -42,8 +42,8 @@ _FREE = {
     "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier", "domain", "copy-done",
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done", "send-done", "recv-done",
 }  # fmt: skip
-# What XLA's GPU runtime records into command buffers by default (jaxlib 0.10.2's XLA, read from
-# its compile options' debug options): no WHILE, no COLLECTIVES.
+# What XLA's GPU runtime records into command buffers by default (jaxlib 0.10.2's XLA, as
+# ``bench.xla_options`` reads the installed one's): no WHILE, no COLLECTIVES.
 DEFAULT_COMMAND_BUFFER = frozenset(
     {"FUSION", "CUBLAS", "CUBLASLT", "CUDNN", "CUSTOM_CALL", "DYNAMIC_SLICE_FUSION", "CONDITIONAL"}
 )

@@ -201,3 +201,11 @@ ENTRY %main (a: bf16[65536,729], i: s32[351,1], t: f32[100000,128], j: s32[4096,
 """
     assert program(text).strided_gathers == ["columns"]
     assert _program().strided_gathers == []  # the sample's gather takes rows
+
+
+def test_the_installed_xlas_command_buffer_types_are_read_from_its_compile_options():
+    """``bench.xla_options`` reads the types the installed XLA compiles with (no flag sets them
+    in the tests): the defaults the model takes, switches among them, loops not."""
+    from dlrm_jax.bench.xla_options import command_buffer_types_installed
+
+    assert command_buffer_types_installed() == DEFAULT_COMMAND_BUFFER
