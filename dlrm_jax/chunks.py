@@ -11,9 +11,11 @@ they lie; its trip count follows the entries, not the arrays.
 fixed size, so the intermediate arrays hold one pass (a rare large batch needs no more scratch
 than the common ones).
 
-On GPUs the trade differs: XLA's GPU runtime reads every loop predicate and switch index on
-the host, a copy and a wait with the device idle (on one H200 the dynamic step was idle 1.3 ms
-of 7.1 for them), where on CPUs they cost nothing and the branches save work.
+On GPUs the trade differs: XLA's GPU runtime reads every loop predicate on the host, and the
+index of every switch holding a loop or a collective, a copy and a wait with the device idle
+(on one H200 the dynamic step was idle 1.3 ms of 7.1 for them), where on CPUs they cost
+nothing and the branches save work; a switch of kernels alone it records into the step's CUDA
+graph and decides on the device (``bench.hlo_kernels``).
 :func:`by_platform` picks a program's form by the platform it is compiled for, and
 :func:`in_chunks_on_cpu` writes every entry at once elsewhere.
 """

@@ -530,9 +530,9 @@ class DynamicConfig:
             "how the step takes work whose size the batch decides: `branches` (a switch among sizes of the "
             "batch's distinct ids, loops that end when done: the least work, but XLA's GPU runtime reads each "
             "loop predicate, and the index of each switch holding a loop, on the host unless "
-            "`--xla_gpu_enable_command_buffer` holds `WHILE`), `one_path` (every id, no switch or conditional, "
-            "the distinct ids found by sorting: the placement's rounds the one loop), `prefixes` (the switch "
-            "among sizes alone: one index read on the host, none with `WHILE`, the work of the branches), or "
+            "`--xla_gpu_enable_command_buffer` holds `WHILE`), `one_path` (every id, no loop: the distinct ids "
+            "found by sorting, the placement's rounds after the first as switches, which XLA decides on the "
+            "GPU), `prefixes` (one path with the switch among sizes: the work of the branches, no loop), or "
             "`auto`: branches on "
             "CPUs, one path on GPUs. The same results every way"
         ),

@@ -100,13 +100,6 @@ VARIANTS = {
     # else of the branches: one index read on the host a step for work that follows the
     # distinct ids rather than all N.
     "prefixes": ("", ["embedding.dynamic.control_flow=prefixes"]),
-    # The same with its loops recorded into CUDA graphs (switches are by default): the switch
-    # then holds nothing the host must decide, so the step reads nothing on the host, for
-    # prefix-sized work (``bench.hlo_kernels``: 2-3 host reads a step without).
-    "prefixes_device_control": (
-        "--xla_gpu_enable_command_buffer=+WHILE",
-        ["embedding.dynamic.control_flow=prefixes"],
-    ),
     # The CPUs' form of the dynamic step on a GPU: its switch among prefix sizes, the sketches'
     # halving in a conditional, loops that end when their work does.
     "branches": ("", ["embedding.dynamic.control_flow=branches"]),

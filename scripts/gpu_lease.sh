@@ -12,8 +12,8 @@
 #                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
 #                            # fused_again (two processes' bits)
 #   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path) beside the vocabulary step, its
-#                            # switch among prefix sizes alone, that with its loops in CUDA graphs,
-#                            # and the branches with loops and switches in CUDA graphs
+#                            # switch among prefix sizes alone, and the branches with loops and
+#                            # switches in CUDA graphs
 #   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, pageable buffers against the
 #                            # default's pinned ones, 2 readers, reader processes, a GIL
 #                            # switch interval of 0.25 ms
@@ -54,7 +54,7 @@ case $call in
        --variants default,fused_programs,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again \
        --variant-configs mlperf_dcnv2_capped,criteo_kaggle --train-configs "" --steps 20 ;;
 2) bench configs --only configs --configs criteo_kaggle,criteo_kaggle_dynamic \
-       --variants default,prefixes:criteo_kaggle_dynamic,prefixes_device_control:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \
+       --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \
        --train-configs "" --steps 10 --determinism-steps 0 ;;
 3) bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable;data.readers=2;data.reader_processes=true;switch_interval_ms=0.25" \

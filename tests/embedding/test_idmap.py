@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, shard_of, split_ids
-from dlrm_jax.embedding.dynamic.resolve import resolve
+from dlrm_jax.embedding.dynamic.resolve import distinct_sizes, resolve
 from tests.embedding.dynamic_reference import DictMap
 from tests.helpers import examples
 
@@ -85,7 +85,6 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
     """4,096 ids a batch: after the dedup the map works on the least of 256, 1,024, 1,365, 2,048
     or all 4,096 places that holds the batch's distinct ids (resolve.distinct_sizes); each
     prefix gives what the model gives, evictions and admissions included."""
-    from dlrm_jax.embedding.dynamic.resolve import distinct_sizes
 
     assert distinct_sizes(4096) == [256, 1024, 1365, 2048, 4096]
     spec = MapSpec(64, 8, 4, "lru", admit=2, sketch_depth=2, sketch_width=32)
@@ -118,7 +117,12 @@ def test_the_gpus_straight_form_equals_the_model(control_flow):
         spec = spec._replace(control_flow=control_flow)
         straight = jax.jit(functools.partial(resolve, spec))
         text = straight.lower(init_map(spec), *as_arrays([1] * 4096), 0).as_text()
-        assert text.count("stablehlo.case") == (control_flow == "prefixes")  # the switch among sizes at most
+        assert "stablehlo.while" not in text  # no loop, whose predicate a GPU reads on the host
+        # the placement's rounds after its first, each a switch (in the one before); ``prefixes``:
+        # in each branch of the switch among sizes
+        rounds = spec.probes - 1
+        expected = 1 + len(distinct_sizes(4096)) * rounds if control_flow == "prefixes" else rounds
+        assert text.count("stablehlo.case") == expected
         rng = np.random.default_rng(distinct)
         pool = rng.choice(2**62, size=distinct, replace=False) + (1 << 40)
         model, m = DictMap(spec), init_map(spec)
@@ -131,11 +135,11 @@ def test_the_gpus_straight_form_equals_the_model(control_flow):
 def test_control_flow_picks_each_platforms_form():
     """``embedding.dynamic.control_flow``: the resolution as lowered for CPUs and for CUDA (no GPU
     needed to lower): ``auto`` takes the branches' loops (the dedup's rounds, the placement's,
-    the map written a chunk at a time, one of each per prefix size) on CPUs and one path's (the
-    placement's rounds only: its dedup sorts) on CUDA; ``branches`` and ``one_path`` take theirs
-    on both; ``prefixes`` keeps the switch among sizes (one ``stablehlo.case``, each branch with
-    its placement's rounds) and nothing else of the branches (no loop of chunks, no conditional
-    halving)."""
+    the map written a chunk at a time, one of each per prefix size) on CPUs and one path's on
+    CUDA (no loop: its dedup sorts, the placement's rounds after the first are switches, each in
+    the one before); ``branches`` and ``one_path`` take theirs on both; ``prefixes`` keeps the
+    switch among sizes (each branch with its placement's rounds as switches) and nothing else
+    of the branches (no loop of chunks, no conditional halving)."""
     whiles, cases = {}, {}
     for control_flow in ("auto", "branches", "prefixes", "one_path"):
         spec = MapSpec(
@@ -147,13 +151,13 @@ def test_control_flow_picks_each_platforms_form():
             text = jax.export.export(f, platforms=[platform])(*args).mlir_module()
             whiles[control_flow, platform] = text.count("stablehlo.while")
             cases[control_flow, platform] = text.count("stablehlo.case")
-    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"], whiles
-    assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"], whiles
-    assert whiles["one_path", "cuda"] == 1, whiles  # the placement's rounds alone
-    # (prefixes: neither the map's writes a chunk at a time nor the dedup's rounds)
-    assert whiles["branches", "cuda"] - 2 == whiles["prefixes", "cuda"] == whiles["prefixes", "cpu"], whiles
-    assert whiles["prefixes", "cuda"] > whiles["one_path", "cuda"], whiles  # a placement's rounds per size
-    assert cases["prefixes", "cuda"] == cases["prefixes", "cpu"] == cases["one_path", "cuda"] + 1, cases
+    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 0, whiles
+    assert whiles["prefixes", "cpu"] == whiles["prefixes", "cuda"] == 0, whiles
+    assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"] > 0, whiles
+    rounds = spec.probes - 1  # the placement's rounds after its first: a switch each
+    assert cases["one_path", "cpu"] == cases["one_path", "cuda"] == rounds, cases
+    sizes = len(distinct_sizes(4096))  # the switch among sizes, and in each branch the rounds
+    assert cases["prefixes", "cpu"] == cases["prefixes", "cuda"] == 1 + sizes * rounds, cases
 
 
 @pytest.mark.parametrize("control_flow", ["branches", "prefixes", "one_path"])

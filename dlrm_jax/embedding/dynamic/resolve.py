@@ -419,11 +419,19 @@ def _settled(
     if learn:  # (reading, no id asks for a slot)
         least = jnp.where(taken, _LAST, _LAST)  # (from ``taken``: inside shard_map it varies by device like it)
         carry = (0, jnp.any(pending), taken, jnp.where(pending, placed, placed), evicts, pending, least)
-        # Where the host decides the loop (GPUs) the first round runs before it, whether or not an
-        # id is pending (then it changes nothing): a training batch nearly always has new ids,
-        # and its first predicate, a copy to the host and a wait, is then not read.
-        carry = by_platform(lambda: carry, lambda: round_(carry), maps.control_flow)
-        _, _, taken, placed, evicts, pending, _ = lax.while_loop(lambda c: (c[0] < probes) & c[1], round_, carry)
+        more = lambda c: (c[0] < probes) & c[1]
+
+        def switches(c, left):  # the loop's rounds, each in a switch inside the one before
+            return c if left == 0 else lax.cond(more(c), lambda c: switches(round_(c), left - 1), lambda c: c, c)
+
+        # On GPUs the rounds are switches, not a loop: XLA's runtime reads a loop's predicate on
+        # the host each round (a copy and a wait, the device idle), where it records a switch of
+        # kernels into the step's CUDA graph and decides it on the device (``bench.hlo_kernels``).
+        # The first round runs before them, whether or not an id is pending (then it changes
+        # nothing): a training batch nearly always has new ids.
+        _, _, taken, placed, evicts, pending, _ = by_platform(
+            lambda: lax.while_loop(more, round_, carry), lambda: switches(round_(carry), probes - 1), maps.control_flow
+        )
     won = placed >= 0
     at = jnp.where(won, placed, rows_n)
     # (each winner's slot held before the batch, as its choice saw it: the map read again here
