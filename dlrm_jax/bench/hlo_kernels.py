@@ -284,26 +284,22 @@ def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Progr
                 trip = int(m.group(1)) if m else None
                 loops.append((inst.op_name, trip))
                 decided = _recorded(inst, graphs, whole)
+                host = trip is None and not decided  # its predicate read on the host each round
                 if decided:
                     on_device.append(f"loop {inst.op_name}")
-                elif trip is None:
+                elif host:
                     host_reads.append(f"loop {inst.op_name}")
                 label = f"{where}/{inst.name}[{trip if trip is not None else '?'}]"
                 # (a condition decided on the host still computes its predicate in a kernel)
                 for body in inst.called("body") + ([] if trip else inst.called("condition")):
                     part = walk(body, runs * (trip or 1), label)
-                    if trip is None and not decided:  # no round (the predicate read once), or one (twice)
-                        part = (*part[:4], 0, part[5])
-                    add(part, trip or 1)
-                if trip is None and not decided:
-                    add((0, 0, 0, 0, 1, 2))
+                    add((*part[:4], 0, part[5]) if host else part, trip or 1)  # no round, or one
+                if host:
+                    add((0, 0, 0, 0, 1, 2))  # the predicate read once with no round, twice with one
             elif inst.opcode == "conditional":
                 read = 0 if _recorded(inst, graphs, whole) else 1
                 (host_reads if read else on_device).append(f"switch {inst.op_name}")
-                names = inst.called("branch_computations") or inst.called("true_computation") + inst.called(
-                    "false_computation"
-                )
-                parts = [walk(b, runs, f"{where}/branch{i}") for i, b in enumerate(names)]
+                parts = [walk(b, runs, f"{where}/branch{i}") for i, b in enumerate(_branches(inst))]
                 if parts:
                     add(tuple((min, max)[i % 2](p[i] for p in parts) for i in range(6)))
                 add((0, 0, 0, 0, read, read))
@@ -322,6 +318,11 @@ def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Progr
     return Program(kernels, host_reads, loops, launches, traffic, strided, on_device, reads)
 
 
+def _branches(inst: Instruction) -> list[str]:
+    """A switch's branch computations (an index's list, or a predicate's true and false)."""
+    return inst.called("branch_computations") or inst.called("true_computation") + inst.called("false_computation")
+
+
 def _recorded(inst: Instruction, graphs: frozenset[str], whole) -> bool:
     """Whether XLA records ``inst`` into a command buffer: a switch or loop whole only where its
     kind is among ``graphs`` and ``whole`` says so of every computation it runs; a collective
@@ -329,8 +330,7 @@ def _recorded(inst: Instruction, graphs: frozenset[str], whole) -> bool:
     if inst.opcode == "while":
         return "WHILE" in graphs and all(whole(c) for c in inst.called("body") + inst.called("condition"))
     if inst.opcode == "conditional":
-        names = inst.called("branch_computations") or inst.called("true_computation") + inst.called("false_computation")
-        return "CONDITIONAL" in graphs and all(whole(c) for c in names)
+        return "CONDITIONAL" in graphs and all(whole(c) for c in _branches(inst))
     if inst.opcode == "call":
         return all(whole(c) for c in inst.called("to_apply"))
     if inst.opcode == "async-start":  # (what it starts is in the computation it calls)
