@@ -30,7 +30,10 @@ way, and with the row kernel's programs capped; XLA's two deterministic flags; t
 ``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
 
-Everything lands in DIR/gpu_bench.json; the tables are printed last.
+Everything lands in DIR/gpu_bench.json (``--json FILE``: there), written again after each part
+and each config, so a run cut short (a crash, the device tool's time limit) keeps what it had
+measured; a config that fails is noted as failed and the rest still run. The tables are
+printed last.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ DETERMINISM_STEPS = 20  # steps trained twice from the same seed, every bit comp
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--json", help="the report's file (default: OUT/gpu_bench.json), rewritten as results come")
     ap.add_argument(
         "--only", choices=["ceilings", "configs", "train", "feed", "child", "parity", "parity_child"], default=None
     )
@@ -129,11 +133,17 @@ def main() -> int:
         }
         if args.ceilings:
             result["ceilings"] = measure_ceilings()
-        result["runs"] = {
-            n: bench_config(n, args.steps, args.profile_dir, args.variant, args.determinism_steps) for n in names
-        }
-        with open(args.result_file, "w") as f:
-            json.dump(result, f)
+        result["runs"] = {}
+        for n in names:  # each config's result kept as it comes: a later one may crash the process
+            try:
+                r = result["runs"][n] = bench_config(
+                    n, args.steps, args.profile_dir, args.variant, args.determinism_steps
+                )
+                print(f"{n} [{args.variant}]: {r['step_ms_pipelined']:.2f} ms a step", flush=True)
+            except Exception as e:  # (out of memory, say: the next config may still fit)
+                result["runs"][n] = {"failed": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"{n} [{args.variant}] failed: {type(e).__name__}: {e}", flush=True)
+            write_json(args.result_file, result)
         return 0
 
     work = tempfile.mkdtemp(prefix="dlrm-gpu-bench-")
@@ -159,36 +169,50 @@ def main() -> int:
         cmd += ["--determinism-steps", str(args.determinism_steps)]
         cmd += ["--ceilings"] * ceilings + ["--profile-dir", args.out, "--variant", label]
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
-        if subprocess.run(cmd, env=env).returncode:
-            print(f"variant {label} failed; going on without it")
-            return {"runs": {}}
-        with open(result_file) as f:
-            result = json.load(f)
+        code = subprocess.run(cmd, env=env).returncode
+        try:  # what the process wrote before it ended, whether or not it ended well
+            with open(result_file) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            result = {"runs": {}}
+        if code:
+            done = [n for n, r in result["runs"].items() if "failed" not in r]
+            print(f"variant {label}: its process ended with {code} after {len(done)} configs ({', '.join(done)})")
         print_tables({"runs": {label: result["runs"]}})  # as it comes, in case a later variant fails
         return result
 
     report = {}
+    json_path = args.json or os.path.join(args.out, "gpu_bench.json")
+    save = lambda: write_json(json_path, report)  # after each part: a run cut short keeps the rest
     if args.only in (None, "parity"):
         report["parity"] = check_parity(work, 20)
         print(json.dumps(report["parity"]), flush=True)
+        save()
     if args.only in (None, "configs", "ceilings"):
         first = child("default", "" if args.only == "ceilings" else args.configs, ceilings=True)
-        report.update(machine=first["machine"], ceilings=first["ceilings"], runs={"default": first["runs"]})
+        report.update(machine=first.get("machine"), ceilings=first.get("ceilings"), runs={"default": first["runs"]})
+        save()
         if args.only != "ceilings":
             for label, configs in runs:
                 if label != "default":
                     report["runs"][label] = child(label, ",".join(configs), ceilings=False)["runs"]
                     report["runs"] = {k: v for k, v in report["runs"].items() if v}
+                    save()
     if args.only in (None, "configs", "train"):
         report["train"] = {}
         for n in (n for n in args.train_configs.split(",") if n):
             report["train"][n] = train_end_to_end(n, args.train_steps)
             print(json.dumps({n: report["train"][n]}), flush=True)
+            save()
     if args.only in (None, "feed"):
         variants = [tuple(o for o in v.split(",") if o) for v in args.feed_variants.split(";") if v]
         names = [n for n in args.feed_configs.split(",") if n]
-        report["feed"] = feed_cases(names, args.train_steps, work, variants, args.out)
-    runs = report.get("runs", {})
+        report["feed"] = {}
+        feed_cases(names, args.train_steps, work, variants, args.out, into=report["feed"], progress=save)
+    runs = {
+        label: {n: r for n, r in results.items() if "failed" not in r}
+        for label, results in report.get("runs", {}).items()
+    }
     for label, p in report.get("parity", {}).items():
         print(
             f"parity with CPU ({label}): max relative L2 error of any state leaf {p['max_leaf_rel_l2']:.2e} "
@@ -199,7 +223,7 @@ def main() -> int:
 
     for label, results in runs.items():
         for n, r in results.items():
-            if label != "default" and n in runs["default"]:
+            if label != "default" and n in runs.get("default", {}):
                 ratio = r["samples_per_s"] / runs["default"][n]["samples_per_s"]
                 print(f"{n} [{label}]: {ratio:.2f}x the default's samples/s, deterministic: {r['deterministic']}")
     for n, t in report.get("train", {}).items():
@@ -259,9 +283,15 @@ def main() -> int:
         for n, r in runs.get(again_label, {}).items():
             first = runs.get(first_label, {}).get(n, {}).get("determinism_digests", [None])[0]
             print(f"{n}: {first_label} gives the same bits in two processes: {r['determinism_digests'][0] == first}")
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     return 0
+
+
+def write_json(path: str, value) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (written beside it, then renamed)."""
+    with open(f"{path}.part", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(f"{path}.part", path)
 
 
 if __name__ == "__main__":

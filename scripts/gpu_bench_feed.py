@@ -134,18 +134,25 @@ FEED_ROWS = {"criteo_kaggle": 8_000_000, "mlperf_dcnv2_capped": 2_000_000}
 
 
 def feed_cases(
-    names: list[str], steps: int, work: str, variants: list[tuple[str, ...]] = (), keep: str | None = None
+    names: list[str],
+    steps: int,
+    work: str,
+    variants: list[tuple[str, ...]] = (),
+    keep: str | None = None,
+    into: dict | None = None,
+    progress=lambda: None,
 ) -> dict:
     """Each config trained end to end twice by ``dlrm-jax train``: on synthetic batches made on
     the device, and on a binary dataset of the same kind of rows written first
     (:func:`~dlrm_jax.data.preprocessing.synthetic_dataset.write_synthetic_dataset`) read
     through the input pipeline; the ratio is the feed's cost. ``variants``: overrides the
     binary run is repeated with (``data.readers`` counts, say), each reported beside it;
-    ``keep``: a folder for each run's Perfetto trace."""
+    ``keep``: a folder for each run's Perfetto trace; ``into``: the dict the results go into,
+    ``progress`` called after each run (the caller saves what has come)."""
     from dlrm_jax.config import load_config
     from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 
-    out = {}
+    out = {} if into is None else into
     for name in names:
         path, extra = CONFIGS[name]
         cfg = load_config(os.path.join(REPO, path), COMMON + extra + EXTRA_OVERRIDES)
@@ -156,19 +163,23 @@ def feed_cases(
         write_synthetic_dataset(cfg, data, train_rows=rows, val_rows=val_rows, overwrite=True)
         made_s = time.perf_counter() - t
         kept = lambda label, name=name: os.path.join(keep, f"trace-{name}-{label}.json.gz") if keep else None
-        synthetic = train_end_to_end(name, steps, keep_trace=kept("synthetic"))
-        binary = train_end_to_end(name, steps, data, keep_trace=kept("binary"))
-        out[name] = {"dataset_rows": rows, "dataset_write_s": made_s, "synthetic": synthetic, "binary": binary}
-        out[name]["input_alone"] = {"default": input_alone(name, data)}
-        if "failed" not in binary:
-            out[name]["eval_alone"] = eval_alone(binary["run_dir"])
-        for more in variants:
-            label = " ".join(more)
-            out[name][f"binary {label}"] = train_end_to_end(name, steps, data, more, kept(label.replace("=", "-")))
-            out[name]["input_alone"][" ".join(more)] = input_alone(name, data, more)
+        out[name] = case = {"dataset_rows": rows, "dataset_write_s": made_s}
+        case["synthetic"] = synthetic = train_end_to_end(name, steps, keep_trace=kept("synthetic"))
+        progress()
+        case["binary"] = binary = train_end_to_end(name, steps, data, keep_trace=kept("binary"))
         if "failed" not in synthetic and "failed" not in binary:
             ratio = binary["median_window_samples_per_s"] / synthetic["median_window_samples_per_s"]
-            out[name]["binary_over_synthetic"] = ratio
+            case["binary_over_synthetic"] = ratio
+        progress()
+        case["input_alone"] = {"default": input_alone(name, data)}
+        if "failed" not in binary:
+            case["eval_alone"] = eval_alone(binary["run_dir"])
+        progress()
+        for more in variants:
+            label = " ".join(more)
+            case[f"binary {label}"] = train_end_to_end(name, steps, data, more, kept(label.replace("=", "-")))
+            case["input_alone"][" ".join(more)] = input_alone(name, data, more)
+            progress()
         print(json.dumps({name: out[name]}), flush=True)
         shutil.rmtree(data, ignore_errors=True)
     return out

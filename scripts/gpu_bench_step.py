@@ -354,6 +354,9 @@ def print_tables(report: dict, log=print) -> None:
         )
     for mode, results in report.get("runs", {}).items():
         for name, r in results.items():
+            if "failed" in r:
+                log(f"\n== {name} [{mode}] failed: {r['failed']}")
+                continue
             log(f"\n== {name} [{mode}] batch {r['batch']}, {r['table_rows']:,} rows, compile {r['compile_s']:.1f} s")
             log(
                 f"step {r['step_ms_pipelined']:.2f} ms pipelined ({r['samples_per_s']:,.0f} samples/s), "

@@ -37,8 +37,10 @@ bench() {
     local run=$1 work=/tmp/gpu_lease_$call-$1
     shift
     mkdir -p "$work"
-    python scripts/gpu_bench.py --out "$work" "$@" "${extra[@]}" 2>&1 | tee -a "$out/call$call.log" || status=1
-    cp "$work/gpu_bench.json" "$out/call$call-$run.json" 2>/dev/null
+    # (the JSON written straight into $out, again after each config: a call cut short keeps it)
+    python scripts/gpu_bench.py --out "$work" --json "$out/call$call-$run.json" "$@" "${extra[@]}" 2>&1 \
+        | tee -a "$out/call$call.log" || status=1
+    rm -f "$out/call$call-$run.json.part"
     works+=("$work")
 }
 

@@ -463,6 +463,38 @@ def test_the_gpu_lease_calls_name_known_variants_and_configs():
         gpu_bench_cases.variant_runs("pairs_fused:criteo_kaggle:mlperf_v1_capped", "")
 
 
+def test_a_gpu_bench_process_keeps_each_configs_result_as_it_comes(tmp_path, monkeypatch):
+    """A lease's call cut short or a config that fails loses nothing measured before it: the
+    child process writes its result file after each config, a failing config is noted as
+    failed and the next still runs, and the files are written whole (renamed into place)."""
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_bench
+
+    seen = []
+
+    def bench_config(name, *args):
+        if seen:  # the earlier configs' results are on disk before the next starts
+            assert list(json.loads((tmp_path / "result.json").read_text())["runs"]) == seen
+        seen.append(name)
+        if name == "mlperf_v1_capped":
+            raise MemoryError("out of memory on the device")
+        return {"step_ms_pipelined": 1.0}
+
+    monkeypatch.setattr(gpu_bench, "bench_config", bench_config)
+    argv = ["gpu_bench.py", "--out", str(tmp_path), "--only", "child", "--result-file", str(tmp_path / "result.json")]
+    monkeypatch.setattr(sys, "argv", argv + ["--configs", "criteo_kaggle,mlperf_v1_capped,mlperf_dcnv2_capped"])
+    assert gpu_bench.main() == 0
+    runs = json.loads((tmp_path / "result.json").read_text())["runs"]
+    assert seen == ["criteo_kaggle", "mlperf_v1_capped", "mlperf_dcnv2_capped"]
+    assert runs["criteo_kaggle"] == runs["mlperf_dcnv2_capped"] == {"step_ms_pipelined": 1.0}
+    assert runs["mlperf_v1_capped"] == {"failed": "MemoryError: out of memory on the device"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
 def test_bench_eval_times_each_evaluation_of_a_runs_checkpoint(tmp_path, tiny):
     """``scripts/bench_eval.py``: a run's checkpoint evaluated ``--repeats`` times in one
     process, each evaluation's samples and time in its JSON, the same scores each time."""
