@@ -75,7 +75,14 @@ def train_end_to_end(
     last = next(e for e in reversed(events) if "run_samples_per_s" in e)
     host = {
         k: statistics.median(e[k] for e in inner if k in e)
-        for k in ("input_read_ms", "input_h2d_ms", "input_wait_ms", "dispatch_ms", "result_wait_ms")
+        for k in (
+            "input_read_ms",
+            "input_h2d_ms",
+            "input_wait_ms",
+            "dispatch_ms",
+            "result_read_cpu_ms",
+            "result_wait_ms",
+        )
         if any(k in e for e in inner)
     }
     return {

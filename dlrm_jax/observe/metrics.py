@@ -59,6 +59,7 @@ TIMING_FIELDS = (
     "samples_per_s",
     "dispatch_ms",
     "result_wait_ms",
+    "result_read_cpu_ms",
     "input_read_ms",
     "input_h2d_ms",
     "input_wait_ms",
