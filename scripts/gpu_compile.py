@@ -11,8 +11,9 @@ own) this builds the step as training builds it, compiles it for the card, keeps
 HLO (``DIR/<variant>-<config>.gpu.hlo.txt``) and prints what ``dlrm_jax.bench.hlo_kernels``
 reads there: kernels launched a step, the loops and switches decided on the host (each a copy
 to the host and a wait, the device idle), the bytes the kernels move (an estimate) and their
-time at the card's bandwidth, the step's scratch memory, gathers that read an array by
-columns, and the largest kernels. JSON in
+time at the card's bandwidth, the roofline time (each kernel's bytes at the card's measured
+copy rate or its matrix FLOPs at its measured matmul rate, the longer, summed), the step's
+scratch memory, gathers that read an array by columns, and the largest kernels. JSON in
 ``DIR/gpu_compile.json``. It times nothing: the GPU figures are ``gpu_bench.py``'s.
 
 Needs the CUDA plugin beside JAX (not the project's dependencies; about 4 GB), best in a
@@ -61,9 +62,15 @@ dnn_version_info {{ major: 9 minor: 8 }}
 runtime_version {{ major: 13 minor: 0 patch: 0 }}
 device_description_str: "{name}"
 """
+# ``copy`` and ``matmul``: the ceilings gpu_bench.py measured on each card (a device-to-device
+# copy's bytes read plus written a second, an 8192^3 bfloat16 matmul's FLOPs; docs/benchmarks-log.md,
+# "GPU: one H100", 2026-11-23: 2.66-2.81 TB/s, 633-707 TFLOP/s; "GPU: one H200", 2026-12-04:
+# 3.66-3.70 TB/s, 638-651 TFLOP/s): what a kernel's roofline time is priced at.
 CARDS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", bandwidth=3_352_320_000_000, memory=84_929_347_584),
-    "h200": dict(name="NVIDIA H200", bandwidth=4_800_000_000_000, memory=150_754_820_096),
+    "h100": dict(
+        name="NVIDIA H100 80GB HBM3", bandwidth=3_352_320_000_000, memory=84_929_347_584, copy=2.74e12, matmul=670e12
+    ),
+    "h200": dict(name="NVIDIA H200", bandwidth=4_800_000_000_000, memory=150_754_820_096, copy=3.68e12, matmul=645e12),
 }
 
 
@@ -96,7 +103,7 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         f.write(text)
     # what this XLA records into command buffers, the variant's flags applied
     graphs = command_buffer_types_installed() or command_buffer_types(os.environ.get("XLA_FLAGS", ""))
-    p = program(text, graphs)
+    p = program(text, graphs, bandwidth=CARDS[card]["copy"], flop_rate=CARDS[card]["matmul"])
     mem = compiled.memory_analysis()
     bandwidth = CARDS[card]["bandwidth"]
     return {
@@ -118,6 +125,10 @@ def compile_one(config: str, variant: str, card: str, overrides: list[str], out:
         "loop_launches_per_step": p.loop_launches,
         "traffic_bytes": list(p.traffic),
         "traffic_ms_at_bandwidth": [1e3 * b / bandwidth for b in p.traffic],
+        "matmul_flops": list(p.flops),
+        # each kernel's bytes at the card's measured copy rate or its FLOPs at its matmul rate,
+        # the longer, summed: the step with no launch gap and every kernel at the ceiling
+        "roofline_ms": [1e3 * t for t in p.roofline_s],
         "strided_gathers": p.strided_gathers,
         "largest": [
             {"name": k.name, "opcode": k.opcode, "bytes": k.bytes, "runs": k.runs, "where": k.where, "op": k.op_name}
@@ -171,7 +182,7 @@ def write_sample(path: str) -> None:
 def print_table(results: list[dict]) -> None:
     print(
         f"{'variant':<24}{'config':<22}{'launches':>10}{'in loops':>9}{'host reads':>11}{'traffic MB':>14}"
-        f"{'ms at bw':>13}{'scratch MB':>11}{'compile s':>10}"
+        f"{'ms at bw':>13}{'roofline ms':>13}{'scratch MB':>11}{'compile s':>10}"
     )
     span = lambda pair, f: f(pair[0]) if pair[0] == pair[1] else f"{f(pair[0])}-{f(pair[1])}"
     for r in results:
@@ -180,6 +191,7 @@ def print_table(results: list[dict]) -> None:
             f"{r['loop_launches_per_step']:>9}{span(r['host_reads_per_step'], str):>11}"
             f"{span(r['traffic_bytes'], lambda b: f'{b / 1e6:,.0f}'):>14}"
             f"{span(r['traffic_ms_at_bandwidth'], lambda t: f'{t:.2f}'):>13}"
+            f"{span(r['roofline_ms'], lambda t: f'{t:.2f}'):>13}"
             f"{r['temp_bytes'] / 2**20:>11,.0f}{r['compile_s']:>10.1f}"
         )
     for r in results:

@@ -22,9 +22,15 @@ deviceless compilation for a named card); this module reads the program it gives
 - **strided gathers**: gathers whose slices are columns of a row-major array (a value read per
   memory sector: criteo_kaggle's interaction pairs took 0.166 ms on an H200 for 0.15 GB).
 
+Each kernel's FLOPs are its matrix products' (a ``dot`` in a fusion or a library GEMM: twice
+its result's elements times its contracted size). Given a card's bandwidth and matmul rate,
+:func:`program` also sums each kernel's roofline time, the longer of its bytes at the bandwidth
+and its FLOPs at the rate: a floor for the step that knows its GEMMs, with no launch or idle
+time in it.
+
 The byte estimates are an upper bound on a kernel's traffic where caches serve repeats and a
-lower bound where atomics contend; they rank kernels and compare forms of one step, they do not
-time it.
+lower bound where atomics contend; they rank kernels and compare forms of one step, and the
+roofline time bounds a step from below; neither times it.
 """
 
 from __future__ import annotations
@@ -132,6 +138,7 @@ class Kernel:
     runs: int  # launches a step (a loop's body: its trip count; unknown: 1 a round)
     where: str  # the loops (name[trip count]) and branches around it, outermost first ("" at the top)
     op_name: str
+    flops: int = 0  # its matrix products' multiply-adds, twice
 
 
 def command_buffer_types(xla_flags: str = "") -> frozenset[str]:
@@ -164,6 +171,10 @@ class Program:
     # host reads a step on the cheapest and the dearest path (a loop of unknown trip count that
     # the host decides: none of its rounds on the cheapest, one on the dearest)
     reads_per_step: tuple[int, int] = (0, 0)
+    # matrix FLOPs a step, and the kernels' roofline seconds (given a bandwidth and a rate),
+    # on the cheapest and the dearest path
+    flops: tuple[int, int] = (0, 0)
+    roofline_s: tuple[float, float] = (0.0, 0.0)
 
     def largest(self, n: int = 15) -> list[Kernel]:
         return sorted(self.kernels, key=lambda k: -k.bytes * k.runs)[:n]
@@ -252,9 +263,54 @@ def _call_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[s
     return kept + inst.bytes - sum(operands[i] for i in aliased if i < len(operands))
 
 
-def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Program:
+def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
+    """A ``dot``'s FLOPs: twice its result's elements times the product of the left operand's
+    contracted dimensions."""
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+    lhs = _ARRAY.search(shapes.get(inst.operands[0], "")) if inst.operands else None
+    if m is None or lhs is None:
+        return 0
+    dims = [int(d) for d in lhs.group(2).split(",") if d]
+    contracted = int(np.prod([dims[int(i)] for i in m.group(1).split(",") if i]))
+    return 2 * _elements(inst.shape) * contracted
+
+
+def _gemm_flops(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:
+    """A kernel's matrix FLOPs: its fused computations' dots (nested fusions included), or a
+    library GEMM's (a custom call whose backend config names the contracted dimensions; its
+    first result is the product)."""
+    if inst.opcode == "custom-call":
+        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)
+        lhs = _ARRAY.search(shapes.get(inst.operands[0], "")) if inst.operands and m else None
+        out = _ARRAY.search(inst.shape)
+        if lhs is None or out is None:
+            return 0
+        dims = [int(d) for d in lhs.group(2).split(",") if d]
+        contracted = int(np.prod([dims[int(i)] for i in re.findall(r"\d+", m.group(1))]))
+        return 2 * _count(out.group(2)) * contracted
+    total = 0
+    for name in inst.called("calls"):
+        body = comps.get(name)
+        if body is None:
+            continue
+        inner = {i.name: i.shape for i in body.instructions.values()}
+        for i in body.instructions.values():
+            if i.opcode == "dot":
+                total += _dot_flops(i, inner)
+            elif i.opcode == "fusion":
+                total += _gemm_flops(i, comps, inner)
+    return total
+
+
+def program(
+    text: str,
+    graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER,
+    bandwidth: float | None = None,
+    flop_rate: float | None = None,
+) -> Program:
     """The kernels, host reads and loops of an optimized HLO module (see the module docstring);
-    ``graphs``: the command buffer's types (:func:`command_buffer_types`)."""
+    ``graphs``: the command buffer's types (:func:`command_buffer_types`); ``bandwidth``
+    (bytes/s) and ``flop_rate`` (FLOP/s), a card's: the kernels' roofline time summed."""
     comps, entry = parse(text)
     kernels, host_reads, loops, on_device = [], [], [], []
     recordable = {}
@@ -272,10 +328,12 @@ def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Progr
         kernels noted."""
         comp = comps[name]
         shapes = {i.name: i.shape for i in comp.instructions.values()}
-        total = [0] * 6  # launches least, most; bytes least, most; host reads least, most
+        # launches least, most; bytes least, most; host reads least, most; FLOPs least, most;
+        # roofline seconds least, most
+        total = [0] * 10
 
         def add(part, times=1):
-            for i in range(6):
+            for i in range(10):
                 total[i] += part[i] * times
 
         for inst in comp.instructions.values():
@@ -293,29 +351,32 @@ def program(text: str, graphs: frozenset[str] = DEFAULT_COMMAND_BUFFER) -> Progr
                 # (a condition decided on the host still computes its predicate in a kernel)
                 for body in inst.called("body") + ([] if trip else inst.called("condition")):
                     part = walk(body, runs * (trip or 1), label)
-                    add((*part[:4], 0, part[5]) if host else part, trip or 1)  # no round, or one
+                    # (its reads: none with no round on the cheapest path, a round's on the dearest)
+                    add((*part[:4], 0, *part[5:]) if host else part, trip or 1)
                 if host:
-                    add((0, 0, 0, 0, 1, 2))  # the predicate read once with no round, twice with one
+                    add((0, 0, 0, 0, 1, 2, 0, 0, 0, 0))  # the predicate read once with no round, twice with one
             elif inst.opcode == "conditional":
                 read = 0 if _recorded(inst, graphs, whole) else 1
                 (host_reads if read else on_device).append(f"switch {inst.op_name}")
                 parts = [walk(b, runs, f"{where}/branch{i}") for i, b in enumerate(_branches(inst))]
                 if parts:
-                    add(tuple((min, max)[i % 2](p[i] for p in parts) for i in range(6)))
-                add((0, 0, 0, 0, read, read))
+                    add(tuple((min, max)[i % 2](p[i] for p in parts) for i in range(10)))
+                add((0, 0, 0, 0, read, read, 0, 0, 0, 0))
             elif inst.opcode == "call":
                 for callee in inst.called("to_apply"):
                     add(walk(callee, runs, where))
             elif inst.opcode not in _FREE and not inst.opcode.endswith("-done"):
                 moved = (_fusion_bytes if inst.opcode == "fusion" else _call_bytes)(inst, comps, shapes)
-                kernels.append(Kernel(inst.name, inst.opcode, moved, runs, where, inst.op_name))
-                add((1, 1, moved, moved, 0, 0))
+                flops = _gemm_flops(inst, comps, shapes) if inst.opcode in ("fusion", "custom-call") else 0
+                kernels.append(Kernel(inst.name, inst.opcode, moved, runs, where, inst.op_name, flops))
+                t = max(moved / bandwidth, flops / flop_rate) if bandwidth and flop_rate else 0.0
+                add((1, 1, moved, moved, 0, 0, flops, flops, t, t))
         return tuple(total)
 
-    launches_least, launches_most, least, most, reads_least, reads_most = walk(entry, 1, "")
+    totals = walk(entry, 1, "")
     strided = [i.op_name or i.name for c in comps.values() for i in c.instructions.values() if _reads_columns(i, c)]
-    launches, traffic, reads = (launches_least, launches_most), (least, most), (reads_least, reads_most)
-    return Program(kernels, host_reads, loops, launches, traffic, strided, on_device, reads)
+    launches, traffic, reads, flops, roofline = (tuple(totals[i : i + 2]) for i in range(0, 10, 2))
+    return Program(kernels, host_reads, loops, launches, traffic, strided, on_device, reads, flops, roofline)
 
 
 def _branches(inst: Instruction) -> list[str]:

@@ -172,6 +172,50 @@ ENTRY %main (a: bf16[1000,64], c: bf16[1000,64], d: bf16[64]) -> bf16[1000,8] {
     assert k.bytes == 2 * (1000 * 8 * 2) + 64 * 2 + 1000 * 8 * 2  # two slices read, the bias, the result
 
 
+def test_a_kernels_matrix_flops_and_its_roofline_time():
+    """A dot in a (nested) GEMM fusion and a library GEMM count twice their products' elements
+    times the contracted size; a kernel's roofline time is the longer of its bytes at the
+    bandwidth and its FLOPs at the rate, summed over the step's kernels."""
+    text = """HloModule m
+
+%inner (q0: bf16[4096,512], q1: bf16[512,1024]) -> bf16[4096,1024] {
+  %q0 = bf16[4096,512]{1,0} parameter(0)
+  %q1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %d = bf16[4096,1024]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemm (p0: bf16[4096,512], p1: bf16[512,1024]) -> bf16[4096,1024] {
+  %p0 = bf16[4096,512]{1,0} parameter(0)
+  %p1 = bf16[512,1024]{1,0} parameter(1)
+  ROOT %n = bf16[4096,1024]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%inner
+}
+
+%relu (r0: bf16[4096,1024]) -> bf16[4096,1024] {
+  %r0 = bf16[4096,1024]{1,0} parameter(0)
+  %z = bf16[] constant(0)
+  %zb = bf16[4096,1024]{1,0} broadcast(%z), dimensions={}
+  ROOT %m = bf16[4096,1024]{1,0} maximum(%r0, %zb)
+}
+
+ENTRY %main (x: bf16[4096,512], w: bf16[512,1024], v: bf16[1024,256]) -> (bf16[4096,256], s8[1024]) {
+  %x = bf16[4096,512]{1,0} parameter(0)
+  %w = bf16[512,1024]{1,0} parameter(1)
+  %v = bf16[1024,256]{1,0} parameter(2)
+  %g = bf16[4096,1024]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  %a = bf16[4096,1024]{1,0} fusion(%g), kind=kLoop, calls=%relu
+  ROOT %c = (bf16[4096,256]{1,0}, s8[1024]{0}) custom-call(%a, %v), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+}
+"""
+    p = program(text, bandwidth=1e12, flop_rate=1e14)
+    g, a, c = p.kernels
+    assert (g.flops, a.flops, c.flops) == (2 * 4096 * 1024 * 512, 0, 2 * 4096 * 256 * 1024)
+    assert p.flops == (g.flops + c.flops,) * 2
+    seconds = [max(k.bytes / 1e12, k.flops / 1e14) for k in (g, a, c)]
+    assert g.flops / 1e14 > g.bytes / 1e12 and a.bytes > 0  # the GEMM priced by its FLOPs, the ReLU by bytes
+    assert p.roofline_s[0] == p.roofline_s[1] == sum(seconds)
+    assert program(text).roofline_s == (0.0, 0.0)  # (no card given)
+
+
 def test_a_gather_of_columns_of_a_row_major_array_is_strided_and_one_of_rows_is_not():
     """jnp.take(x, idx, axis=1) on a [B, N] row-major array gathers columns: a value per
     memory sector for neighbouring threads (criteo_kaggle's interaction pairs)."""
