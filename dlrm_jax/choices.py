@@ -121,7 +121,7 @@ class DotPairs(enum.StrEnum):
 class ControlFlow(enum.StrEnum):
     """How a dynamic table's step takes its data-dependent work (``embedding.dynamic.control_flow``)."""
 
-    AUTO = "auto"  # branches on CPUs, one path on other platforms
+    AUTO = "auto"  # branches on CPUs, prefixes on other platforms
     BRANCHES = "branches"  # a switch among prefix sizes of the distinct ids, loops that end when done
     PREFIXES = "prefixes"  # that switch alone: the rest as on one path
     ONE_PATH = "one_path"  # every id, no switch or conditional, the map written at once, the dedup by sorts

@@ -69,8 +69,10 @@ def by_platform(branchy, straight, form: str = ControlFlow.AUTO, sizes: bool = F
     loops and switches (see the module docstring). ``form`` (``embedding.dynamic.control_flow``):
     ``branches`` or ``one_path`` takes that one on every platform; ``prefixes`` takes
     ``branchy`` where it is a choice among compiled sizes (``sizes``: one switch, whose work
-    follows the batch), ``straight`` elsewhere (loops of chunks, conditionals)."""
-    if form == ControlFlow.PREFIXES:
+    follows the batch), ``straight`` elsewhere (loops of chunks, conditionals); ``auto`` is
+    ``branches`` on CPUs and ``prefixes`` elsewhere: a choice among sizes is ``branchy``
+    everywhere (on GPUs a switch of kernels alone, its branches straight: decided on the device)."""
+    if form == ControlFlow.PREFIXES or (form == ControlFlow.AUTO and sizes):
         form = ControlFlow.BRANCHES if sizes else ControlFlow.ONE_PATH
     if form == ControlFlow.BRANCHES:
         return branchy()

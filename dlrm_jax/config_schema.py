@@ -533,8 +533,8 @@ class DynamicConfig:
             "`--xla_gpu_enable_command_buffer` holds `WHILE`), `one_path` (every id, no loop: the distinct ids "
             "found by sorting, the placement's rounds after the first as switches, which XLA decides on the "
             "GPU), `prefixes` (one path with the switch among sizes: the work of the branches, no loop), or "
-            "`auto`: branches on "
-            "CPUs, one path on GPUs. The same results every way"
+            "`auto`: branches on CPUs, prefixes on GPUs (read from the programs, not yet timed against one "
+            "path on a GPU). The same results every way"
         ),
     )
 

@@ -97,9 +97,12 @@ VARIANTS = {
     # a step on one H200); run it as ``device_control:criteo_kaggle_dynamic``.
     "device_control": ("--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", []),
     # The dynamic step's switch among prefix sizes of the batch's distinct ids on a GPU, nothing
-    # else of the branches: one index read on the host a step for work that follows the
-    # distinct ids rather than all N.
+    # else of the branches: work that follows the distinct ids rather than all N, the switch of
+    # kernels decided on the device (on GPUs the default, ``auto``, since the forty-fifth session).
     "prefixes": ("", ["embedding.dynamic.control_flow=prefixes"]),
+    # The dynamic step without the switch among sizes: all N ids' work, no switch but the
+    # placement's rounds (on GPUs the default until the forty-fifth session).
+    "one_path": ("", ["embedding.dynamic.control_flow=one_path"]),
     # The CPUs' form of the dynamic step on a GPU: its switch among prefix sizes, the sketches'
     # halving in a conditional, loops that end when their work does.
     "branches": ("", ["embedding.dynamic.control_flow=branches"]),

@@ -4,16 +4,16 @@
 #
 #   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 9 minutes): DLRM-DCNv2
 #                            # (own optimizers and SGD), the MLPerf-v1 shape, criteo_kaggle and its
-#                            # dynamic step (one path and prefixes), the fused update's row kernel
+#                            # dynamic step (prefixes, the default, and one path), the fused update's row kernel
 #                            # with fewer programs (DLRM-DCNv2, criteo_kaggle), and criteo_kaggle's
 #                            # binary feed against synthetic batches (pinned buffers, then pageable)
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
 #                            # the MLPerf-v1 shape, criteo_kaggle; fused_programs, the dot
 #                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
 #                            # fused_again (two processes' bits)
-#   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (one path) beside the vocabulary step, its
-#                            # switch among prefix sizes alone, and the branches with loops and
-#                            # switches in CUDA graphs
+#   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (prefixes) beside the vocabulary step,
+#                            # one path (no switch among prefix sizes), and the branches with loops
+#                            # and switches in CUDA graphs
 #   scripts/gpu_lease.sh 3   # the feed: binary against synthetic, pageable buffers against the
 #                            # default's pinned ones, 2 readers, reader processes, a GIL
 #                            # switch interval of 0.25 ms
@@ -48,7 +48,7 @@ extra=("${@:2}")
 works=()
 case $call in
 0) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
-       --variants default,fused_programs:mlperf_dcnv2_capped+criteo_kaggle,prefixes:criteo_kaggle_dynamic \
+       --variants default,fused_programs:mlperf_dcnv2_capped+criteo_kaggle,one_path:criteo_kaggle_dynamic \
        --train-configs "" --steps 10 --determinism-steps 0
    bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable" --train-steps 300 ;;
@@ -56,7 +56,7 @@ case $call in
        --variants default,fused_programs,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again \
        --variant-configs mlperf_dcnv2_capped,criteo_kaggle --train-configs "" --steps 20 ;;
 2) bench configs --only configs --configs criteo_kaggle,criteo_kaggle_dynamic \
-       --variants default,prefixes:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \
+       --variants default,one_path:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \
        --train-configs "" --steps 10 --determinism-steps 0 ;;
 3) bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable;data.readers=2;data.reader_processes=true;switch_interval_ms=0.25" \

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from dlrm_jax.chunks import by_platform
 from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, shard_of, split_ids
 from dlrm_jax.embedding.dynamic.resolve import distinct_sizes, resolve
 from tests.embedding.dynamic_reference import DictMap
@@ -135,11 +136,11 @@ def test_the_gpus_straight_form_equals_the_model(control_flow):
 def test_control_flow_picks_each_platforms_form():
     """``embedding.dynamic.control_flow``: the resolution as lowered for CPUs and for CUDA (no GPU
     needed to lower): ``auto`` takes the branches' loops (the dedup's rounds, the placement's,
-    the map written a chunk at a time, one of each per prefix size) on CPUs and one path's on
-    CUDA (no loop: its dedup sorts, the placement's rounds after the first are switches, each in
-    the one before); ``branches`` and ``one_path`` take theirs on both; ``prefixes`` keeps the
-    switch among sizes (each branch with its placement's rounds as switches) and nothing else
-    of the branches (no loop of chunks, no conditional halving)."""
+    the map written a chunk at a time, one of each per prefix size) on CPUs and ``prefixes`` on
+    CUDA; ``branches`` and ``one_path`` take theirs on both (one path: no loop, its dedup sorts,
+    the placement's rounds after the first are switches, each in the one before); ``prefixes``
+    keeps the switch among sizes (each branch with its placement's rounds as switches) and
+    nothing else of the branches (no loop of chunks, no conditional halving)."""
     whiles, cases = {}, {}
     for control_flow in ("auto", "branches", "prefixes", "one_path"):
         spec = MapSpec(
@@ -151,13 +152,16 @@ def test_control_flow_picks_each_platforms_form():
             text = jax.export.export(f, platforms=[platform])(*args).mlir_module()
             whiles[control_flow, platform] = text.count("stablehlo.while")
             cases[control_flow, platform] = text.count("stablehlo.case")
-    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == whiles["auto", "cuda"] == 0, whiles
-    assert whiles["prefixes", "cpu"] == whiles["prefixes", "cuda"] == 0, whiles
+    assert whiles["one_path", "cpu"] == whiles["one_path", "cuda"] == 0, whiles
+    assert whiles["prefixes", "cpu"] == whiles["prefixes", "cuda"] == whiles["auto", "cuda"] == 0, whiles
     assert whiles["branches", "cpu"] == whiles["branches", "cuda"] == whiles["auto", "cpu"] > 0, whiles
     rounds = spec.probes - 1  # the placement's rounds after its first: a switch each
     assert cases["one_path", "cpu"] == cases["one_path", "cuda"] == rounds, cases
     sizes = len(distinct_sizes(4096))  # the switch among sizes, and in each branch the rounds
     assert cases["prefixes", "cpu"] == cases["prefixes", "cuda"] == 1 + sizes * rounds, cases
+    # ``auto`` lowers its platform choices as switches of their own: its choice among sizes is
+    # the branches' everywhere, so on CUDA it is ``prefixes``
+    assert by_platform(lambda: "branches", lambda: "one path", "auto", sizes=True) == "branches"
 
 
 @pytest.mark.parametrize("control_flow", ["branches", "prefixes", "one_path"])

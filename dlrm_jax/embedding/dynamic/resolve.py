@@ -230,7 +230,7 @@ def resolve_fused(
     distinct_row, at, seen_at, seen_count, sketch, fresh, stats, sketch_touched = (
         branches[0]()
         if len(sizes) == 1
-        else by_platform(  # on GPUs one path: all N ids, what every branch gives
+        else by_platform(  # (one_path: all N ids, what every branch gives)
             lambda: lax.switch(jnp.searchsorted(jnp.asarray(sizes), count, method="compare_all"), branches),
             branches[-1],
             maps.control_flow,
