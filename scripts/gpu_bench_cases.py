@@ -88,6 +88,9 @@ VARIANTS = {
     # The fused update's row kernel with at most 65,536 programs (each taking distinct rows
     # until they run out) instead of one per 4 lookups, most of them idle.
     "fused_programs": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=65536"]),
+    # The same uncapped, one program per 4 lookups (the default until the forty-fifth session,
+    # the form the 2026-12-04 H200 run measured).
+    "fused_programs_all": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=0"]),
     "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
     # Control flow on the device: XLA's GPU runtime reads a loop's predicate and a switch's
     # index on the host (a MemcpyD2H and a wait each time, the device idle meanwhile) unless
