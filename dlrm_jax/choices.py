@@ -118,6 +118,14 @@ class DotPairs(enum.StrEnum):
     FUSED = "fused"  # Pallas kernels: the pairs and their gradient, no N x N products in memory
 
 
+class CrossLayers(enum.StrEnum):
+    """How a low-rank cross layer's second product and elementwise work run (``model.cross_layers``)."""
+
+    AUTO = "auto"  # xla until the kernel is measured on a GPU
+    XLA = "xla"  # XLA's GEMM, then a fusion reading its product back beside x0 and x
+    FUSED = "fused"  # a Pallas kernel: the product and the elementwise work in one pass
+
+
 class ControlFlow(enum.StrEnum):
     """How a dynamic table's step takes its data-dependent work (``embedding.dynamic.control_flow``)."""
 

@@ -460,6 +460,11 @@ def _check_model(cfg: Config) -> None:
             "model.dot_pairs=fused: not with model.mlp_parallel=pipeline (its first stage runs "
             "inside shard_map, where the pairs are XLA's); use xla or auto"
         )
+    if m.cross_layers == "fused" and m.mlp_parallel == "pipeline":
+        raise ConfigError(
+            "model.cross_layers=fused: not with model.mlp_parallel=pipeline (its first stage runs "
+            "inside shard_map, where the layers are XLA's); use xla or auto"
+        )
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         _not_with("model.kind=wide_deep", e, per_host=True, tiered=True)
 

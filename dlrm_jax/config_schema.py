@@ -17,6 +17,7 @@ from dlrm_jax.choices import (
     SPARSE_OPTIMIZER_KINDS,
     BagExchange,
     ControlFlow,
+    CrossLayers,
     DotPairs,
     DramPolicy,
     EvictionPolicy,
@@ -382,6 +383,17 @@ class ModelConfig:
             "gradient, with no N x N products in memory (interpreted off GPUs, for tests; not with "
             "`model.mlp_parallel=pipeline`); `auto`: `xla` (the kernels are not yet measured on a GPU) "
             "([models](models.md#the-dot-interactions-pairs))"
+        ),
+    )
+    cross_layers: str = field(
+        default="auto",
+        metadata=_choices(*CrossLayers)
+        | doc(
+            "`dcn` with `dcn_rank` > 0: how each cross layer's second product and its elementwise work run; "
+            "`xla`: XLA's GEMM writes the product, a fusion reads it back beside x0 and x; `fused`: one "
+            "Pallas kernel does both, each tile's product never written (interpreted off GPUs, for tests; "
+            "not with `model.mlp_parallel=tensor` or `pipeline`, whose layers stay XLA's); `auto`: `xla` (the "
+            "kernel is not yet measured on a GPU) ([models](models.md#the-cross-layers-products-and-their-elementwise-work))"
         ),
     )
     dcn_layers: int = field(default=3, metadata=POS | doc("`dcn`: cross layers"))

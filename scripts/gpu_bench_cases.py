@@ -128,6 +128,9 @@ VARIANTS = {
     # The dot interaction's pairs by the Pallas kernels (model/pairs_kernel.py): no N x N
     # products in memory, no gather reading them by columns (dot models only).
     "pairs_fused": ("", ["model.dot_pairs=fused"]),
+    # Each low-rank cross layer's second product and elementwise work by one Pallas kernel
+    # (model/cross_kernel.py): the product never written and read back (DLRM-DCNv2 only).
+    "cross_fused": ("", ["model.cross_layers=fused"]),
 }
 COMMON = [
     "train.batch_size=65536",

@@ -5,11 +5,13 @@
 #   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 9 minutes): DLRM-DCNv2
 #                            # (own optimizers and SGD), the MLPerf-v1 shape, criteo_kaggle and its
 #                            # dynamic step (prefixes, the default, and one path), the fused update's row kernel
-#                            # capped (the default) and not (DLRM-DCNv2, criteo_kaggle), and criteo_kaggle's
+#                            # capped (the default) and not, and the cross layers by the kernel
+#                            # (DLRM-DCNv2), and criteo_kaggle's
 #                            # binary feed against synthetic batches (pinned buffers, then pageable)
 #   scripts/gpu_lease.sh 1   # the sparse update's variants: DLRM-DCNv2 (own optimizers, SGD),
 #                            # the MLPerf-v1 shape, criteo_kaggle; fused_programs_all, the dot
-#                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1),
+#                            # interaction's pairs by the kernels (criteo_kaggle, MLPerf-v1), the
+#                            # cross layers by the kernel (DLRM-DCNv2),
 #                            # fused_again (two processes' bits)
 #   scripts/gpu_lease.sh 2   # dynamic tables: the step as is (prefixes) beside the vocabulary step,
 #                            # one path (no switch among prefix sizes), and the branches with loops
@@ -48,12 +50,12 @@ extra=("${@:2}")
 works=()
 case $call in
 0) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
-       --variants default,fused_programs_all:mlperf_dcnv2_capped+criteo_kaggle,one_path:criteo_kaggle_dynamic \
+       --variants default,fused_programs_all:mlperf_dcnv2_capped,cross_fused:mlperf_dcnv2_capped,one_path:criteo_kaggle_dynamic \
        --train-configs "" --steps 10 --determinism-steps 0
    bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable" --train-steps 300 ;;
 1) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle \
-       --variants default,fused_programs_all,pairs_fused:criteo_kaggle+mlperf_v1_capped,fused_again \
+       --variants default,fused_programs_all,pairs_fused:criteo_kaggle+mlperf_v1_capped,cross_fused:mlperf_dcnv2_capped,fused_again \
        --variant-configs mlperf_dcnv2_capped,criteo_kaggle --train-configs "" --steps 20 ;;
 2) bench configs --only configs --configs criteo_kaggle,criteo_kaggle_dynamic \
        --variants default,one_path:criteo_kaggle_dynamic,branches_device_control:criteo_kaggle_dynamic \

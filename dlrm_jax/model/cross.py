@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dlrm_jax.model import cross_kernel
 from dlrm_jax.model.mlp import xavier_normal
 
 
@@ -41,9 +42,15 @@ class CrossNetwork(nnx.Module):
     ``tensor`` (model.mlp_parallel=tensor): a low-rank layer's U is column-parallel and V
     row-parallel over the model group, a Megatron pair with one reduction; full-rank layers
     stay whole.
+
+    ``layers_form`` (``model.cross_layers``): ``fused`` runs a low-rank layer's second product
+    with its elementwise work in one kernel (:mod:`dlrm_jax.model.cross_kernel`; not with
+    ``tensor``), ``xla`` as XLA composes them; the same values to the product's rounding.
     """
 
-    def __init__(self, width: int, layers: int, rank: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, width: int, layers: int, rank: int, *, dtype: jnp.dtype, layers_form: str = "xla", rngs: nnx.Rngs
+    ):
         def weights(shape):
             return nnx.Param(xavier_normal(rngs.params(), shape))
 
@@ -53,12 +60,23 @@ class CrossNetwork(nnx.Module):
         else:
             self.w = nnx.List([weights((width, width)) for _ in range(layers)])
         self.bias = nnx.List([nnx.Param(jnp.zeros((width,), jnp.float32)) for _ in range(layers)])
-        self.layers, self.rank, self.dtype = layers, rank, dtype
+        self.layers, self.rank, self.dtype, self.layers_form = layers, rank, dtype, layers_form
 
     def __call__(self, x0: jax.Array, tensor=None) -> jax.Array:
         x0 = written_once(x0.astype(self.dtype))
         x = x0
+        fused = (
+            self.layers_form == "fused"
+            and self.rank
+            and tensor is None
+            and cross_kernel.applies(x0.shape[0], self.rank, x0.shape[1])
+        )
         for i in range(self.layers):
+            if fused:  # the second product, the bias, x0's product and x's sum: one kernel
+                h = x @ self.u[i][...].astype(self.dtype)
+                v, b = self.v[i][...].astype(self.dtype), self.bias[i][...].astype(self.dtype)
+                x = cross_kernel.fused_cross(h, v, b, x0, x)
+                continue
             if self.rank and tensor is not None:
                 h = tensor.split(tensor.gathered(x) @ self.u[i][...].astype(self.dtype))
                 h = tensor.rows(h @ self.v[i][...].astype(self.dtype))

@@ -26,7 +26,9 @@ class DLRMDense(nnx.Module):
     :mod:`dlrm_jax.embedding`, and enter here as already looked-up (pooled) vectors.
 
     ``dot_pairs``: how the dot interaction's pairs are made (``xla`` or ``fused``:
-    :func:`~dlrm_jax.model.interaction.dot_interaction`).
+    :func:`~dlrm_jax.model.interaction.dot_interaction`); ``cross_layers``: how a low-rank cross
+    layer's second product and elementwise work run (``xla`` or ``fused``:
+    :class:`~dlrm_jax.model.cross.CrossNetwork`).
 
     ``pooled_dtype``: it reads the pooled vectors in its compute dtype (its first use of them
     casts), so the train step hands them over cast and their gradient comes back in that dtype
@@ -50,13 +52,18 @@ class DLRMDense(nnx.Module):
         dcn_layers: int = 3,
         dcn_rank: int = 0,
         dot_pairs: str = "xla",
+        cross_layers: str = "xla",
         rngs: nnx.Rngs,
     ):
         dtype = jnp.dtype(compute_dtype)
         self.bottom = MLP(num_dense, bottom_mlp, final_relu=True, dtype=dtype, rngs=rngs)
         # An empty bottom MLP (Wide&Deep's deep part) passes the dense features as they are.
         width = interaction_width(interaction, num_features, embedding_dim, bottom_mlp[-1] if bottom_mlp else num_dense)
-        self.cross = CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, rngs=rngs) if interaction == "dcn" else None
+        self.cross = (
+            CrossNetwork(width, dcn_layers, dcn_rank, dtype=dtype, layers_form=cross_layers, rngs=rngs)
+            if interaction == "dcn"
+            else None
+        )
         self.top = MLP(width, top_mlp, final_relu=False, dtype=dtype, rngs=rngs)
         self.interaction, self.dot_pairs = interaction, dot_pairs
         self.dtype = self.pooled_dtype = dtype

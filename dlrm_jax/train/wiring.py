@@ -262,6 +262,7 @@ def dlrm_from_config(cfg: Config, rngs: nnx.Rngs) -> DLRMDense:
         dcn_layers=m.dcn_layers,
         dcn_rank=m.dcn_rank,
         dot_pairs=dot_pairs(cfg),
+        cross_layers=cross_layers(cfg),
         rngs=rngs,
     )
 
@@ -270,6 +271,12 @@ def dot_pairs(cfg: Config) -> str:
     """How the dot interaction's pairs are made (``model.dot_pairs``): ``auto`` is ``xla``
     everywhere until the kernels are measured on a GPU (off GPUs Pallas only interprets them)."""
     return "fused" if cfg.model.dot_pairs == "fused" else "xla"
+
+
+def cross_layers(cfg: Config) -> str:
+    """How a low-rank cross layer's second product and elementwise work run
+    (``model.cross_layers``): ``auto`` is ``xla`` until the kernel is measured on a GPU."""
+    return "fused" if cfg.model.cross_layers == "fused" else "xla"
 
 
 def dense_work(cfg: Config) -> DenseWork:
