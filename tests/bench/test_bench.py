@@ -449,7 +449,7 @@ def test_the_gpu_lease_calls_name_known_variants_and_configs():
 
     lease = (REPO / "scripts" / "gpu_lease.sh").read_text().replace("\\\n", " ")
     runs = re.findall(r"^\s*(?:\d\) )?bench \w+ (.*?)(?: ;;)?$", lease, flags=re.M)
-    assert len(runs) == 5  # call 0's two, one each for calls 1 to 3
+    assert len(runs) == 6  # call 0's three, one each for calls 1 to 3
     for run in runs:
         words = run.split()
         get = dict(zip(words, (w.strip('"') for w in words[1:]), strict=False)).get
