@@ -57,6 +57,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--json", help="the report's file (default: OUT/gpu_bench.json), rewritten as results come")
     ap.add_argument(
+        "--baseline",
+        help="an earlier report (its JSON) whose default runs this run's variants are set against, "
+        "where this run has none of its own (a lease's levers run apart from its defaults)",
+    )
+    ap.add_argument(
         "--only", choices=["ceilings", "configs", "train", "feed", "child", "parity", "parity_child"], default=None
     )
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="of: " + ", ".join(CONFIGS))
@@ -213,6 +218,10 @@ def main() -> int:
         label: {n: r for n, r in results.items() if "failed" not in r}
         for label, results in report.get("runs", {}).items()
     }
+    if args.baseline and os.path.exists(args.baseline):  # (for the ratios printed below only)
+        with open(args.baseline) as f:
+            earlier = json.load(f).get("runs", {}).get("default", {})
+        runs["default"] = {n: r for n, r in earlier.items() if "failed" not in r} | runs.get("default", {})
     for label, p in report.get("parity", {}).items():
         print(
             f"parity with CPU ({label}): max relative L2 error of any state leaf {p['max_leaf_rel_l2']:.2e} "

@@ -55,7 +55,7 @@ case $call in
        --variants default --train-configs "" --steps 10 --determinism-steps 0
    bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \
        --feed-variants "data.host_memory=pageable" --train-steps 300
-   bench variants --only configs --configs "" \
+   bench variants --only configs --configs "" --baseline "$out/call0-configs.json" \
        --variants fused_programs_all:mlperf_dcnv2_capped,cross_fused:mlperf_dcnv2_capped,one_path:criteo_kaggle_dynamic \
        --train-configs "" --steps 10 --determinism-steps 0 ;;
 1) bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle \
