@@ -263,16 +263,22 @@ def _call_bytes(inst: Instruction, comps: dict[str, Computation], shapes: dict[s
     return kept + inst.bytes - sum(operands[i] for i in aliased if i < len(operands))
 
 
-def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
-    """A ``dot``'s FLOPs: twice its result's elements times the product of the left operand's
-    contracted dimensions."""
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
-    lhs = _ARRAY.search(shapes.get(inst.operands[0], "")) if inst.operands else None
-    if m is None or lhs is None:
+def _product_flops(lhs_shape: str, contracted: list[int], out_elements: int) -> int:
+    """Twice the product's elements times the left operand's contracted dimensions' sizes."""
+    lhs = _ARRAY.search(lhs_shape)
+    if lhs is None:
         return 0
     dims = [int(d) for d in lhs.group(2).split(",") if d]
-    contracted = int(np.prod([dims[int(i)] for i in m.group(1).split(",") if i]))
-    return 2 * _elements(inst.shape) * contracted
+    return 2 * out_elements * int(np.prod([dims[i] for i in contracted]))
+
+
+def _dot_flops(inst: Instruction, shapes: dict[str, str]) -> int:
+    """A ``dot``'s FLOPs (its attribute names the contracted dimensions)."""
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.attrs)
+    if m is None or not inst.operands:
+        return 0
+    contracted = [int(i) for i in m.group(1).split(",") if i]
+    return _product_flops(shapes.get(inst.operands[0], ""), contracted, _elements(inst.shape))
 
 
 def _gemm_flops(inst: Instruction, comps: dict[str, Computation], shapes: dict[str, str]) -> int:
@@ -281,13 +287,11 @@ def _gemm_flops(inst: Instruction, comps: dict[str, Computation], shapes: dict[s
     first result is the product)."""
     if inst.opcode == "custom-call":
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attrs)
-        lhs = _ARRAY.search(shapes.get(inst.operands[0], "")) if inst.operands and m else None
         out = _ARRAY.search(inst.shape)
-        if lhs is None or out is None:
+        if m is None or out is None or not inst.operands:
             return 0
-        dims = [int(d) for d in lhs.group(2).split(",") if d]
-        contracted = int(np.prod([dims[int(i)] for i in re.findall(r"\d+", m.group(1))]))
-        return 2 * _count(out.group(2)) * contracted
+        contracted = [int(i) for i in re.findall(r"\d+", m.group(1))]
+        return _product_flops(shapes.get(inst.operands[0], ""), contracted, _count(out.group(2)))
     total = 0
     for name in inst.called("calls"):
         body = comps.get(name)
