@@ -455,16 +455,12 @@ def _check_model(cfg: Config) -> None:
         )
     if not m.top_mlp or m.top_mlp[-1] != 1:
         raise ConfigError(f"model.top_mlp: the last width must be 1, got {list(m.top_mlp)}")
-    if m.dot_pairs == "fused" and m.mlp_parallel == "pipeline":
-        raise ConfigError(
-            "model.dot_pairs=fused: not with model.mlp_parallel=pipeline (its first stage runs "
-            "inside shard_map, where the pairs are XLA's); use xla or auto"
-        )
-    if m.cross_layers == "fused" and m.mlp_parallel == "pipeline":
-        raise ConfigError(
-            "model.cross_layers=fused: not with model.mlp_parallel=pipeline (its first stage runs "
-            "inside shard_map, where the layers are XLA's); use xla or auto"
-        )
+    for key, what in (("dot_pairs", "pairs"), ("cross_layers", "layers")):  # the models' Pallas kernels
+        if getattr(m, key) == "fused" and m.mlp_parallel == "pipeline":
+            raise ConfigError(
+                f"model.{key}=fused: not with model.mlp_parallel=pipeline (its first stage runs "
+                f"inside shard_map, where the {what} are XLA's); use xla or auto"
+            )
     if m.kind == "wide_deep":  # the wide part reads the batch's own ids on every device
         _not_with("model.kind=wide_deep", e, per_host=True, tiered=True)
 
