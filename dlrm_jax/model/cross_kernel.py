@@ -21,10 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plt
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.model.per_device import per_batch_shard
 
 BM, BN, BK = 128, 128, 64  # a program's output tile, and the reduction's step over R
 WARPS, STAGES = 8, 3
@@ -83,31 +83,13 @@ def cross_layer(h, v, b, x0, x, interpret: bool | None = None):
     )(h, v, b, x0, x)
 
 
-def _per_device(fn):
-    """``fn`` on each device's samples under jit's sharding: h, x0 and x split by the batch as
-    h is, v and b whole on every device, the results split as h (no collective either way)."""
-    wrapped = custom_partitioning(fn)
-
-    def shardings(mesh, arg_shapes):
-        spec = arg_shapes[0].sharding.spec
-        batch = NamedSharding(mesh, P(spec[0] if len(spec) else None, None))
-        whole = NamedSharding(mesh, P())
-        return (batch, whole, whole, batch, batch), (batch, batch)
-
-    def partition(mesh, arg_shapes, result_shape):
-        args, out = shardings(mesh, arg_shapes)
-        return mesh, fn, out, args
-
-    wrapped.def_partition(
-        partition=partition,
-        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: shardings(mesh, arg_shapes)[1],
-        sharding_rule="b r, r d, d, b d, b d -> b d, b d",
-        need_replication_factors=("r", "d"),
-    )
-    return wrapped
-
-
-_cross_sharded = _per_device(lambda h, v, b, x0, x: tuple(cross_layer(h, v, b, x0, x)))
+# each device's samples, the weights (v, b) whole on each: no collective either way
+_cross_sharded = per_batch_shard(
+    lambda h, v, b, x0, x: tuple(cross_layer(h, v, b, x0, x)),
+    "b r, r d, d, b d, b d -> b d, b d",
+    lambda batch: (P(batch, None), P(batch, None)),
+    whole=(1, 2),
+)
 
 
 @jax.custom_vjp

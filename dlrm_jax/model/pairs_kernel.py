@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as plt
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dlrm_jax.model.per_device import per_batch_shard
 
 CHUNK = 8  # rows j a product block takes (Triton's blocks are powers of two)
 WARPS = 4  # per program
@@ -134,36 +134,8 @@ def pairs_gradient(t_bnd: jax.Array, d_pairs: jax.Array, interpret: bool | None 
     return _call(kernel, b // samples, out, interpret, t, d_padded)[:, :n]
 
 
-def _per_batch_shard(fn, rule: str, out_spec):
-    """``fn`` run on each device's samples under jit's sharding: every operand's first axis is
-    the batch, split as the first operand's is, the other axes whole (XLA cannot split a
-    kernel: it would gather the batch to every device). ``rule``: Shardy's sharding rule, the
-    batch factor ``b``; ``out_spec(batch)``: the result's PartitionSpec."""
-    wrapped = custom_partitioning(fn)
-
-    def shardings(mesh, arg_shapes):
-        spec = arg_shapes[0].sharding.spec
-        batch = spec[0] if len(spec) else None
-        args = tuple(NamedSharding(mesh, P(batch, *(None,) * (len(a.shape) - 1))) for a in arg_shapes)
-        return args, NamedSharding(mesh, out_spec(batch))
-
-    def infer(mesh, arg_shapes, result_shape):
-        return shardings(mesh, arg_shapes)[1]
-
-    def partition(mesh, arg_shapes, result_shape):
-        args, out = shardings(mesh, arg_shapes)
-        return mesh, fn, out, args
-
-    factors = rule.replace("->", " ").replace(",", " ").split()
-    others = tuple(f for f in dict.fromkeys(factors) if f != "b")  # (in the order they appear: Shardy's)
-    wrapped.def_partition(
-        partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule, need_replication_factors=others
-    )
-    return wrapped
-
-
-_pairs_sharded = _per_batch_shard(lambda t: pairs_transposed(t), "b n d -> p b", lambda b: P(None, b))
-_gradient_sharded = _per_batch_shard(
+_pairs_sharded = per_batch_shard(lambda t: pairs_transposed(t), "b n d -> p b", lambda b: P(None, b))
+_gradient_sharded = per_batch_shard(
     lambda t, d: pairs_gradient(t, d), "b n d, b q -> b n d", lambda b: P(b, None, None)
 )
 
