@@ -65,12 +65,7 @@ class CrossNetwork(nnx.Module):
     def __call__(self, x0: jax.Array, tensor=None) -> jax.Array:
         x0 = written_once(x0.astype(self.dtype))
         x = x0
-        fused = (
-            self.layers_form == "fused"
-            and self.rank
-            and tensor is None
-            and cross_kernel.applies(x0.shape[0], self.rank, x0.shape[1])
-        )
+        fused = self.layers_form == "fused" and self.rank and tensor is None  # (shapes it cannot take: XLA's form)
         for i in range(self.layers):
             if fused:  # the second product, the bias, x0's product and x's sum: one kernel
                 h = x @ self.u[i][...].astype(self.dtype)
