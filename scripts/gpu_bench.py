@@ -26,7 +26,7 @@ generated first (``--only feed`` for these alone), with the input pipeline's per
 Each variant (``--variants``: the default; ``embedding.deterministic``, twice, the second
 process loading the first one's autotuning results; ``embedding.sparse_update=xla`` (the
 default, ``auto``, is ``fused`` on GPUs); ``embedding.sparse_update=fused``, twice the same
-way, and with the row kernel's programs capped; XLA's two deterministic flags; the
+way, and with the row kernel's programs uncapped; XLA's two deterministic flags; the
 ``-nvptx-allow-ftz-atomics`` workaround for slow contended float atomics) runs in a process of its own, since XLA reads its flags once at start-up. ``--only parity`` compares a
 small fp32 run on the device with the CPU.
 

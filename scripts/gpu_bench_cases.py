@@ -85,11 +85,9 @@ VARIANTS = {
     # The fused sparse update (Pallas kernels: each row's lookups summed in a fixed order and
     # the optimizer applied once), twice in two processes sharing the dense side's autotuning.
     "fused": (f"--xla_gpu_dump_autotune_results_to={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
-    # The fused update's row kernel with at most 65,536 programs (each taking distinct rows
-    # until they run out) instead of one per 4 lookups, most of them idle.
-    "fused_programs": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=65536"]),
-    # The same uncapped, one program per 4 lookups (the default until the forty-fifth session,
-    # the form the 2026-12-04 H200 run measured).
+    # The fused update's row kernel uncapped, one program per 4 lookups, most of them idle (the
+    # default until the forty-fifth session, the form the 2026-12-04 H200 run measured; now at
+    # most 65,536, each taking distinct rows until they run out).
     "fused_programs_all": ("", ["embedding.sparse_update=fused", "embedding.fused_programs=0"]),
     "fused_again": (f"--xla_gpu_load_autotune_results_from={FUSED_AUTOTUNE_FILE}", ["embedding.sparse_update=fused"]),
     # Control flow on the device: XLA's GPU runtime reads a loop's predicate and a switch's
