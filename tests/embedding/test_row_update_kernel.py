@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlrm_jax.embedding.exchange import row_update_kernel
 from dlrm_jax.embedding.exchange.optimizers import adagrad, ftrl, rowwise_adagrad, sgd
@@ -155,6 +157,14 @@ def test_the_default_update_is_fused_on_gpus_and_xla_elsewhere(monkeypatch, choi
     assert wiring.sparse_optimizer_from_config(cfg).kernel_programs == 65536
 
 
+def _chunk_plan(s, num_rows):
+    """Each chunk program's [begin, end) for the sorted lookups ``s``, as the kernel takes them."""
+    blocks = -(-s.order.shape[0] // row_update_kernel.LONG)
+    plan = jax.vmap(lambda c: row_update_kernel.chunk_range(c, blocks, s.segment, s.starts, s.rows, num_rows))
+    begin, end = plan(jnp.arange(2 * blocks))
+    return blocks, np.asarray(begin), np.asarray(end)
+
+
 def test_padding_is_never_summed_in_chunks():
     """A batch whose unused bag slots (rows past the table) far outnumber LONG: only the real
     long row is chunked, so the chunk kernel sums no padding (before, the padding's place was
@@ -164,9 +174,45 @@ def test_padding_is_never_summed_in_chunks():
     long = row_update_kernel.LONG
     rows = np.concatenate([np.full(3 * long, R), np.full(2 * long + 5, 7), np.arange(5)]).astype(np.int32)
     s = sort_by_row(jnp.asarray(np.random.default_rng(0).permutation(rows)), R)
-    chunks, first, begin, end = row_update_kernel.long_row_chunks(s, R)
-    real = np.asarray(s.rows) < R
-    assert int(np.asarray(chunks)[~real].sum()) == 0
-    assert int(np.asarray(chunks)[real].sum()) == 3  # row 7's 2 * LONG + 5 lookups
-    summed = np.asarray(end) - np.asarray(begin)
-    assert summed.sum() == 2 * long + 5 and (summed > 0).sum() == 3
+    _, begin, end = _chunk_plan(s, R)
+    summed = end - begin
+    assert summed.sum() == 2 * long + 5 and (summed > 0).sum() == 3  # row 7's lookups alone, in 3 pieces
+    row_7 = np.flatnonzero(np.asarray(s.rows) == 7)[0]
+    assert begin[summed > 0].min() == np.asarray(s.starts)[row_7]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=300), st.integers(2, 9))
+def test_each_long_rows_pieces_cover_its_lookups_once_in_order(rows, long):
+    """Property: the chunk programs' ranges are disjoint, lie inside long real rows, and a long
+    row's pieces as the row kernel reads them (its first piece, then the rest in order) are
+    consecutive and cover its lookups exactly; every other range is empty."""
+    from dlrm_jax.embedding.exchange.row_grads import sort_by_row
+
+    num_rows = 10  # ids 10..12: padding, capped to one place
+    row_update_kernel.LONG, saved = long, row_update_kernel.LONG
+    try:
+        s = sort_by_row(jnp.asarray(np.asarray(rows, np.int32)), num_rows)
+        blocks, begin, end = _chunk_plan(s, num_rows)
+        places, starts = np.asarray(s.rows), np.asarray(s.starts)
+        covered = np.zeros(len(rows), int)
+        for b, e in zip(begin, end, strict=True):
+            covered[b:e] += 1
+        for k, row in enumerate(places):
+            start, stop = int(starts[k]), int(starts[k + 1])
+            is_long = row < num_rows and stop - start > long
+            if not is_long:  # short rows and the padding: read directly, or never
+                assert covered[start:stop].sum() == 0
+                continue
+            first, lo, hi = (int(x) for x in row_update_kernel._long_row_pieces(start, stop, blocks))
+            pieces = [(begin[first], end[first])] + list(zip(begin[lo:hi], end[lo:hi], strict=True))
+            assert pieces[0][0] == start and pieces[-1][1] == stop
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+            assert all(e > b for b, e in pieces)
+        assert covered.max(initial=0) <= 1
+        long_lookups = sum(
+            int(starts[k + 1] - starts[k]) for k, r in enumerate(places) if r < num_rows and starts[k + 1] - starts[k] > long
+        )
+        assert covered.sum() == long_lookups
+    finally:
+        row_update_kernel.LONG = saved

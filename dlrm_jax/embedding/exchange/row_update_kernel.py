@@ -13,8 +13,13 @@ row kernel    one program per distinct row: reads its lookups' pooled gradients,
               form) and writes them back, once.
 chunk kernel  a row with more than LONG lookups (a hot id: a Zipf batch can hold one id
               hundreds of thousands of times) would keep one program busy for the whole
-              step, so its lookups are first summed in chunks of LONG, one program each,
-              and its program adds the chunks' sums in order.
+              step, so its lookups are first summed in pieces, one program each, and its
+              program adds the pieces' sums in order. The pieces are the row's parts in
+              fixed blocks of LONG sorted lookups, two programs a block (the long row at its
+              first lookup, and the one at its last if another), so each program finds its
+              piece from the sorted lookups alone: no prefix sum or search over the rows
+              between the sort and the kernels (on a GPU those were 11 of criteo_kaggle's
+              108 kernels a step, compiled for one H200).
 
 Every sum runs in an order fixed by the sorted lookups, so a run gives the same bits every
 time; the order differs from the XLA form's (blocks, then chunks), so the two agree to
@@ -45,9 +50,9 @@ def applies(table: jax.Array, grads: jax.Array) -> bool:
     return table.ndim == 2 and grads.ndim == 2 and width & (width - 1) == 0
 
 
-def _sum_block(lo, hi, vectors_ref, index_ref=None, weight_ref=None):
-    """sum_j weight[j] * vectors[index[j]] over j in [lo, hi), BLOCK at a time, in order of
-    blocks (identity index and unit weights where not given)."""
+def _sum_block(lo, hi, vectors_ref, index_ref=None, weight_ref=None, acc=None):
+    """``acc`` (zeros if not given) + sum_j weight[j] * vectors[index[j]] over j in [lo, hi),
+    BLOCK at a time, in order of blocks (identity index and unit weights where not given)."""
     width = vectors_ref.shape[-1]
 
     def body(i, acc):
@@ -60,15 +65,48 @@ def _sum_block(lo, hi, vectors_ref, index_ref=None, weight_ref=None):
             rows = rows * weight_ref[pos][:, None]
         return acc + jnp.sum(jnp.where(inside[:, None], rows, 0.0), axis=0)
 
-    return lax.fori_loop(0, pl.cdiv(hi - lo, BLOCK), body, jnp.zeros((width,), jnp.float32))
+    acc = jnp.zeros((width,), jnp.float32) if acc is None else acc
+    return lax.fori_loop(0, pl.cdiv(hi - lo, BLOCK), body, acc)
 
 
-def _chunk_kernel(begin_ref, end_ref, source_ref, *rest, weighted: bool):
-    """Program c: the sum of lookups [begin[c], end[c]) of one long row -> partial[c]."""
+def chunk_range(c, blocks: int, segment, starts, rows, num_rows: int):
+    """The sorted lookups [begin, end) that chunk program ``c`` of ``2 * blocks`` sums: in block
+    ``b = c % blocks`` (sorted lookups [b x LONG, (b + 1) x LONG)), the part of the row at the
+    block's first lookup (``c < blocks``) or at its last (``c >= blocks``, unless the same row)
+    where that row is long (more than LONG lookups) and real (below ``num_rows``: never the
+    padding's); else an empty range. A long row's pieces are thus: in its first block, the
+    program of the side it lies on (the last lookup's, unless it starts the block), then the
+    first side's of each later block it reaches (see :func:`_long_row_pieces`). ``segment``,
+    ``starts``, ``rows``: a ``SortedLookups``'s, as refs in a kernel or arrays (the tests')."""
+    n = segment.shape[0]
+    side, b = lax.div(c, blocks), lax.rem(c, blocks)
+    lo = b * LONG
+    hi = jnp.minimum(lo + LONG, n)
+    at_first, at_last = segment[lo], segment[hi - 1]
+    q = jnp.where(side == 0, at_first, at_last)
+    start, end = starts[q], starts[q + 1]
+    take = (end - start > LONG) & (rows[q] < num_rows) & ((side == 0) | (at_last != at_first))
+    return jnp.where(take, jnp.maximum(start, lo), 0), jnp.where(take, jnp.minimum(end, hi), 0)
+
+
+def _long_row_pieces(start, end, blocks: int):
+    """Where a long row's lookups [start, end) were summed by the chunk kernel: the index of
+    its first piece's partial sum, and the range of partial sums of the rest (each in order)."""
+    # (non-negative: division truncates, which Triton's lowering takes where floor division's
+    # sign fix-up it does not)
+    first_block, last_block = lax.div(start, LONG), lax.div(end - 1, LONG)
+    # a row starting inside a block is the one at the block's last lookup there
+    first = jnp.where(lax.rem(start, LONG) != 0, first_block + blocks, first_block)
+    return first, first_block + 1, last_block + 1
+
+
+def _chunk_kernel(segment_ref, starts_ref, rows_ref, source_ref, *rest, weighted: bool, num_rows: int):
+    """Program c: the sum of lookups :func:`chunk_range` gives it -> partial[c]."""
     weight_ref = rest[0] if weighted else None
     grads_ref, partial_ref = rest[-2:]
     c = pl.program_id(0)
-    partial_ref[pl.ds(c, 1), :] = _sum_block(begin_ref[c], end_ref[c], grads_ref, source_ref, weight_ref)[None]
+    begin, end = chunk_range(c, partial_ref.shape[0] // 2, segment_ref, starts_ref, rows_ref, num_rows)
+    partial_ref[pl.ds(c, 1), :] = _sum_block(begin, end, grads_ref, source_ref, weight_ref)[None]
 
 
 def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, has_mean_sq: bool):
@@ -76,7 +114,7 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
     the distinct rows run out): distinct row ``rows[k]`` (past the end: nothing to do) gets its
     summed gradient (its lookups, or its chunks' partial sums), then one optimizer step."""
     it = iter(refs)
-    rows_ref, starts_ref, first_ref, chunks_ref, source_ref = (next(it) for _ in range(5))
+    rows_ref, starts_ref, source_ref = (next(it) for _ in range(3))
     weight_ref = next(it) if weighted else None
     grads_ref, partial_ref, lr_ref, distinct_ref = next(it), next(it), next(it), next(it)
     mean_sq_ref = next(it) if has_mean_sq else None
@@ -85,11 +123,20 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
     table_ref = next(it)
     state_refs = {key: next(it) for key in state_keys}
 
+    blocks = partial_ref.shape[0] // 2
+
     def update_row(k, row):
-        chunks, start, end = chunks_ref[k], starts_ref[k], starts_ref[k + 1]
-        direct_end = jnp.where(chunks > 0, start, end)  # a long row reads its chunks instead
+        start, end = starts_ref[k], starts_ref[k + 1]
+        long = end - start > LONG  # (a real row: the caller checked)
+        direct_end = jnp.where(long, start, end)  # a long row reads its pieces' sums instead
         g = _sum_block(start, direct_end, grads_ref, source_ref, weight_ref)
-        g = g + _sum_block(first_ref[k], first_ref[k] + chunks, partial_ref)
+        first, rest_lo, rest_hi = _long_row_pieces(start, end, blocks)
+        g = g + _sum_block(
+            jnp.where(long, rest_lo, 0),
+            jnp.where(long, rest_hi, 0),
+            partial_ref,
+            acc=jnp.where(long, partial_ref[pl.ds(first, 1), :], 0.0).reshape(-1),
+        )
         at = pl.ds(row, 1)
         w = table_ref[at, :].astype(jnp.float32)
         state = {key: ref[at, :] if len(ref.shape) == 2 else ref[at] for key, ref in state_refs.items()}
@@ -126,29 +173,6 @@ def _varying_like(x, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
 
 
-def long_row_chunks(s, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """How the chunk kernel splits long rows: per place of the sorted lookups ``s`` (a
-    ``SortedLookups``), its ``chunks`` of LONG lookups (0: summed directly) and the ``first``
-    one's index; per chunk program, the lookups [``begin``, ``end``) it sums (empty: unused).
-    The padding's place (rows past ``num_rows``, all of a bag's unused slots: over half of
-    DLRM-DCNv2's lookups) is never chunked: the row kernel skips it, so its sums were wasted."""
-    n = s.order.shape[0]
-    count = s.starts[1:] - s.starts[:-1]
-    chunks = jnp.where((count > LONG) & (s.rows < num_rows), (count + LONG - 1) // LONG, 0).astype(jnp.int32)
-    chunk_end = jnp.cumsum(chunks, dtype=jnp.int32)
-    first = chunk_end - chunks
-    most = 2 * n // LONG + 1  # each long row has over LONG lookups, so at most 2 chunks per LONG
-    c = lax.iota(jnp.int32, most)
-    # unrolled: one kernel on GPUs, where the default search, a loop of log2(n) rounds, ran two
-    # kernels and a copy a round (87 of criteo_kaggle's 191 kernels a step)
-    place = jnp.searchsorted(chunk_end, c, side="right", method="scan_unrolled")
-    place = jnp.minimum(place, n - 1).astype(jnp.int32)
-    used = c < chunk_end[-1]
-    begin = jnp.where(used, s.starts[place] + (c - first[place]) * LONG, 0)
-    end = jnp.where(used, jnp.minimum(begin + LONG, s.starts[place + 1]), 0)
-    return chunks, first, begin, end
-
-
 def fused_row_update(
     step, table, state: dict, lookups, grads, lr, row_mean_sq=None, interpret: bool | None = None, programs: int = 0
 ):
@@ -167,8 +191,7 @@ def fused_row_update(
     # The lookups' sources and weights in row order: the kernels read them contiguously.
     source = s.order if lookups.sources is None else lookups.sources[s.order]
     weight = None if lookups.weights is None else lookups.weights[s.order].astype(jnp.float32)
-    chunks, first, begin, end = long_row_chunks(s, num_rows)
-    most = begin.shape[0]
+    blocks = pl.cdiv(n, LONG)
 
     weights_in = () if weight is None else (weight,)
     # Triton's compiler parameters pick the Triton backend (not Mosaic GPU's warpgroup copies,
@@ -176,10 +199,10 @@ def fused_row_update(
     params = plt.CompilerParams(num_warps=WARPS, num_stages=1)
     call = functools.partial(pl.pallas_call, interpret=interpret, compiler_params=params)
     partial = call(
-        functools.partial(_chunk_kernel, weighted=weight is not None),
-        grid=(most,),
-        out_shape=_varying_like(grads, (most, width), jnp.float32),
-    )(begin, end, source, *weights_in, grads)
+        functools.partial(_chunk_kernel, weighted=weight is not None, num_rows=num_rows),
+        grid=(2 * blocks,),
+        out_shape=_varying_like(grads, (2 * blocks, width), jnp.float32),
+    )(s.segment, s.starts, s.rows, source, *weights_in, grads)
 
     keys = tuple(sorted(state))
     mean_sq = ()
@@ -187,7 +210,7 @@ def fused_row_update(
         mean_sq = (s.max_by_row(row_mean_sq).astype(jnp.float32),)
     lr = jnp.asarray(lr, jnp.float32).reshape(1)
     distinct = jnp.sum(s.rows < num_rows, dtype=jnp.int32).reshape(1)
-    inputs = (s.rows, s.starts, first, chunks, source, *weights_in, grads, partial, lr, distinct, *mean_sq)
+    inputs = (s.rows, s.starts, source, *weights_in, grads, partial, lr, distinct, *mean_sq)
     out_shape = [_varying_like(x, x.shape, x.dtype) for x in (table, *(state[k] for k in keys))]
     outs = call(
         functools.partial(
