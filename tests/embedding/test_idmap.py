@@ -403,14 +403,27 @@ def _all_eqns(jaxpr):
             yield from _all_eqns(sub)
 
 
-def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map():
-    """Two lfu tables with half lives 2 and 5 and an lru one in one fused resolution (each
-    probe's decay divided by its own table's half life), step after step with evictions and
-    gaps between steps: each table's rows, fresh rows and map as its own Python model's."""
+HALF_LIVES = {
+    "decay": [MapSpec(12, 2, 3, "lfu", half_life=2), MapSpec(8, 1, 4, "lfu", half_life=5), MapSpec(6, 2, 2, "lru")],
+    # admission's sketches aging at each table's own half life (each counter shifted by its table's)
+    "sketches": [
+        MapSpec(12, 2, 3, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=4),
+        MapSpec(8, 1, 4, "lru", half_life=5, admit=3, sketch_depth=1, sketch_width=8),
+        MapSpec(6, 2, 2, "lru"),
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", list(HALF_LIVES))
+def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map(kind):
+    """Two tables with half lives 2 and 5 and an lru one in one fused resolution (each probe's
+    decay divided by its own table's half life; with admission, each table's sketch halved at
+    its own), step after step with evictions and gaps between steps: each table's rows, fresh
+    rows and map as its own Python model's."""
     from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
     from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
 
-    specs = [MapSpec(12, 2, 3, "lfu", half_life=2), MapSpec(8, 1, 4, "lfu", half_life=5), MapSpec(6, 2, 2, "lru")]
+    specs = HALF_LIVES[kind]
     layout = Maps(tuple(specs), tuple(s.vshards for s in specs))
     run = jax.jit(
         lambda m, table, hi, lo, valid, step: resolve_fused(

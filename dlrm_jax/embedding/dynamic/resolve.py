@@ -451,8 +451,9 @@ def _settled(
         real & ~admitted,  # held back
         pending,  # unplaced
     ]
-    sums = [few_segment_sum(x.astype(jnp.int32), utab, len(specs)) for x in per_id]
-    stats = jnp.stack(sums, 1)  # (each stat summed alone: no [U, 6] array)
+    # one sum of the six (XLA fuses the stack into the scatter: no [U, 6] array; summed one by
+    # one they were 12 of a resolution's kernels on GPUs, 3 now)
+    stats = few_segment_sum(jnp.stack([x.astype(jnp.int32) for x in per_id], 1), utab, len(specs))
     to = jnp.where(won, jnp.cumsum(won, dtype=jnp.int32) - 1, n)  # the fresh rows first, in one scatter
     entries = jnp.stack([placed - base, utab, uhi.view(jnp.int32), ulo.view(jnp.int32)], 1)
     fresh = jnp.full((min(n, rows_n), 4), -1, jnp.int32).at[to].set(entries, mode="drop")  # (a row is given once)
@@ -482,7 +483,14 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk:
     if half.any():  # every counter of a table halves at each multiple of its half life
         hl = per_table(np.maximum(half, 1))
         age = (per_table(half) > 0) & (step > 0) & (step % hl == 0) & age
-        halve = lambda sk: sk >> jnp.repeat(age.astype(jnp.int32), np.asarray(sizes), total_repeat_length=sum(sizes))
+        if len({s.half_life for s in specs if s.counts}) == 1:  # (a run's tables share one)
+            # one shift for all: the counters of tables that do not count are never added to
+            halve = lambda sk: sk >> jnp.max(age.astype(jnp.int32))
+        else:  # each counter its table's: the table found by comparing with their starts, not
+            # by ``jnp.repeat`` (a prefix sum over the sketches: 5 kernels a step on GPUs)
+            starts = np.cumsum(sizes)[:-1].astype(np.int32)
+            table_of = jnp.searchsorted(starts, lax.iota(jnp.int32, sum(sizes)), side="right", method="compare_all")
+            halve = lambda sk: sk >> age.astype(jnp.int32)[table_of]
         # a pass over the sketches only when one ages (on GPUs every step: a shift by 0 where none does)
         sketch = by_platform(
             lambda: lax.cond(jnp.any(age), halve, lambda sk: sk, sketch), lambda: halve(sketch), maps.control_flow
