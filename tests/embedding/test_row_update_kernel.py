@@ -211,7 +211,9 @@ def test_each_long_rows_pieces_cover_its_lookups_once_in_order(rows, long):
             assert all(e > b for b, e in pieces)
         assert covered.max(initial=0) <= 1
         long_lookups = sum(
-            int(starts[k + 1] - starts[k]) for k, r in enumerate(places) if r < num_rows and starts[k + 1] - starts[k] > long
+            int(starts[k + 1] - starts[k])
+            for k, r in enumerate(places)
+            if r < num_rows and starts[k + 1] - starts[k] > long
         )
         assert covered.sum() == long_lookups
     finally:
