@@ -344,13 +344,14 @@ def _id_pool() -> np.ndarray:
 )
 @example([(0, 0, True), (0, 7, True), (1, 0, True), (0, 0, True)], False, "one_path")  # one low word, two ids
 @example([(0, 0, True), (0, 1, True), (0, 0, False), (0, 1, True)], True, "one_path")  # the colliding pair
-def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence(entries, with_counts, form):
-    """``distinct.distinct_ids`` against a Python grouping, both ways it finds first occurrences
-    (``branches``: a hash table, rounds until every id settles, CPUs'; ``one_path``: stable radix
-    sorts, GPUs'): each valid (table, id) pair numbered once, in the order it first occurs, with
-    its occurrences (or summed counts); padding of any table and id numbered N. A pair of ids
-    whose 32-bit hashes collide (found by a birthday search) is always in the pool, so they
-    meet; padding shares its words with real ids."""
+def test_distinct_ids_number_each_table_and_id_once(entries, with_counts, form):
+    """``distinct.distinct_ids`` against a Python grouping, both ways it finds them
+    (``branches``: a hash table, rounds until every id settles, CPUs', numbered in the order
+    each first occurs; ``one_path``: stable radix sorts, GPUs', numbered in (table, id) order):
+    each valid (table, id) pair numbered once, with its occurrences (or summed counts); padding
+    of any table and id numbered N. A pair of ids whose 32-bit hashes collide (found by a
+    birthday search) is always in the pool, so they meet; padding shares its words with real
+    ids."""
     pool = _id_pool()
     entries = entries + [(i % 3, i % 8, False) for i in range(64 - len(entries))]  # one shape, padded
     table = np.array([t for t, _, _ in entries], np.int32)
@@ -367,6 +368,8 @@ def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence
         if v:
             order.setdefault((t, int(pool[k])), len(order))
             totals[(t, int(pool[k]))] = totals.get((t, int(pool[k])), 0) + (1 if counts is None else int(counts[i]))
+    if form == "one_path":
+        order = {pair: j for j, pair in enumerate(sorted(order))}
     want = [order[(t, int(pool[k]))] if v else n for t, k, v in entries]
     np.testing.assert_array_equal(index, want)
     np.testing.assert_array_equal(real, np.arange(n) < len(order))
@@ -375,12 +378,12 @@ def test_distinct_ids_number_each_table_and_id_once_in_order_of_first_occurrence
         assert got == (t, k) and occurrences[j] == totals[(t, k)]
 
 
-def test_distinct_ids_set_each_distinct_slot_from_its_first_occurrence_alone():
-    """The distinct ids' words, tables and occurrences are scattered from their first
-    occurrences only, with unique indices promised (XLA's GPU code then stores without atomics:
-    every occurrence of a hot id writing its slot made thousands of stores to one address, one
-    after another); on GPUs (``one_path``) the first occurrences and the occurrences' sums come
-    from sorts, with no scatter that adds or takes a least and no loop."""
+def test_distinct_ids_set_each_distinct_slot_from_one_occurrence_alone():
+    """The distinct ids' words, tables and occurrences are scattered from one occurrence each
+    (the first; on GPUs, ``one_path``, the first and last of its run in sorted order), with
+    unique indices promised (XLA's GPU code then stores without atomics: every occurrence of a
+    hot id writing its slot made thousands of stores to one address, one after another); on
+    GPUs they come from sorts, with no scatter that adds or takes a least and no loop."""
     from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 
     n = 64
@@ -388,7 +391,7 @@ def test_distinct_ids_set_each_distinct_slot_from_its_first_occurrence_alone():
     for form, combining in (("branches", {"scatter-min", "scatter-add"}), ("one_path", set())):
         jaxpr = jax.make_jaxpr(functools.partial(distinct_ids, form=form))(*args)
         top = [e for e in jaxpr.eqns if e.primitive.name == "scatter"]
-        assert len(top) == 4 + 2 * (not combining) and all(e.params["unique_indices"] for e in top)
+        assert len(top) == (4 if combining else 5) and all(e.params["unique_indices"] for e in top)
         names = {e.primitive.name for e in _all_eqns(jaxpr.jaxpr)}
         assert {"scatter-min", "scatter-add"} & names == combining and ("while" in names) == bool(combining)
         index, *_, occurrences, _ = jax.jit(functools.partial(distinct_ids, form=form))(*args)  # one id 64 times

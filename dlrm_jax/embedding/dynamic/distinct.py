@@ -1,7 +1,7 @@
-"""A batch's distinct (table, id) pairs, each with its first occurrence and its occurrences: the
-dedup every resolution of raw ids through the maps starts with (``resolve``, and each device's
-own ids before they are routed, ``sharded``). Two ways to the same results: a hash table's
-rounds on CPUs, stable radix sorts elsewhere (``embedding.dynamic.control_flow``)."""
+"""A batch's distinct (table, id) pairs, each with its occurrences: the dedup every resolution
+of raw ids through the maps starts with (``resolve``, and each device's own ids before they are
+routed, ``sharded``). Two ways to the same ids: a hash table's rounds on CPUs, stable radix
+sorts elsewhere (``embedding.dynamic.control_flow``), numbered differently."""
 
 from __future__ import annotations
 
@@ -23,30 +23,34 @@ _TABLE_SALT = np.uint32(0x9E3779B9)
 def distinct_ids(hi, lo, valid, table, counts=None, form: str = ControlFlow.AUTO, tables: int = (1 << 31) - 1):
     """The batch's distinct valid (table, id) pairs, padded to N: (each id's index among them, N
     for padding; their high and low words and tables; occurrences, each entry counting
-    ``counts`` (int32 [N]) or 1; whether each distinct slot is real). They are numbered in the
-    order of their first occurrences, which means nothing to the map. ``tables``: more than
-    any table index (a bound for the sort by table).
+    ``counts`` (int32 [N]) or 1; whether each distinct slot is real). ``tables``: more than any
+    table index (a bound for the sort by table).
 
-    Each id's first occurrence is found by :func:`_first_by_hashing` on CPUs (rounds of a hash
-    table until every id is settled) and by :func:`_first_by_sorting` elsewhere (three stable
-    radix sorts, no loop and no atomics); ``form``: as :func:`~dlrm_jax.chunks.by_platform`'s.
-    The same results either way."""
+    Found by :func:`_by_hashing` on CPUs (a hash table's rounds until every id is settled; the
+    ids numbered in the order of their first occurrences) and by :func:`_by_sorting` elsewhere
+    (three stable radix sorts, no loop and no atomics; numbered in (table, id) order);
+    ``form``: as :func:`~dlrm_jax.chunks.by_platform`'s. The same distinct ids, occurrences and
+    index of each id's entry either way; only their numbering differs, which means nothing to
+    the map (what a batch does to it follows each id, not its number)."""
+    weight = jnp.ones(hi.shape[0], jnp.int32) if counts is None else counts
+    return by_platform(
+        lambda: _by_hashing(hi, lo, valid, table, weight),
+        lambda: _by_sorting(hi, lo, valid, table, weight, tables),
+        form,
+    )
+
+
+def _by_hashing(hi, lo, valid, table, weight):
+    """:func:`distinct_ids` from each id's first occurrence (:func:`_first_by_hashing`)."""
     n = hi.shape[0]
     position = lax.iota(jnp.int32, n)
-    weight = jnp.ones(n, jnp.int32) if counts is None else counts
-
-    def hashing():
-        first = _first_by_hashing(hi, lo, valid, table)
-        return first, jnp.zeros(n, jnp.int32).at[first].add(weight, mode="drop")
-
-    # (each id's first occurrence, padding N; at it, the sum of its id's weights)
-    first, summed = by_platform(hashing, lambda: _first_by_sorting(hi, lo, valid, table, weight, tables), form)
+    first = _first_by_hashing(hi, lo, valid, table)
+    summed = jnp.zeros(n, jnp.int32).at[first].add(weight, mode="drop")  # at each first occurrence
     leads = first == position
     number = jnp.cumsum(leads, dtype=jnp.int32) - 1
     index = jnp.where(valid, number[jnp.minimum(first, n - 1)], n)
     # Each distinct id's words set by its first occurrence alone: one write a slot, no two at
-    # one address (every occurrence writing them was a scatter whose stores to a hot id's slot,
-    # thousands a batch, XLA's GPU code made one after another).
+    # one address.
     at = jnp.where(leads, number, n)
     put = lambda x: jnp.zeros(n, x.dtype).at[at].set(x, mode="drop", unique_indices=True)
     real = jnp.arange(n) < jnp.sum(leads)
@@ -83,13 +87,14 @@ def _first_by_hashing(hi, lo, valid, table):
     return lax.while_loop(lambda c: jnp.any(c[1] < 0), round_, (jnp.uint32(0), jnp.where(valid, -1, n)))[1]
 
 
-def _first_by_sorting(hi, lo, valid, table, weight, tables: int):
-    """(each valid id's first occurrence, padding N; at each first occurrence the sum of its
-    id's ``weight``): the ids sorted by low word, then high word, then table (padding last),
-    each a stable sort of one 32-bit key and the positions (a GPU's radix sort; the table's few
-    bits packed with the positions where they fit), so equal ids lie together in the order of
-    their positions, the first leading. Exact, with no loop for the host to decide and no two
-    writes to one address."""
+def _by_sorting(hi, lo, valid, table, weight, tables: int):
+    """:func:`distinct_ids` from the ids sorted by low word, then high word, then table
+    (padding last), each a stable sort of one 32-bit key and the positions (a GPU's radix sort;
+    the table's few bits packed with the positions where they fit), so equal ids lie together
+    in runs, numbered in that order. One prefix sum of two rows gives each sorted entry its run
+    and the weights' running sum (on a GPU a prefix sum is 6 kernels whatever its rows: the
+    first occurrences' running maximum and the numbering's sum, two more before, were 12 more).
+    Exact, with no loop for the host to decide and no two writes to one address."""
     n = hi.shape[0]
     order = lax.iota(jnp.int32, n)
     for key in (lo, hi):
@@ -98,13 +103,18 @@ def _first_by_sorting(hi, lo, valid, table, weight, tables: int):
     sorted_table, taken = sort_with_order(by_table, tables + 1)
     order = order[taken]
     words = (hi[order], lo[order], sorted_table)
-    slot = lax.iota(jnp.int32, n)
     new = jnp.concatenate([jnp.ones(1, bool), functools.reduce(jnp.logical_or, [w[1:] != w[:-1] for w in words])])
-    start = lax.cummax(jnp.where(new, slot, 0))  # each sorted slot's run's first slot
-    first = jnp.zeros(n, jnp.int32).at[order].set(order[start], unique_indices=True)
-    # a run's weights: its last slot's running sum less the one before its first slot
-    running = jnp.cumsum(weight[order], dtype=jnp.int32)
-    last = jnp.concatenate([new[1:], jnp.ones(1, bool)])
-    run_sum = running - jnp.where(start > 0, running[jnp.maximum(start - 1, 0)], 0)
-    summed = jnp.zeros(n, jnp.int32).at[jnp.where(last, order[start], n)].set(run_sum, mode="drop", unique_indices=True)
-    return jnp.where(valid, first, n), summed
+    sorted_weight = weight[order]
+    runs, running = jnp.cumsum(jnp.stack([new.astype(jnp.int32), sorted_weight]), axis=1, dtype=jnp.int32)
+    run = runs - 1  # each sorted entry's distinct id (the padding's runs last: past the real ones)
+    real_entry = sorted_table < tables
+    index = jnp.full(n, n, jnp.int32).at[order].set(jnp.where(real_entry, run, n), unique_indices=True)
+    # each run's words from its first entry, its running sum from its last (each a write of one
+    # entry a run: no two at one address); its occurrences, that sum less the run's before it
+    put = lambda at, x: (
+        jnp.zeros(n, x.dtype).at[jnp.where(at & real_entry, run, n)].set(x, mode="drop", unique_indices=True)
+    )
+    ends = put(jnp.concatenate([new[1:], jnp.ones(1, bool)]), running)
+    real = jnp.arange(n) < jnp.sum(new & real_entry)
+    occurrences = jnp.where(real, ends - jnp.concatenate([jnp.zeros(1, jnp.int32), ends[:-1]]), 0)
+    return index, put(new, words[0]), put(new, words[1]), put(new, sorted_table), occurrences, real
