@@ -141,3 +141,33 @@ def test_dlrm_shapes_and_bf16(interaction):
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(bf16, nnx.Param)))
     rel = float(jnp.linalg.norm(out16 - out32) / jnp.linalg.norm(out32))
     assert rel < 3e-2, rel
+
+
+def test_a_low_precision_layer_rounds_once_and_its_gradients_are_the_products_in_its_dtype():
+    """``mlp.linear`` in bfloat16: the product accumulated and the float32 bias added before one
+    rounding (bit for bit that expression); its gradients (its own rule: the matrix products in
+    bfloat16, where autodiff of a float32 sum ran them in float32) against the float32 layer's
+    within bfloat16's precision, the weights' and the bias's returned in float32; and in float32
+    the layer is the plain expression still."""
+    from dlrm_jax.model.mlp import linear
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, 13)).astype(np.float32))  # 13 inputs: padded to 16
+    kernel = jnp.asarray(rng.normal(size=(13, 8)).astype(np.float32))
+    bias = jnp.asarray(rng.normal(size=(8,)).astype(np.float32))
+    bf = jnp.bfloat16
+    got = linear(x, kernel, bias, bf)
+    want = (jnp.dot(x.astype(bf), kernel.astype(bf), preferred_element_type=jnp.float32) + bias).astype(bf)
+    assert got.dtype == bf
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+    weights = jnp.asarray(rng.normal(size=(64, 8)).astype(np.float32))
+    loss = lambda dtype: lambda k, b, x: jnp.sum(linear(x, k, b, dtype).astype(jnp.float32) * weights)
+    low = jax.grad(loss(bf), argnums=(0, 1, 2))(kernel, bias, x)
+    full = jax.grad(loss(jnp.float32), argnums=(0, 1, 2))(kernel, bias, x)
+    for g, f in zip(low, full, strict=True):
+        assert g.dtype == jnp.float32 and g.shape == f.shape
+        scale = float(jnp.max(jnp.abs(f)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(f), atol=0.02 * scale, rtol=0)
+    padded = jnp.pad(x, ((0, 0), (0, 3))) @ jnp.pad(kernel, ((0, 3), (0, 0))) + bias
+    np.testing.assert_array_equal(np.asarray(linear(x, kernel, bias, jnp.float32)), np.asarray(padded))
