@@ -104,6 +104,25 @@ def test_fewer_programs_taking_rows_in_rounds_give_the_same_bits(monkeypatch, na
         table, state = every
 
 
+@pytest.mark.parametrize("programs", [0, 2])
+def test_a_batch_without_padding_updates_its_last_row(monkeypatch, programs):
+    """Every lookup a real row (no padding's place after the rows, whose count the row kernel
+    reads from the last lookup's place): the last distinct row is updated too."""
+    monkeypatch.setattr(row_update_kernel, "LONG", 8)
+    rng = np.random.default_rng(6)
+    opt = sgd()
+    table = jnp.asarray(rng.normal(size=(R, D)).astype(np.float32))
+    # rows 0-20, each looked up (21 places: the last one starts a program's group of PLACES)
+    ids = jnp.asarray(np.concatenate([np.arange(21), rng.integers(0, 21, 99)]).reshape(20, 6).astype(np.int32))
+    ids = ids.at[:, 0].set(20)  # the last row in every sample: a long row, placed last
+    lookups = Lookups.of_bags(ids, np.repeat(np.arange(2), 3), 2, jnp.ones(ids.shape, jnp.float32))
+    pooled = jnp.asarray(rng.normal(size=(40, D)).astype(np.float32))
+    got, _ = fused(opt, table, opt.init(table), lookups, pooled, 0.05, programs=programs)
+    want, _ = opt.update(table, opt.init(table), lookups, pooled, 0.05)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(got)[20], np.asarray(table)[20])
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("programs", [0, 8])
 def test_kernels_lower_to_triton_for_a_gpu(name, programs):

@@ -116,7 +116,7 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
     it = iter(refs)
     rows_ref, starts_ref, source_ref = (next(it) for _ in range(3))
     weight_ref = next(it) if weighted else None
-    grads_ref, partial_ref, lr_ref, distinct_ref = next(it), next(it), next(it), next(it)
+    grads_ref, partial_ref, lr_ref, segment_ref = next(it), next(it), next(it), next(it)
     mean_sq_ref = next(it) if has_mean_sq else None
     next(it)  # the table as input (aliased to the output below)
     [next(it) for _ in state_keys]
@@ -162,8 +162,12 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
 
         return lax.fori_loop(0, PLACES, one_place, carry)
 
-    # the distinct rows' places come first; a program past them has no round
-    rounds = pl.cdiv(jnp.maximum(distinct_ref[0] - p * PLACES, 0), programs * PLACES)
+    # The distinct rows' places come first, then the padding's if any (the last lookup's place,
+    # read here: a count of the real rows before the kernel was two kernels more); a program
+    # past them has no round.
+    last = segment_ref[segment_ref.shape[0] - 1]
+    distinct = jnp.where(rows_ref[last] < num_rows, last + 1, last)
+    rounds = pl.cdiv(jnp.maximum(distinct - p * PLACES, 0), programs * PLACES)
     lax.fori_loop(0, rounds, one_round, 0)
 
 
@@ -209,8 +213,7 @@ def fused_row_update(
     if row_mean_sq is not None:  # per place: every lookup of a row carries its row's value
         mean_sq = (s.max_by_row(row_mean_sq).astype(jnp.float32),)
     lr = jnp.asarray(lr, jnp.float32).reshape(1)
-    distinct = jnp.sum(s.rows < num_rows, dtype=jnp.int32).reshape(1)
-    inputs = (s.rows, s.starts, source, *weights_in, grads, partial, lr, distinct, *mean_sq)
+    inputs = (s.rows, s.starts, source, *weights_in, grads, partial, lr, s.segment, *mean_sq)
     out_shape = [_varying_like(x, x.shape, x.dtype) for x in (table, *(state[k] for k in keys))]
     outs = call(
         functools.partial(
