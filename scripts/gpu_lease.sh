@@ -2,7 +2,8 @@
 # The next GPU lease's measurements, one call per run of the device tool (each ends well inside
 # its 10-minute limit): docs/benchmarks-log.md, "What the next GPU lease should run".
 #
-#   scripts/gpu_lease.sh 0   # every open issue's headline figures, first (about 9 minutes): DLRM-DCNv2
+#   scripts/gpu_lease.sh 0   # the Pallas kernels checked against XLA's forms on the GPU, then
+#                            # every open issue's headline figures (about 10 minutes): DLRM-DCNv2
 #                            # (own optimizers and SGD), the MLPerf-v1 shape, criteo_kaggle and its
 #                            # dynamic step (prefixes, the default, and one path), the fused update's row kernel
 #                            # capped (the default) and not, and the cross layers by the kernel
@@ -49,8 +50,11 @@ bench() {
 extra=("${@:2}")
 works=()
 case $call in
-0) # every issue's headline first (the defaults, then the feed), the levers after: a call cut short
-   # by the device tool's limit loses the levers, not the headlines
+0) # the Pallas kernels against XLA's forms as the GPU compiles them (a timing of a wrong kernel
+   # means nothing; about a minute), then every issue's headline (the defaults, then the feed),
+   # the levers after: a call cut short by the device tool's limit loses the levers, not the headlines
+   timeout 150 python scripts/gpu_check_kernels.py --json "$out/call0-kernels.json" 2>&1 \
+       | tee -a "$out/call0.log" || status=1
    bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
        --variants default --train-configs "" --steps 10 --determinism-steps 0
    bench feed --only feed --feed-configs criteo_kaggle --set data.max_rows=500000 \

@@ -463,6 +463,35 @@ def test_the_gpu_lease_calls_name_known_variants_and_configs():
         gpu_bench_cases.variant_runs("pairs_fused:criteo_kaggle:mlperf_v1_capped", "")
 
 
+def test_the_gpu_kernel_check_passes_in_the_interpreter_and_fails_a_wrong_kernel(tmp_path, monkeypatch):
+    """``scripts/gpu_check_kernels.py --small`` (the lease's first check, here in Pallas's
+    interpreter): every kernel within its tolerance of XLA's form, the same bits twice; and a
+    fused update whose long rows lose a piece is reported and fails the run."""
+    import sys
+
+    from tests.helpers import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check_kernels
+
+    from dlrm_jax.embedding.exchange import row_update_kernel
+
+    monkeypatch.setattr(row_update_kernel, "LONG", row_update_kernel.LONG)  # (--small lowers it)
+    out = tmp_path / "kernels.json"
+    assert gpu_check_kernels.main(["--small", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    names = [c["check"].split("/")[0] for c in report["checks"]]
+    assert report["all_ok"] and names.count("sparse_update") == 4 and "cross" in names and "pairs" in names
+    assert all(c["same_bits_twice"] for c in report["checks"] if "same_bits_twice" in c)
+
+    pieces = row_update_kernel._long_row_pieces
+    monkeypatch.setattr(
+        row_update_kernel, "_long_row_pieces", lambda s, e, b: (lambda f, lo, hi: (f, lo, hi - 1))(*pieces(s, e, b))
+    )
+    assert gpu_check_kernels.main(["--small", "--json", str(out)]) == 1
+    assert not json.loads(out.read_text())["all_ok"]
+
+
 def test_a_gpu_bench_process_keeps_each_configs_result_as_it_comes(tmp_path, monkeypatch):
     """A lease's call cut short or a config that fails loses nothing measured before it: the
     child process writes its result file after each config, a failing config is noted as
