@@ -53,7 +53,7 @@ case $call in
 0) # the Pallas kernels against XLA's forms as the GPU compiles them (a timing of a wrong kernel
    # means nothing; about a minute), then every issue's headline (the defaults, then the feed),
    # the levers after: a call cut short by the device tool's limit loses the levers, not the headlines
-   timeout 150 python scripts/gpu_check_kernels.py --json "$out/call0-kernels.json" 2>&1 \
+   timeout 180 python scripts/gpu_check_kernels.py --json "$out/call0-kernels.json" 2>&1 \
        | tee -a "$out/call0.log" || status=1
    bench configs --only configs --configs mlperf_dcnv2_capped,mlperf_dcnv2_capped_sgd,mlperf_v1_capped,criteo_kaggle,criteo_kaggle_dynamic \
        --variants default --train-configs "" --steps 10 --determinism-steps 0
