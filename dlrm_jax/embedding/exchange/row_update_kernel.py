@@ -22,7 +22,7 @@ chunk kernel  a row with more than LONG lookups (a hot id: a Zipf batch can hold
               108 kernels a step, compiled for one H200).
 
 Every sum runs in an order fixed by the sorted lookups, so a run gives the same bits every
-time; the order differs from the XLA form's (blocks, then chunks), so the two agree to
+time; the order differs from the XLA form's (blocks, then pieces), so the two agree to
 rounding. On other backends the kernels run in Pallas's interpreter (the tests' path).
 """
 
@@ -112,7 +112,7 @@ def _chunk_kernel(segment_ref, starts_ref, rows_ref, source_ref, *rest, weighted
 def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, has_mean_sq: bool):
     """Program p of P, for the places k of its rounds (PLACES places, P x PLACES apart, until
     the distinct rows run out): distinct row ``rows[k]`` (past the end: nothing to do) gets its
-    summed gradient (its lookups, or its chunks' partial sums), then one optimizer step."""
+    summed gradient (its lookups, or its pieces' partial sums), then one optimizer step."""
     it = iter(refs)
     rows_ref, starts_ref, source_ref = (next(it) for _ in range(3))
     weight_ref = next(it) if weighted else None
