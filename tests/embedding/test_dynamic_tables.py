@@ -114,6 +114,18 @@ def test_one_gpus_straight_form_trains_as_the_branches_do(control_flow):
         assert got[4] == want[4], t
 
 
+def test_the_gpus_straight_form_on_four_devices_trains_as_the_branches_do():
+    """The GPUs' form on 4 devices (each device's ids deduplicated by sorting and numbered in
+    sorted order, routed to their owners, resolved there; forced here on CPU): 12 steps equal
+    the branches' (hash-table dedup, first-occurrence order), bit for bit."""
+    branches = list(run(4, "rowwise_adagrad", 12, reset_chunk=2, control_flow="branches"))
+    for t, (got, want) in enumerate(zip(run(4, "rowwise_adagrad", 12, control_flow="one_path"), branches, strict=True)):
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"pooled, step {t}")
+        for a, b in zip(got[1] + got[3], want[1] + want[3], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"table or map, step {t}")
+        assert got[4] == want[4], t
+
+
 @pytest.mark.slow
 def test_a_fresh_row_starts_as_its_ids_own_vector_and_state():
     """The same id placed in different rows (other maps, other device counts) starts alike;
