@@ -488,9 +488,9 @@ def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk:
             halve = lambda sk: sk >> jnp.max(age.astype(jnp.int32))
         else:  # each counter its table's: the table found by comparing with their starts, not
             # by ``jnp.repeat`` (a prefix sum over the sketches: 5 kernels a step on GPUs)
-            starts = np.cumsum(sizes)[:-1].astype(np.int32)
+            starts = maps.sketch_starts.astype(np.int32)
             table_of = jnp.searchsorted(starts, lax.iota(jnp.int32, sum(sizes)), side="right", method="compare_all")
-            halve = lambda sk: sk >> age.astype(jnp.int32)[table_of]
+            halve = lambda sk: sk >> age.astype(jnp.int32)[table_of - 1]
         # a pass over the sketches only when one ages (on GPUs every step: a shift by 0 where none does)
         sketch = by_platform(
             lambda: lax.cond(jnp.any(age), halve, lambda sk: sk, sketch), lambda: halve(sketch), maps.control_flow

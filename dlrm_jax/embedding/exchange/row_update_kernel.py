@@ -85,8 +85,13 @@ def chunk_range(c, blocks: int, segment, starts, rows, num_rows: int):
     at_first, at_last = segment[lo], segment[hi - 1]
     q = jnp.where(side == 0, at_first, at_last)
     start, end = starts[q], starts[q + 1]
-    take = (end - start > LONG) & (rows[q] < num_rows) & ((side == 0) | (at_last != at_first))
+    take = _is_long(start, end) & (rows[q] < num_rows) & ((side == 0) | (at_last != at_first))
     return jnp.where(take, jnp.maximum(start, lo), 0), jnp.where(take, jnp.minimum(end, hi), 0)
+
+
+def _is_long(start, end):
+    """Whether a row's lookups [start, end) are summed in pieces by the chunk kernel."""
+    return end - start > LONG
 
 
 def _long_row_pieces(start, end, blocks: int):
@@ -127,7 +132,7 @@ def _row_kernel(*refs, step, num_rows: int, weighted: bool, state_keys: tuple, h
 
     def update_row(k, row):
         start, end = starts_ref[k], starts_ref[k + 1]
-        long = end - start > LONG  # (a real row: the caller checked)
+        long = _is_long(start, end)  # (a real row: the caller checked)
         direct_end = jnp.where(long, start, end)  # a long row reads its pieces' sums instead
         g = _sum_block(start, direct_end, grads_ref, source_ref, weight_ref)
         first, rest_lo, rest_hi = _long_row_pieces(start, end, blocks)
