@@ -92,25 +92,23 @@ def sparse_update_checks(rows: int, width: int, samples: int, bag: int, dtypes: 
     return out
 
 
+def _against_xla(check: str, xla, kernel, *args) -> list[dict]:
+    """One check: ``kernel`` against ``xla`` on ``args``, values and gradient (bfloat16)."""
+    want, want_vjp = jax.vjp(jax.jit(xla), *args)
+    got, got_vjp = jax.vjp(jax.jit(kernel), *args)
+    g = jnp.asarray(np.random.default_rng(3).standard_normal(want.shape), want.dtype)
+    errors = [relative_error(got, want)] + [relative_error(a, b) for a, b in zip(got_vjp(g), want_vjp(g), strict=True)]
+    error, tolerance = max(errors), TOLERANCE["bfloat16"]
+    return [{"check": check, "relative_error": error, "tolerance": tolerance, "ok": error <= tolerance}]
+
+
 def cross_checks(batch: int, rank: int, width: int) -> list[dict]:
     """The cross layer's kernel against XLA's layer, bfloat16 (DLRM-DCNv2's compute)."""
     rng = np.random.default_rng(1)
     shapes = [(batch, rank), (rank, width), (width,), (batch, width), (batch, width)]
     args = [jnp.asarray(rng.standard_normal(s) * (0.1 if i == 1 else 1.0), jnp.bfloat16) for i, s in enumerate(shapes)]
-    g = jnp.asarray(rng.standard_normal((batch, width)), jnp.bfloat16)
     xla = lambda h, v, b, x0, x: x0 * (h @ v + b) + x
-    want, want_vjp = jax.vjp(jax.jit(xla), *args)
-    got, got_vjp = jax.vjp(jax.jit(cross_kernel.fused_cross), *args)
-    errors = [relative_error(got, want)] + [relative_error(a, b) for a, b in zip(got_vjp(g), want_vjp(g), strict=True)]
-    error = max(errors)
-    return [
-        {
-            "check": f"cross/{batch}x{rank}x{width}",
-            "relative_error": error,
-            "tolerance": TOLERANCE["bfloat16"],
-            "ok": error <= TOLERANCE["bfloat16"],
-        }
-    ]
+    return _against_xla(f"cross/{batch}x{rank}x{width}", xla, cross_kernel.fused_cross, *args)
 
 
 def pairs_checks(batch: int, features: int, dim: int) -> list[dict]:
@@ -118,22 +116,9 @@ def pairs_checks(batch: int, features: int, dim: int) -> list[dict]:
     rng = np.random.default_rng(2)
     bottom = jnp.asarray(rng.normal(size=(batch, dim)), jnp.bfloat16)
     emb = jnp.asarray(rng.normal(size=(batch, features, dim)), jnp.bfloat16)
-    out = []
-    want, want_vjp = jax.vjp(jax.jit(lambda b, e: dot_interaction(b, e, "xla")), bottom, emb)
-    got, got_vjp = jax.vjp(jax.jit(lambda b, e: dot_interaction(b, e, "fused")), bottom, emb)
-    g = jnp.asarray(rng.normal(size=want.shape), want.dtype)
-    error = max(
-        [relative_error(got, want)] + [relative_error(a, b) for a, b in zip(got_vjp(g), want_vjp(g), strict=True)]
-    )
-    out.append(
-        {
-            "check": f"pairs/{batch}x{features}x{dim}",
-            "relative_error": error,
-            "tolerance": TOLERANCE["bfloat16"],
-            "ok": error <= TOLERANCE["bfloat16"],
-        }
-    )
-    return out
+    xla = lambda b, e: dot_interaction(b, e, "xla")
+    fused = lambda b, e: dot_interaction(b, e, "fused")
+    return _against_xla(f"pairs/{batch}x{features}x{dim}", xla, fused, bottom, emb)
 
 
 def main(argv=None) -> int:
