@@ -2,11 +2,12 @@
 
 Twenty-six lfu tables with admission (configs/stream.yaml's map), Zipf batches whose ids drift
 step by step, each size of batch resolved ``--steps`` times through the same maps (the first
-five untimed). With ``--against REV`` the module as it was at that git revision runs beside this
+five untimed), for each size of map (``--values``: each table's, a row per value). With ``--against REV`` the module as it was at that git revision runs beside this
 checkout's, alternating which goes first, and every output of every step must be equal: a
 change to the resolution timed side by side, its bits checked on the way.
 
-    python scripts/bench_resolution.py [--places 13824,106496] [--steps 80] [--against REV] [--out F]
+    python scripts/bench_resolution.py [--places 13824,106496] [--values 20000] [--steps 80]
+        [--against REV] [--out F]
 
 Prints each size's median ms a resolution (and the ratio to the revision's) and writes JSON.
 """
@@ -52,17 +53,22 @@ def module_at(rev: str):
     return module
 
 
-def time_size(modules: dict, places: int, steps: int, seed: int = 0) -> dict:
-    """Median seconds a resolution of ``places`` ids for each module, every output compared."""
-    specs = [MapSpec.sized(20_000, vshards=8, policy="lfu", half_life=64, admit=2, probes=8)] * TABLES
+def time_size(modules: dict, places: int, steps: int, values: int = 20_000, seed: int = 0) -> dict:
+    """Median seconds a resolution of ``places`` ids through maps of ``values`` rows a table
+    for each module, every output compared."""
+    specs = [MapSpec.sized(values, vshards=8, policy="lfu", half_life=64, admit=2, probes=8)] * TABLES
     first, chunk = jnp.zeros(TABLES, jnp.int32), resolution_chunk("cpu", places)
 
     def runner(module):
         layout = module.Maps(tuple(specs), tuple(s.vshards for s in specs))
-        return jax.jit(lambda m, t, hi, lo, v, s: module.resolve_fused(layout, m, t, hi, lo, v, s, first, chunk=chunk))
+        # the map written in place, as a train step does (else XLA copies it whole each call)
+        return jax.jit(
+            lambda m, t, hi, lo, v, s: module.resolve_fused(layout, m, t, hi, lo, v, s, first, chunk=chunk),
+            donate_argnums=0,
+        )
 
     runs = {name: runner(module) for name, module in modules.items()}
-    maps = dict.fromkeys(runs, fuse_maps(specs, 8, [init_map(s) for s in specs]))
+    maps = {name: fuse_maps(specs, 8, [init_map(s) for s in specs]) for name in runs}  # (each its own)
     seconds = {name: [] for name in runs}
     rng = np.random.default_rng(seed)
     table = jnp.asarray(np.arange(places) % TABLES, jnp.int32)
@@ -81,13 +87,16 @@ def time_size(modules: dict, places: int, steps: int, seed: int = 0) -> dict:
         for name, out in outs.items():
             for a, b in zip(want, jax.tree.leaves(out), strict=True):
                 if not np.array_equal(np.asarray(a), np.asarray(b)):
-                    raise SystemExit(f"{name} differs from this checkout at step {step} ({places} places)")
+                    raise SystemExit(
+                        f"{name} differs from this checkout at step {step} ({places} places, {values} rows)"
+                    )
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--places", default="13824,106496", help="comma-separated batch sizes (ids of all tables)")
+    p.add_argument("--values", default="20000", help="comma-separated map sizes (rows of each of the 26 tables)")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--against", default="", help="a git revision to time beside this checkout")
     p.add_argument("--out", default="")
@@ -96,13 +105,15 @@ def main(argv=None) -> dict:
     if a.against:
         modules[a.against] = module_at(a.against)
     report = {"device": str(jax.devices()[0]), "against": a.against, "steps": a.steps, "sizes": []}
-    for places in (int(x) for x in a.places.split(",")):
-        median = time_size(modules, places, a.steps)
-        row = {"places": places, **{f"{k}_ms": 1e3 * v for k, v in median.items()}}
-        if a.against:
-            row["ratio"] = median["this"] / median[a.against]
-        report["sizes"].append(row)
-        print(json.dumps(row))
+    for values in (int(x) for x in a.values.split(",")):
+        for places in (int(x) for x in a.places.split(",")):
+            median = time_size(modules, places, a.steps, values)
+            rows = TABLES * MapSpec.sized(values, vshards=8, probes=8).rows
+            row = {"places": places, "map_rows": rows, **{f"{k}_ms": 1e3 * v for k, v in median.items()}}
+            if a.against:
+                row["ratio"] = median["this"] / median[a.against]
+            report["sizes"].append(row)
+            print(json.dumps(row))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
     return report

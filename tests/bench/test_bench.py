@@ -559,4 +559,5 @@ def test_bench_resolution_times_a_revision_beside_this_checkout(tmp_path):
     )
     (row,) = json.loads((tmp_path / "r.json").read_text())["sizes"]
     assert row["places"] == 512 and row["this_ms"] > 0 and row["HEAD_ms"] > 0 and row["ratio"] > 0
+    assert row["map_rows"] == 26 * 20_000  # (--values' default: 20,000 rows a table)
     assert report["against"] == "HEAD"

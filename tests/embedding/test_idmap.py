@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dlrm_jax.chunks import by_platform
+from dlrm_jax.embedding.dynamic import claims as claims_module
 from dlrm_jax.embedding.dynamic.idmap import STATS, MapSpec, id_hash, init_map, shard_of, split_ids
 from dlrm_jax.embedding.dynamic.resolve import distinct_sizes, resolve
 from tests.embedding.dynamic_reference import DictMap
@@ -21,8 +22,18 @@ from tests.helpers import examples
 
 
 @functools.cache
-def resolver(spec: MapSpec):
+def resolver(spec: MapSpec, claims: str = ""):
+    """``resolve`` of ``spec`` jitted (one per ``claims``: the form is fixed when it traces)."""
     return jax.jit(functools.partial(resolve, spec))
+
+
+@pytest.fixture(params=["at_rows", "at_probes"])
+def claims(request, monkeypatch):
+    """Where a resolution marks the slots claimed in a batch, forced: at the map's rows, or at
+    its probes' places (``claims.compact_claims``: the form of maps far larger than their
+    batch; these maps are small, so left alone they take the first)."""
+    monkeypatch.setattr(claims_module, "COMPACT_CLAIMS", 0 if request.param == "at_probes" else 1 << 40)
+    return request.param
 
 
 def as_arrays(batch: list[int | None]):
@@ -70,19 +81,32 @@ pools = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40, unique=True
 @settings(max_examples=examples(40), deadline=None)
 @given(spec=specs, pool=pools, data=st.data())
 def test_the_map_equals_a_python_dictionary_model_batch_by_batch(spec, pool, data):
+    check_against_the_model(spec, pool, data)
+
+
+@pytest.mark.slow  # the same, the claims at the probes' places
+@settings(max_examples=examples(20), deadline=None)
+@given(spec=specs, pool=pools, data=st.data())
+def test_claims_at_the_probes_places_equal_the_python_model(spec, pool, data):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(claims_module, "COMPACT_CLAIMS", 0)
+        check_against_the_model(spec, pool, data, resolver(spec, "at_probes"))
+
+
+def check_against_the_model(spec, pool, data, resolving=None):
     spec.check()
     ids = st.one_of(st.none(), st.sampled_from(pool))
     batches = data.draw(st.lists(st.lists(ids, min_size=6, max_size=6), min_size=2, max_size=7))
     model, m = DictMap(spec), init_map(spec)
     for step, batch in enumerate(batches):
-        m, _ = step_like_the_model(spec, model, m, batch, step)
+        m, _ = step_like_the_model(spec, model, m, batch, step, resolving)
         used = np.asarray(m.used)
         assert np.asarray(m.last_seen)[used].tolist() == [model.last_seen[r] for r in np.flatnonzero(used)]
         assert np.asarray(m.count)[used].tolist() == [model.count[r] for r in np.flatnonzero(used)]
 
 
 @pytest.mark.parametrize("distinct", [40, 700, 1200, 1500, 6000])
-def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
+def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct, claims):
     """4,096 ids a batch: after the dedup the map works on the least of 256, 1,024, 1,365, 2,048
     or all 4,096 places that holds the batch's distinct ids (resolve.distinct_sizes); each
     prefix gives what the model gives, evictions and admissions included."""
@@ -94,7 +118,7 @@ def test_a_large_batch_resolves_on_the_prefix_its_distinct_ids_need(distinct):
     model, m = DictMap(spec), init_map(spec)
     for step in range(3):
         batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=4096)]
-        m, stats = step_like_the_model(spec, model, m, batch, step)
+        m, stats = step_like_the_model(spec, model, m, batch, step, resolver(spec, claims))
         # the prefix this batch takes: 256 places for 40 distinct ids, 1,024 for ~700, 1,365 for
         # ~1,160, 2,048 for ~1,400, 4,096 for ~2,900
         seen = len({k for k in batch if k is not None})
@@ -195,7 +219,7 @@ def test_an_unknown_control_flow_is_refused():
 
 
 @pytest.mark.parametrize("policy,admit", [("lru", 0), ("lfu", 0), ("lfu", 2)])
-def test_new_ids_contesting_slots_settle_in_rounds_as_the_model_settles_them(policy, admit):
+def test_new_ids_contesting_slots_settle_in_rounds_as_the_model_settles_them(policy, admit, claims):
     """60 to 70 new ids a batch of 256 places contest 62 slots of two probes each: some lose a
     slot and ask again in the next round, some get none (with admission some wait, so fewer
     ask). The rounds end when no id lost a contest: every step equals the Python model."""
@@ -208,7 +232,7 @@ def test_new_ids_contesting_slots_settle_in_rounds_as_the_model_settles_them(pol
         ids = [int(next(fresh_ids)) for _ in range(new)] + old
         batch = [int(k) for k in rng.choice(ids, 256 - len(ids))] + ids  # every id at least once
         rng.shuffle(batch)
-        m, stats = step_like_the_model(spec, model, m, batch, step)
+        m, stats = step_like_the_model(spec, model, m, batch, step, resolver(spec, claims))
         assert stats["admitted"] + stats["held_back"] + stats["unplaced"] == new, step  # new, or pending
 
 
@@ -452,7 +476,7 @@ def test_tables_of_different_half_lives_resolved_as_one_each_reach_their_own_map
             assert contents(mine) == model.row_of, (t, step)
 
 
-def test_a_resolution_in_chunks_equals_one_at_once():
+def test_a_resolution_in_chunks_equals_one_at_once(claims):
     """The placement's per-probe work and the sketch's counters in passes of a few ids (as the
     largest prefixes run on CPUs: ``chunk``) give every output of one pass (the GPUs' form),
     bit for bit, and the Python model's rows: lfu with admission, and lru, with evictions and
@@ -490,3 +514,64 @@ def test_a_resolution_in_chunks_equals_one_at_once():
         for t, (model, mine) in enumerate(zip(models, split_maps(specs, 1, m), strict=True)):
             assert np.asarray(got.rows)[table == t].tolist() == model.resolve(batches[t], step)[0], (t, step)
             assert contents(mine) == model.row_of, (t, step)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_every_probed_slot_has_one_claim_place_of_its_own(data):
+    """The claim places of maps far larger than their batch (``claims.probe_windows``): two
+    probes share a place exactly when they probe the same slot, and every place lies below ids
+    x probes. Random tables of few slots (windows that overlap, and wrap past a shard's last
+    slot onto its first), several shards each, tables probing differently far, repeated homes."""
+    from dlrm_jax.embedding.dynamic.claims import probe_windows, window_place
+
+    tables = data.draw(st.lists(st.tuples(st.integers(2, 12), st.integers(1, 3)), min_size=1, max_size=3))
+    probes_of = [data.draw(st.integers(1, slots - 1)) for slots, _ in tables]
+    most = max(probes_of)
+    ids = data.draw(st.lists(st.tuples(st.integers(0, len(tables) - 1), st.integers(0, 99), st.integers(0, 99)), min_size=24, max_size=24))  # fmt: skip
+    row_start = np.cumsum([0] + [s * n for s, n in tables])
+    shard_start = np.cumsum([0] + [n for _, n in tables])
+    t = np.array([i[0] for i in ids])
+    slots = np.array([tables[j][0] for j in t])
+    local = np.array([i[1] % tables[j][1] for i, j in zip(ids, t, strict=True)])
+    home = np.array([i[2] for i in ids]) % (slots - 1)
+    shard_base = row_start[t] + local * slots
+    windows = probe_windows(
+        *(jnp.asarray(x, jnp.int32) for x in (shard_base, home, shard_start[t] + local)),
+        int(shard_start[-1]),
+        most,
+        int(row_start[-1]),
+    )
+    place_of = {}
+    for p in range(most):
+        wrap = home + p - (slots - 1)
+        places = np.asarray(window_place(p, jnp.asarray(wrap, jnp.int32), *windows))
+        for i in np.flatnonzero(p < np.array([probes_of[j] for j in t])):
+            slot = shard_base[i] + 1 + (wrap[i] if wrap[i] >= 0 else home[i] + p)
+            assert 0 <= places[i] < len(ids) * most
+            place_of.setdefault(int(slot), set()).add(int(places[i]))
+    assert all(len(at) == 1 for at in place_of.values()), place_of  # one place a slot
+    assert len({next(iter(at)) for at in place_of.values()}) == len(place_of)  # a place a slot
+
+
+def test_a_map_far_larger_than_its_batch_fills_nothing_of_its_size():
+    """A step's work follows its batch: where the map's rows outnumber the batch's probes many
+    times (``claims.compact_claims``), no array of the map's rows is filled anywhere in the
+    compiled resolution (the slots claimed are marked at the probes' places): 1,024 ids of 4
+    probes through a map of 524,280 rows. The map's own arrays are written where they lie."""
+    from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
+
+    spec = MapSpec(8 * 65535, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64)
+    maps, first, table = Maps((spec,), (8,)), jnp.zeros(1, jnp.int32), jnp.zeros(1024, jnp.int32)
+    fused = jax.jit(lambda m, *a: resolve_fused(maps, m, table, *a, first), donate_argnums=0)  # (as training runs it)
+    m = init_map(spec)
+    text = fused.lower(m._replace(sketch=m.sketch.reshape(-1)), *as_arrays([1] * 1024), 0).compile().as_text()
+    fills = [line.strip() for line in text.splitlines() if re.search(r"= \w+\[524280\]\{0\} broadcast\(", line)]
+    assert not fills, fills
+    rng = np.random.default_rng(3)
+    model, m = DictMap(spec), init_map(spec)
+    pool = rng.choice(2**62, size=900, replace=False) + (1 << 40)
+    for step in range(3):
+        batch = [None if rng.random() < 0.05 else int(k) for k in rng.choice(pool, size=1024)]
+        m, stats = step_like_the_model(spec, model, m, batch, step, resolver(spec, "large"))
+    assert stats["admitted"] > 0

@@ -41,11 +41,11 @@ import numpy as np
 from jax import lax
 
 from dlrm_jax.choices import ControlFlow
-from dlrm_jax.chunks import by_chunks, by_platform, in_chunks_on_cpu, padded_chunks
+from dlrm_jax.chunks import by_chunks, by_platform, in_chunks_on_cpu
+from dlrm_jax.embedding.dynamic.claims import compact_claims, probe_windows, window_place
 from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 from dlrm_jax.embedding.dynamic.idmap import (
     _HOME_SEED,
-    _SKETCH_SEEDS,
     STATS,
     IdMap,
     MapSpec,
@@ -53,6 +53,7 @@ from dlrm_jax.embedding.dynamic.idmap import (
     control_flow_of,
     id_hash,
 )
+from dlrm_jax.embedding.dynamic.sketch import count_absent
 from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.hashing import mix32
 
@@ -307,49 +308,61 @@ def _settled(
     home = (mix32(h ^ jnp.uint32(_HOME_SEED), jnp) % (slots - 1).astype(jnp.uint32)).astype(jnp.int32)
     probes = max(s.probes for s in specs)
     shard_base = base + local * slots
+    # The slots claimed this batch are marked in arrays of claim places: the map's rows, or
+    # where those outnumber the batch's probes many times, the places of the slots the ids
+    # probe (``claims``), so a step's work follows its batch, not the map's size.
+    if compact_claims(rows_n, k, probes):
+        shard = per_table(np.cumsum(maps.shards) - np.asarray(maps.shards)) + local  # (numbered on this device)
+        windows = probe_windows(shard_base, home, shard, sum(maps.shards), probes, rows_n)
+    else:
+        windows = ()
+    places_n = k * probes if windows else rows_n
     lives = {s.half_life for s in specs if s.policy == "lfu" and s.half_life}
     # One half life (a run's tables share it) divides as a constant: a multiply and a shift,
     # where XLA:CPU divides by a varying divisor one element at a time (4x the time).
     divisor = np.int32(lives.pop()) if len(lives) == 1 else None
 
-    def probed(p, shard_base, home, slots, probes_of, half_life):
-        """[U] each: each id's ``p``-th probed row, whether its table probes that far, and the
-        slot's flag, recency and decayed count. Per probe, not [U, P]: the callers fold over the
-        probes, with no [U, P] array and no reduction over one (compiled for one H200 at
-        criteo_kaggle's batch, those arrays and their reductions were a sixth of the
-        resolution's memory traffic: 3.46 -> 2.81 GB a step, 88 -> 75 kernels)."""
+    def probed(p, shard_base, home, slots, probes_of, half_life, *windows):
+        """[U] each: each id's ``p``-th probed row, its claim place, whether its table probes
+        that far, and the slot's flag, recency and decayed count. Per probe, not [U, P]: the
+        callers fold over the probes, with no [U, P] array and no reduction over one (compiled
+        for one H200 at criteo_kaggle's batch, those arrays and their reductions were a sixth
+        of the resolution's memory traffic: 3.46 -> 2.81 GB a step, 88 -> 75 kernels)."""
         in_probes = p < probes_of  # tables probe differently far
         wrap = (home + p) - (slots - 1)  # past the shard's last slot: back to slot 1
         probe = shard_base + 1 + jnp.where(wrap >= 0, wrap, wrap + (slots - 1))  # (no division)
+        place = window_place(p, wrap, *windows) if windows else probe
         used, last_seen = m.used[probe], m.last_seen[probe]
         age = jnp.maximum(step - last_seen, 0)  # (a held slot's id was seen at or before the step)
         halvings = lax.div(age, jnp.maximum(half_life, 1) if divisor is None else divisor)
         decayed = m.count[probe] >> jnp.where(half_life > 0, jnp.minimum(halvings, 31), 0)
-        return probe, in_probes, used, last_seen, decayed
+        return probe, place, in_probes, used, last_seen, decayed
 
-    probing = (shard_base, home, slots, probes_of, half_life)  # what ``probed`` takes of each id
+    probing = (shard_base, home, slots, probes_of, half_life, *windows)  # what ``probed`` takes of each id
 
-    def lookup(uhi, ulo, *where_):  # whether each id is in its probes, its row and decayed count there
-        matched = row = count = None
+    def lookup(uhi, ulo, *where_):
+        """Whether each id is in its probes, its row, claim place and decayed count there."""
+        matched = row = place = count = None
         for p in range(probes):  # the first matching probe
-            probe, in_probes, used, _, decayed = probed(p, *where_)
+            probe, at, in_probes, used, _, decayed = probed(p, *where_)
             match = in_probes & used & (m.key_hi[probe] == uhi) & (m.key_lo[probe] == ulo)
             if matched is None:
-                matched, row, count = match, probe, decayed
+                matched, row, place, count = match, probe, at, decayed
             else:
                 first = match & ~matched
-                matched, row, count = matched | match, jnp.where(first, probe, row), jnp.where(first, decayed, count)
-        return matched, row, count
+                row, place = jnp.where(first, probe, row), jnp.where(first, at, place)
+                matched, count = matched | match, jnp.where(first, decayed, count)
+        return matched, row, place, count
 
     chunk = chunk if 0 < chunk < k else k
     in_passes = functools.partial(by_chunks, chunk)
-    matched, found_row, found_count = in_passes(lookup, uhi, ulo, *probing)
+    matched, found_row, found_place, found_count = in_passes(lookup, uhi, ulo, *probing)
     found = real & matched
 
     sketch, admitted, estimate = m.sketch, real if learn else found, occurrences
     sketch_touched = jnp.zeros(0, jnp.int32)
     if learn and any(s.counts for s in specs):
-        sketch, estimate, sketch_touched = _count(
+        sketch, estimate, sketch_touched = count_absent(
             maps, sketch, utab, h, local, real & ~found & counts, occurrences, step, chunk, ages
         )
         estimate = jnp.where(counts, estimate, occurrences)
@@ -359,30 +372,32 @@ def _settled(
     # Placement: free slots first, then the policy's victims; the first id in (hash, low word)
     # order wins a contested slot (slots are a table's own, so contests are within a table).
     def candidates(estimate, lfu, *where_):
-        """Per probe ([U] each): the probed row, its rank for the id (two keys), whether it is closed."""
+        """Per probe ([U] each): the probed row, its claim place, its rank for the id (two
+        keys), whether it is closed."""
         out = []
         for p in range(probes):
-            probe, in_probes, used, last_seen, decayed = probed(p, *where_)
+            probe, at, in_probes, used, last_seen, decayed = probed(p, *where_)
             primary = jnp.where(used, jnp.where(lfu, decayed, last_seen), _FREE)
             # lfu: a held slot is open to an id only when the id's count exceeds the slot's
             closed = ~in_probes | (lfu & used & (estimate <= decayed))
             secondary = jnp.where(lfu, jnp.where(used, last_seen, _FREE), 0)
-            out.append((probe, closed, primary, secondary))
+            out.append((probe, at, closed, primary, secondary))
         return out
 
     def choose(taken, per_probe):
-        """Each id's best open probe, if any, and whether its slot is held: the least (rank,
-        second rank) over the probes, the earlier probe on a tie, folded a probe at a time."""
-        best1 = best2 = target = None
-        for probe, closed, primary, secondary in per_probe:
-            k1 = jnp.where(taken[probe] | closed, _TAKEN, primary)
+        """Each id's best open probe, if any, its claim place and whether its slot is held: the
+        least (rank, second rank) over the probes, the earlier probe on a tie, folded a probe at
+        a time."""
+        best1 = best2 = target = place = None
+        for probe, at, closed, primary, secondary in per_probe:
+            k1 = jnp.where(taken[at] | closed, _TAKEN, primary)
             if best1 is None:
-                best1, best2, target = k1, secondary, probe
+                best1, best2, target, place = k1, secondary, probe, at
             else:
                 better = (k1 < best1) | ((k1 == best1) & (secondary < best2))
                 best1, best2 = jnp.where(better, k1, best1), jnp.where(better, secondary, best2)
-                target = jnp.where(better, probe, target)
-        return best1 < _TAKEN, target, best1 != _FREE
+                target, place = jnp.where(better, probe, target), jnp.where(better, at, place)
+        return best1 < _TAKEN, target, place, best1 != _FREE
 
     asking = (estimate, lfu, *probing)
     if chunk == k:  # the candidates once, for every round
@@ -390,26 +405,26 @@ def _settled(
         ask = lambda taken: choose(taken, fixed)
     else:  # a chunk's candidates again each round: the ids' arrays never whole
         ask = lambda taken: in_passes(lambda *a: choose(taken, candidates(*a)), *asking)
-    taken = jnp.zeros(rows_n, bool).at[jnp.where(found, found_row, rows_n)].set(True, mode="drop")
+    taken = jnp.zeros(places_n, bool).at[jnp.where(found, found_place, places_n)].set(True, mode="drop")
     pending = admitted & ~found
     placed, evicts = jnp.full(k, -1, jnp.int32), pending & False
 
     def round_(carry):
         r, _, taken, placed, evicts, pending, least = carry
-        open_, target, held = ask(taken)
+        open_, target, place, held = ask(taken)
         asked = pending & open_
         # Each slot's least claim, by hash and then by low word, in a buffer that lives through
-        # the rounds (no pass over the map's rows a round): a slot claimed in a round is taken
-        # in it (its least claimant wins), so no later round claims it again and what a round
+        # the rounds (no pass over its places a round): a slot claimed in a round is taken in
+        # it (its least claimant wins), so no later round claims it again and what a round
         # leaves there is never read; the ties on a hash are set back before their low words.
-        at = jnp.where(asked, target, rows_n)
+        at = jnp.where(asked, place, places_n)
         least = least.at[at].min(h, mode="drop")
-        asks = asked & (least[target] == h)
-        at = jnp.where(asks, target, rows_n)
+        asks = asked & (least[place] == h)
+        at = jnp.where(asks, place, places_n)
         least = least.at[at].set(_LAST, mode="drop").at[at].min(ulo, mode="drop")
-        wins = asks & (least[target] == ulo)
+        wins = asks & (least[place] == ulo)
         placed, evicts = jnp.where(wins, target, placed), jnp.where(wins, held, evicts)
-        taken = taken.at[jnp.where(wins, target, rows_n)].set(True, mode="drop")
+        taken = taken.at[jnp.where(wins, place, places_n)].set(True, mode="drop")
         return r + 1, jnp.any(asked & ~wins), taken, placed, evicts, pending & ~wins, least
 
     # At most ``probes`` rounds, and another only while an id lost a contested slot: an id that
@@ -469,61 +484,6 @@ def _settled(
         stats,
         pad(sketch_touched, m.sketch.shape[0], n * depth),
     )
-
-
-def _count(maps: Maps, sketch, utab, h, local, absent, occurrences, step, chunk: int, age=True):
-    """The sketches after the batch's absent ids are counted (and aged, with ``age``, where a
-    table's half life ends at ``step``), every id's estimate, and the counters added to (flat;
-    the sketch's size: none); the ids' counters ``chunk`` ids at a time (:func:`by_chunks`)."""
-    specs = maps.specs
-    per_table = lambda values: jnp.asarray(np.asarray(values), jnp.int32)
-    dims = maps.sketch_dims
-    sizes = [n * d * w for n, (d, w) in zip(maps.shards, dims, strict=True)]
-    half = np.array([s.half_life if s.counts else 0 for s in specs])
-    if half.any():  # every counter of a table halves at each multiple of its half life
-        hl = per_table(np.maximum(half, 1))
-        age = (per_table(half) > 0) & (step > 0) & (step % hl == 0) & age
-        if len({s.half_life for s in specs if s.counts}) == 1:  # (a run's tables share one)
-            # one shift for all: the counters of tables that do not count are never added to
-            halve = lambda sk: sk >> jnp.max(age.astype(jnp.int32))
-        else:  # each counter its table's: the table found by comparing with their starts, not
-            # by ``jnp.repeat`` (a prefix sum over the sketches: 5 kernels a step on GPUs)
-            starts = maps.sketch_starts.astype(np.int32)
-            table_of = jnp.searchsorted(starts, lax.iota(jnp.int32, sum(sizes)), side="right", method="compare_all")
-            halve = lambda sk: sk >> age.astype(jnp.int32)[table_of - 1]
-        # a pass over the sketches only when one ages (on GPUs every step: a shift by 0 where none does)
-        sketch = by_platform(
-            lambda: lax.cond(jnp.any(age), halve, lambda sk: sk, sketch), lambda: halve(sketch), maps.control_flow
-        )
-    depth_n = max(d for d, _ in dims)
-    size = sketch.shape[0]
-
-    def counters(utab, h, local):  # [U, depth]: each id's counters, and which of them its table has
-        depth, width = per_table([d for d, _ in dims])[utab], per_table([w for _, w in dims])[utab]
-        d = jnp.arange(depth_n)
-        cols = jnp.stack([mix32(h ^ jnp.uint32(s), jnp) for s in _SKETCH_SEEDS[:depth_n]], 1)
-        cols = (cols % width.astype(jnp.uint32)[:, None]).astype(jnp.int32)
-        at = (
-            per_table(maps.sketch_starts)[utab][:, None] + (local[:, None] * depth[:, None] + d) * width[:, None] + cols
-        )
-        return at, d[None, :] < depth[:, None]
-
-    def add(sketch, utab, h, local, absent, occurrences):
-        at, rows_d = counters(utab, h, local)
-        added = jnp.where(absent[:, None] & rows_d, at, size)
-        return sketch.at[added].add(occurrences[:, None], mode="drop"), added
-
-    def estimate(utab, h, local):
-        at, rows_d = counters(utab, h, local)
-        return jnp.min(jnp.where(rows_d, sketch[jnp.clip(at, 0, size - 1)], _TAKEN), axis=1)
-
-    ids = (utab, h, local, absent, occurrences)
-    if chunk == utab.shape[0]:
-        sketch, added = add(sketch, *ids)
-    else:  # a chunk at a time (the sums are the same in any order; padding is not absent)
-        sketch, added = lax.scan(lambda sk, a: add(sk, *a), sketch, [padded_chunks(chunk, x) for x in ids])
-        added = added.reshape(-1, depth_n)[: utab.shape[0]]
-    return sketch, by_chunks(chunk, estimate, *ids[:3]), added.reshape(-1)
 
 
 def resolve(spec: MapSpec, m: IdMap, hi, lo, valid, step, first_shard=0, learn: bool = True) -> Resolved:
