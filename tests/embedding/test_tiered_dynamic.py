@@ -167,3 +167,33 @@ def test_host_maps_run_on_the_first_device_when_the_cpu_backend_is_left_out(monk
 
     monkeypatch.setattr(jax, "devices", devices)
     assert host_maps.host_device() == real()[0]
+
+
+def test_the_host_maps_read_and_write_a_batch_without_copying_the_maps():
+    """The host maps hold every shard of every tiered dynamic table, so a copy of them costs
+    the tables' size, not the batch's: neither program of a batch (read: the resolution and
+    the rows it overwrites, kept to undo; write: in place) copies a map array (they had copied
+    every one twice a batch: the rows read, then written in place in one program). And the
+    maps as of each step, undone from the journal, equal a map that stopped there."""
+    import re
+
+    from dlrm_jax.embedding.dynamic.idmap import MapSpec
+
+    spec = MapSpec(8 * 8191, 8, 4, "lfu", half_life=2, admit=2, sketch_depth=2, sketch_width=64)
+    maps, n = host_maps.HostMaps({3: spec}), 1024
+    rng = np.random.default_rng(0)
+    batches = [rng.zipf(1.3, n).astype(np.uint32) for _ in range(4)]
+    args = lambda ids: maps._ids(np.zeros(n, np.int32), np.zeros(n, np.uint32), ids, np.ones(n, bool))
+    read = maps._learn.lower(maps._map, *args(batches[0]), np.int32(0)).compile().as_text()
+    out, sketch, *_ = maps._learn(maps._map, *args(batches[0]), np.int32(0))
+    write = maps._write.lower(maps._map, sketch, out.writes, np.int32(0)).compile().as_text()
+    for text in (read, write):
+        assert not re.findall(r"= \w+\[65528\]\{0\} copy\(", text)
+    maps = host_maps.HostMaps({3: spec})
+    as_of = {}  # each step's maps as they stood (nothing undone)
+    for step, ids in enumerate(batches):
+        as_of[step] = maps.maps_at(step)[3]
+        maps.learn(step, np.zeros(n, np.int32), np.zeros(n, np.uint32), ids, np.ones(n, bool))
+    for step in range(len(batches)):  # and after every batch, undone
+        for a, b in zip(maps.maps_at(step)[3], as_of[step], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(step))

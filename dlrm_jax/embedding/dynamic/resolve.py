@@ -104,9 +104,9 @@ class Fused(NamedTuple):
     (``fresh_hi``/``fresh_lo``); ``stats``: int32 [tables, len(STATS)]. What the batch wrote
     (a map held on the host keeps it to undo: ``host_maps``): ``touched`` int32 [N], the map
     rows it set (the map's row count: none), ``sketch_touched`` int32 [N * depth], the sketch
-    counters it added to (the sketch's size: none; with ``write=False``, none at all), aging
-    apart. ``writes``: with ``write=False``, what the batch sets in the map (``map`` then holds
-    only the new sketch)."""
+    counters it added to (the sketch's size: none; with ``write=False``, none at all unless
+    asked for), aging apart. ``writes``: with ``write=False``, what the batch sets in the map
+    (``map`` then holds only the new sketch)."""
 
     rows: jax.Array
     map: IdMap
@@ -183,6 +183,7 @@ def resolve_fused(
     chunk: int = 0,
     age=True,
     prefixes: bool = True,
+    counters: bool | None = None,
 ) -> Fused:
     """The batch of ids ``hi``/``lo`` (uint32 [N]; ``valid``: bool [N], False for padding) of the
     tables ``table`` (int32 [N], indices into ``maps.specs``) through the maps ``m`` (held as
@@ -199,7 +200,9 @@ def resolve_fused(
     where this step ends a half life (a batch resolved in passes, ``table_passes``, ages them in
     its first only). ``prefixes=False``: the work past the dedup is compiled for all N ids
     only, not also for shorter prefixes (:func:`distinct_sizes`: each is a copy of it in the
-    program, about a second of compile on CPU), for paths a step rarely takes. Traceable."""
+    program, about a second of compile on CPU), for paths a step rarely takes. ``counters``:
+    whether ``Fused.sketch_touched`` lists the counters added to (default: as ``write``; the
+    host maps' journal wants them with ``write=False``). Traceable."""
     n = hi.shape[0]
     index, uhi, ulo, utab, occurrences, real = distinct_ids(
         hi, lo, valid, table, counts, maps.control_flow, len(maps.specs)
@@ -222,7 +225,7 @@ def resolve_fused(
             step,
             first_shards,
             learn,
-            write,
+            write if counters is None else counters,
             chunk,
             age,
         )
