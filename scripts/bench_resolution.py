@@ -53,10 +53,15 @@ def module_at(rev: str):
     return module
 
 
+def map_specs(values: int) -> list[MapSpec]:
+    """The 26 tables' maps, ``values`` rows each (configs/stream.yaml's settings)."""
+    return [MapSpec.sized(values, vshards=8, policy="lfu", half_life=64, admit=2, probes=8)] * TABLES
+
+
 def time_size(modules: dict, places: int, steps: int, values: int = 20_000, seed: int = 0) -> dict:
     """Median seconds a resolution of ``places`` ids through maps of ``values`` rows a table
     for each module, every output compared."""
-    specs = [MapSpec.sized(values, vshards=8, policy="lfu", half_life=64, admit=2, probes=8)] * TABLES
+    specs = map_specs(values)
     first, chunk = jnp.zeros(TABLES, jnp.int32), resolution_chunk("cpu", places)
 
     def runner(module):
@@ -108,7 +113,7 @@ def main(argv=None) -> dict:
     for values in (int(x) for x in a.values.split(",")):
         for places in (int(x) for x in a.places.split(",")):
             median = time_size(modules, places, a.steps, values)
-            rows = TABLES * MapSpec.sized(values, vshards=8, probes=8).rows
+            rows = sum(s.rows for s in map_specs(values))
             row = {"places": places, "map_rows": rows, **{f"{k}_ms": 1e3 * v for k, v in median.items()}}
             if a.against:
                 row["ratio"] = median["this"] / median[a.against]

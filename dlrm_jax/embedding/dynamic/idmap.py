@@ -100,6 +100,44 @@ def control_flow_of(specs) -> str:
     return next((s.control_flow for s in specs), ControlFlow.AUTO)
 
 
+class Maps(NamedTuple):
+    """Several tables' maps held as one: table t's ``shards[t]`` shards (this device's, or all)
+    at rows ``row_starts[t]`` onward of one IdMap, its sketch flattened at ``sketch_starts[t]``."""
+
+    specs: tuple[MapSpec, ...]
+    shards: tuple[int, ...]
+
+    @property
+    def control_flow(self) -> str:
+        """How a step takes its data-dependent work (:func:`control_flow_of` its maps)."""
+        return control_flow_of(self.specs)
+
+    def _sizes(self, per_shard) -> np.ndarray:
+        return np.array([n * per_shard(s) for s, n in zip(self.specs, self.shards, strict=True)], np.int64)
+
+    @property
+    def row_sizes(self) -> np.ndarray:
+        return self._sizes(lambda s: s.slots)
+
+    @property
+    def row_starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.row_sizes)[:-1]]).astype(np.int64)
+
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """Each table's first shard among the shards held, numbered end to end."""
+        return np.concatenate([[0], np.cumsum(self.shards)[:-1]]).astype(np.int64)
+
+    @property
+    def sketch_dims(self) -> list[tuple[int, int]]:
+        return [(s.sketch_depth, s.sketch_width) if s.counts else (1, 1) for s in self.specs]
+
+    @property
+    def sketch_starts(self) -> np.ndarray:
+        sizes = [n * d * w for n, (d, w) in zip(self.shards, self.sketch_dims, strict=True)]
+        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
 class IdMap(NamedTuple):
     """The map's arrays for the rows of some whole shards (one device's, or all): per row the
     id it holds (``key_hi``/``key_lo``, uint32), whether it holds one (``used``), the step its id

@@ -48,9 +48,9 @@ from dlrm_jax.embedding.dynamic.idmap import (
     _HOME_SEED,
     STATS,
     IdMap,
+    Maps,
     MapSpec,
     Resolved,
-    control_flow_of,
     id_hash,
 )
 from dlrm_jax.embedding.dynamic.sketch import count_absent
@@ -61,39 +61,6 @@ _FREE = np.iinfo(np.int32).min  # a free slot's key: below any seen slot's
 _TAKEN = np.iinfo(np.int32).max  # a slot already given out this batch
 _LAST = np.uint32(0xFFFFFFFF)
 WRITE_CHUNK = 4096  # distinct ids whose map rows one pass of the write loop sets
-
-
-class Maps(NamedTuple):
-    """Several tables' maps held as one: table t's ``shards[t]`` shards (this device's, or all)
-    at rows ``row_starts[t]`` onward of one IdMap, its sketch flattened at ``sketch_starts[t]``."""
-
-    specs: tuple[MapSpec, ...]
-    shards: tuple[int, ...]
-
-    @property
-    def control_flow(self) -> str:
-        """How a step takes its data-dependent work (:func:`control_flow_of` its maps)."""
-        return control_flow_of(self.specs)
-
-    def _sizes(self, per_shard) -> np.ndarray:
-        return np.array([n * per_shard(s) for s, n in zip(self.specs, self.shards, strict=True)], np.int64)
-
-    @property
-    def row_sizes(self) -> np.ndarray:
-        return self._sizes(lambda s: s.slots)
-
-    @property
-    def row_starts(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.row_sizes)[:-1]]).astype(np.int64)
-
-    @property
-    def sketch_dims(self) -> list[tuple[int, int]]:
-        return [(s.sketch_depth, s.sketch_width) if s.counts else (1, 1) for s in self.specs]
-
-    @property
-    def sketch_starts(self) -> np.ndarray:
-        sizes = [n * d * w for n, (d, w) in zip(self.shards, self.sketch_dims, strict=True)]
-        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
 
 class Fused(NamedTuple):
@@ -315,7 +282,7 @@ def _settled(
     # where those outnumber the batch's probes many times, the places of the slots the ids
     # probe (``claims``), so a step's work follows its batch, not the map's size.
     if compact_claims(rows_n, k, probes):
-        shard = per_table(np.cumsum(maps.shards) - np.asarray(maps.shards)) + local  # (numbered on this device)
+        shard = per_table(maps.shard_starts) + local  # (numbered on this device)
         windows = probe_windows(shard_base, home, shard, sum(maps.shards), probes, rows_n)
     else:
         windows = ()

@@ -4,18 +4,13 @@ halving where a table's half life ends (TinyLFU's reset)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from dlrm_jax.chunks import by_chunks, by_platform, padded_chunks
-from dlrm_jax.embedding.dynamic.idmap import _SKETCH_SEEDS
+from dlrm_jax.embedding.dynamic.idmap import _SKETCH_SEEDS, Maps
 from dlrm_jax.hashing import mix32
-
-if TYPE_CHECKING:
-    from dlrm_jax.embedding.dynamic.resolve import Maps
 
 _TAKEN = np.iinfo(np.int32).max  # an estimate above any count: a counter the table does not have
 
