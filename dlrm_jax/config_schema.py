@@ -521,7 +521,8 @@ class DynamicConfig:
         | doc(
             "virtual shards per table, a power of two (each has its own shared row; a device holds whole "
             "ones, so a checkpoint restores onto any device count dividing them); 0 = up to 256, at "
-            "least 4 x (probes + 1) rows each"
+            "least 4 x (probes + 1) rows each, and at least 8 whatever the table's size (so every table "
+            "splits over 1, 2, 4 or 8 devices; more devices need a multiple of their count)"
         ),
     )
     sketch_width: int = field(

@@ -20,6 +20,7 @@ from dlrm_jax.train.build import build
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
+from dlrm_jax.train.wiring import dynamic_maps
 from tests.helpers import QUIET, losses
 from tests.train.test_step_invariance import by_table
 from tests.train.test_train import final_state
@@ -147,6 +148,17 @@ def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(
         ValueError, match=r"table cat_2: a map of 4 shards cannot be split over 8 devices.*embedding.dynamic.vshards"
     ):
         build(cfg, make_mesh(8))
+
+
+def test_the_default_shards_split_every_table_over_eight_devices(tiny):
+    """``embedding.dynamic.vshards: 0`` gives even a table of 7 values (one shard before) as many
+    shards as 8 devices need, the same maps whatever the mesh (a checkpoint keeps its rows)."""
+    cfg = tiny("mesh.devices=8", "embedding.ids=dynamic")
+    _, steps = build(cfg, make_mesh(8))
+    specs = steps.dynamic.maps
+    assert [s.vshards for s in specs.values()] == [8, 8, 16, 8]
+    assert [s.rows for s in specs.values()] == [304, 72, 1008, 72]  # whole shards of probes + 1 slots or more
+    assert specs == dynamic_maps(tiny("mesh.devices=1", "embedding.ids=dynamic"))
 
 
 def test_progressive_validation_scores_each_next_window_before_training_on_it(tiny, tmp_path):

@@ -29,6 +29,13 @@ _SHARD_SEED, _HOME_SEED = 0x3C6EF372, 0xA54FF53A
 _SKETCH_SEEDS = (0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19, 0x6A09E667, 0xBB67AE85, 0x428A2F98, 0x71374491)
 
 
+# The fewest shards ``vshards=0`` chooses, whatever the table's size: a device holds whole
+# shards, so a map of fewer could not split over a host's 8 GPUs (or 8 simulated CPU devices)
+# and the default would stop a run on its smallest table. It depends on no device count, so a
+# checkpoint keeps its tables' rows on any mesh; a small table pays 8 x (probes + 1) rows.
+AUTO_MIN_SHARDS = 8
+
+
 class MapSpec(NamedTuple):
     """The map of one table. ``rows``: the table's rows, ``vshards`` * slots; ``probes``: slots
     an id may live in (at most slots - 1); ``policy``: ``lru`` or ``lfu``; ``half_life``: lfu's
@@ -51,13 +58,13 @@ class MapSpec(NamedTuple):
     def sized(cls, values: int, rows: float = 0, vshards: int = 0, **fields) -> MapSpec:
         """The map of a table for a feature of ``values`` values: ``rows`` rows (>= 1), a
         fraction of ``values`` (< 1) or one per value (0), rounded up to whole shards;
-        ``vshards`` (0: up to 256 shards, at least 4 x (probes + 1) rows each). ``fields``:
-        the rest of MapSpec's fields."""
+        ``vshards`` (0: up to 256 shards, at least 4 x (probes + 1) rows each, and never fewer
+        than :data:`AUTO_MIN_SHARDS`). ``fields``: the rest of MapSpec's fields."""
         want = values if not rows else (int(rows) if rows >= 1 else math.ceil(rows * values))
         probes = fields.get("probes", cls._field_defaults["probes"])
         if not vshards:
             vshards = 256
-            while vshards > 1 and want // vshards < 4 * (probes + 1):
+            while vshards > AUTO_MIN_SHARDS and want // vshards < 4 * (probes + 1):
                 vshards //= 2
         slots = max(-(-want // vshards), probes + 1)
         return cls(vshards * slots, vshards, **fields).check()
