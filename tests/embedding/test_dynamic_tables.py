@@ -43,9 +43,18 @@ def stream(steps: int, seed: int = 0, batch: int = BATCH):
         yield users, valid, items, rng.normal(size=(batch, 2, 8)).astype(np.float32)
 
 
-def run(devices: int, optimizer: str, steps: int, reset_chunk=10**6, control_flow="auto"):
-    coll, dyn = tables(devices, optimizer, control_flow=control_flow)
+def run(
+    devices: int,
+    optimizer: str,
+    steps: int,
+    reset_chunk=10**6,
+    control_flow="auto",
+    new_rows="initializer",
+    by_shard=True,
+):
+    coll, dyn = tables(devices, optimizer, new_rows, control_flow)
     dyn.reset_chunk = reset_chunk  # (the default: every reset writes all its entries in one chunk)
+    dyn.shared_by_shard = by_shard
     key = jax.random.key(3)
     emb, maps = coll.init(key), dyn.init_maps()
 
@@ -172,6 +181,24 @@ def test_with_new_rows_shared_a_fresh_row_starts_from_its_shards_shared_row():
     (own, _), (warm, shared_value) = starts["initializer"], starts["shared"]
     assert np.any(shared_value)
     np.testing.assert_allclose(warm, shared_value + own, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_fresh_rows_read_their_shared_rows_from_the_shards_values_as_from_the_table(devices):
+    """``new_rows="shared"``: the shards' shared rows gathered once into a small array, read by
+    each fresh row (``shared_by_shard``, the default), give the bits of each fresh entry
+    gathering its own from the table, step by step, in chunks or at once."""
+    counts = dict.fromkeys(STATS, 0)
+    one, each = (
+        run(devices, "rowwise_adagrad", 16, chunk, new_rows="shared", by_shard=b)
+        for chunk, b in ((2, True), (10**6, False))
+    )
+    for t, (got, want) in enumerate(zip(one, each, strict=True)):
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"pooled, step {t}")
+        for a, b in zip(got[1], want[1], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"table, step {t}")
+        counts = {k: counts[k] + want[4][k] for k in STATS}
+    assert counts["admitted"] > 20, counts
 
 
 def test_a_table_that_is_not_row_wise_in_even_blocks_is_refused():

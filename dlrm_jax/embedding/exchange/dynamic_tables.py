@@ -92,6 +92,11 @@ class DynamicTables:
     ``resolve`` returns, reads the batch's rows of these tables (no extra sparse parts), so
     where it can reuse the route the rows need not travel back (:attr:`rows_back`)."""
 
+    # new_rows="shared": the shards' shared rows gathered once a step into a small array that
+    # each fresh row reads (:meth:`_reset`); False: each fresh entry gathers its own (the tests'
+    # reference for the same bits)
+    shared_by_shard = True
+
     def __init__(
         self,
         collection: EmbeddingCollection,
@@ -293,6 +298,24 @@ class DynamicTables:
             parts += (fresh.shared,)
         given = () if hot is None or hot_found is None else (hot_found,)
         n_given = len(given)
+        # new_rows="shared" (rows the devices place): every shard's shared row here, gathered
+        # once into a small array each fresh row reads (``shard_values``), where there are
+        # fewer shared rows than fresh entries. Gathered from the table being written, a value
+        # per entry was a [N, width] array of its own (on one GPU at criteo_kaggle's batch,
+        # 1.7M entries: 480 MB a step); from a small array the reset's write reads its own.
+        shards_here = [self.maps[t].vshards // map_devices(self.mesh) for t in tables]
+        in_group = {name: [i for i, t in enumerate(tables) if self._where[t][0].name == name] for name in groups}
+        per_shard = (
+            warm
+            and self.shared_by_shard
+            and fresh.shared is None
+            and sum(shards_here) <= fresh.rows.shape[0] // map_devices(self.mesh)
+        )
+        first_shared = {}
+        for name, mine in in_group.items():
+            starts = np.zeros(len(tables), np.int64)
+            starts[mine] = np.cumsum([0] + [shards_here[i] for i in mine])[:-1]
+            first_shared[name] = const(starts)
 
         def initial(table, hi, lo, width, dtype, base=None):
             """The new ids' initial vectors (``table``: indices into ``tables``) and optimizer
@@ -324,9 +347,31 @@ class DynamicTables:
             from_hot = hot_state.values[jnp.maximum(at[0], 0), : values.shape[1]].astype(jnp.float32)
             return jnp.where(at[0][:, None] >= 0, from_hot, values)
 
-        def reset(arrays, slots, hot_state, hot_index, rows, table, hi, lo, placed=None):
+        def shard_values(arrays, hot_state, hot_index):
+            """{group: float32 [S, width]}: the value of every shared row of the group's dynamic
+            tables on this device before the step (the hot copy where hot), table by table, a
+            shard's at ``first_shared[group][table] + its index here``."""
+            out = {}
+            for name, mine in in_group.items():
+                shards = [shards_here[i] for i in mine]
+                local = np.concatenate(
+                    [np.arange(k) * self.maps[tables[i]].slots for i, k in zip(mine, shards, strict=True)]
+                )
+                table = np.repeat(np.asarray(mine, np.int32), shards)
+                where = np.asarray([self._where[t][1].offset for t in tables])[table] + local
+                values = arrays[name][where].astype(jnp.float32)
+                if hot_state is not None:
+                    logical = lax.axis_index(AXIS) * block[table] + local
+                    at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
+                    from_hot = hot_state.values[jnp.maximum(at[0], 0), : values.shape[1]].astype(jnp.float32)
+                    values = jnp.where(at[0][:, None] >= 0, from_hot, values)
+                out[name] = values
+            return out
+
+        def reset(arrays, slots, hot_state, hot_index, shard_base, rows, table, hi, lo, placed=None):
             """The fresh rows ``rows`` (-1: none) reset; and, with hot rows, per hot slot given
-            to a new id here its entry (flag, table, id's words) and its shared row's value."""
+            to a new id here its entry (flag, table, id's words) and its shared row's value.
+            ``shard_base``: :func:`shard_values`' arrays, or None (each entry gathers its own)."""
             before = arrays
             arrays, slots = dict(arrays), {g: dict(v) for g, v in slots.items()}
             entry_base = None  # each entry's shared row's value, from its own group's
@@ -334,7 +379,11 @@ class DynamicTables:
                 width, array = by_name[name].width, arrays[name]
                 mine = (rows >= 0) & (const(group_of)[table] == gi)
                 row = jnp.where(mine, offset[table] + rows, array.shape[0])  # others: dropped
-                base = shared_rows(before, hot_state, hot_index, rows, table, name, placed) if warm else None
+                if shard_base is not None:  # (another group's entries read any: not written here)
+                    at = jnp.where(mine, first_shared[name][table] + rows // slots_of[table], 0)
+                    base = shard_base[name][at]
+                else:
+                    base = shared_rows(before, hot_state, hot_index, rows, table, name, placed) if warm else None
                 if warm:
                     entry_base = base if entry_base is None else jnp.where(mine[:, None], base, entry_base)
                 values, state = initial(table, hi, lo, width, array.dtype, base)
@@ -376,9 +425,11 @@ class DynamicTables:
             n_hot = 0 if hot is None or hot_found is not None else hot.values.shape[0]
             hot_width = hot.values.shape[1] if n_hot and warm else 0
 
+            shard_base = shard_values(arrays, hot_state, index) if per_shard else None
+
             def write(carry, *chunk):  # each hot slot is found by one entry at most (perhaps twice over)
                 arrays, slots, found, found_base = carry
-                arrays, slots, more, more_base = reset(arrays, slots, hot_state, index, *chunk)
+                arrays, slots, more, more_base = reset(arrays, slots, hot_state, index, shard_base, *chunk)
                 if not n_hot:
                     return arrays, slots, found, found_base
                 got = more[:, :1] > 0
