@@ -31,6 +31,18 @@ def _state_bytes(state) -> int:
     return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
 
 
+def check_device_step(name: str, cfg) -> None:
+    """Refuses a config with tiered tables: their step takes the fills the tier's host work
+    plans each batch, so the device step alone says nothing of their speed."""
+    tiered = [f"cat_{f}" for f in range(len(cfg.table_rows)) if cfg.embedding.storage_of(f"cat_{f}") == "tiered"]
+    if tiered:
+        raise ValueError(
+            f"config {name} keeps tables in the disk tier ({', '.join(tiered[:3])}{' ...' if len(tiered) > 3 else ''}: "
+            "embedding.storage / embedding.table_storage), and bench train times the device step alone; "
+            "time them with `dlrm-jax bench tiers` or `dlrm-jax train`"
+        )
+
+
 class _Prepared:
     """One config built as training builds it, its step compiled and warmed up."""
 
@@ -126,6 +138,8 @@ def time_interleaved(configs: dict, steps: int, warmup: int, rounds: int) -> dic
 def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, log=print, rounds: int = 1) -> dict:
     """Time each named config's train step; print a table with ratios to the first; JSON out.
     ``rounds`` > 1: the configs' steps interleaved (:func:`time_interleaved`)."""
+    for name, cfg in configs.items():
+        check_device_step(name, cfg)
     if rounds > 1:
         results = time_interleaved(configs, steps, warmup, rounds)
     else:

@@ -76,6 +76,17 @@ def test_train_bench_writes_json(tiny, tmp_path):
     assert r["cpu_ms_per_step"] > 0 and r["cpu_ratio_to_first"] == 1.0
 
 
+def test_train_bench_refuses_tiered_tables_before_building_any_config(tiny, tmp_path, monkeypatch):
+    """A tiered table's step takes the fills the host plans: the device step alone is refused,
+    in one line naming the config and its tables, before the first config is compiled."""
+    from dlrm_jax.bench import train as train_bench
+
+    monkeypatch.setattr(train_bench, "_Prepared", None)  # (building any config fails otherwise)
+    configs = {"plain": tiny(), "cold": tiny("embedding.table_storage=[cat_2=tiered]")}
+    with pytest.raises(ValueError, match=r"^config cold keeps tables in the disk tier \(cat_2: embedding.storage"):
+        bench_train(configs, steps=2, warmup=1, output=str(tmp_path / "t.json"), **QUIET)
+
+
 def test_train_bench_interleaves_the_configs_in_rounds(tiny, tmp_path, monkeypatch):
     """With rounds, every config is built first and then timed in turns, config after config,
     each turn after one untimed step."""
