@@ -529,7 +529,7 @@ class DynamicConfig:
         default=1024, metadata=POS | doc("`admit` > 1: counters per row of each shard's count-min sketch (4 rows)")
     )
     new_rows: str = field(
-        default="initializer",
+        default="shared",
         metadata=_choices(*NewRows)
         | doc(
             "what a row given to a new id starts from: the id's own initial vector (`initializer`), or that plus "

@@ -38,7 +38,7 @@ class StepSpec:
     mlp_parallel: str = "data"
     microbatches: int = 1
     maps: Mapping[int, MapSpec] = field(default_factory=dict)
-    new_rows: str = NewRows.INITIALIZER
+    new_rows: str = NewRows.SHARED
 
     def __post_init__(self):
         taken = set(self.parts) & {*CORE_FIELDS, MAPS}

@@ -414,7 +414,7 @@ def test_stream_bench_scores_each_window_before_training_on_it(tmp_path):
     r = json.loads(out.read_text())
     assert [c["ids"] for c in r["cases"]] == ["dynamic", "hashed", "vocab"]
     assert r["distinct_ids_per_row"] > 10 and 0.5 < r["ground_truth_auc"] < 1
-    assert r["map"]["new_rows"] == "initializer"
+    assert r["map"]["new_rows"] == "shared"
     for c in r["cases"]:
         assert [w["window"] for w in c["windows"]] == [1, 2]
         assert all(0 < w["auc"] < 1 and w["logloss"] > 0 for w in c["windows"])

@@ -101,7 +101,7 @@ class DynamicTables:
         self,
         collection: EmbeddingCollection,
         maps: Mapping[int, MapSpec],
-        new_rows: str = NewRows.INITIALIZER,
+        new_rows: str = NewRows.SHARED,
         only_lookups: bool = False,
     ):
         if new_rows not in set(NewRows):
@@ -548,7 +548,7 @@ class CachedDynamicTables(DynamicTables):
     slots); :meth:`reset` resets them after the step's fills, as :class:`DynamicTables` resets
     its rows: the same initial vector per id and the optimizer's initial state."""
 
-    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows=NewRows.INITIALIZER):
+    def __init__(self, collection: EmbeddingCollection, maps: Mapping[int, MapSpec], new_rows=NewRows.SHARED):
         # new_rows=shared: the host places each fresh row's shard's shared row in the step's
         # caches (or finds it hot) and says where (FreshRows.shared, fresh_hot's last columns)
         self.collection, self.mesh, self.maps = collection, collection.mesh, dict(maps)
