@@ -24,7 +24,7 @@ from flax import nnx
 from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strategy
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
-from dlrm_jax.embedding.dynamic.sharded import map_bytes_per_device, maps_report, route_capacities
+from dlrm_jax.embedding.dynamic.sharded import check_split, map_bytes_per_device, maps_report, route_capacities
 from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, rows_sent_back, unsent_row_id_bytes
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for
@@ -169,6 +169,12 @@ def plan_request(
     per_host = cfg.embedding.tables_per_host and hosts > 1
     devices = num_devices // hosts if per_host else num_devices
     batch = cfg.train.batch_size // hosts if per_host else cfg.train.batch_size
+    for f, spec in dynamic_maps(cfg).items():  # (plan refuses what the run would: a device holds whole shards)
+        if cfg.embedding.storage_of(f"cat_{f}") != "tiered" and devices > 1:
+            try:
+                check_split(spec, devices)
+            except ValueError as e:
+                raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
     budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
     if budget_bytes is None and not budget and cluster.device_memory_gb:
         budget = int(0.9 * cluster.device_memory_gb * 2**30)

@@ -20,7 +20,7 @@ from dlrm_jax.train.build import build
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
-from dlrm_jax.train.wiring import dynamic_maps
+from dlrm_jax.train.wiring import dynamic_maps, plan_from_config
 from tests.helpers import QUIET, losses
 from tests.train.test_step_invariance import by_table
 from tests.train.test_train import final_state
@@ -143,11 +143,15 @@ def test_control_flow_reaches_every_map(tiny):
 
 
 def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(tiny):
+    """By training and by ``plan`` alike (a plan for 16 devices of the default 8 shards would
+    have promised a run that cannot start)."""
     cfg = tiny("mesh.devices=8", "embedding.table_ids=[cat_2=dynamic]", "embedding.dynamic.vshards=4")
     with pytest.raises(
-        ValueError, match=r"table cat_2: a map of 4 shards cannot be split over 8 devices.*embedding.dynamic.vshards"
+        ConfigError, match=r"embedding.dynamic.vshards: table cat_2: a map of 4 shards cannot be split over 8 devices"
     ):
         build(cfg, make_mesh(8))
+    with pytest.raises(ConfigError, match=r"table cat_1: a map of 8 shards cannot be split over 16 devices.*of 16"):
+        plan_from_config(tiny("embedding.table_ids=[cat_1=dynamic]"), 16)
 
 
 def test_the_default_shards_split_every_table_over_eight_devices(tiny):
