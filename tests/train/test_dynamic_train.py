@@ -165,6 +165,15 @@ def test_the_default_shards_split_every_table_over_eight_devices(tiny):
     assert specs == dynamic_maps(tiny("mesh.devices=1", "embedding.ids=dynamic"))
 
 
+def test_a_table_ids_override_naming_no_table_is_refused(tiny):
+    """A typo would leave the table on vocabulary ids without a word (train, plan, export and
+    serving all size the maps through ``dynamic_maps``)."""
+    with pytest.raises(
+        ConfigError, match=r"embedding.table_ids: 'cat_9=dynamic': no table named 'cat_9' \(tables: cat_0 to cat_3\)"
+    ):
+        dynamic_maps(tiny("embedding.table_ids=[cat_1=dynamic, cat_9=dynamic]"))
+
+
 def test_progressive_validation_scores_each_next_window_before_training_on_it(tiny, tmp_path):
     """train.progressive_window=4 over 12 steps: after steps 4 and 8 (not at the end) the state
     scores the next window's training batches (dynamic tables reading their maps); each event
