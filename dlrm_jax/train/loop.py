@@ -177,6 +177,10 @@ class TrainingLoop:
         self.watch, self.pending = LossWatch(self.t.max_loss_ratio, progress.loss_reference), collections.deque()
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.result_wait_s = self.result_wait_cpu_s = 0.0  # the window's, in read_results: wall, CPU
+        # the window's compiling on the dispatching thread (the first state check's), wall and
+        # CPU: left out of its samples/s as the train step's compile is
+        self.compile_s = self.compile_cpu_s = 0.0
+        self.state_checked = False
         self.release, self._ids = ReleaseThread(), None
         self.window_cpu = 0.0
         self.windows = progressive_windows(train, driver.source)
@@ -221,7 +225,15 @@ class TrainingLoop:
         if self.ckpts is not None and (
             todo.save or (todo.evaluate and (t.keep_best or t.target_auc or t.early_stop_evals))
         ):
+            first = not self.state_checked  # the first compiles the check and the eval step it runs
+            if first:  # (the steps in flight end first, so none of their time is left out with it)
+                self.read_results(0)
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
+            if first:
+                self.compile_s += time.perf_counter() - t0
+                self.compile_cpu_s += time.thread_time() - cpu0
+                self.state_checked = True
         state = self.driver.after_step(state, step, self._ids)
         self.read_results(DISPATCH_AHEAD)
         self.end_trace(step - len(self.pending))
@@ -285,10 +297,9 @@ class TrainingLoop:
         self.read_results(0)
         if self._state_check is not None:
             self.watch.check_state(step, self._state_check)
-        elapsed = time.perf_counter() - self.window_start
-        dispatch_cpu_s = (
-            time.thread_time() - self.window_cpu
-        )  # this thread's CPU time (a blocking wait counts only its spin)
+        elapsed = time.perf_counter() - self.window_start - self.compile_s
+        # this thread's CPU time (a blocking wait counts only its spin)
+        dispatch_cpu_s = time.thread_time() - self.window_cpu - self.compile_cpu_s
         self.last_loss, window_steps, overflows, hit_rate = self.watch.take_window()
         self.train_time, self.trained_steps = self.train_time + elapsed, self.trained_steps + window_steps
         rate = window_steps * self.t.batch_size / elapsed
@@ -306,7 +317,7 @@ class TrainingLoop:
             # of dispatch_ms, the reads': the rest is the loop's own work (issue 47's 0.3 ms)
             "result_read_cpu_ms": 1e3 * self.result_wait_cpu_s / max(window_steps, 1),
         }
-        self.result_wait_s = self.result_wait_cpu_s = 0.0
+        self.result_wait_s = self.result_wait_cpu_s = self.compile_s = self.compile_cpu_s = 0.0
         self.bar.window(step, self.last_loss, rate, self.train_time / max(self.trained_steps, 1))
         event.update(self.driver.take_metrics(window_steps))
         event.update({k: host_scalar(v) for k, v in self.steps.collection.step_metrics(state.emb).items()})
