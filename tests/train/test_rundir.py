@@ -15,7 +15,7 @@ import pytest
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
 from dlrm_jax.train.export import export_run
-from dlrm_jax.train.rundir import RunDir, RunDirError
+from dlrm_jax.train.rundir import RunDir, RunDirError, config_differences, describe_changes
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
 from tests.child_env import child_env
@@ -95,6 +95,16 @@ def test_incompatible_config_changes_nothing(tiny, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_names_each_changed_key_down_to_its_value(tiny):
+    """A nested section's change is its key, not the section's whole dict (a resume with
+    ``embedding.dynamic.new_rows`` changed printed every key of ``embedding.dynamic``)."""
+    old = tiny("embedding.ids=dynamic", "embedding.dynamic.new_rows=initializer")
+    new = tiny("embedding.ids=dynamic", "train.steps=9")
+    assert describe_changes(config_differences(old, new)) == (
+        "train.steps 6 -> 9; embedding.dynamic.new_rows initializer -> shared"
+    )
+
+
 def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.log_every=1", "mesh.devices=4")
     whole = train_and_evaluate(cfg, tmp_path / "whole", **QUIET)
