@@ -829,6 +829,11 @@ class Config:
         return tuple(f for f in range(self.num_features) if self.embedding.ids_of(f"cat_{f}") == Ids.DYNAMIC)
 
     @property
+    def tiered_tables(self) -> tuple[int, ...]:
+        """The features whose tables live in the disk tier (``embedding.storage``, ``embedding.table_storage``)."""
+        return tuple(f for f in range(self.num_features) if self.embedding.storage_of(f"cat_{f}") == Storage.TIERED)
+
+    @property
     def embedding_learning_rate(self) -> float:
         return self.embedding.learning_rate or self.train.learning_rate
 

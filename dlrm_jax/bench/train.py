@@ -34,7 +34,7 @@ def _state_bytes(state) -> int:
 def check_device_step(name: str, cfg) -> None:
     """Refuses a config with tiered tables: their step takes the fills the tier's host work
     plans each batch, so the device step alone says nothing of their speed."""
-    tiered = [f"cat_{f}" for f in range(len(cfg.table_rows)) if cfg.embedding.storage_of(f"cat_{f}") == "tiered"]
+    tiered = [f"cat_{f}" for f in cfg.tiered_tables]
     if tiered:
         raise ValueError(
             f"config {name} keeps tables in the disk tier ({', '.join(tiered[:3])}{' ...' if len(tiered) > 3 else ''}: "

@@ -176,20 +176,20 @@ def plan_request(
     per_host = cfg.embedding.tables_per_host and hosts > 1
     devices = num_devices // hosts if per_host else num_devices
     batch = cfg.train.batch_size // hosts if per_host else cfg.train.batch_size
-    for f, spec in dynamic_maps(cfg).items():  # (plan refuses what the run would: a device holds whole shards)
-        if cfg.embedding.storage_of(f"cat_{f}") != "tiered" and devices > 1:
-            try:
-                check_split(spec, devices)
-            except ValueError as e:
-                raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
+    # the dynamic tables' maps on the devices (tiered ones' are on the host)
+    on_devices = {f: s for f, s in dynamic_maps(cfg).items() if f not in cfg.tiered_tables}
+    for f, spec in on_devices.items():  # (plan refuses what the run would: a device holds whole shards)
+        try:
+            check_split(spec, devices)
+        except ValueError as e:
+            raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
     budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
     if budget_bytes is None and not budget and cluster.device_memory_gb:
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
-    if budget and cfg.dynamic_tables:  # and its share of the dynamic tables' id maps (tiered ones: on the host)
-        on_devices = [s for f, s in dynamic_maps(cfg).items() if cfg.embedding.storage_of(f"cat_{f}") != "tiered"]
-        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices), 1)
+    if budget and on_devices:  # and its share of the dynamic tables' id maps
+        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices.values()), 1)
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts, devices)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 

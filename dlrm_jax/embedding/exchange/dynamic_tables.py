@@ -285,7 +285,8 @@ class DynamicTables:
         groups = sorted(by_name)
         const = lambda values, dtype=jnp.int32: jnp.asarray(np.asarray(values), dtype)
         group_of = [groups.index(self._where[t][0].name) for t in tables]
-        offset = const([self._where[t][1].offset for t in tables])
+        offsets = np.asarray([self._where[t][1].offset for t in tables])
+        offset = const(offsets)
         col_start = const([self._where[t][1].col_start for t in tables])
         scale = const([1.0 / self.maps[t].rows ** 0.5 for t in tables], jnp.float32)
         table_index = const(tables)
@@ -304,15 +305,15 @@ class DynamicTables:
         # per entry was a [N, width] array of its own (on one GPU at criteo_kaggle's batch,
         # 1.7M entries: 480 MB a step); from a small array the reset's write reads its own.
         shards_here = [self.maps[t].vshards // map_devices(self.mesh) for t in tables]
-        in_group = {name: [i for i, t in enumerate(tables) if self._where[t][0].name == name] for name in groups}
+        in_group = {name: [i for i, g in enumerate(group_of) if g == gi] for gi, name in enumerate(groups)}
         per_shard = (
             warm
             and self.shared_by_shard
             and fresh.shared is None
             and sum(shards_here) <= fresh.rows.shape[0] // map_devices(self.mesh)
         )
-        first_shared = {}
-        for name, mine in in_group.items():
+        first_shared = {}  # per group, each table's first shard's place in its shard_values array
+        for name, mine in in_group.items() if per_shard else ():
             starts = np.zeros(len(tables), np.int64)
             starts[mine] = np.cumsum([0] + [shards_here[i] for i in mine])[:-1]
             first_shared[name] = const(starts)
@@ -358,8 +359,7 @@ class DynamicTables:
                     [np.arange(k) * self.maps[tables[i]].slots for i, k in zip(mine, shards, strict=True)]
                 )
                 table = np.repeat(np.asarray(mine, np.int32), shards)
-                where = np.asarray([self._where[t][1].offset for t in tables])[table] + local
-                values = arrays[name][where].astype(jnp.float32)
+                values = arrays[name][offsets[table] + local].astype(jnp.float32)
                 if hot_state is not None:
                     logical = lax.axis_index(AXIS) * block[table] + local
                     at, _ = split_hot(logical[None, :], table_index[table], *hot_index)
