@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
+from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import make_dir, new_run_dir
 from dlrm_jax.parallel.coordination import outcome_of_process_0
 
@@ -66,18 +67,10 @@ def config_differences(old: Config, new: Config, keys=None) -> list[tuple[str, o
     """(key, old value, new value) for every differing key (all keys when ``keys`` is None)."""
     a, b = old.to_dict(), new.to_dict()
     a["data"]["max_rows"], b["data"]["max_rows"] = old.row_cap, new.row_cap  # auto compared as the cap it is
-    keys = keys or list(_leaf_keys(a))
+    # every leaf key of the schema (``embedding.dynamic.new_rows``, not the whole
+    # ``embedding.dynamic`` section in a change's line)
+    keys = keys or [k.key for k in schema_keys()]
     return [(k, _get(a, k), _get(b, k)) for k in keys if _get(a, k) != _get(b, k)]
-
-
-def _leaf_keys(d: dict, prefix: str = ""):
-    """Every key's dotted path down to the values (``embedding.dynamic.new_rows``, not the whole
-    ``embedding.dynamic`` section in a change's line)."""
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _leaf_keys(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}"
 
 
 def describe_changes(changed: list[tuple[str, object, object]]) -> str:
