@@ -140,8 +140,8 @@ class ProcessReaders:
     def __call__(self, step: int) -> HostPacked:
         worker = self._idle.get()
         try:
-            worker.conn.send(step)
-            try:
+            try:  # (a worker already gone breaks the send; one that dies while reading, the receive)
+                worker.conn.send(step)
                 kind, got = worker.conn.recv()
             except (EOFError, OSError):
                 try:

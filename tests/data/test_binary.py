@@ -116,6 +116,7 @@ def test_worker_processes_read_the_same_batches_and_never_overwrite_one_handed_o
             np.testing.assert_array_equal(k.host.buf, read(k.step).buf)
         for w in workers._workers:
             w.process.kill()
+            w.process.wait()  # (gone before the call: its send breaks, as a worker dead between steps)
         with pytest.raises(
             RuntimeError, match=r"input reader process \d+ ended \(exit code -9\) while reading training step 4"
         ):
