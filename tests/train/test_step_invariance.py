@@ -294,7 +294,7 @@ def with_stale_shared_rows(steps, state: TrainState) -> TrainState:
     start from the hot copy."""
     tables = dict(state.emb.tables)
     for t in steps.dynamic.maps:
-        g, vt = steps.dynamic._where[t]  # row 0 is device 0's first row of the table's block
+        g, vt = steps.dynamic.where[t]  # row 0 is device 0's first row of the table's block
         tables[g.name] = jax.jit(lambda a, i=vt.offset: a.at[i].add(100.0), out_shardings=tables[g.name].sharding)(
             tables[g.name]
         )
