@@ -78,7 +78,8 @@ class LossWatch:
         if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
             raise TrainingDiverged(
                 f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
-                f"nothing after the last checkpoint was saved; lower train.learning_rate"
+                "nothing after the last checkpoint was saved; lower train.learning_rate or warm up to it "
+                "(train.warmup_steps)"
             )
 
     def take_id_maps(self) -> dict:
