@@ -9,8 +9,11 @@ schema describes, copied into the artifact with its join files) and a ``kind``:
   training kept; a hashed value training never counted takes the table's last row when it has
   one for them (``oov_rows``), else the row of hashed value 0 (a missing value's).
 - ``hash`` (``data.source=criteo``): value % the table's rows.
-- ``none``: no raw values (synthetic data, ``--multi-hot`` bags); use ``predict(dense, ids)``.
+- ``none``: no raw values (synthetic data); use ``predict(dense, ids)``.
 
+A dataset of ``--multi-hot`` bags (``spec["multi_hot"]``) then expands each id into its bag by
+MLPerf's rule (:mod:`dlrm_jax.data.preprocessing.multihot`), drawn again from its seed when the
+rules load: the same tables preprocessing drew, as large as each feature's ids times its bag.
 Ids then wrap into a table trained with fewer rows than the data's (``data.max_rows``), as
 training did. Dense values are transformed as in training (Criteo: log1p(max(x, 0)), missing 0).
 """
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
+from dlrm_jax.data.preprocessing.multihot import MultiHotRule
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, SkipLog
 from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
@@ -37,6 +42,14 @@ class IdRules:
         self.kind, self.table_rows = spec["kind"], [int(r) for r in table_rows]
         self.modulus = int(spec.get("max_ind_range") or 0)
         self.cards = [int(c) for c in spec.get("cardinalities", self.table_rows)]
+        self.multi_hot = None
+        if "multi_hot" in spec:
+            rule = spec["multi_hot"]
+            if rule.get("seed") != MULTI_HOT_SEED:
+                raise ArtifactError(f"{root}: multi-hot bags drawn with seed {rule.get('seed')}, not {MULTI_HOT_SEED}")
+            self.multi_hot = MultiHotRule(self.cards, rule["bag_sizes"], rule["distribution"])
+        bags = self.multi_hot.bag_sizes if self.multi_hot else (1,) * len(self.cards)
+        self._starts = np.cumsum([0, *bags])  # each feature's first column in the ids
         self._sorted, self._ids, self._unseen = [], [], []
         for f, name in enumerate(spec.get("files", [])):
             kept = np.load(Path(root) / name)
@@ -55,7 +68,8 @@ class IdRules:
                 self._unseen.append(OOV_ID)
 
     def ids(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
-        """uint64 [n, F] values and bool [n, F] missing -> int32 [n, F] table rows."""
+        """uint64 [n, F] values and bool [n, F] missing -> int32 [n, F] table rows (multi-hot:
+        [n, sum of the bags], each feature's bag in its columns)."""
         out = np.empty(values.shape, np.int32)
         for f in range(values.shape[1]):
             v = values[:, f]
@@ -71,9 +85,11 @@ class IdRules:
             if self.kind == "vocabulary":
                 ids = np.where(empty[:, f], MISSING_ID, ids)
             out[:, f] = ids
+        if self.multi_hot is not None:
+            out = self.multi_hot.expand(out)
         for f, (card, rows) in enumerate(zip(self.cards, self.table_rows, strict=True)):
             if card > rows:  # data.max_rows capped the table: its ids were hashed into it
-                out[:, f] %= rows
+                out[:, self._starts[f] : self._starts[f + 1]] %= rows
         return out
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.model.parts import PartInputs
@@ -133,17 +134,19 @@ def _model_section(cfg) -> dict:
     }
 
 
-def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iterator[tuple[int, Iterator]]:
-    """Per table of ``collection``: (index, chunks of (start, float32 values)) of ``emb`` (or,
-    tiered, of the tier's snapshot of ``step``)."""
+def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iterator[tuple[int, int, Iterator]]:
+    """Per table of ``collection``: (index, its rows, chunks of (start, float32 values)) of
+    ``emb`` (or, tiered, of the tier's snapshot of ``step``: every row the tier holds; the
+    collection's own table is the devices' cache of it)."""
     values, _ = collection.logical_tables(emb)
     tiered = tier_snapshot(run, run_dir, step) if collection.tiered_tables else None
     try:
         for t, tp in enumerate(collection.plan.tables):
             if t in collection.tiered_tables:
-                yield t, _tier_chunks(tiered.store, tp.spec.name, tp.spec.rows)
+                rows = tiered.store.rows(tp.spec.name)
+                yield t, rows, _tier_chunks(tiered.store, tp.spec.name, rows)
             else:
-                yield t, _array_chunks(np.asarray(values[t]))
+                yield t, len(values[t]), _array_chunks(np.asarray(values[t]))
     finally:
         if tiered is not None:
             tiered.close()
@@ -170,15 +173,15 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
     entries = {name: [] for name, *_ in parts}
     for part_name, prefix, collection, emb, dt, base_emb in parts:
         olds = _table_chunks(run, run_dir, collection, base_emb, since) if base_emb is not None else None
-        for t, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
-            old_chunks = next(olds)[1] if olds is not None else None  # the same table, in lockstep
+        for t, rows, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
+            old_chunks = next(olds)[2] if olds is not None else None  # the same table, in lockstep
             spec = collection.plan.tables[t].spec
             name = prefix + spec.name
             entries[part_name].append(
                 {
                     "name": name,
                     "table": name,
-                    "rows": spec.rows,
+                    "rows": rows,
                     "dim": spec.dim,
                     "bag_size": spec.bag_size,
                     "pooling": str(spec.pooling),
@@ -186,7 +189,7 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
                 }
             )
             if old_chunks is None:
-                writer = TableWriter(work / "tables" / name, spec.rows, spec.dim, dt)
+                writer = TableWriter(work / "tables" / name, rows, spec.dim, dt)
                 for start, v in chunks:
                     writer.write(start, v)
                 continue
@@ -198,11 +201,11 @@ def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since
                     diff |= np.any((new_f[k] != old_f[k]).reshape(len(v), -1), axis=1)
                 changed_rows.append(start + np.flatnonzero(diff))
                 changed.append(v[diff])
-            rows = np.concatenate(changed_rows)
-            entries[part_name][-1]["rows_changed"] = int(len(rows))
-            writer = TableWriter(work / "tables" / name, len(rows), spec.dim, dt, with_rows=True)
-            if len(rows):
-                writer.write(0, np.concatenate(changed), rows)
+            changed_at = np.concatenate(changed_rows)
+            entries[part_name][-1]["rows_changed"] = int(len(changed_at))
+            writer = TableWriter(work / "tables" / name, len(changed_at), spec.dim, dt, with_rows=True)
+            if len(changed_at):
+                writer.write(0, np.concatenate(changed), changed_at)
     return entries.pop(""), entries
 
 
@@ -264,8 +267,6 @@ def _rules(work: Path, cfg) -> dict:
         return {"kind": "none", "why": f"trained on data.source={source}: no raw values"}
     root = Path(cfg.data.path)
     meta = read_meta(root)
-    if max(meta["bag_sizes"]) > 1:
-        return {"kind": "none", "why": "its bags were drawn by preprocess --multi-hot, whose rule is not kept"}
     (work / "rules").mkdir()
     files = []
     for f in range(len(meta["cardinalities"])):
@@ -281,6 +282,12 @@ def _rules(work: Path, cfg) -> dict:
         "table_rows": list(cfg.table_rows),  # the ids' range (a dynamic table's rows are its map's)
         "files": files,
     }
+    bags = [int(b) for b in meta["bag_sizes"]]
+    if max(bags) > 1:  # preprocess --multi-hot: MLPerf's rule, fixed by its seed (the only one it draws)
+        spec["multi_hot"] = {
+            "bag_sizes": bags,
+            **meta.get("multi_hot", {"distribution": "uniform", "seed": MULTI_HOT_SEED}),
+        }
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
     else:

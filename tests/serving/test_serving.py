@@ -19,8 +19,10 @@ from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.artifact import ArtifactError
+from dlrm_jax.serving.rules import parse_criteo
 from dlrm_jax.train.evaluate import eval_scores
 from dlrm_jax.train.export import restore_run
+from dlrm_jax.train.saved_run import restored
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.child_env import child_env
@@ -30,14 +32,19 @@ LINES, VAL = 1500, 300
 
 
 def scores_of(run_dir):
-    """eval's probabilities of the held-out rows, and those rows' dense features and ids."""
-    run = restore_run(run_dir, **QUIET)
-    source = make_source(run.cfg, 0, 1, trains=False, evaluates=True)
-    probs, dense, ids = [], [], []
-    for (p, _, m), b in zip(eval_scores(run.steps, run.state, source), source.eval_batches(), strict=True):
-        probs.append(p[m])
-        dense.append(b.dense)
-        ids.append(b.ids)
+    """eval's probabilities of the held-out rows (as ``dlrm-jax eval`` scores them: tiered
+    tables from the tier's snapshot), and those rows' dense features and ids."""
+    state, driver = restored(run_dir, **QUIET)
+    try:
+        source, runner = driver.source, getattr(driver, "runner", None)
+        probs, dense, ids = [], [], []
+        scored = eval_scores(driver.steps, state, source, runner)
+        for (p, _, m), b in zip(scored, source.eval_batches(), strict=True):
+            probs.append(p[m])
+            dense.append(b.dense)
+            ids.append(b.ids)
+    finally:
+        driver.close()
     return np.concatenate(probs), np.concatenate(dense), np.concatenate(ids)
 
 
@@ -275,6 +282,48 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
         assert_scores_of_eval(model.predict(dense, ids), probs)
         with pytest.raises(ArtifactError, match="data.source=synthetic"):
             model.predict_raw(["1\t2"])
+
+
+@pytest.mark.slow
+def test_multi_hot_bags_and_tiered_tables_score_raw_lines_as_eval(tmp_path):
+    """A DLRM-DCNv2-style dataset (``preprocess --multi-hot``) trained with two tables tiered
+    and one capped (``data.max_rows``): the export holds every row the tier holds, not the
+    devices' cache of it, and raw lines draw their bags by the dataset's rule, so they score
+    as the held-out rows' ids do and as evaluation does."""
+    gen = SyntheticGenerator(
+        seed=5, num_dense=13, table_rows=(60, 700) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
+    bags = (3, 1, 2, *(1,) * 22, 4)
+    preprocess_criteo(
+        [str(tmp_path / "day.tsv")],
+        str(tmp_path / "ds"),
+        val_fraction=VAL / LINES,
+        shuffle_seed=None,
+        multi_hot=bags,
+        workers=1,
+        progress=False,
+    )
+    cfg = run_config(
+        tmp_path,
+        f"data.bag_sizes={list(bags)}",
+        "data.max_rows=100",  # cat_1 (268 values) and the other wide ones wrap into 100 rows, bags too
+        "mesh.devices=2",
+        "embedding.table_storage=[cat_1=tiered, cat_25=tiered]",
+        "embedding.tier.device_cache_fraction=0.1",
+    )
+    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
+    probs, dense, ids = scores_of(tmp_path / "run")
+    with serving.load(tmp_path / "art") as model:
+        cards = json.loads((tmp_path / "ds" / "meta.json").read_text())["cardinalities"]
+        assert [f["rows"] for f in model.features] == [min(c, 100) for c in cards]  # tiered ones whole
+        assert [f["bag_size"] for f in model.features] == list(bags)
+        by_ids = model.predict(dense, ids)
+        assert_scores_of_eval(by_ids, probs)
+        val_lines = (tmp_path / "day.tsv").read_bytes().splitlines(keepends=True)[-VAL:]
+        np.testing.assert_array_equal(model.raw_inputs(parse_criteo(val_lines))[1], ids)
+        np.testing.assert_array_equal(model.predict_raw(val_lines), by_ids)
 
 
 @pytest.mark.slow

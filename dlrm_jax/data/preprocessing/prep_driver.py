@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_jax.data import shards
+from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
 from dlrm_jax.data.preprocessing.multihot import MultiHotRule
 from dlrm_jax.data.preprocessing.prep_phases import (
     EXAMPLES,
@@ -238,6 +239,8 @@ def _write_dataset(
                 "min_count": opts.min_count,
                 "vocab_from": opts.vocab_from,
                 "raw_values": opts.raw_values,
+                # the bags' rule, drawn again from its seed where raw values are scored
+                **({"multi_hot": {"distribution": "uniform", "seed": MULTI_HOT_SEED}} if opts.multi_hot else {}),
                 **({"windows": windows} if windows else {}),
                 "val_fraction": 0.0 if val_paths else opts.val_fraction,
                 **plan.meta(),
