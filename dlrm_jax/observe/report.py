@@ -8,6 +8,7 @@ run, or two strategies, compare at a glance. The plotted numbers are metrics.jso
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from dlrm_jax.files import make_dir
@@ -66,7 +67,7 @@ def summary(run: dict, label: str) -> str:
         else "no evaluation"
     )
     if rates:
-        parts.append(f"median {rates[len(rates) // 2]:,.0f} samples/s over {len(rates)} windows")
+        parts.append(f"median {statistics.median(rates):,.0f} samples/s over {len(rates)} windows")
     windows = [e["progressive_auc"] for e in run["events"] if e.get("event") == "progressive"]
     if windows:  # train.progressive_window: each window scored before training on it
         last = windows[len(windows) // 2 :]

@@ -329,3 +329,10 @@ def test_summary_gives_the_mean_progressive_auc_of_the_last_half_of_the_windows(
     with (tmp_path / "a" / "metrics.jsonl").open("a") as f:
         f.write("".join(json.dumps(e) + "\n" for e in windows))
     assert "progressive AUC 0.7500 (mean of the last 2 of 3 windows)" in summary(load_run(tmp_path / "a"), "a")
+
+
+def test_the_report_line_gives_the_median_of_an_even_number_of_windows():
+    from dlrm_jax.observe.report import summary
+
+    events = [{"samples_per_s": r} for r in (5_599.0, 1_795.0)]
+    assert "median 3,697 samples/s over 2 windows" in summary({"events": events}, "run")
