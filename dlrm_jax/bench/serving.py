@@ -79,11 +79,14 @@ def bench_serving(
     raw = (tmp / "day.tsv").read_bytes().splitlines(keepends=True)
     (tmp / "val.tsv").write_bytes(b"".join(raw[-val:]))
     held_out = raw[-val:]
+    bags = tuple(load_config(config, overrides).data.bag_sizes)  # DLRM-DCNv2's: MLPerf's multi-hot rule
+    multi_hot = bags if max(bags) > 1 else None
     preprocess_criteo(
         [str(tmp / "day.tsv")],
         str(tmp / "ds"),
         val_fraction=val / lines,
         shuffle_seed=None,
+        multi_hot=multi_hot,
         progress=False,
         overwrite=True,
     )
@@ -113,7 +116,14 @@ def bench_serving(
 
     # The training code's way: preprocess the file, then eval as many rows.
     t = time.perf_counter()
-    preprocess_criteo([str(tmp / "val.tsv")], str(tmp / "val_ds"), val_fraction=0.0, progress=False, overwrite=True)
+    preprocess_criteo(
+        [str(tmp / "val.tsv")],
+        str(tmp / "val_ds"),
+        val_fraction=0.0,
+        multi_hot=multi_hot,
+        progress=False,
+        overwrite=True,
+    )
     pre_s = time.perf_counter() - t
     run = restore_run(tmp / "run", log=lambda *_: None)
     source = make_source(run.cfg, 0, 1, trains=False, evaluates=True)
