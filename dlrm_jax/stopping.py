@@ -155,18 +155,30 @@ def stop_on_signals():
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None, owner: int | None = None) -> None:
     """Have the kernel send this process ``signum`` when its parent ends, however it ends
-    (Linux; a no-op elsewhere). ``parent``: the pid expected as parent; if it is already gone
-    (it died before this call), the signal is sent now."""
+    (Linux; a no-op elsewhere). The kernel sends nothing for a parent that ended before this
+    call, so: ``parent``, the pid expected as parent: if it is no longer ours, the signal is
+    sent now; ``owner``, a process this one must not outlive (the parent itself, or the one a
+    fork server that is the parent ends with): if it has ended, the signal is sent now."""
     if not sys.platform.startswith("linux"):
         return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if parent is not None and os.getppid() != parent:
+    if (parent is not None and os.getppid() != parent) or (owner is not None and ended(owner)):
         os.kill(os.getpid(), signum)
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie not yet reaped (Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X", "x")
 
 
 _launch: tuple[int, str] | None = None  # (the supervisor's pid, this process's log file)
@@ -193,14 +205,7 @@ def launcher_gone() -> bool:
     handed to a sibling thread first). So its main thread's end (a zombie leader) counts too."""
     if _launch is None:
         return False
-    if os.getppid() != _launch[0]:
-        return True
-    try:
-        with open(f"/proc/{_launch[0]}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X", "x")
+    return os.getppid() != _launch[0] or ended(_launch[0])
 
 
 def repeats_parent_death(signum: int) -> bool:

@@ -488,7 +488,6 @@ def test_explicit_features_that_disagree_with_a_binary_dataset_are_refused(tmp_p
 @pytest.mark.slow
 def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_path):
     """Before its fix: SIGKILL of `preprocess` left its workers alive indefinitely (100-157 MB each)."""
-    import os
 
     from dlrm_jax.data.sources.criteo import write_criteo_tsv
     from dlrm_jax.data.sources.synthetic import SyntheticGenerator
@@ -520,32 +519,80 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
         env=child_env(drop=()),
     )
 
-    def children(pid):
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[1]) == pid:
-                    found.append(int(entry))
-        return found
-
     deadline = time.time() + 60
-    while len(workers := children(proc.pid)) < 2:
+    while len(workers := _children(proc.pid)) < 2:
         assert proc.poll() is None and time.time() < deadline, "no workers started"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     deadline = time.time() + 10
-    while any(
-        os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        for w in workers
-    ):
+    while any(_running(w) for w in workers):
         assert time.time() < deadline, "a worker outlived preprocess"
         time.sleep(0.05)
+
+
+_DRIVER_KILLED_BEFORE_ITS_WORKERS_ASK = """
+import sys, time
+from dlrm_jax.data.preprocessing import prep_pool
+
+real = prep_pool.die_with_parent
+def late(*args):  # the workers ask for their signal a second after they start
+    time.sleep(1.0)
+    real(*args)
+prep_pool.die_with_parent = late
+with prep_pool.worker_pool(2) as pool:
+    print("started", flush=True)
+    list(pool(time.sleep, [60, 60]))
+"""
+
+
+def test_preprocess_workers_end_with_their_parent_even_when_it_ended_before_they_asked(tmp_path):
+    """The kernel's parent-death signal is sent only for a parent that ends after the child
+    asks for it: a driver killed between its workers' start and their request left them
+    alive for good (the race that made the test above fail one run in many). Here the
+    workers ask a second late, after the driver is killed."""
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER_KILLED_BEFORE_ITS_WORKERS_ASK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(drop=()),
+    )
+    assert proc.stdout.readline().strip() == b"started"
+    deadline = time.time() + 30
+    while len(workers := _children(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "no workers started"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.time() + 10
+    while alive := [w for w in workers if _running(w)]:
+        assert time.time() < deadline, f"workers {alive} outlived their driver"
+        time.sleep(0.05)
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -21,9 +21,12 @@ def worker_pool(workers: int) -> Iterator[Callable]:
         yield map
         return
     method = "forkserver" if "jax" in sys.modules else "fork"  # never fork a started runtime
+    # None outlives us: each asks for SIGKILL when its parent ends (us, or the fork server,
+    # which ends with us), and takes it at once where we ended before it asked.
+    context, owner = multiprocessing.get_context(method), os.getpid()
     with ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context(method), initializer=die_with_parent, initargs=(signal.SIGKILL,)
-    ) as ex:  # none outlives us
+        workers, mp_context=context, initializer=die_with_parent, initargs=(signal.SIGKILL, None, owner)
+    ) as ex:
         try:
             yield lambda fn, *its: ex.map(fn, *its, chunksize=1)
         except BaseException:
