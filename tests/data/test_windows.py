@@ -9,6 +9,7 @@ from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
 from dlrm_jax.data.shards import load_split
+from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.data.sources.binary import BinaryFormatError, BinarySource, read_meta
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
@@ -123,6 +124,20 @@ def test_window_seconds_cuts_the_time_column_into_spans(tmp_path):
     (tmp_path / "plain.yaml").write_text("label: y\ncategorical: [a]\n")
     with pytest.raises(ValueError, match=r"needs a time column \(a tabular schema's split_by\)"):
         preprocess_tabular(tmp_path / "plain.yaml", inputs, str(tmp_path / "bad"), window_seconds=100, **kw)
+
+
+def test_a_time_windows_label_gives_its_start_in_full(tmp_path):
+    """Unix seconds, as Taobao's and most logs' time columns are: each window named by its
+    first second (they read ``t 1.494e+09`` alike, every one of them)."""
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a]\nsplit_by: t\n")
+    inputs = write_events(tmp_path, [1_494_000_000 + 2 * i for i in range(300)], 150)
+    kw = dict(val_fraction=0.1, workers=1, progress=False, shuffle_seed=None)
+    preprocess_tabular(tmp_path / "s.yaml", inputs, str(tmp_path / "out"), window_seconds=100, **kw)
+    run = load_config(
+        None, ["data.source=binary", f"data.path={tmp_path / 'out'}", "train.batch_size=10", "data.shuffle=false"]
+    )
+    labels = [label for _, label in BinarySource(resolve_data_config(run)).window_steps(27)]
+    assert labels == [f"t {1_494_000_000 + 100 * w}" for w in range(6)]
 
 
 def test_progressive_validation_scores_each_day_before_training_on_it(days, tmp_path):

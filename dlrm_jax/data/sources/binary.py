@@ -284,7 +284,8 @@ class BinarySource:
         first, window = first[held], window[held]
         new = np.append(True, window[1:] != window[:-1])  # a window that follows itself goes on
         labels = windows["labels"]
-        text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:g}")
+        # (a time in full: Unix seconds read 1.49401e+09 in %g)
+        text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:.15g}")
         return [(int(s), text(labels[w])) for s, w in zip(first[new], window[new], strict=True)]
 
     def skip_report(self) -> str:
