@@ -121,18 +121,17 @@ def _score(
     """Probabilities of a chunk of lines (nan for a bad one, which ``log`` records): pyarrow's
     reader when every line is valid (as preprocess reads), else the strict parser, which says
     what is wrong with each bad line."""
-    rules = model.rules
     if chunk and chunk[0].count(b"\t") == NUM_FIELDS - 2:  # without the label: give one, it is not used
         chunk = [b"0\t" + line for line in chunk]
     fast = parse_block(b"".join(chunk))
     if fast is not None and fast.lines == len(chunk):
-        return model.predict(fast.dense, rules.ids(fast.values, fast.empty), batch_size)
+        return model.predict_values(fast.dense, fast.values, fast.empty, batch_size)
     parsed = parse_criteo(chunk)
     for bad in parsed.bad:
         log.record(path, lineno + bad.index, bad)
     probs = np.full(len(chunk), np.nan, np.float32)
     if len(parsed.rows):
-        probs[parsed.rows] = model.predict(*rules.inputs(parsed), batch_size)
+        probs[parsed.rows] = model.predict_values(model.rules.dense(parsed), parsed.values, parsed.empty, batch_size)
     return probs
 
 

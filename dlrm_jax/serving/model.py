@@ -176,10 +176,23 @@ class ServingModel:
             bad = parsed.bad[0]
             raise CriteoFormatError(f"line {bad.index}: {bad.message}")
         out = np.full(len(lines), np.nan, np.float32)
-        # Criteo values hashed to rows in training reach dynamic tables whole, as RawBatch did
-        raw = {f: parsed.values[:, f : f + 1] for f in self.id_maps.features} if rules.kind == "hash" else None
-        out[parsed.rows] = self.predict(*rules.inputs(parsed), batch_size, raw=raw or None)
+        out[parsed.rows] = self.predict_values(rules.dense(parsed), parsed.values, parsed.empty, batch_size)
         return out
+
+    def predict_values(
+        self, dense: np.ndarray, values: np.ndarray, empty: np.ndarray, batch_size: int = DEFAULT_BATCH
+    ) -> np.ndarray:
+        """Probabilities float32 [n] of rows of raw values (dense as the model takes them;
+        ``values`` uint64 [n, F] as preprocessing reads them, ``empty`` where missing), by the
+        artifact's rules: their ids, and where dynamic tables mapped the values themselves in
+        training (the text source, ``preprocess --raw-values``), those values, 0 where
+        missing, as the batches carried them."""
+        rules = self.rules
+        raw = None
+        if rules.maps_values and self.id_maps:
+            kept = np.where(empty, np.uint64(0), values)
+            raw = {f: kept[:, f : f + 1] for f in self.id_maps.features}
+        return self.predict(dense, rules.ids(values, empty), batch_size, raw=raw)
 
     def _predict_tabular(self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int) -> np.ndarray:
         """A tabular model's records (one a line here), in order; nan for a skipped one."""
@@ -194,10 +207,10 @@ class ServingModel:
     def score_records(self, chunks, batch_size: int = DEFAULT_BATCH):
         """Per chunk of a tabular model's records (``rules.chunks``): their probabilities in
         order, nan for a skipped one."""
-        for records, keep, dense, ids in chunks:
+        for records, keep, dense, values, empty in chunks:
             probs = np.full(len(records), np.nan, np.float32)
             if len(keep):
-                probs[keep] = self.predict(dense, ids, batch_size)
+                probs[keep] = self.predict_values(dense, values, empty, batch_size)
             yield probs
 
     def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:

@@ -42,6 +42,9 @@ class IdRules:
         self.kind, self.table_rows = spec["kind"], [int(r) for r in table_rows]
         self.modulus = int(spec.get("max_ind_range") or 0)
         self.cards = [int(c) for c in spec.get("cardinalities", self.table_rows)]
+        # dynamic tables' maps took the values themselves in training (the text source's, or a
+        # dataset's kept by preprocess --raw-values), not the ids these rules give
+        self.maps_values = self.kind == "hash" or bool(spec.get("raw_values"))
         self.multi_hot = None
         if "multi_hot" in spec:
             rule = spec["multi_hot"]
@@ -98,7 +101,12 @@ class CriteoRules(IdRules):
 
     def inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
         """Parsed lines -> (dense float32 [n, 13], ids int32 [n, 26])."""
-        return normalise_dense(parsed.counts, parsed.missing), self.ids(parsed.values, parsed.empty)
+        return self.dense(parsed), self.ids(parsed.values, parsed.empty)
+
+    @staticmethod
+    def dense(parsed: ParsedLines) -> np.ndarray:
+        """Parsed lines' dense features as the model takes them: float32 [n, 13]."""
+        return normalise_dense(parsed.counts, parsed.missing)
 
 
 class TabularRules(IdRules):
@@ -119,14 +127,12 @@ class TabularRules(IdRules):
 
     def chunks(
         self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """Per chunk of records: (their lines, the usable ones' positions, dense, ids)."""
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per chunk of records: (their lines, the usable ones' positions, dense, values,
+        empty), the values uint64 as preprocessing reads them (:meth:`ids` gives their ids)."""
         from dlrm_jax.data.preprocessing.tabular import scoring_chunks
 
-        for lines, keep, dense, values, empty in scoring_chunks(
-            self.schema, self.sides, f, raw, path, first_line, log, chunk_lines, bar
-        ):
-            yield lines, keep, dense, self.ids(values, empty)
+        yield from scoring_chunks(self.schema, self.sides, f, raw, path, first_line, log, chunk_lines, bar)
 
 
 def parse_criteo(lines: Sequence[bytes | str]) -> ParsedLines:

@@ -280,6 +280,7 @@ def _rules(work: Path, cfg) -> dict:
         "max_ind_range": modulus,
         "cardinalities": [int(c) for c in meta["cardinalities"]],
         "table_rows": list(cfg.table_rows),  # the ids' range (a dynamic table's rows are its map's)
+        "raw_values": bool(meta.get("raw_values")),  # dynamic tables mapped the values, not the ids
         "files": files,
     }
     bags = [int(b) for b in meta["bag_sizes"]]

@@ -519,16 +519,7 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_is_sigkilled(tmp_
         env=child_env(drop=()),
     )
 
-    deadline = time.time() + 60
-    while len(workers := _children(proc.pid)) < 2:
-        assert proc.poll() is None and time.time() < deadline, "no workers started"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    deadline = time.time() + 10
-    while any(_running(w) for w in workers):
-        assert time.time() < deadline, "a worker outlived preprocess"
-        time.sleep(0.05)
+    _kill_once_two_workers_run_then_wait_for_them(proc)
 
 
 _DRIVER_KILLED_BEFORE_ITS_WORKERS_ASK = """
@@ -559,7 +550,12 @@ def test_preprocess_workers_end_with_their_parent_even_when_it_ended_before_they
         env=child_env(drop=()),
     )
     assert proc.stdout.readline().strip() == b"started"
-    deadline = time.time() + 30
+    _kill_once_two_workers_run_then_wait_for_them(proc)
+
+
+def _kill_once_two_workers_run_then_wait_for_them(proc) -> None:
+    """SIGKILL ``proc`` as soon as it has two children; each must then end within 10 s."""
+    deadline = time.time() + 60
     while len(workers := _children(proc.pid)) < 2:
         assert proc.poll() is None and time.time() < deadline, "no workers started"
         time.sleep(0.02)

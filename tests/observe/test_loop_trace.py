@@ -101,10 +101,7 @@ def test_the_windows_leave_out_the_first_state_checks_compile(tmp_path, monkeypa
         return check(self, *args)
 
     monkeypatch.setattr(StepFunctions, "state_check", slow_first)
-    cfg = tiny_config("train.steps=8", "train.log_every=4", "train.checkpoint_every=4", "train.eval_every=0")
-    summary = train_and_evaluate(cfg, tmp_path / "run", **QUIET)
-    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    windows = [e for e in events if e.get("event") in ("train", "eval")]
+    summary, windows = _saving_every_4_of_8_steps(tmp_path)
     assert len(calls) == 2 and [e["step"] for e in windows] == [4, 8]
     assert windows[0]["samples_per_s"] > 4 * 64 / 3.0 and summary.samples_per_s > 8 * 64 / 3.0
     assert windows[0]["dispatch_ms"] < 3000 / 4  # (the sleep is no CPU; the compile's CPU is left out too)
@@ -125,12 +122,17 @@ def test_the_windows_leave_out_every_state_checks_run(tmp_path, monkeypatch):
         return check(self, *args)
 
     monkeypatch.setattr(LossWatch, "check_state", slow)
+    summary, windows = _saving_every_4_of_8_steps(tmp_path)
+    assert len(calls) == 2 and [e["step"] for e in windows] == [4, 8]
+    assert min(e["samples_per_s"] for e in windows) > 4 * 64 / 3.0 and summary.samples_per_s > 8 * 64 / 3.0
+
+
+def _saving_every_4_of_8_steps(tmp_path):
+    """A tiny run of 8 steps logging and saving every 4: its summary and window events."""
     cfg = tiny_config("train.steps=8", "train.log_every=4", "train.checkpoint_every=4", "train.eval_every=0")
     summary = train_and_evaluate(cfg, tmp_path / "run", **QUIET)
     events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    windows = [e for e in events if e.get("event") in ("train", "eval")]
-    assert len(calls) == 2 and [e["step"] for e in windows] == [4, 8]
-    assert min(e["samples_per_s"] for e in windows) > 4 * 64 / 3.0 and summary.samples_per_s > 8 * 64 / 3.0
+    return summary, [e for e in events if e.get("event") in ("train", "eval")]
 
 
 def test_threads_carry_their_names_to_the_os():

@@ -14,6 +14,7 @@ import pytest
 from dlrm_jax import serving
 from dlrm_jax.config import load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
@@ -26,6 +27,7 @@ from dlrm_jax.train.saved_run import restored
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.child_env import child_env
+from tests.data.public_layouts import make_movielens
 from tests.helpers import QUIET, tiny_config
 
 LINES, VAL = 1500, 300
@@ -71,18 +73,58 @@ def run_config(tmp, *more):
     )
 
 
+def criteo_sample(tmp, seed: int, rows: int = 400, lines: int = LINES, val: int = VAL, **preprocess) -> list[bytes]:
+    """``tmp/day.tsv``: Criteo lines drawn from the synthetic generator (tables of 40 and
+    ``rows`` values in turn), preprocessed in order into ``tmp/ds`` with the last ``val`` held
+    out (``preprocess``: more of preprocess_criteo's options); its lines."""
+    gen = SyntheticGenerator(
+        seed=seed, num_dense=13, table_rows=(40, rows) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, lines), missing_cat_rate=0.05)
+    kw = dict(val_fraction=val / lines, shuffle_seed=None, workers=1, progress=False)
+    preprocess_criteo([str(tmp / "day.tsv")], str(tmp / "ds"), **kw, **preprocess)
+    return (tmp / "day.tsv").read_bytes().splitlines(keepends=True)
+
+
+def movielens_sample(tmp, **preprocess) -> list[bytes]:
+    """MovieLens-1M-shaped ratings in ``tmp/ml`` (600, time-ordered), preprocessed by the shipped
+    schema into ``tmp/ds`` with the latest 20% held out; the ratings' lines."""
+    ml = tmp / "ml"
+    make_movielens(ml, n=600)
+    preprocess_tabular(
+        "movielens_1m",
+        [str(ml / "ratings.dat")],
+        str(tmp / "ds"),
+        val_fraction=0.2,
+        joins={"users": str(ml / "users.dat"), "movies": str(ml / "movies.dat")},
+        shuffle_seed=None,
+        workers=1,
+        progress=False,
+        **preprocess,
+    )
+    return (ml / "ratings.dat").read_bytes().splitlines(keepends=True)
+
+
+def smoke_run(tmp, *more):
+    """The smoke config on ``tmp/ds`` for 10 steps on 2 devices, saved at the end."""
+    base = ["data.source=binary", f"data.path={tmp / 'ds'}", "train.steps=10", "train.checkpoint_every=10"]
+    quiet = ["train.eval_every=0", "train.eval_batches=0", "train.progress_bar=false", "mesh.devices=2"]
+    return load_config("smoke", [*base, *quiet, *more])
+
+
+def train_and_export(cfg, tmp):
+    """``cfg`` trained into ``tmp/run`` and exported to ``tmp/art``; eval's scores (scores_of)."""
+    train_and_evaluate(cfg, tmp / "run", **QUIET)
+    export_serving(tmp / "run", tmp / "art", **QUIET)
+    return scores_of(tmp / "run")
+
+
 @pytest.fixture(scope="module")
 def criteo(tmp_path_factory):
     """A run on preprocessed Criteo lines (4 devices, checkpoints at steps 8 and 16), its
     artifacts (float32 at 8 and 16, int8 and bfloat16 at 16, a delta 8 -> 16) and eval's scores."""
     tmp = tmp_path_factory.mktemp("serving")
-    gen = SyntheticGenerator(
-        seed=3, num_dense=13, table_rows=(40, 400) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
-    )
-    write_criteo_tsv(tmp / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
-    preprocess_criteo(
-        [str(tmp / "day.tsv")], str(tmp / "ds"), val_fraction=VAL / LINES, shuffle_seed=None, workers=1, progress=False
-    )
+    criteo_sample(tmp, seed=3)
     train_and_evaluate(run_config(tmp), tmp / "run", **QUIET)
     art = {}
     for name, step, kw in (
@@ -274,9 +316,7 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
         "train.checkpoint_every=6",
         "mesh.devices=2",
     )
-    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
-    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
-    probs, dense, ids = scores_of(tmp_path / "run")
+    probs, dense, ids = train_and_export(cfg, tmp_path)
     with serving.load(tmp_path / "art") as model:
         assert [f["bag_size"] for f in model.features] == [1, 3, 1, 4] and len(model.part_features["wide"]) == 4
         assert_scores_of_eval(model.predict(dense, ids), probs)
@@ -290,20 +330,8 @@ def test_multi_hot_bags_and_tiered_tables_score_raw_lines_as_eval(tmp_path):
     and one capped (``data.max_rows``): the export holds every row the tier holds, not the
     devices' cache of it, and raw lines draw their bags by the dataset's rule, so they score
     as the held-out rows' ids do and as evaluation does."""
-    gen = SyntheticGenerator(
-        seed=5, num_dense=13, table_rows=(60, 700) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
-    )
-    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, LINES), missing_cat_rate=0.05)
     bags = (3, 1, 2, *(1,) * 22, 4)
-    preprocess_criteo(
-        [str(tmp_path / "day.tsv")],
-        str(tmp_path / "ds"),
-        val_fraction=VAL / LINES,
-        shuffle_seed=None,
-        multi_hot=bags,
-        workers=1,
-        progress=False,
-    )
+    lines = criteo_sample(tmp_path, seed=5, rows=700, multi_hot=bags)
     cfg = run_config(
         tmp_path,
         f"data.bag_sizes={list(bags)}",
@@ -312,54 +340,23 @@ def test_multi_hot_bags_and_tiered_tables_score_raw_lines_as_eval(tmp_path):
         "embedding.table_storage=[cat_1=tiered, cat_25=tiered]",
         "embedding.tier.device_cache_fraction=0.1",
     )
-    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
-    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
-    probs, dense, ids = scores_of(tmp_path / "run")
+    probs, dense, ids = train_and_export(cfg, tmp_path)
     with serving.load(tmp_path / "art") as model:
         cards = json.loads((tmp_path / "ds" / "meta.json").read_text())["cardinalities"]
         assert [f["rows"] for f in model.features] == [min(c, 100) for c in cards]  # tiered ones whole
         assert [f["bag_size"] for f in model.features] == list(bags)
         by_ids = model.predict(dense, ids)
         assert_scores_of_eval(by_ids, probs)
-        val_lines = (tmp_path / "day.tsv").read_bytes().splitlines(keepends=True)[-VAL:]
+        val_lines = lines[-VAL:]
         np.testing.assert_array_equal(model.raw_inputs(parse_criteo(val_lines))[1], ids)
         np.testing.assert_array_equal(model.predict_raw(val_lines), by_ids)
 
 
 @pytest.mark.slow
 def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
-    from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
-    from tests.data.public_layouts import make_movielens
-
-    ml = tmp_path / "ml"
-    make_movielens(ml, n=600)
-    preprocess_tabular(
-        "movielens_1m",
-        [str(ml / "ratings.dat")],
-        str(tmp_path / "ds"),
-        val_fraction=0.2,
-        joins={"users": str(ml / "users.dat"), "movies": str(ml / "movies.dat")},
-        shuffle_seed=None,
-        workers=1,
-        progress=False,
-    )
-    cfg = load_config(
-        "smoke",
-        [
-            "data.source=binary",
-            f"data.path={tmp_path / 'ds'}",
-            "train.steps=10",
-            "train.checkpoint_every=10",
-            "train.eval_every=0",
-            "train.eval_batches=0",
-            "train.progress_bar=false",
-            "mesh.devices=2",
-        ],
-    )
-    train_and_evaluate(cfg, tmp_path / "run", **QUIET)
-    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
-    probs, _, _ = scores_of(tmp_path / "run")
-    val = (ml / "ratings.dat").read_bytes().splitlines(keepends=True)[-len(probs) :]  # the latest ratings
+    ratings = movielens_sample(tmp_path)
+    probs, _, _ = train_and_export(smoke_run(tmp_path), tmp_path)
+    val = ratings[-len(probs) :]  # the latest ratings
     unlabeled = tmp_path / "unlabeled.dat"
     unlabeled.write_bytes(b"".join(b"::".join(line.split(b"::")[:2] + line.split(b"::")[3:]) for line in val))
     with serving.load(tmp_path / "art") as model:

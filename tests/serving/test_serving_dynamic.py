@@ -1,7 +1,9 @@
 """Serving a model with dynamic tables (embedding.ids=dynamic): the maps travel with the
 artifact, raw Criteo lines score as eval scores them (an id the map does not hold reads its
 shard's shared row, in both), and a delta carries its step's maps; a Wide&Deep model, whose
-wide weights of a dynamic table are looked up at the rows its map gives."""
+wide weights of a dynamic table are looked up at the rows its map gives. The maps take what
+training gave them: the values themselves (the text source, ``preprocess --raw-values``, Criteo
+or tabular), read from raw lines by every path that scores them."""
 
 import jax
 import numpy as np
@@ -12,11 +14,19 @@ from dlrm_jax.config import load_config
 from dlrm_jax.data.sources.criteo import parse_lines, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.parallel.mesh import make_mesh
+from dlrm_jax.serving.files import predict_files
 from dlrm_jax.train.build import build
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET
-from tests.serving.test_serving import assert_scores_of_eval, scores_of
+from tests.serving.test_serving import (
+    assert_scores_of_eval,
+    criteo_sample,
+    movielens_sample,
+    scores_of,
+    smoke_run,
+    train_and_export,
+)
 from tests.train.test_step_invariance import by_table
 from tests.train.test_train import final_state
 
@@ -77,8 +87,36 @@ def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
         assert set(maps) == {"cat_1", "cat_3"} and all(0 < m["ids_held"] <= m["rows"] for m in maps.values())
         full = model.predict_raw(val_lines)
     assert_scores_of_eval(full, probs)
+    (tmp_path / "val.tsv").write_bytes(b"".join(val_lines))
+    with serving.load(tmp_path / "f16") as model:  # as `dlrm-jax predict` reads a file
+        predict_files(model, [str(tmp_path / "val.tsv")], tmp_path / "p.txt", progress=False)
+    np.testing.assert_array_equal(np.loadtxt(tmp_path / "p.txt", dtype=np.float32), full)
     with serving.load(tmp_path / "f8") as base:
         at8 = base.predict_raw(val_lines)
     with serving.load(tmp_path / "f8", deltas=[tmp_path / "d"]) as model:
         np.testing.assert_array_equal(model.predict_raw(val_lines), full)
     assert not np.array_equal(at8, full)  # the maps and rows moved between the steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["criteo", "tabular"])
+def test_a_dataset_of_raw_values_scores_raw_lines_as_eval(tmp_path, layout):
+    """``preprocess --raw-values``: training's dynamic tables mapped each value's 64-bit number
+    (0 where missing), not its vocabulary id. Raw lines must reach the maps the same way, from
+    ``predict_raw`` and from files (`dlrm-jax predict`); they had been given the ids, scoring
+    the held-out lines up to 0.16 away from evaluation."""
+    if layout == "criteo":
+        lines = criteo_sample(tmp_path, seed=6, lines=LINES, val=VAL, raw_values=True)
+        dynamic = "embedding.table_ids=[cat_1=dynamic, cat_3=dynamic]"
+    else:
+        lines = movielens_sample(tmp_path, raw_values=True)
+        dynamic = "embedding.ids=dynamic"
+    probs, _, _ = train_and_export(smoke_run(tmp_path, dynamic, "embedding.dynamic.vshards=2"), tmp_path)
+    val = lines[-len(probs) :]  # held out in input order (the latest ratings: in time order)
+    (tmp_path / "val.txt").write_bytes(b"".join(val))
+    with serving.load(tmp_path / "art") as model:
+        assert model.rules.maps_values and model.id_maps
+        by_raw = model.predict_raw(val)
+        predict_files(model, [str(tmp_path / "val.txt")], tmp_path / "p.txt", progress=False)
+    assert_scores_of_eval(by_raw, probs)
+    np.testing.assert_array_equal(np.loadtxt(tmp_path / "p.txt", dtype=np.float32), by_raw)
