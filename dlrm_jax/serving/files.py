@@ -94,8 +94,12 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
     for path in map(Path, inputs):
         if not path.exists():
             raise FileNotFoundError(f"--input {path}: no such file")
-        if not path.is_file():
+        if path.is_dir():
             raise IsADirectoryError(f"--input {path}: a folder, not a file: give the files in it")
+        if not path.is_file():  # (lines are read twice and sized on disk: a stream cannot be)
+            raise ValueError(
+                f"--input {path}: not a regular file (a pipe or device); save it to a file, gzipped or not"
+            )
     if output.is_dir():
         raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
     if not output.parent.is_dir():

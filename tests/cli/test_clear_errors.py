@@ -731,3 +731,18 @@ def test_a_run_dir_made_by_a_refused_train_is_removed(tmp_path, capsys):
         assert main(["train", "--config", "smoke", *budget, "--run-dir", str(run)]) in (1, 2)
         assert "embedding.memory_budget_gb" in one_line(capsys.readouterr().err)
         assert run.exists() == kept
+
+
+def test_a_pipe_given_as_input_is_named_as_a_pipe_not_a_folder(tmp_path):
+    """``--input <(zcat day.gz)`` is a pipe: both commands read their inputs more than once or
+    size them on disk, and said it was a folder."""
+    import os
+
+    from dlrm_jax.data.preprocessing.preprocess import check_input_files
+    from dlrm_jax.serving.files import check_paths
+
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ValueError, match="pipe: not a regular file"):
+        check_paths([tmp_path / "pipe"], tmp_path / "out.txt")
+    with pytest.raises(FileNotFoundError, match="pipe: not a regular file"):
+        check_input_files([str(tmp_path / "pipe")])

@@ -183,7 +183,13 @@ def check_input_files(inputs: Sequence[str], val_inputs: Sequence[str] = ()) -> 
         for p in map(Path, paths):
             if not p.is_file():
                 where = "" if p.is_absolute() else f" (looked for {p.absolute()})"
-                what = "a folder, not a file" if p.is_dir() else "no such file"
+                what = (
+                    "a folder, not a file"
+                    if p.is_dir()
+                    else "not a regular file (a pipe or device): save it to a file, gzipped or not"
+                    if p.exists()
+                    else "no such file"
+                )
                 raise FileNotFoundError(f"{flag} {p}: {what}{where}")
 
 
