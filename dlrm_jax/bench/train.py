@@ -1,7 +1,10 @@
-"""``dlrm-jax bench train``: train-step throughput of several configs on the current devices. Host batches
-are prepared before timing (the step, not the data generator, is measured), compilation and
-warm-up steps are excluded, and the median of per-step times is reported with the mean. With
-``--rounds``, the configs' steps are interleaved, so a machine's drift moves them alike.
+"""``dlrm-jax bench train``: train-step throughput of several configs on the current devices. Each
+step takes a batch of its own, as training does, made and placed on the devices before its
+timing starts (the step, not the data generator, is measured; four batches in turn had let a
+dynamic table's map hold every id from the fifth step on, as a stream never does),
+compilation and warm-up steps are excluded, and the median of per-step times is reported with
+the mean. With ``--rounds``, the configs' steps are interleaved, so a machine's drift moves
+them alike.
 
 With them, the compiled step's scratch memory per device and the host's minor page faults per
 timed step: XLA:CPU allocates a run's scratch afresh, and above glibc's 32 MiB mmap cutoff
@@ -54,30 +57,32 @@ class _Prepared:
         self.cfg, self.mesh = cfg, mesh_from_config(cfg)
         source = make_source(cfg, jax.process_index(), jax.process_count())
         self.plan, fns = build(cfg, self.mesh, source, log=lambda *_: None)
-        self.batches = [fns.device_batch(source.train_batch(i)) for i in range(4)]
+        self.batch_of = lambda i: jax.block_until_ready(fns.device_batch(source.train_batch(i)))
         self.state = fns.init_state()
         t0 = time.perf_counter()
-        self.compiled = fns.train_step.lower(self.state, self.batches[0]).compile()
+        self.compiled = fns.train_step.lower(self.state, self.batch_of(0)).compile()
         self.compile_s = time.perf_counter() - t0
         self.step_s, self.cpu_s, self.faults, self.calls = [], [], 0, 0
         self.run(warmup, timed=False)
 
     def run(self, steps: int, timed: bool = True) -> None:
-        """``steps`` steps, each timed alone (``timed``), their page faults and the process's
-        CPU time counted together (CPU a step: per call of ``run``)."""
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        faults, cpu = usage.ru_minflt, usage.ru_utime + usage.ru_stime
+        """``steps`` steps, each timed alone (``timed``) with its page faults and the process's
+        CPU time (CPU a step: per call of ``run``); its batch made before, outside all three."""
+        faults = cpu = 0.0
         for _ in range(steps):
-            t = time.perf_counter()
-            self.state, self.out, _ = self.compiled(self.state, self.batches[self.calls % len(self.batches)])
+            batch = self.batch_of(self.calls)
+            usage, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            self.state, self.out, _ = self.compiled(self.state, batch)
             jax.block_until_ready((self.state, self.out))
+            elapsed, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
             self.calls += 1
+            faults += after.ru_minflt - usage.ru_minflt
+            cpu += after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
             if timed:
-                self.step_s.append(time.perf_counter() - t)
+                self.step_s.append(elapsed)
         if timed:
-            usage = resource.getrusage(resource.RUSAGE_SELF)
-            self.faults += usage.ru_minflt - faults
-            self.cpu_s.append((usage.ru_utime + usage.ru_stime - cpu) / max(steps, 1))
+            self.faults += faults
+            self.cpu_s.append(cpu / max(steps, 1))
 
     def result(self) -> dict:
         cfg, step_s = self.cfg, self.step_s
