@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import time
@@ -81,6 +82,15 @@ def predict_files(
                         read = raw.tell()
                         stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
         os.replace(partial, output)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        error = OSError(
+            f"--output {output}: no space left on device while writing the scores; "
+            f"{'the file is as it was' if output.exists() else 'nothing was written'}: free space or write elsewhere"
+        )
+        error.errno = e.errno
+        raise error from None
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)

@@ -434,6 +434,40 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
 
 
 @pytest.mark.slow
+def test_a_full_disk_while_predicting_is_one_line_naming_the_output_and_keeps_the_old_scores(criteo, tmp_path):
+    """The disk filling while the scores are written (`[Errno 28] No space left on device`,
+    naming nothing, before): one line naming ``--output``; an earlier output stays as it was,
+    and no partial file is left."""
+    import errno
+    import io
+
+    from dlrm_jax.serving import files
+
+    tmp, art, _ = criteo
+    old = tmp_path / "p.txt"
+    old.write_text("earlier scores\n")
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = open
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            files,
+            "open",
+            lambda path, mode="r", *a, **k: Full() if mode == "x" else real_open(path, mode, *a, **k),
+            raising=False,
+        )
+        with serving.load(art["f16"]) as model:
+            for output, state in ((old, "the file is as it was"), (tmp_path / "new.txt", "nothing was written")):
+                with pytest.raises(OSError, match=f"--output {output}: no space left on device .*; {state}") as e:
+                    files.predict_files(model, [str(tmp / "day.tsv")], output, progress=False)
+                assert e.value.errno == errno.ENOSPC
+    assert old.read_text() == "earlier scores\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+@pytest.mark.slow
 def test_a_manifest_that_disagrees_with_its_function_is_refused_at_load_naming_both(criteo, tmp_path):
     import shutil
 
