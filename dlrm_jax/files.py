@@ -6,10 +6,14 @@ Imports nothing of the project, so every layer may use it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import shutil
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,50 @@ def make_dir(path: str | Path, what: str) -> Path:
     path = check_dir(path, what)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def check_new_folder(dest: str | Path, what: str) -> Path:
+    """``dest`` if it is new or an empty folder (where :func:`new_folder` may write), else a
+    FileExistsError: ``what`` never mixes its files with others."""
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest}: exists and is not empty; {what} into a new folder")
+    return dest
+
+
+@contextlib.contextmanager
+def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
+    """A folder that appears at ``dest`` whole or not at all: ``dest`` must be new or empty;
+    the ``with`` body writes into ``dest.partial`` (returned), renamed to ``dest`` when it
+    ends, removed when it raises. A full disk is one error naming ``what`` and ``dest``."""
+    dest = check_new_folder(dest, what)
+    work = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    make_dir(work, what)
+    try:
+        yield work
+    except BaseException as e:
+        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for the whole
+        if errno.ENOSPC in (getattr(e, "errno", None), _os_error_code(e)):
+            error = OSError(
+                f"{what} {dest}: no space left on device; nothing was written: free space or choose another"
+            )
+            error.errno = errno.ENOSPC
+            raise error from None
+        raise
+    if dest.exists():
+        dest.rmdir()
+    work.rename(dest)
+
+
+def _os_error_code(e: BaseException) -> int | None:
+    """The OS error a library reported in its message only (tensorstore: ``[os_error_code='28']``)."""
+    text = str(e)
+    at = text.find("os_error_code='")
+    if at < 0:
+        return None
+    digits = text[at + len("os_error_code='") :].split("'", 1)[0]
+    return int(digits) if digits.isdigit() else None
 
 
 def new_run_dir() -> str:

@@ -20,6 +20,7 @@ import numpy as np
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
@@ -91,24 +92,25 @@ def export_run(
     run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None, log=print
 ) -> int:
     """Write every table of ``run_dir``'s checkpoint at ``step`` (:func:`restore_run`) under
-    ``dest``; returns the step exported."""
-    dest = Path(dest)
+    ``dest``, a new or empty folder that appears whole or not at all; returns the step exported."""
+    dest = check_new_folder(dest, "export")
     run = restore_run(run_dir, overrides, step, log)
     steps, state, step = run.steps, run.state, run.step
-    _export_tables(dest, steps.collection, state.emb)
-    for name, part in steps.parts.items():  # extra sparse parts (Wide&Deep's wide): tables, dense weights
-        _export_tables(dest, part.collection, part.tables(state.parts[name]))
-        for k, v in part.dense_arrays(state.parts[name]).items():
-            export_array(dest / f"{name}_linear" / k, np.asarray(v))
-    for name, (_, m) in id_maps(run, run_dir).items():  # dynamic tables' id maps, beside their tables
-        for k, v in m._asdict().items():
-            export_array(dest / name / "map" / k, np.asarray(v))
-    if run.plan.tiered_tables:
-        tiered = tier_snapshot(run, run_dir, step, log)
-        try:
-            tiered.store.export(dest, snapshot=step)
-        finally:
-            tiered.close()
+    with new_folder(dest, "export") as work:  # (whole or not at all)
+        _export_tables(work, steps.collection, state.emb)
+        for name, part in steps.parts.items():  # extra sparse parts (Wide&Deep's wide): tables, dense weights
+            _export_tables(work, part.collection, part.tables(state.parts[name]))
+            for k, v in part.dense_arrays(state.parts[name]).items():
+                export_array(work / f"{name}_linear" / k, np.asarray(v))
+        for name, (_, m) in id_maps(run, run_dir).items():  # dynamic tables' id maps, beside their tables
+            for k, v in m._asdict().items():
+                export_array(work / name / "map" / k, np.asarray(v))
+        if run.plan.tiered_tables:
+            tiered = tier_snapshot(run, run_dir, step, log)
+            try:
+                tiered.store.export(work, snapshot=step)
+            finally:
+                tiered.close()
     log(f"exported {len(run.plan.tables)} tables of step {step} to {dest}")
     return step
 

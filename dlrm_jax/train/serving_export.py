@@ -27,6 +27,7 @@ from flax import nnx
 from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.sources.binary import read_meta
+from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.model.parts import PartInputs
 from dlrm_jax.serving.artifact import (
     FORMAT_VERSION,
@@ -62,23 +63,13 @@ def export_serving(
     if tables not in TABLE_DTYPES:
         raise ValueError(f"--tables {tables}: one of {', '.join(TABLE_DTYPES)}")
     dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise FileExistsError(f"{dest}: exists and is not empty; export into a new folder")
+    check_new_folder(dest, "export")
     run = restore_run(run_dir, overrides, step, log)
     if since is not None and since >= run.step:
         raise ValueError(f"--since {since}: must be an earlier step than the one exported ({run.step})")
     base = None if since is None else read_checkpoint(Path(run_dir), run.cfg, run.steps, since, log)[1]
-    work = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with new_folder(dest, "export") as work:
         _write_artifact(work, run, run_dir, tables, base, since)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for an artifact
-        raise
-    if dest.exists():
-        dest.rmdir()
-    work.rename(dest)
     what = f"delta since step {since}" if since is not None else f"{len(run.plan.tables)} tables ({tables})"
     log(f"exported the serving model of step {run.step} to {dest}: {what}")
     return run.step

@@ -147,6 +147,42 @@ def test_eval_and_export_of_another_model_refuse_in_one_line_and_change_nothing(
     assert evaluate_run(run, **QUIET).step == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["errno", "tensorstore"])
+def test_an_export_appears_whole_or_not_at_all(tiny, tmp_path, monkeypatch, fault):
+    """`dlrm-jax export` wrote into its destination as it went: a full disk left a folder of
+    some tables, taken for an export, and a folder already holding one got its files mixed in.
+    Now a folder that holds anything is refused before any work, and a full disk (an OSError,
+    or tensorstore's message with the OS's code) is one line naming the export; nothing is left."""
+    import errno
+
+    from dlrm_jax.train import export as export_module
+
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=2", "train.checkpoint_every=2"), run, **QUIET)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    with pytest.raises(FileExistsError, match="full: exists and is not empty; export into a new folder"):
+        export_run(run, tmp_path / "full", **QUIET)
+    calls, real = [], export_module.export_array
+
+    def fills(path, value):
+        calls.append(path)
+        if len(calls) == 3:
+            if fault == "errno":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise ValueError(f"RESOURCE_EXHAUSTED: Error writing local file {path}: ... [os_error_code='28']")
+        real(path, value)
+
+    monkeypatch.setattr(export_module, "export_array", fills)
+    with pytest.raises(OSError, match="export .*out: no space left on device; nothing was written") as e:
+        export_run(run, tmp_path / "out", **QUIET)
+    assert e.value.errno == errno.ENOSPC and "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "run"]
+    monkeypatch.setattr(export_module, "export_array", real)
+    assert export_run(run, tmp_path / "out", **QUIET) == 2 and (tmp_path / "out").is_dir()
+
+
 def test_eval_skips_a_damaged_checkpoint_and_leaves_it_in_place(tiny, tmp_path):
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
