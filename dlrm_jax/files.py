@@ -73,7 +73,7 @@ def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
         shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for the whole
         if errno.ENOSPC in (getattr(e, "errno", None), _os_error_code(e)):
             error = OSError(
-                f"{what} {dest}: no space left on device; nothing was written: free space or choose another"
+                f"{what} {dest}: no space left on device; nothing was written: free space or choose another folder"
             )
             error.errno = errno.ENOSPC
             raise error from None
