@@ -66,13 +66,6 @@ def dynamic_maps(cfg: Config) -> dict[int, MapSpec]:
     """{feature: its id map} of the tables taking raw ids (``embedding.ids``,
     ``embedding.table_ids``), sized by ``embedding.dynamic``."""
     d, out = cfg.embedding.dynamic, {}
-    names = [f"cat_{f}" for f in range(cfg.num_features)]
-    unknown = [item for item in cfg.embedding.table_ids if item.partition("=")[0] not in names]
-    if unknown:  # (else the typo leaves the table on vocabulary ids, silently)
-        raise ConfigError(
-            f"embedding.table_ids: {unknown[0]!r}: no table named {unknown[0].partition('=')[0]!r} "
-            f"(tables: {names[0]} to {names[-1]})"
-        )
     for f in cfg.dynamic_tables:
         try:
             out[f] = MapSpec.sized(cfg.table_rows[f], d.rows, d.vshards, **map_fields(cfg))
