@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
-from dlrm_jax.data.preprocessing.multihot import MultiHotRule
+from dlrm_jax.data.preprocessing.multihot import MultiHotRule, check_seed
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, SkipLog
 from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
@@ -48,8 +47,10 @@ class IdRules:
         self.multi_hot = None
         if "multi_hot" in spec:
             rule = spec["multi_hot"]
-            if rule.get("seed") != MULTI_HOT_SEED:
-                raise ArtifactError(f"{root}: multi-hot bags drawn with seed {rule.get('seed')}, not {MULTI_HOT_SEED}")
+            try:
+                check_seed(rule.get("seed"), str(root))
+            except ValueError as e:
+                raise ArtifactError(str(e)) from None
             self.multi_hot = MultiHotRule(self.cards, rule["bag_sizes"], rule["distribution"])
         bags = self.multi_hot.bag_sizes if self.multi_hot else (1,) * len(self.cards)
         self._starts = np.cumsum([0, *bags])  # each feature's first column in the ids

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
+from dlrm_jax.data.preprocessing.multihot import rule_name
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.files import check_new_folder, new_folder
@@ -278,7 +278,7 @@ def _rules(work: Path, cfg) -> dict:
     if max(bags) > 1:  # preprocess --multi-hot: MLPerf's rule, fixed by its seed (the only one it draws)
         spec["multi_hot"] = {
             "bag_sizes": bags,
-            **meta.get("multi_hot", {"distribution": "uniform", "seed": MULTI_HOT_SEED}),
+            **meta.get("multi_hot", rule_name()),
         }
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]

@@ -75,6 +75,18 @@ _BLOCK_ROWS = 4096  # rows expanded at a time
 _META = "rule.json"
 
 
+def rule_name(distribution: str = "uniform") -> dict:
+    """What names a rule whose tables are drawn again rather than kept: its distribution and
+    seed, as a dataset's meta.json (``multi_hot``) and a serving artifact record it."""
+    return {"distribution": distribution, "seed": SEED}
+
+
+def check_seed(seed, where: str) -> None:
+    """Tables drawn with another seed than this module's are another rule: refused, naming ``where``."""
+    if seed != SEED:
+        raise ValueError(f"{where}: multi-hot tables drawn with seed {seed}, not {SEED}")
+
+
 def _check(cardinalities: Sequence[int], bag_sizes: Sequence[int], distribution: str):
     cards, bags = [int(c) for c in cardinalities], [int(m) for m in bag_sizes]
     if len(cards) != len(bags):
@@ -204,8 +216,7 @@ class MultiHotRule:
         """The rule ``save`` wrote; memory-mapped (read-only) unless mmap is False."""
         with open(os.path.join(directory, _META)) as fh:
             meta = json.load(fh)
-        if meta.get("seed") != SEED:
-            raise ValueError(f"{directory}: tables drawn with seed {meta.get('seed')}, not {SEED}")
+        check_seed(meta.get("seed"), str(directory))
         tables = []
         for f, (c, m) in enumerate(zip(meta["cardinalities"], meta["bag_sizes"], strict=True)):
             path = os.path.join(directory, f"table_{f}.npy")

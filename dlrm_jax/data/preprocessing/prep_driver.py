@@ -47,8 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_jax.data import shards
-from dlrm_jax.data.preprocessing.multihot import SEED as MULTI_HOT_SEED
-from dlrm_jax.data.preprocessing.multihot import MultiHotRule
+from dlrm_jax.data.preprocessing.multihot import MultiHotRule, rule_name
 from dlrm_jax.data.preprocessing.prep_phases import (
     EXAMPLES,
     Placement,
@@ -240,7 +239,7 @@ def _write_dataset(
                 "vocab_from": opts.vocab_from,
                 "raw_values": opts.raw_values,
                 # the bags' rule, drawn again from its seed where raw values are scored
-                **({"multi_hot": {"distribution": "uniform", "seed": MULTI_HOT_SEED}} if opts.multi_hot else {}),
+                **({"multi_hot": rule_name()} if opts.multi_hot else {}),
                 **({"windows": windows} if windows else {}),
                 "val_fraction": 0.0 if val_paths else opts.val_fraction,
                 **plan.meta(),
