@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import glob
 import hashlib
+import itertools
 import os
 import statistics
 import subprocess
@@ -199,7 +200,7 @@ def bench_config(
     compiled = fns.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    turn = iter(range(10**9))
+    turn = itertools.count()  # each warm-up and timed step its own batch (of `distinct`, in turn)
     for _ in range(5):
         state, out, _ = compiled(state, batches[next(turn) % distinct])
     jax.block_until_ready(state)
