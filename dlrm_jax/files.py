@@ -13,7 +13,7 @@ import math
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,21 @@ def check_new_folder(dest: str | Path, what: str) -> Path:
 
 
 @contextlib.contextmanager
+def full_disk_as(message: Callable[[], str]) -> Iterator[None]:
+    """A full disk in the ``with`` body (an OSError's ENOSPC, which names no file, or a
+    library's that says it in its message only) raised as one OSError(ENOSPC) whose text is
+    ``message()``, asked for then (it may say what the failure left behind)."""
+    try:
+        yield
+    except Exception as e:
+        if errno.ENOSPC not in (getattr(e, "errno", None), _os_error_code(e)):
+            raise
+        error = OSError(message())
+        error.errno = errno.ENOSPC
+        raise error from None
+
+
+@contextlib.contextmanager
 def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
     """A folder that appears at ``dest`` whole or not at all: ``dest`` must be new or empty;
     the ``with`` body writes into ``dest.partial`` (returned), renamed to ``dest`` when it
@@ -67,17 +82,13 @@ def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
     work = dest.with_name(dest.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     make_dir(work, what)
-    try:
-        yield work
-    except BaseException as e:
-        shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for the whole
-        if errno.ENOSPC in (getattr(e, "errno", None), _os_error_code(e)):
-            error = OSError(
-                f"{what} {dest}: no space left on device; nothing was written: free space or choose another folder"
-            )
-            error.errno = errno.ENOSPC
-            raise error from None
-        raise
+    full = lambda: f"{what} {dest}: no space left on device; nothing was written: free space or choose another folder"
+    with full_disk_as(full):
+        try:
+            yield work
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for the whole
+            raise
     if dest.exists():
         dest.rmdir()
     work.rename(dest)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import time
@@ -16,6 +15,7 @@ from dlrm_jax import stopping
 from dlrm_jax.data.preprocessing.criteo_preprocess import parse_block
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog, byte_progress, open_input
 from dlrm_jax.data.sources.criteo import NUM_FIELDS, CriteoFormatError
+from dlrm_jax.files import full_disk_as
 from dlrm_jax.serving.model import ServingModel
 from dlrm_jax.serving.rules import parse_criteo
 
@@ -59,38 +59,34 @@ def predict_files(
     partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     lines = scored = 0
     out = open(partial, "x")  # noqa: SIM115 - closed below, before the rename
+    full = lambda: (
+        f"--output {output}: no space left on device while writing the scores; "
+        f"{'the file is as it was' if output.exists() else 'nothing was written'}: free space or write elsewhere"
+    )
     try:
-        with out, byte_progress(inputs, "predict", progress) as bar:
-            for path in inputs:
-                if model.rules.format == "tabular":
-                    for probs in _tabular(model, str(path), batch_size, log, bar):
-                        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                        lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
-                        stopping.raise_if_stopped()
-                    continue
-                with open_input(path, CriteoFormatError) as (raw, f):
-                    lineno, read = 1, 0
-                    while chunk := list(itertools.islice(f, CHUNK_LINES)):
-                        probs = _score(model, chunk, batch_size, log, str(path), lineno)
-                        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                        lines, scored, lineno = (
-                            lines + len(chunk),
-                            scored + int((~np.isnan(probs)).sum()),
-                            lineno + len(chunk),
-                        )
-                        bar.update(raw.tell() - read)
-                        read = raw.tell()
-                        stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
-        os.replace(partial, output)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        error = OSError(
-            f"--output {output}: no space left on device while writing the scores; "
-            f"{'the file is as it was' if output.exists() else 'nothing was written'}: free space or write elsewhere"
-        )
-        error.errno = e.errno
-        raise error from None
+        with full_disk_as(full):
+            with out, byte_progress(inputs, "predict", progress) as bar:
+                for path in inputs:
+                    if model.rules.format == "tabular":
+                        for probs in _tabular(model, str(path), batch_size, log, bar):
+                            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                            lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
+                            stopping.raise_if_stopped()
+                        continue
+                    with open_input(path, CriteoFormatError) as (raw, f):
+                        lineno, read = 1, 0
+                        while chunk := list(itertools.islice(f, CHUNK_LINES)):
+                            probs = _score(model, chunk, batch_size, log, str(path), lineno)
+                            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                            lines, scored, lineno = (
+                                lines + len(chunk),
+                                scored + int((~np.isnan(probs)).sum()),
+                                lineno + len(chunk),
+                            )
+                            bar.update(raw.tell() - read)
+                            read = raw.tell()
+                            stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
+            os.replace(partial, output)
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)

@@ -12,7 +12,6 @@ device count) may change on a resume; changes are reported.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -25,7 +24,7 @@ import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
 from dlrm_jax.config_doc import schema_keys
-from dlrm_jax.files import make_dir, new_run_dir
+from dlrm_jax.files import full_disk_as, make_dir, new_run_dir
 from dlrm_jax.parallel.coordination import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
@@ -109,18 +108,14 @@ def _atomic_write(path: Path, text: str) -> None:
             tmp.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
 def _disk_full_names(path: Path):
     """ENOSPC (which names no file) as one line naming ``path`` and the free space."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
+
+    def message():
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        raise OSError(
-            f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass another --run-dir"
-        ) from None
+        return f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass another --run-dir"
+
+    return full_disk_as(message)
 
 
 class RunDir:
