@@ -229,12 +229,9 @@ class TrainingLoop:
             first = not self.state_checked  # the first compiles the check and the eval step it runs
             if first:  # (the steps in flight end first, so none of their time is left out with it)
                 self.read_results(0)
-            t0, cpu0 = time.perf_counter(), time.thread_time()
-            self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
-            if first:
-                self.apart_s += time.perf_counter() - t0
-                self.apart_cpu_s += time.thread_time() - cpu0
-                self.state_checked = True
+            with self.apart() if first else contextlib.nullcontext():
+                self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
+            self.state_checked = True
         state = self.driver.after_step(state, step, self._ids)
         self.read_results(DISPATCH_AHEAD)
         self.end_trace(step - len(self.pending))
@@ -293,14 +290,23 @@ class TrainingLoop:
             for k, c in (("a2a", "all-to-all"), ("allreduce", "all-reduce"), ("allgather", "all-gather"))
         }
 
+    @contextlib.contextmanager
+    def apart(self):
+        """The body's time on this thread, wall and CPU, left out of the window's samples/s
+        (``apart_s``, ``apart_cpu_s``): checkpointing's, not training's."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.apart_s += time.perf_counter() - t0
+            self.apart_cpu_s += time.thread_time() - cpu0
+
     def window_event(self, step: int, state: TrainState) -> dict:
         """Every step up to here checked (before anything is saved), and the window's event."""
         self.read_results(0)
         if self._state_check is not None:  # (its run, after the window's steps: a read of every
-            t0, cpu0 = time.perf_counter(), time.thread_time()  # table, 1 s a save on CPU)
-            self.watch.check_state(step, self._state_check)
-            self.apart_s += time.perf_counter() - t0
-            self.apart_cpu_s += time.thread_time() - cpu0
+            with self.apart():  # table, 1 s a save on CPU)
+                self.watch.check_state(step, self._state_check)
         elapsed = time.perf_counter() - self.window_start - self.apart_s
         # this thread's CPU time (a blocking wait counts only its spin)
         dispatch_cpu_s = time.thread_time() - self.window_cpu - self.apart_cpu_s
