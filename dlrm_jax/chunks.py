@@ -16,8 +16,9 @@ index of every switch holding a loop or a collective, a copy and a wait with the
 (on one H200 the dynamic step was idle 1.3 ms of 7.1 for them), where on CPUs they cost
 nothing and the branches save work; a switch of kernels alone it records into the step's CUDA
 graph and decides on the device (``bench.hlo_kernels``).
-:func:`by_platform` picks a program's form by the platform it is compiled for, and
-:func:`in_chunks_on_cpu` writes every entry at once elsewhere.
+:func:`by_platform` picks a program's form by the platform it is compiled for (where the caller
+knows it, :func:`form_for_platform` picks it before tracing), and :func:`in_chunks_on_cpu`
+writes every entry at once elsewhere.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def by_platform(branchy, straight, form: str = ControlFlow.AUTO, sizes: bool = F
     if form == ControlFlow.ONE_PATH:
         return straight()
     return lax.platform_dependent(cpu=branchy, default=straight)
+
+
+def form_for_platform(form: str, platform: str) -> str:
+    """``form`` for a program compiled for ``platform`` (a device's, such as ``"cpu"``): ``auto``
+    made the form it takes there (``branches`` on CPUs, ``prefixes`` elsewhere), the others as
+    they are. :func:`by_platform` then traces one form, not every platform's: tracing both
+    (``lax.platform_dependent``) was half of the dynamic step's 8 s of tracing on CPU."""
+    if form != ControlFlow.AUTO:
+        return form
+    return ControlFlow.BRANCHES if platform == "cpu" else ControlFlow.PREFIXES
 
 
 def in_chunks_on_cpu(parts, count, size: int, carry, write, form: str = ControlFlow.AUTO):

@@ -4,6 +4,7 @@ the counts, through evictions and admissions."""
 
 import collections
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,32 @@ def test_the_plans_resolution_bytes_are_the_compiled_programs_without_rows_back(
     resolve_ = lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets, True)
     hlo = jax.jit(resolve_).lower(fused, ids, 0).compile().as_text()
     compiled_bytes_are_the_plans(hlo, batch * sum(bags), devices, rows_back=False)
+
+
+def test_a_resolution_traces_the_form_of_its_devices_platform_only(monkeypatch):
+    """The resolution's data-dependent work has a form per platform (``chunks.by_platform``);
+    where the devices are known it traces theirs alone (``chunks.form_for_platform``), not every
+    platform's through ``lax.platform_dependent`` (half the stream config's 8 s of tracing on
+    CPU). The CPU form's loops are there: the placement's rounds and the dedup's."""
+    asked = []
+    both = jax.lax.platform_dependent
+
+    def record(*args, **kwargs):
+        asked.append(sys._getframe(1).f_code.co_filename)
+        return both(*args, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", record)
+    mesh, devices, batch = make_mesh(8), 8, 256
+    specs = [SPEC, MapSpec(rows=8 * 40, vshards=8, probes=4, policy="lru")]
+    on = NamedSharding(mesh, P(AXIS))
+    fused = jax.device_put(fuse_maps(specs, devices, [init_map(s) for s in specs]), IdMap(*(on,) * 6))
+    words = lambda b: (np.zeros((batch, b), np.uint32), np.ones((batch, b), np.uint32), np.ones((batch, b), bool))
+    ids = [tuple(jax.device_put(x, on) for x in words(b)) for b in (1, 3)]
+    offsets = (0, specs[0].rows // devices)
+    resolve_ = lambda m, ids, step: sharded_resolve_fused(specs, mesh, m, ids, step, True, None, offsets)
+    jaxpr = str(jax.jit(resolve_).trace(fused, ids, 0).jaxpr)
+    assert not [f for f in asked if f.endswith("chunks.py")], asked
+    assert "while" in jaxpr
 
 
 @pytest.mark.slow  # 25-40 s on 2 cores, most of it compiling (the bytes check shares the compile)

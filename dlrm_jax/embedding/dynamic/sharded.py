@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.chunks import form_for_platform
 from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
@@ -209,6 +210,8 @@ def sharded_resolve_fused(
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
+    platform = mesh.devices.flat[0].platform  # (its form only: one form traced, not each platform's)
+    specs = [s._replace(control_flow=form_for_platform(s.control_flow, platform)) for s in specs]
     layout = Maps(tuple(specs), tuple(s.vshards // n for s in specs))
     # each id's table, a device's ids taken row by row (the resolution's work does not depend
     # on the ids' order: distinct ids are found by sorting)
@@ -233,7 +236,7 @@ def sharded_resolve_fused(
     # a path with more entries moves those that write to the front, ``MapWrites.fitted``).
     rows_here = int(np.sum(layout.row_sizes))
     size = min(max([n * s for s in sends] + [cap]), rows_here)
-    chunk = resolution_chunk(mesh.devices.flat[0].platform, per_device.size)
+    chunk = resolution_chunk(platform, per_device.size)
 
     def fit(x, fill):  # the fresh rows come first: past the map's rows, only padding
         x = x[:size] if x.shape[0] >= size else jnp.concatenate([x, jnp.full(size - x.shape[0], fill, x.dtype)])

@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.choices import NewRows
-from dlrm_jax.chunks import in_chunks, in_chunks_on_cpu
+from dlrm_jax.chunks import form_for_platform, in_chunks, in_chunks_on_cpu
 from dlrm_jax.embedding.dynamic.idmap import control_flow_of, id_hash, shared_row_of
 from dlrm_jax.embedding.dynamic.sharded import FreshRows, map_devices
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
@@ -41,7 +41,7 @@ def reset_in_chunks(dyn, parts: tuple, count: jax.Array, carry, write):
     nothing); on several devices each chunk meets in a sum, so the chunks stay."""
     if map_devices(dyn.mesh) > 1:
         return in_chunks(parts, count, dyn.reset_chunk, carry, write)
-    form = control_flow_of(dyn.maps.values())
+    form = form_for_platform(control_flow_of(dyn.maps.values()), dyn.mesh.devices.flat[0].platform)
     return in_chunks_on_cpu(parts, count, dyn.reset_chunk, carry, write, form)
 
 
