@@ -99,7 +99,10 @@ def huge_page_bytes() -> int:
 # would remain: the trim threshold does not hold it. A step whose buffers outgrew one heap
 # then mapped the next afresh every step: on 8 simulated devices, the dynamic step at 8,192
 # went between about 10 and 4,700-12,000 faults a step as its scratch moved by 0.1 MB, and
-# ran 8-17% slower in the second. A top pad of a whole heap keeps every heap.
+# ran 8-17% slower in the second. A top pad of a whole heap keeps every heap. Its cost beside
+# huge pages is compile time where faulting a huge page in is slow (the 2-core VM: the stream
+# config's step 30 -> 45 s, its extra kernel time zeroing huge pages); set later than the
+# compile, the steps faulted again (146 a step), and one arena (M_ARENA_MAX 1) ran them 2x slower.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt parameters, <malloc.h>
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30  # freed memory a heap keeps before it is returned to the kernel
