@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlrm_jax.chunks import form_for_platform
-from dlrm_jax.embedding.dynamic.idmap import IdMap, MapSpec, init_map
+from dlrm_jax.embedding.dynamic.idmap import IdMap, MapSpec, init_map, on_platform
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
 from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
 
@@ -95,10 +94,7 @@ class HostMaps:
     def __init__(self, specs: dict[int, MapSpec]):
         self.tables = list(specs)
         self._cpu = host_device()
-        self.specs = [
-            specs[t]._replace(control_flow=form_for_platform(specs[t].control_flow, self._cpu.platform))
-            for t in self.tables
-        ]
+        self.specs = on_platform([specs[t] for t in self.tables], self._cpu.platform)
         self.layout = Maps(tuple(self.specs), tuple(s.vshards for s in self.specs))
         self.rows = sum(s.rows for s in self.specs)
         self._learn = jax.jit(lambda m, *a: _learn(self.layout, m, *a))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.choices import ControlFlow, EvictionPolicy
+from dlrm_jax.chunks import form_for_platform
 from dlrm_jax.hashing import mix32
 
 POLICIES = tuple(EvictionPolicy)  # lru, lfu
@@ -105,6 +106,12 @@ def control_flow_of(specs) -> str:
     """The form a run's dynamic step takes (``embedding.dynamic.control_flow``): every map of
     a run has the same, its first's; ``auto`` with none."""
     return next((s.control_flow for s in specs), ControlFlow.AUTO)
+
+
+def on_platform(specs, platform: str) -> list[MapSpec]:
+    """``specs`` for a program compiled for ``platform``: each one's form made that platform's
+    (:func:`~dlrm_jax.chunks.form_for_platform`), so only its form is traced."""
+    return [s._replace(control_flow=form_for_platform(s.control_flow, platform)) for s in specs]
 
 
 class Maps(NamedTuple):

@@ -23,9 +23,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.chunks import form_for_platform
 from dlrm_jax.embedding.dynamic.distinct import distinct_ids
-from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash
+from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash, on_platform
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
 from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
 from dlrm_jax.few_segments import few_segment_sum
@@ -210,8 +209,8 @@ def sharded_resolve_fused(
     n = map_devices(mesh)
     for spec in specs:
         check_split(spec, n)
-    platform = mesh.devices.flat[0].platform  # (its form only: one form traced, not each platform's)
-    specs = [s._replace(control_flow=form_for_platform(s.control_flow, platform)) for s in specs]
+    platform = mesh.devices.flat[0].platform
+    specs = on_platform(specs, platform)  # (its form only: one form traced, not each platform's)
     layout = Maps(tuple(specs), tuple(s.vshards // n for s in specs))
     # each id's table, a device's ids taken row by row (the resolution's work does not depend
     # on the ids' order: distinct ids are found by sorting)
