@@ -43,6 +43,9 @@ META_FILE = "meta.json"
 SHARD_FILE = "shard.json"
 ID_COUNTS_FILE = "id_counts.npz"
 SPLITS = ("train", "val")
+VOCAB_DIR = "vocab"  # a vocabulary per feature: VOCAB_DIR/feature_{f}.npy
+# everything a preprocessed dataset's folder holds (what --overwrite may replace)
+DATASET_ENTRIES = frozenset((META_FILE, *SPLITS, VOCAB_DIR))
 ARRAY_DTYPES = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
 RAW_DTYPES = {"raw": np.uint64}  # a shard's raw values, when the dataset keeps them
 HISTOGRAM_IDS = 1 << 20  # ids kept per feature in id_counts.npz: far more than any hot set
@@ -169,12 +172,20 @@ def verify_shard(folder: str | Path) -> int:
 
 def check_output_target(output: str | Path, overwrite: bool = False) -> None:
     """Refuse a non-empty ``output``: an earlier preprocessed dataset is replaced only with
-    ``overwrite`` (runs trained on it would resume on other rows), anything else never."""
+    ``overwrite`` (runs trained on it would resume on other rows), anything else never, nor a
+    dataset's folder that holds anything else too (replacing the folder would delete it)."""
     out = check_dir(output, "output")  # a file at it or at a parent: named, not "[Errno 20]"
     if not out.exists() or not any(out.iterdir()):
         return
     if not (out / META_FILE).exists():
         raise FileExistsError(f"--output {out}: exists and is not a preprocessed dataset; not replacing it")
+    others = sorted(p.name for p in out.iterdir() if p.name not in DATASET_ENTRIES)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5:,} more" if len(others) > 5 else "")
+        raise FileExistsError(
+            f"--output {out}: holds a preprocessed dataset and files that are not its own ({shown}); "
+            f"not replacing it: move them out, or choose a new folder"
+        )
     if not overwrite:
         raise FileExistsError(
             f"--output {out}: holds a preprocessed dataset already (runs trained on it would resume on "

@@ -26,6 +26,7 @@ from flax import nnx
 
 from dlrm_jax.data.preprocessing.multihot import rule_name
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
+from dlrm_jax.data.shards import VOCAB_DIR
 from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.model.parts import PartInputs
@@ -262,7 +263,7 @@ def _rules(work: Path, cfg) -> dict:
     files = []
     for f in range(len(meta["cardinalities"])):
         name = f"rules/feature_{f}.npy"
-        shutil.copyfile(root / "vocab" / f"feature_{f}.npy", work / name)
+        shutil.copyfile(root / VOCAB_DIR / f"feature_{f}.npy", work / name)
         files.append(name)
     modulus = int(meta.get("max_ind_range") or 0)
     spec = {

@@ -153,6 +153,25 @@ def test_preprocess_into_a_dataset_needs_overwrite(tmp_path):
     preprocess_criteo([str(day)], str(tmp_path / "empty"), max_ind_range=10, workers=1, progress=False)
 
 
+def test_overwrite_replaces_a_dataset_folder_only_when_it_holds_nothing_else(tmp_path):
+    """Before: --overwrite replaced the whole folder, deleting what else it held: the input
+    lines kept beside the dataset and a README were gone."""
+    from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
+
+    out = tmp_path / "ds"
+    preprocess_criteo([str(small_tsv(tmp_path / "day.tsv"))], str(out), max_ind_range=10, workers=1, progress=False)
+    meta = (out / "meta.json").read_text()
+    day = small_tsv(out / "raw.tsv")
+    (out / "README").write_text("notes\n")
+    proc = cli("preprocess", "criteo", "--input", str(day), "--output", str(out), "--overwrite")
+    assert proc.returncode == 1 and one_line(proc.stderr) == (
+        f"dlrm-jax: error: --output {out}: holds a preprocessed dataset and files that are not its own "
+        f"(README, raw.tsv); not replacing it: move them out, or choose a new folder"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["README", "meta.json", "raw.tsv", "train", "val", "vocab"]
+    assert (out / "meta.json").read_text() == meta and (out / "README").read_text() == "notes\n"
+
+
 # ---------------------------------------------------------------- truncated .gz inputs
 
 

@@ -97,7 +97,7 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
         "--overwrite",
         action="store_true",
         help="replace the dataset --output holds already (runs trained on it resume on other rows); "
-        "a folder that holds anything else is never replaced",
+        "a folder that holds anything else (beside a dataset too) is never replaced",
     )
     p.add_argument(
         "--max-ind-range",

@@ -175,7 +175,7 @@ def _write_dataset(
             ):
                 count_files[k] = file
             counted_rows = n_train
-        (out.root / "vocab").mkdir()
+        (out.root / shards.VOCAB_DIR).mkdir()
         merge = partial(
             merge_feature,
             parts=names,

@@ -145,7 +145,7 @@ def merge_feature(
         hist_counts = np.concatenate([[missing, vocab.oov_count], vocab.kept[:, 1].astype(np.int64)])
     np.save(work / f"sorted_{f}.npy", values_v)
     np.save(work / f"idof_{f}.npy", id_of)
-    np.save(out / "vocab" / f"feature_{f}.npy", kept)
+    np.save(out / shards.VOCAB_DIR / f"feature_{f}.npy", kept)
     top = np.sort(np.argsort(-hist_counts, kind="stable")[: shards.HISTOGRAM_IDS])
     np.savez(work / f"hist_{f}.npz", ids=hist_ids[top], counts=hist_counts[top])
     return int(max(size, 1))
