@@ -11,7 +11,9 @@ Notebook use::
 Attributes are imported on first use, so ``import dlrm_jax`` does not start JAX.
 
 Configuration: :func:`load_config` (overrides as ``["train.steps=100"]`` or ``{"train.steps": 100}``),
-:func:`with_overrides` (a changed copy of a config), :class:`Config`, :class:`ConfigError`.
+:func:`with_overrides` (a changed copy of a config), :class:`Config`, :class:`ConfigError`,
+:func:`resolve_data_config` (a config for ``data.source=binary`` given the dataset's features
+and table sizes: before building a :class:`BinarySource` or :func:`build` of your own).
 Training: :func:`train_and_evaluate` (``source=``: data of your own, e.g. :class:`ArraySource`
 over numpy arrays), :func:`evaluate_run`, :class:`RunSummary`, :func:`build`; it raises
 :class:`Interrupted` (SIGINT/SIGTERM, after saving) and :class:`TrainingDiverged`.
@@ -78,6 +80,7 @@ _EXPORTS = {
     "ConfigError": "dlrm_jax.config",
     "load_config": "dlrm_jax.config",
     "with_overrides": "dlrm_jax.config",
+    "resolve_data_config": "dlrm_jax.data.sources",
     "request_cpu_devices": "dlrm_jax.parallel.mesh",
     "make_mesh": "dlrm_jax.parallel.mesh",
     "train_and_evaluate": "dlrm_jax.train.trainer",

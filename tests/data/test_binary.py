@@ -650,3 +650,22 @@ def test_raw_values_and_multi_hot_bags_are_refused_together(data, tmp_path):
             [str(data[0])], str(tmp_path / "ds"), multi_hot=(2,) * 26, raw_values=True, workers=1, progress=False
         )
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_config_not_resolved_against_the_dataset_is_refused_naming_the_table(data):
+    """Before: BinarySource(load_config(...)) kept the config's table sizes (Kaggle's, by default)
+    and folded the dataset's ids into the smaller ones without a word (feature 8: id 4 read as 1)."""
+    from dlrm_jax import resolve_data_config
+
+    cards = read_meta(data[1])["cardinalities"]
+    small = [c - 1 if f == 3 else c for f, c in enumerate(cards)]
+    cfg = make_cfg(data[1], f"data.cardinalities={small}")
+    with pytest.raises(
+        BinaryFormatError,
+        match=rf"meta.json: table cat_3 has {cards[3]:,} values there, {small[3]:,} in the config's "
+        r"data.cardinalities: binary data's configs take the dataset's \(dlrm_jax.resolve_data_config",
+    ):
+        BinarySource(cfg)
+    resolved = resolve_data_config(cfg)
+    assert list(resolved.data.cardinalities) == cards
+    assert np.array_equal(BinarySource(resolved).train_batch(0).ids, BinarySource(make_cfg(data[1])).train_batch(0).ids)

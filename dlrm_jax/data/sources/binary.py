@@ -218,6 +218,15 @@ class BinarySource:
                 f"features with bags {list(bags)}, the config data.num_dense={cfg.data.num_dense}, "
                 f"{cfg.num_features} data.cardinalities and data.bag_sizes={list(cfg.bag_sizes)}"
             )
+        given = tuple(int(c) for c in cfg.data.cardinalities)
+        smaller = [f for f, (a, b) in enumerate(zip(cards, given, strict=True)) if b < a]
+        if smaller:  # its ids would be folded into fewer rows than it has, without a word
+            f = smaller[0]
+            raise BinaryFormatError(
+                f"{self.root / META_FILE}: table cat_{f} has {cards[f]:,} values there, {given[f]:,} in the "
+                f"config's data.cardinalities: binary data's configs take the dataset's (dlrm_jax.resolve_data_config"
+                f"(cfg) gives them; train_and_evaluate and the commands do it)"
+            )
         widths = {"dense": stored_dense, "ids": sum(bags)}
         self._dynamic = list(cfg.dynamic_tables) if self.meta.get("raw_values") else []  # their values are read
         if self._dynamic:
