@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dlrm_jax.choices import Sharding
 
 
-def bounded(kind: type, low: float, *, strict: bool = False):
-    """An argparse type: an integer or number >= ``low`` (> with ``strict``); argparse names the
-    flag in its error."""
+def bounded(kind: type, low: float, *, strict: bool = False, below: float | None = None):
+    """An argparse type: an integer or number >= ``low`` (> with ``strict``) and < ``below``;
+    argparse names the flag in its error."""
     what, op = {int: "an integer", float: "a number"}[kind], ">" if strict else ">="
 
     def parse(text: str):
@@ -22,6 +22,8 @@ def bounded(kind: type, low: float, *, strict: bool = False):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"expected {what} {op} {low:g}, got {text}")
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"expected {what} < {below:g}, got {text}")
         return value
 
     return parse
@@ -67,6 +69,7 @@ MLP_MODES = ("data", "tensor", "pipeline")  # bench/mlp_parallel.py's MODES (lik
 
 
 POSITIVE, COUNT = bounded(int, 1), bounded(int, 0)  # steps and repeats; warmups and caps
+FRACTION = bounded(float, 0, below=1)  # a share of rows held out
 
 
 def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:

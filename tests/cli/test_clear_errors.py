@@ -252,6 +252,12 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
         (["bench", "collectives", "--sizes-kib", "16,0"], "--sizes-kib", "expected values >= 1"),
         (["bench", "tiers", "--fractions", "0.5,x"], "--fractions", "expected comma-separated numbers"),
         (["bench", "hot", "--zipf", ","], "--zipf", "expected comma-separated numbers"),
+        # Before: "preprocess_criteo: needs 0 <= val_fraction < 1", the Python function's name.
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--val-fraction", "1"],
+            "--val-fraction",
+            "expected a number < 1, got 1",
+        ),
         (["profile", "--steps", "0"], "--steps", "expected an integer >= 1, got 0"),
         (["profile", "--warmup", "-1"], "--warmup", "expected an integer >= 0, got -1"),
         (["bench", "train", "--repeats", "2", "--steps", "x"], "--steps", "expected an integer, got 'x'"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlrm_jax.cli.args import COUNT, POSITIVE, bounded
+from dlrm_jax.cli.args import COUNT, FRACTION, POSITIVE, bounded
 from dlrm_jax.config import ConfigError
 
 NAME = "preprocess"
@@ -126,7 +126,7 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     )
     p.add_argument(
         "--val-fraction",
-        type=float,
+        type=FRACTION,
         help="the last fraction of rows becomes the validation split (default 0.1, or 0 with --val-input)",
     )
     p.add_argument(
@@ -142,7 +142,7 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
     p.add_argument(
         "--no-shuffle",
         action="store_true",
-        help="keep the train rows in input order; each input file is then a window of them (train.progressive_by=data)",
+        help="keep the train rows in input order; each input file is then a window of them (train.progressive_window=data)",
     )
     p.add_argument(
         "--window-seconds",

@@ -249,7 +249,7 @@ def preprocess_criteo(
     shard keeps every feature's value too (``int(hex, 16)``, 0 where missing; raw.npy), which
     dynamic tables (``embedding.ids=dynamic``) map instead of the ids. With ``shuffle_seed=None``
     meta.json records each input file (a day) as a window of the train rows, for progressive
-    validation (``train.progressive_by: data``). An ``output`` that
+    validation (``train.progressive_window: data``). An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)

@@ -305,7 +305,7 @@ def preprocess_tabular(
     (``join_misses``). ``raw_values``: each shard keeps every feature's 64-bit value too
     (``category_values``'s hash, 0 where missing), which dynamic tables map. With
     ``shuffle_seed=None`` meta.json records the train rows' windows for progressive validation
-    (``train.progressive_by: data``): each input file, or with ``window_seconds`` each span of
+    (``train.progressive_window: data``): each input file, or with ``window_seconds`` each span of
     that many seconds of the ``split_by`` column (the rows must come in its order). Train on the output with ``data.source=binary``. An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
