@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import sys
@@ -26,6 +27,7 @@ import tensorstore as ts
 
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
+from dlrm_jax.train.state_digest import ChecksumMismatch, combine, first_mismatch, leaf_names, process_sums
 
 # Arrays are stored in chunks of at most CHUNK_BYTES (orbax's default is one chunk per device
 # shard): a restore onto another plan reads scattered rows, and decodes whole chunks. The
@@ -115,6 +117,7 @@ class CheckpointReader:
 
     def __init__(self, directory: Path):
         self.directory = Path(directory).absolute()
+        self._sums: dict[int, dict[str, int]] = {}  # step -> this process's part of its checksums
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -181,7 +184,24 @@ class CheckpointReader:
         with closing(ocp.StandardCheckpointHandler()) as handler:
             item = self._with_empty_entries(handler, path, abstract_state)
             state = handler.restore(path, args=ocp.args.StandardRestore(item))
-        return {k: state[k] for k in abstract_state}
+        state = {k: state[k] for k in abstract_state}
+        self._sums[self._step(step)] = process_sums(state)
+        return state
+
+    def _contents_differ(self, step: int, every: list[dict | None]) -> str:
+        """What differs between the arrays restored at ``step`` (``every`` process's part of
+        their checksums; None: a process restored nothing to check) and the checksums saved
+        with them; "" when nothing does."""
+        if any(part is None for part in every):
+            return ""
+        return first_mismatch(combine(every), self._saved_json(step).get("checksums"))
+
+    def check_contents(self, step: int) -> None:
+        """Raises ChecksumMismatch when an array restored at ``step`` differs from its saved
+        checksum (after a restore of that step outside :meth:`restore_newest_intact`)."""
+        every = [json.loads(o) for o in outcomes_of_every_process(json.dumps(self._sums.pop(step, None)))]
+        if differ := self._contents_differ(step, every):
+            raise ChecksumMismatch(differ)
 
     @staticmethod
     def _with_empty_entries(handler, path: Path, abstract_state: dict) -> dict:
@@ -221,7 +241,9 @@ class CheckpointReader:
         chunk = max(SavedArray.open(spec(n, probe), probe).chunk_bytes for n in jax.tree.leaves(names))
         context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
         readers = jax.tree.map(lambda n: SavedArray.open(spec(n, context), context), names)
-        return {**{k: state[k] for k in abstract_state}, field: readers}
+        state = {k: state[k] for k in abstract_state}
+        self._sums[step] = process_sums(state)  # not `field`'s: read later, row by row, to be re-laid out
+        return {**state, field: readers}
 
     def restore_newest_intact(self, restore_step, log=print):
         """``restore_step(step)`` for the newest step that restores on every process; each
@@ -241,7 +263,11 @@ class CheckpointReader:
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
                 result, failure = None, _first_line(e)
-            failures = [(p, f) for p, f in enumerate(outcomes_of_every_process(failure)) if f]
+            sums = None if failure else self._sums.pop(step, None)
+            every = [json.loads(o) for o in outcomes_of_every_process(json.dumps([failure, sums]))]
+            failures = [(p, f) for p, (f, _) in enumerate(every) if f]
+            if not failures and (differ := self._contents_differ(step, [s for _, s in every])):
+                failures = [(None, differ)]  # every process read its files, the whole is not what was saved
             if not failures:
                 for bad, reason in damaged:
                     log(
@@ -250,7 +276,8 @@ class CheckpointReader:
                 return step, result
             del result  # a partly restored state: its arrays are dropped before the next try
             process, reason = failures[0]
-            damaged.append((step, reason + (f" on process {process}" if jax.process_count() > 1 else "")))
+            on = f" on process {process}" if process is not None and jax.process_count() > 1 else ""
+            damaged.append((step, reason + on))
         if not damaged:
             raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
         newest, reason = damaged[0]
@@ -353,13 +380,17 @@ class Checkpoints(CheckpointReader):
                 OSError(errno.ENOSPC, "no space left on device"),
                 f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)",
             )
+        record = {"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run}
+        # orbax's files hold no checksum of their contents: restores check these
+        record["checksums"] = combine(
+            [json.loads(o) for o in outcomes_of_every_process(json.dumps(process_sums(state)))]
+        )
         try:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(state, save_args=chunked),
-                    plan=ocp.args.JsonSave({"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run}),
+                    state=ocp.args.PyTreeSave(state, save_args=chunked), plan=ocp.args.JsonSave(record)
                 ),
             )
         except OSError as e:
@@ -409,15 +440,10 @@ class Checkpoints(CheckpointReader):
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    """{"params.bottom.layers.0.kernel": shape} of every array of a pytree (named tuples, dicts
-    and lists alike: orbax's metadata holds a saved named tuple as a dict)."""
-
-    def key(k) -> str:
-        return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
-
+    """{"params.bottom.layers.0.kernel": shape} of every array of a pytree."""
     return {
-        ".".join(key(k) for k in path): tuple(getattr(leaf, "shape", None) or ())
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        name: tuple(getattr(leaf, "shape", None) or ())
+        for name, leaf in zip(leaf_names(tree), jax.tree.leaves(tree), strict=True)
     }
 
 

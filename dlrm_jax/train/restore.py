@@ -190,7 +190,9 @@ def read_checkpoint(
         if step is None:
             return restore_newest(steps, ckpts, log)
         try:
-            return step, restore_state(steps, ckpts, log, step)
+            state = restore_state(steps, ckpts, log, step)
+            ckpts.check_contents(step)
+            return step, state
         except IncompatibleCheckpoint:
             raise
         except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files

@@ -124,6 +124,40 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     assert [p.name.split("-")[0] for p in (run / "damaged").iterdir()] == ["4"]
 
 
+def change_saved_element(checkpoint, name):
+    """Adds 1 to the first element of array ``name`` in ``checkpoint``, written through
+    tensorstore: files orbax reads without an error, contents it never saved (as a flipped bit
+    in a compressed chunk can decode)."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 2**26}})
+    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=checkpoint / "state", use_zarr3=False, ts_context=context)
+    saved = ts.open(
+        ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True), read=True, write=True, context=context
+    ).result()
+    saved[0] = saved[0].read().result() + 1
+
+
+def test_a_checkpoint_whose_contents_changed_falls_back_on_another_device_count(tiny, tmp_path):
+    """Before: orbax's files carry no checksum, and a changed value that decoded without an
+    error was resumed from silently (a bit flipped inside a compressed chunk)."""
+    args = ("train.checkpoint_every=2", "train.log_every=1")
+    train_and_evaluate(tiny("train.steps=2", *args, "mesh.devices=2"), tmp_path / "whole", **QUIET)
+    whole = train_and_evaluate(tiny("train.steps=6", *args, "mesh.devices=4"), tmp_path / "whole", **QUIET)
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", *args, "mesh.devices=2"), run, **QUIET)
+    change_saved_element(run / "checkpoints" / "4", "params.top.layers.0.bias")
+    with pytest.raises(ValueError, match="step 4 is damaged .params.top.layers.0.bias's contents differ from the"):
+        evaluate_run(run, step=4)
+    logs = []
+    resumed = train_and_evaluate(tiny("train.steps=6", *args, "mesh.devices=4"), run, log=logs.append)
+    warnings = [line for line in logs if line.startswith("warning:")]
+    assert len(warnings) == 1 and "checkpoints/4 is damaged (params.top.layers.0.bias's contents differ" in warnings[0]
+    assert "resuming from checkpoint at step 2" in logs
+    assert (resumed.step, resumed.auc, resumed.logloss) == (whole.step, whole.auc, whole.logloss)
+
+
 # (--set overrides, what the refusal names): another model or other data than the run's.
 OTHER_MODELS = [
     (["model.embedding_dim=16", "model.bottom_mlp=[16, 16]"], "table cat_0 is 300 rows x 8 there, 300 x 16 here"),
