@@ -150,7 +150,7 @@ def bench_serving(
     with serving.load(arts["float32"][0]) as model:
         predict_files(model, [str(tmp / "val.tsv")], tmp / "pred.txt", progress=False)  # compiled, files cached
         t = time.perf_counter()
-        got = predict_files(model, [str(tmp / "val.tsv")], tmp / "pred.txt", progress=False)
+        got = predict_files(model, [str(tmp / "val.tsv")], tmp / "pred.txt", progress=False, overwrite=True)
         predict_s = time.perf_counter() - t
         scores = np.loadtxt(tmp / "pred.txt", dtype=np.float32)
         report["raw_lines"] = {

@@ -45,19 +45,28 @@ def predict_files(
     batch_size: int = 4096,
     skip_bad_lines: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> PredictReport:
     """Score every line of ``inputs`` (plain or gzipped, the training files' layout: Criteo TSV
     with the label first or absent, or a tabular schema's, one record a line) into ``output``,
     one probability a line (a record); a malformed line stops the run naming its file and line,
-    or (``skip_bad_lines``) is scored nan. ``output`` appears whole or not at all, and the
-    paths are checked before any line is scored (:func:`check_paths`)."""
+    or (``skip_bad_lines``) is scored nan. The paths are checked before any line is scored
+    (:func:`check_paths`). A file ``output`` appears whole or not at all, and one that exists
+    is replaced only with ``overwrite`` (a symbolic link's target, the link kept); ``-``, a pipe
+    or a device (``/dev/stdout``) is written to as the lines are scored."""
     start, log = time.perf_counter(), SkipLog(skip_bad_lines, DataFormatError)
     output = Path(output)
     check_paths(inputs, output, model.folders)
+    if str(output) == "-" or (output.exists() and not output.is_file()):  # a stream: written through
+        with open(1 if str(output) == "-" else output, "w", closefd=str(output) != "-") as out:
+            lines, scored = _write_scores(model, inputs, out, batch_size, log, progress)
+        return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"--output {output}: exists; pass --overwrite to replace it, or write to a new file")
     # A new file of its own beside the output ("x": never an existing one, such as an input),
-    # renamed over the output once every line is scored.
-    partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
-    lines = scored = 0
+    # renamed over the output (a link's target) once every line is scored.
+    target = Path(os.path.realpath(output))
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     out = open(partial, "x")  # noqa: SIM115 - closed below, before the rename
     full = lambda: (
         f"--output {output}: no space left on device while writing the scores; "
@@ -65,31 +74,36 @@ def predict_files(
     )
     try:
         with full_disk_as(full):
-            with out, byte_progress(inputs, "predict", progress) as bar:
-                for path in inputs:
-                    if model.rules.format == "tabular":
-                        for probs in _tabular(model, str(path), batch_size, log, bar):
-                            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                            lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
-                            stopping.raise_if_stopped()
-                        continue
-                    with open_input(path, CriteoFormatError) as (raw, f):
-                        lineno, read = 1, 0
-                        while chunk := list(itertools.islice(f, CHUNK_LINES)):
-                            probs = _score(model, chunk, batch_size, log, str(path), lineno)
-                            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
-                            lines, scored, lineno = (
-                                lines + len(chunk),
-                                scored + int((~np.isnan(probs)).sum()),
-                                lineno + len(chunk),
-                            )
-                            bar.update(raw.tell() - read)
-                            read = raw.tell()
-                            stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
-            os.replace(partial, output)
+            with out:
+                lines, scored = _write_scores(model, inputs, out, batch_size, log, progress)
+            os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
+
+
+def _write_scores(model: ServingModel, inputs, out, batch_size: int, log: SkipLog, progress: bool) -> tuple[int, int]:
+    """Every input line's score into ``out``: (lines, lines scored, not nan)."""
+    lines = scored = 0
+    with byte_progress(inputs, "predict", progress) as bar:
+        for path in inputs:
+            if model.rules.format == "tabular":
+                for probs in _tabular(model, str(path), batch_size, log, bar):
+                    out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                    lines, scored = lines + len(probs), scored + int((~np.isnan(probs)).sum())
+                    stopping.raise_if_stopped()
+                continue
+            with open_input(path, CriteoFormatError) as (raw, f):
+                lineno, read = 1, 0
+                while chunk := list(itertools.islice(f, CHUNK_LINES)):
+                    probs = _score(model, chunk, batch_size, log, str(path), lineno)
+                    out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
+                    lines, scored = lines + len(chunk), scored + int((~np.isnan(probs)).sum())
+                    lineno += len(chunk)
+                    bar.update(raw.tell() - read)
+                    read = raw.tell()
+                    stopping.raise_if_stopped()  # a stop signal kept while the chunk was scored
+    return lines, scored
 
 
 def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[Path] = ()) -> None:
@@ -106,6 +120,8 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
             raise ValueError(
                 f"--input {path}: not a regular file (a pipe or device); save it to a file, gzipped or not"
             )
+    if str(output) == "-":  # standard output
+        return
     if output.is_dir():
         raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
     if not output.parent.is_dir():

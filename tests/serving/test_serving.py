@@ -5,6 +5,7 @@ tables near them; a base plus its deltas equal to the full export of the last st
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -434,6 +435,43 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
 
 
 @pytest.mark.slow
+def test_predict_replaces_an_existing_file_only_when_asked_and_writes_through_links_pipes_and_stdout(
+    criteo, tmp_path, capfd
+):
+    """Before: an existing output was replaced without a word, and a symbolic link, a pipe or
+    /dev/stdout was replaced by a regular file (a partial file renamed over it)."""
+    import threading
+
+    from dlrm_jax.serving.files import predict_files
+
+    tmp, art, _ = criteo
+    day = [str(tmp / "day.tsv")]
+    with serving.load(art["f16"]) as model:
+        predict_files(model, day, tmp_path / "want.txt", progress=False)
+        want = (tmp_path / "want.txt").read_text()
+        kept = tmp_path / "kept.txt"
+        kept.write_text("earlier scores\n")
+        with pytest.raises(FileExistsError, match=f"--output {kept}: exists; pass --overwrite to replace it"):
+            predict_files(model, day, kept, progress=False)
+        assert kept.read_text() == "earlier scores\n"
+        link = tmp_path / "link.txt"
+        link.symlink_to(kept)
+        predict_files(model, day, link, progress=False, overwrite=True)
+        assert link.is_symlink() and kept.read_text() == want
+        fifo, read = tmp_path / "fifo", []
+        os.mkfifo(fifo)
+        reader = threading.Thread(target=lambda: read.append(fifo.read_text()))
+        reader.start()
+        predict_files(model, day, fifo, progress=False)
+        reader.join(60)
+        assert read == [want] and fifo.is_fifo()
+        capfd.readouterr()
+        predict_files(model, day, "-", progress=False)
+        assert capfd.readouterr().out == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "kept.txt", "link.txt", "want.txt"]
+
+
+@pytest.mark.slow
 def test_a_full_disk_while_predicting_is_one_line_naming_the_output_and_keeps_the_old_scores(criteo, tmp_path):
     """The disk filling while the scores are written (`[Errno 28] No space left on device`,
     naming nothing, before): one line naming ``--output``; an earlier output stays as it was,
@@ -462,7 +500,7 @@ def test_a_full_disk_while_predicting_is_one_line_naming_the_output_and_keeps_th
         with serving.load(art["f16"]) as model:
             for output, state in ((old, "the file is as it was"), (tmp_path / "new.txt", "nothing was written")):
                 with pytest.raises(OSError, match=f"--output {output}: no space left on device .*; {state}") as e:
-                    files.predict_files(model, [str(tmp / "day.tsv")], output, progress=False)
+                    files.predict_files(model, [str(tmp / "day.tsv")], output, progress=False, overwrite=True)
                 assert e.value.errno == errno.ENOSPC
     assert old.read_text() == "earlier scores\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
 

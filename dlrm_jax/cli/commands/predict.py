@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from dlrm_jax import stopping
 from dlrm_jax.cli.args import POSITIVE
 from dlrm_jax.config import ConfigError
@@ -22,7 +25,13 @@ def add_arguments(p) -> None:
         help="raw files (plain or .gz), the training files' layout "
         "(Criteo TSV or the model's tabular schema); the label column may be present or absent",
     )
-    p.add_argument("--output", required=True, help="file for the probabilities, one a line, in input order")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="file for the probabilities, one a line, in input order (written whole or not at all); "
+        "'-', a pipe or a device (/dev/stdout) is written to as lines are scored",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an --output file that exists already")
     p.add_argument(
         "--format",
         choices=["criteo", "tabular"],
@@ -56,6 +65,8 @@ def run(args) -> int:
             batch_size=args.batch_size,
             skip_bad_lines=args.skip_bad_lines,
             progress=args.progress,
+            overwrite=args.overwrite,
         )
-    print(report.summary(args.output), flush=True)
+    stream = args.output == "-" or (Path(args.output).exists() and not Path(args.output).is_file())
+    print(report.summary(args.output), flush=True, file=sys.stderr if stream else sys.stdout)  # not amid the scores
     return 0
