@@ -296,6 +296,21 @@ def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> 
     return validate(_build(Config, raw, ""))
 
 
+def with_absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with its relative paths (``data.path``, each of its comma-separated files, and
+    ``embedding.tier.path``) made absolute against the current directory: what a run dir's
+    ``config.yaml`` records, so that ``eval`` and ``export`` find them from any directory."""
+
+    def absolute(text: str) -> str:
+        return ",".join(str(Path(p).absolute()) if p else p for p in text.split(",")) if text else text
+
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
+    tier = dataclasses.replace(cfg.embedding.tier, path=absolute(cfg.embedding.tier.path))
+    if (data, tier) == (cfg.data, cfg.embedding.tier):
+        return cfg
+    return dataclasses.replace(cfg, data=data, embedding=dataclasses.replace(cfg.embedding, tier=tier))
+
+
 def _override_dicts(overrides) -> list[dict[str, Any]]:
     if isinstance(overrides, str):  # one KEY=VALUE, not a sequence of characters
         overrides = [overrides]

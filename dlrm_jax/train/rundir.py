@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config
+from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import full_disk_as, make_dir, new_run_dir
 from dlrm_jax.parallel.coordination import outcome_of_process_0
@@ -217,6 +217,7 @@ class RunDir:
             )
 
     def _check_config(self, cfg: Config, log) -> None:
+        cfg = with_absolute_paths(cfg)  # as recorded: eval and export read it from any directory
         saved = self.path / "config.yaml"
         if saved.exists() and (self.path / "checkpoints").exists():
             try:

@@ -495,3 +495,20 @@ def files(path):
     import json
 
     return {e["step"]: e["loss"] for e in map(json.loads, path.read_text().splitlines())}
+
+
+def test_config_yaml_records_paths_absolute(tiny, tmp_path, monkeypatch):
+    """Before: a relative data.path was recorded as given, and `eval --run-dir ../runs/A` from
+    another directory said "data.path=data/k: no such folder"."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny("data.source=criteo", "data.path=days/0.tsv,/abs/1.tsv", "embedding.tier.path=tier")
+    with RunDir.open(tmp_path / "run", cfg) as rd:
+        rd.record("", "{}")
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["data"]["path"] == f"{tmp_path}/days/0.tsv,/abs/1.tsv"
+    assert saved["embedding"]["tier"]["path"] == f"{tmp_path}/tier"
+    logs = []
+    RunDir.open(tmp_path / "run", cfg, log=logs.append).close()  # the same paths: no change to report
+    assert logs == []
