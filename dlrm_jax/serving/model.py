@@ -131,12 +131,15 @@ class ServingModel:
     def _map_rows(self, ids: np.ndarray, raw: dict | None) -> np.ndarray:
         if not self.id_maps or ids.ndim != 2 or ids.shape[1] != sum(self.bag_sizes):
             return ids
-        ids, starts = ids.astype(np.int32, copy=True), self._starts
+        # every 64 bits kept: dynamic features' ids are raw ids (a cast to int32 made 2**40 + 5
+        # read as 5), and an id too large for a vocabulary table is refused, not wrapped
+        wide = ids.view(np.int64) if ids.dtype == np.uint64 else ids.astype(np.int64)
+        out, starts = wide.copy(), self._starts
         for f in self.id_maps.features:
-            bag = ids[:, starts[f] : starts[f + 1]]
-            given = bag if raw is None else raw[f]
-            bag[...] = self.id_maps.rows(f, given, bag != PAD_ID)
-        return ids
+            bag = wide[:, starts[f] : starts[f + 1]]
+            given = bag.view(np.uint64) if raw is None else raw[f]
+            out[:, starts[f] : starts[f + 1]] = self.id_maps.rows(f, given, bag != PAD_ID)
+        return out
 
     def predict(
         self, dense: np.ndarray, ids: np.ndarray, batch_size: int = DEFAULT_BATCH, raw: dict | None = None

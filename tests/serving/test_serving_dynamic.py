@@ -15,6 +15,7 @@ from dlrm_jax.data.sources.criteo import parse_lines, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.serving.files import predict_files
+from dlrm_jax.serving.rules import parse_criteo
 from dlrm_jax.train.build import build
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
@@ -86,6 +87,13 @@ def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
         maps = model.manifest["id_maps"]
         assert set(maps) == {"cat_1", "cat_3"} and all(0 < m["ids_held"] <= m["rows"] for m in maps.values())
         full = model.predict_raw(val_lines)
+        # By ids, dynamic features' ids are their raw 64-bit ids (before: cast to int32 first)
+        parsed = parse_criteo(val_lines)
+        ids = model.rules.ids(parsed.values, parsed.empty).astype(np.uint64)
+        for f in (1, 3):
+            ids[:, f] = np.where(parsed.empty[:, f], np.uint64(0), parsed.values[:, f])
+        assert (ids[:, [1, 3]] >= 2**31).any()
+        np.testing.assert_array_equal(model.predict(model.rules.dense(parsed), ids), full)
     assert_scores_of_eval(full, probs)
     (tmp_path / "val.tsv").write_bytes(b"".join(val_lines))
     with serving.load(tmp_path / "f16") as model:  # as `dlrm-jax predict` reads a file
