@@ -27,7 +27,7 @@ from dlrm_jax.train.checkpoint import (
     saved_json,
     saved_steps,
 )
-from dlrm_jax.train.rundir import STATE_KEYS, RunDirError, config_differences, describe_changes
+from dlrm_jax.train.rundir import RunDirError, config_differences, describe_changes, state_keys
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -186,32 +186,31 @@ def read_checkpoint(
         raise FileNotFoundError(
             f"{ckpts.directory}: no checkpoint{f' at step {step}' if step is not None else ''} {have}"
         )
-    try:
-        if step is None:
-            return restore_newest(steps, ckpts, log)
-        try:
-            state = restore_state(steps, ckpts, log, step)
-            ckpts.check_contents(step)
-            return step, state
-        except IncompatibleCheckpoint:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files
-            others = [s for s in saved if s != step]
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ValueError(
-                f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
-                f"use another step (--step with one of {others}) or none (the newest intact)"
-                if others
-                else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
-                f"({first}) and it is the only one"
-            ) from None
-    except IncompatibleCheckpoint as e:
-        saved_cfg = Path(run_dir) / "config.yaml"
-        changed = config_differences(load_config(saved_cfg), cfg, STATE_KEYS)
-        if not changed:
-            raise
+    saved_cfg = Path(run_dir) / "config.yaml"
+    trained = load_config(saved_cfg)  # overrides that change what the state means are refused, not read
+    changed = config_differences(trained, cfg, state_keys(trained, cfg))
+    if changed:
         raise IncompatibleCheckpoint(
-            f"{e}; changed from {saved_cfg}: {describe_changes(changed)} (by --set or the data)"
+            f"{ckpts.directory}: its checkpoints hold the state of another config: changed from {saved_cfg}: "
+            f"{describe_changes(changed)} (by --set or the data); read them with the keys they were trained with"
+        )
+    if step is None:
+        return restore_newest(steps, ckpts, log)
+    try:
+        state = restore_state(steps, ckpts, log, step)
+        ckpts.check_contents(step)
+        return step, state
+    except IncompatibleCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files
+        others = [s for s in saved if s != step]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(
+            f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
+            f"use another step (--step with one of {others}) or none (the newest intact)"
+            if others
+            else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
+            f"({first}) and it is the only one"
         ) from None
 
 

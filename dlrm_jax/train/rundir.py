@@ -4,7 +4,7 @@ Layout: ``config.yaml`` (resolved config), ``plan.txt`` / ``plan.json`` (the emb
 ``metrics.jsonl``, ``checkpoints/``, ``.lock``. Only process 0 writes here; in a multi-process
 run every process must be given the same directory (see :func:`agree_on_run_dir`).
 
-Resuming needs the same state layout and math: the keys in :data:`STATE_KEYS` must match what
+Resuming needs the same state layout and math: the keys of :func:`state_keys` must match what
 the directory was started with. Everything else (steps, logging, learning rate, sharding,
 device count) may change on a resume; changes are reported.
 """
@@ -49,6 +49,24 @@ STATE_KEYS = (
     "data.bag_sizes",
     "data.pooling",
 )
+# What dynamic tables' saved maps mean: an id's shard and probes, the rows, the counters'
+# kind (recency or frequency), the admission sketch. Changed, the maps would be read as other
+# maps (fewer probes: ids placed further along found nowhere, silently).
+DYNAMIC_STATE_KEYS = (
+    "embedding.ids",
+    "embedding.table_ids",
+    "embedding.dynamic.rows",
+    "embedding.dynamic.policy",
+    "embedding.dynamic.probes",
+    "embedding.dynamic.vshards",
+    "embedding.dynamic.admit",
+    "embedding.dynamic.sketch_width",
+)
+
+
+def state_keys(old: Config, new: Config) -> tuple[str, ...]:
+    """The keys that must match for ``new`` to resume (or read) ``old``'s saved state."""
+    return STATE_KEYS + (DYNAMIC_STATE_KEYS if old.dynamic_tables or new.dynamic_tables else ())
 
 
 class RunDirError(ValueError):
@@ -224,7 +242,7 @@ class RunDir:
                 old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
             except (ConfigError, yaml.YAMLError) as e:
                 raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
-            blocking = config_differences(old, cfg, STATE_KEYS)
+            blocking = config_differences(old, cfg, state_keys(old, cfg))
             if blocking:
                 what = describe_changes(blocking)
                 raise RunDirError(

@@ -172,13 +172,29 @@ def test_eval_and_export_of_another_model_refuse_in_one_line_and_change_nothing(
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
     before = tree(run)
     export = lambda r, o, **kw: export_run(r, tmp_path / "out", o, **kw)
-    for (overrides, names), read in zip(OTHER_MODELS, (evaluate_run, export, evaluate_run), strict=True):
+    for (overrides, _), read in zip(OTHER_MODELS, (evaluate_run, export, evaluate_run), strict=True):
         with pytest.raises(IncompatibleCheckpoint) as e:
             read(run, overrides, **QUIET)
         said = str(e.value)
-        assert names in said and f"config.yaml: {overrides[0].split('=')[0]}" in said and "\n" not in said
+        assert "its checkpoints hold the state of another config" in said and "\n" not in said
+        assert f"config.yaml: {overrides[0].split('=')[0]}" in said
         assert tree(run) == before  # no checkpoint set aside as damaged
     assert evaluate_run(run, **QUIET).step == 4
+
+
+def test_eval_refuses_a_dynamic_tables_setting_that_reads_the_maps_otherwise(tiny, tmp_path):
+    """Before: `eval --set embedding.dynamic.probes=2` read maps placed over 8 probes with 2
+    (ids further along found nowhere: AUC moved, no word), and a resume only printed it."""
+    run = tmp_path / "run"
+    dynamic = ("embedding.ids=dynamic", "train.steps=4", "train.checkpoint_every=2")
+    train_and_evaluate(tiny(*dynamic), run, **QUIET)
+    with pytest.raises(IncompatibleCheckpoint, match="config.yaml: embedding.dynamic.probes 8 -> 2 "):
+        evaluate_run(run, ["embedding.dynamic.probes=2"], **QUIET)
+    with pytest.raises(RunDirError, match="another model: embedding.dynamic.policy lru -> lfu"):
+        train_and_evaluate(tiny(*dynamic, "embedding.dynamic.policy=lfu"), run, **QUIET)
+    with pytest.raises(RunDirError, match="another model: embedding.ids dynamic -> vocab"):
+        train_and_evaluate(tiny(*dynamic[1:]), run, **QUIET)
+    evaluate_run(run, ["embedding.dynamic.half_life=100"], **QUIET)  # how counts decay from now on: free
 
 
 @pytest.mark.slow
