@@ -16,14 +16,21 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
-from dlrm_jax.embedding.tiers.setup import tier_plan
+from dlrm_jax.embedding.tiers.setup import DynamicIds, tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checks import check_batch
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
-from dlrm_jax.train.wiring import cluster_from_config, dynamic_homes, sparse_optimizer_from_config, step_spec
+from dlrm_jax.train.wiring import (
+    cluster_from_config,
+    dynamic_homes,
+    dynamic_maps,
+    raw_id_batches,
+    sparse_optimizer_from_config,
+    step_spec,
+)
 
 
 def build(
@@ -71,8 +78,8 @@ def build(
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
     if jax.process_count() > 1:
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
-    first = dynamic_homes(cfg, [source.train_ids(i) for i in range(cfg.embedding.hot.stats_batches)])
-    plan = tier_plan(cfg.embedding.tier, plan, first, log)
+    raw = raw_id_batches(cfg, source, cfg.embedding.hot.stats_batches)
+    plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, DynamicIds(dynamic_maps(cfg), raw))
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)

@@ -111,6 +111,26 @@ def dynamic_homes(cfg: Config, batches: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
+def raw_id_batches(cfg: Config, source, count: int) -> list[np.ndarray]:
+    """The first ``count`` training batches' ids (int64 [B, S]) with each dynamic table's slots
+    holding the raw ids its map will see: a source's raw values where it carries them
+    (:class:`~dlrm_jax.data.batch.RawBatch`; the slots hold placeholders), else the ids."""
+    dynamic, starts = cfg.dynamic_tables, np.cumsum([0, *cfg.bag_sizes])
+    slots = np.concatenate([np.arange(starts[f], starts[f + 1]) for f in dynamic]) if dynamic else []
+    out = []
+    for i in range(count):
+        batch = source.train_batch(i) if dynamic else None
+        if batch is None or getattr(batch, "raw", None) is None:
+            out.append(np.asarray(source.train_ids(i)).astype(np.int64))
+            continue
+        ids = np.asarray(batch.ids).astype(np.int64)
+        words = np.asarray(batch.raw).astype(np.uint64)  # [B, 2, R]: high halves, then low
+        values = ((words[:, 0] << np.uint64(32)) | words[:, 1]).view(np.int64)
+        ids[:, slots] = np.where(ids[:, slots] == PAD_ID, PAD_ID, values)
+        out.append(ids)
+    return out
+
+
 def plan_options(
     cfg: Config,
     specs: Sequence[TableSpec],

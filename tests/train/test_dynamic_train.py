@@ -13,7 +13,7 @@ import pytest
 import tensorstore as ts
 
 from dlrm_jax.config import ConfigError
-from dlrm_jax.data.sources.synthetic import SyntheticSource
+from dlrm_jax.data.sources.synthetic import SyntheticGenerator, SyntheticSource
 from dlrm_jax.embedding.plan.stats import collective_bytes
 from dlrm_jax.parallel.mesh import make_mesh
 from dlrm_jax.train.build import build
@@ -289,3 +289,36 @@ def test_the_step_copies_no_table_optimizer_state_or_id_map(tiny, devices):
         and line.split(" = ")[1].split("{")[0] in held
     ]  # (a broadcast's copy is a fresh array filled, not one of these, whatever XLA named it)
     assert not copies, "\n".join(copies)
+
+
+def test_tiered_dynamic_caches_hold_a_batchs_rows_from_raw_values(tmp_path):
+    """Before: a tiered dynamic table's device cache was sized by the first batches' placeholder
+    ids (not the raw values its map sees) and without its shards' shared rows; `plan` passed and
+    the first step stopped: "table cat_0: a batch needs 8 distinct rows on device 1, the device
+    cache holds 6"."""
+    from dlrm_jax.config import load_config
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
+
+    gen = SyntheticGenerator(
+        seed=5, num_dense=13, table_rows=(5, 400) * 13, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 2000), missing_cat_rate=0.05)
+    cfg = load_config(
+        None,
+        [
+            "data.source=criteo",
+            f"data.path={tmp_path / 'day.tsv'}",
+            "data.max_rows=0",
+            f"data.cardinalities={[5, 400] * 13}",
+            "embedding.table_ids=[cat_0=dynamic, cat_1=dynamic]",
+            "embedding.table_storage=[cat_0=tiered, cat_1=tiered]",
+            "mesh.devices=2",
+            "model.embedding_dim=8",
+            "model.bottom_mlp=[8]",
+            "model.top_mlp=[8, 1]",
+            "train.batch_size=256",
+            "train.steps=3",
+            "train.eval_batches=1",
+        ],
+    )
+    assert train_and_evaluate(cfg, tmp_path / "run", log=lambda *_: None).step == 3

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from dlrm_jax.config_schema import TierConfig
+from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
 from dlrm_jax.embedding.plan.embedding_plan import (
     DTYPE_BYTES,
     EmbeddingPlan,
@@ -26,6 +28,7 @@ from dlrm_jax.embedding.plan.planner import cache_slots
 from dlrm_jax.embedding.plan.stats import fmt_bytes
 from dlrm_jax.embedding.tiers.cache_planner import TableCache, plan_stream
 from dlrm_jax.hostmem import available_bytes
+from dlrm_jax.ids import PAD_ID
 
 MIN_FILL_ROWS = 16
 HOST_CACHE_SHARE = 0.5  # of the memory available when planning, for the DRAM caches together
@@ -35,17 +38,36 @@ DEFAULT_HOST_FRACTION = 0.25  # where the memory available is unknown
 CACHE_HEADROOM = 2
 
 
-def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
+def _dynamic_need(cache: TableCache, spec: MapSpec, raw_blocks: list[np.ndarray]) -> int:
+    """The most rows one batch needs on one owner of a dynamic table: one for each distinct raw
+    id whose shard is there (ids never share a row, and probe within their shard), and the
+    shared row of each of their shards (ids not yet admitted or without a row, and the rows new
+    ids start from). Home rows alone undercount: two ids with one home take two rows."""
+    need = 0
+    for block in raw_blocks:
+        homes = home_rows(spec, np.unique(block[block != PAD_ID])).astype(np.int64)
+        shared = np.unique(homes // spec.slots) * spec.slots
+        rows = np.concatenate([cache.space_of(homes), cache.space_of(shared)])
+        need = max(need, int(np.bincount(rows, minlength=cache.num_spaces).max(initial=0)))
+    return need
+
+
+def fit_caches(
+    plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print, dynamic: DynamicIds | None = None
+) -> EmbeddingPlan:
     """Device caches that can work: each must hold the distinct rows one batch needs on its
     busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
     needed); a cache grown to its whole part of the table gains nothing from the tier, so such
-    a table stays on its devices. Both are logged."""
+    a table stays on its devices. Both are logged. ``dynamic``: the dynamic tables' maps and
+    the batches' raw ids, which size their caches (``id_batches`` holds their home rows)."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
         tp, cache = plan.tables[t], TableCache(plan.tables[t], plan.num_devices)
         need = 0
-        for ids in id_batches:
+        if dynamic is not None and t in dynamic.maps:
+            need = _dynamic_need(cache, dynamic.maps[t], [ids[:, slot_table == t] for ids in dynamic.raw_batches])
+        for ids in id_batches if not need else ():
             rows = np.unique(ids[:, slot_table == t])
             rows = rows[rows >= 0]
             need = max(
@@ -67,13 +89,22 @@ def fit_caches(plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> 
     return dataclasses.replace(plan, tables=tuple(tables))
 
 
-def tier_plan(tier: TierConfig, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print) -> EmbeddingPlan:
+class DynamicIds(NamedTuple):
+    """Tiered dynamic tables' id maps ({table: MapSpec}) and the first batches' raw ids."""
+
+    maps: dict
+    raw_batches: list
+
+
+def tier_plan(
+    tier: TierConfig, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print, dynamic: DynamicIds | None = None
+) -> EmbeddingPlan:
     """``plan`` with its TierPlan (the ``embedding.tier`` section ``tier``): device caches fitted
     to the batches, DRAM cache rows, fill capacities (the plan's ``capacity_factor`` times the
     most one batch filled) and predicted device hit rates from planning ``id_batches`` (global
     ids [B, S]) with empty caches."""
     n = plan.num_devices
-    plan = fit_caches(plan, id_batches, log)
+    plan = fit_caches(plan, id_batches, log, dynamic)
     if not plan.tiered_tables:
         return plan
     fraction = tier.host_cache_fraction or host_cache_fraction_from_memory(plan, available_bytes(), log)
