@@ -75,6 +75,9 @@ def test_a_window_begins_at_the_first_batch_whose_first_row_is_in_it_and_comes_r
 def test_windows_need_rows_in_order_and_say_so(days):
     with pytest.raises(BinaryFormatError, match=r"meta.json: records no windows .* --no-shuffle"):
         BinarySource(cfg(days / "shuffled")).window_steps(10)
+    # Before: train found out after compiling its steps, leaving the run dir it had made.
+    with pytest.raises(BinaryFormatError, match=r"meta.json: records no windows .* --no-shuffle"):
+        resolve_data_config(cfg(days / "shuffled", "train.progressive_window=data", "data.shuffle=false"))
     with pytest.raises(ConfigError, match=r"train.progressive_window=data: .*\(data.shuffle=false\)"):
         cfg(days / "ordered", "train.progressive_window=data", "data.shuffle=true")
     with pytest.raises(ConfigError, match=r"data.source=binary"):

@@ -60,9 +60,11 @@ def resolve_data_config(cfg):
 
 
 def _resolve_binary(cfg):
-    from dlrm_jax.data.sources.binary import model_num_dense, read_meta
+    from dlrm_jax.data.sources.binary import check_windows, model_num_dense, read_meta
 
     meta = read_meta(cfg.data.path)
+    if cfg.train.progressive_window == "data":  # before any run dir is made or program compiled
+        check_windows(meta, cfg.data.path)
     cards = tuple(int(c) for c in meta["cardinalities"])
     num_dense = model_num_dense(int(meta["num_dense"]))
     bags = tuple(int(b) for b in meta["bag_sizes"])

@@ -198,6 +198,16 @@ def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(rows[starts].tolist(), lengths.tolist(), strict=True))
 
 
+def check_windows(meta: dict, root: Path) -> None:
+    """A BinaryFormatError unless the dataset at ``root`` (its ``meta``) recorded windows in
+    order (``train.progressive_window=data``)."""
+    if not meta.get("windows") or meta.get("shuffled", True):
+        raise BinaryFormatError(
+            f"{Path(root) / META_FILE}: records no windows (train.progressive_window=data): preprocess "
+            f"the data with --no-shuffle"
+        )
+
+
 class BinarySource:
     """The :class:`~dlrm_jax.data.batch.DataSource` for ``data.source=binary`` (see the module
     docstring for which rows each process reads and how epochs are shuffled)."""
@@ -271,12 +281,8 @@ class BinarySource:
         (``train.progressive_window=data``): the windows preprocessing recorded (input files, or
         spans of a time column), a batch belonging to the window of its first row; the windows
         come round again each epoch."""
-        windows = self.meta.get("windows")
-        if not windows or self.meta.get("shuffled", True):
-            raise BinaryFormatError(
-                f"{self.root / META_FILE}: records no windows (train.progressive_window=data): preprocess "
-                f"the data with --no-shuffle"
-            )
+        check_windows(self.meta, self.root)
+        windows = self.meta["windows"]
         if self._shuffle:
             raise BinaryFormatError(
                 f"{self.root}: train.progressive_window=data reads the train rows in order (data.shuffle=false)"
