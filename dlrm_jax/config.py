@@ -541,6 +541,12 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True)
+    rows = e.dynamic.rows
+    if rows >= 1 and rows != int(rows):  # 1.5 rows meant nothing (and was read as 1, then rounded up)
+        raise ConfigError(
+            f"embedding.dynamic.rows={rows:g}: a whole number of rows (>= 1), or a fraction (< 1) of each "
+            f"feature's values"
+        )
     v = e.dynamic.vshards
     if v & (v - 1):
         raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")

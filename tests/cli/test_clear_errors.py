@@ -12,6 +12,7 @@ import time
 import pytest
 
 from dlrm_jax.cli import build_parser
+from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.files import check_dir, json_text, make_dir
 from tests.child_env import child_env, cli
 
@@ -299,6 +300,34 @@ def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
         build_parser().parse_args(argv)
     assert e.value.code == 2
     assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+# Before: --rows -5 trained 72-row tables, a window smaller than a batch was "need at least one
+# array to concatenate", one window reported a mean AUC of nan, and a missing --criteo file a
+# bare "[Errno 2]".
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--rows", "1.5"], "--rows 1.5: a whole number of rows (>= 1), or a fraction (< 1)"),
+        (["--window-samples", "100"], "--window-samples 100: a window needs at least one batch (train.batch_size="),
+        (["--windows", "1"], "--windows 1: at least 2 (each window is evaluated by the model trained on the ones"),
+        (["--criteo", "nope.tsv"], "--criteo nope.tsv: no such file"),
+    ],
+)
+def test_a_stream_that_cannot_be_measured_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, argv, says):
+    from dlrm_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "stream", *argv]) == 2  # a usage error, as a bad --set
+    assert says in one_line(capsys.readouterr().err)
+
+
+def test_bench_stream_rows_and_dynamic_rows_refuse_nonsense(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "stream", "--rows", "-5"])
+    assert "argument --rows: expected a number > 0, got -5" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"embedding.dynamic.rows=1.5: a whole number of rows \(>= 1\), or a"):
+        load_config("stream", ["embedding.dynamic.rows=1.5"])
 
 
 def test_list_flags_parse_to_lists():

@@ -4,6 +4,7 @@ what it runs); results as JSON."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 from dlrm_jax.choices import DramPolicy, RowLayout, RowLayoutChoice
@@ -17,11 +18,12 @@ from dlrm_jax.cli.args import (
     add_json_output,
     add_max_rows,
     add_overrides,
+    bounded,
     list_of,
     names,
 )
 from dlrm_jax.cli.runtime import devices_for, log, start_jax, tighten_cap
-from dlrm_jax.config import load_config
+from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT
 
 NAME = "bench"
@@ -214,7 +216,7 @@ def _stream_arguments(p) -> None:
     )
     p.add_argument(
         "--rows",
-        type=float,
+        type=bounded(float, 0, strict=True),
         default=8192,
         help="rows per table, every case: a number, or a fraction (< 1) of each feature's distinct ids "
         "(default 8192; the maps' other settings: embedding.dynamic.*)",
@@ -230,6 +232,7 @@ def _stream_arguments(p) -> None:
 
 def _stream(args) -> None:
     cfg = load_config(args.config or "stream", args.overrides)
+    _check_stream_args(args, cfg.train.batch_size)
     start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.stream import bench_stream
     from dlrm_jax.data.sources.criteo import criteo_windows
@@ -251,6 +254,24 @@ def _stream(args) -> None:
         windows = [stream.window(t) for t in range(stream.windows)]
         about = {k: getattr(stream, k) for k in stream.__dataclass_fields__}
     bench_stream(cfg, windows, args.rows, args.cases, output=args.output, about=about, log=log)
+
+
+def _check_stream_args(args, batch_size: int) -> None:
+    """One line for a stream that cannot be measured, before any work."""
+    if args.rows >= 1 and args.rows != int(args.rows):
+        raise ConfigError(f"--rows {args.rows:g}: a whole number of rows (>= 1), or a fraction (< 1)")
+    if args.window_samples < batch_size:
+        raise ConfigError(
+            f"--window-samples {args.window_samples}: a window needs at least one batch (train.batch_size={batch_size})"
+        )
+    if args.windows == 1 or (args.windows == 0 and not args.criteo):
+        raise ConfigError(
+            f"--windows {args.windows}: at least 2 (each window is evaluated by the model trained on "
+            f"the ones before it){'; 0 reads every window of --criteo' if not args.criteo else ''}"
+        )
+    for path in (p.strip() for p in (args.criteo or "").split(",") if p.strip()):
+        if not Path(path).is_file():
+            raise ConfigError(f"--criteo {path}: no such file")
 
 
 def _train(args) -> None:
