@@ -367,13 +367,18 @@ def check_features(cfg: Config) -> Config:
                 f"({bottom} + model.embedding_dim {m.embedding_dim} x {len(d.cardinalities)} features): "
                 f"use at most {width}, or 0 for full-rank layers"
             )
-    names = [f"cat_{f}" for f in range(len(d.cardinalities))]
-    unknown = [item for item in cfg.embedding.table_ids if item.partition("=")[0] not in names]
-    if unknown:  # (else the typo leaves the table on vocabulary ids, silently)
-        raise ConfigError(
-            f"embedding.table_ids: {unknown[0]!r}: no table named {unknown[0].partition('=')[0]!r} "
-            f"(tables: {names[0]} to {names[-1]})"
-        )
+    names, e = [f"cat_{f}" for f in range(len(d.cardinalities))], cfg.embedding
+    for key, items in (
+        ("embedding.table_ids", e.table_ids),  # (a typo would leave the table on vocabulary ids, silently)
+        ("embedding.table_sharding", e.table_sharding),
+        ("embedding.table_storage", e.table_storage),
+    ):
+        unknown = [item for item in items if item.partition("=")[0] not in names]
+        if unknown:
+            raise ConfigError(
+                f"{key}: {unknown[0]!r}: no table named {unknown[0].partition('=')[0]!r} "
+                f"(tables: {names[0]} to {names[-1]})"
+            )
     return cfg
 
 

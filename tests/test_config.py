@@ -291,3 +291,14 @@ def test_former_key_names_load_as_their_current_ones(tmp_path):
         for part in new_key.split("."):
             section = section[part]
         assert old_key != new_key
+
+
+@pytest.mark.parametrize(
+    "key,item", [("table_sharding", "cat_99=row"), ("table_storage", "nope=tiered"), ("table_ids", "cat_30=dynamic")]
+)
+def test_a_per_table_override_naming_no_table_is_refused_by_the_config(key, item):
+    """Before: `dlrm-jax config` took table_sharding and table_storage overrides of tables that do
+    not exist (refused only by plan and train), table_ids' alone were checked."""
+    name = item.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"embedding.{key}: '{item}': no table named '{name}' \(tables: cat_0 to"):
+        load_config(None, [f"embedding.{key}=[{item}]"])

@@ -37,12 +37,12 @@ def parse_overrides(
     items: Sequence[str], specs: Sequence[TableSpec], key: str = "embedding.table_sharding", values: type = Strategy
 ) -> dict:
     """``["cat_2=row", ...]`` -> {name: value}; unknown tables or values are errors."""
-    names = {s.name for s in specs}
+    names = [s.name for s in specs]
     out = {}
     for item in items:
         name, _, value = item.partition("=")
         if name not in names:
-            raise PlanError(f"{key}: no table named {name!r} (tables: {', '.join(sorted(names))})")
+            raise PlanError(f"{key}: no table named {name!r} (tables: {', '.join(names)})")
         try:
             out[name] = values(value)
         except ValueError:
@@ -143,14 +143,12 @@ def plan_embeddings(
     capacity_factor, dtype, exchange_dtype, budget_bytes = o.capacity_factor, o.dtype, o.exchange_dtype, o.budget_bytes
     storage, stats, cluster = o.storage, o.stats, o.cluster
     row_layout, bag_exchange, device_cache = o.row_layout, o.bag_exchange, o.device_cache
-    names = {s.name for s in specs}
+    names = [s.name for s in specs]  # in the tables' order (cat_2 before cat_10)
     sharding, row_layout = _choice(Sharding, sharding, "sharding"), _choice(RowLayoutChoice, row_layout, "row_layout")
     for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
-        unknown = sorted(set(given) - names)
+        unknown = [name for name in given if name not in names]
         if unknown:
-            raise PlanError(
-                f"{what}: no table named {', '.join(map(repr, unknown))} (tables: {', '.join(sorted(names))})"
-            )
+            raise PlanError(f"{what}: no table named {', '.join(map(repr, unknown))} (tables: {', '.join(names)})")
     layouts = tuple(RowLayout) if row_layout is RowLayoutChoice.AUTO else (RowLayout(row_layout),)
     template = EmbeddingPlan(
         (), num_devices, optimizer, global_batch, capacity_factor, dtype, exchange_dtype, ids_hosts=o.ids_hosts
