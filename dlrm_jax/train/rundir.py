@@ -255,12 +255,32 @@ class RunDir:
                 log("resuming with changed settings: " + describe_changes(changed))
         self._config_text = dump_config(cfg)
 
-    def record(self, report: str, plan_json: str) -> None:
-        """Write ``config.yaml`` (the config ``open`` checked) and the plan: the run goes on."""
+    def record(self, report: str, plan_json: str, fresh: bool = False, log=print) -> None:
+        """Write ``config.yaml`` (the config ``open`` checked) and the plan: the run goes on.
+        ``fresh``: it starts from step 0, and an earlier run's record there is kept aside."""
         if self.writer:
+            if fresh:
+                self._keep_earlier(log)
             _atomic_write(self.path / "config.yaml", self._config_text)
             _atomic_write(self.path / "plan.txt", report + "\n")
             _atomic_write(self.path / "plan.json", plan_json + "\n")
+
+    def _keep_earlier(self, log) -> None:
+        """A run starting from step 0 where an earlier one logged events (its checkpoints removed,
+        or it was killed before its first): that run's metrics.jsonl, TensorBoard events, config
+        and plan are moved to ``earlier/TIME/``, not written over."""
+        metrics = self.path / "metrics.jsonl"
+        if not metrics.exists() or not metrics.read_text(errors="replace").strip():
+            return
+        target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json"):
+            if (self.path / name).exists():
+                shutil.move(str(self.path / name), target / name)
+        log(
+            f"no checkpoint to resume in {self.path / 'checkpoints'}: training from step 0; the earlier "
+            f"run's metrics.jsonl and config moved to {target}"
+        )
 
     @property
     def metrics_path(self) -> Path | None:

@@ -193,8 +193,9 @@ def _train(
     report_progress(0, "restoring or initialising the state")
     with stopping.deferred("restoring the state and compiling the train step"):
         state = restore_or_init(steps, ckpts, log, getattr(driver, "tiered", None))
-        rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json())  # only now: a refused resume changes nothing
         start = int(host_scalar(state.step))
+        # only now: a refused resume changes nothing
+        rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json(), fresh=start == 0, log=log)
         progress, stop_reason = resumed_progress(t, ckpts, start, log)
         end = start if stop_reason else t.steps  # the last step this run trains
         metrics.truncate_after(start, log)

@@ -528,3 +528,32 @@ def test_config_yaml_records_paths_absolute(tiny, tmp_path, monkeypatch):
     logs = []
     RunDir.open(tmp_path / "run", cfg, log=logs.append).close()  # the same paths: no change to report
     assert logs == []
+
+
+def test_a_fresh_start_keeps_an_earlier_runs_metrics_and_config(tiny, tmp_path):
+    """Before: a run dir whose checkpoints were removed trained again from step 0 without a word,
+    and its metrics.jsonl was replaced by the new run's."""
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    earlier = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
+    shutil.rmtree(run / "checkpoints")
+    logs = []
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, log=logs.append)
+    kept = [p for p in (run / "earlier").iterdir()]
+    assert len(kept) == 1 and {n: (kept[0] / n).read_bytes() for n in earlier} == earlier
+    assert any(line.startswith("no checkpoint to resume in") and str(kept[0]) in line for line in logs)
+    assert files(run / "metrics.jsonl") == files(kept[0] / "metrics.jsonl")  # trained again, the same steps
+
+
+def test_train_refuses_a_config_that_a_new_run_would_write_over(tmp_path, capsys):
+    """Before: `--config myexp/config.yaml --run-dir myexp` replaced the user's commented config
+    with the resolved one."""
+    from dlrm_jax.cli import main
+
+    mine = tmp_path / "myexp" / "config.yaml"
+    mine.parent.mkdir()
+    mine.write_text("# my experiment\ntrain:\n  steps: 4\n")
+    assert main(["train", "--config", str(mine), "--run-dir", str(mine.parent)]) == 2
+    err = capsys.readouterr().err
+    assert "is where --run-dir" in err and "keep your config outside the run dir" in err and len(err.splitlines()) == 1
+    assert mine.read_text() == "# my experiment\ntrain:\n  steps: 4\n"

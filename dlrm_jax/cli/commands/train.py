@@ -8,7 +8,7 @@ from pathlib import Path
 from dlrm_jax import stopping
 from dlrm_jax.cli.args import add_config_args, add_distributed_args
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
-from dlrm_jax.config import load_config
+from dlrm_jax.config import ConfigError, load_config
 
 NAME = "train"
 HELP = "train a model (resumes from --run-dir's newest checkpoint)"
@@ -25,6 +25,7 @@ def run(args) -> int:
     from dlrm_jax.data.sources import check_data_path, resolve_data_config
 
     check_data_path(cfg)  # before a run dir exists: a mistake leaves nothing behind
+    _check_config_outside_run_dir(args)
     start_jax(devices_for(cfg), args, cfg.mesh.devices)
     import jax
 
@@ -57,3 +58,19 @@ def run(args) -> int:
             print(summary.best_line(), flush=True)
         print(summary.final_line(), flush=True)
     return 0
+
+
+def _check_config_outside_run_dir(args) -> None:
+    """A ConfigError when --config is the file a new run in --run-dir would write its resolved
+    config over (the user's comments and layout lost); a run dir's own config.yaml, beside its
+    checkpoints, is its record, and resuming with it is fine."""
+    if not args.run_dir or not args.config or not Path(args.config).is_file():
+        return
+    own = Path(args.run_dir) / "config.yaml"
+    if own.exists() and own.resolve() == Path(args.config).resolve():
+        checkpoints = Path(args.run_dir) / "checkpoints"  # (by folder names: JAX is not started yet)
+        if not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+            raise ConfigError(
+                f"--config {args.config} is where --run-dir {args.run_dir} records the run's resolved config: "
+                f"a new run would write over it; keep your config outside the run dir"
+            )
