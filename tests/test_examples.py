@@ -181,3 +181,8 @@ def test_pieces_name_what_is_wrong():
     with pytest.raises(ValueError, match="no sparse optimizer 'adam'"):
         dlrm_jax.sparse_optimizer("adam")
     assert dlrm_jax.TableSpec("h", 10, 8, 3, "mean").pooling == "mean"
+    # Before: ids of the wrong rank were a TypeError from inside JAX ("incompatible shapes").
+    two = [dlrm_jax.TableSpec("a", 10, 8), dlrm_jax.TableSpec("b", 10, 8, bag_size=2)]
+    tables = dlrm_jax.EmbeddingCollection(dlrm_jax.plan_embeddings(two, "row", 2, "sgd", 4), dlrm_jax.make_mesh(2))
+    with pytest.raises(ValueError, match=r"ids must have shape \[batch, 3\] .*got \[4, 1, 3\]"):
+        tables.lookup(tables.init(jax.random.key(0)), np.zeros((4, 1, 3), np.int32))

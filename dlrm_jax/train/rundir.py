@@ -250,6 +250,14 @@ class RunDir:
                     f"change the saved state, so it cannot resume; pass a new --run-dir "
                     f"to start fresh (or remove {self.path})"
                 )
+            epochs = cfg.train.epochs or cfg.train.evals_per_epoch  # steps that follow from the batch size
+            if epochs and old.train.batch_size != cfg.train.batch_size:
+                raise RunDirError(
+                    f"run dir {self.path} counts its epochs in steps of train.batch_size={old.train.batch_size}: "
+                    f"with {cfg.train.batch_size} its step numbers would mean other samples (4 epochs at twice "
+                    f"the batch end at the step 2 epochs reached); resume with train.batch_size="
+                    f"{old.train.batch_size}, or pass a new --run-dir"
+                )
             changed = config_differences(old, cfg)
             if changed:
                 log("resuming with changed settings: " + describe_changes(changed))

@@ -557,3 +557,16 @@ def test_train_refuses_a_config_that_a_new_run_would_write_over(tmp_path, capsys
     err = capsys.readouterr().err
     assert "is where --run-dir" in err and "keep your config outside the run dir" in err and len(err.splitlines()) == 1
     assert mine.read_text() == "# my experiment\ntrain:\n  steps: 4\n"
+
+
+def test_an_epochs_run_resumes_only_at_its_batch_size(tiny, tmp_path):
+    """Before: resuming 3 epochs at 256 as 4 epochs at 512 said 'run already finished at step
+    211' (4 epochs of 512 end at step 141), and the fourth epoch was never trained."""
+    run = tmp_path / "run"
+    with RunDir.open(run, tiny("train.epochs=3", "train.batch_size=64")) as rd:
+        rd.record("", "{}")
+    (run / "checkpoints" / "211").mkdir(parents=True)
+    with pytest.raises(RunDirError, match=r"counts its epochs in steps of train.batch_size=64: .*batch_size=64"):
+        RunDir.open(run, tiny("train.epochs=4", "train.batch_size=128"))
+    RunDir.open(run, tiny("train.epochs=4", "train.batch_size=64"), log=lambda *_: None).close()
+    RunDir.open(run, tiny("train.batch_size=128"), log=lambda *_: None).close()  # steps, not epochs: free

@@ -259,6 +259,11 @@ class EmbeddingCollection:
         ``PAD_ID`` = -1 marks an empty slot of a bag). B: the plan's ``global_batch``, which the
         exchange's buffers are sized for. ``routed``: {group name: how the id maps' resolution
         sent its requests already} (``DynamicTables.resolve``), reused by its form."""
+        if ids_bs.ndim != 2 or ids_bs.shape[1] != len(self.slot_feature):
+            raise ValueError(
+                f"ids must have shape [batch, {len(self.slot_feature)}] (the tables' bag sizes summed, "
+                f"each table's slots after the previous one's), got {list(ids_bs.shape)}"
+            )
         weights_bs = self._pool_weights(ids_bs)  # hot ids count in a bag's mean too
         hot_bs = hot_pooled = hot_counts = None
         if self.hot:
