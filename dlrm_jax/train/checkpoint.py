@@ -27,6 +27,7 @@ import tensorstore as ts
 
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
+from dlrm_jax.train.saved_array import OCDBT_CACHE, SavedArray
 from dlrm_jax.train.state_digest import ChecksumMismatch, combine, first_mismatch, leaf_names, process_sums
 
 # Arrays are stored in chunks of at most CHUNK_BYTES (orbax's default is one chunk per device
@@ -237,9 +238,9 @@ class CheckpointReader:
             saved_like,
         )
         # A few decoded chunks cached, shared by all arrays: consecutive reads mostly revisit them.
-        probe = ts.Context(_OCDBT_CACHE)
+        probe = ts.Context(OCDBT_CACHE)
         chunk = max(SavedArray.open(spec(n, probe), probe).chunk_bytes for n in jax.tree.leaves(names))
-        context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **_OCDBT_CACHE})
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 4 * chunk}, **OCDBT_CACHE})
         readers = jax.tree.map(lambda n: SavedArray.open(spec(n, context), context), names)
         state = {k: state[k] for k in abstract_state}
         self._sums[step] = process_sums(state)  # not `field`'s: read later, row by row, to be re-laid out
@@ -463,35 +464,3 @@ def _first_line(e: Exception) -> str:
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line.split(" See full TensorStore details")[0][:200]  # the rest is a method's repr
-
-
-_OCDBT_CACHE = {"cache_pool#ocdbt": {"total_bytes_limit": 2**26}}  # the index's nodes, as orbax sets
-
-
-class SavedArray:
-    """One array of a checkpoint, read on demand: ``a[rows]`` -> numpy array of those rows.
-
-    Reads go one saved chunk (one device shard, as saved) at a time: a read spanning every
-    chunk would otherwise decode them all at once, the whole array."""
-
-    def __init__(self, store: ts.TensorStore):
-        self._store = store
-        self.shape = tuple(store.shape)
-        self.ndim = len(self.shape)
-        self.dtype = np.dtype(store.dtype.numpy_dtype)
-        self._chunk_rows = max(1, int(store.chunk_layout.read_chunk.shape[0]))
-        self.chunk_bytes = int(np.prod(store.chunk_layout.read_chunk.shape)) * self.dtype.itemsize
-
-    @classmethod
-    def open(cls, spec: dict, context: ts.Context) -> SavedArray:
-        return cls(ts.open(spec, read=True, context=context).result())
-
-    def __getitem__(self, rows) -> np.ndarray:
-        rows = np.asarray(rows)
-        out = np.empty((len(rows), *self.shape[1:]), self.dtype)
-        chunk = rows // self._chunk_rows
-        order = np.argsort(chunk, kind="stable")
-        for part in np.split(order, np.flatnonzero(np.diff(chunk[order])) + 1):
-            if len(part):
-                out[part] = self._store[rows[part]].read().result()
-        return out
