@@ -373,7 +373,8 @@ def check_features(cfg: Config) -> Config:
         ("embedding.table_sharding", e.table_sharding),
         ("embedding.table_storage", e.table_storage),
     ):
-        unknown = [item for item in items if item.partition("=")[0] not in names]
+        named = [(item, *item.partition("=")) for item in items]  # (malformed items: refused by their form)
+        unknown = [item for item, name, sep, _ in named if sep and name and name not in names]
         if unknown:
             raise ConfigError(
                 f"{key}: {unknown[0]!r}: no table named {unknown[0].partition('=')[0]!r} "

@@ -174,6 +174,7 @@ def test_scores_equal_evals_by_ids_by_raw_lines_and_through_the_cli(criteo):
         str(art["f16"]),
         "--output",
         str(out),
+        "--overwrite",  # each run below writes the same file
         "--no-progress",
     ]
     r = subprocess.run(
