@@ -16,6 +16,7 @@ import pytest
 from tests.child_env import child_env
 from tests.helpers import REPO as REPO_PATH
 from tests.parallel.readme_launch import readme_launch_line
+from tests.train.damage import change_saved_element
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -166,6 +167,16 @@ def test_two_processes_equal_one(tmp_path):
         assert len(warnings) == 1 and "checkpoints/6 is damaged" in warnings[0], out[-2000:]
         assert "on process 1" in warnings[0] and "resuming from checkpoint at step 3" in out
     assert losses(run_dirs[0])[: len(before)] == before  # steps 4 to 6 trained again, bitwise
+
+    # Every process reads its files of the newest checkpoint, but a value in them is not what was
+    # saved: the processes add their parts of its checksums and skip it together.
+    change_saved_element(run_dirs[0] / "checkpoints" / "9", "params.top.layers.0.bias")
+    procs = launch_processes([*ARGS, "--set", "train.steps=12", "--run-dir", str(run_dirs[0])], env, tmp_path / "cwd")
+    for p, (out, err) in zip(procs, communicate(procs, 240), strict=True):
+        assert p.returncode == 0, err[-3000:]
+        warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and "checkpoints/9 is damaged (params.top.layers.0.bias's contents" in warnings[0]
+        assert "resuming from checkpoint at step 6" in out, out[-2000:]
 
 
 REPO = str(REPO_PATH)

@@ -20,6 +20,7 @@ from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import TrainingDiverged, train_and_evaluate
 from tests.child_env import child_env
 from tests.helpers import QUIET
+from tests.train.damage import change_saved_element
 
 
 def snapshot(run):
@@ -122,21 +123,6 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(tiny, tmp_path):
     assert "resuming from checkpoint at step 2" in logs
     assert (resumed.step, resumed.auc, resumed.logloss) == (whole.step, whole.auc, whole.logloss)
     assert [p.name.split("-")[0] for p in (run / "damaged").iterdir()] == ["4"]
-
-
-def change_saved_element(checkpoint, name):
-    """Adds 1 to the first element of array ``name`` in ``checkpoint``, written through
-    tensorstore: files orbax reads without an error, contents it never saved (as a flipped bit
-    in a compressed chunk can decode)."""
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-
-    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 2**26}})
-    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=checkpoint / "state", use_zarr3=False, ts_context=context)
-    saved = ts.open(
-        ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True), read=True, write=True, context=context
-    ).result()
-    saved[0] = saved[0].read().result() + 1
 
 
 def test_a_checkpoint_whose_contents_changed_falls_back_on_another_device_count(tiny, tmp_path):
