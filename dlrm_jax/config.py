@@ -296,6 +296,13 @@ def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> 
     return validate(_build(Config, raw, ""))
 
 
+def check_rows_or_fraction(value: float, name: str) -> None:
+    """A table size given as a whole number of rows (>= 1) or a fraction (< 1) of its values:
+    1.5 rows means nothing (it was read as 1, then rounded up to the maps' least)."""
+    if value >= 1 and value != int(value):
+        raise ConfigError(f"{name}: a whole number of rows (>= 1), or a fraction (< 1) of each feature's values")
+
+
 def with_absolute_paths(cfg: Config) -> Config:
     """``cfg`` with its relative paths (``data.path``, each of its comma-separated files, and
     ``embedding.tier.path``) made absolute against the current directory: what a run dir's
@@ -547,12 +554,7 @@ def _check_dynamic(cfg: Config) -> None:
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
     _not_with(what, e, per_host=True)
-    rows = e.dynamic.rows
-    if rows >= 1 and rows != int(rows):  # 1.5 rows meant nothing (and was read as 1, then rounded up)
-        raise ConfigError(
-            f"embedding.dynamic.rows={rows:g}: a whole number of rows (>= 1), or a fraction (< 1) of each "
-            f"feature's values"
-        )
+    check_rows_or_fraction(e.dynamic.rows, f"embedding.dynamic.rows={e.dynamic.rows:g}")
     v = e.dynamic.vshards
     if v & (v - 1):
         raise ConfigError(f"embedding.dynamic.vshards={v}: a power of two (0 = chosen from the rows)")

@@ -104,6 +104,13 @@ def _os_error_code(e: BaseException) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
+def numbered_folders(directory: str | Path) -> list[int]:
+    """The numbers of ``directory``'s folders named by a number, sorted (a checkpoint's step:
+    orbax names its folder so only once it is whole); [] without the directory."""
+    d = Path(directory)
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
 def new_run_dir() -> str:
     """The run dir a training run without ``--run-dir`` gets: ``runs/<local time>``."""
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))

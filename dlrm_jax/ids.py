@@ -22,3 +22,9 @@ def raw_columns(values):
     high halves then the low ones (devices hold 32-bit words)."""
     u = np.asarray(values).astype(np.uint64)
     return np.stack([(u >> np.uint64(32)).astype(np.uint32), (u & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=1)
+
+
+def raw_values(columns):
+    """The inverse of :func:`raw_columns`: uint32 [B, 2, R] -> the raw ids, uint64 [B, R]."""
+    words = np.asarray(columns).astype(np.uint64)
+    return (words[:, 0] << np.uint64(32)) | words[:, 1]

@@ -33,6 +33,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch, RawBatch
 from dlrm_jax.data.host_buffers import HostBuffers
+from dlrm_jax.ids import raw_values
 
 _FIELDS = (("ids", np.int32), ("dense", np.float32), ("labels", np.float32), ("raw", np.uint64))
 
@@ -102,7 +103,7 @@ class PackedLayout:
         for name, view in self.views(buf).items():
             got = getattr(batch, name)
             if name == "raw":  # uint32 [rows, 2, R] (high, low) -> uint64 [rows, R]
-                got = (got[:, 0].astype(np.uint64) << np.uint64(32)) | got[:, 1]
+                got = raw_values(got)
             view[...] = got.reshape(view.shape)
         return buf
 

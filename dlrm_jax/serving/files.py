@@ -57,7 +57,7 @@ def predict_files(
     start, log = time.perf_counter(), SkipLog(skip_bad_lines, DataFormatError)
     output = Path(output)
     check_paths(inputs, output, model.folders)
-    if str(output) == "-" or (output.exists() and not output.is_file()):  # a stream: written through
+    if writes_through(output):
         with open(1 if str(output) == "-" else output, "w", closefd=str(output) != "-") as out:
             lines, scored = _write_scores(model, inputs, out, batch_size, log, progress)
         return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
@@ -80,6 +80,12 @@ def predict_files(
     finally:
         partial.unlink(missing_ok=True)
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
+
+
+def writes_through(output: str | Path) -> bool:
+    """Whether ``output`` is written as lines are scored (``-``, a pipe, a device), not a file
+    that appears whole."""
+    return str(output) == "-" or (Path(output).exists() and not Path(output).is_file())
 
 
 def _write_scores(model: ServingModel, inputs, out, batch_size: int, log: SkipLog, progress: bool) -> tuple[int, int]:

@@ -133,12 +133,11 @@ class ServingModel:
             return ids
         # every 64 bits kept: dynamic features' ids are raw ids (a cast to int32 made 2**40 + 5
         # read as 5), and an id too large for a vocabulary table is refused, not wrapped
-        wide = ids.view(np.int64) if ids.dtype == np.uint64 else ids.astype(np.int64)
-        out, starts = wide.copy(), self._starts
+        out, starts = ids.view(np.int64).copy() if ids.dtype == np.uint64 else ids.astype(np.int64), self._starts
         for f in self.id_maps.features:
-            bag = wide[:, starts[f] : starts[f + 1]]
+            bag = out[:, starts[f] : starts[f + 1]]  # (its rows replace it only once read)
             given = bag.view(np.uint64) if raw is None else raw[f]
-            out[:, starts[f] : starts[f + 1]] = self.id_maps.rows(f, given, bag != PAD_ID)
+            bag[...] = self.id_maps.rows(f, given, bag != PAD_ID)
         return out
 
     def predict(

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
+from dlrm_jax.files import numbered_folders
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 from dlrm_jax.train.saved_array import OCDBT_CACHE, SavedArray
 from dlrm_jax.train.state_digest import ChecksumMismatch, combine, first_mismatch, leaf_names, process_sums
@@ -51,8 +52,7 @@ class CheckpointWriteError(OSError):
 def saved_steps(directory: Path) -> list[int]:
     """Steps of the complete checkpoints in ``directory`` (orbax renames a step's folder to
     its number only once it is whole), read from the folder names without opening anything."""
-    d = Path(directory)
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+    return numbered_folders(directory)
 
 
 def saved_json(directory: Path, step: int) -> dict:

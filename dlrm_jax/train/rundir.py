@@ -24,7 +24,7 @@ import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
-from dlrm_jax.files import full_disk_as, make_dir, new_run_dir
+from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders
 from dlrm_jax.parallel.coordination import outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
@@ -227,7 +227,7 @@ class RunDir:
         that silently began at step 0 would overwrite the run's metrics and, later, its steps."""
         damaged = self.path / "damaged"
         kept = sorted((p.name for p in damaged.iterdir()), key=_step_first) if damaged.is_dir() else []
-        if kept and not any(p.name.isdigit() for p in (self.path / "checkpoints").glob("*")):
+        if kept and not numbered_folders(self.path / "checkpoints"):
             raise RunDirError(
                 f"run dir {self.path} has no checkpoint to resume, but {damaged} holds {len(kept)} checkpoints set "
                 f"aside as damaged ({', '.join(kept)}): move one back to resume from it (mv {damaged / kept[-1]} "
@@ -278,7 +278,7 @@ class RunDir:
         or it was killed before its first): that run's metrics.jsonl, TensorBoard events, config
         and plan are moved to ``earlier/TIME/``, not written over."""
         metrics = self.path / "metrics.jsonl"
-        if not metrics.exists() or not metrics.read_text(errors="replace").strip():
+        if not metrics.exists() or not metrics.stat().st_size:
             return
         target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
         target.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ from dlrm_jax.embedding.plan.planner import (
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.embedding.plan.stats import plan_report
 from dlrm_jax.files import check_dir
-from dlrm_jax.ids import PAD_ID
+from dlrm_jax.ids import PAD_ID, raw_values
 from dlrm_jax.model.dlrm import DLRMDense
 from dlrm_jax.model.parts import SparsePart
 from dlrm_jax.model.wide import WidePart
@@ -119,14 +119,14 @@ def raw_id_batches(cfg: Config, source, count: int) -> list[np.ndarray]:
     slots = np.concatenate([np.arange(starts[f], starts[f + 1]) for f in dynamic]) if dynamic else []
     out = []
     for i in range(count):
-        batch = source.train_batch(i) if dynamic else None
-        if batch is None or getattr(batch, "raw", None) is None:
+        if not dynamic:
             out.append(np.asarray(source.train_ids(i)).astype(np.int64))
             continue
+        batch = source.train_batch(i)
         ids = np.asarray(batch.ids).astype(np.int64)
-        words = np.asarray(batch.raw).astype(np.uint64)  # [B, 2, R]: high halves, then low
-        values = ((words[:, 0] << np.uint64(32)) | words[:, 1]).view(np.int64)
-        ids[:, slots] = np.where(ids[:, slots] == PAD_ID, PAD_ID, values)
+        if getattr(batch, "raw", None) is not None:
+            values = raw_values(batch.raw).view(np.int64)
+            ids[:, slots] = np.where(ids[:, slots] == PAD_ID, PAD_ID, values)
         out.append(ids)
     return out
 

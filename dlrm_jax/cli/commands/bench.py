@@ -23,7 +23,7 @@ from dlrm_jax.cli.args import (
     names,
 )
 from dlrm_jax.cli.runtime import devices_for, log, start_jax, tighten_cap
-from dlrm_jax.config import ConfigError, load_config
+from dlrm_jax.config import ConfigError, check_rows_or_fraction, load_config
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT
 
 NAME = "bench"
@@ -258,8 +258,7 @@ def _stream(args) -> None:
 
 def _check_stream_args(args, batch_size: int) -> None:
     """One line for a stream that cannot be measured, before any work."""
-    if args.rows >= 1 and args.rows != int(args.rows):
-        raise ConfigError(f"--rows {args.rows:g}: a whole number of rows (>= 1), or a fraction (< 1)")
+    check_rows_or_fraction(args.rows, f"--rows {args.rows:g}")
     if args.window_samples < batch_size:
         raise ConfigError(
             f"--window-samples {args.window_samples}: a window needs at least one batch (train.batch_size={batch_size})"

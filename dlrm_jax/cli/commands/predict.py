@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from dlrm_jax import stopping
 from dlrm_jax.cli.args import POSITIVE
@@ -51,7 +50,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from dlrm_jax.serving import load
-    from dlrm_jax.serving.files import predict_files
+    from dlrm_jax.serving.files import predict_files, writes_through
 
     with stopping.deferred("scoring the current chunk of lines"), load(args.model, args.delta) as model:
         if args.format and args.format != model.rules.format:
@@ -67,6 +66,6 @@ def run(args) -> int:
             progress=args.progress,
             overwrite=args.overwrite,
         )
-    stream = args.output == "-" or (Path(args.output).exists() and not Path(args.output).is_file())
-    print(report.summary(args.output), flush=True, file=sys.stderr if stream else sys.stdout)  # not amid the scores
+    to = sys.stderr if writes_through(args.output) else sys.stdout  # not amid the scores
+    print(report.summary(args.output), flush=True, file=to)
     return 0

@@ -9,6 +9,7 @@ from dlrm_jax import stopping
 from dlrm_jax.cli.args import add_config_args, add_distributed_args
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
 from dlrm_jax.config import ConfigError, load_config
+from dlrm_jax.files import numbered_folders
 
 NAME = "train"
 HELP = "train a model (resumes from --run-dir's newest checkpoint)"
@@ -68,8 +69,7 @@ def _check_config_outside_run_dir(args) -> None:
         return
     own = Path(args.run_dir) / "config.yaml"
     if own.exists() and own.resolve() == Path(args.config).resolve():
-        checkpoints = Path(args.run_dir) / "checkpoints"  # (by folder names: JAX is not started yet)
-        if not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        if not numbered_folders(Path(args.run_dir) / "checkpoints"):  # no checkpoint: a new run
             raise ConfigError(
                 f"--config {args.config} is where --run-dir {args.run_dir} records the run's resolved config: "
                 f"a new run would write over it; keep your config outside the run dir"

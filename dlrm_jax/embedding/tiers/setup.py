@@ -64,15 +64,16 @@ def fit_caches(
     tables = list(plan.tables)
     for t in plan.tiered_tables:
         tp, cache = plan.tables[t], TableCache(plan.tables[t], plan.num_devices)
-        need = 0
         if dynamic is not None and t in dynamic.maps:
             need = _dynamic_need(cache, dynamic.maps[t], [ids[:, slot_table == t] for ids in dynamic.raw_batches])
-        for ids in id_batches if not need else ():
-            rows = np.unique(ids[:, slot_table == t])
-            rows = rows[rows >= 0]
-            need = max(
-                need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0
-            )
+        else:
+            need = 0
+            for ids in id_batches:
+                rows = np.unique(ids[:, slot_table == t])
+                rows = rows[rows >= 0]
+                need = max(
+                    need, int(np.bincount(cache.space_of(rows), minlength=cache.num_spaces).max()) if rows.size else 0
+                )
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
         need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
         if need >= owned:
