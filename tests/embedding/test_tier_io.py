@@ -150,6 +150,7 @@ def test_a_row_written_after_its_read_ahead_is_taken_again(store):
     writer, ahead = WriteBehind(store), ReadAhead(store)
     cache = HostCache(store, "cat_0", 2, "lru", writer)
     reads = ahead.submit({"cat_0": np.array([1, 2])})
+    reads.result(timeout=60)  # read ahead before the update (a reader thread late under load read it after)
     update = new_values(store, "cat_0", 1, seed=3)
     cache.put(np.array([1]), update)
     cache.put(np.array([20, 21]), new_values(store, "cat_0", 2, seed=4))  # evicts row 1, dirty
