@@ -53,6 +53,7 @@ PER_HOST_NAMES = re.compile(r"per_host|replicas|PER_HOST|HOST_REPLICAS")
 PER_HOST_ALLOWED = {
     "choices.py",  # Sync's members
     "config.py",
+    "config_checks.py",
     "config_schema.py",
     "embedding/exchange/host_tables.py",  # the wrapper
     *(f"train/{name}.py" for name in SETUP),

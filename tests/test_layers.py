@@ -17,6 +17,7 @@ LAYERS = [
         "choices",
         "config_schema",
         "config_renames",
+        "config_checks",
         "config",
         "files",
         "hostmem",
