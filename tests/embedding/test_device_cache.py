@@ -99,3 +99,53 @@ def test_lru_order_and_refusal():
         tc.plan(ids(5, 6, 7, 8))
     with pytest.raises(ValueError, match="id 100 outside"):
         tc.plan(ids(100))
+
+
+@settings(max_examples=examples(150))
+@given(
+    st.integers(1, 4),  # devices
+    st.integers(1, 5),  # fill_rows
+    st.lists(
+        st.tuples(
+            st.sampled_from(["row", "table", "column", "two_pieces"]),
+            st.lists(st.integers(0, 3), max_size=40),  # each fill's space (taken mod devices)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),  # one group, or a group a table
+)
+def test_overflowing_fills_split_into_programs_within_each_devices_capacity(devices, fill_rows, tables, one_group):
+    """Every fill entry in one program; per program, no device gets more entries of a group
+    than ``fill_rows``; a row's pieces on several devices in one program. Before: each table's
+    fills were cut into as many slices as the busiest device needed, so with more tables than
+    ``fill_rows`` on a device every slice overflowed it and the loop adding slices never ended."""
+    from collections import Counter
+
+    from dlrm_jax.embedding.tiers.cache_planner import Fills
+    from dlrm_jax.embedding.tiers.fill_programs import FillPrograms
+    from dlrm_jax.embedding.tiers.tables import _Piece
+
+    programs = FillPrograms.__new__(FillPrograms)
+    programs.pieces, programs.names, fills = {}, {}, {}
+    for t, (kind, spaces) in enumerate(tables):
+        group = "g" if one_group else f"g{t}"
+        placed_on = {"row": [-1], "table": [t % devices], "column": list(range(devices))}.get(kind, [t % devices] * 2)
+        programs.pieces[t] = [_Piece(group, 0, i, d) for i, d in enumerate(placed_on)]
+        programs.names[t] = f"cat_{t}"
+        space = np.array([s % devices for s in spaces], np.int64) if kind == "row" else np.zeros(len(spaces), np.int64)
+        rows = np.arange(len(spaces), dtype=np.int64)
+        fills[t] = Fills(space, rows, rows, np.full(len(spaces), -1, np.int64))
+    programs.fill_rows = {p.group: fill_rows for ps in programs.pieces.values() for p in ps}
+    if fill_rows < 2 and any(kind == "two_pieces" for kind, spaces in tables if spaces):
+        with pytest.raises(ValueError, match="embedding.tier.fill_rows=1: a row of table cat_.* has 2 pieces"):
+            programs._program_of(fills)
+        return
+    program_of = programs._program_of(fills)
+    load = Counter()
+    for t, f in fills.items():
+        assert program_of[t].shape == (len(f),) and (program_of[t] >= 0).all()
+        for i in range(len(f)):
+            for p in programs.pieces[t]:
+                load[(program_of[t][i], p.group, int(f.space[i]) if p.device < 0 else p.device)] += 1
+    assert max(load.values(), default=0) <= fill_rows

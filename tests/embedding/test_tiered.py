@@ -66,13 +66,13 @@ def assert_same_training(a, b):
 
 # A cover: each optimizer, one-hot and both bag exchanges, row (block and cyclic), table and
 # column sharding, 1, 4 and 8 devices, lookahead 0 (every re-read row is forwarded) and more,
-# and a fill capacity of 4 rows (most steps overflow it and fill in extra rounds).
+# and fill capacities of 4 rows and 1 (most steps overflow them and fill in extra rounds).
 CASES = [
     ("row", 8, "rowwise_adagrad", "onehot", 0, 0),
     ("row", 8, "adagrad", "ids", 2, 0),
     ("table", 1, "sgd", "ids", 0, 0),
     ("table", 8, "rowwise_adagrad", "pooled", 3, 4),
-    ("column", 8, "adagrad", "onehot", 1, 0),
+    ("column", 8, "adagrad", "onehot", 1, 1),  # a row in one program on every device its columns are
     ("row_cyclic", 4, "sgd", "pooled", 2, 0),
     ("host_column", 8, "rowwise_adagrad", "pooled", 2, 0),  # 4 hosts of 2
 ]

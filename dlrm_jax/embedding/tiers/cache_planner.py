@@ -58,10 +58,9 @@ class Fills:
     def __len__(self) -> int:
         return int(self.row.shape[0])
 
-    def part(self, k: int, parts: int) -> Fills:
-        """The k-th of ``parts`` consecutive slices (``requested`` counted in none)."""
-        a, b = k * len(self) // parts, (k + 1) * len(self) // parts
-        return Fills(self.space[a:b], self.slot[a:b], self.row[a:b], self.evicted[a:b])
+    def take(self, which: np.ndarray) -> Fills:
+        """The entries ``which`` (a mask or indices), in order (``requested`` counted in none)."""
+        return Fills(self.space[which], self.slot[which], self.row[which], self.evicted[which])
 
 
 class TableCache:

@@ -93,13 +93,50 @@ class FillPrograms:
         if rounds <= 1:
             return [self._program(fills, staged)]
         self.drain()  # rare: several programs, nothing forwarded between them
-        while True:
-            chunks = [{t: f.part(k, rounds) for t, f in fills.items()} for k in range(rounds)]
-            if all(self._rounds(c) <= 1 for c in chunks):
-                break
-            rounds += 1
+        program_of = self._program_of(fills)
+        rounds = 1 + max(int(r.max()) for r in program_of.values())
         self.stats["fill_rounds"] += rounds - 1
+        chunks = [{t: f.take(program_of[t] == k) if len(f) else f for t, f in fills.items()} for k in range(rounds)]
         return [self._program(c, staged) for c in chunks]
+
+    def _program_of(self, fills: dict[int, Fills]) -> dict[int, np.ndarray]:
+        """Each fill entry's program, for fills that overflow one program: a device's entries in
+        a group fill its programs in order, ``fill_rows`` of the group each, table after table;
+        a row with pieces in several places (columns on several devices) goes into one program
+        on all of them, the first where each has room for the rest of its table's rows there.
+        (Cutting each table's fills into as many slices as the busiest device needed left a
+        device with a row of every table in every slice: never within ``fill_rows`` below the
+        tables' count, and the loop looking for enough slices never ended.)"""
+        placed: dict[tuple[str, int], int] = defaultdict(int)  # (group, device) -> entries placed
+        out = {}
+        for t, f in fills.items():
+            out[t] = program = np.zeros(len(f), np.int64)
+            spaces = np.unique(f.space) if len(f) else ()
+            streams: dict[tuple, list[np.ndarray]] = defaultdict(list)  # the places a row takes -> rows
+            for s in spaces:
+                places = tuple(sorted((p.group, int(s) if p.device < 0 else p.device) for p in self.pieces[t]))
+                streams[places].append(np.flatnonzero(f.space == s))
+            for places, parts in streams.items():
+                at = np.sort(np.concatenate(parts))
+                per = {c: places.count(c) for c in set(places)}  # a row's pieces in each place
+                fits = min(self.fill_rows[g] // k for (g, _), k in per.items())
+                if fits < 1:
+                    raise ValueError(
+                        f"embedding.tier.fill_rows={min(self.fill_rows.values())}: a row of table "
+                        f"{self.names[t]} has {max(per.values())} pieces in one group on one device; "
+                        f"fill at least that many rows a program"
+                    )
+                if len(places) == 1:  # one place, a piece a row: the rows fill its programs in order
+                    start = placed[places[0]]
+                    program[at] = (start + np.arange(len(at))) // self.fill_rows[places[0][0]]
+                    placed[places[0]] = start + len(at)
+                    continue
+                first = max(-(-placed[c] // self.fill_rows[c[0]]) for c in per)  # a program all have room in
+                program[at] = first + np.arange(len(at)) // fits
+                last, in_last = first + (len(at) - 1) // fits, (len(at) - 1) % fits + 1
+                for c, k in per.items():
+                    placed[c] = last * self.fill_rows[c[0]] + k * in_last
+        return out
 
     def _program(self, fills: dict[int, Fills], staged: dict | None = None) -> FillProgram:
         per_group = {name: [] for name in self.tiered_groups()}
