@@ -362,12 +362,20 @@ class Checkpoints(CheckpointReader):
         return sorted(self._manager.all_steps())
 
     def save(
-        self, step: int, state, plan_json: str, hot_counts: dict | None = None, hosts: int = 0, run: dict | None = None
+        self,
+        step: int,
+        state,
+        plan_json: str,
+        hot_counts: dict | None = None,
+        hosts: int = 0,
+        run: dict | None = None,
+        tier: str | None = None,
     ) -> None:
         """Saves the state with the embedding plan that laid its tables out, the hot-row
         statistics (``HotSchedule.to_json``) a resumed run needs to refresh as this one would,
-        ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise), and
-        ``run``: the run's own record (``progress.Progress.to_json``).
+        ``hosts``: how many hosts' tables it holds (embedding.sync=per_host; 0 otherwise),
+        ``run``: the run's own record (``progress.Progress.to_json``), and ``tier``: the id of
+        the disk tier holding its tiered tables (``embedding.tiers.owner``).
 
         Refuses up front, with CheckpointWriteError, when the disk lacks room for the state's
         bytes: orbax would otherwise fail midway in its writer threads.
@@ -381,7 +389,7 @@ class Checkpoints(CheckpointReader):
                 OSError(errno.ENOSPC, "no space left on device"),
                 f" ({need / 2**20:,.1f} MiB needed, {free / 2**20:,.1f} MiB free)",
             )
-        record = {"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run}
+        record = {"plan": plan_json, "hot_counts": hot_counts, "hosts": hosts, "run": run, "tier": tier}
         # orbax's files hold no checksum of their contents: restores check these
         record["checksums"] = combine(
             [json.loads(o) for o in outcomes_of_every_process(json.dumps(process_sums(state)))]

@@ -87,8 +87,10 @@ class StepDriver:
         """The dynamic tables' maps now (``map_fill``; empty without dynamic tables)."""
         return {k: host_scalar(v) for k, v in self.steps.map_metrics(state).items()}
 
-    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
-        """Before checkpoint ``step`` is saved: whatever must be durable with it."""
+    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> str | None:
+        """Before checkpoint ``step`` is saved: whatever must be durable with it; returns the
+        id of the disk tier the checkpoint needs (None: none), which it keeps."""
+        return None
 
     def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
         """AUC, logloss and samples scored of the held-out split, or of ``batches``."""
@@ -223,9 +225,10 @@ class TieredDriver(StepDriver):
         used, rows = (int(host_scalar(steps.map_used(state))), steps.map_rows) if steps.dynamic else (0, 0)
         return {"map_fill": (used + maps.used()) / (rows + maps.rows)}
 
-    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> None:
+    def save_tiers(self, step: int, state: TrainState, saved_steps: list[int], keep: int) -> str | None:
         # the tier's snapshot first: a saved step always has one
         self.tiered.checkpoint(step, state.emb.tables, state.emb.slots, saved_steps, keep, state.emb.hot)
+        return self.tiered.owner.id
 
     def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
         return evaluate(self.steps, state, self.source, self.runner, batches)

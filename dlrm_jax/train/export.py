@@ -23,7 +23,7 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config
 from dlrm_jax.train.wiring import tier_root
 
 
@@ -58,17 +58,7 @@ def restore_run(
 
 def tier_snapshot(run: RestoredRun, run_dir: str | Path, step: int, log=print) -> TieredTables:
     """The tiered tables of ``run`` as the tier's snapshot of ``step`` holds them (read-only)."""
-    steps = run.steps
-    return TieredTables(
-        run.plan,
-        steps.collection.groups,
-        steps.collection.optimizer,
-        tier_root(run.cfg, Path(run_dir)),
-        steps.embedding_key(),
-        log=log,
-        snapshot=step,
-        maps=steps.tiered_maps,
-    )
+    return checkpoint_tier(run.steps, run.plan, tier_root(run.cfg, Path(run_dir)), Path(run_dir), step, log)
 
 
 def id_maps(run: RestoredRun, run_dir: str | Path) -> dict:

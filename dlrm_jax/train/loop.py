@@ -391,7 +391,7 @@ class TrainingLoop:
 
     def save(self, step: int, state: TrainState) -> None:
         report_progress(step, "checkpoint")
-        self.driver.save_tiers(step, state, self.ckpts.all_steps(), self.t.keep_checkpoints)
+        tier = self.driver.save_tiers(step, state, self.ckpts.all_steps(), self.t.keep_checkpoints)
         self.progress = dataclasses.replace(self.progress, loss_reference=self.watch.reference)
         hot = self.steps.hot
         self.ckpts.save(
@@ -401,6 +401,7 @@ class TrainingLoop:
             hot.to_json() if hot else None,
             self.steps.collection.host_sets,
             self.progress.to_json(),
+            tier,
         )
 
     def interrupted(self, step: int, signum: int) -> Interrupted:

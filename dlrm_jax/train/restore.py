@@ -17,6 +17,7 @@ from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers import hot as tier_hot
+from dlrm_jax.embedding.tiers.owner import tier_owner
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
@@ -236,6 +237,69 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
             f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
             f"or pass a new --run-dir to start fresh"
         )
+
+
+def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) -> None:
+    """Refuses (RunDirError) a disk tier at ``root`` that is not this run's: one the newest
+    checkpoint in ``ckpt_dir`` was not saved with, or (a run with no checkpoints, which starts
+    the tier anew) one that another run dir made. A tier inside ``run_dir`` is its own (a run
+    dir moved with it); a tier without an owner record (made before them) is taken as it is."""
+    owner = tier_owner(root)
+    if owner is None:
+        return
+    steps = saved_steps(ckpt_dir) if ckpt_dir is not None else []
+    saved = _saved_tier_id(ckpt_dir, steps[-1]) if steps else None
+    whose = f"run dir {owner.run_dir}" if owner.run_dir else "a run without a run dir"
+    if saved is not None:
+        if saved != owner.id:
+            raise RunDirError(
+                f"{root}: holds the disk tier of another run ({whose}), not the one the checkpoints in "
+                f"{ckpt_dir} were saved with; give embedding.tier.path as this run left it"
+            )
+        return
+    inside = run_dir is not None and Path(root).absolute() == (Path(run_dir) / "tier").absolute()
+    if not (inside or owner.made_by(run_dir)):
+        raise RunDirError(
+            f"embedding.tier.path={root}: holds the disk tier of {whose}, which this run would replace; "
+            f"give this run a tier of its own (another embedding.tier.path), or remove {root} to start anew"
+        )
+
+
+def check_tier_of(root: Path, ckpt_dir: Path, step: int) -> None:
+    """Refuses (RunDirError) to read checkpoint ``step``'s tiered tables from a tier at ``root``
+    that it was not saved with (another run's tier at the same path)."""
+    owner, saved = tier_owner(root), _saved_tier_id(ckpt_dir, step)
+    if owner is not None and saved is not None and saved != owner.id:
+        whose = f"run dir {owner.run_dir}" if owner.run_dir else "a run without a run dir"
+        raise RunDirError(
+            f"{root}: holds the disk tier of another run ({whose}), not the one checkpoint {step} in "
+            f"{ckpt_dir} was saved with: its tiered tables are not there"
+        )
+
+
+def checkpoint_tier(steps: StepFunctions, plan: EmbeddingPlan, root: Path, run_dir: Path, step: int, log=print):
+    """The tiered tables of ``run_dir``'s checkpoint ``step``, as the tier's snapshot of that
+    step holds them (read-only: the run may be training), from the tier it was saved with."""
+    check_tier_of(root, Path(run_dir) / "checkpoints", step)
+    return TieredTables(
+        plan,
+        steps.collection.groups,
+        steps.collection.optimizer,
+        root,
+        steps.embedding_key(),
+        log=log,
+        snapshot=step,
+        maps=steps.tiered_maps,
+    )
+
+
+def _saved_tier_id(ckpt_dir: Path, step: int) -> str | None:
+    """The id of the tier checkpoint ``step`` was saved with (None: saved before the record, or
+    damaged: its restore reports it)."""
+    try:
+        return saved_json(ckpt_dir, step).get("tier")
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: its restore reports it
+        return None
 
 
 def restore_or_init(

@@ -8,13 +8,12 @@ from pathlib import Path
 import jax
 
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
@@ -48,15 +47,6 @@ def restored(
     step = checkpoint_step(run_dir / "checkpoints", step)
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
     if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
-        tiered = TieredTables(
-            plan,
-            steps.collection.groups,
-            steps.collection.optimizer,
-            tier_root(cfg, run_dir),
-            steps.embedding_key(),
-            log=log,
-            snapshot=step,
-            maps=steps.tiered_maps,
-        )
+        tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)
         return state, TieredDriver(steps, source, tiered, lookahead=0)
     return state, DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)

@@ -36,7 +36,7 @@ from dlrm_jax.train.loop import (  # noqa: F401
 )
 from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
-from dlrm_jax.train.restore import check_tier_kept, restore_or_init
+from dlrm_jax.train.restore import check_tier_kept, check_tier_owner, restore_or_init
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
@@ -111,18 +111,21 @@ def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, 
         return DeviceDriver(
             steps, source, cfg.data.readers, cfg.data.prefetch, log, cfg.data.reader_processes, cfg.data.host_memory
         )
+    root = tier_root(cfg, rd.path)
+    check_tier_owner(root, rd.path, rd.checkpoint_dir if rd.path else None)
     if rd.path:
-        check_tier_kept(tier_root(cfg, rd.path), rd.checkpoint_dir, log)
+        check_tier_kept(root, rd.checkpoint_dir, log)
     tier = cfg.embedding.tier
     tiered = TieredTables(
         plan,
         steps.collection.groups,
         steps.collection.optimizer,
-        tier_root(cfg, rd.path),
+        root,
         steps.embedding_key(),
         int(tier.chunk_mb * 2**20),
         log,
         maps=steps.tiered_maps,
+        run_dir=rd.path,
     )
     return TieredDriver(steps, source, tiered, tier.lookahead)
 

@@ -38,6 +38,7 @@ from dlrm_jax.embedding.tiers.device_fill import read_rows
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.fill_programs import FillProgram, FillPrograms
 from dlrm_jax.embedding.tiers.format import default_chunk_rows
+from dlrm_jax.embedding.tiers.owner import record_owner, tier_owner
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
 from dlrm_jax.hostmem import available_bytes
@@ -77,11 +78,14 @@ class TieredTables(FillPrograms):
         log=print,
         snapshot: int | None = None,
         maps: dict[int, MapSpec] | None = None,
+        run_dir: Path | None = None,
     ):
         """``snapshot``: open that snapshot read-only (evaluating a run's checkpoint) instead
         of the working store. ``maps``: the tiered tables that take raw ids (dynamic tables),
         {table index: MapSpec}; their id maps are held on the host (:attr:`maps`) and kept in
-        each snapshot with the rows."""
+        each snapshot with the rows. ``run_dir``: the run this tier serves, recorded as its
+        owner where this run makes it (:mod:`~dlrm_jax.embedding.tiers.owner`; the caller
+        checked first that the tier is this run's)."""
         self.plan, self.n, self.dim = plan, plan.num_devices, plan.tables[0].spec.dim
         self.tables = plan.tiered_tables
         self.names = {t: plan.tables[t].spec.name for t in self.tables}
@@ -99,15 +103,16 @@ class TieredTables(FillPrograms):
         )
         row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
         self._made_now = False  # a store made by this run: its snapshot 0 needs no check on restore
+        self.run_dir, self.owner = run_dir, tier_owner(root)
         if snapshot is not None:
             self.store = TierStore.open_snapshot(root, specs, snapshot)
         elif TierStore.exists(root):
             self.store = TierStore.open(root, specs)
+            if self.owner is None:  # a tier made before owners were recorded: this run's now
+                self.owner = record_owner(root, run_dir)
         else:
             log(f"creating the disk tier of {len(self.tables)} tables in {root}")
-            self.store = self._create()
-            self.store.snapshot(0)  # the initial tables: where a run without checkpoints starts
-            self._made_now = True
+            self._make_store()
         if self.store.unverified_tables():
             log(
                 f"warning: the disk tier in {root} was made before row checksums: tables "
@@ -267,10 +272,9 @@ class TieredTables(FillPrograms):
             self.store.close()
             for name in ("work", "snapshots"):
                 shutil.rmtree(root / name, ignore_errors=True)
-            mapped, self.store = self.store.mapped, self._create()
+            mapped = self.store.mapped
+            self._make_store()
             self.store.mapped = mapped
-            self.store.snapshot(0)
-            self._made_now = True
             for user in (self.writer, self.read_ahead, *self.host.values()):
                 if user is not None:
                     user.store = self.store
@@ -288,6 +292,14 @@ class TieredTables(FillPrograms):
             held[:] = -1
         if self.maps is not None:
             self.maps.load(self._saved_maps(step), step)
+
+    def _make_store(self) -> None:
+        """A new store, its initial tables as snapshot 0 (where a run without checkpoints
+        starts), and this run recorded as its owner (a new id: no earlier checkpoint fits it)."""
+        self.store = self._create()
+        self.store.snapshot(0)
+        self._made_now = True
+        self.owner = record_owner(self.store.root, self.run_dir)
 
     # The host maps of a snapshot: one file in its folder (written after the rows; a snapshot
     # of step 0 has none: every map starts empty).
