@@ -20,8 +20,14 @@ With tiered tables the steps run as training runs them (``TierRunner``: a planne
 fills read from the DRAM caches or the disk tier, evictions written back), each step blocked
 on before the next; the dispatching thread's host work is timed in the run, by kind (waiting
 for the planner, assembling and placing the fills, writing evictions back), and the device
-caches' fill is a device phase of its own. The tier is created under ``OUT/tier`` (or
-``embedding.tier.path``).
+caches' fill is a device phase of its own. The tier is made afresh in a folder of its own
+under ``OUT`` (or ``embedding.tier.path``) and removed after: a training run's tier in the same
+run dir, or at the same path, is never opened (restoring the initial tables there would replace
+its snapshots).
+
+The trace goes to ``OUT/profile-trace``, beside (not over) a training run's ``train.trace_steps``
+trace in ``OUT/trace``. The batches are placed on the devices before the steps run (so a step is
+timed alone), at most :data:`PLACED_BATCHES` of them, used in turn.
 
 Peak memory per device is the compiled step's own memory analysis.
 """
@@ -29,6 +35,7 @@ Peak memory per device is the compiled step's own memory analysis.
 from __future__ import annotations
 
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +60,9 @@ from dlrm_jax.observe.trace import (
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.driver import TieredDriver
 from dlrm_jax.train.restore import restore_or_init
-from dlrm_jax.train.wiring import tier_root
+
+PLACED_BATCHES = 64  # distinct batches placed for the steps (more steps reuse them): memory stays bounded
+TRACE = "profile-trace"
 
 
 def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
@@ -66,13 +75,17 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)
-    driver = None
-    if plan.tiered_tables:
+    driver, tier_dir = None, None
+    if plan.tiered_tables:  # a tier of its own, made afresh (never a run's: see the module's doc)
+        base = make_dir(
+            cfg.embedding.tier.path or out_dir, "embedding.tier.path" if cfg.embedding.tier.path else "run dir"
+        )
+        tier_dir = Path(tempfile.mkdtemp(prefix="profile-tier-", dir=base))
         tiered = TieredTables(
             plan,
             fns.collection.groups,
             fns.collection.optimizer,
-            tier_root(cfg, out_dir),
+            tier_dir,
             fns.embedding_key(),
             int(cfg.embedding.tier.chunk_mb * 2**20),
             log=lambda *_: None,
@@ -84,6 +97,8 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     finally:
         if driver is not None:
             driver.tiered.close()
+        if tier_dir is not None:
+            shutil.rmtree(tier_dir, ignore_errors=True)
 
 
 def _host_batches(fns, source, count: int, host_memory: str):
@@ -112,7 +127,7 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
     if driver is None:
         state = fns.init_state()
         compiled = fns.train_step.lower(state, batches[0]).compile()
-        return state, (lambda state, i: compiled(state, batches[i])[:2]), lambda state: compiled
+        return state, (lambda state, i: compiled(state, batches[i % len(batches)])[:2]), lambda state: compiled
     state = restore_or_init(fns, None, log, driver.tiered)
     items = iter(driver.batches(state, 0, count))
 
@@ -126,7 +141,9 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
 def _profile(
     cfg: Config, out_dir: Path, mesh, source, fns, driver: TieredDriver | None, steps: int, warmup: int, log
 ) -> dict:
-    batches, host_ids, input_s, h2d_s = _host_batches(fns, source, warmup + steps, cfg.data.host_memory)
+    batches, host_ids, input_s, h2d_s = _host_batches(
+        fns, source, min(warmup + steps, PLACED_BATCHES), cfg.data.host_memory
+    )
     state, one, compiled_step = _step_runner(fns, source, driver, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
         state, out = one(state, i)
@@ -136,7 +153,7 @@ def _profile(
     if driver is not None:
         driver.runner.host_s.clear()
 
-    trace_dir = out_dir / "trace" / f"process_{jax.process_index()}"
+    trace_dir = out_dir / TRACE / f"process_{jax.process_index()}"
     shutil.rmtree(trace_dir, ignore_errors=True)  # a profile run before this one's trace
     walls = []
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -187,7 +204,7 @@ def _profile(
         "step_wall_ms": 1e3 * float(np.median(walls)),
         "phases": rows,
         "memory_per_device": _memory(compiled),
-        "trace_dir": str(out_dir / "trace"),
+        "trace_dir": str(out_dir / TRACE),
     }
     for line in format_profile(result):
         log(line)

@@ -1,5 +1,6 @@
 """TensorBoard events and `dlrm-jax report` plots carry exactly what metrics.jsonl holds."""
 
+import dataclasses
 import json
 import re
 import struct
@@ -181,7 +182,8 @@ def test_profile_prints_phases_writes_a_trace_and_report_draws_them(tmp_path):
     device = sum(p["ms"] for p in profile["phases"] if p["how"] == "trace")
     assert 0 < device < 2 * profile["step_wall_ms"]
     assert profile["memory_per_device"]["peak"] > 0 and "per-device memory" in proc.stdout
-    assert list(run.glob("trace/process_0/**/*.xplane.pb")) and list(run.glob("trace/process_0/**/*.trace.json.gz"))
+    trace = run / "profile-trace" / "process_0"
+    assert list(trace.glob("**/*.xplane.pb")) and list(trace.glob("**/*.trace.json.gz"))
     # The trace line says how to get what reads it: the project's tensorboard extra, which has both.
     assert "pip install 'dlrm-jax[tensorboard]'" in proc.stdout
     import tomllib
@@ -228,7 +230,10 @@ def test_every_instruction_of_the_step_gets_its_phase(tiny):
 def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
     """Tiered tables (with hot rows refreshed inside the profiled steps, which must release the
     planner thread): the device caches' fill is a traced phase and the dispatching thread's
-    tier work has rows of its own."""
+    tier work has rows of its own. Profiled into a tiered training run's dir (as `profile
+    --help` suggests, for the report), it leaves every file of the run as it was: before, it
+    restored the initial tables over the run's disk tier (its snapshots gone: the run could
+    neither resume nor be evaluated) and replaced its train.trace_steps trace."""
     from dlrm_jax.bench.profile import profile
 
     lines = []
@@ -243,13 +248,38 @@ def test_profile_runs_tiered_tables_as_training_does(tiny, tmp_path):
         "embedding.hot.refresh_every=2",
         "embedding.hot.stats_batches=2",
     )
-    result = profile(cfg, tmp_path / "prof", steps=4, warmup=1, log=lines.append)
+    run = tmp_path / "run"
+    train_and_evaluate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, trace_steps=1)), run, **QUIET)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "dlrm-jax.log"}
+    assert any("/trace/" in str(p) for p in before) and any("/tier/snapshots/" in str(p) for p in before)
+    result = profile(cfg, run, steps=4, warmup=1, log=lines.append)
     ms = {p["name"]: p["ms"] for p in result["phases"]}
     assert result["tiered"] and ms["cache fill"] > 0 and ms["exchange forward"] > 0
     assert {"tier planner wait", "tier fill assembly + h2d", "tier write-back"} <= set(ms)
     assert ms["tier fill assembly + h2d"] > 0
     assert any(line.startswith("tier write-back") for line in lines) and "tier rows" in "\n".join(lines)
-    assert (tmp_path / "prof" / "tier").is_dir() and (tmp_path / "prof" / "profile.json").is_file()
+    assert {p: p.read_bytes() for p in before} == before  # the run's files, every byte
+    made = {p.relative_to(run).parts[0] for p in run.rglob("*") if p.is_file() and p not in before}
+    assert made <= {"profile.json", "profile-trace", "dlrm-jax.log"}, made  # the profile's tier removed
+
+
+def test_profile_of_a_run_dir_profiles_its_config_unless_told(tiny, tmp_path, monkeypatch):
+    """Before: `profile --run-dir RUN` profiled the default config, whose phase bars the report
+    then drew beside RUN's metrics as if they were its model's."""
+    from dlrm_jax.cli import main
+    from dlrm_jax.cli.commands import profile as command
+    from dlrm_jax.config import dump_config
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(dump_config(tiny("model.embedding_dim=4", "model.bottom_mlp=[16,4]")))
+    got = []
+    monkeypatch.setattr(command, "start_jax", lambda *a: None)
+    monkeypatch.setattr(command, "library_logs_to", lambda *a: None)
+    monkeypatch.setattr("dlrm_jax.bench.profile.profile", lambda cfg, run_dir, **kw: got.append(cfg))
+    assert main(["profile", "--run-dir", str(tmp_path / "run"), "--set", "train.steps=7"]) == 0
+    assert got[-1].model.embedding_dim == 4 and got[-1].train.steps == 7
+    assert main(["profile", "--run-dir", str(tmp_path / "run"), "--config", "smoke"]) == 0
+    assert got[-1].model.embedding_dim != 4
 
 
 @pytest.mark.parametrize(

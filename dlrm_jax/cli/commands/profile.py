@@ -19,14 +19,20 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=COUNT, default=3, help="untraced steps after compilation (default 3)")
     p.add_argument(
         "--run-dir",
-        help="where profile.json and trace/ go (default: runs/profile-<time>); "
-        "a training run's dir adds its phase bars to `dlrm-jax report`",
+        help="where profile.json and profile-trace/ go (default: runs/profile-<time>); "
+        "a training run's dir (its config.yaml profiled where --config is not given) adds its "
+        "phase bars to `dlrm-jax report`",
     )
     add_distributed_args(p)
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    saved = Path(args.run_dir) / "config.yaml" if args.run_dir else None
+    if args.config is None and saved is not None and saved.is_file():
+        log(f"profiling the run's config, {saved} (--config to profile another)")
+        cfg = load_config(saved, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
     # XLA:CPU records one trace event per executed operation only when asked, before it starts.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
     start_jax(devices_for(cfg), args, cfg.mesh.devices)
