@@ -11,7 +11,7 @@
 # process's log file and pid (if the supervisor is killed, the processes save, stop and
 # write on into those logs). Ctrl-C stops all of them (each saves a checkpoint first). If one process dies,
 # the others are stopped and one line names the lost process and the command that resumes;
-# jaxlib's native abort reports go to RUN_DIR/launch/pI.log, not the terminal. Exit status: 0
+# jaxlib's native abort reports go to RUN_DIR/launch/<time>/pI.log, not the terminal. Exit status: 0
 # when every process succeeded, else the first failed one's (128 + signal if killed).
 # Uses the dlrm-jax on PATH, else the repository's .venv.
 set -u

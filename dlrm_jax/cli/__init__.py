@@ -60,11 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A collective failed under us: in a multi-process run, a peer died or disconnected.
         first = str(e).strip().splitlines()[0][:300]
-        print(
-            f"dlrm-jax: error: {first}; if another process died, the newest checkpoint is intact: "
-            f"restart every process with the same command to resume",
-            file=sys.stderr,
-        )
+        from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
+
+        print(f"dlrm-jax: error: {first}; if another process died, {PEER_LOST_ADVICE}", file=sys.stderr)
         return 1
     finally:
         restore_signals()

@@ -234,13 +234,14 @@ class PeerWatchdog(threading.Thread):
         )
 
     def _exit(self, why: str) -> None:
-        sys.stderr.write(
-            f"dlrm-jax: error: process {self.me}: {why}; the newest checkpoint is intact, "
-            f"restart every process with the same command to resume\n"
-        )
+        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; {PEER_LOST_ADVICE}\n")
         sys.stderr.flush()
         os._exit(1)
 
+
+# What a process says when it stops for a lost peer (or a collective that failed under it):
+# the launch supervisor reads it as a fault to resume from, not the command's own failure.
+PEER_LOST_ADVICE = "the newest checkpoint is intact: restart every process with the same command to resume"
 
 _shared_keys = itertools.count()
 

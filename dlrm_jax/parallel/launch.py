@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from dlrm_jax.files import new_run_dir
+from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
 
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
@@ -42,6 +43,10 @@ _NATIVE = re.compile(
     r"|\[Gloo\] )"
 )
 _SUBCOMMANDS = ("train", "eval", "profile")
+_ONE_PROCESS = ("export", "predict", "plan", "config", "preprocess", "report", "bench")  # dlrm-jax's others
+# The command that resumes the run, for the processes' own lines (a run dir the supervisor chose
+# is not in the user's command: "re-run the same command" would start another run).
+RESUME_ENV = "DLRM_JAX_RESUME"
 # How many processes the supervisor started on this host: they share its cores (read by
 # :func:`cores_of_this_process`; a cluster launch's one process a host leaves it unset).
 LOCAL_PROCESSES_ENV = "DLRM_JAX_LOCAL_PROCESSES"
@@ -84,7 +89,7 @@ def _how_it_ended(rc: int) -> str:
 class _Child:
     """One process: its output relayed with a ``[pI]`` prefix, native log lines to ``log``."""
 
-    def __init__(self, index: int, argv: list[str], log: Path, local_processes: int):
+    def __init__(self, index: int, argv: list[str], log: Path, local_processes: int, resume: str):
         self.index, self.log = index, log
         # start_new_session: our signals only; DLRM_JAX_PARENT: it stops (saves) if we end, even
         # by SIGKILL, and DLRM_JAX_LOG: it then writes on into its log (our pipes have no reader)
@@ -100,6 +105,7 @@ class _Child:
                 "DLRM_JAX_PARENT": str(os.getpid()),
                 "DLRM_JAX_LOG": str(log.absolute()),
                 LOCAL_PROCESSES_ENV: str(local_processes),  # they share this host's cores (data.readers=auto)
+                RESUME_ENV: resume,
             },
         )
         self.native = 0
@@ -143,28 +149,42 @@ def signal_pending(pid: int, signum: int = signal.SIGKILL) -> bool:
     return False
 
 
-def keep_logs(log_dir: Path, run_dir: Path | None) -> Path:
-    """The processes' logs moved into ``RUN_DIR/launch`` when the run got as far as its run
-    dir; where they are now."""
-    if run_dir is None or not (run_dir / "config.yaml").exists():
+def keep_logs(log_dir: Path, run_dir: Path | None, name: str) -> Path:
+    """The processes' logs moved into ``RUN_DIR/launch/<name>`` (a launch's own folder: a
+    resume or an eval keeps the logs of the launch before it) when the run got as far as its
+    run dir; where they are now."""
+    if run_dir is None or not run_dir.is_dir():
         return log_dir
-    target = run_dir / "launch"
-    target.mkdir(exist_ok=True)
+    target = run_dir / "launch" / name
+    for k in range(1, 1000):
+        try:
+            target.mkdir(parents=True)
+            break
+        except FileExistsError:  # (two launches in one second)
+            target = run_dir / "launch" / f"{name}.{k}"
     for f in log_dir.iterdir():
         shutil.move(str(f), target / f.name)
     shutil.rmtree(log_dir, ignore_errors=True)
     return target
 
 
-def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path | None = None) -> int:
+def supervise(
+    argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path | None = None, resumes: bool = True
+) -> int:
     """Runs one child per argv until all end; returns the first abnormal status (0 if none).
-    Logs go to ``log_dir``, and into ``run_dir``/launch once a run there has started."""
+    Logs go to ``log_dir``, and into ``run_dir``/launch/<time> once a run there has started.
+    ``resume``: the command that goes on after a fault or a stop (``resumes``: from the newest
+    checkpoint; else it runs again)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    children = [_Child(i, argv, log_dir / f"p{i}.log", len(argvs)) for i, argv in enumerate(argvs)]
+    name = time.strftime("%Y%m%d-%H%M%S")
+    children = [_Child(i, argv, log_dir / f"p{i}.log", len(argvs), resume) for i, argv in enumerate(argvs)]
     for c in children:
         print(f"[launch] process {c.index}: output also in {c.log}, pid {c.proc.pid}", flush=True)
 
+    forwarded = []
+
     def forward(signum, _frame):  # Ctrl-C, SIGTERM, a closed terminal: every process checkpoints and stops
+        forwarded.append(signum)
         for c in children:
             if c.proc.poll() is None:
                 c.proc.send_signal(signum)
@@ -191,7 +211,8 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
         c.join()
     ended = [c for c in children if c.proc.returncode != 0]
     if not ended:
-        keep_logs(log_dir, run_dir)
+        if keep_logs(log_dir, run_dir, name) == log_dir:  # no run dir: the terminal had it all
+            shutil.rmtree(log_dir, ignore_errors=True)
         return 0
     # the one ended from outside, before the ones the runtime aborted for it and the ones stopped here
     first = min(ended, key=lambda c: (c.index in stopped_here, c.proc.returncode == -signal.SIGABRT, c.index))
@@ -200,10 +221,11 @@ def supervise(argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path 
     others = [c for c in children if c is not first]
     aborted = [c.index for c in others if c.proc.returncode == -signal.SIGABRT]
     stopped = f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else ""
-    lost = rc < 0 or bool(aborted) or "another process died" in first.last_error
-    if lost:  # a fault: what the run saved is intact, and the same command goes on from it
-        log_dir = keep_logs(log_dir, run_dir)
-        advice = f"; the newest checkpoint is intact: run `{resume}` to resume"
+    lost = rc < 0 or bool(aborted) or PEER_LOST_ADVICE in first.last_error
+    if lost or forwarded:  # a fault or a stop: what the run saved is intact, and it goes on from it
+        log_dir = keep_logs(log_dir, run_dir, name)
+        again = f"the newest checkpoint is intact: run `{resume}` to resume" if resumes else f"run `{resume}` again"
+        advice = f"; {again}"
     else:  # the command itself failed (a config error, a run dir in use): nothing to resume
         advice = ""
     sys.stderr.write(
@@ -235,11 +257,20 @@ def main(argv: list[str]) -> int:
             sys.stderr.write(f"usage: {here} --process-id I dlrm-jax [command and arguments...]\n")
             return 2
         index, command = int(argv[1]), argv[2:]
-        return supervise([command], shlex.join(command), Path(tempfile.mkdtemp(prefix=f"dlrm-jax-p{index}-")))
+        log_dir = Path(tempfile.mkdtemp(prefix=f"dlrm-jax-p{index}-"))
+        run_dir = given_run_dir(command)
+        return supervise(
+            [command], shlex.join(command), log_dir, Path(run_dir) if run_dir else None, "train" in command
+        )
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
         sys.stderr.write(f"usage: {here} N [train|eval|profile] [dlrm-jax arguments...]\n")
         return 2
     n, rest = int(argv[0]), argv[1:]
+    if rest[:1] and rest[0] in _ONE_PROCESS:
+        sys.stderr.write(
+            f"{here}: runs train, eval or profile; {rest[0]} runs in one process: dlrm-jax {rest[0]} ...\n"
+        )
+        return 2
     sub = rest.pop(0) if rest[:1] and rest[0] in _SUBCOMMANDS else "train"
     run_dir = given_run_dir(rest)
     resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
@@ -269,7 +300,7 @@ def main(argv: list[str]) -> int:
         for i in range(n)
     ]
     log_dir = Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
-    return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None)
+    return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None, sub == "train")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import yaml
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders
-from dlrm_jax.parallel.coordination import outcome_of_process_0
+from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
@@ -316,15 +316,12 @@ class RunDir:
 
 def agree_on_run_dir(run_dir: str | None) -> str:
     """The run dir every process of a multi-process run uses: the one given, or process 0's
-    ``runs/<time>`` (broadcast over the mesh from the main thread, before training starts)."""
+    ``runs/<time>``. Processes given different ones (or one given to some only) are refused
+    on every process at once, in one line: each would wait for the others in a different run
+    dir (a late failure, or a hang where one process waits for a choice the others never make)."""
     import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
 
-    if run_dir or jax.process_count() == 1:
+    if jax.process_count() == 1:
         return run_dir or new_run_dir()
-    chosen = new_run_dir().encode()
-    buf = np.zeros(256, np.uint8)
-    buf[: len(chosen)] = np.frombuffer(chosen, np.uint8)
-    agreed = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-    return bytes(agreed[agreed != 0].astype(np.uint8)).decode()
+    check_same_everywhere({"--run-dir": run_dir or "(not given)"}, what="--run-dir arguments")
+    return run_dir or outcome_of_process_0(new_run_dir())

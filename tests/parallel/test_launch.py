@@ -339,7 +339,9 @@ def test_a_local_launch_names_the_run_dir_it_trains_in_and_the_resume_command_na
     from dlrm_jax.parallel import launch
 
     seen = {}
-    monkeypatch.setattr(launch, "supervise", lambda argvs, resume, log_dir, run_dir: seen.update(locals()) or 0)
+    monkeypatch.setattr(
+        launch, "supervise", lambda argvs, resume, log_dir, run_dir, resumes: seen.update(locals()) or 0
+    )
     monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
     monkeypatch.setenv("DLRM_JAX_LAUNCH_AS", "scripts/launch_local.sh 2 " + " ".join(args))
     assert launch.main(["2", *args]) == 0
@@ -348,7 +350,61 @@ def test_a_local_launch_names_the_run_dir_it_trains_in_and_the_resume_command_na
         assert seen["resume"] == "scripts/launch_local.sh 2 " + " ".join(args)
         assert run_dir == Path("mine")
         return
+    assert seen["resumes"] == (args[:1] != ["eval"])
     assert re.fullmatch(r"runs/\d{8}-\d{6}", str(run_dir))
     assert seen["resume"] == f"scripts/launch_local.sh 2 --config smoke --run-dir {run_dir}"
     for argv in seen["argvs"]:  # every process trains in it
         assert argv[argv.index("--run-dir") + 1] == str(run_dir)
+
+
+def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_command(tmp_path, capsys):
+    """Before: a resume's (or an eval's) logs replaced the logs of the launch before it, which
+    the fault's line had named; a peer lost to the watchdog ("lost process(es) 1 of 2") or a
+    Ctrl-C gave no command to resume (without --run-dir, "the same command" started afresh) and
+    left the logs in /tmp."""
+    import signal
+
+    from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
+    from dlrm_jax.parallel.launch import RESUME_ENV
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lost = [
+        sys.executable,
+        "-c",
+        f"import sys; print('dlrm-jax: error: process 0: lost process(es) 1 of 2; {PEER_LOST_ADVICE}', "
+        "file=sys.stderr); sys.exit(1)",
+    ]
+    assert supervise([lost], "RESUME", tmp_path / "logs1", run) == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
+    assert "the newest checkpoint is intact: run `RESUME` to resume" in line, line
+    (first,) = (run / "launch").iterdir()
+    assert str(first) in line and "lost process(es)" in (first / "p0.log").read_text()
+    # Ctrl-C (here a child's SIGINT to the supervisor, which forwards it): each saves and stops.
+    stops = [
+        sys.executable,
+        "-c",
+        "import os, signal, sys, time; signal.signal(signal.SIGINT, lambda *a: sys.exit(130)); "
+        f"print(os.environ[{RESUME_ENV!r}], flush=True); os.kill(os.getppid(), signal.SIGINT); time.sleep(30)",
+    ]
+    old = signal.getsignal(signal.SIGINT)
+    assert supervise([stops], "RESUME --run-dir R", tmp_path / "logs2", run) == 130
+    assert signal.getsignal(signal.SIGINT) is old
+    out = capsys.readouterr()
+    assert "[p0] RESUME --run-dir R" in out.out  # what the process's own line names
+    (line,) = [x for x in out.err.splitlines() if x.startswith("[launch] process ")]
+    assert "exited with status 130" in line and "run `RESUME --run-dir R` to resume" in line, line
+    assert len(list((run / "launch").iterdir())) == 2 and (first / "p0.log").exists()
+    # A command that does not resume (eval) is run again; one that ends well without a run dir
+    # leaves no logs behind in /tmp.
+    assert supervise([lost], "EVAL", tmp_path / "logs3", None, resumes=False) == 1
+    assert "; run `EVAL` again" in capsys.readouterr().err
+    assert supervise([[sys.executable, "-c", "print(1)"]], "OK", tmp_path / "logs4") == 0
+    assert not (tmp_path / "logs4").exists()
+
+
+def test_commands_of_one_process_are_refused_by_the_launcher(capsys):
+    from dlrm_jax.parallel import launch
+
+    assert launch.main(["2", "plan", "--config", "smoke"]) == 2
+    assert "runs train, eval or profile; plan runs in one process: dlrm-jax plan" in capsys.readouterr().err

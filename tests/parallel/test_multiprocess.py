@@ -207,7 +207,8 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     final = [x for x in out.splitlines() if x.startswith("[p0] final step=")]
     assert final and "[p1] final step=" not in out  # one summary, from process 0
     (reference,) = [p for p in (tmp_path / "runs").iterdir()]
-    assert sorted(p.name for p in (reference / "launch").iterdir()) == ["p0.log", "p1.log"]  # not left in /tmp
+    (launched,) = (reference / "launch").iterdir()  # this launch's logs, in a folder of its own
+    assert sorted(p.name for p in launched.iterdir()) == ["p0.log", "p1.log"]  # not left in /tmp
 
     cut_args = [*line, "--set", "train.checkpoint_every=10", "--run-dir", str(tmp_path / "cut")]
     cut = launch_local(cut_args, tmp_path, env)
@@ -232,7 +233,7 @@ def test_readme_launch_a_lost_process_and_a_restart(tmp_path):
     ends = [x for x in out.splitlines() if x.startswith("[launch] process 1 was ended by SIGKILL")]
     logs = "".join(
         f"\n--- {p.name}, its end:\n" + p.read_text()[-1500:]
-        for p in sorted((tmp_path / "cut" / "launch").glob("p*.log"))
+        for p in sorted((tmp_path / "cut" / "launch").glob("*/p*.log"))
     )
     assert len(ends) == 1 and "the newest checkpoint is intact: run `" in ends[0] and "to resume" in ends[0], (
         f"killed {killed - deadline + 240:.2f} s after the wait began\n" + out[-3000:] + logs
@@ -507,6 +508,32 @@ def test_processes_with_different_configs_refuse_in_one_line(tmp_path):
             and "train.steps: process 0 40, process 1 60" in mine[0]
         ), mine[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_processes_given_different_run_dirs_refuse_in_one_line(tmp_path):
+    """Before: a run dir given to process 0 alone hung both (process 1 waited for a choice of run
+    dir process 0 never made); different ones failed at the first checkpoint."""
+    env = child_env()
+    base = ["train", "--config", "smoke", "--set", "mesh.devices=8"]
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dlrm_jax", *base, *extra]
+            + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        for i, extra in enumerate([["--run-dir", "A"], []])
+    ]
+    for p, (_, err) in zip(procs, communicate(procs, 120), strict=True):
+        mine = [line for line in err.splitlines() if line.startswith("dlrm-jax:")]
+        assert p.returncode == 1 and len(mine) == 1, err[-2000:]
+        assert "the processes' --run-dir arguments differ" in mine[0], mine[0]
+        assert "--run-dir: process 0 A, process 1 (not given)" in mine[0], mine[0]
+    assert not (tmp_path / "A").exists() and not (tmp_path / "runs").exists()
 
 
 def test_a_peer_that_never_joins_is_named_within_the_bound(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from dlrm_jax.cli.args import add_config_args, add_distributed_args
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
 from dlrm_jax.config import ConfigError, load_config
 from dlrm_jax.files import numbered_folders
+from dlrm_jax.parallel.launch import RESUME_ENV
 
 NAME = "train"
 HELP = "train a model (resumes from --run-dir's newest checkpoint)"
@@ -48,7 +50,15 @@ def run(args) -> int:
         with stopping.deferred("the run's start"):
             summary = train_and_evaluate(cfg, run_dir, log=log)
     except Interrupted as e:
-        again = "re-run the same command" if args.run_dir else f"re-run the command with --run-dir {run_dir}"
+        # (under the launch supervisor, its command: the run dir it chose is not in the user's)
+        resume = os.environ.get(RESUME_ENV)
+        again = (
+            f"run `{resume}`"
+            if resume
+            else "re-run the same command"
+            if args.run_dir
+            else f"re-run the command with --run-dir {run_dir}"
+        )
         saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
         print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
         return 128 + e.signum
