@@ -25,11 +25,15 @@ def load_run(run_dir: Path) -> dict:
     if not path.exists() and not profile.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (or a profile's)?")
     events = []
-    for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
+    text = path.read_text(encoding="utf-8-sig") if path.exists() else ""
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 event = json.loads(line)
             except json.JSONDecodeError as e:
+                if number == len(lines) and not text.endswith("\n"):
+                    break  # a last line cut by a crash, or still being written: the run goes on
                 raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from None
             if not isinstance(event, dict):
                 raise ValueError(f"{path}:{number}: not a JSON object (got {line.strip()[:40]})")
@@ -48,9 +52,18 @@ def load_run(run_dir: Path) -> dict:
             batch = int(yaml.safe_load(config.read_text())["train"]["batch_size"])
         except (yaml.YAMLError, KeyError, TypeError, ValueError):
             batch = None
-    for e in events:  # samples seen: runs of different batch sizes compare on one axis
-        if batch and "step" in e:
-            e.setdefault("samples", e["step"] * batch)
+    # Samples seen, so that runs of different batch sizes compare on one axis: each log event
+    # gives the batch size of the steps it covers (a resumed run may have changed it; events
+    # written before they said so: the config's).
+    seen, last = 0, 0
+    for e in events:
+        size = e.get("batch_size") or batch
+        if not size or not isinstance(e.get("step"), int):
+            continue
+        if e["step"] > last:
+            seen, last = seen + (e["step"] - last) * size, e["step"]
+        e.setdefault("samples", seen)
+    batch = batch or next((e["batch_size"] for e in events if e.get("batch_size")), None)
     return {"events": events, "profile": json.loads(profile.read_text()) if profile.exists() else None, "batch": batch}
 
 
@@ -61,11 +74,14 @@ def summary(run: dict, label: str) -> str:
     rates = sorted(e["samples_per_s"] for e in run["events"] if e.get("samples_per_s"))
     best = max(evals, key=lambda e: e["auc"]) if evals else None
     parts = [f"{label}:"]
-    parts.append(
-        f"best AUC {best['auc']:.4f} at step {best['step']:,} (logloss {best['logloss']:.4f})"
-        if best
-        else "no evaluation"
-    )
+    if best:
+        logloss = best.get("logloss")  # (null where it was not finite)
+        parts.append(
+            f"best AUC {best['auc']:.4f} at step {best['step']:,} (logloss "
+            + (f"{logloss:.4f})" if logloss is not None else "not finite)")
+        )
+    else:
+        parts.append("no evaluation with an AUC")
     if rates:
         parts.append(f"median {statistics.median(rates):,.0f} samples/s over {len(rates)} windows")
     windows = [e["progressive_auc"] for e in run["events"] if e.get("event") == "progressive"]
@@ -122,9 +138,10 @@ def figures(run_dirs: list[Path]) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [load_run(Path(p)) for p in run_dirs]
-    labels = run_labels([Path(p) for p in run_dirs])
-    along = "samples" if all(r["batch"] for r in runs) else "step"
+    run_dirs = list({Path(p).resolve(): Path(p) for p in run_dirs}.values())  # each run once
+    runs = [load_run(p) for p in run_dirs]
+    labels = run_labels(run_dirs)
+    along = "samples" if all(r["batch"] for r in runs if r["events"]) else "step"  # (a profile has no events)
     out = {}
 
     def lines(
@@ -145,8 +162,11 @@ def figures(run_dirs: list[Path]) -> dict:
                     continue
                 (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
                 if y in ("auc", "logloss"):  # the best evaluation (by AUC), where keep-best would keep it
-                    _, aucs = series(run["events"], "auc", x, kind)
-                    i = max(range(len(aucs)), key=aucs.__getitem__)
+                    at, aucs = series(run["events"], "auc", x, kind)  # (an AUC may be null: not a point)
+                    best = at[max(range(len(aucs)), key=aucs.__getitem__)] if aucs else None
+                    if best not in xs:
+                        continue
+                    i = xs.index(best)
                     ax.plot(
                         [xs[i]],
                         [ys[i]],

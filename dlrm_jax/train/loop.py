@@ -318,6 +318,7 @@ class TrainingLoop:
             "step": step,
             "loss": self.last_loss,
             "samples_per_s": rate,
+            "batch_size": self.t.batch_size,  # (a resumed run may change it: the report's samples seen)
             "learning_rate": float(self.steps.schedule(step - 1)),
             "exchange_overflows": overflows,
             "hot_hit_rate": hit_rate,

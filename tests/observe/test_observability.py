@@ -366,3 +366,42 @@ def test_the_report_line_gives_the_median_of_an_even_number_of_windows():
 
     events = [{"samples_per_s": r} for r in (5_599.0, 1_795.0)]
     assert "median 3,697 samples/s over 2 windows" in summary({"events": events}, "run")
+
+
+def test_report_reads_what_real_runs_write_null_metrics_a_cut_last_line_a_changed_batch(tmp_path, capsys):
+    """Before: an AUC written as null (one class in the held-out batches) made `report` fail with
+    'max() arg is an empty sequence', put the logloss panels' star on the wrong evaluation, or
+    (a null logloss) raised a TypeError; a last line cut by a crash refused the whole run; a run
+    resumed at another batch size had every step's samples counted at the new size; the same
+    run given twice got two identical labels."""
+    from dlrm_jax.cli import main
+    from dlrm_jax.observe.report import figures
+
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / "config.yaml").write_text("train:\n  batch_size: 512\n")  # the size after the resume
+    events = [
+        {"event": "train", "step": 10, "loss": 0.7, "samples_per_s": 1.0, "batch_size": 128, "wall_s": 1.0},
+        {"event": "eval", "step": 10, "loss": 0.7, "auc": None, "logloss": 0.69, "wall_s": 1.0},
+        {"event": "train", "step": 20, "loss": 0.6, "samples_per_s": 1.0, "batch_size": 128, "wall_s": 2.0},
+        {"event": "eval", "step": 20, "loss": 0.6, "auc": 0.7, "logloss": None, "wall_s": 2.0},
+        {"event": "train", "step": 30, "loss": 0.5, "samples_per_s": 1.0, "batch_size": 512, "wall_s": 3.0},
+        {"event": "eval", "step": 30, "loss": 0.5, "auc": 0.6, "logloss": 0.5, "wall_s": 3.0},
+    ]
+    text = "\ufeff" + "".join(json.dumps(e) + "\n" for e in events) + '{"event": "train", "st'
+    (run / "metrics.jsonl").write_text(text, encoding="utf-8")
+    figs = figures([run, tmp_path / "." / "a"])
+    loss_by_samples = figs["loss"].axes[0]
+    assert len(loss_by_samples.lines) == 1 and [x for x, _ in loss_by_samples.lines[0].get_xydata()] == [
+        1280,
+        2560,
+        2560 + 10 * 512,
+    ]
+    auc, logloss = figs["eval"].axes[0], figs["eval"].axes[1]
+    assert auc.lines[1].get_xydata().tolist() == [[2560, 0.7]]  # the best AUC, step 20
+    assert len(logloss.lines) == 1  # step 20's logloss is not finite: no star on another point
+    assert main(["report", str(run), "--output", str(tmp_path / "png")]) == 0
+    assert "a: best AUC 0.7000 at step 20 (logloss not finite)" in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text(json.dumps({**events[1], "auc": None}) + "\n")  # no AUC at all
+    assert main(["report", str(run), "--output", str(tmp_path / "png2")]) == 0
+    assert "a: no evaluation with an AUC" in capsys.readouterr().out
