@@ -73,7 +73,12 @@ def instruction_phases(hlo_text: str) -> dict[str, str]:
         if opcode in _CONTAINERS:
             out[name] = ""  # skipped: its body's events count
             continue
-        scope = next((s for s in scope_phase if s in op_name), None)
+        # A collective XLA combined from several scopes names them all ("(a/...:b/...)"): one
+        # that carries the dense gradients is their all-reduce; otherwise the first one named.
+        named = sorted((op_name.find(s), s) for s in scope_phase if s in op_name)
+        scope = named[0][1] if named else None
+        if opcode in _COLLECTIVES and PHASE_SCOPES["dense"] in op_name:
+            scope = PHASE_SCOPES["dense"]
         phase = scope_phase.get(scope, "other")
         if phase == "dense" and opcode in _COLLECTIVES:
             phase = "gradient all-reduce"

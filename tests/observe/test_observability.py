@@ -405,3 +405,24 @@ def test_report_reads_what_real_runs_write_null_metrics_a_cut_last_line_a_change
     (run / "metrics.jsonl").write_text(json.dumps({**events[1], "auc": None}) + "\n")  # no AUC at all
     assert main(["report", str(run), "--output", str(tmp_path / "png2")]) == 0
     assert "a: no evaluation with an AUC" in capsys.readouterr().out
+
+
+def test_a_collective_combined_from_several_scopes_is_the_dense_gradients_all_reduce():
+    """With hot rows XLA combines the dense gradients' all-reduce with the hot rows' (and the
+    exchange's counts'): before, the first scope of the table that the name held won, and the
+    profile put the whole all-reduce under "exchange forward", with no gradient all-reduce row."""
+    from dlrm_jax.observe.trace import instruction_phases
+
+    op = "jit(_train_step)/(phase_dense_fwd_bwd/x:phase_sparse_update/y:phase_exchange_forward/z)"
+    hlo = "\n".join(
+        [
+            f'  %all-reduce.3 = (f32[8]{{0}}, f32[4]{{0}}) all-reduce(%a, %b), metadata={{op_name="{op}"}}',
+            '  %fusion.1 = f32[8]{0} fusion(%c), metadata={op_name="jit(f)/(phase_sparse_update/q:phase_dense_fwd_bwd/r)"}',
+            '  %all-to-all.2 = f32[8]{0} all-to-all(%d), metadata={op_name="jit(f)/phase_exchange_forward/s"}',
+        ]
+    )
+    assert instruction_phases(hlo) == {
+        "all-reduce.3": "gradient all-reduce",
+        "fusion.1": "sparse update",
+        "all-to-all.2": "exchange forward",
+    }
