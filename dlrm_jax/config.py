@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -167,6 +168,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     raise YAMLKeyError(key, line, seen[key])
                 seen[key] = line
         return super().construct_mapping(node, deep)
+
+
+# Integers as YAML 1.2 reads them: PyYAML's YAML 1.1 took a leading zero for octal, so
+# `--set train.steps=010` trained 8 steps and cardinalities [1000, 0300] made a table of 192 rows.
+_INT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$")
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:int", _INT, list("-+0123456789"))
+
+
+def _yaml_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node).replace("_", "")
+    sign, digits = (-1 if text[0] == "-" else 1), text.lstrip("+-")
+    base = {"0x": 16, "0o": 8}.get(digits[:2].lower(), 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
 
 
 def load_yaml(text: str) -> Any:

@@ -302,3 +302,15 @@ def test_a_per_table_override_naming_no_table_is_refused_by_the_config(key, item
     name = item.partition("=")[0]
     with pytest.raises(ConfigError, match=rf"embedding.{key}: '{item}': no table named '{name}' \(tables: cat_0 to"):
         load_config(None, [f"embedding.{key}=[{item}]"])
+
+
+def test_numbers_with_leading_zeros_are_decimal_in_set_and_in_files(tmp_path):
+    """Before: YAML 1.1 read a leading zero as octal: --set train.steps=010 trained 8 steps, and
+    data.cardinalities=[1000, 0300] made a table of 192 rows."""
+    from dlrm_jax.config import load_config
+
+    cfg = load_config(None, ["train.steps=010", "data.cardinalities=[1000, 0300, 050]", "train.batch_size=0x40"])
+    assert cfg.train.steps == 10 and cfg.data.cardinalities == (1000, 300, 50) and cfg.train.batch_size == 64
+    (tmp_path / "c.yaml").write_text("train:\n  steps: 0120\n  log_every: 1_0\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.train.steps == 120 and cfg.train.log_every == 10
