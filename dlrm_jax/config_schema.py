@@ -111,9 +111,15 @@ class TrainConfig:
         ),
     )
     batch_size: int = field(
-        default=1024, metadata=POS | doc("global batch: samples per step over every device and process")
+        default=1024,
+        metadata=_bound("[1, 2147483647]", " (samples are counted in 32 bits)")
+        | doc("global batch: samples per step over every device and process"),
     )
-    seed: int = field(default=0, metadata=doc("seed of the parameters, the synthetic data and the shuffles"))
+    seed: int = field(
+        default=0,
+        metadata=_bound("[0, 4294967295]", " (a 32-bit seed)")
+        | doc("seed of the parameters, the synthetic data and the shuffles"),
+    )
     learning_rate: float = field(
         default=0.001, metadata=POS | doc("the dense part's learning rate (the tables take `embedding.learning_rate`)")
     )
@@ -237,7 +243,7 @@ class DataConfig:
     )
     cardinalities: tuple[int, ...] = field(
         default=CRITEO_KAGGLE_CARDINALITIES,
-        metadata=_bound(">0", each=True)
+        metadata=_bound("[1, 2147483647]", " (a table's rows are numbered in 32 bits)", each=True)
         | doc("rows of each feature's table (default: Criteo Kaggle's 26; binary data: taken from `meta.json`)"),
     )
     max_rows: int | str = field(

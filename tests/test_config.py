@@ -236,8 +236,8 @@ def test_every_numeric_key_declares_its_bound_and_a_value_outside_it_is_named():
 
     keys = list(_bounded_keys(Config()))
     unbounded = {k for k, rule, _ in keys if rule is None}
-    # any integer seeds the run; the wide part's keys are bounded where they are used (wide_deep)
-    assert unbounded == {"train.seed", "model.wide.learning_rate", "model.wide.l1", "model.wide.l2"}, unbounded
+    # the wide part's keys are bounded where they are used (wide_deep)
+    assert unbounded == {"model.wide.learning_rate", "model.wide.l1", "model.wide.l2"}, unbounded
     for key, rule, each in keys:
         if rule is None:
             continue
