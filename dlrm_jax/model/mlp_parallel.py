@@ -104,6 +104,17 @@ def check_tensor_widths(params: dict, model: int) -> None:
         )
 
 
+def check_microbatches(batch_size: int, devices: int, model: int, microbatches: int) -> None:
+    """model.microbatches must divide a model group's rows (``batch_size / (devices / model)``):
+    checked with the config (``train.checks``), so that ``plan`` refuses what training would."""
+    rows = batch_size // (devices // model)
+    if rows % microbatches:
+        raise ConfigError(
+            f"model.microbatches={microbatches} must divide the {rows} rows of a "
+            f"model group (train.batch_size / (devices / mesh.model))"
+        )
+
+
 class PipelinePlan:
     """Which layers each pipeline stage holds and where its weights sit in the packed vector.
 

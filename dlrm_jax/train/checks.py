@@ -8,6 +8,7 @@ refusal leaves empty is removed (:class:`~dlrm_jax.train.rundir.RunDir`)."""
 from __future__ import annotations
 
 from dlrm_jax.config import Config, ConfigError
+from dlrm_jax.model.mlp_parallel import check_microbatches
 from dlrm_jax.parallel.mesh import check_mesh_shape
 from dlrm_jax.train.planning import why_not_two_levels
 from dlrm_jax.train.wiring import cluster_from_config
@@ -34,12 +35,16 @@ def check_runnable(
 
 
 def check_batch(cfg: Config, num_devices: int) -> None:
-    """Every device gets an equal share of the batch."""
+    """Every device gets an equal share of the batch (and a pipeline's model group, whole
+    microbatches)."""
     if cfg.train.batch_size % num_devices:
         raise ConfigError(
             f"train.batch_size={cfg.train.batch_size} must be divisible by the {num_devices} devices of the "
             f"mesh (mesh.devices)"
         )
+    m = cfg.model
+    if m.mlp_parallel == "pipeline" and num_devices % cfg.mesh.model == 0:
+        check_microbatches(cfg.train.batch_size, num_devices, cfg.mesh.model, m.microbatches)
 
 
 def _check_two_levels(cfg: Config, num_devices: int, simulated: bool) -> None:

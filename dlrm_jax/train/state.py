@@ -14,7 +14,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.config import ConfigError
 from dlrm_jax.embedding.dynamic.idmap import IdMap
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.dynamic_tables import CachedDynamicTables, DynamicTables
@@ -24,6 +23,7 @@ from dlrm_jax.embedding.hot.schedule import HotSchedule
 from dlrm_jax.model.mlp_parallel import (
     PipelinePlan,
     TensorLayout,
+    check_microbatches,
     check_tensor_widths,
     tensor_param_specs,
 )
@@ -113,12 +113,7 @@ class StateLayout:
             check_tensor_widths(params, groups)
             self.tensor = TensorLayout(mesh)
         elif spec.mlp_parallel == "pipeline":
-            rows = spec.batch_size // (mesh.size // groups)
-            if rows % spec.microbatches:
-                raise ConfigError(
-                    f"model.microbatches={spec.microbatches} must divide the {rows} rows of a "
-                    f"model group (train.batch_size / (devices / mesh.model))"
-                )
+            check_microbatches(spec.batch_size, mesh.size, groups, spec.microbatches)
             self.pipeline = PipelinePlan(model, params, groups, spec.microbatches)
 
     def _dense_init(self):

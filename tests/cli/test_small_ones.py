@@ -78,3 +78,20 @@ def test_progress_bars_stay_out_of_redirected_logs(capsys):
     with byte_progress([__file__], "predict", progress=True) as bar:  # stderr is captured: not a terminal
         bar.update(10)
     assert bar.disable and capsys.readouterr().err == ""
+
+
+def test_a_config_changed_in_code_is_checked_when_it_trains(tiny, tmp_path):
+    """Before: dataclasses.replace(cfg.train, steps=-5) trained to 'final step=0 loss=nan',
+    leaving a run dir whose config.yaml said steps: -5."""
+    import dataclasses
+
+    import pytest
+
+    from dlrm_jax.config import ConfigError
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    cfg = tiny()
+    bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=-5))
+    with pytest.raises(ConfigError, match="train.steps: must be > 0, got -5"):
+        train_and_evaluate(bad, tmp_path / "run", log=lambda *_: None)
+    assert not (tmp_path / "run").exists()

@@ -153,3 +153,14 @@ def test_stage_cuts_are_contiguous_and_the_best_balance(head, costs, stages):
     candidates = ([0, *inner, len(costs)] for inner in itertools.combinations(range(len(costs) + 1), stages - 1))
     every = [b for b in candidates if all(b[s] < b[s + 1] for s in range(1, stages))]
     assert heaviest(bounds) == min(heaviest(b) for b in every)
+
+
+def test_plan_refuses_the_microbatches_that_training_refuses(tiny):
+    """Before: `dlrm-jax plan` printed a plan for model.microbatches=3 on a model group of 64
+    rows, which `train` then refused after naming its run dir (docs/cli.md: plan prints a
+    plan only for a config that trains)."""
+    from dlrm_jax.train.checks import check_runnable
+
+    cfg = tiny("mesh.devices=4", "mesh.model=2", "model.mlp_parallel=pipeline", "model.microbatches=3")
+    with pytest.raises(ConfigError, match="model.microbatches=3 must divide the"):
+        check_runnable(cfg, 4, simulated=True)
