@@ -34,9 +34,15 @@ from dlrm_jax.train.wiring import (
 
 
 def build(
-    cfg: Config, mesh: jax.sharding.Mesh, source: DataSource | None = None, log=print
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    source: DataSource | None = None,
+    log=print,
+    tiered_kept: frozenset[int] = frozenset(),
 ) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
+    ``tiered_kept``: the tables a checkpoint to be restored keeps in the disk tier
+    (``restore.tiered_in_checkpoint``), which stay there whatever their caches need.
 
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,
@@ -79,7 +85,8 @@ def build(
     if jax.process_count() > 1:
         raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
     raw = raw_id_batches(cfg, source, cfg.embedding.hot.stats_batches)
-    plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, DynamicIds(dynamic_maps(cfg), raw))
+    dynamic = DynamicIds(dynamic_maps(cfg), raw)
+    plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, dynamic, tiered_kept)
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)

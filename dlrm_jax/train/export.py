@@ -23,7 +23,7 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, tiered_in_checkpoint
 from dlrm_jax.train.wiring import tier_root
 
 
@@ -48,8 +48,9 @@ def restore_run(
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    plan, steps = build(cfg, mesh, make_source(cfg, jax.process_index(), jax.process_count(), trains=False), log)
     step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
+    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False)
+    plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
     if steps.collection.host_sets:  # the hosts' model tables are equal: host 0's copy is every host's
         state = state._replace(emb=jax.tree.map(lambda x: x[0], steps.collection.model_tables(state.emb)))

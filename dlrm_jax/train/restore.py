@@ -239,6 +239,19 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
         )
 
 
+def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[int]:
+    """The tables checkpoint ``step`` (None: the newest) keeps in the disk tier; empty where
+    there is none, or it cannot be read (its restore reports that)."""
+    steps = saved_steps(ckpt_dir) if Path(ckpt_dir).is_dir() else []
+    step = steps[-1] if step is None and steps else step
+    if step is None:
+        return frozenset()
+    try:
+        return frozenset(EmbeddingPlan.from_json(saved_json(ckpt_dir, step)["plan"]).tiered_tables)
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: its restore reports it
+        return frozenset()
+
+
 def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) -> None:
     """Refuses (RunDirError) a disk tier at ``root`` that is not this run's: one the newest
     checkpoint in ``ckpt_dir`` was not saved with, or (a run with no checkpoints, which starts

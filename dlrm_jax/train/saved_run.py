@@ -13,7 +13,7 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, tiered_in_checkpoint
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
@@ -43,8 +43,8 @@ def restored(
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
-    plan, steps = build(cfg, mesh, source, log)
     step = checkpoint_step(run_dir / "checkpoints", step)
+    plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
     if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
         tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)

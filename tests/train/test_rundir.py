@@ -556,3 +556,28 @@ def test_an_epochs_run_resumes_only_at_its_batch_size(tiny, tmp_path):
         RunDir.open(run, tiny("train.epochs=4", "train.batch_size=128"))
     RunDir.open(run, tiny("train.epochs=4", "train.batch_size=64"), log=lambda *_: None).close()
     RunDir.open(run, tiny("train.batch_size=128"), log=lambda *_: None).close()  # steps, not epochs: free
+
+
+@pytest.mark.slow  # two short tiered runs and an evaluation
+def test_a_tiered_run_resumes_on_a_device_count_where_one_batch_needs_a_whole_part(tiny, tmp_path):
+    """On 8 devices an owner holds 9 of cat_3's 70 rows and one batch needs all of them, so the
+    planner keeps such a table on the devices. Before: resuming a run that kept it in the tier
+    on 1 device was refused ('moving tables between the devices and the tier on restore is not
+    supported', naming keys the user never set). The checkpoint's tables stay in the tier, their
+    caches holding whole parts."""
+    base = [
+        "data.cardinalities=[3000, 400, 10000, 70]",
+        "train.batch_size=32",
+        "embedding.sharding=row",
+        "embedding.table_storage=[cat_0=tiered, cat_3=tiered]",
+        "embedding.tier.device_cache_fraction=0.03",
+        "embedding.tier.host_cache_fraction=0.02",
+        "train.checkpoint_every=2",
+    ]
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=2", "mesh.devices=1", *base), run, **QUIET)
+    logs = []
+    done = train_and_evaluate(tiny("train.steps=4", "mesh.devices=8", *base), run, log=logs.append)
+    assert "table cat_3: one batch needs 9 of the 9 rows an owner holds; kept in the disk tier" in "\n".join(logs)
+    assert "resuming from checkpoint at step 2" in logs and done.step == 4
+    assert evaluate_run(run, ["mesh.devices=8"], log=lambda *_: None).auc == done.auc

@@ -53,13 +53,19 @@ def _dynamic_need(cache: TableCache, spec: MapSpec, raw_blocks: list[np.ndarray]
 
 
 def fit_caches(
-    plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print, dynamic: DynamicIds | None = None
+    plan: EmbeddingPlan,
+    id_batches: list[np.ndarray],
+    log=print,
+    dynamic: DynamicIds | None = None,
+    kept: frozenset[int] = frozenset(),
 ) -> EmbeddingPlan:
     """Device caches that can work: each must hold the distinct rows one batch needs on its
     busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
     needed); a cache grown to its whole part of the table gains nothing from the tier, so such
-    a table stays on its devices. Both are logged. ``dynamic``: the dynamic tables' maps and
-    the batches' raw ids, which size their caches (``id_batches`` holds their home rows)."""
+    a table stays on its devices, unless it is in ``kept`` (a checkpoint being resumed keeps it
+    in the tier: on another device count an owner's part differs; its cache then holds the whole
+    part). Both are logged. ``dynamic``: the dynamic tables' maps and the batches' raw ids,
+    which size their caches (``id_batches`` holds their home rows)."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
@@ -76,7 +82,13 @@ def fit_caches(
                 )
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
         need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
-        if need >= owned:
+        if need >= owned and t in kept:
+            log(
+                f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept in the "
+                f"disk tier as the checkpoint has it, its device cache holding all {owned:,}"
+            )
+            tables[t] = dataclasses.replace(tp, cache_rows=owned)
+        elif need >= owned:
             log(
                 f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept on the devices"
             )
@@ -98,14 +110,19 @@ class DynamicIds(NamedTuple):
 
 
 def tier_plan(
-    tier: TierConfig, plan: EmbeddingPlan, id_batches: list[np.ndarray], log=print, dynamic: DynamicIds | None = None
+    tier: TierConfig,
+    plan: EmbeddingPlan,
+    id_batches: list[np.ndarray],
+    log=print,
+    dynamic: DynamicIds | None = None,
+    kept: frozenset[int] = frozenset(),
 ) -> EmbeddingPlan:
     """``plan`` with its TierPlan (the ``embedding.tier`` section ``tier``): device caches fitted
-    to the batches, DRAM cache rows, fill capacities (the plan's ``capacity_factor`` times the
-    most one batch filled) and predicted device hit rates from planning ``id_batches`` (global
-    ids [B, S]) with empty caches."""
+    to the batches (``kept``: :func:`fit_caches`'), DRAM cache rows, fill capacities (the plan's
+    ``capacity_factor`` times the most one batch filled) and predicted device hit rates from
+    planning ``id_batches`` (global ids [B, S]) with empty caches."""
     n = plan.num_devices
-    plan = fit_caches(plan, id_batches, log, dynamic)
+    plan = fit_caches(plan, id_batches, log, dynamic, kept)
     if not plan.tiered_tables:
         return plan
     fraction = tier.host_cache_fraction or host_cache_fraction_from_memory(plan, available_bytes(), log)
