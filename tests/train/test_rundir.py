@@ -474,10 +474,12 @@ def test_a_newest_checkpoint_with_truncated_data_is_one_warning_and_no_traceback
 
 
 @pytest.mark.slow  # 6-10 s on 2 cores
-def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tiny, tmp_path):
+@pytest.mark.parametrize("loss", ["folder", "chunk"])
+def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tiny, tmp_path, loss):
     """Before its fix: deleting only tier/work said 'no disk tier there ... put RUN/tier back' while
-    the snapshots were there. The working files are made again from the newest snapshot, and
-    the run resumes bitwise as if nothing had happened."""
+    the snapshots were there, and one working chunk file deleted said '...: missing' with no
+    hint. The working files are made again from the newest snapshot, and the run resumes
+    bitwise as if nothing had happened."""
     from tests.embedding.tiered_configs import BASE, TIERED
 
     tiered = [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2", "train.log_every=1"]
@@ -485,10 +487,15 @@ def test_a_tier_whose_working_files_alone_are_gone_resumes_from_its_snapshot(tin
     train_and_evaluate(tiny("train.steps=4", *tiered), whole, **QUIET)
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
-    shutil.rmtree(run / "tier" / "work")
+    if loss == "folder":
+        shutil.rmtree(run / "tier" / "work")
+        said = "tier/work was gone: made again from the disk tier's newest snapshot (step 2)"
+    else:
+        (run / "tier" / "work" / "cat_0" / "values" / "c.0.0").unlink()
+        said = "tier/work/cat_0/values/c.0.0: missing; the disk tier's working files are made again from its snapshot of step 2"
     logs = []
     train_and_evaluate(tiny("train.steps=4", *tiered), run, log=logs.append)
-    assert any("tier/work was gone: made again from the disk tier's newest snapshot (step 2)" in line for line in logs)
+    assert any(said in line for line in logs), logs
     assert files(run / "metrics.jsonl") == files(whole / "metrics.jsonl")
 
 

@@ -141,12 +141,14 @@ def snapshot_steps(root: Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
-def work_from_newest_snapshot(root: Path) -> int | None:
-    """:meth:`TierStore.rebuild_work`: ``work/`` linked again from the newest snapshot when it is gone."""
+def work_from_newest_snapshot(root: Path, step: int | None = None) -> int | None:
+    """:meth:`TierStore.rebuild_work`: ``work/`` linked again from the newest snapshot (or that
+    of ``step``) when it is gone."""
     steps = snapshot_steps(root)
     if (root / "work").is_dir() or not steps:
         return None
-    source, build = root / "snapshots" / str(steps[-1]), root / "work.tmp"
+    step = steps[-1] if step is None else step
+    source, build = root / "snapshots" / str(step), root / "work.tmp"
     _remove(build)
     for src in sorted(source.rglob("*")):
         dst = build / src.relative_to(source)
@@ -161,7 +163,7 @@ def work_from_newest_snapshot(root: Path) -> int | None:
     build.mkdir(exist_ok=True)
     os.replace(build, root / "work")
     fsync(root)
-    return steps[-1]
+    return step
 
 
 @_naming_the_file

@@ -135,11 +135,11 @@ class TierStore:
         return (root / "work").is_dir()
 
     @staticmethod
-    def rebuild_work(root: Path) -> int | None:
+    def rebuild_work(root: Path, step: int | None = None) -> int | None:
         """When ``root/work`` is gone but snapshots are there: ``work/`` made again from the
-        newest snapshot (hard links, as a restore makes it: the copy-on-write keeps the snapshot
-        whole); returns its step, or None when there is nothing to rebuild from."""
-        return work_from_newest_snapshot(Path(root).absolute())
+        newest snapshot (or ``step``'s; hard links, as a restore makes it: the copy-on-write
+        keeps the snapshot whole); returns its step, or None when there is nothing to rebuild from."""
+        return work_from_newest_snapshot(Path(root).absolute(), step)
 
     @classmethod
     def open(cls, root: Path, tables: TierTables) -> TierStore:

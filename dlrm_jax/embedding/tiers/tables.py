@@ -37,8 +37,9 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, Strategy
 from dlrm_jax.embedding.tiers.device_fill import read_rows
 from dlrm_jax.embedding.tiers.dram_cache import HostCache
 from dlrm_jax.embedding.tiers.fill_programs import FillProgram, FillPrograms
-from dlrm_jax.embedding.tiers.format import default_chunk_rows
+from dlrm_jax.embedding.tiers.format import TierError, default_chunk_rows
 from dlrm_jax.embedding.tiers.owner import record_owner, tier_owner
+from dlrm_jax.embedding.tiers.snapshots import snapshot_steps
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
 from dlrm_jax.hostmem import available_bytes
@@ -57,6 +58,35 @@ class _Piece:
     local_offset: int
     col_start: int
     device: int  # the owner of a table/column-wise piece; -1: the space's device (row-wise)
+
+
+def _open_work(root: Path, specs, log) -> TierStore:
+    """The working store at ``root``. Working files that are missing or damaged (untrusted after
+    a crash anyway: a run restores a snapshot over them) are linked again from the newest
+    snapshot whose files are whole, as when ``work/`` is gone (the restore then skips a
+    checkpoint whose snapshot is damaged); where none is, the newest's damaged file is named."""
+    try:
+        return TierStore.open(root, specs)
+    except TierError as e:
+        work, steps = Path(root).absolute() / "work", snapshot_steps(Path(root).absolute())
+        if work not in e.path.parents or not steps:
+            raise
+        first = e
+    for step in reversed(steps):
+        shutil.rmtree(work)
+        TierStore.rebuild_work(root, step)
+        try:
+            store = TierStore.open(root, specs)
+        except TierError as e:
+            if work not in e.path.parents:
+                raise
+            continue
+        log(f"warning: {first}; the disk tier's working files are made again from its snapshot of step {step}")
+        return store
+    snapshot = work.parent / "snapshots" / str(steps[-1]) / first.path.relative_to(work)
+    raise TierError(
+        snapshot, f"{first.what} (every snapshot's files are damaged; this one is the newest's)", first.errno
+    )
 
 
 class TieredTables(FillPrograms):
@@ -107,7 +137,7 @@ class TieredTables(FillPrograms):
         if snapshot is not None:
             self.store = TierStore.open_snapshot(root, specs, snapshot)
         elif TierStore.exists(root):
-            self.store = TierStore.open(root, specs)
+            self.store = _open_work(root, specs, log)
             if self.owner is None:  # a tier made before owners were recorded: this run's now
                 self.owner = record_owner(root, run_dir)
         else:
