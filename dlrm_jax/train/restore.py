@@ -215,11 +215,12 @@ def read_checkpoint(
         ) from None
 
 
-def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
+def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = None) -> None:
     """Refuses (RunDirError) to resume checkpoints whose tables are in a disk tier at ``root``
     that is gone: creating a new one there would make every checkpoint fail to restore. When
     only its working files are gone, they are made again from its newest snapshot (the resume
-    then restores the snapshot of its checkpoint's step)."""
+    then restores the snapshot of its checkpoint's step). ``was``: the tier's folder by the
+    config the checkpoints were saved with (named where embedding.tier.path changed)."""
     steps = saved_steps(ckpt_dir)
     if not steps or TierStore.exists(root):
         return
@@ -231,6 +232,11 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print) -> None:
         tiered = EmbeddingPlan.from_json(saved_json(ckpt_dir, steps[-1])["plan"]).tiered_tables
     except Exception:  # noqa: BLE001 - a damaged newest checkpoint: its restore reports it
         return
+    if tiered and was is not None and Path(was).absolute() != Path(root).absolute() and TierStore.exists(was):
+        raise RunDirError(
+            f"{root}: no disk tier there; the checkpoints in {ckpt_dir} (steps {', '.join(map(str, steps))}) "
+            f"keep their tiered tables in {was}, where they were saved: resume with embedding.tier.path={was}"
+        )
     if tiered:
         raise RunDirError(
             f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "

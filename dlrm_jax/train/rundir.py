@@ -148,6 +148,7 @@ class RunDir:
     def __init__(self, path: Path | None, writer: bool):
         self.path, self.writer, self._lock_fd = path, writer, None
         self._config_text = ""
+        self.resumed_config: Config | None = None  # the config its checkpoints were saved with
         self._made = False  # this run made the directory: it goes again if the run leaves it empty
 
     @classmethod
@@ -242,6 +243,7 @@ class RunDir:
                 old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
             except (ConfigError, yaml.YAMLError) as e:
                 raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
+            self.resumed_config = old
             blocking = config_differences(old, cfg, state_keys(old, cfg))
             if blocking:
                 what = describe_changes(blocking)

@@ -115,7 +115,8 @@ def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, 
     root = tier_root(cfg, rd.path)
     check_tier_owner(root, rd.path, rd.checkpoint_dir if rd.path else None)
     if rd.path:
-        check_tier_kept(root, rd.checkpoint_dir, log)
+        was = tier_root(rd.resumed_config, rd.path) if rd.resumed_config is not None else None
+        check_tier_kept(root, rd.checkpoint_dir, log, was)
     tier = cfg.embedding.tier
     tiered = TieredTables(
         plan,

@@ -74,3 +74,11 @@ def test_a_tier_without_an_owner_record_is_taken_and_a_moved_run_dir_keeps_its_o
     shutil.rmtree(tmp_path / "moved" / "checkpoints")
     train_and_evaluate(tiny("train.steps=2", *RUN), tmp_path / "moved", **QUIET)
     assert json.loads((tmp_path / "moved" / "tier" / OWNER_FILE).read_text())["run_dir"] == str(tmp_path / "moved")
+
+
+def test_a_tier_path_changed_on_resume_names_the_folder_the_checkpoints_need(tiny, tmp_path):
+    """Before: the refusal said the checkpoints keep their tables in the new, empty path."""
+    train_and_evaluate(tiny("train.steps=2", *RUN), tmp_path / "A", **QUIET)
+    moved = f"embedding.tier.path={tmp_path / 'new'}"
+    with pytest.raises(RunDirError, match=f"keep their tiered tables in {tmp_path / 'A' / 'tier'}, where they were"):
+        train_and_evaluate(tiny("train.steps=4", *RUN, moved), tmp_path / "A", **QUIET)
