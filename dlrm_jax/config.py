@@ -244,6 +244,8 @@ def config_layers(path: str | Path) -> list[str | Path]:
     joins names with ``+`` (``criteo_kaggle+stream``), each of them."""
     if isinstance(path, Path) or "+" not in path or Path(path).exists():
         return [path]
+    if "" in path.split("+"):
+        raise ConfigError(f"config {path}: a name on each side of '+' (e.g. criteo_kaggle+stream)")
     return path.split("+")
 
 

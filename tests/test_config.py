@@ -314,3 +314,10 @@ def test_numbers_with_leading_zeros_are_decimal_in_set_and_in_files(tmp_path):
     (tmp_path / "c.yaml").write_text("train:\n  steps: 0120\n  log_every: 1_0\n")
     cfg = load_config(tmp_path / "c.yaml")
     assert cfg.train.steps == 120 and cfg.train.log_every == 10
+
+
+@pytest.mark.parametrize("name", ["smoke+", "+smoke", "smoke++stream"])
+def test_an_empty_config_layer_is_named(name):
+    """Before: 'config file .: cannot be read (Is a directory)'."""
+    with pytest.raises(ConfigError, match=re.escape(f"config {name}: a name on each side of '+'")):
+        load_config(name)

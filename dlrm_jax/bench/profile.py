@@ -71,6 +71,8 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     if steps < 1 or warmup < 0:
         raise ValueError(f"profile: needs steps >= 1 and warmup >= 0, got steps={steps} warmup={warmup}")
     out_dir = check_dir(out_dir, "run dir")  # before the steps run, not after
+    if jax.process_index() == 0:
+        make_dir(out_dir, "run dir")  # (one it cannot make is named now, not after the steps)
     cfg = resolve_data_config(validate(cfg))
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())

@@ -94,7 +94,7 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, help="this process's index, 0 to --num-processes - 1")
     g.add_argument(
         "--join-timeout",
-        type=int,
+        type=POSITIVE,
         default=300,
         metavar="S",
         help="seconds to wait for every process to join before exiting with one line (default 300)",

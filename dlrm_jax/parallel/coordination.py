@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import socket
 import sys
 import threading
 import time
@@ -29,6 +30,10 @@ def check_processes(
     ``mesh_devices`` (0: every device of every process) must split evenly over the processes."""
     if num_processes is not None and num_processes < 1:
         raise ConfigError(f"--num-processes {num_processes}: expected an integer >= 1")
+    if coordinator:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"--coordinator {coordinator}: expected HOST:PORT with a port from 1 to 65535")
     if coordinator and (num_processes is None or process_id is None):
         raise ConfigError(
             f"--coordinator {coordinator}: also give --num-processes N (every process the same) and "
@@ -112,12 +117,32 @@ def initialize_distributed(
             os._exit(1)
 
     threading.Thread(target=bound_the_wait, name="join-timeout", daemon=True).start()
+    if coordinator and me == 0:  # (process 0 hosts the service)
+        _check_listenable(bind or coordinator, coordinator)
     jax.distributed.initialize(**kwargs, initialization_timeout=join_timeout_s + 60)  # ours fires first
     joined.set()
     global _watchdog
     watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
     watchdog.start()
     atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
+
+
+def _check_listenable(address: str, coordinator: str) -> None:
+    """Refuses (ConfigError) an address process 0's coordination service could not listen on:
+    jaxlib's service crashes the process (a segmentation fault) when its port is taken. The
+    probe allows a port in TIME_WAIT (SO_REUSEADDR), as the service's own socket does."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))
+    except OSError as e:
+        raise ConfigError(
+            f"--coordinator {coordinator}: process 0 cannot listen on {address} ({e.strerror or e}: the port is "
+            f"in use, or the address is not one of this host's, see --coordinator-bind); choose another port"
+        ) from None
 
 
 def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:

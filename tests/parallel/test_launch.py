@@ -264,6 +264,9 @@ CLUSTER = ("JAX_PLATFORMS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDIN
         (("h:1", 2, None), "--coordinator h:1: also give --num-processes N"),
         (("h:1", 2, 2), "--process-id 2: expected 0 to 1 (--num-processes 2)"),
         (("h:1", 0, 0), "--num-processes 0: expected an integer >= 1"),
+        # Before: "process 1 did not join 127.0.0.1:99999 within 300 s"
+        (("127.0.0.1:99999", 2, 0), "--coordinator 127.0.0.1:99999: expected HOST:PORT with a port from 1 to 65535"),
+        (("nohost", 2, 0), "--coordinator nohost: expected HOST:PORT"),
     ],
 )
 def test_process_flags_that_cannot_make_one_run_are_one_line(monkeypatch, flags, says):
@@ -408,3 +411,20 @@ def test_commands_of_one_process_are_refused_by_the_launcher(capsys):
 
     assert launch.main(["2", "plan", "--config", "smoke"]) == 2
     assert "runs train, eval or profile; plan runs in one process: dlrm-jax plan" in capsys.readouterr().err
+
+
+def test_a_coordinator_port_in_use_is_one_line_not_a_crash():
+    """Before: process 0's coordination service crashed the process (a segmentation fault, or
+    'UNKNOWN: Failed to start RPC server') when another program held its port."""
+    import socket
+
+    from dlrm_jax.config import ConfigError
+    from dlrm_jax.parallel.coordination import _check_listenable
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=f"--coordinator {address}: process 0 cannot listen on {address}"):
+            _check_listenable(address, address)
+    _check_listenable(address, address)  # free again
