@@ -30,8 +30,12 @@ def run(args) -> int:
 
     with stopping.deferred("the evaluation"):  # restores and compiles (see dlrm_jax.stopping)
         summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=log)
-    print(
-        f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} samples={summary.eval_samples}",
-        flush=True,
-    )
+    import jax
+
+    if jax.process_index() == 0:  # every process holds the same result: one line for the reader, as train's
+        print(
+            f"eval step={summary.step} auc={summary.auc:.6f} logloss={summary.logloss:.6f} "
+            f"samples={summary.eval_samples}",
+            flush=True,
+        )
     return 0
