@@ -9,6 +9,7 @@ as a checkpoint holds it, beside the state's bytes.
 Runs on simulated CPU devices unless a GPU is there (XLA_FLAGS set before JAX starts).
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 
+from dlrm_jax.cli.args import POSITIVE
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import make_mesh
@@ -29,11 +31,15 @@ REPEATS = 9
 
 
 def main(argv: list[str]) -> dict:
-    out = None
-    if "--json" in argv:
-        at = argv.index("--json")
-        out, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
-    name, devices, overrides = argv[0], int(argv[1]), argv[2:]
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("config", help="a config name or file")
+    p.add_argument("devices", type=POSITIVE, help="devices of the mesh (simulated on CPU)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--json", help="write the figures here too")
+    args = p.parse_args(argv)
+    name, devices, overrides, out = args.config, args.devices, args.overrides, args.json
     cfg = load_config(name, [f"mesh.devices={devices}", *overrides])
     _, steps = build(cfg, make_mesh(devices), make_source(cfg, 0, 1), log=lambda *_: None)
     saved = steps.checkpoint_form(steps.init_state())

@@ -1,5 +1,6 @@
 """Grain against the hand-written input pipeline, side by side, on the same binary dataset.
 
+    pip install grain   # not a dependency of the project: the benchmark compares against it
     python scripts/bench_grain_input.py --data DATASET --batch 65536 --steps 30 --out grain.json
 
 Every variant yields this process's batches of the same ``BinarySource`` (shuffled, the
@@ -43,7 +44,10 @@ def main(argv=None) -> None:
     import dlrm_jax
 
     dlrm_jax.request_cpu_devices(args.devices)
-    import grain
+    try:
+        import grain
+    except ImportError:
+        p.error("needs Grain, which the project does not depend on: pip install grain")
     import jax
     from absl import flags
 

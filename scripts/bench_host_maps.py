@@ -11,8 +11,8 @@ Prints ms a batch and samples/s (the planner thread; XLA:CPU may use more cores)
 step (what checkpoints and evaluation ask for).
 """
 
+import argparse
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -62,4 +62,6 @@ def main(overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (of configs/stream.yaml)")
+    main(parser.parse_args().overrides)

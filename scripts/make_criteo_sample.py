@@ -20,9 +20,11 @@ distribution, where a vocabulary counted on the first lines is already the best 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
+from dlrm_jax.cli.args import COUNT, POSITIVE, bounded
 from dlrm_jax.config import CRITEO_KAGGLE_CARDINALITIES
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.drifting import DriftingStream
@@ -39,16 +41,24 @@ BAD_LINES = [
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lines", type=int, default=100_000)
-    p.add_argument("--output", required=True)
-    p.add_argument("--max-rows", type=int, default=100_000, help="cap on distinct ids per feature")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--missing-cat-rate", type=float, default=0.02)
-    p.add_argument("--bad-lines", type=int, default=0)
-    p.add_argument("--drift-windows", type=int, default=0, help="a drifting stream of this many windows (0: none)")
-    p.add_argument("--born-per-window", type=int, default=2000, help="with --drift-windows: new values a window")
-    p.add_argument("--lifetime", type=int, default=4, help="with --drift-windows: windows a value is seen")
+    p.add_argument("--lines", type=POSITIVE, default=100_000)
+    p.add_argument("--output", required=True, help="a new file (--overwrite replaces one)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--max-rows", type=POSITIVE, default=100_000, help="cap on distinct ids per feature")
+    p.add_argument("--seed", type=COUNT, default=0)
+    p.add_argument("--missing-cat-rate", type=bounded(float, 0, below=1.0000001), default=0.02)
+    p.add_argument("--bad-lines", type=COUNT, default=0)
+    p.add_argument("--drift-windows", type=COUNT, default=0, help="a drifting stream of this many windows (0: none)")
+    p.add_argument("--born-per-window", type=POSITIVE, default=2000, help="with --drift-windows: new values a window")
+    p.add_argument("--lifetime", type=POSITIVE, default=4, help="with --drift-windows: windows a value is seen")
     args = p.parse_args(argv)
+    out = Path(args.output)
+    if out.is_dir() or not out.parent.is_dir():
+        p.error(f"--output {out}: {'a folder' if out.is_dir() else f'no folder {out.parent}'}; give a file")
+    if out.exists() and not args.overwrite:
+        p.error(f"--output {out}: exists; --overwrite replaces it")
+    if args.drift_windows and args.lines < args.drift_windows:
+        p.error(f"--lines {args.lines}: fewer than --drift-windows {args.drift_windows} (a line a window at least)")
     if args.drift_windows:
         raw = drifting_lines(args.lines, args.drift_windows, args.born_per_window, args.lifetime, args.seed)
     else:

@@ -34,6 +34,7 @@ from dlrm_jax.bench.common import (
     round_robin,
     write_report,
 )
+from dlrm_jax.config import validate
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
 from dlrm_jax.embedding.exchange.relayout import physical_rows_np
@@ -59,7 +60,7 @@ def _with(cfg, **embedding_and_data):
     embedding = dataclasses.replace(cfg.embedding, **emb)
     if hot is not None:
         embedding = dataclasses.replace(embedding, hot=dataclasses.replace(embedding.hot, rows=hot))
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data), embedding=embedding)
+    return validate(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data), embedding=embedding))
 
 
 def _variants(cfg, mesh, emb_inputs, first_batch: int) -> tuple[dict, dict]:

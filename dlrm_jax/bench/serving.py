@@ -28,6 +28,7 @@ from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
+from dlrm_jax.files import check_new_folder
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.files import predict_files
 from dlrm_jax.serving.model import part_entries
@@ -64,8 +65,20 @@ def bench_serving(
     log=print,
 ) -> dict:
     """Run the comparison on a ``lines``-line sample; returns (and writes) the JSON report."""
+    if workdir:  # (its own folder: the sample, datasets and artifacts are written over what is there)
+        check_new_folder(workdir, "the benchmark writes its files")
     tmp = Path(workdir or tempfile.mkdtemp(prefix="dlrm-bench-serving-"))
     tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        report = _bench_serving(tmp, lines, config, overrides, steps)
+    finally:
+        if workdir is None:  # (a temporary folder: gone however the benchmark ends)
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(write_report(report, output))
+    return report
+
+
+def _bench_serving(tmp: Path, lines: int, config: str, overrides: list[str], steps: int) -> dict:
     val = lines // 10
     gen = SyntheticGenerator(
         seed=0,
@@ -176,9 +189,6 @@ def bench_serving(
             "size_ratio": round(_bytes(arts[name][0] / "tables", "c.*") / base_bytes, 4),
         }
     report["delta"] = _delta_report(arts["half"][0], arts["delta"][0], arts["float32"][0])
-    if workdir is None:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(write_report(report, output))
     return report
 
 

@@ -74,6 +74,8 @@ class _Variant:
         self.cache_fraction = sum(tp.cache_rows * tp.spaces(n) for tp in tiered) / max(self.tiered_rows, 1)
 
     def run(self, n: int, timed: bool) -> None:
+        if not n:  # (--warmup 0)
+            return
         t0 = time.perf_counter()
         out = None
         for _ in range(n):
@@ -131,50 +133,51 @@ def bench_tiers(
     total = warmup + steps * repeats + 8
     where = make_dir(tier_dir, "--tier-dir") if tier_dir else None  # made if it is not there yet
     root = Path(tempfile.mkdtemp(prefix="dlrm-bench-tiers-", dir=where))
-    disk = probe_disk(root, disk_probe_mb << 20, disk_probe_s) if disk_probe_mb else {}
-    if disk:
-        log(
-            f"disk of {root}: {disk['disk_iops_qd1']:,.0f} random 4 KiB reads/s at queue depth 1, "
-            f"{disk['disk_iops_qd32']:,.0f} at 32 ({disk['disk_probe']})"
-        )
-    base = load_config(config, common)
-    variants = {("device", 0.0, 0, ""): _Variant(base, None, total)}
-    for fraction in fractions:
-        for lookahead in lookaheads:
-            for policy in policies:
-                cfg = load_config(
-                    config,
-                    [
-                        *common,
-                        "embedding.storage=tiered",
-                        f"embedding.tier.device_cache_fraction={fraction}",
-                        f"embedding.tier.lookahead={lookahead}",
-                        f"embedding.tier.policy={policy}",
-                    ],
-                )
-                where = root / f"{fraction}_{lookahead}_{policy}"
-                variants[("tiered", fraction, lookahead, policy)] = _Variant(cfg, where, total)
-    if large_gb:
-        cfg = load_config(
-            config,
-            [
-                *common,
-                *_scaled_tables(base, large_gb),
-                "embedding.storage=tiered",
-                f"embedding.tier.device_cache_fraction={large_fraction}",
-                f"embedding.tier.host_cache_fraction={large_host_fraction}",
-                f"embedding.tier.lookahead={max(lookaheads)}",
-                f"embedding.tier.policy={policies[0]}",
-            ],
-        )
-        t0 = time.perf_counter()
-        key = ("large", large_fraction, max(lookaheads), policies[0])
-        variants[key] = large = _Variant(cfg, root / "large", total)
-        log(
-            f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
-            f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB"
-        )
-    try:
+    variants: dict = {}
+    try:  # (the tier folder goes whatever fails: a config, the disk probe, a step)
+        disk = probe_disk(root, disk_probe_mb << 20, disk_probe_s) if disk_probe_mb else {}
+        if disk:
+            log(
+                f"disk of {root}: {disk['disk_iops_qd1']:,.0f} random 4 KiB reads/s at queue depth 1, "
+                f"{disk['disk_iops_qd32']:,.0f} at 32 ({disk['disk_probe']})"
+            )
+        base = load_config(config, common)
+        variants[("device", 0.0, 0, "")] = _Variant(base, None, total)
+        for fraction in fractions:
+            for lookahead in lookaheads:
+                for policy in policies:
+                    cfg = load_config(
+                        config,
+                        [
+                            *common,
+                            "embedding.storage=tiered",
+                            f"embedding.tier.device_cache_fraction={fraction}",
+                            f"embedding.tier.lookahead={lookahead}",
+                            f"embedding.tier.policy={policy}",
+                        ],
+                    )
+                    where = root / f"{fraction}_{lookahead}_{policy}"
+                    variants[("tiered", fraction, lookahead, policy)] = _Variant(cfg, where, total)
+        if large_gb:
+            cfg = load_config(
+                config,
+                [
+                    *common,
+                    *_scaled_tables(base, large_gb),
+                    "embedding.storage=tiered",
+                    f"embedding.tier.device_cache_fraction={large_fraction}",
+                    f"embedding.tier.host_cache_fraction={large_host_fraction}",
+                    f"embedding.tier.lookahead={max(lookaheads)}",
+                    f"embedding.tier.policy={policies[0]}",
+                ],
+            )
+            t0 = time.perf_counter()
+            key = ("large", large_fraction, max(lookaheads), policies[0])
+            variants[key] = large = _Variant(cfg, root / "large", total)
+            log(
+                f"large case: {large.tier_bytes / 2**30:.1f} GiB of tables in the disk tier, created in "
+                f"{time.perf_counter() - t0:.0f}s; machine RAM {_ram_bytes() / 2**30:.1f} GiB"
+            )
         for v in variants.values():
             v.run(warmup, timed=False)
         for _ in range(repeats):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from dlrm_jax.choices import Sharding
 
@@ -70,6 +71,33 @@ MLP_MODES = ("data", "tensor", "pipeline")  # bench/mlp_parallel.py's MODES (lik
 
 POSITIVE, COUNT = bounded(int, 1), bounded(int, 0)  # steps and repeats; warmups and caps
 FRACTION = bounded(float, 0, below=1)  # a share of rows held out
+SHARE = bounded(float, 0, strict=True, below=1.0000001)  # a share of rows cached: (0, 1]
+COUNT_NUMBER = bounded(float, 0)  # a size that may be 0 (none)
+
+
+def config_names(text: str) -> list[str]:
+    """An argparse type: comma-separated config names or files, at least one, each once."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated config names or files, got {text!r}")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{twice[0]} is given twice (each config is one result)")
+    return values
+
+
+def new_json_file(text: str) -> str:
+    """An argparse type: where a benchmark writes its JSON, checked before it runs (it writes at
+    the end: a path that cannot take the results would lose them); a file that exists is not
+    replaced."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file in it, e.g. {path / 'bench.json'}")
+    if path.exists() or path.is_symlink():
+        raise argparse.ArgumentTypeError(f"{text} exists; give a new file (a benchmark's results are not replaced)")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its folder {path.parent} does not exist (or is not a folder)")
+    return text
 
 
 def add_config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
@@ -140,4 +168,4 @@ def add_max_rows(p: argparse.ArgumentParser, default: int) -> None:
 
 
 def add_json_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", help="write the JSON here too")
+    p.add_argument("--output", type=new_json_file, help="write the JSON here too (a new file)")

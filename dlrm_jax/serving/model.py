@@ -258,7 +258,8 @@ def load(
     manifest = read_manifest(root)
     if manifest.get("kind") != "full":
         raise ArtifactError(
-            f"{root}: a delta (since step {manifest.get('base_step')}); load its base and pass it in deltas=[...]"
+            f"{root}: a delta (since step {manifest.get('base_step')}); load its base with it (`predict --model BASE "
+            f"--delta {root}`; in Python, load(BASE, deltas=[...]))"
         )
     _check(root, manifest, verify_tables)
     if memory_bytes is None:

@@ -601,3 +601,16 @@ def test_serving_bench_scores_multi_hot_raw_lines_as_eval(tmp_path):
     report = bench_serving(2000, "criteo_kaggle", more, steps=4, workdir=str(tmp_path), **QUIET)
     assert report["raw_lines"]["scored"] == 200 and report["raw_lines"]["max_ulps_from_eval"] <= 8
     assert report["delta"]["base_plus_delta_equals_full"]
+
+
+def test_tiers_bench_without_warmup_and_after_a_refused_case_leaves_no_tier(tmp_path):
+    """Before: --warmup 0 (allowed) was "'NoneType' object is not subscriptable" after the
+    first case; a case refused by its config left its temporary tier folder behind."""
+    from dlrm_jax.bench.tiers import _Variant, bench_tiers
+    from dlrm_jax.config import ConfigError
+
+    idle = _Variant.__new__(_Variant)
+    idle.run(0, timed=False)  # no step, nothing to wait for
+    with pytest.raises(ConfigError, match="embedding.tier.device_cache_fraction"):
+        bench_tiers(None, ["mesh.devices=1"], 1, 1, fractions=[0.0], tier_dir=str(tmp_path), disk_probe_mb=0, **QUIET)
+    assert list(tmp_path.iterdir()) == []

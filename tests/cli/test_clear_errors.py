@@ -293,6 +293,21 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
             "--policies",
             "expected comma-separated values of lru, lfu, tinylfu; got 'fifo'",
         ),
+        # Before: 30 'high <= 0' thread tracebacks and a -5 MiB probe in the JSON; a "large" case of
+        # -1 GB; "range() arg 3 must not be zero" or the input blamed for "no training rows";
+        # "max() arg is an empty sequence", and smoke,smoke collapsed to one result.
+        (["bench", "tiers", "--disk-probe-mb", "-5"], "--disk-probe-mb", "expected an integer >= 0, got -5"),
+        (["bench", "tiers", "--large-gb", "-1"], "--large-gb", "expected a number >= 0, got -1"),
+        (["bench", "tiers", "--large-fraction", "0"], "--large-fraction", "expected a number > 0, got 0"),
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--block-mb", "0"],
+            "--block-mb",
+            "expected a number > 0",
+        ),
+        (["bench", "train", "--configs", ","], "--configs", "expected comma-separated config names or files, got ','"),
+        (["bench", "mlp-parallel", "--configs", "smoke,smoke"], "--configs", "smoke is given twice"),
+        # Before: the checkpoint at half of the steps was step 0, "no checkpoint at step 0" after training.
+        (["bench", "serving", "--steps", "1"], "--steps", "expected an integer >= 2, got 1"),
     ],
 )
 def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
@@ -800,3 +815,32 @@ def test_a_pipe_given_as_input_is_named_as_a_pipe_not_a_folder(tmp_path):
         check_paths([tmp_path / "pipe"], tmp_path / "out.txt")
     with pytest.raises(FileNotFoundError, match="pipe: not a regular file"):
         check_input_files([str(tmp_path / "pipe")])
+
+
+def test_a_benchmarks_output_is_checked_before_it_runs(capsys, tmp_path):
+    """Before: the benchmark ran to its end, then 'Is a directory' (its results lost), or it
+    replaced a file that held earlier results."""
+    (tmp_path / "old.json").write_text("{}")
+    (tmp_path / "f").write_text("")
+    for output, says in (
+        (tmp_path, f"{tmp_path} is a folder; give a file in it"),
+        (tmp_path / "old.json", f"{tmp_path / 'old.json'} exists; give a new file (a benchmark's results are not"),
+        (tmp_path / "f" / "x.json", f"{tmp_path / 'f' / 'x.json'}: its folder {tmp_path / 'f'} does not exist"),
+        (tmp_path / "no" / "x.json", f"{tmp_path / 'no' / 'x.json'}: its folder"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "collectives", "--output", str(output)])
+        assert f"argument --output: {says}" in capsys.readouterr().err
+    assert (tmp_path / "old.json").read_text() == "{}"
+
+
+def test_bench_serving_keeps_out_of_a_workdir_that_holds_files(tmp_path):
+    """Before: it wrote its sample over the folder's day.tsv, then failed naming --output (a
+    flag the user never gave); a dataset there would have been replaced."""
+    from dlrm_jax.cli import main
+
+    (tmp_path / "day.tsv").write_text("mine")
+    argv = ["bench", "serving", "--config", "smoke", "--workdir", str(tmp_path), "--lines", "2000", "--steps", "4"]
+    assert main(argv) == 2
+    assert (tmp_path / "day.tsv").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["day.tsv"]
+    assert main(["bench", "serving", "--config", "smoke", "--lines", "100"]) == 2  # fewer lines than a batch

@@ -10,15 +10,18 @@ from typing import NamedTuple
 from dlrm_jax.choices import DramPolicy, RowLayout, RowLayoutChoice
 from dlrm_jax.cli.args import (
     COUNT,
+    COUNT_NUMBER,
     HOT_LAYOUTS,
     MLP_MODES,
     POSITIVE,
+    SHARE,
     STRATEGIES,
     add_config_args,
     add_json_output,
     add_max_rows,
     add_overrides,
     bounded,
+    config_names,
     list_of,
     names,
 )
@@ -50,7 +53,9 @@ def run(args) -> int:
 
 
 def _train_arguments(p) -> None:
-    p.add_argument("--configs", default="default,criteo_kaggle", help="comma-separated config names or files")
+    p.add_argument(
+        "--configs", type=config_names, default="default,criteo_kaggle", help="comma-separated config names or files"
+    )
     add_overrides(p, "applied to every config")
     p.add_argument("--steps", type=POSITIVE, default=30, help="timed steps per config")
     p.add_argument("--warmup", type=COUNT, default=5, help="untimed steps after compilation")
@@ -131,16 +136,16 @@ def _tiers_arguments(p) -> None:
     p.add_argument("--repeats", type=POSITIVE, default=3, help="alternating timed chunks per variant")
     p.add_argument(
         "--large-gb",
-        type=float,
+        type=COUNT_NUMBER,
         default=0.0,
         help="one more case with the tables scaled to about this many GB on disk (0: none)",
     )
-    p.add_argument("--large-fraction", type=float, default=0.01, help="the large case's device cache fraction")
-    p.add_argument("--large-host-fraction", type=float, default=0.05, help="the large case's DRAM cache fraction")
+    p.add_argument("--large-fraction", type=SHARE, default=0.01, help="the large case's device cache fraction")
+    p.add_argument("--large-host-fraction", type=SHARE, default=0.05, help="the large case's DRAM cache fraction")
     p.add_argument("--tier-dir", help="create the disk tiers here (default: a temporary folder)")
     p.add_argument(
         "--disk-probe-mb",
-        type=int,
+        type=COUNT,
         default=1024,
         help="first measure the tier directory's disk with 4 KiB random reads at queue depth 1 and 32 "
         "on a file of this many MiB (0: skip)",
@@ -152,8 +157,12 @@ def _serving_arguments(p) -> None:
     p.add_argument("--config", default="criteo_kaggle", help="the model trained on the sample (default criteo_kaggle)")
     add_overrides(p, "override a key of the benchmark's training config (repeatable)")
     p.add_argument("--lines", type=POSITIVE, default=200_000, help="sample lines (a tenth held out and scored)")
-    p.add_argument("--steps", type=POSITIVE, default=100, help="training steps (a checkpoint at half of them)")
-    p.add_argument("--workdir", help="keep the sample, run and artifacts here (default: a temporary folder)")
+    p.add_argument(
+        "--steps", type=bounded(int, 2), default=100, help="training steps, at least 2 (a checkpoint at half of them)"
+    )
+    p.add_argument(
+        "--workdir", help="keep the sample, run and artifacts here, a new or empty folder (default: a temporary one)"
+    )
     add_json_output(p)
 
 
@@ -179,7 +188,12 @@ def _hot_arguments(p) -> None:
 
 
 def _mlp_parallel_arguments(p) -> None:
-    p.add_argument("--configs", default="criteo_kaggle,mlperf_dlrm_v1", help="configs whose dense parts are compared")
+    p.add_argument(
+        "--configs",
+        type=config_names,
+        default="criteo_kaggle,mlperf_dlrm_v1",
+        help="configs whose dense parts are compared",
+    )
     p.add_argument("--modes", type=names(*MLP_MODES), default=list(MLP_MODES), help="comma-separated")
     add_overrides(p, "applied to every config (default: mesh.model=2, train.batch_size=2048, data.max_rows=1000)")
     p.add_argument("--steps", type=POSITIVE, default=5, help="timed steps per variant and repeat")
@@ -274,7 +288,7 @@ def _check_stream_args(args, batch_size: int) -> None:
 
 
 def _train(args) -> None:
-    configs = {n: tighten_cap(load_config(n, args.overrides), args.max_rows) for n in args.configs.split(",") if n}
+    configs = {n: tighten_cap(load_config(n, args.overrides), args.max_rows) for n in args.configs}
     start_jax(max(devices_for(c) for c in configs.values()), args)
     from dlrm_jax.bench.train import bench_train
 
@@ -331,7 +345,23 @@ def _tiers(args) -> None:
 
 
 def _serving(args) -> None:
-    start_jax(devices_for(load_config(args.config, args.overrides)), args)
+    cfg = load_config(args.config, args.overrides)
+    if (
+        args.workdir
+        and Path(args.workdir).exists()
+        and (not Path(args.workdir).is_dir() or any(Path(args.workdir).iterdir()))
+    ):
+        raise ConfigError(
+            f"--workdir {args.workdir}: exists and is not an empty folder; the benchmark writes its sample, "
+            f"datasets, run and artifacts there: give a new or empty one"
+        )
+    trained = args.lines - args.lines // 10  # (a tenth held out)
+    if trained < cfg.train.batch_size:
+        raise ConfigError(
+            f"--lines {args.lines}: {trained} training lines, fewer than a batch (train.batch_size="
+            f"{cfg.train.batch_size}); give at least {-(-cfg.train.batch_size * 10 // 9)}"
+        )
+    start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.serving import bench_serving
 
     bench_serving(args.lines, args.config, args.overrides, args.steps, args.workdir, args.output, log=log)
@@ -356,7 +386,7 @@ def _hot(args) -> None:
 
 def _mlp_parallel(args) -> None:
     overrides = ["mesh.model=2", "train.batch_size=2048", "data.max_rows=1000", *args.overrides]
-    configs = [c for c in args.configs.split(",") if c]
+    configs = args.configs
     start_jax(max(devices_for(load_config(c, overrides)) for c in configs), args)
     from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
 

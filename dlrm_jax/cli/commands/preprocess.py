@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dlrm_jax.cli.args import COUNT, FRACTION, POSITIVE, bounded
 from dlrm_jax.config import ConfigError
 
@@ -18,7 +20,9 @@ def add_arguments(p) -> None:
         metavar="SIZES",
         help="materialise MLPerf DLRM-DCNv2's multi-hot bags: 'mlperf' or 26 comma-separated bag sizes",
     )
-    criteo.add_argument("--block-mb", type=float, default=64.0, help="MB of text a worker parses at a time")
+    criteo.add_argument(
+        "--block-mb", type=bounded(float, 0, strict=True), default=64.0, help="MB of text a worker parses at a time"
+    )
     _add_preprocess_args(criteo, chunk_lines=0)
     tab = pre_sub.add_parser("tabular", help="CSV / JSON-lines files described by a schema (MovieLens, Avazu, ...)")
     tab.add_argument(
@@ -60,6 +64,9 @@ def run(args) -> int:
         joins = dict(j.partition("=")[::2] for j in args.join)
         if any(not name or not path for name, path in joins.items()) or len(joins) < len(args.join):
             raise ConfigError(f"--join: expected distinct NAME=PATH values, got {args.join}")
+        missing = [f"{name}={path}" for name, path in joins.items() if not Path(path).is_file()]
+        if missing:
+            raise ConfigError(f"--join {missing[0]}: no such file")
         report = preprocess_tabular(
             args.schema, args.input, args.output, joins=joins, chunk_lines=args.chunk_lines, **common
         )
