@@ -55,7 +55,8 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: int, env: dict) -> float:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    with tempfile.TemporaryDirectory() as folder:  # (bench's --output is a new file)
+        out = Path(folder) / "ours.json"
         cmd = [
             cli,
             "bench",
@@ -69,12 +70,12 @@ def run_ours(cli: str, config: str, overrides: list[str], steps: int, warmup: in
             "--warmup",
             str(warmup),
             "--output",
-            out.name,
+            str(out),
         ]
         for o in overrides:
             cmd += ["--set", o]
         subprocess.run(cmd, check=True, capture_output=True, text=True, env=_env(env))
-        result = next(iter(json.loads(Path(out.name).read_text())["results"].values()))
+        result = next(iter(json.loads(out.read_text())["results"].values()))
     return result["samples_per_s"]
 
 
