@@ -255,6 +255,10 @@ def _stream(args) -> None:
     if args.criteo:
         paths = [p.strip() for p in args.criteo.split(",") if p.strip()]
         windows = criteo_windows(paths, args.window_samples, args.windows)
+        if args.windows and len(windows) < args.windows:  # (0: as many as the files hold)
+            log(
+                f"note: --windows {args.windows}: --criteo holds {len(windows)} windows of {args.window_samples:,} lines"
+            )
         about = {"criteo": paths}
     else:
         stream = DriftingStream(
