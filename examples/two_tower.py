@@ -285,7 +285,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(Settings):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
-    train(Settings(**vars(parser.parse_args(argv))))
+    s = Settings(**vars(parser.parse_args(argv)))
+    problem = settings_problem(s, len(jax.devices()))
+    if problem:
+        parser.error(problem)
+    train(s)
+
+
+def settings_problem(s: Settings, available: int) -> str:
+    """What makes ``s`` untrainable here, in one line ('' if nothing)."""
+    counts = ("steps", "batch_size", "users", "topics", "items_per_topic", "regions", "history", "dim", "hidden")
+    small = [name for name in (*counts, "out", "eval_every", "eval_batches", "k") if getattr(s, name) < 1]
+    devices = s.devices or available
+    if small:
+        return f"--{small[0].replace('_', '-')} {getattr(s, small[0])}: expected an integer >= 1"
+    if not 0 <= s.devices <= available:
+        return f"--devices {s.devices}: 0 (all) to the {available} devices here"
+    if s.batch_size % devices:
+        return f"--batch-size {s.batch_size}: a multiple of the {devices} devices"
+    if s.k > s.batch_size:
+        return f"--k {s.k}: at most --batch-size {s.batch_size} (recall@k ranks the batch's items)"
+    if s.sharding not in ("row", "table", "column", "replicated"):
+        return f"--sharding {s.sharding}: one of row, table, column, replicated"
+    return ""
 
 
 if __name__ == "__main__":

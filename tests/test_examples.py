@@ -186,3 +186,18 @@ def test_pieces_name_what_is_wrong():
     tables = dlrm_jax.EmbeddingCollection(dlrm_jax.plan_embeddings(two, "row", 2, "sgd", 4), dlrm_jax.make_mesh(2))
     with pytest.raises(ValueError, match=r"ids must have shape \[batch, 3\] .*got \[4, 1, 3\]"):
         tables.lookup(tables.init(jax.random.key(0)), np.zeros((4, 1, 3), np.int32))
+
+
+@pytest.mark.parametrize(
+    "change,says",
+    [
+        ({"devices": 16}, "--devices 16: 0 (all) to the 8 devices here"),
+        ({"devices": 3}, "--batch-size 256: a multiple of the 3 devices"),
+        ({"eval_every": 0}, "--eval-every 0: expected an integer >= 1"),  # was a ZeroDivisionError
+        ({"sharding": "foo"}, "--sharding foo: one of row"),  # was a PlanError traceback
+        ({"k": 10, "batch_size": 8}, "--k 10: at most --batch-size 8"),  # was 'chance 1.250'
+    ],
+)
+def test_the_examples_settings_are_checked_in_one_line(change, says):
+    assert tt.settings_problem(dataclasses.replace(tt.Settings(), **change), 8).startswith(says)
+    assert tt.settings_problem(tt.Settings(), 8) == ""
