@@ -213,7 +213,10 @@ def parse_override(text: str) -> dict[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.steps=100")
     try:
-        parsed = load_yaml(value) if value.strip() else ""
+        if " #" in value or value.lstrip().startswith("#"):  # a literal '#' (a path), not a YAML comment
+            parsed = value.strip()
+        else:
+            parsed = load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({yaml_problem(e)[1]})") from None
     out: dict[str, Any] = {}

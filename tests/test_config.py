@@ -321,3 +321,10 @@ def test_an_empty_config_layer_is_named(name):
     """Before: 'config file .: cannot be read (Is a directory)'."""
     with pytest.raises(ConfigError, match=re.escape(f"config {name}: a name on each side of '+'")):
         load_config(name)
+
+
+def test_a_hash_in_a_set_value_is_kept():
+    """Before: YAML read ' #b' as a comment, so --set embedding.tier.path='a #b' became 'a'."""
+    assert load_config(None, ["embedding.tier.path=runs/a #b"]).embedding.tier.path == "runs/a #b"
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=5 # five"])
