@@ -40,7 +40,9 @@ from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
 _NATIVE = re.compile(
     r"^([FEWI]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):"
-    r"|\[Gloo\] )"
+    r"|\[Gloo\] |Additional GRPC error information"
+    # Gloo's line written by two native threads at once: "[Gloo] Rank " and "1 is connected ..." apart
+    r"|\d+ is connected to \d+ peer ranks|\d+$)"
 )
 _SUBCOMMANDS = ("train", "eval", "profile")
 _ONE_PROCESS = ("export", "predict", "plan", "config", "preprocess", "report", "bench")  # dlrm-jax's others

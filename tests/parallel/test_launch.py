@@ -105,12 +105,15 @@ def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
     noisy = [
         sys.executable,
         "-c",
-        "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); "
+        "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); print('1'); "
+        "print('1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'); "
+        "print('Additional GRPC error information from remote target coordinator', file=sys.stderr); "
         "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr)",
     ]
     assert supervise([noisy], "RESUME", tmp_path / "logs") == 0
     out = capsys.readouterr()
     assert "Gloo" not in out.out and "Socket closed" not in out.err
+    assert "peer ranks" not in out.out and "[p0] 1" not in out.out and "GRPC" not in out.err
 
 
 @pytest.mark.slow
