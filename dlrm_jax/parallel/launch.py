@@ -224,7 +224,9 @@ def supervise(
     aborted = [c.index for c in others if c.proc.returncode == -signal.SIGABRT]
     stopped = f"; process(es) {', '.join(map(str, aborted))} aborted natively on losing it" if aborted else ""
     lost = rc < 0 or bool(aborted) or PEER_LOST_ADVICE in first.last_error
-    if lost or forwarded:  # a fault or a stop: what the run saved is intact, and it goes on from it
+    # a stop signal, ours or sent to a process (they stop together, each saving first)
+    stopped_by_signal = forwarded or rc in {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    if lost or stopped_by_signal:  # a fault or a stop: what the run saved is intact, and it goes on from it
         log_dir = keep_logs(log_dir, run_dir, name)
         again = f"the newest checkpoint is intact: run `{resume}` to resume" if resumes else f"run `{resume}` again"
         advice = f"; {again}"

@@ -401,6 +401,10 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     (line,) = [x for x in out.err.splitlines() if x.startswith("[launch] process ")]
     assert "exited with status 130" in line and "run `RESUME --run-dir R` to resume" in line, line
     assert len(list((run / "launch").iterdir())) == 2 and (first / "p0.log").exists()
+    # SIGTERM sent to a process, not to the supervisor: the processes stop together, saved.
+    termed = [sys.executable, "-c", "import sys; sys.exit(143)"]
+    assert supervise([termed], "RESUME", tmp_path / "logs5", run) == 143
+    assert "run `RESUME` to resume" in capsys.readouterr().err
     # A command that does not resume (eval) is run again; one that ends well without a run dir
     # leaves no logs behind in /tmp.
     assert supervise([lost], "EVAL", tmp_path / "logs3", None, resumes=False) == 1
