@@ -797,6 +797,12 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A whole, validated configuration, frozen: build one with ``dlrm_jax.load_config`` (a
+    shipped config's name or a YAML file, and ``KEY=VALUE`` overrides) and derive another with
+    ``dlrm_jax.with_overrides``; its sections are train, data, model, embedding, mesh and
+    cluster, each key documented in docs/configs.md. One changed with ``dataclasses.replace``
+    is checked again when it trains."""
+
     train: TrainConfig = TrainConfig()
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()

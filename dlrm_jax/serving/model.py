@@ -46,7 +46,7 @@ def available_memory() -> int:
 
 
 class ServingModel:
-    """A trained model for predictions, from :func:`load`.
+    """A trained model for predictions, from :func:`load` (``dlrm_jax.load_serving``).
 
     ``predict(dense, ids)``: dense float32 [n, num_dense] (transformed as in training, e.g.
     log1p of Criteo's counts) and ids int32 [n, S], each feature's bag of table rows one after

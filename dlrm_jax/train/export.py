@@ -80,7 +80,7 @@ def id_maps(run: RestoredRun, run_dir: str | Path) -> dict:
 
 
 def export_run(
-    run_dir: str | Path, dest: str | Path, overrides: list[str] = (), step: int | str | None = None, log=print
+    run_dir: str | Path, dest: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
 ) -> int:
     """Write every table of ``run_dir``'s checkpoint at ``step`` (:func:`restore_run`) under
     ``dest``, a new or empty folder that appears whole or not at all; returns the step exported."""

@@ -208,7 +208,9 @@ def plan_request(
 
 
 def plan_from_config(cfg: Config, num_devices: int, budget_bytes: int | None = None, **kwargs) -> EmbeddingPlan:
-    """The plan for a config's tables on ``num_devices`` devices (:func:`plan_request`'s, with
+    """The plan for a config's tables on ``num_devices`` devices without the data's statistics
+    unless ``stats`` are given (``auto`` may then choose otherwise than a run, which measures
+    them: ``build(cfg, mesh, source)`` plans as training does); ``dlrm_jax.train.wiring.plan_request``'s, with
     its keywords: ``hosts``, ``cluster``, ``stats``, ``ids_hosts``)."""
     return plan_request(cfg, num_devices, budget_bytes, **kwargs).plan()
 

@@ -63,6 +63,6 @@ def run(args) -> int:
                 args.run_dir, args.output, args.overrides, args.step, args.tables, args.since, log=log
             )
         else:
-            step = export_run(args.run_dir, args.output, args.overrides, args.step, log=log)
+            step = export_run(args.run_dir, args.output, args.overrides, step=args.step, log=log)
     print(f"exported step={step} to {args.output}", flush=True)
     return 0

@@ -54,7 +54,9 @@ def resolve_data_config(cfg):
     the bag sizes from the dataset's meta.json (Criteo's 13 + 26, MLPerf's multi-hot bags, or
     what a tabular schema made; a dataset without dense features is read as one all-zero
     column). A data.num_dense or data.bag_sizes set to other than its default must agree with
-    the dataset's. Keys that depend on the features (model.dcn_rank) are checked against the data's."""
+    the dataset's. Keys that depend on the features (model.dcn_rank) are checked against the data's.
+    Returns the config to use (a new one where the dataset changed it); other sources' configs
+    come back as they are, their data path checked."""
     check_data_path(cfg)
     return source_kind(cfg).resolve(cfg)
 

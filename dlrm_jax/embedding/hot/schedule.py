@@ -18,7 +18,7 @@ class HotSchedule:
     With ``refresh_every`` = R > 0, the ``window`` batches before every R-th step are counted
     into the running statistics; after step kR the hot set becomes the ``capacity`` most
     counted rows, and the counts are multiplied by ``decay`` (older traffic fades). The
-    statistics are truncated to the ``keep`` most counted rows at each refresh, so they stay
+    statistics are truncated to the max(16 x capacity, 4096) most counted rows at each refresh, so they stay
     small enough to travel with every checkpoint (:meth:`to_json`), which a resumed run needs
     to choose the same rows. Host-side only: the caller runs the refresh program.
 

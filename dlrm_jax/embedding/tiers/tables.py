@@ -92,9 +92,9 @@ def _open_work(root: Path, specs, log) -> TierStore:
 class TieredTables(FillPrograms):
     """Disk tier + DRAM caches + device-cache bookkeeping for the tiered tables of ``plan``.
 
-    ``groups``: the device view's groups (``EmbeddingCollection.groups``); ``slot_fields``:
-    the sparse optimizer's state per row, {name: (per-row shape of a width-W slice as a
-    function of W, dtype)} as :func:`optimizer_fields` gives it.
+    ``groups``: the device view's groups (``EmbeddingCollection.groups``); ``optimizer``: the
+    sparse optimizer (``EmbeddingCollection.optimizer``), whose state per row the tier keeps
+    beside the values (``optimizer_fields``).
     """
 
     def __init__(
