@@ -21,9 +21,16 @@ from dlrm_jax.ids import raw_columns
 
 
 class ArraySource:
-    """The :class:`~dlrm_jax.data.batch.DataSource` of in-memory arrays (see the module
-    docstring). ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's
-    ``cfg.table_rows``, ``cfg.bag_sizes``); ``eval_batches`` 0 evaluates the whole val split."""
+    """The :class:`~dlrm_jax.data.batch.DataSource` of in-memory arrays. ``train`` and ``val``:
+    each a tuple ``(dense [n, num_dense] float32, ids [n, sum(bag_sizes)] int32 (-1: an empty
+    slot of a bag), labels [n] of 0/1)``, and for dynamic tables a fourth, their raw 64-bit ids;
+    ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's ``cfg.table_rows``,
+    ``cfg.bag_sizes``); ``eval_batches`` 0 evaluates the whole val split. Shuffling, epochs and
+    the checks are the module docstring's::
+
+        source = dlrm_jax.ArraySource((dense, ids, labels), (vd, vi, vl), cfg.train.batch_size,
+                                      table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
+        dlrm_jax.train_and_evaluate(cfg, "runs/mine", source=source)"""
 
     def __init__(
         self,
