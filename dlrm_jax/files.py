@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import math
+import os
 import shutil
 import stat
 import time
@@ -71,6 +72,23 @@ def full_disk_as(message: Callable[[], str]) -> Iterator[None]:
         error = OSError(message())
         error.errno = errno.ENOSPC
         raise error from None
+
+
+@contextlib.contextmanager
+def written_whole(path: str | Path, mode: str = "w") -> Iterator[Any]:
+    """A file at ``path`` that appears whole or not at all: the ``with`` body writes a
+    temporary file beside it (``mode``: "w" or "wb"), flushed to disk and renamed over ``path``
+    when the body ends, removed when it raises (the old file stays)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import yaml
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
-from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders
+from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
@@ -117,13 +117,8 @@ def _step_first(name: str) -> tuple[int, str]:
 def _atomic_write(path: Path, text: str) -> None:
     """Write via a temporary file and a rename: a crash leaves the old file or the new one; a
     full disk is one line naming the file (and the old file stays)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with _disk_full_names(path):
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+    with _disk_full_names(path), written_whole(path) as f:
+        f.write(text)
 
 
 def _disk_full_names(path: Path):

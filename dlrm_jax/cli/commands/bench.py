@@ -27,6 +27,7 @@ from dlrm_jax.cli.args import (
 )
 from dlrm_jax.cli.runtime import devices_for, log, start_jax, tighten_cap
 from dlrm_jax.config import ConfigError, check_rows_or_fraction, load_config
+from dlrm_jax.files import check_new_folder
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT
 
 NAME = "bench"
@@ -350,15 +351,11 @@ def _tiers(args) -> None:
 
 def _serving(args) -> None:
     cfg = load_config(args.config, args.overrides)
-    if (
-        args.workdir
-        and Path(args.workdir).exists()
-        and (not Path(args.workdir).is_dir() or any(Path(args.workdir).iterdir()))
-    ):
-        raise ConfigError(
-            f"--workdir {args.workdir}: exists and is not an empty folder; the benchmark writes its sample, "
-            f"datasets, run and artifacts there: give a new or empty one"
-        )
+    if args.workdir:  # (bench_serving checks it too, after JAX starts: here at once, naming the flag)
+        try:
+            check_new_folder(args.workdir, "the benchmark writes its sample, datasets, run and artifacts")
+        except FileExistsError as e:
+            raise ConfigError(f"--workdir {e}") from None
     trained = args.lines - args.lines // 10  # (a tenth held out)
     if trained < cfg.train.batch_size:
         raise ConfigError(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dlrm_jax.embedding.tiers.format import TierError
+from dlrm_jax.files import written_whole
 
 OWNER_FILE = "owner.json"
 
@@ -52,11 +53,6 @@ def record_owner(root: str | Path, run_dir: str | Path | None) -> TierOwner:
     """Records a new owner of the tier at ``root``: ``run_dir`` and a fresh id (written whole:
     a temporary file renamed over the record)."""
     owner = TierOwner(uuid.uuid4().hex, None if run_dir is None else str(Path(run_dir).absolute()))
-    path = Path(root) / OWNER_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with written_whole(Path(root) / OWNER_FILE) as f:
         json.dump(owner._asdict(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return owner

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import shutil
 import zipfile
 from collections import defaultdict
@@ -42,6 +41,7 @@ from dlrm_jax.embedding.tiers.owner import record_owner, tier_owner
 from dlrm_jax.embedding.tiers.snapshots import snapshot_steps
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
+from dlrm_jax.files import written_whole
 from dlrm_jax.hostmem import available_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
@@ -339,12 +339,8 @@ class TieredTables(FillPrograms):
     def _save_maps(self, step: int) -> None:
         path = self._maps_file(step)
         arrays = {f"{t}/{f}": v for t, m in self.maps.maps_at(step).items() for f, v in m._asdict().items()}
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with written_whole(path, "wb") as f:
             np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def _saved_maps(self, step: int) -> dict[int, IdMap]:
         path = self._maps_file(step)
