@@ -228,10 +228,7 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
     if rebuilt is not None:
         log(f"warning: {root / 'work'} was gone: made again from the disk tier's newest snapshot (step {rebuilt})")
         return
-    try:
-        tiered = EmbeddingPlan.from_json(saved_json(ckpt_dir, steps[-1])["plan"]).tiered_tables
-    except Exception:  # noqa: BLE001 - a damaged newest checkpoint: its restore reports it
-        return
+    tiered = tiered_in_checkpoint(ckpt_dir, steps[-1])
     if tiered and was is not None and Path(was).absolute() != Path(root).absolute() and TierStore.exists(was):
         raise RunDirError(
             f"{root}: no disk tier there; the checkpoints in {ckpt_dir} (steps {', '.join(map(str, steps))}) "
@@ -250,12 +247,8 @@ def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[i
     there is none, or it cannot be read (its restore reports that)."""
     steps = saved_steps(ckpt_dir) if Path(ckpt_dir).is_dir() else []
     step = steps[-1] if step is None and steps else step
-    if step is None:
-        return frozenset()
-    try:
-        return frozenset(EmbeddingPlan.from_json(saved_json(ckpt_dir, step)["plan"]).tiered_tables)
-    except Exception:  # noqa: BLE001 - a damaged checkpoint: its restore reports it
-        return frozenset()
+    plan = _saved_record(ckpt_dir, step).get("plan") if step is not None else None
+    return frozenset(EmbeddingPlan.from_json(plan).tiered_tables) if plan else frozenset()
 
 
 def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) -> None:
@@ -267,19 +260,18 @@ def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) ->
     if owner is None:
         return
     steps = saved_steps(ckpt_dir) if ckpt_dir is not None else []
-    saved = _saved_tier_id(ckpt_dir, steps[-1]) if steps else None
-    whose = f"run dir {owner.run_dir}" if owner.run_dir else "a run without a run dir"
+    saved = _saved_record(ckpt_dir, steps[-1]).get("tier") if steps else None
     if saved is not None:
         if saved != owner.id:
             raise RunDirError(
-                f"{root}: holds the disk tier of another run ({whose}), not the one the checkpoints in "
+                f"{root}: holds the disk tier of another run ({owner.maker()}), not the one the checkpoints in "
                 f"{ckpt_dir} were saved with; give embedding.tier.path as this run left it"
             )
         return
     inside = run_dir is not None and Path(root).absolute() == (Path(run_dir) / "tier").absolute()
     if not (inside or owner.made_by(run_dir)):
         raise RunDirError(
-            f"embedding.tier.path={root}: holds the disk tier of {whose}, which this run would replace; "
+            f"embedding.tier.path={root}: holds the disk tier of {owner.maker()}, which this run would replace; "
             f"give this run a tier of its own (another embedding.tier.path), or remove {root} to start anew"
         )
 
@@ -287,11 +279,10 @@ def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) ->
 def check_tier_of(root: Path, ckpt_dir: Path, step: int) -> None:
     """Refuses (RunDirError) to read checkpoint ``step``'s tiered tables from a tier at ``root``
     that it was not saved with (another run's tier at the same path)."""
-    owner, saved = tier_owner(root), _saved_tier_id(ckpt_dir, step)
+    owner, saved = tier_owner(root), _saved_record(ckpt_dir, step).get("tier")
     if owner is not None and saved is not None and saved != owner.id:
-        whose = f"run dir {owner.run_dir}" if owner.run_dir else "a run without a run dir"
         raise RunDirError(
-            f"{root}: holds the disk tier of another run ({whose}), not the one checkpoint {step} in "
+            f"{root}: holds the disk tier of another run ({owner.maker()}), not the one checkpoint {step} in "
             f"{ckpt_dir} was saved with: its tiered tables are not there"
         )
 
@@ -312,13 +303,13 @@ def checkpoint_tier(steps: StepFunctions, plan: EmbeddingPlan, root: Path, run_d
     )
 
 
-def _saved_tier_id(ckpt_dir: Path, step: int) -> str | None:
-    """The id of the tier checkpoint ``step`` was saved with (None: saved before the record, or
-    damaged: its restore reports it)."""
+def _saved_record(ckpt_dir: Path, step: int) -> dict:
+    """What checkpoint ``step`` saved beside its arrays (``checkpoint.saved_json``); empty where it
+    cannot be read (a damaged checkpoint: its restore reports it)."""
     try:
-        return saved_json(ckpt_dir, step).get("tier")
-    except Exception:  # noqa: BLE001 - a damaged checkpoint: its restore reports it
-        return None
+        return saved_json(ckpt_dir, step)
+    except Exception:  # noqa: BLE001 - reported by the restore
+        return {}
 
 
 def restore_or_init(

@@ -29,6 +29,10 @@ class TierOwner(NamedTuple):
     id: str
     run_dir: str | None
 
+    def maker(self) -> str:
+        """Who made the tier, in words."""
+        return f"run dir {self.run_dir}" if self.run_dir else "a run without a run dir"
+
     def made_by(self, run_dir: str | Path | None) -> bool:
         """Whether ``run_dir`` made this tier (the same folder, however it is spelled)."""
         if self.run_dir is None or run_dir is None:
