@@ -110,11 +110,13 @@ def validate(cfg: Config) -> Config:
 
 def _check_train(t) -> None:
     for key in ("target_auc", "early_stop_evals"):
-        if getattr(t, key) and not t.eval_every:
+        if getattr(t, key) and t.eval_every <= 0:
             raise ConfigError(
                 f"train.{key}: early stopping needs evaluations during the run; set "
-                f"train.eval_every > 0 (it is 0: only at the end)"
+                f"train.eval_every > 0 (it is {t.eval_every}: {'only at the end' if t.evaluates else 'never'})"
             )
+    if t.keep_best and not t.evaluates:
+        raise ConfigError("train.keep_best: the best checkpoint needs evaluations; train.eval_every=-1 makes none")
     if t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
             f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "

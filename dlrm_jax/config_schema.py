@@ -137,7 +137,15 @@ class TrainConfig:
     log_every: int = field(
         default=50, metadata=NONNEG | doc("steps between log events in `metrics.jsonl`; 0 = only at the end")
     )
-    eval_every: int = field(default=250, metadata=NONNEG | doc("steps between evaluations; 0 = only at the end"))
+    eval_every: int = field(
+        default=250,
+        metadata=_bound("[-1, inf)")
+        | doc(
+            "steps between evaluations; 0 = only at the end; -1 = never (not even at the end: the run "
+            "reads no val split, for data preprocessed with `--val-fraction 0`; its final line gives "
+            "`auc=nan`)"
+        ),
+    )
     progressive_window: int | str = field(
         default=0,
         metadata=_int_or("data")
@@ -220,6 +228,12 @@ class TrainConfig:
             "off"
         ),
     )
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates on the val split at all (``eval_every`` -1: never, unless
+        ``evals_per_epoch`` sets it)."""
+        return self.eval_every >= 0 or self.evals_per_epoch > 0
 
 
 @dataclass(frozen=True)

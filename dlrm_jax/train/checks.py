@@ -76,4 +76,4 @@ def _check_data(cfg: Config) -> None:
         from dlrm_jax.data.sources.binary import read_meta
 
         meta = read_meta(cfg.data.path)
-        check_splits(cfg, int(meta["train_rows"]), int(meta["val_rows"]), trains=True, evaluates=True)
+        check_splits(cfg, int(meta["train_rows"]), int(meta["val_rows"]), trains=True, evaluates=cfg.train.evaluates)

@@ -53,12 +53,14 @@ class RunSummary:
             Evaluation(e["best_step"], _nan(e["best_auc"]), _nan(e["best_logloss"]))
             if "best_step" in e
             else Evaluation(e["step"], _nan(e["auc"]), _nan(e["logloss"]))
+            if "auc" in e
+            else None  # a run that never evaluates (train.eval_every=-1)
         )
         return cls(
             e["step"],
             _nan(e["loss"]),
-            _nan(e["auc"]),
-            _nan(e["logloss"]),
+            _nan(e.get("auc")),
+            _nan(e.get("logloss")),
             _nan(e.get("run_samples_per_s", e["samples_per_s"])),
             best,
             e.get("stop_reason", ""),

@@ -212,7 +212,7 @@ class TrainingLoop:
 
     def plan_step(self, step: int, signum: int | None) -> Plan:
         t = self.t
-        evaluate = bool((t.eval_every and step % t.eval_every == 0) or step == t.steps)
+        evaluate = bool((t.eval_every > 0 and step % t.eval_every == 0) or (step == t.steps and t.evaluates))
         save = bool((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or signum)
         progressive = step in self.windows and step < t.steps
         log = bool(evaluate or save or progressive or (t.log_every and step % t.log_every == 0))
@@ -386,7 +386,7 @@ class TrainingLoop:
         """The window's event; the last one carries the run's final fields."""
         if step == self.t.steps or self.stop_reason:
             event["run_samples_per_s"] = self.trained_steps * self.t.batch_size / self.train_time
-            event.update(self.progress.final_fields(step, self.auc, self.logloss))
+            event.update(self.progress.final_fields(step, self.auc, self.logloss, self.t.evaluates))
         self.metrics.write(event)
         self.window_start = None
 

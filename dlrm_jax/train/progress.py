@@ -103,11 +103,12 @@ class Progress:
             )
         return ""
 
-    def final_fields(self, step: int, auc: float, logloss: float) -> dict:
+    def final_fields(self, step: int, auc: float, logloss: float, evaluates: bool = True) -> dict:
         """What metrics.jsonl's final event adds: the best evaluation (the last one, at
-        ``step``, if none was better) and why the run stopped early."""
+        ``step``, if none was better; none for a run that never evaluates) and why the run
+        stopped early."""
         best = self.best or Evaluation(step, auc, logloss)
-        out = {"best_step": best.step, "best_auc": best.auc, "best_logloss": best.logloss}
+        out = {"best_step": best.step, "best_auc": best.auc, "best_logloss": best.logloss} if evaluates else {}
         return {**out, "stop_reason": self.stopped} if self.stopped else out
 
     def to_json(self) -> dict:

@@ -295,15 +295,17 @@ class RunDir:
     def checkpoint_dir(self) -> Path | None:
         return self.path / "checkpoints" if self.path else None
 
-    def recorded_final(self, step: int) -> dict | None:
+    def recorded_final(self, step: int, evaluates: bool = True) -> dict | None:
         """The last train and eval events at ``step`` from metrics.jsonl, merged; None if the
-        file does not record an evaluation at that step."""
+        file does not record the run's end there: an evaluation, or where the run never
+        evaluates (``evaluates=False``), its final event (the one with ``run_samples_per_s``)."""
         file = self.path / "metrics.jsonl" if self.path else None
         if file is None or not file.exists():
             return None
         events = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
         at_step = [e for e in events if e.get("step") == step]
-        if not any(e.get("event") == "eval" for e in at_step):
+        ended = (lambda e: e.get("event") == "eval") if evaluates else (lambda e: "run_samples_per_s" in e)
+        if not any(ended(e) for e in at_step):
             return None
         merged = {}
         for e in at_step:

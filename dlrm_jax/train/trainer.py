@@ -66,7 +66,7 @@ def train_and_evaluate(
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd, contextlib.ExitStack() as stack:
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
-            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)
             cfg = with_epoch_steps(cfg, source)
         recorded = _recorded_final(cfg, rd, log)
         if recorded is not None:
@@ -74,7 +74,7 @@ def train_and_evaluate(
         watch_for_hangs(cfg.train.hang_timeout_s)  # from here: planning reads batches, restores, compiles
         report_progress(0, "planning")
         with stopping.deferred("planning"):  # it compiles too: a stop waits for the end (see stopping)
-            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=True)
+            source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)
             for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
                 if note:
                     log(note)
@@ -95,7 +95,11 @@ def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
     """A finished (or early-stopped) run's final event: it is not trained further."""
     newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
     stopped = progress.stop_reason(cfg.train)
-    recorded = rd.recorded_final(newest) if newest is not None and (newest >= cfg.train.steps or stopped) else None
+    recorded = (
+        rd.recorded_final(newest, cfg.train.evaluates)
+        if newest is not None and (newest >= cfg.train.steps or stopped)
+        else None
+    )
     if recorded is not None:
         log(
             f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
@@ -230,11 +234,11 @@ def _train(
                 break
     loop.bar.close()
     report_progress(end, "finishing")
-    if loop.trained_steps == 0:  # nothing left to train: evaluate what the checkpoint holds
+    if loop.trained_steps == 0 and t.evaluates:  # nothing left to train: evaluate what the checkpoint holds
         with stopping.deferred("the evaluation"):
             loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
     step = int(host_scalar(state.step))
-    best = loop.progress.best or Evaluation(step, loop.auc, loop.logloss)
+    best = loop.progress.best or (Evaluation(step, loop.auc, loop.logloss) if t.evaluates else None)
     return RunSummary(
         step,
         loop.last_loss,

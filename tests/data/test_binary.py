@@ -450,21 +450,46 @@ def test_a_train_split_shorter_than_one_batch_is_refused_for_training_only(data,
     assert make_source(make_cfg(path, f"train.batch_size={N_TRAIN}", source=source)).num_train == N_TRAIN
 
 
+def _without_val(data, folder: Path) -> Path:
+    """The dataset preprocessed with --val-fraction 0: no val split."""
+    preprocess_criteo(
+        [str(data[0])], str(folder), max_ind_range=M, val_fraction=0.0, shuffle_seed=None, workers=1, progress=False
+    )
+    return folder
+
+
 def test_an_empty_val_split_is_refused_before_a_run_that_evaluates(data, tmp_path):
     """It used to train every step and then fail in the final evaluation, before the final checkpoint."""
-    preprocess_criteo(
-        [str(data[0])],
-        str(tmp_path / "noval"),
-        max_ind_range=M,
-        val_fraction=0.0,
-        shuffle_seed=None,
-        workers=1,
-        progress=False,
-    )
-    cfg = make_cfg(tmp_path / "noval")
-    with pytest.raises(ConfigError, match="the val split is empty, and a run evaluates.*--val-fraction"):
+    cfg = make_cfg(_without_val(data, tmp_path / "noval"))
+    with pytest.raises(
+        ConfigError, match="the val split is empty, and a run evaluates.*--val-fraction.*train.eval_every=-1"
+    ):
         make_source(cfg, evaluates=True)
+    with pytest.raises(ConfigError, match=r"the val split is empty: nothing to evaluate; use .*--val-fraction"):
+        make_source(cfg, trains=False, evaluates=True)  # eval names no training key
     assert make_source(cfg).num_val == 0  # profile and benchmarks do not evaluate
+
+
+def test_a_run_that_never_evaluates_trains_on_data_without_a_val_split(data, tmp_path):
+    """train.eval_every=-1: no evaluation, not even at the end, so data preprocessed with
+    --val-fraction 0 trains (it could not: every run evaluated at its end). The final line says
+    auc=nan and names no best evaluation; run again, the finished run gives its recorded end."""
+    from dlrm_jax.config import validate
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    tiny = ["mesh.devices=1", "model.embedding_dim=8", "model.bottom_mlp=[8]", "model.top_mlp=[8, 1]"]
+    cfg = make_cfg(_without_val(data, tmp_path / "noval"), "train.eval_every=-1", "train.steps=3", *tiny)
+    assert not cfg.train.evaluates
+    summary = train_and_evaluate(cfg, tmp_path / "run", log=lambda *_: None)
+    assert summary.step == 3 and np.isfinite(summary.loss) and np.isnan(summary.auc) and summary.best is None
+    assert summary.final_line().startswith(f"final step=3 loss={summary.loss:.6f} auc=nan logloss=nan")
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["train"] * len(events) and "best_step" not in events[-1]
+    again = train_and_evaluate(cfg, tmp_path / "run", log=lambda *_: None)
+    assert (again.step, again.loss, again.best) == (3, summary.loss, None)
+    for key in ("train.keep_best=auc", "train.early_stop_evals=2", "train.eval_every=-2"):
+        with pytest.raises(ConfigError, match=key.split("=")[0]):
+            validate(make_cfg(tmp_path / "noval", "train.eval_every=-1", key))
 
 
 def test_dcn_rank_is_checked_against_the_datas_features(data):

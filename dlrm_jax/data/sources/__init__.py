@@ -149,8 +149,11 @@ def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: 
             if cfg.data.source == "criteo"
             else "data preprocessed with --val-fraction or --val-input"
         )
+        if not trains:
+            raise ConfigError(f"{where}: the val split is empty: nothing to evaluate; use {how}")
         raise ConfigError(
-            f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at the end); use {how}"
+            f"{where}: the val split is empty, and a run evaluates (at train.eval_every and at the end); use "
+            f"{how}, or train.eval_every=-1 to train without evaluating"
         )
 
 
