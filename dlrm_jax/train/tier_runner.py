@@ -51,7 +51,11 @@ class Planned(NamedTuple):
 
 
 class TierRunner:
-    """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``.
+    """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``: a thread
+    plans each batch ``lookahead`` steps ahead (which rows each device cache must hold, the
+    disk reads begun for them), and each step gets its cache fills with its batch. What
+    ``train_and_evaluate`` uses for a config with tiered tables; a step loop of your own over
+    tiered tables takes :meth:`planned`'s items in order.
 
     With hot rows, the planner splits tiered tables' hot ids off (they never take a cache
     slot) and stops before the first batch after each refresh of the schedule until

@@ -80,8 +80,22 @@ def _copy_file(src: Path, dst: Path) -> None:
 class TierStore:
     """All tiered tables of a run under one directory, crash-safe by copy-on-write snapshots.
 
-    Memory: open file descriptors of recently used chunk files, and each call's rows; nothing
-    proportional to a table's rows.
+    ``tables`` (:data:`~dlrm_jax.embedding.tiers.format.TierTables`) maps each table to its
+    rows and fields (per-row shape, dtype). Rows are read and written by index; a snapshot
+    keeps the tables as they are at a step (hard links: only chunks written after it are
+    copied), and a read-only view reads one while training goes on::
+
+        tables = {"cat_0": (1_000_000, {"weight": ((16,), "float32")})}
+        init = lambda table, start, stop: {"weight": np.zeros((stop - start, 16), np.float32)}
+        store = dlrm_jax.TierStore.create("tier", tables, init)
+        store.write("cat_0", np.array([3, 7]), {"weight": np.ones((2, 16), np.float32)})
+        store.snapshot(1)
+        store.read("cat_0", np.array([3, 4]))["weight"]  # [2, 16]: ones, then zeros
+        view = dlrm_jax.TierStore.open_snapshot("tier", tables, 1)
+
+    A training run's tier is made and driven for it (``embedding.storage=tiered``;
+    docs/tiered-tables.md). Memory: open file descriptors of recently used chunk files, and
+    each call's rows; nothing proportional to a table's rows.
     """
 
     def __init__(self, root: Path, arrays: dict[str, dict[str, ArrayLayout]]):
