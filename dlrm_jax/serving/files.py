@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def predict_files(
     output = Path(output)
     check_paths(inputs, output, model.folders)
     if writes_through(output):
-        with open(1 if str(output) == "-" else output, "w", closefd=str(output) != "-") as out:
+        fd = open_descriptor(output)
+        with open(output if fd is None else fd, "w", closefd=fd is None) as out:
             lines, scored = _write_scores(model, inputs, out, batch_size, log, progress)
         return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
     if output.exists() and not overwrite:
@@ -82,10 +84,30 @@ def predict_files(
     return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
 
 
+def open_descriptor(output: str | Path) -> int | None:
+    """The descriptor this process already has open that ``output`` names (``-``,
+    ``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/self/fd/N``), else None. Written
+    through it, not opened again: reopening ``/dev/stdout`` where the shell redirected it to a
+    file would truncate that file (``>>`` too) and write from its start."""
+    name = str(output)
+    if name == "-":
+        return 1
+    match = _DESCRIPTOR.fullmatch(os.path.abspath(name))
+    if match is None:
+        return None
+    if match[1]:
+        return {"stdout": 1, "stderr": 2}[match[1]]
+    return int(match[2] or match[3])
+
+
+_DESCRIPTOR = re.compile(r"/dev/(?:(stdout|stderr)|fd/(\d+))|/proc/self/fd/(\d+)")
+
+
 def writes_through(output: str | Path) -> bool:
-    """Whether ``output`` is written as lines are scored (``-``, a pipe, a device), not a file
-    that appears whole."""
-    return str(output) == "-" or (Path(output).exists() and not Path(output).is_file())
+    """Whether ``output`` is written as lines are scored (``-``, a descriptor this process has
+    open, a pipe, a device), not a file that appears whole (checked on the name as given:
+    ``/dev/stdout`` redirected to a file is the file once its links are followed)."""
+    return open_descriptor(output) is not None or (Path(output).exists() and not Path(output).is_file())
 
 
 def _write_scores(model: ServingModel, inputs, out, batch_size: int, log: SkipLog, progress: bool) -> tuple[int, int]:
@@ -126,7 +148,7 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
             raise ValueError(
                 f"--input {path}: not a regular file (a pipe or device); save it to a file, gzipped or not"
             )
-    if str(output) == "-":  # standard output
+    if open_descriptor(output) is not None:  # standard output, or another open descriptor
         return
     if output.is_dir():
         raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
@@ -138,7 +160,7 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
             f"--output {output} is also --input {same[0]}: the scores would replace the lines they come "
             f"from; write them to another file"
         )
-    where = output.parent.resolve()
+    where = Path(os.path.realpath(output)).parent  # where the scores land: a link's target's folder
     for folder in protected:
         if where == Path(folder).resolve() or Path(folder).resolve() in where.parents:
             raise ValueError(

@@ -413,9 +413,11 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
     shutil.copy(tmp / "day.tsv", day)
     shutil.copytree(art["f16"], model)
     lines, manifest = day.read_bytes(), (model / "manifest.json").read_bytes()
+    (tmp_path / "out.txt").symlink_to(model / "manifest.json")  # (its folder is outside: the target's is not)
     for output, says in (
         (day, f"--output {day} is also --input {day}"),
         (model / "manifest.json", "lies inside the serving artifact"),
+        (tmp_path / "out.txt", "lies inside the serving artifact"),
     ):
         r = _predict_cli("--model", str(model), "--input", str(day), "--output", str(output))
         assert r.returncode == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -432,7 +434,7 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
         ):
             with pytest.raises(error, match=says):
                 predict_files(m, inputs, output, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv", "folder", "m"]  # no partial files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv", "folder", "m", "out.txt"]  # no partial files
 
 
 @pytest.mark.slow
@@ -470,6 +472,32 @@ def test_predict_replaces_an_existing_file_only_when_asked_and_writes_through_li
         predict_files(model, day, "-", progress=False)
         assert capfd.readouterr().out == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "kept.txt", "link.txt", "want.txt"]
+
+
+@pytest.mark.slow
+def test_predict_to_dev_stdout_redirected_to_a_file_writes_through_the_redirect(criteo, tmp_path):
+    """``--output /dev/stdout`` with the shell's ``>> run.log``: before, /dev/stdout was followed
+    to the log file, refused as an existing file, and with --overwrite the log was replaced whole
+    (its earlier lines lost); the scores now go through the descriptor, after the earlier lines."""
+    from dlrm_jax.serving.files import predict_files
+
+    tmp, art, _ = criteo
+    with serving.load(art["f16"]) as model:
+        predict_files(model, [str(tmp / "day.tsv")], tmp_path / "want.txt", progress=False)
+    log = tmp_path / "run.log"
+    log.write_text("earlier lines\n")
+    command = [sys.executable, "-m", "dlrm_jax", "predict", "--model", str(art["f16"]), "--input"]
+    with open(log, "a") as out:
+        r = subprocess.run(
+            [*command, str(tmp / "day.tsv"), "--output", "/dev/stdout", "--no-progress"],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )
+    assert r.returncode == 0 and r.stderr.startswith("predicted "), r.stderr  # (the summary: not amid the scores)
+    assert log.read_text() == "earlier lines\n" + (tmp_path / "want.txt").read_text()
 
 
 @pytest.mark.slow
