@@ -219,12 +219,13 @@ def remove_stale_temporaries(output: str | Path) -> list[Path]:
 class DatasetDir:
     """A dataset being written in ``.NAME.tmp-PID`` beside ``output``: :meth:`commit` writes
     meta.json last and renames it into place (replacing an earlier dataset, with ``overwrite``,
-    only then); an
-    exception inside the ``with`` removes it, so ``output`` is never half written."""
+    only then); an exception inside the ``with`` removes it, so ``output`` is never half
+    written. An ``output`` that is a symbolic link keeps it: the dataset it points to is the one
+    written (renaming the link aside and deleting it as a folder failed after the whole run)."""
 
     def __init__(self, output: str | Path, overwrite: bool = False):
-        self.output = Path(output)
-        check_output_target(self.output, overwrite)
+        check_output_target(output, overwrite)
+        self.output = Path(os.path.realpath(output))
         remove_stale_temporaries(self.output)
         self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -353,6 +353,19 @@ def test_failure_while_writing_leaves_nothing(tmp_path, tsv, monkeypatch):
         preprocess([path], tmp_path / "other")
 
 
+def test_overwrite_through_a_link_replaces_the_dataset_it_points_to_and_keeps_the_link(tmp_path, tsv):
+    """Before: the link was renamed aside and deleted as a folder (``Cannot call rmtree on a
+    symbolic link``) after the whole run, leaving a folder where the link was, a stray link
+    beside it, and the linked dataset as it was."""
+    path, _ = tsv
+    preprocess([path], tmp_path / "real", max_ind_range=M, val_fraction=0.5)
+    (tmp_path / "link").symlink_to("real")
+    preprocess([path], tmp_path / "link", max_ind_range=M, val_fraction=0.25, overwrite=True)
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == "real"
+    assert json.loads((tmp_path / "real" / "meta.json").read_text())["val_rows"] == 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
 def test_tsv_source_cycles_over_train_lines(tmp_path, raw, tsv):
     path, empty = tsv
     cfg = criteo_config(path, "data.val_fraction=0.25")
