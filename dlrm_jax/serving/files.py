@@ -15,10 +15,10 @@ import numpy as np
 from dlrm_jax import stopping
 from dlrm_jax.data.preprocessing.criteo_preprocess import parse_block
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog, byte_progress, open_input
-from dlrm_jax.data.sources.criteo import NUM_FIELDS, CriteoFormatError
+from dlrm_jax.data.sources.criteo import CriteoFormatError
 from dlrm_jax.files import full_disk_as
 from dlrm_jax.serving.model import ServingModel
-from dlrm_jax.serving.rules import parse_criteo
+from dlrm_jax.serving.rules import LAYOUT_LINES, criteo_labeled, parse_criteo
 
 CHUNK_LINES = 1 << 16
 
@@ -122,9 +122,10 @@ def _write_scores(model: ServingModel, inputs, out, batch_size: int, log: SkipLo
                     stopping.raise_if_stopped()
                 continue
             with open_input(path, CriteoFormatError) as (raw, f):
-                lineno, read = 1, 0
+                lineno, read, labeled = 1, 0, None
                 while chunk := list(itertools.islice(f, CHUNK_LINES)):
-                    probs = _score(model, chunk, batch_size, log, str(path), lineno)
+                    labeled = criteo_labeled(chunk) if labeled is None else labeled  # the file's first chunk's
+                    probs = _score(model, chunk, batch_size, log, str(path), lineno, labeled)
                     out.write("\n".join(f"{p:.9g}" for p in probs.tolist()) + "\n")
                     lines, scored = lines + len(chunk), scored + int((~np.isnan(probs)).sum())
                     lineno += len(chunk)
@@ -170,17 +171,16 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
 
 
 def _score(
-    model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLog, path: str, lineno: int
+    model: ServingModel, chunk: list[bytes], batch_size: int, log: SkipLog, path: str, lineno: int, labeled: bool
 ) -> np.ndarray:
-    """Probabilities of a chunk of lines (nan for a bad one, which ``log`` records): pyarrow's
-    reader when every line is valid (as preprocess reads), else the strict parser, which says
-    what is wrong with each bad line."""
-    if chunk and chunk[0].count(b"\t") == NUM_FIELDS - 2:  # without the label: give one, it is not used
-        chunk = [b"0\t" + line for line in chunk]
-    fast = parse_block(b"".join(chunk))
+    """Probabilities of a chunk of lines of a file with labels or without (nan for a bad line,
+    which ``log`` records): pyarrow's reader when every line is valid (as preprocess reads),
+    else the strict parser, which says what is wrong with each bad line."""
+    given = chunk if labeled else [b"0\t" + line for line in chunk]  # a label to read by, not used
+    fast = parse_block(b"".join(given))
     if fast is not None and fast.lines == len(chunk):
         return model.predict_values(fast.dense, fast.values, fast.empty, batch_size)
-    parsed = parse_criteo(chunk)
+    parsed = parse_criteo(chunk, labeled)
     for bad in parsed.bad:
         log.record(path, lineno + bad.index, bad)
     probs = np.full(len(chunk), np.nan, np.float32)
@@ -192,6 +192,6 @@ def _score(
 def _tabular(model: ServingModel, path: str, batch_size: int, log: SkipLog, bar) -> Iterator[np.ndarray]:
     """Per chunk of a tabular file's records, their probabilities in file order (nan: skipped)."""
     with open_input(path, DataFormatError) as (_, f):
-        first = f.readline()
+        leading = list(itertools.islice(f, LAYOUT_LINES))
     with open_input(path, DataFormatError) as (raw, f):
-        yield from model.score_records(model.rules.chunks(f, raw, path, first, log, CHUNK_LINES, bar), batch_size)
+        yield from model.score_records(model.rules.chunks(f, raw, path, leading, log, CHUNK_LINES, bar), batch_size)

@@ -23,7 +23,7 @@ from dlrm_jax.serving.artifact import (
     read_manifest,
 )
 from dlrm_jax.serving.id_maps import IdMaps
-from dlrm_jax.serving.rules import parse_criteo, raw_rules
+from dlrm_jax.serving.rules import LAYOUT_LINES, parse_criteo, raw_rules
 from dlrm_jax.serving.tables import ServingTables, open_store
 
 DEFAULT_BATCH = 1024
@@ -176,7 +176,7 @@ class ServingModel:
         parsed = parse_criteo(lines)
         if parsed.bad and not skip_bad_lines:
             bad = parsed.bad[0]
-            raise CriteoFormatError(f"line {bad.index}: {bad.message}")
+            raise CriteoFormatError(f"line {bad.index + 1}: {bad.message}")  # (numbered from 1, as files are)
         out = np.full(len(lines), np.nan, np.float32)
         out[parsed.rows] = self.predict_values(rules.dense(parsed), parsed.values, parsed.empty, batch_size)
         return out
@@ -202,7 +202,7 @@ class ServingModel:
         data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
         log = SkipLog(skip_bad_lines, DataFormatError)
         chunks = self.rules.chunks(
-            io.BytesIO(b"".join(data)), None, "rows", data[0] if data else b"", log, max(len(data), 1)
+            io.BytesIO(b"".join(data)), None, "rows", data[:LAYOUT_LINES], log, max(len(data), 1)
         )
         return np.concatenate([np.zeros(0, np.float32), *self.score_records(chunks, batch_size)])
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_jax.data.preprocessing.multihot import MultiHotRule, check_seed
-from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, SkipLog
+from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID, BadLine, SkipLog
 from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_FIELDS, ParsedLines, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
 from dlrm_jax.serving.artifact import ArtifactError
@@ -127,21 +127,53 @@ class TabularRules(IdRules):
         )
 
     def chunks(
-        self, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
+        self, f, raw, path: str, leading: Sequence[bytes], log: SkipLog, chunk_lines: int, bar=None
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Per chunk of records: (their lines, the usable ones' positions, dense, values,
         empty), the values uint64 as preprocessing reads them (:meth:`ids` gives their ids)."""
         from dlrm_jax.data.preprocessing.tabular import scoring_chunks
 
-        yield from scoring_chunks(self.schema, self.sides, f, raw, path, first_line, log, chunk_lines, bar)
+        yield from scoring_chunks(self.schema, self.sides, f, raw, path, leading, log, chunk_lines, bar)
 
 
-def parse_criteo(lines: Sequence[bytes | str]) -> ParsedLines:
-    """Criteo lines with their label (40 fields) or without it (39): parsed as training parses
-    them; a line of neither shape is a bad line, reported by index."""
+LAYOUT_LINES = 1000  # a tabular file's leading lines that say whether it has the label column
+
+
+def criteo_labeled(lines: Sequence[bytes]) -> bool:
+    """Whether Criteo lines carry their label: most of the lines of either shape have 40 fields
+    (39 without it; a tie reads as labeled, the training files' layout). A file is read in one
+    layout, so a line that lost a field is a bad line, not read as one without its label."""
+    tabs = [s.count(b"\t") for s in lines]
+    return tabs.count(NUM_FIELDS - 1) >= tabs.count(NUM_FIELDS - 2)
+
+
+def parse_criteo(lines: Sequence[bytes | str], labeled: bool | None = None) -> ParsedLines:
+    """Criteo lines, all with their label (40 fields) or all without it (39; ``labeled``, by
+    default :func:`criteo_labeled` of these lines), parsed as training parses them; a line not
+    in that layout is a bad line, reported by index."""
     lines = [s.encode() if isinstance(s, str) else s for s in lines]
-    unlabeled = NUM_FIELDS - 2  # tabs in a line without its label
-    return parse_lines([b"0\t" + s if s.count(b"\t") == unlabeled else s for s in lines])
+    if labeled is None:
+        labeled = criteo_labeled(lines)
+    if labeled:
+        return parse_lines(lines)
+    parsed = parse_lines([b"0\t" + s for s in lines])  # a label to parse by, not used
+    return parsed._replace(bad=[_unlabeled(b, lines[b.index]) for b in parsed.bad])
+
+
+def _unlabeled(bad: BadLine, line: bytes) -> BadLine:
+    """What is wrong with a line of a file without labels, counted as the file has its fields
+    (the line was parsed with a label put before it)."""
+    text = line.rstrip(b"\r\n")
+    if not text:
+        return BadLine(bad.index, "empty line", "empty line")
+    if bad.kind != "field count":
+        return bad
+    found = text.count(b"\t") + 1
+    return BadLine(
+        bad.index,
+        bad.kind,
+        f"expected {NUM_FIELDS - 1} tab-separated fields (no label, as the file's other lines), found {found}",
+    )
 
 
 def raw_rules(root: Path, manifest: dict) -> CriteoRules | TabularRules:

@@ -17,7 +17,7 @@ from dlrm_jax.config import load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
 from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
 from dlrm_jax.data.sources import make_source
-from dlrm_jax.data.sources.criteo import write_criteo_tsv
+from dlrm_jax.data.sources.criteo import CriteoFormatError, write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import SyntheticGenerator
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.artifact import ArtifactError
@@ -366,6 +366,11 @@ def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
         by_raw = model.predict_raw(val)
         assert_scores_of_eval(by_raw, probs)
         np.testing.assert_array_equal(model.predict_raw(unlabeled.read_bytes().splitlines()), by_raw)
+        # a first line that lost a field does not decide the file's layout (it did: every other line was bad)
+        cut = [b"::".join(val[0].split(b"::")[:3]) + b"\n", *val[1:]]
+        got = model.predict_raw(cut, skip_bad_lines=True)
+        assert np.isnan(got[0]) and not np.isnan(got[1:]).any()
+        np.testing.assert_array_equal(got[1:], by_raw[1:])
     out = tmp_path / "p.txt"
     r = subprocess.run(
         [
@@ -472,6 +477,38 @@ def test_predict_replaces_an_existing_file_only_when_asked_and_writes_through_li
         predict_files(model, day, "-", progress=False)
         assert capfd.readouterr().out == want
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "kept.txt", "link.txt", "want.txt"]
+
+
+@pytest.mark.slow
+def test_a_file_is_read_with_its_label_or_without_it_whole_so_a_line_that_lost_a_field_is_bad(criteo, tmp_path):
+    """Before: each Criteo line of 39 fields was read as one without its label (every field
+    shifted by one, scored without a word), and a chunk's (a tabular file's) first line decided
+    the layout of all the others: a first line that lost a field made every good line bad."""
+    from dlrm_jax.serving.files import predict_files
+
+    tmp, art, (probs, dense, ids) = criteo
+    val = (tmp / "day.tsv").read_bytes().splitlines(keepends=True)[-VAL:][:6]
+    cut = lambda line: b"\t".join(line.split(b"\t")[:-1]) + b"\n"  # one field lost
+    unlabeled = [line.split(b"\t", 1)[1] for line in val]
+    with serving.load(art["f16"]) as model:
+        want = model.predict_raw(val)
+        for lines, bad_at in (
+            ([*val[:2], cut(val[2]), *val[3:]], 2),  # a labeled file: the cut line is bad
+            ([cut(val[0]), *val[1:]], 0),  # its first line too, and the others still score
+            ([*unlabeled[:4], val[4], unlabeled[5]], 4),  # a file without labels: a labeled line is bad
+        ):
+            (tmp_path / "in.tsv").write_bytes(b"".join(lines))
+            predict_files(
+                model, [tmp_path / "in.tsv"], tmp_path / "p.txt", progress=False, skip_bad_lines=True, overwrite=True
+            )
+            got = np.loadtxt(tmp_path / "p.txt", dtype=np.float32)
+            np.testing.assert_array_equal(np.isnan(got), np.arange(6) == bad_at)
+            np.testing.assert_array_equal(np.delete(got, bad_at), np.delete(want, bad_at))
+            np.testing.assert_array_equal(model.predict_raw(lines, skip_bad_lines=True), got)  # the API alike
+            with pytest.raises(CriteoFormatError, match=f"^line {bad_at + 1}: expected (40|39) tab-separated"):
+                model.predict_raw(lines)  # numbered from 1, as the files' lines are
+            with pytest.raises(ValueError, match=f"in.tsv:{bad_at + 1}: expected"):
+                predict_files(model, [tmp_path / "in.tsv"], tmp_path / "q.txt", progress=False)
 
 
 @pytest.mark.slow

@@ -406,13 +406,21 @@ def load_sides(schema: TabularSchema, joins: dict[str, str], log: SkipLog, chunk
 
 
 def scoring_chunks(
-    schema: TabularSchema, sides: dict, f, raw, path: str, first_line: bytes, log: SkipLog, chunk_lines: int, bar=None
+    schema: TabularSchema,
+    sides: dict,
+    f,
+    raw,
+    path: str,
+    leading: Sequence[bytes],
+    log: SkipLog,
+    chunk_lines: int,
+    bar=None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Records of an open file to score, the label neither read nor checked: per chunk, (the
     line of every record in file order, the positions of the usable ones among them, and their
     dense, values, empty). A file whose header (or field count) shows no label column is read
-    without it; ``first_line``: the file's first line, which tells."""
-    layout, wanted = _without_label(schema, first_line)
+    without it; ``leading``: the file's first lines, which tell."""
+    layout, wanted = _without_label(schema, leading)
     for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
         cols, problems = rec.columns(wanted), {}
         main = _convert(schema, "", cols, problems)
@@ -425,22 +433,28 @@ def scoring_chunks(
         yield lines[order], at[keep], dense, values, empty
 
 
-def _without_label(schema: TabularSchema, first_line: bytes) -> tuple:
+def _without_label(schema: TabularSchema, leading: Sequence[bytes]) -> tuple:
     """(layout, wanted columns) to read a file to score: the label is not wanted, and a file
-    without the label column (a header without its name, or one field fewer) is read as such."""
+    without the label column (a header without its name, or most of its leading lines of
+    either width one field fewer: one malformed first line does not decide) is read as such;
+    a line of the other width is then a bad line."""
     label = schema.label.column.key
     wanted = [w for w in schema.wanted() if w != label or any(f.column.key == label for f in schema.features)]
     layout = schema.layout
     if layout.format != "csv" or not isinstance(label, str) or label not in layout.columns:
         return layout, wanted
-    fields = [
-        x.strip().strip('"')
-        for x in first_line.decode(layout.encoding, "replace").rstrip("\r\n").split(layout.delimiter)
+    split = lambda line: [
+        x.strip().strip('"') for x in line.decode(layout.encoding, "replace").rstrip("\r\n").split(layout.delimiter)
     ]
+    fields = split(leading[0]) if leading else []
     header = layout.header is True or (
         bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields)
     )
-    absent = label not in fields if header else len(fields) == len(layout.columns) - 1
+    if header:
+        absent = label not in fields
+    else:
+        widths = [len(split(line)) for line in leading]
+        absent = widths.count(len(layout.columns) - 1) > widths.count(len(layout.columns))
     if absent:
         layout = dataclasses.replace(layout, columns=tuple(c for c in layout.columns if c != label))
     return layout, wanted
