@@ -265,7 +265,10 @@ class BinarySource:
         self._block = max(1, min(cfg.data.shuffle_block, (self._hi - self._lo) // MIN_BLOCKS))
         self._eval_batches = cfg.train.eval_batches
         self._table_rows, self._bag_sizes = cfg.table_rows, tuple(cfg.bag_sizes)
-        self._id_ranges = IdRanges(self._table_rows, self._bag_sizes)
+        # ids are checked against the dataset's own sizes, before any cap folds them (a cap hid
+        # a damaged id: it was folded into the table first)
+        self._cards = cards
+        self._id_ranges = IdRanges(cards, self._bag_sizes)
         self._keep_places()
         # Features whose stored ids exceed the table (data.max_rows cap) are hashed into it.
         self._hashed = [f for f, (c, r) in enumerate(zip(cards, cfg.table_rows, strict=True)) if c > r]
@@ -469,15 +472,15 @@ class BinarySource:
                 f"{self._file_of(split, row((j, r)), 'labels')}: row {row((j, r))} of the "
                 f"{split.name} split has label {labels[j, r]}, not 0 or 1 (read for {what})"
             )
-        self._cap_ids(ids)
         if not self._id_ranges.hold(ids):
             j, r, c = self._id_ranges.first_bad(ids)
             f = int(np.searchsorted(np.cumsum(self._bag_sizes), c, side="right"))
             raise BinaryFormatError(
                 f"{self._file_of(split, row((j, r)), 'ids')}: row {row((j, r))} of the "
-                f"{split.name} split: feature {f} (table cat_{f}, {self._table_rows[f]} "
-                f"rows) has id {int(ids[j, r, c])} out of range (read for {what})"
+                f"{split.name} split: feature {f} (table cat_{f}, {self._cards[f]} values in the "
+                f"dataset) has id {int(ids[j, r, c])} out of range (read for {what})"
             )
+        self._cap_ids(ids)
 
     def _file_of(self, split: _Split, row: int, name: str) -> Path:
         k = int(np.searchsorted(split.starts, row, side="right") - 1)
