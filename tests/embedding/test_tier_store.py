@@ -50,6 +50,16 @@ def test_create_reads_the_initial_rows(store, tmp_path):
     assert (tmp_path / "tier/work/cat_0/accumulator/c.4").stat().st_size == 8 * 4
 
 
+def test_a_path_through_a_parent_folder_opens(tmp_path):
+    """``--run-dir ../runs/x`` or ``export --output ../models/x``: tensorstore's file driver
+    refused a path with ``..`` in it ("Invalid file path"), so training or exporting failed."""
+    (tmp_path / "sub").mkdir()
+    made = TierStore.create(tmp_path / "sub" / ".." / "tier", TABLES, reference, CHUNK_ROWS)
+    made.close()
+    with TierStore.open(tmp_path / "sub" / ".." / "tier", TABLES) as again:
+        assert_equal(again.read("cat_0", np.arange(3)), {f: v[:3] for f, v in full("cat_0").items()})
+
+
 def test_chunk_rows_default_to_about_4_mib_and_shrink_to_small_tables(tmp_path):
     assert default_chunk_rows(64) == 65536
     assert default_chunk_rows(100) == 32768  # a power of two that fits

@@ -24,6 +24,7 @@ import errno
 import functools
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,10 @@ def open_array(
     codecs: list[dict] | None = None,
     context: ts.Context | None = None,
 ) -> ts.TensorStore:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "metadata": array.metadata(codecs)}
+    # (normalised: tensorstore's file driver refuses a path with ".." in it, as a user's
+    # --output ../models/x or --run-dir ../runs/x gives)
+    where = os.path.abspath(path)
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": where}, "metadata": array.metadata(codecs)}
     if create:  # every chunk file must exist, fill-valued ones included: rows are read by offset
         spec |= {"create": True, "store_data_equal_to_fill_value": True}
     else:
