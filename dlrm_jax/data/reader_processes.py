@@ -90,6 +90,20 @@ def _attach(name: str) -> SharedMemory:
         return shm
 
 
+def _exit(code: int | None) -> str:
+    """How a process ended, in words: a signal by name (-9: SIGKILL, as the kernel's
+    out-of-memory killer sends)."""
+    if code is None:
+        return "still running, not answering"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (", perhaps by the kernel for want of memory" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
 @dataclass
 class _Worker:
     process: subprocess.Popen
@@ -148,9 +162,10 @@ class ProcessReaders:
                     code = worker.process.wait(1.0)
                 except subprocess.TimeoutExpired:
                     code = None
-                raise RuntimeError(
-                    f"input reader process {worker.process.pid} ended (exit code {code}) while reading "
-                    f"training step {step}"
+                # (an OSError: the commands give it as one line, not a traceback)
+                raise ChildProcessError(
+                    f"input reader process {worker.process.pid} ended ({_exit(code)}) while reading "
+                    f"training step {step}; run the same command to resume from the last checkpoint"
                 ) from None
             if kind == "error":
                 raise got
