@@ -366,6 +366,20 @@ def test_overwrite_through_a_link_replaces_the_dataset_it_points_to_and_keeps_th
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
 
 
+def test_a_file_edited_under_a_run_names_the_file_and_the_lines_byte(tmp_path, tsv):
+    """Before: ``['a.tsv', ...]: changed since indexed``, the whole list of paths and no place."""
+    import shutil
+
+    path = tmp_path / "day.tsv"
+    shutil.copy(tsv[0], path)
+    source = CriteoTSVSource(criteo_config(path, "data.shuffle=false"))
+    data = bytearray(path.read_bytes())
+    data[0:1] = b"x"  # the first line's label, in place
+    path.write_bytes(bytes(data))
+    with pytest.raises(CriteoFormatError, match=rf"^{path}: the line at byte 0 changed since the run indexed the file"):
+        source.train_batch(0)
+
+
 def test_tsv_source_cycles_over_train_lines(tmp_path, raw, tsv):
     path, empty = tsv
     cfg = criteo_config(path, "data.val_fraction=0.25")

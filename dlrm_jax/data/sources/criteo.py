@@ -278,6 +278,11 @@ class CriteoTSVSource:
                 lines[i] = f.readline()
         p = parse_lines(lines)
         if p.bad:
-            raise CriteoFormatError(f"{self.paths}: changed since indexed ({p.bad[0].message})")
+            at = positions[p.bad[0].index]
+            raise CriteoFormatError(
+                f"{self.paths[self._file[at]]}: the line at byte {int(self._offset[at]):,} changed since the run "
+                f"indexed the file ({p.bad[0].message}); the file was edited while the run used it: put it back, "
+                f"or start a new run"
+            )
         fields = normalise_dense(p.counts, p.missing), hash_ids(p.values, self._table_rows), p.labels.astype(np.float32)
         return RawBatch(*fields, raw_columns(p.values[:, self._dynamic])) if self._dynamic else Batch(*fields)
