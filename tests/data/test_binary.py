@@ -675,12 +675,16 @@ def test_raw_values_are_read_only_for_dynamic_tables(data, raw_data):
     assert type(BinarySource(make_cfg(data[1], DYNAMIC)).train_batch(0)) is Batch
 
 
-def test_raw_values_and_multi_hot_bags_are_refused_together(data, tmp_path):
-    with pytest.raises(ValueError, match="--raw-values and --multi-hot"):
-        preprocess_criteo(
-            [str(data[0])], str(tmp_path / "ds"), multi_hot=(2,) * 26, raw_values=True, workers=1, progress=False
-        )
-    assert not (tmp_path / "ds").exists()
+def test_options_that_cannot_go_together_are_refused_before_any_work(data, tmp_path):
+    """--min-count with --max-ind-range did nothing (hashing keeps every value) while meta.json
+    recorded it."""
+    for kw, says in (
+        ({"multi_hot": (2,) * 26, "raw_values": True}, "--raw-values and --multi-hot"),
+        ({"max_ind_range": 1000, "min_count": 5}, "--min-count 5 and --max-ind-range 1000: .*choose one"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            preprocess_criteo([str(data[0])], str(tmp_path / "ds"), **kw, workers=1, progress=False)
+        assert not (tmp_path / "ds").exists()
 
 
 def test_a_config_not_resolved_against_the_dataset_is_refused_naming_the_table(data):

@@ -101,6 +101,11 @@ def write_dataset(
     _check_disjoint(inputs, val_inputs)
     if opts.raw_values and opts.multi_hot:  # the rule's extra ids are drawn, and have no values
         raise ValueError("--raw-values and --multi-hot: multi-hot bags' drawn ids have no raw values; choose one")
+    if opts.max_ind_range and opts.min_count > 1:  # (hashed ids keep every value: it did nothing, and meta.json said 5)
+        raise ValueError(
+            f"--min-count {opts.min_count} and --max-ind-range {opts.max_ind_range}: --min-count leaves rare values "
+            f"out of a vocabulary, and --max-ind-range hashes every value instead of building one; choose one"
+        )
     if opts.window_seconds:  # windows of a time column, of rows kept in input order
         timed = getattr(parser, "split_by", None)
         need = None if timed else "a time column (a tabular schema's split_by)"
