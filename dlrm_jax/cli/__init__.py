@@ -5,6 +5,7 @@ itself: the huge-pages restart, signals, and one line per kind of failure.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"dlrm-jax: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:  # the reader of our output went (`predict --output - | head`): quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
         if os.environ.get("DLRM_JAX_DEBUG"):
             raise

@@ -131,6 +131,8 @@ def write_manifest(root: Path, manifest: dict) -> None:
 
 def read_manifest(root: Path) -> dict:
     file = Path(root) / MANIFEST
+    if Path(root).is_file():  # ("[Errno 20] Not a directory" before)
+        raise ArtifactError(f"{root}: a file, not a serving artifact's folder (dlrm-jax export --serving writes one)")
     try:
         manifest = json.loads(file.read_text())
     except FileNotFoundError:

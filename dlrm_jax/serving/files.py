@@ -155,6 +155,9 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
         raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
     if not output.parent.is_dir():
         raise FileNotFoundError(f"--output {output}: its folder {output.parent} does not exist")
+    target = Path(os.path.realpath(output))
+    if not target.parent.is_dir():  # a link into a missing folder (the error named a temporary file)
+        raise FileNotFoundError(f"--output {output}: a link to {target}, whose folder does not exist")
     same = [p for p in map(Path, inputs) if output.exists() and os.path.samefile(p, output)]
     if same:
         raise ValueError(

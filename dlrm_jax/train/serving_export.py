@@ -262,8 +262,13 @@ def _rules(work: Path, cfg) -> dict:
     (work / "rules").mkdir()
     files = []
     for f in range(len(meta["cardinalities"])):
-        name = f"rules/feature_{f}.npy"
-        shutil.copyfile(root / VOCAB_DIR / f"feature_{f}.npy", work / name)
+        name, vocabulary = f"rules/feature_{f}.npy", root / VOCAB_DIR / f"feature_{f}.npy"
+        if not vocabulary.is_file():  # (a bare "[Errno 2]" before)
+            raise FileNotFoundError(
+                f"{vocabulary}: missing from the dataset the run trained on (data.path={cfg.data.path}); a "
+                f"serving artifact carries its vocabularies: put the dataset back whole, or export without --serving"
+            )
+        shutil.copyfile(vocabulary, work / name)
         files.append(name)
     modulus = int(meta.get("max_ind_range") or 0)
     spec = {

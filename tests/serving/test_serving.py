@@ -428,6 +428,9 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
         assert r.returncode == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert day.read_bytes() == lines and (model / "manifest.json").read_bytes() == manifest
     (tmp_path / "folder").mkdir()
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "nowhere" / "p.txt")  # (it named a temporary file)
+    with pytest.raises(ArtifactError, match=f"{day}: a file, not a serving artifact's folder"):
+        serving.load(day)  # ("[Errno 20] Not a directory" before)
     with serving.load(model) as m:
         m.predict = None  # every refusal comes before a line is scored
         for inputs, output, error, says in (
@@ -436,10 +439,11 @@ def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_s
             ([tmp_path / "folder"], tmp_path / "p.txt", IsADirectoryError, "--input .*folder: a folder"),
             ([tmp_path / "absent.tsv"], tmp_path / "p.txt", FileNotFoundError, "--input .*absent.tsv: no such file"),
             ([day], model / "dense" / "new.txt", ValueError, "inside the serving artifact"),
+            ([day], tmp_path / "dangling.txt", FileNotFoundError, "a link to .*nowhere.*whose folder does not exist"),
         ):
             with pytest.raises(error, match=says):
                 predict_files(m, inputs, output, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["day.tsv", "folder", "m", "out.txt"]  # no partial files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling.txt", "day.tsv", "folder", "m", "out.txt"]
 
 
 @pytest.mark.slow
@@ -509,6 +513,34 @@ def test_a_file_is_read_with_its_label_or_without_it_whole_so_a_line_that_lost_a
                 model.predict_raw(lines)  # numbered from 1, as the files' lines are
             with pytest.raises(ValueError, match=f"in.tsv:{bad_at + 1}: expected"):
                 predict_files(model, [tmp_path / "in.tsv"], tmp_path / "q.txt", progress=False)
+
+
+@pytest.mark.slow
+def test_an_export_whose_datasets_vocabulary_is_gone_names_the_file(criteo, tmp_path):
+    """A bare ``[Errno 2] No such file or directory: '.../vocab/feature_0.npy'`` before."""
+    import shutil
+
+    tmp, _, _ = criteo
+    shutil.copytree(tmp / "ds", tmp_path / "ds")
+    (tmp_path / "ds" / "vocab" / "feature_0.npy").unlink()
+    with pytest.raises(FileNotFoundError, match="feature_0.npy: missing from the dataset the run trained on"):
+        export_serving(tmp / "run", tmp_path / "art", [f"data.path={tmp_path / 'ds'}"], **QUIET)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.slow
+def test_predict_into_a_pipe_its_reader_closes_ends_quietly(criteo):
+    """``predict --output - | head -1``: ``dlrm-jax: error: [Errno 32] Broken pipe`` and exit 1
+    before; now no word, and the status of a process the pipe's signal ended (141)."""
+    tmp, art, _ = criteo
+    command = [sys.executable, "-m", "dlrm_jax", "predict", "--model", str(art["f16"]), "--output", "-"]
+    inputs = ["--input", *[str(tmp / "day.tsv")] * 8, "--no-progress"]  # 12,000 scores: past a pipe's buffer
+    with subprocess.Popen(
+        [*command, *inputs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(), text=True
+    ) as p:
+        assert float(p.stdout.readline()) > 0
+        p.stdout.close()
+        assert p.wait(120) == 141 and p.stderr.read() == ""
 
 
 @pytest.mark.slow
