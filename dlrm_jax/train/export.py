@@ -11,6 +11,7 @@ step; device-resident tables are gathered from the checkpoint one table at a tim
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -86,6 +87,7 @@ def export_run(
     ``dest``, a new or empty folder that appears whole or not at all; returns the step exported."""
     dest = check_new_folder(dest, "export")
     run = restore_run(run_dir, overrides, step, log)
+    check_outside_run(dest, run_dir, run.cfg)
     steps, state, step = run.steps, run.state, run.step
     with new_folder(dest, "export") as work:  # (whole or not at all)
         _export_tables(work, steps.collection, state.emb)
@@ -104,6 +106,22 @@ def export_run(
                 tiered.close()
     log(f"exported {len(run.plan.tables)} tables of step {step} to {dest}")
     return step
+
+
+def check_outside_run(dest: str | Path, run_dir: str | Path, cfg) -> None:
+    """Refuses an export's ``dest`` inside a folder the run manages: its checkpoints (a resume
+    took an export there for a damaged checkpoint and moved it aside) or its disk tier."""
+    managed = [Path(run_dir) / "checkpoints"]
+    if cfg.tiered_tables:
+        managed.append(tier_root(cfg, Path(run_dir)))
+    where = Path(os.path.realpath(dest))
+    for folder in managed:
+        real = Path(os.path.realpath(folder))
+        if where == real or real in where.parents:
+            raise ValueError(
+                f"--output {dest}: inside {folder}, which the run manages (its resume moves what it does not "
+                f"recognise there aside as damaged); export outside it"
+            )
 
 
 def _export_tables(dest: Path, collection, emb) -> None:

@@ -41,7 +41,7 @@ from dlrm_jax.serving.artifact import (
     write_manifest,
 )
 from dlrm_jax.serving.id_maps import write_maps
-from dlrm_jax.train.export import RestoredRun, id_maps, restore_run, tier_snapshot
+from dlrm_jax.train.export import RestoredRun, check_outside_run, id_maps, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint
 
 EXPORT_PLATFORMS = ("cpu", "cuda")
@@ -66,6 +66,7 @@ def export_serving(
     dest = Path(dest)
     check_new_folder(dest, "export")
     run = restore_run(run_dir, overrides, step, log)
+    check_outside_run(dest, run_dir, run.cfg)
     if since is not None and since >= run.step:
         raise ValueError(f"--since {since}: must be an earlier step than the one exported ({run.step})")
     base = None if since is None else read_checkpoint(Path(run_dir), run.cfg, run.steps, since, log)[1]
