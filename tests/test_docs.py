@@ -262,6 +262,49 @@ def test_every_doc_page_is_in_the_index():
     assert not missing, f"docs/README.md does not link {missing}"
 
 
+MULTI_PROCESS = {"--coordinator", "--coordinator-bind", "--num-processes", "--process-id", "--join-timeout"}
+
+
+def usage_blocks() -> dict[tuple[str, ...], str]:
+    """docs/cli.md's list of commands: each command's words (``("preprocess", "criteo")``) and
+    its text, continuation lines included."""
+    text = (REPO / "docs" / "cli.md").read_text(encoding="utf-8").split("```")[1]
+    blocks: dict[tuple[str, ...], str] = {}
+    words: tuple[str, ...] = ()
+    for line in text.splitlines():
+        if line.startswith("dlrm-jax "):
+            words = tuple(w for w in line.split()[1:3] if re.fullmatch(r"[a-z][a-z-]*", w))
+            blocks[words] = line
+        elif line.strip() and words:
+            blocks[words] += " " + line.strip()
+    return blocks
+
+
+def test_the_command_list_names_every_flag_of_every_command():
+    """docs/cli.md promises every command and its flags (the multi-process ones in the table
+    below it); a flag the parser takes and the list leaves out fails here."""
+    blocks, missing = usage_blocks(), []
+    subcommands = lambda parser: next(
+        (a.choices for a in parser._actions if isinstance(a.choices, dict)),  # noqa: SLF001 - argparse's own
+        {},
+    )
+    parser = build_parser()
+    for name, sub in subcommands(parser).items():
+        nested = subcommands(sub)
+        for words, command in [((name, k), v) for k, v in nested.items()] if nested else [((name,), sub)]:
+            text = blocks.get(words)
+            if text is None:
+                missing.append(f"dlrm-jax {' '.join(words)}: not listed")
+                continue
+            if "[the same" in text:  # preprocess tabular: "the same ... flags" as criteo's line
+                text += blocks[(words[0], "criteo")]
+            flags = {o for a in command._actions for o in a.option_strings if o.startswith("--")}  # noqa: SLF001
+            for flag in sorted(flags - MULTI_PROCESS - {"--help"}):
+                if not re.search(rf"{re.escape(flag)}(?![a-z-])", text):
+                    missing.append(f"dlrm-jax {' '.join(words)}: {flag}")
+    assert not missing, "docs/cli.md's command list leaves out:\n" + "\n".join(missing)
+
+
 def test_configs_reference_matches_the_schema():
     text = config_doc.DOC_PATH.read_text(encoding="utf-8")
     problems = config_doc.problems(text, config_doc.DEFAULT_YAML.read_text(encoding="utf-8"))
