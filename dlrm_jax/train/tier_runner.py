@@ -50,6 +50,10 @@ class Planned(NamedTuple):
     step: int = 0
 
 
+class PlannerClosed(Exception):
+    """The run stopped taking plans while the planner waited for a hot-row refresh."""
+
+
 class TierRunner:
     """Drives ``steps`` (built with cache groups) over the tiered tables ``tiered``: a thread
     plans each batch ``lookahead`` steps ahead (which rows each device cache must hold, the
@@ -77,6 +81,7 @@ class TierRunner:
         self._gate = threading.Condition()
         self._arrived = self._released = -1  # the refresh boundary the planner waits at / may pass
         self._planner_done = True
+        self._closing = False  # the steps stopped taking plans: a planner waiting for a refresh ends
         maps = tiered.maps  # tiered dynamic tables' host maps: their ids resolved in the planner thread
         self.ids = (
             None
@@ -101,7 +106,7 @@ class TierRunner:
         batches = background(map(make_batch, steps)) if self.lookahead else map(make_batch, steps)
         schedule = self.steps.hot
         threaded = bool(self.lookahead)
-        self._planner_done = not threaded
+        self._planner_done, self._closing = not threaded, False
 
         def hot_for(k: int) -> dict:
             i = steps.start + k
@@ -109,7 +114,9 @@ class TierRunner:
                 with self._gate:  # caches and hot set change here: wait for refresh_hot(i)
                     self._arrived = i
                     self._gate.notify_all()
-                    self._gate.wait_for(lambda: self._released >= i)
+                    self._gate.wait_for(lambda: self._released >= i or self._closing)
+                    if self._released < i:  # the run stopped before the refresh (a signal, an early stop)
+                        raise PlannerClosed
             return self._hot_maps
 
         if self.ids is not None:
@@ -141,21 +148,34 @@ class TierRunner:
                     orig, remapped = orig[: batch.ids.shape[0]], remapped[: batch.ids.shape[0]]
                     batch = batch._replace(ids=remapped)
                     yield Planned(batch, fills, orig, reads, fresh, fresh_hot, counts, steps.start + i)
+            except PlannerClosed:
+                return
             finally:
+                if hasattr(batches, "close"):  # (the batches' reader thread, on this thread)
+                    batches.close()
                 with self._gate:
                     self._planner_done = True
                     self._gate.notify_all()
 
         source = background(plans(), depth=self.lookahead) if self.lookahead else plans()
-        while True:
-            t0 = time.perf_counter()
-            item = next(source, None)
-            waited = time.perf_counter() - t0
-            self.stall_s += waited
-            self.host_s["planner wait"] += waited
-            if item is None:
-                return
-            yield item
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = next(source, None)
+                waited = time.perf_counter() - t0
+                self.stall_s += waited
+                self.host_s["planner wait"] += waited
+                if item is None:
+                    return
+                yield item
+        finally:
+            # The run took its last plan (the end, a stop signal, an early stop, an error): a
+            # planner waiting for a hot-row refresh that will not come ends, and its thread is
+            # joined. (It waited forever, and the process with it, after the checkpoint.)
+            with self._gate:
+                self._closing = True
+                self._gate.notify_all()
+            source.close()
 
     def refresh_hot(self, state, keys: np.ndarray, step: int):
         """The state with hot set ``keys`` after train step ``step`` (a refresh of the

@@ -230,6 +230,36 @@ def test_hot_rows_of_tiered_tables_match_device_run_and_resume(tiny, tmp_path):
             np.testing.assert_array_equal(read("export_cut", table, field), read("export_device", table, field))
 
 
+def test_a_run_that_stops_while_the_planner_waits_for_a_refresh_ends(tiny, tmp_path):
+    """An early stop at step 2 with the planner, 3 batches ahead, waiting at step 3's hot-row
+    refresh: the run never exited after its checkpoint (nothing released the planner, and the
+    loop's end joined its thread forever), nor after a stop signal or divergence alike."""
+    import threading
+
+    from dlrm_jax.train.trainer import train_and_evaluate
+    from tests.helpers import QUIET
+
+    cfg = tiny(
+        *BASE,
+        *TIERED,
+        "mesh.devices=2",
+        "embedding.sharding=row",
+        "embedding.hot.rows=16",
+        "embedding.hot.refresh_every=3",
+        "embedding.hot.stats_batches=2",
+        "embedding.tier.lookahead=3",
+        "train.steps=30",
+        "train.eval_every=2",
+        "train.target_auc=0.01",
+    )
+    done = []
+    run = threading.Thread(target=lambda: done.append(train_and_evaluate(cfg, tmp_path / "run", **QUIET)), daemon=True)
+    run.start()
+    run.join(240)
+    assert not run.is_alive(), "the run did not end after its early stop"
+    assert done[0].step == 2 and "target_auc" in done[0].stop_reason
+
+
 @pytest.mark.slow
 def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
     """8 devices row-wise, checkpoint, then 4 devices table-wise: the device-resident tables
