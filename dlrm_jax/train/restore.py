@@ -28,7 +28,7 @@ from dlrm_jax.train.checkpoint import (
     saved_json,
     saved_steps,
 )
-from dlrm_jax.train.rundir import RunDirError, config_differences, describe_changes, state_keys
+from dlrm_jax.train.rundir import RunDirError, describe_changes, state_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
 
 
@@ -189,7 +189,7 @@ def read_checkpoint(
         )
     saved_cfg = Path(run_dir) / "config.yaml"
     trained = load_config(saved_cfg)  # overrides that change what the state means are refused, not read
-    changed = config_differences(trained, cfg, state_keys(trained, cfg))
+    changed = state_differences(trained, cfg)
     if changed:
         raise IncompatibleCheckpoint(
             f"{ckpts.directory}: its checkpoints hold the state of another config: changed from {saved_cfg}: "

@@ -69,6 +69,27 @@ def state_keys(old: Config, new: Config) -> tuple[str, ...]:
     return STATE_KEYS + (DYNAMIC_STATE_KEYS if old.dynamic_tables or new.dynamic_tables else ())
 
 
+def state_differences(old: Config, new: Config) -> list[tuple[str, object, object]]:
+    """What differs between ``old`` (a run's saved config) and ``new`` that changes what its
+    saved state means (:func:`config_differences` over :func:`state_keys`): the dynamic tables
+    as the tables they name (``embedding.ids`` and ``embedding.table_ids`` written another way,
+    reordered or with ``=vocab`` entries, name the same ones: they were refused), and what
+    their maps are given, raw values or the data's ids (a dataset with the other kind read
+    through the maps found almost nothing, silently)."""
+    keys = [k for k in state_keys(old, new) if k not in ("embedding.ids", "embedding.table_ids")]
+    changed = config_differences(old, new, keys)
+    if old.dynamic_tables != new.dynamic_tables:
+        names = lambda cfg: [f"cat_{t}" for t in cfg.dynamic_tables]
+        changed.append(("dynamic tables (embedding.ids, embedding.table_ids)", names(old), names(new)))
+    if old.dynamic_tables and new.dynamic_tables:
+        from dlrm_jax.data.sources import dynamic_input
+
+        given = dynamic_input(old), dynamic_input(new)
+        if None not in given and given[0] != given[1]:
+            changed.append(("what the dynamic tables' maps take (data.path: preprocess --raw-values or not)", *given))
+    return changed
+
+
 class RunDirError(ValueError):
     """A run directory that this run may not use; the message says why and what to do."""
 
@@ -239,7 +260,7 @@ class RunDir:
             except (ConfigError, yaml.YAMLError) as e:
                 raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
             self.resumed_config = old
-            blocking = config_differences(old, cfg, state_keys(old, cfg))
+            blocking = state_differences(old, cfg)
             if blocking:
                 what = describe_changes(blocking)
                 raise RunDirError(

@@ -178,9 +178,16 @@ def test_eval_refuses_a_dynamic_tables_setting_that_reads_the_maps_otherwise(tin
         evaluate_run(run, ["embedding.dynamic.probes=2"], **QUIET)
     with pytest.raises(RunDirError, match="another model: embedding.dynamic.policy lru -> lfu"):
         train_and_evaluate(tiny(*dynamic, "embedding.dynamic.policy=lfu"), run, **QUIET)
-    with pytest.raises(RunDirError, match="another model: embedding.ids dynamic -> vocab"):
+    with pytest.raises(
+        RunDirError,
+        match=r"another model: dynamic tables \(embedding.ids, embedding.table_ids\) \['cat_0', 'cat_1', 'cat_2', "
+        r"'cat_3'\] -> \[\]",
+    ):
         train_and_evaluate(tiny(*dynamic[1:]), run, **QUIET)
     evaluate_run(run, ["embedding.dynamic.half_life=100"], **QUIET)  # how counts decay from now on: free
+    # the same dynamic tables named another way (every one listed, in any order): refused before
+    every = "embedding.table_ids=[cat_3=dynamic, cat_1=dynamic, cat_0=dynamic, cat_2=dynamic]"
+    assert evaluate_run(run, ["embedding.ids=vocab", every], **QUIET).step == 4
 
 
 @pytest.mark.slow

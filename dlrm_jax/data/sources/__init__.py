@@ -118,6 +118,24 @@ def cap_note(cfg) -> str:
     )
 
 
+def dynamic_input(cfg) -> str | None:
+    """What dynamic tables' maps are given for a lookup by ``cfg``'s data: ``"raw values"``
+    (Criteo text; binary data preprocessed with ``--raw-values``) or ``"ids"`` (the data's own
+    ids); None where it cannot be told (a dataset no longer there). A run's maps hold keys of
+    one kind: read with the other, almost nothing is found, silently."""
+    if cfg.data.source == "criteo":
+        return "raw values"
+    if cfg.data.source != "binary":
+        return "ids"
+    from dlrm_jax.data.shards import read_meta
+
+    try:
+        meta = read_meta(cfg.data.path)
+    except (OSError, ValueError):
+        return None
+    return "raw values" if meta.get("raw_values") else "ids"
+
+
 def make_source(
     cfg, process_index: int = 0, process_count: int = 1, *, trains: bool = True, evaluates: bool = False
 ) -> DataSource:
