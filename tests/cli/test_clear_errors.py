@@ -327,14 +327,50 @@ def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
         (["--window-samples", "100"], "--window-samples 100: a window needs at least one batch (train.batch_size="),
         (["--windows", "1"], "--windows 1: at least 2 (each window is evaluated by the model trained on the ones"),
         (["--criteo", "nope.tsv"], "--criteo nope.tsv: no such file"),
+        # (the maps' rows were --rows whatever the key said: refused, naming the flag that sets them)
+        (
+            ["--set", "embedding.dynamic.rows=0.5"],
+            "embedding.dynamic.rows: bench stream gives every case's tables --rows",
+        ),
+        # (it trained, then reported a mean AUC of nan over no windows and exited 0)
+        (
+            ["--criteo", "one.tsv", "--window-samples", "1024", "--windows", "4"],
+            "one.tsv: holds 1 window of 1,024 lines",
+        ),
     ],
 )
 def test_a_stream_that_cannot_be_measured_is_one_line_before_any_work(tmp_path, monkeypatch, capsys, argv, says):
     from dlrm_jax.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["bench", "stream", *argv]) == 2  # a usage error, as a bad --set
+    _criteo_lines(tmp_path / "one.tsv", 1500)
+    assert main(["bench", "stream", "--set", "train.batch_size=256", *argv]) == 2  # a usage error, as a bad --set
     assert says in one_line(capsys.readouterr().err)
+
+
+def _criteo_lines(path, n: int, bad: int = 0) -> None:
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
+    from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(50,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(path, gen.raw(0, 0, 0, n))
+    if bad:
+        with open(path, "a") as f:
+            f.write("1\tnot a line\n" * bad)
+
+
+def test_bench_streams_criteo_windows_skip_bad_lines_as_the_key_says(tmp_path):
+    """``--set data.skip_bad_lines=true`` was dropped: the first bad line stopped the bench."""
+    from dlrm_jax.data.preprocessing.preprocess import SkipLog
+    from dlrm_jax.data.sources.criteo import CriteoFormatError, criteo_windows
+
+    _criteo_lines(tmp_path / "bad.tsv", 1024, bad=3)
+    with pytest.raises(CriteoFormatError, match="bad.tsv:1025: expected 40 tab-separated fields"):
+        criteo_windows([str(tmp_path / "bad.tsv")], 512)
+    log = SkipLog(True, CriteoFormatError)
+    assert len(criteo_windows([str(tmp_path / "bad.tsv")], 512, 0, log)) == 2 and log.by_reason.total() == 3
 
 
 def test_bench_stream_rows_and_dynamic_rows_refuse_nonsense(capsys):

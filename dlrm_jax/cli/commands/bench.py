@@ -250,12 +250,22 @@ def _stream(args) -> None:
     _check_stream_args(args, cfg.train.batch_size)
     start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.stream import bench_stream
-    from dlrm_jax.data.sources.criteo import criteo_windows
+    from dlrm_jax.data.preprocessing.preprocess import SkipLog
+    from dlrm_jax.data.sources.criteo import CriteoFormatError, criteo_windows
     from dlrm_jax.data.sources.drifting import DriftingStream
 
     if args.criteo:
         paths = [p.strip() for p in args.criteo.split(",") if p.strip()]
-        windows = criteo_windows(paths, args.window_samples, args.windows)
+        skipped = SkipLog(cfg.data.skip_bad_lines, CriteoFormatError)
+        windows = criteo_windows(paths, args.window_samples, args.windows, skipped)
+        if skipped.by_reason:
+            log(skipped.summary())
+        if len(windows) < 2:  # (it trained, then reported nan over no windows)
+            raise ConfigError(
+                f"--criteo {args.criteo}: holds {len(windows)} window of {args.window_samples:,} lines; the stream "
+                f"needs at least 2 (each window is evaluated by the model trained on the ones before it): "
+                f"use a smaller --window-samples or more lines"
+            )
         if args.windows and len(windows) < args.windows:  # (0: as many as the files hold)
             log(
                 f"note: --windows {args.windows}: --criteo holds {len(windows)} windows of {args.window_samples:,} lines"
@@ -278,6 +288,11 @@ def _stream(args) -> None:
 def _check_stream_args(args, batch_size: int) -> None:
     """One line for a stream that cannot be measured, before any work."""
     check_rows_or_fraction(args.rows, f"--rows {args.rows:g}")
+    if any(o.split("=")[0].strip() == "embedding.dynamic.rows" for o in args.overrides):  # (it was dropped)
+        raise ConfigError(
+            "embedding.dynamic.rows: bench stream gives every case's tables --rows rows (equal table memory "
+            "for dynamic, hashed and vocabulary ids); pass --rows instead"
+        )
     if args.window_samples < batch_size:
         raise ConfigError(
             f"--window-samples {args.window_samples}: a window needs at least one batch (train.batch_size={batch_size})"

@@ -150,13 +150,17 @@ def iter_chunks(
                     lineno, offset = lineno + len(lines), offset + sum(map(len, lines))
 
 
-def criteo_windows(paths: Sequence[str], window_samples: int, windows: int = 0) -> list[StreamWindow]:
+def criteo_windows(
+    paths: Sequence[str], window_samples: int, windows: int = 0, log: SkipLog | None = None
+) -> list[StreamWindow]:
     """Criteo text read in the order it was written, as time windows of ``window_samples``
     lines (``windows`` of them, 0: every whole window the files hold) with the raw values of
-    the categorical features (uint64, 0 where empty) and no ground truth (``p`` is None)."""
+    the categorical features (uint64, 0 where empty) and no ground truth (``p`` is None).
+    ``log``: what a malformed line does (default: an error naming it; ``data.skip_bad_lines``:
+    skipped, counted there)."""
     want = windows * window_samples if windows else None
     parts, got = [], 0
-    for _, _, _, parsed in iter_chunks(list(paths), 65536, SkipLog(False, CriteoFormatError)):
+    for _, _, _, parsed in iter_chunks(list(paths), 65536, log or SkipLog(False, CriteoFormatError)):
         parts.append(parsed)
         got += len(parsed.rows)
         if want is not None and got >= want:
