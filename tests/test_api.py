@@ -82,3 +82,25 @@ def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
     assert sorted(order[0]) == sorted(order[1]) == list(range(192)) and not np.array_equal(order[0], order[1])
     summary = dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source, log=lambda *_: None)
     assert summary.step == 3 * 192 // 32 and summary.eval_samples == 100 and summary.auc > 0.6
+
+
+def test_array_sources_raw_ids_are_checked_against_the_dynamic_tables_before_any_work(tiny, tmp_path):
+    """Raw ids of the wrong width failed 15 frames inside the traced step, after planning
+    ("All input arrays must have the same shape"); given with no dynamic table, ignored."""
+    import numpy as np
+    import pytest
+
+    def source(cfg, width):
+        rng = np.random.default_rng(0)
+        ids = np.stack([rng.integers(0, r, 64) for r in cfg.table_rows], axis=1).astype(np.int32)
+        split = (rng.normal(size=(64, 13)).astype(np.float32), ids, np.zeros(64), rng.integers(0, 300, (64, width)))
+        return dlrm_jax.ArraySource(split, split, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
+
+    dynamic = tiny("embedding.table_ids=[cat_0=dynamic]", "mesh.devices=2", "train.batch_size=32")
+    for cfg, width, says in (
+        (dynamic, 3, r"ArraySource train: raw ids have 3 columns; the dynamic tables \(cat_0\) take 1"),
+        (tiny("mesh.devices=2", "train.batch_size=32"), 1, "ArraySource train: raw ids given, and no table is dynamic"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source(cfg, width), log=lambda *_: None)
+    assert not (tmp_path / "run").exists()

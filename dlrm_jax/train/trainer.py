@@ -63,6 +63,8 @@ def train_and_evaluate(
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     simulated = jax.default_backend() == "cpu"
     check_runnable(cfg, mesh.size, jax.process_count(), simulated=simulated, source_given=source is not None)
+    if hasattr(source, "check_config"):  # (a source of the caller's: against the config, before a run dir is made)
+        source.check_config(cfg)
     with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd, contextlib.ExitStack() as stack:
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows

@@ -58,6 +58,27 @@ class ArraySource:
     def skip_report(self) -> str:
         return ""
 
+    def check_config(self, cfg) -> None:
+        """A ValueError, before any work, where the raw ids do not fit ``cfg``'s dynamic tables
+        (their columns are those tables' bag slots, in table order), or are given with no table
+        dynamic (they would be ignored). ``train_and_evaluate`` calls it."""
+        want = sum(cfg.bag_sizes[t] for t in cfg.dynamic_tables)
+        names = ", ".join(f"cat_{t}" for t in cfg.dynamic_tables)
+        for name, split in (("train", self.train), ("val", self.val)):
+            raw = getattr(split, "raw", None)
+            if raw is None:
+                continue
+            if not cfg.dynamic_tables:
+                raise ValueError(
+                    f"ArraySource {name}: raw ids given, and no table is dynamic (embedding.ids, "
+                    f"embedding.table_ids): they would be ignored"
+                )
+            if raw.shape[2] != want:
+                raise ValueError(
+                    f"ArraySource {name}: raw ids have {raw.shape[2]} columns; the dynamic tables ({names}) take "
+                    f"{want} (their bags' slots, in table order)"
+                )
+
     def train_ids(self, step: int) -> np.ndarray:
         return self.train_batch(step).ids
 
