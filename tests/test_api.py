@@ -82,6 +82,14 @@ def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
     assert sorted(order[0]) == sorted(order[1]) == list(range(192)) and not np.array_equal(order[0], order[1])
     summary = dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source, log=lambda *_: None)
     assert summary.step == 3 * 192 // 32 and summary.eval_samples == 100 and summary.auc > 0.6
+    # evaluated again, on the same arrays: the run says it needs them (it scored the config's
+    # synthetic data, without a word)
+    import pytest
+
+    with pytest.raises(ValueError, match=r"run: trained on data given in Python \(ArraySource\), not its config's"):
+        dlrm_jax.evaluate_run(tmp_path / "run", log=lambda *_: None)
+    again = dlrm_jax.evaluate_run(tmp_path / "run", log=lambda *_: None, source=source)
+    assert (again.step, again.auc, again.eval_samples) == (summary.step, summary.auc, 100)
 
 
 def test_array_sources_raw_ids_are_checked_against_the_dynamic_tables_before_any_work(tiny, tmp_path):

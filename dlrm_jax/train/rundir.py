@@ -64,6 +64,18 @@ DYNAMIC_STATE_KEYS = (
 )
 
 
+GIVEN_SOURCE = "given_source.json"  # a run trained on a data source given in Python: its type
+
+
+def given_source(run_dir: str | Path) -> str:
+    """The type of the data source given in Python that ``run_dir`` trained on ("": its
+    config's data)."""
+    try:
+        return str(json.loads((Path(run_dir) / GIVEN_SOURCE).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def state_keys(old: Config, new: Config) -> tuple[str, ...]:
     """The keys that must match for ``new`` to resume (or read) ``old``'s saved state."""
     return STATE_KEYS + (DYNAMIC_STATE_KEYS if old.dynamic_tables or new.dynamic_tables else ())
@@ -281,15 +293,21 @@ class RunDir:
                 log("resuming with changed settings: " + describe_changes(changed))
         self._config_text = dump_config(cfg)
 
-    def record(self, report: str, plan_json: str, fresh: bool = False, log=print) -> None:
+    def record(self, report: str, plan_json: str, fresh: bool = False, log=print, given_source: str = "") -> None:
         """Write ``config.yaml`` (the config ``open`` checked) and the plan: the run goes on.
-        ``fresh``: it starts from step 0, and an earlier run's record there is kept aside."""
+        ``fresh``: it starts from step 0, and an earlier run's record there is kept aside.
+        ``given_source``: the type of a data source given in Python, not the config's (recorded:
+        evaluating the run on its config's data would score other data)."""
         if self.writer:
             if fresh:
                 self._keep_earlier(log)
             _atomic_write(self.path / "config.yaml", self._config_text)
             _atomic_write(self.path / "plan.txt", report + "\n")
             _atomic_write(self.path / "plan.json", plan_json + "\n")
+            if given_source:
+                _atomic_write(self.path / GIVEN_SOURCE, json.dumps({"source": given_source}) + "\n")
+            else:
+                (self.path / GIVEN_SOURCE).unlink(missing_ok=True)
 
     def _keep_earlier(self, log) -> None:
         """A run starting from step 0 where an earlier one logged events (its checkpoints removed,
@@ -300,7 +318,7 @@ class RunDir:
             return
         target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
         target.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json"):
+        for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json", GIVEN_SOURCE):
             if (self.path / name).exists():
                 shutil.move(str(self.path / name), target / name)
         log(

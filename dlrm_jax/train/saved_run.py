@@ -14,17 +14,20 @@ from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, tiered_in_checkpoint
+from dlrm_jax.train.rundir import given_source
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
 
 def evaluate_run(
-    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
+    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print, source=None
 ) -> RunSummary:
     """Evaluate ``run_dir``'s checkpoint at ``step`` (default the newest intact; ``best``: the
-    best evaluation's, train.keep_best) with its saved config. Read-only: the run may still be
-    training there (nothing in ``run_dir`` is written, moved or deleted)."""
-    state, driver = restored(run_dir, overrides, step=step, log=log)
+    best evaluation's, train.keep_best) with its saved config, on its config's data or
+    ``source`` (a run trained on a source given to ``train_and_evaluate`` needs it: its
+    config's data is not what it trained on). Read-only: the run may still be training there
+    (nothing in ``run_dir`` is written, moved or deleted)."""
+    state, driver = restored(run_dir, overrides, step=step, log=log, source=source)
     try:
         start = time.perf_counter()
         auc, ll, samples = driver.evaluate(state)
@@ -35,14 +38,21 @@ def evaluate_run(
 
 
 def restored(
-    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
+    run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print, source=None
 ) -> tuple[TrainState, StepDriver]:
     """``run_dir``'s checkpoint at ``step`` (as :func:`evaluate_run` takes it), read-only, and a
     driver whose ``evaluate`` scores it (close it after: tiered tables hold their snapshot)."""
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
+    given = given_source(run_dir)
+    if given and source is None:  # (it scored the config's synthetic data, without a word)
+        raise ValueError(
+            f"{run_dir}: trained on data given in Python ({given}), not its config's data.source="
+            f"{cfg.data.source}: evaluate it on that data, evaluate_run(run_dir, source=...)"
+        )
     mesh = mesh_from_config(cfg)
-    source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
+    if source is None:
+        source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
     step = checkpoint_step(run_dir / "checkpoints", step)
     plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)

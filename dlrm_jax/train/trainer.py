@@ -90,7 +90,7 @@ def train_and_evaluate(
                 )
                 stack.callback(ckpts.close)
             metrics = stack.enter_context(contextlib.closing(MetricsWriter(rd.metrics_path, cfg.train.tensorboard)))
-        return _train(cfg, rd, ckpts, metrics, log, plan, driver)
+        return _train(cfg, rd, ckpts, metrics, log, plan, driver, type(given).__name__ if given is not None else "")
 
 
 def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
@@ -197,6 +197,7 @@ def _train(
     log,
     plan: EmbeddingPlan,
     driver: StepDriver,
+    given_source: str = "",
 ) -> RunSummary:
     t, steps, on_cpu = cfg.train, driver.steps, jax.default_backend() == "cpu"
     if jax.process_index() == 0:  # the whole plan goes to RUN/plan.txt; the terminal gets its gist
@@ -206,7 +207,9 @@ def _train(
         state = restore_or_init(steps, ckpts, log, getattr(driver, "tiered", None))
         start = int(host_scalar(state.step))
         # only now: a refused resume changes nothing
-        rd.record(run_plan_report(cfg, plan, on_cpu), plan.to_json(), fresh=start == 0, log=log)
+        rd.record(
+            run_plan_report(cfg, plan, on_cpu), plan.to_json(), fresh=start == 0, log=log, given_source=given_source
+        )
         progress, stop_reason = resumed_progress(t, ckpts, start, log)
         end = start if stop_reason else t.steps  # the last step this run trains
         metrics.truncate_after(start, log)
