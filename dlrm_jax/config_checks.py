@@ -236,6 +236,12 @@ def _check_dynamic(cfg: Config) -> None:
                 f"embedding.table_sharding: {item!r}: table {name} takes raw ids ({what}) and a dynamic table "
                 f"is row-wise (its id map is split with its rows); use {name}=row or drop the override"
             )
+    every = len(cfg.dynamic_tables) == cfg.num_features
+    if every and e.sharding not in ("auto", Strategy.ROW):  # (it changed nothing, without a word)
+        raise ConfigError(
+            f"embedding.sharding={e.sharding}: every table takes raw ids ({what}), and a dynamic table is "
+            f"row-wise (its id map is split with its rows); use embedding.sharding=row or auto"
+        )
     _not_with(what, e, per_host=True)
     check_rows_or_fraction(e.dynamic.rows, f"embedding.dynamic.rows={e.dynamic.rows:g}")
     v = e.dynamic.vshards

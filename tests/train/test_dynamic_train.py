@@ -126,8 +126,13 @@ def test_resume_is_bitwise_identical_and_restores_onto_fewer_devices_with_its_ma
         (("embedding.sync=per_host",), "per-host tables (embedding.sync=per_host) are not supported yet"),
         (("embedding.dynamic.vshards=6",), "embedding.dynamic.vshards=6: a power of two"),
         (("embedding.table_ids=[cat_2=hashed]",), "embedding.table_ids[0]: 'cat_2=hashed' must be TABLE=IDS"),
+        # (every table dynamic, so every table row-wise whatever it said: it changed nothing, silently)
+        (
+            ("embedding.ids=dynamic", "embedding.sharding=column"),
+            "embedding.sharding=column: every table takes raw ids",
+        ),
     ],
-    ids=["not-row", "per-host", "vshards", "value"],
+    ids=["not-row", "per-host", "vshards", "value", "all-dynamic-not-row"],
 )
 def test_config_refuses_what_dynamic_tables_cannot_do(tiny, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
