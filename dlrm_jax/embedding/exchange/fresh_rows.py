@@ -65,6 +65,9 @@ def reset_fresh_rows(dyn, emb: EmbeddingState, fresh: FreshRows, key, hot_found=
     offset = const(offsets)
     col_start = const([dyn.where[t][1].col_start for t in tables])
     scale = const([1.0 / dyn.maps[t].rows ** 0.5 for t in tables], jnp.float32)
+    # new_rows="shared": the scale on 11 significant bits (see ``initial``)
+    mantissa, exponent = np.frexp([1.0 / dyn.maps[t].rows ** 0.5 for t in tables])
+    short_scale = const(np.ldexp(np.round(mantissa * 2**11) / 2**11, exponent), jnp.float32)
     table_index = const(tables)
     block = const([dyn.maps[t].rows // map_devices(dyn.mesh) for t in tables])  # a device's rows of each
     slots_of = const([dyn.maps[t].slots for t in tables])
@@ -100,9 +103,15 @@ def reset_fresh_rows(dyn, emb: EmbeddingState, fresh: FreshRows, key, hot_found=
         (plus ``base``, float32, where given: their shared rows' values)."""
         cols = col_start[table][:, None] + lax.iota(jnp.int32, width)[None, :]
         u = hash_uniform(seed_2, table_index[table][:, None], id_hash(hi, lo)[:, None], cols)
-        values = (2.0 * u - 1.0) * scale[table][:, None]
-        if base is not None:
-            values = base + values
+        if base is None:
+            values = (2.0 * u - 1.0) * scale[table][:, None]
+        else:
+            # A perturbation of the shared row that is exact in float32 (u on 12 bits, the scale
+            # on 11: a product of at most 24), so base + it rounds once however XLA fuses the
+            # two: contracted into one fused multiply-add in one program and not in another, a
+            # row started 1 ulp apart in a tiered run and on the devices, which were to agree.
+            u = jnp.floor(u * 4096.0) * (1.0 / 4096.0)
+            values = base + (2.0 * u - 1.0) * short_scale[table][:, None]
         return values.astype(dtype), opt.init(jnp.zeros((table.shape[0], width), dtype))
 
     def shared_rows(arrays, hot_state, hot_index, rows, table, name, placed=None):
