@@ -104,12 +104,7 @@ def _restore_state(steps: StepFunctions, ckpts: CheckpointReader, log, step: int
     if saved == current:
         return steps.from_checkpoint_form(ckpts.restore(steps.abstract_state(), step)), False
     if tiered != steps.tiered_tables:
-        names = lambda ts: ", ".join(current.tables[t].spec.name for t in ts) or "none"
-        raise IncompatibleCheckpoint(
-            f"checkpoint step {step} keeps tables {names(tiered)} in the disk tier, this config "
-            f"{names(steps.tiered_tables)} (embedding.storage / embedding.table_storage); moving "
-            f"tables between the devices and the tier on restore is not supported"
-        )
+        raise IncompatibleCheckpoint(_tiers_moved(step, tiered, steps.tiered_tables, current))
     log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = steps.from_checkpoint_form(ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step))
@@ -240,6 +235,27 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
             f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
             f"or pass a new --run-dir to start fresh"
         )
+
+
+def _tiers_moved(step: int, saved, current, plan: EmbeddingPlan) -> str:
+    names = lambda ts: ", ".join(plan.tables[t].spec.name for t in sorted(ts)) or "none"
+    return (
+        f"checkpoint step {step} keeps tables {names(saved)} in the disk tier, this config "
+        f"{names(current)} (embedding.storage / embedding.table_storage); moving "
+        f"tables between the devices and the tier on restore is not supported"
+    )
+
+
+def check_tiers_unmoved(ckpt_dir: Path, plan: EmbeddingPlan) -> None:
+    """Refuses a resume whose plan keeps other tables in the disk tier than the newest
+    checkpoint did, before a tier is made for it (the refusal came from the restore, after
+    the run had made ``RUN_DIR/tier``, which it left behind)."""
+    steps = saved_steps(ckpt_dir) if Path(ckpt_dir).is_dir() else []
+    if not steps:
+        return
+    saved = tiered_in_checkpoint(ckpt_dir)
+    if _saved_record(ckpt_dir, steps[-1]).get("plan") and saved != frozenset(plan.tiered_tables):
+        raise IncompatibleCheckpoint(_tiers_moved(steps[-1], saved, plan.tiered_tables, plan))
 
 
 def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[int]:

@@ -36,7 +36,13 @@ from dlrm_jax.train.loop import (  # noqa: F401
 )
 from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
-from dlrm_jax.train.restore import check_tier_kept, check_tier_owner, restore_or_init, tiered_in_checkpoint
+from dlrm_jax.train.restore import (
+    check_tier_kept,
+    check_tier_owner,
+    check_tiers_unmoved,
+    restore_or_init,
+    tiered_in_checkpoint,
+)
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
@@ -82,6 +88,8 @@ def train_and_evaluate(
                     log(note)
             kept = tiered_in_checkpoint(rd.checkpoint_dir) if rd.path and cfg.tiered_tables else frozenset()
             plan, steps = build(cfg, mesh, source, log, kept)
+            if rd.path:
+                check_tiers_unmoved(rd.checkpoint_dir, plan)  # (before a tier is made for it)
             driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
             ckpts = None
             if rd.path:

@@ -283,6 +283,10 @@ def test_restore_tiered_onto_another_device_count_and_strategy(tiny, tmp_path):
     assert losses(tmp_path / "tiered") == losses(tmp_path / "device")
     with pytest.raises(ValueError, match="keeps tables cat_0, cat_2 in the disk tier, this config none"):
         train_and_evaluate(tiny(*common, "mesh.devices=4", "train.steps=12"), tmp_path / "tiered", **QUIET)
+    # the other way, refused before a tier is made (RUN_DIR/tier was made, then left behind)
+    with pytest.raises(ValueError, match="keeps tables none in the disk tier, this config cat_0, cat_2"):
+        train_and_evaluate(tiny(*common, *TIERED, "mesh.devices=4", "train.steps=12"), tmp_path / "device", **QUIET)
+    assert not (tmp_path / "device" / "tier").exists()
 
 
 KILL_MID_FLUSH = """
