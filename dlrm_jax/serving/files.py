@@ -164,7 +164,7 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
             f"--output {output} is also --input {same[0]}: the scores would replace the lines they come "
             f"from; write them to another file"
         )
-    where = Path(os.path.realpath(output)).parent  # where the scores land: a link's target's folder
+    where = target.parent  # where the scores land: a link's target's folder
     for folder in protected:
         if where == Path(folder).resolve() or Path(folder).resolve() in where.parents:
             raise ValueError(

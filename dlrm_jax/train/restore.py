@@ -251,10 +251,11 @@ def check_tiers_unmoved(ckpt_dir: Path, plan: EmbeddingPlan) -> None:
     checkpoint did, before a tier is made for it (the refusal came from the restore, after
     the run had made ``RUN_DIR/tier``, which it left behind)."""
     steps = saved_steps(ckpt_dir) if Path(ckpt_dir).is_dir() else []
-    if not steps:
+    saved_plan = _saved_record(ckpt_dir, steps[-1]).get("plan") if steps else None
+    if not saved_plan:  # (none, or unreadable: its restore reports that)
         return
-    saved = tiered_in_checkpoint(ckpt_dir)
-    if _saved_record(ckpt_dir, steps[-1]).get("plan") and saved != frozenset(plan.tiered_tables):
+    saved = frozenset(EmbeddingPlan.from_json(saved_plan).tiered_tables)
+    if saved != frozenset(plan.tiered_tables):
         raise IncompatibleCheckpoint(_tiers_moved(steps[-1], saved, plan.tiered_tables, plan))
 
 

@@ -64,9 +64,9 @@ def reset_fresh_rows(dyn, emb: EmbeddingState, fresh: FreshRows, key, hot_found=
     offsets = np.asarray([dyn.where[t][1].offset for t in tables])
     offset = const(offsets)
     col_start = const([dyn.where[t][1].col_start for t in tables])
-    scale = const([1.0 / dyn.maps[t].rows ** 0.5 for t in tables], jnp.float32)
-    # new_rows="shared": the scale on 11 significant bits (see ``initial``)
-    mantissa, exponent = np.frexp([1.0 / dyn.maps[t].rows ** 0.5 for t in tables])
+    scales = np.asarray([1.0 / dyn.maps[t].rows ** 0.5 for t in tables])
+    scale = const(scales, jnp.float32)
+    mantissa, exponent = np.frexp(scales)  # new_rows="shared": the scale on 11 significant bits (see ``initial``)
     short_scale = const(np.ldexp(np.round(mantissa * 2**11) / 2**11, exponent), jnp.float32)
     table_index = const(tables)
     block = const([dyn.maps[t].rows // map_devices(dyn.mesh) for t in tables])  # a device's rows of each
