@@ -93,7 +93,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             log=lambda *_: None,
             maps=fns.tiered_maps,
         )
-        driver = TieredDriver(fns, source, tiered, cfg.embedding.tier.lookahead)
+        driver = TieredDriver(fns, source, tiered, cfg.embedding.tier.lookahead, log=lambda *_: None)
     try:
         return _profile(cfg, out_dir, mesh, source, fns, driver, steps, max(warmup, 1), log)
     finally:

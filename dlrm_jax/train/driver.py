@@ -188,11 +188,12 @@ class DeviceDriver(StepDriver):
 class TieredDriver(StepDriver):
     """Tiered tables: batches planned ahead with their cache fills (:class:`TierRunner`)."""
 
-    compiles_on_first_step = True
+    compiles_on_first_step = True  # (its fills' shapes come with the first planned batch)
 
-    def __init__(self, steps: StepFunctions, source: DataSource, tiered: TieredTables, lookahead: int):
+    def __init__(self, steps: StepFunctions, source: DataSource, tiered: TieredTables, lookahead: int, log=print):
         super().__init__(steps, source)
         self.runner = TierRunner(steps, tiered, lookahead)
+        self.log, self.ran = log, False
 
     @property
     def tiered(self) -> TieredTables:
@@ -204,7 +205,14 @@ class TieredDriver(StepDriver):
         return self.runner.planned(self.source.train_batch, range(start, end))
 
     def run(self, state: TrainState, item) -> Stepped:
+        t0 = time.perf_counter()
         state, out = self.runner.train(state, item.batch, item.fills, item.reads, item)
+        if not self.ran:  # (the call compiled the step: its dispatch is asynchronous)
+            self.ran = True
+            self.log(
+                f"compiled the train step in {time.perf_counter() - t0:.1f}s on {self.steps.mesh.size} "
+                f"{jax.default_backend()} devices in {jax.process_count()} process(es), with its first cache fills"
+            )
         return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
 
     def check_inputs(self, item) -> tuple:

@@ -58,5 +58,5 @@ def restored(
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
     if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
         tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)
-        return state, TieredDriver(steps, source, tiered, lookahead=0)
+        return state, TieredDriver(steps, source, tiered, lookahead=0, log=log)
     return state, DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)

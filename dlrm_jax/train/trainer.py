@@ -143,7 +143,7 @@ def _driver(cfg: Config, rd: RunDir, plan: EmbeddingPlan, steps: StepFunctions, 
         maps=steps.tiered_maps,
         run_dir=rd.path,
     )
-    return TieredDriver(steps, source, tiered, tier.lookahead)
+    return TieredDriver(steps, source, tiered, tier.lookahead, log)
 
 
 def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
