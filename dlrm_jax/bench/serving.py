@@ -25,7 +25,6 @@ from dlrm_jax import serving
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.config import CRITEO_KAGGLE_CARDINALITIES, load_config
 from dlrm_jax.data.preprocessing.criteo_preprocess import preprocess_criteo
-from dlrm_jax.data.sources import make_source
 from dlrm_jax.data.sources.criteo import write_criteo_tsv
 from dlrm_jax.data.sources.synthetic import TRAIN_STREAM, SyntheticGenerator
 from dlrm_jax.files import check_new_folder
@@ -33,8 +32,9 @@ from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.serving.files import predict_files
 from dlrm_jax.serving.model import part_entries
 from dlrm_jax.serving.tables import table_bytes
+from dlrm_jax.train.driver import TieredDriver
 from dlrm_jax.train.evaluate import eval_scores
-from dlrm_jax.train.export import restore_run
+from dlrm_jax.train.saved_run import restored
 from dlrm_jax.train.serving_export import export_serving
 from dlrm_jax.train.trainer import train_and_evaluate
 
@@ -113,7 +113,7 @@ def _bench_serving(tmp: Path, lines: int, config: str, overrides: list[str], ste
             "train.eval_every=0",
             "train.eval_batches=0",
             "train.progress_bar=false",
-            "train.keep_checkpoints=2",
+            "train.keep_checkpoints=3",  # (half, its double and the last: an odd count's three)
             *overrides,
         ],
     )
@@ -138,12 +138,15 @@ def _bench_serving(tmp: Path, lines: int, config: str, overrides: list[str], ste
         overwrite=True,
     )
     pre_s = time.perf_counter() - t
-    run = restore_run(tmp / "run", log=lambda *_: None)
-    source = make_source(run.cfg, 0, 1, trains=False, evaluates=True)
-    list(eval_scores(run.steps, run.state, source))  # compiled
-    t = time.perf_counter()
-    scored = list(eval_scores(run.steps, run.state, source))
-    eval_s = time.perf_counter() - t
+    state, driver = restored(tmp / "run", log=lambda *_: None)  # (as `dlrm-jax eval` scores it: tiers too)
+    try:
+        runner = driver.runner if isinstance(driver, TieredDriver) else None
+        list(eval_scores(driver.steps, state, driver.source, runner))  # compiled
+        t = time.perf_counter()
+        scored = list(eval_scores(driver.steps, state, driver.source, runner))
+        eval_s = time.perf_counter() - t
+    finally:
+        driver.close()
     probs = np.concatenate([p[m] for p, _, m in scored])
     labels = np.concatenate([y[m] for _, y, m in scored])
 

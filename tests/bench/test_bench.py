@@ -592,13 +592,17 @@ def test_bench_resolution_times_a_revision_beside_this_checkout(tmp_path):
 def test_serving_bench_scores_multi_hot_raw_lines_as_eval(tmp_path):
     """``dlrm-jax bench serving`` end to end on a config of multi-hot bags (it preprocesses its
     sample by MLPerf's rule, as DLRM-DCNv2's dataset is): every held-out line scored from raw
-    text as evaluation scores it, and a base plus its delta equal to the full export."""
+    text as evaluation scores it, and a base plus its delta equal to the full export. One table
+    in the disk tier (its evaluation reads the tier: the bench's own eval step was the devices'
+    alone, "pjit in_shardings ... length 3") and an odd step count (its half-way checkpoint,
+    which the delta starts from, was pruned: "no checkpoint at step 2; saved steps [4, 5]")."""
     from dlrm_jax.bench.serving import bench_serving
 
     bags = [2, *[1] * 24, 3]
     small = ["model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "data.max_rows=500"]
     more = [f"data.bag_sizes={bags}", "train.batch_size=128", "mesh.devices=2", *small]
-    report = bench_serving(2000, "criteo_kaggle", more, steps=4, workdir=str(tmp_path), **QUIET)
+    more += ["embedding.table_storage=[cat_0=tiered]"]
+    report = bench_serving(2000, "criteo_kaggle", more, steps=5, workdir=str(tmp_path), **QUIET)
     assert report["raw_lines"]["scored"] == 200 and report["raw_lines"]["max_ulps_from_eval"] <= 8
     assert report["delta"]["base_plus_delta_equals_full"]
 
