@@ -21,6 +21,7 @@ import time
 
 import jax
 
+from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import (
     _COLLECTIVE,
     _DTYPE_BYTES,
@@ -129,6 +130,7 @@ def _dense_allreduce_bytes(hlo: str, n: int, exchange_shapes: set) -> float:
 
 def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=print) -> dict:
     """Every strategy's case (``auto``: the config's own sharding); a table; JSON out."""
+    check_device_step("exchange", cfg)
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)
     source = make_source(cfg)

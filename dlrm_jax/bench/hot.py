@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import (
     hlo_collective_bytes,
     machine_description,
@@ -139,6 +140,7 @@ def bench_hot(
     """Every (zipf, layout, row layout) case with the model's hot rows and without; table; JSON.
     Each case's four programs (train and embedding step, with and without hot rows) are timed
     in ``repeats`` alternating chunks of ``steps``."""
+    check_device_step("hot", cfg)
     mesh = make_mesh(cfg.mesh.devices)
     data = NamedSharding(mesh, P(AXIS))
     cases = []

@@ -23,6 +23,7 @@ import time
 import jax
 
 from dlrm_jax import hostmem
+from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.bench.gil_wait import GilWait
 from dlrm_jax.bench.train import time_train_step
@@ -107,6 +108,8 @@ def time_pipeline(cfg, steps: int) -> dict:
 
 def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=print) -> dict:
     """Every case's pipeline samples/s beside the step's; a table, and JSON ``{"cases": [...]}``."""
+    if step_steps:
+        check_device_step("input", cfg)
     cases = []
     if cfg.data.source == "binary":
         cases += [_with_data(cfg, shuffle=True), _with_data(cfg, shuffle=False)]

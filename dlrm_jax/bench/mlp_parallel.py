@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import (
     hlo_collective_bytes,
     machine_description,
@@ -73,6 +74,8 @@ def bench_mlp_parallel(
     log=print,
 ) -> dict:
     """Every mode of every config, timed in turns; prints a table per config; JSON out."""
+    for config in configs:
+        check_device_step("mlp-parallel", load_config(config, overrides), config)
     report = {
         "benchmark": "mlp_parallel",
         "machine": machine_description(),

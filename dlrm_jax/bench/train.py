@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from dlrm_jax import hostmem
+from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.plan.stats import per_device_bytes
@@ -32,18 +33,6 @@ from dlrm_jax.train.build import build, mesh_from_config
 def _state_bytes(state) -> int:
     """Bytes of every device buffer of a state (all devices together)."""
     return sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards)
-
-
-def check_device_step(name: str, cfg) -> None:
-    """Refuses a config with tiered tables: their step takes the fills the tier's host work
-    plans each batch, so the device step alone says nothing of their speed."""
-    tiered = [f"cat_{f}" for f in cfg.tiered_tables]
-    if tiered:
-        raise ValueError(
-            f"config {name} keeps tables in the disk tier ({', '.join(tiered[:3])}{' ...' if len(tiered) > 3 else ''}: "
-            "embedding.storage / embedding.table_storage), and bench train times the device step alone; "
-            "time them with `dlrm-jax bench tiers` or `dlrm-jax train`"
-        )
 
 
 class _Prepared:
@@ -144,7 +133,7 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
     """Time each named config's train step; print a table with ratios to the first; JSON out.
     ``rounds`` > 1: the configs' steps interleaved (:func:`time_interleaved`)."""
     for name, cfg in configs.items():
-        check_device_step(name, cfg)
+        check_device_step("train", cfg, name)
     if rounds > 1:
         results = time_interleaved(configs, steps, warmup, rounds)
     else:

@@ -9,6 +9,7 @@ import pytest
 from dlrm_jax.bench.common import hlo_collective_bytes
 from dlrm_jax.bench.embedding import bench_embedding
 from dlrm_jax.bench.train import bench_train
+from dlrm_jax.config import ConfigError
 from tests.child_env import child_env
 from tests.helpers import QUIET
 
@@ -83,8 +84,31 @@ def test_train_bench_refuses_tiered_tables_before_building_any_config(tiny, tmp_
 
     monkeypatch.setattr(train_bench, "_Prepared", None)  # (building any config fails otherwise)
     configs = {"plain": tiny(), "cold": tiny("embedding.table_storage=[cat_2=tiered]")}
-    with pytest.raises(ValueError, match=r"^config cold keeps tables in the disk tier \(cat_2: embedding.storage"):
+    with pytest.raises(ConfigError, match=r"^config cold keeps tables in the disk tier \(cat_2: embedding.storage"):
         bench_train(configs, steps=2, warmup=1, output=str(tmp_path / "t.json"), **QUIET)
+
+
+@pytest.mark.parametrize("suite", ["input", "exchange", "hot", "mlp-parallel"])
+def test_every_suite_of_the_device_step_alone_refuses_tiered_tables_in_one_line(tiny, tmp_path, suite):
+    """Before: a raw "pjit in_shardings specification must be a tree prefix ..." from XLA (the
+    tiered step takes its cache fills too); now bench train's refusal, a config error."""
+    from dlrm_jax.bench.exchange import bench_exchange
+    from dlrm_jax.bench.hot import bench_hot
+    from dlrm_jax.bench.input import bench_input
+    from dlrm_jax.bench.mlp_parallel import bench_mlp_parallel
+
+    cold = tiny("embedding.table_storage=[cat_2=tiered]")
+    out = str(tmp_path / "r.json")
+    run = {
+        "input": lambda: bench_input(cold, steps=1, step_steps=1, output=out, **QUIET),
+        "exchange": lambda: bench_exchange(cold, output=out, **QUIET),
+        "hot": lambda: bench_hot(cold, steps=1, output=out, **QUIET),
+        "mlp-parallel": lambda: bench_mlp_parallel(["smoke"], ["embedding.storage=tiered"], output=out, **QUIET),
+    }[suite]
+    with pytest.raises(
+        ConfigError, match=rf"keeps tables in the disk tier \(cat_.*, and bench {suite} runs the device"
+    ):
+        run()
 
 
 def test_train_bench_interleaves_the_configs_in_rounds(tiny, tmp_path, monkeypatch):
@@ -611,7 +635,6 @@ def test_tiers_bench_without_warmup_and_after_a_refused_case_leaves_no_tier(tmp_
     """Before: --warmup 0 (allowed) was "'NoneType' object is not subscriptable" after the
     first case; a case refused by its config left its temporary tier folder behind."""
     from dlrm_jax.bench.tiers import _Variant, bench_tiers
-    from dlrm_jax.config import ConfigError
 
     idle = _Variant.__new__(_Variant)
     idle.run(0, timed=False)  # no step, nothing to wait for
