@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlrm_jax.bench import check_stream_config
 from dlrm_jax.bench.common import machine_description, write_report
 from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, split_ids
@@ -33,10 +34,10 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
 from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.specs import TableSpec
-from dlrm_jax.model.dlrm import DLRMDense, bce_loss
+from dlrm_jax.model.dlrm import bce_loss
 from dlrm_jax.observe.metrics import roc_auc
 from dlrm_jax.train.build import mesh_from_config
-from dlrm_jax.train.wiring import map_fields, sparse_optimizer_from_config
+from dlrm_jax.train.wiring import dense_optimizer, dlrm_from_config, map_fields, sparse_optimizer_from_config
 
 CASES = ("dynamic", "hashed", "vocab")
 
@@ -64,21 +65,12 @@ class _Case:
         self.coll = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
         new_rows = cfg.embedding.dynamic.new_rows
         self.dyn = DynamicTables(self.coll, dict(enumerate(maps)), new_rows) if kind == "dynamic" else None
-        m = cfg.model
-        model = DLRMDense(
-            num_dense=num_dense,
-            num_features=features,
-            embedding_dim=m.embedding_dim,
-            bottom_mlp=m.bottom_mlp,
-            top_mlp=m.top_mlp,
-            interaction=m.interaction,
-            rngs=nnx.Rngs(cfg.train.seed),
-        )
+        model = dlrm_from_config(cfg, nnx.Rngs(cfg.train.seed), num_dense, features)
         self.graphdef, params = nnx.split(model, nnx.Param)
         # committed to the mesh as the step returns them: else the second step compiles again
         everywhere = NamedSharding(mesh, P())
         self.params = jax.device_put(nnx.to_pure_dict(params), everywhere)
-        self.tx = optax.adam(cfg.train.learning_rate)
+        self.tx = dense_optimizer(cfg, optax.constant_schedule(cfg.train.learning_rate))
         self.opt_state = jax.device_put(self.tx.init(self.params), everywhere)
         self.key = jax.random.key(cfg.train.seed)
         self.emb = self.coll.init(self.key)
@@ -147,6 +139,7 @@ def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, out
     """Each case of ``cases`` trained on ``windows`` in order with the tables of
     :func:`stream_maps` (progressive validation); the report as JSON (``output``: written
     there too). ``about``: what the windows are, for the report."""
+    check_stream_config(cfg)
     mesh = mesh_from_config(cfg)
     batch = cfg.train.batch_size
     maps = stream_maps(cfg, windows, rows)

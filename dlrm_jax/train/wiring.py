@@ -276,12 +276,15 @@ def _sparse_settings(cfg: Config) -> dict:
     )
 
 
-def dlrm_from_config(cfg: Config, rngs: nnx.Rngs) -> DLRMDense:
-    """The dense DLRM of ``model.*`` over the data's dense and categorical features."""
+def dlrm_from_config(
+    cfg: Config, rngs: nnx.Rngs, num_dense: int | None = None, num_features: int | None = None
+) -> DLRMDense:
+    """The dense DLRM of ``model.*`` over the data's dense and categorical features (or
+    ``num_dense`` and ``num_features``: data the config does not describe)."""
     m = cfg.model
     return DLRMDense(
-        num_dense=cfg.data.num_dense,
-        num_features=cfg.num_features,
+        num_dense=cfg.data.num_dense if num_dense is None else num_dense,
+        num_features=cfg.num_features if num_features is None else num_features,
         embedding_dim=m.embedding_dim,
         bottom_mlp=m.bottom_mlp,
         top_mlp=m.top_mlp,

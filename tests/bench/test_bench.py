@@ -462,6 +462,23 @@ def test_stream_bench_scores_each_window_before_training_on_it(tmp_path):
     assert dynamic["evicted"] > 0 and dynamic["admitted"] > dynamic["evicted"]
 
 
+def test_stream_cases_follow_the_configs_dense_optimizer_and_model(tiny):
+    """Before: every case trained its MLPs with Adam and a DLRM of dot interactions, whatever
+    train.optimizer and model.interaction said (sgd and adam gave the same AUCs)."""
+    from dlrm_jax.bench.stream import _Case
+    from dlrm_jax.embedding.dynamic.idmap import MapSpec
+    from dlrm_jax.train.build import mesh_from_config
+
+    def case(*sets):
+        cfg = tiny("mesh.devices=1", *sets)
+        return _Case("hashed", cfg, (2, 3), [MapSpec(rows=16, vshards=2, probes=4)] * 2, mesh_from_config(cfg))
+
+    adam, sgd = case("train.optimizer=adam"), case("train.optimizer=sgd")
+    assert jax.tree.structure(adam.opt_state) != jax.tree.structure(sgd.opt_state)
+    assert "ScaleByAdamState" in str(jax.tree.structure(adam.opt_state))
+    assert "cross" in case("model.interaction=dcn").params and "cross" not in adam.params
+
+
 def test_compiled_train_step_takes_a_packed_batch_as_one_array_of_bytes(tiny):
     """What ``scripts/gpu_compile.py`` compiles for gpu_bench's ``packed_input``: the step fed as
     a dataset's readers feed it (one uint8 array a batch, split inside the step), not the three

@@ -332,6 +332,17 @@ def test_malformed_flags_are_named_by_argparse(capsys, argv, flag, says):
             ["--set", "embedding.dynamic.rows=0.5"],
             "embedding.dynamic.rows: bench stream gives every case's tables --rows",
         ),
+        # (its cases are row-wise DLRMs on the devices: these were trained as one without a word)
+        (
+            ["--config", "wide_deep"],
+            "model.kind=wide_deep: bench stream trains",
+        ),
+        (["--set", "embedding.storage=tiered"], "embedding.storage=tiered: bench stream trains each case as"),
+        (["--set", "embedding.hot.rows=64"], "embedding.hot.rows=64: bench stream trains each case as"),
+        (
+            ["--config", "smoke", "--set", "embedding.sharding=table"],
+            "embedding.sharding=table: bench stream trains each case as",
+        ),
         # (it trained, then reported a mean AUC of nan over no windows and exited 0)
         (
             ["--criteo", "one.tsv", "--window-samples", "1024", "--windows", "4"],

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from dlrm_jax.bench import check_stream_config
 from dlrm_jax.choices import DramPolicy, RowLayout, RowLayoutChoice
 from dlrm_jax.cli.args import (
     COUNT,
@@ -247,7 +248,7 @@ def _stream_arguments(p) -> None:
 
 def _stream(args) -> None:
     cfg = load_config(args.config or "stream", args.overrides)
-    _check_stream_args(args, cfg.train.batch_size)
+    _check_stream_args(args, cfg)
     start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.stream import bench_stream
     from dlrm_jax.data.preprocessing.preprocess import SkipLog
@@ -285,17 +286,19 @@ def _stream(args) -> None:
     bench_stream(cfg, windows, args.rows, args.cases, output=args.output, about=about, log=log)
 
 
-def _check_stream_args(args, batch_size: int) -> None:
+def _check_stream_args(args, cfg) -> None:
     """One line for a stream that cannot be measured, before any work."""
+    check_stream_config(cfg)
     check_rows_or_fraction(args.rows, f"--rows {args.rows:g}")
     if any(o.split("=")[0].strip() == "embedding.dynamic.rows" for o in args.overrides):  # (it was dropped)
         raise ConfigError(
             "embedding.dynamic.rows: bench stream gives every case's tables --rows rows (equal table memory "
             "for dynamic, hashed and vocabulary ids); pass --rows instead"
         )
-    if args.window_samples < batch_size:
+    if args.window_samples < cfg.train.batch_size:
         raise ConfigError(
-            f"--window-samples {args.window_samples}: a window needs at least one batch (train.batch_size={batch_size})"
+            f"--window-samples {args.window_samples}: a window needs at least one batch "
+            f"(train.batch_size={cfg.train.batch_size})"
         )
     if args.windows == 1 or (args.windows == 0 and not args.criteo):
         raise ConfigError(
