@@ -20,7 +20,7 @@ from dlrm_jax.embedding.tiers.setup import DynamicIds, tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
-from dlrm_jax.train.checks import check_batch
+from dlrm_jax.train.checks import check_batch, check_tiers_in_one_process
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.wiring import (
@@ -82,8 +82,7 @@ def build(
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, _tables(cfg, plan, mesh, optimizer), schedule)
     if source is None:
         raise ValueError("embedding.storage=tiered: sizing the device-cache fills needs the training data")
-    if jax.process_count() > 1:
-        raise ValueError("embedding.storage=tiered runs in one process for now (several local devices are fine)")
+    check_tiers_in_one_process(cfg, jax.process_count())  # (eval's and the Python API's builds too)
     raw = raw_id_batches(cfg, source, cfg.embedding.hot.stats_batches)
     dynamic = DynamicIds(dynamic_maps(cfg), raw)
     plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, dynamic, tiered_kept)

@@ -28,10 +28,21 @@ def check_runnable(
     hosts = (cfg.mesh.hosts or processes) if cfg.embedding.tables_per_host else 0
     check_mesh_shape(num_devices, processes, cfg.mesh.model, hosts)
     check_batch(cfg, num_devices)
+    check_tiers_in_one_process(cfg, processes)
     if cfg.embedding.ids_exchange == "two_level":
         _check_two_levels(cfg, num_devices, simulated)
     if not source_given:
         _check_data(cfg)
+
+
+def check_tiers_in_one_process(cfg: Config, processes: int) -> None:
+    """Tables in the disk tier train in one process (its host tiers are one process's)."""
+    if cfg.tiered_tables and processes > 1:
+        raise ConfigError(
+            f"embedding.storage / embedding.table_storage: tables in the disk tier (cat_{cfg.tiered_tables[0]}"
+            f"{' ...' if len(cfg.tiered_tables) > 1 else ''}) train in one process for now, not {processes} "
+            "(several local devices are fine)"
+        )
 
 
 def check_batch(cfg: Config, num_devices: int) -> None:

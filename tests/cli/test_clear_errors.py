@@ -822,6 +822,21 @@ def test_plan_refuses_what_train_refuses_and_train_leaves_no_run_dir(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_tiered_tables_in_several_processes_are_a_config_error_before_the_run_dir(tiny):
+    """Before: a plain error (exit 1) from building the step, after the run dir was announced
+    (and on a tiered run dir, its changed settings logged); `train` checks this before a run
+    dir is touched (check_runnable)."""
+    from dlrm_jax.train.checks import check_runnable
+
+    cfg = tiny("embedding.table_storage=[cat_2=tiered]")
+    check_runnable(cfg, 4, 1, simulated=True)
+    with pytest.raises(
+        ConfigError,
+        match=r"^embedding.storage / embedding.table_storage: tables in the disk tier \(cat_2\) train in one process for now, not 2",
+    ):
+        check_runnable(cfg, 4, 2, simulated=True)
+
+
 def test_two_levels_that_no_part_can_take_are_said_in_the_plan(tiny):
     from dlrm_jax.train.checks import check_runnable
     from dlrm_jax.train.planning import plan_for_run, plan_summary, run_plan_report
