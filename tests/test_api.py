@@ -98,17 +98,20 @@ def test_array_sources_raw_ids_are_checked_against_the_dynamic_tables_before_any
     import numpy as np
     import pytest
 
-    def source(cfg, width):
+    def source(cfg, width, val_raw=True):
         rng = np.random.default_rng(0)
         ids = np.stack([rng.integers(0, r, 64) for r in cfg.table_rows], axis=1).astype(np.int32)
         split = (rng.normal(size=(64, 13)).astype(np.float32), ids, np.zeros(64), rng.integers(0, 300, (64, width)))
-        return dlrm_jax.ArraySource(split, split, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
+        val = split if val_raw else split[:3]
+        return dlrm_jax.ArraySource(split, val, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
 
     dynamic = tiny("embedding.table_ids=[cat_0=dynamic]", "mesh.devices=2", "train.batch_size=32")
-    for cfg, width, says in (
-        (dynamic, 3, r"ArraySource train: raw ids have 3 columns; the dynamic tables \(cat_0\) take 1"),
-        (tiny("mesh.devices=2", "train.batch_size=32"), 1, "ArraySource train: raw ids given, and no table is dynamic"),
+    for cfg, width, val_raw, says in (
+        (dynamic, 3, True, r"ArraySource train: raw ids have 3 columns; the dynamic tables \(cat_0\) take 1"),
+        (tiny("mesh.devices=2", "train.batch_size=32"), 1, True, "ArraySource train: raw ids given, and no table is"),
+        # (the val split's row ids were scored as raw ids, without a word: AUC 0.48)
+        (dynamic, 1, False, "ArraySource: raw ids given for train and not for val; give both splits' dynamic"),
     ):
         with pytest.raises(ValueError, match=says):
-            dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source(cfg, width), log=lambda *_: None)
+            dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source(cfg, width, val_raw), log=lambda *_: None)
     assert not (tmp_path / "run").exists()

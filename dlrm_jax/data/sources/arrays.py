@@ -64,6 +64,17 @@ class ArraySource:
         dynamic (they would be ignored). ``train_and_evaluate`` calls it."""
         want = sum(cfg.bag_sizes[t] for t in cfg.dynamic_tables)
         names = ", ".join(f"cat_{t}" for t in cfg.dynamic_tables)
+        given = [
+            name
+            for name, split in (("train", self.train), ("val", self.val))
+            if getattr(split, "raw", None) is not None
+        ]
+        if len(given) == 1 and self.num_val:  # (the other's ids were read as raw ids: another table's rows)
+            other = "val" if given == ["train"] else "train"
+            raise ValueError(
+                f"ArraySource: raw ids given for {given[0]} and not for {other}; give both splits' dynamic "
+                "tables their raw ids (a fourth array), or neither"
+            )
         for name, split in (("train", self.train), ("val", self.val)):
             raw = getattr(split, "raw", None)
             if raw is None:
