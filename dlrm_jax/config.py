@@ -311,6 +311,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     return validate(_build(Config, raw, ""))
 
 
+def load_run_config(run_dir: str | Path, overrides: list[str] | dict[str, Any] | str = ()) -> Config:
+    """A training run's config (``run_dir/config.yaml``) with ``overrides``; a folder without
+    one is named as no run directory (not as a config file missing among the shipped ones)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: is {run_dir} a run directory?")
+    return load_config(path, overrides)
+
+
 def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> Config:
     """A copy of ``cfg`` with ``overrides`` (as :func:`load_config` takes them) applied and
     checked again: the way to derive a changed config (``Config`` is frozen)::

@@ -115,3 +115,17 @@ def test_array_sources_raw_ids_are_checked_against_the_dynamic_tables_before_any
         with pytest.raises(ValueError, match=says):
             dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=source(cfg, width, val_raw), log=lambda *_: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_what_a_notebook_gets_wrong_first_is_named_in_one_line(tmp_path):
+    """Before: a config's name where a Config goes was "must be called with a dataclass type
+    or instance"; a folder that is no run dir was "config file X/config.yaml does not exist;
+    shipped configs: ..."; a plan for 0 devices (mesh.devices=0 means all) was a
+    ZeroDivisionError."""
+    with pytest.raises(TypeError, match=r"^expected a Config, got str 'smoke': make one with dlrm_jax.load_config"):
+        dlrm_jax.train_and_evaluate("smoke", tmp_path / "run", log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(dlrm_jax.ConfigError, match=r"nope/config.yaml does not exist: is \S+nope a run directory\?$"):
+        dlrm_jax.evaluate_run(tmp_path / "nope", log=lambda *_: None)
+    with pytest.raises(dlrm_jax.ConfigError, match=r"^num_devices=0: a plan is for 1 or more devices"):
+        dlrm_jax.plan_from_config(dlrm_jax.load_config("smoke"), 0)

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from dlrm_jax.config import Config, ConfigError, load_config
+from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.files import check_dir
 from dlrm_jax.parallel.mesh import SIMULATED_DEVICES_DEFAULT, request_cpu_devices
 
@@ -93,11 +93,3 @@ def tighten_cap(cfg: Config, max_rows: int) -> Config:
     own = cfg.row_cap
     cap = own if not max_rows else (min(own, max_rows) if own else max_rows)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_rows=cap))
-
-
-def run_config(run_dir: str, overrides: list[str]) -> Config:
-    """A training run's config (its ``config.yaml``), with ``overrides`` applied."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.exists():
-        raise ConfigError(f"{path} does not exist: is {run_dir} a run directory?")
-    return load_config(path, overrides)

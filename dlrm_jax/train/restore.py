@@ -12,7 +12,7 @@ import errno
 import os
 from pathlib import Path
 
-from dlrm_jax.config import Config, load_config
+from dlrm_jax.config import Config, load_config, load_run_config
 from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -36,7 +36,7 @@ def saved_run_config(run_dir: Path, overrides=()) -> Config:
     """``run_dir``'s saved config (with ``overrides``), as its checkpoints need it: per-host
     tables come back on as many hosts as they were saved from, simulated in this process when
     it is one (``dlrm-jax eval`` or ``export`` of a run trained on several processes)."""
-    cfg = resolve_data_config(load_config(Path(run_dir) / "config.yaml", overrides))
+    cfg = resolve_data_config(load_run_config(run_dir, overrides))
     steps = saved_steps(Path(run_dir) / "checkpoints")
     if cfg.embedding.tables_per_host and not cfg.mesh.hosts and steps:
         hosts = int(saved_json(Path(run_dir) / "checkpoints", steps[-1]).get("hosts") or 0)

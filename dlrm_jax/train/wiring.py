@@ -184,6 +184,8 @@ def plan_request(
     ``cluster`` defaults to the config's for simulated devices (:func:`cluster_from_config`);
     ``stats``: the tables' id statistics in the data (``exchange.capacity.table_stats``);
     ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level)."""
+    if num_devices < 1:  # (mesh.devices=0 is "every device" for a run; a plan needs the count)
+        raise ConfigError(f"num_devices={num_devices}: a plan is for 1 or more devices (jax.device_count(): all)")
     specs = specs_from_config(cfg)
     cluster = cluster or cluster_from_config(cfg, simulated=True)
     per_host = cfg.embedding.tables_per_host and hosts > 1

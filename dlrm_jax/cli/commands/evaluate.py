@@ -6,7 +6,8 @@ from pathlib import Path
 
 from dlrm_jax import stopping
 from dlrm_jax.cli.args import add_distributed_args, add_overrides, add_run_and_step
-from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, run_config, start_jax
+from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
+from dlrm_jax.config import load_run_config
 
 NAME = "eval"
 HELP = "evaluate a checkpoint of a run (default: the newest)"
@@ -23,7 +24,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    cfg = run_config(args.run_dir, args.overrides)
+    cfg = load_run_config(args.run_dir, args.overrides)
     start_jax(devices_for(cfg), args, cfg.mesh.devices)
     library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.saved_run import evaluate_run

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from dlrm_jax import stopping
 from dlrm_jax.cli.args import add_overrides, add_run_and_step
-from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, run_config, start_jax
-from dlrm_jax.config import ConfigError
+from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
+from dlrm_jax.config import ConfigError, load_run_config
 
 NAME = "export"
 HELP = (
@@ -49,7 +49,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    cfg = run_config(args.run_dir, args.overrides)  # first: a folder that is no run dir is named
+    cfg = load_run_config(args.run_dir, args.overrides)  # first: a folder that is no run dir is named
     if not args.serving and (args.since is not None or args.tables != "float32"):
         raise ConfigError("--tables and --since go with --serving (the plain export writes float32 tables whole)")
     start_jax(devices_for(cfg), args)
