@@ -92,15 +92,7 @@ def test_the_windows_leave_out_the_first_state_checks_compile(tmp_path, monkeypa
     256 samples in 3 s."""
     from dlrm_jax.train.step import StepFunctions
 
-    calls, check = [], StepFunctions.state_check
-
-    def slow_first(self, *args):
-        calls.append(1)
-        if len(calls) == 1:
-            time.sleep(3.0)
-        return check(self, *args)
-
-    monkeypatch.setattr(StepFunctions, "state_check", slow_first)
+    calls = _first_call_slower(monkeypatch, StepFunctions, "state_check")
     summary, windows = _saving_every_4_of_8_steps(tmp_path)
     assert len(calls) == 2 and [e["step"] for e in windows] == [4, 8]
     assert windows[0]["samples_per_s"] > 4 * 64 / 3.0 and summary.samples_per_s > 8 * 64 / 3.0
@@ -135,20 +127,26 @@ def test_a_tiered_runs_windows_leave_out_its_steps_compile(tmp_path, monkeypatch
     from dlrm_jax.train.tier_runner import TierRunner
     from tests.embedding.tiered_configs import BASE, TIERED
 
-    calls, train = [], TierRunner.train
-
-    def slow_first(self, *args):
-        calls.append(1)
-        if len(calls) == 1:
-            time.sleep(3.0)
-        return train(self, *args)
-
-    monkeypatch.setattr(TierRunner, "train", slow_first)
+    calls = _first_call_slower(monkeypatch, TierRunner, "train")
     logged = []
     summary, windows = _saving_every_4_of_8_steps(tmp_path, *BASE, *TIERED, log=logged.append)
     assert len(calls) == 8 and [e["step"] for e in windows] == [4, 8]
     assert windows[0]["samples_per_s"] > 4 * 32 / 3.0 and summary.samples_per_s > 8 * 32 / 3.0
     assert any(line.startswith("compiled the train step in ") for line in logged), logged
+
+
+def _first_call_slower(monkeypatch, cls, name: str, seconds: float = 3.0) -> list:
+    """``cls.name``'s first call takes ``seconds`` more; the list of its calls."""
+    calls, method = [], getattr(cls, name)
+
+    def slow_first(self, *args):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(seconds)
+        return method(self, *args)
+
+    monkeypatch.setattr(cls, name, slow_first)
+    return calls
 
 
 def _saving_every_4_of_8_steps(tmp_path, *sets, **kw):
