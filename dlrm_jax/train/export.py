@@ -53,9 +53,15 @@ def restore_run(
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False)
     plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
-    if steps.collection.host_sets:  # the hosts' model tables are equal: host 0's copy is every host's
-        state = state._replace(emb=jax.tree.map(lambda x: x[0], steps.collection.model_tables(state.emb)))
-    return RestoredRun(cfg, plan, steps, step, state)
+    return RestoredRun(cfg, plan, steps, step, as_evaluated(steps, state))
+
+
+def as_evaluated(steps, state):
+    """``state`` with its tables as evaluation scores them: per-host tables their average over
+    the hosts, host replicas host 0's copy (every host's is equal)."""
+    if not steps.collection.host_sets:
+        return state
+    return state._replace(emb=jax.tree.map(lambda x: x[0], steps.collection.model_tables(state.emb)))
 
 
 def tier_snapshot(run: RestoredRun, run_dir: str | Path, step: int, log=print) -> TieredTables:

@@ -158,3 +158,16 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
             .result()
         )
         np.testing.assert_allclose(exported, (np.asarray(per_host[0][t]) + np.asarray(per_host[1][t])) / 2, rtol=1e-6)
+
+    # A serving delta is of the hosts' average too: it was "operands could not be broadcast
+    # together" (its base read with a table per host), and base + delta load to the full export.
+    from dlrm_jax import serving
+    from dlrm_jax.train.serving_export import export_serving
+
+    for name, kw in (("s3", dict(step=3)), ("s6", {}), ("d", dict(since=3))):
+        export_serving(tmp_path / "whole", tmp_path / name, ["mesh.hosts=0"], **kw, **quiet)
+    with serving.load(tmp_path / "s3", [tmp_path / "d"]) as merged, serving.load(tmp_path / "s6") as full:
+        for f in full.features:
+            a, b = merged.tables.table_fields(f["table"]), full.tables.table_fields(f["table"])
+            for k in b:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f["table"])
