@@ -100,8 +100,9 @@ def validate(cfg: Config) -> Config:
     """Every key's declared bound, then the checks across keys that a field's type cannot express."""
     if not isinstance(cfg, Config):  # (a name given where a Config goes: "must be called with a dataclass")
         raise TypeError(
-            f"expected a Config, got {type(cfg).__name__} {cfg!r}: make one with dlrm_jax.load_config"
-            f"({cfg!r})" if isinstance(cfg, str) else f"expected a Config, got {type(cfg).__name__}"
+            f"expected a Config, got {type(cfg).__name__} {cfg!r}: make one with dlrm_jax.load_config({cfg!r})"
+            if isinstance(cfg, str)
+            else f"expected a Config, got {type(cfg).__name__}"
         )
     _check_bounds(cfg, "")
     _check_train(cfg.train)

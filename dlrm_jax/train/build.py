@@ -38,11 +38,12 @@ def build(
     mesh: jax.sharding.Mesh,
     source: DataSource | None = None,
     log=print,
-    tiered_kept: frozenset[int] = frozenset(),
+    tiered_saved: frozenset[int] | None = None,
 ) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
-    ``tiered_kept``: the tables a checkpoint to be restored keeps in the disk tier
-    (``restore.tiered_in_checkpoint``), which stay there whatever their caches need.
+    ``tiered_saved``: the tables a checkpoint to be restored keeps in the disk tier
+    (``restore.tiered_in_checkpoint``; None: none is restored): each table stays where the
+    checkpoint has it, whatever its cache needs on this device count.
 
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,
@@ -85,7 +86,7 @@ def build(
     check_tiers_in_one_process(cfg, jax.process_count())  # (eval's and the Python API's builds too)
     raw = raw_id_batches(cfg, source, cfg.embedding.hot.stats_batches)
     dynamic = DynamicIds(dynamic_maps(cfg), raw)
-    plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, dynamic, tiered_kept)
+    plan = tier_plan(cfg.embedding.tier, plan, dynamic_homes(cfg, raw), log, dynamic, tiered_saved)
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, EmbeddingCollection(plan, mesh, optimizer), schedule)
     collection = EmbeddingCollection(plan.device_view(), mesh, optimizer, plan.tiered_tables)

@@ -259,13 +259,13 @@ def check_tiers_unmoved(ckpt_dir: Path, plan: EmbeddingPlan) -> None:
         raise IncompatibleCheckpoint(_tiers_moved(steps[-1], saved, plan.tiered_tables, plan))
 
 
-def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[int]:
-    """The tables checkpoint ``step`` (None: the newest) keeps in the disk tier; empty where
+def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[int] | None:
+    """The tables checkpoint ``step`` (None: the newest) keeps in the disk tier; None where
     there is none, or it cannot be read (its restore reports that)."""
     steps = saved_steps(ckpt_dir) if Path(ckpt_dir).is_dir() else []
     step = steps[-1] if step is None and steps else step
     plan = _saved_record(ckpt_dir, step).get("plan") if step is not None else None
-    return frozenset(EmbeddingPlan.from_json(plan).tiered_tables) if plan else frozenset()
+    return frozenset(EmbeddingPlan.from_json(plan).tiered_tables) if plan else None
 
 
 def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) -> None:

@@ -86,8 +86,8 @@ def train_and_evaluate(
             for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
                 if note:
                     log(note)
-            kept = tiered_in_checkpoint(rd.checkpoint_dir) if rd.path and cfg.tiered_tables else frozenset()
-            plan, steps = build(cfg, mesh, source, log, kept)
+            saved = tiered_in_checkpoint(rd.checkpoint_dir) if rd.path and cfg.tiered_tables else None
+            plan, steps = build(cfg, mesh, source, log, saved)
             if rd.path:
                 check_tiers_unmoved(rd.checkpoint_dir, plan)  # (before a tier is made for it)
             driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))

@@ -595,3 +595,12 @@ def test_a_tiered_run_resumes_on_a_device_count_where_one_batch_needs_a_whole_pa
     assert "table cat_3: one batch needs 9 of the 9 rows an owner holds; kept in the disk tier" in "\n".join(logs)
     assert "resuming from checkpoint at step 2" in logs and done.step == 4
     assert evaluate_run(run, ["mesh.devices=8"], log=lambda *_: None).auc == done.auc
+
+    # The other way: saved on 8 devices with cat_3 on them, resumed (and evaluated) on 1, where
+    # the planner would put it in the tier, was refused in the same words; it stays on the devices.
+    other = tmp_path / "other"
+    train_and_evaluate(tiny("train.steps=2", "mesh.devices=8", *base), other, **QUIET)
+    logs = []
+    done = train_and_evaluate(tiny("train.steps=4", "mesh.devices=1", *base), other, log=logs.append)
+    assert "table cat_3: kept on the devices, as the checkpoint being restored has it" in logs and done.step == 4
+    assert evaluate_run(other, ["mesh.devices=1"], log=lambda *_: None).auc == done.auc

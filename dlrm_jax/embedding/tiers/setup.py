@@ -57,19 +57,24 @@ def fit_caches(
     id_batches: list[np.ndarray],
     log=print,
     dynamic: DynamicIds | None = None,
-    kept: frozenset[int] = frozenset(),
+    saved: frozenset[int] | None = None,
 ) -> EmbeddingPlan:
     """Device caches that can work: each must hold the distinct rows one batch needs on its
     busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
     needed); a cache grown to its whole part of the table gains nothing from the tier, so such
-    a table stays on its devices, unless it is in ``kept`` (a checkpoint being resumed keeps it
-    in the tier: on another device count an owner's part differs; its cache then holds the whole
-    part). Both are logged. ``dynamic``: the dynamic tables' maps and the batches' raw ids,
+    a table stays on its devices. A checkpoint being resumed (``saved``: the tables it keeps in
+    the tier; None: none is) keeps each table where it has it, as an owner's part differs on
+    another device count: one it keeps in the tier stays there, its cache holding a whole part
+    if need be; one it keeps on the devices stays there. All are logged. ``dynamic``: the dynamic tables' maps and the batches' raw ids,
     which size their caches (``id_batches`` holds their home rows)."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
         tp, cache = plan.tables[t], TableCache(plan.tables[t], plan.num_devices)
+        if saved is not None and t not in saved:
+            log(f"table {tp.spec.name}: kept on the devices, as the checkpoint being restored has it")
+            tables[t] = dataclasses.replace(tp, cache_rows=0)
+            continue
         if dynamic is not None and t in dynamic.maps:
             need = _dynamic_need(cache, dynamic.maps[t], [ids[:, slot_table == t] for ids in dynamic.raw_batches])
         else:
@@ -82,7 +87,7 @@ def fit_caches(
                 )
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
         need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
-        if need >= owned and t in kept:
+        if need >= owned and saved is not None:
             log(
                 f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept in the "
                 f"disk tier as the checkpoint has it, its device cache holding all {owned:,}"
@@ -115,14 +120,14 @@ def tier_plan(
     id_batches: list[np.ndarray],
     log=print,
     dynamic: DynamicIds | None = None,
-    kept: frozenset[int] = frozenset(),
+    saved: frozenset[int] | None = None,
 ) -> EmbeddingPlan:
     """``plan`` with its TierPlan (the ``embedding.tier`` section ``tier``): device caches fitted
-    to the batches (``kept``: :func:`fit_caches`'), DRAM cache rows, fill capacities (the plan's
+    to the batches (``saved``: :func:`fit_caches`'), DRAM cache rows, fill capacities (the plan's
     ``capacity_factor`` times the most one batch filled) and predicted device hit rates from
     planning ``id_batches`` (global ids [B, S]) with empty caches."""
     n = plan.num_devices
-    plan = fit_caches(plan, id_batches, log, dynamic, kept)
+    plan = fit_caches(plan, id_batches, log, dynamic, saved)
     if not plan.tiered_tables:
         return plan
     fraction = tier.host_cache_fraction or host_cache_fraction_from_memory(plan, available_bytes(), log)
