@@ -66,12 +66,17 @@ class TensorLayout:
         return lax.with_sharding_constraint(x, self._rows)
 
 
+def _mlps(params: dict) -> tuple[str, ...]:
+    """The MLPs with layers (Wide&Deep's bottom MLP has none: no parameters at all)."""
+    return tuple(mlp for mlp in ("bottom", "top") if params.get(mlp, {}).get("layers"))
+
+
 def tensor_param_specs(params: dict) -> dict:
     """PartitionSpecs of the dense parameters (``DLRMDense``'s pure dict) under tensor
     parallelism: column-parallel kernels and biases split by columns, row-parallel kernels by
     rows, the rest replicated."""
     specs = jax.tree.map(lambda _: P(), params)
-    for mlp in ("bottom", "top"):
+    for mlp in _mlps(params):
         layers = params[mlp]["layers"]
         for i, role in zip(sorted(layers), pair_roles(len(layers)), strict=True):
             if role == "column":
@@ -87,7 +92,7 @@ def tensor_param_specs(params: dict) -> dict:
 
 def check_tensor_widths(params: dict, model: int) -> None:
     """Every split width must divide over the group: a ConfigError naming the key otherwise."""
-    for mlp in ("bottom", "top"):
+    for mlp in _mlps(params):
         layers = params[mlp]["layers"]
         for i, role in zip(sorted(layers), pair_roles(len(layers)), strict=True):
             width = layers[i]["kernel"].shape[1]
@@ -219,7 +224,7 @@ class PipelinePlan:
     def _stage_forward(self, s: int, row, received, dense_bd, emb_bfd):
         p = self._stage_params(row, s)
         if s == 0:
-            bottom = nnx.merge(self.bottom_def, p["bottom"])
+            bottom = nnx.merge(self.bottom_def, p.get("bottom", {}))  # (Wide&Deep's is empty)
             cross = nnx.merge(self.cross_def, p["cross"]) if self.cross_def is not None else None
             x = top_inputs(bottom, cross, self.interaction, self.dtype, dense_bd, emb_bfd)
         else:

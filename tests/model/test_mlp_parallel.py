@@ -79,6 +79,21 @@ def test_tensor_and_pipeline_train_like_data_parallel(tiny):
 
 
 @pytest.mark.slow
+def test_wide_and_deep_trains_tensor_and_pipeline_like_data_parallel(tiny):
+    """Wide&Deep's bottom MLP is empty, so it has no parameters: tensor-parallel and pipelined
+    runs failed with "KeyError: 'bottom'" (after the run dir was made)."""
+    kept = [o for o in MODEL if not o.startswith(("model.bottom", "model.interaction", "model.dcn"))]
+    wide_deep = ("model.kind=wide_deep", "model.bottom_mlp=[]", "model.interaction=cat", *kept)
+    ref_losses, ref_state = trajectory(tiny("mesh.devices=1", *wide_deep))
+    for mode, model in (("tensor", 4), ("pipeline", 2)):
+        got_losses, got_state = trajectory(
+            tiny("mesh.devices=4", f"mesh.model={model}", f"model.mlp_parallel={mode}", *wide_deep)
+        )
+        np.testing.assert_allclose(got_losses, ref_losses, rtol=1e-5, err_msg=mode)
+        assert_same(got_state, ref_state)
+
+
+@pytest.mark.slow
 def test_each_device_holds_its_share_of_the_dense_layers(tiny):
     cfg = tiny("mesh.devices=8", "mesh.model=4", "model.mlp_parallel=tensor", *MODEL)
     _, steps = build(cfg, make_mesh(8, model=4))
