@@ -90,23 +90,33 @@ def tensor_param_specs(params: dict) -> dict:
     return specs
 
 
-def check_tensor_widths(params: dict, model: int) -> None:
-    """Every split width must divide over the group: a ConfigError naming the key otherwise."""
-    for mlp in _mlps(params):
-        layers = params[mlp]["layers"]
-        for i, role in zip(sorted(layers), pair_roles(len(layers)), strict=True):
-            width = layers[i]["kernel"].shape[1]
+def check_tensor_widths(widths: dict[str, list[int]], rank: int, model: int) -> None:
+    """Every split width must divide over the group: a ConfigError naming the key otherwise.
+    ``widths``: each MLP's layers' output widths (``model.bottom_mlp``, ``model.top_mlp``);
+    ``rank``: the low-rank cross layers' (0: none). Checked with the config
+    (``train.checks``), so that ``plan`` refuses what training would, and on the built model."""
+    for mlp, outs in widths.items():
+        for i, (width, role) in enumerate(zip(outs, pair_roles(len(outs)), strict=True)):
             if role == "column" and width % model:
                 raise ConfigError(
                     f"model.{mlp}_mlp[{i}]={width}: model.mlp_parallel=tensor splits this layer's "
                     f"outputs over mesh.model={model} devices; use a multiple of {model}"
                 )
-    rank = params.get("cross", {}).get("u", {}).get(0)
-    if rank is not None and rank.shape[1] % model:
+    if rank % model:
         raise ConfigError(
-            f"model.dcn_rank={rank.shape[1]}: model.mlp_parallel=tensor splits the cross layers' "
+            f"model.dcn_rank={rank}: model.mlp_parallel=tensor splits the cross layers' "
             f"rank over mesh.model={model} devices; use a multiple of {model}"
         )
+
+
+def param_widths(params: dict) -> tuple[dict[str, list[int]], int]:
+    """:func:`check_tensor_widths`'s ``widths`` and ``rank`` of built dense parameters."""
+    widths = {
+        mlp: [params[mlp]["layers"][i]["kernel"].shape[1] for i in sorted(params[mlp]["layers"])]
+        for mlp in _mlps(params)
+    }
+    u = params.get("cross", {}).get("u", {}).get(0)
+    return widths, 0 if u is None else u.shape[1]
 
 
 def check_microbatches(batch_size: int, devices: int, model: int, microbatches: int) -> None:

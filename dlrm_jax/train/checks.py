@@ -8,7 +8,7 @@ refusal leaves empty is removed (:class:`~dlrm_jax.train.rundir.RunDir`)."""
 from __future__ import annotations
 
 from dlrm_jax.config import Config, ConfigError
-from dlrm_jax.model.mlp_parallel import check_microbatches
+from dlrm_jax.model.mlp_parallel import check_microbatches, check_tensor_widths
 from dlrm_jax.parallel.mesh import check_mesh_shape
 from dlrm_jax.train.planning import why_not_two_levels
 from dlrm_jax.train.wiring import cluster_from_config
@@ -56,6 +56,9 @@ def check_batch(cfg: Config, num_devices: int) -> None:
     m = cfg.model
     if m.mlp_parallel == "pipeline" and num_devices % cfg.mesh.model == 0:
         check_microbatches(cfg.train.batch_size, num_devices, cfg.mesh.model, m.microbatches)
+    if m.mlp_parallel == "tensor" and cfg.mesh.model > 1:
+        rank = m.dcn_rank if m.interaction == "dcn" else 0
+        check_tensor_widths({"bottom": list(m.bottom_mlp), "top": list(m.top_mlp)}, rank, cfg.mesh.model)
 
 
 def _check_two_levels(cfg: Config, num_devices: int, simulated: bool) -> None:

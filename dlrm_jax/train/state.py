@@ -25,6 +25,7 @@ from dlrm_jax.model.mlp_parallel import (
     TensorLayout,
     check_microbatches,
     check_tensor_widths,
+    param_widths,
     tensor_param_specs,
 )
 from dlrm_jax.parallel.mesh import MODEL_AXIS
@@ -110,7 +111,7 @@ class StateLayout:
         self.tensor = self.pipeline = None
         groups = mesh.shape[MODEL_AXIS]
         if spec.mlp_parallel == "tensor":
-            check_tensor_widths(params, groups)
+            check_tensor_widths(*param_widths(params), groups)
             self.tensor = TensorLayout(mesh)
         elif spec.mlp_parallel == "pipeline":
             check_microbatches(spec.batch_size, mesh.size, groups, spec.microbatches)

@@ -179,3 +179,24 @@ def test_plan_refuses_the_microbatches_that_training_refuses(tiny):
     cfg = tiny("mesh.devices=4", "mesh.model=2", "model.mlp_parallel=pipeline", "model.microbatches=3")
     with pytest.raises(ConfigError, match="model.microbatches=3 must divide the"):
         check_runnable(cfg, 4, simulated=True)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (("model.top_mlp=[30, 1]",), r"model.top_mlp\[0\]=30: model.mlp_parallel=tensor splits"),
+        (("model.top_mlp=[16, 6, 8, 1]",), None),  # (a row layer's width is free)
+        (("model.interaction=dcn", "model.dcn_rank=6"), "model.dcn_rank=6: model.mlp_parallel=tensor splits"),
+    ],
+)
+def test_plan_refuses_the_tensor_widths_that_training_refuses(tiny, overrides, message):
+    """Before: `dlrm-jax plan` printed a plan for a top layer of 30 split over 4 devices, and
+    `train` refused it only once the model was built, after naming its run dir."""
+    from dlrm_jax.train.checks import check_runnable
+
+    cfg = tiny("mesh.devices=4", "mesh.model=4", "model.mlp_parallel=tensor", *overrides)
+    if message is None:
+        check_runnable(cfg, 4, simulated=True)
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(cfg, 4, simulated=True)
