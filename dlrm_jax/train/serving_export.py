@@ -158,20 +158,21 @@ def _tier_chunks(store, table: str, rows: int) -> Iterator[tuple[int, np.ndarray
 
 
 def _write_tables(work: Path, run: RestoredRun, run_dir, dtype: str, base, since) -> tuple[list, dict]:
-    """Every table (and each extra sparse part's, always float32, named ``<part>_<feature>``),
+    """Every table (and each extra sparse part's, always float32, named as its part's plan names
+    them, ``<part>_<feature>``, as ``dlrm-jax export`` writes them),
     whole or (``base``) the rows that differ from it; the manifest's feature entries and each
     part's."""
-    parts = [("", "", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
+    parts = [("", run.steps.collection, run.state.emb, dtype, None if base is None else base.emb)]
     for name, part in run.steps.parts.items():
         base_tables = None if base is None else part.tables(base.parts[name])
-        parts.append((name, f"{name}_", part.collection, part.tables(run.state.parts[name]), "float32", base_tables))
+        parts.append((name, part.collection, part.tables(run.state.parts[name]), "float32", base_tables))
     entries = {name: [] for name, *_ in parts}
-    for part_name, prefix, collection, emb, dt, base_emb in parts:
+    for part_name, collection, emb, dt, base_emb in parts:
         olds = _table_chunks(run, run_dir, collection, base_emb, since) if base_emb is not None else None
         for t, rows, chunks in _table_chunks(run, run_dir, collection, emb, run.step):
             old_chunks = next(olds)[2] if olds is not None else None  # the same table, in lockstep
             spec = collection.plan.tables[t].spec
-            name = prefix + spec.name
+            name = spec.name  # (a part's are its own: wide_<feature>)
             entries[part_name].append(
                 {
                     "name": name,

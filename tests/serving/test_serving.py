@@ -321,6 +321,14 @@ def test_bags_and_the_wide_part_score_as_eval_and_raw_rows_are_refused_without_r
     probs, dense, ids = train_and_export(cfg, tmp_path)
     with serving.load(tmp_path / "art") as model:
         assert [f["bag_size"] for f in model.features] == [1, 3, 1, 4] and len(model.part_features["wide"]) == 4
+        # named as `dlrm-jax export` names them (they were wide_wide_0 ...)
+        assert [f["table"] for f in model.part_features["wide"]] == ["wide_0", "wide_1", "wide_2", "wide_3"]
+        assert sorted(p.name for p in (tmp_path / "art" / "tables").iterdir() if p.name.startswith("wide")) == [
+            "wide_0",
+            "wide_1",
+            "wide_2",
+            "wide_3",
+        ]
         assert_scores_of_eval(model.predict(dense, ids), probs)
         with pytest.raises(ArtifactError, match="data.source=synthetic"):
             model.predict_raw(["1\t2"])
