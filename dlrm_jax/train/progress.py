@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,17 +78,25 @@ class Progress:
             return dataclasses.replace(self, best=ev, last=ev, evals_since_best=0)
         return dataclasses.replace(self, last=ev, evals_since_best=self.evals_since_best + 1)
 
-    def tracking(self, metric: str, log=None) -> Progress:
-        """The record for a run that tracks ``metric``: the best is tracked afresh when a
-        resumed run changed the metric (the evaluations before it are not kept)."""
+    def tracking(self, metric: str, log=None, saved: Collection[int] = ()) -> Progress:
+        """The record for a run that tracks ``metric``. When a resumed run changed the metric,
+        the best so far stays the one to beat where its checkpoint is among ``saved`` (it was
+        rotated out when the new best was tracked afresh, though it was better by the new
+        metric too); else the best is tracked afresh (evaluations without a checkpoint cannot
+        become the best)."""
         if metric == self.metric:
             return self
+        best = self.best if self.best is not None and self.best.step in saved else None
         if self.best is not None and log is not None:
             log(
-                f"train.keep_best: the best evaluation is now chosen by {metric}, not {self.metric}; it is "
-                f"tracked afresh from here"
+                f"train.keep_best: the best evaluation is now chosen by {metric}, not {self.metric}; "
+                + (
+                    f"step {best.step}'s ({metric} {getattr(best, metric):.6f}) is kept as the one to beat"
+                    if best is not None
+                    else "it is tracked afresh from here"
+                )
             )
-        return dataclasses.replace(self, metric=metric, best=None, evals_since_best=0)
+        return dataclasses.replace(self, metric=metric, best=best, evals_since_best=0)
 
     def stop_reason(self, train_cfg) -> str:
         """Why a run with these settings stops here ('' if it goes on)."""
@@ -141,7 +150,10 @@ def resumed_progress(train_cfg, ckpts, start: int, log) -> tuple[Progress, str]:
     stays stopped while its reason holds under this config; it goes on otherwise, and says so.
     With train.keep_best, the best step's checkpoint is kept from rotation."""
     t = train_cfg
-    progress = (saved_progress(ckpts.directory, start) if start else Progress()).tracking(tracked_metric(t), log)
+    if not start:  # (no checkpoint: nothing recorded; ckpts is None without a run dir)
+        progress = Progress().tracking(tracked_metric(t))
+    else:
+        progress = saved_progress(ckpts.directory, start).tracking(tracked_metric(t), log, ckpts.all_steps())
     if t.keep_best and progress.best is not None:
         ckpts.keep_also([progress.best.step])
     reason = progress.stop_reason(t)

@@ -141,7 +141,18 @@ def test_progress_record_round_trips_and_never_prefers_nan():
     back = Progress.from_json(json.loads(json.dumps(p.to_json())))
     assert back == p
     assert Progress().evaluated(Evaluation(2, math.nan, 0.5)).evaluated(Evaluation(4, 0.6, 0.6)).best.step == 4
-    assert p.tracking("auc", log=lambda _: None).best is None  # another metric: tracked afresh
+    assert p.tracking("auc", log=lambda _: None).best is None  # another metric, no best saved: afresh
+    # The best's checkpoint kept: it stays the one to beat (it was rotated out, though better
+    # by the new metric too than what came after), judged by the new metric from here.
+    logged = []
+    kept = p.tracking("auc", log=logged.append, saved=[6, 8])
+    assert kept.best.step == 6 and kept.metric == "auc" and kept.evals_since_best == 0
+    assert logged == [
+        "train.keep_best: the best evaluation is now chosen by auc, not logloss; step 6's (auc 0.550000) is kept "
+        "as the one to beat"
+    ]
+    assert kept.evaluated(Evaluation(10, 0.54, 0.4)).best.step == 6
+    assert kept.evaluated(Evaluation(10, 0.56, 0.9)).best.step == 10
 
 
 @pytest.mark.slow
