@@ -29,9 +29,10 @@ def main(argv=None) -> None:
     p.add_argument("--out")
     args = p.parse_args(argv)
 
-    from dlrm_jax.cli.runtime import devices_for, run_config
+    from dlrm_jax.cli.runtime import devices_for
+    from dlrm_jax.config import load_run_config
 
-    cfg = run_config(args.run_dir, args.overrides)
+    cfg = load_run_config(args.run_dir, args.overrides)
     dlrm_jax.request_cpu_devices(devices_for(cfg))  # (before JAX starts)
     import jax
 
