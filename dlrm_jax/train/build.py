@@ -16,7 +16,7 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
-from dlrm_jax.embedding.tiers.setup import DynamicIds, tier_plan
+from dlrm_jax.embedding.tiers.setup import DynamicIds, SavedTiers, tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
@@ -38,12 +38,12 @@ def build(
     mesh: jax.sharding.Mesh,
     source: DataSource | None = None,
     log=print,
-    tiered_saved: frozenset[int] | None = None,
+    tiered_saved: SavedTiers | None = None,
 ) -> tuple[EmbeddingPlan, StepFunctions]:
     """Plan the tables for this mesh and build the jitted steps (no state allocated yet).
-    ``tiered_saved``: the tables a checkpoint to be restored keeps in the disk tier
-    (``restore.tiered_in_checkpoint``; None: none is restored): each table stays where the
-    checkpoint has it, whatever its cache needs on this device count.
+    ``tiered_saved``: where a checkpoint to be restored keeps its tables (``restore.saved_tiers``;
+    None: none is restored): each stays where the checkpoint has it, whatever its cache needs on
+    this device count.
 
     With a data source and ``embedding.capacity_from=measured``, the all-to-all buckets are
     sized from the distinct requests of the first training batches (always the same batches,

@@ -24,7 +24,7 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, tiered_in_checkpoint
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.wiring import tier_root
 
 
@@ -51,7 +51,7 @@ def restore_run(
     mesh = mesh_from_config(cfg)
     step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False)
-    plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
+    plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
     return RestoredRun(cfg, plan, steps, step, as_evaluated(steps, state))
 

@@ -18,6 +18,7 @@ from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers import hot as tier_hot
 from dlrm_jax.embedding.tiers.owner import tier_owner
+from dlrm_jax.embedding.tiers.setup import SavedTiers
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
@@ -257,6 +258,13 @@ def check_tiers_unmoved(ckpt_dir: Path, plan: EmbeddingPlan) -> None:
     saved = frozenset(EmbeddingPlan.from_json(saved_plan).tiered_tables)
     if saved != frozenset(plan.tiered_tables):
         raise IncompatibleCheckpoint(_tiers_moved(steps[-1], saved, plan.tiered_tables, plan))
+
+
+def saved_tiers(ckpt_dir: Path, asked: Config, step: int | None = None) -> SavedTiers | None:
+    """Where checkpoint ``step`` (None: the newest) keeps its tables, of those the config it
+    was saved with (``asked``) put in the disk tier; None where there is none."""
+    tiered = tiered_in_checkpoint(ckpt_dir, step)
+    return None if tiered is None else SavedTiers(tiered, frozenset(asked.tiered_tables))
 
 
 def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[int] | None:

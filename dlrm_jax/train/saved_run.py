@@ -13,7 +13,7 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
-from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, tiered_in_checkpoint
+from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.rundir import given_source
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
@@ -54,7 +54,7 @@ def restored(
     if source is None:
         source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
     step = checkpoint_step(run_dir / "checkpoints", step)
-    plan, steps = build(cfg, mesh, source, log, tiered_in_checkpoint(run_dir / "checkpoints", step))
+    plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
     step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
     if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
         tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)

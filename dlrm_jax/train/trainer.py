@@ -41,7 +41,7 @@ from dlrm_jax.train.restore import (
     check_tier_owner,
     check_tiers_unmoved,
     restore_or_init,
-    tiered_in_checkpoint,
+    saved_tiers,
 )
 from dlrm_jax.train.rundir import RunDir
 from dlrm_jax.train.step import StepFunctions
@@ -86,7 +86,8 @@ def train_and_evaluate(
             for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
                 if note:
                     log(note)
-            saved = tiered_in_checkpoint(rd.checkpoint_dir) if rd.path and cfg.tiered_tables else None
+            asked = rd.resumed_config or cfg  # (the config its checkpoints were saved with)
+            saved = saved_tiers(rd.checkpoint_dir, asked) if rd.path and cfg.tiered_tables else None
             plan, steps = build(cfg, mesh, source, log, saved)
             if rd.path:
                 check_tiers_unmoved(rd.checkpoint_dir, plan)  # (before a tier is made for it)

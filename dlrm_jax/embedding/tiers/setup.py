@@ -57,21 +57,22 @@ def fit_caches(
     id_batches: list[np.ndarray],
     log=print,
     dynamic: DynamicIds | None = None,
-    saved: frozenset[int] | None = None,
+    saved: SavedTiers | None = None,
 ) -> EmbeddingPlan:
     """Device caches that can work: each must hold the distinct rows one batch needs on its
     busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
     needed); a cache grown to its whole part of the table gains nothing from the tier, so such
-    a table stays on its devices. A checkpoint being resumed (``saved``: the tables it keeps in
-    the tier; None: none is) keeps each table where it has it, as an owner's part differs on
-    another device count: one it keeps in the tier stays there, its cache holding a whole part
-    if need be; one it keeps on the devices stays there. All are logged. ``dynamic``: the dynamic tables' maps and the batches' raw ids,
+    a table stays on its devices. A checkpoint being resumed (``saved``; None: none is) keeps
+    each table where it has it, as an owner's part differs on another device count: one it keeps
+    in the tier stays there, its cache holding a whole part if need be; one its run asked to
+    tier and kept on the devices (the planner's choice) stays there. All are logged. (A table
+    the config moves is left as asked: the restore refuses it.) ``dynamic``: the dynamic tables' maps and the batches' raw ids,
     which size their caches (``id_batches`` holds their home rows)."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
         tp, cache = plan.tables[t], TableCache(plan.tables[t], plan.num_devices)
-        if saved is not None and t not in saved:
+        if saved is not None and t not in saved.tiered and t in saved.asked:
             log(f"table {tp.spec.name}: kept on the devices, as the checkpoint being restored has it")
             tables[t] = dataclasses.replace(tp, cache_rows=0)
             continue
@@ -87,7 +88,7 @@ def fit_caches(
                 )
         owned = -(-tp.spec.rows // tp.spaces(plan.num_devices))  # rows of the table per cache space
         need = min(owned, CACHE_HEADROOM * need)  # later batches may need more than these did
-        if need >= owned and saved is not None:
+        if need >= owned and saved is not None and t in saved.tiered:
             log(
                 f"table {tp.spec.name}: one batch needs {need:,} of the {owned:,} rows an owner holds; kept in the "
                 f"disk tier as the checkpoint has it, its device cache holding all {owned:,}"
@@ -107,6 +108,14 @@ def fit_caches(
     return dataclasses.replace(plan, tables=tuple(tables))
 
 
+class SavedTiers(NamedTuple):
+    """Where a checkpoint being restored keeps its tables: ``tiered``, those in the disk tier;
+    ``asked``, those its run asked to tier (the rest of them the planner kept on the devices)."""
+
+    tiered: frozenset[int]
+    asked: frozenset[int]
+
+
 class DynamicIds(NamedTuple):
     """Tiered dynamic tables' id maps ({table: MapSpec}) and the first batches' raw ids."""
 
@@ -120,7 +129,7 @@ def tier_plan(
     id_batches: list[np.ndarray],
     log=print,
     dynamic: DynamicIds | None = None,
-    saved: frozenset[int] | None = None,
+    saved: SavedTiers | None = None,
 ) -> EmbeddingPlan:
     """``plan`` with its TierPlan (the ``embedding.tier`` section ``tier``): device caches fitted
     to the batches (``saved``: :func:`fit_caches`'), DRAM cache rows, fill capacities (the plan's
