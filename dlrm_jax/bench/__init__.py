@@ -21,9 +21,11 @@ def check_device_step(suite: str, cfg, name: str | None = None) -> None:
     plans each batch, so the device step alone neither runs nor says anything of their speed."""
     tiered = [f"cat_{f}" for f in cfg.tiered_tables]
     if tiered:
+        which = f"config {name}" if name else "the config"
+        tables = ", ".join(tiered[:3]) + (" ..." if len(tiered) > 3 else "")
         raise ConfigError(
-            f"{'config ' + name if name else 'the config'} keeps tables in the disk tier ({', '.join(tiered[:3])}{' ...' if len(tiered) > 3 else ''}: "
-            f"embedding.storage / embedding.table_storage), and bench {suite} runs the device step alone; "
+            f"{which} keeps tables in the disk tier ({tables}: embedding.storage / embedding.table_storage), "
+            f"and bench {suite} runs the device step alone; "
             "time them with `dlrm-jax bench tiers` or `dlrm-jax train`"
         )
 

@@ -94,7 +94,8 @@ def check_tensor_widths(widths: dict[str, list[int]], rank: int, model: int) -> 
     """Every split width must divide over the group: a ConfigError naming the key otherwise.
     ``widths``: each MLP's layers' output widths (``model.bottom_mlp``, ``model.top_mlp``);
     ``rank``: the low-rank cross layers' (0: none). Checked with the config
-    (``train.checks``), so that ``plan`` refuses what training would, and on the built model."""
+    (``train.checks.check_batch``, which ``build`` runs too), so that ``plan`` refuses what
+    training would."""
     for mlp, outs in widths.items():
         for i, (width, role) in enumerate(zip(outs, pair_roles(len(outs)), strict=True)):
             if role == "column" and width % model:
@@ -107,16 +108,6 @@ def check_tensor_widths(widths: dict[str, list[int]], rank: int, model: int) -> 
             f"model.dcn_rank={rank}: model.mlp_parallel=tensor splits the cross layers' "
             f"rank over mesh.model={model} devices; use a multiple of {model}"
         )
-
-
-def param_widths(params: dict) -> tuple[dict[str, list[int]], int]:
-    """:func:`check_tensor_widths`'s ``widths`` and ``rank`` of built dense parameters."""
-    widths = {
-        mlp: [params[mlp]["layers"][i]["kernel"].shape[1] for i in sorted(params[mlp]["layers"])]
-        for mlp in _mlps(params)
-    }
-    u = params.get("cross", {}).get("u", {}).get(0)
-    return widths, 0 if u is None else u.shape[1]
 
 
 def check_microbatches(batch_size: int, devices: int, model: int, microbatches: int) -> None:

@@ -24,8 +24,6 @@ from dlrm_jax.model.mlp_parallel import (
     PipelinePlan,
     TensorLayout,
     check_microbatches,
-    check_tensor_widths,
-    param_widths,
     tensor_param_specs,
 )
 from dlrm_jax.parallel.mesh import MODEL_AXIS
@@ -111,7 +109,6 @@ class StateLayout:
         self.tensor = self.pipeline = None
         groups = mesh.shape[MODEL_AXIS]
         if spec.mlp_parallel == "tensor":
-            check_tensor_widths(*param_widths(params), groups)
             self.tensor = TensorLayout(mesh)
         elif spec.mlp_parallel == "pipeline":
             check_microbatches(spec.batch_size, mesh.size, groups, spec.microbatches)

@@ -63,11 +63,12 @@ def fit_caches(
     busiest owner (else that batch could not run; CACHE_HEADROOM times what the first batches
     needed); a cache grown to its whole part of the table gains nothing from the tier, so such
     a table stays on its devices. A checkpoint being resumed (``saved``; None: none is) keeps
-    each table where it has it, as an owner's part differs on another device count: one it keeps
-    in the tier stays there, its cache holding a whole part if need be; one its run asked to
-    tier and kept on the devices (the planner's choice) stays there. All are logged. (A table
-    the config moves is left as asked: the restore refuses it.) ``dynamic``: the dynamic tables' maps and the batches' raw ids,
-    which size their caches (``id_batches`` holds their home rows)."""
+    each table where it has it, as an owner's part differs on another device count: one it
+    keeps in the tier stays there, its cache holding a whole part if need be; one its run asked
+    to tier and the planner kept on the devices stays there. All are logged. (A table the
+    config moves is left as asked: the restore refuses it.) ``dynamic``: the dynamic tables'
+    maps and the batches' raw ids, which size their caches (``id_batches`` holds their home
+    rows)."""
     slot_table = np.repeat(np.arange(len(plan.tables)), [tp.spec.bag_size for tp in plan.tables])
     tables = list(plan.tables)
     for t in plan.tiered_tables:
