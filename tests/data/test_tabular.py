@@ -395,6 +395,22 @@ BAD = {  # name -> (dataset, file, line, text, kind, message)
         "field count",  # quoted: one field
         "expected 24 fields separated by ',', found 23",
     ),
+    "avazu open quote": (  # one stray quote: that line is bad, never the rest of the file
+        "avazu",
+        "",
+        3,
+        '1,0,14102100,"1005' + ",x" * 21,
+        "csv",
+        "a quoted field is still open after 64 lines",
+    ),
+    "avazu open quote at the end": (
+        "avazu",
+        "",
+        N + 2,
+        '1,0,14102100,"1005' + ",x" * 21,
+        "csv",
+        "not valid CSV: unexpected end of data",
+    ),
     "taobao price": (
         "taobao",
         "ad_feature.csv",
@@ -465,6 +481,27 @@ def test_bad_line_names_file_and_line_or_is_skipped(files, tmp_path, case):
     run(dataset, files, tmp_path / "clean")
     for k, v in load_all(tmp_path / "clean").items():  # the skipped line changed nothing else
         np.testing.assert_array_equal(load_all(tmp_path / "out")[k], v)
+
+
+def test_stray_quotes_cost_their_own_lines_and_quoted_newlines_are_kept(tmp_path):
+    """A quote opened on one line and closed by another stray one lines later: two bad lines,
+    every line between them read; a quoted field that holds a newline is one record."""
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a, b]\n")
+    lines = [f"{i % 2},a{i},b{i % 3}\n" for i in range(40)]
+    lines[5] = '1,"stray,x\n'
+    lines[9] = 'x",0,y\n'
+    lines[20] = '0,"two\nlines",b0\n'
+    (tmp_path / "t.csv").write_text("y,a,b\n" + "".join(lines))
+    kw = dict(max_ind_range=M, val_fraction=0.0, progress=False, shuffle_seed=None, workers=1)
+    with pytest.raises(DataFormatError, match=re.escape(f"{tmp_path / 't.csv'}:7: a quoted field runs over 5 lines")):
+        preprocess_tabular(tmp_path / "s.yaml", [str(tmp_path / "t.csv")], str(tmp_path / "out"), **kw)
+    report = preprocess_tabular(
+        tmp_path / "s.yaml", [str(tmp_path / "t.csv")], str(tmp_path / "out"), skip_bad_lines=True, **kw
+    )
+    assert report.skipped_by_reason == {"csv": 1, "label": 1}  # line 11 alone: its label is x"
+    assert report.train_rows == 38
+    texts = [["two\nlines", "b0"] if i == 20 else [f"a{i}", f"b{i % 3}"] for i in range(40) if i not in (5, 9)]
+    assert load_all(tmp_path / "out")["ids"].tolist() == compacted([[ref_hash(t) % M for t in r] for r in texts])
 
 
 def test_columns_by_position_without_header_tab_separated(tmp_path):

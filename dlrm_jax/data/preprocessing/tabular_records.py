@@ -10,6 +10,7 @@ otherwise.
 
 from __future__ import annotations
 
+import collections
 import csv
 import itertools
 import json
@@ -56,8 +57,9 @@ def _decoded(f, encoding: str, undecodable: set[int]) -> Iterator[str]:
         lineno += len(lines)
 
 
-def _split(lines: Iterator[str], layout: Layout) -> Iterator[tuple[int, int, object]]:
-    """(first line, last line, fields list | JSON object | _Bad) per record."""
+def _split(lines: Iterator[str], layout: Layout, fits) -> Iterator[tuple[int, int, object]]:
+    """(first line, last line, fields list | JSON object | _Bad) per record; ``fits(fields)``:
+    whether a CSV record over several lines has the columns' shape."""
     if layout.format == "json_lines":
         for lineno, line in enumerate(lines, 1):
             try:
@@ -71,18 +73,57 @@ def _split(lines: Iterator[str], layout: Layout) -> Iterator[tuple[int, int, obj
             text = line.rstrip("\r\n")
             yield lineno, lineno, text.split(layout.delimiter) if text else []
     else:
-        reader = csv.reader(
-            lines, delimiter=layout.delimiter, quoting=csv.QUOTE_MINIMAL if layout.quoting else csv.QUOTE_NONE
-        )
+        yield from _csv_records(lines, layout, fits)
+
+
+class _Runaway(Exception):
+    """A quoted field still open after :data:`MAX_RECORD_LINES` lines."""
+
+
+MAX_RECORD_LINES = 64  # a quoted field may hold newlines, within reason
+
+
+def _csv_records(lines: Iterator[str], layout: Layout, fits) -> Iterator[tuple[int, int, object]]:
+    """CSV records, each over one line or several (a quoted field holding newlines). A record
+    that cannot be split (an unclosed quote, text after a closing one), whose quotes stay open
+    over :data:`MAX_RECORD_LINES` lines, or that spans several lines without ``fits`` the
+    columns is its first line alone: that line is bad and reading resumes on the next, so one
+    stray quote costs one line, never the rest of the file."""
+    source, again = iter(lines), collections.deque()
+    span: list[str] = []  # lines of the record being read
+
+    def feed() -> Iterator[str]:
+        while again or (line := next(source, None)) is not None:
+            line = again.popleft() if again else line
+            if len(span) == MAX_RECORD_LINES:
+                again.appendleft(line)
+                raise _Runaway
+            span.append(line)
+            yield line
+
+    quoting = csv.QUOTE_MINIMAL if layout.quoting else csv.QUOTE_NONE
+    done = 0  # lines of the records read so far
+    while True:
+        reader = csv.reader(feed(), delimiter=layout.delimiter, quoting=quoting, strict=True)
         while True:
-            first = reader.line_num + 1
+            span.clear()
             try:
                 row = next(reader)
+                if len(span) == 1 or fits(row):
+                    yield done + 1, done + len(span), row
+                    done += len(span)
+                    continue
+                why = "a quoted field runs over {} lines and the record does not fit the columns"
             except StopIteration:
                 return
+            except _Runaway:
+                why = "a quoted field is still open after {} lines"
             except csv.Error as e:
-                row = _Bad("csv", f"not valid CSV: {e}")
-            yield first, reader.line_num, row
+                why = f"not valid CSV: {e}" + (" (a quote opened on this line is not closed)" if len(span) > 1 else "")
+            yield done + 1, done + 1, _Bad("csv", why.format(len(span)))
+            again.extendleft(reversed(span[1:]))
+            done += 1
+            break  # a fresh reader from the next line
 
 
 def _json_text(name: str, value) -> str | None:
@@ -117,6 +158,10 @@ class _Columns:
                 f"{path}:1: the schema wants column {self.needed - 1} (0-based), the header names {self.width}"
             )
         self.get = operator.itemgetter(*positions) if len(positions) > 1 else lambda r: (r[positions[0]],)
+
+    def fits(self, fields: list[str]) -> bool:
+        """Whether a CSV record has as many fields as the columns need."""
+        return len(fields) == self.width if self.width is not None else len(fields) >= self.needed
 
     def pick(self, record) -> tuple:
         """The wanted texts of a record, or raise :class:`_Bad`."""
@@ -181,7 +226,9 @@ def records_from(
     """:func:`read_records` of an open binary stream ``f`` (``raw``: the file under it, for
     ``bar``); ``path`` names it in errors."""
     undecodable: set[int] = set()
-    items = _split(_decoded(f, layout.encoding, undecodable), layout)
+    columns = None  # known once the header is read
+    fits = lambda fields: columns is None or columns.fits(fields)
+    items = _split(_decoded(f, layout.encoding, undecodable), layout, fits)
     header = None
     if layout.format == "csv" and layout.header:
         first = next(items, None)
