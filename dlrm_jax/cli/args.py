@@ -5,6 +5,7 @@ multi-process flags."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def bounded(kind: type, low: float, *, strict: bool = False, below: float | None
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value):  # nan passes every comparison; inf overflows a size
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
         if value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"expected {what} {op} {low:g}, got {text}")
         if below is not None and value >= below:
@@ -40,6 +43,8 @@ def list_of(kind: type, low: float | None = None, empty: bool = False):
             values = [kind(v) for v in text.split(",") if v.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not all(map(math.isfinite, values)):
+            raise argparse.ArgumentTypeError(f"expected comma-separated finite {what}, got {text!r}")
         if not values and not (empty and not text.strip()):
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
         if low is not None and min(values) < low:

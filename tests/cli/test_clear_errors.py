@@ -304,6 +304,36 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
             "--block-mb",
             "expected a number > 0",
         ),
+        # Before: an OverflowError traceback (inf), "cannot convert float NaN to integer" naming no
+        # flag, or a dataset whose window recorded "seconds": null that train crashed on.
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--block-mb", "inf"],
+            "--block-mb",
+            "expected a finite number, got inf",
+        ),
+        (
+            ["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "nan"],
+            "--shard-mb",
+            "expected a finite number, got nan",
+        ),
+        (
+            [
+                "preprocess",
+                "tabular",
+                "--schema",
+                "s",
+                "--input",
+                "x",
+                "--output",
+                "y",
+                "--no-shuffle",
+                "--window-seconds",
+                "nan",
+            ],
+            "--window-seconds",
+            "expected a finite number, got nan",
+        ),
+        (["bench", "hot", "--zipf", "1.1,inf"], "--zipf", "expected comma-separated finite numbers, got '1.1,inf'"),
         (["bench", "train", "--configs", ","], "--configs", "expected comma-separated config names or files, got ','"),
         (["bench", "mlp-parallel", "--configs", "smoke,smoke"], "--configs", "smoke is given twice"),
         # Before: the checkpoint at half of the steps was step 0, "no checkpoint at step 0" after training.
