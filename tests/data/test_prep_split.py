@@ -73,3 +73,13 @@ def test_tail_and_files_splits_follow_input_order(tmp_path):
     masks = [s.val_mask(tmp_path, "") for s in tail.parts]
     assert np.concatenate(masks).tolist() == [False] * 9 + [True] * 3
     assert tail.meta() == {"split": "tail", "split_by": None, "split_threshold": None}
+
+
+def test_a_val_fraction_that_rounds_to_no_rows_is_said_in_the_summary(tmp_path):
+    """30 lines at --val-fraction 0.01 held out nothing without a word; train then said to use
+    --val-fraction, which the user had."""
+    parts = [("a", 30, 0)]
+    assert plan_split(parts, tmp_path, 0.1, False, None).describe() == "val split: the last 0.1 of rows in input order"
+    empty = plan_split(parts, tmp_path, 0.01, False, None)
+    assert empty.n_val == 0
+    assert empty.describe() == "val split: EMPTY: 0.01 of 30 rows rounds to none; give a larger --val-fraction"

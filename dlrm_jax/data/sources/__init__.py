@@ -165,7 +165,7 @@ def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: 
         how = (
             "a data.val_fraction that holds out some lines"
             if cfg.data.source == "criteo"
-            else "data preprocessed with --val-fraction or --val-input"
+            else "data preprocessed with a --val-fraction that holds out some rows, or --val-input"
         )
         if not trains:
             raise ConfigError(f"{where}: the val split is empty: nothing to evaluate; use {how}")
