@@ -104,6 +104,16 @@ def test_a_validation_file_that_is_also_an_input_is_refused(tmp_path):
             progress=False,
         )
     assert not (tmp_path / "out").exists()
+    # Before: the same file twice in --input trained every row twice without a word.
+    with pytest.raises(ValueError, match=f"--input {tmp_path / 'alias.tsv'}: given twice .{tmp_path / 'day.tsv'} is"):
+        preprocess_criteo(
+            [str(tmp_path / "day.tsv"), str(tmp_path / "alias.tsv")],
+            str(tmp_path / "out"),
+            max_ind_range=10,
+            workers=1,
+            progress=False,
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def small_tsv(path, lines=200):

@@ -131,6 +131,8 @@ def write_dataset(
 
 
 def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
+    """Every input file once: not twice in a list, not both trained on and held out."""
+
     def key(p):
         try:
             st = os.stat(p)
@@ -138,6 +140,14 @@ def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
         except OSError:
             return str(Path(p).resolve())
 
+    for flag, paths in (("--input", inputs), ("--val-input", val_inputs)):
+        seen: dict = {}
+        for p in paths:
+            if (k := key(p)) in seen:
+                raise ValueError(
+                    f"{flag} {p}: given twice ({seen[k]} is the same file): its rows would be read twice; give it once"
+                )
+            seen[k] = p
     train = {key(p): p for p in inputs}
     for p in val_inputs:
         if key(p) in train:
