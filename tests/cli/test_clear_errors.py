@@ -601,6 +601,11 @@ def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
         (["data.source=binary", "data.path=DIR/file.tsv"], "a file, and data.source=binary reads a folder"),
         (["data.source=binary", "data.path=DIR"], "no meta.json in this folder"),
         (["data.source=criteo", "data.path=DIR"], "a folder, and data.source=criteo reads Criteo text files"),
+        (  # before: refused after "run dir: ..." was printed, naming no key
+            ["data.source=criteo", "data.path=DIR/file.tsv", "data.cardinalities=[10,10]"],
+            "data.source=criteo reads Criteo's 13 dense and 26 one-hot features; this config has data.num_dense=13, "
+            "2 tables (data.cardinalities)",
+        ),
     ],
 )
 def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(tmp_path, settings, says):

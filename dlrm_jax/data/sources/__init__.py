@@ -39,6 +39,13 @@ def _check_binary_path(cfg) -> None:
 
 
 def _check_criteo_path(cfg) -> None:
+    d = cfg.data
+    if (d.num_dense, cfg.num_features, max(cfg.bag_sizes)) != (13, 26, 1):
+        raise ConfigError(
+            f"data.source=criteo reads Criteo's 13 dense and 26 one-hot features; this config has "
+            f"data.num_dense={d.num_dense}, {cfg.num_features} tables (data.cardinalities) and bags of up to "
+            f"{max(cfg.bag_sizes)} (data.bag_sizes): use --config criteo_kaggle or default, or set those keys"
+        )
     for p in (p.strip() for p in cfg.data.path.split(",") if p.strip()):
         if Path(p).is_dir():
             raise ConfigError(

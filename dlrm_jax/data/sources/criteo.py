@@ -31,7 +31,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     is_gzip,
     open_input,
 )
-from dlrm_jax.data.sources import binary
+from dlrm_jax.data.sources import binary, check_data_path
 from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.data.sources.synthetic import RawSamples, normalise_dense
 from dlrm_jax.ids import raw_columns
@@ -223,8 +223,7 @@ class CriteoTSVSource:
     """
 
     def __init__(self, cfg, process_index: int = 0, process_count: int = 1):
-        if (cfg.data.num_dense, cfg.num_features, max(cfg.bag_sizes)) != (13, 26, 1):
-            raise ValueError("data.source=criteo needs data.num_dense=13, 26 features, one-hot")
+        check_data_path(cfg)  # Criteo's shape, and files
         self.paths = [p.strip() for p in cfg.data.path.split(",") if p.strip()]
         for p in self.paths:
             if is_gzip(p):
