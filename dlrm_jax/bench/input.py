@@ -114,6 +114,7 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
     if cfg.data.source == "binary":
         cases += [_with_data(cfg, shuffle=True), _with_data(cfg, shuffle=False)]
     else:
+        cases += [cfg] if cfg.data.source == "criteo" else []  # the text the user named, as train reads it
         log("binary cases: give a dataset with --set data.source=binary --set data.path=DATASET")
     synthetic = _with_data(cfg, source="synthetic", path="")
     cases.append(synthetic)

@@ -142,6 +142,15 @@ def test_bench_input_reports_every_case_beside_the_step(tiny, tmp_path, dataset)
     assert report["machine"]["device_count"] == len(jax.devices())
 
 
+def test_bench_input_benches_the_criteo_text_it_is_given(tiny, tmp_path, dataset):
+    """Before: data.source=criteo benched synthetic data alone, without a word for the text."""
+    cards = f"data.cardinalities={[40, 300, 7, 1000] * 6 + [5, 60]}"
+    cfg = tiny("data.source=criteo", f"data.path={dataset.parent / 'day.tsv'}", cards, "mesh.devices=1")
+    bench_input(cfg, steps=3, step_steps=0, output=str(tmp_path / "in.json"), **QUIET)
+    cases = json.loads((tmp_path / "in.json").read_text())["cases"]
+    assert [c["source"] for c in cases] == ["criteo", "synthetic"] and cases[0]["samples_per_s"] > 0
+
+
 def test_the_gil_wait_probe_sees_a_thread_that_holds_the_gil():
     """A thread running Python without a pause keeps the GIL for the switch interval (here 50
     ms) each time: the probe's wake-ups wait for it, far beyond the OS's own latency."""
