@@ -28,6 +28,7 @@ import tensorstore as ts
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
 from dlrm_jax.files import numbered_folders
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
+from dlrm_jax.train.checkpoint_leases import ReaderLeases, remove_unheld
 from dlrm_jax.train.saved_array import OCDBT_CACHE, SavedArray
 from dlrm_jax.train.state_digest import ChecksumMismatch, combine, first_mismatch, leaf_names, process_sums
 
@@ -106,9 +107,24 @@ def _state_writer(write_gb: float) -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(save_concurrent_gb=write_gb, type_handler_registry=registry)
 
 
+@contextlib.contextmanager
+def reading(directory: Path):
+    """Leases (:class:`ReaderLeases`) on every checkpoint now in ``directory``, held until the
+    block ends: a training run's rotation keeps them while ``eval`` or ``export`` reads."""
+    leases = ReaderLeases(directory)
+    try:
+        for step in saved_steps(directory):
+            leases.hold(step)  # False: being removed, and not read
+        yield leases
+    finally:
+        leases.release()
+
+
 class CheckpointReader:
-    """Reads the checkpoints under ``directory`` and never writes, moves or deletes anything
-    there (``eval``, ``export``): a training run may be saving into the same folder.
+    """Reads the checkpoints under ``directory`` and never changes them (``eval``, ``export``):
+    a training run may be saving into the same folder. It holds a lease on each step it reads
+    (``checkpoints/.readers/``, :mod:`~dlrm_jax.train.checkpoint_leases`), which keeps the
+    run's rotation from removing it midway; ``leases``: a session's (:func:`reading`).
 
     Lists only complete steps, by folder name: an in-flight save's temporary folder
     (``N.orbax-checkpoint-tmp-*``) is not one. It opens no orbax CheckpointManager, whose
@@ -116,9 +132,22 @@ class CheckpointReader:
     cannot be read is skipped with a one-line warning and left where it is.
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, leases: ReaderLeases | None = None):
         self.directory = Path(directory).absolute()
         self._sums: dict[int, dict[str, int]] = {}  # step -> this process's part of its checksums
+        self._own_leases = leases is None
+        self._leases = ReaderLeases(self.directory) if leases is None else leases
+
+    def hold(self, step: int) -> bool:
+        """Whether ``step`` is held on every process (False: a training run removed it, or
+        is removing it, since it was listed: not damage)."""
+        held = self._leases.hold(step)
+        return all(json.loads(o) for o in outcomes_of_every_process(json.dumps(held)))
+
+    def release(self) -> None:
+        """Drops the leases this reader took (a session's are dropped when it ends)."""
+        if self._own_leases:
+            self._leases.release()
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -255,8 +284,11 @@ class CheckpointReader:
 
         Every process reads its own shards, so one may fail where the others succeed: they
         exchange outcomes and skip a step together (no device is touched while deciding)."""
-        damaged = []
-        for step in reversed(self.all_steps()):
+        damaged, tried = [], set()
+        while (step := self._newest_untried(tried)) is not None:
+            tried.add(step)
+            if not self.hold(step):
+                continue  # removed by a training run's rotation since it was listed: not damage
             try:
                 with _native_noise_to(self.directory.parent / "dlrm-jax.log"):
                     result, failure = restore_step(step), ""
@@ -286,6 +318,12 @@ class CheckpointReader:
             f"{self.directory}: none of the {len(damaged)} checkpoints restores (newest, step {newest}: {reason}); "
             f"nothing was moved{self._no_intact_advice()}"
         )
+
+    def _newest_untried(self, tried: set[int]) -> int | None:
+        """The newest step on disk not in ``tried`` (listed afresh: a training run may have
+        saved since), as process 0 sees it: every process tries the same one."""
+        fresh = [s for s in self.all_steps() if s not in tried]
+        return json.loads(outcome_of_process_0(json.dumps(fresh[-1] if fresh else None)))
 
     def _set_aside(self, step: int) -> str:
         """What became of a damaged step older ones replaced: a reader leaves it in place."""
@@ -341,10 +379,10 @@ class Checkpoints(CheckpointReader):
         the whole state at once: on simulated CPU devices, a second copy of every table.)"""
         super().__init__(directory)
         _use_coordination_service_barriers()
-        self._kept: set[int] = set()  # kept beyond the newest `keep` (see keep_also)
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=_NewestAnd(keep, self._kept), create=True, cleanup_tmp_directories=True
-        )
+        self.keep, self._kept = keep, set()  # the newest `keep`, and those of keep_also
+        # orbax keeps every step: the rotation is this class's, at wait() (leases: readers'),
+        # so a step is removed only once a newer one is whole, and never while a reader reads it
+        options = ocp.CheckpointManagerOptions(create=True, cleanup_tmp_directories=True)
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -357,6 +395,9 @@ class Checkpoints(CheckpointReader):
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def hold(self, step: int) -> bool:
+        return True  # the run dir's writer: nothing else rotates its checkpoints
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -412,7 +453,8 @@ class Checkpoints(CheckpointReader):
         self._kept.update(steps)
 
     def wait(self) -> None:
-        """Blocks until every started save is on disk; raises CheckpointWriteError if one failed."""
+        """Blocks until every started save is on disk, then rotates (:meth:`_rotate`); raises
+        CheckpointWriteError if a save failed."""
         try:
             self._manager.wait_until_finished()
         except OSError as e:
@@ -422,6 +464,18 @@ class Checkpoints(CheckpointReader):
             if "No space left on device" in text or "os_error_code='28'" in text:
                 raise self._write_error(None, OSError(errno.ENOSPC, "no space left on device")) from None
             raise
+        self._rotate()
+
+    def _rotate(self) -> None:
+        """Removes the steps older than the newest ``keep`` (and not kept by keep_also) that no
+        reader holds; process 0 removes them, and every process re-lists after."""
+        steps = self.all_steps()
+        doomed = [s for i, s in enumerate(steps) if i < len(steps) - self.keep and s not in self._kept]
+        if not doomed:
+            return
+        removed = remove_unheld(self.directory, doomed) if jax.process_index() == 0 else []
+        if json.loads(outcome_of_process_0(json.dumps(removed))):
+            self._manager.reload()
 
     def _write_error(self, step: int | None, e: OSError, detail: str = "") -> CheckpointWriteError:
         what = ("no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))) + detail
@@ -454,18 +508,6 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
         name: tuple(getattr(leaf, "shape", None) or ())
         for name, leaf in zip(leaf_names(tree), jax.tree.leaves(tree), strict=True)
     }
-
-
-class _NewestAnd:
-    """orbax's rotation (a preservation policy, asked after each save): the newest ``keep``
-    checkpoints, and those whose steps are in ``kept``."""
-
-    def __init__(self, keep: int, kept: set[int]):
-        self.keep, self.kept = keep, kept
-
-    def should_preserve(self, checkpoints, *, context) -> list[bool]:
-        n = len(checkpoints)  # in step order
-        return [i >= n - self.keep or c.step in self.kept for i, c in enumerate(checkpoints)]
 
 
 def _first_line(e: Exception) -> str:

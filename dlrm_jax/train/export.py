@@ -23,6 +23,7 @@ from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.checkpoint import reading
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.wiring import tier_root
@@ -49,10 +50,11 @@ def restore_run(
     run_dir = Path(run_dir)
     cfg = saved_run_config(run_dir, overrides)
     mesh = mesh_from_config(cfg)
-    step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False)
-    plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
-    step, state = read_checkpoint(run_dir, cfg, steps, step, log)  # read-only: the run may be training
+    with reading(run_dir / "checkpoints") as leases:  # read-only: the run may be training, and rotating
+        step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
+        plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
+        step, state = read_checkpoint(run_dir, cfg, steps, step, log, leases)
     return RestoredRun(cfg, plan, steps, step, as_evaluated(steps, state))
 
 

@@ -29,6 +29,7 @@ from dlrm_jax.train.checkpoint import (
     saved_json,
     saved_steps,
 )
+from dlrm_jax.train.checkpoint_leases import NOT_WRITABLE
 from dlrm_jax.train.rundir import RunDirError, describe_changes, state_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
 
@@ -61,9 +62,6 @@ def restore_state(
         if relaid_out and steps.hot is not None:  # the snapshot holds the hot rows: choose afresh
             state = _hot_rows_from_tier(steps, tiered, state)
     return state
-
-
-NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def _restore_tier(tiered: TieredTables, step: int, ckpt_dir: Path | None) -> None:
@@ -163,13 +161,21 @@ def restore_newest(
 
 
 def read_checkpoint(
-    run_dir: Path, cfg: Config, steps: StepFunctions, step: int | None = None, log=print
+    run_dir: Path, cfg: Config, steps: StepFunctions, step: int | None = None, log=print, leases=None
 ) -> tuple[int, TrainState]:
     """(step, state) of ``run_dir``'s checkpoint at ``step`` (default: the newest that restores),
     read-only (``eval``, ``export``: the run may still be training; a damaged checkpoint is
     skipped, not moved). ``cfg``: the run's saved config with the command's --set overrides; a
-    refusal names the state keys in which it differs from the run's ``config.yaml``."""
-    ckpts = CheckpointReader(Path(run_dir) / "checkpoints")
+    refusal names the state keys in which it differs from the run's ``config.yaml``. ``leases``:
+    the reading session's (:func:`~dlrm_jax.train.checkpoint.reading`), else its own."""
+    ckpts = CheckpointReader(Path(run_dir) / "checkpoints", leases)
+    try:
+        return _read_checkpoint(ckpts, Path(run_dir), cfg, steps, step, log)
+    finally:
+        ckpts.release()
+
+
+def _read_checkpoint(ckpts: CheckpointReader, run_dir: Path, cfg: Config, steps: StepFunctions, step, log):
     saved = ckpts.all_steps()
     if not saved or (step is not None and step not in saved):
         damaged = Path(run_dir) / "damaged"
@@ -193,6 +199,11 @@ def read_checkpoint(
         )
     if step is None:
         return restore_newest(steps, ckpts, log)
+    if not ckpts.hold(step):
+        raise FileNotFoundError(
+            f"{ckpts.directory}: the checkpoint at step {step} was removed by its training run's rotation "
+            f"(train.keep_checkpoints) since this command started; use a newer step or none (the newest)"
+        )
     try:
         state = restore_state(steps, ckpts, log, step)
         ckpts.check_contents(step)

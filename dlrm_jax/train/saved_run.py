@@ -10,6 +10,7 @@ import jax
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
+from dlrm_jax.train.checkpoint import reading
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
@@ -43,20 +44,21 @@ def restored(
     """``run_dir``'s checkpoint at ``step`` (as :func:`evaluate_run` takes it), read-only, and a
     driver whose ``evaluate`` scores it (close it after: tiered tables hold their snapshot)."""
     run_dir = Path(run_dir)
-    cfg = saved_run_config(run_dir, overrides)
-    given = given_source(run_dir)
-    if given and source is None:  # (it scored the config's synthetic data, without a word)
-        raise ValueError(
-            f"{run_dir}: trained on data given in Python ({given}), not its config's data.source="
-            f"{cfg.data.source}: evaluate it on that data, evaluate_run(run_dir, source=...)"
-        )
-    mesh = mesh_from_config(cfg)
-    if source is None:
-        source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
-    step = checkpoint_step(run_dir / "checkpoints", step)
-    plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
-    step, state = read_checkpoint(run_dir, cfg, steps, step, log=log)
-    if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
-        tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)
-        return state, TieredDriver(steps, source, tiered, lookahead=0, log=log)
+    with reading(run_dir / "checkpoints") as leases:  # the run may be training, its rotation removing steps
+        cfg = saved_run_config(run_dir, overrides)
+        given = given_source(run_dir)
+        if given and source is None:  # (it scored the config's synthetic data, without a word)
+            raise ValueError(
+                f"{run_dir}: trained on data given in Python ({given}), not its config's data.source="
+                f"{cfg.data.source}: evaluate it on that data, evaluate_run(run_dir, source=...)"
+            )
+        mesh = mesh_from_config(cfg)
+        if source is None:
+            source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
+        step = checkpoint_step(run_dir / "checkpoints", step)
+        plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
+        step, state = read_checkpoint(run_dir, cfg, steps, step, log=log, leases=leases)
+        if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
+            tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)
+            return state, TieredDriver(steps, source, tiered, lookahead=0, log=log)
     return state, DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)

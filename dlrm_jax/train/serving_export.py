@@ -41,6 +41,7 @@ from dlrm_jax.serving.artifact import (
     write_manifest,
 )
 from dlrm_jax.serving.id_maps import write_maps
+from dlrm_jax.train.checkpoint import reading
 from dlrm_jax.train.export import RestoredRun, as_evaluated, check_outside_run, id_maps, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint
 
@@ -65,15 +66,16 @@ def export_serving(
         raise ValueError(f"--tables {tables}: one of {', '.join(TABLE_DTYPES)}")
     dest = Path(dest)
     check_new_folder(dest, "export")
-    run = restore_run(run_dir, overrides, step, log)
-    check_outside_run(dest, run_dir, run.cfg)
-    if since is not None and since >= run.step:
-        raise ValueError(f"--since {since}: must be an earlier step than the one exported ({run.step})")
-    base = None  # (a delta's base: its tables as the exported state's are, one set, not one per host)
-    if since is not None:
-        base = as_evaluated(run.steps, read_checkpoint(Path(run_dir), run.cfg, run.steps, since, log)[1])
-    with new_folder(dest, "export") as work:
-        _write_artifact(work, run, run_dir, tables, base, since)
+    with reading(Path(run_dir) / "checkpoints"):  # kept from the run's rotation: tiers' snapshots are read last
+        run = restore_run(run_dir, overrides, step, log)
+        check_outside_run(dest, run_dir, run.cfg)
+        if since is not None and since >= run.step:
+            raise ValueError(f"--since {since}: must be an earlier step than the one exported ({run.step})")
+        base = None  # (a delta's base: its tables as the exported state's are, one set, not one per host)
+        if since is not None:
+            base = as_evaluated(run.steps, read_checkpoint(Path(run_dir), run.cfg, run.steps, since, log)[1])
+        with new_folder(dest, "export") as work:
+            _write_artifact(work, run, run_dir, tables, base, since)
     what = f"delta since step {since}" if since is not None else f"{len(run.plan.tables)} tables ({tables})"
     log(f"exported the serving model of step {run.step} to {dest}: {what}")
     return run.step

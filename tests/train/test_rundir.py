@@ -14,6 +14,7 @@ import time
 import pytest
 
 from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
+from dlrm_jax.train.checkpoint_leases import LEASES
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError, config_differences, describe_changes
 from dlrm_jax.train.saved_run import evaluate_run
@@ -28,11 +29,12 @@ def snapshot(run):
 
 
 def tree(run):
-    """Every file under a run dir (its lock and library log aside) with its bytes."""
+    """Every file under a run dir (its lock, library log and readers' empty lease files aside)
+    with its bytes."""
     return {
         str(p.relative_to(run)): p.read_bytes()
         for p in sorted(run.rglob("*"))
-        if p.is_file() and p.name not in (".lock", "dlrm-jax.log")
+        if p.is_file() and p.name not in (".lock", "dlrm-jax.log") and p.parent.name != LEASES
     }
 
 
