@@ -77,6 +77,23 @@ def tensorboard_tag(key: str) -> str:
     return f"{_SECTIONS.get(key, 'train')}/{key}"
 
 
+def recorded_events(path: Path, lines: list[str], log=print) -> list[tuple[str, dict]]:
+    """(line, event) of each of ``path``'s ``lines``: a last line cut short (a write that a
+    kill interrupted) is dropped with a warning; a damaged line before the last is a
+    ValueError naming it: the file is not ours to guess at."""
+    events = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append((line, json.loads(line)))
+        except json.JSONDecodeError as e:
+            if number != len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON event ({e.msg}); fix or remove that line to resume") from None
+            log(f"warning: {path}:{number}: dropped a torn last line (an interrupted write)")
+    return events
+
+
 class MetricsWriter:
     """Appends one JSON object per event to ``metrics.jsonl`` (appending keeps resumed runs whole),
     and with ``tensorboard`` the same numbers as TensorBoard scalars in ``tensorboard/`` beside it.
@@ -100,18 +117,7 @@ class MetricsWriter:
         if self.path is None or not self.path.exists():
             return
         lines = self.path.read_text(errors="replace").splitlines()
-        events = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                events.append((line, json.loads(line)))
-            except json.JSONDecodeError as e:
-                if number != len(lines):
-                    raise ValueError(
-                        f"{self.path}:{number}: not a JSON event ({e.msg}); fix or remove that line to resume"
-                    ) from None
-                log(f"warning: {self.path}:{number}: dropped a torn last line (an interrupted write)")
+        events = recorded_events(self.path, lines, log)
         kept = [line for line, event in events if event.get("step", 0) <= step]
         if kept:
             self._wall_before = json.loads(kept[-1]).get("wall_s") or 0.0

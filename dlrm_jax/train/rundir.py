@@ -26,6 +26,7 @@ from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, 
 from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
+from dlrm_jax.observe.metrics import recorded_events
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
@@ -266,7 +267,7 @@ class RunDir:
     def _check_config(self, cfg: Config, log) -> None:
         cfg = with_absolute_paths(cfg)  # as recorded: eval and export read it from any directory
         saved = self.path / "config.yaml"
-        if saved.exists() and (self.path / "checkpoints").exists():
+        if saved.exists() and numbered_folders(self.path / "checkpoints"):  # (a run killed before its first: none)
             try:
                 old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
             except (ConfigError, yaml.YAMLError) as e:
@@ -310,11 +311,11 @@ class RunDir:
                 (self.path / GIVEN_SOURCE).unlink(missing_ok=True)
 
     def _keep_earlier(self, log) -> None:
-        """A run starting from step 0 where an earlier one logged events (its checkpoints removed,
+        """A run starting from step 0 where an earlier one left a record (its checkpoints removed,
         or it was killed before its first): that run's metrics.jsonl, TensorBoard events, config
         and plan are moved to ``earlier/TIME/``, not written over."""
         metrics = self.path / "metrics.jsonl"
-        if not metrics.exists() or not metrics.stat().st_size:
+        if not (self.path / "config.yaml").exists() and (not metrics.exists() or not metrics.stat().st_size):
             return
         target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
         target.mkdir(parents=True, exist_ok=True)
@@ -334,14 +335,14 @@ class RunDir:
     def checkpoint_dir(self) -> Path | None:
         return self.path / "checkpoints" if self.path else None
 
-    def recorded_final(self, step: int, evaluates: bool = True) -> dict | None:
+    def recorded_final(self, step: int, evaluates: bool = True, log=print) -> dict | None:
         """The last train and eval events at ``step`` from metrics.jsonl, merged; None if the
         file does not record the run's end there: an evaluation, or where the run never
         evaluates (``evaluates=False``), its final event (the one with ``run_samples_per_s``)."""
         file = self.path / "metrics.jsonl" if self.path else None
         if file is None or not file.exists():
             return None
-        events = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        events = [e for _, e in recorded_events(file, file.read_text(errors="replace").splitlines(), log)]
         at_step = [e for e in events if e.get("step") == step]
         ended = (lambda e: e.get("event") == "eval") if evaluates else (lambda e: "run_samples_per_s" in e)
         if not any(ended(e) for e in at_step):

@@ -107,7 +107,7 @@ def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
     newest, progress = newest_progress(rd.checkpoint_dir) if rd.path else (None, Progress())
     stopped = progress.stop_reason(cfg.train)
     recorded = (
-        rd.recorded_final(newest, cfg.train.evaluates)
+        rd.recorded_final(newest, cfg.train.evaluates, log)
         if newest is not None and (newest >= cfg.train.steps or stopped)
         else None
     )

@@ -547,6 +547,43 @@ def test_a_fresh_start_keeps_an_earlier_runs_metrics_and_config(tiny, tmp_path):
     assert files(run / "metrics.jsonl") == files(kept[0] / "metrics.jsonl")  # trained again, the same steps
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_afresh_with_any_model(tiny, tmp_path):
+    """A run stopped while compiling leaves config.yaml and an empty checkpoints/. Before: a
+    re-run with another model was refused ('started with another model ... cannot resume') with
+    no state to resume, and one with the same model said 'resuming with changed settings'
+    before training from step 0; the old config was written over, not kept."""
+    run = tmp_path / "run"
+    first = tiny("train.steps=4")
+    with RunDir.open(run, first) as rd:
+        rd.record("", "{}", fresh=True)
+    (run / "checkpoints").mkdir()
+    old_config = (run / "config.yaml").read_bytes()
+    logs = []
+    other = tiny("train.steps=2", "model.embedding_dim=4", "model.bottom_mlp=[16, 4]")
+    with RunDir.open(run, other, log=logs.append) as rd:
+        rd.record("", "{}", fresh=True, log=logs.append)
+    assert not any("resuming" in line for line in logs)
+    kept = list((run / "earlier").iterdir())
+    assert len(kept) == 1 and (kept[0] / "config.yaml").read_bytes() == old_config
+
+
+def test_a_finished_run_whose_metrics_end_in_a_torn_line_says_so(tiny, tmp_path):
+    """Before: a bare 'Unterminated string starting at: line 1 column 14', naming no file."""
+    run = tmp_path / "run"
+    cfg = tiny("train.steps=4", "train.checkpoint_every=2", "train.eval_every=4")
+    done = train_and_evaluate(cfg, run, **QUIET)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    logs = []
+    again = train_and_evaluate(cfg, run, log=logs.append)
+    assert (again.step, again.auc) == (done.step, done.auc)
+    assert f"warning: {run / 'metrics.jsonl'}:" in "\n".join(logs)
+    text = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(["{oops", *text[:-1]]) + "\n")
+    with pytest.raises(ValueError, match=f"^{run / 'metrics.jsonl'}:1: not a JSON event"):
+        train_and_evaluate(cfg, run, **QUIET)
+
+
 def test_train_refuses_a_config_that_a_new_run_would_write_over(tmp_path, capsys):
     """Before: `--config myexp/config.yaml --run-dir myexp` replaced the user's commented config
     with the resolved one."""
