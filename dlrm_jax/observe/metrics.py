@@ -89,7 +89,9 @@ def recorded_events(path: Path, lines: list[str], log=print) -> list[tuple[str, 
             events.append((line, json.loads(line)))
         except json.JSONDecodeError as e:
             if number != len(lines):
-                raise ValueError(f"{path}:{number}: not a JSON event ({e.msg}); fix or remove that line to resume") from None
+                raise ValueError(
+                    f"{path}:{number}: not a JSON event ({e.msg}); fix or remove that line to resume"
+                ) from None
             log(f"warning: {path}:{number}: dropped a torn last line (an interrupted write)")
     return events
 

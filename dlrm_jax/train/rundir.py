@@ -25,8 +25,8 @@ import yaml
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
-from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
 from dlrm_jax.observe.metrics import recorded_events
+from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
