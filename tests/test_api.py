@@ -90,6 +90,17 @@ def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
         dlrm_jax.evaluate_run(tmp_path / "run", log=lambda *_: None)
     again = dlrm_jax.evaluate_run(tmp_path / "run", log=lambda *_: None, source=source)
     assert (again.step, again.auc, again.eval_samples) == (summary.step, summary.auc, 100)
+    # Resumed without the arrays (the CLI): refused, the marker kept. Before: it trained on
+    # synthetic data from the checkpoint on and removed the marker, so eval then scored that.
+    from dlrm_jax.train.rundir import RunDirError
+
+    with pytest.raises(RunDirError, match=r"was trained on data given in Python \(ArraySource\), not its config's"):
+        dlrm_jax.train_and_evaluate(
+            tiny("train.steps=30", "train.eval_every=0", "mesh.devices=2", "train.batch_size=32"),
+            tmp_path / "run",
+            log=lambda *_: None,
+        )
+    assert (tmp_path / "run" / "given_source.json").exists()
 
 
 def test_array_sources_raw_ids_are_checked_against_the_dynamic_tables_before_any_work(tiny, tmp_path):

@@ -181,9 +181,12 @@ class RunDir:
         self._made = False  # this run made the directory: it goes again if the run leaves it empty
 
     @classmethod
-    def open(cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print) -> RunDir:
+    def open(
+        cls, path: str | Path | None, cfg: Config, *, writer: bool = True, log=print, source_given: bool = False
+    ) -> RunDir:
         """In a multi-process run process 0 (the writer) opens the directory and every other
-        process learns the outcome: all go on, or all raise the same RunDirError at once."""
+        process learns the outcome: all go on, or all raise the same RunDirError at once.
+        ``source_given``: the run trains on a data source given in Python, not its config's."""
         rd = cls(Path(path) if path else None, writer and path is not None)
         refusal = ""
         if rd.writer:
@@ -192,7 +195,7 @@ class RunDir:
             try:
                 rd._lock()
                 rd._check_set_aside()
-                rd._check_config(cfg, log)
+                rd._check_config(cfg, log, source_given)
             except RunDirError as e:
                 refusal = str(e)
             except BaseException:
@@ -264,10 +267,17 @@ class RunDir:
                 f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new --run-dir to start fresh"
             )
 
-    def _check_config(self, cfg: Config, log) -> None:
+    def _check_config(self, cfg: Config, log, source_given: bool = False) -> None:
         cfg = with_absolute_paths(cfg)  # as recorded: eval and export read it from any directory
         saved = self.path / "config.yaml"
-        if saved.exists() and numbered_folders(self.path / "checkpoints"):  # (a run killed before its first: none)
+        resumes = bool(numbered_folders(self.path / "checkpoints"))  # (a run killed before its first: none)
+        if resumes and (given := given_source(self.path)) and not source_given:
+            raise RunDirError(
+                f"run dir {self.path} was trained on data given in Python ({given}), not its config's "
+                f"data.source={cfg.data.source}: resume it from Python with that data "
+                f"(train_and_evaluate(cfg, run_dir, source=...)), or pass a new --run-dir"
+            )
+        if saved.exists() and resumes:
             try:
                 old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
             except (ConfigError, yaml.YAMLError) as e:

@@ -71,7 +71,10 @@ def train_and_evaluate(
     check_runnable(cfg, mesh.size, jax.process_count(), simulated=simulated, source_given=source is not None)
     if hasattr(source, "check_config"):  # (a source of the caller's: against the config, before a run dir is made)
         source.check_config(cfg)
-    with RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log) as rd, contextlib.ExitStack() as stack:
+    with (
+        RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log, source_given=source is not None) as rd,
+        contextlib.ExitStack() as stack,
+    ):
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
             source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)
