@@ -18,6 +18,7 @@ from typing import NamedTuple
 # Substring of the host events that launch the train step (jaxlib names them after the jitted
 # function: "PjitFunction(jit(_train_step))"; on CPU each device's part also logs an execute).
 TRAIN_STEP = "_train_step"
+EVAL_STEP = "_eval_step"  # evaluations' and the state check's before a save
 # Events on a GPU's stream lines that are copies, not kernels.
 H2D, D2H = "MemcpyH2D", "MemcpyD2H"
 
@@ -108,7 +109,8 @@ def dispatching_line(host: dict[str, list[Event]]) -> str | None:
 
 def summarize(planes: Planes, steps: int | None = None, threads: tuple[str, ...] = ("input", "hot", "tier")) -> dict:
     """Per step of the traced span (from the first train step's launch to the last's, or to
-    the launch after ``steps`` steps, over the steps between): wall time; the dispatching
+    the launch after ``steps`` steps, over the steps between; a step whose span holds another
+    program's launch, an evaluation's or a save's state check, left out): wall time; the dispatching
     thread's time in the step's launch (XLA's part of it); the devices' kernel time and idle
     share (GPUs: the union of each device's kernels, mean over devices), host-to-device copies
     and the share of them under kernels, device-to-host copies; and the time each host thread
@@ -118,37 +120,52 @@ def summarize(planes: Planes, steps: int | None = None, threads: tuple[str, ...]
     line = dispatching_line(host)
     if line is None:
         return {}
-    launches = outermost([e for e in host[line] if _launches_the_step(e)])
+    outer = outermost([e for e in host[line] if "PjitFunction" in e.name])
+    launches = [e for e in outer if _launches_the_step(e)]
     launches = launches if steps is None else launches[: steps + 1]
     if len(launches) < 2:
         return {}
-    lo, hi = launches[0].start_ns, launches[-1].start_ns
-    steps = len(launches) - 1
+    # A step is the span from its launch to the next; one holding an evaluation's launch (or
+    # the state check's before a save) is not a train step's, and is left out.
+    others = [e.start_ns for e in outer if EVAL_STEP in e.name]
+    pairs = [
+        (a, b)
+        for a, b in zip(launches, launches[1:], strict=False)
+        if not any(a.start_ns < t < b.start_ns for t in others)
+    ]
+    if not pairs:
+        return {}
+    spans = [(a.start_ns, b.start_ns) for a, b in pairs]
+    wall = sum(hi - lo for lo, hi in spans)
+    steps = len(spans)
     per_step = lambda ns: ns / 1e6 / steps
+    within = lambda events: [iv for lo, hi in spans for iv in _clip(events, lo, hi)]
     out = {
         "trace_steps": steps,
-        "trace_step_ms": per_step(hi - lo),
-        "trace_launch_ms": per_step(sum(e.duration_ns for e in launches[:-1])),
+        "trace_step_ms": per_step(wall),
+        "trace_launch_ms": per_step(sum(a.duration_ns for a, _ in pairs)),
     }
     gpus = {p: lines for p, lines in planes.items() if p.startswith("/device:GPU")}
     if gpus:
         busy, h2d, h2d_hidden, d2h = [], [], [], []
         for lines in gpus.values():
             streams = [ev for name, ev in lines.items() if name.startswith("Stream")]
-            kernels = [iv for ev in streams for iv in _clip([e for e in ev if "Memcpy" not in e.name], lo, hi)]
-            copies_in = [iv for ev in streams for iv in _clip([e for e in ev if H2D in e.name], lo, hi)]
+            kernels = [iv for ev in streams for iv in within([e for e in ev if "Memcpy" not in e.name])]
+            copies_in = [iv for ev in streams for iv in within([e for e in ev if H2D in e.name])]
             busy.append(union_ns(kernels))
             h2d.append(sum(e - s for s, e in copies_in))
             h2d_hidden.append(overlap_ns(copies_in, kernels))
-            d2h.append(sum(1 for ev in streams for e in ev if D2H in e.name and lo <= e.start_ns < hi))
+            d2h.append(
+                sum(1 for ev in streams for e in ev if D2H in e.name and any(lo <= e.start_ns < hi for lo, hi in spans))
+            )
         n = len(gpus)
         out["trace_device_busy_ms"] = per_step(sum(busy) / n)
-        out["trace_device_idle_share"] = 1.0 - sum(busy) / n / (hi - lo)
+        out["trace_device_idle_share"] = 1.0 - sum(busy) / n / wall
         out["trace_h2d_ms"] = per_step(sum(h2d) / n)
         out["trace_h2d_under_kernels_share"] = sum(h2d_hidden) / sum(h2d) if sum(h2d) else 0.0
         out["trace_d2h_per_step"] = sum(d2h) / n / steps
     out["trace_threads_xla_ms"] = {
-        name: per_step(union_ns(_clip(ev, lo, hi)))
+        name: per_step(union_ns(within(ev)))
         for name, ev in sorted(host.items())
         if name != line and name.startswith(threads)
     }

@@ -276,7 +276,8 @@ class TrainingLoop:
         to ``read_through``), or now (None: the loop ended first)."""
         if self.trace is None:
             return
-        summary = self.trace.stop() if read_through is None else self.trace.done(read_through)
+        with self.apart():  # stopping the profiler and reading its files: not training's time
+            summary = self.trace.stop() if read_through is None else self.trace.done(read_through)
         if summary is None:
             return
         self.metrics.write({"event": "trace", "step": self.trace.last, **summary, "trace_dir": self.trace.trace_dir})
