@@ -52,7 +52,11 @@ def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | No
     if origin is tuple:
         (item_type, _) = typing.get_args(annotation)
         if isinstance(value, str) and "," in value:  # --set model.bottom_mlp=64,32,8: YAML's list is [64,32,8]
-            value = [load_yaml(v) for v in value.split(",") if v.strip()]
+            parts = value.split(",")
+            parts = parts[:-1] if not parts[-1].strip() else parts  # "64,": a list of one
+            if not all(v.strip() for v in parts):  # (32,,8 became [32, 8] without a word)
+                raise ConfigError(f"{key}: an empty entry in {value!r}; expected comma-separated {item_type.__name__}s")
+            value = [load_yaml(v) for v in parts]
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             value = [value]
         if not isinstance(value, (list, tuple)):

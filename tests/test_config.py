@@ -133,6 +133,8 @@ def test_overrides():
         ("train.early_stop_evals=-1", ["train.early_stop_evals", ">= 0"]),
         ("train.early_stop_evals=3|train.eval_every=0", ["train.early_stop_evals", "train.eval_every > 0"]),
         ("train.target_auc=0.8|train.eval_every=0", ["train.target_auc", "train.eval_every > 0"]),
+        # before: 3 tables, without a word
+        ("data.cardinalities=1000,,50,5000", ["data.cardinalities: an empty entry in '1000,,50,5000'"]),
     ],
 )
 def test_bad_values_name_the_key(override, words):
