@@ -68,14 +68,17 @@ def _check_two_levels(cfg: Config, num_devices: int, simulated: bool) -> None:
     why = why_not_two_levels(cfg, num_devices, cluster.devices_per_host)
     if not why:
         return
+    sizes = [d for d in range(2, num_devices // 2 + 1) if num_devices % d == 0]
     if cfg.embedding.tables_per_host:
-        fix = "embedding.sync=global"
-    else:
+        fix = "set embedding.sync=global, or "
+    elif sizes:
         why += "" if cfg.cluster.devices_per_host else f", the {cluster.name} profile's"
-        fix = f"cluster.devices_per_host to a divisor of {num_devices} of at least 2 and at most {num_devices // 2}"
+        fix = f"set cluster.devices_per_host to {' or '.join(map(str, sizes))}, or "
+    else:  # (2, 3 or a prime number of devices cannot be split into such hosts)
+        fix = f"{num_devices} devices cannot make them: set "
     raise ConfigError(
         f"embedding.ids_exchange=two_level: {why}; two levels need 2 or more hosts of 2 or more devices; "
-        f"set {fix}, or embedding.ids_exchange=auto (two levels where they can go) or flat"
+        f"{fix}embedding.ids_exchange=auto (two levels where they can go) or flat"
     )
 
 

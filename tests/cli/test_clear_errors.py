@@ -846,9 +846,14 @@ def test_processes_making_one_run_dir_at_once_all_see_a_folder(tmp_path):
         (
             ["embedding.ids_exchange=two_level"],
             "embedding.ids_exchange=two_level: the 8 devices fit one host of 64 (cluster.devices_per_host), the cpu "
-            "profile's; two levels need 2 or more hosts of 2 or more devices; set cluster.devices_per_host to a "
-            "divisor of 8 of at least 2 and at most 4, or embedding.ids_exchange=auto (two levels where they can "
-            "go) or flat",
+            "profile's; two levels need 2 or more hosts of 2 or more devices; set cluster.devices_per_host to 2 "
+            "or 4, or embedding.ids_exchange=auto (two levels where they can go) or flat",
+        ),
+        (  # before: "set cluster.devices_per_host to a divisor of 2 of at least 2 and at most 1"
+            ["embedding.ids_exchange=two_level", "mesh.devices=2"],
+            "embedding.ids_exchange=two_level: the 2 devices fit one host of 64 (cluster.devices_per_host); two levels "
+            "need 2 or more hosts of 2 or more devices; 2 devices cannot make them: set embedding.ids_exchange=auto "
+            "(two levels where they can go) or flat",
         ),
         (
             ["embedding.ids_exchange=two_level", "cluster.devices_per_host=3"],
