@@ -33,6 +33,17 @@ def bounded(kind: type, low: float, *, strict: bool = False, below: float | None
     return parse
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """``--help`` ends each flag's line with its default, where the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})" if shown else text
+
+
 def list_of(kind: type, low: float | None = None, empty: bool = False):
     """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given; none at
     all, ``""``, only when ``empty``)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from dlrm_jax.cli import commands as registry
+from dlrm_jax.cli.args import DefaultsShown
 
 
 def build_parser(commands: Sequence[ModuleType] | None = None) -> argparse.ArgumentParser:
@@ -23,5 +24,5 @@ def build_parser(commands: Sequence[ModuleType] | None = None) -> argparse.Argum
     parser.add_argument("--version", action="version", version=f"dlrm-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in registry.COMMANDS if commands is None else commands:
-        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP))
+        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, formatter_class=DefaultsShown))
     return parser

@@ -17,6 +17,7 @@ from dlrm_jax.cli.args import (
     POSITIVE,
     SHARE,
     STRATEGIES,
+    DefaultsShown,
     add_config_args,
     add_json_output,
     add_max_rows,
@@ -46,7 +47,7 @@ class Suite(NamedTuple):
 def add_arguments(p) -> None:
     suites = p.add_subparsers(dest="suite", required=True)
     for name, suite in SUITES.items():
-        suite.add_arguments(suites.add_parser(name, help=suite.help))
+        suite.add_arguments(suites.add_parser(name, help=suite.help, formatter_class=DefaultsShown))
 
 
 def run(args) -> int:
