@@ -83,14 +83,16 @@ def summary(run: dict, label: str) -> str:
     else:
         parts.append("no evaluation with an AUC")
     if rates:
-        parts.append(f"median {statistics.median(rates):,.0f} samples/s over {len(rates)} windows")
+        parts.append(
+            f"median {statistics.median(rates):,.0f} samples/s over {len(rates)} window{'s' * (len(rates) > 1)}"
+        )
     windows = [e["progressive_auc"] for e in run["events"] if e.get("event") == "progressive"]
     if windows:  # train.progressive_window: each window scored before training on it
         last = windows[len(windows) // 2 :]
         parts.append(
             f"progressive AUC {sum(last) / len(last):.4f} (mean of the last {len(last)} of {len(windows)} windows)"
         )
-    return " ".join(parts)
+    return f"{parts[0]} {'; '.join(parts[1:])}"
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

@@ -366,6 +366,10 @@ def test_the_report_line_gives_the_median_of_an_even_number_of_windows():
 
     events = [{"samples_per_s": r} for r in (5_599.0, 1_795.0)]
     assert "median 3,697 samples/s over 2 windows" in summary({"events": events}, "run")
+    # before: "run: no evaluation with an AUC median 5,599 samples/s over 1 windows"
+    assert (
+        summary({"events": events[:1]}, "run") == "run: no evaluation with an AUC; median 5,599 samples/s over 1 window"
+    )
 
 
 def test_report_reads_what_real_runs_write_null_metrics_a_cut_last_line_a_changed_batch(tmp_path, capsys):
