@@ -144,6 +144,7 @@ def bench_hot(
     mesh = make_mesh(cfg.mesh.devices)
     data = NamedSharding(mesh, P(AXIS))
     cases = []
+    log(HEADER)  # then a row as each case is measured
     for z in zipf:
         for layout in layouts:
             for row_layout in row_layouts:
@@ -184,9 +185,6 @@ def bench_hot(
         "machine": machine_description(),
         "cases": cases,
     }
-    log(HEADER)
-    for c in cases:
-        log(_row(c))
     write_report(report, output)
     return report
 

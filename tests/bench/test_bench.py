@@ -290,7 +290,7 @@ def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(ti
     """Frequency-ordered ids on row-wise blocks: the hot ids all live on device 0, the model
     replicates some, the busiest bucket shrinks, and the HLO's collectives move exactly the
     bytes the plan predicts (give or take the one-word flags and hit counts), with and without."""
-    from dlrm_jax.bench.hot import bench_hot
+    from dlrm_jax.bench.hot import HEADER, _row, bench_hot
 
     cfg = tiny(
         "mesh.devices=4",
@@ -299,7 +299,7 @@ def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(ti
         "model.embedding_dim=8",
         "embedding.hot.stats_batches=4",
     )
-    out = tmp_path / "hot.json"
+    out, said = tmp_path / "hot.json", []
     report = bench_hot(
         cfg,
         steps=1,
@@ -308,10 +308,11 @@ def test_hot_bench_bytes_match_hlo_and_replication_shrinks_the_busiest_bucket(ti
         layouts=["frequency_ordered"],
         row_layouts=["block"],
         output=str(out),
-        **QUIET,
+        log=said.append,
     )
     assert json.loads(out.read_text()) == report
     (case,) = report["cases"]
+    assert said == [HEADER, _row(case)]  # before: the row, then the header and the row again
     assert case["hot_rows"] > 0 and 0 < case["hot_hit_rate"] < 1 and case["allreduce_bytes"] > 0
     assert case["capacity"] < case["no_hot_capacity"]
     assert abs(case["total_bytes"] - case["predicted_total_bytes"]) <= 64, case
