@@ -82,6 +82,11 @@ class _RunDirLog(logging.FileHandler):
         except OSError:
             pass
 
+    def handleError(self, record) -> None:
+        """A write that failed inside logging's own handler (a full disk): the message is lost,
+        as above; logging's default printed each one's traceback to the terminal (hundreds of
+        lines over a checkpoint that could not be written, which says so in one)."""
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)

@@ -380,6 +380,7 @@ class Checkpoints(CheckpointReader):
         super().__init__(directory)
         _use_coordination_service_barriers()
         self.keep, self._kept = keep, set()  # the newest `keep`, and those of keep_also
+        self._saving: int | None = None  # the step whose save may still be under way
         # orbax keeps every step: the rotation is this class's, at wait() (leases: readers'),
         # so a step is removed only once a newer one is whole, and never while a reader reads it
         options = ocp.CheckpointManagerOptions(create=True, cleanup_tmp_directories=True)
@@ -435,6 +436,7 @@ class Checkpoints(CheckpointReader):
         record["checksums"] = combine(
             [json.loads(o) for o in outcomes_of_every_process(json.dumps(process_sums(state)))]
         )
+        self._saving = step
         try:
             chunked = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
             self._manager.save(
@@ -458,12 +460,13 @@ class Checkpoints(CheckpointReader):
         try:
             self._manager.wait_until_finished()
         except OSError as e:
-            raise self._write_error(None, e) from None
+            raise self._write_error(self._saving, e) from None
         except Exception as e:  # orbax re-raises its writer threads' failures in other types
             text = f"{e} {e.__cause__ or ''} {e.__context__ or ''}"
             if "No space left on device" in text or "os_error_code='28'" in text:
-                raise self._write_error(None, OSError(errno.ENOSPC, "no space left on device")) from None
+                raise self._write_error(self._saving, OSError(errno.ENOSPC, "no space left on device")) from None
             raise
+        self._saving = None
         self._rotate()
 
     def _rotate(self) -> None:

@@ -114,3 +114,48 @@ def test_a_config_changed_in_code_is_checked_when_it_trains(tiny, tmp_path):
     with pytest.raises(ConfigError, match="train.steps: must be > 0, got -5"):
         train_and_evaluate(bad, tmp_path / "run", log=lambda *_: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_under_the_library_log_prints_no_tracebacks(tmp_path, capsys):
+    """Before: each library message that could not be written to RUN/dlrm-jax.log printed
+    '--- Logging error ---' and a traceback (512-783 lines over one failed checkpoint)."""
+    import errno
+    import logging
+
+    from dlrm_jax.cli.runtime import _RunDirLog
+
+    class Full:
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    handler = _RunDirLog(tmp_path / "dlrm-jax.log")
+    handler.stream = Full()
+    handler.emit(logging.LogRecord("orbax", logging.ERROR, __file__, 1, "write failed", None, None))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
+    """Before: 'could not write the checkpoint in ...: no space left on device', no step."""
+    import errno
+
+    import jax
+    import numpy as np
+    import pytest
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dlrm_jax.train.checkpoint import Checkpoints, CheckpointWriteError
+
+    on_mesh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
+    ckpts = Checkpoints(tmp_path / "checkpoints", 3)
+    ckpts.save(30, {"w": jax.device_put(np.zeros(4, np.float32), on_mesh)}, "{}")
+    ckpts._manager.wait_until_finished()
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpts._manager, "wait_until_finished", full)
+    with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*no space left"):
+        ckpts.wait()
