@@ -59,6 +59,7 @@ class Stopped(KeyboardInterrupt):
 
 
 _deferring: list[str] = []  # what each open deferred() block waits for, innermost last
+_AT_ONCE = "at once"  # a block whose work keeps nothing (eval): a stop ends it without waiting
 
 
 def _stop(signum, frame):
@@ -71,8 +72,8 @@ def _stop(signum, frame):
     if not _deferring:
         _pending = signum
         raise Stopped(signum)
-    if _pending is not None:  # asked twice
-        exit_now(signum)
+    if _pending is not None or _deferring[-1] == _AT_ONCE:  # asked twice, or nothing to wait for
+        exit_now(signum, saves="nothing to save" if _deferring[-1] == _AT_ONCE else None)
     _pending = signum
     name, again = signal_words(signum)
     say(
@@ -89,12 +90,14 @@ def raise_if_stopped() -> None:
 
 
 @contextlib.contextmanager
-def deferred(what: str):
+def deferred(what: str, keeps_nothing: bool = False):
     """Within the block a stop signal is kept, not raised (see the module's docstring), and
     raised as :class:`Stopped` when the block ends; ``what``: what the stop waits for, in the
-    line printed at once (e.g. "the run's start"). A no-op where :func:`stop_on_signals` has
-    not installed the handlers (a notebook keeps Python's own KeyboardInterrupt)."""
-    _deferring.append(what)
+    line printed at once (e.g. "the run's start"). ``keeps_nothing``: the block's work is lost
+    by a stop anyway (an evaluation's scores), so the first signal ends the process at once, as
+    a second one does elsewhere. A no-op where :func:`stop_on_signals` has not installed the
+    handlers (a notebook keeps Python's own KeyboardInterrupt)."""
+    _deferring.append(_AT_ONCE if keeps_nothing else what)
     try:
         yield
     finally:
@@ -102,12 +105,13 @@ def deferred(what: str):
     raise_if_stopped()
 
 
-def exit_now(signum: int) -> None:
+def exit_now(signum: int, saves: str | None = None) -> None:
     """A second stop signal: one line and exit status 128 + signal, at once. No exception
     unwinds and nothing is torn down (a native compile, a step or a save in flight could
     crash the exit); checkpoints already committed stay intact, the run dir's lock goes with
-    the process."""
-    say(f"dlrm-jax: stopped at once by {signal.Signals(signum).name}: nothing saved since the last checkpoint")
+    the process. ``saves``: what the line says of saving (default: nothing since the last checkpoint)."""
+    saves = saves or "nothing saved since the last checkpoint"
+    say(f"dlrm-jax: stopped at once by {signal.Signals(signum).name}: {saves}")
     os._exit(128 + signum)
 
 

@@ -537,6 +537,28 @@ def test_a_stop_swallowed_in_a_collection_callback_stops_the_loop_without_a_trac
     assert "Exception ignored" not in proc.stderr, proc.stderr
 
 
+STOP_DURING_AN_EVALUATION = """
+import os, signal, time
+from dlrm_jax import stopping
+
+stopping.stop_on_signals()
+with stopping.deferred("the evaluation", keeps_nothing=True):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    print("evaluated", flush=True)
+"""
+
+
+def test_a_stop_during_eval_ends_it_at_once():
+    """Before: eval kept the first SIGTERM until its evaluation ended (2 minutes and more),
+    then exited 143 without a result: the wait bought nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STOP_DURING_AN_EVALUATION], capture_output=True, text=True, timeout=20, env=child_env()
+    )
+    assert proc.returncode == 128 + signal.SIGTERM and "evaluated" not in proc.stdout, proc
+    assert proc.stderr.strip() == "dlrm-jax: stopped at once by SIGTERM: nothing to save", proc.stderr
+
+
 STOP_DURING_COMPILE = """
 import os, signal, sys, threading
 import jax, jax.numpy as jnp

@@ -29,7 +29,8 @@ def run(args) -> int:
     library_logs_to(Path(args.run_dir))
     from dlrm_jax.train.saved_run import evaluate_run
 
-    with stopping.deferred("the evaluation"):  # restores and compiles (see dlrm_jax.stopping)
+    # restores and compiles (see dlrm_jax.stopping); a stop loses only its scores: at once
+    with stopping.deferred("the evaluation", keeps_nothing=True):
         summary = evaluate_run(args.run_dir, args.overrides, step=args.step, log=log)
     import jax
 
