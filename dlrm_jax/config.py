@@ -308,11 +308,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         dynamic = dlrm_jax.load_config("criteo_kaggle+stream")  # the same model, stream's id maps
     """
     raw: dict[str, Any] = {}
-    for layer in config_layers(path) if path else ():
-        raw = _merge(raw, load_raw(layer))
-    for override in _override_dicts(overrides):
-        raw = _merge(raw, override)
-    return validate(_build(Config, raw, ""))
+    files = [(resolve_config_path(layer), load_raw(layer)) for layer in (config_layers(path) if path else ())]
+    sets = _override_dicts(overrides)
+    for layer in [d for _, d in files] + sets:
+        raw = _merge(raw, layer)
+    try:
+        built = _build(Config, raw, "")
+    except ConfigError as e:
+        raise _located(e, files, sets) from None
+    return validate(built)
+
+
+def _located(error: ConfigError, files: list[tuple[Path, dict]], sets: list[dict]) -> ConfigError:
+    """``error`` (a bad value: "KEY: ...") named by the file and line that gave the value, where
+    a config file did (not an override, nor a default)."""
+    key = str(error).split(":", 1)[0].split("[", 1)[0].split(" ", 1)[0].split(".")
+
+    def gives(raw: dict) -> bool:
+        for k in key:
+            if not isinstance(raw, dict) or k not in raw:
+                return False
+            raw = raw[k]
+        return True
+
+    if any(map(gives, sets)):
+        return error
+    for file, raw in reversed(files):
+        if gives(raw):
+            line = _line_of(file, key)
+            return ConfigError(f"config file {file}{f':{line}' if line else ''}: {error}")
+    return error
+
+
+def _line_of(file: Path, key: list[str]) -> int | None:
+    """The 1-based line of ``key``'s value in the YAML ``file`` (None where it cannot tell)."""
+    try:
+        node = yaml.compose(file.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    for k in key:
+        found = [v for n, v in getattr(node, "value", []) if isinstance(node, yaml.MappingNode) and n.value == k]
+        if not found:
+            return None
+        node = found[0]
+    return node.start_mark.line + 1
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] | dict[str, Any] | str = ()) -> Config:

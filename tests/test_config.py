@@ -144,6 +144,21 @@ def test_bad_values_name_the_key(override, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+def test_a_bad_value_in_a_file_is_named_by_its_file_and_line(tmp_path):
+    """Before: 'train.steps: expected an integer, got 10.0', naming no file (cli.md says it does)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  log_every: 5\n  steps: 10.0\nmodel:\n  bottom_mlp: [32, x]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == f"config file {f}:3: train.steps: expected an integer, got 10.0"
+    with pytest.raises(ConfigError) as e:
+        load_config(f"smoke+{f}", ["train.steps=3"])  # (no file: smoke+c.yaml is the two layered)
+    assert str(e.value) == f"config file {f}:5: model.bottom_mlp[1]: expected an integer, got 'x'"
+    with pytest.raises(ConfigError) as e:
+        load_config(f, ["train.steps=3", "model.bottom_mlp=[8, y]"])  # the --set's value: no file
+    assert str(e.value) == "model.bottom_mlp[1]: expected an integer, got 'y'"
+
+
 def test_bad_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")
