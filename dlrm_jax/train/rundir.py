@@ -20,9 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-import yaml
-
-from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, with_absolute_paths
+from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, load_raw, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
 from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
@@ -279,9 +277,9 @@ class RunDir:
             )
         if saved.exists() and resumes:
             try:
-                old = config_from_dict(yaml.safe_load(saved.read_text()) or {})
-            except (ConfigError, yaml.YAMLError) as e:
-                raise RunDirError(f"{saved}: cannot be read ({e}); use another --run-dir") from None
+                old = config_from_dict(load_raw(saved))  # (strict YAML; a problem in one line)
+            except ConfigError as e:
+                raise RunDirError(f"{e}; use another --run-dir") from None
             self.resumed_config = old
             blocking = state_differences(old, cfg)
             if blocking:

@@ -643,3 +643,15 @@ def test_a_tiered_run_resumes_on_a_device_count_where_one_batch_needs_a_whole_pa
     done = train_and_evaluate(tiny("train.steps=4", "mesh.devices=1", *base), other, log=logs.append)
     assert "table cat_3: kept on the devices, as the checkpoint being restored has it" in logs and done.step == 4
     assert evaluate_run(other, ["mesh.devices=1"], log=lambda *_: None).auc == done.auc
+
+
+def test_a_run_dirs_config_that_is_not_yaml_is_one_line(tiny, tmp_path):
+    """Before: train printed YAML's five-line error with a ^ marker (eval gave one line)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    (run / "config.yaml").write_text("train: [\n")
+    with pytest.raises(RunDirError) as e:
+        RunDir.open(run, tiny())
+    said = str(e.value)
+    assert "\n" not in said and said.startswith(f"config file {run / 'config.yaml'}:2: cannot be read as YAML")
+    assert said.endswith("; use another --run-dir")
