@@ -76,9 +76,10 @@ def make_mesh(devices: int = 0, hosts: int = 0, model: int = 1):
 
 
 def check_available(n: int, available: int, backend: str) -> None:
-    """A ValueError when this machine cannot give ``n`` devices of ``backend``."""
+    """A ConfigError when this machine cannot give ``n`` devices of ``backend`` (exit status 2,
+    as every refused key)."""
     if backend == "cpu" and n > MAX_SIMULATED_DEVICES:
-        raise ValueError(
+        raise ConfigError(
             f"mesh.devices={n}: at most {MAX_SIMULATED_DEVICES} simulated CPU devices (each "
             f"one adds compile time and threads on this host's cores); use fewer, or a "
             f"GPU host"
@@ -90,7 +91,7 @@ def check_available(n: int, available: int, backend: str) -> None:
                 " (set mesh.devices before JAX starts: the CLI does this; in Python call "
                 "dlrm_jax.request_cpu_devices(N) before importing jax)"
             )
-        raise ValueError(f"mesh.devices={n} but only {available} {backend} devices are available{hint}")
+        raise ConfigError(f"mesh.devices={n} but only {available} {backend} devices are available{hint}")
 
 
 def check_mesh_shape(n: int, processes: int, model: int, hosts: int = 0) -> None:

@@ -159,3 +159,16 @@ def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpts._manager, "wait_until_finished", full)
     with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*no space left"):
         ckpts.wait()
+
+
+def test_more_devices_than_the_machine_gives_is_a_config_error():
+    """Before: a ValueError, exit status 1 where every refused key exits 2."""
+    import pytest
+
+    from dlrm_jax.config import ConfigError
+    from dlrm_jax.parallel.mesh import check_available
+
+    with pytest.raises(ConfigError, match="mesh.devices=128: at most 64 simulated CPU devices"):
+        check_available(128, 8, "cpu")
+    with pytest.raises(ConfigError, match="mesh.devices=16 but only 8 gpu devices are available"):
+        check_available(16, 8, "gpu")
