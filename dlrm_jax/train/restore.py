@@ -104,7 +104,11 @@ def _restore_state(steps: StepFunctions, ckpts: CheckpointReader, log, step: int
         return steps.from_checkpoint_form(ckpts.restore(steps.abstract_state(), step)), False
     if tiered != steps.tiered_tables:
         raise IncompatibleCheckpoint(_tiers_moved(step, tiered, steps.tiered_tables, current))
-    log(f"re-laying out embedding tables saved on {saved.num_devices} devices for this plan")
+    n = saved.num_devices
+    log(
+        f"re-laying out the embedding tables for this plan: the checkpoint's plan ({n} device{'s' * (n > 1)}) "
+        f"differs from it (device count, sharding, capacities or hot rows)"
+    )
     shapes = saved_shapes(saved, steps.collection.optimizer)
     state = steps.from_checkpoint_form(ckpts.restore_lazily(steps.abstract_state(), "emb", shapes, step))
     # Tiered tables' rows come from the tier's snapshot of this step; their caches start empty.
