@@ -316,15 +316,13 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
         ),
         # Before: an OverflowError traceback (inf), "cannot convert float NaN to integer" naming no
         # flag, or a dataset whose window recorded "seconds": null that train crashed on.
-        (
-            ["preprocess", "criteo", "--input", "x", "--output", "y", "--block-mb", "inf"],
-            "--block-mb",
-            "expected a finite number, got inf",
-        ),
-        (
-            ["preprocess", "criteo", "--input", "x", "--output", "y", "--shard-mb", "nan"],
-            "--shard-mb",
-            "expected a finite number, got nan",
+        *(
+            (
+                ["preprocess", "criteo", "--input", "x", "--output", "y", flag, value],
+                flag,
+                f"a finite number, got {value}",
+            )
+            for flag, value in (("--block-mb", "inf"), ("--shard-mb", "nan"))
         ),
         (
             [
