@@ -320,7 +320,7 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
             (
                 ["preprocess", "criteo", "--input", "x", "--output", "y", flag, value],
                 flag,
-                f"a finite number, got {value}",
+                f"expected a finite number, got {value}",
             )
             for flag, value in (("--block-mb", "inf"), ("--shard-mb", "nan"))
         ),
