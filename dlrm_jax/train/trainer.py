@@ -30,6 +30,7 @@ from dlrm_jax.train.loop import (  # noqa: F401
     RUN_END_FIELDS,
     STOP_AGREE_EVERY,
     Interrupted,
+    Plan,
     StopSignals,
     TrainingLoop,
     reporting,
@@ -43,7 +44,7 @@ from dlrm_jax.train.restore import (
     restore_or_init,
     saved_tiers,
 )
-from dlrm_jax.train.rundir import RunDir
+from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 from dlrm_jax.train.wiring import tier_root
@@ -114,6 +115,11 @@ def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
         if newest is not None and (newest >= cfg.train.steps or stopped)
         else None
     )
+    if recorded is None and newest is not None and newest > cfg.train.steps and not stopped:
+        raise RunDirError(
+            f"run dir {rd.path} holds a checkpoint at step {newest}, past train.steps={cfg.train.steps}: nothing to "
+            f"train; score it with `dlrm-jax eval --run-dir {rd.path}`, or set train.steps >= {newest} to go on"
+        )
     if recorded is not None:
         log(
             f"run stopped early at step {newest}: {stopped}; it is not trained further (change "
@@ -251,9 +257,16 @@ def _train(
                 break
     loop.bar.close()
     report_progress(end, "finishing")
-    if loop.trained_steps == 0 and t.evaluates:  # nothing left to train: evaluate what the checkpoint holds
+    if loop.trained_steps == 0 and t.evaluates:  # the run's end, saved, but its evaluation not recorded
         with stopping.deferred("the evaluation"):
-            loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
+            event = {"step": start, "loss": loop.last_loss, "samples_per_s": float("nan")}  # (none trained)
+            last = loop.progress.last
+            if last is not None and last.step == start:  # counted already (killed before its record)
+                loop.auc, loop.logloss, loop.scored = driver.evaluate(state)
+                event.update(event="eval", auc=loop.auc, logloss=loop.logloss, eval_samples=loop.scored)
+            else:
+                loop.evaluate(start, state, event, Plan(True, False, True, None))
+            metrics.write({**event, **loop.progress.final_fields(start, loop.auc, loop.logloss)})
     step = int(host_scalar(state.step))
     best = loop.progress.best or (Evaluation(step, loop.auc, loop.logloss) if t.evaluates else None)
     return RunSummary(

@@ -655,3 +655,21 @@ def test_a_run_dirs_config_that_is_not_yaml_is_one_line(tiny, tmp_path):
     said = str(e.value)
     assert "\n" not in said and said.startswith(f"config file {run / 'config.yaml'}:2: cannot be read as YAML")
     assert said.endswith("; use another --run-dir")
+
+
+def test_a_saved_end_without_its_recorded_evaluation_is_evaluated_and_recorded(tiny, tmp_path):
+    """Before: the re-run printed a final evaluation that metrics.jsonl never got (every re-run
+    scored again), and a run whose newest checkpoint lay past a lowered train.steps printed it
+    as its 'final step', beside a best worse than it."""
+    run = tmp_path / "run"
+    cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.eval_every=2", "train.log_every=2")
+    done = train_and_evaluate(cfg, run, **QUIET)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] < 6))
+    again = train_and_evaluate(cfg, run, **QUIET)
+    assert (again.step, again.auc, again.best.step) == (6, done.auc, done.best.step)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["event"], last["step"], last["auc"], last["best_step"]) == ("eval", 6, done.auc, done.best.step)
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] < 6))
+    with pytest.raises(RunDirError, match=r"holds a checkpoint at step 6, past train.steps=4: nothing to train"):
+        train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "train.eval_every=2"), run, **QUIET)
