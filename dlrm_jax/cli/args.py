@@ -44,6 +44,14 @@ class DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})" if shown else text
 
 
+class Parser(argparse.ArgumentParser):
+    """``dlrm-jax``'s parsers: their ``--help`` shows the defaults (:class:`DefaultsShown`), and
+    each sub-command's parser is one too (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args, formatter_class=DefaultsShown, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
 def list_of(kind: type, low: float | None = None, empty: bool = False):
     """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given; none at
     all, ``""``, only when ``empty``)."""

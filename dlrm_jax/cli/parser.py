@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from dlrm_jax.cli import commands as registry
-from dlrm_jax.cli.args import DefaultsShown
+from dlrm_jax.cli.args import Parser
 
 
 def build_parser(commands: Sequence[ModuleType] | None = None) -> argparse.ArgumentParser:
@@ -20,9 +20,9 @@ def build_parser(commands: Sequence[ModuleType] | None = None) -> argparse.Argum
     :data:`~dlrm_jax.cli.commands.COMMANDS`)."""
     from dlrm_jax import __version__
 
-    parser = argparse.ArgumentParser(prog="dlrm-jax", description=__doc__.splitlines()[0])
+    parser = Parser(prog="dlrm-jax", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dlrm-jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in registry.COMMANDS if commands is None else commands:
-        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, formatter_class=DefaultsShown))
+        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP))
     return parser

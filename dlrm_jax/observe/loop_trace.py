@@ -109,8 +109,8 @@ def dispatching_line(host: dict[str, list[Event]]) -> str | None:
 
 def summarize(planes: Planes, steps: int | None = None, threads: tuple[str, ...] = ("input", "hot", "tier")) -> dict:
     """Per step of the traced span (from the first train step's launch to the last's, or to
-    the launch after ``steps`` steps, over the steps between; a step whose span holds another
-    program's launch, an evaluation's or a save's state check, left out): wall time; the dispatching
+    the launch after ``steps`` steps, over the steps between; a step whose span holds an
+    evaluation's launch, or the state check's before a save, left out): wall time; the dispatching
     thread's time in the step's launch (XLA's part of it); the devices' kernel time and idle
     share (GPUs: the union of each device's kernels, mean over devices), host-to-device copies
     and the share of them under kernels, device-to-host copies; and the time each host thread

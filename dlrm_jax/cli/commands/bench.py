@@ -17,7 +17,6 @@ from dlrm_jax.cli.args import (
     POSITIVE,
     SHARE,
     STRATEGIES,
-    DefaultsShown,
     add_config_args,
     add_json_output,
     add_max_rows,
@@ -47,7 +46,7 @@ class Suite(NamedTuple):
 def add_arguments(p) -> None:
     suites = p.add_subparsers(dest="suite", required=True)
     for name, suite in SUITES.items():
-        suite.add_arguments(suites.add_parser(name, help=suite.help, formatter_class=DefaultsShown))
+        suite.add_arguments(suites.add_parser(name, help=suite.help))
 
 
 def run(args) -> int:

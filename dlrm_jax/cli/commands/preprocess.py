@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlrm_jax.cli.args import COUNT, FRACTION, POSITIVE, DefaultsShown, bounded
+from dlrm_jax.cli.args import COUNT, FRACTION, POSITIVE, bounded
 from dlrm_jax.config import ConfigError
 
 NAME = "preprocess"
@@ -13,7 +13,7 @@ HELP = "convert raw data to memory-mappable binary arrays"
 
 def add_arguments(p) -> None:
     pre_sub = p.add_subparsers(dest="dataset", required=True)
-    criteo = pre_sub.add_parser("criteo", help="Criteo Kaggle / Terabyte TSV", formatter_class=DefaultsShown)
+    criteo = pre_sub.add_parser("criteo", help="Criteo Kaggle / Terabyte TSV")
     criteo.add_argument("--input", nargs="+", required=True, help="raw TSV file(s), plain or .gz, in time order")
     criteo.add_argument(
         "--multi-hot",
@@ -24,11 +24,7 @@ def add_arguments(p) -> None:
         "--block-mb", type=bounded(float, 0, strict=True), default=64.0, help="MB of text a worker parses at a time"
     )
     _add_preprocess_args(criteo, chunk_lines=0)
-    tab = pre_sub.add_parser(
-        "tabular",
-        help="CSV / JSON-lines files described by a schema (MovieLens, Avazu, ...)",
-        formatter_class=DefaultsShown,
-    )
+    tab = pre_sub.add_parser("tabular", help="CSV / JSON-lines files described by a schema (MovieLens, Avazu, ...)")
     tab.add_argument(
         "--schema", required=True, help="schema YAML, or a shipped one: movielens_1m, avazu, taobao_ad, yelp_reviews"
     )
