@@ -23,7 +23,7 @@ from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.checkpoint import reading
+from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.wiring import tier_root

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlrm_jax.train.checkpoint import saved_json, saved_steps
+from dlrm_jax.train.checkpoint_reader import saved_json, saved_steps
 
 
 def _num(x: float | None) -> float | None:

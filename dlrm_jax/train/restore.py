@@ -22,14 +22,14 @@ from dlrm_jax.embedding.tiers.setup import SavedTiers
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
-from dlrm_jax.train.checkpoint import (
+from dlrm_jax.train.checkpoint_leases import NOT_WRITABLE
+from dlrm_jax.train.checkpoint_reader import (
     CheckpointReader,
     CheckpointsIntact,
     IncompatibleCheckpoint,
     saved_json,
     saved_steps,
 )
-from dlrm_jax.train.checkpoint_leases import NOT_WRITABLE
 from dlrm_jax.train.rundir import RunDirError, describe_changes, state_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
 
@@ -171,7 +171,7 @@ def read_checkpoint(
     read-only (``eval``, ``export``: the run may still be training; a damaged checkpoint is
     skipped, not moved). ``cfg``: the run's saved config with the command's --set overrides; a
     refusal names the state keys in which it differs from the run's ``config.yaml``. ``leases``:
-    the reading session's (:func:`~dlrm_jax.train.checkpoint.reading`), else its own."""
+    the reading session's (:func:`~dlrm_jax.train.checkpoint_reader.reading`), else its own."""
     ckpts = CheckpointReader(Path(run_dir) / "checkpoints", leases)
     try:
         return _read_checkpoint(ckpts, Path(run_dir), cfg, steps, step, log)

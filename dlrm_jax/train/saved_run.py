@@ -10,7 +10,7 @@ import jax
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.checkpoint import reading
+from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step

@@ -41,7 +41,7 @@ from dlrm_jax.serving.artifact import (
     write_manifest,
 )
 from dlrm_jax.serving.id_maps import write_maps
-from dlrm_jax.train.checkpoint import reading
+from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.export import RestoredRun, as_evaluated, check_outside_run, id_maps, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint
 

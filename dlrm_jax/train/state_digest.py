@@ -11,7 +11,7 @@ chance of one in 2**32.
 Each device sums its own block (one program for the whole state, at memory speed, with no
 collective: a process can compute its part while another has failed to read its files), each
 process adds its devices' sums, and the processes add theirs where they decide together
-(:meth:`dlrm_jax.train.checkpoint.CheckpointReader.restore_newest_intact`).
+(:meth:`dlrm_jax.train.checkpoint_reader.CheckpointReader.restore_newest_intact`).
 """
 
 from __future__ import annotations

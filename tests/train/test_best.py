@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dlrm_jax.train.checkpoint import saved_steps
+from dlrm_jax.train.checkpoint_reader import saved_steps
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.progress import Evaluation, Progress
 from dlrm_jax.train.saved_run import evaluate_run

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dlrm_jax.train.checkpoint import CheckpointReader, Checkpoints, reading
+from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.checkpoint_leases import LEASES
+from dlrm_jax.train.checkpoint_reader import CheckpointReader, reading
 
 ON_MESH = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
 ABSTRACT = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=ON_MESH)}

@@ -126,7 +126,7 @@ def test_per_host_run_resumes_bitwise_logs_divergence_and_exports_the_average(ti
 
     # Other host counts or per-host layouts are refused in one line; eval/export of a run saved
     # by several processes (mesh.hosts=0) simulate its hosts in this one.
-    from dlrm_jax.train.checkpoint import IncompatibleCheckpoint
+    from dlrm_jax.train.checkpoint_reader import IncompatibleCheckpoint
 
     before = {p.name: p.read_bytes() for p in (tmp_path / "cut").iterdir() if p.is_file() and p.name != ".lock"}
     for other, needs in (

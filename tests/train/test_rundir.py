@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from dlrm_jax.train.checkpoint import Checkpoints, IncompatibleCheckpoint
+from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.checkpoint_leases import LEASES
+from dlrm_jax.train.checkpoint_reader import IncompatibleCheckpoint
 from dlrm_jax.train.export import export_run
 from dlrm_jax.train.rundir import RunDir, RunDirError, config_differences, describe_changes
 from dlrm_jax.train.saved_run import evaluate_run

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dlrm_jax.embedding.tiers import snapshots
-from dlrm_jax.train.checkpoint import CheckpointsIntact
+from dlrm_jax.train.checkpoint_reader import CheckpointsIntact
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.child_env import child_env
 from tests.embedding.tiered_configs import BASE, TIERED
