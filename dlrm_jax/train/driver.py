@@ -26,6 +26,7 @@ from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
 from dlrm_jax.data.reader_processes import ProcessReaders
+from dlrm_jax.data.sources import close_source
 from dlrm_jax.embedding.hot.index import hot_keys
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.parallel.mesh import host_scalar
@@ -47,6 +48,7 @@ class StepDriver:
     """What both drivers share: hot-row counting and refreshes, evaluation, closing."""
 
     compiles_on_first_step = False  # the first step compiles (the hang watch does not time it)
+    closes_source = False  # the source is the driver's own (made for it), closed with it
 
     def __init__(self, steps: StepFunctions, source: DataSource):
         self.steps, self.source = steps, source
@@ -99,6 +101,8 @@ class StepDriver:
     def close(self) -> None:
         if self.steps.hot:
             self.steps.hot.close()
+        if self.closes_source:
+            close_source(self.source)
 
 
 class DeviceDriver(StepDriver):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from dlrm_jax.data.sources import make_source
+from dlrm_jax.data.sources import close_source, make_source
 from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
@@ -53,7 +53,10 @@ def restore_run(
     source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False)
     with reading(run_dir / "checkpoints") as leases:  # read-only: the run may be training, and rotating
         step = checkpoint_step(run_dir / "checkpoints", step)  # "best": train.keep_best's step
-        plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
+        try:
+            plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
+        finally:
+            close_source(source)
         step, state = read_checkpoint(run_dir, cfg, steps, step, log, leases)
     return RestoredRun(cfg, plan, steps, step, as_evaluated(steps, state))
 

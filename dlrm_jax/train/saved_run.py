@@ -53,12 +53,16 @@ def restored(
                 f"{cfg.data.source}: evaluate it on that data, evaluate_run(run_dir, source=...)"
             )
         mesh = mesh_from_config(cfg)
-        if source is None:
+        made = source is None
+        if made:
             source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
         step = checkpoint_step(run_dir / "checkpoints", step)
         plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
         step, state = read_checkpoint(run_dir, cfg, steps, step, log=log, leases=leases)
         if plan.tiered_tables:  # the tier's snapshot of that step, not its working files
             tiered = checkpoint_tier(steps, plan, tier_root(cfg, run_dir), run_dir, step, log)
-            return state, TieredDriver(steps, source, tiered, lookahead=0, log=log)
-    return state, DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)
+            driver = TieredDriver(steps, source, tiered, lookahead=0, log=log)
+        else:
+            driver = DeviceDriver(steps, source, readers=cfg.data.readers, prefetch=cfg.data.prefetch, log=log)
+    driver.closes_source = made
+    return state, driver

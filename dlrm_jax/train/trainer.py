@@ -14,7 +14,7 @@ from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config, ConfigError, validate
 from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.data.batch import DataSource
-from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
+from dlrm_jax.data.sources import cap_note, close_source, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.observe.loop_trace import LoopTrace
@@ -87,6 +87,8 @@ def train_and_evaluate(
         report_progress(0, "planning")
         with stopping.deferred("planning"):  # it compiles too: a stop waits for the end (see stopping)
             source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)
+            if given is None:  # (a notebook's runs each make one: its open files go with the run)
+                stack.callback(close_source, source)
             for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
                 if note:
                     log(note)

@@ -155,8 +155,19 @@ def make_source(
     kind = source_kind(cfg)
     source = kind.make(cfg, process_index, process_count)
     if kind.files:
-        check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)
+        try:
+            check_splits(cfg, source.num_train, source.num_val, trains=trains, evaluates=evaluates)
+        except ConfigError:
+            close_source(source)
+            raise
     return source
+
+
+def close_source(source) -> None:
+    """Closes what a source made by :func:`make_source` holds open (a binary dataset's shard
+    files); a source without ``close()`` holds nothing."""
+    if (close := getattr(source, "close", None)) is not None:
+        close()
 
 
 def check_splits(cfg, num_train: int, num_val: int, *, trains: bool, evaluates: bool) -> None:

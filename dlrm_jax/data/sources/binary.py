@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,8 +102,17 @@ class _Split:
             for k, n in enumerate(sizes)
             if n and self.starts[k] < hi and self.starts[k + 1] > lo
         }
+        self._open_files()
+
+    def _open_files(self) -> None:
         self._fds: OrderedDict[Path, int] = OrderedDict()
         self._lock = threading.Lock()  # reader threads share the open files
+        # closed with the split too: a notebook's runs, each making a source, kept every file open
+        weakref.finalize(self, _close_all, self._fds, self._lock)
+
+    def close(self) -> None:
+        """Closes the open files (a read after it opens them again)."""
+        _close_all(self._fds, self._lock)
 
     def _fd(self, path: Path) -> int:
         with self._lock:
@@ -144,13 +154,18 @@ class _Split:
                 at, start, length = at + take, start + take, length - take
 
     def __getstate__(self) -> dict:  # picklable (worker processes open their own files)
-        state = dict(self.__dict__, _fds=OrderedDict())
-        del state["_lock"]
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "_lock")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._open_files()
+
+
+def _close_all(fds: OrderedDict, lock: threading.Lock) -> None:
+    """Closes a split's open files."""
+    with lock:
+        while fds:
+            os.close(fds.popitem()[1])
 
 
 class IdRanges:
@@ -305,6 +320,11 @@ class BinarySource:
         # (a time in full: Unix seconds read 1.49401e+09 in %g)
         text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:.15g}")
         return [(int(s), text(labels[w])) for s, w in zip(first[new], window[new], strict=True)]
+
+    def close(self) -> None:
+        """Closes the shard files the reads hold open (a source collected closes them too)."""
+        self.train.close()
+        self.val.close()
 
     def skip_report(self) -> str:
         """What preprocessing skipped to make this dataset, in one line ('' if nothing)."""
