@@ -140,3 +140,43 @@ def test_what_a_notebook_gets_wrong_first_is_named_in_one_line(tmp_path):
         dlrm_jax.evaluate_run(tmp_path / "nope", log=lambda *_: None)
     with pytest.raises(dlrm_jax.ConfigError, match=r"^num_devices=0: a plan is for 1 or more devices"):
         dlrm_jax.plan_from_config(dlrm_jax.load_config("smoke"), 0)
+
+
+def test_a_source_of_ones_own_is_what_trains(tiny):
+    """A subclass of SyntheticSource that changes its batches is trained on them, its planning
+    reads them too, and an object with no more than the protocol's train_batch, eval_batches and
+    skip_report trains. Before, training took the parent's batches made on the devices: the
+    change was called once (the compile), the loss that of plain synthetic data, a raise at
+    step 3 never seen."""
+    import numpy as np
+
+    cfg = tiny("train.steps=4", "train.eval_every=0", "mesh.devices=2", "train.batch_size=32")
+    quiet = dict(log=lambda *_: None)
+
+    class AllPositive(dlrm_jax.SyntheticSource):
+        def train_batch(self, step):
+            self.asked.append(step)
+            batch = super().train_batch(step)
+            return batch._replace(labels=np.ones_like(batch.labels))
+
+    changed = AllPositive(cfg)
+    changed.asked = []
+    plain = dlrm_jax.train_and_evaluate(cfg, None, **quiet)
+    ones = dlrm_jax.train_and_evaluate(cfg, None, source=changed, **quiet)
+    assert {1, 2, 3} <= set(changed.asked) and ones.loss != plain.loss
+
+    class Minimal:  # the protocol a notebook's docstring names, and nothing else
+        def __init__(self):
+            self.inner = dlrm_jax.SyntheticSource(cfg)
+
+        def train_batch(self, step):
+            return self.inner.train_batch(step)
+
+        def eval_batches(self):
+            return self.inner.eval_batches()
+
+        def skip_report(self):
+            return ""
+
+    minimal = dlrm_jax.train_and_evaluate(cfg, None, source=Minimal(), **quiet)
+    assert minimal.loss == plain.loss  # (the same batches, read on the host)

@@ -58,6 +58,31 @@ def padded(batch: Batch | RawBatch, n: int) -> Batch | RawBatch:
     return type(batch)(*(pad(x) for x in batch))
 
 
+def faster_path(source, name: str):
+    """``source``'s method ``name``, a faster way to what its ``train_batch`` gives
+    (``device_batches``: made on the devices; ``train_batch_into``: read in place;
+    ``train_ids``: the ids alone), or None: where it has none, or where a subclass overrides
+    ``train_batch`` below the class that defines ``name`` (a user's source derived from
+    :class:`~dlrm_jax.data.sources.synthetic.SyntheticSource` changing its batches: training
+    took the parent's fast path and never called the change)."""
+    method = getattr(source, name, None)
+    if method is None:
+        return None
+    mro = type(source).__mro__
+    owner = next((c for c in mro if name in vars(c)), None)  # (None: set on the instance)
+    batches = next((c for c in mro if "train_batch" in vars(c)), None)
+    if owner is not None and batches is not None and batches is not owner and issubclass(batches, owner):
+        return None
+    return method
+
+
+def train_ids(source, step: int) -> np.ndarray:
+    """``source.train_ids(step)`` where it is true to ``train_batch`` (:func:`faster_path`),
+    else ``train_batch(step).ids``: a source of one's own needs only ``train_batch``."""
+    ids = faster_path(source, "train_ids")
+    return ids(step) if ids is not None else source.train_batch(step).ids
+
+
 class DataSource(Protocol):
     """Deterministic batches: the same (step, process) always gives the same data."""
 
@@ -67,7 +92,8 @@ class DataSource(Protocol):
 
     def train_ids(self, step: int) -> np.ndarray:
         """``train_batch(step).ids`` alone (the planner and the hot-row statistics read no
-        more; a source may make them without the rest)."""
+        more; a source may make them without the rest). Optional: without it they read
+        ``train_batch`` (:func:`train_ids`)."""
         ...
 
     def eval_batches(self) -> Iterator[Batch]:

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from dlrm_jax.data.batch import Batch, RawBatch
+from dlrm_jax.data.batch import Batch, RawBatch, faster_path
 from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.ids import raw_values
 
@@ -176,7 +176,7 @@ def reading_layout(source, layout: PackedLayout) -> PackedLayout:
     """The layout a source that reads in place (``train_batch_into``) writes ``layout``'s
     batches in: with its ``raw_layout``, when not None, the raw values it writes per row and
     which of them are the dynamic features'."""
-    raw = getattr(source, "raw_layout", None) if getattr(source, "train_batch_into", None) is not None else None
+    raw = getattr(source, "raw_layout", None) if faster_path(source, "train_batch_into") is not None else None
     return layout if raw is None else layout.with_raw(*raw)
 
 
@@ -185,7 +185,7 @@ def packed_reader(source, layout: PackedLayout, buffers: HostBuffers | None = No
     (``train_batch_into``: the binary source's reads go straight into the buffer, in
     :func:`reading_layout`), else its ``train_batch`` copied in (a :class:`RawBatch`'s raw ids
     too); the buffers from ``buffers`` (:mod:`dlrm_jax.data.host_buffers`), else new ones."""
-    into = getattr(source, "train_batch_into", None)
+    into = faster_path(source, "train_batch_into")
     layout = reading_layout(source, layout)
 
     with_raw = functools.cache(layout.with_raw)  # one layout for every batch with raw ids

@@ -40,6 +40,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from dlrm_jax.data.batch import faster_path
 from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import HostPacked, PackedLayout, reading_layout
 
@@ -121,7 +122,7 @@ class ProcessReaders:
     as a context manager) to end the workers and free their buffers."""
 
     def __init__(self, source, layout: PackedLayout, workers: int, buffers: HostBuffers | None = None):
-        if getattr(source, "train_batch_into", None) is None:
+        if faster_path(source, "train_batch_into") is None:
             raise ValueError(
                 f"data.reader_processes: {type(source).__name__} cannot read a batch in place "
                 "(train_batch_into); only the binary source reads in worker processes"

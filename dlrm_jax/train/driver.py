@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.choices import HostMemory
-from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import DataSource, faster_path
 from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import InputPipeline, dispatched_ahead, input_readers
@@ -131,7 +131,7 @@ class DeviceDriver(StepDriver):
         into reused host buffers (pinned on GPUs, :mod:`dlrm_jax.data.host_buffers`) and placed
         packed (one transfer each, :mod:`dlrm_jax.data.packed`)."""
         steps, t0 = self.steps, time.perf_counter()
-        device_batches = getattr(self.source, "device_batches", None)  # generated on the devices
+        device_batches = faster_path(self.source, "device_batches")  # generated on the devices
         if device_batches is None and self.buffers is None:
             self.buffers = HostBuffers.for_devices(self.host_memory, list(steps.batch_sharding.addressable_devices))
         if self.processes and device_batches is None:  # data.reader_processes

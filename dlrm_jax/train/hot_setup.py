@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.config_schema import HotConfig
-from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import DataSource, train_ids
 from dlrm_jax.embedding.exchange.capacity import measure_capacities
 from dlrm_jax.embedding.hot.choice import choose_hot_rows, hot_plan, mask_hot
 from dlrm_jax.embedding.hot.counts import RowCounts
@@ -71,7 +71,7 @@ def initial_counts(source: DataSource, stats_batches: int, bag_sizes: Sequence[i
     per_feature = histograms() if histograms else None
     if per_feature is not None:
         return RowCounts(tuple(ids for ids, _ in per_feature), tuple(c.astype(np.float64) for _, c in per_feature))
-    batches = (global_ids(source.train_ids(i)) for i in range(stats_batches))
+    batches = (global_ids(train_ids(source, i)) for i in range(stats_batches))
     return RowCounts.from_batches(batches, bag_sizes)
 
 
@@ -102,7 +102,7 @@ def choose(
         return plan, None
     bags = tuple(t.spec.bag_size for t in plan.tables)
     counts = initial_counts(source, h.stats_batches, bags).without(set(dynamic))
-    batches = to_rows([global_ids(source.train_ids(i)) for i in range(calibration_steps)])
+    batches = to_rows([global_ids(train_ids(source, i)) for i in range(calibration_steps)])
 
     def measure(host_batches):  # global batches: every process measures the same
         return measure_capacities(plan, host_batches, plan.capacity_factor)

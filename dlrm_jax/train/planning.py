@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dlrm_jax.choices import RowLayoutChoice, Sharding
 from dlrm_jax.config import Config
-from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import DataSource, train_ids
 from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
@@ -61,7 +61,7 @@ def plan_for_run(
     ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
     value every process uses (``kind``: "stats" or "capacities")."""
     local = cfg.train.batch_size // num_devices
-    batches = dynamic_homes(cfg, [source.train_ids(i) for i in range(CALIBRATION_BATCHES)]) if source else []
+    batches = dynamic_homes(cfg, [train_ids(source, i) for i in range(CALIBRATION_BATCHES)]) if source else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
     request = plan_request(cfg, num_devices, budget_bytes, hosts=hosts, cluster=cluster)

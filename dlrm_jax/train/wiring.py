@@ -23,6 +23,7 @@ from flax import nnx
 
 from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strategy
 from dlrm_jax.config import Config, ConfigError
+from dlrm_jax.data.batch import train_ids
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
 from dlrm_jax.embedding.dynamic.sharded import check_split, map_bytes_per_device, maps_report, route_capacities
 from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, rows_sent_back, unsent_row_id_bytes
@@ -120,7 +121,7 @@ def raw_id_batches(cfg: Config, source, count: int) -> list[np.ndarray]:
     out = []
     for i in range(count):
         if not dynamic:
-            out.append(np.asarray(source.train_ids(i)).astype(np.int64))
+            out.append(np.asarray(train_ids(source, i)).astype(np.int64))
             continue
         batch = source.train_batch(i)
         ids = np.asarray(batch.ids).astype(np.int64)
