@@ -16,6 +16,22 @@ import numpy as np
 PAD_ID = -1
 
 
+def integer_ids(ids, what: str) -> np.ndarray:
+    """``ids`` as integers: an integer (or bool) array as it is; floats (ids read from a CSV or a
+    DataFrame) only where every one is a whole number, else a ValueError naming ``what`` and the
+    row (3.7 was read as 3, NaN as -2**63)."""
+    a = np.asarray(ids)
+    if a.dtype.kind in "iub":
+        return a
+    if a.dtype.kind != "f":
+        raise ValueError(f"{what}: ids must be integers, got {a.dtype}")
+    bad = ~np.isfinite(a) | (a != np.round(a))
+    if bad.any():
+        at = np.argwhere(bad)[0]
+        raise ValueError(f"{what}: id {a[tuple(at)].item()!r} in row {int(at[0])} is not a whole number")
+    return a.astype(np.int64)
+
+
 def raw_columns(values):
     """A batch's raw 64-bit ids of its dynamic tables' features (numpy int64/uint64 [B, R], the
     bags one after another in table order) as the batch carries them: uint32 [B, 2, R], the

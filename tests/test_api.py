@@ -180,3 +180,22 @@ def test_a_source_of_ones_own_is_what_trains(tiny):
 
     minimal = dlrm_jax.train_and_evaluate(cfg, None, source=Minimal(), **quiet)
     assert minimal.loss == plain.loss  # (the same batches, read on the host)
+
+
+def test_array_source_ids_must_be_whole_numbers(tiny):
+    """Ids of 3.7 trained as row 3 without a word; a NaN id failed in the planner ("'list'
+    argument must have no negative elements"). Whole-number floats (read from a CSV) are ids."""
+    import numpy as np
+
+    cfg = tiny("mesh.devices=2", "train.batch_size=32")
+    ids = np.stack([np.arange(64) % r for r in cfg.table_rows], axis=1).astype(np.float64)
+    split = lambda ids: (np.zeros((64, 13)), ids, np.zeros(64))
+    make = lambda ids: dlrm_jax.ArraySource(
+        split(ids), split(ids), 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes
+    )
+    assert make(ids).train_batch(0).ids.dtype == np.int32
+    for bad, says in ((3.7, "3.7"), (np.nan, "nan")):
+        odd = ids.copy()
+        odd[5, 1] = bad
+        with pytest.raises(ValueError, match=rf"ArraySource train: id {says} in row 5 is not a whole number"):
+            make(odd)

@@ -11,7 +11,7 @@ import numpy as np
 
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog
 from dlrm_jax.data.sources.criteo import CriteoFormatError, ParsedLines
-from dlrm_jax.ids import PAD_ID
+from dlrm_jax.ids import PAD_ID, integer_ids
 from dlrm_jax.serving.artifact import (
     FUNCTION_FILE,
     INT8_FIELD,
@@ -147,6 +147,9 @@ class ServingModel:
         at a time. Dynamic tables (``manifest["id_maps"]``): their features' ids are raw ids, or
         ``raw`` gives them whole ({feature: uint64 [n, bag]}); an id the map does not hold
         reads its shard's shared row, as evaluation does."""
+        if not isinstance(batch_size, int | np.integer) or batch_size < 1:  # (-1 returned np.empty's bytes)
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        ids = integer_ids(ids, "predict")
         dense = np.asarray(dense, np.float32)
         if dense.ndim == 2 and dense.shape[1] == 0 and self.manifest["num_dense"] == 1:
             dense = np.zeros((len(dense), 1), np.float32)  # data without dense features: one zero column, as trained

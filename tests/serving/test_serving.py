@@ -278,6 +278,50 @@ def test_a_base_and_its_delta_load_to_the_full_export_of_the_last_step(criteo, m
         serving.load(art["d"])
 
 
+def test_threads_predicting_at_once_through_a_row_cache_score_as_one_does(criteo):
+    """A server's threads share one model: through tables behind a small row cache, 4 threads
+    scored 7-11 of 960 rows each with other ids' rows (or raised a shape error), the cache's
+    slots moved under them."""
+    import threading
+
+    _, art, (_, dense, ids) = criteo
+    with serving.load(art["f16"]) as whole, serving.load(art["f16"], memory_bytes=0, cache_rows=64) as cached:
+        want = whole.predict(dense, ids)
+        rng = np.random.default_rng(0)
+        picks = [[rng.choice(len(ids), 64, replace=False) for _ in range(15)] for _ in range(4)]
+        start, wrong, failed = threading.Barrier(4), [0] * 4, []
+
+        def serve(t):
+            start.wait()
+            try:
+                for sel in picks[t]:
+                    wrong[t] += int(np.sum(cached.predict(dense[sel], ids[sel], batch_size=8) != want[sel]))
+            except Exception as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+
+        threads = [threading.Thread(target=serve, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not failed and wrong == [0] * 4
+
+
+def test_predicts_arguments_that_would_score_wrong_are_refused(criteo):
+    """batch_size=-1 returned uninitialised memory as scores; ids of 3.7 scored as 3, a NaN id
+    was an IndexError. Whole-number floats (ids read from a CSV) score as their integers."""
+    _, art, (_, dense, ids) = criteo
+    with serving.load(art["f16"]) as m:
+        for bad in (-1, 0, 2.5):
+            with pytest.raises(ValueError, match=f"batch_size must be a positive integer, got {bad}"):
+                m.predict(dense[:3], ids[:3], batch_size=bad)
+        with pytest.raises(ValueError, match=r"predict: id 3.7 in row 0 is not a whole number"):
+            m.predict(dense[:3], np.where(np.arange(ids.shape[1]) == 0, 3.7, ids[:3]))
+        with pytest.raises(ValueError, match=r"predict: id nan in row 2 is not a whole number"):
+            m.predict(dense[:3], np.where(np.arange(3)[:, None] == 2, np.nan, ids[:3]))
+        np.testing.assert_array_equal(m.predict(dense[:3], ids[:3].astype(np.float64)), m.predict(dense[:3], ids[:3]))
+
+
 @pytest.mark.slow
 def test_a_damaged_or_unfinished_artifact_is_one_error_naming_the_file(criteo, tmp_path):
     import shutil

@@ -17,7 +17,7 @@ import numpy as np
 
 from dlrm_jax.data.batch import Batch, RawBatch, check_ids, process_slice, take
 from dlrm_jax.data.shuffle import KeyedPermutation
-from dlrm_jax.ids import raw_columns
+from dlrm_jax.ids import integer_ids, raw_columns
 
 
 class ArraySource:
@@ -122,6 +122,7 @@ def _checked(split, name: str, table_rows, bag_sizes) -> Batch | RawBatch:
     if len(split) not in (3, 4):
         raise ValueError(f"ArraySource {name}: expected (dense, ids, labels) or (dense, ids, labels, raw)")
     dense, ids, labels = (np.asarray(x) for x in split[:3])
+    ids = integer_ids(ids, f"ArraySource {name}")
     raw = raw_columns(split[3]) if len(split) == 4 else None
     if raw is not None and raw.shape[0] != labels.shape[0]:
         raise ValueError(f"ArraySource {name}: raw ids have {raw.shape[0]} rows, the labels {labels.shape[0]}")
