@@ -201,7 +201,8 @@ class ServingModel:
 
     def _predict_tabular(self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int) -> np.ndarray:
         """A tabular model's records (one a line here), in order; nan for a skipped one."""
-        data = [s.encode() if isinstance(s, str) else s for s in lines]
+        encoding = self.rules.schema.layout.encoding  # (as the file was: utf-8 hashed latin-1's values apart)
+        data = [s.encode(encoding) if isinstance(s, str) else s for s in lines]
         data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
         log = SkipLog(skip_bad_lines, DataFormatError)
         chunks = self.rules.chunks(

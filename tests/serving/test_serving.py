@@ -460,6 +460,53 @@ def _predict_cli(*args):
 
 
 @pytest.mark.slow
+def test_latin1_records_quoting_their_delimiter_score_as_given_with_or_without_their_label(tmp_path):
+    """A schema's own encoding and quoting, as its files were read: lines given as text were
+    encoded as UTF-8 (746 of 1,000 scores off, by up to 0.4, where values held accents), and a
+    file without its label column was refused where a quoted field held the delimiter (its
+    fields counted by a plain split)."""
+    import csv
+    import io
+
+    (tmp_path / "s.yaml").write_text(
+        "format: csv\ndelimiter: ','\nheader: false\nquoting: true\nencoding: latin-1\n"
+        "columns: [price, qty, click, user, note]\nlabel: {column: click}\n"
+        "dense: [price, qty]\ncategorical: [user, note]\n"
+    )
+    rng = np.random.default_rng(0)
+    notes = ["café, au lait", "naïve", "n,2", "über,all", "plain"]  # most holding the delimiter
+
+    def lines(n, label=True):
+        out = io.StringIO()
+        for i in range(n):
+            note = notes[(i * 7) % 5]
+            click = int(note in ("café, au lait", "n,2")) if rng.random() < 0.8 else int(rng.integers(2))
+            row = [f"{rng.random() * 9:.2f}", str(i % 4), click, f"u{i % 30}", note]
+            csv.writer(out, lineterminator="\n").writerow(row if label else row[:2] + row[3:])
+        return out.getvalue().encode("latin-1").splitlines(keepends=True)
+
+    data = lines(600)
+    (tmp_path / "t.csv").write_bytes(b"".join(data))
+    preprocess_tabular(
+        tmp_path / "s.yaml",
+        [str(tmp_path / "t.csv")],
+        str(tmp_path / "ds"),
+        val_fraction=0.2,
+        shuffle_seed=None,
+        workers=1,
+        progress=False,
+    )
+    train_and_export(smoke_run(tmp_path, "train.batch_size=64"), tmp_path)
+    rng = np.random.default_rng(0)  # the same rows again, without their label
+    unlabeled = lines(600, label=False)
+    with serving.load(tmp_path / "art") as model:
+        by_bytes = model.predict_raw(data)
+        assert not np.isnan(by_bytes).any()
+        np.testing.assert_array_equal(model.predict_raw([x.decode("latin-1") for x in data]), by_bytes)
+        np.testing.assert_array_equal(model.predict_raw(unlabeled), by_bytes)
+
+
+@pytest.mark.slow
 def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_scoring(criteo, tmp_path):
     import shutil
 

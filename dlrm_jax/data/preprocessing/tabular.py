@@ -32,7 +32,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     check_arguments,
     check_input_files,
 )
-from dlrm_jax.data.preprocessing.tabular_records import Records, read_records, records_from
+from dlrm_jax.data.preprocessing.tabular_records import Records, leading_fields, read_records, records_from
 from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
 from dlrm_jax.data.sources.synthetic import normalise_dense
 from dlrm_jax.hashing import mix64
@@ -443,17 +443,16 @@ def _without_label(schema: TabularSchema, leading: Sequence[bytes]) -> tuple:
     layout = schema.layout
     if layout.format != "csv" or not isinstance(label, str) or label not in layout.columns:
         return layout, wanted
-    split = lambda line: [
-        x.strip().strip('"') for x in line.decode(layout.encoding, "replace").rstrip("\r\n").split(layout.delimiter)
-    ]
-    fields = split(leading[0]) if leading else []
+    # (split as reading splits them: a quoted field holding the delimiter counted as two)
+    records = leading_fields(list(leading), layout)
+    fields = records[0] if records else []
     header = layout.header is True or (
         bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields)
     )
     if header:
         absent = label not in fields
     else:
-        widths = [len(split(line)) for line in leading]
+        widths = [len(r) for r in records]
         absent = widths.count(len(layout.columns) - 1) > widths.count(len(layout.columns))
     if absent:
         layout = dataclasses.replace(layout, columns=tuple(c for c in layout.columns if c != label))

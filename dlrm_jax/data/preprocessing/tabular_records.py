@@ -181,6 +181,14 @@ class _Columns:
         return self.get(record)
 
 
+def leading_fields(leading: list[bytes], layout: Layout) -> list[list[str]]:
+    """The fields of each record of a file's ``leading`` lines as reading splits them (a quoted
+    field may hold the delimiter), its malformed ones left out."""
+    text = (line.decode(layout.encoding, "replace") for line in leading)
+    records = _split(text, layout, lambda row: True)
+    return [[x.strip().strip('"') for x in row] for _, _, row in records if isinstance(row, list)]
+
+
 def _names(header: list[str]) -> list[str]:
     """A header line's names, without surrounding spaces or a byte-order mark."""
     return [h.strip().lstrip("\ufeff") for h in header]
