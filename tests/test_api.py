@@ -68,7 +68,14 @@ def test_train_on_arrays_of_ones_own_for_epochs(tiny, tmp_path):
     order, epochs count its rows, evaluation scores its whole val split, and the run learns."""
     import numpy as np
 
-    cfg = tiny("train.steps=1", "train.epochs=3", "train.eval_every=0", "mesh.devices=2", "train.batch_size=32")
+    cfg = tiny(
+        "train.steps=1",
+        "train.epochs=3",
+        "train.eval_every=0",
+        "mesh.devices=2",
+        "train.batch_size=32",
+        "train.eval_batches=0",
+    )
     rng = np.random.default_rng(0)
 
     def split(n):
@@ -199,3 +206,45 @@ def test_array_source_ids_must_be_whole_numbers(tiny):
         odd[5, 1] = bad
         with pytest.raises(ValueError, match=rf"ArraySource train: id {says} in row 5 is not a whole number"):
             make(odd)
+
+
+def test_array_sources_that_do_not_fit_the_config_are_refused_before_any_work(tiny, tmp_path):
+    """Ids up to 9,999 for tables the config gives 50-5,000 rows trained without a word
+    (table-wise sharding) or failed deep in the planner ("cannot reshape array of size 21");
+    an empty val split trained every step, then failed at the final evaluation, losing the
+    steps since the last checkpoint. The config's train.seed and train.eval_batches rule
+    where the source was not given its own (it scored the whole split, shuffled by seed 0)."""
+    import numpy as np
+
+    cfg = tiny("mesh.devices=2", "train.batch_size=32", "train.steps=2", "train.eval_every=0")
+    rng = np.random.default_rng(0)
+
+    def split(n, rows=cfg.table_rows, bags=cfg.bag_sizes, dense=13):
+        ids = np.concatenate([rng.integers(0, r, (n, b)) for r, b in zip(rows, bags, strict=True)], axis=1)
+        return rng.normal(size=(n, dense)), ids, rng.integers(0, 2, n)
+
+    def source(rows=cfg.table_rows, bags=cfg.bag_sizes, dense=13, batch=32, val=100, **kw):
+        make = lambda n: split(n, rows, bags, dense)
+        return dlrm_jax.ArraySource(make(96), make(val), batch, table_rows=rows, bag_sizes=bags, **kw)
+
+    wider = [10_000] * len(cfg.table_rows)
+    for made, says in (
+        (source(rows=wider), r"ArraySource table_rows: cat_0 has 10,000 here, \S+ in the config \(data.cardinalities"),
+        (source(rows=wider[:-1], bags=cfg.bag_sizes[:-1]), r"ArraySource table_rows: \d+ tables, the config \d+"),
+        (source(bags=[2, *cfg.bag_sizes[1:]]), r"ArraySource bag_sizes: cat_0 has 2 here, 1 in the config"),
+        (source(dense=5), r"ArraySource: 5 dense columns, the config's data.num_dense=13"),
+        (source(batch=16), r"ArraySource: 16 rows a batch, the config's train.batch_size=32"),
+        (source(val=0), r"ArraySource: the val split is empty, and the run evaluates"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=made, log=lambda *_: None)
+        assert not (tmp_path / "run").exists()
+    train, val = split(96), split(100)
+    arrays = lambda **kw: dlrm_jax.ArraySource(train, val, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes, **kw)
+    seven = dlrm_jax.with_overrides(cfg, {"train.seed": 7})  # (tiny: train.eval_batches=2)
+    mine, given = arrays(), arrays(seed=0, eval_batches=0)
+    first = mine.train_batch(0).ids
+    mine.check_config(seven)
+    given.check_config(seven)
+    assert not np.array_equal(mine.train_batch(0).ids, first) and len(list(mine.eval_batches())) == 2
+    assert np.array_equal(given.train_batch(0).ids, first) and len(list(given.eval_batches())) == 4

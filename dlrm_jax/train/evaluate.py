@@ -115,6 +115,8 @@ def evaluate(
         probs.append(p)
         labels.append(y)
         valid.append(m)
+    if not probs:  # (numpy's "need at least one array to concatenate")
+        raise ValueError(f"nothing to evaluate: {type(source).__name__}.eval_batches() gave no batches")
     p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

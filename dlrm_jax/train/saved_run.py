@@ -56,6 +56,8 @@ def restored(
         made = source is None
         if made:
             source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
+        elif hasattr(source, "check_config"):  # (as train_and_evaluate does)
+            source.check_config(cfg, evaluates=True)
         step = checkpoint_step(run_dir / "checkpoints", step)
         plan, steps = build(cfg, mesh, source, log, saved_tiers(run_dir / "checkpoints", cfg, step))
         step, state = read_checkpoint(run_dir, cfg, steps, step, log=log, leases=leases)

@@ -25,8 +25,10 @@ class ArraySource:
     each a tuple ``(dense [n, num_dense] float32, ids [n, sum(bag_sizes)] int32 (-1: an empty
     slot of a bag), labels [n] of 0/1)``, and for dynamic tables a fourth, their raw 64-bit ids;
     ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's ``cfg.table_rows``,
-    ``cfg.bag_sizes``); ``eval_batches`` 0 evaluates the whole val split. Shuffling, epochs and
-    the checks are the module docstring's::
+    ``cfg.bag_sizes``); ``seed`` and ``eval_batches`` (0: the whole val split): the config's
+    ``train.seed`` and ``train.eval_batches`` unless given (it scored the whole split and
+    shuffled by seed 0 whatever the config said). Shuffling, epochs and the checks are the
+    module docstring's::
 
         source = dlrm_jax.ArraySource((dense, ids, labels), (vd, vi, vl), cfg.train.batch_size,
                                       table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
@@ -40,9 +42,9 @@ class ArraySource:
         *,
         table_rows: Sequence[int],
         bag_sizes: Sequence[int],
-        seed: int = 0,
+        seed: int | None = None,
         shuffle: bool = True,
-        eval_batches: int = 0,
+        eval_batches: int | None = None,
         process_index: int = 0,
         process_count: int = 1,
     ):
@@ -51,17 +53,32 @@ class ArraySource:
         self.num_train, self.num_val = self.train.size, self.val.size
         if self.num_train < batch_size:
             raise ValueError(f"ArraySource: {self.num_train} train rows, fewer than one batch of {batch_size}")
-        self._batch, self._seed, self._shuffle, self._eval_batches = batch_size, seed, shuffle, eval_batches
+        self._given = (seed, eval_batches)  # None: the config's (check_config)
+        self._batch, self._seed, self._shuffle, self._eval_batches = batch_size, seed or 0, shuffle, eval_batches or 0
+        self._table_rows, self._bag_sizes = tuple(int(r) for r in table_rows), tuple(int(b) for b in bag_sizes)
         self._rows = process_slice(batch_size, process_index, process_count)
         self._perm: tuple[int, KeyedPermutation] | None = None
 
     def skip_report(self) -> str:
         return ""
 
-    def check_config(self, cfg) -> None:
-        """A ValueError, before any work, where the raw ids do not fit ``cfg``'s dynamic tables
-        (their columns are those tables' bag slots, in table order), or are given with no table
-        dynamic (they would be ignored). ``train_and_evaluate`` calls it."""
+    def check_config(self, cfg, evaluates: bool | None = None) -> None:
+        """A ValueError, before any work, where the arrays do not fit ``cfg``: tables, bags,
+        dense columns or batch size other than the config's (ids past a 1,000-row table trained
+        without a word, or failed deep in the planner), an empty val split where the run
+        evaluates (``evaluates``; default: whether ``cfg`` does), raw ids that do not fit its
+        dynamic tables (their columns are those tables' bag slots, in table order) or given with
+        no table dynamic (they would be ignored). Takes the config's ``train.seed`` and
+        ``train.eval_batches`` where they were not given. ``train_and_evaluate`` and
+        ``evaluate_run`` call it."""
+        self._check_shapes(cfg)
+        self._seed = cfg.train.seed if self._given[0] is None else self._given[0]
+        self._eval_batches = cfg.train.eval_batches if self._given[1] is None else self._given[1]
+        self._perm = None  # (drawn with the seed)
+        if self.num_val == 0 and (cfg.train.evaluates if evaluates is None else evaluates):
+            raise ValueError(
+                "ArraySource: the val split is empty, and the run evaluates (train.eval_every=-1 trains without)"
+            )
         want = sum(cfg.bag_sizes[t] for t in cfg.dynamic_tables)
         names = ", ".join(f"cat_{t}" for t in cfg.dynamic_tables)
         given = [
@@ -90,8 +107,23 @@ class ArraySource:
                     f"{want} (their bags' slots, in table order)"
                 )
 
-    def train_ids(self, step: int) -> np.ndarray:
-        return self.train_batch(step).ids
+    def _check_shapes(self, cfg) -> None:
+        """The arrays' tables, bags, dense columns and batch against ``cfg``'s."""
+        for name, given, want, key in (
+            ("table_rows", self._table_rows, tuple(cfg.table_rows), "data.cardinalities, capped by data.max_rows"),
+            ("bag_sizes", self._bag_sizes, tuple(cfg.bag_sizes), "data.bag_sizes"),
+        ):
+            if len(given) != len(want):
+                raise ValueError(f"ArraySource {name}: {len(given)} tables, the config {len(want)} ({key})")
+            for t, (a, b) in enumerate(zip(given, want, strict=True)):
+                if a != b:
+                    raise ValueError(f"ArraySource {name}: cat_{t} has {a:,} here, {b:,} in the config ({key})")
+        for what, given, want, key in (
+            ("dense columns", self.train.dense.shape[1], cfg.data.num_dense, "data.num_dense"),
+            ("rows a batch", self._batch, cfg.train.batch_size, "train.batch_size"),
+        ):
+            if given != want:
+                raise ValueError(f"ArraySource: {given:,} {what}, the config's {key}={want:,}")
 
     def train_batch(self, step: int) -> Batch:
         positions = step * self._batch + np.arange(self._rows.start, self._rows.stop, dtype=np.int64)
