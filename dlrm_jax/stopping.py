@@ -47,6 +47,7 @@ __all__ = [
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _SIGNALS = STOP_SIGNALS
 _pending: int | None = None
+_installed = False  # stop_on_signals' handlers are in place (the command line, not a notebook)
 
 
 class Stopped(KeyboardInterrupt):
@@ -109,9 +110,15 @@ def exit_now(signum: int, saves: str | None = None) -> None:
     """A second stop signal: one line and exit status 128 + signal, at once. No exception
     unwinds and nothing is torn down (a native compile, a step or a save in flight could
     crash the exit); checkpoints already committed stay intact, the run dir's lock goes with
-    the process. ``saves``: what the line says of saving (default: nothing since the last checkpoint)."""
+    the process. ``saves``: what the line says of saving (default: nothing since the last checkpoint).
+
+    Called from Python (a notebook: :func:`stop_on_signals` not installed), the process is the
+    user's kernel and lives on: :class:`Stopped` is raised instead, as Python's own Ctrl-C
+    would be (it ended the kernel, and every variable with it)."""
     saves = saves or "nothing saved since the last checkpoint"
     say(f"dlrm-jax: stopped at once by {signal.Signals(signum).name}: {saves}")
+    if not _installed:
+        raise Stopped(signum)
     os._exit(128 + signum)
 
 
@@ -133,10 +140,10 @@ def say(line: str) -> None:
 def stop_on_signals():
     """Install the handlers; returns the function that puts the old ones (and the old
     ``sys.unraisablehook``) back. A no-op off the main thread, where handlers cannot be set."""
-    global _pending
+    global _pending, _installed
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    _pending = None
+    _pending, _installed = None, True
     old = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
     old_hook = sys.unraisablehook
 
@@ -147,11 +154,11 @@ def stop_on_signals():
     sys.unraisablehook = unraisable
 
     def restore():
-        global _pending
+        global _pending, _installed
         for sig, handler in old.items():
             signal.signal(sig, handler)
         sys.unraisablehook = old_hook
-        _pending = None
+        _pending, _installed = None, False
 
     return restore
 

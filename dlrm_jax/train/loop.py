@@ -64,7 +64,7 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
 
 class StopSignals:
     """SIGINT/SIGTERM set a flag the loop reads after each step, and say at once what will
-    happen; a second one exits at once. ``saves``: the run has a run dir to save to;
+    happen; a second one stops at once (``stopping.exit_now``). ``saves``: the run has a run dir to save to;
     ``agree_every``: steps between the processes' agreements on stopping (several processes)."""
 
     def __init__(self, saves: bool = True, agree_every: int = 1):

@@ -400,6 +400,35 @@ def test_signal_finishes_the_step_saves_and_exits(tmp_path, sig, code, named):
 
 
 @pytest.mark.slow
+def test_ctrl_c_twice_in_a_notebook_stops_the_run_not_the_kernel(tmp_path):
+    """From Python the process is the user's kernel: a second Ctrl-C raised a KeyboardInterrupt
+    there, where it had ended the process (rc 130), and every variable of the notebook with it."""
+    code = f"""
+import os, signal, time, dlrm_jax
+dlrm_jax.request_cpu_devices(2)
+from tests.helpers import tiny_config
+cfg = tiny_config("train.steps=100000", "train.checkpoint_every=0", "mesh.devices=2", "train.eval_every=3")
+
+class Pressing(dlrm_jax.SyntheticSource):  # Ctrl-C twice during the first evaluation
+    def eval_batches(self):  # (read on a thread ahead: the run waits for it, handling the signals)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # (two at once are one to Python)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)
+        yield from super().eval_batches()
+
+kept = "a notebook's variable"
+try:
+    dlrm_jax.train_and_evaluate(cfg, {str(tmp_path / "run")!r}, source=Pressing(cfg), log=lambda *_: None)
+except KeyboardInterrupt:
+    print("kernel alive:", kept)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0 and "kernel alive: a notebook's variable" in proc.stdout, proc.stderr
+    assert "stopped at once by SIGINT: nothing saved since the last checkpoint" in proc.stderr
+
+
+@pytest.mark.slow
 def test_eval_and_export_leave_a_running_save_alone_and_print_no_library_logs(tiny, tmp_path):
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "mesh.devices=2"), run, **QUIET)
