@@ -15,13 +15,14 @@ import numpy as np
 def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """Exact area under the ROC curve; tied scores count one half (Mann-Whitney U).
 
-    labels: [n] in {0, 1}; scores: [n]. NaN when only one class is present.
+    labels: [n] in {0, 1}; scores: [n]. NaN when only one class is present, or a score is NaN
+    (a diverged model's: they sorted as the highest, an AUC of 1.0 for 4 rows).
     """
-    labels = np.asarray(labels).astype(bool).ravel()
-    scores = np.asarray(scores, np.float64).ravel()
+    labels, scores = _paired(labels, scores, "scores")
+    labels = labels.astype(bool)
     pos = int(labels.sum())
     neg = labels.size - pos
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or np.isnan(scores).any():
         return float("nan")
     order = np.argsort(scores, kind="stable")
     sorted_scores = scores[order]
@@ -36,9 +37,23 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
 def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
     """Mean binary cross-entropy of probabilities, clipped to [eps, 1 - eps]."""
-    p = np.clip(np.asarray(probs, np.float64), eps, 1.0 - eps)
-    y = np.asarray(labels, np.float64)
+    y, p = _paired(labels, probs, "probs")
+    p = np.clip(p, eps, 1.0 - eps)
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
+
+
+def _paired(labels, values, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``labels`` and ``values`` as float64 [n] each, or a ValueError: lengths that differ, or a
+    label other than 0 or 1 (arguments given the other way round scored NaN without a word)."""
+    labels = np.asarray(labels, np.float64).ravel()
+    values = np.asarray(values, np.float64).ravel()
+    if labels.size != values.size:
+        raise ValueError(f"{labels.size} labels and {values.size} {name}")
+    bad = (labels != 0) & (labels != 1)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"labels must be 0 or 1: {labels[at].item()!r} at index {at} (labels first, then {name})")
+    return labels, values
 
 
 # TensorBoard sections of metrics.jsonl's fields; anything unlisted goes under "train/".

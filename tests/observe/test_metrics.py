@@ -1,6 +1,7 @@
 """Exact AUC against a brute-force pair count, ties included; logloss."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,17 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_a_damaged_one_named(tmp_
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON event"):
         MetricsWriter(path).truncate_after(3, said.append)
     assert path.read_text() == good[0] + "\n{broken\n" + good[2] + "\n"  # nothing lost
+
+
+def test_scores_that_say_nothing_and_arguments_the_other_way_round_are_not_an_auc():
+    """A NaN score sorted as the highest (AUC 1.0 for these 4 rows); scores given as the labels
+    were read as labels (NaN, without a word); lengths that differ were an IndexError."""
+    y = np.array([0, 1, 1, 0])
+    assert np.isnan(roc_auc(y, np.array([0.1, np.nan, 0.8, 0.3])))
+    with pytest.raises(ValueError, match=r"labels must be 0 or 1: 0.1 at index 0 \(labels first, then scores\)"):
+        roc_auc(np.array([0.1, 0.9, 0.8, 0.3]), y)
+    with pytest.raises(ValueError, match="labels must be 0 or 1: 0.9 at index 1"):
+        log_loss(np.array([0, 0.9]), np.array([0.2, 0.3]))
+    with pytest.raises(ValueError, match="4 labels and 3 scores"):
+        roc_auc(y, np.array([0.1, 0.2, 0.3]))
+    assert roc_auc(y.astype(bool), np.array([0.1, 0.9, 0.8, 0.3])) == 1.0
