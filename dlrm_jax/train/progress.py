@@ -203,6 +203,10 @@ def checkpoint_step(directory: Path, step: int | str | None) -> int | None:
                 f"was off); saved steps {saved}"
             )
         return best.step
+    if isinstance(step, str) and step.strip().isdigit():  # (from Python: "20" read as no step 20 of [20])
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"step must be a checkpoint's step number, 'best' or None (the newest), got {step!r}")
     if step not in saved:
         raise FileNotFoundError(f"{directory}: no checkpoint at step {step}; saved steps {saved}")
     return step

@@ -245,10 +245,12 @@ def _train(
             if not todo.log:
                 continue
             event = loop.window_event(step, state)
-            if todo.evaluate and not todo.signum:
+            # (a stop at an evaluation's step evaluates first: a resumed run decides, and records,
+            # as the uninterrupted one: the stop dropped that evaluation and its window for good)
+            if todo.evaluate:
                 todo = loop.evaluate(step, state, event, todo)
             loop.record(step, event)
-            if todo.progressive and not todo.signum and not loop.stop_reason:
+            if todo.progressive and not loop.stop_reason:
                 loop.progressive(step, state)
             if todo.save and ckpts:
                 loop.save(step, state)

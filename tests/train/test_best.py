@@ -133,6 +133,27 @@ def test_target_auc_stops_at_the_first_evaluation_that_reaches_it(tiny, tmp_path
     assert train_and_evaluate(tiny(*BASE, f"train.target_auc={target!r}"), None, **QUIET).step == stop
 
 
+def test_a_stop_at_an_evaluations_step_evaluates_first_so_the_resumed_run_decides_as_the_uninterrupted(
+    tmp_path, monkeypatch, full_run
+):
+    """A stop signal agreed at step 6, an evaluation's step: the evaluation ran not, the
+    checkpoint saved without it and the resumed run went on from step 7, so that evaluation was
+    lost for good (with two processes every stop lands on a multiple of 10: an early stop or a
+    best checkpoint moved to the next evaluation)."""
+    import signal
+
+    from dlrm_jax.train import loop as loop_module
+
+    _, _, evals = full_run
+    monkeypatch.setattr(loop_module.StopSignals, "requested", lambda self, step: signal.SIGINT if step == 6 else None)
+    with pytest.raises(loop_module.Interrupted, match="after step 6"):
+        train_and_evaluate(tiny_config(*BASE), tmp_path / "run", **QUIET)
+    monkeypatch.undo()
+    train_and_evaluate(tiny_config(*BASE), tmp_path / "run", **QUIET)
+    got = [Evaluation(e["step"], e["auc"], e["logloss"]) for e in events(tmp_path / "run") if e["event"] == "eval"]
+    assert got == evals
+
+
 def test_progress_record_round_trips_and_never_prefers_nan():
     p = Progress(loss_reference=0.7, metric="logloss")
     for step, auc, ll in [(2, math.nan, 0.9), (4, 0.6, math.nan), (6, 0.55, 0.5), (8, 0.7, 0.6)]:
