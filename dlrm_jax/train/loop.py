@@ -388,6 +388,7 @@ class TrainingLoop:
         self.bar.write(
             f"step {step}: window {window} ({label}) scored before training on it: auc {auc:.4f} logloss {logloss:.4f}"
         )
+        self.progress = dataclasses.replace(self.progress, windows_through=step)
 
     def record(self, step: int, event: dict) -> None:
         """The window's event; the last one carries the run's final fields."""

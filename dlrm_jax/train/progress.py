@@ -63,7 +63,8 @@ class Progress:
     """``loss_reference``: the loss of the lineage's first step (None: not yet known);
     ``best`` / ``last``: evaluations (None: none yet), ``best`` by ``metric``;
     ``evals_since_best``: evaluations since ``best`` that did not improve on it;
-    ``stopped``: why the run stopped early ('' if it did not)."""
+    ``stopped``: why the run stopped early ('' if it did not); ``windows_through``: the last
+    step whose progressive-validation window was scored (None: saved before it was kept)."""
 
     loss_reference: float | None = None
     metric: str = "auc"
@@ -71,6 +72,7 @@ class Progress:
     last: Evaluation | None = None
     evals_since_best: int = 0
     stopped: str = ""
+    windows_through: int | None = 0
 
     def evaluated(self, ev: Evaluation) -> Progress:
         """The record after evaluation ``ev``."""
@@ -97,6 +99,12 @@ class Progress:
                 )
             )
         return dataclasses.replace(self, metric=metric, best=best, evals_since_best=0)
+
+    def window_unscored(self, step: int, windows) -> bool:
+        """Whether the progressive-validation window starting at ``step`` (a resumed run's
+        first), one of ``windows``, was not scored before the checkpoint at ``step`` was saved:
+        the run ending there had no next window (a later one raised train.steps past it)."""
+        return step in windows and self.windows_through is not None and self.windows_through < step
 
     def stop_reason(self, train_cfg) -> str:
         """Why a run with these settings stops here ('' if it goes on)."""
@@ -128,6 +136,7 @@ class Progress:
             "last": self.last and self.last.to_json(),
             "evals_since_best": self.evals_since_best,
             "stopped": self.stopped,
+            "windows_through": self.windows_through,
         }
 
     @classmethod
@@ -141,6 +150,7 @@ class Progress:
             last=Evaluation.from_json(d.get("last")),
             evals_since_best=int(d.get("evals_since_best") or 0),
             stopped=d.get("stopped") or "",
+            windows_through=d.get("windows_through"),
         )
 
 

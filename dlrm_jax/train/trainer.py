@@ -238,6 +238,8 @@ def _train(
     loop = TrainingLoop(cfg.train, driver, ckpts, metrics, plan, progress, start, log, _loop_trace(t, rd, start, end))
     agree_every = 1 if jax.process_count() == 1 else STOP_AGREE_EVERY
     with StopSignals(saves=ckpts is not None, agree_every=agree_every) as stop, loop.running():
+        if start < end and progress.window_unscored(start, loop.windows):  # (train.steps raised past its end)
+            loop.progressive(start, state)
         for step, item in zip(range(start + 1, end + 1), batches, strict=True):
             state = loop.dispatch(state, step, item)
             todo = loop.plan_step(step, stop.requested(step))

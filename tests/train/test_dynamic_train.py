@@ -202,6 +202,12 @@ def test_progressive_validation_scores_each_next_window_before_training_on_it(ti
     source = make_source(cut)
     auc, logloss, scored = evaluate(steps, state, source, batches=(source.train_batch(i) for i in range(4, 8)))
     assert (auc, logloss, scored) == (windows[0]["progressive_auc"], windows[0]["progressive_logloss"], 4 * 64)
+    # The cut run raised to 12 steps scores the window at its old end before training on it (the
+    # window was skipped: its run had no next window there, and the resumed one began after it).
+    train_and_evaluate(cfg, tmp_path / "cut", **QUIET)
+    scores = lambda d: [{k: v for k, v in e.items() if k != "wall_s"} for e in events_of(d)]
+    again = [e for e in scores(tmp_path / "cut") if e["event"] == "progressive"]
+    assert again == [e for e in scores(tmp_path / "run") if e["event"] == "progressive"]
     # Scoring changes nothing the training does.
     train_and_evaluate(tiny(*run, "train.steps=12"), tmp_path / "plain", **QUIET)
     plain = [json.loads(line)["loss"] for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
