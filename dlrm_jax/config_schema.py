@@ -632,7 +632,8 @@ class EmbeddingConfig:
             "[sharding](sharding.md)), `flat` (every device to every owner); `auto`: whichever the cost "
             "model predicts faster with the measured buckets. `two_level` where the mesh cannot have two "
             "levels (the devices fit one host or do not split into hosts, or per-host tables) is refused; "
-            "where no part of the plan sends ids, the plan says so"
+            "where no part of the plan can go in two levels (none sends ids; a plan with tiered tables; "
+            "column slices with row-wise Adagrad), the plan says so and why"
         ),
     )
     capacity_factor: float = field(

@@ -22,7 +22,7 @@ from dlrm_jax.embedding.exchange.capacity import measure_capacities, table_stats
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind, RowLayout
 from dlrm_jax.embedding.plan.estimates import TableStats
-from dlrm_jax.embedding.plan.layout import two_level_ids
+from dlrm_jax.embedding.plan.layout import two_level_ids, why_ids_flat
 from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.planner import PlanRequest
 from dlrm_jax.embedding.plan.stats import (
@@ -211,6 +211,10 @@ def two_levels_unused(cfg: Config, plan: EmbeddingPlan) -> str:
     '' when one does, or two levels were not asked for."""
     if cfg.embedding.ids_exchange != "two_level" or any_two_level(plan):
         return ""
+    ids = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
+    if ids:  # (it said no part sent ids, beside the report's ids exchange)
+        why = sorted({why_ids_flat(plan, g) for g in ids})
+        return f"embedding.ids_exchange=two_level: nothing goes in two levels: {'; '.join(why)}"
     return (
         "embedding.ids_exchange=two_level: no part of this plan's exchange sends ids to the tables' owners "
         "(the form whose requests two levels merge), so nothing goes in two levels"

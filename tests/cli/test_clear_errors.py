@@ -892,6 +892,29 @@ def test_plan_refuses_what_train_refuses_and_train_leaves_no_run_dir(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "overrides,why",
+    [
+        (
+            ["embedding.sharding=row", "embedding.table_storage=[cat_3=tiered]"],
+            "the plan has tiered tables, whose device caches exchange flat",
+        ),
+        (
+            ["embedding.sharding=column", "embedding.bag_exchange=ids"],
+            "its column slices' rowwise_adagrad updates gather whole-row statistics flat",
+        ),
+    ],
+)
+def test_two_levels_asked_where_no_ids_part_can_take_them_says_why(capsys, overrides, why):
+    """Before: 'no part of this plan's exchange sends ids to the tables' owners', under the
+    report's own ids exchange (one tiered table turns two levels off for every table)."""
+    from dlrm_jax.cli import main
+
+    asked = ["mesh.devices=4", "cluster.devices_per_host=2", "embedding.ids_exchange=two_level", *overrides]
+    assert main(["plan", "--config", "smoke", *(a for o in asked for a in ("--set", o))]) == 0
+    assert f"embedding.ids_exchange=two_level: nothing goes in two levels: {why}" in capsys.readouterr().out
+
+
 def test_tiered_tables_in_several_processes_are_a_config_error_before_the_run_dir(tiny):
     """Before: a plain error (exit 1) from building the step, after the run dir was announced
     (and on a tiered run dir, its changed settings logged); `train` checks this before a run

@@ -151,9 +151,20 @@ def group_capacity(plan: EmbeddingPlan, g: Group) -> int:
 
 
 def two_level_ids(plan: EmbeddingPlan, g: Group) -> bool:
-    """Whether an ids part goes in two levels (``plan.ids_hosts`` > 1): not for column slices
-    whose update needs whole-row statistics, nor for tiered tables' device caches."""
-    return plan.ids_hosts > 1 and not needs_whole_rows(plan, g) and plan.tier is None
+    """Whether an ids part goes in two levels (``plan.ids_hosts`` > 1): not where
+    :func:`why_ids_flat` says why not."""
+    return plan.ids_hosts > 1 and not why_ids_flat(plan, g)
+
+
+def why_ids_flat(plan: EmbeddingPlan, g: Group) -> str:
+    """Why an ids part goes flat where the plan's hosts could take two levels ('' where it does
+    not): column slices whose update needs whole-row statistics, or a plan with tiered tables
+    (its device caches' exchange, every group's, is flat)."""
+    if plan.tier is not None:
+        return "the plan has tiered tables, whose device caches exchange flat"
+    if needs_whole_rows(plan, g):
+        return f"its column slices' {plan.optimizer} updates gather whole-row statistics flat"
+    return ""
 
 
 def two_level_keys(g: Group) -> tuple[str, str]:

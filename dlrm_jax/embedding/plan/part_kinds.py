@@ -36,6 +36,7 @@ from dlrm_jax.embedding.plan.layout import (
     two_level_capacities,
     two_level_ids,
     whole_rows_capacity,
+    why_ids_flat,
 )
 
 # Which devices a collective joins (cost.predict_step prices each over the links it crosses).
@@ -228,8 +229,9 @@ class Ids(PartKind):
                 f"host's, {c2:,} from each to each host a step ({_measured(plan, g)}; "
                 f"more run one level, up to {group_capacity(plan, g):,} rows from each device to each owner)",
             )
+        flat = f", flat: {why_ids_flat(plan, g)}" if plan.ids_hosts > 1 else ""
         return (
-            f"in {g.width}-wide pieces",
+            f"in {g.width}-wide pieces{flat}",
             f"each distinct row sent to the device that asked: up to {group_capacity(plan, g):,} rows from each "
             f"device a step, of at most {g.max_capacity(lb):,} ({_measured(plan, g)})",
         )
