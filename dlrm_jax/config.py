@@ -42,6 +42,8 @@ from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's o
 
 
 def _coerce(key: str, value: Any, annotation: Any, choices: tuple[str, ...] | None, words: tuple[str, ...] = ()) -> Any:
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):  # a sweep's np.int64(5), np.arange(3)
+        value = value.tolist()
     if words:  # int | str: an integer or one of the words
         if isinstance(value, str) and value in words:
             return value
@@ -307,6 +309,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         cfg = dlrm_jax.load_config("criteo_kaggle", {"train.steps": 500, "mesh.devices": 8})
         dynamic = dlrm_jax.load_config("criteo_kaggle+stream")  # the same model, stream's id maps
     """
+    if path is not None and not isinstance(path, str | Path):  # (a Config: "argument of type 'Config' is not iterable")
+        raise TypeError(
+            f"load_config takes a config's name or file path, got {type(path).__name__}"
+            + (": to change a Config, dlrm_jax.with_overrides(cfg, overrides)" if isinstance(path, Config) else "")
+        )
     raw: dict[str, Any] = {}
     files = [(resolve_config_path(layer), load_raw(layer)) for layer in (config_layers(path) if path else ())]
     sets = _override_dicts(overrides)
@@ -369,6 +376,8 @@ def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> 
 
         longer = dlrm_jax.with_overrides(cfg, {"train.steps": 5000})
     """
+    if not isinstance(cfg, Config):  # ("'str' object has no attribute 'to_dict'")
+        raise TypeError(f"with_overrides takes a Config (dlrm_jax.load_config makes one), got {type(cfg).__name__}")
     raw = cfg.to_dict()
     for override in _override_dicts(overrides):
         raw = _merge(raw, override)
@@ -391,8 +400,16 @@ def with_absolute_paths(cfg: Config) -> Config:
 
 
 def _override_dicts(overrides) -> list[dict[str, Any]]:
+    if overrides is None:
+        return []
     if isinstance(overrides, str):  # one KEY=VALUE, not a sequence of characters
         overrides = [overrides]
+    if not isinstance(overrides, dict) and not all(isinstance(o, str) for o in overrides):
+        bad = next(o for o in overrides if not isinstance(o, str))
+        raise TypeError(
+            f"overrides: a dict of keys to values, or KEY=VALUE strings; got a {type(bad).__name__} among "
+            f"the strings: {bad!r}"
+        )
     if isinstance(overrides, dict):
         out = []
         for key, value in overrides.items():
@@ -405,6 +422,15 @@ def _override_dicts(overrides) -> list[dict[str, Any]]:
             out.append(with_current_keys(top))
         return out
     return [with_current_keys(parse_override(text)) for text in overrides]
+
+
+def validated(cfg: Config) -> Config:
+    """``cfg`` checked as :func:`load_config` checks what it builds: a Config made in code
+    (``Config(train={"steps": 10})``, ``dataclasses.replace(cfg.train, steps="10")``) gets each
+    value coerced, or an error naming its key, where a deep AttributeError or TypeError named none."""
+    if not isinstance(cfg, Config):
+        return validate(cfg)  # (its TypeError says what to do)
+    return validate(_build(Config, cfg.to_dict(), ""))
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

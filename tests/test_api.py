@@ -248,3 +248,28 @@ def test_array_sources_that_do_not_fit_the_config_are_refused_before_any_work(ti
     given.check_config(seven)
     assert not np.array_equal(mine.train_batch(0).ids, first) and len(list(mine.eval_batches())) == 2
     assert np.array_equal(given.train_batch(0).ids, first) and len(list(given.eval_batches())) == 4
+
+
+def test_configs_of_a_sweep_or_built_in_code_are_read_or_named_by_their_key():
+    """numpy's scalars and arrays (a sweep over np.arange) were refused ('expected an integer,
+    got np.int64(5)'); a Config given to load_config, overrides of None or a dict among strings,
+    and a name given to with_overrides failed with TypeErrors from inside; a Config built in code
+    with a dict section or a string step with an AttributeError or a comparison's TypeError."""
+    import dataclasses
+
+    import numpy as np
+
+    from dlrm_jax.config import validated
+
+    cfg = dlrm_jax.load_config("smoke", {"train.steps": np.int64(5), "model.bottom_mlp": np.array([16, 8])})
+    assert (cfg.train.steps, cfg.model.bottom_mlp) == (5, (16, 8)) and type(cfg.train.steps) is int
+    assert dlrm_jax.load_config("smoke", None) == dlrm_jax.load_config("smoke")
+    with pytest.raises(TypeError, match=r"got Config: to change a Config, dlrm_jax.with_overrides\(cfg, overrides\)"):
+        dlrm_jax.load_config(cfg)
+    with pytest.raises(TypeError, match=r"KEY=VALUE strings; got a dict among the strings: \{'train.steps': 5\}"):
+        dlrm_jax.load_config("smoke", [{"train.steps": 5}])
+    with pytest.raises(TypeError, match=r"with_overrides takes a Config \(dlrm_jax.load_config makes one\), got str"):
+        dlrm_jax.with_overrides("smoke", {"train.steps": 5})
+    assert validated(dlrm_jax.Config(train={"steps": 10})).train.steps == 10
+    with pytest.raises(dlrm_jax.ConfigError, match="train.steps: expected an integer, got '10'"):
+        validated(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps="10")))

@@ -42,7 +42,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dlrm_jax.config import Config, validate
+from dlrm_jax.config import Config, validated
 from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import input_readers
@@ -73,7 +73,7 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
     out_dir = check_dir(out_dir, "run dir")  # before the steps run, not after
     if jax.process_index() == 0:
         make_dir(out_dir, "run dir")  # (one it cannot make is named now, not after the steps)
-    cfg = resolve_data_config(validate(cfg))
+    cfg = resolve_data_config(validated(cfg))
     mesh = mesh_from_config(cfg)
     source = make_source(cfg, jax.process_index(), jax.process_count())
     plan, fns = build(cfg, mesh, source, log=lambda *_: None)

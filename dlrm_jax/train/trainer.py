@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 
 from dlrm_jax import hostmem, stopping
-from dlrm_jax.config import Config, ConfigError, validate
+from dlrm_jax.config import Config, ConfigError, validated
 from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.sources import cap_note, close_source, make_source, resolve_data_config
@@ -66,7 +66,7 @@ def train_and_evaluate(
     (:func:`dlrm_jax.hostmem.keep_freed_memory`).
     """
     hostmem.keep_freed_memory()
-    cfg = resolve_data_config(validate(cfg))  # (a config built in code, dataclasses.replace's, is unchecked)
+    cfg = resolve_data_config(validated(cfg))  # (a config built in code, dataclasses.replace's, is unchecked)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
     simulated = jax.default_backend() == "cpu"
     check_runnable(cfg, mesh.size, jax.process_count(), simulated=simulated, source_given=source is not None)
