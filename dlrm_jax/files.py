@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import Any
 
 
+def as_paths(paths) -> list[str]:
+    """``paths`` (files given to a function taking several) as a list: one path, a string or a
+    Path, is a list of one (a string was read as its characters, '/' first)."""
+    if isinstance(paths, str | os.PathLike):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]
+
+
 def check_dir(path: str | Path, what: str) -> Path:
     """``path`` if it is a folder or can be made one: a file at it, or at one of its parents, is
     a NotADirectoryError that names ``what`` ("run dir", "tier path") and the file."""

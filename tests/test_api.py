@@ -273,3 +273,17 @@ def test_configs_of_a_sweep_or_built_in_code_are_read_or_named_by_their_key():
     assert validated(dlrm_jax.Config(train={"steps": 10})).train.steps == 10
     with pytest.raises(dlrm_jax.ConfigError, match="train.steps: expected an integer, got '10'"):
         validated(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps="10")))
+
+
+def test_one_path_where_several_go_is_a_list_of_one(tmp_path):
+    """preprocess_criteo("day.tsv", ...) read the string as its characters ('--input /: a
+    folder, not a file'), as serving.load(model, deltas="delta") did (files.as_paths)."""
+    from dlrm_jax.data.sources.criteo import write_criteo_tsv
+    from dlrm_jax.data.sources.synthetic import SyntheticGenerator
+
+    gen = SyntheticGenerator(
+        seed=1, num_dense=13, table_rows=(50,) * 26, bag_sizes=(1,) * 26, zipf_exponent=1.1, positive_rate=0.3
+    )
+    write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 200))
+    report = dlrm_jax.preprocess_criteo(str(tmp_path / "day.tsv"), str(tmp_path / "ds"), workers=1, progress=False)
+    assert report.train_rows + report.val_rows == 200

@@ -11,6 +11,7 @@ import numpy as np
 
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError, SkipLog
 from dlrm_jax.data.sources.criteo import CriteoFormatError, ParsedLines
+from dlrm_jax.files import as_paths
 from dlrm_jax.ids import PAD_ID, integer_ids
 from dlrm_jax.serving.artifact import (
     FUNCTION_FILE,
@@ -168,15 +169,27 @@ class ServingModel:
         return out
 
     def predict_raw(
-        self, lines: Sequence[bytes | str], skip_bad_lines: bool = False, batch_size: int = DEFAULT_BATCH
+        self,
+        lines: Sequence[bytes | str] | bytes | str,
+        skip_bad_lines: bool = False,
+        batch_size: int = DEFAULT_BATCH,
+        labeled: bool | None = None,
     ) -> np.ndarray:
         """Probabilities float32 [len(lines)] of raw lines in the training files' layout (Criteo:
         label first or absent; a tabular schema's: one record a line, the label column present or
-        absent); a malformed line is an error naming it, or (``skip_bad_lines``) scores NaN."""
+        absent, its header line optional); a malformed line is an error naming it, or
+        (``skip_bad_lines``) scores NaN. ``lines``: a sequence of lines, or text holding them.
+        ``labeled``: whether the lines carry the label (None: most of them tell; a server
+        scoring one request at a time says it, or a line that lost a field reads as one
+        without its label, its fields shifted)."""
         rules = self.rules  # a model without rules refuses before any line is read
+        if isinstance(lines, str | bytes):  # (one line was read as its characters)
+            lines = lines.splitlines(keepends=True)
+        if not len(lines):
+            return np.zeros(0, np.float32)
         if rules.format == "tabular":
-            return self._predict_tabular(lines, skip_bad_lines, batch_size)
-        parsed = parse_criteo(lines)
+            return self._predict_tabular(lines, skip_bad_lines, batch_size, labeled)
+        parsed = parse_criteo(lines, labeled)
         if parsed.bad and not skip_bad_lines:
             bad = parsed.bad[0]
             raise CriteoFormatError(f"line {bad.index + 1}: {bad.message}")  # (numbered from 1, as files are)
@@ -199,14 +212,16 @@ class ServingModel:
             raw = {f: kept[:, f : f + 1] for f in self.id_maps.features}
         return self.predict(dense, rules.ids(values, empty), batch_size, raw=raw)
 
-    def _predict_tabular(self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int) -> np.ndarray:
+    def _predict_tabular(
+        self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int, labeled: bool | None
+    ) -> np.ndarray:
         """A tabular model's records (one a line here), in order; nan for a skipped one."""
         encoding = self.rules.schema.layout.encoding  # (as the file was: utf-8 hashed latin-1's values apart)
         data = [s.encode(encoding) if isinstance(s, str) else s for s in lines]
         data = [s if s.endswith(b"\n") else s + b"\n" for s in data]
         log = SkipLog(skip_bad_lines, DataFormatError)
         chunks = self.rules.chunks(
-            io.BytesIO(b"".join(data)), None, "rows", data[:LAYOUT_LINES], log, max(len(data), 1)
+            io.BytesIO(b"".join(data)), None, "rows", data[:LAYOUT_LINES], log, max(len(data), 1), labeled=labeled
         )
         return np.concatenate([np.zeros(0, np.float32), *self.score_records(chunks, batch_size)])
 
@@ -258,6 +273,7 @@ def load(
     The dense function and the rules are checked against the manifest's sha256, each chunk
     file of the tables as its rows are first read (a delta's, whole, as it is applied), and
     every table file up front when ``verify_tables``."""
+    deltas = as_paths(deltas)  # (one delta's path was read as its characters)
     root = Path(dest)
     manifest = read_manifest(root)
     if manifest.get("kind") != "full":

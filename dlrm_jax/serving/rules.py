@@ -127,13 +127,22 @@ class TabularRules(IdRules):
         )
 
     def chunks(
-        self, f, raw, path: str, leading: Sequence[bytes], log: SkipLog, chunk_lines: int, bar=None
+        self,
+        f,
+        raw,
+        path: str,
+        leading: Sequence[bytes],
+        log: SkipLog,
+        chunk_lines: int,
+        bar=None,
+        labeled: bool | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Per chunk of records: (their lines, the usable ones' positions, dense, values,
-        empty), the values uint64 as preprocessing reads them (:meth:`ids` gives their ids)."""
+        empty), the values uint64 as preprocessing reads them (:meth:`ids` gives their ids);
+        ``labeled``: as :func:`~dlrm_jax.data.preprocessing.tabular.scoring_chunks` takes it."""
         from dlrm_jax.data.preprocessing.tabular import scoring_chunks
 
-        yield from scoring_chunks(self.schema, self.sides, f, raw, path, leading, log, chunk_lines, bar)
+        yield from scoring_chunks(self.schema, self.sides, f, raw, path, leading, log, chunk_lines, bar, labeled)
 
 
 LAYOUT_LINES = 1000  # a tabular file's leading lines that say whether it has the label column

@@ -30,6 +30,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
 )
 from dlrm_jax.data.sources.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFormatError, parse_lines
 from dlrm_jax.data.sources.synthetic import normalise_dense
+from dlrm_jax.files import as_paths
 
 _NAMES = ["label", *(f"I{k}" for k in range(1, 14)), *(f"C{k}" for k in range(1, 27))]
 _TYPES = {
@@ -252,6 +253,7 @@ def preprocess_criteo(
     validation (``train.progressive_window: data``). An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
+    inputs, val_inputs = as_paths(inputs), as_paths(val_inputs)
     check_arguments("preprocess_criteo", inputs, max_ind_range, min_count, val_fraction, 1, vocab_from)
     if multi_hot and len(multi_hot) != NUM_CATEGORICAL:
         raise ValueError(f"preprocess_criteo: multi_hot needs {NUM_CATEGORICAL} bag sizes, got {len(multi_hot)}")

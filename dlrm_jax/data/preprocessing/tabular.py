@@ -35,6 +35,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
 from dlrm_jax.data.preprocessing.tabular_records import Records, leading_fields, read_records, records_from
 from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
 from dlrm_jax.data.sources.synthetic import normalise_dense
+from dlrm_jax.files import as_paths
 from dlrm_jax.hashing import mix64
 
 _SEED = np.uint64(0x9E3779B97F4A7C15)
@@ -309,6 +310,7 @@ def preprocess_tabular(
     that many seconds of the ``split_by`` column (the rows must come in its order). Train on the output with ``data.source=binary``. An ``output`` that
     holds a dataset already is replaced only with ``overwrite``.
     """
+    inputs, val_inputs = as_paths(inputs), as_paths(val_inputs)
     check_arguments("preprocess_tabular", inputs, max_ind_range, min_count, val_fraction, chunk_lines, vocab_from)
     schema = schema if isinstance(schema, TabularSchema) else load_schema(schema)
     joins, names = dict(joins or {}), [j.name for j in schema.joins]
@@ -415,12 +417,14 @@ def scoring_chunks(
     log: SkipLog,
     chunk_lines: int,
     bar=None,
+    labeled: bool | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Records of an open file to score, the label neither read nor checked: per chunk, (the
     line of every record in file order, the positions of the usable ones among them, and their
     dense, values, empty). A file whose header (or field count) shows no label column is read
-    without it; ``leading``: the file's first lines, which tell."""
-    layout, wanted = _without_label(schema, leading)
+    without it; ``leading``: the file's first lines, which tell (``labeled``: whether records
+    without a header carry the label; None: as they tell)."""
+    layout, wanted = _without_label(schema, leading, labeled)
     for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
         cols, problems = rec.columns(wanted), {}
         main = _convert(schema, "", cols, problems)
@@ -433,24 +437,30 @@ def scoring_chunks(
         yield lines[order], at[keep], dense, values, empty
 
 
-def _without_label(schema: TabularSchema, leading: Sequence[bytes]) -> tuple:
-    """(layout, wanted columns) to read a file to score: the label is not wanted, and a file
-    without the label column (a header without its name, or most of its leading lines of
-    either width one field fewer: one malformed first line does not decide) is read as such;
-    a line of the other width is then a bad line."""
+def _without_label(schema: TabularSchema, leading: Sequence[bytes], labeled: bool | None = None) -> tuple:
+    """(layout, wanted columns) to read records to score: the label is not wanted, and records
+    without the label column (a header without its name; else ``labeled`` False, or by default
+    most of the leading lines of either width one field fewer: one malformed first line does not
+    decide) are read as such; a line of the other width is then a bad line. A schema's header is
+    read where the first line is one: records alone are scored too (a server's requests; they
+    were refused, the header expected in every call)."""
     label = schema.label.column.key
     wanted = [w for w in schema.wanted() if w != label or any(f.column.key == label for f in schema.features)]
     layout = schema.layout
-    if layout.format != "csv" or not isinstance(label, str) or label not in layout.columns:
+    if layout.format != "csv" or not layout.columns:
         return layout, wanted
     # (split as reading splits them: a quoted field holding the delimiter counted as two)
     records = leading_fields(list(leading), layout)
     fields = records[0] if records else []
-    header = layout.header is True or (
-        bool(layout.header) and 2 * sum(x in layout.columns for x in fields) > len(fields)
-    )
-    if header:
+    named = bool(fields) and 2 * sum(x in layout.columns for x in fields) > len(fields)
+    if layout.header and not named:
+        layout = dataclasses.replace(layout, header=False)
+    if not isinstance(label, str) or label not in layout.columns:
+        return layout, wanted
+    if layout.header:
         absent = label not in fields
+    elif labeled is not None:
+        absent = not labeled
     else:
         widths = [len(r) for r in records]
         absent = widths.count(len(layout.columns) - 1) > widths.count(len(layout.columns))
