@@ -287,3 +287,37 @@ def test_one_path_where_several_go_is_a_list_of_one(tmp_path):
     write_criteo_tsv(tmp_path / "day.tsv", gen.raw(0, 0, 0, 200))
     report = dlrm_jax.preprocess_criteo(str(tmp_path / "day.tsv"), str(tmp_path / "ds"), workers=1, progress=False)
     assert report.train_rows + report.val_rows == 200
+
+
+def test_plan_embeddings_names_what_it_cannot_take():
+    """An optimizer it does not know was a KeyError 'adam' from the bytes of its state, no
+    devices a ZeroDivisionError, a misspelt strategy in overrides enum's "'tabel' is not a valid
+    Strategy", naming neither the table nor the choices."""
+    specs = [dlrm_jax.TableSpec("u", 1000, 8), dlrm_jax.TableSpec("i", 500, 8)]
+    for args, says in (
+        (("row", 8, "adam"), r"optimizer: 'adam' is not one of sgd, adagrad, rowwise_adagrad"),
+        (("row", 0, "sgd"), "num_devices: expected a positive integer, got 0"),
+    ):
+        with pytest.raises(dlrm_jax.PlanError, match=says):
+            dlrm_jax.plan_embeddings(specs, *args, 1024)
+    with pytest.raises(dlrm_jax.PlanError, match=r"overrides\['u'\]: 'tabel' is not one of auto, replicated, table"):
+        dlrm_jax.plan_embeddings(specs, "row", 8, "sgd", 1024, overrides={"u": "tabel"})
+
+
+def test_what_is_not_a_source_is_named_before_any_work_and_log_none_is_quiet(tiny, tmp_path, capsys):
+    """A generator of batches as source= failed after planning began ("'generator' object has
+    no attribute 'skip_report'"); ArraySource given a dict split, with "unhashable type: 'slice'";
+    log=None, with "'NoneType' object is not callable"."""
+    import numpy as np
+
+    cfg = tiny("mesh.devices=2", "train.batch_size=32", "train.steps=2", "train.eval_every=0")
+    batches = (dlrm_jax.SyntheticSource(cfg).train_batch(i) for i in range(2))
+    with pytest.raises(TypeError, match=r"source: a generator has no train_batch or eval_batches\(\); a data source"):
+        dlrm_jax.train_and_evaluate(cfg, tmp_path / "run", source=batches)
+    assert not (tmp_path / "run").exists()
+    split = {"dense": np.zeros((64, 13)), "ids": np.zeros((64, 4)), "labels": np.zeros(64)}
+    with pytest.raises(ValueError, match=r"ArraySource train: expected \(dense, ids, labels\)"):
+        dlrm_jax.ArraySource(split, split, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes)
+    capsys.readouterr()
+    assert dlrm_jax.train_and_evaluate(cfg, None, log=None).step == 2
+    assert capsys.readouterr().out == ""

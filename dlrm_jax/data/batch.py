@@ -76,6 +76,19 @@ def faster_path(source, name: str):
     return method
 
 
+def check_source(source) -> None:
+    """A TypeError naming what a source must have, before any work (a generator of batches
+    failed after planning began: "'generator' object has no attribute 'skip_report'")."""
+    if source is None:
+        return
+    missing = [m for m in ("train_batch", "eval_batches") if not callable(getattr(source, m, None))]
+    if missing:
+        raise TypeError(
+            f"source: a {type(source).__name__} has no {' or '.join(missing)}(); a data source answers "
+            f"train_batch(step) and eval_batches() (dlrm_jax.ArraySource serves numpy arrays)"
+        )
+
+
 def train_ids(source, step: int) -> np.ndarray:
     """``source.train_ids(step)`` where it is true to ``train_batch`` (:func:`faster_path`),
     else ``train_batch(step).ids``: a source of one's own needs only ``train_batch``."""

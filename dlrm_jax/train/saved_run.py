@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 
+from dlrm_jax.data.batch import check_source
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
@@ -28,6 +29,8 @@ def evaluate_run(
     ``source`` (a run trained on a source given to ``train_and_evaluate`` needs it: its
     config's data is not what it trained on). Read-only: the run may still be training there
     (nothing in ``run_dir`` is written, moved or deleted)."""
+    log = log or (lambda *_: None)
+    check_source(source)
     state, driver = restored(run_dir, overrides, step=step, log=log, source=source)
     try:
         start = time.perf_counter()

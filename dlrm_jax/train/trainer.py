@@ -13,7 +13,7 @@ import jax
 from dlrm_jax import hostmem, stopping
 from dlrm_jax.config import Config, ConfigError, validated
 from dlrm_jax.config_schema import TrainConfig
-from dlrm_jax.data.batch import DataSource
+from dlrm_jax.data.batch import DataSource, check_source
 from dlrm_jax.data.sources import cap_note, close_source, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers.tables import TieredTables
@@ -57,14 +57,17 @@ def train_and_evaluate(
 
     ``source``: the data, when not the config's ``data.source`` (a notebook's own loader, or
     in-memory arrays: :class:`~dlrm_jax.data.sources.arrays.ArraySource`); any object with
-    ``train_batch(step)``, ``eval_batches()`` and ``skip_report()`` (``num_train`` for epochs).
+    ``train_batch(step)`` and ``eval_batches()`` (``skip_report()``: a line on what it skipped;
+    ``num_train`` for epochs).
 
     Raises :class:`Interrupted` after saving when SIGINT/SIGTERM arrive, :class:`TrainingDiverged`
     (nothing saved past the last good checkpoint) when the loss blows up, and
     :class:`~dlrm_jax.train.rundir.RunDirError` (nothing written) for a run dir in use or one
     started with another model. Makes the process keep freed host buffers for reuse
-    (:func:`dlrm_jax.hostmem.keep_freed_memory`).
+    (:func:`dlrm_jax.hostmem.keep_freed_memory`). ``log=None``: no progress lines.
     """
+    log = log or _silent
+    check_source(source)
     hostmem.keep_freed_memory()
     cfg = resolve_data_config(validated(cfg))  # (a config built in code, dataclasses.replace's, is unchecked)
     mesh = mesh_from_config(cfg)  # first: every process's config is compared before any is used
@@ -89,7 +92,8 @@ def train_and_evaluate(
             source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)
             if given is None:  # (a notebook's runs each make one: its open files go with the run)
                 stack.callback(close_source, source)
-            for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), source.skip_report()):
+            skipped = source.skip_report() if hasattr(source, "skip_report") else ""
+            for note in ("" if given else cap_note(cfg), epoch_note(cfg, source), skipped):
                 if note:
                     log(note)
             asked = rd.resumed_config or cfg  # (the config its checkpoints were saved with)
@@ -106,6 +110,10 @@ def train_and_evaluate(
                 stack.callback(ckpts.close)
             metrics = stack.enter_context(contextlib.closing(MetricsWriter(rd.metrics_path, cfg.train.tensorboard)))
         return _train(cfg, rd, ckpts, metrics, log, plan, driver, type(given).__name__ if given is not None else "")
+
+
+def _silent(*_) -> None:
+    pass
 
 
 def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:

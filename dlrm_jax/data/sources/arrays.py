@@ -151,7 +151,7 @@ class ArraySource:
 def _checked(split, name: str, table_rows, bag_sizes) -> Batch | RawBatch:
     """(dense, ids, labels[, raw]) checked; ``raw``: the dynamic features' raw ids, int64 or
     uint64 [n, R] (as :func:`dlrm_jax.ids.raw_columns` takes them)."""
-    if len(split) not in (3, 4):
+    if not isinstance(split, tuple | list) or len(split) not in (3, 4):
         raise ValueError(f"ArraySource {name}: expected (dense, ids, labels) or (dense, ids, labels, raw)")
     dense, ids, labels = (np.asarray(x) for x in split[:3])
     ids = integer_ids(ids, f"ArraySource {name}")

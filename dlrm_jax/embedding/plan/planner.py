@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dlrm_jax.choices import BagExchange, RowLayoutChoice, Sharding, Storage  # defined once there
+from dlrm_jax.choices import (  # defined once there
+    SPARSE_OPTIMIZER_KINDS,
+    BagExchange,
+    RowLayoutChoice,
+    Sharding,
+    Storage,
+)
 from dlrm_jax.embedding.plan.cost import PROFILES, Cluster
 from dlrm_jax.embedding.plan.embedding_plan import (  # noqa: F401 - PlanError re-exported
     EmbeddingPlan,
@@ -145,6 +151,12 @@ def plan_embeddings(
     row_layout, bag_exchange, device_cache = o.row_layout, o.bag_exchange, o.device_cache
     names = [s.name for s in specs]  # in the tables' order (cat_2 before cat_10)
     sharding, row_layout = _choice(Sharding, sharding, "sharding"), _choice(RowLayoutChoice, row_layout, "row_layout")
+    # (a KeyError 'adam' from the bytes of its state; a ZeroDivisionError for no devices)
+    if optimizer not in SPARSE_OPTIMIZER_KINDS:
+        raise PlanError(f"optimizer: {optimizer!r} is not one of {', '.join(SPARSE_OPTIMIZER_KINDS)}")
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise PlanError(f"num_devices: expected a positive integer, got {num_devices!r}")
+    overrides = {name: _choice(Sharding, v, f"overrides[{name!r}]") for name, v in overrides.items()}
     for given, what in ((overrides, "overrides"), (storage_overrides, "storage_overrides")):
         unknown = [name for name in given if name not in names]
         if unknown:
