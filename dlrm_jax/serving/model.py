@@ -235,8 +235,19 @@ class ServingModel:
             yield probs
 
     def raw_inputs(self, parsed: ParsedLines) -> tuple[np.ndarray, np.ndarray]:
-        """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules."""
-        return self.rules.inputs(parsed)
+        """Parsed raw lines -> (dense, ids) by the artifact's preprocessing rules, as
+        :meth:`predict` takes them: where dynamic tables mapped the values themselves in
+        training, their features' ids are those values (0 where missing), as ``predict_raw``
+        gives them (the rules' ids there scored up to 0.055 away from it)."""
+        dense, ids = self.rules.inputs(parsed)
+        if not (self.rules.maps_values and self.id_maps):
+            return dense, ids
+        out, starts = ids.astype(np.int64), self._starts
+        kept = np.where(parsed.empty, np.uint64(0), parsed.values).view(np.int64)
+        for f in self.id_maps.features:
+            bag = out[:, starts[f] : starts[f + 1]]
+            bag[...] = np.where(bag == PAD_ID, PAD_ID, kept[:, f : f + 1])
+        return dense, out
 
     @property
     def rules(self):

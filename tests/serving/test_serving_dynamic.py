@@ -94,6 +94,10 @@ def test_raw_lines_score_as_eval_and_a_delta_carries_the_maps(tmp_path):
             ids[:, f] = np.where(parsed.empty[:, f], np.uint64(0), parsed.values[:, f])
         assert (ids[:, [1, 3]] >= 2**31).any()
         np.testing.assert_array_equal(model.predict(model.rules.dense(parsed), ids), full)
+        # raw_inputs gives them so (it gave the rules' ids: up to 0.055 away)
+        dense, given = model.raw_inputs(parsed)
+        np.testing.assert_array_equal(given.view(np.uint64), ids)
+        np.testing.assert_array_equal(model.predict(dense, given), full)
     assert_scores_of_eval(full, probs)
     (tmp_path / "val.tsv").write_bytes(b"".join(val_lines))
     with serving.load(tmp_path / "f16") as model:  # as `dlrm-jax predict` reads a file
