@@ -60,7 +60,9 @@ def predict_files(
     check_paths(inputs, output, model.folders)
     if writes_through(output):
         fd = open_descriptor(output)
-        with open(output if fd is None else fd, "w", closefd=fd is None) as out:
+        # (a full disk behind standard output was "[Errno 28] No space left on device", naming nothing)
+        full = lambda: f"--output {output}: no space left on device while writing the scores: free space"
+        with full_disk_as(full), open(output if fd is None else fd, "w", closefd=fd is None) as out:
             lines, scored = _write_scores(model, inputs, out, batch_size, log, progress)
         return PredictReport(lines, scored, log.summary(), time.perf_counter() - start)
     if output.exists() and not overwrite:
@@ -154,6 +156,9 @@ def check_paths(inputs: Sequence[str | Path], output: Path, protected: Sequence[
     if output.is_dir():
         raise IsADirectoryError(f"--output {output}: a folder; give the path of the file to write the scores to")
     if not output.parent.is_dir():
+        missing = next((p for p in reversed(output.parents) if not p.is_dir()), output.parent)
+        if missing.exists():  # (it said "its folder keep.txt does not exist" of a file)
+            raise NotADirectoryError(f"--output {output}: {missing} is a file, not a folder")
         raise FileNotFoundError(f"--output {output}: its folder {output.parent} does not exist")
     target = Path(os.path.realpath(output))
     if not target.parent.is_dir():  # a link into a missing folder (the error named a temporary file)

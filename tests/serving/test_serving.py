@@ -713,7 +713,7 @@ def test_a_full_disk_while_predicting_is_one_line_naming_the_output_and_keeps_th
         mp.setattr(
             files,
             "open",
-            lambda path, mode="r", *a, **k: Full() if mode == "x" else real_open(path, mode, *a, **k),
+            lambda path, mode="r", *a, **k: Full() if mode in ("x", "w") else real_open(path, mode, *a, **k),
             raising=False,
         )
         with serving.load(art["f16"]) as model:
@@ -721,7 +721,12 @@ def test_a_full_disk_while_predicting_is_one_line_naming_the_output_and_keeps_th
                 with pytest.raises(OSError, match=f"--output {output}: no space left on device .*; {state}") as e:
                     files.predict_files(model, [str(tmp / "day.tsv")], output, progress=False, overwrite=True)
                 assert e.value.errno == errno.ENOSPC
+            # standard output on a full disk (`predict --output - > full/p.txt`) is named too
+            with pytest.raises(OSError, match="--output -: no space left on device while writing the scores"):
+                files.predict_files(model, [str(tmp / "day.tsv")], "-", progress=False)
     assert old.read_text() == "earlier scores\n" and sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+    with pytest.raises(NotADirectoryError, match=f"--output {old}/x: {old} is a file, not a folder"):
+        files.check_paths([str(tmp / "day.tsv")], old / "x", [])
 
 
 @pytest.mark.slow
