@@ -934,12 +934,18 @@ def test_two_levels_that_no_part_can_take_are_said_in_the_plan(tiny):
     from dlrm_jax.train.checks import check_runnable
     from dlrm_jax.train.planning import plan_for_run, plan_summary, run_plan_report
 
-    cfg = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=column")
+    two = ("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=column")
+    cfg = tiny(*two, "embedding.bag_exchange=pooled")
     check_runnable(cfg, 8, simulated=True)  # the mesh can: 2 hosts of 4
     plan = plan_for_run(cfg, 8, 1, None, True)
     says = "embedding.ids_exchange=two_level: no part of this plan's exchange sends ids to the tables' owners"
     assert run_plan_report(cfg, plan, True).splitlines()[-1].startswith(says)
     assert plan_summary(cfg, plan, True).splitlines()[-1].startswith(f"  {says}")
+    # one-hot column slices send ids (bag_exchange=auto), flat for row-wise Adagrad: said so (it said
+    # no part sent ids)
+    ids = tiny(*two)
+    why = "nothing goes in two levels: its column slices' rowwise_adagrad updates gather whole-row statistics flat"
+    assert run_plan_report(ids, plan_for_run(ids, 8, 1, None, True), True).splitlines()[-1].endswith(why)
     row = tiny("embedding.ids_exchange=two_level", "cluster.devices_per_host=4", "embedding.sharding=row")
     assert says not in run_plan_report(row, plan_for_run(row, 8, 1, None, True), True)
 
