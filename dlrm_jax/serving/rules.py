@@ -127,15 +127,7 @@ class TabularRules(IdRules):
         )
 
     def chunks(
-        self,
-        f,
-        raw,
-        path: str,
-        leading: Sequence[bytes],
-        log: SkipLog,
-        chunk_lines: int,
-        bar=None,
-        labeled: bool | None = None,
+        self, f, raw, path: str, leading: Sequence[bytes], log: SkipLog, chunk_lines: int, bar=None, labeled=None
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """Per chunk of records: (their lines, the usable ones' positions, dense, values,
         empty), the values uint64 as preprocessing reads them (:meth:`ids` gives their ids);
