@@ -200,3 +200,13 @@ def test_keep_best_keeps_the_tier_snapshot_of_tiered_tables(tiny, tmp_path):
     assert saved_steps(run / "checkpoints") == [best.step, 12]
     assert best.step in [int(p.name) for p in (run / "tier" / "snapshots").iterdir()]
     assert evaluate_run(run, step="best", **QUIET).auc == pytest.approx(best.auc, rel=1e-9)
+
+
+def test_a_step_given_as_text_is_its_number(full_run):
+    """From Python, step="24" said "no checkpoint at step 24; saved steps [..., 24]"."""
+    run, summary, _ = full_run
+    assert evaluate_run(run, step="24", **QUIET).step == evaluate_run(run, step=24, **QUIET).step == 24
+    with pytest.raises(
+        ValueError, match=r"step must be a checkpoint's step number, 'best' or None \(the newest\), got 2.5"
+    ):
+        evaluate_run(run, step=2.5, **QUIET)
