@@ -205,12 +205,16 @@ class ServingModel:
         artifact's rules: their ids, and where dynamic tables mapped the values themselves in
         training (the text source, ``preprocess --raw-values``), those values, 0 where
         missing, as the batches carried them."""
-        rules = self.rules
-        raw = None
-        if rules.maps_values and self.id_maps:
-            kept = np.where(empty, np.uint64(0), values)
-            raw = {f: kept[:, f : f + 1] for f in self.id_maps.features}
-        return self.predict(dense, rules.ids(values, empty), batch_size, raw=raw)
+        raw = self._mapped_values(values, empty)
+        return self.predict(dense, self.rules.ids(values, empty), batch_size, raw=raw)
+
+    def _mapped_values(self, values: np.ndarray, empty: np.ndarray) -> dict | None:
+        """Where dynamic tables mapped the values themselves in training: each such feature's
+        values, {feature: uint64 [n, 1]}, 0 where missing, as the batches carried them; else None."""
+        if not (self.rules.maps_values and self.id_maps):
+            return None
+        kept = np.where(empty, np.uint64(0), values)
+        return {f: kept[:, f : f + 1] for f in self.id_maps.features}
 
     def _predict_tabular(
         self, lines: Sequence[bytes | str], skip_bad_lines: bool, batch_size: int, labeled: bool | None
@@ -240,13 +244,13 @@ class ServingModel:
         training, their features' ids are those values (0 where missing), as ``predict_raw``
         gives them (the rules' ids there scored up to 0.055 away from it)."""
         dense, ids = self.rules.inputs(parsed)
-        if not (self.rules.maps_values and self.id_maps):
+        raw = self._mapped_values(parsed.values, parsed.empty)
+        if raw is None:
             return dense, ids
         out, starts = ids.astype(np.int64), self._starts
-        kept = np.where(parsed.empty, np.uint64(0), parsed.values).view(np.int64)
-        for f in self.id_maps.features:
+        for f, values in raw.items():
             bag = out[:, starts[f] : starts[f + 1]]
-            bag[...] = np.where(bag == PAD_ID, PAD_ID, kept[:, f : f + 1])
+            bag[...] = np.where(bag == PAD_ID, PAD_ID, values.view(np.int64))
         return dense, out
 
     @property
