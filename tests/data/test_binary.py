@@ -730,7 +730,7 @@ def open_files() -> int:
 
 
 def test_a_source_closes_its_shard_files_when_closed_or_dropped(data):
-    """Reads keep shard files open (at most _OPEN_FILES a split) and they close with the source: a
+    """Reads keep shard files open (at most split_files._OPEN_FILES a split) and they close with the source: a
     notebook's runs, each making one, kept every file open (6 more a call here, 384 at most)."""
     gc.collect()  # (the sources of the tests before)
     before = open_files()

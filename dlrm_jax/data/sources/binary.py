@@ -33,10 +33,6 @@ dataset's ids.
 from __future__ import annotations
 
 import functools
-import os
-import threading
-import weakref
-from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,11 +46,11 @@ from dlrm_jax.data.shards import (
     RAW_DTYPES,
     SPLITS,
     BinaryFormatError,
-    open_shard,
     read_meta,
     shard_name,
 )
 from dlrm_jax.data.shuffle import KeyedPermutation
+from dlrm_jax.data.sources.split_files import SplitFiles, runs_of
 from dlrm_jax.hashing import mix64
 from dlrm_jax.ids import raw_columns
 
@@ -64,7 +60,6 @@ CHECK_ROWS = 256  # rows whose ids one comparison spans (see IdRanges)
 PLACES_KEPT = 8  # chunks of places kept (an epoch's boundary needs two epochs' chunks)
 
 __all__ = ["BinaryFormatError", "BinarySource", "read_meta", "model_num_dense"]
-_OPEN_FILES = 192  # per split: 64 shards of 3 arrays
 
 
 def model_num_dense(stored: int) -> int:
@@ -88,84 +83,6 @@ def eval_rows(num_val: int, batch: int, rows: slice, i: int) -> np.ndarray:
     """int64 [<= rows]: this process's ``rows`` of global eval batch ``i``, possibly empty."""
     lo, hi = (min(i * batch + r, num_val) for r in (rows.start, rows.stop))
     return np.arange(lo, hi, dtype=np.int64)
-
-
-class _Split:
-    """One split's shards as one row space. The shards overlapping ``[lo, hi)`` are checked
-    at start; reads go through at most ``_OPEN_FILES`` open files (least recently used)."""
-
-    def __init__(self, root: Path, split: str, sizes: list[int], widths: dict, lo: int, hi: int):
-        self.root, self.name = root, split
-        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.shards = {
-            k: open_shard(root / split / shard_name(k), n, widths)
-            for k, n in enumerate(sizes)
-            if n and self.starts[k] < hi and self.starts[k + 1] > lo
-        }
-        self._open_files()
-
-    def _open_files(self) -> None:
-        self._fds: OrderedDict[Path, int] = OrderedDict()
-        self._lock = threading.Lock()  # reader threads share the open files
-        # closed with the split too: a notebook's runs, each making a source, kept every file open
-        weakref.finalize(self, _close_all, self._fds, self._lock)
-
-    def close(self) -> None:
-        """Closes the open files (a read after it opens them again)."""
-        _close_all(self._fds, self._lock)
-
-    def _fd(self, path: Path) -> int:
-        with self._lock:
-            fd = self._fds.pop(path, None)
-            if fd is None:
-                fd = os.open(path, os.O_RDONLY)
-                while len(self._fds) >= _OPEN_FILES:
-                    os.close(self._fds.popitem(last=False)[1])
-            self._fds[path] = fd
-            return fd
-
-    def read(self, runs: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-        """The arrays at the split rows of ``runs`` ((first row, length) each), in order."""
-        n = sum(length for _, length in runs)
-        first = next(iter(self.shards.values()))
-        out = {k: np.empty((n, *a.shape[1:]), a.dtype) for k, a in first.items()}
-        self.read_into(runs, [out])
-        return out
-
-    def read_into(self, runs: list[tuple[int, int]], parts: list[dict[str, np.ndarray]]) -> None:
-        """The rows of ``runs``, in order, into ``parts``: consecutive pieces of the rows,
-        each a C-contiguous array per field it names (fields it does not name are not read).
-        One ``pread`` per contiguous piece of a run, shard and part."""
-        part, at = 0, 0
-        for start, length in runs:
-            while length:  # a run may cross into the next shard, or the next part
-                k = int(np.searchsorted(self.starts, start, side="right")) - 1
-                files = self.shards.get(k)
-                if files is None:
-                    raise BinaryFormatError(f"{self.root / self.name / shard_name(k)}: read but not opened")
-                while at == len(next(iter(parts[part].values()))):
-                    part, at = part + 1, 0
-                lo = start - int(self.starts[k])
-                room = len(next(iter(parts[part].values()))) - at
-                take = min(length, int(self.starts[k + 1]) - start, room)
-                for name, f in files.items():
-                    if name in parts[part]:
-                        f.read_into(self._fd(f.path), parts[part][name][at : at + take], lo)
-                at, start, length = at + take, start + take, length - take
-
-    def __getstate__(self) -> dict:  # picklable (worker processes open their own files)
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fds", "_lock")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._open_files()
-
-
-def _close_all(fds: OrderedDict, lock: threading.Lock) -> None:
-    """Closes a split's open files."""
-    with lock:
-        while fds:
-            os.close(fds.popitem()[1])
 
 
 class IdRanges:
@@ -201,16 +118,6 @@ class IdRanges:
     def first_bad(self, ids: np.ndarray) -> tuple[int, ...]:
         """The index (``[..., row, column]``) of the first invalid id (when :meth:`hold` is False)."""
         return tuple(int(i) for i in np.argwhere((ids < self.lower) | (ids >= self.upper))[0])
-
-
-def runs_of(rows: np.ndarray) -> list[tuple[int, int]]:
-    """int64 [n] rows -> (first row, length) of each contiguous ascending run."""
-    if not len(rows):
-        return []
-    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate([[0], cuts])
-    lengths = np.diff(np.concatenate([starts, [len(rows)]]))
-    return list(zip(rows[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def check_windows(meta: dict, root: Path) -> None:
@@ -272,8 +179,8 @@ class BinarySource:
         self._hi = self.num_train * (process_index + 1) // process_count if cfg.data.shuffle else self.num_train
         if self._hi == self._lo:
             raise BinaryFormatError(f"{self.root}: {self.num_train} train rows for {process_count} processes")
-        self.train = _Split(self.root, "train", self.meta["shards"]["train"], widths, self._lo, self._hi)
-        self.val = _Split(self.root, "val", self.meta["shards"]["val"], widths, 0, self.num_val)
+        self.train = SplitFiles(self.root, "train", self.meta["shards"]["train"], widths, self._lo, self._hi)
+        self.val = SplitFiles(self.root, "val", self.meta["shards"]["val"], widths, 0, self.num_val)
         self._batch, self._process = cfg.train.batch_size, process_index
         self._rows = process_slice(self._batch, process_index, process_count)
         self._seed, self._shuffle = cfg.train.seed, cfg.data.shuffle
@@ -442,7 +349,7 @@ class BinarySource:
         return map(self.eval_batch, range(self.eval_batch_count()))
 
     # ---------------------------------------------------------------- reading
-    def _batch_of(self, split: _Split, runs: list[tuple[int, int]], what: str) -> Batch | RawBatch:
+    def _batch_of(self, split: SplitFiles, runs: list[tuple[int, int]], what: str) -> Batch | RawBatch:
         """Read ``runs`` of a split into a new batch, map ids into the tables and check every value."""
         n = sum(length for _, length in runs)
         widths = {
@@ -463,7 +370,7 @@ class BinarySource:
         buffer's shards, :mod:`dlrm_jax.data.packed`)."""
         self._read_checked(self.train, self.train_runs(step), f"training step {step}", fields)
 
-    def _read_checked(self, split: _Split, runs: list[tuple[int, int]], what: str, fields: dict) -> None:
+    def _read_checked(self, split: SplitFiles, runs: list[tuple[int, int]], what: str, fields: dict) -> None:
         """Read ``runs`` into ``fields`` (``[pieces, rows, ...]`` each), map ids into the tables
         and check every value, each check one pass over all pieces; an error names the file and
         the split's row."""
@@ -502,7 +409,7 @@ class BinarySource:
             )
         self._cap_ids(ids)
 
-    def _file_of(self, split: _Split, row: int, name: str) -> Path:
+    def _file_of(self, split: SplitFiles, row: int, name: str) -> Path:
         k = int(np.searchsorted(split.starts, row, side="right") - 1)
         return self.root / split.name / shard_name(k) / f"{name}.npy"
 
