@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import dlrm_jax
 from dlrm_jax.config import load_config
 from dlrm_jax.data.preprocessing.preprocess import DataFormatError
-from dlrm_jax.data.preprocessing.tabular import category_values, preprocess_tabular
+from dlrm_jax.data.preprocessing.tabular import preprocess_tabular
+from dlrm_jax.data.preprocessing.tabular_columns import category_values
 from dlrm_jax.data.preprocessing.tabular_schema import SchemaError, load_schema
 from dlrm_jax.data.shards import load_split
 from dlrm_jax.data.sources import resolve_data_config

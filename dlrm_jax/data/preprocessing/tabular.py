@@ -3,7 +3,8 @@
 
 Files are streamed a chunk of records at a time (:mod:`dlrm_jax.data.preprocessing.tabular_records`); side
 files named by the schema's ``joins`` are read whole first and left-joined to every record on
-one key. A categorical field's text is counted and hashed by :func:`category_values`; dense
+one key. A categorical field's text is counted and hashed by
+:func:`~dlrm_jax.data.preprocessing.tabular_columns.category_values`; dense
 fields become ``log1p(max(x, 0))`` (or stay as they are), missing ones 0; the label is a 0/1
 column or a comparison with a threshold. Records that cannot be used are reported as
 ``path:line: what is wrong``, or skipped and counted, as for Criteo.
@@ -12,7 +13,6 @@ column or a comparison with a threshold. Records that cannot be used are reporte
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -32,178 +32,18 @@ from dlrm_jax.data.preprocessing.preprocess import (
     check_arguments,
     check_input_files,
 )
+from dlrm_jax.data.preprocessing.tabular_columns import (
+    Part,
+    Problems,
+    convert,
+    labels_of,
+    show,
+    stack,
+    times_of,
+)
 from dlrm_jax.data.preprocessing.tabular_records import Records, leading_fields, read_records, records_from
-from dlrm_jax.data.preprocessing.tabular_schema import OPS, Join, SchemaError, TabularSchema, load_schema
-from dlrm_jax.data.sources.synthetic import normalise_dense
+from dlrm_jax.data.preprocessing.tabular_schema import Join, SchemaError, TabularSchema, load_schema
 from dlrm_jax.files import as_paths
-from dlrm_jax.hashing import mix64
-
-_SEED = np.uint64(0x9E3779B97F4A7C15)
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def category_values(texts: Sequence[str]) -> np.ndarray:
-    """uint64 [n]: the value each categorical text is counted (vocabularies) or hashed
-    (``% max_ind_range``) by. With b the text's UTF-8 bytes, zero-padded to 8-byte words
-    w_1..w_k (little-endian) and m = splitmix64: h = m(len(b) ^ 0x9E3779B97F4A7C15), then
-    h = m(h ^ w_i) for each word.
-
-    ``vocab/feature_{f}.npy`` of a tabular dataset lists these values, so the id of a text is
-    its row + 1 there. Vectorised: one numpy step per 8 bytes of the longest text.
-    """
-    return _hash_texts(texts)[0]
-
-
-def _hash_texts(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 [n] :func:`category_values` and int64 [n] UTF-8 lengths of ``texts``."""
-    buf = np.frombuffer("\x00".join(texts).encode("utf-8", "surrogatepass"), np.uint8)
-    ends = np.flatnonzero(buf == 0)
-    if len(ends) == max(len(texts) - 1, 0):  # NUL-separated: one encode for all texts
-        starts = np.concatenate([[0], ends + 1]) if len(texts) else ends
-        lengths = np.append(ends, len(buf))[: len(texts)] - starts
-    else:  # some text holds a NUL character
-        data = [t.encode("utf-8", "surrogatepass") for t in texts]
-        lengths = np.fromiter(map(len, data), np.int64, len(data))
-        buf, starts = np.frombuffer(b"".join(data), np.uint8), np.cumsum(lengths) - lengths
-    buf = np.concatenate([buf, np.zeros(8, np.uint8)])  # a word read past the end stays inside
-    h = mix64(lengths.astype(np.uint64) ^ _SEED)
-    order = np.argsort(-lengths, kind="stable")  # longest first: a prefix is still "running"
-    ranked, byte = -lengths[order], np.arange(8)
-    for k in range(0, int(lengths.max(initial=0)), 8):
-        rows = order[: np.searchsorted(ranked, -k)]  # the texts longer than k bytes
-        word = buf[starts[rows, None] + k + byte]  # uint8 [m, 8]
-        word[byte >= (lengths[rows] - k)[:, None]] = 0  # bytes past a text's end
-        h[rows] = mix64(h[rows] ^ word.view("<u8")[:, 0])
-    return h, lengths
-
-
-def _show(text: str) -> str:
-    return repr(text if len(text) <= 40 else text[:40] + "...")
-
-
-# ---------------------------------------------------------------- converting columns
-
-Problems = dict[int, tuple[str, str]]  # row of a chunk -> (kind, message) of its first problem
-
-
-def _numbers(texts: Sequence[str | None], na: frozenset[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 [n] values (0 where missing), bool [n] missing, and int64 [k] the rows whose
-    text is not a finite number."""
-    a = np.array(["" if t is None else t for t in texts] if None in texts else texts, dtype=str)
-    missing = np.isin(a, list(na))
-    a[missing] = "0"
-    try:
-        x = a.astype(np.float64)
-    except ValueError:
-        x = np.array([_float(t) for t in a.tolist()], dtype=np.float64)
-    return x, missing, np.flatnonzero(~np.isfinite(x))
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return float("nan")
-
-
-def _categories(texts: Sequence[str | None], na: frozenset[str], substr) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 [n] values (0 where missing) and bool [n] missing of one categorical column."""
-    texts = ["" if t is None else t for t in texts] if None in texts else texts
-    values, lengths = _hash_texts(texts)
-    empty = lengths == 0
-    for marker in na - {""}:  # same value, then the same text
-        rows = np.flatnonzero(values == category_values([marker])[0])
-        empty[[i for i in rows.tolist() if texts[i] == marker]] = True
-    if substr:
-        values, lengths = _hash_texts([t[substr[0] : substr[1]] for t in texts])
-        empty |= lengths == 0
-    return np.where(empty, np.uint64(0), values), empty
-
-
-def _labels(schema: TabularSchema, texts: Sequence[str | None], problems: Problems) -> np.ndarray:
-    """float32 [n] 0/1 labels; unusable rows go into ``problems``."""
-    label = schema.label
-    x, missing, bad = _numbers(texts, schema.na_values)
-    y = OPS[label.op](x, label.threshold) if label.op else x == 1
-    ok = np.ones(len(x), bool) if label.op else (x == 0) | (x == 1)
-    want = f"a number (label = value {label.op} {label.threshold:g})" if label.op else "0 or 1"
-    for i in np.union1d(bad, np.flatnonzero(missing | ~ok)).tolist():
-        problems.setdefault(i, ("label", f"label column {label.column} is {_show(texts[i] or '')}, expected {want}"))
-    return y.astype(np.float32)
-
-
-def _times(schema: TabularSchema, texts: Sequence[str | None], problems: Problems) -> np.ndarray:
-    """float64 [n] times of the split_by column: numbers, or ISO dates / date-times (seconds
-    since 1970); unusable rows go into ``problems``."""
-    x, missing, bad = _numbers(texts, schema.na_values)
-    bad = bad[~missing[bad]]
-    if len(bad):  # not numbers: dates?
-        x[bad] = _iso_seconds([texts[i] for i in bad.tolist()])
-    for i in np.flatnonzero(missing | ~np.isfinite(x)).tolist():
-        problems.setdefault(
-            i,
-            (
-                "split_by",
-                f"split_by column {schema.split_by} is {_show(texts[i] or '')}, "
-                f"expected a number or a date (YYYY-MM-DD[ HH:MM:SS])",
-            ),
-        )
-    return x
-
-
-def _iso_seconds(texts: list[str]) -> np.ndarray:
-    """float64 [n] seconds since 1970 of ISO dates / date-times (NaN: not one)."""
-    with warnings.catch_warnings():  # numpy warns about time zone suffixes (and reads them as UTC)
-        warnings.simplefilter("ignore")
-        try:
-            t = np.array([v.strip() for v in texts], dtype="datetime64[s]")
-        except ValueError:  # some text is not a date: one at a time
-            t = np.array([_iso_one(v) for v in texts], dtype="datetime64[s]")
-    return np.where(np.isnat(t), np.nan, t.astype(np.int64).astype(np.float64))
-
-
-def _iso_one(text: str) -> np.datetime64:
-    try:
-        return np.datetime64(text.strip(), "s")
-    except ValueError:
-        return np.datetime64("NaT", "s")
-
-
-class _Part(NamedTuple):
-    """The features one file holds, converted, in schema order (Dj dense, Cj categorical)."""
-
-    dense: np.ndarray  # float32 [n, Dj] transformed
-    values: np.ndarray  # uint64 [n, Cj]
-    empty: np.ndarray  # bool [n, Cj]
-
-    def take(self, rows: np.ndarray) -> _Part:
-        return _Part(*(a[rows] for a in self))
-
-
-def _convert(schema: TabularSchema, join: str, cols: dict, problems: Problems) -> _Part:
-    """The features of file ``join`` ("" = main) from its columns' texts."""
-    n, na = len(next(iter(cols.values()))), schema.na_values
-    dense, values, empty = [], [], []
-    for f in (f for f in schema.dense if f.column.join == join):
-        x, missing, bad = _numbers(cols[f.column.key], na)
-        if f.transform == "none":
-            bad = np.union1d(bad, np.flatnonzero(np.abs(x) > _F32_MAX))
-        for i in bad.tolist():
-            text = cols[f.column.key][i]
-            problems.setdefault(
-                i, ("dense field", f"dense column {f.column} is {_show(text)}, expected a finite number")
-            )
-        x[bad] = 0
-        dense.append(normalise_dense(x, missing) if f.transform == "log1p" else x.astype(np.float32))
-    for f in (f for f in schema.categorical if f.column.join == join):
-        v, e = _categories(cols[f.column.key], na, f.substr)
-        values.append(v)
-        empty.append(e)
-    return _Part(_stack(dense, n, np.float32), _stack(values, n, np.uint64), _stack(empty, n, bool))
-
-
-def _stack(columns: list[np.ndarray], n: int, dtype) -> np.ndarray:
-    return np.stack(columns, 1).astype(dtype) if columns else np.zeros((n, 0), dtype)
 
 
 def _report(path: str, rec: Records, problems: Problems, log: SkipLog) -> np.ndarray:
@@ -216,7 +56,7 @@ def _report(path: str, rec: Records, problems: Problems, log: SkipLog) -> np.nda
 
 class _Side(NamedTuple):
     index: dict[str, int]  # key text -> row of ``part``; its last row stands for "no match"
-    part: _Part
+    part: Part
 
 
 def _load_side(schema: TabularSchema, join: Join, path: str, log: SkipLog, chunk_lines: int) -> _Side:
@@ -225,12 +65,12 @@ def _load_side(schema: TabularSchema, join: Join, path: str, log: SkipLog, chunk
     wanted, index, parts, first_line = schema.wanted(join.name), {}, [], {}
     for rec in read_records(path, join.layout, wanted, chunk_lines):
         cols, problems = rec.columns(wanted), {}
-        part = _convert(schema, join.name, cols, problems)
+        part = convert(schema, join.name, cols, problems)
         for i, key in enumerate(cols[join.key]):
             if key is None or key in schema.na_values:
                 problems.setdefault(i, ("join key", f"join key column {join.key} is empty"))
             elif key in first_line:
-                problems.setdefault(i, ("join key", f"join key {_show(key)} repeats line {first_line[key]}"))
+                problems.setdefault(i, ("join key", f"join key {show(key)} repeats line {first_line[key]}"))
             elif i not in problems:
                 first_line[key] = rec.linenos[i]
         keep = _report(path, rec, problems, log)
@@ -238,8 +78,8 @@ def _load_side(schema: TabularSchema, join: Join, path: str, log: SkipLog, chunk
         index.update((cols[join.key][i], base + k) for k, i in enumerate(keep.tolist()))
         parts.append(part.take(keep))
     d, c = (sum(f.column.join == join.name for f in fs) for fs in (schema.dense, schema.categorical))
-    parts.append(_Part(np.zeros((1, d), np.float32), np.zeros((1, c), np.uint64), np.ones((1, c), bool)))
-    return _Side(index, _Part(*(np.concatenate(a) for a in zip(*parts, strict=True))))
+    parts.append(Part(np.zeros((1, d), np.float32), np.zeros((1, c), np.uint64), np.ones((1, c), bool)))
+    return _Side(index, Part(*(np.concatenate(a) for a in zip(*parts, strict=True))))
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -368,9 +208,9 @@ def _chunk(
 ) -> Chunk:
     """One chunk of the main file: columns converted, bad records reported, side files joined."""
     cols, problems = rec.columns(schema.wanted()), {}
-    labels = _labels(schema, cols[schema.label.column.key], problems)
-    times = _times(schema, cols[schema.split_by.key], problems) if schema.split_by else None
-    main = _convert(schema, "", cols, problems)
+    labels = labels_of(schema, cols[schema.label.column.key], problems)
+    times = times_of(schema, cols[schema.split_by.key], problems) if schema.split_by else None
+    main = convert(schema, "", cols, problems)
     keep = _report(path, rec, problems, log)
     dense, values, empty = _joined(schema, sides, cols, main, keep, misses)
     return Chunk(rec.count, values, empty, labels[keep], dense, None if times is None else times[keep])
@@ -380,7 +220,7 @@ def _joined(
     schema: TabularSchema,
     sides: dict[str, _Side],
     cols: dict,
-    main: _Part,
+    main: Part,
     keep: np.ndarray,
     misses: dict[str, int] | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -427,7 +267,7 @@ def scoring_chunks(
     layout, wanted = _without_label(schema, leading, labeled)
     for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
         cols, problems = rec.columns(wanted), {}
-        main = _convert(schema, "", cols, problems)
+        main = convert(schema, "", cols, problems)
         keep = _report(path, rec, problems, log)
         dense, values, empty = _joined(schema, sides, cols, main, keep, None)
         lines = np.array(rec.linenos + [line for line, _, _ in rec.bad], np.int64)
@@ -469,11 +309,11 @@ def _without_label(schema: TabularSchema, leading: Sequence[bytes], labeled: boo
     return layout, wanted
 
 
-def _assemble(parts: dict[str, _Part], features, field: str, n: int, dtype) -> np.ndarray:
+def _assemble(parts: dict[str, Part], features, field: str, n: int, dtype) -> np.ndarray:
     """[n, len(features)]: each feature's column from the part of the file that holds it."""
     taken: dict[str, int] = {}
     columns = []
     for f in features:
         k = taken[f.column.join] = taken.get(f.column.join, -1) + 1
         columns.append(getattr(parts[f.column.join], field)[:, k])
-    return _stack(columns, n, dtype)
+    return stack(columns, n, dtype)
