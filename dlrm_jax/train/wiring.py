@@ -25,7 +25,8 @@ from dlrm_jax.choices import Pooling, RowLayoutChoice, Sharding, Storage, Strate
 from dlrm_jax.config import Config, ConfigError
 from dlrm_jax.data.batch import train_ids
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, home_rows
-from dlrm_jax.embedding.dynamic.sharded import check_split, map_bytes_per_device, maps_report, route_capacities
+from dlrm_jax.embedding.dynamic.sharded import check_split
+from dlrm_jax.embedding.dynamic.sizing import map_bytes_per_device, maps_report, route_capacities
 from dlrm_jax.embedding.exchange.dynamic_tables import routed_lookup_group, rows_sent_back, unsent_row_id_bytes
 from dlrm_jax.embedding.exchange.optimizers import SparseOptimizer, sparse_optimizer_taking
 from dlrm_jax.embedding.plan.cost import Cluster, DenseWork, cluster_for

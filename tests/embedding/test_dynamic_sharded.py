@@ -19,14 +19,16 @@ from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, init_map, sh
 from dlrm_jax.embedding.dynamic.resolve import resolve
 from dlrm_jax.embedding.dynamic.sharded import (
     fuse_maps,
-    own_capacity,
-    resolution_bytes_per_device,
-    resolution_paths,
-    route_capacities,
     sharded_resolve,
     sharded_resolve_fused,
     sharded_resolve_many,
     split_maps,
+)
+from dlrm_jax.embedding.dynamic.sizing import (
+    own_capacity,
+    resolution_bytes_per_device,
+    resolution_paths,
+    route_capacities,
 )
 from dlrm_jax.embedding.dynamic.table_passes import pass_places, table_passes
 from dlrm_jax.parallel.mesh import AXIS, make_mesh

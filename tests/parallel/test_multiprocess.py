@@ -580,7 +580,7 @@ def test_dynamic_tables_over_two_processes_equal_one_process(tmp_path):
     cross processes to their owners and their rows come back (the routed resolution: 128
     samples x 4 tables a device, more than its largest buffer), and training equals one
     process of 8 devices in every step's loss, evaluation and the maps' counts."""
-    from dlrm_jax.embedding.dynamic.sharded import route_capacities
+    from dlrm_jax.embedding.dynamic.sizing import route_capacities
 
     assert route_capacities(1024 // 8 * 4, 8)
     args = smoke_train(

@@ -42,7 +42,7 @@ def test_plan_and_events_leave_out_the_row_ids_a_routed_lookup_does_not_send(tin
     events' routed paths count that many fewer, and (no hot rows, no wide part) without the
     rows sent back; with two tables dynamic in a group shared with row-wise tables of
     vocabulary ids, nothing is left out."""
-    from dlrm_jax.embedding.dynamic.sharded import resolution_paths
+    from dlrm_jax.embedding.dynamic.sizing import resolution_paths
     from dlrm_jax.train.wiring import config_plan_report
 
     common = ("mesh.devices=8", "train.batch_size=512", *DYNAMIC[1:])

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash, on_platform
 from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
+from dlrm_jax.embedding.dynamic.sizing import own_capacity, route_capacities
 from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
 from dlrm_jax.few_segments import few_segment_sum
 from dlrm_jax.parallel.mesh import AXIS, varying
@@ -182,16 +183,16 @@ def sharded_resolve_fused(
     """Several tables' batches of ids (``ids``: per table (hi, lo, valid) [B, ...], sharded over
     the batch axis) through their maps (``maps``: fused, :func:`fuse_maps`, sharded over the
     devices) in one program and one pass (``resolve.resolve_fused``): routed, each device's
-    distinct ids to their owners and the rows back (in the least of :func:`route_capacities`
+    distinct ids to their owners and the rows back (in the least of :func:`~dlrm_jax.embedding.dynamic.sizing.route_capacities`
     holding every device's for one owner); otherwise gathered, every table's ids in one all-gather, resolved by each device
     for its own shards and the rows met in one max. Gathered, each device resolves only its own
-    shards' ids, moved to the front of a buffer of :func:`own_capacity` (so its sort and its
+    shards' ids, moved to the front of a buffer of :func:`~dlrm_jax.embedding.dynamic.sizing.own_capacity` (so its sort and its
     placement work on about B/n ids, not B); a batch with more ids of one device's shards than
     that resolves them a few tables at a time (``table_passes``: its scratch stays that of a
     buffer, whatever the ids). Every path gives the same result. Returns (rows
     per table, shaped and sharded like its ids; the fused maps after the batch; the fresh
     rows; the counts, int32 [tables, len(STATS)] summed over the devices; the path taken,
-    int32, an index into :func:`resolution_paths`; with ``offsets`` (each table's first row in
+    int32, an index into :func:`~dlrm_jax.embedding.dynamic.sizing.resolution_paths`; with ``offsets`` (each table's first row in
     the local array its rows live in on every device), the :class:`Route`, else None).
     ``rows_later`` (with ``offsets``): a routed path does not send the rows back (a collective
     fewer, where the lookups reuse the route: only their owners need them); its rows are
@@ -388,101 +389,3 @@ def sharded_resolve_fused(
         out_specs=(P(AXIS), map_spec, (P(AXIS),) * 4, P(), P(), Route(P(), P(), *(P(AXIS),) * 4) if routing else None),
     )(maps, *ids, step)
     return rows, new_map, FreshRows(*fresh), stats, path, route if routing else None
-
-
-def route_capacities(ids: int, devices: int) -> list[int]:
-    """The buffers one device's distinct ids for one owner are routed in (``ids``: a device's
-    ids), least first: twice a fair share of a sixteenth, a quarter and all of them, and some
-    (a batch repeats most ids: a device's distinct ids are often a quarter of them or fewer),
-    each kept only where it is at most half the next one kept (each buffer is a copy of the
-    routed path in the program, over a second of compile on CPU: one that saves less than
-    half the bytes is not worth it; small batches, whose buffers the slack makes alike, keep
-    one); none where routing saves nothing (few devices)."""
-    fair = lambda k: 2 * -(-k // devices) + 64
-    full = fair(ids)
-    if devices == 1 or full >= ids:
-        return []
-    kept = [full]
-    for k in sorted({fair(ids // d) for d in (16, 4)}, reverse=True):
-        if 2 * k <= kept[-1]:
-            kept.append(k)
-    return kept[::-1]
-
-
-def own_capacity(total: int, devices: int) -> int:
-    """Ids of one device's shards of the gathered batch a resolution holds at once before it
-    resolves them a few tables at a time: twice a fair share and some (hashing spreads ids
-    evenly; a repeated id does not)."""
-    return total if devices == 1 else min(total, 2 * -(-total // devices) + 64)
-
-
-def map_bytes_per_device(spec: MapSpec, devices: int) -> int:
-    """One device's bytes of a map split over ``devices``: its rows' keys, flags, recency and
-    counts, and its shards' admission sketches."""
-    return (spec.rows * spec.bytes_per_row() + spec.sketch_bytes()) // devices
-
-
-def resolution_paths(ids_per_step: int, devices: int, rows_back: bool = True) -> list[dict[str, int]]:
-    """Bytes a device sends to the others a step resolving the raw ids of the dynamic tables
-    (``ids_per_step``: their ids over the whole batch), by collective, on each path a step may
-    take, in the order :func:`sharded_resolve_fused` numbers them: routed, in each buffer of
-    :func:`route_capacities` (each distinct id's table, words and count out, and with
-    ``rows_back`` its row back), then gathered (every id's words and flag; the rows met in a
-    max, a ring all-reduce). The per-table counts' sum and the one max choosing the path are
-    left out."""
-    n = devices
-    routed = [{"all-to-all": (n - 1) * k * (16 + 4 * rows_back)} for k in route_capacities(ids_per_step // n, n)]
-    return [
-        *routed,
-        {"all-gather": (n - 1) * ids_per_step * 12 // n, "all-reduce": 2 * (n - 1) * ids_per_step * 4 // n},
-    ]
-
-
-def resolution_bytes_per_device(ids_per_step: int, devices: int, rows_back: bool = True) -> tuple[int, int]:
-    """The least and most bytes of :func:`resolution_paths` a device sends a step: of the routed
-    paths (the gathered one is their fallback), or the gathered one where none is routed."""
-    paths = resolution_paths(ids_per_step, devices, rows_back)
-    totals = [sum(p.values()) for p in paths[:-1] or paths]
-    return totals[0], totals[-1]
-
-
-def maps_report(
-    specs: dict[str, MapSpec],
-    bags: dict[str, int],
-    devices: int,
-    batch: int,
-    tiered=(),
-    unsent: int = 0,
-    rows_back: bool = True,
-) -> str:
-    """The plan report's lines on dynamic tables: their maps' memory and the raw ids' traffic;
-    tiered ones' (``tiered``: their table indices, names ``cat_<index>``) are held whole on the
-    host and resolved there. ``unsent``: bytes a device does not send a step where the lookups
-    send their requests as the maps routed them (their row ids); ``rows_back``: whether a
-    routed resolution sends the rows back (:func:`resolution_paths`)."""
-    host = {k: s for k, s in specs.items() if int(k.removeprefix("cat_")) in set(tiered)}
-    specs = {k: s for k, s in specs.items() if k not in host}
-    lines = []
-    if specs:
-        memory = sum(map_bytes_per_device(s, devices) for s in specs.values())
-        least, most = resolution_bytes_per_device(batch * sum(bags[name] for name in specs), devices, rows_back)
-        per_row = {s.bytes_per_row() for s in specs.values()}
-        lines.append(
-            f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
-            f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
-            f"raw ids resolved: {least / 2**10:,.1f}-{most / 2**10:,.1f} KiB a step sent per device"
-            " (as many distinct ids as the batch holds)"
-            + (
-                f"; their lookups send the requests as the maps routed them, {unsent / 2**10:,.1f} KiB a step"
-                " fewer than the all-to-all above where they were routed"
-                if unsent
-                else ""
-            )
-        )
-    if host:
-        memory = sum(map_bytes_per_device(s, 1) for s in host.values())
-        lines.append(
-            f"Tiered dynamic tables ({', '.join(host)}): id maps {memory / 2**20:,.2f} MiB on the host "
-            f"(whole; raw ids resolved there, in the planner thread)"
-        )
-    return "\n".join(lines)

@@ -29,11 +29,11 @@ from dlrm_jax.embedding.dynamic.sharded import (
     check_split,
     fuse_maps,
     map_devices,
-    resolution_paths,
     sharded_resolve_fused,
     side_by_side,
     split_maps,
 )
+from dlrm_jax.embedding.dynamic.sizing import resolution_paths
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
 from dlrm_jax.embedding.exchange.fresh_rows import RESET_CHUNK, reset_fresh_rows, reset_replicated_rows
 from dlrm_jax.embedding.exchange.sharded import IdsForm
@@ -223,7 +223,7 @@ class DynamicTables:
 
     def resolution_paths(self, batch: int) -> list[dict[str, int]]:
         """Bytes a device sends a step resolving a global ``batch``'s raw ids, by collective, on
-        each path :meth:`resolve` may take (``sharded.resolution_paths``). Where the lookups
+        each path :meth:`resolve` may take (``sizing.resolution_paths``). Where the lookups
         send their requests as a routed path sent them (:attr:`routed_group`), that path's
         all-to-all is less the row ids the lookup's forward does not send: the plan's bytes
         count them (a step whose busiest owner exceeds the exchange's capacity sends them)."""
