@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.common import each_case, machine_description, write_report
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
 
 REPEATS_IN_PROGRAM = 8
@@ -50,7 +50,7 @@ def bench_collectives(devices: int, sizes_kib: list[int], repeats: int, output: 
     n = mesh.size
     sharding = NamedSharding(mesh, P(AXIS))
     rows = []
-    for kib in sizes_kib:
+    for kib in each_case(sizes_kib):
         per_device = max(n, (kib * 1024 // 4) // n * n)  # float32 elements, a multiple of N
         x = jax.device_put(jnp.ones((n * n, per_device // n), jnp.float32), sharding)
         row = {"buffer_bytes_per_device": 4 * per_device}

@@ -7,11 +7,16 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import jax
 import numpy as np
 
+from dlrm_jax import stopping
 from dlrm_jax.files import json_text
+
+T = TypeVar("T")
 
 
 def machine_description() -> dict:
@@ -135,13 +140,22 @@ def time_steps(fn, state, inputs: list[tuple], steps: int, warmup: int = 3) -> t
     return times, state, outs
 
 
+def each_case(cases: Iterable[T]) -> Iterator[T]:
+    """``cases`` in turn, a suite's cases (or rounds): a stop signal kept while one ran ends
+    the suite before the next (``dlrm-jax bench`` keeps a stop until then: raised while jaxlib
+    compiles, its exit crashed the process; see :mod:`dlrm_jax.stopping`)."""
+    for case in cases:
+        stopping.raise_if_stopped()
+        yield case
+
+
 def round_robin(variants: list[dict], steps: int, repeats: int) -> None:
     """Times each variant (``fn``, ``state``, ``inputs``) in ``repeats`` chunks of ``steps``,
     the variants taking turns, so that a machine whose speed drifts slows them alike. Adds
     ``times`` (seconds of every timed step) and ``outs`` to each; ``step_ms``: the median."""
     for v in variants:
         v["times"], v["outs"] = [], []
-    for _ in range(repeats):
+    for _ in each_case(range(repeats)):
         for v in variants:
             times, v["state"], outs = time_steps(v["fn"], v["state"], v["inputs"], steps, warmup=1)
             v["times"] += times

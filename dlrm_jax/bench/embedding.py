@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.bench.common import (
+    each_case,
     hlo_collective_bytes,
     machine_description,
     time_steps,
@@ -130,7 +131,7 @@ def bench_embedding(cfg, *, steps: int, strategies: list[str], output: str | Non
         / batch.ids.shape[0],
         data,
     )
-    results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in strategies}
+    results = {s: _collection_variant(cfg, s, mesh, ids, grad, steps) for s in each_case(strategies)}
     results["auto_measured"] = _collection_variant(cfg, "auto", mesh, ids, grad, steps, calibration)
     for kind in ("xla_take", "dense_gradient"):
         results[kind] = _baseline_variant(kind, cfg, mesh, ids, grad, steps)

@@ -26,6 +26,7 @@ from dlrm_jax.bench.common import (
     _COLLECTIVE,
     _DTYPE_BYTES,
     _SHAPE,
+    each_case,
     hlo_collective_bytes,
     machine_description,
     write_report,
@@ -139,7 +140,7 @@ def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=pr
         f"{'x bound':>10}{'compiled/pred':>12}{'step ms':>12}  strategies"
     )
     cases = []
-    for s in strategies:
+    for s in each_case(strategies):
         chosen = (
             cfg
             if s == "auto"

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import (
+    each_case,
     hlo_collective_bytes,
     machine_description,
     round_robin,
@@ -147,7 +148,7 @@ def bench_hot(
     log(HEADER)  # then a row as each case is measured
     for z in zipf:
         for layout in layouts:
-            for row_layout in row_layouts:
+            for row_layout in each_case(row_layouts):
                 base = _with(cfg, zipf_exponent=z, id_layout=layout, sharding="row", row_layout=row_layout)
                 source = make_source(base)
                 # Timed on batches after those the hot set and capacities were measured on.

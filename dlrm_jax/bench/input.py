@@ -24,7 +24,7 @@ import jax
 
 from dlrm_jax import hostmem
 from dlrm_jax.bench import check_device_step
-from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.common import each_case, machine_description, write_report
 from dlrm_jax.bench.gil_wait import GilWait
 from dlrm_jax.bench.train import time_train_step
 from dlrm_jax.data.host_buffers import HostBuffers
@@ -119,7 +119,7 @@ def bench_input(cfg, *, steps: int, step_steps: int, output: str | None, log=pri
     synthetic = _with_data(cfg, source="synthetic", path="")
     cases.append(synthetic)
     results = []
-    for case in cases:
+    for case in each_case(cases):
         case = resolve_data_config(case)
         step = time_train_step(case, step_steps, warmup=2)["samples_per_s"] if step_steps else float("nan")
         r = {

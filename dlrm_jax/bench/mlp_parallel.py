@@ -14,6 +14,7 @@ import jax
 
 from dlrm_jax.bench import check_device_step
 from dlrm_jax.bench.common import (
+    each_case,
     hlo_collective_bytes,
     machine_description,
     round_robin,
@@ -84,7 +85,7 @@ def bench_mlp_parallel(
         "overrides": list(overrides),
         "results": [],
     }
-    for config in configs:
+    for config in each_case(configs):
         variants = [_variant(config, mode, overrides) for mode in modes]
         round_robin(variants, steps, repeats)
         base = variants[0]

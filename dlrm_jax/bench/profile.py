@@ -3,7 +3,9 @@
 How each phase is timed (the output says so too):
 
 - host phases (input pipeline, host->device) are timed alone on the host: reading this
-  process's slice of a batch, then placing it on the devices and blocking until it is there;
+  process's slice of a batch, then placing it on the devices and blocking until it is there.
+  Synthetic data is made on the devices, as training makes it: that program is timed alone
+  (``batches made``), and there is no host phase;
 - device phases come from the compiled train step itself, traced with ``jax.profiler``: XLA
   records one event per executed operation (a thunk on CPU, a kernel on GPU), named after its
   instruction in the optimized program. Each instruction's metadata carries the named scope
@@ -26,7 +28,8 @@ run dir, or at the same path, is never opened (restoring the initial tables ther
 its snapshots).
 
 The trace goes to ``OUT/profile-trace``, beside (not over) a training run's ``train.trace_steps``
-trace in ``OUT/trace``. The batches are placed on the devices before the steps run (so a step is
+trace in ``OUT/trace``; it replaces the last profile's trace only once whole (a profile stopped
+or failing leaves that one, and ``profile.json``, as they were). The batches are placed on the devices before the steps run (so a step is
 timed alone), at most :data:`PLACED_BATCHES` of them, used in turn.
 
 Peak memory per device is the compiled step's own memory analysis.
@@ -42,7 +45,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dlrm_jax import stopping
 from dlrm_jax.config import Config, validated
+from dlrm_jax.data.batch import faster_path, train_ids
 from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.packed import packed_reader
 from dlrm_jax.data.pipeline import input_readers
@@ -67,7 +72,7 @@ TRACE = "profile-trace"
 
 def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, log=print) -> dict:
     """Run ``warmup`` then ``steps`` train steps of ``cfg``; print and return the per-phase table,
-    write ``out_dir/profile.json`` and the trace under ``out_dir/trace``."""
+    write ``out_dir/profile.json`` and the trace under ``out_dir/profile-trace``."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"profile: needs steps >= 1 and warmup >= 0, got steps={steps} warmup={warmup}")
     out_dir = check_dir(out_dir, "run dir")  # before the steps run, not after
@@ -103,12 +108,25 @@ def profile(cfg: Config, out_dir: str | Path, steps: int = 10, warmup: int = 3, 
             shutil.rmtree(tier_dir, ignore_errors=True)
 
 
-def _host_batches(fns, source, count: int, host_memory: str):
-    """The batches placed on the devices as training places them (packed, one transfer, from
-    the host buffers ``data.host_memory`` asks for), their ids on the host, and the input
-    pipeline's and host->device's times."""
+def _placed_batches(fns, source, count: int, data, tiered: bool):
+    """The batches placed on the devices as training places them, their ids on the host (read
+    only where hot-row counting is profiled) and the profile's input rows. Read on the host:
+    packed, one transfer, from the host buffers ``data.host_memory`` asks for, the read and
+    the transfer each timed alone. Made on the devices (synthetic data, as training makes
+    it): that program timed alone, and no host phase, as training has none."""
+    counted = fns.hot is not None and fns.hot.refresh_every
+    make = None if tiered else faster_path(source, "device_batches")
+    if make is not None:
+        make, made_s, batches = make(fns.batch_sharding), [], []
+        for i in range(count):
+            t0 = time.perf_counter()
+            batches.append(jax.block_until_ready(make(i)))
+            made_s.append(time.perf_counter() - t0)
+        ids = [train_ids(source, i) for i in range(count)] if counted else []
+        how = "its own program on the devices, timed alone; training dispatches it ahead of the steps"
+        return batches, ids, [{"name": "batches made", "ms": 1e3 * float(np.median(made_s)), "how": how}]
     input_s, h2d_s, batches, ids = [], [], [], []
-    buffers = HostBuffers.for_devices(host_memory, list(fns.batch_sharding.addressable_devices))
+    buffers = HostBuffers.for_devices(data.host_memory, list(fns.batch_sharding.addressable_devices))
     read = packed_reader(source, fns.packed_layout(), buffers)
     for i in range(count):
         t0 = time.perf_counter()
@@ -117,9 +135,18 @@ def _host_batches(fns, source, count: int, host_memory: str):
         batches.append(jax.block_until_ready(fns.device_batch(host)))
         input_s.append(t1 - t0)
         h2d_s.append(time.perf_counter() - t1)
-        ids.append(host.ids)  # joined only if hot-row counting reads them
+        if counted:
+            ids.append(host.ids)
     buffers.close()  # (each buffer freed when its batch is gone)
-    return batches, ids, input_s, h2d_s
+    how = f"host, timed alone; in {input_readers(data.readers)} reader threads, off the dispatching thread"
+    return (
+        batches,
+        ids,
+        [
+            {"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": how},
+            {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": how},
+        ],
+    )
 
 
 def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, log):
@@ -143,11 +170,12 @@ def _step_runner(fns, source, driver: TieredDriver | None, batches, count: int, 
 def _profile(
     cfg: Config, out_dir: Path, mesh, source, fns, driver: TieredDriver | None, steps: int, warmup: int, log
 ) -> dict:
-    batches, host_ids, input_s, h2d_s = _host_batches(
-        fns, source, min(warmup + steps, PLACED_BATCHES), cfg.data.host_memory
+    batches, host_ids, rows = _placed_batches(
+        fns, source, min(warmup + steps, PLACED_BATCHES), cfg.data, driver is not None
     )
     state, one, compiled_step = _step_runner(fns, source, driver, batches, warmup + steps, lambda *_: None)
     for i in range(warmup):
+        stopping.raise_if_stopped()  # (a stop waits for the step under way: see the CLI's profile)
         state, out = one(state, i)
     jax.block_until_ready(state)
     compiled = compiled_step(state)
@@ -155,15 +183,20 @@ def _profile(
     if driver is not None:
         driver.runner.host_s.clear()
 
+    # Traced beside the last profile's trace, which is replaced once this one is whole: a
+    # profile stopped or failing leaves the last one, and its profile.json, as they were.
     trace_dir = out_dir / TRACE / f"process_{jax.process_index()}"
-    shutil.rmtree(trace_dir, ignore_errors=True)  # a profile run before this one's trace
+    tracing = trace_dir.with_name(trace_dir.name + ".partial")
+    shutil.rmtree(tracing, ignore_errors=True)  # one a stopped profile left
+    stopping.raise_if_stopped()  # (not inside the trace: the profiler's stop then never returned)
     walls = []
-    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+    with jax.profiler.trace(str(tracing), create_perfetto_trace=True):
         for i in range(warmup, warmup + steps):
             t0 = time.perf_counter()
             state, out = one(state, i)
             jax.block_until_ready((state, out))
             walls.append(time.perf_counter() - t0)
+    stopping.raise_if_stopped()
     sync_every = fns.collection.sync_every  # per-host tables' periodic average
     sync_s = []
     for _ in range(steps if sync_every else 0):  # its own program: timed alone
@@ -171,12 +204,7 @@ def _profile(
         state = state._replace(emb=jax.block_until_ready(fns.collection.after_step(state.emb, sync_every)))
         sync_s.append(time.perf_counter() - t0)
     local = len(mesh.local_devices)
-    per_phase = device_phase_ns(str(trace_dir), phases)
-    readers = f"host, timed alone; in {input_readers(cfg.data.readers)} reader threads, off the dispatching thread"
-    rows = [
-        {"name": "input pipeline", "ms": 1e3 * float(np.median(input_s)), "how": readers},
-        {"name": "host->device", "ms": 1e3 * float(np.median(h2d_s)), "how": readers},
-    ]
+    per_phase = device_phase_ns(str(tracing), phases)
     rows += _hot_counting_rows(fns, host_ids)
     if driver is not None:
         rows += [
@@ -210,6 +238,8 @@ def _profile(
     }
     for line in format_profile(result):
         log(line)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    tracing.rename(trace_dir)
     if jax.process_index() == 0:
         make_dir(out_dir, "run dir")
         (out_dir / "profile.json").write_text(json_text(result, indent=1) + "\n")

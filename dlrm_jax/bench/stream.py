@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.bench import check_stream_config
-from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.common import each_case, machine_description, write_report
 from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, split_ids
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
@@ -165,10 +165,10 @@ def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, out
         "cases": [],
     }
     shape = (len(maps), windows[0].dense.shape[1])
-    for kind in cases:
+    for kind in each_case(cases):
         case = _Case(kind, cfg, shape, maps, mesh)
         out, trained, train_s, step, counts = [], 0, 0.0, 0, {"admitted": 0, "evicted": 0}
-        for t, window in enumerate(windows):
+        for t, window in enumerate(each_case(windows)):
             if t:  # scored before it is trained on
                 scores = [
                     np.asarray(case.scores(case.params, case.emb, case.maps, *b[:4]))

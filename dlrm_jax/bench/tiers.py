@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.common import each_case, machine_description, write_report
 from dlrm_jax.bench.disk import probe_disk
 from dlrm_jax.config import load_config
 from dlrm_jax.data.pipeline import prefetch
@@ -145,7 +145,7 @@ def bench_tiers(
         variants[("device", 0.0, 0, "")] = _Variant(base, None, total)
         for fraction in fractions:
             for lookahead in lookaheads:
-                for policy in policies:
+                for policy in each_case(policies):
                     cfg = load_config(
                         config,
                         [
@@ -180,7 +180,7 @@ def bench_tiers(
             )
         for v in variants.values():
             v.run(warmup, timed=False)
-        for _ in range(repeats):
+        for _ in each_case(range(repeats)):
             for v in variants.values():
                 v.run(steps, timed=True)
         device = variants[("device", 0.0, 0, "")]

@@ -24,7 +24,7 @@ import numpy as np
 
 from dlrm_jax import hostmem
 from dlrm_jax.bench import check_device_step
-from dlrm_jax.bench.common import machine_description, write_report
+from dlrm_jax.bench.common import each_case, machine_description, write_report
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.plan.stats import per_device_bytes
 from dlrm_jax.train.build import build, mesh_from_config
@@ -120,9 +120,9 @@ def time_interleaved(configs: dict, steps: int, warmup: int, rounds: int) -> dic
     on the config's buffers again): a machine whose speed drifts over minutes (a shared VM)
     moves every config alike, so their ratios hold where one config after another's do not.
     All configs' states are held at once; the peak host memory is the run's."""
-    prepared = {name: _Prepared(cfg, warmup) for name, cfg in configs.items()}
+    prepared = {name: _Prepared(cfg, warmup) for name, cfg in each_case(configs.items())}
     per_turn = -(-steps // rounds)
-    for _ in range(rounds):
+    for _ in each_case(range(rounds)):
         for p in prepared.values():
             p.run(1, timed=False)
             p.run(per_turn)
@@ -137,7 +137,7 @@ def bench_train(configs: dict, *, steps: int, warmup: int, output: str | None, l
     if rounds > 1:
         results = time_interleaved(configs, steps, warmup, rounds)
     else:
-        results = {name: time_train_step(cfg, steps, warmup) for name, cfg in configs.items()}
+        results = {name: time_train_step(cfg, steps, warmup) for name, cfg in each_case(configs.items())}
     first = next(iter(results.values()))
     for r in results.values():
         r["ratio_to_first"] = r["samples_per_s"] / first["samples_per_s"]

@@ -659,3 +659,28 @@ def test_tiers_bench_without_warmup_and_after_a_refused_case_leaves_no_tier(tmp_
     with pytest.raises(ConfigError, match="embedding.tier.device_cache_fraction"):
         bench_tiers(None, ["mesh.devices=1"], 1, 1, fractions=[0.0], tier_dir=str(tmp_path), disk_probe_mb=0, **QUIET)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_during_a_bench_case_waits_for_it_and_ends_the_suite(monkeypatch):
+    """Before: Ctrl-C while a suite compiled (bench exchange, 4 of 7 tries) printed "stopped
+    by SIGINT" and then crashed the exit (rc 139: the runtime torn down under the compile).
+    The stop is kept until the case under way is done, and the suite ends before the next."""
+    import os
+    import signal
+    import time
+
+    from dlrm_jax.bench.common import each_case
+    from dlrm_jax.cli import main
+    from dlrm_jax.cli.commands import bench
+
+    ran = []
+
+    def suite(args):
+        for case in each_case(["a", "b"]):
+            os.kill(os.getpid(), signal.SIGINT)  # while the case compiles, say
+            time.sleep(0.2)
+            ran.append(case)
+
+    monkeypatch.setitem(bench.SUITES, "collectives", bench.SUITES["collectives"]._replace(run=suite))
+    assert main(["bench", "collectives"]) == 128 + signal.SIGINT
+    assert ran == ["a"]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from dlrm_jax import stopping
 from dlrm_jax.bench import check_stream_config
 from dlrm_jax.choices import DramPolicy, RowLayout, RowLayoutChoice
 from dlrm_jax.cli.args import (
@@ -50,7 +51,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    SUITES[args.suite].run(args)
+    # A stop waits for the case under way (each suite's cases: bench.common.each_case): raised
+    # while jaxlib compiles, its exit crashed the process (see dlrm_jax.stopping). A second
+    # one ends the process at once.
+    with stopping.deferred("the case under way"):
+        SUITES[args.suite].run(args)
     return 0
 
 

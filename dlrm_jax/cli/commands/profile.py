@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dlrm_jax import stopping
 from dlrm_jax.cli.args import COUNT, POSITIVE, add_config_args, add_distributed_args
 from dlrm_jax.cli.runtime import devices_for, library_logs_to, log, start_jax
 from dlrm_jax.config import load_config
@@ -45,5 +46,9 @@ def run(args) -> int:
         agreed = Path(agree_on_run_dir(None))
         run_dir = agreed.with_name(f"profile-{agreed.name}")
     library_logs_to(run_dir)
-    profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=log)
+    # A stop waits for the step under way (the traced steps as one): raised while jaxlib
+    # compiles, its exit crashed the process; raised inside the trace, the profiler's stop
+    # never returned (see dlrm_jax.stopping). A second one ends the process at once.
+    with stopping.deferred("the step under way (the traced steps as one)"):
+        profile(cfg, run_dir, steps=args.steps, warmup=args.warmup, log=log)
     return 0
