@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
 import shutil
+import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -118,6 +120,47 @@ def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
     if dest.exists():
         dest.rmdir()
     work.rename(dest)
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``FOLDER/.lock`` held by one process at a time (a run on its
+    run dir, or on its disk tier); the file names the holder, who removes it when it lets go, so
+    a ``.lock`` on disk means a live holder. :meth:`take` refuses (``refusal(holder)``, a
+    RunDirError or the like) while another holds it."""
+
+    def __init__(self, folder: str | Path):
+        self.path, self.fd = Path(folder) / ".lock", None
+
+    def take(self, refusal: Callable[[str], Exception]) -> FolderLock:
+        """Lock (whoever locked a file the holder removed meanwhile tries again on the new one)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise refusal(holder) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the file we locked was removed by its last holder: lock the new one
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.write(
+            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+        )
+        return self
+
+    def release(self) -> None:
+        """Let go (removing the file while still holding it: no stale lock is left behind)."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self.fd)  # releases the flock
+            self.fd = None
 
 
 def _os_error_code(e: BaseException) -> int | None:

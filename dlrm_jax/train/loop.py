@@ -400,6 +400,9 @@ class TrainingLoop:
 
     def save(self, step: int, state: TrainState) -> None:
         report_progress(step, "checkpoint")
+        # the last save committed and rotated first: the tier then keeps the snapshots of the
+        # checkpoints still there (it kept those rotation was about to remove: up to 2 copies)
+        self.ckpts.wait()
         tier = self.driver.save_tiers(step, state, self.ckpts.all_steps(), self.t.keep_checkpoints)
         self.progress = dataclasses.replace(self.progress, loss_reference=self.watch.reference)
         hot = self.steps.hot

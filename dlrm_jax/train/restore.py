@@ -17,7 +17,7 @@ from dlrm_jax.data.sources import resolve_data_config
 from dlrm_jax.embedding.exchange.relayout import relayout, saved_shapes
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers import hot as tier_hot
-from dlrm_jax.embedding.tiers.owner import tier_owner
+from dlrm_jax.embedding.tiers.owner import record_owner, tier_owner
 from dlrm_jax.embedding.tiers.setup import SavedTiers
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tables import TieredTables
@@ -241,9 +241,17 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
         return
     tiered = tiered_in_checkpoint(ckpt_dir, steps[-1])
     if tiered and was is not None and Path(was).absolute() != Path(root).absolute() and TierStore.exists(was):
+        owner = tier_owner(was)
+        shared = owner is not None and not owner.made_by(ckpt_dir.parent) and owner.serves_its_run(was)
         raise RunDirError(
             f"{root}: no disk tier there; the checkpoints in {ckpt_dir} (steps {', '.join(map(str, steps))}) "
-            f"keep their tiered tables in {was}, where they were saved: resume with embedding.tier.path={was}"
+            f"keep their tiered tables in {was}, where they were saved: "
+            + (
+                f"{owner.maker()} still trains on it (this run dir is a copy of it?): copy {was} as well and "
+                f"resume with embedding.tier.path=THE_COPY"
+                if shared
+                else f"resume with embedding.tier.path={was}"
+            )
         )
     if tiered:
         raise RunDirError(
@@ -301,14 +309,23 @@ def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) ->
         return
     steps = saved_steps(ckpt_dir) if ckpt_dir is not None else []
     saved = _saved_record(ckpt_dir, steps[-1]).get("tier") if steps else None
+    inside = run_dir is not None and Path(root).absolute() == (Path(run_dir) / "tier").absolute()
     if saved is not None:
         if saved != owner.id:
             raise RunDirError(
                 f"{root}: holds the disk tier of another run ({owner.maker()}), not the one the checkpoints in "
                 f"{ckpt_dir} were saved with; give embedding.tier.path as this run left it"
             )
+        if owner.made_by(run_dir):
+            return
+        if not inside and owner.serves_its_run(root):  # this run dir is a copy of that one
+            raise RunDirError(
+                f"embedding.tier.path={root}: the disk tier of {owner.maker()}, which still trains on it; this "
+                f"run dir's checkpoints were saved with it too (a copy of that run dir?), and the two would replace "
+                f"each other's snapshots: copy the tier as well and resume with embedding.tier.path=THE_COPY"
+            )
+        record_owner(root, run_dir, id=owner.id)  # a run dir moved, or copied with its tier: its tier now
         return
-    inside = run_dir is not None and Path(root).absolute() == (Path(run_dir) / "tier").absolute()
     if not (inside or owner.made_by(run_dir)):
         raise RunDirError(
             f"embedding.tier.path={root}: holds the disk tier of {owner.maker()}, which this run would replace; "

@@ -12,17 +12,14 @@ device count) may change on a resume; changes are reported.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, load_raw, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
-from dlrm_jax.files import full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
+from dlrm_jax.files import FolderLock, full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
 
@@ -173,7 +170,7 @@ class RunDir:
     """
 
     def __init__(self, path: Path | None, writer: bool):
-        self.path, self.writer, self._lock_fd = path, writer, None
+        self.path, self.writer, self._lock = path, writer, None
         self._config_text = ""
         self.resumed_config: Config | None = None  # the config its checkpoints were saved with
         self._made = False  # this run made the directory: it goes again if the run leaves it empty
@@ -191,7 +188,7 @@ class RunDir:
             rd._made = not rd.path.exists()
             make_dir(rd.path, "run dir")
             try:
-                rd._lock()
+                rd._take_lock()
                 rd._check_set_aside()
                 rd._check_config(cfg, log, source_given)
             except RunDirError as e:
@@ -213,41 +210,22 @@ class RunDir:
         self.close()
 
     # ------------------------------------------------------------ lock
-    def _lock(self) -> None:
-        """flock ``.lock``; the holder removes it when it closes, so a ``.lock`` on disk means a
-        live run. Whoever locked a file the holder removed meanwhile tries again on the new one."""
-        lock = self.path / ".lock"
-        while True:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 512).decode(errors="replace").strip() or "another process"
-                os.close(fd)
-                raise RunDirError(
+    def _take_lock(self) -> None:
+        """The run dir's lock (:class:`~dlrm_jax.files.FolderLock`): one run at a time."""
+        lock = FolderLock(self.path)
+        with _disk_full_names(lock.path):
+            self._lock = lock.take(
+                lambda holder: RunDirError(
                     f"run dir {self.path} is in use by {holder}; wait for that run to end or pass another --run-dir"
-                ) from None
-            try:
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)  # the file we locked was removed by its last holder: lock the new one
-        self._lock_fd = fd
-        os.ftruncate(fd, 0)
-        with _disk_full_names(lock):
-            os.write(
-                fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode()
+                )
             )
 
     def close(self) -> None:
         """Release the lock; a directory this run made and left empty (refused by its data or
         plan before anything was recorded) is removed."""
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path / ".lock")  # while still held: no stale lock is left behind
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
             if self._made:
                 with contextlib.suppress(OSError):  # rmdir: only if empty
                     self.path.rmdir()

@@ -82,3 +82,64 @@ def test_a_tier_path_changed_on_resume_names_the_folder_the_checkpoints_need(tin
     moved = f"embedding.tier.path={tmp_path / 'new'}"
     with pytest.raises(RunDirError, match=f"keep their tiered tables in {tmp_path / 'A' / 'tier'}, where they were"):
         train_and_evaluate(tiny("train.steps=4", *RUN, moved), tmp_path / "A", **QUIET)
+
+
+@pytest.mark.slow  # four short tiered runs
+def test_a_copied_run_dir_sharing_its_tier_is_refused_and_a_moved_one_takes_it(tiny, tmp_path):
+    """Before: a copy of a run dir with an explicit embedding.tier.path resumed on the same
+    tier (its checkpoints keep the tier's id), and the two runs replaced each other's
+    snapshots: the first run's eval scored the copy's tables (AUC 0.732 -> 0.716)."""
+    shared = f"embedding.tier.path={tmp_path / 'shared'}"
+    first = tmp_path / "A"
+    train_and_evaluate(tiny("train.steps=2", *RUN, shared), first, **QUIET)
+    shutil.copytree(first, tmp_path / "copy")
+    scored = evaluate_run(first, log=lambda *_: None)
+    before = tree(tmp_path / "shared")
+    with pytest.raises(RunDirError, match=f"the disk tier of run dir {first}, which still trains on it"):
+        train_and_evaluate(tiny("train.steps=4", *RUN, shared), tmp_path / "copy", **QUIET)
+    assert tree(tmp_path / "shared") == before
+    again = evaluate_run(first, log=lambda *_: None)
+    assert (again.step, again.auc, again.logloss) == (scored.step, scored.auc, scored.logloss)
+    # A copy given a copy of the tier resumes on it; a run dir moved takes the tier it left.
+    shutil.copytree(tmp_path / "shared", tmp_path / "copied_tier")
+    train_and_evaluate(
+        tiny("train.steps=4", *RUN, f"embedding.tier.path={tmp_path / 'copied_tier'}"), tmp_path / "copy", **QUIET
+    )
+    assert tree(tmp_path / "shared") == before
+    first.rename(tmp_path / "moved")
+    train_and_evaluate(tiny("train.steps=4", *RUN, shared), tmp_path / "moved", **QUIET)
+    owner = json.loads((tmp_path / "shared" / OWNER_FILE).read_text())
+    assert owner["run_dir"] == str(tmp_path / "moved") and owner["root"] == str(tmp_path / "shared")
+
+
+def test_a_tier_in_use_by_a_run_is_refused_to_another(tiny, tmp_path):
+    """Before: two new runs started at once on one embedding.tier.path both passed the owner
+    check (no record yet) and raced to make the tier; the loser failed with '[Errno 39]
+    Directory not empty: .../work.tmp -> .../work' or a zarr ALREADY_EXISTS error."""
+    from dlrm_jax.embedding.tiers.format import TierError
+    from dlrm_jax.files import FolderLock
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    holder = FolderLock(root).take(lambda who: AssertionError(who))
+    try:
+        with pytest.raises(TierError, match=f"{root}: the disk tier is in use by pid "):
+            train_and_evaluate(tiny("train.steps=2", *RUN, f"embedding.tier.path={root}"), tmp_path / "B", **QUIET)
+    finally:
+        holder.release()
+    assert sorted(p.name for p in root.iterdir()) == []  # nothing made, no lock left
+    train_and_evaluate(tiny("train.steps=2", *RUN, f"embedding.tier.path={root}"), tmp_path / "B", **QUIET)
+
+
+@pytest.mark.slow  # a short tiered run
+def test_the_tier_keeps_snapshots_only_of_the_checkpoints_left(tiny, tmp_path):
+    """Before: each save told the tier which checkpoints remain before the last save's rotation
+    had removed any, so the tier kept snapshots of checkpoints already gone (checkpoints 60 65
+    70 beside snapshots 36 40 60 65 70): on a large tier, copies of the tables. Now at most the
+    one the rotation after the last save removed is left, until the next save."""
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=10", *RUN, "train.keep_checkpoints=2"), run, **QUIET)
+    train_and_evaluate(tiny("train.steps=14", *RUN, "train.keep_checkpoints=2"), run, **QUIET)
+    checkpoints = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    snapshots = sorted(int(p.name) for p in (run / "tier" / "snapshots").iterdir())
+    assert checkpoints == [12, 14] and snapshots == [10, 12, 14], (checkpoints, snapshots)

@@ -41,7 +41,7 @@ from dlrm_jax.embedding.tiers.owner import record_owner, tier_owner
 from dlrm_jax.embedding.tiers.snapshots import snapshot_steps
 from dlrm_jax.embedding.tiers.store import TierStore
 from dlrm_jax.embedding.tiers.tier_io import ReadAhead, WriteBehind
-from dlrm_jax.files import written_whole
+from dlrm_jax.files import FolderLock, make_dir, written_whole
 from dlrm_jax.hostmem import available_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
@@ -133,16 +133,29 @@ class TieredTables(FillPrograms):
         )
         row_bytes = sum(4 * math.prod(s) for s, _ in fields.values())
         self._made_now = False  # a store made by this run: its snapshot 0 needs no check on restore
-        self.run_dir, self.owner = run_dir, tier_owner(root)
-        if snapshot is not None:
-            self.store = TierStore.open_snapshot(root, specs, snapshot)
-        elif TierStore.exists(root):
-            self.store = _open_work(root, specs, log)
-            if self.owner is None:  # a tier made before owners were recorded: this run's now
-                self.owner = record_owner(root, run_dir)
-        else:
-            log(f"creating the disk tier of {len(self.tables)} tables in {root}")
-            self._make_store()
+        self._lock = None
+        if snapshot is None:  # one run writes a tier at a time (two given one path raced to make it)
+            make_dir(root, "embedding.tier.path")
+            self._lock = FolderLock(root).take(
+                lambda holder: TierError(
+                    root, f"the disk tier is in use by {holder} (embedding.tier.path); give this run a tier of its own"
+                )
+            )
+        try:
+            self.run_dir, self.owner = run_dir, tier_owner(root)
+            if snapshot is not None:
+                self.store = TierStore.open_snapshot(root, specs, snapshot)
+            elif TierStore.exists(root):
+                self.store = _open_work(root, specs, log)
+                if self.owner is None:  # a tier made before owners were recorded: this run's now
+                    self.owner = record_owner(root, run_dir)
+            else:
+                log(f"creating the disk tier of {len(self.tables)} tables in {root}")
+                self._make_store()
+        except BaseException:
+            if self._lock is not None:  # (a notebook may try again in this process)
+                self._lock.release()
+            raise
         if self.store.unverified_tables():
             log(
                 f"warning: the disk tier in {root} was made before row checksums: tables "
@@ -377,6 +390,8 @@ class TieredTables(FillPrograms):
         finally:
             self.read_ahead.close()
             self.store.close()
+            if self._lock is not None:
+                self._lock.release()
 
 
 def optimizer_fields(optimizer, dim: int) -> dict[str, tuple[tuple[int, ...], str]]:
