@@ -47,7 +47,7 @@ from dlrm_jax.train.restore import (
 from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
-from dlrm_jax.train.wiring import tier_root
+from dlrm_jax.train.wiring import decay_moved, tier_root
 
 
 def train_and_evaluate(
@@ -240,6 +240,11 @@ def _train(
         )
         progress, stop_reason = resumed_progress(t, ckpts, start, log)
         end = start if stop_reason else t.steps  # the last step this run trains
+        if rd.resumed_config is not None and start < end:
+            was = rd.resumed_config
+            was = with_epoch_steps(was, driver.source) if was.train.epochs else was
+            if moved := decay_moved(was, cfg, start):
+                log(moved)
         metrics.truncate_after(start, log)
         report_progress(start, "compiling the train step", timed=False)
         batches = reporting(driver.batches(state, start, end), start + 1, driver.compiles_on_first_step)

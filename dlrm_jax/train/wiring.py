@@ -407,6 +407,29 @@ def step_spec(cfg: Config, mesh: jax.sharding.Mesh) -> StepSpec:
     )
 
 
+def decay_moved(old, new, start: int) -> str:
+    """A warning where a run resumed at ``start`` with ``train.steps`` changed (``old`` ->
+    ``new`` config) trained its steps so far at rates the new schedule would not have given:
+    the decay (``train.decay_steps``) is at a run's end, so raising or lowering the end moves
+    it, and the resumed run no longer equals one of the new length from the start; '' where
+    the rates so far agree (the decay had not begun)."""
+    keys = ("learning_rate", "warmup_steps", "decay_steps", "decay_power")
+    if old.train.steps == new.train.steps or any(getattr(old.train, k) != getattr(new.train, k) for k in keys):
+        return ""  # (a change of the rate itself is named among the changed settings)
+    counts = np.arange(start)
+    was, now = (np.asarray(learning_rate_schedule(c)(counts)) for c in (old, new))
+    if np.allclose(was, now, rtol=1e-6, atol=0):
+        return ""
+    first = int(np.flatnonzero(~np.isclose(was, now, rtol=1e-6, atol=0))[0]) + 1
+    return (
+        f"warning: train.steps {old.train.steps} -> {new.train.steps} moves the learning rate's decay "
+        f"(train.decay_steps={new.train.decay_steps}, over a run's last steps): steps {first}-{start} trained at "
+        f"the rates of a {old.train.steps}-step run ({was[-1]:.4g} at step {start}), and this run goes on at a "
+        f"{new.train.steps}-step run's ({float(learning_rate_schedule(new)(start)):.4g} at step {start + 1}): it "
+        f"will not equal a run of {new.train.steps} steps from the start"
+    )
+
+
 def tier_root(cfg: Config, run_dir: Path | None) -> Path:
     """The disk tier's folder: embedding.tier.path, or RUN_DIR/tier."""
     if cfg.embedding.tier.path:

@@ -703,3 +703,22 @@ def test_a_saved_end_without_its_recorded_evaluation_is_evaluated_and_recorded(t
     (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] < 6))
     with pytest.raises(RunDirError, match=r"holds a checkpoint at step 6, past train.steps=4: nothing to train"):
         train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2", "train.eval_every=2"), run, **QUIET)
+
+
+def test_raising_the_steps_of_a_decaying_run_says_its_rates_part_from_a_longer_runs(tiny, tmp_path):
+    """Before: a 12-step run with train.decay_steps=4 decayed its rate over steps 9-12; raised
+    to 20 it went back to the full rate, and ended at AUC 0.5676 where 20 steps from the start
+    gave 0.5687, with only 'resuming with changed settings: train.steps 12 -> 20'. A run whose
+    decay had not begun at its stop equals the longer run, and says nothing."""
+    from dlrm_jax.train.wiring import decay_moved
+
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=12", "train.decay_steps=4", "train.checkpoint_every=4"), run, **QUIET)
+    logs = []
+    train_and_evaluate(tiny("train.steps=20", "train.decay_steps=4", "train.checkpoint_every=4"), run, log=logs.append)
+    warned = [line for line in logs if line.startswith("warning: train.steps 12 -> 20 moves the learning rate's decay")]
+    assert len(warned) == 1 and "steps 10-12 trained at the rates of a 12-step run" in warned[0], logs
+    assert warned[0].endswith("it will not equal a run of 20 steps from the start")
+    short, long = tiny("train.steps=12", "train.decay_steps=4"), tiny("train.steps=20", "train.decay_steps=4")
+    assert decay_moved(short, long, 8) == ""  # the decay had not begun: the same rates so far
+    assert decay_moved(tiny("train.steps=12"), tiny("train.steps=20"), 12) == ""  # no decay
