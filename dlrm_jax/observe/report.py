@@ -89,9 +89,10 @@ def summary(run: dict, label: str) -> str:
     windows = [e["progressive_auc"] for e in run["events"] if e.get("event") == "progressive"]
     if windows:  # train.progressive_window: each window scored before training on it
         last = windows[len(windows) // 2 :]
-        parts.append(
-            f"progressive AUC {sum(last) / len(last):.4f} (mean of the last {len(last)} of {len(windows)} windows)"
-        )
+        scored = [a for a in last if a is not None]  # (null: a window of one class has no AUC)
+        unscored = f"; {len(last) - len(scored)} without an AUC, of one class only" if len(scored) < len(last) else ""
+        mean = f"{sum(scored) / len(scored):.4f}" if scored else "none"
+        parts.append(f"progressive AUC {mean} (mean of the last {len(last)} of {len(windows)} windows{unscored})")
     return f"{parts[0]} {'; '.join(parts[1:])}"
 
 

@@ -415,6 +415,23 @@ def test_summary_gives_the_mean_progressive_auc_of_the_last_half_of_the_windows(
     assert "progressive AUC 0.7500 (mean of the last 2 of 3 windows)" in summary(load_run(tmp_path / "a"), "a")
 
 
+def test_the_report_of_progressive_windows_of_one_class_leaves_them_out(tmp_path, capsys):
+    """Before: a window whose labels were all one class (its AUC null) crashed the report after
+    it drew the plots: TypeError: unsupported operand type(s) for +: 'int' and 'NoneType'."""
+    from dlrm_jax.cli import main
+
+    fake_run(tmp_path / "a", [0.7, 0.6], 1000.0)
+    windows = [
+        {"event": "progressive", "step": 10 * w, "window": w, "progressive_auc": a}
+        for w, a in ((1, 0.6), (2, None), (3, 0.8), (4, None))
+    ]
+    with (tmp_path / "a" / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in windows))
+    assert main(["report", str(tmp_path / "a"), "--output", str(tmp_path / "png")]) == 0
+    out = capsys.readouterr().out
+    assert "progressive AUC 0.8000 (mean of the last 2 of 4 windows; 1 without an AUC, of one class only)" in out
+
+
 def test_the_report_line_gives_the_median_of_an_even_number_of_windows():
     from dlrm_jax.observe.report import summary
 
