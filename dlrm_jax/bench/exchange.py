@@ -42,8 +42,9 @@ from dlrm_jax.embedding.plan.layout import needs_whole_rows, whole_rows_capacity
 from dlrm_jax.embedding.plan.part_kinds import exchange_parts
 from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.observe.trace import PHASE_SCOPES
+from dlrm_jax.parallel.mesh import hosts_of
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.wiring import cluster_from_config, dense_work
+from dlrm_jax.train.wiring import cluster_from_config, dense_work, plan_from_config
 
 STRATEGIES = tuple(Sharding)
 
@@ -129,8 +130,10 @@ def _dense_allreduce_bytes(hlo: str, n: int, exchange_shapes: set) -> float:
     return total
 
 
-def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=print) -> dict:
-    """Every strategy's case (``auto``: the config's own sharding); a table; JSON out."""
+def bench_exchange(cfg, strategies=None, output: str | None = None, log=print) -> dict:
+    """Each strategy's case (``auto``: the config's own sharding); a table; JSON out. None:
+    every strategy the config's tables can be planned with on this mesh, the others listed
+    as ``skipped`` with the planner's reason (one asked for by name that cannot is an error)."""
     check_device_step("exchange", cfg)
     cfg = resolve_data_config(cfg)
     mesh = mesh_from_config(cfg)
@@ -139,13 +142,20 @@ def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=pr
         f"{'strategy':<12}{'devices':>8}{'predicted MiB':>14}{'compiled MiB':>14}{'bound MiB':>12}"
         f"{'x bound':>10}{'compiled/pred':>12}{'step ms':>12}  strategies"
     )
-    cases = []
-    for s in each_case(strategies):
+    cases, skipped = [], []
+    for s in each_case(STRATEGIES if strategies is None else strategies):
         chosen = (
             cfg
             if s == "auto"
             else dataclasses.replace(cfg, embedding=dataclasses.replace(cfg.embedding, sharding=s, table_sharding=()))
         )
+        if strategies is None:
+            try:  # (the plan alone: cheap, and the planner's refusal is the reason)
+                plan_from_config(chosen, mesh.size, hosts=hosts_of(mesh))
+            except ValueError as e:
+                log(f"{s:<12}skipped: {e}")
+                skipped.append({"strategy": s, "reason": str(e)})
+                continue
         cases.append(exchange_case(chosen, mesh, source, cfg.embedding.sharding if s == "auto" else s, log))
     report = {
         "benchmark": "exchange",
@@ -153,6 +163,7 @@ def bench_exchange(cfg, strategies=STRATEGIES, output: str | None = None, log=pr
         "global_batch": cfg.train.batch_size,
         "machine": machine_description(),
         "cases": cases,
+        "skipped": skipped,
     }
     write_report(report, output)
     return report

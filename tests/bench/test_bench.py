@@ -684,3 +684,21 @@ def test_a_stop_during_a_bench_case_waits_for_it_and_ends_the_suite(monkeypatch)
     monkeypatch.setitem(bench.SUITES, "collectives", bench.SUITES["collectives"]._replace(run=suite))
     assert main(["bench", "collectives"]) == 128 + signal.SIGINT
     assert ran == ["a"]
+
+
+def test_bench_exchange_by_default_skips_the_strategies_the_config_cannot_be_planned_with(tiny, monkeypatch):
+    """Before: `bench exchange` (every strategy by default) printed six rows, then failed at
+    host_column ('needs the 8 devices in hosts of cluster.devices_per_host=8...') and wrote no
+    JSON: the rows measured were lost. A strategy asked for by name that cannot be planned is
+    still an error."""
+    from dlrm_jax.bench import exchange
+
+    monkeypatch.setattr(exchange, "exchange_case", lambda cfg, mesh, source, label, log: {"strategy": label})
+    cfg = tiny("mesh.devices=4")
+    report = exchange.bench_exchange(cfg, **QUIET)
+    skipped = {s["strategy"]: s["reason"] for s in report["skipped"]}
+    assert "host_column" in skipped and "host_column" in skipped["host_column"], skipped
+    ran = [c["strategy"] for c in report["cases"]]
+    assert "row" in ran and "table" in ran and not set(ran) & set(skipped)
+    named = exchange.bench_exchange(cfg, ["row", "host_column"], **QUIET)  # (building it is the error)
+    assert [c["strategy"] for c in named["cases"]] == ["row", "host_column"] and named["skipped"] == []

@@ -91,8 +91,9 @@ def _exchange_arguments(p) -> None:
     p.add_argument(
         "--strategies",
         type=names(*STRATEGIES),
-        default=list(STRATEGIES),
-        help=f"comma-separated, of {','.join(STRATEGIES)} (default: all); auto: the config's own embedding.sharding",
+        default=None,
+        help=f"comma-separated, of {','.join(STRATEGIES)} (default: each the config's tables can be planned with, "
+        "the others listed as skipped); auto: the config's own embedding.sharding",
     )
     add_json_output(p)
 
