@@ -126,7 +126,11 @@ class TrainConfig:
     optimizer: str = field(
         default="adam", metadata=_choices("sgd", "adagrad", "adam") | doc("the dense part's optimizer (optax)")
     )
-    warmup_steps: int = field(default=0, metadata=NONNEG | doc("linear warmup from 0 over the first steps"))
+    warmup_steps: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc("linear warmup over the first steps, from the rate / warmup_steps at the first step to the full rate"),
+    )
     decay_steps: int = field(default=0, metadata=NONNEG | doc("polynomial decay to 0 over the last steps; 0 = none"))
     # (a power below 0 would make the "decay" raise the rate)
     decay_power: float = field(default=2.0, metadata=POS | doc("the decay's power (> 0)"))

@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
         action="store_true",
         help="score a malformed line as nan and go on (default: stop at the first, naming file and line)",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal either)")
 
 
 def run(args) -> int:
@@ -63,7 +63,7 @@ def run(args) -> int:
             args.output,
             batch_size=args.batch_size,
             skip_bad_lines=args.skip_bad_lines,
-            progress=args.progress,
+            progress=not args.no_progress,
             overwrite=args.overwrite,
         )
     to = sys.stderr if writes_through(args.output) else sys.stdout  # not amid the scores
