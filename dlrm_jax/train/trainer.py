@@ -11,9 +11,11 @@ from pathlib import Path
 import jax
 
 from dlrm_jax import hostmem, stopping
+from dlrm_jax.choices import HostMemory
 from dlrm_jax.config import Config, ConfigError, validated
 from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.data.batch import DataSource, check_source
+from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.sources import cap_note, close_source, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers.tables import TieredTables
@@ -75,6 +77,8 @@ def train_and_evaluate(
     check_runnable(cfg, mesh.size, jax.process_count(), simulated=simulated, source_given=source is not None)
     if hasattr(source, "check_config"):  # (a source of the caller's: against the config, before a run dir is made)
         source.check_config(cfg)
+    if cfg.data.host_memory == HostMemory.PINNED:  # a runtime that cannot pin: refused before a run dir is made
+        HostBuffers.for_devices(cfg.data.host_memory).close()
     with (
         RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log, source_given=source is not None) as rd,
         contextlib.ExitStack() as stack,

@@ -110,6 +110,17 @@ def test_host_memory_setting():
         HostBuffers.for_devices("pinned", cpus)
 
 
+def test_pinned_host_memory_a_runtime_cannot_give_is_refused_before_a_run_dir(tiny, tmp_path):
+    """Before: train printed the plan, then refused pinned buffers when its input started,
+    leaving config.yaml, plan.txt, plan.json and an empty checkpoints/ (the next run there
+    moved them to earlier/)."""
+    from dlrm_jax.train.trainer import train_and_evaluate
+
+    with pytest.raises(ConfigError, match=r"data.host_memory=pinned: the cpu runtime cannot register host memory"):
+        train_and_evaluate(tiny("data.host_memory=pinned"), tmp_path / "run", log=None)
+    assert not (tmp_path / "run").exists()
+
+
 class _Refusing:
     """A device whose runtime cannot register host memory, though its platform is a GPU's."""
 
