@@ -27,6 +27,7 @@ rows keep input order. Written by :mod:`dlrm_jax.data.preprocessing.prep_driver`
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -84,6 +85,20 @@ def read_meta(path: str | Path) -> dict:
     if missing:
         raise BinaryFormatError(f"{file}: missing key(s) {', '.join(missing)}")
     return meta
+
+
+def dataset_identity(path: str | Path) -> dict:
+    """What a run records of the dataset at ``path`` to know it again: its folder, its split
+    sizes, and a digest of its ``meta.json`` (which holds its inputs, split and encoding: the
+    same data preprocessed again the same way has the same digest)."""
+    meta = read_meta(path)
+    digest = hashlib.sha256((Path(path) / META_FILE).read_bytes()).hexdigest()
+    return {
+        "path": str(Path(path).absolute()),
+        "meta_sha256": digest,
+        "train_rows": int(meta["train_rows"]),
+        "val_rows": int(meta["val_rows"]),
+    }
 
 
 def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, load_raw, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
+from dlrm_jax.data.shards import dataset_identity
 from dlrm_jax.files import FolderLock, full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
@@ -61,6 +62,7 @@ DYNAMIC_STATE_KEYS = (
 
 
 GIVEN_SOURCE = "given_source.json"  # a run trained on a data source given in Python: its type
+DATASET = "dataset.json"  # the binary dataset a run trained on (data.shards.dataset_identity)
 
 
 def given_source(run_dir: str | Path) -> str:
@@ -174,6 +176,7 @@ class RunDir:
         self._config_text = ""
         self.resumed_config: Config | None = None  # the config its checkpoints were saved with
         self._made = False  # this run made the directory: it goes again if the run leaves it empty
+        self._dataset: dict | None = None  # the binary dataset it trains on (data.shards.dataset_identity)
 
     @classmethod
     def open(
@@ -278,7 +281,29 @@ class RunDir:
             changed = config_differences(old, cfg)
             if changed:
                 log("resuming with changed settings: " + describe_changes(changed))
+        self._dataset = dataset_identity(cfg.data.path) if cfg.data.source == "binary" and not source_given else None
+        if resumes:
+            self._check_dataset(cfg, log)
         self._config_text = dump_config(cfg)
+
+    def _check_dataset(self, cfg: Config, log) -> None:
+        """A resumed run over another binary dataset than it trained on (its meta.json differs):
+        refused where the run counts epochs (its steps follow from the rows), else said."""
+        try:
+            was = json.loads((self.path / DATASET).read_text())
+        except (OSError, ValueError):
+            return  # (a run from before the record, or one on other data)
+        now = self._dataset
+        if now is None or was.get("meta_sha256") == now["meta_sha256"]:
+            return
+        sizes = lambda d: f"{d['path']}: {d['train_rows']:,} train and {d['val_rows']:,} val rows"
+        what = f"run dir {self.path} trained on another dataset ({sizes(was)}) than data.path gives now ({sizes(now)})"
+        if cfg.train.epochs or cfg.train.evals_per_epoch:
+            raise RunDirError(
+                f"{what}: a run counted in epochs (train.epochs, train.evals_per_epoch) cannot go on over it, its "
+                f"steps following from the rows; give it the data it trained on, or pass a new --run-dir"
+            )
+        log(f"warning: {what}: the run goes on over it, and its evaluations score its val split")
 
     def record(self, report: str, plan_json: str, fresh: bool = False, log=print, given_source: str = "") -> None:
         """Write ``config.yaml`` (the config ``open`` checked) and the plan: the run goes on.
@@ -295,6 +320,10 @@ class RunDir:
                 _atomic_write(self.path / GIVEN_SOURCE, json.dumps({"source": given_source}) + "\n")
             else:
                 (self.path / GIVEN_SOURCE).unlink(missing_ok=True)
+            if self._dataset is not None:
+                _atomic_write(self.path / DATASET, json.dumps(self._dataset) + "\n")
+            else:
+                (self.path / DATASET).unlink(missing_ok=True)
 
     def _keep_earlier(self, log) -> None:
         """A run starting from step 0 where an earlier one left a record (its checkpoints removed,
@@ -305,7 +334,7 @@ class RunDir:
             return
         target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
         target.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json", GIVEN_SOURCE):
+        for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json", GIVEN_SOURCE, DATASET):
             if (self.path / name).exists():
                 shutil.move(str(self.path / name), target / name)
         log(

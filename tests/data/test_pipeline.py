@@ -206,3 +206,32 @@ def test_reading_memory_does_not_grow_with_the_dataset(tiny, tmp_path_factory, d
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[1] < 1.5 * peaks[0], peaks
+
+
+@pytest.mark.slow
+def test_a_run_resumed_over_another_dataset_says_so_and_an_epoch_run_is_refused(tiny, tmp_path, dataset):
+    """Before: a dataset replaced under a run (the same cardinalities, another val split) was
+    resumed without a word, and a run counted in epochs called 36 steps of one dataset and 4
+    of another '2 epochs', its best evaluation chosen across two val splits."""
+    import shutil
+
+    from dlrm_jax.train.rundir import RunDirError
+
+    data, day = tmp_path / "data", str(dataset.parent / "day.tsv")
+    preprocess_criteo([day], str(data), val_fraction=0.1, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
+    common = ("data.source=binary", f"data.path={data}", "mesh.devices=1", "train.checkpoint_every=2")
+    train_and_evaluate(tiny(*common, "train.steps=2"), tmp_path / "steps", **QUIET)
+    train_and_evaluate(tiny(*common, "train.epochs=0.05"), tmp_path / "epochs", **QUIET)
+    shutil.rmtree(data)
+    preprocess_criteo([day], str(data), val_fraction=0.5, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
+    logs = []
+    train_and_evaluate(tiny(*common, "train.steps=4"), tmp_path / "steps", log=logs.append)
+    warned = [line for line in logs if line.startswith(f"warning: run dir {tmp_path / 'steps'} trained on another")]
+    assert len(warned) == 1 and "2,700 train and 300 val rows" in warned[0] and "1,500 train" in warned[0], logs
+    with pytest.raises(RunDirError, match="a run counted in epochs .* cannot go on over it"):
+        train_and_evaluate(tiny(*common, "train.epochs=0.1"), tmp_path / "epochs", **QUIET)
+    shutil.rmtree(data)  # the same data preprocessed again the same way is the same dataset
+    preprocess_criteo([day], str(data), val_fraction=0.5, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
+    logs.clear()
+    train_and_evaluate(tiny(*common, "train.steps=6"), tmp_path / "steps", log=logs.append)
+    assert not [line for line in logs if "another dataset" in line], logs
