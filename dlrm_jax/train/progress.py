@@ -93,7 +93,7 @@ class Progress:
             log(
                 f"train.keep_best: the best evaluation is now chosen by {metric}, not {self.metric}; "
                 + (
-                    f"step {best.step}'s ({metric} {getattr(best, metric):.6f}) is kept as the one to beat"
+                    f"step {best.step}'s ({metric} {getattr(best, metric):.6f}) stays the one to beat"
                     if best is not None
                     else "it is tracked afresh from here"
                 )
@@ -166,6 +166,13 @@ def resumed_progress(train_cfg, ckpts, start: int, log) -> tuple[Progress, str]:
         progress = saved_progress(ckpts.directory, start).tracking(tracked_metric(t), log, ckpts.all_steps())
     if t.keep_best and progress.best is not None:
         ckpts.keep_also([progress.best.step])
+    elif progress.best is not None and start:
+        saved = ckpts.all_steps()
+        if progress.best.step in saved[: -t.keep_checkpoints]:  # kept by train.keep_best alone
+            log(
+                f"train.keep_best is off: step {progress.best.step}'s checkpoint, the best evaluation so far, is no "
+                f"longer kept and goes with the next rotation (train.keep_checkpoints={t.keep_checkpoints})"
+            )
     reason = progress.stop_reason(t)
     if reason:
         log(

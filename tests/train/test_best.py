@@ -76,6 +76,14 @@ def test_keep_best_outlives_rotation_and_eval_and_export_pick_it(tiny, tmp_path,
     assert saved_steps(run / "checkpoints") == [best.step, 24]
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 8; saved steps \[\d+, 24\]"):
         evaluate_run(run, step=8, **QUIET)
+    # Turned off on resume, the best's checkpoint goes with the rotation, and the run says so
+    # (before: nothing was said, or that the best 'is kept as the one to beat').
+    logs = []
+    train_and_evaluate(tiny(*BASE, "train.steps=26", "train.keep_checkpoints=1"), run, log=logs.append)
+    assert f"train.keep_best is off: step {best.step}'s checkpoint, the best evaluation so far, is no longer kept" in (
+        "\n".join(logs)
+    )
+    assert saved_steps(run / "checkpoints") == [26]
 
 
 def test_keep_best_by_logloss_keeps_the_lowest(tiny, tmp_path, full_run):
@@ -169,8 +177,8 @@ def test_progress_record_round_trips_and_never_prefers_nan():
     kept = p.tracking("auc", log=logged.append, saved=[6, 8])
     assert kept.best.step == 6 and kept.metric == "auc" and kept.evals_since_best == 0
     assert logged == [
-        "train.keep_best: the best evaluation is now chosen by auc, not logloss; step 6's (auc 0.550000) is kept "
-        "as the one to beat"
+        "train.keep_best: the best evaluation is now chosen by auc, not logloss; step 6's (auc 0.550000) stays "
+        "the one to beat"
     ]
     assert kept.evaluated(Evaluation(10, 0.54, 0.4)).best.step == 6
     assert kept.evaluated(Evaluation(10, 0.56, 0.9)).best.step == 10
