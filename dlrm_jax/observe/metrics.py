@@ -124,6 +124,7 @@ class MetricsWriter:
     def __init__(self, path: Path | None, tensorboard: bool = False):
         self.path, self.tensorboard, self._tb, self._resumed_at = path, tensorboard, None, None
         self._started, self._wall_before = time.perf_counter(), 0.0
+        self.loss_before = float("nan")  # the last logged loss of the steps kept (truncate_after)
 
     def truncate_after(self, step: int, log=print) -> None:
         """Drop events past ``step``: a run killed after its last checkpoint logged steps that
@@ -138,6 +139,8 @@ class MetricsWriter:
         kept = [line for line, event in events if event.get("step", 0) <= step]
         if kept:
             self._wall_before = json.loads(kept[-1]).get("wall_s") or 0.0
+        losses = [e["loss"] for _, e in events if e.get("step", 0) <= step and isinstance(e.get("loss"), float)]
+        self.loss_before = losses[-1] if losses else float("nan")
         if len(kept) != len(lines):
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))

@@ -282,7 +282,8 @@ def _train(
     report_progress(end, "finishing")
     if loop.trained_steps == 0 and t.evaluates:  # the run's end, saved, but its evaluation not recorded
         with stopping.deferred("the evaluation"):
-            event = {"step": start, "loss": loop.last_loss, "samples_per_s": float("nan")}  # (none trained)
+            loop.last_loss = metrics.loss_before  # (none trained here: the window that ended at start)
+            event = {"step": start, "loss": loop.last_loss, "samples_per_s": float("nan")}
             last = loop.progress.last
             if last is not None and last.step == start:  # counted already (killed before its record)
                 loop.auc, loop.logloss, loop.scored = driver.evaluate(state)

@@ -722,3 +722,19 @@ def test_raising_the_steps_of_a_decaying_run_says_its_rates_part_from_a_longer_r
     short, long = tiny("train.steps=12", "train.decay_steps=4"), tiny("train.steps=20", "train.decay_steps=4")
     assert decay_moved(short, long, 8) == ""  # the decay had not begun: the same rates so far
     assert decay_moved(tiny("train.steps=12"), tiny("train.steps=20"), 12) == ""  # no decay
+
+
+def test_a_saved_end_evaluated_on_a_rerun_gives_the_loss_of_its_last_window(tiny, tmp_path):
+    """Before: a run stopped by a signal at step N (its window logged) and re-run with
+    train.steps=N evaluated and printed 'final step=N loss=nan' (metrics.jsonl: "loss": null),
+    though the window that ended at N was in the file."""
+    run = tmp_path / "run"
+    cfg = tiny("train.steps=6", "train.checkpoint_every=2", "train.eval_every=2", "train.log_every=2")
+    done = train_and_evaluate(cfg, run, **QUIET)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    end = lines[-1]  # as a stop at step 6 logs it: its window, no evaluation
+    stopped = {"event": "train", "step": 6, "loss": end["loss"], "samples_per_s": end["samples_per_s"]}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [*lines[:-1], stopped]))
+    again = train_and_evaluate(cfg, run, **QUIET)
+    assert again.loss == done.loss == end["loss"]
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["loss"] == end["loss"]
