@@ -178,10 +178,12 @@ class TrainingLoop:
         self.train_time, self.trained_steps, self.last_loss, self.window_start = 0.0, 0, float("nan"), None
         self.result_wait_s = self.result_wait_cpu_s = 0.0  # the window's, in read_results: wall, CPU
         # the window's time on the dispatching thread that is checkpointing's, not training's
-        # (the first state check's compile, each state check's run), wall and CPU: left out of
-        # its samples/s as the train step's compile and the saves are
+        # (the first state check's compile, each state check's run), or a compile's (the first
+        # hot-row refresh's), wall and CPU: left out of its samples/s as the train step's compile
+        # and the saves are
         self.apart_s = self.apart_cpu_s = 0.0
         self.state_checked = False
+        self.refreshed = False  # a hot-row refresh ran in this process (its program compiled)
         self.dispatched = False  # (a step dispatched by this loop)
         self.release, self._ids = ReleaseThread(), None
         self.window_cpu = 0.0
@@ -238,7 +240,13 @@ class TrainingLoop:
             with self.apart() if first else contextlib.nullcontext():
                 self._state_check = self.steps.state_check(state, *self.driver.check_inputs(item))
             self.state_checked = True
-        state = self.driver.after_step(state, step, self._ids)
+        hot = self.steps.hot  # the process's first refresh compiles its program: left out, as the check's
+        first = hot is not None and not self.refreshed and hot.refresh_due(step)
+        if first:
+            self.read_results(0)
+            self.refreshed = True
+        with self.apart() if first else contextlib.nullcontext():
+            state = self.driver.after_step(state, step, self._ids)
         self.read_results(DISPATCH_AHEAD)
         self.end_trace(step - len(self.pending))
         self.bar.update(1)
