@@ -53,8 +53,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def list_of(kind: type, low: float | None = None, empty: bool = False):
-    """An argparse type: comma-separated values of ``kind`` (each >= ``low`` if given; none at
-    all, ``""``, only when ``empty``)."""
+    """An argparse type: comma-separated distinct values of ``kind`` (each >= ``low`` if given;
+    none at all, ``""``, only when ``empty``)."""
     what = {int: "integers", float: "numbers"}[kind]
 
     def parse(text: str) -> list:
@@ -68,13 +68,15 @@ def list_of(kind: type, low: float | None = None, empty: bool = False):
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
         if low is not None and min(values) < low:
             raise argparse.ArgumentTypeError(f"expected values >= {low}, got {text!r}")
+        if len(set(values)) < len(values):  # (each a case of its own: one twice is a mistake)
+            raise argparse.ArgumentTypeError(f"expected distinct values, got {text!r}")
         return values
 
     return parse
 
 
 def names(*allowed: str):
-    """An argparse type: comma-separated names, each one of ``allowed``, at least one; argparse
+    """An argparse type: comma-separated distinct names, each one of ``allowed``, at least one; argparse
     names the flag in its error, and the error lists what is allowed."""
 
     def parse(text: str) -> list[str]:
@@ -83,6 +85,8 @@ def names(*allowed: str):
         if not values or bad:
             got = f"{bad[0]!r} in {text!r}" if bad and bad != [text.strip()] else repr(text)
             raise argparse.ArgumentTypeError(f"expected comma-separated values of {', '.join(allowed)}; got {got}")
+        if len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"expected distinct values, got {text!r}")
         return values
 
     return parse

@@ -702,3 +702,13 @@ def test_bench_exchange_by_default_skips_the_strategies_the_config_cannot_be_pla
     assert "row" in ran and "table" in ran and not set(ran) & set(skipped)
     named = exchange.bench_exchange(cfg, ["row", "host_column"], **QUIET)  # (building it is the error)
     assert [c["strategy"] for c in named["cases"]] == ["row", "host_column"] and named["skipped"] == []
+
+
+def test_serving_latency_is_measured_at_the_batch_it_is_reported_at():
+    """Before: with fewer held-out lines than the batch (300 against 1,024), every call scored
+    the 300, reported as batch 1,024."""
+    from dlrm_jax.bench.serving import _latency_ms
+
+    sizes = []
+    got = _latency_ms(lambda lines: sizes.append(len(lines)), [b"x"] * 300, 1024, 5)
+    assert got["batch"] == 1024 and sizes == [1024] * 6

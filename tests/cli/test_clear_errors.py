@@ -283,6 +283,12 @@ STRATS = "auto, replicated, table, row, column, host_row, host_column"
             "--strategies",
             f"expected comma-separated values of {STRATS}; got 'diagonal' in 'row,diagonal'",
         ),
+        # Before: a case twice was measured twice (bench tiers built both in one tier folder),
+        # and --zipf -1 was refused as a config key after the table's header.
+        (["bench", "exchange", "--strategies", "row,row"], "--strategies", "expected distinct values, got 'row,row'"),
+        (["bench", "tiers", "--fractions", "0.5,0.5"], "--fractions", "expected distinct values, got '0.5,0.5'"),
+        (["bench", "hot", "--zipf", "-1"], "--zipf", "expected values >= 0, got '-1'"),
+        (["bench", "tiers", "--zipf", "-1"], "--zipf", "expected a number >= 0, got -1"),
         (
             ["bench", "embedding", "--strategies", ","],
             "--strategies",

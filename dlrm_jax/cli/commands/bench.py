@@ -132,7 +132,7 @@ def _tiers_arguments(p) -> None:
         default=["lru"],
         help="the DRAM caches' eviction policies, each a case of its own, comma-separated (lru, lfu, tinylfu; default lru)",
     )
-    p.add_argument("--zipf", type=float, default=1.1, help="the ids' Zipf exponent (default 1.1)")
+    p.add_argument("--zipf", type=bounded(float, 0), default=1.1, help="the ids' Zipf exponent (default 1.1)")
     p.add_argument(
         "--layout",
         default="frequency_ordered",
@@ -178,7 +178,7 @@ def _hot_arguments(p) -> None:
     add_config_args(p)
     p.add_argument(
         "--zipf",
-        type=list_of(float),
+        type=list_of(float, 0),
         default=[1.05, 1.1, 1.2],
         help="Zipf exponents, comma-separated (default 1.05,1.1,1.2)",
     )
