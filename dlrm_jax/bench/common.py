@@ -95,21 +95,23 @@ def hlo_replica_groups(hlo_text: str, kind: str) -> list[list[list[int]] | None]
     return out
 
 
-def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | None = None) -> dict[str, float]:
+def hlo_collective_bytes(hlo_text: str, n: int, skip_scope: str | tuple[str, ...] = ()) -> dict[str, float]:
     """Bytes one device sends to others per collective kind, from the compiled HLO.
 
     all-to-all / all-gather: (N-1)/N of the result; all-reduce: 2(N-1)/N of it (ring);
     reduce-scatter: (N-1) times the result; N the collective's replica group size (``n`` when
-    it spans every device). Collectives traced under the named scope ``skip_scope`` (the
-    overflow rounds) are left out.
+    it spans every device). Collectives traced under the named scopes ``skip_scope`` (the
+    overflow rounds; the dynamic tables' resolution, whose paths are branches of which a step
+    takes one) are left out.
     """
+    skip = (skip_scope,) if isinstance(skip_scope, str) else tuple(skip_scope)
     out: dict[str, float] = {}
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)
         if not m:
             continue
         shapes = [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _SHAPE.findall(m.group(1))]
-        if skip_scope and f"/{skip_scope}/" in line:
+        if any(f"/{scope}/" in line for scope in skip):
             continue
         size = sum(_DTYPE_BYTES.get(t, 4) * int(np.prod(s)) for t, s in shapes)
         g = _group_size(line, n)

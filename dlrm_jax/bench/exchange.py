@@ -5,7 +5,12 @@ For the config's own plan (``embedding.sharding`` as given: the plan training bu
 measured on the data) and for each explicit strategy, the train step is compiled, not run, at
 the config's full size on the current devices: the state is abstract (shapes and shardings,
 no memory), so a 100 GB table set compiles on a laptop. The compiled program's collectives are
-counted (``common.hlo_collective_bytes``; the overflow rounds, compiled but not taken, left out)
+counted (``common.hlo_collective_bytes``; the overflow rounds, compiled but not taken, left out,
+and so is dynamic tables' resolution of raw ids, whose paths are branches a step takes one of:
+their bytes a step, each path's as the plan prices it, are reported beside, ``resolution_bytes``;
+the lookups that may send their requests as the resolution routed them hold both forms, routed
+and not, and both are counted: compiled/predicted is above 1 there, about 1.6 on
+configs/stream.yaml at 4 devices)
 and the dense part's gradient all-reduce (the same under every plan) taken away: what remains
 is the embedding exchange, beside ``plan.stats``' prediction of it, the lower bound and the
 predicted step time on the config's cluster. XLA may fuse the replicated tables' gradient
@@ -35,7 +40,7 @@ from dlrm_jax.choices import Sharding
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed
 from dlrm_jax.data.sources import make_source, resolve_data_config
-from dlrm_jax.embedding.exchange.common import ROUNDS_SCOPE
+from dlrm_jax.embedding.exchange.common import RESOLUTION_SCOPE, ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
 from dlrm_jax.embedding.plan.layout import needs_whole_rows, whole_rows_capacity
@@ -69,7 +74,7 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
     hlo = compiled_train_step(steps, source.train_batch(0)).as_text()
     n = mesh.size
     dense = dense_work(cfg)
-    counted = hlo_collective_bytes(hlo, n, ROUNDS_SCOPE)
+    counted = hlo_collective_bytes(hlo, n, (ROUNDS_SCOPE, RESOLUTION_SCOPE))
     dense_allreduce = _dense_allreduce_bytes(hlo, n, _exchange_shapes(plan))
     measured = sum(counted.values()) - dense_allreduce
     predicted = sum(collective_bytes(plan).values())
@@ -89,6 +94,9 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
         "bound_between_hosts_bytes": bound_link_bytes(plan, cluster)[1],
         "strategies": sorted({t.strategy.value for t in plan.tables}),
         "hlo_bytes_by_kind": counted,
+        # dynamic tables: the least and most a step's resolution sends (the routed paths, or the
+        # gathered one where none is routed), each path as training's events count it
+        "resolution_bytes": _resolution_bytes(steps, cfg.train.batch_size),
         "dense_allreduce_bytes": dense_allreduce,
         "compile_s": time.perf_counter() - t0,
     }
@@ -98,6 +106,14 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
         f"{case['predicted_step_ms']:>12.3f}  {','.join(case['strategies'])}"
     )
     return case
+
+
+def _resolution_bytes(steps, batch: int) -> dict[str, float] | None:
+    if steps.dynamic is None:
+        return None
+    totals = [sum(path.values()) for path in steps.dynamic.resolution_paths(batch)]
+    routed = totals[:-1] or totals  # (the gathered path is the routed ones' fallback)
+    return {"least": min(routed), "most": max(routed)}
 
 
 def _exchange_shapes(plan) -> set[tuple[int, ...]]:

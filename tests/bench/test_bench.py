@@ -37,6 +37,10 @@ def test_hlo_parser():
     )
     got = hlo_collective_bytes(text, 8, skip_scope="exchange_rounds")
     assert got == {"all-to-all": 8 * 10 * 4 * 4 * 7 / 8, "all-reduce": 2 * 7 / 8 * (64 + 16)}
+    # Dynamic tables' resolution: branches a step takes one of, all in the program (bench exchange
+    # counted each, 3.1x the plan on configs/stream.yaml); left out, as the rounds are.
+    resolution = '%r = u32[8,64]{1,0} all-to-all(u32[8,64]{1,0} %z), metadata={op_name="jit(f)/id_resolution/cond/branch_2_fun/all_to_all"}\n'
+    assert hlo_collective_bytes(text + resolution, 8, ("exchange_rounds", "id_resolution")) == got
     # A collective within model groups counts its group's size, in either replica-group form.
     groups = (
         "%d = f32[16,8]{1,0} all-gather(f32[8,8]{1,0} %x), replica_groups={{0,1},{2,3}}, dimensions={0}\n"

@@ -56,6 +56,7 @@ def all_to_all(x):
 
 
 ROUNDS_SCOPE = "exchange_rounds"  # names the overflow-only ops in the compiled program
+RESOLUTION_SCOPE = "id_resolution"  # names the dynamic tables' resolution of raw ids (one path a step)
 
 
 def if_overflow(over, on_overflow, otherwise, *operands):

@@ -35,6 +35,7 @@ from dlrm_jax.embedding.dynamic.sharded import (
 )
 from dlrm_jax.embedding.dynamic.sizing import resolution_paths
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection, EmbeddingState
+from dlrm_jax.embedding.exchange.common import RESOLUTION_SCOPE
 from dlrm_jax.embedding.exchange.fresh_rows import RESET_CHUNK, reset_fresh_rows, reset_replicated_rows
 from dlrm_jax.embedding.exchange.sharded import IdsForm
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan, ExchangeKind
@@ -202,17 +203,18 @@ class DynamicTables:
         if isinstance(raw, dict):  # by table: side by side, as raw_ids gives them
             raw, _ = side_by_side([raw[t] for t in tables])
         offsets = None if self.routed_group is None else tuple(self.where[t][1].offset for t in tables)
-        rows, fused, fresh, counts, path, route = sharded_resolve_fused(
-            [self.maps[t] for t in tables],
-            self.mesh,
-            maps[FUSED],
-            raw,
-            step,
-            learn,
-            self._bags,
-            offsets,
-            not self.rows_back,
-        )
+        with jax.named_scope(RESOLUTION_SCOPE):  # (its collectives told apart: bench exchange)
+            rows, fused, fresh, counts, path, route = sharded_resolve_fused(
+                [self.maps[t] for t in tables],
+                self.mesh,
+                maps[FUSED],
+                raw,
+                step,
+                learn,
+                self._bags,
+                offsets,
+                not self.rows_back,
+            )
         if learn:
             emb = self._reset(emb, fresh, key)
             maps = {FUSED: fused}
