@@ -49,7 +49,7 @@ from dlrm_jax.embedding.plan.stats import collective_bytes, lower_bound_bytes
 from dlrm_jax.observe.trace import PHASE_SCOPES
 from dlrm_jax.parallel.mesh import hosts_of
 from dlrm_jax.train.build import build, mesh_from_config
-from dlrm_jax.train.wiring import cluster_from_config, dense_work, plan_from_config
+from dlrm_jax.train.wiring import cluster_from_config, dense_work, plan_from_config, wide_plan_from_config
 
 STRATEGIES = tuple(Sharding)
 
@@ -78,6 +78,8 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
     dense_allreduce = _dense_allreduce_bytes(hlo, n, _exchange_shapes(plan))
     measured = sum(counted.values()) - dense_allreduce
     predicted = sum(collective_bytes(plan).values())
+    if cfg.model.kind == "wide_deep":  # the wide part's update all-gathers the batch's ids and gradients
+        predicted += sum(collective_bytes(wide_plan_from_config(cfg, n)).values())
     cluster = cluster_from_config(cfg, jax.default_backend() == "cpu")
     step = predict_step(plan, cluster, dense)
     case = {

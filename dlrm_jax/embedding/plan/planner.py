@@ -36,7 +36,7 @@ from dlrm_jax.embedding.plan.search import (  # noqa: F401 - column_slices, cach
     place_tables,
 )
 from dlrm_jax.embedding.plan.specs import Pooling, TableSpec
-from dlrm_jax.embedding.plan.stats import per_device_bytes
+from dlrm_jax.embedding.plan.stats import exchange_bytes_per_step, fmt_bytes, per_device_bytes
 
 
 def parse_overrides(
@@ -246,5 +246,6 @@ def wide_report(wide: EmbeddingPlan, optimizer: str) -> str:
     return (
         f"Wide part: {len(wide.tables)} tables, {rows:,} weights, replicated: "
         f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
-        f"{optimizer} state (counted in embedding.memory_budget_gb)"
+        f"{optimizer} state (counted in embedding.memory_budget_gb); its update all-gathers the batch's ids and "
+        f"gradients, {fmt_bytes(exchange_bytes_per_step(wide))} a step per device beside the exchange above"
     )
