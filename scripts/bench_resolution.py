@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlrm_jax.cli.args import bounded
 from dlrm_jax.embedding.dynamic import resolve
 from dlrm_jax.embedding.dynamic.idmap import MapSpec, init_map, split_ids
 from dlrm_jax.embedding.dynamic.sharded import fuse_maps, resolution_chunk
@@ -102,7 +103,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--places", default="13824,106496", help="comma-separated batch sizes (ids of all tables)")
     p.add_argument("--values", default="20000", help="comma-separated map sizes (rows of each of the 26 tables)")
-    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--steps", type=bounded(int, WARMUP + 1), default=80, help=f"steps, the first {WARMUP} untimed")
     p.add_argument("--against", default="", help="a git revision to time beside this checkout")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)

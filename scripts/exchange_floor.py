@@ -26,6 +26,7 @@ import json
 
 import numpy as np
 
+from dlrm_jax.cli.args import bounded, new_json_file
 from dlrm_jax.config import load_config
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.exchange.capacity import count_distinct
@@ -64,10 +65,16 @@ def table_floors(ids: np.ndarray, bags, rows, dim: int, n: int, per_host: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="mlperf_dlrm_dcnv2")
-    parser.add_argument("--devices", type=int, nargs="+", default=[64, 512])
+    parser.add_argument(
+        "--devices",
+        type=bounded(int, 2),
+        nargs="+",
+        default=[64, 512],
+        help="device counts, 2 or more (one exchanges nothing)",
+    )
     parser.add_argument("--devices-per-host", type=int, default=8)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE config overrides")
-    parser.add_argument("--out", default="exchange_floor.json")
+    parser.add_argument("--out", type=new_json_file, default="exchange_floor.json", help="a new JSON file")
     args = parser.parse_args()
     results = []
     for n in args.devices:

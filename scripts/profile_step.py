@@ -24,12 +24,14 @@ import sys
 import tempfile
 import time
 
+from dlrm_jax.cli.args import POSITIVE
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=POSITIVE, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--hlo", help="write the optimized HLO of the step here")
     args = ap.parse_args()
