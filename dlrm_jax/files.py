@@ -64,7 +64,9 @@ def check_new_folder(dest: str | Path, what: str) -> Path:
     """``dest`` if it is new or an empty folder (where :func:`new_folder` may write), else a
     FileExistsError: ``what`` never mixes its files with others."""
     dest = Path(dest)
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"{dest}: is a file, not a folder; {what} into a new folder")
+    if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest}: exists and is not empty; {what} into a new folder")
     return dest
 

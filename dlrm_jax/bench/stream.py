@@ -202,5 +202,5 @@ def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, out
             f"{kind:8s} mean AUC over the last {len(last)} windows {row['mean_auc_last_half']:.4f}"
             f"{truth_note}, {row['samples_per_s']:,.0f} samples/s"
         )
-    log(write_report(report, output) if output else "")
+    write_report(report, output)
     return report

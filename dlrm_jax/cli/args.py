@@ -196,4 +196,6 @@ def add_max_rows(p: argparse.ArgumentParser, default: int) -> None:
 
 
 def add_json_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", type=new_json_file, help="write the JSON here too (a new file)")
+    p.add_argument(
+        "--output", type=new_json_file, help="write the results as JSON here (a new file), besides what is printed"
+    )

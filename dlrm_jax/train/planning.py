@@ -175,8 +175,12 @@ def run_plan_report(cfg: Config, plan: EmbeddingPlan, simulated: bool) -> str:
     sent = exchange_bytes_per_step(plan)
     lines = [
         config_plan_report(cfg, plan),
-        f"Pooled-exchange bound (no dedup) per step per device: {fmt_bytes(bound)} (predicted / bound: "
-        f"{sent / max(bound, 1):.2f}{below_bound_words(plan) if sent < bound else ''})",
+        f"Pooled-exchange bound (no dedup) per step per device: {fmt_bytes(bound)} "
+        + (
+            f"(predicted / bound: {sent / bound:.2f}{below_bound_words(plan) if sent < bound else ''})"
+            if bound
+            else "(nothing crosses devices)"
+        ),
     ]
     if plan.num_devices > cluster.devices_per_host:  # the slow links' share, what hosts decide
         within, between = exchange_link_bytes(plan, cluster)

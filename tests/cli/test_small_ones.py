@@ -172,3 +172,12 @@ def test_more_devices_than_the_machine_gives_is_a_config_error():
         check_available(128, 8, "cpu")
     with pytest.raises(ConfigError, match="mesh.devices=16 but only 8 gpu devices are available"):
         check_available(16, 8, "gpu")
+
+
+def test_the_plan_of_one_device_says_nothing_crosses_devices(capsys):
+    """Before: 'Pooled-exchange bound ...: 0 B (predicted / bound: 0.00)', a ratio of 0 to 0."""
+    from dlrm_jax.cli import main
+
+    assert main(["plan", "--config", "smoke", "--set", "mesh.devices=1"]) == 0
+    out = capsys.readouterr().out
+    assert "Pooled-exchange bound (no dedup) per step per device: 0 B (nothing crosses devices)" in out, out

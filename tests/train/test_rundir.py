@@ -210,6 +210,10 @@ def test_an_export_appears_whole_or_not_at_all(tiny, tmp_path, monkeypatch, faul
     (tmp_path / "full" / "x").write_text("mine")
     with pytest.raises(FileExistsError, match="full: exists and is not empty; export into a new folder"):
         export_run(run, tmp_path / "full", **QUIET)
+    (tmp_path / "afile").write_text("")  # (it said 'exists and is not empty' of an empty file)
+    with pytest.raises(FileExistsError, match="afile: is a file, not a folder; export into a new folder"):
+        export_run(run, tmp_path / "afile", **QUIET)
+    (tmp_path / "afile").unlink()
     calls, real = [], export_module.export_array
 
     def fills(path, value):
