@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
+import logging
 import os
 import signal
 import sys
@@ -148,8 +150,17 @@ def stop_on_signals():
     old_hook = sys.unraisablehook
 
     def unraisable(info):  # "Exception ignored in ...": the stop is pending, not lost; say nothing
-        if not isinstance(info.exc_value, Stopped):
-            old_hook(info)
+        if isinstance(info.exc_value, Stopped):
+            return
+        if inspect.iscoroutine(info.object):
+            # A library's read abandoned when a sibling failed (orbax's, of a damaged checkpoint,
+            # whose failure is reported in one line): with asyncio's own such reports, to the run
+            # dir's log (cli.runtime.library_logs_to), not 60 lines each on the terminal.
+            logging.getLogger("asyncio").error(
+                "Exception ignored in %r", info.object, exc_info=(info.exc_type, info.exc_value, info.exc_traceback)
+            )
+            return
+        old_hook(info)
 
     sys.unraisablehook = unraisable
 

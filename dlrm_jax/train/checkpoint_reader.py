@@ -238,7 +238,7 @@ class CheckpointReader:
             except (IncompatibleCheckpoint, CheckpointsIntact):
                 raise
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds
-                result, failure = None, _first_line(e)
+                result, failure = None, error_line(e)
             sums = None if failure else self._sums.pop(step, None)
             every = [json.loads(o) for o in outcomes_of_every_process(json.dumps([failure, sums]))]
             failures = [(p, f) for p, (f, _) in enumerate(every) if f]
@@ -314,7 +314,8 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _first_line(e: Exception) -> str:
+def error_line(e: Exception) -> str:
+    """A library's failure in one line: its first, without TensorStore's details (a method's repr)."""
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line.split(" See full TensorStore details")[0][:200]  # the rest is a method's repr

@@ -27,6 +27,7 @@ from dlrm_jax.train.checkpoint_reader import (
     CheckpointReader,
     CheckpointsIntact,
     IncompatibleCheckpoint,
+    error_line,
     saved_json,
     saved_steps,
 )
@@ -216,7 +217,7 @@ def _read_checkpoint(ckpts: CheckpointReader, run_dir: Path, cfg: Config, steps:
         raise
     except Exception as e:  # noqa: BLE001 - whatever orbax or json raise on damaged files
         others = [s for s in saved if s != step]
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = error_line(e)
         raise ValueError(
             f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
             f"use another step (--step with one of {others}) or none (the newest intact)"

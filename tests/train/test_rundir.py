@@ -742,3 +742,48 @@ def test_a_saved_end_evaluated_on_a_rerun_gives_the_loss_of_its_last_window(tiny
     again = train_and_evaluate(cfg, run, **QUIET)
     assert again.loss == done.loss == end["loss"]
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["loss"] == end["loss"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (orbax's abandoned reads)
+def test_a_checkpoint_whose_chunks_do_not_decode_is_one_clean_line(tiny, tmp_path, capfd):
+    """Before: eval --step of a checkpoint whose compressed chunks do not decode ended its line
+    with 'See full TensorStore details: <bound method pybind11_detail_function_record...', and
+    eval of the newest printed orbax's abandoned reads, 60 lines each ('Exception ignored in:
+    <coroutine object _read_array_index_and_device_put>'), after its result."""
+    from dlrm_jax import stopping
+
+    run = tmp_path / "run"
+    train_and_evaluate(tiny("train.steps=4", "train.checkpoint_every=2"), run, **QUIET)
+    for f in (run / "checkpoints" / "4" / "state").glob("ocdbt.process_0/d/*"):
+        data = bytearray(f.read_bytes())
+        data[:64] = bytes(b ^ 0xFF for b in data[:64])
+        f.write_bytes(data)
+    with pytest.raises(ValueError, match="the checkpoint at step 4 is damaged") as e:
+        evaluate_run(run, step=4, **QUIET)
+    assert "TensorStore details" not in str(e.value) and "bound method" not in str(e.value), e.value
+    assert evaluate_run(run, **QUIET).step == 2
+    # A read abandoned so, as Python reports it when the coroutine is collected (in 2 of 6
+    # runs), goes with asyncio's reports to the run dir's log under the command line's hooks.
+    import asyncio
+    import logging
+    import sys
+    import types
+
+    async def read():
+        pass
+
+    abandoned, records = read(), []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("asyncio").addHandler(handler)
+    restore = stopping.stop_on_signals()
+    try:
+        failure = Exception("Encountered error while reading array index")
+        args = types.SimpleNamespace(exc_type=Exception, exc_value=failure, exc_traceback=None, err_msg=None)
+        sys.unraisablehook(types.SimpleNamespace(**vars(args), object=abandoned))
+    finally:
+        restore()
+        logging.getLogger("asyncio").removeHandler(handler)
+        abandoned.close()
+    assert "Exception ignored" not in capfd.readouterr().err and len(records) == 1
+    assert asyncio.iscoroutine(abandoned)
