@@ -86,7 +86,8 @@ def maps_report(
         per_row = {s.bytes_per_row() for s in specs.values()}
         lines.append(
             f"Dynamic tables ({', '.join(specs)}): id maps {memory / 2**20:,.2f} MiB a device "
-            f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; counted in embedding.memory_budget_gb), "
+            f"({'/'.join(map(str, sorted(per_row)))} B a row, sketches apart; beside the device table's totals, "
+            f"counted in embedding.memory_budget_gb), "
             f"raw ids resolved: {least / 2**10:,.1f}-{most / 2**10:,.1f} KiB a step sent per device"
             " (as many distinct ids as the batch holds)"
             + (

@@ -246,6 +246,7 @@ def wide_report(wide: EmbeddingPlan, optimizer: str) -> str:
     return (
         f"Wide part: {len(wide.tables)} tables, {rows:,} weights, replicated: "
         f"{wide_bytes_per_device(wide) / 2**20:,.1f} MiB on every device with its "
-        f"{optimizer} state (counted in embedding.memory_budget_gb); its update all-gathers the batch's ids and "
+        f"{optimizer} state (beside the device table's totals; counted in embedding.memory_budget_gb); its update "
+        f"all-gathers the batch's ids and "
         f"gradients, {fmt_bytes(exchange_bytes_per_step(wide))} a step per device beside the exchange above"
     )
