@@ -95,6 +95,10 @@ def initialize_distributed(
     elif not any(k in os.environ for k in CLUSTER_VARIABLES):
         return
     jax.config.update("jax_enable_recoverability", True)
+    # JAX's preemption service installs a native SIGTERM handler of its own, in place of
+    # dlrm_jax.stopping's: a SIGTERM before the loop's handlers (planning, compiling) was
+    # swallowed, and the run trained on to its end. Stops are agreed by the loop instead.
+    jax.config.update("jax_enable_preemption_service", False)
     joined = threading.Event()
     count, me = num_processes or 0, process_id or 0
     others = [p for p in range(count) if p != me]

@@ -370,12 +370,15 @@ class RunDir:
 
 def agree_on_run_dir(run_dir: str | None) -> str:
     """The run dir every process of a multi-process run uses: the one given, or process 0's
-    ``runs/<time>``. Processes given different ones (or one given to some only) are refused
+    ``runs/<time>``. Processes given different ones (as folders: a relative path is read from
+    each one's working directory), or one given to some only, are refused
     on every process at once, in one line: each would wait for the others in a different run
     dir (a late failure, or a hang where one process waits for a choice the others never make)."""
     import jax
 
     if jax.process_count() == 1:
         return run_dir or new_run_dir()
-    check_same_everywhere({"--run-dir": run_dir or "(not given)"}, what="--run-dir arguments")
+    # as folders, not as typed: one relative path from two working directories is two run dirs
+    given = str(Path(run_dir).absolute()) if run_dir else "(not given)"
+    check_same_everywhere({"--run-dir": given}, what="--run-dir arguments")
     return run_dir or outcome_of_process_0(new_run_dir())

@@ -532,8 +532,48 @@ def test_processes_given_different_run_dirs_refuse_in_one_line(tmp_path):
         mine = [line for line in err.splitlines() if line.startswith("dlrm-jax:")]
         assert p.returncode == 1 and len(mine) == 1, err[-2000:]
         assert "the processes' --run-dir arguments differ" in mine[0], mine[0]
-        assert "--run-dir: process 0 A, process 1 (not given)" in mine[0], mine[0]
+        assert f"--run-dir: process 0 {tmp_path / 'A'}, process 1 (not given)" in mine[0], mine[0]
     assert not (tmp_path / "A").exists() and not (tmp_path / "runs").exists()
+    # One relative --run-dir from two working directories is two folders. Before: accepted, one
+    # process failed with '[Errno 2] No such file or directory: .../cwdB/rel/checkpoints' and the
+    # other waited 2.5 minutes to learn it had lost its peer.
+    for i in range(2):
+        (tmp_path / f"cwd{i}").mkdir()
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dlrm_jax", *base, "--run-dir", "rel"]
+            + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path / f"cwd{i}",
+        )
+        for i in range(2)
+    ]
+    for p, (_, err) in zip(procs, communicate(procs, 120), strict=True):
+        mine = [line for line in err.splitlines() if line.startswith("dlrm-jax:")]
+        assert p.returncode == 1 and len(mine) == 1, err[-2000:]
+        assert f"process 0 {tmp_path / 'cwd0' / 'rel'}, process 1 {tmp_path / 'cwd1' / 'rel'}" in mine[0], mine[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_sigterm_before_the_first_step_of_a_multi_process_run_stops_it(tmp_path):
+    """Before: JAX's preemption service put its own SIGTERM handler in place of ours when the
+    processes joined, so a SIGTERM while they planned or compiled was swallowed (one line in the
+    process's native log) and both trained on to the end, exit 0."""
+    env = child_env()
+    args = ["train", "--config", "smoke", "--set", "mesh.devices=8", "--set", "train.steps=100000"]
+    procs = launch_processes([*args, "--run-dir", str(tmp_path / "run")], env, tmp_path)
+    deadline = time.time() + 120
+    while not (tmp_path / "run" / "config.yaml").exists() and time.time() < deadline:
+        time.sleep(0.05)  # (written once the state is restored: the train step then compiles)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = communicate(procs, 150)
+    assert procs[1].returncode == 128 + signal.SIGTERM, outs[1][1][-2000:]
+    assert "dlrm-jax: stopped by SIGTERM" in outs[1][1], outs[1][1][-2000:]
+    assert procs[0].returncode != 0 and not any("final step=" in out for out, _ in outs)
 
 
 def test_a_peer_that_never_joins_is_named_within_the_bound(tmp_path):
