@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from dlrm_jax.files import new_run_dir
+from dlrm_jax.files import new_run_dir, numbered_folders
 from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
 
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
@@ -171,15 +171,24 @@ def keep_logs(log_dir: Path, run_dir: Path | None, name: str) -> Path:
 
 
 def supervise(
-    argvs: list[list[str]], resume: str, log_dir: Path, run_dir: Path | None = None, resumes: bool = True
+    argvs: list[list[str]],
+    resume: str,
+    log_dir: Path,
+    run_dir: Path | None = None,
+    resumes: bool = True,
+    first_index: int = 0,
 ) -> int:
     """Runs one child per argv until all end; returns the first abnormal status (0 if none).
     Logs go to ``log_dir``, and into ``run_dir``/launch/<time> once a run there has started.
     ``resume``: the command that goes on after a fault or a stop (``resumes``: from the newest
-    checkpoint; else it runs again)."""
+    checkpoint; else it runs again). ``first_index``: the first child's process index (a
+    cluster launch supervises its host's one process, whose index is given)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     name = time.strftime("%Y%m%d-%H%M%S")
-    children = [_Child(i, argv, log_dir / f"p{i}.log", len(argvs), resume) for i, argv in enumerate(argvs)]
+    children = [
+        _Child(first_index + i, argv, log_dir / f"p{first_index + i}.log", len(argvs), resume)
+        for i, argv in enumerate(argvs)
+    ]
     for c in children:
         print(f"[launch] process {c.index}: output also in {c.log}, pid {c.proc.pid}", flush=True)
 
@@ -228,13 +237,16 @@ def supervise(
     stopped_by_signal = forwarded or rc in {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     if lost or stopped_by_signal:  # a fault or a stop: what the run saved is intact, and it goes on from it
         log_dir = keep_logs(log_dir, run_dir, name)
-        again = f"the newest checkpoint is intact: run `{resume}` to resume" if resumes else f"run `{resume}` again"
+        saved = resumes and run_dir is not None and bool(numbered_folders(Path(run_dir) / "checkpoints"))
+        again = f"the newest checkpoint is intact: run `{resume}` to resume" if saved else f"run `{resume}` again"
         advice = f"; {again}"
     else:  # the command itself failed (a config error, a run dir in use): nothing to resume
         advice = ""
+    # (the others stopped here, or ended by themselves: a stop every process took, a lost peer)
+    rest = "the others were stopped" if stopped_here else "the others ended too" if others else ""
     sys.stderr.write(
-        f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}; the others were "
-        f"stopped{advice} (each process's full output: {log_dir})\n"
+        f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}{'; ' + rest if rest else ''}"
+        f"{advice} (each process's full output: {log_dir})\n"
     )
     sys.stderr.flush()
     return 128 - rc if rc < 0 else rc
@@ -264,7 +276,7 @@ def main(argv: list[str]) -> int:
         log_dir = Path(tempfile.mkdtemp(prefix=f"dlrm-jax-p{index}-"))
         run_dir = given_run_dir(command)
         return supervise(
-            [command], shlex.join(command), log_dir, Path(run_dir) if run_dir else None, "train" in command
+            [command], shlex.join(command), log_dir, Path(run_dir) if run_dir else None, "train" in command, index
         )
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
         sys.stderr.write(f"usage: {here} N [train|eval|profile] [dlrm-jax arguments...]\n")

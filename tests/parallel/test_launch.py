@@ -20,7 +20,8 @@ def test_a_killed_process_is_named_before_the_survivor_that_the_runtime_aborted(
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("[launch] process ") and "pid" not in x]
     assert line.startswith("[launch] process 1 was ended by SIGKILL;"), line
-    assert "process(es) 0 aborted natively on losing it" in line and "run `RESUME` to resume" in line
+    assert "process(es) 0 aborted natively on losing it" in line and "the others ended too" in line
+    assert "run `RESUME` again" in line  # (no run dir known, no checkpoint to name)
     assert rc == 128 + 9
 
 
@@ -374,7 +375,7 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     from dlrm_jax.parallel.launch import RESUME_ENV
 
     run = tmp_path / "run"
-    run.mkdir()
+    (run / "checkpoints" / "20").mkdir(parents=True)
     lost = [
         sys.executable,
         "-c",
@@ -409,6 +410,12 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     # leaves no logs behind in /tmp.
     assert supervise([lost], "EVAL", tmp_path / "logs3", None, resumes=False) == 1
     assert "; run `EVAL` again" in capsys.readouterr().err
+    # A stop before the run's first checkpoint: nothing to resume from, so it says to run again
+    # (before: 'the newest checkpoint is intact', of none).
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert supervise([termed], "RESUME", tmp_path / "logs6", fresh) == 143
+    assert "; run `RESUME` again" in capsys.readouterr().err
     assert supervise([[sys.executable, "-c", "print(1)"]], "OK", tmp_path / "logs4") == 0
     assert not (tmp_path / "logs4").exists()
 
@@ -435,3 +442,13 @@ def test_a_coordinator_port_in_use_is_one_line_not_a_crash():
         with pytest.raises(ConfigError, match=f"--coordinator {address}: process 0 cannot listen on {address}"):
             _check_listenable(address, address)
     _check_listenable(address, address)  # free again
+
+
+def test_a_cluster_launch_names_its_process_by_its_index(tmp_path, capsys):
+    """Before: each host's supervisor (python -m dlrm_jax.parallel.launch --process-id I ...)
+    called its process 0, in its lines' [p0] prefix, its end line and its log's name."""
+    ends = [sys.executable, "-c", "import sys; print('hello'); sys.exit(1)"]
+    assert supervise([ends], "R", tmp_path / "logs", first_index=3) == 1
+    out = capsys.readouterr()
+    assert "[p3] hello" in out.out and "[launch] process 3 exited with status 1" in out.err, out
+    assert (tmp_path / "logs" / "p3.log").exists()
