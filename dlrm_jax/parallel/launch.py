@@ -40,10 +40,11 @@ from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
 _NATIVE = re.compile(
     r"^([FEWI]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\]|\*\*\* |\s+@\s+0x|terminate called|  what\(\):"
-    r"|\[Gloo\] |Additional GRPC error information"
+    r"|\[Gloo\] |Additional GRPC error information|:UNKNOWN:Error received from peer"
     # Gloo's line written by two native threads at once: "[Gloo] Rank " and "1 is connected ..." apart
     r"|\d+ is connected to \d+ peer ranks|\d+$)"
 )
+_ARGPARSE_ERROR = re.compile(r"^dlrm-jax [\w-]+(?: [\w-]+)?: error: ")
 _SUBCOMMANDS = ("train", "eval", "profile")
 _ONE_PROCESS = ("export", "predict", "plan", "config", "preprocess", "report", "bench")  # dlrm-jax's others
 # The command that resumes the run, for the processes' own lines (a run dir the supervisor chose
@@ -126,7 +127,7 @@ class _Child:
             if _NATIVE.match(line):
                 self.native += 1
                 continue
-            if line.startswith("dlrm-jax: "):
+            if line.startswith("dlrm-jax: ") or _ARGPARSE_ERROR.match(line):  # (argparse: "dlrm-jax eval: error: ...")
                 self.last_error = line.strip()
             out.write(f"[p{self.index}] {line}")
             out.flush()

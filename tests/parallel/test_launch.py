@@ -109,12 +109,14 @@ def test_gloo_and_grpc_lines_stay_off_the_terminal(tmp_path, capsys):
         "import sys; print('[Gloo] Rank 0 is connected to 1 peer ranks.'); print('1'); "
         "print('1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'); "
         "print('Additional GRPC error information from remote target coordinator', file=sys.stderr); "
-        "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr)",
+        "print('E0000 00:00:1764070003.123456   12345 socket_utils.cc:9] Socket closed', file=sys.stderr); "
+        "print(':UNKNOWN:Error received from peer  {grpc_status:14, grpc_message:\"Socket closed\"}', file=sys.stderr)",
     ]
     assert supervise([noisy], "RESUME", tmp_path / "logs") == 0
     out = capsys.readouterr()
     assert "Gloo" not in out.out and "Socket closed" not in out.err
     assert "peer ranks" not in out.out and "[p0] 1" not in out.out and "GRPC" not in out.err
+    assert "grpc_status" not in out.err  # (a lost peer's line, after kill -9 of process 0)
 
 
 @pytest.mark.slow
@@ -452,3 +454,16 @@ def test_a_cluster_launch_names_its_process_by_its_index(tmp_path, capsys):
     out = capsys.readouterr()
     assert "[p3] hello" in out.out and "[launch] process 3 exited with status 1" in out.err, out
     assert (tmp_path / "logs" / "p3.log").exists()
+
+
+def test_a_processs_argument_error_is_the_launchs_reason(tmp_path, capsys):
+    """Before: 'process 0 exited with status 2; the others were stopped', without argparse's
+    line ('dlrm-jax eval: error: ...', which the end line did not read as an error)."""
+    bad = [
+        sys.executable,
+        "-c",
+        "import sys; print('dlrm-jax eval: error: the following arguments are required: --run-dir', file=sys.stderr); sys.exit(2)",
+    ]
+    assert supervise([bad], "R", tmp_path / "logs") == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
+    assert "exited with status 2: dlrm-jax eval: error: the following arguments are required: --run-dir" in line, line
