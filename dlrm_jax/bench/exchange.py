@@ -40,6 +40,7 @@ from dlrm_jax.choices import Sharding
 from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed
 from dlrm_jax.data.sources import make_source, resolve_data_config
+from dlrm_jax.embedding.dynamic.sizing import least_and_most
 from dlrm_jax.embedding.exchange.common import RESOLUTION_SCOPE, ROUNDS_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
@@ -113,9 +114,8 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
 def _resolution_bytes(steps, batch: int) -> dict[str, float] | None:
     if steps.dynamic is None:
         return None
-    totals = [sum(path.values()) for path in steps.dynamic.resolution_paths(batch)]
-    routed = totals[:-1] or totals  # (the gathered path is the routed ones' fallback)
-    return {"least": min(routed), "most": max(routed)}
+    least, most = least_and_most(steps.dynamic.resolution_paths(batch))
+    return {"least": least, "most": most}
 
 
 def _exchange_shapes(plan) -> set[tuple[int, ...]]:

@@ -243,13 +243,12 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
     tiered = tiered_in_checkpoint(ckpt_dir, steps[-1])
     if tiered and was is not None and Path(was).absolute() != Path(root).absolute() and TierStore.exists(was):
         owner = tier_owner(was)
-        shared = owner is not None and not owner.made_by(ckpt_dir.parent) and owner.serves_its_run(was)
+        shared = owner is not None and owner.trains_another_run(was, ckpt_dir.parent)
         raise RunDirError(
             f"{root}: no disk tier there; the checkpoints in {ckpt_dir} (steps {', '.join(map(str, steps))}) "
             f"keep their tiered tables in {was}, where they were saved: "
             + (
-                f"{owner.maker()} still trains on it (this run dir is a copy of it?): copy {was} as well and "
-                f"resume with embedding.tier.path=THE_COPY"
+                f"{owner.maker()} still trains on it (this run dir is a copy of it?): {COPY_THE_TIER}"
                 if shared
                 else f"resume with embedding.tier.path={was}"
             )
@@ -300,6 +299,9 @@ def tiered_in_checkpoint(ckpt_dir: Path, step: int | None = None) -> frozenset[i
     return frozenset(EmbeddingPlan.from_json(plan).tiered_tables) if plan else None
 
 
+COPY_THE_TIER = "copy the tier as well and resume with embedding.tier.path=THE_COPY"
+
+
 def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) -> None:
     """Refuses (RunDirError) a disk tier at ``root`` that is not this run's: one the newest
     checkpoint in ``ckpt_dir`` was not saved with, or (a run with no checkpoints, which starts
@@ -317,15 +319,14 @@ def check_tier_owner(root: Path, run_dir: Path | None, ckpt_dir: Path | None) ->
                 f"{root}: holds the disk tier of another run ({owner.maker()}), not the one the checkpoints in "
                 f"{ckpt_dir} were saved with; give embedding.tier.path as this run left it"
             )
-        if owner.made_by(run_dir):
-            return
-        if not inside and owner.serves_its_run(root):  # this run dir is a copy of that one
+        if not inside and owner.trains_another_run(root, run_dir):  # this run dir is a copy of that one
             raise RunDirError(
                 f"embedding.tier.path={root}: the disk tier of {owner.maker()}, which still trains on it; this "
                 f"run dir's checkpoints were saved with it too (a copy of that run dir?), and the two would replace "
-                f"each other's snapshots: copy the tier as well and resume with embedding.tier.path=THE_COPY"
+                f"each other's snapshots: {COPY_THE_TIER}"
             )
-        record_owner(root, run_dir, id=owner.id)  # a run dir moved, or copied with its tier: its tier now
+        if not owner.made_by(run_dir):  # a run dir moved, or copied with its tier: its tier now
+            record_owner(root, run_dir, id=owner.id)
         return
     if not (inside or owner.made_by(run_dir)):
         raise RunDirError(

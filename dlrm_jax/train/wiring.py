@@ -418,9 +418,10 @@ def decay_moved(old, new, start: int) -> str:
         return ""  # (a change of the rate itself is named among the changed settings)
     counts = np.arange(start)
     was, now = (np.asarray(learning_rate_schedule(c)(counts)) for c in (old, new))
-    if np.allclose(was, now, rtol=1e-6, atol=0):
+    differ = np.flatnonzero(~np.isclose(was, now, rtol=1e-6, atol=0))
+    if not len(differ):
         return ""
-    first = int(np.flatnonzero(~np.isclose(was, now, rtol=1e-6, atol=0))[0]) + 1
+    first = int(differ[0]) + 1
     return (
         f"warning: train.steps {old.train.steps} -> {new.train.steps} moves the learning rate's decay "
         f"(train.decay_steps={new.train.decay_steps}, over a run's last steps): steps {first}-{start} trained at "

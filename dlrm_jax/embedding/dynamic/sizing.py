@@ -58,9 +58,15 @@ def resolution_paths(ids_per_step: int, devices: int, rows_back: bool = True) ->
 def resolution_bytes_per_device(ids_per_step: int, devices: int, rows_back: bool = True) -> tuple[int, int]:
     """The least and most bytes of :func:`resolution_paths` a device sends a step: of the routed
     paths (the gathered one is their fallback), or the gathered one where none is routed."""
-    paths = resolution_paths(ids_per_step, devices, rows_back)
+    return least_and_most(resolution_paths(ids_per_step, devices, rows_back))
+
+
+def least_and_most(paths: list[dict[str, int]]) -> tuple[int, int]:
+    """The least and most bytes a device sends a step on ``paths`` (:func:`resolution_paths`'
+    order, or ``DynamicTables.resolution_paths``'): of the routed ones (the gathered one is
+    their fallback), or the gathered one where none is routed."""
     totals = [sum(p.values()) for p in paths[:-1] or paths]
-    return totals[0], totals[-1]
+    return min(totals), max(totals)
 
 
 def maps_report(

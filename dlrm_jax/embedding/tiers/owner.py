@@ -43,11 +43,11 @@ class TierOwner(NamedTuple):
             return self.run_dir is None and run_dir is None
         return os.path.realpath(self.run_dir) == os.path.realpath(run_dir)
 
-    def serves_its_run(self, root: str | Path) -> bool:
-        """Whether the run dir that made the tier still holds a run (its checkpoints) and the
-        tier at ``root`` is the one it made, not a copy elsewhere: a copy of that run dir,
+    def trains_another_run(self, root: str | Path, run_dir: str | Path | None) -> bool:
+        """Whether another run dir than ``run_dir`` made the tier at ``root`` (the one it made,
+        not a copy elsewhere) and still holds a run (its checkpoints): a copy of that run dir,
         sharing the tier, would replace that run's snapshots (they are named by step alone)."""
-        if self.run_dir is None:
+        if self.run_dir is None or self.made_by(run_dir):
             return False
         here = self.root is None or os.path.realpath(self.root) == os.path.realpath(root)
         return here and (Path(self.run_dir) / "checkpoints").is_dir()
