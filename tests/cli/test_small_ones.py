@@ -181,3 +181,15 @@ def test_the_plan_of_one_device_says_nothing_crosses_devices(capsys):
     assert main(["plan", "--config", "smoke", "--set", "mesh.devices=1"]) == 0
     out = capsys.readouterr().out
     assert "Pooled-exchange bound (no dedup) per step per device: 0 B (nothing crosses devices)" in out, out
+
+
+def test_plan_runs_trains_checks_of_the_process_split(capsys):
+    """Before: `plan` took no --num-processes, so a mesh that two processes cannot split, or
+    per-host tables over a run's processes, were planned as if one process ran them."""
+    from dlrm_jax.cli import main
+
+    assert main(["plan", "--config", "smoke", "--set", "mesh.devices=8", "--num-processes", "3"]) == 2
+    assert "mesh.devices=8 must be a multiple of the 3 processes" in capsys.readouterr().err
+    per_host = ["--set", "mesh.devices=8", "--set", "embedding.sync=per_host"]
+    assert main(["plan", "--config", "smoke", *per_host, "--num-processes", "2"]) == 0
+    assert "the plan of one host's 4 devices (mesh.hosts=2;" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlrm_jax.cli.args import add_config_args
+from dlrm_jax.cli.args import POSITIVE, add_config_args
 from dlrm_jax.cli.runtime import devices_for, log, start_jax
 from dlrm_jax.config import load_config
 from dlrm_jax.parallel.mesh import MAX_SIMULATED_DEVICES
@@ -13,10 +13,22 @@ HELP = "print the embedding sharding plan without training"
 
 def add_arguments(p) -> None:
     add_config_args(p)
+    p.add_argument(
+        "--num-processes",
+        dest="planned_processes",
+        type=POSITIVE,
+        default=1,
+        metavar="N",
+        help="plan a run over N processes (train's checks of how the devices and per-host tables split "
+        "over them; the plan itself runs in this one process; default 1)",
+    )
 
 
 def run(args) -> int:
+    processes = args.planned_processes
     cfg = load_config(args.config, args.overrides)
+    if processes > 1 and cfg.embedding.tables_per_host and not cfg.mesh.hosts:
+        cfg = load_config(args.config, [*args.overrides, f"mesh.hosts={processes}"])  # one host per process, as train
     from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
     from dlrm_jax.train.planning import plan_for_run, run_plan_report
 
@@ -26,11 +38,12 @@ def run(args) -> int:
     from dlrm_jax.train.checks import check_runnable
 
     cfg = resolve_data_config(cfg)  # binary data's features, checked against the config's
-    check_runnable(cfg, devices, simulated=simulated)  # train's checks: a plan only for a config that trains
+    check_runnable(cfg, devices, processes, simulated=simulated)  # train's checks: a plan only for a config that trains
     if cfg.embedding.tables_per_host:
         print(
             f"embedding.sync={cfg.embedding.sync}: every host holds its own set of tables; the plan of one "
-            f"host's {devices // hosts} devices (mesh.hosts={hosts}; 0 is one host per process, planned as 1)"
+            f"host's {devices // hosts} devices (mesh.hosts={hosts}; 0 is one host per process, planned for "
+            "--num-processes, 1 unless given)"
         )
     if cfg.embedding.hot.rows == 0 and not _tiered(cfg):
         # The plan training makes: buckets measured on the same first batches, no devices, no JAX.
