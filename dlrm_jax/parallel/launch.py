@@ -243,11 +243,15 @@ def supervise(
         advice = f"; {again}"
     else:  # the command itself failed (a config error, a run dir in use): nothing to resume
         advice = ""
+    refused = not (lost or stopped_by_signal) and rc == 2  # a usage or config error: nothing ran
+    if refused:  # the logs hold only the refusal the terminal showed (before: kept in /tmp)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    where = "" if refused else f" (each process's full output: {log_dir})"
     # (the others stopped here, or ended by themselves: a stop every process took, a lost peer)
     rest = "the others were stopped" if stopped_here else "the others ended too" if others else ""
     sys.stderr.write(
         f"[launch] process {first.index} {_how_it_ended(rc)}{because}{stopped}{'; ' + rest if rest else ''}"
-        f"{advice} (each process's full output: {log_dir})\n"
+        f"{advice}{where}\n"
     )
     sys.stderr.flush()
     return 128 - rc if rc < 0 else rc

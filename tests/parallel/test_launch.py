@@ -467,3 +467,17 @@ def test_a_processs_argument_error_is_the_launchs_reason(tmp_path, capsys):
     assert supervise([bad], "R", tmp_path / "logs") == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
     assert "exited with status 2: dlrm-jax eval: error: the following arguments are required: --run-dir" in line, line
+
+
+def test_a_refused_launch_leaves_no_logs_behind(tmp_path, capsys):
+    """Before: a launch refused before it ran (a config error, exit 2) kept each process's
+    one refusal line in a log folder in /tmp, named on its end line, one per try."""
+    says = "print('dlrm-jax: config error: train.steps=-1: expected >= 1', file=sys.stderr)"
+    refused = [sys.executable, "-c", f"import sys; {says}; sys.exit(2)"]
+    assert supervise([refused, refused], "RESUME", tmp_path / "logs") == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
+    assert line.startswith("[launch] process 0 exited with status 2: config error: train.steps=-1") and "output" not in line
+    assert not (tmp_path / "logs").exists()
+    crashed = [sys.executable, "-c", "import sys; sys.exit(1)"]  # a crash keeps its logs, and names them
+    assert supervise([crashed], "RESUME", tmp_path / "logs2") == 1
+    assert f"(each process's full output: {tmp_path / 'logs2'})" in capsys.readouterr().err
