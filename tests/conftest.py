@@ -109,6 +109,25 @@ def tiny():
     return tiny_config
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temp_folder_pytest_prunes(tmp_path_factory):
+    """What the code and its child processes leave in the temp folder (a launch's logs after a
+    stop, traces, benchmark scratch) goes under pytest's own base folder, which pytest prunes
+    (its last three runs), not into /tmp for good: 54 launch folders had piled up there."""
+    import tempfile
+
+    where = tmp_path_factory.mktemp("tmp", numbered=False)
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(where)  # (children inherit it)
+    tempfile.tempdir = None  # (this process's choice, made again from TMPDIR)
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
+
+
 # Hypothesis profiles (tests/helpers.py: which one, and examples() that it scales): no deadline,
 # as first calls compile.
 for _name in EXAMPLE_SCALE:
