@@ -236,7 +236,10 @@ def _profile(
         "memory_per_device": _memory(compiled),
         "trace_dir": str(out_dir / TRACE),
     }
-    for line in format_profile(result):
+    # Process 0's table, as its profile.json (every process's own, the same figures to within the
+    # noise, was printed before: a launch's terminal showed it once a process); each process's
+    # trace is its own, under trace_dir.
+    for line in format_profile(result) if jax.process_index() == 0 else ():
         log(line)
     shutil.rmtree(trace_dir, ignore_errors=True)
     tracing.rename(trace_dir)

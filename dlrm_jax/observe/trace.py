@@ -124,7 +124,8 @@ def format_profile(result: dict) -> list[str]:
     for r in result["phases"]:
         lines.append(f"{r['name']:<24}{r['ms']:>10.3f}{r['ms'] / total:>8.1%}  {r['how']}")
     lines.append(
-        "device phases: mean per device of the traced operations' time (jax.profiler trace of "
+        f"device phases: mean per device{' of process 0' if result['processes'] > 1 else ''} of the traced "
+        "operations' time (jax.profiler trace of "
         "the compiled step, phases from its named scopes); host phases: timed alone"
         + ("; tier rows: the dispatching thread's host work, timed in the run" if result.get("tiered") else "")
     )

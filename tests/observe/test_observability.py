@@ -532,3 +532,15 @@ def test_the_first_hot_row_refresh_of_a_process_is_left_out_of_its_windows_speed
     train_and_evaluate(cfg, tmp_path / "run", **QUIET)
     (window,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert slept == [2] and window["samples_per_s"] > 4 * cfg.train.batch_size / 1.0, window
+
+
+def test_a_profile_over_processes_prints_one_table(tiny, tmp_path, monkeypatch):
+    """Before: every process printed its own table (a launch's terminal showed them one after
+    another, prefixed), where profile.json holds process 0's. Process 1 here: no table."""
+    import dlrm_jax.bench.profile as bench_profile
+
+    lines = []
+    monkeypatch.setattr(bench_profile.jax, "process_index", lambda: 1)
+    result = bench_profile.profile(tiny(), tmp_path / "p", steps=1, warmup=0, log=lines.append)
+    assert result["step_wall_ms"] > 0 and lines == []
+    assert (tmp_path / "p" / "profile-trace" / "process_1").is_dir()
