@@ -124,6 +124,25 @@ def exit_now(signum: int, saves: str | None = None) -> None:
     os._exit(128 + signum)
 
 
+def exiting(status: int) -> None:
+    """The program's work is done and said, and it exits with ``status``: from here a stop
+    signal ends it at once with that status, quietly. (At exit JAX's distributed runtime takes
+    leave of its peers, which can wait on them; Python's own handler, back by then, raised
+    KeyboardInterrupt inside that clean-up: a traceback after the run's last line.) A no-op off
+    the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def end(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    for sig in _SIGNALS:
+        signal.signal(sig, end)
+
+
 def signal_words(signum: int) -> tuple[str, str]:
     """The signal's name, and how to send it again."""
     name = signal.Signals(signum).name

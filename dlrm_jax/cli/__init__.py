@@ -27,7 +27,9 @@ def run() -> int:
     if env is not None:
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "dlrm_jax", *sys.argv[1:]], env)
-    return main()
+    status = main()
+    stopping.exiting(status)  # (a stop signal now ends the exit's clean-up, quietly)
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1011,3 +1011,22 @@ def test_bench_serving_keeps_out_of_a_workdir_that_holds_files(tmp_path):
     assert main(argv) == 2
     assert (tmp_path / "day.tsv").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["day.tsv"]
     assert main(["bench", "serving", "--config", "smoke", "--lines", "100"]) == 2  # fewer lines than a batch
+
+
+def test_a_stop_during_the_exits_clean_up_ends_it_quietly():
+    """Before: a second Ctrl-C 0.3 s after the first, in a launch whose processes had saved and
+    were exiting, raised KeyboardInterrupt inside JAX's atexit clean-up (Python's handler was
+    back by then): a traceback after the run's last line. Here a clean-up that takes its time
+    gets SIGINT; the program ends at once with its status, and says nothing more."""
+    script = """
+import atexit, os, signal, sys, time
+import dlrm_jax.cli as program
+program.main = lambda: 130  # a run that stopped and saved
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(20), print("cleaned up")))
+sys.exit(program.run())
+"""
+    env = {**child_env(), "DLRM_JAX_HUGE_PAGES": "0"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 130 and proc.stderr == "" and proc.stdout == "", proc
+    assert time.monotonic() - t0 < 15
