@@ -476,7 +476,10 @@ def test_a_refused_launch_leaves_no_logs_behind(tmp_path, capsys):
     refused = [sys.executable, "-c", f"import sys; {says}; sys.exit(2)"]
     assert supervise([refused, refused], "RESUME", tmp_path / "logs") == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
-    assert line.startswith("[launch] process 0 exited with status 2: config error: train.steps=-1") and "output" not in line
+    assert (
+        line.startswith("[launch] process 0 exited with status 2: config error: train.steps=-1")
+        and "output" not in line
+    )
     assert not (tmp_path / "logs").exists()
     crashed = [sys.executable, "-c", "import sys; sys.exit(1)"]  # a crash keeps its logs, and names them
     assert supervise([crashed], "RESUME", tmp_path / "logs2") == 1
