@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlrm_jax.embedding.dynamic.idmap import IdMap, MapSpec, init_map, on_platform
-from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
+from dlrm_jax.embedding.dynamic.map_writes import write_map
+from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
 from dlrm_jax.embedding.dynamic.sharded import fuse_maps, split_maps
 
 

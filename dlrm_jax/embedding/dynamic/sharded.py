@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.dynamic.distinct import distinct_ids
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap, MapSpec, Resolved, id_hash, on_platform
-from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused, write_map
+from dlrm_jax.embedding.dynamic.map_writes import write_map
+from dlrm_jax.embedding.dynamic.resolve import Maps, resolve_fused
 from dlrm_jax.embedding.dynamic.sizing import own_capacity, route_capacities
 from dlrm_jax.embedding.dynamic.table_passes import resolve_in_passes, table_passes
 from dlrm_jax.few_segments import few_segment_sum

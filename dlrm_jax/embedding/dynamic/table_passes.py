@@ -17,7 +17,8 @@ import numpy as np
 from jax import lax
 
 from dlrm_jax.embedding.dynamic.idmap import STATS, IdMap
-from dlrm_jax.embedding.dynamic.resolve import Fused, Maps, MapWrites, resolve_fused
+from dlrm_jax.embedding.dynamic.map_writes import MapWrites
+from dlrm_jax.embedding.dynamic.resolve import Fused, Maps, resolve_fused
 from dlrm_jax.parallel.mesh import varying
 
 
