@@ -123,10 +123,26 @@ def _check_train(t) -> None:
             )
     if t.keep_best and not t.evaluates:
         raise ConfigError("train.keep_best: the best checkpoint needs evaluations; train.eval_every=-1 makes none")
-    if t.warmup_steps + t.decay_steps > t.steps:
+    if not t.epochs:  # (train.epochs sets the steps from the data: checked once it has)
+        check_schedule(t)
+
+
+def check_schedule(t, steps_from: str = "") -> None:
+    """The learning rate's warmup and decay fit the run's ``train.steps`` (``steps_from``: where
+    the steps came from, for the message)."""
+    steps = f"train.steps ({t.steps}{steps_from})"
+    if t.decay_start:
+        if not t.decay_steps:
+            raise ConfigError(f"train.decay_start={t.decay_start}: there is no decay to start (train.decay_steps=0)")
+        if t.decay_start < t.warmup_steps:
+            raise ConfigError(
+                f"train.decay_start={t.decay_start} is inside the warmup (train.warmup_steps={t.warmup_steps})"
+            )
+        if t.decay_start >= t.steps:
+            raise ConfigError(f"train.decay_start={t.decay_start}: the run ends before it, at {steps}")
+    elif t.warmup_steps + t.decay_steps > t.steps:
         raise ConfigError(
-            f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) "
-            f"exceeds train.steps ({t.steps})"
+            f"train.warmup_steps + train.decay_steps ({t.warmup_steps} + {t.decay_steps}) exceeds {steps}"
         )
 
 

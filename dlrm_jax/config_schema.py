@@ -129,9 +129,24 @@ class TrainConfig:
     warmup_steps: int = field(
         default=0,
         metadata=NONNEG
-        | doc("linear warmup over the first steps, from the rate / warmup_steps at the first step to the full rate"),
+        | doc(
+            "linear warmup over the first steps: step k (from 1) at k / warmup_steps of the rate, the "
+            "full rate from step warmup_steps on"
+        ),
     )
-    decay_steps: int = field(default=0, metadata=NONNEG | doc("polynomial decay to 0 over the last steps; 0 = none"))
+    decay_steps: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc("polynomial decay to 0 over this many steps (the run's last unless `train.decay_start`); 0 = none"),
+    )
+    decay_start: int = field(
+        default=0,
+        metadata=NONNEG
+        | doc(
+            "> 0: the decay starts after this many steps (HugeCTR's and MLPerf's reference `decay_start`; "
+            "the decay may go on past the run's end); 0: it takes the run's last `train.decay_steps` steps"
+        ),
+    )
     # (a power below 0 would make the "decay" raise the rate)
     decay_power: float = field(default=2.0, metadata=POS | doc("the decay's power (> 0)"))
     compute_dtype: str = field(

@@ -345,3 +345,35 @@ def test_a_hash_in_a_set_value_is_kept():
     assert load_config(None, ["embedding.tier.path=runs/a #b"]).embedding.tier.path == "runs/a #b"
     with pytest.raises(ConfigError, match="train.steps"):
         load_config(None, ["train.steps=5 # five"])
+
+
+def test_the_learning_rate_schedule_is_the_one_documented():
+    """Warmup: step k of W (from 1) at k/W of the rate (before: W+1 steps to reach it, 0.25,
+    0.4375, 0.625, 0.8125 of it for W=4); decay over decay_steps, from decay_start where given
+    (HugeCTR's MLPerf-v1 schedule decays from step 49,315 on, past the run's end; before, the
+    decay could only take a run's last steps: 3e-8 at mlperf_dlrm_v1's last step, not 0.046)."""
+    from dlrm_jax.train.wiring import learning_rate_schedule
+
+    cfg = load_config(None, ["train.steps=10", "train.learning_rate=1", "train.warmup_steps=4", "train.decay_steps=3"])
+    rates = [float(learning_rate_schedule(cfg)(k)) for k in range(10)]  # step k + 1's rate
+    assert rates == pytest.approx([0.25, 0.5, 0.75, 1, 1, 1, 1, 1, 4 / 9, 1 / 9])
+    v1 = learning_rate_schedule(load_config("mlperf_dlrm_v1"))
+    assert float(v1(49315)) == 24.0 and float(v1(49316)) < 24.0
+    assert float(v1(75867)) == pytest.approx(24 * (1 - 26552 / 27772) ** 2, rel=1e-4)
+    with pytest.raises(ConfigError, match=r"train.decay_start=3 is inside the warmup \(train.warmup_steps=4\)"):
+        load_config(None, ["train.warmup_steps=4", "train.decay_steps=3", "train.decay_start=3"])
+    with pytest.raises(ConfigError, match=r"train.decay_start=5: there is no decay to start"):
+        load_config(None, ["train.decay_start=5"])
+
+
+def test_a_schedule_that_epochs_leave_no_room_for_is_refused(tmp_path):
+    """Before: train.epochs set the steps after the warmup and decay were checked against the
+    config's own train.steps; 43 steps with 30 of warmup and 30 of decay trained, at a rate
+    that jumped from 0.42 of the full rate to all of it at step 13."""
+    from dlrm_jax.train.trainer import with_epoch_steps
+
+    cfg = load_config(None, ["train.epochs=1", "train.batch_size=100", "train.warmup_steps=30", "train.decay_steps=30"])
+    source = type("Split", (), {"num_train": 4300})()
+    with pytest.raises(ConfigError, match=r"\(30 \+ 30\) exceeds train.steps \(43, from train.epochs=1\)"):
+        with_epoch_steps(cfg, source)
+    assert with_epoch_steps(load_config(None, ["train.epochs=1", "train.batch_size=100"]), source).train.steps == 43

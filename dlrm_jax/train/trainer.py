@@ -13,6 +13,7 @@ import jax
 from dlrm_jax import hostmem, stopping
 from dlrm_jax.choices import HostMemory
 from dlrm_jax.config import Config, ConfigError, validated
+from dlrm_jax.config_checks import check_schedule
 from dlrm_jax.config_schema import TrainConfig
 from dlrm_jax.data.batch import DataSource, check_source
 from dlrm_jax.data.host_buffers import HostBuffers
@@ -179,7 +180,10 @@ def with_epoch_steps(cfg: Config, source: DataSource) -> Config:
         raise ConfigError(EPOCHS_NEED_A_SPLIT)
     steps = max(1, math.ceil(t.epochs * rows / t.batch_size)) if t.epochs else t.steps
     every = max(1, round(rows / t.batch_size / t.evals_per_epoch)) if t.evals_per_epoch else t.eval_every
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, steps=steps, eval_every=every))
+    t = dataclasses.replace(t, steps=steps, eval_every=every)
+    if cfg.train.epochs:  # (the config's own steps were checked when it was loaded)
+        check_schedule(t, f", from train.epochs={cfg.train.epochs:g}")
+    return dataclasses.replace(cfg, train=t)
 
 
 FEW_STEPS_AN_EPOCH = 100  # below this many steps an epoch, the epoch note suggests a smaller batch

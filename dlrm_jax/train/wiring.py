@@ -355,17 +355,19 @@ def model_entry(cfg: Config) -> ModelEntry:
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
-    """Linear warmup, constant, then polynomial decay to 0 over the last ``decay_steps``."""
+    """Linear warmup (step k of ``warmup_steps``, from 1, at k / warmup_steps of the rate),
+    constant, then polynomial decay to 0 over ``decay_steps`` from ``decay_start`` (0: the
+    run's last steps). Its steps are counted from 0: the rate of step k is the schedule's at
+    k - 1."""
     t = cfg.train
     lr = t.learning_rate
     pieces, boundaries = [], []
-    if t.warmup_steps:
-        pieces.append(optax.linear_schedule(lr / t.warmup_steps, lr, t.warmup_steps))
+    if t.warmup_steps > 1:  # (a warmup of one step is at the full rate)
+        pieces.append(optax.linear_schedule(lr / t.warmup_steps, lr, t.warmup_steps - 1))
         boundaries.append(t.warmup_steps)
-    constant_steps = t.steps - t.warmup_steps - t.decay_steps
     pieces.append(optax.constant_schedule(lr))
     if t.decay_steps:
-        boundaries.append(t.warmup_steps + constant_steps)
+        boundaries.append(t.decay_start or t.steps - t.decay_steps)
         pieces.append(optax.polynomial_schedule(lr, 0.0, t.decay_power, t.decay_steps))
     return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
@@ -413,7 +415,7 @@ def decay_moved(old, new, start: int) -> str:
     the decay (``train.decay_steps``) is at a run's end, so raising or lowering the end moves
     it, and the resumed run no longer equals one of the new length from the start; '' where
     the rates so far agree (the decay had not begun)."""
-    keys = ("learning_rate", "warmup_steps", "decay_steps", "decay_power")
+    keys = ("learning_rate", "warmup_steps", "decay_steps", "decay_start", "decay_power")
     if old.train.steps == new.train.steps or any(getattr(old.train, k) != getattr(new.train, k) for k in keys):
         return ""  # (a change of the rate itself is named among the changed settings)
     counts = np.arange(start)
