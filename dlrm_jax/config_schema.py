@@ -124,7 +124,9 @@ class TrainConfig:
         default=0.001, metadata=POS | doc("the dense part's learning rate (the tables take `embedding.learning_rate`)")
     )
     optimizer: str = field(
-        default="adam", metadata=_choices("sgd", "adagrad", "adam") | doc("the dense part's optimizer (optax)")
+        default="adam",
+        metadata=_choices("sgd", "adagrad", "adam")
+        | doc("the dense part's optimizer (optax's; `adagrad` as torch's and the tables': g / (sqrt(sum g^2) + 1e-8))"),
     )
     warmup_steps: int = field(
         default=0,

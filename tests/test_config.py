@@ -377,3 +377,26 @@ def test_a_schedule_that_epochs_leave_no_room_for_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"\(30 \+ 30\) exceeds train.steps \(43, from train.epochs=1\)"):
         with_epoch_steps(cfg, source)
     assert with_epoch_steps(load_config(None, ["train.epochs=1", "train.batch_size=100"]), source).train.steps == 43
+
+
+def test_the_dense_adagrad_is_torchs_and_the_tables():
+    """Before: optax.adagrad's epsilon inside the root, rsqrt(sum + eps): a first gradient of 1e-5
+    moved its weight by 0.1 of the rate, where torch's Adagrad (MLPerf DLRM-DCNv2's dense
+    optimizer) and the tables' move it by the rate: g / (sqrt(sum) + eps)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from dlrm_jax.train.wiring import DENSE_OPTIMIZERS
+
+    tx = DENSE_OPTIMIZERS["adagrad"](optax.constant_schedule(0.5))
+    params = {"w": jnp.zeros(4), "b": jnp.zeros(2)}
+    state = tx.init(params)
+    total = {"w": np.zeros(4), "b": np.zeros(2)}
+    for g in ({"w": jnp.asarray([1e-5, -1e-3, 0.0, 2.0]), "b": jnp.asarray([1e-7, 3.0])},) * 2:
+        updates, state = tx.update(g, state, params)
+        for k in total:
+            total[k] += np.asarray(g[k], np.float64) ** 2
+            want = -0.5 * np.asarray(g[k], np.float64) / (np.sqrt(total[k]) + 1e-8)
+            np.testing.assert_allclose(np.asarray(updates[k]), want, rtol=1e-5)
+    assert isinstance(state[0], optax.ScaleByRssState)  # optax.adagrad's state: earlier checkpoints restore

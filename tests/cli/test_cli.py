@@ -232,7 +232,8 @@ def test_plan_of_per_host_tables_is_one_hosts(tmp_path):
 def test_mlperf_dcnv2_trains_end_to_end_with_capped_rows(tmp_path):
     """The DLRM-DCNv2 config as shipped (multi-hot bags up to 100, rank-512 cross layers over
     27 x 128, Adagrad), its tables capped to fit here; a short warmup, since Adagrad's first
-    step at a batch of 256 would otherwise trip the divergence guard."""
+    step at a batch of 256 would otherwise trip the divergence guard. 12 steps: after 6 its AUC
+    was chance's, 0.39-0.45 or above 0.5 by the seed's and the schedule's luck."""
     run = tmp_path / "dcnv2"
     proc = cli(
         "train",
@@ -243,22 +244,22 @@ def test_mlperf_dcnv2_trains_end_to_end_with_capped_rows(tmp_path):
         "--set",
         "train.batch_size=256",
         "--set",
-        "train.steps=6",
+        "train.steps=12",
         "--set",
         "train.warmup_steps=4",
         "--set",
-        "train.eval_every=6",
+        "train.eval_every=12",
         "--set",
         "train.eval_batches=2",
         "--set",
-        "train.checkpoint_every=6",
+        "train.checkpoint_every=12",
         "--set",
         "mesh.devices=2",
         "--run-dir",
         str(run),
     )
     step, loss, auc, *_ = final_line(proc).groups()
-    assert int(step) == 6 and float(auc) > 0.5 and float(loss) < 1.0
+    assert int(step) == 12 and float(auc) > 0.5 and float(loss) < 1.0
     assert " 100 " in (run / "plan.txt").read_text()  # the 100-id bag of cat_20
 
 
