@@ -30,6 +30,7 @@ class SparsePart(Protocol):
     as its plan lays them out). The state is any pytree the part defines."""
 
     collection: EmbeddingCollection
+    learning_rate: float  # its tables' optimizer's rate (a row restarted at a weight: FTRL's state follows it)
 
     def state_sharding(self) -> Any:
         """The state's shardings (a pytree like :meth:`init`'s)."""

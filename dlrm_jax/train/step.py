@@ -182,7 +182,10 @@ class StepFunctions:
         if learn:  # the extra parts' rows of the dynamic tables (Wide&Deep's weights) start again too
             parts = {
                 name: part.with_tables(
-                    parts[name], self.dynamic.reset_replicated(part.collection, part.tables(parts[name]), fresh)
+                    parts[name],
+                    self.dynamic.reset_replicated(
+                        part.collection, part.tables(parts[name]), fresh, jnp.float32(part.learning_rate)
+                    ),
                 )
                 for name, part in self.parts.items()
             }

@@ -233,7 +233,7 @@ def test_rows_given_to_new_ids_are_reset_in_replicated_tables_on_every_device(de
     def step(emb, maps, state, hi, lo, valid, step_no):
         ids = jnp.zeros((BATCH, 3), jnp.int32)
         emb, maps, _, _, fresh, *_ = dyn.resolve(emb, maps, {0: (hi, lo, valid)}, ids, step_no, key)
-        return emb, maps, dyn.reset_replicated(wide, state, fresh)
+        return emb, maps, dyn.reset_replicated(wide, state, fresh, jnp.float32(0.1))
 
     put = lambda x: jax.device_put(x, coll.batch_sharding)
     ever = np.zeros(MAP.rows, bool)

@@ -248,3 +248,18 @@ def test_each_optimizer_declares_the_state_it_keeps():
             assert nbytes == 10 * kind.state_bytes_per_row(dim), (name, dim)
         assert opt.needs_whole_rows == kind.whole_rows, name
         assert (not opt.step.adds) == kind.rewrites_given_rows, name  # FTRL writes rows, not deltas
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "ftrl", "ftrl_l1_l2"])
+def test_a_row_restarted_at_a_weight_keeps_it(name):
+    """A fresh row of a dynamic table given its shared row's weight (``new_rows: shared``) keeps
+    it under a zero gradient. Before: FTRL's state was reset to (z=0, n=0.1), from which its
+    weights follow: the Wide&Deep wide weight 0.5 the row inherited became 0.0 at its first step."""
+    opt = ftrl(l1=0.01, l2=0.5) if name == "ftrl_l1_l2" else OPTIMIZERS[name]
+    w = jnp.asarray([[0.5, -0.25, 0.0, 3.0]], jnp.float32)
+    lr = jnp.float32(0.05)
+    table, _ = opt.apply(w, opt.state_for(w, lr), None, jnp.zeros_like(w), lr)
+    np.testing.assert_allclose(np.asarray(table), np.asarray(w), rtol=1e-6)
+    if name == "ftrl":  # and a gradient moves it from there, as from a row that trained to it
+        moved, _ = opt.apply(w, opt.state_for(w, lr), None, jnp.full_like(w, 0.01), lr)
+        assert np.all(np.abs(np.asarray(moved - w)) < 0.01)

@@ -258,13 +258,13 @@ class DynamicTables:
         """:func:`~dlrm_jax.embedding.exchange.fresh_rows.reset_fresh_rows` of these tables."""
         return reset_fresh_rows(self, emb, fresh, key, hot_found)
 
-    def reset_replicated(self, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows):
+    def reset_replicated(self, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows, lr):
         """``collection``: tables replicated on every device whose table t has as many rows as
-        this one's dynamic table t (Wide&Deep's wide part); ``state`` with the rows ``fresh``
-        gave to new ids reset on every device
+        this one's dynamic table t (Wide&Deep's wide part, trained at rate ``lr``); ``state``
+        with the rows ``fresh`` gave to new ids reset on every device
         (:func:`~dlrm_jax.embedding.exchange.fresh_rows.reset_replicated_rows`). Traceable:
         call it inside the step, after :meth:`resolve`."""
-        return reset_replicated_rows(self, collection, state, fresh)
+        return reset_replicated_rows(self, collection, state, fresh, lr)
 
 
 class CachedDynamicTables(DynamicTables):

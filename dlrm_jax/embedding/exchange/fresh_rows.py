@@ -263,12 +263,13 @@ def reset_fresh_rows(dyn, emb: EmbeddingState, fresh: FreshRows, key, hot_found=
     return emb._replace(tables={**emb.tables, **arrays}, slots={**emb.slots, **slots}, hot=hot)
 
 
-def reset_replicated_rows(dyn, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows):
+def reset_replicated_rows(dyn, collection: EmbeddingCollection, state: EmbeddingState, fresh: FreshRows, lr):
     """``collection``: tables replicated on every device whose table t has as many rows as
     this one's dynamic table t (Wide&Deep's wide part: one weight per row); ``state`` with
     the rows ``fresh`` gave to new ids set to zero (as that part starts; ``new_rows="shared"``:
     to their shards' shared rows' values) and their optimizer
-    state to its initial state, on every device. Each device's fresh rows are gathered
+    state to its initial state for those values (``SparseOptimizer.state_for`` at the part's
+    rate ``lr``: FTRL's weights follow from its state), on every device. Each device's fresh rows are gathered
     from all, a chunk at a time (:func:`reset_in_chunks`, as many chunks as the device with the most
     needs). Traceable: call it inside the step, after :meth:`DynamicTables.resolve`."""
     n, opt = map_devices(dyn.mesh), collection.optimizer
@@ -300,11 +301,11 @@ def reset_replicated_rows(dyn, collection: EmbeddingCollection, state: Embedding
             array = arrays[name]
             at = jnp.where((rows >= 0) & (group_of[table] == gi), offset[table] + logical, array.shape[0])
             if dyn.new_rows == NewRows.SHARED:  # the shard's shared row's value before the step
-                shared = offset[table] + shared_row_of(logical, slots_of[table])
-                arrays[name] = array.at[at].set(array[shared], mode="drop")
+                start = array[offset[table] + shared_row_of(logical, slots_of[table])]
             else:
-                arrays[name] = array.at[at].set(0, mode="drop")
-            initial = opt.init(jnp.zeros((at.shape[0], width[name]), array.dtype))
+                start = jnp.zeros((at.shape[0], width[name]), array.dtype)
+            arrays[name] = array.at[at].set(start, mode="drop")
+            initial = opt.state_for(start, lr)  # (FTRL's weights follow from its state: one that keeps them)
             slots[name] = {s: v.at[at].set(initial[s], mode="drop") for s, v in slots[name].items()}
         return arrays, slots
 

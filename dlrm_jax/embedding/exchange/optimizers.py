@@ -57,6 +57,15 @@ class SparseOptimizer(NamedTuple):
     exact_sums: bool = False
     kernel: bool = False
     kernel_programs: int = 0  # the row kernel's most programs (fused_row_update's ``programs``)
+    # The state of rows whose weights ``table`` were set from elsewhere (a fresh row from its
+    # shared row), at rate ``lr``, where the weights follow from the state (FTRL); None: ``init``.
+    starts_at: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None = None
+
+    def state_for(self, table, lr) -> dict[str, jax.Array]:
+        """The initial state of rows that hold ``table`` (their next step at rate ``lr`` keeps
+        those weights where the gradient is 0): ``init``'s, unless the weights follow from the
+        state (FTRL, whose initial state means weights of 0)."""
+        return self.init(table) if self.starts_at is None else self.starts_at(table, lr)
 
     def update(self, table, state, lookups, grads, lr, row_mean_sq=None):
         """Each distinct row's gradient summed in a fixed order, then the optimizer applied to
@@ -181,7 +190,14 @@ def ftrl(
         w_new = jnp.where(jnp.abs(z_new) > l1, -shrunk / jnp.maximum((beta + jnp.sqrt(n_new)) / lr + l2, 1e-30), 0.0)
         return w_new, {"z": z_new, "n": n_new}
 
-    return SparseOptimizer(init, RowStep(step, adds=False, reads_table=True), exact_sums=exact_sums, kernel=kernel)
+    def starts_at(w, lr):  # n's initial value, and the z whose weight is w: w = -(z - sign(z) l1) / d
+        d = (beta + jnp.sqrt(jnp.float32(initial_n))) / lr + l2
+        w = w.astype(jnp.float32)
+        return {"z": -w * d - jnp.sign(w) * l1, "n": jnp.full(w.shape, initial_n, jnp.float32)}
+
+    return SparseOptimizer(
+        init, RowStep(step, adds=False, reads_table=True), exact_sums=exact_sums, kernel=kernel, starts_at=starts_at
+    )
 
 
 # Keyed by the names of choices.SPARSE_OPTIMIZER_KINDS, which say what the planner counts of each.
