@@ -315,7 +315,11 @@ class DataConfig:
         default=0.26, metadata=_bound("(0, 1)") | doc("synthetic: click-through rate of the labels")
     )
     shuffle: bool = field(
-        default=True, metadata=doc("binary: visit each process's blocks of rows in a new order every epoch")
+        default=True,
+        metadata=doc(
+            "binary data and arrays given in Python: visit the rows in a new order every epoch (binary: "
+            "each process's blocks of rows); false: in the order written, as time-ordered training wants"
+        ),
     )
     shuffle_block: int = field(
         default=4096,

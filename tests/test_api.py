@@ -321,3 +321,30 @@ def test_what_is_not_a_source_is_named_before_any_work_and_log_none_is_quiet(tin
     capsys.readouterr()
     assert dlrm_jax.train_and_evaluate(cfg, None, log=None).step == 2
     assert capsys.readouterr().out == ""
+
+
+def test_an_array_source_takes_the_configs_data_shuffle(tiny):
+    """Before: data.shuffle=false was ignored for arrays given in Python (shuffled unless the
+    constructor was told): progressive validation scored shuffled windows, the same bits as
+    data.shuffle=true, where the docs call it time-ordered."""
+    import numpy as np
+
+    import dlrm_jax
+
+    cfg = tiny("train.batch_size=32", "data.shuffle=false")
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.integers(0, r, 96) for r in cfg.table_rows], axis=1).astype(np.int32)
+    dense = np.tile(np.arange(96, dtype=np.float32)[:, None], (1, 13))
+    arrays = (dense, ids, (ids[:, 1] % 2).astype(np.float32))
+    make = lambda **kw: dlrm_jax.ArraySource(
+        arrays, arrays, 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes, **kw
+    )
+    first = lambda source: source.train_batch(0).dense[:, 0].tolist()
+    source = make()
+    source.check_config(cfg)
+    assert first(source) == list(range(32))  # in the order given
+    source.check_config(tiny("train.batch_size=32"))  # data.shuffle: true, the default
+    assert first(source) != list(range(32))
+    given = make(shuffle=True)  # given: kept over the config's
+    given.check_config(cfg)
+    assert first(given) != list(range(32))

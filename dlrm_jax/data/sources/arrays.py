@@ -25,9 +25,10 @@ class ArraySource:
     each a tuple ``(dense [n, num_dense] float32, ids [n, sum(bag_sizes)] int32 (-1: an empty
     slot of a bag), labels [n] of 0/1)``, and for dynamic tables a fourth, their raw 64-bit ids;
     ``table_rows`` / ``bag_sizes``: the tables the ids index (a config's ``cfg.table_rows``,
-    ``cfg.bag_sizes``); ``seed`` and ``eval_batches`` (0: the whole val split): the config's
-    ``train.seed`` and ``train.eval_batches`` unless given (it scored the whole split and
-    shuffled by seed 0 whatever the config said). Shuffling, epochs and the checks are the
+    ``cfg.bag_sizes``); ``seed``, ``eval_batches`` (0: the whole val split) and ``shuffle``
+    (False: the rows in the order given, as for time-ordered training): the config's
+    ``train.seed``, ``train.eval_batches`` and ``data.shuffle`` unless given (it scored the
+    whole split, and shuffled by seed 0, whatever the config said). Shuffling, epochs and the checks are the
     module docstring's::
 
         source = dlrm_jax.ArraySource((dense, ids, labels), (vd, vi, vl), cfg.train.batch_size,
@@ -43,7 +44,7 @@ class ArraySource:
         table_rows: Sequence[int],
         bag_sizes: Sequence[int],
         seed: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         eval_batches: int | None = None,
         process_index: int = 0,
         process_count: int = 1,
@@ -53,8 +54,9 @@ class ArraySource:
         self.num_train, self.num_val = self.train.size, self.val.size
         if self.num_train < batch_size:
             raise ValueError(f"ArraySource: {self.num_train} train rows, fewer than one batch of {batch_size}")
-        self._given = (seed, eval_batches)  # None: the config's (check_config)
-        self._batch, self._seed, self._shuffle, self._eval_batches = batch_size, seed or 0, shuffle, eval_batches or 0
+        self._given = (seed, eval_batches, shuffle)  # None: the config's (check_config)
+        self._batch, self._seed, self._eval_batches = batch_size, seed or 0, eval_batches or 0
+        self._shuffle = True if shuffle is None else shuffle
         self._table_rows, self._bag_sizes = tuple(int(r) for r in table_rows), tuple(int(b) for b in bag_sizes)
         self._rows = process_slice(batch_size, process_index, process_count)
         self._perm: tuple[int, KeyedPermutation] | None = None
@@ -68,12 +70,13 @@ class ArraySource:
         without a word, or failed deep in the planner), an empty val split where the run
         evaluates (``evaluates``; default: whether ``cfg`` does), raw ids that do not fit its
         dynamic tables (their columns are those tables' bag slots, in table order) or given with
-        no table dynamic (they would be ignored). Takes the config's ``train.seed`` and
-        ``train.eval_batches`` where they were not given. ``train_and_evaluate`` and
+        no table dynamic (they would be ignored). Takes the config's ``train.seed``,
+        ``train.eval_batches`` and ``data.shuffle`` where they were not given. ``train_and_evaluate`` and
         ``evaluate_run`` call it."""
         self._check_shapes(cfg)
         self._seed = cfg.train.seed if self._given[0] is None else self._given[0]
         self._eval_batches = cfg.train.eval_batches if self._given[1] is None else self._given[1]
+        self._shuffle = cfg.data.shuffle if self._given[2] is None else self._given[2]
         self._perm = None  # (drawn with the seed)
         if self.num_val == 0 and (cfg.train.evaluates if evaluates is None else evaluates):
             raise ValueError(
