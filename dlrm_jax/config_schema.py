@@ -156,7 +156,12 @@ class TrainConfig:
         metadata=_choices("float32", "bfloat16") | doc("`bfloat16`: MLP compute in bf16 with float32 master weights"),
     )
     log_every: int = field(
-        default=50, metadata=NONNEG | doc("steps between log events in `metrics.jsonl`; 0 = only at the end")
+        default=50,
+        metadata=NONNEG
+        | doc(
+            "steps between log events in `metrics.jsonl` (a checkpoint's save, an evaluation and a progressive "
+            "window end a log window too: a resumed run re-logs the windows it lost exactly); 0 = only those"
+        ),
     )
     eval_every: int = field(
         default=250,

@@ -530,6 +530,11 @@ def test_a_datasets_own_sizes_unless_capped_and_a_cap_says_so(data):
     assert note.startswith("data.max_rows=5 hashes ") and "data.max_rows=0 keeps every table" in note
     synthetic = load_config(None, [])
     assert max(synthetic.table_rows) == 20000 and cap_note(synthetic) == ""
+    # Criteo text's values are hashed into the capped tables too (before: without a word)
+    text = load_config(None, ["data.source=criteo", f"data.path={data[1]}", "data.max_rows=2000"])
+    assert cap_note(text).startswith("data.max_rows=2,000 hashes ") and "of data.cardinalities' 26 tables" in cap_note(
+        text
+    )
 
 
 def test_evaluation_scores_the_whole_split_by_default_and_says_how_much(data, tmp_path):

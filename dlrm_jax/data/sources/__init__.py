@@ -110,16 +110,18 @@ def _check_given(d, stored_dense: int, num_dense: int, bags: tuple[int, ...], fe
 
 
 def cap_note(cfg) -> str:
-    """One line when ``data.max_rows`` hashes a preprocessed dataset's tables into fewer rows
-    than it has values ("" otherwise, and for data sized by the config)."""
-    if cfg.data.source != "binary" or not cfg.row_cap:
+    """One line when ``data.max_rows`` hashes the values of a preprocessed dataset's tables, or
+    of Criteo text's (``data.cardinalities``), into fewer rows ("" otherwise, and for synthetic
+    data, whose ids are drawn within the capped tables)."""
+    if cfg.data.source not in ("binary", "criteo") or not cfg.row_cap:
         return ""
     capped = [(c, f) for f, c in enumerate(cfg.data.cardinalities) if c > cfg.row_cap]
     if not capped:
         return ""
     largest, f = max(capped)
+    whose = "the dataset's" if cfg.data.source == "binary" else "data.cardinalities'"
     return (
-        f"data.max_rows={cfg.row_cap:,} hashes {len(capped)} of the dataset's {cfg.num_features} tables into "
+        f"data.max_rows={cfg.row_cap:,} hashes {len(capped)} of {whose} {cfg.num_features} tables into "
         f"{cfg.row_cap:,} rows (the largest, cat_{f}, has {largest:,} values); data.max_rows=0 keeps every "
         f"table at its own size"
     )
