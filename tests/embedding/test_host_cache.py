@@ -132,6 +132,14 @@ def test_predicted_lru_hit_rate_matches_a_simulated_lru(rows, exponent, fraction
     assert che_hit_rate((p, np.ones(rows)), rows) == 1.0 and che_hit_rate((p, np.ones(rows)), 0) == 0.0
 
 
+TIERED = (
+    "data.cardinalities=[3000, 400, 10000, 70]",
+    "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
+    "embedding.tier.device_cache_fraction=0.05",
+    "embedding.optimizer=rowwise_adagrad",
+)
+
+
 def test_dram_caches_default_to_half_the_memory_available(tiny):
     """``host_cache_fraction=0``: the DRAM caches together take half the memory available when
     the run plans (all rows when that fits); the plan's host rows follow, and say so."""
@@ -140,12 +148,7 @@ def test_dram_caches_default_to_half_the_memory_available(tiny):
     from dlrm_jax.parallel.mesh import make_mesh
     from dlrm_jax.train.build import build
 
-    cfg = tiny(
-        "data.cardinalities=[3000, 400, 10000, 70]",
-        "embedding.table_storage=[cat_0=tiered, cat_2=tiered]",
-        "embedding.tier.device_cache_fraction=0.05",
-        "embedding.optimizer=rowwise_adagrad",
-    )
+    cfg = tiny(*TIERED)
     assert cfg.embedding.tier.host_cache_fraction == 0  # the shipped default
     plan, _ = build(cfg, make_mesh(2), SyntheticSource(cfg), log=lambda *a: None)
     row = 4 * plan.tables[0].spec.dim + 4  # float32 values, one Adagrad accumulator
@@ -157,3 +160,10 @@ def test_dram_caches_default_to_half_the_memory_available(tiny):
     assert setup.host_cache_fraction_from_memory(plan, None, said.append) == setup.DEFAULT_HOST_FRACTION
     # The machine running this test has far more than 2 x 52 KB available: every row.
     assert plan.tier.host_rows[0] == 3000 and plan.tier.host_rows[2] == 10000
+    # embedding.tier.host_cache_rows sizes them itself (before: the run still said "DRAM caches:
+    # 100.0% of the tiered rows" from the memory, of caches of 1,000 rows)
+    said = []
+    plan, _ = build(
+        tiny(*TIERED, "embedding.tier.host_cache_rows=1000"), make_mesh(2), SyntheticSource(cfg), log=said.append
+    )
+    assert plan.tier.host_rows[0] == 1000 and not [x for x in said if x.startswith("DRAM caches")], said

@@ -140,7 +140,10 @@ def tier_plan(
     plan = fit_caches(plan, id_batches, log, dynamic, saved)
     if not plan.tiered_tables:
         return plan
-    fraction = tier.host_cache_fraction or host_cache_fraction_from_memory(plan, available_bytes(), log)
+    # (host_cache_rows sizes every cache itself: no fraction, and no line saying one)
+    fraction = tier.host_cache_fraction or (
+        0.0 if tier.host_cache_rows else host_cache_fraction_from_memory(plan, available_bytes(), log)
+    )
     host_rows = tuple(
         cache_slots(tp.spec.rows, tier.host_cache_rows, fraction) if tp.tiered else 0 for tp in plan.tables
     )
