@@ -142,6 +142,7 @@ def plan_options(
     stats: Sequence[TableStats] | None = None,
     ids_hosts: int = 1,
     devices: int = 0,
+    budget_key: str = "embedding.memory_budget_gb",
 ) -> PlanOptions:
     """The ``embedding.*`` keys a plan is made under, as one record (``ids_hosts``: see
     ``PlanOptions``; ``devices``: the plan's, 1 lets dynamic tables be replicated)."""
@@ -157,6 +158,7 @@ def plan_options(
         dtype=e.dtype,
         exchange_dtype=e.exchange_dtype,
         budget_bytes=budget_bytes,
+        budget_key=budget_key,
         bag_exchange=e.bag_exchange,
         storage=e.storage,
         storage_overrides=parse_overrides(e.table_storage, specs, "embedding.table_storage", Storage),
@@ -202,13 +204,17 @@ def plan_request(
         except ValueError as e:
             raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
     budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
+    key = "embedding.memory_budget_gb"
     if budget_bytes is None and not budget and cluster.device_memory_gb:
         budget = int(0.9 * cluster.device_memory_gb * 2**30)
+        key = "0.9 x cluster.device_memory_gb, as embedding.memory_budget_gb=0"
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
+        key += ", less the wide part"
     if budget and on_devices:  # and its share of the dynamic tables' id maps
         budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices.values()), 1)
-    options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts, devices)
+        key += ", less the id maps"
+    options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts, devices, key)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 
 

@@ -1030,3 +1030,16 @@ sys.exit(program.run())
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 130 and proc.stderr == "" and proc.stdout == "", proc
     assert time.monotonic() - t0 < 15
+
+
+def test_a_table_over_the_clusters_memory_names_the_key_that_set_the_budget(tiny):
+    """Before: a budget from cluster.device_memory_gb (embedding.memory_budget_gb=0) was
+    named as embedding.memory_budget_gb, the key that had not set it."""
+    from dlrm_jax.embedding.plan.planner import PlanError
+    from dlrm_jax.train.wiring import plan_from_config
+
+    cfg = tiny("cluster.device_memory_gb=0.00001", "embedding.sharding=table")
+    with pytest.raises(PlanError, match=r"\(0.9 x cluster.device_memory_gb, as embedding.memory_budget_gb=0\)"):
+        plan_from_config(cfg, 2)
+    with pytest.raises(PlanError, match=r"\(embedding.memory_budget_gb\)"):
+        plan_from_config(tiny("embedding.memory_budget_gb=0.00001", "embedding.sharding=table"), 2)

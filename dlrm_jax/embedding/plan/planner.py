@@ -79,6 +79,7 @@ class PlanOptions:
     dtype: str = "float32"
     exchange_dtype: str = "float32"
     budget_bytes: int = 0
+    budget_key: str = "embedding.memory_budget_gb"  # what set budget_bytes (a table that does not fit names it)
     bag_exchange: BagExchange = BagExchange.AUTO
     storage: Storage = Storage.DEVICE
     storage_overrides: Mapping[str, Storage] = field(default_factory=dict)
@@ -189,6 +190,7 @@ def plan_embeddings(
         [(RowLayout.BLOCK,) if spec.name in o.block_rows else layouts for spec in specs],
         bag_exchange,
         device_cache,
+        o.budget_key,
     )
     plan = dataclasses.replace(template, tables=tables)
 

@@ -254,8 +254,10 @@ def place_tables(
     layouts: Sequence[Sequence[RowLayout]],
     bag_exchange: str,
     device_cache: tuple[int, float],
+    budget_key: str = "embedding.memory_budget_gb",
 ) -> tuple[TablePlan, ...]:
-    """Every table's placement: ``wanted[t]`` a strategy, or ``auto`` for the search (see the
+    """Every table's placement (``budget_key``: what set ``budget``, for the message of a table
+    that does not fit): ``wanted[t]`` a strategy, or ``auto`` for the search (see the
     module docstring), its rows (row-wise) in one of ``layouts[t]``. The search runs once with every option open and once per slice count
     (table-wise, 2, 4, ... column slices) preferred for the sharded tables, and keeps the plan
     whose predicted step is shortest, after one more pass over its sharded tables."""
@@ -267,6 +269,7 @@ def place_tables(
         if w == Strategy.REPLICATED or (w == Sharding.AUTO and not tiered[t] and probe.prefers_replicated(specs[t]))
     }
     args = (specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
+    args = (*args, budget_key)
     auto = [t for t, w in enumerate(wanted) if w == Sharding.AUTO and t not in replicated]
     if not auto:
         return _run(*args, None).tables_in_order()
@@ -280,8 +283,11 @@ def place_tables(
 class _Run:
     """One pass of the search with a slice preference (None: every option)."""
 
-    def __init__(self, search: Search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated):
+    def __init__(
+        self, search: Search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated, budget_key
+    ):
         self.search, self.specs, self.wanted, self.tiered = search, specs, wanted, tiered
+        self.budget_key = budget_key
         self.layouts, self.bag_exchange, self.device_cache, self.replicated = (
             layouts,
             bag_exchange,
@@ -353,7 +359,7 @@ class _Run:
             raise PlanError(
                 f"table {spec.name} ({spec.rows:,} rows x {spec.dim}) does not fit: "
                 f"{fmt_bytes(need)} needed on a device, budget {fmt_bytes(search.budget)} "
-                f"(embedding.memory_budget_gb); "
+                f"({self.budget_key}); "
                 f"try more devices or another embedding.sharding"
             )
         search.place(t, best)
@@ -372,11 +378,23 @@ class _Run:
 
 
 def _run(
-    specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated, prefer
+    specs,
+    template,
+    cluster,
+    stats,
+    budget,
+    wanted,
+    tiered,
+    layouts,
+    bag_exchange,
+    device_cache,
+    replicated,
+    budget_key,
+    prefer,
 ) -> _Run:
     search = Search(specs, template, cluster, stats, budget)
     search.set_floors([specs[t] for t in range(len(specs)) if t not in replicated])
-    run = _Run(search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
+    run = _Run(search, specs, wanted, tiered, layouts, bag_exchange, device_cache, replicated, budget_key)
     for t in search.order():
         run.place(t, prefer)
     return run
