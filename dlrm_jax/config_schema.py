@@ -640,7 +640,10 @@ class EmbeddingConfig:
     capacity_from: str = field(
         default="measured",
         metadata=_choices("measured", "batch")
-        | doc("all-to-all bucket size: `measured` on the first batches, or bounded from the `batch` size"),
+        | doc(
+            "all-to-all bucket size: `measured` on the first batches, or from the `batch` size (capacity_factor "
+            "x the busiest owner's share of uniform ids: skewed ids overflow into exact extra rounds)"
+        ),
     )
     bag_exchange: str = field(
         default="auto",
