@@ -473,8 +473,8 @@ class HotConfig:
         metadata=_int_or("auto")
         | NONNEG
         | doc(
-            "rows replicated on every device: 0 = none, `auto` = the cost model decides, or a number "
-            "([hot rows](hot-rows.md))"
+            "rows replicated on every device: 0 = none, `auto` = the cost model decides, or a number (at "
+            "most the tables' rows; counted in the memory budget) ([hot rows](hot-rows.md))"
         ),
     )
     memory_mb: float = field(
@@ -730,7 +730,8 @@ class EmbeddingConfig:
         default=0.0,
         metadata=NONNEG
         | doc(
-            "per device, for tables, optimizer state and buffers; 0 = 90% of an accelerator's memory, no check on CPU"
+            "per device, for tables, optimizer state and buffers; 0 = 90% of an accelerator's memory as it "
+            "reports it, else of `cluster.device_memory_gb` (none on CPU by default)"
         ),
     )
     hot: HotConfig = HotConfig()
@@ -837,8 +838,8 @@ class ClusterConfig:
         default=0.0,
         metadata=NONNEG
         | doc(
-            "the planner's memory budget is 90% of it when `embedding.memory_budget_gb` is 0 (0: the "
-            "profile's: 80 for `h100`, none for `cpu`)"
+            "the planner's memory budget is 90% of it when `embedding.memory_budget_gb` is 0 and the devices "
+            "do not report their memory (`plan`, CPU devices) (0: the profile's: 80 for `h100`, none for `cpu`)"
         ),
     )
 

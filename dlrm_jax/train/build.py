@@ -16,6 +16,7 @@ from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.estimates import TableStats
+from dlrm_jax.embedding.plan.planner import check_budget
 from dlrm_jax.embedding.tiers.setup import DynamicIds, SavedTiers, tier_plan
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_every_process
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
@@ -27,6 +28,7 @@ from dlrm_jax.train.wiring import (
     cluster_from_config,
     dynamic_homes,
     dynamic_maps,
+    plan_request,
     raw_id_batches,
     sparse_optimizer_from_config,
     step_spec,
@@ -57,7 +59,7 @@ def build(
         hosts_of(mesh),
         source,
         jax.default_backend() == "cpu",
-        _device_budget(cfg),
+        _bytes_limit(),
         agree=_every_process,
     )
     optimizer = sparse_optimizer_from_config(cfg)
@@ -79,6 +81,9 @@ def build(
             dynamic=cfg.dynamic_tables,
             to_rows=lambda batches: dynamic_homes(cfg, batches),
         )
+        # the hot rows' buffers on every device count in the budget (checked before they were added)
+        budget = plan_request(cfg, mesh.size, hosts=hosts_of(mesh), cluster=cluster, bytes_limit=_bytes_limit())
+        check_budget(plan, budget.options.budget_bytes, budget.options.budget_key)
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, _tables(cfg, plan, mesh, optimizer), schedule)
     if source is None:
@@ -145,9 +150,7 @@ def _comparable(cfg: Config) -> dict[str, str]:
     return flat
 
 
-def _device_budget(cfg: Config) -> int:
-    """embedding.memory_budget_gb, or on an accelerator 90% of what its memory stats report."""
-    if cfg.embedding.memory_budget_gb:
-        return int(cfg.embedding.memory_budget_gb * 2**30)
+def _bytes_limit() -> int | None:
+    """What an accelerator says one device can hold (None on CPUs, or where it does not say)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    return int(0.9 * stats["bytes_limit"]) if stats and "bytes_limit" in stats else 0
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None

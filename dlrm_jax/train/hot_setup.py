@@ -120,7 +120,9 @@ def choose(
             )
         )
     else:
-        capacity = h.rows
+        capacity = min(h.rows, sum(tp.spec.rows for tp in plan.tables))
+        if capacity < h.rows:  # (more was a buffer and an all-reduce a step of rows that do not exist)
+            log(f"hot rows: embedding.hot.rows={h.rows:,} is more than the tables' {capacity:,} rows: {capacity:,}")
         rows = counts.top_rows(capacity)
     no_hot = measure(batches) if plan.capacities else ()
     capacities = measure([mask_hot(b, rows, bags) for b in batches]) if plan.capacities else ()

@@ -53,18 +53,19 @@ def plan_for_run(
     hosts: int,
     source: DataSource | None,
     simulated: bool,
-    budget_bytes: int | None = None,
+    bytes_limit: int | None = None,
     agree: Callable = _alone,
 ) -> EmbeddingPlan:
     """The plan for ``num_devices`` devices (``hosts``: of per-host tables) with the ids
     buckets measured on ``source``'s first batches (none without a source, or with
-    ``embedding.capacity_from=batch``: the batch-size bound). ``agree(kind, value)``: the
+    ``embedding.capacity_from=batch``: the batch-size bound). ``bytes_limit``: what a device
+    says it can hold (``wiring.device_budget``). ``agree(kind, value)``: the
     value every process uses (``kind``: "stats" or "capacities")."""
     local = cfg.train.batch_size // num_devices
     batches = dynamic_homes(cfg, [train_ids(source, i) for i in range(CALIBRATION_BATCHES)]) if source else []
     cluster = cluster_from_config(cfg, simulated)
     ids_hosts = two_level_hosts(cfg, num_devices, cluster.devices_per_host)
-    request = plan_request(cfg, num_devices, budget_bytes, hosts=hosts, cluster=cluster)
+    request = plan_request(cfg, num_devices, hosts=hosts, cluster=cluster, bytes_limit=bytes_limit)
     auto_sharding = request.sharding is Sharding.AUTO
     auto_layout = request.options.row_layout is RowLayoutChoice.AUTO
     if batches and (auto_sharding or auto_layout):

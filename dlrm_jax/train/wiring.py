@@ -170,6 +170,22 @@ def plan_options(
     )
 
 
+def device_budget(cfg: Config, cluster: Cluster, bytes_limit: int | None = None) -> tuple[int, str]:
+    """The planner's memory budget a device (0: none), and what set it: ``embedding.memory_budget_gb``;
+    else 90% of what the device says it can hold (``bytes_limit``: a run on an accelerator);
+    else 90% of the cluster's device memory (``cluster.device_memory_gb``, or its profile's).
+    ``plan`` (no devices) and a run on CPU devices take the cluster's, as both price plans."""
+    if cfg.embedding.memory_budget_gb:
+        return int(cfg.embedding.memory_budget_gb * 2**30), "embedding.memory_budget_gb"
+    if bytes_limit:
+        return int(0.9 * bytes_limit), "0.9 x the device's memory, as embedding.memory_budget_gb=0"
+    if cluster.device_memory_gb:
+        return int(
+            0.9 * cluster.device_memory_gb * 2**30
+        ), "0.9 x cluster.device_memory_gb, as embedding.memory_budget_gb=0"
+    return 0, "no budget"
+
+
 def plan_request(
     cfg: Config,
     num_devices: int,
@@ -179,13 +195,14 @@ def plan_request(
     cluster: Cluster | None = None,
     stats: Sequence[TableStats] | None = None,
     ids_hosts: int = 1,
+    bytes_limit: int | None = None,
 ) -> PlanRequest:
     """The plan a config asks for on ``num_devices`` devices, as one record. With per-host
     tables (embedding.sync per_host or host_replicas) each of ``hosts`` hosts holds a whole set
     over its own devices: the request is one host's, its ``num_devices / hosts`` devices and its
-    share of the batch. The budget defaults to ``embedding.memory_budget_gb``, else 90% of the
-    cluster's device memory (less the wide part of Wide&Deep, which every device holds whole,
-    and each device's share of the dynamic tables' id maps);
+    share of the batch. The budget: ``budget_bytes`` where given, else :func:`device_budget`'s
+    (``bytes_limit``: what the device says it can hold), less the wide part of Wide&Deep,
+    which every device holds whole, and each device's share of the dynamic tables' id maps;
     ``cluster`` defaults to the config's for simulated devices (:func:`cluster_from_config`);
     ``stats``: the tables' id statistics in the data (``exchange.capacity.table_stats``);
     ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level)."""
@@ -203,11 +220,9 @@ def plan_request(
             check_split(spec, devices)
         except ValueError as e:
             raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
-    budget = int(cfg.embedding.memory_budget_gb * 2**30) if budget_bytes is None else budget_bytes
-    key = "embedding.memory_budget_gb"
-    if budget_bytes is None and not budget and cluster.device_memory_gb:
-        budget = int(0.9 * cluster.device_memory_gb * 2**30)
-        key = "0.9 x cluster.device_memory_gb, as embedding.memory_budget_gb=0"
+    budget, key = (
+        device_budget(cfg, cluster, bytes_limit) if budget_bytes is None else (budget_bytes, "the budget given")
+    )
     if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
         budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
         key += ", less the wide part"

@@ -207,3 +207,23 @@ def test_counting_threads_and_a_resume_mid_window_change_no_bit():
     assert resumed.to_json() == whole.to_json()
     whole.close()
     resumed.close()
+
+
+def test_hot_rows_are_at_most_the_tables_rows_and_count_in_the_budget(tiny):
+    """Before: embedding.hot.rows=1,000,000 on tables of 6,350 rows sized its buffer and its
+    all-reduce a step by the million (127 MiB a device, 53 MiB a step, 17x slower), and the
+    hot buffers were never held to embedding.memory_budget_gb (65 MiB a device trained under
+    a 10 MB budget): the budget was checked before they were added."""
+    from dlrm_jax.data.sources.synthetic import SyntheticSource
+    from dlrm_jax.embedding.plan.embedding_plan import PlanError
+    from dlrm_jax.parallel.mesh import make_mesh
+    from dlrm_jax.train.build import build
+
+    cfg = tiny("embedding.hot.rows=1000000")
+    said = []
+    plan, _ = build(cfg, make_mesh(2), SyntheticSource(cfg), log=said.append)
+    assert plan.hot_rows == sum(cfg.table_rows) and any("is more than the tables'" in x for x in said)
+    small = tiny("embedding.hot.rows=1000000", "embedding.memory_budget_gb=0.0001")
+    build(tiny("embedding.memory_budget_gb=0.0001"), make_mesh(2), SyntheticSource(small), log=said.append)  # fits
+    with pytest.raises(PlanError, match=r"hot rows, over the .* budget \(embedding.memory_budget_gb\)"):
+        build(small, make_mesh(2), SyntheticSource(small), log=said.append)

@@ -194,7 +194,7 @@ def plan_embeddings(
     )
     plan = dataclasses.replace(template, tables=tables)
 
-    _check_budget_with_buffers(plan, budget_bytes)
+    check_budget(plan, budget_bytes, o.budget_key)
     return plan
 
 
@@ -208,7 +208,9 @@ def _check_allowed(spec: TableSpec, s: Strategy, n: int, explicit: bool) -> None
         )
 
 
-def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
+def check_budget(plan: EmbeddingPlan, budget: int, key: str = "embedding.memory_budget_gb") -> None:
+    """A PlanError where a device's share of ``plan`` (tables, optimizer state, exchange and
+    hot-row buffers) is over ``budget`` bytes (0: none), which ``key`` set."""
     if not budget:
         return
     total = sum(per_device_bytes(plan).values())
@@ -218,10 +220,10 @@ def _check_budget_with_buffers(plan: EmbeddingPlan, budget: int) -> None:
             (t for t in plan.tables if worst in t.devices),
             key=lambda t: t.bytes_on_device(plan.num_devices, plan.optimizer, plan.dtype)[worst].sum(),
         )
+        hot = f", {plan.hot_rows:,} hot rows" if plan.hot_rows else ""
         raise PlanError(
-            f"device {worst} needs {total[worst] / 2**30:.2f} GiB with exchange buffers, "
-            f"over the {budget / 2**30:.2f} GiB budget; its largest table is "
-            f"{biggest.spec.name} ({biggest.spec.rows:,} rows)"
+            f"device {worst} needs {fmt_bytes(total[worst])} with exchange buffers{hot}, over the "
+            f"{fmt_bytes(budget)} budget ({key}); its largest table is {biggest.spec.name} ({biggest.spec.rows:,} rows)"
         )
 
 
