@@ -219,7 +219,8 @@ def plan_request(
         try:
             check_split(spec, devices)
         except ValueError as e:
-            raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e} (a multiple of {devices})") from None
+            fix = f" (a multiple of {devices})" if devices & (devices - 1) == 0 else ""
+            raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e}{fix}") from None
     budget, key = (
         device_budget(cfg, cluster, bytes_limit) if budget_bytes is None else (budget_bytes, "the budget given")
     )

@@ -157,6 +157,9 @@ def test_a_map_that_does_not_split_over_the_devices_is_refused_naming_its_table(
         build(cfg, make_mesh(8))
     with pytest.raises(ConfigError, match=r"table cat_1: a map of 8 shards cannot be split over 16 devices.*of 16"):
         plan_from_config(tiny("embedding.table_ids=[cat_1=dynamic]"), 16)
+    # 6 devices: shard counts are powers of two (before: "... (a multiple of 6)", which none is)
+    with pytest.raises(ConfigError, match=r"over 6 devices in whole shards; dynamic tables need a power-of-two device"):
+        plan_from_config(tiny("embedding.table_ids=[cat_1=dynamic]", "train.batch_size=1200"), 6)
 
 
 def test_the_default_shards_split_every_table_over_eight_devices(tiny):

@@ -42,7 +42,11 @@ def map_devices(mesh: jax.sharding.Mesh) -> int:
 def check_split(spec: MapSpec, devices: int) -> None:
     """Each device holds whole shards: ``spec.vshards`` must be a multiple of the devices."""
     if spec.vshards % devices:
-        raise ValueError(f"a map of {spec.vshards} shards cannot be split over {devices} devices in whole shards")
+        # (shard counts are powers of two: a device count that is not one cannot hold whole shards)
+        other = "" if devices & (devices - 1) == 0 else "; dynamic tables need a power-of-two device count"
+        raise ValueError(
+            f"a map of {spec.vshards} shards cannot be split over {devices} devices in whole shards{other}"
+        )
 
 
 class FreshRows(NamedTuple):
