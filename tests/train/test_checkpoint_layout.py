@@ -99,3 +99,20 @@ def test_a_checkpoint_saved_with_the_former_wide_field_restores_whole(tiny, tmp_
         assert set(restored.parts) == set(steps.parts)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_saves_and_restores_leave_tensorstore_metrics_alone(tiny, tmp_path, monkeypatch):
+    """Before: orbax counted each array's bytes by tensorstore's experimental_collect_matching_metrics,
+    whose binding keeps about 3 KB of every call: host memory grew 68-87 KB a checkpoint for
+    the whole run (1.7 GB over a long run saving every 50 steps)."""
+    import tensorstore as ts
+
+    calls = []
+    collect = ts.experimental_collect_matching_metrics
+    monkeypatch.setattr(
+        ts, "experimental_collect_matching_metrics", lambda *a, **k: calls.append(a) or collect(*a, **k)
+    )
+    cfg = tiny("train.steps=4", "train.checkpoint_every=2", "mesh.devices=2")
+    train_and_evaluate(cfg, tmp_path, **QUIET)
+    assert train_and_evaluate(tiny("train.steps=6", "mesh.devices=2"), tmp_path, **QUIET).step == 6  # a restore too
+    assert calls == []
