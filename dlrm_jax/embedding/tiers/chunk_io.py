@@ -137,6 +137,14 @@ class _OpenFiles:
         self.fds.clear()
         self.maps.clear()
 
+    def __del__(self):
+        # A store dropped without close() (a serving model reloaded and let go): its
+        # descriptors go with it (each reload kept one a chunk file open for good).
+        try:
+            self.close()
+        except Exception:  # (at interpreter exit, or a descriptor closed elsewhere)
+            pass
+
 
 class ChunkFiles:
     """Open chunk files of one store, and the thread pool that reads and writes them.
