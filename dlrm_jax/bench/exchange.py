@@ -9,8 +9,8 @@ counted (``common.hlo_collective_bytes``; the overflow rounds, compiled but not 
 and so is dynamic tables' resolution of raw ids, whose paths are branches a step takes one of:
 their bytes a step, each path's as the plan prices it, are reported beside, ``resolution_bytes``;
 the lookups that may send their requests as the resolution routed them hold both forms, routed
-and not, and both are counted: compiled/predicted is above 1 there, about 1.6 on
-configs/stream.yaml at 4 devices)
+and not: the plain form is counted, as the plan prices it, and the routed forms' bytes are
+reported beside, ``routed_lookup_bytes``)
 and the dense part's gradient all-reduce (the same under every plan) taken away: what remains
 is the embedding exchange, beside ``plan.stats``' prediction of it, the lower bound and the
 predicted step time on the config's cluster. XLA may fuse the replicated tables' gradient
@@ -41,7 +41,7 @@ from dlrm_jax.data.batch import Batch
 from dlrm_jax.data.packed import HostPacked, Packed
 from dlrm_jax.data.sources import make_source, resolve_data_config
 from dlrm_jax.embedding.dynamic.sizing import least_and_most
-from dlrm_jax.embedding.exchange.common import RESOLUTION_SCOPE, ROUNDS_SCOPE
+from dlrm_jax.embedding.exchange.common import RESOLUTION_SCOPE, ROUNDS_SCOPE, ROUTED_SCOPE
 from dlrm_jax.embedding.plan.cost import bound_link_bytes, exchange_link_bytes, predict_step
 from dlrm_jax.embedding.plan.embedding_plan import ExchangeKind
 from dlrm_jax.embedding.plan.layout import needs_whole_rows, whole_rows_capacity
@@ -75,7 +75,8 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
     hlo = compiled_train_step(steps, source.train_batch(0)).as_text()
     n = mesh.size
     dense = dense_work(cfg)
-    counted = hlo_collective_bytes(hlo, n, (ROUNDS_SCOPE, RESOLUTION_SCOPE))
+    counted = hlo_collective_bytes(hlo, n, (ROUNDS_SCOPE, RESOLUTION_SCOPE, ROUTED_SCOPE))
+    with_routed = hlo_collective_bytes(hlo, n, (ROUNDS_SCOPE, RESOLUTION_SCOPE))
     dense_allreduce = _dense_allreduce_bytes(hlo, n, _exchange_shapes(plan))
     measured = sum(counted.values()) - dense_allreduce
     predicted = sum(collective_bytes(plan).values())
@@ -100,6 +101,9 @@ def exchange_case(cfg, mesh, source, label: str, log) -> dict:
         # dynamic tables: the least and most a step's resolution sends (the routed paths, or the
         # gathered one where none is routed), each path as training's events count it
         "resolution_bytes": _resolution_bytes(steps, cfg.train.batch_size),
+        # dynamic tables: the lookups' forms that reuse the maps' routing (a step takes them or
+        # the plain form counted above, as the resolution went)
+        "routed_lookup_bytes": sum(with_routed.values()) - sum(counted.values()),
         "dense_allreduce_bytes": dense_allreduce,
         "compile_s": time.perf_counter() - t0,
     }

@@ -57,6 +57,9 @@ def all_to_all(x):
 
 ROUNDS_SCOPE = "exchange_rounds"  # names the overflow-only ops in the compiled program
 RESOLUTION_SCOPE = "id_resolution"  # names the dynamic tables' resolution of raw ids (one path a step)
+# names the lookup's forms that reuse the id maps' routing: a step takes one of them or the plain
+# form beside them, as the resolution went (both are in the program)
+ROUTED_SCOPE = "routed_lookup"
 
 
 def if_overflow(over, on_overflow, otherwise, *operands):

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlrm_jax.embedding.exchange.columns import segment_sum_axis1, take_columns
 from dlrm_jax.embedding.exchange.common import (
+    ROUTED_SCOPE,
     agreed,
     all_to_all,
     busiest_over,
@@ -98,6 +99,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
         return out.reshape(*shape, g.width), (most > capacity)[None], (b, most[None], rows)
 
     def local_routed(table_local, ids_local, routed):
+        @jax.named_scope(ROUTED_SCOPE)
         def as_routed():
             valid = (take_columns(ids_local, g.vslot_slot) != PAD_ID).reshape(-1)  # (hot ids are out)
             b = buckets_as_routed(valid, routed.owner, routed.rank, routed.index, g.num_devices)
@@ -113,6 +115,7 @@ def sharded_forward(g: Group, mesh, capacity: int, wire):
             out = jnp.where(usable[:, None], out, 0.0).reshape(ids_local.shape[0], -1, g.width)
             return out, jnp.zeros(1, bool), (b, routed.busiest[None], rows)
 
+        @jax.named_scope(ROUTED_SCOPE)
         def as_ids():  # a routed step's ids of these slots may be placeholders (``DynamicTables.resolve``)
             slots = lambda x: jnp.tile(jnp.asarray(x), ids_local.shape[0])
             vids = ids_as_routed(
