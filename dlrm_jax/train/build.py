@@ -28,7 +28,7 @@ from dlrm_jax.train.wiring import (
     cluster_from_config,
     dynamic_homes,
     dynamic_maps,
-    plan_request,
+    plan_budget,
     raw_id_batches,
     sparse_optimizer_from_config,
     step_spec,
@@ -53,13 +53,14 @@ def build(
     are chosen from the data too (:mod:`~dlrm_jax.train.hot_setup`); they need a source.
     """
     check_batch(cfg, mesh.size)
+    bytes_limit = _bytes_limit()
     plan = plan_for_run(
         cfg,
         mesh.size,
         hosts_of(mesh),
         source,
         jax.default_backend() == "cpu",
-        _bytes_limit(),
+        bytes_limit,
         agree=_every_process,
     )
     optimizer = sparse_optimizer_from_config(cfg)
@@ -82,8 +83,7 @@ def build(
             to_rows=lambda batches: dynamic_homes(cfg, batches),
         )
         # the hot rows' buffers on every device count in the budget (checked before they were added)
-        budget = plan_request(cfg, mesh.size, hosts=hosts_of(mesh), cluster=cluster, bytes_limit=_bytes_limit())
-        check_budget(plan, budget.options.budget_bytes, budget.options.budget_key)
+        check_budget(plan, *plan_budget(cfg, mesh.size, cluster, hosts=hosts_of(mesh), bytes_limit=bytes_limit))
     if not plan.tiered_tables:
         return plan, StepFunctions(step_spec(cfg, mesh), mesh, _tables(cfg, plan, mesh, optimizer), schedule)
     if source is None:

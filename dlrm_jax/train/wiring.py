@@ -186,6 +186,44 @@ def device_budget(cfg: Config, cluster: Cluster, bytes_limit: int | None = None)
     return 0, "no budget"
 
 
+def _host_share(cfg: Config, num_devices: int, hosts: int) -> tuple[int, int]:
+    """The devices and the batch a plan is for: with per-host tables, one host's share."""
+    per_host = cfg.embedding.tables_per_host and hosts > 1
+    return (num_devices // hosts, cfg.train.batch_size // hosts) if per_host else (num_devices, cfg.train.batch_size)
+
+
+def _maps_on_devices(cfg: Config) -> dict:
+    """The dynamic tables' maps the devices hold (tiered tables' are on the host)."""
+    return {f: s for f, s in dynamic_maps(cfg).items() if f not in cfg.tiered_tables}
+
+
+def plan_budget(
+    cfg: Config,
+    num_devices: int,
+    cluster: Cluster,
+    *,
+    hosts: int = 1,
+    bytes_limit: int | None = None,
+    budget_bytes: int | None = None,
+) -> tuple[int, str]:
+    """A device's budget for the tables, their state and the exchange's and hot rows' buffers,
+    and what set it (:func:`plan_request`'s): ``budget_bytes`` where given, else
+    :func:`device_budget`'s, less the wide part of Wide&Deep, which every device holds whole,
+    and each device's share of the dynamic tables' id maps."""
+    devices, batch = _host_share(cfg, num_devices, hosts)
+    budget, key = (
+        device_budget(cfg, cluster, bytes_limit) if budget_bytes is None else (budget_bytes, "the budget given")
+    )
+    if budget and cfg.model.kind == "wide_deep":
+        budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
+        key += ", less the wide part"
+    on_devices = _maps_on_devices(cfg)
+    if budget and on_devices:
+        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices.values()), 1)
+        key += ", less the id maps"
+    return budget, key
+
+
 def plan_request(
     cfg: Config,
     num_devices: int,
@@ -200,9 +238,8 @@ def plan_request(
     """The plan a config asks for on ``num_devices`` devices, as one record. With per-host
     tables (embedding.sync per_host or host_replicas) each of ``hosts`` hosts holds a whole set
     over its own devices: the request is one host's, its ``num_devices / hosts`` devices and its
-    share of the batch. The budget: ``budget_bytes`` where given, else :func:`device_budget`'s
-    (``bytes_limit``: what the device says it can hold), less the wide part of Wide&Deep,
-    which every device holds whole, and each device's share of the dynamic tables' id maps;
+    share of the batch. The budget: :func:`plan_budget`'s (``bytes_limit``: what the device
+    says it can hold);
     ``cluster`` defaults to the config's for simulated devices (:func:`cluster_from_config`);
     ``stats``: the tables' id statistics in the data (``exchange.capacity.table_stats``);
     ``ids_hosts``: hosts the ids exchange goes over in two levels (1: one level)."""
@@ -210,26 +247,16 @@ def plan_request(
         raise ConfigError(f"num_devices={num_devices}: a plan is for 1 or more devices (jax.device_count(): all)")
     specs = specs_from_config(cfg)
     cluster = cluster or cluster_from_config(cfg, simulated=True)
-    per_host = cfg.embedding.tables_per_host and hosts > 1
-    devices = num_devices // hosts if per_host else num_devices
-    batch = cfg.train.batch_size // hosts if per_host else cfg.train.batch_size
-    # the dynamic tables' maps on the devices (tiered ones' are on the host)
-    on_devices = {f: s for f, s in dynamic_maps(cfg).items() if f not in cfg.tiered_tables}
-    for f, spec in on_devices.items():  # (plan refuses what the run would: a device holds whole shards)
+    devices, batch = _host_share(cfg, num_devices, hosts)
+    for f, spec in _maps_on_devices(cfg).items():  # (plan refuses what the run would: a device holds whole shards)
         try:
             check_split(spec, devices)
         except ValueError as e:
             fix = f" (a multiple of {devices})" if devices & (devices - 1) == 0 else ""
             raise ConfigError(f"embedding.dynamic.vshards: table cat_{f}: {e}{fix}") from None
-    budget, key = (
-        device_budget(cfg, cluster, bytes_limit) if budget_bytes is None else (budget_bytes, "the budget given")
+    budget, key = plan_budget(
+        cfg, num_devices, cluster, hosts=hosts, bytes_limit=bytes_limit, budget_bytes=budget_bytes
     )
-    if budget and cfg.model.kind == "wide_deep":  # every device also holds the wide part whole
-        budget = max(budget - wide_bytes_per_device(wide_plan_from_config(cfg, devices, batch)), 1)
-        key += ", less the wide part"
-    if budget and on_devices:  # and its share of the dynamic tables' id maps
-        budget = max(budget - sum(map_bytes_per_device(s, devices) for s in on_devices.values()), 1)
-        key += ", less the id maps"
     options = plan_options(cfg, specs, budget, cluster, stats, ids_hosts, devices, key)
     return PlanRequest(tuple(specs), Sharding(cfg.embedding.sharding), devices, cfg.embedding.optimizer, batch, options)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dlrm_jax.cli.args import POSITIVE, add_config_args
 from dlrm_jax.cli.runtime import devices_for, log, start_jax
-from dlrm_jax.config import load_config
+from dlrm_jax.config import load_config, validated
 from dlrm_jax.parallel.mesh import MAX_SIMULATED_DEVICES
 
 NAME = "plan"
@@ -27,8 +29,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     processes = args.planned_processes
     cfg = load_config(args.config, args.overrides)
-    if processes > 1 and cfg.embedding.tables_per_host and not cfg.mesh.hosts:
-        cfg = load_config(args.config, [*args.overrides, f"mesh.hosts={processes}"])  # one host per process, as train
+    if processes > 1 and cfg.embedding.tables_per_host and not cfg.mesh.hosts:  # one host per process, as train
+        cfg = validated(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, hosts=processes)))
     from dlrm_jax.data.sources import cap_note, make_source, resolve_data_config
     from dlrm_jax.train.planning import plan_for_run, run_plan_report
 

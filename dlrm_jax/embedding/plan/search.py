@@ -268,8 +268,20 @@ def place_tables(
         for t, w in enumerate(wanted)
         if w == Strategy.REPLICATED or (w == Sharding.AUTO and not tiered[t] and probe.prefers_replicated(specs[t]))
     }
-    args = (specs, template, cluster, stats, budget, wanted, tiered, layouts, bag_exchange, device_cache, replicated)
-    args = (*args, budget_key)
+    args = (
+        specs,
+        template,
+        cluster,
+        stats,
+        budget,
+        wanted,
+        tiered,
+        layouts,
+        bag_exchange,
+        device_cache,
+        replicated,
+        budget_key,
+    )
     auto = [t for t, w in enumerate(wanted) if w == Sharding.AUTO and t not in replicated]
     if not auto:
         return _run(*args, None).tables_in_order()
