@@ -66,7 +66,8 @@ Serving: :func:`export_serving` (a checkpoint as a self-contained artifact: the 
 ``dlrm_jax.serving.load``, which needs only numpy, jax and tensorstore) -> :class:`ServingModel`
 with ``predict(dense, ids)`` and ``predict_raw(lines)``; delta exports (``since=STEP``) load on
 top of their base.
-Metrics: :func:`roc_auc`, :func:`log_loss`.
+Metrics: :func:`roc_auc`, :func:`log_loss` (of probabilities), :func:`log_loss_of_logits` (of
+logits, as evaluation scores them).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ _EXPORTS = {
     "load_schema": "dlrm_jax.data.preprocessing.tabular_schema",
     "roc_auc": "dlrm_jax.observe.metrics",
     "log_loss": "dlrm_jax.observe.metrics",
+    "log_loss_of_logits": "dlrm_jax.observe.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

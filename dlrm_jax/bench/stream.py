@@ -35,7 +35,7 @@ from dlrm_jax.embedding.exchange.dynamic_tables import DynamicTables
 from dlrm_jax.embedding.plan.planner import plan_embeddings
 from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.model.dlrm import bce_loss
-from dlrm_jax.observe.metrics import roc_auc
+from dlrm_jax.observe.metrics import log_loss_of_logits, roc_auc
 from dlrm_jax.train.build import mesh_from_config
 from dlrm_jax.train.wiring import dense_optimizer, dlrm_from_config, map_fields, sparse_optimizer_from_config
 
@@ -101,7 +101,7 @@ class _Case:
 
     def _scores(self, params, emb, maps, dense, hi, lo, ids):
         _, _, ids, _ = self._rows(emb, maps, hi, lo, ids, 0, False)
-        return jax.nn.sigmoid(self._logits(params, dense, self.coll.lookup(emb, ids)[0]))
+        return self._logits(params, dense, self.coll.lookup(emb, ids)[0])  # (scored as evaluation scores them)
 
     def host_ids(self, ids: np.ndarray) -> np.ndarray:
         """The collection's ids of raw ids [n, F] (dynamic: placeholders the maps fill in)."""
@@ -120,11 +120,6 @@ class _Case:
         for s in range(0, len(ids) - batch + 1, batch):
             part = slice(s, s + batch)
             yield tuple(put(x[part]) for x in (window.dense, hi, lo, ids, window.labels))
-
-
-def _logloss(labels: np.ndarray, p: np.ndarray) -> float:
-    p = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
-    return float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
 
 
 def stream_maps(cfg, windows: list[StreamWindow], rows: float) -> list[MapSpec]:
@@ -174,9 +169,9 @@ def bench_stream(cfg, windows: list[StreamWindow], rows: float, cases=CASES, out
                     np.asarray(case.scores(case.params, case.emb, case.maps, *b[:4]))
                     for b in case.batches(window, batch)
                 ]
-                p = np.concatenate(scores)
-                labels = window.labels[: len(p)]
-                out.append({"window": t, "auc": roc_auc(labels, p), "logloss": _logloss(labels, p)})
+                z = np.concatenate(scores)
+                labels = window.labels[: len(z)]
+                out.append({"window": t, "auc": roc_auc(labels, z), "logloss": log_loss_of_logits(labels, z)})
             for b in case.batches(window, batch):
                 start = time.perf_counter()
                 case.params, case.opt_state, case.emb, case.maps, loss, totals = case.train_step(

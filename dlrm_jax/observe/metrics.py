@@ -42,6 +42,14 @@ def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
     return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
 
 
+def log_loss_of_logits(labels: np.ndarray, logits: np.ndarray) -> float:
+    """Mean binary cross-entropy of logits, exact in float64 (the training loss's definition).
+    Evaluation scores logits, not probabilities: a float32 sigmoid rounds every logit above
+    16.6 to 1.0 (ties, as AUC counts them) and ``log_loss`` clips what it cannot tell apart."""
+    y, z = _paired(labels, logits, "logits")
+    return float(np.mean(np.logaddexp(0.0, z) - y * z))
+
+
 def _paired(labels, values, name: str) -> tuple[np.ndarray, np.ndarray]:
     """``labels`` and ``values`` as float64 [n] each, or a ValueError: lengths that differ, or a
     label other than 0 or 1 (arguments given the other way round scored NaN without a word)."""

@@ -14,7 +14,7 @@ import numpy as np
 from dlrm_jax.data.batch import Batch, DataSource
 from dlrm_jax.data.batch import padded as pad_batch
 from dlrm_jax.data.pipeline import InputPipeline, background
-from dlrm_jax.observe.metrics import log_loss, roc_auc
+from dlrm_jax.observe.metrics import log_loss_of_logits, roc_auc
 from dlrm_jax.train.progress import Evaluation
 from dlrm_jax.train.step import StepFunctions, TrainState
 from dlrm_jax.train.tier_runner import TierRunner
@@ -110,19 +110,20 @@ def evaluate(
     Processes may hold different numbers of rows of the last, partial batch: each gathers its
     padded predictions and a validity mask, so the cross-process all-gather has equal shapes.
     """
-    probs, labels, valid = [], [], []
-    for p, y, m in eval_scores(steps, state, source, runner, batches, readers, depth):
-        probs.append(p)
+    # Scored on logits: a float32 sigmoid ties every logit above 16.6 at 1.0 (metrics.log_loss_of_logits)
+    logits, labels, valid = [], [], []
+    for z, y, m in eval_scores(steps, state, source, runner, batches, readers, depth, logits=True):
+        logits.append(z)
         labels.append(y)
         valid.append(m)
-    if not probs:  # (numpy's "need at least one array to concatenate")
+    if not logits:  # (numpy's "need at least one array to concatenate")
         raise ValueError(f"nothing to evaluate: {type(source).__name__}.eval_batches() gave no batches")
-    p, y, m = np.concatenate(probs), np.concatenate(labels), np.concatenate(valid)
+    z, y, m = np.concatenate(logits), np.concatenate(labels), np.concatenate(valid)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        p, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (p, y, m))
-    return roc_auc(y[m], p[m]), log_loss(y[m], p[m]), int(m.sum())
+        z, y, m = (np.asarray(multihost_utils.process_allgather(a, tiled=True)) for a in (z, y, m))
+    return roc_auc(y[m], z[m]), log_loss_of_logits(y[m], z[m]), int(m.sum())
 
 
 # Eval steps dispatched before the first one's scores are read (as training's DISPATCH_AHEAD:
@@ -138,9 +139,11 @@ def eval_scores(
     batches: Indexed | Iterable[Batch] | None = None,
     readers: int | str = 1,
     depth: int = 4,
+    logits: bool = False,
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per held-out batch, in order, this process's (probabilities, labels, valid) [per-process
-    batch]: the batch padded to full size, ``valid`` marking its real rows. The batches are read,
+    batch]: the batch padded to full size, ``valid`` marking its real rows (``logits``: the
+    logits in place of the probabilities). The batches are read,
     padded and placed on the devices ahead of the eval steps, by ``readers`` threads where they
     are read by index (:class:`Indexed`) and by one thread otherwise, while this thread only
     dispatches the steps (in order: programs with collectives come from one thread) and reads
@@ -148,14 +151,15 @@ def eval_scores(
     per_process = steps.spec.batch_size // jax.process_count()
     state = state._replace(emb=steps.collection.model_tables(state.emb))  # (per-host tables: their average)
     batches = held_out(source) if batches is None else batches
+    which = 1 if logits else 0  # (eval_step gives both)
     if runner is not None:  # tiered features are pooled on the host from the newest rows
         runner.tiered.sync_to_host(state.emb.tables, state.emb.slots, state.emb.hot)
         for batch in batches:
             padded = pad_batch(batch, per_process)
             ids_padded, pooled = runner.eval_inputs(state, padded)
-            out, _ = steps.eval_step(
-                state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding)
-            )
+            out = steps.eval_step(state, steps.device_batch(ids_padded), jax.device_put(pooled, steps.batch_sharding))[
+                which
+            ]
             yield _scores(out), padded.labels, np.arange(per_process) < batch.size
         return
 
@@ -172,7 +176,7 @@ def eval_scores(
     pending: deque = deque()
     try:
         for device, labels, valid in items:
-            pending.append((steps.eval_step(state, device)[0], labels, valid))
+            pending.append((steps.eval_step(state, device)[which], labels, valid))
             while len(pending) > _READ_BEHIND:
                 out, labels, valid = pending.popleft()
                 yield _scores(out), labels, valid

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlrm_jax.observe.metrics import log_loss, roc_auc
+from dlrm_jax.observe.metrics import log_loss, log_loss_of_logits, roc_auc
 from tests.helpers import examples
 
 
@@ -104,3 +104,15 @@ def test_scores_that_say_nothing_and_arguments_the_other_way_round_are_not_an_au
     with pytest.raises(ValueError, match="4 labels and 3 scores"):
         roc_auc(y, np.array([0.1, 0.2, 0.3]))
     assert roc_auc(y.astype(bool), np.array([0.1, 0.9, 0.8, 0.3])) == 1.0
+
+
+def test_log_loss_of_logits_is_the_training_loss_and_needs_no_clipping():
+    y = np.array([1.0, 0.0, 1.0, 0.0])
+    z = np.array([2.0, -1.0, -0.5, 0.25])
+    p = 1 / (1 + np.exp(-z))
+    assert abs(log_loss_of_logits(y, z) - log_loss(y, p)) < 1e-12
+    # confident and right: a loss of about e^-40 each, not clipped at 1e-7; wrong: about 40
+    assert log_loss_of_logits(np.array([1.0, 0.0]), np.array([40.0, -40.0])) < 1e-17
+    assert abs(log_loss_of_logits(np.array([0.0]), np.array([40.0])) - 40.0) < 1e-12
+    with pytest.raises(ValueError, match="labels first, then logits"):
+        log_loss_of_logits(np.array([0.5]), np.array([1.0]))

@@ -15,6 +15,7 @@ from dlrm_jax.data.batch import padded
 from dlrm_jax.data.preprocessing.synthetic_dataset import write_synthetic_dataset
 from dlrm_jax.data.sources import make_source
 from dlrm_jax.data.sources.binary import BinaryFormatError
+from dlrm_jax.observe.metrics import log_loss_of_logits, roc_auc
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.evaluate import Indexed, eval_scores, evaluate, held_out
 from tests.helpers import tiny_config
@@ -72,6 +73,27 @@ def test_held_out_batches_read_ahead_score_as_one_at_a_time(tiny, dataset, devic
         np.testing.assert_array_equal(p, w)
     auc, logloss, n = evaluate(steps, state, source, readers=4)
     assert n == 600 and (auc, logloss) == evaluate(steps, state, source, readers=1)[:2]
+
+
+def test_confident_scores_are_ranked_by_their_logits(tiny, dataset):
+    """AUC and logloss are of the logits: a float32 sigmoid rounds every logit above 16.6 to 1.0,
+    and ranked so, a model confident on many samples scored ties (a different AUC)."""
+    source, steps, state = built(tiny, dataset, 1)
+    state = state._replace(params=jax.tree.map(lambda w: w * 6, state.params))  # (confident: huge logits)
+    per_process = steps.spec.batch_size
+    probs, logits, labels = [], [], []
+    for batch in source.eval_batches():
+        p, z = steps.eval_step(state, steps.device_batch(padded(batch, per_process)))
+        probs.append(np.asarray(p)[: batch.size])
+        logits.append(np.asarray(z)[: batch.size])
+        labels.append(batch.labels)
+    p, z, y = (np.concatenate(a) for a in (probs, logits, labels))
+    saturated = p == 1.0
+    assert saturated.sum() > 20 and len(np.unique(y[saturated])) == 2  # ties of both labels
+    auc, logloss, n = evaluate(steps, state, source)
+    assert n == len(y) and auc == roc_auc(y, z) != roc_auc(y, p)
+    assert logloss == log_loss_of_logits(y, z)
+    np.testing.assert_allclose(logloss, np.mean(np.logaddexp(0, z.astype(np.float64)) - y * z), rtol=1e-12)
 
 
 def test_readers_finishing_out_of_order_keep_the_batches_order(tiny, dataset):
