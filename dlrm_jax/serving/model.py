@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -46,6 +47,16 @@ def available_memory() -> int:
     return 4 << 30
 
 
+@functools.lru_cache(maxsize=8)
+def _dense_function(blob: bytes) -> tuple[jax.export.Exported, Callable]:
+    """The dense part's function, deserialized and jitted once for each distinct file: a run's
+    exports and deltas share one (their parameters are the function's inputs), so a server
+    that loads the next delta keeps its compiled programs, where each load compiled them
+    again and left JAX's caches about 40 KB larger."""
+    exported = jax.export.deserialize(bytearray(blob))
+    return exported, jax.jit(exported.call)
+
+
 class ServingModel:
     """A trained model for predictions, from :func:`load` (``dlrm_jax.load_serving``).
 
@@ -70,11 +81,10 @@ class ServingModel:
         self._load_function(self.root)
 
     def _load_function(self, root: Path) -> None:
-        self._exported = jax.export.deserialize(bytearray((root / FUNCTION_FILE).read_bytes()))
+        self._exported, self._call = _dense_function((root / FUNCTION_FILE).read_bytes())
         with np.load(root / PARAMS_FILE) as npz:
             self._params = [jax.device_put(npz[f"arr_{k}"]) for k in range(len(npz.files))]
         self._check_function(root)
-        self._call = jax.jit(self._exported.call)
 
     def _check_function(self, root: Path) -> None:
         """The manifest's dense width, features and dim against what the function takes: an
