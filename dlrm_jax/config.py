@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -114,6 +115,8 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             kwargs[name] = _build(hints[name], sub, key)
         elif name in raw:
             kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"), f.metadata.get("words", ()))
+            if f.metadata.get("paths"):  # (a config file's '~/data' was looked for as a folder named '~')
+                kwargs[name] = ",".join(os.path.expanduser(p) for p in kwargs[name].split(","))
     return cls(**kwargs)
 
 
@@ -385,15 +388,16 @@ def with_overrides(cfg: Config, overrides: list[str] | dict[str, Any] | str) -> 
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """``cfg`` with its relative paths (``data.path``, each of its comma-separated files, and
+    """``cfg`` with its relative paths (``data.path``, each of its comma-separated Criteo files, and
     ``embedding.tier.path``) made absolute against the current directory: what a run dir's
     ``config.yaml`` records, so that ``eval`` and ``export`` find them from any directory."""
 
-    def absolute(text: str) -> str:
-        return ",".join(str(Path(p).absolute()) if p else p for p in text.split(",")) if text else text
+    def absolute(text: str, listed: bool) -> str:  # (only Criteo's text files are a list: a comma is a folder's own)
+        parts = text.split(",") if listed else [text]
+        return ",".join(str(Path(p).absolute()) if p else p for p in parts) if text else text
 
-    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
-    tier = dataclasses.replace(cfg.embedding.tier, path=absolute(cfg.embedding.tier.path))
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, cfg.data.source == "criteo"))
+    tier = dataclasses.replace(cfg.embedding.tier, path=absolute(cfg.embedding.tier.path, False))
     if (data, tier) == (cfg.data, cfg.embedding.tier):
         return cfg
     return dataclasses.replace(cfg, data=data, embedding=dataclasses.replace(cfg.embedding, tier=tier))

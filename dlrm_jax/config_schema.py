@@ -92,6 +92,9 @@ def _bound(rule: str, note: str = "", each: bool = False) -> dict:
 POS, NONNEG = _bound(">0"), _bound(">=0")
 
 
+PATHS = {"paths": True}  # a path or comma-separated paths: a leading ``~`` is the home folder
+
+
 def doc(meaning: str) -> dict:
     """A key's meaning (markdown): docs/configs.md's tables and configs/default.yaml are
     generated from it (``python -m dlrm_jax.config_doc``)."""
@@ -271,7 +274,11 @@ class DataConfig:
         | doc("`synthetic` (generated on the devices), `criteo` (raw TSV), `binary` (made by `dlrm-jax preprocess`)"),
     )
     path: str = field(
-        default="", metadata=doc("`criteo`: TSV file(s), comma separated; `binary`: the `preprocess` output folder")
+        default="",
+        metadata=PATHS
+        | doc(
+            "`criteo`: TSV file(s), comma separated; `binary`: the `preprocess` output folder (`~` is the home folder)"
+        ),
     )
     num_dense: int = field(
         default=13,
@@ -493,7 +500,7 @@ class TierConfig:
     """Tiered storage: tables in a tensorstore array on local disk, DRAM and device caches in
     front (embedding/tiers/)."""
 
-    path: str = field(default="", metadata=doc("the disk tier's folder; `''` = `RUN_DIR/tier`"))
+    path: str = field(default="", metadata=PATHS | doc("the disk tier's folder; `''` = `RUN_DIR/tier`"))
     device_cache_rows: int = field(
         default=0,
         metadata=NONNEG

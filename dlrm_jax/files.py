@@ -29,6 +29,42 @@ def as_paths(paths) -> list[str]:
     return [os.fspath(p) for p in paths]
 
 
+def file_key(path: str | Path) -> tuple | str:
+    """What tells a file apart however it is named (its device and inode; a path that does not
+    resolve: its absolute form)."""
+    try:
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return str(Path(path).resolve())
+
+
+def check_each_once(paths: list[str], what: str) -> None:
+    """A ValueError where one file is given twice in ``paths`` (``what``: "--input"), however
+    it is named: its rows would be read twice."""
+    seen: dict = {}
+    for p in paths:
+        if (k := file_key(p)) in seen:
+            raise ValueError(
+                f"{what} {p}: given twice ({seen[k]} is the same file): its rows would be read twice; give it once"
+            )
+        seen[k] = p
+
+
+SAMPLED = 1 << 16  # bytes of each end of a file that :func:`add_sampled` reads
+
+
+def add_sampled(h, path: str | Path) -> int:
+    """Feed hash ``h`` the file's size and its first and last 64 KiB (a file's identity for a
+    few reads, however large it is, wherever it lies); returns its size."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(f"{size}:".encode() + f.read(SAMPLED))
+        f.seek(max(size - SAMPLED, 0))
+        h.update(f.read(SAMPLED))
+    return size
+
+
 def check_dir(path: str | Path, what: str) -> Path:
     """``path`` if it is a folder or can be made one: a file at it, or at one of its parents, is
     a NotADirectoryError that names ``what`` ("run dir", "tier path") and the file."""

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dlrm_jax.files import check_dir, json_text
+from dlrm_jax.files import add_sampled, check_dir, json_text
 
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
@@ -89,16 +89,51 @@ def read_meta(path: str | Path) -> dict:
 
 def dataset_identity(path: str | Path) -> dict:
     """What a run records of the dataset at ``path`` to know it again: its folder, its split
-    sizes, and a digest of its ``meta.json`` (which holds its inputs, split and encoding: the
-    same data preprocessed again the same way has the same digest)."""
+    sizes, a digest of its ``meta.json`` (``meta_sha256``; the record's only digest before
+    ``content_sha256``) and :func:`content_digest`."""
     meta = read_meta(path)
     digest = hashlib.sha256((Path(path) / META_FILE).read_bytes()).hexdigest()
     return {
         "path": str(Path(path).absolute()),
         "meta_sha256": digest,
+        "content_sha256": content_digest(path),
         "train_rows": int(meta["train_rows"]),
         "val_rows": int(meta["val_rows"]),
     }
+
+
+# meta.json's keys that name files outside the dataset: their folders are not the data
+_PATH_KEYS = ("inputs", "val_inputs", "schema", "joins")
+
+
+def _file_names(value):
+    """The paths in ``value`` (a path, or lists and dicts of them) without their folders."""
+    if isinstance(value, dict):
+        return {k: _file_names(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_file_names(v) for v in value]
+    return Path(value).name if isinstance(value, str) else value
+
+
+def content_digest(path: str | Path) -> str:
+    """A digest of what the dataset at ``path`` holds, wherever it and its inputs lie: its
+    ``meta.json`` with the inputs' folders left out, every shard's ``shard.json`` (the CRC-32
+    of each of its files) and each vocabulary's size and ends (the raw values its ids stand
+    for: two inputs that differ only in their values can give equal shards). The same data
+    preprocessed again the same way, from anywhere, has the same digest; reading it costs
+    kilobytes, not the data."""
+    root = Path(path)
+    meta = json.loads((root / META_FILE).read_text())
+    kept = {k: _file_names(v) if k in _PATH_KEYS else v for k, v in meta.items()}
+    h = hashlib.sha256(json.dumps(kept, sort_keys=True).encode())
+    for split in SPLITS:
+        for index in range(len(meta["shards"][split])):
+            h.update((root / split / shard_name(index) / SHARD_FILE).read_bytes())
+    vocab = root / VOCAB_DIR
+    for file in sorted(vocab.iterdir()) if vocab.is_dir() else ():
+        h.update(file.name.encode())
+        add_sampled(h, file)
+    return h.hexdigest()
 
 
 def write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> None:

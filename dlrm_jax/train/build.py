@@ -3,7 +3,6 @@ sizes measured on the first batches, the hot rows and the tier's caches."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import jax
 from dlrm_jax.config import Config
 from dlrm_jax.data.batch import DataSource
 from dlrm_jax.data.pipeline import input_readers
+from dlrm_jax.data.shards import content_digest
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.embedding.exchange.host_tables import HostTables
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
@@ -144,9 +144,9 @@ def _comparable(cfg: Config) -> dict[str, str]:
     walk(cfg.to_dict(), "")
     for key in ("data.path", "embedding.tier.path"):
         flat.pop(key, None)
-    meta = Path(cfg.data.path) / "meta.json"
-    if cfg.data.source == "binary" and meta.is_file():
-        flat["the dataset (data.path's meta.json)"] = hashlib.sha256(meta.read_bytes()).hexdigest()[:12]
+    if cfg.data.source == "binary" and (Path(cfg.data.path) / "meta.json").is_file():
+        # (by content: hosts that each preprocessed the same files, from their own folders, agree)
+        flat["the dataset (data.path's content)"] = content_digest(cfg.data.path)[:12]
     return flat
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dlrm_jax.config import Config, ConfigError, config_from_dict, dump_config, load_raw, with_absolute_paths
 from dlrm_jax.config_doc import schema_keys
-from dlrm_jax.data.shards import dataset_identity
+from dlrm_jax.data.sources import data_identity
 from dlrm_jax.files import FolderLock, full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
@@ -62,7 +62,7 @@ DYNAMIC_STATE_KEYS = (
 
 
 GIVEN_SOURCE = "given_source.json"  # a run trained on a data source given in Python: its type
-DATASET = "dataset.json"  # the binary dataset a run trained on (data.shards.dataset_identity)
+DATASET = "dataset.json"  # the data a run trained on (data.sources.data_identity)
 
 
 def given_source(run_dir: str | Path) -> str:
@@ -145,6 +145,31 @@ def _step_first(name: str) -> tuple[int, str]:
     return (int(step) if step.isdigit() else -1, name)
 
 
+def data_change(run_dir: Path, now: dict | None) -> str:
+    """'run dir R trained on other data (...) than data.path gives now (...)' where the data
+    ``now`` (:func:`~dlrm_jax.data.sources.data_identity`) is not what the run recorded in
+    ``dataset.json``; '' where it is, or where either is unknown (data made on the fly, a run
+    from before the record). Content, not place: a dataset moved, or preprocessed again the
+    same way from inputs elsewhere, is the same (records from before ``content_sha256``
+    compare ``meta.json``, which names its inputs' folders)."""
+    try:
+        was = json.loads((Path(run_dir) / DATASET).read_text())
+    except (OSError, ValueError):
+        return ""
+    if now is None or not isinstance(was, dict):
+        return ""
+    key = "content_sha256" if "content_sha256" in was else "meta_sha256"
+    if was.get(key) == now.get(key):
+        return ""
+    return f"run dir {run_dir} trained on other data ({_described(was)}) than data.path gives now ({_described(now)})"
+
+
+def _described(identity: dict) -> str:
+    if "train_rows" in identity:
+        return f"{identity['path']}: {identity['train_rows']:,} train and {identity['val_rows']:,} val rows"
+    return f"{identity.get('path')}: {identity.get('bytes', 0):,} bytes"
+
+
 def _atomic_write(path: Path, text: str) -> None:
     """Write via a temporary file and a rename: a crash leaves the old file or the new one; a
     full disk is one line naming the file (and the old file stays)."""
@@ -176,7 +201,7 @@ class RunDir:
         self._config_text = ""
         self.resumed_config: Config | None = None  # the config its checkpoints were saved with
         self._made = False  # this run made the directory: it goes again if the run leaves it empty
-        self._dataset: dict | None = None  # the binary dataset it trains on (data.shards.dataset_identity)
+        self._dataset: dict | None = None  # the data it trains on (data.sources.data_identity)
 
     @classmethod
     def open(
@@ -281,23 +306,17 @@ class RunDir:
             changed = config_differences(old, cfg)
             if changed:
                 log("resuming with changed settings: " + describe_changes(changed))
-        self._dataset = dataset_identity(cfg.data.path) if cfg.data.source == "binary" and not source_given else None
+        self._dataset = None if source_given else data_identity(cfg)
         if resumes:
             self._check_dataset(cfg, log)
         self._config_text = dump_config(cfg)
 
     def _check_dataset(self, cfg: Config, log) -> None:
-        """A resumed run over another binary dataset than it trained on (its meta.json differs):
-        refused where the run counts epochs (its steps follow from the rows), else said."""
-        try:
-            was = json.loads((self.path / DATASET).read_text())
-        except (OSError, ValueError):
-            return  # (a run from before the record, or one on other data)
-        now = self._dataset
-        if now is None or was.get("meta_sha256") == now["meta_sha256"]:
+        """A resumed run over other data than it trained on (:func:`data_change`): refused
+        where the run counts epochs (its steps follow from the rows), else said."""
+        what = data_change(self.path, self._dataset)
+        if not what:
             return
-        sizes = lambda d: f"{d['path']}: {d['train_rows']:,} train and {d['val_rows']:,} val rows"
-        what = f"run dir {self.path} trained on another dataset ({sizes(was)}) than data.path gives now ({sizes(now)})"
         if cfg.train.epochs or cfg.train.evals_per_epoch:
             raise RunDirError(
                 f"{what}: a run counted in epochs (train.epochs, train.evals_per_epoch) cannot go on over it, its "

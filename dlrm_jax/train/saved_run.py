@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 
 from dlrm_jax.data.batch import check_source
-from dlrm_jax.data.sources import make_source
+from dlrm_jax.data.sources import data_identity, make_source
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint_reader import reading
@@ -16,7 +16,7 @@ from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
-from dlrm_jax.train.rundir import given_source
+from dlrm_jax.train.rundir import data_change, given_source
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
@@ -57,6 +57,9 @@ def restored(
             )
         mesh = mesh_from_config(cfg)
         made = source is None
+        changed = data_change(run_dir, data_identity(cfg)) if made else ""
+        if changed:
+            log(f"warning: {changed}: it is scored on that data, whose ids may stand for other values than it learned")
         if made:
             source = make_source(cfg, jax.process_index(), jax.process_count(), trains=False, evaluates=True)
         elif hasattr(source, "check_config"):  # (as train_and_evaluate does)

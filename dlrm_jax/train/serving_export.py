@@ -27,6 +27,7 @@ from flax import nnx
 from dlrm_jax.data.preprocessing.multihot import rule_name
 from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.shards import VOCAB_DIR
+from dlrm_jax.data.sources import data_identity
 from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.model.parts import PartInputs
@@ -43,7 +44,8 @@ from dlrm_jax.serving.artifact import (
 from dlrm_jax.serving.id_maps import write_maps
 from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.export import RestoredRun, as_evaluated, check_outside_run, id_maps, restore_run, tier_snapshot
-from dlrm_jax.train.restore import read_checkpoint
+from dlrm_jax.train.restore import read_checkpoint, saved_run_config
+from dlrm_jax.train.rundir import data_change
 
 EXPORT_PLATFORMS = ("cpu", "cuda")
 ROWS_PER_WRITE = 1 << 16
@@ -66,6 +68,13 @@ def export_serving(
         raise ValueError(f"--tables {tables}: one of {', '.join(TABLE_DTYPES)}")
     dest = Path(dest)
     check_new_folder(dest, "export")
+    cfg = saved_run_config(Path(run_dir), overrides)
+    changed = data_change(Path(run_dir), data_identity(cfg))
+    if changed:  # (its rules, the vocabularies, would map raw values to other rows than the model learned)
+        raise ValueError(
+            f"{changed}: the serving rules are read from the data, and these would map raw values to other "
+            f"rows than the model learned; export with data.path set to the data it trained on"
+        )
     with reading(Path(run_dir) / "checkpoints"):  # kept from the run's rotation: tiers' snapshots are read last
         run = restore_run(run_dir, overrides, step, log)
         check_outside_run(dest, run_dir, run.cfg)

@@ -627,6 +627,10 @@ def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
         (["data.source=binary", "data.path=DIR/file.tsv"], "a file, and data.source=binary reads a folder"),
         (["data.source=binary", "data.path=DIR"], "no meta.json in this folder"),
         (["data.source=criteo", "data.path=DIR"], "a folder, and data.source=criteo reads Criteo text files"),
+        (  # before: the second copy's held-out lines were trained on in the first
+            ["data.source=criteo", "data.path=DIR/file.tsv,DIR/./file.tsv"],
+            "data.path: the file DIR/./file.tsv: given twice (DIR/file.tsv is the same file): its rows would be read twice",
+        ),
         (  # before: refused after "run dir: ..." was printed, naming no key
             ["data.source=criteo", "data.path=DIR/file.tsv", "data.cardinalities=[10,10]"],
             "data.source=criteo reads Criteo's 13 dense and 26 one-hot features; this config has data.num_dense=13, "
@@ -640,7 +644,7 @@ def test_a_data_path_the_source_does_not_read_is_one_line_and_leaves_no_run_dir(
     (tmp_path / "file.tsv").write_text("1\t2\n")
     args = [a for s in settings for a in ("--set", s.replace("DIR", str(tmp_path)))]
     proc = cli("train", *args, "--run-dir", str(tmp_path / "run"))
-    assert proc.returncode == 2 and says in one_line(proc.stderr)
+    assert proc.returncode == 2 and says.replace("DIR", str(tmp_path)) in one_line(proc.stderr)
     assert not (tmp_path / "run").exists()
 
 

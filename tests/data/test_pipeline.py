@@ -151,6 +151,60 @@ def test_bench_input_benches_the_criteo_text_it_is_given(tiny, tmp_path, dataset
     assert [c["source"] for c in cases] == ["criteo", "synthetic"] and cases[0]["samples_per_s"] > 0
 
 
+def test_a_run_whose_data_was_replaced_is_not_exported_with_the_new_datas_rules(tiny, tmp_path, dataset):
+    """Before: export --serving read the vocabularies of whatever data.path held now (every
+    score of the export differed from the trained model's, without a word), and eval scored
+    other data as the run's own."""
+    import shutil
+
+    from dlrm_jax.train.saved_run import evaluate_run
+    from dlrm_jax.train.serving_export import export_serving
+
+    lines = (dataset.parent / "day.tsv").read_text().splitlines()
+    other = lambda v: f"{int(v, 16) ^ 0x1234567:08x}" if v else v  # other values, counted alike
+    (tmp_path / "a.tsv").write_text("".join(line + "\n" for line in lines))
+    (tmp_path / "b.tsv").write_text(
+        "".join("\t".join(f[:14] + [other(v) for v in f[14:]]) + "\n" for f in (line.split("\t") for line in lines))
+    )  # the same shards (ids by frequency), other vocabularies
+    data, run = tmp_path / "data", tmp_path / "run"
+    prep = dict(val_fraction=0.1, shard_mb=0.1, workers=1, progress=False)
+    preprocess_criteo([str(tmp_path / "a.tsv")], str(data), **prep)
+    train_and_evaluate(tiny("data.source=binary", f"data.path={data}", "mesh.devices=1", "train.steps=2"), run, **QUIET)
+    shutil.rmtree(data)
+    preprocess_criteo([str(tmp_path / "b.tsv")], str(data), **prep)
+    with pytest.raises(
+        ValueError, match=f"run dir {run} trained on other data .* export with data.path set to the data"
+    ):
+        export_serving(run, tmp_path / "art", **QUIET)
+    assert not (tmp_path / "art").exists()
+    logs = []
+    evaluate_run(run, log=logs.append)
+    assert [line for line in logs if line.startswith(f"warning: run dir {run} trained on other data")], logs
+    shutil.rmtree(data)  # its own data, preprocessed again: exported
+    preprocess_criteo([str(tmp_path / "a.tsv")], str(data), **prep)
+    export_serving(run, tmp_path / "art", **QUIET)
+
+
+def test_criteo_text_grown_under_a_run_is_named_at_its_resume(tiny, tmp_path, dataset):
+    """Before: lines appended to data.source=criteo's file between runs were trained on without
+    a word, the held-out lines of before among them (binary data was already checked)."""
+    from dlrm_jax.train.rundir import RunDirError
+
+    text = (dataset.parent / "day.tsv").read_text().splitlines(keepends=True)
+    day = tmp_path / "day.tsv"
+    day.write_text("".join(text[:2000]))
+    cards = f"data.cardinalities={[40, 300, 7, 1000] * 6 + [5, 60]}"
+    common = ("data.source=criteo", f"data.path={day}", cards, "mesh.devices=1", "train.checkpoint_every=2")
+    train_and_evaluate(tiny(*common, "train.steps=2"), tmp_path / "steps", **QUIET)
+    train_and_evaluate(tiny(*common, "train.epochs=0.05"), tmp_path / "epochs", **QUIET)
+    day.write_text("".join(text))
+    logs = []
+    train_and_evaluate(tiny(*common, "train.steps=4"), tmp_path / "steps", log=logs.append)
+    assert [line for line in logs if "trained on other data" in line and "bytes" in line], logs
+    with pytest.raises(RunDirError, match="a run counted in epochs .* cannot go on over it"):
+        train_and_evaluate(tiny(*common, "train.epochs=0.1"), tmp_path / "epochs", **QUIET)
+
+
 def test_the_gil_wait_probe_sees_a_thread_that_holds_the_gil():
     """A thread running Python without a pause keeps the GIL for the switch interval (here 50
     ms) each time: the probe's wake-ups wait for it, far beyond the OS's own latency."""
@@ -226,12 +280,15 @@ def test_a_run_resumed_over_another_dataset_says_so_and_an_epoch_run_is_refused(
     preprocess_criteo([day], str(data), val_fraction=0.5, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
     logs = []
     train_and_evaluate(tiny(*common, "train.steps=4"), tmp_path / "steps", log=logs.append)
-    warned = [line for line in logs if line.startswith(f"warning: run dir {tmp_path / 'steps'} trained on another")]
+    warned = [line for line in logs if line.startswith(f"warning: run dir {tmp_path / 'steps'} trained on other data")]
     assert len(warned) == 1 and "2,700 train and 300 val rows" in warned[0] and "1,500 train" in warned[0], logs
     with pytest.raises(RunDirError, match="a run counted in epochs .* cannot go on over it"):
         train_and_evaluate(tiny(*common, "train.epochs=0.1"), tmp_path / "epochs", **QUIET)
-    shutil.rmtree(data)  # the same data preprocessed again the same way is the same dataset
-    preprocess_criteo([day], str(data), val_fraction=0.5, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
+    shutil.rmtree(data)  # the same data preprocessed again the same way is the same dataset,
+    (tmp_path / "elsewhere").mkdir()  # from wherever its input lies (meta.json names its folder)
+    shutil.copy(day, tmp_path / "elsewhere" / "day.tsv")
+    again = [str(tmp_path / "elsewhere" / "day.tsv")]
+    preprocess_criteo(again, str(data), val_fraction=0.5, vocab_from="all", shard_mb=0.1, workers=1, progress=False)
     logs.clear()
     train_and_evaluate(tiny(*common, "train.steps=6"), tmp_path / "steps", log=logs.append)
-    assert not [line for line in logs if "another dataset" in line], logs
+    assert not [line for line in logs if "other data" in line], logs

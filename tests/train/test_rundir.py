@@ -564,6 +564,20 @@ def test_config_yaml_records_paths_absolute(tiny, tmp_path, monkeypatch):
     logs = []
     RunDir.open(tmp_path / "run", cfg, log=logs.append).close()  # the same paths: no change to report
     assert logs == []
+    # a comma is a folder's own where the path is one folder (before: 'tiers/a,b' recorded as
+    # '.../tiers/a,/.../b', and eval and export of the run looked for its tier there); '~' is home
+    cfg = tiny("data.path=", "embedding.tier.path=tiers/a,b")
+    with RunDir.open(tmp_path / "run2", cfg) as rd:
+        rd.record("", "{}")
+    assert yaml.safe_load((tmp_path / "run2" / "config.yaml").read_text())["embedding"]["tier"]["path"] == (
+        f"{tmp_path}/tiers/a,b"
+    )
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tiny("embedding.tier.path=~/t").embedding.tier.path == f"{tmp_path}/home/t"
+    assert (
+        tiny("data.source=criteo", "data.path=~/a.tsv,~/b.tsv").data.path
+        == f"{tmp_path}/home/a.tsv,{tmp_path}/home/b.tsv"
+    )
 
 
 def test_a_fresh_start_keeps_an_earlier_runs_metrics_and_config(tiny, tmp_path):

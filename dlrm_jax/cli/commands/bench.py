@@ -258,11 +258,12 @@ def _stream(args) -> None:
     start_jax(devices_for(cfg), args)
     from dlrm_jax.bench.stream import bench_stream
     from dlrm_jax.data.preprocessing.preprocess import SkipLog
+    from dlrm_jax.data.sources import criteo_paths
     from dlrm_jax.data.sources.criteo import CriteoFormatError, criteo_windows
     from dlrm_jax.data.sources.drifting import DriftingStream
 
     if args.criteo:
-        paths = [p.strip() for p in args.criteo.split(",") if p.strip()]
+        paths = criteo_paths(args.criteo)
         skipped = SkipLog(cfg.data.skip_bad_lines, CriteoFormatError)
         windows = criteo_windows(paths, args.window_samples, args.windows, skipped)
         if skipped.by_reason:
@@ -311,7 +312,9 @@ def _check_stream_args(args, cfg) -> None:
             f"--windows {args.windows}: at least 2 (each window is evaluated by the model trained on "
             f"the ones before it){'; 0 reads every window of --criteo' if not args.criteo else ''}"
         )
-    for path in (p.strip() for p in (args.criteo or "").split(",") if p.strip()):
+    from dlrm_jax.data.sources import criteo_paths  # (numpy only: no JAX before start_jax)
+
+    for path in criteo_paths(args.criteo or ""):
         if not Path(path).is_file():
             raise ConfigError(f"--criteo {path}: no such file")
 

@@ -60,6 +60,7 @@ from dlrm_jax.data.preprocessing.prep_phases import (
 from dlrm_jax.data.preprocessing.prep_pool import default_workers, worker_pool
 from dlrm_jax.data.preprocessing.prep_split import plan_split
 from dlrm_jax.data.preprocessing.preprocess import PreprocessReport, byte_progress, check_input_files
+from dlrm_jax.files import check_each_once, file_key
 
 __all__ = ["Options", "default_workers", "write_dataset"]  # default_workers: re-exported for the formats
 
@@ -132,27 +133,13 @@ def write_dataset(
 
 def _check_disjoint(inputs: Sequence[str], val_inputs: Sequence[str]) -> None:
     """Every input file once: not twice in a list, not both trained on and held out."""
-
-    def key(p):
-        try:
-            st = os.stat(p)
-            return st.st_dev, st.st_ino
-        except OSError:
-            return str(Path(p).resolve())
-
-    for flag, paths in (("--input", inputs), ("--val-input", val_inputs)):
-        seen: dict = {}
-        for p in paths:
-            if (k := key(p)) in seen:
-                raise ValueError(
-                    f"{flag} {p}: given twice ({seen[k]} is the same file): its rows would be read twice; give it once"
-                )
-            seen[k] = p
-    train = {key(p): p for p in inputs}
+    check_each_once(list(inputs), "--input")
+    check_each_once(list(val_inputs), "--val-input")
+    train = {file_key(p): p for p in inputs}
     for p in val_inputs:
-        if key(p) in train:
+        if file_key(p) in train:
             raise ValueError(
-                f"--val-input {p}: also an --input ({train[key(p)]}): its rows would be trained on and "
+                f"--val-input {p}: also an --input ({train[file_key(p)]}): its rows would be trained on and "
                 f"then scored as held out; give the validation file(s) only once, to --val-input"
             )
 

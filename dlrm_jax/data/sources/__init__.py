@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from dlrm_jax.config import ConfigError, DataConfig, check_features
 from dlrm_jax.data.batch import DataSource
+from dlrm_jax.files import add_sampled, check_each_once
 
 
 def check_data_path(cfg) -> None:
@@ -46,7 +48,8 @@ def _check_criteo_path(cfg) -> None:
             f"data.num_dense={d.num_dense}, {cfg.num_features} tables (data.cardinalities) and bags of up to "
             f"{max(cfg.bag_sizes)} (data.bag_sizes): use --config criteo_kaggle or default, or set those keys"
         )
-    for p in (p.strip() for p in cfg.data.path.split(",") if p.strip()):
+    paths = criteo_paths(cfg.data.path)
+    for p in paths:
         if Path(p).is_dir():
             raise ConfigError(
                 f"data.path={p}: a folder, and data.source=criteo reads Criteo text files; "
@@ -54,6 +57,38 @@ def _check_criteo_path(cfg) -> None:
             )
         if not Path(p).is_file():
             raise ConfigError(f"data.path={p}: no such file (data.source=criteo reads Criteo text files)")
+    try:  # (the held-out lines of one copy were trained on in the other)
+        check_each_once(paths, "data.path: the file")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def data_identity(cfg) -> dict | None:
+    """What a run records of the data it reads to know it again (``dataset.json``): a binary
+    dataset's :func:`~dlrm_jax.data.shards.dataset_identity`; Criteo text files' paths, bytes
+    and a digest of their sizes and ends (lines appended, or other files in their place, show);
+    None for data made on the fly, or files that cannot be read."""
+    if cfg.data.source == "binary":
+        from dlrm_jax.data.shards import dataset_identity
+
+        return dataset_identity(cfg.data.path)
+    if cfg.data.source == "criteo":
+        h, paths = hashlib.sha256(), criteo_paths(cfg.data.path)
+        try:
+            size = sum(add_sampled(h, p) for p in paths)
+        except OSError:  # (not there: the source names it; nothing to know again)
+            return None
+        return {
+            "path": ",".join(str(Path(p).absolute()) for p in paths),
+            "content_sha256": h.hexdigest(),
+            "bytes": size,
+        }
+    return None
+
+
+def criteo_paths(data_path: str) -> list[str]:
+    """``data.source=criteo``'s files: ``data.path``'s comma-separated paths, in order."""
+    return [p.strip() for p in data_path.split(",") if p.strip()]
 
 
 def resolve_data_config(cfg):

@@ -31,7 +31,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     is_gzip,
     open_input,
 )
-from dlrm_jax.data.sources import binary, check_data_path
+from dlrm_jax.data.sources import binary, check_data_path, criteo_paths
 from dlrm_jax.data.sources.drifting import StreamWindow
 from dlrm_jax.data.sources.synthetic import RawSamples, normalise_dense
 from dlrm_jax.ids import raw_columns
@@ -224,7 +224,7 @@ class CriteoTSVSource:
 
     def __init__(self, cfg, process_index: int = 0, process_count: int = 1):
         check_data_path(cfg)  # Criteo's shape, and files
-        self.paths = [p.strip() for p in cfg.data.path.split(",") if p.strip()]
+        self.paths = criteo_paths(cfg.data.path)
         for p in self.paths:
             if is_gzip(p):
                 raise CriteoFormatError(
