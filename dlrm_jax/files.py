@@ -98,12 +98,15 @@ def make_dir(path: str | Path, what: str) -> Path:
 
 def check_new_folder(dest: str | Path, what: str) -> Path:
     """``dest`` if it is new or an empty folder (where :func:`new_folder` may write), else a
-    FileExistsError: ``what`` never mixes its files with others."""
-    dest = Path(dest)
+    FileExistsError: ``what`` never mixes its files with others. A symbolic link is followed (the
+    folder it points at, made or not yet: a link cannot be renamed over as a folder is)."""
+    dest = Path(os.path.realpath(dest)) if Path(dest).is_symlink() else Path(dest)
     if dest.exists() and not dest.is_dir():
         raise FileExistsError(f"{dest}: is a file, not a folder; {what} into a new folder")
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest}: exists and is not empty; {what} into a new folder")
+    if os.path.ismount(dest):  # (the folder is made beside it and renamed into place: not over a mount)
+        raise FileExistsError(f"{dest}: a mount point; {what} into a new folder inside it, e.g. {dest / 'out'}")
     return dest
 
 
@@ -143,7 +146,9 @@ def written_whole(path: str | Path, mode: str = "w") -> Iterator[Any]:
 def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
     """A folder that appears at ``dest`` whole or not at all: ``dest`` must be new or empty;
     the ``with`` body writes into ``dest.partial`` (returned), renamed to ``dest`` when it
-    ends, removed when it raises. A full disk is one error naming ``what`` and ``dest``."""
+    ends, removed when it raises. A full disk is one error naming ``what`` and ``dest``. A
+    symbolic link at ``dest`` (to an empty folder, or to none yet) is written through: the
+    folder appears where it points."""
     dest = check_new_folder(dest, what)
     work = dest.with_name(dest.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
@@ -152,12 +157,12 @@ def new_folder(dest: str | Path, what: str) -> Iterator[Path]:
     with full_disk_as(full):
         try:
             yield work
+            if dest.exists():
+                dest.rmdir()
+            work.rename(dest)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)  # nothing half-written is left to be taken for the whole
             raise
-    if dest.exists():
-        dest.rmdir()
-    work.rename(dest)
 
 
 class FolderLock:

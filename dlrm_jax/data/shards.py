@@ -225,6 +225,10 @@ def check_output_target(output: str | Path, overwrite: bool = False) -> None:
     ``overwrite`` (runs trained on it would resume on other rows), anything else never, nor a
     dataset's folder that holds anything else too (replacing the folder would delete it)."""
     out = check_dir(output, "output")  # a file at it or at a parent: named, not "[Errno 20]"
+    if os.path.ismount(os.path.realpath(out)):  # (written beside it and renamed into place: not over a mount)
+        raise FileExistsError(
+            f"--output {out}: a mount point; preprocess into a new folder inside it, e.g. {out / 'data'}"
+        )
     if not out.exists() or not any(out.iterdir()):
         return
     if not (out / META_FILE).exists():

@@ -1,0 +1,59 @@
+"""The folders and files the project writes appear whole or not at all (dlrm_jax/files.py)."""
+
+import os
+
+import pytest
+
+from dlrm_jax.files import new_folder
+
+
+def test_a_new_folder_through_a_symbolic_link_appears_where_it_points(tmp_path):
+    """Before: export --output LINK (to an empty folder, or to none yet) wrote everything, then
+    failed to rename over the link ('Not a directory') and left LINK.partial behind."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to_empty").symlink_to(tmp_path / "empty")
+    (tmp_path / "to_none").symlink_to(tmp_path / "later" / "none")
+    for link, target in (("to_empty", "empty"), ("to_none", "later/none")):
+        with new_folder(tmp_path / link, "export") as work:
+            (work / "a.txt").write_text("whole")
+        assert (tmp_path / target / "a.txt").read_text() == "whole"
+        assert (tmp_path / link).is_symlink() and (tmp_path / link / "a.txt").is_file()
+    assert not [p for p in tmp_path.rglob("*.partial")]
+
+
+def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Before: a mount point (a container's volume) was written beside, on the parent's disk,
+    then could not be renamed over: the whole export failed at its end, its .partial left."""
+    dest = tmp_path / "volume"
+    dest.mkdir()
+    mounted = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(dest) or mounted(p))
+    with pytest.raises(FileExistsError, match=f"{dest}: a mount point; export into a new folder inside it"):
+        with new_folder(dest, "export"):
+            raise AssertionError("nothing is written")
+    assert list(tmp_path.iterdir()) == [dest]
+
+
+def test_a_folder_that_cannot_be_put_in_place_leaves_no_partial(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refused(self, target):
+        raise OSError(16, "Device or resource busy", str(target))
+
+    monkeypatch.setattr(Path, "rename", refused)
+    with pytest.raises(OSError, match="busy"):
+        with new_folder(tmp_path / "out", "export") as work:
+            (work / "a.txt").write_text("x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_preprocess_onto_a_mount_point_is_refused_first(tmp_path, monkeypatch):
+    """Before: '[Errno 16] Device or resource busy' after the whole dataset was written."""
+    from dlrm_jax.data.shards import check_output_target
+
+    dest = tmp_path / "volume"
+    dest.mkdir()
+    mounted = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(dest) or mounted(p))
+    with pytest.raises(FileExistsError, match=f"--output {dest}: a mount point; preprocess into a new folder inside"):
+        check_output_target(dest)
