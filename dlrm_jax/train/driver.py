@@ -94,6 +94,9 @@ class StepDriver:
         id of the disk tier the checkpoint needs (None: none), which it keeps."""
         return None
 
+    def tiers_saved(self, saved_steps: list[int]) -> None:
+        """Once every checkpoint is committed and rotated: the checkpoints there are ``saved_steps``."""
+
     def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
         """AUC, logloss and samples scored of the held-out split, or of ``batches``."""
         return evaluate(self.steps, state, self.source, None, batches)
@@ -241,6 +244,9 @@ class TieredDriver(StepDriver):
         # the tier's snapshot first: a saved step always has one
         self.tiered.checkpoint(step, state.emb.tables, state.emb.slots, saved_steps, keep, state.emb.hot)
         return self.tiered.owner.id
+
+    def tiers_saved(self, saved_steps: list[int]) -> None:
+        self.tiered.keep_saved(saved_steps)
 
     def evaluate(self, state: TrainState, batches=None) -> tuple[float, float, int]:
         return evaluate(self.steps, state, self.source, self.runner, batches)

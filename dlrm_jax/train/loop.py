@@ -424,9 +424,15 @@ class TrainingLoop:
             tier,
         )
 
-    def interrupted(self, step: int, signum: int) -> Interrupted:
+    def settle(self) -> None:
+        """The run ends: its checkpoints committed and rotated, and the tier's snapshots of
+        those rotated away removed."""
         if self.ckpts:
             self.ckpts.wait()
+            self.driver.tiers_saved(self.ckpts.all_steps())
+
+    def interrupted(self, step: int, signum: int) -> Interrupted:
+        self.settle()
         self.bar.close()
         return Interrupted(signum, step, saved=self.ckpts is not None)
 

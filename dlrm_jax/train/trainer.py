@@ -282,6 +282,7 @@ def _train(
             if loop.stop_reason:
                 log(f"early stop at step {step}: {loop.stop_reason}")
                 break
+    loop.settle()
     loop.bar.close()
     report_progress(end, "finishing")
     if loop.trained_steps == 0 and t.evaluates:  # the run's end, saved, but its evaluation not recorded

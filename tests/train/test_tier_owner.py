@@ -135,11 +135,12 @@ def test_a_tier_in_use_by_a_run_is_refused_to_another(tiny, tmp_path):
 def test_the_tier_keeps_snapshots_only_of_the_checkpoints_left(tiny, tmp_path):
     """Before: each save told the tier which checkpoints remain before the last save's rotation
     had removed any, so the tier kept snapshots of checkpoints already gone (checkpoints 60 65
-    70 beside snapshots 36 40 60 65 70): on a large tier, copies of the tables. Now at most the
-    one the rotation after the last save removed is left, until the next save."""
+    70 beside snapshots 36 40 60 65 70): on a large tier, copies of the tables. Then a run's
+    end left the one the rotation after its last save removed, for good (a finished run's
+    tier held a snapshot of no checkpoint); now a run ends with just the checkpoints'."""
     run = tmp_path / "run"
+    steps = lambda folder: sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
     train_and_evaluate(tiny("train.steps=10", *RUN, "train.keep_checkpoints=2"), run, **QUIET)
+    assert steps(run / "checkpoints") == steps(run / "tier" / "snapshots") == [8, 10]
     train_and_evaluate(tiny("train.steps=14", *RUN, "train.keep_checkpoints=2"), run, **QUIET)
-    checkpoints = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    snapshots = sorted(int(p.name) for p in (run / "tier" / "snapshots").iterdir())
-    assert checkpoints == [12, 14] and snapshots == [10, 12, 14], (checkpoints, snapshots)
+    assert steps(run / "checkpoints") == steps(run / "tier" / "snapshots") == [12, 14]

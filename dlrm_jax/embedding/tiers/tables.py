@@ -305,6 +305,13 @@ class TieredTables(FillPrograms):
         self._snapshotted = [*self._snapshotted[-(keep - 1) :], step] if keep > 1 else [step]
         self.store.keep_snapshots(sorted(set(saved) | set(self._snapshotted)))
 
+    def keep_saved(self, saved: list[int]) -> None:
+        """Once every checkpoint is committed and rotated (a run's end): only the snapshots of
+        the checkpoints in ``saved`` stay (:meth:`checkpoint` kept those rotation was about to
+        remove, and a run's last save left one, a copy of every chunk it changed, for good)."""
+        self._snapshotted = [s for s in self._snapshotted if s in saved]
+        self.store.keep_snapshots(sorted(saved))
+
     def restore(self, step: int) -> None:
         """Resume from the snapshot of ``step`` (0: the initial tables): the tier as it was,
         every cache empty. A snapshot that is missing is an error naming the folder."""
