@@ -118,7 +118,7 @@ def full_disk_as(message: Callable[[], str]) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if errno.ENOSPC not in (getattr(e, "errno", None), _os_error_code(e)):
+        if errno.ENOSPC not in (getattr(e, "errno", None), os_error_code(e)):
             raise
         error = OSError(message())
         error.errno = errno.ENOSPC
@@ -206,9 +206,12 @@ class FolderLock:
             self.fd = None
 
 
-def _os_error_code(e: BaseException) -> int | None:
-    """The OS error a library reported in its message only (tensorstore: ``[os_error_code='28']``)."""
+def os_error_code(e: BaseException | str) -> int | None:
+    """The OS error a library reported in its message only (tensorstore: ``[os_error_code='28']``;
+    ``e``: the exception or its text)."""
     text = str(e)
+    if "No space left on device" in text:
+        return errno.ENOSPC
     at = text.find("os_error_code='")
     if at < 0:
         return None

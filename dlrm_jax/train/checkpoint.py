@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
+from dlrm_jax.files import os_error_code
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 from dlrm_jax.train.checkpoint_leases import remove_unheld
 from dlrm_jax.train.checkpoint_reader import CheckpointReader
@@ -178,10 +180,11 @@ class Checkpoints(CheckpointReader):
         except OSError as e:
             raise self._write_error(self._saving, e) from None
         except Exception as e:  # orbax re-raises its writer threads' failures in other types
-            text = f"{e} {e.__cause__ or ''} {e.__context__ or ''}"
-            if "No space left on device" in text or "os_error_code='28'" in text:
-                raise self._write_error(self._saving, OSError(errno.ENOSPC, "no space left on device")) from None
-            raise
+            code = os_error_code(f"{e} {e.__cause__ or ''} {e.__context__ or ''}")
+            if code is None:
+                raise
+            # (a file size limit, a quota, an I/O error: tensorstore's text of it named no remedy)
+            raise self._write_error(self._saving, OSError(code, os.strerror(code))) from None
         self._saving = None
         self._rotate()
 

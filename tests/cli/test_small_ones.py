@@ -160,6 +160,14 @@ def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
     with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*no space left"):
         ckpts.wait()
 
+    def too_large():  # (a file size limit or a quota: tensorstore's text, named no remedy and no step)
+        raise ValueError("OUT_OF_RANGE: Error writing ...: File too large [os_error_code='27']")
+
+    ckpts._saving = 30
+    monkeypatch.setattr(ckpts._manager, "wait_until_finished", too_large)
+    with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*: File too large; "):
+        ckpts.wait()
+
 
 def test_more_devices_than_the_machine_gives_is_a_config_error():
     """Before: a ValueError, exit status 1 where every refused key exits 2."""

@@ -122,8 +122,11 @@ def write_dataset(
         existing = next(p for p in Path(output).absolute().parents if p.exists())
         free = shutil.disk_usage(existing).free
         need = 2 * sum(os.path.getsize(p) for p in [*inputs, *val_inputs] if os.path.isfile(p))
-        if e.errno != errno.ENOSPC and free >= need:
-            raise  # numpy's short writes carry no errno: a full disk is told by the free space
+        if e.errno != errno.ENOSPC and free >= need:  # numpy's short writes carry no errno nor file
+            raise OSError(
+                f"{output}: a write stopped short while preprocessing ({e}) with {free / 2**20:,.0f} MiB free: "
+                f"a limit on file sizes (ulimit -f) or a disk quota?; nothing was written"
+            ) from None
         raise OSError(
             f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
             f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
