@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,6 +126,8 @@ def new_json_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text} exists; give a new file (a benchmark's results are not replaced)")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: its folder {path.parent} does not exist (or is not a folder)")
+    if not os.access(path.parent, os.W_OK):  # (a read-only disk too, even for root)
+        raise argparse.ArgumentTypeError(f"{text}: its folder {path.parent} cannot be written to")
     return text
 
 

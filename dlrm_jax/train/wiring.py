@@ -503,6 +503,11 @@ def decay_moved(old, new, start: int) -> str:
 def tier_root(cfg: Config, run_dir: Path | None) -> Path:
     """The disk tier's folder: embedding.tier.path, or RUN_DIR/tier."""
     if cfg.embedding.tier.path:
+        if run_dir is not None and Path(cfg.embedding.tier.path).resolve() == Path(run_dir).resolve():
+            raise ConfigError(  # (its lock is the run dir's: the run was refused as the tier's other user)
+                f"embedding.tier.path={cfg.embedding.tier.path}: the run dir itself; give the tier a folder of "
+                f"its own, or leave the key '' for RUN_DIR/tier"
+            )
         return check_dir(cfg.embedding.tier.path, "embedding.tier.path")
     if run_dir is None:
         raise ValueError("embedding.storage=tiered needs a run dir (--run-dir) or embedding.tier.path")

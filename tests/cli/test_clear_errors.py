@@ -4,10 +4,12 @@ truncated .gz inputs, malformed flags, NaN in JSON, SIGTERM before training, per
 import gzip
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -988,16 +990,23 @@ def test_a_pipe_given_as_input_is_named_as_a_pipe_not_a_folder(tmp_path):
         check_input_files([str(tmp_path / "pipe")])
 
 
-def test_a_benchmarks_output_is_checked_before_it_runs(capsys, tmp_path):
+def test_a_benchmarks_output_is_checked_before_it_runs(capsys, tmp_path, monkeypatch):
     """Before: the benchmark ran to its end, then 'Is a directory' (its results lost), or it
     replaced a file that held earlier results."""
     (tmp_path / "old.json").write_text("{}")
     (tmp_path / "f").write_text("")
+    (tmp_path / "locked").mkdir()
+    writable = os.access  # (a read-only folder, as root sees one: a read-only disk)
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p).name != "locked" and writable(p, mode))
     for output, says in (
         (tmp_path, f"{tmp_path} is a folder; give a file in it"),
         (tmp_path / "old.json", f"{tmp_path / 'old.json'} exists; give a new file (a benchmark's results are not"),
         (tmp_path / "f" / "x.json", f"{tmp_path / 'f' / 'x.json'}: its folder {tmp_path / 'f'} does not exist"),
         (tmp_path / "no" / "x.json", f"{tmp_path / 'no' / 'x.json'}: its folder"),
+        (
+            tmp_path / "locked" / "x.json",
+            f"{tmp_path / 'locked' / 'x.json'}: its folder {tmp_path / 'locked'} cannot be",
+        ),
     ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "collectives", "--output", str(output)])

@@ -165,7 +165,9 @@ def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
 
     ckpts._saving = 30
     monkeypatch.setattr(ckpts._manager, "wait_until_finished", too_large)
-    with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*: File too large; "):
+    with pytest.raises(
+        CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*: File too large; "
+    ):
         ckpts.wait()
 
 

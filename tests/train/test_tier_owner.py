@@ -144,3 +144,15 @@ def test_the_tier_keeps_snapshots_only_of_the_checkpoints_left(tiny, tmp_path):
     assert steps(run / "checkpoints") == steps(run / "tier" / "snapshots") == [8, 10]
     train_and_evaluate(tiny("train.steps=14", *RUN, "train.keep_checkpoints=2"), run, **QUIET)
     assert steps(run / "checkpoints") == steps(run / "tier" / "snapshots") == [12, 14]
+
+
+def test_a_tier_path_that_is_the_run_dir_itself_is_refused_by_name(tiny, tmp_path):
+    """Before: 'the disk tier is in use by pid N', N the run's own (the tier's lock file and the
+    run dir's are one)."""
+    from dlrm_jax.config import ConfigError
+    from dlrm_jax.train.wiring import tier_root
+
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="embedding.tier.path=.*: the run dir itself; give the tier a folder"):
+        tier_root(tiny(*TIERED, f"embedding.tier.path={tmp_path}/./run"), run)
+    assert tier_root(tiny(*TIERED, f"embedding.tier.path={run}/tier"), run) == run / "tier"
