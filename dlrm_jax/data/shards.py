@@ -16,6 +16,8 @@ size, each a folder that can be written, copied to the host that reads it, and c
     PATH/vocab/feature_{f}.npy           uint64 [K_f, 2]: (value, count) per id (vocabularies:
                                          of ids 1..K_f; hashing: of ids 0..K_f-1, the value
                                          being the hashed one)
+    PATH/side_files/schema.yaml,         a tabular dataset's schema and join files (meta's
+    PATH/side_files/joins/NAME/FILE      ``side_files``), copied as preprocessing read them
     PATH/train/id_counts.npz             ids_{f}, counts_{f}: the most frequent ids of feature f
                                          and their counts over the rows values were counted on
                                          (meta's vocab_from: train or all rows; one-hot only)
@@ -45,8 +47,9 @@ SHARD_FILE = "shard.json"
 ID_COUNTS_FILE = "id_counts.npz"
 SPLITS = ("train", "val")
 VOCAB_DIR = "vocab"  # a vocabulary per feature: VOCAB_DIR/feature_{f}.npy
+SIDE_FILES = "side_files"  # a tabular dataset's schema and join files, as preprocessing read them
 # everything a preprocessed dataset's folder holds (what --overwrite may replace)
-DATASET_ENTRIES = frozenset((META_FILE, *SPLITS, VOCAB_DIR))
+DATASET_ENTRIES = frozenset((META_FILE, *SPLITS, VOCAB_DIR, SIDE_FILES))
 ARRAY_DTYPES = {"dense": np.float32, "ids": np.int32, "labels": np.float32}
 RAW_DTYPES = {"raw": np.uint64}  # a shard's raw values, when the dataset keeps them
 HISTOGRAM_IDS = 1 << 20  # ids kept per feature in id_counts.npz: far more than any hot set
@@ -118,8 +121,8 @@ def _file_names(value):
 def content_digest(path: str | Path) -> str:
     """A digest of what the dataset at ``path`` holds, wherever it and its inputs lie: its
     ``meta.json`` with the inputs' folders left out, every shard's ``shard.json`` (the CRC-32
-    of each of its files) and each vocabulary's size and ends (the raw values its ids stand
-    for: two inputs that differ only in their values can give equal shards). The same data
+    of each of its files) and each vocabulary's and side file's size and ends (the raw values
+    its ids stand for: two inputs that differ only in their values can give equal shards). The same data
     preprocessed again the same way, from anywhere, has the same digest; reading it costs
     kilobytes, not the data."""
     root = Path(path)
@@ -129,10 +132,10 @@ def content_digest(path: str | Path) -> str:
     for split in SPLITS:
         for index in range(len(meta["shards"][split])):
             h.update((root / split / shard_name(index) / SHARD_FILE).read_bytes())
-    vocab = root / VOCAB_DIR
-    for file in sorted(vocab.iterdir()) if vocab.is_dir() else ():
-        h.update(file.name.encode())
-        add_sampled(h, file)
+    for folder in (root / VOCAB_DIR, root / SIDE_FILES):  # (the side files: a tabular schema and its joins)
+        for file in sorted(p for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else ():
+            h.update(str(file.relative_to(root)).encode())
+            add_sampled(h, file)
     return h.hexdigest()
 
 

@@ -306,14 +306,25 @@ def _rules(work: Path, cfg) -> dict:
     else:
         spec |= {"missing_id": MISSING_ID, "oov_id": OOV_ID}
     if "schema" in meta:  # the schema and its join files, as preprocessing read them
+        # (copied into the dataset; one preprocessed before that names them where they were)
+        side = meta.get("side_files") or {"schema": meta["schema"], "joins": meta.get("joins", {})}
         spec["schema"] = "rules/schema.yaml"
-        shutil.copyfile(meta["schema"], work / spec["schema"])
+        _copy_side_file(root / side["schema"], work / spec["schema"], cfg)
         spec["joins"] = {}
-        for name, path in meta.get("joins", {}).items():
+        for name, path in side["joins"].items():
             spec["joins"][name] = f"rules/joins/{name}/{Path(path).name}"
             (work / spec["joins"][name]).parent.mkdir(parents=True)
-            shutil.copyfile(path, work / spec["joins"][name])
+            _copy_side_file(root / path, work / spec["joins"][name], cfg)
     return spec
+
+
+def _copy_side_file(source: Path, dest: Path, cfg) -> None:
+    if not source.is_file():  # (a bare "[Errno 2]" before)
+        raise FileNotFoundError(
+            f"{source}: the tabular schema or a join file the dataset was preprocessed with (data.path="
+            f"{cfg.data.path}) is gone; a serving artifact carries them: put it back, or preprocess the data again"
+        )
+    shutil.copyfile(source, dest)
 
 
 def _dense_transform(cfg) -> dict:

@@ -89,7 +89,7 @@ def write_dataset(
     output: str | Path,
     opts: Options,
     val_inputs: Sequence[str] = (),
-    meta: Callable[[dict], dict] = lambda extra: {},
+    meta: Callable[[dict, Path], dict] = lambda extra, root: {},
     overwrite: bool = False,
 ) -> PreprocessReport:
     """Preprocess ``inputs`` (and ``val_inputs``, whole files for the val split) with
@@ -97,7 +97,8 @@ def write_dataset(
     disk is one line naming the output and the space it takes (nothing is left behind); a
     validation file that is also an input (every later AUC would score training rows), a
     missing input and a non-empty output (an earlier dataset: unless ``overwrite``) are
-    refused before any work."""
+    refused before any work. ``meta(extra, root)``: the parser's own meta.json keys, given
+    its workers' summed ``extra``, with the dataset's folder as written (it may put files there)."""
     check_input_files(inputs, val_inputs)
     _check_disjoint(inputs, val_inputs)
     if opts.raw_values and opts.multi_hot:  # the rule's extra ids are drawn, and have no values
@@ -253,7 +254,7 @@ def _write_dataset(
                 "lines_read": sum(r["lines"] for r in results),
                 "skipped": by_reason.total(),
                 "skipped_by_reason": dict(by_reason),
-                **meta(extra),
+                **meta(extra, out.root),  # (it may copy files into the dataset: the side files a schema joins)
             }
         )
     seconds["total"] = time.perf_counter() - t0

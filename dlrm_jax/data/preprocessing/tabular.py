@@ -13,6 +13,7 @@ column or a comparison with a threshold. Records that cannot be used are reporte
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -177,13 +178,24 @@ def preprocess_tabular(
         progress=progress,
     )
 
-    def meta(extra: dict) -> dict:
+    def meta(extra: dict, root: Path) -> dict:
+        # The schema and its join files go into the dataset: serving exports them as the rules
+        # of raw records, and the files preprocessing read may be edited, moved or deleted later.
+        side = shards.SIDE_FILES
+        copied = {
+            "schema": f"{side}/schema.yaml",
+            "joins": {k: f"{side}/joins/{k}/{Path(v).name}" for k, v in joins.items()},
+        }
+        for source, to in [(schema.path, copied["schema"]), *((joins[k], v) for k, v in copied["joins"].items())]:
+            (root / to).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, root / to)
         return {
             "schema": str(Path(schema.path).resolve()),
             "dense_features": [f.name for f in schema.dense],
             "categorical_features": [f.name for f in schema.categorical],
             "joins": {k: str(Path(v).resolve()) for k, v in joins.items()},
             "join_misses": {k: extra.get("join_misses", {}).get(k, 0) for k in names},
+            "side_files": copied,  # (in the dataset's folder: what it was made from, as it was read)
         }
 
     parser = TabularParser(schema, sides, chunk_lines)
