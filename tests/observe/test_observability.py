@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import struct
 
@@ -127,6 +128,17 @@ def test_report_names_a_bad_metrics_line(tmp_path, capsys):
     assert f"{tmp_path / 'a' / 'metrics.jsonl'}:2: not a JSON object" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing")]) == 1
     assert "is " + str(tmp_path / "missing") + " a run directory" in capsys.readouterr().err
+    # one run given twice (plotted twice under one label, before); a run dir that cannot be written
+    fake_run(tmp_path / "b", [0.7], 1.0)
+    assert main(["report", str(tmp_path / "b"), f"{tmp_path}/./b"]) == 1
+    assert f"{tmp_path}/./b: given twice ({tmp_path / 'b'} is the same run dir)" in capsys.readouterr().err
+    writable = os.access
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "access", lambda p, mode: os.fspath(p) != str(tmp_path / "b") and writable(p, mode))
+        assert main(["report", str(tmp_path / "b")]) == 1
+    assert (
+        "cannot be written to (a read-only run dir?); give the plots a folder: --output DIR" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from dlrm_jax.files import file_key
 
 NAME = "report"
 HELP = "PNG plots of runs' metrics.jsonl (and profile.json), on shared axes"
@@ -22,7 +25,16 @@ def run(args) -> int:
     from dlrm_jax.observe.report import load_run, run_labels, summary, write_report
 
     run_dirs = [Path(p) for p in args.run_dirs]
+    seen: dict = {}
+    for d in args.run_dirs:  # (plotted twice under one label, the legend could not tell them apart)
+        if (key := file_key(d)) in seen:
+            raise ValueError(f"{d}: given twice ({seen[key]} is the same run dir); give each run once")
+        seen[key] = d
     output = Path(args.output) if args.output else run_dirs[0] / "report"
+    if not args.output and run_dirs[0].is_dir() and not os.access(run_dirs[0], os.W_OK):
+        raise ValueError(
+            f"{run_dirs[0]}: cannot be written to (a read-only run dir?); give the plots a folder: --output DIR"
+        )
     for path in write_report(run_dirs, output):
         print(f"wrote {path}", flush=True)
     for run_dir, label in zip(run_dirs, run_labels(run_dirs), strict=True):
