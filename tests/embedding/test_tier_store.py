@@ -262,6 +262,27 @@ def test_a_full_disk_names_the_file_and_changes_nothing(store, tmp_path, monkeyp
     assert_equal(tables_at(tmp_path / "tier/snapshots/1"), before)
 
 
+def test_a_tier_made_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """Before: tensorstore's text of the failed write, and a half-built work.tmp left behind."""
+    from dlrm_jax.embedding.tiers import snapshots
+
+    made = []
+
+    def fill_then_full(path, table, fields, init):
+        if made:
+            raise ValueError(f"Error writing {path}: [os_error_code='28'] No space left on device")
+        made.append(table)
+        real(path, table, fields, init)
+
+    real = snapshots.bulk_load
+    monkeypatch.setattr(snapshots, "bulk_load", fill_then_full)
+    with pytest.raises(
+        OSError, match=f"tier path {tmp_path / 'tier'}: no space left on device for the tiered tables' "
+    ):
+        TierStore.create(tmp_path / "tier", TABLES, reference, CHUNK_ROWS)
+    assert made and list((tmp_path / "tier").iterdir()) == []
+
+
 def test_export_writes_compressed_arrays_of_work_or_a_snapshot(store, tmp_path):
     store.snapshot(1)
     at_1 = contents(store)

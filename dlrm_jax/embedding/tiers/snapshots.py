@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from dlrm_jax.embedding.plan.stats import fmt_bytes
 from dlrm_jax.embedding.tiers.format import (
     CHECKSUMS,
     EXPORT_CODECS,
@@ -38,7 +39,7 @@ from dlrm_jax.embedding.tiers.format import (
     saved_chunk_rows,
 )
 from dlrm_jax.embedding.tiers.integrity import verified_rows
-from dlrm_jax.files import make_dir
+from dlrm_jax.files import full_disk_as, make_dir
 
 Arrays = dict[str, dict[str, ArrayLayout]]  # {table: {field: layout}}
 
@@ -126,11 +127,21 @@ def build_work(root: Path, tables: TierTables, init: RowInit, chunk_rows: int | 
         }
         arrays[table][CHECKSUMS] = checksum_layout(arrays[table])
     build = root / "work.tmp"
-    for table, fields in arrays.items():
-        bulk_load(build / table, table, fields, init)
-    for path in sorted(build.rglob("*"), reverse=True):  # files before their directories
-        fsync(path)
-    fsync(build)
+    need = sum(a.rows * math.prod(a.shape) * a.np_dtype.itemsize for fields in arrays.values() for a in fields.values())
+    full = lambda: (
+        f"tier path {root}: no space left on device for the tiered tables' {fmt_bytes(need)}; nothing was "
+        f"kept: free space there, or give the tier another disk (embedding.tier.path)"
+    )
+    with full_disk_as(full):
+        try:
+            for table, fields in arrays.items():
+                bulk_load(build / table, table, fields, init)
+            for path in sorted(build.rglob("*"), reverse=True):  # files before their directories
+                fsync(path)
+            fsync(build)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)  # (a half-built store is never taken for one)
+            raise
     os.replace(build, root / "work")
     fsync(root)
     return root
