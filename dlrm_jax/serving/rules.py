@@ -66,10 +66,17 @@ class IdRules:
                 fallback = len(values) if has_oov else (zero if zero < len(values) and values[zero] == 0 else 0)
                 self._unseen.append(int(fallback))
             else:
+                # (datasets preprocessed before 2026-11-25 numbered the values from 1, the
+                # unseen ones sharing id 0 with the missing: first_id 1, oov_id 0)
+                if "first_id" not in spec and self.cards[f] == len(kept) + 1:  # (such an export read them from 2)
+                    raise ArtifactError(
+                        f"{root}: exported from a dataset preprocessed before 2026-11-25, whose ids this export "
+                        f"misreads (its values numbered from 1): export the run again with this version"
+                    )
                 order = np.argsort(kept[:, 0], kind="stable")
                 self._sorted.append(kept[order, 0])
-                self._ids.append((order + 2).astype(np.int32))
-                self._unseen.append(OOV_ID)
+                self._ids.append((order + int(spec.get("first_id", OOV_ID + 1))).astype(np.int32))
+                self._unseen.append(int(spec.get("oov_id", OOV_ID)))
 
     def ids(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
         """uint64 [n, F] values and bool [n, F] missing -> int32 [n, F] table rows (multi-hot:
@@ -181,6 +188,11 @@ def raw_rules(root: Path, manifest: dict) -> CriteoRules | TabularRules:
     """The rules of an artifact, or an ArtifactError saying why raw rows cannot be scored."""
     spec = manifest.get("preprocessing") or {"kind": "none"}
     kind, rows = spec.get("kind"), spec.get("table_rows") or [f["rows"] for f in manifest["features"]]
+    if manifest.get("id_maps") and kind in ("vocabulary", "compact") and "raw_values" not in spec:
+        raise ArtifactError(  # (read as ids, its maps were given vocabulary ids where they hold raw values)
+            f"{root}: a model with dynamic tables exported by an older dlrm_jax, which did not record whether "
+            f"its maps hold raw values (preprocess --raw-values) or ids: export the run again with this version"
+        )
     if kind in ID_KINDS and spec.get("format") == "tabular":
         return TabularRules(root, spec, rows)
     if kind in ID_KINDS:

@@ -304,7 +304,7 @@ def _rules(work: Path, cfg) -> dict:
     if modulus:  # the compacted tables' row for hashed values training never counted, if any
         spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
     else:
-        spec |= {"missing_id": MISSING_ID, "oov_id": OOV_ID}
+        spec |= vocabulary_ids(root, meta)
     if "schema" in meta:  # the schema and its join files, as preprocessing read them
         # (copied into the dataset; one preprocessed before that names them where they were)
         side = meta.get("side_files") or {"schema": meta["schema"], "joins": meta.get("joins", {})}
@@ -316,6 +316,25 @@ def _rules(work: Path, cfg) -> dict:
             (work / spec["joins"][name]).parent.mkdir(parents=True)
             _copy_side_file(root / path, work / spec["joins"][name], cfg)
     return spec
+
+
+def vocabulary_ids(root: Path, meta: dict) -> dict:
+    """The ids a vocabulary dataset gave (the serving rules' ``missing_id``, ``oov_id`` and
+    ``first_id``, the id of a vocabulary's first value), told by its tables' rows: K values
+    and 2 more (missing, out of the vocabulary) since 2026-11-25; K and 1 before (missing and
+    out of the vocabulary one id, the values from 1), a layout whose meta.json is the same."""
+    extra = {
+        int(card) - len(np.load(root / VOCAB_DIR / f"feature_{f}.npy", mmap_mode="r"))
+        for f, card in enumerate(meta["cardinalities"])
+    }
+    if extra == {2}:
+        return {"missing_id": MISSING_ID, "oov_id": OOV_ID, "first_id": OOV_ID + 1}
+    if extra == {1}:
+        return {"missing_id": MISSING_ID, "oov_id": MISSING_ID, "first_id": 1}
+    raise ValueError(
+        f"{root}: its vocabularies do not match its tables' rows (meta.json's cardinalities): a damaged or "
+        f"edited dataset; preprocess the data again"
+    )
 
 
 def _copy_side_file(source: Path, dest: Path, cfg) -> None:

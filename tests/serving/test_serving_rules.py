@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dlrm_jax.serving.artifact import dequantize_int8, quantize_int8
-from dlrm_jax.serving.rules import IdRules
+from dlrm_jax.serving.artifact import ArtifactError, dequantize_int8, quantize_int8
+from dlrm_jax.serving.rules import IdRules, raw_rules
 from tests.helpers import examples
 
 ROWS = hnp.arrays(
@@ -41,3 +41,39 @@ def test_vocabulary_and_compact_ids_as_preprocessing_gives_them(tmp_path):
     spec["oov_rows"] = [None]  # every value counted in training (--vocab-from all): hashed 0's row
     np.save(tmp_path / "c.npy", np.array([[0, 3], [4, 2], [7, 1]], np.uint64))
     assert IdRules(tmp_path, spec, [3]).ids(np.array([[3]], np.uint64), np.zeros((1, 1), bool))[0, 0] == 0
+
+
+def test_a_dataset_numbered_from_1_is_exported_and_scored_by_its_own_ids(tmp_path):
+    """Datasets preprocessed before 2026-11-25 (the same meta.json format) gave a vocabulary's
+    values ids from 1, the unseen sharing 0 with the missing: their exports read them from 2
+    (98% of a sample's ids other than training's, scores up to 0.33 away, without a word)."""
+    from dlrm_jax.train.serving_export import vocabulary_ids
+
+    (tmp_path / "vocab").mkdir()
+    np.save(tmp_path / "vocab" / "feature_0.npy", np.array([[70, 9], [5, 4], [12, 1]], np.uint64))
+    assert vocabulary_ids(tmp_path, {"cardinalities": [5]}) == {"missing_id": 0, "oov_id": 1, "first_id": 2}
+    older = vocabulary_ids(tmp_path, {"cardinalities": [4]})
+    assert older == {"missing_id": 0, "oov_id": 0, "first_id": 1}
+    with pytest.raises(ValueError, match="its vocabularies do not match its tables' rows"):
+        vocabulary_ids(tmp_path, {"cardinalities": [9]})
+    spec = {"kind": "vocabulary", "files": ["vocab/feature_0.npy"], "cardinalities": [4]}
+    values = np.array([[70], [5], [12], [99], [0]], np.uint64)
+    empty = np.array([[False], [False], [False], [False], [True]])
+    assert IdRules(tmp_path, spec | older, [4]).ids(values, empty)[:, 0].tolist() == [1, 2, 3, 0, 0]
+    with pytest.raises(ArtifactError, match="exported from a dataset preprocessed before 2026-11-25, whose ids"):
+        IdRules(tmp_path, spec, [4])  # (an export that read them from 2: refused, not misread)
+
+
+def test_dynamic_tables_exported_before_their_maps_kind_was_recorded_are_refused(tmp_path):
+    """Before: read as maps of vocabulary ids, where preprocess --raw-values had given them raw
+    values (every line scored up to 0.39 away, without a word)."""
+    np.save(tmp_path / "v.npy", np.array([[70, 9]], np.uint64))
+    manifest = {
+        "features": [{"rows": 3}] * 26,
+        "id_maps": {"cat_1": {}},
+        "preprocessing": {"kind": "vocabulary", "format": "criteo", "files": ["v.npy"] * 26, "cardinalities": [3] * 26},
+    }
+    with pytest.raises(ArtifactError, match="dynamic tables exported by an older dlrm_jax, which did not record"):
+        raw_rules(tmp_path, manifest)
+    manifest["preprocessing"]["raw_values"] = False
+    assert raw_rules(tmp_path, manifest).maps_values is False
