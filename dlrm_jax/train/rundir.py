@@ -127,6 +127,21 @@ def describe_changes(changed: list[tuple[str, object, object]]) -> str:
     return "; ".join(_change(*c) for c in changed)
 
 
+def _default_note(changed: list[tuple[str, object, object]]) -> str:
+    """Where a change is to this version's default (a key the command may never have named: a
+    run of an older version resumed, whose defaults differed): how to go on as the run trained."""
+    defaults = Config().to_dict()
+    keep = [(k, old) for k, old, new in changed if _get(defaults, k) == new and not isinstance(old, list)]
+    if not keep:
+        return ""
+    sets = " ".join(
+        f"--set {k}={'null' if old is None else str(old).lower() if isinstance(old, bool) else old}" for k, old in keep
+    )
+    return (
+        f" (of these, {', '.join(k for k, _ in keep)} now this version's default; to go on as the run trained: {sets})"
+    )
+
+
 def _change(key: str, old, new) -> str:
     if not (isinstance(old, list) and isinstance(new, list) and max(len(old), len(new)) > 4):
         return f"{key} {old} -> {new}"
@@ -305,7 +320,7 @@ class RunDir:
                 )
             changed = config_differences(old, cfg)
             if changed:
-                log("resuming with changed settings: " + describe_changes(changed))
+                log("resuming with changed settings: " + describe_changes(changed) + _default_note(changed))
         self._dataset = None if source_given else data_identity(cfg)
         if resumes:
             self._check_dataset(cfg, log)

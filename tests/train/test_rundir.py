@@ -580,6 +580,22 @@ def test_config_yaml_records_paths_absolute(tiny, tmp_path, monkeypatch):
     )
 
 
+def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_path):
+    """A run of an older version, whose defaults differed, resumed by the same command took the
+    new defaults, said as 'resuming with changed settings', as if the command had changed them:
+    it now says which are the defaults and the --set that goes on as the run trained."""
+    with RunDir.open(tmp_path / "run", tiny("embedding.dynamic.new_rows=initializer", "train.steps=4")) as rd:
+        rd.record("", "{}")
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)  # (a checkpoint to resume)
+    logs = []
+    RunDir.open(tmp_path / "run", tiny("train.steps=8"), log=logs.append).close()
+    assert logs == [
+        "resuming with changed settings: train.steps 4 -> 8; embedding.dynamic.new_rows initializer -> shared "
+        "(of these, embedding.dynamic.new_rows now this version's default; to go on as the run trained: "
+        "--set embedding.dynamic.new_rows=initializer)"
+    ], logs
+
+
 def test_a_fresh_start_keeps_an_earlier_runs_metrics_and_config(tiny, tmp_path):
     """Before: a run dir whose checkpoints were removed trained again from step 0 without a word,
     and its metrics.jsonl was replaced by the new run's."""
