@@ -318,6 +318,14 @@ def load(
 def _check(root: Path, manifest: dict, verify_tables: bool) -> None:
     names = [n for n in manifest.get("files", {}) if verify_tables or not n.startswith("tables/")]
     check_files(root, manifest, names)
+    ids_range = (manifest.get("preprocessing") or {}).get("table_rows")
+    mapped = manifest.get("id_maps") or {}  # (a dynamic table's rows are its map's, not the ids' range)
+    for f, e in enumerate(manifest["features"] if ids_range and manifest.get("kind") == "full" else ()):
+        if e["table"] not in mapped and int(e["rows"]) < int(ids_range[f]):
+            raise ArtifactError(  # (exports of tiered tables before 2026-12-06 held only the devices' cache rows)
+                f"{root}: table {e['table']} holds {e['rows']:,} rows where its rules give ids up to "
+                f"{int(ids_range[f]):,}: an incomplete export by an older dlrm_jax; export the run again with this version"
+            )
 
 
 def _apply_delta(model: ServingModel, root: Path, verify_tables: bool) -> None:

@@ -759,6 +759,24 @@ def test_a_manifest_that_disagrees_with_its_function_is_refused_at_load_naming_b
         serving.load(tmp_path / "m")
 
 
+def test_an_export_whose_tables_hold_fewer_rows_than_its_ids_is_refused_at_load(criteo, tmp_path):
+    """Exports of tiered tables before 2026-12-06 held only the devices' cache rows: loaded,
+    every line with a later id failed with 'an id out of range', naming neither the artifact
+    nor the remedy."""
+    import shutil
+
+    _, art, _ = criteo
+    shutil.copytree(art["f16"], tmp_path / "art")
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    rows = manifest["features"][2]["rows"]
+    manifest["features"][2]["rows"] = rows // 2
+    (tmp_path / "art" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        ArtifactError, match=rf"table cat_2 holds {rows // 2:,} rows where its rules give ids up to {rows:,}: an"
+    ):
+        serving.load(tmp_path / "art")
+
+
 @pytest.mark.slow
 def test_a_delta_from_another_run_with_the_same_shapes_and_steps_is_refused(criteo, tmp_path):
     tmp, art, _ = criteo
