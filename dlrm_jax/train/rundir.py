@@ -322,6 +322,8 @@ class RunDir:
             if changed:
                 log("resuming with changed settings: " + describe_changes(changed) + _default_note(changed))
         self._dataset = None if source_given else data_identity(cfg)
+        if resumes and not (self.path / DATASET).exists():  # (a run from before the record: its data unknown,
+            self._dataset = None  # not recorded as what it trained on)
         if resumes:
             self._check_dataset(cfg, log)
         self._config_text = dump_config(cfg)

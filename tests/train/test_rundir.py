@@ -596,6 +596,23 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
     ], logs
 
 
+def test_a_run_from_before_the_data_record_is_not_given_one_at_its_resume(tiny, tmp_path):
+    """Before: a run dir without dataset.json (an older version's) resumed over other data
+    recorded that data as the one it trained on."""
+    (tmp_path / "a.tsv").write_text("1\t2\n")
+    (tmp_path / "b.tsv").write_text("0\t5\n" * 3)
+    cfg = lambda name: tiny("data.source=criteo", f"data.path={tmp_path / name}", "train.steps=4")
+    with RunDir.open(tmp_path / "run", cfg("a.tsv")) as rd:
+        rd.record("", "{}")
+    assert json.loads((tmp_path / "run" / "dataset.json").read_text())["bytes"] == 4
+    (tmp_path / "run" / "dataset.json").unlink()
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    logs = []
+    with RunDir.open(tmp_path / "run", cfg("b.tsv"), log=logs.append) as rd:
+        rd.record("", "{}")
+    assert not (tmp_path / "run" / "dataset.json").exists() and not [x for x in logs if "other data" in x], logs
+
+
 def test_a_fresh_start_keeps_an_earlier_runs_metrics_and_config(tiny, tmp_path):
     """Before: a run dir whose checkpoints were removed trained again from step 0 without a word,
     and its metrics.jsonl was replaced by the new run's."""
