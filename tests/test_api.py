@@ -38,6 +38,22 @@ def test_notebook_flow(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "4 True"
 
 
+def test_what_a_notebook_catches_pickles_and_log_none_is_quiet_everywhere(tiny, tmp_path, capsys):
+    """Interrupted could not be unpickled (a process pool returning it raised TypeError), and
+    export_serving/export_run took log=None as train_and_evaluate does only until their last
+    line: a TypeError after the export was written."""
+    import pickle
+
+    stopped = pickle.loads(pickle.dumps(dlrm_jax.Interrupted(2, 5, True)))
+    assert (stopped.signum, stopped.step, stopped.saved, str(stopped)) == (2, 5, True, "stopped by SIGINT after step 5")
+    run = tmp_path / "run"
+    dlrm_jax.train_and_evaluate(tiny("mesh.devices=1", "train.steps=2", "train.progress_bar=false"), run, log=None)
+    capsys.readouterr()
+    assert dlrm_jax.export_run(run, tmp_path / "tables", log=None) == 2
+    assert dlrm_jax.export_serving(run, tmp_path / "art", log=None) == 2
+    assert capsys.readouterr().out == ""
+
+
 def test_overrides_as_a_list_a_string_or_a_dict_and_a_changed_copy():
     a = dlrm_jax.load_config("smoke", ["train.steps=7", "model.bottom_mlp=[16, 8]"])
     b = dlrm_jax.load_config("smoke", {"train.steps": 7, "model.bottom_mlp": [16, 8]})

@@ -220,5 +220,9 @@ class Checkpoints(CheckpointReader):
         return ": fix or remove them, or pass a new --run-dir to start fresh"
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        except KeyboardInterrupt:  # (the run dir's lock goes after this: no second writer while these write)
+            self._manager.wait_until_finished()
+            raise
         self._manager.close()

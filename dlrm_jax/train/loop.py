@@ -61,6 +61,9 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
         self.signum, self.step, self.saved = signum, step, saved
         super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
 
+    def __reduce__(self):  # (pickled by a process pool: rebuilt from its own arguments, not its message)
+        return type(self), (self.signum, self.step, self.saved)
+
 
 class StopSignals:
     """SIGINT/SIGTERM set a flag the loop reads after each step, and say at once what will

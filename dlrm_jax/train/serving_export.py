@@ -63,7 +63,8 @@ def export_serving(
     """Write the serving artifact of ``run_dir``'s checkpoint at ``step`` (default: the newest
     intact; ``best``: train.keep_best's) to ``dest``, a new folder; ``tables``: float32,
     bfloat16 or int8 (per-row scale and offset); ``since``: a delta against that step's
-    checkpoint. Returns the step exported."""
+    checkpoint. Returns the step exported. ``log=None``: no lines."""
+    log = log or (lambda *_: None)  # (None raised TypeError after the artifact was written)
     if tables not in TABLE_DTYPES:
         raise ValueError(f"--tables {tables}: one of {', '.join(TABLE_DTYPES)}")
     dest = Path(dest)

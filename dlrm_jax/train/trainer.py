@@ -282,7 +282,11 @@ def _train(
             if loop.stop_reason:
                 log(f"early stop at step {step}: {loop.stop_reason}")
                 break
-    loop.settle()
+        # The last save committed under the loop's handlers: a stop now waits for it (outside
+        # them a notebook's Ctrl-C left it half written, and a re-run wrote over it at once).
+        loop.settle()
+        if stop.signum and jax.process_count() == 1:  # (several: each agrees only at steps, and all are done)
+            raise loop.interrupted(int(host_scalar(state.step)), stop.signum)
     loop.bar.close()
     report_progress(end, "finishing")
     if loop.trained_steps == 0 and t.evaluates:  # the run's end, saved, but its evaluation not recorded

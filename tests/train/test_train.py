@@ -153,3 +153,31 @@ def test_the_sparse_update_gets_the_gradient_in_the_dtype_the_model_read_the_vec
     _, fns = build(cfg, mesh_from_config(cfg), source, **QUIET)
     state, out, _ = fns.train_step(fns.init_state(), fns.device_batch(source.train_batch(0)))
     assert seen == [np.dtype(want)] and np.isfinite(float(out["loss"]))
+
+
+def test_a_stop_while_the_last_checkpoint_commits_waits_for_it(tiny, tmp_path, monkeypatch):
+    """A notebook's Ctrl-C while the run's last checkpoint was committing (the loop's handlers
+    gone) interrupted the wait and let the run dir's lock go with the write in flight; the
+    re-run the docs advise then wrote over it: no checkpoint, or a damaged one. Now the stop
+    waits for the commit and raises Interrupted, and the re-run finds the run done."""
+    import os
+    import signal
+
+    from dlrm_jax.train.loop import Interrupted
+
+    real, sent = Checkpoints.wait, []
+
+    def wait(self):
+        if self._saving == 4 and not sent:  # (the last save's commit, awaited at the run's end)
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        real(self)
+
+    monkeypatch.setattr(Checkpoints, "wait", wait)
+    cfg = tiny("mesh.devices=1", "train.steps=4", "train.checkpoint_every=2")
+    with pytest.raises(Interrupted) as e:
+        train_and_evaluate(cfg, tmp_path / "run", **QUIET)
+    assert sent and (e.value.step, e.value.saved) == (4, True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert evaluate_run(tmp_path / "run", log=lambda *_: None).step == 4
+    assert train_and_evaluate(cfg, tmp_path / "run", **QUIET).step == 4
