@@ -364,3 +364,56 @@ def test_an_array_source_takes_the_configs_data_shuffle(tiny):
     given = make(shuffle=True)  # given: kept over the config's
     given.check_config(cfg)
     assert first(given) != list(range(32))
+
+
+def test_the_process_wide_jax_settings_of_a_notebook_change_nothing(tiny, tmp_path):
+    """A notebook's jax_enable_x64 made the dense parameters float64 (checkpoints of either kind
+    then read as damaged in the other), its PRNG settings drew other initial weights from the
+    same seed, strict promotion failed deep in the step; a context mesh and disable_jit failed
+    there too. Now the settings are held around each call, and the two that cannot be are
+    refused in one line."""
+    import jax
+
+    cfg = tiny("mesh.devices=1", "train.steps=2", "train.progress_bar=false", "train.eval_batches=1")
+    plain = dlrm_jax.train_and_evaluate(cfg, tmp_path / "plain", log=None)
+    settings = {
+        "jax_enable_x64": True,
+        "jax_threefry_partitionable": False,
+        "jax_default_prng_impl": "rbg",
+        "jax_numpy_rank_promotion": "raise",
+        "jax_numpy_dtype_promotion": "strict",
+    }
+    before = {k: getattr(jax.config, k) for k in settings}
+    try:
+        for k, v in settings.items():
+            jax.config.update(k, v)
+        again = dlrm_jax.train_and_evaluate(cfg, tmp_path / "again", log=None)
+        assert (again.loss, again.auc, again.logloss) == (plain.loss, plain.auc, plain.logloss)
+        assert dlrm_jax.evaluate_run(tmp_path / "plain", log=None).auc == plain.auc  # (read as damaged, before)
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+    with jax.set_mesh(jax.make_mesh((1,), ("x",))), pytest.raises(RuntimeError, match="a mesh is set in JAX's context"):
+        dlrm_jax.evaluate_run(tmp_path / "plain", log=None)
+    with jax.disable_jit(), pytest.raises(RuntimeError, match="jax_disable_jit is on"):
+        dlrm_jax.evaluate_run(tmp_path / "plain", log=None)
+
+
+def test_a_second_run_at_once_in_one_process_is_refused(tiny, tmp_path):
+    """Two runs in two threads of a sweep broke each other's checkpoints ('File exists: ...
+    orbax-checkpoint-tmp'): orbax's checkpointing is process-wide."""
+    import threading
+
+    from dlrm_jax.train import trainer
+
+    started, finish = threading.Event(), threading.Event()
+    held = threading.Thread(target=lambda: trainer._one_run_at_a_time(lambda: (started.set(), finish.wait(60)))())
+    held.start()
+    started.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="another dlrm_jax run is training in this process"):
+            dlrm_jax.train_and_evaluate(tiny("train.steps=1"), tmp_path / "run", log=None)
+    finally:
+        finish.set()
+        held.join(60)
+    assert not (tmp_path / "run").exists()

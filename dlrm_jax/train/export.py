@@ -22,6 +22,7 @@ from dlrm_jax.data.sources import close_source, make_source
 from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
+from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.progress import checkpoint_step
@@ -91,6 +92,7 @@ def id_maps(run: RestoredRun, run_dir: str | Path) -> dict:
     return {run.plan.tables[t].spec.name: found[t] for t in sorted(found)}
 
 
+@with_library_settings  # (whatever JAX settings the process has: see jax_settings)
 def export_run(
     run_dir: str | Path, dest: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print
 ) -> int:

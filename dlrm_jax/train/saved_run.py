@@ -9,6 +9,7 @@ import jax
 
 from dlrm_jax.data.batch import check_source
 from dlrm_jax.data.sources import data_identity, make_source
+from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint_reader import reading
@@ -21,6 +22,7 @@ from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.wiring import tier_root
 
 
+@with_library_settings  # (whatever JAX settings the process has: see jax_settings)
 def evaluate_run(
     run_dir: str | Path, overrides: list[str] = (), *, step: int | str | None = None, log=print, source=None
 ) -> RunSummary:

@@ -30,6 +30,7 @@ from dlrm_jax.data.shards import VOCAB_DIR
 from dlrm_jax.data.sources import data_identity
 from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.files import check_new_folder, new_folder
+from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.model.parts import PartInputs
 from dlrm_jax.serving.artifact import (
     FORMAT_VERSION,
@@ -51,6 +52,7 @@ EXPORT_PLATFORMS = ("cpu", "cuda")
 ROWS_PER_WRITE = 1 << 16
 
 
+@with_library_settings  # (whatever JAX settings the process has: see jax_settings)
 def export_serving(
     run_dir: str | Path,
     dest: str | Path,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ from dlrm_jax.data.host_buffers import HostBuffers
 from dlrm_jax.data.sources import cap_note, close_source, make_source, resolve_data_config
 from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.tiers.tables import TieredTables
+from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.observe.loop_trace import LoopTrace
 from dlrm_jax.observe.metrics import MetricsWriter
 from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
@@ -52,7 +55,28 @@ from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 from dlrm_jax.train.wiring import decay_moved, tier_root
 
+_ONE_RUN = threading.Lock()  # orbax's checkpointing is process-wide: two runs at once broke each other's saves
 
+
+def _one_run_at_a_time(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if not _ONE_RUN.acquire(blocking=False):
+            raise RuntimeError(
+                "another dlrm_jax run is training in this process (a thread of a sweep?): orbax's "
+                "checkpointing is process-wide, and two runs at once broke each other's checkpoints; "
+                "run them one after the other, or in processes of their own"
+            )
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ONE_RUN.release()
+
+    return wrapped
+
+
+@_one_run_at_a_time
+@with_library_settings  # (whatever JAX settings the process has: see jax_settings)
 def train_and_evaluate(
     cfg: Config, run_dir: str | Path | None = None, *, log=print, source: DataSource | None = None
 ) -> RunSummary:
