@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from dlrm_jax.data.sources import close_source, make_source
+from dlrm_jax.embedding.exchange.relayout import tables_on_host
 from dlrm_jax.embedding.tiers.format import export_array
 from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.files import check_new_folder, new_folder
@@ -141,10 +142,8 @@ def check_outside_run(dest: str | Path, run_dir: str | Path, cfg) -> None:
 
 def _export_tables(dest: Path, collection, emb) -> None:
     """Every device-resident table of ``collection`` (tiered ones are the tier's to export)."""
-    values, slots = collection.logical_tables(emb)
-    for t, tp in enumerate(collection.plan.tables):
-        if t in collection.tiered_tables:
-            continue
-        export_array(dest / tp.spec.name / "values", np.asarray(values[t]))
-        for k, v in slots[t].items():
-            export_array(dest / tp.spec.name / k, np.asarray(v))
+    names = [tp.spec.name for tp in collection.plan.tables]
+    for t, values, slots in tables_on_host(collection, emb, frozenset(collection.tiered_tables)):
+        export_array(dest / names[t] / "values", values)
+        for k, v in slots.items():
+            export_array(dest / names[t] / k, v)

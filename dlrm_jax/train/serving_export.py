@@ -29,6 +29,7 @@ from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
 from dlrm_jax.data.shards import VOCAB_DIR
 from dlrm_jax.data.sources import data_identity
 from dlrm_jax.data.sources.binary import read_meta
+from dlrm_jax.embedding.exchange.relayout import tables_on_host
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.model.parts import PartInputs
@@ -72,6 +73,7 @@ def export_serving(
     dest = Path(dest)
     check_new_folder(dest, "export")
     cfg = saved_run_config(Path(run_dir), overrides)
+    _vocabularies(cfg)  # (one gone is named as such, not as other data)
     changed = data_change(Path(run_dir), data_identity(cfg))
     if changed:  # (its rules, the vocabularies, would map raw values to other rows than the model learned)
         raise ValueError(
@@ -147,15 +149,16 @@ def _table_chunks(run: RestoredRun, run_dir, collection, emb, step: int) -> Iter
     """Per table of ``collection``: (index, its rows, chunks of (start, float32 values)) of
     ``emb`` (or, tiered, of the tier's snapshot of ``step``: every row the tier holds; the
     collection's own table is the devices' cache of it)."""
-    values, _ = collection.logical_tables(emb)
     tiered = tier_snapshot(run, run_dir, step) if collection.tiered_tables else None
+    on_host = tables_on_host(collection, emb, frozenset(collection.tiered_tables))  # (in order, the tiered left out)
     try:
         for t, tp in enumerate(collection.plan.tables):
             if t in collection.tiered_tables:
                 rows = tiered.store.rows(tp.spec.name)
                 yield t, rows, _tier_chunks(tiered.store, tp.spec.name, rows)
             else:
-                yield t, len(values[t]), _array_chunks(np.asarray(values[t]))
+                _, values, _ = next(on_host)
+                yield t, len(values), _array_chunks(values)
     finally:
         if tiered is not None:
             tiered.close()
@@ -279,13 +282,8 @@ def _rules(work: Path, cfg) -> dict:
     meta = read_meta(root)
     (work / "rules").mkdir()
     files = []
-    for f in range(len(meta["cardinalities"])):
-        name, vocabulary = f"rules/feature_{f}.npy", root / VOCAB_DIR / f"feature_{f}.npy"
-        if not vocabulary.is_file():  # (a bare "[Errno 2]" before)
-            raise FileNotFoundError(
-                f"{vocabulary}: missing from the dataset the run trained on (data.path={cfg.data.path}); a "
-                f"serving artifact carries its vocabularies: put the dataset back whole, or export without --serving"
-            )
+    for f, vocabulary in enumerate(_vocabularies(cfg)):
+        name = f"rules/feature_{f}.npy"
         shutil.copyfile(vocabulary, work / name)
         files.append(name)
     modulus = int(meta.get("max_ind_range") or 0)
@@ -319,6 +317,21 @@ def _rules(work: Path, cfg) -> dict:
             (work / spec["joins"][name]).parent.mkdir(parents=True)
             _copy_side_file(root / path, work / spec["joins"][name], cfg)
     return spec
+
+
+def _vocabularies(cfg) -> list[Path]:
+    """A binary dataset's vocabulary files, each there (a bare "[Errno 2]" before)."""
+    if cfg.data.source != "binary":
+        return []
+    root = Path(cfg.data.path)
+    files = [root / VOCAB_DIR / f"feature_{f}.npy" for f in range(len(read_meta(root)["cardinalities"]))]
+    for vocabulary in files:
+        if not vocabulary.is_file():
+            raise FileNotFoundError(
+                f"{vocabulary}: missing from the dataset the run trained on (data.path={cfg.data.path}); a "
+                f"serving artifact carries its vocabularies: put the dataset back whole, or export without --serving"
+            )
+    return files
 
 
 def vocabulary_ids(root: Path, meta: dict) -> dict:

@@ -538,3 +538,26 @@ def test_a_bfloat16_gradient_gives_the_bits_of_its_float32_copy(tiny, strategy, 
         state = low
     if (strategy, devices, update) == ("replicated", 1, "fused"):
         assert read[0] == jnp.bfloat16 and read[1] == jnp.float32  # (the two programs' traces)
+
+
+@pytest.mark.parametrize("strategy", ["row", "row_cyclic", "column", "mixed", "host_column"])
+def test_tables_laid_out_on_the_host_are_the_devices_logical_tables(tiny, strategy):
+    """Exports read each table on the host from its arrays' device shards (relayout's
+    tables_on_host): the device program that gathered them held every whole table on every
+    device. Both give the same tables and optimizer state, bit for bit."""
+    from dlrm_jax.embedding.exchange.relayout import tables_on_host
+
+    sharding = [f"embedding.sharding={strategy}"] if strategy in ("row", "column") else strategy_overrides(strategy)
+    cfg = tiny(*sharding, "embedding.optimizer=rowwise_adagrad")
+    coll = build(cfg, 8)
+    state = coll.init(jax.random.key(3))
+    bump = lambda a: a + jnp.arange(a.size, dtype=a.dtype).reshape(a.shape) / a.size  # (distinct slots too)
+    state = state._replace(slots=jax.tree.map(bump, state.slots))
+    tables, slots = coll.logical_tables(state)
+    got = list(tables_on_host(coll, state))
+    assert [t for t, _, _ in got] == list(range(len(tables)))
+    for t, values, opt in got:
+        np.testing.assert_array_equal(values, np.asarray(tables[t]))
+        assert opt.keys() == slots[t].keys() and opt
+        for k in opt:
+            np.testing.assert_array_equal(opt[k], np.asarray(slots[t][k]))

@@ -223,6 +223,12 @@ def test_resume_across_refreshes_and_restore_elsewhere(tiny, tmp_path):
     # The same checkpoint restored onto 2 devices without hot rows, and onto 4 with 8 (then
     # trained on): the logical tables and optimizer state are bitwise the saved ones.
     want = steps_a.collection.logical_tables(a.emb)
+    from dlrm_jax.embedding.exchange.relayout import tables_on_host  # (what exports read: hot rows from their copies)
+
+    for t, values, opt in tables_on_host(steps_a.collection, a.emb):
+        np.testing.assert_array_equal(values, np.asarray(want[0][t]))
+        for k, v in opt.items():
+            np.testing.assert_array_equal(v, np.asarray(want[1][t][k]))
     for devices, rows in ((2, 0), (4, 8)):
         other = hot_run(tiny, f"mesh.devices={devices}", "train.steps=10", f"embedding.hot.rows={rows}")
         steps, state = restored(other, tmp_path / "whole")

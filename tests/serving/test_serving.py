@@ -286,11 +286,12 @@ def test_reloads_and_deltas_keep_the_compiled_dense_function(criteo):
     with serving.load(art["f8"]) as first:
         want = first.predict(dense[:8], ids[:8])
         call = first._call
+    programs = call._cache_size()  # (other tests' calls of other sizes may have compiled some too)
     with serving.load(art["f8"]) as again, serving.load(art["f8"], [art["d"]]) as moved:
         assert again._call is call and moved._call is call
         np.testing.assert_array_equal(again.predict(dense[:8], ids[:8]), want)
         assert moved.step == 16 and moved.predict(dense[:8], ids[:8]).shape == (8,)
-    assert call._cache_size() == 1  # one program for the calls' one padded size
+    assert call._cache_size() == programs  # none compiled again
 
 
 def test_threads_predicting_at_once_through_a_row_cache_score_as_one_does(criteo):

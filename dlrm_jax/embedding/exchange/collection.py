@@ -14,6 +14,7 @@ travel back through the exchange, and the sparse optimizer turns them into row u
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -161,7 +162,7 @@ class EmbeddingCollection:
             else None
         )
         self._refresh = None
-        self._to_logical = jax.jit(lambda state: to_logical(self.plan, self.groups, state))
+        self._to_logical = None  # (compiled at the first call, its outputs' shardings from their shapes)
 
     # ------------------------------------------------------------ state
     @property
@@ -226,8 +227,24 @@ class EmbeddingCollection:
         One compiled program: run op by op, the gathers, concatenations and hot-row scatters
         over every group and table put dozens of multi-device programs in flight at once, and
         XLA:CPU's launch slots then starve a running program's collective of its last devices
-        (the process aborts, as the dispatch limit in train/loop.py explains)."""
+        (the process aborts, as the dispatch limit in train/loop.py explains). Each comes split
+        over the devices, by rows, or by columns where its rows do not divide among them:
+        replicated, every device held every whole table, and an export of tables sharded
+        because no device holds them all ran out of memory (8 simulated devices, 768 MB of
+        tables: 16.5 GiB)."""
+        if self._to_logical is None:
+            fn = lambda state: to_logical(self.plan, self.groups, state)  # noqa: E731
+            shapes = jax.eval_shape(fn, state)
+            self._to_logical = jax.jit(fn, out_shardings=jax.tree.map(self._split, shapes))
         return self._to_logical(state)
+
+    def _split(self, shape: jax.ShapeDtypeStruct) -> NamedSharding:
+        n = math.prod(self.mesh.shape[a] for a in AXIS)  # (the devices P(AXIS) splits over)
+        if shape.ndim and shape.shape[0] % n == 0:
+            return NamedSharding(self.mesh, P(AXIS))
+        if shape.ndim > 1 and shape.shape[1] % n == 0:
+            return NamedSharding(self.mesh, P(None, AXIS))
+        return NamedSharding(self.mesh, P())
 
     # ------------------------------------------------------------ what a training loop asks of any tables
     # (HostTables, per-host tables around a collection, answers them otherwise)

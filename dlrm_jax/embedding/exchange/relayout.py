@@ -163,3 +163,25 @@ def relayout(
 def _rows_of(array, rows: int) -> np.ndarray:
     """The first ``rows`` rows of a saved array (reader or numpy) as numpy."""
     return np.asarray(array[np.arange(rows)])
+
+
+def tables_on_host(collection, state: EmbeddingState, skip: frozenset[int] = frozenset()):
+    """Per table of ``collection`` (not in ``skip``): (index, values float32 [rows, D], its
+    optimizer state by name), as :meth:`EmbeddingCollection.logical_tables` gives them, laid
+    out on the host from each array's device shards (the rows' owners by the plan, hot rows
+    from their copies). No device gathers a table: the device program did, and every device
+    then held every whole table (an export of tables sharded because no device holds them all
+    ran out of its memory). Host memory: the collection's arrays and one logical table."""
+    plan = getattr(collection, "inner", collection).plan  # (per-host tables: one host's)
+    host = EmbeddingState(
+        {name: np.asarray(a) for name, a in state.tables.items()},
+        {name: {k: np.asarray(v) for k, v in s.items()} for name, s in state.slots.items()},
+        None if state.hot is None else jax.tree.map(np.asarray, state.hot),
+    )
+    saved, names = _SavedTables(plan, host), sorted(next(iter(host.slots.values()), {}))
+    for t, tp in enumerate(plan.tables):
+        if t in skip:
+            continue
+        rows, dim = np.arange(tp.spec.rows), tp.spec.dim
+        values = saved.read(t, rows, 0, dim, None).astype(np.float32)
+        yield t, values, {k: saved.read(t, rows, 0, dim, k) for k in names}
