@@ -11,6 +11,7 @@ collectives run over it. With embedding.sync=per_host the mesh is (``hosts``, ``
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from dlrm_jax.config import ConfigError
@@ -91,6 +92,12 @@ def check_available(n: int, available: int, backend: str) -> None:
                 " (set mesh.devices before JAX starts: the CLI does this; in Python call "
                 "dlrm_jax.request_cpu_devices(N) before importing jax)"
             )
+            given = re.search(r"--xla_force_host_platform_device_count=(\S+)", os.environ.get("XLA_FLAGS", ""))
+            if given:  # (request_cpu_devices leaves a count the user set: it was asked for in vain)
+                hint = (
+                    f" (XLA_FLAGS sets --xla_force_host_platform_device_count={given.group(1)}, which "
+                    f"request_cpu_devices leaves as it is: set that flag to {n} or more, before JAX starts)"
+                )
         raise ConfigError(f"mesh.devices={n} but only {available} {backend} devices are available{hint}")
 
 

@@ -182,6 +182,14 @@ def test_more_devices_than_the_machine_gives_is_a_config_error():
         check_available(128, 8, "cpu")
     with pytest.raises(ConfigError, match="mesh.devices=16 but only 8 gpu devices are available"):
         check_available(16, 8, "gpu")
+    # a count the user's XLA_FLAGS set, which request_cpu_devices leaves: named (its advice was in vain)
+    import os
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+        with pytest.raises(ConfigError, match="XLA_FLAGS sets --xla_force_host_platform_device_count=2, which"):
+            check_available(8, 2, "cpu")
+    assert "count=2" not in os.environ.get("XLA_FLAGS", "")
 
 
 def test_the_plan_of_one_device_says_nothing_crosses_devices(capsys):
