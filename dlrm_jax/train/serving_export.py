@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlrm_jax.data.preprocessing.multihot import rule_name
-from dlrm_jax.data.preprocessing.preprocess import MISSING_ID, OOV_ID
-from dlrm_jax.data.shards import VOCAB_DIR
 from dlrm_jax.data.sources import data_identity
-from dlrm_jax.data.sources.binary import read_meta
 from dlrm_jax.embedding.exchange.relayout import tables_on_host
 from dlrm_jax.files import check_new_folder, new_folder
 from dlrm_jax.jax_settings import with_library_settings
@@ -48,6 +43,7 @@ from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.export import RestoredRun, as_evaluated, check_outside_run, id_maps, restore_run, tier_snapshot
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
 from dlrm_jax.train.rundir import data_change
+from dlrm_jax.train.serving_rules import dense_transform, rules, vocabularies
 
 EXPORT_PLATFORMS = ("cpu", "cuda")
 ROWS_PER_WRITE = 1 << 16
@@ -73,7 +69,7 @@ def export_serving(
     dest = Path(dest)
     check_new_folder(dest, "export")
     cfg = saved_run_config(Path(run_dir), overrides)
-    _vocabularies(cfg)  # (one gone is named as such, not as other data)
+    vocabularies(cfg)  # (one gone is named as such, not as other data)
     changed = data_change(Path(run_dir), data_identity(cfg))
     if changed:  # (its rules, the vocabularies, would map raw values to other rows than the model learned)
         raise ValueError(
@@ -112,9 +108,9 @@ def _write_artifact(work: Path, run: RestoredRun, run_dir, tables: str, base, si
         "features": features,
         "parts": parts,
         "tables_dtype": tables,
-        "preprocessing": _rules(work, run.cfg) if since is None else None,  # a delta's are its base's
+        "preprocessing": rules(work, run.cfg) if since is None else None,  # a delta's are its base's
         "id_maps": _id_maps(work, run, run_dir),  # a delta's too: its step's maps, whole
-        "dense_transform": _dense_transform(run.cfg),
+        "dense_transform": dense_transform(run.cfg),
         "evaluation": _evaluation(Path(run_dir), run.step),
         "function": {
             "file": FUNCTION_FILE,
@@ -268,121 +264,6 @@ def _write_function(work: Path, run: RestoredRun) -> None:
     (work / FUNCTION_FILE).write_bytes(exported.serialize())
     with open(work / PARAMS_FILE, "wb") as f:
         np.savez(f, *[np.asarray(x) for x in leaves])
-
-
-def _rules(work: Path, cfg) -> dict:
-    """How raw values become ids, with the vocabularies (and a schema with its join files)
-    copied in (see dlrm_jax.serving.rules)."""
-    source = cfg.data.source
-    if source == "criteo":
-        return {"format": "criteo", "kind": "hash"}
-    if source != "binary":
-        return {"kind": "none", "why": f"trained on data.source={source}: no raw values"}
-    root = Path(cfg.data.path)
-    meta = read_meta(root)
-    (work / "rules").mkdir()
-    files = []
-    for f, vocabulary in enumerate(_vocabularies(cfg)):
-        name = f"rules/feature_{f}.npy"
-        shutil.copyfile(vocabulary, work / name)
-        files.append(name)
-    modulus = int(meta.get("max_ind_range") or 0)
-    spec = {
-        "format": "tabular" if "schema" in meta else "criteo",
-        "kind": "compact" if modulus else "vocabulary",
-        "max_ind_range": modulus,
-        "cardinalities": [int(c) for c in meta["cardinalities"]],
-        "table_rows": list(cfg.table_rows),  # the ids' range (a dynamic table's rows are its map's)
-        "raw_values": bool(meta.get("raw_values")),  # dynamic tables mapped the values, not the ids
-        "files": files,
-    }
-    bags = [int(b) for b in meta["bag_sizes"]]
-    if max(bags) > 1:  # preprocess --multi-hot: MLPerf's rule, fixed by its seed (the only one it draws)
-        spec["multi_hot"] = {
-            "bag_sizes": bags,
-            **meta.get("multi_hot", rule_name()),
-        }
-    if modulus:  # the compacted tables' row for hashed values training never counted, if any
-        spec["oov_rows"] = [_oov_row(np.load(work / name)) for name in files]
-    else:
-        spec |= vocabulary_ids(root, meta)
-    if "schema" in meta:  # the schema and its join files, as preprocessing read them
-        # (copied into the dataset; one preprocessed before that names them where they were)
-        side = meta.get("side_files") or {"schema": meta["schema"], "joins": meta.get("joins", {})}
-        spec["schema"] = "rules/schema.yaml"
-        _copy_side_file(root / side["schema"], work / spec["schema"], cfg)
-        spec["joins"] = {}
-        for name, path in side["joins"].items():
-            spec["joins"][name] = f"rules/joins/{name}/{Path(path).name}"
-            (work / spec["joins"][name]).parent.mkdir(parents=True)
-            _copy_side_file(root / path, work / spec["joins"][name], cfg)
-    return spec
-
-
-def _vocabularies(cfg) -> list[Path]:
-    """A binary dataset's vocabulary files, each there (a bare "[Errno 2]" before)."""
-    if cfg.data.source != "binary":
-        return []
-    root = Path(cfg.data.path)
-    files = [root / VOCAB_DIR / f"feature_{f}.npy" for f in range(len(read_meta(root)["cardinalities"]))]
-    for vocabulary in files:
-        if not vocabulary.is_file():
-            raise FileNotFoundError(
-                f"{vocabulary}: missing from the dataset the run trained on (data.path={cfg.data.path}); a "
-                f"serving artifact carries its vocabularies: put the dataset back whole, or export without --serving"
-            )
-    return files
-
-
-def vocabulary_ids(root: Path, meta: dict) -> dict:
-    """The ids a vocabulary dataset gave (the serving rules' ``missing_id``, ``oov_id`` and
-    ``first_id``, the id of a vocabulary's first value), told by its tables' rows: K values
-    and 2 more (missing, out of the vocabulary) since 2026-11-25; K and 1 before (missing and
-    out of the vocabulary one id, the values from 1), a layout whose meta.json is the same."""
-    extra = {
-        int(card) - len(np.load(root / VOCAB_DIR / f"feature_{f}.npy", mmap_mode="r"))
-        for f, card in enumerate(meta["cardinalities"])
-    }
-    if extra == {2}:
-        return {"missing_id": MISSING_ID, "oov_id": OOV_ID, "first_id": OOV_ID + 1}
-    if extra == {1}:
-        return {"missing_id": MISSING_ID, "oov_id": MISSING_ID, "first_id": 1}
-    raise ValueError(
-        f"{root}: its vocabularies do not match its tables' rows (meta.json's cardinalities): a damaged or "
-        f"edited dataset; preprocess the data again"
-    )
-
-
-def _copy_side_file(source: Path, dest: Path, cfg) -> None:
-    if not source.is_file():  # (a bare "[Errno 2]" before)
-        raise FileNotFoundError(
-            f"{source}: the tabular schema or a join file the dataset was preprocessed with (data.path="
-            f"{cfg.data.path}) is gone; a serving artifact carries them: put it back, or preprocess the data again"
-        )
-    shutil.copyfile(source, dest)
-
-
-def _dense_transform(cfg) -> dict:
-    """What turns a raw dense value into the model's input, per dense feature."""
-    if cfg.data.source == "binary":
-        meta = read_meta(Path(cfg.data.path))
-        if "schema" in meta:
-            from dlrm_jax.data.preprocessing.tabular_schema import load_schema
-
-            return {
-                "features": {f.name: f.transform for f in load_schema(meta["schema"]).dense},
-                "log1p": "log1p(max(x, 0)), missing 0",
-                "none": "x as it is, missing 0",
-                **({"zero_column": True} if not meta["num_dense"] else {}),
-            }
-    if cfg.data.source == "synthetic":
-        return {"all": "none: synthetic features are model inputs as drawn"}
-    return {"all": "log1p(max(x, 0)), missing 0 (Criteo's integer counts)"}
-
-
-def _oov_row(kept: np.ndarray) -> int | None:
-    """A compacted vocabulary's last row is the unseen values' when its count is 0."""
-    return len(kept) - 1 if len(kept) and int(kept[-1, 1]) == 0 else None
 
 
 def _evaluation(run_dir: Path, step: int) -> dict | None:

@@ -47,7 +47,7 @@ def test_a_dataset_numbered_from_1_is_exported_and_scored_by_its_own_ids(tmp_pat
     """Datasets preprocessed before 2026-11-25 (the same meta.json format) gave a vocabulary's
     values ids from 1, the unseen sharing 0 with the missing: their exports read them from 2
     (98% of a sample's ids other than training's, scores up to 0.33 away, without a word)."""
-    from dlrm_jax.train.serving_export import vocabulary_ids
+    from dlrm_jax.train.serving_rules import vocabulary_ids
 
     (tmp_path / "vocab").mkdir()
     np.save(tmp_path / "vocab" / "feature_0.npy", np.array([[70, 9], [5, 4], [12, 1]], np.uint64))
