@@ -116,7 +116,7 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         elif name in raw:
             kwargs[name] = _coerce(key, raw[name], hints[name], f.metadata.get("choices"), f.metadata.get("words", ()))
             if f.metadata.get("paths"):  # (a config file's '~/data' was looked for as a folder named '~')
-                kwargs[name] = ",".join(os.path.expanduser(p) for p in kwargs[name].split(","))
+                kwargs[name] = ",".join(os.path.expanduser(p.strip()) for p in kwargs[name].split(","))
     return cls(**kwargs)
 
 
@@ -393,7 +393,7 @@ def with_absolute_paths(cfg: Config) -> Config:
     ``config.yaml`` records, so that ``eval`` and ``export`` find them from any directory."""
 
     def absolute(text: str, listed: bool) -> str:  # (only Criteo's text files are a list: a comma is a folder's own)
-        parts = text.split(",") if listed else [text]
+        parts = [p.strip() for p in text.split(",")] if listed else [text]
         return ",".join(str(Path(p).absolute()) if p else p for p in parts) if text else text
 
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path, cfg.data.source == "criteo"))

@@ -145,8 +145,9 @@ def _comparable(cfg: Config) -> dict[str, str]:
     for key in ("data.path", "embedding.tier.path"):
         flat.pop(key, None)
     if cfg.data.source == "binary" and (Path(cfg.data.path) / "meta.json").is_file():
-        # (by content: hosts that each preprocessed the same files, from their own folders, agree)
-        flat["the dataset (data.path's content)"] = content_digest(cfg.data.path)[:12]
+        # (by content: hosts that each preprocessed the same files, from their own folders, agree;
+        # not by the shards' checksums: a host may hold only the shards it reads)
+        flat["the dataset (data.path's content)"] = content_digest(cfg.data.path, shards=False)[:12]
     return flat
 
 

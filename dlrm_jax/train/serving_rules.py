@@ -56,7 +56,7 @@ def rules(work: Path, cfg) -> dict:
         # (copied into the dataset; one preprocessed before that names them where they were)
         side = meta.get("side_files") or {"schema": meta["schema"], "joins": meta.get("joins", {})}
         spec["schema"] = "rules/schema.yaml"
-        _copy_side_file(root / side["schema"], work / spec["schema"], cfg)
+        _copy_side_file(_schema_file(cfg, meta), work / spec["schema"], cfg)
         spec["joins"] = {}
         for name, path in side["joins"].items():
             spec["joins"][name] = f"rules/joins/{name}/{Path(path).name}"
@@ -99,6 +99,13 @@ def vocabulary_ids(root: Path, meta: dict) -> dict:
     )
 
 
+def _schema_file(cfg, meta: dict) -> Path:
+    """A tabular dataset's schema as preprocessing read it: its copy in the dataset (one
+    preprocessed before the copies: where it was then)."""
+    side = meta.get("side_files") or {"schema": meta["schema"]}
+    return Path(cfg.data.path) / side["schema"]
+
+
 def _copy_side_file(source: Path, dest: Path, cfg) -> None:
     if not source.is_file():  # (a bare "[Errno 2]" before)
         raise FileNotFoundError(
@@ -116,7 +123,7 @@ def dense_transform(cfg) -> dict:
             from dlrm_jax.data.preprocessing.tabular_schema import load_schema
 
             return {
-                "features": {f.name: f.transform for f in load_schema(meta["schema"]).dense},
+                "features": {f.name: f.transform for f in load_schema(_schema_file(cfg, meta)).dense},
                 "log1p": "log1p(max(x, 0)), missing 0",
                 "none": "x as it is, missing 0",
                 **({"zero_column": True} if not meta["num_dense"] else {}),

@@ -203,6 +203,24 @@ def test_criteo_text_grown_under_a_run_is_named_at_its_resume(tiny, tmp_path, da
     assert [line for line in logs if "trained on other data" in line and "bytes" in line], logs
     with pytest.raises(RunDirError, match="a run counted in epochs .* cannot go on over it"):
         train_and_evaluate(tiny(*common, "train.epochs=0.1"), tmp_path / "epochs", **QUIET)
+    # its serving rules hash the values, reading nothing of the data: exported all the same
+    from dlrm_jax.train.serving_export import export_serving
+
+    assert export_serving(tmp_path / "steps", tmp_path / "art", **QUIET) == 4
+
+
+def test_a_dataset_s_digest_with_a_shard_gone(tmp_path, dataset):
+    """Hosts may hold only the shards they read: the digest they compare leaves the shards'
+    checksums out (it read every shard.json: FileNotFoundError before training), and the run
+    dir's record of a copy missing a shard is another digest, not a crash."""
+    import shutil
+
+    from dlrm_jax.data.shards import content_digest
+
+    shutil.copytree(dataset, tmp_path / "part")
+    shutil.rmtree(tmp_path / "part" / "train" / "00000")
+    assert content_digest(tmp_path / "part", shards=False) == content_digest(dataset, shards=False)
+    assert content_digest(tmp_path / "part") != content_digest(dataset)
 
 
 def test_the_gil_wait_probe_sees_a_thread_that_holds_the_gil():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -440,10 +441,16 @@ def test_multi_hot_bags_and_tiered_tables_score_raw_lines_as_eval(tmp_path):
 @pytest.mark.slow
 def test_tabular_records_with_or_without_their_label_score_as_eval(tmp_path):
     ratings = movielens_sample(tmp_path)
-    # the join files preprocessing read may go: the dataset holds its copies (export read the
-    # originals: 'No such file or directory', or other scores where they had been edited)
+    # the join files and the schema preprocessing read may go: the dataset holds its copies
+    # (export read the originals: 'No such file or directory', or other scores where they had
+    # been edited)
     (tmp_path / "ml").rename(tmp_path / "ml_gone")
-    probs, _, _ = train_and_export(smoke_run(tmp_path), tmp_path)
+    train_and_evaluate(smoke_run(tmp_path), tmp_path / "run", **QUIET)
+    meta = json.loads((tmp_path / "ds" / "meta.json").read_text())
+    meta["schema"] = str(tmp_path / "gone" / Path(meta["schema"]).name)  # (the same dataset, its schema elsewhere)
+    (tmp_path / "ds" / "meta.json").write_text(json.dumps(meta))
+    export_serving(tmp_path / "run", tmp_path / "art", **QUIET)
+    probs, _, _ = scores_of(tmp_path / "run")
     val = ratings[-len(probs) :]  # the latest ratings
     unlabeled = tmp_path / "unlabeled.dat"
     unlabeled.write_bytes(b"".join(b"::".join(line.split(b"::")[:2] + line.split(b"::")[3:]) for line in val))

@@ -572,6 +572,10 @@ def test_config_yaml_records_paths_absolute(tiny, tmp_path, monkeypatch):
     assert yaml.safe_load((tmp_path / "run2" / "config.yaml").read_text())["embedding"]["tier"]["path"] == (
         f"{tmp_path}/tiers/a,b"
     )
+    from dlrm_jax.config import with_absolute_paths  # (', ' between files: one path, not ' 1.tsv' under the cwd)
+
+    spaced = tiny("data.source=criteo", "data.path=days/0.tsv, /abs/1.tsv")
+    assert with_absolute_paths(spaced).data.path == f"{tmp_path}/days/0.tsv,/abs/1.tsv"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert tiny("embedding.tier.path=~/t").embedding.tier.path == f"{tmp_path}/home/t"
     assert (
@@ -591,7 +595,8 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
     RunDir.open(tmp_path / "run", tiny("train.steps=8"), log=logs.append).close()
     assert logs == [
         "resuming with changed settings: train.steps 4 -> 8; embedding.dynamic.new_rows initializer -> shared "
-        "(of these, embedding.dynamic.new_rows now this version's default; to go on as the run trained: "
+        "(of these, embedding.dynamic.new_rows now at this version's default: where the command did not set it, "
+        "a default that changed since the run began; to go on as the run trained: "
         "--set embedding.dynamic.new_rows=initializer)"
     ], logs
 
