@@ -22,6 +22,7 @@ LAYERS = [
         "files",
         "hostmem",
         "stopping",
+        "jax_settings",
         "config_doc",
     ),
     ("parallel",),
