@@ -200,4 +200,6 @@ def raw_rules(root: Path, manifest: dict) -> CriteoRules | TabularRules:
             raise ArtifactError(f"{root}: Criteo rules need {NUM_CATEGORICAL} features, the model has {len(rows)}")
         return CriteoRules(root, spec, rows)
     why = spec.get("why") or f"its preprocessing is {kind!r}"
+    if "--multi-hot" in why:  # (exports before 2026-12-06 did not keep the bags' rule; they do now)
+        why += "; exporting the run again with this version keeps it"
     raise ArtifactError(f"{root}: raw rows cannot be scored with this model ({why}); pass ids: predict(dense, ids)")

@@ -77,3 +77,11 @@ def test_dynamic_tables_exported_before_their_maps_kind_was_recorded_are_refused
         raw_rules(tmp_path, manifest)
     manifest["preprocessing"]["raw_values"] = False
     assert raw_rules(tmp_path, manifest).maps_values is False
+
+
+def test_an_older_multi_hot_export_says_exporting_again_keeps_its_rule(tmp_path):
+    """Exports before 2026-12-06 did not keep the bags' rule: refused, without the remedy."""
+    why = "its bags were drawn by preprocess --multi-hot, whose rule is not kept"
+    manifest = {"features": [{"rows": 3}] * 26, "preprocessing": {"kind": "none", "why": why}}
+    with pytest.raises(ArtifactError, match="whose rule is not kept; exporting the run again with this version keeps"):
+        raw_rules(tmp_path, manifest)
