@@ -124,14 +124,16 @@ def mesh_from_config(cfg: Config) -> jax.sharding.Mesh:
     per-host tables (embedding.sync per_host or host_replicas), (hosts, data, model) with
     ``mesh.hosts`` hosts (0: one per process). First, with several processes, every process's
     resolved config and dataset are compared (a one-line refusal naming what differs)."""
-    check_same_everywhere(_comparable(cfg), "configs")
+    if jax.process_count() > 1:  # (one process: nothing to compare, and the dataset's digest reads files)
+        check_same_everywhere(_comparable(cfg), "configs")
     hosts = (cfg.mesh.hosts or jax.process_count()) if cfg.embedding.tables_per_host else 0
     return make_mesh(cfg.mesh.devices, hosts, cfg.mesh.model)
 
 
 def _comparable(cfg: Config) -> dict[str, str]:
     """The config as key -> JSON text, without the keys that are paths on each host, plus the
-    dataset's own fingerprint (its meta.json: rows, shuffle, cardinalities) for binary data."""
+    dataset's own fingerprint for binary data (its content without the shards' checksums:
+    ``data.shards.content_digest``)."""
     flat: dict[str, str] = {}
 
     def walk(d: dict, prefix: str) -> None:
