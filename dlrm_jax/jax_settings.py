@@ -7,15 +7,38 @@ a notebook-wide ``jax_threefry_partitionable=False`` or another ``jax_default_pr
 other initial weights from the same seed (AUC 0.741 or 0.478 where 0.578 is the run's); rank or
 dtype promotion set to ``raise``/``strict`` failed deep in the step. A mesh set with
 ``jax.set_mesh`` and ``jax_disable_jit`` cannot be set aside here: they are refused in one line.
+
+The process's root logger is left as it was (:func:`root_logging_untouched`): absl, through which
+orbax logs, configures it on its first message where it has no handler.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
-__all__ = ["library_settings", "with_library_settings"]
+__all__ = ["library_settings", "root_logging_untouched", "with_library_settings"]
+
+
+@contextlib.contextmanager
+def root_logging_untouched() -> Iterator[None]:
+    """The ``with`` body's messages through the logging module printed as they would be, and the
+    root logger left without handlers where it had none. absl (orbax logs through it, from its
+    import on) calls ``logging.basicConfig()`` on any message while the root logger has no
+    handler: a notebook's own ``basicConfig(level=...)`` after a run then did nothing, and every
+    library's warnings gained a ``WARNING:name:`` prefix. Python's last-resort handler, which
+    prints a warning where no handler takes it, stands in on the root logger meanwhile."""
+    root = logging.getLogger()
+    stand_in = None if root.handlers else (logging.lastResort or logging.NullHandler())
+    if stand_in is not None:
+        root.addHandler(stand_in)
+    try:
+        yield
+    finally:
+        if stand_in is not None:
+            root.removeHandler(stand_in)
 
 
 @contextlib.contextmanager
@@ -35,6 +58,7 @@ def library_settings() -> Iterator[None]:
             "mesh.* keys; call it outside that context"
         )
     with (
+        root_logging_untouched(),
         jax.enable_x64(False),
         jax.numpy_rank_promotion("allow"),
         jax.numpy_dtype_promotion("standard"),

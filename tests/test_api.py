@@ -25,17 +25,21 @@ def test_import_does_not_start_jax():
 
 @pytest.mark.slow
 def test_notebook_flow(tmp_path):
+    """And the notebook's root logger is left alone: absl (orbax's logger, from its import on)
+    gave it a stderr handler, so a basicConfig(level=...) after a run did nothing."""
     code = (
-        "import dlrm_jax\n"
+        "import logging, dlrm_jax\n"
         "dlrm_jax.request_cpu_devices(2)\n"
         "cfg = dlrm_jax.load_config('smoke', ['train.steps=4', 'train.progress_bar=false', 'mesh.devices=2'])\n"
         f"s = dlrm_jax.train_and_evaluate(cfg, {str(tmp_path)!r}, log=lambda *_: None)\n"
+        f"dlrm_jax.evaluate_run({str(tmp_path)!r}, log=None)\n"
+        "print(logging.getLogger().handlers)\n"
         "print(s.step, 0.0 <= s.auc <= 1.0)\n"
     )
     env_free = {"PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env_free)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "4 True"
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "4 True"]
 
 
 def test_what_a_notebook_catches_pickles_and_log_none_is_quiet_everywhere(tiny, tmp_path, capsys):

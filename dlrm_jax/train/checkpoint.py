@@ -19,13 +19,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from dlrm_jax.embedding.plan.layout import CHUNK_BYTES
 from dlrm_jax.files import os_error_code
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 from dlrm_jax.train.checkpoint_leases import remove_unheld
 from dlrm_jax.train.checkpoint_reader import CheckpointReader
+from dlrm_jax.train.orbax_quiet import ocp
 from dlrm_jax.train.state_digest import combine, process_sums
 
 # Arrays are stored in chunks of at most CHUNK_BYTES (orbax's default is one chunk per device

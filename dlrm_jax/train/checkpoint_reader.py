@@ -18,12 +18,12 @@ from contextlib import closing
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from dlrm_jax.files import numbered_folders
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 from dlrm_jax.train.checkpoint_leases import ReaderLeases
+from dlrm_jax.train.orbax_quiet import ocp
 from dlrm_jax.train.saved_array import OCDBT_CACHE, SavedArray
 from dlrm_jax.train.state_digest import ChecksumMismatch, combine, first_mismatch, leaf_names, process_sums
 
