@@ -20,7 +20,16 @@ TRAIN = ROOT / "train"
 SETUP = {"wiring", "build", "planning", "checks", "hot_setup", "rundir", "restore"}
 ENTRY = {"trainer", "export", "saved_run", "serving_export", "serving_rules"}
 RUN = {"step", "spec", "state", "loop", "driver", "evaluate", "checkpoint", "progress", "display", "watch"}
-RUN |= {"tier_runner", "release", "state_digest", "saved_array", "checkpoint_leases", "checkpoint_reader", "orbax_quiet"}
+RUN |= {
+    "tier_runner",
+    "release",
+    "state_digest",
+    "saved_array",
+    "checkpoint_leases",
+    "checkpoint_reader",
+    "orbax_quiet",
+    "library_log",
+}
 
 
 def test_every_module_of_train_is_in_one_wing():

@@ -3,7 +3,6 @@ processes a config asks for, the libraries' logs into the run dir, the log line,
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -50,42 +49,15 @@ def check_backend() -> None:
 
 
 def library_logs_to(run_dir: Path) -> None:
-    """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``: their
-    multi-line reports of a failure we already report in one line stay out of the terminal.
-    Every command with a run dir calls this (the others use no library that logs through
-    absl); a run dir that cannot be written (read-only, another user's) gets no log, and the
-    libraries' messages are dropped rather than printed."""
+    """Send the libraries' own logging (orbax's absl logger) to ``run_dir/dlrm-jax.log``
+    (:mod:`dlrm_jax.train.library_log`). Every command with a run dir calls this (the others
+    use no library that logs through absl)."""
     import jax
 
+    from dlrm_jax.train.library_log import send_library_logs
+
     check_dir(run_dir, "run dir")  # a file in the way is named; an unwritable dir only loses the log
-    index = jax.process_index()
-    handler = _RunDirLog(run_dir / ("dlrm-jax.log" if index == 0 else f"dlrm-jax.{index}.log"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" of a failed restore
-        library = logging.getLogger(name)
-        library.addHandler(handler)
-        library.propagate = False
-
-
-class _RunDirLog(logging.FileHandler):
-    """A log file, and its run dir, made by the first message: a run that logs none leaves
-    none, and a run refused before its run dir is made leaves no empty one. A file that cannot
-    be written (read-only, another user's dir) loses the messages."""
-
-    def __init__(self, path: Path):
-        super().__init__(path, delay=True)
-
-    def emit(self, record) -> None:
-        try:
-            Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-            super().emit(record)  # opens the file on the first message (delay)
-        except OSError:
-            pass
-
-    def handleError(self, record) -> None:
-        """A write that failed inside logging's own handler (a full disk): the message is lost,
-        as above; logging's default printed each one's traceback to the terminal (hundreds of
-        lines over a checkpoint that could not be written, which says so in one)."""
+    send_library_logs(run_dir, jax.process_index())
 
 
 def log(msg: str) -> None:

@@ -32,6 +32,7 @@ from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
 from dlrm_jax.train.checks import EPOCHS_NEED_A_SPLIT, check_runnable
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
+from dlrm_jax.train.library_log import closed_loops_logged, library_logs_in
 from dlrm_jax.train.loop import (  # noqa: F401
     RUN_END_FIELDS,
     STOP_AGREE_EVERY,
@@ -108,6 +109,9 @@ def train_and_evaluate(
         RunDir.open(run_dir, cfg, writer=jax.process_index() == 0, log=log, source_given=source is not None) as rd,
         contextlib.ExitStack() as stack,
     ):
+        if rd.path:  # (the command line's already are)
+            stack.enter_context(library_logs_in(rd.path, jax.process_index()))
+        stack.enter_context(closed_loops_logged())  # (a failed checkpoint write's stragglers)
         given = source
         if cfg.train.epochs or cfg.train.evals_per_epoch:  # steps follow from the train split's rows
             source = source or make_source(cfg, jax.process_index(), jax.process_count(), evaluates=cfg.train.evaluates)

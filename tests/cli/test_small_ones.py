@@ -122,7 +122,7 @@ def test_a_full_disk_under_the_library_log_prints_no_tracebacks(tmp_path, capsys
     import errno
     import logging
 
-    from dlrm_jax.cli.runtime import _RunDirLog
+    from dlrm_jax.train.library_log import RunDirLog
 
     class Full:
         def write(self, _):
@@ -131,7 +131,7 @@ def test_a_full_disk_under_the_library_log_prints_no_tracebacks(tmp_path, capsys
         def flush(self):
             pass
 
-    handler = _RunDirLog(tmp_path / "dlrm-jax.log")
+    handler = RunDirLog(tmp_path / "dlrm-jax.log")
     handler.stream = Full()
     handler.emit(logging.LogRecord("orbax", logging.ERROR, __file__, 1, "write failed", None, None))
     assert capsys.readouterr().err == ""

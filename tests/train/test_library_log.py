@@ -1,0 +1,82 @@
+"""The libraries' logging kept out of a notebook's output and its process-wide state."""
+
+import asyncio
+import logging
+import resource
+import subprocess
+import sys
+import types
+
+import pytest
+
+from dlrm_jax.train.library_log import closed_loops_logged, library_logs_in
+
+
+def _closed_loop_error() -> BaseException:
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(lambda: None)
+    except RuntimeError as e:
+        return e
+    raise AssertionError("a closed loop took a callback")
+
+
+def _unraisable(exc: BaseException, obj=None):
+    return types.SimpleNamespace(
+        exc_type=type(exc), exc_value=exc, exc_traceback=exc.__traceback__, err_msg=None, object=obj
+    )
+
+
+def test_callbacks_into_a_closed_loop_go_to_the_asyncio_log_and_nothing_else_does(caplog):
+    """Before: a failed checkpoint write printed 0-40 'Event loop is closed' tracebacks from
+    tensorstore's native threads before the one-line error."""
+    seen = []
+    before, record = sys.unraisablehook, seen.append
+    sys.unraisablehook = record
+    try:
+        with caplog.at_level(logging.ERROR, "asyncio"), closed_loops_logged():
+            sys.unraisablehook(_unraisable(_closed_loop_error()))
+            other = _unraisable(RuntimeError("something else"))
+            sys.unraisablehook(other)
+            assert sys.unraisablehook is not record
+        assert sys.unraisablehook is record  # as it was
+    finally:
+        sys.unraisablehook = before
+    assert seen == [other]
+    assert [r.getMessage() for r in caplog.records] == ["a callback into a closed event loop"]
+
+
+def test_library_logs_in_the_run_dir_then_the_loggers_as_they_were(tmp_path):
+    absl = logging.getLogger("absl")
+    handlers, propagate = list(absl.handlers), absl.propagate
+    with library_logs_in(tmp_path, 0):
+        absl.error("from orbax")
+        with library_logs_in(tmp_path, 0):  # (the command line's already in place: no second copy)
+            absl.error("again")
+    assert absl.handlers == handlers and absl.propagate == propagate
+    lines = (tmp_path / "dlrm-jax.log").read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["from orbax", "again"]
+    with library_logs_in(tmp_path, 3):
+        absl.error("process 3")
+    assert "process 3" in (tmp_path / "dlrm-jax.3.log").read_text()
+
+
+@pytest.mark.slow  # about 15 s on 2 cores
+def test_a_checkpoint_that_cannot_be_written_from_python_is_one_error_and_no_tracebacks(tmp_path):
+    """Before: train_and_evaluate under a file size limit printed 324 lines of orbax's thread
+    tracebacks (its absl logger, which only the command line sent to the run dir's log) before
+    raising CheckpointWriteError."""
+    code = (
+        "import dlrm_jax\n"
+        "cfg = dlrm_jax.load_config('default', ['train.steps=2', 'train.checkpoint_every=2', 'mesh.devices=1'])\n"
+        "try:\n"
+        f"    dlrm_jax.train_and_evaluate(cfg, {str(tmp_path / 'run')!r}, log=None)\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__)\n"
+    )
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert out.stdout.strip() == "CheckpointWriteError", out.stderr
+    assert out.stderr == "", out.stderr
+    assert "File too large" in (tmp_path / "run" / "dlrm-jax.log").read_text()
