@@ -72,7 +72,10 @@ logits, as evaluation scores them).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
+import threading
 
 __version__ = "0.1.0"
 
@@ -146,10 +149,30 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        with _interrupts_after():
+            value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'dlrm_jax' has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def _interrupts_after():
+    """A Ctrl-C during the ``with`` body delivered when it ends. The first attribute used
+    imports JAX, which takes seconds: interrupted half-way, JAX stayed half-imported
+    ("partially initialized module 'jax' has no attribute 'version'") until the kernel restarted.
+    In the main thread only (where signals are handled)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # (None: a handler not set from Python, which could not be put back)
+        return
+    asked = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: asked.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if asked:
+            signal.raise_signal(signal.SIGINT)  # (to the handler that was there: a notebook's, Python's)
 
 
 def __dir__():

@@ -174,7 +174,7 @@ def stop_on_signals():
         if inspect.iscoroutine(info.object):
             # A library's read abandoned when a sibling failed (orbax's, of a damaged checkpoint,
             # whose failure is reported in one line): with asyncio's own such reports, to the run
-            # dir's log (cli.runtime.library_logs_to), not 60 lines each on the terminal.
+            # dir's log (train.library_log), not 60 lines each on the terminal.
             logging.getLogger("asyncio").error(
                 "Exception ignored in %r", info.object, exc_info=(info.exc_type, info.exc_value, info.exc_traceback)
             )

@@ -72,6 +72,26 @@ def test_overrides_as_a_list_a_string_or_a_dict_and_a_changed_copy():
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_while_the_first_attribute_imports_jax_leaves_it_whole():
+    """Before: JAX stayed half-imported ("partially initialized module 'jax' has no attribute
+    'version'") until the kernel restarted."""
+    code = (
+        "import os, signal, sys, threading, time, dlrm_jax\n"
+        "def interrupt():\n"
+        "    while 'jax._src.api' not in sys.modules:\n"
+        "        time.sleep(0.001)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "threading.Thread(target=interrupt).start()\n"
+        "try:\n    dlrm_jax.train_and_evaluate\nexcept KeyboardInterrupt:\n    print('interrupted')\n"
+        "cfg = dlrm_jax.load_config('smoke', ['train.steps=2', 'mesh.devices=1', 'train.progress_bar=false'])\n"
+        "print(dlrm_jax.train_and_evaluate(cfg, None, log=None).step)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.stdout.split() == ["interrupted", "2"], out.stderr
+
+
+@pytest.mark.slow
 def test_asking_for_devices_after_they_started_is_refused():
     code = (
         "import jax, dlrm_jax; jax.devices()\n"
