@@ -138,17 +138,18 @@ def progressive_windows(t: TrainConfig, source) -> dict[int, tuple[int, int, str
     """The progressive validation windows of a run (``train.progressive_window``): the step
     each begins at -> (its index, the step after its last, its label). Every N steps, or the
     dataset's own windows (``data``: :meth:`~dlrm_jax.data.sources.binary.BinarySource.window_steps`);
-    the first window is never scored (no model has trained before it)."""
+    the first window is never scored (no model has trained before it), the last is scored whole
+    (past ``train.steps`` where the run ends inside it)."""
     if not t.progressive_window:
         return {}
     if t.progressive_window == "data":
-        starts = source.window_steps(t.steps)
+        starts, last_end = source.window_steps(t.steps), source.window_end(t.steps)
     else:
-        starts = [
-            (s, f"steps {s}-{min(s + t.progressive_window, t.steps) - 1}")
-            for s in range(0, t.steps, t.progressive_window)
-        ]
-    ends = [s for s, _ in starts[1:]] + [t.steps]
+        n = t.progressive_window
+        starts, last_end = [(s, f"steps {s}-{s + n - 1}") for s in range(0, t.steps, n)], -(-t.steps // n) * n
+    # The last window runs to its own end, not the run's: a run stopped inside it and raised past
+    # it later scored part of it, for good (its model has trained on the rest since)
+    ends = [s for s, _ in starts[1:]] + [last_end or t.steps]
     return {s: (k, e, label) for k, ((s, label), e) in enumerate(zip(starts, ends, strict=True)) if k}
 
 

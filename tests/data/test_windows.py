@@ -66,6 +66,7 @@ def test_a_window_begins_at_the_first_batch_whose_first_row_is_in_it_and_comes_r
     source = BinarySource(cfg(days / "ordered"))
     got = source.window_steps(15)
     assert got == [(0, "day_0.tsv"), (5, "day_1.tsv"), (9, "day_2.tsv"), (12, "day_0.tsv")]
+    assert source.window_end(15) == 17  # (row 1,050 = 300 of the second epoch: day 1 again)
     train = load_split(days / "ordered", "train")
     for (step, _), start in zip(got[1:3], (300, 550), strict=True):  # the batches are those rows
         np.testing.assert_array_equal(source.train_batch(step).ids, train["ids"][step * B : (step + 1) * B])
@@ -145,7 +146,8 @@ def test_a_time_windows_label_gives_its_start_in_full(tmp_path):
 
 def test_progressive_validation_scores_each_day_before_training_on_it(days, tmp_path):
     """``train.progressive_window=data`` over 15 steps of the three days: days 1 and 2 and the
-    second epoch's day 0 are each scored, all their batches, before they are trained on."""
+    second epoch's day 0 are each scored, all their batches, before they are trained on: the
+    last one whole (steps 12-16), though the run ends inside it."""
     import json
 
     from dlrm_jax.train.trainer import train_and_evaluate
@@ -164,4 +166,4 @@ def test_progressive_validation_scores_each_day_before_training_on_it(days, tmp_
         for e in events
         if e["event"] == "progressive"
     ]
-    assert got == [(5, 1, "day_1.tsv", 4 * B), (9, 2, "day_2.tsv", 3 * B), (12, 3, "day_0.tsv", 3 * B)]
+    assert got == [(5, 1, "day_1.tsv", 4 * B), (9, 2, "day_2.tsv", 3 * B), (12, 3, "day_0.tsv", 5 * B)]

@@ -211,6 +211,12 @@ def test_progressive_validation_scores_each_next_window_before_training_on_it(ti
     scores = lambda d: [{k: v for k, v in e.items() if k != "wall_s"} for e in events_of(d)]
     again = [e for e in scores(tmp_path / "cut") if e["event"] == "progressive"]
     assert again == [e for e in scores(tmp_path / "run") if e["event"] == "progressive"]
+    # A run cut inside a window (at 10, in 8-11) scored all of it at 8, so raised to 12 it has
+    # the uninterrupted run's scores (before: 2 batches of it, and never again).
+    train_and_evaluate(tiny(*run, "train.steps=10", "train.progressive_window=4"), tmp_path / "inside", **QUIET)
+    train_and_evaluate(cfg, tmp_path / "inside", **QUIET)
+    inside = [e for e in scores(tmp_path / "inside") if e["event"] == "progressive"]
+    assert inside == [e for e in scores(tmp_path / "run") if e["event"] == "progressive"]
     # Scoring changes nothing the training does.
     train_and_evaluate(tiny(*run, "train.steps=12"), tmp_path / "plain", **QUIET)
     plain = [json.loads(line)["loss"] for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]

@@ -206,27 +206,40 @@ class BinarySource:
         (``train.progressive_window=data``): the windows preprocessing recorded (input files, or
         spans of a time column), a batch belonging to the window of its first row; the windows
         come round again each epoch."""
+        first, window = self._window_starts(steps)
+        held = first < steps
+        labels = self.meta["windows"]["labels"]
+        # (a time in full: Unix seconds read 1.49401e+09 in %g)
+        by, column = self.meta["windows"]["by"], self.meta["windows"].get("column")
+        text = (lambda x: str(x)) if by == "input" else (lambda x: f"{column} {x:.15g}")
+        return [(int(s), text(labels[w])) for s, w in zip(first[held], window[held], strict=True)]
+
+    def window_end(self, steps: int) -> int | None:
+        """The step the window under way at step ``steps - 1`` ends at (the next window's first
+        step, at or past ``steps``): a run that stops inside a window scores all of it, as the
+        run that goes on does. None where the windows never change (a dataset of one window)."""
+        first, _ = self._window_starts(steps)
+        after = first[first >= steps]
+        return int(after[0]) if after.size else None
+
+    def _window_starts(self, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each window's first step (and which window it is) from step 0 to at least an epoch
+        past ``steps``."""
         check_windows(self.meta, self.root)
-        windows = self.meta["windows"]
         if self._shuffle:
             raise BinaryFormatError(
                 f"{self.root}: train.progressive_window=data reads the train rows in order (data.shuffle=false)"
             )
         # Each window's start in the endless stream, epoch after epoch (work per window, not per
         # step); its first step is the first whose first row is at or past it.
-        starts, m, b = np.asarray(windows["starts"], np.int64), self.num_train, self._batch
-        epochs = -(-steps * b // m) + 1
+        starts, m, b = np.asarray(self.meta["windows"]["starts"], np.int64), self.num_train, self._batch
+        epochs = -(-steps * b // m) + 2
         first = -(-(np.arange(epochs)[:, None] * m + starts).ravel() // b)
         window = np.tile(np.arange(len(starts)), epochs)
-        held = np.append(first[1:] != first[:-1], True) & (
-            first < steps
-        )  # of starts before one step's first row, the last
+        held = np.append(first[1:] != first[:-1], True)  # of starts before one step's first row, the last
         first, window = first[held], window[held]
         new = np.append(True, window[1:] != window[:-1])  # a window that follows itself goes on
-        labels = windows["labels"]
-        # (a time in full: Unix seconds read 1.49401e+09 in %g)
-        text = (lambda x: str(x)) if windows["by"] == "input" else (lambda x: f"{windows['column']} {x:.15g}")
-        return [(int(s), text(labels[w])) for s, w in zip(first[new], window[new], strict=True)]
+        return first[new], window[new]
 
     def close(self) -> None:
         """Closes the shard files the reads hold open (a source collected closes them too)."""
