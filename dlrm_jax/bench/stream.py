@@ -61,7 +61,18 @@ class _Case:
         self.kind, self.rows = kind, np.array([m.rows for m in maps], np.uint64)
         n = mesh.size
         specs = [TableSpec(f"cat_{f}", m.rows, cfg.model.embedding_dim, 1) for f, m in enumerate(maps)]
-        plan = plan_embeddings(specs, "row", n, cfg.embedding.optimizer, cfg.train.batch_size)
+        e = cfg.embedding  # (its tables' and exchange's keys as training takes them)
+        plan = plan_embeddings(
+            specs,
+            "row",
+            n,
+            e.optimizer,
+            cfg.train.batch_size,
+            dtype=e.dtype,
+            exchange_dtype=e.exchange_dtype,
+            capacity_factor=e.capacity_factor,
+            bag_exchange=e.bag_exchange,
+        )
         self.coll = EmbeddingCollection(plan, mesh, sparse_optimizer_from_config(cfg))
         new_rows = cfg.embedding.dynamic.new_rows
         self.dyn = DynamicTables(self.coll, dict(enumerate(maps)), new_rows) if kind == "dynamic" else None

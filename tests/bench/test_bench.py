@@ -482,6 +482,12 @@ def test_stream_cases_follow_the_configs_dense_optimizer_and_model(tiny):
     assert jax.tree.structure(adam.opt_state) != jax.tree.structure(sgd.opt_state)
     assert "ScaleByAdamState" in str(jax.tree.structure(adam.opt_state))
     assert "cross" in case("model.interaction=dcn").params and "cross" not in adam.params
+    # and the tables' and exchange's keys (before: embedding.dtype and exchange_dtype were left
+    # out of the cases' plans, whatever they said)
+    half = case(
+        "embedding.dtype=bfloat16", "embedding.exchange_dtype=bfloat16", "embedding.capacity_factor=3"
+    ).coll.plan
+    assert (half.dtype, half.exchange_dtype, half.capacity_factor) == ("bfloat16", "bfloat16", 3.0)
 
 
 def test_compiled_train_step_takes_a_packed_batch_as_one_array_of_bytes(tiny):
