@@ -129,6 +129,7 @@ class TabularRules(IdRules):
 
         super().__init__(root, spec, table_rows)
         self.schema = load_schema(Path(root) / spec["schema"])
+        self.header_columns = tuple(spec.get("header_columns", ()))  # (records sent without a header)
         self.sides = load_sides(
             self.schema, {k: Path(root) / v for k, v in spec.get("joins", {}).items()}, SkipLog(True)
         )
@@ -141,7 +142,9 @@ class TabularRules(IdRules):
         ``labeled``: as :func:`~dlrm_jax.data.preprocessing.tabular.scoring_chunks` takes it."""
         from dlrm_jax.data.preprocessing.tabular import scoring_chunks
 
-        yield from scoring_chunks(self.schema, self.sides, f, raw, path, leading, log, chunk_lines, bar, labeled)
+        yield from scoring_chunks(
+            self.schema, self.sides, f, raw, path, leading, log, chunk_lines, bar, labeled, self.header_columns
+        )
 
 
 LAYOUT_LINES = 1000  # a tabular file's leading lines that say whether it has the label column

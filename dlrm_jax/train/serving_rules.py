@@ -56,6 +56,8 @@ def rules(work: Path, cfg) -> dict:
         # (copied into the dataset; one preprocessed before that names them where they were)
         side = meta.get("side_files") or {"schema": meta["schema"], "joins": meta.get("joins", {})}
         spec["schema"] = "rules/schema.yaml"
+        if meta.get("header_columns"):  # (a schema naming its columns only in the files' header lines)
+            spec["header_columns"] = list(meta["header_columns"])
         _copy_side_file(_schema_file(cfg, meta), work / spec["schema"], cfg)
         spec["joins"] = {}
         for name, path in side["joins"].items():

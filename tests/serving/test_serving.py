@@ -555,6 +555,44 @@ def test_latin1_records_quoting_their_delimiter_score_as_given_with_or_without_t
 
 
 @pytest.mark.slow
+def test_records_without_a_header_score_where_the_schema_names_its_columns_only_in_one(tmp_path):
+    """A schema with ``header: true`` and no ``columns:`` (its columns named by the files' header
+    lines): records sent alone were refused, the first read as a header ("column 'price' (named in
+    the schema) is not in the header: 1700021591, u5_1, ..."). Preprocessing now records the
+    header's columns, and serving reads records without one by them; a model exported before
+    that says what to do in one line."""
+    from dlrm_jax.data.preprocessing.preprocess import DataFormatError
+
+    (tmp_path / "s.yaml").write_text(
+        "format: csv\nheader: true\nlabel: click\ndense: [price]\ncategorical: [user, item]\n"
+    )
+    rng = np.random.default_rng(0)
+    rows = [
+        (f"u{rng.integers(40)}", f"i{rng.integers(90)}", f"{rng.random() * 9:.3f}", rng.integers(2)) for _ in range(640)
+    ]
+    header = b"user,item,price,click\n"
+    records = [f"{u},{i},{p},{c}\n".encode() for u, i, p, c in rows]
+    (tmp_path / "t.csv").write_bytes(header + b"".join(records))
+    preprocess_tabular(tmp_path / "s.yaml", [str(tmp_path / "t.csv")], str(tmp_path / "ds"), workers=1, progress=False)
+    train_and_export(smoke_run(tmp_path, "train.batch_size=64"), tmp_path)
+    unlabeled = [f"{u},{i},{p}\n".encode() for u, i, p, _ in rows]
+    reordered = [b"click,price,item,user\n", *(f"{c},{p},{i},{u}\n".encode() for u, i, p, c in rows)]
+    with serving.load(tmp_path / "art") as model:
+        want = model.predict_raw([header, *records])
+        assert len(want) == 640 and not np.isnan(want).any()
+        np.testing.assert_array_equal(model.predict_raw(records), want)
+        np.testing.assert_array_equal(model.predict_raw(unlabeled), want)
+        np.testing.assert_array_equal(model.predict_raw(reordered), want)  # a header still read by its names
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    del manifest["preprocessing"]["header_columns"]  # (as an export before the record)
+    (tmp_path / "art" / "manifest.json").write_text(json.dumps(manifest))
+    with serving.load(tmp_path / "art") as model:
+        np.testing.assert_array_equal(model.predict_raw([header, *records]), want)
+        with pytest.raises(DataFormatError, match=r":1: records without a header line, .* send the header line first"):
+            model.predict_raw(records)
+
+
+@pytest.mark.slow
 def test_predict_never_replaces_its_input_or_its_model_and_checks_paths_before_scoring(criteo, tmp_path):
     import shutil
 

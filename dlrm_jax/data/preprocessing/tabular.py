@@ -32,6 +32,7 @@ from dlrm_jax.data.preprocessing.preprocess import (
     Task,
     check_arguments,
     check_input_files,
+    open_input,
 )
 from dlrm_jax.data.preprocessing.tabular_columns import (
     Part,
@@ -189,7 +190,9 @@ def preprocess_tabular(
         for source, to in [(schema.path, copied["schema"]), *((joins[k], v) for k, v in copied["joins"].items())]:
             (root / to).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, root / to)
+        named = header_columns(schema, [*inputs, *val_inputs])
         return {
+            **({"header_columns": named} if named else {}),
             "schema": str(Path(schema.path).resolve()),
             "dense_features": [f.name for f in schema.dense],
             "categorical_features": [f.name for f in schema.categorical],
@@ -203,6 +206,21 @@ def preprocess_tabular(
     if log.by_reason:  # side files' skipped lines are counted with the main files'
         report = _with_side_skips(report, log)
     return report
+
+
+def header_columns(schema: TabularSchema, inputs: Sequence[str]) -> list[str] | None:
+    """The main files' columns as their header lines name them, where the schema lists none and
+    every file's header names the same ones in the same order (else None): what serving reads
+    records sent without a header by."""
+    layout = schema.layout
+    if layout.format != "csv" or layout.columns or layout.header is not True:
+        return None
+    found = set()
+    for path in inputs:
+        with open_input(path) as (_, f):
+            fields = leading_fields([f.readline()], layout)
+        found.add(tuple(name.lstrip("\ufeff") for name in fields[0]) if fields else ())
+    return list(found.pop()) if len(found) == 1 and () not in found else None
 
 
 def _with_side_skips(report: PreprocessReport, log: SkipLog) -> PreprocessReport:
@@ -270,13 +288,16 @@ def scoring_chunks(
     chunk_lines: int,
     bar=None,
     labeled: bool | None = None,
+    header_columns: Sequence[str] = (),
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Records of an open file to score, the label neither read nor checked: per chunk, (the
     line of every record in file order, the positions of the usable ones among them, and their
     dense, values, empty). A file whose header (or field count) shows no label column is read
     without it; ``leading``: the file's first lines, which tell (``labeled``: whether records
-    without a header carry the label; None: as they tell)."""
-    layout, wanted = _without_label(schema, leading, labeled)
+    without a header carry the label; None: as they tell). ``header_columns``: the columns the
+    training files' headers named (:func:`header_columns`), which records without a header
+    are read by where the schema lists none."""
+    layout, wanted = _without_label(schema, _headless_by(schema, path, leading, header_columns), leading, labeled)
     for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
         cols, problems = rec.columns(wanted), {}
         main = convert(schema, "", cols, problems)
@@ -289,7 +310,28 @@ def scoring_chunks(
         yield lines[order], at[keep], dense, values, empty
 
 
-def _without_label(schema: TabularSchema, leading: Sequence[bytes], labeled: bool | None = None) -> tuple:
+def _headless_by(schema: TabularSchema, path: str, leading: Sequence[bytes], header_columns: Sequence[str]):
+    """The layout records of a file to score are read by: the schema's, or where it names its
+    columns only in a header line and the file's first line is none, the training files'
+    (``header_columns``); a DataFormatError where those were not recorded."""
+    layout = schema.layout
+    if layout.format != "csv" or layout.columns or not layout.header:
+        return layout
+    records = leading_fields(list(leading), layout)
+    fields = [x.lstrip("\ufeff") for x in records[0]] if records else []
+    names = set(header_columns) or {w for w in schema.wanted() if isinstance(w, str)}
+    if not fields or 2 * sum(x in names for x in fields) > len(fields):  # a header line: read by it
+        return layout
+    if not header_columns:
+        raise DataFormatError(
+            f"{path}:1: records without a header line, and the schema names its columns only in one (no "
+            f"columns: list) while the model's dataset did not record them; send the header line first, or "
+            f"preprocess and export again with this version (it records the training files' columns)"
+        )
+    return dataclasses.replace(layout, header=False, columns=tuple(header_columns))
+
+
+def _without_label(schema: TabularSchema, layout, leading: Sequence[bytes], labeled: bool | None = None) -> tuple:
     """(layout, wanted columns) to read records to score: the label is not wanted, and records
     without the label column (a header without its name; else ``labeled`` False, or by default
     most of the leading lines of either width one field fewer: one malformed first line does not
@@ -298,7 +340,6 @@ def _without_label(schema: TabularSchema, leading: Sequence[bytes], labeled: boo
     were refused, the header expected in every call)."""
     label = schema.label.column.key
     wanted = [w for w in schema.wanted() if w != label or any(f.column.key == label for f in schema.features)]
-    layout = schema.layout
     if layout.format != "csv" or not layout.columns:
         return layout, wanted
     # (split as reading splits them: a quoted field holding the delimiter counted as two)
