@@ -127,6 +127,15 @@ def describe_changes(changed: list[tuple[str, object, object]]) -> str:
     return "; ".join(_change(*c) for c in changed)
 
 
+def _unread(cfg: Config) -> set[str]:
+    """Keys the run derives instead of reading (train.steps from train.epochs, train.eval_every
+    from train.evals_per_epoch): a change to them means nothing; the change that made them
+    unread is said (a resume switched to epochs was told 'train.steps 8 -> 1000 ... now at this
+    version's default' and the --set to undo it)."""
+    t = cfg.train
+    return {key for key, derived in (("train.steps", t.epochs), ("train.eval_every", t.evals_per_epoch)) if derived}
+
+
 def _default_note(changed: list[tuple[str, object, object]]) -> str:
     """Where a change is to this version's default (a key the command may never have named: a
     run of an older version resumed, whose defaults differed): how to go on as the run trained."""
@@ -319,7 +328,7 @@ class RunDir:
                     f"the batch end at the step 2 epochs reached); resume with train.batch_size="
                     f"{old.train.batch_size}, or pass a new --run-dir"
                 )
-            changed = config_differences(old, cfg)
+            changed = [c for c in config_differences(old, cfg) if c[0] not in _unread(old) | _unread(cfg)]
             if changed:
                 log("resuming with changed settings: " + describe_changes(changed) + _default_note(changed))
         self._dataset = None if source_given else data_identity(cfg)

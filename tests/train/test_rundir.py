@@ -599,6 +599,12 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
         "a default that changed since the run began; to go on as the run trained: "
         "--set embedding.dynamic.new_rows=initializer)"
     ], logs
+    # A key the run derives is no change (before: switched to epochs, 'train.steps 8 -> 1000 ... now at
+    # this version's default ... --set train.steps=8', which the epochs overrule)
+    logs.clear()
+    shared = "embedding.dynamic.new_rows=initializer"
+    RunDir.open(tmp_path / "run", tiny(shared, "train.epochs=1", "train.evals_per_epoch=2"), log=logs.append).close()
+    assert logs == ["resuming with changed settings: train.epochs 0.0 -> 1.0; train.evals_per_epoch 0 -> 2"], logs
 
 
 def test_a_run_from_before_the_data_record_is_not_given_one_at_its_resume(tiny, tmp_path):
