@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import inspect
 import logging
 import os
@@ -40,10 +41,13 @@ __all__ = [
     "launcher_gone",
     "repeats_parent_death",
     "exit_now",
+    "keep_output_going",
     "say",
+    "stop_lines_to",
     "signal_words",
     "raise_if_stopped",
     "stop_on_signals",
+    "take_pending",
 ]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -83,6 +87,14 @@ def _stop(signum, frame):
         f"dlrm-jax: {name}: stopping once {_deferring[-1]} is done (native work under way there "
         f"cannot be abandoned safely); {again} to stop at once without saving"
     )
+
+
+def take_pending() -> int | None:
+    """The stop signal kept by :func:`deferred` (None: none), now forgotten: for a block whose
+    work was done whole when it came (an export), so the command ends as done, not stopped."""
+    global _pending
+    signum, _pending = _pending, None
+    return signum
 
 
 def raise_if_stopped() -> None:
@@ -150,12 +162,39 @@ def signal_words(signum: int) -> tuple[str, str]:
 
 
 def say(line: str) -> None:
-    """Writes ``line`` to stderr at once, safe inside a signal handler."""
+    """Writes ``line`` to stderr at once, safe inside a signal handler: to the terminal's where
+    fd 2 is pointed at a log for a while (:func:`stop_lines_to`), and where stderr is gone (a
+    closed terminal, a reader that ended) to where the output was diverted."""
     # os.write, not print: a handler may run in the middle of another write to stderr.
+    data = (line + "\n").encode()
+    if (_say_fd is not None and _written(_say_fd, data)) or _written(2, data):
+        return
+    if divert_if_orphaned() or _divert_output():
+        _written(2, data)
+
+
+def _written(fd: int, data: bytes) -> bool:
     try:
-        os.write(2, (line + "\n").encode())
+        os.write(fd, data)
+        return True
     except OSError:
-        pass
+        return False
+
+
+_say_fd: int | None = None  # where say() writes first (stop_lines_to); None: fd 2
+
+
+@contextlib.contextmanager
+def stop_lines_to(fd: int):
+    """:func:`say` writes to ``fd`` in the ``with`` body: the terminal's stderr, kept while fd 2
+    is pointed at a log (a restore's native noise). Its lines went to the log: a stop during a
+    restore printed nothing, and a second Ctrl-C then ended the run without a word."""
+    global _say_fd
+    before, _say_fd = _say_fd, fd
+    try:
+        yield
+    finally:
+        _say_fd = before
 
 
 def stop_on_signals():
@@ -263,24 +302,56 @@ def divert_if_orphaned() -> bool:
     error (file descriptors 1 and 2: native output too) at the process's log file instead
     (``/dev/null`` without one). Only system calls: safe in a signal handler. Returns whether
     it diverted them now."""
-    global _diverted
     if _launch is None or _diverted or not launcher_gone():
         return False
+    _divert_to(_launch[1])
+    return True
+
+
+_output_log: str | None = None  # keep_output_going's file
+
+
+def keep_output_going(log_path: str) -> None:
+    """For a command whose work must outlive its output (``train``): a write to stdout or
+    stderr that finds them gone (EPIPE: the reader ended, as ``| tee`` does on the Ctrl-C that
+    stops the run; EIO: a closed terminal) diverts both to ``log_path`` and is made again there.
+    It raised where the run happened to print, after the stop's line and before its save: the
+    run ended without the checkpoint that line promised."""
+    global _output_log
+    _output_log = log_path
+    if not isinstance(sys.stdout, _Relayed):
+        sys.stdout, sys.stderr = _Relayed(sys.stdout), _Relayed(sys.stderr)
+
+
+def _divert_output() -> bool:
+    """:func:`keep_output_going`'s diversion, once; whether it diverted now."""
+    if _output_log is None or _diverted:
+        return False
+    _divert_to(_output_log)
+    return True
+
+
+def _divert_to(path: str) -> None:
+    """fds 1 and 2 onto ``path`` (appended; ``/dev/null`` where it cannot be opened)."""
+    global _diverted
     try:
-        fd = os.open(_launch[1] or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
         fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     _diverted = True
-    return True
+
+
+_GONE = (errno.EPIPE, errno.EIO)  # a reader that ended; a terminal that hung up
 
 
 class _Relayed:
-    """``sys.stdout`` / ``sys.stderr`` of a launched process: a write or flush that finds the
-    supervisor's pipe gone diverts the output (:func:`divert_if_orphaned`) and is made again
-    there, instead of raising BrokenPipeError (a line may then appear twice in the log)."""
+    """``sys.stdout`` / ``sys.stderr`` of a launched process (or one that keeps its output
+    going): a write or flush that finds the pipe or terminal gone diverts the output
+    (:func:`divert_if_orphaned`, :func:`_divert_output`) and is made again there, instead of
+    raising (a line may then appear twice in the log)."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -288,19 +359,20 @@ class _Relayed:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            return self._again(text)
+        except OSError as e:
+            return self._again(text, e)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._again("")
+        except OSError as e:
+            self._again("", e)
 
-    def _again(self, text: str) -> int:
-        divert_if_orphaned()
-        if not _diverted:  # the pipe closed with the supervisor alive: not ours to hide
-            raise BrokenPipeError(32, "Broken pipe")
+    def _again(self, text: str, error: OSError) -> int:
+        if error.errno in _GONE and not _diverted:
+            divert_if_orphaned() or _divert_output()
+        if error.errno not in _GONE or not _diverted:  # (a pipe closed with the supervisor alive: not ours to hide)
+            raise error
         self._stream.write(text)
         self._stream.flush()
         return len(text)

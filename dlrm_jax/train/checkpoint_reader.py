@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import tensorstore as ts
 
+from dlrm_jax import stopping
 from dlrm_jax.files import numbered_folders
 from dlrm_jax.parallel.coordination import outcome_of_process_0, outcomes_of_every_process
 from dlrm_jax.train.checkpoint_leases import ReaderLeases
@@ -309,7 +310,8 @@ def _native_noise_to(log: Path, settle_s: float = 1.0):
     os.dup2(target, 2)
     os.close(target)
     try:
-        yield
+        with stopping.stop_lines_to(saved):  # (a stop's lines to the terminal, not the log)
+            yield
     except BaseException:
         time.sleep(settle_s)
         raise

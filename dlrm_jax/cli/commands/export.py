@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from dlrm_jax import stopping
@@ -64,5 +65,12 @@ def run(args) -> int:
             )
         else:
             step = export_run(args.run_dir, args.output, args.overrides, step=args.step, log=log)
+        # A stop that came meanwhile waited for the export, which is whole now: the command is
+        # done (it exited 128 + signal, an export on disk that a re-run into --output refused).
+        asked = stopping.take_pending()
     print(f"exported step={step} to {args.output}", flush=True)
+    if asked:
+        print(
+            f"dlrm-jax: {stopping.signal_words(asked)[0]} came while the export was made; it is whole", file=sys.stderr
+        )
     return 0

@@ -34,6 +34,7 @@ def run(args) -> int:
 
     from dlrm_jax.parallel.mesh import check_available
     from dlrm_jax.train.checks import check_runnable
+    from dlrm_jax.train.library_log import log_path
     from dlrm_jax.train.rundir import agree_on_run_dir
     from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
@@ -44,6 +45,8 @@ def run(args) -> int:
     run_dir = Path(agree_on_run_dir(args.run_dir))  # every process: the same directory
     log(f"run dir: {run_dir}")
     library_logs_to(run_dir)
+    # (a Ctrl-C that also ends `| tee`, a closed terminal: the run still saves, its lines to the log)
+    stopping.keep_output_going(str(log_path(run_dir, jax.process_index())))
     try:
         # Planning, restoring, compiling and the final evaluation compile: a stop signal there
         # waits for a point where nothing native is under way (see dlrm_jax.stopping).
