@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -227,8 +228,19 @@ def numbered_folders(directory: str | Path) -> list[int]:
 
 
 def new_run_dir() -> str:
-    """The run dir a training run without ``--run-dir`` gets: ``runs/<local time>``."""
-    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    """The run dir a training run without ``--run-dir`` gets: ``runs/<local time>``, made here
+    so that it is this run's alone: runs started in the same second (a sweep's ``&``, a job
+    array) take ``-2``, ``-3``, ... after it (they shared one, and all but one were refused as
+    'in use' though none was given a run dir)."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    make_dir(base.parent, "runs folder")
+    for k in itertools.count(1):
+        path = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return str(path)
 
 
 def json_text(obj: Any, indent: int | None = None) -> str:

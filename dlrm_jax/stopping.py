@@ -311,16 +311,23 @@ def divert_if_orphaned() -> bool:
 _output_log: str | None = None  # keep_output_going's file
 
 
-def keep_output_going(log_path: str) -> None:
-    """For a command whose work must outlive its output (``train``): a write to stdout or
-    stderr that finds them gone (EPIPE: the reader ended, as ``| tee`` does on the Ctrl-C that
-    stops the run; EIO: a closed terminal) diverts both to ``log_path`` and is made again there.
-    It raised where the run happened to print, after the stop's line and before its save: the
-    run ended without the checkpoint that line promised."""
+@contextlib.contextmanager
+def keep_output_going(log_path: str):
+    """In the ``with`` body of a command whose work must outlive its output (``train``): a
+    write to stdout or stderr that finds them gone (EPIPE: the reader ended, as ``| tee`` does
+    on the Ctrl-C that stops the run; EIO: a closed terminal) diverts both to ``log_path`` and
+    is made again there. It raised where the run happened to print, after the stop's line and
+    before its save: the run ended without the checkpoint that line promised."""
     global _output_log
+    streams = sys.stdout, sys.stderr
     _output_log = log_path
     if not isinstance(sys.stdout, _Relayed):
         sys.stdout, sys.stderr = _Relayed(sys.stdout), _Relayed(sys.stderr)
+    try:
+        yield
+    finally:
+        _output_log = None
+        sys.stdout, sys.stderr = streams
 
 
 def _divert_output() -> bool:

@@ -57,3 +57,28 @@ def test_preprocess_onto_a_mount_point_is_refused_first(tmp_path, monkeypatch):
     monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(dest) or mounted(p))
     with pytest.raises(FileExistsError, match=f"--output {dest}: a mount point; preprocess into a new folder inside"):
         check_output_target(dest)
+
+
+def test_runs_started_in_the_same_second_get_run_dirs_of_their_own(tmp_path, monkeypatch):
+    """Before: three `dlrm-jax train &` of a sweep shared runs/<time>, and all but one were
+    refused as 'in use' though none was given a run dir."""
+    import time
+
+    from dlrm_jax.files import new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261207-150957")
+    got = [new_run_dir() for _ in range(3)]
+    assert got == ["runs/20261207-150957", "runs/20261207-150957-2", "runs/20261207-150957-3"]
+    assert all((tmp_path / g).is_dir() for g in got)
+
+
+def test_a_train_refused_after_its_run_dir_was_chosen_leaves_none(tmp_path, monkeypatch, capsys):
+    """The runs/<time> a run without --run-dir is given is made when chosen: a run refused after
+    that (pinned host memory on a CPU runtime) takes it away again, and runs/ with it."""
+    from dlrm_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", "mesh.devices=8", "--set", "data.host_memory=pinned"]) == 2
+    assert "data.host_memory=pinned" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

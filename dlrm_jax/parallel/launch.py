@@ -20,6 +20,7 @@ frames after them) go to a log file per process, named in that line, not to the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -295,7 +296,8 @@ def main(argv: list[str]) -> int:
     sub = rest.pop(0) if rest[:1] and rest[0] in _SUBCOMMANDS else "train"
     run_dir = given_run_dir(rest)
     resume = os.environ.get("DLRM_JAX_LAUNCH_AS") or shlex.join([here, str(n), sub, *rest])
-    if sub == "train" and run_dir is None:
+    chosen = sub == "train" and run_dir is None
+    if chosen:
         # Chosen here, not by process 0, so that the logs move into it and the command that
         # resumes after a fault names it (the same command without it would start afresh).
         run_dir = new_run_dir()
@@ -321,7 +323,12 @@ def main(argv: list[str]) -> int:
         for i in range(n)
     ]
     log_dir = Path(tempfile.mkdtemp(prefix="dlrm-jax-launch-"))
-    return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None, sub == "train")
+    try:
+        return supervise(argvs, resume, log_dir, Path(run_dir) if run_dir else None, sub == "train")
+    finally:
+        if chosen:  # (made to be the run's alone: a run refused before it wrote one left it empty)
+            with contextlib.suppress(OSError):
+                Path(run_dir).rmdir()
 
 
 if __name__ == "__main__":

@@ -427,4 +427,4 @@ def agree_on_run_dir(run_dir: str | None) -> str:
     # as folders, not as typed: one relative path from two working directories is two run dirs
     given = str(Path(run_dir).absolute()) if run_dir else "(not given)"
     check_same_everywhere({"--run-dir": given}, what="--run-dir arguments")
-    return run_dir or outcome_of_process_0(new_run_dir())
+    return run_dir or outcome_of_process_0(new_run_dir() if jax.process_index() == 0 else "")

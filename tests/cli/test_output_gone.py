@@ -10,14 +10,14 @@ import pytest
 CHILD = """
 import sys
 from dlrm_jax import stopping
-stopping.keep_output_going(sys.argv[1])
-print("a", flush=True)
-sys.stdin.readline()  # (the parent closes its end of our output meanwhile)
-for k in range(2000):  # (more than a pipe's buffer)
-    print("line", k)
-sys.stdout.flush()
-stopping.say("the stop's line")
-print("done", file=sys.stderr)
+with stopping.keep_output_going(sys.argv[1]):
+    print("a", flush=True)
+    sys.stdin.readline()  # (the parent closes its end of our output meanwhile)
+    for k in range(2000):  # (more than a pipe's buffer)
+        print("line", k)
+    sys.stdout.flush()
+    stopping.say("the stop's line")
+    print("done", file=sys.stderr)
 """
 
 

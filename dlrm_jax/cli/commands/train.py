@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,6 @@ def run(args) -> int:
     from dlrm_jax.train.checks import check_runnable
     from dlrm_jax.train.library_log import log_path
     from dlrm_jax.train.rundir import agree_on_run_dir
-    from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
 
     devices, cpu = cfg.mesh.devices or jax.device_count(), jax.default_backend() == "cpu"
     check_available(devices, jax.device_count(), jax.default_backend())
@@ -46,7 +46,22 @@ def run(args) -> int:
     log(f"run dir: {run_dir}")
     library_logs_to(run_dir)
     # (a Ctrl-C that also ends `| tee`, a closed terminal: the run still saves, its lines to the log)
-    stopping.keep_output_going(str(log_path(run_dir, jax.process_index())))
+    with stopping.keep_output_going(str(log_path(run_dir, jax.process_index()))):
+        try:
+            return _trained(args, cfg, run_dir)
+        finally:
+            if not args.run_dir and jax.process_index() == 0:  # (runs/<time>, made to be this run's alone:
+                with contextlib.suppress(OSError):  # left empty by a refused run; runs/ too, where it holds no other)
+                    run_dir.rmdir()
+                    run_dir.parent.rmdir()
+
+
+def _trained(args, cfg, run_dir: Path) -> int:
+    """The run, and the lines that end it; its exit status."""
+    import jax
+
+    from dlrm_jax.train.trainer import Interrupted, train_and_evaluate
+
     try:
         # Planning, restoring, compiling and the final evaluation compile: a stop signal there
         # waits for a point where nothing native is under way (see dlrm_jax.stopping).
@@ -65,8 +80,6 @@ def run(args) -> int:
         saved = f"checkpoint saved in {run_dir}; {again} to resume" if e.saved else "nothing saved"
         print(f"dlrm-jax: {e}; {saved}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    import jax
-
     if jax.process_index() == 0:  # every process holds the same summary: one copy for the reader
         if summary.best is not None:  # the best evaluation, then the last (the contract's final line)
             print(summary.best_line(), flush=True)
