@@ -139,18 +139,28 @@ def progressive_windows(t: TrainConfig, source) -> dict[int, tuple[int, int, str
     each begins at -> (its index, the step after its last, its label). Every N steps, or the
     dataset's own windows (``data``: :meth:`~dlrm_jax.data.sources.binary.BinarySource.window_steps`);
     the first window is never scored (no model has trained before it), the last is scored whole
-    (past ``train.steps`` where the run ends inside it)."""
+    (past ``train.steps`` where the run ends inside it), up to the end of its pass over the data."""
     if not t.progressive_window:
         return {}
     if t.progressive_window == "data":
         starts, last_end = source.window_steps(t.steps), source.window_end(t.steps)
     else:
         n = t.progressive_window
-        starts, last_end = [(s, f"steps {s}-{s + n - 1}") for s in range(0, t.steps, n)], -(-t.steps // n) * n
-    # The last window runs to its own end, not the run's: a run stopped inside it and raised past
-    # it later scored part of it, for good (its model has trained on the rest since)
-    ends = [s for s, _ in starts[1:]] + [last_end or t.steps]
-    return {s: (k, e, label) for k, ((s, label), e) in enumerate(zip(starts, ends, strict=True)) if k}
+        starts, last_end = [(s, "") for s in range(0, t.steps, n)], -(-t.steps // n) * n
+    # The last window runs to its own end, not the run's (a run stopped inside it and raised past
+    # it later scored part of it, for good: its model has trained on the rest since), but not
+    # past the end of the pass over the data it is in: the batches after it are rows trained on
+    rows = getattr(source, "num_train", None)
+    if rows and len(starts) > 1:
+        first_row = starts[-1][0] * t.batch_size
+        pass_end = -(-(first_row // rows + 1) * rows // t.batch_size)  # the first step of the next pass
+        last_end = min(last_end or pass_end, pass_end)
+    ends = [s for s, _ in starts[1:]] + [max(last_end or t.steps, t.steps)]
+    return {
+        s: (k, e, label or f"steps {s}-{e - 1}")
+        for k, ((s, label), e) in enumerate(zip(starts, ends, strict=True))
+        if k
+    }
 
 
 class TrainingLoop:

@@ -223,6 +223,22 @@ def test_progressive_validation_scores_each_next_window_before_training_on_it(ti
     assert [e["loss"] for e in events if e["event"] != "progressive"] == plain
 
 
+def test_the_last_progressive_window_stops_at_the_end_of_its_pass(tiny):
+    """Scored whole past train.steps (above), the last window stops where the pass over the data
+    it is in ends: the batches after it wrap to rows trained on (train.epochs=1 scored them)."""
+    import dataclasses
+    import types
+
+    from dlrm_jax.train.loop import progressive_windows
+
+    t = tiny("train.steps=10", "train.batch_size=64", "train.progressive_window=4").train
+    ten_batches = types.SimpleNamespace(num_train=640)
+    assert progressive_windows(t, ten_batches) == {4: (1, 8, "steps 4-7"), 8: (2, 10, "steps 8-9")}
+    assert progressive_windows(t, types.SimpleNamespace())[8] == (2, 12, "steps 8-11")  # (endless: synthetic)
+    assert progressive_windows(dataclasses.replace(t, steps=9), ten_batches)[8] == (2, 10, "steps 8-9")
+    assert progressive_windows(dataclasses.replace(t, steps=14), ten_batches)[12] == (3, 16, "steps 12-15")  # (pass 2)
+
+
 def events_of(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
