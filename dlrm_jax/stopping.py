@@ -169,7 +169,7 @@ def say(line: str) -> None:
     data = (line + "\n").encode()
     if (_say_fd is not None and _written(_say_fd, data)) or _written(2, data):
         return
-    if divert_if_orphaned() or _divert_output():
+    if divert_if_orphaned() or _divert_output(2):
         _written(2, data)
 
 
@@ -262,7 +262,7 @@ def ended(pid: int) -> bool:
 
 
 _launch: tuple[int, str] | None = None  # (the supervisor's pid, this process's log file)
-_diverted = False
+_diverted: set[int] = set()  # the standard descriptors (1, 2) pointed at a log
 
 
 def die_with_launcher() -> None:
@@ -302,9 +302,9 @@ def divert_if_orphaned() -> bool:
     error (file descriptors 1 and 2: native output too) at the process's log file instead
     (``/dev/null`` without one). Only system calls: safe in a signal handler. Returns whether
     it diverted them now."""
-    if _launch is None or _diverted or not launcher_gone():
+    if _launch is None or {1, 2} <= _diverted or not launcher_gone():
         return False
-    _divert_to(_launch[1])
+    _divert_to(_launch[1], (1, 2))
     return True
 
 
@@ -330,25 +330,25 @@ def keep_output_going(log_path: str):
         sys.stdout, sys.stderr = streams
 
 
-def _divert_output() -> bool:
-    """:func:`keep_output_going`'s diversion, once; whether it diverted now."""
-    if _output_log is None or _diverted:
+def _divert_output(fd: int) -> bool:
+    """:func:`keep_output_going`'s diversion of ``fd`` (1 or 2) alone, once: stdout gone with
+    its reader (``| tee``) leaves stderr on the terminal; whether it diverted now."""
+    if _output_log is None or fd in _diverted:
         return False
-    _divert_to(_output_log)
+    _divert_to(_output_log, (fd,))
     return True
 
 
-def _divert_to(path: str) -> None:
-    """fds 1 and 2 onto ``path`` (appended; ``/dev/null`` where it cannot be opened)."""
-    global _diverted
+def _divert_to(path: str, fds: tuple[int, ...]) -> None:
+    """``fds`` onto ``path`` (appended; ``/dev/null`` where it cannot be opened)."""
     try:
         fd = os.open(path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
         fd = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    for standard in fds:
+        os.dup2(fd, standard)
+        _diverted.add(standard)
     os.close(fd)
-    _diverted = True
 
 
 _GONE = (errno.EPIPE, errno.EIO)  # a reader that ended; a terminal that hung up
@@ -376,13 +376,22 @@ class _Relayed:
             self._again("", e)
 
     def _again(self, text: str, error: OSError) -> int:
-        if error.errno in _GONE and not _diverted:
-            divert_if_orphaned() or _divert_output()
-        if error.errno not in _GONE or not _diverted:  # (a pipe closed with the supervisor alive: not ours to hide)
+        fd = self._fd()
+        if error.errno in _GONE and fd not in _diverted:
+            divert_if_orphaned() or _divert_output(fd)
+        if (
+            error.errno not in _GONE or fd not in _diverted
+        ):  # (a pipe closed with the supervisor alive: not ours to hide)
             raise error
         self._stream.write(text)
         self._stream.flush()
         return len(text)
+
+    def _fd(self) -> int:
+        try:
+            return self._stream.fileno()
+        except (OSError, ValueError, AttributeError):  # (a stream without one: taken as stderr)
+            return 2
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -21,6 +21,22 @@ with stopping.keep_output_going(sys.argv[1]):
 """
 
 
+def test_stdout_gone_alone_leaves_stderr_on_the_terminal(tmp_path):
+    """`dlrm-jax train ... | tee`: the Ctrl-C ends tee, not the terminal: the stop's lines on
+    stderr still reach it (both were diverted to the log)."""
+    log = tmp_path / "dlrm-jax.log"
+    out_r, out_w = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(log)], stdin=subprocess.PIPE, stdout=out_w, stderr=subprocess.PIPE
+    )
+    os.close(out_w)
+    assert os.read(out_r, 100).strip() == b"a"
+    os.close(out_r)
+    _, err = child.communicate(b"\n", timeout=60)
+    assert child.returncode == 0 and err == b"the stop's line\ndone\n", err
+    assert "line 1999\n" in log.read_text() and "done" not in log.read_text()
+
+
 @pytest.mark.parametrize("gone", ["pipe", "terminal"])
 def test_output_that_goes_is_diverted_to_the_log_and_the_work_goes_on(tmp_path, gone):
     """Before: a Ctrl-C that also ended `dlrm-jax train ... | tee` (or a closed terminal) ended
