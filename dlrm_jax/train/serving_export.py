@@ -13,6 +13,7 @@ STEP (compared here, at export time: training tracks nothing), and the dense par
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ from dlrm_jax.train.export import RestoredRun, as_evaluated, check_outside_run, 
 from dlrm_jax.train.restore import read_checkpoint, saved_run_config
 from dlrm_jax.train.rundir import data_change
 from dlrm_jax.train.serving_rules import dense_transform, rules, vocabularies
+from dlrm_jax.train.wiring import model_entry
 
 EXPORT_PLATFORMS = ("cpu", "cuda")
 ROWS_PER_WRITE = 1 << 16
@@ -245,8 +247,10 @@ def _write_function(work: Path, run: RestoredRun) -> None:
     parts = list(steps.parts.values())
     n_dense = len(leaves) - len(parts)
 
+    graphdef = _portable_graphdef(cfg)
+
     def serve(leaves, dense, pooled, *parts_pooled):
-        logits = nnx.merge(steps.graphdef, jax.tree.unflatten(treedef, leaves[:n_dense]))(dense, pooled)
+        logits = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves[:n_dense]))(dense, pooled)
         for part, part_pooled, weights in zip(parts, parts_pooled, leaves[n_dense:], strict=True):
             logits = logits + part.logits(PartInputs(part_pooled, weights), dense)
         return jax.nn.sigmoid(logits)
@@ -265,6 +269,17 @@ def _write_function(work: Path, run: RestoredRun) -> None:
     (work / FUNCTION_FILE).write_bytes(exported.serialize())
     with open(work / PARAMS_FILE, "wb") as f:
         np.savez(f, *[np.asarray(x) for x in leaves])
+
+
+def _portable_graphdef(cfg):
+    """The run's dense model with XLA's dot pairs and cross layers, the same parameters: the
+    fused forms' Pallas kernels size their tiles from the batch, which the exported function
+    leaves symbolic ('unsupported operand type(s) for &: _DimExpr', and no artifact, for every
+    run trained with model.dot_pairs or model.cross_layers fused); they agree to rounding."""
+    model = dataclasses.replace(cfg.model, dot_pairs="xla", cross_layers="xla")
+    plain = dataclasses.replace(cfg, model=model)
+    dense = nnx.eval_shape(lambda: model_entry(plain).dense(plain, nnx.Rngs(0)))
+    return nnx.split(dense, nnx.Param)[0]
 
 
 def _evaluation(run_dir: Path, step: int) -> dict | None:

@@ -853,3 +853,32 @@ def test_a_model_let_go_without_close_leaves_no_open_files(criteo):
         del model
         gc.collect()
     assert fds() <= before
+
+
+@pytest.mark.parametrize(
+    "sets", [["model.dot_pairs=fused"], ["model.interaction=dcn", "model.dcn_rank=4", "model.cross_layers=fused"]]
+)
+def test_a_run_with_fused_kernels_exports_its_serving_function(sets):
+    """Before: export --serving of a run trained with model.dot_pairs or model.cross_layers fused
+    failed ('unsupported operand type(s) for &: _DimExpr'): the kernels size their tiles from the
+    batch, which the exported function leaves symbolic. It is exported with XLA's forms, whose
+    parameters are the trained ones."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dlrm_jax.train.serving_export import _portable_graphdef
+    from dlrm_jax.train.wiring import model_entry
+
+    cfg = tiny_config(*sets, "train.compute_dtype=float32")
+    trained = nnx.split(nnx.eval_shape(lambda: model_entry(cfg).dense(cfg, nnx.Rngs(0))), nnx.Param)
+    portable = _portable_graphdef(cfg)
+    (b,) = jax.export.symbolic_shape("b")
+    args = (
+        trained[1],
+        jax.ShapeDtypeStruct((b, cfg.data.num_dense), jnp.float32),
+        jax.ShapeDtypeStruct((b, cfg.num_features, cfg.model.embedding_dim), jnp.float32),
+    )
+    with pytest.raises(TypeError, match="_DimExpr"):  # (the trained model's own forms)
+        jax.export.export(jax.jit(lambda p, d, e: nnx.merge(trained[0], p)(d, e)))(*args)
+    jax.export.export(jax.jit(lambda p, d, e: nnx.merge(portable, p)(d, e)))(*args)
