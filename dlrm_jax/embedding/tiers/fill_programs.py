@@ -94,7 +94,8 @@ class FillPrograms:
             return [self._program(fills, staged)]
         self.drain()  # rare: several programs, nothing forwarded between them
         program_of = self._program_of(fills)
-        rounds = 1 + max(int(r.max()) for r in program_of.values())
+        # (a table with no fills this batch, all hits or hot, has no entries to place)
+        rounds = 1 + max((int(r.max()) for r in program_of.values() if len(r)), default=0)
         self.stats["fill_rounds"] += rounds - 1
         chunks = [{t: f.take(program_of[t] == k) if len(f) else f for t, f in fills.items()} for k in range(rounds)]
         return [self._program(c, staged) for c in chunks]
