@@ -149,7 +149,8 @@ class TrainConfig:
         metadata=NONNEG
         | doc(
             "> 0: the decay starts after this many steps (HugeCTR's and MLPerf's reference `decay_start`; "
-            "the decay may go on past the run's end); 0: it takes the run's last `train.decay_steps` steps"
+            "the decay may go on past the run's end, but must start before it: a run trained in stages gives it "
+            "once its `train.steps` pass it); 0: it takes the run's last `train.decay_steps` steps"
         ),
     )
     # (a power below 0 would make the "decay" raise the rate)

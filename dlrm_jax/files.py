@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import itertools
 import json
 import math
 import os
@@ -232,15 +231,17 @@ def new_run_dir() -> str:
     so that it is this run's alone: runs started in the same second (a sweep's ``&``, a job
     array) take ``-2``, ``-3``, ... after it (they shared one, and all but one were refused as
     'in use' though none was given a run dir)."""
-    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    make_dir(base.parent, "runs folder")
-    for k in itertools.count(1):
+    base, k = Path("runs") / time.strftime("%Y%m%d-%H%M%S"), 1
+    while True:
         path = base if k == 1 else base.with_name(f"{base.name}-{k}")
         try:
+            make_dir(base.parent, "runs folder")
             path.mkdir()
+            return str(path)
         except FileExistsError:
+            k += 1
+        except FileNotFoundError:  # (runs/ taken away meanwhile, empty, by a refused run beside this one)
             continue
-        return str(path)
 
 
 def json_text(obj: Any, indent: int | None = None) -> str:

@@ -28,10 +28,10 @@ def root_logging_untouched() -> Iterator[None]:
     root logger left without handlers where it had none. absl (orbax logs through it, from its
     import on) calls ``logging.basicConfig()`` on any message while the root logger has no
     handler: a notebook's own ``basicConfig(level=...)`` after a run then did nothing, and every
-    library's warnings gained a ``WARNING:name:`` prefix. Python's last-resort handler, which
-    prints a warning where no handler takes it, stands in on the root logger meanwhile."""
+    library's warnings gained a ``WARNING:name:`` prefix. Python's last resort, which prints a
+    warning where no handler takes it, stands in on the root logger meanwhile (:class:`_LastResort`)."""
     root = logging.getLogger()
-    stand_in = None if root.handlers else (logging.lastResort or logging.NullHandler())
+    stand_in = None if root.handlers else _LastResort()
     if stand_in is not None:
         root.addHandler(stand_in)
     try:
@@ -39,6 +39,29 @@ def root_logging_untouched() -> Iterator[None]:
     finally:
         if stand_in is not None:
             root.removeHandler(stand_in)
+
+
+class _LastResort(logging.Handler):
+    """Python's last-resort handling as a handler on the root logger: a message that no other
+    handler on its way takes goes to ``logging.lastResort`` (stderr, warnings and up); one
+    that another took is not printed again (``lastResort`` itself there printed every
+    message of a logger with a file of its own a second time, on stderr)."""
+
+    def handle(self, record) -> bool:
+        logger = logging.getLogger(record.name) if record.name != "root" else logging.getLogger()
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        last = logging.lastResort
+        if last is not None and record.levelno >= last.level:
+            last.handle(record)
+        return True
+
+    def emit(self, record) -> None:  # (handle does the work)
+        pass
 
 
 @contextlib.contextmanager

@@ -86,16 +86,19 @@ def test_a_train_refused_after_its_run_dir_was_chosen_leaves_none(tmp_path, monk
 
 def test_partial_scores_of_a_killed_predict_go_at_the_next_one(tmp_path):
     """Before: a predict killed by SIGKILL or the OOM killer left its hidden partial file for good."""
+    import socket
     import subprocess
     import sys
 
     from dlrm_jax.serving.files import remove_stale_partials
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f".scores.txt.{gone.stdout.strip()}.partial"
-    alive = tmp_path / f".scores.txt.{os.getppid()}.partial"  # (a process still running: its own)
-    other = tmp_path / f".other.txt.{gone.stdout.strip()}.partial"
-    for f in (dead, alive, other):
+    here = socket.gethostname()
+    dead = tmp_path / f".scores.txt.{here}-{gone.stdout.strip()}.partial"
+    alive = tmp_path / f".scores.txt.{here}-{os.getppid()}.partial"  # (a process still running: its own)
+    other = tmp_path / f".other.txt.{here}-{gone.stdout.strip()}.partial"
+    elsewhere = tmp_path / f".scores.txt.otherhost-{gone.stdout.strip()}.partial"  # (a shared folder)
+    for f in (dead, alive, other, elsewhere):
         f.write_text("0.5\n")
     remove_stale_partials(tmp_path / "scores.txt")
-    assert not dead.exists() and alive.exists() and other.exists()
+    assert not dead.exists() and alive.exists() and other.exists() and elsewhere.exists()

@@ -43,6 +43,7 @@ def check_stream_config(cfg) -> None:
         "embedding.table_storage": (list(e.table_storage), []),
         "embedding.sharding": (e.sharding if e.sharding != "auto" else "row", "row"),
         "embedding.table_sharding": (list(e.table_sharding), []),
+        "embedding.row_layout": (e.row_layout, "block"),
         "embedding.hot.rows": (e.hot.rows, 0),
         "embedding.sync": (e.sync, "global"),
         "train.warmup_steps": (t.warmup_steps, 0),

@@ -128,7 +128,9 @@ def content_digest(path: str | Path, shards: bool = True) -> str:
     hold the shards they read agree on the rest)."""
     root = Path(path)
     meta = json.loads((root / META_FILE).read_text())
-    kept = {k: _file_names(v) if k in _PATH_KEYS else v for k, v in meta.items()}
+    # (header_columns: what preprocessing read of its inputs' headers, recorded since 2026-12-07;
+    # the same data preprocessed before it is the same data)
+    kept = {k: _file_names(v) if k in _PATH_KEYS else v for k, v in meta.items() if k != "header_columns"}
     h = hashlib.sha256(json.dumps(kept, sort_keys=True).encode())
     for split in SPLITS if shards else ():
         for index in range(len(meta["shards"][split])):

@@ -6,6 +6,7 @@ import glob
 import itertools
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def predict_files(
     # renamed over the output (a link's target) once every line is scored.
     target = Path(os.path.realpath(output))
     remove_stale_partials(target)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    partial = target.with_name(f".{target.name}.{_this_process()}.partial")
     out = open(partial, "x")  # noqa: SIM115 - closed below, before the rename
     full = lambda: (
         f"--output {output}: no space left on device while writing the scores; "
@@ -90,12 +91,18 @@ def predict_files(
 
 def remove_stale_partials(target: Path) -> None:
     """The partial score files of ``target`` that killed runs left (SIGKILL, the OOM killer:
-    no ``finally`` ran), each named by its process: removed once that process has ended. They
-    were hidden and kept for good (2.6 MB after 5 s of a 450k-line job)."""
-    for partial in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):
-        pid = partial.name[len(target.name) + 2 : -len(".partial")]
+    no ``finally`` ran), each named by its host and process: removed once that process, on
+    this host, has ended. They were hidden and kept for good (2.6 MB after 5 s of a 450k-line
+    job); those of other hosts (a shared folder) are left to theirs."""
+    host = f"{socket.gethostname()}-"
+    for partial in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(host)}*.partial"):
+        pid = partial.name[len(target.name) + 2 + len(host) : -len(".partial")]
         if pid.isdigit() and int(pid) != os.getpid() and stopping.ended(int(pid)):
             partial.unlink(missing_ok=True)
+
+
+def _this_process() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def open_descriptor(output: str | Path) -> int | None:

@@ -221,6 +221,14 @@ def test_a_dataset_s_digest_with_a_shard_gone(tmp_path, dataset):
     shutil.rmtree(tmp_path / "part" / "train" / "00000")
     assert content_digest(tmp_path / "part", shards=False) == content_digest(dataset, shards=False)
     assert content_digest(tmp_path / "part") != content_digest(dataset)
+    # A dataset of this version records its headers' columns (serving reads records without one
+    # by them): the same data, preprocessed before that record, is the same data.
+    import json
+
+    shutil.copytree(dataset, tmp_path / "named")
+    meta = json.loads((tmp_path / "named" / "meta.json").read_text())
+    (tmp_path / "named" / "meta.json").write_text(json.dumps({**meta, "header_columns": ["y", "a"]}))
+    assert content_digest(tmp_path / "named") == content_digest(dataset)
 
 
 def test_the_gil_wait_probe_sees_a_thread_that_holds_the_gil():

@@ -80,3 +80,28 @@ def test_a_checkpoint_that_cannot_be_written_from_python_is_one_error_and_no_tra
     assert out.stdout.strip() == "CheckpointWriteError", out.stderr
     assert out.stderr == "", out.stderr
     assert "File too large" in (tmp_path / "run" / "dlrm-jax.log").read_text()
+
+
+def test_the_root_loggers_stand_in_prints_only_what_no_handler_took(capfd):
+    """While a run works the root logger holds a stand-in for Python's last resort (absl would
+    configure it otherwise): a logger with a handler of its own was printed on stderr as well."""
+    from dlrm_jax.jax_settings import root_logging_untouched
+
+    root, own = logging.getLogger(), logging.getLogger("has_its_own")
+    saved, root.handlers = root.handlers, []
+    kept = []
+    handler = logging.Handler()
+    handler.emit = kept.append
+    own.addHandler(handler)
+    try:
+        with root_logging_untouched():
+            assert root.handlers  # (absl's basicConfig() does nothing)
+            own.warning("to its own handler")
+            logging.getLogger("has_none").warning("to stderr")
+            logging.getLogger("has_none").info("nowhere")
+        assert root.handlers == []
+    finally:
+        own.removeHandler(handler)
+        root.handlers = saved
+    assert [r.getMessage() for r in kept] == ["to its own handler"]
+    assert capfd.readouterr().err == "to stderr\n"
