@@ -202,8 +202,11 @@ class Checkpoints(CheckpointReader):
     def _write_error(self, step: int | None, e: OSError, detail: str = "") -> CheckpointWriteError:
         what = ("no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))) + detail
         at = f" at step {step}" if step is not None else ""
-        intact = self.all_steps()
+        # (as on disk now: the folder moved or removed while the run trained keeps none here)
+        intact = [s for s in self.all_steps() if (self.directory / str(s)).is_dir()]
         kept = f"older checkpoints intact (steps {intact})" if intact else "no earlier checkpoint"
+        if not self.directory.is_dir():
+            kept = "the checkpoints folder is gone (moved or removed while the run trained)"
         return CheckpointWriteError(f"could not write the checkpoint{at} in {self.directory}: {what}; {kept}")
 
     def _set_aside(self, step: int) -> str:

@@ -169,6 +169,12 @@ def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
         CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*: File too large; "
     ):
         ckpts.wait()
+    # The run dir moved away while the run trained: its checkpoints are not "intact" at the old
+    # path (before: 'older checkpoints intact (steps [30])', which had gone with it).
+    (tmp_path / "checkpoints").rename(tmp_path / "moved")
+    ckpts._saving = 40
+    with pytest.raises(CheckpointWriteError, match=r"; the checkpoints folder is gone \(moved or removed"):
+        ckpts.wait()
 
 
 def test_more_devices_than_the_machine_gives_is_a_config_error():
