@@ -27,12 +27,28 @@ def run() -> int:
     if env is not None:
         sys.stdout.flush()
         os.execve(sys.executable, [sys.executable, "-m", "dlrm_jax", *sys.argv[1:]], env)
-    status = main()
+    status = _program()
     stopping.exiting(status)  # (a stop signal now ends the exit's clean-up, quietly)
     return status
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``dlrm-jax`` with ``argv`` (default ``sys.argv[1:]``) in this process; its exit status.
+    Called from Python (a notebook), it leaves the process as it found it: the libraries'
+    loggers (their messages went into an old run's log, a handler per command) and SIGUSR1
+    (taken for stack dumps, for good)."""
+    try:
+        return _program(argv)
+    finally:
+        from dlrm_jax.train.library_log import detach_library_logs
+
+        detach_library_logs()
+        with contextlib.suppress(AttributeError, ValueError, RuntimeError):
+            faulthandler.unregister(signal.SIGUSR1)
+
+
+def _program(argv: list[str] | None = None) -> int:
+    """The program's work: the command, its signals and its one line per kind of failure."""
     args = build_parser().parse_args(argv)
     # `kill -USR1 PID` prints every thread's Python stack to stderr: where a stuck run waits.
     try:

@@ -31,10 +31,13 @@ class StepDisplay:
         stream = stream or sys.stderr
         self.total, self.batch, self.epoch_rows, self.log, self.shown = total, batch, epoch_rows, log, shown
         self.tty = shown and bar and stream.isatty()
-        self.bar = tqdm(total=total, initial=start, unit="step", file=stream, dynamic_ncols=True, disable=not self.tty)
+        # (no bar made without a terminal: tqdm's, even disabled, fixed the process's multiprocessing
+        # start method, a notebook's set_start_method("spawn") then refused, and left a monitor thread)
+        self.bar = tqdm(total=total, initial=start, unit="step", file=stream, dynamic_ncols=True) if self.tty else None
 
     def update(self, steps: int = 1) -> None:
-        self.bar.update(steps)
+        if self.bar is not None:
+            self.bar.update(steps)
 
     def window(self, step: int, loss: float, samples_per_s: float, seconds_per_step: float) -> None:
         """A logged step: the bar's postfix, or one plain line."""
@@ -58,7 +61,8 @@ class StepDisplay:
             self.log(line)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _duration(seconds: float) -> str:

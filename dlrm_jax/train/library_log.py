@@ -87,6 +87,18 @@ def _into_a_closed_loop(info) -> bool:
     )
 
 
+def detach_library_logs() -> None:
+    """The libraries' loggers as they were before :func:`send_library_logs` (the command line's,
+    at its end: ``dlrm_jax.cli.main`` called in a notebook left a handler per command, and the
+    loggers' own messages went into old runs' logs)."""
+    for name in LIBRARIES:
+        library = logging.getLogger(name)
+        for handler in [h for h in library.handlers if isinstance(h, RunDirLog)]:
+            library.removeHandler(handler)
+            handler.close()
+        library.propagate = True
+
+
 class RunDirLog(logging.FileHandler):
     """A log file, and its run dir, made by the first message: a run that logs none leaves
     none, and a run refused before its run dir is made leaves no empty one. A file that cannot
@@ -101,6 +113,10 @@ class RunDirLog(logging.FileHandler):
             super().emit(record)  # opens the file on the first message (delay)
         except OSError:
             pass
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # (buffered lines a full disk cannot take: lost, as above)
+            super().close()
 
     def handleError(self, record) -> None:
         """A write that failed inside logging's own handler (a full disk): the message is lost,

@@ -1034,7 +1034,7 @@ def test_a_stop_during_the_exits_clean_up_ends_it_quietly():
     script = """
 import atexit, os, signal, sys, time
 import dlrm_jax.cli as program
-program.main = lambda: 130  # a run that stopped and saved
+program._program = lambda: 130  # a run that stopped and saved
 atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(20), print("cleaned up")))
 sys.exit(program.run())
 """

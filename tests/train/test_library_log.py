@@ -105,3 +105,58 @@ def test_the_root_loggers_stand_in_prints_only_what_no_handler_took(capfd):
         root.handlers = saved
     assert [r.getMessage() for r in kept] == ["to its own handler"]
     assert capfd.readouterr().err == "to stderr\n"
+
+
+def test_the_command_line_called_in_a_notebook_leaves_its_loggers_and_sigusr1(tmp_path, capsys):
+    """Before: each in-process dlrm_jax.cli.main(...) left a handler on absl's and asyncio's
+    loggers for good (their messages into an old run's log) and SIGUSR1 taken for stack dumps."""
+    import os
+    import signal
+
+    from dlrm_jax.cli import main
+
+    got = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+    try:
+        for run in ("a", "b"):  # (refused after its run dir's log was set up)
+            argv = ["train", "--set", "mesh.devices=8", "--set", "data.host_memory=pinned", "--run-dir"]
+            assert main([*argv, str(tmp_path / run)]) == 2
+        os.kill(os.getpid(), signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert got == [signal.SIGUSR1]
+    for name in ("absl", "asyncio"):
+        assert logging.getLogger(name).handlers == [] and logging.getLogger(name).propagate
+
+
+def test_no_progress_bar_is_made_without_a_terminal():
+    """tqdm's bar, even disabled, fixed the process's multiprocessing start method (a notebook's
+    set_start_method('spawn') then refused) and left its monitor thread."""
+    import io
+
+    from dlrm_jax.train.display import StepDisplay
+
+    shown = StepDisplay(
+        10, 0, bar=True, shown=True, batch=4, epoch_rows=None, log=lambda *_: None, stream=io.StringIO()
+    )
+    assert shown.bar is None
+    shown.update(1)
+    shown.close()
+
+
+def test_a_run_dirs_log_that_cannot_take_its_last_lines_closes_without_raising(tmp_path):
+    from dlrm_jax.train.library_log import RunDirLog
+
+    class Full:
+        def write(self, _):
+            raise OSError(28, "No space left on device")
+
+        def flush(self):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            pass
+
+    handler = RunDirLog(tmp_path / "dlrm-jax.log")
+    handler.stream = Full()
+    handler.close()  # (a bare OSError replaced the run's own error before)
