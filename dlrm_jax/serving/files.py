@@ -94,7 +94,7 @@ def remove_stale_partials(target: Path) -> None:
     no ``finally`` ran), each named by its host and process: removed once that process, on
     this host, has ended. They were hidden and kept for good (2.6 MB after 5 s of a 450k-line
     job); those of other hosts (a shared folder) are left to theirs."""
-    host = f"{socket.gethostname()}-"
+    host = _this_process().rsplit("-", 1)[0] + "-"
     for partial in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(host)}*.partial"):
         pid = partial.name[len(target.name) + 2 + len(host) : -len(".partial")]
         if pid.isdigit() and int(pid) != os.getpid() and stopping.ended(int(pid)):

@@ -297,7 +297,9 @@ def scoring_chunks(
     without a header carry the label; None: as they tell). ``header_columns``: the columns the
     training files' headers named (:func:`header_columns`), which records without a header
     are read by where the schema lists none."""
-    layout, wanted = _without_label(schema, _headless_by(schema, path, leading, header_columns), leading, labeled)
+    # (the leading lines' fields, as reading splits them, once: a quoted field holding the delimiter is one)
+    records = leading_fields(list(leading), schema.layout) if schema.layout.format == "csv" else []
+    layout, wanted = _without_label(schema, _headless_by(schema, path, records, header_columns), records, labeled)
     for rec in records_from(f, raw, path, layout, wanted, chunk_lines, bar):
         cols, problems = rec.columns(wanted), {}
         main = convert(schema, "", cols, problems)
@@ -310,14 +312,13 @@ def scoring_chunks(
         yield lines[order], at[keep], dense, values, empty
 
 
-def _headless_by(schema: TabularSchema, path: str, leading: Sequence[bytes], header_columns: Sequence[str]):
+def _headless_by(schema: TabularSchema, path: str, records: list[list[str]], header_columns: Sequence[str]):
     """The layout records of a file to score are read by: the schema's, or where it names its
     columns only in a header line and the file's first line is none, the training files'
     (``header_columns``); a DataFormatError where those were not recorded."""
     layout = schema.layout
     if layout.format != "csv" or layout.columns or not layout.header:
         return layout
-    records = leading_fields(list(leading), layout)
     fields = [x.lstrip("\ufeff") for x in records[0]] if records else []
     names = set(header_columns) or {w for w in schema.wanted() if isinstance(w, str)}
     if not fields or 2 * sum(x in names for x in fields) > len(fields):  # a header line: read by it
@@ -331,7 +332,7 @@ def _headless_by(schema: TabularSchema, path: str, leading: Sequence[bytes], hea
     return dataclasses.replace(layout, header=False, columns=tuple(header_columns))
 
 
-def _without_label(schema: TabularSchema, layout, leading: Sequence[bytes], labeled: bool | None = None) -> tuple:
+def _without_label(schema: TabularSchema, layout, records: list[list[str]], labeled: bool | None = None) -> tuple:
     """(layout, wanted columns) to read records to score: the label is not wanted, and records
     without the label column (a header without its name; else ``labeled`` False, or by default
     most of the leading lines of either width one field fewer: one malformed first line does not
@@ -342,8 +343,6 @@ def _without_label(schema: TabularSchema, layout, leading: Sequence[bytes], labe
     wanted = [w for w in schema.wanted() if w != label or any(f.column.key == label for f in schema.features)]
     if layout.format != "csv" or not layout.columns:
         return layout, wanted
-    # (split as reading splits them: a quoted field holding the delimiter counted as two)
-    records = leading_fields(list(leading), layout)
     fields = records[0] if records else []
     named = bool(fields) and 2 * sum(x in layout.columns for x in fields) > len(fields)
     if layout.header and not named:
