@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import signal
 import threading
 
@@ -153,6 +154,11 @@ def __getattr__(name: str):
             value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    # A subpackage or module by its attribute (``dlrm_jax.serving.load``), as after ``import
+    # dlrm_jax.serving``: only the name asked for is imported.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        with _interrupts_after():
+            return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'dlrm_jax' has no attribute {name!r}")
 
 

@@ -23,6 +23,23 @@ def test_import_does_not_start_jax():
     assert out.stdout.strip() == "False"
 
 
+def test_a_subpackage_is_an_attribute_after_a_plain_import():
+    """docs/python-api.md's ``dlrm_jax.serving.load`` after ``import dlrm_jax`` alone: it
+    raised AttributeError unless something had imported the subpackage first."""
+    code = (
+        "import sys, dlrm_jax\n"
+        "print(sorted(m for m in sys.modules if m.startswith('dlrm_jax.')))\n"
+        "print(dlrm_jax.serving.load is sys.modules['dlrm_jax.serving'].load)\n"
+        "try:\n"
+        "    dlrm_jax.no_such_part\n"
+        "except AttributeError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.splitlines()[1:] == ["True", "module 'dlrm_jax' has no attribute 'no_such_part'"], out.stdout
+    assert "dlrm_jax.serving" not in out.stdout.splitlines()[0]  # (imported when asked for, not with the package)
+
+
 @pytest.mark.slow
 def test_notebook_flow(tmp_path):
     """And the notebook's root logger is left alone: absl (orbax's logger, from its import on)

@@ -274,6 +274,13 @@ def given_run_dir(args: list[str]) -> str | None:
 
 def main(argv: list[str]) -> int:
     here = "python -m dlrm_jax.parallel.launch"
+    usage = (
+        f"usage: {here} N [train|eval|profile] [dlrm-jax arguments...]   (N local processes)\n"
+        f"       {here} --process-id I dlrm-jax [command and arguments...]   (one of a cluster's, docs/multi-host.md)\n"
+    )
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(usage)
+        return 0
     if argv[:1] == ["--process-id"]:  # one process of a cluster launch: the command is given whole
         if len(argv) < 3 or not argv[1].isdigit():
             sys.stderr.write(f"usage: {here} --process-id I dlrm-jax [command and arguments...]\n")
@@ -285,7 +292,7 @@ def main(argv: list[str]) -> int:
             [command], shlex.join(command), log_dir, Path(run_dir) if run_dir else None, "train" in command, index
         )
     if not argv or not argv[0].isdigit() or int(argv[0]) < 1:
-        sys.stderr.write(f"usage: {here} N [train|eval|profile] [dlrm-jax arguments...]\n")
+        sys.stderr.write(usage)
         return 2
     n, rest = int(argv[0]), argv[1:]
     if rest[:1] and rest[0] in _ONE_PROCESS:

@@ -429,6 +429,17 @@ def test_commands_of_one_process_are_refused_by_the_launcher(capsys):
     assert "runs train, eval or profile; plan runs in one process: dlrm-jax plan" in capsys.readouterr().err
 
 
+def test_help_gives_both_forms_of_the_launcher(capsys):
+    """docs/multi-host.md's ``--process-id I`` form: --help gave only the local form, and
+    exited 2 as for a wrong argument."""
+    from dlrm_jax.parallel import launch
+
+    assert launch.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert " N [train|eval|profile]" in out and "--process-id I dlrm-jax" in out
+    assert launch.main([]) == 2 and "--process-id I" in capsys.readouterr().err
+
+
 def test_a_coordinator_port_in_use_is_one_line_not_a_crash():
     """Before: process 0's coordination service crashed the process (a segmentation fault, or
     'UNKNOWN: Failed to start RPC server') when another program held its port."""
