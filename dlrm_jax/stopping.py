@@ -136,6 +136,12 @@ def exit_now(signum: int, saves: str | None = None) -> None:
     os._exit(128 + signum)
 
 
+def handling_stops() -> bool:
+    """Whether :func:`stop_on_signals`' handlers are in place: the command line's process,
+    which a stop signal may end, not a notebook's kernel."""
+    return _installed
+
+
 def exiting(status: int) -> None:
     """The program's work is done and said, and it exits with ``status``: from here a stop
     signal ends it at once with that status, quietly. (At exit JAX's distributed runtime takes

@@ -63,8 +63,7 @@ def _program(argv: list[str] | None = None) -> int:
         stopping.raise_if_stopped()  # a signal whose exception Python swallowed (see stopping)
         return status
     except ConfigError as e:
-        print(f"dlrm-jax: config error: {e}", file=sys.stderr)
-        return 2
+        return _failed(f"dlrm-jax: config error: {e}", 2)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"dlrm-jax: stopped by {signal.Signals(signum).name}", file=sys.stderr)
@@ -76,16 +75,37 @@ def _program(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, NotImplementedError, FloatingPointError) as e:
         if os.environ.get("DLRM_JAX_DEBUG"):
             raise
-        print(f"dlrm-jax: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(f"dlrm-jax: error: {e}", 1)
     except Exception as e:
         if type(e).__name__ != "JaxRuntimeError" or os.environ.get("DLRM_JAX_DEBUG"):
             raise
-        # A collective failed under us: in a multi-process run, a peer died or disconnected.
+        # A collective failed under us: in a multi-process run, a peer died or disconnected,
+        # or ended with an error of its own (which it told: then that is the reason).
         first = str(e).strip().splitlines()[0][:300]
-        from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
+        from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE, peer_failure
 
+        if said := peer_failure():
+            import jax
+
+            return _failed(f"dlrm-jax: error: process {jax.process_index()}: {said}", 1)
         print(f"dlrm-jax: error: {first}; if another process died, {PEER_LOST_ADVICE}", file=sys.stderr)
         return 1
     finally:
         restore_signals()
+
+
+def _failed(line: str, status: int) -> int:
+    """Says ``line`` and returns ``status``; in a run of several processes, the others are told
+    (they may wait for this one inside a collective: they end with its line, in seconds)."""
+    started = "jax" in sys.modules  # (JAX never started: no other process to tell)
+    if started:
+        from dlrm_jax.parallel.coordination import failing
+
+        failing(status)
+    print(line, file=sys.stderr)
+    if started:
+        from dlrm_jax.parallel.coordination import announce_failure
+
+        sys.stderr.flush()
+        announce_failure(line, status)
+    return status

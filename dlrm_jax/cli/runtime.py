@@ -27,6 +27,29 @@ def start_jax(devices: int, args, mesh_devices: int = 0) -> None:
         *flags, join_timeout_s=getattr(args, "join_timeout", 300), bind=getattr(args, "coordinator_bind", None)
     )
     check_backend()
+    _check_same_command(args, flags[1], mesh_devices)
+
+
+def _check_same_command(args, num_processes: int | None, mesh_devices: int) -> None:
+    """With several processes, the flags every one must share, compared first: a process given
+    another --num-processes joined the others' run, and another mesh.devices asked for another
+    share of devices, refused (before) for a lack of devices with advice about XLA_FLAGS; eval's
+    --step, different on each, read different checkpoints, called damaged."""
+    import jax
+
+    from dlrm_jax.parallel.coordination import check_same_everywhere
+
+    if jax.process_count() == 1:
+        return
+    if num_processes and num_processes != jax.process_count():
+        raise ConfigError(
+            f"--num-processes {num_processes}: the coordinator's run has {jax.process_count()} processes; "
+            f"give every process the same --num-processes"
+        )
+    shared = {"mesh.devices": str(mesh_devices)}
+    if getattr(args, "step", None) is not None:
+        shared["--step"] = str(args.step)
+    check_same_everywhere(shared, what="command lines")
 
 
 def check_backend() -> None:

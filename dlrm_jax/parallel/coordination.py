@@ -5,13 +5,17 @@ settings (through the coordination service's key-value store)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
+import select
+import signal
 import socket
 import sys
 import threading
 import time
 
+from dlrm_jax import stopping
 from dlrm_jax.config import ConfigError
 
 PEER_TIMEOUT_S = 30  # a process whose peer has sent no heartbeat for this long exits (see below)
@@ -110,8 +114,20 @@ def initialize_distributed(
         else "a peer"
     )
 
+    # The main thread waits for the others inside jaxlib, where Python runs no signal handler: a
+    # Ctrl-C or SIGTERM there did nothing until the join timed out. Python's own handler (C)
+    # still writes the signal's number to the wakeup fd: this thread reads it and ends the
+    # process, which has nothing to save yet.
+    signals = _signals_while_joining()
+
     def bound_the_wait() -> None:
-        if not joined.wait(join_timeout_s):
+        signum = _first_signal(signals, joined, join_timeout_s)
+        if signum:
+            name = signal.Signals(signum).name
+            sys.stderr.write(f"dlrm-jax: stopped by {name} while waiting for {who} to join (nothing to save)\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        if not joined.is_set():
             sys.stderr.write(
                 f"dlrm-jax: error: process {me}: {who} did not join {coordinator or 'the coordinator'} "
                 f"within {join_timeout_s} s (--join-timeout): start every process with the same "
@@ -121,14 +137,61 @@ def initialize_distributed(
             os._exit(1)
 
     threading.Thread(target=bound_the_wait, name="join-timeout", daemon=True).start()
-    if coordinator and me == 0:  # (process 0 hosts the service)
-        _check_listenable(bind or coordinator, coordinator)
-    jax.distributed.initialize(**kwargs, initialization_timeout=join_timeout_s + 60)  # ours fires first
-    joined.set()
+    try:
+        if coordinator and me == 0:  # (process 0 hosts the service)
+            _check_listenable(bind or coordinator, coordinator)
+        jax.distributed.initialize(**kwargs, initialization_timeout=join_timeout_s + 60)  # ours fires first
+    finally:
+        joined.set()
+        if signals is not None:
+            signal.set_wakeup_fd(signals[1])  # (a signal from here on: the handlers' as usual)
+            with contextlib.suppress(OSError):  # (a thread already gone closed its end)
+                os.write(signals[0][1], b"\0")  # wakes the waiting thread
+            os.close(signals[0][1])
     global _watchdog
     watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
     watchdog.start()
     atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
+
+
+def _signals_while_joining():
+    """A pipe that Python's signal handling writes each signal's number to (``set_wakeup_fd``),
+    with the wakeup fd it replaced; None off the main thread (where it cannot be set) and
+    outside the command line."""
+    if threading.current_thread() is not threading.main_thread() or not stopping.handling_stops():
+        return None  # (a notebook's kernel: a Ctrl-C must not end it)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        return (r, w), signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        os.close(r)
+        os.close(w)
+        return None
+
+
+_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _first_signal(signals, joined: threading.Event, timeout_s: float) -> int:
+    """Waits until the join ends (0) or a stop signal arrives (its number; 0 past the timeout)."""
+    if signals is None:
+        joined.wait(timeout_s)
+        return 0
+    (r, _), _ = signals
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([r], [], [], left)[0]:
+                return 0
+            for signum in os.read(r, 64):
+                if signum == 0 or joined.is_set():
+                    return 0
+                if signum in _STOPS:
+                    return signum
+        return 0
+    finally:
+        os.close(r)
 
 
 def _check_listenable(address: str, coordinator: str) -> None:
@@ -160,6 +223,8 @@ def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
     if client is None:
         return
     watchdog.leaving = True
+    if watchdog.failed:  # its peers may wait for it inside a collective: no barrier they would reach
+        _leave_failed(watchdog, client)
     try:
         client.wait_at_barrier("dlrm_jax_exit", timeout_s * 1000)
         watchdog.stopping = True  # every process passed the barrier: from here on peers leave
@@ -172,8 +237,65 @@ def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
         os._exit(1)
 
 
+def _leave_failed(watchdog: PeerWatchdog, client) -> None:
+    """Ends a process that failed (:func:`announce_failure`) with its status. Process 0 holds the
+    key-value store the others read the failure from: it waits until each has read it or failed
+    too (their watchdogs read it within a round or two). (Not until they have left: the
+    service counts a process that ended without its shutdown as live until its heartbeat
+    times out, 30 s.)"""
+    if watchdog.me == 0:
+        deadline = time.monotonic() + 3 * watchdog.every_s + 5
+        others = set(range(1, watchdog.count))
+        with contextlib.suppress(Exception):  # (the service gone: nothing to wait for)
+            while time.monotonic() < deadline:
+                told = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_FAILED_KEY)}
+                told |= {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_FAILURE_READ_KEY)}
+                if others <= told:
+                    break
+                time.sleep(0.1)
+    sys.stderr.flush()
+    os._exit(watchdog.failed)
+
+
+def peer_failure() -> str:
+    """A peer's failure as :func:`announce_failure` told it, for this process's own line ("" if
+    none): a collective that failed under this one because that peer ended."""
+    if _watchdog is None:
+        return ""
+    from jax._src import distributed
+
+    return _watchdog._peer_failure(distributed.global_state.client)
+
+
+def failing(status: int) -> None:
+    """This process is about to say its error and end with ``status``: from now on its watchdog
+    says nothing of a peer's failure (one line per process: its own). Before
+    :func:`announce_failure`."""
+    if _watchdog is not None:
+        with _watchdog.deciding:  # (a watchdog ending the process for a peer now: it ends it)
+            _watchdog.failed = status
+
+
+def announce_failure(line: str, status: int) -> None:
+    """This process ends with ``status`` and its one-line error ``line``, as said on its stderr
+    (after :func:`failing`).
+    Its peers may be waiting for it in a collective or for a value it will not give: their
+    watchdogs end them within a few seconds, naming this process and its line (before: it
+    waited up to two minutes at the exit barrier while its heartbeat kept them waiting, and
+    then they called it a lost peer, advising a restart that fails the same way). A no-op
+    with one process."""
+    from jax._src import distributed
+
+    if _watchdog is None or distributed.global_state.client is None:
+        return
+    with contextlib.suppress(Exception):  # (the service gone: the peers find this process lost)
+        distributed.global_state.client.key_value_set(f"{_FAILED_KEY}{_watchdog.me}", line, allow_overwrite=True)
+
+
 _watchdog: PeerWatchdog | None = None
 _PROGRESS_KEY = "dlrm_jax/progress/"
+_FAILED_KEY = "dlrm_jax/failed/"
+_FAILURE_READ_KEY = "dlrm_jax/failure_read/"
 
 
 def watch_for_hangs(timeout_s: float) -> None:
@@ -209,6 +331,8 @@ class PeerWatchdog(threading.Thread):
         # leaving: the main thread waits in the exit barrier (a peer that died before reaching it
         # would keep it there); stopping: everyone passed it, so peers may now disconnect.
         self.leaving = self.stopping = False
+        self.failed = 0  # this process's exit status once it failed (failing)
+        self.deciding = threading.Lock()  # the main thread's failing against this thread's exit for a peer
         self.hang_timeout_s = 0.0
         self.last = (time.monotonic(), 0, "starting", True)  # (since, step, doing, timed): main thread's
         self._published = None
@@ -225,6 +349,17 @@ class PeerWatchdog(threading.Thread):
             time.sleep(self.every_s)
             if self.stopping:
                 return
+            if self.failed:  # (this process says its own line and leaves: _leave_failed)
+                return
+            client = distributed.global_state.client
+            failure = self._peer_failure(client)
+            if failure:
+                with self.deciding:
+                    if self.failed:
+                        return
+                    with contextlib.suppress(Exception):  # (process 0, if it failed, waits for this)
+                        client.key_value_set(f"{_FAILURE_READ_KEY}{self.me}", "", allow_overwrite=True)
+                    self._exit(failure, advice=False)
             try:
                 live = set(distributed.global_state.client.get_live_nodes(everyone))
                 why = ""
@@ -240,6 +375,18 @@ class PeerWatchdog(threading.Thread):
                     self._check_progress(distributed.global_state.client)
                 except Exception:  # noqa: BLE001 - the coordinator going away is the check above's
                     pass
+
+    def _peer_failure(self, client) -> str:
+        """A peer's failure, as it said it (:func:`announce_failure`); "" if none."""
+        try:
+            said = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(_FAILED_KEY))
+        except Exception:  # noqa: BLE001 - the coordinator unreachable: the live check's to say
+            return ""
+        said = [(p, line) for p, line in said if p != self.me]
+        if not said:
+            return ""
+        p, line = said[0]
+        return f"process {p} failed, {STOPS_WITH_IT}: {line.removeprefix('dlrm-jax: ')}"
 
     def _check_progress(self, client) -> None:
         since, step, doing, timed = self.last
@@ -262,8 +409,8 @@ class PeerWatchdog(threading.Thread):
             + "; ".join(f"process {i}: {what}" for i, (_, what) in sorted(where.items()))
         )
 
-    def _exit(self, why: str) -> None:
-        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}; {PEER_LOST_ADVICE}\n")
+    def _exit(self, why: str, advice: bool = True) -> None:
+        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}{'; ' + PEER_LOST_ADVICE if advice else ''}\n")
         sys.stderr.flush()
         os._exit(1)
 
@@ -271,6 +418,9 @@ class PeerWatchdog(threading.Thread):
 # What a process says when it stops for a lost peer (or a collective that failed under it):
 # the launch supervisor reads it as a fault to resume from, not the command's own failure.
 PEER_LOST_ADVICE = "the newest checkpoint is intact: restart every process with the same command to resume"
+# What a process says when it stops because a peer failed (its line follows): the launch
+# supervisor names the peer's own line, not this one.
+STOPS_WITH_IT = "and this one stops with it"
 
 _shared_keys = itertools.count()
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from dlrm_jax.files import new_run_dir, numbered_folders
-from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
+from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE, STOPS_WITH_IT
 
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.
@@ -228,7 +228,16 @@ def supervise(
             shutil.rmtree(log_dir, ignore_errors=True)
         return 0
     # the one ended from outside, before the ones the runtime aborted for it and the ones stopped here
-    first = min(ended, key=lambda c: (c.index in stopped_here, c.proc.returncode == -signal.SIGABRT, c.index))
+    # (and the one whose error it is, before the ones that stopped with it)
+    first = min(
+        ended,
+        key=lambda c: (
+            c.index in stopped_here,
+            c.proc.returncode == -signal.SIGABRT,
+            STOPS_WITH_IT in c.last_error,
+            c.index,
+        ),
+    )
     rc = first.proc.returncode
     because = f": {first.last_error.removeprefix('dlrm-jax: ')}" if first.last_error else ""
     others = [c for c in children if c is not first]

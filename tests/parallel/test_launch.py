@@ -480,6 +480,23 @@ def test_a_processs_argument_error_is_the_launchs_reason(tmp_path, capsys):
     assert "exited with status 2: dlrm-jax eval: error: the following arguments are required: --run-dir" in line, line
 
 
+def test_the_process_whose_error_it_is_is_named_not_the_one_that_stopped_with_it(tmp_path, capsys):
+    """Process 0 stops with process 1's failure and says so: the end line names process 1 and
+    its own line (before: process 0, the lower index, and its second-hand line)."""
+    from dlrm_jax.parallel.coordination import STOPS_WITH_IT
+
+    said = "dlrm-jax: error: data.bin: row 7 has id 999 out of range"
+    stops = f"dlrm-jax: error: process 0: process 1 failed, {STOPS_WITH_IT}: {said[10:]}"
+    procs = [
+        [sys.executable, "-c", f"import sys, time; time.sleep(0.3); print({stops!r}, file=sys.stderr); sys.exit(1)"],
+        [sys.executable, "-c", f"import sys; print({said!r}, file=sys.stderr); sys.exit(1)"],
+    ]
+    assert supervise(procs, "R", tmp_path / "logs") == 1
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
+    assert line.startswith("[launch] process 1 exited with status 1: error: data.bin: row 7"), line
+    assert "resume" not in line  # (the command's own failure: a restart fails the same way)
+
+
 def test_a_refused_launch_leaves_no_logs_behind(tmp_path, capsys):
     """Before: a launch refused before it ran (a config error, exit 2) kept each process's
     one refusal line in a log folder in /tmp, named on its end line, one per try."""
@@ -495,3 +512,26 @@ def test_a_refused_launch_leaves_no_logs_behind(tmp_path, capsys):
     crashed = [sys.executable, "-c", "import sys; sys.exit(1)"]  # a crash keeps its logs, and names them
     assert supervise([crashed], "RESUME", tmp_path / "logs2") == 1
     assert f"(each process's full output: {tmp_path / 'logs2'})" in capsys.readouterr().err
+
+
+def test_the_flags_every_process_shares_are_compared_eval_step_among_them(monkeypatch):
+    """eval with another --step on each process read two checkpoints as one, called damaged."""
+    import argparse
+
+    import jax
+
+    import dlrm_jax.parallel.coordination as coordination
+    from dlrm_jax.cli import runtime
+    from dlrm_jax.config import ConfigError
+
+    compared = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(coordination, "check_same_everywhere", lambda shared, what: compared.append((shared, what)))
+    runtime._check_same_command(argparse.Namespace(step=360), 2, 4)
+    runtime._check_same_command(argparse.Namespace(), None, 0)
+    assert compared == [
+        ({"mesh.devices": "4", "--step": "360"}, "command lines"),
+        ({"mesh.devices": "0"}, "command lines"),
+    ]
+    with pytest.raises(ConfigError, match="--num-processes 3: the coordinator's run has 2 processes"):
+        runtime._check_same_command(argparse.Namespace(), 3, 0)

@@ -510,6 +510,64 @@ def test_processes_with_different_configs_refuse_in_one_line(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_process_that_fails_alone_ends_its_peer_in_seconds_with_its_line(tmp_path):
+    """A process that fails after the join (here: told another --num-processes than the run
+    has) tells the others, who end with its line within seconds. Before: it waited two minutes
+    at the exit barrier, its heartbeat keeping the others waiting inside a collective, which
+    then called it a lost peer and advised a restart; a wrong --num-processes or mesh.devices
+    failed with advice about XLA_FLAGS, which the user never set."""
+    env = child_env()
+    port = free_port()
+    base = ["train", "--config", "smoke", "--set", "mesh.devices=4", "--run-dir", str(tmp_path / "run")]
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dlrm_jax", *base, "--coordinator", f"127.0.0.1:{port}"]
+            + ["--num-processes", str(count), "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i, count in enumerate([2, 4])
+    ]
+    (_, err0), (_, err1) = communicate(procs, 90)
+    mine = [[x for x in err.splitlines() if x.startswith("dlrm-jax:")] for err in (err0, err1)]
+    told = "--num-processes 4: the coordinator's run has 2 processes; give every process the same --num-processes"
+    assert procs[1].returncode == 2 and mine[1] == [f"dlrm-jax: config error: {told}"], err1[-2000:]
+    assert procs[0].returncode == 1 and len(mine[0]) == 1, err0[-2000:]
+    assert (
+        mine[0][0] == f"dlrm-jax: error: process 0: process 1 failed, and this one stops with it: config error: {told}"
+    )
+    assert time.monotonic() - start < 60  # (two starts of JAX, then seconds)
+
+
+def test_a_stop_signal_while_waiting_for_the_others_to_join_ends_the_process(tmp_path):
+    """Before: the main thread waits inside jaxlib, where no Python signal handler runs: Ctrl-C
+    and SIGTERM did nothing until --join-timeout (300 s by default)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlrm_jax", "train", "--config", "smoke", "--set", "mesh.devices=4"]
+        + ["--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+        + ["--process-id", "0", "--join-timeout", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the coordination service listens: the join has begun
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    ((_, err),) = communicate([proc], 30)
+    assert proc.returncode == 130, err[-2000:]
+    assert "dlrm-jax: stopped by SIGINT while waiting for process 1 to join (nothing to save)" in err, err[-2000:]
+
+
 def test_processes_given_different_run_dirs_refuse_in_one_line(tmp_path):
     """Before: a run dir given to process 0 alone hung both (process 1 waited for a choice of run
     dir process 0 never made); different ones failed at the first checkpoint."""
