@@ -387,6 +387,7 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     assert supervise([lost], "RESUME", tmp_path / "logs1", run) == 1
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[launch] process ")]
     assert "the newest checkpoint is intact: run `RESUME` to resume" in line, line
+    assert PEER_LOST_ADVICE not in line  # (the process's own advice: once, as the command to run)
     (first,) = (run / "launch").iterdir()
     assert str(first) in line and "lost process(es)" in (first / "p0.log").read_text()
     # Ctrl-C (here a child's SIGINT to the supervisor, which forwards it): each saves and stops.
