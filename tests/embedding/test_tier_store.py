@@ -163,13 +163,31 @@ def test_a_crash_mid_restore_is_recovered(store, tmp_path, monkeypatch, crash_at
     assert (root / "work.tmp").is_dir()
     if crash_at == "swap":
         assert not (root / "work").exists()
-    assert TierStore.exists(root)  # finishes the swap, or drops the half-built work.tmp
-    reopened = TierStore.open(root, TABLES)
+    assert TierStore.exists(root)
+    reopened = TierStore.open(root, TABLES)  # finishes the swap, or drops the half-built work.tmp
     if crash_at == "swap":  # the restore had built work.tmp whole: recovery completes it
         assert_equal(contents(reopened), expected)
     reopened.restore(1)
     assert_equal(contents(reopened), expected)
     assert sorted(p.name for p in root.iterdir()) == ["snapshots", "work"]
+
+
+def test_readers_of_a_snapshot_leave_a_writers_work_in_progress_alone(store, tmp_path):
+    """eval/export beside a training run: opening a snapshot (or asking whether a store exists)
+    removed the snapshot the run was making (snapshots/<step>.tmp), which the run then committed
+    without its files; and the halves of a restore's swap."""
+    root = tmp_path / "tier"
+    store.snapshot(1)
+    store.write("cat_1", np.array([3]), new_values(store, "cat_1", 1, seed=0))
+    shutil.copytree(root / "snapshots" / "1", root / "snapshots" / "2.tmp")  # a snapshot being made
+    shutil.copytree(root / "work", root / "work.tmp")  # a restore's new working files being built
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    assert TierStore.exists(root)
+    with TierStore.open_snapshot(root, TABLES, 1) as view:
+        assert_equal(contents(view), {t: full(t) for t in TABLES})
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    with pytest.raises(TierError, match="no such snapshot"):
+        TierStore.open_snapshot(root, TABLES, 2)
 
 
 def crash(*_):

@@ -118,11 +118,14 @@ class TierStore:
     @classmethod
     def open_snapshot(cls, root: Path, tables: TierTables, step: int) -> TierStore:
         """A read-only view of snapshot ``step`` (evaluating or exporting a run that may be
-        training: its working files are left alone)."""
-        store = cls.open(root, tables)
-        base = Path("snapshots") / str(step)
-        if not (store.root / base).is_dir():
-            raise TierError(store.root / base, "missing: no such snapshot")
+        training): nothing under ``root`` is changed or read but the snapshot. (It recovered
+        what a crash interrupted first, as a writer does: the snapshot a training run was
+        making, its ``<step>.tmp``, was removed under it, and the run committed a checkpoint
+        whose snapshot lacked files.)"""
+        root, base = Path(root).absolute(), Path("snapshots") / str(step)
+        if not (root / base).is_dir():
+            raise TierError(root / base, "missing: no such snapshot")
+        store = cls(root, checked_arrays(root / base, tables))
         store._base = str(base)
         return store
 
@@ -141,12 +144,11 @@ class TierStore:
 
     @staticmethod
     def exists(root: Path) -> bool:
-        """Whether ``root`` holds a store, once what a crash interrupted there is finished or undone
-        (a crash between a restore's two renames leaves no ``work/`` until then)."""
+        """Whether ``root`` holds a store: its working files, or a restore's swap that a crash
+        interrupted (no ``work/`` until :meth:`open` finishes it). Changes nothing: another
+        run may be writing there (only the tier's writer, under its lock, recovers)."""
         root = Path(root).absolute()
-        if root.is_dir():
-            recover(root)
-        return (root / "work").is_dir()
+        return (root / "work").is_dir() or (root / "work.old").is_dir()
 
     @staticmethod
     def rebuild_work(root: Path, step: int | None = None) -> int | None:
@@ -157,7 +159,9 @@ class TierStore:
 
     @classmethod
     def open(cls, root: Path, tables: TierTables) -> TierStore:
-        """Opens the store at ``root`` after checking every array's metadata and chunk files."""
+        """Opens the store at ``root`` to write it, after finishing or undoing what a crash
+        interrupted there and checking every array's metadata and chunk files. For the tier's
+        one writer (``tiers.tables`` holds its lock); readers use :meth:`open_snapshot`."""
         root = Path(root).absolute()
         if root.is_dir():
             recover(root)
