@@ -220,7 +220,10 @@ class TieredDriver(StepDriver):
                 f"compiled the train step in {time.perf_counter() - t0:.1f}s on {self.steps.mesh.size} "
                 f"{jax.default_backend()} devices in {jax.process_count()} process(es), with its first cache fills"
             )
-        return Stepped(state, out, item.ids)  # as read: tiered runs train on a copy with cache ids
+        ids = item.ids  # as read (tiered runs train on a copy with cache ids): the tiered maps' rows
+        if "rows" in out:  # dynamic tables left on the devices: the rows their maps gave, not raw ids
+            ids = _RowsOf(ids, out["rows"], sorted(self.steps.dynamic.maps))
+        return Stepped(state, out, ids)
 
     def check_inputs(self, item) -> tuple:
         return self.runner.check_inputs()
@@ -267,6 +270,20 @@ class _LocalRows:
         by_start = {s.index[0].start or 0: s for s in self._x.addressable_shards}  # replicas once
         local = np.concatenate([np.asarray(by_start[k].data) for k in sorted(by_start)])
         return local if dtype is None else local.astype(dtype)
+
+
+class _RowsOf:
+    """A tiered run's ids for hot-row counting: as the host read them (rows for the tables it
+    resolves), with the ``features`` of dynamic tables on the devices from the step's rows;
+    copied only if read."""
+
+    def __init__(self, ids, rows: jax.Array, features: list[int]):
+        self._ids, self._rows, self._features = ids, _LocalRows(rows), features
+
+    def __array__(self, dtype=None, copy=None):
+        ids = np.array(self._ids)
+        ids[:, self._features] = np.asarray(self._rows)[:, self._features]
+        return ids if dtype is None else ids.astype(dtype)
 
 
 def _memory_report(compiled) -> str:

@@ -280,6 +280,10 @@ def test_tiered_dynamic_tables_resume_bitwise_evaluate_and_export_their_maps(tin
     assert (resumed.auc, resumed.logloss) == (whole.auc, whole.logloss)
     train_and_evaluate(tiny(*run, "train.steps=8"), tmp_path / "device", **QUIET)
     assert losses(tmp_path / "device") == losses(tmp_path / "whole")
+    # the hot sets too: counted by rows (before: cat_0's, a dynamic table left on the devices,
+    # by its raw ids in the tiered run, so other rows went hot)
+    hits = lambda d: [e["hot_hit_rate"] for e in events_of(tmp_path / d) if "hot_hit_rate" in e]
+    assert hits("whole") == hits("device") and len(hits("whole")) >= 4
     scores = lambda d: [(e["step"], e["auc"]) for e in events_of(tmp_path / d) if "auc" in e]
     assert len(scores("whole")) == 2  # evaluated mid-run too (step 4), the host maps read as of it
     np.testing.assert_allclose(scores("whole"), scores("device"), rtol=1e-5)
