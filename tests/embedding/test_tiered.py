@@ -431,3 +431,19 @@ def test_fills_that_overflow_beside_a_table_with_none_train_as_on_the_devices(tm
     # compile orders this smoke model's sums differently in the two programs)
     np.testing.assert_allclose([tiered.loss, tiered.logloss], [devices.loss, devices.logloss], rtol=1e-6)
     assert tiered.auc == devices.auc
+
+
+def test_a_tiered_plans_ids_buckets_are_the_device_plans(tiny):
+    """A tiered table's cache slots go to the owner of the row each stands for: its buckets are
+    measured by its rows. Before: routed through the cache's size, the rows' owners were wrong,
+    buckets came out a third of the need (32 against 114) and every step overflowed."""
+    from dlrm_jax.train.planning import plan_for_run
+
+    sets = ("embedding.sharding=row", "data.cardinalities=[20000,5000,3000,50]", "train.batch_size=512")
+    capacities = {}
+    for storage in ("device", "tiered"):
+        cfg = tiny(*sets, f"embedding.storage={storage}")
+        plan = plan_for_run(cfg, 2, 1, SyntheticSource(cfg), True)
+        assert bool(plan.tiered_tables) == (storage == "tiered")
+        capacities[storage] = dict(plan.capacities)
+    assert capacities["tiered"] == capacities["device"] and capacities["device"], capacities

@@ -10,6 +10,7 @@ the routing is ``routing.route``, the step's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -155,6 +156,13 @@ def measure_capacities(
     two stages' (scaled up likewise when a batch holds part of a host). Each batch holds
     consecutive devices' rows (``plan.global_batch / plan.num_devices`` each): a process's
     rows, or a global batch. Several processes take the maximum of their results."""
+    if plan.tiered_tables:
+        # A tiered table's cache slots go to the owner of the row each stands for, one slot a
+        # row: its requests are counted by its rows, routed as on the devices. (Routed through
+        # the cache's size, the rows' owners were wrong: buckets a third of the need, every
+        # step overflowing.)
+        tables = tuple(dataclasses.replace(tp, cache_rows=0) for tp in plan.tables)
+        plan = dataclasses.replace(plan, tables=tables)
     parts = [p.group for p in exchange_parts(plan) if p.kind == ExchangeKind.IDS]
     host_columns = [
         p.group
