@@ -97,15 +97,12 @@ def _program(argv: list[str] | None = None) -> int:
 def _failed(line: str, status: int) -> int:
     """Says ``line`` and returns ``status``; in a run of several processes, the others are told
     (they may wait for this one inside a collective: they end with its line, in seconds)."""
-    started = "jax" in sys.modules  # (JAX never started: no other process to tell)
-    if started:
-        from dlrm_jax.parallel.coordination import failing
+    if "jax" not in sys.modules:  # (JAX never started: no other process to tell)
+        print(line, file=sys.stderr)
+        return status
+    from dlrm_jax.parallel import coordination
 
-        failing(status)
-    print(line, file=sys.stderr)
-    if started:
-        from dlrm_jax.parallel.coordination import announce_failure
-
-        sys.stderr.flush()
-        announce_failure(line, status)
+    coordination.failing(status)
+    print(line, file=sys.stderr, flush=True)
+    coordination.announce_failure(line)
     return status

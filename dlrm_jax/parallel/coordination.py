@@ -170,9 +170,6 @@ def _signals_while_joining():
         return None
 
 
-_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
 def _first_signal(signals, joined: threading.Event, timeout_s: float) -> int:
     """Waits until the join ends (0) or a stop signal arrives (its number; 0 past the timeout)."""
     if signals is None:
@@ -187,7 +184,7 @@ def _first_signal(signals, joined: threading.Event, timeout_s: float) -> int:
             for signum in os.read(r, 64):
                 if signum == 0 or joined.is_set():
                     return 0
-                if signum in _STOPS:
+                if signum in stopping.STOP_SIGNALS:
                     return signum
         return 0
     finally:
@@ -248,13 +245,16 @@ def _leave_failed(watchdog: PeerWatchdog, client) -> None:
         others = set(range(1, watchdog.count))
         with contextlib.suppress(Exception):  # (the service gone: nothing to wait for)
             while time.monotonic() < deadline:
-                told = {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_FAILED_KEY)}
-                told |= {int(k.rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(_FAILURE_READ_KEY)}
-                if others <= told:
+                if others <= set(_by_process(client, _FAILED_KEY)) | set(_by_process(client, _FAILURE_READ_KEY)):
                     break
                 time.sleep(0.1)
     sys.stderr.flush()
     os._exit(watchdog.failed)
+
+
+def _by_process(client, prefix: str) -> dict[int, str]:
+    """The values under ``prefix`` of the key-value store, by the process index ending each key."""
+    return {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(prefix)}
 
 
 def peer_failure() -> str:
@@ -264,7 +264,7 @@ def peer_failure() -> str:
         return ""
     from jax._src import distributed
 
-    return _watchdog._peer_failure(distributed.global_state.client)
+    return _watchdog.peer_failure(distributed.global_state.client)
 
 
 def failing(status: int) -> None:
@@ -276,9 +276,9 @@ def failing(status: int) -> None:
             _watchdog.failed = status
 
 
-def announce_failure(line: str, status: int) -> None:
-    """This process ends with ``status`` and its one-line error ``line``, as said on its stderr
-    (after :func:`failing`).
+def announce_failure(line: str) -> None:
+    """This process ends with its one-line error ``line``, as said on its stderr (after
+    :func:`failing`, which took its status).
     Its peers may be waiting for it in a collective or for a value it will not give: their
     watchdogs end them within a few seconds, naming this process and its line (before: it
     waited up to two minutes at the exit barrier while its heartbeat kept them waiting, and
@@ -352,7 +352,7 @@ class PeerWatchdog(threading.Thread):
             if self.failed:  # (this process says its own line and leaves: _leave_failed)
                 return
             client = distributed.global_state.client
-            failure = self._peer_failure(client)
+            failure = self.peer_failure(client)
             if failure:
                 with self.deciding:
                     if self.failed:
@@ -376,10 +376,10 @@ class PeerWatchdog(threading.Thread):
                 except Exception:  # noqa: BLE001 - the coordinator going away is the check above's
                     pass
 
-    def _peer_failure(self, client) -> str:
+    def peer_failure(self, client) -> str:
         """A peer's failure, as it said it (:func:`announce_failure`); "" if none."""
         try:
-            said = sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(_FAILED_KEY))
+            said = sorted(_by_process(client, _FAILED_KEY).items())
         except Exception:  # noqa: BLE001 - the coordinator unreachable: the live check's to say
             return ""
         said = [(p, line) for p, line in said if p != self.me]
