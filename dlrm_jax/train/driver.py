@@ -222,8 +222,13 @@ class TieredDriver(StepDriver):
             )
         ids = item.ids  # as read (tiered runs train on a copy with cache ids): the tiered maps' rows
         if "rows" in out:  # dynamic tables left on the devices: the rows their maps gave, not raw ids
-            ids = _RowsOf(ids, out["rows"], sorted(self.steps.dynamic.maps))
+            ids = _RowsOf(ids, out["rows"], self._device_map_columns())
         return Stepped(state, out, ids)
+
+    def _device_map_columns(self) -> np.ndarray:
+        """The id columns (a feature's bag each) of the dynamic tables whose maps the devices hold."""
+        starts = np.concatenate([[0], np.cumsum(self.steps.spec.bag_sizes)])
+        return np.concatenate([np.arange(starts[t], starts[t + 1]) for t in sorted(self.steps.dynamic.maps)])
 
     def check_inputs(self, item) -> tuple:
         return self.runner.check_inputs()
@@ -274,15 +279,15 @@ class _LocalRows:
 
 class _RowsOf:
     """A tiered run's ids for hot-row counting: as the host read them (rows for the tables it
-    resolves), with the ``features`` of dynamic tables on the devices from the step's rows;
+    resolves), with the ``columns`` of dynamic tables on the devices from the step's rows;
     copied only if read."""
 
-    def __init__(self, ids, rows: jax.Array, features: list[int]):
-        self._ids, self._rows, self._features = ids, _LocalRows(rows), features
+    def __init__(self, ids, rows: jax.Array, columns: np.ndarray):
+        self._ids, self._rows, self._columns = ids, _LocalRows(rows), columns
 
     def __array__(self, dtype=None, copy=None):
         ids = np.array(self._ids)
-        ids[:, self._features] = np.asarray(self._rows)[:, self._features]
+        ids[:, self._columns] = np.asarray(self._rows)[:, self._columns]
         return ids if dtype is None else ids.astype(dtype)
 
 
