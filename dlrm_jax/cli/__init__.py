@@ -82,13 +82,13 @@ def _program(argv: list[str] | None = None) -> int:
         # A collective failed under us: in a multi-process run, a peer died or disconnected,
         # or ended with an error of its own (which it told: then that is the reason).
         first = str(e).strip().splitlines()[0][:300]
-        from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE, peer_failure
+        from dlrm_jax.parallel.coordination import lost_peer_advice, peer_failure
 
         if said := peer_failure():
             import jax
 
             return _failed(f"dlrm-jax: error: process {jax.process_index()}: {said}", 1)
-        print(f"dlrm-jax: error: {first}; if another process died, {PEER_LOST_ADVICE}", file=sys.stderr)
+        print(f"dlrm-jax: error: {first}; if another process died, {lost_peer_advice()}", file=sys.stderr)
         return 1
     finally:
         restore_signals()

@@ -410,14 +410,35 @@ class PeerWatchdog(threading.Thread):
         )
 
     def _exit(self, why: str, advice: bool = True) -> None:
-        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}{'; ' + PEER_LOST_ADVICE if advice else ''}\n")
+        sys.stderr.write(f"dlrm-jax: error: process {self.me}: {why}{'; ' + lost_peer_advice() if advice else ''}\n")
         sys.stderr.flush()
         os._exit(1)
 
 
-# What a process says when it stops for a lost peer (or a collective that failed under it):
-# the launch supervisor reads it as a fault to resume from, not the command's own failure.
-PEER_LOST_ADVICE = "the newest checkpoint is intact: restart every process with the same command to resume"
+# What a process says when it stops for a lost peer (or a collective that failed under it),
+# in every form of its advice: the launch supervisor reads it as a fault to resume from, not
+# the command's own failure.
+PEER_LOST_ADVICE = "restart every process with the same command"
+_checkpoints: str | None = None  # the running training's checkpoint folder (None: it saves none)
+
+
+def saves_checkpoints_in(directory) -> None:
+    """The training run now starting saves its checkpoints in ``directory`` (None: nowhere):
+    what a process stopping for a lost peer advises depends on whether one was saved."""
+    global _checkpoints
+    _checkpoints = None if directory is None else str(directory)
+
+
+def lost_peer_advice() -> str:
+    """What to do after a lost peer: resume from the newest checkpoint, or (none saved yet)
+    start again: a resume is promised only where there is one to resume from."""
+    from dlrm_jax.files import numbered_folders
+
+    if _checkpoints is not None and numbered_folders(_checkpoints):
+        return f"the newest checkpoint is intact: {PEER_LOST_ADVICE} to resume"
+    return f"no checkpoint was saved yet: {PEER_LOST_ADVICE} to start again"
+
+
 # What a process says when it stops because a peer failed (its line follows): the launch
 # supervisor names the peer's own line, not this one.
 STOPS_WITH_IT = "and this one stops with it"

@@ -251,7 +251,8 @@ def supervise(
         saved = resumes and run_dir is not None and bool(numbered_folders(Path(run_dir) / "checkpoints"))
         again = f"the newest checkpoint is intact: run `{resume}` to resume" if saved else f"run `{resume}` again"
         advice = f"; {again}"
-        because = because.replace(f"; {PEER_LOST_ADVICE}", "")  # (the process's own advice: ours names the command)
+        # (the process's own advice, in whichever form: ours names the command)
+        because = re.sub(rf"; [^;]*{PEER_LOST_ADVICE}[^;]*$", "", because)
     else:  # the command itself failed (a config error, a run dir in use): nothing to resume
         advice = ""
     refused = not (lost or stopped_by_signal) and rc == 2  # a usage or config error: nothing ran

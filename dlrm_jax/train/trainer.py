@@ -25,7 +25,7 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.observe.loop_trace import LoopTrace
 from dlrm_jax.observe.metrics import MetricsWriter
-from dlrm_jax.parallel.coordination import report_progress, watch_for_hangs
+from dlrm_jax.parallel.coordination import report_progress, saves_checkpoints_in, watch_for_hangs
 from dlrm_jax.parallel.mesh import host_scalar
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
@@ -136,6 +136,7 @@ def train_and_evaluate(
                 check_tiers_unmoved(rd.checkpoint_dir, plan)  # (before a tier is made for it)
             driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
             ckpts = None
+            saves_checkpoints_in(rd.checkpoint_dir if rd.path else None)  # (what a lost peer's line advises)
             if rd.path:
                 ckpts = Checkpoints(
                     rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())

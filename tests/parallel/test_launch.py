@@ -381,7 +381,8 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     lost = [
         sys.executable,
         "-c",
-        f"import sys; print('dlrm-jax: error: process 0: lost process(es) 1 of 2; {PEER_LOST_ADVICE}', "
+        "import sys; print('dlrm-jax: error: process 0: lost process(es) 1 of 2; the newest checkpoint is "
+        f"intact: {PEER_LOST_ADVICE} to resume', "
         "file=sys.stderr); sys.exit(1)",
     ]
     assert supervise([lost], "RESUME", tmp_path / "logs1", run) == 1
