@@ -254,10 +254,14 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
             )
         )
     if tiered:
+        # (the tier the run left elsewhere, and gone from there too: that one is to be found,
+        # not the folder this config names; before, the line sent the user to the wrong one)
+        left = was if was is not None and Path(was).absolute() != Path(root).absolute() else root
+        where = f"; nor at {left}, where the" if left is not root else ", but the"
         raise RunDirError(
-            f"{root}: no disk tier there, but the checkpoints in {ckpt_dir} (steps "
-            f"{', '.join(map(str, steps))}) keep tables in it; put {root} back as the run left it, "
-            f"or pass a new --run-dir to start fresh"
+            f"{root}: no disk tier there{where} checkpoints in {ckpt_dir} (steps "
+            f"{', '.join(map(str, steps))}) keep their tiered tables; put {left} back as the run left it or "
+            f"resume with embedding.tier.path=WHERE_IT_IS_NOW (moved?), or pass a new --run-dir to start fresh"
         )
 
 

@@ -147,8 +147,8 @@ def _default_note(changed: list[tuple[str, object, object]]) -> str:
         f"--set {k}={'null' if old is None else str(old).lower() if isinstance(old, bool) else old}" for k, old in keep
     )
     return (
-        f" (of these, {', '.join(k for k, _ in keep)} now at this version's default: where the command did not "
-        f"set it, a default that changed since the run began; to go on as the run trained: {sets})"
+        f" (of these, {', '.join(k for k, _ in keep)} now at this version's default: this command does not set "
+        f"them as the run's earlier commands did, or the default changed since; to go on as the run trained: {sets})"
     )
 
 

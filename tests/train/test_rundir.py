@@ -298,6 +298,31 @@ def test_resume_with_its_disk_tier_gone_is_refused(tiny, tmp_path):
     assert tree(run) == before and not (run / "tier").exists()
 
 
+def test_a_tier_moved_from_its_given_path_is_named_where_the_run_left_it(tiny, tmp_path):
+    """Before: a run whose tier was at embedding.tier.path=A, moved away, resumed without the
+    key was told 'RUN/tier: no disk tier there ... put RUN/tier back as the run left it', a
+    folder the run never used; eval and export said only 'A/snapshots/N: missing: no such
+    snapshot'."""
+    from dlrm_jax.embedding.tiers.format import TierError
+    from tests.embedding.tiered_configs import BASE, TIERED
+
+    run, tiered = tmp_path / "run", [*BASE, *TIERED, "mesh.devices=2", "train.checkpoint_every=2"]
+    given = tmp_path / "tierA"
+    train_and_evaluate(tiny("train.steps=2", *tiered, f"embedding.tier.path={given}"), run, **QUIET)
+    given.rename(tmp_path / "tierB")
+    before = tree(run)
+    with pytest.raises(
+        RunDirError,
+        match=f"{run / 'tier'}: no disk tier there; nor at {given}, where .*put {given} "
+        "back as the run left it or resume with embedding.tier.path=WHERE_IT_IS_NOW",
+    ):
+        train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
+    assert tree(run) == before and not (run / "tier").exists()
+    with pytest.raises(TierError, match=f"{given}: no disk tier there.*--set embedding.tier.path=WHERE_IT_IS_NOW"):
+        evaluate_run(run, log=lambda *a: None)
+    assert not given.exists()
+
+
 def test_finished_run_reports_its_final_metrics(tiny, tmp_path):
     first = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
     again = train_and_evaluate(tiny("train.steps=4"), tmp_path / "run", **QUIET)
@@ -595,8 +620,8 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
     RunDir.open(tmp_path / "run", tiny("train.steps=8"), log=logs.append).close()
     assert logs == [
         "resuming with changed settings: train.steps 4 -> 8; embedding.dynamic.new_rows initializer -> shared "
-        "(of these, embedding.dynamic.new_rows now at this version's default: where the command did not set it, "
-        "a default that changed since the run began; to go on as the run trained: "
+        "(of these, embedding.dynamic.new_rows now at this version's default: this command does not set them as "
+        "the run's earlier commands did, or the default changed since; to go on as the run trained: "
         "--set embedding.dynamic.new_rows=initializer)"
     ], logs
     # A key the run derives is no change (before: switched to epochs, 'train.steps 8 -> 1000 ... now at

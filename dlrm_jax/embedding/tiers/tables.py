@@ -144,6 +144,12 @@ class TieredTables(FillPrograms):
         try:
             self.run_dir, self.owner = run_dir, tier_owner(root)
             if snapshot is not None:
+                if not (root / "snapshots").is_dir():  # (the whole tier gone: its snapshot's error had no hint)
+                    raise TierError(
+                        root,
+                        f"no disk tier there, and the checkpoint keeps tables in its snapshot {snapshot}; "
+                        "give --set embedding.tier.path=WHERE_IT_IS_NOW (moved?)",
+                    )
                 self.store = TierStore.open_snapshot(root, specs, snapshot)
             elif TierStore.exists(root):
                 self.store = _open_work(root, specs, log)
