@@ -148,10 +148,44 @@ def initialize_distributed(
             with contextlib.suppress(OSError):  # (a thread already gone closed its end)
                 os.write(signals[0][1], b"\0")  # wakes the waiting thread
             os.close(signals[0][1])
+    _join_once(coordinator, jax.process_index())
     global _watchdog
     watchdog = _watchdog = PeerWatchdog(jax.process_count(), jax.process_index())
     watchdog.start()
     atexit.register(_orderly_shutdown, watchdog)  # runs before JAX's own exit handler
+
+
+def _join_once(coordinator: str | None, me: int) -> None:
+    """Ends a process whose index has already joined this coordination service, before it does
+    anything: in recoverable mode the service takes it as that process restarted. A second
+    ``--process-id`` for a running one then failed on a key of the store (a raw
+    'ALREADY_EXISTS'), and a process restarted alone left the others waiting for the one they
+    lost. It leaves with ``os._exit``: a shutdown in its index's name would be the running
+    one's."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    try:
+        client.key_value_set(f"{_JOINED_KEY}{me}", str(os.getpid()))
+        return
+    except Exception as e:  # noqa: BLE001 - jaxlib's error type is private
+        if "ALREADY_EXISTS" not in str(e):
+            raise
+    # The service now follows this process in its index's place (the one that joined first sends
+    # heartbeats it ignores): once this one is gone, the run loses that index. Its processes
+    # are told at once, and stop with the cause (before: 'lost process 1' 30 s or more later).
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{_AGAIN_KEY}{me}", str(os.getpid()), allow_overwrite=True)
+    sys.stderr.write(
+        f"dlrm-jax: error: process {me} has already joined the run at {coordinator or 'the coordinator'} "
+        f"(a second process given --process-id {me}, or process {me} restarted alone while the others ran "
+        f"on); the coordination service follows the newer one, so that run stops: each process needs its own "
+        f"--process-id, and a run resumes with every process restarted together\n"
+    )
+    sys.stderr.flush()
+    # (at once: the service keeps the key for the others' watchdogs, which read it within a
+    # poll; this one waiting for them met process 0's end, which jaxlib aborts a client on)
+    os._exit(2)
 
 
 def _signals_while_joining():
@@ -294,6 +328,8 @@ def announce_failure(line: str) -> None:
 
 _watchdog: PeerWatchdog | None = None
 _PROGRESS_KEY = "dlrm_jax/progress/"
+_JOINED_KEY = "dlrm_jax/joined/"
+_AGAIN_KEY = "dlrm_jax/started_again/"
 _FAILED_KEY = "dlrm_jax/failed/"
 _FAILURE_READ_KEY = "dlrm_jax/failure_read/"
 
@@ -344,22 +380,14 @@ class PeerWatchdog(threading.Thread):
     def run(self) -> None:
         from jax._src import distributed
 
+        # The live check waits for every live process to ask too (the service's GetAliveTasks):
+        # a process killed but not yet timed out holds it 30 s. What peers said is read beside it.
+        threading.Thread(target=self._watch_what_peers_said, name="peer-failure-watch", daemon=True).start()
         everyone = list(range(self.count))
         while not self.stopping:
             time.sleep(self.every_s)
-            if self.stopping:
+            if self.stopping or self.failed:  # (a failed process says its own line: _leave_failed)
                 return
-            if self.failed:  # (this process says its own line and leaves: _leave_failed)
-                return
-            client = distributed.global_state.client
-            failure = self.peer_failure(client)
-            if failure:
-                with self.deciding:
-                    if self.failed:
-                        return
-                    with contextlib.suppress(Exception):  # (process 0, if it failed, waits for this)
-                        client.key_value_set(f"{_FAILURE_READ_KEY}{self.me}", "", allow_overwrite=True)
-                    self._exit(failure, advice=False)
             try:
                 live = set(distributed.global_state.client.get_live_nodes(everyone))
                 why = ""
@@ -376,12 +404,36 @@ class PeerWatchdog(threading.Thread):
                 except Exception:  # noqa: BLE001 - the coordinator going away is the check above's
                     pass
 
+    def _watch_what_peers_said(self) -> None:
+        from jax._src import distributed
+
+        while not (self.stopping or self.failed):
+            time.sleep(self.every_s)
+            client = distributed.global_state.client
+            failure = self.peer_failure(client)
+            if failure:
+                with self.deciding:
+                    if self.failed:
+                        return
+                    with contextlib.suppress(Exception):  # (process 0, if it failed, waits for this)
+                        client.key_value_set(f"{_FAILURE_READ_KEY}{self.me}", "", allow_overwrite=True)
+                    self._exit(failure, advice=False)
+
     def peer_failure(self, client) -> str:
         """A peer's failure, as it said it (:func:`announce_failure`); "" if none."""
         try:
             said = sorted(_by_process(client, _FAILED_KEY).items())
+            again = sorted(_by_process(client, _AGAIN_KEY))
         except Exception:  # noqa: BLE001 - the coordinator unreachable: the live check's to say
             return ""
+        if again:  # (this process's own index too: the service follows the newer one)
+            p = again[0]
+            who = f"another process {p} was started" if p == self.me else f"process {p} was started again"
+            return (
+                f"{who} while this run trained (a second process given --process-id {p}, "
+                f"or process {p} restarted alone); the coordination service follows the new one, so this run "
+                f"stops; {lost_peer_advice()}"
+            )
         said = [(p, line) for p, line in said if p != self.me]
         if not said:
             return ""
@@ -419,22 +471,25 @@ class PeerWatchdog(threading.Thread):
 # in every form of its advice: the launch supervisor reads it as a fault to resume from, not
 # the command's own failure.
 PEER_LOST_ADVICE = "restart every process with the same command"
-_checkpoints: str | None = None  # the running training's checkpoint folder (None: it saves none)
+_checkpoints: tuple[str | None] | None = None  # (the training's checkpoint folder or None,) once told
 
 
 def saves_checkpoints_in(directory) -> None:
     """The training run now starting saves its checkpoints in ``directory`` (None: nowhere):
     what a process stopping for a lost peer advises depends on whether one was saved."""
     global _checkpoints
-    _checkpoints = None if directory is None else str(directory)
+    _checkpoints = (None if directory is None else str(directory),)
 
 
 def lost_peer_advice() -> str:
     """What to do after a lost peer: resume from the newest checkpoint, or (none saved yet)
-    start again: a resume is promised only where there is one to resume from."""
+    start again: a resume is promised only where there is one to resume from (before the
+    training says where it saves, neither is promised)."""
     from dlrm_jax.files import numbered_folders
 
-    if _checkpoints is not None and numbered_folders(_checkpoints):
+    if _checkpoints is None:
+        return f"{PEER_LOST_ADVICE} (it resumes from the newest checkpoint, if the run saved one)"
+    if _checkpoints[0] is not None and numbered_folders(_checkpoints[0]):
         return f"the newest checkpoint is intact: {PEER_LOST_ADVICE} to resume"
     return f"no checkpoint was saved yet: {PEER_LOST_ADVICE} to start again"
 

@@ -542,6 +542,45 @@ def test_a_process_that_fails_alone_ends_its_peer_in_seconds_with_its_line(tmp_p
     assert time.monotonic() - start < 60  # (two starts of JAX, then seconds)
 
 
+def test_a_process_restarted_alone_is_refused_and_the_run_stops_at_once_naming_it(tmp_path):
+    """Process 1 killed and started again alone while process 0 trains on: the coordination
+    service (recoverable) follows the newcomer in process 1's place. Before: the newcomer
+    failed on a raw 'ALREADY_EXISTS' of a key-value entry, and process 0 ended 30 s or more
+    later with 'lost process(es) 1' (its live check waits for every live process to ask)."""
+    env, port = {**child_env(), "PYTHONUNBUFFERED": "1"}, free_port()  # (its log read as it trains)
+    base = ["train", "--config", "smoke", "--set", "mesh.devices=4", "--set", "train.steps=100000"]
+    base += ["--set", "train.progress_bar=false", "--run-dir", str(tmp_path / "run")]
+    base += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    logs = [tmp_path / f"p{i}.log" for i in range(3)]
+
+    def start(i, log):
+        with open(log, "w") as out:
+            cmd = [sys.executable, "-m", "dlrm_jax", *base, str(i)]
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+
+    procs = [start(0, logs[0]), start(1, logs[1])]
+    try:
+        deadline = time.monotonic() + 150
+        while "step 10/" not in logs[0].read_text() and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), logs[0].read_text()[-2000:]
+            time.sleep(0.5)
+        procs[1].kill()
+        procs[1].wait()
+        restarted = time.monotonic()
+        procs.append(start(1, logs[2]))
+        assert procs[2].wait(timeout=60) == 2, logs[2].read_text()[-2000:]
+        assert procs[0].wait(timeout=60) == 1, logs[0].read_text()[-2000:]
+        took = time.monotonic() - restarted
+    finally:
+        for p in procs:
+            p.kill()
+    (newcomer,) = [x for x in logs[2].read_text().splitlines() if x.startswith("dlrm-jax:")]
+    assert newcomer.startswith("dlrm-jax: error: process 1 has already joined the run at 127.0.0.1:"), newcomer
+    (line,) = [x for x in logs[0].read_text().splitlines() if x.startswith("dlrm-jax:")]
+    assert line.startswith("dlrm-jax: error: process 0: process 1 was started again while this run trained"), line
+    assert took < 25, took  # (the heartbeat timeout is 30 s: the old code's bound)
+
+
 def test_a_stop_signal_while_waiting_for_the_others_to_join_ends_the_process(tmp_path):
     """Before: the main thread waits inside jaxlib, where no Python signal handler runs: Ctrl-C
     and SIGTERM did nothing until --join-timeout (300 s by default)."""
