@@ -82,13 +82,14 @@ def _program(argv: list[str] | None = None) -> int:
         # A collective failed under us: in a multi-process run, a peer died or disconnected,
         # or ended with an error of its own (which it told: then that is the reason).
         first = str(e).strip().splitlines()[0][:300]
-        from dlrm_jax.parallel.coordination import lost_peer_advice, peer_failure
+        from dlrm_jax.parallel.watchdog import lost_peer_advice, peer_failure, say_once
 
         if said := peer_failure():
             import jax
 
             return _failed(f"dlrm-jax: error: process {jax.process_index()}: {said}", 1)
-        print(f"dlrm-jax: error: {first}; if another process died, {lost_peer_advice()}", file=sys.stderr)
+        # (once: the watchdog, finding why later, said a second line)
+        say_once(f"dlrm-jax: error: {first}; if another process died, {lost_peer_advice()}")
         return 1
     finally:
         restore_signals()
@@ -100,9 +101,9 @@ def _failed(line: str, status: int) -> int:
     if "jax" not in sys.modules:  # (JAX never started: no other process to tell)
         print(line, file=sys.stderr)
         return status
-    from dlrm_jax.parallel import coordination
+    from dlrm_jax.parallel import watchdog
 
-    coordination.failing(status)
+    watchdog.failing(status)
     print(line, file=sys.stderr, flush=True)
-    coordination.announce_failure(line)
+    watchdog.announce_failure(line)
     return status

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from dlrm_jax.files import new_run_dir, numbered_folders
-from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE, STOPS_WITH_IT
+from dlrm_jax.parallel.watchdog import PEER_LOST_ADVICE, STOPS_WITH_IT
 
 # absl's native log lines ("E1125 12:00:00.123 ..." or, from gRPC, "E0000 00:00:1764070003.12 ..."),
 # stack frames, and a C++ abort's words: to the per-process log, not the terminal.

@@ -22,8 +22,9 @@ from dlrm_jax.embedding.plan.embedding_plan import EmbeddingPlan
 from dlrm_jax.embedding.plan.stats import collective_bytes
 from dlrm_jax.observe.loop_trace import LoopTrace, format_summary
 from dlrm_jax.observe.metrics import MetricsWriter
-from dlrm_jax.parallel.coordination import outcomes_of_every_process, report_progress
+from dlrm_jax.parallel.coordination import outcomes_of_every_process
 from dlrm_jax.parallel.mesh import host_scalar
+from dlrm_jax.parallel.watchdog import report_progress
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.display import StepDisplay
 from dlrm_jax.train.driver import StepDriver

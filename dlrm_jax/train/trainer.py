@@ -25,8 +25,8 @@ from dlrm_jax.embedding.tiers.tables import TieredTables
 from dlrm_jax.jax_settings import with_library_settings
 from dlrm_jax.observe.loop_trace import LoopTrace
 from dlrm_jax.observe.metrics import MetricsWriter
-from dlrm_jax.parallel.coordination import report_progress, saves_checkpoints_in, watch_for_hangs
 from dlrm_jax.parallel.mesh import host_scalar
+from dlrm_jax.parallel.watchdog import report_progress, saves_checkpoints_in, watch_for_hangs
 from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint import Checkpoints, largest_shard_bytes
 from dlrm_jax.train.checks import EPOCHS_NEED_A_SPLIT, check_runnable

@@ -3,7 +3,7 @@ service: no processes, so the timing is the test's own."""
 
 import pytest
 
-from dlrm_jax.parallel import coordination as mesh
+from dlrm_jax.parallel import watchdog as mesh
 
 
 class FakeClient:

@@ -373,8 +373,8 @@ def test_each_launch_keeps_its_logs_and_a_lost_peer_or_a_stop_gets_the_resume_co
     left the logs in /tmp."""
     import signal
 
-    from dlrm_jax.parallel.coordination import PEER_LOST_ADVICE
     from dlrm_jax.parallel.launch import RESUME_ENV
+    from dlrm_jax.parallel.watchdog import PEER_LOST_ADVICE
 
     run = tmp_path / "run"
     (run / "checkpoints" / "20").mkdir(parents=True)
@@ -485,7 +485,7 @@ def test_a_processs_argument_error_is_the_launchs_reason(tmp_path, capsys):
 def test_the_process_whose_error_it_is_is_named_not_the_one_that_stopped_with_it(tmp_path, capsys):
     """Process 0 stops with process 1's failure and says so: the end line names process 1 and
     its own line (before: process 0, the lower index, and its second-hand line)."""
-    from dlrm_jax.parallel.coordination import STOPS_WITH_IT
+    from dlrm_jax.parallel.watchdog import STOPS_WITH_IT
 
     said = "dlrm-jax: error: data.bin: row 7 has id 999 out of range"
     stops = f"dlrm-jax: error: process 0: process 1 failed, {STOPS_WITH_IT}: {said[10:]}"
