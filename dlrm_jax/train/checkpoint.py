@@ -101,7 +101,14 @@ class Checkpoints(CheckpointReader):
         self._saving: int | None = None  # the step whose save may still be under way
         # orbax keeps every step: the rotation is this class's, at wait() (leases: readers'),
         # so a step is removed only once a newer one is whole, and never while a reader reads it
-        options = ocp.CheckpointManagerOptions(create=True, cleanup_tmp_directories=True)
+        # Its folders made before the save returns: made asynchronously, a failure to make them (a
+        # full disk, no inodes left) left orbax's other writer threads waiting for their signal,
+        # and the process could not exit for 5 minutes (their timeout), then printed their stacks.
+        options = ocp.CheckpointManagerOptions(
+            create=True,
+            cleanup_tmp_directories=True,
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False),
+        )
         write_gb = max(int(largest_shard_bytes * 1.01) + 2**20, 2**28) / 1e9
         self._manager = ocp.CheckpointManager(
             self.directory,

@@ -177,6 +177,41 @@ def test_a_failed_background_save_names_its_step(tmp_path, monkeypatch):
         ckpts.wait()
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_fails_the_save_at_once(tmp_path, monkeypatch):
+    """Before: orbax made a save's folders in the background; when that failed (a full disk, no
+    inodes left), its other writer threads waited 5 minutes for the folders' signal, and the
+    process could not exit until then (then printed their stacks)."""
+    import errno
+    import threading
+    import time
+
+    import jax
+    import numpy as np
+    import pytest
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from orbax.checkpoint._src.path import async_path
+
+    from dlrm_jax.train.checkpoint import Checkpoints, CheckpointWriteError
+
+    on_mesh = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
+    ckpts = Checkpoints(tmp_path / "checkpoints", 3)
+    before = set(threading.enumerate())
+
+    async def no_inodes_left(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(async_path, "mkdir", no_inodes_left)
+    with pytest.raises(CheckpointWriteError, match=r"could not write the checkpoint at step 30 in .*no space left"):
+        ckpts.save(30, {"w": jax.device_put(np.zeros(4, np.float32), on_mesh)}, "{}")
+        ckpts.wait()
+    deadline = time.monotonic() + 10
+    while (waiting := [t.name for t in set(threading.enumerate()) - before if not t.daemon and t.is_alive()]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert not waiting, waiting  # (orbax's writers still waiting: the process cannot exit)
+
+
 def test_more_devices_than_the_machine_gives_is_a_config_error():
     """Before: a ValueError, exit status 1 where every refused key exits 2."""
     import pytest
