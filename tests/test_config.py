@@ -276,7 +276,7 @@ def test_every_dense_optimizer_the_schema_allows_is_built_and_no_other():
     import optax
 
     from dlrm_jax.config_schema import TrainConfig
-    from dlrm_jax.train.wiring import DENSE_OPTIMIZERS, dense_optimizer
+    from dlrm_jax.train.optimizer_setup import DENSE_OPTIMIZERS, dense_optimizer
 
     allowed = TrainConfig.__dataclass_fields__["optimizer"].metadata["choices"]
     assert tuple(DENSE_OPTIMIZERS) == tuple(allowed)
@@ -352,7 +352,7 @@ def test_the_learning_rate_schedule_is_the_one_documented():
     0.4375, 0.625, 0.8125 of it for W=4); decay over decay_steps, from decay_start where given
     (HugeCTR's MLPerf-v1 schedule decays from step 49,315 on, past the run's end; before, the
     decay could only take a run's last steps: 3e-8 at mlperf_dlrm_v1's last step, not 0.046)."""
-    from dlrm_jax.train.wiring import learning_rate_schedule
+    from dlrm_jax.train.optimizer_setup import learning_rate_schedule
 
     cfg = load_config(None, ["train.steps=10", "train.learning_rate=1", "train.warmup_steps=4", "train.decay_steps=3"])
     rates = [float(learning_rate_schedule(cfg)(k)) for k in range(10)]  # step k + 1's rate
@@ -387,7 +387,7 @@ def test_the_dense_adagrad_is_torchs_and_the_tables():
     import numpy as np
     import optax
 
-    from dlrm_jax.train.wiring import DENSE_OPTIMIZERS
+    from dlrm_jax.train.optimizer_setup import DENSE_OPTIMIZERS
 
     tx = DENSE_OPTIMIZERS["adagrad"](optax.constant_schedule(0.5))
     params = {"w": jnp.zeros(4), "b": jnp.zeros(2)}

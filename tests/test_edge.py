@@ -17,7 +17,7 @@ TRAIN = ROOT / "train"
 
 # train/'s wings. setup: config -> records; entry: a command's or the Python API's way in,
 # reading a (saved) config; run: what the records drive.
-SETUP = {"wiring", "build", "planning", "checks", "hot_setup", "rundir", "restore"}
+SETUP = {"wiring", "optimizer_setup", "build", "planning", "checks", "hot_setup", "rundir", "restore"}
 ENTRY = {"trainer", "export", "saved_run", "serving_export", "serving_rules"}
 RUN = {"step", "spec", "state", "loop", "driver", "evaluate", "checkpoint", "progress", "display", "watch"}
 RUN |= {

@@ -37,7 +37,8 @@ from dlrm_jax.embedding.plan.specs import TableSpec
 from dlrm_jax.model.dlrm import bce_loss
 from dlrm_jax.observe.metrics import log_loss_of_logits, roc_auc
 from dlrm_jax.train.build import mesh_from_config
-from dlrm_jax.train.wiring import dense_optimizer, dlrm_from_config, map_fields, sparse_optimizer_from_config
+from dlrm_jax.train.optimizer_setup import dense_optimizer, sparse_optimizer_from_config
+from dlrm_jax.train.wiring import dlrm_from_config, map_fields
 
 CASES = ("dynamic", "hashed", "vocab")
 

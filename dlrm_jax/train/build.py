@@ -22,6 +22,7 @@ from dlrm_jax.parallel.coordination import check_same_everywhere, outcomes_of_ev
 from dlrm_jax.parallel.mesh import hosts_of, make_mesh
 from dlrm_jax.train import hot_setup
 from dlrm_jax.train.checks import check_batch, check_tiers_in_one_process
+from dlrm_jax.train.optimizer_setup import sparse_optimizer_from_config
 from dlrm_jax.train.planning import CALIBRATION_BATCHES, agree_by_max, plan_for_run
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.wiring import (
@@ -30,7 +31,6 @@ from dlrm_jax.train.wiring import (
     dynamic_maps,
     plan_budget,
     raw_id_batches,
-    sparse_optimizer_from_config,
     step_spec,
 )
 

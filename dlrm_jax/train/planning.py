@@ -31,13 +31,7 @@ from dlrm_jax.embedding.plan.stats import (
     lower_bound_bytes,
     per_device_bytes,
 )
-from dlrm_jax.train.wiring import (
-    cluster_from_config,
-    config_plan_report,
-    dense_work,
-    dynamic_homes,
-    plan_request,
-)
+from dlrm_jax.train.wiring import cluster_from_config, config_plan_report, dense_work, dynamic_homes, plan_request
 
 CALIBRATION_BATCHES = 4
 STATS_DEVICES = 256  # devices' shares of a batch the statistics read at most (an estimate)

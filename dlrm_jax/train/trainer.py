@@ -42,6 +42,7 @@ from dlrm_jax.train.loop import (  # noqa: F401
     TrainingLoop,
     reporting,
 )
+from dlrm_jax.train.optimizer_setup import decay_moved
 from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
 from dlrm_jax.train.restore import (
@@ -54,7 +55,7 @@ from dlrm_jax.train.restore import (
 from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
-from dlrm_jax.train.wiring import decay_moved, tier_root
+from dlrm_jax.train.wiring import tier_root
 
 _ONE_RUN = threading.Lock()  # orbax's checkpointing is process-wide: two runs at once broke each other's saves
 

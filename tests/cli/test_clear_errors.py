@@ -607,10 +607,7 @@ def test_a_stop_during_a_compile_waits_for_it_and_never_crashes_the_exit():
 
 
 def test_per_host_plan_header_names_the_global_batch_and_the_hosts_share(tiny):
-    from dlrm_jax.train.wiring import (
-        config_plan_report,
-        plan_from_config,
-    )
+    from dlrm_jax.train.wiring import config_plan_report, plan_from_config
 
     cfg = tiny("train.batch_size=128", "mesh.devices=8", "mesh.hosts=2", "embedding.sync=per_host")
     header = config_plan_report(cfg, plan_from_config(cfg, 8, hosts=2)).splitlines()[0]

@@ -11,7 +11,8 @@ from dlrm_jax.data.batch import PAD_ID
 from dlrm_jax.data.sources.synthetic import SyntheticSource
 from dlrm_jax.embedding.exchange.collection import EmbeddingCollection
 from dlrm_jax.parallel.mesh import AXIS, make_mesh
-from dlrm_jax.train.wiring import plan_from_config, sparse_optimizer_from_config
+from dlrm_jax.train.optimizer_setup import sparse_optimizer_from_config
+from dlrm_jax.train.wiring import plan_from_config
 from tests.reference import dense_reference
 
 CARDS = "data.cardinalities=[50, 9, 120, 7, 33]"

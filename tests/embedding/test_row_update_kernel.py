@@ -164,16 +164,16 @@ def test_the_default_update_is_fused_on_gpus_and_xla_elsewhere(monkeypatch, choi
     """``embedding.sparse_update=auto`` (the default) runs the kernels where they were measured
     faster (GPUs) and the XLA form where Pallas only interprets them; a named form is kept."""
     from dlrm_jax.config import load_config
-    from dlrm_jax.train import wiring
+    from dlrm_jax.train import optimizer_setup
 
     assert load_config().embedding.sparse_update == "auto"
     cfg = load_config(None, [f"embedding.sparse_update={choice}"])
-    monkeypatch.setattr(wiring.jax, "default_backend", lambda: backend)
-    assert wiring.sparse_optimizer_from_config(cfg).kernel is kernel
+    monkeypatch.setattr(optimizer_setup.jax, "default_backend", lambda: backend)
+    assert optimizer_setup.sparse_optimizer_from_config(cfg).kernel is kernel
     capped = load_config(None, [f"embedding.sparse_update={choice}", "embedding.fused_programs=64"])
-    assert wiring.sparse_optimizer_from_config(capped).kernel_programs == 64
+    assert optimizer_setup.sparse_optimizer_from_config(capped).kernel_programs == 64
     # by default the row kernel's programs are capped (uncapped, 90% of them idled on one H200)
-    assert wiring.sparse_optimizer_from_config(cfg).kernel_programs == 65536
+    assert optimizer_setup.sparse_optimizer_from_config(cfg).kernel_programs == 65536
 
 
 def _chunk_plan(s, num_rows):

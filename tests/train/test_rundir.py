@@ -797,7 +797,7 @@ def test_raising_the_steps_of_a_decaying_run_says_its_rates_part_from_a_longer_r
     to 20 it went back to the full rate, and ended at AUC 0.5676 where 20 steps from the start
     gave 0.5687, with only 'resuming with changed settings: train.steps 12 -> 20'. A run whose
     decay had not begun at its stop equals the longer run, and says nothing."""
-    from dlrm_jax.train.wiring import decay_moved
+    from dlrm_jax.train.optimizer_setup import decay_moved
 
     run = tmp_path / "run"
     train_and_evaluate(tiny("train.steps=12", "train.decay_steps=4", "train.checkpoint_every=4"), run, **QUIET)
