@@ -89,7 +89,7 @@ _EXPORTS = {
     "request_cpu_devices": "dlrm_jax.parallel.mesh",
     "make_mesh": "dlrm_jax.parallel.mesh",
     "train_and_evaluate": "dlrm_jax.train.trainer",
-    "Interrupted": "dlrm_jax.train.trainer",
+    "Interrupted": "dlrm_jax.train.stop_signals",
     "TrainingDiverged": "dlrm_jax.train.watch",
     "evaluate_run": "dlrm_jax.train.saved_run",
     "RunSummary": "dlrm_jax.train.evaluate",

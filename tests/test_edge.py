@@ -29,6 +29,7 @@ RUN |= {
     "checkpoint_reader",
     "orbax_quiet",
     "library_log",
+    "stop_signals",
 }
 
 

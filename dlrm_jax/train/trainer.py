@@ -33,15 +33,7 @@ from dlrm_jax.train.checks import EPOCHS_NEED_A_SPLIT, check_runnable
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
 from dlrm_jax.train.library_log import closed_loops_logged, library_logs_in
-from dlrm_jax.train.loop import (  # noqa: F401
-    RUN_END_FIELDS,
-    STOP_AGREE_EVERY,
-    Interrupted,
-    Plan,
-    StopSignals,
-    TrainingLoop,
-    reporting,
-)
+from dlrm_jax.train.loop import RUN_END_FIELDS, Plan, TrainingLoop, reporting  # noqa: F401
 from dlrm_jax.train.optimizer_setup import decay_moved
 from dlrm_jax.train.planning import plan_summary, run_plan_report
 from dlrm_jax.train.progress import Evaluation, Progress, newest_progress, resumed_progress
@@ -54,6 +46,7 @@ from dlrm_jax.train.restore import (
 )
 from dlrm_jax.train.rundir import RunDir, RunDirError
 from dlrm_jax.train.step import StepFunctions
+from dlrm_jax.train.stop_signals import STOP_AGREE_EVERY, Interrupted, StopSignals  # noqa: F401 - the API's
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 from dlrm_jax.train.wiring import tier_root
 

@@ -513,7 +513,7 @@ def test_sigterm_while_restoring_or_compiling_stops_cleanly_once_it_is_done(tmp_
 SWALLOWED_STOP = """
 import os, signal, sys
 from dlrm_jax import stopping
-from dlrm_jax.train.loop import StopSignals
+from dlrm_jax.train.stop_signals import StopSignals
 
 stopping.stop_on_signals()
 

@@ -180,7 +180,7 @@ def test_the_parent_death_signal_once_per_supervisor_thread_is_one_stop(tmp_path
     child = (
         "import time\n"
         "from dlrm_jax import stopping\n"
-        "from dlrm_jax.train.loop import StopSignals\n"
+        "from dlrm_jax.train.stop_signals import StopSignals\n"
         "stopping.die_with_launcher()\n"
         "with StopSignals() as s:\n"
         "    print('ready', flush=True)\n"

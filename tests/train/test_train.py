@@ -163,7 +163,7 @@ def test_a_stop_while_the_last_checkpoint_commits_waits_for_it(tiny, tmp_path, m
     import os
     import signal
 
-    from dlrm_jax.train.loop import Interrupted
+    from dlrm_jax.train.stop_signals import Interrupted
 
     real, sent = Checkpoints.wait, []
 
