@@ -150,11 +150,11 @@ def test_a_stop_at_an_evaluations_step_evaluates_first_so_the_resumed_run_decide
     best checkpoint moved to the next evaluation)."""
     import signal
 
-    from dlrm_jax.train import loop as loop_module
+    from dlrm_jax.train import stop_signals
 
     _, _, evals = full_run
-    monkeypatch.setattr(loop_module.StopSignals, "requested", lambda self, step: signal.SIGINT if step == 6 else None)
-    with pytest.raises(loop_module.Interrupted, match="after step 6"):
+    monkeypatch.setattr(stop_signals.StopSignals, "requested", lambda self, step: signal.SIGINT if step == 6 else None)
+    with pytest.raises(stop_signals.Interrupted, match="after step 6"):
         train_and_evaluate(tiny_config(*BASE), tmp_path / "run", **QUIET)
     monkeypatch.undo()
     train_and_evaluate(tiny_config(*BASE), tmp_path / "run", **QUIET)
