@@ -171,8 +171,8 @@ class FolderLock:
     a ``.lock`` on disk means a live holder. :meth:`take` refuses (``refusal(holder)``, a
     RunDirError or the like) while another holds it."""
 
-    def __init__(self, folder: str | Path):
-        self.path, self.fd = Path(folder) / ".lock", None
+    def __init__(self, folder: str | Path, name: str = ".lock"):
+        self.path, self.fd = Path(folder) / name, None
 
     def take(self, refusal: Callable[[str], Exception]) -> FolderLock:
         """Lock (whoever locked a file the holder removed meanwhile tries again on the new one)."""

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dlrm_jax.files import add_sampled, check_dir, json_text
+from dlrm_jax.files import FolderLock, add_sampled, check_dir, json_text
 
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
@@ -289,10 +289,24 @@ class DatasetDir:
     def __init__(self, output: str | Path, overwrite: bool = False):
         check_output_target(output, overwrite)
         self.output = Path(os.path.realpath(output))
-        remove_stale_temporaries(self.output)
-        self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True)
+        # One writer an output from its check to its commit (``.NAME.lock`` beside it): two
+        # preprocess runs into one new folder each passed the check, and the second's commit
+        # replaced the first's dataset, both reporting success.
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = FolderLock(self.output.parent, f".{self.output.name}.lock").take(
+            lambda holder: FileExistsError(
+                f"--output {output}: another preprocess is writing it ({holder}); wait for it, or choose a new folder"
+            )
+        )
+        try:
+            check_output_target(output, overwrite)  # (again, now that no other writer can commit)
+            remove_stale_temporaries(self.output)
+            self.root = self.output.with_name(f".{self.output.name}.tmp-{os.getpid()}")
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root.mkdir(parents=True)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def __enter__(self) -> DatasetDir:
         return self
@@ -300,6 +314,7 @@ class DatasetDir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+        self._lock.release()
 
     def commit(self, meta: dict) -> None:
         shutil.rmtree(self.root / ".work", ignore_errors=True)

@@ -211,6 +211,32 @@ def test_skip_mode_counts_bad_lines_by_reason(tmp_path, raw, tsv):
     assert BinarySource(criteo_config(tmp_path / "clean", "data.source=binary")).skip_report() == ""
 
 
+def test_preprocess_skips_and_names_the_lines_the_text_source_does(tmp_path, tsv):
+    """Before: a lone \\r was a line break to preprocess alone (two lines it joined were kept as
+    rows, and later lines were named one too far on), and its fast parser kept a 22-digit integer
+    (as 5) that the strict rule refuses, unless a bad line elsewhere in the block sent the block
+    to the strict parser."""
+    path, _ = tsv
+    lines = path.read_bytes().split(b"\n")[:200]
+    lines[9] = lines[9] + b"\r" + lines[10]  # lines 10 and 11 joined by a lone \r
+    del lines[10]
+    fields = lines[29].split(b"\t")
+    fields[3] = b"0000000000000000000005"  # line 30, I3: 22 digits
+    lines[29] = b"\t".join(fields)
+    odd = tmp_path / "odd.tsv"
+    odd.write_bytes(b"\n".join(lines) + b"\n")
+    for block_mb in (1.0, 0.001):  # (one block; many, each through the fast parser first)
+        report = preprocess([odd], tmp_path / f"out{block_mb}", skip_bad_lines=True, max_ind_range=M, block_mb=block_mb)
+        assert report.skipped_examples[:2] == (
+            f"{odd}:10: expected 40 tab-separated fields, found 79",
+            f"{odd}:30: integer field I3 has over 18 digits: '0000000000000000000005'",
+        ), report.skipped_examples
+        assert report.lines_read == 199 and report.train_rows + report.val_rows == 197
+    source = CriteoTSVSource(criteo_config(odd, "data.skip_bad_lines=true"))
+    assert source.skipped.examples[:2] == list(report.skipped_examples[:2])
+    assert source.num_train + source.num_val == 197
+
+
 def test_gzipped_input_is_streamed_and_reported_by_line(tmp_path, tsv):
     path, _ = tsv
     gz = tmp_path / "day_0.gz"
@@ -364,6 +390,19 @@ def test_overwrite_through_a_link_replaces_the_dataset_it_points_to_and_keeps_th
     assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == "real"
     assert json.loads((tmp_path / "real" / "meta.json").read_text())["val_rows"] == 300
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_two_preprocess_runs_into_one_new_folder_do_not_replace_each_other(tmp_path, tsv):
+    """Before: both passed the check of a new output, and the second's commit replaced the first's
+    dataset; both said they had written it."""
+    from dlrm_jax.data.shards import DatasetDir
+
+    path, _ = tsv
+    with DatasetDir(tmp_path / "out"):  # (another run, writing it now)
+        with pytest.raises(FileExistsError, match=r"--output .*out: another preprocess is writing it \(pid \d+"):
+            preprocess([path], tmp_path / "out", max_ind_range=M)
+    preprocess([path], tmp_path / "out", max_ind_range=M)  # (that one gone: this one writes it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no lock or temporary left)
 
 
 def test_a_file_edited_under_a_run_names_the_file_and_the_lines_byte(tmp_path, tsv):

@@ -12,6 +12,7 @@ rows kept and the errors are those of the strict parser, whatever the number of 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -43,6 +44,7 @@ _PARSE = pacsv.ParseOptions(delimiter="\t", quote_char=False, ignore_empty_lines
 _CONVERT = pacsv.ConvertOptions(column_types=_TYPES, strings_can_be_null=False)
 _VALID_BYTES = b"0123456789abcdefABCDEF\t\r\n-"  # every byte of a valid line is one of these
 _INT_LIMIT = 10**18  # 18 digits at most, as the strict parser allows
+_OVER_18_DIGITS = re.compile(rb"[0-9]{19}")  # no valid field has so many (hex ones: 16 at most)
 
 
 def criteo_tasks(paths: list[str], block_bytes: int) -> list[Task]:
@@ -108,7 +110,7 @@ class CriteoParser:
         for text in _blocks(task, self.block_bytes):
             chunk = parse_block(text)
             if chunk is None:  # the strict path, which names what is wrong
-                raw = text.splitlines(keepends=True)
+                raw = _lines(text)
                 p = parse_lines(raw)
                 for bad in p.bad:
                     log.record(task.path, lineno + bad.index, bad)
@@ -119,9 +121,20 @@ class CriteoParser:
             yield chunk
 
 
+def _lines(text: bytes) -> list[bytes]:
+    """``text``'s lines, each with its ``\n``, split at ``\n`` alone, as the text sources read
+    them (``bytes.splitlines`` split at a lone ``\r`` too: two lines a stray one joined were
+    kept as rows, and the lines after it were named one too far on)."""
+    parts = text.split(b"\n")
+    lines = [p + b"\n" for p in parts[:-1]]
+    return [*lines, parts[-1]] if parts[-1] else lines
+
+
 def parse_block(text: bytes) -> Chunk | None:
     """A block of whole Criteo lines parsed by pyarrow, or None unless every line is valid."""
     if not text or text.translate(None, _VALID_BYTES):
+        return None
+    if _OVER_18_DIGITS.search(text):  # (pyarrow reads 0000000000000000000005 as 5: the strict rule refuses it)
         return None
     try:
         table = pacsv.read_csv(pa.py_buffer(text), _READ, _PARSE, _CONVERT).combine_chunks()
