@@ -161,6 +161,9 @@ def test_movielens_joins_vocabularies_and_split(files, tmp_path):
     ]
     assert meta["join_misses"] == {"users": sum(c[2] is None for c in want["cats"]), "movies": 0}
     assert meta["join_misses"]["users"] > 0
+    missed = meta["join_misses"]["users"]  # (said: before, only meta.json had it)
+    assert f"warning: join users: {missed:,} of {N:,} rows found no row of " in report.summary()
+    assert "join movies" not in report.summary() and "none matched" not in report.summary()
     # One row by hand: its user's and movie's attributes arrive through the joins.
     row = next(i for i, c in enumerate(want["cats"]) if c[1] == "7" and c[2] is not None)
     user, movie = want["cats"][row][0], "7"
@@ -282,6 +285,14 @@ def test_yelp_json_lines_label_above_four_stars(files, tmp_path):
         1, "s"
     )
     assert (meta["split"], meta["split_by"], meta["split_threshold"]) == ("time", "date", since_1970)
+    # A UTF-8 byte-order mark before the first line (no header to strip it with): not part of
+    # its first value (before: a line that was not JSON; in CSV, a category of its own).
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + files["yelp"][0].read_bytes())
+    run("yelp", files, tmp_path / "bom", where=bom, max_ind_range=M, val_fraction=0.25)
+    for split in ("train", "val"):
+        for k, v in load_split(tmp_path / "out", split).items():
+            np.testing.assert_array_equal(load_split(tmp_path / "bom", split)[k], v)
 
 
 @pytest.mark.slow

@@ -137,6 +137,7 @@ class PreprocessReport:
     seconds: dict[str, float] = field(default_factory=dict)  # per phase, and "total"
     split: str = ""  # how the val split was chosen, one line
     vocab_from: str = ""  # the rows whose values were counted into ids: train | all
+    notes: tuple[str, ...] = ()  # what else a user should see (a join that found nothing)
 
     def summary(self) -> str:
         text = (
@@ -155,6 +156,7 @@ class PreprocessReport:
                 else "all rows, train and val"
             )
         text += f"\n  cardinalities: {list(self.cardinalities)}"
+        text += "".join(f"\n  {note}" for note in self.notes)
         if self.seconds:
             text += "\n  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items())
         return text

@@ -13,6 +13,7 @@ column or a comparison with a threshold. Records that cannot be used are reporte
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -205,7 +206,16 @@ def preprocess_tabular(
     report = write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
     if log.by_reason:  # side files' skipped lines are counted with the main files'
         report = _with_side_skips(report, log)
-    return report
+    misses = json.loads((Path(output) / "meta.json").read_text()).get("join_misses", {})
+    rows = report.train_rows + report.val_rows
+    # (said: a join whose keys never matched, a case or a BOM apart, made its features all id 0 unsaid)
+    notes = [
+        f"warning: join {k}: {n:,} of {rows:,} rows found no row of {joins[k]} with their key (their "
+        f"features from it are missing, id 0){'; none matched: are the keys written alike?' if n == rows else ''}"
+        for k, n in misses.items()
+        if n
+    ]
+    return dataclasses.replace(report, notes=(*report.notes, *notes)) if notes else report
 
 
 def header_columns(schema: TabularSchema, inputs: Sequence[str]) -> list[str] | None:

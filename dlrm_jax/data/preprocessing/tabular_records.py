@@ -45,6 +45,12 @@ def _decoded(f, encoding: str, undecodable: set[int]) -> Iterator[str]:
     into ``undecodable`` (their text has replacement characters)."""
     lineno = 0
     while lines := list(itertools.islice(f, 4096)):
+        if (
+            lineno == 0
+            and encoding.replace("_", "-").lower() in ("utf-8", "utf8")
+            and lines[0].startswith(b"\xef\xbb\xbf")
+        ):
+            lines[0] = lines[0][3:]  # a BOM: not the first field's (a header's was stripped, a first value's was kept)
         try:
             yield from [line.decode(encoding) for line in lines]
         except UnicodeDecodeError:
