@@ -223,6 +223,13 @@ def _check_embedding(cfg: Config) -> None:
     _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", tuple(Storage), "cat_2=tiered")
     _check_table_overrides("embedding.table_ids", e.table_ids, "IDS", tuple(Ids), "cat_2=dynamic")
     _check_dynamic(cfg)
+    every = [f"cat_{f}" for f in range(cfg.num_features)]
+    if e.storage == Storage.TIERED and all(e.sharding_of(t) == Strategy.REPLICATED for t in every):  # (no-op)
+        raise ConfigError(
+            f"embedding.storage=tiered: no table is tiered, each is replicated (embedding.sharding="
+            f"{e.sharding}, embedding.table_sharding), and replicated tables stay on their devices; shard "
+            f"them (embedding.sharding=row or auto) or keep embedding.storage=device"
+        )
     if not e.tables_per_host:
         return
     if e.hot.rows != 0:
@@ -290,8 +297,15 @@ def _not_with(what: str, e, per_host: bool = False, tiered: bool = False) -> Non
         raise ConfigError(
             f"{what}: per-host tables (embedding.sync={e.sync}) are not supported yet; use embedding.sync=global"
         )
-    if tiered and (e.storage != "device" or any(item.endswith("=tiered") for item in e.table_storage)):
+    named = [item for item in e.table_storage if item.endswith("=tiered")]
+    if tiered and (e.storage != "device" or named):
         where = "with per-host tables " if what.startswith("embedding.sync") else ""
+        given = (  # (the key the user set: before, always embedding.storage)
+            f"embedding.table_storage=[{', '.join(named)}]"
+            if e.storage == "device"
+            else f"embedding.storage={e.storage}"
+        )
         raise ConfigError(
-            f"{what}: tiered tables (embedding.storage) are not supported {where}yet; use embedding.storage=device"
+            f"{what}: tiered tables ({given}) are not supported {where}yet; keep every table on the devices "
+            f"(embedding.storage=device, no =tiered in embedding.table_storage)"
         )

@@ -321,6 +321,20 @@ def test_a_per_table_override_naming_no_table_is_refused_by_the_config(key, item
         load_config(None, [f"embedding.{key}=[{item}]"])
 
 
+def test_a_global_tiered_storage_leaves_replicated_tables_on_their_devices():
+    """Before: embedding.storage=tiered tiered replicated tables too (plan listed them as both);
+    train made the tier, then failed on a reshape ('cannot reshape array of size 3160 into shape
+    (8,3160)'). The docs: replicated tables stay on their devices."""
+    from dlrm_jax.train.wiring import plan_from_config
+
+    cfg = load_config("smoke", ["embedding.storage=tiered", "embedding.table_sharding=[cat_2=replicated]"])
+    assert cfg.tiered_tables == (0, 1, 3)
+    plan = plan_from_config(cfg, 8)
+    assert plan.tiered_tables == (0, 1, 3) and plan.tables[2].strategy == "replicated"
+    with pytest.raises(ConfigError, match=r"embedding.storage=tiered: no table is tiered, each is replicated"):
+        load_config("smoke", ["embedding.storage=tiered", "embedding.sharding=replicated"])
+
+
 def test_numbers_with_leading_zeros_are_decimal_in_set_and_in_files(tmp_path):
     """Before: YAML 1.1 read a leading zero as octal: --set train.steps=010 trained 8 steps, and
     data.cardinalities=[1000, 0300] made a table of 192 rows."""

@@ -324,8 +324,18 @@ class EmbeddingConfig:
         return dict(item.partition("=")[::2] for item in self.table_ids).get(table, self.ids)
 
     def storage_of(self, table: str) -> str:
-        """Where the table named ``table`` is asked to live: its ``table_storage`` override, else ``storage``."""
-        return dict(item.partition("=")[::2] for item in self.table_storage).get(table, self.storage)
+        """Where the table named ``table`` is asked to live: its ``table_storage`` override, else
+        ``storage``, except for a replicated table (``table_sharding`` or ``sharding``), which
+        stays on its devices (a replicated table asked to be tiered by name is refused)."""
+        given = dict(item.partition("=")[::2] for item in self.table_storage)
+        if table not in given and self.sharding_of(table) == "replicated":
+            return "device"
+        return given.get(table, self.storage)
+
+    def sharding_of(self, table: str) -> str:
+        """How the table named ``table`` is asked to be sharded: its ``table_sharding`` override,
+        else ``sharding`` (``auto``: the planner chooses)."""
+        return dict(item.partition("=")[::2] for item in self.table_sharding).get(table, self.sharding)
 
     @property
     def tables_per_host(self) -> bool:

@@ -172,11 +172,13 @@ def plan_embeddings(
     for spec in specs:
         wanted.append(overrides.get(spec.name, sharding))
         tiered.append(storage_overrides.get(spec.name, Storage(storage)) == Storage.TIERED)
-        if tiered[-1] and wanted[-1] == Strategy.REPLICATED and spec.name in storage_overrides:
-            raise PlanError(
-                f"table {spec.name}: a replicated table lives on every device and cannot be "
-                f"tiered (embedding.table_storage); shard it or keep it on the devices"
-            )
+        if tiered[-1] and wanted[-1] == Strategy.REPLICATED:
+            if spec.name in storage_overrides:
+                raise PlanError(
+                    f"table {spec.name}: a replicated table lives on every device and cannot be "
+                    f"tiered (embedding.table_storage); shard it or keep it on the devices"
+                )
+            tiered[-1] = False  # (a global storage=tiered: replicated tables stay on their devices)
         if wanted[-1] != Sharding.AUTO:
             _check_allowed(spec, Strategy(wanted[-1]), num_devices, explicit=True)
     tables = place_tables(
