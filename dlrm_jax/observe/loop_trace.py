@@ -37,11 +37,16 @@ class Event(NamedTuple):
 Planes = dict[str, dict[str, list[Event]]]
 
 
-def read_planes(trace_dir: str) -> Planes:
-    """The host and GPU planes of the one ``.xplane.pb`` under ``trace_dir``."""
+def trace_files(trace_dir: str) -> set[str]:
+    """The ``.xplane.pb`` files under ``trace_dir`` (one a trace session: a resumed run's
+    sessions share its run dir's folder)."""
+    return set(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+
+
+def read_planes(path: str) -> Planes:
+    """The host and GPU planes of the trace file ``path`` (:func:`trace_files`)."""
     from jax._src.lib import _profile_data
 
-    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
     planes: Planes = {}
     for plane in _profile_data.ProfileData.from_file(path).planes:
         if not (plane.name.startswith("/device:GPU") or plane.name == "/host:CPU"):
@@ -196,7 +201,7 @@ class LoopTrace:
 
     def __init__(self, first: int, count: int, trace_dir: str):
         self.first, self.last, self.trace_dir = first, first + count - 1, trace_dir
-        self.running = False
+        self.running, self._earlier = False, set()
 
     @staticmethod
     def first_step(start: int, end: int, count: int, log_every: int) -> int:
@@ -213,6 +218,7 @@ class LoopTrace:
 
             options = jax.profiler.ProfileOptions()
             options.python_tracer_level = 0  # it records every Python call, slowing what it measures
+            self._earlier = trace_files(self.trace_dir)  # (a resumed run's earlier sessions: not this one's)
             jax.profiler.start_trace(self.trace_dir, create_perfetto_trace=True, profiler_options=options)
             self.running = True
 
@@ -232,4 +238,7 @@ class LoopTrace:
 
         jax.profiler.stop_trace()
         self.running = False
-        return summarize(read_planes(self.trace_dir), self.last - self.first + 1) if read else None
+        if not read:
+            return None
+        (path,) = trace_files(self.trace_dir) - self._earlier
+        return summarize(read_planes(path), self.last - self.first + 1)

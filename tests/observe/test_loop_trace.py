@@ -91,6 +91,13 @@ def test_a_run_logs_its_trace_and_result_waits(tmp_path):
     assert all(e["result_wait_ms"] >= 0 for e in windows)
     # the reads' CPU is part of the thread's (within the same window), the rest the loop's own
     assert all(0 <= e["result_read_cpu_ms"] <= e["dispatch_ms"] for e in windows)
+    # Resumed further in the same run dir, it traces again and reads its own session (before: a
+    # second trace file there failed the run, 'too many values to unpack', after its traced steps).
+    more = tiny_config("train.steps=24", "train.log_every=4", "train.trace_steps=3", "train.eval_every=0")
+    train_and_evaluate(more, tmp_path / "run", **QUIET)
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "trace"] == [7, 19]
+    assert len(list(Path(trace["trace_dir"]).rglob("*.xplane.pb"))) == 2
 
 
 def test_the_windows_leave_out_the_first_state_checks_compile(tmp_path, monkeypatch):
