@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 
 __all__ = ["library_settings", "root_logging_untouched", "with_library_settings"]
@@ -30,15 +31,29 @@ def root_logging_untouched() -> Iterator[None]:
     handler: a notebook's own ``basicConfig(level=...)`` after a run then did nothing, and every
     library's warnings gained a ``WARNING:name:`` prefix. Python's last resort, which prints a
     warning where no handler takes it, stands in on the root logger meanwhile (:class:`_LastResort`)."""
+    global _stand_in, _users
     root = logging.getLogger()
-    stand_in = None if root.handlers else _LastResort()
-    if stand_in is not None:
-        root.addHandler(stand_in)
+    # (counted: calls overlapping in threads, a run training while another evaluates, each
+    # took the other's stand-in for a handler of the notebook's, and the first to end removed
+    # it while the other still worked: absl then configured the root logger after all)
+    with _users_lock:
+        if _stand_in is None and not root.handlers:
+            _stand_in = _LastResort()
+            root.addHandler(_stand_in)
+        _users += 1
     try:
         yield
     finally:
-        if stand_in is not None:
-            root.removeHandler(stand_in)
+        with _users_lock:
+            _users -= 1
+            if not _users and _stand_in is not None:
+                root.removeHandler(_stand_in)
+                _stand_in = None
+
+
+_users_lock = threading.Lock()
+_users = 0  # the calls inside root_logging_untouched now
+_stand_in: logging.Handler | None = None
 
 
 class _LastResort(logging.Handler):

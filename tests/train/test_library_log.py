@@ -109,6 +109,26 @@ def test_the_root_loggers_stand_in_prints_only_what_no_handler_took(capfd):
     assert capfd.readouterr().err == "to stderr\n"
 
 
+def test_overlapping_runs_keep_the_stand_in_until_the_last_one_ends():
+    """Before: a run evaluating while another trained (two threads) took the other's stand-in for
+    the notebook's handler; the first to end removed it while the second worked, and absl's next
+    message configured the root logger for good."""
+    from dlrm_jax.jax_settings import root_logging_untouched
+
+    root = logging.getLogger()
+    saved, root.handlers = root.handlers, []
+    try:
+        first, second = root_logging_untouched(), root_logging_untouched()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert len(root.handlers) == 1  # (the second still works under it)
+        second.__exit__(None, None, None)
+        assert root.handlers == []
+    finally:
+        root.handlers = saved
+
+
 def test_the_command_line_called_in_a_notebook_leaves_its_loggers_and_sigusr1(tmp_path, capsys):
     """Before: each in-process dlrm_jax.cli.main(...) left a handler on absl's and asyncio's
     loggers for good (their messages into an old run's log) and SIGUSR1 taken for stack dumps."""
