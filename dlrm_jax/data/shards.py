@@ -240,11 +240,14 @@ def check_output_target(output: str | Path, overwrite: bool = False) -> None:
         )
     if not out.exists() or not any(out.iterdir()):
         return
-    if not (out / META_FILE).exists():
-        raise FileExistsError(f"--output {out}: exists and is not a preprocessed dataset; not replacing it")
     others = sorted(p.name for p in out.iterdir() if p.name not in DATASET_ENTRIES)
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5:,} more" if len(others) > 5 else "")
+    if not (out / META_FILE).exists():  # (what it holds named: a lone .DS_Store is not obvious)
+        raise FileExistsError(
+            f"--output {out}: exists and is not a preprocessed dataset (it holds {shown or 'parts of one'}); "
+            f"not replacing it: choose a new folder"
+        )
     if others:
-        shown = ", ".join(others[:5]) + (f" and {len(others) - 5:,} more" if len(others) > 5 else "")
         raise FileExistsError(
             f"--output {out}: holds a preprocessed dataset and files that are not its own ({shown}); "
             f"not replacing it: move them out, or choose a new folder"

@@ -237,6 +237,20 @@ def test_preprocess_skips_and_names_the_lines_the_text_source_does(tmp_path, tsv
     assert source.num_train + source.num_val == 197
 
 
+@pytest.mark.parametrize("kind", ["bz2", "lzma"])
+def test_a_file_compressed_but_not_with_gzip_is_named_so(tmp_path, tsv, kind):
+    """Before: read as text, 'expected 40 tab-separated fields, found 1' of its line 1 (and with
+    skip_bad_lines, 'no training rows' without a count of what was skipped)."""
+    import bz2
+    import lzma
+
+    path, _ = tsv
+    packed = tmp_path / f"day.tsv.{kind}"
+    packed.write_bytes({"bz2": bz2, "lzma": lzma}[kind].compress(path.read_bytes()[:20000]))
+    with pytest.raises(ValueError, match=rf"{packed}: compressed with (bzip2|xz); only plain text and gzip are read"):
+        preprocess([packed], tmp_path / "out", skip_bad_lines=True, max_ind_range=M)
+
+
 def test_gzipped_input_is_streamed_and_reported_by_line(tmp_path, tsv):
     path, _ = tsv
     gz = tmp_path / "day_0.gz"
@@ -375,7 +389,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, tsv, monkeypatch):
     assert {p: p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file()} == before
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not a preprocessed dataset"):
+    with pytest.raises(FileExistsError, match=r"not a preprocessed dataset \(it holds notes.txt\)"):
         preprocess([path], tmp_path / "other")
 
 

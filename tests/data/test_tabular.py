@@ -559,6 +559,8 @@ SCHEMA_ERRORS = {  # name -> (edit of movielens_1m.yaml, key and words the messa
     "typo key": (("header: false", "headers: false"), "headers: unknown key; known: format"),
     "multi-char quoting": (("header: false", "header: false\nquoting: true"), "quoting: quoting needs a one-character"),
     "encoding": (("latin-1", "latin-9000"), "encoding: unknown text encoding 'latin-9000'"),
+    # (its files are split into lines at the byte \n before decoding: before, "not valid utf-16" of valid ones)
+    "utf-16": (("latin-1", "utf-16"), "encoding: 'utf-16': its line break is not the byte \\n"),
     "split_by": (("\nsplit_by: timestamp", "\nsplit_by: stamp"), "split_by: unknown column 'stamp' of the input file"),
 }
 

@@ -242,6 +242,12 @@ class _Parser:
             codecs.lookup(encoding)
         except (LookupError, TypeError):
             raise self.error(f"{where}encoding", f"unknown text encoding {encoding!r}") from None
+        if "a\n".encode(encoding).removeprefix("a".encode(encoding)) != b"\n":  # (a BOM before both)
+            raise self.error(  # (lines are split at the byte \n before they are decoded: UTF-16 never parsed)
+                f"{where}encoding",
+                f"{encoding!r}: its line break is not the byte \\n, which the files are split at; convert them "
+                f"to UTF-8 (iconv -f {encoding} -t UTF-8) and give encoding: utf-8",
+            )
         return Layout(fmt, delimiter, header, tuple(columns), quoting, encoding)
 
     def column(self, key: str, raw, joins: bool = True) -> Column:
