@@ -796,3 +796,23 @@ def test_training_on_a_tabular_dataset(files, tmp_path, dataset, tiny):
     assert summary.step == 3 and np.isfinite(summary.loss) and 0.0 <= summary.auc <= 1.0
     if run_dir:
         assert load_config(run_dir / "config.yaml").data.num_dense == 1
+
+
+@pytest.mark.parametrize(
+    "column,text,words",
+    [
+        ("y", "0_1", "label column y is '0_1', expected 0 or 1"),
+        ("y", "\u0661", "label column y is '\u0661', expected 0 or 1"),
+        ("t", "now", "split_by column t is 'now', expected a number or a date"),
+        ("t", "Today", "split_by column t is 'Today', expected a number or a date"),
+    ],
+)
+def test_numbers_and_dates_are_read_as_written_not_as_python_would(tmp_path, column, text, words):
+    """Before: Python's float() read the label '0_1' and the Arabic digit one as 1, and numpy
+    read a split_by of 'now' or 'today' as this moment (that row went to the held-out split)."""
+    (tmp_path / "s.yaml").write_text("label: y\ncategorical: [a]\nsplit_by: t\n")
+    rows = [{"y": str(i % 2), "a": f"a{i % 3}", "t": str(i)} for i in range(20)]
+    rows[7][column] = text
+    (tmp_path / "in.csv").write_text("y,a,t\n" + "".join(f"{r['y']},{r['a']},{r['t']}\n" for r in rows))
+    with pytest.raises(DataFormatError, match=re.escape(f"in.csv:9: {words}")):
+        preprocess_tabular(tmp_path / "s.yaml", [str(tmp_path / "in.csv")], str(tmp_path / "out"), progress=False)

@@ -72,6 +72,14 @@ def _numbers(texts: Sequence[str | None], na: frozenset[str]) -> tuple[np.ndarra
         x = a.astype(np.float64)
     except ValueError:
         x = np.array([_float(t) for t in a.tolist()], dtype=np.float64)
+    # Python's float() takes 1_000 and other scripts' digits (a label '0_1' or '١' read as 1):
+    # numbers are ASCII without underscores here, as the CSV readers of the other tools have them
+    odd = np.char.find(a, "_") >= 0
+    try:
+        a.astype(np.bytes_)
+    except UnicodeEncodeError:
+        odd |= np.array([not t.isascii() for t in a.tolist()])
+    x[odd] = np.nan
     return x, missing, np.flatnonzero(~np.isfinite(x))
 
 
@@ -135,7 +143,9 @@ def _iso_seconds(texts: list[str]) -> np.ndarray:
             t = np.array([v.strip() for v in texts], dtype="datetime64[s]")
         except ValueError:  # some text is not a date: one at a time
             t = np.array([_iso_one(v) for v in texts], dtype="datetime64[s]")
-    return np.where(np.isnat(t), np.nan, t.astype(np.int64).astype(np.float64))
+    # (numpy reads 'now' and 'today' as this moment: a row so stamped went to the held-out split)
+    words = np.isin(np.char.lower(np.char.strip(np.array(texts, dtype=str))), ["now", "today"])
+    return np.where(np.isnat(t) | words, np.nan, t.astype(np.int64).astype(np.float64))
 
 
 def _iso_one(text: str) -> np.datetime64:
