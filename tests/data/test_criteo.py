@@ -419,6 +419,28 @@ def test_two_preprocess_runs_into_one_new_folder_do_not_replace_each_other(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no lock or temporary left)
 
 
+def test_an_input_that_changes_while_it_is_read_is_refused(tmp_path, tsv, monkeypatch):
+    """Before: a file rewritten during preprocess made a dataset of some of each version, no error."""
+    import shutil
+
+    from dlrm_jax.data.preprocessing import prep_driver
+
+    path = tmp_path / "day.tsv"
+    shutil.copy(tsv[0], path)
+    scan = prep_driver._scan_all
+
+    def scan_then_append(*args):
+        results = scan(*args)
+        with open(path, "ab") as f:  # (still being written by another program)
+            f.write(tsv[0].read_bytes()[:1000])
+        return results
+
+    monkeypatch.setattr(prep_driver, "_scan_all", scan_then_append)
+    with pytest.raises(ValueError, match=rf"{path}: changed while it was read \([\d,]+ bytes, now [\d,]+\)"):
+        preprocess([path], tmp_path / "out", max_ind_range=M)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_file_edited_under_a_run_names_the_file_and_the_lines_byte(tmp_path, tsv):
     """Before: ``['a.tsv', ...]: changed since indexed``, the whole list of paths and no place."""
     import shutil
