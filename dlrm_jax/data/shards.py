@@ -29,6 +29,7 @@ rows keep input order. Written by :mod:`dlrm_jax.data.preprocessing.prep_driver`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -315,6 +316,9 @@ class DatasetDir:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, OSError):  # (a full disk is told from a quota by the space left when it failed)
+            with contextlib.suppress(OSError, AttributeError):
+                exc.free_at_failure = shutil.disk_usage(self.root).free
         if exc_type is not None:
             shutil.rmtree(self.root, ignore_errors=True)
         self._lock.release()

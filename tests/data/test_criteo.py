@@ -587,6 +587,36 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, monkeypatch, error)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "error,left_then,says",
+    [
+        ("200000 requested and 20448 written", 1000, "no space left on device"),
+        ("200000 requested and 20448 written", 10**12, "a limit on file sizes"),
+        ("Not enough free space to write 20800000 bytes after offset 128", 10**12, "no space left on device"),
+    ],
+)
+def test_a_short_write_is_told_by_the_space_left_when_it_failed(tmp_path, monkeypatch, error, left_then, says):
+    """Before: the space was measured once the work files were gone (20 MiB free of a 20 MiB
+    tmpfs), so a full disk was called a file-size limit or a quota; and numpy's own check
+    before a write ('Not enough free space', no errno) reached the user bare, naming no folder."""
+    import shutil
+
+    from dlrm_jax.data.preprocessing import prep_driver
+
+    src = tmp_path / "day.tsv"
+    src.write_text("1\t" + "\t".join(["1"] * 12 + [""] + ["0a"] * 26) + "\n")
+
+    def short(*_):
+        e = OSError(error)
+        e.free_at_failure = left_then  # (as DatasetDir records it before removing its files)
+        raise e
+
+    monkeypatch.setattr(prep_driver, "_write_dataset", short)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 0, 10**12))
+    with pytest.raises(OSError, match=rf"^{tmp_path / 'out'}: .*{says}"):
+        preprocess_criteo([str(src)], tmp_path / "out")
+
+
 def test_dynamic_features_carry_their_raw_values_beside_the_batch(tsv):
     """With dynamic tables a Criteo batch carries each dynamic feature's value whole (a
     RawBatch), the same lines as the batch without them; the other features are unchanged."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -118,19 +119,27 @@ def write_dataset(
     try:
         return _write_dataset(parser, inputs, output, opts, val_inputs, meta, overwrite)
     except OSError as e:
-        if e.errno != errno.ENOSPC and " requested and " not in str(e):
+        # numpy's writes say a full disk in words, with no errno (its fallocate check, or a short write)
+        told = "Not enough free space to write" in str(e)
+        if e.errno != errno.ENOSPC and not told and " requested and " not in str(e):
             raise  # not a full disk: its own message, which names its file
         existing = next(p for p in Path(output).absolute().parents if p.exists())
         free = shutil.disk_usage(existing).free
         need = 2 * sum(os.path.getsize(p) for p in [*inputs, *val_inputs] if os.path.isfile(p))
-        if e.errno != errno.ENOSPC and free >= need:  # numpy's short writes carry no errno nor file
+        # numpy's short writes carry no errno nor file: a full disk had less left, when it failed,
+        # than the write asked for (the space now, the work files gone, said nothing of it)
+        short = re.search(r"(\d+) requested and (\d+) written", str(e))
+        then = getattr(e, "free_at_failure", None)
+        full = short is not None and then is not None and then < int(short[1]) - int(short[2]) + 2**20
+        if e.errno != errno.ENOSPC and not told and not full and free >= need:
             raise OSError(
                 f"{output}: a write stopped short while preprocessing ({e}) with {free / 2**20:,.0f} MiB free: "
                 f"a limit on file sizes (ulimit -f) or a disk quota?; nothing was written"
             ) from None
         raise OSError(
             f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
-            f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here): "
+            f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here"
+            f"{', and more with --raw-values' if opts.raw_values else ''}): "
             f"free space or choose another --output; nothing was written"
         ) from None
 
