@@ -166,7 +166,7 @@ class EmbeddingConfig:
         metadata=_choices(*Sharding)
         | doc(
             "every table's strategy, or `auto`: per table the cheapest under the memory budget "
-            "([sharding](sharding.md))"
+            "([sharding](sharding.md)); dynamic tables (`embedding.ids`) are row-wise whatever it says"
         ),
     )
     optimizer: str = field(

@@ -100,6 +100,12 @@ def choose(
     if h.rows == "auto" and mesh.size == 1:
         log("hot rows: none (one device: no exchange for replication to save)")
         return plan, None
+    if h.rows == "auto" and len(set(dynamic)) == len(plan.tables):  # (it priced the empty set alone)
+        log(
+            "hot rows: none (every table is dynamic: no row is known before the maps give them; "
+            "a number with embedding.hot.refresh_every makes the rows of frequent ids hot as training runs)"
+        )
+        return plan, None
     bags = tuple(t.spec.bag_size for t in plan.tables)
     counts = initial_counts(source, h.stats_batches, bags).without(set(dynamic))
     batches = to_rows([global_ids(train_ids(source, i)) for i in range(calibration_steps)])

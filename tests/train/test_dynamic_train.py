@@ -362,3 +362,13 @@ def test_tiered_dynamic_caches_hold_a_batchs_rows_from_raw_values(tmp_path):
         ],
     )
     assert train_and_evaluate(cfg, tmp_path / "run", log=lambda *_: None).step == 3
+
+
+def test_auto_hot_rows_with_every_table_dynamic_say_why_there_are_none(tiny):
+    """Before: the cost model 'priced 1 set' (the empty one: no map holds an id when a run
+    starts) and said nothing of why; the log now says so and what would make rows hot."""
+    cfg = tiny("mesh.devices=2", "embedding.ids=dynamic", "embedding.hot.rows=auto", *DYNAMIC[1:])
+    said = []
+    plan, _ = build(cfg, make_mesh(2), SyntheticSource(cfg), log=said.append)
+    assert plan.hot is None
+    assert any("hot rows: none (every table is dynamic" in line for line in said), said
