@@ -38,6 +38,7 @@ from dlrm_jax.config_schema import (  # noqa: F401 - re-exported: the config's o
     TierConfig,
     TrainConfig,
 )
+from dlrm_jax.wording import said, setting
 
 # ---------------------------------------------------------------- coercion of raw values
 
@@ -138,7 +139,7 @@ def _elsewhere(key: str, value: str) -> str:
             if name != key:
                 others.update({c: name for c in f.metadata.get("choices", ()) if c})
     near = difflib.get_close_matches(value, list(others), n=1, cutoff=0.7)
-    return f"; {near[0]} is a value of {others[near[0]]}: --set {others[near[0]]}={near[0]}" if near else ""
+    return f"; {near[0]} is a value of {others[near[0]]}: {setting(others[near[0]], near[0])}" if near else ""
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -148,8 +149,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
     for k, v in over.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and k in out and not isinstance(out[k], dict):
+            inner = f"{key}.{next(iter(v), '')}"
             raise ConfigError(
-                f"{key}: is {out[k]!r}, not a mapping of keys, so --set {key}.{next(iter(v), '')} cannot go into it"
+                f"{key}: is {out[k]!r}, not a mapping of keys, so {setting(inner, '...')} cannot go into it"
             )
         out[k] = _merge(out[k], v, f"{key}.") if isinstance(v, dict) and k in out else v
     return out
@@ -220,14 +222,16 @@ def parse_override(text: str) -> dict[str, Any]:
     """``'a.b=3'`` -> ``{'a': {'b': 3}}``; the value is read as YAML (``[1,2]``, ``true``)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, for example train.steps=100")
+        raise ConfigError(f"{said('--set', 'override')} {text!r}: expected KEY=VALUE, for example train.steps=100")
     try:
         if " #" in value or value.lstrip().startswith("#"):  # a literal '#' (a path), not a YAML comment
             parsed = value.strip()
         else:
             parsed = load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML ({yaml_problem(e)[1]})") from None
+        raise ConfigError(
+            f"{said('--set', 'override')} {text!r}: value is not valid YAML ({yaml_problem(e)[1]})"
+        ) from None
     out: dict[str, Any] = {}
     node = out
     parts = key.strip().split(".")

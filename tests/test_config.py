@@ -126,7 +126,7 @@ def test_overrides():
             "model.interaction=dcn|model.dcn_rank=433",
             ["model.dcn_rank=433", "width 432", "16 + model.embedding_dim 16 x 26"],
         ),
-        ("model.bottom_mlp={a: 1, a: 2}", ["--set", "'a' is given twice"]),
+        ("model.bottom_mlp={a: 1, a: 2}", ["override 'model.bottom_mlp={a: 1, a: 2}'", "'a' is given twice"]),
         ("train.steps=5|train.steps.x=1", ["train.steps: is 5, not a mapping"]),
         ("train.keep_best=accuracy", ["train.keep_best", "auc", "logloss"]),
         ("train.target_auc=1.5", ["train.target_auc", "[0, 1]"]),

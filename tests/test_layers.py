@@ -15,6 +15,7 @@ LAYERS = [
         "few_segments",
         "chunks",
         "choices",
+        "wording",
         "config_schema",
         "config_renames",
         "config_checks",

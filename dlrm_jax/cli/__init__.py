@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from dlrm_jax import hostmem, stopping
+from dlrm_jax import hostmem, stopping, wording
 from dlrm_jax.cli.commands import by_name
 from dlrm_jax.cli.parser import build_parser
 from dlrm_jax.config import ConfigError
@@ -59,7 +59,8 @@ def _program(argv: list[str] | None = None) -> int:
     stopping.die_with_launcher()  # a launch supervisor that ends, even by SIGKILL, stops us (a SIGTERM)
     hostmem.keep_freed_memory()
     try:
-        status = by_name()[args.command].run(args)
+        with wording.command_line():  # (advice names the flags, not the Python API's arguments)
+            status = by_name()[args.command].run(args)
         stopping.raise_if_stopped()  # a signal whose exception Python swallowed (see stopping)
         return status
     except ConfigError as e:

@@ -27,6 +27,7 @@ from dlrm_jax.train.checkpoint_leases import remove_unheld
 from dlrm_jax.train.checkpoint_reader import CheckpointReader
 from dlrm_jax.train.orbax_quiet import ocp
 from dlrm_jax.train.state_digest import combine, process_sums
+from dlrm_jax.wording import run_dir_flag
 
 # Arrays are stored in chunks of at most CHUNK_BYTES (orbax's default is one chunk per device
 # shard): a restore onto another plan reads scattered rows, and decodes whole chunks. The
@@ -227,7 +228,7 @@ class Checkpoints(CheckpointReader):
         return f"moved to {target}"
 
     def _no_intact_advice(self) -> str:
-        return ": fix or remove them, or pass a new --run-dir to start fresh"
+        return f": fix or remove them, or pass a new {run_dir_flag()} to start fresh"
 
     def close(self) -> None:
         try:

@@ -33,6 +33,7 @@ from dlrm_jax.train.checkpoint_reader import (
 )
 from dlrm_jax.train.rundir import RunDirError, describe_changes, state_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
+from dlrm_jax.wording import run_dir_flag, said
 
 
 def saved_run_config(run_dir: Path, overrides=()) -> Config:
@@ -200,7 +201,7 @@ def _read_checkpoint(ckpts: CheckpointReader, run_dir: Path, cfg: Config, steps:
     if changed:
         raise IncompatibleCheckpoint(
             f"{ckpts.directory}: its checkpoints hold the state of another config: changed from {saved_cfg}: "
-            f"{describe_changes(changed)} (by --set or the data); read them with the keys they were trained with"
+            f"{describe_changes(changed)} (by {said('--set', 'the overrides')} or the data); read them with the keys they were trained with"
         )
     if step is None:
         return restore_newest(steps, ckpts, log)
@@ -261,7 +262,7 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
         raise RunDirError(
             f"{root}: no disk tier there{where} checkpoints in {ckpt_dir} (steps "
             f"{', '.join(map(str, steps))}) keep their tiered tables; put {left} back as the run left it or "
-            f"resume with embedding.tier.path=WHERE_IT_IS_NOW (moved?), or pass a new --run-dir to start fresh"
+            f"resume with embedding.tier.path=WHERE_IT_IS_NOW (moved?), or pass a new {run_dir_flag()} to start fresh"
         )
 
 

@@ -23,6 +23,7 @@ from dlrm_jax.data.sources import data_identity
 from dlrm_jax.files import FolderLock, full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
+from dlrm_jax.wording import run_dir_flag, setting
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
@@ -144,7 +145,7 @@ def _default_note(changed: list[tuple[str, object, object]]) -> str:
     if not keep:
         return ""
     sets = " ".join(
-        f"--set {k}={'null' if old is None else str(old).lower() if isinstance(old, bool) else old}" for k, old in keep
+        setting(k, "null" if old is None else str(old).lower() if isinstance(old, bool) else old) for k, old in keep
     )
     return (
         f" (of these, {', '.join(k for k, _ in keep)} now at this version's default: this command does not set "
@@ -207,7 +208,7 @@ def _disk_full_names(path: Path):
 
     def message():
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        return f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass another --run-dir"
+        return f"{path}: no space left on device ({free / 2**20:,.1f} MiB free); free space or pass another {run_dir_flag()}"
 
     return full_disk_as(message)
 
@@ -269,7 +270,7 @@ class RunDir:
         with _disk_full_names(lock.path):
             self._lock = lock.take(
                 lambda holder: RunDirError(
-                    f"run dir {self.path} is in use by {holder}; wait for that run to end or pass another --run-dir"
+                    f"run dir {self.path} is in use by {holder}; wait for that run to end or pass another {run_dir_flag()}"
                 )
             )
 
@@ -293,7 +294,7 @@ class RunDir:
             raise RunDirError(
                 f"run dir {self.path} has no checkpoint to resume, but {damaged} holds {len(kept)} checkpoints set "
                 f"aside as damaged ({', '.join(kept)}): move one back to resume from it (mv {damaged / kept[-1]} "
-                f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new --run-dir to start fresh"
+                f"{self.path / 'checkpoints' / kept[-1].split('-')[0]}), or pass a new {run_dir_flag()} to start fresh"
             )
 
     def _check_config(self, cfg: Config, log, source_given: bool = False) -> None:
@@ -304,20 +305,20 @@ class RunDir:
             raise RunDirError(
                 f"run dir {self.path} was trained on data given in Python ({given}), not its config's "
                 f"data.source={cfg.data.source}: resume it from Python with that data "
-                f"(train_and_evaluate(cfg, run_dir, source=...)), or pass a new --run-dir"
+                f"(train_and_evaluate(cfg, run_dir, source=...)), or pass a new {run_dir_flag()}"
             )
         if saved.exists() and resumes:
             try:
                 old = config_from_dict(load_raw(saved))  # (strict YAML; a problem in one line)
             except ConfigError as e:
-                raise RunDirError(f"{e}; use another --run-dir") from None
+                raise RunDirError(f"{e}; use another {run_dir_flag()}") from None
             self.resumed_config = old
             blocking = state_differences(old, cfg)
             if blocking:
                 what = describe_changes(blocking)
                 raise RunDirError(
                     f"run dir {self.path} was started with another model: {what}. These "
-                    f"change the saved state, so it cannot resume; pass a new --run-dir "
+                    f"change the saved state, so it cannot resume; pass a new {run_dir_flag()} "
                     f"to start fresh (or remove {self.path})"
                 )
             epochs = cfg.train.epochs or cfg.train.evals_per_epoch  # steps that follow from the batch size
@@ -326,7 +327,7 @@ class RunDir:
                     f"run dir {self.path} counts its epochs in steps of train.batch_size={old.train.batch_size}: "
                     f"with {cfg.train.batch_size} its step numbers would mean other samples (4 epochs at twice "
                     f"the batch end at the step 2 epochs reached); resume with train.batch_size="
-                    f"{old.train.batch_size}, or pass a new --run-dir"
+                    f"{old.train.batch_size}, or pass a new {run_dir_flag()}"
                 )
             changed = [c for c in config_differences(old, cfg) if c[0] not in _unread(old) | _unread(cfg)]
             if changed:
@@ -347,7 +348,7 @@ class RunDir:
         if cfg.train.epochs or cfg.train.evals_per_epoch:
             raise RunDirError(
                 f"{what}: a run counted in epochs (train.epochs, train.evals_per_epoch) cannot go on over it, its "
-                f"steps following from the rows; give it the data it trained on, or pass a new --run-dir"
+                f"steps following from the rows; give it the data it trained on, or pass a new {run_dir_flag()}"
             )
         log(f"warning: {what}: the run goes on over it, and its evaluations score its val split")
 

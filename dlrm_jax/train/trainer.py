@@ -49,6 +49,7 @@ from dlrm_jax.train.step import StepFunctions
 from dlrm_jax.train.stop_signals import STOP_AGREE_EVERY, Interrupted, StopSignals  # noqa: F401 - the API's
 from dlrm_jax.train.watch import TrainingDiverged  # noqa: F401 - the trainer's error
 from dlrm_jax.train.wiring import tier_root
+from dlrm_jax.wording import said
 
 _ONE_RUN = threading.Lock()  # orbax's checkpointing is process-wide: two runs at once broke each other's saves
 
@@ -156,7 +157,8 @@ def _recorded_final(cfg: Config, rd: RunDir, log) -> dict | None:
     if recorded is None and newest is not None and newest > cfg.train.steps and not stopped:
         raise RunDirError(
             f"run dir {rd.path} holds a checkpoint at step {newest}, past train.steps={cfg.train.steps}: nothing to "
-            f"train; score it with `dlrm-jax eval --run-dir {rd.path}`, or set train.steps >= {newest} to go on"
+            f"train; score it with {said(f'`dlrm-jax eval --run-dir {rd.path}`', f'evaluate_run({str(rd.path)!r})')}, "
+            f"or set train.steps >= {newest} to go on"
         )
     if recorded is not None:
         log(

@@ -49,6 +49,7 @@ from dlrm_jax.model.wide import WidePart
 from dlrm_jax.model.work import dense_work as model_dense_work
 from dlrm_jax.train.optimizer_setup import dense_optimizer, learning_rate_schedule, wide_optimizer_from_config
 from dlrm_jax.train.spec import StepSpec
+from dlrm_jax.wording import run_dir_flag
 
 
 def specs_from_config(cfg: Config) -> tuple[TableSpec, ...]:
@@ -400,5 +401,5 @@ def tier_root(cfg: Config, run_dir: Path | None) -> Path:
             )
         return check_dir(cfg.embedding.tier.path, "embedding.tier.path")
     if run_dir is None:
-        raise ValueError("embedding.storage=tiered needs a run dir (--run-dir) or embedding.tier.path")
+        raise ValueError(f"embedding.storage=tiered needs a run dir ({run_dir_flag()}) or embedding.tier.path")
     return check_dir(Path(run_dir) / "tier", "tier path")

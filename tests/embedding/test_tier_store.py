@@ -252,7 +252,7 @@ def test_snapshots_without_their_store_are_refused_saying_what_to_do(store, tmp_
     with pytest.raises(TierError) as e:
         TierStore.create(tmp_path / "tier", TABLES, reference, CHUNK_ROWS)
     said = str(e.value)
-    assert f"remove {tmp_path / 'tier' / 'snapshots'}" in said and "--run-dir" in said and "\n" not in said
+    assert f"remove {tmp_path / 'tier' / 'snapshots'}" in said and "run_dir" in said and "\n" not in said
     assert (tmp_path / "tier" / "snapshots" / "3").is_dir()  # refused: nothing removed
 
 

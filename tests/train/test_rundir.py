@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from dlrm_jax import wording
 from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.checkpoint_leases import LEASES
 from dlrm_jax.train.checkpoint_reader import IncompatibleCheckpoint
@@ -90,7 +91,7 @@ def test_incompatible_config_changes_nothing(tiny, tmp_path):
     for change in (["model.embedding_dim=16", "model.bottom_mlp=[16, 16]"], ["train.optimizer=sgd"]):
         with pytest.raises(RunDirError) as e:
             train_and_evaluate(tiny("train.steps=4", *change), run, **QUIET)
-        assert change[0].split("=")[0] in str(e.value) and "new --run-dir" in str(e.value)
+        assert change[0].split("=")[0] in str(e.value) and "new run_dir" in str(e.value)
         assert snapshot(run) == before
     # Settings that do not change the state may change on a resume.
     logs = []
@@ -272,7 +273,7 @@ def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh
     for step in ("2", "4"):
         corrupt(run / "checkpoints" / step)
     before = tree(run)
-    with pytest.raises(FileNotFoundError, match="none of the 2 checkpoints restores.*nothing was moved.*new --run-dir"):
+    with pytest.raises(FileNotFoundError, match="none of the 2 checkpoints restores.*nothing was moved.*new run_dir"):
         train_and_evaluate(cfg, run, **QUIET)
     assert tree(run) == before
     # Every checkpoint set aside (as earlier versions did): refused, not a silent start at step 0.
@@ -280,7 +281,7 @@ def test_no_restorable_checkpoint_moves_nothing_and_set_aside_ones_block_a_fresh
     for step in ("2", "4"):
         (run / "checkpoints" / step).rename(run / "damaged" / f"{step}-20250101-000000")
     before = tree(run)
-    with pytest.raises(RunDirError, match="move one back.*or pass a new --run-dir") as e:
+    with pytest.raises(RunDirError, match="move one back.*or pass a new run_dir") as e:
         train_and_evaluate(cfg, run, **QUIET)
     assert f"mv {run / 'damaged' / '4-20250101-000000'} {run / 'checkpoints' / '4'}" in str(e.value)
     assert tree(run) == before
@@ -293,7 +294,7 @@ def test_resume_with_its_disk_tier_gone_is_refused(tiny, tmp_path):
     train_and_evaluate(tiny("train.steps=2", *tiered), run, **QUIET)
     shutil.rmtree(run / "tier")
     before = tree(run)
-    with pytest.raises(RunDirError, match=f"{run / 'tier'}: no disk tier there.*steps 2.*new --run-dir"):
+    with pytest.raises(RunDirError, match=f"{run / 'tier'}: no disk tier there.*steps 2.*new run_dir"):
         train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
     assert tree(run) == before and not (run / "tier").exists()
 
@@ -318,7 +319,9 @@ def test_a_tier_moved_from_its_given_path_is_named_where_the_run_left_it(tiny, t
     ):
         train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
     assert tree(run) == before and not (run / "tier").exists()
-    with pytest.raises(TierError, match=f"{given}: no disk tier there.*--set embedding.tier.path=WHERE_IT_IS_NOW"):
+    with pytest.raises(
+        TierError, match=f"{given}: no disk tier there.*the override 'embedding.tier.path=WHERE_IT_IS_NOW'"
+    ):
         evaluate_run(run, log=lambda *a: None)
     assert not given.exists()
 
@@ -622,8 +625,13 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
         "resuming with changed settings: train.steps 4 -> 8; embedding.dynamic.new_rows initializer -> shared "
         "(of these, embedding.dynamic.new_rows now at this version's default: this command does not set them as "
         "the run's earlier commands did, or the default changed since; to go on as the run trained: "
-        "--set embedding.dynamic.new_rows=initializer)"
+        "the override 'embedding.dynamic.new_rows=initializer')"
     ], logs
+    # The command line's words in a command (before: a notebook was told its flags too)
+    logs.clear()
+    with wording.command_line():
+        RunDir.open(tmp_path / "run", tiny("train.steps=8"), log=logs.append).close()
+    assert logs[0].endswith("to go on as the run trained: --set embedding.dynamic.new_rows=initializer)"), logs
     # A key the run derives is no change (before: switched to epochs, 'train.steps 8 -> 1000 ... now at
     # this version's default ... --set train.steps=8', which the epochs overrule)
     logs.clear()
@@ -771,7 +779,7 @@ def test_a_run_dirs_config_that_is_not_yaml_is_one_line(tiny, tmp_path):
         RunDir.open(run, tiny())
     said = str(e.value)
     assert "\n" not in said and said.startswith(f"config file {run / 'config.yaml'}:2: cannot be read as YAML")
-    assert said.endswith("; use another --run-dir")
+    assert said.endswith("; use another run_dir")
 
 
 def test_a_saved_end_without_its_recorded_evaluation_is_evaluated_and_recorded(tiny, tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_jax.embedding.tiers.format import CHECKSUMS, ArrayLayout, TierError, row_checksums
+from dlrm_jax.wording import run_dir_flag
 
 VERIFY_THREADS = min(8, os.cpu_count() or 1)
 SHOWN_ROWS = 3  # rows an error names; it counts the others
@@ -124,7 +125,7 @@ def advice(root: Path, path: Path, steps: list[int], resuming: bool) -> str:
     if steps and same == steps:
         return (
             f"every snapshot of the disk tier (steps {', '.join(map(str, steps))}) holds this same file, so none "
-            f"has an intact copy and no checkpoint of these tables can be resumed; start afresh with a new --run-dir"
+            f"has an intact copy and no checkpoint of these tables can be resumed; start afresh with a new {run_dir_flag()}"
         )
     others = [s for s in same if s != found]
     listed = ", ".join(map(str, others))

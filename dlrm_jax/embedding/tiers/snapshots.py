@@ -40,6 +40,7 @@ from dlrm_jax.embedding.tiers.format import (
 )
 from dlrm_jax.embedding.tiers.integrity import verified_rows
 from dlrm_jax.files import full_disk_as, make_dir
+from dlrm_jax.wording import run_dir_flag
 
 Arrays = dict[str, dict[str, ArrayLayout]]  # {table: {field: layout}}
 
@@ -114,7 +115,7 @@ def build_work(root: Path, tables: TierTables, init: RowInit, chunk_rows: int | 
             root / "snapshots",
             f"holds snapshots of an earlier store whose working files ({root / 'work'}) "
             f"are gone; remove {root / 'snapshots'} to start a new store here (checkpoints that need "
-            f"those snapshots cannot resume then), or use another --run-dir or embedding.tier.path",
+            f"those snapshots cannot resume then), or use another {run_dir_flag()} or embedding.tier.path",
         )
     arrays = {}
     for table, (rows, fields) in tables.items():

@@ -45,6 +45,7 @@ from dlrm_jax.files import FolderLock, make_dir, written_whole
 from dlrm_jax.hostmem import available_bytes
 from dlrm_jax.ids import PAD_ID
 from dlrm_jax.parallel.mesh import AXIS
+from dlrm_jax.wording import setting
 
 MAPS_FILE = "id_maps.npz"  # a snapshot's host id maps (tiered dynamic tables)
 MAPPED_SHARE = 0.25  # a tier up to this share of the memory available is read through memory maps
@@ -148,7 +149,7 @@ class TieredTables(FillPrograms):
                     raise TierError(
                         root,
                         f"no disk tier there, and the checkpoint keeps tables in its snapshot {snapshot}; "
-                        "give --set embedding.tier.path=WHERE_IT_IS_NOW (moved?)",
+                        f"give {setting('embedding.tier.path', 'WHERE_IT_IS_NOW')} (moved?)",
                     )
                 self.store = TierStore.open_snapshot(root, specs, snapshot)
             elif TierStore.exists(root):
