@@ -83,6 +83,20 @@ def _check_bounds(section: Any, prefix: str) -> None:
             items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if f.metadata["bound_each"] else [(key, value)]
             for name, v in items:
                 _check_bound(name, v, rule, note)
+        if (
+            f.metadata.get("float32")
+            and not isinstance(value, str)
+            and value
+            and not _F32_TINY <= abs(value) <= _F32_MAX
+        ):
+            raise ConfigError(
+                f"{key}: {value:g} is {'beyond' if abs(value) > _F32_MAX else 'below'} what float32, in which the step "
+                f"computes, holds (from {_F32_TINY:.3g} to {_F32_MAX:.3g}; written there it is "
+                f"{'inf' if abs(value) > _F32_MAX else '0'})"
+            )
+
+
+_F32_MAX, _F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38  # (its largest and smallest normal)
 
 
 def _check_bound(key: str, value: float, rule: str, note: str) -> None:
@@ -219,6 +233,13 @@ def _check_progressive(cfg: Config) -> None:
 
 def _check_embedding(cfg: Config) -> None:
     e = cfg.embedding
+    wide = cfg.model.wide.optimizer if cfg.model.kind == "wide_deep" else ""
+    uses_adagrad = "adagrad" in (e.optimizer, wide) or e.optimizer == "rowwise_adagrad"
+    if e.adagrad_eps == 0 and e.adagrad_initial_accumulator == 0 and uses_adagrad:
+        raise ConfigError(
+            "embedding.adagrad_eps=0 with embedding.adagrad_initial_accumulator=0: a row first looked up with a "
+            "zero gradient divides 0 by 0 (NaN, and the run diverges); give either a value > 0"
+        )
     _check_table_overrides("embedding.table_sharding", e.table_sharding, "STRATEGY", tuple(Strategy), "cat_2=row")
     _check_table_overrides("embedding.table_storage", e.table_storage, "STORAGE", tuple(Storage), "cat_2=tiered")
     _check_table_overrides("embedding.table_ids", e.table_ids, "IDS", tuple(Ids), "cat_2=dynamic")

@@ -246,7 +246,7 @@ def test_a_source_of_ones_own_is_what_trains(tiny):
     assert minimal.loss == plain.loss  # (the same batches, read on the host)
 
 
-def test_array_source_ids_must_be_whole_numbers(tiny):
+def test_array_source_ids_must_be_whole_numbers_and_dense_values_finite_as_float32(tiny):
     """Ids of 3.7 trained as row 3 without a word; a NaN id failed in the planner ("'list'
     argument must have no negative elements"). Whole-number floats (read from a CSV) are ids."""
     import numpy as np
@@ -263,6 +263,15 @@ def test_array_source_ids_must_be_whole_numbers(tiny):
         odd[5, 1] = bad
         with pytest.raises(ValueError, match=rf"ArraySource train: id {says} in row 5 is not a whole number"):
             make(odd)
+    # Dense values finite as float64 but not as the float32 that trains (before: 1e300 became inf,
+    # with NumPy's overflow warning, and the run 'diverged' naming the learning rate)
+    for bad, says in ((1e300, "dense row 7 is not finite as float32"), (np.inf, "dense row 7 is not finite$")):
+        dense = np.zeros((64, 13))
+        dense[7, 2] = bad
+        with pytest.raises(ValueError, match=f"ArraySource train: {says}"):
+            dlrm_jax.ArraySource(
+                (dense, ids, np.zeros(64)), split(ids), 32, table_rows=cfg.table_rows, bag_sizes=cfg.bag_sizes
+            )
 
 
 def test_array_sources_that_do_not_fit_the_config_are_refused_before_any_work(tiny, tmp_path):

@@ -116,6 +116,15 @@ def test_overrides():
         ("train.max_loss_ratio=.inf", ["train.max_loss_ratio", "finite", "inf"]),
         ("embedding.hot.memory_mb=-inf", ["embedding.hot.memory_mb", "finite"]),
         ("embedding.adagrad_eps=-1e-8", ["embedding.adagrad_eps", ">= 0"]),
+        # Finite as a float64, not in the float32 the step computes in (before: trained as inf, or as 0)
+        ("train.learning_rate=1e39", ["train.learning_rate", "1e+39", "it is inf"]),
+        ("embedding.learning_rate=1e-50", ["embedding.learning_rate", "1e-50", "it is 0"]),
+        ("model.kind=wide_deep|model.interaction=cat|model.wide.l1=1e40", ["model.wide.l1", "it is inf"]),
+        # Before: accepted, and a row first looked up with a zero gradient became NaN (0 / 0)
+        (
+            "embedding.optimizer=rowwise_adagrad|embedding.adagrad_eps=0",
+            ["embedding.adagrad_eps=0", "embedding.adagrad_initial_accumulator=0", "0 by 0"],
+        ),
         (
             "embedding.table_sharding=[cat_1=row, cat_2=table, cat_1=column]",
             ["embedding.table_sharding", "cat_1 is named twice", "'cat_1=row'", "'cat_1=column'"],

@@ -18,7 +18,7 @@ from dlrm_jax.choices import (
     Storage,
     Sync,
 )
-from dlrm_jax.config_schema.fields import NONNEG, PATHS, POS, _bound, _choices, _int_or, doc
+from dlrm_jax.config_schema.fields import F32, NONNEG, PATHS, POS, _bound, _choices, _int_or, doc
 
 
 @dataclass(frozen=True)
@@ -175,11 +175,11 @@ class EmbeddingConfig:
         | doc("the tables' sparse optimizer, applied on the owners to the looked-up rows only"),
     )
     learning_rate: float = field(
-        default=0.05, metadata=NONNEG | doc("the tables' learning rate; 0 = `train.learning_rate`")
+        default=0.05, metadata=NONNEG | F32 | doc("the tables' learning rate; 0 = `train.learning_rate`")
     )
-    adagrad_eps: float = field(default=1e-8, metadata=NONNEG | doc("Adagrad's epsilon"))
+    adagrad_eps: float = field(default=1e-8, metadata=NONNEG | F32 | doc("Adagrad's epsilon"))
     adagrad_initial_accumulator: float = field(
-        default=0.0, metadata=NONNEG | doc("Adagrad's starting accumulator value")
+        default=0.0, metadata=NONNEG | F32 | doc("Adagrad's starting accumulator value")
     )
     table_sharding: tuple[str, ...] = field(
         default=(), metadata=doc("per-table strategy overrides, e.g. `[cat_2=row, cat_9=replicated]`")

@@ -29,6 +29,9 @@ def _bound(rule: str, note: str = "", each: bool = False) -> dict:
 
 
 POS, NONNEG = _bound(">0"), _bound(">=0")
+# A number the step computes with in float32: finite there and, unless 0, not rounded to 0 (a
+# learning rate of 1e39 trained as inf, one of 1e-50 as 0, which the bound refuses when written 0).
+F32 = {"float32": True}
 
 
 PATHS = {"paths": True}  # a path or comma-separated paths: a leading ``~`` is the home folder

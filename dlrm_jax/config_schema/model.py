@@ -12,7 +12,7 @@ from dlrm_jax.choices import (
     Interaction,
     MlpParallel,
 )
-from dlrm_jax.config_schema.fields import NONNEG, POS, _bound, _choices, doc
+from dlrm_jax.config_schema.fields import F32, NONNEG, POS, _bound, _choices, doc
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,9 @@ class WideConfig:
         metadata=_choices(*(k.name for k in SPARSE_OPTIMIZER_KINDS.values() if k.wide))
         | doc("the wide part's own optimizer (`ftrl`: FTRL-Proximal)"),
     )
-    learning_rate: float = field(default=0.05, metadata=doc("the wide part's constant learning rate"))
-    l1: float = field(default=0.0, metadata=doc("`ftrl`: L1 strength (exact zeros)"))
-    l2: float = field(default=0.0, metadata=doc("`ftrl`: L2 strength"))
+    learning_rate: float = field(default=0.05, metadata=F32 | doc("the wide part's constant learning rate"))
+    l1: float = field(default=0.0, metadata=F32 | doc("`ftrl`: L1 strength (exact zeros)"))
+    l2: float = field(default=0.0, metadata=F32 | doc("`ftrl`: L2 strength"))
 
 
 @dataclass(frozen=True)

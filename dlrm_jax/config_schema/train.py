@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dlrm_jax.config_schema.fields import NONNEG, POS, _bound, _choices, _int_or, doc
+from dlrm_jax.config_schema.fields import F32, NONNEG, POS, _bound, _choices, _int_or, doc
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class TrainConfig:
         | doc("seed of the parameters, the synthetic data and the shuffles"),
     )
     learning_rate: float = field(
-        default=0.001, metadata=POS | doc("the dense part's learning rate (the tables take `embedding.learning_rate`)")
+        default=0.001,
+        metadata=POS | F32 | doc("the dense part's learning rate (the tables take `embedding.learning_rate`)"),
     )
     optimizer: str = field(
         default="adam",

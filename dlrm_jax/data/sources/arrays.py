@@ -169,12 +169,16 @@ def _checked(split, name: str, table_rows, bag_sizes) -> Batch | RawBatch:
         )
     if ids.shape[1] != sum(bag_sizes):
         raise ValueError(f"ArraySource {name}: ids have {ids.shape[1]} columns, the tables' bags {sum(bag_sizes)}")
-    if not np.isfinite(dense).all():
-        raise ValueError(f"ArraySource {name}: dense row {int(np.argwhere(~np.isfinite(dense))[0][0])} is not finite")
+    with np.errstate(over="ignore"):  # (1e300 passed as float64, then trained as inf)
+        dense32 = dense.astype(np.float32)
+    if not np.isfinite(dense32).all():
+        row = int(np.argwhere(~np.isfinite(dense32))[0][0])
+        big = np.isfinite(dense[row]).all()
+        raise ValueError(f"ArraySource {name}: dense row {row} is not finite{' as float32' if big else ''}")
     if not ((labels == 0) | (labels == 1)).all():
         raise ValueError(
             f"ArraySource {name}: label of row {int(np.flatnonzero((labels != 0) & (labels != 1))[0])} is not 0 or 1"
         )
     check_ids(ids, tuple(table_rows), tuple(bag_sizes), f"ArraySource {name}")
-    fields = dense.astype(np.float32), ids.astype(np.int32), labels.astype(np.float32)
+    fields = dense32, ids.astype(np.int32), labels.astype(np.float32)
     return Batch(*fields) if raw is None else RawBatch(*fields, raw)
