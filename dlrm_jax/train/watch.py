@@ -27,6 +27,9 @@ def read_back(metrics: dict) -> jax.Array:
     return jnp.concatenate(parts)
 
 
+_FRESH_LOSS_FAR = 20.0  # a first logloss above it: the logits start at tens, not near 0
+
+
 class TrainingDiverged(FloatingPointError):
     """The loss became non-finite or grew past train.max_loss_ratio x its starting value."""
 
@@ -76,10 +79,20 @@ class LossWatch:
 
     def _check(self, loss: float, what: str) -> None:
         if not math.isfinite(loss) or (self.max_ratio and loss > self.max_ratio * max(self.reference, 1e-3)):
+            limit = (
+                f"train.max_loss_ratio={self.max_ratio:g}x" if self.max_ratio else "no limit: train.max_loss_ratio=0"
+            )
+            # A fresh model's logloss is near ln 2; one far above it came from the inputs, not
+            # from steps too large (dense values of 1e30 were blamed on the learning rate)
+            advice = (
+                f"the starting loss is far above a fresh model's ({math.log(2):.2f}): inputs out of scale? (dense "
+                "features in the thousands or more: normalise them, e.g. log1p as preprocessing does)"
+                if self.reference > _FRESH_LOSS_FAR
+                else "lower train.learning_rate or warm up to it (train.warmup_steps)"
+            )
             raise TrainingDiverged(
-                f"{what} (starting loss {self.reference:.6g}, limit train.max_loss_ratio={self.max_ratio:g}x); "
-                "nothing after the last checkpoint was saved; lower train.learning_rate or warm up to it "
-                "(train.warmup_steps)"
+                f"{what} (starting loss {self.reference:.6g}, {limit}); nothing after the last checkpoint was "
+                f"saved; {advice}"
             )
 
     def take_id_maps(self) -> dict:

@@ -379,6 +379,16 @@ def test_the_divergence_limit_keeps_its_reference_across_resumes(tiny, tmp_path)
     assert f"starting loss {first:.6g}," in str(e.value)
 
 
+def test_a_divergence_from_a_first_loss_far_above_a_fresh_models_names_the_inputs():
+    """Before: dense features of 1e30 started at a loss of 5.9e27, and the run 'diverged' nine
+    steps later advising a lower learning rate; with the limit off the line said 'limit ... 0x'."""
+    from dlrm_jax.train.watch import LossWatch
+
+    for reference, says in ((5.9e27, "inputs out of scale"), (0.7, "lower train.learning_rate")):
+        with pytest.raises(TrainingDiverged, match=rf"no limit: train.max_loss_ratio=0\); .*{says}"):
+            LossWatch(0.0, reference)._check(float("nan"), "training diverged at step 3: loss nan")
+
+
 # ---------------------------------------------------------------- the CLI as a user meets it
 
 CLI_ARGS = ["train", "--config", "smoke", "--set", "train.progress_bar=false", "--set", "mesh.devices=2"]
