@@ -47,7 +47,9 @@ def log_loss_of_logits(labels: np.ndarray, logits: np.ndarray) -> float:
     Evaluation scores logits, not probabilities: a float32 sigmoid rounds every logit above
     16.6 to 1.0 (ties, as AUC counts them) and ``log_loss`` clips what it cannot tell apart."""
     y, z = _paired(labels, logits, "logits")
-    return float(np.mean(np.logaddexp(0.0, z) - y * z))
+    # softplus(z) - y z, as softplus(-z) where y is 1: an infinite logit's is inf or 0 (the
+    # difference was inf - inf and 0 * inf, NaN either way)
+    return float(np.mean(np.logaddexp(0.0, np.where(y == 1, -z, z))))
 
 
 def _paired(labels, values, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from dlrm_jax.train.checkpoint import Checkpoints
 from dlrm_jax.train.display import StepDisplay
 from dlrm_jax.train.driver import StepDriver
 from dlrm_jax.train.evaluate import Indexed
-from dlrm_jax.train.progress import Evaluation, Progress
+from dlrm_jax.train.progress import Evaluation, Progress, auc_note
 from dlrm_jax.train.release import ReleaseThread
 from dlrm_jax.train.step import TrainState
 from dlrm_jax.train.stop_signals import Interrupted
@@ -298,15 +298,17 @@ class TrainingLoop:
         self.auc, self.logloss, self.scored = self.driver.evaluate(state)
         seconds = time.perf_counter() - t0  # (the first evaluation's includes compiling the eval step)
         event.update(event="eval", auc=self.auc, logloss=self.logloss, eval_samples=self.scored, eval_s=seconds)
+        note = auc_note(self.auc, self.logloss, self.scored)
         self.bar.write(
             f"step {step}: loss {self.last_loss:.4f} eval auc {self.auc:.4f} "
-            f"logloss {self.logloss:.4f} on {self.scored:,} samples"
+            f"logloss {self.logloss:.4f} on {self.scored:,} samples{f' ({note})' if note else ''}"
         )
         t, progress = self.t, self.progress.evaluated(Evaluation(step, self.auc, self.logloss))
         self.stop_reason = progress.stop_reason(t)
         self.progress = dataclasses.replace(progress, stopped=self.stop_reason)
         save = todo.save or bool(self.stop_reason)
-        if t.keep_best and self.progress.best.step == step and self.ckpts:  # a new best: saved and kept
+        best = self.progress.best
+        if t.keep_best and best is not None and best.step == step and self.ckpts:  # a new best: saved and kept
             save = True
             self.ckpts.keep_also([step])
         return todo._replace(save=save)

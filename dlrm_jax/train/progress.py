@@ -53,6 +53,14 @@ class Evaluation:
         return math.isnan(old) or (new > old if metric == "auc" else new < old)
 
 
+def auc_note(auc: float, logloss: float, samples: int) -> str:
+    """Why an evaluation's AUC is NaN where its logloss is not ('' otherwise): its scores are
+    finite (they would make the logloss NaN too), so its samples are all of one class."""
+    if math.isnan(auc) and math.isfinite(logloss):
+        return f"auc undefined: every one of the {samples:,} scored samples has the same label"
+    return ""
+
+
 def tracked_metric(train_cfg) -> str:
     """The metric that decides the best evaluation: train.keep_best, or auc when that is off."""
     return train_cfg.keep_best or "auc"
@@ -75,7 +83,12 @@ class Progress:
     windows_through: int | None = 0
 
     def evaluated(self, ev: Evaluation) -> Progress:
-        """The record after evaluation ``ev``."""
+        """The record after evaluation ``ev``. One whose metric is NaN (an AUC of a split of
+        one class) neither becomes the best nor counts against it: before, the first became
+        the best and early stopping stopped the run an evaluation later, 'without a better auc
+        than step 6's nan', though its logloss had improved."""
+        if math.isnan(getattr(ev, self.metric)):
+            return dataclasses.replace(self, last=ev)
         if self.best is None or ev.better_than(self.best, self.metric):
             return dataclasses.replace(self, best=ev, last=ev, evals_since_best=0)
         return dataclasses.replace(self, last=ev, evals_since_best=self.evals_since_best + 1)

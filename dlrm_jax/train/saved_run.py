@@ -15,7 +15,7 @@ from dlrm_jax.train.build import build, mesh_from_config
 from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.driver import DeviceDriver, StepDriver, TieredDriver
 from dlrm_jax.train.evaluate import RunSummary
-from dlrm_jax.train.progress import checkpoint_step
+from dlrm_jax.train.progress import auc_note, checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.rundir import data_change, given_source
 from dlrm_jax.train.step import TrainState
@@ -40,6 +40,8 @@ def evaluate_run(
         seconds = time.perf_counter() - start
     finally:
         driver.close()
+    if note := auc_note(auc, ll, samples):
+        log(f"note: {note}")
     return RunSummary(int(host_scalar(state.step)), ll, auc, ll, samples / seconds, eval_samples=samples)
 
 

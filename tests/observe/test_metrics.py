@@ -114,5 +114,8 @@ def test_log_loss_of_logits_is_the_training_loss_and_needs_no_clipping():
     # confident and right: a loss of about e^-40 each, not clipped at 1e-7; wrong: about 40
     assert log_loss_of_logits(np.array([1.0, 0.0]), np.array([40.0, -40.0])) < 1e-17
     assert abs(log_loss_of_logits(np.array([0.0]), np.array([40.0])) - 40.0) < 1e-12
+    # Infinite logits (a blown-up state scored): inf where wrong, 0 where right. Before: NaN both.
+    assert log_loss_of_logits(np.array([0.0, 1.0]), np.array([np.inf, 0.0])) == np.inf
+    assert log_loss_of_logits(np.array([1.0, 0.0]), np.array([np.inf, 0.0])) == np.log(2) / 2
     with pytest.raises(ValueError, match="labels first, then logits"):
         log_loss_of_logits(np.array([0.5]), np.array([1.0]))

@@ -9,7 +9,7 @@ import pytest
 
 from dlrm_jax.train.checkpoint_reader import saved_steps
 from dlrm_jax.train.export import export_run
-from dlrm_jax.train.progress import Evaluation, Progress
+from dlrm_jax.train.progress import Evaluation, Progress, auc_note
 from dlrm_jax.train.saved_run import evaluate_run
 from dlrm_jax.train.trainer import train_and_evaluate
 from tests.helpers import QUIET, tiny_config
@@ -170,6 +170,13 @@ def test_progress_record_round_trips_and_never_prefers_nan():
     back = Progress.from_json(json.loads(json.dumps(p.to_json())))
     assert back == p
     assert Progress().evaluated(Evaluation(2, math.nan, 0.5)).evaluated(Evaluation(4, 0.6, 0.6)).best.step == 4
+    # A split of one class (every AUC NaN): no best, and nothing counted against one. Before: step
+    # 2 became the best and early stopping stopped at step 4 'without a better auc than nan'.
+    one_class = Progress().evaluated(Evaluation(2, math.nan, 0.5)).evaluated(Evaluation(4, math.nan, 0.4))
+    assert one_class.best is None and one_class.evals_since_best == 0 and one_class.last.step == 4
+    assert one_class.stop_reason(tiny_config("train.early_stop_evals=1", "train.eval_every=2").train) == ""
+    assert auc_note(math.nan, 0.4, 100) == "auc undefined: every one of the 100 scored samples has the same label"
+    assert auc_note(math.nan, math.nan, 100) == auc_note(0.5, 0.4, 100) == ""
     assert p.tracking("auc", log=lambda _: None).best is None  # another metric, no best saved: afresh
     # The best's checkpoint kept: it stays the one to beat (it was rotated out, though better
     # by the new metric too than what came after), judged by the new metric from here.
