@@ -161,13 +161,18 @@ class ServingModel:
         if not isinstance(batch_size, int | np.integer) or batch_size < 1:  # (-1 returned np.empty's bytes)
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         ids = integer_ids(ids, "predict")
-        dense = np.asarray(dense, np.float32)
+        given = np.asarray(dense)
+        with np.errstate(over="ignore"):  # (checked below: 1e300 as float32 is inf)
+            dense = given.astype(np.float32)
         if dense.ndim == 2 and dense.shape[1] == 0 and self.manifest["num_dense"] == 1:
             dense = np.zeros((len(dense), 1), np.float32)  # data without dense features: one zero column, as trained
         if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"]:
             raise ValueError(f"dense must have shape [n, {self.manifest['num_dense']}], got {list(dense.shape)}")
         if len(dense) != len(ids):
             raise ValueError(f"{len(dense)} dense rows and {len(ids)} id rows")
+        if not np.isfinite(dense).all():  # (before: NaN predictions; training refuses such rows)
+            r, c = (int(i) for i in np.argwhere(~np.isfinite(dense))[0])
+            raise ValueError(f"dense row {r}, column {c}: {given[r, c].item()!r} is not a finite float32")
         out = np.empty(len(dense), np.float32)
         for s in range(0, len(dense), batch_size):
             part = None if raw is None else {f: r[s : s + batch_size] for f, r in raw.items()}

@@ -6,6 +6,7 @@ tables near them; a base plus its deltas equal to the full export of the last st
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -337,6 +338,14 @@ def test_predicts_arguments_that_would_score_wrong_are_refused(criteo):
         with pytest.raises(ValueError, match=r"predict: id nan in row 2 is not a whole number"):
             m.predict(dense[:3], np.where(np.arange(3)[:, None] == 2, np.nan, ids[:3]))
         np.testing.assert_array_equal(m.predict(dense[:3], ids[:3].astype(np.float64)), m.predict(dense[:3], ids[:3]))
+        # Dense values training refuses (before: NaN scores, or an overflow warning and NaN for 1e300)
+        for bad in (np.nan, np.inf, 1e300):
+            odd = dense[:3].astype(np.float64)
+            odd[1, 2] = bad
+            with pytest.raises(
+                ValueError, match=rf"dense row 1, column 2: {re.escape(repr(bad))} is not a finite float32"
+            ):
+                m.predict(odd, ids[:3])
 
 
 def test_one_raw_line_says_whether_it_has_the_label(criteo):
