@@ -148,8 +148,9 @@ def _default_note(changed: list[tuple[str, object, object]]) -> str:
         setting(k, "null" if old is None else str(old).lower() if isinstance(old, bool) else old) for k, old in keep
     )
     return (
-        f" (of these, {', '.join(k for k, _ in keep)} now at this version's default: this command does not set "
-        f"them as the run's earlier commands did, or the default changed since; to go on as the run trained: {sets})"
+        f" (of these, {', '.join(k for k, _ in keep)} now at this version's default: unless this command set "
+        f"them so, the run's earlier commands set them otherwise or the default changed since; to go on as the "
+        f"run trained: {sets})"
     )
 
 

@@ -633,8 +633,8 @@ def test_a_change_to_this_versions_default_says_how_to_keep_the_runs(tiny, tmp_p
     RunDir.open(tmp_path / "run", tiny("train.steps=8"), log=logs.append).close()
     assert logs == [
         "resuming with changed settings: train.steps 4 -> 8; embedding.dynamic.new_rows initializer -> shared "
-        "(of these, embedding.dynamic.new_rows now at this version's default: this command does not set them as "
-        "the run's earlier commands did, or the default changed since; to go on as the run trained: "
+        "(of these, embedding.dynamic.new_rows now at this version's default: unless this command set them so, "
+        "the run's earlier commands set them otherwise or the default changed since; to go on as the run trained: "
         "the override 'embedding.dynamic.new_rows=initializer')"
     ], logs
     # The command line's words in a command (before: a notebook was told its flags too)
