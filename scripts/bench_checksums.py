@@ -18,7 +18,7 @@ import time
 
 # as many simulated devices as the devices argument asks, at least 8 (read before JAX starts)
 os.environ.setdefault(
-    "XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, *(int(a) for a in sys.argv[2:3] if a.isdigit()))}"
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count={max([8, *(int(a) for a in sys.argv[2:3] if a.isdigit())])}"
 )
 
 import jax

@@ -359,3 +359,39 @@ def test_readme_first_command_ends_with_the_line_the_readme_shows(tmp_path):
     assert got and got.group(1) == shown.group(1), run.stdout[-2000:]
     for name, index, spread in (("loss", 2, 1e-3), ("auc", 3, 5e-4), ("logloss", 4, 1e-3)):
         assert abs(float(got.group(index)) - float(shown.group(index))) <= spread, (name, got.group(0), shown.group(0))
+
+
+_SCRIPTS_HELP = """
+import contextlib, io, runpy, sys
+from pathlib import Path
+sys.path.insert(0, "scripts")  # (as `python scripts/x.py` puts its folder first: gpu_bench's parts)
+bad = []
+for path in sorted(Path("scripts").glob("*.py")):
+    if "argparse" not in path.read_text():
+        continue
+    sys.argv, out = [str(path), "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+        bad.append(f"{path}: --help did not exit")
+    except SystemExit as e:
+        if e.code not in (0, None) or "usage:" not in out.getvalue():
+            bad.append(f"{path}: --help exited {e.code} with {out.getvalue()[:200]!r}")
+    except BaseException as e:
+        bad.append(f"{path}: {type(e).__name__}: {e}")
+print(bad)
+"""
+
+
+def test_every_script_the_docs_point_to_answers_help():
+    """Before: ``python scripts/bench_checksums.py --help`` (docs/run-dirs.md) raised TypeError
+    in the code that reads its device count before argparse runs; one process, every script."""
+    import subprocess
+    import sys
+
+    from tests.child_env import child_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPTS_HELP], cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout[-2000:], done.stderr[-2000:])
