@@ -54,7 +54,7 @@ def run(args) -> int:
         shuffle_seed=None if args.no_shuffle else args.seed,
         shard_mb=args.shard_mb,
         raw_values=args.raw_values,
-        window_seconds=args.window_seconds,
+        window_seconds=getattr(args, "window_seconds", 0.0),
         progress=not args.no_progress,
         overwrite=args.overwrite,
     )
@@ -151,13 +151,14 @@ def _add_preprocess_args(p, chunk_lines: int) -> None:
         action="store_true",
         help="keep the train rows in input order; each input file is then a window of them (train.progressive_window=data)",
     )
-    p.add_argument(
-        "--window-seconds",
-        type=bounded(float, 0.0),
-        default=0.0,
-        help="with --no-shuffle, windows of this many seconds of the schema's split_by column instead of "
-        "input files (tabular; rows in time order)",
-    )
+    if chunk_lines:  # tabular: criteo's lines have no time column to window by (it was offered, and always refused)
+        p.add_argument(
+            "--window-seconds",
+            type=bounded(float, 0.0),
+            default=0.0,
+            help="with --no-shuffle, windows of this many seconds of the schema's split_by column instead of "
+            "input files (the rows must come in time order)",
+        )
     p.add_argument("--seed", type=int, default=0, help="seed of the global shuffle of the train rows")
     p.add_argument(
         "--shard-mb",
