@@ -382,12 +382,15 @@ class RunDir:
             return
         target = self.path / "earlier" / time.strftime("%Y%m%d-%H%M%S")
         target.mkdir(parents=True, exist_ok=True)
+        moved = []
         for name in ("metrics.jsonl", "tensorboard", "config.yaml", "plan.txt", "plan.json", GIVEN_SOURCE, DATASET):
             if (self.path / name).exists():
                 shutil.move(str(self.path / name), target / name)
+                moved.append(name)
+        # (what was there: a run stopped before its first step has no metrics.jsonl, which the line named)
         log(
             f"no checkpoint to resume in {self.path / 'checkpoints'}: training from step 0; the earlier "
-            f"run's metrics.jsonl and config moved to {target}"
+            f"run's {', '.join(moved)} moved to {target}"
         )
 
     @property

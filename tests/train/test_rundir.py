@@ -700,6 +700,10 @@ def test_a_run_killed_before_its_first_checkpoint_starts_afresh_with_any_model(t
     assert not any("resuming" in line for line in logs)
     kept = list((run / "earlier").iterdir())
     assert len(kept) == 1 and (kept[0] / "config.yaml").read_bytes() == old_config
+    # the line names what it moved (before: 'metrics.jsonl and config', the first never written)
+    said = next(line for line in logs if line.endswith(f" moved to {kept[0]}"))
+    names = said.split("the earlier run's ")[1].removesuffix(f" moved to {kept[0]}").split(", ")
+    assert sorted(names) == sorted(p.name for p in kept[0].iterdir()) and "metrics.jsonl" not in names, said
 
 
 def test_a_finished_run_whose_metrics_end_in_a_torn_line_says_so(tiny, tmp_path):
