@@ -207,7 +207,7 @@ def _score(
     fast = parse_block(b"".join(given))
     if fast is not None and fast.lines == len(chunk):
         return model.predict_values(fast.dense, fast.values, fast.empty, batch_size)
-    parsed = parse_criteo(chunk, labeled)
+    parsed = parse_criteo(chunk, labeled, of_file=True)
     for bad in parsed.bad:
         log.record(path, lineno + bad.index, bad)
     probs = np.full(len(chunk), np.nan, np.float32)

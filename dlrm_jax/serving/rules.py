@@ -158,20 +158,22 @@ def criteo_labeled(lines: Sequence[bytes]) -> bool:
     return tabs.count(NUM_FIELDS - 1) >= tabs.count(NUM_FIELDS - 2)
 
 
-def parse_criteo(lines: Sequence[bytes | str], labeled: bool | None = None) -> ParsedLines:
+def parse_criteo(lines: Sequence[bytes | str], labeled: bool | None = None, of_file: bool = False) -> ParsedLines:
     """Criteo lines, all with their label (40 fields) or all without it (39; ``labeled``, by
     default :func:`criteo_labeled` of these lines), parsed as training parses them; a line not
-    in that layout is a bad line, reported by index."""
+    in that layout is a bad line, reported by index (``of_file``: ``labeled`` is what the
+    file's lines tell, not the caller's word)."""
     lines = [s.encode() if isinstance(s, str) else s for s in lines]
+    why = "as labeled=False says" if labeled is not None and not of_file else "as the file's other lines"
     if labeled is None:
         labeled = criteo_labeled(lines)
     if labeled:
         return parse_lines(lines)
     parsed = parse_lines([b"0\t" + s for s in lines])  # a label to parse by, not used
-    return parsed._replace(bad=[_unlabeled(b, lines[b.index]) for b in parsed.bad])
+    return parsed._replace(bad=[_unlabeled(b, lines[b.index], why) for b in parsed.bad])
 
 
-def _unlabeled(bad: BadLine, line: bytes) -> BadLine:
+def _unlabeled(bad: BadLine, line: bytes, why: str) -> BadLine:
     """What is wrong with a line of a file without labels, counted as the file has its fields
     (the line was parsed with a label put before it)."""
     text = line.rstrip(b"\r\n")
@@ -183,7 +185,7 @@ def _unlabeled(bad: BadLine, line: bytes) -> BadLine:
     return BadLine(
         bad.index,
         bad.kind,
-        f"expected {NUM_FIELDS - 1} tab-separated fields (no label, as the file's other lines), found {found}",
+        f"expected {NUM_FIELDS - 1} tab-separated fields (no label, {why}), found {found}",
     )
 
 

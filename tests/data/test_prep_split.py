@@ -80,6 +80,10 @@ def test_a_val_fraction_that_rounds_to_no_rows_is_said_in_the_summary(tmp_path):
     --val-fraction, which the user had."""
     parts = [("a", 30, 0)]
     assert plan_split(parts, tmp_path, 0.1, False, None).describe() == "val split: the last 0.1 of rows in input order"
+    assert (
+        plan_split(parts, tmp_path, 0.0, False, None).describe()
+        == "val split: none (--val-fraction 0): every row trains"
+    )
     empty = plan_split(parts, tmp_path, 0.01, False, None)
     assert empty.n_val == 0
     assert empty.describe() == "val split: EMPTY: 0.01 of 30 rows rounds to none; give a larger --val-fraction"

@@ -361,6 +361,11 @@ def test_one_raw_line_says_whether_it_has_the_label(criteo):
             m.predict_raw([cut], labeled=True)
         np.testing.assert_array_equal(m.predict_raw([line.split(b"\t", 1)[1]], labeled=False), want)
         np.testing.assert_array_equal(m.predict_raw(line.decode()), want)
+        # (before: 'no label, as the file's other lines', of a lone line whose caller said so)
+        with pytest.raises(
+            CriteoFormatError, match=r"expected 39 tab-separated fields \(no label, as labeled=False says"
+        ):
+            m.predict_raw([line], labeled=False)
 
 
 @pytest.mark.slow

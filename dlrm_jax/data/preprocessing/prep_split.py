@@ -98,7 +98,9 @@ class SplitPlan:
         if self.kind is SplitKind.FILES:
             return "val split: the --val-input files"
         share = f"the last {self.val_fraction:.4g} of rows"
-        if self.val_fraction and not self.n_val:  # said here, not first by train's refusal
+        if not self.val_fraction:  # (it said 'the last 0 of rows in input order')
+            return "val split: none (--val-fraction 0): every row trains"
+        if not self.n_val:  # said here, not first by train's refusal
             return f"val split: EMPTY: {self.val_fraction:.4g} of {self.n_train:,} rows rounds to none; give a larger --val-fraction"
         if self.kind is SplitKind.TAIL or not self.n_val:
             return f"val split: {share} in input order"
