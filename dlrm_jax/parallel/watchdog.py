@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 
 def _orderly_shutdown(watchdog: PeerWatchdog, timeout_s: int = 120) -> None:
@@ -246,6 +247,8 @@ class PeerWatchdog(threading.Thread):
 
     def _exit(self, why: str, advice: bool = True) -> None:
         with self.deciding:  # (not while the main thread says its line: :func:`say_once`)
+            if self.failed:  # (it found its own error first: its line and status, not a lost peer's)
+                return
             if not self.said:
                 line = f"dlrm-jax: error: process {self.me}: {why}{'; ' + lost_peer_advice() if advice else ''}"
                 sys.stderr.write(line + "\n")
@@ -260,11 +263,16 @@ PEER_LOST_ADVICE = "restart every process with the same command"
 _checkpoints: tuple[str | None] | None = None  # (the training's checkpoint folder or None,) once told
 
 
-def saves_checkpoints_in(directory) -> None:
-    """The training run now starting saves its checkpoints in ``directory`` (None: nowhere):
-    what a process stopping for a lost peer advises depends on whether one was saved."""
+@contextlib.contextmanager
+def saves_checkpoints_in(directory) -> Iterator[None]:
+    """While the training run now starting runs, it saves its checkpoints in ``directory``
+    (None: nowhere): what a process stopping for a lost peer advises depends on whether one was
+    saved. Untold again when it ends well (a later command in the process was advised from
+    this run's checkpoints); kept when it fails, for the command's own line that follows."""
     global _checkpoints
     _checkpoints = (None if directory is None else str(directory),)
+    yield
+    _checkpoints = None
 
 
 def lost_peer_advice() -> str:

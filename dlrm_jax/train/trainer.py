@@ -131,7 +131,7 @@ def train_and_evaluate(
                 check_tiers_unmoved(rd.checkpoint_dir, plan)  # (before a tier is made for it)
             driver = stack.enter_context(contextlib.closing(_driver(cfg, rd, plan, steps, source, log)))
             ckpts = None
-            saves_checkpoints_in(rd.checkpoint_dir if rd.path else None)  # (what a lost peer's line advises)
+            stack.enter_context(saves_checkpoints_in(rd.checkpoint_dir if rd.path else None))  # (a lost peer's advice)
             if rd.path:
                 ckpts = Checkpoints(
                     rd.checkpoint_dir, cfg.train.keep_checkpoints, largest_shard_bytes(steps.abstract_state())

@@ -96,10 +96,20 @@ def test_a_lost_peers_advice_promises_a_resume_only_with_a_checkpoint(tmp_path, 
     for folder, saved in [(None, False), (tmp_path / "checkpoints", False), (tmp_path / "checkpoints", True)]:
         if saved:
             (tmp_path / "checkpoints" / "20").mkdir(parents=True)
-        mesh.saves_checkpoints_in(folder)
-        with pytest.raises(Exited):
+        with mesh.saves_checkpoints_in(folder), pytest.raises(Exited):
             w._exit("lost process(es) 1 of 2")
         line = capsys.readouterr().err
         assert mesh.PEER_LOST_ADVICE in line, line  # (what the launch supervisor reads)
         assert ("the newest checkpoint is intact" in line) == saved, line
         assert ("no checkpoint was saved yet" in line) != saved, line
+    # A training that ended well leaves the advice untold for the process's next command (before:
+    # an eval after it was advised from that training's checkpoints)
+    with mesh.saves_checkpoints_in(tmp_path / "checkpoints"):
+        pass
+    assert mesh._checkpoints is None
+    # A process that found its own error first says its line alone, with its status: a lost peer
+    # found meanwhile says nothing and ends nothing (before: a second line, a lost peer's, and
+    # os._exit(1) over the status)
+    w.failed = 2  # (as failing() sets it)
+    w._exit("lost process(es) 1 of 2")
+    assert capsys.readouterr().err == ""
