@@ -54,9 +54,9 @@ class Evaluation:
 
 
 def auc_note(auc: float, logloss: float, samples: int) -> str:
-    """Why an evaluation's AUC is NaN where its logloss is not ('' otherwise): its scores are
-    finite (they would make the logloss NaN too), so its samples are all of one class."""
-    if math.isnan(auc) and math.isfinite(logloss):
+    """Why an evaluation's AUC is NaN where its logloss is not ('' otherwise): no score is NaN
+    (it would make the logloss NaN too), so its samples are all of one class."""
+    if math.isnan(auc) and not math.isnan(logloss):  # (an infinite logit's logloss is inf)
         return f"auc undefined: every one of the {samples:,} scored samples has the same label"
     return ""
 
@@ -224,6 +224,12 @@ def checkpoint_step(directory: Path, step: int | str | None) -> int | None:
     if step == "best":
         _, progress = newest_progress(directory)
         best = progress.best
+        if best is None and progress.last is not None:  # (every evaluation's metric NaN: none is the best)
+            raise FileNotFoundError(
+                f"{directory}: no evaluation has a defined {progress.metric} to choose the best by (the last, step "
+                f"{progress.last.step}: {progress.metric} {getattr(progress.last, progress.metric)}; an AUC is "
+                f"undefined where every scored sample has the same label); saved steps {saved}"
+            )
         if best is None:
             raise FileNotFoundError(f"{directory}: no evaluation recorded with the checkpoints (saved steps {saved})")
         if best.step not in saved:

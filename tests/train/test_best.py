@@ -225,3 +225,18 @@ def test_a_step_given_as_text_is_its_number(full_run):
         ValueError, match=r"step must be a checkpoint's step number, 'best' or None \(the newest\), got 2.5"
     ):
         evaluate_run(run, step=2.5, **QUIET)
+
+
+def test_step_best_where_no_evaluation_had_a_metric_says_why(monkeypatch, tmp_path):
+    """A run whose val split has one label: every AUC NaN, so none is the best. Before (once
+    NaN evaluations stopped being the best): 'no evaluation recorded', though each was."""
+    from dlrm_jax.train import progress as progress_module
+
+    p = Progress().evaluated(Evaluation(2, math.nan, 0.5)).evaluated(Evaluation(4, math.nan, 0.4))
+    monkeypatch.setattr(progress_module, "saved_steps", lambda _: [2, 4])
+    monkeypatch.setattr(progress_module, "newest_progress", lambda _: (4, p))
+    with pytest.raises(
+        FileNotFoundError, match=r"no evaluation has a defined auc to choose the best by \(the last, step 4: auc nan"
+    ):
+        progress_module.checkpoint_step(tmp_path, "best")
+    assert auc_note(math.nan, math.inf, 8) != ""  # (an infinite logit: the logloss is inf, no score NaN)
