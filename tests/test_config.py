@@ -342,6 +342,11 @@ def test_a_global_tiered_storage_leaves_replicated_tables_on_their_devices():
     assert plan.tiered_tables == (0, 1, 3) and plan.tables[2].strategy == "replicated"
     with pytest.raises(ConfigError, match=r"embedding.storage=tiered: no table is tiered, each is replicated"):
         load_config("smoke", ["embedding.storage=tiered", "embedding.sharding=replicated"])
+    # A dynamic table is row-wise whatever embedding.sharding says, so it is tiered (before: refused,
+    # 'each is replicated', though the same asked by table_storage was accepted)
+    dynamic = ["embedding.table_ids=[cat_0=dynamic]", "embedding.sharding=replicated"]
+    assert load_config("smoke", [*dynamic, "embedding.storage=tiered"]).tiered_tables == (0,)
+    assert load_config("smoke", [*dynamic, "embedding.table_storage=[cat_0=tiered]"]).tiered_tables == (0,)
 
 
 def test_numbers_with_leading_zeros_are_decimal_in_set_and_in_files(tmp_path):

@@ -334,7 +334,10 @@ class EmbeddingConfig:
 
     def sharding_of(self, table: str) -> str:
         """How the table named ``table`` is asked to be sharded: its ``table_sharding`` override,
-        else ``sharding`` (``auto``: the planner chooses)."""
+        else ``sharding`` (``auto``: the planner chooses); a dynamic table is row-wise whatever
+        ``sharding`` says (its id map is split with its rows)."""
+        if self.ids_of(table) == "dynamic":  # (its table_sharding may only say row)
+            return "row"
         return dict(item.partition("=")[::2] for item in self.table_sharding).get(table, self.sharding)
 
     @property
