@@ -65,4 +65,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dlrm_jax import wording
+
+    with wording.command_line():  # (its advice names its --run-dir and --set)
+        main()

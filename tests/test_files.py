@@ -55,7 +55,7 @@ def test_preprocess_onto_a_mount_point_is_refused_first(tmp_path, monkeypatch):
     dest.mkdir()
     mounted = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == str(dest) or mounted(p))
-    with pytest.raises(FileExistsError, match=f"--output {dest}: a mount point; preprocess into a new folder inside"):
+    with pytest.raises(FileExistsError, match=f"^output {dest}: a mount point; preprocess into a new folder inside"):
         check_output_target(dest)
 
 

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dlrm_jax.files import FolderLock, add_sampled, check_dir, json_text
+from dlrm_jax.wording import said
 
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
@@ -237,7 +238,7 @@ def check_output_target(output: str | Path, overwrite: bool = False) -> None:
     out = check_dir(output, "output")  # a file at it or at a parent: named, not "[Errno 20]"
     if os.path.ismount(os.path.realpath(out)):  # (written beside it and renamed into place: not over a mount)
         raise FileExistsError(
-            f"--output {out}: a mount point; preprocess into a new folder inside it, e.g. {out / 'data'}"
+            f"{said('--output', 'output')} {out}: a mount point; preprocess into a new folder inside it, e.g. {out / 'data'}"
         )
     if not out.exists() or not any(out.iterdir()):
         return
@@ -245,17 +246,17 @@ def check_output_target(output: str | Path, overwrite: bool = False) -> None:
     shown = ", ".join(others[:5]) + (f" and {len(others) - 5:,} more" if len(others) > 5 else "")
     if not (out / META_FILE).exists():  # (what it holds named: a lone .DS_Store is not obvious)
         raise FileExistsError(
-            f"--output {out}: exists and is not a preprocessed dataset (it holds {shown or 'parts of one'}); "
+            f"{said('--output', 'output')} {out}: exists and is not a preprocessed dataset (it holds {shown or 'parts of one'}); "
             f"not replacing it: choose a new folder"
         )
     if others:
         raise FileExistsError(
-            f"--output {out}: holds a preprocessed dataset and files that are not its own ({shown}); "
+            f"{said('--output', 'output')} {out}: holds a preprocessed dataset and files that are not its own ({shown}); "
             f"not replacing it: move them out, or choose a new folder"
         )
     if not overwrite:
         raise FileExistsError(
-            f"--output {out}: holds a preprocessed dataset already (runs trained on it would resume on "
+            f"{said('--output', 'output')} {out}: holds a preprocessed dataset already (runs trained on it would resume on "
             f"other rows if it were replaced); choose a new folder, or pass --overwrite to replace it"
         )
 
@@ -299,7 +300,7 @@ class DatasetDir:
         self.output.parent.mkdir(parents=True, exist_ok=True)
         self._lock = FolderLock(self.output.parent, f".{self.output.name}.lock").take(
             lambda holder: FileExistsError(
-                f"--output {output}: another preprocess is writing it ({holder}); wait for it, or choose a new folder"
+                f"{said('--output', 'output')} {output}: another preprocess is writing it ({holder}); wait for it, or choose a new folder"
             )
         )
         try:

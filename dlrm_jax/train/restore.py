@@ -33,7 +33,7 @@ from dlrm_jax.train.checkpoint_reader import (
 )
 from dlrm_jax.train.rundir import RunDirError, describe_changes, state_differences
 from dlrm_jax.train.step import StepFunctions, TrainState
-from dlrm_jax.wording import run_dir_flag, said
+from dlrm_jax.wording import run_dir_flag, said, setting
 
 
 def saved_run_config(run_dir: Path, overrides=()) -> Config:
@@ -251,7 +251,7 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
             + (
                 f"{owner.maker()} still trains on it (this run dir is a copy of it?): {COPY_THE_TIER}"
                 if shared
-                else f"resume with embedding.tier.path={was}"
+                else f"resume with {setting('embedding.tier.path', was)}"
             )
         )
     if tiered:
@@ -262,7 +262,8 @@ def check_tier_kept(root: Path, ckpt_dir: Path, log=print, was: Path | None = No
         raise RunDirError(
             f"{root}: no disk tier there{where} checkpoints in {ckpt_dir} (steps "
             f"{', '.join(map(str, steps))}) keep their tiered tables; put {left} back as the run left it or "
-            f"resume with embedding.tier.path=WHERE_IT_IS_NOW (moved?), or pass a new {run_dir_flag()} to start fresh"
+            f"resume with {setting('embedding.tier.path', 'WHERE_IT_IS_NOW')} (moved?), or pass a new {run_dir_flag()} "
+            "to start fresh"
         )
 
 

@@ -23,7 +23,7 @@ from dlrm_jax.data.sources import data_identity
 from dlrm_jax.files import FolderLock, full_disk_as, make_dir, new_run_dir, numbered_folders, written_whole
 from dlrm_jax.observe.metrics import recorded_events
 from dlrm_jax.parallel.coordination import check_same_everywhere, outcome_of_process_0
-from dlrm_jax.wording import run_dir_flag, setting
+from dlrm_jax.wording import run_dir_flag, said, setting
 
 # Keys that decide the shapes of the saved state or the model it computes: a run dir started
 # with other values cannot resume. (Table rows come from data.cardinalities after the
@@ -144,7 +144,7 @@ def _default_note(changed: list[tuple[str, object, object]]) -> str:
     keep = [(k, old) for k, old, new in changed if _get(defaults, k) == new and not isinstance(old, list)]
     if not keep:
         return ""
-    sets = " ".join(
+    sets = said(" ", ", ").join(  # (--set a=1 --set b=2; the override 'a=1', the override 'b=2')
         setting(k, "null" if old is None else str(old).lower() if isinstance(old, bool) else old) for k, old in keep
     )
     return (
@@ -431,5 +431,5 @@ def agree_on_run_dir(run_dir: str | None) -> str:
         return run_dir or new_run_dir()
     # as folders, not as typed: one relative path from two working directories is two run dirs
     given = str(Path(run_dir).absolute()) if run_dir else "(not given)"
-    check_same_everywhere({"--run-dir": given}, what="--run-dir arguments")
+    check_same_everywhere({run_dir_flag(): given}, what=f"{run_dir_flag()} arguments")
     return run_dir or outcome_of_process_0(new_run_dir() if jax.process_index() == 0 else "")

@@ -33,6 +33,21 @@ def test_near_misses_get_the_key_or_value_meant(tmp_path):
     assert load_config(None, ["model.bottom_mlp=64,32,16"]).model.bottom_mlp == (64, 32, 16)  # as [64,32,16]
 
 
+def test_advice_names_the_flags_in_a_command_and_the_arguments_in_python(capsys):
+    """The same refusal in each caller's words (dlrm_jax/wording.py): the command's --set and its
+    hint, the Python API's override (before: a notebook was told to pass flags)."""
+    assert main(["config", "--config", "smoke", "--set", "train.steps", "--set", "model.kind=dcnv2"]) == 2
+    assert "config error: --set 'train.steps': expected KEY=VALUE" in capsys.readouterr().err
+    assert main(["config", "--config", "smoke", "--set", "model.kind=dcnv2"]) == 2
+    assert "dcn is a value of model.interaction: --set model.interaction=dcn" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"^override 'train.steps': expected KEY=VALUE"):
+        load_config("smoke", ["train.steps"])
+    with pytest.raises(
+        ConfigError, match=r"dcn is a value of model\.interaction: the override 'model\.interaction=dcn'"
+    ):
+        load_config("smoke", ["model.kind=dcnv2"])
+
+
 def test_every_flag_of_every_command_says_what_it_does():
     missing = []
 

@@ -315,7 +315,7 @@ def test_a_tier_moved_from_its_given_path_is_named_where_the_run_left_it(tiny, t
     with pytest.raises(
         RunDirError,
         match=f"{run / 'tier'}: no disk tier there; nor at {given}, where .*put {given} "
-        "back as the run left it or resume with embedding.tier.path=WHERE_IT_IS_NOW",
+        "back as the run left it or resume with the override 'embedding.tier.path=WHERE_IT_IS_NOW'",
     ):
         train_and_evaluate(tiny("train.steps=4", *tiered), run, **QUIET)
     assert tree(run) == before and not (run / "tier").exists()

@@ -62,6 +62,7 @@ from dlrm_jax.data.preprocessing.prep_pool import default_workers, worker_pool
 from dlrm_jax.data.preprocessing.prep_split import plan_split
 from dlrm_jax.data.preprocessing.preprocess import PreprocessReport, byte_progress, check_input_files
 from dlrm_jax.files import check_each_once, file_key
+from dlrm_jax.wording import said
 
 __all__ = ["Options", "default_workers", "write_dataset"]  # default_workers: re-exported for the formats
 
@@ -140,7 +141,7 @@ def write_dataset(
             f"{output}: no space left on device while preprocessing ({free / 2**20:,.0f} MiB free; "
             f"the shards and work files take about 2x the input, {need / 2**20:,.0f} MiB here"
             f"{', and more with --raw-values' if opts.raw_values else ''}): "
-            f"free space or choose another --output; nothing was written"
+            f"free space or choose another {said('--output', 'output')}; nothing was written"
         ) from None
 
 
