@@ -257,7 +257,7 @@ def check_output_target(output: str | Path, overwrite: bool = False) -> None:
     if not overwrite:
         raise FileExistsError(
             f"{said('--output', 'output')} {out}: holds a preprocessed dataset already (runs trained on it would resume on "
-            f"other rows if it were replaced); choose a new folder, or pass --overwrite to replace it"
+            f"other rows if it were replaced); choose a new folder, or pass {said('--overwrite', 'overwrite=True')} to replace it"
         )
 
 

@@ -29,6 +29,7 @@ from dlrm_jax.train.checkpoint_reader import reading
 from dlrm_jax.train.progress import checkpoint_step
 from dlrm_jax.train.restore import checkpoint_tier, read_checkpoint, saved_run_config, saved_tiers
 from dlrm_jax.train.wiring import tier_root
+from dlrm_jax.wording import said
 
 
 class RestoredRun(NamedTuple):
@@ -135,7 +136,7 @@ def check_outside_run(dest: str | Path, run_dir: str | Path, cfg) -> None:
         real = Path(os.path.realpath(folder))
         if where == real or real in where.parents:
             raise ValueError(
-                f"--output {dest}: inside {folder}, which the run manages (its resume moves what it does not "
+                f"{said('--output', 'dest')} {dest}: inside {folder}, which the run manages (its resume moves what it does not "
                 f"recognise there aside as damaged); export outside it"
             )
 

@@ -221,7 +221,7 @@ def _read_checkpoint(ckpts: CheckpointReader, run_dir: Path, cfg: Config, steps:
         first = error_line(e)
         raise ValueError(
             f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged ({first}); "
-            f"use another step (--step with one of {others}) or none (the newest intact)"
+            f"use another step ({said('--step', 'step=')} with one of {others}) or none (the newest intact)"
             if others
             else f"{ckpts.directory / str(step)}: the checkpoint at step {step} is damaged "
             f"({first}) and it is the only one"

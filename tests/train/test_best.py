@@ -71,7 +71,7 @@ def test_keep_best_outlives_rotation_and_eval_and_export_pick_it(tiny, tmp_path,
     assert export_run(run, tmp_path / "tables", step="best", **QUIET) == best.step
     assert (tmp_path / "tables" / "cat_0" / "values").is_dir()
     # an export inside the run's checkpoints was taken for a damaged checkpoint and moved aside
-    with pytest.raises(ValueError, match="--output .*checkpoints/99: inside .*checkpoints, which the run manages"):
+    with pytest.raises(ValueError, match="^dest .*checkpoints/99: inside .*checkpoints, which the run manages"):
         export_run(run, run / "checkpoints" / "99", **QUIET)
     assert saved_steps(run / "checkpoints") == [best.step, 24]
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 8; saved steps \[\d+, 24\]"):

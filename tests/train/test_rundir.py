@@ -247,7 +247,7 @@ def test_eval_skips_a_damaged_checkpoint_and_leaves_it_in_place(tiny, tmp_path):
     with pytest.raises(
         ValueError,
         match=rf"^{run / 'checkpoints' / '4'}: the checkpoint at step 4 is damaged "
-        r"\(.*\); use another step \(--step with one of \[2\]\)",
+        r"\(.*\); use another step \(step= with one of \[2\]\)",
     ):
         evaluate_run(run, step=4, **QUIET)
     assert tree(run) == before
